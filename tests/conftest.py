@@ -1,0 +1,1 @@
+"""Shared fixtures: tiny synthetic models, the default model, free ports."""
