@@ -211,6 +211,8 @@ def _decode(data: torch.Tensor, qt: T, n_elements: int) -> torch.Tensor:
     if qt == T.BF16:
         return (data.view(torch.int16).int() << 16).view(torch.float32)
     block, type_size = GGML_QUANT_SIZES[qt]
+    if n_elements == 0:
+        return torch.empty(0, dtype=torch.float32, device=data.device)
     blocks = data.view(-1, type_size)
     decoder = _BLOCK_DECODERS[qt]
     step = max(1, _CHUNK_ELEMENTS // block)
