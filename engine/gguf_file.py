@@ -136,13 +136,14 @@ class GGUFFile:
     def __init__(self, path: str | Path):
         self.path = Path(path)
         try:
-            self._file = open(self.path, "rb")
+            f = open(self.path, "rb")
         except OSError as e:
             raise GGUFError(f"cannot open model file {self.path}: {e.strerror}") from None
-        try:
-            self._mm = mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_READ)
-        except ValueError:
-            raise GGUFError(f"{self.path}: empty file, not a GGUF model") from None
+        with f:  # the mmap holds its own descriptor
+            try:
+                self._mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            except ValueError:
+                raise GGUFError(f"{self.path}: empty file, not a GGUF model") from None
         self._buf = memoryview(self._mm)
         self._parse()
 
@@ -171,7 +172,9 @@ class GGUFFile:
             dims = [c.u64() for _ in range(n_dims)]
             ttype = c.u32()
             raw.append((name, dims, ttype, c.u64()))
-        align = int(self.metadata.get("general.alignment", DEFAULT_ALIGNMENT))
+        align = self.metadata.get("general.alignment", DEFAULT_ALIGNMENT)
+        if type(align) is not int or align <= 0 or align & (align - 1):
+            raise GGUFError(f"{self.path}: general.alignment must be a power-of-two integer, got {align!r}")
         self.data_offset = (c.pos + align - 1) // align * align
         self.header_bytes = c.pos
         self.tensors: dict[str, TensorInfo] = {}
@@ -187,6 +190,8 @@ class GGUFFile:
             if dims and dims[0] % block:
                 raise GGUFError(f"{self.path}: tensor {name!r} row of {dims[0]} is not a multiple of block {block}")
             nbytes = n // block * type_size
+            if name in self.tensors:
+                raise GGUFError(f"{self.path}: duplicate tensor name {name!r}")
             start = self.data_offset + off
             if start + nbytes > len(self._buf):
                 raise GGUFError(

@@ -24,8 +24,8 @@ warnings.filterwarnings("ignore", message="The given (NumPy array|buffer) is not
 # IQ4_NL / IQ4_XS non-linear 4-bit code book (ggml's kvalues_iq4nl).
 _IQ4NL_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 
-# Decoded blocks per step: bounds the temporaries of a huge tensor to a few MB each.
-_CHUNK_ELEMENTS = 1 << 22
+# Decoded blocks per step: bounds the temporaries of a huge tensor to a few MB each (and keeps them in cache).
+_CHUNK_ELEMENTS = 1 << 20
 
 
 class QuantError(UserError):
