@@ -1,0 +1,404 @@
+"""Speculative decoding: drafters that propose tokens, and the exact accept step that checks them.
+
+A step with a draft of k tokens runs k+1 tokens of the slot through the target model in one
+`Pipeline.forward` (through the split: one round trip per peer). Row i of those logits is the
+target's distribution after the slot's history plus draft[:i]. The accept step keeps the draft
+prefix the target agrees with and adds one token of the target's own, so every step emits at
+least one token and the output follows the target exactly:
+
+- greedy: accept while draft[i] equals the target's pick at row i; output is token for token
+  the non-speculative greedy output.
+- temperature > 0: rejection sampling (Leviathan et al. 2023 / Chen et al. 2023): accept x with
+  probability min(1, p(x)/q(x)), on rejection sample from norm(max(0, p - q)). A drafter that
+  proposes deterministically (n-gram lookup, greedy draft model) has q = point mass on x, which
+  reduces to: accept with probability p(x), else sample from p with x removed.
+
+KV rollback is implicit: the runtime advances the slot's length by accepted + 1, so the KV rows of
+rejected draft tokens (head and peers) are overwritten by the next step.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+import torch
+
+from .errors import UserError
+
+SPEC_TYPES = ("off", "ngram", "draft", "mtp")
+MAX_DRAFT = 32  # per-request cap: beyond this a draft costs more verify compute than it can win
+
+# GGUF architectures whose converters (llama.cpp convert_hf_to_gguf.py) can keep a
+# multi-token-prediction ("NextN") head, stored as `blk.N.nextn.*` tensors and counted in
+# `<arch>.nextn_predict_layers`.
+MTP_ARCHS = ("glm4moe (GLM-4.5/4.6)", "deepseek2 (DeepSeek-V3/R1, when converted with the MTP layer)")
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    """How a slot drafts: `type` off|ngram|draft|mtp, at most `n_max` tokens, drafts shorter than
+    `n_min` dropped, draft-model tokens below probability `p_min` not proposed."""
+
+    type: str = "off"
+    n_max: int = 3
+    n_min: int = 0
+    p_min: float = 0.75
+
+    def __post_init__(self):
+        if self.type not in SPEC_TYPES:
+            raise UserError(f"speculative type must be one of {', '.join(SPEC_TYPES)}, got {self.type!r}")
+        if not isinstance(self.n_max, int) or not 0 <= self.n_max <= MAX_DRAFT:
+            raise UserError(f"draft max must be an integer in [0, {MAX_DRAFT}], got {self.n_max!r}")
+        if not isinstance(self.n_min, int) or not 0 <= self.n_min <= max(self.n_max, 0):
+            raise UserError(f"draft min must be an integer in [0, draft max={self.n_max}], got {self.n_min!r}")
+        if not isinstance(self.p_min, (int, float)) or not 0.0 <= self.p_min <= 1.0:
+            raise UserError(f"draft p-min must be a number in [0, 1], got {self.p_min!r}")
+
+    @classmethod
+    def from_args(cls, args) -> SpecConfig:
+        return cls(
+            type=getattr(args, "spec_type", "off") or "off",
+            n_max=getattr(args, "draft_max", 3),
+            n_min=getattr(args, "draft_min", 0),
+            p_min=getattr(args, "draft_p_min", 0.75),
+        )
+
+    @property
+    def active(self) -> bool:
+        return self.type != "off" and self.n_max > 0
+
+    def with_request(self, body: dict) -> SpecConfig:
+        """Per-request override from an API body: `speculative: {type, n_max, n_min, p_min}` or
+        llama-server's flat `speculative.n_max` / `speculative.n_min` / `speculative.p_min`."""
+        over: dict = {}
+        nested = body.get("speculative")
+        if nested is not None:
+            if isinstance(nested, bool):
+                nested = {"type": self.type if nested and self.type != "off" else ("ngram" if nested else "off")}
+            if not isinstance(nested, dict):
+                raise UserError("'speculative' must be an object like {\"type\": \"ngram\", \"n_max\": 4}")
+            unknown = set(nested) - {"type", "n_max", "n_min", "p_min"}
+            if unknown:
+                raise UserError(f"unknown 'speculative' field(s): {', '.join(sorted(unknown))}")
+            over.update(nested)
+        for key in ("n_max", "n_min", "p_min"):
+            if f"speculative.{key}" in body:
+                over[key] = body[f"speculative.{key}"]
+        if not over:
+            return self
+        for key in ("n_max", "n_min"):
+            if key in over and (isinstance(over[key], bool) or not isinstance(over[key], int)):
+                raise UserError(f"speculative {key} must be an integer, got {over[key]!r}")
+        if "n_max" in over and "n_min" not in over:
+            over["n_min"] = min(self.n_min, over["n_max"])
+        return replace(self, **over)
+
+
+@dataclass
+class Draft:
+    """Proposed tokens and, when they were sampled from a distribution, that distribution per token
+    (`q[i]` over the vocabulary). `q is None` means each token was chosen deterministically."""
+
+    tokens: list[int] = field(default_factory=list)
+    q: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def truncated(self, n: int) -> Draft:
+        if n >= len(self.tokens):
+            return self
+        return Draft(self.tokens[:n], None if self.q is None else self.q[:n])
+
+
+@dataclass
+class DraftRequest:
+    """One slot's ask: its whole history (prompt + output so far), how many tokens at most, and its
+    sampling parameters (a draft model samples with them when temperature > 0)."""
+
+    slot: int
+    tokens: list[int]
+    k: int
+    params: object | None = None
+    generator: torch.Generator | None = None
+
+
+class Drafter:
+    """Proposes up to k next tokens for a slot. Hooks: `start(slot, prompt)` when a request takes a
+    slot, `release(slot)` when it leaves; `draft_batch` may batch slots (the draft model does)."""
+
+    name = "none"
+
+    def start(self, slot: int, prompt: list[int]) -> None:
+        """A new request took `slot`."""
+
+    def release(self, slot: int) -> None:
+        """The request in `slot` finished; drop anything kept for it."""
+
+    def draft(self, slot: int, tokens: list[int], k: int) -> list[int]:
+        return self.draft_batch([DraftRequest(slot, tokens, k)])[0].tokens
+
+    def draft_batch(self, requests: list[DraftRequest]) -> list[Draft]:
+        raise NotImplementedError
+
+
+class NgramDrafter(Drafter):
+    """Prompt lookup: find the latest earlier occurrence of the history's last n tokens (n = n_max
+    down to 1) and propose the tokens that followed it. Needs no model; shines when the output
+    repeats the prompt (code edits, summaries quoting the text, extraction)."""
+
+    name = "ngram"
+
+    def __init__(self, n_max: int = 3, n_min: int = 1):
+        if not 1 <= n_min <= n_max:
+            raise ValueError(f"n-gram sizes need 1 <= n_min <= n_max, got {n_min}, {n_max}")
+        self.n_max, self.n_min = n_max, n_min
+
+    def lookup(self, tokens: list[int], k: int) -> list[int]:
+        if k <= 0 or len(tokens) < 2:
+            return []
+        hist = np.asarray(tokens, dtype=np.int64)
+        for n in range(min(self.n_max, len(hist) - 1), self.n_min - 1, -1):
+            # Windows starting at j with j + n < len(hist): an earlier occurrence with a follower.
+            windows = np.lib.stride_tricks.sliding_window_view(hist[:-1], n)
+            hits = np.flatnonzero((windows == hist[-n:]).all(axis=1))
+            if hits.size:
+                start = int(hits[-1]) + n
+                return hist[start : start + k].tolist()
+        return []
+
+    def draft_batch(self, requests: list[DraftRequest]) -> list[Draft]:
+        return [Draft(self.lookup(r.tokens, r.k)) for r in requests]
+
+
+class DraftModelDrafter(Drafter):
+    """A smaller GGUF with the target's vocabulary drafts autoregressively on its own `Pipeline`
+    (its own per-slot KV cache). All slots that ask in one step draft together: one draft forward
+    per drafted position for the whole batch. Greedy requests draft the draft model's argmax (q is a
+    point mass); sampled requests draw from the draft distribution under the request's sampling
+    transforms and return it as q for rejection sampling. Drafting stops at the first token whose
+    draft probability is below `p_min`."""
+
+    name = "draft"
+
+    def __init__(self, pipeline, p_min: float = 0.75, probs_fn=None):
+        self.pipeline = pipeline
+        self.p_min = p_min
+        # probs_fn(logits[V], params, history) -> probabilities after the request's transforms.
+        self.probs_fn = probs_fn
+        self._cached: dict[int, list[int]] = {}  # slot -> tokens whose KV the draft cache holds
+        self._lock = threading.Lock()
+
+    def start(self, slot: int, prompt: list[int]) -> None:
+        self._cached.pop(slot, None)
+
+    def release(self, slot: int) -> None:
+        self._cached.pop(slot, None)
+
+    def _pick(self, logits: torch.Tensor, req: DraftRequest, history: list[int]):
+        """(token, its draft probability, the distribution it came from or None for argmax)."""
+        sampled = req.params is not None and getattr(req.params, "temperature", 0.0) > 0 and self.probs_fn
+        if sampled:
+            q = self.probs_fn(logits, req.params, history)
+            tok = int(torch.multinomial(q, 1, generator=req.generator))
+            return tok, float(q[tok]), q
+        probs = torch.softmax(logits.float(), dim=-1)
+        tok = int(torch.argmax(probs))
+        return tok, float(probs[tok]), None
+
+    def draft_batch(self, requests: list[DraftRequest]) -> list[Draft]:
+        with self._lock:
+            return self._draft_batch(requests)
+
+    def _draft_batch(self, requests: list[DraftRequest]) -> list[Draft]:
+        out = [Draft() for _ in requests]
+        live = [i for i, r in enumerate(requests) if r.k > 0 and r.tokens]
+        qs: dict[int, list[torch.Tensor]] = {i: [] for i in live}
+        # Feed per slot what its draft cache lacks (new prompt, accepted tokens, the last target
+        # token); positions past the common prefix are simply overwritten.
+        feeds: dict[int, tuple[list[int], int]] = {}
+        for i in live:
+            r = requests[i]
+            cached = self._cached.get(r.slot, [])
+            common = _common_prefix(cached, r.tokens)
+            if common == len(r.tokens):  # always recompute the last position's logits
+                common -= 1
+            feeds[i] = (r.tokens[common:], common)
+            self._cached[r.slot] = list(r.tokens)
+        while live:
+            toks, slots, pos, rows = [], [], [], []
+            for i in live:
+                feed, p0 = feeds[i]
+                toks += feed
+                slots += [requests[i].slot] * len(feed)
+                pos += range(p0, p0 + len(feed))
+                rows.append(len(toks) - 1)
+            logits = self.pipeline.forward(
+                torch.tensor(toks, dtype=torch.long),
+                torch.tensor(slots, dtype=torch.long),
+                torch.tensor(pos, dtype=torch.long),
+                torch.tensor(rows, dtype=torch.long),
+            )
+            still = []
+            for row, i in enumerate(live):
+                r = requests[i]
+                history = r.tokens + out[i].tokens
+                tok, prob, q = self._pick(logits[row], r, history)
+                if prob < self.p_min:
+                    continue
+                out[i].tokens.append(tok)
+                if q is not None:
+                    qs[i].append(q)
+                if len(out[i].tokens) < r.k:
+                    feeds[i] = ([tok], len(history))
+                    self._cached[r.slot].append(tok)
+                    still.append(i)
+            live = still
+        for i, q in qs.items():
+            if q:
+                out[i].q = torch.stack(q)
+        return out
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    i = 0
+    while a[i] == b[i]:
+        i += 1
+    return i
+
+
+def check_mtp(g) -> None:
+    """`--spec-type mtp` needs an MTP head in the GGUF; say plainly what this file has."""
+    arch = g.architecture
+    n_nextn = g.metadata.get(f"{arch}.nextn_predict_layers", 0)
+    has_tensors = any(".nextn." in name for name in g.tensors)
+    if n_nextn or has_tensors:
+        raise UserError(
+            f"this GGUF ({arch}) carries a multi-token-prediction head ({n_nextn or 'nextn'} layer(s)), "
+            f"but Hydra does not run MTP heads yet; use --spec-type ngram or --spec-type draft --model-draft PATH"
+        )
+    raise UserError(
+        f"--spec-type mtp: this GGUF ({arch}) has no multi-token-prediction head (no "
+        f"'{arch}.nextn_predict_layers' key, no blk.*.nextn.* tensors). None of llama, qwen2, qwen3 or gemma3 "
+        f"ship one; GGUF MTP heads exist for {', '.join(MTP_ARCHS)}. "
+        f"Use --spec-type ngram (no extra model) or --spec-type draft --model-draft PATH"
+    )
+
+
+def check_same_vocab(target, draft) -> None:
+    """A draft model must share the target's token ids, or its proposals mean other text."""
+    t_tokens = target.metadata.get("tokenizer.ggml.tokens")
+    d_tokens = draft.metadata.get("tokenizer.ggml.tokens")
+    if t_tokens is None or d_tokens is None:
+        raise UserError("draft model check: a GGUF has no tokenizer.ggml.tokens vocabulary")
+    if len(t_tokens) != len(d_tokens):
+        raise UserError(
+            f"draft model vocabulary has {len(d_tokens)} tokens, the target has {len(t_tokens)}: "
+            "--model-draft must use the same tokenizer as --model"
+        )
+    if list(t_tokens) != list(d_tokens):
+        first = next(i for i, (a, b) in enumerate(zip(t_tokens, d_tokens)) if a != b)
+        raise UserError(
+            f"draft model vocabulary differs from the target's at token {first} "
+            f"({d_tokens[first]!r} vs {t_tokens[first]!r}): --model-draft must use the same tokenizer"
+        )
+
+
+# ---------------------------------------------------------------- verification (pure functions)
+
+
+def accept_greedy(targets: list[int], draft: list[int]) -> list[int]:
+    """Tokens to emit given the target's pick at each of the k+1 verified rows: the draft prefix
+    that matches, then the target's token at the first mismatch (or after the whole draft)."""
+    if len(targets) != len(draft) + 1:
+        raise ValueError(f"need k+1={len(draft) + 1} target picks, got {len(targets)}")
+    m = 0
+    while m < len(draft) and draft[m] == targets[m]:
+        m += 1
+    return draft[:m] + [targets[m]]
+
+
+def accept_sampled(
+    p: torch.Tensor, draft: list[int], q: torch.Tensor | None, generator: torch.Generator | None
+) -> list[int]:
+    """Rejection sampling. `p[k+1, V]`: the target's probabilities (after the request's sampling
+    transforms) at each verified row; `q[k, V]`: the drafter's, or None for a deterministic drafter
+    (point mass on each draft token). Emitted tokens are distributed exactly as sampling from p."""
+    k = len(draft)
+    if p.shape[0] != k + 1:
+        raise ValueError(f"need k+1={k + 1} target rows, got {p.shape[0]}")
+    out: list[int] = []
+    for i, x in enumerate(draft):
+        px = float(p[i, x])
+        qx = 1.0 if q is None else float(q[i, x])
+        u = float(torch.rand((), generator=generator))
+        if qx > 0 and u < min(1.0, px / qx):
+            out.append(x)
+            continue
+        if q is None:
+            residual = p[i].clone()
+            residual[x] = 0.0
+        else:
+            residual = torch.clamp(p[i] - q[i], min=0.0)
+        if float(residual.sum()) <= 0.0:  # p == q up to rounding: any p-sample is right
+            residual = p[i]
+        out.append(int(torch.multinomial(residual, 1, generator=generator)))
+        return out
+    out.append(int(torch.multinomial(p[k], 1, generator=generator)))
+    return out
+
+
+# ---------------------------------------------------------------- acceptance statistics
+
+
+class SpecStats:
+    """Counters behind /metrics and /status: drafts verified, tokens drafted, tokens accepted,
+    accepted per draft position, and a recent window of drafts."""
+
+    def __init__(self, window_s: float = 30.0, window_max: int = 1024):
+        self._lock = threading.Lock()
+        self.drafts = 0
+        self.draft_tokens = 0
+        self.accepted = 0
+        self.accepted_per_pos: list[int] = []
+        self.window_s = window_s
+        self._recent: deque[tuple[float, int, int]] = deque(maxlen=window_max)
+
+    def record(self, n_drafted: int, n_accepted: int) -> None:
+        if n_drafted <= 0:
+            return
+        with self._lock:
+            self.drafts += 1
+            self.draft_tokens += n_drafted
+            self.accepted += n_accepted
+            while len(self.accepted_per_pos) < n_drafted:
+                self.accepted_per_pos.append(0)
+            for i in range(n_accepted):
+                self.accepted_per_pos[i] += 1
+            self._recent.append((time.monotonic(), n_drafted, n_accepted))
+
+    def snapshot(self, spec: SpecConfig | None = None) -> dict:
+        """The /status `speculative` section."""
+        with self._lock:
+            cutoff = time.monotonic() - self.window_s
+            recent = [(d, a) for t, d, a in self._recent if t >= cutoff]
+            r_drafted = sum(d for d, _ in recent)
+            r_accepted = sum(a for _, a in recent)
+            return {
+                "type": spec.type if spec else "off",
+                "draft_max": spec.n_max if spec else 0,
+                "drafts": self.drafts,
+                "draft_tokens": self.draft_tokens,
+                "accepted": self.accepted,
+                "acceptance": self.accepted / self.draft_tokens if self.draft_tokens else None,
+                "mean_accepted_len": 1 + self.accepted / self.drafts if self.drafts else None,
+                "recent_acceptance": r_accepted / r_drafted if r_drafted else None,
+                "accepted_per_pos": list(self.accepted_per_pos),
+            }
