@@ -1,0 +1,188 @@
+"""Chat prompts: the model's own jinja template (`tokenizer.chat_template`) or a built-in one.
+
+Rendering follows Hugging Face / llama.cpp: a sandboxed jinja2 environment with `trim_blocks` and
+`lstrip_blocks`, `raise_exception`, `strftime_now`, and `bos_token` / `eos_token` variables.
+Models without a template get a built-in one by architecture (gemma turns, ChatML, Llama 3 headers).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from datetime import datetime
+from functools import lru_cache
+
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from .errors import UserError
+from .tokenizer import Tokenizer
+
+ROLES = ("system", "developer", "user", "assistant", "tool")
+
+# Gemma has no system turn: the system text goes in front of the first user turn (as llama.cpp and
+# Gemma's own template do); "assistant" is "model"; contents are trimmed.
+GEMMA_TEMPLATE = """\
+{%- set ns = namespace(system='') -%}
+{%- for message in messages -%}
+  {%- if message.role == 'system' -%}
+    {%- set ns.system = ns.system + (message.content | trim) -%}
+  {%- else -%}
+    {%- set role = 'model' if message.role == 'assistant' else message.role -%}
+    {{- '<start_of_turn>' + role + '\\n' -}}
+    {%- if ns.system and role != 'model' -%}
+      {{- ns.system + '\\n\\n' -}}
+      {%- set ns.system = '' -%}
+    {%- endif -%}
+    {{- (message.content | trim) + '<end_of_turn>\\n' -}}
+  {%- endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}{{ '<start_of_turn>model\\n' }}{%- endif -%}
+"""
+
+CHATML_TEMPLATE = """\
+{%- for message in messages -%}
+  {{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' -}}
+{%- endfor -%}
+{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\\n' }}{%- endif -%}
+"""
+
+LLAMA3_TEMPLATE = """\
+{%- for message in messages -%}
+  {{- '<|start_header_id|>' + message.role + '<|end_header_id|>\\n\\n' + (message.content | trim) + '<|eot_id|>' -}}
+{%- endfor -%}
+{%- if add_generation_prompt -%}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif -%}
+"""
+
+FALLBACK_TEMPLATES = {"gemma": GEMMA_TEMPLATE, "chatml": CHATML_TEMPLATE, "llama3": LLAMA3_TEMPLATE}
+_FALLBACK_BY_ARCH = {
+    "gemma": "gemma",
+    "gemma2": "gemma",
+    "gemma3": "gemma",
+    "gemma3n": "gemma",
+    "llama": "llama3",
+    "qwen2": "chatml",
+    "qwen3": "chatml",
+    "qwen2moe": "chatml",
+    "qwen3moe": "chatml",
+}
+
+
+class ChatError(UserError):
+    """A message list that cannot be rendered (the HTTP layer answers 400 with this message)."""
+
+
+def _raise_exception(message: str):
+    raise ChatError(f"chat template: {message}")
+
+
+def _tojson(value, indent=None, ensure_ascii=False, sort_keys=False, separators=None):
+    return json.dumps(value, indent=indent, ensure_ascii=ensure_ascii, sort_keys=sort_keys, separators=separators)
+
+
+@lru_cache(maxsize=16)
+def _compile(source: str) -> jinja2.Template:
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    env.filters["tojson"] = _tojson
+    try:
+        return env.from_string(source)
+    except jinja2.TemplateSyntaxError as e:
+        raise ChatError(f"the model's chat template does not parse (line {e.lineno}): {e.message}") from None
+
+
+class ChatTemplate:
+    """A jinja chat template with the special-token texts of one vocabulary."""
+
+    def __init__(self, source: str, bos_token: str = "", eos_token: str = "", strip_bos: bool = True, name: str = ""):
+        self.source = source
+        self.bos_token = bos_token
+        self.eos_token = eos_token
+        # The tokenizer adds BOS itself when it tokenizes the prompt; a template's own `bos_token`
+        # would make it twice (llama.cpp strips it the same way).
+        self.strip_bos = strip_bos
+        self.name = name
+
+    @classmethod
+    def for_model(cls, tok: Tokenizer, g) -> ChatTemplate:
+        """The GGUF's `tokenizer.chat_template`, else the built-in one for its architecture."""
+        bos = tok.token_text(tok.bos_id) if tok.bos_id is not None else ""
+        eos = tok.token_text(tok.eos_id) if tok.eos_id is not None else ""
+        strip = bool(tok.add_bos and bos)
+        source = g.metadata.get("tokenizer.chat_template")
+        if isinstance(source, str) and source.strip():
+            return cls(source, bos, eos, strip, name="gguf")
+        name = fallback_name(g.architecture)
+        return cls(FALLBACK_TEMPLATES[name], bos, eos, strip, name=name)
+
+    def render(self, messages, add_generation_prompt: bool = True, **extra) -> str:
+        template = _compile(self.source)
+        context = {
+            "messages": normalize_messages(messages),
+            "add_generation_prompt": add_generation_prompt,
+            "bos_token": self.bos_token,
+            "eos_token": self.eos_token,
+            **extra,
+        }
+        try:
+            text = template.render(context)
+        except ChatError:
+            raise
+        except jinja2.TemplateError as e:
+            raise ChatError(f"chat template failed on these messages: {e}") from None
+        if self.strip_bos and self.bos_token and text.startswith(self.bos_token):
+            text = text[len(self.bos_token) :]
+        return text
+
+
+def fallback_name(arch: str) -> str:
+    """Built-in template for an architecture without a template (ChatML when unknown, as llama.cpp)."""
+    return _FALLBACK_BY_ARCH.get(arch, "chatml")
+
+
+def normalize_messages(messages) -> list[dict]:
+    """Checked copies of OpenAI-style messages, content flattened to one string.
+
+    Content may be a string or a list of {"type": "text", "text": ...} parts; an assistant message
+    carrying tool_calls may have no content."""
+    if not isinstance(messages, Sequence) or isinstance(messages, (str, bytes)):
+        raise ChatError("messages must be a list of {role, content} objects")
+    if not messages:
+        raise ChatError("messages must not be empty")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, Mapping):
+            raise ChatError(f"messages[{i}] must be an object with role and content, not {type(m).__name__}")
+        role = m.get("role")
+        if role is None:
+            raise ChatError(f"messages[{i}] has no role")
+        if role not in ROLES:
+            raise ChatError(f"messages[{i}] has unknown role {role!r} (expected one of {', '.join(ROLES)})")
+        content = m.get("content")
+        if content is None:
+            if not (role == "assistant" and m.get("tool_calls")):
+                raise ChatError(f"messages[{i}] ({role}) has no content")
+            content = ""
+        elif isinstance(content, list):
+            content = _join_parts(content, i)
+        elif not isinstance(content, str):
+            raise ChatError(f"messages[{i}].content must be a string or a list of text parts")
+        # OpenAI's "developer" is the newer name of "system", which is all that templates know
+        out.append({**m, "role": "system" if role == "developer" else role, "content": content})
+    return out
+
+
+def _join_parts(parts: list, i: int) -> str:
+    texts = []
+    for j, part in enumerate(parts):
+        if not isinstance(part, Mapping) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+            kind = part.get("type") if isinstance(part, Mapping) else type(part).__name__
+            raise ChatError(f"messages[{i}].content[{j}]: only text parts are supported (got {kind!r})")
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
+def apply_chat_template(tok: Tokenizer, g, messages, add_generation_prompt: bool = True, **extra) -> str:
+    """The prompt text for `messages` (encode it with add_special=True, parse_special=True)."""
+    return ChatTemplate.for_model(tok, g).render(messages, add_generation_prompt, **extra)

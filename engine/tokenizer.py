@@ -1,0 +1,568 @@
+"""Tokenizers from GGUF metadata, token for token as llama.cpp's `llama-vocab.cpp` runs them.
+
+Two vocabulary models:
+- SPM (`tokenizer.ggml.model == "llama"`: llama-2, gemma): spaces become U+2581, adjacent symbols
+  merge by a heap on (score desc, left index asc), pieces outside the vocab fall back to `<0xNN>`.
+- BPE (`"gpt2"`: llama-3, qwen2/3): GPT-2 byte↔unicode mapping, a regex pre-tokenizer chosen by
+  `tokenizer.ggml.pre`, merges ranked by their order in `tokenizer.ggml.merges`.
+Both first split special tokens out of the text (longest first), as llama.cpp's
+`tokenizer_st_partition` does. Lookup tables are built on first use so that loading stays cheap.
+"""
+
+from __future__ import annotations
+
+import codecs
+import heapq
+from collections.abc import Iterable, Mapping
+from functools import cached_property
+
+import numpy as np
+import regex
+
+from .errors import UserError
+
+# tokenizer.ggml.token_type values (llama.cpp's llama_token_type)
+NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
+
+SPM_SPACE = "\u2581"  # "▁"
+
+# Texts llama.cpp treats as end-of-generation whatever the metadata says (and forces to CONTROL).
+END_OF_TURN_TEXTS = (
+    "<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<end_of_turn>", "<|endoftext|>",
+    "<|eom_id|>", "<EOT>", "_<EOT>", "<|end_of_text|>", "<end_of_utterance>",
+)  # fmt: skip
+
+# Pre-tokenizer regexes of llama.cpp's llm_tokenizer_bpe, applied in turn (each splits the pieces
+# the previous one left, keeping the text between matches as pieces too).
+_LLAMA3 = (
+    r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2 = (
+    r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+_DEFAULT = (
+    r"[\p{P}\$\+<=>\^~\|]+",
+    r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)",
+    r"\p{N}+",
+    r"[0-9][0-9][0-9]",
+)
+PRE_TOKENIZERS: dict[str, tuple[str, ...]] = {
+    "default": _DEFAULT,
+    "gpt2": (_GPT2,),
+    "gpt-2": (_GPT2,),
+    "llama3": (_LLAMA3,),
+    "llama-v3": (_LLAMA3,),
+    "llama-bpe": (_LLAMA3,),
+    "smaug-bpe": (_LLAMA3,),
+    "qwen2": (_QWEN2,),
+    "deepseek-r1-qwen": (_QWEN2,),
+}
+# llama.cpp takes a whole pre-token as one token, skipping merges, when the vocab has it (llama-3 only).
+_IGNORE_MERGES_PRE = {"llama3", "llama-v3", "llama-bpe", "smaug-bpe"}
+
+_SPM_WORD = regex.compile(SPM_SPACE + "+[^" + SPM_SPACE + "]*|[^" + SPM_SPACE + "]+")
+_SPM_CROSSING = regex.compile("[^\x00" + SPM_SPACE + "]" + SPM_SPACE + "[^\x00]*")
+_CACHE_MAX = 1 << 16
+
+
+def _gpt2_byte_to_unicode() -> list[str]:
+    """GPT-2's reversible map of the 256 byte values onto printable unicode characters."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    table, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            table[b] = chr(b)
+        else:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return [table[b] for b in range(256)]
+
+
+BYTE_TO_UNICODE = _gpt2_byte_to_unicode()
+UNICODE_TO_BYTE = {c: b for b, c in enumerate(BYTE_TO_UNICODE)}
+_LATIN1_TO_GPT2 = str.maketrans({chr(b): c for b, c in enumerate(BYTE_TO_UNICODE)})
+
+
+class TokenizerError(UserError):
+    """A vocabulary that cannot be used, or token ids outside it."""
+
+
+class _SpecialIndex:
+    """Which of many special-token texts occur in a text, without one substring search per token.
+
+    A prefix tree whose nodes are only entered when their prefix occurs in the text: thousands of
+    `<unusedN>` tokens cost one search for "<u" on text without it."""
+
+    _LEAF = 16
+
+    def __init__(self, items: list[tuple[str, int]]):
+        self._root = self._build("", items)
+
+    def _build(self, prefix: str, items: list[tuple[str, int]]):
+        if len(items) <= self._LEAF:
+            return prefix, items, ()
+        depth = len(prefix) + 1
+        direct, groups = [], {}
+        for item in items:
+            if len(item[0]) < depth:
+                direct.append(item)
+            else:
+                groups.setdefault(item[0][:depth], []).append(item)
+        return prefix, direct, tuple(self._build(p, g) for p, g in groups.items())
+
+    def occurring(self, text: str) -> list[tuple[str, int]]:
+        found, stack = [], [self._root]
+        while stack:
+            _, items, children = stack.pop()
+            found.extend(item for item in items if item[0] in text)
+            stack.extend(child for child in children if child[0] in text)
+        return found
+
+
+class Tokenizer:
+    """One GGUF vocabulary: encode text to ids and ids back to bytes/text."""
+
+    def __init__(
+        self,
+        *,
+        model: str,
+        tokens: list[str],
+        scores: Iterable[float] | None = None,
+        token_types: Iterable[int] | None = None,
+        merges: list[str] | None = None,
+        bos_id: int | None = None,
+        eos_id: int | None = None,
+        unk_id: int | None = None,
+        pad_id: int | None = None,
+        eot_id: int | None = None,
+        eom_id: int | None = None,
+        add_bos: bool | None = None,
+        add_eos: bool | None = None,
+        add_space_prefix: bool | None = None,
+        pre: str | None = None,
+    ):
+        if model not in ("llama", "gpt2"):
+            raise TokenizerError(
+                f"unsupported tokenizer.ggml.model {model!r} (supported: 'llama' = SentencePiece, 'gpt2' = byte-level BPE)"
+            )
+        if not tokens:
+            raise TokenizerError("the model has an empty vocabulary (tokenizer.ggml.tokens)")
+        self.model = model
+        self.is_spm = model == "llama"
+        n = len(tokens)
+        # llama.cpp renames empty tokens: an empty special text would match everywhere.
+        self._tokens = [t if t else f"[EMPTY_{i}]" for i, t in enumerate(tokens)] if "" in tokens else list(tokens)
+        types = np.full(n, NORMAL, np.int32) if token_types is None else np.asarray(token_types, np.int32).copy()
+        if len(types) != n:
+            raise TokenizerError(f"tokenizer.ggml.token_type has {len(types)} entries for {n} tokens")
+        self._scores_src = scores
+        self._merges = list(merges) if merges is not None else []
+        if self.is_spm:  # llama.cpp's defaults when the keys are absent
+            bos_id, eos_id, unk_id = _default(bos_id, 1), _default(eos_id, 2), _default(unk_id, 0)
+            self.add_bos, self.add_space_prefix = _default(add_bos, True), _default(add_space_prefix, True)
+            self.pre = "default"
+        else:
+            self.pre = pre or "default"
+            if self.pre not in PRE_TOKENIZERS:
+                raise TokenizerError(
+                    f"unsupported tokenizer.ggml.pre {self.pre!r} (supported: {', '.join(sorted(PRE_TOKENIZERS))})"
+                )
+            self.add_bos = _default(add_bos, self.pre in _IGNORE_MERGES_PRE)
+            self.add_space_prefix = _default(add_space_prefix, False)
+        self.add_eos = _default(add_eos, False)
+        for name, tid in (("bos", bos_id), ("eos", eos_id), ("unknown", unk_id), ("padding", pad_id),
+                          ("eot", eot_id), ("eom", eom_id)):  # fmt: skip
+            if tid is not None and not 0 <= tid < n:
+                raise TokenizerError(f"tokenizer.ggml.{name}_token_id {tid} is outside the vocabulary of {n} tokens")
+        self.bos_id, self.eos_id, self.unk_id, self.pad_id = bos_id, eos_id, unk_id, pad_id
+
+        eog = {tid for tid in (eos_id, eot_id, eom_id) if tid is not None}
+        for text in END_OF_TURN_TEXTS:
+            tid = self._find_token(text)
+            if tid is not None:
+                eog.add(tid)
+                types[tid] = CONTROL
+        self.eog_ids: set[int] = eog
+        self._types = types
+        # Texts split out before the merges: longest first; ties by id as a stable order.
+        special = np.nonzero((types == CONTROL) | (types == USER_DEFINED) | (types == UNKNOWN))[0].tolist()
+        special.sort(key=lambda i: (-len(self._tokens[i]), i))
+        self._special = [(self._tokens[i], i) for i in special]
+        self._word_cache: dict[str, tuple[int, ...]] = {}
+
+    @cached_property
+    def _joined(self) -> str:
+        """All token texts, each between NULs: one string to search instead of 262k."""
+        return "\x00" + "\x00".join(self._tokens) + "\x00"
+
+    def _find_token(self, text: str) -> int | None:
+        """Id of `text` (the last one if repeated, as a dict built in order keeps it)."""
+        pos = self._joined.rfind("\x00" + text + "\x00")
+        return None if pos < 0 else self._joined.count("\x00", 0, pos)
+
+    # ---- construction ---------------------------------------------------------------------------
+
+    @classmethod
+    def from_gguf(cls, g) -> Tokenizer:
+        """The tokenizer of an open `GGUFFile` (reads only `tokenizer.ggml.*` metadata)."""
+        return cls.from_metadata(g.metadata)
+
+    @classmethod
+    def from_metadata(cls, md: Mapping[str, object]) -> Tokenizer:
+        if "tokenizer.ggml.tokens" not in md:
+            raise TokenizerError("the model has no vocabulary (metadata key tokenizer.ggml.tokens is missing)")
+
+        def opt_int(key):
+            v = md.get(key)
+            return None if v is None else int(v)
+
+        def opt_bool(key):
+            v = md.get(key)
+            return None if v is None else bool(v)
+
+        return cls(
+            model=str(md.get("tokenizer.ggml.model", "llama")),
+            tokens=list(md["tokenizer.ggml.tokens"]),
+            scores=md.get("tokenizer.ggml.scores"),
+            token_types=md.get("tokenizer.ggml.token_type"),
+            merges=md.get("tokenizer.ggml.merges"),
+            bos_id=opt_int("tokenizer.ggml.bos_token_id"),
+            eos_id=opt_int("tokenizer.ggml.eos_token_id"),
+            unk_id=opt_int("tokenizer.ggml.unknown_token_id"),
+            pad_id=opt_int("tokenizer.ggml.padding_token_id"),
+            eot_id=opt_int("tokenizer.ggml.eot_token_id"),
+            eom_id=opt_int("tokenizer.ggml.eom_token_id"),
+            add_bos=opt_bool("tokenizer.ggml.add_bos_token"),
+            add_eos=opt_bool("tokenizer.ggml.add_eos_token"),
+            add_space_prefix=opt_bool("tokenizer.ggml.add_space_prefix"),
+            pre=md.get("tokenizer.ggml.pre"),
+        )
+
+    # ---- lookup tables, built on first use ------------------------------------------------------
+
+    @cached_property
+    def token_to_id(self) -> dict[str, int]:
+        return {t: i for i, t in enumerate(self._tokens)}
+
+    @cached_property
+    def _score_list(self) -> list[float]:
+        src = self._scores_src
+        if src is None:
+            return [0.0] * len(self._tokens)
+        scores = np.asarray(src, np.float32).tolist()
+        if len(scores) != len(self._tokens):
+            raise TokenizerError(f"tokenizer.ggml.scores has {len(scores)} entries for {len(self._tokens)} tokens")
+        return scores
+
+    @cached_property
+    def _merge_ranks(self) -> dict[str, int]:
+        return {m: r for r, m in enumerate(self._merges)}
+
+    @cached_property
+    def _spm_byte_ids(self) -> list[int | None]:
+        ids = [self.token_to_id.get(f"<0x{b:02X}>", self.unk_id) for b in range(256)]
+        return ids
+
+    @cached_property
+    def _spm_crossing(self) -> list[str]:
+        """Vocab texts with "▁" after another character: the only ones a merge across words can make."""
+        return _SPM_CROSSING.findall(self._joined)
+
+    @cached_property
+    def _special_index(self) -> _SpecialIndex:
+        return _SpecialIndex(self._special)
+
+    @cached_property
+    def _user_defined_index(self) -> _SpecialIndex:
+        return _SpecialIndex([s for s in self._special if self._types[s[1]] == USER_DEFINED])
+
+    @cached_property
+    def _pre_regexes(self) -> list[regex.Pattern]:
+        return [regex.compile(p) for p in PRE_TOKENIZERS[self.pre]]
+
+    # ---- properties -----------------------------------------------------------------------------
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self._tokens)
+
+    def token_text(self, tid: int) -> str:
+        """The vocabulary entry as stored (SPM "▁the", BPE "Ġthe", "<0x0A>", "<eos>")."""
+        return self._tokens[self._check(tid)]
+
+    def token_type(self, tid: int) -> int:
+        return int(self._types[self._check(tid)])
+
+    def is_special(self, tid: int) -> bool:
+        """Control and unknown tokens: the ones `decode(..., skip_special=True)` leaves out."""
+        return int(self._types[self._check(tid)]) in (CONTROL, UNKNOWN)
+
+    def _check(self, tid) -> int:
+        if not isinstance(tid, (int, np.integer)) or isinstance(tid, bool) or not 0 <= tid < len(self._tokens):
+            raise TokenizerError(f"token id {tid!r} is outside the vocabulary [0, {len(self._tokens)})")
+        return int(tid)
+
+    # ---- encode ---------------------------------------------------------------------------------
+
+    def encode(self, text: str, add_special: bool = True, parse_special: bool = True) -> list[int]:
+        """Token ids of `text`. add_special adds BOS/EOS as the model asks; parse_special lets
+        control-token texts ("<start_of_turn>") in the text become those tokens."""
+        if not isinstance(text, str):
+            raise TokenizerError(f"text to tokenize must be a string, not {type(text).__name__}")
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:  # lone surrogates, e.g. from JSON "\ud83d"
+            text = text.encode("utf-8", "replace").decode("utf-8")
+        out: list[int] = []
+        if add_special and self.add_bos and self.bos_id is not None:
+            out.append(self.bos_id)
+        prev_special = True  # SPM: a space prefix goes on the first text and on text after a special token
+        for frag in self._partition(text, parse_special):
+            if isinstance(frag, int):
+                out.append(frag)
+                prev_special = True
+                continue
+            if self.is_spm:
+                piece = text[frag[0] : frag[1]]
+                if self.add_space_prefix and prev_special:
+                    piece = " " + piece
+                self._encode_spm(piece.replace(" ", SPM_SPACE), out)
+            else:
+                self._encode_bpe(text[frag[0] : frag[1]], out)
+            prev_special = False
+        if add_special and self.add_eos and self.eos_id is not None:
+            out.append(self.eos_id)
+        return out
+
+    def _partition(self, text: str, parse_special: bool) -> list[tuple[int, int] | int]:
+        """Raw-text spans (start, end) and special-token ids, as llama.cpp's tokenizer_st_partition:
+        each special token in turn (longest first) is cut out of every remaining span."""
+        if not text:
+            return []
+        index = self._special_index if parse_special else self._user_defined_index
+        present = index.occurring(text)
+        frags: list[tuple[int, int] | int] = [(0, len(text))]
+        if not present:
+            return frags
+        present.sort(key=lambda item: (-len(item[0]), item[1]))
+        for special, tid in present:
+            out = []
+            for frag in frags:
+                if isinstance(frag, int):
+                    out.append(frag)
+                    continue
+                start, end = frag
+                while (m := text.find(special, start, end)) >= 0:
+                    if m > start:
+                        out.append((start, m))
+                    out.append(tid)
+                    start = m + len(special)
+                if start < end:
+                    out.append((start, end))
+            frags = out
+        return frags
+
+    def _cached(self, word: str, compute) -> tuple[int, ...]:
+        ids = self._word_cache.get(word)
+        if ids is None:
+            if len(self._word_cache) >= _CACHE_MAX:
+                self._word_cache.clear()
+            ids = self._word_cache[word] = compute(word)
+        return ids
+
+    def _encode_spm(self, text: str, out: list[int]) -> None:
+        # Merges never cross a "▁" that follows another character unless the vocab holds a token
+        # spanning one ("_SPM_CROSSING"); so words merge independently and their ids can be cached.
+        if any(c in text for c in self._spm_crossing):
+            out.extend(self._spm_merge(text))
+            return
+        for word in _SPM_WORD.findall(text):
+            out.extend(self._cached(word, self._spm_merge))
+
+    def _spm_merge(self, text: str) -> tuple[int, ...]:
+        """llm_tokenizer_spm_session::tokenize on one piece (spaces already "▁")."""
+        t2i, scores = self.token_to_id, self._score_list
+        syms = list(text)
+        n = len(syms)
+        nxt = list(range(1, n + 1))
+        nxt[-1] = -1
+        prv = list(range(-1, n - 1))
+        heap = []
+        for i in range(n - 1):
+            tid = t2i.get(syms[i] + syms[i + 1])
+            if tid is not None:
+                heap.append((-scores[tid], i, i + 1, 2))
+        heapq.heapify(heap)
+        push, pop = heapq.heappush, heapq.heappop
+        while heap:
+            _, left, right, size = pop(heap)
+            ls, rs = syms[left], syms[right]
+            if not ls or not rs or len(ls) + len(rs) != size:
+                continue  # one side was merged since this pair was queued
+            merged = syms[left] = ls + rs
+            syms[right] = ""
+            after = nxt[left] = nxt[right]
+            if after >= 0:
+                prv[after] = left
+                tid = t2i.get(merged + syms[after])
+                if tid is not None:
+                    push(heap, (-scores[tid], left, after, len(merged) + len(syms[after])))
+            before = prv[left]
+            if before >= 0:
+                tid = t2i.get(syms[before] + merged)
+                if tid is not None:
+                    push(heap, (-scores[tid], before, left, len(syms[before]) + len(merged)))
+        ids = []
+        i = 0
+        while i >= 0:
+            tid = t2i.get(syms[i])
+            if tid is not None:
+                ids.append(tid)
+            else:  # a character outside the vocab: its UTF-8 bytes as <0xNN> tokens
+                byte_ids = self._spm_byte_ids
+                ids.extend(b for b in (byte_ids[x] for x in syms[i].encode("utf-8")) if b is not None)
+            i = nxt[i]
+        return tuple(ids)
+
+    def _encode_bpe(self, text: str, out: list[int]) -> None:
+        pieces = [text]
+        for pattern in self._pre_regexes:
+            split = []
+            for piece in pieces:
+                pos = 0
+                for m in pattern.finditer(piece):
+                    if m.start() > pos:
+                        split.append(piece[pos : m.start()])
+                    split.append(m.group())
+                    pos = m.end()
+                if pos < len(piece):
+                    split.append(piece[pos:])
+            pieces = split
+        for piece in pieces:
+            out.extend(self._cached(piece, self._bpe_merge))
+
+    def _bpe_merge(self, word: str) -> tuple[int, ...]:
+        """llm_tokenizer_bpe_session::tokenize on one pre-token."""
+        t2i, ranks = self.token_to_id, self._merge_ranks
+        mapped = word.encode("utf-8").decode("latin-1").translate(_LATIN1_TO_GPT2)
+        if self.pre in _IGNORE_MERGES_PRE and mapped in t2i:
+            return (t2i[mapped],)
+        syms = list(mapped)
+        n = len(syms)
+        nxt = list(range(1, n + 1))
+        nxt[-1] = -1
+        prv = list(range(-1, n - 1))
+        heap = []
+        for i in range(n - 1):
+            rank = ranks.get(syms[i] + " " + syms[i + 1])
+            if rank is not None:
+                heap.append((rank, i, i + 1, syms[i] + syms[i + 1]))
+        heapq.heapify(heap)
+        push, pop = heapq.heappush, heapq.heappop
+        while heap:
+            _, left, right, pair = pop(heap)
+            ls, rs = syms[left], syms[right]
+            if not ls or not rs or ls + rs != pair:
+                continue  # outdated pair
+            syms[left] = pair
+            syms[right] = ""
+            after = nxt[left] = nxt[right]
+            if after >= 0:
+                prv[after] = left
+                rank = ranks.get(pair + " " + syms[after])
+                if rank is not None:
+                    push(heap, (rank, left, after, pair + syms[after]))
+            before = prv[left]
+            if before >= 0:
+                rank = ranks.get(syms[before] + " " + pair)
+                if rank is not None:
+                    push(heap, (rank, before, left, syms[before] + pair))
+        ids = []
+        i = 0
+        while i >= 0:
+            tid = t2i.get(syms[i])
+            if tid is not None:
+                ids.append(tid)
+            else:  # as llama.cpp: try the symbol's single bytes as tokens, drop what is not there
+                ids.extend(t2i[chr(b)] for b in syms[i].encode("utf-8") if b < 0x80 and chr(b) in t2i)
+            i = nxt[i]
+        return tuple(ids)
+
+    # ---- decode ---------------------------------------------------------------------------------
+
+    @cached_property
+    def _pieces(self) -> dict[int, bytes]:
+        return {}
+
+    def token_bytes(self, tid: int) -> bytes:
+        """The bytes this token stands for (a byte-fallback token is one byte, maybe half a character)."""
+        tid = self._check(tid)
+        piece = self._pieces.get(tid)
+        if piece is None:
+            piece = self._pieces[tid] = self._piece(tid)
+        return piece
+
+    def _piece(self, tid: int) -> bytes:
+        text, kind = self._tokens[tid], self._types[tid]
+        if kind == UNUSED:
+            return b""
+        if kind == BYTE:
+            try:
+                return bytes([int(text[3:-1], 16)])
+            except ValueError:
+                return text.encode("utf-8")
+        if kind != NORMAL:
+            return text.encode("utf-8")
+        if self.is_spm:
+            return text.replace(SPM_SPACE, " ").encode("utf-8")
+        return b"".join(bytes([UNICODE_TO_BYTE[c]]) if c in UNICODE_TO_BYTE else c.encode("utf-8") for c in text)
+
+    def decode_bytes(self, ids: Iterable[int], skip_special: bool = False) -> bytes:
+        ids = list(ids)
+        if skip_special:
+            ids = [t for t in ids if not self.is_special(t)]
+        pieces = [self.token_bytes(t) for t in ids]
+        # SPM with add_space_prefix: encode put a space before the text; take it off again.
+        if self.add_space_prefix and pieces:
+            first = 1 if ids[0] == self.bos_id and len(ids) > 1 else 0
+            if self._types[ids[first]] == NORMAL and pieces[first].startswith(b" "):
+                pieces[first] = pieces[first][1:]
+        return b"".join(pieces)
+
+    def decode(self, ids: Iterable[int], skip_special: bool = False) -> str:
+        """Text of `ids`; byte-fallback tokens are joined into UTF-8 first (bad bytes become U+FFFD)."""
+        return self.decode_bytes(ids, skip_special).decode("utf-8", "replace")
+
+    def __repr__(self) -> str:
+        kind = "SPM" if self.is_spm else f"BPE/{self.pre}"
+        return f"Tokenizer({kind}, vocab={self.vocab_size}, bos={self.bos_id}, eos={self.eos_id})"
+
+
+def _default(value, default):
+    return default if value is None else value
+
+
+class StreamDecoder:
+    """Turns generated ids into text as they come, never emitting half a UTF-8 character.
+
+    skip_special defaults to True: control tokens are not part of generated text, as llama-server
+    prints it. No space is stripped (a continuation keeps its leading space)."""
+
+    def __init__(self, tok: Tokenizer, skip_special: bool = True):
+        self.tok = tok
+        self.skip_special = skip_special
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def push(self, tid: int) -> str:
+        if self.skip_special and self.tok.is_special(tid):
+            return ""
+        return self._utf8.decode(self.tok.token_bytes(tid))
+
+    def flush(self) -> str:
+        """What is still held back (an incomplete character becomes U+FFFD); resets the decoder."""
+        text = self._utf8.decode(b"", final=True)
+        self._utf8.reset()
+        return text
