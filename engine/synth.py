@@ -1,0 +1,299 @@
+"""Random-weight GGUF files of any supported architecture and shape.
+
+Tiny ones make the fast tests; big ones (e.g. the 1.1B llama shape) make GPU benchmarks
+where the real model cannot be copied. Weights are scaled by 1/sqrt(fan_in) so that the
+activations of a few layers stay in a sane range; norm weights sit near 1. Each file
+carries a small but complete tokenizer of the family the architecture uses: SPM for
+llama/gemma3, byte-level BPE for qwen2/qwen3.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+import gguf
+import numpy as np
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as T
+
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
+
+# Byte offsets of the float16 scale fields of block types gguf cannot quantize (K-quants):
+# we write random blocks and set these fields so the dequantized values have a chosen spread.
+_SCALE_FIELDS = {
+    T.Q2_K: (80, 82),
+    T.Q3_K: (108,),
+    T.Q4_K: (0, 2),
+    T.Q5_K: (0, 2),
+    T.Q6_K: (208,),
+}
+
+# Words for the tiny vocabularies: enough for readable test prompts to tokenize into pieces.
+_WORDS = (
+    "the of and to in is was for on that with as by at from it his an were are which this be or has had "
+    "not first one their its new after but who they have her she two been other when there all during into "
+    "school time may years more most only over city some world would where later up such used many can "
+    "state about national out known university united then made hello world once upon a time story model "
+    "engine token layer split head peer worker quick brown fox jumps lazy dog water fire earth light dark "
+    "red green blue small large day night year man woman child house tree river mountain sea sky sun moon "
+    "star king queen war peace love life death book word name number people country music game power"
+).split()
+
+
+def write_synthetic(
+    path,
+    arch: str = "llama",
+    n_layers: int = 2,
+    n_embd: int = 64,
+    n_head: int = 4,
+    n_head_kv: int = 2,
+    head_dim: int | None = None,
+    n_ff: int = 128,
+    n_ctx: int = 512,
+    qtype="F32",
+    seed: int = 0,
+    vocab: str = "tiny",
+    vocab_size: int | None = None,
+    tied: bool | None = None,
+    sliding_window: int = 8,
+) -> Path:
+    """Write a random-weight GGUF and return its path.
+
+    `qtype` (name or GGMLQuantizationType) applies to the 2-D weights; norms and biases stay F32.
+    `vocab_size` pads the tiny vocabulary with generated pieces (big shapes). `tied` (default: only
+    gemma3) leaves out `output.weight` so the output head reuses the token embedding.
+    `sliding_window` is gemma3's window; it is small by default so tests exercise it.
+    """
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"unsupported architecture {arch!r}; choose one of {', '.join(ARCHITECTURES)}")
+    if vocab != "tiny":
+        raise ValueError(f"unknown vocabulary kind {vocab!r} (only 'tiny')")
+    qt = T[qtype.upper()] if isinstance(qtype, str) else T(qtype)
+    head_dim = head_dim or n_embd // n_head
+    if n_head % n_head_kv:
+        raise ValueError(f"n_head {n_head} is not a multiple of n_head_kv {n_head_kv}")
+    tied = arch == "gemma3" if tied is None else tied
+    rng = np.random.default_rng(seed)
+    path = Path(path)
+
+    tokens, scores, types, merges, special = _tokenizer(arch, vocab_size)
+    n_vocab = len(tokens)
+
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_name(f"synthetic-{arch}")
+    w.add_context_length(n_ctx)
+    w.add_embedding_length(n_embd)
+    w.add_block_count(n_layers)
+    w.add_feed_forward_length(n_ff)
+    w.add_head_count(n_head)
+    w.add_head_count_kv(n_head_kv)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_layer_norm_rms_eps(1e-6 if arch in ("gemma3", "qwen2", "qwen3") else 1e-5)
+    w.add_file_type(_file_type(qt))
+    if arch == "gemma3":
+        w.add_rope_freq_base(1_000_000.0)
+        w.add_sliding_window(sliding_window)
+    else:
+        w.add_rope_freq_base(10_000.0 if arch == "llama" else 1_000_000.0)
+        w.add_rope_dimension_count(head_dim)
+
+    if arch in ("llama", "gemma3"):
+        w.add_tokenizer_model("llama")
+        w.add_tokenizer_pre("default")
+        w.add_add_space_prefix(arch == "llama")
+        w.add_add_bos_token(True)
+    else:
+        w.add_tokenizer_model("gpt2")
+        w.add_tokenizer_pre("qwen2")
+        w.add_token_merges(merges)
+        w.add_add_bos_token(False)
+    w.add_token_list(tokens)
+    w.add_token_scores(scores)
+    w.add_token_types(types)
+    for key, tok in special.items():
+        getattr(w, f"add_{key}_token_id")(tokens.index(tok))
+
+    def dense(name: str, rows: int, cols: int, std: float) -> None:
+        _add_weight(w, name, (rng.standard_normal((rows, cols)) * std).astype(np.float32), qt, rng)
+
+    def vec(name: str, n: int, center: float = 1.0, spread: float = 0.1) -> None:
+        w.add_tensor(name, (center + spread * rng.standard_normal(n)).astype(np.float32))
+
+    dense("token_embd.weight", n_vocab, n_embd, 1.0 / np.sqrt(n_embd) if arch == "gemma3" else 1.0)
+    vec("output_norm.weight", n_embd)
+    if not tied:
+        dense("output.weight", n_vocab, n_embd, 1.0 / np.sqrt(n_embd))
+    q_dim, kv_dim = n_head * head_dim, n_head_kv * head_dim
+    for i in range(n_layers):
+        p = f"blk.{i}."
+        vec(p + "attn_norm.weight", n_embd)
+        dense(p + "attn_q.weight", q_dim, n_embd, 1.0 / np.sqrt(n_embd))
+        dense(p + "attn_k.weight", kv_dim, n_embd, 1.0 / np.sqrt(n_embd))
+        dense(p + "attn_v.weight", kv_dim, n_embd, 1.0 / np.sqrt(n_embd))
+        dense(p + "attn_output.weight", n_embd, q_dim, 0.5 / np.sqrt(q_dim))
+        if arch == "qwen2":
+            for name, n in (("attn_q", q_dim), ("attn_k", kv_dim), ("attn_v", kv_dim)):
+                vec(p + name + ".bias", n, center=0.0, spread=0.1)
+        if arch in ("qwen3", "gemma3"):
+            vec(p + "attn_q_norm.weight", head_dim)
+            vec(p + "attn_k_norm.weight", head_dim)
+        if arch == "gemma3":
+            vec(p + "post_attention_norm.weight", n_embd)
+            vec(p + "post_ffw_norm.weight", n_embd)
+        vec(p + "ffn_norm.weight", n_embd)
+        dense(p + "ffn_gate.weight", n_ff, n_embd, 1.0 / np.sqrt(n_embd))
+        dense(p + "ffn_up.weight", n_ff, n_embd, 1.0 / np.sqrt(n_embd))
+        dense(p + "ffn_down.weight", n_embd, n_ff, 0.5 / np.sqrt(n_ff))
+
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def _file_type(qt: T) -> int:
+    by_type = {T.F32: gguf.LlamaFileType.ALL_F32, T.F16: gguf.LlamaFileType.MOSTLY_F16}
+    if qt in by_type:
+        return int(by_type[qt])
+    try:
+        return int(gguf.LlamaFileType[f"MOSTLY_{qt.name}"])
+    except KeyError:
+        return int(gguf.LlamaFileType.GUESSED)
+
+
+def _add_weight(w: gguf.GGUFWriter, name: str, x: np.ndarray, qt: T, rng: np.random.Generator) -> None:
+    block, type_size = GGML_QUANT_SIZES[qt]
+    if x.shape[1] % block:
+        raise ValueError(f"{name}: row length {x.shape[1]} is not a multiple of the {qt.name} block size {block}")
+    if qt == T.F32:
+        w.add_tensor(name, x)
+    elif qt in _SCALE_FIELDS:
+        w.add_tensor(name, _random_blocks(x.shape, qt, float(x.std()), rng), raw_dtype=qt)
+    else:
+        try:
+            data = gguf.quants.quantize(x, qt)
+        except NotImplementedError:
+            raise ValueError(f"synthetic weights cannot be written as {qt.name}") from None
+        w.add_tensor(name, data, raw_dtype=qt if qt != T.F16 else None)
+
+
+def _random_blocks(shape: tuple[int, int], qt: T, std: float, rng: np.random.Generator) -> np.ndarray:
+    """Random blocks of a K-quant type whose dequantized values have roughly standard deviation `std`."""
+    block, type_size = GGML_QUANT_SIZES[qt]
+    rows, cols = shape
+    blocks = rng.integers(0, 256, size=(rows * cols // block, type_size), dtype=np.uint8)
+    fields = _SCALE_FIELDS[qt]
+
+    def set_scale(scale: np.ndarray) -> None:
+        for off in fields:
+            blocks[:, off : off + 2] = scale.astype(np.float16).view(np.uint8).reshape(-1, 2)
+
+    set_scale(np.full(len(blocks), 1e-2, dtype=np.float32))
+    probe = gguf.quants.dequantize(blocks[: min(len(blocks), 64)], qt)
+    factor = std / max(float(probe.std()), 1e-12)
+    set_scale(np.full(len(blocks), 1e-2 * factor, dtype=np.float32))
+    return blocks.reshape(rows, cols // block * type_size)
+
+
+def _tokenizer(arch: str, vocab_size: int | None):
+    """(tokens, scores, types, merges, special-token roles) of a tiny SPM or BPE vocabulary."""
+    if arch in ("llama", "gemma3"):
+        tokens, scores, types, merges, special = _spm_vocab(arch)
+    else:
+        tokens, scores, types, merges, special = _bpe_vocab()
+    if vocab_size is not None:
+        if vocab_size < len(tokens):
+            raise ValueError(f"vocab_size {vocab_size} is smaller than the base vocabulary of {len(tokens)}")
+        i = 0
+        have = set(tokens)
+        space = "\u2581" if arch in ("llama", "gemma3") else "\u0120"
+        while len(tokens) < vocab_size:
+            piece = f"{space}x{i:x}"
+            i += 1
+            if piece not in have:
+                tokens.append(piece)
+                scores.append(-1e4 - i)
+                types.append(gguf.TokenType.NORMAL)
+    return tokens, scores, types, merges, special
+
+
+def _spm_vocab(arch: str):
+    tokens = ["<pad>", "<eos>", "<bos>", "<unk>"]
+    types = [gguf.TokenType.CONTROL, gguf.TokenType.CONTROL, gguf.TokenType.CONTROL, gguf.TokenType.UNKNOWN]
+    if arch == "gemma3":
+        tokens += ["<start_of_turn>", "<end_of_turn>"]
+        types += [gguf.TokenType.CONTROL, gguf.TokenType.CONTROL]
+    scores = [-1000.0] * len(tokens)
+    tokens += [f"<0x{b:02X}>" for b in range(256)]
+    types += [gguf.TokenType.BYTE] * 256
+    scores += [0.0] * 256
+    # Word pieces: characters, then whole words with and without a leading "▁", then their
+    # prefixes, so that merging reaches every word; longer pieces score higher.
+    pieces: dict[str, float] = {}
+    for c in "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789.,!?'\"-:;()\n\u2581":
+        pieces[c] = -100.0
+    for rank, word in enumerate(_WORDS):
+        for piece in (f"\u2581{word}", word):
+            for end in range(2, len(piece) + 1):
+                pieces.setdefault(piece[:end], -50.0 + end - rank * 1e-3)
+    tokens += list(pieces)
+    scores += list(pieces.values())
+    types += [gguf.TokenType.NORMAL] * len(pieces)
+    special = {"bos": "<bos>", "eos": "<eos>", "unk": "<unk>", "pad": "<pad>"}
+    return tokens, scores, types, [], special
+
+
+def _bpe_vocab():
+    byte_chars = list(_bytes_to_unicode().values())
+    tokens = list(byte_chars)
+    merges: list[str] = []
+    # Learn merges greedily from the word list (each word preceded by a space, "Ġ"), as BPE training does.
+    words = Counter({tuple("\u0120" + w): 3 for w in _WORDS} | {tuple(w): 1 for w in _WORDS})
+    vocab = set(tokens)
+    for _ in range(400):
+        pairs: Counter = Counter()
+        for word, n in words.items():
+            for a, b in zip(word, word[1:]):
+                pairs[a, b] += n
+        if not pairs:
+            break
+        (a, b), _count = max(pairs.items(), key=lambda kv: (kv[1], kv[0]))
+        merges.append(f"{a} {b}")
+        if a + b not in vocab:
+            vocab.add(a + b)
+            tokens.append(a + b)
+        words = Counter({_merge(word, a, b): n for word, n in words.items()})
+    types = [gguf.TokenType.NORMAL] * len(tokens)
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    tokens += specials
+    types += [gguf.TokenType.CONTROL] * len(specials)
+    scores = [0.0] * len(tokens)
+    special = {"bos": "<|endoftext|>", "eos": "<|im_end|>", "pad": "<|endoftext|>"}
+    return tokens, scores, types, merges, special
+
+
+def _merge(word: tuple, a: str, b: str) -> tuple:
+    out, i = [], 0
+    while i < len(word):
+        if i + 1 < len(word) and word[i] == a and word[i + 1] == b:
+            out.append(a + b)
+            i += 2
+        else:
+            out.append(word[i])
+            i += 1
+    return tuple(out)
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable character map."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, map(chr, cs)))

@@ -1,0 +1,57 @@
+"""The synthetic-model writer: every architecture and weight type reads back with our reader, dequantizer and tokenizer."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from hydra_console.engine.gguf_file import GGUFFile
+from hydra_console.engine.quant import dequantize
+from hydra_console.engine.synth import write_synthetic
+from hydra_console.engine.tokenizer import Tokenizer
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma3"])
+def test_architecture_metadata_and_tensors(tiny_model, arch):
+    g = GGUFFile(tiny_model(arch))
+    assert g.architecture == arch
+    assert g.metadata[f"{arch}.block_count"] == 2
+    assert g.tensors["blk.1.attn_k.weight"].shape == (2 * 16, 64)
+    assert ("output.weight" in g.tensors) == (arch != "gemma3")
+    assert ("blk.0.attn_q.bias" in g.tensors) == (arch == "qwen2")
+    assert ("blk.0.attn_q_norm.weight" in g.tensors) == (arch in ("qwen3", "gemma3"))
+    assert ("blk.0.post_ffw_norm.weight" in g.tensors) == (arch == "gemma3")
+    tok = Tokenizer.from_gguf(g)
+    text = "hello world, the quick brown fox jumps"
+    assert tok.decode(tok.encode(text, add_special=False)) == text
+    assert tok.eos_id in tok.eog_ids
+
+
+def test_gemma3_has_window_and_chat_tokens(tiny_model):
+    g = GGUFFile(tiny_model("gemma3"))
+    assert g.metadata["gemma3.attention.sliding_window"] == 8
+    tok = Tokenizer.from_gguf(g)
+    ids = tok.encode("<start_of_turn>user\nhi<end_of_turn>")
+    assert ids[1] == g.metadata["tokenizer.ggml.tokens"].index("<start_of_turn>")
+
+
+@pytest.mark.parametrize("qtype", ["F16", "BF16", "Q8_0", "Q4_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"])
+def test_weight_types_are_scaled_random_weights(tmp_path, qtype):
+    shape = dict(n_embd=256, n_ff=256) if qtype.endswith("_K") else {}
+    g = GGUFFile(write_synthetic(tmp_path / "m.gguf", "llama", qtype=qtype, **shape))
+    t = g.tensors["blk.0.ffn_up.weight"]
+    assert t.ggml_type.name == qtype
+    w = dequantize(g.raw(t.name), t.ggml_type, t.shape)
+    n_embd = t.shape[1]
+    assert abs(float(w.std()) * np.sqrt(n_embd) - 1.0) < 0.3  # std ~ 1/sqrt(fan_in)
+    assert g.tensors["blk.0.attn_norm.weight"].ggml_type.name == "F32"
+
+
+def test_vocab_size_pads_and_bad_shapes_are_refused(tmp_path):
+    g = GGUFFile(write_synthetic(tmp_path / "big.gguf", "llama", vocab_size=5000))
+    assert len(g.metadata["tokenizer.ggml.tokens"]) == 5000
+    assert g.tensors["token_embd.weight"].shape == (5000, 64)
+    with pytest.raises(ValueError, match="block size"):
+        write_synthetic(tmp_path / "bad.gguf", "llama", qtype="Q4_K")
+    with pytest.raises(ValueError, match="unsupported architecture"):
+        write_synthetic(tmp_path / "bad.gguf", "mamba")
