@@ -25,6 +25,7 @@ from .errors import UserError
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
 
 SPM_SPACE = "\u2581"  # "▁"
+_SPM_SPACE_UTF8 = SPM_SPACE.encode("utf-8")
 
 # Texts llama.cpp treats as end-of-generation whatever the metadata says (and forces to CONTROL).
 END_OF_TURN_TEXTS = (
@@ -530,7 +531,9 @@ class Tokenizer:
             first = 1 if ids[0] == self.bos_id and len(ids) > 1 else 0
             if self._types[ids[first]] == NORMAL and pieces[first].startswith(b" "):
                 pieces[first] = pieces[first][1:]
-        return b"".join(pieces)
+        text = b"".join(pieces)
+        # "▁" means a space in SPM, also when it came as byte-fallback tokens (vocab without "▁")
+        return text.replace(_SPM_SPACE_UTF8, b" ") if self.is_spm else text
 
     def decode(self, ids: Iterable[int], skip_special: bool = False) -> str:
         """Text of `ids`; byte-fallback tokens are joined into UTF-8 first (bad bytes become U+FFFD)."""
@@ -559,7 +562,8 @@ class StreamDecoder:
     def push(self, tid: int) -> str:
         if self.skip_special and self.tok.is_special(tid):
             return ""
-        return self._utf8.decode(self.tok.token_bytes(tid))
+        text = self._utf8.decode(self.tok.token_bytes(tid))
+        return text.replace(SPM_SPACE, " ") if self.tok.is_spm else text
 
     def flush(self) -> str:
         """What is still held back (an incomplete character becomes U+FFFD); resets the decoder."""
