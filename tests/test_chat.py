@@ -1,0 +1,168 @@
+"""Chat templates: the GGUF's jinja template, the built-in fallbacks by architecture, bad messages."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import pytest
+
+from hydra_console.engine.chat import ChatError, ChatTemplate, apply_chat_template, normalize_messages
+from hydra_console.engine.default_model import default_model_path
+from hydra_console.engine.errors import UserError
+from hydra_console.engine.gguf_file import GGUFFile
+from hydra_console.engine.tokenizer import BYTE_TO_UNICODE, CONTROL, NORMAL, Tokenizer
+
+CHAT = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": " Hi there "},
+    {"role": "assistant", "content": "Hello."},
+    {"role": "user", "content": [{"type": "text", "text": "Why"}, {"type": "text", "text": "not?"}]},
+]
+
+# The classic ChatML template as shipped in many GGUFs.
+CHATML_JINJA = (
+    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n'}}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|begin_of_text|>", "<|start_header_id|>",
+            "<|end_header_id|>", "<|eot_id|>"]  # fmt: skip
+
+
+def write_model(path: Path, arch: str, template: str | None = None, add_bos: bool = False) -> GGUFFile:
+    """A vocabulary-only GGUF: byte-level BPE tokens plus the chat special tokens."""
+    tokens = list(BYTE_TO_UNICODE) + SPECIALS
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("qwen2")
+    w.add_token_list(tokens)
+    w.add_token_types([NORMAL] * 256 + [CONTROL] * len(SPECIALS))
+    w.add_token_merges(["Ġ t"])
+    w.add_bos_token_id(tokens.index("<|begin_of_text|>"))
+    w.add_eos_token_id(tokens.index("<|endoftext|>"))
+    w.add_add_bos_token(add_bos)
+    if template is not None:
+        w.add_chat_template(template)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return GGUFFile(path)
+
+
+def render(tmp_path, arch, messages=CHAT, template=None, add_bos=False, **kw) -> str:
+    g = write_model(tmp_path / f"{arch}.gguf", arch, template, add_bos)
+    return apply_chat_template(Tokenizer.from_gguf(g), g, messages, **kw)
+
+
+@pytest.fixture(scope="module")
+def gemma():
+    g = GGUFFile(default_model_path())
+    return g, Tokenizer.from_gguf(g)
+
+
+def test_default_model_uses_gemma_turns(gemma):
+    g, tok = gemma
+    assert "tokenizer.chat_template" not in g.metadata
+    prompt = apply_chat_template(tok, g, CHAT)
+    assert prompt == (
+        "<start_of_turn>user\nBe brief.\n\nHi there<end_of_turn>\n"
+        "<start_of_turn>model\nHello.<end_of_turn>\n"
+        "<start_of_turn>user\nWhy\nnot?<end_of_turn>\n"
+        "<start_of_turn>model\n"
+    )
+    ids = tok.encode(prompt)
+    start = tok.token_to_id["<start_of_turn>"]
+    assert ids[:2] == [tok.bos_id, start] and ids.count(start) == 4
+    assert ids.count(tok.token_to_id["<end_of_turn>"]) == 3
+    no_prompt = apply_chat_template(tok, g, CHAT[:2], add_generation_prompt=False)
+    assert no_prompt == "<start_of_turn>user\nBe brief.\n\nHi there<end_of_turn>\n"
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "some-new-arch"])
+def test_chatml_fallback(tmp_path, arch):
+    assert render(tmp_path, arch) == (
+        "<|im_start|>system\nBe brief.<|im_end|>\n"
+        "<|im_start|>user\n Hi there <|im_end|>\n"
+        "<|im_start|>assistant\nHello.<|im_end|>\n"
+        "<|im_start|>user\nWhy\nnot?<|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
+
+
+def test_gguf_template_is_used_and_matches_chatml_fallback(tmp_path):
+    assert render(tmp_path, "llama", template=CHATML_JINJA) == render(tmp_path, "qwen2")
+    assert render(tmp_path, "llama", template=CHATML_JINJA, add_generation_prompt=False).endswith("not?<|im_end|>\n")
+
+
+def test_llama3_fallback(tmp_path):
+    assert render(tmp_path, "llama", CHAT[:2]) == (
+        "<|start_header_id|>system<|end_header_id|>\n\nBe brief.<|eot_id|>"
+        "<|start_header_id|>user<|end_header_id|>\n\nHi there<|eot_id|>"
+        "<|start_header_id|>assistant<|end_header_id|>\n\n"
+    )
+
+
+def test_template_variables_and_bos_handling(tmp_path):
+    template = (
+        "{{ bos_token }}{% for m in messages %}{% if loop.index0 > 5 %}{% break %}{% endif %}"
+        "[{{ m.role }}|{{ m.content | tojson }}]{% endfor %}{{ eos_token }}|{{ strftime_now('%Y') | length }}"
+    )
+    msgs = [{"role": "developer", "content": "ü"}, {"role": "user", "content": "x"}]
+    # add_bos: the tokenizer adds BOS itself, so the template's one is dropped
+    assert render(tmp_path, "qwen2", msgs, template, add_bos=True) == '[system|"ü"][user|"x"]<|endoftext|>|4'
+    assert render(tmp_path, "qwen2", msgs, template, add_bos=False).startswith('<|begin_of_text|>[system|"ü"]')
+
+
+def test_raise_exception_is_a_user_error(tmp_path):
+    template = "{% if messages[0].role != 'user' %}{{ raise_exception('first message must be from the user') }}{% endif %}ok"
+    with pytest.raises(ChatError, match="first message must be from the user") as e:
+        render(tmp_path, "qwen2", CHAT, template)
+    assert isinstance(e.value, UserError)
+    assert render(tmp_path, "qwen2", CHAT[1:], template) == "ok"
+
+
+@pytest.mark.parametrize(
+    "template, error",
+    [
+        ("{% for m in messages %}", "does not parse"),
+        ("{{ messages.__class__.__mro__[1].__subclasses__() }}", "failed"),
+        ("{{ messages[0].content.nope() }}", "failed"),
+    ],
+)
+def test_broken_or_unsafe_templates(tmp_path, template, error):
+    with pytest.raises(ChatError, match=error):
+        render(tmp_path, "qwen2", CHAT, template)
+
+
+@pytest.mark.parametrize(
+    "messages, error",
+    [
+        ([], "must not be empty"),
+        ("hello", "must be a list"),
+        ([{"content": "hi"}], r"messages\[0\] has no role"),
+        ([{"role": "user"}], r"messages\[0\] \(user\) has no content"),
+        ([{"role": "user", "content": "a"}, {"role": "robot", "content": "b"}], r"messages\[1\] has unknown role 'robot'"),
+        ([{"role": "user", "content": 5}], "must be a string or a list of text parts"),
+        ([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}], "only text parts"),
+        (["hi"], r"messages\[0\] must be an object"),
+    ],
+)
+def test_invalid_messages(gemma, messages, error):
+    g, tok = gemma
+    with pytest.raises(ChatError, match=error):
+        apply_chat_template(tok, g, messages)
+
+
+def test_normalize_keeps_tool_calls_and_extra_keys():
+    msgs = normalize_messages(
+        [{"role": "user", "content": "q"}, {"role": "assistant", "content": None, "tool_calls": [{"id": "1"}], "name": "a"}]
+    )
+    assert msgs[1] == {"role": "assistant", "content": "", "tool_calls": [{"id": "1"}], "name": "a"}
+
+
+def test_chat_template_object_reusable():
+    t = ChatTemplate(CHATML_JINJA)
+    assert t.render([{"role": "user", "content": "a"}]) == "<|im_start|>user\na<|im_end|>\n<|im_start|>assistant\n"
+    assert t.render([{"role": "user", "content": "b"}], add_generation_prompt=False) == "<|im_start|>user\nb<|im_end|>\n"
