@@ -24,8 +24,10 @@ warnings.filterwarnings("ignore", message="The given (NumPy array|buffer) is not
 # IQ4_NL / IQ4_XS non-linear 4-bit code book (ggml's kvalues_iq4nl).
 _IQ4NL_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 
-# Decoded blocks per step: bounds the temporaries of a huge tensor to a few MB each (and keeps them in cache).
+# Elements decoded per step: bounds the temporaries of a huge tensor (a few MB each on CPU, where
+# small steps also stay in cache); on a GPU each step costs a dozen kernel launches, so steps are large.
 _CHUNK_ELEMENTS = 1 << 20
+_CHUNK_ELEMENTS_GPU = 1 << 26
 
 
 class QuantError(UserError):
@@ -216,7 +218,7 @@ def _decode(data: torch.Tensor, qt: T, n_elements: int) -> torch.Tensor:
         return torch.empty(0, dtype=torch.float32, device=data.device)
     blocks = data.view(-1, type_size)
     decoder = _BLOCK_DECODERS[qt]
-    step = max(1, _CHUNK_ELEMENTS // block)
+    step = max(1, (_CHUNK_ELEMENTS if data.device.type == "cpu" else _CHUNK_ELEMENTS_GPU) // block)
     if blocks.shape[0] <= step:
         return decoder(blocks).reshape(-1)
     out = torch.empty(n_elements, dtype=torch.float32, device=data.device)
