@@ -1,0 +1,305 @@
+"""Plain functions that turn supervisor state and /status documents into text.
+
+No Textual here: the UI styles what these return (a `tone` per value: ok / warn / error / busy /
+muted), and tests check them without a terminal. Every state carries a symbol and a word, so
+nothing depends on colour (NO_COLOR, colour-blind users, a monochrome SSH terminal).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from dataclasses import dataclass
+
+from .config import Alerts
+from .supervisor import Event, State, Supervisor, Worker, describe_exit
+
+STATE_LOOK: dict[State, tuple[str, str]] = {  # state -> (symbol, tone)
+    State.READY: ("●", "ok"),
+    State.STARTING: ("◐", "busy"),
+    State.DEGRADED: ("▲", "warn"),
+    State.BACKOFF: ("↻", "warn"),
+    State.CRASHED: ("✖", "error"),
+    State.STOPPING: ("◌", "busy"),
+    State.STOPPED: ("○", "muted"),
+    State.UNREACHABLE: ("✖", "error"),
+}
+
+# Log lines worth a highlight: (label, pattern). First match wins.
+FAILURE_PATTERNS: list[tuple[str, re.Pattern]] = [
+    (label, re.compile(rx, re.IGNORECASE))
+    for label, rx in [
+        ("traceback", r"^Traceback \(most recent call last\)"),
+        ("out of memory", r"CUDA out of memory|OutOfMemoryError|\bout of memory\b|Cannot allocate memory"),
+        ("port in use", r"Address already in use|EADDRINUSE"),
+        ("connection refused", r"Connection refused|ECONNREFUSED"),
+        ("fingerprint mismatch", r"fingerprint mismatch|model mismatch|shape mismatch"),
+        ("timeout", r"timed out|TimeoutError"),
+        ("error", r"^\w*(Error|Exception)\b|\berror:"),
+    ]
+]
+
+
+def state_text(w: Worker, now: float) -> tuple[str, str]:
+    """("● ready", "ok"); backoff shows the seconds left until the next try."""
+    symbol, tone = STATE_LOOK[w.state]
+    word = w.state.value
+    if w.state == State.BACKOFF and w.backoff_until is not None:
+        word = f"backoff {max(0.0, w.backoff_until - now):.0f}s"
+    elif w.state == State.STARTING and w.status and w.status.get("startup_stage"):
+        word = f"starting {w.status['startup_stage']}/4"
+    return f"{symbol} {word}", tone
+
+
+def fmt_duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "—"
+    s = int(max(0, seconds))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    if s < 86400:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    return f"{s // 86400}d{s % 86400 // 3600:02d}h"
+
+
+def fmt_bytes(n: float | None) -> str:
+    if n is None:
+        return "—"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def fmt_rate(tok_s: float | None) -> str:
+    if tok_s is None:
+        return "—"
+    if tok_s >= 1000:
+        return f"{tok_s / 1000:.1f}k tok/s"
+    return f"{tok_s:.1f} tok/s"
+
+
+def fmt_layers(layers) -> str:
+    if not layers or len(layers) != 2:
+        return "—"
+    return f"[{layers[0]},{layers[1]})"
+
+
+def fmt_pct(x: float | None) -> str:
+    return "—" if x is None else f"{x * 100:.0f}%"
+
+
+def bar(used: float | None, total: float | None, width: int = 20) -> str:
+    """`█████░░░░░` filled in proportion; cells are glyphs, not colours."""
+    if not total or used is None or width < 1:
+        return "░" * max(width, 0)
+    frac = min(max(used / total, 0.0), 1.0)
+    full = round(frac * width)
+    return "█" * full + "░" * (width - full)
+
+
+def worker_layers(w: Worker, sup: Supervisor) -> list | None:
+    """This worker's layer range: its own /status stage, else the head's view of the pipeline."""
+    st = w.status or {}
+    for s in st.get("stages") or []:
+        if isinstance(s, dict) and s.get("role") == w.role and s.get("layers"):
+            if w.role == "head" or _addr_port(s.get("addr")) == w.spec.rpc:
+                return s["layers"]
+    ranges = sup.stage_ranges()
+    if ranges:
+        idx = list(sup.workers).index(w.name)
+        if idx < len(ranges):
+            return list(ranges[idx][1])
+    return None
+
+
+def _addr_port(addr) -> int | None:
+    try:
+        return int(str(addr).rsplit(":", 1)[1])
+    except (IndexError, ValueError):
+        return None
+
+
+def worker_devices(w: Worker) -> str:
+    devs = (w.status or {}).get("devices") or []
+    names = [f"{d.get('kind', '?')}:{d.get('index', 0)}" if d.get("kind") == "cuda" else str(d.get("kind", "?")) for d in devs]
+    return ",".join(names) if names else w.spec.device
+
+
+WORKER_COLUMNS = ("worker", "role", "host", "device", "layers", "state", "pid", "uptime", "rst", "exit")
+
+
+def worker_row(w: Worker, sup: Supervisor, now: float) -> tuple[list[str], str]:
+    """One worker-table row (cells as in WORKER_COLUMNS) and the tone of its state cell."""
+    state, tone = state_text(w, now)
+    pid = w.shown_pid()
+    row = [
+        w.name,
+        w.role,
+        w.spec.host if w.managed else f"{w.spec.host} (att)",
+        worker_devices(w),
+        fmt_layers(worker_layers(w, sup)),
+        state,
+        str(pid) if pid else "—",
+        fmt_duration(w.uptime(now)),
+        str(w.restarts),
+        describe_exit(w.last_exit),
+    ]
+    return row, tone
+
+
+@dataclass(frozen=True)
+class MemoryRow:
+    label: str  # "head cuda:0 NVIDIA H200" / "peer1 RAM"
+    used: int | None
+    total: int | None
+    note: str  # extra text, e.g. "cpu 12%"
+    tone: str
+
+
+def memory_rows(sup: Supervisor, alerts: Alerts) -> list[MemoryRow]:
+    """Per-device memory, labelled with the worker that owns it.
+
+    GPU devices from /status; a CPU-only worker shows RAM (its /status, else psutil on its pid).
+    """
+    rows: list[MemoryRow] = []
+    for w in sup.workers.values():
+        devs = [d for d in (w.status or {}).get("devices") or [] if isinstance(d, dict)]
+        for d in devs:
+            kind = d.get("kind", "?")
+            label = f"{w.name} {kind}:{d.get('index', 0)}" if kind == "cuda" else f"{w.name} RAM"
+            used, total = d.get("memory_used"), d.get("memory_total")
+            util = d.get("util")
+            note = f"util {util:.0f}%" if isinstance(util, (int, float)) else ""
+            rows.append(MemoryRow(label, used, total, note, _mem_tone(used, total, alerts)))
+        if not devs and w.rss is not None:
+            import psutil
+
+            total = psutil.virtual_memory().total
+            cpu = f"cpu {w.cpu_pct:.0f}%" if w.cpu_pct is not None else ""
+            rows.append(MemoryRow(f"{w.name} RSS", w.rss, total, cpu, _mem_tone(w.rss, total, alerts)))
+    return rows
+
+
+def _mem_tone(used, total, alerts: Alerts) -> str:
+    if not total or used is None:
+        return "muted"
+    return "warn" if used / total * 100 >= alerts.vram_pct else "ok"
+
+
+def memory_line(row: MemoryRow, width: int = 16) -> str:
+    used = f"{fmt_bytes(row.used)}/{fmt_bytes(row.total)}"
+    tail = f" {row.note}" if row.note else ""
+    return f"{row.label:<14} {bar(row.used, row.total, width)} {used}{tail}"
+
+
+def throughput(sup: Supervisor) -> dict:
+    """Head throughput now + the sparkline histories."""
+    st = sup.head.status or {}
+    thr = st.get("throughput") or {}
+    return {
+        "prefill": thr.get("prefill_tok_s"),
+        "decode": thr.get("decode_tok_s"),
+        "prefill_hist": list(sup.head.prefill_hist),
+        "decode_hist": list(sup.head.decode_hist),
+    }
+
+
+def acceptance_text(status: dict | None) -> str:
+    spec = (status or {}).get("speculative") or {}
+    if not spec or spec.get("type", "off") == "off":
+        return "spec off"
+    acc, mean = spec.get("acceptance"), spec.get("mean_accepted_len")
+    mean_s = "—" if mean is None else f"{mean:.2f}"
+    return f"{spec['type']} accept {fmt_pct(acc)} · mean len {mean_s} · drafts {spec.get('drafts', 0)}"
+
+
+def pool_text(status: dict | None) -> str:
+    pool = (status or {}).get("pool")
+    if not pool:
+        return "pool —"
+    return f"pool {pool.get('busy', 0)}/{pool.get('size', 0)} busy · queued {pool.get('queued', 0)} · dropped {pool.get('dropped', 0)}"
+
+
+def peer_lines(status: dict | None, alerts: Alerts) -> list[tuple[str, str]]:
+    """("127.0.0.1:8091 ● up 0.3 ms [9,18)", tone) per peer the head drives."""
+    out = []
+    for p in (status or {}).get("peers") or []:
+        state = p.get("state", "?")
+        symbol, tone = {"up": ("●", "ok"), "connecting": ("◐", "busy"), "down": ("✖", "error")}.get(state, ("?", "muted"))
+        rtt = p.get("rtt_ms")
+        rtt_s = "—" if rtt is None else f"{rtt:.1f} ms"
+        if tone == "ok" and rtt is not None and rtt >= alerts.rtt_ms:
+            tone = "warn"
+        out.append((f"{p.get('addr', '?')} {symbol} {state} rtt {rtt_s} {fmt_layers(p.get('layers'))}", tone))
+    return out
+
+
+def event_line(ev: Event) -> str:
+    who = f"{ev.worker}: " if ev.worker else ""
+    return f"{time.strftime('%H:%M:%S', time.localtime(ev.ts))} {ev.kind:<9} {who}{ev.message}"
+
+
+EVENT_TONES = {"ready": "ok", "crashed": "error", "killed": "error", "error": "error", "unreachable": "error",
+               "degraded": "warn", "restarted": "warn", "split": "busy"}
+
+
+def failure_label(text: str) -> str | None:
+    for label, rx in FAILURE_PATTERNS:
+        if rx.search(text):
+            return label
+    return None
+
+
+def compile_filter(pattern: str) -> re.Pattern | None:
+    """The `/` filter: a regex, or the literal text when it is not a valid regex."""
+    if not pattern:
+        return None
+    try:
+        return re.compile(pattern, re.IGNORECASE)
+    except re.error:
+        return re.compile(re.escape(pattern), re.IGNORECASE)
+
+
+def filter_lines(lines, pattern: re.Pattern | None, invert: bool = False) -> list:
+    if pattern is None:
+        return list(lines)
+    return [ln for ln in lines if bool(pattern.search(ln.text)) != invert]
+
+
+def log_line_text(line, with_worker: bool) -> str:
+    ts = time.strftime("%H:%M:%S", time.localtime(line.ts))
+    who = f"{line.worker:<6} " if with_worker else ""
+    return f"{ts} {who}{line.text}"
+
+
+def snapshot(sup: Supervisor) -> dict:
+    """The `--once --json` document: one entry per worker, /status included as reported."""
+    now = sup.clock()
+    out = []
+    for w in sup.workers.values():
+        p = w.probe
+        out.append(
+            {
+                "name": w.name,
+                "role": w.role,
+                "url": w.spec.url,
+                "state": w.state.value,
+                "reachable": bool(p and p.reachable),
+                "error": p.error if p else None,
+                "pid": w.shown_pid(),
+                "uptime_s": w.uptime(now),
+                "layers": worker_layers(w, sup),
+                "health": p.health if p else None,
+                "status": p.status if p else None,
+            }
+        )
+    return {"profile": sup.profile.name, "time": now, "workers": out}
+
+
+def snapshot_json(sup: Supervisor) -> str:
+    return json.dumps(snapshot(sup), indent=2, sort_keys=False)

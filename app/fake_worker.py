@@ -1,0 +1,105 @@
+"""A stand-in worker: takes `hydra-engine serve|peer` flags and serves /health and /status.
+
+For console demos, its tests and the polling benchmark on machines where loading a model is not
+wanted: `engine_command = "python -m hydra_console.app.fake_worker"` in a profile makes the
+supervisor start these instead of real workers. It reports "starting" for --startup-delay
+seconds, then "ok", with the layer ranges its --split implies (the /status schema of
+docs/ARCHITECTURE.md). It loads no model and opens no RPC port.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from .split_plan import even_split, parse_split, ranges
+
+
+def build_status(args, started: float) -> dict:
+    n_stages = 1 + len(args.peer)
+    counts = parse_split(args.split, args.layers) if args.split else even_split(args.layers, n_stages)
+    stage_ranges = ranges(counts)
+    stages = [{"role": "head", "addr": f"{args.rpc_host}:{args.rpc_port}", "layers": list(stage_ranges[0]), "device": "cpu", "state": "ok"}]
+    stages += [
+        {"role": "peer", "addr": addr, "layers": list(r), "device": "cpu", "state": "ok"}
+        for addr, r in zip(args.peer, stage_ranges[1:])
+    ]
+    up = time.time() - started
+    ready = up >= args.startup_delay
+    return {
+        "role": args.command if args.command == "peer" else "head",
+        "pid": os.getpid(),
+        "version": "fake",
+        "uptime_s": round(up, 1),
+        "state": "ok" if ready else "starting",
+        "startup_stage": 4 if ready else 1,
+        "http": {"host": args.host, "port": args.port},
+        "rpc": {"host": args.rpc_host, "port": args.rpc_port},
+        "model": {"name": "fake", "path": args.model or "", "arch": "fake", "n_layers": args.layers, "fingerprint": "0"},
+        "stages": stages if args.command == "serve" else [],
+        "devices": [{"index": 0, "kind": "cpu", "name": "cpu", "memory_used": 1 << 30, "memory_total": 8 << 30, "util": None}],
+        "throughput": {"prefill_tok_s": 0.0, "decode_tok_s": 0.0, "prefill_tokens_total": 0, "decode_tokens_total": 0},
+        "speculative": {"type": "off", "draft_max": 3, "drafts": 0, "draft_tokens": 0, "accepted": 0,
+                        "acceptance": None, "mean_accepted_len": None, "recent_acceptance": None},
+        "pool": {"size": 2, "busy": 0, "queued": 0, "queue_max": 64, "dropped": 0, "accepted": 0},
+        "peers": [{"addr": a, "state": "up", "rtt_ms": 0.3, "layers": list(r), "bytes_sent": 0, "bytes_recv": 0}
+                  for a, r in zip(args.peer, stage_ranges[1:])] if args.command == "serve" else [],
+        "slots": [],
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="fake_worker")
+    ap.add_argument("command", choices=["serve", "peer"])
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=8080)
+    ap.add_argument("--rpc-host", default="127.0.0.1")
+    ap.add_argument("--rpc-port", type=int, default=None)
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--peer", action="append", default=[])
+    ap.add_argument("--split", default=None)
+    ap.add_argument("--layers", type=int, default=18, help="layer count of the pretend model")
+    ap.add_argument("--startup-delay", type=float, default=0.5)
+    args, _ = ap.parse_known_args(argv)
+    args.rpc_port = args.rpc_port or args.port + 1
+    started = time.time()
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self):
+            doc = build_status(args, started)
+            if self.path == "/health":
+                ok = doc["state"] == "ok"
+                body = {"status": doc["state"], "startup_stage": doc["startup_stage"], "has_model": ok,
+                        "model_name": "fake", "rpc_active": ok}
+                code = 200 if ok else 503
+            elif self.path == "/status":
+                body, code = doc, 200
+            else:
+                body, code = {"error": "not found"}, 404
+            data = json.dumps(body).encode()
+            self.send_response(code)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, fmt, *a):
+            pass
+
+    server = ThreadingHTTPServer((args.host, args.port), Handler)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    print(f"fake {args.command} listening on {args.host}:{args.port} split={args.split}", flush=True)
+    try:
+        server.serve_forever(poll_interval=0.2)
+    finally:
+        server.server_close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

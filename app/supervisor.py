@@ -1,0 +1,534 @@
+"""Process supervision of the head and peer workers (asyncio; no Textual import).
+
+Each started worker runs in its own session/process group so a stop reaches everything it
+spawned: SIGTERM to the group, a grace period (10 s by default), then SIGKILL. A worker that
+exits while it is wanted is restarted after a backoff of 1 s doubling to 30 s; one that ran for
+`healthy_reset_s` before it died starts again from 1 s. stdout/stderr go line by line into a
+ring buffer (per worker and merged) and a log file per worker. Every `poll_s` the supervisor
+probes /health and /status of each worker through a `StatusSource` and derives its state.
+
+Observers (the UI) read `workers`, `events`, `merged_log` and call the async commands; they get
+each new `Event` through `subscribe`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import shlex
+import signal
+import sys
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from enum import Enum
+from pathlib import Path
+from typing import Callable
+
+import psutil
+
+from ..engine.errors import UserError
+from . import control_client
+from .config import DEFAULT_SSH_TEMPLATE, Profile, WorkerSpec, state_dir
+from .sources import HttpStatusSource, Probe, StatusSource
+from .split_plan import split_arg
+
+HISTORY = 120  # samples kept for sparklines (2 min at 1 Hz)
+LINE_LIMIT = 1 << 20  # longest stdout line read in one piece
+
+
+class State(str, Enum):
+    STOPPED = "stopped"
+    STARTING = "starting"
+    READY = "ready"
+    DEGRADED = "degraded"
+    BACKOFF = "backoff"  # crashed, waiting to restart
+    CRASHED = "crashed"  # crashed, auto-restart off
+    STOPPING = "stopping"
+    UNREACHABLE = "unreachable"  # attached worker that does not answer
+
+
+class SupervisorError(UserError):
+    """A command the supervisor cannot carry out (the UI shows the message)."""
+
+
+@dataclass(frozen=True)
+class Event:
+    ts: float
+    worker: str  # "" for console-wide events
+    kind: str  # started, ready, degraded, unreachable, crashed, restarted, stopping, killed, stopped, split, error
+    message: str
+
+
+@dataclass(frozen=True)
+class LogLine:
+    seq: int
+    ts: float
+    worker: str
+    stream: str  # "out" | "err"
+    text: str
+
+
+class Backoff:
+    """1 s, 2 s, 4 s … capped at `maximum`; `reset()` after a healthy run."""
+
+    def __init__(self, initial: float = 1.0, maximum: float = 30.0):
+        self.initial, self.maximum = initial, maximum
+        self._next = initial
+
+    def next(self) -> float:
+        delay = self._next
+        self._next = min(self._next * 2, self.maximum)
+        return delay
+
+    def reset(self) -> None:
+        self._next = self.initial
+
+
+def describe_exit(code: int | None) -> str:
+    """Exit status for people: 0, 1, SIGKILL (asyncio reports signals as negative codes)."""
+    if code is None:
+        return "—"
+    if code < 0:
+        try:
+            return signal.Signals(-code).name
+        except ValueError:
+            return f"signal {-code}"
+    return str(code)
+
+
+@dataclass
+class Worker:
+    spec: WorkerSpec
+    role: str  # "head" | "peer"
+    managed: bool  # started by this console (False: attached, monitor only)
+    log: deque
+    log_path: Path | None
+    backoff: Backoff
+    state: State = State.STOPPED
+    pid: int | None = None
+    started_at: float | None = None
+    ready_at: float | None = None
+    restarts: int = 0
+    last_exit: int | None = None
+    backoff_until: float | None = None
+    probe: Probe | None = None
+    prefill_hist: deque = field(default_factory=lambda: deque(maxlen=HISTORY))
+    decode_hist: deque = field(default_factory=lambda: deque(maxlen=HISTORY))
+    cpu_pct: float | None = None  # psutil, local started workers only
+    rss: int | None = None
+    wanted: bool = False  # should be running (drives auto-restart)
+    proc: asyncio.subprocess.Process | None = None
+    _watch: asyncio.Task | None = None
+    _restart: asyncio.Task | None = None
+    _ps: psutil.Process | None = None
+    _log_file: object = None
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def status(self) -> dict | None:
+        return self.probe.status if self.probe else None
+
+    @property
+    def running(self) -> bool:
+        return self.proc is not None
+
+    def uptime(self, now: float) -> float | None:
+        if self.managed:
+            return now - self.started_at if self.running and self.started_at is not None else None
+        st = self.status
+        return float(st["uptime_s"]) if st and isinstance(st.get("uptime_s"), (int, float)) else None
+
+    def shown_pid(self) -> int | None:
+        if self.managed:
+            return self.pid if self.running else None
+        st = self.status
+        return st.get("pid") if st else None
+
+
+def _connect_host(host: str) -> str:
+    return "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+
+
+class Supervisor:
+    def __init__(
+        self,
+        profile: Profile,
+        *,
+        source: StatusSource | None = None,
+        attach: bool = False,
+        clock: Callable[[], float] = time.time,
+        log_dir: str | Path | None = None,
+        auto_restart: bool = True,
+    ):
+        self.profile = profile
+        self.settings = profile.supervisor
+        self.source = source or HttpStatusSource()
+        self.clock = clock
+        self.auto_restart = auto_restart
+        self.attach_only = attach
+        self.log_dir = Path(log_dir or self.settings.log_dir or state_dir() / "logs")
+        self.events: deque[Event] = deque(maxlen=1000)
+        self.merged_log: deque[LogLine] = deque(maxlen=self.settings.ring_lines * 2)
+        self.workers: dict[str, Worker] = {}
+        for i, spec in enumerate(profile.workers):
+            managed = not (attach or spec.attach)
+            self.workers[spec.name] = Worker(
+                spec=spec,
+                role="head" if i == 0 else "peer",
+                managed=managed,
+                log=deque(maxlen=self.settings.ring_lines),
+                log_path=self.log_dir / f"{profile.name}-{spec.name}.log" if managed else None,
+                backoff=Backoff(self.settings.backoff_initial_s, self.settings.backoff_max_s),
+            )
+        self._listeners: list[Callable[[Event], None]] = []
+        self._seq = itertools.count()
+        self._tasks: set[asyncio.Task] = set()
+        self._poller: asyncio.Task | None = None
+        self._last_ranges: tuple | None = None
+
+    # ---- observation -------------------------------------------------------------------------
+
+    def subscribe(self, fn: Callable[[Event], None]) -> Callable[[], None]:
+        self._listeners.append(fn)
+        return lambda: self._listeners.remove(fn) if fn in self._listeners else None
+
+    def emit(self, worker: str, kind: str, message: str) -> Event:
+        ev = Event(self.clock(), worker, kind, message)
+        self.events.append(ev)
+        for fn in list(self._listeners):
+            fn(ev)
+        return ev
+
+    @property
+    def head(self) -> Worker:
+        return self.workers[self.profile.head.name]
+
+    def worker(self, name: str) -> Worker:
+        try:
+            return self.workers[name]
+        except KeyError:
+            raise SupervisorError(f"no worker named {name!r}") from None
+
+    def running_managed(self) -> list[Worker]:
+        """Workers this console started that are still up (what quitting would stop)."""
+        return [w for w in self.workers.values() if w.managed and (w.running or w.state == State.BACKOFF)]
+
+    def stage_ranges(self) -> list[tuple[str, tuple[int, int]]] | None:
+        """Layer ranges the head reports in /status, pipeline order."""
+        st = self.head.status
+        if not st or not isinstance(st.get("stages"), list):
+            return None
+        out = []
+        for s in st["stages"]:
+            layers = s.get("layers") if isinstance(s, dict) else None
+            if isinstance(layers, list) and len(layers) == 2:
+                out.append((str(s.get("addr") or s.get("role") or "?"), (int(layers[0]), int(layers[1]))))
+        return out or None
+
+    # ---- commands ----------------------------------------------------------------------------
+
+    def command_for(self, name: str) -> list[str]:
+        """argv that starts worker `name` (through its ssh launcher when remote)."""
+        p = self.profile
+        w = self.worker(name)
+        spec = w.spec
+        bind = spec.host if spec.is_local else "0.0.0.0"
+        rpc_bind = spec.rpc_host or (spec.host if spec.is_local else "0.0.0.0")
+        args = ["serve" if w.role == "head" else "peer"]
+        if p.model:
+            args += ["--model", p.model]
+        args += ["--host", bind, "--port", str(spec.port), "--rpc-host", rpc_bind, "--rpc-port", str(spec.rpc)]
+        args += ["--device", spec.device, "--ctx", str(p.ctx)]
+        if w.role == "head":
+            args += ["--parallel", str(p.parallel)]
+            for peer in p.peers:
+                args += ["--peer", f"{_connect_host(peer.host)}:{peer.rpc}"]
+            if p.split:
+                args += ["--split", split_arg(p.split)]
+            sp = p.speculative
+            if sp.type != "off":
+                args += ["--spec-type", sp.type, "--draft-max", str(sp.draft_max)]
+                if sp.model_draft:
+                    args += ["--model-draft", sp.model_draft]
+        args += spec.args
+        if spec.is_local:
+            prefix = shlex.split(p.engine_command) if p.engine_command else [sys.executable, "-m", "hydra_console.engine.cli"]
+            return prefix + args
+        remote = shlex.join(shlex.split(p.engine_command or "hydra-engine") + args)
+        # Substitute per token so the remote command stays one argument for ssh to hand to the remote shell.
+        return [
+            remote if tok == "{command}" else tok.format(host=spec.host, command=remote)
+            for tok in shlex.split(spec.launcher or DEFAULT_SSH_TEMPLATE)
+        ]
+
+    async def start(self) -> None:
+        """Begin polling and start every managed worker (peers first: the head waits for them)."""
+        if self._poller is None:
+            self._poller = asyncio.create_task(self._poll_loop())
+        for w in [*list(self.workers.values())[1:], self.head]:
+            if w.managed and not w.running:
+                await self.start_worker(w.name)
+
+    async def start_worker(self, name: str) -> None:
+        w = self.worker(name)
+        if not w.managed:
+            raise SupervisorError(f"{name} is attached (monitor only); this console does not start it")
+        if w.running:
+            return
+        w.wanted = True
+        w.backoff.reset()
+        await self._spawn(w)
+
+    async def stop_worker(self, name: str, grace: float | None = None) -> None:
+        w = self.worker(name)
+        if not w.managed:
+            raise SupervisorError(f"{name} is attached (monitor only); this console does not stop it")
+        grace = self.settings.grace_s if grace is None else grace
+        w.wanted = False
+        if w._restart is not None:
+            w._restart.cancel()
+            w._restart = None
+        if w.proc is None:
+            w.state = State.STOPPED
+            w.backoff_until = None
+            return
+        pid, watch = w.pid, w._watch
+        w.state = State.STOPPING
+        self.emit(name, "stopping", f"SIGTERM to pid {pid}")
+        self._signal_group(pid, signal.SIGTERM)
+        try:
+            await asyncio.wait_for(asyncio.shield(watch), grace)
+        except asyncio.TimeoutError:
+            self.emit(name, "killed", f"pid {pid} still running {grace:g} s after SIGTERM: SIGKILL")
+            self._signal_group(pid, signal.SIGKILL)
+            await watch
+
+    async def restart_worker(self, name: str) -> None:
+        w = self.worker(name)
+        old = w.pid if w.running else None
+        await self.stop_worker(name)
+        w.restarts += 1
+        w.wanted = True
+        w.backoff.reset()
+        await self._spawn(w)
+        self.emit(name, "restarted", f"by operator (pid {old or '—'} → {w.pid or '—'})")
+
+    async def apply_split(self, counts: list[int]) -> str:
+        """Re-split live through the head's CONFIGURE op; else restart the head with --split.
+
+        Peers take no split flag (the head assigns their layers when it connects), so a restart
+        of the head is the whole rolling restart. Returns "live" or "restart".
+        """
+        if len(counts) != len(self.workers):
+            raise SupervisorError(f"split {split_arg(counts)} has {len(counts)} stages for {len(self.workers)} workers")
+        head = self.head
+        host = _connect_host(head.spec.rpc_host or head.spec.host)
+        try:
+            reply = await control_client.configure(host, head.spec.rpc, {"split": counts})
+            if reply.ok:
+                self.profile.split = list(counts)
+                self.emit(head.name, "split", f"live re-split to {split_arg(counts)}")
+                return "live"
+            reason = reply.status_name + (f": {reply.meta['error']}" if "error" in reply.meta else "")
+        except control_client.ControlError as e:
+            reason = str(e)
+        if not head.managed:
+            raise SupervisorError(f"live re-split refused ({reason}) and {head.name} is attached, so it cannot be restarted")
+        self.profile.split = list(counts)
+        self.emit(head.name, "split", f"live re-split unavailable ({reason}); restarting with --split {split_arg(counts)}")
+        await self.restart_worker(head.name)
+        return "restart"
+
+    async def shutdown(self, stop_workers: bool = True) -> None:
+        """Stop polling and (by default) the workers this console started, head first."""
+        if self._poller is not None:
+            self._poller.cancel()
+            self._poller = None
+        if stop_workers:
+            for w in [self.head, *list(self.workers.values())[1:]]:
+                if w.managed:
+                    await self.stop_worker(w.name)
+        for t in list(self._tasks):
+            t.cancel()
+        await self.source.aclose()
+
+    def kill_all_sync(self, grace: float = 3.0) -> None:
+        """Last resort when the event loop is gone: no started worker may outlive the console."""
+        pids = [w.pid for w in self.workers.values() if w.managed and w.proc is not None and w.pid]
+        for pid in pids:
+            self._signal_group(pid, signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        alive = set(pids)
+        while alive and time.monotonic() < deadline:
+            for pid in list(alive):
+                try:
+                    if os.waitpid(pid, os.WNOHANG)[0] == pid:
+                        alive.discard(pid)
+                except ChildProcessError:
+                    alive.discard(pid)
+            time.sleep(0.05)
+        for pid in alive:
+            self._signal_group(pid, signal.SIGKILL)
+
+    # ---- processes ---------------------------------------------------------------------------
+
+    @staticmethod
+    def _signal_group(pid: int | None, sig: int) -> None:
+        if pid:
+            try:
+                os.killpg(pid, sig)  # pgid == pid: every worker leads its own session
+            except (ProcessLookupError, PermissionError):
+                pass
+
+    def _task(self, coro) -> asyncio.Task:
+        t = asyncio.create_task(coro)
+        self._tasks.add(t)
+        t.add_done_callback(self._tasks.discard)
+        return t
+
+    async def _spawn(self, w: Worker) -> None:
+        argv = self.command_for(w.name)
+        if w._log_file is None and w.log_path is not None:
+            w.log_path.parent.mkdir(parents=True, exist_ok=True)
+            w._log_file = open(w.log_path, "a", buffering=1, encoding="utf-8", errors="replace")
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                *argv,
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE,
+                start_new_session=True,
+                limit=LINE_LIMIT,
+                env=env,
+            )
+        except OSError as e:
+            self.emit(w.name, "error", f"cannot start {argv[0]}: {e.strerror or e}")
+            self._after_exit(w, None)
+            return
+        w.proc, w.pid = proc, proc.pid
+        w.started_at, w.ready_at, w.probe, w.backoff_until = self.clock(), None, None, None
+        w.state = State.STARTING
+        try:
+            w._ps = psutil.Process(proc.pid) if w.spec.is_local else None
+        except psutil.Error:
+            w._ps = None
+        self.emit(w.name, "started", f"pid {proc.pid}: {shlex.join(argv)}")
+        pumps = [self._task(self._pump(w, proc.stdout, "out")), self._task(self._pump(w, proc.stderr, "err"))]
+        w._watch = self._task(self._wait(w, proc, pumps))
+
+    async def _pump(self, w: Worker, stream: asyncio.StreamReader, name: str) -> None:
+        while True:
+            try:
+                raw = await stream.readline()
+            except ValueError:  # longer than LINE_LIMIT: asyncio has already dropped it
+                self._log(w, name, f"[console: a line over {LINE_LIMIT} bytes was dropped]")
+                continue
+            if not raw:
+                return
+            self._log(w, name, raw.decode("utf-8", "replace").rstrip("\r\n"))
+
+    def _log(self, w: Worker, stream: str, text: str) -> None:
+        line = LogLine(next(self._seq), self.clock(), w.name, stream, text)
+        w.log.append(line)
+        self.merged_log.append(line)
+        if w._log_file is not None:
+            w._log_file.write(f"{time.strftime('%Y-%m-%dT%H:%M:%S', time.localtime(line.ts))} {stream} {text}\n")
+
+    async def _wait(self, w: Worker, proc: asyncio.subprocess.Process, pumps: list[asyncio.Task]) -> None:
+        code = await proc.wait()
+        # A grandchild can keep the pipes open after the worker died; do not wait on it forever.
+        await asyncio.wait(pumps, timeout=2.0)
+        for t in pumps:
+            t.cancel()
+        self._after_exit(w, code)
+
+    def _after_exit(self, w: Worker, code: int | None) -> None:
+        now = self.clock()
+        ran = now - w.started_at if w.started_at is not None and w.proc is not None else 0.0
+        w.proc, w._ps, w.cpu_pct, w.rss = None, None, None, None
+        w.last_exit = code
+        if not w.wanted:
+            w.state = State.STOPPED
+            self.emit(w.name, "stopped", f"pid {w.pid} exited ({describe_exit(code)})")
+            return
+        if not self.auto_restart:
+            w.state, w.wanted = State.CRASHED, False
+            self.emit(w.name, "crashed", f"pid {w.pid} exited ({describe_exit(code)}) after {ran:.1f} s")
+            return
+        if ran >= self.settings.healthy_reset_s:
+            w.backoff.reset()
+        delay = w.backoff.next()
+        w.state, w.backoff_until = State.BACKOFF, now + delay
+        self.emit(w.name, "crashed", f"pid {w.pid} exited ({describe_exit(code)}) after {ran:.1f} s; restart in {delay:g} s")
+        w._restart = self._task(self._restart_later(w, delay))
+
+    async def _restart_later(self, w: Worker, delay: float) -> None:
+        await asyncio.sleep(delay)
+        w._restart = None
+        if w.wanted and not w.running:
+            w.restarts += 1
+            await self._spawn(w)
+            self.emit(w.name, "restarted", f"after {delay:g} s backoff (restart {w.restarts})")
+
+    # ---- polling -----------------------------------------------------------------------------
+
+    async def _poll_loop(self) -> None:
+        while True:
+            t0 = time.monotonic()
+            await self.poll_once()
+            await asyncio.sleep(max(0.05, self.settings.poll_s - (time.monotonic() - t0)))
+
+    async def poll_once(self) -> None:
+        targets = [w for w in self.workers.values() if not w.managed or w.running]
+        probes = await asyncio.gather(*(self.source.probe(w.spec) for w in targets), return_exceptions=True)
+        for w, p in zip(targets, probes):
+            if isinstance(p, BaseException):
+                p = Probe(False, error=f"{type(p).__name__}: {p}")
+            self._apply_probe(w, p)
+        self._note_split()
+
+    def _apply_probe(self, w: Worker, p: Probe) -> None:
+        if w.managed and (not w.running or w.state == State.STOPPING):
+            return  # the answer raced a stop or an exit
+        w.probe = p
+        thr = (p.status or {}).get("throughput")
+        if isinstance(thr, dict):
+            w.prefill_hist.append(float(thr.get("prefill_tok_s") or 0.0))
+            w.decode_hist.append(float(thr.get("decode_tok_s") or 0.0))
+        if w._ps is not None:
+            try:
+                w.cpu_pct = w._ps.cpu_percent(None)
+                w.rss = w._ps.memory_info().rss
+            except psutil.Error:
+                w._ps = None
+        hs = p.health_state
+        if hs is None:
+            new = State.STARTING if w.managed else State.UNREACHABLE
+        else:
+            new = {"ok": State.READY, "degraded": State.DEGRADED}.get(hs, State.STARTING)
+        if new == w.state:
+            return
+        w.state = new
+        if new == State.READY:
+            w.ready_at = self.clock()
+            after = f" after {w.ready_at - w.started_at:.1f} s" if w.managed and w.started_at else ""
+            self.emit(w.name, "ready", f"ready{after}")
+        elif new == State.DEGRADED:
+            self.emit(w.name, "degraded", "health reports degraded")
+        elif new == State.UNREACHABLE:
+            self.emit(w.name, "unreachable", p.error or "no answer")
+
+    def _note_split(self) -> None:
+        ranges = self.stage_ranges()
+        if ranges is None:
+            return
+        key = tuple(r for _, r in ranges)
+        if self._last_ranges is not None and key != self._last_ranges:
+            self.emit(self.head.name, "split", "layers now " + " · ".join(f"[{a},{b})" for a, b in key))
+        self._last_ranges = key
