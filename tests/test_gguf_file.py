@@ -217,7 +217,7 @@ def test_fingerprint_stable_and_sensitive_to_the_tensor_table(small_gguf, tmp_pa
     shutil.copyfile(small_gguf, copy)
     fp = GGUFFile(small_gguf).fingerprint
     assert GGUFFile(small_gguf).fingerprint == fp == GGUFFile(copy).fingerprint
-    assert len(fp) == 32 and int(fp, 16) >= 0
+    assert len(fp) == 32 and set(fp) <= set("0123456789abcdef")
 
     reshaped = {"f32.mat": (np.zeros((5, 3), dtype=np.float32), None)}
     original = {"f32.mat": (np.zeros((3, 5), dtype=np.float32), None)}
