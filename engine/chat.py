@@ -11,12 +11,15 @@ import json
 from collections.abc import Mapping, Sequence
 from datetime import datetime
 from functools import lru_cache
+from typing import TYPE_CHECKING
 
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from .errors import UserError
-from .tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from .tokenizer import Tokenizer
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -66,6 +69,8 @@ _FALLBACK_BY_ARCH = {
     "qwen2moe": "chatml",
     "qwen3moe": "chatml",
 }
+# A token each format needs: a vocab without it gets the format whose token it has.
+_MARKERS = {"gemma": "<start_of_turn>", "chatml": "<|im_start|>", "llama3": "<|start_header_id|>"}
 
 
 class ChatError(UserError):
@@ -113,7 +118,7 @@ class ChatTemplate:
         source = g.metadata.get("tokenizer.chat_template")
         if isinstance(source, str) and source.strip():
             return cls(source, bos, eos, strip, name="gguf")
-        name = fallback_name(g.architecture)
+        name = fallback_name(g.architecture, tok)
         return cls(FALLBACK_TEMPLATES[name], bos, eos, strip, name=name)
 
     def render(self, messages, add_generation_prompt: bool = True, **extra) -> str:
@@ -136,9 +141,13 @@ class ChatTemplate:
         return text
 
 
-def fallback_name(arch: str) -> str:
-    """Built-in template for an architecture without a template (ChatML when unknown, as llama.cpp)."""
-    return _FALLBACK_BY_ARCH.get(arch, "chatml")
+def fallback_name(arch: str, tok: Tokenizer | None = None) -> str:
+    """Built-in template for a model without one: by architecture (ChatML when unknown, as llama.cpp),
+    unless the vocab lacks that format's turn token and has another's (a ChatML-tuned llama)."""
+    name = _FALLBACK_BY_ARCH.get(arch, "chatml")
+    if tok is not None and tok.find_token(_MARKERS[name]) is None:
+        name = next((other for other, marker in _MARKERS.items() if tok.find_token(marker) is not None), name)
+    return name
 
 
 def normalize_messages(messages) -> list[dict]:

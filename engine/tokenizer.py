@@ -182,7 +182,7 @@ class Tokenizer:
 
         eog = {tid for tid in (eos_id, eot_id, eom_id) if tid is not None}
         for text in END_OF_TURN_TEXTS:
-            tid = self._find_token(text)
+            tid = self.find_token(text)
             if tid is not None:
                 eog.add(tid)
                 types[tid] = CONTROL
@@ -199,8 +199,8 @@ class Tokenizer:
         """All token texts, each between NULs: one string to search instead of 262k."""
         return "\x00" + "\x00".join(self._tokens) + "\x00"
 
-    def _find_token(self, text: str) -> int | None:
-        """Id of `text` (the last one if repeated, as a dict built in order keeps it)."""
+    def find_token(self, text: str) -> int | None:
+        """Id of the vocab entry `text`, None if absent (the last one if repeated, as llama.cpp)."""
         pos = self._joined.rfind("\x00" + text + "\x00")
         return None if pos < 0 else self._joined.count("\x00", 0, pos)
 
@@ -570,3 +570,12 @@ class StreamDecoder:
         text = self._utf8.decode(b"", final=True)
         self._utf8.reset()
         return text
+
+
+def __getattr__(name: str):
+    # ARCHITECTURE.md lists the chat-template API under this module; it lives in chat.py.
+    if name in ("ChatTemplate", "apply_chat_template"):
+        from . import chat
+
+        return getattr(chat, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -30,14 +30,15 @@ SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|begin_of_text|>", 
             "<|end_header_id|>", "<|eot_id|>"]  # fmt: skip
 
 
-def write_model(path: Path, arch: str, template: str | None = None, add_bos: bool = False) -> GGUFFile:
+def write_model(path: Path, arch: str, template: str | None = None, add_bos: bool = False, specials=SPECIALS) -> GGUFFile:
     """A vocabulary-only GGUF: byte-level BPE tokens plus the chat special tokens."""
-    tokens = list(BYTE_TO_UNICODE) + SPECIALS
+    specials = ["<|endoftext|>", "<|begin_of_text|>", *(s for s in specials if s not in ("<|endoftext|>", "<|begin_of_text|>"))]
+    tokens = list(BYTE_TO_UNICODE) + specials
     w = gguf.GGUFWriter(str(path), arch)
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("qwen2")
     w.add_token_list(tokens)
-    w.add_token_types([NORMAL] * 256 + [CONTROL] * len(SPECIALS))
+    w.add_token_types([NORMAL] * 256 + [CONTROL] * len(specials))
     w.add_token_merges(["Ġ t"])
     w.add_bos_token_id(tokens.index("<|begin_of_text|>"))
     w.add_eos_token_id(tokens.index("<|endoftext|>"))
@@ -102,6 +103,21 @@ def test_llama3_fallback(tmp_path):
         "<|start_header_id|>user<|end_header_id|>\n\nHi there<|eot_id|>"
         "<|start_header_id|>assistant<|end_header_id|>\n\n"
     )
+
+
+def test_fallback_follows_the_vocab_when_the_arch_format_has_no_tokens(tmp_path):
+    g = write_model(tmp_path / "chatml-llama.gguf", "llama", specials=["<|im_start|>", "<|im_end|>"])
+    prompt = apply_chat_template(Tokenizer.from_gguf(g), g, CHAT[1:2])
+    assert prompt == "<|im_start|>user\n Hi there <|im_end|>\n<|im_start|>assistant\n"
+
+
+# gemma folds the system prompt into the first user turn; ChatML gives it a turn of its own
+@pytest.mark.parametrize("arch, turn, n_turns", [("gemma3", "<start_of_turn>", 4), ("qwen3", "<|im_start|>", 5)])
+def test_synthetic_models_get_prompts_their_tokenizer_splits(tiny_model, arch, turn, n_turns):
+    g = GGUFFile(tiny_model(arch))
+    tok = Tokenizer.from_gguf(g)
+    ids = tok.encode(apply_chat_template(tok, g, CHAT))
+    assert ids.count(tok.find_token(turn)) == n_turns
 
 
 def test_template_variables_and_bos_handling(tmp_path):
