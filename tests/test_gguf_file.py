@@ -12,7 +12,6 @@ from gguf import quants as reference_quants
 from gguf.constants import GGMLQuantizationType as T
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from hydra_console.engine.default_model import default_model_path
 from hydra_console.engine.errors import UserError
 from hydra_console.engine.gguf_file import GGUFError, GGUFFile
 
@@ -126,8 +125,8 @@ def test_matches_gguf_reader(tmp_path, alignment):
         assert raw.tobytes() == t.data.tobytes(), t.name
 
 
-def test_default_model():
-    g = GGUFFile(default_model_path())
+def test_default_model(default_model):
+    g = GGUFFile(default_model)
     assert g.architecture == "gemma3"
     assert g.metadata["gemma3.block_count"] == 18
     assert len(g.tensors) == 236

@@ -9,7 +9,6 @@ from gguf import quants as reference_quants
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as T
 
 from hydra_console.engine import quant
-from hydra_console.engine.default_model import default_model_path
 from hydra_console.engine.errors import UserError
 from hydra_console.engine.gguf_file import GGUFFile
 from hydra_console.engine.quant import SUPPORTED_TYPES, QuantError, dequantize, dequantize_rows
@@ -161,8 +160,8 @@ def test_cuda_matches_reference(qt):
 
 
 @pytest.fixture(scope="module")
-def model():
-    return GGUFFile(default_model_path())
+def model(default_model):
+    return GGUFFile(default_model)
 
 
 def test_default_model_tensors_match_reference(model):
