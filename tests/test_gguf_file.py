@@ -10,7 +10,7 @@ import pytest
 from gguf import GGUFReader, GGUFValueType as V, GGUFWriter
 from gguf import quants as reference_quants
 from gguf.constants import GGMLQuantizationType as T
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import given, settings, strategies as st
 
 from hydra_console.engine.errors import UserError
 from hydra_console.engine.gguf_file import GGUFError, GGUFFile
