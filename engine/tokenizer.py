@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import codecs
 import heapq
+import logging
 from collections.abc import Iterable, Mapping
 from functools import cached_property
 
@@ -20,6 +21,8 @@ import numpy as np
 import regex
 
 from .errors import UserError
+
+log = logging.getLogger(__name__)
 
 # tokenizer.ggml.token_type values (llama.cpp's llama_token_type)
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
@@ -174,13 +177,12 @@ class Tokenizer:
             self.add_bos = _default(add_bos, self.pre in _IGNORE_MERGES_PRE)
             self.add_space_prefix = _default(add_space_prefix, False)
         self.add_eos = _default(add_eos, False)
-        for name, tid in (("bos", bos_id), ("eos", eos_id), ("unknown", unk_id), ("padding", pad_id),
-                          ("eot", eot_id), ("eom", eom_id)):  # fmt: skip
-            if tid is not None and not 0 <= tid < n:
-                raise TokenizerError(f"tokenizer.ggml.{name}_token_id {tid} is outside the vocabulary of {n} tokens")
-        self.bos_id, self.eos_id, self.unk_id, self.pad_id = bos_id, eos_id, unk_id, pad_id
+        self.bos_id, self.eos_id, self.unk_id, self.pad_id = (
+            self._valid_id(name, tid) for name, tid in (("bos", bos_id), ("eos", eos_id), ("unknown", unk_id), ("padding", pad_id))
+        )
+        eot_id, eom_id = self._valid_id("eot", eot_id), self._valid_id("eom", eom_id)
 
-        eog = {tid for tid in (eos_id, eot_id, eom_id) if tid is not None}
+        eog = {tid for tid in (self.eos_id, eot_id, eom_id) if tid is not None}
         for text in END_OF_TURN_TEXTS:
             tid = self.find_token(text)
             if tid is not None:
@@ -194,15 +196,27 @@ class Tokenizer:
         self._special = [(self._tokens[i], i) for i in special]
         self._word_cache: dict[str, tuple[int, ...]] = {}
 
+    def _valid_id(self, name: str, tid: int | None) -> int | None:
+        if tid is not None and not 0 <= tid < len(self._tokens):
+            # as llama.cpp: a bad special-token id is warned about and ignored, the model still loads
+            log.warning("tokenizer.ggml.%s_token_id %d is outside the vocabulary of %d tokens; ignored", name, tid, len(self._tokens))
+            return None
+        return tid
+
     @cached_property
-    def _joined(self) -> str:
-        """All token texts, each between NULs: one string to search instead of 262k."""
-        return "\x00" + "\x00".join(self._tokens) + "\x00"
+    def _joined(self) -> str | None:
+        """All token texts, each between NULs: one string to search instead of 262k (None if a
+        token text holds a NUL itself)."""
+        joined = "\x00" + "\x00".join(self._tokens) + "\x00"
+        return joined if joined.count("\x00") == len(self._tokens) + 1 else None
 
     def find_token(self, text: str) -> int | None:
         """Id of the vocab entry `text`, None if absent (the last one if repeated, as llama.cpp)."""
-        pos = self._joined.rfind("\x00" + text + "\x00")
-        return None if pos < 0 else self._joined.count("\x00", 0, pos)
+        joined = self._joined
+        if joined is None or "\x00" in text:
+            return self.token_to_id.get(text)
+        pos = joined.rfind("\x00" + text + "\x00")
+        return None if pos < 0 else joined.count("\x00", 0, pos)
 
     # ---- construction ---------------------------------------------------------------------------
 
@@ -270,6 +284,8 @@ class Tokenizer:
     @cached_property
     def _spm_crossing(self) -> list[str]:
         """Vocab texts with "▁" after another character: the only ones a merge across words can make."""
+        if self._joined is None:
+            return [t for t in self._tokens if _SPM_CROSSING.search(t)]
         return _SPM_CROSSING.findall(self._joined)
 
     @cached_property

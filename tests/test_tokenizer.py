@@ -352,8 +352,21 @@ def test_bad_vocabularies_are_user_errors():
         Tokenizer.from_metadata({**bpe_metadata([]), "tokenizer.ggml.pre": "no-such-pre"})
     with pytest.raises(UserError, match="tokenizer.ggml.tokens"):
         Tokenizer.from_metadata({"tokenizer.ggml.model": "llama"})
-    with pytest.raises(UserError, match="outside the vocabulary"):
-        Tokenizer.from_metadata({**bpe_metadata([]), "tokenizer.ggml.eos_token_id": 10**6})
+    with pytest.raises(UserError, match="token_type has 3 entries for 259 tokens"):
+        Tokenizer.from_metadata({**bpe_metadata([]), "tokenizer.ggml.token_type": [1, 1, 1]})
+
+
+def test_odd_vocabularies_still_load():
+    # a special-token id outside the vocab is ignored (llama.cpp warns and goes on)
+    tok = Tokenizer.from_metadata({**bpe_metadata([]), "tokenizer.ggml.eos_token_id": 10**6})
+    assert tok.eos_id is None and tok.eog_ids == {tok.find_token("<|endoftext|>"), tok.find_token("<|im_end|>")}
+    # empty texts get llama.cpp's placeholder, NULs inside texts do not confuse lookups
+    md = spm_metadata({"a\x00b": -1.0, "": -1.0, "▁": -1.0})
+    tok = Tokenizer.from_metadata(md)
+    n = len(md["tokenizer.ggml.tokens"])
+    assert tok.find_token("a\x00b") == n - 3 and tok.token_text(n - 2) == f"[EMPTY_{n - 2}]"
+    assert tok.find_token("▁") == n - 1 and tok.find_token("") is None
+    assert tok.decode(tok.encode("a\x00b c"), skip_special=True) == "a\x00b c"
 
 
 # ---- loading from a real GGUF file ---------------------------------------------------------------
