@@ -194,7 +194,8 @@ class Tokenizer:
         special = np.nonzero((types == CONTROL) | (types == USER_DEFINED) | (types == UNKNOWN))[0].tolist()
         special.sort(key=lambda i: (-len(self._tokens[i]), i))
         self._special = [(self._tokens[i], i) for i in special]
-        self._word_cache: dict[str, tuple[int, ...]] = {}
+        self._word_cache: dict[str, tuple[int, ...]] = {}  # pre-token -> ids
+        self._pieces: dict[int, bytes] = {}  # id -> bytes, filled as tokens are decoded
 
     def _valid_id(self, name: str, tid: int | None) -> int | None:
         if tid is not None and not 0 <= tid < len(self._tokens):
@@ -278,8 +279,7 @@ class Tokenizer:
 
     @cached_property
     def _spm_byte_ids(self) -> list[int | None]:
-        ids = [self.token_to_id.get(f"<0x{b:02X}>", self.unk_id) for b in range(256)]
-        return ids
+        return [self.token_to_id.get(f"<0x{b:02X}>", self.unk_id) for b in range(256)]
 
     @cached_property
     def _spm_crossing(self) -> list[str]:
@@ -509,10 +509,6 @@ class Tokenizer:
         return tuple(ids)
 
     # ---- decode ---------------------------------------------------------------------------------
-
-    @cached_property
-    def _pieces(self) -> dict[int, bytes]:
-        return {}
 
     def token_bytes(self, tid: int) -> bytes:
         """The bytes this token stands for (a byte-fallback token is one byte, maybe half a character)."""
