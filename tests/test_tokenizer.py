@@ -408,3 +408,42 @@ def test_from_gguf_file(tmp_path, arch, md):
     assert from_file.encode(text) == from_dict.encode(text)
     assert from_file.decode(from_file.encode(text)) == from_dict.decode(from_dict.encode(text))
     assert from_file.vocab_size == len(md["tokenizer.ggml.tokens"])
+
+
+# ---- byte-level BPE against Hugging Face `tokenizers` as an independent oracle -------------------
+
+
+@pytest.mark.parametrize("pre, ignore_merges", [("qwen2", False), ("llama-bpe", True), ("gpt2", False)])
+def test_bpe_matches_hf_tokenizers(pre, ignore_merges):
+    hf_tok = pytest.importorskip("tokenizers")
+    import inspect
+    import random
+
+    from hydra_console.engine import tokenizer as module
+    from hydra_console.engine.tokenizer import PRE_TOKENIZERS
+
+    corpus = "\n".join(inspect.getdoc(obj) or "" for _, obj in inspect.getmembers(module))
+    corpus += " naïve façade 中文字符测试 Ελληνικά 🐍🚀 12345 1,000,000 it's I'LL we've\r\n\t  x"
+    hf = hf_tok.Tokenizer(hf_tok.models.BPE(ignore_merges=ignore_merges))
+    hf.pre_tokenizer = hf_tok.pre_tokenizers.Sequence(
+        [
+            hf_tok.pre_tokenizers.Split(hf_tok.Regex(PRE_TOKENIZERS[pre][0]), behavior="isolated"),
+            hf_tok.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    trainer = hf_tok.trainers.BpeTrainer(
+        vocab_size=1200, initial_alphabet=hf_tok.pre_tokenizers.ByteLevel.alphabet(), show_progress=False
+    )
+    hf.train_from_iterator([corpus], trainer)
+    model = json.loads(hf.to_str())["model"]
+    tokens = sorted(model["vocab"], key=model["vocab"].get)
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model["merges"]]
+    tok = Tokenizer.from_metadata(
+        {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": pre, "tokenizer.ggml.tokens": tokens,
+         "tokenizer.ggml.merges": merges, "tokenizer.ggml.add_bos_token": False}  # fmt: skip
+    )
+    rnd = random.Random(0)
+    samples = [corpus[i : i + rnd.randint(1, 200)] for i in (rnd.randrange(len(corpus)) for _ in range(300))]
+    samples += ["".join(rnd.choice("ab AB1 2'\n\r\t.,é中🐍-_") for _ in range(rnd.randint(1, 30))) for _ in range(300)]
+    wrong = [(s, hf.encode(s).ids, tok.encode(s)) for s in samples if hf.encode(s).ids != tok.encode(s)]
+    assert not wrong, f"{len(wrong)} of {len(samples)} differ, first: {wrong[:2]}"
