@@ -165,7 +165,6 @@ class Engine:
         self.n_slots = n_slots
         self.n_ctx = n_ctx
         self.batch_tokens = batch_tokens
-        self.device = getattr(pipeline, "device", "cpu")
         self.stats = EngineStats()
         self.spec_stats = None  # set when speculative decoding is on (speculative.SpecStats)
         self.slots: list[Sequence | None] = [None] * n_slots
@@ -289,7 +288,7 @@ class Engine:
                 rows += range(first_row, first_row + n)
             elif w.sample:
                 rows.append(first_row + n - 1)
-        as_tensor = lambda xs: torch.tensor(xs, dtype=torch.long, device=self.device)  # noqa: E731
+        as_tensor = lambda xs: torch.tensor(xs, dtype=torch.long)  # noqa: E731  (stages move what they need)
         logits = self.pipeline.forward(as_tensor(tokens), as_tensor(slots), as_tensor(positions), as_tensor(rows))
         self._apply(work, logits)
         n_prefill = sum(w.end - w.start for w in work if w.start < w.seq.n_prompt)
@@ -429,3 +428,12 @@ class Engine:
         )
         if self.slots[seq.slot] is seq:
             self.slots[seq.slot] = None
+
+
+def load_stage(g, device: str, dtype: str, n_slots: int, n_ctx: int):
+    """The solo head's Stage: every layer, the embedding and the output head."""
+    from .model import ModelConfig, Stage
+
+    cfg = ModelConfig.from_gguf(g)
+    return Stage(cfg, g, layers=(0, cfg.n_layers), embed=True, head=True, device=device, dtype=dtype,
+                 n_slots=n_slots, n_ctx=n_ctx)  # fmt: skip

@@ -1,0 +1,570 @@
+"""`hydra-engine serve`: the head's HTTP face — OpenAI and llama-server endpoints over the Engine.
+
+`serve()` binds the port and starts uvicorn first, so `/health` answers 503 while the model
+loads in a background thread: load the model file → build the `Pipeline` → start the `Engine`.
+Every bad request is a 4xx in OpenAI's error shape; requests before the engine is ready get 503.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import sys
+import threading
+import time
+import traceback
+import uuid
+from pathlib import Path
+from typing import Annotated, Any, AsyncIterator, Literal, Union
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from .errors import UserError
+from .metrics import CONTENT_TYPE, Metrics
+from .runtime import Event, GenToken, Request as EngineRequest
+from .sampling import MAX_LOGPROBS, InvalidParam, SamplingParams, TokenLogprob
+from .status import StatusDocument
+
+DISCONNECT_POLL_S = 0.25
+
+
+# ---- errors -----------------------------------------------------------------------------------
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param = status, message, type_, param
+
+
+def error_response(status: int, message: str, type_: str, param: str | None = None) -> JSONResponse:
+    code = {400: "invalid_request_error", 404: "not_found", 405: "method_not_allowed", 503: "unavailable"}
+    return JSONResponse(
+        {"error": {"message": message, "type": type_, "param": param, "code": code.get(status, str(status))}},
+        status_code=status,
+    )
+
+
+def _loc_param(loc) -> str | None:
+    parts = [str(p) for p in loc if p not in ("body", "query", "path")]
+    return ".".join(parts) or None
+
+
+# ---- request bodies -----------------------------------------------------------------------------
+
+Stop = Union[str, list[str], None]
+
+
+class _Common(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    temperature: float | None = Field(None, ge=0.0, le=100.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=0)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    repeat_penalty: float | None = Field(None, gt=0.0, le=100.0)
+    repeat_last_n: int | None = Field(None, ge=-1)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    seed: int | None = Field(None, ge=-(2**63), lt=2**64)
+    stop: Stop = None
+    stream: bool = False
+    stream_options: dict[str, Any] | None = None
+    ignore_eos: bool = False
+    n: int = Field(1, ge=1, le=1, description="only one choice per request is supported")
+
+
+class CompletionBody(_Common):
+    prompt: Union[str, list[str], list[int], list[list[int]]] = Field(
+        ..., description="text, token ids, or a list holding one of those"
+    )
+    max_tokens: int | None = Field(16, ge=0)
+    echo: bool = False
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    return_tokens_as_token_ids: bool = False
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: str
+    content: Union[str, list[dict[str, Any]], None] = None
+
+
+class ChatBody(_Common):
+    messages: list[ChatMessage] = Field(..., min_length=1)
+    max_tokens: int | None = Field(None, ge=0)
+    max_completion_tokens: int | None = Field(None, ge=0)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    return_tokens_as_token_ids: bool = False
+
+
+class TokenizeBody(BaseModel):
+    content: str
+    add_special: bool = False
+    parse_special: bool = True
+    with_pieces: bool = False
+
+
+class DetokenizeBody(BaseModel):
+    tokens: list[int]
+
+
+# ---- the server's state -------------------------------------------------------------------------
+
+
+class Head:
+    """What the endpoints read: status, metrics and — once loaded — model, tokenizer and engine."""
+
+    def __init__(self, args):
+        self.args = args
+        self.status = StatusDocument("head", args.host, args.port)
+        self.metrics = Metrics(self.status)
+        self.model_name: str | None = getattr(args, "alias", None)
+        self.gguf = None
+        self.tok = None
+        self.engine = None
+        self.rpc_active = False
+        self.created = int(time.time())
+        self.error: BaseException | None = None
+
+    def load(self) -> None:
+        """Model file → Pipeline → Engine; each step moves /health's startup_stage on."""
+        from .gguf_file import GGUFFile
+        from .pipeline import Pipeline
+        from .runtime import Engine, load_stage
+        from .tokenizer import Tokenizer
+
+        args = self.args
+        path = Path(args.model) if args.model else _default_model()
+        self.gguf = GGUFFile(path)
+        self.tok = Tokenizer.from_gguf(self.gguf)
+        stage = load_stage(self.gguf, args.device, args.dtype, n_slots=args.parallel, n_ctx=args.ctx)
+        self.model_name = self.model_name or path.stem
+        self.status.model = {"name": self.model_name, "path": str(path), "arch": self.gguf.architecture,
+                             "n_layers": stage.cfg.n_layers, "fingerprint": self.gguf.fingerprint}  # fmt: skip
+        self.status.startup_stage = 2
+        pipeline = Pipeline(stage)
+        self.status.pipeline = pipeline
+        self.status.startup_stage = 3  # no peers yet: RPC counts as reached
+        self.engine = Engine(pipeline, self.tok, n_slots=args.parallel, n_ctx=args.ctx).start()
+        self.status.engine = self.engine
+        self.status.startup_stage = 4
+
+    @property
+    def ready(self) -> bool:
+        return self.status.startup_stage >= 4 and self.engine is not None
+
+    def require_engine(self):
+        if not self.ready:
+            raise APIError(503, "Loading model", "unavailable_error")
+        return self.engine
+
+
+def _default_model() -> Path:
+    from .default_model import default_model_path
+
+    return default_model_path()
+
+
+# ---- turning events into OpenAI objects -------------------------------------------------------
+
+
+def _token_str(head: Head, tid: int, as_ids: bool, text: str | None = None) -> str:
+    if as_ids:
+        return f"token_id:{tid}"
+    return text if text is not None else head.tok.token_bytes(tid).decode("utf-8", "replace")
+
+
+class _CompletionLogprobs:
+    """OpenAI completions logprobs: parallel lists tokens / token_logprobs / top_logprobs / text_offset."""
+
+    def __init__(self, head: Head, as_ids: bool, offset: int = 0):
+        self.head, self.as_ids, self.offset = head, as_ids, offset
+
+    def add(self, entries: list[tuple[TokenLogprob, str | None]]) -> dict:
+        out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for lp, text in entries:
+            s = _token_str(self.head, lp.token, self.as_ids, text)
+            out["tokens"].append(s)
+            out["token_logprobs"].append(lp.logprob)
+            out["top_logprobs"].append(
+                None if lp.logprob is None else {_token_str(self.head, t, self.as_ids): v for t, v in lp.top}
+            )
+            out["text_offset"].append(self.offset)
+            self.offset += len(text if text is not None else s)
+        return out
+
+
+def _merge_logprobs(parts: list[dict]) -> dict:
+    out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for p in parts:
+        for k in out:
+            out[k] += p[k]
+    return out
+
+
+def _chat_logprob_content(head: Head, tokens: list[GenToken], as_ids: bool) -> list[dict]:
+    def entry(tid: int, lp: float, text: str | None = None) -> dict:
+        s = _token_str(head, tid, as_ids, text)
+        return {"token": s, "logprob": lp, "bytes": list(head.tok.token_bytes(tid))}
+
+    return [
+        {**entry(t.id, t.logprob.logprob, t.text), "top_logprobs": [entry(i, v) for i, v in t.logprob.top]}
+        for t in tokens
+        if t.logprob is not None
+    ]
+
+
+def _sampling(body: _Common, logprobs: int | None) -> SamplingParams:
+    given = {k: getattr(body, k) for k in ("temperature", "top_p", "top_k", "min_p", "repeat_penalty",
+                                          "repeat_last_n", "presence_penalty", "frequency_penalty", "seed")}  # fmt: skip
+    return SamplingParams(**{k: v for k, v in given.items() if v is not None}, logprobs=logprobs)
+
+
+def _stops(stop: Stop) -> list[str]:
+    stops = [stop] if isinstance(stop, str) else list(stop or [])
+    if any(not s for s in stops):
+        raise APIError(400, "stop strings must not be empty", param="stop")
+    if len(stops) > 16:
+        raise APIError(400, "at most 16 stop strings", param="stop")
+    return stops
+
+
+class _Run:
+    """One engine request seen from asyncio: events arrive on a queue via call_soon_threadsafe."""
+
+    def __init__(self, head: Head, http: Request, req: EngineRequest):
+        self.head, self.http, self.req = head, http, req
+        self.queue: asyncio.Queue[Event] = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+        req.sink = lambda ev: loop.call_soon_threadsafe(self.queue.put_nowait, ev)
+        head.engine.submit(req)
+
+    async def events(self) -> AsyncIterator[Event]:
+        """The request's events; a client that goes away cancels it (its slot is freed at once)."""
+        try:
+            while True:
+                try:
+                    ev = await asyncio.wait_for(self.queue.get(), DISCONNECT_POLL_S)
+                except asyncio.TimeoutError:
+                    if await self.http.is_disconnected():
+                        return
+                    continue
+                yield ev
+                if ev.finish_reason is not None:
+                    return
+        finally:
+            self.head.engine.cancel(self.req)
+
+
+def _check_finish(ev: Event) -> None:
+    if ev.finish_reason == "error":
+        raise APIError(500, f"generation failed: {ev.error}", "server_error")
+
+
+def _sse(obj) -> bytes:
+    return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
+
+
+# ---- the app -----------------------------------------------------------------------------------
+
+
+def create_app(head: Head) -> FastAPI:
+    app = FastAPI(title="Hydra head", version="0.1.0")
+    app.state.head = head
+
+    @app.exception_handler(APIError)
+    async def _api_error(_, e: APIError):
+        return error_response(e.status, e.message, e.type, e.param)
+
+    @app.exception_handler(InvalidParam)
+    async def _invalid(_, e: InvalidParam):
+        return error_response(400, str(e), "invalid_request_error", e.param)
+
+    @app.exception_handler(UserError)
+    async def _user(_, e: UserError):
+        return error_response(400, str(e), "invalid_request_error")
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_, e: RequestValidationError):
+        errs = e.errors()
+        first = errs[0] if errs else {"loc": (), "msg": "invalid request"}
+        msg = "; ".join(f"{_loc_param(x.get('loc', ())) or 'body'}: {x.get('msg')}" for x in errs[:5])
+        return error_response(400, msg or "invalid request", "invalid_request_error", _loc_param(first.get("loc", ())))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_, e: StarletteHTTPException):
+        return error_response(e.status_code, str(e.detail), "invalid_request_error" if e.status_code < 500 else "server_error")
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_, e: Exception):
+        traceback.print_exception(e, file=sys.stderr)
+        return error_response(500, f"internal error: {type(e).__name__}: {e}", "server_error")
+
+    @app.get("/health")
+    async def health():
+        st = head.status
+        body = {"status": st.state, "startup_stage": st.startup_stage, "has_model": st.startup_stage >= 2,
+                "model_name": head.model_name, "rpc_active": head.rpc_active}  # fmt: skip
+        if head.error is not None:
+            body["error"] = str(head.error)
+        return JSONResponse(body, status_code=200 if head.ready else 503)
+
+    @app.get("/v1/models")
+    @app.get("/models", include_in_schema=False)
+    async def models():
+        data = []
+        if head.status.startup_stage >= 2:
+            meta = {"n_ctx": head.args.ctx, "n_vocab": head.tok.vocab_size, **(head.status.model or {})}
+            data.append({"id": head.model_name, "object": "model", "created": head.created, "owned_by": "hydra",
+                         "meta": meta})  # fmt: skip
+        return {"object": "list", "data": data}
+
+    @app.get("/status")
+    async def status():
+        return await asyncio.to_thread(head.status.to_dict)
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(await asyncio.to_thread(head.metrics.render), media_type=CONTENT_TYPE)
+
+    @app.get("/slots")
+    async def slots():
+        return head.require_engine().slot_info()
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeBody):
+        head.require_engine()
+        ids = head.tok.encode(body.content, add_special=body.add_special, parse_special=body.parse_special)
+        if not body.with_pieces:
+            return {"tokens": ids}
+        pieces = []
+        for t in ids:
+            raw = head.tok.token_bytes(t)
+            try:
+                piece: Any = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                piece = list(raw)
+            pieces.append({"id": t, "piece": piece})
+        return {"tokens": pieces}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeBody):
+        head.require_engine()
+        bad = next((t for t in body.tokens if not 0 <= t < head.tok.vocab_size), None)
+        if bad is not None:
+            raise APIError(400, f"token id {bad} is outside the vocabulary of {head.tok.vocab_size}", param="tokens")
+        return {"content": head.tok.decode(body.tokens)}
+
+    @app.post("/v1/completions")
+    @app.post("/completions", include_in_schema=False)
+    async def completions(body: CompletionBody, http: Request):
+        engine = head.require_engine()
+        prompt = body.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            if len(prompt) != 1:
+                raise APIError(400, "only one prompt per request is supported", param="prompt")
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            ids = head.tok.encode(prompt, add_special=True, parse_special=True)
+            prompt_text = prompt
+        else:
+            ids = list(prompt)
+            bad = next((t for t in ids if not 0 <= t < head.tok.vocab_size), None)
+            if bad is not None:
+                raise APIError(400, f"token id {bad} is outside the vocabulary of {head.tok.vocab_size}", param="prompt")
+            prompt_text = head.tok.decode(ids) if body.echo else ""
+        max_tokens = body.max_tokens if body.max_tokens is not None else 16
+        engine.check(len(ids), max_tokens)
+        req = EngineRequest(
+            prompt=ids, params=_sampling(body, body.logprobs), max_tokens=max_tokens, stop=_stops(body.stop),
+            ignore_eos=body.ignore_eos, prompt_logprobs=body.logprobs if body.echo and body.logprobs is not None else None,
+        )  # fmt: skip
+        return await _respond_completion(head, http, body, req, prompt_text)
+
+    @app.post("/v1/chat/completions")
+    @app.post("/chat/completions", include_in_schema=False)
+    async def chat_completions(body: ChatBody, http: Request):
+        from .chat import apply_chat_template
+
+        engine = head.require_engine()
+        messages = [m.model_dump(exclude_none=True) for m in body.messages]
+        text = apply_chat_template(head.tok, head.gguf, messages, add_generation_prompt=True)
+        ids = head.tok.encode(text, add_special=True, parse_special=True)
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        if max_tokens is None:
+            max_tokens = max(engine.n_ctx - len(ids), 0)
+        engine.check(len(ids), max_tokens)
+        n_top = (body.top_logprobs or 0) if body.logprobs else None
+        req = EngineRequest(prompt=ids, params=_sampling(body, n_top), max_tokens=max_tokens,
+                            stop=_stops(body.stop), ignore_eos=body.ignore_eos)  # fmt: skip
+        return await _respond_chat(head, http, body, req)
+
+    return app
+
+
+async def _respond_completion(head: Head, http: Request, body: CompletionBody, req: EngineRequest, prompt_text: str):
+    cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+    want_lp = body.logprobs is not None
+    lps = _CompletionLogprobs(head, body.return_tokens_as_token_ids)
+    run = _Run(head, http, req)
+
+    def prompt_part(ev: Event) -> dict:
+        entries = [(lp, None) for lp in ev.prompt_logprobs]
+        return lps.add(entries)
+
+    def gen_part(ev: Event) -> dict | None:
+        if not want_lp:
+            return None
+        return lps.add([(t.logprob, t.text) for t in ev.tokens if t.logprob is not None])
+
+    def chunk(text: str, logprobs, finish=None, **extra) -> dict:
+        choice = {"text": text, "index": 0, "logprobs": logprobs, "finish_reason": finish}
+        return {"id": cid, "object": "text_completion", "created": created, "model": head.model_name,
+                "choices": [choice], **extra}  # fmt: skip
+
+    if body.stream:
+
+        async def stream():
+            echoed = not body.echo
+            async for ev in run.events():
+                if ev.finish_reason == "error":
+                    yield _sse({"error": {"message": ev.error, "type": "server_error", "param": None, "code": "500"}})
+                    break
+                if ev.prompt_logprobs is not None:
+                    yield _sse(chunk("" if echoed else prompt_text, prompt_part(ev)))
+                    echoed = True
+                    continue
+                if not echoed:
+                    yield _sse(chunk(prompt_text, None))
+                    echoed = True
+                if ev.finish_reason is None:
+                    yield _sse(chunk(ev.text, gen_part(ev)))
+                else:
+                    yield _sse(chunk(ev.text, gen_part(ev) if ev.tokens else None, ev.finish_reason,
+                                     usage=ev.usage, timings=ev.timings))  # fmt: skip
+            yield b"data: [DONE]\n\n"
+
+        return StreamingResponse(stream(), media_type="text/event-stream")
+
+    text, parts, final = [], [], None
+    async for ev in run.events():
+        if ev.prompt_logprobs is not None:
+            parts.append(prompt_part(ev))
+            continue
+        text.append(ev.text)
+        if want_lp and ev.tokens:
+            parts.append(gen_part(ev))
+        if ev.finish_reason is not None:
+            final = ev
+    if final is None:  # the client left; nobody reads this
+        return Response(status_code=499)
+    _check_finish(final)
+    out = chunk((prompt_text if body.echo else "") + "".join(text), _merge_logprobs(parts) if want_lp else None,
+                final.finish_reason, usage=final.usage, timings=final.timings)  # fmt: skip
+    return out
+
+
+async def _respond_chat(head: Head, http: Request, body: ChatBody, req: EngineRequest):
+    cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+    as_ids = body.return_tokens_as_token_ids
+    run = _Run(head, http, req)
+
+    def chunk(delta: dict, tokens: list[GenToken], finish=None, **extra) -> dict:
+        logprobs = {"content": _chat_logprob_content(head, tokens, as_ids)} if body.logprobs and tokens else None
+        choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+        return {"id": cid, "object": "chat.completion.chunk", "created": created, "model": head.model_name,
+                "choices": [choice], **extra}  # fmt: skip
+
+    if body.stream:
+        include_usage = bool((body.stream_options or {}).get("include_usage"))
+
+        async def stream():
+            yield _sse(chunk({"role": "assistant", "content": ""}, []))
+            async for ev in run.events():
+                if ev.finish_reason == "error":
+                    yield _sse({"error": {"message": ev.error, "type": "server_error", "param": None, "code": "500"}})
+                    break
+                delta = {"content": ev.text} if ev.text else {}
+                if ev.finish_reason is None:
+                    yield _sse(chunk(delta, ev.tokens))
+                    continue
+                yield _sse(chunk(delta, ev.tokens, ev.finish_reason, timings=ev.timings))
+                if include_usage:
+                    yield _sse({"id": cid, "object": "chat.completion.chunk", "created": created,
+                                "model": head.model_name, "choices": [], "usage": ev.usage})  # fmt: skip
+            yield b"data: [DONE]\n\n"
+
+        return StreamingResponse(stream(), media_type="text/event-stream")
+
+    text, tokens, final = [], [], None
+    async for ev in run.events():
+        text.append(ev.text)
+        tokens += ev.tokens
+        if ev.finish_reason is not None:
+            final = ev
+    if final is None:
+        return Response(status_code=499)
+    _check_finish(final)
+    logprobs = {"content": _chat_logprob_content(head, tokens, as_ids)} if body.logprobs else None
+    message = {"role": "assistant", "content": "".join(text)}
+    return {"id": cid, "object": "chat.completion", "created": created, "model": head.model_name,
+            "choices": [{"index": 0, "message": message, "logprobs": logprobs, "finish_reason": final.finish_reason}],
+            "usage": final.usage, "timings": final.timings}  # fmt: skip
+
+
+# ---- serve -----------------------------------------------------------------------------------
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise UserError(f"cannot listen on {host}:{port}: {e.strerror}") from None
+    sock.listen(128)
+    return sock
+
+
+def serve(args) -> int:
+    """Listen first (so /health answers 503 during the load), then load in the background."""
+    import uvicorn
+
+    if args.parallel < 1:
+        raise UserError(f"--parallel must be >= 1, got {args.parallel}")
+    if args.ctx < 1:
+        raise UserError(f"--ctx must be >= 1, got {args.ctx}")
+    head = Head(args)
+    app = create_app(head)
+    sock = _bind(args.host, args.port)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2))
+
+    def load():
+        try:
+            head.load()
+            print(f"hydra-engine: serving {head.model_name} on http://{args.host}:{args.port}", file=sys.stderr)
+        except BaseException as e:  # any failure ends the server; serve() reports it
+            head.error = e
+            server.should_exit = True
+
+    threading.Thread(target=load, name="hydra-load", daemon=True).start()
+    server.run(sockets=[sock])
+    if head.engine is not None:
+        head.engine.stop()
+    if isinstance(head.error, UserError):
+        raise head.error
+    if head.error is not None:
+        traceback.print_exception(head.error, file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,95 @@
+"""Prometheus metrics with llama-server's `llamacpp:` names plus Hydra's `hydra_` ones.
+
+Values are read from the engine's counters at scrape time (custom collectors), so the runtime
+keeps one set of numbers. Other parts add their own collectors with `Metrics.register` (the RPC
+layer: pool occupancy, peer RTT).
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from .status import StatusDocument, devices
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+class _EngineCollector:
+    def __init__(self, status: StatusDocument):
+        self.status = status
+
+    def collect(self):
+        engine = self.status.engine
+        st = engine.stats if engine is not None else None
+
+        def counter(name: str, doc: str, value: float):
+            yield CounterMetricFamily(f"llamacpp:{name}", doc, value=value)
+
+        def gauge(name: str, doc: str, value: float):
+            yield GaugeMetricFamily(f"llamacpp:{name}", doc, value=value)
+
+        yield from counter("prompt_tokens", "Number of prompt tokens processed.", st.prompt_tokens if st else 0)
+        yield from counter("prompt_seconds", "Prompt process time.", st.prompt_seconds if st else 0.0)
+        yield from counter("tokens_predicted", "Number of generation tokens processed.",
+                           st.predicted_tokens if st else 0)  # fmt: skip
+        yield from counter("tokens_predicted_seconds", "Predict process time.", st.predicted_seconds if st else 0.0)
+        yield from counter("n_decode", "Total number of engine steps (forward calls).", st.steps if st else 0)
+        yield CounterMetricFamily("hydra_requests", "Requests accepted.", value=st.requests_total if st else 0)
+        prefill, decode = st.rates() if st else (0.0, 0.0)
+        yield from gauge("prompt_tokens_seconds", "Recent prompt throughput in tokens/s.", prefill)
+        yield from gauge("predicted_tokens_seconds", "Recent generation throughput in tokens/s.", decode)
+        yield from gauge("requests_processing", "Number of requests processing.",
+                         engine.n_processing if engine else 0)  # fmt: skip
+        yield from gauge("requests_deferred", "Number of requests deferred.", engine.n_deferred if engine else 0)
+
+        spec = getattr(engine, "spec_stats", None)
+        yield from counter("spec_decode_num_drafts", "Speculative drafts verified.", spec.drafts if spec else 0)
+        yield from counter("spec_decode_num_draft_tokens", "Speculative tokens drafted.", spec.draft_tokens if spec else 0)
+        yield from counter("spec_decode_num_accepted_tokens", "Speculative tokens accepted.", spec.accepted if spec else 0)
+        per_pos = CounterMetricFamily("llamacpp:spec_decode_num_accepted_tokens_per_pos",
+                                      "Speculative tokens accepted, by position in the draft.", labels=["position"])  # fmt: skip
+        for i, n in enumerate(getattr(spec, "accepted_per_pos", None) or []):
+            per_pos.add_metric([str(i)], n)
+        yield per_pos
+
+
+class _HydraCollector:
+    def __init__(self, status: StatusDocument):
+        self.status = status
+
+    def collect(self):
+        up = GaugeMetricFamily("hydra_startup_stage", "1 alive, 2 model loaded, 3 RPC active, 4 ready.",
+                               value=self.status.startup_stage)  # fmt: skip
+        yield up
+        layers = GaugeMetricFamily("hydra_stage_layers", "Layers held by each pipeline stage.",
+                                   labels=["stage", "role", "first", "end"])  # fmt: skip
+        for i, st in enumerate(self.status.stages()):
+            if st["layers"]:
+                a, b = st["layers"]
+                layers.add_metric([str(i), st["role"], str(a), str(b)], b - a)
+        yield layers
+        used = GaugeMetricFamily("hydra_device_memory_used_bytes", "Device memory in use.", labels=["device", "name"])
+        total = GaugeMetricFamily("hydra_device_memory_total_bytes", "Device memory size.", labels=["device", "name"])
+        for d in devices():
+            label = [f"{d['kind']}:{d['index']}", d["name"]]
+            used.add_metric(label, d["memory_used"])
+            total.add_metric(label, d["memory_total"])
+        yield used
+        yield total
+
+
+class Metrics:
+    """One registry per worker (never the global one, so tests and embedders can run several)."""
+
+    def __init__(self, status: StatusDocument):
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.register(_EngineCollector(status))
+        self.register(_HydraCollector(status))
+
+    def register(self, collector) -> None:
+        """Add a collector (an object with `collect()` yielding metric families)."""
+        self.registry.register(collector)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
