@@ -447,3 +447,43 @@ def test_bpe_matches_hf_tokenizers(pre, ignore_merges):
     samples += ["".join(rnd.choice("ab AB1 2'\n\r\t.,é中🐍-_") for _ in range(rnd.randint(1, 30))) for _ in range(300)]
     wrong = [(s, hf.encode(s).ids, tok.encode(s)) for s in samples if hf.encode(s).ids != tok.encode(s)]
     assert not wrong, f"{len(wrong)} of {len(samples)} differ, first: {wrong[:2]}"
+
+
+def test_spm_matches_sentencepiece():
+    # llama-2 style: add_space_prefix (SentencePiece's dummy prefix), byte fallback, no normalization
+    spm = pytest.importorskip("sentencepiece")
+    import inspect
+    import io
+    import random
+
+    from hydra_console.engine import tokenizer as module
+
+    corpus = "\n".join(inspect.getdoc(obj) or "" for _, obj in inspect.getmembers(module))
+    corpus += "\nnaïve façade 中文字符测试 Ελληνικά 12345"
+    model = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter([line for line in corpus.split("\n") if line.strip()]), model_writer=model,
+        vocab_size=800, model_type="bpe", byte_fallback=True, normalization_rule_name="identity",
+        remove_extra_whitespaces=False, add_dummy_prefix=True, allow_whitespace_only_pieces=True, minloglevel=2,
+    )  # fmt: skip
+    sp = spm.SentencePieceProcessor(model_proto=model.getvalue())
+    ids = range(sp.get_piece_size())
+    kinds = [(sp.is_unknown, 2), (sp.is_control, CONTROL), (sp.is_byte, BYTE), (sp.is_unused, 5)]
+    tok = Tokenizer.from_metadata(
+        {
+            "tokenizer.ggml.model": "llama",
+            "tokenizer.ggml.tokens": [sp.id_to_piece(i) for i in ids],
+            "tokenizer.ggml.scores": [sp.get_score(i) for i in ids],
+            "tokenizer.ggml.token_type": [next((t for test, t in kinds if test(i)), NORMAL) for i in ids],
+            "tokenizer.ggml.bos_token_id": sp.bos_id(),
+            "tokenizer.ggml.eos_token_id": sp.eos_id(),
+            "tokenizer.ggml.unknown_token_id": sp.unk_id(),
+        }
+    )
+    assert tok.add_space_prefix  # the SPM default
+    rnd = random.Random(0)
+    samples = [corpus[i : i + rnd.randint(1, 200)] for i in (rnd.randrange(len(corpus)) for _ in range(300))]
+    samples += ["".join(rnd.choice("ab AB1 2'\n.,é中🐍-_") for _ in range(rnd.randint(1, 30))) for _ in range(300)]
+    wrong = [(s, sp.encode(s)) for s in samples if sp.encode(s) != tok.encode(s, add_special=False)]
+    assert not wrong, f"{len(wrong)} of {len(samples)} differ, first: {wrong[:2]}"
+    assert all(tok.decode(tok.encode(s)[1:]) == s for s in samples)
