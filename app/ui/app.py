@@ -1,0 +1,283 @@
+"""The Textual app: observes the supervisor and sends it commands; owns no process logic."""
+
+from __future__ import annotations
+
+from functools import partial
+from pathlib import Path
+from typing import Callable, Iterable
+
+from textual import work
+from textual.app import App, SystemCommand
+from textual.binding import Binding
+from textual.screen import Screen
+
+from ...themes import THEMES
+from ..config import resolve_profile_path, save_profile
+from ..split_plan import ModelShape, split_arg
+from ..supervisor import Supervisor, SupervisorError
+from .dashboard import DashboardScreen
+from .detail import WorkerDetailScreen
+from .dialogs import ConfirmScreen, HelpScreen
+from .logs import LogsScreen
+from .split_editor import SplitEditorScreen
+
+DESTRUCTIVE = {"restart_selected", "restart_worker", "stop_worker", "start_worker", "apply"}
+
+
+class HydraConsole(App):
+    CSS_PATH = "console.tcss"
+    TITLE = "hydra-console"
+    BINDINGS = [
+        Binding("q", "request_quit", "Quit", id="hydra.quit"),
+        Binding("question_mark", "help", "Help", id="hydra.help"),
+        Binding("s", "split_editor", "Split", id="hydra.split"),
+        Binding("R", "restart_selected", "Restart", id="hydra.restart"),
+        Binding("l", "logs", "Logs", id="hydra.logs"),
+        Binding("slash", "filter", "Filter", id="hydra.filter"),
+        Binding("t", "cycle_theme", "Theme", show=False, id="hydra.theme"),
+    ]
+
+    def __init__(
+        self,
+        supervisor: Supervisor,
+        *,
+        readonly: bool = False,
+        theme: str = "hydra-dark",
+        profile_path: Path | None = None,
+        model_shape: ModelShape | None = None,
+        load_model_shape: bool = True,
+    ):
+        super().__init__()
+        self.supervisor = supervisor
+        self.readonly = readonly
+        self.profile_path = profile_path
+        self.model_shape = model_shape
+        self._load_model_shape = load_model_shape and model_shape is None
+        self._initial_theme = theme
+        self._unsubscribe: Callable[[], None] | None = None
+        self.dashboard = DashboardScreen()
+        for t in THEMES.values():
+            self.register_theme(t)
+
+    # ---- lifecycle -------------------------------------------------------------------------
+
+    def on_mount(self) -> None:
+        self.theme = self._initial_theme
+        p = self.supervisor.profile
+        self.sub_title = f"profile {p.name}" + (" · READ-ONLY" if self.readonly else "")
+        if p.keys:
+            self.set_keymap(p.keys)
+        self.push_screen(self.dashboard)
+        self._unsubscribe = self.supervisor.subscribe(self._on_supervisor_event)
+        self.set_interval(p.supervisor.poll_s, self.refresh_view)
+        self._start_supervisor()
+        if self._load_model_shape:
+            self._load_shape()
+
+    def on_unmount(self) -> None:
+        if self._unsubscribe:
+            self._unsubscribe()
+            self._unsubscribe = None
+
+    @work(exclusive=False, group="supervisor")
+    async def _start_supervisor(self) -> None:
+        try:
+            await self.supervisor.start()
+        except SupervisorError as e:
+            self.notify(str(e), severity="error")
+
+    @work(thread=True, group="model")
+    def _load_shape(self) -> None:
+        from ...engine.default_model import default_model_path
+
+        try:
+            path = self.supervisor.profile.model or default_model_path()
+            self.model_shape = ModelShape.from_gguf(path)
+        except Exception as e:  # the editor still works without estimates; say why they are missing
+            self.call_from_thread(self.notify, f"no memory estimates: {e}", severity="warning")
+
+    def _on_supervisor_event(self, ev) -> None:
+        # The supervisor outlives the app by a moment at shutdown: never touch a dead UI.
+        if not self.is_running or not self.dashboard.is_mounted:
+            return
+        self.dashboard.add_event(ev)
+        self.refresh_view()
+
+    def refresh_view(self) -> None:
+        if not self.is_running:
+            return
+        for screen in {self.dashboard, self.screen}:
+            if screen.is_mounted and hasattr(screen, "refresh_view"):
+                screen.refresh_view()
+
+    def tone_style(self, tone: str | None) -> str:
+        t = self.current_theme
+        colour = {"ok": t.success, "warn": t.warning, "error": t.error, "busy": t.primary}.get(tone or "")
+        return "dim" if tone == "muted" else (colour or "")
+
+    # ---- actions -----------------------------------------------------------------------------
+
+    def check_action(self, action: str, parameters) -> bool | None:
+        if self.readonly and action in DESTRUCTIVE:
+            return None  # shown disabled, never runs
+        return True
+
+    def _selected(self) -> str | None:
+        for screen in (self.screen, self.dashboard):
+            name = getattr(screen, "selected_worker", None)
+            if name:
+                return name
+        return None
+
+    def action_request_quit(self) -> None:
+        running = self.supervisor.running_managed()
+        if not running:
+            self._stop_and_exit(False)
+            return
+        names = ", ".join(f"{w.name} (pid {w.pid or '—'})" for w in running)
+        self.push_screen(
+            ConfirmScreen(f"Quit and stop the workers this console started: {names}?", yes="Stop and quit"),
+            lambda ok: self._stop_and_exit(True) if ok else None,
+        )
+
+    async def action_quit(self) -> None:
+        """Textual's own quit (ctrl+q, palette) asks too: workers must not be orphaned silently."""
+        self.action_request_quit()
+
+    @work(exclusive=True, group="quit")
+    async def _stop_and_exit(self, stop_workers: bool) -> None:
+        if stop_workers:
+            self.notify("stopping workers…")
+        await self.supervisor.shutdown(stop_workers=stop_workers)
+        self.exit()
+
+    def action_help(self) -> None:
+        if not isinstance(self.screen, HelpScreen):
+            self.push_screen(HelpScreen(self.screen))
+
+    def action_split_editor(self) -> None:
+        if not isinstance(self.screen, SplitEditorScreen):
+            self.push_screen(SplitEditorScreen(self.model_shape))
+
+    def action_logs(self, worker: str | None = None) -> None:
+        if isinstance(self.screen, LogsScreen):
+            return
+        if worker is None and isinstance(self.screen, WorkerDetailScreen):
+            worker = self.screen.worker_name
+        self.push_screen(LogsScreen(worker))
+
+    def action_filter(self) -> None:
+        if not isinstance(self.screen, LogsScreen):
+            self.push_screen(LogsScreen())
+        self.call_after_refresh(self.screen.action_focus_filter)
+
+    def action_detail(self, worker: str | None = None) -> None:
+        worker = worker or self._selected()
+        if worker:
+            self.push_screen(WorkerDetailScreen(worker))
+
+    def action_cycle_theme(self) -> None:
+        names = list(THEMES)
+        self.theme = names[(names.index(self.theme) + 1) % len(names)] if self.theme in names else names[0]
+        self.refresh_view()
+
+    def action_restart_selected(self) -> None:
+        name = self._selected()
+        if name:
+            self.action_restart_worker(name)
+
+    def action_restart_worker(self, name: str) -> None:
+        w = self.supervisor.worker(name)
+        if not w.managed:
+            self.notify(f"{name} is attached (monitor only): this console cannot restart it", severity="warning")
+            return
+        pid = f"pid {w.pid}" if w.running else "not running"
+        self.push_screen(
+            ConfirmScreen(f"Restart {name} ({pid})? SIGTERM, SIGKILL after {self.supervisor.settings.grace_s:g} s, then start again.",
+                          yes="Restart"),
+            lambda ok: self._run_command(self.supervisor.restart_worker(name), f"{name} restarted") if ok else None,
+        )
+
+    def action_stop_worker(self, name: str) -> None:
+        w = self.supervisor.worker(name)
+        self.push_screen(
+            ConfirmScreen(f"Stop {name} (pid {w.pid or '—'})? It will not be restarted.", yes="Stop"),
+            lambda ok: self._run_command(self.supervisor.stop_worker(name), f"{name} stopped") if ok else None,
+        )
+
+    def action_start_worker(self, name: str) -> None:
+        self._run_command(self.supervisor.start_worker(name), f"{name} starting")
+
+    @work(group="commands")
+    async def _run_command(self, coro, done: str) -> None:
+        try:
+            await coro
+        except SupervisorError as e:
+            self.notify(str(e), severity="error")
+            return
+        if self.is_running:
+            self.notify(done)
+
+    def confirm_apply_split(self, counts: list[int], on_done: Callable[[list[int]], None]) -> None:
+        head = self.supervisor.head
+        self.push_screen(
+            ConfirmScreen(f"Apply split {split_arg(counts)}? Live through {head.name}'s CONFIGURE; "
+                          f"if unavailable, {head.name} (pid {head.pid or '—'}) restarts with --split.", yes="Apply"),
+            lambda ok: self._apply_split(counts, on_done) if ok else None,
+        )
+
+    @work(exclusive=True, group="split")
+    async def _apply_split(self, counts: list[int], on_done: Callable[[list[int]], None]) -> None:
+        self.notify(f"applying split {split_arg(counts)}…")
+        try:
+            how = await self.supervisor.apply_split(counts)
+        except SupervisorError as e:
+            self.notify(str(e), severity="error")
+            return
+        if self.is_running:
+            on_done(counts)
+            self.notify(f"split {split_arg(counts)} applied ({'live' if how == 'live' else 'by restarting the head'})")
+
+    def save_split(self, counts: list[int]) -> None:
+        profile = self.supervisor.profile
+        try:
+            profile.split = counts
+        except ValueError as e:
+            self.notify(str(e), severity="error")
+            return
+        self.action_save_profile()
+
+    def action_save_profile(self) -> None:
+        profile = self.supervisor.profile
+        path = self.profile_path or resolve_profile_path(profile.name)
+        try:
+            save_profile(profile, path)
+        except OSError as e:
+            self.notify(f"cannot save {path}: {e.strerror or e}", severity="error")
+            return
+        self.profile_path = path
+        self.notify(f"profile saved to {path}")
+
+    def action_set_theme(self, name: str) -> None:
+        self.theme = name
+        self.refresh_view()
+
+    # ---- command palette ---------------------------------------------------------------------
+
+    def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
+        yield from super().get_system_commands(screen)
+        yield SystemCommand("Help", "Keys of this screen", self.action_help)
+        yield SystemCommand("Split editor", "Move layer boundaries, preview memory, apply", self.action_split_editor)
+        yield SystemCommand("Logs: all workers", "Merged log of every worker", partial(self.action_logs, None))
+        yield SystemCommand("Log filter", "Open the logs with the regex filter focused", self.action_filter)
+        yield SystemCommand("Save profile", "Write the profile (split included) to its TOML file", self.action_save_profile)
+        for name in THEMES:
+            yield SystemCommand(f"Theme: {name}", "Switch colours", partial(self.action_set_theme, name))
+        for w in self.supervisor.workers.values():
+            yield SystemCommand(f"Detail: {w.name}", f"{w.role} at {w.spec.url}", partial(self.action_detail, w.name))
+            yield SystemCommand(f"Logs: {w.name}", f"Log of {w.name}", partial(self.action_logs, w.name))
+            if w.managed and not self.readonly:
+                yield SystemCommand(f"Restart {w.name}", "Stop (SIGTERM, then SIGKILL) and start again",
+                                    partial(self.action_restart_worker, w.name))
+                yield SystemCommand(f"Stop {w.name}", "Stop without restarting", partial(self.action_stop_worker, w.name))
+                yield SystemCommand(f"Start {w.name}", "Start if stopped", partial(self.action_start_worker, w.name))

@@ -1,0 +1,84 @@
+"""Worker detail: how it was launched, what its /health and /status say, its events and last log lines."""
+
+from __future__ import annotations
+
+import shlex
+
+from rich.table import Table
+from rich.text import Text
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import VerticalScroll
+from textual.screen import Screen
+from textual.widgets import Footer, Header, Static
+
+from .. import display
+
+LOG_TAIL = 15
+
+
+class WorkerDetailScreen(Screen):
+    BINDINGS = [Binding("escape", "app.pop_screen", "Back", id="detail.back")]
+
+    def __init__(self, worker: str):
+        super().__init__()
+        self.worker_name = worker
+
+    @property
+    def selected_worker(self) -> str:
+        return self.worker_name
+
+    def compose(self) -> ComposeResult:
+        yield Header()
+        with VerticalScroll():
+            yield Static(id="detail-info")
+            yield Static(id="detail-events")
+            yield Static(id="detail-log")
+        yield Footer()
+
+    def on_mount(self) -> None:
+        self.refresh_view()
+
+    def refresh_view(self) -> None:
+        app = self.app
+        sup = app.supervisor
+        w = sup.worker(self.worker_name)
+        now = sup.clock()
+        st = w.status or {}
+        state, tone = display.state_text(w, now)
+        t = Table(box=None, show_header=False, pad_edge=False)
+        t.add_column(style="bold", no_wrap=True)
+        t.add_column()
+        model = st.get("model") or {}
+        rows = [
+            ("worker", f"{w.name} ({w.role}, {'started by this console' if w.managed else 'attached, monitor only'})"),
+            ("state", Text(state, style=app.tone_style(tone))),
+            ("pid", str(w.shown_pid() or "—")),
+            ("uptime", display.fmt_duration(w.uptime(now))),
+            ("restarts", f"{w.restarts} · last exit {display.describe_exit(w.last_exit)}"),
+            ("http", w.spec.url),
+            ("rpc", f"{w.spec.rpc_host or w.spec.host}:{w.spec.rpc}"),
+            ("layers", display.fmt_layers(display.worker_layers(w, sup))),
+            ("model", f"{model.get('name', '—')} {model.get('arch', '')} {model.get('n_layers', '')} layers".strip()),
+            ("health", f"{w.probe.health_state or 'no answer'} (stage {(w.probe.health or {}).get('startup_stage', '—')})"
+             if w.probe else "not polled yet"),
+        ]
+        if w.probe and w.probe.error:
+            rows.append(("last error", Text(w.probe.error, style=app.tone_style("error"))))
+        if w.rss is not None:
+            rows.append(("process", f"rss {display.fmt_bytes(w.rss)} · cpu {w.cpu_pct or 0:.0f}%"))
+        slots = st.get("slots") or []
+        if slots:
+            busy = sum(1 for s in slots if s.get("state") == "processing")
+            rows.append(("slots", f"{busy}/{len(slots)} processing"))
+        if w.managed:
+            rows.append(("command", shlex.join(sup.command_for(w.name))))
+            rows.append(("log file", str(w.log_path)))
+        for k, v in rows:
+            t.add_row(k, v)
+        self.query_one("#detail-info", Static).update(t)
+
+        evs = [display.event_line(e) for e in sup.events if e.worker == w.name][-8:]
+        self.query_one("#detail-events", Static).update("Events\n" + ("\n".join(evs) or "none"))
+        lines = [display.log_line_text(ln, with_worker=False) for ln in list(w.log)[-LOG_TAIL:]]
+        self.query_one("#detail-log", Static).update(Text("Log (l for all)\n" + ("\n".join(lines) or "empty")))

@@ -1,0 +1,73 @@
+"""Modal dialogs: yes/no confirmation, and help built from the bindings active beneath it."""
+
+from __future__ import annotations
+
+from rich.table import Table
+from textual.app import App, ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal, Vertical, VerticalScroll
+from textual.screen import ModalScreen, Screen
+from textual.widgets import Button, Label, Static
+
+
+class ConfirmScreen(ModalScreen[bool]):
+    """Asks one question; y / enter = yes, n / escape = no."""
+
+    BINDINGS = [
+        Binding("y", "answer(True)", "Yes", id="confirm.yes"),
+        Binding("n,escape", "answer(False)", "No", id="confirm.no"),
+    ]
+
+    def __init__(self, question: str, yes: str = "Yes", no: str = "Cancel"):
+        super().__init__()
+        self.question, self.yes, self.no = question, yes, no
+
+    def compose(self) -> ComposeResult:
+        with Vertical(id="dialog"):
+            yield Label(self.question, id="question")
+            with Horizontal(id="buttons"):
+                yield Button(f"{self.yes} [y]", variant="error", id="yes")
+                yield Button(f"{self.no} [n]", variant="primary", id="no")
+
+    def on_mount(self) -> None:
+        self.query_one("#no", Button).focus()
+
+    def on_button_pressed(self, event: Button.Pressed) -> None:
+        self.dismiss(event.button.id == "yes")
+
+    def action_answer(self, value: bool) -> None:
+        self.dismiss(value)
+
+
+def bindings_table(app, screen: Screen) -> Table:
+    """Key + description of every binding active on `screen` (after any keymap remapping)."""
+    table = Table(box=None, show_header=True, header_style="bold", expand=False, pad_edge=False)
+    table.add_column("key", no_wrap=True)
+    table.add_column("action")
+    seen = set()
+    # The console's own keys first, the focused widget's navigation keys after them.
+    actives = sorted(screen.active_bindings.values(), key=lambda a: not isinstance(a.node, (App, Screen)))
+    for active in actives:
+        b = active.binding
+        if not b.description or (b.description, b.action) in seen:
+            continue
+        seen.add((b.description, b.action))
+        desc = b.description if active.enabled else f"{b.description} (disabled)"
+        table.add_row(app.get_key_display(b), desc)
+    table.add_row(app.get_key_display(Binding(app.COMMAND_PALETTE_BINDING, "command_palette")), "command palette (every action)")
+    return table
+
+
+class HelpScreen(ModalScreen[None]):
+    BINDINGS = [Binding("escape,q,question_mark", "dismiss", "Close", id="help.close")]
+
+    def __init__(self, beneath: Screen):
+        super().__init__()
+        self.beneath = beneath
+
+    def compose(self) -> ComposeResult:
+        with VerticalScroll(id="help"):
+            yield Static(f"Keys · {self.beneath.__class__.__name__.removesuffix('Screen').lower()}", classes="title")
+            yield Static(bindings_table(self.app, self.beneath))
+            yield Static("States: ● ready  ◐ starting  ▲ degraded  ↻ backoff  ✖ crashed/unreachable  ◌ stopping  ○ stopped",
+                         classes="hint")

@@ -1,0 +1,128 @@
+"""Logs: one worker or all merged, follow/pause, `/` regex filter, `!` invert, failures highlighted."""
+
+from __future__ import annotations
+
+from rich.text import Text
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.screen import Screen
+from textual.widgets import Footer, Header, Input, Label, RichLog
+
+from .. import display
+
+SHOWN = 2000  # lines re-rendered when the view changes
+
+
+class LogsScreen(Screen):
+    BINDINGS = [
+        Binding("escape", "app.pop_screen", "Back", id="logs.back"),
+        Binding("w", "next_source", "Worker", id="logs.worker"),
+        Binding("f", "toggle_follow", "Follow", id="logs.follow"),
+        Binding("exclamation_mark", "toggle_invert", "Invert", id="logs.invert"),
+        Binding("c", "clear_filter", "Clear filter", id="logs.clear"),
+    ]
+
+    def __init__(self, worker: str | None = None, pattern: str = ""):
+        super().__init__()
+        self.source = worker  # None = merged
+        self.pattern_text = pattern
+        self.invert = False
+        self.follow = True
+        self._last_seq = -1
+
+    def compose(self) -> ComposeResult:
+        yield Header()
+        yield Label(id="logbar")
+        filt = Input(placeholder="regex filter (enter to apply, esc to leave)", id="filter", value=self.pattern_text)
+        filt.display = bool(self.pattern_text)
+        yield filt
+        yield RichLog(id="log", max_lines=SHOWN * 2, wrap=False, min_width=40)
+        yield Footer()
+
+    def on_mount(self) -> None:
+        self.query_one("#log", RichLog).focus()
+        self.rerender()
+        self.set_interval(0.25, self.append_new)
+
+    def _lines(self):
+        sup = self.app.supervisor
+        return sup.merged_log if self.source is None else sup.worker(self.source).log
+
+    def _bar(self) -> None:
+        names = ["all", *self.app.supervisor.workers]
+        current = self.source or "all"
+        parts = [f"[{n}]" if n == current else n for n in names]
+        mode = "following" if self.follow else "paused"
+        filt = f"  filter {'!' if self.invert else ''}/{self.pattern_text}/" if self.pattern_text else ""
+        self.query_one("#logbar", Label).update(f"{' '.join(parts)}  · {mode}{filt}")
+
+    def _write(self, log: RichLog, line) -> None:
+        text = display.log_line_text(line, with_worker=self.source is None)
+        label = display.failure_label(line.text)
+        if label:
+            log.write(Text(f"{text}  ◀ {label}", style=f"bold {self.app.tone_style('error')}"))
+        elif line.stream == "err":
+            log.write(Text(text, style=self.app.tone_style("warn")))
+        else:
+            log.write(Text(text))
+
+    def rerender(self) -> None:
+        self._bar()
+        log = self.query_one("#log", RichLog)
+        log.clear()
+        lines = list(self._lines())
+        self._last_seq = lines[-1].seq if lines else self._last_seq
+        shown = display.filter_lines(lines, display.compile_filter(self.pattern_text), self.invert)[-SHOWN:]
+        for line in shown:
+            self._write(log, line)
+
+    def append_new(self) -> None:
+        if not self.follow:
+            return
+        new = [ln for ln in list(self._lines())[-SHOWN:] if ln.seq > self._last_seq]
+        if not new:
+            return
+        self._last_seq = new[-1].seq
+        log = self.query_one("#log", RichLog)
+        for line in display.filter_lines(new, display.compile_filter(self.pattern_text), self.invert):
+            self._write(log, line)
+
+    def action_focus_filter(self) -> None:
+        filt = self.query_one("#filter", Input)
+        filt.display = True
+        filt.focus()
+
+    def on_input_submitted(self, event: Input.Submitted) -> None:
+        self.pattern_text = event.value
+        self.query_one("#log", RichLog).focus()
+        self.query_one("#filter", Input).display = bool(self.pattern_text)
+        self.rerender()
+
+    def on_key(self, event) -> None:
+        filt = self.query_one("#filter", Input)
+        if event.key == "escape" and filt.has_focus:
+            event.stop()
+            filt.value = self.pattern_text
+            filt.display = bool(self.pattern_text)
+            self.query_one("#log", RichLog).focus()
+
+    def action_next_source(self) -> None:
+        names = [None, *self.app.supervisor.workers]
+        self.source = names[(names.index(self.source) + 1) % len(names)]
+        self.rerender()
+
+    def action_toggle_follow(self) -> None:
+        self.follow = not self.follow
+        self.query_one("#log", RichLog).auto_scroll = self.follow
+        self.rerender()
+
+    def action_toggle_invert(self) -> None:
+        self.invert = not self.invert
+        self.rerender()
+
+    def action_clear_filter(self) -> None:
+        self.pattern_text = ""
+        self.invert = False
+        filt = self.query_one("#filter", Input)
+        filt.value, filt.display = "", False
+        self.rerender()

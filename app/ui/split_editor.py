@@ -1,0 +1,135 @@
+"""Split editor: move stage boundaries from the keyboard, see per-stage memory, apply, undo, save."""
+
+from __future__ import annotations
+
+from rich.table import Table
+from rich.text import Text
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.screen import Screen
+from textual.widgets import Footer, Header, Static
+
+from .. import display
+from ..split_plan import ModelShape, counts_from_ranges, even_split, move_boundary, ranges, split_arg
+
+
+class SplitEditorScreen(Screen):
+    BINDINGS = [
+        Binding("escape", "app.pop_screen", "Back", id="split.back"),
+        Binding("up", "select(-1)", "Prev boundary", show=False, id="split.prev"),
+        Binding("down", "select(1)", "Next boundary", show=False, id="split.next"),
+        Binding("left", "move(-1)", "◀ layer", id="split.left"),
+        Binding("right", "move(1)", "layer ▶", id="split.right"),
+        Binding("u", "undo", "Undo", id="split.undo"),
+        Binding("e", "even", "Even", id="split.even"),
+        Binding("a", "apply", "Apply", id="split.apply"),
+        Binding("w", "save", "Save to profile", id="split.save"),
+    ]
+
+    def __init__(self, shape: ModelShape | None):
+        super().__init__()
+        self.shape = shape
+        self.boundary = 0
+        self.undo_stack: list[list[int]] = []
+        self.applied = self._current_counts()
+        self.counts = list(self.applied) if self.applied else []
+
+    def _current_counts(self) -> list[int] | None:
+        sup = self.app.supervisor
+        live = sup.stage_ranges()
+        if live and len(live) == len(sup.workers):
+            return counts_from_ranges([r for _, r in live])
+        if sup.profile.split:
+            return list(sup.profile.split)
+        if self.shape:
+            return even_split(self.shape.n_layers, len(sup.workers))
+        return None
+
+    def compose(self) -> ComposeResult:
+        yield Header()
+        yield Static(id="split-table")
+        yield Static(id="split-note")
+        yield Footer()
+
+    def on_mount(self) -> None:
+        self.render_plan()
+
+    def check_action(self, action: str, parameters) -> bool | None:
+        if action == "apply" and self.app.readonly:
+            return None
+        return True
+
+    def render_plan(self) -> None:
+        sup = self.app.supervisor
+        note = self.query_one("#split-note", Static)
+        if not self.counts:
+            self.query_one("#split-table", Static).update("No layer count yet: waiting for the head's /status or the model file.")
+            return
+        estimates = self.shape.estimate(self.counts, sup.profile.ctx, sup.profile.parallel) if self.shape else None
+        table = Table(box=None, expand=False, pad_edge=False, header_style="bold")
+        for col in ("", "worker", "layers", "n", "weights", "KV", "total", "device free"):
+            table.add_column(col, no_wrap=True, justify="right" if col in ("n", "weights", "KV", "total", "device free") else "left")
+        names = list(sup.workers)
+        for i, (a, b) in enumerate(ranges(self.counts)):
+            marker = "▶" if i in (self.boundary, self.boundary + 1) else " "
+            est = estimates[i] if estimates else None
+            free = self._device_free(names[i])
+            total_style = self.app.tone_style("warn") if est and free is not None and est.total > free else ""
+            table.add_row(
+                marker, names[i], f"[{a},{b})", str(b - a),
+                display.fmt_bytes(est.weight_bytes) if est else "—",
+                display.fmt_bytes(est.kv_bytes) if est else "—",
+                Text(display.fmt_bytes(est.total), style=total_style) if est else "—",
+                display.fmt_bytes(free) if free is not None else "—",
+            )
+        self.query_one("#split-table", Static).update(table)
+        changed = self.counts != self.applied
+        left, right = names[self.boundary], names[self.boundary + 1]
+        note.update(
+            f"boundary {left} | {right}  ·  split {split_arg(self.counts)}"
+            + (f" (applied {split_arg(self.applied)})" if changed and self.applied else "  (applied)")
+            + "\nweights = tensor bytes in the GGUF; KV = fp32 cache for all slots at full context"
+        )
+
+    def _device_free(self, worker: str) -> int | None:
+        devs = (self.app.supervisor.worker(worker).status or {}).get("devices") or []
+        frees = [d["memory_total"] - d["memory_used"] for d in devs
+                 if isinstance(d.get("memory_total"), int) and isinstance(d.get("memory_used"), int)]
+        return max(frees) if frees else None
+
+    def action_select(self, step: int) -> None:
+        if len(self.counts) > 1:
+            self.boundary = (self.boundary + step) % (len(self.counts) - 1)
+            self.render_plan()
+
+    def _change(self, counts: list[int]) -> None:
+        if counts != self.counts:
+            self.undo_stack.append(self.counts)
+            self.counts = counts
+        self.render_plan()
+
+    def action_move(self, delta: int) -> None:
+        if len(self.counts) > 1:
+            self._change(move_boundary(self.counts, self.boundary, delta))
+
+    def action_even(self) -> None:
+        if self.counts:
+            self._change(even_split(sum(self.counts), len(self.counts)))
+
+    def action_undo(self) -> None:
+        if self.undo_stack:
+            self.counts = self.undo_stack.pop()
+            self.render_plan()
+
+    def action_apply(self) -> None:
+        if self.counts:
+            self.app.confirm_apply_split(list(self.counts), on_done=self._applied)
+
+    def _applied(self, counts: list[int]) -> None:
+        self.applied = counts
+        if self.is_mounted:
+            self.render_plan()
+
+    def action_save(self) -> None:
+        if self.counts:
+            self.app.save_split(list(self.counts))
