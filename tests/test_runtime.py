@@ -1,0 +1,167 @@
+"""The Engine on a real tiny synthetic model: batching, queueing, stops, scoring, cancellation."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from hydra_console.engine.gguf_file import GGUFFile
+from hydra_console.engine.pipeline import Pipeline
+from hydra_console.engine.runtime import Engine, Request, load_stage
+from hydra_console.engine.sampling import InvalidParam, SamplingParams
+from hydra_console.engine.tokenizer import Tokenizer
+
+N_SLOTS, N_CTX = 3, 128
+PROMPTS = ["the quick brown fox", "hello world", "a b c d e f", "night and day and night"]
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model):
+    g = GGUFFile(tiny_model("llama"))
+    return g, Tokenizer.from_gguf(g)
+
+
+@pytest.fixture(scope="module")
+def engine(model):
+    g, tok = model
+    pipeline = Pipeline(load_stage(g, "cpu", "float32", n_slots=N_SLOTS, n_ctx=N_CTX))
+    eng = Engine(pipeline, tok, N_SLOTS, N_CTX).start()
+    yield eng
+    eng.stop()
+
+
+def run(engine: Engine, prompt: list[int], **kw):
+    """(text, generated ids, prompt logprobs, final event) of one request."""
+    text, ids, scored, final = [], [], [], None
+    for ev in engine.generate(Request(prompt, **kw), timeout=30):
+        text.append(ev.text)
+        ids += [t.id for t in ev.tokens]
+        scored += ev.prompt_logprobs or []
+        final = ev
+    return "".join(text), ids, scored, final
+
+
+def greedy(**kw) -> SamplingParams:
+    return SamplingParams(temperature=0.0, **kw)
+
+
+def test_concurrent_greedy_equals_single_and_shares_forwards(engine, model):
+    _, tok = model
+    prompts = [tok.encode(p) for p in PROMPTS]
+    single = [run(engine, p, params=greedy(), max_tokens=12, ignore_eos=True)[:2] for p in prompts]
+
+    results: dict[int, tuple] = {}
+    steps_before = engine.stats.steps
+    threads = [threading.Thread(target=lambda i=i, p=p: results.__setitem__(
+        i, run(engine, p, params=greedy(), max_tokens=12, ignore_eos=True)[:2])) for i, p in enumerate(prompts)]  # fmt: skip
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert [results[i] for i in range(len(prompts))] == single
+    # 4 requests x 12 tokens through 3 slots: far fewer forwards than tokens means batched steps
+    assert engine.stats.steps - steps_before < 4 * 12 * 0.75
+
+
+def test_requests_beyond_the_slots_wait_in_the_queue(engine, model):
+    _, tok = model
+    reqs = [Request(tok.encode(p), greedy(), max_tokens=40, ignore_eos=True) for p in PROMPTS]
+    for r in reqs:
+        engine.submit(r)
+    deadline = time.monotonic() + 10
+    while engine.n_processing < N_SLOTS and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert (engine.n_processing, engine.n_deferred) == (N_SLOTS, 1)
+    for r in reqs:
+        engine.cancel(r)
+    deadline = time.monotonic() + 10
+    while (engine.n_processing or engine.n_deferred) and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert (engine.n_processing, engine.n_deferred) == (0, 0)
+
+
+def test_cancel_frees_the_slot_and_ends_the_request(engine, model):
+    _, tok = model
+    events = []
+    req = Request(tok.encode(PROMPTS[0]), greedy(), max_tokens=N_CTX - 10, ignore_eos=True, sink=events.append)
+    engine.submit(req)
+    deadline = time.monotonic() + 10
+    while not any(e.text for e in events) and time.monotonic() < deadline:
+        time.sleep(0.005)
+    engine.cancel(req)
+    while events[-1].finish_reason is None and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert events[-1].finish_reason == "cancelled"
+    assert events[-1].usage["completion_tokens"] < N_CTX - 10
+    assert engine.n_processing == 0
+
+
+def test_stop_string_cuts_and_is_never_streamed(engine, model):
+    _, tok = model
+    prompt = tok.encode(PROMPTS[1])
+    ref, _, _, _ = run(engine, prompt, params=greedy(), max_tokens=30, ignore_eos=True)
+    # a stop string starting at its first occurrence somewhere inside the reference text
+    at = next(i for i in range(4, len(ref) - 3) if ref.find(ref[i : i + 3]) == i)
+    stop = ref[at : at + 3]
+    pieces = []
+    for ev in engine.generate(Request(prompt, greedy(), max_tokens=30, ignore_eos=True, stop=[stop, "\x00never"]),
+                              timeout=30):  # fmt: skip
+        pieces.append(ev.text)
+        final = ev
+    assert "".join(pieces) == ref[:at]
+    assert final.finish_reason == "stop"
+    assert all(stop not in p for p in pieces)
+
+
+def test_usage_timings_and_length(engine, model):
+    _, tok = model
+    prompt = tok.encode(PROMPTS[2])
+    text, ids, _, final = run(engine, prompt, params=greedy(), max_tokens=9, ignore_eos=True)
+    assert final.finish_reason == "length"
+    assert final.usage == {"prompt_tokens": len(prompt), "completion_tokens": 9, "total_tokens": len(prompt) + 9}
+    assert len(ids) == 9 and tok.decode(ids) == text
+    t = final.timings
+    assert (t["prompt_n"], t["predicted_n"], t["draft_n"], t["draft_n_accepted"]) == (len(prompt), 9, 0, 0)
+    assert t["prompt_ms"] > 0 and t["predicted_ms"] > 0
+
+
+def test_seeded_sampling_repeats(engine, model):
+    _, tok = model
+    prompt = tok.encode(PROMPTS[3])
+    params = SamplingParams(temperature=1.5, seed=1234)
+    a = run(engine, prompt, params=params, max_tokens=16, ignore_eos=True)[1]
+    b = run(engine, prompt, params=params, max_tokens=16, ignore_eos=True)[1]
+    c = run(engine, prompt, params=SamplingParams(temperature=1.5, seed=99), max_tokens=16, ignore_eos=True)[1]
+    assert a == b and a != c
+
+
+def test_prompt_scoring_matches_a_direct_forward(engine, model):
+    g, tok = model
+    prompt = tok.encode(" ".join(PROMPTS) * 5)  # longer than one scoring chunk
+    assert len(prompt) > 64
+    _, ids, scored, final = run(engine, prompt, params=greedy(), max_tokens=0, prompt_logprobs=2)
+    assert ids == [] and final.usage["completion_tokens"] == 0 and final.finish_reason == "length"
+    assert [s.token for s in scored] == prompt
+    assert scored[0].logprob is None
+
+    ref = Pipeline(load_stage(g, "cpu", "float32", n_slots=1, n_ctx=N_CTX))
+    n = len(prompt)
+    logits = ref.forward(torch.tensor(prompt), torch.zeros(n, dtype=torch.long), torch.arange(n), torch.arange(n))
+    lp = torch.log_softmax(logits, -1)
+    want = [float(lp[i - 1, prompt[i]]) for i in range(1, n)]
+    assert [s.logprob for s in scored[1:]] == pytest.approx(want, abs=1e-4)
+    assert [t for t, _ in scored[5].top] == torch.topk(lp[4], 2).indices.tolist()
+
+
+def test_bad_requests_are_rejected_up_front(engine, model):
+    _, tok = model
+    with pytest.raises(InvalidParam) as e:
+        engine.submit(Request(tok.encode("hello") * 30, greedy(), max_tokens=N_CTX))
+    assert "context" in str(e.value)
+    with pytest.raises(InvalidParam):
+        engine.submit(Request([], greedy()))
+    with pytest.raises(InvalidParam):
+        engine.submit(Request([tok.vocab_size + 5], greedy()))
