@@ -1,24 +1,106 @@
 """The head's view of the whole model: its own Stage, then each peer in pipeline order.
 
-The runtime only ever calls `Pipeline.forward`; whether layers run here or on peers is
-decided here (solo = no peers).
+The runtime only ever calls `Pipeline.forward`; whether layers run here or on peers is decided
+here (solo = no peers). The pipeline also remembers, per slot, the tokens it has run, so that
+whenever a stage's KV is lost or moved (live re-split, a peer re-attached) it rebuilds the KV
+of the active slots by replaying them: running requests carry on instead of failing.
 """
 
 from __future__ import annotations
 
+import logging
+import re
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable
+
 import torch
 
+from .errors import UserError
 from .model import Stage
+
+log = logging.getLogger("hydra.pipeline")
+
+READY_POLL_S = 2.0
+REPLAY_CHUNK = 256  # tokens per replay forward, like the runtime's prefill budget
+
+
+def parse_split(text: str | None, n_layers: int, n_stages: int) -> list[tuple[int, int]]:
+    """`--split` → one [a, b) per stage, head first. Counts summing to the layer count are taken
+    as they are; anything else is proportions, normalised to the layer count. No split: even."""
+    if n_stages < 1:
+        raise UserError("a pipeline needs at least the head stage")
+    if text is None or not text.strip():
+        weights = [1.0] * n_stages
+    else:
+        parts = [p.strip() for p in re.split(r"[/,]", text)]
+        try:
+            weights = [float(p) for p in parts]
+        except ValueError:
+            raise UserError(f"--split {text!r}: expected numbers separated by / or , (e.g. 9/9 or 0.5,0.5)") from None
+        if len(weights) != n_stages:
+            raise UserError(
+                f"--split {text!r} has {len(weights)} stages but the pipeline has {n_stages}: "
+                f"the head and {n_stages - 1} peer(s), in --peer order"
+            )
+        if any(not w >= 0 or w == float("inf") for w in weights) or sum(weights) <= 0:
+            raise UserError(f"--split {text!r}: stage sizes must be finite, >= 0 and not all 0")
+    if all(w == int(w) for w in weights) and sum(weights) == n_layers:
+        counts = [int(w) for w in weights]
+    else:
+        total, acc, bounds = sum(weights), 0.0, [0]
+        for w in weights:
+            acc += w
+            bounds.append(round(acc / total * n_layers))
+        counts = [b - a for a, b in zip(bounds, bounds[1:])]
+    ranges, a = [], 0
+    for c in counts:
+        ranges.append((a, a + c))
+        a += c
+    check_ranges(ranges, n_layers, n_stages)
+    return ranges
+
+
+def check_ranges(ranges: list[tuple[int, int]], n_layers: int, n_stages: int) -> None:
+    """Contiguous cover of [0, n_layers), head first; every peer holds at least one layer."""
+    if len(ranges) != n_stages:
+        raise UserError(f"{len(ranges)} layer ranges for {n_stages} stages (the head and {n_stages - 1} peers)")
+    expect = 0
+    for i, (a, b) in enumerate(ranges):
+        if a != expect or b < a:
+            raise UserError(f"layer ranges {ranges} must be contiguous from 0 (stage {i} starts at {a}, expected {expect})")
+        if i > 0 and b == a:
+            raise UserError(f"layer ranges {ranges}: peer {i} would hold no layer")
+        expect = b
+    if expect != n_layers:
+        raise UserError(f"layer ranges {ranges} cover {expect} layers, the model has {n_layers}")
 
 
 class Pipeline:
-    def __init__(self, head: Stage, remotes: list | None = None):
+    def __init__(self, head: Stage, remotes: list | None = None, *, ranges: list[tuple[int, int]] | None = None):
         self.head = head
         self.remotes = list(remotes or [])
+        self.ranges = list(ranges) if ranges else [tuple(getattr(head, "layer_range", (0, head.cfg.n_layers)))]
+        # Which slots hold a live request (the runtime's view); None = every slot seen so far.
+        self.active_slots: Callable[[], set[int]] | None = None
+        self.resplits = 0
+        self.last_resplit: dict | None = None
+        self._lock = threading.RLock()  # one forward, re-split or re-attach at a time
+        self._history: torch.Tensor | None = None  # [slots, ctx] token ids run so far
+        self._lengths: dict[int, int] = {}
+        self._stale = False  # a stage lost KV: rebuild before the next forward
+        self._watch: threading.Thread | None = None
+        self._stopping = threading.Event()
 
     @property
     def cfg(self):
         return self.head.cfg
+
+    @property
+    def degraded(self) -> bool:
+        return any(r.state != "up" for r in self.remotes)
 
     def forward(
         self,
@@ -28,12 +110,219 @@ class Pipeline:
         logit_rows: torch.Tensor,
     ) -> torch.Tensor:
         """Flattened batch in, float32 logits of the rows in `logit_rows` out."""
+        with self._lock:
+            if self._stale:
+                self._rebuild()
+            h = self._run(tokens, slots, positions)
+            self._record(tokens, slots, positions)
+            return self.head.logits(h[logit_rows])
+
+    def _run(self, tokens, slots, positions) -> torch.Tensor:
+        from .rpc.client import StaleEpoch
+
         h = self.head.run_layers(self.head.embed(tokens), slots, positions)
         for remote in self.remotes:
-            h = remote.run_layers(h, slots, positions)
-        return self.head.logits(h[logit_rows])
+            try:
+                h = remote.run_layers(h, slots, positions)
+            except StaleEpoch:
+                # Someone replaced the peer's resident set: re-validate, rebuild every peer's KV, redo.
+                log.warning("peer %s changed its resident set: re-attaching", remote.addr)
+                remote.attach()
+                self._rebuild()
+                return self._run(tokens, slots, positions)
+        return h
 
     def clear_slot(self, slot: int) -> None:
-        self.head.kv_clear(slot)
+        with self._lock:
+            self._lengths.pop(slot, None)
+            self.head.kv_clear(slot)
+            for remote in self.remotes:
+                remote.kv_clear(slot)
+
+    # --- slot history and KV rebuild ------------------------------------------------------------
+
+    def _record(self, tokens, slots, positions) -> None:
+        if tokens.numel() == 0:
+            return
+        s, p = slots.cpu(), positions.cpu()
+        need_slots, need_ctx = int(s.max()) + 1, int(p.max()) + 1
+        hist = self._history
+        if hist is None or hist.shape[0] < need_slots or hist.shape[1] < need_ctx:
+            grown = torch.zeros(max(need_slots, hist.shape[0] if hist is not None else 0),
+                                max(need_ctx, 2 * hist.shape[1] if hist is not None else 256), dtype=torch.long)  # fmt: skip
+            if hist is not None:
+                grown[: hist.shape[0], : hist.shape[1]] = hist
+            self._history = hist = grown
+        hist[s, p] = tokens.cpu()
+        # A slot's run is contiguous with increasing positions: its last position ends its history.
+        for slot, pos in zip(s.tolist(), p.tolist()):
+            self._lengths[slot] = pos + 1
+
+    def _rebuild(self) -> int:
+        """Replay the active slots' tokens through every stage (rewrites all their KV)."""
+        active = self.active_slots() if self.active_slots is not None else set(self._lengths)
+        n_tokens = 0
+        for slot in sorted(active):
+            n = self._lengths.get(slot, 0)
+            for start in range(0, n, REPLAY_CHUNK):
+                end = min(n, start + REPLAY_CHUNK)
+                tokens = self._history[slot, start:end]
+                slots = torch.full((end - start,), slot, dtype=torch.long)
+                positions = torch.arange(start, end, dtype=torch.long)
+                h = self.head.run_layers(self.head.embed(tokens), slots, positions)
+                for remote in self.remotes:
+                    h = remote.run_layers(h, slots, positions)
+                n_tokens += end - start
+        self._stale = False
+        return n_tokens
+
+    # --- live re-split --------------------------------------------------------------------------
+
+    def resplit(self, ranges: list[tuple[int, int]]) -> dict:
+        """Move layer boundaries without a restart: every stage loads its new range from its own
+        file (in parallel), then the active slots' KV is rebuilt; a running request just pauses."""
+        ranges = [tuple(map(int, r)) for r in ranges]
+        check_ranges(ranges, self.cfg.n_layers, 1 + len(self.remotes))
+        with self._lock:
+            down = [r.addr for r in self.remotes if r.state != "up"]
+            if down:
+                raise UserError(f"cannot re-split while peers are down: {', '.join(down)}")
+            old = list(self.ranges)
+            t0 = time.perf_counter()
+            try:
+                self._assign_all(ranges)
+            except Exception:
+                log.exception("re-split to %s failed: restoring %s", ranges, old)
+                self._assign_all(old)
+                self._stale = True
+                raise
+            t_assign = time.perf_counter() - t0
+            rebuilt = self._rebuild()
+            self.resplits += 1
+            self.last_resplit = {
+                "layers": [list(r) for r in ranges],
+                "previous": [list(r) for r in old],
+                "seconds": round(time.perf_counter() - t0, 4),
+                "assign_s": round(t_assign, 4),
+                "rebuilt_tokens": rebuilt,
+            }
+            log.info("re-split %s -> %s in %.3f s", old, ranges, self.last_resplit["seconds"])
+            return self.last_resplit
+
+    def _assign_all(self, ranges) -> None:
+        stages = [self.head, *self.remotes]
+        todo = [(s, r) for s, r, cur in zip(stages, ranges, self.ranges) if tuple(cur) != r]
+        if todo:
+            with ThreadPoolExecutor(len(todo)) as pool:
+                for f in [pool.submit(s.assign, *r) for s, r in todo]:
+                    f.result()
+        self.ranges = list(ranges)
+
+    # --- peers: readiness, re-attach, RTT -------------------------------------------------------
+
+    def start_watch(self, interval_s: float = READY_POLL_S) -> None:
+        """Background: re-attach peers that went down (then rebuild KV), ping the others for RTT."""
+        self._watch = threading.Thread(target=self._watch_loop, args=(interval_s,), name="hydra-peers", daemon=True)
+        self._watch.start()
+
+    def stop(self) -> None:
+        self._stopping.set()
         for remote in self.remotes:
-            remote.kv_clear(slot)
+            remote.close()
+
+    def _watch_loop(self, interval_s: float) -> None:
+        from .rpc.client import PeerUnavailable
+
+        while not self._stopping.wait(interval_s):
+            for remote in self.remotes:
+                if remote.state == "up":
+                    remote.ping()
+                    continue
+                try:  # cheap reachability first: never hold the pipeline while a host is gone
+                    socket.create_connection((remote.host, remote.port), timeout=1.0).close()
+                except OSError:
+                    continue
+                with self._lock:
+                    try:
+                        remote.attach()
+                    except (PeerUnavailable, UserError) as e:
+                        log.warning("peer %s not back yet: %s", remote.addr, e)
+                        continue
+                    log.warning("peer %s is back: re-attached, rebuilding KV", remote.addr)
+                    self._stale = True
+
+    def stages(self) -> list[dict]:
+        """Explicit layer ranges of every stage, for /status."""
+        out = [{"role": "head", "addr": None, "layers": list(self.ranges[0]), "device": str(self.head.device), "state": "ok"}]
+        for remote, r in zip(self.remotes, self.ranges[1:]):
+            out.append({"role": "peer", "addr": remote.addr, "layers": list(r), "device": str(remote.device), "state": remote.state})
+        return out
+
+
+def wait_for_peers(remotes: list, budget_s: float, poll_s: float = READY_POLL_S) -> list:
+    """Attach every peer, polling every `poll_s` for at most `budget_s`; returns those never up."""
+    from .rpc.client import PeerUnavailable
+
+    deadline = time.monotonic() + budget_s
+    pending = list(remotes)
+    while pending:
+        for remote in list(pending):
+            try:
+                remote.attach()
+                pending.remove(remote)
+            except PeerUnavailable as e:
+                log.info("waiting for peer %s: %s", remote.addr, e)
+        if not pending or time.monotonic() + poll_s > deadline:
+            break
+        time.sleep(poll_s)
+    return pending
+
+
+def build_pipeline(args, g, cfg, *, n_slots: int, n_ctx: int) -> Pipeline:
+    """Head Stage + one RemoteStage per `--peer`, split by `--split`; waits for the peers
+    (`--peer-wait`, polling every 2 s) and, if they never come, fails or (`--fallback-solo`)
+    runs every layer here when they fit."""
+    from .device import resolve_device, resolve_dtype
+    from .rpc.client import RemoteStage
+
+    peers = list(getattr(args, "peer", None) or [])
+    n_layers = cfg.n_layers
+    ranges = parse_split(getattr(args, "split", None), n_layers, 1 + len(peers))
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, device)
+    remotes = [
+        RemoteStage(addr, r, g=g, dtype=dtype, n_slots=n_slots, n_ctx=n_ctx,
+                    auth_token=getattr(args, "auth_token", None), max_frame=getattr(args, "max_frame", 1 << 30))  # fmt: skip
+        for addr, r in zip(peers, ranges[1:])
+    ]
+    # Wait before loading our own range: with --fallback-solo it depends on the outcome.
+    missing = wait_for_peers(remotes, getattr(args, "peer_wait", 180.0))
+    if missing:
+        names = ", ".join(f"{r.addr} ({r.error})" for r in missing)
+        if not getattr(args, "fallback_solo", False):
+            for r in remotes:
+                r.close()
+            raise UserError(f"peer(s) not ready after {args.peer_wait:g} s: {names} (or start with --fallback-solo)")
+        _check_fits(g, device)
+        log.warning("peers %s never came up: --fallback-solo runs all %d layers on the head", names, n_layers)
+        for r in remotes:
+            r.close()
+        remotes, ranges = [], [(0, n_layers)]
+    head = Stage(cfg, g, layers=ranges[0], embed=True, head=True, device=device, dtype=dtype, n_slots=n_slots, n_ctx=n_ctx)
+    pipeline = Pipeline(head, remotes, ranges=ranges)
+    if remotes:
+        pipeline.start_watch()
+    return pipeline
+
+
+def _check_fits(g, device: torch.device) -> None:
+    """--fallback-solo only when every layer's weights (dequantized to at most 2 bytes a value) fit."""
+    need = sum(t.n_elements for name, t in g.tensors.items() if name.startswith("blk.")) * 2
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+    else:
+        import psutil
+
+        free = psutil.virtual_memory().available
+    if need > free:
+        raise UserError(f"--fallback-solo: all layers need ~{need >> 20} MiB, only {free >> 20} MiB free on {device}")

@@ -1,0 +1,295 @@
+"""Head-side peer client: `RemoteStage` runs a layer range on a peer over the compute protocol.
+
+It has the shape of `model.Stage` that the pipeline chains (`run_layers(h, slots, positions)`,
+`kv_clear(slot)`, `layers`, `device`, `state`). One FORWARD frame per step carries the whole
+batch as raw bytes in the compute dtype. A peer that dies mid-request fails that request within
+~2 s with `PeerUnavailable` (HTTP 503), never a hang; `attach()` re-validates and re-assigns
+when it comes back.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+import threading
+import time
+
+import torch
+
+from ..errors import UserError
+from . import auth
+from .compute import (
+    CAP_AUTH,
+    FORWARD_REPLY,
+    HELLO,
+    KV_CLEAR,
+    OK,
+    STALE_EPOCH,
+    VERSION,
+    Cmd,
+    pack_forward,
+    pack_hello,
+)
+from .listener import tune_socket
+from .resident import tensor_shapes
+from .wire import COMPUTE_HEADER, FrameError, SocketReader, read_compute_response, read_compute_response_size, send_all
+
+log = logging.getLogger("hydra.rpc.client")
+
+CONNECT_TIMEOUT_S = 2.0
+WATCH_S = 1.0  # while a reply is pending, probe the peer this often
+
+
+class PeerError(RuntimeError):
+    """A peer could not run a request; the runtime fails that request."""
+
+
+class PeerUnavailable(PeerError):
+    """A peer is down or died mid-request: the request fails (HTTP 503) and the head re-attaches."""
+
+
+def is_peer_failure(error: str | None) -> bool:
+    """Whether a runtime error text (`Type: message`) came from a peer being unavailable."""
+    return bool(error) and error.startswith(PeerUnavailable.__name__)
+
+
+class PeerMismatch(UserError):
+    """The peer serves a different model, refuses our protocol version, or rejects our token."""
+
+
+class StaleEpoch(PeerError):
+    """The peer's resident set changed since we validated it: re-attach and rebuild its KV."""
+
+
+def parse_addr(text: str) -> tuple[str, int]:
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise UserError(f"--peer {text!r}: expected HOST:PORT (the peer's RPC port)")
+    return host.strip("[]"), int(port)
+
+
+class RemoteStage:
+    def __init__(
+        self,
+        addr: str,
+        layers: tuple[int, int],
+        *,
+        g,
+        dtype: torch.dtype,
+        n_slots: int,
+        n_ctx: int,
+        auth_token: str | None = None,
+        max_frame: int = 1 << 30,
+    ):
+        self.addr = addr
+        self.host, self.port = parse_addr(addr)
+        self.layers = tuple(layers)
+        self.g, self.dtype, self.n_slots, self.n_ctx = g, dtype, n_slots, n_ctx
+        self.auth_token = auth_token
+        self.max_frame = max_frame
+        self.state = "connecting"
+        self.device = "remote"
+        self.epoch = 0
+        self.rtt_ms: float | None = None
+        self.bytes_sent = self.bytes_recv = 0
+        self.error: str | None = None
+        self.attaches = 0
+        self._sock: socket.socket | None = None
+        self._reader: SocketReader | None = None
+        self._lock = threading.Lock()  # one exchange on the socket at a time
+
+    # --- connection -------------------------------------------------------------------------------
+
+    def attach(self) -> None:
+        """Connect, HELLO, prove the token, check identity, assign our layers. Raises PeerUnavailable
+        when the peer cannot be reached and PeerMismatch when it can but must not be used."""
+        with self._lock:
+            self._close()
+            try:
+                self._connect()
+                self._request_json(Cmd.CHECK, {"fingerprint": self.g.fingerprint, "shapes": tensor_shapes(self.g)})
+                self._load(self.layers)
+            except PeerMismatch as e:
+                self._down(str(e))
+                raise
+            except (OSError, FrameError, PeerUnavailable) as e:
+                self._down(f"{type(e).__name__}: {e}")
+                raise PeerUnavailable(f"peer {self.addr} unavailable: {e}") from None
+            self.state, self.error = "up", None
+            self.attaches += 1
+
+    def _connect(self) -> None:
+        sock = socket.create_connection((self.host, self.port), timeout=CONNECT_TIMEOUT_S)
+        tune_socket(sock)
+        sock.settimeout(WATCH_S)
+        self._sock, self._reader = sock, SocketReader(sock, on_idle=self._probe)
+        reply = self._exchange(Cmd.HELLO, pack_hello())
+        if len(reply) < HELLO.size:
+            raise PeerMismatch(f"peer {self.addr} answered HELLO with {len(reply)} bytes: not a Hydra worker")
+        major, minor, patch, _, caps = HELLO.unpack_from(reply)
+        if (major, minor) != VERSION[:2]:
+            detail = bytes(reply[HELLO.size :]).decode("utf-8", "replace")
+            raise PeerMismatch(f"peer {self.addr} speaks compute protocol {major}.{minor}.{patch}, we {VERSION}: {detail}")
+        if caps & CAP_AUTH:
+            if not self.auth_token:
+                raise PeerMismatch(f"peer {self.addr} requires a token: set --auth-token or HYDRA_TOKEN")
+            nonce = self._read_reply()
+            status, body = self._status(self._exchange(Cmd.AUTH, auth.prove(self.auth_token, bytes(nonce))))
+            if status != OK:
+                raise PeerMismatch(f"peer {self.addr} rejected our token: {body.decode(errors='replace')}")
+
+    def _load(self, layers) -> None:
+        dtype = str(self.dtype).removeprefix("torch.")
+        reply = self._request_json(
+            Cmd.LOAD_STAGE,
+            {"layers": list(layers), "dtype": dtype, "n_slots": self.n_slots, "n_ctx": self.n_ctx},
+        )
+        self.epoch = reply["epoch"]
+        self.layers = tuple(layers)
+        self.device = reply.get("device", "remote")
+
+    def assign(self, a: int, b: int) -> None:
+        """Live re-split: the peer re-materialises [a,b) from its own file (its KV starts empty)."""
+        with self._lock:
+            if self.state != "up":
+                raise PeerUnavailable(f"peer {self.addr} is {self.state}: cannot re-split onto it")
+            try:
+                self._load((a, b))
+            except (OSError, FrameError, PeerUnavailable) as e:
+                self._down(str(e))
+                raise PeerUnavailable(f"peer {self.addr} failed during re-split: {e}") from None
+
+    def close(self) -> None:
+        with self._lock:
+            self._close()
+            self.state = "down"
+
+    def _close(self) -> None:
+        if self._sock is not None:
+            try:
+                self._sock.close()
+            finally:
+                self._sock = self._reader = None
+
+    def _down(self, why: str) -> None:
+        """Lost (or not yet reached): "connecting" until the first attach, "down" after."""
+        state = "down" if self.attaches else "connecting"
+        if state == "down" and self.state != "down":
+            log.warning("peer %s down: %s", self.addr, why)
+        self.state, self.error = state, why
+        self._close()
+
+    # --- the stage interface ----------------------------------------------------------------------
+
+    def run_layers(self, h: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        device = h.device
+        hidden = h.detach().to("cpu")  # the residual stream's own dtype: bit-exact across the wire
+        with self._lock:
+            if self.state != "up":
+                raise PeerUnavailable(f"peer {self.addr} is down ({self.error}); retry when it is back")
+            t0 = time.perf_counter()
+            try:
+                self._send(Cmd.FORWARD, pack_forward(self.epoch, hidden, slots.cpu(), positions.cpu()))
+                size = read_compute_response_size(self._reader, self.max_frame)
+                head = self._reader.read_exact(min(size, FORWARD_REPLY.size))
+                if not head or head[0] != OK or size < FORWARD_REPLY.size:
+                    body = bytes(head[1:]) + bytes(self._reader.read_exact(size - len(head)))
+                    if head and head[0] == STALE_EPOCH:
+                        raise StaleEpoch(f"peer {self.addr}: {body.decode('utf-8', 'replace')}")
+                    raise PeerError(f"peer {self.addr} could not run the batch: {body.decode('utf-8', 'replace')}")
+                _, compute_us = FORWARD_REPLY.unpack(head)
+                want = hidden.numel() * hidden.element_size()
+                if size - FORWARD_REPLY.size != want:
+                    raise FrameError(f"FORWARD reply of {size} bytes, expected {FORWARD_REPLY.size + want}")
+                out = torch.empty(hidden.shape, dtype=hidden.dtype)
+                self._reader.read_into(memoryview(out.view(-1).view(torch.uint8).numpy()))
+            except (OSError, FrameError, PeerUnavailable) as e:
+                self._down(f"{type(e).__name__}: {e}")
+                raise PeerUnavailable(f"peer {self.addr} failed mid-request: {e}") from None
+            finally:
+                self._account()
+            self.rtt_ms = max((time.perf_counter() - t0) * 1e3 - compute_us / 1e3, 0.0)
+        return out.to(device, h.dtype)
+
+    def kv_clear(self, slot: int) -> None:
+        with self._lock:
+            if self.state == "up":
+                self._guarded(lambda: self._exchange(Cmd.KV_CLEAR, KV_CLEAR.pack(slot)))
+
+    def ping(self) -> float | None:
+        """RTT of an empty round trip in ms; skipped (None) while a forward holds the socket."""
+        if not self._lock.acquire(blocking=False):
+            return None
+        try:
+            if self.state != "up":
+                return None
+            t0 = time.perf_counter()
+            self._guarded(lambda: self._exchange(Cmd.PING, b""))
+            self.rtt_ms = (time.perf_counter() - t0) * 1e3
+            return self.rtt_ms
+        except PeerUnavailable:
+            return None
+        finally:
+            self._lock.release()
+
+    def status(self) -> dict:
+        return {
+            "addr": self.addr,
+            "state": self.state,
+            "rtt_ms": None if self.rtt_ms is None else round(self.rtt_ms, 3),
+            "layers": list(self.layers),
+            "bytes_sent": self.bytes_sent,
+            "bytes_recv": self.bytes_recv,
+            "epoch": self.epoch,
+            "attaches": self.attaches,
+            "error": self.error,
+        }
+
+    # --- framing helpers (caller holds the lock) --------------------------------------------------
+
+    def _send(self, cmd: int, parts) -> None:
+        parts = parts if isinstance(parts, list) else [parts]
+        size = sum(memoryview(p).cast("B").nbytes for p in parts)
+        self.bytes_sent += send_all(self._sock, COMPUTE_HEADER.pack(cmd, size), *parts)
+
+    def _read_reply(self):
+        return read_compute_response(self._reader, self.max_frame)
+
+    def _exchange(self, cmd: int, payload) -> bytearray:
+        self._send(cmd, payload)
+        return self._read_reply()
+
+    def _request_json(self, cmd: int, obj: dict) -> dict:
+        status, body = self._status(self._exchange(cmd, json.dumps(obj).encode()))
+        if status != OK:
+            raise PeerMismatch(f"peer {self.addr} refused: {body.decode('utf-8', 'replace')}")
+        return json.loads(body) if body else {}
+
+    @staticmethod
+    def _status(reply) -> tuple[int, bytes]:
+        if not reply:
+            raise FrameError("empty reply")
+        return reply[0], bytes(reply[1:])
+
+    def _guarded(self, fn):
+        try:
+            return fn()
+        except (OSError, FrameError, PeerUnavailable) as e:
+            self._down(f"{type(e).__name__}: {e}")
+            raise PeerUnavailable(f"peer {self.addr} failed: {e}") from None
+        finally:
+            self._account()
+
+    def _account(self) -> None:
+        if self._reader is not None:
+            self.bytes_recv += self._reader.bytes_in
+            self._reader.bytes_in = 0
+
+    def _probe(self) -> None:
+        """Called while a reply is pending, every WATCH_S: a peer host that vanished (no RST ever
+        comes) fails the request in ~2 s instead of at TCP keepalive's 60 s."""
+        try:
+            socket.create_connection((self.host, self.port), timeout=WATCH_S).close()
+        except OSError as e:
+            raise PeerUnavailable(f"peer {self.addr} stopped answering: {e}") from None

@@ -1,0 +1,223 @@
+"""Compute protocol server (ggml-rpc framing) over a `StageHost`.
+
+Request `cmd u8 | size u64 | payload`, response `size u64 | payload`. HELLO (cmd 14) must come
+first; a version whose major/minor differs from ours is refused with a message and the
+connection closed, so an upstream llama.cpp rpc client gets a clean refusal instead of a hang.
+Our commands use ids >= 32; each response payload starts with a status byte (0 OK, 1 ERROR,
+2 STALE_EPOCH) followed by JSON, raw hidden states, or an error message.
+
+FORWARD carries a whole batch in one frame: `<QIIB3x` (epoch, n_tokens, n_embd, dtype code),
+int32 slots[T], int32 positions[T], then the hidden states as raw bytes in the compute dtype
+(bit-exact, no JSON on the hot path). The reply is `<B3xI` (status, peer compute µs) + hidden.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+import struct
+import time
+
+import numpy as np
+import torch
+
+from . import auth
+from .resident import CODE_DTYPES, DTYPE_CODES, ComputeError, StaleEpoch
+from .wire import COMPUTE_SIZE, FrameError, SocketReader, read_compute_request, send_all
+
+log = logging.getLogger("hydra.rpc.compute")
+
+VERSION = (72, 1, 0)  # major 72 ("H") never matches an upstream ggml-rpc major (1..3)
+CAP_AUTH, CAP_FORWARD, CAP_RESOLVE = 1, 2, 4
+
+
+class Cmd:
+    HELLO = 14  # ggml-rpc's id
+    LOAD_STAGE = 32
+    RESOLVE = 33
+    FORWARD = 34
+    KV_TRIM = 35
+    KV_CLEAR = 36
+    STATS = 37
+    PING = 38
+    CHECK = 39
+    AUTH = 40
+
+
+OK, ERROR, STALE_EPOCH = 0, 1, 2
+HELLO = struct.Struct("<BBBBI")
+FORWARD_HEADER = struct.Struct("<QIIB3x")
+FORWARD_REPLY = struct.Struct("<B3xI")
+KV_TRIM = struct.Struct("<iI")
+KV_CLEAR = struct.Struct("<i")
+
+
+def pack_hello(caps: int = 0, version=VERSION) -> bytes:
+    return HELLO.pack(*version, 0, caps)
+
+
+def pack_forward(epoch: int, hidden: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor) -> list:
+    """FORWARD payload as buffers (header, slots, positions, hidden) for a zero-copy sendmsg."""
+    t, d = hidden.shape
+    header = FORWARD_HEADER.pack(epoch, t, d, DTYPE_CODES[hidden.dtype])
+    return [
+        header,
+        slots.to(torch.int32).contiguous().numpy(),
+        positions.to(torch.int32).contiguous().numpy(),
+        _raw(hidden),
+    ]
+
+
+def _raw(t: torch.Tensor) -> np.ndarray:
+    return t.detach().contiguous().view(-1).view(torch.uint8).numpy()
+
+
+def unpack_forward(payload) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]:
+    view = memoryview(payload)
+    if len(view) < FORWARD_HEADER.size:
+        raise ComputeError("FORWARD payload shorter than its header")
+    epoch, t, d, code = FORWARD_HEADER.unpack_from(view)
+    dtype = CODE_DTYPES.get(code)
+    if dtype is None:
+        raise ComputeError(f"FORWARD dtype code {code} unknown")
+    elsize = torch.empty((), dtype=dtype).element_size()
+    want = FORWARD_HEADER.size + 8 * t + t * d * elsize
+    if len(view) != want:
+        raise ComputeError(f"FORWARD of {t}x{d} needs {want} bytes, frame has {len(view)}")
+    o = FORWARD_HEADER.size
+    slots = torch.frombuffer(view[o : o + 4 * t], dtype=torch.int32) if t else torch.zeros(0, dtype=torch.int32)
+    positions = torch.frombuffer(view[o + 4 * t : o + 8 * t], dtype=torch.int32) if t else torch.zeros(0, dtype=torch.int32)
+    raw = view[o + 8 * t :]
+    hidden = torch.frombuffer(raw, dtype=dtype).view(t, d) if t * d else torch.zeros(t, d, dtype=dtype)
+    return epoch, hidden, slots.long(), positions.long()
+
+
+class ComputeServer:
+    """Serves one connection at a time (call it with the socket); state lives in the StageHost."""
+
+    def __init__(self, host, *, auth_token: str | None = None, max_frame: int = 1 << 30):
+        self.host = host
+        self.auth_token = auth_token
+        self.max_frame = max_frame
+        self.bytes_in = self.bytes_out = 0
+
+    @property
+    def caps(self) -> int:
+        return CAP_FORWARD | CAP_RESOLVE | (CAP_AUTH if self.auth_token else 0)
+
+    def __call__(self, conn: socket.socket) -> None:
+        reader = SocketReader(conn)
+        try:
+            self._session(conn, reader)
+        except (FrameError, OSError) as e:
+            log.debug("compute connection closed: %s", e)
+        finally:
+            self.bytes_in += reader.bytes_in
+
+    def _send(self, conn, *parts) -> None:
+        body = sum(len(memoryview(p).cast("B")) for p in parts)
+        self.bytes_out += send_all(conn, COMPUTE_SIZE.pack(body), *parts)
+
+    def _reply(self, conn, status: int, *parts) -> None:
+        self._send(conn, bytes([status]), *(p.encode() if isinstance(p, str) else p for p in parts))
+
+    def _session(self, conn, reader: SocketReader) -> None:
+        cmd, payload = read_compute_request(reader, self.max_frame)
+        if cmd != Cmd.HELLO:
+            self._reply(conn, ERROR, f"the first command must be HELLO (14), got {cmd}")
+            return
+        if not self._hello(conn, bytes(payload)):
+            return
+        if self.auth_token:
+            nonce = auth.new_nonce()
+            self._send(conn, nonce)
+            cmd, payload = read_compute_request(reader, self.max_frame)
+            if cmd != Cmd.AUTH or not auth.verify(self.auth_token, nonce, payload):
+                self._reply(conn, ERROR, "authentication failed: AUTH (40) with HMAC-SHA256(token, nonce) must follow HELLO")
+                return
+            self._reply(conn, OK)
+        session = {"checked": False, "reader": reader}
+        while True:
+            cmd, payload = read_compute_request(reader, self.max_frame)
+            try:
+                status, parts = OK, self._command(cmd, payload, session)
+            except StaleEpoch as e:
+                status, parts = STALE_EPOCH, [str(e).encode()]
+            except ComputeError as e:
+                status, parts = ERROR, [str(e).encode()]
+            except Exception as e:  # a bug or a device error fails this command, not the worker
+                log.exception("compute command %d failed", cmd)
+                status, parts = ERROR, [f"{type(e).__name__}: {e}".encode()]
+            if status == OK and cmd == Cmd.FORWARD:
+                self._send(conn, *parts)  # the FORWARD reply carries its own status header
+            else:
+                self._reply(conn, status, *parts)
+
+    def _command(self, cmd: int, payload, session: dict) -> list:
+        """Run one command; returns the reply body as buffers."""
+        if cmd == Cmd.FORWARD:
+            if not session["checked"]:
+                raise ComputeError("CHECK (fingerprint and shapes) must pass before FORWARD")
+            epoch, hidden, slots, positions = unpack_forward(payload)
+            t0 = time.perf_counter()
+            out = self.host.forward(epoch, hidden, slots, positions)
+            compute_us = min(int((time.perf_counter() - t0) * 1e6), 0xFFFFFFFF)
+            return [FORWARD_REPLY.pack(OK, compute_us), _raw(out.to(hidden.dtype))]
+        if cmd == Cmd.CHECK:
+            body = self.host.check(_json(payload))
+            session["checked"] = True
+        elif cmd == Cmd.LOAD_STAGE:
+            if not session["checked"]:
+                raise ComputeError("CHECK (fingerprint and shapes) must pass before LOAD_STAGE")
+            body = self.host.load(_json(payload))
+        elif cmd == Cmd.RESOLVE:
+            body = self.host.resolve(bytes(payload).decode("utf-8", "replace"))
+        elif cmd == Cmd.KV_CLEAR:
+            (slot,) = _unpack(KV_CLEAR, payload)
+            self.host.kv_clear(slot)
+            return []
+        elif cmd == Cmd.KV_TRIM:
+            _unpack(KV_TRIM, payload)  # rollback is implicit: positions >= n are overwritten
+            return []
+        elif cmd == Cmd.STATS:
+            body = {**self.host.stats(), "bytes_in": self.bytes_in + session["reader"].bytes_in, "bytes_out": self.bytes_out}
+        elif cmd == Cmd.PING:
+            return [bytes(payload[:64])]
+        else:
+            raise ComputeError(f"unknown command {cmd}")
+        return [json.dumps(body, separators=(",", ":")).encode()]
+
+    def _hello(self, conn, payload: bytes) -> bool:
+        if len(payload) < 3:
+            # An upstream ggml-rpc client: answer in its 3-byte shape so it reports the version mismatch.
+            self._send(conn, bytes(VERSION))
+            log.warning("refused a ggml-rpc client (no version in HELLO): this port speaks Hydra compute %s", VERSION)
+            return False
+        major, minor, patch = payload[0], payload[1], payload[2]
+        if (major, minor) != VERSION[:2]:
+            message = (
+                f"Hydra compute protocol {'.'.join(map(str, VERSION))} refuses client version {major}.{minor}.{patch}: "
+                "major/minor must match (upstream llama.cpp rpc clients cannot drive a Hydra worker)"
+            )
+            self._send(conn, pack_hello(self.caps), message.encode())
+            log.warning(message)
+            return False
+        self._send(conn, pack_hello(self.caps))
+        return True
+
+
+def _json(payload) -> dict:
+    try:
+        obj = json.loads(bytes(payload) or b"{}")
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ComputeError(f"payload is not JSON: {e}") from None
+    if not isinstance(obj, dict):
+        raise ComputeError("payload must be a JSON object")
+    return obj
+
+
+def _unpack(st: struct.Struct, payload):
+    if len(payload) != st.size:
+        raise ComputeError(f"payload must be {st.size} bytes, got {len(payload)}")
+    return st.unpack(payload)

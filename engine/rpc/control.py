@@ -1,0 +1,169 @@
+"""Hydra control protocol server (the fork's framing and status codes).
+
+One request at a time per connection. Bad magic or a broken frame closes the connection; a bad
+key or an unknown op answers ERROR and the connection lives on. Ops the backend does not build
+answer NOT_IMPLEMENTED, after their payload has been drained so the stream stays in sync.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+from typing import Protocol
+
+from . import auth
+from .wire import (
+    FrameError,
+    Op,
+    SocketReader,
+    Status,
+    pack_control_response,
+    read_control_request,
+    send_all,
+)
+
+log = logging.getLogger("hydra.rpc.control")
+
+STATE_PUT_CAP = 4 << 30  # 4 GiB of KV in one frame
+KNOWN_OPS = {v for k, v in vars(Op).items() if k.isupper()}
+
+
+class ControlError(Exception):
+    """A request the backend refuses; `status` is the control status to answer with."""
+
+    def __init__(self, message: str, status: int = Status.ERROR):
+        super().__init__(message)
+        self.status = status
+
+
+class ControlBackend(Protocol):
+    """What a worker exposes over the control port. Missing state ops answer NOT_IMPLEMENTED."""
+
+    def info(self) -> dict: ...
+
+    def configure(self, request: dict) -> dict: ...
+
+    def set_expert_mode(self, mode: str) -> dict: ...
+
+
+_JSON_OPS = {Op.CONFIGURE}
+_HANDLERS = {
+    Op.INFO: "info",
+    Op.CONFIGURE: "configure",
+    Op.SET_EXPERT_MODE: "set_expert_mode",
+    Op.STATE_GET: "state_get",
+    Op.STATE_PUT: "state_put",
+    Op.STATE_META: "state_meta",
+}
+_KEYED_OPS = {Op.STATE_GET, Op.STATE_PUT, Op.STATE_META}
+
+
+class ControlServer:
+    def __init__(self, backend, *, auth_token: str | None = None, max_frame: int = 1 << 30):
+        self.backend = backend
+        self.auth_token = auth_token
+        self.max_frame = max_frame
+
+    def __call__(self, conn: socket.socket) -> None:
+        reader = SocketReader(conn)
+        session = {"authed": not self.auth_token, "nonce": None}
+        try:
+            while self._serve_one(conn, reader, session):
+                pass
+        except (FrameError, OSError) as e:  # bad magic, truncated frame, timeout, reset: close
+            log.debug("control connection closed: %s", e)
+
+    def _serve_one(self, conn, reader: SocketReader, session: dict) -> bool:
+        """Serve one request; False closes the connection."""
+        req = read_control_request(reader)
+        cap = STATE_PUT_CAP if req.op == Op.STATE_PUT else self.max_frame
+        if req.payload_len > cap:
+            if req.op != Op.STATE_PUT:  # a frame over the limit is malformed: answer, then close
+                self._reply(conn, Status.BAD_REQUEST, {"error": f"payload of {req.payload_len} bytes over the {cap}-byte limit"})
+                return False
+            reader.drain(req.payload_len)
+            self._reply(conn, Status.ERROR, {"error": f"STATE_PUT of {req.payload_len} bytes over the 4 GiB cap"})
+            return True
+        if req.op not in _HANDLERS and req.op != Op.AUTH:
+            reader.drain(req.payload_len)
+            if req.op in KNOWN_OPS:
+                self._reply(conn, Status.NOT_IMPLEMENTED, {"error": f"op 0x{req.op:02x} is not implemented"})
+            else:
+                self._reply(conn, Status.ERROR, {"error": f"unknown op 0x{req.op:02x}"})
+            return True
+        payload = bytes(reader.read_exact(req.payload_len))
+        if req.op == Op.AUTH:
+            return self._auth(conn, payload, session)
+        if not session["authed"]:
+            self._reply(conn, Status.ERROR, {"error": "authentication required: send AUTH (op 0x4f) first"})
+            return False
+        self._handle(conn, req, payload)
+        return True
+
+    def _auth(self, conn, payload: bytes, session: dict) -> bool:
+        """Empty payload: challenge (answers a nonce). Otherwise: the HMAC proof of that nonce."""
+        if not self.auth_token:
+            self._reply(conn, Status.OK, {"auth": False})
+            return True
+        if not payload:
+            session["nonce"] = auth.new_nonce()
+            self._reply(conn, Status.OK, {"auth": True, "nonce": session["nonce"].hex()})
+            return True
+        nonce, session["nonce"] = session["nonce"], None
+        if nonce is not None and auth.verify(self.auth_token, nonce, payload):
+            session["authed"] = True
+            self._reply(conn, Status.OK, {"auth": True, "ok": True})
+            return True
+        self._reply(conn, Status.ERROR, {"error": "authentication failed"})
+        return False
+
+    def _handle(self, conn, req, payload: bytes) -> None:
+        method = getattr(self.backend, _HANDLERS[req.op], None)
+        if method is None:
+            self._reply(conn, Status.NOT_IMPLEMENTED, {"error": f"op 0x{req.op:02x} is not implemented by this worker"})
+            return
+        try:
+            args = []
+            if req.op in _KEYED_OPS:
+                args.append(_slot_key(req.key))
+            if req.op in _JSON_OPS:
+                args.append(_json_payload(payload))
+            elif req.op == Op.SET_EXPERT_MODE:
+                args.append(payload.decode("utf-8", "replace").strip())
+            elif req.op == Op.STATE_PUT:
+                args.append(payload)
+            result = method(*args)
+        except ControlError as e:
+            self._reply(conn, e.status, {"error": str(e)})
+            return
+        except Exception as e:  # the worker keeps serving; the caller learns what failed
+            log.exception("control op 0x%02x failed", req.op)
+            self._reply(conn, Status.ERROR, {"error": f"{type(e).__name__}: {e}"})
+            return
+        meta, body = result if isinstance(result, tuple) else (result, b"")
+        self._reply(conn, Status.OK, meta, body)
+
+    @staticmethod
+    def _reply(conn, status: int, meta: dict | None, payload: bytes = b"") -> None:
+        try:
+            send_all(conn, pack_control_response(status, meta, payload))
+        except OSError:
+            pass
+
+
+def _slot_key(key: bytes) -> int:
+    text = key.decode("ascii", "replace")
+    if not text.isdigit():
+        raise ControlError(f"bad key {text!r}: a slot id in ASCII digits")
+    return int(text)
+
+
+def _json_payload(payload: bytes) -> dict:
+    try:
+        obj = json.loads(payload or b"{}")
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ControlError(f"payload is not JSON: {e}", Status.BAD_REQUEST) from None
+    if not isinstance(obj, dict):
+        raise ControlError("payload must be a JSON object", Status.BAD_REQUEST)
+    return obj

@@ -1,0 +1,111 @@
+"""`hydra-engine peer`: serves the layers a head assigns, from this machine's own GGUF copy.
+
+The merged RPC port runs in peer mode (a thread per connection, straight into the compute
+protocol). Nothing is materialised until a head sends LOAD_STAGE; then only that layer range
+is. `/health`, `/status` and `/metrics` answer on `--port`.
+"""
+
+from __future__ import annotations
+
+import socket
+import sys
+from pathlib import Path
+
+from ..errors import UserError
+from .compute import ComputeServer
+from .listener import RpcListener
+from .resident import StageHost
+from .service import RpcCollector
+
+
+def build_app(status, metrics):
+    from fastapi import FastAPI
+    from fastapi.responses import JSONResponse, Response
+
+    from ..metrics import CONTENT_TYPE
+
+    app = FastAPI(title="hydra peer")
+
+    @app.get("/health")
+    def health():
+        body = {"status": status.state, "startup_stage": status.startup_stage, "has_model": status.model is not None,
+                "model_name": (status.model or {}).get("name"), "rpc_active": status.startup_stage >= 3}  # fmt: skip
+        return JSONResponse(body, status_code=200 if status.startup_stage >= 4 else 503)
+
+    @app.get("/status")
+    def get_status():
+        return status.to_dict()
+
+    @app.get("/metrics")
+    def get_metrics():
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    return app
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise UserError(f"cannot listen on {host}:{port}: {e.strerror}") from None
+    sock.listen(64)
+    return sock
+
+
+def main(args) -> int:
+    import uvicorn
+
+    from ..device import resolve_device
+    from ..gguf_file import GGUFFile
+    from ..metrics import Metrics
+    from ..model import ModelConfig
+    from ..status import StatusDocument
+
+    http_sock = _bind(args.host, args.port)
+    status = StatusDocument("peer", args.host, http_sock.getsockname()[1])
+    if args.model:
+        path = Path(args.model)
+    else:
+        from ..default_model import default_model_path
+
+        path = default_model_path()
+    g = GGUFFile(path)
+    cfg = ModelConfig.from_gguf(g)
+    device = resolve_device(args.device)
+    status.model = {"name": path.stem, "path": str(path), "arch": g.architecture,
+                    "n_layers": cfg.n_layers, "fingerprint": g.fingerprint}  # fmt: skip
+    status.startup_stage = 2
+    host = StageHost(g, cfg, device)
+    compute = ComputeServer(host, auth_token=args.auth_token or None, max_frame=args.max_frame)
+    listener = RpcListener(args.rpc_host, args.rpc_port, mode="peer", compute=compute).start()
+    status.startup_stage = 4  # 3 = RPC active; a peer is ready as soon as its port serves
+
+    def rpc_status() -> dict:
+        stage = {"role": "peer", "addr": f"{args.rpc_host}:{listener.bound_port}",
+                 "layers": list(host.layers) if host.stage is not None else None,
+                 "device": str(device), "state": "ok" if host.stage is not None else "idle"}  # fmt: skip
+        return {
+            "rpc": {"host": args.rpc_host, "port": listener.bound_port, "running": listener.is_running()},
+            "pool": listener.stats().as_dict(),
+            "stages": [stage],
+            "resident": {**host.stats(), "bytes_in": compute.bytes_in, "bytes_out": compute.bytes_out},
+        }
+
+    status.add_provider(rpc_status)
+    metrics = Metrics(status)
+    metrics.register(RpcCollector(listener))
+    print(
+        f"hydra-engine peer: {path.name} ({cfg.n_layers} layers) on {device}; "
+        f"RPC {args.rpc_host}:{listener.bound_port}, HTTP http://{args.host}:{status.http['port']}",
+        file=sys.stderr,
+        flush=True,
+    )
+    server = uvicorn.Server(uvicorn.Config(build_app(status, metrics), log_level="warning", timeout_graceful_shutdown=2))
+    try:
+        server.run(sockets=[http_sock])
+    finally:
+        listener.stop()
+    return 0

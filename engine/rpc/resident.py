@@ -1,0 +1,162 @@
+"""The resident-tensor registry: the layers a worker holds for its head, from its own GGUF.
+
+Weights never cross the wire: the head names a layer range, this worker materialises it from
+its own mmap. The registry's `epoch` is bumped whenever the resident set is replaced or cleared,
+so a head that validated epoch N notices (FORWARD refuses a stale epoch) and re-validates.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import torch
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+CODE_DTYPES = {v: k for k, v in DTYPE_CODES.items()}
+
+
+class ComputeError(Exception):
+    """A compute command this worker refuses; the message goes back to the head verbatim."""
+
+
+class StaleEpoch(ComputeError):
+    """The head validated an older resident set than the one held now."""
+
+
+def layer_of(name: str) -> int | None:
+    """Layer index of a `blk.N.*` tensor, None for embeddings / output / norms."""
+    if not name.startswith("blk."):
+        return None
+    idx = name.split(".", 2)[1]
+    return int(idx) if idx.isdigit() else None
+
+
+def tensor_shapes(g) -> dict[str, list[int]]:
+    return {name: list(t.shape) for name, t in g.tensors.items()}
+
+
+class StageHost:
+    """One worker's resident stage. `assignable=False` on the head: its range follows its own split."""
+
+    def __init__(self, g, cfg, device, *, stage=None, assignable: bool = True):
+        self.g, self.cfg, self.device = g, cfg, device
+        self.n_layers = cfg.n_layers
+        self.stage = stage
+        self.assignable = assignable
+        self.epoch = 1 if stage is not None else 0
+        self.lock = threading.Lock()  # one forward or re-assign at a time
+        self._params: tuple | None = None
+        self.forwards = self.tokens = 0
+        self.compute_s = 0.0
+        self.load_s = 0.0
+
+    @property
+    def layers(self) -> tuple[int, int]:
+        return tuple(self.stage.layer_range) if self.stage is not None else (0, 0)
+
+    @property
+    def fingerprint(self) -> str:
+        return self.g.fingerprint
+
+    def check(self, request: dict) -> dict:
+        """Identity guard: same model fingerprint and every tensor the same shape."""
+        theirs = request.get("fingerprint")
+        if theirs != self.fingerprint:
+            raise ComputeError(
+                f"model fingerprint mismatch: head has {theirs}, this worker has {self.fingerprint} ({self.g.path}); "
+                "start both with the same GGUF file"
+            )
+        shapes = request.get("shapes")
+        if not isinstance(shapes, dict):
+            raise ComputeError("CHECK needs a 'shapes' object {tensor name: shape}")
+        ours = tensor_shapes(self.g)
+        bad = [
+            f"{name}: head {shape} vs here {ours.get(name, 'missing')}"
+            for name, shape in shapes.items()
+            if ours.get(name) != shape
+        ]
+        bad += [f"{name}: missing on the head" for name in ours.keys() - shapes.keys()]
+        if bad:
+            raise ComputeError(f"tensor shape mismatch ({len(bad)}): " + "; ".join(sorted(bad)[:5]))
+        return {"ok": True, "fingerprint": self.fingerprint, "epoch": self.epoch}
+
+    def load(self, request: dict) -> dict:
+        if not self.assignable:
+            raise ComputeError("this worker is a head: its layer range follows its own --split (use CONFIGURE)")
+        try:
+            a, b = (int(x) for x in request["layers"])
+            dtype = DTYPES[request.get("dtype", "float32")]
+            n_slots, n_ctx = int(request["n_slots"]), int(request["n_ctx"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise ComputeError(f"LOAD_STAGE needs layers [a,b], dtype, n_slots, n_ctx: {e!r}") from None
+        if not 0 <= a < b <= self.n_layers:
+            raise ComputeError(f"layer range [{a},{b}) outside the model's 0..{self.n_layers}")
+        if n_slots < 1 or n_ctx < 1:
+            raise ComputeError(f"n_slots and n_ctx must be >= 1 (got {n_slots}, {n_ctx})")
+        params = (dtype, n_slots, n_ctx)
+        t0 = time.perf_counter()
+        with self.lock:
+            if self.stage is not None and self._params == params:
+                if self.layers != (a, b):
+                    self.stage.assign(a, b)
+                else:
+                    for slot in range(n_slots):
+                        self.stage.kv_clear(slot)
+            else:
+                from ..model import Stage
+
+                self.stage = None  # free the old range before building the new one
+                self.stage = Stage(
+                    self.cfg, self.g, layers=(a, b), embed=False, head=False,
+                    device=self.device, dtype=dtype, n_slots=n_slots, n_ctx=n_ctx,
+                )
+                self._params = params
+            self.epoch += 1
+        self.load_s = time.perf_counter() - t0
+        return {"epoch": self.epoch, "layers": [a, b], "device": str(self.device), "load_s": round(self.load_s, 4)}
+
+    def resident(self, name: str) -> bool:
+        layer = layer_of(name)
+        return self.stage is not None and layer is not None and self.layers[0] <= layer < self.layers[1]
+
+    def resolve(self, name: str) -> dict:
+        t = self.g.tensors.get(name)
+        if t is None or not self.resident(name):
+            return {"found": False, "epoch": self.epoch}
+        return {"found": True, "epoch": self.epoch, "dtype": t.ggml_type.name, "shape": list(t.shape)}
+
+    def forward(self, epoch: int, hidden: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        with self.lock:
+            if self.stage is None or not self.assignable:
+                raise ComputeError("no stage assigned here: send LOAD_STAGE first")
+            if epoch != self.epoch:
+                raise StaleEpoch(f"resident set is at epoch {self.epoch}, request validated epoch {epoch}")
+            t0 = time.perf_counter()
+            out = self.stage.run_layers(hidden.to(self.device), slots.to(self.device), positions.to(self.device))
+            out = out.to("cpu")
+            self.compute_s += time.perf_counter() - t0
+            self.forwards += 1
+            self.tokens += hidden.shape[0]
+            return out
+
+    def kv_clear(self, slot: int) -> None:
+        with self.lock:
+            if self.stage is None or not self.assignable:
+                return
+            slots = range(self._params[1]) if slot < 0 else [slot]
+            for s in slots:
+                self.stage.kv_clear(s)
+
+    def stats(self) -> dict:
+        return {
+            "layers": list(self.layers) if self.stage is not None else None,
+            "epoch": self.epoch,
+            "fingerprint": self.fingerprint,
+            "device": str(self.device),
+            "forwards": self.forwards,
+            "tokens": self.tokens,
+            "compute_s": round(self.compute_s, 6),
+            "load_s": round(self.load_s, 4),
+        }

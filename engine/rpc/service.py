@@ -1,0 +1,137 @@
+"""What the RPC layer adds to a worker: the merged port's servers, the head's control backend,
+and the RPC sections of /status and /metrics (pool occupancy, peers, stage ranges)."""
+
+from __future__ import annotations
+
+import os
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from ... import __version__
+from ..errors import UserError
+from .compute import VERSION, ComputeServer
+from .control import ControlError, ControlServer
+from .listener import RpcListener
+from .resident import StageHost
+from .wire import Op, Status
+
+EXPERT_MODES = ("solo", "combined")
+
+
+class HeadControl:
+    """The head's Hydra control backend: INFO, CONFIGURE (live re-split), SET_EXPERT_MODE."""
+
+    def __init__(self, pipeline, host: StageHost, model: dict | None, auth: bool):
+        self.pipeline, self.host, self.model, self.auth = pipeline, host, model, auth
+        self.expert_mode = "solo"
+
+    def info(self) -> dict:
+        return {
+            "engine": "hydra",
+            "version": __version__,
+            "compute_protocol": ".".join(map(str, VERSION)),
+            "mode": "head",
+            "pid": os.getpid(),
+            "model": self.model,
+            "layer_split": [list(r) for r in self.pipeline.ranges],
+            "peers": [r.status() for r in self.pipeline.remotes],
+            "expert_mode": self.expert_mode,
+            "auth": self.auth,
+            "resplits": self.pipeline.resplits,
+            "last_resplit": self.pipeline.last_resplit,
+            "ops": {"INFO": Op.INFO, "CONFIGURE": Op.CONFIGURE, "SET_EXPERT_MODE": Op.SET_EXPERT_MODE},
+        }
+
+    def configure(self, request: dict) -> dict:
+        """`{"split": "12/6"}` (DESIGN §3 syntax) or `{"layers": [[0,12],[12,18]]}`: live re-split."""
+        from ..pipeline import parse_split
+
+        unknown = request.keys() - {"split", "layers"}
+        if unknown or len(request) != 1:
+            raise ControlError(f"CONFIGURE takes exactly one of 'split' or 'layers' (got {sorted(request)})", Status.BAD_REQUEST)
+        n_stages = 1 + len(self.pipeline.remotes)
+        try:
+            if "split" in request:
+                ranges = parse_split(str(request["split"]), self.pipeline.cfg.n_layers, n_stages)
+            else:
+                ranges = [tuple(r) for r in request["layers"]]
+                if any(len(r) != 2 for r in ranges):
+                    raise UserError("'layers' must be a list of [first, end) pairs")
+            result = self.pipeline.resplit(ranges)
+        except (UserError, TypeError, ValueError) as e:
+            raise ControlError(str(e), Status.BAD_REQUEST) from None
+        self.host.epoch += 1  # the head's resident set changed too
+        return {"ok": True, **result}
+
+    def set_expert_mode(self, mode: str) -> dict:
+        if mode not in EXPERT_MODES:
+            raise ControlError(f"expert mode must be one of {EXPERT_MODES}, got {mode!r}", Status.BAD_REQUEST)
+        self.expert_mode = mode
+        return {"ok": True, "expert_mode": mode}
+
+
+class HeadRpc:
+    """The head's merged port (pool + peek dispatch) serving compute and control."""
+
+    def __init__(self, args, g, cfg, pipeline, model: dict | None = None):
+        token = getattr(args, "auth_token", None) or None
+        max_frame = getattr(args, "max_frame", 1 << 30)
+        self.host = StageHost(g, cfg, pipeline.head.device, stage=pipeline.head, assignable=False)
+        self.control = HeadControl(pipeline, self.host, model, auth=bool(token))
+        self.pipeline = pipeline
+        self.listener = RpcListener(
+            args.rpc_host, args.rpc_port, mode="head",
+            compute=ComputeServer(self.host, auth_token=token, max_frame=max_frame),
+            control=ControlServer(self.control, auth_token=token, max_frame=max_frame),
+            pool_size=args.rpc_pool_size, queue_max=args.rpc_queue,
+        )  # fmt: skip
+
+    def start(self) -> HeadRpc:
+        self.listener.start()
+        return self
+
+    def stop(self) -> None:
+        self.listener.stop()
+        self.pipeline.stop()
+
+    def status(self) -> dict:
+        """Top-level /status keys this layer owns."""
+        return {
+            "rpc": {"host": self.listener.host, "port": self.listener.bound_port, "running": self.listener.is_running()},
+            "pool": self.listener.stats().as_dict(),
+            "peers": [r.status() for r in self.pipeline.remotes],
+            "stages": self.pipeline.stages(),
+        }
+
+
+class RpcCollector:
+    """`hydra_` metrics of the merged port and the peers (read at scrape time)."""
+
+    def __init__(self, listener: RpcListener, pipeline=None):
+        self.listener, self.pipeline = listener, pipeline
+
+    def collect(self):
+        st = self.listener.stats()
+        for name, doc, value in (
+            ("hydra_rpc_pool_size", "RPC pool workers.", st.size),
+            ("hydra_rpc_pool_busy", "RPC pool workers holding a connection.", st.busy),
+            ("hydra_rpc_pool_queued", "RPC connections waiting for a worker.", st.queued),
+            ("hydra_rpc_pool_queue_max", "RPC wait queue capacity.", st.queue_max),
+        ):
+            yield GaugeMetricFamily(name, doc, value=value)
+        yield CounterMetricFamily("hydra_rpc_dropped", "RPC connections dropped: queue full.", value=st.dropped)
+        yield CounterMetricFamily("hydra_rpc_accepted", "RPC connections accepted.", value=st.accepted)
+        if self.pipeline is None:
+            return
+        up = GaugeMetricFamily("hydra_peer_up", "1 when the peer is attached.", labels=["peer"])
+        rtt = GaugeMetricFamily("hydra_peer_rtt_seconds", "Last measured peer round trip (network part).", labels=["peer"])
+        sent = CounterMetricFamily("hydra_peer_bytes_sent", "Bytes sent to the peer.", labels=["peer"])
+        recv = CounterMetricFamily("hydra_peer_bytes_recv", "Bytes received from the peer.", labels=["peer"])
+        for r in self.pipeline.remotes:
+            up.add_metric([r.addr], 1.0 if r.state == "up" else 0.0)
+            if r.rtt_ms is not None:
+                rtt.add_metric([r.addr], r.rtt_ms / 1e3)
+            sent.add_metric([r.addr], r.bytes_sent)
+            recv.add_metric([r.addr], r.bytes_recv)
+        yield from (up, rtt, sent, recv)
+        yield CounterMetricFamily("hydra_resplits", "Live re-splits done.", value=self.pipeline.resplits)

@@ -1,0 +1,225 @@
+"""Both framings of the merged RPC port, with every length checked before any allocation.
+
+Compute (ggml-rpc style):  request  `cmd u8 | size u64 LE | payload`,  response `size u64 LE | payload`.
+Hydra control (the fork's): request  `<HBBHQH` magic 0x4859, op, flags, key_len, payload_len, trace_len,
+                            then key, trace id, payload;
+                            response status u8 | meta_len u24 | payload_len u64, then meta JSON, payload.
+
+Parsers read from anything with `read_exact(n) -> bytes-like` (a socket or a byte buffer), so the
+same code is fuzzed in memory and served on sockets. A malformed frame raises `FrameError`; the
+server closes that one connection.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import struct
+from dataclasses import dataclass
+
+COMPUTE_FIRST_BYTE = 0x0E  # HELLO's command id: what a compute client always sends first
+CONTROL_MAGIC = 0x4859  # b"YH" on the wire: control frames start with 0x59
+
+COMPUTE_HEADER = struct.Struct("<BQ")
+COMPUTE_SIZE = struct.Struct("<Q")
+CONTROL_HEADER = struct.Struct("<HBBHQH")
+CONTROL_RESPONSE = struct.Struct("<IQ")  # status u8 + meta_len u24 packed in one u32, payload_len
+
+MAX_META = (1 << 24) - 1
+DRAIN_CHUNK = 64 * 1024
+SEND_FLAGS = getattr(socket, "MSG_NOSIGNAL", 0)  # a dead peer must not SIGPIPE the worker
+
+
+class FrameError(Exception):
+    """A frame that breaks the framing: wrong magic, length over the limit, truncated stream."""
+
+
+class PeerClosed(FrameError):
+    """The other side closed the connection (possibly between frames)."""
+
+
+# --- transports -----------------------------------------------------------------------------------
+
+
+class SocketReader:
+    """`read_exact` over a socket; counts bytes received. With `on_idle`, a socket timeout calls it
+    (it raises to abort) and the read resumes where it was: no byte is lost to a timeout."""
+
+    def __init__(self, sock: socket.socket, on_idle=None):
+        self.sock = sock
+        self.on_idle = on_idle
+        self.bytes_in = 0
+
+    def read_exact(self, n: int) -> bytearray:
+        buf = bytearray(n)
+        self.read_into(memoryview(buf))
+        return buf
+
+    def read_into(self, view: memoryview) -> None:
+        view = view.cast("B")
+        got, n = 0, len(view)
+        while got < n:
+            try:
+                k = self.sock.recv_into(view[got:], n - got)
+            except socket.timeout:
+                if self.on_idle is None:
+                    raise
+                self.on_idle()
+                continue
+            if k == 0:
+                raise PeerClosed(f"connection closed after {got} of {n} bytes")
+            got += k
+        self.bytes_in += n
+
+    def drain(self, n: int) -> None:
+        """Read and discard n bytes in 64 KiB chunks (never allocates n)."""
+        chunk = bytearray(min(n, DRAIN_CHUNK))
+        view = memoryview(chunk)
+        while n > 0:
+            k = min(n, len(chunk))
+            self.read_into(view[:k])
+            n -= k
+
+
+class BufferReader:
+    """`read_exact` over bytes in memory (tests, fuzzing)."""
+
+    def __init__(self, data: bytes):
+        self.data = memoryview(data)
+        self.pos = 0
+
+    def read_exact(self, n: int) -> bytes:
+        if self.pos + n > len(self.data):
+            raise PeerClosed(f"stream ends after {len(self.data) - self.pos} of {n} bytes")
+        out = bytes(self.data[self.pos : self.pos + n])
+        self.pos += n
+        return out
+
+    def drain(self, n: int) -> None:
+        self.read_exact(n)  # bounds-checked before copying
+
+
+def send_all(sock: socket.socket, *parts) -> int:
+    """Send buffers back to back with MSG_NOSIGNAL, coping with partial sends; returns bytes sent."""
+    views = [memoryview(p).cast("B") for p in parts if len(p)]
+    total = sum(len(v) for v in views)
+    while views:
+        sent = sock.sendmsg(views, [], SEND_FLAGS)
+        while sent:
+            if sent >= len(views[0]):
+                sent -= len(views[0])
+                views.pop(0)
+            else:
+                views[0] = views[0][sent:]
+                sent = 0
+    return total
+
+
+# --- compute framing ------------------------------------------------------------------------------
+
+
+def read_compute_request(reader, max_frame: int) -> tuple[int, bytes]:
+    cmd, size = COMPUTE_HEADER.unpack(reader.read_exact(COMPUTE_HEADER.size))
+    if size > max_frame:
+        raise FrameError(f"compute frame of {size} bytes exceeds the {max_frame}-byte limit (cmd {cmd})")
+    return cmd, reader.read_exact(size)
+
+
+def pack_compute_request(cmd: int, payload: bytes = b"") -> bytes:
+    return COMPUTE_HEADER.pack(cmd, len(payload)) + payload
+
+
+def read_compute_response_size(reader, max_frame: int) -> int:
+    (size,) = COMPUTE_SIZE.unpack(reader.read_exact(COMPUTE_SIZE.size))
+    if size > max_frame:
+        raise FrameError(f"compute response of {size} bytes exceeds the {max_frame}-byte limit")
+    return size
+
+
+def read_compute_response(reader, max_frame: int) -> bytes:
+    return reader.read_exact(read_compute_response_size(reader, max_frame))
+
+
+# --- control framing ------------------------------------------------------------------------------
+
+
+class Status:
+    OK, NOT_FOUND, ERROR, PARTIAL, BUSY, BAD_REQUEST, NOT_IMPLEMENTED = range(7)
+
+
+class Op:
+    STATE_GET = 0x30
+    STATE_PUT = 0x31
+    STATE_META = 0x32
+    CONFIGURE = 0x40
+    INFO = 0x41
+    PREFILL = 0x42
+    DECODE = 0x43
+    SET_EXPERT_MODE = 0x44
+    SWAP_QUANT = 0x45
+    PIPELINE_ATTACH = 0x46
+    AUTH = 0x4F  # ours: nonce challenge / HMAC proof when --auth-token is set
+
+
+@dataclass
+class ControlHeader:
+    op: int
+    flags: int
+    key_len: int
+    payload_len: int
+    trace_len: int
+
+
+@dataclass
+class ControlRequest:
+    op: int
+    flags: int
+    key: bytes
+    trace: bytes
+    payload_len: int
+
+
+def read_control_header(reader) -> ControlHeader:
+    magic, op, flags, key_len, payload_len, trace_len = CONTROL_HEADER.unpack(reader.read_exact(CONTROL_HEADER.size))
+    if magic != CONTROL_MAGIC:
+        raise FrameError(f"bad control magic 0x{magic:04x} (want 0x{CONTROL_MAGIC:04x})")
+    return ControlHeader(op, flags, key_len, payload_len, trace_len)
+
+
+def read_control_request(reader) -> ControlRequest:
+    """Header, key and trace id; the payload stays on the stream (the server decides to read or drain)."""
+    h = read_control_header(reader)
+    key = bytes(reader.read_exact(h.key_len))  # u16 lengths: at most 64 KiB each
+    trace = bytes(reader.read_exact(h.trace_len))
+    return ControlRequest(h.op, h.flags, key, trace, h.payload_len)
+
+
+def pack_control_request(op: int, payload: bytes = b"", key: bytes = b"", trace: bytes = b"", flags: int = 0) -> bytes:
+    return CONTROL_HEADER.pack(CONTROL_MAGIC, op, flags, len(key), len(payload), len(trace)) + key + trace + payload
+
+
+def pack_control_response(status: int, meta: dict | None = None, payload: bytes = b"") -> bytes:
+    meta_bytes = json.dumps(meta, separators=(",", ":")).encode() if meta is not None else b""
+    if len(meta_bytes) > MAX_META:
+        raise ValueError(f"control meta of {len(meta_bytes)} bytes does not fit u24")
+    return CONTROL_RESPONSE.pack(status | len(meta_bytes) << 8, len(payload)) + meta_bytes + payload
+
+
+@dataclass
+class ControlResponse:
+    status: int
+    meta: dict
+    payload: bytes
+
+
+def read_control_response(reader, max_frame: int) -> ControlResponse:
+    word, payload_len = CONTROL_RESPONSE.unpack(reader.read_exact(CONTROL_RESPONSE.size))
+    status, meta_len = word & 0xFF, word >> 8
+    if payload_len > max_frame:
+        raise FrameError(f"control response payload of {payload_len} bytes exceeds the {max_frame}-byte limit")
+    meta_raw = reader.read_exact(meta_len)
+    try:
+        meta = json.loads(bytes(meta_raw)) if meta_len else {}
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise FrameError(f"control response meta is not JSON: {e}") from None
+    return ControlResponse(status, meta, bytes(reader.read_exact(payload_len)))
