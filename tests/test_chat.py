@@ -26,6 +26,56 @@ CHATML_JINJA = (
     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
 
+# Gemma 3's own template (google/gemma-3-*-it), as its GGUFs carry it.
+GEMMA3_JINJA = """{{ bos_token }}
+{%- if messages[0]['role'] == 'system' -%}
+    {%- if messages[0]['content'] is string -%}
+        {%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}
+    {%- else -%}
+        {%- set first_user_prefix = messages[0]['content'][0]['text'] + '\n\n' -%}
+    {%- endif -%}
+    {%- set loop_messages = messages[1:] -%}
+{%- else -%}
+    {%- set first_user_prefix = "" -%}
+    {%- set loop_messages = messages -%}
+{%- endif -%}
+{%- for message in loop_messages -%}
+    {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}
+        {{ raise_exception("Conversation roles must alternate user/assistant/user/assistant/...") }}
+    {%- endif -%}
+    {%- if (message['role'] == 'assistant') -%}
+        {%- set role = "model" -%}
+    {%- else -%}
+        {%- set role = message['role'] -%}
+    {%- endif -%}
+    {{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else "") }}
+    {%- if message['content'] is string -%}
+        {{ message['content'] | trim }}
+    {%- elif message['content'] is iterable -%}
+        {%- for item in message['content'] -%}
+            {%- if item['type'] == 'image' -%}
+                {{ '<start_of_image>' }}
+            {%- elif item['type'] == 'text' -%}
+                {{ item['text'] | trim }}
+            {%- endif -%}
+        {%- endfor -%}
+    {%- else -%}
+        {{ raise_exception("Invalid content type") }}
+    {%- endif -%}
+    {{ '<end_of_turn>\n' }}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+    {{'<start_of_turn>model\n'}}
+{%- endif -%}
+"""
+
+GEMMA_CHAT = (
+    "<start_of_turn>user\nBe brief.\n\nHi there<end_of_turn>\n"
+    "<start_of_turn>model\nHello.<end_of_turn>\n"
+    "<start_of_turn>user\nWhy\nnot?<end_of_turn>\n"
+    "<start_of_turn>model\n"
+)
+
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|begin_of_text|>", "<|start_header_id|>",
             "<|end_header_id|>", "<|eot_id|>"]  # fmt: skip
 
@@ -67,12 +117,7 @@ def test_default_model_uses_gemma_turns(gemma):
     g, tok = gemma
     assert "tokenizer.chat_template" not in g.metadata
     prompt = apply_chat_template(tok, g, CHAT)
-    assert prompt == (
-        "<start_of_turn>user\nBe brief.\n\nHi there<end_of_turn>\n"
-        "<start_of_turn>model\nHello.<end_of_turn>\n"
-        "<start_of_turn>user\nWhy\nnot?<end_of_turn>\n"
-        "<start_of_turn>model\n"
-    )
+    assert prompt == GEMMA_CHAT
     ids = tok.encode(prompt)
     start = tok.token_to_id["<start_of_turn>"]
     assert ids[:2] == [tok.bos_id, start] and ids.count(start) == 4
@@ -95,6 +140,12 @@ def test_chatml_fallback(tmp_path, arch):
 def test_gguf_template_is_used_and_matches_chatml_fallback(tmp_path):
     assert render(tmp_path, "llama", template=CHATML_JINJA) == render(tmp_path, "qwen2")
     assert render(tmp_path, "llama", template=CHATML_JINJA, add_generation_prompt=False).endswith("not?<|im_end|>\n")
+
+
+def test_gemma3_own_template_renders_like_the_fallback(tmp_path):
+    assert render(tmp_path, "gemma3", CHAT, GEMMA3_JINJA, add_bos=True) == GEMMA_CHAT
+    with pytest.raises(ChatError, match="roles must alternate"):
+        render(tmp_path, "gemma3", [CHAT[1], CHAT[1]], GEMMA3_JINJA)
 
 
 def test_llama3_fallback(tmp_path):
