@@ -1,0 +1,276 @@
+"""Supervisor against real child processes and real sockets (no Textual)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shlex
+import signal
+import socket
+import struct
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from hydra_console.app import control_client
+from hydra_console.app.config import Profile, SupervisorSettings, WorkerSpec
+from hydra_console.app.sources import FixedFeedSource, HttpStatusSource, Probe
+from hydra_console.app.supervisor import Backoff, State, Supervisor, SupervisorError, describe_exit
+
+FAKE = f"{shlex.quote(sys.executable)} -m hydra_console.app.fake_worker"
+
+
+def free_port() -> int:
+    """A port whose +1 is free too (workers put their RPC port there)."""
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port < 65000:
+            try:
+                with socket.socket() as s2:
+                    s2.bind(("127.0.0.1", port + 1))
+                return port
+            except OSError:
+                continue
+    raise RuntimeError("no free port pair")
+
+
+async def wait_until(cond, timeout: float = 15.0, step: float = 0.05) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not met in time")
+        await asyncio.sleep(step)
+
+
+def script_profile(tmp_path: Path, body: str, *, peers: int = 0, **settings) -> Profile:
+    script = tmp_path / "child.py"
+    script.write_text(body)
+    sup = SupervisorSettings(**{"grace_s": 5.0, "backoff_initial_s": 0.1, "backoff_max_s": 0.4, **settings})
+    return Profile(
+        name="t",
+        engine_command=f"{shlex.quote(sys.executable)} {shlex.quote(str(script))}",
+        head=WorkerSpec(name="head", port=free_port()),
+        peers=[WorkerSpec(name=f"peer{i + 1}", port=free_port()) for i in range(peers)],
+        supervisor=sup,
+    )
+
+
+def new_supervisor(profile: Profile, tmp_path: Path, **kw) -> Supervisor:
+    # An unreachable feed: these tests are about processes, not health.
+    return Supervisor(profile, source=FixedFeedSource({}), log_dir=tmp_path / "logs", **kw)
+
+
+def test_backoff_doubles_to_the_cap_and_resets():
+    b = Backoff(1.0, 30.0)
+    assert [b.next() for _ in range(7)] == [1, 2, 4, 8, 16, 30, 30]
+    b.reset()
+    assert b.next() == 1
+
+
+def test_describe_exit_names_signals():
+    assert describe_exit(None) == "—"
+    assert describe_exit(3) == "3"
+    assert describe_exit(-signal.SIGKILL) == "SIGKILL"
+
+
+async def test_crash_restarts_with_growing_backoff(tmp_path):
+    profile = script_profile(tmp_path, "import sys; print('boom', flush=True); sys.exit(3)\n", healthy_reset_s=30)
+    sup = new_supervisor(profile, tmp_path)
+    await sup.start_worker("head")
+    head = sup.head
+    await wait_until(lambda: head.restarts >= 4)
+    await sup.shutdown()
+    crashes = [e.message for e in sup.events if e.kind == "crashed"]
+    delays = [float(m.rsplit("restart in ", 1)[1].split()[0]) for m in crashes[:5]]
+    assert delays[:4] == [0.1, 0.2, 0.4, 0.4]
+    assert all("exited (3)" in m for m in crashes)
+    pids = {int(e.message.split()[1].rstrip(":")) for e in sup.events if e.kind == "started"}
+    assert len(pids) >= 5  # every restart is a new process
+    assert head.state == State.STOPPED
+
+
+async def test_backoff_resets_after_a_healthy_run(tmp_path):
+    # Each run lasts longer than healthy_reset_s, so every crash starts again from the first delay.
+    profile = script_profile(tmp_path, "import sys, time; time.sleep(0.3); sys.exit(1)\n", healthy_reset_s=0.2)
+    sup = new_supervisor(profile, tmp_path)
+    await sup.start_worker("head")
+    await wait_until(lambda: sup.head.restarts >= 3)
+    await sup.shutdown()
+    delays = [e.message.rsplit("restart in ", 1)[1] for e in sup.events if e.kind == "crashed"][:3]
+    assert delays == ["0.1 s"] * 3
+
+
+async def test_child_ignoring_sigterm_is_killed_after_grace(tmp_path):
+    body = "import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\nprint('up', flush=True)\ntime.sleep(60)\n"
+    profile = script_profile(tmp_path, body)
+    sup = new_supervisor(profile, tmp_path)
+    await sup.start_worker("head")
+    await wait_until(lambda: any(ln.text == "up" for ln in sup.head.log))
+    pid = sup.head.pid
+    t0 = time.monotonic()
+    await sup.stop_worker("head", grace=0.5)
+    waited = time.monotonic() - t0
+    kinds = [e.kind for e in sup.events]
+    assert "killed" in kinds and kinds[-1] == "stopped"
+    assert sup.head.last_exit == -signal.SIGKILL
+    assert sup.head.state == State.STOPPED and sup.head.restarts == 0  # a stop is not a crash
+    assert waited >= 0.5
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    await sup.shutdown()
+
+
+async def test_sigterm_stops_the_whole_process_group(tmp_path):
+    body = (
+        "import subprocess, sys, time\n"
+        "c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+        "print('grandchild', c.pid, flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    profile = script_profile(tmp_path, body)
+    sup = new_supervisor(profile, tmp_path)
+    await sup.start_worker("head")
+    await wait_until(lambda: any(ln.text.startswith("grandchild") for ln in sup.head.log))
+    grandchild = int(next(ln.text for ln in sup.head.log if ln.text.startswith("grandchild")).split()[1])
+    assert os.getpgid(grandchild) == sup.head.pid  # its own group, led by the worker
+    await sup.stop_worker("head", grace=5)
+    assert "killed" not in [e.kind for e in sup.events]  # SIGTERM was enough
+    await wait_until(lambda: not psutil.pid_exists(grandchild) or psutil.Process(grandchild).status() == psutil.STATUS_ZOMBIE, 5)
+    await sup.shutdown()
+
+
+async def test_output_goes_to_ring_buffer_and_log_file(tmp_path):
+    body = "import sys\nfor i in range(300):\n    print(f'out {i}')\nprint('to stderr', file=sys.stderr)\n"
+    profile = script_profile(tmp_path, body)
+    profile.supervisor.ring_lines = 100
+    sup = new_supervisor(profile, tmp_path, auto_restart=False)
+    await sup.start_worker("head")
+    await wait_until(lambda: sup.head.state == State.CRASHED)
+    texts = [ln.text for ln in sup.head.log]
+    assert len(texts) == 100  # ring buffer keeps the newest lines
+    assert "out 299" in texts and "to stderr" in texts
+    assert [ln.stream for ln in sup.head.log if ln.text == "to stderr"] == ["err"]
+    logged = sup.head.log_path.read_text()
+    assert "out 0" in logged and "err to stderr" in logged
+    await sup.shutdown()
+
+
+async def test_missing_executable_is_an_event_not_an_exception(tmp_path):
+    profile = script_profile(tmp_path, "")
+    profile.engine_command = str(tmp_path / "no-such-engine")
+    sup = new_supervisor(profile, tmp_path, auto_restart=False)
+    await sup.start_worker("head")
+    assert sup.head.state == State.CRASHED
+    assert any(e.kind == "error" and "cannot start" in e.message for e in sup.events)
+    await sup.shutdown()
+
+
+def test_remote_command_goes_through_ssh_template_as_one_argument():
+    profile = Profile(peers=[WorkerSpec(name="far", host="gpu7", port=8090, device="cuda:1",
+                                        launcher="ssh -p 2222 {host} {command}")])
+    sup = Supervisor(profile, source=FixedFeedSource({}))
+    argv = sup.command_for("far")
+    assert argv[:4] == ["ssh", "-p", "2222", "gpu7"] and len(argv) == 5
+    remote = shlex.split(argv[4])
+    assert remote[:2] == ["hydra-engine", "peer"]
+    assert remote[remote.index("--host") + 1] == "0.0.0.0"  # reachable from the head
+    assert remote[remote.index("--device") + 1] == "cuda:1"
+    head = sup.command_for("head")
+    assert head[head.index("--peer") + 1] == "gpu7:8091"
+    assert head[:3] == [sys.executable, "-m", "hydra_console.engine.cli"]
+
+
+async def test_attached_worker_is_monitored_not_started(tmp_path):
+    profile = Profile(head=WorkerSpec(name="head", port=free_port()), peers=[])
+    sup = Supervisor(profile, attach=True, source=HttpStatusSource(timeout=0.5))
+    await sup.start()
+    await sup.poll_once()
+    assert sup.head.state == State.UNREACHABLE and not sup.head.running
+    assert sup.head.probe.error == "connection refused"
+    with pytest.raises(SupervisorError, match="attached"):
+        await sup.restart_worker("head")
+    await sup.shutdown()
+
+
+def fake_profile(peers: int = 1, **kw) -> Profile:
+    return Profile(
+        name="fake",
+        engine_command=FAKE,
+        head=WorkerSpec(name="head", port=free_port()),
+        peers=[WorkerSpec(name=f"peer{i + 1}", port=free_port()) for i in range(peers)],
+        supervisor=SupervisorSettings(poll_s=0.2, grace_s=5),
+        **kw,
+    )
+
+
+async def test_polling_reaches_ready_and_split_falls_back_to_head_restart(tmp_path):
+    sup = Supervisor(fake_profile(peers=2), log_dir=tmp_path)
+    await sup.start()
+    try:
+        await wait_until(lambda: all(w.state == State.READY for w in sup.workers.values()))
+        assert [r for _, r in sup.stage_ranges()] == [(0, 6), (6, 12), (12, 18)]
+        old_pid = sup.head.pid
+        how = await sup.apply_split([8, 5, 5])  # nothing listens on the RPC port: no live CONFIGURE
+        assert how == "restart" and sup.head.pid != old_pid
+        assert sup.profile.split == [8, 5, 5]
+        await wait_until(lambda: sup.stage_ranges() and [r for _, r in sup.stage_ranges()] == [(0, 8), (8, 13), (13, 18)])
+        assert any(e.kind == "split" and "[0,8)" in e.message for e in sup.events)
+        assert sup.workers["peer1"].restarts == 0  # peers take their layers from the head
+    finally:
+        await sup.shutdown()
+    assert not sup.running_managed()
+
+
+class ControlServer:
+    """A real TCP server speaking the control framing, answering CONFIGURE with a fixed status."""
+
+    def __init__(self, status: int):
+        self.status = status
+        self.requests: list[tuple[int, dict]] = []
+
+    async def handle(self, reader, writer):
+        header = await reader.readexactly(16)
+        magic, op, _flags, key_len, payload_len, trace_len = struct.unpack("<HBBHQH", header)
+        assert magic == 0x4859
+        await reader.readexactly(key_len + trace_len)
+        self.requests.append((op, json.loads(await reader.readexactly(payload_len))))
+        meta = json.dumps({"error": "not built"} if self.status else {"ok": True}).encode()
+        writer.write(bytes([self.status]) + len(meta).to_bytes(3, "little") + struct.pack("<Q", 0) + meta)
+        await writer.drain()
+        writer.close()
+
+
+@pytest.mark.parametrize("status,expected", [(control_client.OK, "live"), (control_client.NOT_IMPLEMENTED, "restart")])
+async def test_split_goes_live_through_configure_when_the_head_accepts_it(tmp_path, status, expected):
+    profile = fake_profile(peers=1)
+    ctl = ControlServer(status)
+    server = await asyncio.start_server(ctl.handle, "127.0.0.1", profile.head.rpc)
+    sup = Supervisor(profile, log_dir=tmp_path)
+    await sup.start()
+    try:
+        await wait_until(lambda: sup.head.state == State.READY)
+        pid = sup.head.pid
+        assert await sup.apply_split([12, 6]) == expected
+        assert ctl.requests == [(control_client.OP_CONFIGURE, {"split": [12, 6]})]
+        assert (sup.head.pid == pid) == (expected == "live")
+        if expected == "restart":
+            assert any("NOT_IMPLEMENTED: not built" in e.message for e in sup.events)
+    finally:
+        await sup.shutdown()
+        server.close()
+        await server.wait_closed()
+
+
+async def test_fixed_feed_drives_attached_states():
+    profile = Profile(peers=[WorkerSpec(name="peer1", port=8090)])
+    feed = FixedFeedSource({"head": Probe(True, 200, {"status": "degraded"}, {"pid": 42, "uptime_s": 5.0})})
+    sup = Supervisor(profile, attach=True, source=feed, clock=lambda: 1000.0)
+    await sup.poll_once()
+    assert sup.head.state == State.DEGRADED and sup.head.shown_pid() == 42 and sup.head.uptime(0) == 5.0
+    assert sup.workers["peer1"].state == State.UNREACHABLE
+    assert [e.kind for e in sup.events] == ["degraded", "unreachable"]
