@@ -101,12 +101,13 @@ class _SpecialIndex:
     `<unusedN>` tokens cost one search for "<u" on text without it."""
 
     _LEAF = 16
+    _MAX_DEPTH = 64  # long chains ("\n", "\n\n", ...) stop nesting here and are checked one by one
 
     def __init__(self, items: list[tuple[str, int]]):
         self._root = self._build("", items)
 
     def _build(self, prefix: str, items: list[tuple[str, int]]):
-        if len(items) <= self._LEAF:
+        if len(items) <= self._LEAF or len(prefix) >= self._MAX_DEPTH:
             return prefix, items, ()
         depth = len(prefix) + 1
         direct, groups = [], {}

@@ -152,6 +152,11 @@ def test_special_index_finds_exactly_the_occurring_texts(text):
     assert sorted(_SpecialIndex(items).occurring(text)) == sorted(it for it in items if it[0] in text)
 
 
+def test_special_index_on_a_long_chain_of_prefixes():
+    items = [("a" * k, k) for k in range(1, 3000)]
+    assert sorted(_SpecialIndex(items).occurring("b" + "a" * 100)) == items[:100]
+
+
 # ---- SPM on a hand-built vocabulary --------------------------------------------------------------
 
 
