@@ -16,7 +16,7 @@ import time
 import traceback
 import uuid
 from pathlib import Path
-from typing import Annotated, Any, AsyncIterator, Literal, Union
+from typing import TYPE_CHECKING, Any, AsyncIterator, Union
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -26,11 +26,16 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .errors import UserError
 from .metrics import CONTENT_TYPE, Metrics
-from .runtime import Event, GenToken, Request as EngineRequest
-from .sampling import MAX_LOGPROBS, InvalidParam, SamplingParams, TokenLogprob
+from .rpc.client import is_peer_failure
 from .status import StatusDocument
 
+if TYPE_CHECKING:  # the engine's modules bring torch: imported when the model loads, after the port is up
+    from .runtime import Event, GenToken
+    from .runtime import Request as EngineRequest
+    from .sampling import SamplingParams, TokenLogprob
+
 DISCONNECT_POLL_S = 0.25
+MAX_LOGPROBS = 20  # = sampling.MAX_LOGPROBS, which also checks it
 
 
 # ---- errors -----------------------------------------------------------------------------------
@@ -132,29 +137,39 @@ class Head:
         self.tok = None
         self.engine = None
         self.rpc_active = False
+        self.rpc = None
         self.created = int(time.time())
         self.error: BaseException | None = None
 
     def load(self) -> None:
         """Model file → Pipeline → Engine; each step moves /health's startup_stage on."""
         from .gguf_file import GGUFFile
-        from .pipeline import Pipeline
-        from .runtime import Engine, load_stage
+        from .model import ModelConfig
+        from .pipeline import build_pipeline
+        from .rpc.service import HeadRpc, RpcCollector
+        from .runtime import Engine
         from .tokenizer import Tokenizer
 
         args = self.args
         path = Path(args.model) if args.model else _default_model()
         self.gguf = GGUFFile(path)
         self.tok = Tokenizer.from_gguf(self.gguf)
-        stage = load_stage(self.gguf, args.device, args.dtype, n_slots=args.parallel, n_ctx=args.ctx)
+        cfg = ModelConfig.from_gguf(self.gguf)
         self.model_name = self.model_name or path.stem
         self.status.model = {"name": self.model_name, "path": str(path), "arch": self.gguf.architecture,
-                             "n_layers": stage.cfg.n_layers, "fingerprint": self.gguf.fingerprint}  # fmt: skip
+                             "n_layers": cfg.n_layers, "fingerprint": self.gguf.fingerprint}  # fmt: skip
         self.status.startup_stage = 2
-        pipeline = Pipeline(stage)
+        # Head stage + peers (waits for them, --peer-wait), then the merged RPC port.
+        pipeline = build_pipeline(args, self.gguf, cfg, n_slots=args.parallel, n_ctx=args.ctx)
+        pipeline.on_change = lambda: setattr(self.status, "degraded", pipeline.degraded)
         self.status.pipeline = pipeline
-        self.status.startup_stage = 3  # no peers yet: RPC counts as reached
+        self.rpc = HeadRpc(args, self.gguf, cfg, pipeline, self.status.model).start()
+        self.status.add_provider(self.rpc.status)
+        self.metrics.register(RpcCollector(self.rpc.listener, pipeline))
+        self.rpc_active = True
+        self.status.startup_stage = 3
         self.engine = Engine(pipeline, self.tok, n_slots=args.parallel, n_ctx=args.ctx).start()
+        pipeline.active_slots = lambda: {s.slot for s in self.engine.slots if s is not None}
         self.status.engine = self.engine
         self.status.startup_stage = 4
 
@@ -224,6 +239,8 @@ def _chat_logprob_content(head: Head, tokens: list[GenToken], as_ids: bool) -> l
 
 
 def _sampling(body: _Common, logprobs: int | None) -> SamplingParams:
+    from .sampling import SamplingParams
+
     given = {k: getattr(body, k) for k in ("temperature", "top_p", "top_k", "min_p", "repeat_penalty",
                                           "repeat_last_n", "presence_penalty", "frequency_penalty", "seed")}  # fmt: skip
     return SamplingParams(**{k: v for k, v in given.items() if v is not None}, logprobs=logprobs)
@@ -265,8 +282,16 @@ class _Run:
             self.head.engine.cancel(self.req)
 
 
+def _stream_error(ev: Event) -> dict:
+    code = "503" if is_peer_failure(ev.error) else "500"
+    return {"error": {"message": ev.error, "type": "unavailable_error" if code == "503" else "server_error",
+                      "param": None, "code": code}}  # fmt: skip
+
+
 def _check_finish(ev: Event) -> None:
     if ev.finish_reason == "error":
+        if is_peer_failure(ev.error):  # a peer went away: retry once it is back
+            raise APIError(503, f"generation failed: {ev.error}", "unavailable_error")
         raise APIError(500, f"generation failed: {ev.error}", "server_error")
 
 
@@ -285,13 +310,9 @@ def create_app(head: Head) -> FastAPI:
     async def _api_error(_, e: APIError):
         return error_response(e.status, e.message, e.type, e.param)
 
-    @app.exception_handler(InvalidParam)
-    async def _invalid(_, e: InvalidParam):
-        return error_response(400, str(e), "invalid_request_error", e.param)
-
-    @app.exception_handler(UserError)
+    @app.exception_handler(UserError)  # sampling.InvalidParam names the parameter
     async def _user(_, e: UserError):
-        return error_response(400, str(e), "invalid_request_error")
+        return error_response(400, str(e), "invalid_request_error", getattr(e, "param", None))
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_, e: RequestValidationError):
@@ -367,6 +388,8 @@ def create_app(head: Head) -> FastAPI:
     @app.post("/v1/completions")
     @app.post("/completions", include_in_schema=False)
     async def completions(body: CompletionBody, http: Request):
+        from .runtime import Request as EngineRequest
+
         engine = head.require_engine()
         prompt = body.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
@@ -394,6 +417,7 @@ def create_app(head: Head) -> FastAPI:
     @app.post("/chat/completions", include_in_schema=False)
     async def chat_completions(body: ChatBody, http: Request):
         from .chat import apply_chat_template
+        from .runtime import Request as EngineRequest
 
         engine = head.require_engine()
         messages = [m.model_dump(exclude_none=True) for m in body.messages]
@@ -437,7 +461,7 @@ async def _respond_completion(head: Head, http: Request, body: CompletionBody, r
             echoed = not body.echo
             async for ev in run.events():
                 if ev.finish_reason == "error":
-                    yield _sse({"error": {"message": ev.error, "type": "server_error", "param": None, "code": "500"}})
+                    yield _sse(_stream_error(ev))
                     break
                 if ev.prompt_logprobs is not None:
                     yield _sse(chunk("" if echoed else prompt_text, prompt_part(ev)))
@@ -491,7 +515,7 @@ async def _respond_chat(head: Head, http: Request, body: ChatBody, req: EngineRe
             yield _sse(chunk({"role": "assistant", "content": ""}, []))
             async for ev in run.events():
                 if ev.finish_reason == "error":
-                    yield _sse({"error": {"message": ev.error, "type": "server_error", "param": None, "code": "500"}})
+                    yield _sse(_stream_error(ev))
                     break
                 delta = {"content": ev.text} if ev.text else {}
                 if ev.finish_reason is None:
@@ -562,6 +586,8 @@ def serve(args) -> int:
     server.run(sockets=[sock])
     if head.engine is not None:
         head.engine.stop()
+    if head.rpc is not None:
+        head.rpc.stop()
     if isinstance(head.error, UserError):
         raise head.error
     if head.error is not None:

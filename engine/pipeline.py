@@ -85,6 +85,7 @@ class Pipeline:
         self.ranges = list(ranges) if ranges else [tuple(getattr(head, "layer_range", (0, head.cfg.n_layers)))]
         # Which slots hold a live request (the runtime's view); None = every slot seen so far.
         self.active_slots: Callable[[], set[int]] | None = None
+        self.on_change: Callable[[], None] | None = None  # a peer went up or down
         self.resplits = 0
         self.last_resplit: dict | None = None
         self._lock = threading.RLock()  # one forward, re-split or re-attach at a time
@@ -93,10 +94,16 @@ class Pipeline:
         self._stale = False  # a stage lost KV: rebuild before the next forward
         self._watch: threading.Thread | None = None
         self._stopping = threading.Event()
+        for remote in self.remotes:
+            remote.on_state = self._peer_state_changed
 
     @property
     def cfg(self):
         return self.head.cfg
+
+    def _peer_state_changed(self) -> None:
+        if self.on_change is not None:
+            self.on_change()
 
     @property
     def degraded(self) -> bool:

@@ -1,7 +1,7 @@
 """Head-side peer client: `RemoteStage` runs a layer range on a peer over the compute protocol.
 
 It has the shape of `model.Stage` that the pipeline chains (`run_layers(h, slots, positions)`,
-`kv_clear(slot)`, `layers`, `device`, `state`). One FORWARD frame per step carries the whole
+`kv_clear(slot)`, `assign(a, b)`, `layer_range`, `device`, `state`). One FORWARD frame per step carries the whole
 batch as raw bytes in the compute dtype. A peer that dies mid-request fails that request within
 ~2 s with `PeerUnavailable` (HTTP 503), never a hang; `attach()` re-validates and re-assigns
 when it comes back.
@@ -84,7 +84,7 @@ class RemoteStage:
     ):
         self.addr = addr
         self.host, self.port = parse_addr(addr)
-        self.layers = tuple(layers)
+        self.layer_range = tuple(layers)
         self.g, self.dtype, self.n_slots, self.n_ctx = g, dtype, n_slots, n_ctx
         self.auth_token = auth_token
         self.max_frame = max_frame
@@ -95,6 +95,7 @@ class RemoteStage:
         self.bytes_sent = self.bytes_recv = 0
         self.error: str | None = None
         self.attaches = 0
+        self.on_state = lambda: None  # called after every up/down change
         self._sock: socket.socket | None = None
         self._reader: SocketReader | None = None
         self._lock = threading.Lock()  # one exchange on the socket at a time
@@ -109,7 +110,7 @@ class RemoteStage:
             try:
                 self._connect()
                 self._request_json(Cmd.CHECK, {"fingerprint": self.g.fingerprint, "shapes": tensor_shapes(self.g)})
-                self._load(self.layers)
+                self._load(self.layer_range)
             except PeerMismatch as e:
                 self._down(str(e))
                 raise
@@ -118,6 +119,7 @@ class RemoteStage:
                 raise PeerUnavailable(f"peer {self.addr} unavailable: {e}") from None
             self.state, self.error = "up", None
             self.attaches += 1
+        self.on_state()
 
     def _connect(self) -> None:
         sock = socket.create_connection((self.host, self.port), timeout=CONNECT_TIMEOUT_S)
@@ -146,7 +148,7 @@ class RemoteStage:
             {"layers": list(layers), "dtype": dtype, "n_slots": self.n_slots, "n_ctx": self.n_ctx},
         )
         self.epoch = reply["epoch"]
-        self.layers = tuple(layers)
+        self.layer_range = tuple(layers)
         self.device = reply.get("device", "remote")
 
     def assign(self, a: int, b: int) -> None:
@@ -177,8 +179,11 @@ class RemoteStage:
         state = "down" if self.attaches else "connecting"
         if state == "down" and self.state != "down":
             log.warning("peer %s down: %s", self.addr, why)
+        changed = state != self.state
         self.state, self.error = state, why
         self._close()
+        if changed:
+            self.on_state()
 
     # --- the stage interface ----------------------------------------------------------------------
 
@@ -238,7 +243,7 @@ class RemoteStage:
             "addr": self.addr,
             "state": self.state,
             "rtt_ms": None if self.rtt_ms is None else round(self.rtt_ms, 3),
-            "layers": list(self.layers),
+            "layers": list(self.layer_range),
             "bytes_sent": self.bytes_sent,
             "bytes_recv": self.bytes_recv,
             "epoch": self.epoch,
