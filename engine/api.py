@@ -26,7 +26,6 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .errors import UserError
 from .metrics import CONTENT_TYPE, Metrics
-from .rpc.client import is_peer_failure
 from .status import StatusDocument
 
 if TYPE_CHECKING:  # the engine's modules bring torch: imported when the model loads, after the port is up
@@ -283,6 +282,8 @@ class _Run:
 
 
 def _stream_error(ev: Event) -> dict:
+    from .rpc.client import is_peer_failure
+
     code = "503" if is_peer_failure(ev.error) else "500"
     return {"error": {"message": ev.error, "type": "unavailable_error" if code == "503" else "server_error",
                       "param": None, "code": code}}  # fmt: skip
@@ -290,6 +291,8 @@ def _stream_error(ev: Event) -> dict:
 
 def _check_finish(ev: Event) -> None:
     if ev.finish_reason == "error":
+        from .rpc.client import is_peer_failure
+
         if is_peer_failure(ev.error):  # a peer went away: retry once it is back
             raise APIError(503, f"generation failed: {ev.error}", "unavailable_error")
         raise APIError(500, f"generation failed: {ev.error}", "server_error")
