@@ -329,7 +329,7 @@ class Supervisor:
         head = self.head
         host = _connect_host(head.spec.rpc_host or head.spec.host)
         try:
-            reply = await control_client.configure(host, head.spec.rpc, {"split": counts})
+            reply = await control_client.configure(host, head.spec.rpc, {"split": split_arg(counts)})
             if reply.ok:
                 self.profile.split = list(counts)
                 self.emit(head.name, "split", f"live re-split to {split_arg(counts)}")

@@ -19,6 +19,7 @@ import pytest
 from hydra_console.app import control_client
 from hydra_console.app.config import Profile, SupervisorSettings, WorkerSpec
 from hydra_console.app.sources import FixedFeedSource, HttpStatusSource, Probe
+from hydra_console.engine.rpc.wire import pack_control_response
 from hydra_console.app.supervisor import Backoff, State, Supervisor, SupervisorError, describe_exit
 
 FAKE = f"{shlex.quote(sys.executable)} -m hydra_console.app.fake_worker"
@@ -239,8 +240,7 @@ class ControlServer:
         assert magic == 0x4859
         await reader.readexactly(key_len + trace_len)
         self.requests.append((op, json.loads(await reader.readexactly(payload_len))))
-        meta = json.dumps({"error": "not built"} if self.status else {"ok": True}).encode()
-        writer.write(bytes([self.status]) + len(meta).to_bytes(3, "little") + struct.pack("<Q", 0) + meta)
+        writer.write(pack_control_response(self.status, {"error": "not built"} if self.status else {"ok": True}))
         await writer.drain()
         writer.close()
 
@@ -256,7 +256,7 @@ async def test_split_goes_live_through_configure_when_the_head_accepts_it(tmp_pa
         await wait_until(lambda: sup.head.state == State.READY)
         pid = sup.head.pid
         assert await sup.apply_split([12, 6]) == expected
-        assert ctl.requests == [(control_client.OP_CONFIGURE, {"split": [12, 6]})]
+        assert ctl.requests == [(control_client.OP_CONFIGURE, {"split": "12/6"})]
         assert (sup.head.pid == pid) == (expected == "live")
         if expected == "restart":
             assert any("NOT_IMPLEMENTED: not built" in e.message for e in sup.events)
