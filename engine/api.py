@@ -407,7 +407,7 @@ def create_app(head: Head) -> FastAPI:
             bad = next((t for t in ids if not 0 <= t < head.tok.vocab_size), None)
             if bad is not None:
                 raise APIError(400, f"token id {bad} is outside the vocabulary of {head.tok.vocab_size}", param="prompt")
-            prompt_text = head.tok.decode(ids) if body.echo else ""
+            prompt_text = head.tok.decode(ids, skip_special=True) if body.echo else ""
         max_tokens = body.max_tokens if body.max_tokens is not None else 16
         engine.check(len(ids), max_tokens)
         req = EngineRequest(

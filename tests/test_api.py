@@ -1,0 +1,327 @@
+"""`hydra-engine serve` as a real process on a real port, driven by the official openai client."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+N_CTX, N_SLOTS = 256, 2
+PROMPT = "the quick brown fox jumps over the lazy dog"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(model, port: int, *extra: str) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "hydra_console.engine.cli", "serve", "--model", str(model), "--port", str(port),
+           "--rpc-port", str(free_port()),
+           "--parallel", str(N_SLOTS), "--ctx", str(N_CTX), "--device", "cpu", "--dtype", "float32", *extra]  # fmt: skip
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def wait_ready(base: str, proc: subprocess.Popen, timeout: float = 60) -> list[tuple[int, dict]]:
+    """Poll /health until 200; returns every (status, body) seen on the way."""
+    seen = []
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"server exited {proc.returncode}: {proc.stdout.read()}")
+        try:
+            r = httpx.get(f"{base}/health", timeout=2)
+            seen.append((r.status_code, r.json()))
+            if r.status_code == 200:
+                return seen
+        except httpx.TransportError:
+            pass
+        time.sleep(0.01)
+    raise AssertionError(f"not ready after {timeout} s; saw {seen[-3:]}")
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model):
+    port = free_port()
+    proc = start_server(tiny_model("llama"), port)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        health = wait_ready(base, proc)
+        yield base, health
+    finally:
+        stop_server(proc)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server[0]}/v1", api_key="none", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def model_id(client):
+    return client.models.list().data[0].id
+
+
+def greedy(client, model_id, prompt=PROMPT, **kw):
+    return client.completions.create(model=model_id, prompt=prompt, temperature=0, **kw)
+
+
+def metrics(base: str) -> dict[str, float]:
+    text = httpx.get(f"{base}/metrics").text
+    return {s.name: s.value for fam in text_string_to_metric_families(text) for s in fam.samples if not s.labels}
+
+
+# ---- health, models, tokenizer -----------------------------------------------------------------
+
+
+def test_health_is_staged_and_503_until_ready(tiny_model):
+    port = free_port()
+    proc = start_server(tiny_model("llama"), port)
+    try:
+        seen = wait_ready(f"http://127.0.0.1:{port}", proc)
+    finally:
+        stop_server(proc)
+    codes = [c for c, _ in seen]
+    stages = [b["startup_stage"] for _, b in seen]
+    # the port answers before the model is loaded (torch alone takes longer than a poll)
+    assert codes[0] == 503 and seen[0][1]["status"] == "starting"
+    last = seen[-1][1]
+    assert codes[-1] == 200 and (last["status"], last["startup_stage"], last["has_model"]) == ("ok", 4, True)
+    assert last["model_name"] and isinstance(last["rpc_active"], bool)
+    assert all(c == 503 for c in codes[:-1]) and stages == sorted(stages) and stages[-1] == 4
+
+
+def test_models_and_tokenize_roundtrip(server, model_id):
+    base, _ = server
+    models = httpx.get(f"{base}/v1/models").json()
+    assert models["object"] == "list" and models["data"][0]["id"] == model_id
+    ids = httpx.post(f"{base}/tokenize", json={"content": PROMPT}).json()["tokens"]
+    with_bos = httpx.post(f"{base}/tokenize", json={"content": PROMPT, "add_special": True}).json()["tokens"]
+    assert len(with_bos) == len(ids) + 1 and with_bos[1:] == ids
+    assert httpx.post(f"{base}/detokenize", json={"tokens": ids}).json() == {"content": PROMPT}
+    pieces = httpx.post(f"{base}/tokenize", json={"content": PROMPT, "with_pieces": True}).json()["tokens"]
+    assert [p["id"] for p in pieces] == ids and "".join(p["piece"] for p in pieces).strip() == PROMPT
+
+
+# ---- completions ---------------------------------------------------------------------------------
+
+
+def test_completion_plain_and_streamed_agree_with_exact_usage(server, client, model_id):
+    base, _ = server
+    n_prompt = len(httpx.post(f"{base}/tokenize", json={"content": PROMPT, "add_special": True}).json()["tokens"])
+    full = greedy(client, model_id, max_tokens=10, extra_body={"ignore_eos": True})
+    assert full.choices[0].finish_reason == "length"
+    assert (full.usage.prompt_tokens, full.usage.completion_tokens, full.usage.total_tokens) == (n_prompt, 10, n_prompt + 10)
+    timings = full.model_extra["timings"]
+    assert timings["prompt_n"] == n_prompt and timings["predicted_n"] == 10 and timings["draft_n"] == 0
+
+    chunks = list(greedy(client, model_id, max_tokens=10, stream=True, extra_body={"ignore_eos": True}))
+    assert "".join(c.choices[0].text for c in chunks) == full.choices[0].text
+    assert chunks[-1].choices[0].finish_reason == "length"
+    assert chunks[-1].usage.completion_tokens == 10
+
+
+def test_token_id_prompt_equals_text_prompt(server, client, model_id):
+    base, _ = server
+    ids = httpx.post(f"{base}/tokenize", json={"content": PROMPT, "add_special": True}).json()["tokens"]
+    a = greedy(client, model_id, max_tokens=8, extra_body={"ignore_eos": True})
+    b = greedy(client, model_id, prompt=ids, max_tokens=8, extra_body={"ignore_eos": True})
+    c = greedy(client, model_id, prompt=[ids], max_tokens=8, extra_body={"ignore_eos": True})
+    assert a.choices[0].text == b.choices[0].text == c.choices[0].text
+    assert b.usage.prompt_tokens == len(ids)
+
+
+def test_prompt_scoring_with_echo_and_token_ids(server, client, model_id):
+    base, _ = server
+    ids = httpx.post(f"{base}/tokenize", json={"content": PROMPT, "add_special": True}).json()["tokens"]
+    r = client.completions.create(model=model_id, prompt=ids, echo=True, logprobs=1, max_tokens=0,
+                                  extra_body={"return_tokens_as_token_ids": True})  # fmt: skip
+    lp = r.choices[0].logprobs
+    assert lp.tokens == [f"token_id:{t}" for t in ids]
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(x < 0 for x in lp.token_logprobs[1:]) and len(lp.token_logprobs) == len(ids)
+    assert all(len(t) == 1 and next(iter(t)).startswith("token_id:") for t in lp.top_logprobs[1:])
+    assert r.usage.completion_tokens == 0 and r.choices[0].text == PROMPT
+    # the greedy token after a prefix is the top alternative there, with the same logprob as scoring it
+    nxt = greedy(client, model_id, prompt=ids[:5], max_tokens=1, logprobs=1,
+                 extra_body={"return_tokens_as_token_ids": True, "ignore_eos": True}).choices[0].logprobs  # fmt: skip
+    assert nxt.tokens == [next(iter(lp.top_logprobs[5]))]
+    assert nxt.token_logprobs[0] == pytest.approx(next(iter(lp.top_logprobs[5].values())), abs=1e-4)
+
+
+def test_generated_logprobs_shape(server, client, model_id):
+    r = greedy(client, model_id, max_tokens=5, logprobs=3, extra_body={"ignore_eos": True})
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 5
+    assert "".join(lp.tokens) == r.choices[0].text
+    for tok, val, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert len(top) == 3 and max(top.values()) == pytest.approx(val, abs=1e-5)  # greedy = the top one
+    assert lp.text_offset == sorted(lp.text_offset)
+
+
+def test_stop_strings(server, client, model_id):
+    ref = greedy(client, model_id, max_tokens=24, extra_body={"ignore_eos": True}).choices[0].text
+    at = next(i for i in range(3, len(ref) - 2) if ref.find(ref[i : i + 2]) == i)
+    r = greedy(client, model_id, max_tokens=24, stop=[ref[at : at + 2]], extra_body={"ignore_eos": True})
+    assert r.choices[0].text == ref[:at] and r.choices[0].finish_reason == "stop"
+    streamed = greedy(client, model_id, max_tokens=24, stop=ref[at : at + 2], stream=True, extra_body={"ignore_eos": True})
+    assert "".join(c.choices[0].text for c in streamed) == ref[:at]
+
+
+def test_seed_reproducibility(client, model_id):
+    def sample(seed):
+        return client.completions.create(model=model_id, prompt=PROMPT, max_tokens=12, temperature=1.5, seed=seed,
+                                         extra_body={"ignore_eos": True}).choices[0].text  # fmt: skip
+
+    assert sample(7) == sample(7)
+    assert sample(7) != sample(8)
+
+
+# ---- chat -----------------------------------------------------------------------------------------
+
+
+def test_chat_plain_and_streamed(client, model_id):
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello there"}]
+    full = client.chat.completions.create(model=model_id, messages=messages, max_tokens=8, temperature=0,
+                                          logprobs=True, top_logprobs=2, extra_body={"ignore_eos": True})  # fmt: skip
+    msg = full.choices[0].message
+    assert msg.role == "assistant" and full.usage.completion_tokens == 8 and full.choices[0].finish_reason == "length"
+    content = full.choices[0].logprobs.content
+    assert len(content) == 8 and all(len(c.top_logprobs) == 2 for c in content)
+    assert "".join(c.token for c in content) == msg.content
+
+    stream = client.chat.completions.create(model=model_id, messages=messages, max_tokens=8, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}, extra_body={"ignore_eos": True})  # fmt: skip
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == msg.content
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 8
+    assert chunks[-1].usage.prompt_tokens == full.usage.prompt_tokens
+
+
+# ---- batching, disconnects, metrics ------------------------------------------------------------------
+
+
+def test_concurrent_requests_equal_sequential_ones(server, client, model_id):
+    base, _ = server
+    prompts = ["hello world", "night and day", "a b c d", "the lazy dog", "fox over dog"]
+    single = [greedy(client, model_id, prompt=p, max_tokens=10, extra_body={"ignore_eos": True}).choices[0].text
+              for p in prompts]  # fmt: skip
+    before = metrics(base)
+    out: dict[int, str] = {}
+
+    def one(i, p):
+        out[i] = greedy(client, model_id, prompt=p, max_tokens=10, extra_body={"ignore_eos": True}).choices[0].text
+
+    threads = [threading.Thread(target=one, args=(i, p)) for i, p in enumerate(prompts)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert [out.get(i) for i in range(len(prompts))] == single
+    after = metrics(base)
+    assert after["llamacpp:tokens_predicted_total"] - before["llamacpp:tokens_predicted_total"] == 50
+    # 5 requests x 10 tokens over 2 slots in clearly fewer forward steps than tokens
+    assert after["llamacpp:n_decode_total"] - before["llamacpp:n_decode_total"] < 50
+
+
+def test_disconnect_frees_the_slot(server):
+    base, _ = server
+    body = {"prompt": PROMPT, "max_tokens": N_CTX - 40, "stream": True, "ignore_eos": True, "temperature": 0}
+    with httpx.Client(timeout=30) as h:
+        with h.stream("POST", f"{base}/v1/completions", json=body) as r:
+            lines = r.iter_lines()
+            first = next(line for line in lines if line.startswith("data: "))
+            assert json.loads(first[6:])["choices"][0]["finish_reason"] is None
+            assert any(s["state"] == "processing" for s in httpx.get(f"{base}/slots").json())
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        if all(s["state"] == "idle" for s in httpx.get(f"{base}/slots").json()):
+            break
+        time.sleep(0.05)
+    assert all(s["state"] == "idle" for s in httpx.get(f"{base}/slots").json())
+    m = metrics(base)
+    assert m["llamacpp:requests_processing"] == 0 and m["llamacpp:requests_deferred"] == 0
+
+
+def test_metrics_names_and_counters_move(server, client, model_id):
+    base, _ = server
+    before = metrics(base)
+    greedy(client, model_id, max_tokens=4, extra_body={"ignore_eos": True})
+    after = metrics(base)
+    for name in ("prompt_tokens_total", "prompt_seconds_total", "tokens_predicted_total",
+                 "tokens_predicted_seconds_total", "requests_processing", "requests_deferred",
+                 "spec_decode_num_draft_tokens_total", "spec_decode_num_accepted_tokens_total",
+                 "spec_decode_num_drafts_total"):  # fmt: skip
+        assert f"llamacpp:{name}" in after
+    assert after["llamacpp:tokens_predicted_total"] - before["llamacpp:tokens_predicted_total"] == 4
+    assert after["llamacpp:prompt_tokens_total"] > before["llamacpp:prompt_tokens_total"]
+    assert after["llamacpp:prompt_seconds_total"] > before["llamacpp:prompt_seconds_total"]
+    assert after["hydra_startup_stage"] == 4
+
+
+def test_status_document(server):
+    base, _ = server
+    doc = httpx.get(f"{base}/status").json()
+    assert doc["role"] == "head" and doc["pid"] > 0 and doc["state"] == "ok" and doc["startup_stage"] == 4
+    assert doc["model"]["arch"] == "llama" and doc["model"]["n_layers"] == 2 and len(doc["model"]["fingerprint"]) == 32
+    assert doc["stages"] == [{"role": "head", "addr": None, "layers": [0, 2], "device": "cpu", "state": "ok"}]
+    assert doc["devices"] and doc["devices"][0]["memory_total"] > 0
+    assert doc["throughput"]["decode_tokens_total"] > 0
+    assert [s["id"] for s in doc["slots"]] == list(range(N_SLOTS))
+    assert doc["speculative"]["type"] == "off"
+
+
+# ---- errors ---------------------------------------------------------------------------------------
+
+
+def test_over_context_prompt_is_a_400(client, model_id):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=model_id, prompt="word " * 300, max_tokens=5)
+    assert e.value.status_code == 400
+    err = e.value.body
+    assert set(err) >= {"message", "type", "param", "code"} and "context" in err["message"]
+
+
+@pytest.mark.parametrize(
+    "path,body,param",
+    [("/v1/completions", {"prompt": "x", "temperature": -1}, "temperature"),
+     ("/v1/completions", {"prompt": "x", "logprobs": 50}, "logprobs"),
+     ("/v1/completions", {"prompt": [5, 10**9]}, "prompt"),
+     ("/v1/completions", {"prompt": ["a", "b"]}, "prompt"),
+     ("/v1/completions", {"max_tokens": 3}, "prompt"),
+     ("/v1/completions", {"prompt": "x", "stop": [""]}, "stop"),
+     ("/v1/chat/completions", {"messages": []}, "messages"),
+     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, None),
+     ("/detokenize", {"tokens": [-1]}, "tokens"),
+     ("/tokenize", {"content": 5}, "content")],  # fmt: skip
+)
+def test_bad_requests_get_openai_errors(server, path, body, param):
+    base, _ = server
+    r = httpx.post(f"{base}{path}", json=body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    assert err["param"] == param
+    bad_json = httpx.post(f"{base}/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
+    assert bad_json.status_code == 400 and "error" in bad_json.json()
+    assert httpx.get(f"{base}/nope").json()["error"]["code"] == "not_found"
