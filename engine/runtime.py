@@ -23,6 +23,7 @@ from typing import Callable, Iterator
 import torch
 
 from .sampling import InvalidParam, Sampler, SamplingParams, TokenLogprob, sample_batch, token_logprobs
+from .speculative import Draft, SpecConfig, Speculator
 from .tokenizer import StreamDecoder
 
 # Prefill tokens per step across all sequences: bounds how long a long prompt stalls decoders.
@@ -63,6 +64,7 @@ class Request:
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
     prompt_logprobs: int | None = None  # score the prompt: logprob of each prompt token + top N
+    spec: SpecConfig | None = None  # this request's speculative decoding; None: the engine's default
     sink: Callable[[Event], None] = lambda ev: None
     id: int = 0
     cancelled: bool = False
@@ -85,6 +87,8 @@ class Sequence:
         self.emitted_in_held = 0  # chars of the first held tokens' text already passed on
         self.t_start = time.perf_counter()
         self.t_first: float | None = None
+        self.n_drafted = 0  # draft tokens verified for this request, and how many were accepted
+        self.n_accepted = 0
 
     @property
     def prefilling(self) -> bool:
@@ -103,8 +107,8 @@ class Sequence:
             "predicted_ms": predicted_ms,
             "predicted_per_token_ms": predicted_ms / self.n_gen if self.n_gen else 0.0,
             "predicted_per_second": self.n_gen / predicted_ms * 1e3 if predicted_ms > 0 else 0.0,
-            "draft_n": 0,
-            "draft_n_accepted": 0,
+            "draft_n": self.n_drafted,
+            "draft_n_accepted": self.n_accepted,
         }
 
 
@@ -118,6 +122,7 @@ class _Work:
     end: int
     sample: bool
     score: bool  # prompt scoring: logits of every row
+    draft: Draft | None = None  # decode: tokens proposed after seq.tokens[start], verified in this step
 
 
 class EngineStats:
@@ -159,14 +164,18 @@ class EngineStats:
 class Engine:
     """Continuous batching over `n_slots` slots of `n_ctx` tokens each, driving `pipeline.forward`."""
 
-    def __init__(self, pipeline, tokenizer, n_slots: int, n_ctx: int, batch_tokens: int = DEFAULT_BATCH_TOKENS):
+    def __init__(self, pipeline, tokenizer, n_slots: int, n_ctx: int, batch_tokens: int = DEFAULT_BATCH_TOKENS,
+                 speculator: Speculator | None = None):  # fmt: skip
         self.pipeline = pipeline
         self.tok = tokenizer
         self.n_slots = n_slots
         self.n_ctx = n_ctx
         self.batch_tokens = batch_tokens
         self.stats = EngineStats()
-        self.spec_stats = None  # set when speculative decoding is on (speculative.SpecStats)
+        # Always there: requests may ask for n-gram drafting even when the server default is off.
+        self.spec = speculator or Speculator()
+        self.spec_stats = self.spec.stats
+        self.spec_config = self.spec.config
         self.slots: list[Sequence | None] = [None] * n_slots
         self.waiting: deque[Request] = deque()
         self._cond = threading.Condition()
@@ -279,20 +288,22 @@ class Engine:
         t0 = time.perf_counter()
         tokens, slots, positions, rows = [], [], [], []
         for w in work:
-            n = w.end - w.start
+            drafted = w.draft.tokens if w.draft else []
+            n = w.end - w.start + len(drafted)
             first_row = len(tokens)
-            tokens += w.seq.tokens[w.start : w.end]
+            tokens += w.seq.tokens[w.start : w.end] + drafted
             slots += [w.seq.slot] * n
-            positions += range(w.start, w.end)
-            if w.score:
+            positions += range(w.start, w.start + n)
+            if w.score or drafted:
                 rows += range(first_row, first_row + n)
             elif w.sample:
                 rows.append(first_row + n - 1)
         as_tensor = lambda xs: torch.tensor(xs, dtype=torch.long)  # noqa: E731  (stages move what they need)
         logits = self.pipeline.forward(as_tensor(tokens), as_tensor(slots), as_tensor(positions), as_tensor(rows))
-        self._apply(work, logits)
+        n_accepted = self._apply(work, logits)
         n_prefill = sum(w.end - w.start for w in work if w.start < w.seq.n_prompt)
-        self.stats.record_step(t0, time.perf_counter(), n_prefill, sum(w.end - w.start for w in work) - n_prefill)
+        n_decode = sum(w.end - w.start for w in work) - n_prefill + n_accepted
+        self.stats.record_step(t0, time.perf_counter(), n_prefill, n_decode)
 
     def _admit(self) -> None:
         with self._cond:
@@ -305,12 +316,15 @@ class Engine:
                 if self.slots[i] is None and self.waiting:
                     # KV rows of a reused slot need no clearing: positions >= n_past are overwritten.
                     self.slots[i] = Sequence(self.waiting.popleft(), i, self.tok)
+                    self.spec.start(i, self.slots[i].tokens)
 
     def _schedule(self) -> list[_Work]:
         """Decoding sequences take one token each; prefill chunks share what is left of the budget."""
         running = [s for s in self.slots if s is not None]
-        work = [_Work(s, s.n_past, s.n_past + 1, True, False) for s in running if not s.prefilling]
-        budget = max(self.batch_tokens - len(work), 1)
+        decoding = [s for s in running if not s.prefilling]
+        drafts = self.spec.plan(decoding, self.n_ctx)
+        work = [_Work(s, s.n_past, s.n_past + 1, True, False, d) for s, d in zip(decoding, drafts)]
+        budget = max(self.batch_tokens - len(work) - sum(len(d) for d in drafts if d), 1)
         for s in sorted((s for s in running if s.prefilling), key=lambda s: s.req.id):
             if budget <= 0:
                 break
@@ -321,13 +335,19 @@ class Engine:
             budget -= n
         return work
 
-    def _apply(self, work: list[_Work], logits: torch.Tensor) -> None:
+    def _apply(self, work: list[_Work], logits: torch.Tensor) -> int:
+        """Sample, verify drafts, deliver; returns how many accepted draft tokens were released."""
         row = 0
+        n_accepted = 0
         to_sample: list[tuple[Sequence, torch.Tensor]] = []
         for w in work:
             seq = w.seq
             seq.n_past = w.end
-            if w.score:
+            if w.draft:
+                k = len(w.draft)
+                n_accepted += self._apply_draft(seq, w.draft, logits[row : row + k + 1])
+                row += k + 1
+            elif w.score:
                 n = w.end - w.start
                 self._score_prompt(w, logits[row : row + n])
                 row += n
@@ -344,7 +364,7 @@ class Engine:
                 if seq.req.max_tokens == 0:
                     self._finish(seq, "length")
         if not to_sample:
-            return
+            return n_accepted
         seqs = [s for s, _ in to_sample]
         rows = torch.stack([r for _, r in to_sample])
         picks = sample_batch(rows, [s.sampler for s in seqs], [s.tokens for s in seqs])
@@ -352,6 +372,23 @@ class Engine:
             n_top = seq.req.params.logprobs
             lp = token_logprobs(rows[i : i + 1], [tid], n_top)[0] if n_top is not None else None
             self._append(seq, tid, lp)
+        return n_accepted
+
+    def _apply_draft(self, seq: Sequence, draft: Draft, logits: torch.Tensor) -> int:
+        """Emit the verified prefix of `draft` and the target's next token. Rejected draft positions
+        stay behind n_past: their KV (here and on peers) is overwritten by the next step."""
+        emitted = self.spec.verify(logits, draft, seq.sampler, seq.tokens)
+        accepted = len(emitted) - 1
+        seq.n_past += accepted
+        seq.n_drafted += len(draft)
+        seq.n_accepted += accepted
+        n_top = seq.req.params.logprobs
+        for i, tid in enumerate(emitted):
+            lp = token_logprobs(logits[i : i + 1], [tid], n_top)[0] if n_top is not None else None
+            self._append(seq, tid, lp)
+            if self.slots[seq.slot] is not seq:  # finished (stop, length, end of generation)
+                break
+        return i  # tokens released beyond the one a plain decode step gives
 
     def _score_prompt(self, w: _Work, logits: torch.Tensor) -> None:
         """Row p predicts token p+1: the logprobs of the prompt tokens this chunk's rows predict."""
@@ -428,6 +465,7 @@ class Engine:
         )
         if self.slots[seq.slot] is seq:
             self.slots[seq.slot] = None
+            self.spec.release(seq.slot)
 
 
 def load_stage(g, device: str, dtype: str, n_slots: int, n_ctx: int):

@@ -117,14 +117,14 @@ class Draft:
 
 @dataclass
 class DraftRequest:
-    """One slot's ask: its whole history (prompt + output so far), how many tokens at most, and its
-    sampling parameters (a draft model samples with them when temperature > 0)."""
+    """One slot's ask: its whole history (prompt + output so far), how many tokens at most, the
+    request's sampler (a draft model samples through it when temperature > 0) and its p-min."""
 
     slot: int
     tokens: list[int]
     k: int
-    params: object | None = None
-    generator: torch.Generator | None = None
+    sampler: object | None = None  # sampling.Sampler
+    p_min: float | None = None
 
 
 class Drafter:
@@ -185,11 +185,9 @@ class DraftModelDrafter(Drafter):
 
     name = "draft"
 
-    def __init__(self, pipeline, p_min: float = 0.75, probs_fn=None):
+    def __init__(self, pipeline, p_min: float = 0.75):
         self.pipeline = pipeline
         self.p_min = p_min
-        # probs_fn(logits[V], params, history) -> probabilities after the request's transforms.
-        self.probs_fn = probs_fn
         self._cached: dict[int, list[int]] = {}  # slot -> tokens whose KV the draft cache holds
         self._lock = threading.Lock()
 
@@ -199,12 +197,13 @@ class DraftModelDrafter(Drafter):
     def release(self, slot: int) -> None:
         self._cached.pop(slot, None)
 
-    def _pick(self, logits: torch.Tensor, req: DraftRequest, history: list[int]):
-        """(token, its draft probability, the distribution it came from or None for argmax)."""
-        sampled = req.params is not None and getattr(req.params, "temperature", 0.0) > 0 and self.probs_fn
-        if sampled:
-            q = self.probs_fn(logits, req.params, history)
-            tok = int(torch.multinomial(q, 1, generator=req.generator))
+    @staticmethod
+    def _pick(logits: torch.Tensor, req: DraftRequest, history: list[int]):
+        """(token, its draft probability, the distribution it was drawn from or None for argmax)."""
+        s = req.sampler
+        if s is not None and not s.params.greedy:
+            q = s.probs(logits, history)
+            tok = int(torch.multinomial(q, 1, generator=s.generator(q.device)))
             return tok, float(q[tok]), q
         probs = torch.softmax(logits.float(), dim=-1)
         tok = int(torch.argmax(probs))
@@ -248,7 +247,7 @@ class DraftModelDrafter(Drafter):
                 r = requests[i]
                 history = r.tokens + out[i].tokens
                 tok, prob, q = self._pick(logits[row], r, history)
-                if prob < self.p_min:
+                if prob < (self.p_min if r.p_min is None else r.p_min):
                     continue
                 out[i].tokens.append(tok)
                 if q is not None:
@@ -402,3 +401,104 @@ class SpecStats:
                 "recent_acceptance": r_accepted / r_drafted if r_drafted else None,
                 "accepted_per_pos": list(self.accepted_per_pos),
             }
+
+
+# ---------------------------------------------------------------- the engine's side
+
+
+class Speculator:
+    """What the engine holds: the server's default `SpecConfig`, the drafters it can use (n-gram
+    always, the draft model when loaded), and the acceptance counters. The engine asks `plan` for
+    drafts of its decoding sequences, runs them in its one forward, and asks `verify` what to emit."""
+
+    def __init__(self, config: SpecConfig | None = None, draft_pipeline=None):
+        self.config = config or SpecConfig()
+        self.drafters: dict[str, Drafter] = {"ngram": NgramDrafter()}
+        if draft_pipeline is not None:
+            self.drafters["draft"] = DraftModelDrafter(draft_pipeline, p_min=self.config.p_min)
+        self.stats = SpecStats()
+
+    def request_config(self, body: dict) -> SpecConfig | None:
+        """A request's override (None: the server's config); a type this server cannot run is a UserError."""
+        cfg = self.config.with_request(body)
+        if cfg is self.config:
+            return None
+        if cfg.type == "mtp":
+            raise UserError("speculative type 'mtp' is not available: no supported GGUF carries an MTP head")
+        if cfg.active and cfg.type not in self.drafters:
+            raise UserError(
+                f"speculative type {cfg.type!r} is not available on this server "
+                "(a draft model needs: hydra-engine serve --spec-type draft --model-draft PATH)"
+            )
+        return cfg
+
+    def start(self, slot: int, prompt: list[int]) -> None:
+        for d in self.drafters.values():
+            d.start(slot, prompt)
+
+    def release(self, slot: int) -> None:
+        for d in self.drafters.values():
+            d.release(slot)
+
+    def plan(self, seqs: list, n_ctx: int) -> list[Draft | None]:
+        """A draft (or None) per decoding sequence (runtime.Sequence: slot, tokens, n_gen, req.spec,
+        req.max_tokens, sampler). k is capped so that the k+1 emitted tokens fit max_tokens and the
+        k+1 verified positions fit the context."""
+        out: list[Draft | None] = [None] * len(seqs)
+        by_type: dict[str, list[tuple[int, DraftRequest, SpecConfig]]] = {}
+        for i, seq in enumerate(seqs):
+            cfg = seq.req.spec or self.config
+            if not cfg.active or cfg.type not in self.drafters:
+                continue
+            k = min(cfg.n_max, seq.req.max_tokens - seq.n_gen - 1, n_ctx - len(seq.tokens))
+            if k < max(cfg.n_min, 1):
+                continue
+            req = DraftRequest(seq.slot, seq.tokens, k, seq.sampler, cfg.p_min)
+            by_type.setdefault(cfg.type, []).append((i, req, cfg))
+        for kind, items in by_type.items():
+            drafts = self.drafters[kind].draft_batch([r for _, r, _ in items])
+            for (i, _, cfg), d in zip(items, drafts):
+                if len(d) >= max(cfg.n_min, 1):
+                    out[i] = d
+        return out
+
+    def verify(self, logits: torch.Tensor, draft: Draft, sampler, history: list[int]) -> list[int]:
+        """Tokens to emit after verifying `draft` against the target's `logits[k+1, V]` (row i follows
+        `history + draft[:i]`), with the request's own sampler so its transforms and penalties hold."""
+        k = len(draft)
+        params = sampler.params
+        if params.greedy and not params.penalised:
+            emitted = accept_greedy(logits.argmax(-1).tolist(), draft.tokens)
+        elif params.greedy:
+            picks = [sampler.sample(logits[i], history + draft.tokens[:i]) for i in range(k + 1)]
+            emitted = accept_greedy(picks, draft.tokens)
+        else:
+            p = torch.stack([sampler.probs(logits[i], history + draft.tokens[:i]) for i in range(k + 1)])
+            emitted = accept_sampled(p, draft.tokens, draft.q, sampler.generator(logits.device))
+        self.stats.record(k, len(emitted) - 1)
+        return emitted
+
+
+def build_speculator(args, g, n_slots: int, n_ctx: int) -> Speculator:
+    """The head's Speculator from its flags (`--spec-type`, `--model-draft`, `--draft-*`); `g` is the
+    target GGUF. Loads the draft model for `--spec-type draft`; `mtp` is a UserError naming why."""
+    config = SpecConfig.from_args(args)
+    draft_path = getattr(args, "model_draft", None)
+    if config.type == "mtp":
+        check_mtp(g)
+    if config.type == "draft" and not draft_path:
+        raise UserError("--spec-type draft needs --model-draft PATH (a smaller GGUF with the same vocabulary)")
+    if draft_path and config.type != "draft":
+        raise UserError(f"--model-draft is only used with --spec-type draft (got --spec-type {config.type})")
+    if not draft_path:
+        return Speculator(config)
+    from .gguf_file import GGUFFile
+    from .model import ModelConfig, Stage
+    from .pipeline import Pipeline
+
+    dg = GGUFFile(draft_path)
+    check_same_vocab(g, dg)
+    cfg = ModelConfig.from_gguf(dg)
+    stage = Stage(cfg, dg, layers=(0, cfg.n_layers), embed=True, head=True, device=args.device, dtype=args.dtype,
+                  n_slots=n_slots, n_ctx=n_ctx)  # fmt: skip
+    return Speculator(config, draft_pipeline=Pipeline(stage))
