@@ -36,6 +36,8 @@ END_OF_TURN_TEXTS = (
     "<|eom_id|>", "<EOT>", "_<EOT>", "<|end_of_text|>", "<end_of_utterance>",
 )  # fmt: skip
 
+_END_OF_TURN = frozenset(END_OF_TURN_TEXTS)
+
 # Pre-tokenizer regexes of llama.cpp's llm_tokenizer_bpe, applied in turn (each splits the pieces
 # the previous one left, keeping the text between matches as pieces too).
 _LLAMA3 = (
@@ -184,17 +186,12 @@ class Tokenizer:
         eot_id, eom_id = self._valid_id("eot", eot_id), self._valid_id("eom", eom_id)
 
         eog = {tid for tid in (self.eos_id, eot_id, eom_id) if tid is not None}
-        for text in END_OF_TURN_TEXTS:
+        for text in _END_OF_TURN.intersection(self._tokens):
             tid = self.find_token(text)
-            if tid is not None:
-                eog.add(tid)
-                types[tid] = CONTROL
+            eog.add(tid)
+            types[tid] = CONTROL
         self.eog_ids: set[int] = eog
         self._types = types
-        # Texts split out before the merges: longest first; ties by id as a stable order.
-        special = np.nonzero((types == CONTROL) | (types == USER_DEFINED) | (types == UNKNOWN))[0].tolist()
-        special.sort(key=lambda i: (-len(self._tokens[i]), i))
-        self._special = [(self._tokens[i], i) for i in special]
         self._word_cache: dict[str, tuple[int, ...]] = {}  # pre-token -> ids
         self._pieces: dict[int, bytes] = {}  # id -> bytes, filled as tokens are decoded
 
@@ -205,20 +202,15 @@ class Tokenizer:
             return None
         return tid
 
-    @cached_property
-    def _joined(self) -> str | None:
-        """All token texts, each between NULs: one string to search instead of 262k (None if a
-        token text holds a NUL itself)."""
-        joined = "\x00" + "\x00".join(self._tokens) + "\x00"
-        return joined if joined.count("\x00") == len(self._tokens) + 1 else None
-
     def find_token(self, text: str) -> int | None:
         """Id of the vocab entry `text`, None if absent (the last one if repeated, as llama.cpp)."""
-        joined = self._joined
-        if joined is None or "\x00" in text:
-            return self.token_to_id.get(text)
-        pos = joined.rfind("\x00" + text + "\x00")
-        return None if pos < 0 else joined.count("\x00", 0, pos)
+        built = self.__dict__.get("token_to_id")
+        if built is not None:
+            return built.get(text)
+        try:  # a scan is cheaper than building the dict when only a few texts are looked up
+            return len(self._tokens) - 1 - self._tokens[::-1].index(text)
+        except ValueError:
+            return None
 
     # ---- construction ---------------------------------------------------------------------------
 
@@ -284,10 +276,16 @@ class Tokenizer:
 
     @cached_property
     def _spm_crossing(self) -> list[str]:
-        """Vocab texts with "▁" after another character: the only ones a merge across words can make."""
-        if self._joined is None:
-            return [t for t in self._tokens if _SPM_CROSSING.search(t)]
-        return _SPM_CROSSING.findall(self._joined)
+        """Vocab texts with "▁" after another character (from that character on): the only ones a
+        merge across words can make. One regex pass over all texts joined by NULs."""
+        return _SPM_CROSSING.findall("\x00".join(self._tokens))
+
+    @cached_property
+    def _special(self) -> list[tuple[str, int]]:
+        """(text, id) of the tokens split out of text before the merges."""
+        types = self._types
+        ids = np.nonzero((types == CONTROL) | (types == USER_DEFINED) | (types == UNKNOWN))[0].tolist()
+        return [(self._tokens[i], i) for i in ids]
 
     @cached_property
     def _special_index(self) -> _SpecialIndex:
@@ -365,7 +363,7 @@ class Tokenizer:
         frags: list[tuple[int, int] | int] = [(0, len(text))]
         if not present:
             return frags
-        present.sort(key=lambda item: (-len(item[0]), item[1]))
+        present.sort(key=lambda item: (-len(item[0]), item[1]))  # longest first; ties by id, a stable order
         for special, tid in present:
             out = []
             for frag in frags:
