@@ -1,0 +1,169 @@
+"""Display functions and split arithmetic, without a terminal."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from hydra_console.app import display
+from hydra_console.app.config import Alerts, Profile, WorkerSpec
+from hydra_console.app.sources import FixedFeedSource, Probe
+from hydra_console.app.split_plan import ModelShape, even_split, move_boundary, parse_split, ranges, split_arg
+from hydra_console.app.supervisor import LogLine, State, Supervisor
+from hydra_console.engine.errors import UserError
+from hydra_console.engine.gguf_file import GGUFFile
+
+
+def test_every_state_has_a_distinct_symbol_and_word():
+    profile = Profile()
+    sup = Supervisor(profile, attach=True, source=FixedFeedSource({}))
+    w = sup.head
+    seen = set()
+    for state in State:
+        w.state = state
+        text, tone = display.state_text(w, now=0.0)
+        symbol, word = text.split(" ", 1)
+        assert symbol and word.startswith(state.value)
+        assert tone in {"ok", "warn", "error", "busy", "muted"}
+        seen.add(text)
+    assert len(seen) == len(State)  # readable without colour: no two states print the same
+
+
+def test_backoff_state_shows_seconds_left():
+    sup = Supervisor(Profile(), source=FixedFeedSource({}))
+    w = sup.head
+    w.state, w.backoff_until = State.BACKOFF, 108.0
+    assert display.state_text(w, now=100.0) == ("↻ backoff 8s", "warn")
+
+
+@pytest.mark.parametrize("secs,text", [(None, "—"), (0, "0s"), (59.9, "59s"), (61, "1m01s"), (3661, "1h01m"), (90000, "1d01h")])
+def test_fmt_duration(secs, text):
+    assert display.fmt_duration(secs) == text
+
+
+@pytest.mark.parametrize("n,text", [(None, "—"), (0, "0 B"), (1023, "1023 B"), (1536, "1.5 KiB"), (139 * 2**30, "139.0 GiB")])
+def test_fmt_bytes(n, text):
+    assert display.fmt_bytes(n) == text
+
+
+def test_rates_layers_pct():
+    assert display.fmt_rate(12.345) == "12.3 tok/s"
+    assert display.fmt_rate(2500) == "2.5k tok/s"
+    assert display.fmt_layers([9, 18]) == "[9,18)" and display.fmt_layers(None) == "—"
+    assert display.fmt_pct(0.9) == "90%" and display.fmt_pct(None) == "—"
+
+
+@given(used=st.floats(0, 1e12), total=st.floats(1, 1e12), width=st.integers(1, 60))
+def test_bar_has_exact_width_and_grows_with_use(used, total, width):
+    b = display.bar(used, total, width)
+    assert len(b) == width and set(b) <= {"█", "░"}
+    assert b.count("█") <= display.bar(min(used * 2, total), total, width).count("█") or used > total
+
+
+def test_bar_without_total_is_empty():
+    assert display.bar(5, 0, 4) == "░░░░" and display.bar(None, 10, 3) == "░░░"
+
+
+@pytest.mark.parametrize(
+    "line,label",
+    [
+        ("Traceback (most recent call last):", "traceback"),
+        ("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB", "out of memory"),
+        ("OSError: [Errno 98] Address already in use", "port in use"),
+        ("peer 10.0.0.2:8091: [Errno 111] Connection refused", "connection refused"),
+        ("hydra-engine: error: model fingerprint mismatch with peer 127.0.0.1:8091", "fingerprint mismatch"),
+        ("ValueError: bad thing", "error"),
+        ("INFO: serving tiny on http://127.0.0.1:8080", None),
+    ],
+)
+def test_failure_patterns(line, label):
+    assert display.failure_label(line) == label
+
+
+def test_filter_regex_invert_and_literal_fallback():
+    lines = [LogLine(i, 0.0, "head", "out", t) for i, t in enumerate(["GET /health 200", "GET /status 200", "error: x ["])]
+    rx = display.compile_filter(r"/(health|status)")
+    assert [ln.text for ln in display.filter_lines(lines, rx)] == ["GET /health 200", "GET /status 200"]
+    assert [ln.text for ln in display.filter_lines(lines, rx, invert=True)] == ["error: x ["]
+    bad = display.compile_filter("x [")  # not a regex: matched literally, never an exception
+    assert [ln.text for ln in display.filter_lines(lines, bad)] == ["error: x ["]
+    assert display.filter_lines(lines, display.compile_filter("")) == lines
+
+
+def test_split_arithmetic():
+    assert even_split(18, 2) == [9, 9] and even_split(18, 4) == [5, 5, 4, 4]
+    assert ranges([9, 9]) == [(0, 9), (9, 18)]
+    assert split_arg([10, 8]) == "10/8"
+    assert parse_split("9/9", 18) == [9, 9] and parse_split("9,9") == [9, 9]
+    assert parse_split("1,2", 18) == [6, 12]
+    assert sum(parse_split("1,1,1", 19)) == 19
+    with pytest.raises(UserError):
+        parse_split("a/b", 18)
+    with pytest.raises(UserError):
+        parse_split("9/0", 18)
+    with pytest.raises(UserError):
+        even_split(2, 3)
+
+
+@given(counts=st.lists(st.integers(1, 12), min_size=2, max_size=5), delta=st.integers(-20, 20), data=st.data())
+def test_move_boundary_keeps_total_and_every_stage(counts, delta, data):
+    b = data.draw(st.integers(0, len(counts) - 2))
+    new = move_boundary(counts, b, delta)
+    assert sum(new) == sum(counts) and min(new) >= 1
+    assert [n for i, n in enumerate(new) if i not in (b, b + 1)] == [n for i, n in enumerate(counts) if i not in (b, b + 1)]
+
+
+def test_memory_estimate_adds_up_to_the_gguf(tiny_model):
+    path = tiny_model("llama", n_layers=4)
+    shape = ModelShape.from_gguf(path)
+    g = GGUFFile(path)
+    est = shape.estimate([3, 1], n_ctx=64, n_slots=2)
+    assert [e.layers for e in est] == [(0, 3), (3, 4)]
+    assert sum(e.weight_bytes for e in est) == sum(t.nbytes for t in g.tensors.values())
+    assert est[0].kv_bytes == 3 * est[1].kv_bytes > 0
+    with pytest.raises(UserError, match="covers 3 layers"):
+        shape.estimate([2, 1], 64, 2)
+
+
+STATUS = {
+    "role": "head", "pid": 4242, "uptime_s": 75.0, "state": "ok", "startup_stage": 4,
+    "stages": [{"role": "head", "addr": "127.0.0.1:8081", "layers": [0, 9]},
+               {"role": "peer", "addr": "127.0.0.1:8091", "layers": [9, 18]}],
+    "devices": [{"index": 0, "kind": "cuda", "name": "H200", "memory_used": 95 * 2**30, "memory_total": 100 * 2**30, "util": 40}],
+    "throughput": {"prefill_tok_s": 1234.5, "decode_tok_s": 56.7},
+    "speculative": {"type": "ngram", "acceptance": 0.9, "mean_accepted_len": 2.7, "drafts": 12},
+    "pool": {"size": 2, "busy": 1, "queued": 3, "dropped": 4},
+    "peers": [{"addr": "127.0.0.1:8091", "state": "up", "rtt_ms": 80.0, "layers": [9, 18]}],
+}
+
+
+async def test_rows_and_panels_from_a_status_document():
+    feed = FixedFeedSource({"head": Probe(True, 200, {"status": "ok"}, STATUS)})
+    sup = Supervisor(Profile(), attach=True, source=feed, clock=lambda: 0.0)
+    await sup.poll_once()
+    row, tone = display.worker_row(sup.head, sup, now=0.0)
+    assert dict(zip(display.WORKER_COLUMNS, row)) == {
+        "worker": "head", "role": "head", "host": "127.0.0.1 (att)", "device": "cuda:0", "layers": "[0,9)",
+        "state": "● ready", "pid": "4242", "uptime": "1m15s", "rst": "0", "exit": "—"}
+    peer_row, peer_tone = display.worker_row(sup.workers["peer1"], sup, now=0.0)
+    assert peer_row[4] == "[9,18)" and peer_row[5] == "✖ unreachable" and peer_tone == "error"
+    mem = display.memory_rows(sup, Alerts())
+    assert [(m.label, m.tone) for m in mem] == [("head cuda:0", "warn")]  # 95% >= 90% alert
+    assert "95.0 GiB/100.0 GiB" in display.memory_line(mem[0])
+    assert display.acceptance_text(STATUS) == "ngram accept 90% · mean len 2.70 · drafts 12"
+    assert display.pool_text(STATUS) == "pool 1/2 busy · queued 3 · dropped 4"
+    assert display.peer_lines(STATUS, Alerts()) == [("127.0.0.1:8091 ● up rtt 80.0 ms [9,18)", "warn")]
+    assert display.acceptance_text({}) == "spec off" and display.pool_text(None) == "pool —"
+    snap = json.loads(display.snapshot_json(sup))
+    assert [(w["name"], w["state"], w["reachable"], w["layers"]) for w in snap["workers"]] == [
+        ("head", "ready", True, [0, 9]), ("peer1", "unreachable", False, [9, 18])]
+
+
+def test_peer_layers_come_from_its_own_status_when_it_has_one():
+    sup = Supervisor(Profile(peers=[WorkerSpec(name="p", port=8090)]), attach=True, source=FixedFeedSource({}))
+    sup.workers["p"].probe = Probe(True, 200, {"status": "ok"},
+                                   {"stages": [{"role": "peer", "addr": "127.0.0.1:8091", "layers": [5, 18]}]})
+    assert display.worker_layers(sup.workers["p"], sup) == [5, 18]
