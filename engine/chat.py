@@ -134,8 +134,8 @@ class ChatTemplate:
             text = template.render(context)
         except ChatError:
             raise
-        except jinja2.TemplateError as e:
-            raise ChatError(f"chat template failed on these messages: {e}") from None
+        except Exception as e:  # the template is foreign code: any failure is about it and these messages
+            raise ChatError(f"chat template failed on these messages: {type(e).__name__}: {e}") from None
         if self.strip_bos and self.bos_token and text.startswith(self.bos_token):
             text = text[len(self.bos_token) :]
         return text

@@ -196,6 +196,8 @@ def test_raise_exception_is_a_user_error(tmp_path):
         ("{% for m in messages %}", "does not parse"),
         ("{{ messages.__class__.__mro__[1].__subclasses__() }}", "failed"),
         ("{{ messages[0].content.nope() }}", "failed"),
+        ("{{ messages[0].content + 5 }}", "TypeError"),
+        ("{{ 1 / 0 }}", "ZeroDivisionError"),
     ],
 )
 def test_broken_or_unsafe_templates(tmp_path, template, error):
