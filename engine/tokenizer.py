@@ -55,19 +55,20 @@ _DEFAULT = (
     r"\p{N}+",
     r"[0-9][0-9][0-9]",
 )
+# tokenizer.ggml.pre names as llama.cpp groups them
+_LLAMA3_NAMES = ("llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2")
 PRE_TOKENIZERS: dict[str, tuple[str, ...]] = {
     "default": _DEFAULT,
     "gpt2": (_GPT2,),
     "gpt-2": (_GPT2,),
-    "llama3": (_LLAMA3,),
-    "llama-v3": (_LLAMA3,),
-    "llama-bpe": (_LLAMA3,),
     "smaug-bpe": (_LLAMA3,),
     "qwen2": (_QWEN2,),
     "deepseek-r1-qwen": (_QWEN2,),
+    **{name: (_LLAMA3,) for name in _LLAMA3_NAMES},
 }
-# llama.cpp takes a whole pre-token as one token, skipping merges, when the vocab has it (llama-3 only).
-_IGNORE_MERGES_PRE = {"llama3", "llama-v3", "llama-bpe", "smaug-bpe"}
+# The llama-3 group takes a whole pre-token as one token, skipping merges, when the vocab has it,
+# and adds BOS unless the metadata says otherwise.
+_IGNORE_MERGES_PRE = frozenset(_LLAMA3_NAMES)
 
 _SPM_WORD = regex.compile(SPM_SPACE + "+[^" + SPM_SPACE + "]*|[^" + SPM_SPACE + "]+")
 _SPM_CROSSING = regex.compile("[^\x00" + SPM_SPACE + "]" + SPM_SPACE + "[^\x00]*")
