@@ -33,7 +33,7 @@ _SPM_SPACE_UTF8 = SPM_SPACE.encode("utf-8")
 # Texts llama.cpp treats as end-of-generation whatever the metadata says (and forces to CONTROL).
 END_OF_TURN_TEXTS = (
     "<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<end_of_turn>", "<|endoftext|>",
-    "<|eom_id|>", "<EOT>", "_<EOT>", "<|end_of_text|>", "<end_of_utterance>",
+    "<|eom_id|>", "<EOT>", "_<EOT>", "<|end_of_text|>", "<end_of_utterance>", "[EOT]", "<｜end▁of▁sentence｜>",
 )  # fmt: skip
 
 _END_OF_TURN = frozenset(END_OF_TURN_TEXTS)
