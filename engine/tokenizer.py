@@ -538,7 +538,8 @@ class Tokenizer:
         if skip_special:
             ids = [t for t in ids if not self.is_special(t)]
         pieces = [self.token_bytes(t) for t in ids]
-        # SPM with add_space_prefix: encode put a space before the text; take it off again.
+        # add_space_prefix: encode put a space before the text; take it off again, also after a
+        # leading BOS (llama_detokenize does not there) so that decode(encode(text)) == text.
         if self.add_space_prefix and pieces:
             first = 1 if ids[0] == self.bos_id and len(ids) > 1 else 0
             if self._types[ids[first]] == NORMAL and pieces[first].startswith(b" "):
