@@ -32,6 +32,7 @@ if TYPE_CHECKING:  # the engine's modules bring torch: imported when the model l
     from .runtime import Event, GenToken
     from .runtime import Request as EngineRequest
     from .sampling import SamplingParams, TokenLogprob
+    from .speculative import SpecConfig
 
 DISCONNECT_POLL_S = 0.25
 MAX_LOGPROBS = 20  # = sampling.MAX_LOGPROBS, which also checks it
@@ -82,6 +83,12 @@ class _Common(BaseModel):
     stream_options: dict[str, Any] | None = None
     ignore_eos: bool = False
     n: int = Field(1, ge=1, le=1, description="only one choice per request is supported")
+    # Speculative decoding for this request: {"type": "off"|"ngram"|"draft", "n_max", "n_min", "p_min"},
+    # or llama-server's flat fields; checked against the server's drafters by the engine's Speculator.
+    speculative: Union[bool, dict[str, Any], None] = None
+    speculative_n_max: int | None = Field(None, alias="speculative.n_max", ge=0)
+    speculative_n_min: int | None = Field(None, alias="speculative.n_min", ge=0)
+    speculative_p_min: float | None = Field(None, alias="speculative.p_min", ge=0.0, le=1.0)
 
 
 class CompletionBody(_Common):
@@ -147,6 +154,7 @@ class Head:
         from .pipeline import build_pipeline
         from .rpc.service import HeadRpc, RpcCollector
         from .runtime import Engine
+        from .speculative import build_speculator
         from .tokenizer import Tokenizer
 
         args = self.args
@@ -167,7 +175,8 @@ class Head:
         self.metrics.register(RpcCollector(self.rpc.listener, pipeline))
         self.rpc_active = True
         self.status.startup_stage = 3
-        self.engine = Engine(pipeline, self.tok, n_slots=args.parallel, n_ctx=args.ctx).start()
+        speculator = build_speculator(args, self.gguf, n_slots=args.parallel, n_ctx=args.ctx)
+        self.engine = Engine(pipeline, self.tok, n_slots=args.parallel, n_ctx=args.ctx, speculator=speculator).start()
         pipeline.active_slots = lambda: {s.slot for s in self.engine.slots if s is not None}
         self.status.engine = self.engine
         self.status.startup_stage = 4
@@ -243,6 +252,18 @@ def _sampling(body: _Common, logprobs: int | None) -> SamplingParams:
     given = {k: getattr(body, k) for k in ("temperature", "top_p", "top_k", "min_p", "repeat_penalty",
                                           "repeat_last_n", "presence_penalty", "frequency_penalty", "seed")}  # fmt: skip
     return SamplingParams(**{k: v for k, v in given.items() if v is not None}, logprobs=logprobs)
+
+
+def _speculative(engine, body: _Common) -> SpecConfig | None:
+    """The request's speculative override, validated against what this server can draft with."""
+    over = {"speculative": body.speculative} if body.speculative is not None else {}
+    for key in ("n_max", "n_min", "p_min"):
+        if getattr(body, f"speculative_{key}") is not None:
+            over[f"speculative.{key}"] = getattr(body, f"speculative_{key}")
+    try:
+        return engine.spec.request_config(over)
+    except UserError as e:
+        raise APIError(400, str(e), param="speculative") from None
 
 
 def _stops(stop: Stop) -> list[str]:
@@ -413,6 +434,7 @@ def create_app(head: Head) -> FastAPI:
         req = EngineRequest(
             prompt=ids, params=_sampling(body, body.logprobs), max_tokens=max_tokens, stop=_stops(body.stop),
             ignore_eos=body.ignore_eos, prompt_logprobs=body.logprobs if body.echo and body.logprobs is not None else None,
+            spec=_speculative(engine, body),
         )  # fmt: skip
         return await _respond_completion(head, http, body, req, prompt_text)
 
@@ -432,7 +454,7 @@ def create_app(head: Head) -> FastAPI:
         engine.check(len(ids), max_tokens)
         n_top = (body.top_logprobs or 0) if body.logprobs else None
         req = EngineRequest(prompt=ids, params=_sampling(body, n_top), max_tokens=max_tokens,
-                            stop=_stops(body.stop), ignore_eos=body.ignore_eos)  # fmt: skip
+                            stop=_stops(body.stop), ignore_eos=body.ignore_eos, spec=_speculative(engine, body))  # fmt: skip
         return await _respond_chat(head, http, body, req)
 
     return app
