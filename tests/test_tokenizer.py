@@ -47,6 +47,9 @@ def test_every_reference_case(gemma):
         if ids != c["ids"]:
             wrong.append((c["text"], c["parse_special"], ids, c["ids"]))
     assert not wrong, f"{len(wrong)} of {len(cases)} differ from llama.cpp, first: {wrong[:3]}"
+    # and llama.cpp's ids decode back to the text (after the BOS it added)
+    undecoded = [c["text"] for c in cases if gemma.decode(c["ids"]) != "<bos>" + c["text"]]
+    assert not undecoded, undecoded[:3]
 
 
 def test_gemma_user_defined_tokens_split_even_without_parse_special(gemma):
