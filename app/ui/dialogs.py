@@ -39,12 +39,9 @@ class ConfirmScreen(ModalScreen[bool]):
         self.dismiss(value)
 
 
-def bindings_table(app, screen: Screen) -> Table:
-    """Key + description of every binding active on `screen` (after any keymap remapping)."""
-    table = Table(box=None, show_header=True, header_style="bold", expand=False, pad_edge=False)
-    table.add_column("key", no_wrap=True)
-    table.add_column("action")
-    seen = set()
+def binding_rows(app, screen: Screen) -> list[tuple[str, str]]:
+    """(key, description) of every binding active on `screen`, after any keymap remapping."""
+    rows, seen = [], set()
     # The console's own keys first, the focused widget's navigation keys after them.
     actives = sorted(screen.active_bindings.values(), key=lambda a: not isinstance(a.node, (App, Screen)))
     for active in actives:
@@ -52,10 +49,9 @@ def bindings_table(app, screen: Screen) -> Table:
         if not b.description or (b.description, b.action) in seen:
             continue
         seen.add((b.description, b.action))
-        desc = b.description if active.enabled else f"{b.description} (disabled)"
-        table.add_row(app.get_key_display(b), desc)
-    table.add_row(app.get_key_display(Binding(app.COMMAND_PALETTE_BINDING, "command_palette")), "command palette (every action)")
-    return table
+        rows.append((app.get_key_display(b), b.description if active.enabled else f"{b.description} (disabled)"))
+    rows.append((app.get_key_display(Binding(app.COMMAND_PALETTE_BINDING, "command_palette")), "command palette (every action)"))
+    return rows
 
 
 class HelpScreen(ModalScreen[None]):
@@ -64,10 +60,17 @@ class HelpScreen(ModalScreen[None]):
     def __init__(self, beneath: Screen):
         super().__init__()
         self.beneath = beneath
+        self.rows: list[tuple[str, str]] = []
 
     def compose(self) -> ComposeResult:
         with VerticalScroll(id="help"):
             yield Static(f"Keys · {self.beneath.__class__.__name__.removesuffix('Screen').lower()}", classes="title")
-            yield Static(bindings_table(self.app, self.beneath))
+            self.rows = binding_rows(self.app, self.beneath)
+            table = Table(box=None, header_style="bold", pad_edge=False)
+            table.add_column("key", no_wrap=True)
+            table.add_column("action")
+            for key, desc in self.rows:
+                table.add_row(key, desc)
+            yield Static(table)
             yield Static("States: ● ready  ◐ starting  ▲ degraded  ↻ backoff  ✖ crashed/unreachable  ◌ stopping  ○ stopped",
                          classes="hint")

@@ -1,0 +1,260 @@
+"""The real console app under Textual's Pilot, supervising real (stand-in) worker processes.
+
+The stand-in workers (`hydra_console.app.fake_worker`) are real processes serving /health and
+/status on real sockets; they load no model, so these tests stay fast. The same flows against
+real `hydra-engine` workers are in test_console_real.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shlex
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from hydra_console.app.config import Profile, SupervisorSettings, WorkerSpec, load_profile
+from hydra_console.app.split_plan import ModelShape
+from hydra_console.app.supervisor import State, Supervisor
+from hydra_console.app.ui.app import HydraConsole
+from hydra_console.app.ui.dialogs import ConfirmScreen, HelpScreen
+from hydra_console.app.ui.logs import LogsScreen
+from hydra_console.app.ui.split_editor import SplitEditorScreen
+
+FAKE = f"{shlex.quote(sys.executable)} -m hydra_console.app.fake_worker"
+SIZES = [(80, 24), (120, 40)]
+
+
+def port_pair() -> int:
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        try:
+            with socket.socket() as s2:
+                s2.bind(("127.0.0.1", port + 1))
+            return port
+        except OSError:
+            continue
+    raise RuntimeError("no free port pair")
+
+
+def fake_profile(peers: int = 1, **kw) -> Profile:
+    return Profile(
+        name="fake",
+        engine_command=FAKE,
+        head=WorkerSpec(name="head", port=port_pair()),
+        peers=[WorkerSpec(name=f"peer{i + 1}", port=port_pair()) for i in range(peers)],
+        supervisor=SupervisorSettings(poll_s=0.2, grace_s=5),
+        **kw,
+    )
+
+
+async def until(pilot, cond, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not met in time")
+        await pilot.pause(0.05)
+
+
+def all_ready(sup: Supervisor) -> bool:
+    return all(w.state == State.READY for w in sup.workers.values())
+
+
+def head_ranges(sup: Supervisor) -> list[list[int]]:
+    doc = httpx.get(f"{sup.head.spec.url}/status", timeout=2).json()
+    return [s["layers"] for s in doc["stages"]]
+
+
+SHAPE = ModelShape(n_layers=18, layer_bytes=[10 << 20] * 18, head_bytes=100 << 20, kv_bytes_per_token_layer=2048)
+
+
+@pytest.mark.parametrize("size", SIZES)
+async def test_restart_peer_from_the_dashboard_changes_its_pid(tmp_path, size):
+    sup = Supervisor(fake_profile(), log_dir=tmp_path)
+    app = HydraConsole(sup, load_model_shape=False)
+    async with app.run_test(size=size) as pilot:
+        await until(pilot, lambda: all_ready(sup))
+        peer = sup.workers["peer1"]
+        old = peer.pid
+        await pilot.press("down")  # cursor to peer1
+        await pilot.press("R")
+        assert isinstance(app.screen, ConfirmScreen)
+        assert "peer1" in app.screen.question and f"pid {old}" in app.screen.question
+        await pilot.press("y")
+        await until(pilot, lambda: peer.pid != old and peer.state == State.READY)
+        assert peer.restarts == 1 and sup.head.restarts == 0
+        await pilot.pause(0.3)
+        table = app.dashboard.query_one("#workers")
+        assert str(table.get_cell("peer1", "pid")) == str(peer.pid)
+        assert "● ready" in str(table.get_cell("peer1", "state"))
+        await pilot.press("q")
+        assert isinstance(app.screen, ConfirmScreen) and "head (pid" in app.screen.question
+        await pilot.press("y")
+        await until(pilot, lambda: not sup.running_managed())
+    assert all(w.state == State.STOPPED for w in sup.workers.values())
+    sup.emit("head", "late", "an event after the app quit must not touch the UI")
+
+
+@pytest.mark.parametrize("size", SIZES)
+async def test_split_editor_moves_boundary_applies_and_status_shows_new_ranges(tmp_path, size):
+    sup = Supervisor(fake_profile(), log_dir=tmp_path)
+    app = HydraConsole(sup, model_shape=SHAPE, profile_path=tmp_path / "fake.toml")
+    async with app.run_test(size=size) as pilot:
+        await until(pilot, lambda: all_ready(sup))
+        assert head_ranges(sup) == [[0, 9], [9, 18]]
+        await pilot.press("s")
+        editor = app.screen
+        assert isinstance(editor, SplitEditorScreen) and editor.counts == [9, 9]
+        await pilot.press("right", "right", "right", "left")
+        assert editor.counts == [11, 7]
+        await pilot.press("u")
+        assert editor.counts == [12, 6]
+        await pilot.press("a")
+        assert isinstance(app.screen, ConfirmScreen) and "12/6" in app.screen.question
+        await pilot.press("y")
+        # No live CONFIGURE on a stand-in head: the console restarts it with --split 12/6.
+        await until(pilot, lambda: sup.head.state == State.READY and sup.head.restarts == 1)
+        await until(pilot, lambda: head_ranges(sup) == [[0, 12], [12, 18]])
+        assert editor.applied == [12, 6]
+        await pilot.press("w")
+        assert load_profile(tmp_path / "fake.toml").split == [12, 6]
+        await pilot.press("escape")
+        await until(pilot, lambda: "[0,12)" in str(app.dashboard.query_one("#workers").get_cell("head", "layers")))
+        app._stop_and_exit(True)
+        await until(pilot, lambda: not sup.running_managed())
+
+
+async def test_readonly_disables_restart_and_apply(tmp_path):
+    sup = Supervisor(fake_profile(), log_dir=tmp_path)
+    app = HydraConsole(sup, readonly=True, model_shape=SHAPE)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await until(pilot, lambda: all_ready(sup))
+        pid = sup.head.pid
+        await pilot.press("R")
+        assert not isinstance(app.screen, ConfirmScreen)
+        await pilot.press("s", "right", "a")
+        assert isinstance(app.screen, SplitEditorScreen)  # no confirmation: apply is disabled
+        assert "READ-ONLY" in app.sub_title
+        commands = [c.title for c in app.get_system_commands(app.screen)]
+        assert not any(t.startswith(("Restart", "Stop ", "Start ")) for t in commands)
+        await pilot.press("escape")
+        await pilot.pause(0.3)
+        assert sup.head.pid == pid and sup.head.restarts == 0
+        app._stop_and_exit(True)
+        await until(pilot, lambda: not sup.running_managed())
+
+
+async def test_logs_filter_invert_and_failure_highlight(tmp_path):
+    body = (
+        "import time\n"
+        "print('hello from worker', flush=True)\n"
+        "print('OSError: [Errno 98] Address already in use', flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    script = tmp_path / "w.py"
+    script.write_text(body)
+    profile = fake_profile(peers=0)
+    profile.engine_command = f"{shlex.quote(sys.executable)} {shlex.quote(str(script))}"
+    sup = Supervisor(profile, log_dir=tmp_path)
+    app = HydraConsole(sup, load_model_shape=False)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await until(pilot, lambda: len(sup.head.log) >= 2)
+        await pilot.press("l")
+        logs = app.screen
+        assert isinstance(logs, LogsScreen)
+        await pilot.pause(0.4)
+
+        def shown() -> list[str]:
+            return [strip.text for strip in logs.query_one("#log").lines]
+
+        assert any("hello from worker" in t for t in shown())
+        assert any("Address already in use" in t and "◀ port in use" in t for t in shown())
+        await pilot.press("slash")
+        await pilot.press(*"hel+o", "enter")
+        assert logs.pattern_text == "hel+o"
+        assert any("hello" in t for t in shown()) and not any("Address" in t for t in shown())
+        await pilot.press("exclamation_mark")
+        assert not any("hello" in t for t in shown()) and any("Address" in t for t in shown())
+        await pilot.press("c", "f")
+        assert logs.follow is False and len(shown()) == 2
+        await pilot.press("w")
+        assert logs.source == "head"
+        app._stop_and_exit(True)
+        await until(pilot, lambda: not sup.running_managed())
+
+
+async def test_help_lists_remapped_keys_and_palette_has_every_action(tmp_path):
+    profile = fake_profile()
+    profile.keys = {"hydra.restart": "ctrl+r", "hydra.split": "S"}
+    sup = Supervisor(profile, attach=True)  # nothing runs: attach to ports nobody serves
+    app = HydraConsole(sup, model_shape=SHAPE)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await pilot.press("question_mark")
+        assert isinstance(app.screen, HelpScreen)
+        rows = dict(app.screen.rows)
+        assert rows["^r"] == "Restart" and rows["S"] == "Split" and rows["q"] == "Quit"
+        await pilot.press("escape", "S")
+        assert isinstance(app.screen, SplitEditorScreen)
+        await pilot.press("escape")
+        titles = {c.title for c in app.get_system_commands(app.screen)}
+        assert {"Help", "Split editor", "Logs: all workers", "Log filter", "Save profile", "Detail: head",
+                "Logs: peer1", "Theme: hydra-colourblind"} <= titles
+        await pilot.press("t")
+        assert app.theme == "hydra-light"
+        await pilot.press("q")  # nothing started: quits without asking
+        await pilot.pause(0.2)
+    assert not app.is_running
+    assert all(w.state == State.UNREACHABLE for w in sup.workers.values())
+
+
+def run_cli(*args, timeout=60) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "hydra_console.app.main", *args],
+                          capture_output=True, text=True, timeout=timeout)
+
+
+async def test_once_json_reports_running_workers_without_starting_any(tmp_path):
+    profile = fake_profile()
+    path = tmp_path / "p.toml"
+    from hydra_console.app.config import save_profile
+
+    save_profile(profile, path)
+    sup = Supervisor(profile, log_dir=tmp_path)
+    await sup.start()
+    try:
+        deadline = time.monotonic() + 20
+        while not all_ready(sup) and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        proc = await asyncio.to_thread(run_cli, "--profile", str(path), "--once", "--json")
+        assert proc.returncode == 0, proc.stderr
+        doc = json.loads(proc.stdout)
+        assert [(w["name"], w["state"], w["pid"], w["layers"]) for w in doc["workers"]] == [
+            ("head", "ready", sup.head.pid, [0, 9]), ("peer1", "ready", sup.workers["peer1"].pid, [9, 18])]
+    finally:
+        await sup.shutdown()
+    proc = await asyncio.to_thread(run_cli, "--profile", str(path), "--once")
+    assert proc.returncode == 0 and "unreachable" in proc.stdout  # starts nothing of its own
+
+
+@pytest.mark.parametrize(
+    "args,needle",
+    [(["--json"], "--json needs --once"), (["--profile", "/nonexistent/x.toml", "--once"], "profile not found"),
+     (["--theme", "pink", "--profile", "/dev/null"], "unknown theme")],
+)
+def test_cli_errors_are_one_line_without_traceback(args, needle):
+    proc = run_cli(*args)
+    assert proc.returncode == 2
+    assert needle in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_write_profile_then_load_it(tmp_path):
+    out = tmp_path / "default.toml"
+    proc = run_cli("--write-profile", str(out))
+    assert proc.returncode == 0, proc.stderr
+    assert load_profile(out).head.port == 8080
