@@ -74,6 +74,11 @@ class TokenLogprob:
     top: list[tuple[int, float]]
 
 
+def _finite(x: torch.Tensor) -> torch.Tensor:
+    """Extreme parameters (a temperature or penalty near 0) overflow float32: keep the order, drop NaN."""
+    return torch.nan_to_num(x, nan=float("-inf"), posinf=torch.finfo(x.dtype).max)
+
+
 class Sampler:
     """One request's sampler: its parameters and its random stream."""
 
@@ -106,14 +111,14 @@ class Sampler:
             x = torch.where(x > 0, x / p.repeat_penalty, x * p.repeat_penalty)
         x = x - counts.to(x.dtype) * p.frequency_penalty - p.presence_penalty
         out = logits.clone()
-        out[ids] = x
+        out[ids] = _finite(x)
         return out
 
     def _candidates(self, logits: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
         """Temperature, top-k, top-p, min-p on penalised `logits[V]`: (candidate ids or None = all, their
         scaled logits, with -inf where filtered out)."""
         p = self.params
-        x = logits / p.temperature
+        x = _finite(logits / p.temperature)
         ids = None
         if p.top_k and p.top_k < x.numel():
             x, ids = torch.topk(x, p.top_k)  # sorted, best first
@@ -121,8 +126,9 @@ class Sampler:
             if ids is None:
                 x, ids = torch.sort(x, descending=True)
             probs = torch.softmax(x, -1)
-            before = torch.cumsum(probs, -1) - probs  # mass of the better tokens
-            x = x.masked_fill(before >= p.top_p, float("-inf"))  # the best token always has before == 0
+            drop = torch.cumsum(probs, -1) - probs >= p.top_p  # the better tokens already hold top_p
+            drop[0] = False  # the best token always stays (a top_p below float32's range rounds to 0)
+            x = x.masked_fill(drop, float("-inf"))
         if p.min_p > 0.0:
             probs = torch.softmax(x, -1)
             x = x.masked_fill(probs < p.min_p * probs.max(), float("-inf"))

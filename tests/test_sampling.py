@@ -111,3 +111,16 @@ def test_bad_parameters_name_themselves(bad, param):
     with pytest.raises(InvalidParam) as e:
         SamplingParams(**bad)
     assert e.value.param == param
+
+
+@pytest.mark.parametrize(
+    "extreme",
+    [{"top_p": 5e-324}, {"temperature": 5e-324}, {"repeat_penalty": 5e-324}, {"repeat_penalty": 100.0},
+     {"temperature": 100.0, "min_p": 1.0}],  # fmt: skip
+)
+def test_extreme_parameters_still_sample_a_valid_token(logits, extreme):
+    s = Sampler(SamplingParams(seed=0, **extreme))
+    t = s.sample(logits, [int(logits.argmax()), 3])
+    assert 0 <= t < V
+    p = s.probs(logits, [int(logits.argmax()), 3])
+    assert torch.isfinite(p).all() and float(p.sum()) == pytest.approx(1.0, abs=1e-5)

@@ -1,0 +1,34 @@
+"""Property-based fuzzing of every operation in the server's own /openapi.json: never a 5xx, and every
+4xx in OpenAI's error shape."""
+
+from __future__ import annotations
+
+import pytest
+import schemathesis
+from hypothesis import HealthCheck, settings
+from test_api import free_port, start_server, stop_server, wait_ready
+
+
+@pytest.fixture(scope="module")
+def api_schema(tiny_model):
+    port = free_port()
+    proc = start_server(tiny_model("llama"), port)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(base, proc)
+        yield schemathesis.openapi.from_url(f"{base}/openapi.json")
+    finally:
+        stop_server(proc)
+
+
+schema = schemathesis.pytest.from_fixture("api_schema")
+
+
+@schema.parametrize()
+@settings(max_examples=12, deadline=None, suppress_health_check=list(HealthCheck))
+def test_no_server_errors(case):
+    response = case.call(timeout=60)
+    assert response.status_code < 500, f"{case.method} {case.path} {case.body!r}: {response.text[:500]}"
+    if response.status_code >= 400:
+        err = response.json()["error"]
+        assert set(err) == {"message", "type", "param", "code"} and err["message"]
