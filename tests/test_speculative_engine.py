@@ -1,0 +1,226 @@
+"""Speculative decoding in the Engine on real models: greedy output equals non-speculative greedy
+token for token (n-gram and draft-model drafters, slots batched, the default model), the draft
+model drafter itself, and rejection sampling through the real Speculator and Sampler."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from hydra_console.engine.errors import UserError
+from hydra_console.engine.gguf_file import GGUFFile
+from hydra_console.engine.pipeline import Pipeline
+from hydra_console.engine.runtime import Engine, Request, load_stage
+from hydra_console.engine.sampling import Sampler, SamplingParams
+from hydra_console.engine.speculative import (
+    Draft,
+    DraftModelDrafter,
+    DraftRequest,
+    SpecConfig,
+    Speculator,
+    build_speculator,
+    check_same_vocab,
+)
+from hydra_console.engine.tokenizer import Tokenizer
+
+N_SLOTS, N_CTX = 3, 192
+PROMPTS = ["the quick brown fox", "hello world hello world", "a b c d e f", "night and day and night"]
+GREEDY = SamplingParams(temperature=0.0)
+
+
+def _pipeline(path, n_slots=N_SLOTS, dtype="float32") -> Pipeline:
+    return Pipeline(load_stage(GGUFFile(path), "cpu", dtype, n_slots=n_slots, n_ctx=N_CTX))
+
+
+@pytest.fixture(scope="module")
+def target(tiny_model):
+    path = tiny_model("llama")
+    return path, Tokenizer.from_gguf(GGUFFile(path))
+
+
+@pytest.fixture(scope="module")
+def plain_outputs(target):
+    """Non-speculative greedy continuations, one request at a time."""
+    path, tok = target
+    eng = Engine(_pipeline(path), tok, N_SLOTS, N_CTX).start()
+    try:
+        return [_run(eng, tok.encode(p), None)[0] for p in PROMPTS]
+    finally:
+        eng.stop()
+
+
+def _run(eng: Engine, prompt: list[int], spec: SpecConfig | None, params=GREEDY, n=40):
+    ids, final = [], None
+    for ev in eng.generate(Request(prompt, params, max_tokens=n, ignore_eos=True, spec=spec), timeout=60):
+        ids += [t.id for t in ev.tokens]
+        final = ev
+    return ids, final.timings
+
+
+def _run_concurrently(eng: Engine, prompts: list[list[int]], spec=None) -> list:
+    results: dict[int, tuple] = {}
+    threads = [threading.Thread(target=lambda i=i, p=p: results.__setitem__(i, _run(eng, p, spec)))
+               for i, p in enumerate(prompts)]  # fmt: skip
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    return [results[i] for i in range(len(prompts))]
+
+
+def _speculative_engine(target, draft_path=None, **cfg) -> Engine:
+    path, tok = target
+    draft = _pipeline(draft_path) if draft_path else None
+    return Engine(_pipeline(path), tok, N_SLOTS, N_CTX, speculator=Speculator(SpecConfig(**cfg), draft)).start()
+
+
+def test_ngram_speculation_is_greedy_token_for_token_with_slots_batched(target, plain_outputs):
+    _, tok = target
+    eng = _speculative_engine(target, type="ngram", n_max=4)
+    try:
+        results = _run_concurrently(eng, [tok.encode(p) for p in PROMPTS])
+        assert [ids for ids, _ in results] == plain_outputs
+        assert sum(t["draft_n"] for _, t in results) > 0
+        assert eng.spec_stats.draft_tokens == sum(t["draft_n"] for _, t in results)
+        assert eng.spec_stats.accepted == sum(t["draft_n_accepted"] for _, t in results)
+    finally:
+        eng.stop()
+
+
+def test_draft_model_speculation_is_greedy_token_for_token(target, tiny_model, plain_outputs):
+    """A different random model drafts (mostly rejected), and the target drafting for itself
+    (all accepted): both give exactly the plain greedy output, with slots batched."""
+    _, tok = target
+    for draft_path, p_min in ((tiny_model("llama", seed=7, n_layers=1), 0.0), (target[0], 0.0)):
+        eng = _speculative_engine(target, draft_path, type="draft", n_max=3, p_min=p_min)
+        try:
+            results = _run_concurrently(eng, [tok.encode(p) for p in PROMPTS])
+            assert [ids for ids, _ in results] == plain_outputs
+            drafted = sum(t["draft_n"] for _, t in results)
+            accepted = sum(t["draft_n_accepted"] for _, t in results)
+            assert drafted > 0
+            if draft_path == target[0]:
+                assert accepted == drafted
+            # tokens per verify forward: 1 + accepted / drafts
+            assert eng.spec_stats.snapshot()["mean_accepted_len"] == pytest.approx(1 + accepted / eng.spec_stats.drafts)
+        finally:
+            eng.stop()
+
+
+def test_per_request_override_turns_speculation_on_and_off(target, plain_outputs):
+    _, tok = target
+    eng = _speculative_engine(target, type="off")
+    try:
+        ids, t = _run(eng, tok.encode(PROMPTS[1]), SpecConfig("ngram", n_max=5))
+        assert ids == plain_outputs[1] and t["draft_n"] > 0
+        ids, t = _run(eng, tok.encode(PROMPTS[1]), None)
+        assert ids == plain_outputs[1] and t["draft_n"] == 0
+    finally:
+        eng.stop()
+
+
+def test_sampled_speculation_is_seed_reproducible_and_logprobs_line_up(target):
+    """temperature > 0 with a draft model's q: same seed, same output; each emitted token's
+    logprob comes from its own verified row."""
+    path, tok = target
+    eng = _speculative_engine(target, path, type="draft", n_max=3, p_min=0.0)
+    params = SamplingParams(temperature=0.9, top_k=40, seed=123, logprobs=1)
+    try:
+        outs = []
+        for _ in range(2):
+            events = list(eng.generate(Request(tok.encode(PROMPTS[0]), params, max_tokens=24, ignore_eos=True), timeout=60))
+            outs.append([(t.id, t.logprob.logprob) for ev in events for t in ev.tokens])
+        assert outs[0] == outs[1] and len(outs[0]) == 24
+        assert events[-1].timings["draft_n"] > 0
+        assert all(lp is not None and lp <= 0 for _, lp in outs[0])
+    finally:
+        eng.stop()
+
+
+def test_draft_model_drafter_follows_its_model_and_rolls_back(target):
+    path, tok = target
+    pipe = _pipeline(path, n_slots=2)
+    drafter = DraftModelDrafter(pipe, p_min=0.0)
+    prompt = tok.encode(PROMPTS[0])
+    eng = Engine(_pipeline(path, n_slots=1), tok, 1, N_CTX).start()
+    try:
+        greedy, _ = _run(eng, prompt, None, n=8)
+    finally:
+        eng.stop()
+    drafter.start(0, prompt)
+    assert drafter.draft(0, prompt, 4) == greedy[:4]
+    # The history moved on by two tokens (as after a partial accept): the drafter reuses its cache.
+    assert drafter.draft(0, prompt + greedy[:2], 3) == greedy[2:5]
+    # A history that diverges from what was cached (a rejected draft): drafts follow the new history.
+    other = prompt + [greedy[0], (greedy[1] + 1) % tok.vocab_size]
+    fresh = DraftModelDrafter(_pipeline(path, n_slots=1), p_min=0.0)
+    assert drafter.draft(0, other, 3) == fresh.draft(0, other, 3)
+    # Two slots in one batch draft the same as each alone.
+    both = drafter.draft_batch([DraftRequest(0, prompt, 3), DraftRequest(1, other, 3)])
+    assert [d.tokens for d in both] == [greedy[:3], fresh.draft(0, other, 3)]
+    # p_min: a draft-model token below it is not proposed.
+    assert DraftModelDrafter(pipe, p_min=1.0).draft(1, prompt, 3) == []
+
+
+def test_draft_model_must_share_the_vocabulary(tiny_model, tmp_path):
+    llama, qwen = GGUFFile(tiny_model("llama")), GGUFFile(tiny_model("qwen2"))
+    check_same_vocab(llama, GGUFFile(tiny_model("llama", seed=3, n_layers=1)))
+    with pytest.raises(UserError, match="vocabulary"):
+        check_same_vocab(llama, qwen)
+
+    class Args:
+        spec_type, model_draft, draft_max, draft_min, draft_p_min = "draft", str(tiny_model("qwen2")), 3, 0, 0.75
+        device, dtype = "cpu", "float32"
+
+    with pytest.raises(UserError, match="vocabulary"):
+        build_speculator(Args(), llama, n_slots=1, n_ctx=64)
+    Args.model_draft = str(tiny_model("llama", seed=3, n_layers=1))
+    assert "draft" in build_speculator(Args(), llama, n_slots=1, n_ctx=64).drafters
+    Args.spec_type = "ngram"
+    with pytest.raises(UserError, match="only used with --spec-type draft"):
+        build_speculator(Args(), llama, n_slots=1, n_ctx=64)
+
+
+@pytest.mark.parametrize("with_q", [False, True])
+def test_speculator_verify_samples_the_samplers_distribution(with_q):
+    """The real Speculator.verify with a real Sampler (temperature, top-k, top-p, repeat penalty):
+    the first emitted token follows Sampler.probs of row 0 (max 4.5 standard errors per token)."""
+    V, k, n = 12, 3, 4000
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(k + 1, V, generator=gen) * 2
+    history = [1, 2, 2]
+    params = SamplingParams(temperature=0.8, top_k=8, top_p=0.95, repeat_penalty=1.3, seed=5)
+    spec = Speculator(SpecConfig("ngram"))
+    sampler = Sampler(params)
+    q = torch.softmax(torch.randn(k, V, generator=gen), -1)
+    counts = torch.zeros(V)
+    for _ in range(n):
+        draft = [int(torch.multinomial(q[i], 1, generator=gen)) for i in range(k)]
+        if not with_q:
+            draft = [3, 4, 5]
+        emitted = spec.verify(logits, Draft(draft, q if with_q else None), sampler, history)
+        counts[emitted[0]] += 1
+    want = sampler.probs(logits[0], history)
+    assert bool((counts[want == 0] == 0).all())  # filtered tokens never appear
+    sd = (want * (1 - want) / n).sqrt().clamp_min(1e-9)
+    assert float(((counts / n - want).abs() / sd).max()) < 4.5
+    assert spec.stats.drafts == n
+
+
+def test_default_model_greedy_speculation_is_exact(default_model):
+    """Gemma 3 270M at its default dtype: n-gram speculation on a code-copying prompt gives the
+    plain greedy output token for token, and most drafts are accepted."""
+    g = GGUFFile(default_model)
+    tok = Tokenizer.from_gguf(g)
+    eng = Engine(Pipeline(load_stage(g, "cpu", "auto", 1, 512)), tok, 1, 512).start()
+    code = "def area(w, h):\n    result = w * h\n    print('area', result)\n    return result\n"
+    prompt = tok.encode(f"```python\n{code}```\n\nThe same code again:\n\n```python\n")
+    try:
+        plain, _ = _run(eng, prompt, None, n=32)
+        spec, t = _run(eng, prompt, SpecConfig("ngram", n_max=3), n=32)
+    finally:
+        eng.stop()
+    assert spec == plain
+    assert t["draft_n_accepted"] > t["draft_n"] / 2
