@@ -139,6 +139,10 @@ class Pipeline:
                 return self._run(tokens, slots, positions)
         return h
 
+    def slot_length(self, slot: int) -> int:
+        """Tokens of `slot` whose KV every stage holds."""
+        return self._lengths.get(slot, 0)
+
     def clear_slot(self, slot: int) -> None:
         with self._lock:
             self._lengths.pop(slot, None)

@@ -24,7 +24,7 @@ import torch
 
 from . import auth
 from .resident import CODE_DTYPES, DTYPE_CODES, ComputeError, StaleEpoch
-from .wire import COMPUTE_SIZE, FrameError, SocketReader, read_compute_request, send_all
+from .wire import COMPUTE_HEADER, COMPUTE_SIZE, FrameError, SocketReader, read_compute_request, send_all
 
 log = logging.getLogger("hydra.rpc.compute")
 
@@ -47,6 +47,7 @@ class Cmd:
 
 OK, ERROR, STALE_EPOCH = 0, 1, 2
 HELLO = struct.Struct("<BBBBI")
+HELLO_MAX = 64  # a HELLO payload longer than this is not a HELLO
 FORWARD_HEADER = struct.Struct("<QIIB3x")
 FORWARD_REPLY = struct.Struct("<B3xI")
 KV_TRIM = struct.Struct("<iI")
@@ -123,11 +124,14 @@ class ComputeServer:
         self._send(conn, bytes([status]), *(p.encode() if isinstance(p, str) else p for p in parts))
 
     def _session(self, conn, reader: SocketReader) -> None:
-        cmd, payload = read_compute_request(reader, self.max_frame)
+        # The first frame is judged by its header alone: a stray protocol never makes us wait for a payload.
+        cmd, size = COMPUTE_HEADER.unpack(reader.read_exact(COMPUTE_HEADER.size))
         if cmd != Cmd.HELLO:
             self._reply(conn, ERROR, f"the first command must be HELLO (14), got {cmd}")
             return
-        if not self._hello(conn, bytes(payload)):
+        if size > HELLO_MAX:
+            raise FrameError(f"HELLO of {size} bytes (at most {HELLO_MAX})")
+        if not self._hello(conn, bytes(reader.read_exact(size))):
             return
         if self.auth_token:
             nonce = auth.new_nonce()

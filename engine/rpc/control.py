@@ -77,20 +77,23 @@ class ControlServer:
     def _serve_one(self, conn, reader: SocketReader, session: dict) -> bool:
         """Serve one request; False closes the connection."""
         req = read_control_request(reader)
-        cap = STATE_PUT_CAP if req.op == Op.STATE_PUT else self.max_frame
-        if req.payload_len > cap:
-            if req.op != Op.STATE_PUT:  # a frame over the limit is malformed: answer, then close
-                self._reply(conn, Status.BAD_REQUEST, {"error": f"payload of {req.payload_len} bytes over the {cap}-byte limit"})
-                return False
-            reader.drain(req.payload_len)
+        method = getattr(self.backend, _HANDLERS.get(req.op, ""), None)
+        readable = req.op == Op.AUTH or method is not None
+        if req.op == Op.STATE_PUT and req.payload_len > STATE_PUT_CAP:
+            reader.drain(req.payload_len)  # an oversize STATE_PUT is drained; the connection lives
             self._reply(conn, Status.ERROR, {"error": f"STATE_PUT of {req.payload_len} bytes over the 4 GiB cap"})
             return True
-        if req.op not in _HANDLERS and req.op != Op.AUTH:
+        # Payloads we read must fit the frame limit; those we only skip are drained in 64 KiB
+        # chunks up to the STATE_PUT cap. Anything larger is malformed: answer, then close.
+        cap = (STATE_PUT_CAP if req.op == Op.STATE_PUT else self.max_frame) if readable else STATE_PUT_CAP
+        if req.payload_len > cap:
+            self._reply(conn, Status.BAD_REQUEST, {"error": f"payload of {req.payload_len} bytes over the {cap}-byte limit"})
+            return False
+        if not readable:
             reader.drain(req.payload_len)
-            if req.op in KNOWN_OPS:
-                self._reply(conn, Status.NOT_IMPLEMENTED, {"error": f"op 0x{req.op:02x} is not implemented"})
-            else:
-                self._reply(conn, Status.ERROR, {"error": f"unknown op 0x{req.op:02x}"})
+            known = req.op in KNOWN_OPS
+            self._reply(conn, Status.NOT_IMPLEMENTED if known else Status.ERROR,
+                        {"error": f"op 0x{req.op:02x} is not implemented" if known else f"unknown op 0x{req.op:02x}"})  # fmt: skip
             return True
         payload = bytes(reader.read_exact(req.payload_len))
         if req.op == Op.AUTH:
@@ -98,7 +101,7 @@ class ControlServer:
         if not session["authed"]:
             self._reply(conn, Status.ERROR, {"error": "authentication required: send AUTH (op 0x4f) first"})
             return False
-        self._handle(conn, req, payload)
+        self._handle(conn, req, method, payload)
         return True
 
     def _auth(self, conn, payload: bytes, session: dict) -> bool:
@@ -118,11 +121,7 @@ class ControlServer:
         self._reply(conn, Status.ERROR, {"error": "authentication failed"})
         return False
 
-    def _handle(self, conn, req, payload: bytes) -> None:
-        method = getattr(self.backend, _HANDLERS[req.op], None)
-        if method is None:
-            self._reply(conn, Status.NOT_IMPLEMENTED, {"error": f"op 0x{req.op:02x} is not implemented by this worker"})
-            return
+    def _handle(self, conn, req, method, payload: bytes) -> None:
         try:
             args = []
             if req.op in _KEYED_OPS:

@@ -39,7 +39,8 @@ class HeadControl:
             "auth": self.auth,
             "resplits": self.pipeline.resplits,
             "last_resplit": self.pipeline.last_resplit,
-            "ops": {"INFO": Op.INFO, "CONFIGURE": Op.CONFIGURE, "SET_EXPERT_MODE": Op.SET_EXPERT_MODE},
+            "ops": {"INFO": Op.INFO, "CONFIGURE": Op.CONFIGURE, "SET_EXPERT_MODE": Op.SET_EXPERT_MODE,
+                    "STATE_META": Op.STATE_META, "AUTH": Op.AUTH},  # fmt: skip
         }
 
     def configure(self, request: dict) -> dict:
@@ -62,6 +63,14 @@ class HeadControl:
             raise ControlError(str(e), Status.BAD_REQUEST) from None
         self.host.epoch += 1  # the head's resident set changed too
         return {"ok": True, **result}
+
+    def state_meta(self, slot: int) -> dict:
+        """What the head holds for a slot's KV (STATE_GET/PUT, moving the KV itself, are not built)."""
+        head = self.pipeline.head
+        if not 0 <= slot < head.n_slots:
+            raise ControlError(f"slot {slot} does not exist ({head.n_slots} slots)", Status.NOT_FOUND)
+        return {"slot": slot, "n_past": self.pipeline.slot_length(slot), "n_ctx": head.n_ctx,
+                "layer_split": [list(r) for r in self.pipeline.ranges]}  # fmt: skip
 
     def set_expert_mode(self, mode: str) -> dict:
         if mode not in EXPERT_MODES:

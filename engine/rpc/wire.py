@@ -118,10 +118,15 @@ def send_all(sock: socket.socket, *parts) -> int:
 # --- compute framing ------------------------------------------------------------------------------
 
 
-def read_compute_request(reader, max_frame: int) -> tuple[int, bytes]:
+def read_compute_header(reader, max_frame: int) -> tuple[int, int]:
     cmd, size = COMPUTE_HEADER.unpack(reader.read_exact(COMPUTE_HEADER.size))
     if size > max_frame:
         raise FrameError(f"compute frame of {size} bytes exceeds the {max_frame}-byte limit (cmd {cmd})")
+    return cmd, size
+
+
+def read_compute_request(reader, max_frame: int) -> tuple[int, bytes]:
+    cmd, size = read_compute_header(reader, max_frame)
     return cmd, reader.read_exact(size)
 
 

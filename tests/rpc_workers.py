@@ -1,0 +1,102 @@
+"""Helpers for the RPC tests: real `hydra-engine serve` / `peer` processes on free loopback ports."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+
+def free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+class Worker:
+    """One worker process in its own session; its output goes to a log file shown on failure."""
+
+    def __init__(self, role: str, argv: list[str], log_dir: Path, port: int, rpc_port: int):
+        self.role, self.argv, self.port, self.rpc_port = role, argv, port, rpc_port
+        self.log_path = log_dir / f"{role}-{port}.log"
+        self.proc: subprocess.Popen | None = None
+        self.start()
+
+    def start(self) -> None:
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+        cmd = [sys.executable, "-m", "hydra_console.engine.cli", self.role, *self.argv,
+               "--port", str(self.port), "--rpc-port", str(self.rpc_port)]  # fmt: skip
+        log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        log.close()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def rpc_addr(self) -> str:
+        return f"127.0.0.1:{self.rpc_port}"
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")[-4000:]
+
+    def wait_ready(self, timeout: float = 90.0) -> dict:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"{self.role} exited with {self.proc.returncode}:\n{self.log()}")
+            try:
+                r = httpx.get(f"{self.url}/health", timeout=2.0)
+                if r.status_code == 200:
+                    return r.json()
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise AssertionError(f"{self.role} on {self.port} not ready after {timeout} s:\n{self.log()}")
+
+    def status(self) -> dict:
+        return httpx.get(f"{self.url}/status", timeout=10.0).json()
+
+    def kill9(self) -> None:
+        os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(timeout=10)
+
+    def stop(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=10)
+
+
+def peer(model: Path, log_dir: Path, *extra: str) -> Worker:
+    port, rpc = free_ports(2)
+    return Worker("peer", ["--model", str(model), "--device", "cpu", *extra], log_dir, port, rpc)
+
+
+def head(model: Path, log_dir: Path, peers: list[Worker] = (), *extra: str, parallel: int = 2, ctx: int = 256) -> Worker:
+    port, rpc = free_ports(2)
+    argv = ["--model", str(model), "--device", "cpu", "--parallel", str(parallel), "--ctx", str(ctx), *extra]
+    for p in peers:
+        argv += ["--peer", p.rpc_addr]
+    return Worker("serve", argv, log_dir, port, rpc)
+
+
+def complete(w: Worker, prompt: str, max_tokens: int = 16, timeout: float = 60.0, **kw) -> httpx.Response:
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, **kw}
+    return httpx.post(f"{w.url}/v1/completions", json=body, timeout=timeout)

@@ -1,0 +1,222 @@
+"""The merged RPC port on real worker processes, driven with raw sockets: dispatch, both
+protocols' refusals, limits, the bounded pool, peer mode, and token auth."""
+
+from __future__ import annotations
+
+import json
+import socket
+import struct
+import time
+
+import httpx
+import pytest
+from rpc_workers import head, peer
+
+from hydra_console.engine.rpc import auth, wire
+from hydra_console.engine.rpc.compute import HELLO, VERSION, Cmd, pack_hello
+from hydra_console.engine.rpc.wire import Op, SocketReader, Status
+
+MAX_FRAME = 65536
+TOKEN = "s3cret-token"
+
+
+@pytest.fixture(scope="module")
+def workers(tiny_model, tmp_path_factory):
+    model = tiny_model("gemma3", n_layers=3)
+    logs = tmp_path_factory.mktemp("rpc-port-logs")
+    ws = {
+        "head": head(model, logs, (), "--rpc-pool-size", "2", "--rpc-queue", "2", "--max-frame", str(MAX_FRAME)),
+        "peer": peer(model, logs),
+        "auth": head(model, logs, (), "--auth-token", TOKEN),
+    }
+    try:
+        for w in ws.values():
+            w.wait_ready()
+        yield ws
+    finally:
+        for w in ws.values():
+            w.stop()
+
+
+def connect(w, port=None) -> socket.socket:
+    s = socket.create_connection(("127.0.0.1", port or w.rpc_port), timeout=10)
+    return s
+
+
+def control(sock, op, payload=b"", key=b""):
+    sock.sendall(wire.pack_control_request(op, payload, key=key))
+    return wire.read_control_response(SocketReader(sock), 1 << 20)
+
+
+def compute(sock, cmd, payload=b""):
+    sock.sendall(wire.pack_compute_request(cmd, payload))
+    return bytes(wire.read_compute_response(SocketReader(sock), 1 << 20))
+
+
+def closed(sock, timeout=10.0) -> bool:
+    """True once the server has closed its side (EOF or reset), reading whatever was left."""
+    sock.settimeout(timeout)
+    try:
+        while sock.recv(4096):
+            pass
+        return True
+    except ConnectionResetError:
+        return True
+    except socket.timeout:
+        return False
+
+
+def test_first_byte_dispatches_to_compute_or_control(workers):
+    with connect(workers["head"]) as s:
+        reply = compute(s, Cmd.HELLO, pack_hello())
+        assert HELLO.unpack_from(reply)[:3] == VERSION
+        assert compute(s, Cmd.PING, b"abc") == b"\x00abc"
+    with connect(workers["head"]) as s:
+        info = control(s, Op.INFO)
+        assert info.status == Status.OK
+        assert info.meta["engine"] == "hydra" and info.meta["mode"] == "head"
+        assert info.meta["layer_split"] == [[0, 3]]
+
+
+def test_bad_magic_closes_only_that_connection(workers):
+    with connect(workers["head"]) as s:
+        s.sendall(struct.pack("<HBBHQH", 0xBEEF, Op.INFO, 0, 0, 0, 0))
+        assert closed(s)
+    with connect(workers["head"]) as s:
+        assert control(s, Op.INFO).status == Status.OK
+
+
+def test_upstream_llama_cpp_hello_gets_a_clean_refusal(workers):
+    # ggml-rpc's client: cmd 14 with no payload, expects a 3-byte version reply.
+    with connect(workers["head"]) as s:
+        assert compute(s, Cmd.HELLO) == bytes(VERSION)
+        assert closed(s)
+    # A client sending its version (3.6.0, caps 0): refused with our version and a message, then closed.
+    with connect(workers["peer"]) as s:
+        reply = compute(s, Cmd.HELLO, struct.pack("<BBBBI", 3, 6, 0, 0, 0))
+        assert HELLO.unpack_from(reply)[:3] == VERSION
+        assert b"refuses client version 3.6.0" in reply[HELLO.size :]
+        assert closed(s)
+
+
+def test_truncated_frames_close_the_connection(workers):
+    with connect(workers["head"]) as s:
+        compute(s, Cmd.HELLO, pack_hello())
+        s.sendall(struct.pack("<BQ", Cmd.PING, 100) + b"x" * 10)
+        s.shutdown(socket.SHUT_WR)
+        assert closed(s)
+    with connect(workers["head"]) as s:
+        s.sendall(wire.pack_control_request(Op.CONFIGURE, b"{}")[:12])
+        s.shutdown(socket.SHUT_WR)
+        assert closed(s)
+    with connect(workers["head"]) as s:  # the listener is unharmed
+        assert control(s, Op.INFO).status == Status.OK
+
+
+def test_oversized_frames_are_refused_without_reading_them(workers):
+    with connect(workers["head"]) as s:
+        compute(s, Cmd.HELLO, pack_hello())
+        s.sendall(struct.pack("<BQ", Cmd.PING, MAX_FRAME + 1))
+        assert closed(s)
+    with connect(workers["head"]) as s:
+        s.sendall(struct.pack("<HBBHQH", wire.CONTROL_MAGIC, Op.CONFIGURE, 0, 0, 1 << 40, 0))
+        resp = wire.read_control_response(SocketReader(s), 1 << 20)
+        assert resp.status == Status.BAD_REQUEST and "limit" in resp.meta["error"]
+        assert closed(s)
+
+
+def test_unknown_op_bad_key_and_unbuilt_ops_keep_the_connection(workers):
+    with connect(workers["head"]) as s:
+        r = control(s, 0x7A, b"z" * 200_000)  # unknown op: drained in 64 KiB chunks, past the frame limit
+        assert r.status == Status.ERROR and "unknown op" in r.meta["error"]
+        assert control(s, Op.STATE_META, key=b"slot-one").status == Status.ERROR
+        assert control(s, Op.STATE_META, key=b"99").status == Status.NOT_FOUND
+        meta = control(s, Op.STATE_META, key=b"1")
+        assert meta.status == Status.OK and meta.meta["slot"] == 1
+        assert control(s, Op.DECODE, b"\x00" * 8, key=b"0").status == Status.NOT_IMPLEMENTED
+        assert control(s, Op.SET_EXPERT_MODE, b"bogus").status == Status.BAD_REQUEST
+        r = control(s, Op.SET_EXPERT_MODE, b"combined")
+        assert r.status == Status.OK
+        assert control(s, Op.INFO).meta["expert_mode"] == "combined"
+        assert control(s, Op.CONFIGURE, b"not json").status == Status.BAD_REQUEST
+        assert control(s, Op.CONFIGURE, json.dumps({"split": "1/2"}).encode()).status == Status.BAD_REQUEST
+
+
+def test_full_queue_drops_new_connections_and_health_still_answers(workers):
+    w = workers["head"]
+    before = w.status()["pool"]
+    idle = [connect(w) for _ in range(2 + 2 + 3)]  # 2 workers held (silent peeks), 2 queued, 3 over
+    try:
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            pool = w.status()["pool"]
+            dropped = pool["dropped"] - before["dropped"]
+            if pool["busy"] + pool["queued"] + dropped == len(idle):
+                break
+            time.sleep(0.1)
+        # Each connection holds a worker, waits in the FIFO, or was dropped (the accept loop may
+        # outrun the idle workers' first get(), so more than the 3 surplus can be dropped).
+        assert pool["busy"] + pool["queued"] + dropped == len(idle)
+        assert pool["busy"] == 2 and pool["queued"] <= 2 and dropped >= 3
+        assert pool["size"] == 2 and pool["queue_max"] == 2
+        assert pool["accepted"] - before["accepted"] >= len(idle)
+        assert httpx.get(f"{w.url}/health", timeout=5).status_code == 200
+        metrics = httpx.get(f"{w.url}/metrics", timeout=5).text
+        assert "hydra_rpc_dropped_total" in metrics
+    finally:
+        for s in idle:
+            s.close()
+    with connect(w) as s:  # workers come back once the idle connections go
+        assert control(s, Op.INFO).status == Status.OK
+
+
+def test_peer_mode_has_no_peek_and_no_pool(workers):
+    w = workers["peer"]
+    with connect(w) as s:  # a control frame on a peer goes straight into the compute protocol
+        reply = control_raw_reply(s, wire.pack_control_request(Op.INFO))
+        assert reply[0] == 1 and b"first command must be HELLO" in reply
+        assert closed(s)
+    pool = w.status()["pool"]
+    assert pool["size"] == 0 and pool["queue_max"] == 0 and pool["accepted"] >= 1
+    many = [connect(w) for _ in range(8)]  # no queue to overflow: every connection gets a thread
+    try:
+        for s in many:
+            assert HELLO.unpack_from(compute(s, Cmd.HELLO, pack_hello()))[:3] == VERSION
+    finally:
+        for s in many:
+            s.close()
+
+
+def control_raw_reply(sock, frame: bytes) -> bytes:
+    sock.sendall(frame)
+    return bytes(wire.read_compute_response(SocketReader(sock), 1 << 20))
+
+
+def test_auth_token_guards_both_protocols(workers):
+    w = workers["auth"]
+    with connect(w) as s:
+        _, _, _, _, caps = HELLO.unpack_from(compute(s, Cmd.HELLO, pack_hello()))
+        assert caps & 1
+        nonce = bytes(wire.read_compute_response(SocketReader(s), 64))
+        assert compute(s, Cmd.PING)[0] == 1  # no command before the proof
+        assert closed(s)
+    with connect(w) as s:
+        compute(s, Cmd.HELLO, pack_hello())
+        nonce = bytes(wire.read_compute_response(SocketReader(s), 64))
+        assert compute(s, Cmd.AUTH, auth.prove("wrong", nonce))[0] == 1
+        assert closed(s)
+    with connect(w) as s:
+        compute(s, Cmd.HELLO, pack_hello())
+        nonce = bytes(wire.read_compute_response(SocketReader(s), 64))
+        assert compute(s, Cmd.AUTH, auth.prove(TOKEN, nonce)) == b"\x00"
+        assert compute(s, Cmd.PING, b"hi") == b"\x00hi"
+    with connect(w) as s:
+        r = control(s, Op.INFO)
+        assert r.status == Status.ERROR and "authentication required" in r.meta["error"]
+        assert closed(s)
+    with connect(w) as s:
+        challenge = control(s, Op.AUTH)
+        assert challenge.status == Status.OK
+        assert control(s, Op.AUTH, auth.prove(TOKEN, bytes.fromhex(challenge.meta["nonce"]))).status == Status.OK
+        info = control(s, Op.INFO)
+        assert info.status == Status.OK and info.meta["auth"] is True

@@ -1,0 +1,114 @@
+"""Both frame parsers, in memory: round trips, limits before allocation, and property-based fuzzing
+(any byte string either parses or raises FrameError — never another exception)."""
+
+from __future__ import annotations
+
+import struct
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hydra_console.engine.rpc import wire
+from hydra_console.engine.rpc.compute import ComputeError, pack_forward, unpack_forward
+from hydra_console.engine.rpc.wire import BufferReader, FrameError
+
+MAX = 1 << 16
+
+
+@given(cmd=st.integers(0, 255), payload=st.binary(max_size=512))
+def test_compute_request_round_trip(cmd, payload):
+    frame = wire.pack_compute_request(cmd, payload)
+    assert wire.read_compute_request(BufferReader(frame), MAX) == (cmd, payload)
+
+
+@given(
+    op=st.integers(0, 255),
+    flags=st.integers(0, 255),
+    key=st.binary(max_size=32),
+    trace=st.binary(max_size=32),
+    payload=st.binary(max_size=256),
+)
+def test_control_request_round_trip(op, flags, key, trace, payload):
+    r = BufferReader(wire.pack_control_request(op, payload, key=key, trace=trace, flags=flags))
+    req = wire.read_control_request(r)
+    assert (req.op, req.flags, req.key, req.trace, req.payload_len) == (op, flags, key, trace, len(payload))
+    assert r.read_exact(req.payload_len) == payload
+
+
+@given(status=st.integers(0, 6), meta=st.dictionaries(st.text(max_size=8), st.integers()), payload=st.binary(max_size=64))
+def test_control_response_round_trip(status, meta, payload):
+    resp = wire.read_control_response(BufferReader(wire.pack_control_response(status, meta, payload)), MAX)
+    assert (resp.status, resp.meta, resp.payload) == (status, meta, payload)
+
+
+def test_control_header_is_the_forks_16_bytes():
+    frame = wire.pack_control_request(0x41, b"xy", key=b"3", trace=b"t")
+    assert frame[:16] == struct.pack("<HBBHQH", 0x4859, 0x41, 0, 1, 2, 1)
+    assert frame[1] == 0x48 and frame[0] == 0x59  # little-endian magic: frames start with 0x59
+
+
+def test_oversized_compute_frame_is_refused_before_reading_the_payload():
+    # Declares 2^63 bytes but carries none: the limit check must come first (no allocation, no read).
+    frame = struct.pack("<BQ", 34, 1 << 63)
+    with pytest.raises(FrameError, match="exceeds"):
+        wire.read_compute_request(BufferReader(frame), MAX)
+
+
+def test_truncated_frames_raise_frame_errors():
+    full = wire.pack_compute_request(33, b"blk.0.attn_q.weight")
+    for cut in range(len(full)):
+        with pytest.raises(FrameError):
+            wire.read_compute_request(BufferReader(full[:cut]), MAX)
+    ctl = wire.pack_control_request(0x41, b"{}", key=b"1")
+    for cut in range(16 + 1):  # header and key
+        with pytest.raises(FrameError):
+            wire.read_control_request(BufferReader(ctl[:cut]))
+
+
+def test_bad_magic():
+    frame = struct.pack("<HBBHQH", 0x1234, 0x41, 0, 0, 0, 0)
+    with pytest.raises(FrameError, match="magic"):
+        wire.read_control_request(BufferReader(frame))
+
+
+@settings(max_examples=300)
+@given(data=st.binary(max_size=64))
+def test_fuzz_compute_parser(data):
+    try:
+        cmd, payload = wire.read_compute_request(BufferReader(data), MAX)
+    except FrameError:
+        return
+    assert len(payload) == struct.unpack_from("<Q", data, 1)[0] and 0 <= cmd < 256
+
+
+@settings(max_examples=300)
+@given(data=st.binary(max_size=64))
+def test_fuzz_control_parser(data):
+    try:
+        req = wire.read_control_request(BufferReader(data))
+    except FrameError:
+        return
+    assert len(req.key) + len(req.trace) + 16 <= len(data)
+
+
+@settings(max_examples=200)
+@given(data=st.binary(max_size=96))
+def test_fuzz_forward_payload(data):
+    """FORWARD's own payload check: any bytes parse consistently or raise ComputeError."""
+    try:
+        epoch, hidden, slots, positions = unpack_forward(bytearray(data))
+    except ComputeError:
+        return
+    assert hidden.shape[0] == slots.shape[0] == positions.shape[0]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_forward_payload_is_bit_exact(dtype):
+    h = torch.randn(5, 8).to(dtype)
+    slots, positions = torch.tensor([0, 0, 1, 1, 1]), torch.tensor([3, 4, 0, 1, 2])
+    payload = b"".join(bytes(memoryview(p).cast("B")) for p in pack_forward(7, h, slots, positions))
+    epoch, h2, s2, p2 = unpack_forward(bytearray(payload))
+    assert epoch == 7 and h2.dtype == dtype and torch.equal(h2.view(torch.uint8), h.view(torch.uint8))
+    assert torch.equal(s2, slots) and torch.equal(p2, positions)
