@@ -131,6 +131,7 @@ def worker_devices(w: Worker) -> str:
 
 
 WORKER_COLUMNS = ("worker", "role", "host", "device", "layers", "state", "pid", "uptime", "rst", "exit")
+NARROW_COLUMNS = tuple(c for c in WORKER_COLUMNS if c != "role")  # 80 columns: the name says the role
 
 
 def worker_row(w: Worker, sup: Supervisor, now: float) -> tuple[list[str], str]:
@@ -140,7 +141,7 @@ def worker_row(w: Worker, sup: Supervisor, now: float) -> tuple[list[str], str]:
     row = [
         w.name,
         w.role,
-        w.spec.host if w.managed else f"{w.spec.host} (att)",
+        w.spec.host,
         worker_devices(w),
         fmt_layers(worker_layers(w, sup)),
         state,
@@ -194,7 +195,8 @@ def _mem_tone(used, total, alerts: Alerts) -> str:
 def memory_line(row: MemoryRow, width: int = 16) -> str:
     used = f"{fmt_bytes(row.used)}/{fmt_bytes(row.total)}"
     tail = f" {row.note}" if row.note else ""
-    return f"{row.label:<14} {bar(row.used, row.total, width)} {used}{tail}"
+    alert = " ⚠" if row.tone == "warn" else ""  # the warning reads without colour too
+    return f"{row.label:<14} {bar(row.used, row.total, width)} {used}{alert}{tail}"
 
 
 def throughput(sup: Supervisor) -> dict:
@@ -215,14 +217,15 @@ def acceptance_text(status: dict | None) -> str:
         return "spec off"
     acc, mean = spec.get("acceptance"), spec.get("mean_accepted_len")
     mean_s = "—" if mean is None else f"{mean:.2f}"
-    return f"{spec['type']} accept {fmt_pct(acc)} · mean len {mean_s} · drafts {spec.get('drafts', 0)}"
+    return f"spec {spec['type']}: accept {fmt_pct(acc)} · mean len {mean_s} · drafts {spec.get('drafts', 0)}"
 
 
 def pool_text(status: dict | None) -> str:
     pool = (status or {}).get("pool")
     if not pool:
         return "pool —"
-    return f"pool {pool.get('busy', 0)}/{pool.get('size', 0)} busy · queued {pool.get('queued', 0)} · dropped {pool.get('dropped', 0)}"
+    return (f"pool {pool.get('busy', 0)}/{pool.get('size', 0)} busy · queued {pool.get('queued', 0)}"
+            f" · dropped {pool.get('dropped', 0)}")
 
 
 def peer_lines(status: dict | None, alerts: Alerts) -> list[tuple[str, str]]:
@@ -234,14 +237,14 @@ def peer_lines(status: dict | None, alerts: Alerts) -> list[tuple[str, str]]:
         rtt = p.get("rtt_ms")
         rtt_s = "—" if rtt is None else f"{rtt:.1f} ms"
         if tone == "ok" and rtt is not None and rtt >= alerts.rtt_ms:
-            tone = "warn"
+            tone, rtt_s = "warn", f"{rtt_s} ⚠"
         out.append((f"{p.get('addr', '?')} {symbol} {state} rtt {rtt_s} {fmt_layers(p.get('layers'))}", tone))
     return out
 
 
 def event_line(ev: Event) -> str:
     who = f"{ev.worker}: " if ev.worker else ""
-    return f"{time.strftime('%H:%M:%S', time.localtime(ev.ts))} {ev.kind:<9} {who}{ev.message}"
+    return f"{time.strftime('%H:%M:%S', time.localtime(ev.ts))} {ev.kind:<11} {who}{ev.message}"
 
 
 EVENT_TONES = {"ready": "ok", "crashed": "error", "killed": "error", "error": "error", "unreachable": "error",

@@ -146,16 +146,16 @@ async def test_rows_and_panels_from_a_status_document():
     await sup.poll_once()
     row, tone = display.worker_row(sup.head, sup, now=0.0)
     assert dict(zip(display.WORKER_COLUMNS, row)) == {
-        "worker": "head", "role": "head", "host": "127.0.0.1 (att)", "device": "cuda:0", "layers": "[0,9)",
+        "worker": "head", "role": "head", "host": "127.0.0.1", "device": "cuda:0", "layers": "[0,9)",
         "state": "● ready", "pid": "4242", "uptime": "1m15s", "rst": "0", "exit": "—"}
     peer_row, peer_tone = display.worker_row(sup.workers["peer1"], sup, now=0.0)
     assert peer_row[4] == "[9,18)" and peer_row[5] == "✖ unreachable" and peer_tone == "error"
     mem = display.memory_rows(sup, Alerts())
     assert [(m.label, m.tone) for m in mem] == [("head cuda:0", "warn")]  # 95% >= 90% alert
-    assert "95.0 GiB/100.0 GiB" in display.memory_line(mem[0])
-    assert display.acceptance_text(STATUS) == "ngram accept 90% · mean len 2.70 · drafts 12"
+    assert "95.0 GiB/100.0 GiB ⚠" in display.memory_line(mem[0])
+    assert display.acceptance_text(STATUS) == "spec ngram: accept 90% · mean len 2.70 · drafts 12"
     assert display.pool_text(STATUS) == "pool 1/2 busy · queued 3 · dropped 4"
-    assert display.peer_lines(STATUS, Alerts()) == [("127.0.0.1:8091 ● up rtt 80.0 ms [9,18)", "warn")]
+    assert display.peer_lines(STATUS, Alerts()) == [("127.0.0.1:8091 ● up rtt 80.0 ms ⚠ [9,18)", "warn")]
     assert display.acceptance_text({}) == "spec off" and display.pool_text(None) == "pool —"
     snap = json.loads(display.snapshot_json(sup))
     assert [(w["name"], w["state"], w["reachable"], w["layers"]) for w in snap["workers"]] == [

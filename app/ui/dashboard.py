@@ -12,6 +12,10 @@ from .. import display
 
 
 class DashboardScreen(Screen):
+    def __init__(self):
+        super().__init__()
+        self._columns: tuple[str, ...] = ()  # worker-table columns now shown
+
     def compose(self) -> ComposeResult:
         yield Header()
         with Vertical(id="dash"):
@@ -33,11 +37,9 @@ class DashboardScreen(Screen):
         yield Footer()
 
     def on_mount(self) -> None:
-        table = self.query_one("#workers", DataTable)
-        for col in display.WORKER_COLUMNS:
-            table.add_column(col, key=col)
-        for w in self.app.supervisor.workers.values():
-            table.add_row(*([""] * len(display.WORKER_COLUMNS)), key=w.name)
+        sup = self.app.supervisor
+        if any(not w.managed for w in sup.workers.values()):
+            self.query_one("#workers", DataTable).border_title = "Workers (attached ones are monitor only)"
         log = self.query_one("#events", RichLog)
         for ev in self.app.supervisor.events:
             self.add_event(ev, log)
@@ -59,17 +61,39 @@ class DashboardScreen(Screen):
     def on_data_table_row_selected(self, event: DataTable.RowSelected) -> None:
         self.app.action_detail(event.row_key.value)
 
+    def on_resize(self) -> None:
+        self.refresh_view()
+
+    def _table(self) -> DataTable:
+        """The worker table, its columns chosen for the width (it is rebuilt when that changes)."""
+        table = self.query_one("#workers", DataTable)
+        columns = display.NARROW_COLUMNS if self.size.width < 100 else display.WORKER_COLUMNS
+        if columns != self._columns:
+            selected = self.selected_worker if self._columns else None
+            table.clear(columns=True)
+            for col in columns:
+                table.add_column(col, key=col)
+            names = list(self.app.supervisor.workers)
+            for name in names:
+                table.add_row(*([""] * len(columns)), key=name)
+            if selected in names:
+                table.move_cursor(row=names.index(selected))
+            self._columns = columns
+        return table
+
     def refresh_view(self) -> None:
         app = self.app
         sup = app.supervisor
         now = sup.clock()
-        table = self.query_one("#workers", DataTable)
+        table = self._table()
         for w in sup.workers.values():
             cells, tone = display.worker_row(w, sup, now)
             for col, value in zip(display.WORKER_COLUMNS, cells):
+                if col not in self._columns:
+                    continue
                 cell = Text(value, style=app.tone_style(tone)) if col == "state" else value
                 if col == "rst" and w.restarts >= sup.profile.alerts.restarts:
-                    cell = Text(value, style=app.tone_style("warn"))
+                    cell = Text(f"{value} ⚠", style=app.tone_style("warn"))
                 table.update_cell(w.name, col, cell, update_width=True)
 
         rows = display.memory_rows(sup, sup.profile.alerts)
@@ -91,7 +115,7 @@ class DashboardScreen(Screen):
         status = sup.head.status
         info = Text()
         info.append(display.acceptance_text(status))
-        info.append("  ·  ")
+        info.append("\n")
         info.append(display.pool_text(status))
         for line, tone in display.peer_lines(status, sup.profile.alerts):
             info.append("\npeer ")

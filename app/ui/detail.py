@@ -59,7 +59,7 @@ class WorkerDetailScreen(Screen):
             ("http", w.spec.url),
             ("rpc", f"{w.spec.rpc_host or w.spec.host}:{w.spec.rpc}"),
             ("layers", display.fmt_layers(display.worker_layers(w, sup))),
-            ("model", f"{model.get('name', '—')} {model.get('arch', '')} {model.get('n_layers', '')} layers".strip()),
+            ("model", f"{model.get('name')} ({model.get('arch')}, {model.get('n_layers')} layers)" if model else "—"),
             ("health", f"{w.probe.health_state or 'no answer'} (stage {(w.probe.health or {}).get('startup_stage', '—')})"
              if w.probe else "not polled yet"),
         ]

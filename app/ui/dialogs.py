@@ -42,15 +42,18 @@ class ConfirmScreen(ModalScreen[bool]):
 def binding_rows(app, screen: Screen) -> list[tuple[str, str]]:
     """(key, description) of every binding active on `screen`, after any keymap remapping."""
     rows, seen = [], set()
-    # The console's own keys first, the focused widget's navigation keys after them.
-    actives = sorted(screen.active_bindings.values(), key=lambda a: not isinstance(a.node, (App, Screen)))
+    # This screen's and the console's keys first, then Textual's app keys, then the focused widget's.
+    def rank(a) -> tuple[bool, bool]:
+        ours = isinstance(a.node, Screen) or (a.binding.id or "").startswith("hydra.")
+        return (not ours, not isinstance(a.node, App))
+
+    actives = sorted(screen.active_bindings.values(), key=rank)
     for active in actives:
         b = active.binding
         if not b.description or (b.description, b.action) in seen:
             continue
         seen.add((b.description, b.action))
         rows.append((app.get_key_display(b), b.description if active.enabled else f"{b.description} (disabled)"))
-    rows.append((app.get_key_display(Binding(app.COMMAND_PALETTE_BINDING, "command_palette")), "command palette (every action)"))
     return rows
 
 
