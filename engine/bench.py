@@ -1,0 +1,150 @@
+"""`hydra-engine bench`: prefill and decode throughput of one Stage holding the whole model.
+
+Measured like llama-bench: prefill = one forward over `-p` random prompt tokens (logits of the
+last row); decode = `-n` single-token steps from an empty context, greedy argmax on the device
+feeding the next step. Each test runs once untimed (warm-up, CUDA graph capture), then `-r`
+times; the mean rate is reported. Achieved GB/s = weight bytes read per decoded token × tok/s.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from .default_model import default_model_path
+from .errors import UserError
+from .gguf_file import GGUFFile
+from .model import ModelConfig, Stage
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def prefill_once(stage: Stage, tokens: torch.Tensor) -> float:
+    """Seconds for one prefill of `tokens` into slot 0 (from position 0), last-row logits included."""
+    n = tokens.numel()
+    stage.kv_clear(0)
+    _sync(stage.device)
+    t0 = time.perf_counter()
+    h = stage.run_layers(stage.embed(tokens), torch.zeros(n, dtype=torch.long), torch.arange(n))
+    stage.logits(h[-1:]).argmax(-1)
+    _sync(stage.device)
+    return time.perf_counter() - t0
+
+
+def decode_once(stage: Stage, first_token: int, n_gen: int) -> float:
+    """Seconds for `n_gen` greedy single-token steps in slot 0 starting at position 0."""
+    slot = torch.zeros(1, dtype=torch.long)
+    positions = torch.arange(n_gen).view(n_gen, 1)  # host tensors: no device sync per step
+    token = torch.tensor([first_token], device=stage.device if stage.device.type == "cuda" else "cpu")
+    stage.kv_clear(0)
+    _sync(stage.device)
+    t0 = time.perf_counter()
+    for i in range(n_gen):
+        h = stage.run_layers(stage.embed(token), slot, positions[i])
+        token = stage.logits(h).argmax(-1)
+    _sync(stage.device)
+    return time.perf_counter() - t0
+
+
+def run_bench(model: Path, device: str, dtype: str, n_prompt: int, n_gen: int, repetitions: int) -> dict:
+    g = GGUFFile(model)
+    cfg = ModelConfig.from_gguf(g)
+    t0 = time.perf_counter()
+    stage = Stage(cfg, g, embed=True, head=True, device=device, dtype=dtype, n_slots=1, n_ctx=max(n_prompt, n_gen, 1))
+    load_s = time.perf_counter() - t0
+    gen = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, cfg.n_vocab, (n_prompt,), generator=gen)
+    first = int(g.get("tokenizer.ggml.bos_token_id", 1))
+    result = {
+        "model": str(model),
+        "arch": cfg.arch,
+        "device": str(stage.device),
+        "dtype": str(stage.dtype).removeprefix("torch."),
+        "head": "int8" if stage.int8_head else str(stage.dtype).removeprefix("torch."),
+        "threads": torch.get_num_threads(),
+        "n_prompt": n_prompt,
+        "n_gen": n_gen,
+        "repetitions": repetitions,
+        "load_s": round(load_s, 3),
+        "weight_bytes": stage.weight_bytes,
+    }
+    if n_prompt:
+        prefill_once(stage, prompt)
+        times = [prefill_once(stage, prompt) for _ in range(repetitions)]
+        rates = [n_prompt / t for t in times]
+        result["prefill_tok_s"] = round(statistics.mean(rates), 2)
+        result["prefill_tok_s_std"] = round(statistics.pstdev(rates), 2)
+    if n_gen:
+        decode_once(stage, first, min(n_gen, 8))
+        times = [decode_once(stage, first, n_gen) for _ in range(repetitions)]
+        rates = [n_gen / t for t in times]
+        result["decode_tok_s"] = round(statistics.mean(rates), 2)
+        result["decode_tok_s_std"] = round(statistics.pstdev(rates), 2)
+        result["decode_gb_s"] = round(stage.weight_bytes * result["decode_tok_s"] / 1e9, 2)
+    return result
+
+
+def run_llama_bench(exe: str, model: Path, device: torch.device, n_prompt: int, n_gen: int, repetitions: int) -> dict:
+    """Upstream llama-bench on the same file: {"prefill_tok_s", "decode_tok_s"} from its JSON output."""
+    path = shutil.which(exe) or (exe if Path(exe).is_file() else None)
+    if path is None:
+        raise UserError(f"llama-bench not found at {exe!r}: build llama.cpp (target llama-bench) and pass its path")
+    cmd = [path, "-m", str(model), "-p", str(n_prompt), "-n", str(n_gen), "-r", str(repetitions), "-o", "json"]
+    cmd += ["-ngl", "99" if device.type == "cuda" else "0", "-t", str(torch.get_num_threads())]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
+    except OSError as e:
+        raise UserError(f"cannot run llama-bench {path}: {e.strerror}") from None
+    if done.returncode != 0:
+        raise UserError(f"llama-bench failed (exit {done.returncode}): {done.stderr.strip()[-500:]}")
+    try:
+        rows = json.loads(done.stdout)
+    except json.JSONDecodeError:
+        raise UserError("llama-bench printed no JSON (is it a recent build with `-o json`?)") from None
+    out = {}
+    for row in rows:
+        key = "decode_tok_s" if row.get("n_gen") else "prefill_tok_s"
+        out[key] = float(row["avg_ts"])
+    return out
+
+
+def main(args) -> int:
+    for flag in ("n_prompt", "n_gen", "repetitions"):
+        if getattr(args, flag) < 0 or (flag == "repetitions" and args.repetitions < 1):
+            raise UserError(f"--{flag.replace('_', '-')} must be {'≥ 1' if flag == 'repetitions' else '≥ 0'}")
+    model = Path(args.model) if args.model else default_model_path()
+    result = run_bench(model, args.device, args.dtype, args.n_prompt, args.n_gen, args.repetitions)
+    if args.llama_bench:
+        theirs = run_llama_bench(args.llama_bench, model, torch.device(result["device"]), args.n_prompt, args.n_gen, args.repetitions)
+        result["llama_bench"] = theirs
+        for key, value in theirs.items():
+            if key in result and value:
+                result[key.replace("_tok_s", "_ratio")] = round(result[key] / value, 3)
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    print(f"model   {result['model']} ({result['arch']})")
+    print(f"device  {result['device']}  dtype {result['dtype']}  head {result['head']}  threads {result['threads']}")
+    print(f"load    {result['load_s']:.2f} s   weights read per token {result['weight_bytes'] / 1e6:.1f} MB")
+    if "prefill_tok_s" in result:
+        line = f"prefill {result['prefill_tok_s']:10.1f} ± {result['prefill_tok_s_std']:.1f} tok/s  (p={args.n_prompt})"
+        if "prefill_ratio" in result:
+            line += f"   llama-bench {result['llama_bench']['prefill_tok_s']:.1f}  ours/theirs {result['prefill_ratio']:.2f}"
+        print(line)
+    if "decode_tok_s" in result:
+        line = f"decode  {result['decode_tok_s']:10.1f} ± {result['decode_tok_s_std']:.1f} tok/s  (n={args.n_gen})  {result['decode_gb_s']:.1f} GB/s"
+        if "decode_ratio" in result:
+            line += f"   llama-bench {result['llama_bench']['decode_tok_s']:.1f}  ours/theirs {result['decode_ratio']:.2f}"
+        print(line)
+    sys.stdout.flush()
+    return 0

@@ -1,0 +1,49 @@
+"""Resolve the `--device` / `--dtype` flags into torch objects, with one clear error for bad values."""
+
+from __future__ import annotations
+
+import torch
+
+from .errors import UserError
+
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "f32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "f16": torch.float16,
+}
+
+
+def resolve_device(name: str | torch.device | None = "auto") -> torch.device:
+    """"auto" picks the first CUDA device when there is one, else the CPU."""
+    if isinstance(name, torch.device):
+        return name
+    if name in (None, "", "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(name)
+    except (RuntimeError, ValueError):
+        raise UserError(f"unknown device {name!r} (use cpu, cuda, cuda:N or auto)") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise UserError(f"device {name!r} requested but this torch has no usable CUDA device")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise UserError(f"device {name!r} does not exist ({torch.cuda.device_count()} CUDA devices)")
+    if dev.type not in ("cpu", "cuda"):
+        raise UserError(f"unsupported device type {dev.type!r} (use cpu or cuda)")
+    return dev
+
+
+def resolve_dtype(name: str | torch.dtype | None, device: torch.device) -> torch.dtype:
+    """"auto" is bfloat16 everywhere: on CPU it pairs with int8 weights (see model.Stage)."""
+    if isinstance(name, torch.dtype):
+        return name
+    if name in (None, "", "auto"):
+        return torch.bfloat16
+    try:
+        return _DTYPES[name.lower()]
+    except KeyError:
+        raise UserError(f"unknown dtype {name!r} (use auto, float32, bfloat16 or float16)") from None
