@@ -210,17 +210,27 @@ def test_speculator_verify_samples_the_samplers_distribution(with_q):
 
 
 def test_default_model_greedy_speculation_is_exact(default_model):
-    """Gemma 3 270M at its default dtype: n-gram speculation on a code-copying prompt gives the
-    plain greedy output token for token, and most drafts are accepted."""
+    """Gemma 3 270M: n-gram speculation gives the plain greedy output token for token on a
+    code-copying prompt (most drafts accepted) and on free prose (many rejected).
+
+    float32: there a verify row differs from the single-token decode of the same position by ~2e-5
+    (matmul blocking depends on the row count), far below real logit margins. With bf16 activations
+    and int8 weights (the CPU default) the int8 kernel's rounding also depends on the row count and
+    the bf16 logits tie often, so greedy speculation can take the other side of a near-tie there,
+    as batching slots together can."""
     g = GGUFFile(default_model)
     tok = Tokenizer.from_gguf(g)
-    eng = Engine(Pipeline(load_stage(g, "cpu", "auto", 1, 512)), tok, 1, 512).start()
+    eng = Engine(Pipeline(load_stage(g, "cpu", "float32", 1, 512)), tok, 1, 512).start()
     code = "def area(w, h):\n    result = w * h\n    print('area', result)\n    return result\n"
-    prompt = tok.encode(f"```python\n{code}```\n\nThe same code again:\n\n```python\n")
+    prompts = [f"```python\n{code}```\n\nThe same code again:\n\n```python\n",
+               "The river had flooded twice that spring, and by the time the surveyors arrived the old mill"]  # fmt: skip
     try:
-        plain, _ = _run(eng, prompt, None, n=32)
-        spec, t = _run(eng, prompt, SpecConfig("ngram", n_max=3), n=32)
+        for i, text in enumerate(prompts):
+            prompt = tok.encode(text)
+            plain, _ = _run(eng, prompt, None, n=32)
+            spec, t = _run(eng, prompt, SpecConfig("ngram", n_max=3), n=32)
+            assert spec == plain
+            if i == 0:
+                assert t["draft_n_accepted"] > t["draft_n"] / 2
     finally:
         eng.stop()
-    assert spec == plain
-    assert t["draft_n_accepted"] > t["draft_n"] / 2
