@@ -1,0 +1,188 @@
+"""The model on tiny synthetic files: every architecture, split stages, batching, windows, errors."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from hydra_console.engine.errors import UserError
+from hydra_console.engine.gguf_file import GGUFFile
+from hydra_console.engine.model import ModelConfig, Stage
+
+ARCHS = ["llama", "qwen2", "qwen3", "gemma3"]
+
+
+def load(path, **kw):
+    g = GGUFFile(path)
+    cfg = ModelConfig.from_gguf(g)
+    kw.setdefault("dtype", "float32")
+    kw.setdefault("n_ctx", 64)
+    return Stage(cfg, g, **kw)
+
+
+def prefill(stage, tokens, slot=0, start=0):
+    n = len(tokens)
+    h = stage.run_layers(stage.embed(torch.tensor(tokens)), torch.full((n,), slot), torch.arange(start, start + n))
+    return stage.logits(h)
+
+
+PROMPT = [2, 17, 300, 45, 99, 512, 7, 8, 540, 33, 21, 5, 600, 64, 71, 12, 13, 14, 15, 16]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_architecture_config(tiny_model, arch):
+    cfg = ModelConfig.from_gguf(GGUFFile(tiny_model(arch)))
+    assert cfg.rope_neox == (arch != "llama")
+    assert cfg.qkv_bias == (arch == "qwen2")
+    assert cfg.qk_norm == (arch in ("qwen3", "gemma3"))
+    assert cfg.tied == (arch == "gemma3")
+    assert (cfg.activation == "gelu_tanh") == (arch == "gemma3")
+    assert cfg.embed_scale == (8.0 if arch == "gemma3" else 1.0)
+    assert cfg.swa_layers == ((True, True) if arch == "gemma3" else (False, False))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_prefill_equals_token_by_token_decode(tiny_model, arch, dtype):
+    stage = load(tiny_model(arch), dtype=dtype)
+    full = prefill(stage, PROMPT)
+    assert full.shape == (len(PROMPT), stage.cfg.n_vocab) and full.dtype == torch.float32
+    assert torch.isfinite(full).all() and full.std() > 0.1
+    stage.kv_clear(0)
+    steps = [prefill(stage, [t], start=i) for i, t in enumerate(PROMPT)]
+    tol = dict(atol=1e-4, rtol=1e-4) if dtype == "float32" else dict(atol=0.15, rtol=0.05)
+    torch.testing.assert_close(torch.cat(steps), full, **tol)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_split_stages_are_bit_identical_to_one_stage(tiny_model, arch):
+    path = tiny_model(arch, n_layers=3)
+    whole = load(path)
+    first = load(path, layers=(0, 1), head=False)
+    rest = load(path, layers=(1, 3), embed=False)
+    tokens, slots, pos = torch.tensor(PROMPT), torch.zeros(len(PROMPT), dtype=torch.long), torch.arange(len(PROMPT))
+    expected = whole.logits(whole.run_layers(whole.embed(tokens), slots, pos))
+    got = rest.logits(rest.run_layers(first.run_layers(first.embed(tokens), slots, pos), slots, pos))
+    assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_batched_decode_equals_each_slot_alone(tiny_model, arch):
+    path = tiny_model(arch)
+    prompts = [PROMPT[:5], PROMPT[3:12], PROMPT[7:10]]
+    batched, alone = load(path), load(path)
+    for slot, p in enumerate(prompts):
+        prefill(batched, p, slot=slot)
+    next_tokens = [41, 42, 43]
+    positions = [len(p) for p in prompts]
+    h = batched.run_layers(batched.embed(torch.tensor(next_tokens)), torch.tensor([0, 1, 2]), torch.tensor(positions))
+    got = batched.logits(h)
+    for slot, p in enumerate(prompts):
+        alone.kv_clear(0)
+        want = prefill(alone, p + [next_tokens[slot]])[-1]
+        torch.testing.assert_close(got[slot], want, atol=1e-4, rtol=1e-4)
+
+
+def test_mixed_batch_prefill_chunk_and_decode(tiny_model):
+    """One forward holding a prompt chunk of slot 1 and a decode token of slot 0 (continuous batching)."""
+    path = tiny_model("qwen2")
+    stage, ref = load(path), load(path)
+    prefill(stage, PROMPT[:6], slot=0)
+    prefill(stage, PROMPT[:4], slot=1)
+    tokens = torch.tensor([PROMPT[6]] + PROMPT[4:9])
+    slots = torch.tensor([0, 1, 1, 1, 1, 1])
+    positions = torch.tensor([6, 4, 5, 6, 7, 8])
+    got = stage.logits(stage.run_layers(stage.embed(tokens), slots, positions))
+    want0 = prefill(ref, PROMPT[:7])[-1]
+    ref.kv_clear(0)
+    want1 = prefill(ref, PROMPT[:9])[4:]
+    torch.testing.assert_close(got[0], want0, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(got[1:], want1, atol=1e-4, rtol=1e-4)
+
+
+def test_rewritten_positions_roll_back_the_kv(tiny_model):
+    stage = load(tiny_model("qwen3"))
+    prefill(stage, PROMPT[:10])
+    again = prefill(stage, [5, 6, 7], start=4)  # overwrite positions 4..6, as a rejected draft does
+    stage2 = load(tiny_model("qwen3"))
+    torch.testing.assert_close(again, prefill(stage2, PROMPT[:4] + [5, 6, 7])[4:], atol=1e-4, rtol=1e-4)
+
+
+def test_sliding_window_limits_what_a_token_sees(tiny_model):
+    """Two gemma3 window layers of 8: position p depends on tokens >= p - 14 only; llama sees everything."""
+    a = PROMPT + [100, 101, 102, 103]
+    b = [3, 4, 5, 6] + a[4:]
+    p = len(a) - 1  # 23: first 4 tokens are outside its two-layer window reach (>= 9)
+    gemma = load(tiny_model("gemma3"))
+    la = prefill(gemma, a)[p]
+    lb = prefill(gemma, b)[p]
+    torch.testing.assert_close(la, lb, atol=1e-5, rtol=1e-5)
+    llama = load(tiny_model("llama"))
+    assert not torch.allclose(prefill(llama, a)[p], prefill(llama, b)[p], atol=1e-3)
+
+
+def test_assign_rematerialises_layers(tiny_model):
+    path = tiny_model("llama", n_layers=4)
+    stage = load(path, layers=(0, 2), embed=False, head=False)
+    stage.assign(2, 4)
+    assert sorted(stage.layers) == [2, 3]
+    fresh = load(path, layers=(2, 4), embed=False, head=False)
+    h = torch.randn(5, 64)
+    slots, pos = torch.zeros(5, dtype=torch.long), torch.arange(5)
+    assert torch.equal(stage.run_layers(h, slots, pos), fresh.run_layers(h, slots, pos))
+    with pytest.raises(UserError, match="outside"):
+        stage.assign(3, 9)
+
+
+def test_int8_head_keeps_top_logits_exact(tiny_model):
+    path = tiny_model("gemma3")
+    exact = load(path, dtype="bfloat16", int8_head=False)
+    fast = load(path, dtype="bfloat16", int8_head=True)
+    assert fast.output.weight.dtype == torch.int8
+    h = torch.randn(3, 64)
+    e, f = exact.logits(h), fast.logits(h)
+    assert torch.equal(e.argmax(-1), f.argmax(-1))
+    top = e.topk(5).indices
+    torch.testing.assert_close(f.gather(1, top), e.gather(1, top), atol=2e-2, rtol=1e-2)
+
+
+def test_errors_are_user_errors(tiny_model, tmp_path):
+    stage = load(tiny_model("llama"), n_ctx=16)
+    with pytest.raises(UserError, match="prompt too long"):
+        prefill(stage, PROMPT)  # 20 tokens, context 16
+    with pytest.raises(UserError, match="slot 7"):
+        prefill(stage, [1, 2], slot=7)
+    g = GGUFFile(tiny_model("llama"))
+    del g.tensors["blk.1.ffn_up.weight"]
+    with pytest.raises(UserError, match="blk.1.ffn_up.weight"):
+        Stage(ModelConfig.from_gguf(g), g)
+
+    w = gguf.GGUFWriter(str(tmp_path / "rwkv.gguf"), "rwkv6")
+    w.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
+    with pytest.raises(UserError, match="unsupported model architecture 'rwkv6'"):
+        ModelConfig.from_gguf(GGUFFile(tmp_path / "rwkv.gguf"))
+
+
+def test_unsupported_quant_type_is_a_user_error(tmp_path):
+    from hydra_console.engine.synth import write_synthetic
+
+    path = write_synthetic(tmp_path / "tq.gguf", "llama", n_embd=256, n_ff=256, qtype="TQ1_0")
+    with pytest.raises(UserError, match="TQ1_0"):
+        load(path)
+
+
+def test_graph_decode_path_matches_per_slot_attention(tiny_model):
+    """The gathered, position-masked attention that CUDA graphs capture gives the per-run result."""
+    path = tiny_model("gemma3")
+    a, b = load(path), load(path)
+    for stage in (a, b):
+        prefill(stage, PROMPT[:12], slot=0)
+        prefill(stage, PROMPT[:3], slot=2)
+    h = a.embed(torch.tensor([7, 9]))
+    slots, positions = torch.tensor([2, 0]), torch.tensor([3, 12])
+    eager = a.run_layers(h, slots, positions)
+    graphed = b._forward(h, slots, positions, None, batched=True, kv_len=b.n_ctx)
+    torch.testing.assert_close(graphed, eager, atol=1e-5, rtol=1e-5)
