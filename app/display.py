@@ -12,6 +12,8 @@ import re
 import time
 from dataclasses import dataclass
 
+import psutil
+
 from .config import Alerts
 from .supervisor import Event, State, Supervisor, Worker, describe_exit
 
@@ -170,16 +172,16 @@ def memory_rows(sup: Supervisor, alerts: Alerts) -> list[MemoryRow]:
     rows: list[MemoryRow] = []
     for w in sup.workers.values():
         devs = [d for d in (w.status or {}).get("devices") or [] if isinstance(d, dict)]
+        # psutil on a local worker's pid says what this process holds, beside the machine-wide figure.
+        own = f"rss {fmt_bytes(w.rss)}" + (f" cpu {w.cpu_pct:.0f}%" if w.cpu_pct is not None else "") if w.rss else ""
         for d in devs:
             kind = d.get("kind", "?")
             label = f"{w.name} {kind}:{d.get('index', 0)}" if kind == "cuda" else f"{w.name} RAM"
             used, total = d.get("memory_used"), d.get("memory_total")
             util = d.get("util")
-            note = f"util {util:.0f}%" if isinstance(util, (int, float)) else ""
+            note = f"util {util:.0f}%" if isinstance(util, (int, float)) and kind == "cuda" else own
             rows.append(MemoryRow(label, used, total, note, _mem_tone(used, total, alerts)))
         if not devs and w.rss is not None:
-            import psutil
-
             total = psutil.virtual_memory().total
             cpu = f"cpu {w.cpu_pct:.0f}%" if w.cpu_pct is not None else ""
             rows.append(MemoryRow(f"{w.name} RSS", w.rss, total, cpu, _mem_tone(w.rss, total, alerts)))

@@ -418,7 +418,8 @@ class Supervisor:
             w._ps = psutil.Process(proc.pid) if w.spec.is_local else None
         except psutil.Error:
             w._ps = None
-        self.emit(w.name, "started", f"pid {proc.pid}: {shlex.join(argv)}")
+        self._log(w, "out", f"[hydra-console] started pid {proc.pid}: {shlex.join(argv)}")
+        self.emit(w.name, "started", f"pid {proc.pid}" + ("" if w.spec.is_local else f" on {w.spec.host}"))
         pumps = [self._task(self._pump(w, proc.stdout, "out")), self._task(self._pump(w, proc.stderr, "err"))]
         w._watch = self._task(self._wait(w, proc, pumps))
 
