@@ -115,7 +115,7 @@ def write_synthetic(
         getattr(w, f"add_{key}_token_id")(tokens.index(tok))
 
     def dense(name: str, rows: int, cols: int, std: float) -> None:
-        _add_weight(w, name, (rng.standard_normal((rows, cols)) * std).astype(np.float32), qt, rng)
+        _add_weight(w, name, rng.standard_normal((rows, cols), dtype=np.float32) * np.float32(std), qt, rng)
 
     def vec(name: str, n: int, center: float = 1.0, spread: float = 0.1) -> None:
         w.add_tensor(name, (center + spread * rng.standard_normal(n)).astype(np.float32))
