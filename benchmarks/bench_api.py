@@ -6,6 +6,7 @@
    chunk) against `hydra-engine bench` decode on the same model, device and dtype.
 
     python benchmarks/bench_api.py [--model PATH] [--device cpu] [--dtype auto] [-n 64] [--streams 1,4,8]
+    python benchmarks/bench_api.py --synthetic-llama-1b --device cuda   # the issue's GPU shape
 """
 
 from __future__ import annotations
@@ -16,8 +17,10 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
+from pathlib import Path
 
 import httpx
 
@@ -120,6 +123,55 @@ def concurrent(base: str, n_streams: int, n: int) -> dict:
     }
 
 
+def scheduling(args, n_long: int = 512, n_streams: int = 4) -> list[dict]:
+    """In-process: `n_streams` greedy streams decode while an `n_long`-token prompt arrives. Mixed
+    steps (prefill chunks ride with the decode tokens) against prefill-only steps (nano-vllm)."""
+    from hydra_console.engine.default_model import default_model_path
+    from hydra_console.engine.gguf_file import GGUFFile
+    from hydra_console.engine.pipeline import Pipeline
+    from hydra_console.engine.runtime import Engine, Request, load_stage
+    from hydra_console.engine.sampling import SamplingParams
+    from hydra_console.engine.tokenizer import Tokenizer
+
+    g = GGUFFile(args.model or default_model_path())
+    tok = Tokenizer.from_gguf(g)
+    stage = load_stage(g, args.device, args.dtype, n_slots=n_streams + 1, n_ctx=args.ctx)
+    long_prompt = (tok.encode(" ".join(PROMPTS) * 40))[:n_long]
+    out = []
+    for mixed in (True, False):
+        engine = Engine(Pipeline(stage), tok, n_streams + 1, args.ctx, mixed_steps=mixed).start()
+        stamps: list[list[float]] = [[] for _ in range(n_streams)]
+
+        def decode(i: int) -> None:
+            req = Request(tok.encode(PROMPTS[i]), SamplingParams(temperature=0.0), max_tokens=args.n_gen,
+                          ignore_eos=True)  # fmt: skip
+            for ev in engine.generate(req):
+                if ev.tokens:
+                    stamps[i].append(time.perf_counter())
+
+        threads = [threading.Thread(target=decode, args=(i,)) for i in range(n_streams)]
+        for t in threads:
+            t.start()
+        while min(len(s) for s in stamps) < 8:
+            time.sleep(0.001)
+        t_submit = time.perf_counter()
+        first = None
+        for ev in engine.generate(Request(long_prompt, SamplingParams(temperature=0.0), max_tokens=4, ignore_eos=True)):
+            first = first or (time.perf_counter() if ev.tokens else None)
+        for t in threads:
+            t.join()
+        engine.stop()
+        gaps = [b - a for s in stamps for a, b in zip(s, s[1:]) if b > t_submit]
+        span = max(s[-1] for s in stamps) - min(s[0] for s in stamps)
+        out.append({
+            "mixed_steps": mixed,
+            "long_prompt_ttft_ms": round((first - t_submit) * 1e3, 1),
+            "decode_max_gap_ms": round(max(gaps) * 1e3, 1),
+            "decode_aggregate_tok_s": round(sum(len(s) - 1 for s in stamps) / span, 2),
+        })  # fmt: skip
+    return out
+
+
 def engine_bench(args, n: int) -> dict:
     cmd = [sys.executable, "-m", "hydra_console.engine.cli", "bench", "--json", "-p", "16", "-n", str(n), "-r", "3",
            "--device", args.device, "--dtype", args.dtype]  # fmt: skip
@@ -138,7 +190,20 @@ def main() -> None:
     ap.add_argument("-n", "--n-gen", type=int, default=64)
     ap.add_argument("--streams", default="1,4,8")
     ap.add_argument("--cold-runs", type=int, default=2)
+    ap.add_argument("--scheduling", action="store_true",
+                    help="only compare mixed prefill+decode steps against prefill-only steps (in-process)")  # fmt: skip
+    ap.add_argument("--synthetic-llama-1b", action="store_true",
+                    help="write and serve a random-weight llama of 1.1B parameters (hidden 2048, 16 layers, "
+                         "32 heads, 8 KV heads, FFN 8192, vocab 32000, F16)")  # fmt: skip
     args = ap.parse_args()
+    if args.synthetic_llama_1b:
+        from hydra_console.engine.synth import write_synthetic
+
+        args.model = str(write_synthetic(Path(tempfile.mkdtemp()) / "llama-1b.gguf", "llama", n_layers=16, n_embd=2048,
+                                         n_head=32, n_head_kv=8, n_ff=8192, vocab_size=32000, n_ctx=4096, qtype="F16"))  # fmt: skip
+    if args.scheduling:
+        print(json.dumps(scheduling(args), indent=2))
+        return
     streams = [int(s) for s in args.streams.split(",")]
     report: dict = {"model": args.model or "default (gemma3 270m q4_k_m)", "device": args.device, "dtype": args.dtype,
                     "cpus": os.cpu_count(), "load_avg_start": os.getloadavg()[0]}  # fmt: skip
@@ -152,8 +217,10 @@ def main() -> None:
 
     proc, base, _ = start(args, max(streams))
     try:
-        stream_one(base, PROMPTS[0], 8)  # warm-up
-        report["concurrency"] = [concurrent(base, s, args.n_gen) for s in streams]
+        report["concurrency"] = []
+        for n in streams:
+            concurrent(base, n, 8)  # warm-up: first use of a batch size (CUDA graph capture)
+            report["concurrency"].append(concurrent(base, n, args.n_gen))
         single = stream_one(base, PROMPTS[1], args.n_gen * 2)
         api_tok_s = (single["chunks"] - 1) / (single["t_last"] - single["t_first"])
     finally:

@@ -165,12 +165,16 @@ class Engine:
     """Continuous batching over `n_slots` slots of `n_ctx` tokens each, driving `pipeline.forward`."""
 
     def __init__(self, pipeline, tokenizer, n_slots: int, n_ctx: int, batch_tokens: int = DEFAULT_BATCH_TOKENS,
-                 speculator: Speculator | None = None):  # fmt: skip
+                 speculator: Speculator | None = None, mixed_steps: bool = True):  # fmt: skip
         self.pipeline = pipeline
         self.tok = tokenizer
         self.n_slots = n_slots
         self.n_ctx = n_ctx
         self.batch_tokens = batch_tokens
+        # True: prefill chunks ride along with the decoding slots' tokens in one forward. False
+        # (nano-vllm's way): a step with prefill work runs only prefill. benchmarks/bench_api.py
+        # --scheduling compares the two.
+        self.mixed_steps = mixed_steps
         self.stats = EngineStats()
         # Always there: requests may ask for n-gram drafting even when the server default is off.
         self.spec = speculator or Speculator()
@@ -322,6 +326,8 @@ class Engine:
         """Decoding sequences take one token each; prefill chunks share what is left of the budget."""
         running = [s for s in self.slots if s is not None]
         decoding = [s for s in running if not s.prefilling]
+        if not self.mixed_steps and len(decoding) < len(running):
+            decoding = []
         drafts = self.spec.plan(decoding, self.n_ctx)
         work = [_Work(s, s.n_past, s.n_past + 1, True, False, d) for s, d in zip(decoding, drafts)]
         budget = max(self.batch_tokens - len(work) - sum(len(d) for d in drafts if d), 1)
