@@ -258,3 +258,67 @@ def test_write_profile_then_load_it(tmp_path):
     proc = run_cli("--write-profile", str(out))
     assert proc.returncode == 0, proc.stderr
     assert load_profile(out).head.port == 8080
+
+
+def test_hangup_of_the_ssh_session_stops_the_started_workers(tmp_path):
+    """The real `hydra-console` in a pseudo-terminal; SIGHUP (a dropped SSH session) must not orphan workers."""
+    import os
+    import pty
+    import signal
+    import threading
+
+    from hydra_console.app.config import save_profile
+
+    profile = fake_profile()
+    profile.supervisor.log_dir = str(tmp_path / "logs")
+    path = save_profile(profile, tmp_path / "p.toml")
+    pid, fd = pty.fork()
+    if pid == 0:  # the child: the console, on a terminal of its own
+        os.environ["TERM"] = "xterm-256color"
+        os.execv(sys.executable, [sys.executable, "-m", "hydra_console.app.main", "--profile", str(path)])
+
+    def drain():  # a pty that nobody reads blocks the app's writes
+        try:
+            while os.read(fd, 65536):
+                pass
+        except OSError:
+            pass
+
+    threading.Thread(target=drain, daemon=True).start()
+    worker_pids = {}
+    try:
+        deadline = time.monotonic() + 60
+        while len(worker_pids) < 2 and time.monotonic() < deadline:
+            for w in profile.workers:
+                try:
+                    worker_pids[w.name] = httpx.get(f"{w.url}/status", timeout=1).json()["pid"]
+                except httpx.HTTPError:
+                    pass
+            time.sleep(0.2)
+        assert len(worker_pids) == 2, "the console never started its workers"
+        os.kill(pid, signal.SIGHUP)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and os.waitpid(pid, os.WNOHANG)[0] == 0:
+            time.sleep(0.1)
+        assert time.monotonic() < deadline, "the console did not exit on SIGHUP"
+        import psutil
+
+        def gone(p: int) -> bool:
+            return not psutil.pid_exists(p) or psutil.Process(p).status() == psutil.STATUS_ZOMBIE
+
+        deadline = time.monotonic() + 10
+        while not all(gone(p) for p in worker_pids.values()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert all(gone(p) for p in worker_pids.values())
+    finally:
+        for p in worker_pids.values():
+            try:
+                os.killpg(p, signal.SIGKILL)
+            except OSError:
+                pass
+        try:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+        except OSError:
+            pass
+        os.close(fd)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import signal
 from functools import partial
 from pathlib import Path
 from typing import Callable, Iterable
@@ -71,10 +73,23 @@ class HydraConsole(App):
         self._unsubscribe = self.supervisor.subscribe(self._on_supervisor_event)
         self.set_interval(p.supervisor.poll_s, self.refresh_view)
         self._start_supervisor()
+        self._stop_on_hangup()
         if self._load_model_shape:
             self._load_shape()
 
+    def _stop_on_hangup(self) -> None:
+        """A dropped SSH session (SIGHUP) or a kill (SIGTERM) stops the started workers, never orphans them."""
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGHUP, signal.SIGTERM):
+            try:
+                loop.add_signal_handler(sig, self._stop_and_exit, True)
+            except (NotImplementedError, RuntimeError, ValueError):  # not the main thread (tests), or no such signal
+                pass
+
     def on_unmount(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGHUP, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
         if self._unsubscribe:
             self._unsubscribe()
             self._unsubscribe = None
