@@ -12,6 +12,8 @@ import time
 
 import torch
 
+from ..errors import UserError
+
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 CODE_DTYPES = {v: k for k, v in DTYPE_CODES.items()}
@@ -133,8 +135,13 @@ class StageHost:
                 raise ComputeError("no stage assigned here: send LOAD_STAGE first")
             if epoch != self.epoch:
                 raise StaleEpoch(f"resident set is at epoch {self.epoch}, request validated epoch {epoch}")
+            if hidden.shape[1] != self.cfg.n_embd:
+                raise ComputeError(f"hidden states of width {hidden.shape[1]}, this model's is {self.cfg.n_embd}")
             t0 = time.perf_counter()
-            out = self.stage.run_layers(hidden.to(self.device), slots.to(self.device), positions.to(self.device))
+            try:
+                out = self.stage.run_layers(hidden.to(self.device), slots.to(self.device), positions.to(self.device))
+            except (UserError, ValueError) as e:  # a batch with slots or positions this stage cannot take
+                raise ComputeError(str(e)) from None
             out = out.to("cpu")
             self.compute_s += time.perf_counter() - t0
             self.forwards += 1
@@ -145,8 +152,10 @@ class StageHost:
         with self.lock:
             if self.stage is None or not self.assignable:
                 return
-            slots = range(self._params[1]) if slot < 0 else [slot]
-            for s in slots:
+            n_slots = self._params[1]
+            if slot >= n_slots:
+                raise ComputeError(f"slot {slot} does not exist ({n_slots} slots)")
+            for s in range(n_slots) if slot < 0 else [slot]:
                 self.stage.kv_clear(s)
 
     def stats(self) -> dict:

@@ -1,0 +1,138 @@
+"""Layer split over loopback: decode split/solo ratio (head + 1 peer process) and live re-split time.
+
+    python benchmarks/bench_split.py [--model PATH] [--device cpu] [--dtype auto] [-n 64] [-r 3]
+    python benchmarks/bench_split.py --synthetic-llama-1b --device cuda   # the H200 run (two processes, one GPU)
+
+Decode: the same prompt prefilled, then `-n` single-token steps through `Pipeline.forward`, solo
+(every layer here) and split (head [0, L/2) here, [L/2, L) in a `hydra-engine peer` process over
+the merged RPC port), interleaved `-r` times; the best run of each counts. Re-split: boundaries
+moved back and forth with a slot of `--resplit-ctx` tokens live (its KV is rebuilt each time).
+Prints numbers, asserts nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import types
+from pathlib import Path
+
+import torch
+
+from hydra_console.engine.device import resolve_device, resolve_dtype
+from hydra_console.engine.gguf_file import GGUFFile
+from hydra_console.engine.model import ModelConfig, Stage
+from hydra_console.engine.pipeline import Pipeline, build_pipeline
+
+PROMPT_TOKENS = 32
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_peer(model: Path, device: str) -> tuple[subprocess.Popen, str]:
+    port, rpc = free_port(), free_port()
+    cmd = [sys.executable, "-m", "hydra_console.engine.cli", "peer", "--model", str(model), "--device", device,
+           "--port", str(port), "--rpc-port", str(rpc)]  # fmt: skip
+    return subprocess.Popen(cmd, stderr=subprocess.DEVNULL), f"127.0.0.1:{rpc}"
+
+
+def decode_tok_s(pipe: Pipeline, n: int, slot: int = 0) -> float:
+    vocab = pipe.cfg.n_vocab
+    prompt = torch.arange(1, PROMPT_TOKENS + 1) % vocab
+    zero = torch.tensor([0])
+    logits = pipe.forward(prompt, torch.full((PROMPT_TOKENS,), slot), torch.arange(PROMPT_TOKENS), torch.tensor([PROMPT_TOKENS - 1]))
+    tok = logits.argmax(-1)
+    sync = torch.cuda.synchronize if pipe.head.device.type == "cuda" else (lambda: None)
+    sync()
+    t0 = time.perf_counter()
+    for i in range(n):
+        tok = pipe.forward(tok, torch.tensor([slot]), torch.tensor([PROMPT_TOKENS + i]), zero).argmax(-1)
+    sync()
+    return n / (time.perf_counter() - t0)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--synthetic-llama-1b", action="store_true", help="write and use the 1.1B llama shape (GPU run)")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("-n", "--n-gen", type=int, default=64)
+    ap.add_argument("-r", "--repetitions", type=int, default=3)
+    ap.add_argument("--resplit-ctx", type=int, default=64, help="tokens live in a slot during re-splits")
+    args = ap.parse_args()
+
+    tmp = tempfile.TemporaryDirectory()
+    if args.synthetic_llama_1b:
+        from hydra_console.engine.synth import write_synthetic
+
+        model = write_synthetic(Path(tmp.name) / "llama-1b.gguf", "llama", n_layers=22, n_embd=2048, n_head=32,
+                                n_head_kv=4, n_ff=5632, vocab_size=32000, qtype="F16")  # fmt: skip
+    elif args.model:
+        model = Path(args.model)
+    else:
+        from hydra_console.engine.default_model import default_model_path
+
+        model = default_model_path()
+    g = GGUFFile(model)
+    cfg = ModelConfig.from_gguf(g)
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, device)
+    n_ctx = PROMPT_TOKENS + args.n_gen + 8
+    half = cfg.n_layers // 2
+    print(f"model {model.name}: {cfg.n_layers} layers, n_embd {cfg.n_embd}; device {device}, dtype {dtype}, "
+          f"torch threads {torch.get_num_threads()}, cores {os.cpu_count()}")  # fmt: skip
+
+    proc, addr = start_peer(model, args.device)
+    try:
+        solo = Pipeline(Stage(cfg, g, layers=(0, cfg.n_layers), device=device, dtype=dtype, n_slots=1, n_ctx=max(n_ctx, args.resplit_ctx)))
+        ns = types.SimpleNamespace(peer=[addr], split=f"{half}/{cfg.n_layers - half}", device=args.device, dtype=args.dtype,
+                                   peer_wait=120.0, fallback_solo=False, auth_token=None, max_frame=1 << 30)  # fmt: skip
+        split = build_pipeline(ns, g, cfg, n_slots=1, n_ctx=max(n_ctx, args.resplit_ctx))
+        decode_tok_s(solo, 4)  # warm-up both paths
+        decode_tok_s(split, 4)
+        runs = {"solo": [], "split": []}
+        for _ in range(args.repetitions):
+            runs["solo"].append(decode_tok_s(solo, args.n_gen))
+            runs["split"].append(decode_tok_s(split, args.n_gen))
+        best = {k: max(v) for k, v in runs.items()}
+        med = {k: statistics.median(v) for k, v in runs.items()}
+        print(f"decode solo  tok/s: best {best['solo']:.2f}  median {med['solo']:.2f}  runs {[round(x, 2) for x in runs['solo']]}")
+        print(f"decode split tok/s: best {best['split']:.2f}  median {med['split']:.2f}  runs {[round(x, 2) for x in runs['split']]}")
+        print(f"split/solo ratio: best {best['split'] / best['solo']:.3f}  median {med['split'] / med['solo']:.3f}")
+        remote = split.remotes[0]
+        print(f"peer {addr}: network rtt (step minus peer compute) {remote.rtt_ms:.3f} ms, "
+              f"sent {remote.bytes_sent} B, received {remote.bytes_recv} B")  # fmt: skip
+
+        # Live re-split with one live slot of --resplit-ctx tokens.
+        split.forward(torch.arange(1, args.resplit_ctx + 1) % cfg.n_vocab, torch.zeros(args.resplit_ctx, dtype=torch.long),
+                      torch.arange(args.resplit_ctx), torch.tensor([args.resplit_ctx - 1]))  # fmt: skip
+        split.active_slots = lambda: {0}
+        layouts = [[(0, half + 3), (half + 3, cfg.n_layers)], [(0, half - 3), (half - 3, cfg.n_layers)], [(0, half), (half, cfg.n_layers)]]
+        times = []
+        for layout in layouts * 2:
+            t0 = time.perf_counter()
+            r = split.resplit(layout)
+            wall = time.perf_counter() - t0
+            times.append(wall)
+            print(f"re-split -> {r['layers']}: {wall:.3f} s (assign {r['assign_s']:.3f} s, rebuilt {r['rebuilt_tokens']} tokens)")
+        print(f"re-split: median {statistics.median(times):.3f} s, max {max(times):.3f} s")
+        split.stop()
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+        tmp.cleanup()
+
+
+if __name__ == "__main__":
+    main()
