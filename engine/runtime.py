@@ -345,7 +345,7 @@ class Engine:
         """Sample, verify drafts, deliver; returns how many accepted draft tokens were released."""
         row = 0
         n_accepted = 0
-        to_sample: list[tuple[Sequence, torch.Tensor]] = []
+        to_sample: list[tuple[Sequence, int]] = []  # (sequence, its logits row)
         for w in work:
             seq = w.seq
             seq.n_past = w.end
@@ -358,9 +358,9 @@ class Engine:
                 self._score_prompt(w, logits[row : row + n])
                 row += n
                 if w.sample:
-                    to_sample.append((seq, logits[row - 1]))
+                    to_sample.append((seq, row - 1))
             elif w.sample:
-                to_sample.append((seq, logits[row]))
+                to_sample.append((seq, row))
                 row += 1
             if not seq.prefilling and seq.t_first is None:
                 seq.t_first = time.perf_counter()
@@ -372,7 +372,8 @@ class Engine:
         if not to_sample:
             return n_accepted
         seqs = [s for s, _ in to_sample]
-        rows = torch.stack([r for _, r in to_sample])
+        idx = [r for _, r in to_sample]
+        rows = logits if idx == list(range(logits.shape[0])) else logits[idx]  # decode-only steps: no copy
         picks = sample_batch(rows, [s.sampler for s in seqs], [s.tokens for s in seqs])
         for i, (seq, tid) in enumerate(zip(seqs, picks)):
             n_top = seq.req.params.logprobs

@@ -162,7 +162,8 @@ def sample_batch(logits: torch.Tensor, samplers: list[Sampler], histories: list[
     plain = [i for i, s in enumerate(samplers) if s.params.greedy and not s.params.penalised]
     out = [0] * len(samplers)
     if plain:
-        picks = logits[plain].argmax(-1).tolist()
+        # one device→host transfer for the whole batch; no row copy when every row is plain
+        picks = (logits if len(plain) == len(samplers) else logits[plain]).argmax(-1).tolist()
         for i, t in zip(plain, picks):
             out[i] = t
     done = set(plain)
