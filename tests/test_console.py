@@ -183,7 +183,7 @@ async def test_logs_filter_invert_and_failure_highlight(tmp_path):
         await pilot.press("exclamation_mark")
         assert not any("hello" in t for t in shown()) and any("Address" in t for t in shown())
         await pilot.press("c", "f")
-        assert logs.follow is False and len(shown()) == 2
+        assert logs.follow is False and len(shown()) == 3  # the launch line, then the two printed ones
         await pilot.press("w")
         assert logs.source == "head"
         app._stop_and_exit(True)

@@ -102,6 +102,21 @@ def test_split_server_speculation_is_exact_and_counted(tmp_path, tiny_model):
         peer.stop()
 
 
+def test_draft_model_server(tmp_path, tiny_model):
+    """`--spec-type draft --model-draft`: a second GGUF with the same vocabulary drafts; the
+    output is the plain greedy output."""
+    head = _serve(tmp_path, tiny_model("llama"), "--spec-type", "draft", "--model-draft",
+                  str(tiny_model("llama", seed=7, n_layers=1)), "--draft-p-min", "0")  # fmt: skip
+    try:
+        plain = _complete(head.url, PROMPTS[2], speculative={"type": "off"})
+        spec = _complete(head.url, PROMPTS[2])
+        assert spec["choices"][0]["text"] == plain["choices"][0]["text"]
+        assert spec["timings"]["draft_n"] > 0
+        assert head.status()["speculative"]["type"] == "draft"
+    finally:
+        head.stop()
+
+
 @pytest.mark.parametrize(
     "extra, message",
     [
