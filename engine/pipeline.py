@@ -91,7 +91,7 @@ class Pipeline:
         self._lock = threading.RLock()  # one forward, re-split or re-attach at a time
         self._history: torch.Tensor | None = None  # [slots, ctx] token ids run so far
         self._lengths: dict[int, int] = {}
-        self._stale = False  # a stage lost KV: rebuild before the next forward
+        self._stale: int | None = None  # index of the last stage that lost KV: rebuild before the next forward
         self._watch: threading.Thread | None = None
         self._stopping = threading.Event()
         for remote in self.remotes:
@@ -118,8 +118,8 @@ class Pipeline:
     ) -> torch.Tensor:
         """Flattened batch in, float32 logits of the rows in `logit_rows` out."""
         with self._lock:
-            if self._stale:
-                self._rebuild()
+            if self._stale is not None:
+                self._rebuild(self._stale)
             h = self._run(tokens, slots, positions)
             self._record(tokens, slots, positions)
             return self.head.logits(h[logit_rows])
@@ -128,14 +128,14 @@ class Pipeline:
         from .rpc.client import StaleEpoch
 
         h = self.head.run_layers(self.head.embed(tokens), slots, positions)
-        for remote in self.remotes:
+        for i, remote in enumerate(self.remotes, 1):
             try:
                 h = remote.run_layers(h, slots, positions)
             except StaleEpoch:
-                # Someone replaced the peer's resident set: re-validate, rebuild every peer's KV, redo.
+                # Someone replaced the peer's resident set: re-validate, rebuild its KV, redo the batch.
                 log.warning("peer %s changed its resident set: re-attaching", remote.addr)
                 remote.attach()
-                self._rebuild()
+                self._rebuild(i)
                 return self._run(tokens, slots, positions)
         return h
 
@@ -169,8 +169,9 @@ class Pipeline:
         for slot, pos in zip(s.tolist(), p.tolist()):
             self._lengths[slot] = pos + 1
 
-    def _rebuild(self) -> int:
-        """Replay the active slots' tokens through every stage (rewrites all their KV)."""
+    def _rebuild(self, through: int) -> int:
+        """Replay the active slots' tokens through stages 0..`through` (rewrites their KV; the
+        stages after `through` kept theirs)."""
         active = self.active_slots() if self.active_slots is not None else set(self._lengths)
         n_tokens = 0
         for slot in sorted(active):
@@ -181,10 +182,10 @@ class Pipeline:
                 slots = torch.full((end - start,), slot, dtype=torch.long)
                 positions = torch.arange(start, end, dtype=torch.long)
                 h = self.head.run_layers(self.head.embed(tokens), slots, positions)
-                for remote in self.remotes:
+                for remote in self.remotes[:through]:
                     h = remote.run_layers(h, slots, positions)
                 n_tokens += end - start
-        self._stale = False
+        self._stale = None
         return n_tokens
 
     # --- live re-split --------------------------------------------------------------------------
@@ -205,10 +206,11 @@ class Pipeline:
             except Exception:
                 log.exception("re-split to %s failed: restoring %s", ranges, old)
                 self._assign_all(old)
-                self._stale = True
+                self._stale = len(self.remotes)
                 raise
             t_assign = time.perf_counter() - t0
-            rebuilt = self._rebuild()
+            changed = [i for i, (a, b) in enumerate(zip(old, ranges)) if a != b]
+            rebuilt = self._rebuild(changed[-1]) if changed else 0
             self.resplits += 1
             self.last_resplit = {
                 "layers": [list(r) for r in ranges],
@@ -260,7 +262,8 @@ class Pipeline:
                         log.warning("peer %s not back yet: %s", remote.addr, e)
                         continue
                     log.warning("peer %s is back: re-attached, rebuilding KV", remote.addr)
-                    self._stale = True
+                    i = self.remotes.index(remote) + 1
+                    self._stale = i if self._stale is None else max(self._stale, i)
 
     def stages(self) -> list[dict]:
         """Explicit layer ranges of every stage, for /status."""
