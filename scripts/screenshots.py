@@ -53,7 +53,7 @@ async def load(url: str, n: int) -> None:
     async with httpx.AsyncClient(timeout=120) as client:
         for i in range(n):
             await client.post(f"{url}/v1/completions",
-                              json={"prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": 24, "temperature": 0})
+                              json={"prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": 16, "temperature": 0})
 
 
 async def main(out: Path, device: str) -> None:
@@ -74,7 +74,7 @@ async def main(out: Path, device: str) -> None:
 
     async with app.run_test(size=(120, 40)) as pilot:
         await wait_for(pilot, lambda: all(w.state == State.READY for w in sup.workers.values()), 600, "workers ready")
-        await load(sup.head.spec.url, 6)
+        await load(sup.head.spec.url, 4)
         await pilot.pause(3)
         app.refresh_view()
         await pilot.pause()
