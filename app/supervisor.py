@@ -150,6 +150,16 @@ class Worker:
         return st.get("pid") if st else None
 
 
+async def _listening(host: str, port: int) -> bool:
+    """Something accepts connections there already (a worker of another console, say)."""
+    try:
+        _, writer = await asyncio.wait_for(asyncio.open_connection(_connect_host(host), port), 0.5)
+    except (OSError, asyncio.TimeoutError):
+        return False
+    writer.close()
+    return True
+
+
 def _connect_host(host: str) -> str:
     return "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
 
@@ -280,6 +290,13 @@ class Supervisor:
             raise SupervisorError(f"{name} is attached (monitor only); this console does not start it")
         if w.running:
             return
+        if w.spec.is_local:
+            busy = [port for port in (w.spec.port, w.spec.rpc) if await _listening(w.spec.host, port)]
+            if busy:
+                w.state, w.wanted = State.CRASHED, False
+                self.emit(name, "error", f"port {', '.join(map(str, busy))} on {w.spec.host} is already in use "
+                                         "(another console's worker? watch it with --attach); not started")
+                return
         w.wanted = True
         w.backoff.reset()
         await self._spawn(w)

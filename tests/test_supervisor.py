@@ -249,9 +249,10 @@ class ControlServer:
 async def test_split_goes_live_through_configure_when_the_head_accepts_it(tmp_path, status, expected):
     profile = fake_profile(peers=1)
     ctl = ControlServer(status)
-    server = await asyncio.start_server(ctl.handle, "127.0.0.1", profile.head.rpc)
     sup = Supervisor(profile, log_dir=tmp_path)
     await sup.start()
+    # The stand-in head opens no RPC port: this server answers CONFIGURE there in its place.
+    server = await asyncio.start_server(ctl.handle, "127.0.0.1", profile.head.rpc)
     try:
         await wait_until(lambda: sup.head.state == State.READY)
         pid = sup.head.pid
@@ -274,3 +275,15 @@ async def test_fixed_feed_drives_attached_states():
     assert sup.head.state == State.DEGRADED and sup.head.shown_pid() == 42 and sup.head.uptime(0) == 5.0
     assert sup.workers["peer1"].state == State.UNREACHABLE
     assert [e.kind for e in sup.events] == ["degraded", "unreachable"]
+
+
+async def test_start_refuses_a_port_another_process_listens_on(tmp_path):
+    profile = script_profile(tmp_path, "import time; time.sleep(60)\n")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", profile.head.port))
+        taken.listen()
+        sup = new_supervisor(profile, tmp_path)
+        await sup.start_worker("head")
+    assert not sup.head.running and sup.head.state == State.CRASHED
+    assert any(e.kind == "error" and f"port {profile.head.port}" in e.message and "--attach" in e.message for e in sup.events)
+    await sup.shutdown()
