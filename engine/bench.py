@@ -70,7 +70,7 @@ def run_bench(model: Path, device: str, dtype: str, n_prompt: int, n_gen: int, r
         "arch": cfg.arch,
         "device": str(stage.device),
         "dtype": str(stage.dtype).removeprefix("torch."),
-        "head": "int8" if stage.int8_head else str(stage.dtype).removeprefix("torch."),
+        "weights": "int8" if stage.int8 else str(stage.dtype).removeprefix("torch."),
         "threads": torch.get_num_threads(),
         "n_prompt": n_prompt,
         "n_gen": n_gen,
@@ -134,7 +134,7 @@ def main(args) -> int:
         print(json.dumps(result))
         return 0
     print(f"model   {result['model']} ({result['arch']})")
-    print(f"device  {result['device']}  dtype {result['dtype']}  head {result['head']}  threads {result['threads']}")
+    print(f"device  {result['device']}  dtype {result['dtype']}  weights {result['weights']}  threads {result['threads']}")
     print(f"load    {result['load_s']:.2f} s   weights read per token {result['weight_bytes'] / 1e6:.1f} MB")
     if "prefill_tok_s" in result:
         line = f"prefill {result['prefill_tok_s']:10.1f} ± {result['prefill_tok_s_std']:.1f} tok/s  (p={args.n_prompt})"

@@ -146,10 +146,12 @@ class ModelConfig:
 
 
 class Linear:
-    """y = x @ W^T (+ b): W dense in the compute dtype, or int8 rows with a float scale each (`scale`)."""
+    """y = x @ W^T (+ b). W is dense in the compute dtype, or int8 rows with a bfloat16 scale each
+    (`scale`), stored as `terms` stacked row blocks whose products add up: a second term quantizes
+    the first one's residual, so two int8 terms are about as exact as float32 weights."""
 
-    def __init__(self, weight: torch.Tensor, scale: torch.Tensor | None = None, bias: torch.Tensor | None = None):
-        self.weight, self.scale, self.bias = weight, scale, bias
+    def __init__(self, weight: torch.Tensor, scale: torch.Tensor | None = None, bias=None, terms: int = 1):
+        self.weight, self.scale, self.bias, self.terms = weight, scale, bias, terms
 
     @property
     def nbytes(self) -> int:
@@ -159,15 +161,23 @@ class Linear:
         if self.scale is None:
             y = F.linear(x, self.weight)
         else:
-            y = torch.ops.aten._weight_int8pack_mm(x, self.weight, self.scale)
+            y = torch.ops.aten._weight_int8pack_mm(x.to(self.scale.dtype), self.weight, self.scale)
+            if self.terms > 1:
+                y = y.view(x.shape[0], self.terms, -1).float().sum(1)  # the residual term is below bf16 resolution
         return y if self.bias is None else y.float() + self.bias
 
 
-def _int8_rows(w: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric int8 per output row: w ≈ q * scale[:, None]."""
-    scale = w.abs().amax(dim=1).clamp_min(1e-30) / 127.0
-    q = torch.round(w / scale[:, None]).to(torch.int8)
-    return q, scale.to(dtype)
+def _int8_rows(w: torch.Tensor, terms: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 per output row, `terms` times over the remaining residual: w ≈ Σ q_t * scale_t[:, None].
+    Returns the terms stacked along rows: int8 [terms * N, K], bfloat16 scales [terms * N]."""
+    qs, scales = [], []
+    for _ in range(terms):
+        scale = (w.abs().amax(dim=1).clamp_min(1e-30) / 127.0).to(torch.bfloat16).float()
+        q = torch.round(w / scale[:, None]).clamp(-127, 127)
+        w = w - q * scale[:, None]
+        qs.append(q.to(torch.int8))
+        scales.append(scale.to(torch.bfloat16))
+    return torch.cat(qs), torch.cat(scales)
 
 
 def _prepared_cache(g: GGUFFile, key: str, build) -> dict[str, torch.Tensor]:
@@ -237,14 +247,13 @@ class Stage:
         dtype="auto",
         n_slots: int = 4,
         n_ctx: int = 4096,
-        int8_head: bool | None = None,
+        int8: bool | None = None,
     ):
         self.cfg, self.g = cfg, g
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
-        # The int8 head pays off where decode is memory-bound and the int8 kernel is fast: 16-bit CPU compute.
-        auto = self.device.type == "cpu" and self.dtype in (torch.bfloat16, torch.float16)
-        self.int8_head = auto if int8_head is None else int8_head
+        # int8 weights pay off where the int8 kernel beats the 16-bit ones: CPU with 16-bit compute.
+        self.int8 = self.device.type == "cpu" and self.dtype != torch.float32 if int8 is None else int8
         if n_slots < 1 or n_ctx < 1:
             raise UserError(f"need at least one slot and a positive context (got {n_slots} slots, n_ctx {n_ctx})")
         self.n_slots, self.n_ctx = n_slots, n_ctx
@@ -264,7 +273,7 @@ class Stage:
         if head:
             self.output_norm = self._vector("output_norm.weight")
             self._head_name = "token_embd.weight" if cfg.tied else "output.weight"
-            self.output = self._int8_head() if self.int8_head else self._linear([self._head_name])
+            self.output = self._linear([self._head_name], terms=1)
         self.graphs = DecodeGraphs(self) if self.device.type == "cuda" else None
 
     # ---- loading -------------------------------------------------------------------------------
@@ -286,26 +295,35 @@ class Stage:
     def _vector(self, name: str) -> torch.Tensor:
         return self._weight_f32(name).to(self.device)
 
-    def _linear(self, names: list[str], bias_names: list[str] = ()) -> Linear:
-        """One Linear over the row-wise concatenation of tensors `names` (fused QKV, fused gate+up)."""
-        parts = [self._weight_f32(n) for n in names]
-        weight = (parts[0] if len(parts) == 1 else torch.cat(parts)).to(self.dtype)
+    def _linear(self, names: list[str], bias_names: list[str] = (), terms: int = 2) -> Linear:
+        """One Linear over the row-wise concatenation of tensors `names` (fused QKV, fused gate+up);
+        int8 weights get `terms` terms (the output head one: its top logits are rescored exactly)."""
         bias = torch.cat([self._weight_f32(n) for n in bias_names]).to(self.device) if bias_names else None
-        return Linear(weight, None, bias)
+        if not self.int8:
+            parts = [self._weight_f32(n) for n in names]
+            return Linear((parts[0] if len(parts) == 1 else torch.cat(parts)).to(self.dtype), None, bias)
 
-    def _int8_head(self) -> Linear:
-        t = self._tensor(self._head_name)
+        def convert() -> dict[str, torch.Tensor]:
+            per_term = [[] for _ in range(2 * terms)]  # q and scale of each term, over all row chunks
+            for name in names:
+                t = self._tensor(name)
+                raw = torch.from_numpy(self.g.raw(name)).view(t.shape[0], -1)
+                for r in range(0, t.shape[0], _CONVERT_ROWS):  # bounded float32 temporaries
+                    rows = raw[r : r + _CONVERT_ROWS]
+                    q, scale = _int8_rows(dequantize(rows, t.ggml_type, (rows.shape[0], t.shape[1])), terms)
+                    for i in range(terms):
+                        per_term[2 * i].append(q.chunk(terms)[i])
+                        per_term[2 * i + 1].append(scale.chunk(terms)[i])
+            return {
+                "weight": torch.cat([torch.cat(per_term[2 * i]) for i in range(terms)]),
+                "scale": torch.cat([torch.cat(per_term[2 * i + 1]) for i in range(terms)]),
+            }
 
-        def convert() -> dict[str, torch.Tensor]:  # in row chunks: the float32 temporaries stay small
-            raw = torch.from_numpy(self.g.raw(t.name)).view(t.shape[0], -1)
-            chunks = [
-                _int8_rows(dequantize(raw[r : r + _CONVERT_ROWS], t.ggml_type, (len(raw[r : r + _CONVERT_ROWS]), t.shape[1])), self.dtype)
-                for r in range(0, t.shape[0], _CONVERT_ROWS)
-            ]
-            return {"weight": torch.cat([q for q, _ in chunks]), "scale": torch.cat([s for _, s in chunks])}
-
-        prepared = _prepared_cache(self.g, f"{t.name}.int8v1-{str(self.dtype).removeprefix('torch.')}", convert)
-        return Linear(prepared["weight"], prepared["scale"])
+        key = "+".join(names) + f".int8x{terms}v2"
+        for name in names:
+            self._tensor(name)  # a missing tensor is an error even when a converted copy is cached
+        prepared = _prepared_cache(self.g, key, convert)
+        return Linear(prepared["weight"], prepared["scale"], bias, terms)
 
     def _rope_table(self, base: float, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [n_ctx, n_rot/2] in float32, angles computed in float64."""
@@ -356,7 +374,7 @@ class Stage:
         """Hidden states [R, n_embd] -> float32 logits [R, n_vocab]."""
         x = self._norm(h, self.output_norm)
         out = self.output(x.to(self.dtype)).float()
-        if self.output.scale is not None and out.shape[-1] > RESCORE_TOP:
+        if self.output.scale is not None and out.shape[-1] > RESCORE_TOP:  # int8 head
             top = out.topk(RESCORE_TOP, dim=-1).indices
             t = self._tensor(self._head_name)
             rows = dequantize_rows(self.g.raw(t.name), t.ggml_type, self.cfg.n_embd, top.cpu()).to(x.device)
