@@ -1,13 +1,14 @@
 """Layer split over loopback: decode split/solo ratio (head + 1 peer process) and live re-split time.
 
-    python benchmarks/bench_split.py [--model PATH] [--device cpu] [--dtype auto] [-n 64] [-r 3]
+    python benchmarks/bench_split.py [--model PATH] [--device cpu] [--dtype auto] [--block 16] [-r 8]
     python benchmarks/bench_split.py --synthetic-llama-1b --device cuda   # the H200 run (two processes, one GPU)
 
-Decode: the same prompt prefilled, then `-n` single-token steps through `Pipeline.forward`, solo
-(every layer here) and split (head [0, L/2) here, [L/2, L) in a `hydra-engine peer` process over
-the merged RPC port), interleaved `-r` times; the best run of each counts. Re-split: boundaries
+Decode: single-token greedy steps through `Pipeline.forward` after the same prompt, solo (every
+layer here) and split (head [0, L/2) here, [L/2, L) in a `hydra-engine peer` process over the
+merged RPC port), in blocks of `--block` steps alternating between the two `-r` times. Re-split: boundaries
 moved back and forth with a slot of `--resplit-ctx` tokens live (its KV is rebuilt each time).
-Prints numbers, asserts nothing.
+Prints numbers, asserts nothing. On a CPU shared with other jobs, run with OMP_WAIT_POLICY=PASSIVE
+(both processes inherit it): spinning OpenMP workers of one process otherwise starve the other.
 """
 
 from __future__ import annotations
@@ -46,19 +47,22 @@ def start_peer(model: Path, device: str) -> tuple[subprocess.Popen, str]:
     return subprocess.Popen(cmd, stderr=subprocess.DEVNULL), f"127.0.0.1:{rpc}"
 
 
-def decode_tok_s(pipe: Pipeline, n: int, slot: int = 0) -> float:
-    vocab = pipe.cfg.n_vocab
-    prompt = torch.arange(1, PROMPT_TOKENS + 1) % vocab
-    zero = torch.tensor([0])
+def prefill(pipe: Pipeline, slot: int = 0) -> torch.Tensor:
+    prompt = torch.arange(1, PROMPT_TOKENS + 1) % pipe.cfg.n_vocab
     logits = pipe.forward(prompt, torch.full((PROMPT_TOKENS,), slot), torch.arange(PROMPT_TOKENS), torch.tensor([PROMPT_TOKENS - 1]))
-    tok = logits.argmax(-1)
+    return logits.argmax(-1)
+
+
+def decode_block(pipe: Pipeline, tok: torch.Tensor, start: int, n: int) -> tuple[torch.Tensor, float]:
+    """n greedy single-token steps from position `start`; (last token, seconds)."""
     sync = torch.cuda.synchronize if pipe.head.device.type == "cuda" else (lambda: None)
+    zero = torch.tensor([0])
     sync()
     t0 = time.perf_counter()
     for i in range(n):
-        tok = pipe.forward(tok, torch.tensor([slot]), torch.tensor([PROMPT_TOKENS + i]), zero).argmax(-1)
+        tok = pipe.forward(tok, zero, torch.tensor([start + i]), zero).argmax(-1)
     sync()
-    return n / (time.perf_counter() - t0)
+    return tok, time.perf_counter() - t0
 
 
 def main() -> None:
@@ -67,8 +71,8 @@ def main() -> None:
     ap.add_argument("--synthetic-llama-1b", action="store_true", help="write and use the 1.1B llama shape (GPU run)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="auto")
-    ap.add_argument("-n", "--n-gen", type=int, default=64)
-    ap.add_argument("-r", "--repetitions", type=int, default=3)
+    ap.add_argument("--block", type=int, default=16, help="decode steps per timed block")
+    ap.add_argument("-r", "--repetitions", type=int, default=8, help="blocks per mode, interleaved")
     ap.add_argument("--resplit-ctx", type=int, default=64, help="tokens live in a slot during re-splits")
     args = ap.parse_args()
 
@@ -88,7 +92,7 @@ def main() -> None:
     cfg = ModelConfig.from_gguf(g)
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
-    n_ctx = PROMPT_TOKENS + args.n_gen + 8
+    n_ctx = PROMPT_TOKENS + args.block + 8
     half = cfg.n_layers // 2
     print(f"model {model.name}: {cfg.n_layers} layers, n_embd {cfg.n_embd}; device {device}, dtype {dtype}, "
           f"torch threads {torch.get_num_threads()}, cores {os.cpu_count()}")  # fmt: skip
@@ -99,34 +103,45 @@ def main() -> None:
         ns = types.SimpleNamespace(peer=[addr], split=f"{half}/{cfg.n_layers - half}", device=args.device, dtype=args.dtype,
                                    peer_wait=120.0, fallback_solo=False, auth_token=None, max_frame=1 << 30)  # fmt: skip
         split = build_pipeline(ns, g, cfg, n_slots=1, n_ctx=max(n_ctx, args.resplit_ctx))
-        decode_tok_s(solo, 4)  # warm-up both paths
-        decode_tok_s(split, 4)
-        runs = {"solo": [], "split": []}
+        # Blocks of `--block` steps, alternating solo / split, so load drifts on a shared machine
+        # hit both alike; every block restarts after the same prompt (same positions, same work).
+        times = {"solo": [], "split": []}
+        pipes = {"solo": solo, "split": split}
+        first = {k: prefill(p) for k, p in pipes.items()}
+        for k, p in pipes.items():
+            decode_block(p, first[k], PROMPT_TOKENS, 4)  # warm-up
         for _ in range(args.repetitions):
-            runs["solo"].append(decode_tok_s(solo, args.n_gen))
-            runs["split"].append(decode_tok_s(split, args.n_gen))
-        best = {k: max(v) for k, v in runs.items()}
-        med = {k: statistics.median(v) for k, v in runs.items()}
-        print(f"decode solo  tok/s: best {best['solo']:.2f}  median {med['solo']:.2f}  runs {[round(x, 2) for x in runs['solo']]}")
-        print(f"decode split tok/s: best {best['split']:.2f}  median {med['split']:.2f}  runs {[round(x, 2) for x in runs['split']]}")
-        print(f"split/solo ratio: best {best['split'] / best['solo']:.3f}  median {med['split'] / med['solo']:.3f}")
+            for k, p in pipes.items():
+                times[k].append(decode_block(p, first[k], PROMPT_TOKENS, args.block)[1])
+        for k in pipes:
+            rates = [args.block / t for t in times[k]]
+            print(f"decode {k:5s} tok/s: overall {len(rates) * args.block / sum(times[k]):.2f}  "
+                  f"best block {max(rates):.2f}  median block {statistics.median(rates):.2f}")  # fmt: skip
+        print(f"split/solo ratio: overall {sum(times['solo']) / sum(times['split']):.3f}  "
+              f"best blocks {min(times['solo']) / min(times['split']):.3f}  "
+              f"median blocks {statistics.median(times['solo']) / statistics.median(times['split']):.3f}")  # fmt: skip
         remote = split.remotes[0]
         print(f"peer {addr}: network rtt (step minus peer compute) {remote.rtt_ms:.3f} ms, "
               f"sent {remote.bytes_sent} B, received {remote.bytes_recv} B")  # fmt: skip
 
-        # Live re-split with one live slot of --resplit-ctx tokens.
+        layouts = [[(0, half + 3), (half + 3, cfg.n_layers)], [(0, half - 3), (half - 3, cfg.n_layers)], [(0, half), (half, cfg.n_layers)]]
+
+        def resplits(label: str) -> None:
+            times = []
+            for layout in layouts * 2:
+                t0 = time.perf_counter()
+                r = split.resplit(layout)
+                times.append(time.perf_counter() - t0)
+                print(f"  {label} -> {r['layers']}: {times[-1]:.3f} s (assign {r['assign_s']:.3f} s, rebuilt {r['rebuilt_tokens']} tokens)")
+            print(f"re-split, {label}: median {statistics.median(times):.3f} s, max {max(times):.3f} s")
+
+        split.active_slots = lambda: set()
+        resplits("no live slot")
+        # One live slot of --resplit-ctx tokens: its KV is rebuilt on every stage after each move.
         split.forward(torch.arange(1, args.resplit_ctx + 1) % cfg.n_vocab, torch.zeros(args.resplit_ctx, dtype=torch.long),
                       torch.arange(args.resplit_ctx), torch.tensor([args.resplit_ctx - 1]))  # fmt: skip
         split.active_slots = lambda: {0}
-        layouts = [[(0, half + 3), (half + 3, cfg.n_layers)], [(0, half - 3), (half - 3, cfg.n_layers)], [(0, half), (half, cfg.n_layers)]]
-        times = []
-        for layout in layouts * 2:
-            t0 = time.perf_counter()
-            r = split.resplit(layout)
-            wall = time.perf_counter() - t0
-            times.append(wall)
-            print(f"re-split -> {r['layers']}: {wall:.3f} s (assign {r['assign_s']:.3f} s, rebuilt {r['rebuilt_tokens']} tokens)")
-        print(f"re-split: median {statistics.median(times):.3f} s, max {max(times):.3f} s")
+        resplits(f"{args.resplit_ctx}-token live slot")
         split.stop()
     finally:
         proc.terminate()
