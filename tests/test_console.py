@@ -182,6 +182,8 @@ async def test_logs_filter_invert_and_failure_highlight(tmp_path):
         assert any("hello" in t for t in shown()) and not any("Address" in t for t in shown())
         await pilot.press("exclamation_mark")
         assert not any("hello" in t for t in shown()) and any("Address" in t for t in shown())
+        titles = {c.title for c in app.get_system_commands(logs)}
+        assert {"Logs: follow / pause", "Logs: invert filter", "Logs: next worker"} <= titles
         await pilot.press("c", "f")
         assert logs.follow is False and len(shown()) == 3  # the launch line, then the two printed ones
         await pilot.press("w")

@@ -288,6 +288,17 @@ class HydraConsole(App):
         yield SystemCommand("Save profile", "Write the profile (split included) to its TOML file", self.action_save_profile)
         for name in THEMES:
             yield SystemCommand(f"Theme: {name}", "Switch colours", partial(self.action_set_theme, name))
+        if isinstance(screen, LogsScreen):
+            yield SystemCommand("Logs: follow / pause", "Toggle following new lines", screen.action_toggle_follow)
+            yield SystemCommand("Logs: invert filter", "Show the lines that do not match", screen.action_toggle_invert)
+            yield SystemCommand("Logs: next worker", "Cycle merged / each worker", screen.action_next_source)
+            yield SystemCommand("Logs: clear filter", "Show every line", screen.action_clear_filter)
+        if isinstance(screen, SplitEditorScreen):
+            yield SystemCommand("Split: undo", "Undo the last boundary move", screen.action_undo)
+            yield SystemCommand("Split: even", "Spread the layers evenly", screen.action_even)
+            yield SystemCommand("Split: save to profile", "Write this split to the profile", screen.action_save)
+            if not self.readonly:
+                yield SystemCommand("Split: apply", "Apply live (or by restarting the head)", screen.action_apply)
         for w in self.supervisor.workers.values():
             yield SystemCommand(f"Detail: {w.name}", f"{w.role} at {w.spec.url}", partial(self.action_detail, w.name))
             yield SystemCommand(f"Logs: {w.name}", f"Log of {w.name}", partial(self.action_logs, w.name))
