@@ -220,3 +220,73 @@ def test_auth_token_guards_both_protocols(workers):
         assert control(s, Op.AUTH, auth.prove(TOKEN, bytes.fromhex(challenge.meta["nonce"]))).status == Status.OK
         info = control(s, Op.INFO)
         assert info.status == Status.OK and info.meta["auth"] is True
+
+
+# --- in-process pieces on real sockets ------------------------------------------------------------
+
+
+def test_listener_lifecycle_stop_wakes_accept():
+    from hydra_console.engine.rpc.listener import RpcListener
+
+    seen = []
+    lst = RpcListener("127.0.0.1", 0, mode="head", compute=seen.append, control=seen.append, pool_size=1, queue_max=1)
+    assert not lst.is_running()
+    lst.start()
+    try:
+        assert lst.is_running() and lst.bound_port > 0
+        with socket.create_connection(("127.0.0.1", lst.bound_port), timeout=5) as s:
+            s.sendall(b"\x0e")
+            wait = time.monotonic() + 5
+            while not seen and time.monotonic() < wait:
+                time.sleep(0.01)
+        assert len(seen) == 1  # the 0x0E peek went to the compute handler
+    finally:
+        lst.stop()  # returns although accept() was blocked
+    assert not lst.is_running()
+    with pytest.raises(OSError):
+        socket.create_connection(("127.0.0.1", lst.bound_port), timeout=2).close()
+
+
+@pytest.fixture
+def token_peer(tiny_model):
+    """An in-process peer-mode port requiring TOKEN, serving a StageHost over a tiny model."""
+    from hydra_console.engine.gguf_file import GGUFFile
+    from hydra_console.engine.model import ModelConfig
+    from hydra_console.engine.rpc.compute import ComputeServer
+    from hydra_console.engine.rpc.listener import RpcListener
+    from hydra_console.engine.rpc.resident import StageHost
+
+    g = GGUFFile(tiny_model("gemma3", n_layers=3))
+    host = StageHost(g, ModelConfig.from_gguf(g), "cpu")
+    lst = RpcListener("127.0.0.1", 0, mode="peer", compute=ComputeServer(host, auth_token=TOKEN)).start()
+    yield g, host, lst
+    lst.stop()
+
+
+def test_remote_stage_proves_the_token_and_follows_epochs(token_peer):
+    import torch
+
+    from hydra_console.engine.rpc.client import PeerMismatch, RemoteStage, StaleEpoch
+
+    g, host, lst = token_peer
+    addr = f"127.0.0.1:{lst.bound_port}"
+    make = lambda token: RemoteStage(addr, (1, 3), g=g, dtype=torch.float32, n_slots=2, n_ctx=32, auth_token=token)  # noqa: E731
+    with pytest.raises(PeerMismatch, match="requires a token"):
+        make(None).attach()
+    with pytest.raises(PeerMismatch, match="rejected our token"):
+        make("wrong").attach()
+    remote = make(TOKEN)
+    remote.attach()
+    assert remote.state == "up" and host.layers == (1, 3) and remote.epoch == host.epoch
+    h = torch.randn(3, g.get("gemma3.embedding_length"))
+    out = remote.run_layers(h, torch.tensor([0, 0, 0]), torch.tensor([0, 1, 2]))
+    assert out.shape == h.shape and out.dtype == h.dtype and not torch.equal(out, h)
+    other = make(TOKEN)
+    other.attach()  # another head re-assigns the resident set: the epoch moves on
+    with pytest.raises(StaleEpoch):
+        remote.run_layers(h, torch.tensor([1, 1, 1]), torch.tensor([0, 1, 2]))
+    remote.attach()  # re-validate
+    assert remote.run_layers(h, torch.tensor([1, 1, 1]), torch.tensor([0, 1, 2])).shape == h.shape
+    assert remote.status()["bytes_sent"] > 2 * h.numel() * 4 and remote.rtt_ms is not None
+    remote.close()
+    other.close()

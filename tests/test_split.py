@@ -110,6 +110,31 @@ def test_live_resplit_under_a_running_request(cluster):
     assert control(w, Op.CONFIGURE, json.dumps({"layers": [[0, 2], [2, 3], [3, 4]]}).encode()).status == Status.OK
 
 
+def test_head_revalidates_when_a_peers_resident_set_changes(cluster, model):
+    """Someone else re-assigns a peer (its epoch moves on): the head notices on its next FORWARD,
+    re-attaches, rebuilds that peer's KV and the answer is still the solo one."""
+    from hydra_console.engine.gguf_file import GGUFFile
+    from hydra_console.engine.rpc.compute import Cmd, pack_hello
+    from hydra_console.engine.rpc.resident import tensor_shapes
+
+    w, p = cluster["head"], cluster["peers"][0]
+    attaches = w.status()["peers"][0]["attaches"]
+    g = GGUFFile(model)
+    with socket.create_connection(("127.0.0.1", p.rpc_port), timeout=30) as s:
+        r = SocketReader(s)
+        for cmd, payload in [
+            (Cmd.HELLO, pack_hello()),
+            (Cmd.CHECK, json.dumps({"fingerprint": g.fingerprint, "shapes": tensor_shapes(g)}).encode()),
+            (Cmd.LOAD_STAGE, json.dumps({"layers": [0, 1], "dtype": "float32", "n_slots": 1, "n_ctx": 8}).encode()),
+        ]:
+            s.sendall(wire.pack_compute_request(cmd, payload))
+            reply = wire.read_compute_response(r, 1 << 20)
+            assert cmd == Cmd.HELLO or reply[0] == 0, bytes(reply)
+    assert greedy(w, PROMPTS[2]) == greedy(cluster["solo"], PROMPTS[2])
+    assert w.status()["peers"][0]["attaches"] == attaches + 1
+    assert p.status()["stages"][0]["layers"] == w.status()["stages"][1]["layers"]
+
+
 def test_peer_killed_mid_decode_fails_fast_then_recovers(cluster):
     w, victim = cluster["head"], cluster["peers"][1]
     expected = greedy(w, PROMPTS[1])
