@@ -2,9 +2,10 @@
 conditions, per-request timings and the counters behind /metrics and /status.
 
 nano-vllm's shape: a `Request` comes in, becomes a `Sequence` bound to a slot (its KV rows), and a
-background thread runs `step()` until nothing is left. A step flattens, for every running
-sequence, either its next prompt chunk (prefill) or its last sampled token (decode) into one
-`Pipeline.forward`, samples the sequences whose prompt is done, and hands results to each
+background thread runs `step()` until nothing is left. A step flattens the next prompt chunks
+of the sequences still prefilling or, when none is, the last sampled token of every decoding
+sequence (`mixed_steps` puts both in one step) into one `Pipeline.forward`, samples the
+sequences whose prompt is done, and hands results to each
 request's `sink` (a callable the consumer supplies; the API bridges it into asyncio). Requests
 beyond the slots wait in FIFO order.
 """
@@ -165,15 +166,17 @@ class Engine:
     """Continuous batching over `n_slots` slots of `n_ctx` tokens each, driving `pipeline.forward`."""
 
     def __init__(self, pipeline, tokenizer, n_slots: int, n_ctx: int, batch_tokens: int = DEFAULT_BATCH_TOKENS,
-                 speculator: Speculator | None = None, mixed_steps: bool = True):  # fmt: skip
+                 speculator: Speculator | None = None, mixed_steps: bool = False):  # fmt: skip
         self.pipeline = pipeline
         self.tok = tokenizer
         self.n_slots = n_slots
         self.n_ctx = n_ctx
         self.batch_tokens = batch_tokens
-        # True: prefill chunks ride along with the decoding slots' tokens in one forward. False
-        # (nano-vllm's way): a step with prefill work runs only prefill. benchmarks/bench_api.py
-        # --scheduling compares the two.
+        # False (nano-vllm's way, the default): a step with prefill work runs only prefill chunks.
+        # True: prefill chunks ride along with the decoding slots' tokens in one forward. Measured
+        # (benchmarks/bench_api.py --scheduling, H200, 1.1B llama, 4 streams + a 512-token prompt):
+        # prefill-only gives TTFT 154 ms / longest decode stall 155 ms / 477 tok/s against 526 ms /
+        # 201 ms / 288 tok/s mixed, since a mixed step loses the CUDA-graph decode path.
         self.mixed_steps = mixed_steps
         self.stats = EngineStats()
         # Always there: requests may ask for n-gram drafting even when the server default is off.
@@ -323,7 +326,8 @@ class Engine:
                     self.spec.start(i, self.slots[i].tokens)
 
     def _schedule(self) -> list[_Work]:
-        """Decoding sequences take one token each; prefill chunks share what is left of the budget."""
+        """Decoding sequences take one token each (unless prefill runs alone); prefill chunks share
+        what is left of the token budget, oldest request first."""
         running = [s for s in self.slots if s is not None]
         decoding = [s for s in running if not s.prefilling]
         if not self.mixed_steps and len(decoding) < len(running):
