@@ -15,6 +15,7 @@ class DashboardScreen(Screen):
     def __init__(self):
         super().__init__()
         self._columns: tuple[str, ...] = ()  # worker-table columns now shown
+        self._width = 0  # screen width of the last refresh
 
     def compose(self) -> ComposeResult:
         yield Header()
@@ -62,7 +63,9 @@ class DashboardScreen(Screen):
         self.app.action_detail(event.row_key.value)
 
     def on_resize(self) -> None:
-        self.refresh_view()
+        # Also sent when the screen comes back from logs/detail: redraw only if the width really changed.
+        if self.size.width != self._width:
+            self.refresh_view()
 
     def _table(self) -> DataTable:
         """The worker table, its columns chosen for the width (it is rebuilt when that changes)."""
@@ -85,6 +88,7 @@ class DashboardScreen(Screen):
         app = self.app
         sup = app.supervisor
         now = sup.clock()
+        self._width = self.size.width
         table = self._table()
         for w in sup.workers.values():
             cells, tone = display.worker_row(w, sup, now)
