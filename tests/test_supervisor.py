@@ -287,3 +287,26 @@ async def test_start_refuses_a_port_another_process_listens_on(tmp_path):
     assert not sup.head.running and sup.head.state == State.CRASHED
     assert any(e.kind == "error" and f"port {profile.head.port}" in e.message and "--attach" in e.message for e in sup.events)
     await sup.shutdown()
+
+
+async def test_remote_worker_runs_through_the_launcher_template(tmp_path):
+    """A stand-in for ssh runs the remote command line in a shell, as sshd would; 127.0.0.2 is 'another host'."""
+    fake_ssh = tmp_path / "fake_ssh.py"
+    fake_ssh.write_text("import os, sys\nhost, command = sys.argv[1], sys.argv[2]\nos.execvp('sh', ['sh', '-c', command])\n")
+    port = free_port()
+    profile = Profile(
+        name="remote",
+        engine_command=FAKE,
+        head=WorkerSpec(name="head", host="127.0.0.2", port=port,
+                        launcher=f"{shlex.quote(sys.executable)} {shlex.quote(str(fake_ssh))} {{host}} {{command}}"),
+        peers=[],
+        supervisor=SupervisorSettings(poll_s=0.2),
+    )
+    sup = Supervisor(profile, log_dir=tmp_path)
+    await sup.start()
+    try:
+        await wait_until(lambda: sup.head.state == State.READY)
+        assert sup.head.status["http"] == {"host": "0.0.0.0", "port": port}  # a remote worker binds every address
+    finally:
+        await sup.shutdown()
+    assert sup.head.state == State.STOPPED
