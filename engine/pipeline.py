@@ -121,7 +121,8 @@ class Pipeline:
             if self._stale is not None:
                 self._rebuild(self._stale)
             h = self._run(tokens, slots, positions)
-            self._record(tokens, slots, positions)
+            if self.remotes:  # only a split pipeline ever needs to rebuild KV
+                self._record(tokens, slots, positions)
             return self.head.logits(h[logit_rows])
 
     def _run(self, tokens, slots, positions) -> torch.Tensor:

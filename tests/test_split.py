@@ -204,6 +204,13 @@ def test_fallback_solo_runs_every_layer_on_the_head(model, tmp_path):
         dead.close()
 
 
+def test_peer_cli_reports_bad_input_without_a_traceback(tmp_path):
+    cmd = [sys.executable, "-m", "hydra_console.engine.cli", "peer", "--model", str(tmp_path / "missing.gguf"),
+           "--port", "0", "--rpc-port", "0"]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "cannot open model file" in done.stderr and "Traceback" not in done.stderr
+
+
 def test_a_peer_with_another_model_is_refused(model, tiny_model, tmp_path):
     other = tiny_model("gemma3", n_layers=N_LAYERS, n_embd=64, n_ff=256)  # the header (fingerprint) differs
     p = peer(other, tmp_path)

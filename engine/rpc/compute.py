@@ -95,7 +95,8 @@ def unpack_forward(payload) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tens
 
 
 class ComputeServer:
-    """Serves one connection at a time (call it with the socket); state lives in the StageHost."""
+    """Called with each connection's socket (from many threads at once in peer mode); the
+    state every connection shares lives in the StageHost."""
 
     def __init__(self, host, *, auth_token: str | None = None, max_frame: int = 1 << 30):
         self.host = host
