@@ -122,6 +122,7 @@ class Worker:
     proc: asyncio.subprocess.Process | None = None
     _watch: asyncio.Task | None = None
     _restart: asyncio.Task | None = None
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # serialises start/stop/restart
     _ps: psutil.Process | None = None
     _log_file: object = None
 
@@ -284,28 +285,50 @@ class Supervisor:
             if w.managed and not w.running:
                 await self.start_worker(w.name)
 
-    async def start_worker(self, name: str) -> None:
+    def _managed(self, name: str, verb: str) -> Worker:
         w = self.worker(name)
         if not w.managed:
-            raise SupervisorError(f"{name} is attached (monitor only); this console does not start it")
+            raise SupervisorError(f"{name} is attached (monitor only); this console does not {verb} it")
+        return w
+
+    # Commands on one worker run one at a time (its lock): two quick restarts must not spawn two processes.
+
+    async def start_worker(self, name: str) -> None:
+        w = self._managed(name, "start")
+        async with w.lock:
+            await self._start(w)
+
+    async def stop_worker(self, name: str, grace: float | None = None) -> None:
+        w = self._managed(name, "stop")
+        async with w.lock:
+            await self._stop(w, self.settings.grace_s if grace is None else grace)
+
+    async def restart_worker(self, name: str) -> None:
+        w = self._managed(name, "restart")
+        async with w.lock:
+            old = w.pid if w.running else None
+            await self._stop(w, self.settings.grace_s)
+            w.restarts += 1
+            w.wanted = True
+            w.backoff.reset()
+            await self._spawn(w)
+            self.emit(name, "restarted", f"by operator (pid {old or '—'} → {w.pid or '—'})")
+
+    async def _start(self, w: Worker) -> None:
         if w.running:
             return
         if w.spec.is_local:
             busy = [port for port in (w.spec.port, w.spec.rpc) if await _listening(w.spec.host, port)]
             if busy:
                 w.state, w.wanted = State.CRASHED, False
-                self.emit(name, "error", f"port {', '.join(map(str, busy))} on {w.spec.host} is already in use "
-                                         "(another console's worker? watch it with --attach); not started")
+                self.emit(w.name, "error", f"port {', '.join(map(str, busy))} on {w.spec.host} is already in use "
+                                           "(another console's worker? watch it with --attach); not started")
                 return
         w.wanted = True
         w.backoff.reset()
         await self._spawn(w)
 
-    async def stop_worker(self, name: str, grace: float | None = None) -> None:
-        w = self.worker(name)
-        if not w.managed:
-            raise SupervisorError(f"{name} is attached (monitor only); this console does not stop it")
-        grace = self.settings.grace_s if grace is None else grace
+    async def _stop(self, w: Worker, grace: float) -> None:
         w.wanted = False
         if w._restart is not None:
             w._restart.cancel()
@@ -316,24 +339,14 @@ class Supervisor:
             return
         pid, watch = w.pid, w._watch
         w.state = State.STOPPING
-        self.emit(name, "stopping", f"SIGTERM to pid {pid}")
+        self.emit(w.name, "stopping", f"SIGTERM to pid {pid}")
         self._signal_group(pid, signal.SIGTERM)
         try:
             await asyncio.wait_for(asyncio.shield(watch), grace)
         except asyncio.TimeoutError:
-            self.emit(name, "killed", f"pid {pid} still running {grace:g} s after SIGTERM: SIGKILL")
+            self.emit(w.name, "killed", f"pid {pid} still running {grace:g} s after SIGTERM: SIGKILL")
             self._signal_group(pid, signal.SIGKILL)
             await watch
-
-    async def restart_worker(self, name: str) -> None:
-        w = self.worker(name)
-        old = w.pid if w.running else None
-        await self.stop_worker(name)
-        w.restarts += 1
-        w.wanted = True
-        w.backoff.reset()
-        await self._spawn(w)
-        self.emit(name, "restarted", f"by operator (pid {old or '—'} → {w.pid or '—'})")
 
     async def apply_split(self, counts: list[int]) -> str:
         """Re-split live through the head's CONFIGURE op; else restart the head with --split.
@@ -409,6 +422,8 @@ class Supervisor:
         return t
 
     async def _spawn(self, w: Worker) -> None:
+        if w.running:
+            return
         argv = self.command_for(w.name)
         if w._log_file is None and w.log_path is not None:
             w.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -488,11 +503,12 @@ class Supervisor:
 
     async def _restart_later(self, w: Worker, delay: float) -> None:
         await asyncio.sleep(delay)
-        w._restart = None
-        if w.wanted and not w.running:
-            w.restarts += 1
-            await self._spawn(w)
-            self.emit(w.name, "restarted", f"after {delay:g} s backoff (restart {w.restarts})")
+        async with w.lock:
+            w._restart = None
+            if w.wanted and not w.running:
+                w.restarts += 1
+                await self._spawn(w)
+                self.emit(w.name, "restarted", f"after {delay:g} s backoff (restart {w.restarts})")
 
     # ---- polling -----------------------------------------------------------------------------
 

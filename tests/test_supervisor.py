@@ -310,3 +310,17 @@ async def test_remote_worker_runs_through_the_launcher_template(tmp_path):
     finally:
         await sup.shutdown()
     assert sup.head.state == State.STOPPED
+
+
+async def test_concurrent_restarts_never_leave_two_processes(tmp_path):
+    profile = script_profile(tmp_path, "import time; print('up', flush=True); time.sleep(60)\n")
+    sup = new_supervisor(profile, tmp_path)
+    await sup.start_worker("head")
+    first = sup.head.pid
+    await asyncio.gather(sup.restart_worker("head"), sup.restart_worker("head"))
+    started = [int(e.message.split()[1]) for e in sup.events if e.kind == "started"]
+    assert len(started) == 3 and first == started[0] and sup.head.pid == started[-1]
+    alive = [p for p in started if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+    assert alive == [sup.head.pid]
+    assert sup.head.restarts == 2
+    await sup.shutdown()
