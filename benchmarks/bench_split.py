@@ -53,14 +53,16 @@ def prefill(pipe: Pipeline, slot: int = 0) -> torch.Tensor:
     return logits.argmax(-1)
 
 
-def decode_block(pipe: Pipeline, tok: torch.Tensor, start: int, n: int) -> tuple[torch.Tensor, float]:
-    """n greedy single-token steps from position `start`; (last token, seconds)."""
+def decode_block(pipe: Pipeline, tok: torch.Tensor, start: int, n: int, overheads: list) -> tuple[torch.Tensor, float]:
+    """n greedy single-token steps from position `start`; (last token, seconds). Appends each
+    step's RPC overhead (peer round trip minus the peer's own compute) to `overheads`."""
     sync = torch.cuda.synchronize if pipe.head.device.type == "cuda" else (lambda: None)
     zero = torch.tensor([0])
     sync()
     t0 = time.perf_counter()
     for i in range(n):
         tok = pipe.forward(tok, zero, torch.tensor([start + i]), zero).argmax(-1)
+        overheads += [r.rtt_ms for r in pipe.remotes]
     sync()
     return tok, time.perf_counter() - t0
 
@@ -108,11 +110,12 @@ def main() -> None:
         times = {"solo": [], "split": []}
         pipes = {"solo": solo, "split": split}
         first = {k: prefill(p) for k, p in pipes.items()}
+        overheads: list[float] = []
         for k, p in pipes.items():
-            decode_block(p, first[k], PROMPT_TOKENS, 4)  # warm-up
+            decode_block(p, first[k], PROMPT_TOKENS, 4, [])  # warm-up
         for _ in range(args.repetitions):
             for k, p in pipes.items():
-                times[k].append(decode_block(p, first[k], PROMPT_TOKENS, args.block)[1])
+                times[k].append(decode_block(p, first[k], PROMPT_TOKENS, args.block, overheads)[1])
         for k in pipes:
             rates = [args.block / t for t in times[k]]
             print(f"decode {k:5s} tok/s: overall {len(rates) * args.block / sum(times[k]):.2f}  "
@@ -121,8 +124,11 @@ def main() -> None:
               f"best blocks {min(times['solo']) / min(times['split']):.3f}  "
               f"median blocks {statistics.median(times['solo']) / statistics.median(times['split']):.3f}")  # fmt: skip
         remote = split.remotes[0]
-        print(f"peer {addr}: network rtt (step minus peer compute) {remote.rtt_ms:.3f} ms, "
-              f"sent {remote.bytes_sent} B, received {remote.bytes_recv} B")  # fmt: skip
+        step_ms = statistics.median(times["split"]) / args.block * 1e3
+        rpc_ms = statistics.median(overheads)
+        print(f"RPC overhead per step (round trip minus peer compute): median {rpc_ms:.3f} ms of a "
+              f"{step_ms:.2f} ms step -> the split's own cost bounds the ratio at ~{1 - rpc_ms / step_ms:.3f}")  # fmt: skip
+        print(f"peer {addr}: sent {remote.bytes_sent} B, received {remote.bytes_recv} B")
 
         layouts = [[(0, half + 3), (half + 3, cfg.n_layers)], [(0, half - 3), (half - 3, cfg.n_layers)], [(0, half), (half, cfg.n_layers)]]
 
