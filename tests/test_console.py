@@ -27,7 +27,6 @@ from hydra_console.app.ui.logs import LogsScreen
 from hydra_console.app.ui.split_editor import SplitEditorScreen
 
 FAKE = f"{shlex.quote(sys.executable)} -m hydra_console.app.fake_worker"
-SIZES = [(80, 24), (120, 40)]
 
 
 def port_pair() -> int:
@@ -75,7 +74,8 @@ def head_ranges(sup: Supervisor) -> list[list[int]]:
 SHAPE = ModelShape(n_layers=18, layer_bytes=[10 << 20] * 18, head_bytes=100 << 20, kv_bytes_per_token_layer=2048)
 
 
-@pytest.mark.parametrize("size", SIZES)
+# Each flow at the size the real-worker test (test_console_real.py) does not use.
+@pytest.mark.parametrize("size", [(120, 40)])
 async def test_restart_peer_from_the_dashboard_changes_its_pid(tmp_path, size):
     sup = Supervisor(fake_profile(), log_dir=tmp_path)
     app = HydraConsole(sup, load_model_shape=False)
@@ -102,7 +102,7 @@ async def test_restart_peer_from_the_dashboard_changes_its_pid(tmp_path, size):
     sup.emit("head", "late", "an event after the app quit must not touch the UI")
 
 
-@pytest.mark.parametrize("size", SIZES)
+@pytest.mark.parametrize("size", [(80, 24)])
 async def test_split_editor_moves_boundary_applies_and_status_shows_new_ranges(tmp_path, size):
     sup = Supervisor(fake_profile(), log_dir=tmp_path)
     app = HydraConsole(sup, model_shape=SHAPE, profile_path=tmp_path / "fake.toml")
