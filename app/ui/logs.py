@@ -49,12 +49,15 @@ class LogsScreen(Screen):
         return sup.merged_log if self.source is None else sup.worker(self.source).log
 
     def _bar(self) -> None:
-        names = ["all", *self.app.supervisor.workers]
-        current = self.source or "all"
-        parts = [f"[{n}]" if n == current else n for n in names]
-        mode = "following" if self.follow else "paused"
-        filt = f"  filter {'!' if self.invert else ''}/{self.pattern_text}/" if self.pattern_text else ""
-        self.query_one("#logbar", Label).update(f"{' '.join(parts)}  · {mode}{filt}")
+        bar = Text()
+        for name in ["all", *self.app.supervisor.workers]:
+            current = name == (self.source or "all")
+            bar.append(f"[{name}]" if current else f" {name} ", style="bold reverse" if current else "")
+            bar.append(" ")
+        bar.append(f" · {'following' if self.follow else 'paused'}")
+        if self.pattern_text:
+            bar.append(f"  filter {'!' if self.invert else ''}/{self.pattern_text}/")
+        self.query_one("#logbar", Label).update(bar)
 
     def _write(self, log: RichLog, line) -> None:
         text = display.log_line_text(line, with_worker=self.source is None)
