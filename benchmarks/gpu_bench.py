@@ -59,6 +59,17 @@ def main() -> None:
     g = GGUFFile(path)
     stage = Stage(ModelConfig.from_gguf(g), g, device="cuda", dtype="bfloat16", n_slots=4, n_ctx=args.p + args.n)
     rows["batched4"] = {"decode_tok_s": round(batched_decode_tok_s(stage, 4, args.n), 1)}
+    graph = stage.graphs.graphs[1][0] if 1 in stage.graphs.graphs else None
+    if graph is None:
+        decode_once(stage, 1, 4)
+        graph = stage.graphs.graphs[1][0]
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(100):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    rows["graph_replay_ms"] = round(start.elapsed_time(end) / 100, 4)  # the layer stack alone, one slot
     stage.graphs = None  # plain eager torch: one launch per op, Python in the loop
     decode_once(stage, 1, 8)
     rows["eager"] = {"decode_tok_s": round(args.n / decode_once(stage, 1, args.n), 1)}
@@ -68,6 +79,7 @@ def main() -> None:
     print(f"{'bf16 + CUDA graphs':<28}{r['prefill_tok_s']:>15,.0f}{r['decode_tok_s']:>14,.1f}{r['decode_gb_s']:>8,.0f}")
     print(f"{'bf16 eager (no graphs)':<28}{'':>15}{rows['eager']['decode_tok_s']:>14,.1f}")
     print(f"{'bf16 + graphs, 4 slots':<28}{'':>15}{rows['batched4']['decode_tok_s']:>14,.1f}")
+    print(f"layer-stack graph replay alone: {rows['graph_replay_ms']:.3f} ms per token")
     print("llama.cpp (upstream, H200):   prefill 68,700   decode 879")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))

@@ -216,8 +216,11 @@ class _Layer:
         qkv = [p + n for n in ("attn_q", "attn_k", "attn_v")]
         self.wqkv = stage._linear([n + ".weight" for n in qkv], [n + ".bias" for n in qkv] if cfg.qkv_bias else [])
         self.wo = stage._linear([p + "attn_output.weight"])
-        self.q_norm = vec(p + "attn_q_norm.weight") if cfg.qk_norm else None
-        self.k_norm = vec(p + "attn_k_norm.weight") if cfg.qk_norm else None
+        # Q and K heads are normalised together: one weight row per head, [n_head + n_head_kv, head_dim].
+        self.qk_norm = None
+        if cfg.qk_norm:
+            q_w, k_w = vec(p + "attn_q_norm.weight"), vec(p + "attn_k_norm.weight")
+            self.qk_norm = torch.cat([q_w.expand(cfg.n_head, -1), k_w.expand(cfg.n_head_kv, -1)])
         self.post_attn_norm = vec(p + "post_attention_norm.weight") if cfg.post_norms else None
         self.ffn_norm = vec(p + "ffn_norm.weight")
         self.w_gate_up = stage._linear([p + "ffn_gate.weight", p + "ffn_up.weight"])
@@ -258,8 +261,6 @@ class Stage:
             raise UserError(f"need at least one slot and a positive context (got {n_slots} slots, n_ctx {n_ctx})")
         self.n_slots, self.n_ctx = n_slots, n_ctx
         self.has_embed, self.has_head = embed, head
-        kv_dim = cfg.n_head_kv * cfg.head_dim
-        self._qkv_split = [cfg.n_head * cfg.head_dim, kv_dim, kv_dim]
         self._rope_global = self._rope_table(cfg.rope_base, cfg.rope_scale)
         self._rope_swa = self._rope_table(cfg.rope_base_swa, 1.0)
         self.layers: dict[int, _Layer] = {}
@@ -326,13 +327,16 @@ class Stage:
         return Linear(prepared["weight"], prepared["scale"], bias, terms)
 
     def _rope_table(self, base: float, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [n_ctx, n_rot/2] in float32, angles computed in float64."""
-        inv = base ** (-np.arange(0, self.cfg.n_rot, 2, dtype=np.float64) / self.cfg.n_rot)
+        """cos and signed sin [n_ctx, n_rot] in float32 laid out for `_rotate`; angles in float64."""
+        n_rot = self.cfg.n_rot
+        inv = base ** (-np.arange(0, n_rot, 2, dtype=np.float64) / n_rot)
         ang = np.outer(np.arange(self.n_ctx, dtype=np.float64) / scale, inv)
-        return (
-            torch.from_numpy(np.cos(ang).astype(np.float32)).to(self.device),
-            torch.from_numpy(np.sin(ang).astype(np.float32)).to(self.device),
-        )
+        cos, sin = np.cos(ang), np.sin(ang)
+        if self.cfg.rope_neox:  # pairs (i, i + n_rot/2): first half gets -sin
+            cos, sin = np.concatenate([cos, cos], 1), np.concatenate([-sin, sin], 1)
+        else:  # pairs (2i, 2i+1): even dims get -sin
+            cos, sin = np.repeat(cos, 2, 1), np.stack([-sin, sin], -1).reshape(len(sin), -1)
+        return tuple(torch.from_numpy(t.astype(np.float32)).to(self.device) for t in (cos, sin))
 
     def assign(self, a: int, b: int) -> None:
         """Hold layers [a, b) from now on: keep those already here (with their KV), load the rest, free the others."""
@@ -417,36 +421,35 @@ class Stage:
 
     def _forward(self, h, slots, positions, runs, batched: bool = False, kv_len: int | None = None):
         """The layers, eagerly. `batched`: one token per slot, attention over gathered caches of
-        length `kv_len` with a mask from positions (no host values: CUDA-graph capturable)."""
+        length `kv_len` with a mask from positions (no host values: CUDA-graph capturable).
+        Q and K travel together through norm and RoPE: fewer, larger kernels."""
         cfg = self.cfg
-        ropes = {id(t): (t[0][positions], t[1][positions]) for t in (self._rope_global, self._rope_swa)}
-        T = h.shape[0]
+        T, n_q, qk_dim = h.shape[0], cfg.n_head, (cfg.n_head + cfg.n_head_kv) * cfg.head_dim
+        ropes = {id(t): (t[0][positions, None], t[1][positions, None]) for t in (self._rope_global, self._rope_swa)}
+        biases = {}
         for layer in self.layers.values():
             x = self._norm(h, layer.attn_norm).to(self.dtype)
-            qkv = layer.wqkv(x).float()
-            q, k, v = qkv.split(self._qkv_split, dim=-1)
-            q = q.view(T, cfg.n_head, cfg.head_dim)
-            k = k.view(T, cfg.n_head_kv, cfg.head_dim)
-            v = v.view(T, cfg.n_head_kv, cfg.head_dim)
-            if layer.q_norm is not None:
-                q = self._norm(q, layer.q_norm)
-                k = self._norm(k, layer.k_norm)
-            cos, sin = ropes[id(layer.rope)]
-            q = self._rotate(q, cos, sin).to(self.dtype)
-            k = self._rotate(k, cos, sin).to(self.dtype)
-            v = v.to(self.dtype)
+            qkv = layer.wqkv(x)
+            qk = qkv[:, :qk_dim].float().view(T, -1, cfg.head_dim)
+            v = qkv[:, qk_dim:].view(T, cfg.n_head_kv, cfg.head_dim).to(self.dtype)
+            if layer.qk_norm is not None:
+                qk = F.rms_norm(qk, (cfg.head_dim,), None, cfg.rms_eps) * layer.qk_norm
+            qk = self._rotate(qk, *ropes[id(layer.rope)]).to(self.dtype)
+            q, k = qk[:, :n_q], qk[:, n_q:]
             if batched:
-                o = self._attend_batched(layer, q, k, v, slots, positions, kv_len)
+                if layer.window not in biases:
+                    biases[layer.window] = self._decode_bias(positions, kv_len, layer.window)
+                o = self._attend_batched(layer, q, k, v, slots, positions, kv_len, biases[layer.window])
             else:
                 o = self._attend_runs(layer, q, k, v, runs)
-            o = layer.wo(o.reshape(T, -1)).float()
+            o = layer.wo(o.reshape(T, -1))
             if layer.post_attn_norm is not None:
                 o = self._norm(o, layer.post_attn_norm)
             h = h + o
             x = self._norm(h, layer.ffn_norm).to(self.dtype)
             gate, up = layer.w_gate_up(x).chunk(2, dim=-1)
             act = F.gelu(gate, approximate="tanh") if cfg.activation == "gelu_tanh" else F.silu(gate)
-            o = layer.w_down(act * up).float()
+            o = layer.w_down(act * up)
             if layer.post_ffn_norm is not None:
                 o = self._norm(o, layer.post_ffn_norm)
             h = h + o
@@ -481,43 +484,52 @@ class Stage:
             i += n
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 
-    def _attend_batched(self, layer: _Layer, q, k, v, slots, positions, kv_len: int) -> torch.Tensor:
-        """One token per slot: scatter K/V, gather each slot's first `kv_len` cache rows, mask by position."""
+    def _decode_bias(self, positions: torch.Tensor, kv_len: int, window: int) -> torch.Tensor:
+        """Additive attention mask [B * n_kv, group, kv_len]: 0 where a slot's token may look, -inf elsewhere."""
+        cfg = self.cfg
+        kpos = torch.arange(kv_len, device=positions.device)[None, :]
+        visible = kpos <= positions[:, None]
+        if window:
+            visible &= kpos > positions[:, None] - window
+        bias = torch.zeros(visible.shape, dtype=self.dtype, device=positions.device).masked_fill_(~visible, float("-inf"))
+        group = cfg.n_head // cfg.n_head_kv
+        return bias[:, None, None, :].expand(-1, cfg.n_head_kv, group, -1).reshape(-1, group, kv_len)
+
+    def _attend_batched(self, layer: _Layer, q, k, v, slots, positions, kv_len: int, bias) -> torch.Tensor:
+        """One token per slot: scatter K/V, gather each slot's first `kv_len` cache rows, attend under `bias`.
+        Grouped-query heads share their K/V through a batched matmul, not a copy per head."""
+        cfg = self.cfg
         layer.k_cache[slots, :, positions] = k
         layer.v_cache[slots, :, positions] = v
-        keys = layer.k_cache[slots, :, :kv_len]
-        vals = layer.v_cache[slots, :, :kv_len]
-        kpos = torch.arange(kv_len, device=q.device)[None, :]
-        mask = kpos <= positions[:, None]
-        if layer.window:
-            mask &= kpos > positions[:, None] - layer.window
-        o = F.scaled_dot_product_attention(
-            q.unsqueeze(2), keys, vals, attn_mask=mask[:, None, None, :], scale=self.cfg.attn_scale, enable_gqa=True
-        )
-        return o[:, :, 0]
+        keys = layer.k_cache[slots, :, :kv_len].reshape(-1, kv_len, cfg.head_dim)
+        vals = layer.v_cache[slots, :, :kv_len].reshape(-1, kv_len, cfg.head_dim)
+        q = q.reshape(keys.shape[0], -1, cfg.head_dim)  # [B * n_kv, group, head_dim]
+        scores = torch.baddbmm(bias, q, keys.transpose(1, 2), alpha=cfg.attn_scale)
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(vals.dtype)
+        return torch.bmm(probs, vals).view(q.shape[0] // cfg.n_head_kv, cfg.n_head, cfg.head_dim)
 
     def _norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x.float(), (x.shape[-1],), w, self.cfg.rms_eps)
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """RoPE on the first n_rot dims of each head: rotate-half (NEOX) or adjacent pairs (llama)."""
+        """RoPE on the first n_rot dims of each head: x·cos + partner(x)·sin, where the partner of a
+        dim is its rotate-half twin (NEOX) or its neighbour in the pair (llama); `sin` carries the signs."""
         n_rot = self.cfg.n_rot
-        cos, sin = cos[:, None, :], sin[:, None, :]
-        rot, rest = x[..., :n_rot], x[..., n_rot:]
+        rot = x[..., :n_rot] if n_rot < x.shape[-1] else x
         if self.cfg.rope_neox:
-            a, b = rot.chunk(2, dim=-1)
-            out = torch.cat([a * cos - b * sin, b * cos + a * sin], dim=-1)
+            partner = rot.roll(n_rot // 2, dims=-1)
         else:
-            a, b = rot.unflatten(-1, (-1, 2)).unbind(-1)
-            out = torch.stack([a * cos - b * sin, b * cos + a * sin], dim=-1).flatten(-2)
-        return out if rest.shape[-1] == 0 else torch.cat([out, rest], dim=-1)
+            partner = rot.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
+        out = torch.addcmul(rot * cos, partner, sin)
+        return out if rot is x else torch.cat([out, x[..., n_rot:]], dim=-1)
 
 
 class DecodeGraphs:
     """CUDA graphs of one decode step (one token per slot) per batch size, captured on first use.
 
-    Inputs are copied into static buffers, the graph replays the whole layer stack, and the
-    output buffer is cloned out. Attention covers the whole per-slot cache (`n_ctx` rows) under a
+    Inputs are copied into static buffers (slots and positions through pinned host memory, so the
+    host never waits for the device), the graph replays the whole layer stack, and the output
+    buffer is cloned out. Attention covers the whole per-slot cache (`n_ctx` rows) under a
     position mask, so one graph serves every position.
     """
 
@@ -536,10 +548,13 @@ class DecodeGraphs:
             return None
         if B not in self.graphs:
             self.graphs[B] = self._capture(B)
-        graph, h_in, s_in, p_in, out = self.graphs[B]
+        graph, h_in, index, host, copied, out = self.graphs[B]
+        copied.synchronize()  # the previous step's copy out of `host` has finished
+        host[0].copy_(slots)
+        host[1].copy_(positions)
+        index.copy_(host, non_blocking=True)
+        copied.record()
         h_in.copy_(h)
-        s_in.copy_(slots, non_blocking=True)
-        p_in.copy_(positions, non_blocking=True)
         graph.replay()
         return out.clone()
 
@@ -547,11 +562,11 @@ class DecodeGraphs:
         st = self.stage
         dev = st.device
         h_in = torch.zeros(B, st.cfg.n_embd, device=dev)
-        s_in = torch.arange(B, device=dev)
-        p_in = torch.zeros(B, dtype=torch.long, device=dev)
+        index = torch.stack([torch.arange(B), torch.zeros(B, dtype=torch.long)]).to(dev)  # slots, positions
+        host = torch.zeros(2, B, dtype=torch.long).pin_memory()
 
         def step():
-            return st._forward(h_in, s_in, p_in, None, batched=True, kv_len=st.n_ctx)
+            return st._forward(h_in, index[0], index[1], None, batched=True, kv_len=st.n_ctx)
 
         # Warm up on a side stream (allocator and kernel selection), as torch's docs prescribe. The
         # warm-up really writes K/V at position 0 of slots 0..B-1: keep those rows and put them back.
@@ -569,4 +584,6 @@ class DecodeGraphs:
         with torch.cuda.graph(graph, pool=self.pool):
             out = step()
         self.pool = graph.pool()
-        return graph, h_in, s_in, p_in, out
+        copied = torch.cuda.Event()
+        copied.record()
+        return graph, h_in, index, host, copied, out

@@ -44,7 +44,8 @@ def test_cuda_bf16_matches_cpu_float32(tiny_model, arch):
         ref = run(cpu, tokens, [0, 2], pos)
         got = run(gpu, tokens, [0, 2], pos)
         assert rel_err(got, ref) < 2e-2, step
-        assert (got.cpu().argmax(-1) == ref.argmax(-1)).all()
+        picked = got.cpu().argmax(-1)  # random weights have near-ties: the pick must be near-best under fp32
+        assert (ref.gather(1, picked[:, None])[:, 0] >= ref.max(-1).values - 0.1).all()
         pos = [p + 1 for p in pos]
     assert 2 in gpu.graphs.graphs  # the decode steps really went through a captured graph
 
