@@ -169,6 +169,27 @@ def test_peer_killed_mid_decode_fails_fast_then_recovers(cluster):
     assert peers[1]["state"] == "up" and peers[1]["attaches"] == 2
 
 
+def test_frozen_peer_fails_the_request_instead_of_hanging(cluster):
+    """SIGSTOP: the TCP connection stays open and silent; the head's probe notices."""
+    import os
+    import signal
+
+    w, victim = cluster["head"], cluster["peers"][0]
+    wait_for(lambda: httpx.get(f"{w.url}/health", timeout=10).json()["status"] == "ok", 30, "a healthy head")
+    result = {}
+    t = threading.Thread(target=lambda: result.setdefault("r", complete(w, "freeze", 200, timeout=60)))
+    t.start()
+    wait_for(lambda: any(s.get("n_decoded", 0) > 3 for s in w.status()["slots"]), 60, "decoding to start")
+    os.killpg(victim.proc.pid, signal.SIGSTOP)
+    try:
+        t.join(timeout=60)
+        assert result["r"].status_code == 503 and "stopped answering" in result["r"].json()["error"]["message"]
+    finally:
+        os.killpg(victim.proc.pid, signal.SIGCONT)
+    wait_for(lambda: httpx.get(f"{w.url}/health", timeout=10).json()["status"] == "ok", 30, "the head to re-attach")
+    assert greedy(w, PROMPTS[0]) == greedy(cluster["solo"], PROMPTS[0])
+
+
 def run_head_cli(model, *argv, timeout=120) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "hydra_console.engine.cli", "serve", "--model", str(model), "--device", "cpu",
            "--port", "0", "--rpc-port", "0", *argv]  # fmt: skip

@@ -33,12 +33,21 @@ from .compute import (
 )
 from .listener import tune_socket
 from .resident import tensor_shapes
-from .wire import COMPUTE_HEADER, FrameError, SocketReader, read_compute_response, read_compute_response_size, send_all
+from .wire import (
+    COMPUTE_HEADER,
+    FrameError,
+    SocketReader,
+    pack_compute_request,
+    read_compute_response,
+    read_compute_response_size,
+    send_all,
+)
 
 log = logging.getLogger("hydra.rpc.client")
 
 CONNECT_TIMEOUT_S = 2.0
 WATCH_S = 1.0  # while a reply is pending, probe the peer this often
+PROBE_ANSWER_S = 2.0
 
 
 class PeerError(RuntimeError):
@@ -292,9 +301,14 @@ class RemoteStage:
             self._reader.bytes_in = 0
 
     def _probe(self) -> None:
-        """Called while a reply is pending, every WATCH_S: a peer host that vanished (no RST ever
-        comes) fails the request in ~2 s instead of at TCP keepalive's 60 s."""
+        """Called every WATCH_S while a reply is pending. A fresh connection must get a HELLO
+        answer within PROBE_ANSWER_S (peer mode serves it on its own thread, even mid-forward): a host
+        that vanished (no RST ever comes) or a frozen process fails the request in ~2 s, not at
+        TCP keepalive's 60 s or never."""
         try:
-            socket.create_connection((self.host, self.port), timeout=WATCH_S).close()
-        except OSError as e:
+            with socket.create_connection((self.host, self.port), timeout=WATCH_S) as probe:
+                probe.settimeout(PROBE_ANSWER_S)  # a busy CPU peer may be slow to schedule the answer
+                probe.sendall(pack_compute_request(Cmd.HELLO, pack_hello()))
+                read_compute_response(SocketReader(probe), 4096)
+        except (OSError, FrameError) as e:
             raise PeerUnavailable(f"peer {self.addr} stopped answering: {e}") from None
