@@ -303,7 +303,7 @@ class RemoteStage:
     def _probe(self) -> None:
         """Called every WATCH_S while a reply is pending. A fresh connection must get a HELLO
         answer within PROBE_ANSWER_S (peer mode serves it on its own thread, even mid-forward): a host
-        that vanished (no RST ever comes) or a frozen process fails the request in ~2 s, not at
+        that vanished (no RST ever comes) or a frozen process fails the request in 2-3 s, not at
         TCP keepalive's 60 s or never."""
         try:
             with socket.create_connection((self.host, self.port), timeout=WATCH_S) as probe:
