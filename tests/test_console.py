@@ -71,7 +71,7 @@ def head_ranges(sup: Supervisor) -> list[list[int]]:
     return [s["layers"] for s in doc["stages"]]
 
 
-SHAPE = ModelShape(n_layers=18, layer_bytes=[10 << 20] * 18, head_bytes=100 << 20, kv_bytes_per_token_layer=2048)
+SHAPE = ModelShape(n_layers=18, layer_elements=[5 << 20] * 18, head_elements=50 << 20, kv_elements_per_token_layer=1024)
 
 
 # Each flow at the size the real-worker test (test_console_real.py) does not use.

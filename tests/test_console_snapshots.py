@@ -55,7 +55,7 @@ LOG = [
     ("peer1", "err", "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB"),
     ("head", "out", "POST /v1/completions 200 (prompt 12, predicted 64)"),
 ]
-SHAPE = ModelShape(n_layers=18, layer_bytes=[3 << 20] * 18, head_bytes=180 << 20, kv_bytes_per_token_layer=2048)
+SHAPE = ModelShape(n_layers=18, layer_elements=[3 << 19] * 18, head_elements=90 << 20, kv_elements_per_token_layer=512)
 
 
 @pytest.fixture(autouse=True)

@@ -122,8 +122,10 @@ def test_memory_estimate_adds_up_to_the_gguf(tiny_model):
     g = GGUFFile(path)
     est = shape.estimate([3, 1], n_ctx=64, n_slots=2)
     assert [e.layers for e in est] == [(0, 3), (3, 4)]
-    assert sum(e.weight_bytes for e in est) == sum(t.nbytes for t in g.tensors.values())
+    assert sum(e.weight_bytes for e in est) == 2 * sum(t.n_elements for t in g.tensors.values())  # bfloat16
     assert est[0].kv_bytes == 3 * est[1].kv_bytes > 0
+    f32 = shape.estimate([3, 1], n_ctx=64, n_slots=2, dtype="float32")
+    assert [e.total for e in f32] == [2 * e.total for e in est]
     with pytest.raises(UserError, match="covers 3 layers"):
         shape.estimate([2, 1], 64, 2)
 

@@ -117,17 +117,10 @@ def test_draft_model_server(tmp_path, tiny_model):
         head.stop()
 
 
-@pytest.mark.parametrize(
-    "extra, message",
-    [
-        (["--spec-type", "mtp"], "no multi-token-prediction head"),
-        (["--spec-type", "draft"], "needs --model-draft"),
-        (["--spec-type", "ngram", "--draft-max", "-1"], "draft max"),
-    ],
-)
-def test_bad_speculative_flags_are_clear_errors(tiny_model, extra, message):
+def test_mtp_flag_is_a_clear_error(tiny_model):
+    """No supported GGUF carries an MTP head: `--spec-type mtp` exits 2 with one line saying so."""
     cmd = [sys.executable, "-m", "hydra_console.engine.cli", "serve", "--model", str(tiny_model("llama")),
-           "--port", str(free_ports(1)[0]), "--device", "cpu", *extra]  # fmt: skip
+           "--port", str(free_ports(1)[0]), "--device", "cpu", "--spec-type", "mtp"]  # fmt: skip
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert r.returncode == 2, r.stderr
-    assert message in r.stderr and "Traceback" not in r.stderr
+    assert "no multi-token-prediction head" in r.stderr and "Traceback" not in r.stderr

@@ -181,6 +181,12 @@ def test_draft_model_must_share_the_vocabulary(tiny_model, tmp_path):
     Args.spec_type = "ngram"
     with pytest.raises(UserError, match="only used with --spec-type draft"):
         build_speculator(Args(), llama, n_slots=1, n_ctx=64)
+    Args.spec_type, Args.model_draft = "draft", None
+    with pytest.raises(UserError, match="needs --model-draft"):
+        build_speculator(Args(), llama, n_slots=1, n_ctx=64)
+    Args.spec_type, Args.draft_max = "ngram", -1
+    with pytest.raises(UserError, match="draft max"):
+        build_speculator(Args(), llama, n_slots=1, n_ctx=64)
 
 
 @pytest.mark.parametrize("with_q", [False, True])

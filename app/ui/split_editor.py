@@ -65,7 +65,7 @@ class SplitEditorScreen(Screen):
         if not self.counts:
             self.query_one("#split-table", Static).update("No layer count yet: waiting for the head's /status or the model file.")
             return
-        estimates = self.shape.estimate(self.counts, sup.profile.ctx, sup.profile.parallel) if self.shape else None
+        estimates = self.shape.estimate(self.counts, sup.profile.ctx, sup.profile.parallel, self._dtype()) if self.shape else None
         table = Table(box=None, expand=False, pad_edge=False, header_style="bold")
         for col in ("", "worker", "layers", "n", "weights", "KV", "total", "device free"):
             table.add_column(col, no_wrap=True, justify="right" if col in ("n", "weights", "KV", "total", "device free") else "left")
@@ -74,12 +74,13 @@ class SplitEditorScreen(Screen):
             marker = "▶" if i in (self.boundary, self.boundary + 1) else " "
             est = estimates[i] if estimates else None
             free = self._device_free(names[i])
-            total_style = self.app.tone_style("warn") if est and free is not None and est.total > free else ""
+            over = bool(est and free is not None and est.total > free)
             table.add_row(
                 marker, names[i], f"[{a},{b})", str(b - a),
                 display.fmt_bytes(est.weight_bytes) if est else "—",
                 display.fmt_bytes(est.kv_bytes) if est else "—",
-                Text(display.fmt_bytes(est.total), style=total_style) if est else "—",
+                Text(display.fmt_bytes(est.total) + (" ⚠" if over else ""), style=self.app.tone_style("warn") if over else "")
+                if est else "—",
                 display.fmt_bytes(free) if free is not None else "—",
             )
         self.query_one("#split-table", Static).update(table)
@@ -88,8 +89,14 @@ class SplitEditorScreen(Screen):
         note.update(
             f"boundary {left} | {right}  ·  split {split_arg(self.counts)}"
             + (f" (applied {split_arg(self.applied)})" if changed and self.applied else "  (applied)")
-            + "\nweights = tensor bytes in the GGUF; KV = fp32 cache for all slots at full context"
+            + f"\nestimates at {self._dtype()}: weights dequantized, KV for {sup.profile.parallel} slots"
+            f" × {sup.profile.ctx} tokens (CPU int8 weights take about half)"
         )
+
+    def _dtype(self) -> str:
+        """The head's --dtype if its profile entry passes one, else the engine's auto (bfloat16)."""
+        args = self.app.supervisor.profile.head.args
+        return args[args.index("--dtype") + 1] if "--dtype" in args[:-1] else "bfloat16"
 
     def _device_free(self, worker: str) -> int | None:
         devs = (self.app.supervisor.worker(worker).status or {}).get("devices") or []
