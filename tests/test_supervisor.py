@@ -22,23 +22,8 @@ from hydra_console.app.sources import FixedFeedSource, HttpStatusSource, Probe
 from hydra_console.engine.rpc.wire import pack_control_response
 from hydra_console.app.supervisor import Backoff, State, Supervisor, SupervisorError, describe_exit
 
-FAKE = f"{shlex.quote(sys.executable)} -m hydra_console.app.fake_worker"
+from test_console import FAKE, port_pair
 
-
-def free_port() -> int:
-    """A port whose +1 is free too (workers put their RPC port there)."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port < 65000:
-            try:
-                with socket.socket() as s2:
-                    s2.bind(("127.0.0.1", port + 1))
-                return port
-            except OSError:
-                continue
-    raise RuntimeError("no free port pair")
 
 
 async def wait_until(cond, timeout: float = 15.0, step: float = 0.05) -> None:
@@ -56,8 +41,8 @@ def script_profile(tmp_path: Path, body: str, *, peers: int = 0, **settings) -> 
     return Profile(
         name="t",
         engine_command=f"{shlex.quote(sys.executable)} {shlex.quote(str(script))}",
-        head=WorkerSpec(name="head", port=free_port()),
-        peers=[WorkerSpec(name=f"peer{i + 1}", port=free_port()) for i in range(peers)],
+        head=WorkerSpec(name="head", port=port_pair()),
+        peers=[WorkerSpec(name=f"peer{i + 1}", port=port_pair()) for i in range(peers)],
         supervisor=sup,
     )
 
@@ -187,7 +172,7 @@ def test_remote_command_goes_through_ssh_template_as_one_argument():
 
 
 async def test_attached_worker_is_monitored_not_started(tmp_path):
-    profile = Profile(head=WorkerSpec(name="head", port=free_port()), peers=[])
+    profile = Profile(head=WorkerSpec(name="head", port=port_pair()), peers=[])
     sup = Supervisor(profile, attach=True, source=HttpStatusSource(timeout=0.5))
     await sup.start()
     await sup.poll_once()
@@ -202,8 +187,8 @@ def fake_profile(peers: int = 1, **kw) -> Profile:
     return Profile(
         name="fake",
         engine_command=FAKE,
-        head=WorkerSpec(name="head", port=free_port()),
-        peers=[WorkerSpec(name=f"peer{i + 1}", port=free_port()) for i in range(peers)],
+        head=WorkerSpec(name="head", port=port_pair()),
+        peers=[WorkerSpec(name=f"peer{i + 1}", port=port_pair()) for i in range(peers)],
         supervisor=SupervisorSettings(poll_s=0.2, grace_s=5),
         **kw,
     )
@@ -293,7 +278,7 @@ async def test_remote_worker_runs_through_the_launcher_template(tmp_path):
     """A stand-in for ssh runs the remote command line in a shell, as sshd would; 127.0.0.2 is 'another host'."""
     fake_ssh = tmp_path / "fake_ssh.py"
     fake_ssh.write_text("import os, sys\nhost, command = sys.argv[1], sys.argv[2]\nos.execvp('sh', ['sh', '-c', command])\n")
-    port = free_port()
+    port = port_pair()
     profile = Profile(
         name="remote",
         engine_command=FAKE,
