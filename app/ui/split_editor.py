@@ -86,7 +86,10 @@ class SplitEditorScreen(Screen):
         self.query_one("#split-table", Static).update(table)
         changed = self.counts != self.applied
         left, right = names[self.boundary], names[self.boundary + 1]
+        glyphs = "█▒▓░"  # one texture per stage, so the map reads without colour
+        layer_map = "│".join(glyphs[i % len(glyphs)] * n for i, n in enumerate(self.counts))
         note.update(
+            f"layers {layer_map}\n"
             f"boundary {left} | {right}  ·  split {split_arg(self.counts)}"
             + (f" (applied {split_arg(self.applied)})" if changed and self.applied else "  (applied)")
             + f"\nestimates at {self._dtype()}: weights dequantized, KV for {sup.profile.parallel} slots"
