@@ -1,6 +1,6 @@
 """Layer split over loopback: decode split/solo ratio (head + 1 peer process) and live re-split time.
 
-    python benchmarks/bench_split.py [--model PATH] [--device cpu] [--dtype auto] [--block 16] [-r 8]
+    python benchmarks/bench_split.py [--model PATH] [--device cpu] [--dtype auto] [--block 16] [-r 8] [--prefill 128]
     python benchmarks/bench_split.py --synthetic-llama-1b --device cuda   # the H200 run (two processes, one GPU)
 
 Decode: single-token greedy steps through `Pipeline.forward` after the same prompt, solo (every
@@ -53,6 +53,17 @@ def prefill(pipe: Pipeline, slot: int = 0) -> torch.Tensor:
     return logits.argmax(-1)
 
 
+def prefill_tok_s(pipe: Pipeline, n: int, slot: int = 0) -> float:
+    """One n-token prompt in one forward (one frame per peer), tokens per second."""
+    sync = torch.cuda.synchronize if pipe.head.device.type == "cuda" else (lambda: None)
+    tokens = torch.arange(1, n + 1) % pipe.cfg.n_vocab
+    sync()
+    t0 = time.perf_counter()
+    pipe.forward(tokens, torch.full((n,), slot), torch.arange(n), torch.tensor([n - 1]))
+    sync()
+    return n / (time.perf_counter() - t0)
+
+
 def decode_block(pipe: Pipeline, tok: torch.Tensor, start: int, n: int, overheads: list) -> tuple[torch.Tensor, float]:
     """n greedy single-token steps from position `start`; (last token, seconds). Appends each
     step's RPC overhead (peer round trip minus the peer's own compute) to `overheads`."""
@@ -76,6 +87,7 @@ def main() -> None:
     ap.add_argument("--block", type=int, default=16, help="decode steps per timed block")
     ap.add_argument("-r", "--repetitions", type=int, default=8, help="blocks per mode, interleaved")
     ap.add_argument("--resplit-ctx", type=int, default=64, help="tokens live in a slot during re-splits")
+    ap.add_argument("--prefill", type=int, default=128, help="prompt length of the prefill comparison (0: skip)")
     args = ap.parse_args()
 
     tmp = tempfile.TemporaryDirectory()
@@ -94,7 +106,7 @@ def main() -> None:
     cfg = ModelConfig.from_gguf(g)
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
-    n_ctx = PROMPT_TOKENS + args.block + 8
+    n_ctx = max(PROMPT_TOKENS + args.block + 8, args.prefill)
     half = cfg.n_layers // 2
     print(f"model {model.name}: {cfg.n_layers} layers, n_embd {cfg.n_embd}; device {device}, dtype {dtype}, "
           f"torch threads {torch.get_num_threads()}, cores {os.cpu_count()}")  # fmt: skip
@@ -123,6 +135,13 @@ def main() -> None:
         print(f"split/solo ratio: overall {sum(times['solo']) / sum(times['split']):.3f}  "
               f"best blocks {min(times['solo']) / min(times['split']):.3f}  "
               f"median blocks {statistics.median(times['solo']) / statistics.median(times['split']):.3f}")  # fmt: skip
+        if args.prefill:
+            rates = {k: [] for k in pipes}
+            for _ in range(max(args.repetitions // 4, 2)):
+                for k, p in pipes.items():
+                    rates[k].append(prefill_tok_s(p, args.prefill))
+            print(f"prefill {args.prefill} tokens, tok/s: solo best {max(rates['solo']):.1f}, split best {max(rates['split']):.1f}, "
+                  f"ratio {max(rates['split']) / max(rates['solo']):.3f}")  # fmt: skip
         remote = split.remotes[0]
         step_ms = statistics.median(times["split"]) / args.block * 1e3
         rpc_ms = statistics.median(overheads)
