@@ -166,6 +166,8 @@ class Head:
         self.status.model = {"name": self.model_name, "path": str(path), "arch": self.gguf.architecture,
                              "n_layers": cfg.n_layers, "fingerprint": self.gguf.fingerprint}  # fmt: skip
         self.status.startup_stage = 2
+        # Before the peers: a bad --spec-type / --model-draft fails at once.
+        speculator = build_speculator(args, self.gguf, n_slots=args.parallel, n_ctx=args.ctx)
         # Head stage + peers (waits for them, --peer-wait), then the merged RPC port.
         pipeline = build_pipeline(args, self.gguf, cfg, n_slots=args.parallel, n_ctx=args.ctx)
         pipeline.on_change = lambda: setattr(self.status, "degraded", pipeline.degraded)
@@ -175,7 +177,6 @@ class Head:
         self.metrics.register(RpcCollector(self.rpc.listener, pipeline))
         self.rpc_active = True
         self.status.startup_stage = 3
-        speculator = build_speculator(args, self.gguf, n_slots=args.parallel, n_ctx=args.ctx)
         self.engine = Engine(pipeline, self.tok, n_slots=args.parallel, n_ctx=args.ctx, speculator=speculator).start()
         pipeline.active_slots = lambda: {s.slot for s in self.engine.slots if s is not None}
         self.status.engine = self.engine

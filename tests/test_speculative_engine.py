@@ -233,8 +233,8 @@ def test_default_model_greedy_speculation_is_exact(default_model):
     try:
         for i, text in enumerate(prompts):
             prompt = tok.encode(text)
-            plain, _ = _run(eng, prompt, None, n=32)
-            spec, t = _run(eng, prompt, SpecConfig("ngram", n_max=3), n=32)
+            plain, _ = _run(eng, prompt, None, n=24)
+            spec, t = _run(eng, prompt, SpecConfig("ngram", n_max=3), n=24)
             assert spec == plain
             if i == 0:
                 assert t["draft_n_accepted"] > t["draft_n"] / 2
