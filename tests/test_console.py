@@ -194,10 +194,11 @@ async def test_logs_filter_invert_and_failure_highlight(tmp_path):
 
 async def test_help_lists_remapped_keys_and_palette_has_every_action(tmp_path):
     profile = fake_profile()
-    profile.keys = {"hydra.restart": "ctrl+r", "hydra.split": "S"}
+    profile.keys = {"hydra.restart": "ctrl+r", "hydra.split": "S", "hydra.nope": "x"}
     sup = Supervisor(profile, attach=True)  # nothing runs: attach to ports nobody serves
     app = HydraConsole(sup, model_shape=SHAPE)
     async with app.run_test(size=(80, 24)) as pilot:
+        assert any("unknown binding id hydra.nope" in n.message for n in app._notifications)
         await pilot.press("question_mark")
         assert isinstance(app.screen, HelpScreen)
         rows = dict(app.screen.rows)

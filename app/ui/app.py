@@ -23,7 +23,13 @@ from .dialogs import ConfirmScreen, HelpScreen
 from .logs import LogsScreen
 from .split_editor import SplitEditorScreen
 
-DESTRUCTIVE = {"restart_selected", "restart_worker", "stop_worker", "start_worker", "apply"}
+DESTRUCTIVE = {"restart_selected", "restart_worker", "stop_worker", "start_worker"}
+
+
+def binding_ids() -> set[str]:
+    """Every id a profile's [keys] table may remap."""
+    classes = (HydraConsole, LogsScreen, SplitEditorScreen, WorkerDetailScreen, ConfirmScreen, HelpScreen)
+    return {b.id for cls in classes for b in cls.BINDINGS if isinstance(b, Binding) and b.id}
 
 
 class HydraConsole(App):
@@ -68,6 +74,10 @@ class HydraConsole(App):
         p = self.supervisor.profile
         self.sub_title = f"profile {p.name}" + (" · READ-ONLY" if self.readonly else "")
         if p.keys:
+            unknown = sorted(set(p.keys) - binding_ids())
+            if unknown:
+                self.notify(f"profile [keys]: unknown binding id {', '.join(unknown)} "
+                            f"(known: {', '.join(sorted(binding_ids()))})", severity="warning", timeout=15, markup=False)
             self.set_keymap(p.keys)
         self.push_screen(self.dashboard)
         self._unsubscribe = self.supervisor.subscribe(self._on_supervisor_event)
