@@ -74,9 +74,18 @@ def main() -> None:
     decode_once(stage, 1, 8)
     rows["eager"] = {"decode_tok_s": round(args.n / decode_once(stage, 1, args.n), 1)}
 
+    try:
+        rows["compiled"] = run_bench(path, "cuda", "bfloat16", args.p, args.n, args.r, compile_decode=True)
+    except Exception as e:  # report, keep the other rows
+        rows["compiled"] = {"error": f"{type(e).__name__}: {e}"[:500]}
+    print(json.dumps(rows["compiled"]), flush=True)
+
     print(f"\n{'variant':<28}{'prefill tok/s':>15}{'decode tok/s':>14}{'GB/s':>8}")
     r = rows["graphs"]
     print(f"{'bf16 + CUDA graphs':<28}{r['prefill_tok_s']:>15,.0f}{r['decode_tok_s']:>14,.1f}{r['decode_gb_s']:>8,.0f}")
+    r = rows["compiled"]
+    if "decode_tok_s" in r:
+        print(f"{'bf16 + compile + graphs':<28}{r['prefill_tok_s']:>15,.0f}{r['decode_tok_s']:>14,.1f}{r['decode_gb_s']:>8,.0f}")
     print(f"{'bf16 eager (no graphs)':<28}{'':>15}{rows['eager']['decode_tok_s']:>14,.1f}")
     print(f"{'bf16 + graphs, 4 slots':<28}{'':>15}{rows['batched4']['decode_tok_s']:>14,.1f}")
     print(f"layer-stack graph replay alone: {rows['graph_replay_ms']:.3f} ms per token")

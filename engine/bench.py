@@ -56,11 +56,11 @@ def decode_once(stage: Stage, first_token: int, n_gen: int) -> float:
     return time.perf_counter() - t0
 
 
-def run_bench(model: Path, device: str, dtype: str, n_prompt: int, n_gen: int, repetitions: int) -> dict:
+def run_bench(model: Path, device: str, dtype: str, n_prompt: int, n_gen: int, repetitions: int, **stage_options) -> dict:
     g = GGUFFile(model)
     cfg = ModelConfig.from_gguf(g)
     t0 = time.perf_counter()
-    stage = Stage(cfg, g, embed=True, head=True, device=device, dtype=dtype, n_slots=1, n_ctx=max(n_prompt, n_gen, 1))
+    stage = Stage(cfg, g, embed=True, head=True, device=device, dtype=dtype, n_slots=1, n_ctx=max(n_prompt, n_gen, 1), **stage_options)
     load_s = time.perf_counter() - t0
     gen = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, cfg.n_vocab, (n_prompt,), generator=gen)

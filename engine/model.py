@@ -30,6 +30,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .device import resolve_device, resolve_dtype
 from .errors import UserError
@@ -52,6 +53,8 @@ ARCHITECTURES: dict[str, dict] = {
     },
 }
 
+# cuDNN attention re-plans for every new sequence length (~10 ms a call): decode would crawl.
+_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 # Logits recomputed exactly after the int8 head: far more than any near-tie of the top token.
 RESCORE_TOP = 32
 # Files at least this big keep their converted (int8) head in the on-disk cache.
@@ -229,7 +232,6 @@ class _Layer:
         shape = (stage.n_slots, cfg.n_head_kv, stage.n_ctx, cfg.head_dim)
         self.k_cache = torch.zeros(shape, dtype=stage.dtype, device=stage.device)
         self.v_cache = torch.zeros(shape, dtype=stage.dtype, device=stage.device)
-        self.rope = stage._rope_swa if self.window else stage._rope_global
 
     @property
     def nbytes(self) -> int:
@@ -251,6 +253,7 @@ class Stage:
         n_slots: int = 4,
         n_ctx: int = 4096,
         int8: bool | None = None,
+        compile_decode: bool = False,
     ):
         self.cfg, self.g = cfg, g
         self.device = resolve_device(device)
@@ -275,7 +278,7 @@ class Stage:
             self.output_norm = self._vector("output_norm.weight")
             self._head_name = "token_embd.weight" if cfg.tied else "output.weight"
             self.output = self._linear([self._head_name], terms=1)
-        self.graphs = DecodeGraphs(self) if self.device.type == "cuda" else None
+        self.graphs = DecodeGraphs(self, compiled=compile_decode) if self.device.type == "cuda" else None
 
     # ---- loading -------------------------------------------------------------------------------
 
@@ -425,7 +428,8 @@ class Stage:
         Q and K travel together through norm and RoPE: fewer, larger kernels."""
         cfg = self.cfg
         T, n_q, qk_dim = h.shape[0], cfg.n_head, (cfg.n_head + cfg.n_head_kv) * cfg.head_dim
-        ropes = {id(t): (t[0][positions, None], t[1][positions, None]) for t in (self._rope_global, self._rope_swa)}
+        ropes = {False: self._rope_global, True: self._rope_swa}
+        ropes = {w: (cos[positions, None], sin[positions, None]) for w, (cos, sin) in ropes.items()}
         biases = {}
         for layer in self.layers.values():
             x = self._norm(h, layer.attn_norm).to(self.dtype)
@@ -434,7 +438,7 @@ class Stage:
             v = qkv[:, qk_dim:].view(T, cfg.n_head_kv, cfg.head_dim).to(self.dtype)
             if layer.qk_norm is not None:
                 qk = F.rms_norm(qk, (cfg.head_dim,), None, cfg.rms_eps) * layer.qk_norm
-            qk = self._rotate(qk, *ropes[id(layer.rope)]).to(self.dtype)
+            qk = self._rotate(qk, *ropes[bool(layer.window)]).to(self.dtype)
             q, k = qk[:, :n_q], qk[:, n_q:]
             if batched:
                 if layer.window not in biases:
@@ -477,9 +481,10 @@ class Stage:
                 mask, causal = kpos <= qpos, False
                 if layer.window:
                     mask &= kpos > qpos - layer.window
-            o = F.scaled_dot_product_attention(
-                qr, keys, vals, attn_mask=mask, is_causal=causal, scale=self.cfg.attn_scale, enable_gqa=True
-            )
+            with sdpa_kernel(_SDPA_BACKENDS):
+                o = F.scaled_dot_product_attention(
+                    qr, keys, vals, attn_mask=mask, is_causal=causal, scale=self.cfg.attn_scale, enable_gqa=True
+                )
             outs.append(o[0].transpose(0, 1))
             i += n
         return outs[0] if len(outs) == 1 else torch.cat(outs)
@@ -533,8 +538,11 @@ class DecodeGraphs:
     position mask, so one graph serves every position.
     """
 
-    def __init__(self, stage: Stage, max_batch: int | None = None):
+    def __init__(self, stage: Stage, max_batch: int | None = None, compiled: bool = False):
         self.stage = stage
+        # torch.compile fuses the many small element-wise kernels between the matrix products
+        # (norms, casts, RoPE, residual adds); the graph then replays the fused kernels.
+        self.forward = torch.compile(stage._forward, dynamic=False) if compiled else stage._forward
         self.max_batch = max_batch or stage.n_slots
         self.graphs: dict[int, tuple] = {}
         self.pool = None
@@ -566,7 +574,7 @@ class DecodeGraphs:
         host = torch.zeros(2, B, dtype=torch.long).pin_memory()
 
         def step():
-            return st._forward(h_in, index[0], index[1], None, batched=True, kv_len=st.n_ctx)
+            return self.forward(h_in, index[0], index[1], None, batched=True, kv_len=st.n_ctx)
 
         # Warm up on a side stream (allocator and kernel selection), as torch's docs prescribe. The
         # warm-up really writes K/V at position 0 of slots 0..B-1: keep those rows and put them back.
