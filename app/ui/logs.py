@@ -62,10 +62,9 @@ class LogsScreen(Screen):
     def _write(self, log: RichLog, line) -> None:
         text = display.log_line_text(line, with_worker=self.source is None)
         label = display.failure_label(line.text)
+        # Only known failures stand out: workers log everything to stderr, so the stream says little.
         if label:
             log.write(Text(f"{text}  ◀ {label}", style=f"bold {self.app.tone_style('error')}"))
-        elif line.stream == "err":
-            log.write(Text(text, style=self.app.tone_style("warn")))
         else:
             log.write(Text(text))
 
