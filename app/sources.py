@@ -45,7 +45,7 @@ class StatusSource(Protocol):
 class HttpStatusSource:
     """GET /health and /status of a worker over one pooled httpx client."""
 
-    def __init__(self, timeout: float = 0.8):
+    def __init__(self, timeout: float = 2.0):
         self._client = httpx.AsyncClient(timeout=timeout, trust_env=False)
 
     async def _json(self, url: str) -> tuple[int, dict | None]:

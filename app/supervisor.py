@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import os
 import shlex
 import signal
@@ -34,7 +35,9 @@ from .config import DEFAULT_SSH_TEMPLATE, Profile, WorkerSpec, state_dir
 from .sources import HttpStatusSource, Probe, StatusSource
 from .split_plan import split_arg
 
+log = logging.getLogger("hydra.console.supervisor")
 HISTORY = 120  # samples kept for sparklines (2 min at 1 Hz)
+MISSES_TOLERATED = 3  # polls in a row a worker that answered before may miss before its state changes
 LINE_LIMIT = 1 << 20  # longest stdout line read in one piece
 
 
@@ -119,6 +122,7 @@ class Worker:
     cpu_pct: float | None = None  # psutil, local started workers only
     rss: int | None = None
     wanted: bool = False  # should be running (drives auto-restart)
+    misses: int = 0  # polls missed in a row since the last answer
     proc: asyncio.subprocess.Process | None = None
     _watch: asyncio.Task | None = None
     _restart: asyncio.Task | None = None
@@ -212,7 +216,10 @@ class Supervisor:
         ev = Event(self.clock(), worker, kind, message)
         self.events.append(ev)
         for fn in list(self._listeners):
-            fn(ev)
+            try:
+                fn(ev)
+            except Exception:  # an observer's bug must not stop supervision
+                log.exception("event listener failed on %s", ev)
         return ev
 
     @property
@@ -385,6 +392,10 @@ class Supervisor:
                     await self.stop_worker(w.name)
         for t in list(self._tasks):
             t.cancel()
+        for w in self.workers.values():
+            if w._log_file is not None:
+                w._log_file.close()
+                w._log_file = None
         await self.source.aclose()
 
     def kill_all_sync(self, grace: float = 3.0) -> None:
@@ -426,8 +437,12 @@ class Supervisor:
             return
         argv = self.command_for(w.name)
         if w._log_file is None and w.log_path is not None:
-            w.log_path.parent.mkdir(parents=True, exist_ok=True)
-            w._log_file = open(w.log_path, "a", buffering=1, encoding="utf-8", errors="replace")
+            try:
+                w.log_path.parent.mkdir(parents=True, exist_ok=True)
+                w._log_file = open(w.log_path, "a", buffering=1, encoding="utf-8", errors="replace")
+            except OSError as e:
+                self.emit(w.name, "error", f"no log file ({e.strerror or e}: {w.log_path}); keeping the ring buffer only")
+                w.log_path = None
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         try:
             proc = await asyncio.create_subprocess_exec(
@@ -530,6 +545,12 @@ class Supervisor:
     def _apply_probe(self, w: Worker, p: Probe) -> None:
         if w.managed and (not w.running or w.state == State.STOPPING):
             return  # the answer raced a stop or an exit
+        if not p.reachable and w.probe is not None and w.probe.reachable:
+            # A worker busy with a long forward can miss a poll: only MISSES_TOLERATED in a row count.
+            w.misses += 1
+            if w.misses < MISSES_TOLERATED:
+                return
+        w.misses = 0
         w.probe = p
         thr = (p.status or {}).get("throughput")
         if isinstance(thr, dict):
@@ -543,7 +564,9 @@ class Supervisor:
                 w._ps = None
         hs = p.health_state
         if hs is None:
-            new = State.STARTING if w.managed else State.UNREACHABLE
+            # Started and once up, now silent: degraded (the process lives); never answered yet: starting.
+            up_before = w.state in (State.READY, State.DEGRADED)
+            new = (State.DEGRADED if up_before else State.STARTING) if w.managed else State.UNREACHABLE
         else:
             new = {"ok": State.READY, "degraded": State.DEGRADED}.get(hs, State.STARTING)
         if new == w.state:
@@ -554,7 +577,7 @@ class Supervisor:
             after = f" after {w.ready_at - w.started_at:.1f} s" if w.managed and w.started_at else ""
             self.emit(w.name, "ready", f"ready{after}")
         elif new == State.DEGRADED:
-            self.emit(w.name, "degraded", "health reports degraded")
+            self.emit(w.name, "degraded", f"not answering: {p.error}" if hs is None else "health reports degraded")
         elif new == State.UNREACHABLE:
             self.emit(w.name, "unreachable", p.error or "no answer")
 

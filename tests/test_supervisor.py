@@ -309,3 +309,20 @@ async def test_concurrent_restarts_never_leave_two_processes(tmp_path):
     assert alive == [sup.head.pid]
     assert sup.head.restarts == 2
     await sup.shutdown()
+
+
+async def test_a_missed_poll_is_tolerated_then_reported():
+    up = Probe(True, 200, {"status": "ok"}, {"pid": 7})
+    feed = FixedFeedSource({"head": up})
+    sup = Supervisor(Profile(peers=[]), attach=True, source=feed, clock=lambda: 0.0)
+    await sup.poll_once()
+    assert sup.head.state == State.READY
+    feed.probes["head"] = Probe(False, error="timed out")
+    await sup.poll_once()
+    await sup.poll_once()
+    assert sup.head.state == State.READY and sup.head.probe.reachable  # two misses: still the last answer
+    await sup.poll_once()
+    assert sup.head.state == State.UNREACHABLE
+    feed.probes["head"] = up
+    await sup.poll_once()
+    assert [e.kind for e in sup.events] == ["ready", "unreachable", "ready"]
