@@ -67,6 +67,13 @@ class WorkerDetailScreen(Screen):
             rows.append(("last error", Text(w.probe.error, style=app.tone_style("error"))))
         if w.rss is not None:
             rows.append(("process", f"rss {display.fmt_bytes(w.rss)} · cpu {w.cpu_pct or 0:.0f}%"))
+        for d in st.get("devices") or []:
+            rows.append((f"device {d.get('index', 0)}", f"{d.get('kind', '?')} {d.get('name', '')} · "
+                         f"{display.fmt_bytes(d.get('memory_used'))}/{display.fmt_bytes(d.get('memory_total'))}"))
+        stages = [f"{s.get('role', '?')} {display.fmt_layers(s.get('layers'))} {s.get('device', '')}".rstrip()
+                  for s in st.get("stages") or [] if isinstance(s, dict)]
+        if stages:
+            rows.append(("stages", " · ".join(stages)))
         slots = st.get("slots") or []
         if slots:
             busy = sum(1 for s in slots if s.get("state") == "processing")
