@@ -119,7 +119,10 @@ class HydraConsole(App):
             path = self.supervisor.profile.model or default_model_path()
             self.model_shape = ModelShape.from_gguf(path)
         except Exception as e:  # the editor still works without estimates; say why they are missing
-            self.call_from_thread(self.notify, f"no memory estimates: {e}", severity="warning")
+            try:
+                self.call_from_thread(self.notify, f"no memory estimates: {e}", severity="warning")
+            except RuntimeError:  # the app quit while the file was being read
+                pass
 
     def _on_supervisor_event(self, ev) -> None:
         # The supervisor outlives the app by a moment at shutdown: never touch a dead UI.
