@@ -109,11 +109,6 @@ class Draft:
     def __len__(self) -> int:
         return len(self.tokens)
 
-    def truncated(self, n: int) -> Draft:
-        if n >= len(self.tokens):
-            return self
-        return Draft(self.tokens[:n], None if self.q is None else self.q[:n])
-
 
 @dataclass
 class DraftRequest:
@@ -130,8 +125,6 @@ class DraftRequest:
 class Drafter:
     """Proposes up to k next tokens for a slot. Hooks: `start(slot, prompt)` when a request takes a
     slot, `release(slot)` when it leaves; `draft_batch` may batch slots (the draft model does)."""
-
-    name = "none"
 
     def start(self, slot: int, prompt: list[int]) -> None:
         """A new request took `slot`."""
@@ -150,8 +143,6 @@ class NgramDrafter(Drafter):
     """Prompt lookup: find the latest earlier occurrence of the history's last n tokens (n = n_max
     down to 1) and propose the tokens that followed it. Needs no model; shines when the output
     repeats the prompt (code edits, summaries quoting the text, extraction)."""
-
-    name = "ngram"
 
     def __init__(self, n_max: int = 3, n_min: int = 1):
         if not 1 <= n_min <= n_max:
@@ -181,15 +172,12 @@ class DraftModelDrafter(Drafter):
     per drafted position for the whole batch. Greedy requests draft the draft model's argmax (q is a
     point mass); sampled requests draw from the draft distribution under the request's sampling
     transforms and return it as q for rejection sampling. Drafting stops at the first token whose
-    draft probability is below `p_min`."""
-
-    name = "draft"
+    draft probability is below `p_min`. Called from the engine thread only."""
 
     def __init__(self, pipeline, p_min: float = 0.75):
         self.pipeline = pipeline
         self.p_min = p_min
         self._cached: dict[int, list[int]] = {}  # slot -> tokens whose KV the draft cache holds
-        self._lock = threading.Lock()
 
     def start(self, slot: int, prompt: list[int]) -> None:
         self._cached.pop(slot, None)
@@ -210,10 +198,6 @@ class DraftModelDrafter(Drafter):
         return tok, float(probs[tok]), None
 
     def draft_batch(self, requests: list[DraftRequest]) -> list[Draft]:
-        with self._lock:
-            return self._draft_batch(requests)
-
-    def _draft_batch(self, requests: list[DraftRequest]) -> list[Draft]:
         out = [Draft() for _ in requests]
         live = [i for i, r in enumerate(requests) if r.k > 0 and r.tokens]
         qs: dict[int, list[torch.Tensor]] = {i: [] for i in live}

@@ -9,7 +9,6 @@ import torch
 
 from hydra_console.engine.errors import UserError
 from hydra_console.engine.speculative import (
-    Draft,
     NgramDrafter,
     SpecConfig,
     SpecStats,
@@ -202,13 +201,6 @@ def test_accept_sampled_edge_cases():
     assert accept_sampled(p, [1], q, g) == [1, 2]  # p == q: residual empty, accepted anyway
     with pytest.raises(ValueError):
         accept_sampled(p, [1, 1], None, g)
-
-
-def test_draft_truncation():
-    d = Draft([1, 2, 3], torch.eye(4)[:3])
-    t = d.truncated(2)
-    assert t.tokens == [1, 2] and t.q.shape == (2, 4)
-    assert d.truncated(5) is d
 
 
 # ---------------------------------------------------------------- statistics
