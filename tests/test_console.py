@@ -17,6 +17,7 @@ import time
 
 import httpx
 import pytest
+from textual.command import CommandPalette
 
 from hydra_console.app.config import Profile, SupervisorSettings, WorkerSpec, load_profile
 from hydra_console.app.split_plan import ModelShape
@@ -194,7 +195,7 @@ async def test_logs_filter_invert_and_failure_highlight(tmp_path):
 
 async def test_help_lists_remapped_keys_and_palette_has_every_action(tmp_path):
     profile = fake_profile()
-    profile.keys = {"hydra.restart": "ctrl+r", "hydra.split": "S", "hydra.nope": "x"}
+    profile.keys = {"hydra.restart": "ctrl+r", "hydra.split": "S", "hydra.palette": "ctrl+k", "hydra.nope": "x"}
     sup = Supervisor(profile, attach=True)  # nothing runs: attach to ports nobody serves
     app = HydraConsole(sup, model_shape=SHAPE)
     async with app.run_test(size=(80, 24)) as pilot:
@@ -209,6 +210,9 @@ async def test_help_lists_remapped_keys_and_palette_has_every_action(tmp_path):
         titles = {c.title for c in app.get_system_commands(app.screen)}
         assert {"Help", "Split editor", "Logs: all workers", "Log filter", "Save profile", "Detail: head",
                 "Logs: peer1", "Theme: hydra-colourblind"} <= titles
+        await pilot.press("ctrl+k")
+        assert isinstance(app.screen, CommandPalette)
+        await pilot.press("escape")
         await pilot.press("t")
         assert app.theme == "hydra-light"
         await pilot.press("q")  # nothing started: quits without asking

@@ -43,6 +43,8 @@ class HydraConsole(App):
         Binding("l", "logs", "Logs", id="hydra.logs"),
         Binding("slash", "filter", "Filter", id="hydra.filter"),
         Binding("t", "cycle_theme", "Theme", show=False, id="hydra.theme"),
+        # Declared here (Textual then adds none of its own) so that the palette key is remappable too.
+        Binding("ctrl+p", "command_palette", "palette", show=False, priority=True, id="hydra.palette"),
     ]
 
     def __init__(
