@@ -189,6 +189,9 @@ class Engine:
         self._next_id = 0
         self._thread: threading.Thread | None = None
         self._stopping = False
+        # OpenMP's thread count is per thread: a new thread would start from the library default
+        # (every logical CPU) instead of torch's choice in the main thread (physical cores).
+        self._n_threads = torch.get_num_threads()
 
     # ---- consumer side (any thread) --------------------------------------------------------------
 
@@ -272,6 +275,7 @@ class Engine:
             self._thread.join(timeout=10)
 
     def _loop(self) -> None:
+        torch.set_num_threads(self._n_threads)
         while True:
             with self._cond:
                 while not self._stopping and not self.waiting and self.n_processing == 0:
