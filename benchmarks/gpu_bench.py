@@ -79,21 +79,12 @@ def main() -> None:
     except Exception as e:  # report, keep the other rows
         rows["compiled"] = {"error": f"{type(e).__name__}: {e}"[:500]}
     print(json.dumps(rows["compiled"]), flush=True)
-    try:
-        rows["matvec"] = run_bench(path, "cuda", "bfloat16", args.p, args.n, args.r, compile_decode=True, decode_matvec=True)
-    except Exception as e:
-        rows["matvec"] = {"error": f"{type(e).__name__}: {e}"[:500]}
-    print(json.dumps(rows["matvec"]), flush=True)
-
     print(f"\n{'variant':<28}{'prefill tok/s':>15}{'decode tok/s':>14}{'GB/s':>8}")
     r = rows["graphs"]
     print(f"{'bf16 + CUDA graphs':<28}{r['prefill_tok_s']:>15,.0f}{r['decode_tok_s']:>14,.1f}{r['decode_gb_s']:>8,.0f}")
     r = rows["compiled"]
     if "decode_tok_s" in r:
         print(f"{'bf16 + compile + graphs':<28}{r['prefill_tok_s']:>15,.0f}{r['decode_tok_s']:>14,.1f}{r['decode_gb_s']:>8,.0f}")
-    r = rows["matvec"]
-    if "decode_tok_s" in r:
-        print(f"{'compile+graphs, matvec':<28}{r['prefill_tok_s']:>15,.0f}{r['decode_tok_s']:>14,.1f}{r['decode_gb_s']:>8,.0f}")
     print(f"{'bf16 eager (no graphs)':<28}{'':>15}{rows['eager']['decode_tok_s']:>14,.1f}")
     print(f"{'bf16 + graphs, 4 slots':<28}{'':>15}{rows['batched4']['decode_tok_s']:>14,.1f}")
     print(f"layer-stack graph replay alone: {rows['graph_replay_ms']:.3f} ms per token")

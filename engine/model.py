@@ -169,11 +169,6 @@ class Linear:
                 y = y.view(x.shape[0], self.terms, -1).float().sum(1)  # the residual term is below bf16 resolution
         return y if self.bias is None else y.float() + self.bias
 
-    def as_reduction(self, x: torch.Tensor) -> torch.Tensor:
-        """The same product as x·W^T summed explicitly in float32 (dense weights; see Stage._forward)."""
-        y = (self.weight[None].float() * x[:, None, :].float()).sum(-1)
-        return y if self.bias is None else y + self.bias
-
 
 def _int8_rows(w: torch.Tensor, terms: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric int8 per output row, `terms` times over the remaining residual: w ≈ Σ q_t * scale_t[:, None].
@@ -259,7 +254,6 @@ class Stage:
         n_ctx: int = 4096,
         int8: bool | None = None,
         compile_decode: bool = False,
-        decode_matvec: bool = False,
     ):
         self.cfg, self.g = cfg, g
         self.device = resolve_device(device)
@@ -284,7 +278,7 @@ class Stage:
             self.output_norm = self._vector("output_norm.weight")
             self._head_name = "token_embd.weight" if cfg.tied else "output.weight"
             self.output = self._linear([self._head_name], terms=1)
-        self.graphs = DecodeGraphs(self, compiled=compile_decode, matvec=decode_matvec) if self.device.type == "cuda" else None
+        self.graphs = DecodeGraphs(self, compiled=compile_decode) if self.device.type == "cuda" else None
 
     # ---- loading -------------------------------------------------------------------------------
 
@@ -428,21 +422,18 @@ class Stage:
             i = j
         return runs
 
-    def _forward(self, h, slots, positions, runs, batched: bool = False, kv_len: int | None = None, matvec: bool = False):
+    def _forward(self, h, slots, positions, runs, batched: bool = False, kv_len: int | None = None):
         """The layers, eagerly. `batched`: one token per slot, attention over gathered caches of
         length `kv_len` with a mask from positions (no host values: CUDA-graph capturable).
-        Q and K travel together through norm and RoPE: fewer, larger kernels. `matvec` (for
-        torch.compile only) writes products as multiply + row sum, which the compiler turns into one
-        bandwidth-bound reduction kernel per weight instead of a small-M GEMM."""
+        Q and K travel together through norm and RoPE: fewer, larger kernels."""
         cfg = self.cfg
-        mm = Linear.as_reduction if matvec else Linear.__call__
         T, n_q, qk_dim = h.shape[0], cfg.n_head, (cfg.n_head + cfg.n_head_kv) * cfg.head_dim
         ropes = {False: self._rope_global, True: self._rope_swa}
         ropes = {w: (cos[positions, None], sin[positions, None]) for w, (cos, sin) in ropes.items()}
         biases = {}
         for layer in self.layers.values():
             x = self._norm(h, layer.attn_norm).to(self.dtype)
-            qkv = mm(layer.wqkv, x)
+            qkv = layer.wqkv(x)
             qk = qkv[:, :qk_dim].float().view(T, -1, cfg.head_dim)
             v = qkv[:, qk_dim:].view(T, cfg.n_head_kv, cfg.head_dim).to(self.dtype)
             if layer.qk_norm is not None:
@@ -455,14 +446,14 @@ class Stage:
                 o = self._attend_batched(layer, q, k, v, slots, positions, kv_len, biases[layer.window])
             else:
                 o = self._attend_runs(layer, q, k, v, runs)
-            o = mm(layer.wo, o.reshape(T, -1))
+            o = layer.wo(o.reshape(T, -1))
             if layer.post_attn_norm is not None:
                 o = self._norm(o, layer.post_attn_norm)
             h = h + o
             x = self._norm(h, layer.ffn_norm).to(self.dtype)
-            gate, up = mm(layer.w_gate_up, x).chunk(2, dim=-1)
+            gate, up = layer.w_gate_up(x).chunk(2, dim=-1)
             act = F.gelu(gate, approximate="tanh") if cfg.activation == "gelu_tanh" else F.silu(gate)
-            o = mm(layer.w_down, act * up)
+            o = layer.w_down(act * up)
             if layer.post_ffn_norm is not None:
                 o = self._norm(o, layer.post_ffn_norm)
             h = h + o
@@ -547,12 +538,11 @@ class DecodeGraphs:
     position mask, so one graph serves every position.
     """
 
-    def __init__(self, stage: Stage, max_batch: int | None = None, compiled: bool = False, matvec: bool = False):
+    def __init__(self, stage: Stage, max_batch: int | None = None, compiled: bool = False):
         self.stage = stage
         # torch.compile fuses the many small element-wise kernels between the matrix products
         # (norms, casts, RoPE, residual adds); the graph then replays the fused kernels.
         self.forward = torch.compile(stage._forward, dynamic=False) if compiled else stage._forward
-        self.matvec = compiled and matvec
         self.max_batch = max_batch or stage.n_slots
         self.graphs: dict[int, tuple] = {}
         self.pool = None
@@ -584,7 +574,7 @@ class DecodeGraphs:
         host = torch.zeros(2, B, dtype=torch.long).pin_memory()
 
         def step():
-            return self.forward(h_in, index[0], index[1], None, batched=True, kv_len=st.n_ctx, matvec=self.matvec and B == 1)
+            return self.forward(h_in, index[0], index[1], None, batched=True, kv_len=st.n_ctx)
 
         # Warm up on a side stream (allocator and kernel selection), as torch's docs prescribe. The
         # warm-up really writes K/V at position 0 of slots 0..B-1: keep those rows and put them back.
