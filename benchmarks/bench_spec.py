@@ -1,17 +1,18 @@
 """Speculative decoding: tokens per target forward, acceptance and decode speed-up over `off`.
 
-    python benchmarks/bench_spec.py [--model PATH] [--device cpu] [--n-gen 128] [--draft-max 3]
-                                    [--reps 3] [--split 9/9] [--json]
+    python benchmarks/bench_spec.py [--model PATH] [--device cpu] [--dtype auto] [--n-gen 128]
+                                    [--draft-max 3] [--reps 3] [--split 9/9] [--threads N] [--json]
 
 Workloads on one slot: a repetitive one (rewrite a code block with one change: the continuation
 copies the prompt, so prompt lookup drafts well), free prose greedy, and free prose at temperature 0.8.
 Each runs with `--spec-type off` and with n-gram drafting, solo and (with `--split`) through a head
-+ one `hydra-engine peer` process on loopback. Prints, per row: decode tok/s (median of the reps),
-target forwards per generated token, acceptance, mean accepted length and the speed-up over off
-(median of paired ratios, same workload and pipeline; `off` and n-gram runs alternate so that load
-from other processes hits both) and ms per target forward. `same` says whether every speculative
-output equalled the plain one (exact in float32; bf16/int8 rounding depends on the row count).
-"""
++ one `hydra-engine peer` process on loopback. Prints, per row: generated tokens per target forward,
+acceptance, decode tok/s (median of the reps) with the speed-up over off (median of paired ratios:
+`off` and n-gram runs alternate, so load from other processes hits both alike), and CPU ms per
+generated token (head + peer) with the speed-up in CPU time, which other processes barely move.
+First, per pipeline, the cost of one forward with 1 token vs draft-max+1 tokens. `same` says whether
+every speculative output equalled the plain one (greedy only).
+""""""
 
 from __future__ import annotations
 
