@@ -12,7 +12,7 @@ acceptance, decode tok/s (median of the reps) with the speed-up over off (median
 generated token (head + peer) with the speed-up in CPU time, which other processes barely move.
 First, per pipeline, the cost of one forward with 1 token vs draft-max+1 tokens. `same` says whether
 every speculative output equalled the plain one (greedy only).
-""""""
+"""
 
 from __future__ import annotations
 
