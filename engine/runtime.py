@@ -166,17 +166,21 @@ class Engine:
     """Continuous batching over `n_slots` slots of `n_ctx` tokens each, driving `pipeline.forward`."""
 
     def __init__(self, pipeline, tokenizer, n_slots: int, n_ctx: int, batch_tokens: int = DEFAULT_BATCH_TOKENS,
-                 speculator: Speculator | None = None, mixed_steps: bool = False):  # fmt: skip
+                 speculator: Speculator | None = None, mixed_steps: bool | None = None):  # fmt: skip
         self.pipeline = pipeline
         self.tok = tokenizer
         self.n_slots = n_slots
         self.n_ctx = n_ctx
         self.batch_tokens = batch_tokens
-        # False (nano-vllm's way, the default): a step with prefill work runs only prefill chunks.
-        # True: prefill chunks ride along with the decoding slots' tokens in one forward. Measured
-        # (benchmarks/bench_api.py --scheduling, H200, 1.1B llama, 4 streams + a 512-token prompt):
-        # prefill-only gives TTFT 154 ms / longest decode stall 155 ms / 477 tok/s against 526 ms /
-        # 201 ms / 288 tok/s mixed, since a mixed step loses the CUDA-graph decode path.
+        # Whether prefill chunks ride along with the decoding slots' tokens in one forward (True) or
+        # a step with prefill work runs only prefill (False, nano-vllm's way). Measured with
+        # benchmarks/bench_api.py --scheduling (4 streams decoding, a 512-token prompt arrives):
+        # on an H200 (1.1B llama) prefill-only wins everything — TTFT 154 vs 526 ms, longest decode
+        # stall 155 vs 201 ms, 477 vs 288 tok/s — since a mixed step loses the CUDA-graph decode
+        # path; on CPU (Gemma 3 270M) mixing bounds the decoders' stall to one chunk (0.9-1.8 s
+        # against 2.3-2.8 s), TTFT and throughput within noise. Default (None): mixed off CUDA.
+        if mixed_steps is None:
+            mixed_steps = getattr(getattr(pipeline.head, "device", None), "type", "cpu") != "cuda"
         self.mixed_steps = mixed_steps
         self.stats = EngineStats()
         # Always there: requests may ask for n-gram drafting even when the server default is off.

@@ -167,22 +167,23 @@ def test_bad_requests_are_rejected_up_front(engine, model):
         engine.submit(Request([tok.vocab_size + 5], greedy()))
 
 
-def test_mixed_prefill_and_decode_steps_give_the_same_tokens(engine, model):
+def test_both_step_kinds_give_the_same_tokens(engine, model):
+    """Prefill riding with decode tokens (the CPU default) or prefill alone: the same greedy output."""
     g, tok = model
     prompts = [tok.encode(p) for p in PROMPTS[:3]]
     want = [run(engine, p, params=greedy(), max_tokens=10, ignore_eos=True)[1] for p in prompts]
-    mixed = Engine(Pipeline(load_stage(g, "cpu", "float32", n_slots=N_SLOTS, n_ctx=N_CTX)), tok, N_SLOTS, N_CTX,
-                   mixed_steps=True).start()  # fmt: skip
+    other = Engine(Pipeline(load_stage(g, "cpu", "float32", n_slots=N_SLOTS, n_ctx=N_CTX)), tok, N_SLOTS, N_CTX,
+                   mixed_steps=not engine.mixed_steps).start()  # fmt: skip
     try:
         got: dict[int, list[int]] = {}
         threads = []
         for i, p in enumerate(prompts):  # staggered: later prompts prefill while earlier ones decode
             threads.append(threading.Thread(target=lambda i=i, p=p: got.__setitem__(
-                i, run(mixed, p, params=greedy(), max_tokens=10, ignore_eos=True)[1])))  # fmt: skip
+                i, run(other, p, params=greedy(), max_tokens=10, ignore_eos=True)[1])))  # fmt: skip
             threads[-1].start()
             time.sleep(0.01)
         for t in threads:
             t.join(timeout=60)
     finally:
-        mixed.stop()
+        other.stop()
     assert [got.get(i) for i in range(3)] == want
