@@ -55,6 +55,8 @@ ARCHITECTURES: dict[str, dict] = {
 
 # cuDNN attention re-plans for every new sequence length (~10 ms a call): decode would crawl.
 _SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+# Above this many rows (prefill), int8 layers run as a bfloat16 GEMM instead of the int8 kernel.
+_INT8_MAX_ROWS = 16
 # Logits recomputed exactly after the int8 head: far more than any near-tie of the top token.
 RESCORE_TOP = 32
 # Files at least this big keep their converted (int8) head in the on-disk cache.
@@ -155,6 +157,7 @@ class Linear:
 
     def __init__(self, weight: torch.Tensor, scale: torch.Tensor | None = None, bias=None, terms: int = 1):
         self.weight, self.scale, self.bias, self.terms = weight, scale, bias, terms
+        self._dense = None
 
     @property
     def nbytes(self) -> int:
@@ -163,11 +166,22 @@ class Linear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.scale is None:
             y = F.linear(x, self.weight)
+        elif x.shape[0] > _INT8_MAX_ROWS and self.terms > 1:
+            y = F.linear(x.to(torch.bfloat16), self._bf16())
         else:
             y = torch.ops.aten._weight_int8pack_mm(x.to(self.scale.dtype), self.weight, self.scale)
             if self.terms > 1:
                 y = y.view(x.shape[0], self.terms, -1).float().sum(1)  # the residual term is below bf16 resolution
         return y if self.bias is None else y.float() + self.bias
+
+    def _bf16(self) -> torch.Tensor:
+        """The weight summed from its int8 terms and rounded to bfloat16, built on the first many-row
+        product (prefill) and kept: a 16-bit GEMM beats the int8 kernel ~4x there."""
+        if self._dense is None:
+            n = self.weight.shape[0] // self.terms
+            w = (self.weight.view(self.terms, n, -1).float() * self.scale.float().view(self.terms, n, 1)).sum(0)
+            self._dense = w.to(torch.bfloat16)
+        return self._dense
 
 
 def _int8_rows(w: torch.Tensor, terms: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
