@@ -187,3 +187,19 @@ def test_both_step_kinds_give_the_same_tokens(engine, model):
     finally:
         other.stop()
     assert [got.get(i) for i in range(3)] == want
+
+
+def test_end_of_generation_stops_unless_ignored(engine, model):
+    _, tok = model
+    prompt = tok.encode("hello")
+    for seed in range(50):  # a hot temperature reaches the end-of-generation token within a few seeds
+        params = SamplingParams(temperature=3.0, seed=seed)
+        text, ids, _, final = run(engine, prompt, params=params, max_tokens=100)
+        if final.finish_reason == "stop":
+            break
+    assert final.finish_reason == "stop", "no seed reached end of generation"
+    n = final.usage["completion_tokens"]
+    assert n < 100 and len(ids) == n - 1  # the end token counts in usage but is not output
+    more_text, more_ids, _, more = run(engine, prompt, params=params, max_tokens=100, ignore_eos=True)
+    assert more.finish_reason == "length" and more_ids[: n - 1] == ids and more_ids[n - 1] in tok.eog_ids
+    assert more_text.startswith(text)
