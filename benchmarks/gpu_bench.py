@@ -1,5 +1,5 @@
 """GPU throughput on the 1.1B llama shape (hidden 2048, 16 layers, 32 heads, 8 KV heads, FFN 8192,
-vocab 32000, F16 GGUF) written by `write_synthetic`, with and without CUDA graphs.
+vocab 32000, F16 GGUF) written by `write_synthetic`: CUDA graphs, torch.compile + graphs, eager.
 
     python benchmarks/gpu_bench.py [--out /tmp/llama-1.1b-f16.gguf] [-p 512] [-n 128] [-r 3] [--json PATH]
 

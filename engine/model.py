@@ -12,12 +12,15 @@ prefill (one slot, many tokens), a speculative verify and a batched decode (many
 token each). KV rollback is implicit: positions at or after a slot's length get overwritten.
 
 Numerics: the residual stream and the norms are float32; the matrix products run in the
-compute dtype with weights dequantized to it. On CPU with a 16-bit compute dtype the output
-head is int8 with one float scale per row (`torch.ops.aten._weight_int8pack_mm`): Gemma 3's
-tied 262k-row head is 63% of the weights and decode is memory-bound. Its ~1% weight error would
-flip near-tied top-1 tokens, so the top `RESCORE_TOP` logits of each row are recomputed from the
-exact dequantized rows. A float32 Stage keeps exact dequantized weights everywhere (the
-reference path for tests). On CUDA, `DecodeGraphs` replays a captured decode step per batch size.
+compute dtype. On CPU with a 16-bit compute dtype the weights are int8 with a bfloat16 scale
+per row (`torch.ops.aten._weight_int8pack_mm`; torch's 16-bit single-row GEMM is slow there and
+decode is memory-bound): layers as two terms (the second quantizes the first one's residual,
+so they are as exact as float32 weights), the output head (Gemma 3's tied 262k rows, 63% of
+the weights) as one term whose top `RESCORE_TOP` logits per row are recomputed from the exact
+rows. Many-row products (prefill) use a kept bfloat16 copy of the layers instead. Converted
+weights of big files are cached on disk and memory-mapped. A float32 Stage keeps exact
+dequantized weights everywhere (the reference path for tests). On CUDA, `DecodeGraphs` replays
+a captured (optionally torch.compile'd) decode step per batch size.
 """
 
 from __future__ import annotations
