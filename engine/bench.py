@@ -95,11 +95,15 @@ def run_bench(model: Path, device: str, dtype: str, n_prompt: int, n_gen: int, r
     return result
 
 
-def run_llama_bench(exe: str, model: Path, device: torch.device, n_prompt: int, n_gen: int, repetitions: int) -> dict:
-    """Upstream llama-bench on the same file: {"prefill_tok_s", "decode_tok_s"} from its JSON output."""
+def find_llama_bench(exe: str) -> str:
     path = shutil.which(exe) or (exe if Path(exe).is_file() else None)
     if path is None:
         raise UserError(f"llama-bench not found at {exe!r}: build llama.cpp (target llama-bench) and pass its path")
+    return path
+
+
+def run_llama_bench(path: str, model: Path, device: torch.device, n_prompt: int, n_gen: int, repetitions: int) -> dict:
+    """Upstream llama-bench on the same file: {"prefill_tok_s", "decode_tok_s"} from its JSON output."""
     cmd = [path, "-m", str(model), "-p", str(n_prompt), "-n", str(n_gen), "-r", str(repetitions), "-o", "json"]
     cmd += ["-ngl", "99" if device.type == "cuda" else "0", "-t", str(torch.get_num_threads())]
     try:
@@ -124,11 +128,12 @@ def main(args) -> int:
         if getattr(args, flag) < 0 or (flag == "repetitions" and args.repetitions < 1):
             raise UserError(f"--{flag.replace('_', '-')} must be {'≥ 1' if flag == 'repetitions' else '≥ 0'}")
     model = Path(args.model) if args.model else default_model_path()
+    llama_bench = find_llama_bench(args.llama_bench) if args.llama_bench else None  # fail before our run
     # On CUDA the decode step is compiled before graph capture (fused element-wise kernels: ~1.6x decode).
     options = {"compile_decode": True} if resolve_device(args.device).type == "cuda" else {}
     result = run_bench(model, args.device, args.dtype, args.n_prompt, args.n_gen, args.repetitions, **options)
-    if args.llama_bench:
-        theirs = run_llama_bench(args.llama_bench, model, torch.device(result["device"]), args.n_prompt, args.n_gen, args.repetitions)
+    if llama_bench:
+        theirs = run_llama_bench(llama_bench, model, torch.device(result["device"]), args.n_prompt, args.n_gen, args.repetitions)
         result["llama_bench"] = theirs
         for key, value in theirs.items():
             if key in result and value:

@@ -62,9 +62,9 @@ _SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SD
 _INT8_MAX_ROWS = 16
 # Logits recomputed exactly after the int8 head: far more than any near-tie of the top token.
 RESCORE_TOP = 32
-# Files at least this big keep their converted (int8) head in the on-disk cache.
+# Files at least this big keep their converted (int8) weights in the on-disk cache.
 _CACHE_MIN_FILE_BYTES = 64 << 20
-# Rows converted per step when building the int8 head: bounds the float32 temporaries.
+# Rows converted per step when building int8 weights: bounds the float32 temporaries.
 _CONVERT_ROWS = 16384
 
 

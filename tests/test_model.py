@@ -187,3 +187,18 @@ def test_graph_decode_path_matches_per_slot_attention(tiny_model):
     eager = a.run_layers(h, slots, positions)
     graphed = b._forward(h, slots, positions, None, batched=True, kv_len=b.n_ctx)
     torch.testing.assert_close(graphed, eager, atol=1e-5, rtol=1e-5)
+
+
+def test_converted_weights_cache_is_reused_and_repaired(tiny_model, tmp_path, monkeypatch):
+    from hydra_console.engine import model
+
+    monkeypatch.setattr(model, "_CACHE_MIN_FILE_BYTES", 0)
+    monkeypatch.setenv("HYDRA_CACHE_DIR", str(tmp_path))
+    path = tiny_model("qwen3")
+    first = prefill(load(path, dtype="bfloat16", int8=True), PROMPT)
+    files = sorted(tmp_path.rglob("*.pt"))
+    assert len(files) == 2 * 4 + 1  # 4 products per layer, 2 layers, the head
+    files[0].write_bytes(b"not a tensor file")
+    again = prefill(load(path, dtype="bfloat16", int8=True), PROMPT)
+    assert torch.equal(first, again)
+    assert files[0].stat().st_size > 100  # the damaged entry was rebuilt
