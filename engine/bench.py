@@ -9,6 +9,7 @@ times; the mean rate is reported. Achieved GB/s = weight bytes read per decoded 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import statistics
 import subprocess
@@ -78,6 +79,7 @@ def run_bench(model: Path, device: str, dtype: str, n_prompt: int, n_gen: int, r
         "repetitions": repetitions,
         "load_s": round(load_s, 3),
         "weight_bytes": stage.weight_bytes,
+        "load_avg": round(os.getloadavg()[0], 2),  # other processes on the cores make every rate a lower bound
     }
     if n_prompt:
         prefill_once(stage, prompt)
@@ -144,6 +146,8 @@ def main(args) -> int:
     print(f"model   {result['model']} ({result['arch']})")
     print(f"device  {result['device']}  dtype {result['dtype']}  weights {result['weights']}  threads {result['threads']}")
     print(f"load    {result['load_s']:.2f} s   weights read per token {result['weight_bytes'] / 1e6:.1f} MB")
+    if result["load_avg"] > 0.5 * (os.cpu_count() or 1):
+        print(f"note    load average {result['load_avg']} on {os.cpu_count()} cores: other processes compete, rates are lower bounds")
     if "prefill_tok_s" in result:
         line = f"prefill {result['prefill_tok_s']:10.1f} ± {result['prefill_tok_s_std']:.1f} tok/s  (p={args.n_prompt})"
         if "prefill_ratio" in result:

@@ -385,12 +385,12 @@ class Stage:
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         """Token ids [T] -> float32 hidden states [T, n_embd] (Gemma's sqrt(n_embd) scale included)."""
         tokens = torch.as_tensor(tokens, dtype=torch.long)
+        if tokens.device.type == "cpu" and tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= self.cfg.n_vocab):
+            raise UserError(f"token id out of range 0..{self.cfg.n_vocab - 1}")
         if self._embd_table is not None:
             h = self._embd_table[tokens.to(self.device)].float()
         else:
             t = self._embd_info
-            if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= self.cfg.n_vocab):
-                raise UserError(f"token id out of range 0..{self.cfg.n_vocab - 1}")
             h = dequantize_rows(self.g.raw(t.name), t.ggml_type, self.cfg.n_embd, tokens.cpu()).to(self.device)
         return h * self.cfg.embed_scale if self.cfg.embed_scale != 1.0 else h
 

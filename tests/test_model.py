@@ -202,3 +202,9 @@ def test_converted_weights_cache_is_reused_and_repaired(tiny_model, tmp_path, mo
     again = prefill(load(path, dtype="bfloat16", int8=True), PROMPT)
     assert torch.equal(first, again)
     assert files[0].stat().st_size > 100  # the damaged entry was rebuilt
+
+
+def test_token_out_of_range_is_a_user_error(tiny_model):
+    stage = load(tiny_model("llama"))
+    with pytest.raises(UserError, match="token id out of range"):
+        stage.embed(torch.tensor([1, stage.cfg.n_vocab]))
