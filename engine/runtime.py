@@ -177,8 +177,9 @@ class Engine:
         # benchmarks/bench_api.py --scheduling (4 streams decoding, a 512-token prompt arrives):
         # on an H200 (1.1B llama) prefill-only wins everything — TTFT 154 vs 526 ms, longest decode
         # stall 155 vs 201 ms, 477 vs 288 tok/s — since a mixed step loses the CUDA-graph decode
-        # path; on CPU (Gemma 3 270M) mixing bounds the decoders' stall to one chunk (0.9-1.8 s
-        # against 2.3-2.8 s), TTFT and throughput within noise. Default (None): mixed off CUDA.
+        # path; on CPU (Gemma 3 270M, 2 cores) mixing halves the decoders' longest stall (290-384
+        # vs 642-669 ms) at a similar TTFT (636-857 vs 607-632 ms) and throughput (43-53 vs 44-48
+        # tok/s). Default (None): mixed off CUDA.
         if mixed_steps is None:
             mixed_steps = getattr(getattr(pipeline.head, "device", None), "type", "cpu") != "cuda"
         self.mixed_steps = mixed_steps
