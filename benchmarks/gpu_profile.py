@@ -19,7 +19,6 @@ SHAPE = dict(n_layers=4, n_embd=2048, n_head=32, n_head_kv=8, n_ff=8192, vocab_s
 
 
 def gemv_table() -> None:
-    x = torch.randn(1, 2048, device="cuda", dtype=torch.bfloat16)
     for n, k in ((3072, 2048), (2048, 2048), (16384, 2048), (2048, 8192), (32000, 2048)):
         ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(8)]  # beat the 60 MB L2
         xk = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)

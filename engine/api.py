@@ -574,7 +574,8 @@ async def _respond_chat(head: Head, http: Request, body: ChatBody, req: EngineRe
 # ---- serve -----------------------------------------------------------------------------------
 
 
-def _bind(host: str, port: int) -> socket.socket:
+def listen_socket(host: str, port: int) -> socket.socket:
+    """Bind the HTTP port before anything slow, so a taken port fails at once with its address."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -597,7 +598,7 @@ def serve(args) -> int:
         raise UserError(f"--ctx must be >= 1, got {args.ctx}")
     head = Head(args)
     app = create_app(head)
-    sock = _bind(args.host, args.port)
+    sock = listen_socket(args.host, args.port)
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2))
 
     def load():

@@ -228,7 +228,7 @@ class _Layer:
     """Weights and KV cache of one transformer block."""
 
     def __init__(self, stage: Stage, il: int):
-        cfg, g = stage.cfg, stage.g
+        cfg = stage.cfg
         p = f"blk.{il}."
         vec = stage._vector
         self.window = cfg.sliding_window if cfg.swa_layers[il] else 0

@@ -7,11 +7,9 @@ is. `/health`, `/status` and `/metrics` answer on `--port`.
 
 from __future__ import annotations
 
-import socket
 import sys
 from pathlib import Path
 
-from ..errors import UserError
 from .compute import ComputeServer
 from .listener import RpcListener
 from .resident import StageHost
@@ -43,28 +41,17 @@ def build_app(status, metrics):
     return app
 
 
-def _bind(host: str, port: int) -> socket.socket:
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-    except OSError as e:
-        sock.close()
-        raise UserError(f"cannot listen on {host}:{port}: {e.strerror}") from None
-    sock.listen(64)
-    return sock
-
-
 def main(args) -> int:
     import uvicorn
 
+    from ..api import listen_socket
     from ..device import resolve_device
     from ..gguf_file import GGUFFile
     from ..metrics import Metrics
     from ..model import ModelConfig
     from ..status import StatusDocument
 
-    http_sock = _bind(args.host, args.port)
+    http_sock = listen_socket(args.host, args.port)
     status = StatusDocument("peer", args.host, http_sock.getsockname()[1])
     if args.model:
         path = Path(args.model)
