@@ -1,17 +1,21 @@
 """Speculative decoding: tokens per target forward, acceptance and decode speed-up over `off`.
 
     python benchmarks/bench_spec.py [--model PATH] [--device cpu] [--dtype auto] [--n-gen 128]
-                                    [--draft-max 3] [--reps 3] [--split 9/9] [--threads N] [--json]
+                                    [--draft-max 3] [--reps 3] [--split 9/9] [--link-rtt-ms 0 2 10]
+                                    [--workloads repetitive,prose] [--threads N] [--json]
 
 Workloads on one slot: a repetitive one (rewrite a code block with one change: the continuation
 copies the prompt, so prompt lookup drafts well), free prose greedy, and free prose at temperature 0.8.
 Each runs with `--spec-type off` and with n-gram drafting, solo and (with `--split`) through a head
-+ one `hydra-engine peer` process on loopback. Prints, per row: generated tokens per target forward,
++ one `hydra-engine peer` process on loopback, once per `--link-rtt-ms`: 0 connects directly, X > 0
+through `benchmarks/link.py`, a forwarder that delays each direction by X/2 ms (an emulated network
+between head and peer; `peer_rtt_ms` is the PING round trip the head measures through it). Prints, per row: generated tokens per target forward,
 acceptance, decode tok/s (median of the reps) with the speed-up over off (median of paired ratios:
 `off` and n-gram runs alternate, so load from other processes hits both alike), and CPU ms per
 generated token (head + peer) with the speed-up in CPU time, which other processes barely move.
 First, per pipeline, the cost of one forward with 1 token vs draft-max+1 tokens. `same` says whether
-every speculative output equalled the plain one (greedy only).
+every speculative output equalled the plain one (greedy only). Last, a summary table per workload:
+tokens per target forward, acceptance and decode speed-up over `off` for every pipeline.
 """
 
 from __future__ import annotations
@@ -105,9 +109,28 @@ class Peer:
         self.proc.wait(timeout=15)
 
 
-def make_engine(args, g, peer: Peer | None) -> Engine:
-    ns = SimpleNamespace(device=args.device, dtype=args.dtype, peer=[f"127.0.0.1:{peer.rpc_port}"] if peer else [],
-                         split=args.split if peer else None, peer_wait=60.0, fallback_solo=False,
+class Link:
+    """`benchmarks/link.py` in its own process (its forwarding CPU is not the head's), forwarding
+    to the peer's RPC port with `rtt_ms / 2` of delay each way."""
+
+    def __init__(self, peer: Peer, rtt_ms: float):
+        cmd = [sys.executable, str(Path(__file__).with_name("link.py")), "--to", f"127.0.0.1:{peer.rpc_port}",
+               "--delay-ms", str(rtt_ms / 2)]  # fmt: skip
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+        line = self.proc.stdout.readline().split()  # "listening HOST:PORT"
+        if len(line) != 2:
+            self.proc.kill()
+            raise SystemExit(f"link.py did not start (exit {self.proc.wait()})")
+        self.addr = line[1]
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(timeout=15)
+
+
+def make_engine(args, g, peer_addr: str | None) -> Engine:
+    ns = SimpleNamespace(device=args.device, dtype=args.dtype, peer=[peer_addr] if peer_addr else [],
+                         split=args.split if peer_addr else None, peer_wait=60.0, fallback_solo=False,
                          auth_token=None, max_frame=1 << 30)  # fmt: skip
     pipeline = build_pipeline(ns, g, ModelConfig.from_gguf(g), n_slots=1, n_ctx=args.ctx)
     return Engine(pipeline, Tokenizer.from_gguf(g), 1, args.ctx).start()
@@ -174,19 +197,30 @@ def forward_costs(engine: Engine, prompt: list[int], k: int, peer, n: int = 15) 
             "verify_cost_ratio": round(med(cpu[k + 1]) / med(cpu[1]), 3)}  # fmt: skip
 
 
+def peer_rtt_ms(engine: Engine, n: int = 20) -> float | None:
+    """Median PING round trip to the (first) peer, as the head sees it; None when solo."""
+    if not engine.pipeline.remotes:
+        return None
+    rtts = [r for r in (engine.pipeline.remotes[0].ping() for _ in range(n)) if r is not None]
+    return round(statistics.median(rtts), 2) if rtts else None
+
+
 def bench(engine: Engine, tok: Tokenizer, args, where: str, peer: Peer | None = None) -> list[dict]:
     """Per workload: `off` and n-gram runs alternate rep by rep, so load from other processes hits
     both alike; the speed-up is the median of the paired ratios."""
-    costs = forward_costs(engine, tok.encode(REWRITE), args.draft_max, peer)
+    costs = {"peer_rtt_ms": peer_rtt_ms(engine), **forward_costs(engine, tok.encode(REWRITE), args.draft_max, peer)}
     if not args.json:
-        print(f"{where:6} forward, 1 token: {costs['decode_ms_min']} ms min, {costs['decode_ms_median']} median, "
+        if costs["peer_rtt_ms"] is not None:
+            print(f"{where:10} peer PING round trip {costs['peer_rtt_ms']} ms (median)", flush=True)
+        print(f"{where:10} forward, 1 token: {costs['decode_ms_min']} ms min, {costs['decode_ms_median']} median, "
               f"{costs['decode_cpu_ms']} CPU ms; {args.draft_max + 1} tokens: {costs['verify_ms_min']} ms min, "
               f"{costs['verify_ms_median']} median, {costs['verify_cpu_ms']} CPU ms: "
               f"verify/decode CPU cost x{costs['verify_cost_ratio']}", flush=True)  # fmt: skip
     calls = count_forwards(engine)
     specs = {"off": SpecConfig(), "ngram": SpecConfig("ngram", n_max=args.draft_max)}
     rows = []
-    for name, (text, temp) in WORKLOADS.items():
+    for name in args.workloads:
+        text, temp = WORKLOADS[name]
         prompt = tok.encode(text)
         run_once(engine, calls, prompt, specs["off"], 8, temp, peer)  # warm-up
         runs = {k: [] for k in specs}
@@ -217,11 +251,25 @@ def bench(engine: Engine, tok: Tokenizer, args, where: str, peer: Peer | None = 
             if not args.json:
                 x = rows[-1]
                 acc = f"{x['acceptance']:.3f}" if x["acceptance"] is not None else "    -"
-                print(f"{where:6} {name:11} {kind:6} {x['tokens_per_forward']:5.2f} tok/fwd  acc {acc}  "
+                print(f"{where:10} {name:11} {kind:6} {x['tokens_per_forward']:5.2f} tok/fwd  acc {acc}  "
                       f"{x['decode_tok_s']:7.2f} tok/s (x{x['speedup']:.2f} wall)  {x['cpu_ms_per_token']:7.1f} CPU ms/tok "
                       f"(x{x['speedup_cpu_time']:.2f} CPU)  same={x['same_output']}  reps={x['reps_tok_s']}",
                       flush=True)  # fmt: skip
     return rows
+
+
+def summary(rows: list[dict]) -> str:
+    """Markdown: per workload and pipeline, n-gram's tokens per forward, acceptance, speed-up."""
+    out = ["| workload | pipeline | peer RTT ms | ms/fwd off | ms/fwd ngram | tok/fwd | acceptance | off tok/s "
+           "| ngram tok/s | speed-up (wall) | speed-up (CPU time) |",
+           "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+    for off, ng in zip(rows[::2], rows[1::2]):
+        rtt = "-" if ng["peer_rtt_ms"] is None else f"{ng['peer_rtt_ms']:.2f}"
+        acc = "-" if ng["acceptance"] is None else f"{ng['acceptance']:.3f}"
+        out.append(f"| {ng['workload']} | {ng['pipeline']} | {rtt} | {off['ms_per_forward']} | {ng['ms_per_forward']} "
+                   f"| {ng['tokens_per_forward']:.2f} | {acc} | {off['decode_tok_s']:.1f} | {ng['decode_tok_s']:.1f} "
+                   f"| x{ng['speedup']:.2f} | x{ng['speedup_cpu_time']:.2f} |")  # fmt: skip
+    return "\n".join(out)
 
 
 def main() -> None:
@@ -234,9 +282,18 @@ def main() -> None:
     ap.add_argument("--draft-max", type=int, default=3)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--split", default=None, help="also run head + one peer with this split, e.g. 9/9")
+    ap.add_argument("--link-rtt-ms", type=float, nargs="+", default=[0.0],
+                    help="with --split: one split run per round trip time, 0 = direct loopback (default: 0)")
+    ap.add_argument("--workloads", default=",".join(WORKLOADS), help=f"comma list of {', '.join(WORKLOADS)}")
     ap.add_argument("--threads", type=int, default=None, help="torch threads of the head and the peer")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
+    args.workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
+    unknown = [w for w in args.workloads if w not in WORKLOADS]
+    if unknown or not args.workloads:
+        ap.error(f"--workloads {', '.join(unknown) or '(none)'}: choose from {', '.join(WORKLOADS)}")
+    if any(r < 0 for r in args.link_rtt_ms):
+        ap.error("--link-rtt-ms must be >= 0")
     if args.threads:
         import torch
 
@@ -254,18 +311,25 @@ def main() -> None:
     if args.split:
         peer = Peer(path, args.device, args.threads)
         try:
-            engine = make_engine(args, g, peer)
-            try:
-                rows += bench(engine, tok, args, "split", peer)
-            finally:
-                engine.stop()
-                engine.pipeline.stop()
+            for rtt in args.link_rtt_ms:
+                link = Link(peer, rtt) if rtt else None
+                try:
+                    engine = make_engine(args, g, link.addr if link else f"127.0.0.1:{peer.rpc_port}")
+                    try:
+                        rows += bench(engine, tok, args, f"split@{rtt:g}ms" if rtt else "split", peer)
+                    finally:
+                        engine.stop()
+                        engine.pipeline.stop()
+                finally:
+                    if link:
+                        link.stop()
         finally:
             peer.stop()
     if args.json:
         print(json.dumps({"model": path.name, "device": args.device, "dtype": args.dtype,
                           "loadavg": os.getloadavg(), "rows": rows}, indent=1))  # fmt: skip
     else:
+        print(summary(rows))
         print(f"load average after: {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
 
 
