@@ -11,7 +11,7 @@ from textual.widgets import Button, Label, Static
 
 
 class ConfirmScreen(ModalScreen[bool]):
-    """Asks one question; y / enter = yes, n / escape = no."""
+    """Asks one question; y = yes; n, escape or enter (Cancel has the focus) = no: the safe answer is the default."""
 
     BINDINGS = [
         Binding("y", "answer(True)", "Yes", id="confirm.yes"),
