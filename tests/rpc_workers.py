@@ -25,17 +25,21 @@ def free_ports(n: int) -> list[int]:
 
 
 class Worker:
-    """One worker process in its own session; its output goes to a log file shown on failure."""
+    """One worker process in its own session; its output goes to a log file shown on failure.
+    `host` is where it is reached (it must bind there: pass `--host`/`--rpc-host` in argv);
+    `launcher` prefixes the command, e.g. `ip netns exec NAME`."""
 
-    def __init__(self, role: str, argv: list[str], log_dir: Path, port: int, rpc_port: int):
+    def __init__(self, role: str, argv: list[str], log_dir: Path, port: int, rpc_port: int, *,
+                 host: str = "127.0.0.1", launcher: tuple[str, ...] = ()):  # fmt: skip
         self.role, self.argv, self.port, self.rpc_port = role, argv, port, rpc_port
+        self.host, self.launcher = host, tuple(launcher)
         self.log_path = log_dir / f"{role}-{port}.log"
         self.proc: subprocess.Popen | None = None
         self.start()
 
     def start(self) -> None:
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-        cmd = [sys.executable, "-m", "hydra_console.engine.cli", self.role, *self.argv,
+        cmd = [*self.launcher, sys.executable, "-m", "hydra_console.engine.cli", self.role, *self.argv,
                "--port", str(self.port), "--rpc-port", str(self.rpc_port)]  # fmt: skip
         log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
@@ -43,11 +47,11 @@ class Worker:
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.host}:{self.port}"
 
     @property
     def rpc_addr(self) -> str:
-        return f"127.0.0.1:{self.rpc_port}"
+        return f"{self.host}:{self.rpc_port}"
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")[-4000:]
