@@ -294,6 +294,8 @@ def main() -> None:
         ap.error(f"--workloads {', '.join(unknown) or '(none)'}: choose from {', '.join(WORKLOADS)}")
     if any(r < 0 for r in args.link_rtt_ms):
         ap.error("--link-rtt-ms must be >= 0")
+    if any(args.link_rtt_ms) and not args.split:
+        ap.error("--link-rtt-ms needs --split (it delays the head's link to its peer)")
     if args.threads:
         import torch
 
