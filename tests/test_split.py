@@ -147,8 +147,8 @@ def test_peer_killed_mid_decode_fails_fast_then_recovers(cluster):
     t = threading.Thread(target=run)
     t.start()
     wait_for(lambda: any(s.get("n_decoded", 0) > 3 for s in w.status()["slots"]), 60, "decoding to start")
+    killed_at = time.monotonic()  # before the kill: kill9() also waits for the exit
     victim.kill9()
-    killed_at = time.monotonic()
     t.join(timeout=60)
     r = result["r"]
     assert r.status_code == 503, r.text
