@@ -267,8 +267,11 @@ def test_write_profile_then_load_it(tmp_path):
     assert load_profile(out).head.port == 8080
 
 
-def test_hangup_of_the_ssh_session_stops_the_started_workers(tmp_path):
-    """The real `hydra-console` in a pseudo-terminal; SIGHUP (a dropped SSH session) must not orphan workers."""
+@pytest.mark.parametrize("hangup", ["sighup", "terminal_closed"])
+def test_hangup_of_the_ssh_session_stops_the_started_workers(tmp_path, hangup):
+    """The real `hydra-console` in a pseudo-terminal; a dropped SSH session must not orphan workers.
+    `terminal_closed` is what sshd does: the pty goes away (the kernel sends SIGHUP) and every
+    later write to it fails, so the console must not wait to restore the terminal."""
     import os
     import pty
     import signal
@@ -303,7 +306,10 @@ def test_hangup_of_the_ssh_session_stops_the_started_workers(tmp_path):
                     pass
             time.sleep(0.2)
         assert len(worker_pids) == 2, "the console never started its workers"
-        os.kill(pid, signal.SIGHUP)
+        if hangup == "sighup":
+            os.kill(pid, signal.SIGHUP)
+        else:
+            os.close(fd)
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline and os.waitpid(pid, os.WNOHANG)[0] == 0:
             time.sleep(0.1)
@@ -328,4 +334,5 @@ def test_hangup_of_the_ssh_session_stops_the_started_workers(tmp_path):
             os.waitpid(pid, 0)
         except OSError:
             pass
-        os.close(fd)
+        if hangup == "sighup":
+            os.close(fd)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 from functools import partial
 from pathlib import Path
@@ -94,7 +95,7 @@ class HydraConsole(App):
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGHUP, signal.SIGTERM):
             try:
-                loop.add_signal_handler(sig, self._stop_and_exit, True)
+                loop.add_signal_handler(sig, self._stop_and_exit, True, sig == signal.SIGHUP)
             except (NotImplementedError, RuntimeError, ValueError):  # not the main thread (tests), or no such signal
                 pass
 
@@ -175,10 +176,13 @@ class HydraConsole(App):
         self.action_request_quit()
 
     @work(exclusive=True, group="quit")
-    async def _stop_and_exit(self, stop_workers: bool) -> None:
+    async def _stop_and_exit(self, stop_workers: bool, hangup: bool = False) -> None:
         if stop_workers:
             self.notify("stopping workers…")
         await self.supervisor.shutdown(stop_workers=stop_workers)
+        if hangup:
+            # The terminal is gone: Textual's restore would wait forever on writes nobody reads.
+            os._exit(0)
         self.exit()
 
     def action_help(self) -> None:
