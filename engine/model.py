@@ -189,12 +189,15 @@ class Linear:
 
 def _int8_rows(w: torch.Tensor, terms: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric int8 per output row, `terms` times over the remaining residual: w ≈ Σ q_t * scale_t[:, None].
-    Returns the terms stacked along rows: int8 [terms * N, K], bfloat16 scales [terms * N]."""
+    Returns the terms stacked along rows: int8 [terms * N, K], bfloat16 scales [terms * N].
+    Consumes `w` (the residual is formed in place: this runs over every weight on a cold start)."""
     qs, scales = [], []
-    for _ in range(terms):
-        scale = (w.abs().amax(dim=1).clamp_min(1e-30) / 127.0).to(torch.bfloat16).float()
-        q = torch.round(w / scale[:, None]).clamp(-127, 127)
-        w = w - q * scale[:, None]
+    for t in range(terms):
+        absmax = torch.maximum(w.amax(dim=1), w.amin(dim=1).neg())  # ~8x faster than abs().amax() or aminmax() here
+        scale = (absmax.clamp_min(1e-30) / 127.0).to(torch.bfloat16).float()
+        q = torch.div(w, scale[:, None]).round_().clamp_(-127, 127)
+        if t + 1 < terms:
+            w.sub_(q * scale[:, None])
         qs.append(q.to(torch.int8))
         scales.append(scale.to(torch.bfloat16))
     return torch.cat(qs), torch.cat(scales)
