@@ -40,11 +40,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_peer(model: Path, device: str) -> tuple[subprocess.Popen, str]:
+def start_peer(model: Path, device: str, cores: set[int] | None = None) -> tuple[subprocess.Popen, str]:
     port, rpc = free_port(), free_port()
     cmd = [sys.executable, "-m", "hydra_console.engine.cli", "peer", "--model", str(model), "--device", device,
            "--port", str(port), "--rpc-port", str(rpc)]  # fmt: skip
-    return subprocess.Popen(cmd, stderr=subprocess.DEVNULL), f"127.0.0.1:{rpc}"
+    pin = (lambda: os.sched_setaffinity(0, cores)) if cores else None
+    return subprocess.Popen(cmd, stderr=subprocess.DEVNULL, preexec_fn=pin), f"127.0.0.1:{rpc}"
 
 
 def prefill(pipe: Pipeline, slot: int = 0) -> torch.Tensor:
@@ -88,6 +89,8 @@ def main() -> None:
     ap.add_argument("-r", "--repetitions", type=int, default=8, help="blocks per mode, interleaved")
     ap.add_argument("--resplit-ctx", type=int, default=64, help="tokens live in a slot during re-splits")
     ap.add_argument("--prefill", type=int, default=128, help="prompt length of the prefill comparison (0: skip)")
+    ap.add_argument("--pin", action="store_true",
+                    help="head on core 0, peer on core 1, one thread each: two one-core hosts, no contention between them")
     args = ap.parse_args()
 
     tmp = tempfile.TemporaryDirectory()
@@ -108,10 +111,14 @@ def main() -> None:
     dtype = resolve_dtype(args.dtype, device)
     n_ctx = max(PROMPT_TOKENS + args.block + 8, args.prefill)
     half = cfg.n_layers // 2
+    if args.pin:
+        os.environ["OMP_NUM_THREADS"] = "1"  # inherited by the peer
+        torch.set_num_threads(1)
+        os.sched_setaffinity(0, {0})
     print(f"model {model.name}: {cfg.n_layers} layers, n_embd {cfg.n_embd}; device {device}, dtype {dtype}, "
           f"torch threads {torch.get_num_threads()}, cores {os.cpu_count()}")  # fmt: skip
 
-    proc, addr = start_peer(model, args.device)
+    proc, addr = start_peer(model, args.device, {1} if args.pin else None)
     try:
         solo = Pipeline(Stage(cfg, g, layers=(0, cfg.n_layers), device=device, dtype=dtype, n_slots=1, n_ctx=max(n_ctx, args.resplit_ctx)))
         ns = types.SimpleNamespace(peer=[addr], split=f"{half}/{cfg.n_layers - half}", device=args.device, dtype=args.dtype,
