@@ -9,6 +9,9 @@ merged RPC port), in blocks of `--block` steps alternating between the two `-r` 
 moved back and forth with a slot of `--resplit-ctx` tokens live (its KV is rebuilt each time).
 Prints numbers, asserts nothing. On a CPU shared with other jobs, run with OMP_WAIT_POLICY=PASSIVE
 (both processes inherit it): spinning OpenMP workers of one process otherwise starve the other.
+With --pin (a core per process), HYDRA_RPC_SPIN_MS=50 (both processes inherit it) makes each side
+busy-wait for the other's frame instead of sleeping: a KVM guest's vCPU that halted wakes onto a
+cold core, ~1 ms per hop.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from hydra_console.engine.device import resolve_device, resolve_dtype
 from hydra_console.engine.gguf_file import GGUFFile
 from hydra_console.engine.model import ModelConfig, Stage
 from hydra_console.engine.pipeline import Pipeline, build_pipeline
+from hydra_console.engine.rpc.wire import spin_seconds
 
 PROMPT_TOKENS = 32
 
@@ -116,7 +120,7 @@ def main() -> None:
         torch.set_num_threads(1)
         os.sched_setaffinity(0, {0})
     print(f"model {model.name}: {cfg.n_layers} layers, n_embd {cfg.n_embd}; device {device}, dtype {dtype}, "
-          f"torch threads {torch.get_num_threads()}, cores {os.cpu_count()}")  # fmt: skip
+          f"torch threads {torch.get_num_threads()}, cores {os.cpu_count()}, RPC spin {spin_seconds() * 1e3:g} ms")  # fmt: skip
 
     proc, addr = start_peer(model, args.device, {1} if args.pin else None)
     try:

@@ -112,3 +112,24 @@ def test_forward_payload_is_bit_exact(dtype):
     epoch, h2, s2, p2 = unpack_forward(bytearray(payload))
     assert epoch == 7 and h2.dtype == dtype and torch.equal(h2.view(torch.uint8), h.view(torch.uint8))
     assert torch.equal(s2, slots) and torch.equal(p2, positions)
+
+
+@pytest.mark.parametrize(("value", "seconds"), [(None, 0.0), ("", 0.0), ("50", 0.05), ("-3", 0.0), ("fast", 0.0)])
+def test_spin_budget_from_env(monkeypatch, value, seconds):
+    if value is None:
+        monkeypatch.delenv(wire.SPIN_ENV, raising=False)
+    else:
+        monkeypatch.setenv(wire.SPIN_ENV, value)
+    assert wire.spin_seconds() == pytest.approx(seconds)
+
+
+def test_spin_gives_up_after_its_budget_and_leaves_the_data_for_the_read():
+    import socket
+
+    a, b = socket.socketpair()
+    with a, b:
+        wire.spin_until_readable(a, 0.02)  # nothing sent: returns once the budget is spent
+        b.sendall(b"frame")
+        wire.spin_until_readable(a, 30.0)  # data waiting: returns without using the budget
+        a.settimeout(1.0)
+        assert a.recv(16) == b"frame"

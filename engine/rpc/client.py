@@ -41,6 +41,8 @@ from .wire import (
     read_compute_response,
     read_compute_response_size,
     send_all,
+    spin_seconds,
+    spin_until_readable,
 )
 
 log = logging.getLogger("hydra.rpc.client")
@@ -108,6 +110,7 @@ class RemoteStage:
         self._sock: socket.socket | None = None
         self._reader: SocketReader | None = None
         self._lock = threading.Lock()  # one exchange on the socket at a time
+        self._spin_s = spin_seconds()
 
     # --- connection -------------------------------------------------------------------------------
 
@@ -205,6 +208,7 @@ class RemoteStage:
             t0 = time.perf_counter()
             try:
                 self._send(Cmd.FORWARD, pack_forward(self.epoch, hidden, slots.cpu(), positions.cpu()))
+                spin_until_readable(self._sock, self._spin_s)
                 size = read_compute_response_size(self._reader, self.max_frame)
                 head = self._reader.read_exact(min(size, FORWARD_REPLY.size))
                 if not head or head[0] != OK or size < FORWARD_REPLY.size:

@@ -24,7 +24,16 @@ import torch
 
 from . import auth
 from .resident import CODE_DTYPES, DTYPE_CODES, ComputeError, StaleEpoch
-from .wire import COMPUTE_HEADER, COMPUTE_SIZE, FrameError, SocketReader, read_compute_request, send_all
+from .wire import (
+    COMPUTE_HEADER,
+    COMPUTE_SIZE,
+    FrameError,
+    SocketReader,
+    read_compute_request,
+    send_all,
+    spin_seconds,
+    spin_until_readable,
+)
 
 log = logging.getLogger("hydra.rpc.compute")
 
@@ -103,6 +112,7 @@ class ComputeServer:
         self.auth_token = auth_token
         self.max_frame = max_frame
         self.bytes_in = self.bytes_out = 0
+        self.spin_s = spin_seconds()
 
     @property
     def caps(self) -> int:
@@ -144,6 +154,7 @@ class ComputeServer:
             self._reply(conn, OK)
         session = {"checked": False, "reader": reader}
         while True:
+            spin_until_readable(conn, self.spin_s)
             cmd, payload = read_compute_request(reader, self.max_frame)
             try:
                 status, parts = OK, self._command(cmd, payload, session)
