@@ -22,7 +22,7 @@ from hydra_console.app.sources import FixedFeedSource, HttpStatusSource, Probe
 from hydra_console.engine.rpc.wire import pack_control_response
 from hydra_console.app.supervisor import Backoff, State, Supervisor, SupervisorError, describe_exit
 
-from test_console import FAKE, port_pair
+from test_console import FAKE, fake_profile, port_pair
 
 
 
@@ -204,17 +204,6 @@ async def test_attached_worker_is_monitored_not_started(tmp_path):
     with pytest.raises(SupervisorError, match="attached"):
         await sup.restart_worker("head")
     await sup.shutdown()
-
-
-def fake_profile(peers: int = 1, **kw) -> Profile:
-    return Profile(
-        name="fake",
-        engine_command=FAKE,
-        head=WorkerSpec(name="head", port=port_pair()),
-        peers=[WorkerSpec(name=f"peer{i + 1}", port=port_pair()) for i in range(peers)],
-        supervisor=SupervisorSettings(poll_s=0.2, grace_s=5),
-        **kw,
-    )
 
 
 async def test_polling_reaches_ready_and_split_falls_back_to_head_restart(tmp_path):
