@@ -34,7 +34,7 @@ from types import SimpleNamespace
 import httpx
 import psutil
 
-from hydra_console.engine.default_model import default_model_path
+from hydra_console.engine.default_model import model_path
 from hydra_console.engine.gguf_file import GGUFFile
 from hydra_console.engine.model import ModelConfig
 from hydra_console.engine.pipeline import build_pipeline
@@ -301,7 +301,7 @@ def main() -> None:
 
         torch.set_num_threads(args.threads)
 
-    path = Path(args.model) if args.model else default_model_path()
+    path = model_path(args.model)
     g = GGUFFile(path)
     tok = Tokenizer.from_gguf(g)
     rows = []

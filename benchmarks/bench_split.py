@@ -103,12 +103,10 @@ def main() -> None:
 
         model = write_synthetic(Path(tmp.name) / "llama-1b.gguf", "llama", n_layers=22, n_embd=2048, n_head=32,
                                 n_head_kv=4, n_ff=5632, vocab_size=32000, qtype="F16")  # fmt: skip
-    elif args.model:
-        model = Path(args.model)
     else:
-        from hydra_console.engine.default_model import default_model_path
+        from hydra_console.engine.default_model import model_path
 
-        model = default_model_path()
+        model = model_path(args.model)
     g = GGUFFile(model)
     cfg = ModelConfig.from_gguf(g)
     device = resolve_device(args.device)

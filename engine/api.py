@@ -15,7 +15,6 @@ import threading
 import time
 import traceback
 import uuid
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, AsyncIterator, Union
 
 from fastapi import FastAPI, Request
@@ -158,7 +157,9 @@ class Head:
         from .tokenizer import Tokenizer
 
         args = self.args
-        path = Path(args.model) if args.model else _default_model()
+        from .default_model import model_path
+
+        path = model_path(args.model)
         self.gguf = GGUFFile(path)
         self.tok = Tokenizer.from_gguf(self.gguf)
         cfg = ModelConfig.from_gguf(self.gguf)
@@ -190,12 +191,6 @@ class Head:
         if not self.ready:
             raise APIError(503, "Loading model", "unavailable_error")
         return self.engine
-
-
-def _default_model() -> Path:
-    from .default_model import default_model_path
-
-    return default_model_path()
 
 
 # ---- turning events into OpenAI objects -------------------------------------------------------

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from .default_model import default_model_path
+from .default_model import model_path
 from .device import resolve_device
 from .errors import UserError
 from .gguf_file import GGUFFile
@@ -129,7 +129,7 @@ def main(args) -> int:
     for flag in ("n_prompt", "n_gen", "repetitions"):
         if getattr(args, flag) < 0 or (flag == "repetitions" and args.repetitions < 1):
             raise UserError(f"--{flag.replace('_', '-')} must be {'≥ 1' if flag == 'repetitions' else '≥ 0'}")
-    model = Path(args.model) if args.model else default_model_path()
+    model = model_path(args.model)
     llama_bench = find_llama_bench(args.llama_bench) if args.llama_bench else None  # fail before our run
     # On CUDA the decode step is compiled before graph capture (fused element-wise kernels: ~1.6x decode).
     options = {"compile_decode": True} if resolve_device(args.device).type == "cuda" else {}

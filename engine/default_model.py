@@ -7,6 +7,11 @@ from pathlib import Path
 from .errors import UserError
 
 
+def model_path(model: str | Path | None) -> Path:
+    """The `--model` the user gave, else the embedded default."""
+    return Path(model) if model else default_model_path()
+
+
 def default_model_path() -> Path:
     """Path of the assembled GGUF (the package joins its chunks once into ~/.cache)."""
     try:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import sys
 import time
-from pathlib import Path
 
 from .errors import UserError
 
@@ -20,12 +19,9 @@ def main(args) -> int:
     from .sampling import SamplingParams
     from .tokenizer import Tokenizer
 
-    if args.model:
-        path = Path(args.model)
-    else:
-        from .default_model import default_model_path
+    from .default_model import model_path
 
-        path = default_model_path()
+    path = model_path(args.model)
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                             repeat_penalty=args.repeat_penalty, seed=args.seed)  # fmt: skip
     if any(not s for s in args.stop):

@@ -8,7 +8,6 @@ is. `/health`, `/status` and `/metrics` answer on `--port`.
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 from .compute import ComputeServer
 from .listener import RpcListener
@@ -53,12 +52,9 @@ def main(args) -> int:
 
     http_sock = listen_socket(args.host, args.port)
     status = StatusDocument("peer", args.host, http_sock.getsockname()[1])
-    if args.model:
-        path = Path(args.model)
-    else:
-        from ..default_model import default_model_path
+    from ..default_model import model_path
 
-        path = default_model_path()
+    path = model_path(args.model)
     g = GGUFFile(path)
     cfg = ModelConfig.from_gguf(g)
     device = resolve_device(args.device)
