@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import subprocess
@@ -58,16 +59,22 @@ def stop_server(proc: subprocess.Popen) -> None:
         proc.wait(timeout=10)
 
 
-@pytest.fixture(scope="module")
-def server(tiny_model):
+@contextlib.contextmanager
+def running_server(model):
+    """A `hydra-engine serve` subprocess on a free port, ready: yields (base URL, /health body)."""
     port = free_port()
-    proc = start_server(tiny_model("llama"), port)
+    proc = start_server(model, port)
     base = f"http://127.0.0.1:{port}"
     try:
-        health = wait_ready(base, proc)
-        yield base, health
+        yield base, wait_ready(base, proc)
     finally:
         stop_server(proc)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model):
+    with running_server(tiny_model("llama")) as running:
+        yield running
 
 
 @pytest.fixture(scope="module")

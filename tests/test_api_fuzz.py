@@ -6,19 +6,13 @@ from __future__ import annotations
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, settings
-from test_api import free_port, start_server, stop_server, wait_ready
+from test_api import running_server
 
 
 @pytest.fixture(scope="module")
 def api_schema(tiny_model):
-    port = free_port()
-    proc = start_server(tiny_model("llama"), port)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        wait_ready(base, proc)
+    with running_server(tiny_model("llama")) as (base, _):
         yield schemathesis.openapi.from_url(f"{base}/openapi.json")
-    finally:
-        stop_server(proc)
 
 
 schema = schemathesis.pytest.from_fixture("api_schema")
