@@ -118,7 +118,7 @@ def main() -> None:
         torch.set_num_threads(1)
         os.sched_setaffinity(0, {0})
     print(f"model {model.name}: {cfg.n_layers} layers, n_embd {cfg.n_embd}; device {device}, dtype {dtype}, "
-          f"torch threads {torch.get_num_threads()}, cores {os.cpu_count()}, RPC spin {spin_seconds() * 1e3:g} ms")  # fmt: skip
+          f"torch threads {torch.get_num_threads()}, cores {os.cpu_count()}, RPC spin {spin_seconds(device) * 1e3:g} ms")  # fmt: skip
 
     proc, addr = start_peer(model, args.device, {1} if args.pin else None)
     try:

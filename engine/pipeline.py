@@ -299,6 +299,7 @@ def build_pipeline(args, g, cfg, *, n_slots: int, n_ctx: int) -> Pipeline:
     runs every layer here when they fit."""
     from .device import resolve_device, resolve_dtype
     from .rpc.client import RemoteStage
+    from .rpc.wire import spin_seconds
 
     peers = list(getattr(args, "peer", None) or [])
     n_layers = cfg.n_layers
@@ -307,7 +308,8 @@ def build_pipeline(args, g, cfg, *, n_slots: int, n_ctx: int) -> Pipeline:
     dtype = resolve_dtype(args.dtype, device)
     remotes = [
         RemoteStage(addr, r, g=g, dtype=dtype, n_slots=n_slots, n_ctx=n_ctx,
-                    auth_token=getattr(args, "auth_token", None), max_frame=getattr(args, "max_frame", 1 << 30))  # fmt: skip
+                    auth_token=getattr(args, "auth_token", None), max_frame=getattr(args, "max_frame", 1 << 30),
+                    spin_s=spin_seconds(device))  # fmt: skip
         for addr, r in zip(peers, ranges[1:])
     ]
     # Wait before loading our own range: with --fallback-solo it depends on the outcome.

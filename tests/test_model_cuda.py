@@ -62,3 +62,39 @@ def test_graph_replay_equals_eager_on_cuda(tiny_model):
         a = run(graphed, [30 + i], [1], [len(PROMPT) + i])
         b = run(eager, [30 + i], [1], [len(PROMPT) + i])
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+def test_split_across_two_cuda_processes_equals_solo(tiny_model, tmp_path):
+    """Head here on the GPU, a `hydra-engine peer --device cuda` process with the second half:
+    prefill and graph-replayed decode logits equal the solo stage's bit for bit (the residual
+    stream crosses the wire as raw float32)."""
+    import types
+
+    from rpc_workers import Worker, free_ports
+
+    from hydra_console.engine.pipeline import Pipeline, build_pipeline
+
+    path = tiny_model("llama", n_layers=4)
+    g = GGUFFile(path)
+    cfg = ModelConfig.from_gguf(g)
+    port, rpc = free_ports(2)
+    peer = Worker("peer", ["--model", str(path), "--device", "cuda"], tmp_path, port, rpc)
+    try:
+        peer.wait_ready()
+        args = types.SimpleNamespace(peer=[peer.rpc_addr], split="2/2", device="cuda", dtype="bfloat16", peer_wait=30.0,
+                                     fallback_solo=False, auth_token=None, max_frame=1 << 30)  # fmt: skip
+        split = build_pipeline(args, g, cfg, n_slots=2, n_ctx=64)
+        solo = Pipeline(Stage(cfg, g, device="cuda", dtype="bfloat16", n_slots=2, n_ctx=64))
+        n = len(PROMPT)
+        outs = []
+        for pipe in (solo, split):
+            logits = [pipe.forward(torch.tensor(PROMPT), torch.zeros(n, dtype=torch.long), torch.arange(n), torch.tensor([n - 1]))]
+            for i in range(6):
+                tok = logits[-1].argmax(-1)
+                logits.append(pipe.forward(tok, torch.tensor([0]), torch.tensor([n + i]), torch.tensor([0])))
+            outs.append(torch.stack([x.cpu() for x in logits]))
+        split.stop()
+        assert torch.equal(outs[0], outs[1])
+        assert split.head.graphs.graphs and split.remotes[0].device.startswith("cuda")
+    finally:
+        peer.stop()

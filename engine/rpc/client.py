@@ -41,7 +41,6 @@ from .wire import (
     read_compute_response,
     read_compute_response_size,
     send_all,
-    spin_seconds,
     spin_until_readable,
 )
 
@@ -92,6 +91,7 @@ class RemoteStage:
         n_ctx: int,
         auth_token: str | None = None,
         max_frame: int = 1 << 30,
+        spin_s: float = 0.0,
     ):
         self.addr = addr
         self.host, self.port = parse_addr(addr)
@@ -110,7 +110,7 @@ class RemoteStage:
         self._sock: socket.socket | None = None
         self._reader: SocketReader | None = None
         self._lock = threading.Lock()  # one exchange on the socket at a time
-        self._spin_s = spin_seconds()
+        self._spin_s = spin_s  # busy-wait budget for each FORWARD reply (wire.spin_seconds)
 
     # --- connection -------------------------------------------------------------------------------
 

@@ -112,7 +112,7 @@ class ComputeServer:
         self.auth_token = auth_token
         self.max_frame = max_frame
         self.bytes_in = self.bytes_out = 0
-        self.spin_s = spin_seconds()
+        self.spin_s = spin_seconds(host.device)
 
     @property
     def caps(self) -> int:

@@ -139,7 +139,9 @@ class StageHost:
                 raise ComputeError(f"hidden states of width {hidden.shape[1]}, this model's is {self.cfg.n_embd}")
             t0 = time.perf_counter()
             try:
-                out = self.stage.run_layers(hidden.to(self.device), slots.to(self.device), positions.to(self.device))
+                # Slots and positions stay on the host: the stage reads them there (a device copy
+                # would cost a sync per read on CUDA).
+                out = self.stage.run_layers(hidden, slots, positions)
             except (UserError, ValueError) as e:  # a batch with slots or positions this stage cannot take
                 raise ComputeError(str(e)) from None
             out = out.to("cpu")
