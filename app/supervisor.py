@@ -284,19 +284,6 @@ class Supervisor:
             for tok in shlex.split(spec.launcher or DEFAULT_SSH_TEMPLATE)
         ]
 
-    def thread_env(self, w: Worker) -> dict[str, str]:
-        """OpenMP settings for a local worker sharing this machine's cores with other local workers.
-
-        Two workers that each spin one OpenMP thread per core starve each other (a head and a peer
-        on 2 cores fell from ~45 to 2-5 tok/s): each gets its share of the cores and sleeping,
-        not spinning, idle threads. Settings the operator exported win.
-        """
-        local = [x for x in self.workers.values() if x.managed and x.spec.is_local]
-        if not w.spec.is_local or len(local) < 2:
-            return {}
-        env = {"OMP_WAIT_POLICY": "PASSIVE", "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // len(local)))}
-        return {k: v for k, v in env.items() if k not in os.environ}
-
     async def start(self) -> None:
         """Begin polling and start every managed worker (peers first: the head waits for them)."""
         if self._poller is None:
@@ -456,7 +443,7 @@ class Supervisor:
             except OSError as e:
                 self.emit(w.name, "error", f"no log file ({e.strerror or e}: {w.log_path}); keeping the ring buffer only")
                 w.log_path = None
-        env = dict(os.environ, PYTHONUNBUFFERED="1", **self.thread_env(w))
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
         try:
             proc = await asyncio.create_subprocess_exec(
                 *argv,

@@ -83,6 +83,34 @@ def decode_block(pipe: Pipeline, tok: torch.Tensor, start: int, n: int, overhead
     return tok, time.perf_counter() - t0
 
 
+def step_parts(pipe: Pipeline, tok: torch.Tensor, start: int, n: int) -> dict[str, float]:
+    """Median milliseconds of each part of a decode step, synchronising the device after each part
+    (so the parts add up to more than an unsynchronised step): the head's layers (embedding
+    included), each peer's round trip and, inside it, the peer's own compute (which includes its
+    host<->device copies), and the output head."""
+    sync = torch.cuda.synchronize if pipe.head.device.type == "cuda" else (lambda: None)
+    zero, parts = torch.tensor([0]), []
+    for i in range(n):
+        pos = torch.tensor([start + i])
+        t = [time.perf_counter()]
+        h = pipe.head.run_layers(pipe.head.embed(tok), zero, pos)
+        sync()
+        t.append(time.perf_counter())
+        computes = []
+        for remote in pipe.remotes:
+            h = remote.run_layers(h, zero, pos)
+            sync()
+            t.append(time.perf_counter())
+            computes.append(remote.compute_ms)
+        tok = pipe.head.logits(h[zero]).argmax(-1)
+        sync()
+        t.append(time.perf_counter())
+        d = [(b - a) * 1e3 for a, b in zip(t, t[1:])]
+        parts.append({"head layers": d[0], **{f"peer {j} round trip": x for j, x in enumerate(d[1:-1])},
+                      **{f"peer {j} compute": c for j, c in enumerate(computes)}, "output head": d[-1], "total": sum(d)})  # fmt: skip
+    return {k: statistics.median(p[k] for p in parts) for k in parts[0]}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None)
@@ -95,6 +123,9 @@ def main() -> None:
     ap.add_argument("--prefill", type=int, default=128, help="prompt length of the prefill comparison (0: skip)")
     ap.add_argument("--pin", action="store_true",
                     help="head on core 0, peer on core 1, one thread each: two one-core hosts, no contention between them")
+    ap.add_argument("--peer-in-process", action="store_true",
+                    help="serve the peer's layers from a thread of this process over the same loopback RPC: on one GPU "
+                         "this shares the head's CUDA context, which separates the GPU's context switches from our cost")
     args = ap.parse_args()
 
     tmp = tempfile.TemporaryDirectory()
@@ -111,7 +142,8 @@ def main() -> None:
     cfg = ModelConfig.from_gguf(g)
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
-    n_ctx = max(PROMPT_TOKENS + args.block + 8, args.prefill)
+    part_steps = max(args.block, 32)
+    n_ctx = max(PROMPT_TOKENS + part_steps + 8, args.prefill)
     half = cfg.n_layers // 2
     if args.pin:
         os.environ["OMP_NUM_THREADS"] = "1"  # inherited by the peer
@@ -120,7 +152,15 @@ def main() -> None:
     print(f"model {model.name}: {cfg.n_layers} layers, n_embd {cfg.n_embd}; device {device}, dtype {dtype}, "
           f"torch threads {torch.get_num_threads()}, cores {os.cpu_count()}, RPC spin {spin_seconds(device) * 1e3:g} ms")  # fmt: skip
 
-    proc, addr = start_peer(model, args.device, {1} if args.pin else None)
+    if args.peer_in_process:
+        from hydra_console.engine.rpc.compute import ComputeServer
+        from hydra_console.engine.rpc.listener import RpcListener
+        from hydra_console.engine.rpc.resident import StageHost
+
+        listener = RpcListener("127.0.0.1", 0, mode="peer", compute=ComputeServer(StageHost(g, cfg, device))).start()
+        proc, addr = None, f"127.0.0.1:{listener.bound_port}"
+    else:
+        proc, addr = start_peer(model, args.device, {1} if args.pin else None)
     try:
         solo = Pipeline(Stage(cfg, g, layers=(0, cfg.n_layers), device=device, dtype=dtype, n_slots=1, n_ctx=max(n_ctx, args.resplit_ctx)))
         ns = types.SimpleNamespace(peer=[addr], split=f"{half}/{cfg.n_layers - half}", device=args.device, dtype=args.dtype,
@@ -151,7 +191,12 @@ def main() -> None:
                     rates[k].append(prefill_tok_s(p, args.prefill))
             print(f"prefill {args.prefill} tokens, tok/s: solo best {max(rates['solo']):.1f}, split best {max(rates['split']):.1f}, "
                   f"ratio {max(rates['split']) / max(rates['solo']):.3f}")  # fmt: skip
+        for k, p in pipes.items():
+            parts = step_parts(p, first[k], PROMPT_TOKENS, part_steps)
+            print(f"{k} step parts, ms (median, synchronised after each): " + ", ".join(f"{n} {v:.3f}" for n, v in parts.items()))
         remote = split.remotes[0]
+        pings = [remote.ping() for _ in range(100)]
+        print(f"empty PING round trip: median {statistics.median(p for p in pings if p is not None):.3f} ms")
         step_ms = statistics.median(times["split"]) / args.block * 1e3
         rpc_ms = statistics.median(overheads)
         print(f"RPC overhead per step (round trip minus peer compute): median {rpc_ms:.3f} ms of a "
@@ -178,8 +223,9 @@ def main() -> None:
         resplits(f"{args.resplit_ctx}-token live slot")
         split.stop()
     finally:
-        proc.terminate()
-        proc.wait(timeout=10)
+        if proc is not None:
+            proc.terminate()
+            proc.wait(timeout=10)
         tmp.cleanup()
 
 

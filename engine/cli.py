@@ -91,6 +91,10 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if getattr(args, "rpc_port", 0) is None:
         args.rpc_port = args.port + 1
+    if args.command == "peer" or getattr(args, "peer", None):
+        from .openmp import configure_split_worker
+
+        configure_split_worker()  # before the subcommand imports torch
     try:
         if args.command == "generate":
             from .generate import main as run

@@ -146,29 +146,6 @@ async def test_output_goes_to_ring_buffer_and_log_file(tmp_path):
     await sup.shutdown()
 
 
-async def test_colocated_workers_share_the_cores(tmp_path, monkeypatch):
-    for var in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY"):
-        monkeypatch.delenv(var, raising=False)
-    monkeypatch.setattr(os, "cpu_count", lambda: 8)
-    body = "import os\nprint('threads', os.environ.get('OMP_NUM_THREADS'), os.environ.get('OMP_WAIT_POLICY'))\n"
-    sup = new_supervisor(script_profile(tmp_path, body, peers=3), tmp_path, auto_restart=False)
-    for name in ("head", "peer1"):
-        await sup.start_worker(name)
-    await wait_until(lambda: all(sup.worker(n).state == State.CRASHED for n in ("head", "peer1")))
-    for name in ("head", "peer1"):
-        assert "threads 2 PASSIVE" in [ln.text for ln in sup.worker(name).log]  # 8 cores over 4 local workers
-    await sup.shutdown()
-
-
-async def test_exported_thread_settings_win_and_a_lone_worker_keeps_all_cores(tmp_path, monkeypatch):
-    monkeypatch.setenv("OMP_NUM_THREADS", "3")
-    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
-    two = new_supervisor(script_profile(tmp_path, "", peers=1), tmp_path)
-    assert two.thread_env(two.head) == {"OMP_WAIT_POLICY": "PASSIVE"}
-    alone = new_supervisor(script_profile(tmp_path, ""), tmp_path)
-    assert alone.thread_env(alone.head) == {}
-
-
 async def test_missing_executable_is_an_event_not_an_exception(tmp_path):
     profile = script_profile(tmp_path, "")
     profile.engine_command = str(tmp_path / "no-such-engine")

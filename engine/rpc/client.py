@@ -103,6 +103,7 @@ class RemoteStage:
         self.device = "remote"
         self.epoch = 0
         self.rtt_ms: float | None = None
+        self.compute_ms: float | None = None  # the peer's own time for the last FORWARD
         self.bytes_sent = self.bytes_recv = 0
         self.error: str | None = None
         self.attaches = 0
@@ -227,7 +228,8 @@ class RemoteStage:
                 raise PeerUnavailable(f"peer {self.addr} failed mid-request: {e}") from None
             finally:
                 self._account()
-            self.rtt_ms = max((time.perf_counter() - t0) * 1e3 - compute_us / 1e3, 0.0)
+            self.compute_ms = compute_us / 1e3
+            self.rtt_ms = max((time.perf_counter() - t0) * 1e3 - self.compute_ms, 0.0)
         return out.to(device, h.dtype)
 
     def kv_clear(self, slot: int) -> None:
@@ -256,6 +258,7 @@ class RemoteStage:
             "addr": self.addr,
             "state": self.state,
             "rtt_ms": None if self.rtt_ms is None else round(self.rtt_ms, 3),
+            "compute_ms": None if self.compute_ms is None else round(self.compute_ms, 3),
             "layers": list(self.layer_range),
             "bytes_sent": self.bytes_sent,
             "bytes_recv": self.bytes_recv,

@@ -1,0 +1,48 @@
+"""Split workers shorten OpenMP's idle spin (engine/openmp.py); solo workers and operators' own
+settings are left alone."""
+
+from __future__ import annotations
+
+import importlib
+import os
+
+import pytest
+
+from hydra_console.engine import cli, openmp
+
+
+@pytest.fixture
+def clean_env(monkeypatch):
+    for var in openmp.WAIT_VARIABLES:
+        monkeypatch.delenv(var, raising=False)
+    return monkeypatch
+
+
+def test_split_worker_gets_a_short_spin(clean_env):
+    assert openmp.configure_split_worker()
+    assert os.environ["GOMP_SPINCOUNT"] == openmp.SPLIT_SPINCOUNT
+
+
+@pytest.mark.parametrize("var", openmp.WAIT_VARIABLES)
+def test_an_exported_wait_setting_wins(clean_env, var):
+    clean_env.setenv(var, "PASSIVE" if var == "OMP_WAIT_POLICY" else "123")
+    assert not openmp.configure_split_worker()
+    assert os.environ.get("GOMP_SPINCOUNT") in (None, "123")
+
+
+@pytest.mark.parametrize(
+    ("argv", "module", "short_spin"),
+    [
+        (["peer"], "hydra_console.engine.rpc.peer", True),
+        (["serve", "--peer", "127.0.0.1:9"], "hydra_console.engine.api", True),
+        (["serve"], "hydra_console.engine.api", False),
+        (["generate", "-p", "x"], "hydra_console.engine.generate", False),
+    ],
+)
+def test_cli_applies_it_to_split_workers_only(clean_env, argv, module, short_spin):
+    import importlib
+    seen = {}
+    name = "main" if module.endswith(("peer", "generate")) else "serve"
+    clean_env.setattr(importlib.import_module(module), name, lambda args: seen.update(spin=os.environ.get("GOMP_SPINCOUNT")))
+    assert cli.main(argv) == 0
+    assert seen["spin"] == (openmp.SPLIT_SPINCOUNT if short_spin else None)
