@@ -40,7 +40,6 @@ def test_an_exported_wait_setting_wins(clean_env, var):
     ],
 )
 def test_cli_applies_it_to_split_workers_only(clean_env, argv, module, short_spin):
-    import importlib
     seen = {}
     name = "main" if module.endswith(("peer", "generate")) else "serve"
     clean_env.setattr(importlib.import_module(module), name, lambda args: seen.update(spin=os.environ.get("GOMP_SPINCOUNT")))
