@@ -7,11 +7,11 @@ Decode: single-token greedy steps through `Pipeline.forward` after the same prom
 layer here) and split (head [0, L/2) here, [L/2, L) in a `hydra-engine peer` process over the
 merged RPC port), in blocks of `--block` steps alternating between the two `-r` times. Re-split: boundaries
 moved back and forth with a slot of `--resplit-ctx` tokens live (its KV is rebuilt each time).
-Prints numbers, asserts nothing. On a CPU shared with other jobs, run with OMP_WAIT_POLICY=PASSIVE
-(both processes inherit it): spinning OpenMP workers of one process otherwise starve the other.
-With --pin (a core per process), HYDRA_RPC_SPIN_MS=50 (both processes inherit it) makes each side
-busy-wait for the other's frame instead of sleeping: a KVM guest's vCPU that halted wakes onto a
-cold core, ~1 ms per hop.
+Prints numbers, asserts nothing. This process is the split's head, so it takes the OpenMP setting
+of `hydra-engine serve --peer` (engine/openmp.py: a short idle spin, unless GOMP_SPINCOUNT or
+OMP_WAIT_POLICY is exported), and the solo blocks run under it too; `GOMP_SPINCOUNT=300000` gives
+libgomp's own default to both. With --pin (a core per process), HYDRA_RPC_SPIN_MS=50 makes each
+side busy-wait for the other's frame instead of sleeping.
 """
 
 from __future__ import annotations
@@ -27,13 +27,17 @@ import time
 import types
 from pathlib import Path
 
-import torch
+from hydra_console.engine.openmp import configure_split_worker
 
-from hydra_console.engine.device import resolve_device, resolve_dtype
-from hydra_console.engine.gguf_file import GGUFFile
-from hydra_console.engine.model import ModelConfig, Stage
-from hydra_console.engine.pipeline import Pipeline, build_pipeline
-from hydra_console.engine.rpc.wire import spin_seconds
+configure_split_worker()  # before torch loads libgomp; the peer inherits it
+
+import torch  # noqa: E402
+
+from hydra_console.engine.device import resolve_device, resolve_dtype  # noqa: E402
+from hydra_console.engine.gguf_file import GGUFFile  # noqa: E402
+from hydra_console.engine.model import ModelConfig, Stage  # noqa: E402
+from hydra_console.engine.pipeline import Pipeline, build_pipeline  # noqa: E402
+from hydra_console.engine.rpc.wire import spin_seconds  # noqa: E402
 
 PROMPT_TOKENS = 32
 
@@ -83,32 +87,34 @@ def decode_block(pipe: Pipeline, tok: torch.Tensor, start: int, n: int, overhead
     return tok, time.perf_counter() - t0
 
 
-def step_parts(pipe: Pipeline, tok: torch.Tensor, start: int, n: int) -> dict[str, float]:
-    """Median milliseconds of each part of a decode step, synchronising the device after each part
-    (so the parts add up to more than an unsynchronised step): the head's layers (embedding
-    included), each peer's round trip and, inside it, the peer's own compute (which includes its
-    host<->device copies), and the output head."""
+def forward_parts(pipe: Pipeline, tokens: torch.Tensor, positions: torch.Tensor) -> tuple[dict[str, float], torch.Tensor]:
+    """One forward (slot 0) timed part by part, synchronising the device after each part (so the
+    parts add up to more than an unsynchronised forward): the head's layers (embedding included),
+    each peer's round trip and, inside it, the peer's own compute (its host<->device copies
+    included), and the output head on the last row. Returns (milliseconds per part, next token)."""
     sync = torch.cuda.synchronize if pipe.head.device.type == "cuda" else (lambda: None)
-    zero, parts = torch.tensor([0]), []
-    for i in range(n):
-        pos = torch.tensor([start + i])
-        t = [time.perf_counter()]
-        h = pipe.head.run_layers(pipe.head.embed(tok), zero, pos)
+    slots = torch.zeros_like(positions)
+    t = [time.perf_counter()]
+    h = pipe.head.run_layers(pipe.head.embed(tokens), slots, positions)
+    sync()
+    t.append(time.perf_counter())
+    computes = []
+    for remote in pipe.remotes:
+        h = remote.run_layers(h, slots, positions)
         sync()
         t.append(time.perf_counter())
-        computes = []
-        for remote in pipe.remotes:
-            h = remote.run_layers(h, zero, pos)
-            sync()
-            t.append(time.perf_counter())
-            computes.append(remote.compute_ms)
-        tok = pipe.head.logits(h[zero]).argmax(-1)
-        sync()
-        t.append(time.perf_counter())
-        d = [(b - a) * 1e3 for a, b in zip(t, t[1:])]
-        parts.append({"head layers": d[0], **{f"peer {j} round trip": x for j, x in enumerate(d[1:-1])},
-                      **{f"peer {j} compute": c for j, c in enumerate(computes)}, "output head": d[-1], "total": sum(d)})  # fmt: skip
-    return {k: statistics.median(p[k] for p in parts) for k in parts[0]}
+        computes.append(remote.compute_ms)
+    tok = pipe.head.logits(h[-1:]).argmax(-1)
+    sync()
+    t.append(time.perf_counter())
+    d = [(b - a) * 1e3 for a, b in zip(t, t[1:])]
+    parts = {"head layers": d[0], **{f"peer {j} round trip": x for j, x in enumerate(d[1:-1])},
+             **{f"peer {j} compute": c for j, c in enumerate(computes)}, "output head": d[-1], "total": sum(d)}  # fmt: skip
+    return parts, tok
+
+
+def median_parts(runs: list[dict[str, float]]) -> str:
+    return ", ".join(f"{k} {statistics.median(r[k] for r in runs):.3f}" for k in runs[0])
 
 
 def main() -> None:
@@ -150,7 +156,8 @@ def main() -> None:
         torch.set_num_threads(1)
         os.sched_setaffinity(0, {0})
     print(f"model {model.name}: {cfg.n_layers} layers, n_embd {cfg.n_embd}; device {device}, dtype {dtype}, "
-          f"torch threads {torch.get_num_threads()}, cores {os.cpu_count()}, RPC spin {spin_seconds(device) * 1e3:g} ms")  # fmt: skip
+          f"torch threads {torch.get_num_threads()}, cores {os.cpu_count()}, RPC spin {spin_seconds(device) * 1e3:g} ms, "
+          f"GOMP_SPINCOUNT {os.environ.get('GOMP_SPINCOUNT', 'default')}, OMP_WAIT_POLICY {os.environ.get('OMP_WAIT_POLICY', 'default')}")  # fmt: skip
 
     if args.peer_in_process:
         from hydra_console.engine.rpc.compute import ComputeServer
@@ -192,8 +199,14 @@ def main() -> None:
             print(f"prefill {args.prefill} tokens, tok/s: solo best {max(rates['solo']):.1f}, split best {max(rates['split']):.1f}, "
                   f"ratio {max(rates['split']) / max(rates['solo']):.3f}")  # fmt: skip
         for k, p in pipes.items():
-            parts = step_parts(p, first[k], PROMPT_TOKENS, part_steps)
-            print(f"{k} step parts, ms (median, synchronised after each): " + ", ".join(f"{n} {v:.3f}" for n, v in parts.items()))
+            runs, tok = [], first[k]
+            for i in range(part_steps):
+                parts, tok = forward_parts(p, tok, torch.tensor([PROMPT_TOKENS + i]))
+                runs.append(parts)
+            print(f"{k} decode step parts, ms (median, synchronised after each): {median_parts(runs)}")
+            if args.prefill:
+                runs = [forward_parts(p, torch.arange(1, args.prefill + 1) % cfg.n_vocab, torch.arange(args.prefill))[0] for _ in range(4)]
+                print(f"{k} prefill {args.prefill} parts, ms: {median_parts(runs)}")
         remote = split.remotes[0]
         pings = [remote.ping() for _ in range(100)]
         print(f"empty PING round trip: median {statistics.median(p for p in pings if p is not None):.3f} ms")
