@@ -414,7 +414,7 @@ class Stage:
         """Run this stage's layers over a flat batch; writes their KV. h [T, n_embd] -> same shape, float32."""
         slots = torch.as_tensor(slots, dtype=torch.long)
         positions = torch.as_tensor(positions, dtype=torch.long)
-        h = h.to(self.device, torch.float32)
+        h = h.to(self.device, torch.float32, non_blocking=True)  # asynchronous only from page-locked memory
         if h.shape[0] == 0 or not self.layers:
             return h
         runs = self._runs(slots, positions)

@@ -17,6 +17,7 @@ import time
 
 import torch
 
+from ..device import host_buffer, to_host
 from ..errors import UserError
 from . import auth
 from .compute import (
@@ -202,7 +203,7 @@ class RemoteStage:
 
     def run_layers(self, h: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         device = h.device
-        hidden = h.detach().to("cpu")  # the residual stream's own dtype: bit-exact across the wire
+        hidden = to_host(h)  # the residual stream's own dtype: bit-exact across the wire
         with self._lock:
             if self.state != "up":
                 raise PeerUnavailable(f"peer {self.addr} is down ({self.error}); retry when it is back")
@@ -221,7 +222,7 @@ class RemoteStage:
                 want = hidden.numel() * hidden.element_size()
                 if size - FORWARD_REPLY.size != want:
                     raise FrameError(f"FORWARD reply of {size} bytes, expected {FORWARD_REPLY.size + want}")
-                out = torch.empty(hidden.shape, dtype=hidden.dtype)
+                out = host_buffer(hidden.shape, hidden.dtype, device)
                 self._reader.read_into(memoryview(out.view(-1).view(torch.uint8).numpy()))
             except (OSError, FrameError, PeerUnavailable) as e:
                 self._down(f"{type(e).__name__}: {e}")
@@ -230,7 +231,7 @@ class RemoteStage:
                 self._account()
             self.compute_ms = compute_us / 1e3
             self.rtt_ms = max((time.perf_counter() - t0) * 1e3 - self.compute_ms, 0.0)
-        return out.to(device, h.dtype)
+        return out.to(device, h.dtype, non_blocking=True)  # from page-locked memory: the device orders it
 
     def kv_clear(self, slot: int) -> None:
         with self._lock:

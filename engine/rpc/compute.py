@@ -22,6 +22,7 @@ import time
 import numpy as np
 import torch
 
+from ..device import host_buffer
 from . import auth
 from .resident import CODE_DTYPES, DTYPE_CODES, ComputeError, StaleEpoch
 from .wire import (
@@ -29,6 +30,7 @@ from .wire import (
     COMPUTE_SIZE,
     FrameError,
     SocketReader,
+    read_compute_header,
     read_compute_request,
     send_all,
     spin_seconds,
@@ -155,7 +157,7 @@ class ComputeServer:
         session = {"checked": False, "reader": reader}
         while True:
             spin_until_readable(conn, self.spin_s)
-            cmd, payload = read_compute_request(reader, self.max_frame)
+            cmd, payload = self._read_request(reader)
             try:
                 status, parts = OK, self._command(cmd, payload, session)
             except StaleEpoch as e:
@@ -169,6 +171,16 @@ class ComputeServer:
                 self._send(conn, *parts)  # the FORWARD reply carries its own status header
             else:
                 self._reply(conn, status, *parts)
+
+    def _read_request(self, reader: SocketReader) -> tuple[int, object]:
+        """The next frame. A FORWARD for a CUDA stage lands in page-locked memory, so its hidden
+        states reach the device by DMA (unpack_forward's tensors are views of this buffer)."""
+        cmd, size = read_compute_header(reader, self.max_frame)
+        if cmd != Cmd.FORWARD or self.host.device.type != "cuda":
+            return cmd, reader.read_exact(size)
+        buf = host_buffer((size,), torch.uint8, self.host.device).numpy()
+        reader.read_into(memoryview(buf))
+        return cmd, buf
 
     def _command(self, cmd: int, payload, session: dict) -> list:
         """Run one command; returns the reply body as buffers."""

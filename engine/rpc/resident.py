@@ -12,6 +12,7 @@ import time
 
 import torch
 
+from ..device import to_host
 from ..errors import UserError
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -43,7 +44,7 @@ class StageHost:
     """One worker's resident stage. `assignable=False` on the head: its range follows its own split."""
 
     def __init__(self, g, cfg, device, *, stage=None, assignable: bool = True):
-        self.g, self.cfg, self.device = g, cfg, device
+        self.g, self.cfg, self.device = g, cfg, torch.device(device)
         self.n_layers = cfg.n_layers
         self.stage = stage
         self.assignable = assignable
@@ -144,7 +145,7 @@ class StageHost:
                 out = self.stage.run_layers(hidden, slots, positions)
             except (UserError, ValueError) as e:  # a batch with slots or positions this stage cannot take
                 raise ComputeError(str(e)) from None
-            out = out.to("cpu")
+            out = to_host(out)
             self.compute_s += time.perf_counter() - t0
             self.forwards += 1
             self.tokens += hidden.shape[0]
