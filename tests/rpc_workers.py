@@ -7,6 +7,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -104,3 +105,44 @@ def head(model: Path, log_dir: Path, peers: list[Worker] = (), *extra: str, para
 def complete(w: Worker, prompt: str, max_tokens: int = 16, timeout: float = 60.0, **kw) -> httpx.Response:
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, **kw}
     return httpx.post(f"{w.url}/v1/completions", json=body, timeout=timeout)
+
+
+def greedy(w: Worker, prompt: str, n: int = 12) -> tuple[str, list[float]]:
+    """Greedy completion text and token logprobs (equal across solo and split, bit for bit)."""
+    r = complete(w, prompt, n, logprobs=1)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    return choice["text"], choice["logprobs"]["token_logprobs"]
+
+
+def wait_for(predicate, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if value := predicate():
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+def assert_peer_kill_fails_request_fast(head: Worker, victim: Worker, max_tokens: int, timeout: float) -> None:
+    """kill -9 `victim` while `head` decodes a long completion: the request must end with a 503 in
+    OpenAI's shape naming the peer, within 2 s of the kill, never hang."""
+    result = {}
+
+    def run():
+        result["r"] = complete(head, "a long answer", max_tokens, timeout=60)
+        result["t"] = time.monotonic()
+
+    t = threading.Thread(target=run)
+    t.start()
+    wait_for(lambda: any(s.get("n_decoded", 0) > 3 for s in head.status()["slots"]), timeout, "decoding to start")
+    killed_at = time.monotonic()  # before the kill: kill9() also waits for the exit
+    victim.kill9()
+    t.join(timeout=timeout)
+    assert not t.is_alive(), "the request hung after the peer died"
+    r = result["r"]
+    assert r.status_code == 503, r.text
+    err = r.json()["error"]
+    assert victim.rpc_addr in err["message"] and err["code"] == "unavailable"
+    print(f"503 arrived {result['t'] - killed_at:.3f} s after kill -9")
+    assert result["t"] - killed_at < 2.0
