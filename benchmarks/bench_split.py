@@ -56,6 +56,11 @@ def start_peer(model: Path, device: str, cores: set[int] | None = None) -> tuple
     return subprocess.Popen(cmd, stderr=subprocess.DEVNULL, preexec_fn=pin), f"127.0.0.1:{rpc}"
 
 
+def device_sync(pipe: Pipeline):
+    """Waits for the head's device (timings must include the work they launched)."""
+    return torch.cuda.synchronize if pipe.head.device.type == "cuda" else (lambda: None)
+
+
 def prefill(pipe: Pipeline, slot: int = 0) -> torch.Tensor:
     prompt = torch.arange(1, PROMPT_TOKENS + 1) % pipe.cfg.n_vocab
     logits = pipe.forward(prompt, torch.full((PROMPT_TOKENS,), slot), torch.arange(PROMPT_TOKENS), torch.tensor([PROMPT_TOKENS - 1]))
@@ -64,7 +69,7 @@ def prefill(pipe: Pipeline, slot: int = 0) -> torch.Tensor:
 
 def prefill_tok_s(pipe: Pipeline, n: int, slot: int = 0) -> float:
     """One n-token prompt in one forward (one frame per peer), tokens per second."""
-    sync = torch.cuda.synchronize if pipe.head.device.type == "cuda" else (lambda: None)
+    sync = device_sync(pipe)
     tokens = torch.arange(1, n + 1) % pipe.cfg.n_vocab
     sync()
     t0 = time.perf_counter()
@@ -76,7 +81,7 @@ def prefill_tok_s(pipe: Pipeline, n: int, slot: int = 0) -> float:
 def decode_block(pipe: Pipeline, tok: torch.Tensor, start: int, n: int, overheads: list) -> tuple[torch.Tensor, float]:
     """n greedy single-token steps from position `start`; (last token, seconds). Appends each
     step's RPC overhead (peer round trip minus the peer's own compute) to `overheads`."""
-    sync = torch.cuda.synchronize if pipe.head.device.type == "cuda" else (lambda: None)
+    sync = device_sync(pipe)
     zero = torch.tensor([0])
     sync()
     t0 = time.perf_counter()
@@ -92,7 +97,7 @@ def forward_parts(pipe: Pipeline, tokens: torch.Tensor, positions: torch.Tensor)
     parts add up to more than an unsynchronised forward): the head's layers (embedding included),
     each peer's round trip and, inside it, the peer's own compute (its host<->device copies
     included), and the output head on the last row. Returns (milliseconds per part, next token)."""
-    sync = torch.cuda.synchronize if pipe.head.device.type == "cuda" else (lambda: None)
+    sync = device_sync(pipe)
     slots = torch.zeros_like(positions)
     t = [time.perf_counter()]
     h = pipe.head.run_layers(pipe.head.embed(tokens), slots, positions)

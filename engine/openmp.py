@@ -6,7 +6,7 @@ After each parallel region libgomp keeps its idle threads spinning for ~3 ms (GO
 kernels. In a split the head and its peers take turns: on a shared machine each process's
 spinning threads steal the cores the other one is computing on, and decode through a loopback
 split ran at 0.54-0.59 of solo on 2 cores. Spinning ~0.1 ms covers the gaps between a step's
-kernels but not the other process's turn (0.90-0.94 of solo, `benchmarks/bench_split.py`).
+kernels but not the other process's turn (0.89-0.95 of a solo head with the same setting, `benchmarks/bench_split.py`).
 Between machines it costs nothing. Solo workers keep libgomp's default.
 """
 
