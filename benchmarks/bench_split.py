@@ -78,15 +78,19 @@ def prefill_tok_s(pipe: Pipeline, n: int, slot: int = 0) -> float:
     return n / (time.perf_counter() - t0)
 
 
-def decode_block(pipe: Pipeline, tok: torch.Tensor, start: int, n: int, overheads: list) -> tuple[torch.Tensor, float]:
-    """n greedy single-token steps from position `start`; (last token, seconds). Appends each
-    step's RPC overhead (peer round trip minus the peer's own compute) to `overheads`."""
+def decode_block(pipe: Pipeline, tok: torch.Tensor, start: int, n: int, overheads: list, host: bool) -> tuple[torch.Tensor, float]:
+    """n greedy single-token steps from position `start`; (last token, seconds). `host`: each
+    token is read back to the host before the next step, as the runtime's sampler does; else it
+    stays on the device and the host may run a step ahead. Appends each step's RPC overhead
+    (peer round trip minus the peer's own compute) to `overheads`."""
     sync = device_sync(pipe)
     zero = torch.tensor([0])
     sync()
     t0 = time.perf_counter()
     for i in range(n):
         tok = pipe.forward(tok, zero, torch.tensor([start + i]), zero).argmax(-1)
+        if host:
+            tok = tok.cpu()
         overheads += [r.rtt_ms for r in pipe.remotes]
     sync()
     return tok, time.perf_counter() - t0
@@ -178,24 +182,30 @@ def main() -> None:
         ns = types.SimpleNamespace(peer=[addr], split=f"{half}/{cfg.n_layers - half}", device=args.device, dtype=args.dtype,
                                    peer_wait=120.0, fallback_solo=False, auth_token=None, max_frame=1 << 30)  # fmt: skip
         split = build_pipeline(ns, g, cfg, n_slots=1, n_ctx=max(n_ctx, args.resplit_ctx))
+        remote = split.remotes[0]
+        print(f"peer {addr}: hidden states via {remote.transport}")
         # Blocks of `--block` steps, alternating solo / split, so load drifts on a shared machine
         # hit both alike; every block restarts after the same prompt (same positions, same work).
-        times = {"solo": [], "split": []}
+        # On a GPU both ways of feeding tokens are measured (on a CPU they are the same).
         pipes = {"solo": solo, "split": split}
         first = {k: prefill(p) for k, p in pipes.items()}
         overheads: list[float] = []
-        for k, p in pipes.items():
-            decode_block(p, first[k], PROMPT_TOKENS, 4, [])  # warm-up
-        for _ in range(args.repetitions):
+        for host in [True, False] if device.type == "cuda" else [True]:
+            times = {"solo": [], "split": []}
             for k, p in pipes.items():
-                times[k].append(decode_block(p, first[k], PROMPT_TOKENS, args.block, overheads)[1])
-        for k in pipes:
-            rates = [args.block / t for t in times[k]]
-            print(f"decode {k:5s} tok/s: overall {len(rates) * args.block / sum(times[k]):.2f}  "
-                  f"best block {max(rates):.2f}  median block {statistics.median(rates):.2f}")  # fmt: skip
-        print(f"split/solo ratio: overall {sum(times['solo']) / sum(times['split']):.3f}  "
-              f"best blocks {min(times['solo']) / min(times['split']):.3f}  "
-              f"median blocks {statistics.median(times['solo']) / statistics.median(times['split']):.3f}")  # fmt: skip
+                decode_block(p, first[k], PROMPT_TOKENS, 4, [], host)  # warm-up
+            for _ in range(args.repetitions):
+                for k, p in pipes.items():
+                    times[k].append(decode_block(p, first[k], PROMPT_TOKENS, args.block, overheads, host)[1])
+            feed = "token read back each step (as the runtime)" if host else "token left on the device"
+            print(f"decode, {feed}:")
+            for k in pipes:
+                rates = [args.block / t for t in times[k]]
+                print(f"  {k:5s} tok/s: overall {len(rates) * args.block / sum(times[k]):.2f}  "
+                      f"best block {max(rates):.2f}  median block {statistics.median(rates):.2f}")  # fmt: skip
+            print(f"  split/solo ratio: overall {sum(times['solo']) / sum(times['split']):.3f}  "
+                  f"best blocks {min(times['solo']) / min(times['split']):.3f}  "
+                  f"median blocks {statistics.median(times['solo']) / statistics.median(times['split']):.3f}")  # fmt: skip
         if args.prefill:
             rates = {k: [] for k in pipes}
             for _ in range(max(args.repetitions // 4, 2)):
@@ -212,7 +222,6 @@ def main() -> None:
             if args.prefill:
                 runs = [forward_parts(p, torch.arange(1, args.prefill + 1) % cfg.n_vocab, torch.arange(args.prefill))[0] for _ in range(4)]
                 print(f"{k} prefill {args.prefill} parts, ms: {median_parts(runs)}")
-        remote = split.remotes[0]
         pings = [remote.ping() for _ in range(100)]
         print(f"empty PING round trip: median {statistics.median(p for p in pings if p is not None):.3f} ms")
         step_ms = statistics.median(times["split"]) / args.block * 1e3

@@ -25,6 +25,7 @@ log = logging.getLogger("hydra.pipeline")
 
 READY_POLL_S = 2.0
 REPLAY_CHUNK = 256  # tokens per replay forward, like the runtime's prefill budget
+PENDING_BATCHES_MAX = 64  # batches of device-resident tokens recorded before one bulk copy back
 
 
 def parse_split(text: str | None, n_layers: int, n_stages: int) -> list[tuple[int, int]]:
@@ -90,6 +91,7 @@ class Pipeline:
         self.last_resplit: dict | None = None
         self._lock = threading.RLock()  # one forward, re-split or re-attach at a time
         self._history: torch.Tensor | None = None  # [slots, ctx] token ids run so far
+        self._pending: list[tuple] = []  # (tokens, slots, positions) not yet in _history
         self._lengths: dict[int, int] = {}
         self._stale: int | None = None  # index of the last stage that lost KV: rebuild before the next forward
         self._watch: threading.Thread | None = None
@@ -154,9 +156,25 @@ class Pipeline:
     # --- slot history and KV rebuild ------------------------------------------------------------
 
     def _record(self, tokens, slots, positions) -> None:
+        """Remember the batch's tokens for a later KV rebuild. Tokens still on the device (a caller
+        that keeps sampling there) are copied back in bulk later: reading them now would make the
+        head wait for the whole step mid-pipeline."""
         if tokens.numel() == 0:
             return
         s, p = slots.cpu(), positions.cpu()
+        self._pending.append((tokens, s, p))
+        if tokens.device.type == "cpu" or len(self._pending) >= PENDING_BATCHES_MAX:
+            self._flush_history()
+        # A slot's run is contiguous with increasing positions: its last position ends its history.
+        for slot, pos in zip(s.tolist(), p.tolist()):
+            self._lengths[slot] = pos + 1
+
+    def _flush_history(self) -> None:
+        if not self._pending:
+            return
+        tokens, s, p = (torch.cat(parts) for parts in zip(*self._pending))
+        self._pending.clear()
+        tokens = tokens.cpu()
         need_slots, need_ctx = int(s.max()) + 1, int(p.max()) + 1
         hist = self._history
         if hist is None or hist.shape[0] < need_slots or hist.shape[1] < need_ctx:
@@ -165,15 +183,13 @@ class Pipeline:
             if hist is not None:
                 grown[: hist.shape[0], : hist.shape[1]] = hist
             self._history = hist = grown
-        hist[s, p] = tokens.cpu()
-        # A slot's run is contiguous with increasing positions: its last position ends its history.
-        for slot, pos in zip(s.tolist(), p.tolist()):
-            self._lengths[slot] = pos + 1
+        hist[s, p] = tokens
 
     def _rebuild(self, through: int) -> int:
         """Replay the active slots' tokens through stages 0..`through` (rewrites their KV; the
         stages after `through` kept theirs)."""
         active = self.active_slots() if self.active_slots is not None else set(self._lengths)
+        self._flush_history()
         n_tokens = 0
         for slot in sorted(active):
             n = self._lengths.get(slot, 0)
@@ -299,6 +315,7 @@ def build_pipeline(args, g, cfg, *, n_slots: int, n_ctx: int) -> Pipeline:
     runs every layer here when they fit."""
     from .device import resolve_device, resolve_dtype
     from .rpc.client import RemoteStage
+    from .rpc.cuda_ipc import cuda_ipc_enabled
     from .rpc.wire import spin_seconds
 
     peers = list(getattr(args, "peer", None) or [])
@@ -309,7 +326,7 @@ def build_pipeline(args, g, cfg, *, n_slots: int, n_ctx: int) -> Pipeline:
     remotes = [
         RemoteStage(addr, r, g=g, dtype=dtype, n_slots=n_slots, n_ctx=n_ctx,
                     auth_token=getattr(args, "auth_token", None), max_frame=getattr(args, "max_frame", 1 << 30),
-                    spin_s=spin_seconds(device))  # fmt: skip
+                    spin_s=spin_seconds(device), head_device=device if cuda_ipc_enabled() else None)  # fmt: skip
         for addr, r in zip(peers, ranges[1:])
     ]
     # Wait before loading our own range: with --fallback-solo it depends on the outcome.

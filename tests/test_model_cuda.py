@@ -64,37 +64,107 @@ def test_graph_replay_equals_eager_on_cuda(tiny_model):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
 
 
-def test_split_across_two_cuda_processes_equals_solo(tiny_model, tmp_path):
-    """Head here on the GPU, a `hydra-engine peer --device cuda` process with the second half:
-    prefill and graph-replayed decode logits equal the solo stage's bit for bit (the residual
-    stream crosses the wire as raw float32)."""
-    import types
-
+@pytest.fixture
+def cuda_peer(tiny_model, tmp_path):
+    """A `hydra-engine peer --device cuda` process on this GPU and the model it serves."""
     from rpc_workers import Worker, free_ports
 
-    from hydra_console.engine.pipeline import Pipeline, build_pipeline
-
     path = tiny_model("llama", n_layers=4)
-    g = GGUFFile(path)
-    cfg = ModelConfig.from_gguf(g)
     port, rpc = free_ports(2)
     peer = Worker("peer", ["--model", str(path), "--device", "cuda"], tmp_path, port, rpc)
     try:
         peer.wait_ready()
-        args = types.SimpleNamespace(peer=[peer.rpc_addr], split="2/2", device="cuda", dtype="bfloat16", peer_wait=30.0,
-                                     fallback_solo=False, auth_token=None, max_frame=1 << 30)  # fmt: skip
-        split = build_pipeline(args, g, cfg, n_slots=2, n_ctx=64)
-        solo = Pipeline(Stage(cfg, g, device="cuda", dtype="bfloat16", n_slots=2, n_ctx=64))
-        n = len(PROMPT)
-        outs = []
-        for pipe in (solo, split):
-            logits = [pipe.forward(torch.tensor(PROMPT), torch.zeros(n, dtype=torch.long), torch.arange(n), torch.tensor([n - 1]))]
-            for i in range(6):
-                tok = logits[-1].argmax(-1)
-                logits.append(pipe.forward(tok, torch.tensor([0]), torch.tensor([n + i]), torch.tensor([0])))
-            outs.append(torch.stack([x.cpu() for x in logits]))
-        split.stop()
-        assert torch.equal(outs[0], outs[1])
-        assert split.head.graphs.graphs and split.remotes[0].device.startswith("cuda")
+        yield peer, path
     finally:
         peer.stop()
+
+
+def split_pipeline(peer, path):
+    import types
+
+    from hydra_console.engine.pipeline import build_pipeline
+
+    g = GGUFFile(path)
+    args = types.SimpleNamespace(peer=[peer.rpc_addr], split="2/2", device="cuda", dtype="bfloat16", peer_wait=30.0,
+                                 fallback_solo=False, auth_token=None, max_frame=1 << 30)  # fmt: skip
+    return build_pipeline(args, g, ModelConfig.from_gguf(g), n_slots=2, n_ctx=64)
+
+
+def greedy_logits(pipe, steps: int = 6) -> torch.Tensor:
+    """Prefill PROMPT in slot 0, then `steps` graph-replayed decode steps fed from the device."""
+    n = len(PROMPT)
+    logits = [pipe.forward(torch.tensor(PROMPT), torch.zeros(n, dtype=torch.long), torch.arange(n), torch.tensor([n - 1]))]
+    for i in range(steps):
+        tok = logits[-1].argmax(-1)
+        logits.append(pipe.forward(tok, torch.tensor([0]), torch.tensor([n + i]), torch.tensor([0])))
+    return torch.stack([x.cpu() for x in logits])
+
+
+@pytest.mark.parametrize("transport, rows", [("socket", None), ("cuda-ipc", None), ("cuda-ipc", 4)])
+def test_split_across_two_cuda_processes_equals_solo(cuda_peer, monkeypatch, transport, rows):
+    """Head here on the GPU, the second half in a peer process on the same GPU: prefill and
+    graph-replayed decode logits equal the solo stage's bit for bit, whether the residual stream
+    crosses as raw float32 in the frames (HYDRA_CUDA_IPC=0) or stays on the GPU (CUDA IPC; with
+    4-row buffers the 16-token prefill takes the frames and the decode steps the channel)."""
+    from hydra_console.engine.pipeline import Pipeline
+    from hydra_console.engine.rpc import client
+
+    peer, path = cuda_peer
+    monkeypatch.setenv("HYDRA_CUDA_IPC", "0" if transport == "socket" else "1")
+    if rows:
+        monkeypatch.setattr(client, "IPC_TOKENS", rows)
+    split = split_pipeline(peer, path)
+    g = GGUFFile(path)
+    solo = Pipeline(Stage(ModelConfig.from_gguf(g), g, device="cuda", dtype="bfloat16", n_slots=2, n_ctx=64))
+    try:
+        remote = split.remotes[0]
+        assert remote.transport == transport and remote.status()["transport"] == transport
+        sent_before = remote.bytes_sent
+        assert torch.equal(greedy_logits(solo), greedy_logits(split))
+        hidden_bytes = 4 * ModelConfig.from_gguf(g).n_embd
+        decode_sent = remote.bytes_sent - sent_before
+        # The six decode steps' frames carry the hidden state only on the socket path.
+        assert (decode_sent > 6 * hidden_bytes) == (transport == "socket")
+        assert split.head.graphs.graphs and remote.device.startswith("cuda")
+    finally:
+        split.stop()
+
+
+def test_cuda_ipc_peer_killed_mid_decode_fails_fast_and_recovers(cuda_peer):
+    """kill -9 of a peer that shares the GPU through CUDA IPC: the next step fails within 2 s
+    (PeerUnavailable), the head's GPU stream is not left waiting on the dead peer's event, and
+    a restarted peer is re-attached with a fresh channel that gives the solo logits again."""
+    import threading
+    import time
+
+    from hydra_console.engine.pipeline import Pipeline
+    from hydra_console.engine.rpc.client import PeerUnavailable
+
+    peer, path = cuda_peer
+    split = split_pipeline(peer, path)
+    g = GGUFFile(path)
+    solo = Pipeline(Stage(ModelConfig.from_gguf(g), g, device="cuda", dtype="bfloat16", n_slots=2, n_ctx=64))
+    try:
+        remote = split.remotes[0]
+        assert remote.transport == "cuda-ipc"
+        greedy_logits(split, steps=3)
+        peer.kill9()
+        t0 = time.monotonic()
+        with pytest.raises(PeerUnavailable):
+            for _ in range(100):
+                greedy_logits(split, steps=3)
+        assert time.monotonic() - t0 < 2.0
+        synced = threading.Event()
+        threading.Thread(target=lambda: (torch.cuda.synchronize(), synced.set()), daemon=True).start()
+        assert synced.wait(10), "the head's GPU work hangs after the peer died"
+        peer.start()
+        peer.wait_ready()
+        deadline = time.monotonic() + 30
+        while remote.state != "up" and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert remote.state == "up" and remote.transport == "cuda-ipc"
+        for slot in range(2):
+            split.clear_slot(slot)
+        assert torch.equal(greedy_logits(solo), greedy_logits(split))
+    finally:
+        split.stop()

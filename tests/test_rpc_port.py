@@ -12,8 +12,10 @@ import httpx
 import pytest
 from rpc_workers import head, peer
 
+from hydra_console.engine.gguf_file import GGUFFile
 from hydra_console.engine.rpc import auth, wire
-from hydra_console.engine.rpc.compute import HELLO, VERSION, Cmd, pack_hello
+from hydra_console.engine.rpc.compute import CAP_FORWARD, CAP_IPC, FORWARD_HEADER, HELLO, VERSION, Cmd, pack_hello
+from hydra_console.engine.rpc.resident import tensor_shapes
 from hydra_console.engine.rpc.wire import Op, SocketReader, Status
 
 MAX_FRAME = 65536
@@ -185,6 +187,25 @@ def test_peer_mode_has_no_peek_and_no_pool(workers):
     finally:
         for s in many:
             s.close()
+
+
+def test_cuda_ipc_commands_refused_cleanly_by_a_cpu_peer(workers, tiny_model):
+    """IPC_OPEN on a CPU peer is refused with the reason (the head then sends hidden states in the
+    frames); FORWARD_IPC without a channel is refused; the connection serves on after both."""
+    with connect(workers["peer"]) as s:
+        caps = HELLO.unpack_from(compute(s, Cmd.HELLO, pack_hello()))[4]
+        assert not caps & CAP_IPC and caps & CAP_FORWARD
+        reply = compute(s, Cmd.IPC_OPEN, json.dumps({"uuid": "GPU-x", "rows": 8}).encode())
+        assert reply[0] == 1 and b"computes on cpu: no CUDA IPC" in reply
+        header = FORWARD_HEADER.pack(0, 1, 64, 0) + struct.pack("<ii", 0, 0)
+        reply = compute(s, Cmd.FORWARD_IPC, header)
+        assert reply[0] == 1 and b"CHECK" in reply
+        g = GGUFFile(tiny_model("gemma3", n_layers=3))
+        check = {"fingerprint": g.fingerprint, "shapes": tensor_shapes(g)}
+        assert compute(s, Cmd.CHECK, json.dumps(check).encode())[0] == 0
+        reply = compute(s, Cmd.FORWARD_IPC, header)
+        assert reply[0] == 1 and b"needs an open CUDA IPC channel" in reply
+        assert compute(s, Cmd.PING, b"still here") == b"\x00still here"
 
 
 def control_raw_reply(sock, frame: bytes) -> bytes:

@@ -2,7 +2,8 @@
 
 It has the shape of `model.Stage` that the pipeline chains (`run_layers(h, slots, positions)`,
 `kv_clear(slot)`, `assign(a, b)`, `layer_range`, `device`, `state`). One FORWARD frame per step carries the whole
-batch as raw bytes in the compute dtype. A peer that dies mid-request fails that request within
+batch as raw bytes in the compute dtype; with a peer on the head's own GPU, the hidden states
+stay on the GPU instead (CUDA IPC, see cuda_ipc.py) and the frame carries only slots and positions. A peer that dies mid-request fails that request within
 ~2 s with `PeerUnavailable` (HTTP 503), never a hang; `attach()` re-validates and re-assigns
 when it comes back.
 """
@@ -22,6 +23,7 @@ from ..errors import UserError
 from . import auth
 from .compute import (
     CAP_AUTH,
+    CAP_IPC,
     FORWARD_REPLY,
     HELLO,
     KV_CLEAR,
@@ -32,6 +34,7 @@ from .compute import (
     pack_forward,
     pack_hello,
 )
+from .cuda_ipc import IPC_TOKENS, IpcChannel, gpu_uuid
 from .listener import tune_socket
 from .resident import tensor_shapes
 from .wire import (
@@ -93,6 +96,7 @@ class RemoteStage:
         auth_token: str | None = None,
         max_frame: int = 1 << 30,
         spin_s: float = 0.0,
+        head_device: torch.device | None = None,
     ):
         self.addr = addr
         self.host, self.port = parse_addr(addr)
@@ -113,6 +117,9 @@ class RemoteStage:
         self._reader: SocketReader | None = None
         self._lock = threading.Lock()  # one exchange on the socket at a time
         self._spin_s = spin_s  # busy-wait budget for each FORWARD reply (wire.spin_seconds)
+        self._head_device = head_device  # a CUDA device: try CUDA IPC with a peer on the same GPU
+        self._caps = 0
+        self._ipc: IpcChannel | None = None
 
     # --- connection -------------------------------------------------------------------------------
 
@@ -125,6 +132,7 @@ class RemoteStage:
                 self._connect()
                 self._request_json(Cmd.CHECK, {"fingerprint": self.g.fingerprint, "shapes": tensor_shapes(self.g)})
                 self._load(self.layer_range)
+                self._open_ipc()
             except PeerMismatch as e:
                 self._down(str(e))
                 raise
@@ -144,6 +152,7 @@ class RemoteStage:
         if len(reply) < HELLO.size:
             raise PeerMismatch(f"peer {self.addr} answered HELLO with {len(reply)} bytes: not a Hydra worker")
         major, minor, patch, _, caps = HELLO.unpack_from(reply)
+        self._caps = caps
         if (major, minor) != VERSION[:2]:
             detail = bytes(reply[HELLO.size :]).decode("utf-8", "replace")
             raise PeerMismatch(f"peer {self.addr} speaks compute protocol {major}.{minor}.{patch}, we {VERSION}: {detail}")
@@ -165,6 +174,26 @@ class RemoteStage:
         self.layer_range = tuple(layers)
         self.device = reply.get("device", "remote")
 
+    def _open_ipc(self) -> None:
+        """Map the peer's CUDA IPC channel when it computes on our GPU; otherwise (another GPU or
+        host, a CPU peer, a driver that refuses the mapping) the hidden states go in the frames."""
+        dev = self._head_device
+        if dev is None or dev.type != "cuda" or not self._caps & CAP_IPC:
+            return
+        request = {"uuid": gpu_uuid(dev), "rows": IPC_TOKENS, "dtype": "float32"}
+        status, body = self._status(self._exchange(Cmd.IPC_OPEN, json.dumps(request).encode()))
+        if status != OK:
+            log.info("peer %s: hidden states go over the socket (%s)", self.addr, body.decode("utf-8", "replace"))
+            return
+        try:
+            self._ipc = IpcChannel.open(json.loads(body), torch.float32, dev)
+        except (RuntimeError, KeyError, ValueError) as e:
+            log.warning("peer %s shares our GPU but its CUDA IPC channel could not be mapped (%s): using the socket", self.addr, e)
+
+    @property
+    def transport(self) -> str:
+        return "cuda-ipc" if self._ipc is not None else "socket"
+
     def assign(self, a: int, b: int) -> None:
         """Live re-split: the peer re-materialises [a,b) from its own file (its KV starts empty)."""
         with self._lock:
@@ -182,6 +211,7 @@ class RemoteStage:
             self.state = "down"
 
     def _close(self) -> None:
+        self._ipc = None
         if self._sock is not None:
             try:
                 self._sock.close()
@@ -202,28 +232,25 @@ class RemoteStage:
     # --- the stage interface ----------------------------------------------------------------------
 
     def run_layers(self, h: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        device = h.device
-        hidden = to_host(h)  # the residual stream's own dtype: bit-exact across the wire
         with self._lock:
             if self.state != "up":
                 raise PeerUnavailable(f"peer {self.addr} is down ({self.error}); retry when it is back")
+            ipc = self._ipc
+            via_ipc = ipc is not None and h.device == ipc.inbox.device and h.dtype == ipc.inbox.dtype and h.shape[0] <= ipc.rows
             t0 = time.perf_counter()
             try:
-                self._send(Cmd.FORWARD, pack_forward(self.epoch, hidden, slots.cpu(), positions.cpu()))
-                spin_until_readable(self._sock, self._spin_s)
-                size = read_compute_response_size(self._reader, self.max_frame)
-                head = self._reader.read_exact(min(size, FORWARD_REPLY.size))
-                if not head or head[0] != OK or size < FORWARD_REPLY.size:
-                    body = bytes(head[1:]) + bytes(self._reader.read_exact(size - len(head)))
-                    if head and head[0] == STALE_EPOCH:
-                        raise StaleEpoch(f"peer {self.addr}: {body.decode('utf-8', 'replace')}")
-                    raise PeerError(f"peer {self.addr} could not run the batch: {body.decode('utf-8', 'replace')}")
-                _, compute_us = FORWARD_REPLY.unpack(head)
-                want = hidden.numel() * hidden.element_size()
-                if size - FORWARD_REPLY.size != want:
-                    raise FrameError(f"FORWARD reply of {size} bytes, expected {FORWARD_REPLY.size + want}")
-                out = host_buffer(hidden.shape, hidden.dtype, device)
-                self._reader.read_into(memoryview(out.view(-1).view(torch.uint8).numpy()))
+                if via_ipc:
+                    ipc.send(h)
+                    self._send(Cmd.FORWARD_IPC, pack_forward(self.epoch, h, slots.cpu(), positions.cpu(), with_hidden=False))
+                    compute_us = self._forward_reply(0)
+                    out = ipc.receive(h.shape[0])
+                else:
+                    hidden = to_host(h)  # the residual stream's own dtype: bit-exact across the wire
+                    self._send(Cmd.FORWARD, pack_forward(self.epoch, hidden, slots.cpu(), positions.cpu()))
+                    compute_us = self._forward_reply(hidden.numel() * hidden.element_size())
+                    out = host_buffer(hidden.shape, hidden.dtype, h.device)
+                    self._reader.read_into(memoryview(out.view(-1).view(torch.uint8).numpy()))
+                    out = out.to(h.device, h.dtype, non_blocking=True)  # from page-locked memory: the device orders it
             except (OSError, FrameError, PeerUnavailable) as e:
                 self._down(f"{type(e).__name__}: {e}")
                 raise PeerUnavailable(f"peer {self.addr} failed mid-request: {e}") from None
@@ -231,7 +258,22 @@ class RemoteStage:
                 self._account()
             self.compute_ms = compute_us / 1e3
             self.rtt_ms = max((time.perf_counter() - t0) * 1e3 - self.compute_ms, 0.0)
-        return out.to(device, h.dtype, non_blocking=True)  # from page-locked memory: the device orders it
+        return out
+
+    def _forward_reply(self, hidden_bytes: int) -> int:
+        """Reads a FORWARD reply up to its hidden states (`hidden_bytes` of them must follow);
+        returns the peer's compute µs. A refusal raises StaleEpoch or PeerError."""
+        spin_until_readable(self._sock, self._spin_s)
+        size = read_compute_response_size(self._reader, self.max_frame)
+        head = self._reader.read_exact(min(size, FORWARD_REPLY.size))
+        if not head or head[0] != OK or size < FORWARD_REPLY.size:
+            body = bytes(head[1:]) + bytes(self._reader.read_exact(size - len(head)))
+            if head and head[0] == STALE_EPOCH:
+                raise StaleEpoch(f"peer {self.addr}: {body.decode('utf-8', 'replace')}")
+            raise PeerError(f"peer {self.addr} could not run the batch: {body.decode('utf-8', 'replace')}")
+        if size - FORWARD_REPLY.size != hidden_bytes:
+            raise FrameError(f"FORWARD reply of {size} bytes, expected {FORWARD_REPLY.size + hidden_bytes}")
+        return FORWARD_REPLY.unpack(head)[1]
 
     def kv_clear(self, slot: int) -> None:
         with self._lock:
@@ -264,6 +306,7 @@ class RemoteStage:
             "bytes_sent": self.bytes_sent,
             "bytes_recv": self.bytes_recv,
             "epoch": self.epoch,
+            "transport": self.transport,
             "attaches": self.attaches,
             "error": self.error,
         }

@@ -9,6 +9,8 @@ Our commands use ids >= 32; each response payload starts with a status byte (0 O
 FORWARD carries a whole batch in one frame: `<QIIB3x` (epoch, n_tokens, n_embd, dtype code),
 int32 slots[T], int32 positions[T], then the hidden states as raw bytes in the compute dtype
 (bit-exact, no JSON on the hot path). The reply is `<B3xI` (status, peer compute µs) + hidden.
+A head on the peer's own GPU may open a CUDA IPC channel (IPC_OPEN, see cuda_ipc.py); its
+FORWARD_IPC frames are FORWARD without the hidden bytes, and so are their replies.
 """
 
 from __future__ import annotations
@@ -22,8 +24,9 @@ import time
 import numpy as np
 import torch
 
-from ..device import host_buffer
+from ..device import host_buffer, to_host
 from . import auth
+from .cuda_ipc import IpcChannel
 from .resident import CODE_DTYPES, DTYPE_CODES, ComputeError, StaleEpoch
 from .wire import (
     COMPUTE_HEADER,
@@ -40,7 +43,7 @@ from .wire import (
 log = logging.getLogger("hydra.rpc.compute")
 
 VERSION = (72, 1, 0)  # major 72 ("H") never matches an upstream ggml-rpc major (1..3)
-CAP_AUTH, CAP_FORWARD, CAP_RESOLVE = 1, 2, 4
+CAP_AUTH, CAP_FORWARD, CAP_RESOLVE, CAP_IPC = 1, 2, 4, 8
 
 
 class Cmd:
@@ -54,6 +57,8 @@ class Cmd:
     PING = 38
     CHECK = 39
     AUTH = 40
+    IPC_OPEN = 41
+    FORWARD_IPC = 42
 
 
 OK, ERROR, STALE_EPOCH = 0, 1, 2
@@ -69,23 +74,22 @@ def pack_hello(caps: int = 0, version=VERSION) -> bytes:
     return HELLO.pack(*version, 0, caps)
 
 
-def pack_forward(epoch: int, hidden: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor) -> list:
-    """FORWARD payload as buffers (header, slots, positions, hidden) for a zero-copy sendmsg."""
+def pack_forward(epoch: int, hidden: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor, *, with_hidden: bool = True) -> list:
+    """FORWARD payload as buffers (header, slots, positions, hidden) for a zero-copy sendmsg;
+    without the hidden bytes for FORWARD_IPC (`hidden` then only gives shape and dtype)."""
     t, d = hidden.shape
     header = FORWARD_HEADER.pack(epoch, t, d, DTYPE_CODES[hidden.dtype])
-    return [
-        header,
-        slots.to(torch.int32).contiguous().numpy(),
-        positions.to(torch.int32).contiguous().numpy(),
-        _raw(hidden),
-    ]
+    parts = [header, slots.to(torch.int32).contiguous().numpy(), positions.to(torch.int32).contiguous().numpy()]
+    return parts + [_raw(hidden)] if with_hidden else parts
 
 
 def _raw(t: torch.Tensor) -> np.ndarray:
     return t.detach().contiguous().view(-1).view(torch.uint8).numpy()
 
 
-def unpack_forward(payload) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]:
+def unpack_forward(payload, *, with_hidden: bool = True) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(epoch, hidden, slots, positions). Without the hidden bytes (FORWARD_IPC), `hidden` is a
+    meta tensor: the frame's shape and dtype, no data."""
     view = memoryview(payload)
     if len(view) < FORWARD_HEADER.size:
         raise ComputeError("FORWARD payload shorter than its header")
@@ -94,14 +98,18 @@ def unpack_forward(payload) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tens
     if dtype is None:
         raise ComputeError(f"FORWARD dtype code {code} unknown")
     elsize = torch.empty((), dtype=dtype).element_size()
-    want = FORWARD_HEADER.size + 8 * t + t * d * elsize
+    want = FORWARD_HEADER.size + 8 * t + (t * d * elsize if with_hidden else 0)
     if len(view) != want:
         raise ComputeError(f"FORWARD of {t}x{d} needs {want} bytes, frame has {len(view)}")
     o = FORWARD_HEADER.size
     slots = torch.frombuffer(view[o : o + 4 * t], dtype=torch.int32) if t else torch.zeros(0, dtype=torch.int32)
     positions = torch.frombuffer(view[o + 4 * t : o + 8 * t], dtype=torch.int32) if t else torch.zeros(0, dtype=torch.int32)
-    raw = view[o + 8 * t :]
-    hidden = torch.frombuffer(raw, dtype=dtype).view(t, d) if t * d else torch.zeros(t, d, dtype=dtype)
+    if not with_hidden:
+        hidden = torch.empty(t, d, dtype=dtype, device="meta")
+    elif t * d:
+        hidden = torch.frombuffer(view[o + 8 * t :], dtype=dtype).view(t, d)
+    else:
+        hidden = torch.zeros(t, d, dtype=dtype)
     return epoch, hidden, slots.long(), positions.long()
 
 
@@ -118,7 +126,8 @@ class ComputeServer:
 
     @property
     def caps(self) -> int:
-        return CAP_FORWARD | CAP_RESOLVE | (CAP_AUTH if self.auth_token else 0)
+        ipc = CAP_IPC if self.host.device.type == "cuda" else 0
+        return CAP_FORWARD | CAP_RESOLVE | ipc | (CAP_AUTH if self.auth_token else 0)
 
     def __call__(self, conn: socket.socket) -> None:
         reader = SocketReader(conn)
@@ -167,7 +176,7 @@ class ComputeServer:
             except Exception as e:  # a bug or a device error fails this command, not the worker
                 log.exception("compute command %d failed", cmd)
                 status, parts = ERROR, [f"{type(e).__name__}: {e}".encode()]
-            if status == OK and cmd == Cmd.FORWARD:
+            if status == OK and cmd in (Cmd.FORWARD, Cmd.FORWARD_IPC):
                 self._send(conn, *parts)  # the FORWARD reply carries its own status header
             else:
                 self._reply(conn, status, *parts)
@@ -184,14 +193,10 @@ class ComputeServer:
 
     def _command(self, cmd: int, payload, session: dict) -> list:
         """Run one command; returns the reply body as buffers."""
-        if cmd == Cmd.FORWARD:
+        if cmd in (Cmd.FORWARD, Cmd.FORWARD_IPC):
             if not session["checked"]:
                 raise ComputeError("CHECK (fingerprint and shapes) must pass before FORWARD")
-            epoch, hidden, slots, positions = unpack_forward(payload)
-            t0 = time.perf_counter()
-            out = self.host.forward(epoch, hidden, slots, positions)
-            compute_us = min(int((time.perf_counter() - t0) * 1e6), 0xFFFFFFFF)
-            return [FORWARD_REPLY.pack(OK, compute_us), _raw(out.to(hidden.dtype))]
+            return self._forward(cmd, payload, session.get("ipc"))
         if cmd == Cmd.CHECK:
             body = self.host.check(_json(payload))
             session["checked"] = True
@@ -212,9 +217,36 @@ class ComputeServer:
             body = {**self.host.stats(), "bytes_in": self.bytes_in + session["reader"].bytes_in, "bytes_out": self.bytes_out}
         elif cmd == Cmd.PING:
             return [bytes(payload[:64])]
+        elif cmd == Cmd.IPC_OPEN:
+            session["ipc"] = None  # a failed re-open leaves no channel half-set
+            session["ipc"], body = IpcChannel.create(self.host.device, _json(payload), self.host.cfg.n_embd)
         else:
             raise ComputeError(f"unknown command {cmd}")
         return [json.dumps(body, separators=(",", ":")).encode()]
+
+    def _forward(self, cmd: int, payload, ipc: IpcChannel | None) -> list:
+        """FORWARD: hidden states in the frame and back in the reply. FORWARD_IPC: they stay on
+        the GPU (the reply goes out as soon as the work is queued; `compute_us` is then the
+        time to queue it)."""
+        via_ipc = cmd == Cmd.FORWARD_IPC
+        epoch, hidden, slots, positions = unpack_forward(payload, with_hidden=not via_ipc)
+        if via_ipc:
+            if ipc is None:
+                raise ComputeError("FORWARD_IPC needs an open CUDA IPC channel (IPC_OPEN)")
+            t, d = hidden.shape
+            if t > ipc.rows or d != ipc.inbox.shape[1] or hidden.dtype != ipc.inbox.dtype:
+                raise ComputeError(f"FORWARD_IPC of {t}x{d} {hidden.dtype} does not fit the channel's "
+                                   f"{ipc.rows}x{ipc.inbox.shape[1]} {ipc.inbox.dtype}")  # fmt: skip
+            hidden = ipc.incoming(t)
+        t0 = time.perf_counter()
+        out = self.host.forward(epoch, hidden, slots, positions)
+        if via_ipc:
+            ipc.reply(out)
+            body = []
+        else:
+            body = [_raw(to_host(out).to(hidden.dtype))]
+        compute_us = min(int((time.perf_counter() - t0) * 1e6), 0xFFFFFFFF)
+        return [FORWARD_REPLY.pack(OK, compute_us), *body]
 
     def _hello(self, conn, payload: bytes) -> bool:
         if len(payload) < 3:

@@ -12,7 +12,6 @@ import time
 
 import torch
 
-from ..device import to_host
 from ..errors import UserError
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -131,6 +130,8 @@ class StageHost:
         return {"found": True, "epoch": self.epoch, "dtype": t.ggml_type.name, "shape": list(t.shape)}
 
     def forward(self, epoch: int, hidden: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The stage's output on its device (on CUDA possibly still being computed: `compute_s`
+        then counts the time to queue the work)."""
         with self.lock:
             if self.stage is None or not self.assignable:
                 raise ComputeError("no stage assigned here: send LOAD_STAGE first")
@@ -145,7 +146,6 @@ class StageHost:
                 out = self.stage.run_layers(hidden, slots, positions)
             except (UserError, ValueError) as e:  # a batch with slots or positions this stage cannot take
                 raise ComputeError(str(e)) from None
-            out = to_host(out)
             self.compute_s += time.perf_counter() - t0
             self.forwards += 1
             self.tokens += hidden.shape[0]

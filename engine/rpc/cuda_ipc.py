@@ -1,0 +1,130 @@
+"""Same-GPU hand-off of hidden states between a head and a peer process: CUDA IPC.
+
+When head and peer compute on the same physical GPU, the hidden states need not cross the host.
+The peer allocates two device buffers (inbox: head → peer, outbox: peer → head) and two
+interprocess events, and exports their handles over the compute connection (IPC_OPEN); the head
+maps them. A FORWARD_IPC frame then carries only epoch, slots and positions:
+
+    head:  copy h into inbox, record `ready`, send the frame        (no wait for its own layers)
+    peer:  its stream waits on `ready`, runs its layers, copies into outbox, records `done`, replies
+    head:  its stream waits on `done`, copies out of outbox          (no wait for the peer's layers)
+
+Neither host waits for the GPU inside a step, so the frame's round trip overlaps the GPU work
+instead of adding to it. Reuse is safe without locks: the head writes the inbox only after its
+stream waited for the previous `done` (the peer has read it), and the peer writes the outbox only
+after waiting for the next `ready`, which the head records after its stream consumed the outbox.
+
+The peer owns every resource, so a head that dies leaves the peer intact. The handles are torch's
+own IPC export (what `torch.multiprocessing` sends between processes); they are JSON-encoded here
+and never unpickled.
+"""
+
+from __future__ import annotations
+
+import base64
+import os
+
+import torch
+
+from .resident import DTYPES, ComputeError
+
+IPC_TOKENS = 1024  # rows per buffer; larger batches (long prefills) take the byte path
+IPC_ENV = "HYDRA_CUDA_IPC"
+
+
+def cuda_ipc_enabled() -> bool:
+    """On unless HYDRA_CUDA_IPC=0 (to compare with, or to rule out, the socket path)."""
+    return os.environ.get(IPC_ENV, "1") != "0"
+
+
+def gpu_uuid(device: torch.device) -> str:
+    """The physical GPU's identity, the same in every process whatever CUDA_VISIBLE_DEVICES says."""
+    return str(torch.cuda.get_device_properties(device).uuid)
+
+
+def _b64(data: bytes) -> str:
+    return base64.b64encode(data).decode()
+
+
+def _export_tensor(t: torch.Tensor) -> dict:
+    storage = t.untyped_storage()
+    (_, handle, size_bytes, offset_bytes, ref_handle, ref_offset, event_handle, event_sync) = storage._share_cuda_()
+    return {
+        "shape": list(t.shape), "handle": _b64(handle), "size_bytes": size_bytes, "offset_bytes": offset_bytes,
+        "ref_handle": _b64(ref_handle), "ref_offset": ref_offset,
+        "event_handle": _b64(event_handle) if event_handle else "", "event_sync": bool(event_sync),
+    }  # fmt: skip
+
+
+def _open_tensor(desc: dict, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+    shape = desc["shape"]
+    stride = [shape[1], 1]
+    return rebuild_cuda_tensor(
+        torch.Tensor, torch.Size(shape), stride, 0, torch.UntypedStorage, dtype, device.index or 0,
+        base64.b64decode(desc["handle"]), desc["size_bytes"], desc["offset_bytes"], False,
+        base64.b64decode(desc["ref_handle"]), desc["ref_offset"],
+        base64.b64decode(desc["event_handle"]) or None, desc["event_sync"],
+    )  # fmt: skip
+
+
+class IpcChannel:
+    """Two buffers of `rows` × `width` and the events that order their use (see module doc)."""
+
+    def __init__(self, inbox, outbox, ready, done):
+        self.inbox, self.outbox, self.ready, self.done = inbox, outbox, ready, done
+
+    @property
+    def rows(self) -> int:
+        return self.inbox.shape[0]
+
+    @classmethod
+    def create(cls, device: torch.device, request: dict, width: int) -> tuple[IpcChannel, dict]:
+        """Peer side: allocate and export. Refuses (ComputeError) unless this worker computes on
+        the very GPU the head names."""
+        if device.type != "cuda":
+            raise ComputeError(f"this peer computes on {device}: no CUDA IPC")
+        if request.get("uuid") != gpu_uuid(device):
+            raise ComputeError("head and peer are on different GPUs: no CUDA IPC")
+        try:
+            rows = int(request.get("rows", IPC_TOKENS))
+            dtype = DTYPES[request.get("dtype", "float32")]
+        except (KeyError, TypeError, ValueError) as e:
+            raise ComputeError(f"IPC_OPEN needs rows and dtype: {e!r}") from None
+        if not 0 < rows <= 1 << 16:
+            raise ComputeError(f"IPC_OPEN rows must be 1..65536, got {rows}")
+        inbox = torch.empty(rows, width, dtype=dtype, device=device)
+        outbox = torch.empty(rows, width, dtype=dtype, device=device)
+        ready, done = (torch.cuda.Event(interprocess=True) for _ in range(2))
+        desc = {
+            "inbox": _export_tensor(inbox), "outbox": _export_tensor(outbox),
+            "ready": _b64(ready.ipc_handle()), "done": _b64(done.ipc_handle()),
+        }  # fmt: skip
+        return cls(inbox, outbox, ready, done), desc
+
+    @classmethod
+    def open(cls, desc: dict, dtype: torch.dtype, device: torch.device) -> IpcChannel:
+        """Head side: map what the peer exported."""
+        ready, done = (torch.cuda.Event.from_ipc_handle(device, base64.b64decode(desc[k])) for k in ("ready", "done"))
+        return cls(_open_tensor(desc["inbox"], dtype, device), _open_tensor(desc["outbox"], dtype, device), ready, done)
+
+    # head side
+    def send(self, h: torch.Tensor) -> None:
+        stream = torch.cuda.current_stream(h.device)
+        self.inbox[: h.shape[0]].copy_(h)
+        self.ready.record(stream)
+
+    def receive(self, n: int) -> torch.Tensor:
+        stream = torch.cuda.current_stream(self.outbox.device)
+        stream.wait_event(self.done)
+        return self.outbox[:n].clone()
+
+    # peer side
+    def incoming(self, n: int) -> torch.Tensor:
+        torch.cuda.current_stream(self.inbox.device).wait_event(self.ready)
+        return self.inbox[:n]
+
+    def reply(self, out: torch.Tensor) -> None:
+        self.outbox[: out.shape[0]].copy_(out)
+        self.done.record(torch.cuda.current_stream(self.outbox.device))
