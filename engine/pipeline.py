@@ -162,19 +162,24 @@ class Pipeline:
         if tokens.numel() == 0:
             return
         s, p = slots.cpu(), positions.cpu()
-        self._pending.append((tokens, s, p))
-        if tokens.device.type == "cpu" or len(self._pending) >= PENDING_BATCHES_MAX:
+        if tokens.device.type == "cpu":
             self._flush_history()
+            self._write_history(tokens, s, p)
+        else:
+            self._pending.append((tokens, s, p))
+            if len(self._pending) >= PENDING_BATCHES_MAX:
+                self._flush_history()
         # A slot's run is contiguous with increasing positions: its last position ends its history.
         for slot, pos in zip(s.tolist(), p.tolist()):
             self._lengths[slot] = pos + 1
 
     def _flush_history(self) -> None:
-        if not self._pending:
-            return
-        tokens, s, p = (torch.cat(parts) for parts in zip(*self._pending))
-        self._pending.clear()
-        tokens = tokens.cpu()
+        if self._pending:
+            tokens, s, p = (torch.cat(parts) for parts in zip(*self._pending))
+            self._pending.clear()
+            self._write_history(tokens.cpu(), s, p)
+
+    def _write_history(self, tokens, s, p) -> None:
         need_slots, need_ctx = int(s.max()) + 1, int(p.max()) + 1
         hist = self._history
         if hist is None or hist.shape[0] < need_slots or hist.shape[1] < need_ctx:

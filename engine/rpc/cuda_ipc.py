@@ -62,7 +62,7 @@ def _open_tensor(desc: dict, dtype: torch.dtype, device: torch.device) -> torch.
     shape = desc["shape"]
     stride = [shape[1], 1]
     return rebuild_cuda_tensor(
-        torch.Tensor, torch.Size(shape), stride, 0, torch.UntypedStorage, dtype, device.index or 0,
+        torch.Tensor, torch.Size(shape), stride, 0, torch.UntypedStorage, dtype, device.index,
         base64.b64decode(desc["handle"]), desc["size_bytes"], desc["offset_bytes"], False,
         base64.b64decode(desc["ref_handle"]), desc["ref_offset"],
         base64.b64decode(desc["event_handle"]) or None, desc["event_sync"],
@@ -106,6 +106,8 @@ class IpcChannel:
     @classmethod
     def open(cls, desc: dict, dtype: torch.dtype, device: torch.device) -> IpcChannel:
         """Head side: map what the peer exported."""
+        if device.index is None:  # an event opened for device index -1 cannot be recorded
+            device = torch.device("cuda", torch.cuda.current_device())
         ready, done = (torch.cuda.Event.from_ipc_handle(device, base64.b64decode(desc[k])) for k in ("ready", "done"))
         return cls(_open_tensor(desc["inbox"], dtype, device), _open_tensor(desc["outbox"], dtype, device), ready, done)
 
