@@ -231,7 +231,8 @@ def pool_text(status: dict | None) -> str:
 
 
 def peer_lines(status: dict | None, alerts: Alerts) -> list[tuple[str, str]]:
-    """("127.0.0.1:8091 ● up 0.3 ms [9,18)", tone) per peer the head drives."""
+    """("127.0.0.1:8091 ● up 0.3 ms [9,18)", tone) per peer the head drives; "· cuda-ipc" when the
+    hidden states stay on a GPU the head and peer share."""
     out = []
     for p in (status or {}).get("peers") or []:
         state = p.get("state", "?")
@@ -240,7 +241,8 @@ def peer_lines(status: dict | None, alerts: Alerts) -> list[tuple[str, str]]:
         rtt_s = "—" if rtt is None else f"{rtt:.1f} ms"
         if tone == "ok" and rtt is not None and rtt >= alerts.rtt_ms:
             tone, rtt_s = "warn", f"{rtt_s} ⚠"
-        out.append((f"{p.get('addr', '?')} {symbol} {state} rtt {rtt_s} {fmt_layers(p.get('layers'))}", tone))
+        ipc = " · cuda-ipc" if p.get("transport") == "cuda-ipc" else ""
+        out.append((f"{p.get('addr', '?')} {symbol} {state} rtt {rtt_s} {fmt_layers(p.get('layers'))}{ipc}", tone))
     return out
 
 

@@ -62,7 +62,8 @@ def spawn(role: str, model: Path, log: Path, *extra: str) -> tuple[subprocess.Po
 
 OPS = [Op.STATE_GET, Op.STATE_PUT, Op.STATE_META, Op.CONFIGURE, Op.INFO, Op.PREFILL, Op.DECODE,
        Op.SET_EXPERT_MODE, Op.SWAP_QUANT, Op.PIPELINE_ATTACH, Op.AUTH]  # fmt: skip
-CMDS = [Cmd.LOAD_STAGE, Cmd.RESOLVE, Cmd.FORWARD, Cmd.KV_TRIM, Cmd.KV_CLEAR, Cmd.STATS, Cmd.PING, Cmd.CHECK, Cmd.AUTH]
+CMDS = [Cmd.LOAD_STAGE, Cmd.RESOLVE, Cmd.FORWARD, Cmd.KV_TRIM, Cmd.KV_CLEAR, Cmd.STATS, Cmd.PING, Cmd.CHECK, Cmd.AUTH,
+        Cmd.IPC_OPEN, Cmd.FORWARD_IPC]  # fmt: skip
 
 
 def junk(rng: random.Random, n: int | None = None) -> bytes:
@@ -111,8 +112,9 @@ def control_frame(rng: random.Random) -> tuple[bytes, bool]:
     return frame[: rng.randrange(len(frame))], False
 
 
-def forward_payload(rng: random.Random) -> bytes:
-    """Mostly well-formed batches (epoch 1, float32, width 64) with random slots, positions, values."""
+def forward_payload(rng: random.Random, with_hidden: bool = True) -> bytes:
+    """Mostly well-formed batches (epoch 1, float32, width 64) with random slots, positions, values
+    (FORWARD_IPC: no values)."""
     t = rng.randrange(0, 4)
     d = 64 if rng.random() < 0.7 else rng.choice([0, 1, 65])
     code = 0 if rng.random() < 0.7 else rng.randrange(4)
@@ -120,14 +122,17 @@ def forward_payload(rng: random.Random) -> bytes:
     n_tokens = t if rng.random() < 0.9 else rng.randrange(1 << 32)
     body = FORWARD_HEADER.pack(epoch, n_tokens, d, code)
     index = struct.pack(f"<{2 * t}i", *(rng.randrange(-1, 4) for _ in range(t)), *(rng.randrange(-1, 20) for _ in range(t)))
-    return body + (index + junk(rng, 4 * t * d) if rng.random() < 0.8 else junk(rng, rng.randrange(0, 600)))
+    values = junk(rng, 4 * t * d) if with_hidden else b""
+    return body + (index + values if rng.random() < 0.8 else junk(rng, rng.randrange(0, 600)))
 
 
 def compute_frame(rng: random.Random) -> tuple[bytes, bool]:
     kind = rng.random()
     cmd = rng.choice(CMDS) if rng.random() < 0.85 else rng.randrange(256)
-    if cmd == Cmd.FORWARD:
-        payload = forward_payload(rng)
+    if cmd in (Cmd.FORWARD, Cmd.FORWARD_IPC):
+        payload = forward_payload(rng, with_hidden=cmd == Cmd.FORWARD)
+    elif cmd == Cmd.IPC_OPEN:
+        payload = json.dumps({"uuid": rng.choice(["GPU-0", "", None]), "rows": rng.randrange(-2, 1 << 17)}).encode()
     elif cmd in (Cmd.CHECK, Cmd.LOAD_STAGE):
         payload = json_payload(rng)
     elif cmd == Cmd.RESOLVE:

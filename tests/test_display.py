@@ -158,6 +158,8 @@ async def test_rows_and_panels_from_a_status_document():
     assert display.acceptance_text(STATUS) == "spec ngram: accept 90% · mean len 2.70 · drafts 12"
     assert display.pool_text(STATUS) == "pool 1/2 busy · queued 3 · dropped 4"
     assert display.peer_lines(STATUS, Alerts()) == [("127.0.0.1:8091 ● up rtt 80.0 ms ⚠ [9,18)", "warn")]
+    same_gpu = {"peers": [{**STATUS["peers"][0], "rtt_ms": 0.1, "transport": "cuda-ipc"}]}
+    assert display.peer_lines(same_gpu, Alerts()) == [("127.0.0.1:8091 ● up rtt 0.1 ms [9,18) · cuda-ipc", "ok")]
     assert display.acceptance_text({}) == "spec off" and display.pool_text(None) == "pool —"
     snap = json.loads(display.snapshot_json(sup))
     assert [(w["name"], w["state"], w["reachable"], w["layers"]) for w in snap["workers"]] == [

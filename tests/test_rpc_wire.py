@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hydra_console.engine.rpc import wire
-from hydra_console.engine.rpc.compute import ComputeError, pack_forward, unpack_forward
+from hydra_console.engine.rpc.compute import FORWARD_HEADER, ComputeError, pack_forward, unpack_forward
 from hydra_console.engine.rpc.wire import BufferReader, FrameError
 
 MAX = 1 << 16
@@ -94,14 +94,15 @@ def test_fuzz_control_parser(data):
 
 
 @settings(max_examples=200)
-@given(data=st.binary(max_size=96))
-def test_fuzz_forward_payload(data):
-    """FORWARD's own payload check: any bytes parse consistently or raise ComputeError."""
+@given(data=st.binary(max_size=96), with_hidden=st.booleans())
+def test_fuzz_forward_payload(data, with_hidden):
+    """FORWARD's and FORWARD_IPC's payload check: any bytes parse consistently or raise ComputeError."""
     try:
-        epoch, hidden, slots, positions = unpack_forward(bytearray(data))
+        epoch, hidden, slots, positions = unpack_forward(bytearray(data), with_hidden=with_hidden)
     except ComputeError:
         return
     assert hidden.shape[0] == slots.shape[0] == positions.shape[0]
+    assert hidden.is_meta != with_hidden
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
@@ -112,6 +113,13 @@ def test_forward_payload_is_bit_exact(dtype):
     epoch, h2, s2, p2 = unpack_forward(bytearray(payload))
     assert epoch == 7 and h2.dtype == dtype and torch.equal(h2.view(torch.uint8), h.view(torch.uint8))
     assert torch.equal(s2, slots) and torch.equal(p2, positions)
+    # FORWARD_IPC: the same frame without the hidden bytes; shape and dtype still travel.
+    payload = b"".join(bytes(memoryview(p).cast("B")) for p in pack_forward(7, h, slots, positions, with_hidden=False))
+    epoch, h3, s3, p3 = unpack_forward(bytearray(payload), with_hidden=False)
+    assert len(payload) == FORWARD_HEADER.size + 8 * 5 and h3.is_meta and h3.shape == (5, 8) and h3.dtype == dtype
+    assert torch.equal(s3, slots) and torch.equal(p3, positions)
+    with pytest.raises(ComputeError):
+        unpack_forward(bytearray(payload))  # a FORWARD must carry them
 
 
 @pytest.mark.parametrize(
