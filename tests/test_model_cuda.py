@@ -105,14 +105,16 @@ def test_split_across_two_cuda_processes_equals_solo(cuda_peer, monkeypatch, tra
     """Head here on the GPU, the second half in a peer process on the same GPU: prefill and
     graph-replayed decode logits equal the solo stage's bit for bit, whether the residual stream
     crosses as raw float32 in the frames (HYDRA_CUDA_IPC=0) or stays on the GPU (CUDA IPC; with
-    4-row buffers the 16-token prefill takes the frames and the decode steps the channel)."""
+    4-row buffers the 16-token prefill takes the frames and the decode steps the channel, and the
+    head waits for the peer on the host, as it does for long batches)."""
     from hydra_console.engine.pipeline import Pipeline
-    from hydra_console.engine.rpc import client
+    from hydra_console.engine.rpc import client, cuda_ipc
 
     peer, path = cuda_peer
     monkeypatch.setenv("HYDRA_CUDA_IPC", "0" if transport == "socket" else "1")
     if rows:
         monkeypatch.setattr(client, "IPC_TOKENS", rows)
+        monkeypatch.setattr(cuda_ipc, "HOST_WAIT_ROWS", 1)
     split = split_pipeline(peer, path)
     g = GGUFFile(path)
     solo = Pipeline(Stage(ModelConfig.from_gguf(g), g, device="cuda", dtype="bfloat16", n_slots=2, n_ctx=64))

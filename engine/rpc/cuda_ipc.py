@@ -9,10 +9,11 @@ maps them. A FORWARD_IPC frame then carries only epoch, slots and positions:
     peer:  its stream waits on `ready`, runs its layers, copies into outbox, records `done`, replies
     head:  its stream waits on `done`, copies out of outbox          (no wait for the peer's layers)
 
-Neither host waits for the GPU inside a step, so the frame's round trip overlaps the GPU work
-instead of adding to it. Reuse is safe without locks: the head writes the inbox only after its
-stream waited for the previous `done` (the peer has read it), and the peer writes the outbox only
-after waiting for the next `ready`, which the head records after its stream consumed the outbox.
+Neither host waits for the GPU inside a decode step, so the frame's round trip overlaps the GPU
+work instead of adding to it (long batches wait on the host instead: see HOST_WAIT_ROWS). Reuse
+is safe without locks: the head writes the inbox only after its stream waited for the previous
+`done` (the peer has read it), and the peer writes the outbox only after waiting for the next
+`ready`, which the head records after its stream consumed the outbox.
 
 The peer owns every resource, so a head that dies leaves the peer intact. The handles are torch's
 own IPC export (what `torch.multiprocessing` sends between processes); they are JSON-encoded here
@@ -29,12 +30,23 @@ import torch
 from .resident import DTYPES, ComputeError
 
 IPC_TOKENS = 1024  # rows per buffer; larger batches (long prefills) take the byte path
+# Batches of at least this many rows wait for the other process's event on the host. Two
+# processes time-share the GPU: work queued behind a cross-process wait keeps its context in the
+# rotation and slowed the other side's long prefill by a third on an H200; a decode step is too
+# short for that, and there the GPU-side wait (no host round trip) is the faster one.
+HOST_WAIT_ROWS = 64
 IPC_ENV = "HYDRA_CUDA_IPC"
 
 
 def cuda_ipc_enabled() -> bool:
     """On unless HYDRA_CUDA_IPC=0 (to compare with, or to rule out, the socket path)."""
     return os.environ.get(IPC_ENV, "1") != "0"
+
+
+def _wait(event, rows: int, device: torch.device) -> None:
+    if rows >= HOST_WAIT_ROWS:
+        event.synchronize()
+    torch.cuda.current_stream(device).wait_event(event)
 
 
 def gpu_uuid(device: torch.device) -> str:
@@ -118,13 +130,12 @@ class IpcChannel:
         self.ready.record(stream)
 
     def receive(self, n: int) -> torch.Tensor:
-        stream = torch.cuda.current_stream(self.outbox.device)
-        stream.wait_event(self.done)
+        _wait(self.done, n, self.outbox.device)
         return self.outbox[:n].clone()
 
     # peer side
     def incoming(self, n: int) -> torch.Tensor:
-        torch.cuda.current_stream(self.inbox.device).wait_event(self.ready)
+        _wait(self.ready, n, self.inbox.device)
         return self.inbox[:n]
 
     def reply(self, out: torch.Tensor) -> None:
