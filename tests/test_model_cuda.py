@@ -169,6 +169,7 @@ def test_cuda_ipc_peer_killed_mid_decode_fails_fast_and_recovers(cuda_peer):
         while remote.state != "up" and time.monotonic() < deadline:
             time.sleep(0.2)
         assert remote.state == "up" and remote.transport == "cuda-ipc"
+        assert not remote._retired  # the dead peer's mapping was dropped once our stream was idle
         for slot in range(2):
             split.clear_slot(slot)
         assert torch.equal(greedy_logits(solo), greedy_logits(split))

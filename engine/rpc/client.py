@@ -1,11 +1,12 @@
 """Head-side peer client: `RemoteStage` runs a layer range on a peer over the compute protocol.
 
 It has the shape of `model.Stage` that the pipeline chains (`run_layers(h, slots, positions)`,
-`kv_clear(slot)`, `assign(a, b)`, `layer_range`, `device`, `state`). One FORWARD frame per step carries the whole
-batch as raw bytes in the compute dtype; with a peer on the head's own GPU, the hidden states
-stay on the GPU instead (CUDA IPC, see cuda_ipc.py) and the frame carries only slots and positions. A peer that dies mid-request fails that request within
-~2 s with `PeerUnavailable` (HTTP 503), never a hang; `attach()` re-validates and re-assigns
-when it comes back.
+`kv_clear(slot)`, `assign(a, b)`, `layer_range`, `device`, `state`). One FORWARD frame per step
+carries the whole batch as raw bytes in the compute dtype; with a peer on the head's own GPU the
+hidden states stay on the GPU instead (CUDA IPC, see cuda_ipc.py) and the frame carries only slots
+and positions. A peer that dies mid-request fails that request within ~2 s with
+`PeerUnavailable` (HTTP 503), never a hang; `attach()` re-validates and re-assigns when it comes
+back.
 """
 
 from __future__ import annotations
@@ -120,6 +121,7 @@ class RemoteStage:
         self._head_device = head_device  # a CUDA device: try CUDA IPC with a peer on the same GPU
         self._caps = 0
         self._ipc: IpcChannel | None = None
+        self._retired: list[IpcChannel] = []  # closed channels our GPU stream may still be reading
 
     # --- connection -------------------------------------------------------------------------------
 
@@ -178,7 +180,11 @@ class RemoteStage:
         """Map the peer's CUDA IPC channel when it computes on our GPU; otherwise (another GPU or
         host, a CPU peer, a driver that refuses the mapping) the hidden states go in the frames."""
         dev = self._head_device
-        if dev is None or dev.type != "cuda" or not self._caps & CAP_IPC:
+        if dev is None or dev.type != "cuda":
+            return
+        if self._retired and torch.cuda.current_stream(dev).query():
+            self._retired.clear()  # nothing queued can touch them any more: unmap
+        if not self._caps & CAP_IPC:
             return
         request = {"uuid": gpu_uuid(dev), "rows": IPC_TOKENS, "dtype": "float32"}
         status, body = self._status(self._exchange(Cmd.IPC_OPEN, json.dumps(request).encode()))
@@ -211,7 +217,12 @@ class RemoteStage:
             self.state = "down"
 
     def _close(self) -> None:
-        self._ipc = None
+        if self._ipc is not None:
+            # Work queued on our stream (the last step's copy out of the outbox) may still read the
+            # mapping: keep it until the stream is seen idle, never wait for it here (a dead peer's
+            # event must not be able to wedge the head).
+            self._retired.append(self._ipc)
+            self._ipc = None
         if self._sock is not None:
             try:
                 self._sock.close()
