@@ -90,6 +90,13 @@ def split_pipeline(peer, path):
     return build_pipeline(args, g, ModelConfig.from_gguf(g), n_slots=2, n_ctx=64)
 
 
+def solo_pipeline(path):
+    from hydra_console.engine.pipeline import Pipeline
+
+    g = GGUFFile(path)
+    return Pipeline(Stage(ModelConfig.from_gguf(g), g, device="cuda", dtype="bfloat16", n_slots=2, n_ctx=64))
+
+
 def greedy_logits(pipe, steps: int = 6) -> torch.Tensor:
     """Prefill PROMPT in slot 0, then `steps` graph-replayed decode steps fed from the device."""
     n = len(PROMPT)
@@ -107,7 +114,6 @@ def test_split_across_two_cuda_processes_equals_solo(cuda_peer, monkeypatch, tra
     crosses as raw float32 in the frames (HYDRA_CUDA_IPC=0) or stays on the GPU (CUDA IPC; with
     4-row buffers the 16-token prefill takes the frames and the decode steps the channel, and the
     head waits for the peer on the host, as it does for long batches)."""
-    from hydra_console.engine.pipeline import Pipeline
     from hydra_console.engine.rpc import client, cuda_ipc
 
     peer, path = cuda_peer
@@ -115,9 +121,7 @@ def test_split_across_two_cuda_processes_equals_solo(cuda_peer, monkeypatch, tra
     if rows:
         monkeypatch.setattr(client, "IPC_TOKENS", rows)
         monkeypatch.setattr(cuda_ipc, "HOST_WAIT_ROWS", 1)
-    split = split_pipeline(peer, path)
-    g = GGUFFile(path)
-    solo = Pipeline(Stage(ModelConfig.from_gguf(g), g, device="cuda", dtype="bfloat16", n_slots=2, n_ctx=64))
+    split, solo = split_pipeline(peer, path), solo_pipeline(path)
     try:
         remote = split.remotes[0]
         assert remote.transport == transport and remote.status()["transport"] == transport
@@ -130,7 +134,7 @@ def test_split_across_two_cuda_processes_equals_solo(cuda_peer, monkeypatch, tra
         # A decode step's frame carries the hidden state (float32) only on the socket path.
         sent_before = remote.bytes_sent
         split.forward(torch.tensor([5]), torch.tensor([1]), torch.tensor([0]), torch.tensor([0]))
-        assert (remote.bytes_sent - sent_before > 4 * ModelConfig.from_gguf(g).n_embd) == (transport == "socket")
+        assert (remote.bytes_sent - sent_before > 4 * split.cfg.n_embd) == (transport == "socket")
         assert split.head.graphs.graphs and remote.device.startswith("cuda")
     finally:
         split.stop()
@@ -143,13 +147,12 @@ def test_cuda_ipc_peer_killed_mid_decode_fails_fast_and_recovers(cuda_peer):
     import threading
     import time
 
-    from hydra_console.engine.pipeline import Pipeline
+    from rpc_workers import wait_for
+
     from hydra_console.engine.rpc.client import PeerUnavailable
 
     peer, path = cuda_peer
-    split = split_pipeline(peer, path)
-    g = GGUFFile(path)
-    solo = Pipeline(Stage(ModelConfig.from_gguf(g), g, device="cuda", dtype="bfloat16", n_slots=2, n_ctx=64))
+    split, solo = split_pipeline(peer, path), solo_pipeline(path)
     try:
         remote = split.remotes[0]
         assert remote.transport == "cuda-ipc"
@@ -165,10 +168,8 @@ def test_cuda_ipc_peer_killed_mid_decode_fails_fast_and_recovers(cuda_peer):
         assert synced.wait(10), "the head's GPU work hangs after the peer died"
         peer.start()
         peer.wait_ready()
-        deadline = time.monotonic() + 30
-        while remote.state != "up" and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert remote.state == "up" and remote.transport == "cuda-ipc"
+        wait_for(lambda: remote.state == "up", 30, "the head to re-attach the restarted peer")
+        assert remote.transport == "cuda-ipc"
         assert not remote._retired  # the dead peer's mapping was dropped once our stream was idle
         for slot in range(2):
             split.clear_slot(slot)

@@ -37,7 +37,7 @@ from .compute import (
 )
 from .cuda_ipc import IPC_TOKENS, IpcChannel, gpu_uuid
 from .listener import tune_socket
-from .resident import tensor_shapes
+from .resident import DTYPES, tensor_shapes
 from .wire import (
     COMPUTE_HEADER,
     FrameError,
@@ -192,7 +192,7 @@ class RemoteStage:
             log.info("peer %s: hidden states go over the socket (%s)", self.addr, body.decode("utf-8", "replace"))
             return
         try:
-            self._ipc = IpcChannel.open(json.loads(body), torch.float32, dev)
+            self._ipc = IpcChannel.open(json.loads(body), DTYPES[request["dtype"]], dev)
         except (RuntimeError, KeyError, ValueError) as e:
             log.warning("peer %s shares our GPU but its CUDA IPC channel could not be mapped (%s): using the socket", self.addr, e)
 
@@ -247,7 +247,7 @@ class RemoteStage:
             if self.state != "up":
                 raise PeerUnavailable(f"peer {self.addr} is down ({self.error}); retry when it is back")
             ipc = self._ipc
-            via_ipc = ipc is not None and h.device == ipc.inbox.device and h.dtype == ipc.inbox.dtype and h.shape[0] <= ipc.rows
+            via_ipc = ipc is not None and h.device == ipc.inbox.device and ipc.fits(h)
             t0 = time.perf_counter()
             try:
                 if via_ipc:

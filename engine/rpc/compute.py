@@ -234,7 +234,7 @@ class ComputeServer:
             if ipc is None:
                 raise ComputeError("FORWARD_IPC needs an open CUDA IPC channel (IPC_OPEN)")
             t, d = hidden.shape
-            if t > ipc.rows or d != ipc.inbox.shape[1] or hidden.dtype != ipc.inbox.dtype:
+            if not ipc.fits(hidden):
                 raise ComputeError(f"FORWARD_IPC of {t}x{d} {hidden.dtype} does not fit the channel's "
                                    f"{ipc.rows}x{ipc.inbox.shape[1]} {ipc.inbox.dtype}")  # fmt: skip
             hidden = ipc.incoming(t)

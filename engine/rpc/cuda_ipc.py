@@ -91,6 +91,11 @@ class IpcChannel:
     def rows(self) -> int:
         return self.inbox.shape[0]
 
+    def fits(self, hidden: torch.Tensor) -> bool:
+        """Whether a batch of this shape and dtype goes through the channel (larger ones take the frames)."""
+        t, d = hidden.shape
+        return t <= self.rows and d == self.inbox.shape[1] and hidden.dtype == self.inbox.dtype
+
     @classmethod
     def create(cls, device: torch.device, request: dict, width: int) -> tuple[IpcChannel, dict]:
         """Peer side: allocate and export. Refuses (ComputeError) unless this worker computes on
