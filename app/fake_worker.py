@@ -17,13 +17,12 @@ import sys
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from .split_plan import even_split, parse_split, ranges
+from ..contracts.split import parse_split
 
 
 def build_status(args, started: float) -> dict:
     n_stages = 1 + len(args.peer)
-    counts = parse_split(args.split, args.layers) if args.split else even_split(args.layers, n_stages)
-    stage_ranges = ranges(counts)
+    stage_ranges = parse_split(args.split, args.layers, n_stages)
     stages = [{"role": "head", "addr": f"{args.rpc_host}:{args.rpc_port}", "layers": list(stage_ranges[0]), "device": "cpu", "state": "ok"}]
     stages += [
         {"role": "peer", "addr": addr, "layers": list(r), "device": "cpu", "state": "ok"}

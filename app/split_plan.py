@@ -1,7 +1,7 @@
-"""Layer split arithmetic and the per-stage memory estimate the split editor shows before applying.
+"""The per-stage memory estimate the split editor shows before applying a split.
 
-A split is a list of layer counts per stage in pipeline order (head first), the same numbers
-`hydra-engine serve --split` takes; ranges are the half-open [a, b) intervals /status reports.
+The split arithmetic itself (counts, ranges, boundaries) is the shared contract in
+`contracts.split`, so the editor previews exactly what the engine applies.
 """
 
 from __future__ import annotations
@@ -10,86 +10,13 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..engine.errors import UserError
+from ..contracts.errors import UserError
+from ..contracts.split import ranges, split_arg
 
 _LAYER_TENSOR = re.compile(r"^blk\.(\d+)\.")
 # Tensors only the head holds: embedding (also the tied output) and the final norm + output.
 _HEAD_TENSORS = ("token_embd.", "output_norm.", "output.")
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
-
-
-def even_split(n_layers: int, n_stages: int) -> list[int]:
-    """Counts that differ by at most one, the larger ones first (18 over 2 -> [9, 9])."""
-    if n_stages < 1 or n_layers < n_stages:
-        raise UserError(f"cannot split {n_layers} layers over {n_stages} stages")
-    base, extra = divmod(n_layers, n_stages)
-    return [base + (1 if i < extra else 0) for i in range(n_stages)]
-
-
-def ranges(counts: list[int]) -> list[tuple[int, int]]:
-    out, a = [], 0
-    for n in counts:
-        out.append((a, a + n))
-        a += n
-    return out
-
-
-def counts_from_ranges(layer_ranges: list[tuple[int, int]]) -> list[int]:
-    return [b - a for a, b in layer_ranges]
-
-
-def split_arg(counts: list[int]) -> str:
-    return "/".join(str(n) for n in counts)
-
-
-def parse_split(text: str, n_layers: int | None = None) -> list[int]:
-    """`9/9`, `9,9` or proportions such as `1,2` (normalised to n_layers when given)."""
-    parts = [p for p in re.split(r"[/,]", text.strip()) if p.strip()]
-    try:
-        values = [float(p) for p in parts]
-    except ValueError:
-        raise UserError(f"bad split {text!r}: expected numbers separated by '/' or ','") from None
-    if not values or any(v <= 0 for v in values):
-        raise UserError(f"bad split {text!r}: every stage needs a positive share")
-    if n_layers is None:
-        if any(v != int(v) for v in values):
-            raise UserError(f"bad split {text!r}: proportions need the model's layer count")
-        return [int(v) for v in values]
-    if sum(values) == n_layers and all(v == int(v) for v in values):
-        return [int(v) for v in values]
-    # Proportions: largest-remainder rounding, every stage keeps at least one layer.
-    total = sum(values)
-    exact = [v / total * n_layers for v in values]
-    counts = [max(1, int(x)) for x in exact]
-    order = sorted(range(len(values)), key=lambda i: exact[i] - int(exact[i]), reverse=True)
-    i = 0
-    while sum(counts) < n_layers:
-        counts[order[i % len(order)]] += 1
-        i += 1
-    while sum(counts) > n_layers:
-        j = max(range(len(counts)), key=lambda k: counts[k])
-        counts[j] -= 1
-    if any(c < 1 for c in counts):
-        raise UserError(f"bad split {text!r}: {n_layers} layers cannot give every stage one")
-    return counts
-
-
-def move_boundary(counts: list[int], boundary: int, delta: int) -> list[int]:
-    """Shift the boundary between stage `boundary` and `boundary+1` by delta layers.
-
-    Positive delta gives layers to the earlier stage. A move that would leave a stage empty is
-    clamped, so holding an arrow key never produces an invalid split.
-    """
-    if not 0 <= boundary < len(counts) - 1:
-        raise ValueError(f"boundary {boundary} out of range for {len(counts)} stages")
-    new = list(counts)
-    if delta > 0:
-        delta = min(delta, new[boundary + 1] - 1)
-    else:
-        delta = -min(-delta, new[boundary] - 1)
-    new[boundary] += delta
-    new[boundary + 1] -= delta
-    return new
 
 
 @dataclass(frozen=True)

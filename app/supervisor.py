@@ -33,7 +33,7 @@ from ..engine.errors import UserError
 from . import control_client
 from .config import DEFAULT_SSH_TEMPLATE, Profile, WorkerSpec, state_dir
 from .sources import HttpStatusSource, Probe, StatusSource
-from .split_plan import split_arg
+from ..contracts.split import split_arg
 
 log = logging.getLogger("hydra.console.supervisor")
 HISTORY = 120  # samples kept for sparklines (2 min at 1 Hz)

@@ -1,5 +1,5 @@
-"""Errors that reach the user as one clear message (no traceback)."""
+"""Errors that reach the user as one clear message (no traceback); declared with the contracts."""
 
+from ..contracts.errors import UserError
 
-class UserError(Exception):
-    """Bad input from the user: a model file, a flag, a prompt. The CLI prints it and exits 2."""
+__all__ = ["UserError"]

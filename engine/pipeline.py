@@ -9,7 +9,6 @@ of the active slots by replaying them: running requests carry on instead of fail
 from __future__ import annotations
 
 import logging
-import re
 import socket
 import threading
 import time
@@ -18,6 +17,7 @@ from typing import Callable
 
 import torch
 
+from ..contracts.split import check_ranges, parse_split
 from .errors import UserError
 from .model import Stage
 
@@ -26,57 +26,6 @@ log = logging.getLogger("hydra.pipeline")
 READY_POLL_S = 2.0
 REPLAY_CHUNK = 256  # tokens per replay forward, like the runtime's prefill budget
 PENDING_BATCHES_MAX = 64  # batches of device-resident tokens recorded before one bulk copy back
-
-
-def parse_split(text: str | None, n_layers: int, n_stages: int) -> list[tuple[int, int]]:
-    """`--split` → one [a, b) per stage, head first. Counts summing to the layer count are taken
-    as they are; anything else is proportions, normalised to the layer count. No split: even."""
-    if n_stages < 1:
-        raise UserError("a pipeline needs at least the head stage")
-    if text is None or not text.strip():
-        weights = [1.0] * n_stages
-    else:
-        parts = [p.strip() for p in re.split(r"[/,]", text)]
-        try:
-            weights = [float(p) for p in parts]
-        except ValueError:
-            raise UserError(f"--split {text!r}: expected numbers separated by / or , (e.g. 9/9 or 0.5,0.5)") from None
-        if len(weights) != n_stages:
-            raise UserError(
-                f"--split {text!r} has {len(weights)} stages but the pipeline has {n_stages}: "
-                f"the head and {n_stages - 1} peer(s), in --peer order"
-            )
-        if any(not w >= 0 or w == float("inf") for w in weights) or sum(weights) <= 0:
-            raise UserError(f"--split {text!r}: stage sizes must be finite, >= 0 and not all 0")
-    if all(w == int(w) for w in weights) and sum(weights) == n_layers:
-        counts = [int(w) for w in weights]
-    else:
-        total, acc, bounds = sum(weights), 0.0, [0]
-        for w in weights:
-            acc += w
-            bounds.append(round(acc / total * n_layers))
-        counts = [b - a for a, b in zip(bounds, bounds[1:])]
-    ranges, a = [], 0
-    for c in counts:
-        ranges.append((a, a + c))
-        a += c
-    check_ranges(ranges, n_layers, n_stages)
-    return ranges
-
-
-def check_ranges(ranges: list[tuple[int, int]], n_layers: int, n_stages: int) -> None:
-    """Contiguous cover of [0, n_layers), head first; every peer holds at least one layer."""
-    if len(ranges) != n_stages:
-        raise UserError(f"{len(ranges)} layer ranges for {n_stages} stages (the head and {n_stages - 1} peers)")
-    expect = 0
-    for i, (a, b) in enumerate(ranges):
-        if a != expect or b < a:
-            raise UserError(f"layer ranges {ranges} must be contiguous from 0 (stage {i} starts at {a}, expected {expect})")
-        if i > 0 and b == a:
-            raise UserError(f"layer ranges {ranges}: peer {i} would hold no layer")
-        expect = b
-    if expect != n_layers:
-        raise UserError(f"layer ranges {ranges} cover {expect} layers, the model has {n_layers}")
 
 
 class Pipeline:

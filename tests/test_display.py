@@ -1,4 +1,4 @@
-"""Display functions and split arithmetic, without a terminal."""
+"""Display functions and the split editor's memory estimate, without a terminal."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from hydra_console.app import display
 from hydra_console.app.config import Alerts, Profile, WorkerSpec
 from hydra_console.app.sources import FixedFeedSource, Probe
-from hydra_console.app.split_plan import ModelShape, even_split, move_boundary, parse_split, ranges, split_arg
+from hydra_console.app.split_plan import ModelShape
 from hydra_console.app.supervisor import LogLine, State, Supervisor
 from hydra_console.engine.errors import UserError
 from hydra_console.engine.gguf_file import GGUFFile
@@ -91,29 +91,6 @@ def test_filter_regex_invert_and_literal_fallback():
     bad = display.compile_filter("x [")  # not a regex: matched literally, never an exception
     assert [ln.text for ln in display.filter_lines(lines, bad)] == ["error: x ["]
     assert display.filter_lines(lines, display.compile_filter("")) == lines
-
-
-def test_split_arithmetic():
-    assert even_split(18, 2) == [9, 9] and even_split(18, 4) == [5, 5, 4, 4]
-    assert ranges([9, 9]) == [(0, 9), (9, 18)]
-    assert split_arg([10, 8]) == "10/8"
-    assert parse_split("9/9", 18) == [9, 9] and parse_split("9,9") == [9, 9]
-    assert parse_split("1,2", 18) == [6, 12]
-    assert sum(parse_split("1,1,1", 19)) == 19
-    with pytest.raises(UserError):
-        parse_split("a/b", 18)
-    with pytest.raises(UserError):
-        parse_split("9/0", 18)
-    with pytest.raises(UserError):
-        even_split(2, 3)
-
-
-@given(counts=st.lists(st.integers(1, 12), min_size=2, max_size=5), delta=st.integers(-20, 20), data=st.data())
-def test_move_boundary_keeps_total_and_every_stage(counts, delta, data):
-    b = data.draw(st.integers(0, len(counts) - 2))
-    new = move_boundary(counts, b, delta)
-    assert sum(new) == sum(counts) and min(new) >= 1
-    assert [n for i, n in enumerate(new) if i not in (b, b + 1)] == [n for i, n in enumerate(counts) if i not in (b, b + 1)]
 
 
 def test_memory_estimate_adds_up_to_the_gguf(tiny_model):

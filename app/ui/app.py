@@ -16,7 +16,8 @@ from textual.screen import Screen
 
 from ...themes import THEMES
 from ..config import resolve_profile_path, save_profile
-from ..split_plan import ModelShape, split_arg
+from ...contracts.split import split_arg
+from ..split_plan import ModelShape
 from ..supervisor import Supervisor, SupervisorError
 from .dashboard import DashboardScreen
 from .detail import WorkerDetailScreen

@@ -10,7 +10,8 @@ from textual.screen import Screen
 from textual.widgets import Footer, Header, Static
 
 from .. import display
-from ..split_plan import ModelShape, counts_from_ranges, even_split, move_boundary, ranges, split_arg
+from ...contracts.split import counts_of, even_split, move_boundary, ranges, split_arg
+from ..split_plan import ModelShape
 
 
 class SplitEditorScreen(Screen):
@@ -38,7 +39,7 @@ class SplitEditorScreen(Screen):
         sup = self.app.supervisor
         live = sup.stage_ranges()
         if live and len(live) == len(sup.workers):
-            return counts_from_ranges([r for _, r in live])
+            return counts_of([r for _, r in live])
         if sup.profile.split:
             return list(sup.profile.split)
         if self.shape:

@@ -8,6 +8,7 @@ import os
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from ... import __version__
+from ...contracts.split import parse_split
 from ..errors import UserError
 from .compute import VERSION, ComputeServer
 from .control import ControlError, ControlServer
@@ -45,8 +46,6 @@ class HeadControl:
 
     def configure(self, request: dict) -> dict:
         """`{"split": "12/6"}` (DESIGN §3 syntax) or `{"layers": [[0,12],[12,18]]}`: live re-split."""
-        from ..pipeline import parse_split
-
         unknown = request.keys() - {"split", "layers"}
         if unknown or len(request) != 1:
             raise ControlError(f"CONFIGURE takes exactly one of 'split' or 'layers' (got {sorted(request)})", Status.BAD_REQUEST)
