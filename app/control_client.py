@@ -1,6 +1,6 @@
 """The console's client of the Hydra control protocol (DESIGN §4): CONFIGURE and INFO.
 
-Framing comes from the engine's own `rpc.wire` (request `<HBBHQH` header + key + trace + payload;
+Op and status codes come from `contracts.rpc`, framing from the engine's `rpc.wire` (request `<HBBHQH` header + key + trace + payload;
 response status u8 + meta_len u24 + payload_len u64, meta JSON, payload), so the console and the
 head never disagree on bytes. One blocking socket per request, run in a thread: these ops are rare.
 With a token (HYDRA_TOKEN), the AUTH challenge is answered first, as the head requires.
@@ -14,16 +14,15 @@ import os
 import socket
 from dataclasses import dataclass
 
-from ..engine.rpc import auth
-from ..engine.rpc.wire import FrameError, Op, SocketReader, Status, pack_control_request, read_control_response
+from ..contracts.rpc import STATUS_NAMES, Op, Status, prove
+from ..engine.rpc.wire import FrameError, SocketReader, pack_control_request, read_control_response
 
 OP_CONFIGURE, OP_INFO = Op.CONFIGURE, Op.INFO
 OK, NOT_IMPLEMENTED = Status.OK, Status.NOT_IMPLEMENTED
-STATUS_NAMES = {v: k for k, v in vars(Status).items() if k.isupper()}
 MAX_RESPONSE = 16 << 20  # the console only reads small JSON replies
 
 
-class ControlError(Exception):
+class ControlUnreachable(Exception):
     """The control port could not be reached or did not answer with a frame."""
 
 
@@ -57,15 +56,15 @@ def request_sync(host: str, port: int, op: int, payload: bytes = b"", *, timeout
             if token:
                 challenge = _exchange(sock, reader, Op.AUTH, b"")
                 if challenge.ok and challenge.meta.get("auth"):
-                    proof = auth.prove(token, bytes.fromhex(challenge.meta["nonce"]))
+                    proof = prove(token, bytes.fromhex(challenge.meta["nonce"]))
                     answer = _exchange(sock, reader, Op.AUTH, proof)
                     if not answer.ok:
                         return answer
             return _exchange(sock, reader, op, payload)
     except FrameError as e:
-        raise ControlError(f"{host}:{port}: bad reply: {e}") from None
+        raise ControlUnreachable(f"{host}:{port}: bad reply: {e}") from None
     except OSError as e:
-        raise ControlError(f"cannot reach {host}:{port}: {e.strerror or e or 'timed out'}") from None
+        raise ControlUnreachable(f"cannot reach {host}:{port}: {e.strerror or e or 'timed out'}") from None
 
 
 async def request(host: str, port: int, op: int, payload: bytes = b"", *, timeout: float = 10.0) -> ControlReply:

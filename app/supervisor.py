@@ -372,7 +372,7 @@ class Supervisor:
                 self.emit(head.name, "split", f"live re-split to {split_arg(counts)}")
                 return "live"
             reason = reply.status_name + (f": {reply.meta['error']}" if "error" in reply.meta else "")
-        except control_client.ControlError as e:
+        except control_client.ControlUnreachable as e:
             reason = str(e)
         if not head.managed:
             raise SupervisorError(f"live re-split refused ({reason}) and {head.name} is attached, so it cannot be restarted")

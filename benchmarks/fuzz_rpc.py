@@ -25,10 +25,11 @@ from pathlib import Path
 import httpx
 
 from hydra_console.engine.rpc import wire
-from hydra_console.engine.rpc.compute import FORWARD_HEADER, Cmd, pack_hello
+from hydra_console.contracts.rpc import CONTROL_MAGIC, FORWARD_HEADER, Cmd, Op
+from hydra_console.engine.rpc.compute import pack_hello
 from hydra_console.engine.gguf_file import GGUFFile
 from hydra_console.engine.rpc.resident import tensor_shapes
-from hydra_console.engine.rpc.wire import BufferReader, FrameError, Op, SocketReader
+from hydra_console.engine.rpc.wire import BufferReader, FrameError, SocketReader
 from hydra_console.engine.synth import write_synthetic
 
 HANG_S = 10.0
@@ -108,7 +109,7 @@ def control_frame(rng: random.Random) -> tuple[bytes, bool]:
     if kind < 0.90:
         return struct.pack("<HBBHQH", rng.randrange(1 << 16), op, 0, 0, 0, 0), False
     if kind < 0.95:
-        return struct.pack("<HBBHQH", wire.CONTROL_MAGIC, op, 0, 0, rng.choice([MAX_FRAME + 1, 1 << 40, (1 << 64) - 1]), 0), False
+        return struct.pack("<HBBHQH", CONTROL_MAGIC, op, 0, 0, rng.choice([MAX_FRAME + 1, 1 << 40, (1 << 64) - 1]), 0), False
     return frame[: rng.randrange(len(frame))], False
 
 

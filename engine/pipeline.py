@@ -17,6 +17,7 @@ from typing import Callable
 
 import torch
 
+from ..contracts.rpc import StaleEpoch
 from ..contracts.split import check_ranges, parse_split
 from .errors import UserError
 from .model import Stage
@@ -77,8 +78,6 @@ class Pipeline:
             return self.head.logits(h[logit_rows])
 
     def _run(self, tokens, slots, positions) -> torch.Tensor:
-        from .rpc.client import StaleEpoch
-
         h = self.head.run_layers(self.head.embed(tokens), slots, positions)
         for i, remote in enumerate(self.remotes, 1):
             try:

@@ -13,10 +13,11 @@ import pytest
 from rpc_workers import head, peer
 
 from hydra_console.engine.gguf_file import GGUFFile
-from hydra_console.engine.rpc import auth, wire
-from hydra_console.engine.rpc.compute import CAP_FORWARD, CAP_IPC, FORWARD_HEADER, HELLO, VERSION, Cmd, pack_hello
+from hydra_console.contracts.rpc import CAP_FORWARD, CAP_IPC, CONTROL_MAGIC, FORWARD_HEADER, HELLO, VERSION, Cmd, Op, Status, prove
+from hydra_console.engine.rpc import wire
+from hydra_console.engine.rpc.compute import pack_hello
 from hydra_console.engine.rpc.resident import tensor_shapes
-from hydra_console.engine.rpc.wire import Op, SocketReader, Status
+from hydra_console.engine.rpc.wire import SocketReader
 
 MAX_FRAME = 65536
 TOKEN = "s3cret-token"
@@ -121,7 +122,7 @@ def test_oversized_frames_are_refused_without_reading_them(workers):
         s.sendall(struct.pack("<BQ", Cmd.PING, MAX_FRAME + 1))
         assert closed(s)
     with connect(workers["head"]) as s:
-        s.sendall(struct.pack("<HBBHQH", wire.CONTROL_MAGIC, Op.CONFIGURE, 0, 0, 1 << 40, 0))
+        s.sendall(struct.pack("<HBBHQH", CONTROL_MAGIC, Op.CONFIGURE, 0, 0, 1 << 40, 0))
         resp = wire.read_control_response(SocketReader(s), 1 << 20)
         assert resp.status == Status.BAD_REQUEST and "limit" in resp.meta["error"]
         assert closed(s)
@@ -224,12 +225,12 @@ def test_auth_token_guards_both_protocols(workers):
     with connect(w) as s:
         compute(s, Cmd.HELLO, pack_hello())
         nonce = bytes(wire.read_compute_response(SocketReader(s), 64))
-        assert compute(s, Cmd.AUTH, auth.prove("wrong", nonce))[0] == 1
+        assert compute(s, Cmd.AUTH, prove("wrong", nonce))[0] == 1
         assert closed(s)
     with connect(w) as s:
         compute(s, Cmd.HELLO, pack_hello())
         nonce = bytes(wire.read_compute_response(SocketReader(s), 64))
-        assert compute(s, Cmd.AUTH, auth.prove(TOKEN, nonce)) == b"\x00"
+        assert compute(s, Cmd.AUTH, prove(TOKEN, nonce)) == b"\x00"
         assert compute(s, Cmd.PING, b"hi") == b"\x00hi"
     with connect(w) as s:
         r = control(s, Op.INFO)
@@ -238,7 +239,7 @@ def test_auth_token_guards_both_protocols(workers):
     with connect(w) as s:
         challenge = control(s, Op.AUTH)
         assert challenge.status == Status.OK
-        assert control(s, Op.AUTH, auth.prove(TOKEN, bytes.fromhex(challenge.meta["nonce"]))).status == Status.OK
+        assert control(s, Op.AUTH, prove(TOKEN, bytes.fromhex(challenge.meta["nonce"]))).status == Status.OK
         info = control(s, Op.INFO)
         assert info.status == Status.OK and info.meta["auth"] is True
 
@@ -287,7 +288,8 @@ def token_peer(tiny_model):
 def test_remote_stage_proves_the_token_and_follows_epochs(token_peer):
     import torch
 
-    from hydra_console.engine.rpc.client import PeerMismatch, RemoteStage, StaleEpoch
+    from hydra_console.contracts.rpc import StaleEpoch
+    from hydra_console.engine.rpc.client import PeerMismatch, RemoteStage
 
     g, host, lst = token_peer
     addr = f"127.0.0.1:{lst.bound_port}"

@@ -18,7 +18,8 @@ import pytest
 from rpc_workers import assert_peer_kill_fails_request_fast, complete, greedy, head, peer, wait_for
 
 from hydra_console.engine.rpc import wire
-from hydra_console.engine.rpc.wire import Op, SocketReader, Status
+from hydra_console.contracts.rpc import Op, Status
+from hydra_console.engine.rpc.wire import SocketReader
 
 PROMPTS = ["hello world", "the cat sat on", "abc abc abc"]
 N_LAYERS = 4
@@ -96,7 +97,8 @@ def test_head_revalidates_when_a_peers_resident_set_changes(cluster, model):
     """Someone else re-assigns a peer (its epoch moves on): the head notices on its next FORWARD,
     re-attaches, rebuilds that peer's KV and the answer is still the solo one."""
     from hydra_console.engine.gguf_file import GGUFFile
-    from hydra_console.engine.rpc.compute import Cmd, pack_hello
+    from hydra_console.contracts.rpc import Cmd
+    from hydra_console.engine.rpc.compute import pack_hello
     from hydra_console.engine.rpc.resident import tensor_shapes
 
     w, p = cluster["head"], cluster["peers"][0]

@@ -19,27 +19,26 @@ import time
 
 import torch
 
-from ..device import host_buffer, to_host
-from ..errors import UserError
-from . import auth
-from .compute import (
+from ...contracts.rpc import (
     CAP_AUTH,
     CAP_IPC,
+    COMPUTE_HEADER,
     FORWARD_REPLY,
     HELLO,
     KV_CLEAR,
-    OK,
-    STALE_EPOCH,
     VERSION,
     Cmd,
-    pack_forward,
-    pack_hello,
+    StaleEpoch,
+    prove,
 )
+from ...contracts.rpc import ReplyStatus as R
+from ..device import host_buffer, to_host
+from ..errors import UserError
+from .compute import pack_forward, pack_hello
 from .cuda_ipc import IPC_TOKENS, IpcChannel, gpu_uuid
 from .listener import tune_socket
 from .resident import DTYPES, tensor_shapes
 from .wire import (
-    COMPUTE_HEADER,
     FrameError,
     SocketReader,
     pack_compute_request,
@@ -71,10 +70,6 @@ def is_peer_failure(error: str | None) -> bool:
 
 class PeerMismatch(UserError):
     """The peer serves a different model, refuses our protocol version, or rejects our token."""
-
-
-class StaleEpoch(PeerError):
-    """The peer's resident set changed since we validated it: re-attach and rebuild its KV."""
 
 
 def parse_addr(text: str) -> tuple[str, int]:
@@ -162,8 +157,8 @@ class RemoteStage:
             if not self.auth_token:
                 raise PeerMismatch(f"peer {self.addr} requires a token: set --auth-token or HYDRA_TOKEN")
             nonce = self._read_reply()
-            status, body = self._status(self._exchange(Cmd.AUTH, auth.prove(self.auth_token, bytes(nonce))))
-            if status != OK:
+            status, body = self._status(self._exchange(Cmd.AUTH, prove(self.auth_token, bytes(nonce))))
+            if status != R.OK:
                 raise PeerMismatch(f"peer {self.addr} rejected our token: {body.decode(errors='replace')}")
 
     def _load(self, layers) -> None:
@@ -188,7 +183,7 @@ class RemoteStage:
             return
         request = {"uuid": gpu_uuid(dev), "rows": IPC_TOKENS, "dtype": "float32"}
         status, body = self._status(self._exchange(Cmd.IPC_OPEN, json.dumps(request).encode()))
-        if status != OK:
+        if status != R.OK:
             log.info("peer %s: hidden states go over the socket (%s)", self.addr, body.decode("utf-8", "replace"))
             return
         try:
@@ -277,9 +272,9 @@ class RemoteStage:
         spin_until_readable(self._sock, self._spin_s)
         size = read_compute_response_size(self._reader, self.max_frame)
         head = self._reader.read_exact(min(size, FORWARD_REPLY.size))
-        if not head or head[0] != OK or size < FORWARD_REPLY.size:
+        if not head or head[0] != R.OK or size < FORWARD_REPLY.size:
             body = bytes(head[1:]) + bytes(self._reader.read_exact(size - len(head)))
-            if head and head[0] == STALE_EPOCH:
+            if head and head[0] == R.STALE_EPOCH:
                 raise StaleEpoch(f"peer {self.addr}: {body.decode('utf-8', 'replace')}")
             raise PeerError(f"peer {self.addr} could not run the batch: {body.decode('utf-8', 'replace')}")
         if size - FORWARD_REPLY.size != hidden_bytes:
@@ -338,7 +333,7 @@ class RemoteStage:
 
     def _request_json(self, cmd: int, obj: dict) -> dict:
         status, body = self._status(self._exchange(cmd, json.dumps(obj).encode()))
-        if status != OK:
+        if status != R.OK:
             raise PeerMismatch(f"peer {self.addr} refused: {body.decode('utf-8', 'replace')}")
         return json.loads(body) if body else {}
 

@@ -24,13 +24,33 @@ import time
 import numpy as np
 import torch
 
-from ..device import host_buffer, to_host
-from . import auth
-from .cuda_ipc import IpcChannel
-from .resident import CODE_DTYPES, DTYPE_CODES, ComputeError, StaleEpoch
-from .wire import (
+from ...contracts.rpc import (
+    CAP_AUTH,
+    CAP_FORWARD,
+    CAP_IPC,
+    CAP_RESOLVE,
+    CODE_DTYPES,
     COMPUTE_HEADER,
     COMPUTE_SIZE,
+    DTYPE_CODES,
+    FORWARD_HEADER,
+    FORWARD_REPLY,
+    HELLO,
+    HELLO_MAX,
+    KV_CLEAR,
+    KV_TRIM,
+    PING_MAX,
+    VERSION,
+    Cmd,
+    StaleEpoch,
+    new_nonce,
+    verify,
+)
+from ...contracts.rpc import ReplyStatus as R
+from ..device import host_buffer, to_host
+from .cuda_ipc import IpcChannel
+from .resident import DTYPES, ComputeError
+from .wire import (
     FrameError,
     SocketReader,
     read_compute_header,
@@ -42,34 +62,6 @@ from .wire import (
 
 log = logging.getLogger("hydra.rpc.compute")
 
-VERSION = (72, 1, 0)  # major 72 ("H") never matches an upstream ggml-rpc major (1..3)
-CAP_AUTH, CAP_FORWARD, CAP_RESOLVE, CAP_IPC = 1, 2, 4, 8
-
-
-class Cmd:
-    HELLO = 14  # ggml-rpc's id
-    LOAD_STAGE = 32
-    RESOLVE = 33
-    FORWARD = 34
-    KV_TRIM = 35
-    KV_CLEAR = 36
-    STATS = 37
-    PING = 38
-    CHECK = 39
-    AUTH = 40
-    IPC_OPEN = 41
-    FORWARD_IPC = 42
-
-
-OK, ERROR, STALE_EPOCH = 0, 1, 2
-HELLO = struct.Struct("<BBBBI")
-HELLO_MAX = 64  # a HELLO payload longer than this is not a HELLO
-FORWARD_HEADER = struct.Struct("<QIIB3x")
-FORWARD_REPLY = struct.Struct("<B3xI")
-KV_TRIM = struct.Struct("<iI")
-KV_CLEAR = struct.Struct("<i")
-
-
 def pack_hello(caps: int = 0, version=VERSION) -> bytes:
     return HELLO.pack(*version, 0, caps)
 
@@ -78,7 +70,7 @@ def pack_forward(epoch: int, hidden: torch.Tensor, slots: torch.Tensor, position
     """FORWARD payload as buffers (header, slots, positions, hidden) for a zero-copy sendmsg;
     without the hidden bytes for FORWARD_IPC (`hidden` then only gives shape and dtype)."""
     t, d = hidden.shape
-    header = FORWARD_HEADER.pack(epoch, t, d, DTYPE_CODES[hidden.dtype])
+    header = FORWARD_HEADER.pack(epoch, t, d, DTYPE_CODES[str(hidden.dtype).removeprefix("torch.")])
     parts = [header, slots.to(torch.int32).contiguous().numpy(), positions.to(torch.int32).contiguous().numpy()]
     return parts + [_raw(hidden)] if with_hidden else parts
 
@@ -94,7 +86,7 @@ def unpack_forward(payload, *, with_hidden: bool = True) -> tuple[int, torch.Ten
     if len(view) < FORWARD_HEADER.size:
         raise ComputeError("FORWARD payload shorter than its header")
     epoch, t, d, code = FORWARD_HEADER.unpack_from(view)
-    dtype = CODE_DTYPES.get(code)
+    dtype = DTYPES.get(CODE_DTYPES.get(code, ""))
     if dtype is None:
         raise ComputeError(f"FORWARD dtype code {code} unknown")
     elsize = torch.empty((), dtype=dtype).element_size()
@@ -149,34 +141,34 @@ class ComputeServer:
         # The first frame is judged by its header alone: a stray protocol never makes us wait for a payload.
         cmd, size = COMPUTE_HEADER.unpack(reader.read_exact(COMPUTE_HEADER.size))
         if cmd != Cmd.HELLO:
-            self._reply(conn, ERROR, f"the first command must be HELLO (14), got {cmd}")
+            self._reply(conn, R.ERROR, f"the first command must be HELLO (14), got {cmd}")
             return
         if size > HELLO_MAX:
             raise FrameError(f"HELLO of {size} bytes (at most {HELLO_MAX})")
         if not self._hello(conn, bytes(reader.read_exact(size))):
             return
         if self.auth_token:
-            nonce = auth.new_nonce()
+            nonce = new_nonce()
             self._send(conn, nonce)
             cmd, payload = read_compute_request(reader, self.max_frame)
-            if cmd != Cmd.AUTH or not auth.verify(self.auth_token, nonce, payload):
-                self._reply(conn, ERROR, "authentication failed: AUTH (40) with HMAC-SHA256(token, nonce) must follow HELLO")
+            if cmd != Cmd.AUTH or not verify(self.auth_token, nonce, payload):
+                self._reply(conn, R.ERROR, "authentication failed: AUTH (40) with HMAC-SHA256(token, nonce) must follow HELLO")
                 return
-            self._reply(conn, OK)
+            self._reply(conn, R.OK)
         session = {"checked": False, "reader": reader}
         while True:
             spin_until_readable(conn, self.spin_s)
             cmd, payload = self._read_request(reader)
             try:
-                status, parts = OK, self._command(cmd, payload, session)
+                status, parts = R.OK, self._command(cmd, payload, session)
             except StaleEpoch as e:
-                status, parts = STALE_EPOCH, [str(e).encode()]
+                status, parts = R.STALE_EPOCH, [str(e).encode()]
             except ComputeError as e:
-                status, parts = ERROR, [str(e).encode()]
+                status, parts = R.ERROR, [str(e).encode()]
             except Exception as e:  # a bug or a device error fails this command, not the worker
                 log.exception("compute command %d failed", cmd)
-                status, parts = ERROR, [f"{type(e).__name__}: {e}".encode()]
-            if status == OK and cmd in (Cmd.FORWARD, Cmd.FORWARD_IPC):
+                status, parts = R.ERROR, [f"{type(e).__name__}: {e}".encode()]
+            if status == R.OK and cmd in (Cmd.FORWARD, Cmd.FORWARD_IPC):
                 self._send(conn, *parts)  # the FORWARD reply carries its own status header
             else:
                 self._reply(conn, status, *parts)
@@ -216,7 +208,7 @@ class ComputeServer:
         elif cmd == Cmd.STATS:
             body = {**self.host.stats(), "bytes_in": self.bytes_in + session["reader"].bytes_in, "bytes_out": self.bytes_out}
         elif cmd == Cmd.PING:
-            return [bytes(payload[:64])]
+            return [bytes(payload[:PING_MAX])]
         elif cmd == Cmd.IPC_OPEN:
             session["ipc"] = None  # a failed re-open leaves no channel half-set
             session["ipc"], body = IpcChannel.create(self.host.device, _json(payload), self.host.cfg.n_embd)
@@ -246,7 +238,7 @@ class ComputeServer:
         else:
             body = [_raw(to_host(out).to(hidden.dtype))]
         compute_us = min(int((time.perf_counter() - t0) * 1e6), 0xFFFFFFFF)
-        return [FORWARD_REPLY.pack(OK, compute_us), *body]
+        return [FORWARD_REPLY.pack(R.OK, compute_us), *body]
 
     def _hello(self, conn, payload: bytes) -> bool:
         if len(payload) < 3:

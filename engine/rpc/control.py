@@ -12,30 +12,16 @@ import logging
 import socket
 from typing import Protocol
 
-from . import auth
+from ...contracts.rpc import KNOWN_OPS, STATE_PUT_CAP, ControlError, Op, Status, new_nonce, verify
 from .wire import (
     FrameError,
-    Op,
     SocketReader,
-    Status,
     pack_control_response,
     read_control_request,
     send_all,
 )
 
 log = logging.getLogger("hydra.rpc.control")
-
-STATE_PUT_CAP = 4 << 30  # 4 GiB of KV in one frame
-KNOWN_OPS = {v for k, v in vars(Op).items() if k.isupper()}
-
-
-class ControlError(Exception):
-    """A request the backend refuses; `status` is the control status to answer with."""
-
-    def __init__(self, message: str, status: int = Status.ERROR):
-        super().__init__(message)
-        self.status = status
-
 
 class ControlBackend(Protocol):
     """What a worker exposes over the control port. Missing state ops answer NOT_IMPLEMENTED."""
@@ -110,11 +96,11 @@ class ControlServer:
             self._reply(conn, Status.OK, {"auth": False})
             return True
         if not payload:
-            session["nonce"] = auth.new_nonce()
+            session["nonce"] = new_nonce()
             self._reply(conn, Status.OK, {"auth": True, "nonce": session["nonce"].hex()})
             return True
         nonce, session["nonce"] = session["nonce"], None
-        if nonce is not None and auth.verify(self.auth_token, nonce, payload):
+        if nonce is not None and verify(self.auth_token, nonce, payload):
             session["authed"] = True
             self._reply(conn, Status.OK, {"auth": True, "ok": True})
             return True

@@ -17,8 +17,8 @@ import threading
 from dataclasses import dataclass
 from typing import Callable
 
+from ...contracts.rpc import COMPUTE_FIRST_BYTE
 from ..errors import UserError
-from .wire import COMPUTE_FIRST_BYTE
 
 log = logging.getLogger("hydra.rpc")
 

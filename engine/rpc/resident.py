@@ -12,19 +12,15 @@ import time
 
 import torch
 
+from ...contracts.rpc import DTYPE_CODES, StaleEpoch
 from ..errors import UserError
 
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
-CODE_DTYPES = {v: k for k, v in DTYPE_CODES.items()}
+# Torch dtypes of the wire's dtype names (contracts.rpc.DTYPE_CODES).
+DTYPES = {name: getattr(torch, name) for name in DTYPE_CODES}
 
 
 class ComputeError(Exception):
     """A compute command this worker refuses; the message goes back to the head verbatim."""
-
-
-class StaleEpoch(ComputeError):
-    """The head validated an older resident set than the one held now."""
 
 
 def layer_of(name: str) -> int | None:

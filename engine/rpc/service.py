@@ -8,13 +8,13 @@ import os
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from ... import __version__
+from ...contracts.rpc import VERSION, ControlError, Op, Status
 from ...contracts.split import parse_split
 from ..errors import UserError
-from .compute import VERSION, ComputeServer
-from .control import ControlError, ControlServer
+from .compute import ComputeServer
+from .control import ControlServer
 from .listener import RpcListener
 from .resident import StageHost
-from .wire import Op, Status
 
 EXPERT_MODES = ("solo", "combined")
 

@@ -20,16 +20,16 @@ import struct
 import time
 from dataclasses import dataclass
 
-COMPUTE_FIRST_BYTE = 0x0E  # HELLO's command id: what a compute client always sends first
-CONTROL_MAGIC = 0x4859  # b"YH" on the wire: control frames start with 0x59
+from ...contracts.rpc import (
+    COMPUTE_HEADER,
+    COMPUTE_SIZE,
+    CONTROL_HEADER,
+    CONTROL_MAGIC,
+    CONTROL_RESPONSE,
+    DRAIN_CHUNK,
+    MAX_META,
+)
 
-COMPUTE_HEADER = struct.Struct("<BQ")
-COMPUTE_SIZE = struct.Struct("<Q")
-CONTROL_HEADER = struct.Struct("<HBBHQH")
-CONTROL_RESPONSE = struct.Struct("<IQ")  # status u8 + meta_len u24 packed in one u32, payload_len
-
-MAX_META = (1 << 24) - 1
-DRAIN_CHUNK = 64 * 1024
 SEND_FLAGS = getattr(socket, "MSG_NOSIGNAL", 0)  # a dead peer must not SIGPIPE the worker
 # Busy-wait this long for the next compute frame before blocking (0: block at once). A thread
 # that sleeps while the other side computes pays a wake-up per hop: tens of microseconds on a GPU
@@ -178,24 +178,6 @@ def read_compute_response(reader, max_frame: int) -> bytes:
 
 
 # --- control framing ------------------------------------------------------------------------------
-
-
-class Status:
-    OK, NOT_FOUND, ERROR, PARTIAL, BUSY, BAD_REQUEST, NOT_IMPLEMENTED = range(7)
-
-
-class Op:
-    STATE_GET = 0x30
-    STATE_PUT = 0x31
-    STATE_META = 0x32
-    CONFIGURE = 0x40
-    INFO = 0x41
-    PREFILL = 0x42
-    DECODE = 0x43
-    SET_EXPERT_MODE = 0x44
-    SWAP_QUANT = 0x45
-    PIPELINE_ATTACH = 0x46
-    AUTH = 0x4F  # ours: nonce challenge / HMAC proof when --auth-token is set
 
 
 @dataclass

@@ -1,0 +1,164 @@
+"""The merged RPC port's bytes, declared once for the head, the peer and the console (DESIGN §4).
+
+Like ggml-rpc's packed-struct block that both ends include: every command id, status code,
+capability bit and request/response layout is here, and `engine/rpc` and `app/control_client`
+import them. Framing and parsing code lives in `engine/rpc/wire.py`.
+
+Compute protocol (ggml-rpc framing): request `cmd u8 | size u64 LE | payload`, response
+`size u64 LE | payload`. HELLO (14) first; with a token, the server then sends a nonce and the
+client answers AUTH with HMAC-SHA256(token, nonce). Every reply to our commands (ids >= 32)
+starts with a `ReplyStatus` byte, then JSON, raw bytes or an error message:
+
+| cmd | request payload | reply after the status byte |
+|---|---|---|
+| HELLO 14 | `HELLO` (major, minor, patch, pad, caps) | (no status byte) `HELLO` of the server, then a refusal text if versions differ |
+| AUTH 40 | 32-byte HMAC proof | empty |
+| CHECK 39 | JSON `CheckRequest` | JSON {"epoch", ...} |
+| LOAD_STAGE 32 | JSON `LoadStageRequest` | JSON {"epoch", "layers", "device", ...} |
+| RESOLVE 33 | tensor name (UTF-8) | JSON {"found", "epoch", "dtype", "shape"} |
+| FORWARD 34 | `FORWARD_HEADER` + int32 slots[T] + int32 positions[T] + hidden[T, d] raw | (own header) `FORWARD_REPLY` + hidden raw |
+| FORWARD_IPC 42 | FORWARD without the hidden bytes | `FORWARD_REPLY` |
+| KV_TRIM 35 | `KV_TRIM` (slot i32, n u32) | empty |
+| KV_CLEAR 36 | `KV_CLEAR` (slot i32; -1 = all) | empty |
+| STATS 37 | empty | JSON |
+| PING 38 | up to 64 bytes | the same bytes |
+| IPC_OPEN 41 | JSON `IpcOpenRequest` | JSON channel description |
+
+Hydra control protocol (the fork's framing): request `CONTROL_HEADER` (magic, op, flags,
+key_len, payload_len, trace_len) + key + trace + payload; response `CONTROL_RESPONSE`
+(status u8 | meta_len u24, payload_len u64) + meta JSON + payload.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import struct
+from typing import TypedDict
+
+# --- framing ---------------------------------------------------------------------------------------
+
+COMPUTE_FIRST_BYTE = 0x0E  # HELLO's command id: what a compute client always sends first
+CONTROL_MAGIC = 0x4859  # b"YH" on the wire: control frames start with 0x59
+
+COMPUTE_HEADER = struct.Struct("<BQ")
+COMPUTE_SIZE = struct.Struct("<Q")
+CONTROL_HEADER = struct.Struct("<HBBHQH")
+CONTROL_RESPONSE = struct.Struct("<IQ")  # status u8 + meta_len u24 packed in one u32, payload_len
+MAX_META = (1 << 24) - 1
+DRAIN_CHUNK = 64 * 1024
+STATE_PUT_CAP = 4 << 30  # 4 GiB of KV in one frame
+
+# --- compute protocol --------------------------------------------------------------------------------
+
+VERSION = (72, 1, 0)  # major 72 ("H") never matches an upstream ggml-rpc major (1..3)
+CAP_AUTH, CAP_FORWARD, CAP_RESOLVE, CAP_IPC = 1, 2, 4, 8
+
+
+class Cmd:
+    HELLO = 14  # ggml-rpc's id
+    LOAD_STAGE = 32
+    RESOLVE = 33
+    FORWARD = 34
+    KV_TRIM = 35
+    KV_CLEAR = 36
+    STATS = 37
+    PING = 38
+    CHECK = 39
+    AUTH = 40
+    IPC_OPEN = 41
+    FORWARD_IPC = 42
+
+
+class ReplyStatus:
+    OK, ERROR, STALE_EPOCH = 0, 1, 2
+
+
+HELLO = struct.Struct("<BBBBI")
+HELLO_MAX = 64  # a HELLO payload longer than this is not a HELLO
+FORWARD_HEADER = struct.Struct("<QIIB3x")  # epoch, n_tokens, n_embd, dtype code
+FORWARD_REPLY = struct.Struct("<B3xI")  # status, peer compute µs
+KV_TRIM = struct.Struct("<iI")
+KV_CLEAR = struct.Struct("<i")
+PING_MAX = 64
+
+# Hidden-state dtypes on the wire, by torch name (the engine maps names to torch dtypes).
+DTYPE_CODES = {"float32": 0, "float16": 1, "bfloat16": 2}
+CODE_DTYPES = {v: k for k, v in DTYPE_CODES.items()}
+
+
+class CheckRequest(TypedDict):
+    fingerprint: str  # GGUF header + tensor table hash
+    shapes: dict[str, list[int]]  # every tensor's shape, torch order
+
+
+class LoadStageRequest(TypedDict):
+    layers: list[int]  # [a, b)
+    dtype: str  # a DTYPE_CODES name
+    n_slots: int
+    n_ctx: int
+
+
+class IpcOpenRequest(TypedDict):
+    uuid: str  # the head's GPU; the peer refuses unless it computes on the same one
+    rows: int
+    dtype: str
+
+
+# --- control protocol --------------------------------------------------------------------------------
+
+
+class Status:
+    OK, NOT_FOUND, ERROR, PARTIAL, BUSY, BAD_REQUEST, NOT_IMPLEMENTED = range(7)
+
+
+STATUS_NAMES = {v: k for k, v in vars(Status).items() if k.isupper()}
+
+
+class Op:
+    STATE_GET = 0x30
+    STATE_PUT = 0x31
+    STATE_META = 0x32
+    CONFIGURE = 0x40  # JSON {"split": "12/6"} or {"layers": [[0, 12], [12, 18]]}: live re-split
+    INFO = 0x41
+    PREFILL = 0x42
+    DECODE = 0x43
+    SET_EXPERT_MODE = 0x44
+    SWAP_QUANT = 0x45
+    PIPELINE_ATTACH = 0x46
+    AUTH = 0x4F  # ours: empty payload -> nonce challenge in meta; then the HMAC proof
+
+
+KNOWN_OPS = frozenset(v for k, v in vars(Op).items() if k.isupper())
+
+# --- errors both sides raise -------------------------------------------------------------------------
+
+
+class StaleEpoch(Exception):
+    """The head validated an older resident set than the one the peer holds now."""
+
+
+class ControlError(Exception):
+    """A control op refused with a `Status` (the connection lives on)."""
+
+    def __init__(self, message: str, status: int = Status.ERROR):
+        super().__init__(message)
+        self.status = status
+
+
+# --- authentication: HMAC-SHA256(token, server nonce), never the token itself -------------------------
+
+NONCE_BYTES = 16
+
+
+def new_nonce() -> bytes:
+    return os.urandom(NONCE_BYTES)
+
+
+def prove(token: str, nonce: bytes) -> bytes:
+    return hmac.new(token.encode(), nonce, hashlib.sha256).digest()
+
+
+def verify(token: str, nonce: bytes, proof: bytes) -> bool:
+    return hmac.compare_digest(prove(token, nonce), bytes(proof))
