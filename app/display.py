@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import psutil
 
+from ..contracts.status import Status
 from .config import Alerts
 from .supervisor import Event, State, Supervisor, Worker, describe_exit
 
@@ -49,8 +50,8 @@ def state_text(w: Worker, now: float) -> tuple[str, str]:
     word = w.state.value
     if w.state == State.BACKOFF and w.backoff_until is not None:
         word = f"backoff {max(0.0, w.backoff_until - now):.0f}s"
-    elif w.state == State.STARTING and w.status and w.status.get("startup_stage"):
-        word = f"starting {w.status['startup_stage']}/4"
+    elif w.state == State.STARTING and w.status:
+        word = f"starting {w.status.startup_stage}/4"
     return f"{symbol} {word}", tone
 
 
@@ -106,11 +107,10 @@ def bar(used: float | None, total: float | None, width: int = 20) -> str:
 
 def worker_layers(w: Worker, sup: Supervisor) -> list | None:
     """This worker's layer range: its own /status stage, else the head's view of the pipeline."""
-    st = w.status or {}
-    for s in st.get("stages") or []:
-        if isinstance(s, dict) and s.get("role") == w.role and s.get("layers"):
-            if w.role == "head" or _addr_port(s.get("addr")) == w.spec.rpc:
-                return s["layers"]
+    for s in w.status.stages if w.status else []:
+        if s.role == w.role and s.layers:
+            if w.role == "head" or _addr_port(s.addr) == w.spec.rpc:
+                return list(s.layers)
     ranges = sup.stage_ranges()
     if ranges:
         idx = list(sup.workers).index(w.name)
@@ -127,8 +127,8 @@ def _addr_port(addr) -> int | None:
 
 
 def worker_devices(w: Worker) -> str:
-    devs = (w.status or {}).get("devices") or []
-    names = [f"{d.get('kind', '?')}:{d.get('index', 0)}" if d.get("kind") == "cuda" else str(d.get("kind", "?")) for d in devs]
+    devs = w.status.devices if w.status else []
+    names = [f"{d.kind}:{d.index}" if d.kind == "cuda" else d.kind for d in devs]
     return ",".join(names) if names else w.spec.device
 
 
@@ -171,15 +171,13 @@ def memory_rows(sup: Supervisor, alerts: Alerts) -> list[MemoryRow]:
     """
     rows: list[MemoryRow] = []
     for w in sup.workers.values():
-        devs = [d for d in (w.status or {}).get("devices") or [] if isinstance(d, dict)]
+        devs = w.status.devices if w.status else []
         # psutil on a local worker's pid says what this process holds, beside the machine-wide figure.
         own = f"rss {fmt_bytes(w.rss)}" + (f" cpu {w.cpu_pct:.0f}%" if w.cpu_pct is not None else "") if w.rss else ""
         for d in devs:
-            kind = d.get("kind", "?")
-            label = f"{w.name} {kind}:{d.get('index', 0)}" if kind == "cuda" else f"{w.name} RAM"
-            used, total = d.get("memory_used"), d.get("memory_total")
-            util = d.get("util")
-            note = f"util {util:.0f}%" if isinstance(util, (int, float)) and kind == "cuda" else own
+            label = f"{w.name} {d.kind}:{d.index}" if d.kind == "cuda" else f"{w.name} RAM"
+            used, total = d.memory_used, d.memory_total
+            note = f"util {d.util:.0f}%" if d.util is not None and d.kind == "cuda" else own
             rows.append(MemoryRow(label, used, total, note, _mem_tone(used, total, alerts)))
         if not devs and w.rss is not None:
             total = psutil.virtual_memory().total
@@ -203,46 +201,41 @@ def memory_line(row: MemoryRow, width: int = 16) -> str:
 
 def throughput(sup: Supervisor) -> dict:
     """Head throughput now + the sparkline histories."""
-    st = sup.head.status or {}
-    thr = st.get("throughput") or {}
+    thr = sup.head.status.throughput if sup.head.status else None
     return {
-        "prefill": thr.get("prefill_tok_s"),
-        "decode": thr.get("decode_tok_s"),
+        "prefill": thr.prefill_tok_s if thr else None,
+        "decode": thr.decode_tok_s if thr else None,
         "prefill_hist": list(sup.head.prefill_hist),
         "decode_hist": list(sup.head.decode_hist),
     }
 
 
-def acceptance_text(status: dict | None) -> str:
-    spec = (status or {}).get("speculative") or {}
-    if not spec or spec.get("type", "off") == "off":
+def acceptance_text(status: Status | None) -> str:
+    spec = status.speculative if status else None
+    if spec is None or spec.type == "off":
         return "spec off"
-    acc, mean = spec.get("acceptance"), spec.get("mean_accepted_len")
-    mean_s = "—" if mean is None else f"{mean:.2f}"
-    return f"spec {spec['type']}: accept {fmt_pct(acc)} · mean len {mean_s} · drafts {spec.get('drafts', 0)}"
+    mean_s = "—" if spec.mean_accepted_len is None else f"{spec.mean_accepted_len:.2f}"
+    return f"spec {spec.type}: accept {fmt_pct(spec.acceptance)} · mean len {mean_s} · drafts {spec.drafts}"
 
 
-def pool_text(status: dict | None) -> str:
-    pool = (status or {}).get("pool")
-    if not pool:
+def pool_text(status: Status | None) -> str:
+    pool = status.pool if status else None
+    if pool is None:
         return "pool —"
-    return (f"pool {pool.get('busy', 0)}/{pool.get('size', 0)} busy · queued {pool.get('queued', 0)}"
-            f" · dropped {pool.get('dropped', 0)}")
+    return f"pool {pool.busy}/{pool.size} busy · queued {pool.queued} · dropped {pool.dropped}"
 
 
-def peer_lines(status: dict | None, alerts: Alerts) -> list[tuple[str, str]]:
+def peer_lines(status: Status | None, alerts: Alerts) -> list[tuple[str, str]]:
     """("127.0.0.1:8091 ● up 0.3 ms [9,18)", tone) per peer the head drives; "· cuda-ipc" when the
     hidden states stay on a GPU the head and peer share."""
     out = []
-    for p in (status or {}).get("peers") or []:
-        state = p.get("state", "?")
-        symbol, tone = {"up": ("●", "ok"), "connecting": ("◐", "busy"), "down": ("✖", "error")}.get(state, ("?", "muted"))
-        rtt = p.get("rtt_ms")
-        rtt_s = "—" if rtt is None else f"{rtt:.1f} ms"
-        if tone == "ok" and rtt is not None and rtt >= alerts.rtt_ms:
+    for p in status.peers if status else []:
+        symbol, tone = {"up": ("●", "ok"), "connecting": ("◐", "busy"), "down": ("✖", "error")}.get(p.state, ("?", "muted"))
+        rtt_s = "—" if p.rtt_ms is None else f"{p.rtt_ms:.1f} ms"
+        if tone == "ok" and p.rtt_ms is not None and p.rtt_ms >= alerts.rtt_ms:
             tone, rtt_s = "warn", f"{rtt_s} ⚠"
-        ipc = " · cuda-ipc" if p.get("transport") == "cuda-ipc" else ""
-        out.append((f"{p.get('addr', '?')} {symbol} {state} rtt {rtt_s} {fmt_layers(p.get('layers'))}{ipc}", tone))
+        ipc = " · cuda-ipc" if p.transport == "cuda-ipc" else ""
+        out.append((f"{p.addr} {symbol} {p.state} rtt {rtt_s} {fmt_layers(p.layers)}{ipc}", tone))
     return out
 
 
@@ -301,8 +294,8 @@ def snapshot(sup: Supervisor) -> dict:
                 "pid": w.shown_pid(),
                 "uptime_s": w.uptime(now),
                 "layers": worker_layers(w, sup),
-                "health": p.health if p else None,
-                "status": p.status if p else None,
+                "health": p.health.to_json() if p and p.health else None,
+                "status": p.status.to_json() if p and p.status else None,
             }
         )
     return {"profile": sup.profile.name, "time": now, "workers": out}

@@ -18,38 +18,33 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from ..contracts.split import parse_split
+from ..contracts.status import Address, DeviceInfo, Health, ModelInfo, PeerInfo, Pool, Speculative, StageInfo, Status
 
 
-def build_status(args, started: float) -> dict:
+def build_status(args, started: float) -> Status:
     n_stages = 1 + len(args.peer)
     stage_ranges = parse_split(args.split, args.layers, n_stages)
-    stages = [{"role": "head", "addr": f"{args.rpc_host}:{args.rpc_port}", "layers": list(stage_ranges[0]), "device": "cpu", "state": "ok"}]
-    stages += [
-        {"role": "peer", "addr": addr, "layers": list(r), "device": "cpu", "state": "ok"}
-        for addr, r in zip(args.peer, stage_ranges[1:])
-    ]
+    stages = [StageInfo("head", f"{args.rpc_host}:{args.rpc_port}", stage_ranges[0], "cpu", "ok")]
+    stages += [StageInfo("peer", addr, r, "cpu", "ok") for addr, r in zip(args.peer, stage_ranges[1:])]
     up = time.time() - started
     ready = up >= args.startup_delay
-    return {
-        "role": args.command if args.command == "peer" else "head",
-        "pid": os.getpid(),
-        "version": "fake",
-        "uptime_s": round(up, 1),
-        "state": "ok" if ready else "starting",
-        "startup_stage": 4 if ready else 1,
-        "http": {"host": args.host, "port": args.port},
-        "rpc": {"host": args.rpc_host, "port": args.rpc_port},
-        "model": {"name": "fake", "path": args.model or "", "arch": "fake", "n_layers": args.layers, "fingerprint": "0"},
-        "stages": stages if args.command == "serve" else [],
-        "devices": [{"index": 0, "kind": "cpu", "name": "cpu", "memory_used": 1 << 30, "memory_total": 8 << 30, "util": None}],
-        "throughput": {"prefill_tok_s": 0.0, "decode_tok_s": 0.0, "prefill_tokens_total": 0, "decode_tokens_total": 0},
-        "speculative": {"type": "off", "draft_max": 3, "drafts": 0, "draft_tokens": 0, "accepted": 0,
-                        "acceptance": None, "mean_accepted_len": None, "recent_acceptance": None},
-        "pool": {"size": 2, "busy": 0, "queued": 0, "queue_max": 64, "dropped": 0, "accepted": 0},
-        "peers": [{"addr": a, "state": "up", "rtt_ms": 0.3, "layers": list(r), "bytes_sent": 0, "bytes_recv": 0}
-                  for a, r in zip(args.peer, stage_ranges[1:])] if args.command == "serve" else [],
-        "slots": [],
-    }
+    head = args.command == "serve"
+    return Status(
+        role="head" if head else "peer",
+        pid=os.getpid(),
+        version="fake",
+        uptime_s=round(up, 1),
+        state="ok" if ready else "starting",
+        startup_stage=4 if ready else 1,
+        http=Address(args.host, args.port),
+        rpc=Address(args.rpc_host, args.rpc_port),
+        model=ModelInfo("fake", args.model or "", "fake", args.layers, "0"),
+        stages=stages if head else [],
+        devices=[DeviceInfo(0, "cpu", "cpu", 1 << 30, 8 << 30)],
+        speculative=Speculative(draft_max=3),
+        pool=Pool(size=2, queue_max=64),
+        peers=[PeerInfo(a, "up", rtt_ms=0.3, layers=r) for a, r in zip(args.peer, stage_ranges[1:])] if head else [],
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -72,12 +67,11 @@ def main(argv: list[str] | None = None) -> int:
         def do_GET(self):
             doc = build_status(args, started)
             if self.path == "/health":
-                ok = doc["state"] == "ok"
-                body = {"status": doc["state"], "startup_stage": doc["startup_stage"], "has_model": ok,
-                        "model_name": "fake", "rpc_active": ok}
-                code = 200 if ok else 503
+                ok = doc.state == "ok"
+                health = Health(doc.state, doc.startup_stage, ok, "fake", ok)
+                body, code = health.to_json(), health.http_code
             elif self.path == "/status":
-                body, code = doc, 200
+                body, code = doc.to_json(), 200
             else:
                 body, code = {"error": "not found"}, 404
             data = json.dumps(body).encode()

@@ -12,27 +12,37 @@ from typing import Protocol
 
 import httpx
 
+from ..contracts.status import Health, Status
 from .config import WorkerSpec
 
 
 @dataclass(frozen=True)
 class Probe:
-    """One poll of one worker. reachable=False means nothing answered on its HTTP port."""
+    """One poll of one worker. reachable=False means nothing answered on its HTTP port.
+
+    `health` and `status` arrive as JSON and are parsed here, once, into the contract's types."""
 
     reachable: bool
     health_code: int | None = None
-    health: dict | None = None
-    status: dict | None = None
+    health: Health | None = None
+    status: Status | None = None
     error: str | None = None
     latency_ms: float | None = None
+
+    def __post_init__(self):
+        if isinstance(self.health, dict):
+            implied = "ok" if self.health_code == 200 else "starting"  # a body without a state word
+            object.__setattr__(self, "health", Health.from_json({"status": implied, **self.health}))
+        if isinstance(self.status, dict):
+            object.__setattr__(self, "status", Status.from_json(self.status))
 
     @property
     def health_state(self) -> str | None:
         """"starting" | "ok" | "degraded" from /health (a 503 without a body counts as starting)."""
         if not self.reachable:
             return None
-        if self.health and isinstance(self.health.get("status"), str):
-            return self.health["status"]
+        if self.health is not None:
+            return self.health.status
         return "ok" if self.health_code == 200 else "starting"
 
 

@@ -29,11 +29,12 @@ from typing import Callable
 
 import psutil
 
-from ..engine.errors import UserError
+from ..contracts.errors import UserError
+from ..contracts.split import split_arg
+from ..contracts.status import Status
 from . import control_client
 from .config import DEFAULT_SSH_TEMPLATE, Profile, WorkerSpec, state_dir
 from .sources import HttpStatusSource, Probe, StatusSource
-from ..contracts.split import split_arg
 
 log = logging.getLogger("hydra.console.supervisor")
 HISTORY = 120  # samples kept for sparklines (2 min at 1 Hz)
@@ -135,7 +136,7 @@ class Worker:
         return self.spec.name
 
     @property
-    def status(self) -> dict | None:
+    def status(self) -> Status | None:
         return self.probe.status if self.probe else None
 
     @property
@@ -146,13 +147,13 @@ class Worker:
         if self.managed:
             return now - self.started_at if self.running and self.started_at is not None else None
         st = self.status
-        return float(st["uptime_s"]) if st and isinstance(st.get("uptime_s"), (int, float)) else None
+        return st.uptime_s if st else None
 
     def shown_pid(self) -> int | None:
         if self.managed:
             return self.pid if self.running else None
         st = self.status
-        return st.get("pid") if st else None
+        return st.pid if st else None
 
 
 async def _listening(host: str, port: int) -> bool:
@@ -239,13 +240,7 @@ class Supervisor:
     def stage_ranges(self) -> list[tuple[str, tuple[int, int]]] | None:
         """Layer ranges the head reports in /status, pipeline order."""
         st = self.head.status
-        if not st or not isinstance(st.get("stages"), list):
-            return None
-        out = []
-        for s in st["stages"]:
-            layers = s.get("layers") if isinstance(s, dict) else None
-            if isinstance(layers, list) and len(layers) == 2:
-                out.append((str(s.get("addr") or s.get("role") or "?"), (int(layers[0]), int(layers[1]))))
+        out = [(s.addr or s.role, s.layers) for s in (st.stages if st else []) if s.layers is not None]
         return out or None
 
     # ---- commands ----------------------------------------------------------------------------
@@ -552,10 +547,9 @@ class Supervisor:
                 return
         w.misses = 0
         w.probe = p
-        thr = (p.status or {}).get("throughput")
-        if isinstance(thr, dict):
-            w.prefill_hist.append(float(thr.get("prefill_tok_s") or 0.0))
-            w.decode_hist.append(float(thr.get("decode_tok_s") or 0.0))
+        if p.status is not None:
+            w.prefill_hist.append(p.status.throughput.prefill_tok_s)
+            w.decode_hist.append(p.status.throughput.decode_tok_s)
         if w._ps is not None:
             try:
                 w.cpu_pct = w._ps.cpu_percent(None)

@@ -25,6 +25,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .errors import UserError
 from .metrics import CONTENT_TYPE, Metrics
+from ..contracts.status import ModelInfo
 from .status import StatusDocument
 
 if TYPE_CHECKING:  # the engine's modules bring torch: imported when the model loads, after the port is up
@@ -141,7 +142,6 @@ class Head:
         self.gguf = None
         self.tok = None
         self.engine = None
-        self.rpc_active = False
         self.rpc = None
         self.created = int(time.time())
         self.error: BaseException | None = None
@@ -164,8 +164,7 @@ class Head:
         self.tok = Tokenizer.from_gguf(self.gguf)
         cfg = ModelConfig.from_gguf(self.gguf)
         self.model_name = self.model_name or path.stem
-        self.status.model = {"name": self.model_name, "path": str(path), "arch": self.gguf.architecture,
-                             "n_layers": cfg.n_layers, "fingerprint": self.gguf.fingerprint}  # fmt: skip
+        self.status.model = ModelInfo(self.model_name, str(path), self.gguf.architecture, cfg.n_layers, self.gguf.fingerprint)
         self.status.startup_stage = 2
         # Before the peers: a bad --spec-type / --model-draft fails at once.
         speculator = build_speculator(args, self.gguf, n_slots=args.parallel, n_ctx=args.ctx)
@@ -176,7 +175,6 @@ class Head:
         self.rpc = HeadRpc(args, self.gguf, cfg, pipeline, self.status.model).start()
         self.status.add_provider(self.rpc.status)
         self.metrics.register(RpcCollector(self.rpc.listener, pipeline))
-        self.rpc_active = True
         self.status.startup_stage = 3
         self.engine = Engine(pipeline, self.tok, n_slots=args.parallel, n_ctx=args.ctx, speculator=speculator).start()
         pipeline.active_slots = lambda: {s.slot for s in self.engine.slots if s is not None}
@@ -352,26 +350,22 @@ def create_app(head: Head) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        st = head.status
-        body = {"status": st.state, "startup_stage": st.startup_stage, "has_model": st.startup_stage >= 2,
-                "model_name": head.model_name, "rpc_active": head.rpc_active}  # fmt: skip
-        if head.error is not None:
-            body["error"] = str(head.error)
-        return JSONResponse(body, status_code=200 if head.ready else 503)
+        health = head.status.health()
+        return JSONResponse(health.to_json(), status_code=health.http_code)
 
     @app.get("/v1/models")
     @app.get("/models", include_in_schema=False)
     async def models():
         data = []
         if head.status.startup_stage >= 2:
-            meta = {"n_ctx": head.args.ctx, "n_vocab": head.tok.vocab_size, **(head.status.model or {})}
+            meta = {"n_ctx": head.args.ctx, "n_vocab": head.tok.vocab_size, **head.status.model.to_json()}
             data.append({"id": head.model_name, "object": "model", "created": head.created, "owned_by": "hydra",
                          "meta": meta})  # fmt: skip
         return {"object": "list", "data": data}
 
     @app.get("/status")
     async def status():
-        return await asyncio.to_thread(head.status.to_dict)
+        return (await asyncio.to_thread(head.status.document)).to_json()
 
     @app.get("/metrics")
     async def metrics():
@@ -602,6 +596,7 @@ def serve(args) -> int:
             print(f"hydra-engine: serving {head.model_name} on http://{args.host}:{args.port}", file=sys.stderr)
         except BaseException as e:  # any failure ends the server; serve() reports it
             head.error = e
+            head.status.error = f"{type(e).__name__}: {e}"
             server.should_exit = True
 
     threading.Thread(target=load, name="hydra-load", daemon=True).start()

@@ -65,16 +65,16 @@ class _HydraCollector:
         layers = GaugeMetricFamily("hydra_stage_layers", "Layers held by each pipeline stage.",
                                    labels=["stage", "role", "first", "end"])  # fmt: skip
         for i, st in enumerate(self.status.stages()):
-            if st["layers"]:
-                a, b = st["layers"]
-                layers.add_metric([str(i), st["role"], str(a), str(b)], b - a)
+            if st.layers:
+                a, b = st.layers
+                layers.add_metric([str(i), st.role, str(a), str(b)], b - a)
         yield layers
         used = GaugeMetricFamily("hydra_device_memory_used_bytes", "Device memory in use.", labels=["device", "name"])
         total = GaugeMetricFamily("hydra_device_memory_total_bytes", "Device memory size.", labels=["device", "name"])
         for d in devices():
-            label = [f"{d['kind']}:{d['index']}", d["name"]]
-            used.add_metric(label, d["memory_used"])
-            total.add_metric(label, d["memory_total"])
+            label = [f"{d.kind}:{d.index}", d.name]
+            used.add_metric(label, d.memory_used)
+            total.add_metric(label, d.memory_total)
         yield used
         yield total
 

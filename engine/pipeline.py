@@ -19,6 +19,7 @@ import torch
 
 from ..contracts.rpc import StaleEpoch
 from ..contracts.split import check_ranges, parse_split
+from ..contracts.status import StageInfo
 from .errors import UserError
 from .model import Stage
 
@@ -235,11 +236,11 @@ class Pipeline:
                     i = self.remotes.index(remote) + 1
                     self._stale = i if self._stale is None else max(self._stale, i)
 
-    def stages(self) -> list[dict]:
+    def stages(self) -> list[StageInfo]:
         """Explicit layer ranges of every stage, for /status."""
-        out = [{"role": "head", "addr": None, "layers": list(self.ranges[0]), "device": str(self.head.device), "state": "ok"}]
+        out = [StageInfo("head", None, tuple(self.ranges[0]), str(self.head.device), "ok")]
         for remote, r in zip(self.remotes, self.ranges[1:]):
-            out.append({"role": "peer", "addr": remote.addr, "layers": list(r), "device": str(remote.device), "state": remote.state})
+            out.append(StageInfo("peer", remote.addr, tuple(r), str(remote.device), remote.state))
         return out
 
 

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import torch
 
+from ..contracts.status import Speculative
 from .errors import UserError
 
 SPEC_TYPES = ("off", "ngram", "draft", "mtp")
@@ -367,24 +368,24 @@ class SpecStats:
                 self.accepted_per_pos[i] += 1
             self._recent.append((time.monotonic(), n_drafted, n_accepted))
 
-    def snapshot(self, spec: SpecConfig | None = None) -> dict:
+    def snapshot(self, spec: SpecConfig | None = None) -> Speculative:
         """The /status `speculative` section."""
         with self._lock:
             cutoff = time.monotonic() - self.window_s
             recent = [(d, a) for t, d, a in self._recent if t >= cutoff]
             r_drafted = sum(d for d, _ in recent)
             r_accepted = sum(a for _, a in recent)
-            return {
-                "type": spec.type if spec else "off",
-                "draft_max": spec.n_max if spec else 0,
-                "drafts": self.drafts,
-                "draft_tokens": self.draft_tokens,
-                "accepted": self.accepted,
-                "acceptance": self.accepted / self.draft_tokens if self.draft_tokens else None,
-                "mean_accepted_len": 1 + self.accepted / self.drafts if self.drafts else None,
-                "recent_acceptance": r_accepted / r_drafted if r_drafted else None,
-                "accepted_per_pos": list(self.accepted_per_pos),
-            }
+            return Speculative(
+                type=spec.type if spec else "off",
+                draft_max=spec.n_max if spec else 0,
+                drafts=self.drafts,
+                draft_tokens=self.draft_tokens,
+                accepted=self.accepted,
+                acceptance=self.accepted / self.draft_tokens if self.draft_tokens else None,
+                mean_accepted_len=1 + self.accepted / self.drafts if self.drafts else None,
+                recent_acceptance=r_accepted / r_drafted if r_drafted else None,
+                accepted_per_pos=list(self.accepted_per_pos),
+            )
 
 
 # ---------------------------------------------------------------- the engine's side

@@ -1,20 +1,32 @@
-"""The `/status` document (schema in docs/ARCHITECTURE.md) and the device probe behind it.
+"""A worker's `/health` and `/status` (types in contracts.status) and the device probe behind them.
 
 `StatusDocument` holds what the worker knows about itself; sections it does not own (the RPC
 address, pool occupancy, peers) come from providers added with `add_provider(fn)`: each returns
-a dict of top-level keys merged over the defaults at every request.
+{field: value} set over the defaults at every request.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 import time
 from typing import Callable
 
 from .. import __version__
+from ..contracts.status import (
+    READY_STAGE,
+    Address,
+    DeviceInfo,
+    Health,
+    ModelInfo,
+    SlotInfo,
+    Speculative,
+    StageInfo,
+    Status,
+    Throughput,
+)
 
-STARTUP_STAGES = {1: "alive", 2: "model loaded", 3: "RPC active", 4: "ready"}
 
 
 class _Nvml:
@@ -39,7 +51,7 @@ class _Nvml:
             return cls._handle
 
 
-def devices() -> list[dict]:
+def devices() -> list[DeviceInfo]:
     """GPUs with memory used/total (NVML, else torch.cuda), else the host's RAM as one cpu device."""
     nvml = _Nvml.module()
     if nvml is not None:
@@ -50,8 +62,7 @@ def devices() -> list[dict]:
                 mem = nvml.nvmlDeviceGetMemoryInfo(h)
                 util = nvml.nvmlDeviceGetUtilizationRates(h).gpu
                 name = nvml.nvmlDeviceGetName(h)
-                out.append({"index": i, "kind": "cuda", "name": name.decode() if isinstance(name, bytes) else name,
-                            "memory_used": int(mem.used), "memory_total": int(mem.total), "util": util})  # fmt: skip
+                out.append(DeviceInfo(i, "cuda", name.decode() if isinstance(name, bytes) else name, int(mem.used), int(mem.total), util))
             if out:
                 return out
         except Exception:  # a device vanished or NVML broke mid-way: the next probe is torch
@@ -62,99 +73,78 @@ def devices() -> list[dict]:
         out = []
         for i in range(torch.cuda.device_count()):
             free, total = torch.cuda.mem_get_info(i)
-            out.append({"index": i, "kind": "cuda", "name": torch.cuda.get_device_name(i),
-                        "memory_used": int(total - free), "memory_total": int(total), "util": None})  # fmt: skip
+            out.append(DeviceInfo(i, "cuda", torch.cuda.get_device_name(i), int(total - free), int(total)))
         return out
     import psutil
 
     vm = psutil.virtual_memory()
-    return [{"index": 0, "kind": "cpu", "name": f"CPU ({os.cpu_count()} cores)",
-             "memory_used": int(vm.total - vm.available), "memory_total": int(vm.total), "util": psutil.cpu_percent()}]  # fmt: skip
-
-
-def _stage_entry(stage, role: str, addr: str | None, fallback_state: str) -> dict:
-    layers = getattr(stage, "layer_range", None)
-    return {
-        "role": role,
-        "addr": getattr(stage, "addr", addr),
-        "layers": list(layers) if layers is not None else None,
-        "device": str(getattr(stage, "device", "cpu")),
-        "state": getattr(stage, "state", fallback_state),
-    }
+    return [DeviceInfo(0, "cpu", f"CPU ({os.cpu_count()} cores)", int(vm.total - vm.available), int(vm.total), psutil.cpu_percent())]
 
 
 class StatusDocument:
-    """What one worker reports at /status. The owner sets `startup_stage`, `model`, `pipeline`,
-    `engine` as they come up; everything is read at request time."""
+    """What one worker reports at /health and /status. The owner sets `startup_stage`, `model`,
+    `pipeline`, `engine` as they come up; everything is read at request time."""
 
-    def __init__(self, role: str, host: str, port: int):
+    def __init__(self, role: str, host: str, port: int, config: dict | None = None):
         self.role = role
-        self.http = {"host": host, "port": port}
+        self.http = Address(host, port)
+        self.config = config
         self.t0 = time.monotonic()
         self.startup_stage = 1
         self.degraded = False
-        self.model: dict | None = None
+        self.error: str | None = None  # why loading failed
+        self.model: ModelInfo | None = None
         self.pipeline = None
         self.engine = None
         self._providers: list[Callable[[], dict]] = []
 
     def add_provider(self, fn: Callable[[], dict]) -> None:
-        """`fn()` → dict of top-level keys (e.g. "rpc", "pool", "peers") merged into every document."""
+        """`fn()` -> {Status field: value} (e.g. "rpc", "pool", "peers") set on every document."""
         self._providers.append(fn)
 
     @property
     def state(self) -> str:
-        if self.startup_stage < 4:
+        if self.startup_stage < READY_STAGE:
             return "starting"
         return "degraded" if self.degraded else "ok"
 
-    def stages(self) -> list[dict]:
-        if self.pipeline is None:
-            return []
-        out = [_stage_entry(self.pipeline.head, self.role, None, "ok")]
-        out += [_stage_entry(r, "peer", None, "ok") for r in self.pipeline.remotes]
-        return out
+    def health(self) -> Health:
+        return Health(self.state, self.startup_stage, self.model is not None,
+                      self.model.name if self.model else None, self.startup_stage >= 3, self.error)  # fmt: skip
 
-    def to_dict(self) -> dict:
+    def stages(self) -> list[StageInfo]:
+        return self.pipeline.stages() if self.pipeline is not None else []
+
+    def document(self) -> Status:
         engine = self.engine
-        doc = {
-            "role": self.role,
-            "pid": os.getpid(),
-            "version": __version__,
-            "uptime_s": round(time.monotonic() - self.t0, 3),
-            "state": self.state,
-            "startup_stage": self.startup_stage,
-            "http": self.http,
-            "rpc": None,
-            "model": self.model,
-            "stages": self.stages(),
-            "devices": devices(),
-            "throughput": throughput(engine),
-            "speculative": speculative(engine),
-            "pool": None,
-            "peers": [],
-            "slots": engine.slot_info() if engine is not None else [],
-        }
+        doc = Status(
+            role=self.role,
+            pid=os.getpid(),
+            version=__version__,
+            uptime_s=round(time.monotonic() - self.t0, 3),
+            state=self.state,
+            startup_stage=self.startup_stage,
+            http=self.http,
+            model=self.model,
+            stages=self.stages(),
+            devices=devices(),
+            throughput=throughput(engine),
+            speculative=speculative(engine),
+            slots=[SlotInfo(**s) for s in engine.slot_info()] if engine is not None else [],
+            config=self.config,
+        )
         for provider in self._providers:
-            doc.update(provider())
+            doc = dataclasses.replace(doc, **provider())
         return doc
 
 
-def throughput(engine) -> dict:
+def throughput(engine) -> Throughput:
     if engine is None:
-        return {"prefill_tok_s": 0.0, "decode_tok_s": 0.0, "prefill_tokens_total": 0, "decode_tokens_total": 0}
+        return Throughput()
     prefill, decode = engine.stats.rates()
-    return {
-        "prefill_tok_s": round(prefill, 2),
-        "decode_tok_s": round(decode, 2),
-        "prefill_tokens_total": engine.stats.prompt_tokens,
-        "decode_tokens_total": engine.stats.predicted_tokens,
-    }
+    return Throughput(round(prefill, 2), round(decode, 2), engine.stats.prompt_tokens, engine.stats.predicted_tokens)
 
 
-def speculative(engine) -> dict:
+def speculative(engine) -> Speculative:
     spec = getattr(engine, "spec_stats", None)
-    if spec is not None:
-        return spec.snapshot(getattr(engine, "spec_config", None))
-    return {"type": "off", "draft_max": 0, "drafts": 0, "draft_tokens": 0, "accepted": 0,
-            "acceptance": None, "mean_accepted_len": None, "recent_acceptance": None}  # fmt: skip
+    return spec.snapshot(getattr(engine, "spec_config", None)) if spec is not None else Speculative()

@@ -135,7 +135,7 @@ def assert_peer_kill_fails_request_fast(head: Worker, victim: Worker, max_tokens
 
     t = threading.Thread(target=run)
     t.start()
-    wait_for(lambda: any(s.get("n_decoded", 0) > 3 for s in head.status()["slots"]), timeout, "decoding to start")
+    wait_for(lambda: any((s["n_decoded"] or 0) > 3 for s in head.status()["slots"]), timeout, "decoding to start")
     killed_at = time.monotonic()  # before the kill: kill9() also waits for the exit
     victim.kill9()
     t.join(timeout=timeout)

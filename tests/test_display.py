@@ -13,6 +13,7 @@ from hydra_console.app.config import Alerts, Profile, WorkerSpec
 from hydra_console.app.sources import FixedFeedSource, Probe
 from hydra_console.app.split_plan import ModelShape
 from hydra_console.app.supervisor import LogLine, State, Supervisor
+from hydra_console.contracts.status import Status
 from hydra_console.engine.errors import UserError
 from hydra_console.engine.gguf_file import GGUFFile
 
@@ -132,12 +133,13 @@ async def test_rows_and_panels_from_a_status_document():
     mem = display.memory_rows(sup, Alerts())
     assert [(m.label, m.tone) for m in mem] == [("head cuda:0", "warn")]  # 95% >= 90% alert
     assert "95.0 GiB/100.0 GiB ⚠" in display.memory_line(mem[0])
-    assert display.acceptance_text(STATUS) == "spec ngram: accept 90% · mean len 2.70 · drafts 12"
-    assert display.pool_text(STATUS) == "pool 1/2 busy · queued 3 · dropped 4"
-    assert display.peer_lines(STATUS, Alerts()) == [("127.0.0.1:8091 ● up rtt 80.0 ms ⚠ [9,18)", "warn")]
-    same_gpu = {"peers": [{**STATUS["peers"][0], "rtt_ms": 0.1, "transport": "cuda-ipc"}]}
+    status = sup.head.status  # parsed once, by the probe
+    assert display.acceptance_text(status) == "spec ngram: accept 90% · mean len 2.70 · drafts 12"
+    assert display.pool_text(status) == "pool 1/2 busy · queued 3 · dropped 4"
+    assert display.peer_lines(status, Alerts()) == [("127.0.0.1:8091 ● up rtt 80.0 ms ⚠ [9,18)", "warn")]
+    same_gpu = Status.from_json({"peers": [{**STATUS["peers"][0], "rtt_ms": 0.1, "transport": "cuda-ipc"}]})
     assert display.peer_lines(same_gpu, Alerts()) == [("127.0.0.1:8091 ● up rtt 0.1 ms [9,18) · cuda-ipc", "ok")]
-    assert display.acceptance_text({}) == "spec off" and display.pool_text(None) == "pool —"
+    assert display.acceptance_text(Status()) == "spec off" and display.pool_text(None) == "pool —"
     snap = json.loads(display.snapshot_json(sup))
     assert [(w["name"], w["state"], w["reachable"], w["layers"]) for w in snap["workers"]] == [
         ("head", "ready", True, [0, 9]), ("peer1", "unreachable", False, [9, 18])]

@@ -310,6 +310,6 @@ def test_remote_stage_proves_the_token_and_follows_epochs(token_peer):
         remote.run_layers(h, torch.tensor([1, 1, 1]), torch.tensor([0, 1, 2]))
     remote.attach()  # re-validate
     assert remote.run_layers(h, torch.tensor([1, 1, 1]), torch.tensor([0, 1, 2])).shape == h.shape
-    assert remote.status()["bytes_sent"] > 2 * h.numel() * 4 and remote.rtt_ms is not None
+    assert remote.status().bytes_sent > 2 * h.numel() * 4 and remote.rtt_ms is not None
     remote.close()
     other.close()

@@ -208,13 +208,13 @@ def test_accept_sampled_edge_cases():
 
 def test_spec_stats_snapshot():
     s = SpecStats()
-    assert s.snapshot()["acceptance"] is None
+    assert s.snapshot().acceptance is None
     for drafted, accepted in itertools.chain([(3, 3)] * 3, [(3, 1), (2, 0), (0, 0)]):
         s.record(drafted, accepted)
     snap = s.snapshot(SpecConfig(type="ngram", n_max=3))
-    assert (snap["drafts"], snap["draft_tokens"], snap["accepted"]) == (5, 14, 10)
-    assert snap["acceptance"] == pytest.approx(10 / 14)
-    assert snap["mean_accepted_len"] == pytest.approx(1 + 10 / 5)
-    assert snap["recent_acceptance"] == pytest.approx(10 / 14)
-    assert snap["accepted_per_pos"] == [4, 3, 3]
-    assert (snap["type"], snap["draft_max"]) == ("ngram", 3)
+    assert (snap.drafts, snap.draft_tokens, snap.accepted) == (5, 14, 10)
+    assert snap.acceptance == pytest.approx(10 / 14)
+    assert snap.mean_accepted_len == pytest.approx(1 + 10 / 5)
+    assert snap.recent_acceptance == pytest.approx(10 / 14)
+    assert snap.accepted_per_pos == [4, 3, 3]
+    assert (snap.type, snap.draft_max) == ("ngram", 3)

@@ -104,7 +104,7 @@ def test_draft_model_speculation_is_greedy_token_for_token(target, tiny_model, p
             if draft_path == target[0]:
                 assert accepted == drafted
             # tokens per verify forward: 1 + accepted / drafts
-            assert eng.spec_stats.snapshot()["mean_accepted_len"] == pytest.approx(1 + accepted / eng.spec_stats.drafts)
+            assert eng.spec_stats.snapshot().mean_accepted_len == pytest.approx(1 + accepted / eng.spec_stats.drafts)
         finally:
             eng.stop()
 

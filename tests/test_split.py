@@ -75,7 +75,7 @@ def test_live_resplit_under_a_running_request(cluster):
     t = threading.Thread(target=lambda: result.setdefault("r", complete(w, "count with me", 120, timeout=120)))
     t.start()
     try:
-        wait_for(lambda: any(s.get("n_decoded", 0) > 3 for s in w.status()["slots"]), 60, "decoding to start")
+        wait_for(lambda: any((s["n_decoded"] or 0) > 3 for s in w.status()["slots"]), 60, "decoding to start")
         resp = control(w, Op.CONFIGURE, json.dumps({"split": "1/2/1"}).encode())
         assert resp.status == Status.OK, resp.meta
         assert resp.meta["layers"] == [[0, 1], [1, 3], [3, 4]]
@@ -146,7 +146,7 @@ def test_frozen_peer_fails_the_request_instead_of_hanging(cluster):
     result = {}
     t = threading.Thread(target=lambda: result.setdefault("r", complete(w, "freeze", 200, timeout=60)))
     t.start()
-    wait_for(lambda: any(s.get("n_decoded", 0) > 3 for s in w.status()["slots"]), 60, "decoding to start")
+    wait_for(lambda: any((s["n_decoded"] or 0) > 3 for s in w.status()["slots"]), 60, "decoding to start")
     os.killpg(victim.proc.pid, signal.SIGSTOP)
     try:
         t.join(timeout=60)

@@ -95,7 +95,7 @@ def test_console_preview_equals_what_the_engine_applies(text, n_layers, stages):
     args = SimpleNamespace(command="serve", peer=[f"127.0.0.1:{9000 + i}" for i in range(stages - 1)], split=text,
                            layers=n_layers, startup_delay=0, rpc_host="127.0.0.1", rpc_port=1, host="127.0.0.1",
                            port=0, model=None)  # fmt: skip
-    fake = [tuple(s["layers"]) for s in build_status(args, 0.0)["stages"]]
+    fake = [s.layers for s in build_status(args, 0.0).stages]
     assert preview == engine_ranges == fake
 
 

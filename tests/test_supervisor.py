@@ -280,7 +280,7 @@ async def test_remote_worker_runs_through_the_launcher_template(tmp_path):
     await sup.start()
     try:
         await wait_until(lambda: sup.head.state == State.READY)
-        assert sup.head.status["http"] == {"host": "0.0.0.0", "port": port}  # a remote worker binds every address
+        assert (sup.head.status.http.host, sup.head.status.http.port) == ("0.0.0.0", port)  # a remote worker binds every address
     finally:
         await sup.shutdown()
     assert sup.head.state == State.STOPPED

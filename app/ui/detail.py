@@ -44,12 +44,12 @@ class WorkerDetailScreen(Screen):
         sup = app.supervisor
         w = sup.worker(self.worker_name)
         now = sup.clock()
-        st = w.status or {}
+        st = w.status
         state, tone = display.state_text(w, now)
         t = Table(box=None, show_header=False, pad_edge=False)
         t.add_column(style="bold", no_wrap=True)
         t.add_column()
-        model = st.get("model") or {}
+        model = st.model if st else None
         rows = [
             ("worker", f"{w.name} ({w.role}, {'started by this console' if w.managed else 'attached, monitor only'})"),
             ("state", Text(state, style=app.tone_style(tone))),
@@ -59,24 +59,23 @@ class WorkerDetailScreen(Screen):
             ("http", w.spec.url),
             ("rpc", f"{w.spec.rpc_host or w.spec.host}:{w.spec.rpc}"),
             ("layers", display.fmt_layers(display.worker_layers(w, sup))),
-            ("model", f"{model.get('name')} ({model.get('arch')}, {model.get('n_layers')} layers)" if model else "—"),
-            ("health", f"{w.probe.health_state or 'no answer'} (stage {(w.probe.health or {}).get('startup_stage', '—')})"
+            ("model", f"{model.name} ({model.arch}, {model.n_layers} layers)" if model else "—"),
+            ("health", f"{w.probe.health_state or 'no answer'} (stage {w.probe.health.startup_stage if w.probe.health else '—'})"
              if w.probe else "not polled yet"),
         ]
         if w.probe and w.probe.error:
             rows.append(("last error", Text(w.probe.error, style=app.tone_style("error"))))
         if w.rss is not None:
             rows.append(("process", f"rss {display.fmt_bytes(w.rss)} · cpu {w.cpu_pct or 0:.0f}%"))
-        for d in st.get("devices") or []:
-            rows.append((f"device {d.get('index', 0)}", f"{d.get('kind', '?')} {d.get('name', '')} · "
-                         f"{display.fmt_bytes(d.get('memory_used'))}/{display.fmt_bytes(d.get('memory_total'))}"))
-        stages = [f"{s.get('role', '?')} {display.fmt_layers(s.get('layers'))} {s.get('device', '')}".rstrip()
-                  for s in st.get("stages") or [] if isinstance(s, dict)]
+        for d in st.devices if st else []:
+            rows.append((f"device {d.index}", f"{d.kind} {d.name} · "
+                         f"{display.fmt_bytes(d.memory_used)}/{display.fmt_bytes(d.memory_total)}"))
+        stages = [f"{s.role} {display.fmt_layers(s.layers)} {s.device}".rstrip() for s in (st.stages if st else [])]
         if stages:
             rows.append(("stages", " · ".join(stages)))
-        slots = st.get("slots") or []
+        slots = st.slots if st else []
         if slots:
-            busy = sum(1 for s in slots if s.get("state") == "processing")
+            busy = sum(1 for s in slots if s.state == "processing")
             rows.append(("slots", f"{busy}/{len(slots)} processing"))
         if w.managed:
             rows.append(("command", shlex.join(sup.command_for(w.name))))

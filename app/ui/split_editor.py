@@ -103,9 +103,9 @@ class SplitEditorScreen(Screen):
         return args[args.index("--dtype") + 1] if "--dtype" in args[:-1] else "bfloat16"
 
     def _device_free(self, worker: str) -> int | None:
-        devs = (self.app.supervisor.worker(worker).status or {}).get("devices") or []
-        frees = [d["memory_total"] - d["memory_used"] for d in devs
-                 if isinstance(d.get("memory_total"), int) and isinstance(d.get("memory_used"), int)]
+        st = self.app.supervisor.worker(worker).status
+        frees = [d.memory_total - d.memory_used for d in (st.devices if st else [])
+                 if d.memory_total is not None and d.memory_used is not None]
         return max(frees) if frees else None
 
     def action_select(self, step: int) -> None:

@@ -32,6 +32,7 @@ from ...contracts.rpc import (
     prove,
 )
 from ...contracts.rpc import ReplyStatus as R
+from ...contracts.status import PeerInfo
 from ..device import host_buffer, to_host
 from ..errors import UserError
 from .compute import pack_forward, pack_hello
@@ -302,20 +303,20 @@ class RemoteStage:
         finally:
             self._lock.release()
 
-    def status(self) -> dict:
-        return {
-            "addr": self.addr,
-            "state": self.state,
-            "rtt_ms": None if self.rtt_ms is None else round(self.rtt_ms, 3),
-            "compute_ms": None if self.compute_ms is None else round(self.compute_ms, 3),
-            "layers": list(self.layer_range),
-            "bytes_sent": self.bytes_sent,
-            "bytes_recv": self.bytes_recv,
-            "epoch": self.epoch,
-            "transport": self.transport,
-            "attaches": self.attaches,
-            "error": self.error,
-        }
+    def status(self) -> PeerInfo:
+        return PeerInfo(
+            addr=self.addr,
+            state=self.state,
+            rtt_ms=None if self.rtt_ms is None else round(self.rtt_ms, 3),
+            compute_ms=None if self.compute_ms is None else round(self.compute_ms, 3),
+            layers=tuple(self.layer_range),
+            bytes_sent=self.bytes_sent,
+            bytes_recv=self.bytes_recv,
+            epoch=self.epoch,
+            transport=self.transport,
+            attaches=self.attaches,
+            error=self.error,
+        )
 
     # --- framing helpers (caller holds the lock) --------------------------------------------------
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from ...contracts.rpc import COMPUTE_FIRST_BYTE
+from ...contracts.status import Pool
 from ..errors import UserError
 
 log = logging.getLogger("hydra.rpc")
@@ -36,19 +37,6 @@ def tune_socket(conn: socket.socket) -> None:
     for name, value in KEEPALIVE.items():
         if hasattr(socket, name):
             conn.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
-
-
-@dataclass
-class PoolStats:
-    size: int
-    busy: int
-    queued: int
-    queue_max: int
-    dropped: int
-    accepted: int
-
-    def as_dict(self) -> dict:
-        return dict(self.__dict__)
 
 
 class RpcListener:
@@ -128,11 +116,11 @@ class RpcListener:
     def bound_port(self) -> int:
         return self._sock.getsockname()[1] if self._sock is not None else self.port
 
-    def stats(self) -> PoolStats:
+    def stats(self) -> Pool:
         queued = self._queue.qsize() if self.mode == "head" else 0
         size = self.pool_size if self.mode == "head" else 0
         queue_max = self.queue_max if self.mode == "head" else 0
-        return PoolStats(size, self._busy, queued, queue_max, self._dropped, self._accepted)
+        return Pool(size, self._busy, queued, queue_max, self._dropped, self._accepted)
 
     # --- internals --------------------------------------------------------------------------------
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import sys
 
+from ...contracts.status import Address, ModelInfo, StageInfo
 from .compute import ComputeServer
 from .listener import RpcListener
 from .resident import StageHost
@@ -25,13 +26,12 @@ def build_app(status, metrics):
 
     @app.get("/health")
     def health():
-        body = {"status": status.state, "startup_stage": status.startup_stage, "has_model": status.model is not None,
-                "model_name": (status.model or {}).get("name"), "rpc_active": status.startup_stage >= 3}  # fmt: skip
-        return JSONResponse(body, status_code=200 if status.startup_stage >= 4 else 503)
+        h = status.health()
+        return JSONResponse(h.to_json(), status_code=h.http_code)
 
     @app.get("/status")
     def get_status():
-        return status.to_dict()
+        return status.document().to_json()
 
     @app.get("/metrics")
     def get_metrics():
@@ -58,8 +58,7 @@ def main(args) -> int:
     g = GGUFFile(path)
     cfg = ModelConfig.from_gguf(g)
     device = resolve_device(args.device)
-    status.model = {"name": path.stem, "path": str(path), "arch": g.architecture,
-                    "n_layers": cfg.n_layers, "fingerprint": g.fingerprint}  # fmt: skip
+    status.model = ModelInfo(path.stem, str(path), g.architecture, cfg.n_layers, g.fingerprint)
     status.startup_stage = 2
     host = StageHost(g, cfg, device)
     compute = ComputeServer(host, auth_token=args.auth_token or None, max_frame=args.max_frame)
@@ -67,12 +66,11 @@ def main(args) -> int:
     status.startup_stage = 4  # 3 = RPC active; a peer is ready as soon as its port serves
 
     def rpc_status() -> dict:
-        stage = {"role": "peer", "addr": f"{args.rpc_host}:{listener.bound_port}",
-                 "layers": list(host.layers) if host.stage is not None else None,
-                 "device": str(device), "state": "ok" if host.stage is not None else "idle"}  # fmt: skip
+        stage = StageInfo("peer", f"{args.rpc_host}:{listener.bound_port}", tuple(host.layers) if host.stage is not None else None,
+                          str(device), "ok" if host.stage is not None else "idle")  # fmt: skip
         return {
-            "rpc": {"host": args.rpc_host, "port": listener.bound_port, "running": listener.is_running()},
-            "pool": listener.stats().as_dict(),
+            "rpc": Address(args.rpc_host, listener.bound_port, listener.is_running()),
+            "pool": listener.stats(),
             "stages": [stage],
             "resident": {**host.stats(), "bytes_in": compute.bytes_in, "bytes_out": compute.bytes_out},
         }
@@ -82,7 +80,7 @@ def main(args) -> int:
     metrics.register(RpcCollector(listener))
     print(
         f"hydra-engine peer: {path.name} ({cfg.n_layers} layers) on {device}; "
-        f"RPC {args.rpc_host}:{listener.bound_port}, HTTP http://{args.host}:{status.http['port']}",
+        f"RPC {args.rpc_host}:{listener.bound_port}, HTTP http://{args.host}:{status.http.port}",
         file=sys.stderr,
         flush=True,
     )

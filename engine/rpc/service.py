@@ -10,6 +10,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from ... import __version__
 from ...contracts.rpc import VERSION, ControlError, Op, Status
 from ...contracts.split import parse_split
+from ...contracts.status import Address, ModelInfo
 from ..errors import UserError
 from .compute import ComputeServer
 from .control import ControlServer
@@ -22,7 +23,7 @@ EXPERT_MODES = ("solo", "combined")
 class HeadControl:
     """The head's Hydra control backend: INFO, CONFIGURE (live re-split), SET_EXPERT_MODE."""
 
-    def __init__(self, pipeline, host: StageHost, model: dict | None, auth: bool):
+    def __init__(self, pipeline, host: StageHost, model: ModelInfo | None, auth: bool):
         self.pipeline, self.host, self.model, self.auth = pipeline, host, model, auth
         self.expert_mode = "solo"
 
@@ -33,9 +34,9 @@ class HeadControl:
             "compute_protocol": ".".join(map(str, VERSION)),
             "mode": "head",
             "pid": os.getpid(),
-            "model": self.model,
+            "model": self.model.to_json() if self.model else None,
             "layer_split": [list(r) for r in self.pipeline.ranges],
-            "peers": [r.status() for r in self.pipeline.remotes],
+            "peers": [r.status().to_json() for r in self.pipeline.remotes],
             "expert_mode": self.expert_mode,
             "auth": self.auth,
             "resplits": self.pipeline.resplits,
@@ -81,7 +82,7 @@ class HeadControl:
 class HeadRpc:
     """The head's merged port (pool + peek dispatch) serving compute and control."""
 
-    def __init__(self, args, g, cfg, pipeline, model: dict | None = None):
+    def __init__(self, args, g, cfg, pipeline, model: ModelInfo | None = None):
         token = getattr(args, "auth_token", None) or None
         max_frame = getattr(args, "max_frame", 1 << 30)
         self.host = StageHost(g, cfg, pipeline.head.device, stage=pipeline.head, assignable=False)
@@ -103,12 +104,11 @@ class HeadRpc:
         self.pipeline.stop()
 
     def status(self) -> dict:
-        """Top-level /status keys this layer owns."""
+        """The /status fields this layer owns."""
         return {
-            "rpc": {"host": self.listener.host, "port": self.listener.bound_port, "running": self.listener.is_running()},
-            "pool": self.listener.stats().as_dict(),
+            "rpc": Address(self.listener.host, self.listener.bound_port, self.listener.is_running()),
+            "pool": self.listener.stats(),
             "peers": [r.status() for r in self.pipeline.remotes],
-            "stages": self.pipeline.stages(),
         }
 
 

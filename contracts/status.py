@@ -1,0 +1,208 @@
+"""The `/health` and `/status` documents (DESIGN §5), declared once.
+
+Workers build these objects and serve `to_json()`; the console parses each probe once with
+`from_json`, which never raises: a field that is missing or of the wrong type takes its default,
+so a half-started worker, an older version or something else on the port still renders.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any
+
+STARTUP_STAGES = {1: "alive", 2: "model loaded", 3: "RPC active", 4: "ready"}
+READY_STAGE = 4
+
+
+class _Doc:
+    """JSON in and out for the dataclasses below."""
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, obj: Any):
+        if not isinstance(obj, dict):
+            return cls()
+        hints = typing.get_type_hints(cls)
+        kw = {}
+        for f in dataclasses.fields(cls):
+            if f.name in obj:
+                ok, value = _coerce(hints[f.name], obj[f.name])
+                if ok:
+                    kw[f.name] = value
+        return cls(**kw)
+
+
+def _coerce(tp, value) -> tuple[bool, Any]:
+    """(fits, value as `tp`) for the few shapes these documents use."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in typing.get_args(tp):
+            return True, None
+        for arg in typing.get_args(tp):
+            if arg is not type(None):
+                ok, v = _coerce(arg, value)
+                if ok:
+                    return True, v
+        return False, None
+    if origin is list:
+        if not isinstance(value, list):
+            return False, None
+        (item,) = typing.get_args(tp)
+        out = [v for ok, v in (_coerce(item, x) for x in value) if ok]
+        return True, out
+    if origin is tuple:  # a layer range [a, b)
+        if isinstance(value, (list, tuple)) and len(value) == 2 and all(isinstance(x, int) and not isinstance(x, bool) for x in value):
+            return True, (int(value[0]), int(value[1]))
+        return False, None
+    if origin is dict or tp is dict:
+        return isinstance(value, dict), value
+    if isinstance(tp, type) and issubclass(tp, _Doc):
+        return isinstance(value, dict), tp.from_json(value)
+    if tp is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool), float(value) if isinstance(value, (int, float)) else None
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool), value
+    if tp is Any:
+        return True, value
+    return isinstance(value, tp), value
+
+
+@dataclass(frozen=True)
+class Health(_Doc):
+    """`/health`: 503 until ready, then 200."""
+
+    status: str = "starting"  # "starting" | "ok" | "degraded"
+    startup_stage: int = 1  # STARTUP_STAGES
+    has_model: bool = False
+    model_name: str | None = None
+    rpc_active: bool = False
+    error: str | None = None  # why loading failed
+
+    @property
+    def http_code(self) -> int:
+        return 200 if self.startup_stage >= READY_STAGE else 503
+
+
+@dataclass(frozen=True)
+class Address(_Doc):
+    host: str = ""
+    port: int = 0
+    running: bool | None = None
+
+
+@dataclass(frozen=True)
+class ModelInfo(_Doc):
+    name: str | None = None
+    path: str | None = None
+    arch: str | None = None
+    n_layers: int = 0
+    fingerprint: str | None = None
+
+
+@dataclass(frozen=True)
+class StageInfo(_Doc):
+    role: str = "?"  # "head" | "peer"
+    addr: str | None = None
+    layers: tuple[int, int] | None = None
+    device: str = ""
+    state: str = "?"
+
+
+@dataclass(frozen=True)
+class DeviceInfo(_Doc):
+    index: int = 0
+    kind: str = "?"  # "cuda" | "cpu"
+    name: str = "?"
+    memory_used: int | None = None
+    memory_total: int | None = None
+    util: float | None = None
+
+
+@dataclass(frozen=True)
+class Throughput(_Doc):
+    """Rates over the last ~10 s; totals are monotonic."""
+
+    prefill_tok_s: float = 0.0
+    decode_tok_s: float = 0.0
+    prefill_tokens_total: int = 0
+    decode_tokens_total: int = 0
+
+
+@dataclass(frozen=True)
+class Speculative(_Doc):
+    type: str = "off"
+    draft_max: int = 0
+    drafts: int = 0
+    draft_tokens: int = 0
+    accepted: int = 0
+    acceptance: float | None = None
+    mean_accepted_len: float | None = None
+    recent_acceptance: float | None = None
+    accepted_per_pos: list[int] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Pool(_Doc):
+    """The merged RPC port's connection pool (head mode) or its connections (peer mode)."""
+
+    size: int = 0
+    busy: int = 0
+    queued: int = 0
+    queue_max: int = 0
+    dropped: int = 0
+    accepted: int = 0
+
+
+@dataclass(frozen=True)
+class PeerInfo(_Doc):
+    addr: str = "?"
+    state: str = "?"  # "up" | "down" | "connecting"
+    rtt_ms: float | None = None
+    compute_ms: float | None = None
+    layers: tuple[int, int] | None = None
+    bytes_sent: int = 0
+    bytes_recv: int = 0
+    epoch: int = 0
+    transport: str | None = None  # "socket" | "cuda-ipc"
+    attaches: int = 0
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class SlotInfo(_Doc):
+    id: int = 0
+    state: str = "idle"  # "idle" | "processing"
+    n_ctx: int = 0
+    n_past: int = 0
+    id_task: int | None = None  # the request in it (llama-server's /slots fields)
+    n_prompt_tokens: int | None = None
+    n_decoded: int | None = None
+
+
+@dataclass(frozen=True)
+class Status(_Doc):
+    """`/status` of a head or a peer: one document the console reads."""
+
+    role: str = "?"  # "head" | "peer"
+    pid: int | None = None
+    version: str | None = None
+    uptime_s: float | None = None
+    state: str = "starting"  # as Health.status
+    startup_stage: int = 1
+    http: Address | None = None
+    rpc: Address | None = None
+    model: ModelInfo | None = None
+    stages: list[StageInfo] = field(default_factory=list)
+    devices: list[DeviceInfo] = field(default_factory=list)
+    throughput: Throughput = field(default_factory=Throughput)
+    speculative: Speculative = field(default_factory=Speculative)
+    pool: Pool | None = None
+    peers: list[PeerInfo] = field(default_factory=list)
+    slots: list[SlotInfo] = field(default_factory=list)
+    resident: dict | None = None  # a peer's resident stage: layers, epoch, forwards, bytes
+    config: dict | None = None  # the worker's effective configuration, secrets redacted

@@ -1,0 +1,47 @@
+"""The /health and /status documents (contracts.status): what a worker serves, the console reads back."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from hydra_console.app.sources import Probe
+from hydra_console.contracts.status import Health, PeerInfo, Pool, StageInfo, Status
+from hydra_console.engine.status import StatusDocument
+
+pytestmark = pytest.mark.unit
+
+
+def test_a_served_document_reads_back_unchanged():
+    doc = StatusDocument("head", "127.0.0.1", 8080, config={"parallel": 4})
+    doc.add_provider(lambda: {"pool": Pool(2, 1, 0, 64, 0, 3), "peers": [PeerInfo("127.0.0.1:8091", "up", 0.4, layers=(9, 18))],
+                              "stages": [StageInfo("head", None, (0, 9), "cpu", "ok")]})  # fmt: skip
+    served = doc.document()
+    assert Status.from_json(served.to_json()) == served
+    assert served.devices and served.pool.busy == 1 and served.config == {"parallel": 4}
+    health = doc.health()
+    assert Health.from_json(health.to_json()) == health and health.http_code == 503  # still starting
+    doc.startup_stage = 4
+    assert doc.health().http_code == 200
+
+
+def test_wrong_types_fall_back_to_defaults_never_raise():
+    s = Status.from_json({"pid": "x", "stages": [{"layers": [1]}, "junk", {"role": "peer", "layers": [2, 5]}],
+                          "throughput": {"decode_tok_s": True, "prefill_tok_s": 3}, "peers": None, "pool": 7})  # fmt: skip
+    assert s.pid is None and s.pool is None and s.peers == []
+    assert [x.layers for x in s.stages] == [None, (2, 5)]
+    assert s.throughput.decode_tok_s == 0.0 and s.throughput.prefill_tok_s == 3.0
+
+
+json_values = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=5),
+                           lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=8), c, max_size=4),
+                           max_leaves=20)  # fmt: skip
+field_names = st.sampled_from(["role", "pid", "stages", "devices", "throughput", "speculative", "pool", "peers", "slots", "model", "http"])
+
+
+@given(st.dictionaries(field_names, json_values, max_size=6), st.one_of(st.none(), st.dictionaries(st.text(max_size=8), json_values, max_size=4)))
+def test_the_console_parses_any_json_once(status, health):
+    p = Probe(True, 200, health, status)
+    assert isinstance(p.status, Status) and (health is None or isinstance(p.health, Health))
+    assert isinstance(p.health_state, str)
