@@ -192,7 +192,7 @@ def test_graph_decode_path_matches_per_slot_attention(tiny_model):
 def test_converted_weights_cache_is_reused_and_repaired(tiny_model, tmp_path, monkeypatch):
     from hydra_console.engine import model
 
-    monkeypatch.setattr(model, "_CACHE_MIN_FILE_BYTES", 0)
+    monkeypatch.setattr(model.stage, "_CACHE_MIN_FILE_BYTES", 0)
     monkeypatch.setenv("HYDRA_CACHE_DIR", str(tmp_path))
     path = tiny_model("qwen3")
     first = prefill(load(path, dtype="bfloat16", int8=True), PROMPT)

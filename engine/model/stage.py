@@ -35,10 +35,10 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from .device import resolve_device, resolve_dtype
-from .errors import UserError
-from .gguf_file import GGUFFile
-from .quant import dequantize, dequantize_rows
+from ..device import resolve_device, resolve_dtype
+from ..errors import UserError
+from ..gguf_file import GGUFFile
+from ..quant import dequantize, dequantize_rows
 
 # Per-architecture deltas from the llama baseline (interleaved RoPE, SiLU, no extras).
 ARCHITECTURES: dict[str, dict] = {
