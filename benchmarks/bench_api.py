@@ -129,13 +129,15 @@ def scheduling(args, n_long: int = 512, n_streams: int = 4) -> list[dict]:
     from hydra_console.engine.default_model import default_model_path
     from hydra_console.engine.gguf_file import GGUFFile
     from hydra_console.engine.pipeline import Pipeline
-    from hydra_console.engine.runtime import Engine, Request, load_stage
+    from hydra_console.engine.model import build_stage, default_cache_dir
+    from hydra_console.engine.runtime import Engine, Request
     from hydra_console.engine.sampling import SamplingParams
     from hydra_console.engine.tokenizer import Tokenizer
 
     g = GGUFFile(args.model or default_model_path())
     tok = Tokenizer.from_gguf(g)
-    stage = load_stage(g, args.device, args.dtype, n_slots=n_streams + 1, n_ctx=args.ctx)
+    stage = build_stage(g, device=args.device, dtype=args.dtype, n_slots=n_streams + 1, n_ctx=args.ctx,
+                        cache_dir=default_cache_dir(os.environ))  # fmt: skip
     long_prompt = (tok.encode(" ".join(PROMPTS) * 40))[:n_long]
 
     def one(mixed: bool) -> dict:

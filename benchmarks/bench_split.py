@@ -35,7 +35,7 @@ import torch  # noqa: E402
 
 from hydra_console.engine.device import resolve_device, resolve_dtype  # noqa: E402
 from hydra_console.engine.gguf_file import GGUFFile  # noqa: E402
-from hydra_console.engine.model import ModelConfig, Stage  # noqa: E402
+from hydra_console.engine.model import ModelConfig, build_stage, default_cache_dir  # noqa: E402
 from hydra_console.engine.pipeline import Pipeline, build_pipeline  # noqa: E402
 from hydra_console.engine.rpc.wire import spin_seconds  # noqa: E402
 
@@ -157,6 +157,7 @@ def main() -> None:
     cfg = ModelConfig.from_gguf(g)
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
+    cache_dir = default_cache_dir(os.environ)
     part_steps = max(args.block, 32)
     n_ctx = max(PROMPT_TOKENS + part_steps + 8, args.prefill)
     half = cfg.n_layers // 2
@@ -173,12 +174,12 @@ def main() -> None:
         from hydra_console.engine.rpc.listener import RpcListener
         from hydra_console.engine.rpc.resident import StageHost
 
-        listener = RpcListener("127.0.0.1", 0, mode="peer", compute=ComputeServer(StageHost(g, cfg, device))).start()
+        listener = RpcListener("127.0.0.1", 0, mode="peer", compute=ComputeServer(StageHost(g, cfg, device, cache_dir=cache_dir))).start()
         proc, addr = None, f"127.0.0.1:{listener.bound_port}"
     else:
         proc, addr = start_peer(model, args.device, {1} if args.pin else None)
     try:
-        solo = Pipeline(Stage(cfg, g, layers=(0, cfg.n_layers), device=device, dtype=dtype, n_slots=1, n_ctx=max(n_ctx, args.resplit_ctx)))
+        solo = Pipeline(build_stage(g, device=device, dtype=dtype, n_slots=1, n_ctx=max(n_ctx, args.resplit_ctx), cache_dir=cache_dir))
         ns = types.SimpleNamespace(peer=[addr], split=f"{half}/{cfg.n_layers - half}", device=args.device, dtype=args.dtype,
                                    peer_wait=120.0, fallback_solo=False, auth_token=None, max_frame=1 << 30)  # fmt: skip
         split = build_pipeline(ns, g, cfg, n_slots=1, n_ctx=max(n_ctx, args.resplit_ctx))

@@ -18,7 +18,7 @@ import torch
 
 from hydra_console.engine.bench import decode_once, run_bench
 from hydra_console.engine.gguf_file import GGUFFile
-from hydra_console.engine.model import ModelConfig, Stage
+from hydra_console.engine.model import Stage, build_stage
 from hydra_console.engine.synth import write_synthetic
 
 SHAPE = dict(n_layers=16, n_embd=2048, n_head=32, n_head_kv=8, n_ff=8192, vocab_size=32000, n_ctx=2048, qtype="F16")
@@ -57,7 +57,7 @@ def main() -> None:
     print(json.dumps(rows["graphs"]), flush=True)
 
     g = GGUFFile(path)
-    stage = Stage(ModelConfig.from_gguf(g), g, device="cuda", dtype="bfloat16", n_slots=4, n_ctx=args.p + args.n)
+    stage = build_stage(g, device="cuda", dtype="bfloat16", n_slots=4, n_ctx=args.p + args.n)
     rows["batched4"] = {"decode_tok_s": round(batched_decode_tok_s(stage, 4, args.n), 1)}
     graph = stage.graphs.graphs[1][0] if 1 in stage.graphs.graphs else None
     if graph is None:

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from hydra_console.engine.gguf_file import GGUFFile
-from hydra_console.engine.model import ModelConfig, Stage
+from hydra_console.engine.model import build_stage
 from hydra_console.engine.synth import write_synthetic
 
 SHAPE = dict(n_layers=4, n_embd=2048, n_head=32, n_head_kv=8, n_ff=8192, vocab_size=32000, n_ctx=2048, qtype="F16")
@@ -38,7 +38,7 @@ def main() -> None:
     gemv_table()
     path = write_synthetic("/tmp/llama-4l.gguf", "llama", **SHAPE)
     g = GGUFFile(path)
-    st = Stage(ModelConfig.from_gguf(g), g, device="cuda", dtype="bfloat16", n_slots=1, n_ctx=640)
+    st = build_stage(g, device="cuda", dtype="bfloat16", n_slots=1, n_ctx=640)
     st.graphs = None
     slot = torch.zeros(1, dtype=torch.long)
     tok = torch.tensor([1], device="cuda")

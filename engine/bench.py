@@ -23,7 +23,7 @@ from .default_model import model_path
 from .device import resolve_device
 from .errors import UserError
 from .gguf_file import GGUFFile
-from .model import ModelConfig, Stage
+from .model import ModelConfig, Stage, build_stage, default_cache_dir
 
 
 def _sync(device: torch.device) -> None:
@@ -62,7 +62,7 @@ def run_bench(model: Path, device: str, dtype: str, n_prompt: int, n_gen: int, r
     g = GGUFFile(model)
     cfg = ModelConfig.from_gguf(g)
     t0 = time.perf_counter()
-    stage = Stage(cfg, g, embed=True, head=True, device=device, dtype=dtype, n_slots=1, n_ctx=max(n_prompt, n_gen, 1), **stage_options)
+    stage = build_stage(g, device=device, dtype=dtype, n_slots=1, n_ctx=max(n_prompt, n_gen, 1), **stage_options)
     load_s = time.perf_counter() - t0
     gen = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, cfg.n_vocab, (n_prompt,), generator=gen)
@@ -132,7 +132,9 @@ def main(args) -> int:
     model = model_path(args.model)
     llama_bench = find_llama_bench(args.llama_bench) if args.llama_bench else None  # fail before our run
     # On CUDA the decode step is compiled before graph capture (fused element-wise kernels: ~1.6x decode).
-    options = {"compile_decode": True} if resolve_device(args.device).type == "cuda" else {}
+    options = {"cache_dir": default_cache_dir(os.environ)}
+    if resolve_device(args.device).type == "cuda":
+        options["compile_decode"] = True
     result = run_bench(model, args.device, args.dtype, args.n_prompt, args.n_gen, args.repetitions, **options)
     if llama_bench:
         theirs = run_llama_bench(llama_bench, model, torch.device(result["device"]), args.n_prompt, args.n_gen, args.repetitions)

@@ -5,6 +5,7 @@ Kept free of the HTTP stack (FastAPI, uvicorn) so the path to the first token st
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 
@@ -14,8 +15,9 @@ from .errors import UserError
 def main(args) -> int:
     t0 = time.perf_counter()
     from .gguf_file import GGUFFile
+    from .model import build_stage, default_cache_dir
     from .pipeline import Pipeline
-    from .runtime import Engine, Request, load_stage
+    from .runtime import Engine, Request
     from .sampling import SamplingParams
     from .tokenizer import Tokenizer
 
@@ -41,7 +43,9 @@ def main(args) -> int:
     n_predict = args.ctx - len(ids) if args.n_predict == -1 else args.n_predict
     # One slot, sized to this request: no KV memory for context it will never use.
     n_ctx = min(args.ctx, len(ids) + n_predict)
-    engine = Engine(Pipeline(load_stage(g, args.device, args.dtype, n_slots=1, n_ctx=n_ctx)), tok, 1, n_ctx)
+    stage = build_stage(g, device=args.device, dtype=args.dtype, n_slots=1, n_ctx=n_ctx,
+                        cache_dir=default_cache_dir(os.environ))  # fmt: skip
+    engine = Engine(Pipeline(stage), tok, 1, n_ctx)
     engine.check(len(ids), n_predict)
     engine.start()
     final = None

@@ -9,6 +9,7 @@ of the active slots by replaying them: running requests carry on instead of fail
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import threading
 import time
@@ -21,7 +22,7 @@ from ..contracts.rpc import StaleEpoch
 from ..contracts.split import check_ranges, parse_split
 from ..contracts.status import StageInfo
 from .errors import UserError
-from .model import Stage
+from .model import Stage, build_stage, default_cache_dir
 
 log = logging.getLogger("hydra.pipeline")
 
@@ -296,7 +297,8 @@ def build_pipeline(args, g, cfg, *, n_slots: int, n_ctx: int) -> Pipeline:
         for r in remotes:
             r.close()
         remotes, ranges = [], [(0, n_layers)]
-    head = Stage(cfg, g, layers=ranges[0], embed=True, head=True, device=device, dtype=dtype, n_slots=n_slots, n_ctx=n_ctx)
+    head = build_stage(g, ranges[0], device=device, dtype=dtype, n_slots=n_slots, n_ctx=n_ctx,
+                       cache_dir=default_cache_dir(os.environ))  # fmt: skip
     pipeline = Pipeline(head, remotes, ranges=ranges)
     if remotes:
         pipeline.start_watch()

@@ -487,11 +487,3 @@ class Engine:
             self.slots[seq.slot] = None
             self.spec.release(seq.slot)
 
-
-def load_stage(g, device: str, dtype: str, n_slots: int, n_ctx: int):
-    """The solo head's Stage: every layer, the embedding and the output head."""
-    from .model import ModelConfig, Stage
-
-    cfg = ModelConfig.from_gguf(g)
-    return Stage(cfg, g, layers=(0, cfg.n_layers), embed=True, head=True, device=device, dtype=dtype,
-                 n_slots=n_slots, n_ctx=n_ctx)  # fmt: skip

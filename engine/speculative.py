@@ -19,6 +19,7 @@ rejected draft tokens (head and peers) are overwritten by the next step.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections import deque
@@ -478,12 +479,11 @@ def build_speculator(args, g, n_slots: int, n_ctx: int) -> Speculator:
     if not draft_path:
         return Speculator(config)
     from .gguf_file import GGUFFile
-    from .model import ModelConfig, Stage
+    from .model import build_stage, default_cache_dir
     from .pipeline import Pipeline
 
     dg = GGUFFile(draft_path)
     check_same_vocab(g, dg)
-    cfg = ModelConfig.from_gguf(dg)
-    stage = Stage(cfg, dg, layers=(0, cfg.n_layers), embed=True, head=True, device=args.device, dtype=args.dtype,
-                  n_slots=n_slots, n_ctx=n_ctx)  # fmt: skip
+    stage = build_stage(dg, device=args.device, dtype=args.dtype, n_slots=n_slots, n_ctx=n_ctx,
+                        cache_dir=default_cache_dir(os.environ))  # fmt: skip
     return Speculator(config, draft_pipeline=Pipeline(stage))

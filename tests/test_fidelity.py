@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from hydra_console.engine.gguf_file import GGUFFile
-from hydra_console.engine.model import ModelConfig, Stage
+from hydra_console.engine.model import Stage, build_stage
 
 REFERENCE = Path(__file__).resolve().parent / "data" / "reference" / "gemma3-270m"
 CASES = sorted(REFERENCE.glob("logits_*.json"))
@@ -22,8 +22,7 @@ CASES = sorted(REFERENCE.glob("logits_*.json"))
 
 @pytest.fixture(scope="module", params=["auto", "float32"])
 def stage(request, default_model):
-    g = GGUFFile(default_model)
-    return Stage(ModelConfig.from_gguf(g), g, device="cpu", dtype=request.param, n_slots=1, n_ctx=1024)
+    return build_stage(GGUFFile(default_model), device="cpu", dtype=request.param, n_slots=1, n_ctx=1024)
 
 
 def agreement(stage: Stage, case: Path) -> float:

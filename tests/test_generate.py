@@ -9,7 +9,8 @@ import pytest
 
 from hydra_console.engine.gguf_file import GGUFFile
 from hydra_console.engine.pipeline import Pipeline
-from hydra_console.engine.runtime import Engine, Request, load_stage
+from hydra_console.engine.model import build_stage
+from hydra_console.engine.runtime import Engine, Request
 from hydra_console.engine.sampling import SamplingParams
 from hydra_console.engine.tokenizer import Tokenizer
 
@@ -28,7 +29,7 @@ def test_output_equals_the_engine_and_seeds_repeat(tiny_model):
     g = GGUFFile(path)
     tok = Tokenizer.from_gguf(g)
     ids = tok.encode("hello world")
-    engine = Engine(Pipeline(load_stage(g, "cpu", "float32", n_slots=1, n_ctx=64)), tok, 1, 64).start()
+    engine = Engine(Pipeline(build_stage(g, device="cpu", dtype="float32", n_slots=1, n_ctx=64)), tok, 1, 64).start()
     try:
         want = "".join(ev.text for ev in engine.generate(Request(ids, SamplingParams(temperature=0.0), max_tokens=12),
                                                          timeout=30))  # fmt: skip

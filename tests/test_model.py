@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import gguf
 import numpy as np
 import pytest
@@ -9,17 +11,15 @@ import torch
 
 from hydra_console.engine.errors import UserError
 from hydra_console.engine.gguf_file import GGUFFile
-from hydra_console.engine.model import ModelConfig, Stage
+from hydra_console.engine.model import ModelConfig, build_stage
 
 ARCHS = ["llama", "qwen2", "qwen3", "gemma3"]
 
 
 def load(path, **kw):
-    g = GGUFFile(path)
-    cfg = ModelConfig.from_gguf(g)
     kw.setdefault("dtype", "float32")
     kw.setdefault("n_ctx", 64)
-    return Stage(cfg, g, **kw)
+    return build_stage(GGUFFile(path), **kw)
 
 
 def prefill(stage, tokens, slot=0, start=0):
@@ -158,7 +158,7 @@ def test_errors_are_user_errors(tiny_model, tmp_path):
     g = GGUFFile(tiny_model("llama"))
     del g.tensors["blk.1.ffn_up.weight"]
     with pytest.raises(UserError, match="blk.1.ffn_up.weight"):
-        Stage(ModelConfig.from_gguf(g), g)
+        build_stage(g)
 
     w = gguf.GGUFWriter(str(tmp_path / "rwkv.gguf"), "rwkv6")
     w.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
@@ -190,18 +190,25 @@ def test_graph_decode_path_matches_per_slot_attention(tiny_model):
 
 
 def test_converted_weights_cache_is_reused_and_repaired(tiny_model, tmp_path, monkeypatch):
-    from hydra_console.engine import model
+    from hydra_console.engine.model import weights
 
-    monkeypatch.setattr(model, "_CACHE_MIN_FILE_BYTES", 0)
-    monkeypatch.setenv("HYDRA_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(weights, "_CACHE_MIN_FILE_BYTES", 0)
     path = tiny_model("qwen3")
-    first = prefill(load(path, dtype="bfloat16", int8=True), PROMPT)
+    first = prefill(load(path, dtype="bfloat16", int8=True, cache_dir=tmp_path), PROMPT)
     files = sorted(tmp_path.rglob("*.pt"))
     assert len(files) == 2 * 4 + 1  # 4 products per layer, 2 layers, the head
     files[0].write_bytes(b"not a tensor file")
-    again = prefill(load(path, dtype="bfloat16", int8=True), PROMPT)
+    again = prefill(load(path, dtype="bfloat16", int8=True, cache_dir=tmp_path), PROMPT)
     assert torch.equal(first, again)
     assert files[0].stat().st_size > 100  # the damaged entry was rebuilt
+
+
+def test_default_cache_dir_follows_the_environment(tmp_path):
+    from hydra_console.engine.model import default_cache_dir
+
+    assert default_cache_dir({"HYDRA_CACHE_DIR": str(tmp_path)}) == tmp_path
+    assert default_cache_dir({"HYDRA_CACHE_DIR": "off"}) is None
+    assert default_cache_dir({}) == Path.home() / ".cache" / "hydra-console" / "prepared"
 
 
 def test_token_out_of_range_is_a_user_error(tiny_model):

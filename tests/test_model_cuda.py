@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from hydra_console.engine.gguf_file import GGUFFile
-from hydra_console.engine.model import ModelConfig, Stage
+from hydra_console.engine.model import ModelConfig, Stage, build_stage
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -28,9 +28,8 @@ def run(stage: Stage, tokens, slots, positions) -> torch.Tensor:
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma3"])
 def test_cuda_bf16_matches_cpu_float32(tiny_model, arch):
     g = GGUFFile(tiny_model(arch, n_layers=3))
-    cfg = ModelConfig.from_gguf(g)
-    cpu = Stage(cfg, g, device="cpu", dtype="float32", n_slots=3, n_ctx=64)
-    gpu = Stage(cfg, g, device="cuda", dtype="bfloat16", n_slots=3, n_ctx=64)
+    cpu = build_stage(g, device="cpu", dtype="float32", n_slots=3, n_ctx=64)
+    gpu = build_stage(g, device="cuda", dtype="bfloat16", n_slots=3, n_ctx=64)
     assert gpu.graphs is not None
     n = len(PROMPT)
     # prefill two slots, then three graph-replayed batched decode steps over both
@@ -52,9 +51,8 @@ def test_cuda_bf16_matches_cpu_float32(tiny_model, arch):
 
 def test_graph_replay_equals_eager_on_cuda(tiny_model):
     g = GGUFFile(tiny_model("gemma3"))
-    cfg = ModelConfig.from_gguf(g)
-    graphed = Stage(cfg, g, device="cuda", dtype="float32", n_slots=2, n_ctx=64)
-    eager = Stage(cfg, g, device="cuda", dtype="float32", n_slots=2, n_ctx=64)
+    graphed = build_stage(g, device="cuda", dtype="float32", n_slots=2, n_ctx=64)
+    eager = build_stage(g, device="cuda", dtype="float32", n_slots=2, n_ctx=64)
     eager.graphs = None
     for stage in (graphed, eager):
         run(stage, PROMPT, [1] * len(PROMPT), list(range(len(PROMPT))))
@@ -94,7 +92,7 @@ def solo_pipeline(path):
     from hydra_console.engine.pipeline import Pipeline
 
     g = GGUFFile(path)
-    return Pipeline(Stage(ModelConfig.from_gguf(g), g, device="cuda", dtype="bfloat16", n_slots=2, n_ctx=64))
+    return Pipeline(build_stage(g, device="cuda", dtype="bfloat16", n_slots=2, n_ctx=64))
 
 
 def greedy_logits(pipe, steps: int = 6) -> torch.Tensor:

@@ -10,7 +10,8 @@ import torch
 
 from hydra_console.engine.gguf_file import GGUFFile
 from hydra_console.engine.pipeline import Pipeline
-from hydra_console.engine.runtime import Engine, Request, load_stage
+from hydra_console.engine.model import build_stage
+from hydra_console.engine.runtime import Engine, Request
 from hydra_console.engine.sampling import InvalidParam, SamplingParams
 from hydra_console.engine.tokenizer import Tokenizer
 
@@ -27,7 +28,7 @@ def model(tiny_model):
 @pytest.fixture(scope="module")
 def engine(model):
     g, tok = model
-    pipeline = Pipeline(load_stage(g, "cpu", "float32", n_slots=N_SLOTS, n_ctx=N_CTX))
+    pipeline = Pipeline(build_stage(g, device="cpu", dtype="float32", n_slots=N_SLOTS, n_ctx=N_CTX))
     eng = Engine(pipeline, tok, N_SLOTS, N_CTX).start()
     yield eng
     eng.stop()
@@ -147,7 +148,7 @@ def test_prompt_scoring_matches_a_direct_forward(engine, model):
     assert [s.token for s in scored] == prompt
     assert scored[0].logprob is None
 
-    ref = Pipeline(load_stage(g, "cpu", "float32", n_slots=1, n_ctx=N_CTX))
+    ref = Pipeline(build_stage(g, device="cpu", dtype="float32", n_slots=1, n_ctx=N_CTX))
     n = len(prompt)
     logits = ref.forward(torch.tensor(prompt), torch.zeros(n, dtype=torch.long), torch.arange(n), torch.arange(n))
     lp = torch.log_softmax(logits, -1)
@@ -172,7 +173,7 @@ def test_both_step_kinds_give_the_same_tokens(engine, model):
     g, tok = model
     prompts = [tok.encode(p) for p in PROMPTS[:3]]
     want = [run(engine, p, params=greedy(), max_tokens=10, ignore_eos=True)[1] for p in prompts]
-    other = Engine(Pipeline(load_stage(g, "cpu", "float32", n_slots=N_SLOTS, n_ctx=N_CTX)), tok, N_SLOTS, N_CTX,
+    other = Engine(Pipeline(build_stage(g, device="cpu", dtype="float32", n_slots=N_SLOTS, n_ctx=N_CTX)), tok, N_SLOTS, N_CTX,
                    mixed_steps=not engine.mixed_steps).start()  # fmt: skip
     try:
         got: dict[int, list[int]] = {}

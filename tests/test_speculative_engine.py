@@ -12,7 +12,8 @@ import torch
 from hydra_console.engine.errors import UserError
 from hydra_console.engine.gguf_file import GGUFFile
 from hydra_console.engine.pipeline import Pipeline
-from hydra_console.engine.runtime import Engine, Request, load_stage
+from hydra_console.engine.model import build_stage
+from hydra_console.engine.runtime import Engine, Request
 from hydra_console.engine.sampling import Sampler, SamplingParams
 from hydra_console.engine.speculative import (
     Draft,
@@ -31,7 +32,7 @@ GREEDY = SamplingParams(temperature=0.0)
 
 
 def _pipeline(path, n_slots=N_SLOTS, dtype="float32") -> Pipeline:
-    return Pipeline(load_stage(GGUFFile(path), "cpu", dtype, n_slots=n_slots, n_ctx=N_CTX))
+    return Pipeline(build_stage(GGUFFile(path), device="cpu", dtype=dtype, n_slots=n_slots, n_ctx=N_CTX))
 
 
 @pytest.fixture(scope="module")
@@ -226,7 +227,7 @@ def test_default_model_greedy_speculation_is_exact(default_model):
     as batching slots together can."""
     g = GGUFFile(default_model)
     tok = Tokenizer.from_gguf(g)
-    eng = Engine(Pipeline(load_stage(g, "cpu", "float32", 1, 512)), tok, 1, 512).start()
+    eng = Engine(Pipeline(build_stage(g, device="cpu", dtype="float32", n_slots=1, n_ctx=512)), tok, 1, 512).start()
     code = "def area(w, h):\n    result = w * h\n    print('area', result)\n    return result\n"
     prompts = [f"```python\n{code}```\n\nThe same code again:\n\n```python\n",
                "The river had flooded twice that spring, and by the time the surveyors arrived the old mill"]  # fmt: skip

@@ -7,6 +7,7 @@ is. `/health`, `/status` and `/metrics` answer on `--port`.
 
 from __future__ import annotations
 
+import os
 import sys
 
 from ...contracts.status import Address, ModelInfo, StageInfo
@@ -47,7 +48,7 @@ def main(args) -> int:
     from ..device import resolve_device
     from ..gguf_file import GGUFFile
     from ..metrics import Metrics
-    from ..model import ModelConfig
+    from ..model import ModelConfig, default_cache_dir
     from ..status import StatusDocument
 
     http_sock = listen_socket(args.host, args.port)
@@ -60,7 +61,7 @@ def main(args) -> int:
     device = resolve_device(args.device)
     status.model = ModelInfo(path.stem, str(path), g.architecture, cfg.n_layers, g.fingerprint)
     status.startup_stage = 2
-    host = StageHost(g, cfg, device)
+    host = StageHost(g, cfg, device, cache_dir=default_cache_dir(os.environ))
     compute = ComputeServer(host, auth_token=args.auth_token or None, max_frame=args.max_frame)
     listener = RpcListener(args.rpc_host, args.rpc_port, mode="peer", compute=compute).start()
     status.startup_stage = 4  # 3 = RPC active; a peer is ready as soon as its port serves

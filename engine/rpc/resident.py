@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 import time
+from pathlib import Path
 
 import torch
 
@@ -36,10 +37,12 @@ def tensor_shapes(g) -> dict[str, list[int]]:
 
 
 class StageHost:
-    """One worker's resident stage. `assignable=False` on the head: its range follows its own split."""
+    """One worker's resident stage. `assignable=False` on the head: its range follows its own split.
+    `cache_dir`: the prepared-weight cache for the stages it loads (None: convert on every load)."""
 
-    def __init__(self, g, cfg, device, *, stage=None, assignable: bool = True):
+    def __init__(self, g, cfg, device, *, stage=None, assignable: bool = True, cache_dir: Path | None = None):
         self.g, self.cfg, self.device = g, cfg, torch.device(device)
+        self.cache_dir = cache_dir
         self.n_layers = cfg.n_layers
         self.stage = stage
         self.assignable = assignable
@@ -103,13 +106,11 @@ class StageHost:
                     for slot in range(n_slots):
                         self.stage.kv_clear(slot)
             else:
-                from ..model import Stage
+                from ..model import build_stage
 
                 self.stage = None  # free the old range before building the new one
-                self.stage = Stage(
-                    self.cfg, self.g, layers=(a, b), embed=False, head=False,
-                    device=self.device, dtype=dtype, n_slots=n_slots, n_ctx=n_ctx,
-                )
+                self.stage = build_stage(self.g, (a, b), embed=False, head=False, device=self.device, dtype=dtype,
+                                         n_slots=n_slots, n_ctx=n_ctx, cache_dir=self.cache_dir)  # fmt: skip
                 self._params = params
             self.epoch += 1
         self.load_s = time.perf_counter() - t0

@@ -1,0 +1,20 @@
+"""The transformer: `config` (shape and per-architecture deltas), `weights` (GGUF tensors as
+dense or int8 products, the prepared-weight cache), `rope`, `attention`, `stage` (a layer range
+with its KV cache, built by `build_stage`) and `graphs` (CUDA graphs of the decode step)."""
+
+from .config import ARCHITECTURES, ModelConfig
+from .graphs import DecodeGraphs
+from .stage import RESCORE_TOP, Stage, build_stage
+from .weights import Linear, Weights, default_cache_dir
+
+__all__ = [
+    "ARCHITECTURES",
+    "RESCORE_TOP",
+    "DecodeGraphs",
+    "Linear",
+    "ModelConfig",
+    "Stage",
+    "Weights",
+    "build_stage",
+    "default_cache_dir",
+]

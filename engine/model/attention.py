@@ -1,0 +1,78 @@
+"""The two attention paths over a layer's static KV cache.
+
+`attend_runs` serves any batch (prefill, speculative verify, decode) one slot run at a time
+through SDPA; `attend_batched` serves one token per slot with no host values, so a CUDA graph can
+capture it: every slot attends over its first `kv_len` cache rows under an additive
+`decode_bias`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from .config import ModelConfig
+
+if TYPE_CHECKING:
+    from .stage import _Layer
+
+# cuDNN attention re-plans for every new sequence length (~10 ms a call): decode would crawl.
+_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+def attend_runs(cfg: ModelConfig, layer: _Layer, q, k, v, runs) -> torch.Tensor:
+    """Attention per slot run: write K/V into the cache, attend over the run's visible cache span."""
+    outs, i = [], 0
+    for slot, p0, n in runs:
+        end = p0 + n
+        layer.k_cache[slot, :, p0:end] = k[i : i + n].transpose(0, 1)
+        layer.v_cache[slot, :, p0:end] = v[i : i + n].transpose(0, 1)
+        start = max(0, p0 - layer.window + 1) if layer.window else 0
+        keys = layer.k_cache[slot, :, start:end].unsqueeze(0)
+        vals = layer.v_cache[slot, :, start:end].unsqueeze(0)
+        qr = q[i : i + n].transpose(0, 1).unsqueeze(0)
+        windowed = layer.window and n > 1 and end - start > layer.window
+        if n == 1:
+            mask, causal = None, False
+        elif start == 0 and p0 == 0 and not windowed:
+            mask, causal = None, True
+        else:
+            qpos = torch.arange(p0, end, device=q.device)[:, None]
+            kpos = torch.arange(start, end, device=q.device)[None, :]
+            mask, causal = kpos <= qpos, False
+            if layer.window:
+                mask &= kpos > qpos - layer.window
+        with sdpa_kernel(_SDPA_BACKENDS):
+            o = F.scaled_dot_product_attention(
+                qr, keys, vals, attn_mask=mask, is_causal=causal, scale=cfg.attn_scale, enable_gqa=True
+            )
+        outs.append(o[0].transpose(0, 1))
+        i += n
+    return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+
+def decode_bias(cfg: ModelConfig, positions: torch.Tensor, kv_len: int, window: int, dtype: torch.dtype) -> torch.Tensor:
+    """Additive attention mask [B * n_kv, group, kv_len]: 0 where a slot's token may look, -inf elsewhere."""
+    kpos = torch.arange(kv_len, device=positions.device)[None, :]
+    visible = kpos <= positions[:, None]
+    if window:
+        visible &= kpos > positions[:, None] - window
+    bias = torch.zeros(visible.shape, dtype=dtype, device=positions.device).masked_fill_(~visible, float("-inf"))
+    group = cfg.n_head // cfg.n_head_kv
+    return bias[:, None, None, :].expand(-1, cfg.n_head_kv, group, -1).reshape(-1, group, kv_len)
+
+
+def attend_batched(cfg: ModelConfig, layer: _Layer, q, k, v, slots, positions, kv_len: int, bias) -> torch.Tensor:
+    """One token per slot: scatter K/V, gather each slot's first `kv_len` cache rows, attend under `bias`.
+    Grouped-query heads share their K/V through a batched matmul, not a copy per head."""
+    layer.k_cache[slots, :, positions] = k
+    layer.v_cache[slots, :, positions] = v
+    keys = layer.k_cache[slots, :, :kv_len].reshape(-1, kv_len, cfg.head_dim)
+    vals = layer.v_cache[slots, :, :kv_len].reshape(-1, kv_len, cfg.head_dim)
+    q = q.reshape(keys.shape[0], -1, cfg.head_dim)  # [B * n_kv, group, head_dim]
+    scores = torch.baddbmm(bias, q, keys.transpose(1, 2), alpha=cfg.attn_scale)
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(vals.dtype)
+    return torch.bmm(probs, vals).view(q.shape[0] // cfg.n_head_kv, cfg.n_head, cfg.head_dim)

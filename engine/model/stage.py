@@ -1,0 +1,254 @@
+"""A `Stage`: one transformer implementation for every architecture in `config.ARCHITECTURES`.
+
+A `Stage` materialises the embedding (optional), a layer range [a, b) and the output head
+(optional) of one GGUF file on one device, with a static KV cache per slot:
+`[n_slots, n_kv_heads, n_ctx, head_dim]` per layer.
+
+A batch is a flat list of tokens with a slot and a position each; the tokens of one slot are
+contiguous with increasing positions (nano-vllm style). The same call therefore serves a
+prefill (one slot, many tokens), a speculative verify and a batched decode (many slots, one
+token each). KV rollback is implicit: positions at or after a slot's length get overwritten.
+
+Numerics: the residual stream and the norms are float32; the matrix products run in the
+compute dtype. On CPU with a 16-bit compute dtype the weights are int8 with a bfloat16 scale
+per row (`torch.ops.aten._weight_int8pack_mm`; torch's 16-bit single-row GEMM is slow there and
+decode is memory-bound): layers as two terms (the second quantizes the first one's residual,
+so they are as exact as float32 weights), the output head (Gemma 3's tied 262k rows, 63% of
+the weights) as one term whose top `RESCORE_TOP` logits per row are recomputed from the exact
+rows. Many-row products (prefill) use a kept bfloat16 copy of the layers instead (see
+`weights`). A float32 Stage keeps exact dequantized weights everywhere (the reference path for
+tests). On CUDA, `DecodeGraphs` replays a captured decode step per batch size.
+
+`build_stage` is the one way to make a Stage: it resolves the device and dtype flags, reads the
+config and picks the weight format.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from ..device import resolve_device, resolve_dtype
+from ..errors import UserError
+from ..gguf_file import GGUFFile
+from ..quant import dequantize_rows
+from .attention import attend_batched, attend_runs, decode_bias
+from .config import ModelConfig
+from .graphs import DecodeGraphs
+from .rope import rope_table, rotate
+from .weights import Weights
+
+# Logits recomputed exactly after the int8 head: far more than any near-tie of the top token.
+RESCORE_TOP = 32
+
+
+class _Layer:
+    """Weights and KV cache of one transformer block."""
+
+    def __init__(self, stage: Stage, il: int):
+        cfg, w = stage.cfg, stage.weights
+        p = f"blk.{il}."
+        vec = w.vector
+        self.window = cfg.sliding_window if cfg.swa_layers[il] else 0
+        self.attn_norm = vec(p + "attn_norm.weight")
+        qkv = [p + n for n in ("attn_q", "attn_k", "attn_v")]
+        self.wqkv = w.linear([n + ".weight" for n in qkv], [n + ".bias" for n in qkv] if cfg.qkv_bias else [])
+        self.wo = w.linear([p + "attn_output.weight"])
+        # Q and K heads are normalised together: one weight row per head, [n_head + n_head_kv, head_dim].
+        self.qk_norm = None
+        if cfg.qk_norm:
+            q_w, k_w = vec(p + "attn_q_norm.weight"), vec(p + "attn_k_norm.weight")
+            self.qk_norm = torch.cat([q_w.expand(cfg.n_head, -1), k_w.expand(cfg.n_head_kv, -1)])
+        self.post_attn_norm = vec(p + "post_attention_norm.weight") if cfg.post_norms else None
+        self.ffn_norm = vec(p + "ffn_norm.weight")
+        self.w_gate_up = w.linear([p + "ffn_gate.weight", p + "ffn_up.weight"])
+        self.w_down = w.linear([p + "ffn_down.weight"])
+        self.post_ffn_norm = vec(p + "post_ffw_norm.weight") if cfg.post_norms else None
+        shape = (stage.n_slots, cfg.n_head_kv, stage.n_ctx, cfg.head_dim)
+        self.k_cache = torch.zeros(shape, dtype=stage.dtype, device=stage.device)
+        self.v_cache = torch.zeros(shape, dtype=stage.dtype, device=stage.device)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(lin.nbytes for lin in (self.wqkv, self.wo, self.w_gate_up, self.w_down))
+
+
+class Stage:
+    """Embedding (optional) + layers [a, b) + final norm and output head (optional) on one device."""
+
+    def __init__(self, cfg: ModelConfig, weights: Weights, layers: tuple[int, int], *, embed: bool, head: bool,
+                 n_slots: int, n_ctx: int, compile_decode: bool = False):  # fmt: skip
+        self.cfg, self.weights, self.g = cfg, weights, weights.g
+        self.device, self.dtype, self.int8 = weights.device, weights.dtype, weights.int8
+        if n_slots < 1 or n_ctx < 1:
+            raise UserError(f"need at least one slot and a positive context (got {n_slots} slots, n_ctx {n_ctx})")
+        self.n_slots, self.n_ctx = n_slots, n_ctx
+        self.has_embed, self.has_head = embed, head
+        self._rope_global = rope_table(cfg, n_ctx, cfg.rope_base, cfg.rope_scale, self.device)
+        self._rope_swa = rope_table(cfg, n_ctx, cfg.rope_base_swa, 1.0, self.device)
+        self.layers: dict[int, _Layer] = {}
+        self.layer_range = (0, 0)
+        self.assign(*layers)
+        if embed:
+            self._embd_info = weights.tensor("token_embd.weight")
+            # On a GPU the table lives on the device (graph-capturable lookups); on CPU rows are
+            # dequantized from the mmap as they are looked up, so a 262k-row table costs nothing at load.
+            self._embd_table = weights.f32("token_embd.weight").to(self.dtype) if self.device.type == "cuda" else None
+        if head:
+            self.output_norm = weights.vector("output_norm.weight")
+            self._head_name = "token_embd.weight" if cfg.tied else "output.weight"
+            self.output = weights.linear([self._head_name], terms=1)
+        self.graphs = DecodeGraphs(self, compiled=compile_decode) if self.device.type == "cuda" else None
+
+    # ---- layers and cache ------------------------------------------------------------------
+
+    def assign(self, a: int, b: int) -> None:
+        """Hold layers [a, b) from now on: keep those already here (with their KV), load the rest, free the others."""
+        if not (0 <= a <= b <= self.cfg.n_layers):
+            raise UserError(f"layer range [{a}, {b}) is outside the model's {self.cfg.n_layers} layers")
+        kept = {il: self.layers[il] for il in range(a, b) if il in self.layers}
+        self.layers = {}  # drop the old ones before loading new ones: peak memory stays one range
+        self.layers = {il: kept.get(il) or _Layer(self, il) for il in range(a, b)}
+        self.layer_range = (a, b)
+        if getattr(self, "graphs", None) is not None:
+            self.graphs.reset()
+
+    def kv_clear(self, slot: int) -> None:
+        for layer in self.layers.values():
+            layer.k_cache[slot].zero_()
+            layer.v_cache[slot].zero_()
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of weights read per decoded token (layers + output head; embedding rows are negligible)."""
+        n = sum(layer.nbytes for layer in self.layers.values())
+        return n + (self.output.nbytes if self.has_head else 0)
+
+    # ---- forward -------------------------------------------------------------------------------
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Token ids [T] -> float32 hidden states [T, n_embd] (Gemma's sqrt(n_embd) scale included)."""
+        tokens = torch.as_tensor(tokens, dtype=torch.long)
+        if tokens.device.type == "cpu" and tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= self.cfg.n_vocab):
+            raise UserError(f"token id out of range 0..{self.cfg.n_vocab - 1}")
+        if self._embd_table is not None:
+            h = self._embd_table[tokens.to(self.device)].float()
+        else:
+            t = self._embd_info
+            h = dequantize_rows(self.g.raw(t.name), t.ggml_type, self.cfg.n_embd, tokens.cpu()).to(self.device)
+        return h * self.cfg.embed_scale if self.cfg.embed_scale != 1.0 else h
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Hidden states [R, n_embd] -> float32 logits [R, n_vocab]."""
+        x = self._norm(h, self.output_norm)
+        out = self.output(x.to(self.dtype)).float()
+        if self.output.scale is not None and out.shape[-1] > RESCORE_TOP:  # int8 head
+            top = out.topk(RESCORE_TOP, dim=-1).indices
+            t = self.weights.tensor(self._head_name)
+            rows = dequantize_rows(self.g.raw(t.name), t.ggml_type, self.cfg.n_embd, top.cpu()).to(x.device)
+            out.scatter_(1, top, torch.einsum("rd,rkd->rk", x, rows))
+        if self.cfg.final_softcap:
+            out = torch.tanh(out / self.cfg.final_softcap) * self.cfg.final_softcap
+        return out
+
+    def run_layers(self, h: torch.Tensor, slots, positions) -> torch.Tensor:
+        """Run this stage's layers over a flat batch; writes their KV. h [T, n_embd] -> same shape, float32."""
+        slots = torch.as_tensor(slots, dtype=torch.long)
+        positions = torch.as_tensor(positions, dtype=torch.long)
+        h = h.to(self.device, torch.float32, non_blocking=True)  # asynchronous only from page-locked memory
+        if h.shape[0] == 0 or not self.layers:
+            return h
+        runs = self._runs(slots, positions)
+        if self.graphs is not None and all(n == 1 for _, _, n in runs):
+            out = self.graphs.run(h, slots, positions)
+            if out is not None:
+                return out
+        return self._forward(h, slots.to(self.device), positions.to(self.device), runs)
+
+    def _runs(self, slots: torch.Tensor, positions: torch.Tensor) -> list[tuple[int, int, int]]:
+        """(slot, first position, length) of each slot's contiguous token run; checks the batch."""
+        s, p = slots.tolist(), positions.tolist()
+        runs, i = [], 0
+        while i < len(s):
+            j = i + 1
+            while j < len(s) and s[j] == s[i]:
+                if p[j] != p[j - 1] + 1:
+                    raise ValueError(f"positions of slot {s[i]} must increase by one within a batch")
+                j += 1
+            if not 0 <= s[i] < self.n_slots:
+                raise UserError(f"slot {s[i]} does not exist (this stage has {self.n_slots} slots)")
+            if p[i] < 0 or p[j - 1] >= self.n_ctx:
+                raise UserError(f"prompt too long: position {p[j - 1]} is beyond the context of {self.n_ctx} tokens")
+            runs.append((s[i], p[i], j - i))
+            i = j
+        return runs
+
+    def _forward(self, h, slots, positions, runs, batched: bool = False, kv_len: int | None = None):
+        """The layers, eagerly. `batched`: one token per slot, attention over gathered caches of
+        length `kv_len` with a mask from positions (no host values: CUDA-graph capturable).
+        Q and K travel together through norm and RoPE: fewer, larger kernels."""
+        cfg = self.cfg
+        T, n_q, qk_dim = h.shape[0], cfg.n_head, (cfg.n_head + cfg.n_head_kv) * cfg.head_dim
+        ropes = {False: self._rope_global, True: self._rope_swa}
+        ropes = {w: (cos[positions, None], sin[positions, None]) for w, (cos, sin) in ropes.items()}
+        biases = {}
+        for layer in self.layers.values():
+            x = self._norm(h, layer.attn_norm).to(self.dtype)
+            qkv = layer.wqkv(x)
+            qk = qkv[:, :qk_dim].float().view(T, -1, cfg.head_dim)
+            v = qkv[:, qk_dim:].view(T, cfg.n_head_kv, cfg.head_dim).to(self.dtype)
+            if layer.qk_norm is not None:
+                qk = F.rms_norm(qk, (cfg.head_dim,), None, cfg.rms_eps) * layer.qk_norm
+            qk = rotate(cfg, qk, *ropes[bool(layer.window)]).to(self.dtype)
+            q, k = qk[:, :n_q], qk[:, n_q:]
+            if batched:
+                if layer.window not in biases:
+                    biases[layer.window] = decode_bias(cfg, positions, kv_len, layer.window, self.dtype)
+                o = attend_batched(cfg, layer, q, k, v, slots, positions, kv_len, biases[layer.window])
+            else:
+                o = attend_runs(cfg, layer, q, k, v, runs)
+            o = layer.wo(o.reshape(T, -1))
+            if layer.post_attn_norm is not None:
+                o = self._norm(o, layer.post_attn_norm)
+            h = h + o
+            x = self._norm(h, layer.ffn_norm).to(self.dtype)
+            gate, up = layer.w_gate_up(x).chunk(2, dim=-1)
+            act = F.gelu(gate, approximate="tanh") if cfg.activation == "gelu_tanh" else F.silu(gate)
+            o = layer.w_down(act * up)
+            if layer.post_ffn_norm is not None:
+                o = self._norm(o, layer.post_ffn_norm)
+            h = h + o
+        return h
+
+    def _norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x.float(), (x.shape[-1],), w, self.cfg.rms_eps)
+
+
+def build_stage(
+    g: GGUFFile,
+    layers: tuple[int, int] | None = None,
+    *,
+    embed: bool = True,
+    head: bool = True,
+    device: str | torch.device = "cpu",
+    dtype: str | torch.dtype = "auto",
+    n_slots: int = 4,
+    n_ctx: int = 4096,
+    cache_dir: Path | None = None,
+    int8: bool | None = None,
+    compile_decode: bool = False,
+) -> Stage:
+    """The Stage of `g` for layers [a, b) (default: all), from `--device` / `--dtype` values or torch
+    objects. `cache_dir` keeps converted int8 weights across runs (None: convert on every load);
+    `int8` None picks int8 weights where they pay off: the int8 kernel beats the 16-bit ones only
+    on CPU with 16-bit compute."""
+    cfg = ModelConfig.from_gguf(g)
+    device = resolve_device(device)
+    dtype = resolve_dtype(dtype, device)
+    if int8 is None:
+        int8 = device.type == "cpu" and dtype != torch.float32
+    weights = Weights(g, cfg.arch, device, dtype, int8, cache_dir)
+    return Stage(cfg, weights, layers or (0, cfg.n_layers), embed=embed, head=head, n_slots=n_slots, n_ctx=n_ctx,
+                 compile_decode=compile_decode)  # fmt: skip

@@ -1,0 +1,170 @@
+"""Weights from the GGUF, in the form the products run on.
+
+`Linear` is y = x @ W^T (+ b) with W dense in the compute dtype, or int8 rows with a bfloat16
+scale each (on CPU with 16-bit compute: torch's 16-bit single-row GEMM is slow there and decode
+is memory-bound). `Weights` loads a stage's tensors from one file onto one device; converted int8
+weights of big files are kept in an on-disk cache (`cache_dir`, None disables it) and
+memory-mapped on later loads.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from ..errors import UserError
+from ..gguf_file import GGUFFile
+from ..quant import dequantize
+
+# Above this many rows (prefill), int8 layers run as a bfloat16 GEMM instead of the int8 kernel.
+_INT8_MAX_ROWS = 16
+# Files at least this big keep their converted (int8) weights in the on-disk cache.
+_CACHE_MIN_FILE_BYTES = 64 << 20
+# Rows converted per step when building int8 weights: bounds the float32 temporaries.
+_CONVERT_ROWS = 16384
+
+
+def default_cache_dir(env: Mapping[str, str]) -> Path | None:
+    """The prepared-weight cache directory for an environment: $HYDRA_CACHE_DIR ("off" disables
+    the cache), else ~/.cache/hydra-console/prepared. Entry points call this; the model never reads
+    the environment itself."""
+    value = env.get("HYDRA_CACHE_DIR")
+    if value == "off":
+        return None
+    return Path(value) if value else Path.home() / ".cache" / "hydra-console" / "prepared"
+
+
+class Linear:
+    """y = x @ W^T (+ b). W is dense in the compute dtype, or int8 rows with a bfloat16 scale each
+    (`scale`), stored as `terms` stacked row blocks whose products add up: a second term quantizes
+    the first one's residual, so two int8 terms are about as exact as float32 weights."""
+
+    def __init__(self, weight: torch.Tensor, scale: torch.Tensor | None = None, bias=None, terms: int = 1):
+        self.weight, self.scale, self.bias, self.terms = weight, scale, bias, terms
+        self._dense = None
+
+    @property
+    def nbytes(self) -> int:
+        return self.weight.nbytes + (0 if self.scale is None else self.scale.nbytes)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.scale is None:
+            y = F.linear(x, self.weight)
+        elif x.shape[0] > _INT8_MAX_ROWS and self.terms > 1:
+            y = F.linear(x.to(torch.bfloat16), self._bf16())
+        else:
+            y = torch.ops.aten._weight_int8pack_mm(x.to(self.scale.dtype), self.weight, self.scale)
+            if self.terms > 1:
+                y = y.view(x.shape[0], self.terms, -1).float().sum(1)  # the residual term is below bf16 resolution
+        return y if self.bias is None else y.float() + self.bias
+
+    def _bf16(self) -> torch.Tensor:
+        """The weight summed from its int8 terms and rounded to bfloat16, built on the first many-row
+        product (prefill) and kept: a 16-bit GEMM beats the int8 kernel ~4x there."""
+        if self._dense is None:
+            n = self.weight.shape[0] // self.terms
+            w = (self.weight.view(self.terms, n, -1).float() * self.scale.float().view(self.terms, n, 1)).sum(0)
+            self._dense = w.to(torch.bfloat16)
+        return self._dense
+
+
+def _int8_rows(w: torch.Tensor, terms: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 per output row, `terms` times over the remaining residual: w ≈ Σ q_t * scale_t[:, None].
+    Returns the terms stacked along rows: int8 [terms * N, K], bfloat16 scales [terms * N].
+    Consumes `w` (the residual is formed in place: this runs over every weight on a cold start)."""
+    qs, scales = [], []
+    for t in range(terms):
+        absmax = torch.maximum(w.amax(dim=1), w.amin(dim=1).neg())  # ~8x faster than abs().amax() or aminmax() here
+        scale = (absmax.clamp_min(1e-30) / 127.0).to(torch.bfloat16).float()
+        q = torch.div(w, scale[:, None]).round_().clamp_(-127, 127)
+        if t + 1 < terms:
+            w.sub_(q * scale[:, None])
+        qs.append(q.to(torch.int8))
+        scales.append(scale.to(torch.bfloat16))
+    return torch.cat(qs), torch.cat(scales)
+
+
+def _prepared_cache(g: GGUFFile, cache_dir: Path | None, key: str, build) -> dict[str, torch.Tensor]:
+    """Converted weights of a big model, kept on disk by file fingerprint and memory-mapped on later
+    loads: converting Gemma's 262k-row head to int8 costs seconds, mapping it costs milliseconds.
+    Small files (tests, synthetic models) are converted every time, and every file when `cache_dir` is None."""
+    if cache_dir is None or g.path.stat().st_size < _CACHE_MIN_FILE_BYTES:
+        return build()
+    path = Path(cache_dir) / g.fingerprint / f"{key}.pt"
+    if path.exists():
+        try:
+            return torch.load(path, mmap=True, weights_only=True)
+        except Exception:  # a damaged cache entry is rebuilt, never fatal
+            path.unlink(missing_ok=True)
+    tensors = build()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        torch.save(tensors, tmp)
+        os.replace(tmp, path)
+    except OSError:
+        pass  # read-only home or full disk: run without the cache
+    return tensors
+
+
+class Weights:
+    """The tensors of one GGUF file as a stage needs them on `device`: float32 vectors, and
+    `Linear`s in the compute dtype or (`int8`) as int8 rows, converted once per big file thanks to
+    the cache."""
+
+    def __init__(self, g: GGUFFile, arch: str, device: torch.device, dtype: torch.dtype, int8: bool,
+                 cache_dir: Path | None):  # fmt: skip
+        self.g, self.arch = g, arch
+        self.device, self.dtype, self.int8 = device, dtype, int8
+        self.cache_dir = cache_dir
+
+    def tensor(self, name: str):
+        try:
+            return self.g.tensors[name]
+        except KeyError:
+            raise UserError(f"{self.g.path}: tensor {name!r} is missing (architecture {self.arch})") from None
+
+    def f32(self, name: str) -> torch.Tensor:
+        """The tensor dequantized to float32; on a GPU the bytes move first and decode there."""
+        t = self.tensor(name)
+        raw = torch.from_numpy(self.g.raw(name))
+        if self.device.type == "cuda":
+            raw = raw.to(self.device)
+        return dequantize(raw, t.ggml_type, t.shape)
+
+    def vector(self, name: str) -> torch.Tensor:
+        return self.f32(name).to(self.device)
+
+    def linear(self, names: list[str], bias_names: list[str] = (), terms: int = 2) -> Linear:
+        """One Linear over the row-wise concatenation of tensors `names` (fused QKV, fused gate+up);
+        int8 weights get `terms` terms (the output head one: its top logits are rescored exactly)."""
+        bias = torch.cat([self.f32(n) for n in bias_names]).to(self.device) if bias_names else None
+        if not self.int8:
+            parts = [self.f32(n) for n in names]
+            return Linear((parts[0] if len(parts) == 1 else torch.cat(parts)).to(self.dtype), None, bias)
+
+        def convert() -> dict[str, torch.Tensor]:
+            per_term = [[] for _ in range(2 * terms)]  # q and scale of each term, over all row chunks
+            for name in names:
+                t = self.tensor(name)
+                raw = torch.from_numpy(self.g.raw(name)).view(t.shape[0], -1)
+                for r in range(0, t.shape[0], _CONVERT_ROWS):  # bounded float32 temporaries
+                    rows = raw[r : r + _CONVERT_ROWS]
+                    q, scale = _int8_rows(dequantize(rows, t.ggml_type, (rows.shape[0], t.shape[1])), terms)
+                    for i in range(terms):
+                        per_term[2 * i].append(q.chunk(terms)[i])
+                        per_term[2 * i + 1].append(scale.chunk(terms)[i])
+            return {
+                "weight": torch.cat([torch.cat(per_term[2 * i]) for i in range(terms)]),
+                "scale": torch.cat([torch.cat(per_term[2 * i + 1]) for i in range(terms)]),
+            }
+
+        key = "+".join(names) + f".int8x{terms}v2"
+        for name in names:
+            self.tensor(name)  # a missing tensor is an error even when a converted copy is cached
+        prepared = _prepared_cache(self.g, self.cache_dir, key, convert)
+        return Linear(prepared["weight"], prepared["scale"], bias, terms)
