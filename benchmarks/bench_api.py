@@ -129,7 +129,8 @@ def scheduling(args, n_long: int = 512, n_streams: int = 4) -> list[dict]:
     from hydra_console.engine.default_model import default_model_path
     from hydra_console.engine.gguf_file import GGUFFile
     from hydra_console.engine.pipeline import Pipeline
-    from hydra_console.engine.model import build_stage, default_cache_dir
+    from hydra_console.engine.config import default_cache_dir
+    from hydra_console.engine.model import build_stage
     from hydra_console.engine.runtime import Engine, Request
     from hydra_console.engine.sampling import SamplingParams
     from hydra_console.engine.tokenizer import Tokenizer

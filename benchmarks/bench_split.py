@@ -35,7 +35,8 @@ import torch  # noqa: E402
 
 from hydra_console.engine.device import resolve_device, resolve_dtype  # noqa: E402
 from hydra_console.engine.gguf_file import GGUFFile  # noqa: E402
-from hydra_console.engine.model import ModelConfig, build_stage, default_cache_dir  # noqa: E402
+from hydra_console.engine.config import default_cache_dir  # noqa: E402
+from hydra_console.engine.model import ModelConfig, build_stage  # noqa: E402
 from hydra_console.engine.pipeline import Pipeline, build_pipeline  # noqa: E402
 from hydra_console.engine.rpc.wire import spin_seconds  # noqa: E402
 

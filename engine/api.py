@@ -1,17 +1,14 @@
-"""`hydra-engine serve`: the head's HTTP face — OpenAI and llama-server endpoints over the Engine.
-
-`serve()` binds the port and starts uvicorn first, so `/health` answers 503 while the model
-loads in a background thread: load the model file → build the `Pipeline` → start the `Engine`.
-Every bad request is a 4xx in OpenAI's error shape; requests before the engine is ready get 503.
+"""The head's HTTP routes: OpenAI and llama-server endpoints over the Engine, plus the /health,
+/status and /metrics every worker serves. It only routes: `workers.head` builds and starts the
+parts it reads. Every bad request is a 4xx in OpenAI's error shape; requests before the engine
+is ready get 503.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import sys
-import threading
 import time
 import traceback
 import uuid
@@ -24,15 +21,14 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .errors import UserError
-from .metrics import CONTENT_TYPE, Metrics
-from ..contracts.status import ModelInfo
-from .status import StatusDocument
+from .worker_http import add_observation_routes
 
 if TYPE_CHECKING:  # the engine's modules bring torch: imported when the model loads, after the port is up
     from .runtime import Event, GenToken
     from .runtime import Request as EngineRequest
     from .sampling import SamplingParams, TokenLogprob
     from .speculative import SpecConfig
+    from .workers.head import HeadWorker as Head
 
 DISCONNECT_POLL_S = 0.25
 MAX_LOGPROBS = 20  # = sampling.MAX_LOGPROBS, which also checks it
@@ -126,69 +122,6 @@ class TokenizeBody(BaseModel):
 
 class DetokenizeBody(BaseModel):
     tokens: list[int]
-
-
-# ---- the server's state -------------------------------------------------------------------------
-
-
-class Head:
-    """What the endpoints read: status, metrics and — once loaded — model, tokenizer and engine."""
-
-    def __init__(self, args):
-        self.args = args
-        self.status = StatusDocument("head", args.host, args.port)
-        self.metrics = Metrics(self.status)
-        self.model_name: str | None = getattr(args, "alias", None)
-        self.gguf = None
-        self.tok = None
-        self.engine = None
-        self.rpc = None
-        self.created = int(time.time())
-        self.error: BaseException | None = None
-
-    def load(self) -> None:
-        """Model file → Pipeline → Engine; each step moves /health's startup_stage on."""
-        from .gguf_file import GGUFFile
-        from .model import ModelConfig
-        from .pipeline import build_pipeline
-        from .rpc.service import HeadRpc, RpcCollector
-        from .runtime import Engine
-        from .speculative import build_speculator
-        from .tokenizer import Tokenizer
-
-        args = self.args
-        from .default_model import model_path
-
-        path = model_path(args.model)
-        self.gguf = GGUFFile(path)
-        self.tok = Tokenizer.from_gguf(self.gguf)
-        cfg = ModelConfig.from_gguf(self.gguf)
-        self.model_name = self.model_name or path.stem
-        self.status.model = ModelInfo(self.model_name, str(path), self.gguf.architecture, cfg.n_layers, self.gguf.fingerprint)
-        self.status.startup_stage = 2
-        # Before the peers: a bad --spec-type / --model-draft fails at once.
-        speculator = build_speculator(args, self.gguf, n_slots=args.parallel, n_ctx=args.ctx)
-        # Head stage + peers (waits for them, --peer-wait), then the merged RPC port.
-        pipeline = build_pipeline(args, self.gguf, cfg, n_slots=args.parallel, n_ctx=args.ctx)
-        pipeline.on_change = lambda: setattr(self.status, "degraded", pipeline.degraded)
-        self.status.pipeline = pipeline
-        self.rpc = HeadRpc(args, self.gguf, cfg, pipeline, self.status.model).start()
-        self.status.add_provider(self.rpc.status)
-        self.metrics.register(RpcCollector(self.rpc.listener, pipeline))
-        self.status.startup_stage = 3
-        self.engine = Engine(pipeline, self.tok, n_slots=args.parallel, n_ctx=args.ctx, speculator=speculator).start()
-        pipeline.active_slots = lambda: {s.slot for s in self.engine.slots if s is not None}
-        self.status.engine = self.engine
-        self.status.startup_stage = 4
-
-    @property
-    def ready(self) -> bool:
-        return self.status.startup_stage >= 4 and self.engine is not None
-
-    def require_engine(self):
-        if not self.ready:
-            raise APIError(503, "Loading model", "unavailable_error")
-        return self.engine
 
 
 # ---- turning events into OpenAI objects -------------------------------------------------------
@@ -320,9 +253,16 @@ def _sse(obj) -> bytes:
 # ---- the app -----------------------------------------------------------------------------------
 
 
+def _engine(head: Head):
+    if not head.ready:
+        raise APIError(503, "Loading model", "unavailable_error")
+    return head.engine
+
+
 def create_app(head: Head) -> FastAPI:
     app = FastAPI(title="Hydra head", version="0.1.0")
     app.state.head = head
+    add_observation_routes(app, head.status, head.metrics)
 
     @app.exception_handler(APIError)
     async def _api_error(_, e: APIError):
@@ -348,36 +288,23 @@ def create_app(head: Head) -> FastAPI:
         traceback.print_exception(e, file=sys.stderr)
         return error_response(500, f"internal error: {type(e).__name__}: {e}", "server_error")
 
-    @app.get("/health")
-    async def health():
-        health = head.status.health()
-        return JSONResponse(health.to_json(), status_code=health.http_code)
-
     @app.get("/v1/models")
     @app.get("/models", include_in_schema=False)
     async def models():
         data = []
         if head.status.startup_stage >= 2:
-            meta = {"n_ctx": head.args.ctx, "n_vocab": head.tok.vocab_size, **head.status.model.to_json()}
+            meta = {"n_ctx": head.cfg.model.ctx, "n_vocab": head.tok.vocab_size, **head.status.model.to_json()}
             data.append({"id": head.model_name, "object": "model", "created": head.created, "owned_by": "hydra",
                          "meta": meta})  # fmt: skip
         return {"object": "list", "data": data}
 
-    @app.get("/status")
-    async def status():
-        return (await asyncio.to_thread(head.status.document)).to_json()
-
-    @app.get("/metrics")
-    async def metrics():
-        return Response(await asyncio.to_thread(head.metrics.render), media_type=CONTENT_TYPE)
-
     @app.get("/slots")
     async def slots():
-        return head.require_engine().slot_info()
+        return _engine(head).slot_info()
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeBody):
-        head.require_engine()
+        _engine(head)
         ids = head.tok.encode(body.content, add_special=body.add_special, parse_special=body.parse_special)
         if not body.with_pieces:
             return {"tokens": ids}
@@ -393,7 +320,7 @@ def create_app(head: Head) -> FastAPI:
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeBody):
-        head.require_engine()
+        _engine(head)
         bad = next((t for t in body.tokens if not 0 <= t < head.tok.vocab_size), None)
         if bad is not None:
             raise APIError(400, f"token id {bad} is outside the vocabulary of {head.tok.vocab_size}", param="tokens")
@@ -404,7 +331,7 @@ def create_app(head: Head) -> FastAPI:
     async def completions(body: CompletionBody, http: Request):
         from .runtime import Request as EngineRequest
 
-        engine = head.require_engine()
+        engine = _engine(head)
         prompt = body.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
             if len(prompt) != 1:
@@ -434,7 +361,7 @@ def create_app(head: Head) -> FastAPI:
         from .chat import apply_chat_template
         from .runtime import Request as EngineRequest
 
-        engine = head.require_engine()
+        engine = _engine(head)
         messages = [m.model_dump(exclude_none=True) for m in body.messages]
         text = apply_chat_template(head.tok, head.gguf, messages, add_generation_prompt=True)
         ids = head.tok.encode(text, add_special=True, parse_special=True)
@@ -561,53 +488,3 @@ async def _respond_chat(head: Head, http: Request, body: ChatBody, req: EngineRe
 
 
 # ---- serve -----------------------------------------------------------------------------------
-
-
-def listen_socket(host: str, port: int) -> socket.socket:
-    """Bind the HTTP port before anything slow, so a taken port fails at once with its address."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-    except OSError as e:
-        sock.close()
-        raise UserError(f"cannot listen on {host}:{port}: {e.strerror}") from None
-    sock.listen(128)
-    return sock
-
-
-def serve(args) -> int:
-    """Listen first (so /health answers 503 during the load), then load in the background."""
-    import uvicorn
-
-    if args.parallel < 1:
-        raise UserError(f"--parallel must be >= 1, got {args.parallel}")
-    if args.ctx < 1:
-        raise UserError(f"--ctx must be >= 1, got {args.ctx}")
-    head = Head(args)
-    app = create_app(head)
-    sock = listen_socket(args.host, args.port)
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2))
-
-    def load():
-        try:
-            head.load()
-            print(f"hydra-engine: serving {head.model_name} on http://{args.host}:{args.port}", file=sys.stderr)
-        except BaseException as e:  # any failure ends the server; serve() reports it
-            head.error = e
-            head.status.error = f"{type(e).__name__}: {e}"
-            server.should_exit = True
-
-    threading.Thread(target=load, name="hydra-load", daemon=True).start()
-    server.run(sockets=[sock])
-    if head.engine is not None:
-        head.engine.stop()
-    if head.rpc is not None:
-        head.rpc.stop()
-    if isinstance(head.error, UserError):
-        raise head.error
-    if head.error is not None:
-        traceback.print_exception(head.error, file=sys.stderr)
-        return 1
-    return 0

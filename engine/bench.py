@@ -23,7 +23,7 @@ from .default_model import model_path
 from .device import resolve_device
 from .errors import UserError
 from .gguf_file import GGUFFile
-from .model import ModelConfig, Stage, build_stage, default_cache_dir
+from .model import ModelConfig, Stage, build_stage
 
 
 def _sync(device: torch.device) -> None:
@@ -125,14 +125,14 @@ def run_llama_bench(path: str, model: Path, device: torch.device, n_prompt: int,
     return out
 
 
-def main(args) -> int:
+def main(args, cache_dir: Path | None) -> int:
     for flag in ("n_prompt", "n_gen", "repetitions"):
         if getattr(args, flag) < 0 or (flag == "repetitions" and args.repetitions < 1):
             raise UserError(f"--{flag.replace('_', '-')} must be {'≥ 1' if flag == 'repetitions' else '≥ 0'}")
     model = model_path(args.model)
     llama_bench = find_llama_bench(args.llama_bench) if args.llama_bench else None  # fail before our run
     # On CUDA the decode step is compiled before graph capture (fused element-wise kernels: ~1.6x decode).
-    options = {"cache_dir": default_cache_dir(os.environ)}
+    options = {"cache_dir": cache_dir}
     if resolve_device(args.device).type == "cuda":
         options["compile_decode"] = True
     result = run_bench(model, args.device, args.dtype, args.n_prompt, args.n_gen, args.repetitions, **options)

@@ -1,7 +1,8 @@
 """`hydra-engine serve|peer|generate|bench`: the flag surface of every worker, in one place.
 
-Each subcommand's work lives in the module that owns it; this file only parses flags and
-turns a UserError into one line on stderr and exit code 2.
+This is the entry point: argv and the environment become config objects here (config.py) and
+nowhere else. Each subcommand's work lives in the module that owns it; this file parses flags,
+builds the config, and turns a UserError into one line on stderr and exit code 2.
 """
 
 from __future__ import annotations
@@ -9,8 +10,11 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from typing import Mapping
 
+from .config import ENVIRONMENT, default_cache_dir, head_config, peer_config
 from .errors import UserError
+from .openmp import configure_split_worker
 
 
 def _model_args(p: argparse.ArgumentParser) -> None:
@@ -26,8 +30,8 @@ def _rpc_args(p: argparse.ArgumentParser, default_host: str = "127.0.0.1") -> No
     p.add_argument("--max-frame", type=int, default=1 << 30, help="largest accepted RPC frame in bytes")
     p.add_argument(
         "--auth-token",
-        default=os.environ.get("HYDRA_TOKEN"),
-        help="shared secret both RPC protocols must prove before any command (env HYDRA_TOKEN)",
+        default=None,
+        help="shared secret both RPC protocols must prove before any command (visible in `ps`: prefer env HYDRA_TOKEN)",
     )
 
 
@@ -40,7 +44,9 @@ def _spec_args(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="hydra-engine", description="Hydra layer-split LLM engine")
+    epilog = "environment:\n" + "\n".join(f"  {name:<18} {doc}" for name, doc in ENVIRONMENT.items())
+    ap = argparse.ArgumentParser(prog="hydra-engine", description="Hydra layer-split LLM engine", epilog=epilog,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="stream a completion to stdout")
@@ -87,24 +93,27 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, env: Mapping[str, str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if getattr(args, "rpc_port", 0) is None:
-        args.rpc_port = args.port + 1
+    env = os.environ if env is None else env
     if args.command == "peer" or getattr(args, "peer", None):
-        from .openmp import configure_split_worker
-
         configure_split_worker()  # before the subcommand imports torch
     try:
         if args.command == "generate":
-            from .generate import main as run
-        elif args.command == "bench":
-            from .bench import main as run
-        elif args.command == "serve":
-            from .api import serve as run
-        else:
-            from .rpc.peer import main as run
-        return run(args) or 0
+            from .generate import main as generate
+
+            return generate(args, default_cache_dir(env)) or 0
+        if args.command == "bench":
+            from .bench import main as bench
+
+            return bench(args, default_cache_dir(env)) or 0
+        if args.command == "serve":
+            from .workers.head import HeadWorker
+
+            return HeadWorker(head_config(args, env)).serve()
+        from .workers.peer import PeerWorker
+
+        return PeerWorker(peer_config(args, env)).serve()
     except UserError as e:
         print(f"hydra-engine: error: {e}", file=sys.stderr)
         return 2

@@ -5,17 +5,17 @@ Kept free of the HTTP stack (FastAPI, uvicorn) so the path to the first token st
 
 from __future__ import annotations
 
-import os
 import sys
 import time
+from pathlib import Path
 
 from .errors import UserError
 
 
-def main(args) -> int:
+def main(args, cache_dir: Path | None) -> int:
     t0 = time.perf_counter()
     from .gguf_file import GGUFFile
-    from .model import build_stage, default_cache_dir
+    from .model import build_stage
     from .pipeline import Pipeline
     from .runtime import Engine, Request
     from .sampling import SamplingParams
@@ -44,7 +44,7 @@ def main(args) -> int:
     # One slot, sized to this request: no KV memory for context it will never use.
     n_ctx = min(args.ctx, len(ids) + n_predict)
     stage = build_stage(g, device=args.device, dtype=args.dtype, n_slots=1, n_ctx=n_ctx,
-                        cache_dir=default_cache_dir(os.environ))  # fmt: skip
+                        cache_dir=cache_dir)  # fmt: skip
     engine = Engine(Pipeline(stage), tok, 1, n_ctx)
     engine.check(len(ids), n_predict)
     engine.start()

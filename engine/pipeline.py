@@ -9,7 +9,6 @@ of the active slots by replaying them: running requests carry on instead of fail
 from __future__ import annotations
 
 import logging
-import os
 import socket
 import threading
 import time
@@ -19,10 +18,11 @@ from typing import Callable
 import torch
 
 from ..contracts.rpc import StaleEpoch
-from ..contracts.split import check_ranges, parse_split
+from ..contracts.split import check_ranges
 from ..contracts.status import StageInfo
 from .errors import UserError
-from .model import Stage, build_stage, default_cache_dir
+from .model import Stage
+from .rpc.client import PeerUnavailable
 
 log = logging.getLogger("hydra.pipeline")
 
@@ -216,8 +216,6 @@ class Pipeline:
             remote.close()
 
     def _watch_loop(self, interval_s: float) -> None:
-        from .rpc.client import PeerUnavailable
-
         while not self._stopping.wait(interval_s):
             for remote in self.remotes:
                 if remote.state == "up":
@@ -247,8 +245,6 @@ class Pipeline:
 
 def wait_for_peers(remotes: list, budget_s: float, poll_s: float = READY_POLL_S) -> list:
     """Attach every peer, polling every `poll_s` for at most `budget_s`; returns those never up."""
-    from .rpc.client import PeerUnavailable
-
     deadline = time.monotonic() + budget_s
     pending = list(remotes)
     while pending:
@@ -262,57 +258,3 @@ def wait_for_peers(remotes: list, budget_s: float, poll_s: float = READY_POLL_S)
             break
         time.sleep(poll_s)
     return pending
-
-
-def build_pipeline(args, g, cfg, *, n_slots: int, n_ctx: int) -> Pipeline:
-    """Head Stage + one RemoteStage per `--peer`, split by `--split`; waits for the peers
-    (`--peer-wait`, polling every 2 s) and, if they never come, fails or (`--fallback-solo`)
-    runs every layer here when they fit."""
-    from .device import resolve_device, resolve_dtype
-    from .rpc.client import RemoteStage
-    from .rpc.cuda_ipc import cuda_ipc_enabled
-    from .rpc.wire import spin_seconds
-
-    peers = list(getattr(args, "peer", None) or [])
-    n_layers = cfg.n_layers
-    ranges = parse_split(getattr(args, "split", None), n_layers, 1 + len(peers))
-    device = resolve_device(args.device)
-    dtype = resolve_dtype(args.dtype, device)
-    remotes = [
-        RemoteStage(addr, r, g=g, dtype=dtype, n_slots=n_slots, n_ctx=n_ctx,
-                    auth_token=getattr(args, "auth_token", None), max_frame=getattr(args, "max_frame", 1 << 30),
-                    spin_s=spin_seconds(device), head_device=device if cuda_ipc_enabled() else None)  # fmt: skip
-        for addr, r in zip(peers, ranges[1:])
-    ]
-    # Wait before loading our own range: with --fallback-solo it depends on the outcome.
-    missing = wait_for_peers(remotes, getattr(args, "peer_wait", 180.0))
-    if missing:
-        names = ", ".join(f"{r.addr} ({r.error})" for r in missing)
-        if not getattr(args, "fallback_solo", False):
-            for r in remotes:
-                r.close()
-            raise UserError(f"peer(s) not ready after {args.peer_wait:g} s: {names} (or start with --fallback-solo)")
-        _check_fits(g, device)
-        log.warning("peers %s never came up: --fallback-solo runs all %d layers on the head", names, n_layers)
-        for r in remotes:
-            r.close()
-        remotes, ranges = [], [(0, n_layers)]
-    head = build_stage(g, ranges[0], device=device, dtype=dtype, n_slots=n_slots, n_ctx=n_ctx,
-                       cache_dir=default_cache_dir(os.environ))  # fmt: skip
-    pipeline = Pipeline(head, remotes, ranges=ranges)
-    if remotes:
-        pipeline.start_watch()
-    return pipeline
-
-
-def _check_fits(g, device: torch.device) -> None:
-    """--fallback-solo only when every layer's weights (dequantized to at most 2 bytes a value) fit."""
-    need = sum(t.n_elements for name, t in g.tensors.items() if name.startswith("blk.")) * 2
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-    else:
-        import psutil
-
-        free = psutil.virtual_memory().available
-    if need > free:
-        raise UserError(f"--fallback-solo: all layers need ~{need >> 20} MiB, only {free >> 20} MiB free on {device}")

@@ -19,85 +19,25 @@ rejected draft tokens (head and peers) are overwritten by the next step.
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from ..contracts.status import Speculative
+from .config import MAX_DRAFT, ModelSettings, SpecConfig
 from .errors import UserError
-
-SPEC_TYPES = ("off", "ngram", "draft", "mtp")
-MAX_DRAFT = 32  # per-request cap: beyond this a draft costs more verify compute than it can win
+from .gguf_file import GGUFFile
+from .model import build_stage
+from .pipeline import Pipeline
 
 # GGUF architectures whose converters (llama.cpp convert_hf_to_gguf.py) can keep a
 # multi-token-prediction ("NextN") head, stored as `blk.N.nextn.*` tensors and counted in
 # `<arch>.nextn_predict_layers`.
 MTP_ARCHS = ("glm4moe (GLM-4.5/4.6)", "deepseek2 (DeepSeek-V3/R1, when converted with the MTP layer)")
-
-
-@dataclass(frozen=True)
-class SpecConfig:
-    """How a slot drafts: `type` off|ngram|draft|mtp, at most `n_max` tokens, drafts shorter than
-    `n_min` dropped, draft-model tokens below probability `p_min` not proposed."""
-
-    type: str = "off"
-    n_max: int = 3
-    n_min: int = 0
-    p_min: float = 0.75
-
-    def __post_init__(self):
-        if self.type not in SPEC_TYPES:
-            raise UserError(f"speculative type must be one of {', '.join(SPEC_TYPES)}, got {self.type!r}")
-        if not isinstance(self.n_max, int) or not 0 <= self.n_max <= MAX_DRAFT:
-            raise UserError(f"draft max must be an integer in [0, {MAX_DRAFT}], got {self.n_max!r}")
-        if not isinstance(self.n_min, int) or not 0 <= self.n_min <= max(self.n_max, 0):
-            raise UserError(f"draft min must be an integer in [0, draft max={self.n_max}], got {self.n_min!r}")
-        if not isinstance(self.p_min, (int, float)) or not 0.0 <= self.p_min <= 1.0:
-            raise UserError(f"draft p-min must be a number in [0, 1], got {self.p_min!r}")
-
-    @classmethod
-    def from_args(cls, args) -> SpecConfig:
-        return cls(
-            type=getattr(args, "spec_type", "off") or "off",
-            n_max=getattr(args, "draft_max", 3),
-            n_min=getattr(args, "draft_min", 0),
-            p_min=getattr(args, "draft_p_min", 0.75),
-        )
-
-    @property
-    def active(self) -> bool:
-        return self.type != "off" and self.n_max > 0
-
-    def with_request(self, body: dict) -> SpecConfig:
-        """Per-request override from an API body: `speculative: {type, n_max, n_min, p_min}` or
-        llama-server's flat `speculative.n_max` / `speculative.n_min` / `speculative.p_min`."""
-        over: dict = {}
-        nested = body.get("speculative")
-        if nested is not None:
-            if isinstance(nested, bool):
-                nested = {"type": self.type if nested and self.type != "off" else ("ngram" if nested else "off")}
-            if not isinstance(nested, dict):
-                raise UserError("'speculative' must be an object like {\"type\": \"ngram\", \"n_max\": 4}")
-            unknown = set(nested) - {"type", "n_max", "n_min", "p_min"}
-            if unknown:
-                raise UserError(f"unknown 'speculative' field(s): {', '.join(sorted(unknown))}")
-            over.update(nested)
-        for key in ("n_max", "n_min", "p_min"):
-            if f"speculative.{key}" in body:
-                over[key] = body[f"speculative.{key}"]
-        if not over:
-            return self
-        for key in ("n_max", "n_min"):
-            if key in over and (isinstance(over[key], bool) or not isinstance(over[key], int)):
-                raise UserError(f"speculative {key} must be an integer, got {over[key]!r}")
-        if "n_max" in over and "n_min" not in over:
-            over["n_min"] = min(self.n_min, over["n_max"])
-        return replace(self, **over)
 
 
 @dataclass
@@ -465,11 +405,9 @@ class Speculator:
         return emitted
 
 
-def build_speculator(args, g, n_slots: int, n_ctx: int) -> Speculator:
-    """The head's Speculator from its flags (`--spec-type`, `--model-draft`, `--draft-*`); `g` is the
-    target GGUF. Loads the draft model for `--spec-type draft`; `mtp` is a UserError naming why."""
-    config = SpecConfig.from_args(args)
-    draft_path = getattr(args, "model_draft", None)
+def build_speculator(config: SpecConfig, draft_path: str | None, g, model: ModelSettings, n_slots: int) -> Speculator:
+    """The head's Speculator from its settings (`--spec-type`, `--model-draft`, `--draft-*`); `g` is
+    the target GGUF. Loads the draft model for `--spec-type draft`; `mtp` is a UserError naming why."""
     if config.type == "mtp":
         check_mtp(g)
     if config.type == "draft" and not draft_path:
@@ -478,12 +416,7 @@ def build_speculator(args, g, n_slots: int, n_ctx: int) -> Speculator:
         raise UserError(f"--model-draft is only used with --spec-type draft (got --spec-type {config.type})")
     if not draft_path:
         return Speculator(config)
-    from .gguf_file import GGUFFile
-    from .model import build_stage, default_cache_dir
-    from .pipeline import Pipeline
-
     dg = GGUFFile(draft_path)
     check_same_vocab(g, dg)
-    stage = build_stage(dg, device=args.device, dtype=args.dtype, n_slots=n_slots, n_ctx=n_ctx,
-                        cache_dir=default_cache_dir(os.environ))  # fmt: skip
+    stage = build_stage(dg, device=model.device, dtype=model.dtype, n_slots=n_slots, n_ctx=model.ctx, cache_dir=model.cache_dir)
     return Speculator(config, draft_pipeline=Pipeline(stage))

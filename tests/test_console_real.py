@@ -16,7 +16,7 @@ from hydra_console.app.ui.split_editor import SplitEditorScreen
 
 from test_console import port_pair, until
 
-ENGINE_MISSING = [m for m in ("hydra_console.engine.api", "hydra_console.engine.rpc.peer") if importlib.util.find_spec(m) is None]
+ENGINE_MISSING = [m for m in ("hydra_console.engine.api", "hydra_console.engine.workers.peer") if importlib.util.find_spec(m) is None]
 pytestmark = pytest.mark.skipif(bool(ENGINE_MISSING), reason=f"engine workers not built yet: {ENGINE_MISSING} missing")
 
 

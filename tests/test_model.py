@@ -204,7 +204,7 @@ def test_converted_weights_cache_is_reused_and_repaired(tiny_model, tmp_path, mo
 
 
 def test_default_cache_dir_follows_the_environment(tmp_path):
-    from hydra_console.engine.model import default_cache_dir
+    from hydra_console.engine.config import default_cache_dir
 
     assert default_cache_dir({"HYDRA_CACHE_DIR": str(tmp_path)}) == tmp_path
     assert default_cache_dir({"HYDRA_CACHE_DIR": "off"}) is None

@@ -77,15 +77,14 @@ def cuda_peer(tiny_model, tmp_path):
         peer.stop()
 
 
-def split_pipeline(peer, path):
-    import types
-
-    from hydra_console.engine.pipeline import build_pipeline
+def split_pipeline(peer, path, cuda_ipc: bool = True):
+    from hydra_console.engine.config import HeadConfig, ModelSettings, RpcSettings
+    from hydra_console.engine.workers.head import build_pipeline
 
     g = GGUFFile(path)
-    args = types.SimpleNamespace(peer=[peer.rpc_addr], split="2/2", device="cuda", dtype="bfloat16", peer_wait=30.0,
-                                 fallback_solo=False, auth_token=None, max_frame=1 << 30)  # fmt: skip
-    return build_pipeline(args, g, ModelConfig.from_gguf(g), n_slots=2, n_ctx=64)
+    cfg = HeadConfig(ModelSettings(str(path), "cuda", "bfloat16", 64), RpcSettings(cuda_ipc=cuda_ipc), parallel=2,
+                     peers=(peer.rpc_addr,), split="2/2", peer_wait=30.0)  # fmt: skip
+    return build_pipeline(cfg, g, ModelConfig.from_gguf(g))
 
 
 def solo_pipeline(path):
@@ -115,14 +114,13 @@ def test_split_across_two_cuda_processes_equals_solo(cuda_peer, monkeypatch, tra
     from hydra_console.engine.rpc import client, cuda_ipc
 
     peer, path = cuda_peer
-    monkeypatch.setenv("HYDRA_CUDA_IPC", "0" if transport == "socket" else "1")
     if rows:
         monkeypatch.setattr(client, "IPC_TOKENS", rows)
         monkeypatch.setattr(cuda_ipc, "HOST_WAIT_ROWS", 1)
-    split, solo = split_pipeline(peer, path), solo_pipeline(path)
+    split, solo = split_pipeline(peer, path, cuda_ipc=transport != "socket"), solo_pipeline(path)
     try:
         remote = split.remotes[0]
-        assert remote.transport == transport and remote.status()["transport"] == transport
+        assert remote.transport == transport and remote.status().transport == transport
         logits = greedy_logits(split)
         assert torch.equal(greedy_logits(solo), logits)
         # The decode steps' tokens stayed on the GPU; the KV-rebuild history still has them all.
@@ -150,7 +148,7 @@ def test_cuda_ipc_peer_killed_mid_decode_fails_fast_and_recovers(cuda_peer):
     from hydra_console.engine.rpc.client import PeerUnavailable
 
     peer, path = cuda_peer
-    split, solo = split_pipeline(peer, path), solo_pipeline(path)
+    split, solo = split_pipeline(peer, path, cuda_ipc=transport != "socket"), solo_pipeline(path)
     try:
         remote = split.remotes[0]
         assert remote.transport == "cuda-ipc"

@@ -31,17 +31,25 @@ def test_an_exported_wait_setting_wins(clean_env, var):
 
 
 @pytest.mark.parametrize(
-    ("argv", "module", "short_spin"),
+    ("argv", "module", "name", "short_spin"),
     [
-        (["peer"], "hydra_console.engine.rpc.peer", True),
-        (["serve", "--peer", "127.0.0.1:9"], "hydra_console.engine.api", True),
-        (["serve"], "hydra_console.engine.api", False),
-        (["generate", "-p", "x"], "hydra_console.engine.generate", False),
+        (["peer"], "hydra_console.engine.workers.peer", "PeerWorker", True),
+        (["serve", "--peer", "127.0.0.1:9"], "hydra_console.engine.workers.head", "HeadWorker", True),
+        (["serve"], "hydra_console.engine.workers.head", "HeadWorker", False),
+        (["generate", "-p", "x"], "hydra_console.engine.generate", "main", False),
     ],
 )
-def test_cli_applies_it_to_split_workers_only(clean_env, argv, module, short_spin):
+def test_cli_applies_it_to_split_workers_only(clean_env, argv, module, name, short_spin):
     seen = {}
-    name = "main" if module.endswith(("peer", "generate")) else "serve"
-    clean_env.setattr(importlib.import_module(module), name, lambda args: seen.update(spin=os.environ.get("GOMP_SPINCOUNT")))
+
+    class Worker:  # stands in for the worker (or the generate subcommand) the CLI starts
+        def __init__(self, *_):
+            seen.update(spin=os.environ.get("GOMP_SPINCOUNT"))
+
+        def serve(self):
+            return 0
+
+    stand_in = Worker if name != "main" else lambda *_: Worker() and None
+    clean_env.setattr(importlib.import_module(module), name, stand_in)
     assert cli.main(argv) == 0
     assert seen["spin"] == (openmp.SPLIT_SPINCOUNT if short_spin else None)

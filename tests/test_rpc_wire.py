@@ -124,19 +124,6 @@ def test_forward_payload_is_bit_exact(dtype):
         unpack_forward(bytearray(payload))  # a FORWARD must carry them
 
 
-@pytest.mark.parametrize(
-    ("value", "device", "seconds"),
-    [(None, "cpu", 0.0), ("", "cpu", 0.0), ("50", "cpu", 0.05), ("-3", "cpu", 0.0), ("fast", "cpu", 0.0),
-     (None, "cuda:0", wire.GPU_SPIN_S), ("", "cuda", wire.GPU_SPIN_S), ("0", "cuda", 0.0), ("5", "cuda", 0.005)],
-)
-def test_spin_budget_from_env_and_device(monkeypatch, value, device, seconds):
-    if value is None:
-        monkeypatch.delenv(wire.SPIN_ENV, raising=False)
-    else:
-        monkeypatch.setenv(wire.SPIN_ENV, value)
-    assert wire.spin_seconds(device) == pytest.approx(seconds)
-
-
 def test_spin_gives_up_after_its_budget_and_leaves_the_data_for_the_read():
     import socket
 

@@ -49,11 +49,8 @@ def test_ngram_minimum_gram_size():
 # ---------------------------------------------------------------- config
 
 
-def test_spec_config_from_args_and_validation():
-    class Args:
-        spec_type, draft_max, draft_min, draft_p_min = "ngram", 5, 1, 0.5
-
-    c = SpecConfig.from_args(Args())
+def test_spec_config_validation():
+    c = SpecConfig(type="ngram", n_max=5, n_min=1, p_min=0.5)
     assert (c.type, c.n_max, c.n_min, c.p_min, c.active) == ("ngram", 5, 1, 0.5, True)
     assert not SpecConfig().active
     for bad in ({"type": "medusa"}, {"n_max": -1}, {"n_max": 1000}, {"n_max": 2, "n_min": 3}, {"p_min": 1.5}):

@@ -12,6 +12,7 @@ import torch
 from hydra_console.engine.errors import UserError
 from hydra_console.engine.gguf_file import GGUFFile
 from hydra_console.engine.pipeline import Pipeline
+from hydra_console.engine.config import ModelSettings
 from hydra_console.engine.model import build_stage
 from hydra_console.engine.runtime import Engine, Request
 from hydra_console.engine.sampling import Sampler, SamplingParams
@@ -171,23 +172,16 @@ def test_draft_model_must_share_the_vocabulary(tiny_model, tmp_path):
     with pytest.raises(UserError, match="vocabulary"):
         check_same_vocab(llama, qwen)
 
-    class Args:
-        spec_type, model_draft, draft_max, draft_min, draft_p_min = "draft", str(tiny_model("qwen2")), 3, 0, 0.75
-        device, dtype = "cpu", "float32"
-
+    model = ModelSettings(None, "cpu", "float32", 64)
+    draft = SpecConfig(type="draft")
     with pytest.raises(UserError, match="vocabulary"):
-        build_speculator(Args(), llama, n_slots=1, n_ctx=64)
-    Args.model_draft = str(tiny_model("llama", seed=3, n_layers=1))
-    assert "draft" in build_speculator(Args(), llama, n_slots=1, n_ctx=64).drafters
-    Args.spec_type = "ngram"
+        build_speculator(draft, str(tiny_model("qwen2")), llama, model, n_slots=1)
+    small = str(tiny_model("llama", seed=3, n_layers=1))
+    assert "draft" in build_speculator(draft, small, llama, model, n_slots=1).drafters
     with pytest.raises(UserError, match="only used with --spec-type draft"):
-        build_speculator(Args(), llama, n_slots=1, n_ctx=64)
-    Args.spec_type, Args.model_draft = "draft", None
+        build_speculator(SpecConfig(type="ngram"), small, llama, model, n_slots=1)
     with pytest.raises(UserError, match="needs --model-draft"):
-        build_speculator(Args(), llama, n_slots=1, n_ctx=64)
-    Args.spec_type, Args.draft_max = "ngram", -1
-    with pytest.raises(UserError, match="draft max"):
-        build_speculator(Args(), llama, n_slots=1, n_ctx=64)
+        build_speculator(draft, None, llama, model, n_slots=1)
 
 
 @pytest.mark.parametrize("with_q", [False, True])

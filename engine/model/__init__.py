@@ -5,7 +5,7 @@ with its KV cache, built by `build_stage`) and `graphs` (CUDA graphs of the deco
 from .config import ARCHITECTURES, ModelConfig
 from .graphs import DecodeGraphs
 from .stage import RESCORE_TOP, Stage, build_stage
-from .weights import Linear, Weights, default_cache_dir
+from .weights import Linear, Weights
 
 __all__ = [
     "ARCHITECTURES",
@@ -16,5 +16,4 @@ __all__ = [
     "Stage",
     "Weights",
     "build_stage",
-    "default_cache_dir",
 ]

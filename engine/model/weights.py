@@ -10,7 +10,6 @@ memory-mapped on later loads.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -26,16 +25,6 @@ _INT8_MAX_ROWS = 16
 _CACHE_MIN_FILE_BYTES = 64 << 20
 # Rows converted per step when building int8 weights: bounds the float32 temporaries.
 _CONVERT_ROWS = 16384
-
-
-def default_cache_dir(env: Mapping[str, str]) -> Path | None:
-    """The prepared-weight cache directory for an environment: $HYDRA_CACHE_DIR ("off" disables
-    the cache), else ~/.cache/hydra-console/prepared. Entry points call this; the model never reads
-    the environment itself."""
-    value = env.get("HYDRA_CACHE_DIR")
-    if value == "off":
-        return None
-    return Path(value) if value else Path.home() / ".cache" / "hydra-console" / "prepared"
 
 
 class Linear:

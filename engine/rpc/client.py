@@ -113,7 +113,7 @@ class RemoteStage:
         self._sock: socket.socket | None = None
         self._reader: SocketReader | None = None
         self._lock = threading.Lock()  # one exchange on the socket at a time
-        self._spin_s = spin_s  # busy-wait budget for each FORWARD reply (wire.spin_seconds)
+        self._spin_s = spin_s  # busy-wait budget for each FORWARD reply (RpcSettings.spin_seconds)
         self._head_device = head_device  # a CUDA device: try CUDA IPC with a peer on the same GPU
         self._caps = 0
         self._ipc: IpcChannel | None = None

@@ -56,7 +56,6 @@ from .wire import (
     read_compute_header,
     read_compute_request,
     send_all,
-    spin_seconds,
     spin_until_readable,
 )
 
@@ -109,12 +108,12 @@ class ComputeServer:
     """Called with each connection's socket (from many threads at once in peer mode); the
     state every connection shares lives in the StageHost."""
 
-    def __init__(self, host, *, auth_token: str | None = None, max_frame: int = 1 << 30):
+    def __init__(self, host, *, auth_token: str | None = None, max_frame: int = 1 << 30, spin_s: float = 0.0):
         self.host = host
         self.auth_token = auth_token
         self.max_frame = max_frame
         self.bytes_in = self.bytes_out = 0
-        self.spin_s = spin_seconds(host.device)
+        self.spin_s = spin_s  # busy-wait for the next frame (RpcSettings.spin_seconds)
 
     @property
     def caps(self) -> int:

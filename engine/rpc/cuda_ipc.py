@@ -23,7 +23,6 @@ and never unpickled.
 from __future__ import annotations
 
 import base64
-import os
 
 import torch
 
@@ -35,12 +34,6 @@ IPC_TOKENS = 1024  # rows per buffer; larger batches (long prefills) take the by
 # rotation and slowed the other side's long prefill by a third on an H200; a decode step is too
 # short for that, and there the GPU-side wait (no host round trip) is the faster one.
 HOST_WAIT_ROWS = 64
-IPC_ENV = "HYDRA_CUDA_IPC"
-
-
-def cuda_ipc_enabled() -> bool:
-    """On unless HYDRA_CUDA_IPC=0 (to compare with, or to rule out, the socket path)."""
-    return os.environ.get(IPC_ENV, "1") != "0"
 
 
 def _wait(event, rows: int, device: torch.device) -> None:

@@ -11,6 +11,7 @@ from ... import __version__
 from ...contracts.rpc import VERSION, ControlError, Op, Status
 from ...contracts.split import parse_split
 from ...contracts.status import Address, ModelInfo
+from ..config import RpcSettings
 from ..errors import UserError
 from .compute import ComputeServer
 from .control import ControlServer
@@ -82,17 +83,16 @@ class HeadControl:
 class HeadRpc:
     """The head's merged port (pool + peek dispatch) serving compute and control."""
 
-    def __init__(self, args, g, cfg, pipeline, model: ModelInfo | None = None):
-        token = getattr(args, "auth_token", None) or None
-        max_frame = getattr(args, "max_frame", 1 << 30)
+    def __init__(self, rpc: RpcSettings, g, cfg, pipeline, model: ModelInfo | None = None):
+        token = rpc.auth_token
         self.host = StageHost(g, cfg, pipeline.head.device, stage=pipeline.head, assignable=False)
         self.control = HeadControl(pipeline, self.host, model, auth=bool(token))
         self.pipeline = pipeline
         self.listener = RpcListener(
-            args.rpc_host, args.rpc_port, mode="head",
-            compute=ComputeServer(self.host, auth_token=token, max_frame=max_frame),
-            control=ControlServer(self.control, auth_token=token, max_frame=max_frame),
-            pool_size=args.rpc_pool_size, queue_max=args.rpc_queue,
+            rpc.host, rpc.port, mode="head",
+            compute=ComputeServer(self.host, auth_token=token, max_frame=rpc.max_frame, spin_s=rpc.spin_seconds(self.host.device)),
+            control=ControlServer(self.control, auth_token=token, max_frame=rpc.max_frame),
+            pool_size=rpc.pool_size, queue_max=rpc.queue,
         )  # fmt: skip
 
     def start(self) -> HeadRpc:
@@ -101,7 +101,6 @@ class HeadRpc:
 
     def stop(self) -> None:
         self.listener.stop()
-        self.pipeline.stop()
 
     def status(self) -> dict:
         """The /status fields this layer owns."""

@@ -13,7 +13,6 @@ server closes that one connection.
 from __future__ import annotations
 
 import json
-import os
 import select
 import socket
 import struct
@@ -31,13 +30,6 @@ from ...contracts.rpc import (
 )
 
 SEND_FLAGS = getattr(socket, "MSG_NOSIGNAL", 0)  # a dead peer must not SIGPIPE the worker
-# Busy-wait this long for the next compute frame before blocking (0: block at once). A thread
-# that sleeps while the other side computes pays a wake-up per hop: tens of microseconds on a GPU
-# host (~3 % of a 1 ms half-step), ~1 ms on a KVM guest's halted vCPU. GPU workers spin by default
-# (their host has cores to spare); CPU workers only when told, since a spinning wait there takes a
-# core from the compute it is waiting for.
-SPIN_ENV = "HYDRA_RPC_SPIN_MS"
-GPU_SPIN_S = 0.02
 
 
 class FrameError(Exception):
@@ -49,18 +41,6 @@ class PeerClosed(FrameError):
 
 
 # --- transports -----------------------------------------------------------------------------------
-
-
-def spin_seconds(device=None) -> float:
-    """The spin budget in seconds: `HYDRA_RPC_SPIN_MS` when set (invalid or negative means 0),
-    else GPU_SPIN_S for a worker computing on a CUDA device and 0 on a CPU."""
-    raw = os.environ.get(SPIN_ENV)
-    if not raw:
-        return GPU_SPIN_S if str(device).startswith("cuda") else 0.0
-    try:
-        return max(float(raw), 0.0) / 1e3
-    except ValueError:
-        return 0.0
 
 
 def spin_until_readable(sock: socket.socket, budget_s: float) -> None:

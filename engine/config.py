@@ -1,0 +1,218 @@
+"""Every worker's configuration, built once at the entry point (cli.py) from argv and the environment.
+
+Nothing below the CLI reads `os.environ` or an argparse Namespace: each part gets the settings it
+needs through its constructor. `/status` reports the effective configuration (`redacted()`), so an
+operator sees what a worker runs with, never its secret.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Mapping
+
+from .errors import UserError
+
+# The environment variables Hydra reads (README lists them), all of them here and nowhere else.
+ENVIRONMENT = {
+    "HYDRA_TOKEN": "shared secret both RPC protocols require (like --auth-token, which `ps` would show)",
+    "HYDRA_CACHE_DIR": "prepared-weight cache directory; 'off' disables it (default ~/.cache/hydra-console/prepared)",
+    "HYDRA_CUDA_IPC": "'0' turns off CUDA IPC between a head and a peer on the same GPU (default on)",
+    "HYDRA_RPC_SPIN_MS": "busy-wait for the next compute frame, in ms (default 20 on CUDA workers, 0 on CPU)",
+}
+GPU_SPIN_S = 0.02  # see RpcSettings.spin_seconds
+
+SPEC_TYPES = ("off", "ngram", "draft", "mtp")
+MAX_DRAFT = 32  # per-request cap: beyond this a draft costs more verify compute than it can win
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    """How a slot drafts: `type` off|ngram|draft|mtp, at most `n_max` tokens, drafts shorter than
+    `n_min` dropped, draft-model tokens below probability `p_min` not proposed."""
+
+    type: str = "off"
+    n_max: int = 3
+    n_min: int = 0
+    p_min: float = 0.75
+
+    def __post_init__(self):
+        if self.type not in SPEC_TYPES:
+            raise UserError(f"speculative type must be one of {', '.join(SPEC_TYPES)}, got {self.type!r}")
+        if not isinstance(self.n_max, int) or not 0 <= self.n_max <= MAX_DRAFT:
+            raise UserError(f"draft max must be an integer in [0, {MAX_DRAFT}], got {self.n_max!r}")
+        if not isinstance(self.n_min, int) or not 0 <= self.n_min <= max(self.n_max, 0):
+            raise UserError(f"draft min must be an integer in [0, draft max={self.n_max}], got {self.n_min!r}")
+        if not isinstance(self.p_min, (int, float)) or not 0.0 <= self.p_min <= 1.0:
+            raise UserError(f"draft p-min must be a number in [0, 1], got {self.p_min!r}")
+
+    @property
+    def active(self) -> bool:
+        return self.type != "off" and self.n_max > 0
+
+    def with_request(self, body: dict) -> SpecConfig:
+        """Per-request override from an API body: `speculative: {type, n_max, n_min, p_min}` or
+        llama-server's flat `speculative.n_max` / `speculative.n_min` / `speculative.p_min`."""
+        over: dict = {}
+        nested = body.get("speculative")
+        if nested is not None:
+            if isinstance(nested, bool):
+                nested = {"type": self.type if nested and self.type != "off" else ("ngram" if nested else "off")}
+            if not isinstance(nested, dict):
+                raise UserError("'speculative' must be an object like {\"type\": \"ngram\", \"n_max\": 4}")
+            unknown = set(nested) - {"type", "n_max", "n_min", "p_min"}
+            if unknown:
+                raise UserError(f"unknown 'speculative' field(s): {', '.join(sorted(unknown))}")
+            over.update(nested)
+        for key in ("n_max", "n_min", "p_min"):
+            if f"speculative.{key}" in body:
+                over[key] = body[f"speculative.{key}"]
+        if not over:
+            return self
+        for key in ("n_max", "n_min"):
+            if key in over and (isinstance(over[key], bool) or not isinstance(over[key], int)):
+                raise UserError(f"speculative {key} must be an integer, got {over[key]!r}")
+        if "n_max" in over and "n_min" not in over:
+            over["n_min"] = min(self.n_min, over["n_max"])
+        return replace(self, **over)
+
+
+@dataclass(frozen=True)
+class ModelSettings:
+    model: str | None  # GGUF path; None = the embedded default model
+    device: str = "auto"
+    dtype: str = "auto"
+    ctx: int = 4096
+    cache_dir: Path | None = None  # prepared-weight cache; None = off
+
+
+@dataclass(frozen=True)
+class RpcSettings:
+    host: str = "127.0.0.1"
+    port: int = 0
+    max_frame: int = 1 << 30
+    auth_token: str | None = field(default=None, repr=False)
+    spin_ms: float | None = None  # None: GPU_SPIN_S on CUDA workers, 0 on CPU
+    cuda_ipc: bool = True
+    pool_size: int = 2  # head mode
+    queue: int = 64
+
+    def spin_seconds(self, device) -> float:
+        """How long a worker busy-waits for the next compute frame before blocking. A thread that
+        sleeps while the other side computes pays a wake-up per hop: tens of microseconds on a GPU
+        host (~3 % of a 1 ms half-step), ~1 ms on a KVM guest's halted vCPU. GPU workers spin by
+        default (their host has cores to spare); CPU workers only when told, since a spinning wait
+        there takes a core from the compute it is waiting for."""
+        if self.spin_ms is not None:
+            return self.spin_ms / 1e3
+        return GPU_SPIN_S if str(device).startswith("cuda") else 0.0
+
+
+@dataclass(frozen=True)
+class HeadConfig:
+    model: ModelSettings
+    rpc: RpcSettings
+    host: str = "127.0.0.1"
+    port: int = 8080
+    parallel: int = 4
+    alias: str | None = None
+    peers: tuple[str, ...] = ()
+    split: str | None = None
+    fallback_solo: bool = False
+    peer_wait: float = 180.0
+    spec: SpecConfig = SpecConfig()
+    model_draft: str | None = None
+
+    def redacted(self) -> dict:
+        return _redacted(self)
+
+
+@dataclass(frozen=True)
+class PeerConfig:
+    model: ModelSettings
+    rpc: RpcSettings
+    host: str = "127.0.0.1"
+    port: int = 8090
+
+    def redacted(self) -> dict:
+        return _redacted(self)
+
+
+def _redacted(cfg) -> dict:
+    doc = dataclasses.asdict(cfg)
+    doc["rpc"]["auth_token"] = "***" if cfg.rpc.auth_token else None
+    doc["model"]["cache_dir"] = str(cfg.model.cache_dir) if cfg.model.cache_dir else None
+    return doc
+
+
+# ---- from argv and the environment -----------------------------------------------------------------
+
+
+def default_cache_dir(env: Mapping[str, str]) -> Path | None:
+    """The prepared-weight cache directory: $HYDRA_CACHE_DIR ("off" disables the cache), else
+    ~/.cache/hydra-console/prepared."""
+    value = env.get("HYDRA_CACHE_DIR")
+    if value == "off":
+        return None
+    return Path(value) if value else Path.home() / ".cache" / "hydra-console" / "prepared"
+
+
+def model_settings(args, env: Mapping[str, str]) -> ModelSettings:
+    _at_least(1, ctx=args.ctx)
+    return ModelSettings(args.model, args.device, args.dtype, args.ctx, default_cache_dir(env))
+
+
+def rpc_settings(args, env: Mapping[str, str], **mode) -> RpcSettings:
+    _at_least(1, max_frame=args.max_frame)
+    return RpcSettings(
+        host=args.rpc_host,
+        port=args.rpc_port if args.rpc_port is not None else args.port + 1,
+        max_frame=args.max_frame,
+        auth_token=args.auth_token or env.get("HYDRA_TOKEN") or None,
+        spin_ms=_spin_ms(env.get("HYDRA_RPC_SPIN_MS")),
+        cuda_ipc=env.get("HYDRA_CUDA_IPC", "1") != "0",
+        **mode,
+    )
+
+
+def head_config(args, env: Mapping[str, str]) -> HeadConfig:
+    _at_least(1, parallel=args.parallel, rpc_pool_size=args.rpc_pool_size)
+    _at_least(0, rpc_queue=args.rpc_queue, peer_wait=args.peer_wait)
+    spec = SpecConfig(type=args.spec_type, n_max=args.draft_max, n_min=args.draft_min, p_min=args.draft_p_min)
+    return HeadConfig(
+        model=model_settings(args, env),
+        rpc=rpc_settings(args, env, pool_size=args.rpc_pool_size, queue=args.rpc_queue),
+        host=args.host,
+        port=args.port,
+        parallel=args.parallel,
+        alias=args.alias,
+        peers=tuple(args.peer),
+        split=args.split,
+        fallback_solo=args.fallback_solo,
+        peer_wait=args.peer_wait,
+        spec=spec,
+        model_draft=args.model_draft,
+    )
+
+
+def peer_config(args, env: Mapping[str, str]) -> PeerConfig:
+    return PeerConfig(model=model_settings(args, env), rpc=rpc_settings(args, env), host=args.host, port=args.port)
+
+
+def _at_least(low: float, **values) -> None:
+    for key, value in values.items():
+        if value < low:
+            raise UserError(f"--{key.replace('_', '-')} must be >= {low:g}, got {value}")
+
+
+def _spin_ms(raw: str | None) -> float | None:
+    if not raw:
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        raise UserError(f"HYDRA_RPC_SPIN_MS must be a number of milliseconds, got {raw!r}") from None
+    if not value >= 0:
+        raise UserError(f"HYDRA_RPC_SPIN_MS must be >= 0, got {raw!r}")
+    return value

@@ -1,0 +1,48 @@
+"""What every worker serves over HTTP, head and peer alike: `/health`, `/status`, `/metrics`, and
+the listening socket they are served on. The head's app adds the OpenAI and llama-server routes."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+
+import uvicorn
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse, Response
+
+from .errors import UserError
+from .metrics import CONTENT_TYPE, Metrics
+from .status import StatusDocument
+
+
+def add_observation_routes(app: FastAPI, status: StatusDocument, metrics: Metrics) -> None:
+    @app.get("/health")
+    async def health():
+        h = status.health()
+        return JSONResponse(h.to_json(), status_code=h.http_code)
+
+    @app.get("/status")
+    async def get_status():
+        return (await asyncio.to_thread(status.document)).to_json()
+
+    @app.get("/metrics")
+    async def get_metrics():
+        return Response(await asyncio.to_thread(metrics.render), media_type=CONTENT_TYPE)
+
+
+def listen_socket(host: str, port: int) -> socket.socket:
+    """Bind the HTTP port before anything slow, so a taken port fails at once with its address."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise UserError(f"cannot listen on {host}:{port}: {e.strerror}") from None
+    sock.listen(128)
+    return sock
+
+
+def http_server(app: FastAPI) -> uvicorn.Server:
+    return uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2))

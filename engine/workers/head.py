@@ -1,0 +1,161 @@
+"""`hydra-engine serve`: the head worker.
+
+Start order: bind the HTTP port and serve /health (503, "starting") at once; then, in a loader
+thread, model file → tokenizer → speculator → pipeline (own stage + peers, waiting for them) →
+merged RPC port → engine, each step moving /health's startup_stage on. Stop order is the reverse:
+engine, RPC port, pipeline (peer connections).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+import time
+import traceback
+
+from ...contracts.split import parse_split
+from ...contracts.status import ModelInfo
+from ..config import HeadConfig
+from ..errors import UserError
+from ..metrics import Metrics
+from ..status import StatusDocument
+from ..worker_http import http_server, listen_socket
+
+log = logging.getLogger("hydra.head")
+
+
+class HeadWorker:
+    """The head's parts, and what the HTTP routes read: status, metrics and, once loaded, the
+    model's name, tokenizer and engine."""
+
+    def __init__(self, cfg: HeadConfig):
+        self.cfg = cfg
+        self.status = StatusDocument("head", cfg.host, cfg.port, config=cfg.redacted())
+        self.metrics = Metrics(self.status)
+        self.model_name: str | None = cfg.alias
+        self.created = int(time.time())
+        self.gguf = None  # the chat template reads its metadata
+        self.tok = None
+        self.engine = None
+        self.pipeline = None
+        self.rpc = None
+        self.error: BaseException | None = None
+
+    @property
+    def ready(self) -> bool:
+        return self.status.startup_stage >= 4 and self.engine is not None
+
+    def load(self) -> None:
+        """Model file → Pipeline → Engine; each step moves /health's startup_stage on."""
+        from ..default_model import model_path
+        from ..gguf_file import GGUFFile
+        from ..model import ModelConfig
+        from ..rpc.service import HeadRpc, RpcCollector
+        from ..runtime import Engine
+        from ..speculative import build_speculator
+        from ..tokenizer import Tokenizer
+
+        cfg = self.cfg
+        path = model_path(cfg.model.model)
+        self.gguf = g = GGUFFile(path)
+        self.tok = Tokenizer.from_gguf(g)
+        mcfg = ModelConfig.from_gguf(g)
+        self.model_name = self.model_name or path.stem
+        self.status.model = ModelInfo(self.model_name, str(path), g.architecture, mcfg.n_layers, g.fingerprint)
+        self.status.startup_stage = 2
+        # Before the peers: a bad --spec-type / --model-draft fails at once.
+        speculator = build_speculator(cfg.spec, cfg.model_draft, g, cfg.model, n_slots=cfg.parallel)
+        self.pipeline = pipeline = build_pipeline(cfg, g, mcfg)
+        pipeline.on_change = lambda: setattr(self.status, "degraded", pipeline.degraded)
+        self.status.pipeline = pipeline
+        self.rpc = HeadRpc(cfg.rpc, g, mcfg, pipeline, self.status.model).start()
+        self.status.add_provider(self.rpc.status)
+        self.metrics.register(RpcCollector(self.rpc.listener, pipeline))
+        self.status.startup_stage = 3
+        self.engine = Engine(pipeline, self.tok, n_slots=cfg.parallel, n_ctx=cfg.model.ctx, speculator=speculator).start()
+        pipeline.active_slots = lambda: {s.slot for s in self.engine.slots if s is not None}
+        self.status.engine = self.engine
+        self.status.startup_stage = 4
+
+    def stop(self) -> None:
+        for part in (self.engine, self.rpc, self.pipeline):
+            if part is not None:
+                part.stop()
+
+    def serve(self) -> int:
+        """Serve until stopped; a load failure ends the server and is reported here."""
+        from ..api import create_app
+
+        cfg = self.cfg
+        sock = listen_socket(cfg.host, cfg.port)
+        server = http_server(create_app(self))
+
+        def load():
+            try:
+                self.load()
+                print(f"hydra-engine: serving {self.model_name} on http://{cfg.host}:{cfg.port}", file=sys.stderr)
+            except BaseException as e:  # any failure ends the server; serve() reports it
+                self.error = e
+                self.status.error = f"{type(e).__name__}: {e}"
+                server.should_exit = True
+
+        threading.Thread(target=load, name="hydra-load", daemon=True).start()
+        try:
+            server.run(sockets=[sock])
+        finally:
+            self.stop()
+        if isinstance(self.error, UserError):
+            raise self.error
+        if self.error is not None:
+            traceback.print_exception(self.error, file=sys.stderr)
+            return 1
+        return 0
+
+
+def build_pipeline(cfg: HeadConfig, g, mcfg):
+    """Head Stage + one RemoteStage per `--peer`, split by `--split`; waits for the peers
+    (`--peer-wait`, polling every 2 s) and, if they never come, fails or (`--fallback-solo`)
+    runs every layer here when they fit."""
+    from ..device import resolve_device, resolve_dtype
+    from ..model import build_stage
+    from ..pipeline import Pipeline, wait_for_peers
+    from ..rpc.client import RemoteStage
+
+    m, n_slots = cfg.model, cfg.parallel
+    ranges = parse_split(cfg.split, mcfg.n_layers, 1 + len(cfg.peers))
+    device = resolve_device(m.device)
+    dtype = resolve_dtype(m.dtype, device)
+    remotes = [
+        RemoteStage(addr, r, g=g, dtype=dtype, n_slots=n_slots, n_ctx=m.ctx, auth_token=cfg.rpc.auth_token,
+                    max_frame=cfg.rpc.max_frame, spin_s=cfg.rpc.spin_seconds(device),
+                    head_device=device if cfg.rpc.cuda_ipc else None)  # fmt: skip
+        for addr, r in zip(cfg.peers, ranges[1:])
+    ]
+    # Wait before loading our own range: with --fallback-solo it depends on the outcome.
+    missing = wait_for_peers(remotes, cfg.peer_wait)
+    if missing:
+        names = ", ".join(f"{r.addr} ({r.error})" for r in missing)
+        for r in remotes:
+            r.close()
+        if not cfg.fallback_solo:
+            raise UserError(f"peer(s) not ready after {cfg.peer_wait:g} s: {names} (or start with --fallback-solo)")
+        _check_fits(g, device)
+        log.warning("peers %s never came up: --fallback-solo runs all %d layers on the head", names, mcfg.n_layers)
+        remotes, ranges = [], [(0, mcfg.n_layers)]
+    head = build_stage(g, ranges[0], device=device, dtype=dtype, n_slots=n_slots, n_ctx=m.ctx, cache_dir=m.cache_dir)
+    pipeline = Pipeline(head, remotes, ranges=ranges)
+    if remotes:
+        pipeline.start_watch()
+    return pipeline
+
+
+def _check_fits(g, device) -> None:
+    """--fallback-solo only when every layer's weights (dequantized to at most 2 bytes a value) fit."""
+    import psutil
+    import torch
+
+    need = sum(t.n_elements for name, t in g.tensors.items() if name.startswith("blk.")) * 2
+    free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else psutil.virtual_memory().available
+    if need > free:
+        raise UserError(f"--fallback-solo: all layers need ~{need >> 20} MiB, only {free >> 20} MiB free on {device}")

@@ -1,0 +1,65 @@
+"""Worker configuration (engine/config.py): built once from argv and the environment."""
+
+from __future__ import annotations
+
+import pytest
+
+from hydra_console.engine.cli import build_parser
+from hydra_console.engine.config import ENVIRONMENT, GPU_SPIN_S, RpcSettings, head_config, peer_config
+from hydra_console.engine.errors import UserError
+
+pytestmark = pytest.mark.unit
+
+
+def serve(*argv, env=None):
+    return head_config(build_parser().parse_args(["serve", *argv]), env or {})
+
+
+def test_head_config_from_argv_and_environment(tmp_path):
+    cfg = serve("--port", "9000", "--peer", "h:1", "--split", "3/1", "--spec-type", "ngram",
+                env={"HYDRA_TOKEN": "s3cret", "HYDRA_CACHE_DIR": str(tmp_path), "HYDRA_CUDA_IPC": "0"})  # fmt: skip
+    assert (cfg.rpc.port, cfg.peers, cfg.split, cfg.spec.type) == (9001, ("h:1",), "3/1", "ngram")
+    assert cfg.rpc.auth_token == "s3cret" and not cfg.rpc.cuda_ipc and cfg.model.cache_dir == tmp_path
+    doc = cfg.redacted()
+    assert doc["rpc"]["auth_token"] == "***" and "s3cret" not in repr(cfg) + repr(doc)
+    assert serve("--auth-token", "flag", env={"HYDRA_TOKEN": "env"}).rpc.auth_token == "flag"
+    assert serve(env={"HYDRA_CACHE_DIR": "off"}).model.cache_dir is None
+
+
+def test_peer_config_defaults():
+    cfg = peer_config(build_parser().parse_args(["peer"]), {})
+    assert (cfg.port, cfg.rpc.port, cfg.rpc.host, cfg.rpc.auth_token) == (8090, 8091, "127.0.0.1", None)
+
+
+@pytest.mark.parametrize(
+    "argv, env, key",
+    [
+        (["--parallel", "0"], {}, "--parallel"),
+        (["--ctx", "0"], {}, "--ctx"),
+        (["--rpc-queue", "-1"], {}, "--rpc-queue"),
+        (["--draft-max", "99", "--spec-type", "ngram"], {}, "draft max"),
+        ([], {"HYDRA_RPC_SPIN_MS": "fast"}, "HYDRA_RPC_SPIN_MS"),
+        ([], {"HYDRA_RPC_SPIN_MS": "-3"}, "HYDRA_RPC_SPIN_MS"),
+    ],
+)
+def test_bad_settings_name_their_key(argv, env, key):
+    with pytest.raises(UserError, match=key):
+        serve(*argv, env=env)
+
+
+@pytest.mark.parametrize(
+    ("value", "device", "seconds"),
+    [(None, "cpu", 0.0), ("", "cpu", 0.0), ("50", "cpu", 0.05), (None, "cuda:0", GPU_SPIN_S), ("", "cuda", GPU_SPIN_S),
+     ("0", "cuda", 0.0), ("5", "cuda", 0.005)],
+)
+def test_spin_budget_from_env_and_device(value, device, seconds):
+    env = {} if value is None else {"HYDRA_RPC_SPIN_MS": value}
+    assert serve(env=env).rpc.spin_seconds(device) == pytest.approx(seconds)
+    assert RpcSettings(spin_ms=None).spin_seconds("cpu") == 0.0
+
+
+def test_every_environment_variable_is_documented_in_the_readme():
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    assert all(name in readme for name in ENVIRONMENT)
