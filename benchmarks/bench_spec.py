@@ -29,7 +29,6 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import httpx
 import psutil
@@ -37,7 +36,9 @@ import psutil
 from hydra_console.engine.default_model import model_path
 from hydra_console.engine.gguf_file import GGUFFile
 from hydra_console.engine.model import ModelConfig
-from hydra_console.engine.pipeline import build_pipeline
+from hydra_console.engine.cli import build_parser
+from hydra_console.engine.config import head_config
+from hydra_console.engine.workers.head import build_pipeline
 from hydra_console.engine.runtime import DEFAULT_BATCH_TOKENS, Engine, Request
 from hydra_console.engine.sampling import SamplingParams
 from hydra_console.engine.speculative import SpecConfig
@@ -129,10 +130,10 @@ class Link:
 
 
 def make_engine(args, g, peer_addr: str | None) -> Engine:
-    ns = SimpleNamespace(device=args.device, dtype=args.dtype, peer=[peer_addr] if peer_addr else [],
-                         split=args.split if peer_addr else None, peer_wait=60.0, fallback_solo=False,
-                         auth_token=None, max_frame=1 << 30)  # fmt: skip
-    pipeline = build_pipeline(ns, g, ModelConfig.from_gguf(g), n_slots=1, n_ctx=args.ctx)
+    argv = ["serve", "--device", args.device, "--dtype", args.dtype, "--parallel", "1", "--ctx", str(args.ctx), "--peer-wait", "60"]
+    if peer_addr:
+        argv += ["--peer", peer_addr, "--split", args.split] if args.split else ["--peer", peer_addr]
+    pipeline = build_pipeline(head_config(build_parser().parse_args(argv), {}), g, ModelConfig.from_gguf(g))
     return Engine(pipeline, Tokenizer.from_gguf(g), 1, args.ctx).start()
 
 

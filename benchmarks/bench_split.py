@@ -24,7 +24,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import types
 from pathlib import Path
 
 from hydra_console.engine.openmp import configure_split_worker
@@ -37,8 +36,10 @@ from hydra_console.engine.device import resolve_device, resolve_dtype  # noqa: E
 from hydra_console.engine.gguf_file import GGUFFile  # noqa: E402
 from hydra_console.engine.config import default_cache_dir  # noqa: E402
 from hydra_console.engine.model import ModelConfig, build_stage  # noqa: E402
-from hydra_console.engine.pipeline import Pipeline, build_pipeline  # noqa: E402
-from hydra_console.engine.rpc.wire import spin_seconds  # noqa: E402
+from hydra_console.engine.cli import build_parser  # noqa: E402
+from hydra_console.engine.config import head_config  # noqa: E402
+from hydra_console.engine.pipeline import Pipeline  # noqa: E402
+from hydra_console.engine.workers.head import build_pipeline  # noqa: E402
 
 PROMPT_TOKENS = 32
 
@@ -159,6 +160,7 @@ def main() -> None:
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
     cache_dir = default_cache_dir(os.environ)
+    rpc = head_config(build_parser().parse_args(["serve"]), os.environ).rpc  # the environment serve would see
     part_steps = max(args.block, 32)
     n_ctx = max(PROMPT_TOKENS + part_steps + 8, args.prefill)
     half = cfg.n_layers // 2
@@ -167,7 +169,7 @@ def main() -> None:
         torch.set_num_threads(1)
         os.sched_setaffinity(0, {0})
     print(f"model {model.name}: {cfg.n_layers} layers, n_embd {cfg.n_embd}; device {device}, dtype {dtype}, "
-          f"torch threads {torch.get_num_threads()}, cores {os.cpu_count()}, RPC spin {spin_seconds(device) * 1e3:g} ms, "
+          f"torch threads {torch.get_num_threads()}, cores {os.cpu_count()}, RPC spin {rpc.spin_seconds(device) * 1e3:g} ms, "
           f"GOMP_SPINCOUNT {os.environ.get('GOMP_SPINCOUNT', 'default')}, OMP_WAIT_POLICY {os.environ.get('OMP_WAIT_POLICY', 'default')}")  # fmt: skip
 
     if args.peer_in_process:
@@ -175,15 +177,16 @@ def main() -> None:
         from hydra_console.engine.rpc.listener import RpcListener
         from hydra_console.engine.rpc.resident import StageHost
 
-        listener = RpcListener("127.0.0.1", 0, mode="peer", compute=ComputeServer(StageHost(g, cfg, device, cache_dir=cache_dir))).start()
+        listener = RpcListener("127.0.0.1", 0, mode="peer", compute=ComputeServer(StageHost(g, cfg, device, cache_dir=cache_dir),
+                                                                                   spin_s=rpc.spin_seconds(device))).start()
         proc, addr = None, f"127.0.0.1:{listener.bound_port}"
     else:
         proc, addr = start_peer(model, args.device, {1} if args.pin else None)
     try:
         solo = Pipeline(build_stage(g, device=device, dtype=dtype, n_slots=1, n_ctx=max(n_ctx, args.resplit_ctx), cache_dir=cache_dir))
-        ns = types.SimpleNamespace(peer=[addr], split=f"{half}/{cfg.n_layers - half}", device=args.device, dtype=args.dtype,
-                                   peer_wait=120.0, fallback_solo=False, auth_token=None, max_frame=1 << 30)  # fmt: skip
-        split = build_pipeline(ns, g, cfg, n_slots=1, n_ctx=max(n_ctx, args.resplit_ctx))
+        argv = ["serve", "--model", str(model), "--peer", addr, "--split", f"{half}/{cfg.n_layers - half}", "--device", args.device,
+                "--dtype", args.dtype, "--parallel", "1", "--ctx", str(max(n_ctx, args.resplit_ctx)), "--peer-wait", "120"]  # fmt: skip
+        split = build_pipeline(head_config(build_parser().parse_args(argv), os.environ), g, cfg)
         remote = split.remotes[0]
         print(f"peer {addr}: hidden states via {remote.transport}")
         # Blocks of `--block` steps, alternating solo / split, so load drifts on a shared machine
