@@ -20,13 +20,13 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .errors import UserError
+from .errors import Unavailable, UserError, describe
 from .worker_http import add_observation_routes
 
 if TYPE_CHECKING:  # the engine's modules bring torch: imported when the model loads, after the port is up
-    from .runtime import Event, GenToken
-    from .runtime import Request as EngineRequest
     from .sampling import SamplingParams, TokenLogprob
+    from .sequence import Event, GenToken
+    from .sequence import Request as EngineRequest
     from .speculative import SpecConfig
     from .workers.head import HeadWorker as Head
 
@@ -229,21 +229,23 @@ class _Run:
             self.head.engine.cancel(self.req)
 
 
-def _stream_error(ev: Event) -> dict:
-    from .rpc.client import is_peer_failure
+def _generation_error(ev: Event) -> APIError:
+    """A failed generation by the type of its exception: a peer gone away (retry once it is back) is
+    503, anything else 500."""
+    message = f"generation failed: {describe(ev.error)}"
+    if isinstance(ev.error, Unavailable):
+        return APIError(503, message, "unavailable_error")
+    return APIError(500, message, "server_error")
 
-    code = "503" if is_peer_failure(ev.error) else "500"
-    return {"error": {"message": ev.error, "type": "unavailable_error" if code == "503" else "server_error",
-                      "param": None, "code": code}}  # fmt: skip
+
+def _stream_error(ev: Event) -> dict:
+    e = _generation_error(ev)
+    return {"error": {"message": describe(ev.error), "type": e.type, "param": None, "code": str(e.status)}}
 
 
 def _check_finish(ev: Event) -> None:
     if ev.finish_reason == "error":
-        from .rpc.client import is_peer_failure
-
-        if is_peer_failure(ev.error):  # a peer went away: retry once it is back
-            raise APIError(503, f"generation failed: {ev.error}", "unavailable_error")
-        raise APIError(500, f"generation failed: {ev.error}", "server_error")
+        raise _generation_error(ev)
 
 
 def _sse(obj) -> bytes:
@@ -329,7 +331,7 @@ def create_app(head: Head) -> FastAPI:
     @app.post("/v1/completions")
     @app.post("/completions", include_in_schema=False)
     async def completions(body: CompletionBody, http: Request):
-        from .runtime import Request as EngineRequest
+        from .sequence import Request as EngineRequest
 
         engine = _engine(head)
         prompt = body.prompt
@@ -359,7 +361,7 @@ def create_app(head: Head) -> FastAPI:
     @app.post("/chat/completions", include_in_schema=False)
     async def chat_completions(body: ChatBody, http: Request):
         from .chat import apply_chat_template
-        from .runtime import Request as EngineRequest
+        from .sequence import Request as EngineRequest
 
         engine = _engine(head)
         messages = [m.model_dump(exclude_none=True) for m in body.messages]

@@ -1,5 +1,16 @@
-"""Errors that reach the user as one clear message (no traceback); declared with the contracts."""
+"""Errors that reach the user as one clear message (no traceback); declared with the contracts. Also
+the kinds of failure the HTTP layer tells apart by type (never by message text)."""
 
 from ..contracts.errors import UserError
 
-__all__ = ["UserError"]
+__all__ = ["Unavailable", "UserError", "describe"]
+
+
+class Unavailable(Exception):
+    """Something a request needs is gone for now (a peer): the request fails with HTTP 503, and a
+    retry may succeed. Defined here so the engine and the API can name it without importing rpc."""
+
+
+def describe(e: BaseException) -> str:
+    """`Type: message`, the one line an error is reported as."""
+    return f"{type(e).__name__}: {e}"

@@ -64,7 +64,7 @@ def main(args, cache_dir: Path | None) -> int:
     sys.stdout.write("\n")
     sys.stdout.flush()
     if final is not None and final.finish_reason == "error":
-        raise RuntimeError(final.error)
+        raise final.error
     t = final.timings
     first = f"{(t_first - t0):.2f} s" if t_first is not None else "n/a"
     print(

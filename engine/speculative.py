@@ -367,7 +367,7 @@ class Speculator:
             d.release(slot)
 
     def plan(self, seqs: list, n_ctx: int) -> list[Draft | None]:
-        """A draft (or None) per decoding sequence (runtime.Sequence: slot, tokens, n_gen, req.spec,
+        """A draft (or None) per decoding sequence (sequence.Sequence: slot, tokens, n_gen, req.spec,
         req.max_tokens, sampler). k is capped so that the k+1 emitted tokens fit max_tokens and the
         k+1 verified positions fit the context."""
         out: list[Draft | None] = [None] * len(seqs)

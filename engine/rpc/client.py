@@ -34,7 +34,7 @@ from ...contracts.rpc import (
 from ...contracts.rpc import ReplyStatus as R
 from ...contracts.status import PeerInfo
 from ..device import host_buffer, to_host
-from ..errors import UserError
+from ..errors import Unavailable, UserError
 from .compute import pack_forward, pack_hello
 from .cuda_ipc import IPC_TOKENS, IpcChannel, gpu_uuid
 from .listener import tune_socket
@@ -60,13 +60,8 @@ class PeerError(RuntimeError):
     """A peer could not run a request; the runtime fails that request."""
 
 
-class PeerUnavailable(PeerError):
+class PeerUnavailable(PeerError, Unavailable):
     """A peer is down or died mid-request: the request fails (HTTP 503) and the head re-attaches."""
-
-
-def is_peer_failure(error: str | None) -> bool:
-    """Whether a runtime error text (`Type: message`) came from a peer being unavailable."""
-    return bool(error) and error.startswith(PeerUnavailable.__name__)
 
 
 class PeerMismatch(UserError):

@@ -1,0 +1,134 @@
+"""The output processor: turns what the scheduler appended to a sequence into `Event`s for its sink.
+
+Streaming detokenization holds back half a UTF-8 character (`StreamDecoder`) and any text that may
+still turn out to start a stop string; a stop string ends the request there (no text after it, and
+tokens after it are taken back). It also keeps the per-request timings and adds each request's
+prompt and predicted totals to the engine's stats.
+"""
+
+from __future__ import annotations
+
+import time
+
+from .scheduler import Sampled
+from .sequence import Event, GenToken, Sequence
+from .tokenizer import StreamDecoder
+
+
+class _Stream:
+    """One request's output state while it runs."""
+
+    def __init__(self, seq: Sequence, tok):
+        self.decoder = StreamDecoder(tok)
+        self.n_seen = seq.n_prompt  # seq.tokens before this index are passed to the decoder
+        self.held_text = ""  # text that may still turn out to start a stop string
+        self.held_tokens: list[GenToken] = []
+        self.emitted_in_held = 0  # chars of the first held tokens' text already passed on
+        self.t_first: float | None = None
+
+
+class OutputProcessor:
+    """Events for every sequence a step touched. `stats` takes the totals (`add_prompt`,
+    `add_predicted`): the engine's `EngineStats`."""
+
+    def __init__(self, tok, stats):
+        self.tok = tok
+        self.stats = stats
+        self._streams: dict[Sequence, _Stream] = {}
+
+    def process(self, seq: Sequence, sampled: Sampled | None = None, error: BaseException | None = None) -> None:
+        """Send `seq`'s new output: its prompt logprobs, the text of its new tokens, and, when it has
+        finished, what is held back and the final event."""
+        st = self._streams.get(seq)
+        if st is None:
+            st = self._streams[seq] = _Stream(seq, self.tok)
+        if sampled is not None and sampled.prompt_logprobs is not None:
+            seq.req.sink(Event(prompt_logprobs=sampled.prompt_logprobs))
+        if not seq.prefilling and st.t_first is None:
+            st.t_first = time.perf_counter()
+            self.stats.add_prompt(seq.n_prompt, st.t_first - seq.t_start)
+        new = seq.tokens[st.n_seen :]
+        if seq.finish_reason == "stop":  # only end-of-generation finishes as "stop" before this point
+            new = new[:-1]  # that token counts in usage but is never shown
+        logprobs = sampled.logprobs if sampled is not None else [None] * len(new)
+        at_stop_string = False
+        for i, tid in enumerate(new):
+            piece = st.decoder.push(tid)
+            st.held_tokens.append(GenToken(tid, piece, logprobs[i]))
+            if self._release(seq, st, piece):
+                seq.take_back(len(seq.tokens) - (st.n_seen + i + 1))
+                seq.finish_reason = "stop"
+                at_stop_string = True
+                break
+        st.n_seen = len(seq.tokens)
+        if seq.finish_reason is not None:
+            self._finish(seq, st, at_stop_string, error)
+
+    def _release(self, seq: Sequence, st: _Stream, piece: str) -> bool:
+        """Pass on text that can no longer start a stop string; True when a stop string ended the request."""
+        text = st.held_text + piece
+        stops = seq.req.stop
+        cut = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
+        if cut >= 0:
+            st.held_text = text[:cut]
+            return True
+        keep = max((k for s in stops for k in range(min(len(s) - 1, len(text)), 0, -1) if s.startswith(text[-k:])),
+                   default=0)  # fmt: skip
+        st.held_text = text[len(text) - keep :]
+        self._emit(seq, st, text[: len(text) - keep])
+        return False
+
+    def _emit(self, seq: Sequence, st: _Stream, text: str, final: bool = False) -> None:
+        """Send `text` with the held tokens it covers (all of them when `final`)."""
+        if final:
+            tokens, st.held_tokens, st.emitted_in_held = st.held_tokens, [], 0
+        else:
+            avail, covered, n = st.emitted_in_held + len(text), 0, 0
+            for t in st.held_tokens:
+                if covered + len(t.text) > avail:
+                    break
+                covered += len(t.text)
+                n += 1
+            tokens, st.held_tokens = st.held_tokens[:n], st.held_tokens[n:]
+            st.emitted_in_held = avail - covered
+        if text or tokens:
+            seq.req.sink(Event(text=text, tokens=tokens))
+
+    def _finish(self, seq: Sequence, st: _Stream, at_stop_string: bool, error: BaseException | None) -> None:
+        """Deliver what is held back (text after a stop string is dropped, otherwise nothing is) and
+        the final event."""
+        del self._streams[seq]
+        now = time.perf_counter()
+        if not at_stop_string:
+            st.held_text += st.decoder.flush()
+        self._emit(seq, st, st.held_text, final=True)
+        if st.t_first is not None:
+            self.stats.add_predicted(seq.n_gen, now - st.t_first)
+        seq.req.sink(
+            Event(
+                finish_reason=seq.finish_reason,
+                usage={"prompt_tokens": seq.n_prompt, "completion_tokens": seq.n_gen,
+                       "total_tokens": seq.n_prompt + seq.n_gen},  # fmt: skip
+                timings=timings(seq, st.t_first, now),
+                error=error,
+            )
+        )
+
+
+def timings(seq: Sequence, t_first: float | None, now: float) -> dict:
+    """llama-server's `timings`: prompt time runs from taking the slot to the first token."""
+    t_first = t_first if t_first is not None else now
+    prompt_ms = (t_first - seq.t_start) * 1e3
+    predicted_ms = (now - t_first) * 1e3
+    return {
+        "prompt_n": seq.n_prompt,
+        "prompt_ms": prompt_ms,
+        "prompt_per_token_ms": prompt_ms / seq.n_prompt if seq.n_prompt else 0.0,
+        "prompt_per_second": seq.n_prompt / prompt_ms * 1e3 if prompt_ms > 0 else 0.0,
+        "predicted_n": seq.n_gen,
+        "predicted_ms": predicted_ms,
+        "predicted_per_token_ms": predicted_ms / seq.n_gen if seq.n_gen else 0.0,
+        "predicted_per_second": seq.n_gen / predicted_ms * 1e3 if predicted_ms > 0 else 0.0,
+        "draft_n": seq.n_drafted,
+        "draft_n_accepted": seq.n_accepted,
+    }

@@ -1,0 +1,85 @@
+"""What flows through the engine: a `Request` as the consumer submits it, the `Sequence` it becomes
+once it holds a slot, and the `Event`s (with their `GenToken`s) its sink receives.
+
+Kept apart from the scheduler and the output processor so both can work on the same plain state.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable
+
+from .sampling import Sampler, SamplingParams, TokenLogprob
+
+if TYPE_CHECKING:
+    from .speculative import SpecConfig
+
+
+@dataclass
+class GenToken:
+    """A generated token released to the consumer: its id, its text piece, its logprobs if asked."""
+
+    id: int
+    text: str
+    logprob: TokenLogprob | None = None
+
+
+@dataclass
+class Event:
+    """What a request's sink receives: text and tokens as they are released; on the last event
+    `finish_reason` ("stop", "length", "cancelled", "error"), `usage`, `timings`, and on "error" the
+    exception itself (`error`), so the API can answer by its type."""
+
+    text: str = ""
+    tokens: list[GenToken] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob] | None = None
+    finish_reason: str | None = None
+    usage: dict | None = None
+    timings: dict | None = None
+    error: BaseException | None = None
+
+
+@dataclass
+class Request:
+    prompt: list[int]
+    params: SamplingParams = field(default_factory=SamplingParams)
+    max_tokens: int = 16
+    stop: list[str] = field(default_factory=list)
+    ignore_eos: bool = False
+    prompt_logprobs: int | None = None  # score the prompt: logprob of each prompt token + top N
+    spec: SpecConfig | None = None  # this request's speculative decoding; None: the engine's default
+    sink: Callable[[Event], None] = lambda ev: None
+    id: int = 0
+    cancelled: bool = False
+
+
+class Sequence:
+    """A request bound to a slot (its KV rows): its tokens, how many of them are in the KV cache, and
+    why it finished once it has."""
+
+    def __init__(self, req: Request, slot: int):
+        self.req = req
+        self.slot = slot
+        self.tokens = list(req.prompt)
+        self.n_prompt = len(req.prompt)
+        self.n_past = 0  # tokens whose KV is written
+        self.n_gen = 0
+        self.sampler = Sampler(req.params)
+        self.n_drafted = 0  # draft tokens verified for this request, and how many were accepted
+        self.n_accepted = 0
+        self.t_start = time.perf_counter()  # when it took the slot: its prompt time counts from here
+        self.finish_reason: str | None = None
+
+    @property
+    def prefilling(self) -> bool:
+        return self.n_past < self.n_prompt
+
+    def append(self, tid: int) -> None:
+        self.tokens.append(tid)
+        self.n_gen += 1
+
+    def take_back(self, n: int) -> None:
+        """Forget the last `n` generated tokens: a stop string ended the text before them."""
+        del self.tokens[len(self.tokens) - n :]
+        self.n_gen -= n
