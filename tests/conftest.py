@@ -1,9 +1,11 @@
-"""Shared fixtures: tiny synthetic models, the default model, free ports."""
+"""Shared fixtures: tiny synthetic models and the default model (free ports and worker processes: rpc_workers.py).
+
+Markers: `unit` (no processes, sockets or model files) and `integration` (real worker processes,
+sockets or the default model); `pytest -m unit` runs the fast half in seconds."""
 
 from __future__ import annotations
 
 import json
-import socket
 
 import pytest
 
@@ -32,9 +34,8 @@ def default_model():
     return default_model_path()
 
 
-@pytest.fixture
-def free_port():
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def pytest_collection_modifyitems(items):
+    """Everything not marked `unit` is `integration`, so `-m unit` / `-m integration` split the suite."""
+    for item in items:
+        if item.get_closest_marker("unit") is None:
+            item.add_marker(pytest.mark.integration)

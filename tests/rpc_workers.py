@@ -1,7 +1,9 @@
-"""Helpers for the RPC tests: real `hydra-engine serve` / `peer` processes on free loopback ports."""
+"""Test support (not a test module): free ports and real `hydra-engine serve` / `peer` processes
+on loopback. Every test that needs a port or a worker process takes it from here."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -14,14 +16,31 @@ from pathlib import Path
 import httpx
 
 
-def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
+def free_ports(n: int, *, pairs: bool = False) -> list[int]:
+    """`n` distinct loopback ports that were free a moment ago; with `pairs`, port + 1 was free
+    too (a worker's HTTP port and its default RPC port)."""
+    held: list[socket.socket] = []
+    out: list[int] = []
     try:
-        for s in socks:
+        for _ in range(50 * n):
+            if len(out) == n:
+                return out
+            s = socket.socket()
+            held.append(s)
             s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
+            port = s.getsockname()[1]
+            if pairs:
+                nxt = socket.socket()
+                try:
+                    nxt.bind(("127.0.0.1", port + 1))
+                except OSError:
+                    nxt.close()
+                    continue
+                held.append(nxt)
+            out.append(port)
+        raise RuntimeError(f"no {n} free port{' pair' if pairs else ''}s on 127.0.0.1")
     finally:
-        for s in socks:
+        for s in held:
             s.close()
 
 
@@ -57,18 +76,21 @@ class Worker:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")[-4000:]
 
-    def wait_ready(self, timeout: float = 90.0) -> dict:
+    def wait_ready(self, timeout: float = 90.0, seen: list | None = None) -> dict:
+        """Poll /health until 200; every (status, body) on the way goes into `seen`."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise AssertionError(f"{self.role} exited with {self.proc.returncode}:\n{self.log()}")
             try:
                 r = httpx.get(f"{self.url}/health", timeout=2.0)
+                if seen is not None:
+                    seen.append((r.status_code, r.json()))
                 if r.status_code == 200:
                     return r.json()
             except httpx.HTTPError:
                 pass
-            time.sleep(0.2)
+            time.sleep(0.05)
         raise AssertionError(f"{self.role} on {self.port} not ready after {timeout} s:\n{self.log()}")
 
     def status(self) -> dict:
@@ -100,6 +122,16 @@ def head(model: Path, log_dir: Path, peers: list[Worker] = (), *extra: str, para
     for p in peers:
         argv += ["--peer", p.rpc_addr]
     return Worker("serve", argv, log_dir, port, rpc)
+
+
+@contextlib.contextmanager
+def running(worker: Worker, timeout: float = 90.0):
+    """`worker`, ready; stopped on the way out."""
+    try:
+        worker.wait_ready(timeout)
+        yield worker
+    finally:
+        worker.stop()
 
 
 def complete(w: Worker, prompt: str, max_tokens: int = 16, timeout: float = 60.0, **kw) -> httpx.Response:

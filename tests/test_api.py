@@ -2,11 +2,7 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
-import socket
-import subprocess
-import sys
 import threading
 import time
 
@@ -14,72 +10,25 @@ import httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from rpc_workers import Worker, head, running
 
 N_CTX, N_SLOTS = 256, 2
 PROMPT = "the quick brown fox jumps over the lazy dog"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_server(model, port: int, *extra: str) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "hydra_console.engine.cli", "serve", "--model", str(model), "--port", str(port),
-           "--rpc-port", str(free_port()),
-           "--parallel", str(N_SLOTS), "--ctx", str(N_CTX), "--device", "cpu", "--dtype", "float32", *extra]  # fmt: skip
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-
-
-def wait_ready(base: str, proc: subprocess.Popen, timeout: float = 60) -> list[tuple[int, dict]]:
-    """Poll /health until 200; returns every (status, body) seen on the way."""
-    seen = []
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise AssertionError(f"server exited {proc.returncode}: {proc.stdout.read()}")
-        try:
-            r = httpx.get(f"{base}/health", timeout=2)
-            seen.append((r.status_code, r.json()))
-            if r.status_code == 200:
-                return seen
-        except httpx.TransportError:
-            pass
-        time.sleep(0.01)
-    raise AssertionError(f"not ready after {timeout} s; saw {seen[-3:]}")
-
-
-def stop_server(proc: subprocess.Popen) -> None:
-    proc.terminate()
-    try:
-        proc.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(timeout=10)
-
-
-@contextlib.contextmanager
-def running_server(model):
-    """A `hydra-engine serve` subprocess on a free port, ready: yields (base URL, /health body)."""
-    port = free_port()
-    proc = start_server(model, port)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        yield base, wait_ready(base, proc)
-    finally:
-        stop_server(proc)
+def api_server(model, log_dir) -> Worker:
+    return head(model, log_dir, (), "--dtype", "float32", parallel=N_SLOTS, ctx=N_CTX)
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model):
-    with running_server(tiny_model("llama")) as running:
-        yield running
+def server(tiny_model, tmp_path_factory):
+    with running(api_server(tiny_model("llama"), tmp_path_factory.mktemp("api"))) as w:
+        yield w.url
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=f"{server[0]}/v1", api_key="none", max_retries=0, timeout=60)
+    return openai.OpenAI(base_url=f"{server}/v1", api_key="none", max_retries=0, timeout=60)
 
 
 @pytest.fixture(scope="module")
@@ -99,13 +48,13 @@ def metrics(base: str) -> dict[str, float]:
 # ---- health, models, tokenizer -----------------------------------------------------------------
 
 
-def test_health_is_staged_and_503_until_ready(tiny_model):
-    port = free_port()
-    proc = start_server(tiny_model("llama"), port)
+def test_health_is_staged_and_503_until_ready(tiny_model, tmp_path):
+    seen: list = []
+    w = api_server(tiny_model("llama"), tmp_path)
     try:
-        seen = wait_ready(f"http://127.0.0.1:{port}", proc)
+        w.wait_ready(seen=seen)
     finally:
-        stop_server(proc)
+        w.stop()
     codes = [c for c, _ in seen]
     stages = [b["startup_stage"] for _, b in seen]
     # the port answers before the model is loaded (torch alone takes longer than a poll)
@@ -117,7 +66,7 @@ def test_health_is_staged_and_503_until_ready(tiny_model):
 
 
 def test_models_and_tokenize_roundtrip(server, model_id):
-    base, _ = server
+    base = server
     models = httpx.get(f"{base}/v1/models").json()
     assert models["object"] == "list" and models["data"][0]["id"] == model_id
     ids = httpx.post(f"{base}/tokenize", json={"content": PROMPT}).json()["tokens"]
@@ -132,7 +81,7 @@ def test_models_and_tokenize_roundtrip(server, model_id):
 
 
 def test_completion_plain_and_streamed_agree_with_exact_usage(server, client, model_id):
-    base, _ = server
+    base = server
     n_prompt = len(httpx.post(f"{base}/tokenize", json={"content": PROMPT, "add_special": True}).json()["tokens"])
     full = greedy(client, model_id, max_tokens=10, extra_body={"ignore_eos": True})
     assert full.choices[0].finish_reason == "length"
@@ -147,7 +96,7 @@ def test_completion_plain_and_streamed_agree_with_exact_usage(server, client, mo
 
 
 def test_token_id_prompt_equals_text_prompt(server, client, model_id):
-    base, _ = server
+    base = server
     ids = httpx.post(f"{base}/tokenize", json={"content": PROMPT, "add_special": True}).json()["tokens"]
     a = greedy(client, model_id, max_tokens=8, extra_body={"ignore_eos": True})
     b = greedy(client, model_id, prompt=ids, max_tokens=8, extra_body={"ignore_eos": True})
@@ -157,7 +106,7 @@ def test_token_id_prompt_equals_text_prompt(server, client, model_id):
 
 
 def test_prompt_scoring_with_echo_and_token_ids(server, client, model_id):
-    base, _ = server
+    base = server
     ids = httpx.post(f"{base}/tokenize", json={"content": PROMPT, "add_special": True}).json()["tokens"]
     r = client.completions.create(model=model_id, prompt=ids, echo=True, logprobs=1, max_tokens=0,
                                   extra_body={"return_tokens_as_token_ids": True})  # fmt: skip
@@ -229,7 +178,7 @@ def test_chat_plain_and_streamed(client, model_id):
 
 
 def test_concurrent_requests_equal_sequential_ones(server, client, model_id):
-    base, _ = server
+    base = server
     prompts = ["hello world", "night and day", "a b c d", "the lazy dog", "fox over dog"]
     single = [greedy(client, model_id, prompt=p, max_tokens=10, extra_body={"ignore_eos": True}).choices[0].text
               for p in prompts]  # fmt: skip
@@ -252,7 +201,7 @@ def test_concurrent_requests_equal_sequential_ones(server, client, model_id):
 
 
 def test_disconnect_frees_the_slot(server):
-    base, _ = server
+    base = server
     body = {"prompt": PROMPT, "max_tokens": N_CTX - 40, "stream": True, "ignore_eos": True, "temperature": 0}
     with httpx.Client(timeout=30) as h:
         with h.stream("POST", f"{base}/v1/completions", json=body) as r:
@@ -271,7 +220,7 @@ def test_disconnect_frees_the_slot(server):
 
 
 def test_metrics_names_and_counters_move(server, client, model_id):
-    base, _ = server
+    base = server
     before = metrics(base)
     greedy(client, model_id, max_tokens=4, extra_body={"ignore_eos": True})
     after = metrics(base)
@@ -287,7 +236,7 @@ def test_metrics_names_and_counters_move(server, client, model_id):
 
 
 def test_status_document(server):
-    base, _ = server
+    base = server
     doc = httpx.get(f"{base}/status").json()
     assert doc["role"] == "head" and doc["pid"] > 0 and doc["state"] == "ok" and doc["startup_stage"] == 4
     assert doc["model"]["arch"] == "llama" and doc["model"]["n_layers"] == 2 and len(doc["model"]["fingerprint"]) == 32
@@ -323,7 +272,7 @@ def test_over_context_prompt_is_a_400(client, model_id):
      ("/tokenize", {"content": 5}, "content")],  # fmt: skip
 )
 def test_bad_requests_get_openai_errors(server, path, body, param):
-    base, _ = server
+    base = server
     r = httpx.post(f"{base}{path}", json=body)
     assert r.status_code == 400, r.text
     err = r.json()["error"]

@@ -6,13 +6,13 @@ from __future__ import annotations
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, settings
-from test_api import running_server
+from rpc_workers import head, running
 
 
 @pytest.fixture(scope="module")
-def api_schema(tiny_model):
-    with running_server(tiny_model("llama")) as (base, _):
-        yield schemathesis.openapi.from_url(f"{base}/openapi.json")
+def api_schema(tiny_model, tmp_path_factory):
+    with running(head(tiny_model("llama"), tmp_path_factory.mktemp("fuzz"), (), "--dtype", "float32")) as w:
+        yield schemathesis.openapi.from_url(f"{w.url}/openapi.json")
 
 
 schema = schemathesis.pytest.from_fixture("api_schema")

@@ -15,6 +15,8 @@ from hydra_console.app.config import (
 )
 from hydra_console.engine.errors import UserError
 
+pytestmark = pytest.mark.unit
+
 
 def test_default_profile_is_head_and_one_local_peer_on_documented_ports():
     p = default_profile()

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import json
 import shlex
-import socket
 import subprocess
 import sys
 import time
@@ -26,46 +25,7 @@ from hydra_console.app.ui.app import HydraConsole
 from hydra_console.app.ui.dialogs import ConfirmScreen, HelpScreen
 from hydra_console.app.ui.logs import LogsScreen
 from hydra_console.app.ui.split_editor import SplitEditorScreen
-
-FAKE = f"{shlex.quote(sys.executable)} -m hydra_console.app.fake_worker"
-
-
-def port_pair() -> int:
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        try:
-            with socket.socket() as s2:
-                s2.bind(("127.0.0.1", port + 1))
-            return port
-        except OSError:
-            continue
-    raise RuntimeError("no free port pair")
-
-
-def fake_profile(peers: int = 1, **kw) -> Profile:
-    return Profile(
-        name="fake",
-        engine_command=FAKE,
-        head=WorkerSpec(name="head", port=port_pair()),
-        peers=[WorkerSpec(name=f"peer{i + 1}", port=port_pair()) for i in range(peers)],
-        supervisor=SupervisorSettings(poll_s=0.2, grace_s=5),
-        **kw,
-    )
-
-
-async def until(pilot, cond, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met in time")
-        await pilot.pause(0.05)
-
-
-def all_ready(sup: Supervisor) -> bool:
-    return all(w.state == State.READY for w in sup.workers.values())
-
+from consoles import FAKE, all_ready, fake_profile, port_pair, until
 
 def head_ranges(sup: Supervisor) -> list[list[int]]:
     doc = httpx.get(f"{sup.head.spec.url}/status", timeout=2).json()

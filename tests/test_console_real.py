@@ -14,7 +14,7 @@ from hydra_console.app.ui.app import HydraConsole
 from hydra_console.app.ui.dialogs import ConfirmScreen
 from hydra_console.app.ui.split_editor import SplitEditorScreen
 
-from test_console import port_pair, until
+from consoles import all_ready, port_pair, until
 
 ENGINE_MISSING = [m for m in ("hydra_console.engine.api", "hydra_console.engine.workers.peer") if importlib.util.find_spec(m) is None]
 pytestmark = pytest.mark.skipif(bool(ENGINE_MISSING), reason=f"engine workers not built yet: {ENGINE_MISSING} missing")
@@ -34,10 +34,6 @@ def real_profile(model) -> Profile:
 
 def status(w) -> dict:
     return httpx.get(f"{w.spec.url}/status", timeout=15).json()
-
-
-def all_ready(sup: Supervisor) -> bool:
-    return all(w.state == State.READY for w in sup.workers.values())
 
 
 async def test_real_workers_ready_then_restart_peer_changes_pid(tiny_model, tmp_path):

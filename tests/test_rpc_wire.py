@@ -16,6 +16,8 @@ from hydra_console.engine.rpc.compute import pack_forward, unpack_forward
 from hydra_console.engine.rpc.resident import ComputeError
 from hydra_console.engine.rpc.wire import BufferReader, FrameError
 
+pytestmark = pytest.mark.unit
+
 MAX = 1 << 16
 
 

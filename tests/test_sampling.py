@@ -13,6 +13,8 @@ from hydra_console.engine.sampling import (
     token_logprobs,
 )
 
+pytestmark = pytest.mark.unit
+
 V = 50
 
 

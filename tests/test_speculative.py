@@ -17,6 +17,8 @@ from hydra_console.engine.speculative import (
     check_mtp,
 )
 
+pytestmark = pytest.mark.unit
+
 # ---------------------------------------------------------------- n-gram drafter
 
 

@@ -22,7 +22,7 @@ from hydra_console.app.sources import FixedFeedSource, HttpStatusSource, Probe
 from hydra_console.engine.rpc.wire import pack_control_response
 from hydra_console.app.supervisor import Backoff, State, Supervisor, SupervisorError, describe_exit
 
-from test_console import FAKE, fake_profile, port_pair
+from consoles import FAKE, fake_profile, port_pair
 
 
 

@@ -1,0 +1,42 @@
+"""Test support (not a test module): console profiles of stand-in workers and a Pilot wait."""
+
+from __future__ import annotations
+
+import shlex
+import sys
+import time
+
+from rpc_workers import free_ports
+
+from hydra_console.app.config import Profile, SupervisorSettings, WorkerSpec
+from hydra_console.app.supervisor import State, Supervisor
+
+FAKE = f"{shlex.quote(sys.executable)} -m hydra_console.app.fake_worker"
+
+
+def port_pair() -> int:
+    """A worker's HTTP port whose default RPC port (+1) is free too."""
+    return free_ports(1, pairs=True)[0]
+
+
+def fake_profile(peers: int = 1, **kw) -> Profile:
+    return Profile(
+        name="fake",
+        engine_command=FAKE,
+        head=WorkerSpec(name="head", port=port_pair()),
+        peers=[WorkerSpec(name=f"peer{i + 1}", port=port_pair()) for i in range(peers)],
+        supervisor=SupervisorSettings(poll_s=0.2, grace_s=5),
+        **kw,
+    )
+
+
+async def until(pilot, cond, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not met in time")
+        await pilot.pause(0.05)
+
+
+def all_ready(sup: Supervisor) -> bool:
+    return all(w.state == State.READY for w in sup.workers.values())
