@@ -60,7 +60,7 @@ def start_peer(model: Path, device: str, cores: set[int] | None = None) -> tuple
 
 def device_sync(pipe: Pipeline):
     """Waits for the head's device (timings must include the work they launched)."""
-    return torch.cuda.synchronize if pipe.head.device.type == "cuda" else (lambda: None)
+    return torch.cuda.synchronize if pipe.local.device.type == "cuda" else (lambda: None)
 
 
 def prefill(pipe: Pipeline, slot: int = 0) -> torch.Tensor:
@@ -106,7 +106,7 @@ def forward_parts(pipe: Pipeline, tokens: torch.Tensor, positions: torch.Tensor)
     sync = device_sync(pipe)
     slots = torch.zeros_like(positions)
     t = [time.perf_counter()]
-    h = pipe.head.run_layers(pipe.head.embed(tokens), slots, positions)
+    h = pipe.local.run_layers(pipe.local.embed(tokens), slots, positions)
     sync()
     t.append(time.perf_counter())
     computes = []
@@ -115,7 +115,7 @@ def forward_parts(pipe: Pipeline, tokens: torch.Tensor, positions: torch.Tensor)
         sync()
         t.append(time.perf_counter())
         computes.append(remote.compute_ms)
-    tok = pipe.head.logits(h[-1:]).argmax(-1)
+    tok = pipe.local.logits(h[-1:]).argmax(-1)
     sync()
     t.append(time.perf_counter())
     d = [(b - a) * 1e3 for a, b in zip(t, t[1:])]

@@ -32,10 +32,10 @@ PENDING_BATCHES_MAX = 64  # batches of device-resident tokens recorded before on
 
 
 class Pipeline:
-    def __init__(self, head: Stage, remotes: list | None = None, *, ranges: list[tuple[int, int]] | None = None):
-        self.head = head
+    def __init__(self, local: Stage, remotes: list | None = None, *, ranges: list[tuple[int, int]] | None = None):
+        self.local = local  # the stage this process runs: embedding, the first layers, the output
         self.remotes = list(remotes or [])
-        self.ranges = list(ranges) if ranges else [tuple(getattr(head, "layer_range", (0, head.cfg.n_layers)))]
+        self.ranges = list(ranges) if ranges else [tuple(getattr(local, "layer_range", (0, local.cfg.n_layers)))]
         # Which slots hold a live request (the runtime's view); None = every slot seen so far.
         self.active_slots: Callable[[], set[int]] | None = None
         self.on_change: Callable[[], None] | None = None  # a peer went up or down
@@ -53,7 +53,7 @@ class Pipeline:
 
     @property
     def cfg(self):
-        return self.head.cfg
+        return self.local.cfg
 
     def _peer_state_changed(self) -> None:
         if self.on_change is not None:
@@ -77,10 +77,10 @@ class Pipeline:
             h = self._run(tokens, slots, positions)
             if self.remotes:  # only a split pipeline ever needs to rebuild KV
                 self._record(tokens, slots, positions)
-            return self.head.logits(h[logit_rows])
+            return self.local.logits(h[logit_rows])
 
     def _run(self, tokens, slots, positions) -> torch.Tensor:
-        h = self.head.run_layers(self.head.embed(tokens), slots, positions)
+        h = self.local.run_layers(self.local.embed(tokens), slots, positions)
         for i, remote in enumerate(self.remotes, 1):
             try:
                 h = remote.run_layers(h, slots, positions)
@@ -99,7 +99,7 @@ class Pipeline:
     def clear_slot(self, slot: int) -> None:
         with self._lock:
             self._lengths.pop(slot, None)
-            self.head.kv_clear(slot)
+            self.local.kv_clear(slot)
             for remote in self.remotes:
                 remote.kv_clear(slot)
 
@@ -153,7 +153,7 @@ class Pipeline:
                 tokens = self._history[slot, start:end]
                 slots = torch.full((end - start,), slot, dtype=torch.long)
                 positions = torch.arange(start, end, dtype=torch.long)
-                h = self.head.run_layers(self.head.embed(tokens), slots, positions)
+                h = self.local.run_layers(self.local.embed(tokens), slots, positions)
                 for remote in self.remotes[:through]:
                     h = remote.run_layers(h, slots, positions)
                 n_tokens += end - start
@@ -195,7 +195,7 @@ class Pipeline:
             return self.last_resplit
 
     def _assign_all(self, ranges) -> None:
-        stages = [self.head, *self.remotes]
+        stages = [self.local, *self.remotes]
         todo = [(s, r) for s, r, cur in zip(stages, ranges, self.ranges) if tuple(cur) != r]
         if todo:
             with ThreadPoolExecutor(len(todo)) as pool:
@@ -237,7 +237,7 @@ class Pipeline:
 
     def stages(self) -> list[StageInfo]:
         """Explicit layer ranges of every stage, for /status."""
-        out = [StageInfo("head", None, tuple(self.ranges[0]), str(self.head.device), "ok")]
+        out = [StageInfo("head", None, tuple(self.ranges[0]), str(self.local.device), "ok")]
         for remote, r in zip(self.remotes, self.ranges[1:]):
             out.append(StageInfo("peer", remote.addr, tuple(r), str(remote.device), remote.state))
         return out

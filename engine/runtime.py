@@ -92,7 +92,7 @@ class Engine:
         # vs 642-669 ms) at a similar TTFT (636-857 vs 607-632 ms) and throughput (43-53 vs 44-48
         # tok/s). Default (None): mixed off CUDA.
         if mixed_steps is None:
-            mixed_steps = getattr(getattr(pipeline.head, "device", None), "type", "cpu") != "cuda"
+            mixed_steps = getattr(getattr(pipeline.local, "device", None), "type", "cpu") != "cuda"
         self.mixed_steps = mixed_steps
         self.stats = EngineStats()
         # Always there: requests may ask for n-gram drafting even when the server default is off.

@@ -584,11 +584,3 @@ class StreamDecoder:
         self._utf8.reset()
         return text
 
-
-def __getattr__(name: str):
-    # ARCHITECTURE.md lists the chat-template API under this module; it lives in chat.py.
-    if name in ("ChatTemplate", "apply_chat_template"):
-        from . import chat
-
-        return getattr(chat, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

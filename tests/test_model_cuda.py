@@ -131,7 +131,7 @@ def test_split_across_two_cuda_processes_equals_solo(cuda_peer, monkeypatch, tra
         sent_before = remote.bytes_sent
         split.forward(torch.tensor([5]), torch.tensor([1]), torch.tensor([0]), torch.tensor([0]))
         assert (remote.bytes_sent - sent_before > 4 * split.cfg.n_embd) == (transport == "socket")
-        assert split.head.graphs.graphs and remote.device.startswith("cuda")
+        assert split.local.graphs.graphs and remote.device.startswith("cuda")
     finally:
         split.stop()
 

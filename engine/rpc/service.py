@@ -67,7 +67,7 @@ class HeadControl:
 
     def state_meta(self, slot: int) -> dict:
         """What the head holds for a slot's KV (STATE_GET/PUT, moving the KV itself, are not built)."""
-        head = self.pipeline.head
+        head = self.pipeline.local
         if not 0 <= slot < head.n_slots:
             raise ControlError(f"slot {slot} does not exist ({head.n_slots} slots)", Status.NOT_FOUND)
         return {"slot": slot, "n_past": self.pipeline.slot_length(slot), "n_ctx": head.n_ctx,
@@ -85,7 +85,7 @@ class HeadRpc:
 
     def __init__(self, rpc: RpcSettings, g, cfg, pipeline, model: ModelInfo | None = None):
         token = rpc.auth_token
-        self.host = StageHost(g, cfg, pipeline.head.device, stage=pipeline.head, assignable=False)
+        self.host = StageHost(g, cfg, pipeline.local.device, stage=pipeline.local, assignable=False)
         self.control = HeadControl(pipeline, self.host, model, auth=bool(token))
         self.pipeline = pipeline
         self.listener = RpcListener(

@@ -48,6 +48,7 @@ class HeadWorker:
 
     def load(self) -> None:
         """Model file → Pipeline → Engine; each step moves /health's startup_stage on."""
+        # Imported here, not at the top: they bring torch, and /health must answer while it loads.
         from ..default_model import model_path
         from ..gguf_file import GGUFFile
         from ..model import ModelConfig
@@ -143,8 +144,8 @@ def build_pipeline(cfg: HeadConfig, g, mcfg):
         _check_fits(g, device)
         log.warning("peers %s never came up: --fallback-solo runs all %d layers on the head", names, mcfg.n_layers)
         remotes, ranges = [], [(0, mcfg.n_layers)]
-    head = build_stage(g, ranges[0], device=device, dtype=dtype, n_slots=n_slots, n_ctx=m.ctx, cache_dir=m.cache_dir)
-    pipeline = Pipeline(head, remotes, ranges=ranges)
+    local = build_stage(g, ranges[0], device=device, dtype=dtype, n_slots=n_slots, n_ctx=m.ctx, cache_dir=m.cache_dir)
+    pipeline = Pipeline(local, remotes, ranges=ranges)
     if remotes:
         pipeline.start_watch()
     return pipeline
