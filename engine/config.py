@@ -110,10 +110,24 @@ class RpcSettings:
 
 
 @dataclass(frozen=True)
-class HeadConfig:
+class WorkerConfig:
+    """What every worker has: a model, an HTTP address and its merged RPC port."""
+
     model: ModelSettings
     rpc: RpcSettings
     host: str = "127.0.0.1"
+    port: int = 8090
+
+    def redacted(self) -> dict:
+        """The configuration /status reports: the secret as `***`."""
+        doc = dataclasses.asdict(self)
+        doc["rpc"]["auth_token"] = "***" if self.rpc.auth_token else None
+        doc["model"]["cache_dir"] = str(self.model.cache_dir) if self.model.cache_dir else None
+        return doc
+
+
+@dataclass(frozen=True)
+class HeadConfig(WorkerConfig):
     port: int = 8080
     parallel: int = 4
     alias: str | None = None
@@ -124,26 +138,9 @@ class HeadConfig:
     spec: SpecConfig = SpecConfig()
     model_draft: str | None = None
 
-    def redacted(self) -> dict:
-        return _redacted(self)
 
-
-@dataclass(frozen=True)
-class PeerConfig:
-    model: ModelSettings
-    rpc: RpcSettings
-    host: str = "127.0.0.1"
-    port: int = 8090
-
-    def redacted(self) -> dict:
-        return _redacted(self)
-
-
-def _redacted(cfg) -> dict:
-    doc = dataclasses.asdict(cfg)
-    doc["rpc"]["auth_token"] = "***" if cfg.rpc.auth_token else None
-    doc["model"]["cache_dir"] = str(cfg.model.cache_dir) if cfg.model.cache_dir else None
-    return doc
+class PeerConfig(WorkerConfig):
+    """A peer needs nothing beyond a worker's settings: the head assigns its layers."""
 
 
 # ---- from argv and the environment -----------------------------------------------------------------
