@@ -120,6 +120,15 @@ class Stage:
             layer.k_cache[slot].zero_()
             layer.v_cache[slot].zero_()
 
+    def slot_state(self, slot: int, n: int) -> dict[str, torch.Tensor]:
+        """Views of what this stage holds for `slot`'s first `n` positions, by name: what moves when
+        a slot moves (contracts.slot_state). Writing into the views restores it."""
+        out = {}
+        for il, layer in self.layers.items():
+            out[f"blk.{il}.k"] = layer.k_cache[slot, :, :n]
+            out[f"blk.{il}.v"] = layer.v_cache[slot, :, :n]
+        return out
+
     @property
     def weight_bytes(self) -> int:
         """Bytes of weights read per decoded token (layers + output head; embedding rows are negligible)."""
