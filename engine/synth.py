@@ -18,14 +18,16 @@ from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as T
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
 
-# Byte offsets of the float16 scale fields of block types gguf cannot quantize (K-quants):
-# we write random blocks and set these fields so the dequantized values have a chosen spread.
+# K-quants gguf cannot quantize: we write random blocks. Per type, the byte offsets of the float16
+# super-block scale d and of the float16 min scale dmin (None where the type has no mins), and
+# dmin / d: the mean of the type's unsigned codes, so that d * sc * q - dmin * m has zero mean once
+# each sub-block's min m equals its scale sc (see `_tie_mins`).
 _SCALE_FIELDS = {
-    T.Q2_K: (80, 82),
-    T.Q3_K: (108,),
-    T.Q4_K: (0, 2),
-    T.Q5_K: (0, 2),
-    T.Q6_K: (208,),
+    T.Q2_K: (80, 82, 1.5),
+    T.Q3_K: (108, None, 0.0),
+    T.Q4_K: (0, 2, 7.5),
+    T.Q5_K: (0, 2, 15.5),
+    T.Q6_K: (208, None, 0.0),
 }
 
 # Words for the tiny vocabularies: enough for readable test prompts to tokenize into pieces.
@@ -180,21 +182,37 @@ def _add_weight(w: gguf.GGUFWriter, name: str, x: np.ndarray, qt: T, rng: np.ran
 
 
 def _random_blocks(shape: tuple[int, int], qt: T, std: float, rng: np.random.Generator) -> np.ndarray:
-    """Random blocks of a K-quant type whose dequantized values have roughly standard deviation `std`."""
+    """Random zero-mean blocks of a K-quant type whose dequantized values have roughly standard deviation `std`.
+
+    Q3_K and Q6_K codes are signed already; the types with mins get each min tied to its scale.
+    """
     block, type_size = GGML_QUANT_SIZES[qt]
     rows, cols = shape
     blocks = rng.integers(0, 256, size=(rows * cols // block, type_size), dtype=np.uint8)
-    fields = _SCALE_FIELDS[qt]
+    d_at, dmin_at, dmin_ratio = _SCALE_FIELDS[qt]
+    _tie_mins(blocks, qt)
 
-    def set_scale(scale: np.ndarray) -> None:
-        for off in fields:
-            blocks[:, off : off + 2] = scale.astype(np.float16).view(np.uint8).reshape(-1, 2)
+    def set_scale(d: float) -> None:
+        for at, value in ((d_at, d), (dmin_at, d * dmin_ratio)):
+            if at is not None:
+                blocks[:, at : at + 2] = np.full(len(blocks), value, dtype=np.float16).view(np.uint8).reshape(-1, 2)
 
-    set_scale(np.full(len(blocks), 1e-2, dtype=np.float32))
+    set_scale(1e-2)
     probe = gguf.quants.dequantize(blocks[: min(len(blocks), 64)], qt)
-    factor = std / max(float(probe.std()), 1e-12)
-    set_scale(np.full(len(blocks), 1e-2 * factor, dtype=np.float32))
+    set_scale(1e-2 * std / max(float(probe.std()), 1e-12))
     return blocks.reshape(rows, cols // block * type_size)
+
+
+def _tie_mins(blocks: np.ndarray, qt: T) -> None:
+    """Make every sub-block's 4- or 6-bit min equal its scale, in place."""
+    if qt == T.Q2_K:  # bytes 0..15: scale in the low nibble, min in the high one
+        blocks[:, :16] = (blocks[:, :16] & 0x0F) * 0x11
+    elif qt in (T.Q4_K, T.Q5_K):
+        # Bytes 4..15 pack (scale, min) pairs: bytes 4..7 hold the low 6 bits of scales 0..3 (and the top
+        # bits of scales 4..7), bytes 8..11 the same for mins, bytes 12..15 the low nibbles of scales 4..7
+        # and mins 4..7. Equal scale and min bytes, and equal nibbles, tie each min to its scale.
+        blocks[:, 8:12] = blocks[:, 4:8]
+        blocks[:, 12:16] = (blocks[:, 12:16] & 0x0F) * 0x11
 
 
 def _tokenizer(arch: str, vocab_size: int | None):
