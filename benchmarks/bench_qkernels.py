@@ -1,0 +1,84 @@
+"""Quantized-weight matmuls on CUDA against bf16 cuBLAS on the dequantized weight.
+
+    python benchmarks/bench_qkernels.py [--types Q4_K,Q6_K] [--rows 1,4,16,512]
+
+Shapes are out x in. x is bf16. Each timing replays a CUDA graph that runs the op once over
+each of several weight copies (together well over the L2 cache), so launches and cache hits
+stay out of the numbers; the median of the replays over the copies is one call.
+Decode rows report weight GB/s, prefill rows TFLOP/s. For 64+ rows both prefill paths are timed:
+dequantize into scratch + cuBLAS (what `qlinear` runs) and the dequant-in-tile tensor-core kernel.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import numpy as np
+import torch
+import triton
+from gguf.constants import GGMLQuantizationType as T
+
+from hydra_console.engine.kernels import LAYOUTS, QuantWeight, qlinear
+from hydra_console.engine.kernels.triton_qmatmul import fused_matmul
+from hydra_console.engine.synth import random_blocks
+
+SHAPES = ((4096, 4096), (14336, 4096), (4096, 14336), (2048, 8192), (32000, 4096))
+ROTATE_BYTES = 256 << 20  # several times the H200's 50 MB L2
+
+
+def _time_per_call(fns) -> float:
+    """Median seconds of one call, each of `fns` (one per weight copy) run once per graph replay."""
+    for fn in fns:
+        fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for fn in fns:
+            fn()
+    return triton.testing.do_bench(graph.replay, warmup=20, rep=100, return_mode="median") * 1e-3 / len(fns)
+
+
+def _copy_bandwidth() -> float:
+    a = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    t = triton.testing.do_bench(lambda: b.copy_(a), warmup=20, rep=100, return_mode="median") * 1e-3
+    return 2 * a.numel() / t / 1e9
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--types", default=",".join(t.name for t in (T.Q4_K, T.Q6_K, T.Q5_K, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1)))
+    ap.add_argument("--rows", default="1,4,16,512")
+    args = ap.parse_args()
+    types = [T[name] for name in args.types.split(",")]
+    row_counts = [int(r) for r in args.rows.split(",")]
+    rng = np.random.default_rng(0)
+    print(f"{torch.cuda.get_device_name()}: device copy {_copy_bandwidth():.0f} GB/s (read + write)")
+    print("| type | shape (out x in) | rows | path | µs | GB/s | TFLOP/s | bf16 cuBLAS µs | bf16 TFLOP/s | speed-up |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for qt in types:
+        if qt not in LAYOUTS:
+            raise SystemExit(f"no kernel for {qt.name}")
+        for n, k in SHAPES:
+            raw = random_blocks((n, k), qt, 1 / 64, rng)
+            w0 = QuantWeight.from_gguf(raw, qt, (n, k), device="cuda")
+            ws = [QuantWeight(qt, (n, k), {p: t.clone() for p, t in w0.planes.items()})
+                  for _ in range(max(1, ROTATE_BYTES // w0.nbytes))]
+            dense = w0.dequantize(torch.bfloat16)
+            denses = [dense] + [dense.clone() for _ in range(max(1, ROTATE_BYTES // (dense.numel() * 2)) - 1)]
+            for rows in row_counts:
+                x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+                t_ref = _time_per_call([lambda d=d: x @ d.T for d in denses])
+                paths = {"fused": fused_matmul} if rows <= 16 else {"scratch+cuBLAS": qlinear, "tile": fused_matmul}
+                for path, op in paths.items():
+                    t = _time_per_call([lambda w=w: op(x, w) for w in ws])
+                    flops = 2 * rows * n * k
+                    print(f"| {qt.name} | {n}x{k} | {rows} | {path} | {t * 1e6:.1f} | {w0.nbytes / t / 1e9:.0f} | "
+                          f"{flops / t / 1e12:.1f} | {t_ref * 1e6:.1f} | {flops / t_ref / 1e12:.1f} | {t_ref / t:.2f} |",
+                          flush=True)
+            del ws, denses, dense, w0
+            torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()

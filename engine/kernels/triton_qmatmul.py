@@ -1,0 +1,230 @@
+"""Triton kernels over `QuantWeight` planes, registered as torch custom ops.
+
+- `hydra::qdequant`: planes -> dense weight (the embedding rows, the prefill scratch for cuBLAS).
+- `hydra::qmm`: y = x @ w.T with w dequantized in registers, fp32 accumulate. 1-4 rows of x: a
+  GEMV on CUDA cores (each weight is read once, and used for every row). More rows: tiles through
+  the tensor cores (tf32 for float32 x, else x's dtype), which serve prefill as well.
+Narrow outputs split K over more programs; their float32 partials are summed in a fixed order,
+so results are deterministic (a GPU split must equal solo bit for bit).
+
+Custom ops are opaque to torch.compile (fullgraph stays whole) and launch only Triton kernels
+and allocations, so CUDA graphs capture them.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+from gguf.constants import GGMLQuantizationType as T
+
+from .qweight import LAYOUTS, QuantWeight
+
+GEMV_MAX_ROWS = 4
+
+
+@triton.jit
+def _group(ptr, r, stride, k, DIV: tl.constexpr, ok):
+    """The per-group field covering element k of rows r, as float32."""
+    return tl.load(ptr + r * stride + k // DIV, mask=ok, other=0).to(tl.float32)
+
+
+@triton.jit
+def _w_tile(q_ptr, h_ptr, d_ptr, sc_ptr, m_ptr, mn_ptr, rows, row_ok, k0, K, q_stride, h_stride, d_stride,
+            s_stride, BITS: tl.constexpr, OFFSET: tl.constexpr, SB: tl.constexpr, G: tl.constexpr,
+            HAS_M: tl.constexpr, HAS_MN: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Weights of `rows` at k0 + 32t + i (lo) and k0 + 32t + 16 + i (hi), float32 [BN, BLOCK_K // 32, 16] each."""
+    r = rows[:, None, None].to(tl.int64)
+    t = tl.arange(0, BLOCK_K // 32)[None, :, None]
+    i = tl.arange(0, 16)[None, None, :]
+    p = k0 // 2 + t * 16 + i  # nibble byte
+    ok = row_ok[:, None, None] & (p < K // 2)
+    byte = tl.load(q_ptr + r * q_stride + p, mask=ok, other=0).to(tl.int32)
+    lo = byte & 15
+    hi = byte >> 4
+    if BITS > 4:
+        HB = BITS - 4
+        PER = 8 // (2 * HB)
+        hb = tl.load(h_ptr + r * h_stride + p // PER, mask=ok, other=0).to(tl.int32) >> ((p % PER) * (2 * HB))
+        lo = lo | ((hb & ((1 << HB) - 1)) << 4)
+        hi = hi | (((hb >> HB) & ((1 << HB) - 1)) << 4)
+    k_lo = k0 + t * 32
+    gok = row_ok[:, None, None] & (k_lo < K)
+    # Same operations, in the same order, as quant.dequantize: (d * sc) * (u - offset) + m * mn.
+    # A group of 16 (Q6_K) splits each tile into a lo and a hi group; wider groups cover both halves.
+    d_lo = _group(d_ptr, r, d_stride, k_lo, SB, gok)
+    d_hi = d_lo
+    if G == 16:
+        d_lo = d_lo * _group(sc_ptr, r, s_stride, k_lo, G, gok)
+        d_hi = d_hi * _group(sc_ptr, r, s_stride, k_lo + 16, G, gok)
+    elif G:
+        d_lo = d_lo * _group(sc_ptr, r, s_stride, k_lo, G, gok)
+        d_hi = d_lo
+    w_lo = d_lo * (lo - OFFSET).to(tl.float32)
+    w_hi = d_hi * (hi - OFFSET).to(tl.float32)
+    if HAS_M:
+        m_lo = _group(m_ptr, r, d_stride, k_lo, SB, gok)
+        m_hi = m_lo
+        if HAS_MN:  # K-quants with mins have groups of 32
+            m_lo = m_lo * _group(mn_ptr, r, s_stride, k_lo, G, gok)
+            m_hi = m_lo
+        w_lo = w_lo + m_lo
+        w_hi = w_hi + m_hi
+    return w_lo, w_hi
+
+
+@triton.jit
+def _x_tile(x_ptr, xr, xr_ok, k0, K, x_stride, BLOCK_K: tl.constexpr):
+    """Rows xr of x at the elements `_w_tile` returns: [BM, BLOCK_K // 32, 16] each."""
+    r = xr[:, None, None].to(tl.int64)
+    k = k0 + tl.arange(0, BLOCK_K // 32)[None, :, None] * 32 + tl.arange(0, 16)[None, None, :]
+    ok = xr_ok[:, None, None] & (k < K)
+    return (tl.load(x_ptr + r * x_stride + k, mask=ok, other=0.0),
+            tl.load(x_ptr + r * x_stride + k + 16, mask=ok, other=0.0))
+
+
+@triton.jit
+def _dequant_kernel(q_ptr, h_ptr, d_ptr, sc_ptr, m_ptr, mn_ptr, out_ptr, N, K, q_stride, h_stride, d_stride,
+                    s_stride, BITS: tl.constexpr, OFFSET: tl.constexpr, SB: tl.constexpr, G: tl.constexpr,
+                    HAS_M: tl.constexpr, HAS_MN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < N
+    k0 = tl.program_id(1) * BLOCK_K
+    w_lo, w_hi = _w_tile(q_ptr, h_ptr, d_ptr, sc_ptr, m_ptr, mn_ptr, rows, row_ok, k0, K, q_stride, h_stride,
+                         d_stride, s_stride, BITS, OFFSET, SB, G, HAS_M, HAS_MN, BLOCK_K)
+    r = rows[:, None, None].to(tl.int64)
+    k = k0 + tl.arange(0, BLOCK_K // 32)[None, :, None] * 32 + tl.arange(0, 16)[None, None, :]
+    ok = row_ok[:, None, None] & (k < K)
+    dt = out_ptr.dtype.element_ty
+    tl.store(out_ptr + r * K + k, w_lo.to(dt), mask=ok)
+    tl.store(out_ptr + r * K + k + 16, w_hi.to(dt), mask=ok)
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, q_ptr, h_ptr, d_ptr, sc_ptr, m_ptr, mn_ptr, out_ptr, M, N, K, x_stride, q_stride, h_stride,
+                 d_stride, s_stride, k_split, BITS: tl.constexpr, OFFSET: tl.constexpr, SB: tl.constexpr,
+                 G: tl.constexpr, HAS_M: tl.constexpr, HAS_MN: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, MR: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < N
+    xr = tl.arange(0, MR)
+    xr_ok = xr < M
+    k_start = tl.program_id(1) * k_split
+    # Per-lane partial sums, reduced once at the end instead of once per step.
+    acc = tl.zeros([BLOCK_N, MR, BLOCK_K // 32, 16], tl.float32)
+    for k0 in range(k_start, tl.minimum(k_start + k_split, K), BLOCK_K):
+        w_lo, w_hi = _w_tile(q_ptr, h_ptr, d_ptr, sc_ptr, m_ptr, mn_ptr, rows, row_ok, k0, K, q_stride, h_stride,
+                             d_stride, s_stride, BITS, OFFSET, SB, G, HAS_M, HAS_MN, BLOCK_K)
+        x_lo, x_hi = _x_tile(x_ptr, xr, xr_ok, k0, K, x_stride, BLOCK_K)
+        acc += w_lo[:, None] * x_lo.to(tl.float32)[None] + w_hi[:, None] * x_hi.to(tl.float32)[None]
+    y = tl.sum(tl.sum(acc, 3), 2)  # [BN, MR]
+    out = out_ptr + tl.program_id(1) * M * N + xr[None, :] * N + rows[:, None]
+    tl.store(out, y.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & xr_ok[None, :])
+
+
+@triton.jit
+def _mm_kernel(x_ptr, q_ptr, h_ptr, d_ptr, sc_ptr, m_ptr, mn_ptr, out_ptr, M, N, K, x_stride, q_stride, h_stride,
+               d_stride, s_stride, k_split, BITS: tl.constexpr, OFFSET: tl.constexpr, SB: tl.constexpr,
+               G: tl.constexpr, HAS_M: tl.constexpr, HAS_MN: tl.constexpr, BLOCK_M: tl.constexpr,
+               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < N
+    xr = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    xr_ok = xr < M
+    k_start = tl.program_id(2) * k_split
+    dt = x_ptr.dtype.element_ty
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(k_start, tl.minimum(k_start + k_split, K), BLOCK_K):
+        w_lo, w_hi = _w_tile(q_ptr, h_ptr, d_ptr, sc_ptr, m_ptr, mn_ptr, rows, row_ok, k0, K, q_stride, h_stride,
+                             d_stride, s_stride, BITS, OFFSET, SB, G, HAS_M, HAS_MN, BLOCK_K)
+        x_lo, x_hi = _x_tile(x_ptr, xr, xr_ok, k0, K, x_stride, BLOCK_K)
+        # The lo and hi halves are two K-slices of the product; their order within K does not matter.
+        acc = tl.dot(tl.reshape(x_lo, [BLOCK_M, BLOCK_K // 2]), tl.trans(tl.reshape(w_lo.to(dt), [BLOCK_N, BLOCK_K // 2])), acc)
+        acc = tl.dot(tl.reshape(x_hi, [BLOCK_M, BLOCK_K // 2]), tl.trans(tl.reshape(w_hi.to(dt), [BLOCK_N, BLOCK_K // 2])), acc)
+    out = out_ptr + tl.program_id(2) * M * N + xr[:, None] * N + rows[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=xr_ok[:, None] & row_ok[None, :])
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _layout_args(qtype: int, q, h, d, sc, m, mn) -> tuple[list, list, dict]:
+    """Pointer and stride arguments (absent planes alias `d`, never read) and the layout's constexprs."""
+    lay = LAYOUTS[T(qtype)]
+    ptrs = [q, d if h is None else h, d, d if sc is None else sc, d if m is None else m, d if mn is None else mn]
+    strides = [q.stride(0), 0 if h is None else h.stride(0), d.stride(0), 0 if sc is None else sc.stride(0)]
+    consts = dict(BITS=lay.bits, OFFSET=lay.offset, SB=lay.sb, G=lay.g, HAS_M=lay.has_m, HAS_MN=lay.has_mn)
+    return ptrs, strides, consts
+
+
+@torch.library.custom_op("hydra::qdequant", mutates_args=())
+def qdequant(q: torch.Tensor, h: torch.Tensor | None, d: torch.Tensor, sc: torch.Tensor | None,
+             m: torch.Tensor | None, mn: torch.Tensor | None, qtype: int, dtype: torch.dtype) -> torch.Tensor:
+    n, k = q.shape[0], q.shape[1] * 2
+    out = torch.empty(n, k, dtype=dtype, device=q.device)
+    ptrs, strides, consts = _layout_args(qtype, q, h, d, sc, m, mn)
+    block_n, block_k = 16, 256
+    # No fused multiply-adds: float32 output equals quant.dequantize bit for bit.
+    _dequant_kernel[(triton.cdiv(n, block_n), triton.cdiv(k, block_k))](
+        *ptrs, out, n, k, *strides, **consts, BLOCK_N=block_n, BLOCK_K=block_k, enable_fp_fusion=False)
+    return out
+
+
+@qdequant.register_fake
+def _(q, h, d, sc, m, mn, qtype, dtype):
+    return q.new_empty(q.shape[0], q.shape[1] * 2, dtype=dtype)
+
+
+def _split_k(n_programs: int, k: int, block_k: int, device: torch.device) -> int:
+    """Elements of K per program: enough programs to fill the GPU a few times over, whole BLOCK_K steps."""
+    splits = max(1, min(triton.cdiv(4 * _sm_count(device.index or 0), n_programs), k // block_k))
+    return triton.cdiv(triton.cdiv(k, splits), block_k) * block_k
+
+
+@torch.library.custom_op("hydra::qmm", mutates_args=())
+def qmm(x: torch.Tensor, q: torch.Tensor, h: torch.Tensor | None, d: torch.Tensor, sc: torch.Tensor | None,
+        m: torch.Tensor | None, mn: torch.Tensor | None, qtype: int) -> torch.Tensor:
+    """x [M, K] @ w.T -> [M, N] in x's dtype."""
+    rows, k = x.shape
+    n = q.shape[0]
+    x = x.contiguous()
+    ptrs, strides, consts = _layout_args(qtype, q, h, d, sc, m, mn)
+    if rows <= GEMV_MAX_ROWS:
+        mr = triton.next_power_of_2(rows)
+        block_n, block_k = 16, 256 if mr == 1 else 128
+        grid_m, kernel, extra = 1, _gemv_kernel, dict(MR=mr, num_warps=4)
+    else:
+        block_m = 16 if rows <= 16 else 64 if rows <= 64 else 128
+        block_n, block_k = (32, 128) if rows <= 16 else (128, 64)
+        grid_m, kernel = triton.cdiv(rows, block_m), _mm_kernel
+        extra = dict(BLOCK_M=block_m, num_warps=4 if rows <= 16 else 8, num_stages=3)
+    grid_n = triton.cdiv(n, block_n)
+    k_split = _split_k(grid_n * grid_m, k, block_k, x.device)
+    splits = triton.cdiv(k, k_split)
+    out = torch.empty(splits, rows, n, dtype=x.dtype if splits == 1 else torch.float32, device=x.device)
+    kernel[(grid_n, grid_m, splits) if kernel is _mm_kernel else (grid_n, splits)](
+        x, *ptrs, out, rows, n, k, x.stride(0), *strides, k_split, **consts, BLOCK_N=block_n, BLOCK_K=block_k, **extra)
+    return out[0] if splits == 1 else out.sum(0).to(x.dtype)
+
+
+@qmm.register_fake
+def _(x, q, h, d, sc, m, mn, qtype):
+    return x.new_empty(x.shape[0], q.shape[0])
+
+
+def planes_args(w: QuantWeight) -> tuple:
+    p = w.planes
+    return p["q"], p.get("h"), p["d"], p.get("sc"), p.get("m"), p.get("mn"), int(w.qtype)
+
+
+def dequantize_cuda(w: QuantWeight, dtype: torch.dtype) -> torch.Tensor:
+    return qdequant(*planes_args(w), dtype)
+
+
+def fused_matmul(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
+    """x [M, K] @ w.T with the weight dequantized in registers."""
+    return qmm(x, *planes_args(w))

@@ -1,0 +1,128 @@
+"""Quantized weights on the device: the planar layout against `quant.dequantize`, and the Triton kernels
+against dequantize + matmul in float64."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf.constants import GGMLQuantizationType as T
+
+from hydra_console.engine.kernels import LAYOUTS, QuantWeight, qlinear
+from hydra_console.engine.quant import QuantError, dequantize
+from hydra_console.engine.synth import random_blocks
+
+TYPES = list(LAYOUTS)
+K_QUANTS = {T.Q4_K, T.Q5_K, T.Q6_K}
+
+cuda = pytest.mark.skipif(
+    not torch.cuda.is_available(),
+    # The CPU wheels of torch ship no Triton, and Triton's interpreter needs the Triton package,
+    # which PyPI has for CUDA hosts only: the kernels are tested where a GPU is.
+    reason="Triton kernels need a CUDA device (no CPU Triton for TRITON_INTERPRET=1)",
+)
+
+
+def _weight(qt: T, n: int, k: int, seed: int = 0, device="cpu"):
+    """(GGUF bytes, QuantWeight on device, float32 reference [n, k] on device) of a random weight."""
+    raw = random_blocks((n, k), qt, 1 / 16, np.random.default_rng(seed))
+    w = QuantWeight.from_gguf(raw, qt, (n, k), device=device)
+    return raw, w, dequantize(raw, qt, (n, k)).to(device)
+
+
+def _k(qt: T) -> int:
+    return 768 if qt in K_QUANTS else 320  # three super-blocks; ten blocks, not a multiple of 256
+
+
+@pytest.mark.parametrize("qt", TYPES, ids=lambda t: t.name)
+def test_layout_is_bit_exact_and_rows_gather(qt):
+    raw, w, ref = _weight(qt, 24, _k(qt))
+    assert torch.equal(w.dequantize_reference(), ref)
+    assert torch.equal(w.dequantize(), ref)
+    ids = torch.tensor([[3, 0], [23, 3]])
+    assert torch.equal(w.rows(ids), ref[ids])
+    # The true footprint: the file's bytes, plus 4 bytes per 256 weights where 6-bit scales are unpacked.
+    extra = 24 * _k(qt) // 256 * 4 if qt in (T.Q4_K, T.Q5_K) else 0
+    assert w.nbytes == raw.nbytes + extra
+
+
+def test_unsupported_type_and_bad_shape_are_clear_errors():
+    raw = random_blocks((4, 256), T.Q2_K, 0.1, np.random.default_rng(0))
+    with pytest.raises(QuantError, match="Q2_K"):
+        QuantWeight.from_gguf(raw, T.Q2_K, (4, 256))
+    raw = random_blocks((4, 256), T.Q4_K, 0.1, np.random.default_rng(0))
+    with pytest.raises(QuantError, match=r"Q4_K tensor of shape \[4, 512\]"):
+        QuantWeight.from_gguf(raw, T.Q4_K, (4, 512))
+
+
+def test_qlinear_reference_on_cpu():
+    _, w, ref = _weight(T.Q4_K, 40, 512)
+    x = torch.randn(2, 3, 512)
+    torch.testing.assert_close(qlinear(x, w), x @ ref.T, rtol=1e-5, atol=1e-5)
+
+
+def _rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((y.double() - ref).abs().max() / ref.abs().max())
+
+
+@cuda
+@pytest.mark.parametrize("qt", TYPES, ids=lambda t: t.name)
+def test_cuda_dequantize_is_bit_exact(qt):
+    raw, w, ref = _weight(qt, 300, 2 * _k(qt), device="cuda")
+    assert torch.equal(w.dequantize(), ref)
+    assert torch.equal(w.dequantize_reference(), ref)
+    assert torch.equal(w.dequantize(torch.bfloat16), ref.bfloat16())
+    ids = torch.tensor([7, 299, 0, 7], device="cuda")
+    assert torch.equal(w.rows(ids), ref[ids])
+
+
+# Fused paths: float32 GEMV (1-4 rows) is float32 arithmetic; tensor-core tiles round float32 x and w to tf32.
+_TOL = {1: 1e-5, 2: 1e-5, 4: 1e-5, 5: 2e-3, 16: 2e-3, 64: 2e-3, 300: 2e-3}
+
+
+@cuda
+@pytest.mark.parametrize("qt", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("n", [8, 1000])
+def test_cuda_fused_matmul_matches_reference(qt, n):
+    from hydra_console.engine.kernels.triton_qmatmul import fused_matmul
+
+    k = 4 * _k(qt)
+    _, w, ref = _weight(qt, n, k, seed=n, device="cuda")
+    for rows, tol in _TOL.items():
+        x = torch.randn(rows, k, device="cuda")
+        want = x.double() @ ref.double().T
+        err = _rel_err(fused_matmul(x, w), want)
+        err_bf16 = _rel_err(fused_matmul(x.bfloat16(), w), want)
+        err_linear = _rel_err(qlinear(x, w), want)
+        print(f"{qt.name} n={n} k={k} rows={rows}: max rel err fp32 {err:.2e} bf16 {err_bf16:.2e} qlinear {err_linear:.2e}")
+        assert err < tol and err_linear < tol
+        assert err_bf16 < 2e-2
+
+
+@cuda
+@pytest.mark.parametrize("rows", [1, 8, 64])
+def test_cuda_graph_capture_and_replay(rows):
+    _, w, ref = _weight(T.Q4_K, 512, 1024, device="cuda")
+    x = torch.randn(rows, 1024, device="cuda")
+    y = qlinear(x, w)  # compile and warm up outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = qlinear(x, w)
+    for _ in range(2):
+        x.copy_(torch.randn_like(x))
+        graph.replay()
+        torch.testing.assert_close(y, qlinear(x, w), rtol=0, atol=0)
+
+
+@cuda
+def test_cuda_torch_compile_fullgraph():
+    _, w, ref = _weight(T.Q6_K, 256, 512, device="cuda")
+
+    @torch.compile(fullgraph=True)
+    def f(x):
+        return torch.nn.functional.silu(qlinear(x, w)) + qlinear(x * 2, w)
+
+    for rows in (1, 3, 12):
+        x = torch.randn(rows, 512, device="cuda")
+        want = torch.nn.functional.silu(x @ ref.T) + (x * 2) @ ref.T
+        torch.testing.assert_close(f(x), want, rtol=3e-3, atol=3e-3)
