@@ -5,8 +5,8 @@
 Shapes are out x in. x is bf16. Each timing replays a CUDA graph that runs the op once over
 each of several weight copies (together well over the L2 cache), so launches and cache hits
 stay out of the numbers; the median of the replays over the copies is one call.
-Decode rows report weight GB/s, prefill rows TFLOP/s. For 64+ rows both prefill paths are timed:
-dequantize into scratch + cuBLAS (what `qlinear` runs) and the dequant-in-tile tensor-core kernel.
+Decode rows report weight GB/s, prefill rows TFLOP/s. Beyond the GEMV's rows both other paths are timed:
+dequantize into scratch + cuBLAS and the dequant-in-tile tensor-core kernel.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ import torch
 import triton
 from gguf.constants import GGMLQuantizationType as T
 
-from hydra_console.engine.kernels import LAYOUTS, QuantWeight, qlinear
-from hydra_console.engine.kernels.triton_qmatmul import fused_matmul
+from hydra_console.engine.kernels import LAYOUTS, QuantWeight
+from hydra_console.engine.kernels.triton_qmatmul import GEMV_MAX_ROWS, fused_matmul
 from hydra_console.engine.synth import random_blocks
 
 SHAPES = ((4096, 4096), (14336, 4096), (4096, 14336), (2048, 8192), (32000, 4096))
@@ -36,6 +36,10 @@ def _time_per_call(fns) -> float:
         for fn in fns:
             fn()
     return triton.testing.do_bench(graph.replay, warmup=20, rep=100, return_mode="median") * 1e-3 / len(fns)
+
+
+def _scratch(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
+    return x @ w.dequantize(x.dtype).T
 
 
 def _copy_bandwidth() -> float:
@@ -69,7 +73,7 @@ def main() -> None:
             for rows in row_counts:
                 x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
                 t_ref = _time_per_call([lambda d=d: x @ d.T for d in denses])
-                paths = {"fused": fused_matmul} if rows <= 16 else {"scratch+cuBLAS": qlinear, "tile": fused_matmul}
+                paths = {"fused": fused_matmul} if rows <= GEMV_MAX_ROWS else {"tile": fused_matmul, "scratch+cuBLAS": _scratch}
                 for path, op in paths.items():
                     t = _time_per_call([lambda w=w: op(x, w) for w in ws])
                     flops = 2 * rows * n * k

@@ -32,15 +32,12 @@ def _group(ptr, r, stride, k, DIV: tl.constexpr, ok):
 
 
 @triton.jit
-def _w_tile(q_ptr, h_ptr, d_ptr, sc_ptr, m_ptr, mn_ptr, rows, row_ok, k0, K, q_stride, h_stride, d_stride,
-            s_stride, BITS: tl.constexpr, OFFSET: tl.constexpr, SB: tl.constexpr, G: tl.constexpr,
-            HAS_M: tl.constexpr, HAS_MN: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Weights of `rows` at k0 + 32t + i (lo) and k0 + 32t + 16 + i (hi), float32 [BN, BLOCK_K // 32, 16] each."""
-    r = rows[:, None, None].to(tl.int64)
-    t = tl.arange(0, BLOCK_K // 32)[None, :, None]
-    i = tl.arange(0, 16)[None, None, :]
-    p = k0 // 2 + t * 16 + i  # nibble byte
-    ok = row_ok[:, None, None] & (p < K // 2)
+def _w_tile(q_ptr, h_ptr, d_ptr, sc_ptr, m_ptr, mn_ptr, r, r_ok, p, k_lo, K, q_stride, h_stride, d_stride, s_stride,
+            BITS: tl.constexpr, OFFSET: tl.constexpr, SB: tl.constexpr, G: tl.constexpr, HAS_M: tl.constexpr,
+            HAS_MN: tl.constexpr):
+    """float32 weights of rows r (int64) at nibble bytes p of the tiles starting at elements k_lo (p's shape
+    with a last dim of 1): (lo, hi) = the elements k_lo + p % 16 and k_lo + 16 + p % 16, shaped like r + p."""
+    ok = r_ok & (p < K // 2)
     byte = tl.load(q_ptr + r * q_stride + p, mask=ok, other=0).to(tl.int32)
     lo = byte & 15
     hi = byte >> 4
@@ -50,8 +47,10 @@ def _w_tile(q_ptr, h_ptr, d_ptr, sc_ptr, m_ptr, mn_ptr, rows, row_ok, k0, K, q_s
         hb = tl.load(h_ptr + r * h_stride + p // PER, mask=ok, other=0).to(tl.int32) >> ((p % PER) * (2 * HB))
         lo = lo | ((hb & ((1 << HB) - 1)) << 4)
         hi = hi | (((hb >> HB) & ((1 << HB) - 1)) << 4)
-    k_lo = k0 + t * 32
-    gok = row_ok[:, None, None] & (k_lo < K)
+    # Integer to float without the slow conversion unit: the float with bits 0x4B000000 | u is exactly 2^23 + u.
+    q_lo = (lo | 0x4B000000).to(tl.float32, bitcast=True) - (8388608.0 + OFFSET)
+    q_hi = (hi | 0x4B000000).to(tl.float32, bitcast=True) - (8388608.0 + OFFSET)
+    gok = r_ok & (k_lo < K)
     # Same operations, in the same order, as quant.dequantize: (d * sc) * (u - offset) + m * mn.
     # A group of 16 (Q6_K) splits each tile into a lo and a hi group; wider groups cover both halves.
     d_lo = _group(d_ptr, r, d_stride, k_lo, SB, gok)
@@ -62,16 +61,14 @@ def _w_tile(q_ptr, h_ptr, d_ptr, sc_ptr, m_ptr, mn_ptr, rows, row_ok, k0, K, q_s
     elif G:
         d_lo = d_lo * _group(sc_ptr, r, s_stride, k_lo, G, gok)
         d_hi = d_lo
-    w_lo = d_lo * (lo - OFFSET).to(tl.float32)
-    w_hi = d_hi * (hi - OFFSET).to(tl.float32)
+    w_lo = d_lo * q_lo
+    w_hi = d_hi * q_hi
     if HAS_M:
         m_lo = _group(m_ptr, r, d_stride, k_lo, SB, gok)
-        m_hi = m_lo
         if HAS_MN:  # K-quants with mins have groups of 32
             m_lo = m_lo * _group(mn_ptr, r, s_stride, k_lo, G, gok)
-            m_hi = m_lo
         w_lo = w_lo + m_lo
-        w_hi = w_hi + m_hi
+        w_hi = w_hi + m_lo
     return w_lo, w_hi
 
 
@@ -89,14 +86,15 @@ def _x_tile(x_ptr, xr, xr_ok, k0, K, x_stride, BLOCK_K: tl.constexpr):
 def _dequant_kernel(q_ptr, h_ptr, d_ptr, sc_ptr, m_ptr, mn_ptr, out_ptr, N, K, q_stride, h_stride, d_stride,
                     s_stride, BITS: tl.constexpr, OFFSET: tl.constexpr, SB: tl.constexpr, G: tl.constexpr,
                     HAS_M: tl.constexpr, HAS_MN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok = rows < N
-    k0 = tl.program_id(1) * BLOCK_K
-    w_lo, w_hi = _w_tile(q_ptr, h_ptr, d_ptr, sc_ptr, m_ptr, mn_ptr, rows, row_ok, k0, K, q_stride, h_stride,
-                         d_stride, s_stride, BITS, OFFSET, SB, G, HAS_M, HAS_MN, BLOCK_K)
-    r = rows[:, None, None].to(tl.int64)
-    k = k0 + tl.arange(0, BLOCK_K // 32)[None, :, None] * 32 + tl.arange(0, 16)[None, None, :]
-    ok = row_ok[:, None, None] & (k < K)
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)[:, None, None]
+    r_ok = rows < N
+    r = rows.to(tl.int64)
+    k_lo = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K // 32)[None, :, None] * 32
+    i = tl.arange(0, 16)[None, None, :]
+    w_lo, w_hi = _w_tile(q_ptr, h_ptr, d_ptr, sc_ptr, m_ptr, mn_ptr, r, r_ok, k_lo // 2 + i, k_lo, K, q_stride,
+                         h_stride, d_stride, s_stride, BITS, OFFSET, SB, G, HAS_M, HAS_MN)
+    k = k_lo + i
+    ok = r_ok & (k < K)
     dt = out_ptr.dtype.element_ty
     tl.store(out_ptr + r * K + k, w_lo.to(dt), mask=ok)
     tl.store(out_ptr + r * K + k + 16, w_hi.to(dt), mask=ok)
@@ -107,21 +105,30 @@ def _gemv_kernel(x_ptr, q_ptr, h_ptr, d_ptr, sc_ptr, m_ptr, mn_ptr, out_ptr, M, 
                  d_stride, s_stride, k_split, BITS: tl.constexpr, OFFSET: tl.constexpr, SB: tl.constexpr,
                  G: tl.constexpr, HAS_M: tl.constexpr, HAS_MN: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr, MR: tl.constexpr):
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok = rows < N
-    xr = tl.arange(0, MR)
-    xr_ok = xr < M
+    # Axes [weight row, x row, 32-element tile, element]: every operand is indexed in this one frame,
+    # so broadcasting never moves data between threads.
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)[:, None, None, None]
+    r_ok = rows < N
+    r = rows.to(tl.int64)
+    xr = tl.arange(0, MR)[None, :, None, None]
+    t = tl.arange(0, BLOCK_K // 32)[None, None, :, None]
+    i = tl.arange(0, 16)[None, None, None, :]
     k_start = tl.program_id(1) * k_split
-    # Per-lane partial sums, reduced once at the end instead of once per step.
-    acc = tl.zeros([BLOCK_N, MR, BLOCK_K // 32, 16], tl.float32)
+    acc = tl.zeros([BLOCK_N, MR, BLOCK_K // 32], tl.float32)
     for k0 in range(k_start, tl.minimum(k_start + k_split, K), BLOCK_K):
-        w_lo, w_hi = _w_tile(q_ptr, h_ptr, d_ptr, sc_ptr, m_ptr, mn_ptr, rows, row_ok, k0, K, q_stride, h_stride,
-                             d_stride, s_stride, BITS, OFFSET, SB, G, HAS_M, HAS_MN, BLOCK_K)
-        x_lo, x_hi = _x_tile(x_ptr, xr, xr_ok, k0, K, x_stride, BLOCK_K)
-        acc += w_lo[:, None] * x_lo.to(tl.float32)[None] + w_hi[:, None] * x_hi.to(tl.float32)[None]
-    y = tl.sum(tl.sum(acc, 3), 2)  # [BN, MR]
-    out = out_ptr + tl.program_id(1) * M * N + xr[None, :] * N + rows[:, None]
-    tl.store(out, y.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & xr_ok[None, :])
+        k_lo = k0 + t * 32
+        w_lo, w_hi = _w_tile(q_ptr, h_ptr, d_ptr, sc_ptr, m_ptr, mn_ptr, r, r_ok, k_lo // 2 + i, k_lo, K, q_stride,
+                             h_stride, d_stride, s_stride, BITS, OFFSET, SB, G, HAS_M, HAS_MN)
+        x_at = x_ptr + xr * x_stride + k_lo + i
+        x_ok = (xr < M) & (k_lo < K)
+        x_lo = tl.load(x_at, mask=x_ok, other=0.0).to(tl.float32)
+        x_hi = tl.load(x_at + 16, mask=x_ok, other=0.0).to(tl.float32)
+        acc += tl.sum(w_lo * x_lo + w_hi * x_hi, axis=3)
+    y = tl.sum(acc, axis=2)  # [BN, MR]
+    rows2 = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)[:, None]
+    xr2 = tl.arange(0, MR)[None, :]
+    out = out_ptr + tl.program_id(1) * M * N + xr2 * N + rows2
+    tl.store(out, y.to(out_ptr.dtype.element_ty), mask=(rows2 < N) & (xr2 < M))
 
 
 @triton.jit
@@ -131,14 +138,17 @@ def _mm_kernel(x_ptr, q_ptr, h_ptr, d_ptr, sc_ptr, m_ptr, mn_ptr, out_ptr, M, N,
                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
+    r = rows[:, None, None].to(tl.int64)
     xr = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     xr_ok = xr < M
+    i = tl.arange(0, 16)[None, None, :]
     k_start = tl.program_id(2) * k_split
     dt = x_ptr.dtype.element_ty
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(k_start, tl.minimum(k_start + k_split, K), BLOCK_K):
-        w_lo, w_hi = _w_tile(q_ptr, h_ptr, d_ptr, sc_ptr, m_ptr, mn_ptr, rows, row_ok, k0, K, q_stride, h_stride,
-                             d_stride, s_stride, BITS, OFFSET, SB, G, HAS_M, HAS_MN, BLOCK_K)
+        k_lo = k0 + tl.arange(0, BLOCK_K // 32)[None, :, None] * 32
+        w_lo, w_hi = _w_tile(q_ptr, h_ptr, d_ptr, sc_ptr, m_ptr, mn_ptr, r, row_ok[:, None, None], k_lo // 2 + i,
+                             k_lo, K, q_stride, h_stride, d_stride, s_stride, BITS, OFFSET, SB, G, HAS_M, HAS_MN)
         x_lo, x_hi = _x_tile(x_ptr, xr, xr_ok, k0, K, x_stride, BLOCK_K)
         # The lo and hi halves are two K-slices of the product; their order within K does not matter.
         acc = tl.dot(tl.reshape(x_lo, [BLOCK_M, BLOCK_K // 2]), tl.trans(tl.reshape(w_lo.to(dt), [BLOCK_N, BLOCK_K // 2])), acc)
@@ -195,7 +205,7 @@ def qmm(x: torch.Tensor, q: torch.Tensor, h: torch.Tensor | None, d: torch.Tenso
     ptrs, strides, consts = _layout_args(qtype, q, h, d, sc, m, mn)
     if rows <= GEMV_MAX_ROWS:
         mr = triton.next_power_of_2(rows)
-        block_n, block_k = 16, 256 if mr == 1 else 128
+        block_n, block_k = {1: 16, 2: 16, 4: 8}[mr], 256  # [BN, MR, 8, 16] products: 2048-4096 per half tile
         grid_m, kernel, extra = 1, _gemv_kernel, dict(MR=mr, num_warps=4)
     else:
         block_m = 16 if rows <= 16 else 64 if rows <= 64 else 128
