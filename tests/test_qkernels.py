@@ -76,27 +76,25 @@ def test_cuda_dequantize_is_bit_exact(qt):
     assert torch.equal(w.rows(ids), ref[ids])
 
 
-# Fused paths: float32 GEMV (1-4 rows) is float32 arithmetic; tensor-core tiles round float32 x and w to tf32.
-_TOL = {1: 1e-5, 2: 1e-5, 4: 1e-5, 5: 2e-3, 16: 2e-3, 64: 2e-3, 300: 2e-3}
 
 
 @cuda
 @pytest.mark.parametrize("qt", TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("n", [8, 1000])
 def test_cuda_fused_matmul_matches_reference(qt, n):
-    from hydra_console.engine.kernels.triton_qmatmul import fused_matmul
+    from hydra_console.engine.kernels.triton_qmatmul import GEMV_MAX_ROWS, fused_matmul
 
     k = 4 * _k(qt)
     _, w, ref = _weight(qt, n, k, seed=n, device="cuda")
-    for rows, tol in _TOL.items():
+    for rows in (1, 2, 4, 5, 16, 64, 300):
         x = torch.randn(rows, k, device="cuda")
         want = x.double() @ ref.double().T
-        err = _rel_err(fused_matmul(x, w), want)
-        err_bf16 = _rel_err(fused_matmul(x.bfloat16(), w), want)
-        err_linear = _rel_err(qlinear(x, w), want)
-        print(f"{qt.name} n={n} k={k} rows={rows}: max rel err fp32 {err:.2e} bf16 {err_bf16:.2e} qlinear {err_linear:.2e}")
-        assert err < tol and err_linear < tol
-        assert err_bf16 < 2e-2
+        # float32 x: float32 arithmetic throughout; bf16 x: the output's rounding dominates.
+        errs = {"qlinear": _rel_err(qlinear(x, w), want), "qlinear bf16": _rel_err(qlinear(x.bfloat16(), w), want)}
+        if rows <= GEMV_MAX_ROWS:
+            errs |= {"gemv": _rel_err(fused_matmul(x, w), want), "gemv bf16": _rel_err(fused_matmul(x.bfloat16(), w), want)}
+        print(f"{qt.name} n={n} k={k} rows={rows}: max rel err " + ", ".join(f"{p} {e:.2e}" for p, e in errs.items()))
+        assert all(e < (1e-2 if p.endswith("bf16") else 1e-5) for p, e in errs.items()), errs
 
 
 @cuda

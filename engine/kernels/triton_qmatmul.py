@@ -1,9 +1,10 @@
 """Triton kernels over `QuantWeight` planes, registered as torch custom ops.
 
 - `hydra::qdequant`: planes -> dense weight (the embedding rows, the prefill scratch for cuBLAS).
-- `hydra::qmm`: y = x @ w.T with w dequantized in registers, fp32 accumulate. 1-4 rows of x: a
-  GEMV on CUDA cores (each weight is read once, and used for every row). More rows: tiles through
-  the tensor cores (tf32 for float32 x, else x's dtype), which serve prefill as well.
+- `hydra::qmm`: y = x @ w.T for 1-16 rows of x (decode, speculative verify): a GEMV on CUDA cores
+  with w dequantized in registers, each weight read once and used for every row, fp32 accumulate.
+  A dequant-in-tile tensor-core GEMM was measured 3-6x slower than scratch + cuBLAS at 512 rows and
+  no faster at 8-16 (see the benchmark), so prefill dequantizes into scratch for cuBLAS instead.
 Narrow outputs split K over more programs; their float32 partials are summed in a fixed order,
 so results are deterministic (a GPU split must equal solo bit for bit).
 
@@ -22,7 +23,16 @@ from gguf.constants import GGMLQuantizationType as T
 
 from .qweight import LAYOUTS, QuantWeight
 
-GEMV_MAX_ROWS = 4
+# GEMV tiles by row count rounded up to a power of two: (BLOCK_N, BLOCK_K, num_warps, programs per SM
+# that split-K aims for). Chosen on an H200 by `benchmarks/bench_qkernels.py --sweep`.
+GEMV_CONFIGS: dict[int, tuple[int, int, int, int]] = {
+    1: (16, 256, 4, 4),
+    2: (16, 256, 4, 4),
+    4: (8, 256, 4, 4),
+    8: (4, 256, 4, 4),
+    16: (2, 256, 4, 4),
+}
+GEMV_MAX_ROWS = max(GEMV_CONFIGS)
 
 
 @triton.jit
@@ -70,16 +80,6 @@ def _w_tile(q_ptr, h_ptr, d_ptr, sc_ptr, m_ptr, mn_ptr, r, r_ok, p, k_lo, K, q_s
         w_lo = w_lo + m_lo
         w_hi = w_hi + m_lo
     return w_lo, w_hi
-
-
-@triton.jit
-def _x_tile(x_ptr, xr, xr_ok, k0, K, x_stride, BLOCK_K: tl.constexpr):
-    """Rows xr of x at the elements `_w_tile` returns: [BM, BLOCK_K // 32, 16] each."""
-    r = xr[:, None, None].to(tl.int64)
-    k = k0 + tl.arange(0, BLOCK_K // 32)[None, :, None] * 32 + tl.arange(0, 16)[None, None, :]
-    ok = xr_ok[:, None, None] & (k < K)
-    return (tl.load(x_ptr + r * x_stride + k, mask=ok, other=0.0),
-            tl.load(x_ptr + r * x_stride + k + 16, mask=ok, other=0.0))
 
 
 @triton.jit
@@ -131,32 +131,6 @@ def _gemv_kernel(x_ptr, q_ptr, h_ptr, d_ptr, sc_ptr, m_ptr, mn_ptr, out_ptr, M, 
     tl.store(out, y.to(out_ptr.dtype.element_ty), mask=(rows2 < N) & (xr2 < M))
 
 
-@triton.jit
-def _mm_kernel(x_ptr, q_ptr, h_ptr, d_ptr, sc_ptr, m_ptr, mn_ptr, out_ptr, M, N, K, x_stride, q_stride, h_stride,
-               d_stride, s_stride, k_split, BITS: tl.constexpr, OFFSET: tl.constexpr, SB: tl.constexpr,
-               G: tl.constexpr, HAS_M: tl.constexpr, HAS_MN: tl.constexpr, BLOCK_M: tl.constexpr,
-               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok = rows < N
-    r = rows[:, None, None].to(tl.int64)
-    xr = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
-    xr_ok = xr < M
-    i = tl.arange(0, 16)[None, None, :]
-    k_start = tl.program_id(2) * k_split
-    dt = x_ptr.dtype.element_ty
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(k_start, tl.minimum(k_start + k_split, K), BLOCK_K):
-        k_lo = k0 + tl.arange(0, BLOCK_K // 32)[None, :, None] * 32
-        w_lo, w_hi = _w_tile(q_ptr, h_ptr, d_ptr, sc_ptr, m_ptr, mn_ptr, r, row_ok[:, None, None], k_lo // 2 + i,
-                             k_lo, K, q_stride, h_stride, d_stride, s_stride, BITS, OFFSET, SB, G, HAS_M, HAS_MN)
-        x_lo, x_hi = _x_tile(x_ptr, xr, xr_ok, k0, K, x_stride, BLOCK_K)
-        # The lo and hi halves are two K-slices of the product; their order within K does not matter.
-        acc = tl.dot(tl.reshape(x_lo, [BLOCK_M, BLOCK_K // 2]), tl.trans(tl.reshape(w_lo.to(dt), [BLOCK_N, BLOCK_K // 2])), acc)
-        acc = tl.dot(tl.reshape(x_hi, [BLOCK_M, BLOCK_K // 2]), tl.trans(tl.reshape(w_hi.to(dt), [BLOCK_N, BLOCK_K // 2])), acc)
-    out = out_ptr + tl.program_id(2) * M * N + xr[:, None] * N + rows[None, :]
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=xr_ok[:, None] & row_ok[None, :])
-
-
 @functools.cache
 def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
@@ -189,35 +163,30 @@ def _(q, h, d, sc, m, mn, qtype, dtype):
     return q.new_empty(q.shape[0], q.shape[1] * 2, dtype=dtype)
 
 
-def _split_k(n_programs: int, k: int, block_k: int, device: torch.device) -> int:
-    """Elements of K per program: enough programs to fill the GPU a few times over, whole BLOCK_K steps."""
-    splits = max(1, min(triton.cdiv(4 * _sm_count(device.index or 0), n_programs), k // block_k))
+def _split_k(n_programs: int, k: int, block_k: int, target: int) -> int:
+    """Elements of K per program: about `target` programs in all (enough loads in flight), whole BLOCK_K steps."""
+    splits = max(1, min(triton.cdiv(target, n_programs), k // block_k))
     return triton.cdiv(triton.cdiv(k, splits), block_k) * block_k
 
 
 @torch.library.custom_op("hydra::qmm", mutates_args=())
 def qmm(x: torch.Tensor, q: torch.Tensor, h: torch.Tensor | None, d: torch.Tensor, sc: torch.Tensor | None,
         m: torch.Tensor | None, mn: torch.Tensor | None, qtype: int) -> torch.Tensor:
-    """x [M, K] @ w.T -> [M, N] in x's dtype."""
+    """x [M, K] @ w.T -> [M, N] in x's dtype, for M up to GEMV_MAX_ROWS."""
     rows, k = x.shape
     n = q.shape[0]
     x = x.contiguous()
+    mr = triton.next_power_of_2(rows)
+    if mr not in GEMV_CONFIGS:
+        raise ValueError(f"the fused GEMV takes 1..{GEMV_MAX_ROWS} rows, got {rows}")
+    block_n, block_k, warps, per_sm = GEMV_CONFIGS[mr]
     ptrs, strides, consts = _layout_args(qtype, q, h, d, sc, m, mn)
-    if rows <= GEMV_MAX_ROWS:
-        mr = triton.next_power_of_2(rows)
-        block_n, block_k = {1: 16, 2: 16, 4: 8}[mr], 256  # [BN, MR, 8, 16] products: 2048-4096 per half tile
-        grid_m, kernel, extra = 1, _gemv_kernel, dict(MR=mr, num_warps=4)
-    else:
-        block_m = 16 if rows <= 16 else 64 if rows <= 64 else 128
-        block_n, block_k = (32, 128) if rows <= 16 else (128, 64)
-        grid_m, kernel = triton.cdiv(rows, block_m), _mm_kernel
-        extra = dict(BLOCK_M=block_m, num_warps=4 if rows <= 16 else 8, num_stages=3)
     grid_n = triton.cdiv(n, block_n)
-    k_split = _split_k(grid_n * grid_m, k, block_k, x.device)
+    k_split = _split_k(grid_n, k, block_k, per_sm * _sm_count(x.device.index or 0))
     splits = triton.cdiv(k, k_split)
     out = torch.empty(splits, rows, n, dtype=x.dtype if splits == 1 else torch.float32, device=x.device)
-    kernel[(grid_n, grid_m, splits) if kernel is _mm_kernel else (grid_n, splits)](
-        x, *ptrs, out, rows, n, k, x.stride(0), *strides, k_split, **consts, BLOCK_N=block_n, BLOCK_K=block_k, **extra)
+    _gemv_kernel[(grid_n, splits)](x, *ptrs, out, rows, n, k, x.stride(0), *strides, k_split, **consts,
+                                   BLOCK_N=block_n, BLOCK_K=block_k, MR=mr, num_warps=warps)
     return out[0] if splits == 1 else out.sum(0).to(x.dtype)
 
 
@@ -236,5 +205,5 @@ def dequantize_cuda(w: QuantWeight, dtype: torch.dtype) -> torch.Tensor:
 
 
 def fused_matmul(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
-    """x [M, K] @ w.T with the weight dequantized in registers."""
+    """x [M, K] @ w.T with the weight dequantized in registers, M <= GEMV_MAX_ROWS."""
     return qmm(x, *planes_args(w))
