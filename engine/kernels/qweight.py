@@ -170,9 +170,9 @@ class QuantWeight:
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Dense [n, k]; bit-exact with `quant.dequantize` in float32. A Triton kernel on CUDA."""
         if self.device.type == "cuda":
-            from .triton_qmatmul import dequantize_cuda
+            from .triton_qmatmul import kernel_dequantize
 
-            return dequantize_cuda(self, dtype)
+            return kernel_dequantize(self, dtype)
         return self.dequantize_reference().to(dtype)
 
     def dequantize_reference(self) -> torch.Tensor:

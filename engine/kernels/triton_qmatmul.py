@@ -132,8 +132,9 @@ def _gemv_kernel(x_ptr, q_ptr, h_ptr, d_ptr, sc_ptr, m_ptr, mn_ptr, out_ptr, M, 
 
 
 @functools.cache
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
+def _sm_count(device: torch.device) -> int:
+    """Multiprocessors to fill; 1 off CUDA (Triton's interpreter, TRITON_INTERPRET=1, on CPU tensors)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
 
 
 def _layout_args(qtype: int, q, h, d, sc, m, mn) -> tuple[list, list, dict]:
@@ -182,7 +183,7 @@ def qmm(x: torch.Tensor, q: torch.Tensor, h: torch.Tensor | None, d: torch.Tenso
     block_n, block_k, warps, per_sm = GEMV_CONFIGS[mr]
     ptrs, strides, consts = _layout_args(qtype, q, h, d, sc, m, mn)
     grid_n = triton.cdiv(n, block_n)
-    k_split = _split_k(grid_n, k, block_k, per_sm * _sm_count(x.device.index or 0))
+    k_split = _split_k(grid_n, k, block_k, per_sm * _sm_count(x.device))
     splits = triton.cdiv(k, k_split)
     out = torch.empty(splits, rows, n, dtype=x.dtype if splits == 1 else torch.float32, device=x.device)
     _gemv_kernel[(grid_n, splits)](x, *ptrs, out, rows, n, k, x.stride(0), *strides, k_split, **consts,
@@ -200,7 +201,7 @@ def planes_args(w: QuantWeight) -> tuple:
     return p["q"], p.get("h"), p["d"], p.get("sc"), p.get("m"), p.get("mn"), int(w.qtype)
 
 
-def dequantize_cuda(w: QuantWeight, dtype: torch.dtype) -> torch.Tensor:
+def kernel_dequantize(w: QuantWeight, dtype: torch.dtype) -> torch.Tensor:
     return qdequant(*planes_args(w), dtype)
 
 
