@@ -69,6 +69,8 @@ def write_synthetic(
     """Write a random-weight GGUF and return its path.
 
     `qtype` (name or GGMLQuantizationType) applies to the 2-D weights; norms and biases stay F32.
+    `Q4_K_M` / `Q5_K_M` write llama.cpp's mixes: Q6_K for the output head, every `attn_v` and the
+    `ffn_down` of every other layer, the named K-quant elsewhere.
     `vocab_size` pads the tiny vocabulary with generated pieces (big shapes). `tied` (default: only
     gemma3) leaves out `output.weight` so the output head reuses the token embedding.
     `sliding_window` is gemma3's window; it is small by default so tests exercise it.
@@ -77,7 +79,14 @@ def write_synthetic(
         raise ValueError(f"unsupported architecture {arch!r}; choose one of {', '.join(ARCHITECTURES)}")
     if vocab != "tiny":
         raise ValueError(f"unknown vocabulary kind {vocab!r} (only 'tiny')")
-    qt = T[qtype.upper()] if isinstance(qtype, str) else T(qtype)
+    mix = isinstance(qtype, str) and qtype.upper() in _MIXES
+    qt = T[_MIXES[qtype.upper()] if mix else qtype.upper()] if isinstance(qtype, str) else T(qtype)
+
+    def type_of(name: str) -> T:
+        if mix and (name == "output.weight" or ".attn_v." in name or (".ffn_down." in name and int(name.split(".")[1]) % 2 == 0)):
+            return T.Q6_K
+        return qt
+
     head_dim = head_dim or n_embd // n_head
     if n_head % n_head_kv:
         raise ValueError(f"n_head {n_head} is not a multiple of n_head_kv {n_head_kv}")
@@ -124,7 +133,7 @@ def write_synthetic(
         getattr(w, f"add_{key}_token_id")(tokens.index(tok))
 
     def dense(name: str, rows: int, cols: int, std: float) -> None:
-        _add_weight(w, name, rng.standard_normal((rows, cols), dtype=np.float32) * np.float32(std), qt, rng)
+        _add_weight(w, name, rng.standard_normal((rows, cols), dtype=np.float32) * np.float32(std), type_of(name), rng)
 
     def vec(name: str, n: int, center: float = 1.0, spread: float = 0.1) -> None:
         w.add_tensor(name, (center + spread * rng.standard_normal(n)).astype(np.float32))
@@ -160,6 +169,9 @@ def write_synthetic(
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+_MIXES = {"Q4_K_M": "Q4_K", "Q5_K_M": "Q5_K"}
 
 
 def _file_type(qt: T) -> int:

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from ..device import resolve_device, resolve_dtype
 from ..errors import UserError
 from ..gguf_file import GGUFFile
+from ..kernels.qweight import QuantWeight
 from ..quant import dequantize_rows
 from .attention import attend_batched, attend_runs, decode_bias
 from .config import ModelConfig
@@ -95,7 +96,10 @@ class Stage:
             self._embd_info = weights.tensor("token_embd.weight")
             # On a GPU the table lives on the device (graph-capturable lookups); on CPU rows are
             # dequantized from the mmap as they are looked up, so a 262k-row table costs nothing at load.
-            self._embd_table = weights.f32("token_embd.weight").to(self.dtype) if self.device.type == "cuda" else None
+            self._embd_table = None
+            if self.device.type == "cuda":
+                q = weights.quant("token_embd.weight")
+                self._embd_table = q if q is not None else weights.f32("token_embd.weight").to(self.dtype)
         if head:
             self.output_norm = weights.vector("output_norm.weight")
             self._head_name = "token_embd.weight" if cfg.tied else "output.weight"
@@ -130,6 +134,10 @@ class Stage:
         return out
 
     @property
+    def kv_bytes(self) -> int:
+        return sum(layer.k_cache.nbytes + layer.v_cache.nbytes for layer in self.layers.values())
+
+    @property
     def weight_bytes(self) -> int:
         """Bytes of weights read per decoded token (layers + output head; embedding rows are negligible)."""
         n = sum(layer.nbytes for layer in self.layers.values())
@@ -142,7 +150,9 @@ class Stage:
         tokens = torch.as_tensor(tokens, dtype=torch.long)
         if tokens.device.type == "cpu" and tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= self.cfg.n_vocab):
             raise UserError(f"token id out of range 0..{self.cfg.n_vocab - 1}")
-        if self._embd_table is not None:
+        if isinstance(self._embd_table, QuantWeight):
+            h = self._embd_table.rows(tokens.to(self.device))
+        elif self._embd_table is not None:
             h = self._embd_table[tokens.to(self.device)].float()
         else:
             t = self._embd_info
@@ -247,17 +257,21 @@ def build_stage(
     n_ctx: int = 4096,
     cache_dir: Path | None = None,
     int8: bool | None = None,
+    quantized: bool | None = None,
     compile_decode: bool = False,
 ) -> Stage:
     """The Stage of `g` for layers [a, b) (default: all), from `--device` / `--dtype` values or torch
     objects. `cache_dir` keeps converted int8 weights across runs (None: convert on every load);
     `int8` None picks int8 weights where they pay off: the int8 kernel beats the 16-bit ones only
-    on CPU with 16-bit compute."""
+    on CPU with 16-bit compute. `quantized` None keeps GGUF-quantized weights quantized on a GPU
+    (its kernels); CPU runs the int8 path."""
     cfg = ModelConfig.from_gguf(g)
     device = resolve_device(device)
     dtype = resolve_dtype(dtype, device)
     if int8 is None:
         int8 = device.type == "cpu" and dtype != torch.float32
-    weights = Weights(g, cfg.arch, device, dtype, int8, cache_dir)
+    if quantized is None:
+        quantized = device.type == "cuda"
+    weights = Weights(g, cfg.arch, device, dtype, int8, cache_dir, quantized)
     return Stage(cfg, weights, layers or (0, cfg.n_layers), embed=embed, head=head, n_slots=n_slots, n_ctx=n_ctx,
                  compile_decode=compile_decode)  # fmt: skip
