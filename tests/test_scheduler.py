@@ -147,7 +147,7 @@ def test_a_verified_draft_advances_past_the_accepted_tokens():
 class FakePipeline:
     """`forward` returns logits whose argmax is `next_token(position)` for each requested row."""
 
-    head = None
+    local = None
 
     def __init__(self, next_token):
         self.next_token = next_token
