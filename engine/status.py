@@ -103,11 +103,8 @@ class StatusDocument:
         self._providers.append(fn)
 
     def unavailable(self) -> str | None:
-        """Why requests cannot be served now though loading is done: the peers not up, read at request time."""
-        remotes = getattr(self.pipeline, "remotes", None) or []
-        down = [f"peer {r.addr} {r.state}" + (f" ({r.error})" if getattr(r, "error", None) else "")
-                for r in remotes if r.state != "up"]  # fmt: skip
-        return "; ".join(down) or None
+        """Why requests cannot be served now though loading is done, read at request time."""
+        return self.pipeline.unavailable() if self.pipeline is not None else None
 
     @property
     def state(self) -> str:
