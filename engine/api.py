@@ -63,6 +63,7 @@ class _Common(BaseModel):
     stream: bool = False
     stream_options: dict[str, Any] | None = None
     ignore_eos: bool = False
+    cache_prompt: bool = True  # llama-server: reuse the KV of a prefix a slot already holds
     n: int = Field(1, ge=1, le=1, description="only one choice per request is supported")
     # Speculative decoding for this request: {"type": "off"|"ngram"|"draft", "n_max", "n_min", "p_min"},
     # or llama-server's flat fields; checked against the server's drafters by the engine's Speculator.
@@ -336,7 +337,7 @@ def create_app(head: Head) -> FastAPI:
         req = EngineRequest(
             prompt=ids, params=_sampling(body, body.logprobs), max_tokens=max_tokens, stop=_stops(body.stop),
             ignore_eos=body.ignore_eos, prompt_logprobs=body.logprobs if body.echo and body.logprobs is not None else None,
-            spec=_speculative(engine, body),
+            spec=_speculative(engine, body), cache_prompt=body.cache_prompt,
         )  # fmt: skip
         return await _respond_completion(head, http, body, req, prompt_text)
 
@@ -355,7 +356,8 @@ def create_app(head: Head) -> FastAPI:
         engine.check(len(ids), max_tokens)
         n_top = (body.top_logprobs or 0) if body.logprobs else None
         req = EngineRequest(prompt=ids, params=_sampling(body, n_top), max_tokens=max_tokens,
-                            stop=_stops(body.stop), ignore_eos=body.ignore_eos, spec=_speculative(engine, body))  # fmt: skip
+                            stop=_stops(body.stop), ignore_eos=body.ignore_eos, spec=_speculative(engine, body),
+                            cache_prompt=body.cache_prompt)  # fmt: skip
         return await _respond_chat(head, http, body, req)
 
     return app

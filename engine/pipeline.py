@@ -45,6 +45,9 @@ class Pipeline:
         self._pending: list[tuple] = []  # (tokens, slots, positions) not yet in _history
         self._lengths: dict[int, int] = {}
         self._stale: int | None = None  # index of the last stage that lost KV: rebuild before the next forward
+        # Bumped whenever a stage lost KV and only the active slots' was rebuilt: the prompt cache
+        # of idle slots is then gone (the scheduler drops it).
+        self.kv_generation = 0
         self._watch: threading.Thread | None = None
         self._stopping = threading.Event()
 
@@ -138,6 +141,7 @@ class Pipeline:
         """Replay the active slots' tokens through stages 0..`through` (rewrites their KV; the
         stages after `through` kept theirs)."""
         active = self.active_slots() if self.active_slots is not None else set(self._lengths)
+        self.kv_generation += 1
         self._flush_history()
         n_tokens = 0
         for slot in sorted(active):
