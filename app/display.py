@@ -24,6 +24,8 @@ STATE_LOOK: dict[State, tuple[str, str]] = {  # state -> (symbol, tone)
     State.DEGRADED: ("▲", "warn"),
     State.BACKOFF: ("↻", "warn"),
     State.CRASHED: ("✖", "error"),
+    State.CRASH_LOOP: ("⟳", "error"),
+    State.PORT_BUSY: ("⧗", "warn"),
     State.STOPPING: ("◌", "busy"),
     State.STOPPED: ("○", "muted"),
     State.UNREACHABLE: ("✖", "error"),
@@ -48,8 +50,8 @@ def state_text(w: Worker, now: float) -> tuple[str, str]:
     """("● ready", "ok"); backoff shows the seconds left until the next try."""
     symbol, tone = STATE_LOOK[w.state]
     word = w.state.value
-    if w.state == State.BACKOFF and w.backoff_until is not None:
-        word = f"backoff {max(0.0, w.backoff_until - now):.0f}s"
+    if w.state in (State.BACKOFF, State.CRASH_LOOP) and w.backoff_until is not None and not w.running:
+        word = f"{word} {max(0.0, w.backoff_until - now):.0f}s"
     elif w.state == State.STARTING and w.status:
         word = f"starting {w.status.startup_stage}/4"
     return f"{symbol} {word}", tone
@@ -150,9 +152,18 @@ def worker_row(w: Worker, sup: Supervisor, now: float) -> tuple[list[str], str]:
         str(pid) if pid else "—",
         fmt_duration(w.uptime(now)),
         str(w.restarts),
-        describe_exit(w.last_exit),
+        exit_text(w),
     ]
     return row, tone
+
+
+def exit_text(w: Worker, width: int = 48) -> str:
+    """The last exit; for a crash loop or a busy port also its cause (last stderr line), so the row names it."""
+    code = describe_exit(w.last_exit)
+    if w.state in (State.CRASH_LOOP, State.PORT_BUSY) and w.last_err:
+        cause = w.last_err if len(w.last_err) <= width else w.last_err[: width - 1] + "…"
+        return f"{code}: {cause}"
+    return code
 
 
 @dataclass(frozen=True)
@@ -244,7 +255,7 @@ def event_line(ev: Event) -> str:
     return f"{time.strftime('%H:%M:%S', time.localtime(ev.ts))} {ev.kind:<11} {who}{ev.message}"
 
 
-EVENT_TONES = {"ready": "ok", "crashed": "error", "killed": "error", "error": "error", "unreachable": "error",
+EVENT_TONES = {"ready": "ok", "crashed": "error", "crash-loop": "error", "adopted": "busy", "killed": "error", "error": "error", "unreachable": "error",
                "degraded": "warn", "restarted": "warn", "split": "busy"}
 
 
