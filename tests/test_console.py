@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import shlex
+import signal
 import subprocess
 import sys
 import time
@@ -92,24 +94,86 @@ async def test_split_editor_moves_boundary_applies_and_status_shows_new_ranges(t
         await until(pilot, lambda: not sup.running_managed())
 
 
-async def test_readonly_disables_restart_and_apply(tmp_path):
+async def test_readonly_starts_stops_and_applies_nothing_and_says_so(tmp_path):
+    profile = fake_profile()
+    owner = Supervisor(profile, log_dir=tmp_path / "owner")  # the console that runs the workers
+    await owner.start()
+    try:
+        sup = Supervisor(profile, readonly=True, log_dir=tmp_path)
+        app = HydraConsole(sup, model_shape=SHAPE)
+        async with app.run_test(size=(80, 24)) as pilot:
+            await until(pilot, lambda: all_ready(sup))  # watched, not started: no "port in use"
+            assert not sup.running_managed() and not any(e.kind in ("started", "error") for e in sup.events)
+            pid = owner.head.pid
+            await pilot.press("R")
+            assert not isinstance(app.screen, ConfirmScreen)
+            assert any("read-only console: restart is disabled" in n.message for n in app._notifications)
+            await pilot.press("s", "right", "a")
+            assert isinstance(app.screen, SplitEditorScreen)  # no confirmation: refused
+            assert any("read-only console: applying a split is disabled" in n.message for n in app._notifications)
+            assert "READ-ONLY" in app.sub_title
+            commands = [c.title for c in app.get_system_commands(app.screen)]
+            assert not any(t.startswith(("Restart", "Stop ", "Start ")) for t in commands)
+            await pilot.press("escape", "q")  # nothing of its own runs: quits without asking
+            await pilot.pause(0.2)
+        assert not app.is_running
+        assert owner.head.pid == pid and owner.head.restarts == 0 and all_ready(owner)
+    finally:
+        await owner.shutdown()
+
+
+async def test_saving_a_draft_applies_nothing_and_the_editor_says_so(tmp_path):
     sup = Supervisor(fake_profile(), log_dir=tmp_path)
-    app = HydraConsole(sup, readonly=True, model_shape=SHAPE)
-    async with app.run_test(size=(80, 24)) as pilot:
+    app = HydraConsole(sup, model_shape=SHAPE, profile_path=tmp_path / "fake.toml")
+    async with app.run_test(size=(120, 40)) as pilot:
         await until(pilot, lambda: all_ready(sup))
-        pid = sup.head.pid
-        await pilot.press("R")
-        assert not isinstance(app.screen, ConfirmScreen)
-        await pilot.press("s", "right", "a")
-        assert isinstance(app.screen, SplitEditorScreen)  # no confirmation: apply is disabled
-        assert "READ-ONLY" in app.sub_title
-        commands = [c.title for c in app.get_system_commands(app.screen)]
-        assert not any(t.startswith(("Restart", "Stop ", "Start ")) for t in commands)
+        argv = sup.head.argv
+        await pilot.press("s", "right", "w")
+        editor = app.screen
+        assert editor.counts == [10, 8] and load_profile(tmp_path / "fake.toml").split == [10, 8]
+        note = str(editor.query_one("#split-note").render())
+        assert "split 10/8  (saved, not applied; running 9/9)" in note
+        assert any("split 10/8 saved, not applied (running 9/9)" in n.message for n in app._notifications)
+        assert sup.split == [9, 9] and sup.head.argv == argv and sup.head.restarts == 0
+        assert "--split 9/9" in " ".join(sup.command_for("head"))  # a crash-restart relaunches what runs
         await pilot.press("escape")
-        await pilot.pause(0.3)
-        assert sup.head.pid == pid and sup.head.restarts == 0
+        app.action_detail("head")
+        await pilot.pause(0.2)
+        table = app.screen.query_one("#detail-info").content
+        rows = {str(k): str(v) for k, v in zip(table.columns[0]._cells, table.columns[1]._cells)}
+        assert rows["command"] == shlex.join(argv) and "--split" not in rows["command"]
+        assert "--split 9/9" in rows["next start"]
         app._stop_and_exit(True)
         await until(pilot, lambda: not sup.running_managed())
+
+
+async def test_quit_can_detach_and_leave_the_workers_running(tmp_path):
+    import psutil
+
+    sup = Supervisor(fake_profile(), log_dir=tmp_path)
+    app = HydraConsole(sup, load_model_shape=False)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await until(pilot, lambda: all_ready(sup))
+        pids = [w.pid for w in sup.workers.values()]
+        await pilot.press("q")
+        assert isinstance(app.screen, ConfirmScreen)
+        labels = [str(b.label) for b in app.screen.query("Button")]
+        assert labels == ["Stop all and quit [y]", "Detach [d]", "Cancel [n]"]  # hints survive markup
+        await pilot.press("d")
+        await pilot.pause(0.5)
+    sup.kill_all_sync()
+    try:
+        assert all(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids)
+        nxt = Supervisor(sup.profile, log_dir=tmp_path)
+        await nxt.start()
+        assert [w.pid for w in nxt.workers.values()] == pids
+        await nxt.shutdown()
+    finally:
+        for p in pids:
+            try:
+                os.killpg(p, signal.SIGKILL)
+            except OSError:
+                pass
 
 
 async def test_logs_filter_invert_and_failure_highlight(tmp_path):
@@ -206,7 +270,8 @@ async def test_once_json_reports_running_workers_without_starting_any(tmp_path):
     finally:
         await sup.shutdown()
     proc = await asyncio.to_thread(run_cli, "--profile", str(path), "--once")
-    assert proc.returncode == 0 and "unreachable" in proc.stdout  # starts nothing of its own
+    # Starts nothing of its own, and a script can tell: exit 1 while any worker is not ready.
+    assert proc.returncode == 1 and "unreachable" in proc.stdout
 
 
 @pytest.mark.parametrize(
@@ -221,10 +286,31 @@ def test_cli_errors_are_one_line_without_traceback(args, needle):
 
 
 def test_write_profile_then_load_it(tmp_path):
-    out = tmp_path / "default.toml"
+    out = tmp_path / "lab.toml"
     proc = run_cli("--write-profile", str(out))
     assert proc.returncode == 0, proc.stderr
-    assert load_profile(out).head.port == 8080
+    written = load_profile(out)
+    assert written.head.port == 8080 and written.name == "lab"  # its own log and state files
+    again = run_cli("--write-profile", str(out))
+    assert again.returncode == 2 and "exists; pass --force" in again.stderr
+    assert run_cli("--write-profile", str(out), "--force").returncode == 0
+
+
+@pytest.mark.parametrize("where,needle", [("missing/dir/p.toml", "does not exist"), ("/proc/p.toml", "cannot write")])
+def test_write_profile_errors_are_clean(tmp_path, where, needle):
+    proc = run_cli("--write-profile", str(tmp_path / where))  # /proc: unwritable, even for root
+    assert proc.returncode == 2 and needle in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "missing").exists()  # no silent mkdir
+
+
+def test_a_profile_saved_at_the_default_location_is_used_by_a_plain_console(tmp_path):
+    from hydra_console.app.config import resolve_profile_path, save_profile
+
+    profile = fake_profile()
+    save_profile(profile, resolve_profile_path("default"))  # where the console saves the built-in profile
+    proc = run_cli("--once", "--json")  # XDG_CONFIG_HOME is this test's (conftest)
+    doc = json.loads(proc.stdout)
+    assert doc["profile"] == "fake" and doc["workers"][0]["url"] == profile.head.url
 
 
 @pytest.mark.parametrize("hangup", ["sighup", "terminal_closed"])

@@ -14,6 +14,7 @@ from textual.app import App, SystemCommand
 from textual.binding import Binding
 from textual.screen import Screen
 
+from ...contracts.errors import UserError
 from ...themes import THEMES
 from ..config import resolve_profile_path, save_profile
 from ...contracts.split import split_arg
@@ -24,9 +25,6 @@ from .detail import WorkerDetailScreen
 from .dialogs import ConfirmScreen, HelpScreen
 from .logs import LogsScreen
 from .split_editor import SplitEditorScreen
-
-DESTRUCTIVE = {"restart_selected", "restart_worker", "stop_worker", "start_worker"}
-
 
 def binding_ids() -> set[str]:
     """Every id a profile's [keys] table may remap."""
@@ -61,7 +59,7 @@ class HydraConsole(App):
     ):
         super().__init__()
         self.supervisor = supervisor
-        self.readonly = readonly
+        self.readonly = readonly or supervisor.readonly
         self.profile_path = profile_path
         self.model_shape = model_shape
         self._load_model_shape = load_model_shape and model_shape is None
@@ -149,10 +147,11 @@ class HydraConsole(App):
 
     # ---- actions -----------------------------------------------------------------------------
 
-    def check_action(self, action: str, parameters) -> bool | None:
-        if self.readonly and action in DESTRUCTIVE:
-            return None  # shown disabled, never runs
-        return True
+    def refused(self, what: str) -> bool:
+        """A read-only console starts, stops and applies nothing; a refused key says so."""
+        if self.readonly:
+            self.notify(f"read-only console: {what} is disabled", severity="warning")
+        return self.readonly
 
     def _selected(self) -> str | None:
         for screen in (self.screen, self.dashboard):
@@ -168,8 +167,10 @@ class HydraConsole(App):
             return
         names = ", ".join(f"{w.name} (pid {w.pid or '—'})" for w in running)
         self.push_screen(
-            ConfirmScreen(f"Quit and stop the workers this console started: {names}?", yes="Stop and quit"),
-            lambda ok: self._stop_and_exit(True) if ok else None,
+            ConfirmScreen(f"Quit. Stop the workers this console runs: {names}? Or detach and leave them "
+                          "running: the next console of this profile adopts them.",
+                          yes="Stop all and quit", other=("d", "Detach")),
+            lambda answer: self._stop_and_exit(answer is True) if answer else None,
         )
 
     async def action_quit(self) -> None:
@@ -222,6 +223,8 @@ class HydraConsole(App):
             self.action_restart_worker(name)
 
     def action_restart_worker(self, name: str) -> None:
+        if self.refused("restart"):
+            return
         w = self.supervisor.worker(name)
         if not w.managed:
             self.notify(f"{name} is attached (monitor only): this console cannot restart it", severity="warning")
@@ -234,6 +237,8 @@ class HydraConsole(App):
         )
 
     def action_stop_worker(self, name: str) -> None:
+        if self.refused("stop"):
+            return
         w = self.supervisor.worker(name)
         self.push_screen(
             ConfirmScreen(f"Stop {name} (pid {w.pid or '—'})? It will not be restarted.", yes="Stop"),
@@ -241,6 +246,8 @@ class HydraConsole(App):
         )
 
     def action_start_worker(self, name: str) -> None:
+        if self.refused("start"):
+            return
         self._run_command(self.supervisor.start_worker(name), f"{name} starting")
 
     @work(group="commands")
@@ -254,6 +261,8 @@ class HydraConsole(App):
             self.notify(done)
 
     def confirm_apply_split(self, counts: list[int], on_done: Callable[[list[int]], None]) -> None:
+        if self.refused("applying a split"):
+            return
         head = self.supervisor.head
         self.push_screen(
             ConfirmScreen(f"Apply split {split_arg(counts)}? Live through {head.name}'s CONFIGURE; "
@@ -273,25 +282,29 @@ class HydraConsole(App):
             on_done(counts)
             self.notify(f"split {split_arg(counts)} applied ({'live' if how == 'live' else 'by restarting the head'})")
 
-    def save_split(self, counts: list[int]) -> None:
+    def save_split(self, counts: list[int]) -> bool:
+        """Write `counts` to the profile file only: what runs (and what a restart launches) stays."""
         profile = self.supervisor.profile
         try:
             profile.split = counts
         except ValueError as e:
             self.notify(str(e), severity="error")
-            return
-        self.action_save_profile()
+            return False
+        running = self.supervisor.split
+        return self.action_save_profile(f"split {split_arg(counts)} saved, not applied"
+                                        + (f" (running {split_arg(running)})" if running and running != counts else ""))
 
-    def action_save_profile(self) -> None:
+    def action_save_profile(self, what: str = "profile saved") -> bool:
         profile = self.supervisor.profile
         path = self.profile_path or resolve_profile_path(profile.name)
         try:
             save_profile(profile, path)
-        except OSError as e:
-            self.notify(f"cannot save {path}: {e.strerror or e}", severity="error")
-            return
+        except UserError as e:
+            self.notify(str(e), severity="error")
+            return False
         self.profile_path = path
-        self.notify(f"profile saved to {path}")
+        self.notify(f"{what}: {path}", markup=False)
+        return True
 
     def action_set_theme(self, name: str) -> None:
         self.theme = name

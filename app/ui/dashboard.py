@@ -32,7 +32,7 @@ class DashboardScreen(Screen):
                 yield Label("decode —", id="decode-label", classes="rate-label")
                 yield Sparkline([], id="decode", summary_function=max)
             yield Static(id="info")
-            events = RichLog(id="events", max_lines=500, wrap=False, min_width=20)
+            events = RichLog(id="events", max_lines=500, wrap=True, min_width=20)
             events.border_title = "Events"
             yield events
         yield Footer()
@@ -41,10 +41,14 @@ class DashboardScreen(Screen):
         sup = self.app.supervisor
         if any(not w.managed for w in sup.workers.values()):
             self.query_one("#workers", DataTable).border_title = "Workers (attached ones are monitor only)"
+        self._replay_events()
+        self.refresh_view()
+
+    def _replay_events(self) -> None:
         log = self.query_one("#events", RichLog)
+        log.clear()
         for ev in self.app.supervisor.events:
             self.add_event(ev, log)
-        self.refresh_view()
 
     @property
     def selected_worker(self) -> str | None:
@@ -66,6 +70,7 @@ class DashboardScreen(Screen):
         # Also sent when the screen comes back from logs/detail: redraw only if the width really changed.
         if self.size.width != self._width:
             self.refresh_view()
+            self._replay_events()  # the log keeps lines wrapped at the width they were written at
 
     def _table(self) -> DataTable:
         """The worker table, its columns chosen for the width (it is rebuilt when that changes)."""
@@ -96,7 +101,7 @@ class DashboardScreen(Screen):
                 if col not in self._columns:
                     continue
                 cell = Text(value, style=app.tone_style(tone)) if col == "state" else value
-                if col == "rst" and w.restarts >= sup.profile.alerts.restarts:
+                if col == "rst" and w.crash_restarts >= sup.profile.alerts.restarts:  # the operator's R is no alert
                     cell = Text(f"{value} ⚠", style=app.tone_style("warn"))
                 table.update_cell(w.name, col, cell, update_width=True)
 
