@@ -20,7 +20,8 @@ import httpx
 import pytest
 from textual.command import CommandPalette
 
-from hydra_console.app.config import Profile, SupervisorSettings, WorkerSpec, load_profile
+from hydra_console.app.config import Alerts, Profile, SupervisorSettings, WorkerSpec, load_profile
+from hydra_console.app.sources import FixedFeedSource
 from hydra_console.app.split_plan import ModelShape
 from hydra_console.app.supervisor import State, Supervisor
 from hydra_console.app.ui.app import HydraConsole
@@ -40,7 +41,7 @@ SHAPE = ModelShape(n_layers=18, layer_elements=[5 << 20] * 18, head_elements=50 
 # Each flow at the size the real-worker test (test_console_real.py) does not use.
 @pytest.mark.parametrize("size", [(120, 40)])
 async def test_restart_peer_from_the_dashboard_changes_its_pid(tmp_path, size):
-    sup = Supervisor(fake_profile(), log_dir=tmp_path)
+    sup = Supervisor(fake_profile(alerts=Alerts(restarts=1)), log_dir=tmp_path)
     app = HydraConsole(sup, load_model_shape=False)
     async with app.run_test(size=size) as pilot:
         await until(pilot, lambda: all_ready(sup))
@@ -57,6 +58,7 @@ async def test_restart_peer_from_the_dashboard_changes_its_pid(tmp_path, size):
         table = app.dashboard.query_one("#workers")
         assert str(table.get_cell("peer1", "pid")) == str(peer.pid)
         assert "● ready" in str(table.get_cell("peer1", "state"))
+        assert str(table.get_cell("peer1", "rst")) == "1"  # the operator's own R raises no restart alert
         await pilot.press("q")
         assert isinstance(app.screen, ConfirmScreen) and "head (pid" in app.screen.question
         await pilot.press("y")
@@ -382,3 +384,23 @@ def test_hangup_of_the_ssh_session_stops_the_started_workers(tmp_path, hangup):
             pass
         if hangup == "sighup":
             os.close(fd)
+
+
+async def test_events_panel_rewraps_after_a_resize():
+    sup = Supervisor(Profile(peers=[]), attach=True, source=FixedFeedSource({}))
+    app = HydraConsole(sup, load_model_shape=False)
+    async with app.run_test(size=(80, 24)) as pilot:
+        sup.emit("head", "error", "a long event line " + "x" * 90 + " END")
+        await pilot.pause(0.2)
+        log = app.dashboard.query_one("#events")
+
+        def shown() -> list[str]:
+            return [strip.text.rstrip() for strip in log.lines]
+
+        narrow = shown()
+        assert narrow[-1].endswith("END") and not any("long event" in t and "END" in t for t in narrow)  # wrapped
+        await pilot.resize_terminal(200, 30)
+        await pilot.pause(0.3)
+        wide = shown()
+        assert len(wide) < len(narrow) and any("long event" in t and t.endswith("END") for t in wide)  # re-wrapped
+        await pilot.press("q")

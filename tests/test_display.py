@@ -40,6 +40,18 @@ def test_backoff_state_shows_seconds_left():
     assert display.state_text(w, now=100.0) == ("↻ backoff 8s", "warn")
 
 
+def test_a_crash_loop_row_names_its_cause():
+    sup = Supervisor(Profile(), source=FixedFeedSource({}))
+    w = sup.head
+    w.state, w.backoff_until, w.last_exit = State.CRASH_LOOP, 104.0, 2
+    w.last_err = "hydra-engine: error: model file not found: /models/missing-model-of-a-long-name.gguf"
+    row, tone = display.worker_row(w, sup, now=100.0)
+    assert row[5] == "⟳ crash-loop 4s" and tone == "error"
+    assert row[-1].startswith("2: hydra-engine: error: model file not found") and row[-1].endswith("…")
+    w.state = State.BACKOFF
+    assert display.worker_row(w, sup, now=100.0)[0][-1] == "2"  # one crash: the code only
+
+
 @pytest.mark.parametrize("secs,text", [(None, "—"), (0, "0s"), (59.9, "59s"), (61, "1m01s"), (3661, "1h01m"), (90000, "1d01h")])
 def test_fmt_duration(secs, text):
     assert display.fmt_duration(secs) == text

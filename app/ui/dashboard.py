@@ -61,7 +61,9 @@ class DashboardScreen(Screen):
     def add_event(self, ev, log: RichLog | None = None) -> None:
         log = log or self.query_one("#events", RichLog)
         tone = display.EVENT_TONES.get(ev.kind)
-        log.write(Text(display.event_line(ev), style=self.app.tone_style(tone) if tone else ""))
+        # Wrap at the panel's width: RichLog would measure against the app console's, not the terminal's.
+        log.write(Text(display.event_line(ev), style=self.app.tone_style(tone) if tone else ""),
+                  width=log.scrollable_content_region.width or None)
 
     def on_data_table_row_selected(self, event: DataTable.RowSelected) -> None:
         self.app.action_detail(event.row_key.value)
@@ -70,7 +72,8 @@ class DashboardScreen(Screen):
         # Also sent when the screen comes back from logs/detail: redraw only if the width really changed.
         if self.size.width != self._width:
             self.refresh_view()
-            self._replay_events()  # the log keeps lines wrapped at the width they were written at
+            # The log keeps lines wrapped at the width they were written at: rewrite them once it has its new size.
+            self.call_after_refresh(self._replay_events)
 
     def _table(self) -> DataTable:
         """The worker table, its columns chosen for the width (it is rebuilt when that changes)."""
