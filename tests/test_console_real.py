@@ -80,3 +80,41 @@ async def test_real_split_change_shows_in_status(tiny_model, tmp_path):
         await until(pilot, lambda: "[0,3)" in str(app.dashboard.query_one("#workers").get_cell("head", "layers")), 10)
         app._stop_and_exit(True)
         await until(pilot, lambda: not sup.running_managed(), timeout=30)
+
+
+async def test_an_attached_console_and_the_supervising_one_converge_on_a_split_and_a_head_restart(tiny_model, tmp_path):
+    """Console B (attached) applies 3/1 live; console A (which runs the workers) follows it through
+    the head's /status, so its crash-restart of the head relaunches 3/1; B sees the new pid."""
+    import asyncio
+    import os
+    import signal
+    import time
+
+    profile = real_profile(tiny_model("llama", n_layers=4))
+    own = Supervisor(profile, log_dir=tmp_path)
+    att = Supervisor(profile.model_copy(deep=True), attach=True)
+
+    async def wait(cond, timeout=120):
+        deadline = time.monotonic() + timeout
+        while not cond():
+            assert time.monotonic() < deadline, "condition not met in time"
+            await asyncio.sleep(0.1)
+
+    await own.start()
+    await att.start()
+    try:
+        await wait(lambda: all_ready(own) and all_ready(att) and own.stage_ranges() is not None)
+        assert "--split" not in own.head.argv
+        assert await att.apply_split([3, 1]) == "live"
+        assert status(own.head)["split_by"] == att.identity
+        await wait(lambda: own.split == [3, 1])
+        assert any(e.kind == "split" and f"applied by {att.identity}" in e.message for e in own.events)
+        old = own.head.pid
+        os.killpg(old, signal.SIGKILL)
+        await wait(lambda: own.head.pid != old and own.head.running)
+        assert own.head.argv[own.head.argv.index("--split") + 1] == "3/1"
+        await wait(lambda: all_ready(own) and [r for _, r in own.stage_ranges() or []] == [(0, 3), (3, 4)])
+        await wait(lambda: any(e.kind == "restarted" and f"pid {old} → {own.head.pid}" in e.message for e in att.events))
+    finally:
+        await att.shutdown()
+        await own.shutdown()
