@@ -118,3 +118,23 @@ async def test_an_attached_console_and_the_supervising_one_converge_on_a_split_a
     finally:
         await att.shutdown()
         await own.shutdown()
+
+
+async def test_a_missing_model_is_a_named_crash_loop_in_the_row_and_the_events(tmp_path):
+    profile = real_profile(tmp_path / "no-such-model.gguf")
+    profile.peers = []
+    # Generous "quick exit" window: a slow machine's torch import must not hide the loop.
+    profile.supervisor = SupervisorSettings(poll_s=0.25, grace_s=10, backoff_initial_s=0.1, backoff_max_s=0.5,
+                                            crash_loop_s=120, crash_loop_count=2)
+    sup = Supervisor(profile, log_dir=tmp_path)
+    app = HydraConsole(sup, load_model_shape=False)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await until(pilot, lambda: any(e.kind == "crash-loop" for e in sup.events), timeout=120)
+        loop = next(e.message for e in sup.events if e.kind == "crash-loop")
+        assert "cannot open model file" in loop and "no-such-model.gguf" in loop
+        await pilot.pause(0.5)
+        table = app.dashboard.query_one("#workers")
+        assert "crash-loop" in str(table.get_cell("head", "state"))
+        assert "2: hydra-engine: error: cannot open model file" in str(table.get_cell("head", "exit"))
+        app._stop_and_exit(True)
+        await until(pilot, lambda: not sup.running_managed(), timeout=30)
