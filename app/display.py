@@ -166,6 +166,33 @@ def exit_text(w: Worker, width: int = 48) -> str:
     return code
 
 
+STATE_ORDER = {s: i for i, s in enumerate(
+    [State.CRASH_LOOP, State.CRASHED, State.UNREACHABLE, State.PORT_BUSY, State.BACKOFF, State.DEGRADED,
+     State.STARTING, State.STOPPING, State.READY, State.STOPPED])}  # fmt: skip  # worst first
+
+
+def sort_key(w: Worker, column: str, sup: Supervisor, now: float) -> tuple:
+    """The worker table sorts by what a column means (numbers as numbers, states worst first);
+    a worker without a value sorts last, the name breaks ties."""
+    value = {
+        "worker": lambda: w.name, "role": lambda: w.role, "host": lambda: w.spec.host, "device": lambda: worker_devices(w),
+        "layers": lambda: (worker_layers(w, sup) or [None])[0], "state": lambda: STATE_ORDER[w.state],
+        "pid": w.shown_pid, "uptime": lambda: w.uptime(now), "rst": lambda: w.restarts, "exit": lambda: w.last_exit,
+    }[column]()  # fmt: skip
+    return (value is None, value if value is not None else 0, w.name)
+
+
+def rate_label(name: str, now: float | None, hist: list[float]) -> str:
+    """"decode 187.5 tok/s · max 190 · avg 150": the sparkline's scale in words, over the samples it shows."""
+    if not hist:
+        return f"{name} {fmt_rate(now)}"
+    return f"{name} {fmt_rate(now)} · max {_short(max(hist))} · avg {_short(sum(hist) / len(hist))}"
+
+
+def _short(x: float) -> str:
+    return f"{x / 1000:.1f}k" if x >= 1000 else f"{x:.0f}"
+
+
 @dataclass(frozen=True)
 class MemoryRow:
     label: str  # "head cuda:0 NVIDIA H200" / "peer1 RAM"
@@ -176,24 +203,26 @@ class MemoryRow:
 
 
 def memory_rows(sup: Supervisor, alerts: Alerts) -> list[MemoryRow]:
-    """Per-device memory, labelled with the worker that owns it.
-
-    GPU devices from /status; a CPU-only worker shows RAM (its /status, else psutil on its pid).
-    """
+    """Machine totals once per device (labelled "machine", or the host when workers run on several),
+    noting the workers on it; then each local worker's own RSS (psutil on its pid). A GPU row is the
+    device's total use: the workers do not report per-process GPU memory."""
     rows: list[MemoryRow] = []
+    hosts = {w.spec.host for w in sup.workers.values()}
+    devices: dict[tuple, tuple] = {}  # (host, kind, index) -> (device, names of the workers on it)
     for w in sup.workers.values():
-        devs = w.status.devices if w.status else []
-        # psutil on a local worker's pid says what this process holds, beside the machine-wide figure.
-        own = f"rss {fmt_bytes(w.rss)}" + (f" cpu {w.cpu_pct:.0f}%" if w.cpu_pct is not None else "") if w.rss else ""
-        for d in devs:
-            label = f"{w.name} {d.kind}:{d.index}" if d.kind == "cuda" else f"{w.name} RAM"
-            used, total = d.memory_used, d.memory_total
-            note = f"util {d.util:.0f}%" if d.util is not None and d.kind == "cuda" else own
-            rows.append(MemoryRow(label, used, total, note, _mem_tone(used, total, alerts)))
-        if not devs and w.rss is not None:
-            total = psutil.virtual_memory().total
+        for d in w.status.devices if w.status else []:
+            devices.setdefault((w.spec.host, d.kind, d.index), (d, []))[1].append(w.name)
+    for (host, kind, index), (d, names) in devices.items():
+        where = "machine" if len(hosts) == 1 else host
+        label = f"{where} {kind}:{index}" if kind == "cuda" else f"{where} RAM"
+        util = f"util {d.util:.0f}% " if d.util is not None and kind == "cuda" else ""
+        rows.append(MemoryRow(label, d.memory_used, d.memory_total, f"{util}({', '.join(names)})",
+                              _mem_tone(d.memory_used, d.memory_total, alerts)))
+    ram = psutil.virtual_memory().total
+    for w in sup.workers.values():
+        if w.rss is not None:
             cpu = f"cpu {w.cpu_pct:.0f}%" if w.cpu_pct is not None else ""
-            rows.append(MemoryRow(f"{w.name} RSS", w.rss, total, cpu, _mem_tone(w.rss, total, alerts)))
+            rows.append(MemoryRow(f"{w.name} RSS", w.rss, ram, cpu, _mem_tone(w.rss, ram, alerts)))
     return rows
 
 
@@ -230,10 +259,19 @@ def acceptance_text(status: Status | None) -> str:
 
 
 def pool_text(status: Status | None) -> str:
+    """The head's RPC port pool: it carries control ops (this console's CONFIGURE/INFO), not requests."""
     pool = status.pool if status else None
     if pool is None:
-        return "pool —"
-    return f"pool {pool.busy}/{pool.size} busy · queued {pool.queued} · dropped {pool.dropped}"
+        return "RPC control pool —"
+    return f"RPC control pool (console ops, not requests) {pool.busy}/{pool.size} busy · queued {pool.queued} · dropped {pool.dropped}"
+
+
+def slots_text(status: Status | None) -> str:
+    """Request slots of the head: how many decode now."""
+    slots = status.slots if status else []
+    if not slots:
+        return "slots —"
+    return f"slots {sum(1 for s in slots if s.state == 'processing')}/{len(slots)} busy"
 
 
 def peer_lines(status: Status | None, alerts: Alerts) -> list[tuple[str, str]]:

@@ -21,7 +21,7 @@ import pytest
 from textual.command import CommandPalette
 
 from hydra_console.app.config import Alerts, Profile, SupervisorSettings, WorkerSpec, load_profile
-from hydra_console.app.sources import FixedFeedSource
+from hydra_console.app.sources import FixedFeedSource, Probe
 from hydra_console.app.split_plan import ModelShape
 from hydra_console.app.supervisor import State, Supervisor
 from hydra_console.app.ui.app import HydraConsole
@@ -404,3 +404,44 @@ async def test_events_panel_rewraps_after_a_resize():
         wide = shown()
         assert len(wide) < len(narrow) and any("long event" in t and t.endswith("END") for t in wide)  # re-wrapped
         await pilot.press("q")
+
+
+async def test_sort_pause_refresh_rate_and_help_at_80x24():
+    feed = FixedFeedSource({"peer1": Probe(True, 200, {"status": "ok"}, {"pid": 7, "uptime_s": 50.0}),
+                            "head": Probe(True, 200, {"status": "ok"}, {"pid": 9, "uptime_s": 10.0})})
+    sup = Supervisor(Profile(supervisor=SupervisorSettings(poll_s=1.0)), attach=True, source=feed)
+    app = HydraConsole(sup, load_model_shape=False)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await until(pilot, lambda: all_ready(sup))
+        dash = app.dashboard
+        table = dash.query_one("#workers")
+
+        def order() -> list[str]:
+            return [str(table.get_row_at(i)[0]) for i in range(table.row_count)]
+
+        assert order() == ["head", "peer1"]
+        await pilot.click("#workers", offset=(40, 1))  # a header cell: sort by that column
+        assert dash.sort_column is not None
+        dash.sort_column, dash.sort_reverse = "uptime", True
+        dash.refresh_view()
+        assert order() == ["peer1", "head"] and "by uptime ▼" in table.border_title
+        await pilot.press("o")  # the next column after uptime
+        assert dash.sort_column == "rst"
+        await pilot.press("p")
+        assert app.paused and "PAUSED" in app.sub_title
+        sup.emit("head", "error", "while paused")
+        await pilot.pause(0.2)
+        assert not any("while paused" in s.text for s in dash.query_one("#events").lines)
+        await pilot.press("p")
+        assert any("while paused" in s.text for s in dash.query_one("#events").lines)  # caught up
+        await pilot.press("r")
+        assert app.refresh_s == 2.0 and "refresh 2 s" in app.sub_title
+        await pilot.press("question_mark")
+        help_box = app.screen.query_one("#help")
+        assert help_box.region.bottom <= 24 and help_box.has_focus
+        rows = dict(app.screen.rows)
+        assert {"Pause", "Sort"} <= set(rows.values())
+        if help_box.max_scroll_y:  # taller than the screen: it scrolls
+            await pilot.press("end")
+            assert help_box.scroll_y == help_box.max_scroll_y
+        await pilot.press("escape", "q")

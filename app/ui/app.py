@@ -28,8 +28,11 @@ from .split_editor import SplitEditorScreen
 
 def binding_ids() -> set[str]:
     """Every id a profile's [keys] table may remap."""
-    classes = (HydraConsole, LogsScreen, SplitEditorScreen, WorkerDetailScreen, ConfirmScreen, HelpScreen)
+    classes = (HydraConsole, DashboardScreen, LogsScreen, SplitEditorScreen, WorkerDetailScreen, ConfirmScreen, HelpScreen)
     return {b.id for cls in classes for b in cls.BINDINGS if isinstance(b, Binding) and b.id}
+
+
+REFRESH_RATES = (0.5, 1.0, 2.0, 5.0)  # `r` cycles through these (and the profile's poll_s): slower saves a slow link
 
 
 class HydraConsole(App):
@@ -43,6 +46,8 @@ class HydraConsole(App):
         Binding("l", "logs", "Logs", id="hydra.logs"),
         Binding("slash", "filter", "Filter", id="hydra.filter"),
         Binding("t", "cycle_theme", "Theme", show=False, id="hydra.theme"),
+        Binding("p", "toggle_pause", "Pause", id="hydra.pause"),
+        Binding("r", "next_refresh_rate", "Refresh rate", show=False, id="hydra.rate"),
         # Declared here (Textual then adds none of its own) so that the palette key is remappable too.
         Binding("ctrl+p", "command_palette", "palette", show=False, priority=True, id="hydra.palette"),
     ]
@@ -65,6 +70,9 @@ class HydraConsole(App):
         self._load_model_shape = load_model_shape and model_shape is None
         self._initial_theme = theme
         self._unsubscribe: Callable[[], None] | None = None
+        self.paused = False  # the view holds still to be read; supervision goes on
+        self.refresh_s = supervisor.settings.poll_s
+        self._refresh_timer = None
         self.dashboard = DashboardScreen()
         for t in THEMES.values():
             self.register_theme(t)
@@ -74,7 +82,7 @@ class HydraConsole(App):
     def on_mount(self) -> None:
         self.theme = self._initial_theme
         p = self.supervisor.profile
-        self.sub_title = f"profile {p.name}" + (" · READ-ONLY" if self.readonly else "")
+        self._show_mode()
         if p.keys:
             unknown = sorted(set(p.keys) - binding_ids())
             if unknown:
@@ -83,7 +91,7 @@ class HydraConsole(App):
             self.set_keymap(p.keys)
         self.push_screen(self.dashboard)
         self._unsubscribe = self.supervisor.subscribe(self._on_supervisor_event)
-        self.set_interval(p.supervisor.poll_s, self.refresh_view)
+        self._refresh_timer = self.set_interval(self.refresh_s, self.refresh_view)
         self._start_supervisor()
         self._stop_on_hangup()
         if self._load_model_shape:
@@ -126,15 +134,33 @@ class HydraConsole(App):
             except RuntimeError:  # the app quit while the file was being read
                 pass
 
+    def _show_mode(self) -> None:
+        self.sub_title = " · ".join([f"profile {self.supervisor.profile.name}", *(["READ-ONLY"] if self.readonly else []),
+                                     *(["PAUSED (p)"] if self.paused else []), f"refresh {self.refresh_s:g} s"])  # fmt: skip
+
+    def action_toggle_pause(self) -> None:
+        self.paused = not self.paused
+        self._show_mode()
+        if not self.paused and self.dashboard.is_mounted:
+            self.dashboard.replay_events()  # what happened while paused
+            self.refresh_view()
+
+    def action_next_refresh_rate(self) -> None:
+        rates = sorted({*REFRESH_RATES, self.supervisor.settings.poll_s})
+        self.refresh_s = next((r for r in rates if r > self.refresh_s), rates[0])
+        self._refresh_timer.stop()
+        self._refresh_timer = self.set_interval(self.refresh_s, self.refresh_view)
+        self._show_mode()
+
     def _on_supervisor_event(self, ev) -> None:
         # The supervisor outlives the app by a moment at shutdown: never touch a dead UI.
-        if not self.is_running or not self.dashboard.is_mounted:
+        if not self.is_running or not self.dashboard.is_mounted or self.paused:
             return
         self.dashboard.add_event(ev)
         self.refresh_view()
 
     def refresh_view(self) -> None:
-        if not self.is_running:
+        if not self.is_running or self.paused:
             return
         for screen in {self.dashboard, self.screen}:
             if screen.is_mounted and hasattr(screen, "refresh_view"):

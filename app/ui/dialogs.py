@@ -86,5 +86,9 @@ class HelpScreen(ModalScreen[None]):
             for key, desc in self.rows:
                 table.add_row(key, desc)
             yield Static(table)
-            yield Static("States: ● ready  ◐ starting  ▲ degraded  ↻ backoff  ✖ crashed/unreachable  ◌ stopping  ○ stopped",
-                         classes="hint")
+            yield Static("States: ● ready  ◐ starting  ▲ degraded  ↻ backoff  ⟳ crash-loop  ⧗ port-busy  "
+                         "✖ crashed/unreachable  ◌ stopping  ○ stopped", classes="hint")
+            yield Static("↑ ↓ PgUp PgDn scroll · esc closes", classes="hint")
+
+    def on_mount(self) -> None:
+        self.query_one("#help", VerticalScroll).focus()  # the arrow keys scroll it
