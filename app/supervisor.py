@@ -275,6 +275,7 @@ class Supervisor:
         self.identity = f"hydra-console pid {os.getpid()} on {socket.gethostname()}"
         self.state_path = Path(state_path) if state_path else state_dir() / "run" / f"{profile.name}.json"
         self.detached = False
+        self._foreign: set[str] = set()  # workers of this profile another live console runs
         self.log_dir = Path(log_dir or self.settings.log_dir or state_dir() / "logs")
         self.events: deque[Event] = deque(maxlen=1000)
         self.merged_log: deque[LogLine] = deque(maxlen=self.settings.ring_lines * 2)
@@ -374,7 +375,7 @@ class Supervisor:
         if not self.attach_only:
             self._adopt()
         for w in [*list(self.workers.values())[1:], self.head]:
-            if w.managed and not w.running:
+            if w.managed and not w.running and w.name not in self._foreign:
                 await self.start_worker(w.name)
 
     def _managed(self, name: str, verb: str) -> Worker:
@@ -594,12 +595,19 @@ class Supervisor:
             entries = dict(doc["workers"])
         except (OSError, ValueError, KeyError, TypeError):
             return
+        owner = doc.get("console_pid")
+        owner_alive = isinstance(owner, int) and owner != os.getpid() and psutil.pid_exists(owner)
         for name, entry in entries.items():
             w = self.workers.get(name)
             if w is None or not w.managed or w.running or not w.spec.is_local:
                 continue
             ps = _ours(entry, w.spec) if isinstance(entry, dict) else None
             if ps is None:
+                continue
+            if owner_alive:  # two consoles must not both restart one worker
+                self._foreign.add(name)
+                self.emit(name, "error", f"pid {ps.pid} is run by console pid {owner}, which is alive: "
+                                         "not started here (--attach watches it)")
                 continue
             w.wanted = True
             w.backoff.reset()

@@ -501,3 +501,30 @@ async def test_detach_leaves_the_workers_running_for_the_next_console(tmp_path):
     assert nxt.head.pid == pid and [e.kind for e in nxt.events] == ["adopted"]
     await nxt.shutdown()
     await wait_until(lambda: not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE)
+
+
+async def test_workers_of_a_live_console_are_neither_adopted_nor_duplicated(tmp_path):
+    from hydra_console.app.config import save_profile
+
+    profile = fake_profile(peers=0)
+    path = save_profile(profile, tmp_path / "p.toml")
+    script = tmp_path / "console.py"
+    script.write_text(CONSOLE)
+    console = subprocess.Popen([sys.executable, str(script), str(path), str(tmp_path / "logs")], stdout=subprocess.PIPE, text=True)
+    pid = None
+    try:
+        pid = int(await asyncio.wait_for(asyncio.to_thread(console.stdout.readline), 60))
+        sup = Supervisor(profile, log_dir=tmp_path / "logs")
+        await sup.start()
+        assert not sup.head.running and not sup.running_managed()
+        assert any(e.kind == "error" and f"run by console pid {console.pid}" in e.message for e in sup.events)
+        await sup.shutdown()
+        assert psutil.pid_exists(pid)
+    finally:
+        console.terminate()  # SIGTERM: asyncio.run is interrupted, its child transports kill the worker
+        console.wait()
+        if pid:
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except OSError:
+                pass
