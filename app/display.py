@@ -226,6 +226,19 @@ def memory_rows(sup: Supervisor, alerts: Alerts) -> list[MemoryRow]:
     return rows
 
 
+def device_free(sup: Supervisor, name: str) -> tuple[int | None, bool]:
+    """Free memory of worker `name`'s roomiest device, and whether another worker reports the same
+    device (same host, kind, index): then the one figure is shared, not each worker's to fill."""
+    w = sup.worker(name)
+    devs = [d for d in (w.status.devices if w.status else []) if d.memory_total is not None and d.memory_used is not None]
+    if not devs:
+        return None, False
+    d = max(devs, key=lambda d: d.memory_total - d.memory_used)
+    shared = any(o is not w and o.spec.host == w.spec.host and o.status
+                 and any((x.kind, x.index) == (d.kind, d.index) for x in o.status.devices) for o in sup.workers.values())  # fmt: skip
+    return d.memory_total - d.memory_used, shared
+
+
 def _mem_tone(used, total, alerts: Alerts) -> str:
     if not total or used is None:
         return "muted"

@@ -174,3 +174,4 @@ async def test_machine_totals_appear_once_and_each_worker_shows_its_own_rss():
     rows = display.memory_rows(sup, Alerts())
     assert [(r.label, r.used, r.note) for r in rows] == [
         ("machine RAM", 6 << 30, "(head, peer1)"), ("head RSS", 1 << 30, "cpu 50%")]
+    assert display.device_free(sup, "head") == (10 << 30, True)  # one machine's RAM, both workers on it

@@ -84,7 +84,7 @@ class SplitEditorScreen(Screen):
         for i, (a, b) in enumerate(ranges(self.counts)):
             marker = "▶" if i in (self.boundary, self.boundary + 1) else " "
             est = estimates[i] if estimates else None
-            free = self._device_free(names[i])
+            free, shared = display.device_free(sup, names[i])
             over = bool(est and free is not None and est.total > free)
             table.add_row(
                 marker, names[i], f"[{a},{b})", str(b - a),
@@ -92,7 +92,7 @@ class SplitEditorScreen(Screen):
                 display.fmt_bytes(est.kv_bytes) if est else "—",
                 Text(display.fmt_bytes(est.total) + (" ⚠" if over else ""), style=self.app.tone_style("warn") if over else "")
                 if est else "—",
-                display.fmt_bytes(free) if free is not None else "—",
+                display.fmt_bytes(free) + (" shared" if shared else "") if free is not None else "—",
             )
         self.query_one("#split-table", Static).update(table)
         changed = self.counts != self.applied
@@ -116,12 +116,6 @@ class SplitEditorScreen(Screen):
         """The head's --dtype if its profile entry passes one, else the engine's auto (bfloat16)."""
         args = self.app.supervisor.profile.head.args
         return args[args.index("--dtype") + 1] if "--dtype" in args[:-1] else "bfloat16"
-
-    def _device_free(self, worker: str) -> int | None:
-        st = self.app.supervisor.worker(worker).status
-        frees = [d.memory_total - d.memory_used for d in (st.devices if st else [])
-                 if d.memory_total is not None and d.memory_used is not None]
-        return max(frees) if frees else None
 
     def action_select(self, step: int) -> None:
         if len(self.counts) > 1:
