@@ -301,6 +301,24 @@ def peer_lines(status: Status | None, alerts: Alerts) -> list[tuple[str, str]]:
     return out
 
 
+def active_alerts(sup: Supervisor, alerts: Alerts) -> dict[str, str]:
+    """The profile's [alerts] thresholds crossed now: {incident key: message}. A key that stays
+    active is one incident (one toast); once it clears, its next crossing is a new one."""
+    out: dict[str, str] = {}
+    for row in memory_rows(sup, alerts):
+        if row.tone == "warn":
+            out[f"memory:{row.label}"] = f"{row.label} memory {row.used / row.total * 100:.0f}% (alert at {alerts.vram_pct:g}%)"
+    for p in sup.head.status.peers if sup.head.status else []:
+        if p.state == "up" and p.rtt_ms is not None and p.rtt_ms >= alerts.rtt_ms:
+            out[f"rtt:{p.addr}"] = f"peer {p.addr} RTT {p.rtt_ms:.1f} ms (alert at {alerts.rtt_ms:g} ms)"
+    for w in sup.workers.values():
+        if w.crash_restarts >= alerts.restarts:
+            out[f"restarts:{w.name}"] = f"{w.name} restarted {w.crash_restarts} times after crashes (alert at {alerts.restarts})"
+        if w.state == State.CRASH_LOOP:
+            out[f"crash-loop:{w.name}"] = f"{w.name} is in a crash loop: {w.last_err or 'no stderr'}"
+    return out
+
+
 def event_line(ev: Event) -> str:
     who = f"{ev.worker}: " if ev.worker else ""
     return f"{time.strftime('%H:%M:%S', time.localtime(ev.ts))} {ev.kind:<11} {who}{ev.message}"

@@ -445,3 +445,30 @@ async def test_sort_pause_refresh_rate_and_help_at_80x24():
             await pilot.press("end")
             assert help_box.scroll_y == help_box.max_scroll_y
         await pilot.press("escape", "q")
+
+
+async def test_an_alert_toasts_and_rings_once_per_incident_and_goes_into_the_history():
+    from hydra_console.app.ui.alerts import AlertsScreen
+
+    slow = {"peers": [{"addr": "10.0.0.7:8091", "state": "up", "rtt_ms": 80.0}]}
+    fast = {"peers": [{"addr": "10.0.0.7:8091", "state": "up", "rtt_ms": 1.0}]}
+    feed = FixedFeedSource({"head": Probe(True, 200, {"status": "ok"}, slow)})
+    sup = Supervisor(Profile(peers=[]), attach=True, source=feed)
+    app = HydraConsole(sup, load_model_shape=False)
+    bells = []
+    app.bell = lambda: bells.append(1)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await sup.poll_once()
+        app.check_alerts()
+        app.check_alerts()  # still the same incident
+        assert len(bells) == 1 and [m for _, m in app.alert_history] == ["peer 10.0.0.7:8091 RTT 80.0 ms (alert at 50 ms)"]
+        feed.probes["head"] = Probe(True, 200, {"status": "ok"}, fast)
+        await sup.poll_once()
+        app.check_alerts()
+        feed.probes["head"] = Probe(True, 200, {"status": "ok"}, slow)
+        await sup.poll_once()
+        app.check_alerts()  # cleared, then crossed again: a new incident
+        assert len(bells) == 2 and len(app.alert_history) == 2
+        await pilot.press("A")
+        assert isinstance(app.screen, AlertsScreen)
+        await pilot.press("escape", "q")

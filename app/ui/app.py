@@ -20,6 +20,8 @@ from ..config import resolve_profile_path, save_profile
 from ...contracts.split import split_arg
 from ..split_plan import ModelShape
 from ..supervisor import Supervisor, SupervisorError
+from .. import display
+from .alerts import AlertsScreen
 from .dashboard import DashboardScreen
 from .detail import WorkerDetailScreen
 from .dialogs import ConfirmScreen, HelpScreen
@@ -28,7 +30,8 @@ from .split_editor import SplitEditorScreen
 
 def binding_ids() -> set[str]:
     """Every id a profile's [keys] table may remap."""
-    classes = (HydraConsole, DashboardScreen, LogsScreen, SplitEditorScreen, WorkerDetailScreen, ConfirmScreen, HelpScreen)
+    classes = (HydraConsole, DashboardScreen, LogsScreen, SplitEditorScreen, WorkerDetailScreen, ConfirmScreen, HelpScreen,
+               AlertsScreen)
     return {b.id for cls in classes for b in cls.BINDINGS if isinstance(b, Binding) and b.id}
 
 
@@ -48,6 +51,7 @@ class HydraConsole(App):
         Binding("t", "cycle_theme", "Theme", show=False, id="hydra.theme"),
         Binding("p", "toggle_pause", "Pause", id="hydra.pause"),
         Binding("r", "next_refresh_rate", "Refresh rate", show=False, id="hydra.rate"),
+        Binding("A", "alerts", "Alerts", show=False, id="hydra.alerts"),
         # Declared here (Textual then adds none of its own) so that the palette key is remappable too.
         Binding("ctrl+p", "command_palette", "palette", show=False, priority=True, id="hydra.palette"),
     ]
@@ -73,6 +77,8 @@ class HydraConsole(App):
         self.paused = False  # the view holds still to be read; supervision goes on
         self.refresh_s = supervisor.settings.poll_s
         self._refresh_timer = None
+        self.alert_history: list[tuple[float, str]] = []
+        self._alerting: set[str] = set()  # incidents active now (each raised once)
         self.dashboard = DashboardScreen()
         for t in THEMES.values():
             self.register_theme(t)
@@ -91,7 +97,7 @@ class HydraConsole(App):
             self.set_keymap(p.keys)
         self.push_screen(self.dashboard)
         self._unsubscribe = self.supervisor.subscribe(self._on_supervisor_event)
-        self._refresh_timer = self.set_interval(self.refresh_s, self.refresh_view)
+        self._refresh_timer = self.set_interval(self.refresh_s, self._tick)
         self._start_supervisor()
         self._stop_on_hangup()
         if self._load_model_shape:
@@ -149,8 +155,27 @@ class HydraConsole(App):
         rates = sorted({*REFRESH_RATES, self.supervisor.settings.poll_s})
         self.refresh_s = next((r for r in rates if r > self.refresh_s), rates[0])
         self._refresh_timer.stop()
-        self._refresh_timer = self.set_interval(self.refresh_s, self.refresh_view)
+        self._refresh_timer = self.set_interval(self.refresh_s, self._tick)
         self._show_mode()
+
+    def _tick(self) -> None:
+        self.check_alerts()
+        self.refresh_view()
+
+    def check_alerts(self) -> None:
+        """A toast and a bell once per incident (also while paused), and a line in the history (`A`)."""
+        if not self.is_running:
+            return
+        active = display.active_alerts(self.supervisor, self.supervisor.profile.alerts)
+        for key in active.keys() - self._alerting:
+            self.alert_history.append((self.supervisor.clock(), active[key]))
+            self.notify(active[key], title="alert", severity="warning", timeout=10, markup=False)
+            self.bell()
+        self._alerting = set(active)
+
+    def action_alerts(self) -> None:
+        if not isinstance(self.screen, AlertsScreen):
+            self.push_screen(AlertsScreen())
 
     def _on_supervisor_event(self, ev) -> None:
         # The supervisor outlives the app by a moment at shutdown: never touch a dead UI.
@@ -341,6 +366,7 @@ class HydraConsole(App):
     def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
         yield from super().get_system_commands(screen)
         yield SystemCommand("Help", "Keys of this screen", self.action_help)
+        yield SystemCommand("Alerts", "Every alert of this session", self.action_alerts)
         yield SystemCommand("Split editor", "Move layer boundaries, preview memory, apply", self.action_split_editor)
         yield SystemCommand("Logs: all workers", "Merged log of every worker", partial(self.action_logs, None))
         yield SystemCommand("Log filter", "Open the logs with the regex filter focused", self.action_filter)
