@@ -242,12 +242,15 @@ def _ours(entry: dict, spec: WorkerSpec) -> psutil.Process | None:
 
 
 def _release(proc) -> None:
-    """Detach from a started child: asyncio's transport kills a child that still runs when the
-    transport is closed or collected, so it must forget the process first (CPython's transport)."""
+    """Detach from a started child: close our ends of its pipes (its writes fail, never block), and
+    keep asyncio's transport from killing it, as close() and collection would (CPython's transport)."""
     transport = getattr(proc, "_transport", None)
     if transport is not None:
-        transport._proc = None
-        transport.close()
+        for fd in (1, 2):
+            pipe = transport.get_pipe_transport(fd)
+            if pipe is not None:
+                pipe.close()
+        transport._closed = True
 
 
 class Supervisor:

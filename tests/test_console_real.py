@@ -138,3 +138,34 @@ async def test_a_missing_model_is_a_named_crash_loop_in_the_row_and_the_events(t
         assert "2: hydra-engine: error: cannot open model file" in str(table.get_cell("head", "exit"))
         app._stop_and_exit(True)
         await until(pilot, lambda: not sup.running_managed(), timeout=30)
+
+
+async def test_detached_real_workers_keep_serving_and_the_next_console_adopts_them(tiny_model, tmp_path):
+    import asyncio
+    import time
+
+    import psutil
+
+    profile = real_profile(tiny_model("llama", n_layers=4))
+    first = Supervisor(profile, log_dir=tmp_path)
+    await first.start()
+    deadline = time.monotonic() + 120
+    while not all_ready(first):
+        assert time.monotonic() < deadline, "workers never ready"
+        await asyncio.sleep(0.1)
+    pids = [w.pid for w in first.workers.values()]
+    await first.shutdown(stop_workers=False)
+
+    def complete() -> int:
+        body = {"prompt": "hi", "max_tokens": 4, "temperature": 0}
+        return httpx.post(f"{profile.head.url}/v1/completions", json=body, timeout=60).status_code
+
+    assert await asyncio.to_thread(complete) == 200  # its pipes to the console are closed: it serves on
+    nxt = Supervisor(profile, log_dir=tmp_path)
+    await nxt.start()
+    try:
+        assert [w.pid for w in nxt.workers.values()] == pids and [e.kind for e in nxt.events] == ["adopted", "adopted"]
+        assert await asyncio.to_thread(complete) == 200
+    finally:
+        await nxt.shutdown()
+    assert all(not psutil.pid_exists(p) or psutil.Process(p).status() == psutil.STATUS_ZOMBIE for p in pids)
