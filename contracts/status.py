@@ -207,6 +207,10 @@ class Status(_Doc):
     speculative: Speculative = field(default_factory=Speculative)
     pool: Pool | None = None
     peers: list[PeerInfo] = field(default_factory=list)
+    # The head's applied split: how many live re-splits, and who asked for the last one (CONFIGURE's
+    # "by", e.g. "hydra-console pid 812 on lab1"); None = the split it started with.
+    resplits: int = 0
+    split_by: str | None = None
     slots: list[SlotInfo] = field(default_factory=list)
     resident: dict | None = None  # a peer's resident stage: layers, epoch, forwards, bytes
     config: dict | None = None  # the worker's effective configuration, secrets redacted

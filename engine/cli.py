@@ -8,6 +8,7 @@ builds the config, and turns a UserError into one line on stderr and exit code 2
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import os
 import sys
@@ -48,7 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
     epilog = "environment:\n" + "\n".join(f"  {name:<18} {doc}" for name, doc in ENVIRONMENT.items())
     ap = argparse.ArgumentParser(prog="hydra-engine", description="Hydra layer-split LLM engine", epilog=epilog,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = ap.add_subparsers(dest="command", required=True)
+    # Every subcommand's --help shows its defaults.
+    sub = ap.add_subparsers(dest="command", required=True, parser_class=functools.partial(
+        argparse.ArgumentParser, formatter_class=argparse.ArgumentDefaultsHelpFormatter))
 
     g = sub.add_parser("generate", help="stream a completion to stdout")
     _model_args(g)
