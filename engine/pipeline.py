@@ -307,12 +307,9 @@ def build_pipeline(args, g, cfg, *, n_slots: int, n_ctx: int) -> Pipeline:
 
 def _check_fits(g, device: torch.device) -> None:
     """--fallback-solo only when every layer's weights (dequantized to at most 2 bytes a value) fit."""
-    need = sum(t.n_elements for name, t in g.tensors.items() if name.startswith("blk.")) * 2
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-    else:
-        import psutil
+    from .device import free_bytes
 
-        free = psutil.virtual_memory().available
+    need = sum(t.n_elements for name, t in g.tensors.items() if name.startswith("blk.")) * 2
+    free = free_bytes(device)
     if need > free:
         raise UserError(f"--fallback-solo: all layers need ~{need >> 20} MiB, only {free >> 20} MiB free on {device}")
