@@ -27,8 +27,25 @@ def _rpc_args(p: argparse.ArgumentParser, default_host: str = "127.0.0.1") -> No
     p.add_argument(
         "--auth-token",
         default=os.environ.get("HYDRA_TOKEN"),
-        help="shared secret both RPC protocols must prove before any command (env HYDRA_TOKEN)",
+        help="shared secret both RPC protocols must prove before any command (env HYDRA_TOKEN); "
+        "visible in ps: prefer HYDRA_TOKEN or --auth-token-file",
     )
+    p.add_argument("--auth-token-file", default=None, help="read the token from this file (mode 0600 or stricter)")
+
+
+def read_token_file(path: str) -> str:
+    """The token in `path`, refused when group or others may read it (a secret file must stay one)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError as e:
+        raise UserError(f"--auth-token-file {path}: {e.strerror}") from None
+    with os.fdopen(fd) as f:
+        if os.fstat(fd).st_mode & 0o077:
+            raise UserError(f"--auth-token-file {path}: readable by group or others; chmod 600 it")
+        token = f.read().strip()
+    if not token:
+        raise UserError(f"--auth-token-file {path} is empty")
+    return token
 
 
 def _spec_args(p: argparse.ArgumentParser) -> None:
@@ -84,6 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--host", default="127.0.0.1", help="HTTP bind for /health, /status, /metrics")
     pr.add_argument("--port", type=int, default=8090)
     _rpc_args(pr)
+    pr.add_argument("--insecure", action="store_true", help="allow a non-loopback --rpc-host without a token")
     return ap
 
 
@@ -96,6 +114,8 @@ def main(argv: list[str] | None = None) -> int:
 
         configure_split_worker()  # before the subcommand imports torch
     try:
+        if getattr(args, "auth_token_file", None):
+            args.auth_token = read_token_file(args.auth_token_file)
         if args.command == "generate":
             from .generate import main as run
         elif args.command == "bench":

@@ -7,14 +7,30 @@ is. `/health`, `/status` and `/metrics` answer on `--port`.
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import sys
 
 from ...contracts.status import Address, ModelInfo, StageInfo
+from ..errors import UserError
 from .compute import ComputeServer
 from .listener import RpcListener
 from .resident import StageHost
 from .service import RpcCollector
+
+
+def require_token_off_loopback(rpc_host: str, token: str | None, insecure: bool) -> None:
+    """Without a token anyone who reaches the port can load, run and clear this peer's stage:
+    only loopback is allowed that way unless the operator says --insecure."""
+    if token or insecure:
+        return
+    try:
+        loopback = ipaddress.ip_address(rpc_host.strip("[]")).is_loopback
+    except ValueError:
+        loopback = rpc_host == "localhost"
+    if not loopback:
+        raise UserError(f"--rpc-host {rpc_host} without a token exposes this peer to anyone who reaches it: "
+                        "set HYDRA_TOKEN or --auth-token-file, or pass --insecure")  # fmt: skip
 
 
 def build_app(status, metrics):
@@ -51,6 +67,7 @@ def main(args) -> int:
     from ..model import ModelConfig, default_cache_dir
     from ..status import StatusDocument
 
+    require_token_off_loopback(args.rpc_host, args.auth_token, args.insecure)
     http_sock = listen_socket(args.host, args.port)
     status = StatusDocument("peer", args.host, http_sock.getsockname()[1])
     from ..default_model import model_path
@@ -62,6 +79,8 @@ def main(args) -> int:
     status.model = ModelInfo(path.stem, str(path), g.architecture, cfg.n_layers, g.fingerprint)
     status.startup_stage = 2
     host = StageHost(g, cfg, device, cache_dir=default_cache_dir(os.environ))
+    host.on_change = lambda: setattr(status, "degraded", host.stage is None)
+    host.on_change()  # no stage until a head loads one: /health says degraded, /status "idle"
     compute = ComputeServer(host, auth_token=args.auth_token or None, max_frame=args.max_frame)
     listener = RpcListener(args.rpc_host, args.rpc_port, mode="peer", compute=compute).start()
     status.startup_stage = 4  # 3 = RPC active; a peer is ready as soon as its port serves
