@@ -65,8 +65,9 @@ MAX_CONNS_PER_IP = 32  # per remote address; loopback is exempt (every local cli
 
 
 def frame_deadline(size: int) -> float:
-    """Seconds a frame of `size` payload bytes may take to arrive once its header has."""
-    return HEADER_DEADLINE_S + size / FRAME_RATE
+    """Seconds a frame of `size` payload bytes may take to arrive once its header has (a size over
+    every cap gets the largest cap's deadline: the frame is refused or drained, never read whole)."""
+    return HEADER_DEADLINE_S + min(size, STATE_PUT_CAP) / FRAME_RATE
 
 # --- compute protocol --------------------------------------------------------------------------------
 
