@@ -6,7 +6,9 @@ import them. Framing and parsing code lives in `engine/rpc/wire.py`.
 
 Compute protocol (ggml-rpc framing): request `cmd u8 | size u64 LE | payload`, response
 `size u64 LE | payload`. HELLO (14) first; with a token, the server then sends a nonce and the
-client answers AUTH with HMAC-SHA256(token, nonce). Every reply to our commands (ids >= 32)
+client answers AUTH with HMAC-SHA256(token, nonce). Before AUTH only HELLO, AUTH and PING
+(control: AUTH) are read, in frames of at most PREAUTH_MAX_FRAME; anything else closes the
+connection unanswered. Every reply to our commands (ids >= 32)
 starts with a `ReplyStatus` byte, then JSON, raw bytes or an error message:
 
 | cmd | request payload | reply after the status byte |

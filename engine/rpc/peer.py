@@ -1,7 +1,7 @@
 """`hydra-engine peer`: serves the layers a head assigns, from this machine's own GGUF copy.
 
-The merged RPC port runs in peer mode (a thread per connection, straight into the compute
-protocol). Nothing is materialised until a head sends LOAD_STAGE; then only that layer range
+The merged RPC port runs in peer mode (after its handshake, a thread per connection straight
+into the compute protocol). Nothing is materialised until a head sends LOAD_STAGE; then only that layer range
 is. `/health`, `/status` and `/metrics` answer on `--port`.
 """
 
