@@ -40,6 +40,7 @@ log = logging.getLogger("hydra.rpc")
 
 KEEPALIVE = {"TCP_KEEPIDLE": 30, "TCP_KEEPINTVL": 10, "TCP_KEEPCNT": 3}
 LOOPBACK = frozenset({"127.0.0.1", "::1", "::ffff:127.0.0.1"})
+SCAN_S = 0.25  # how often the selector closes connections past their deadline
 
 
 class Server(Protocol):
@@ -188,19 +189,20 @@ class RpcListener:
             pass  # already full: the selector wakes anyway
 
     def _select_loop(self) -> None:
+        next_scan = 0.0
         try:
             while self._running.is_set():
-                now = time.monotonic()
-                waiting = [k.data.deadline for k in self._sel.get_map().values() if k.data is not None]
-                timeout = max(min(waiting, default=now + 1.0) - now, 0.0)
-                for key, _ in self._sel.select(min(timeout, 1.0)):
+                for key, _ in self._sel.select(SCAN_S):
                     if key.fileobj is self._sock:
                         self._accept()
                     elif key.fileobj is self._wake_r:
                         self._take_returned()
                     else:
                         self._step(key.data)
-                self._expire(time.monotonic())
+                now = time.monotonic()
+                if now >= next_scan:  # deadlines to SCAN_S: a scan per event would cost O(sockets) each
+                    self._expire(now)
+                    next_scan = now + SCAN_S
         finally:
             for key in list(self._sel.get_map().values()):
                 if key.data is not None:
