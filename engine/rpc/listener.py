@@ -15,6 +15,9 @@ After the handshake (HELLO, plus AUTH when a token is set):
   hands the connection back. An idle or silent connection never holds a pool worker, so the
   console's INFO and CONFIGURE cannot be starved by open sockets.
 
+Each request must arrive within `frame_deadline(size)` and each send of its reply must make
+progress within `header_s`, so a client that trickles or never reads frees its thread.
+
 Caps: MAX_CONNS open connections per port and MAX_CONNS_PER_IP per remote address (loopback
 exempt); a connection over a cap is closed at accept.
 """
@@ -309,6 +312,7 @@ class RpcListener:
             pass
         while self._returned:
             c = self._returned.popleft()
+            c.sock.setblocking(False)
             c.need, c.deadline = c.server.header, time.monotonic() + c.server.idle_s
             self._sel.register(c.sock, selectors.EVENT_READ, c)
 
@@ -350,7 +354,7 @@ class RpcListener:
             with self._lock:
                 self._busy += 1
             try:
-                keep = self._serve(c, SocketReader(c.sock, prefix=bytes(c.buf)))
+                keep = self._serve(c, SocketReader(c.sock, prefix=bytes(c.buf), send_timeout=self.header_s))
             finally:
                 with self._lock:
                     self._busy -= 1
@@ -362,7 +366,7 @@ class RpcListener:
                 self._close(c)
 
     def _session_thread(self, c: _Conn) -> None:
-        reader = SocketReader(c.sock)
+        reader = SocketReader(c.sock, send_timeout=self.header_s)
         try:
             while self._running.is_set():
                 reader.expect(c.server.idle_s)
@@ -373,7 +377,7 @@ class RpcListener:
 
     def _serve(self, c: _Conn, reader: SocketReader) -> bool:
         """One request; False closes the connection."""
-        c.sock.setblocking(True)
+        c.sock.settimeout(self.header_s)  # bounds sends when the request was read from the prefix
         try:
             return c.server.serve(c.sock, reader, c.session)
         except (FrameError, OSError) as e:  # timeout, truncated frame, reset: close this one only

@@ -90,12 +90,15 @@ class SocketReader:
     (it raises to abort) and the read resumes where it was: no byte is lost to a timeout.
     `prefix`: bytes of the stream already taken off the socket (the listener's handshake reads).
     `expect(seconds)` sets a deadline for everything read until the next `expect`: a whole frame
-    (or the wait for one) must arrive by then, however slowly its bytes trickle in."""
+    (or the wait for one) must arrive by then, however slowly its bytes trickle in. After a read
+    under a deadline the socket's timeout goes back to `send_timeout`, which then bounds each
+    send of the reply (a client that never reads cannot hold the server's thread)."""
 
-    def __init__(self, sock: socket.socket, on_idle=None, prefix: bytes = b""):
+    def __init__(self, sock: socket.socket, on_idle=None, prefix: bytes = b"", send_timeout: float | None = None):
         self.sock = sock
         self.on_idle = on_idle
         self.prefix = memoryview(bytes(prefix))
+        self.send_timeout = send_timeout
         self.deadline: float | None = None
         self.bytes_in = 0
 
@@ -132,6 +135,8 @@ class SocketReader:
             if k == 0:
                 raise PeerClosed(f"connection closed after {got} of {n} bytes")
             got += k
+        if self.deadline is not None:
+            self.sock.settimeout(self.send_timeout)
         self.bytes_in += n
 
     def drain(self, n: int) -> None:
