@@ -148,7 +148,7 @@ def test_cuda_ipc_peer_killed_mid_decode_fails_fast_and_recovers(cuda_peer):
     from hydra_console.engine.rpc.client import PeerUnavailable
 
     peer, path = cuda_peer
-    split, solo = split_pipeline(peer, path, cuda_ipc=transport != "socket"), solo_pipeline(path)
+    split, solo = split_pipeline(peer, path), solo_pipeline(path)
     try:
         remote = split.remotes[0]
         assert remote.transport == "cuda-ipc"
