@@ -216,6 +216,22 @@ def port_owner(port: int) -> str:
     return "a process this user cannot see"
 
 
+def profile_token(path: Path) -> str:
+    """The RPC token of a profile's workers, kept 0600 beside its state file: the next console of
+    the profile (attached, or adopting workers a killed console left) proves the same one."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        return path.read_text().strip()
+    except FileNotFoundError:  # no state directory yet
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return profile_token(path)
+    token = secrets.token_hex(32)
+    with os.fdopen(fd, "w") as f:
+        f.write(token)
+    return token
+
+
 class _Adopted:
     """A worker process another console started: no pipes, and its exit code is its parent's to read."""
 
@@ -276,7 +292,6 @@ class Supervisor:
     ):
         self.profile = profile
         self.settings = profile.supervisor
-        self.token = os.environ.get("HYDRA_TOKEN") or secrets.token_hex(32)
         self.source = source or HttpStatusSource()
         self.clock = clock
         self.auto_restart = auto_restart
@@ -286,6 +301,7 @@ class Supervisor:
         self.run_id = uuid.uuid4().hex[:12]
         self.identity = f"hydra-console pid {os.getpid()} on {socket.gethostname()}"
         self.state_path = Path(state_path) if state_path else state_dir() / "run" / f"{profile.name}.json"
+        self.token = os.environ.get("HYDRA_TOKEN") or profile_token(self.state_path.with_suffix(".token"))
         self.detached = False
         self._foreign: set[str] = set()  # workers of this profile another live console runs
         self.log_dir = Path(log_dir or self.settings.log_dir or state_dir() / "logs")

@@ -545,7 +545,10 @@ async def test_local_workers_get_the_token_in_their_environment_not_argv(tmp_pat
     out = tmp_path / "env.txt"
     profile = script_profile(tmp_path, f"import os, sys, time\nopen({str(out)!r}, 'w').write(os.environ.get('HYDRA_TOKEN', '') + '|' + ' '.join(sys.argv))\ntime.sleep(60)\n")
     sup = new_supervisor(profile, tmp_path)
-    assert len(sup.token) == 64 and sup.token != new_supervisor(profile, tmp_path).token  # random per console
+    # Random, and kept for the profile: the next console of it (attached, adopting) proves the same one.
+    assert len(sup.token) == 64 and sup.token == new_supervisor(profile, tmp_path).token
+    token_file = sup.state_path.with_suffix(".token")
+    assert token_file.stat().st_mode & 0o777 == 0o600
     await sup.start_worker("head")
     try:
         await wait_until(lambda: out.exists() and out.read_text())
