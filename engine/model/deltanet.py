@@ -1,0 +1,111 @@
+"""Gated DeltaNet linear attention (Qwen3.5's recurrent layers), as llama.cpp's qwen35 graph computes it.
+
+Per token: one projection gives the conv input (Q, K, V), the output gate z, β and α. A causal
+depthwise conv1d of `conv_kernel` taps (the last kernel-1 inputs are the conv state) and SiLU give
+Q, K, V; Q and K are L2-normalised; V head h reads Q/K head h % n_k_heads. The gated delta rule
+then updates a [head_k_dim, head_v_dim] state per V head:
+
+    g = softplus(α + dt_bias) * ssm_a          (ssm_a = -exp(A_log), so exp(g) in (0, 1))
+    S = exp(g) S;   S += k ⊗ β (v - Sᵀk);      o = Sᵀq / sqrt(head_k_dim)
+
+and the output is RMSNorm(o) * ssm_norm * SiLU(z) through ssm_out. Both states live per slot in
+float32, beside the attention layers' KV cache.
+
+The recurrence runs token by token (exact, the reference form). A batch's runs (one per slot) go
+through it together, padded to the longest: a padded step has g = 0 and β = 0, which leaves the
+state exactly as it was, so prefill chunks, verify batches and decode share one code path.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+from .config import ModelConfig
+
+if TYPE_CHECKING:
+    from .weights import Weights
+
+
+class DeltaNet:
+    """Weights and per-slot recurrent state (conv + SSM) of one Gated DeltaNet layer."""
+
+    def __init__(self, cfg: ModelConfig, w: Weights, prefix: str, n_slots: int):
+        self.cfg, self.shape = cfg, cfg.deltanet
+        s = self.shape
+        # One product for everything the input feeds: conv input, z, β, α (in this order).
+        names = ["attn_qkv.weight", "attn_gate.weight", "ssm_beta.weight", "ssm_alpha.weight"]
+        self.w_in = w.linear([prefix + n for n in names])
+        self.w_out = w.linear([prefix + "ssm_out.weight"])
+        self.conv = w.vector(prefix + "ssm_conv1d.weight").view(s.conv_channels, 1, s.conv_kernel)
+        self.dt_bias = w.vector(prefix + "ssm_dt.bias")
+        self.a = w.vector(prefix + "ssm_a")
+        self.norm = w.vector(prefix + "ssm_norm.weight")
+        dev = w.device
+        self.conv_state = torch.zeros(n_slots, s.conv_channels, s.conv_kernel - 1, device=dev)
+        self.ssm_state = torch.zeros(n_slots, s.n_v_heads, s.head_k_dim, s.head_v_dim, device=dev)
+
+    @property
+    def nbytes(self) -> int:
+        return self.w_in.nbytes + self.w_out.nbytes
+
+    def clear(self, slot: int) -> None:
+        self.conv_state[slot].zero_()
+        self.ssm_state[slot].zero_()
+
+    def __call__(self, x: torch.Tensor, runs: list[tuple[int, int, int]]) -> torch.Tensor:
+        """Normed hidden states [T, n_embd] (compute dtype) of a flat batch -> layer output [T, n_embd]
+        float32; advances the state of each run's slot by its tokens."""
+        s = self.shape
+        C, Hv, dv = s.conv_channels, s.n_v_heads, s.head_v_dim
+        proj = self.w_in(x).float()
+        mixed, z, beta, alpha = proj.split([C, Hv * dv, Hv, Hv], dim=-1)
+
+        # Flat tokens -> runs padded to the longest: [R, L, ...]; `index` maps back.
+        R, L = len(runs), max(n for _, _, n in runs)
+        dev = x.device
+        lengths = torch.tensor([n for _, _, n in runs], device=dev)
+        starts = torch.cumsum(lengths, 0) - lengths
+        steps = torch.arange(L, device=dev)
+        valid = steps[None, :] < lengths[:, None]  # [R, L]
+        index = (starts[:, None] + steps[None, :]).clamp(max=x.shape[0] - 1)
+        slots = torch.tensor([slot for slot, _, _ in runs], device=dev)
+
+        def padded(t: torch.Tensor) -> torch.Tensor:
+            return t[index] * valid.view(R, L, *([1] * (t.dim() - 1)))
+
+        # Causal conv over [state | run], then the new state: the last kernel-1 inputs of each run.
+        conv_in = torch.cat([self.conv_state[slots], padded(mixed).transpose(1, 2)], dim=2)  # [R, C, K-1+L]
+        conv = F.silu(F.conv1d(conv_in, self.conv, groups=C)).transpose(1, 2)  # [R, L, C]
+        tail = lengths[:, None] + torch.arange(s.conv_kernel - 1, device=dev)[None, :]
+        self.conv_state[slots] = conv_in.gather(2, tail[:, None, :].expand(-1, C, -1))
+
+        nk = s.n_k_heads * s.head_k_dim
+        q = _l2norm(conv[..., :nk].unflatten(-1, (s.n_k_heads, s.head_k_dim)), self.cfg.rms_eps)
+        k = _l2norm(conv[..., nk : 2 * nk].unflatten(-1, (s.n_k_heads, s.head_k_dim)), self.cfg.rms_eps)
+        v = conv[..., 2 * nk :].unflatten(-1, (Hv, dv))
+        repeat = Hv // s.n_k_heads  # V head h reads Q/K head h % n_k_heads (ggml's repeat tiles)
+        q, k = q.repeat(1, 1, repeat, 1), k.repeat(1, 1, repeat, 1)
+        g = padded(F.softplus(alpha + self.dt_bias) * self.a)  # padded steps: g = 0, β = 0
+        b = padded(torch.sigmoid(beta))
+
+        state = self.ssm_state[slots]  # [R, Hv, dk, dv]
+        out = torch.empty(R, L, Hv, dv, device=dev)
+        for t in range(L):
+            state = state * torch.exp(g[:, t, :, None, None])
+            kv = (k[:, t, :, None, :] @ state).squeeze(-2)  # Sᵀk  [R, Hv, dv]
+            delta = (v[:, t] - kv) * b[:, t, :, None]
+            state = state + k[:, t, :, :, None] * delta[:, :, None, :]
+            out[:, t] = (q[:, t, :, None, :] @ state).squeeze(-2)
+        self.ssm_state[slots] = state
+
+        o = out[valid] / s.head_k_dim**0.5  # [T, Hv, dv], back in batch order
+        o = F.rms_norm(o, (dv,), self.norm, self.cfg.rms_eps) * F.silu(z.view(-1, Hv, dv))
+        return self.w_out(o.flatten(1).to(x.dtype)).float()
+
+
+def _l2norm(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / sqrt(sum(x²) + eps) over the last dim (llama.cpp's build_gdn_l2_norm: rms_norm with eps/n)."""
+    return x * torch.rsqrt(x.square().sum(-1, keepdim=True) + eps)
