@@ -166,3 +166,20 @@ def test_moe_variant_is_named_as_not_supported(tmp_path):
     w.close()
     with pytest.raises(UserError, match="qwen35moe.*not supported yet"):
         ModelConfig.from_gguf(GGUFFile(tmp_path / "moe.gguf"))
+
+
+def test_speculation_is_refused_for_recurrent_models(tiny_model):
+    from hydra_console.engine.config import ModelSettings, SpecConfig
+    from hydra_console.engine.speculative import build_speculator
+
+    g, model = GGUFFile(tiny_model("qwen35")), ModelSettings(None, "cpu", "float32", 64)
+    with pytest.raises(UserError, match="qwen35.*cannot roll back a rejected draft"):
+        build_speculator(SpecConfig(type="ngram"), None, g, model, n_slots=1)
+    spec = build_speculator(SpecConfig(), None, g, model, n_slots=1)  # off: fine
+    with pytest.raises(UserError, match="cannot roll back"):
+        spec.request_config({"speculative": {"type": "ngram", "n_max": 2}})
+    with pytest.raises(UserError, match="qwen35.*no multi-token-prediction head"):
+        build_speculator(SpecConfig(type="mtp"), None, g, model, n_slots=1)
+    llama = GGUFFile(tiny_model("llama"))
+    with pytest.raises(UserError):  # a recurrent draft model is refused too (here first for its vocabulary)
+        build_speculator(SpecConfig(type="draft"), str(tiny_model("qwen35")), llama, model, n_slots=1)
