@@ -6,10 +6,13 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+import socket
+import threading
 from pathlib import Path
 
 import pytest
 import torch
+from rpc_workers import complete, greedy, head, peer, wait_for
 
 from hydra_console.engine.errors import UserError
 from hydra_console.engine.gguf_file import GGUFFile
@@ -57,7 +60,7 @@ def compare(stage, ref) -> dict:
             "margin_min": float(margins.min()), "margin_p10": float(margins.quantile(0.1))}  # fmt: skip
 
 
-def greedy(stage, ids, n) -> list[int]:
+def greedy_ids(stage, ids, n) -> list[int]:
     """Prefill `ids`, then decode token by token (the single-step recurrence)."""
     stage.kv_clear(0)
     logits = run(stage, ids)
@@ -77,7 +80,7 @@ def test_logits_agree_with_llama_cpp(reference_models, name):
     print(name, {k: f"{v:.3g}" for k, v in got.items()})
     if name == "f32":
         assert got["top1"] == 1.0 and got["max_abs"] < F32_MAX_ABS, got
-        assert greedy(stage, ref["ids"], len(ref["greedy"])) == ref["greedy"]
+        assert greedy_ids(stage, ref["ids"], len(ref["greedy"])) == ref["greedy"]
     else:  # llama.cpp quantizes activations to 8 bits for K-quant products
         assert got["top1"] >= 0.99, got
 
@@ -183,3 +186,46 @@ def test_speculation_is_refused_for_recurrent_models(tiny_model):
     llama = GGUFFile(tiny_model("llama"))
     with pytest.raises(UserError):  # a recurrent draft model is refused too (here first for its vocabulary)
         build_speculator(SpecConfig(type="draft"), str(tiny_model("qwen35")), llama, model, n_slots=1)
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_model, tmp_path_factory):
+    """A solo head and a head + one peer holding half of a qwen35 model (real processes)."""
+    model = tiny_model("qwen35", n_layers=4)
+    logs = tmp_path_factory.mktemp("qwen35-split-logs")
+    solo, p = head(model, logs), peer(model, logs)
+    split = head(model, logs, [p], "--split", "2/2")
+    try:
+        for w in (solo, p, split):
+            w.wait_ready()
+        yield {"solo": solo, "peer": p, "head": split}
+    finally:
+        for w in (solo, p, split):
+            w.stop()
+
+
+def test_split_across_processes_and_live_resplit_equal_solo(cluster):
+    """The peer holds its layers' recurrent state; a live re-split rebuilds it by replay from 0."""
+    from hydra_console.contracts.rpc import Op, Status
+    from hydra_console.engine.rpc import wire
+    from hydra_console.engine.rpc.wire import SocketReader
+
+    w, solo = cluster["head"], cluster["solo"]
+    for prompt in ("hello world", "the quick brown fox"):
+        assert greedy(w, prompt) == greedy(solo, prompt)
+    result = {}
+    t = threading.Thread(target=lambda: result.setdefault("r", complete(w, "once upon a time", 60, timeout=120)))
+    t.start()
+    try:
+        wait_for(lambda: any((s["n_decoded"] or 0) > 3 for s in w.status()["slots"]), 60, "decoding to start")
+        with socket.create_connection(("127.0.0.1", w.rpc_port), timeout=30) as s:
+            s.sendall(wire.pack_control_request(Op.CONFIGURE, json.dumps({"split": "1/3"}).encode()))
+            resp = wire.read_control_response(SocketReader(s), 1 << 20)
+        assert resp.status == Status.OK, resp.meta
+        assert resp.meta["rebuilt_tokens"] > 3
+    finally:
+        t.join(timeout=120)
+    r = result["r"]
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == complete(solo, "once upon a time", 60).json()["choices"][0]["text"]
+    assert greedy(w, "hello world") == greedy(solo, "hello world")
