@@ -16,7 +16,7 @@ from rpc_workers import complete, greedy, head, peer, wait_for
 
 from hydra_console.engine.errors import UserError
 from hydra_console.engine.gguf_file import GGUFFile
-from hydra_console.engine.model import ModelConfig, build_stage
+from hydra_console.engine.model import ROLLBACK, ModelConfig, build_stage
 from hydra_console.engine.synth import write_synthetic
 
 REFERENCE = Path(__file__).resolve().parent / "data" / "reference" / "qwen35"
@@ -138,14 +138,23 @@ def test_kv_clear_resets_the_recurrent_state(tiny_model):
     torch.testing.assert_close(run(stage, PROMPT), first, atol=0, rtol=0)
 
 
-def test_a_batch_that_does_not_continue_the_state_is_refused(tiny_model):
-    stage = load(tiny_model("qwen35", n_layers=4))
+def test_rejected_positions_restore_the_state_from_checkpoints(tiny_model):
+    """A verify batch of 5 whose last 3 are rejected, then the correction: as if never drafted."""
+    path = tiny_model("qwen35", n_layers=4)
+    stage, ref = load(path), load(path)
     run(stage, PROMPT[:10])
-    with pytest.raises(ValueError, match="cannot roll back"):
-        run(stage, [5, 6], start=8)  # a rejected draft's positions, re-run
-    with pytest.raises(ValueError, match="cannot roll back"):
-        run(stage, [5], start=12)  # a gap
-    run(stage, [5], start=10)  # the continuation still works
+    run(stage, [50, 51, 52, 53, 54], start=10)
+    again = run(stage, [60, 61], start=12)
+    torch.testing.assert_close(again, run(ref, PROMPT[:10] + [50, 51, 60, 61])[12:], atol=1e-5, rtol=1e-5)
+    run(stage, [70], start=13)  # one back after a 2-token run
+    with pytest.raises(ValueError, match="cannot skip, nor roll back further than 1"):
+        run(stage, [5], start=12)  # beyond the last run
+    with pytest.raises(ValueError, match="cannot skip"):
+        run(stage, [5], start=16)  # a gap
+    run(stage, [5], start=14)  # the continuation still works
+    run(stage, PROMPT[:12])
+    with pytest.raises(ValueError, match=f"further than {ROLLBACK}"):
+        run(stage, [5], start=12 - ROLLBACK - 1)
 
 
 def test_reassigning_layers_requires_a_replay(tiny_model):
@@ -154,7 +163,7 @@ def test_reassigning_layers_requires_a_replay(tiny_model):
     h0 = stage.embed(torch.tensor(PROMPT))
     stage.run_layers(h0, torch.zeros(len(PROMPT), dtype=torch.long), torch.arange(len(PROMPT)))
     stage.assign(0, 3)  # a new layer with no state: the slot must be replayed from position 0
-    with pytest.raises(ValueError, match="cannot roll back"):
+    with pytest.raises(ValueError, match="cannot skip"):
         stage.run_layers(stage.embed(torch.tensor([4])), torch.tensor([0]), torch.tensor([len(PROMPT)]))
 
 
@@ -171,21 +180,55 @@ def test_moe_variant_is_named_as_not_supported(tmp_path):
         ModelConfig.from_gguf(GGUFFile(tmp_path / "moe.gguf"))
 
 
-def test_speculation_is_refused_for_recurrent_models(tiny_model):
+def test_speculation_on_qwen35_is_greedy_token_for_token(tiny_model):
+    """ngram drafts (capped at ROLLBACK) verified with slots batched give exactly plain greedy."""
+    from hydra_console.engine.config import ModelSettings, SpecConfig
+    from hydra_console.engine.pipeline import Pipeline
+    from hydra_console.engine.runtime import Engine
+    from hydra_console.engine.sampling import SamplingParams
+    from hydra_console.engine.sequence import Request
+    from hydra_console.engine.speculative import build_speculator
+    from hydra_console.engine.tokenizer import Tokenizer
+
+    path = tiny_model("qwen35", n_layers=4)
+    g, tok = GGUFFile(path), Tokenizer.from_gguf(GGUFFile(path))
+    prompts = [tok.encode(p) for p in ("hello world hello world hello", "a b a b a b a", "the cat the cat the")]
+
+    def outputs(spec_type):
+        spec = build_speculator(SpecConfig(type=spec_type, n_max=8), None, g, ModelSettings(None, "cpu", "float32", 128), 3)
+        eng = Engine(Pipeline(load(path, n_slots=3, n_ctx=128)), tok, 3, 128, speculator=spec).start()
+        results = {}
+
+        def one(i, p):
+            ids = []
+            for ev in eng.generate(Request(p, SamplingParams(temperature=0.0), max_tokens=30, ignore_eos=True), timeout=120):
+                ids += [t.id for t in ev.tokens]
+            results[i] = ids
+
+        try:
+            threads = [threading.Thread(target=one, args=(i, p)) for i, p in enumerate(prompts)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(timeout=120)
+            return [results[i] for i in range(len(prompts))], eng.spec_stats, spec.max_draft
+        finally:
+            eng.stop()
+
+    plain, _, _ = outputs("off")
+    speculative, stats, max_draft = outputs("ngram")
+    assert max_draft == ROLLBACK
+    assert speculative == plain
+    assert stats.draft_tokens > 0 and stats.accepted < stats.draft_tokens  # some drafts were rejected
+
+
+def test_a_recurrent_draft_model_is_refused(tiny_model):
     from hydra_console.engine.config import ModelSettings, SpecConfig
     from hydra_console.engine.speculative import build_speculator
 
-    g, model = GGUFFile(tiny_model("qwen35")), ModelSettings(None, "cpu", "float32", 64)
-    with pytest.raises(UserError, match="qwen35.*cannot roll back a rejected draft"):
-        build_speculator(SpecConfig(type="ngram"), None, g, model, n_slots=1)
-    spec = build_speculator(SpecConfig(), None, g, model, n_slots=1)  # off: fine
-    with pytest.raises(UserError, match="cannot roll back"):
-        spec.request_config({"speculative": {"type": "ngram", "n_max": 2}})
-    with pytest.raises(UserError, match="qwen35.*no multi-token-prediction head"):
-        build_speculator(SpecConfig(type="mtp"), None, g, model, n_slots=1)
-    llama = GGUFFile(tiny_model("llama"))
-    with pytest.raises(UserError):  # a recurrent draft model is refused too (here first for its vocabulary)
-        build_speculator(SpecConfig(type="draft"), str(tiny_model("qwen35")), llama, model, n_slots=1)
+    path = str(tiny_model("qwen35", n_layers=2))
+    with pytest.raises(UserError, match="recurrent model \\(qwen35\\) cannot draft"):
+        build_speculator(SpecConfig(type="draft"), path, GGUFFile(path), ModelSettings(None, "cpu", "float32", 64), 1)
 
 
 @pytest.fixture(scope="module")

@@ -14,6 +14,10 @@ float32, beside the attention layers' KV cache.
 The recurrence runs token by token (exact, the reference form). A batch's runs (one per slot) go
 through it together, padded to the longest: a padded step has g = 0 and β = 0, which leaves the
 state exactly as it was, so prefill chunks, verify batches and decode share one code path.
+
+Unlike KV, recurrent state cannot be overwritten to roll back, so each run also checkpoints the
+states of its last `ROLLBACK` positions (and the one before them): a rejected speculative draft
+restores the state at the first rejected position (`restore`).
 """
 
 from __future__ import annotations
@@ -24,6 +28,10 @@ import torch
 import torch.nn.functional as F
 
 from .config import ModelConfig
+
+# Positions a slot's recurrent state can be taken back: the longest draft a recurrent model verifies.
+# Each one costs a copy of the state per slot and layer.
+ROLLBACK = 4
 
 if TYPE_CHECKING:
     from .weights import Weights
@@ -46,6 +54,9 @@ class DeltaNet:
         dev = w.device
         self.conv_state = torch.zeros(n_slots, s.conv_channels, s.conv_kernel - 1, device=dev)
         self.ssm_state = torch.zeros(n_slots, s.n_v_heads, s.head_k_dim, s.head_v_dim, device=dev)
+        # [slot, j]: the state j tokens before the end of the slot's last run (j <= ROLLBACK)
+        self.conv_ckpt = torch.zeros(n_slots, ROLLBACK + 1, *self.conv_state.shape[1:], device=dev)
+        self.ssm_ckpt = torch.zeros(n_slots, ROLLBACK + 1, *self.ssm_state.shape[1:], device=dev)
 
     @property
     def nbytes(self) -> int:
@@ -54,6 +65,11 @@ class DeltaNet:
     def clear(self, slot: int) -> None:
         self.conv_state[slot].zero_()
         self.ssm_state[slot].zero_()
+
+    def restore(self, slot: int, back: int) -> None:
+        """Take the slot's state back `back` tokens (at most ROLLBACK and its last run's length)."""
+        self.conv_state[slot] = self.conv_ckpt[slot, back]
+        self.ssm_state[slot] = self.ssm_ckpt[slot, back]
 
     def __call__(self, x: torch.Tensor, runs: list[tuple[int, int, int]]) -> torch.Tensor:
         """Normed hidden states [T, n_embd] (compute dtype) of a flat batch -> layer output [T, n_embd]
@@ -79,8 +95,13 @@ class DeltaNet:
         # Causal conv over [state | run], then the new state: the last kernel-1 inputs of each run.
         conv_in = torch.cat([self.conv_state[slots], padded(mixed).transpose(1, 2)], dim=2)  # [R, C, K-1+L]
         conv = F.silu(F.conv1d(conv_in, self.conv, groups=C)).transpose(1, 2)  # [R, L, C]
-        tail = lengths[:, None] + torch.arange(s.conv_kernel - 1, device=dev)[None, :]
-        self.conv_state[slots] = conv_in.gather(2, tail[:, None, :].expand(-1, C, -1))
+        # Checkpoints (run r, j tokens before its end) for j <= min(length, ROLLBACK); j = 0 is the new state.
+        keep = [(r, j) for r, (_, _, n) in enumerate(runs) for j in range(min(n, ROLLBACK) + 1)]
+        kr, kj = (torch.tensor(x, device=dev) for x in zip(*keep))
+        cols = (lengths[kr] - kj)[:, None] + torch.arange(s.conv_kernel - 1, device=dev)[None, :]
+        conv_states = conv_in[kr].gather(2, cols[:, None, :].expand(-1, C, -1))
+        self.conv_ckpt[slots[kr], kj] = conv_states
+        self.conv_state[slots] = conv_states[kj == 0]
 
         nk = s.n_k_heads * s.head_k_dim
         q = _l2norm(conv[..., :nk].unflatten(-1, (s.n_k_heads, s.head_k_dim)), self.cfg.rms_eps)
@@ -91,14 +112,22 @@ class DeltaNet:
         g = padded(F.softplus(alpha + self.dt_bias) * self.a)  # padded steps: g = 0, β = 0
         b = padded(torch.sigmoid(beta))
 
+        # The state after step t is checkpoint j = n - 1 - t of run r; the incoming one is j = n.
+        saves: dict[int, list[tuple[int, int]]] = {}
+        for r, j in keep:
+            saves.setdefault(runs[r][2] - 1 - j, []).append((r, j))
         state = self.ssm_state[slots]  # [R, Hv, dk, dv]
         out = torch.empty(R, L, Hv, dv, device=dev)
-        for t in range(L):
-            state = state * torch.exp(g[:, t, :, None, None])
-            kv = (k[:, t, :, None, :] @ state).squeeze(-2)  # Sᵀk  [R, Hv, dv]
-            delta = (v[:, t] - kv) * b[:, t, :, None]
-            state = state + k[:, t, :, :, None] * delta[:, :, None, :]
-            out[:, t] = (q[:, t, :, None, :] @ state).squeeze(-2)
+        for t in range(-1, L):
+            if t >= 0:
+                state = state * torch.exp(g[:, t, :, None, None])
+                kv = (k[:, t, :, None, :] @ state).squeeze(-2)  # Sᵀk  [R, Hv, dv]
+                delta = (v[:, t] - kv) * b[:, t, :, None]
+                state = state + k[:, t, :, :, None] * delta[:, :, None, :]
+                out[:, t] = (q[:, t, :, None, :] @ state).squeeze(-2)
+            if t in saves:
+                rows, js = (torch.tensor(x, device=dev) for x in zip(*saves[t]))
+                self.ssm_ckpt[slots[rows], js] = state[rows]
         self.ssm_state[slots] = state
 
         o = out[valid] / s.head_k_dim**0.5  # [T, Hv, dv], back in batch order

@@ -9,8 +9,10 @@ A batch is a flat list of tokens with a slot and a position each; the tokens of 
 contiguous with increasing positions (nano-vllm style). The same call therefore serves a
 prefill (one slot, many tokens), a speculative verify and a batched decode (many slots, one
 token each). KV rollback is implicit: positions at or after a slot's length get overwritten.
-Recurrent state cannot roll back: a slot's run must continue its state (start at the number of
-tokens it holds) or start at position 0, which begins it afresh; anything else is an error.
+Recurrent state is not overwritten that way: a slot's run must continue its state (start at the
+number of tokens it holds), start at position 0 (a fresh state), or start at most
+`deltanet.ROLLBACK` tokens back within its previous run (a rejected draft: the state is restored
+from a checkpoint); anything else is an error.
 
 Numerics: the residual stream and the norms are float32; the matrix products run in the
 compute dtype. On CPU with a 16-bit compute dtype the weights are int8 with a bfloat16 scale
@@ -39,7 +41,7 @@ from ..gguf_file import GGUFFile
 from ..quant import dequantize_rows
 from .attention import attend_batched, attend_runs, decode_bias
 from .config import ModelConfig
-from .deltanet import DeltaNet
+from .deltanet import ROLLBACK, DeltaNet
 from .graphs import DecodeGraphs
 from .rope import rope_table, rotate
 from .weights import Weights
@@ -102,6 +104,7 @@ class Stage:
         self.layers: dict[int, _Layer] = {}
         self.layer_range = (0, 0)
         self.state_len = [0] * n_slots  # tokens each slot's recurrent state has consumed
+        self.rollback = [0] * n_slots  # how many of them checkpoints can take back
         self.assign(*layers)
         if embed:
             self._embd_info = weights.tensor("token_embd.weight")
@@ -127,7 +130,8 @@ class Stage:
         self.layers = {il: kept.get(il) or _Layer(self, il) for il in range(a, b)}
         self.layer_range = (a, b)
         self.recurrent = [layer.deltanet for layer in self.layers.values() if layer.deltanet is not None]
-        self.state_len = [0] * self.n_slots  # new layers hold no state: slots continue only after a replay from 0
+        # New layers hold no state: slots continue only after a replay from position 0.
+        self.state_len, self.rollback = [0] * self.n_slots, [0] * self.n_slots
         if getattr(self, "graphs", None) is not None:
             self.graphs.reset()
 
@@ -142,7 +146,7 @@ class Stage:
     def _restart(self, slot: int) -> None:
         for net in self.recurrent:
             net.clear(slot)
-        self.state_len[slot] = 0
+        self.state_len[slot] = self.rollback[slot] = 0
 
     @property
     def weight_bytes(self) -> int:
@@ -193,22 +197,28 @@ class Stage:
                 return out
         out = self._forward(h, slots.to(self.device), positions.to(self.device), runs)
         for slot, p0, n in runs:
-            self.state_len[slot] = p0 + n
+            self.state_len[slot], self.rollback[slot] = p0 + n, min(n, ROLLBACK)
         return out
 
     def _check_continues(self, runs) -> None:
-        """Recurrent state only moves forward: a run starts a slot afresh (position 0) or continues it."""
+        """A run starts a slot afresh (position 0), continues its recurrent state, or re-runs the
+        last few positions (a rejected draft), whose state a checkpoint restores."""
         seen = set()
         for slot, p0, _ in runs:
             if slot in seen:
                 raise ValueError(f"slot {slot} appears twice in one batch: its tokens must be contiguous")
             seen.add(slot)
+            back = self.state_len[slot] - p0
             if p0 == 0:
                 self._restart(slot)
-            elif p0 != self.state_len[slot]:
+            elif 0 < back <= self.rollback[slot]:
+                for net in self.recurrent:
+                    net.restore(slot, back)
+            elif back != 0:
                 raise ValueError(
                     f"slot {slot}: the recurrent (DeltaNet) state holds {self.state_len[slot]} tokens but the batch "
-                    f"continues at position {p0}; recurrent layers cannot roll back or skip (re-run the slot from position 0)"
+                    f"continues at position {p0}; recurrent layers cannot skip, nor roll back further than "
+                    f"{self.rollback[slot]} (re-run the slot from position 0)"
                 )
 
     def _runs(self, slots: torch.Tensor, positions: torch.Tensor) -> list[tuple[int, int, int]]:
