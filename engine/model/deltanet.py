@@ -11,9 +11,11 @@ then updates a [head_k_dim, head_v_dim] state per V head:
 and the output is RMSNorm(o) * ssm_norm * SiLU(z) through ssm_out. Both states live per slot in
 float32, beside the attention layers' KV cache.
 
-The recurrence runs token by token (exact, the reference form). A batch's runs (one per slot) go
-through it together, padded to the longest: a padded step has g = 0 and β = 0, which leaves the
-state exactly as it was, so prefill chunks, verify batches and decode share one code path.
+The recurrence runs token by token (the reference form). A batch's runs (one per slot) go through
+it together, padded to the longest: a padded step has g = 0 and β = 0, which leaves the state
+exactly as it was, so prefill chunks, verify batches and decode share one code path. Long runs
+(prefill) take their first CHUNK-multiple of steps in the chunked form (`_chunked`, equal to the
+token-by-token one to float32 rounding), the rest token by token.
 
 Unlike KV, recurrent state cannot be overwritten to roll back, so each run also checkpoints the
 states of its last `ROLLBACK` positions (and the one before them): a rejected speculative draft
@@ -32,6 +34,8 @@ from .config import ModelConfig
 # Positions a slot's recurrent state can be taken back: the longest draft a recurrent model verifies.
 # Each one costs a copy of the state per slot and layer.
 ROLLBACK = 4
+# Steps per chunk of the chunked (prefill) form: llama.cpp's chunk size.
+CHUNK = 64
 
 if TYPE_CHECKING:
     from .weights import Weights
@@ -118,16 +122,24 @@ class DeltaNet:
             saves.setdefault(runs[r][2] - 1 - j, []).append((r, j))
         state = self.ssm_state[slots]  # [R, Hv, dk, dv]
         out = torch.empty(R, L, Hv, dv, device=dev)
-        for t in range(-1, L):
-            if t >= 0:
-                state = state * torch.exp(g[:, t, :, None, None])
-                kv = (k[:, t, :, None, :] @ state).squeeze(-2)  # Sᵀk  [R, Hv, dv]
-                delta = (v[:, t] - kv) * b[:, t, :, None]
-                state = state + k[:, t, :, :, None] * delta[:, :, None, :]
-                out[:, t] = (q[:, t, :, None, :] @ state).squeeze(-2)
+
+        def save(t: int) -> None:
             if t in saves:
                 rows, js = (torch.tensor(x, device=dev) for x in zip(*saves[t]))
                 self.ssm_ckpt[slots[rows], js] = state[rows]
+
+        save(-1)
+        # Chunked up to where the shortest run's checkpoints begin (they need per-token states).
+        n_chunked = CHUNK * max(0, (int(lengths.min()) - ROLLBACK - 1) // CHUNK)
+        if n_chunked:
+            out[:, :n_chunked], state = _chunked(*(x[:, :n_chunked] for x in (q, k, v, g, b)), state)
+        for t in range(n_chunked, L):
+            state = state * torch.exp(g[:, t, :, None, None])
+            kv = (k[:, t, :, None, :] @ state).squeeze(-2)  # Sᵀk  [R, Hv, dv]
+            delta = (v[:, t] - kv) * b[:, t, :, None]
+            state = state + k[:, t, :, :, None] * delta[:, :, None, :]
+            out[:, t] = (q[:, t, :, None, :] @ state).squeeze(-2)
+            save(t)
         self.ssm_state[slots] = state
 
         o = out[valid] / s.head_k_dim**0.5  # [T, Hv, dv], back in batch order
@@ -138,3 +150,38 @@ class DeltaNet:
 def _l2norm(x: torch.Tensor, eps: float) -> torch.Tensor:
     """x / sqrt(sum(x²) + eps) over the last dim (llama.cpp's build_gdn_l2_norm: rms_norm with eps/n)."""
     return x * torch.rsqrt(x.square().sum(-1, keepdim=True) + eps)
+
+
+def _chunked(q, k, v, g, b, state):
+    """The same recurrence over L (a multiple of CHUNK) steps, a chunk at a time: q, k [R, L, H, dk],
+    v [R, L, H, dv], g, b [R, L, H], state [R, H, dk, dv] -> (Sᵀq [R, L, H, dv], final state).
+
+    Within a chunk the delta rule's sequential updates form a unit lower-triangular system (the WY
+    form: T = (I + tril(diag(β) K Kᵀ ⊙ decay, -1))⁻¹), so one chunk costs a few matrix products and
+    one triangular solve; the state carries from chunk to chunk. As llama.cpp's
+    build_delta_net_chunking and transformers' torch_chunk_gated_delta_rule."""
+    R, L, H, _ = k.shape
+    n = L // CHUNK
+
+    def chunks(x):  # [R, L, H, ...] -> [R, H, n, CHUNK, ...]
+        return x.transpose(1, 2).reshape(R, H, n, CHUNK, *x.shape[3:])
+
+    q, k, v, g, b = map(chunks, (q, k, v, g, b))
+    gc = g.cumsum(-1)  # log decay from the chunk's start, through each step
+    causal = torch.ones(CHUNK, CHUNK, dtype=torch.bool, device=k.device).tril()
+    decay = (gc[..., :, None] - gc[..., None, :]).masked_fill(~causal, float("-inf")).exp()  # step j -> i
+    kb = k * b[..., None]
+    eye = torch.eye(CHUNK, device=k.device)
+    lower = eye + ((kb @ k.transpose(-1, -2)) * decay).tril(-1)
+    T = torch.linalg.solve_triangular(lower, eye.expand_as(lower), upper=False, unitriangular=True)
+    values = T @ (v * b[..., None])  # each step's correction, before the incoming state's part
+    k_decayed = T @ (kb * gc.exp()[..., None])  # what the incoming state predicts of them
+    qk = (q @ k.transpose(-1, -2)) * decay
+    out = torch.empty(*values.shape, device=k.device)
+    for c in range(n):
+        v_new = values[:, :, c] - k_decayed[:, :, c] @ state
+        out[:, :, c] = (q[:, :, c] * gc[:, :, c, :, None].exp()) @ state + qk[:, :, c] @ v_new
+        last = gc[:, :, c, -1]
+        k_last = k[:, :, c] * (last[..., None] - gc[:, :, c]).exp()[..., None]
+        state = state * last.exp()[..., None, None] + k_last.transpose(-1, -2) @ v_new
+    return out.reshape(R, H, L, -1).transpose(1, 2), state
