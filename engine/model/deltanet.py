@@ -51,7 +51,7 @@ class DeltaNet:
         names = ["attn_qkv.weight", "attn_gate.weight", "ssm_beta.weight", "ssm_alpha.weight"]
         self.w_in = w.linear([prefix + n for n in names])
         self.w_out = w.linear([prefix + "ssm_out.weight"])
-        self.conv = w.vector(prefix + "ssm_conv1d.weight").view(s.conv_channels, 1, s.conv_kernel)
+        self.conv = w.vector(prefix + "ssm_conv1d.weight")  # [channels, taps]
         self.dt_bias = w.vector(prefix + "ssm_dt.bias")
         self.a = w.vector(prefix + "ssm_a")
         self.norm = w.vector(prefix + "ssm_norm.weight")
@@ -98,7 +98,9 @@ class DeltaNet:
 
         # Causal conv over [state | run], then the new state: the last kernel-1 inputs of each run.
         conv_in = torch.cat([self.conv_state[slots], padded(mixed).transpose(1, 2)], dim=2)  # [R, C, K-1+L]
-        conv = F.silu(F.conv1d(conv_in, self.conv, groups=C)).transpose(1, 2)  # [R, L, C]
+        # Depthwise and a few taps: K multiply-adds beat conv1d's grouped kernel (~10x at decode).
+        conv = sum(conv_in[:, :, i : i + L] * self.conv[:, i, None] for i in range(s.conv_kernel))
+        conv = F.silu(conv).transpose(1, 2)  # [R, L, C]
         # Checkpoints (run r, j tokens before its end) for j <= min(length, ROLLBACK); j = 0 is the new state.
         keep = [(r, j) for r, (_, _, n) in enumerate(runs) for j in range(min(n, ROLLBACK) + 1)]
         kr, kj = (torch.tensor(x, device=dev) for x in zip(*keep))
