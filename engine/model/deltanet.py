@@ -98,7 +98,7 @@ class DeltaNet:
 
         # Causal conv over [state | run], then the new state: the last kernel-1 inputs of each run.
         conv_in = torch.cat([self.conv_state[slots], padded(mixed).transpose(1, 2)], dim=2)  # [R, C, K-1+L]
-        # Depthwise and a few taps: K multiply-adds beat conv1d's grouped kernel (~10x at decode).
+        # Depthwise with a few taps: K multiply-adds beat conv1d's grouped kernel at decode on CPU.
         conv = sum(conv_in[:, :, i : i + L] * self.conv[:, i, None] for i in range(s.conv_kernel))
         conv = F.silu(conv).transpose(1, 2)  # [R, L, C]
         # Checkpoints (run r, j tokens before its end) for j <= min(length, ROLLBACK); j = 0 is the new state.
