@@ -83,32 +83,21 @@ class DeltaNet:
         proj = self.w_in(x).float()
         mixed, z, beta, alpha = proj.split([C, Hv * dv, Hv, Hv], dim=-1)
 
-        # Flat tokens -> runs padded to the longest: [R, L, ...]; `index` maps back.
-        R, L = len(runs), max(n for _, _, n in runs)
-        dev = x.device
-        lengths = torch.tensor([n for _, _, n in runs], device=dev)
-        starts = torch.cumsum(lengths, 0) - lengths
+        # Flat tokens -> runs padded to the longest: [R, L, ...]; `valid` maps back.
+        lengths = [n for _, _, n in runs]
+        R, L, dev = len(runs), max(lengths), x.device
+        n = torch.tensor(lengths, device=dev)
         steps = torch.arange(L, device=dev)
-        valid = steps[None, :] < lengths[:, None]  # [R, L]
-        index = (starts[:, None] + steps[None, :]).clamp(max=x.shape[0] - 1)
+        valid = steps[None, :] < n[:, None]  # [R, L]
+        index = ((torch.cumsum(n, 0) - n)[:, None] + steps[None, :]).clamp(max=x.shape[0] - 1)
         slots = torch.tensor([slot for slot, _, _ in runs], device=dev)
 
         def padded(t: torch.Tensor) -> torch.Tensor:
             return t[index] * valid.view(R, L, *([1] * (t.dim() - 1)))
 
-        # Causal conv over [state | run], then the new state: the last kernel-1 inputs of each run.
-        conv_in = torch.cat([self.conv_state[slots], padded(mixed).transpose(1, 2)], dim=2)  # [R, C, K-1+L]
-        # Depthwise with a few taps: K multiply-adds beat conv1d's grouped kernel at decode on CPU.
-        conv = sum(conv_in[:, :, i : i + L] * self.conv[:, i, None] for i in range(s.conv_kernel))
-        conv = F.silu(conv).transpose(1, 2)  # [R, L, C]
-        # Checkpoints (run r, j tokens before its end) for j <= min(length, ROLLBACK); j = 0 is the new state.
-        keep = [(r, j) for r, (_, _, n) in enumerate(runs) for j in range(min(n, ROLLBACK) + 1)]
-        kr, kj = (torch.tensor(x, device=dev) for x in zip(*keep))
-        cols = (lengths[kr] - kj)[:, None] + torch.arange(s.conv_kernel - 1, device=dev)[None, :]
-        conv_states = conv_in[kr].gather(2, cols[:, None, :].expand(-1, C, -1))
-        self.conv_ckpt[slots[kr], kj] = conv_states
-        self.conv_state[slots] = conv_states[kj == 0]
-
+        # Checkpoints kept: (run r, j tokens before its end) for j <= min(length, ROLLBACK); j = 0 is the new state.
+        keep = [(r, j) for r, m in enumerate(lengths) for j in range(min(m, ROLLBACK) + 1)]
+        conv = self._conv(padded(mixed), slots, n, keep)
         nk = s.n_k_heads * s.head_k_dim
         q = _l2norm(conv[..., :nk].unflatten(-1, (s.n_k_heads, s.head_k_dim)), self.cfg.rms_eps)
         k = _l2norm(conv[..., nk : 2 * nk].unflatten(-1, (s.n_k_heads, s.head_k_dim)), self.cfg.rms_eps)
@@ -117,22 +106,47 @@ class DeltaNet:
         q, k = q.repeat(1, 1, repeat, 1), k.repeat(1, 1, repeat, 1)
         g = padded(F.softplus(alpha + self.dt_bias) * self.a)  # padded steps: g = 0, β = 0
         b = padded(torch.sigmoid(beta))
+        out = self._delta_rule(q, k, v, g, b, slots, lengths, keep)
 
-        # The state after step t is checkpoint j = n - 1 - t of run r; the incoming one is j = n.
-        saves: dict[int, list[tuple[int, int]]] = {}
-        for r, j in keep:
-            saves.setdefault(runs[r][2] - 1 - j, []).append((r, j))
+        o = out[valid] / s.head_k_dim**0.5  # [T, Hv, dv], back in batch order
+        o = F.rms_norm(o, (dv,), self.norm, self.cfg.rms_eps) * F.silu(z.view(-1, Hv, dv))
+        return self.w_out(o.flatten(1).to(x.dtype)).float()
+
+    def _conv(self, mixed, slots, n, keep) -> torch.Tensor:
+        """Causal depthwise conv + SiLU over [state | run] per run: mixed [R, L, C] -> [R, L, C];
+        keeps the new conv states (the last kernel-1 inputs) and the checkpoints."""
+        K, C, L, dev = self.shape.conv_kernel, self.shape.conv_channels, mixed.shape[1], mixed.device
+        conv_in = torch.cat([self.conv_state[slots], mixed.transpose(1, 2)], dim=2)  # [R, C, K-1+L]
+        # A few taps: K multiply-adds beat conv1d's grouped kernel at decode on CPU.
+        conv = sum(conv_in[:, :, i : i + L] * self.conv[:, i, None] for i in range(K))
+        kr, kj = (torch.tensor(x, device=dev) for x in zip(*keep))
+        cols = (n[kr] - kj)[:, None] + torch.arange(K - 1, device=dev)[None, :]
+        states = conv_in[kr].gather(2, cols[:, None, :].expand(-1, C, -1))
+        self.conv_ckpt[slots[kr], kj] = states
+        self.conv_state[slots] = states[kj == 0]
+        return F.silu(conv).transpose(1, 2)
+
+    def _delta_rule(self, q, k, v, g, b, slots, lengths, keep) -> torch.Tensor:
+        """Sᵀq per step [R, L, Hv, dv] (unscaled), from each slot's state; keeps the new states and
+        the checkpoints. Chunked up to where the shortest run's checkpoints begin (they need
+        per-token states), token by token after that."""
+        R, L, Hv, dv = v.shape
+        dev = v.device
+        # The state after step t is checkpoint j = length - 1 - t of its run; the incoming one is j = length.
+        saves: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        for t in {lengths[r] - 1 - j for r, j in keep}:
+            rows, js = zip(*[(r, j) for r, j in keep if lengths[r] - 1 - j == t])
+            saves[t] = torch.tensor(rows, device=dev), torch.tensor(js, device=dev)
         state = self.ssm_state[slots]  # [R, Hv, dk, dv]
         out = torch.empty(R, L, Hv, dv, device=dev)
 
         def save(t: int) -> None:
             if t in saves:
-                rows, js = (torch.tensor(x, device=dev) for x in zip(*saves[t]))
+                rows, js = saves[t]
                 self.ssm_ckpt[slots[rows], js] = state[rows]
 
         save(-1)
-        # Chunked up to where the shortest run's checkpoints begin (they need per-token states).
-        n_chunked = CHUNK * max(0, (int(lengths.min()) - ROLLBACK - 1) // CHUNK)
+        n_chunked = CHUNK * max(0, (min(lengths) - ROLLBACK - 1) // CHUNK)
         if n_chunked:
             out[:, :n_chunked], state = _chunked(*(x[:, :n_chunked] for x in (q, k, v, g, b)), state)
         for t in range(n_chunked, L):
@@ -143,10 +157,7 @@ class DeltaNet:
             out[:, t] = (q[:, t, :, None, :] @ state).squeeze(-2)
             save(t)
         self.ssm_state[slots] = state
-
-        o = out[valid] / s.head_k_dim**0.5  # [T, Hv, dv], back in batch order
-        o = F.rms_norm(o, (dv,), self.norm, self.cfg.rms_eps) * F.silu(z.view(-1, Hv, dv))
-        return self.w_out(o.flatten(1).to(x.dtype)).float()
+        return out
 
 
 def _l2norm(x: torch.Tensor, eps: float) -> torch.Tensor:
