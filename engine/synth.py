@@ -66,6 +66,7 @@ def write_synthetic(
     ssm_groups: int = 2,
     ssm_v_heads: int = 4,
     conv_kernel: int = 4,
+    nextn: bool = False,
 ) -> Path:
     """Write a random-weight GGUF and return its path.
 
@@ -76,7 +77,9 @@ def write_synthetic(
     qwen35: every `full_attention_interval`-th layer is full attention, the others Gated DeltaNet
     (`ssm_groups` Q/K heads and `ssm_v_heads` V heads of `ssm_state` dims, a conv of `conv_kernel`
     taps); `n_rot` (default head_dim / 4, as Qwen3.5's partial rotary) and IMROPE `rope_sections`
-    (the default's fourth section leaves the last pairs unrotated for text, which tests that rule).
+    (the default's fourth section leaves the last pairs unrotated for text, which tests that rule);
+    `nextn` adds Qwen3.5's multi-token-prediction block as layer `n_layers` (written last, so the
+    trunk's weights are those of the same file without it).
     """
     if arch not in ARCHITECTURES:
         raise ValueError(f"unsupported architecture {arch!r}; choose one of {', '.join(ARCHITECTURES)}")
@@ -97,7 +100,7 @@ def write_synthetic(
     w.add_name(f"synthetic-{arch}")
     w.add_context_length(n_ctx)
     w.add_embedding_length(n_embd)
-    w.add_block_count(n_layers)
+    w.add_block_count(n_layers + int(nextn))
     w.add_feed_forward_length(n_ff)
     w.add_head_count(n_head)
     w.add_head_count_kv(n_head_kv)
@@ -118,6 +121,8 @@ def write_synthetic(
         w.add_ssm_group_count(ssm_groups)
         w.add_ssm_time_step_rank(ssm_v_heads)
         w.add_ssm_inner_size(ssm_state * ssm_v_heads)
+        if nextn:
+            w.add_nextn_predict_layers(1)
     else:
         w.add_rope_freq_base(10_000.0 if arch == "llama" else 1_000_000.0)
         w.add_rope_dimension_count(head_dim)
@@ -149,11 +154,17 @@ def write_synthetic(
     if not tied:
         dense("output.weight", n_vocab, n_embd, 1.0 / np.sqrt(n_embd))
     q_dim, kv_dim = n_head * head_dim, n_head_kv * head_dim
-    for i in range(n_layers):
+    if nextn and arch != "qwen35":
+        raise ValueError("only qwen35 files carry a NextN block here")
+    for i in range(n_layers + int(nextn)):
         p = f"blk.{i}."
         vec(p + "attn_norm.weight", n_embd)
+        if i == n_layers:  # the NextN block: a gated-attention block fed by eh_proj([enorm(e); hnorm(h)])
+            dense(p + "nextn.eh_proj.weight", n_embd, 2 * n_embd, 1.0 / np.sqrt(2 * n_embd))
+            for name in ("enorm", "hnorm", "shared_head_norm"):
+                vec(p + f"nextn.{name}.weight", n_embd)
         if arch == "qwen35":
-            if (i + 1) % full_attention_interval:
+            if (i + 1) % full_attention_interval and i < n_layers:
                 _deltanet_tensors(w, p, n_embd, ssm_state, ssm_groups, ssm_v_heads, conv_kernel, dense, vec, rng)
             else:
                 dense(p + "attn_q.weight", 2 * q_dim, n_embd, 1.0 / np.sqrt(n_embd))  # per head: q, then its gate
