@@ -312,3 +312,14 @@ def test_a_nextn_block_is_not_part_of_the_trunk(tiny_model):
     assert torch.equal(run(load(with_mtp), PROMPT), run(load(plain), PROMPT))
     with pytest.raises(UserError, match="qwen35\\) carries a multi-token-prediction head \\(1 layer"):
         build_speculator(SpecConfig(type="mtp"), None, g, ModelSettings(None, "cpu", "float32", 64), 1)
+
+
+def test_tokenizer_pre_type_qwen35_matches_llama_cpp(tiny_model):
+    """Ids from llama.cpp: `printf '<text>' | /work/llama-cpp/bin/tok <synthetic qwen35>.gguf 0`."""
+    from hydra_console.engine.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_gguf(GGUFFile(tiny_model("qwen35")))
+    assert tok.pre == "qwen35"
+    text = "caf\u00e9 cafe\u0301 na\u00efve r\u00e9sum\u00e9 x\u0308y 123 hello  world\n"
+    llama_cpp = "66 64 69 127 102 302 64 69 68 136 223 274 64 127 107 304 220 81 127 102 82 305 127 102 220 87 136 230 88 220 16 17 18 522 220 435 198"
+    assert tok.encode(text) == [int(i) for i in llama_cpp.split()]
