@@ -275,17 +275,18 @@ def test_split_across_processes_and_live_resplit_equal_solo(cluster):
 
 
 def test_chunked_prefill_equals_the_token_by_token_recurrence(tiny_model, monkeypatch):
-    """Two runs long enough for the chunked form (one padded) against the same batch stepped token by token."""
+    """Two runs long enough for the chunked form (one padded) and a short one (stepped apart) against
+    the same batch stepped token by token throughout."""
     from hydra_console.engine.model import deltanet
 
     path = tiny_model("qwen35", n_layers=4)
     ids = torch.randint(0, 600, (300,), generator=torch.Generator().manual_seed(1)).tolist()
-    tokens = torch.tensor(ids + ids[:150])
-    slots = torch.tensor([0] * 300 + [1] * 150)
-    positions = torch.cat([torch.arange(300), torch.arange(150)])
+    tokens = torch.tensor(ids + ids[:150] + ids[:3])
+    slots = torch.tensor([0] * 300 + [1] * 150 + [2] * 3)
+    positions = torch.cat([torch.arange(300), torch.arange(150), torch.arange(3)])
 
     def forward():
-        stage = load(path, n_slots=2)
+        stage = load(path, n_slots=3)
         out = stage.logits(stage.run_layers(stage.embed(tokens), slots, positions))
         return out, [(net.ssm_state.clone(), net.ssm_ckpt.clone()) for net in stage.recurrent]
 

@@ -95,9 +95,7 @@ class DeltaNet:
         def padded(t: torch.Tensor) -> torch.Tensor:
             return t[index] * valid.view(R, L, *([1] * (t.dim() - 1)))
 
-        # Checkpoints kept: (run r, j tokens before its end) for j <= min(length, ROLLBACK); j = 0 is the new state.
-        keep = [(r, j) for r, m in enumerate(lengths) for j in range(min(m, ROLLBACK) + 1)]
-        conv = self._conv(padded(mixed), slots, n, keep)
+        conv = self._conv(padded(mixed), slots, n, _checkpoints(lengths))
         nk = s.n_k_heads * s.head_k_dim
         q = _l2norm(conv[..., :nk].unflatten(-1, (s.n_k_heads, s.head_k_dim)), self.cfg.rms_eps)
         k = _l2norm(conv[..., nk : 2 * nk].unflatten(-1, (s.n_k_heads, s.head_k_dim)), self.cfg.rms_eps)
@@ -106,7 +104,19 @@ class DeltaNet:
         q, k = q.repeat(1, 1, repeat, 1), k.repeat(1, 1, repeat, 1)
         g = padded(F.softplus(alpha + self.dt_bias) * self.a)  # padded steps: g = 0, β = 0
         b = padded(torch.sigmoid(beta))
-        out = self._delta_rule(q, k, v, g, b, slots, lengths, keep)
+        # Runs long enough for chunks go apart from the rest (decode, drafts, short chunks): one
+        # long prefill batched with decoding slots still takes the chunked form.
+        long = [r for r, m in enumerate(lengths) if m > CHUNK + ROLLBACK]
+        short = [r for r, m in enumerate(lengths) if m <= CHUNK + ROLLBACK]
+        if long and short:
+            out = torch.empty(R, L, Hv, dv, device=dev)
+            for rows in (long, short):
+                steps = max(lengths[r] for r in rows)
+                idx = torch.tensor(rows, device=dev)
+                part = (x[idx, :steps] for x in (q, k, v, g, b))
+                out[idx, :steps] = self._delta_rule(*part, slots[idx], [lengths[r] for r in rows])
+        else:
+            out = self._delta_rule(q, k, v, g, b, slots, lengths)
 
         o = out[valid] / s.head_k_dim**0.5  # [T, Hv, dv], back in batch order
         o = F.rms_norm(o, (dv,), self.norm, self.cfg.rms_eps) * F.silu(z.view(-1, Hv, dv))
@@ -126,7 +136,7 @@ class DeltaNet:
         self.conv_state[slots] = states[kj == 0]
         return F.silu(conv).transpose(1, 2)
 
-    def _delta_rule(self, q, k, v, g, b, slots, lengths, keep) -> torch.Tensor:
+    def _delta_rule(self, q, k, v, g, b, slots, lengths) -> torch.Tensor:
         """Sᵀq per step [R, L, Hv, dv] (unscaled), from each slot's state; keeps the new states and
         the checkpoints. Chunked up to where the shortest run's checkpoints begin (they need
         per-token states), token by token after that."""
@@ -134,6 +144,7 @@ class DeltaNet:
         dev = v.device
         # The state after step t is checkpoint j = length - 1 - t of its run; the incoming one is j = length.
         saves: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        keep = _checkpoints(lengths)
         for t in {lengths[r] - 1 - j for r, j in keep}:
             rows, js = zip(*[(r, j) for r, j in keep if lengths[r] - 1 - j == t])
             saves[t] = torch.tensor(rows, device=dev), torch.tensor(js, device=dev)
@@ -158,6 +169,12 @@ class DeltaNet:
             save(t)
         self.ssm_state[slots] = state
         return out
+
+
+def _checkpoints(lengths: list[int]) -> list[tuple[int, int]]:
+    """The checkpoints a batch keeps: (run r, j tokens before its end) for j <= min(length, ROLLBACK);
+    j = 0 is the new state, j = length the incoming one."""
+    return [(r, j) for r, m in enumerate(lengths) for j in range(min(m, ROLLBACK) + 1)]
 
 
 def _l2norm(x: torch.Tensor, eps: float) -> torch.Tensor:
