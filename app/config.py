@@ -84,6 +84,9 @@ class SupervisorSettings(_Strict):
     backoff_initial_s: float = Field(default=1.0, gt=0)
     backoff_max_s: float = Field(default=30.0, gt=0)
     healthy_reset_s: float = Field(default=60.0, gt=0)  # running this long resets the backoff
+    # Exiting within crash_loop_s of its start crash_loop_count times in a row makes a worker `crash-loop`.
+    crash_loop_s: float = Field(default=10.0, gt=0)
+    crash_loop_count: int = Field(default=3, ge=1)
     log_dir: str = ""  # "" = $XDG_STATE_HOME/hydra-console/logs
     ring_lines: int = Field(default=5000, ge=100)
 
@@ -187,11 +190,25 @@ def profile_to_toml(profile: Profile) -> str:
     return tomli_w.dumps(data)
 
 
-def save_profile(profile: Profile, path: str | Path) -> Path:
-    """Write atomically: readers see the old file or the new one, never a torn one."""
+def save_profile(profile: Profile, path: str | Path, *, mkdir: bool = True, overwrite: bool = True) -> Path:
+    """Write atomically. `mkdir=False`: a missing folder is an error naming it (a typo in a path
+    given on the command line must not create a tree); `overwrite=False`: an existing file is one."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    text = profile_to_toml(profile)
+    if not overwrite and path.exists():
+        raise UserError(f"{path} exists; pass --force to overwrite it")
+    if not mkdir and not path.parent.is_dir():
+        raise UserError(f"folder {path.parent} does not exist; create it first")
+    try:
+        atomic_write(path, profile_to_toml(profile), mkdir=mkdir)
+    except OSError as e:
+        raise UserError(f"cannot write {path}: {e.strerror or e}") from None
+    return path
+
+
+def atomic_write(path: Path, text: str, *, mkdir: bool = True) -> None:
+    """Readers see the old file or the new one, never a torn one (temp file + fsync + rename)."""
+    if mkdir:
+        path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
@@ -205,4 +222,3 @@ def save_profile(profile: Profile, path: str | Path) -> Path:
         except FileNotFoundError:
             pass
         raise
-    return path

@@ -24,6 +24,8 @@ STATE_LOOK: dict[State, tuple[str, str]] = {  # state -> (symbol, tone)
     State.DEGRADED: ("▲", "warn"),
     State.BACKOFF: ("↻", "warn"),
     State.CRASHED: ("✖", "error"),
+    State.CRASH_LOOP: ("⟳", "error"),
+    State.PORT_BUSY: ("⧗", "warn"),
     State.STOPPING: ("◌", "busy"),
     State.STOPPED: ("○", "muted"),
     State.UNREACHABLE: ("✖", "error"),
@@ -48,8 +50,8 @@ def state_text(w: Worker, now: float) -> tuple[str, str]:
     """("● ready", "ok"); backoff shows the seconds left until the next try."""
     symbol, tone = STATE_LOOK[w.state]
     word = w.state.value
-    if w.state == State.BACKOFF and w.backoff_until is not None:
-        word = f"backoff {max(0.0, w.backoff_until - now):.0f}s"
+    if w.state in (State.BACKOFF, State.CRASH_LOOP) and w.backoff_until is not None and not w.running:
+        word = f"{word} {max(0.0, w.backoff_until - now):.0f}s"
     elif w.state == State.STARTING and w.status:
         word = f"starting {w.status.startup_stage}/4"
     return f"{symbol} {word}", tone
@@ -150,9 +152,45 @@ def worker_row(w: Worker, sup: Supervisor, now: float) -> tuple[list[str], str]:
         str(pid) if pid else "—",
         fmt_duration(w.uptime(now)),
         str(w.restarts),
-        describe_exit(w.last_exit),
+        exit_text(w),
     ]
     return row, tone
+
+
+def exit_text(w: Worker, width: int = 48) -> str:
+    """The last exit; for a crash loop or a busy port also its cause (last stderr line), so the row names it."""
+    code = describe_exit(w.last_exit)
+    if w.state in (State.CRASH_LOOP, State.PORT_BUSY) and w.last_err:
+        cause = w.last_err if len(w.last_err) <= width else w.last_err[: width - 1] + "…"
+        return f"{code}: {cause}"
+    return code
+
+
+STATE_ORDER = {s: i for i, s in enumerate(
+    [State.CRASH_LOOP, State.CRASHED, State.UNREACHABLE, State.PORT_BUSY, State.BACKOFF, State.DEGRADED,
+     State.STARTING, State.STOPPING, State.READY, State.STOPPED])}  # fmt: skip  # worst first
+
+
+def sort_key(w: Worker, column: str, sup: Supervisor, now: float) -> tuple:
+    """The worker table sorts by what a column means (numbers as numbers, states worst first);
+    a worker without a value sorts last, the name breaks ties."""
+    value = {
+        "worker": lambda: w.name, "role": lambda: w.role, "host": lambda: w.spec.host, "device": lambda: worker_devices(w),
+        "layers": lambda: (worker_layers(w, sup) or [None])[0], "state": lambda: STATE_ORDER[w.state],
+        "pid": w.shown_pid, "uptime": lambda: w.uptime(now), "rst": lambda: w.restarts, "exit": lambda: w.last_exit,
+    }[column]()  # fmt: skip
+    return (value is None, value if value is not None else 0, w.name)
+
+
+def rate_label(name: str, now: float | None, hist: list[float]) -> str:
+    """"decode 187.5 tok/s · max 190 · avg 150": the sparkline's scale in words, over the samples it shows."""
+    if not hist:
+        return f"{name} {fmt_rate(now)}"
+    return f"{name} {fmt_rate(now)} · max {_short(max(hist))} · avg {_short(sum(hist) / len(hist))}"
+
+
+def _short(x: float) -> str:
+    return f"{x / 1000:.1f}k" if x >= 1000 else f"{x:.0f}"
 
 
 @dataclass(frozen=True)
@@ -165,25 +203,40 @@ class MemoryRow:
 
 
 def memory_rows(sup: Supervisor, alerts: Alerts) -> list[MemoryRow]:
-    """Per-device memory, labelled with the worker that owns it.
-
-    GPU devices from /status; a CPU-only worker shows RAM (its /status, else psutil on its pid).
-    """
+    """Machine totals once per device (labelled "machine", or the host when workers run on several),
+    noting the workers on it; then each local worker's own RSS (psutil on its pid). A GPU row is the
+    device's total use: the workers do not report per-process GPU memory."""
     rows: list[MemoryRow] = []
+    hosts = {w.spec.host for w in sup.workers.values()}
+    devices: dict[tuple, tuple] = {}  # (host, kind, index) -> (device, names of the workers on it)
     for w in sup.workers.values():
-        devs = w.status.devices if w.status else []
-        # psutil on a local worker's pid says what this process holds, beside the machine-wide figure.
-        own = f"rss {fmt_bytes(w.rss)}" + (f" cpu {w.cpu_pct:.0f}%" if w.cpu_pct is not None else "") if w.rss else ""
-        for d in devs:
-            label = f"{w.name} {d.kind}:{d.index}" if d.kind == "cuda" else f"{w.name} RAM"
-            used, total = d.memory_used, d.memory_total
-            note = f"util {d.util:.0f}%" if d.util is not None and d.kind == "cuda" else own
-            rows.append(MemoryRow(label, used, total, note, _mem_tone(used, total, alerts)))
-        if not devs and w.rss is not None:
-            total = psutil.virtual_memory().total
+        for d in w.status.devices if w.status else []:
+            devices.setdefault((w.spec.host, d.kind, d.index), (d, []))[1].append(w.name)
+    for (host, kind, index), (d, names) in devices.items():
+        where = "machine" if len(hosts) == 1 else host
+        label = f"{where} {kind}:{index}" if kind == "cuda" else f"{where} RAM"
+        util = f"util {d.util:.0f}% " if d.util is not None and kind == "cuda" else ""
+        rows.append(MemoryRow(label, d.memory_used, d.memory_total, f"{util}({', '.join(names)})",
+                              _mem_tone(d.memory_used, d.memory_total, alerts)))
+    ram = psutil.virtual_memory().total
+    for w in sup.workers.values():
+        if w.rss is not None:
             cpu = f"cpu {w.cpu_pct:.0f}%" if w.cpu_pct is not None else ""
-            rows.append(MemoryRow(f"{w.name} RSS", w.rss, total, cpu, _mem_tone(w.rss, total, alerts)))
+            rows.append(MemoryRow(f"{w.name} RSS", w.rss, ram, cpu, _mem_tone(w.rss, ram, alerts)))
     return rows
+
+
+def device_free(sup: Supervisor, name: str) -> tuple[int | None, bool]:
+    """Free memory of worker `name`'s roomiest device, and whether another worker reports the same
+    device (same host, kind, index): then the one figure is shared, not each worker's to fill."""
+    w = sup.worker(name)
+    devs = [d for d in (w.status.devices if w.status else []) if d.memory_total is not None and d.memory_used is not None]
+    if not devs:
+        return None, False
+    d = max(devs, key=lambda d: d.memory_total - d.memory_used)
+    shared = any(o is not w and o.spec.host == w.spec.host and o.status
+                 and any((x.kind, x.index) == (d.kind, d.index) for x in o.status.devices) for o in sup.workers.values())  # fmt: skip
+    return d.memory_total - d.memory_used, shared
 
 
 def _mem_tone(used, total, alerts: Alerts) -> str:
@@ -219,10 +272,19 @@ def acceptance_text(status: Status | None) -> str:
 
 
 def pool_text(status: Status | None) -> str:
+    """The head's RPC port pool: it carries control ops (this console's CONFIGURE/INFO), not requests."""
     pool = status.pool if status else None
     if pool is None:
-        return "pool —"
-    return f"pool {pool.busy}/{pool.size} busy · queued {pool.queued} · dropped {pool.dropped}"
+        return "RPC control pool —"
+    return f"RPC control pool (console ops, not requests) {pool.busy}/{pool.size} busy · queued {pool.queued} · dropped {pool.dropped}"
+
+
+def slots_text(status: Status | None) -> str:
+    """Request slots of the head: how many decode now."""
+    slots = status.slots if status else []
+    if not slots:
+        return "slots —"
+    return f"slots {sum(1 for s in slots if s.state == 'processing')}/{len(slots)} busy"
 
 
 def peer_lines(status: Status | None, alerts: Alerts) -> list[tuple[str, str]]:
@@ -239,12 +301,30 @@ def peer_lines(status: Status | None, alerts: Alerts) -> list[tuple[str, str]]:
     return out
 
 
+def active_alerts(sup: Supervisor, alerts: Alerts) -> dict[str, str]:
+    """The profile's [alerts] thresholds crossed now: {incident key: message}. A key that stays
+    active is one incident (one toast); once it clears, its next crossing is a new one."""
+    out: dict[str, str] = {}
+    for row in memory_rows(sup, alerts):
+        if row.tone == "warn":
+            out[f"memory:{row.label}"] = f"{row.label} memory {row.used / row.total * 100:.0f}% (alert at {alerts.vram_pct:g}%)"
+    for p in sup.head.status.peers if sup.head.status else []:
+        if p.state == "up" and p.rtt_ms is not None and p.rtt_ms >= alerts.rtt_ms:
+            out[f"rtt:{p.addr}"] = f"peer {p.addr} RTT {p.rtt_ms:.1f} ms (alert at {alerts.rtt_ms:g} ms)"
+    for w in sup.workers.values():
+        if w.crash_restarts >= alerts.restarts:
+            out[f"restarts:{w.name}"] = f"{w.name} restarted {w.crash_restarts} times after crashes (alert at {alerts.restarts})"
+        if w.state == State.CRASH_LOOP:
+            out[f"crash-loop:{w.name}"] = f"{w.name} is in a crash loop: {w.last_err or 'no stderr'}"
+    return out
+
+
 def event_line(ev: Event) -> str:
     who = f"{ev.worker}: " if ev.worker else ""
     return f"{time.strftime('%H:%M:%S', time.localtime(ev.ts))} {ev.kind:<11} {who}{ev.message}"
 
 
-EVENT_TONES = {"ready": "ok", "crashed": "error", "killed": "error", "error": "error", "unreachable": "error",
+EVENT_TONES = {"ready": "ok", "crashed": "error", "crash-loop": "error", "adopted": "busy", "killed": "error", "error": "error", "unreachable": "error",
                "degraded": "warn", "restarted": "warn", "split": "busy"}
 
 

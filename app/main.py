@@ -1,10 +1,13 @@
 """`hydra-console`: run the operator console, or print one status snapshot for scripts.
 
-    hydra-console                         head + 1 peer on this machine, default model, even split
+    hydra-console                         the default profile (below), else head + 1 peer on this machine
     hydra-console --profile lab           ~/.config/hydra-console/profiles/lab.toml (or a path)
     hydra-console --attach                watch workers that are already running, start nothing
     hydra-console --once --json           one JSON snapshot of the profile's workers, then exit
     hydra-console --write-profile p.toml  write the profile (default one if none given) and exit
+
+Profile lookup: --profile NAME|PATH; else <config dir>/profiles/default.toml if it exists (where
+the console saves the built-in profile); else the built-in head + 1 peer.
 """
 
 from __future__ import annotations
@@ -13,30 +16,41 @@ import argparse
 import asyncio
 import os
 import sys
+from pathlib import Path
 
 from ..engine.errors import UserError
 from .config import default_profile, load_profile, resolve_profile_path, save_profile
-from .supervisor import Supervisor
+from .supervisor import State, Supervisor
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="hydra-console", description="Supervise, watch and steer Hydra workers.")
+    ap = argparse.ArgumentParser(prog="hydra-console", description="Supervise, watch and steer Hydra workers.",
+                                 epilog=ONCE_CODES, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--profile", "-p", default=None, help="profile name or TOML path (default: built-in head + 1 peer)")
     ap.add_argument("--attach", action="store_true", help="monitor workers already running; start and stop nothing")
-    ap.add_argument("--readonly", action="store_true", help="disable restart, stop and split apply")
+    ap.add_argument("--readonly", action="store_true", help="watch only: start, stop, restart and apply nothing")
     ap.add_argument("--once", action="store_true", help="poll every worker once, print, exit (starts nothing)")
     ap.add_argument("--json", action="store_true", help="with --once: print JSON")
     ap.add_argument("--theme", default=os.environ.get("HYDRA_THEME", "dark"), help="dark, light or colourblind")
     ap.add_argument("--log-dir", default=None, help="folder of the per-worker log files")
-    ap.add_argument("--write-profile", metavar="PATH", default=None, help="write the profile as TOML and exit")
+    ap.add_argument("--write-profile", metavar="PATH", default=None,
+                    help="write the profile as TOML (named after the file) and exit")
+    ap.add_argument("--force", action="store_true", help="with --write-profile: overwrite an existing file")
     return ap
 
 
+ONCE_CODES = """exit status of --once: 0 every worker is ready; 1 a worker is unreachable, starting,
+degraded or failing; 2 a usage or profile error."""
+
+
 def _profile(args):
-    if args.profile is None:
-        return default_profile(), None
-    path = resolve_profile_path(args.profile)
-    return load_profile(path), path
+    if args.profile is not None:
+        path = resolve_profile_path(args.profile)
+        return load_profile(path), path
+    saved = resolve_profile_path("default")
+    if saved.exists():
+        return load_profile(saved), saved
+    return default_profile(), None
 
 
 async def _once(sup: Supervisor, as_json: bool) -> str:
@@ -46,12 +60,13 @@ async def _once(sup: Supervisor, as_json: bool) -> str:
         await sup.poll_once()
     finally:
         await sup.source.aclose()
+    healthy = all(w.state == State.READY for w in sup.workers.values())
     if as_json:
-        return display.snapshot_json(sup)
+        return display.snapshot_json(sup), healthy
     now = sup.clock()
     rows = [list(display.WORKER_COLUMNS)] + [display.worker_row(w, sup, now)[0] for w in sup.workers.values()]
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    return "\n".join("  ".join(c.ljust(wd) for c, wd in zip(r, widths)).rstrip() for r in rows)
+    return "\n".join("  ".join(c.ljust(wd) for c, wd in zip(r, widths)).rstrip() for r in rows), healthy
 
 
 def run(argv: list[str] | None = None) -> int:
@@ -60,11 +75,14 @@ def run(argv: list[str] | None = None) -> int:
         raise UserError("--json needs --once")
     profile, path = _profile(args)
     if args.write_profile:
-        print(save_profile(profile, args.write_profile))
+        # Named after its file: a copy must not share the original's log and state files.
+        target = Path(args.write_profile).expanduser()
+        print(save_profile(profile.model_copy(update={"name": target.stem}), target, mkdir=False, overwrite=args.force))
         return 0
     if args.once:
-        print(asyncio.run(_once(Supervisor(profile, attach=True), args.json)))
-        return 0
+        text, healthy = asyncio.run(_once(Supervisor(profile, attach=True), args.json))
+        print(text)
+        return 0 if healthy else 1
 
     from ..themes import THEME_ALIASES, THEMES
     from .ui.app import HydraConsole
@@ -72,7 +90,7 @@ def run(argv: list[str] | None = None) -> int:
     theme = THEME_ALIASES.get(args.theme, args.theme)
     if theme not in THEMES:
         raise UserError(f"unknown theme {args.theme!r}: choose dark, light or colourblind")
-    sup = Supervisor(profile, attach=args.attach, log_dir=args.log_dir)
+    sup = Supervisor(profile, attach=args.attach, readonly=args.readonly, log_dir=args.log_dir)
     app = HydraConsole(sup, readonly=args.readonly, theme=theme, profile_path=path)
     try:
         app.run()

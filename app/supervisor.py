@@ -9,18 +9,30 @@ probes /health and /status of each worker through a `StatusSource` and derives i
 
 Observers (the UI) read `workers`, `events`, `merged_log` and call the async commands; they get
 each new `Event` through `subscribe`.
+
+Truth over intent: a worker's record holds the argv it was really started with, and a (re)start
+launches `Supervisor.split`, the split the head last reported in /status (or the one the operator
+applied), never a draft saved to the profile.
+
+Takeover: every started worker carries HYDRA_RUN_ID in its environment, and a per-profile state
+file (state dir, written atomically) lists pids, ports and run ids. A console that starts finds
+the workers of its profile that still run with those run ids and adopts them (watch, stop,
+restart) instead of starting duplicates; `shutdown(stop_workers=False)` detaches, leaving them.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import logging
 import os
 import shlex
 import signal
+import socket
 import sys
 import time
+import uuid
 from collections import deque
 from dataclasses import dataclass, field
 from enum import Enum
@@ -30,16 +42,17 @@ from typing import Callable
 import psutil
 
 from ..contracts.errors import UserError
-from ..contracts.split import split_arg
+from ..contracts.split import counts_of, split_arg
 from ..contracts.status import Status
 from . import control_client
-from .config import DEFAULT_SSH_TEMPLATE, Profile, WorkerSpec, state_dir
+from .config import DEFAULT_SSH_TEMPLATE, Profile, WorkerSpec, atomic_write, state_dir
 from .sources import HttpStatusSource, Probe, StatusSource
 
 log = logging.getLogger("hydra.console.supervisor")
 HISTORY = 120  # samples kept for sparklines (2 min at 1 Hz)
 MISSES_TOLERATED = 3  # polls in a row a worker that answered before may miss before its state changes
 LINE_LIMIT = 1 << 20  # longest stdout line read in one piece
+RUN_ID_ENV = "HYDRA_RUN_ID"  # set on every started worker: a later console recognises its workers by it
 
 
 class State(str, Enum):
@@ -48,6 +61,8 @@ class State(str, Enum):
     READY = "ready"
     DEGRADED = "degraded"
     BACKOFF = "backoff"  # crashed, waiting to restart
+    CRASH_LOOP = "crash-loop"  # exits soon after every start (still retried, with backoff)
+    PORT_BUSY = "port-busy"  # another process holds its port: started once the port frees
     CRASHED = "crashed"  # crashed, auto-restart off
     STOPPING = "stopping"
     UNREACHABLE = "unreachable"  # attached worker that does not answer
@@ -61,7 +76,7 @@ class SupervisorError(UserError):
 class Event:
     ts: float
     worker: str  # "" for console-wide events
-    kind: str  # started, ready, degraded, unreachable, crashed, restarted, stopping, killed, stopped, split, error
+    kind: str  # started, adopted, ready, degraded, unreachable, crashed, crash-loop, restarted, stopping, killed, stopped, split, error
     message: str
 
 
@@ -114,8 +129,15 @@ class Worker:
     pid: int | None = None
     started_at: float | None = None
     ready_at: float | None = None
-    restarts: int = 0
+    restarts: int = 0  # every restart, the operator's included
+    crash_restarts: int = 0  # automatic ones only: what the restart alert counts
+    quick_exits: int = 0  # exits in a row within crash_loop_s of the start
+    last_err: str | None = None  # last non-empty stderr line (names a crash loop's cause)
     last_exit: int | None = None
+    argv: list[str] | None = None  # what the running process was really started with
+    run_id: str | None = None
+    seen_pid: int | None = None  # attached: the pid /status reported last (a change = a restart elsewhere)
+    down_since: float | None = None  # when it went degraded / unreachable
     backoff_until: float | None = None
     probe: Probe | None = None
     prefill_hist: deque = field(default_factory=lambda: deque(maxlen=HISTORY))
@@ -170,6 +192,67 @@ def _connect_host(host: str) -> str:
     return "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
 
 
+def port_owner(port: int) -> str:
+    """Who listens on `port` on this machine: "pid 4711 (python -m http.server 8080)"."""
+    try:
+        conns = psutil.net_connections(kind="inet")
+    except psutil.Error:
+        conns = []
+    for c in conns:
+        if c.laddr and c.laddr.port == port and c.status == psutil.CONN_LISTEN and c.pid:
+            try:
+                cmd = shlex.join(psutil.Process(c.pid).cmdline())
+            except psutil.Error:
+                cmd = "?"
+            return f"pid {c.pid} ({cmd[:80]})"
+    return "a process this user cannot see"
+
+
+class _Adopted:
+    """A worker process another console started: no pipes, and its exit code is its parent's to read."""
+
+    def __init__(self, ps: psutil.Process):
+        self.pid, self._ps = ps.pid, ps
+
+    async def wait(self) -> None:
+        while True:
+            try:
+                if self._ps.status() == psutil.STATUS_ZOMBIE:
+                    return None
+            except psutil.NoSuchProcess:
+                return None
+            await asyncio.sleep(0.2)
+
+
+def _ours(entry: dict, spec: WorkerSpec) -> psutil.Process | None:
+    """The live process a state-file entry names, if it is still that worker (same ports, same run id)."""
+    try:
+        if (entry["port"], entry["rpc"]) != (spec.port, spec.rpc):
+            return None
+        ps = psutil.Process(int(entry["pid"]))
+        if ps.status() == psutil.STATUS_ZOMBIE:
+            return None
+        try:
+            same = ps.environ().get(RUN_ID_ENV) == entry["run_id"]
+        except psutil.AccessDenied:
+            same = ps.cmdline() == entry.get("argv")
+        return ps if same else None
+    except (psutil.Error, KeyError, TypeError, ValueError):
+        return None
+
+
+def _release(proc) -> None:
+    """Detach from a started child: close our ends of its pipes (its writes fail, never block), and
+    keep asyncio's transport from killing it, as close() and collection would (CPython's transport)."""
+    transport = getattr(proc, "_transport", None)
+    if transport is not None:
+        for fd in (1, 2):
+            pipe = transport.get_pipe_transport(fd)
+            if pipe is not None:
+                pipe.close()
+        transport._closed = True
+
+
 class Supervisor:
     def __init__(
         self,
@@ -180,19 +263,28 @@ class Supervisor:
         clock: Callable[[], float] = time.time,
         log_dir: str | Path | None = None,
         auto_restart: bool = True,
+        readonly: bool = False,
+        state_path: str | Path | None = None,
     ):
         self.profile = profile
         self.settings = profile.supervisor
         self.source = source or HttpStatusSource()
         self.clock = clock
         self.auto_restart = auto_restart
-        self.attach_only = attach
+        self.readonly = readonly
+        self.attach_only = attach or readonly  # read-only: starts, stops and applies nothing
+        self.split = list(profile.split) if profile.split else None  # what a (re)start of the head launches
+        self.run_id = uuid.uuid4().hex[:12]
+        self.identity = f"hydra-console pid {os.getpid()} on {socket.gethostname()}"
+        self.state_path = Path(state_path) if state_path else state_dir() / "run" / f"{profile.name}.json"
+        self.detached = False
+        self._foreign: set[str] = set()  # workers of this profile another live console runs
         self.log_dir = Path(log_dir or self.settings.log_dir or state_dir() / "logs")
         self.events: deque[Event] = deque(maxlen=1000)
         self.merged_log: deque[LogLine] = deque(maxlen=self.settings.ring_lines * 2)
         self.workers: dict[str, Worker] = {}
         for i, spec in enumerate(profile.workers):
-            managed = not (attach or spec.attach)
+            managed = not (self.attach_only or spec.attach)
             self.workers[spec.name] = Worker(
                 spec=spec,
                 role="head" if i == 0 else "peer",
@@ -235,7 +327,7 @@ class Supervisor:
 
     def running_managed(self) -> list[Worker]:
         """Workers this console started that are still up (what quitting would stop)."""
-        return [w for w in self.workers.values() if w.managed and (w.running or w.state == State.BACKOFF)]
+        return [w for w in self.workers.values() if w.managed and (w.running or w.wanted)]
 
     def stage_ranges(self) -> list[tuple[str, tuple[int, int]]] | None:
         """Layer ranges the head reports in /status, pipeline order."""
@@ -261,8 +353,8 @@ class Supervisor:
             args += ["--parallel", str(p.parallel)]
             for peer in p.peers:
                 args += ["--peer", f"{_connect_host(peer.host)}:{peer.rpc}"]
-            if p.split:
-                args += ["--split", split_arg(p.split)]
+            if self.split:
+                args += ["--split", split_arg(self.split)]
             sp = p.speculative
             if sp.type != "off":
                 args += ["--spec-type", sp.type, "--draft-max", str(sp.draft_max)]
@@ -283,8 +375,10 @@ class Supervisor:
         """Begin polling and start every managed worker (peers first: the head waits for them)."""
         if self._poller is None:
             self._poller = asyncio.create_task(self._poll_loop())
+        if not self.attach_only:
+            self._adopt()
         for w in [*list(self.workers.values())[1:], self.head]:
-            if w.managed and not w.running:
+            if w.managed and not w.running and w.name not in self._foreign:
                 await self.start_worker(w.name)
 
     def _managed(self, name: str, verb: str) -> Worker:
@@ -313,6 +407,7 @@ class Supervisor:
             w.restarts += 1
             w.wanted = True
             w.backoff.reset()
+            w.quick_exits = 0
             await self._spawn(w)
             self.emit(name, "restarted", f"by operator (pid {old or '—'} → {w.pid or '—'})")
 
@@ -320,15 +415,29 @@ class Supervisor:
         if w.running:
             return
         if w.spec.is_local:
-            busy = [port for port in (w.spec.port, w.spec.rpc) if await _listening(w.spec.host, port)]
+            busy = await self._busy_ports(w)
             if busy:
-                w.state, w.wanted = State.CRASHED, False
-                self.emit(w.name, "error", f"port {', '.join(map(str, busy))} on {w.spec.host} is already in use "
-                                           "(another console's worker? watch it with --attach); not started")
+                w.state, w.wanted = State.PORT_BUSY, True
+                held = "; ".join(f"port {port} held by {port_owner(port)}" for port in busy)
+                w.last_err = held
+                self.emit(w.name, "error", f"{held}: starting once it is free (--attach watches another console's workers)")
+                w._restart = self._task(self._start_when_free(w))
                 return
         w.wanted = True
         w.backoff.reset()
         await self._spawn(w)
+
+    async def _busy_ports(self, w: Worker) -> list[int]:
+        return [port for port in (w.spec.port, w.spec.rpc) if await _listening(w.spec.host, port)]
+
+    async def _start_when_free(self, w: Worker) -> None:
+        while await self._busy_ports(w):
+            await asyncio.sleep(self.settings.poll_s)
+        async with w.lock:
+            w._restart = None
+            if w.wanted and not w.running:
+                w.backoff.reset()
+                await self._spawn(w)
 
     async def _stop(self, w: Worker, grace: float) -> None:
         w.wanted = False
@@ -356,14 +465,16 @@ class Supervisor:
         Peers take no split flag (the head assigns their layers when it connects), so a restart
         of the head is the whole rolling restart. Returns "live" or "restart".
         """
+        if self.readonly:
+            raise SupervisorError("read-only console: it applies no split")
         if len(counts) != len(self.workers):
             raise SupervisorError(f"split {split_arg(counts)} has {len(counts)} stages for {len(self.workers)} workers")
         head = self.head
         host = _connect_host(head.spec.rpc_host or head.spec.host)
         try:
-            reply = await control_client.configure(host, head.spec.rpc, {"split": split_arg(counts)})
+            reply = await control_client.configure(host, head.spec.rpc, {"split": split_arg(counts), "by": self.identity})
             if reply.ok:
-                self.profile.split = list(counts)
+                self.profile.split = self.split = list(counts)
                 self.emit(head.name, "split", f"live re-split to {split_arg(counts)}")
                 return "live"
             reason = reply.status_name + (f": {reply.meta['error']}" if "error" in reply.meta else "")
@@ -371,13 +482,14 @@ class Supervisor:
             reason = str(e)
         if not head.managed:
             raise SupervisorError(f"live re-split refused ({reason}) and {head.name} is attached, so it cannot be restarted")
-        self.profile.split = list(counts)
+        self.profile.split = self.split = list(counts)
         self.emit(head.name, "split", f"live re-split unavailable ({reason}); restarting with --split {split_arg(counts)}")
         await self.restart_worker(head.name)
         return "restart"
 
     async def shutdown(self, stop_workers: bool = True) -> None:
-        """Stop polling and (by default) the workers this console started, head first."""
+        """Stop polling and (by default) the workers this console started, head first; else detach:
+        they keep running, and the state file lets the next console of this profile adopt them."""
         if self._poller is not None:
             self._poller.cancel()
             self._poller = None
@@ -385,8 +497,14 @@ class Supervisor:
             for w in [self.head, *list(self.workers.values())[1:]]:
                 if w.managed:
                     await self.stop_worker(w.name)
+        else:
+            self.detached = True
         for t in list(self._tasks):
             t.cancel()
+        if self.detached:
+            for w in self.workers.values():
+                if w.proc is not None:
+                    _release(w.proc)
         for w in self.workers.values():
             if w._log_file is not None:
                 w._log_file.close()
@@ -394,7 +512,10 @@ class Supervisor:
         await self.source.aclose()
 
     def kill_all_sync(self, grace: float = 3.0) -> None:
-        """Last resort when the event loop is gone: no started worker may outlive the console."""
+        """Last resort when the event loop is gone: no started worker may outlive the console
+        (unless the operator detached)."""
+        if self.detached:
+            return
         pids = [w.pid for w in self.workers.values() if w.managed and w.proc is not None and w.pid]
         for pid in pids:
             self._signal_group(pid, signal.SIGTERM)
@@ -405,8 +526,9 @@ class Supervisor:
                 try:
                     if os.waitpid(pid, os.WNOHANG)[0] == pid:
                         alive.discard(pid)
-                except ChildProcessError:
-                    alive.discard(pid)
+                except ChildProcessError:  # adopted: another console's child
+                    if not psutil.pid_exists(pid):
+                        alive.discard(pid)
             time.sleep(0.05)
         for pid in alive:
             self._signal_group(pid, signal.SIGKILL)
@@ -438,7 +560,7 @@ class Supervisor:
             except OSError as e:
                 self.emit(w.name, "error", f"no log file ({e.strerror or e}: {w.log_path}); keeping the ring buffer only")
                 w.log_path = None
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env = dict(os.environ, PYTHONUNBUFFERED="1", **{RUN_ID_ENV: self.run_id})
         try:
             proc = await asyncio.create_subprocess_exec(
                 *argv,
@@ -453,17 +575,62 @@ class Supervisor:
             self.emit(w.name, "error", f"cannot start {argv[0]}: {e.strerror or e}")
             self._after_exit(w, None)
             return
-        w.proc, w.pid = proc, proc.pid
-        w.started_at, w.ready_at, w.probe, w.backoff_until = self.clock(), None, None, None
-        w.state = State.STARTING
-        try:
-            w._ps = psutil.Process(proc.pid) if w.spec.is_local else None
-        except psutil.Error:
-            w._ps = None
+        self._track(w, proc, argv, self.run_id, self.clock())
         self._log(w, "out", f"[hydra-console] started pid {proc.pid}: {shlex.join(argv)}")
         self.emit(w.name, "started", f"pid {proc.pid}" + ("" if w.spec.is_local else f" on {w.spec.host}"))
         pumps = [self._task(self._pump(w, proc.stdout, "out")), self._task(self._pump(w, proc.stderr, "err"))]
         w._watch = self._task(self._wait(w, proc, pumps))
+
+    def _track(self, w: Worker, proc, argv: list[str], run_id: str, started_at: float) -> None:
+        w.proc, w.pid, w.argv, w.run_id = proc, proc.pid, argv, run_id
+        w.started_at, w.ready_at, w.probe, w.backoff_until, w.down_since = started_at, None, None, None, None
+        w.state = State.CRASH_LOOP if w.quick_exits >= self.settings.crash_loop_count else State.STARTING
+        try:
+            w._ps = psutil.Process(proc.pid) if w.spec.is_local else None
+        except psutil.Error:
+            w._ps = None
+        self._save_state()
+
+    def _adopt(self) -> None:
+        """Take over this profile's workers that a previous console started and left running."""
+        try:
+            doc = json.loads(self.state_path.read_text())
+            entries = dict(doc["workers"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return
+        owner = doc.get("console_pid")
+        owner_alive = isinstance(owner, int) and owner != os.getpid() and psutil.pid_exists(owner)
+        for name, entry in entries.items():
+            w = self.workers.get(name)
+            if w is None or not w.managed or w.running or not w.spec.is_local:
+                continue
+            ps = _ours(entry, w.spec) if isinstance(entry, dict) else None
+            if ps is None:
+                continue
+            if owner_alive:  # two consoles must not both restart one worker
+                self._foreign.add(name)
+                self.emit(name, "error", f"pid {ps.pid} is run by console pid {owner}, which is alive: "
+                                         "not started here (--attach watches it)")
+                continue
+            w.wanted = True
+            w.backoff.reset()
+            self._track(w, _Adopted(ps), list(entry.get("argv") or ps.cmdline()), entry["run_id"], ps.create_time())
+            self.emit(w.name, "adopted", f"pid {ps.pid} (run {entry['run_id']}, left by console pid {doc.get('console_pid', '?')})")
+            w._watch = self._task(self._wait(w, w.proc, []))
+        self._save_state()
+
+    def _save_state(self) -> None:
+        """The state file: which of this profile's workers run, so a later console can adopt them."""
+        entries = {w.name: {"pid": w.pid, "port": w.spec.port, "rpc": w.spec.rpc, "run_id": w.run_id, "argv": w.argv}
+                   for w in self.workers.values() if w.managed and w.running and w.spec.is_local}  # fmt: skip
+        try:
+            if entries:
+                atomic_write(self.state_path, json.dumps({"profile": self.profile.name, "console_pid": os.getpid(),
+                                                          "workers": entries}, indent=1))  # fmt: skip
+            else:
+                self.state_path.unlink(missing_ok=True)
+        except OSError as e:
+            log.warning("state file %s: %s", self.state_path, e)
 
     async def _pump(self, w: Worker, stream: asyncio.StreamReader, name: str) -> None:
         while True:
@@ -480,13 +647,16 @@ class Supervisor:
         line = LogLine(next(self._seq), self.clock(), w.name, stream, text)
         w.log.append(line)
         self.merged_log.append(line)
+        if stream == "err" and text.strip():
+            w.last_err = text.strip()
         if w._log_file is not None:
             w._log_file.write(f"{time.strftime('%Y-%m-%dT%H:%M:%S', time.localtime(line.ts))} {stream} {text}\n")
 
     async def _wait(self, w: Worker, proc: asyncio.subprocess.Process, pumps: list[asyncio.Task]) -> None:
         code = await proc.wait()
         # A grandchild can keep the pipes open after the worker died; do not wait on it forever.
-        await asyncio.wait(pumps, timeout=2.0)
+        if pumps:
+            await asyncio.wait(pumps, timeout=2.0)
         for t in pumps:
             t.cancel()
         self._after_exit(w, code)
@@ -494,8 +664,9 @@ class Supervisor:
     def _after_exit(self, w: Worker, code: int | None) -> None:
         now = self.clock()
         ran = now - w.started_at if w.started_at is not None and w.proc is not None else 0.0
-        w.proc, w._ps, w.cpu_pct, w.rss = None, None, None, None
+        w.proc, w._ps, w.cpu_pct, w.rss, w.argv = None, None, None, None, None
         w.last_exit = code
+        self._save_state()
         if not w.wanted:
             w.state = State.STOPPED
             self.emit(w.name, "stopped", f"pid {w.pid} exited ({describe_exit(code)})")
@@ -506,9 +677,14 @@ class Supervisor:
             return
         if ran >= self.settings.healthy_reset_s:
             w.backoff.reset()
+        w.quick_exits = w.quick_exits + 1 if ran < self.settings.crash_loop_s else 0
+        looping = w.quick_exits >= self.settings.crash_loop_count
         delay = w.backoff.next()
-        w.state, w.backoff_until = State.BACKOFF, now + delay
+        w.state, w.backoff_until = (State.CRASH_LOOP if looping else State.BACKOFF), now + delay
         self.emit(w.name, "crashed", f"pid {w.pid} exited ({describe_exit(code)}) after {ran:.1f} s; restart in {delay:g} s")
+        if looping:
+            self.emit(w.name, "crash-loop", f"{w.quick_exits} exits in a row within {self.settings.crash_loop_s:g} s of "
+                                            f"the start; last stderr: {w.last_err or '(none)'}")
         w._restart = self._task(self._restart_later(w, delay))
 
     async def _restart_later(self, w: Worker, delay: float) -> None:
@@ -517,6 +693,7 @@ class Supervisor:
             w._restart = None
             if w.wanted and not w.running:
                 w.restarts += 1
+                w.crash_restarts += 1
                 await self._spawn(w)
                 self.emit(w.name, "restarted", f"after {delay:g} s backoff (restart {w.restarts})")
 
@@ -556,6 +733,11 @@ class Supervisor:
                 w.rss = w._ps.memory_info().rss
             except psutil.Error:
                 w._ps = None
+        pid = p.status.pid if p.status else None
+        if not w.managed and pid:
+            if w.seen_pid and pid != w.seen_pid:
+                self.emit(w.name, "restarted", f"pid {w.seen_pid} → {pid} (restarted outside this console)")
+            w.seen_pid = pid
         hs = p.health_state
         if hs is None:
             # Started and once up, now silent: degraded (the process lives); never answered yet: starting.
@@ -563,23 +745,38 @@ class Supervisor:
             new = (State.DEGRADED if up_before else State.STARTING) if w.managed else State.UNREACHABLE
         else:
             new = {"ok": State.READY, "degraded": State.DEGRADED}.get(hs, State.STARTING)
+        if new == State.STARTING and w.state == State.CRASH_LOOP:
+            return  # still looping until it is ready once
         if new == w.state:
             return
-        w.state = new
+        old, w.state, now = w.state, new, self.clock()
         if new == State.READY:
-            w.ready_at = self.clock()
-            after = f" after {w.ready_at - w.started_at:.1f} s" if w.managed and w.started_at else ""
-            self.emit(w.name, "ready", f"ready{after}")
-        elif new == State.DEGRADED:
+            w.ready_at, w.quick_exits = now, 0
+            if w.down_since is not None:
+                self.emit(w.name, "ready", f"ready again after {now - w.down_since:.1f} s {old.value}")
+            elif w.managed and w.started_at:
+                self.emit(w.name, "ready", f"ready {now - w.started_at:.1f} s after its start")
+            else:
+                self.emit(w.name, "ready", "ready")
+            w.down_since = None
+            return
+        if w.down_since is None and new in (State.DEGRADED, State.UNREACHABLE):
+            w.down_since = now
+        if new == State.DEGRADED:
             self.emit(w.name, "degraded", f"not answering: {p.error}" if hs is None else "health reports degraded")
         elif new == State.UNREACHABLE:
             self.emit(w.name, "unreachable", p.error or "no answer")
 
     def _note_split(self) -> None:
+        """Follow the split the head runs, whoever applied it: a restart of the head relaunches it."""
         ranges = self.stage_ranges()
         if ranges is None:
             return
         key = tuple(r for _, r in ranges)
+        if len(key) == len(self.workers):
+            self.split = counts_of(list(key))
         if self._last_ranges is not None and key != self._last_ranges:
-            self.emit(self.head.name, "split", "layers now " + " · ".join(f"[{a},{b})" for a, b in key))
+            by = self.head.status.split_by
+            self.emit(self.head.name, "split", "layers now " + " · ".join(f"[{a},{b})" for a, b in key)
+                      + (f" (applied by {by})" if by else ""))
         self._last_ranges = key

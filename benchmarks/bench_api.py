@@ -42,21 +42,24 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start(args, parallel: int) -> tuple[subprocess.Popen, str, dict]:
+def start(args, parallel: int, extra: tuple[str, ...] = ()) -> tuple[subprocess.Popen, str, dict]:
     port = free_port()
     cmd = [sys.executable, "-m", "hydra_console.engine.cli", "serve", "--port", str(port), "--rpc-port",
            str(free_port()), "--parallel", str(parallel), "--ctx", str(args.ctx), "--device", args.device,
-           "--dtype", args.dtype]  # fmt: skip
+           "--dtype", args.dtype, *extra]  # fmt: skip
     if args.model:
         cmd += ["--model", args.model]
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    # stderr to a file, not a pipe nobody drains: the head logs a line per request.
+    log = tempfile.TemporaryFile("w+")
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log, text=True)
     base = f"http://127.0.0.1:{port}"
     first_answer = None
     deadline = t0 + 300
     while time.perf_counter() < deadline:
         if proc.poll() is not None:
-            raise SystemExit(f"server exited {proc.returncode}: {proc.stderr.read()}")
+            log.seek(0)
+            raise SystemExit(f"server exited {proc.returncode}: {log.read()[-4000:]}")
         try:
             r = httpx.get(f"{base}/health", timeout=5)
             first_answer = first_answer or time.perf_counter() - t0

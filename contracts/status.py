@@ -74,7 +74,9 @@ def _coerce(tp, value) -> tuple[bool, Any]:
 
 @dataclass(frozen=True)
 class Health(_Doc):
-    """`/health`: 503 until ready, then 200."""
+    """`/health`: 200 only while a request can be served. Load balancers read the code: it is 503
+    while loading and whenever the worker cannot serve (a peer down, no stage). `status` "degraded"
+    with `serving` true is degraded but serving (e.g. --fallback-solo took over): 200."""
 
     status: str = "starting"  # "starting" | "ok" | "degraded"
     startup_stage: int = 1  # STARTUP_STAGES
@@ -82,10 +84,12 @@ class Health(_Doc):
     model_name: str | None = None
     rpc_active: bool = False
     error: str | None = None  # why loading failed
+    serving: bool = True  # False: cannot serve now; older documents lack it (then readiness decides)
+    reason: str | None = None  # why not serving, or why degraded
 
     @property
     def http_code(self) -> int:
-        return 200 if self.startup_stage >= READY_STAGE else 503
+        return 200 if self.startup_stage >= READY_STAGE and self.serving else 503
 
 
 @dataclass(frozen=True)
@@ -203,6 +207,10 @@ class Status(_Doc):
     speculative: Speculative = field(default_factory=Speculative)
     pool: Pool | None = None
     peers: list[PeerInfo] = field(default_factory=list)
+    # The head's applied split: how many live re-splits, and who asked for the last one (CONFIGURE's
+    # "by", e.g. "hydra-console pid 812 on lab1"); None = the split it started with.
+    resplits: int = 0
+    split_by: str | None = None
     slots: list[SlotInfo] = field(default_factory=list)
     resident: dict | None = None  # a peer's resident stage: layers, epoch, forwards, bytes
     config: dict | None = None  # the worker's effective configuration, secrets redacted

@@ -1,26 +1,28 @@
 """The head's HTTP routes: OpenAI and llama-server endpoints over the Engine, plus the /health,
 /status and /metrics every worker serves. It only routes: `workers.head` builds and starts the
 parts it reads. Every bad request is a 4xx in OpenAI's error shape; requests before the engine
-is ready get 503.
+is ready, or beyond its queue, get 503 with Retry-After. `http_gate.Gate` runs in front (API key,
+body limit, the log line). Tokenizer and chat-template work runs in a thread: a long prompt must not
+stall the event loop (and /health with it).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import sys
 import time
-import traceback
 import uuid
 from typing import TYPE_CHECKING, Any, AsyncIterator, Union
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .errors import Unavailable, UserError, describe
+from .errors import Overloaded, Unavailable, UserError, describe
+from .http_errors import APIError, error_response
+from .http_gate import Gate, record_of
 from .worker_http import add_observation_routes
 
 if TYPE_CHECKING:  # the engine's modules bring torch: imported when the model loads, after the port is up
@@ -32,23 +34,6 @@ if TYPE_CHECKING:  # the engine's modules bring torch: imported when the model l
 
 DISCONNECT_POLL_S = 0.25
 MAX_LOGPROBS = 20  # = sampling.MAX_LOGPROBS, which also checks it
-
-
-# ---- errors -----------------------------------------------------------------------------------
-
-
-class APIError(Exception):
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.type, self.param = status, message, type_, param
-
-
-def error_response(status: int, message: str, type_: str, param: str | None = None) -> JSONResponse:
-    code = {400: "invalid_request_error", 404: "not_found", 405: "method_not_allowed", 503: "unavailable"}
-    return JSONResponse(
-        {"error": {"message": message, "type": type_, "param": param, "code": code.get(status, str(status))}},
-        status_code=status,
-    )
 
 
 def _loc_param(loc) -> str | None:
@@ -78,6 +63,7 @@ class _Common(BaseModel):
     stream: bool = False
     stream_options: dict[str, Any] | None = None
     ignore_eos: bool = False
+    cache_prompt: bool = True  # llama-server: reuse the KV of a prefix a slot already holds
     n: int = Field(1, ge=1, le=1, description="only one choice per request is supported")
     # Speculative decoding for this request: {"type": "off"|"ngram"|"draft", "n_max", "n_min", "p_min"},
     # or llama-server's flat fields; checked against the server's drafters by the engine's Speculator.
@@ -207,6 +193,7 @@ class _Run:
 
     def __init__(self, head: Head, http: Request, req: EngineRequest):
         self.head, self.http, self.req = head, http, req
+        self.record = record_of(http)
         self.queue: asyncio.Queue[Event] = asyncio.Queue()
         loop = asyncio.get_running_loop()
         req.sink = lambda ev: loop.call_soon_threadsafe(self.queue.put_nowait, ev)
@@ -222,6 +209,10 @@ class _Run:
                     if await self.http.is_disconnected():
                         return
                     continue
+                if ev.finish_reason is not None and self.record is not None:
+                    self.record.usage(ev.usage)
+                    if ev.error is not None:  # a stream has sent its 200 already: the log says why it ended
+                        self.record.reason = describe(ev.error)
                 yield ev
                 if ev.finish_reason is not None:
                     return
@@ -234,7 +225,7 @@ def _generation_error(ev: Event) -> APIError:
     503, anything else 500."""
     message = f"generation failed: {describe(ev.error)}"
     if isinstance(ev.error, Unavailable):
-        return APIError(503, message, "unavailable_error")
+        return APIError(503, message, "unavailable_error", retry_after=ev.error.retry_after)
     return APIError(500, message, "server_error")
 
 
@@ -255,20 +246,29 @@ def _sse(obj) -> bytes:
 # ---- the app -----------------------------------------------------------------------------------
 
 
+LOADING_RETRY_S = 5
+
+
 def _engine(head: Head):
     if not head.ready:
-        raise APIError(503, "Loading model", "unavailable_error")
+        raise APIError(503, "Loading model", "unavailable_error", retry_after=LOADING_RETRY_S)
     return head.engine
 
 
 def create_app(head: Head) -> FastAPI:
     app = FastAPI(title="Hydra head", version="0.1.0")
     app.state.head = head
+    app.add_middleware(Gate, api_key=head.cfg.api_key, max_body=head.cfg.max_body)
     add_observation_routes(app, head.status, head.metrics)
 
     @app.exception_handler(APIError)
     async def _api_error(_, e: APIError):
-        return error_response(e.status, e.message, e.type, e.param)
+        return e.response()
+
+    @app.exception_handler(Unavailable)  # Engine.submit: the queue is full (Overloaded)
+    async def _unavailable(_, e: Unavailable):
+        code = "server_overloaded" if isinstance(e, Overloaded) else None
+        return error_response(503, str(e), "unavailable_error", code=code, retry_after=e.retry_after)
 
     @app.exception_handler(UserError)  # sampling.InvalidParam names the parameter
     async def _user(_, e: UserError):
@@ -284,11 +284,6 @@ def create_app(head: Head) -> FastAPI:
     @app.exception_handler(StarletteHTTPException)
     async def _http(_, e: StarletteHTTPException):
         return error_response(e.status_code, str(e.detail), "invalid_request_error" if e.status_code < 500 else "server_error")
-
-    @app.exception_handler(Exception)
-    async def _unexpected(_, e: Exception):
-        traceback.print_exception(e, file=sys.stderr)
-        return error_response(500, f"internal error: {type(e).__name__}: {e}", "server_error")
 
     @app.get("/v1/models")
     @app.get("/models", include_in_schema=False)
@@ -307,18 +302,7 @@ def create_app(head: Head) -> FastAPI:
     @app.post("/tokenize")
     async def tokenize(body: TokenizeBody):
         _engine(head)
-        ids = head.tok.encode(body.content, add_special=body.add_special, parse_special=body.parse_special)
-        if not body.with_pieces:
-            return {"tokens": ids}
-        pieces = []
-        for t in ids:
-            raw = head.tok.token_bytes(t)
-            try:
-                piece: Any = raw.decode("utf-8")
-            except UnicodeDecodeError:
-                piece = list(raw)
-            pieces.append({"id": t, "piece": piece})
-        return {"tokens": pieces}
+        return await asyncio.to_thread(_tokenize, head, body)
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeBody):
@@ -326,7 +310,7 @@ def create_app(head: Head) -> FastAPI:
         bad = next((t for t in body.tokens if not 0 <= t < head.tok.vocab_size), None)
         if bad is not None:
             raise APIError(400, f"token id {bad} is outside the vocabulary of {head.tok.vocab_size}", param="tokens")
-        return {"content": head.tok.decode(body.tokens)}
+        return {"content": await asyncio.to_thread(head.tok.decode, body.tokens)}
 
     @app.post("/v1/completions")
     @app.post("/completions", include_in_schema=False)
@@ -340,43 +324,65 @@ def create_app(head: Head) -> FastAPI:
                 raise APIError(400, "only one prompt per request is supported", param="prompt")
             prompt = prompt[0]
         if isinstance(prompt, str):
-            ids = head.tok.encode(prompt, add_special=True, parse_special=True)
+            ids = await asyncio.to_thread(head.tok.encode, prompt, add_special=True, parse_special=True)
             prompt_text = prompt
         else:
             ids = list(prompt)
             bad = next((t for t in ids if not 0 <= t < head.tok.vocab_size), None)
             if bad is not None:
                 raise APIError(400, f"token id {bad} is outside the vocabulary of {head.tok.vocab_size}", param="prompt")
-            prompt_text = head.tok.decode(ids, skip_special=True) if body.echo else ""
+            prompt_text = await asyncio.to_thread(head.tok.decode, ids, skip_special=True) if body.echo else ""
         max_tokens = body.max_tokens if body.max_tokens is not None else 16
         engine.check(len(ids), max_tokens)
         req = EngineRequest(
             prompt=ids, params=_sampling(body, body.logprobs), max_tokens=max_tokens, stop=_stops(body.stop),
             ignore_eos=body.ignore_eos, prompt_logprobs=body.logprobs if body.echo and body.logprobs is not None else None,
-            spec=_speculative(engine, body),
+            spec=_speculative(engine, body), cache_prompt=body.cache_prompt,
         )  # fmt: skip
         return await _respond_completion(head, http, body, req, prompt_text)
 
     @app.post("/v1/chat/completions")
     @app.post("/chat/completions", include_in_schema=False)
     async def chat_completions(body: ChatBody, http: Request):
-        from .chat import apply_chat_template
         from .sequence import Request as EngineRequest
 
         engine = _engine(head)
         messages = [m.model_dump(exclude_none=True) for m in body.messages]
-        text = apply_chat_template(head.tok, head.gguf, messages, add_generation_prompt=True)
-        ids = head.tok.encode(text, add_special=True, parse_special=True)
+        ids = await asyncio.to_thread(_chat_prompt, head, messages)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        if max_tokens is None:
-            max_tokens = max(engine.n_ctx - len(ids), 0)
+        if max_tokens is None:  # llama-server's --n-predict: the server's default, within the context
+            room = max(engine.n_ctx - len(ids), 0)
+            max_tokens = room if head.cfg.n_predict < 0 else min(head.cfg.n_predict, room)
         engine.check(len(ids), max_tokens)
         n_top = (body.top_logprobs or 0) if body.logprobs else None
         req = EngineRequest(prompt=ids, params=_sampling(body, n_top), max_tokens=max_tokens,
-                            stop=_stops(body.stop), ignore_eos=body.ignore_eos, spec=_speculative(engine, body))  # fmt: skip
+                            stop=_stops(body.stop), ignore_eos=body.ignore_eos, spec=_speculative(engine, body),
+                            cache_prompt=body.cache_prompt)  # fmt: skip
         return await _respond_chat(head, http, body, req)
 
     return app
+
+
+def _tokenize(head: Head, body: TokenizeBody) -> dict:
+    ids = head.tok.encode(body.content, add_special=body.add_special, parse_special=body.parse_special)
+    if not body.with_pieces:
+        return {"tokens": ids}
+    pieces = []
+    for t in ids:
+        raw = head.tok.token_bytes(t)
+        try:
+            piece: Any = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            piece = list(raw)
+        pieces.append({"id": t, "piece": piece})
+    return {"tokens": pieces}
+
+
+def _chat_prompt(head: Head, messages: list[dict]) -> list[int]:
+    from .chat import apply_chat_template
+
+    text = apply_chat_template(head.tok, head.gguf, messages, add_generation_prompt=True)
+    return head.tok.encode(text, add_special=True, parse_special=True)
 
 
 async def _respond_completion(head: Head, http: Request, body: CompletionBody, req: EngineRequest, prompt_text: str):

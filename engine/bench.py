@@ -72,13 +72,14 @@ def run_bench(model: Path, device: str, dtype: str, n_prompt: int, n_gen: int, r
         "arch": cfg.arch,
         "device": str(stage.device),
         "dtype": str(stage.dtype).removeprefix("torch."),
-        "weights": "int8" if stage.int8 else str(stage.dtype).removeprefix("torch."),
+        "weights": "int8" if stage.int8 else "gguf-quantized" if stage.weights.quantized else str(stage.dtype).removeprefix("torch."),
         "threads": torch.get_num_threads(),
         "n_prompt": n_prompt,
         "n_gen": n_gen,
         "repetitions": repetitions,
         "load_s": round(load_s, 3),
         "weight_bytes": stage.weight_bytes,
+        "kv_bytes": stage.kv_bytes,
         "load_avg": round(os.getloadavg()[0], 2),  # other processes on the cores make every rate a lower bound
     }
     if n_prompt:
@@ -93,9 +94,10 @@ def run_bench(model: Path, device: str, dtype: str, n_prompt: int, n_gen: int, r
         rates = [n_gen / t for t in times]
         result["decode_tok_s"] = round(statistics.mean(rates), 2)
         result["decode_tok_s_std"] = round(statistics.pstdev(rates), 2)
-        result["weight_bytes"] = stage.weight_bytes
         # Significant digits, not decimals: a tiny model on a loaded box reads well under 0.01 GB/s.
         result["decode_gb_s"] = float(f"{stage.weight_bytes * result['decode_tok_s'] / 1e9:.4g}")
+    if stage.device.type == "cuda":
+        result["peak_device_bytes"] = torch.cuda.max_memory_allocated(stage.device)
     return result
 
 

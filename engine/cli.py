@@ -8,11 +8,13 @@ builds the config, and turns a UserError into one line on stderr and exit code 2
 from __future__ import annotations
 
 import argparse
+import functools
+import logging
 import os
 import sys
 from typing import Mapping
 
-from .config import ENVIRONMENT, default_cache_dir, head_config, peer_config
+from .config import BODY_BYTES_PER_TOKEN, ENVIRONMENT, default_cache_dir, head_config, peer_config
 from .errors import UserError
 from .openmp import configure_split_worker
 
@@ -47,7 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
     epilog = "environment:\n" + "\n".join(f"  {name:<18} {doc}" for name, doc in ENVIRONMENT.items())
     ap = argparse.ArgumentParser(prog="hydra-engine", description="Hydra layer-split LLM engine", epilog=epilog,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = ap.add_subparsers(dest="command", required=True)
+    # Every subcommand's --help shows its defaults.
+    sub = ap.add_subparsers(dest="command", required=True, parser_class=functools.partial(
+        argparse.ArgumentParser, formatter_class=argparse.ArgumentDefaultsHelpFormatter))
 
     g = sub.add_parser("generate", help="stream a completion to stdout")
     _model_args(g)
@@ -83,6 +87,16 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--split", default=None, help="layers per stage, head first: 9/9, 9,9 or proportions")
     s.add_argument("--fallback-solo", action="store_true", help="run all layers locally if peers never come up")
     s.add_argument("--peer-wait", type=float, default=180.0, help="seconds to wait for peers at start")
+    s.add_argument("--api-key", default=None,
+                   help="key the HTTP API requires (Authorization: Bearer KEY or X-Api-Key); /health, /status, "
+                        "/metrics stay public (visible in `ps`: prefer env HYDRA_API_KEY)")  # fmt: skip
+    s.add_argument("--max-body", type=int, default=None,
+                   help=f"largest request body in bytes, 413 above (default: max(1 MiB, ctx x {BODY_BYTES_PER_TOKEN}))")
+    s.add_argument("--max-queue", type=int, default=64,
+                   help="requests waiting beyond the busy slots; more get 503 + Retry-After (default 64)")
+    s.add_argument("-n", "--n-predict", type=int, default=1024,
+                   help="max_tokens of a chat request that sets none (capped by the context; -1: to the end "
+                        "of the context); completions keep OpenAI's 16 (default 1024)")  # fmt: skip
     _spec_args(s)
 
     pr = sub.add_parser("peer", help="peer worker: serves its assigned layers over the merged RPC port")
@@ -96,6 +110,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None, env: Mapping[str, str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     env = os.environ if env is None else env
+    if args.command in ("serve", "peer"):  # workers log one line per event (and per HTTP request) to stderr
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.command == "peer" or getattr(args, "peer", None):
         configure_split_worker()  # before the subcommand imports torch
     try:

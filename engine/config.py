@@ -17,6 +17,7 @@ from .errors import UserError
 # The environment variables Hydra reads (README lists them), all of them here and nowhere else.
 ENVIRONMENT = {
     "HYDRA_TOKEN": "shared secret both RPC protocols require (like --auth-token, which `ps` would show)",
+    "HYDRA_API_KEY": "key the head's HTTP API requires (like --api-key, which `ps` would show)",
     "HYDRA_CACHE_DIR": "prepared-weight cache directory; 'off' disables it (default ~/.cache/hydra-console/prepared)",
     "HYDRA_CUDA_IPC": "'0' turns off CUDA IPC between a head and a peer on the same GPU (default on)",
     "HYDRA_RPC_SPIN_MS": "busy-wait for the next compute frame, in ms (default 20 on CUDA workers, 0 on CPU)",
@@ -25,6 +26,14 @@ GPU_SPIN_S = 0.02  # see RpcSettings.spin_seconds
 
 SPEC_TYPES = ("off", "ngram", "draft", "mtp")
 MAX_DRAFT = 32  # per-request cap: beyond this a draft costs more verify compute than it can win
+# --max-body's default: a full-context prompt must fit. 64 bytes a token covers JSON-escaped text
+# (a token is ~4 characters, at most 6 bytes each as \uXXXX) and token-id prompts ("123456, ").
+BODY_BYTES_PER_TOKEN = 64
+MIN_MAX_BODY = 1 << 20
+
+
+def default_max_body(n_ctx: int) -> int:
+    return max(MIN_MAX_BODY, n_ctx * BODY_BYTES_PER_TOKEN)
 
 
 @dataclass(frozen=True)
@@ -110,10 +119,24 @@ class RpcSettings:
 
 
 @dataclass(frozen=True)
-class HeadConfig:
+class WorkerConfig:
+    """What every worker has: a model, an HTTP address and its merged RPC port."""
+
     model: ModelSettings
     rpc: RpcSettings
     host: str = "127.0.0.1"
+    port: int = 8090
+
+    def redacted(self) -> dict:
+        """The configuration /status reports: the secret as `***`."""
+        doc = dataclasses.asdict(self)
+        doc["rpc"]["auth_token"] = "***" if self.rpc.auth_token else None
+        doc["model"]["cache_dir"] = str(self.model.cache_dir) if self.model.cache_dir else None
+        return doc
+
+
+@dataclass(frozen=True)
+class HeadConfig(WorkerConfig):
     port: int = 8080
     parallel: int = 4
     alias: str | None = None
@@ -123,27 +146,19 @@ class HeadConfig:
     peer_wait: float = 180.0
     spec: SpecConfig = SpecConfig()
     model_draft: str | None = None
+    api_key: str | None = field(default=None, repr=False)  # None: the HTTP API is open
+    max_body: int = MIN_MAX_BODY  # bytes of a request body; above: 413
+    max_queue: int = 64  # requests waiting beyond the slots; above: 503 + Retry-After
+    n_predict: int = 1024  # max_tokens of a chat request that names none; -1: to the end of the context
 
     def redacted(self) -> dict:
-        return _redacted(self)
+        doc = super().redacted()
+        doc["api_key"] = "***" if self.api_key else None
+        return doc
 
 
-@dataclass(frozen=True)
-class PeerConfig:
-    model: ModelSettings
-    rpc: RpcSettings
-    host: str = "127.0.0.1"
-    port: int = 8090
-
-    def redacted(self) -> dict:
-        return _redacted(self)
-
-
-def _redacted(cfg) -> dict:
-    doc = dataclasses.asdict(cfg)
-    doc["rpc"]["auth_token"] = "***" if cfg.rpc.auth_token else None
-    doc["model"]["cache_dir"] = str(cfg.model.cache_dir) if cfg.model.cache_dir else None
-    return doc
+class PeerConfig(WorkerConfig):
+    """A peer needs nothing beyond a worker's settings: the head assigns its layers."""
 
 
 # ---- from argv and the environment -----------------------------------------------------------------
@@ -178,7 +193,10 @@ def rpc_settings(args, env: Mapping[str, str], **mode) -> RpcSettings:
 
 def head_config(args, env: Mapping[str, str]) -> HeadConfig:
     _at_least(1, parallel=args.parallel, rpc_pool_size=args.rpc_pool_size)
-    _at_least(0, rpc_queue=args.rpc_queue, peer_wait=args.peer_wait)
+    _at_least(0, rpc_queue=args.rpc_queue, peer_wait=args.peer_wait, max_queue=args.max_queue)
+    _at_least(-1, n_predict=args.n_predict)
+    max_body = args.max_body if args.max_body is not None else default_max_body(args.ctx)
+    _at_least(1024, max_body=max_body)
     spec = SpecConfig(type=args.spec_type, n_max=args.draft_max, n_min=args.draft_min, p_min=args.draft_p_min)
     return HeadConfig(
         model=model_settings(args, env),
@@ -193,6 +211,10 @@ def head_config(args, env: Mapping[str, str]) -> HeadConfig:
         peer_wait=args.peer_wait,
         spec=spec,
         model_draft=args.model_draft,
+        api_key=args.api_key or env.get("HYDRA_API_KEY") or None,
+        max_body=max_body,
+        max_queue=args.max_queue,
+        n_predict=args.n_predict,
     )
 
 

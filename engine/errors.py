@@ -3,12 +3,20 @@ the kinds of failure the HTTP layer tells apart by type (never by message text).
 
 from ..contracts.errors import UserError
 
-__all__ = ["Unavailable", "UserError", "describe"]
+__all__ = ["Overloaded", "Unavailable", "UserError", "describe"]
 
 
 class Unavailable(Exception):
     """Something a request needs is gone for now (a peer): the request fails with HTTP 503, and a
     retry may succeed. Defined here so the engine and the API can name it without importing rpc."""
+
+    retry_after = 2  # seconds, the HTTP Retry-After: about one peer-watch poll
+
+
+class Overloaded(Unavailable):
+    """The engine's request queue is full (`--max-queue`): shed at once rather than queue for minutes."""
+
+    retry_after = 1
 
 
 def describe(e: BaseException) -> str:

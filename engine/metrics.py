@@ -36,6 +36,8 @@ class _EngineCollector:
         yield from counter("tokens_predicted_seconds", "Predict process time.", st.predicted_seconds if st else 0.0)
         yield from counter("n_decode", "Total number of engine steps (forward calls).", st.steps if st else 0)
         yield CounterMetricFamily("hydra_requests", "Requests accepted.", value=st.requests_total if st else 0)
+        yield CounterMetricFamily("hydra_requests_rejected", "Requests refused because the queue was full (--max-queue).",
+                                  value=st.requests_rejected if st else 0)  # fmt: skip
         prefill, decode = st.rates() if st else (0.0, 0.0)
         yield from gauge("prompt_tokens_seconds", "Recent prompt throughput in tokens/s.", prefill)
         yield from gauge("predicted_tokens_seconds", "Recent generation throughput in tokens/s.", decode)

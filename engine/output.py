@@ -120,11 +120,13 @@ def timings(seq: Sequence, t_first: float | None, now: float) -> dict:
     t_first = t_first if t_first is not None else now
     prompt_ms = (t_first - seq.t_start) * 1e3
     predicted_ms = (now - t_first) * 1e3
+    n = seq.n_prompt - seq.n_cached  # prompt tokens computed: the cached prefix cost nothing
     return {
-        "prompt_n": seq.n_prompt,
+        "cache_n": seq.n_cached,
+        "prompt_n": n,
         "prompt_ms": prompt_ms,
-        "prompt_per_token_ms": prompt_ms / seq.n_prompt if seq.n_prompt else 0.0,
-        "prompt_per_second": seq.n_prompt / prompt_ms * 1e3 if prompt_ms > 0 else 0.0,
+        "prompt_per_token_ms": prompt_ms / n if n else 0.0,
+        "prompt_per_second": n / prompt_ms * 1e3 if prompt_ms > 0 else 0.0,
         "predicted_n": seq.n_gen,
         "predicted_ms": predicted_ms,
         "predicted_per_token_ms": predicted_ms / seq.n_gen if seq.n_gen else 0.0,

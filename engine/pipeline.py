@@ -38,7 +38,6 @@ class Pipeline:
         self.ranges = list(ranges) if ranges else [tuple(getattr(local, "layer_range", (0, local.cfg.n_layers)))]
         # Which slots hold a live request (the runtime's view); None = every slot seen so far.
         self.active_slots: Callable[[], set[int]] | None = None
-        self.on_change: Callable[[], None] | None = None  # a peer went up or down
         self.resplits = 0
         self.last_resplit: dict | None = None
         self._lock = threading.RLock()  # one forward, re-split or re-attach at a time
@@ -46,22 +45,20 @@ class Pipeline:
         self._pending: list[tuple] = []  # (tokens, slots, positions) not yet in _history
         self._lengths: dict[int, int] = {}
         self._stale: int | None = None  # index of the last stage that lost KV: rebuild before the next forward
+        # Bumped whenever a stage lost KV and only the active slots' was rebuilt: the prompt cache
+        # of idle slots is then gone (the scheduler drops it).
+        self.kv_generation = 0
         self._watch: threading.Thread | None = None
         self._stopping = threading.Event()
-        for remote in self.remotes:
-            remote.on_state = self._peer_state_changed
 
     @property
     def cfg(self):
         return self.local.cfg
 
-    def _peer_state_changed(self) -> None:
-        if self.on_change is not None:
-            self.on_change()
-
-    @property
-    def degraded(self) -> bool:
-        return any(r.state != "up" for r in self.remotes)
+    def unavailable(self) -> str | None:
+        """Why a forward would fail now (the peers not up), or None."""
+        down = [f"peer {r.addr} {r.state}" + (f" ({r.error})" if r.error else "") for r in self.remotes if r.state != "up"]
+        return "; ".join(down) or None
 
     def forward(
         self,
@@ -144,6 +141,7 @@ class Pipeline:
         """Replay the active slots' tokens through stages 0..`through` (rewrites their KV; the
         stages after `through` kept theirs)."""
         active = self.active_slots() if self.active_slots is not None else set(self._lengths)
+        self.kv_generation += 1
         self._flush_history()
         n_tokens = 0
         for slot in sorted(active):

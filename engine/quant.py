@@ -178,8 +178,8 @@ _BLOCK_DECODERS: dict[T, Callable[[torch.Tensor], torch.Tensor]] = {
     T.IQ4_NL: _iq4_nl,
     T.IQ4_XS: _iq4_xs,
 }
-_PLAIN_TYPES = (T.F32, T.F16, T.BF16)
-SUPPORTED_TYPES: frozenset[T] = frozenset(_PLAIN_TYPES) | frozenset(_BLOCK_DECODERS)
+DENSE_TYPES: frozenset[T] = frozenset((T.F32, T.F16, T.BF16))  # not block-quantized
+SUPPORTED_TYPES: frozenset[T] = DENSE_TYPES | frozenset(_BLOCK_DECODERS)
 
 
 def _as_bytes(raw) -> torch.Tensor:

@@ -10,16 +10,16 @@ exception as `Event.error`, never the engine.
 
 from __future__ import annotations
 
+import logging
 import queue
-import sys
 import threading
 import time
-import traceback
 from collections import deque
 from typing import Iterator
 
 import torch
 
+from .errors import Overloaded, Unavailable, describe
 from .output import OutputProcessor
 from .sampling import InvalidParam, TokenLogprob, sample_batch, token_logprobs
 from .scheduler import DEFAULT_BATCH_TOKENS, Batch, Chunk, Sampled, Scheduler
@@ -27,6 +27,7 @@ from .sequence import Event, Request, Sequence
 from .speculative import Speculator
 
 RATE_WINDOW_S = 10.0
+log = logging.getLogger("hydra.engine")
 
 
 class EngineStats:
@@ -79,8 +80,11 @@ class Engine:
     """Continuous batching over `n_slots` slots of `n_ctx` tokens each, driving `pipeline.forward`."""
 
     def __init__(self, pipeline, tokenizer, n_slots: int, n_ctx: int, batch_tokens: int = DEFAULT_BATCH_TOKENS,
-                 speculator: Speculator | None = None, mixed_steps: bool | None = None):  # fmt: skip
+                 speculator: Speculator | None = None, mixed_steps: bool | None = None,
+                 max_queue: int | None = None):  # fmt: skip
         self.pipeline = pipeline
+        self.n_slots = n_slots
+        self.max_queue = max_queue  # requests waiting beyond the slots; None = unbounded
         self.tok = tokenizer
         self.n_ctx = n_ctx
         # Whether prefill chunks ride along with the decoding slots' tokens in one forward (True) or
@@ -99,7 +103,9 @@ class Engine:
         self.spec = speculator or Speculator()
         self.spec_stats = self.spec.stats
         self.spec_config = self.spec.config
-        self.scheduler = Scheduler(n_slots, n_ctx, batch_tokens, mixed_steps, self.spec, tokenizer.eog_ids)
+        self.scheduler = Scheduler(n_slots, n_ctx, batch_tokens, mixed_steps, self.spec, tokenizer.eog_ids,
+                                   lambda: getattr(pipeline, "kv_generation", 0),
+                                   recurrent=getattr(getattr(pipeline, "cfg", None), "recurrent", False))  # fmt: skip
         self.output = OutputProcessor(tokenizer, self.stats)
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
@@ -130,6 +136,12 @@ class Engine:
             raise InvalidParam(f"token id {bad} is outside the vocabulary of {vocab} tokens", "prompt")
         self.check(len(req.prompt), req.max_tokens)
         with self._cond:
+            # Waiting + running, not just `waiting`: a request submitted before the engine thread
+            # admits the previous ones would otherwise see free slots as queue.
+            queued = len(self.scheduler.waiting) + len(self.scheduler.running) - self.n_slots
+            if self.max_queue is not None and queued >= self.max_queue:
+                self.stats.requests_rejected += 1
+                raise Overloaded(f"{max(queued, 0)} requests already wait for a slot (--max-queue {self.max_queue})")
             self.scheduler.add(req)
             self.stats.requests_total += 1
             self._cond.notify()
@@ -202,7 +214,10 @@ class Engine:
             try:
                 self.step()
             except Exception as e:  # a failed forward ends the requests in it, never the engine
-                traceback.print_exc(file=sys.stderr)
+                if isinstance(e, Unavailable):  # expected (a peer went away): each request's log line says so
+                    log.debug("step failed: %s", describe(e))
+                else:
+                    log.exception("step failed")
                 for seq in self.scheduler.running:
                     seq.finish_reason = "error"
                     self.output.process(seq, error=e)

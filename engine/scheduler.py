@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from .sampling import TokenLogprob
 from .sequence import Request, Sequence
@@ -87,7 +87,7 @@ class Scheduler:
     is taken or left (`start`, `release`); `eog_ids` end a request unless it ignores them."""
 
     def __init__(self, n_slots: int, n_ctx: int, batch_tokens: int, mixed_steps: bool, speculator: Speculator,
-                 eog_ids: set[int]):  # fmt: skip
+                 eog_ids: set[int], kv_generation: Callable[[], int] = lambda: 0, recurrent: bool = False):  # fmt: skip
         self.n_ctx = n_ctx
         self.batch_tokens = batch_tokens
         self.mixed_steps = mixed_steps
@@ -96,6 +96,14 @@ class Scheduler:
         self.slots: list[Sequence | None] = [None] * n_slots
         self.waiting: deque[Request] = deque()
         self._next_id = 0
+        # Prompt cache: the tokens whose KV a finished request left in each idle slot, valid while
+        # the pipeline's KV generation is the one they were recorded under.
+        self.cached: list[list[int]] = [[] for _ in range(n_slots)]
+        self._kv_generation = kv_generation
+        self._cached_generation = kv_generation()
+        # A recurrent model's state cannot be cut back to a shorter prefix: only a whole cached
+        # sequence is reusable there (the last position re-run is within its checkpoints).
+        self.recurrent = recurrent
 
     @property
     def running(self) -> list[Sequence]:
@@ -115,17 +123,34 @@ class Scheduler:
             self.free(seq)
         if any(r.cancelled for r in self.waiting):
             self.waiting = deque(r for r in self.waiting if not r.cancelled)
-        for i, seq in enumerate(self.slots):
-            if seq is None and self.waiting:
-                # KV rows of a reused slot need no clearing: positions >= n_past are overwritten.
-                self.slots[i] = Sequence(self.waiting.popleft(), i)
-                self.spec.start(i, self.slots[i].tokens)
+        if self._kv_generation() != self._cached_generation:
+            self.cached = [[] for _ in self.slots]
+            self._cached_generation = self._kv_generation()
+        free = [i for i, s in enumerate(self.slots) if s is None]
+        while free and self.waiting:
+            req = self.waiting.popleft()
+            # The free slot holding the longest prefix of this prompt, else the one with the least
+            # cached (keep other prefixes for their requests); its KV rows need no clearing:
+            # positions >= n_past are overwritten.
+            def shared(j: int) -> int:
+                n = _common_prefix(self.cached[j], req.prompt) if req.cache_prompt else 0
+                return 0 if self.recurrent and n < len(self.cached[j]) else n
+
+            i = max(free, key=lambda j: (shared(j), -len(self.cached[j])))
+            free.remove(i)
+            seq = self.slots[i] = Sequence(req, i)
+            if req.cache_prompt and req.prompt_logprobs is None:  # a scored prompt needs every row's logits
+                seq.n_past = seq.n_cached = max(0, min(shared(i), len(req.prompt) - 1))
+            self.cached[i] = []
+            self.spec.start(i, seq.tokens)
         return cancelled
 
     def free(self, seq: Sequence) -> None:
         if self.slots[seq.slot] is seq:
             self.slots[seq.slot] = None
             self.spec.release(seq.slot)
+            # What a failed step left in the slot is not trusted.
+            self.cached[seq.slot] = seq.tokens[: seq.n_past] if seq.finish_reason != "error" else []
 
     def schedule(self) -> Batch:
         """Decoding sequences take one token each, plus their drafts (unless prefill runs alone);
@@ -169,3 +194,12 @@ class Scheduler:
                     break
             if not seq.prefilling and seq.req.max_tokens == 0:
                 seq.finish_reason = "length"
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n

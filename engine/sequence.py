@@ -49,6 +49,7 @@ class Request:
     ignore_eos: bool = False
     prompt_logprobs: int | None = None  # score the prompt: logprob of each prompt token + top N
     spec: SpecConfig | None = None  # this request's speculative decoding; None: the engine's default
+    cache_prompt: bool = True  # reuse the KV of a prefix a slot already holds (llama-server's default)
     sink: Callable[[Event], None] = lambda ev: None
     id: int = 0
     cancelled: bool = False
@@ -64,6 +65,7 @@ class Sequence:
         self.tokens = list(req.prompt)
         self.n_prompt = len(req.prompt)
         self.n_past = 0  # tokens whose KV is written
+        self.n_cached = 0  # of those, how many a previous request left in the slot (prompt cache)
         self.n_gen = 0
         self.sampler = Sampler(req.params)
         self.n_drafted = 0  # draft tokens verified for this request, and how many were accepted

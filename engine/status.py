@@ -91,7 +91,7 @@ class StatusDocument:
         self.config = config
         self.t0 = time.monotonic()
         self.startup_stage = 1
-        self.degraded = False
+        self.degraded: str | None = None  # degraded but serving: why (the owner sets it)
         self.error: str | None = None  # why loading failed
         self.model: ModelInfo | None = None
         self.pipeline = None
@@ -102,15 +102,22 @@ class StatusDocument:
         """`fn()` -> {Status field: value} (e.g. "rpc", "pool", "peers") set on every document."""
         self._providers.append(fn)
 
+    def unavailable(self) -> str | None:
+        """Why requests cannot be served now though loading is done, read at request time."""
+        return self.pipeline.unavailable() if self.pipeline is not None else None
+
     @property
     def state(self) -> str:
         if self.startup_stage < READY_STAGE:
             return "starting"
-        return "degraded" if self.degraded else "ok"
+        return "degraded" if self.degraded or self.unavailable() else "ok"
 
     def health(self) -> Health:
+        ready = self.startup_stage >= READY_STAGE
+        down = self.unavailable() if ready else None
         return Health(self.state, self.startup_stage, self.model is not None,
-                      self.model.name if self.model else None, self.startup_stage >= 3, self.error)  # fmt: skip
+                      self.model.name if self.model else None, self.startup_stage >= 3, self.error,
+                      serving=ready and down is None, reason=down or self.degraded)  # fmt: skip
 
     def stages(self) -> list[StageInfo]:
         return self.pipeline.stages() if self.pipeline is not None else []

@@ -21,15 +21,24 @@ from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as T
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3", "qwen35")
 
-# Byte offsets of the float16 scale fields of block types gguf cannot quantize (K-quants):
-# we write random blocks and set these fields so the dequantized values have a chosen spread.
+# Block types that `random_blocks` writes: per type, the byte offsets of the float16 block scale d
+# and of the float16 min field (None where the type has none), and min / d. Legacy types add the
+# min (m = -d * mean code), K-quants subtract it (dmin = d * mean code, with each sub-block's min
+# tied to its scale by `_tie_mins`), so the dequantized weights have zero mean either way.
 _SCALE_FIELDS = {
-    T.Q2_K: (80, 82),
-    T.Q3_K: (108,),
-    T.Q4_K: (0, 2),
-    T.Q5_K: (0, 2),
-    T.Q6_K: (208,),
+    T.Q4_0: (0, None, 0.0),
+    T.Q4_1: (0, 2, -7.5),
+    T.Q5_0: (0, None, 0.0),
+    T.Q5_1: (0, 2, -15.5),
+    T.Q8_0: (0, None, 0.0),
+    T.Q2_K: (80, 82, 1.5),
+    T.Q3_K: (108, None, 0.0),
+    T.Q4_K: (0, 2, 7.5),
+    T.Q5_K: (0, 2, 15.5),
+    T.Q6_K: (208, None, 0.0),
 }
+# The ones gguf cannot quantize: the writer uses random blocks for these.
+_K_QUANTS = (T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K)
 
 # Words for the tiny vocabularies: enough for readable test prompts to tokenize into pieces.
 _WORDS = (
@@ -71,6 +80,8 @@ def write_synthetic(
     """Write a random-weight GGUF and return its path.
 
     `qtype` (name or GGMLQuantizationType) applies to the 2-D weights; norms and biases stay F32.
+    `Q4_K_M` / `Q5_K_M` write llama.cpp's mixes: Q6_K for the output head, every `attn_v` and the
+    `ffn_down` of every other layer, the named K-quant elsewhere.
     `vocab_size` pads the tiny vocabulary with generated pieces (big shapes). `tied` (default: only
     gemma3) leaves out `output.weight` so the output head reuses the token embedding.
     `sliding_window` is gemma3's window; it is small by default so tests exercise it.
@@ -85,7 +96,14 @@ def write_synthetic(
         raise ValueError(f"unsupported architecture {arch!r}; choose one of {', '.join(ARCHITECTURES)}")
     if vocab != "tiny":
         raise ValueError(f"unknown vocabulary kind {vocab!r} (only 'tiny')")
-    qt = T[qtype.upper()] if isinstance(qtype, str) else T(qtype)
+    mix = isinstance(qtype, str) and qtype.upper() in _MIXES
+    qt = T[_MIXES[qtype.upper()] if mix else qtype.upper()] if isinstance(qtype, str) else T(qtype)
+
+    def type_of(name: str) -> T:
+        if mix and (name == "output.weight" or ".attn_v." in name or (".ffn_down." in name and int(name.split(".")[1]) % 2 == 0)):
+            return T.Q6_K
+        return qt
+
     head_dim = head_dim or n_embd // n_head
     if n_head % n_head_kv:
         raise ValueError(f"n_head {n_head} is not a multiple of n_head_kv {n_head_kv}")
@@ -144,7 +162,7 @@ def write_synthetic(
         getattr(w, f"add_{key}_token_id")(tokens.index(tok))
 
     def dense(name: str, rows: int, cols: int, std: float) -> None:
-        _add_weight(w, name, rng.standard_normal((rows, cols), dtype=np.float32) * np.float32(std), qt, rng)
+        _add_weight(w, name, rng.standard_normal((rows, cols), dtype=np.float32) * np.float32(std), type_of(name), rng)
 
     def vec(name: str, n: int, center: float = 1.0, spread: float = 0.1) -> None:
         w.add_tensor(name, (center + spread * rng.standard_normal(n)).astype(np.float32))
@@ -198,6 +216,9 @@ def write_synthetic(
     return path
 
 
+_MIXES = {"Q4_K_M": "Q4_K", "Q5_K_M": "Q5_K"}
+
+
 def _ffn_tensors(p: str, n_embd: int, n_ff: int, dense, vec, with_norm: bool) -> None:
     if with_norm:
         vec(p + "ffn_norm.weight", n_embd)
@@ -238,8 +259,8 @@ def _add_weight(w: gguf.GGUFWriter, name: str, x: np.ndarray, qt: T, rng: np.ran
         raise ValueError(f"{name}: row length {x.shape[1]} is not a multiple of the {qt.name} block size {block}")
     if qt == T.F32:
         w.add_tensor(name, x)
-    elif qt in _SCALE_FIELDS:
-        w.add_tensor(name, _random_blocks(x.shape, qt, float(x.std()), rng), raw_dtype=qt)
+    elif qt in _K_QUANTS:
+        w.add_tensor(name, random_blocks(x.shape, qt, float(x.std()), rng), raw_dtype=qt)
     else:
         try:
             data = gguf.quants.quantize(x, qt)
@@ -248,22 +269,40 @@ def _add_weight(w: gguf.GGUFWriter, name: str, x: np.ndarray, qt: T, rng: np.ran
         w.add_tensor(name, data, raw_dtype=qt if qt != T.F16 else None)
 
 
-def _random_blocks(shape: tuple[int, int], qt: T, std: float, rng: np.random.Generator) -> np.ndarray:
-    """Random blocks of a K-quant type whose dequantized values have roughly standard deviation `std`."""
+def random_blocks(shape: tuple[int, int], qt: T, std: float, rng: np.random.Generator) -> np.ndarray:
+    """Random zero-mean blocks [rows, bytes per row] whose dequantized values have roughly standard deviation `std`.
+
+    Every code appears; the block scales vary by up to 2x between blocks, so that kernels
+    that index the wrong block's scale are caught.
+    """
     block, type_size = GGML_QUANT_SIZES[qt]
     rows, cols = shape
     blocks = rng.integers(0, 256, size=(rows * cols // block, type_size), dtype=np.uint8)
-    fields = _SCALE_FIELDS[qt]
+    d_at, min_at, min_ratio = _SCALE_FIELDS[qt]
+    _tie_mins(blocks, qt)
+    spread = rng.uniform(0.7, 1.4, size=len(blocks)).astype(np.float32)
 
-    def set_scale(scale: np.ndarray) -> None:
-        for off in fields:
-            blocks[:, off : off + 2] = scale.astype(np.float16).view(np.uint8).reshape(-1, 2)
+    def set_scale(d: float) -> None:
+        for at, value in ((d_at, d * spread), (min_at, d * spread * min_ratio)):
+            if at is not None:
+                blocks[:, at : at + 2] = value.astype(np.float16).view(np.uint8).reshape(-1, 2)
 
-    set_scale(np.full(len(blocks), 1e-2, dtype=np.float32))
+    set_scale(1e-2)
     probe = gguf.quants.dequantize(blocks[: min(len(blocks), 64)], qt)
-    factor = std / max(float(probe.std()), 1e-12)
-    set_scale(np.full(len(blocks), 1e-2 * factor, dtype=np.float32))
+    set_scale(1e-2 * std / max(float(probe.std()), 1e-12))
     return blocks.reshape(rows, cols // block * type_size)
+
+
+def _tie_mins(blocks: np.ndarray, qt: T) -> None:
+    """Make every sub-block's 4- or 6-bit min equal its scale, in place."""
+    if qt == T.Q2_K:  # bytes 0..15: scale in the low nibble, min in the high one
+        blocks[:, :16] = (blocks[:, :16] & 0x0F) * 0x11
+    elif qt in (T.Q4_K, T.Q5_K):
+        # Bytes 4..15 pack (scale, min) pairs: bytes 4..7 hold the low 6 bits of scales 0..3 (and the top
+        # bits of scales 4..7), bytes 8..11 the same for mins, bytes 12..15 the low nibbles of scales 4..7
+        # and mins 4..7. Equal scale and min bytes, and equal nibbles, tie each min to its scale.
+        blocks[:, 8:12] = blocks[:, 4:8]
+        blocks[:, 12:16] = (blocks[:, 12:16] & 0x0F) * 0x11
 
 
 def _tokenizer(arch: str, vocab_size: int | None):

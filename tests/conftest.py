@@ -39,3 +39,11 @@ def pytest_collection_modifyitems(items):
     for item in items:
         if item.get_closest_marker("unit") is None:
             item.add_marker(pytest.mark.integration)
+
+
+@pytest.fixture(autouse=True)
+def _own_config_and_state(tmp_path_factory, monkeypatch):
+    """Profiles and console state files (takeover) of a test never touch the user's, nor another test's."""
+    root = tmp_path_factory.mktemp("xdg")
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(root / "config"))
+    monkeypatch.setenv("XDG_STATE_HOME", str(root / "state"))

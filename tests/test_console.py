@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import shlex
+import signal
 import subprocess
 import sys
 import time
@@ -18,7 +20,8 @@ import httpx
 import pytest
 from textual.command import CommandPalette
 
-from hydra_console.app.config import Profile, SupervisorSettings, WorkerSpec, load_profile
+from hydra_console.app.config import Alerts, Profile, SupervisorSettings, WorkerSpec, load_profile
+from hydra_console.app.sources import FixedFeedSource, Probe
 from hydra_console.app.split_plan import ModelShape
 from hydra_console.app.supervisor import State, Supervisor
 from hydra_console.app.ui.app import HydraConsole
@@ -38,7 +41,7 @@ SHAPE = ModelShape(n_layers=18, layer_elements=[5 << 20] * 18, head_elements=50 
 # Each flow at the size the real-worker test (test_console_real.py) does not use.
 @pytest.mark.parametrize("size", [(120, 40)])
 async def test_restart_peer_from_the_dashboard_changes_its_pid(tmp_path, size):
-    sup = Supervisor(fake_profile(), log_dir=tmp_path)
+    sup = Supervisor(fake_profile(alerts=Alerts(restarts=1)), log_dir=tmp_path)
     app = HydraConsole(sup, load_model_shape=False)
     async with app.run_test(size=size) as pilot:
         await until(pilot, lambda: all_ready(sup))
@@ -55,6 +58,7 @@ async def test_restart_peer_from_the_dashboard_changes_its_pid(tmp_path, size):
         table = app.dashboard.query_one("#workers")
         assert str(table.get_cell("peer1", "pid")) == str(peer.pid)
         assert "● ready" in str(table.get_cell("peer1", "state"))
+        assert str(table.get_cell("peer1", "rst")) == "1"  # the operator's own R raises no restart alert
         await pilot.press("q")
         assert isinstance(app.screen, ConfirmScreen) and "head (pid" in app.screen.question
         await pilot.press("y")
@@ -92,24 +96,86 @@ async def test_split_editor_moves_boundary_applies_and_status_shows_new_ranges(t
         await until(pilot, lambda: not sup.running_managed())
 
 
-async def test_readonly_disables_restart_and_apply(tmp_path):
+async def test_readonly_starts_stops_and_applies_nothing_and_says_so(tmp_path):
+    profile = fake_profile()
+    owner = Supervisor(profile, log_dir=tmp_path / "owner")  # the console that runs the workers
+    await owner.start()
+    try:
+        sup = Supervisor(profile, readonly=True, log_dir=tmp_path)
+        app = HydraConsole(sup, model_shape=SHAPE)
+        async with app.run_test(size=(80, 24)) as pilot:
+            await until(pilot, lambda: all_ready(sup))  # watched, not started: no "port in use"
+            assert not sup.running_managed() and not any(e.kind in ("started", "error") for e in sup.events)
+            pid = owner.head.pid
+            await pilot.press("R")
+            assert not isinstance(app.screen, ConfirmScreen)
+            assert any("read-only console: restart is disabled" in n.message for n in app._notifications)
+            await pilot.press("s", "right", "a")
+            assert isinstance(app.screen, SplitEditorScreen)  # no confirmation: refused
+            assert any("read-only console: applying a split is disabled" in n.message for n in app._notifications)
+            assert "READ-ONLY" in app.sub_title
+            commands = [c.title for c in app.get_system_commands(app.screen)]
+            assert not any(t.startswith(("Restart", "Stop ", "Start ")) for t in commands)
+            await pilot.press("escape", "q")  # nothing of its own runs: quits without asking
+            await pilot.pause(0.2)
+        assert not app.is_running
+        assert owner.head.pid == pid and owner.head.restarts == 0 and all_ready(owner)
+    finally:
+        await owner.shutdown()
+
+
+async def test_saving_a_draft_applies_nothing_and_the_editor_says_so(tmp_path):
     sup = Supervisor(fake_profile(), log_dir=tmp_path)
-    app = HydraConsole(sup, readonly=True, model_shape=SHAPE)
-    async with app.run_test(size=(80, 24)) as pilot:
+    app = HydraConsole(sup, model_shape=SHAPE, profile_path=tmp_path / "fake.toml")
+    async with app.run_test(size=(120, 40)) as pilot:
         await until(pilot, lambda: all_ready(sup))
-        pid = sup.head.pid
-        await pilot.press("R")
-        assert not isinstance(app.screen, ConfirmScreen)
-        await pilot.press("s", "right", "a")
-        assert isinstance(app.screen, SplitEditorScreen)  # no confirmation: apply is disabled
-        assert "READ-ONLY" in app.sub_title
-        commands = [c.title for c in app.get_system_commands(app.screen)]
-        assert not any(t.startswith(("Restart", "Stop ", "Start ")) for t in commands)
+        argv = sup.head.argv
+        await pilot.press("s", "right", "w")
+        editor = app.screen
+        assert editor.counts == [10, 8] and load_profile(tmp_path / "fake.toml").split == [10, 8]
+        note = str(editor.query_one("#split-note").render())
+        assert "split 10/8  (saved, not applied; running 9/9)" in note
+        assert any("split 10/8 saved, not applied (running 9/9)" in n.message for n in app._notifications)
+        assert sup.split == [9, 9] and sup.head.argv == argv and sup.head.restarts == 0
+        assert "--split 9/9" in " ".join(sup.command_for("head"))  # a crash-restart relaunches what runs
         await pilot.press("escape")
-        await pilot.pause(0.3)
-        assert sup.head.pid == pid and sup.head.restarts == 0
+        app.action_detail("head")
+        await pilot.pause(0.2)
+        table = app.screen.query_one("#detail-info").content
+        rows = {str(k): str(v) for k, v in zip(table.columns[0]._cells, table.columns[1]._cells)}
+        assert rows["command"] == shlex.join(argv) and "--split" not in rows["command"]
+        assert "--split 9/9" in rows["next start"]
         app._stop_and_exit(True)
         await until(pilot, lambda: not sup.running_managed())
+
+
+async def test_quit_can_detach_and_leave_the_workers_running(tmp_path):
+    import psutil
+
+    sup = Supervisor(fake_profile(), log_dir=tmp_path)
+    app = HydraConsole(sup, load_model_shape=False)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await until(pilot, lambda: all_ready(sup))
+        pids = [w.pid for w in sup.workers.values()]
+        await pilot.press("q")
+        assert isinstance(app.screen, ConfirmScreen)
+        labels = [str(b.label) for b in app.screen.query("Button")]
+        assert labels == ["Stop all and quit [y]", "Detach [d]", "Cancel [n]"]  # hints survive markup
+        await pilot.press("d")
+        await pilot.pause(0.5)
+    sup.kill_all_sync()
+    try:
+        assert all(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids)
+        nxt = Supervisor(sup.profile, log_dir=tmp_path)
+        await nxt.start()
+        assert [w.pid for w in nxt.workers.values()] == pids
+        await nxt.shutdown()
+    finally:
+        for p in pids:
+            try:
+                os.killpg(p, signal.SIGKILL)
+            except OSError:
+                pass
 
 
 async def test_logs_filter_invert_and_failure_highlight(tmp_path):
@@ -206,7 +272,8 @@ async def test_once_json_reports_running_workers_without_starting_any(tmp_path):
     finally:
         await sup.shutdown()
     proc = await asyncio.to_thread(run_cli, "--profile", str(path), "--once")
-    assert proc.returncode == 0 and "unreachable" in proc.stdout  # starts nothing of its own
+    # Starts nothing of its own, and a script can tell: exit 1 while any worker is not ready.
+    assert proc.returncode == 1 and "unreachable" in proc.stdout
 
 
 @pytest.mark.parametrize(
@@ -221,10 +288,31 @@ def test_cli_errors_are_one_line_without_traceback(args, needle):
 
 
 def test_write_profile_then_load_it(tmp_path):
-    out = tmp_path / "default.toml"
+    out = tmp_path / "lab.toml"
     proc = run_cli("--write-profile", str(out))
     assert proc.returncode == 0, proc.stderr
-    assert load_profile(out).head.port == 8080
+    written = load_profile(out)
+    assert written.head.port == 8080 and written.name == "lab"  # its own log and state files
+    again = run_cli("--write-profile", str(out))
+    assert again.returncode == 2 and "exists; pass --force" in again.stderr
+    assert run_cli("--write-profile", str(out), "--force").returncode == 0
+
+
+@pytest.mark.parametrize("where,needle", [("missing/dir/p.toml", "does not exist"), ("/proc/p.toml", "cannot write")])
+def test_write_profile_errors_are_clean(tmp_path, where, needle):
+    proc = run_cli("--write-profile", str(tmp_path / where))  # /proc: unwritable, even for root
+    assert proc.returncode == 2 and needle in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "missing").exists()  # no silent mkdir
+
+
+def test_a_profile_saved_at_the_default_location_is_used_by_a_plain_console(tmp_path):
+    from hydra_console.app.config import resolve_profile_path, save_profile
+
+    profile = fake_profile()
+    save_profile(profile, resolve_profile_path("default"))  # where the console saves the built-in profile
+    proc = run_cli("--once", "--json")  # XDG_CONFIG_HOME is this test's (conftest)
+    doc = json.loads(proc.stdout)
+    assert doc["profile"] == "fake" and doc["workers"][0]["url"] == profile.head.url
 
 
 @pytest.mark.parametrize("hangup", ["sighup", "terminal_closed"])
@@ -296,3 +384,91 @@ def test_hangup_of_the_ssh_session_stops_the_started_workers(tmp_path, hangup):
             pass
         if hangup == "sighup":
             os.close(fd)
+
+
+async def test_events_panel_rewraps_after_a_resize():
+    sup = Supervisor(Profile(peers=[]), attach=True, source=FixedFeedSource({}))
+    app = HydraConsole(sup, load_model_shape=False)
+    async with app.run_test(size=(80, 24)) as pilot:
+        sup.emit("head", "error", "a long event line " + "x" * 90 + " END")
+        await pilot.pause(0.2)
+        log = app.dashboard.query_one("#events")
+
+        def shown() -> list[str]:
+            return [strip.text.rstrip() for strip in log.lines]
+
+        narrow = shown()
+        assert narrow[-1].endswith("END") and not any("long event" in t and "END" in t for t in narrow)  # wrapped
+        await pilot.resize_terminal(200, 30)
+        await pilot.pause(0.3)
+        wide = shown()
+        assert len(wide) < len(narrow) and any("long event" in t and t.endswith("END") for t in wide)  # re-wrapped
+        await pilot.press("q")
+
+
+async def test_sort_pause_refresh_rate_and_help_at_80x24():
+    feed = FixedFeedSource({"peer1": Probe(True, 200, {"status": "ok"}, {"pid": 7, "uptime_s": 50.0}),
+                            "head": Probe(True, 200, {"status": "ok"}, {"pid": 9, "uptime_s": 10.0})})
+    sup = Supervisor(Profile(supervisor=SupervisorSettings(poll_s=1.0)), attach=True, source=feed)
+    app = HydraConsole(sup, load_model_shape=False)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await until(pilot, lambda: all_ready(sup))
+        dash = app.dashboard
+        table = dash.query_one("#workers")
+
+        def order() -> list[str]:
+            return [str(table.get_row_at(i)[0]) for i in range(table.row_count)]
+
+        assert order() == ["head", "peer1"]
+        await pilot.click("#workers", offset=(40, 1))  # a header cell: sort by that column
+        assert dash.sort_column is not None
+        dash.sort_column, dash.sort_reverse = "uptime", True
+        dash.refresh_view()
+        assert order() == ["peer1", "head"] and "by uptime ▼" in table.border_title
+        await pilot.press("o")  # the next column after uptime
+        assert dash.sort_column == "rst"
+        await pilot.press("p")
+        assert app.paused and "PAUSED" in app.sub_title
+        sup.emit("head", "error", "while paused")
+        await pilot.pause(0.2)
+        assert not any("while paused" in s.text for s in dash.query_one("#events").lines)
+        await pilot.press("p")
+        assert any("while paused" in s.text for s in dash.query_one("#events").lines)  # caught up
+        await pilot.press("r")
+        assert app.refresh_s == 2.0 and "refresh 2 s" in app.sub_title
+        await pilot.press("question_mark")
+        help_box = app.screen.query_one("#help")
+        assert help_box.region.bottom <= 24 and help_box.has_focus
+        rows = dict(app.screen.rows)
+        assert {"Pause", "Sort"} <= set(rows.values())
+        if help_box.max_scroll_y:  # taller than the screen: it scrolls
+            await pilot.press("end")
+            assert help_box.scroll_y == help_box.max_scroll_y
+        await pilot.press("escape", "q")
+
+
+async def test_an_alert_toasts_and_rings_once_per_incident_and_goes_into_the_history():
+    from hydra_console.app.ui.alerts import AlertsScreen
+
+    slow = {"peers": [{"addr": "10.0.0.7:8091", "state": "up", "rtt_ms": 80.0}]}
+    fast = {"peers": [{"addr": "10.0.0.7:8091", "state": "up", "rtt_ms": 1.0}]}
+    feed = FixedFeedSource({"head": Probe(True, 200, {"status": "ok"}, slow)})
+    sup = Supervisor(Profile(peers=[]), attach=True, source=feed)
+    app = HydraConsole(sup, load_model_shape=False)
+    bells = []
+    app.bell = lambda: bells.append(1)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await sup.poll_once()
+        app.check_alerts()
+        app.check_alerts()  # still the same incident
+        assert len(bells) == 1 and [m for _, m in app.alert_history] == ["peer 10.0.0.7:8091 RTT 80.0 ms (alert at 50 ms)"]
+        feed.probes["head"] = Probe(True, 200, {"status": "ok"}, fast)
+        await sup.poll_once()
+        app.check_alerts()
+        feed.probes["head"] = Probe(True, 200, {"status": "ok"}, slow)
+        await sup.poll_once()
+        app.check_alerts()  # cleared, then crossed again: a new incident
+        assert len(bells) == 2 and len(app.alert_history) == 2
+        await pilot.press("A")
+        assert isinstance(app.screen, AlertsScreen)
+        await pilot.press("escape", "q")

@@ -80,3 +80,92 @@ async def test_real_split_change_shows_in_status(tiny_model, tmp_path):
         await until(pilot, lambda: "[0,3)" in str(app.dashboard.query_one("#workers").get_cell("head", "layers")), 10)
         app._stop_and_exit(True)
         await until(pilot, lambda: not sup.running_managed(), timeout=30)
+
+
+async def test_an_attached_console_and_the_supervising_one_converge_on_a_split_and_a_head_restart(tiny_model, tmp_path):
+    """Console B (attached) applies 3/1 live; console A (which runs the workers) follows it through
+    the head's /status, so its crash-restart of the head relaunches 3/1; B sees the new pid."""
+    import asyncio
+    import os
+    import signal
+    import time
+
+    profile = real_profile(tiny_model("llama", n_layers=4))
+    own = Supervisor(profile, log_dir=tmp_path)
+    att = Supervisor(profile.model_copy(deep=True), attach=True)
+
+    async def wait(cond, timeout=120):
+        deadline = time.monotonic() + timeout
+        while not cond():
+            assert time.monotonic() < deadline, "condition not met in time"
+            await asyncio.sleep(0.1)
+
+    await own.start()
+    await att.start()
+    try:
+        await wait(lambda: all_ready(own) and all_ready(att) and own.stage_ranges() is not None)
+        assert "--split" not in own.head.argv
+        assert await att.apply_split([3, 1]) == "live"
+        assert status(own.head)["split_by"] == att.identity
+        await wait(lambda: own.split == [3, 1])
+        assert any(e.kind == "split" and f"applied by {att.identity}" in e.message for e in own.events)
+        old = own.head.pid
+        os.killpg(old, signal.SIGKILL)
+        await wait(lambda: own.head.pid != old and own.head.running)
+        assert own.head.argv[own.head.argv.index("--split") + 1] == "3/1"
+        await wait(lambda: all_ready(own) and [r for _, r in own.stage_ranges() or []] == [(0, 3), (3, 4)])
+        await wait(lambda: any(e.kind == "restarted" and f"pid {old} → {own.head.pid}" in e.message for e in att.events))
+    finally:
+        await att.shutdown()
+        await own.shutdown()
+
+
+async def test_a_missing_model_is_a_named_crash_loop_in_the_row_and_the_events(tmp_path):
+    profile = real_profile(tmp_path / "no-such-model.gguf")
+    profile.peers = []
+    # Generous "quick exit" window: a slow machine's torch import must not hide the loop.
+    profile.supervisor = SupervisorSettings(poll_s=0.25, grace_s=10, backoff_initial_s=0.1, backoff_max_s=0.5,
+                                            crash_loop_s=120, crash_loop_count=2)
+    sup = Supervisor(profile, log_dir=tmp_path)
+    app = HydraConsole(sup, load_model_shape=False)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await until(pilot, lambda: any(e.kind == "crash-loop" for e in sup.events), timeout=120)
+        loop = next(e.message for e in sup.events if e.kind == "crash-loop")
+        assert "cannot open model file" in loop and "no-such-model.gguf" in loop
+        await pilot.pause(0.5)
+        table = app.dashboard.query_one("#workers")
+        assert "crash-loop" in str(table.get_cell("head", "state"))
+        assert "2: hydra-engine: error: cannot open model file" in str(table.get_cell("head", "exit"))
+        app._stop_and_exit(True)
+        await until(pilot, lambda: not sup.running_managed(), timeout=30)
+
+
+async def test_detached_real_workers_keep_serving_and_the_next_console_adopts_them(tiny_model, tmp_path):
+    import asyncio
+    import time
+
+    import psutil
+
+    profile = real_profile(tiny_model("llama", n_layers=4))
+    first = Supervisor(profile, log_dir=tmp_path)
+    await first.start()
+    deadline = time.monotonic() + 120
+    while not all_ready(first):
+        assert time.monotonic() < deadline, "workers never ready"
+        await asyncio.sleep(0.1)
+    pids = [w.pid for w in first.workers.values()]
+    await first.shutdown(stop_workers=False)
+
+    def complete() -> int:
+        body = {"prompt": "hi", "max_tokens": 4, "temperature": 0}
+        return httpx.post(f"{profile.head.url}/v1/completions", json=body, timeout=60).status_code
+
+    assert await asyncio.to_thread(complete) == 200  # its pipes to the console are closed: it serves on
+    nxt = Supervisor(profile, log_dir=tmp_path)
+    await nxt.start()
+    try:
+        assert [w.pid for w in nxt.workers.values()] == pids and [e.kind for e in nxt.events] == ["adopted", "adopted"]
+        assert await asyncio.to_thread(complete) == 200
+    finally:
+        await nxt.shutdown()
+    assert all(not psutil.pid_exists(p) or psutil.Process(p).status() == psutil.STATUS_ZOMBIE for p in pids)

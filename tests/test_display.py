@@ -40,6 +40,18 @@ def test_backoff_state_shows_seconds_left():
     assert display.state_text(w, now=100.0) == ("↻ backoff 8s", "warn")
 
 
+def test_a_crash_loop_row_names_its_cause():
+    sup = Supervisor(Profile(), source=FixedFeedSource({}))
+    w = sup.head
+    w.state, w.backoff_until, w.last_exit = State.CRASH_LOOP, 104.0, 2
+    w.last_err = "hydra-engine: error: model file not found: /models/missing-model-of-a-long-name.gguf"
+    row, tone = display.worker_row(w, sup, now=100.0)
+    assert row[5] == "⟳ crash-loop 4s" and tone == "error"
+    assert row[-1].startswith("2: hydra-engine: error: model file not found") and row[-1].endswith("…")
+    w.state = State.BACKOFF
+    assert display.worker_row(w, sup, now=100.0)[0][-1] == "2"  # one crash: the code only
+
+
 @pytest.mark.parametrize("secs,text", [(None, "—"), (0, "0s"), (59.9, "59s"), (61, "1m01s"), (3661, "1h01m"), (90000, "1d01h")])
 def test_fmt_duration(secs, text):
     assert display.fmt_duration(secs) == text
@@ -131,15 +143,16 @@ async def test_rows_and_panels_from_a_status_document():
     peer_row, peer_tone = display.worker_row(sup.workers["peer1"], sup, now=0.0)
     assert peer_row[4] == "[9,18)" and peer_row[5] == "✖ unreachable" and peer_tone == "error"
     mem = display.memory_rows(sup, Alerts())
-    assert [(m.label, m.tone) for m in mem] == [("head cuda:0", "warn")]  # 95% >= 90% alert
+    assert [(m.label, m.tone, m.note) for m in mem] == [("machine cuda:0", "warn", "util 40% (head)")]  # 95% >= 90% alert
     assert "95.0 GiB/100.0 GiB ⚠" in display.memory_line(mem[0])
     status = sup.head.status  # parsed once, by the probe
     assert display.acceptance_text(status) == "spec ngram: accept 90% · mean len 2.70 · drafts 12"
-    assert display.pool_text(status) == "pool 1/2 busy · queued 3 · dropped 4"
+    assert display.pool_text(status) == "RPC control pool (console ops, not requests) 1/2 busy · queued 3 · dropped 4"
     assert display.peer_lines(status, Alerts()) == [("127.0.0.1:8091 ● up rtt 80.0 ms ⚠ [9,18)", "warn")]
     same_gpu = Status.from_json({"peers": [{**STATUS["peers"][0], "rtt_ms": 0.1, "transport": "cuda-ipc"}]})
     assert display.peer_lines(same_gpu, Alerts()) == [("127.0.0.1:8091 ● up rtt 0.1 ms [9,18) · cuda-ipc", "ok")]
-    assert display.acceptance_text(Status()) == "spec off" and display.pool_text(None) == "pool —"
+    assert display.acceptance_text(Status()) == "spec off" and display.pool_text(None) == "RPC control pool —"
+    assert display.slots_text(Status.from_json({"slots": [{"state": "processing"}, {}]})) == "slots 1/2 busy"
     snap = json.loads(display.snapshot_json(sup))
     assert [(w["name"], w["state"], w["reachable"], w["layers"]) for w in snap["workers"]] == [
         ("head", "ready", True, [0, 9]), ("peer1", "unreachable", False, [9, 18])]
@@ -150,3 +163,15 @@ def test_peer_layers_come_from_its_own_status_when_it_has_one():
     sup.workers["p"].probe = Probe(True, 200, {"status": "ok"},
                                    {"stages": [{"role": "peer", "addr": "127.0.0.1:8091", "layers": [5, 18]}]})
     assert display.worker_layers(sup.workers["p"], sup) == [5, 18]
+
+
+async def test_machine_totals_appear_once_and_each_worker_shows_its_own_rss():
+    cpu = {"devices": [{"index": 0, "kind": "cpu", "name": "CPU", "memory_used": 6 << 30, "memory_total": 16 << 30}]}
+    feed = FixedFeedSource({"head": Probe(True, 200, {"status": "ok"}, cpu), "peer1": Probe(True, 200, {"status": "ok"}, cpu)})
+    sup = Supervisor(Profile(), attach=True, source=feed, clock=lambda: 0.0)
+    await sup.poll_once()
+    sup.head.rss, sup.head.cpu_pct = 1 << 30, 50.0
+    rows = display.memory_rows(sup, Alerts())
+    assert [(r.label, r.used, r.note) for r in rows] == [
+        ("machine RAM", 6 << 30, "(head, peer1)"), ("head RSS", 1 << 30, "cpu 50%")]
+    assert display.device_free(sup, "head") == (10 << 30, True)  # one machine's RAM, both workers on it

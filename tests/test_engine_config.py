@@ -26,6 +26,15 @@ def test_head_config_from_argv_and_environment(tmp_path):
     assert serve(env={"HYDRA_CACHE_DIR": "off"}).model.cache_dir is None
 
 
+def test_http_limits_of_the_head():
+    cfg = serve(env={"HYDRA_API_KEY": "k3y"})
+    assert (cfg.max_body, cfg.max_queue, cfg.n_predict, cfg.api_key) == (1 << 20, 64, 1024, "k3y")
+    assert cfg.redacted()["api_key"] == "***" and "k3y" not in repr(cfg) + repr(cfg.redacted())
+    assert serve("--ctx", "32768").max_body == 32768 * 64  # a full-context prompt fits
+    assert serve("--api-key", "flag", env={"HYDRA_API_KEY": "env"}).api_key == "flag"
+    assert serve().api_key is None and serve().redacted()["api_key"] is None
+
+
 def test_peer_config_defaults():
     cfg = peer_config(build_parser().parse_args(["peer"]), {})
     assert (cfg.port, cfg.rpc.port, cfg.rpc.host, cfg.rpc.auth_token) == (8090, 8091, "127.0.0.1", None)
@@ -37,6 +46,9 @@ def test_peer_config_defaults():
         (["--parallel", "0"], {}, "--parallel"),
         (["--ctx", "0"], {}, "--ctx"),
         (["--rpc-queue", "-1"], {}, "--rpc-queue"),
+        (["--max-queue", "-1"], {}, "--max-queue"),
+        (["--max-body", "10"], {}, "--max-body"),
+        (["-n", "-2"], {}, "--n-predict"),
         (["--draft-max", "99", "--spec-type", "ngram"], {}, "draft max"),
         ([], {"HYDRA_RPC_SPIN_MS": "fast"}, "HYDRA_RPC_SPIN_MS"),
         ([], {"HYDRA_RPC_SPIN_MS": "-3"}, "HYDRA_RPC_SPIN_MS"),

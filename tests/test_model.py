@@ -215,3 +215,17 @@ def test_token_out_of_range_is_a_user_error(tiny_model):
     stage = load(tiny_model("llama"))
     with pytest.raises(UserError, match="token id out of range"):
         stage.embed(torch.tensor([1, stage.cfg.n_vocab]))
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0", "Q4_K_M", "Q5_K", "Q6_K"])
+def test_weights_kept_quantized_compute_what_the_dense_ones_do(tiny_model, qtype):
+    """The GPU's quantized-weight path (here through the kernels' CPU reference) against the same
+    weights expanded: same logits to float32 rounding, and the weights take their GGUF bytes."""
+    g = GGUFFile(tiny_model("llama", n_embd=256, n_head=4, n_head_kv=2, n_ff=512, qtype=qtype))
+    dense = build_stage(g, device="cpu", dtype="float32", int8=False, quantized=False, n_slots=1, n_ctx=16)
+    quant = build_stage(g, device="cpu", dtype="float32", int8=False, quantized=True, n_slots=1, n_ctx=16)
+    tokens, slots, pos = torch.tensor([1, 4, 2, 7, 3]), torch.zeros(5, dtype=torch.long), torch.arange(5)
+    want = dense.logits(dense.run_layers(dense.embed(tokens), slots, pos))
+    got = quant.logits(quant.run_layers(quant.embed(tokens), slots, pos))
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert quant.weight_bytes < dense.weight_bytes / 3 and not quant.weights.expanded

@@ -23,6 +23,9 @@ REFERENCE = Path(__file__).resolve().parent / "data" / "reference" / "qwen35"
 PROMPT = [5, 17, 300, 45, 99, 512, 7, 8, 540, 33, 21, 5, 600, 64, 71, 12, 13, 14, 15, 16]
 # fp32 against llama.cpp's fp32 (refdump prints 5 decimals): measured 6.5e-6 on logits up to ~4.3.
 F32_MAX_ABS = 5e-5
+# Q4_K: llama.cpp's 8-bit activations move logits by up to 0.17 (measured; on the same weights
+# dequantized to F32 it agrees with us to 7e-6), so top-1 must agree wherever its margin exceeds 0.4.
+CONFIDENT_MARGIN = 0.4
 
 
 def load(path, **kw):
@@ -55,7 +58,9 @@ def compare(stage, ref) -> dict:
     diffs = torch.tensor([[abs(float(logits[r["pos"], i]) - v) for i, v in r["top"]] for r in ref["top10"]])
     # Margin: llama.cpp's top-1 minus top-2 logit, where a near-tie could flip the argmax.
     margins = torch.tensor([r["top"][0][1] - r["top"][1][1] for r in ref["top10"]])
-    return {"top1": sum(top1) / len(top1), "max_abs": float(diffs.max()), "mean_abs": float(diffs.mean()),
+    confident = [t for t, m in zip(top1, margins.tolist()) if m > CONFIDENT_MARGIN]
+    return {"top1": sum(top1) / len(top1), "top1_confident": sum(confident) / len(confident),
+            "max_abs": float(diffs.max()), "mean_abs": float(diffs.mean()),
             "max_logit": max(abs(v) for r in ref["top10"] for _, v in r["top"]),
             "margin_min": float(margins.min()), "margin_p10": float(margins.quantile(0.1))}  # fmt: skip
 
@@ -81,8 +86,8 @@ def test_logits_agree_with_llama_cpp(reference_models, name):
     if name == "f32":
         assert got["top1"] == 1.0 and got["max_abs"] < F32_MAX_ABS, got
         assert greedy_ids(stage, ref["ids"], len(ref["greedy"])) == ref["greedy"]
-    else:  # llama.cpp quantizes activations to 8 bits for K-quant products
-        assert got["top1"] >= 0.99, got
+    else:  # llama.cpp quantizes activations to 8 bits for K-quant products: flips where it is near a tie
+        assert got["top1_confident"] == 1.0 and got["top1"] >= 0.95 and got["max_abs"] < 0.3, got
 
 
 def test_config_and_layer_types(tiny_model):
@@ -339,3 +344,59 @@ def test_bfloat16_with_int8_weights_tracks_float32(tiny_model):
     err = float((got - want).abs().max())
     print(f"bfloat16/int8 vs float32: top-1 {agree:.3f}, max |dlogit| {err:.3f}")
     assert agree >= 0.95 and err < 0.2  # measured 0.980 and 0.069
+
+
+def test_slot_state_moves_with_the_recurrent_state(tiny_model):
+    from hydra_console.contracts.slot_state import SlotStateError
+    from hydra_console.engine import slot_state
+
+    path = tiny_model("qwen35", n_layers=4)
+    fp = GGUFFile(path).fingerprint
+    a, b = load(path, n_slots=3), load(path, n_slots=3)
+    nxt = int(run(a, PROMPT, slot=0)[-1].argmax())
+    blob = b"".join(slot_state.save(a, 0, PROMPT, fp))
+    assert slot_state.restore(b, 2, slot_state.reader(blob), fp) == PROMPT
+    assert torch.equal(run(a, [nxt], slot=0, start=len(PROMPT)), run(b, [nxt], slot=2, start=len(PROMPT)))
+    with pytest.raises(SlotStateError, match="recurrent state covers 21 tokens, not the 20"):
+        b"".join(slot_state.save(a, 0, PROMPT, fp))
+
+
+def test_prompt_cache_reuses_only_a_whole_cached_sequence(tiny_model):
+    """A recurrent slot cannot be cut back to a shorter prefix: a prompt that extends everything the
+    slot holds continues it; one that diverges inside it starts from position 0. Same tokens either way."""
+    from hydra_console.engine.pipeline import Pipeline
+    from hydra_console.engine.runtime import Engine
+    from hydra_console.engine.sampling import SamplingParams
+    from hydra_console.engine.sequence import Request
+    from hydra_console.engine.tokenizer import Tokenizer
+
+    path = tiny_model("qwen35", n_layers=4)
+    tok = Tokenizer.from_gguf(GGUFFile(path))
+    eng = Engine(Pipeline(load(path, n_slots=1, n_ctx=128)), tok, 1, 128).start()
+
+    def gen(prompt, **kw):
+        ids, final = [], None
+        for ev in eng.generate(Request(prompt, SamplingParams(temperature=0.0), max_tokens=6, ignore_eos=True, **kw), timeout=60):
+            ids += [t.id for t in ev.tokens]
+            final = ev
+        return ids, final.timings["cache_n"]
+
+    try:
+        prompt = tok.encode("the quick brown fox and more words")
+        first, _ = gen(prompt, cache_prompt=False)
+        extended = prompt + first + tok.encode(" hello")
+        cont, cache_n = gen(extended)
+        assert cache_n == len(prompt) + len(first) - 1  # all the slot held: the last answer token was never forwarded
+        diverged, cache_n2 = gen(prompt[:4] + tok.encode(" world"))
+        assert cache_n2 == 0
+        fresh = Engine(Pipeline(load(path, n_slots=1, n_ctx=128)), tok, 1, 128).start()
+        try:
+            for p, got in ((extended, cont), (prompt[:4] + tok.encode(" world"), diverged)):
+                ids = []
+                for ev in fresh.generate(Request(p, SamplingParams(temperature=0.0), max_tokens=6, ignore_eos=True, cache_prompt=False), timeout=60):
+                    ids += [t.id for t in ev.tokens]
+                assert ids == got
+        finally:
+            fresh.stop()
+    finally:
+        eng.stop()

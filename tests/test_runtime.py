@@ -125,8 +125,19 @@ def test_usage_timings_and_length(engine, model):
     assert final.usage == {"prompt_tokens": len(prompt), "completion_tokens": 9, "total_tokens": len(prompt) + 9}
     assert len(ids) == 9 and tok.decode(prompt + ids, skip_special=True) == tok.decode(prompt, skip_special=True) + text
     t = final.timings
-    assert (t["prompt_n"], t["predicted_n"], t["draft_n"], t["draft_n_accepted"]) == (len(prompt), 9, 0, 0)
+    assert (t["prompt_n"] + t["cache_n"], t["predicted_n"], t["draft_n"], t["draft_n_accepted"]) == (len(prompt), 9, 0, 0)
     assert t["prompt_ms"] > 0 and t["predicted_ms"] > 0
+
+
+def test_prompt_cache_reuses_a_slots_prefix_and_changes_nothing(engine, model):
+    _, tok = model
+    prompt = tok.encode(PROMPTS[1] + " and more words to share")
+    first = run(engine, prompt, params=greedy(), max_tokens=6, ignore_eos=True, cache_prompt=False)
+    again = run(engine, prompt, params=greedy(), max_tokens=6, ignore_eos=True)
+    longer = run(engine, prompt + first[1][:2], params=greedy(), max_tokens=4, ignore_eos=True)
+    assert first[3].timings["cache_n"] == 0
+    assert again[3].timings["cache_n"] == len(prompt) - 1 and again[1] == first[1]
+    assert longer[3].timings["cache_n"] >= len(prompt) and longer[1] == first[1][2:6]
 
 
 def test_seeded_sampling_repeats(engine, model):

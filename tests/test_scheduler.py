@@ -147,7 +147,7 @@ def test_a_verified_draft_advances_past_the_accepted_tokens():
 class FakePipeline:
     """`forward` returns logits whose argmax is `next_token(position)` for each requested row."""
 
-    head = None
+    local = None
 
     def __init__(self, next_token):
         self.next_token = next_token
@@ -195,3 +195,28 @@ def test_a_failed_forward_ends_its_requests_with_the_exception():
         engine.stop()
     assert final.finish_reason == "error" and isinstance(final.error, PeerGone)
     assert engine.n_processing == 0
+
+
+def test_a_slot_keeps_its_prefix_for_the_next_request_until_the_kv_is_lost():
+    generation = [0]
+    s = Scheduler(2, 64, 16, mixed_steps=True, speculator=Speculator(SpecConfig()), eog_ids={EOS},
+                  kv_generation=lambda: generation[0])  # fmt: skip
+    first = Request([5, 6, 7, 8], max_tokens=1)
+    s.add(first)
+    s.admit()
+    seq = s.slots[0]
+    seq.n_past = 4
+    seq.append(9)
+    seq.finish_reason = "length"
+    s.free(seq)
+    s.add(Request([1, 2], max_tokens=1))  # shares nothing: takes the empty slot
+    s.add(Request([5, 6, 7, 3], max_tokens=1))
+    s.admit()
+    assert s.slots[1].n_cached == 0 and (s.slots[0].n_cached, s.slots[0].n_past) == (3, 3)
+    for q in list(s.running):
+        q.n_past, q.finish_reason = len(q.tokens), "length"
+        s.free(q)
+    generation[0] += 1  # a peer came back or the split moved: idle slots' KV is gone
+    s.add(Request([5, 6, 7, 3], max_tokens=1))
+    s.admit()
+    assert s.running[0].n_cached == 0

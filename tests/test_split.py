@@ -125,7 +125,7 @@ def test_peer_killed_mid_decode_fails_fast_then_recovers(cluster):
     assert_peer_kill_fails_request_fast(w, victim, 200, 60)
 
     health = httpx.get(f"{w.url}/health", timeout=10)
-    assert health.status_code == 200 and health.json()["status"] == "degraded"
+    assert health.status_code == 503 and health.json()["status"] == "degraded" and not health.json()["serving"]
     assert complete(w, PROMPTS[1], 4).status_code == 503  # while it is down: refused at once, no hang
 
     victim.start()  # same ports: the head re-attaches within a poll or two

@@ -9,8 +9,10 @@ import shlex
 import signal
 import socket
 import struct
+import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import psutil
@@ -231,7 +233,7 @@ async def test_split_goes_live_through_configure_when_the_head_accepts_it(tmp_pa
         await wait_until(lambda: sup.head.state == State.READY)
         pid = sup.head.pid
         assert await sup.apply_split([12, 6]) == expected
-        assert ctl.requests == [(control_client.OP_CONFIGURE, {"split": "12/6"})]
+        assert ctl.requests == [(control_client.OP_CONFIGURE, {"split": "12/6", "by": sup.identity})]
         assert (sup.head.pid == pid) == (expected == "live")
         if expected == "restart":
             assert any("NOT_IMPLEMENTED: not built" in e.message for e in sup.events)
@@ -251,16 +253,29 @@ async def test_fixed_feed_drives_attached_states():
     assert [e.kind for e in sup.events] == ["degraded", "unreachable"]
 
 
-async def test_start_refuses_a_port_another_process_listens_on(tmp_path):
-    profile = script_profile(tmp_path, "import time; time.sleep(60)\n")
-    with socket.socket() as taken:
-        taken.bind(("127.0.0.1", profile.head.port))
-        taken.listen()
+async def test_a_port_held_by_another_process_is_named_and_the_worker_starts_once_it_frees(tmp_path):
+    profile = script_profile(tmp_path, "import time; print('up', flush=True); time.sleep(60)\n", poll_s=0.1)
+    holder_code = ("import socket, sys, time; s = socket.socket(); s.bind(('127.0.0.1', int(sys.argv[1]))); s.listen(); "
+                   "print('held', flush=True); time.sleep(60)")
+    holder = subprocess.Popen([sys.executable, "-c", holder_code, str(profile.head.port)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
         sup = new_supervisor(profile, tmp_path)
         await sup.start_worker("head")
-    assert not sup.head.running and sup.head.state == State.CRASHED
-    assert any(e.kind == "error" and f"port {profile.head.port}" in e.message and "--attach" in e.message for e in sup.events)
+        assert not sup.head.running and sup.head.state == State.PORT_BUSY
+        err = next(e.message for e in sup.events if e.kind == "error")
+        assert f"port {profile.head.port} held by pid {holder.pid}" in err and "socket" in err  # its command line
+        await asyncio.sleep(0.5)
+        assert not sup.head.running  # still held: not started, not crashed
+        holder.kill()
+        holder.wait()
+        await wait_until(lambda: sup.head.running)
+        assert sup.head.state == State.STARTING and sup.running_managed() == [sup.head]
+    finally:
+        holder.kill()
+        holder.wait()
     await sup.shutdown()
+    assert sup.head.state == State.STOPPED
 
 
 async def test_remote_worker_runs_through_the_launcher_template(tmp_path):
@@ -315,3 +330,201 @@ async def test_a_missed_poll_is_tolerated_then_reported():
     feed.probes["head"] = up
     await sup.poll_once()
     assert [e.kind for e in sup.events] == ["ready", "unreachable", "ready"]
+
+
+class Override:
+    """The real HTTP source, with the head's /status stages replaced: the head runs a split that
+    someone else applied (another console's CONFIGURE), which the stand-in head cannot do itself."""
+
+    def __init__(self):
+        self.http, self.head_ranges = HttpStatusSource(), None
+
+    async def probe(self, spec):
+        p = await self.http.probe(spec)
+        if spec.name == "head" and p.status is not None and self.head_ranges:
+            stages = [replace(s, layers=r) for s, r in zip(p.status.stages, self.head_ranges)]
+            p = replace(p, status=replace(p.status, stages=stages, split_by="hydra-console pid 1 on elsewhere"))
+        return p
+
+    async def aclose(self):
+        await self.http.aclose()
+
+
+async def test_crash_restart_relaunches_the_live_split_not_a_saved_draft(tmp_path):
+    source = Override()
+    sup = Supervisor(fake_profile(), source=source, log_dir=tmp_path)
+    await sup.start()
+    try:
+        await wait_until(lambda: all(w.state == State.READY for w in sup.workers.values()))
+        started = sup.head.argv
+        assert "--split" not in started
+        source.head_ranges = [(0, 10), (10, 18)]  # applied live by another console
+        await wait_until(lambda: sup.split == [10, 8])
+        assert any(e.kind == "split" and "applied by hydra-console pid 1 on elsewhere" in e.message for e in sup.events)
+        sup.profile.split = [9, 9]  # a draft saved to the profile, never applied
+        assert sup.head.argv == started  # the record is what runs, not what would run now
+        os.killpg(sup.head.pid, signal.SIGKILL)
+        await wait_until(lambda: sup.head.argv != started and sup.head.running)
+        argv = sup.head.argv
+        assert argv[argv.index("--split") + 1] == "10/8"
+        assert sup.head.crash_restarts == 1
+    finally:
+        await sup.shutdown()
+
+
+async def test_attached_console_follows_a_head_restart_and_its_recovery():
+    now = [1000.0]
+    feed = FixedFeedSource({"head": Probe(True, 200, {"status": "ok"}, {"pid": 42})})
+    sup = Supervisor(Profile(peers=[]), attach=True, source=feed, clock=lambda: now[0])
+    await sup.poll_once()
+    feed.probes["head"] = Probe(False, error="connection refused")
+    for _ in range(3):
+        now[0] += 1
+        await sup.poll_once()
+    assert sup.head.state == State.UNREACHABLE
+    now[0] += 2
+    feed.probes["head"] = Probe(True, 200, {"status": "ok"}, {"pid": 43})
+    await sup.poll_once()
+    assert [(e.kind, e.message) for e in sup.events] == [
+        ("ready", "ready"), ("unreachable", "connection refused"),
+        ("restarted", "pid 42 → 43 (restarted outside this console)"), ("ready", "ready again after 2.0 s unreachable")]
+
+
+async def test_ready_after_a_recovery_counts_from_the_degradation_not_the_first_start(tmp_path):
+    now = [1000.0]
+    profile = script_profile(tmp_path, "import time; time.sleep(60)\n")
+    feed = FixedFeedSource({"head": Probe(True, 200, {"status": "ok"})})
+    sup = Supervisor(profile, source=feed, clock=lambda: now[0], log_dir=tmp_path)
+    await sup.start_worker("head")
+    now[0] += 5
+    await sup.poll_once()
+    now[0] += 150
+    feed.probes["head"] = Probe(True, 200, {"status": "degraded"})
+    await sup.poll_once()
+    now[0] += 2
+    feed.probes["head"] = Probe(True, 200, {"status": "ok"})
+    await sup.poll_once()
+    ready = [e.message for e in sup.events if e.kind == "ready"]
+    assert ready == ["ready 5.0 s after its start", "ready again after 2.0 s degraded"]
+    await sup.shutdown()
+
+
+async def test_quick_exits_are_a_named_crash_loop(tmp_path):
+    body = "import sys\nprint('loading', flush=True)\nprint('hydra-engine: error: model file not found: /m.gguf', file=sys.stderr)\nsys.exit(2)\n"
+    profile = script_profile(tmp_path, body, crash_loop_count=3)
+    sup = new_supervisor(profile, tmp_path)
+    await sup.start_worker("head")
+    await wait_until(lambda: sup.head.state == State.CRASH_LOOP)
+    loop = [e.message for e in sup.events if e.kind == "crash-loop"]
+    assert loop and loop[0].startswith("3 exits in a row") and "model file not found: /m.gguf" in loop[0]
+    assert sup.head.last_err == "hydra-engine: error: model file not found: /m.gguf"
+    await wait_until(lambda: sup.head.running)
+    assert sup.head.state == State.CRASH_LOOP  # a new try of a looping worker is not "starting"
+    await sup.shutdown()
+    assert sup.head.state == State.STOPPED
+
+
+CONSOLE = """
+import asyncio, sys
+from hydra_console.app.config import load_profile
+from hydra_console.app.supervisor import State, Supervisor
+
+async def main():
+    sup = Supervisor(load_profile(sys.argv[1]), log_dir=sys.argv[2])
+    await sup.start()
+    while not all(w.state == State.READY for w in sup.workers.values()):
+        await asyncio.sleep(0.1)
+    print(' '.join(str(w.pid) for w in sup.workers.values()), flush=True)
+    await asyncio.sleep(600)
+
+asyncio.run(main())
+"""
+
+
+async def test_kill_9_of_the_console_then_a_new_console_adopts_and_stops_its_workers(tmp_path):
+    from hydra_console.app.config import save_profile
+
+    profile = fake_profile()
+    path = save_profile(profile, tmp_path / "p.toml")
+    script = tmp_path / "console.py"
+    script.write_text(CONSOLE)
+    console = subprocess.Popen([sys.executable, str(script), str(path), str(tmp_path / "logs")], stdout=subprocess.PIPE, text=True)
+    pids = []
+    try:
+        line = await asyncio.wait_for(asyncio.to_thread(console.stdout.readline), 60)
+        pids = [int(x) for x in line.split()]
+        assert len(pids) == 2
+        console.kill()  # kill -9: no cleanup ran
+        console.wait()
+        assert all(psutil.pid_exists(p) for p in pids)
+        sup = Supervisor(profile, log_dir=tmp_path / "logs")
+        state = json.loads(sup.state_path.read_text())
+        assert state["console_pid"] == console.pid and {w["pid"] for w in state["workers"].values()} == set(pids)
+        run_id = state["workers"]["head"]["run_id"]
+        assert psutil.Process(pids[0]).environ()["HYDRA_RUN_ID"] == run_id
+        await sup.start()
+        try:
+            assert [w.pid for w in sup.workers.values()] == pids
+            assert [e.kind for e in sup.events] == ["adopted", "adopted"]  # nothing started: no duplicates
+            await wait_until(lambda: all(w.state == State.READY for w in sup.workers.values()))
+            # Adopted workers are supervised: a crash is restarted (by this console, with its run id).
+            os.killpg(pids[1], signal.SIGKILL)
+            await wait_until(lambda: sup.workers["peer1"].running and sup.workers["peer1"].pid != pids[1])
+            assert sup.workers["peer1"].run_id == sup.run_id
+            peer_pid = sup.workers["peer1"].pid
+        finally:
+            await sup.shutdown()
+        gone = lambda p: not psutil.pid_exists(p) or psutil.Process(p).status() == psutil.STATUS_ZOMBIE  # noqa: E731
+        await wait_until(lambda: gone(pids[0]) and gone(peer_pid))
+        assert not sup.state_path.exists()
+    finally:
+        console.kill()
+        for p in pids:
+            try:
+                os.killpg(p, signal.SIGKILL)
+            except OSError:
+                pass
+
+
+async def test_detach_leaves_the_workers_running_for_the_next_console(tmp_path):
+    profile = fake_profile(peers=0)
+    sup = Supervisor(profile, log_dir=tmp_path)
+    await sup.start()
+    await wait_until(lambda: sup.head.state == State.READY)
+    pid = sup.head.pid
+    await sup.shutdown(stop_workers=False)
+    sup.kill_all_sync()  # what main() does after the app: a no-op once detached
+    await asyncio.sleep(0.3)
+    assert psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    nxt = Supervisor(profile, log_dir=tmp_path)
+    await nxt.start()
+    assert nxt.head.pid == pid and [e.kind for e in nxt.events] == ["adopted"]
+    await nxt.shutdown()
+    await wait_until(lambda: not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE)
+
+
+async def test_workers_of_a_live_console_are_neither_adopted_nor_duplicated(tmp_path):
+    from hydra_console.app.config import save_profile
+
+    profile = fake_profile(peers=0)
+    path = save_profile(profile, tmp_path / "p.toml")
+    script = tmp_path / "console.py"
+    script.write_text(CONSOLE)
+    console = subprocess.Popen([sys.executable, str(script), str(path), str(tmp_path / "logs")], stdout=subprocess.PIPE, text=True)
+    pid = None
+    try:
+        pid = int(await asyncio.wait_for(asyncio.to_thread(console.stdout.readline), 60))
+        sup = Supervisor(profile, log_dir=tmp_path / "logs")
+        await sup.start()
+        assert not sup.head.running and not sup.running_managed()
+        assert any(e.kind == "error" and f"run by console pid {console.pid}" in e.message for e in sup.events)
+        await sup.shutdown()
+        assert psutil.pid_exists(pid)
+    finally:
+        console.terminate()  # SIGTERM: asyncio.run is interrupted, its child transports kill the worker
+        console.wait()
+        if pid:
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except OSError:
+                pass

@@ -47,6 +47,18 @@ def test_weight_types_are_scaled_random_weights(tmp_path, qtype):
     assert g.tensors["blk.0.attn_norm.weight"].ggml_type.name == "F32"
 
 
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"])
+def test_quantized_weights_have_zero_mean(tmp_path, qtype):
+    # A biased weight makes every position's argmax the same token, so logit agreement tests pass trivially.
+    g = GGUFFile(write_synthetic(tmp_path / "m.gguf", "llama", qtype=qtype, n_embd=256, n_ff=512))
+    for name in ("output.weight", "blk.0.ffn_down.weight"):
+        t = g.tensors[name]
+        w = dequantize(g.raw(t.name), t.ggml_type, t.shape)
+        assert abs(float(w.mean())) < 0.02 * float(w.std()), name
+        # Row means too: a per-row bias would still shift every logit of one token.
+        assert float(w.mean(dim=1).abs().max()) < 0.5 * float(w.std()), name
+
+
 def test_vocab_size_pads_and_bad_shapes_are_refused(tmp_path):
     g = GGUFFile(write_synthetic(tmp_path / "big.gguf", "llama", vocab_size=5000))
     assert len(g.metadata["tokenizer.ggml.tokens"]) == 5000

@@ -14,24 +14,28 @@ from textual.app import App, SystemCommand
 from textual.binding import Binding
 from textual.screen import Screen
 
+from ...contracts.errors import UserError
 from ...themes import THEMES
 from ..config import resolve_profile_path, save_profile
 from ...contracts.split import split_arg
 from ..split_plan import ModelShape
 from ..supervisor import Supervisor, SupervisorError
+from .. import display
+from .alerts import AlertsScreen
 from .dashboard import DashboardScreen
 from .detail import WorkerDetailScreen
 from .dialogs import ConfirmScreen, HelpScreen
 from .logs import LogsScreen
 from .split_editor import SplitEditorScreen
 
-DESTRUCTIVE = {"restart_selected", "restart_worker", "stop_worker", "start_worker"}
-
-
 def binding_ids() -> set[str]:
     """Every id a profile's [keys] table may remap."""
-    classes = (HydraConsole, LogsScreen, SplitEditorScreen, WorkerDetailScreen, ConfirmScreen, HelpScreen)
+    classes = (HydraConsole, DashboardScreen, LogsScreen, SplitEditorScreen, WorkerDetailScreen, ConfirmScreen, HelpScreen,
+               AlertsScreen)
     return {b.id for cls in classes for b in cls.BINDINGS if isinstance(b, Binding) and b.id}
+
+
+REFRESH_RATES = (0.5, 1.0, 2.0, 5.0)  # `r` cycles through these (and the profile's poll_s): slower saves a slow link
 
 
 class HydraConsole(App):
@@ -45,6 +49,9 @@ class HydraConsole(App):
         Binding("l", "logs", "Logs", id="hydra.logs"),
         Binding("slash", "filter", "Filter", id="hydra.filter"),
         Binding("t", "cycle_theme", "Theme", show=False, id="hydra.theme"),
+        Binding("p", "toggle_pause", "Pause", id="hydra.pause"),
+        Binding("r", "next_refresh_rate", "Refresh rate", show=False, id="hydra.rate"),
+        Binding("A", "alerts", "Alerts", show=False, id="hydra.alerts"),
         # Declared here (Textual then adds none of its own) so that the palette key is remappable too.
         Binding("ctrl+p", "command_palette", "palette", show=False, priority=True, id="hydra.palette"),
     ]
@@ -61,12 +68,17 @@ class HydraConsole(App):
     ):
         super().__init__()
         self.supervisor = supervisor
-        self.readonly = readonly
+        self.readonly = readonly or supervisor.readonly
         self.profile_path = profile_path
         self.model_shape = model_shape
         self._load_model_shape = load_model_shape and model_shape is None
         self._initial_theme = theme
         self._unsubscribe: Callable[[], None] | None = None
+        self.paused = False  # the view holds still to be read; supervision goes on
+        self.refresh_s = supervisor.settings.poll_s
+        self._refresh_timer = None
+        self.alert_history: list[tuple[float, str]] = []
+        self._alerting: set[str] = set()  # incidents active now (each raised once)
         self.dashboard = DashboardScreen()
         for t in THEMES.values():
             self.register_theme(t)
@@ -76,7 +88,7 @@ class HydraConsole(App):
     def on_mount(self) -> None:
         self.theme = self._initial_theme
         p = self.supervisor.profile
-        self.sub_title = f"profile {p.name}" + (" · READ-ONLY" if self.readonly else "")
+        self._show_mode()
         if p.keys:
             unknown = sorted(set(p.keys) - binding_ids())
             if unknown:
@@ -85,7 +97,7 @@ class HydraConsole(App):
             self.set_keymap(p.keys)
         self.push_screen(self.dashboard)
         self._unsubscribe = self.supervisor.subscribe(self._on_supervisor_event)
-        self.set_interval(p.supervisor.poll_s, self.refresh_view)
+        self._refresh_timer = self.set_interval(self.refresh_s, self._tick)
         self._start_supervisor()
         self._stop_on_hangup()
         if self._load_model_shape:
@@ -128,15 +140,52 @@ class HydraConsole(App):
             except RuntimeError:  # the app quit while the file was being read
                 pass
 
+    def _show_mode(self) -> None:
+        self.sub_title = " · ".join([f"profile {self.supervisor.profile.name}", *(["READ-ONLY"] if self.readonly else []),
+                                     *(["PAUSED (p)"] if self.paused else []), f"refresh {self.refresh_s:g} s"])  # fmt: skip
+
+    def action_toggle_pause(self) -> None:
+        self.paused = not self.paused
+        self._show_mode()
+        if not self.paused and self.dashboard.is_mounted:
+            self.dashboard.replay_events()  # what happened while paused
+            self.refresh_view()
+
+    def action_next_refresh_rate(self) -> None:
+        rates = sorted({*REFRESH_RATES, self.supervisor.settings.poll_s})
+        self.refresh_s = next((r for r in rates if r > self.refresh_s), rates[0])
+        self._refresh_timer.stop()
+        self._refresh_timer = self.set_interval(self.refresh_s, self._tick)
+        self._show_mode()
+
+    def _tick(self) -> None:
+        self.check_alerts()
+        self.refresh_view()
+
+    def check_alerts(self) -> None:
+        """A toast and a bell once per incident (also while paused), and a line in the history (`A`)."""
+        if not self.is_running:
+            return
+        active = display.active_alerts(self.supervisor, self.supervisor.profile.alerts)
+        for key in active.keys() - self._alerting:
+            self.alert_history.append((self.supervisor.clock(), active[key]))
+            self.notify(active[key], title="alert", severity="warning", timeout=10, markup=False)
+            self.bell()
+        self._alerting = set(active)
+
+    def action_alerts(self) -> None:
+        if not isinstance(self.screen, AlertsScreen):
+            self.push_screen(AlertsScreen())
+
     def _on_supervisor_event(self, ev) -> None:
         # The supervisor outlives the app by a moment at shutdown: never touch a dead UI.
-        if not self.is_running or not self.dashboard.is_mounted:
+        if not self.is_running or not self.dashboard.is_mounted or self.paused:
             return
         self.dashboard.add_event(ev)
         self.refresh_view()
 
     def refresh_view(self) -> None:
-        if not self.is_running:
+        if not self.is_running or self.paused:
             return
         for screen in {self.dashboard, self.screen}:
             if screen.is_mounted and hasattr(screen, "refresh_view"):
@@ -149,10 +198,11 @@ class HydraConsole(App):
 
     # ---- actions -----------------------------------------------------------------------------
 
-    def check_action(self, action: str, parameters) -> bool | None:
-        if self.readonly and action in DESTRUCTIVE:
-            return None  # shown disabled, never runs
-        return True
+    def refused(self, what: str) -> bool:
+        """A read-only console starts, stops and applies nothing; a refused key says so."""
+        if self.readonly:
+            self.notify(f"read-only console: {what} is disabled", severity="warning")
+        return self.readonly
 
     def _selected(self) -> str | None:
         for screen in (self.screen, self.dashboard):
@@ -168,8 +218,10 @@ class HydraConsole(App):
             return
         names = ", ".join(f"{w.name} (pid {w.pid or '—'})" for w in running)
         self.push_screen(
-            ConfirmScreen(f"Quit and stop the workers this console started: {names}?", yes="Stop and quit"),
-            lambda ok: self._stop_and_exit(True) if ok else None,
+            ConfirmScreen(f"Quit. Stop the workers this console runs: {names}? Or detach and leave them "
+                          "running: the next console of this profile adopts them.",
+                          yes="Stop all and quit", other=("d", "Detach")),
+            lambda answer: self._stop_and_exit(answer is True) if answer else None,
         )
 
     async def action_quit(self) -> None:
@@ -222,6 +274,8 @@ class HydraConsole(App):
             self.action_restart_worker(name)
 
     def action_restart_worker(self, name: str) -> None:
+        if self.refused("restart"):
+            return
         w = self.supervisor.worker(name)
         if not w.managed:
             self.notify(f"{name} is attached (monitor only): this console cannot restart it", severity="warning")
@@ -234,6 +288,8 @@ class HydraConsole(App):
         )
 
     def action_stop_worker(self, name: str) -> None:
+        if self.refused("stop"):
+            return
         w = self.supervisor.worker(name)
         self.push_screen(
             ConfirmScreen(f"Stop {name} (pid {w.pid or '—'})? It will not be restarted.", yes="Stop"),
@@ -241,6 +297,8 @@ class HydraConsole(App):
         )
 
     def action_start_worker(self, name: str) -> None:
+        if self.refused("start"):
+            return
         self._run_command(self.supervisor.start_worker(name), f"{name} starting")
 
     @work(group="commands")
@@ -254,6 +312,8 @@ class HydraConsole(App):
             self.notify(done)
 
     def confirm_apply_split(self, counts: list[int], on_done: Callable[[list[int]], None]) -> None:
+        if self.refused("applying a split"):
+            return
         head = self.supervisor.head
         self.push_screen(
             ConfirmScreen(f"Apply split {split_arg(counts)}? Live through {head.name}'s CONFIGURE; "
@@ -273,25 +333,29 @@ class HydraConsole(App):
             on_done(counts)
             self.notify(f"split {split_arg(counts)} applied ({'live' if how == 'live' else 'by restarting the head'})")
 
-    def save_split(self, counts: list[int]) -> None:
+    def save_split(self, counts: list[int]) -> bool:
+        """Write `counts` to the profile file only: what runs (and what a restart launches) stays."""
         profile = self.supervisor.profile
         try:
             profile.split = counts
         except ValueError as e:
             self.notify(str(e), severity="error")
-            return
-        self.action_save_profile()
+            return False
+        running = self.supervisor.split
+        return self.action_save_profile(f"split {split_arg(counts)} saved, not applied"
+                                        + (f" (running {split_arg(running)})" if running and running != counts else ""))
 
-    def action_save_profile(self) -> None:
+    def action_save_profile(self, what: str = "profile saved") -> bool:
         profile = self.supervisor.profile
         path = self.profile_path or resolve_profile_path(profile.name)
         try:
             save_profile(profile, path)
-        except OSError as e:
-            self.notify(f"cannot save {path}: {e.strerror or e}", severity="error")
-            return
+        except UserError as e:
+            self.notify(str(e), severity="error")
+            return False
         self.profile_path = path
-        self.notify(f"profile saved to {path}")
+        self.notify(f"{what}: {path}", markup=False)
+        return True
 
     def action_set_theme(self, name: str) -> None:
         self.theme = name
@@ -302,6 +366,7 @@ class HydraConsole(App):
     def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
         yield from super().get_system_commands(screen)
         yield SystemCommand("Help", "Keys of this screen", self.action_help)
+        yield SystemCommand("Alerts", "Every alert of this session", self.action_alerts)
         yield SystemCommand("Split editor", "Move layer boundaries, preview memory, apply", self.action_split_editor)
         yield SystemCommand("Logs: all workers", "Merged log of every worker", partial(self.action_logs, None))
         yield SystemCommand("Log filter", "Open the logs with the regex filter focused", self.action_filter)

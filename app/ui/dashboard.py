@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from rich.text import Text
 from textual.app import ComposeResult
+from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
 from textual.screen import Screen
 from textual.widgets import DataTable, Footer, Header, Label, RichLog, Sparkline, Static
@@ -11,11 +12,18 @@ from textual.widgets import DataTable, Footer, Header, Label, RichLog, Sparkline
 from .. import display
 
 
+SPARK_SAMPLES = 60  # the sparklines show the last minute at 1 Hz
+
+
 class DashboardScreen(Screen):
+    BINDINGS = [Binding("o", "sort_next", "Sort", id="dash.sort")]
+
     def __init__(self):
         super().__init__()
         self._columns: tuple[str, ...] = ()  # worker-table columns now shown
         self._width = 0  # screen width of the last refresh
+        self.sort_column: str | None = None  # None: profile order
+        self.sort_reverse = False
 
     def compose(self) -> ComposeResult:
         yield Header()
@@ -32,19 +40,20 @@ class DashboardScreen(Screen):
                 yield Label("decode —", id="decode-label", classes="rate-label")
                 yield Sparkline([], id="decode", summary_function=max)
             yield Static(id="info")
-            events = RichLog(id="events", max_lines=500, wrap=False, min_width=20)
+            events = RichLog(id="events", max_lines=500, wrap=True, min_width=20)
             events.border_title = "Events"
             yield events
         yield Footer()
 
     def on_mount(self) -> None:
-        sup = self.app.supervisor
-        if any(not w.managed for w in sup.workers.values()):
-            self.query_one("#workers", DataTable).border_title = "Workers (attached ones are monitor only)"
+        self.replay_events()
+        self.refresh_view()
+
+    def replay_events(self) -> None:
         log = self.query_one("#events", RichLog)
+        log.clear()
         for ev in self.app.supervisor.events:
             self.add_event(ev, log)
-        self.refresh_view()
 
     @property
     def selected_worker(self) -> str | None:
@@ -57,15 +66,33 @@ class DashboardScreen(Screen):
     def add_event(self, ev, log: RichLog | None = None) -> None:
         log = log or self.query_one("#events", RichLog)
         tone = display.EVENT_TONES.get(ev.kind)
-        log.write(Text(display.event_line(ev), style=self.app.tone_style(tone) if tone else ""))
+        # Wrap at the panel's width: RichLog would measure against the app console's, not the terminal's.
+        log.write(Text(display.event_line(ev), style=self.app.tone_style(tone) if tone else ""),
+                  width=log.scrollable_content_region.width or None)
 
     def on_data_table_row_selected(self, event: DataTable.RowSelected) -> None:
         self.app.action_detail(event.row_key.value)
+
+    def on_data_table_header_selected(self, event: DataTable.HeaderSelected) -> None:
+        """Click a header to sort by it; click it again to reverse."""
+        column = str(event.column_key.value)
+        self.sort_reverse = not self.sort_reverse if column == self.sort_column else False
+        self.sort_column = column
+        self.refresh_view()
+
+    def action_sort_next(self) -> None:
+        """`o`: sort by the next column shown (after the last one: back to profile order)."""
+        order = [None, *self._columns]
+        self.sort_column = order[(order.index(self.sort_column) + 1) % len(order)] if self.sort_column in order else None
+        self.sort_reverse = False
+        self.refresh_view()
 
     def on_resize(self) -> None:
         # Also sent when the screen comes back from logs/detail: redraw only if the width really changed.
         if self.size.width != self._width:
             self.refresh_view()
+            # The log keeps lines wrapped at the width they were written at: rewrite them once it has its new size.
+            self.call_after_refresh(self.replay_events)
 
     def _table(self) -> DataTable:
         """The worker table, its columns chosen for the width (it is rebuilt when that changes)."""
@@ -96,9 +123,11 @@ class DashboardScreen(Screen):
                 if col not in self._columns:
                     continue
                 cell = Text(value, style=app.tone_style(tone)) if col == "state" else value
-                if col == "rst" and w.restarts >= sup.profile.alerts.restarts:
+                if col == "rst" and w.crash_restarts >= sup.profile.alerts.restarts:  # the operator's R is no alert
                     cell = Text(f"{value} ⚠", style=app.tone_style("warn"))
                 table.update_cell(w.name, col, cell, update_width=True)
+
+        self._sort(table, now)
 
         rows = display.memory_rows(sup, sup.profile.alerts)
         width = 8 if self.size.width < 100 else 20
@@ -110,18 +139,28 @@ class DashboardScreen(Screen):
         self.query_one("#memory", Static).update(memory if rows else Text("no device data yet", style="dim"))
 
         thr = display.throughput(sup)
-        self.query_one("#prefill-label", Label).update(f"prefill {display.fmt_rate(thr['prefill'])}")
-        self.query_one("#decode-label", Label).update(f"decode {display.fmt_rate(thr['decode'])}")
-        # A leading 0 anchors the scale at zero, so a steady rate reads as a level, not as empty.
-        self.query_one("#prefill", Sparkline).data = [0.0, *thr["prefill_hist"][-60:]] if thr["prefill_hist"] else []
-        self.query_one("#decode", Sparkline).data = [0.0, *thr["decode_hist"][-60:]] if thr["decode_hist"] else []
+        for name in ("prefill", "decode"):
+            hist = thr[f"{name}_hist"][-SPARK_SAMPLES:]
+            self.query_one(f"#{name}-label", Label).update(display.rate_label(name, thr[name], hist))
+            # A leading 0 anchors the scale at zero, so a steady rate reads as a level, not as empty.
+            self.query_one(f"#{name}", Sparkline).data = [0.0, *hist] if hist else []
 
         status = sup.head.status
         info = Text()
-        info.append(display.acceptance_text(status))
+        info.append(f"{display.slots_text(status)} · {display.acceptance_text(status)}")
         info.append("\n")
         info.append(display.pool_text(status))
         for line, tone in display.peer_lines(status, sup.profile.alerts):
             info.append("\npeer ")
             info.append(line, style=app.tone_style(tone))
         self.query_one("#info", Static).update(info)
+
+    def _sort(self, table: DataTable, now: float) -> None:
+        title = "Workers" + ("" if all(w.managed for w in self.app.supervisor.workers.values()) else " (attached ones are monitor only)")
+        if self.sort_column in self._columns:
+            sup, column, selected = self.app.supervisor, self.sort_column, self.selected_worker
+            table.sort("worker", key=lambda name: display.sort_key(sup.workers[str(name)], column, sup, now), reverse=self.sort_reverse)
+            if selected:
+                table.move_cursor(row=table.get_row_index(selected))
+            title += f" · by {column} {'▼' if self.sort_reverse else '▲'}"
+        table.border_title = title

@@ -55,7 +55,7 @@ class WorkerDetailScreen(Screen):
             ("state", Text(state, style=app.tone_style(tone))),
             ("pid", str(w.shown_pid() or "—")),
             ("uptime", display.fmt_duration(w.uptime(now))),
-            ("restarts", f"{w.restarts} · last exit {display.describe_exit(w.last_exit)}"),
+            ("restarts", f"{w.restarts} ({w.crash_restarts} automatic) · last exit {display.describe_exit(w.last_exit)}"),
             ("http", w.spec.url),
             ("rpc", f"{w.spec.rpc_host or w.spec.host}:{w.spec.rpc}"),
             ("layers", display.fmt_layers(display.worker_layers(w, sup))),
@@ -77,14 +77,19 @@ class WorkerDetailScreen(Screen):
         if slots:
             busy = sum(1 for s in slots if s.state == "processing")
             rows.append(("slots", f"{busy}/{len(slots)} processing"))
+        # The argv the process really runs; what a (re)start would launch only when it differs.
+        if w.argv:
+            rows.append(("command", shlex.join(w.argv)))
         if w.managed:
-            rows.append(("command", shlex.join(sup.command_for(w.name))))
+            upcoming = sup.command_for(w.name)
+            if upcoming != w.argv:
+                rows.append(("next start", shlex.join(upcoming)))
             rows.append(("log file", str(w.log_path)))
         for k, v in rows:
             t.add_row(k, v)
         self.query_one("#detail-info", Static).update(t)
 
         evs = [display.event_line(e) for e in sup.events if e.worker == w.name][-8:]
-        self.query_one("#detail-events", Static).update("Events\n" + ("\n".join(evs) or "none"))
+        self.query_one("#detail-events", Static).update(Text("Events\n" + ("\n".join(evs) or "none")))
         lines = [display.log_line_text(ln, with_worker=False) for ln in list(w.log)[-LOG_TAIL:]]
         self.query_one("#detail-log", Static).update(Text("Log (l for all)\n" + ("\n".join(lines) or "empty")))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from rich.table import Table
+from rich.text import Text
 from textual.app import App, ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical, VerticalScroll
@@ -10,30 +11,40 @@ from textual.screen import ModalScreen, Screen
 from textual.widgets import Button, Label, Static
 
 
-class ConfirmScreen(ModalScreen[bool]):
-    """Asks one question; y = yes; n, escape or enter (Cancel has the focus) = no: the safe answer is the default."""
+class ConfirmScreen(ModalScreen[bool | str]):
+    """Asks one question; y = yes; n, escape or enter (Cancel has the focus) = no: the safe answer is
+    the default. `other=(key, label)` adds a third answer, dismissed with `key`.
+
+    Question and labels are plain text: "[y]" or a layer range "[0,9)" must not be read as markup."""
 
     BINDINGS = [
         Binding("y", "answer(True)", "Yes", id="confirm.yes"),
         Binding("n,escape", "answer(False)", "No", id="confirm.no"),
     ]
 
-    def __init__(self, question: str, yes: str = "Yes", no: str = "Cancel"):
+    def __init__(self, question: str, yes: str = "Yes", no: str = "Cancel", other: tuple[str, str] | None = None):
         super().__init__()
-        self.question, self.yes, self.no = question, yes, no
+        self.question, self.yes, self.no, self.other = question, yes, no, other
 
     def compose(self) -> ComposeResult:
         with Vertical(id="dialog"):
-            yield Label(self.question, id="question")
+            yield Label(Text(self.question), id="question")
             with Horizontal(id="buttons"):
-                yield Button(f"{self.yes} [y]", variant="error", id="yes")
-                yield Button(f"{self.no} [n]", variant="primary", id="no")
+                yield Button(Text(f"{self.yes} [y]"), variant="error", id="yes")
+                if self.other:
+                    yield Button(Text(f"{self.other[1]} [{self.other[0]}]"), variant="warning", id="other")
+                yield Button(Text(f"{self.no} [n]"), variant="primary", id="no")
 
     def on_mount(self) -> None:
         self.query_one("#no", Button).focus()
 
     def on_button_pressed(self, event: Button.Pressed) -> None:
-        self.dismiss(event.button.id == "yes")
+        self.dismiss(self.other[0] if event.button.id == "other" else event.button.id == "yes")
+
+    def on_key(self, event) -> None:
+        if self.other and event.key == self.other[0]:
+            event.stop()
+            self.dismiss(self.other[0])
 
     def action_answer(self, value: bool) -> None:
         self.dismiss(value)
@@ -75,5 +86,9 @@ class HelpScreen(ModalScreen[None]):
             for key, desc in self.rows:
                 table.add_row(key, desc)
             yield Static(table)
-            yield Static("States: ● ready  ◐ starting  ▲ degraded  ↻ backoff  ✖ crashed/unreachable  ◌ stopping  ○ stopped",
-                         classes="hint")
+            yield Static("States: ● ready  ◐ starting  ▲ degraded  ↻ backoff  ⟳ crash-loop  ⧗ port-busy  "
+                         "✖ crashed/unreachable  ◌ stopping  ○ stopped", classes="hint")
+            yield Static("↑ ↓ PgUp PgDn scroll · esc closes", classes="hint")
+
+    def on_mount(self) -> None:
+        self.query_one("#help", VerticalScroll).focus()  # the arrow keys scroll it

@@ -32,16 +32,22 @@ class SplitEditorScreen(Screen):
         self.shape = shape
         self.boundary = 0
         self.undo_stack: list[list[int]] = []
-        self.applied = self._current_counts()
+        self.applied = self._current_counts()  # what runs: the head's /status, whoever applied it
         self.counts = list(self.applied) if self.applied else []
+        self.saved: list[int] | None = None  # written to the profile file by `w` (which applies nothing)
+
+    def _live_counts(self) -> list[int] | None:
+        sup = self.app.supervisor
+        live = sup.stage_ranges()
+        return counts_of([r for _, r in live]) if live and len(live) == len(sup.workers) else None
 
     def _current_counts(self) -> list[int] | None:
         sup = self.app.supervisor
-        live = sup.stage_ranges()
-        if live and len(live) == len(sup.workers):
-            return counts_of([r for _, r in live])
-        if sup.profile.split:
-            return list(sup.profile.split)
+        live = self._live_counts()
+        if live:
+            return live
+        if sup.split:
+            return list(sup.split)
         if self.shape:
             return even_split(self.shape.n_layers, len(sup.workers))
         return None
@@ -55,10 +61,14 @@ class SplitEditorScreen(Screen):
     def on_mount(self) -> None:
         self.render_plan()
 
-    def check_action(self, action: str, parameters) -> bool | None:
-        if action == "apply" and self.app.readonly:
-            return None
-        return True
+    def refresh_view(self) -> None:
+        """Follow the running split: another console may apply one, or a restart change it."""
+        live = self._live_counts()
+        if live and live != self.applied:
+            self.applied = live
+            if not self.counts:
+                self.counts = list(live)
+            self.render_plan()
 
     def render_plan(self) -> None:
         sup = self.app.supervisor
@@ -74,7 +84,7 @@ class SplitEditorScreen(Screen):
         for i, (a, b) in enumerate(ranges(self.counts)):
             marker = "▶" if i in (self.boundary, self.boundary + 1) else " "
             est = estimates[i] if estimates else None
-            free = self._device_free(names[i])
+            free, shared = display.device_free(sup, names[i])
             over = bool(est and free is not None and est.total > free)
             table.add_row(
                 marker, names[i], f"[{a},{b})", str(b - a),
@@ -82,17 +92,22 @@ class SplitEditorScreen(Screen):
                 display.fmt_bytes(est.kv_bytes) if est else "—",
                 Text(display.fmt_bytes(est.total) + (" ⚠" if over else ""), style=self.app.tone_style("warn") if over else "")
                 if est else "—",
-                display.fmt_bytes(free) if free is not None else "—",
+                display.fmt_bytes(free) + (" shared" if shared else "") if free is not None else "—",
             )
         self.query_one("#split-table", Static).update(table)
         changed = self.counts != self.applied
         left, right = names[self.boundary], names[self.boundary + 1]
         glyphs = "█▒▓░"  # one texture per stage, so the map reads without colour
         layer_map = "│".join(glyphs[i % len(glyphs)] * n for i, n in enumerate(self.counts))
+        if not changed:
+            by = sup.head.status.split_by if sup.head.status else None
+            state = "  (applied" + (f" by {by})" if by else ")")
+        else:
+            running = f"running {split_arg(self.applied)}" if self.applied else "nothing running"
+            state = f"  ({'saved, not applied' if self.counts == self.saved else 'draft'}; {running})"
         note.update(
             f"layers {layer_map}\n"
-            f"boundary {left} | {right}  ·  split {split_arg(self.counts)}"
-            + (f" (applied {split_arg(self.applied)})" if changed and self.applied else "  (applied)")
+            f"boundary {left} | {right}  ·  split {split_arg(self.counts)}{state}"
             + f"\nestimates at {self._dtype()}: weights dequantized, KV for {sup.profile.parallel} slots"
             f" × {sup.profile.ctx} tokens (CPU int8 weights take about half)"
         )
@@ -101,12 +116,6 @@ class SplitEditorScreen(Screen):
         """The head's --dtype if its profile entry passes one, else the engine's auto (bfloat16)."""
         args = self.app.supervisor.profile.head.args
         return args[args.index("--dtype") + 1] if "--dtype" in args[:-1] else "bfloat16"
-
-    def _device_free(self, worker: str) -> int | None:
-        st = self.app.supervisor.worker(worker).status
-        frees = [d.memory_total - d.memory_used for d in (st.devices if st else [])
-                 if d.memory_total is not None and d.memory_used is not None]
-        return max(frees) if frees else None
 
     def action_select(self, step: int) -> None:
         if len(self.counts) > 1:
@@ -142,5 +151,6 @@ class SplitEditorScreen(Screen):
             self.render_plan()
 
     def action_save(self) -> None:
-        if self.counts:
-            self.app.save_split(list(self.counts))
+        if self.counts and self.app.save_split(list(self.counts)):
+            self.saved = list(self.counts)
+            self.render_plan()

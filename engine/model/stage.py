@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from ..device import resolve_device, resolve_dtype
 from ..errors import UserError
 from ..gguf_file import GGUFFile
+from ..kernels.qweight import QuantWeight
 from ..quant import dequantize_rows
 from .attention import attend_batched, attend_runs, decode_bias
 from .config import ModelConfig
@@ -88,6 +89,13 @@ class _Layer:
         return mixer + self.w_gate_up.nbytes + self.w_down.nbytes
 
 
+def _state_tensors(layer: _Layer) -> tuple[torch.Tensor, ...]:
+    net = layer.deltanet
+    if net is None:
+        return layer.k_cache, layer.v_cache
+    return net.conv_state, net.ssm_state, net.conv_ckpt, net.ssm_ckpt
+
+
 class Stage:
     """Embedding (optional) + layers [a, b) + final norm and output head (optional) on one device."""
 
@@ -110,7 +118,10 @@ class Stage:
             self._embd_info = weights.tensor("token_embd.weight")
             # On a GPU the table lives on the device (graph-capturable lookups); on CPU rows are
             # dequantized from the mmap as they are looked up, so a 262k-row table costs nothing at load.
-            self._embd_table = weights.f32("token_embd.weight").to(self.dtype) if self.device.type == "cuda" else None
+            self._embd_table = None
+            if self.device.type == "cuda":
+                q = weights.quant("token_embd.weight")
+                self._embd_table = q if q is not None else weights.f32("token_embd.weight").to(self.dtype)
         if head:
             self.output_norm = weights.vector("output_norm.weight")
             self._head_name = "token_embd.weight" if cfg.tied else "output.weight"
@@ -148,6 +159,29 @@ class Stage:
             net.clear(slot)
         self.state_len[slot] = self.rollback[slot] = 0
 
+    def slot_state(self, slot: int, n: int) -> dict[str, torch.Tensor]:
+        """Views of what this stage holds for `slot`'s first `n` positions, by name: what moves when
+        a slot moves (contracts.slot_state). Writing into the views restores it; then `restored`.
+        A DeltaNet layer's views are its state after the slot's tokens (saved only when those are n)."""
+        out = {}
+        for il, layer in self.layers.items():
+            if layer.deltanet is not None:
+                out[f"blk.{il}.conv"] = layer.deltanet.conv_state[slot]
+                out[f"blk.{il}.ssm"] = layer.deltanet.ssm_state[slot]
+            else:
+                out[f"blk.{il}.k"] = layer.k_cache[slot, :, :n]
+                out[f"blk.{il}.v"] = layer.v_cache[slot, :, :n]
+        return out
+
+    def restored(self, slot: int, n: int) -> None:
+        """The slot's views were written with the state of n tokens (its recurrent state continues from n)."""
+        self.state_len[slot], self.rollback[slot] = n, 0
+
+    @property
+    def kv_bytes(self) -> int:
+        """KV cache and recurrent state (with its checkpoints), all slots."""
+        return sum(t.nbytes for layer in self.layers.values() for t in _state_tensors(layer))
+
     @property
     def weight_bytes(self) -> int:
         """Bytes of weights read per decoded token (layers + output head; embedding rows are negligible)."""
@@ -161,7 +195,9 @@ class Stage:
         tokens = torch.as_tensor(tokens, dtype=torch.long)
         if tokens.device.type == "cpu" and tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= self.cfg.n_vocab):
             raise UserError(f"token id out of range 0..{self.cfg.n_vocab - 1}")
-        if self._embd_table is not None:
+        if isinstance(self._embd_table, QuantWeight):
+            h = self._embd_table.rows(tokens.to(self.device))
+        elif self._embd_table is not None:
             h = self._embd_table[tokens.to(self.device)].float()
         else:
             t = self._embd_info
@@ -304,17 +340,21 @@ def build_stage(
     n_ctx: int = 4096,
     cache_dir: Path | None = None,
     int8: bool | None = None,
+    quantized: bool | None = None,
     compile_decode: bool = False,
 ) -> Stage:
     """The Stage of `g` for layers [a, b) (default: all), from `--device` / `--dtype` values or torch
     objects. `cache_dir` keeps converted int8 weights across runs (None: convert on every load);
     `int8` None picks int8 weights where they pay off: the int8 kernel beats the 16-bit ones only
-    on CPU with 16-bit compute."""
+    on CPU with 16-bit compute. `quantized` None keeps GGUF-quantized weights quantized on a GPU
+    (its kernels); CPU runs the int8 path."""
     cfg = ModelConfig.from_gguf(g)
     device = resolve_device(device)
     dtype = resolve_dtype(dtype, device)
     if int8 is None:
         int8 = device.type == "cpu" and dtype != torch.float32
-    weights = Weights(g, cfg.arch, device, dtype, int8, cache_dir)
+    if quantized is None:
+        quantized = device.type == "cuda"
+    weights = Weights(g, cfg.arch, device, dtype, int8, cache_dir, quantized)
     return Stage(cfg, weights, layers or (0, cfg.n_layers), embed=embed, head=head, n_slots=n_slots, n_ctx=n_ctx,
                  compile_decode=compile_decode)  # fmt: skip

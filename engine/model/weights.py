@@ -2,13 +2,15 @@
 
 `Linear` is y = x @ W^T (+ b) with W dense in the compute dtype, or int8 rows with a bfloat16
 scale each (on CPU with 16-bit compute: torch's 16-bit single-row GEMM is slow there and decode
-is memory-bound). `Weights` loads a stage's tensors from one file onto one device; converted int8
-weights of big files are kept in an on-disk cache (`cache_dir`, None disables it) and
-memory-mapped on later loads.
+is memory-bound). `QuantLinear` keeps W in its GGUF quantization on a GPU (engine/kernels): a
+27B Q5_K_M model then needs its 19 GB, not 54 GB of bfloat16. `Weights` loads a stage's tensors
+from one file onto one device; converted int8 weights of big files are kept in an on-disk cache
+(`cache_dir`, None disables it) and memory-mapped on later loads.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 
@@ -17,7 +19,11 @@ import torch.nn.functional as F
 
 from ..errors import UserError
 from ..gguf_file import GGUFFile
-from ..quant import dequantize
+from ..kernels.qlinear import qlinear
+from ..kernels.qweight import LAYOUTS, QuantWeight
+from ..quant import DENSE_TYPES, dequantize
+
+log = logging.getLogger("hydra.model")
 
 # Above this many rows (prefill), int8 layers run as a bfloat16 GEMM instead of the int8 kernel.
 _INT8_MAX_ROWS = 16
@@ -59,6 +65,25 @@ class Linear:
             w = (self.weight.view(self.terms, n, -1).float() * self.scale.float().view(self.terms, n, 1)).sum(0)
             self._dense = w.to(torch.bfloat16)
         return self._dense
+
+
+class QuantLinear:
+    """y = x @ W^T (+ b) with W quantized on the device. Row blocks of different types (Q4_K_M's
+    Q6_K attn_v beside Q4_K q and k) stay separate weights, each multiplied by its own kernel."""
+
+    scale = None  # not an int8 head: its logits need no rescoring
+
+    def __init__(self, parts: list[QuantWeight], bias=None):
+        self.parts, self.bias = parts, bias
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        ys = [qlinear(x, p) for p in self.parts]
+        y = ys[0] if len(ys) == 1 else torch.cat(ys, dim=-1)
+        return y if self.bias is None else y.float() + self.bias
 
 
 def _int8_rows(w: torch.Tensor, terms: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
@@ -106,10 +131,13 @@ class Weights:
     the cache."""
 
     def __init__(self, g: GGUFFile, arch: str, device: torch.device, dtype: torch.dtype, int8: bool,
-                 cache_dir: Path | None):  # fmt: skip
+                 cache_dir: Path | None, quantized: bool = False):  # fmt: skip
         self.g, self.arch = g, arch
         self.device, self.dtype, self.int8 = device, dtype, int8
         self.cache_dir = cache_dir
+        self.quantized = quantized  # keep GGUF block quantization on the device (a GPU)
+        self.expanded: list[str] = []  # quantized tensors without a kernel, expanded to the compute dtype
+        self._quant: dict[str, QuantWeight] = {}
 
     def tensor(self, name: str):
         try:
@@ -128,10 +156,30 @@ class Weights:
     def vector(self, name: str) -> torch.Tensor:
         return self.f32(name).to(self.device)
 
+    def quant(self, name: str) -> QuantWeight | None:
+        """The tensor kept quantized on the device, or None when it stays dense: quantization is
+        off, the tensor is F32/F16/BF16, or its type has no kernel (then it is expanded, logged and
+        listed in `expanded`). One copy per tensor: Gemma's tied embedding and output share it."""
+        t = self.tensor(name)
+        if not self.quantized or t.ggml_type in DENSE_TYPES:
+            return None
+        if t.ggml_type not in LAYOUTS:
+            if name not in self.expanded:
+                log.warning("%s: %s has no GPU kernel for its type %s: expanded to %s", self.g.path.name, name,
+                            t.ggml_type.name, self.dtype)  # fmt: skip
+                self.expanded.append(name)
+            return None
+        if name not in self._quant:
+            self._quant[name] = QuantWeight.from_gguf(self.g.raw(name), t.ggml_type, t.shape, self.device)
+        return self._quant[name]
+
     def linear(self, names: list[str], bias_names: list[str] = (), terms: int = 2) -> Linear:
         """One Linear over the row-wise concatenation of tensors `names` (fused QKV, fused gate+up);
         int8 weights get `terms` terms (the output head one: its top logits are rescored exactly)."""
         bias = torch.cat([self.f32(n) for n in bias_names]).to(self.device) if bias_names else None
+        quant = [self.quant(n) for n in names]
+        if all(q is not None for q in quant):
+            return QuantLinear(quant, bias)
         if not self.int8:
             parts = [self.f32(n) for n in names]
             return Linear((parts[0] if len(parts) == 1 else torch.cat(parts)).to(self.dtype), None, bias)

@@ -27,6 +27,7 @@ class HeadControl:
     def __init__(self, pipeline, host: StageHost, model: ModelInfo | None, auth: bool):
         self.pipeline, self.host, self.model, self.auth = pipeline, host, model, auth
         self.expert_mode = "solo"
+        self.split_by: str | None = None  # who asked for the live split (CONFIGURE's optional "by")
 
     def info(self) -> dict:
         return {
@@ -47,7 +48,10 @@ class HeadControl:
         }
 
     def configure(self, request: dict) -> dict:
-        """`{"split": "12/6"}` (DESIGN §3 syntax) or `{"layers": [[0,12],[12,18]]}`: live re-split."""
+        """`{"split": "12/6"}` (DESIGN §3 syntax) or `{"layers": [[0,12],[12,18]]}`: live re-split;
+        an optional `"by"` names the requester in /status (`split_by`)."""
+        request = dict(request)
+        by = request.pop("by", None)
         unknown = request.keys() - {"split", "layers"}
         if unknown or len(request) != 1:
             raise ControlError(f"CONFIGURE takes exactly one of 'split' or 'layers' (got {sorted(request)})", Status.BAD_REQUEST)
@@ -63,6 +67,7 @@ class HeadControl:
         except (UserError, TypeError, ValueError) as e:
             raise ControlError(str(e), Status.BAD_REQUEST) from None
         self.host.epoch += 1  # the head's resident set changed too
+        self.split_by = str(by) if by else "CONFIGURE"
         return {"ok": True, **result}
 
     def state_meta(self, slot: int) -> dict:
@@ -108,6 +113,8 @@ class HeadRpc:
             "rpc": Address(self.listener.host, self.listener.bound_port, self.listener.is_running()),
             "pool": self.listener.stats(),
             "peers": [r.status() for r in self.pipeline.remotes],
+            "resplits": self.pipeline.resplits,
+            "split_by": self.control.split_by,
         }
 
 

@@ -68,13 +68,15 @@ class HeadWorker:
         # Before the peers: a bad --spec-type / --model-draft fails at once.
         speculator = build_speculator(cfg.spec, cfg.model_draft, g, cfg.model, n_slots=cfg.parallel)
         self.pipeline = pipeline = build_pipeline(cfg, g, mcfg)
-        pipeline.on_change = lambda: setattr(self.status, "degraded", pipeline.degraded)
+        if cfg.peers and not pipeline.remotes:
+            self.status.degraded = "--fallback-solo: the peers never came up, every layer runs on the head"
         self.status.pipeline = pipeline
         self.rpc = HeadRpc(cfg.rpc, g, mcfg, pipeline, self.status.model).start()
         self.status.add_provider(self.rpc.status)
         self.metrics.register(RpcCollector(self.rpc.listener, pipeline))
         self.status.startup_stage = 3
-        self.engine = Engine(pipeline, self.tok, n_slots=cfg.parallel, n_ctx=cfg.model.ctx, speculator=speculator).start()
+        self.engine = Engine(pipeline, self.tok, n_slots=cfg.parallel, n_ctx=cfg.model.ctx, speculator=speculator,
+                             max_queue=cfg.max_queue).start()  # fmt: skip
         pipeline.active_slots = lambda: {s.slot for s in self.engine.slots if s is not None}
         self.status.engine = self.engine
         self.status.startup_stage = 4

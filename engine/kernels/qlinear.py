@@ -1,0 +1,26 @@
+"""y = x @ w.T for a quantized weight, by device and row count."""
+
+from __future__ import annotations
+
+import torch
+
+from .qweight import QuantWeight
+
+# Up to this many rows (decode, speculative verify) the fused kernels read the weight once;
+# beyond, one dequantization into a scratch dense weight is amortized over cuBLAS's tensor-core GEMM.
+FUSED_MAX_ROWS = 16
+
+
+def qlinear(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
+    """x [..., k] -> [..., n] in x's dtype. On CPU the reference (dequantize, then matmul) for tests."""
+    x2 = x.reshape(-1, x.shape[-1])
+    if x.device.type != "cuda":
+        y = x2 @ w.dequantize_reference().to(x.dtype).T
+    elif x2.shape[0] <= FUSED_MAX_ROWS:
+        from .triton_qmatmul import fused_matmul
+
+        y = fused_matmul(x2, w)
+    else:
+        # The caching allocator hands each layer the block the previous one freed: a reused scratch.
+        y = x2 @ w.dequantize(x.dtype).T
+    return y.view(*x.shape[:-1], w.shape[0])

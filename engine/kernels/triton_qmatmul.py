@@ -1,0 +1,210 @@
+"""Triton kernels over `QuantWeight` planes, registered as torch custom ops.
+
+- `hydra::qdequant`: planes -> dense weight (the embedding rows, the prefill scratch for cuBLAS).
+- `hydra::qmm`: y = x @ w.T for 1-16 rows of x (decode, speculative verify): a GEMV on CUDA cores
+  with w dequantized in registers, each weight read once and used for every row, fp32 accumulate.
+  A dequant-in-tile tensor-core GEMM was measured 3-6x slower than scratch + cuBLAS at 512 rows and
+  no faster at 8-16 (see the benchmark), so prefill dequantizes into scratch for cuBLAS instead.
+Narrow outputs split K over more programs; their float32 partials are summed in a fixed order,
+so results are deterministic (a GPU split must equal solo bit for bit).
+
+Custom ops are opaque to torch.compile (fullgraph stays whole) and launch only Triton kernels
+and allocations, so CUDA graphs capture them.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+from gguf.constants import GGMLQuantizationType as T
+
+from .qweight import LAYOUTS, QuantWeight
+
+# GEMV tiles by row count rounded up to a power of two: (BLOCK_N, BLOCK_K, num_warps, programs per SM
+# that split-K aims for). Chosen on an H200 by `benchmarks/bench_qkernels.py --sweep`.
+GEMV_CONFIGS: dict[int, tuple[int, int, int, int]] = {
+    1: (16, 256, 4, 4),
+    2: (16, 256, 4, 4),
+    4: (8, 256, 4, 4),
+    8: (4, 256, 4, 4),
+    16: (2, 256, 4, 4),
+}
+GEMV_MAX_ROWS = max(GEMV_CONFIGS)
+
+
+@triton.jit
+def _group(ptr, r, stride, k, DIV: tl.constexpr, ok):
+    """The per-group field covering element k of rows r, as float32."""
+    return tl.load(ptr + r * stride + k // DIV, mask=ok, other=0).to(tl.float32)
+
+
+@triton.jit
+def _w_tile(q_ptr, h_ptr, d_ptr, sc_ptr, m_ptr, mn_ptr, r, r_ok, p, k_lo, K, q_stride, h_stride, d_stride, s_stride,
+            BITS: tl.constexpr, OFFSET: tl.constexpr, SB: tl.constexpr, G: tl.constexpr, HAS_M: tl.constexpr,
+            HAS_MN: tl.constexpr):
+    """float32 weights of rows r (int64) at nibble bytes p of the tiles starting at elements k_lo (p's shape
+    with a last dim of 1): (lo, hi) = the elements k_lo + p % 16 and k_lo + 16 + p % 16, shaped like r + p."""
+    ok = r_ok & (p < K // 2)
+    byte = tl.load(q_ptr + r * q_stride + p, mask=ok, other=0).to(tl.int32)
+    lo = byte & 15
+    hi = byte >> 4
+    if BITS > 4:
+        HB = BITS - 4
+        PER = 8 // (2 * HB)
+        hb = tl.load(h_ptr + r * h_stride + p // PER, mask=ok, other=0).to(tl.int32) >> ((p % PER) * (2 * HB))
+        lo = lo | ((hb & ((1 << HB) - 1)) << 4)
+        hi = hi | (((hb >> HB) & ((1 << HB) - 1)) << 4)
+    # Integer to float without the slow conversion unit: the float with bits 0x4B000000 | u is exactly 2^23 + u.
+    q_lo = (lo | 0x4B000000).to(tl.float32, bitcast=True) - (8388608.0 + OFFSET)
+    q_hi = (hi | 0x4B000000).to(tl.float32, bitcast=True) - (8388608.0 + OFFSET)
+    gok = r_ok & (k_lo < K)
+    # Same operations, in the same order, as quant.dequantize: (d * sc) * (u - offset) + m * mn.
+    # A group of 16 (Q6_K) splits each tile into a lo and a hi group; wider groups cover both halves.
+    d_lo = _group(d_ptr, r, d_stride, k_lo, SB, gok)
+    d_hi = d_lo
+    if G == 16:
+        d_lo = d_lo * _group(sc_ptr, r, s_stride, k_lo, G, gok)
+        d_hi = d_hi * _group(sc_ptr, r, s_stride, k_lo + 16, G, gok)
+    elif G:
+        d_lo = d_lo * _group(sc_ptr, r, s_stride, k_lo, G, gok)
+        d_hi = d_lo
+    w_lo = d_lo * q_lo
+    w_hi = d_hi * q_hi
+    if HAS_M:
+        m_lo = _group(m_ptr, r, d_stride, k_lo, SB, gok)
+        if HAS_MN:  # K-quants with mins have groups of 32
+            m_lo = m_lo * _group(mn_ptr, r, s_stride, k_lo, G, gok)
+        w_lo = w_lo + m_lo
+        w_hi = w_hi + m_lo
+    return w_lo, w_hi
+
+
+@triton.jit
+def _dequant_kernel(q_ptr, h_ptr, d_ptr, sc_ptr, m_ptr, mn_ptr, out_ptr, N, K, q_stride, h_stride, d_stride,
+                    s_stride, BITS: tl.constexpr, OFFSET: tl.constexpr, SB: tl.constexpr, G: tl.constexpr,
+                    HAS_M: tl.constexpr, HAS_MN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)[:, None, None]
+    r_ok = rows < N
+    r = rows.to(tl.int64)
+    k_lo = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K // 32)[None, :, None] * 32
+    i = tl.arange(0, 16)[None, None, :]
+    w_lo, w_hi = _w_tile(q_ptr, h_ptr, d_ptr, sc_ptr, m_ptr, mn_ptr, r, r_ok, k_lo // 2 + i, k_lo, K, q_stride,
+                         h_stride, d_stride, s_stride, BITS, OFFSET, SB, G, HAS_M, HAS_MN)
+    k = k_lo + i
+    ok = r_ok & (k < K)
+    dt = out_ptr.dtype.element_ty
+    tl.store(out_ptr + r * K + k, w_lo.to(dt), mask=ok)
+    tl.store(out_ptr + r * K + k + 16, w_hi.to(dt), mask=ok)
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, q_ptr, h_ptr, d_ptr, sc_ptr, m_ptr, mn_ptr, out_ptr, M, N, K, x_stride, q_stride, h_stride,
+                 d_stride, s_stride, k_split, BITS: tl.constexpr, OFFSET: tl.constexpr, SB: tl.constexpr,
+                 G: tl.constexpr, HAS_M: tl.constexpr, HAS_MN: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, MR: tl.constexpr):
+    # Axes [weight row, x row, 32-element tile, element]: every operand is indexed in this one frame,
+    # so broadcasting never moves data between threads.
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)[:, None, None, None]
+    r_ok = rows < N
+    r = rows.to(tl.int64)
+    xr = tl.arange(0, MR)[None, :, None, None]
+    t = tl.arange(0, BLOCK_K // 32)[None, None, :, None]
+    i = tl.arange(0, 16)[None, None, None, :]
+    k_start = tl.program_id(1) * k_split
+    acc = tl.zeros([BLOCK_N, MR, BLOCK_K // 32], tl.float32)
+    for k0 in range(k_start, tl.minimum(k_start + k_split, K), BLOCK_K):
+        k_lo = k0 + t * 32
+        w_lo, w_hi = _w_tile(q_ptr, h_ptr, d_ptr, sc_ptr, m_ptr, mn_ptr, r, r_ok, k_lo // 2 + i, k_lo, K, q_stride,
+                             h_stride, d_stride, s_stride, BITS, OFFSET, SB, G, HAS_M, HAS_MN)
+        x_at = x_ptr + xr * x_stride + k_lo + i
+        x_ok = (xr < M) & (k_lo < K)
+        x_lo = tl.load(x_at, mask=x_ok, other=0.0).to(tl.float32)
+        x_hi = tl.load(x_at + 16, mask=x_ok, other=0.0).to(tl.float32)
+        acc += tl.sum(w_lo * x_lo + w_hi * x_hi, axis=3)
+    y = tl.sum(acc, axis=2)  # [BN, MR]
+    rows2 = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)[:, None]
+    xr2 = tl.arange(0, MR)[None, :]
+    out = out_ptr + tl.program_id(1) * M * N + xr2 * N + rows2
+    tl.store(out, y.to(out_ptr.dtype.element_ty), mask=(rows2 < N) & (xr2 < M))
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    """Multiprocessors to fill; 1 off CUDA (Triton's interpreter, TRITON_INTERPRET=1, on CPU tensors)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+
+
+def _layout_args(qtype: int, q, h, d, sc, m, mn) -> tuple[list, list, dict]:
+    """Pointer and stride arguments (absent planes alias `d`, never read) and the layout's constexprs."""
+    lay = LAYOUTS[T(qtype)]
+    ptrs = [q, d if h is None else h, d, d if sc is None else sc, d if m is None else m, d if mn is None else mn]
+    strides = [q.stride(0), 0 if h is None else h.stride(0), d.stride(0), 0 if sc is None else sc.stride(0)]
+    consts = dict(BITS=lay.bits, OFFSET=lay.offset, SB=lay.sb, G=lay.g, HAS_M=lay.has_m, HAS_MN=lay.has_mn)
+    return ptrs, strides, consts
+
+
+@torch.library.custom_op("hydra::qdequant", mutates_args=())
+def qdequant(q: torch.Tensor, h: torch.Tensor | None, d: torch.Tensor, sc: torch.Tensor | None,
+             m: torch.Tensor | None, mn: torch.Tensor | None, qtype: int, dtype: torch.dtype) -> torch.Tensor:
+    n, k = q.shape[0], q.shape[1] * 2
+    out = torch.empty(n, k, dtype=dtype, device=q.device)
+    ptrs, strides, consts = _layout_args(qtype, q, h, d, sc, m, mn)
+    block_n, block_k = 16, 256
+    # No fused multiply-adds: float32 output equals quant.dequantize bit for bit.
+    _dequant_kernel[(triton.cdiv(n, block_n), triton.cdiv(k, block_k))](
+        *ptrs, out, n, k, *strides, **consts, BLOCK_N=block_n, BLOCK_K=block_k, enable_fp_fusion=False)
+    return out
+
+
+@qdequant.register_fake
+def _(q, h, d, sc, m, mn, qtype, dtype):
+    return q.new_empty(q.shape[0], q.shape[1] * 2, dtype=dtype)
+
+
+def _split_k(n_programs: int, k: int, block_k: int, target: int) -> int:
+    """Elements of K per program: about `target` programs in all (enough loads in flight), whole BLOCK_K steps."""
+    splits = max(1, min(triton.cdiv(target, n_programs), k // block_k))
+    return triton.cdiv(triton.cdiv(k, splits), block_k) * block_k
+
+
+@torch.library.custom_op("hydra::qmm", mutates_args=())
+def qmm(x: torch.Tensor, q: torch.Tensor, h: torch.Tensor | None, d: torch.Tensor, sc: torch.Tensor | None,
+        m: torch.Tensor | None, mn: torch.Tensor | None, qtype: int) -> torch.Tensor:
+    """x [M, K] @ w.T -> [M, N] in x's dtype, for M up to GEMV_MAX_ROWS."""
+    rows, k = x.shape
+    n = q.shape[0]
+    x = x.contiguous()
+    mr = triton.next_power_of_2(rows)
+    if mr not in GEMV_CONFIGS:
+        raise ValueError(f"the fused GEMV takes 1..{GEMV_MAX_ROWS} rows, got {rows}")
+    block_n, block_k, warps, per_sm = GEMV_CONFIGS[mr]
+    ptrs, strides, consts = _layout_args(qtype, q, h, d, sc, m, mn)
+    grid_n = triton.cdiv(n, block_n)
+    k_split = _split_k(grid_n, k, block_k, per_sm * _sm_count(x.device))
+    splits = triton.cdiv(k, k_split)
+    out = torch.empty(splits, rows, n, dtype=x.dtype if splits == 1 else torch.float32, device=x.device)
+    _gemv_kernel[(grid_n, splits)](x, *ptrs, out, rows, n, k, x.stride(0), *strides, k_split, **consts,
+                                   BLOCK_N=block_n, BLOCK_K=block_k, MR=mr, num_warps=warps)
+    return out[0] if splits == 1 else out.sum(0).to(x.dtype)
+
+
+@qmm.register_fake
+def _(x, q, h, d, sc, m, mn, qtype):
+    return x.new_empty(x.shape[0], q.shape[0])
+
+
+def planes_args(w: QuantWeight) -> tuple:
+    p = w.planes
+    return p["q"], p.get("h"), p["d"], p.get("sc"), p.get("m"), p.get("mn"), int(w.qtype)
+
+
+def kernel_dequantize(w: QuantWeight, dtype: torch.dtype) -> torch.Tensor:
+    return qdequant(*planes_args(w), dtype)
+
+
+def fused_matmul(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
+    """x [M, K] @ w.T with the weight dequantized in registers, M <= GEMV_MAX_ROWS."""
+    return qmm(x, *planes_args(w))

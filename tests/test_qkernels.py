@@ -1,0 +1,136 @@
+"""Quantized weights on the device: the planar layout against `quant.dequantize`, and the Triton kernels
+against dequantize + matmul in float64."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import numpy as np
+import pytest
+import torch
+from gguf.constants import GGMLQuantizationType as T
+
+from hydra_console.engine.kernels import LAYOUTS, QuantWeight, qlinear
+from hydra_console.engine.quant import QuantError, dequantize
+from hydra_console.engine.synth import random_blocks
+
+TYPES = list(LAYOUTS)
+K_QUANTS = {T.Q4_K, T.Q5_K, T.Q6_K}
+
+# The kernels run on CUDA, or on CPU tensors under Triton's interpreter: the CPU wheels of torch ship
+# no Triton, but PyPI's `triton` wheel installs on a CPU-only host and runs them with TRITON_INTERPRET=1.
+KERNEL_DEVICE = "cuda" if torch.cuda.is_available() else (
+    "cpu" if os.environ.get("TRITON_INTERPRET") == "1" and importlib.util.find_spec("triton") else None)
+kernels = pytest.mark.skipif(
+    KERNEL_DEVICE is None, reason="no CUDA device, and no `triton` package with TRITON_INTERPRET=1 for CPU")
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs and the Triton backend of torch.compile")
+
+
+def _weight(qt: T, n: int, k: int, seed: int = 0, device="cpu"):
+    """(GGUF bytes, QuantWeight on device, float32 reference [n, k] on device) of a random weight."""
+    raw = random_blocks((n, k), qt, 1 / 16, np.random.default_rng(seed))
+    w = QuantWeight.from_gguf(raw, qt, (n, k), device=device)
+    return raw, w, dequantize(raw, qt, (n, k)).to(device)
+
+
+def _k(qt: T) -> int:
+    return 768 if qt in K_QUANTS else 320  # three super-blocks; ten blocks, not a multiple of 256
+
+
+@pytest.mark.parametrize("qt", TYPES, ids=lambda t: t.name)
+def test_layout_is_bit_exact_and_rows_gather(qt):
+    raw, w, ref = _weight(qt, 24, _k(qt))
+    assert torch.equal(w.dequantize_reference(), ref)
+    assert torch.equal(w.dequantize(), ref)
+    ids = torch.tensor([[3, 0], [23, 3]])
+    assert torch.equal(w.rows(ids), ref[ids])
+    # The true footprint: the file's bytes, plus 4 bytes per 256 weights where 6-bit scales are unpacked.
+    extra = 24 * _k(qt) // 256 * 4 if qt in (T.Q4_K, T.Q5_K) else 0
+    assert w.nbytes == raw.nbytes + extra
+
+
+def test_unsupported_type_and_bad_shape_are_clear_errors():
+    raw = random_blocks((4, 256), T.Q2_K, 0.1, np.random.default_rng(0))
+    with pytest.raises(QuantError, match="Q2_K"):
+        QuantWeight.from_gguf(raw, T.Q2_K, (4, 256))
+    raw = random_blocks((4, 256), T.Q4_K, 0.1, np.random.default_rng(0))
+    with pytest.raises(QuantError, match=r"Q4_K tensor of shape \[4, 512\]"):
+        QuantWeight.from_gguf(raw, T.Q4_K, (4, 512))
+
+
+def test_qlinear_reference_on_cpu():
+    _, w, ref = _weight(T.Q4_K, 40, 512)
+    x = torch.randn(2, 3, 512)
+    torch.testing.assert_close(qlinear(x, w), x @ ref.T, rtol=1e-5, atol=1e-5)
+
+
+def _rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((y.double() - ref).abs().max() / ref.abs().max())
+
+
+@kernels
+@pytest.mark.parametrize("qt", TYPES, ids=lambda t: t.name)
+def test_kernel_dequantize_is_bit_exact(qt):
+    from hydra_console.engine.kernels.triton_qmatmul import kernel_dequantize
+
+    raw, w, ref = _weight(qt, 300, 2 * _k(qt), device=KERNEL_DEVICE)
+    assert torch.equal(kernel_dequantize(w, torch.float32), ref)
+    assert torch.equal(w.dequantize_reference(), ref)
+    bf16 = kernel_dequantize(w, torch.bfloat16)
+    if KERNEL_DEVICE == "cuda":
+        assert torch.equal(bf16, ref.bfloat16())
+        ids = torch.tensor([7, 299, 0, 7], device="cuda")
+        assert torch.equal(w.rows(ids), ref[ids])
+    else:  # Triton's interpreter truncates to bfloat16 where CUDA rounds to nearest
+        torch.testing.assert_close(bf16.float(), ref, rtol=2**-7, atol=0)
+
+
+
+
+@kernels
+@pytest.mark.parametrize("qt", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("n", [8, 1000 if KERNEL_DEVICE == "cuda" else 40])  # the interpreter is slow
+def test_fused_matmul_matches_reference(qt, n):
+    from hydra_console.engine.kernels.triton_qmatmul import GEMV_MAX_ROWS, fused_matmul
+
+    k = 4 * _k(qt)
+    _, w, ref = _weight(qt, n, k, seed=n, device=KERNEL_DEVICE)
+    for rows in (1, 2, 4, 5, 16, 64, 300):
+        x = torch.randn(rows, k, device=KERNEL_DEVICE)
+        want = x.double() @ ref.double().T
+        # float32 x: float32 arithmetic throughout; bf16 x: the output's rounding dominates.
+        errs = {"qlinear": _rel_err(qlinear(x, w), want), "qlinear bf16": _rel_err(qlinear(x.bfloat16(), w), want)}
+        if rows <= GEMV_MAX_ROWS:
+            errs |= {"gemv": _rel_err(fused_matmul(x, w), want), "gemv bf16": _rel_err(fused_matmul(x.bfloat16(), w), want)}
+        print(f"{qt.name} n={n} k={k} rows={rows}: max rel err " + ", ".join(f"{p} {e:.2e}" for p, e in errs.items()))
+        assert all(e < (1e-2 if p.endswith("bf16") else 1e-5) for p, e in errs.items()), errs
+
+
+@cuda
+@pytest.mark.parametrize("rows", [1, 8, 64])
+def test_cuda_graph_capture_and_replay(rows):
+    _, w, _ = _weight(T.Q4_K, 512, 1024, device="cuda")
+    x = torch.randn(rows, 1024, device="cuda")
+    y = qlinear(x, w)  # compile and warm up outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = qlinear(x, w)
+    for _ in range(2):
+        x.copy_(torch.randn_like(x))
+        graph.replay()
+        torch.testing.assert_close(y, qlinear(x, w), rtol=0, atol=0)
+
+
+@cuda
+def test_cuda_torch_compile_fullgraph():
+    _, w, _ = _weight(T.Q6_K, 256, 512, device="cuda")
+
+    @torch.compile(fullgraph=True)
+    def f(x):
+        return torch.nn.functional.silu(qlinear(x, w)) + qlinear(x * 2, w)
+
+    for rows in (1, 3, 12, 100):
+        x = torch.randn(rows, 512, device="cuda")
+        want = torch.nn.functional.silu(qlinear(x, w)) + qlinear(x * 2, w)
+        torch.testing.assert_close(f(x), want, rtol=1e-5, atol=1e-5)

@@ -1,0 +1,91 @@
+"""Slot state (contracts.slot_state + engine.slot_state): a slot saved from one stage continues,
+bit for bit, in another; anything wrong is refused with a reason and leaves the target slot as it was."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hydra_console.contracts.slot_state import SlotStateError
+from hydra_console.engine import slot_state
+from hydra_console.engine.gguf_file import GGUFFile
+from hydra_console.engine.model import build_stage
+
+PROMPT = [1, 5, 9, 2, 7, 3, 8]
+
+
+def stage(path, layers=None, n_ctx=32):
+    return build_stage(GGUFFile(path), layers, device="cpu", dtype="float32", n_slots=3, n_ctx=n_ctx)
+
+
+def prefill(st, slot, tokens):
+    n = len(tokens)
+    h = st.run_layers(st.embed(torch.tensor(tokens)), torch.full((n,), slot), torch.arange(n))
+    return st.logits(h[-1:])
+
+
+def decode(st, slot, token, pos):
+    h = st.run_layers(st.embed(torch.tensor([token])), torch.tensor([slot]), torch.tensor([pos]))
+    return st.logits(h)
+
+
+def saved(st, slot, tokens, fingerprint) -> bytes:
+    return b"".join(slot_state.save(st, slot, tokens, fingerprint))
+
+
+def test_a_restored_slot_continues_bit_for_bit(tiny_model):
+    path = tiny_model("llama")
+    fp = GGUFFile(path).fingerprint
+    a, b = stage(path), stage(path)
+    nxt = prefill(a, 0, PROMPT).argmax(-1).item()
+    blob = saved(a, 0, PROMPT, fp)
+    assert slot_state.restore(b, 2, slot_state.reader(blob), fp) == PROMPT
+    assert torch.equal(decode(a, 0, nxt, len(PROMPT)), decode(b, 2, nxt, len(PROMPT)))
+
+
+def test_a_peer_stage_moves_only_its_layers(tiny_model):
+    path = tiny_model("llama", n_layers=4)
+    fp = GGUFFile(path).fingerprint
+    head, peer = stage(path, (0, 2)), stage(path, (2, 4))
+    blob = saved(peer, 1, PROMPT[:3], fp)
+    with pytest.raises(SlotStateError, match=r"holds layers \[2, 4\], this stage holds \[0, 2\]"):
+        slot_state.restore(head, 1, slot_state.reader(blob), fp)
+    other = stage(path, (2, 4))
+    assert slot_state.restore(other, 0, slot_state.reader(blob), fp) == PROMPT[:3]
+
+
+@pytest.mark.parametrize(
+    "spoil, reason",
+    [
+        (lambda b: b[:-40], "truncated"),
+        (lambda b: b[:-9] + bytes([b[-9] ^ 1]) + b[-8:], "checksum"),
+        (lambda b: b"XX" + b[2:], "bad magic"),
+    ],
+)
+def test_a_damaged_state_is_refused_and_the_slot_is_untouched(tiny_model, spoil, reason):
+    path = tiny_model("llama")
+    fp = GGUFFile(path).fingerprint
+    src, dst = stage(path), stage(path)
+    prefill(src, 0, PROMPT)
+    prefill(dst, 1, PROMPT[::-1])
+    before = {k: v.clone() for k, v in dst.slot_state(1, len(PROMPT)).items()}
+    with pytest.raises(SlotStateError, match=reason):
+        slot_state.restore(dst, 1, slot_state.reader(spoil(saved(src, 0, PROMPT, fp))), fp)
+    assert all(torch.equal(before[k], v) for k, v in dst.slot_state(1, len(PROMPT)).items())
+
+
+def test_wrong_model_dtype_or_size_is_refused(tiny_model):
+    path = tiny_model("llama")
+    fp = GGUFFile(path).fingerprint
+    src = stage(path)
+    prefill(src, 0, PROMPT)
+    blob = saved(src, 0, PROMPT, fp)
+    with pytest.raises(SlotStateError, match="of model"):
+        slot_state.restore(stage(path), 0, slot_state.reader(blob), "another-model")
+    with pytest.raises(SlotStateError, match="exceeds this stage's context"):
+        slot_state.restore(stage(path, n_ctx=4), 0, slot_state.reader(blob), fp)
+    bf16 = build_stage(GGUFFile(path), device="cpu", dtype="bfloat16", n_slots=1, n_ctx=32)
+    with pytest.raises(SlotStateError, match="computes in bfloat16"):
+        slot_state.restore(bf16, 0, slot_state.reader(blob), fp)
+    with pytest.raises(SlotStateError, match="does not exist"):
+        slot_state.restore(stage(path), 7, slot_state.reader(blob), fp)
