@@ -3,7 +3,7 @@
 Op and status codes come from `contracts.rpc`, framing from the engine's `rpc.wire` (request `<HBBHQH` header + key + trace + payload;
 response status u8 + meta_len u24 + payload_len u64, meta JSON, payload), so the console and the
 head never disagree on bytes. One blocking socket per request, run in a thread: these ops are rare.
-With a token (HYDRA_TOKEN), the AUTH challenge is answered first, as the head requires.
+With a token (the supervisor's, else HYDRA_TOKEN), the AUTH challenge is answered first, as the head requires.
 """
 
 from __future__ import annotations
@@ -67,14 +67,15 @@ def request_sync(host: str, port: int, op: int, payload: bytes = b"", *, timeout
         raise ControlUnreachable(f"cannot reach {host}:{port}: {e.strerror or e or 'timed out'}") from None
 
 
-async def request(host: str, port: int, op: int, payload: bytes = b"", *, timeout: float = 10.0) -> ControlReply:
-    return await asyncio.to_thread(request_sync, host, port, op, payload, timeout=timeout)
+async def request(host: str, port: int, op: int, payload: bytes = b"", *, timeout: float = 10.0,
+                  token: str | None = None) -> ControlReply:  # fmt: skip
+    return await asyncio.to_thread(request_sync, host, port, op, payload, timeout=timeout, token=token)
 
 
-async def configure(host: str, port: int, settings: dict, *, timeout: float = 120.0) -> ControlReply:
+async def configure(host: str, port: int, settings: dict, *, timeout: float = 120.0, token: str | None = None) -> ControlReply:
     """CONFIGURE; a live re-split is `{"split": "12/6"}` (layer counts, head first)."""
-    return await request(host, port, OP_CONFIGURE, json.dumps(settings).encode(), timeout=timeout)
+    return await request(host, port, OP_CONFIGURE, json.dumps(settings).encode(), timeout=timeout, token=token)
 
 
-async def info(host: str, port: int, *, timeout: float = 5.0) -> ControlReply:
-    return await request(host, port, OP_INFO, timeout=timeout)
+async def info(host: str, port: int, *, timeout: float = 5.0, token: str | None = None) -> ControlReply:
+    return await request(host, port, OP_INFO, timeout=timeout, token=token)

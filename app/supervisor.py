@@ -7,6 +7,11 @@ exits while it is wanted is restarted after a backoff of 1 s doubling to 30 s; o
 ring buffer (per worker and merged) and a log file per worker. Every `poll_s` the supervisor
 probes /health and /status of each worker through a `StatusSource` and derives its state.
 
+Workers it starts prove a token on their RPC ports: HYDRA_TOKEN from the console's environment
+when set (so workers started elsewhere share it), else a random one per console. Local workers get
+it in their environment; remote ones in a 0600 file (`REMOTE_TOKEN_FILE`, written through the
+launcher with the token on stdin), never in argv, where `ps` on either host would show it.
+
 Observers (the UI) read `workers`, `events`, `merged_log` and call the async commands; they get
 each new `Event` through `subscribe`.
 
@@ -27,6 +32,7 @@ import itertools
 import json
 import logging
 import os
+import secrets
 import shlex
 import signal
 import socket
@@ -192,6 +198,8 @@ def _connect_host(host: str) -> str:
     return "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
 
 
+REMOTE_TOKEN_FILE = ".hydra/token-{name}"  # relative: ssh starts the remote command in the login directory
+
 def port_owner(port: int) -> str:
     """Who listens on `port` on this machine: "pid 4711 (python -m http.server 8080)"."""
     try:
@@ -268,6 +276,7 @@ class Supervisor:
     ):
         self.profile = profile
         self.settings = profile.supervisor
+        self.token = os.environ.get("HYDRA_TOKEN") or secrets.token_hex(32)
         self.source = source or HttpStatusSource()
         self.clock = clock
         self.auto_restart = auto_restart
@@ -364,12 +373,34 @@ class Supervisor:
         if spec.is_local:
             prefix = shlex.split(p.engine_command) if p.engine_command else [sys.executable, "-m", "hydra_console.engine.cli"]
             return prefix + args
-        remote = shlex.join(shlex.split(p.engine_command or "hydra-engine") + args)
+        args += ["--auth-token-file", REMOTE_TOKEN_FILE.format(name=name)]
+        return self._remote(spec, shlex.join(shlex.split(p.engine_command or "hydra-engine") + args))
+
+    @staticmethod
+    def _remote(spec: WorkerSpec, command: str, tty: bool = True) -> list[str]:
+        """The launcher's argv running `command` on the worker's host (`tty=False` drops ssh's -tt,
+        so stdin reaches the command unechoed)."""
         # Substitute per token so the remote command stays one argument for ssh to hand to the remote shell.
         return [
-            remote if tok == "{command}" else tok.format(host=spec.host, command=remote)
+            command if tok == "{command}" else tok.format(host=spec.host, command=command)
             for tok in shlex.split(spec.launcher or DEFAULT_SSH_TEMPLATE)
+            if tty or tok != "-tt"
         ]
+
+    async def _send_token(self, w: Worker) -> bool:
+        """Write the token to the remote worker's 0600 token file through the launcher, on stdin."""
+        path = REMOTE_TOKEN_FILE.format(name=w.name)
+        argv = self._remote(w.spec, f"umask 077 && mkdir -p {shlex.quote(os.path.dirname(path))} && cat > {shlex.quote(path)}", tty=False)
+        try:
+            proc = await asyncio.create_subprocess_exec(*argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.DEVNULL,
+                                                        stderr=asyncio.subprocess.DEVNULL, start_new_session=True)  # fmt: skip
+            await asyncio.wait_for(proc.communicate(self.token.encode() + b"\n"), self.settings.grace_s + 20)
+        except (OSError, asyncio.TimeoutError) as e:
+            self.emit(w.name, "error", f"cannot write the token file on {w.spec.host}: {e}")
+            return False
+        if proc.returncode:
+            self.emit(w.name, "error", f"writing the token file on {w.spec.host} exited with {proc.returncode}")
+        return proc.returncode == 0
 
     async def start(self) -> None:
         """Begin polling and start every managed worker (peers first: the head waits for them)."""
@@ -472,7 +503,8 @@ class Supervisor:
         head = self.head
         host = _connect_host(head.spec.rpc_host or head.spec.host)
         try:
-            reply = await control_client.configure(host, head.spec.rpc, {"split": split_arg(counts), "by": self.identity})
+            reply = await control_client.configure(host, head.spec.rpc, {"split": split_arg(counts), "by": self.identity},
+                                                   token=self.token)
             if reply.ok:
                 self.profile.split = self.split = list(counts)
                 self.emit(head.name, "split", f"live re-split to {split_arg(counts)}")
@@ -560,7 +592,10 @@ class Supervisor:
             except OSError as e:
                 self.emit(w.name, "error", f"no log file ({e.strerror or e}: {w.log_path}); keeping the ring buffer only")
                 w.log_path = None
-        env = dict(os.environ, PYTHONUNBUFFERED="1", **{RUN_ID_ENV: self.run_id})
+        if not w.spec.is_local and not await self._send_token(w):
+            self._after_exit(w, None)
+            return
+        env = dict(os.environ, PYTHONUNBUFFERED="1", HYDRA_TOKEN=self.token, **{RUN_ID_ENV: self.run_id})
         try:
             proc = await asyncio.create_subprocess_exec(
                 *argv,

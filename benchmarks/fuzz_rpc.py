@@ -267,20 +267,22 @@ def main() -> None:
         head, _, head_rpc = spawn("serve", model, logs[0], "--parallel", "1", "--ctx", "64")
         peer, _, peer_rpc = spawn("peer", model, logs[1])
         checked = checked_session(GGUFFile(model))
-        # The peer holds layer [0, 1) at epoch 1, so FORWARD frames with epoch 1 run for real.
+        # The peer holds layer [0, 1) at epoch 1. Its slots belong to that (closed) loading session,
+        # so fuzzed FORWARD frames are parsed and checked in full, then refused by slot ownership.
         load = {"layers": [0, 1], "dtype": "float32", "n_slots": 2, "n_ctx": 16}
         burst(peer_rpc, [checked, wire.pack_compute_request(Cmd.LOAD_STAGE, json.dumps(load).encode())])
         first = lambda r: hello(r, checked)  # noqa: E731
         try:
             check = lambda: alive(head_rpc, peer_rpc) and head.poll() is None and peer.poll() is None  # noqa: E731
             run("control (head)", args.frames, rng, head_rpc, control_frame, check=check)
-            run("compute (head, pool + peek)", args.frames, rng, head_rpc, compute_frame, first=first, check=check)
-            run("compute (peer, thread per connection)", args.frames, rng, peer_rpc, compute_frame, first=first, check=check)
+            run("compute (head, one request per pool hand-off)", args.frames, rng, head_rpc, compute_frame, first=first, check=check)
+            run("compute (peer, thread per handshaken connection)", args.frames, rng, peer_rpc, compute_frame, first=first, check=check)
             data, _ = burst(peer_rpc, [checked, wire.pack_compute_request(Cmd.STATS)])
             r = BufferReader(data)
             for _ in range(3):  # HELLO, CHECK, then STATS
                 stats = wire.read_compute_response(r, MAX_FRAME)
-            print(f"peer ran {json.loads(bytes(stats[1:]))['forwards']} fuzzed FORWARD batches through its stage")
+            print(f"peer ran {json.loads(bytes(stats[1:]))['forwards']} fuzzed FORWARD batches through its stage "
+                  "(0 expected: none came from the session that owns its slots)")
         finally:
             for p in (head, peer):
                 p.terminate()

@@ -6,7 +6,9 @@ import them. Framing and parsing code lives in `engine/rpc/wire.py`.
 
 Compute protocol (ggml-rpc framing): request `cmd u8 | size u64 LE | payload`, response
 `size u64 LE | payload`. HELLO (14) first; with a token, the server then sends a nonce and the
-client answers AUTH with HMAC-SHA256(token, nonce). Every reply to our commands (ids >= 32)
+client answers AUTH with HMAC-SHA256(token, nonce). Before AUTH only HELLO, AUTH and PING
+(control: AUTH) are read, in frames of at most PREAUTH_MAX_FRAME; anything else closes the
+connection unanswered. Every reply to our commands (ids >= 32)
 starts with a `ReplyStatus` byte, then JSON, raw bytes or an error message:
 
 | cmd | request payload | reply after the status byte |
@@ -50,6 +52,25 @@ MAX_META = (1 << 24) - 1
 DRAIN_CHUNK = 64 * 1024
 STATE_PUT_CAP = 4 << 30  # 4 GiB of KV in one frame
 
+# --- exposure limits (DESIGN §4): what a connection may cost before and after it proves the token ---
+
+PREAUTH_MAX_FRAME = 4 << 10  # HELLO, AUTH, PING before AUTH: whole frame, header included
+HEADER_DEADLINE_S = 10.0  # a connection's first frame (and each handshake frame) must arrive within this
+FRAME_RATE = 1 << 20  # bytes/s: a frame must complete within HEADER_DEADLINE_S + size / FRAME_RATE
+CONTROL_IDLE_S = 60.0  # control connections close after this long without a request
+# Compute sessions of a head are pinged every few seconds by its watcher, so a long idle limit
+# only ever closes abandoned ones; TCP keepalive (30/10/3) finds dead hosts sooner.
+COMPUTE_IDLE_S = 300.0
+BACKLOG = 128
+MAX_CONNS = 1024  # open connections per port, handshaking or not
+MAX_CONNS_PER_IP = 32  # per remote address; loopback is exempt (every local client shares it)
+
+
+def frame_deadline(size: int) -> float:
+    """Seconds a frame of `size` payload bytes may take to arrive once its header has (a size over
+    every cap gets the largest cap's deadline: the frame is refused or drained, never read whole)."""
+    return HEADER_DEADLINE_S + min(size, STATE_PUT_CAP) / FRAME_RATE
+
 # --- compute protocol --------------------------------------------------------------------------------
 
 VERSION = (72, 1, 0)  # major 72 ("H") never matches an upstream ggml-rpc major (1..3)
@@ -86,6 +107,10 @@ PING_MAX = 64
 # Hidden-state dtypes on the wire, by torch name (the engine maps names to torch dtypes).
 DTYPE_CODES = {"float32": 0, "float16": 1, "bfloat16": 2}
 CODE_DTYPES = {v: k for k, v in DTYPE_CODES.items()}
+
+
+MAX_SLOTS = 1024  # LOAD_STAGE bounds, before any memory estimate
+MAX_CTX = 1 << 20
 
 
 class CheckRequest(TypedDict):

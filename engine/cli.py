@@ -33,8 +33,10 @@ def _rpc_args(p: argparse.ArgumentParser, default_host: str = "127.0.0.1") -> No
     p.add_argument(
         "--auth-token",
         default=None,
-        help="shared secret both RPC protocols must prove before any command (visible in `ps`: prefer env HYDRA_TOKEN)",
+        help="shared secret both RPC protocols must prove before any command (visible in `ps`: prefer env "
+        "HYDRA_TOKEN or --auth-token-file)",
     )
+    p.add_argument("--auth-token-file", default=None, help="read the token from this file (mode 0600 or stricter)")
 
 
 def _spec_args(p: argparse.ArgumentParser) -> None:
@@ -104,6 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--host", default="127.0.0.1", help="HTTP bind for /health, /status, /metrics")
     pr.add_argument("--port", type=int, default=8090)
     _rpc_args(pr)
+    pr.add_argument("--insecure", action="store_true", help="allow a non-loopback --rpc-host without a token")
     return ap
 
 

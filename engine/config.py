@@ -8,6 +8,8 @@ operator sees what a worker runs with, never its secret.
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
+import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Mapping
@@ -157,8 +159,12 @@ class HeadConfig(WorkerConfig):
         return doc
 
 
+@dataclass(frozen=True)
 class PeerConfig(WorkerConfig):
-    """A peer needs nothing beyond a worker's settings: the head assigns its layers."""
+    """The head assigns a peer's layers; its own settings are where it listens and whether it may
+    listen beyond loopback without a token."""
+
+    insecure: bool = False
 
 
 # ---- from argv and the environment -----------------------------------------------------------------
@@ -178,13 +184,29 @@ def model_settings(args, env: Mapping[str, str]) -> ModelSettings:
     return ModelSettings(args.model, args.device, args.dtype, args.ctx, default_cache_dir(env))
 
 
+def read_token_file(path: str) -> str:
+    """The token in `path`, refused when group or others may read it (a secret file must stay one)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError as e:
+        raise UserError(f"--auth-token-file {path}: {e.strerror}") from None
+    with os.fdopen(fd) as f:
+        if os.fstat(fd).st_mode & 0o077:
+            raise UserError(f"--auth-token-file {path}: readable by group or others; chmod 600 it")
+        token = f.read().strip()
+    if not token:
+        raise UserError(f"--auth-token-file {path} is empty")
+    return token
+
+
 def rpc_settings(args, env: Mapping[str, str], **mode) -> RpcSettings:
     _at_least(1, max_frame=args.max_frame)
     return RpcSettings(
         host=args.rpc_host,
         port=args.rpc_port if args.rpc_port is not None else args.port + 1,
         max_frame=args.max_frame,
-        auth_token=args.auth_token or env.get("HYDRA_TOKEN") or None,
+        auth_token=(read_token_file(args.auth_token_file) if args.auth_token_file else args.auth_token)
+        or env.get("HYDRA_TOKEN") or None,
         spin_ms=_spin_ms(env.get("HYDRA_RPC_SPIN_MS")),
         cuda_ipc=env.get("HYDRA_CUDA_IPC", "1") != "0",
         **mode,
@@ -219,7 +241,25 @@ def head_config(args, env: Mapping[str, str]) -> HeadConfig:
 
 
 def peer_config(args, env: Mapping[str, str]) -> PeerConfig:
-    return PeerConfig(model=model_settings(args, env), rpc=rpc_settings(args, env), host=args.host, port=args.port)
+    cfg = PeerConfig(model=model_settings(args, env), rpc=rpc_settings(args, env), host=args.host, port=args.port,
+                     insecure=args.insecure)  # fmt: skip
+    _require_token_off_loopback(cfg)
+    return cfg
+
+
+def _require_token_off_loopback(cfg: PeerConfig) -> None:
+    """Without a token anyone who reaches the port can load, run and clear this peer's stage:
+    only loopback is allowed that way unless the operator says --insecure."""
+    host = cfg.rpc.host
+    if cfg.rpc.auth_token or cfg.insecure:
+        return
+    try:
+        loopback = ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        loopback = host == "localhost"
+    if not loopback:
+        raise UserError(f"--rpc-host {host} without a token exposes this peer to anyone who reaches it: "
+                        "set HYDRA_TOKEN or --auth-token-file, or pass --insecure")  # fmt: skip
 
 
 def _at_least(low: float, **values) -> None:

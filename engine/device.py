@@ -65,3 +65,12 @@ def to_host(t: torch.Tensor) -> torch.Tensor:
     out.copy_(t.detach(), non_blocking=True)
     torch.cuda.current_stream(t.device).synchronize()
     return out
+
+
+def free_bytes(device: torch.device) -> int:
+    """Memory a new allocation on `device` can take now: the GPU's free memory, or the host's available RAM."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    import psutil
+
+    return psutil.virtual_memory().available

@@ -140,8 +140,9 @@ def complete(w: Worker, prompt: str, max_tokens: int = 16, timeout: float = 60.0
 
 
 def greedy(w: Worker, prompt: str, n: int = 12) -> tuple[str, list[float]]:
-    """Greedy completion text and token logprobs (equal across solo and split, bit for bit)."""
-    r = complete(w, prompt, n, logprobs=1)
+    """Greedy completion text and token logprobs (equal across solo and split, bit for bit). The
+    prompt cache stays out of it: a reused prefix changes the batch shapes, and so the last bits."""
+    r = complete(w, prompt, n, logprobs=1, cache_prompt=False)
     assert r.status_code == 200, r.text
     choice = r.json()["choices"][0]
     return choice["text"], choice["logprobs"]["token_logprobs"]

@@ -148,7 +148,11 @@ def test_unknown_op_bad_key_and_unbuilt_ops_keep_the_connection(workers):
 def test_full_queue_drops_new_connections_and_health_still_answers(workers):
     w = workers["head"]
     before = w.status()["pool"]
-    idle = [connect(w) for _ in range(2 + 2 + 3)]  # 2 workers held (silent peeks), 2 queued, 3 over
+    # A silent socket holds no worker; a request whose payload never completes holds one until
+    # its frame deadline: 2 workers held, 2 queued, 3 over.
+    idle = [connect(w) for _ in range(2 + 2 + 3)]
+    for s in idle:
+        s.sendall(wire.pack_control_request(Op.CONFIGURE, b"x" * 100)[:20])
     try:
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
@@ -220,7 +224,8 @@ def test_auth_token_guards_both_protocols(workers):
         _, _, _, _, caps = HELLO.unpack_from(compute(s, Cmd.HELLO, pack_hello()))
         assert caps & 1
         nonce = bytes(wire.read_compute_response(SocketReader(s), 64))
-        assert compute(s, Cmd.PING)[0] == 1  # no command before the proof
+        assert compute(s, Cmd.PING, b"hi") == b"\x00hi"  # PING is allowed before the proof
+        s.sendall(wire.pack_compute_request(Cmd.STATS))  # nothing else: closed, unanswered
         assert closed(s)
     with connect(w) as s:
         compute(s, Cmd.HELLO, pack_hello())
@@ -233,8 +238,7 @@ def test_auth_token_guards_both_protocols(workers):
         assert compute(s, Cmd.AUTH, prove(TOKEN, nonce)) == b"\x00"
         assert compute(s, Cmd.PING, b"hi") == b"\x00hi"
     with connect(w) as s:
-        r = control(s, Op.INFO)
-        assert r.status == Status.ERROR and "authentication required" in r.meta["error"]
+        s.sendall(wire.pack_control_request(Op.INFO))  # before AUTH: closed, unanswered
         assert closed(s)
     with connect(w) as s:
         challenge = control(s, Op.AUTH)
@@ -251,17 +255,23 @@ def test_listener_lifecycle_stop_wakes_accept():
     from hydra_console.engine.rpc.listener import RpcListener
 
     seen = []
-    lst = RpcListener("127.0.0.1", 0, mode="head", compute=seen.append, control=seen.append, pool_size=1, queue_max=1)
+
+    class Seen:  # a server whose sessions need no handshake and serve by recording
+        header, idle_s = 9, 60.0
+        open = staticmethod(lambda: {"authed": True})
+        serve = staticmethod(lambda conn, reader, session: seen.append(bytes(reader.read_exact(9))))
+
+    lst = RpcListener("127.0.0.1", 0, mode="head", compute=Seen, control=None, pool_size=1, queue_max=1)
     assert not lst.is_running()
     lst.start()
     try:
         assert lst.is_running() and lst.bound_port > 0
         with socket.create_connection(("127.0.0.1", lst.bound_port), timeout=5) as s:
-            s.sendall(b"\x0e")
+            s.sendall(b"\x0e" + bytes(8))
             wait = time.monotonic() + 5
             while not seen and time.monotonic() < wait:
                 time.sleep(0.01)
-        assert len(seen) == 1  # the 0x0E peek went to the compute handler
+        assert seen == [b"\x0e" + bytes(8)]  # the 0x0E first byte went to the compute server
     finally:
         lst.stop()  # returns although accept() was blocked
     assert not lst.is_running()

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import socket
 import struct
 
 import pytest
@@ -14,7 +15,7 @@ from hydra_console.engine.rpc import wire
 from hydra_console.contracts.rpc import FORWARD_HEADER
 from hydra_console.engine.rpc.compute import pack_forward, unpack_forward
 from hydra_console.engine.rpc.resident import ComputeError
-from hydra_console.engine.rpc.wire import BufferReader, FrameError
+from hydra_console.engine.rpc.wire import BufferReader, FrameError, SocketReader
 
 pytestmark = pytest.mark.unit
 
@@ -136,3 +137,15 @@ def test_spin_gives_up_after_its_budget_and_leaves_the_data_for_the_read():
         wire.spin_until_readable(a, 30.0)  # data waiting: returns without using the budget
         a.settimeout(1.0)
         assert a.recv(16) == b"frame"
+
+
+def test_frame_deadlines_stay_settable_for_any_announced_size():
+    from hydra_console.contracts.rpc import HEADER_DEADLINE_S, frame_deadline
+
+    assert frame_deadline(0) == HEADER_DEADLINE_S and frame_deadline(1 << 20) == HEADER_DEADLINE_S + 1
+    a, b = socket.socketpair()
+    with a, b:
+        reader = SocketReader(a)
+        reader.expect(frame_deadline((1 << 64) - 1))  # a u64 length from the wire: still a valid socket timeout
+        b.sendall(b"abc")
+        assert bytes(reader.read_exact(3)) == b"abc"

@@ -58,10 +58,11 @@ def test_peer_in_another_network_namespace(netns, tiny_model, tmp_path):
     name, addr = netns
     model = tiny_model("gemma3", n_layers=N_LAYERS, n_embd=64, n_ff=128)
     port, rpc_port = free_ports(2)  # free here; the namespace's ports are all free
-    argv = ["--model", str(model), "--device", "cpu", "--host", addr, "--rpc-host", addr]
+    # Off loopback a peer needs a token (or --insecure): the real path, proven over the veth pair.
+    argv = ["--model", str(model), "--device", "cpu", "--host", addr, "--rpc-host", addr, "--auth-token", "netns-token"]
     remote = Worker("peer", argv, tmp_path, port, rpc_port, host=addr, launcher=("ip", "netns", "exec", name))
     solo = head(model, tmp_path, ctx=2048)
-    split = head(model, tmp_path, [remote], "--split", "1/1", ctx=2048)
+    split = head(model, tmp_path, [remote], "--split", "1/1", "--auth-token", "netns-token", ctx=2048)
     workers = [remote, solo, split]
     try:
         for w in workers:

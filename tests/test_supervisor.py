@@ -19,6 +19,7 @@ import psutil
 import pytest
 
 from hydra_console.app import control_client
+from hydra_console.contracts.rpc import Op
 from hydra_console.app.config import Profile, SupervisorSettings, WorkerSpec
 from hydra_console.app.sources import FixedFeedSource, HttpStatusSource, Probe
 from hydra_console.engine.rpc.wire import pack_control_response
@@ -211,10 +212,15 @@ class ControlServer:
         self.requests: list[tuple[int, dict]] = []
 
     async def handle(self, reader, writer):
-        header = await reader.readexactly(16)
-        magic, op, _flags, key_len, payload_len, trace_len = struct.unpack("<HBBHQH", header)
-        assert magic == 0x4859
-        await reader.readexactly(key_len + trace_len)
+        while True:
+            header = await reader.readexactly(16)
+            magic, op, _flags, key_len, payload_len, trace_len = struct.unpack("<HBBHQH", header)
+            assert magic == 0x4859
+            await reader.readexactly(key_len + trace_len)
+            if op != Op.AUTH:
+                break
+            await reader.readexactly(payload_len)  # the console proves its token: this stand-in needs none
+            writer.write(pack_control_response(control_client.OK, {"auth": False}))
         self.requests.append((op, json.loads(await reader.readexactly(payload_len))))
         writer.write(pack_control_response(self.status, {"error": "not built"} if self.status else {"ok": True}))
         await writer.drain()
@@ -281,7 +287,8 @@ async def test_a_port_held_by_another_process_is_named_and_the_worker_starts_onc
 async def test_remote_worker_runs_through_the_launcher_template(tmp_path):
     """A stand-in for ssh runs the remote command line in a shell, as sshd would; 127.0.0.2 is 'another host'."""
     fake_ssh = tmp_path / "fake_ssh.py"
-    fake_ssh.write_text("import os, sys\nhost, command = sys.argv[1], sys.argv[2]\nos.execvp('sh', ['sh', '-c', command])\n")
+    fake_ssh.write_text(f"import os, sys\nhost, command = sys.argv[1], sys.argv[2]\nos.chdir({str(tmp_path)!r})\n"
+                        "os.execvp('sh', ['sh', '-c', command])\n")  # sshd starts in the login directory
     port = port_pair()
     profile = Profile(
         name="remote",
@@ -296,6 +303,9 @@ async def test_remote_worker_runs_through_the_launcher_template(tmp_path):
     try:
         await wait_until(lambda: sup.head.state == State.READY)
         assert (sup.head.status.http.host, sup.head.status.http.port) == ("0.0.0.0", port)  # a remote worker binds every address
+        token_file = tmp_path / ".hydra" / "token-head"  # the token went by file, not argv
+        assert token_file.read_text().strip() == sup.token and token_file.stat().st_mode & 0o777 == 0o600
+        assert sup.token not in " ".join(sup.command_for("head"))
     finally:
         await sup.shutdown()
     assert sup.head.state == State.STOPPED
@@ -528,3 +538,18 @@ async def test_workers_of_a_live_console_are_neither_adopted_nor_duplicated(tmp_
                 os.killpg(pid, signal.SIGKILL)
             except OSError:
                 pass
+
+
+async def test_local_workers_get_the_token_in_their_environment_not_argv(tmp_path, monkeypatch):
+    monkeypatch.delenv("HYDRA_TOKEN", raising=False)
+    out = tmp_path / "env.txt"
+    profile = script_profile(tmp_path, f"import os, sys, time\nopen({str(out)!r}, 'w').write(os.environ.get('HYDRA_TOKEN', '') + '|' + ' '.join(sys.argv))\ntime.sleep(60)\n")
+    sup = new_supervisor(profile, tmp_path)
+    assert len(sup.token) == 64 and sup.token != new_supervisor(profile, tmp_path).token  # random per console
+    await sup.start_worker("head")
+    try:
+        await wait_until(lambda: out.exists() and out.read_text())
+        token, argv = out.read_text().split("|", 1)
+        assert token == sup.token and sup.token not in argv
+    finally:
+        await sup.shutdown()

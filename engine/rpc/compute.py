@@ -15,9 +15,9 @@ FORWARD_IPC frames are FORWARD without the hidden bytes, and so are their replie
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
-import socket
 import struct
 import time
 
@@ -31,6 +31,7 @@ from ...contracts.rpc import (
     CAP_RESOLVE,
     CODE_DTYPES,
     COMPUTE_HEADER,
+    COMPUTE_IDLE_S,
     COMPUTE_SIZE,
     DTYPE_CODES,
     FORWARD_HEADER,
@@ -40,9 +41,11 @@ from ...contracts.rpc import (
     KV_CLEAR,
     KV_TRIM,
     PING_MAX,
+    PREAUTH_MAX_FRAME,
     VERSION,
     Cmd,
     StaleEpoch,
+    frame_deadline,
     new_nonce,
     verify,
 )
@@ -51,10 +54,9 @@ from ..device import host_buffer, to_host
 from .cuda_ipc import IpcChannel
 from .resident import DTYPES, ComputeError
 from .wire import (
-    FrameError,
+    Refused,
     SocketReader,
     read_compute_header,
-    read_compute_request,
     send_all,
     spin_until_readable,
 )
@@ -105,29 +107,31 @@ def unpack_forward(payload, *, with_hidden: bool = True) -> tuple[int, torch.Ten
 
 
 class ComputeServer:
-    """Called with each connection's socket (from many threads at once in peer mode); the
-    state every connection shares lives in the StageHost."""
+    """Serves each connection's session (from many threads at once in peer mode); the state every
+    connection shares lives in the StageHost. The listener runs the handshake frame by frame
+    (`preauth_len`, `preauth`: HELLO first, then with a token AUTH or PING, nothing else) and
+    then calls `serve` once per request."""
 
-    def __init__(self, host, *, auth_token: str | None = None, max_frame: int = 1 << 30, spin_s: float = 0.0):
+    header = COMPUTE_HEADER.size
+
+    def __init__(self, host, *, auth_token: str | None = None, max_frame: int = 1 << 30, spin_s: float = 0.0,
+                 idle_s: float = COMPUTE_IDLE_S):
         self.host = host
         self.auth_token = auth_token
         self.max_frame = max_frame
+        self.idle_s = idle_s
         self.bytes_in = self.bytes_out = 0
         self.spin_s = spin_s  # busy-wait for the next frame (RpcSettings.spin_seconds)
+        self._sessions = itertools.count(1)
 
     @property
     def caps(self) -> int:
         ipc = CAP_IPC if self.host.device.type == "cuda" else 0
         return CAP_FORWARD | CAP_RESOLVE | ipc | (CAP_AUTH if self.auth_token else 0)
 
-    def __call__(self, conn: socket.socket) -> None:
-        reader = SocketReader(conn)
-        try:
-            self._session(conn, reader)
-        except (FrameError, OSError) as e:
-            log.debug("compute connection closed: %s", e)
-        finally:
-            self.bytes_in += reader.bytes_in
+    def open(self) -> dict:
+        # `id` owns the slots of a stage this session loads (StageHost.owner).
+        return {"id": next(self._sessions), "hello": False, "authed": False, "nonce": None, "checked": False}
 
     def _send(self, conn, *parts) -> None:
         body = sum(len(memoryview(p).cast("B")) for p in parts)
@@ -136,46 +140,74 @@ class ComputeServer:
     def _reply(self, conn, status: int, *parts) -> None:
         self._send(conn, bytes([status]), *(p.encode() if isinstance(p, str) else p for p in parts))
 
-    def _session(self, conn, reader: SocketReader) -> None:
-        # The first frame is judged by its header alone: a stray protocol never makes us wait for a payload.
-        cmd, size = COMPUTE_HEADER.unpack(reader.read_exact(COMPUTE_HEADER.size))
-        if cmd != Cmd.HELLO:
-            self._reply(conn, R.ERROR, f"the first command must be HELLO (14), got {cmd}")
-            return
-        if size > HELLO_MAX:
-            raise FrameError(f"HELLO of {size} bytes (at most {HELLO_MAX})")
-        if not self._hello(conn, bytes(reader.read_exact(size))):
-            return
-        if self.auth_token:
-            nonce = new_nonce()
-            self._send(conn, nonce)
-            cmd, payload = read_compute_request(reader, self.max_frame)
-            if cmd != Cmd.AUTH or not verify(self.auth_token, nonce, payload):
-                self._reply(conn, R.ERROR, "authentication failed: AUTH (40) with HMAC-SHA256(token, nonce) must follow HELLO")
-                return
-            self._reply(conn, R.OK)
-        session = {"checked": False, "reader": reader}
-        while True:
-            spin_until_readable(conn, self.spin_s)
-            cmd, payload = self._read_request(reader)
-            try:
-                status, parts = R.OK, self._command(cmd, payload, session)
-            except StaleEpoch as e:
-                status, parts = R.STALE_EPOCH, [str(e).encode()]
-            except ComputeError as e:
-                status, parts = R.ERROR, [str(e).encode()]
-            except Exception as e:  # a bug or a device error fails this command, not the worker
-                log.exception("compute command %d failed", cmd)
-                status, parts = R.ERROR, [f"{type(e).__name__}: {e}".encode()]
-            if status == R.OK and cmd in (Cmd.FORWARD, Cmd.FORWARD_IPC):
-                self._send(conn, *parts)  # the FORWARD reply carries its own status header
+    # --- the handshake: judged by each frame's header, so no refused payload is ever read -----------
+
+    def preauth_len(self, header: bytes, session: dict) -> int:
+        cmd, size = COMPUTE_HEADER.unpack(header)
+        if not session["hello"]:
+            if cmd != Cmd.HELLO:  # a stray protocol gets one line, not a wait for its payload
+                error = f"the first command must be HELLO (14), got {cmd}".encode()
+                raise Refused(error.decode(), COMPUTE_SIZE.pack(1 + len(error)) + bytes([R.ERROR]) + error)
+            limit = HELLO_MAX
+        else:
+            limit = {Cmd.AUTH: PREAUTH_MAX_FRAME, Cmd.PING: PING_MAX}.get(cmd, -1)
+        if size > min(limit, PREAUTH_MAX_FRAME - self.header):
+            raise Refused(f"command {cmd} with {size} bytes before AUTH")
+        return self.header + size
+
+    def preauth(self, conn, frame: bytes, session: dict) -> None:
+        cmd, payload = frame[0], frame[self.header :]
+        self.bytes_in += len(frame)
+        if not session["hello"]:
+            if not self._hello(conn, payload):
+                raise Refused("HELLO refused")
+            session["hello"] = True
+            if self.auth_token:
+                session["nonce"] = new_nonce()
+                self._send(conn, session["nonce"])
             else:
-                self._reply(conn, status, *parts)
+                session["authed"] = True
+        elif cmd == Cmd.PING:
+            self._reply(conn, R.OK, payload)
+        elif verify(self.auth_token, session["nonce"], payload):
+            session["authed"] = True
+            self._reply(conn, R.OK)
+        else:
+            self._reply(conn, R.ERROR, "authentication failed: AUTH (40) with HMAC-SHA256(token, nonce) must follow HELLO")
+            raise Refused("authentication failed")
+
+    # --- after the handshake ------------------------------------------------------------------------
+
+    def serve(self, conn, reader: SocketReader, session: dict) -> bool:
+        """One request and its reply."""
+        if not reader.prefix:
+            spin_until_readable(conn, self.spin_s)
+        try:
+            cmd, payload = self._read_request(reader)
+        finally:
+            self.bytes_in += reader.bytes_in
+            reader.bytes_in = 0
+        try:
+            status, parts = R.OK, self._command(cmd, payload, session)
+        except StaleEpoch as e:
+            status, parts = R.STALE_EPOCH, [str(e).encode()]
+        except ComputeError as e:
+            status, parts = R.ERROR, [str(e).encode()]
+        except Exception as e:  # a bug or a device error fails this command, not the worker
+            log.exception("compute command %d failed", cmd)
+            status, parts = R.ERROR, [f"{type(e).__name__}: {e}".encode()]
+        if status == R.OK and cmd in (Cmd.FORWARD, Cmd.FORWARD_IPC):
+            self._send(conn, *parts)  # the FORWARD reply carries its own status header
+        else:
+            self._reply(conn, status, *parts)
+        return True
 
     def _read_request(self, reader: SocketReader) -> tuple[int, object]:
-        """The next frame. A FORWARD for a CUDA stage lands in page-locked memory, so its hidden
-        states reach the device by DMA (unpack_forward's tensors are views of this buffer)."""
+        """The next frame, within a deadline scaled to its size. A FORWARD for a CUDA stage lands
+        in page-locked memory, so its hidden states reach the device by DMA (unpack_forward's
+        tensors are views of this buffer)."""
         cmd, size = read_compute_header(reader, self.max_frame)
+        reader.expect(frame_deadline(size))
         if cmd != Cmd.FORWARD or self.host.device.type != "cuda":
             return cmd, reader.read_exact(size)
         buf = host_buffer((size,), torch.uint8, self.host.device).numpy()
@@ -187,25 +219,25 @@ class ComputeServer:
         if cmd in (Cmd.FORWARD, Cmd.FORWARD_IPC):
             if not session["checked"]:
                 raise ComputeError("CHECK (fingerprint and shapes) must pass before FORWARD")
-            return self._forward(cmd, payload, session.get("ipc"))
+            return self._forward(cmd, payload, session)
         if cmd == Cmd.CHECK:
             body = self.host.check(_json(payload))
             session["checked"] = True
         elif cmd == Cmd.LOAD_STAGE:
             if not session["checked"]:
                 raise ComputeError("CHECK (fingerprint and shapes) must pass before LOAD_STAGE")
-            body = self.host.load(_json(payload))
+            body = self.host.load(_json(payload), owner=session["id"])
         elif cmd == Cmd.RESOLVE:
             body = self.host.resolve(bytes(payload).decode("utf-8", "replace"))
         elif cmd == Cmd.KV_CLEAR:
             (slot,) = _unpack(KV_CLEAR, payload)
-            self.host.kv_clear(slot)
+            self.host.kv_clear(slot, owner=session["id"])
             return []
         elif cmd == Cmd.KV_TRIM:
             _unpack(KV_TRIM, payload)  # rollback is implicit: positions >= n are overwritten
             return []
         elif cmd == Cmd.STATS:
-            body = {**self.host.stats(), "bytes_in": self.bytes_in + session["reader"].bytes_in, "bytes_out": self.bytes_out}
+            body = {**self.host.stats(), "bytes_in": self.bytes_in, "bytes_out": self.bytes_out}
         elif cmd == Cmd.PING:
             return [bytes(payload[:PING_MAX])]
         elif cmd == Cmd.IPC_OPEN:
@@ -215,11 +247,11 @@ class ComputeServer:
             raise ComputeError(f"unknown command {cmd}")
         return [json.dumps(body, separators=(",", ":")).encode()]
 
-    def _forward(self, cmd: int, payload, ipc: IpcChannel | None) -> list:
+    def _forward(self, cmd: int, payload, session: dict) -> list:
         """FORWARD: hidden states in the frame and back in the reply. FORWARD_IPC: they stay on
         the GPU (the reply goes out as soon as the work is queued; `compute_us` is then the
         time to queue it)."""
-        via_ipc = cmd == Cmd.FORWARD_IPC
+        via_ipc, ipc = cmd == Cmd.FORWARD_IPC, session.get("ipc")
         epoch, hidden, slots, positions = unpack_forward(payload, with_hidden=not via_ipc)
         if via_ipc:
             if ipc is None:
@@ -230,7 +262,7 @@ class ComputeServer:
                                    f"{ipc.rows}x{ipc.inbox.shape[1]} {ipc.inbox.dtype}")  # fmt: skip
             hidden = ipc.incoming(t)
         t0 = time.perf_counter()
-        out = self.host.forward(epoch, hidden, slots, positions)
+        out = self.host.forward(epoch, hidden, slots, positions, owner=session["id"])
         if via_ipc:
             ipc.reply(out)
             body = []

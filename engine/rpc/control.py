@@ -1,7 +1,8 @@
 """Hydra control protocol server (the fork's framing and status codes).
 
-One request at a time per connection. Bad magic or a broken frame closes the connection; a bad
-key or an unknown op answers ERROR and the connection lives on. Ops the backend does not build
+One request at a time per connection. Bad magic or a broken frame closes the connection; after
+AUTH (or without a token) a bad key or an unknown op answers ERROR and the connection lives on;
+before AUTH every op but AUTH closes it unanswered. Ops the backend does not build
 answer NOT_IMPLEMENTED, after their payload has been drained so the stream stays in sync.
 """
 
@@ -9,14 +10,28 @@ from __future__ import annotations
 
 import json
 import logging
-import socket
 from typing import Protocol
 
-from ...contracts.rpc import KNOWN_OPS, STATE_PUT_CAP, ControlError, Op, Status, new_nonce, verify
+from ...contracts.rpc import (
+    CONTROL_HEADER,
+    CONTROL_IDLE_S,
+    KNOWN_OPS,
+    PREAUTH_MAX_FRAME,
+    STATE_PUT_CAP,
+    ControlError,
+    Op,
+    Status,
+    frame_deadline,
+    new_nonce,
+    verify,
+)
 from .wire import (
-    FrameError,
+    BufferReader,
+    Refused,
     SocketReader,
     pack_control_response,
+    read_control_body,
+    read_control_header,
     read_control_request,
     send_all,
 )
@@ -46,23 +61,39 @@ _KEYED_OPS = {Op.STATE_GET, Op.STATE_PUT, Op.STATE_META}
 
 
 class ControlServer:
-    def __init__(self, backend, *, auth_token: str | None = None, max_frame: int = 1 << 30):
+    """With a token, the listener runs the handshake (`preauth_len`, `preauth`): only AUTH frames
+    of at most PREAUTH_MAX_FRAME are read before the proof; any other op closes the connection
+    unanswered. Then `serve` answers one request at a time."""
+
+    header = CONTROL_HEADER.size
+
+    def __init__(self, backend, *, auth_token: str | None = None, max_frame: int = 1 << 30, idle_s: float = CONTROL_IDLE_S):
         self.backend = backend
         self.auth_token = auth_token
         self.max_frame = max_frame
+        self.idle_s = idle_s
 
-    def __call__(self, conn: socket.socket) -> None:
-        reader = SocketReader(conn)
-        session = {"authed": not self.auth_token, "nonce": None}
-        try:
-            while self._serve_one(conn, reader, session):
-                pass
-        except (FrameError, OSError) as e:  # bad magic, truncated frame, timeout, reset: close
-            log.debug("control connection closed: %s", e)
+    def open(self) -> dict:
+        return {"authed": not self.auth_token, "nonce": None}
 
-    def _serve_one(self, conn, reader: SocketReader, session: dict) -> bool:
-        """Serve one request; False closes the connection."""
+    def preauth_len(self, header: bytes, session: dict) -> int:
+        h = read_control_header(BufferReader(header))
+        size = self.header + h.key_len + h.trace_len + h.payload_len
+        if h.op != Op.AUTH or size > PREAUTH_MAX_FRAME:
+            raise Refused(f"op 0x{h.op:02x} with {size} bytes before AUTH")
+        return size
+
+    def preauth(self, conn, frame: bytes, session: dict) -> None:
+        reader = BufferReader(frame)
         req = read_control_request(reader)
+        if not self._auth(conn, bytes(reader.read_exact(req.payload_len)), session):
+            raise Refused("authentication failed")
+
+    def serve(self, conn, reader: SocketReader, session: dict) -> bool:
+        """Serve one request; False closes the connection."""
+        h = read_control_header(reader)
+        reader.expect(frame_deadline(h.key_len + h.trace_len + h.payload_len))
+        req = read_control_body(reader, h)
         method = getattr(self.backend, _HANDLERS.get(req.op, ""), None)
         readable = req.op == Op.AUTH or method is not None
         if req.op == Op.STATE_PUT and req.payload_len > STATE_PUT_CAP:
@@ -84,9 +115,6 @@ class ControlServer:
         payload = bytes(reader.read_exact(req.payload_len))
         if req.op == Op.AUTH:
             return self._auth(conn, payload, session)
-        if not session["authed"]:
-            self._reply(conn, Status.ERROR, {"error": "authentication required: send AUTH (op 0x4f) first"})
-            return False
         self._handle(conn, req, method, payload)
         return True
 

@@ -1,33 +1,64 @@
-"""The merged RPC port: one TCP listener, two protocols.
+"""The merged RPC port: one TCP listener, two protocols, and what a connection may cost.
 
-Head mode: accepted connections go through a bounded pool (FIFO queue; a full queue drops the
-newest connection and counts it, the accept loop never blocks), then a 1-byte MSG_PEEK picks
-the protocol: 0x0E = compute, anything else = Hydra control. A connection holds its worker for
-its whole life.
-Peer mode: one thread per connection straight into the compute protocol: no pool, no peek
-(the fork found both throttled the hot peer path).
+One selector thread accepts every connection and runs its handshake without a thread of its
+own: it reads the first byte (0x0E = compute, anything else = Hydra control; peer mode speaks
+compute only), then each pre-auth frame whole (HELLO, AUTH, PING, at most PREAUTH_MAX_FRAME
+bytes, within HEADER_DEADLINE_S) and hands it to the server's `preauth`. A silent or slow
+socket so costs a file descriptor and a few hundred bytes until its deadline closes it, never a
+thread, and no pre-auth frame allocates more than PREAUTH_MAX_FRAME.
+
+After the handshake (HELLO, plus AUTH when a token is set):
+- Peer mode: the connection gets its own thread straight into the compute protocol (the fork
+  found a pool throttled the hot peer path); it closes after the server's idle time.
+- Head mode: the selector waits for each request's whole header, then a bounded pool
+  (FIFO queue; a full queue drops the connection and counts it) serves that one request and
+  hands the connection back. An idle or silent connection never holds a pool worker, so the
+  console's INFO and CONFIGURE cannot be starved by open sockets.
+
+Each request must arrive within `frame_deadline(size)` and each send of its reply must make
+progress within `header_s`, so a client that trickles or never reads frees its thread.
+
+Caps: MAX_CONNS open connections per port and MAX_CONNS_PER_IP per remote address (loopback
+exempt); a connection over a cap is closed at accept.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 import queue
+import selectors
 import socket
 import threading
-from dataclasses import dataclass
-from typing import Callable
+import time
+from dataclasses import dataclass, field
+from typing import Protocol
 
-from ...contracts.rpc import COMPUTE_FIRST_BYTE
+from ...contracts.rpc import BACKLOG, COMPUTE_FIRST_BYTE, HEADER_DEADLINE_S, MAX_CONNS, MAX_CONNS_PER_IP
 from ...contracts.status import Pool
 from ..errors import UserError
+from .wire import FrameError, Refused, SocketReader
 
 log = logging.getLogger("hydra.rpc")
 
-BACKLOG = 16
 KEEPALIVE = {"TCP_KEEPIDLE": 30, "TCP_KEEPINTVL": 10, "TCP_KEEPCNT": 3}
-RECV_TIMEOUT_S = 120.0
+LOOPBACK = frozenset({"127.0.0.1", "::1", "::ffff:127.0.0.1"})
+SCAN_S = 0.25  # how often the selector closes connections past their deadline
 
-Handler = Callable[[socket.socket], None]
+
+class Server(Protocol):
+    """One protocol's server as the listener drives it (ComputeServer, ControlServer)."""
+
+    header: int  # bytes of a request header
+    idle_s: float  # an authenticated connection closes after this long without a request
+
+    def open(self) -> dict: ...  # a new connection's session; session["authed"] ends the handshake
+
+    def preauth_len(self, header: bytes, session: dict) -> int: ...  # whole frame length, or raise Refused
+
+    def preauth(self, conn: socket.socket, frame: bytes, session: dict) -> None: ...  # raise to close
+
+    def serve(self, conn: socket.socket, reader: SocketReader, session: dict) -> bool: ...  # one request
 
 
 def tune_socket(conn: socket.socket) -> None:
@@ -39,6 +70,17 @@ def tune_socket(conn: socket.socket) -> None:
             conn.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
 
 
+@dataclass(eq=False)
+class _Conn:
+    sock: socket.socket
+    ip: str
+    deadline: float
+    server: Server | None = None
+    session: dict | None = None
+    buf: bytearray = field(default_factory=bytearray)
+    need: int = 1  # bytes `buf` must hold before the next step
+
+
 class RpcListener:
     def __init__(
         self,
@@ -46,11 +88,14 @@ class RpcListener:
         port: int,
         *,
         mode: str,
-        compute: Handler,
-        control: Handler | None = None,
+        compute: Server,
+        control: Server | None = None,
         pool_size: int = 2,
         queue_max: int = 64,
-        recv_timeout: float = RECV_TIMEOUT_S,
+        header_s: float = HEADER_DEADLINE_S,
+        max_conns: int = MAX_CONNS,
+        max_per_ip: int = MAX_CONNS_PER_IP,
+        cap_exempt: frozenset[str] = LOOPBACK,
     ):
         if mode not in ("head", "peer"):
             raise ValueError(f"listener mode must be head or peer, not {mode!r}")
@@ -59,12 +104,16 @@ class RpcListener:
         self.host, self.port, self.mode = host, port, mode
         self.compute, self.control = compute, control
         self.pool_size, self.queue_max = pool_size, queue_max
-        self.recv_timeout = recv_timeout
+        self.header_s, self.max_conns, self.max_per_ip, self.cap_exempt = header_s, max_conns, max_per_ip, cap_exempt
         self._sock: socket.socket | None = None
+        self._sel = selectors.DefaultSelector()
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._returned: collections.deque[_Conn] = collections.deque()  # served, back to the selector
         self._queue: queue.Queue = queue.Queue(maxsize=max(queue_max, 1))
         self._running = threading.Event()
         self._threads: list[threading.Thread] = []
-        self._open: set[socket.socket] = set()
+        self._conns: set[_Conn] = set()  # every open connection: handshaking, waiting or served
+        self._per_ip: collections.Counter[str] = collections.Counter()
         self._lock = threading.Lock()
         self._busy = self._dropped = self._accepted = 0
 
@@ -79,9 +128,13 @@ class RpcListener:
             sock.close()
             raise UserError(f"cannot bind the RPC port {self.host}:{self.port}: {e.strerror}") from None
         sock.listen(BACKLOG)
+        sock.setblocking(False)
         self._sock = sock
+        self._sel.register(sock, selectors.EVENT_READ, None)
+        self._wake_r.setblocking(False)
+        self._sel.register(self._wake_r, selectors.EVENT_READ, None)
         self._running.set()
-        self._spawn(self._accept_loop, "rpc-accept")
+        self._spawn(self._select_loop, "rpc-accept")
         if self.mode == "head":
             for i in range(self.pool_size):
                 self._spawn(self._pool_worker, f"rpc-pool-{i}")
@@ -92,22 +145,19 @@ class RpcListener:
         if not self._running.is_set():
             return
         self._running.clear()
-        try:
-            self._sock.shutdown(socket.SHUT_RDWR)  # wakes the blocked accept()
-        except OSError:
-            pass
-        self._sock.close()
-        with self._lock:
-            for conn in list(self._open):
-                _shutdown(conn)
+        self._wake()
         for _ in range(self.pool_size):
             try:
                 self._queue.put_nowait(None)  # wakes idle pool workers
             except queue.Full:
                 break
+        with self._lock:
+            for c in list(self._conns):
+                _shutdown(c.sock)  # wakes session threads blocked in recv
         for t in self._threads:
             if t is not threading.current_thread():
                 t.join(timeout)
+        self._sock.close()
 
     def is_running(self) -> bool:
         return self._running.is_set()
@@ -116,89 +166,232 @@ class RpcListener:
     def bound_port(self) -> int:
         return self._sock.getsockname()[1] if self._sock is not None else self.port
 
+    @property
+    def open_connections(self) -> int:
+        return len(self._conns)
+
     def stats(self) -> Pool:
         queued = self._queue.qsize() if self.mode == "head" else 0
         size = self.pool_size if self.mode == "head" else 0
         queue_max = self.queue_max if self.mode == "head" else 0
         return Pool(size, self._busy, queued, queue_max, self._dropped, self._accepted)
 
-    # --- internals --------------------------------------------------------------------------------
+    # --- the selector thread: accept, handshakes, waiting for requests ----------------------------
 
     def _spawn(self, target, name: str, *args) -> threading.Thread:
         t = threading.Thread(target=target, args=args, name=name, daemon=True)
         t.start()
-        if self.mode == "head" or name == "rpc-accept":
+        if name != "rpc-peer-conn":
             self._threads.append(t)
         return t
 
-    def _accept_loop(self) -> None:
-        while self._running.is_set():
+    def _wake(self) -> None:
+        try:
+            self._wake_w.send(b"\0")
+        except OSError:
+            pass  # already full: the selector wakes anyway
+
+    def _select_loop(self) -> None:
+        next_scan = 0.0
+        try:
+            while self._running.is_set():
+                for key, _ in self._sel.select(SCAN_S):
+                    if key.fileobj is self._sock:
+                        self._accept()
+                    elif key.fileobj is self._wake_r:
+                        self._take_returned()
+                    else:
+                        self._step(key.data)
+                now = time.monotonic()
+                if now >= next_scan:  # deadlines to SCAN_S: a scan per event would cost O(sockets) each
+                    self._expire(now)
+                    next_scan = now + SCAN_S
+        finally:
+            for key in list(self._sel.get_map().values()):
+                if key.data is not None:
+                    self._close(key.data)
+            self._sel.close()
+            self._wake_r.close()
+            self._wake_w.close()
+
+    def _accept(self) -> None:
+        while True:
             try:
-                conn, _ = self._sock.accept()
-            except OSError:
-                if self._running.is_set():
-                    continue
+                sock, addr = self._sock.accept()
+            except BlockingIOError:
                 return
-            try:
-                tune_socket(conn)
-            except OSError:
-                conn.close()  # reset before we could even configure it
-                continue
+            except OSError as e:  # EMFILE and friends: leave the rest in the backlog for now
+                log.warning("RPC accept failed: %s", e)
+                time.sleep(0.05)
+                return
+            ip = addr[0]
             with self._lock:
                 self._accepted += 1
-            if self.mode == "peer":
-                self._spawn(self._serve, "rpc-peer-conn", conn, self.compute)
-                continue
-            if self.queue_max == 0 and self._busy >= self.pool_size:
-                self._drop(conn)
+                over = len(self._conns) >= self.max_conns or (
+                    ip not in self.cap_exempt and self._per_ip[ip] >= self.max_per_ip)  # fmt: skip
+                if over:
+                    self._dropped += 1
+            if over:
+                sock.close()
                 continue
             try:
-                self._queue.put_nowait(conn)
-            except queue.Full:
-                self._drop(conn)
+                tune_socket(sock)
+                sock.setblocking(False)
+            except OSError:
+                sock.close()  # reset before we could even configure it
+                continue
+            c = _Conn(sock, ip, time.monotonic() + self.header_s)
+            with self._lock:
+                self._conns.add(c)
+                self._per_ip[ip] += 1
+            self._sel.register(sock, selectors.EVENT_READ, c)
 
-    def _drop(self, conn: socket.socket) -> None:
+    def _step(self, c: _Conn) -> None:
+        """Read what `c` has towards its next step (never more than that step needs), then take it."""
+        try:
+            data = c.sock.recv(c.need - len(c.buf))
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        if not data:
+            self._close(c)
+            return
+        c.buf += data
+        if len(c.buf) < c.need:
+            return
+        try:
+            self._advance(c)
+        except Refused as e:
+            if e.reply:
+                _send_quietly(c.sock, e.reply)
+            log.debug("RPC connection from %s refused: %s", c.ip, e)
+            self._close(c)
+        except (FrameError, OSError) as e:
+            log.debug("RPC handshake with %s closed: %s", c.ip, e)
+            self._close(c)
+
+    def _advance(self, c: _Conn) -> None:
+        if c.server is None:  # the first byte picks the protocol
+            compute = self.mode == "peer" or c.buf[0] == COMPUTE_FIRST_BYTE
+            c.server = self.compute if compute else self.control
+            c.session = c.server.open()
+            c.need = c.server.header
+            return
+        if c.session["authed"]:  # a whole request header: one request for the pool
+            self._sel.unregister(c.sock)
+            self._hand_to_pool(c)
+            return
+        if len(c.buf) == c.server.header:
+            c.need = c.server.preauth_len(bytes(c.buf), c.session)
+            if c.need > len(c.buf):
+                return
+        frame, c.buf = bytes(c.buf), bytearray()
+        c.server.preauth(c.sock, frame, c.session)
+        c.need, c.deadline = c.server.header, time.monotonic() + self.header_s
+        if not c.session["authed"]:
+            return
+        if self.mode == "peer":
+            self._sel.unregister(c.sock)
+            self._spawn(self._session_thread, "rpc-peer-conn", c)
+        else:
+            c.deadline = time.monotonic() + c.server.idle_s
+
+    def _expire(self, now: float) -> None:
+        for key in list(self._sel.get_map().values()):
+            c = key.data
+            if c is not None and c.deadline <= now:
+                log.debug("RPC connection from %s closed: deadline passed", c.ip)
+                self._close(c)
+
+    def _take_returned(self) -> None:
+        try:
+            while self._wake_r.recv(4096):
+                pass
+        except BlockingIOError:
+            pass
+        while self._returned:
+            c = self._returned.popleft()
+            c.sock.setblocking(False)
+            c.need, c.deadline = c.server.header, time.monotonic() + c.server.idle_s
+            self._sel.register(c.sock, selectors.EVENT_READ, c)
+
+    def _close(self, c: _Conn) -> None:
+        try:
+            self._sel.unregister(c.sock)
+        except (KeyError, ValueError):
+            pass  # not registered: served by a thread
+        with self._lock:
+            if c in self._conns:
+                self._conns.discard(c)
+                self._per_ip[c.ip] -= 1
+                if not self._per_ip[c.ip]:
+                    del self._per_ip[c.ip]
+        _shutdown(c.sock)
+        c.sock.close()
+
+    # --- serving authenticated connections --------------------------------------------------------
+
+    def _hand_to_pool(self, c: _Conn) -> None:
+        if self.queue_max == 0 and self._busy >= self.pool_size:
+            self._drop(c)
+            return
+        try:
+            self._queue.put_nowait(c)
+        except queue.Full:
+            self._drop(c)
+
+    def _drop(self, c: _Conn) -> None:
         with self._lock:
             self._dropped += 1
-        conn.close()
+        self._close(c)
 
     def _pool_worker(self) -> None:
         while self._running.is_set():
-            conn = self._queue.get()
-            if conn is None:
+            c = self._queue.get()
+            if c is None:
                 return
             with self._lock:
                 self._busy += 1
             try:
-                self._dispatch(conn)
+                keep = self._serve(c, SocketReader(c.sock, prefix=bytes(c.buf), send_timeout=self.header_s))
             finally:
                 with self._lock:
                     self._busy -= 1
+            if keep and self._running.is_set():
+                c.buf = bytearray()
+                self._returned.append(c)
+                self._wake()
+            else:
+                self._close(c)
 
-    def _dispatch(self, conn: socket.socket) -> None:
-        conn.settimeout(self.recv_timeout)
+    def _session_thread(self, c: _Conn) -> None:
+        reader = SocketReader(c.sock, send_timeout=self.header_s)
         try:
-            first = conn.recv(1, socket.MSG_PEEK)
-        except OSError:
-            first = b""
-        if not first:
-            conn.close()  # a failed or empty peek closes the socket
-            return
-        handler = self.compute if first[0] == COMPUTE_FIRST_BYTE else self.control
-        self._serve(conn, handler)
+            while self._running.is_set():
+                reader.expect(c.server.idle_s)
+                if not self._serve(c, reader):
+                    break
+        finally:
+            self._close(c)
 
-    def _serve(self, conn: socket.socket, handler: Handler) -> None:
-        with self._lock:
-            self._open.add(conn)
+    def _serve(self, c: _Conn, reader: SocketReader) -> bool:
+        """One request; False closes the connection."""
+        c.sock.settimeout(self.header_s)  # bounds sends when the request was read from the prefix
         try:
-            handler(conn)
+            return c.server.serve(c.sock, reader, c.session)
+        except (FrameError, OSError) as e:  # timeout, truncated frame, reset: close this one only
+            log.debug("RPC connection from %s closed: %s", c.ip, e)
         except Exception:  # one broken connection never takes the listener down
             log.exception("RPC connection handler failed")
-        finally:
-            with self._lock:
-                self._open.discard(conn)
-            _shutdown(conn)
-            conn.close()
+        return False
+
+
+def _send_quietly(sock: socket.socket, data: bytes) -> None:
+    try:
+        sock.send(data)  # a refusal is small: it fits a fresh socket's buffer or is lost
+    except OSError:
+        pass
 
 
 def _shutdown(conn: socket.socket) -> None:

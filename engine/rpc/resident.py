@@ -3,6 +3,8 @@
 Weights never cross the wire: the head names a layer range, this worker materialises it from
 its own mmap. The registry's `epoch` is bumped whenever the resident set is replaced or cleared,
 so a head that validated epoch N notices (FORWARD refuses a stale epoch) and re-validates.
+A stage and its slots belong to the compute session that loaded it: another session's FORWARD
+or KV_CLEAR is refused, so a second client cannot corrupt a running head's KV.
 """
 
 from __future__ import annotations
@@ -13,7 +15,8 @@ from pathlib import Path
 
 import torch
 
-from ...contracts.rpc import DTYPE_CODES, StaleEpoch
+from ...contracts.rpc import DTYPE_CODES, MAX_CTX, MAX_SLOTS, StaleEpoch
+from ..device import free_bytes
 from ..errors import UserError
 
 # Torch dtypes of the wire's dtype names (contracts.rpc.DTYPE_CODES).
@@ -47,7 +50,10 @@ class StageHost:
         self.stage = stage
         self.assignable = assignable
         self.epoch = 1 if stage is not None else 0
-        self.lock = threading.Lock()  # one forward or re-assign at a time
+        self.lock = threading.Lock()  # one forward or stage swap at a time
+        self._load_lock = threading.Lock()
+        self.owner = 0  # the compute session that loaded the stage owns its slots
+        self.on_change = lambda: None  # called after a stage swap (the peer's /health follows it)
         self._params: tuple | None = None
         self.forwards = self.tokens = 0
         self.compute_s = 0.0
@@ -83,7 +89,10 @@ class StageHost:
             raise ComputeError(f"tensor shape mismatch ({len(bad)}): " + "; ".join(sorted(bad)[:5]))
         return {"ok": True, "fingerprint": self.fingerprint, "epoch": self.epoch}
 
-    def load(self, request: dict) -> dict:
+    def load(self, request: dict, owner: int = 0) -> dict:
+        """Build the requested stage beside the current one, then swap: a refused or failed load
+        leaves the old stage, its epoch and its owner as they were. The session `owner` owns
+        every slot of the new stage."""
         if not self.assignable:
             raise ComputeError("this worker is a head: its layer range follows its own --split (use CONFIGURE)")
         try:
@@ -94,27 +103,42 @@ class StageHost:
             raise ComputeError(f"LOAD_STAGE needs layers [a,b], dtype, n_slots, n_ctx: {e!r}") from None
         if not 0 <= a < b <= self.n_layers:
             raise ComputeError(f"layer range [{a},{b}) outside the model's 0..{self.n_layers}")
-        if n_slots < 1 or n_ctx < 1:
-            raise ComputeError(f"n_slots and n_ctx must be >= 1 (got {n_slots}, {n_ctx})")
+        if not (1 <= n_slots <= MAX_SLOTS and 1 <= n_ctx <= MAX_CTX):
+            raise ComputeError(f"n_slots must be 1..{MAX_SLOTS} and n_ctx 1..{MAX_CTX} (got {n_slots}, {n_ctx})")
         params = (dtype, n_slots, n_ctx)
         t0 = time.perf_counter()
-        with self.lock:
-            if self.stage is not None and self._params == params:
-                if self.layers != (a, b):
-                    self.stage.assign(a, b)
-                else:
-                    for slot in range(n_slots):
-                        self.stage.kv_clear(slot)
+        with self._load_lock:  # one load at a time; forwards go on meanwhile on the old stage
+            if self.stage is not None and self._params == params and self.layers == (a, b):
+                stage = self.stage  # same stage: only its KV starts over (the swap below clears it)
             else:
+                need, free = self.stage_bytes(a, b, dtype, n_slots, n_ctx), free_bytes(self.device)
+                if need > free:
+                    raise ComputeError(f"LOAD_STAGE of layers [{a},{b}) with {n_slots}x{n_ctx} KV needs ~{need >> 20} MiB, "
+                                       f"{free >> 20} MiB free on {self.device}: refused, the current stage stays")  # fmt: skip
                 from ..model import build_stage
 
-                self.stage = None  # free the old range before building the new one
-                self.stage = build_stage(self.g, (a, b), embed=False, head=False, device=self.device, dtype=dtype,
-                                         n_slots=n_slots, n_ctx=n_ctx, cache_dir=self.cache_dir)  # fmt: skip
-                self._params = params
-            self.epoch += 1
+                stage = build_stage(self.g, (a, b), embed=False, head=False, device=self.device, dtype=dtype,
+                                    n_slots=n_slots, n_ctx=n_ctx, cache_dir=self.cache_dir)  # fmt: skip
+            with self.lock:
+                if stage is self.stage:
+                    for slot in range(n_slots):
+                        stage.kv_clear(slot)
+                self.stage, self._params, self.owner = stage, params, owner
+                self.epoch += 1
         self.load_s = time.perf_counter() - t0
+        self.on_change()
         return {"epoch": self.epoch, "layers": [a, b], "device": str(self.device), "load_s": round(self.load_s, 4)}
+
+    def stage_bytes(self, a: int, b: int, dtype: torch.dtype, n_slots: int, n_ctx: int) -> int:
+        """What a stage of layers [a, b) costs: its weights in `dtype` plus K and V for every slot."""
+        elsize = torch.empty((), dtype=dtype).element_size()
+        weights = sum(t.n_elements for name, t in self.g.tensors.items() if layer_of(name) in range(a, b))
+        kv = 2 * (b - a) * n_slots * n_ctx * self.cfg.n_head_kv * self.cfg.head_dim
+        return (weights + kv) * elsize
+
+    def _own(self, owner: int) -> None:
+        if self.owner != owner:
+            raise ComputeError("these slots belong to another session (the head that sent LOAD_STAGE): refused")
 
     def resident(self, name: str) -> bool:
         layer = layer_of(name)
@@ -126,14 +150,17 @@ class StageHost:
             return {"found": False, "epoch": self.epoch}
         return {"found": True, "epoch": self.epoch, "dtype": t.ggml_type.name, "shape": list(t.shape)}
 
-    def forward(self, epoch: int, hidden: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def forward(self, epoch: int, hidden: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor, owner: int = 0) -> torch.Tensor:
         """The stage's output on its device (on CUDA possibly still being computed: `compute_s`
-        then counts the time to queue the work)."""
+        then counts the time to queue the work). Only the session that loaded the stage may run it."""
         with self.lock:
-            if self.stage is None or not self.assignable:
-                raise ComputeError("no stage assigned here: send LOAD_STAGE first")
+            if not self.assignable:
+                raise ComputeError("no stage assigned here: this worker is a head")
+            if self.stage is None:  # stale for any head: it re-attaches, which loads one
+                raise StaleEpoch(f"no stage assigned here (epoch {self.epoch}): send LOAD_STAGE first")
             if epoch != self.epoch:
                 raise StaleEpoch(f"resident set is at epoch {self.epoch}, request validated epoch {epoch}")
+            self._own(owner)
             if hidden.shape[1] != self.cfg.n_embd:
                 raise ComputeError(f"hidden states of width {hidden.shape[1]}, this model's is {self.cfg.n_embd}")
             t0 = time.perf_counter()
@@ -148,10 +175,11 @@ class StageHost:
             self.tokens += hidden.shape[0]
             return out
 
-    def kv_clear(self, slot: int) -> None:
+    def kv_clear(self, slot: int, owner: int = 0) -> None:
         with self.lock:
             if self.stage is None or not self.assignable:
                 return
+            self._own(owner)
             n_slots = self._params[1]
             if slot >= n_slots:
                 raise ComputeError(f"slot {slot} does not exist ({n_slots} slots)")

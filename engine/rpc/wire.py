@@ -36,6 +36,18 @@ class FrameError(Exception):
     """A frame that breaks the framing: wrong magic, length over the limit, truncated stream."""
 
 
+class FrameTimeout(FrameError):
+    """A frame (or the wait for the next one) outlived its deadline."""
+
+
+class Refused(FrameError):
+    """A frame the server refuses before reading its payload; `reply` (may be empty) goes out first."""
+
+    def __init__(self, message: str, reply: bytes = b""):
+        super().__init__(message)
+        self.reply = reply
+
+
 class PeerClosed(FrameError):
     """The other side closed the connection (possibly between frames)."""
 
@@ -55,12 +67,23 @@ def spin_until_readable(sock: socket.socket, budget_s: float) -> None:
 
 class SocketReader:
     """`read_exact` over a socket; counts bytes received. With `on_idle`, a socket timeout calls it
-    (it raises to abort) and the read resumes where it was: no byte is lost to a timeout."""
+    (it raises to abort) and the read resumes where it was: no byte is lost to a timeout.
+    `prefix`: bytes of the stream already taken off the socket (the listener's handshake reads).
+    `expect(seconds)` sets a deadline for everything read until the next `expect`: a whole frame
+    (or the wait for one) must arrive by then, however slowly its bytes trickle in. After a read
+    under a deadline the socket's timeout goes back to `send_timeout`, which then bounds each
+    send of the reply (a client that never reads cannot hold the server's thread)."""
 
-    def __init__(self, sock: socket.socket, on_idle=None):
+    def __init__(self, sock: socket.socket, on_idle=None, prefix: bytes = b"", send_timeout: float | None = None):
         self.sock = sock
         self.on_idle = on_idle
+        self.prefix = memoryview(bytes(prefix))
+        self.send_timeout = send_timeout
+        self.deadline: float | None = None
         self.bytes_in = 0
+
+    def expect(self, seconds: float | None) -> None:
+        self.deadline = None if seconds is None else time.monotonic() + seconds
 
     def read_exact(self, n: int) -> bytearray:
         buf = bytearray(n)
@@ -69,11 +92,22 @@ class SocketReader:
 
     def read_into(self, view: memoryview) -> None:
         view = view.cast("B")
-        got, n = 0, len(view)
+        n = len(view)
+        got = min(len(self.prefix), n)
+        if got:
+            view[:got] = self.prefix[:got]
+            self.prefix = self.prefix[got:]
         while got < n:
+            if self.deadline is not None:
+                left = self.deadline - time.monotonic()
+                if left <= 0:
+                    raise FrameTimeout(f"deadline passed after {got} of {n} bytes")
+                self.sock.settimeout(left)
             try:
                 k = self.sock.recv_into(view[got:], n - got)
             except socket.timeout:
+                if self.deadline is not None:
+                    continue  # the loop head raises FrameTimeout
                 if self.on_idle is None:
                     raise
                 self.on_idle()
@@ -81,6 +115,8 @@ class SocketReader:
             if k == 0:
                 raise PeerClosed(f"connection closed after {got} of {n} bytes")
             got += k
+        if self.deadline is not None:
+            self.sock.settimeout(self.send_timeout)
         self.bytes_in += n
 
     def drain(self, n: int) -> None:
@@ -187,7 +223,10 @@ def read_control_header(reader) -> ControlHeader:
 
 def read_control_request(reader) -> ControlRequest:
     """Header, key and trace id; the payload stays on the stream (the server decides to read or drain)."""
-    h = read_control_header(reader)
+    return read_control_body(reader, read_control_header(reader))
+
+
+def read_control_body(reader, h: ControlHeader) -> ControlRequest:
     key = bytes(reader.read_exact(h.key_len))  # u16 lengths: at most 64 KiB each
     trace = bytes(reader.read_exact(h.trace_len))
     return ControlRequest(h.op, h.flags, key, trace, h.payload_len)

@@ -39,6 +39,9 @@ class PeerWorker:
         self.status.model = ModelInfo(self.path.stem, str(self.path), g.architecture, self.model_cfg.n_layers, g.fingerprint)
         self.status.startup_stage = 2
         self.host = StageHost(g, self.model_cfg, self.device, cache_dir=cfg.model.cache_dir)
+        # No stage until a head loads one: /health says degraded, /status "idle".
+        self.host.on_change = lambda: setattr(self.status, "degraded", self.host.stage is None)
+        self.host.on_change()
         rpc = cfg.rpc
         self.compute = ComputeServer(self.host, auth_token=rpc.auth_token, max_frame=rpc.max_frame,
                                      spin_s=rpc.spin_seconds(self.device))  # fmt: skip
