@@ -104,7 +104,8 @@ class Engine:
         self.spec_stats = self.spec.stats
         self.spec_config = self.spec.config
         self.scheduler = Scheduler(n_slots, n_ctx, batch_tokens, mixed_steps, self.spec, tokenizer.eog_ids,
-                                   lambda: getattr(pipeline, "kv_generation", 0))  # fmt: skip
+                                   lambda: getattr(pipeline, "kv_generation", 0),
+                                   recurrent=getattr(getattr(pipeline, "cfg", None), "recurrent", False))  # fmt: skip
         self.output = OutputProcessor(tokenizer, self.stats)
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None

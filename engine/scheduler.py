@@ -87,7 +87,7 @@ class Scheduler:
     is taken or left (`start`, `release`); `eog_ids` end a request unless it ignores them."""
 
     def __init__(self, n_slots: int, n_ctx: int, batch_tokens: int, mixed_steps: bool, speculator: Speculator,
-                 eog_ids: set[int], kv_generation: Callable[[], int] = lambda: 0):  # fmt: skip
+                 eog_ids: set[int], kv_generation: Callable[[], int] = lambda: 0, recurrent: bool = False):  # fmt: skip
         self.n_ctx = n_ctx
         self.batch_tokens = batch_tokens
         self.mixed_steps = mixed_steps
@@ -101,6 +101,9 @@ class Scheduler:
         self.cached: list[list[int]] = [[] for _ in range(n_slots)]
         self._kv_generation = kv_generation
         self._cached_generation = kv_generation()
+        # A recurrent model's state cannot be cut back to a shorter prefix: only a whole cached
+        # sequence is reusable there (the last position re-run is within its checkpoints).
+        self.recurrent = recurrent
 
     @property
     def running(self) -> list[Sequence]:
@@ -129,12 +132,15 @@ class Scheduler:
             # The free slot holding the longest prefix of this prompt, else the one with the least
             # cached (keep other prefixes for their requests); its KV rows need no clearing:
             # positions >= n_past are overwritten.
-            shared = (lambda j: _common_prefix(self.cached[j], req.prompt)) if req.cache_prompt else (lambda j: 0)
+            def shared(j: int) -> int:
+                n = _common_prefix(self.cached[j], req.prompt) if req.cache_prompt else 0
+                return 0 if self.recurrent and n < len(self.cached[j]) else n
+
             i = max(free, key=lambda j: (shared(j), -len(self.cached[j])))
             free.remove(i)
             seq = self.slots[i] = Sequence(req, i)
             if req.cache_prompt and req.prompt_logprobs is None:  # a scored prompt needs every row's logits
-                seq.n_past = seq.n_cached = max(0, min(_common_prefix(self.cached[i], req.prompt), len(req.prompt) - 1))
+                seq.n_past = seq.n_cached = max(0, min(shared(i), len(req.prompt) - 1))
             self.cached[i] = []
             self.spec.start(i, seq.tokens)
         return cancelled

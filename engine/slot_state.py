@@ -20,6 +20,8 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 def save(stage, slot: int, tokens: list[int], fingerprint: str) -> Iterator[bytes]:
     """The state of `slot`'s first len(tokens) positions, as the byte chunks of the format."""
+    if stage.recurrent and stage.state_len[slot] != len(tokens):
+        raise SlotStateError(f"slot {slot}'s recurrent state covers {stage.state_len[slot]} tokens, not the {len(tokens)} asked for")
     views = stage.slot_state(slot, len(tokens))
     dtype = _dtype_name(stage.dtype)
     entries = [TensorEntry(name, list(t.shape), _dtype_name(t.dtype), t.numel() * t.element_size()) for name, t in views.items()]
@@ -68,4 +70,5 @@ def restore(stage, slot: int, read: Callable[[int], bytes], fingerprint: str) ->
         src = torch.frombuffer(body, dtype=view.dtype, count=view.numel(), offset=offset).view(view.shape)
         view.copy_(src)
         offset += entry.nbytes
+    stage.restored(slot, n)
     return list(header.tokens)

@@ -31,7 +31,7 @@ from ..contracts.status import Speculative
 from .config import MAX_DRAFT, ModelSettings, SpecConfig
 from .errors import UserError
 from .gguf_file import GGUFFile
-from .model import build_stage
+from .model import ROLLBACK, ModelConfig, build_stage
 from .pipeline import Pipeline
 
 # GGUF architectures whose converters (llama.cpp convert_hf_to_gguf.py) can keep a
@@ -337,8 +337,11 @@ class Speculator:
     always, the draft model when loaded), and the acceptance counters. The engine asks `plan` for
     drafts of its decoding sequences, runs them in its one forward, and asks `verify` what to emit."""
 
-    def __init__(self, config: SpecConfig | None = None, draft_pipeline=None):
+    def __init__(self, config: SpecConfig | None = None, draft_pipeline=None, max_draft: int = MAX_DRAFT):
+        """`max_draft` caps every draft: a recurrent target verifies at most `model.ROLLBACK` tokens,
+        the positions its state checkpoints can take back."""
         self.config = config or SpecConfig()
+        self.max_draft = max_draft
         self.drafters: dict[str, Drafter] = {"ngram": NgramDrafter()}
         if draft_pipeline is not None:
             self.drafters["draft"] = DraftModelDrafter(draft_pipeline, p_min=self.config.p_min)
@@ -376,7 +379,7 @@ class Speculator:
             cfg = seq.req.spec or self.config
             if not cfg.active or cfg.type not in self.drafters:
                 continue
-            k = min(cfg.n_max, seq.req.max_tokens - seq.n_gen - 1, n_ctx - len(seq.tokens))
+            k = min(cfg.n_max, self.max_draft, seq.req.max_tokens - seq.n_gen - 1, n_ctx - len(seq.tokens))
             if k < max(cfg.n_min, 1):
                 continue
             req = DraftRequest(seq.slot, seq.tokens, k, seq.sampler, cfg.p_min)
@@ -410,13 +413,16 @@ def build_speculator(config: SpecConfig, draft_path: str | None, g, model: Model
     the target GGUF. Loads the draft model for `--spec-type draft`; `mtp` is a UserError naming why."""
     if config.type == "mtp":
         check_mtp(g)
+    max_draft = ROLLBACK if ModelConfig.from_gguf(g).recurrent else MAX_DRAFT
     if config.type == "draft" and not draft_path:
         raise UserError("--spec-type draft needs --model-draft PATH (a smaller GGUF with the same vocabulary)")
     if draft_path and config.type != "draft":
         raise UserError(f"--model-draft is only used with --spec-type draft (got --spec-type {config.type})")
     if not draft_path:
-        return Speculator(config)
+        return Speculator(config, max_draft=max_draft)
     dg = GGUFFile(draft_path)
     check_same_vocab(g, dg)
+    if ModelConfig.from_gguf(dg).recurrent:  # it would re-run its own last drafts every round
+        raise UserError(f"--model-draft: a recurrent model ({dg.architecture}) cannot draft yet; use a transformer of the same vocabulary")
     stage = build_stage(dg, device=model.device, dtype=model.dtype, n_slots=n_slots, n_ctx=model.ctx, cache_dir=model.cache_dir)
-    return Speculator(config, draft_pipeline=Pipeline(stage))
+    return Speculator(config, draft_pipeline=Pipeline(stage), max_draft=max_draft)

@@ -4,7 +4,10 @@ Tiny ones make the fast tests; big ones (e.g. the 1.1B llama shape) make GPU ben
 where the real model cannot be copied. Weights are scaled by 1/sqrt(fan_in) so that the
 activations of a few layers stay in a sane range; norm weights sit near 1. Each file
 carries a small but complete tokenizer of the family the architecture uses: SPM for
-llama/gemma3, byte-level BPE for qwen2/qwen3.
+llama/gemma3, byte-level BPE for qwen2/qwen3/qwen35.
+
+qwen35 files follow llama.cpp's loader (src/models/qwen35.cpp) key for key and tensor for tensor,
+so llama.cpp itself loads them (the reference logits under tests/data/reference come from that).
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import gguf
 import numpy as np
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as T
 
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3", "qwen35")
 
 # Block types that `random_blocks` writes: per type, the byte offsets of the float16 block scale d
 # and of the float16 min field (None where the type has none), and min / d. Legacy types add the
@@ -65,6 +68,14 @@ def write_synthetic(
     vocab_size: int | None = None,
     tied: bool | None = None,
     sliding_window: int = 8,
+    n_rot: int | None = None,
+    full_attention_interval: int = 2,
+    rope_sections: tuple[int, int, int, int] = (2, 2, 2, 2),
+    ssm_state: int = 16,
+    ssm_groups: int = 2,
+    ssm_v_heads: int = 4,
+    conv_kernel: int = 4,
+    nextn: bool = False,
 ) -> Path:
     """Write a random-weight GGUF and return its path.
 
@@ -74,6 +85,12 @@ def write_synthetic(
     `vocab_size` pads the tiny vocabulary with generated pieces (big shapes). `tied` (default: only
     gemma3) leaves out `output.weight` so the output head reuses the token embedding.
     `sliding_window` is gemma3's window; it is small by default so tests exercise it.
+    qwen35: every `full_attention_interval`-th layer is full attention, the others Gated DeltaNet
+    (`ssm_groups` Q/K heads and `ssm_v_heads` V heads of `ssm_state` dims, a conv of `conv_kernel`
+    taps); `n_rot` (default head_dim / 4, as Qwen3.5's partial rotary) and IMROPE `rope_sections`
+    (the default's fourth section leaves the last pairs unrotated for text, which tests that rule);
+    `nextn` adds Qwen3.5's multi-token-prediction block as layer `n_layers` (written last, so the
+    trunk's weights are those of the same file without it).
     """
     if arch not in ARCHITECTURES:
         raise ValueError(f"unsupported architecture {arch!r}; choose one of {', '.join(ARCHITECTURES)}")
@@ -101,17 +118,29 @@ def write_synthetic(
     w.add_name(f"synthetic-{arch}")
     w.add_context_length(n_ctx)
     w.add_embedding_length(n_embd)
-    w.add_block_count(n_layers)
+    w.add_block_count(n_layers + int(nextn))
     w.add_feed_forward_length(n_ff)
     w.add_head_count(n_head)
     w.add_head_count_kv(n_head_kv)
     w.add_key_length(head_dim)
     w.add_value_length(head_dim)
-    w.add_layer_norm_rms_eps(1e-6 if arch in ("gemma3", "qwen2", "qwen3") else 1e-5)
+    w.add_layer_norm_rms_eps(1e-5 if arch == "llama" else 1e-6)
     w.add_file_type(_file_type(qt))
     if arch == "gemma3":
         w.add_rope_freq_base(1_000_000.0)
         w.add_sliding_window(sliding_window)
+    elif arch == "qwen35":
+        w.add_rope_freq_base(10_000_000.0)
+        w.add_rope_dimension_count(n_rot or head_dim // 4)
+        w.add_rope_dimension_sections(list(rope_sections))
+        w.add_full_attention_interval(full_attention_interval)
+        w.add_ssm_conv_kernel(conv_kernel)
+        w.add_ssm_state_size(ssm_state)
+        w.add_ssm_group_count(ssm_groups)
+        w.add_ssm_time_step_rank(ssm_v_heads)
+        w.add_ssm_inner_size(ssm_state * ssm_v_heads)
+        if nextn:
+            w.add_nextn_predict_layers(1)
     else:
         w.add_rope_freq_base(10_000.0 if arch == "llama" else 1_000_000.0)
         w.add_rope_dimension_count(head_dim)
@@ -123,7 +152,7 @@ def write_synthetic(
         w.add_add_bos_token(True)
     else:
         w.add_tokenizer_model("gpt2")
-        w.add_tokenizer_pre("qwen2")
+        w.add_tokenizer_pre(arch if arch == "qwen35" else "qwen2")
         w.add_token_merges(merges)
         w.add_add_bos_token(False)
     w.add_token_list(tokens)
@@ -143,9 +172,28 @@ def write_synthetic(
     if not tied:
         dense("output.weight", n_vocab, n_embd, 1.0 / np.sqrt(n_embd))
     q_dim, kv_dim = n_head * head_dim, n_head_kv * head_dim
-    for i in range(n_layers):
+    if nextn and arch != "qwen35":
+        raise ValueError("only qwen35 files carry a NextN block here")
+    for i in range(n_layers + int(nextn)):
         p = f"blk.{i}."
         vec(p + "attn_norm.weight", n_embd)
+        if i == n_layers:  # the NextN block: a gated-attention block fed by eh_proj([enorm(e); hnorm(h)])
+            dense(p + "nextn.eh_proj.weight", n_embd, 2 * n_embd, 1.0 / np.sqrt(2 * n_embd))
+            for name in ("enorm", "hnorm", "shared_head_norm"):
+                vec(p + f"nextn.{name}.weight", n_embd)
+        if arch == "qwen35":
+            if (i + 1) % full_attention_interval and i < n_layers:
+                _deltanet_tensors(w, p, n_embd, ssm_state, ssm_groups, ssm_v_heads, conv_kernel, dense, vec, rng)
+            else:
+                dense(p + "attn_q.weight", 2 * q_dim, n_embd, 1.0 / np.sqrt(n_embd))  # per head: q, then its gate
+                dense(p + "attn_k.weight", kv_dim, n_embd, 1.0 / np.sqrt(n_embd))
+                dense(p + "attn_v.weight", kv_dim, n_embd, 1.0 / np.sqrt(n_embd))
+                dense(p + "attn_output.weight", n_embd, q_dim, 0.5 / np.sqrt(q_dim))
+                vec(p + "attn_q_norm.weight", head_dim)
+                vec(p + "attn_k_norm.weight", head_dim)
+            vec(p + "post_attention_norm.weight", n_embd)  # the FFN's input norm in qwen35
+            _ffn_tensors(p, n_embd, n_ff, dense, vec, with_norm=False)
+            continue
         dense(p + "attn_q.weight", q_dim, n_embd, 1.0 / np.sqrt(n_embd))
         dense(p + "attn_k.weight", kv_dim, n_embd, 1.0 / np.sqrt(n_embd))
         dense(p + "attn_v.weight", kv_dim, n_embd, 1.0 / np.sqrt(n_embd))
@@ -159,10 +207,7 @@ def write_synthetic(
         if arch == "gemma3":
             vec(p + "post_attention_norm.weight", n_embd)
             vec(p + "post_ffw_norm.weight", n_embd)
-        vec(p + "ffn_norm.weight", n_embd)
-        dense(p + "ffn_gate.weight", n_ff, n_embd, 1.0 / np.sqrt(n_embd))
-        dense(p + "ffn_up.weight", n_ff, n_embd, 1.0 / np.sqrt(n_embd))
-        dense(p + "ffn_down.weight", n_embd, n_ff, 0.5 / np.sqrt(n_ff))
+        _ffn_tensors(p, n_embd, n_ff, dense, vec, with_norm=True)
 
     w.write_header_to_file()
     w.write_kv_data_to_file()
@@ -172,6 +217,30 @@ def write_synthetic(
 
 
 _MIXES = {"Q4_K_M": "Q4_K", "Q5_K_M": "Q5_K"}
+
+
+def _ffn_tensors(p: str, n_embd: int, n_ff: int, dense, vec, with_norm: bool) -> None:
+    if with_norm:
+        vec(p + "ffn_norm.weight", n_embd)
+    dense(p + "ffn_gate.weight", n_ff, n_embd, 1.0 / np.sqrt(n_embd))
+    dense(p + "ffn_up.weight", n_ff, n_embd, 1.0 / np.sqrt(n_embd))
+    dense(p + "ffn_down.weight", n_embd, n_ff, 0.5 / np.sqrt(n_ff))
+
+
+def _deltanet_tensors(w, p, n_embd, d_state, n_k, n_v, kernel, dense, vec, rng) -> None:
+    """One Gated DeltaNet layer as llama.cpp's qwen35 loader names and shapes it (torch order)."""
+    value_dim = n_v * d_state
+    channels = 2 * n_k * d_state + value_dim
+    dense(p + "attn_qkv.weight", channels, n_embd, 1.0 / np.sqrt(n_embd))
+    dense(p + "attn_gate.weight", value_dim, n_embd, 1.0 / np.sqrt(n_embd))  # z, the output gate
+    dense(p + "ssm_beta.weight", n_v, n_embd, 1.0 / np.sqrt(n_embd))
+    dense(p + "ssm_alpha.weight", n_v, n_embd, 1.0 / np.sqrt(n_embd))
+    # Small rows (kernel taps, per-head scalars) stay F32 in any file type, as in converted models.
+    w.add_tensor(p + "ssm_conv1d.weight", (rng.standard_normal((channels, kernel)) / np.sqrt(kernel)).astype(np.float32))
+    vec(p + "ssm_dt.bias", n_v, center=0.0, spread=0.5)
+    w.add_tensor(p + "ssm_a", (-np.exp(rng.uniform(-1.0, 0.5, n_v))).astype(np.float32))  # -exp(A_log)
+    vec(p + "ssm_norm.weight", d_state)
+    dense(p + "ssm_out.weight", n_embd, value_dim, 0.5 / np.sqrt(value_dim))
 
 
 def _file_type(qt: T) -> int:

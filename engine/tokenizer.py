@@ -48,6 +48,11 @@ _QWEN2 = (
     r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+# Qwen3.5: letters and combining marks together (\p{M}), so an accented word stays one piece.
+_QWEN35 = (
+    r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
+    r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 _GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
 _DEFAULT = (
     r"[\p{P}\$\+<=>\^~\|]+",
@@ -64,6 +69,7 @@ PRE_TOKENIZERS: dict[str, tuple[str, ...]] = {
     "smaug-bpe": (_LLAMA3,),
     "qwen2": (_QWEN2,),
     "deepseek-r1-qwen": (_QWEN2,),
+    "qwen35": (_QWEN35,),
     **{name: (_LLAMA3,) for name in _LLAMA3_NAMES},
 }
 # The llama-3 group takes a whole pre-token as one token, skipping merges, when the vocab has it,

@@ -1,8 +1,9 @@
 """The transformer: `config` (shape and per-architecture deltas), `weights` (GGUF tensors as
-dense or int8 products, the prepared-weight cache), `rope`, `attention`, `stage` (a layer range
-with its KV cache, built by `build_stage`) and `graphs` (CUDA graphs of the decode step)."""
+dense or int8 products, the prepared-weight cache), `rope`, `attention`, `deltanet` (Gated
+DeltaNet layers and their recurrent state), `stage` (a layer range with its KV cache, built by `build_stage`) and `graphs` (CUDA graphs of the decode step)."""
 
 from .config import ARCHITECTURES, ModelConfig
+from .deltanet import ROLLBACK
 from .graphs import DecodeGraphs
 from .stage import RESCORE_TOP, Stage, build_stage
 from .weights import Linear, Weights
@@ -10,6 +11,7 @@ from .weights import Linear, Weights
 __all__ = [
     "ARCHITECTURES",
     "RESCORE_TOP",
+    "ROLLBACK",
     "DecodeGraphs",
     "Linear",
     "ModelConfig",

@@ -12,6 +12,8 @@ def rope_table(cfg: ModelConfig, n_ctx: int, base: float, scale: float, device: 
     """cos and signed sin [n_ctx, n_rot] in float32 laid out for `rotate`; angles in float64."""
     n_rot = cfg.n_rot
     inv = base ** (-np.arange(0, n_rot, 2, dtype=np.float64) / n_rot)
+    if cfg.rope_pair_moves:  # IMROPE text positions: some pairs stay at position 0
+        inv = inv * np.array(cfg.rope_pair_moves, dtype=np.float64)
     ang = np.outer(np.arange(n_ctx, dtype=np.float64) / scale, inv)
     cos, sin = np.cos(ang), np.sin(ang)
     if cfg.rope_neox:  # pairs (i, i + n_rot/2): first half gets -sin

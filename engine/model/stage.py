@@ -2,12 +2,17 @@
 
 A `Stage` materialises the embedding (optional), a layer range [a, b) and the output head
 (optional) of one GGUF file on one device, with a static KV cache per slot:
-`[n_slots, n_kv_heads, n_ctx, head_dim]` per layer.
+`[n_slots, n_kv_heads, n_ctx, head_dim]` per attention layer, and a recurrent state per slot
+(conv + SSM, `deltanet`) per Gated DeltaNet layer (qwen35's hybrid stack: per-layer type as data).
 
 A batch is a flat list of tokens with a slot and a position each; the tokens of one slot are
 contiguous with increasing positions (nano-vllm style). The same call therefore serves a
 prefill (one slot, many tokens), a speculative verify and a batched decode (many slots, one
 token each). KV rollback is implicit: positions at or after a slot's length get overwritten.
+Recurrent state is not overwritten that way: a slot's run must continue its state (start at the
+number of tokens it holds), start at position 0 (a fresh state), or start at most
+`deltanet.ROLLBACK` tokens back within its previous run (a rejected draft: the state is restored
+from a checkpoint); anything else is an error.
 
 Numerics: the residual stream and the norms are float32; the matrix products run in the
 compute dtype. On CPU with a 16-bit compute dtype the weights are int8 with a bfloat16 scale
@@ -37,6 +42,7 @@ from ..kernels.qweight import QuantWeight
 from ..quant import dequantize_rows
 from .attention import attend_batched, attend_runs, decode_bias
 from .config import ModelConfig
+from .deltanet import ROLLBACK, DeltaNet
 from .graphs import DecodeGraphs
 from .rope import rope_table, rotate
 from .weights import Weights
@@ -46,7 +52,7 @@ RESCORE_TOP = 32
 
 
 class _Layer:
-    """Weights and KV cache of one transformer block."""
+    """Weights and KV cache (or recurrent state) of one transformer block."""
 
     def __init__(self, stage: Stage, il: int):
         cfg, w = stage.cfg, stage.weights
@@ -54,6 +60,16 @@ class _Layer:
         vec = w.vector
         self.window = cfg.sliding_window if cfg.swa_layers[il] else 0
         self.attn_norm = vec(p + "attn_norm.weight")
+        self.ffn_norm = vec(p + cfg.ffn_norm + ".weight")
+        self.w_gate_up = w.linear([p + "ffn_gate.weight", p + "ffn_up.weight"])
+        self.w_down = w.linear([p + "ffn_down.weight"])
+        self.post_ffn_norm = vec(p + "post_ffw_norm.weight") if cfg.post_norms else None
+        self.deltanet = DeltaNet(cfg, w, p, stage.n_slots) if cfg.recurrent_layers[il] else None
+        if self.deltanet is None:
+            self._attention(stage, p)
+
+    def _attention(self, stage: Stage, p: str) -> None:
+        cfg, w, vec = stage.cfg, stage.weights, stage.weights.vector
         qkv = [p + n for n in ("attn_q", "attn_k", "attn_v")]
         self.wqkv = w.linear([n + ".weight" for n in qkv], [n + ".bias" for n in qkv] if cfg.qkv_bias else [])
         self.wo = w.linear([p + "attn_output.weight"])
@@ -63,17 +79,21 @@ class _Layer:
             q_w, k_w = vec(p + "attn_q_norm.weight"), vec(p + "attn_k_norm.weight")
             self.qk_norm = torch.cat([q_w.expand(cfg.n_head, -1), k_w.expand(cfg.n_head_kv, -1)])
         self.post_attn_norm = vec(p + "post_attention_norm.weight") if cfg.post_norms else None
-        self.ffn_norm = vec(p + "ffn_norm.weight")
-        self.w_gate_up = w.linear([p + "ffn_gate.weight", p + "ffn_up.weight"])
-        self.w_down = w.linear([p + "ffn_down.weight"])
-        self.post_ffn_norm = vec(p + "post_ffw_norm.weight") if cfg.post_norms else None
         shape = (stage.n_slots, cfg.n_head_kv, stage.n_ctx, cfg.head_dim)
         self.k_cache = torch.zeros(shape, dtype=stage.dtype, device=stage.device)
         self.v_cache = torch.zeros(shape, dtype=stage.dtype, device=stage.device)
 
     @property
     def nbytes(self) -> int:
-        return sum(lin.nbytes for lin in (self.wqkv, self.wo, self.w_gate_up, self.w_down))
+        mixer = self.deltanet.nbytes if self.deltanet else self.wqkv.nbytes + self.wo.nbytes
+        return mixer + self.w_gate_up.nbytes + self.w_down.nbytes
+
+
+def _state_tensors(layer: _Layer) -> tuple[torch.Tensor, ...]:
+    net = layer.deltanet
+    if net is None:
+        return layer.k_cache, layer.v_cache
+    return net.conv_state, net.ssm_state, net.conv_ckpt, net.ssm_ckpt
 
 
 class Stage:
@@ -91,6 +111,8 @@ class Stage:
         self._rope_swa = rope_table(cfg, n_ctx, cfg.rope_base_swa, 1.0, self.device)
         self.layers: dict[int, _Layer] = {}
         self.layer_range = (0, 0)
+        self.state_len = [0] * n_slots  # tokens each slot's recurrent state has consumed
+        self.rollback = [0] * n_slots  # how many of them checkpoints can take back
         self.assign(*layers)
         if embed:
             self._embd_info = weights.tensor("token_embd.weight")
@@ -104,7 +126,9 @@ class Stage:
             self.output_norm = weights.vector("output_norm.weight")
             self._head_name = "token_embd.weight" if cfg.tied else "output.weight"
             self.output = weights.linear([self._head_name], terms=1)
-        self.graphs = DecodeGraphs(self, compiled=compile_decode) if self.device.type == "cuda" else None
+        # Recurrent layers run eagerly for now (their batched step is not graph-captured yet).
+        capture = self.device.type == "cuda" and not cfg.recurrent
+        self.graphs = DecodeGraphs(self, compiled=compile_decode) if capture else None
 
     # ---- layers and cache ------------------------------------------------------------------
 
@@ -116,26 +140,47 @@ class Stage:
         self.layers = {}  # drop the old ones before loading new ones: peak memory stays one range
         self.layers = {il: kept.get(il) or _Layer(self, il) for il in range(a, b)}
         self.layer_range = (a, b)
+        self.recurrent = [layer.deltanet for layer in self.layers.values() if layer.deltanet is not None]
+        # New layers hold no state: slots continue only after a replay from position 0.
+        self.state_len, self.rollback = [0] * self.n_slots, [0] * self.n_slots
         if getattr(self, "graphs", None) is not None:
             self.graphs.reset()
 
     def kv_clear(self, slot: int) -> None:
+        """Forget a slot: its KV and its recurrent state."""
         for layer in self.layers.values():
-            layer.k_cache[slot].zero_()
-            layer.v_cache[slot].zero_()
+            if layer.deltanet is None:
+                layer.k_cache[slot].zero_()
+                layer.v_cache[slot].zero_()
+        self._restart(slot)
+
+    def _restart(self, slot: int) -> None:
+        for net in self.recurrent:
+            net.clear(slot)
+        self.state_len[slot] = self.rollback[slot] = 0
 
     def slot_state(self, slot: int, n: int) -> dict[str, torch.Tensor]:
         """Views of what this stage holds for `slot`'s first `n` positions, by name: what moves when
-        a slot moves (contracts.slot_state). Writing into the views restores it."""
+        a slot moves (contracts.slot_state). Writing into the views restores it; then `restored`.
+        A DeltaNet layer's views are its state after the slot's tokens (saved only when those are n)."""
         out = {}
         for il, layer in self.layers.items():
-            out[f"blk.{il}.k"] = layer.k_cache[slot, :, :n]
-            out[f"blk.{il}.v"] = layer.v_cache[slot, :, :n]
+            if layer.deltanet is not None:
+                out[f"blk.{il}.conv"] = layer.deltanet.conv_state[slot]
+                out[f"blk.{il}.ssm"] = layer.deltanet.ssm_state[slot]
+            else:
+                out[f"blk.{il}.k"] = layer.k_cache[slot, :, :n]
+                out[f"blk.{il}.v"] = layer.v_cache[slot, :, :n]
         return out
+
+    def restored(self, slot: int, n: int) -> None:
+        """The slot's views were written with the state of n tokens (its recurrent state continues from n)."""
+        self.state_len[slot], self.rollback[slot] = n, 0
 
     @property
     def kv_bytes(self) -> int:
-        return sum(layer.k_cache.nbytes + layer.v_cache.nbytes for layer in self.layers.values())
+        """KV cache and recurrent state (with its checkpoints), all slots."""
+        return sum(t.nbytes for layer in self.layers.values() for t in _state_tensors(layer))
 
     @property
     def weight_bytes(self) -> int:
@@ -180,11 +225,37 @@ class Stage:
         if h.shape[0] == 0 or not self.layers:
             return h
         runs = self._runs(slots, positions)
+        if self.recurrent:
+            self._check_continues(runs)
         if self.graphs is not None and all(n == 1 for _, _, n in runs):
             out = self.graphs.run(h, slots, positions)
             if out is not None:
                 return out
-        return self._forward(h, slots.to(self.device), positions.to(self.device), runs)
+        out = self._forward(h, slots.to(self.device), positions.to(self.device), runs)
+        for slot, p0, n in runs:
+            self.state_len[slot], self.rollback[slot] = p0 + n, min(n, ROLLBACK)
+        return out
+
+    def _check_continues(self, runs) -> None:
+        """A run starts a slot afresh (position 0), continues its recurrent state, or re-runs the
+        last few positions (a rejected draft), whose state a checkpoint restores."""
+        seen = set()
+        for slot, p0, _ in runs:
+            if slot in seen:
+                raise ValueError(f"slot {slot} appears twice in one batch: its tokens must be contiguous")
+            seen.add(slot)
+            back = self.state_len[slot] - p0
+            if p0 == 0:
+                self._restart(slot)
+            elif 0 < back <= self.rollback[slot]:
+                for net in self.recurrent:
+                    net.restore(slot, back)
+            elif back != 0:
+                raise ValueError(
+                    f"slot {slot}: the recurrent (DeltaNet) state holds {self.state_len[slot]} tokens but the batch "
+                    f"continues at position {p0}; recurrent layers cannot skip, nor roll back further than "
+                    f"{self.rollback[slot]} (re-run the slot from position 0)"
+                )
 
     def _runs(self, slots: torch.Tensor, positions: torch.Tensor) -> list[tuple[int, int, int]]:
         """(slot, first position, length) of each slot's contiguous token run; checks the batch."""
@@ -215,7 +286,15 @@ class Stage:
         biases = {}
         for layer in self.layers.values():
             x = self._norm(h, layer.attn_norm).to(self.dtype)
+            if layer.deltanet is not None:
+                h = self._ffn(layer, h + layer.deltanet(x, runs))
+                continue
             qkv = layer.wqkv(x)
+            gate = None
+            if cfg.attn_gate:  # Q rows come as [q, gate] per head: split the gate off
+                qg = qkv[:, : 2 * n_q * cfg.head_dim].view(T, n_q, 2, cfg.head_dim)
+                gate = qg[:, :, 1]
+                qkv = torch.cat([qg[:, :, 0].reshape(T, -1), qkv[:, 2 * n_q * cfg.head_dim :]], dim=1)
             qk = qkv[:, :qk_dim].float().view(T, -1, cfg.head_dim)
             v = qkv[:, qk_dim:].view(T, cfg.n_head_kv, cfg.head_dim).to(self.dtype)
             if layer.qk_norm is not None:
@@ -228,18 +307,22 @@ class Stage:
                 o = attend_batched(cfg, layer, q, k, v, slots, positions, kv_len, biases[layer.window])
             else:
                 o = attend_runs(cfg, layer, q, k, v, runs)
+            if gate is not None:
+                o = o * torch.sigmoid(gate.float()).to(o.dtype)
             o = layer.wo(o.reshape(T, -1))
             if layer.post_attn_norm is not None:
                 o = self._norm(o, layer.post_attn_norm)
-            h = h + o
-            x = self._norm(h, layer.ffn_norm).to(self.dtype)
-            gate, up = layer.w_gate_up(x).chunk(2, dim=-1)
-            act = F.gelu(gate, approximate="tanh") if cfg.activation == "gelu_tanh" else F.silu(gate)
-            o = layer.w_down(act * up)
-            if layer.post_ffn_norm is not None:
-                o = self._norm(o, layer.post_ffn_norm)
-            h = h + o
+            h = self._ffn(layer, h + o)
         return h
+
+    def _ffn(self, layer: _Layer, h: torch.Tensor) -> torch.Tensor:
+        x = self._norm(h, layer.ffn_norm).to(self.dtype)
+        gate, up = layer.w_gate_up(x).chunk(2, dim=-1)
+        act = F.gelu(gate, approximate="tanh") if self.cfg.activation == "gelu_tanh" else F.silu(gate)
+        o = layer.w_down(act * up)
+        if layer.post_ffn_norm is not None:
+            o = self._norm(o, layer.post_ffn_norm)
+        return h + o
 
     def _norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x.float(), (x.shape[-1],), w, self.cfg.rms_eps)

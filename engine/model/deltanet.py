@@ -1,0 +1,217 @@
+"""Gated DeltaNet linear attention (Qwen3.5's recurrent layers), as llama.cpp's qwen35 graph computes it.
+
+Per token: one projection gives the conv input (Q, K, V), the output gate z, β and α. A causal
+depthwise conv1d of `conv_kernel` taps (the last kernel-1 inputs are the conv state) and SiLU give
+Q, K, V; Q and K are L2-normalised; V head h reads Q/K head h % n_k_heads. The gated delta rule
+then updates a [head_k_dim, head_v_dim] state per V head:
+
+    g = softplus(α + dt_bias) * ssm_a          (ssm_a = -exp(A_log), so exp(g) in (0, 1))
+    S = exp(g) S;   S += k ⊗ β (v - Sᵀk);      o = Sᵀq / sqrt(head_k_dim)
+
+and the output is RMSNorm(o) * ssm_norm * SiLU(z) through ssm_out. Both states live per slot in
+float32, beside the attention layers' KV cache.
+
+The recurrence runs token by token (the reference form). A batch's runs (one per slot) go through
+it together, padded to the longest: a padded step has g = 0 and β = 0, which leaves the state
+exactly as it was, so prefill chunks, verify batches and decode share one code path. Long runs
+(prefill) take their first CHUNK-multiple of steps in the chunked form (`_chunked`, equal to the
+token-by-token one to float32 rounding), the rest token by token.
+
+Unlike KV, recurrent state cannot be overwritten to roll back, so each run also checkpoints the
+states of its last `ROLLBACK` positions (and the one before them): a rejected speculative draft
+restores the state at the first rejected position (`restore`).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+from .config import ModelConfig
+
+# Positions a slot's recurrent state can be taken back: the longest draft a recurrent model verifies.
+# Each one costs a copy of the state per slot and layer.
+ROLLBACK = 4
+# Steps per chunk of the chunked (prefill) form: llama.cpp's chunk size.
+CHUNK = 64
+
+if TYPE_CHECKING:
+    from .weights import Weights
+
+
+class DeltaNet:
+    """Weights and per-slot recurrent state (conv + SSM) of one Gated DeltaNet layer."""
+
+    def __init__(self, cfg: ModelConfig, w: Weights, prefix: str, n_slots: int):
+        self.cfg, self.shape = cfg, cfg.deltanet
+        s = self.shape
+        # One product for everything the input feeds: conv input, z, β, α (in this order).
+        names = ["attn_qkv.weight", "attn_gate.weight", "ssm_beta.weight", "ssm_alpha.weight"]
+        self.w_in = w.linear([prefix + n for n in names])
+        self.w_out = w.linear([prefix + "ssm_out.weight"])
+        self.conv = w.vector(prefix + "ssm_conv1d.weight")  # [channels, taps]
+        self.dt_bias = w.vector(prefix + "ssm_dt.bias")
+        self.a = w.vector(prefix + "ssm_a")
+        self.norm = w.vector(prefix + "ssm_norm.weight")
+        dev = w.device
+        self.conv_state = torch.zeros(n_slots, s.conv_channels, s.conv_kernel - 1, device=dev)
+        self.ssm_state = torch.zeros(n_slots, s.n_v_heads, s.head_k_dim, s.head_v_dim, device=dev)
+        # [slot, j]: the state j tokens before the end of the slot's last run (j <= ROLLBACK)
+        self.conv_ckpt = torch.zeros(n_slots, ROLLBACK + 1, *self.conv_state.shape[1:], device=dev)
+        self.ssm_ckpt = torch.zeros(n_slots, ROLLBACK + 1, *self.ssm_state.shape[1:], device=dev)
+
+    @property
+    def nbytes(self) -> int:
+        return self.w_in.nbytes + self.w_out.nbytes
+
+    def clear(self, slot: int) -> None:
+        self.conv_state[slot].zero_()
+        self.ssm_state[slot].zero_()
+
+    def restore(self, slot: int, back: int) -> None:
+        """Take the slot's state back `back` tokens (at most ROLLBACK and its last run's length)."""
+        self.conv_state[slot] = self.conv_ckpt[slot, back]
+        self.ssm_state[slot] = self.ssm_ckpt[slot, back]
+
+    def __call__(self, x: torch.Tensor, runs: list[tuple[int, int, int]]) -> torch.Tensor:
+        """Normed hidden states [T, n_embd] (compute dtype) of a flat batch -> layer output [T, n_embd]
+        float32; advances the state of each run's slot by its tokens."""
+        s = self.shape
+        C, Hv, dv = s.conv_channels, s.n_v_heads, s.head_v_dim
+        proj = self.w_in(x).float()
+        mixed, z, beta, alpha = proj.split([C, Hv * dv, Hv, Hv], dim=-1)
+
+        # Flat tokens -> runs padded to the longest: [R, L, ...]; `valid` maps back.
+        lengths = [n for _, _, n in runs]
+        R, L, dev = len(runs), max(lengths), x.device
+        n = torch.tensor(lengths, device=dev)
+        steps = torch.arange(L, device=dev)
+        valid = steps[None, :] < n[:, None]  # [R, L]
+        index = ((torch.cumsum(n, 0) - n)[:, None] + steps[None, :]).clamp(max=x.shape[0] - 1)
+        slots = torch.tensor([slot for slot, _, _ in runs], device=dev)
+
+        def padded(t: torch.Tensor) -> torch.Tensor:
+            return t[index] * valid.view(R, L, *([1] * (t.dim() - 1)))
+
+        conv = self._conv(padded(mixed), slots, n, _checkpoints(lengths))
+        nk = s.n_k_heads * s.head_k_dim
+        q = _l2norm(conv[..., :nk].unflatten(-1, (s.n_k_heads, s.head_k_dim)), self.cfg.rms_eps)
+        k = _l2norm(conv[..., nk : 2 * nk].unflatten(-1, (s.n_k_heads, s.head_k_dim)), self.cfg.rms_eps)
+        v = conv[..., 2 * nk :].unflatten(-1, (Hv, dv))
+        repeat = Hv // s.n_k_heads  # V head h reads Q/K head h % n_k_heads (ggml's repeat tiles)
+        q, k = q.repeat(1, 1, repeat, 1), k.repeat(1, 1, repeat, 1)
+        g = padded(F.softplus(alpha + self.dt_bias) * self.a)  # padded steps: g = 0, β = 0
+        b = padded(torch.sigmoid(beta))
+        # Runs long enough for chunks go apart from the rest (decode, drafts, short chunks): one
+        # long prefill batched with decoding slots still takes the chunked form.
+        long = [r for r, m in enumerate(lengths) if m > CHUNK + ROLLBACK]
+        short = [r for r, m in enumerate(lengths) if m <= CHUNK + ROLLBACK]
+        if long and short:
+            out = torch.empty(R, L, Hv, dv, device=dev)
+            for rows in (long, short):
+                steps = max(lengths[r] for r in rows)
+                idx = torch.tensor(rows, device=dev)
+                part = (x[idx, :steps] for x in (q, k, v, g, b))
+                out[idx, :steps] = self._delta_rule(*part, slots[idx], [lengths[r] for r in rows])
+        else:
+            out = self._delta_rule(q, k, v, g, b, slots, lengths)
+
+        o = out[valid] / s.head_k_dim**0.5  # [T, Hv, dv], back in batch order
+        o = F.rms_norm(o, (dv,), self.norm, self.cfg.rms_eps) * F.silu(z.view(-1, Hv, dv))
+        return self.w_out(o.flatten(1).to(x.dtype)).float()
+
+    def _conv(self, mixed, slots, n, keep) -> torch.Tensor:
+        """Causal depthwise conv + SiLU over [state | run] per run: mixed [R, L, C] -> [R, L, C];
+        keeps the new conv states (the last kernel-1 inputs) and the checkpoints."""
+        K, C, L, dev = self.shape.conv_kernel, self.shape.conv_channels, mixed.shape[1], mixed.device
+        conv_in = torch.cat([self.conv_state[slots], mixed.transpose(1, 2)], dim=2)  # [R, C, K-1+L]
+        # A few taps: K multiply-adds beat conv1d's grouped kernel at decode on CPU.
+        conv = sum(conv_in[:, :, i : i + L] * self.conv[:, i, None] for i in range(K))
+        kr, kj = (torch.tensor(x, device=dev) for x in zip(*keep))
+        cols = (n[kr] - kj)[:, None] + torch.arange(K - 1, device=dev)[None, :]
+        states = conv_in[kr].gather(2, cols[:, None, :].expand(-1, C, -1))
+        self.conv_ckpt[slots[kr], kj] = states
+        self.conv_state[slots] = states[kj == 0]
+        return F.silu(conv).transpose(1, 2)
+
+    def _delta_rule(self, q, k, v, g, b, slots, lengths) -> torch.Tensor:
+        """Sᵀq per step [R, L, Hv, dv] (unscaled), from each slot's state; keeps the new states and
+        the checkpoints. Chunked up to where the shortest run's checkpoints begin (they need
+        per-token states), token by token after that."""
+        R, L, Hv, dv = v.shape
+        dev = v.device
+        # The state after step t is checkpoint j = length - 1 - t of its run; the incoming one is j = length.
+        saves: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        keep = _checkpoints(lengths)
+        for t in {lengths[r] - 1 - j for r, j in keep}:
+            rows, js = zip(*[(r, j) for r, j in keep if lengths[r] - 1 - j == t])
+            saves[t] = torch.tensor(rows, device=dev), torch.tensor(js, device=dev)
+        state = self.ssm_state[slots]  # [R, Hv, dk, dv]
+        out = torch.empty(R, L, Hv, dv, device=dev)
+
+        def save(t: int) -> None:
+            if t in saves:
+                rows, js = saves[t]
+                self.ssm_ckpt[slots[rows], js] = state[rows]
+
+        save(-1)
+        n_chunked = CHUNK * max(0, (min(lengths) - ROLLBACK - 1) // CHUNK)
+        if n_chunked:
+            out[:, :n_chunked], state = _chunked(*(x[:, :n_chunked] for x in (q, k, v, g, b)), state)
+        for t in range(n_chunked, L):
+            state = state * torch.exp(g[:, t, :, None, None])
+            kv = (k[:, t, :, None, :] @ state).squeeze(-2)  # Sᵀk  [R, Hv, dv]
+            delta = (v[:, t] - kv) * b[:, t, :, None]
+            state = state + k[:, t, :, :, None] * delta[:, :, None, :]
+            out[:, t] = (q[:, t, :, None, :] @ state).squeeze(-2)
+            save(t)
+        self.ssm_state[slots] = state
+        return out
+
+
+def _checkpoints(lengths: list[int]) -> list[tuple[int, int]]:
+    """The checkpoints a batch keeps: (run r, j tokens before its end) for j <= min(length, ROLLBACK);
+    j = 0 is the new state, j = length the incoming one."""
+    return [(r, j) for r, m in enumerate(lengths) for j in range(min(m, ROLLBACK) + 1)]
+
+
+def _l2norm(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / sqrt(sum(x²) + eps) over the last dim (llama.cpp's build_gdn_l2_norm: rms_norm with eps/n)."""
+    return x * torch.rsqrt(x.square().sum(-1, keepdim=True) + eps)
+
+
+def _chunked(q, k, v, g, b, state):
+    """The same recurrence over L (a multiple of CHUNK) steps, a chunk at a time: q, k [R, L, H, dk],
+    v [R, L, H, dv], g, b [R, L, H], state [R, H, dk, dv] -> (Sᵀq [R, L, H, dv], final state).
+
+    Within a chunk the delta rule's sequential updates form a unit lower-triangular system (the WY
+    form: T = (I + tril(diag(β) K Kᵀ ⊙ decay, -1))⁻¹), so one chunk costs a few matrix products and
+    one triangular solve; the state carries from chunk to chunk. As llama.cpp's
+    build_delta_net_chunking and transformers' torch_chunk_gated_delta_rule."""
+    R, L, H, _ = k.shape
+    n = L // CHUNK
+
+    def chunks(x):  # [R, L, H, ...] -> [R, H, n, CHUNK, ...]
+        return x.transpose(1, 2).reshape(R, H, n, CHUNK, *x.shape[3:])
+
+    q, k, v, g, b = map(chunks, (q, k, v, g, b))
+    gc = g.cumsum(-1)  # log decay from the chunk's start, through each step
+    causal = torch.ones(CHUNK, CHUNK, dtype=torch.bool, device=k.device).tril()
+    decay = (gc[..., :, None] - gc[..., None, :]).masked_fill(~causal, float("-inf")).exp()  # step j -> i
+    kb = k * b[..., None]
+    eye = torch.eye(CHUNK, device=k.device)
+    lower = eye + ((kb @ k.transpose(-1, -2)) * decay).tril(-1)
+    T = torch.linalg.solve_triangular(lower, eye.expand_as(lower), upper=False, unitriangular=True)
+    values = T @ (v * b[..., None])  # each step's correction, before the incoming state's part
+    k_decayed = T @ (kb * gc.exp()[..., None])  # what the incoming state predicts of them
+    qk = (q @ k.transpose(-1, -2)) * decay
+    out = torch.empty(*values.shape, device=k.device)
+    for c in range(n):
+        v_new = values[:, :, c] - k_decayed[:, :, c] @ state
+        out[:, :, c] = (q[:, :, c] * gc[:, :, c, :, None].exp()) @ state + qk[:, :, c] @ v_new
+        last = gc[:, :, c, -1]
+        k_last = k[:, :, c] * (last[..., None] - gc[:, :, c]).exp()[..., None]
+        state = state * last.exp()[..., None, None] + k_last.transpose(-1, -2) @ v_new
+    return out.reshape(R, H, L, -1).transpose(1, 2), state
