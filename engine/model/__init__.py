@@ -6,7 +6,7 @@ from .config import ARCHITECTURES, ModelConfig
 from .deltanet import ROLLBACK
 from .graphs import DecodeGraphs
 from .stage import RESCORE_TOP, Stage, build_stage
-from .weights import Linear, Weights
+from .weights import Linear, Weights, device_bytes
 
 __all__ = [
     "ARCHITECTURES",
@@ -17,5 +17,6 @@ __all__ = [
     "ModelConfig",
     "Stage",
     "Weights",
+    "device_bytes",
     "build_stage",
 ]

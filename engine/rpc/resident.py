@@ -18,6 +18,7 @@ import torch
 from ...contracts.rpc import DTYPE_CODES, MAX_CTX, MAX_SLOTS, StaleEpoch
 from ..device import free_bytes
 from ..errors import UserError
+from ..model import build_stage, device_bytes
 
 # Torch dtypes of the wire's dtype names (contracts.rpc.DTYPE_CODES).
 DTYPES = {name: getattr(torch, name) for name in DTYPE_CODES}
@@ -115,8 +116,6 @@ class StageHost:
                 if need > free:
                     raise ComputeError(f"LOAD_STAGE of layers [{a},{b}) with {n_slots}x{n_ctx} KV needs ~{need >> 20} MiB, "
                                        f"{free >> 20} MiB free on {self.device}: refused, the current stage stays")  # fmt: skip
-                from ..model import build_stage
-
                 stage = build_stage(self.g, (a, b), embed=False, head=False, device=self.device, dtype=dtype,
                                     n_slots=n_slots, n_ctx=n_ctx, cache_dir=self.cache_dir)  # fmt: skip
             with self.lock:
@@ -130,11 +129,12 @@ class StageHost:
         return {"epoch": self.epoch, "layers": [a, b], "device": str(self.device), "load_s": round(self.load_s, 4)}
 
     def stage_bytes(self, a: int, b: int, dtype: torch.dtype, n_slots: int, n_ctx: int) -> int:
-        """What a stage of layers [a, b) costs: its weights in `dtype` plus K and V for every slot."""
-        elsize = torch.empty((), dtype=dtype).element_size()
-        weights = sum(t.n_elements for name, t in self.g.tensors.items() if layer_of(name) in range(a, b))
+        """What a stage of layers [a, b) costs: its weights as they will be held (still quantized on
+        a GPU) plus K and V in `dtype` for every slot."""
+        quantized = self.device.type == "cuda"  # build_stage's default there
+        weights = sum(device_bytes(t, dtype, quantized) for name, t in self.g.tensors.items() if layer_of(name) in range(a, b))
         kv = 2 * (b - a) * n_slots * n_ctx * self.cfg.n_head_kv * self.cfg.head_dim
-        return (weights + kv) * elsize
+        return weights + kv * torch.empty((), dtype=dtype).element_size()
 
     def _own(self, owner: int) -> None:
         if self.owner != owner:

@@ -154,11 +154,14 @@ def build_pipeline(cfg: HeadConfig, g, mcfg):
 
 
 def _check_fits(g, device) -> None:
-    """--fallback-solo only when every layer's weights (dequantized to at most 2 bytes a value) fit."""
+    """--fallback-solo only when every layer's weights fit, as they would be held (quantized on a GPU,
+    else at most 2 bytes a value)."""
     import psutil
     import torch
 
-    need = sum(t.n_elements for name, t in g.tensors.items() if name.startswith("blk.")) * 2
+    from ..model import device_bytes
+
+    need = sum(device_bytes(t, torch.bfloat16, device.type == "cuda") for name, t in g.tensors.items() if name.startswith("blk."))
     free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else psutil.virtual_memory().available
     if need > free:
         raise UserError(f"--fallback-solo: all layers need ~{need >> 20} MiB, only {free >> 20} MiB free on {device}")
