@@ -136,7 +136,7 @@ def main(args, cache_dir: Path | None) -> int:
     model = model_path(args.model)
     llama_bench = find_llama_bench(args.llama_bench) if args.llama_bench else None  # fail before our run
     # On CUDA the decode step is compiled before graph capture (fused element-wise kernels: ~1.6x decode).
-    options = {"cache_dir": cache_dir}
+    options = {"cache_dir": cache_dir, "quantized": None if args.gpu_weights == "quantized" else False}
     if resolve_device(args.device).type == "cuda":
         options["compile_decode"] = True
     result = run_bench(model, args.device, args.dtype, args.n_prompt, args.n_gen, args.repetitions, **options)

@@ -24,6 +24,9 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
     p.add_argument("--dtype", default="auto", help="compute dtype: auto, float32, bfloat16, float16")
     p.add_argument("--ctx", type=int, default=4096, help="context length per slot")
+    p.add_argument("--gpu-weights", choices=["quantized", "dense"], default="quantized",
+                   help="on a GPU, keep GGUF-quantized weights quantized (smallest) or expand them to the compute "
+                        "dtype (faster decode today where they fit)")  # fmt: skip
 
 
 def _rpc_args(p: argparse.ArgumentParser, default_host: str = "127.0.0.1") -> None:

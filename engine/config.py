@@ -96,6 +96,12 @@ class ModelSettings:
     dtype: str = "auto"
     ctx: int = 4096
     cache_dir: Path | None = None  # prepared-weight cache; None = off
+    gpu_weights: str = "quantized"  # or "dense": expanded to the compute dtype on a GPU
+
+    @property
+    def quantized(self) -> bool | None:
+        """build_stage's `quantized`: None keeps them quantized where that applies (a GPU)."""
+        return None if self.gpu_weights == "quantized" else False
 
 
 @dataclass(frozen=True)
@@ -181,7 +187,7 @@ def default_cache_dir(env: Mapping[str, str]) -> Path | None:
 
 def model_settings(args, env: Mapping[str, str]) -> ModelSettings:
     _at_least(1, ctx=args.ctx)
-    return ModelSettings(args.model, args.device, args.dtype, args.ctx, default_cache_dir(env))
+    return ModelSettings(args.model, args.device, args.dtype, args.ctx, default_cache_dir(env), args.gpu_weights)
 
 
 def read_token_file(path: str) -> str:

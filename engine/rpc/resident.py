@@ -44,9 +44,11 @@ class StageHost:
     """One worker's resident stage. `assignable=False` on the head: its range follows its own split.
     `cache_dir`: the prepared-weight cache for the stages it loads (None: convert on every load)."""
 
-    def __init__(self, g, cfg, device, *, stage=None, assignable: bool = True, cache_dir: Path | None = None):
+    def __init__(self, g, cfg, device, *, stage=None, assignable: bool = True, cache_dir: Path | None = None,
+                 quantized: bool | None = None):  # fmt: skip
         self.g, self.cfg, self.device = g, cfg, torch.device(device)
         self.cache_dir = cache_dir
+        self.quantized = quantized if quantized is not None else self.device.type == "cuda"  # as build_stage decides
         self.n_layers = cfg.n_layers
         self.stage = stage
         self.assignable = assignable
@@ -117,7 +119,7 @@ class StageHost:
                     raise ComputeError(f"LOAD_STAGE of layers [{a},{b}) with {n_slots}x{n_ctx} KV needs ~{need >> 20} MiB, "
                                        f"{free >> 20} MiB free on {self.device}: refused, the current stage stays")  # fmt: skip
                 stage = build_stage(self.g, (a, b), embed=False, head=False, device=self.device, dtype=dtype,
-                                    n_slots=n_slots, n_ctx=n_ctx, cache_dir=self.cache_dir)  # fmt: skip
+                                    n_slots=n_slots, n_ctx=n_ctx, cache_dir=self.cache_dir, quantized=self.quantized)  # fmt: skip
             with self.lock:
                 if stage is self.stage:
                     for slot in range(n_slots):
@@ -131,8 +133,7 @@ class StageHost:
     def stage_bytes(self, a: int, b: int, dtype: torch.dtype, n_slots: int, n_ctx: int) -> int:
         """What a stage of layers [a, b) costs: its weights as they will be held (still quantized on
         a GPU) plus K and V in `dtype` for every slot."""
-        quantized = self.device.type == "cuda"  # build_stage's default there
-        weights = sum(device_bytes(t, dtype, quantized) for name, t in self.g.tensors.items() if layer_of(name) in range(a, b))
+        weights = sum(device_bytes(t, dtype, self.quantized) for name, t in self.g.tensors.items() if layer_of(name) in range(a, b))
         kv = 2 * (b - a) * n_slots * n_ctx * self.cfg.n_head_kv * self.cfg.head_dim
         return weights + kv * torch.empty((), dtype=dtype).element_size()
 
