@@ -12,20 +12,9 @@ import torch
 from hydra_console.engine.errors import UserError
 from hydra_console.engine.gguf_file import GGUFFile
 from hydra_console.engine.model import ModelConfig, build_stage, device_bytes
+from stages import load, prefill
 
 ARCHS = ["llama", "qwen2", "qwen3", "gemma3"]
-
-
-def load(path, **kw):
-    kw.setdefault("dtype", "float32")
-    kw.setdefault("n_ctx", 64)
-    return build_stage(GGUFFile(path), **kw)
-
-
-def prefill(stage, tokens, slot=0, start=0):
-    n = len(tokens)
-    h = stage.run_layers(stage.embed(torch.tensor(tokens)), torch.full((n,), slot), torch.arange(start, start + n))
-    return stage.logits(h)
 
 
 PROMPT = [2, 17, 300, 45, 99, 512, 7, 8, 540, 33, 21, 5, 600, 64, 71, 12, 13, 14, 15, 16]

@@ -18,6 +18,7 @@ from hydra_console.engine.errors import UserError
 from hydra_console.engine.gguf_file import GGUFFile
 from hydra_console.engine.model import ROLLBACK, ModelConfig, build_stage
 from hydra_console.engine.synth import write_synthetic
+from stages import load, prefill
 
 REFERENCE = Path(__file__).resolve().parent / "data" / "reference" / "qwen35"
 PROMPT = [5, 17, 300, 45, 99, 512, 7, 8, 540, 33, 21, 5, 600, 64, 71, 12, 13, 14, 15, 16]
@@ -26,18 +27,6 @@ F32_MAX_ABS = 5e-5
 # Q4_K: llama.cpp's 8-bit activations move logits by up to 0.17 (measured; on the same weights
 # dequantized to F32 it agrees with us to 7e-6), so top-1 must agree wherever its margin exceeds 0.4.
 CONFIDENT_MARGIN = 0.4
-
-
-def load(path, **kw):
-    kw.setdefault("dtype", "float32")
-    kw.setdefault("n_ctx", 512)
-    return build_stage(GGUFFile(path), **kw)
-
-
-def run(stage, tokens, slot=0, start=0):
-    n = len(tokens)
-    h = stage.run_layers(stage.embed(torch.tensor(tokens)), torch.full((n,), slot), torch.arange(start, start + n))
-    return stage.logits(h)
 
 
 @pytest.fixture(scope="module")
@@ -68,10 +57,10 @@ def compare(stage, ref) -> dict:
 def greedy_ids(stage, ids, n) -> list[int]:
     """Prefill `ids`, then decode token by token (the single-step recurrence)."""
     stage.kv_clear(0)
-    logits = run(stage, ids)
+    logits = prefill(stage, ids)
     out = [int(logits[-1].argmax())]
     while len(out) < n:
-        out.append(int(run(stage, [out[-1]], start=len(ids) + len(out) - 1)[-1].argmax()))
+        out.append(int(prefill(stage, [out[-1]], start=len(ids) + len(out) - 1)[-1].argmax()))
     return out
 
 
@@ -101,10 +90,10 @@ def test_config_and_layer_types(tiny_model):
 
 def test_prefill_equals_token_by_token(tiny_model):
     stage = load(tiny_model("qwen35", n_layers=4))
-    full = run(stage, PROMPT)
-    steps = [run(stage, [t], start=i) for i, t in enumerate(PROMPT)]  # position 0 restarts the state
+    full = prefill(stage, PROMPT)
+    steps = [prefill(stage, [t], start=i) for i, t in enumerate(PROMPT)]  # position 0 restarts the state
     torch.testing.assert_close(torch.cat(steps), full, atol=1e-5, rtol=1e-5)
-    chunks = torch.cat([run(stage, PROMPT[:7]), run(stage, PROMPT[7:15], start=7), run(stage, PROMPT[15:], start=15)])
+    chunks = torch.cat([prefill(stage, PROMPT[:7]), prefill(stage, PROMPT[7:15], start=7), prefill(stage, PROMPT[15:], start=15)])
     torch.testing.assert_close(chunks, full, atol=1e-5, rtol=1e-5)
 
 
@@ -125,41 +114,41 @@ def test_batched_slots_equal_each_slot_alone(tiny_model):
     prompts = [PROMPT[:5], PROMPT[3:12], PROMPT[7:10]]
     batched, alone = load(path), load(path)
     for slot, p in enumerate(prompts):
-        run(batched, p, slot=slot)
+        prefill(batched, p, slot=slot)
     # one forward: a decode token of slots 0 and 2, a 3-token chunk of slot 1
     tokens = torch.tensor([41, 42, 43, 44, 45])
     slots = torch.tensor([0, 1, 1, 1, 2])
     positions = torch.tensor([5, 9, 10, 11, 3])
     got = batched.logits(batched.run_layers(batched.embed(tokens), slots, positions))
-    want = [run(alone, prompts[0] + [41])[-1:], run(alone, prompts[1] + [42, 43, 44])[-3:], run(alone, prompts[2] + [45])[-1:]]
+    want = [prefill(alone, prompts[0] + [41])[-1:], prefill(alone, prompts[1] + [42, 43, 44])[-3:], prefill(alone, prompts[2] + [45])[-1:]]
     torch.testing.assert_close(got, torch.cat(want), atol=1e-5, rtol=1e-5)
 
 
 def test_kv_clear_resets_the_recurrent_state(tiny_model):
     stage = load(tiny_model("qwen35", n_layers=4))
-    first = run(stage, PROMPT)
+    first = prefill(stage, PROMPT)
     stage.kv_clear(0)
     assert all(float(net.ssm_state[0].abs().sum()) == 0 and float(net.conv_state[0].abs().sum()) == 0 for net in stage.recurrent)
-    torch.testing.assert_close(run(stage, PROMPT), first, atol=0, rtol=0)
+    torch.testing.assert_close(prefill(stage, PROMPT), first, atol=0, rtol=0)
 
 
 def test_rejected_positions_restore_the_state_from_checkpoints(tiny_model):
     """A verify batch of 5 whose last 3 are rejected, then the correction: as if never drafted."""
     path = tiny_model("qwen35", n_layers=4)
     stage, ref = load(path), load(path)
-    run(stage, PROMPT[:10])
-    run(stage, [50, 51, 52, 53, 54], start=10)
-    again = run(stage, [60, 61], start=12)
-    torch.testing.assert_close(again, run(ref, PROMPT[:10] + [50, 51, 60, 61])[12:], atol=1e-5, rtol=1e-5)
-    run(stage, [70], start=13)  # one back after a 2-token run
+    prefill(stage, PROMPT[:10])
+    prefill(stage, [50, 51, 52, 53, 54], start=10)
+    again = prefill(stage, [60, 61], start=12)
+    torch.testing.assert_close(again, prefill(ref, PROMPT[:10] + [50, 51, 60, 61])[12:], atol=1e-5, rtol=1e-5)
+    prefill(stage, [70], start=13)  # one back after a 2-token run
     with pytest.raises(ValueError, match="cannot skip, nor roll back further than 1"):
-        run(stage, [5], start=12)  # beyond the last run
+        prefill(stage, [5], start=12)  # beyond the last run
     with pytest.raises(ValueError, match="cannot skip"):
-        run(stage, [5], start=16)  # a gap
-    run(stage, [5], start=14)  # the continuation still works
-    run(stage, PROMPT[:12])
+        prefill(stage, [5], start=16)  # a gap
+    prefill(stage, [5], start=14)  # the continuation still works
+    prefill(stage, PROMPT[:12])
     with pytest.raises(ValueError, match=f"further than {ROLLBACK}"):
-        run(stage, [5], start=12 - ROLLBACK - 1)
+        prefill(stage, [5], start=12 - ROLLBACK - 1)
 
 
 def test_reassigning_layers_requires_a_replay(tiny_model):
@@ -319,7 +308,7 @@ def test_a_nextn_block_is_not_part_of_the_trunk(tiny_model):
     plain, with_mtp = tiny_model("qwen35", n_layers=4), tiny_model("qwen35", n_layers=4, nextn=True)
     g = GGUFFile(with_mtp)
     assert "blk.4.nextn.eh_proj.weight" in g.tensors and ModelConfig.from_gguf(g).n_layers == 4
-    assert torch.equal(run(load(with_mtp), PROMPT), run(load(plain), PROMPT))
+    assert torch.equal(prefill(load(with_mtp), PROMPT), prefill(load(plain), PROMPT))
     with pytest.raises(UserError, match="qwen35\\) carries a multi-token-prediction head \\(1 layer"):
         build_speculator(SpecConfig(type="mtp"), None, g, ModelSettings(None, "cpu", "float32", 64), 1)
 
@@ -342,8 +331,8 @@ def test_bfloat16_with_int8_weights_tracks_float32(tiny_model):
     ids = torch.randint(0, 600, (150,), generator=torch.Generator().manual_seed(2)).tolist()
     exact, fast = load(path), load(path, dtype="bfloat16")
     assert fast.int8
-    want = torch.cat([run(exact, ids), run(exact, [7], start=150)])
-    got = torch.cat([run(fast, ids), run(fast, [7], start=150)])
+    want = torch.cat([prefill(exact, ids), prefill(exact, [7], start=150)])
+    got = torch.cat([prefill(fast, ids), prefill(fast, [7], start=150)])
     agree = float((got.argmax(-1) == want.argmax(-1)).float().mean())
     err = float((got - want).abs().max())
     print(f"bfloat16/int8 vs float32: top-1 {agree:.3f}, max |dlogit| {err:.3f}")
@@ -357,10 +346,10 @@ def test_slot_state_moves_with_the_recurrent_state(tiny_model):
     path = tiny_model("qwen35", n_layers=4)
     fp = GGUFFile(path).fingerprint
     a, b = load(path, n_slots=3), load(path, n_slots=3)
-    nxt = int(run(a, PROMPT, slot=0)[-1].argmax())
+    nxt = int(prefill(a, PROMPT, slot=0)[-1].argmax())
     blob = b"".join(slot_state.save(a, 0, PROMPT, fp))
     assert slot_state.restore(b, 2, slot_state.reader(blob), fp) == PROMPT
-    assert torch.equal(run(a, [nxt], slot=0, start=len(PROMPT)), run(b, [nxt], slot=2, start=len(PROMPT)))
+    assert torch.equal(prefill(a, [nxt], slot=0, start=len(PROMPT)), prefill(b, [nxt], slot=2, start=len(PROMPT)))
     with pytest.raises(SlotStateError, match="recurrent state covers 21 tokens, not the 20"):
         b"".join(slot_state.save(a, 0, PROMPT, fp))
 
