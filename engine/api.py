@@ -106,6 +106,10 @@ class TokenizeBody(BaseModel):
     with_pieces: bool = False
 
 
+class SlotFileBody(BaseModel):
+    filename: str = ""
+
+
 class DetokenizeBody(BaseModel):
     tokens: list[int]
 
@@ -298,6 +302,36 @@ def create_app(head: Head) -> FastAPI:
     @app.get("/slots")
     async def slots():
         return _engine(head).slot_info()
+
+    @app.post("/slots/{slot}")
+    async def slot_action(slot: int, action: str, body: SlotFileBody | None = None):
+        """llama-server's slot save / restore / erase, files under --slot-save-path."""
+        engine = _engine(head)
+        if action == "erase":
+            return {"id_slot": slot, "n_erased": await asyncio.to_thread(engine.erase_slot, slot)}
+        if action not in ("save", "restore"):
+            raise APIError(400, f"action must be save, restore or erase, not {action!r}", param="action")
+        folder = head.cfg.slot_save_path
+        if folder is None:
+            raise APIError(501, "slot save/restore is off: start the server with --slot-save-path", "not_supported_error")
+        name = body.filename if body else ""
+        if not name or "/" in name or "\\" in name or name.startswith("."):
+            raise APIError(400, f"filename {name!r} must be a plain file name", param="filename")
+        path, t0 = folder / name, time.perf_counter()
+        if action == "save":
+            def save():
+                with open(path, "wb") as f:
+                    return engine.save_slot(slot, f.write)
+
+            n, written = await asyncio.to_thread(save)
+            return {"id_slot": slot, "filename": name, "n_saved": n, "n_written": written,
+                    "timings": {"save_ms": (time.perf_counter() - t0) * 1e3}}  # fmt: skip
+        if not path.is_file():
+            raise APIError(404, f"no saved slot named {name!r}", "not_found_error", "filename")
+        data = await asyncio.to_thread(path.read_bytes)
+        n = await asyncio.to_thread(engine.restore_slot, slot, data)
+        return {"id_slot": slot, "filename": name, "n_restored": n, "n_read": len(data),
+                "timings": {"restore_ms": (time.perf_counter() - t0) * 1e3}}  # fmt: skip
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeBody):

@@ -102,6 +102,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("-n", "--n-predict", type=int, default=1024,
                    help="max_tokens of a chat request that sets none (capped by the context; -1: to the end "
                         "of the context); completions keep OpenAI's 16 (default 1024)")  # fmt: skip
+    s.add_argument("--slot-save-path", default=None,
+                   help="folder for POST /slots/{id}?action=save|restore (llama-server's; off without it)")
     _spec_args(s)
 
     pr = sub.add_parser("peer", help="peer worker: serves its assigned layers over the merged RPC port")

@@ -126,6 +126,15 @@ class RpcSettings:
         return GPU_SPIN_S if str(device).startswith("cuda") else 0.0
 
 
+def json_safe(value):
+    """Paths as text, everywhere in a nested document (what /status serves must be JSON)."""
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    return str(value) if isinstance(value, Path) else value
+
+
 @dataclass(frozen=True)
 class WorkerConfig:
     """What every worker has: a model, an HTTP address and its merged RPC port."""
@@ -139,8 +148,7 @@ class WorkerConfig:
         """The configuration /status reports: the secret as `***`."""
         doc = dataclasses.asdict(self)
         doc["rpc"]["auth_token"] = "***" if self.rpc.auth_token else None
-        doc["model"]["cache_dir"] = str(self.model.cache_dir) if self.model.cache_dir else None
-        return doc
+        return json_safe(doc)
 
 
 @dataclass(frozen=True)
@@ -158,6 +166,7 @@ class HeadConfig(WorkerConfig):
     max_body: int = MIN_MAX_BODY  # bytes of a request body; above: 413
     max_queue: int = 64  # requests waiting beyond the slots; above: 503 + Retry-After
     n_predict: int = 1024  # max_tokens of a chat request that names none; -1: to the end of the context
+    slot_save_path: Path | None = None  # where /slots save and restore files live; None: off
 
     def redacted(self) -> dict:
         doc = super().redacted()
@@ -243,6 +252,7 @@ def head_config(args, env: Mapping[str, str]) -> HeadConfig:
         max_body=max_body,
         max_queue=args.max_queue,
         n_predict=args.n_predict,
+        slot_save_path=_existing_dir("--slot-save-path", args.slot_save_path),
     )
 
 
@@ -266,6 +276,15 @@ def _require_token_off_loopback(cfg: PeerConfig) -> None:
     if not loopback:
         raise UserError(f"--rpc-host {host} without a token exposes this peer to anyone who reaches it: "
                         "set HYDRA_TOKEN or --auth-token-file, or pass --insecure")  # fmt: skip
+
+
+def _existing_dir(flag: str, value: str | None) -> Path | None:
+    if value is None:
+        return None
+    path = Path(value)
+    if not path.is_dir():
+        raise UserError(f"{flag} {value}: not a folder")
+    return path
 
 
 def _at_least(low: float, **values) -> None:

@@ -20,6 +20,7 @@ import torch
 from ..contracts.rpc import StaleEpoch
 from ..contracts.split import check_ranges
 from ..contracts.status import StageInfo
+from . import slot_state
 from .errors import UserError
 from .model import Stage
 from .rpc.client import PeerUnavailable
@@ -99,6 +100,30 @@ class Pipeline:
             self.local.kv_clear(slot)
             for remote in self.remotes:
                 remote.kv_clear(slot)
+
+    def save_slot(self, slot: int, tokens: list[int], write) -> int:
+        """Write the state of `slot`'s `tokens` (contracts.slot_state) through `write(bytes)`;
+        returns the bytes written. Solo only: a split slot's layers live on the peers too."""
+        self._solo_only("save")
+        n = 0
+        with self._lock:
+            for chunk in slot_state.save(self.local, slot, tokens, self.local.g.fingerprint):
+                write(chunk)
+                n += len(chunk)
+        return n
+
+    def restore_slot(self, slot: int, data: bytes) -> list[int]:
+        """Place a saved state into `slot` (checked first; refused states leave it untouched)."""
+        self._solo_only("restore")
+        with self._lock:
+            tokens = slot_state.restore(self.local, slot, slot_state.reader(data), self.local.g.fingerprint)
+            self._lengths[slot] = len(tokens)
+            return tokens
+
+    def _solo_only(self, what: str) -> None:
+        if self.remotes:
+            raise UserError(f"slot {what} on a split pipeline needs the peers' state ops (STATE_GET/PUT), "
+                            "not built yet: only a solo head saves and restores slots")  # fmt: skip
 
     # --- slot history and KV rebuild ------------------------------------------------------------
 

@@ -19,7 +19,7 @@ from typing import Iterator
 
 import torch
 
-from .errors import Overloaded, Unavailable, describe
+from .errors import Overloaded, Unavailable, UserError, describe
 from .output import OutputProcessor
 from .sampling import InvalidParam, TokenLogprob, sample_batch, token_logprobs
 from .scheduler import DEFAULT_BATCH_TOKENS, Batch, Chunk, Sampled, Scheduler
@@ -188,6 +188,34 @@ class Engine:
                 info.update(id_task=seq.req.id, n_prompt_tokens=seq.n_prompt, n_decoded=seq.n_gen)
             out.append(info)
         return out
+
+    # ---- slot save / restore (llama-server's /slots actions) -----------------------------------
+
+    def save_slot(self, slot: int, write) -> tuple[int, int]:
+        """(tokens, bytes) of the prompt cache an idle slot holds, written through `write`."""
+        with self._cond:  # the slot stays idle: admit waits for this lock
+            self._idle(slot)
+            tokens = list(self.scheduler.cached[slot])
+            return len(tokens), self.pipeline.save_slot(slot, tokens, write)
+
+    def restore_slot(self, slot: int, data: bytes) -> int:
+        """Load a saved state into an idle slot; its tokens become that slot's prompt cache."""
+        with self._cond:
+            self._idle(slot)
+            self.scheduler.cached[slot] = self.pipeline.restore_slot(slot, data)
+            return len(self.scheduler.cached[slot])
+
+    def erase_slot(self, slot: int) -> int:
+        with self._cond:
+            self._idle(slot)
+            n, self.scheduler.cached[slot] = len(self.scheduler.cached[slot]), []
+            return n
+
+    def _idle(self, slot: int) -> None:
+        if not 0 <= slot < len(self.scheduler.slots):
+            raise UserError(f"slot {slot} does not exist ({len(self.scheduler.slots)} slots)")
+        if self.scheduler.slots[slot] is not None:
+            raise UserError(f"slot {slot} is processing a request")
 
     # ---- the engine thread ---------------------------------------------------------------------
 

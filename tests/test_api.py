@@ -65,6 +65,11 @@ def test_health_is_staged_and_503_until_ready(tiny_model, tmp_path):
     assert all(c == 503 for c in codes[:-1]) and stages == sorted(stages) and stages[-1] == 4
 
 
+def test_slot_save_is_off_without_a_save_path(server):
+    r = httpx.post(f"{server}/slots/0", params={"action": "save"}, json={"filename": "a.bin"})
+    assert r.status_code == 501 and "--slot-save-path" in r.json()["error"]["message"]
+
+
 def test_models_and_tokenize_roundtrip(server, model_id):
     base = server
     models = httpx.get(f"{base}/v1/models").json()

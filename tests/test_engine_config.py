@@ -51,6 +51,7 @@ def test_peer_config_defaults():
         (["-n", "-2"], {}, "--n-predict"),
         (["--draft-max", "99", "--spec-type", "ngram"], {}, "draft max"),
         ([], {"HYDRA_RPC_SPIN_MS": "fast"}, "HYDRA_RPC_SPIN_MS"),
+        (["--slot-save-path", "/nonexistent/slots"], {}, "--slot-save-path"),
         ([], {"HYDRA_RPC_SPIN_MS": "-3"}, "HYDRA_RPC_SPIN_MS"),
     ],
 )

@@ -89,3 +89,26 @@ def test_wrong_model_dtype_or_size_is_refused(tiny_model):
         slot_state.restore(bf16, 0, slot_state.reader(blob), fp)
     with pytest.raises(SlotStateError, match="does not exist"):
         slot_state.restore(stage(path), 7, slot_state.reader(blob), fp)
+
+
+def test_slots_save_erase_restore_over_http(tiny_model, tmp_path):
+    """llama-server's POST /slots/{id}?action=…: a restored slot's prompt is reused, not recomputed."""
+    import httpx
+    from rpc_workers import complete, head, running
+
+    prompt = "the quick brown fox jumps over the lazy dog"
+    with running(head(tiny_model("llama"), tmp_path, (), "--dtype", "float32", "--slot-save-path", str(tmp_path), parallel=1)) as w:
+        first = complete(w, prompt, 6).json()
+        act = lambda action, **body: httpx.post(f"{w.url}/slots/0", params={"action": action}, json=body or None, timeout=30)  # noqa: E731
+        saved = act("save", filename="s.bin").json()
+        assert saved["n_saved"] > 0 and saved["n_written"] == (tmp_path / "s.bin").stat().st_size
+        assert act("erase").json()["n_erased"] == saved["n_saved"]
+        assert act("restore", filename="s.bin").json()["n_restored"] == saved["n_saved"]
+        again = complete(w, prompt, 6).json()
+        assert again["choices"][0]["text"] == first["choices"][0]["text"]
+        assert again["timings"]["cache_n"] > 0
+        for body, code in (({"filename": "../x"}, 400), ({"filename": "missing.bin"}, 404)):
+            r = act("restore", **body)
+            assert r.status_code == code and r.json()["error"]["param"] == "filename"
+        (tmp_path / "bad.bin").write_bytes(b"HYSLOT\x00\x01" + b"\xff" * 12)
+        assert act("restore", filename="bad.bin").status_code == 400
