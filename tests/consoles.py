@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import shlex
+import signal
 import sys
 import time
 
@@ -40,3 +42,12 @@ async def until(pilot, cond, timeout: float = 20.0) -> None:
 
 def all_ready(sup: Supervisor) -> bool:
     return all(w.state == State.READY for w in sup.workers.values())
+
+
+def kill_groups(pids) -> None:
+    """SIGKILL each worker's process group: cleanup after a test that let a console go."""
+    for p in pids:
+        try:
+            os.killpg(p, signal.SIGKILL)
+        except OSError:
+            pass

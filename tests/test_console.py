@@ -28,7 +28,7 @@ from hydra_console.app.ui.app import HydraConsole
 from hydra_console.app.ui.dialogs import ConfirmScreen, HelpScreen
 from hydra_console.app.ui.logs import LogsScreen
 from hydra_console.app.ui.split_editor import SplitEditorScreen
-from consoles import FAKE, all_ready, fake_profile, port_pair, until
+from consoles import FAKE, all_ready, fake_profile, kill_groups, port_pair, until
 
 def head_ranges(sup: Supervisor) -> list[list[int]]:
     doc = httpx.get(f"{sup.head.spec.url}/status", timeout=2).json()
@@ -171,11 +171,7 @@ async def test_quit_can_detach_and_leave_the_workers_running(tmp_path):
         assert [w.pid for w in nxt.workers.values()] == pids
         await nxt.shutdown()
     finally:
-        for p in pids:
-            try:
-                os.killpg(p, signal.SIGKILL)
-            except OSError:
-                pass
+        kill_groups(pids)
 
 
 async def test_logs_filter_invert_and_failure_highlight(tmp_path):

@@ -25,7 +25,7 @@ from hydra_console.app.sources import FixedFeedSource, HttpStatusSource, Probe
 from hydra_console.engine.rpc.wire import pack_control_response
 from hydra_console.app.supervisor import Backoff, State, Supervisor, SupervisorError, describe_exit
 
-from consoles import FAKE, fake_profile, port_pair
+from consoles import FAKE, fake_profile, kill_groups, port_pair
 
 
 
@@ -489,11 +489,7 @@ async def test_kill_9_of_the_console_then_a_new_console_adopts_and_stops_its_wor
         assert not sup.state_path.exists()
     finally:
         console.kill()
-        for p in pids:
-            try:
-                os.killpg(p, signal.SIGKILL)
-            except OSError:
-                pass
+        kill_groups(pids)
 
 
 async def test_detach_leaves_the_workers_running_for_the_next_console(tmp_path):
