@@ -7,8 +7,8 @@
    close them) for `--duration` s while split completions run; peak RSS and threads of both
    workers, completion latency against the baseline, INFO and /health latency;
 3. pre-auth memory probe: frames announcing 512 MiB before AUTH on both ports, RSS before and after;
-4. the HTTP flood (`http_flood`): a hook for the HTTP limits' benchmark.
-Prints numbers; asserts nothing.
+Prints numbers; asserts nothing. The HTTP flood against the request queue is
+benchmarks/attack_http.py.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from pathlib import Path
 
 import httpx
 import psutil
+from ready import wait_ready
 
 from hydra_console.app.control_client import request_sync
 from hydra_console.contracts.rpc import CONTROL_MAGIC, Cmd, Op
@@ -61,15 +62,7 @@ class Worker:
         self.peak_rss = self.peak_threads = 0
 
     def wait_ready(self) -> None:
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(f"http://127.0.0.1:{self.port}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        raise SystemExit(f"worker on {self.port} did not start")
+        wait_ready(self.port, f"worker on {self.port}", 180)
 
     def sample(self) -> tuple[int, int]:
         rss, threads = self.ps.memory_info().rss, self.ps.num_threads()
@@ -217,12 +210,6 @@ def preauth_probe(head: Worker, peer: Worker, rounds: int = 20) -> dict:
     return out
 
 
-def http_flood(head: Worker, args) -> dict | None:
-    """Hook for the HTTP limits' flood (200 concurrent completions against the request queue:
-    each must get 200 or 503 with Retry-After, none lost). Not built here."""
-    return None
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="GGUF file (default: a synthetic 8-layer gemma3)")
@@ -248,8 +235,6 @@ def main() -> None:
             print(json.dumps({"quiet_latency_median_s": round(baseline, 3), "quiet_info_ms_p50": p(infos, 0.5)}), flush=True)
             print(json.dumps(idle_sockets_phase(head, peer, args, baseline)), flush=True)
             print(json.dumps(preauth_probe(head, peer)), flush=True)
-            flood = http_flood(head, args)
-            print(json.dumps({"http_flood": flood if flood is not None else "not built (hook: http_flood)"}), flush=True)
         finally:
             for w in (head, peer):
                 w.stop()

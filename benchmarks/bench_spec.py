@@ -30,8 +30,8 @@ import tempfile
 import time
 from pathlib import Path
 
-import httpx
 import psutil
+from ready import wait_ready
 
 from hydra_console.engine.default_model import model_path
 from hydra_console.engine.gguf_file import GGUFFile
@@ -89,17 +89,7 @@ class Peer:
                "--port", str(self.port), "--rpc-port", str(self.rpc_port)]  # fmt: skip
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
         self.ps = psutil.Process(self.proc.pid)
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise SystemExit(f"peer exited {self.proc.returncode}; log: {self.log.name}")
-            try:
-                if httpx.get(f"http://127.0.0.1:{self.port}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        raise SystemExit(f"peer not ready after 120 s; log: {self.log.name}")
+        wait_ready(self.port, f"peer (log: {self.log.name})", 120, self.proc)
 
     def cpu_s(self) -> float:
         t = self.ps.cpu_times()

@@ -22,7 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-import httpx
+from ready import wait_ready
 
 from hydra_console.engine.rpc import wire
 from hydra_console.contracts.rpc import CONTROL_MAGIC, FORWARD_HEADER, Cmd, Op
@@ -48,15 +48,8 @@ def spawn(role: str, model: Path, log: Path, *extra: str) -> tuple[subprocess.Po
            "--port", str(port), "--rpc-port", str(rpc), "--max-frame", str(MAX_FRAME), *extra]  # fmt: skip
     with open(log, "wb") as f:
         proc = subprocess.Popen(cmd, stderr=f, stdout=f)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                return proc, port, rpc
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise SystemExit(f"{role} did not start")
+    wait_ready(port, role)
+    return proc, port, rpc
 
 
 # --- generators -----------------------------------------------------------------------------------
