@@ -65,9 +65,9 @@ def _sweep(rng: np.random.Generator) -> None:
         raw = random_blocks((n, k), T.Q4_K, 1 / 64, rng)
         weights.append(_copies(QuantWeight.from_gguf(raw, T.Q4_K, (n, k), device="cuda")))
     grids = {  # (BLOCK_N, BLOCK_K, num_warps, programs per SM)
-        1: [(bn, bk, nw, 8) for bn in (4, 8, 16, 32) for bk in (256, 1024) for nw in (4, 8)],
-        4: [(bn, bk, 4, 8) for bn in (4, 8, 16) for bk in (256, 512)],
-        16: [(bn, 256, nw, 8) for bn in (2, 4, 8) for nw in (4, 8)],
+        1: [(bn, bk, nw, 8) for bn in (4, 8, 16, 32) for bk in (256, 512, 1024) for nw in (4, 8)],
+        4: [(bn, bk, 4, 8) for bn in (4, 8, 16) for bk in (256, 512, 1024)],
+        16: [(bn, bk, nw, 8) for bn in (2, 4, 8) for bk in (256, 512) for nw in (4, 8)],
     }
     for rows, grid in grids.items():
         results = {}

@@ -42,12 +42,9 @@ def _group(ptr, r, stride, k, DIV: tl.constexpr, ok):
 
 
 @triton.jit
-def _w_tile(q_ptr, h_ptr, d_ptr, sc_ptr, m_ptr, mn_ptr, r, r_ok, p, k_lo, K, q_stride, h_stride, d_stride, s_stride,
-            BITS: tl.constexpr, OFFSET: tl.constexpr, SB: tl.constexpr, G: tl.constexpr, HAS_M: tl.constexpr,
-            HAS_MN: tl.constexpr):
-    """float32 weights of rows r (int64) at nibble bytes p of the tiles starting at elements k_lo (p's shape
-    with a last dim of 1): (lo, hi) = the elements k_lo + p % 16 and k_lo + 16 + p % 16, shaped like r + p."""
-    ok = r_ok & (p < K // 2)
+def _codes(q_ptr, h_ptr, r, ok, p, q_stride, h_stride, BITS: tl.constexpr, OFFSET: tl.constexpr):
+    """Codes minus offset as float32, (lo, hi), at nibble bytes p of rows r (int64): byte p of a
+    32-element tile holds element p % 16 (lo) and element 16 + p % 16 (hi)."""
     byte = tl.load(q_ptr + r * q_stride + p, mask=ok, other=0).to(tl.int32)
     lo = byte & 15
     hi = byte >> 4
@@ -60,26 +57,29 @@ def _w_tile(q_ptr, h_ptr, d_ptr, sc_ptr, m_ptr, mn_ptr, r, r_ok, p, k_lo, K, q_s
     # Integer to float without the slow conversion unit: the float with bits 0x4B000000 | u is exactly 2^23 + u.
     q_lo = (lo | 0x4B000000).to(tl.float32, bitcast=True) - (8388608.0 + OFFSET)
     q_hi = (hi | 0x4B000000).to(tl.float32, bitcast=True) - (8388608.0 + OFFSET)
-    gok = r_ok & (k_lo < K)
-    # Same operations, in the same order, as quant.dequantize: (d * sc) * (u - offset) + m * mn.
-    # A group of 16 (Q6_K) splits each tile into a lo and a hi group; wider groups cover both halves.
-    d_lo = _group(d_ptr, r, d_stride, k_lo, SB, gok)
+    return q_lo, q_hi
+
+
+@triton.jit
+def _scales(d_ptr, sc_ptr, m_ptr, mn_ptr, r, ok, k_lo, d_stride, s_stride, SB: tl.constexpr, G: tl.constexpr,
+            HAS_M: tl.constexpr, HAS_MN: tl.constexpr):
+    """(d_lo, d_hi, m) of the tiles starting at elements k_lo of rows r: the scales of a tile's lo and hi
+    halves (a group of 16, Q6_K, splits a tile; wider groups cover both halves) and its min (0: none),
+    as quant.dequantize computes them: d * sc and m * mn."""
+    d_lo = _group(d_ptr, r, d_stride, k_lo, SB, ok)
     d_hi = d_lo
     if G == 16:
-        d_lo = d_lo * _group(sc_ptr, r, s_stride, k_lo, G, gok)
-        d_hi = d_hi * _group(sc_ptr, r, s_stride, k_lo + 16, G, gok)
+        d_lo = d_lo * _group(sc_ptr, r, s_stride, k_lo, G, ok)
+        d_hi = d_hi * _group(sc_ptr, r, s_stride, k_lo + 16, G, ok)
     elif G:
-        d_lo = d_lo * _group(sc_ptr, r, s_stride, k_lo, G, gok)
+        d_lo = d_lo * _group(sc_ptr, r, s_stride, k_lo, G, ok)
         d_hi = d_lo
-    w_lo = d_lo * q_lo
-    w_hi = d_hi * q_hi
+    m = 0.0
     if HAS_M:
-        m_lo = _group(m_ptr, r, d_stride, k_lo, SB, gok)
+        m = _group(m_ptr, r, d_stride, k_lo, SB, ok)
         if HAS_MN:  # K-quants with mins have groups of 32
-            m_lo = m_lo * _group(mn_ptr, r, s_stride, k_lo, G, gok)
-        w_lo = w_lo + m_lo
-        w_hi = w_hi + m_lo
-    return w_lo, w_hi
+            m = m * _group(mn_ptr, r, s_stride, k_lo, G, ok)
+    return d_lo, d_hi, m
 
 
 @triton.jit
@@ -91,8 +91,13 @@ def _dequant_kernel(q_ptr, h_ptr, d_ptr, sc_ptr, m_ptr, mn_ptr, out_ptr, N, K, q
     r = rows.to(tl.int64)
     k_lo = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K // 32)[None, :, None] * 32
     i = tl.arange(0, 16)[None, None, :]
-    w_lo, w_hi = _w_tile(q_ptr, h_ptr, d_ptr, sc_ptr, m_ptr, mn_ptr, r, r_ok, k_lo // 2 + i, k_lo, K, q_stride,
-                         h_stride, d_stride, s_stride, BITS, OFFSET, SB, G, HAS_M, HAS_MN)
+    p = k_lo // 2 + i
+    q_lo, q_hi = _codes(q_ptr, h_ptr, r, r_ok & (p < K // 2), p, q_stride, h_stride, BITS, OFFSET)
+    d_lo, d_hi, m = _scales(d_ptr, sc_ptr, m_ptr, mn_ptr, r, r_ok & (k_lo < K), k_lo, d_stride, s_stride, SB, G,
+                            HAS_M, HAS_MN)
+    # The same operations, in the same order, as quant.dequantize: (d * sc) * (u - offset) + m * mn.
+    w_lo = d_lo * q_lo + m
+    w_hi = d_hi * q_hi + m
     k = k_lo + i
     ok = r_ok & (k < K)
     dt = out_ptr.dtype.element_ty
@@ -102,28 +107,43 @@ def _dequant_kernel(q_ptr, h_ptr, d_ptr, sc_ptr, m_ptr, mn_ptr, out_ptr, N, K, q
 
 @triton.jit
 def _gemv_kernel(x_ptr, q_ptr, h_ptr, d_ptr, sc_ptr, m_ptr, mn_ptr, out_ptr, M, N, K, x_stride, q_stride, h_stride,
-                 d_stride, s_stride, k_split, BITS: tl.constexpr, OFFSET: tl.constexpr, SB: tl.constexpr,
+                 d_stride, s_stride, K_SPLIT: tl.constexpr, BITS: tl.constexpr, OFFSET: tl.constexpr, SB: tl.constexpr,
                  G: tl.constexpr, HAS_M: tl.constexpr, HAS_MN: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr, MR: tl.constexpr):
     # Axes [weight row, x row, 32-element tile, element]: every operand is indexed in this one frame,
-    # so broadcasting never moves data between threads.
+    # so broadcasting never moves data between threads. Each tile's codes are dotted with x first and
+    # scaled once per half tile: per weight, one fused multiply-add after decoding the code.
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)[:, None, None, None]
     r_ok = rows < N
     r = rows.to(tl.int64)
+    r3 = tl.reshape(r, [BLOCK_N, 1, 1])
+    r3_ok = r3 < N
     xr = tl.arange(0, MR)[None, :, None, None]
     t = tl.arange(0, BLOCK_K // 32)[None, None, :, None]
+    t3 = tl.arange(0, BLOCK_K // 32)[None, None, :]
     i = tl.arange(0, 16)[None, None, None, :]
-    k_start = tl.program_id(1) * k_split
+    k_start = tl.program_id(1) * K_SPLIT
     acc = tl.zeros([BLOCK_N, MR, BLOCK_K // 32], tl.float32)
-    for k0 in range(k_start, tl.minimum(k_start + k_split, K), BLOCK_K):
+    for kk in range(0, K_SPLIT, BLOCK_K):  # the last split's steps past K load nothing (masked)
+        k0 = k_start + kk
         k_lo = k0 + t * 32
-        w_lo, w_hi = _w_tile(q_ptr, h_ptr, d_ptr, sc_ptr, m_ptr, mn_ptr, r, r_ok, k_lo // 2 + i, k_lo, K, q_stride,
-                             h_stride, d_stride, s_stride, BITS, OFFSET, SB, G, HAS_M, HAS_MN)
+        p = k_lo // 2 + i
+        q_lo, q_hi = _codes(q_ptr, h_ptr, r, r_ok & (p < K // 2), p, q_stride, h_stride, BITS, OFFSET)
+        k3 = k0 + t3 * 32
+        d_lo, d_hi, m = _scales(d_ptr, sc_ptr, m_ptr, mn_ptr, r3, r3_ok & (k3 < K), k3, d_stride, s_stride, SB, G,
+                                HAS_M, HAS_MN)
         x_at = x_ptr + xr * x_stride + k_lo + i
         x_ok = (xr < M) & (k_lo < K)
         x_lo = tl.load(x_at, mask=x_ok, other=0.0).to(tl.float32)
         x_hi = tl.load(x_at + 16, mask=x_ok, other=0.0).to(tl.float32)
-        acc += tl.sum(w_lo * x_lo + w_hi * x_hi, axis=3)
+        s_lo = tl.sum(q_lo * x_lo, axis=3)
+        s_hi = tl.sum(q_hi * x_hi, axis=3)
+        if G == 16:
+            acc += s_lo * d_lo + s_hi * d_hi
+        else:
+            acc += (s_lo + s_hi) * d_lo
+        if HAS_M:
+            acc += m * tl.sum(x_lo + x_hi, axis=3)
     y = tl.sum(acc, axis=2)  # [BN, MR]
     rows2 = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)[:, None]
     xr2 = tl.arange(0, MR)[None, :]
@@ -186,7 +206,7 @@ def qmm(x: torch.Tensor, q: torch.Tensor, h: torch.Tensor | None, d: torch.Tenso
     k_split = _split_k(grid_n, k, block_k, per_sm * _sm_count(x.device))
     splits = triton.cdiv(k, k_split)
     out = torch.empty(splits, rows, n, dtype=x.dtype if splits == 1 else torch.float32, device=x.device)
-    _gemv_kernel[(grid_n, splits)](x, *ptrs, out, rows, n, k, x.stride(0), *strides, k_split, **consts,
+    _gemv_kernel[(grid_n, splits)](x, *ptrs, out, rows, n, k, x.stride(0), *strides, K_SPLIT=k_split, **consts,
                                    BLOCK_N=block_n, BLOCK_K=block_k, MR=mr, num_warps=warps)
     return out[0] if splits == 1 else out.sum(0).to(x.dtype)
 
