@@ -67,7 +67,7 @@ def _sweep(rng: np.random.Generator) -> None:
     grids = {  # (BLOCK_N, BLOCK_K, num_warps, programs per SM)
         1: [(bn, bk, nw, 8) for bn in (4, 8, 16, 32) for bk in (256, 512, 1024) for nw in (4, 8)],
         4: [(bn, bk, 4, 8) for bn in (4, 8, 16) for bk in (256, 512, 1024)],
-        16: [(bn, bk, nw, 8) for bn in (2, 4, 8) for bk in (256, 512) for nw in (4, 8)],
+        8: [(bn, bk, nw, 8) for bn in (4, 8) for bk in (256, 512) for nw in (4, 8)],
     }
     for rows, grid in grids.items():
         results = {}
@@ -83,7 +83,7 @@ def _sweep(rng: np.random.Generator) -> None:
         for per_sm in (2, 4, 16):  # then how many programs split-K aims for, around the best tile
             measure(best[:3] + (per_sm,))
         GEMV_CONFIGS[rows] = min(results, key=results.get)
-    GEMV_CONFIGS[2], GEMV_CONFIGS[8] = GEMV_CONFIGS[4], GEMV_CONFIGS[16]
+    GEMV_CONFIGS[2] = GEMV_CONFIGS[4]
     print(f"GEMV_CONFIGS = {GEMV_CONFIGS}")
 
 
@@ -101,7 +101,7 @@ def _copy_bandwidth() -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--types", default=",".join(t.name for t in (T.Q4_K, T.Q6_K, T.Q5_K, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1)))
-    ap.add_argument("--rows", default="1,4,16,512")
+    ap.add_argument("--rows", default="1,4,8,16,512")
     ap.add_argument("--sweep", action="store_true", help="tune GEMV tiles first")
     args = ap.parse_args()
     types = [T[name] for name in args.types.split(",")]
@@ -125,7 +125,7 @@ def main() -> None:
                 x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
                 t_ref = _time_per_call([lambda d=d: x @ d.T for d in denses])
                 paths = {"fused": fused_matmul} if rows <= GEMV_MAX_ROWS else {}
-                if rows >= 8:  # where one dequantization shared by all rows may beat the GEMV
+                if rows >= 4:  # where one dequantization shared by all rows may beat the GEMV
                     paths["scratch+cuBLAS"] = _scratch
                 for path, op in paths.items():
                     t = _time_per_call([lambda w=w: op(x, w) for w in ws])

@@ -176,7 +176,7 @@ def test_cuda_ipc_peer_killed_mid_decode_fails_fast_and_recovers(cuda_peer):
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "Q4_K_M"])
 def test_weights_stay_quantized_and_agree_with_bf16(tiny_model, qtype):
     """GGUF-quantized weights stay quantized on the GPU (kernels), and top-1 agrees with the same
-    weights expanded to bfloat16 on >= 99 % of positions, prefill and graph-replayed decode."""
+    weights expanded to bfloat16 wherever that is decisive, prefill and graph-replayed decode."""
     g = GGUFFile(tiny_model("llama", n_layers=2, n_embd=512, n_head=8, n_head_kv=4, n_ff=1024, qtype=qtype, vocab_size=2048))
     opts = dict(device="cuda", dtype="bfloat16", n_slots=2, n_ctx=320)
     quant, dense = build_stage(g, quantized=True, **opts), build_stage(g, quantized=False, **opts)
@@ -189,8 +189,13 @@ def test_weights_stay_quantized_and_agree_with_bf16(tiny_model, qtype):
         q_rows.append(run(quant, [token], [0], [256 + i]))
         d_rows.append(run(dense, [token], [0], [256 + i]))
         token = q_rows[-1][-1].argmax().item()
-    q, d = torch.cat(q_rows), torch.cat(d_rows)
-    agree = (q.argmax(-1) == d.argmax(-1)).float().mean().item()
-    print(f"{qtype}: top-1 agreement {agree:.4f}, rel err {rel_err(q, d.cpu()):.2e}, "
-          f"weights {quant.weight_bytes / 2**20:.1f} MiB vs bf16 {dense.weight_bytes / 2**20:.1f} MiB")
-    assert agree >= 0.99 and 1 in quant.graphs.graphs
+    q, d = torch.cat(q_rows).cpu(), torch.cat(d_rows).cpu()
+    err = rel_err(q, d)
+    # Random weights leave near-ties that bfloat16 rounding flips either way: top-1 must agree wherever
+    # the dense lead over the runner-up is 4x the typical error, and that must be most positions.
+    top2 = d.topk(2, dim=-1).values
+    decisive = (top2[:, 0] - top2[:, 1]) > 4 * err * d.pow(2).mean(-1).sqrt()
+    agree = (q.argmax(-1) == d.argmax(-1))[decisive].float().mean().item()
+    print(f"{qtype}: top-1 agreement {agree:.4f} on {decisive.float().mean().item():.1%} decisive positions, "
+          f"rel err {err:.2e}, weights {quant.weight_bytes / 2**20:.1f} MiB vs bf16 {dense.weight_bytes / 2**20:.1f} MiB")
+    assert err < 2e-2 and decisive.float().mean() >= 0.8 and agree == 1.0 and 1 in quant.graphs.graphs

@@ -96,7 +96,7 @@ def test_fused_matmul_matches_reference(qt, n):
 
     k = 4 * _k(qt)
     _, w, ref = _weight(qt, n, k, seed=n, device=KERNEL_DEVICE)
-    for rows in (1, 2, 4, 5, 16, 64, 300):
+    for rows in (1, 2, 4, 5, 8, 64, 300):
         x = torch.randn(rows, k, device=KERNEL_DEVICE)
         want = x.double() @ ref.double().T
         # float32 x: float32 arithmetic throughout; bf16 x: the output's rounding dominates.

@@ -6,9 +6,10 @@ import torch
 
 from .qweight import QuantWeight
 
-# Up to this many rows (decode, speculative verify) the fused kernels read the weight once;
-# beyond, one dequantization into a scratch dense weight is amortized over cuBLAS's tensor-core GEMM.
-FUSED_MAX_ROWS = 16
+# Up to this many rows (decode, speculative verify) the fused GEMV reads the weight once; its
+# multiply-adds grow with the rows, and from about 8 rows one dequantization into a scratch dense
+# weight amortized over cuBLAS's tensor-core GEMM is as fast (`benchmarks/bench_qkernels.py`).
+FUSED_MAX_ROWS = 8
 
 
 def qlinear(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:

@@ -26,11 +26,10 @@ from .qweight import LAYOUTS, QuantWeight
 # GEMV tiles by row count rounded up to a power of two: (BLOCK_N, BLOCK_K, num_warps, programs per SM
 # that split-K aims for). Chosen on an H200 by `benchmarks/bench_qkernels.py --sweep`.
 GEMV_CONFIGS: dict[int, tuple[int, int, int, int]] = {
-    1: (16, 256, 4, 4),
-    2: (16, 256, 4, 4),
-    4: (8, 256, 4, 4),
-    8: (4, 256, 4, 4),
-    16: (2, 256, 4, 4),
+    1: (4, 1024, 4, 2),
+    2: (8, 1024, 4, 2),
+    4: (8, 1024, 4, 2),
+    8: (8, 512, 4, 2),
 }
 GEMV_MAX_ROWS = max(GEMV_CONFIGS)
 
@@ -122,16 +121,18 @@ def _gemv_kernel(x_ptr, q_ptr, h_ptr, d_ptr, sc_ptr, m_ptr, mn_ptr, out_ptr, M, 
     t = tl.arange(0, BLOCK_K // 32)[None, None, :, None]
     t3 = tl.arange(0, BLOCK_K // 32)[None, None, :]
     i = tl.arange(0, 16)[None, None, None, :]
-    k_start = tl.program_id(1) * K_SPLIT
+    # Offsets in bytes of `q` first: each tile's 16 bytes are then provably contiguous and aligned,
+    # so they load as one 128-bit access.
+    byte_start = tl.program_id(1) * (K_SPLIT // 2)
     acc = tl.zeros([BLOCK_N, MR, BLOCK_K // 32], tl.float32)
-    for kk in range(0, K_SPLIT, BLOCK_K):  # the last split's steps past K load nothing (masked)
-        k0 = k_start + kk
-        k_lo = k0 + t * 32
-        p = k_lo // 2 + i
+    for b0 in range(0, K_SPLIT // 2, BLOCK_K // 2):  # the last split's steps past K load nothing (masked)
+        p = tl.max_contiguous(tl.multiple_of(byte_start + b0 + t * 16 + i, [1, 1, 16, 16]), [1, 1, 1, 16])
         q_lo, q_hi = _codes(q_ptr, h_ptr, r, r_ok & (p < K // 2), p, q_stride, h_stride, BITS, OFFSET)
+        k0 = 2 * (byte_start + b0)
         k3 = k0 + t3 * 32
         d_lo, d_hi, m = _scales(d_ptr, sc_ptr, m_ptr, mn_ptr, r3, r3_ok & (k3 < K), k3, d_stride, s_stride, SB, G,
                                 HAS_M, HAS_MN)
+        k_lo = k0 + t * 32
         x_at = x_ptr + xr * x_stride + k_lo + i
         x_ok = (xr < M) & (k_lo < K)
         x_lo = tl.load(x_at, mask=x_ok, other=0.0).to(tl.float32)
