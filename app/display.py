@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import psutil
 
-from ..contracts.status import Status
+from ..contracts.status import READY_STAGE, Status
 from .config import Alerts
 from .supervisor import Event, State, Supervisor, Worker, describe_exit
 
@@ -53,7 +53,7 @@ def state_text(w: Worker, now: float) -> tuple[str, str]:
     if w.state in (State.BACKOFF, State.CRASH_LOOP) and w.backoff_until is not None and not w.running:
         word = f"{word} {max(0.0, w.backoff_until - now):.0f}s"
     elif w.state == State.STARTING and w.status:
-        word = f"starting {w.status.startup_stage}/4"
+        word = f"starting {w.status.startup_stage}/{READY_STAGE}"
     return f"{symbol} {word}", tone
 
 

@@ -18,7 +18,7 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from ..contracts.split import parse_split
-from ..contracts.status import Address, DeviceInfo, Health, ModelInfo, PeerInfo, Pool, Speculative, StageInfo, Status
+from ..contracts.status import READY_STAGE, Address, DeviceInfo, Health, ModelInfo, PeerInfo, Pool, Speculative, StageInfo, Status
 
 
 def build_status(args, started: float) -> Status:
@@ -35,7 +35,7 @@ def build_status(args, started: float) -> Status:
         version="fake",
         uptime_s=round(up, 1),
         state="ok" if ready else "starting",
-        startup_stage=4 if ready else 1,
+        startup_stage=READY_STAGE if ready else 1,
         http=Address(args.host, args.port),
         rpc=Address(args.rpc_host, args.rpc_port),
         model=ModelInfo("fake", args.model or "", "fake", args.layers, "0"),

@@ -13,8 +13,10 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any
 
-STARTUP_STAGES = {1: "alive", 2: "model loaded", 3: "RPC active", 4: "ready"}
-READY_STAGE = 4
+# "warming": the decode step is being compiled and captured (llama-server answers "loading" meanwhile).
+STARTUP_STAGES = {1: "alive", 2: "model loaded", 3: "RPC active", 4: "warming", 5: "ready"}
+READY_STAGE = 5
+WARMING_STAGE = 4
 
 
 class _Doc:
@@ -78,7 +80,7 @@ class Health(_Doc):
     while loading and whenever the worker cannot serve (a peer down, no stage). `status` "degraded"
     with `serving` true is degraded but serving (e.g. --fallback-solo took over): 200."""
 
-    status: str = "starting"  # "starting" | "ok" | "degraded"
+    status: str = "starting"  # "starting" | "warming" | "ok" | "degraded"
     startup_stage: int = 1  # STARTUP_STAGES
     has_model: bool = False
     model_name: str | None = None

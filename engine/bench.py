@@ -136,9 +136,8 @@ def main(args, cache_dir: Path | None) -> int:
     model = model_path(args.model)
     llama_bench = find_llama_bench(args.llama_bench) if args.llama_bench else None  # fail before our run
     # On CUDA the decode step is compiled before graph capture (fused element-wise kernels: ~1.6x decode).
-    options = {"cache_dir": cache_dir, "quantized": None if args.gpu_weights == "quantized" else False}
-    if resolve_device(args.device).type == "cuda":
-        options["compile_decode"] = True
+    options = {"cache_dir": cache_dir, "quantized": None if args.gpu_weights == "quantized" else False,
+               "compile_decode": not args.no_compile}
     result = run_bench(model, args.device, args.dtype, args.n_prompt, args.n_gen, args.repetitions, **options)
     if llama_bench:
         theirs = run_llama_bench(llama_bench, model, torch.device(result["device"]), args.n_prompt, args.n_gen, args.repetitions)

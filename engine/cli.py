@@ -14,7 +14,7 @@ import os
 import sys
 from typing import Mapping
 
-from .config import BODY_BYTES_PER_TOKEN, ENVIRONMENT, default_cache_dir, head_config, peer_config
+from .config import BODY_BYTES_PER_TOKEN, ENVIRONMENT, compile_cache_env, default_cache_dir, head_config, peer_config
 from .errors import UserError
 from .openmp import configure_split_worker
 
@@ -27,6 +27,9 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu-weights", choices=["quantized", "dense"], default="quantized",
                    help="on a GPU, keep GGUF-quantized weights quantized (smallest) or expand them to the compute "
                         "dtype (faster decode today where they fit)")  # fmt: skip
+    p.add_argument("--no-compile", action="store_true",
+                   help="on a GPU, capture the decode step in CUDA graphs without torch.compile: a faster start "
+                        "(no warm-up compile), a slower decode")  # fmt: skip
 
 
 def _rpc_args(p: argparse.ArgumentParser, default_host: str = "127.0.0.1") -> None:
@@ -122,6 +125,8 @@ def main(argv: list[str] | None = None, env: Mapping[str, str] | None = None) ->
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.command == "peer" or getattr(args, "peer", None):
         configure_split_worker()  # before the subcommand imports torch
+    for name, value in compile_cache_env(default_cache_dir(env)).items():
+        os.environ.setdefault(name, value)  # before torch is imported; the operator's own setting wins
     try:
         if args.command == "generate":
             from .generate import main as generate

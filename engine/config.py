@@ -97,6 +97,7 @@ class ModelSettings:
     ctx: int = 4096
     cache_dir: Path | None = None  # prepared-weight cache; None = off
     gpu_weights: str = "quantized"  # or "dense": expanded to the compute dtype on a GPU
+    compile: bool = True  # torch.compile the CUDA decode step before graph capture (--no-compile)
 
     @property
     def quantized(self) -> bool | None:
@@ -194,9 +195,18 @@ def default_cache_dir(env: Mapping[str, str]) -> Path | None:
     return Path(value) if value else Path.home() / ".cache" / "hydra-console" / "prepared"
 
 
+def compile_cache_env(cache_dir: Path | None) -> dict[str, str]:
+    """Inductor's and Triton's caches beside the prepared weights, so a restarted worker reuses its
+    compiled decode step (seconds, not a fresh compile)."""
+    if cache_dir is None:
+        return {}
+    return {"TORCHINDUCTOR_CACHE_DIR": str(cache_dir / "inductor"), "TRITON_CACHE_DIR": str(cache_dir / "triton")}
+
+
 def model_settings(args, env: Mapping[str, str]) -> ModelSettings:
     _at_least(1, ctx=args.ctx)
-    return ModelSettings(args.model, args.device, args.dtype, args.ctx, default_cache_dir(env), args.gpu_weights)
+    return ModelSettings(args.model, args.device, args.dtype, args.ctx, default_cache_dir(env), args.gpu_weights,
+                         not args.no_compile)
 
 
 def read_token_file(path: str) -> str:

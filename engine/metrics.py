@@ -61,7 +61,7 @@ class _HydraCollector:
         self.status = status
 
     def collect(self):
-        up = GaugeMetricFamily("hydra_startup_stage", "1 alive, 2 model loaded, 3 RPC active, 4 ready.",
+        up = GaugeMetricFamily("hydra_startup_stage", "1 alive, 2 model loaded, 3 RPC active, 4 warming, 5 ready.",
                                value=self.status.startup_stage)  # fmt: skip
         yield up
         layers = GaugeMetricFamily("hydra_stage_layers", "Layers held by each pipeline stage.",

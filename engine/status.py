@@ -16,6 +16,7 @@ from typing import Callable
 from .. import __version__
 from ..contracts.status import (
     READY_STAGE,
+    WARMING_STAGE,
     Address,
     DeviceInfo,
     Health,
@@ -109,7 +110,7 @@ class StatusDocument:
     @property
     def state(self) -> str:
         if self.startup_stage < READY_STAGE:
-            return "starting"
+            return "warming" if self.startup_stage == WARMING_STAGE else "starting"
         return "degraded" if self.degraded or self.unavailable() else "ok"
 
     def health(self) -> Health:

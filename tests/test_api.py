@@ -60,9 +60,9 @@ def test_health_is_staged_and_503_until_ready(tiny_model, tmp_path):
     # the port answers before the model is loaded (torch alone takes longer than a poll)
     assert codes[0] == 503 and seen[0][1]["status"] == "starting"
     last = seen[-1][1]
-    assert codes[-1] == 200 and (last["status"], last["startup_stage"], last["has_model"]) == ("ok", 4, True)
+    assert codes[-1] == 200 and (last["status"], last["startup_stage"], last["has_model"]) == ("ok", 5, True)
     assert last["model_name"] and isinstance(last["rpc_active"], bool)
-    assert all(c == 503 for c in codes[:-1]) and stages == sorted(stages) and stages[-1] == 4
+    assert all(c == 503 for c in codes[:-1]) and stages == sorted(stages) and stages[-1] == 5
 
 
 def test_slot_save_is_off_without_a_save_path(server):
@@ -237,13 +237,13 @@ def test_metrics_names_and_counters_move(server, client, model_id):
     assert after["llamacpp:tokens_predicted_total"] - before["llamacpp:tokens_predicted_total"] == 4
     assert after["llamacpp:prompt_tokens_total"] > before["llamacpp:prompt_tokens_total"]
     assert after["llamacpp:prompt_seconds_total"] > before["llamacpp:prompt_seconds_total"]
-    assert after["hydra_startup_stage"] == 4
+    assert after["hydra_startup_stage"] == 5
 
 
 def test_status_document(server):
     base = server
     doc = httpx.get(f"{base}/status").json()
-    assert doc["role"] == "head" and doc["pid"] > 0 and doc["state"] == "ok" and doc["startup_stage"] == 4
+    assert doc["role"] == "head" and doc["pid"] > 0 and doc["state"] == "ok" and doc["startup_stage"] == 5
     assert doc["model"]["arch"] == "llama" and doc["model"]["n_layers"] == 2 and len(doc["model"]["fingerprint"]) == 32
     assert doc["stages"] == [{"role": "head", "addr": None, "layers": [0, 2], "device": "cpu", "state": "ok"}]
     assert doc["devices"] and doc["devices"][0]["memory_total"] > 0

@@ -218,7 +218,7 @@ def test_health_is_503_with_a_peer_killed(tiny_model, tmp_path):
         r = wait_for(lambda: (h := httpx.get(f"{w.url}/health", timeout=TIMEOUT)).status_code == 503 and h, TIMEOUT,
                      "/health to turn 503")  # fmt: skip
         body = r.json()
-        assert body["status"] == "degraded" and body["serving"] is False and body["startup_stage"] == 4
+        assert body["status"] == "degraded" and body["serving"] is False and body["startup_stage"] == 5
         assert p.rpc_addr in body["reason"]
         refused = post(w, "/v1/completions", {"prompt": "hi", "max_tokens": 2}, headers={})
         assert_openai_error(refused, 503) and int(refused.headers["Retry-After"]) >= 1

@@ -27,7 +27,7 @@ def gpu(index: int, used: float, total: float = 139) -> dict:
 
 
 HEAD_STATUS = {
-    "role": "head", "pid": 4101, "uptime_s": 3725.0, "state": "ok", "startup_stage": 4,
+    "role": "head", "pid": 4101, "uptime_s": 3725.0, "state": "ok", "startup_stage": 5,
     "model": {"name": "Gemma 3 270m", "arch": "gemma3", "n_layers": 18},
     "stages": [{"role": "head", "addr": "127.0.0.1:8081", "layers": [0, 6], "device": "cuda:0", "state": "ok"},
                {"role": "peer", "addr": "127.0.0.1:8091", "layers": [6, 12], "device": "cuda:1", "state": "ok"},
@@ -40,11 +40,11 @@ HEAD_STATUS = {
               {"addr": "10.0.0.7:8091", "state": "up", "rtt_ms": 72.5, "layers": [12, 18]}],
     "slots": [{"id": 0, "state": "processing", "n_ctx": 4096, "n_past": 812}],
 }
-PEER_STATUS = {"role": "peer", "pid": 4102, "uptime_s": 3731.0, "state": "ok", "startup_stage": 4,
+PEER_STATUS = {"role": "peer", "pid": 4102, "uptime_s": 3731.0, "state": "ok", "startup_stage": 5,
                "stages": [{"role": "peer", "addr": "127.0.0.1:8091", "layers": [6, 12]}], "devices": [gpu(1, 128.0)]}
 FEED = {
-    "head": Probe(True, 200, {"status": "ok", "startup_stage": 4}, HEAD_STATUS),
-    "peer1": Probe(True, 200, {"status": "ok", "startup_stage": 4}, PEER_STATUS),
+    "head": Probe(True, 200, {"status": "ok", "startup_stage": 5}, HEAD_STATUS),
+    "peer1": Probe(True, 200, {"status": "ok", "startup_stage": 5}, PEER_STATUS),
     # peer2 is down: the feed has no answer for it.
 }
 LOG = [

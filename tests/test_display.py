@@ -121,7 +121,7 @@ def test_memory_estimate_adds_up_to_the_gguf(tiny_model):
 
 
 STATUS = {
-    "role": "head", "pid": 4242, "uptime_s": 75.0, "state": "ok", "startup_stage": 4,
+    "role": "head", "pid": 4242, "uptime_s": 75.0, "state": "ok", "startup_stage": 5,
     "stages": [{"role": "head", "addr": "127.0.0.1:8081", "layers": [0, 9]},
                {"role": "peer", "addr": "127.0.0.1:8091", "layers": [9, 18]}],
     "devices": [{"index": 0, "kind": "cuda", "name": "H200", "memory_used": 95 * 2**30, "memory_total": 100 * 2**30, "util": 40}],

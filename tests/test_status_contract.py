@@ -7,7 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from hydra_console.app.sources import Probe
-from hydra_console.contracts.status import Health, PeerInfo, Pool, StageInfo, Status
+from hydra_console.contracts.status import READY_STAGE, WARMING_STAGE, Health, PeerInfo, Pool, StageInfo, Status
 from hydra_console.engine.status import StatusDocument
 
 pytestmark = pytest.mark.unit
@@ -22,7 +22,9 @@ def test_a_served_document_reads_back_unchanged():
     assert served.devices and served.pool.busy == 1 and served.config == {"parallel": 4}
     health = doc.health()
     assert Health.from_json(health.to_json()) == health and health.http_code == 503  # still starting
-    doc.startup_stage = 4
+    doc.startup_stage = WARMING_STAGE
+    assert doc.health().http_code == 503 and doc.health().status == "warming"
+    doc.startup_stage = READY_STAGE
     assert doc.health().http_code == 200
 
 

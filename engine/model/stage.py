@@ -79,7 +79,7 @@ class _Layer:
             q_w, k_w = vec(p + "attn_q_norm.weight"), vec(p + "attn_k_norm.weight")
             self.qk_norm = torch.cat([q_w.expand(cfg.n_head, -1), k_w.expand(cfg.n_head_kv, -1)])
         self.post_attn_norm = vec(p + "post_attention_norm.weight") if cfg.post_norms else None
-        shape = (stage.n_slots, cfg.n_head_kv, stage.n_ctx, cfg.head_dim)
+        shape = (stage.cache_rows, cfg.n_head_kv, stage.n_ctx, cfg.head_dim)
         self.k_cache = torch.zeros(shape, dtype=stage.dtype, device=stage.device)
         self.v_cache = torch.zeros(shape, dtype=stage.dtype, device=stage.device)
 
@@ -113,6 +113,9 @@ class Stage:
         self.layer_range = (0, 0)
         self.state_len = [0] * n_slots  # tokens each slot's recurrent state has consumed
         self.rollback = [0] * n_slots  # how many of them checkpoints can take back
+        # Recurrent layers run eagerly for now (their batched step is not graph-captured yet).
+        capture = self.device.type == "cuda" and not cfg.recurrent
+        self.cache_rows = n_slots + 1 if capture else n_slots  # + the graphs' padding slot
         self.assign(*layers)
         if embed:
             self._embd_info = weights.tensor("token_embd.weight")
@@ -126,9 +129,7 @@ class Stage:
             self.output_norm = weights.vector("output_norm.weight")
             self._head_name = "token_embd.weight" if cfg.tied else "output.weight"
             self.output = weights.linear([self._head_name], terms=1)
-        # Recurrent layers run eagerly for now (their batched step is not graph-captured yet).
-        capture = self.device.type == "cuda" and not cfg.recurrent
-        self.graphs = DecodeGraphs(self, compiled=compile_decode) if capture else None
+        self.graphs = DecodeGraphs(self, pad_slot=n_slots, compiled=compile_decode) if capture else None
 
     # ---- layers and cache ------------------------------------------------------------------
 
@@ -145,6 +146,11 @@ class Stage:
         self.state_len, self.rollback = [0] * self.n_slots, [0] * self.n_slots
         if getattr(self, "graphs", None) is not None:
             self.graphs.reset()
+
+    def warm_up(self) -> None:
+        """Compile and capture the decode step for every batch bucket now (CUDA; nothing elsewhere)."""
+        if self.graphs is not None:
+            self.graphs.warm_up()
 
     def kv_clear(self, slot: int) -> None:
         """Forget a slot: its KV and its recurrent state."""

@@ -45,10 +45,11 @@ class StageHost:
     `cache_dir`: the prepared-weight cache for the stages it loads (None: convert on every load)."""
 
     def __init__(self, g, cfg, device, *, stage=None, assignable: bool = True, cache_dir: Path | None = None,
-                 quantized: bool | None = None):  # fmt: skip
+                 quantized: bool | None = None, compile_decode: bool = False):  # fmt: skip
         self.g, self.cfg, self.device = g, cfg, torch.device(device)
         self.cache_dir = cache_dir
         self.quantized = quantized if quantized is not None else self.device.type == "cuda"  # as build_stage decides
+        self.compile_decode = compile_decode
         self.n_layers = cfg.n_layers
         self.stage = stage
         self.assignable = assignable
@@ -119,7 +120,9 @@ class StageHost:
                     raise ComputeError(f"LOAD_STAGE of layers [{a},{b}) with {n_slots}x{n_ctx} KV needs ~{need >> 20} MiB, "
                                        f"{free >> 20} MiB free on {self.device}: refused, the current stage stays")  # fmt: skip
                 stage = build_stage(self.g, (a, b), embed=False, head=False, device=self.device, dtype=dtype,
-                                    n_slots=n_slots, n_ctx=n_ctx, cache_dir=self.cache_dir, quantized=self.quantized)  # fmt: skip
+                                    n_slots=n_slots, n_ctx=n_ctx, cache_dir=self.cache_dir, quantized=self.quantized,
+                                    compile_decode=self.compile_decode)  # fmt: skip
+                stage.warm_up()  # before the swap: the old stage serves meanwhile
             with self.lock:
                 if stage is self.stage:
                     for slot in range(n_slots):

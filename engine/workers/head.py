@@ -15,7 +15,7 @@ import time
 import traceback
 
 from ...contracts.split import parse_split
-from ...contracts.status import ModelInfo
+from ...contracts.status import READY_STAGE, WARMING_STAGE, ModelInfo
 from ..config import HeadConfig
 from ..errors import UserError
 from ..metrics import Metrics
@@ -44,7 +44,7 @@ class HeadWorker:
 
     @property
     def ready(self) -> bool:
-        return self.status.startup_stage >= 4 and self.engine is not None
+        return self.status.startup_stage >= READY_STAGE and self.engine is not None
 
     def load(self) -> None:
         """Model file → Pipeline → Engine; each step moves /health's startup_stage on."""
@@ -74,12 +74,13 @@ class HeadWorker:
         self.rpc = HeadRpc(cfg.rpc, g, mcfg, pipeline, self.status.model).start()
         self.status.add_provider(self.rpc.status)
         self.metrics.register(RpcCollector(self.rpc.listener, pipeline))
-        self.status.startup_stage = 3
+        self.status.startup_stage = WARMING_STAGE
+        pipeline.local.warm_up()
         self.engine = Engine(pipeline, self.tok, n_slots=cfg.parallel, n_ctx=cfg.model.ctx, speculator=speculator,
                              max_queue=cfg.max_queue).start()  # fmt: skip
         pipeline.active_slots = lambda: {s.slot for s in self.engine.slots if s is not None}
         self.status.engine = self.engine
-        self.status.startup_stage = 4
+        self.status.startup_stage = READY_STAGE
 
     def stop(self) -> None:
         for part in (self.engine, self.rpc, self.pipeline):
@@ -147,7 +148,7 @@ def build_pipeline(cfg: HeadConfig, g, mcfg):
         log.warning("peers %s never came up: --fallback-solo runs all %d layers on the head", names, mcfg.n_layers)
         remotes, ranges = [], [(0, mcfg.n_layers)]
     local = build_stage(g, ranges[0], device=device, dtype=dtype, n_slots=n_slots, n_ctx=m.ctx, cache_dir=m.cache_dir,
-                        quantized=m.quantized)  # fmt: skip
+                        quantized=m.quantized, compile_decode=m.compile)  # fmt: skip
     pipeline = Pipeline(local, remotes, ranges=ranges)
     if remotes:
         pipeline.start_watch()

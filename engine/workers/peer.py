@@ -12,7 +12,7 @@ import sys
 
 from fastapi import FastAPI
 
-from ...contracts.status import Address, ModelInfo, StageInfo
+from ...contracts.status import READY_STAGE, Address, ModelInfo, StageInfo
 from ..config import PeerConfig
 from ..default_model import model_path
 from ..device import resolve_device
@@ -38,7 +38,8 @@ class PeerWorker:
         self.device = resolve_device(cfg.model.device)
         self.status.model = ModelInfo(self.path.stem, str(self.path), g.architecture, self.model_cfg.n_layers, g.fingerprint)
         self.status.startup_stage = 2
-        self.host = StageHost(g, self.model_cfg, self.device, cache_dir=cfg.model.cache_dir, quantized=cfg.model.quantized)
+        self.host = StageHost(g, self.model_cfg, self.device, cache_dir=cfg.model.cache_dir, quantized=cfg.model.quantized,
+                              compile_decode=cfg.model.compile)  # fmt: skip
         # No stage until a head loads one: /health says degraded, /status "idle".
         self.host.on_change = lambda: setattr(self.status, "degraded", self.host.stage is None)
         self.host.on_change()
@@ -63,7 +64,7 @@ class PeerWorker:
 
     def serve(self) -> int:
         self.listener.start()
-        self.status.startup_stage = 4  # 3 = RPC active; a peer is ready as soon as its port serves
+        self.status.startup_stage = READY_STAGE  # a peer is ready as soon as its port serves (it warms per LOAD_STAGE)
         app = FastAPI(title="hydra peer")
         add_observation_routes(app, self.status, self.metrics)
         print(
