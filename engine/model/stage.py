@@ -206,7 +206,14 @@ class Stage:
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Hidden states [R, n_embd] -> float32 logits [R, n_vocab]."""
-        x = self._norm(h, self.output_norm)
+        return self.project(self.final_norm(h))
+
+    def final_norm(self, h: torch.Tensor) -> torch.Tensor:
+        """The output norm: what the head projects, and what an MTP block drafts from (llama.cpp's `h_nextn`)."""
+        return self._norm(h, self.output_norm)
+
+    def project(self, x: torch.Tensor) -> torch.Tensor:
+        """Normed hidden states [R, n_embd] -> float32 logits [R, n_vocab] through the output head."""
         out = self.output(x.to(self.dtype)).float()
         if self.output.scale is not None and out.shape[-1] > RESCORE_TOP:  # int8 head
             top = out.topk(RESCORE_TOP, dim=-1).indices
