@@ -401,8 +401,8 @@ class SpecStats:
                 self.accepted_per_pos[i] += 1
             self._recent.append((time.monotonic(), n_drafted, n_accepted))
 
-    def snapshot(self, spec: SpecConfig | None = None) -> Speculative:
-        """The /status `speculative` section."""
+    def snapshot(self, spec: SpecConfig | None = None, kv_bytes: int = 0) -> Speculative:
+        """The /status `speculative` section (`kv_bytes`: the drafter's own cache)."""
         with self._lock:
             cutoff = time.monotonic() - self.window_s
             recent = [(d, a) for t, d, a in self._recent if t >= cutoff]
@@ -418,6 +418,7 @@ class SpecStats:
                 mean_accepted_len=1 + self.accepted / self.drafts if self.drafts else None,
                 recent_acceptance=r_accepted / r_drafted if r_drafted else None,
                 accepted_per_pos=list(self.accepted_per_pos),
+                kv_bytes=kv_bytes,
             )
 
 
