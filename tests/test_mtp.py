@@ -126,6 +126,23 @@ def test_mtp_drafts_are_accepted_on_a_model_whose_block_predicts_the_next_token(
     assert stats.accepted_per_pos[0] >= 0.9 * stats.drafts
 
 
+def test_sampled_requests_draft_through_their_own_sampler(tiny_model):
+    """temperature > 0: the block's draft is drawn from the request's sampler and verified by rejection
+    sampling; on the bigram model the two distributions are the same, so drafts are accepted."""
+    path = tiny_model("qwen35", n_layers=4, nextn=True, bigram=True)
+    g = GGUFFile(path)
+    stage = load(path, n_slots=1, n_ctx=128)
+    spec = build_speculator(SpecConfig(type="mtp", n_max=3, p_min=0.0), None, g, F32, 1, head=stage)
+    eng = Engine(Pipeline(stage), Tokenizer.from_gguf(g), 1, 128, speculator=spec).start()
+    try:
+        req = Request([5, 17, 300], SamplingParams(temperature=0.8, seed=3), max_tokens=30, ignore_eos=True)
+        n = sum(len(ev.tokens) for ev in eng.generate(req, timeout=120))
+    finally:
+        eng.stop()
+    stats = eng.spec_stats
+    assert n == 30 and stats.drafts > 0 and stats.accepted >= 0.9 * stats.draft_tokens
+
+
 def test_a_draft_of_the_greedy_continuation_is_accepted_fully(tiny_model):
     """Verification: a 3-token draft that is exactly the model's greedy continuation yields 4 tokens."""
     path = tiny_model("qwen35", n_layers=4, nextn=True)
