@@ -1,6 +1,8 @@
 """The transformer: `config` (shape and per-architecture deltas), `weights` (GGUF tensors as
 dense or int8 products, the prepared-weight cache), `rope`, `attention`, `deltanet` (Gated
-DeltaNet layers and their recurrent state), `stage` (a layer range with its KV cache, built by `build_stage`), `nextn` (Qwen3.5's MTP block, on the head) and `graphs` (CUDA graphs of the decode step)."""
+DeltaNet layers and their recurrent state), `stage` (a layer range with its KV cache, built by
+`build_stage`), `nextn` (Qwen3.5's MTP block, on the head) and `graphs` (CUDA graphs of the decode
+step)."""
 
 from .config import ARCHITECTURES, ModelConfig
 from .deltanet import ROLLBACK

@@ -57,12 +57,12 @@ class NextN:
     def run(self, tokens, h_prev: torch.Tensor, slots, positions) -> torch.Tensor:
         """Tokens [T] with the trunk's (or the previous draft step's) normed hidden state of the
         position before each: writes the block's KV, returns its normed output h' [T, n_embd]."""
-        eps = self.head.cfg.rms_eps
+        d, eps = self.head.cfg.n_embd, self.head.cfg.rms_eps
         e = self.head.embed(tokens)
         h_prev = h_prev.to(e.device, torch.float32)
-        x = torch.cat([F.rms_norm(e, (e.shape[-1],), self.enorm, eps), F.rms_norm(h_prev, (e.shape[-1],), self.hnorm, eps)], dim=-1)
+        x = torch.cat([F.rms_norm(e, (d,), self.enorm, eps), F.rms_norm(h_prev, (d,), self.hnorm, eps)], dim=-1)
         y = self.block.run_layers(self.eh_proj(x.to(self.block.dtype)).float(), slots, positions)
-        return F.rms_norm(y, (y.shape[-1],), self.head_norm, eps)
+        return F.rms_norm(y, (d,), self.head_norm, eps)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """The block's normed output [R, n_embd] -> float32 draft logits [R, n_vocab]."""
