@@ -183,6 +183,11 @@ class Stage:
         return sum(t.nbytes for layer in self.layers.values() for t in _state_tensors(layer))
 
     @property
+    def state_bytes(self) -> int:
+        """The recurrent (DeltaNet) part of `kv_bytes`: conv + SSM state and their checkpoints."""
+        return sum(t.nbytes for layer in self.layers.values() if layer.deltanet is not None for t in _state_tensors(layer))
+
+    @property
     def weight_bytes(self) -> int:
         """Bytes of weights read per decoded token (layers + output head; embedding rows are negligible)."""
         n = sum(layer.nbytes for layer in self.layers.values())
