@@ -268,7 +268,9 @@ def acceptance_text(status: Status | None) -> str:
     if spec is None or spec.type == "off":
         return "spec off"
     mean_s = "—" if spec.mean_accepted_len is None else f"{spec.mean_accepted_len:.2f}"
-    return f"spec {spec.type}: accept {fmt_pct(spec.acceptance)} · mean len {mean_s} · drafts {spec.drafts}"
+    # The original system's headline: its drafter is the model's own MTP head.
+    head = "MTP acceptance" if spec.type == "mtp" else f"spec {spec.type}: accept"
+    return f"{head} {fmt_pct(spec.acceptance)} · mean len {mean_s} · drafts {spec.drafts}"
 
 
 def pool_text(status: Status | None) -> str:

@@ -1,7 +1,8 @@
 """Speculative decoding: tokens per target forward, acceptance and decode speed-up over `off`.
 
-    python benchmarks/bench_spec.py [--model PATH] [--device cpu] [--dtype auto] [--n-gen 128]
-                                    [--draft-max 3] [--reps 3] [--split 9/9] [--link-rtt-ms 0 2 10]
+    python benchmarks/bench_spec.py [--model PATH | --synth qwen35|qwen35-bigram] [--device cpu] [--dtype auto]
+                                    [--n-gen 128] [--spec-type ngram|mtp] [--draft-max 3] [--draft-p-min 0.75]
+                                    [--reps 3] [--split 9/9] [--link-rtt-ms 0 2 10]
                                     [--workloads repetitive,prose] [--threads N] [--json]
 
 Workloads on one slot: a repetitive one (rewrite a code block with one change: the continuation
@@ -16,6 +17,14 @@ generated token (head + peer) with the speed-up in CPU time, which other process
 First, per pipeline, the cost of one forward with 1 token vs draft-max+1 tokens. `same` says whether
 every speculative output equalled the plain one (greedy only). Last, a summary table per workload:
 tokens per target forward, acceptance and decode speed-up over `off` for every pipeline.
+
+`--spec-type mtp` drafts with the model's own MTP block (a qwen35 GGUF with `blk.N.nextn.*`); the
+engine then runs the block over every forward's tokens (as llama.cpp does), `off` rows included.
+It also prints the mechanics: one MTP draft step's cost relative to a trunk decode step, and the
+verify cost for k = 1..draft-max. `--synth` writes a small synthetic qwen35 with an MTP block:
+`qwen35` has random weights (acceptance means nothing: use `--draft-p-min 0` to draft at all),
+`qwen35-bigram` is built so that its MTP block predicts exactly the trunk's next token (acceptance ~1:
+what MTP drafting buys when drafts are right).
 """
 
 from __future__ import annotations
@@ -41,7 +50,8 @@ from hydra_console.engine.config import head_config
 from hydra_console.engine.workers.head import build_pipeline
 from hydra_console.engine.runtime import DEFAULT_BATCH_TOKENS, Engine, Request
 from hydra_console.engine.sampling import SamplingParams
-from hydra_console.engine.speculative import SpecConfig
+from hydra_console.engine.speculative import SpecConfig, build_speculator
+from hydra_console.engine.synth import write_synthetic
 from hydra_console.engine.tokenizer import Tokenizer
 
 CODE = '''def total_price(items, tax_rate):
@@ -68,6 +78,9 @@ PROSE = ("The river had flooded twice that spring, and by the time the surveyors
 # name -> (prompt, temperature). Greedy prose from a small pretrained model soon loops, which prompt
 # lookup exploits; sampled prose (rejection sampling against a point-mass draft) does not loop.
 WORKLOADS = {"repetitive": (REWRITE, 0.0), "prose": (PROSE, 0.0), "prose-t0.8": (PROSE, 0.8)}
+# --synth: a small qwen35 (DeltaNet + gated attention, 8 layers) with its MTP block.
+SYNTH_SHAPE = dict(n_layers=8, n_embd=256, n_head=8, n_head_kv=2, head_dim=64, n_ff=768, ssm_state=64, ssm_groups=2,
+                   ssm_v_heads=4, full_attention_interval=4, nextn=True)  # fmt: skip
 
 
 def free_port() -> int:
@@ -123,8 +136,13 @@ def make_engine(args, g, peer_addr: str | None) -> Engine:
     argv = ["serve", "--device", args.device, "--dtype", args.dtype, "--parallel", "1", "--ctx", str(args.ctx), "--peer-wait", "60"]
     if peer_addr:
         argv += ["--peer", peer_addr, "--split", args.split] if args.split else ["--peer", peer_addr]
-    pipeline = build_pipeline(head_config(build_parser().parse_args(argv), {}), g, ModelConfig.from_gguf(g))
-    return Engine(pipeline, Tokenizer.from_gguf(g), 1, args.ctx).start()
+    cfg = head_config(build_parser().parse_args(argv), {})
+    pipeline = build_pipeline(cfg, g, ModelConfig.from_gguf(g))
+    speculator = None
+    if args.spec_type == "mtp":  # the MTP block lives beside the head stage
+        spec = SpecConfig("mtp", n_max=args.draft_max, p_min=args.draft_p_min)
+        speculator = build_speculator(spec, None, g, cfg.model, 1, head=pipeline.local)
+    return Engine(pipeline, Tokenizer.from_gguf(g), 1, args.ctx, speculator=speculator).start()
 
 
 def count_forwards(engine: Engine) -> list[int]:
@@ -166,26 +184,41 @@ def run_once(engine, calls, prompt: list[int], spec: SpecConfig, n_gen: int, tem
 
 
 def forward_costs(engine: Engine, prompt: list[int], k: int, peer, n: int = 15) -> dict:
-    """One target forward with 1 token (plain decode) and with k+1 tokens and k+1 logit rows (a
-    verify), alternating, n each: wall ms (min, median) and CPU ms (median, head + peer)."""
+    """One target forward with 1 token (plain decode) and with j+1 tokens and j+1 logit rows (a
+    verify of j drafts, j = 1..k), alternating, n each: wall ms (min, median) and CPU ms (median,
+    head + peer); with an MTP drafter, the CPU ms of one draft step (the block on one token + its head)."""
     import torch
 
     fwd = engine.pipeline.forward
     P = len(prompt)
     as_t = lambda xs: torch.tensor(xs, dtype=torch.long)  # noqa: E731
     fwd(as_t(prompt), torch.zeros(P, dtype=torch.long), torch.arange(P), as_t([P - 1]))
-    times, cpu = {1: [], k + 1: []}, {1: [], k + 1: []}
+    times = {m: [] for m in range(1, k + 2)}
+    cpu = {m: [] for m in times}
+    mtp = engine.spec.mtp
+    mtp_cpu = []
     for _ in range(n):
         for m in times:
             t0, c0 = time.perf_counter(), cpu_s(peer)
             fwd(as_t(prompt[:m]), torch.zeros(m, dtype=torch.long), torch.arange(P, P + m), torch.arange(m))
             times[m].append((time.perf_counter() - t0) * 1e3)
             cpu[m].append((cpu_s(peer) - c0) * 1e3)
+        if mtp is not None:
+            h, c0 = torch.zeros(1, engine.pipeline.cfg.n_embd), cpu_s(None)
+            mtp.nextn.logits(mtp.nextn.run(as_t(prompt[:1]), h, torch.zeros(1, dtype=torch.long), as_t([P])))
+            mtp_cpu.append((cpu_s(None) - c0) * 1e3)
     med = statistics.median
-    return {"decode_ms_min": round(min(times[1]), 1), "decode_ms_median": round(med(times[1]), 1),
-            "verify_ms_min": round(min(times[k + 1]), 1), "verify_ms_median": round(med(times[k + 1]), 1),
-            "decode_cpu_ms": round(med(cpu[1]), 1), "verify_cpu_ms": round(med(cpu[k + 1]), 1),
-            "verify_cost_ratio": round(med(cpu[k + 1]) / med(cpu[1]), 3)}  # fmt: skip
+    out = {"decode_ms_min": round(min(times[1]), 1), "decode_ms_median": round(med(times[1]), 1),
+           "verify_ms_min": round(min(times[k + 1]), 1), "verify_ms_median": round(med(times[k + 1]), 1),
+           "decode_cpu_ms": round(med(cpu[1]), 1), "verify_cpu_ms": round(med(cpu[k + 1]), 1),
+           "verify_cost_ratio": round(med(cpu[k + 1]) / med(cpu[1]), 3),
+           "verify_cost_ratio_by_k": {j: round(med(cpu[j + 1]) / med(cpu[1]), 3) for j in range(1, k + 1)}}  # fmt: skip
+    if mtp_cpu:
+        out["mtp_step_cpu_ms"] = round(med(mtp_cpu), 2)
+        out["mtp_step_cost_ratio"] = round(med(mtp_cpu) / med(cpu[1]), 3)
+        out["mtp_kv_bytes"] = engine.spec.drafter_kv_bytes
+    out["kv_bytes"] = engine.pipeline.local.kv_bytes  # the head's KV + recurrent state (with checkpoints)
+    return out
 
 
 def peer_rtt_ms(engine: Engine, n: int = 20) -> float | None:
@@ -206,9 +239,12 @@ def bench(engine: Engine, tok: Tokenizer, args, where: str, peer: Peer | None = 
         print(f"{where:10} forward, 1 token: {costs['decode_ms_min']} ms min, {costs['decode_ms_median']} median, "
               f"{costs['decode_cpu_ms']} CPU ms; {args.draft_max + 1} tokens: {costs['verify_ms_min']} ms min, "
               f"{costs['verify_ms_median']} median, {costs['verify_cpu_ms']} CPU ms: "
-              f"verify/decode CPU cost x{costs['verify_cost_ratio']}", flush=True)  # fmt: skip
+              f"verify/decode CPU cost x{costs['verify_cost_ratio']} (by k: {costs['verify_cost_ratio_by_k']})", flush=True)  # fmt: skip
+        if "mtp_step_cpu_ms" in costs:
+            print(f"{where:10} MTP draft step: {costs['mtp_step_cpu_ms']} CPU ms = x{costs['mtp_step_cost_ratio']} of a "
+                  f"trunk decode step; MTP KV {costs['mtp_kv_bytes']} B, head KV + state {costs['kv_bytes']} B", flush=True)  # fmt: skip
     calls = count_forwards(engine)
-    specs = {"off": SpecConfig(), "ngram": SpecConfig("ngram", n_max=args.draft_max)}
+    specs = {"off": SpecConfig(), args.spec_type: SpecConfig(args.spec_type, n_max=args.draft_max, p_min=args.draft_p_min)}
     rows = []
     for name in args.workloads:
         text, temp = WORKLOADS[name]
@@ -250,9 +286,10 @@ def bench(engine: Engine, tok: Tokenizer, args, where: str, peer: Peer | None = 
 
 
 def summary(rows: list[dict]) -> str:
-    """Markdown: per workload and pipeline, n-gram's tokens per forward, acceptance, speed-up."""
-    out = ["| workload | pipeline | peer RTT ms | ms/fwd off | ms/fwd ngram | tok/fwd | acceptance | off tok/s "
-           "| ngram tok/s | speed-up (wall) | speed-up (CPU time) |",
+    """Markdown: per workload and pipeline, the drafter's tokens per forward, acceptance, speed-up."""
+    kind = rows[1]["spec"] if len(rows) > 1 else "spec"
+    out = [f"| workload | pipeline | peer RTT ms | ms/fwd off | ms/fwd {kind} | tok/fwd | acceptance | off tok/s "
+           f"| {kind} tok/s | speed-up (wall) | speed-up (CPU time) |",
            "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
     for off, ng in zip(rows[::2], rows[1::2]):
         rtt = "-" if ng["peer_rtt_ms"] is None else f"{ng['peer_rtt_ms']:.2f}"
@@ -266,11 +303,14 @@ def summary(rows: list[dict]) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", help="GGUF file (default: the embedded Gemma 3 270M)")
+    ap.add_argument("--synth", choices=["qwen35", "qwen35-bigram"], help="instead of --model: a small synthetic qwen35 with an MTP block")
+    ap.add_argument("--spec-type", choices=["ngram", "mtp"], default="ngram", help="the drafter compared with off")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--ctx", type=int, default=1024)
     ap.add_argument("--n-gen", type=int, default=128)
     ap.add_argument("--draft-max", type=int, default=3)
+    ap.add_argument("--draft-p-min", type=float, default=0.75, help="MTP: stop drafting below this draft probability")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--split", default=None, help="also run head + one peer with this split, e.g. 9/9")
     ap.add_argument("--link-rtt-ms", type=float, nargs="+", default=[0.0],
@@ -292,7 +332,13 @@ def main() -> None:
 
         torch.set_num_threads(args.threads)
 
-    path = model_path(args.model)
+    if args.synth and args.model:
+        ap.error("--synth writes its own model: leave out --model")
+    if args.synth:
+        tmp = Path(tempfile.mkdtemp(prefix="bench-spec-"))
+        path = write_synthetic(tmp / f"{args.synth}.gguf", "qwen35", bigram=args.synth.endswith("bigram"), **SYNTH_SHAPE)
+    else:
+        path = model_path(args.model)
     g = GGUFFile(path)
     tok = Tokenizer.from_gguf(g)
     rows = []

@@ -117,6 +117,9 @@ class StageInfo(_Doc):
     layers: tuple[int, int] | None = None
     device: str = ""
     state: str = "?"
+    # KV cache + recurrent (DeltaNet) state with its rollback checkpoints, all slots, in bytes;
+    # None where this process does not know it (a peer, seen from the head: its own /status says).
+    kv_bytes: int | None = None
 
 
 @dataclass(frozen=True)
@@ -150,6 +153,7 @@ class Speculative(_Doc):
     mean_accepted_len: float | None = None
     recent_acceptance: float | None = None
     accepted_per_pos: list[int] = field(default_factory=list)
+    kv_bytes: int = 0  # the drafter's own cache: the MTP block's KV, or the draft model's KV
 
 
 @dataclass(frozen=True)

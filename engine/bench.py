@@ -23,7 +23,7 @@ from .default_model import model_path
 from .device import resolve_device
 from .errors import UserError
 from .gguf_file import GGUFFile
-from .model import ModelConfig, Stage, build_stage
+from .model import ModelConfig, NextN, Stage, build_stage, nextn_prefix
 
 
 def _sync(device: torch.device) -> None:
@@ -79,7 +79,9 @@ def run_bench(model: Path, device: str, dtype: str, n_prompt: int, n_gen: int, r
         "repetitions": repetitions,
         "load_s": round(load_s, 3),
         "weight_bytes": stage.weight_bytes,
-        "kv_bytes": stage.kv_bytes,
+        "kv_bytes": stage.kv_bytes,  # KV + recurrent state with its checkpoints
+        "state_bytes": stage.state_bytes,
+        "mtp_kv_bytes": NextN(stage).kv_bytes if nextn_prefix(g, cfg.n_layers) else 0,  # the MTP block's own KV
         "load_avg": round(os.getloadavg()[0], 2),  # other processes on the cores make every rate a lower bound
     }
     if n_prompt:

@@ -67,15 +67,20 @@ class Pipeline:
         slots: torch.Tensor,
         positions: torch.Tensor,
         logit_rows: torch.Tensor,
-    ) -> torch.Tensor:
-        """Flattened batch in, float32 logits of the rows in `logit_rows` out."""
+        hidden: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Flattened batch in, float32 logits of the rows in `logit_rows` out; with `hidden`, also
+        every token's last hidden state after the output norm (what an MTP block drafts from)."""
         with self._lock:
             if self._stale is not None:
                 self._rebuild(self._stale)
             h = self._run(tokens, slots, positions)
             if self.remotes:  # only a split pipeline ever needs to rebuild KV
                 self._record(tokens, slots, positions)
-            return self.local.logits(h[logit_rows])
+            if not hidden:
+                return self.local.logits(h[logit_rows])
+            x = self.local.final_norm(h)
+            return self.local.project(x[logit_rows]), x
 
     def _run(self, tokens, slots, positions) -> torch.Tensor:
         h = self.local.run_layers(self.local.embed(tokens), slots, positions)
@@ -260,7 +265,7 @@ class Pipeline:
 
     def stages(self) -> list[StageInfo]:
         """Explicit layer ranges of every stage, for /status."""
-        out = [StageInfo("head", None, tuple(self.ranges[0]), str(self.local.device), "ok")]
+        out = [StageInfo("head", None, tuple(self.ranges[0]), str(self.local.device), "ok", self.local.kv_bytes)]
         for remote, r in zip(self.remotes, self.ranges[1:]):
             out.append(StageInfo("peer", remote.addr, tuple(r), str(remote.device), remote.state))
         return out

@@ -263,7 +263,12 @@ class Engine:
 
     def _forward(self, batch: Batch) -> torch.Tensor:
         as_tensor = lambda xs: torch.tensor(xs, dtype=torch.long)  # noqa: E731  (stages move what they need)
-        return self.pipeline.forward(*map(as_tensor, batch.inputs()))
+        inputs = [as_tensor(xs) for xs in batch.inputs()]
+        if not self.spec.wants_hidden:
+            return self.pipeline.forward(*inputs)
+        logits, hidden = self.pipeline.forward(*inputs, hidden=True)
+        self.spec.observe(*inputs[:3], hidden)  # the MTP block follows every token the target ran
+        return logits
 
     def _sample(self, batch: Batch, logits: torch.Tensor) -> list[Sampled]:
         """Per chunk: the verified draft and the target's next token, or one sampled token, or none

@@ -31,12 +31,12 @@ from ..contracts.status import Speculative
 from .config import MAX_DRAFT, ModelSettings, SpecConfig
 from .errors import UserError
 from .gguf_file import GGUFFile
-from .model import ROLLBACK, ModelConfig, build_stage
+from .model import ROLLBACK, ModelConfig, NextN, Stage, build_stage
 from .pipeline import Pipeline
 
-# GGUF architectures whose converters (llama.cpp convert_hf_to_gguf.py) can keep a
+# Other GGUF architectures whose converters (llama.cpp convert_hf_to_gguf.py) can keep a
 # multi-token-prediction ("NextN") head, stored as `blk.N.nextn.*` tensors and counted in
-# `<arch>.nextn_predict_layers`.
+# `<arch>.nextn_predict_layers`; Hydra runs qwen35's.
 MTP_ARCHS = ("glm4moe (GLM-4.5/4.6)", "deepseek2 (DeepSeek-V3/R1, when converted with the MTP layer)")
 
 
@@ -127,18 +127,6 @@ class DraftModelDrafter(Drafter):
     def release(self, slot: int) -> None:
         self._cached.pop(slot, None)
 
-    @staticmethod
-    def _pick(logits: torch.Tensor, req: DraftRequest, history: list[int]):
-        """(token, its draft probability, the distribution it was drawn from or None for argmax)."""
-        s = req.sampler
-        if s is not None and not s.params.greedy:
-            q = s.probs(logits, history)
-            tok = int(torch.multinomial(q, 1, generator=s.generator(q.device)))
-            return tok, float(q[tok]), q
-        probs = torch.softmax(logits.float(), dim=-1)
-        tok = int(torch.argmax(probs))
-        return tok, float(probs[tok]), None
-
     def draft_batch(self, requests: list[DraftRequest]) -> list[Draft]:
         out = [Draft() for _ in requests]
         live = [i for i, r in enumerate(requests) if r.k > 0 and r.tokens]
@@ -172,7 +160,7 @@ class DraftModelDrafter(Drafter):
             for row, i in enumerate(live):
                 r = requests[i]
                 history = r.tokens + out[i].tokens
-                tok, prob, q = self._pick(logits[row], r, history)
+                tok, prob, q = _pick(logits[row], r, history)
                 if prob < (self.p_min if r.p_min is None else r.p_min):
                     continue
                 out[i].tokens.append(tok)
@@ -189,6 +177,101 @@ class DraftModelDrafter(Drafter):
         return out
 
 
+class MtpDrafter(Drafter):
+    """Drafts with the target's own multi-token-prediction block (`model.NextN`, on the head), as
+    llama.cpp's `draft-mtp` for qwen35 (common/speculative.cpp):
+
+    - `observe` runs after every target forward (prefill, decode, verify) over all its tokens: the
+      block's KV at position p is computed from token x_p and the trunk's normed hidden state of
+      p - 1 (zeros at p = 0), so its cache always follows what the target has run. Rows the target
+      rejected are rewritten by the next forward that reaches their positions, and attention never
+      reads past the position it runs at.
+    - `draft_batch` starts from the slot's last token x_n at position n with the trunk's h of
+      n - 1, then feeds each drafted token at the next position with the block's own output h',
+      for up to k tokens, stopping at the first whose probability (over the top 10) is below p-min.
+
+    The trunk's h for the position before a slot's next run is the row the target computed there:
+    the last `MAX_DRAFT + 1` rows of each slot's latest run are kept (a verify keeps all its rows;
+    the next run starts right after the last accepted one)."""
+
+    TOP_K = 10
+
+    def __init__(self, nextn, p_min: float = 0.75):
+        self.nextn = nextn
+        self.p_min = p_min
+        self._rows: dict[int, tuple[int, torch.Tensor]] = {}  # slot -> (position of rows[0], trunk h rows)
+
+    def _h_before(self, slot: int, pos: int) -> torch.Tensor:
+        """The trunk's normed hidden state at `pos - 1` for `slot` (zeros at position 0 or when unknown)."""
+        p0, rows = self._rows.get(slot, (0, None))
+        if rows is not None and pos > 0 and 0 <= pos - 1 - p0 < rows.shape[0]:
+            return rows[pos - 1 - p0]
+        return torch.zeros(self.nextn.head.cfg.n_embd, device=self.nextn.head.device)
+
+    def observe(self, tokens: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor) -> None:
+        """The target ran `tokens` (per slot contiguous) and returned their normed hidden states."""
+        if tokens.numel() == 0:
+            return
+        s, p = slots.tolist(), positions.tolist()
+        starts = [i for i in range(len(s)) if i == 0 or s[i] != s[i - 1]]
+        h_prev = torch.cat([hidden[:1], hidden[:-1]])
+        for i in starts:
+            h_prev[i] = self._h_before(s[i], p[i])
+        self.nextn.run(tokens, h_prev, slots, positions)
+        for i, end in zip(starts, starts[1:] + [len(s)]):
+            keep = min(end - i, MAX_DRAFT + 1)
+            self._rows[s[i]] = (p[end - keep], hidden[end - keep : end].clone())
+
+    def draft_batch(self, requests: list[DraftRequest]) -> list[Draft]:
+        out = [Draft() for _ in requests]
+        live = [i for i, r in enumerate(requests) if r.k > 0 and r.tokens]
+        qs: dict[int, list[torch.Tensor]] = {i: [] for i in live}
+        toks = [requests[i].tokens[-1] for i in live]
+        pos = [len(requests[i].tokens) - 1 for i in live]
+        h = torch.stack([self._h_before(requests[i].slot, p) for i, p in zip(live, pos)]) if live else None
+        while live:
+            slots = torch.tensor([requests[i].slot for i in live], dtype=torch.long)
+            hn = self.nextn.run(torch.tensor(toks, dtype=torch.long), h, slots, torch.tensor(pos, dtype=torch.long))
+            logits = self.nextn.logits(hn)
+            still, next_rows = [], []
+            for row, i in enumerate(live):
+                r = requests[i]
+                tok, prob, q = _pick(logits[row], r, r.tokens + out[i].tokens, self.TOP_K)
+                if prob < (self.p_min if r.p_min is None else r.p_min):
+                    continue
+                out[i].tokens.append(tok)
+                if q is not None:
+                    qs[i].append(q)
+                if len(out[i].tokens) < r.k:
+                    still.append(i)
+                    next_rows.append(row)
+            toks = [out[i].tokens[-1] for i in still]
+            pos = [len(requests[i].tokens) - 1 + len(out[i].tokens) for i in still]
+            h = hn[next_rows]
+            live = still
+        for i, q in qs.items():
+            if q:
+                out[i].q = torch.stack(q)
+        return out
+
+
+def _pick(logits: torch.Tensor, req: DraftRequest, history: list[int], top_k: int = 0):
+    """(token, its draft probability, the distribution it was drawn from or None for argmax).
+    `top_k` > 0: a greedy pick's probability is over the top k logits only (llama.cpp's MTP
+    drafter samples through a top-10 sampler and compares that candidate's p with p-min)."""
+    s = req.sampler
+    if s is not None and not s.params.greedy:
+        q = s.probs(logits, history)
+        tok = int(torch.multinomial(q, 1, generator=s.generator(q.device)))
+        return tok, float(q[tok]), q
+    if top_k:
+        top = logits.float().topk(min(top_k, logits.shape[-1]))
+        return int(top.indices[0]), float(torch.softmax(top.values, dim=-1)[0]), None
+    probs = torch.softmax(logits.float(), dim=-1)
+    tok = int(torch.argmax(probs))
+    return tok, float(probs[tok]), None
+
+
 def _common_prefix(a: list[int], b: list[int]) -> int:
     n = min(len(a), len(b))
     if a[:n] == b[:n]:
@@ -200,19 +283,28 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
 
 
 def check_mtp(g) -> None:
-    """`--spec-type mtp` needs an MTP head in the GGUF; say plainly what this file has."""
+    """`--spec-type mtp` needs a qwen35 GGUF that kept its MTP ("NextN") block; say plainly what this file has."""
     arch = g.architecture
-    n_nextn = g.metadata.get(f"{arch}.nextn_predict_layers", 0)
+    n_nextn = int(g.metadata.get(f"{arch}.nextn_predict_layers", 0) or 0)
     has_tensors = any(".nextn." in name for name in g.tensors)
+    if arch == "qwen35":
+        if has_tensors and n_nextn <= 1:
+            return
+        if has_tensors:
+            raise UserError(f"--spec-type mtp: this qwen35 GGUF has {n_nextn} MTP blocks; Hydra (like llama.cpp) runs exactly one")
+        raise UserError(
+            "--spec-type mtp: this qwen35 GGUF has no MTP block (no blk.N.nextn.* tensors: it was converted "
+            "without the multi-token-prediction layer). Use a GGUF that keeps it, or --spec-type ngram"
+        )
     if n_nextn or has_tensors:
         raise UserError(
             f"this GGUF ({arch}) carries a multi-token-prediction head ({n_nextn or 'nextn'} layer(s)), "
-            f"but Hydra does not run MTP heads yet; use --spec-type ngram or --spec-type draft --model-draft PATH"
+            f"but Hydra runs the MTP head of qwen35 only; use --spec-type ngram or --spec-type draft --model-draft PATH"
         )
     raise UserError(
         f"--spec-type mtp: this GGUF ({arch}) has no multi-token-prediction head (no "
-        f"'{arch}.nextn_predict_layers' key, no blk.*.nextn.* tensors). None of llama, qwen2, qwen3 or gemma3 "
-        f"ship one; GGUF MTP heads exist for {', '.join(MTP_ARCHS)}. "
+        f"'{arch}.nextn_predict_layers' key, no blk.*.nextn.* tensors). Hydra runs the MTP head of qwen35 "
+        f"(Qwen3.5) GGUFs; other GGUF MTP heads exist for {', '.join(MTP_ARCHS)}. "
         f"Use --spec-type ngram (no extra model) or --spec-type draft --model-draft PATH"
     )
 
@@ -309,8 +401,8 @@ class SpecStats:
                 self.accepted_per_pos[i] += 1
             self._recent.append((time.monotonic(), n_drafted, n_accepted))
 
-    def snapshot(self, spec: SpecConfig | None = None) -> Speculative:
-        """The /status `speculative` section."""
+    def snapshot(self, spec: SpecConfig | None = None, kv_bytes: int = 0) -> Speculative:
+        """The /status `speculative` section (`kv_bytes`: the drafter's own cache)."""
         with self._lock:
             cutoff = time.monotonic() - self.window_s
             recent = [(d, a) for t, d, a in self._recent if t >= cutoff]
@@ -326,6 +418,7 @@ class SpecStats:
                 mean_accepted_len=1 + self.accepted / self.drafts if self.drafts else None,
                 recent_acceptance=r_accepted / r_drafted if r_drafted else None,
                 accepted_per_pos=list(self.accepted_per_pos),
+                kv_bytes=kv_bytes,
             )
 
 
@@ -337,27 +430,47 @@ class Speculator:
     always, the draft model when loaded), and the acceptance counters. The engine asks `plan` for
     drafts of its decoding sequences, runs them in its one forward, and asks `verify` what to emit."""
 
-    def __init__(self, config: SpecConfig | None = None, draft_pipeline=None, max_draft: int = MAX_DRAFT):
+    def __init__(self, config: SpecConfig | None = None, draft_pipeline=None, max_draft: int = MAX_DRAFT,
+                 nextn: NextN | None = None):  # fmt: skip
         """`max_draft` caps every draft: a recurrent target verifies at most `model.ROLLBACK` tokens,
-        the positions its state checkpoints can take back."""
+        the positions its state checkpoints can take back. `nextn`: the target's MTP block."""
         self.config = config or SpecConfig()
         self.max_draft = max_draft
         self.drafters: dict[str, Drafter] = {"ngram": NgramDrafter()}
         if draft_pipeline is not None:
             self.drafters["draft"] = DraftModelDrafter(draft_pipeline, p_min=self.config.p_min)
+        self.mtp = MtpDrafter(nextn, p_min=self.config.p_min) if nextn is not None else None
+        if self.mtp is not None:
+            self.drafters["mtp"] = self.mtp
         self.stats = SpecStats()
+
+    @property
+    def wants_hidden(self) -> bool:
+        """Whether the engine must hand every forward's hidden states to `observe` (the MTP drafter's input)."""
+        return self.mtp is not None
+
+    def observe(self, tokens, slots, positions, hidden) -> None:
+        """The target ran this batch: the MTP block follows it (its KV, the trunk's last hidden rows)."""
+        self.mtp.observe(tokens, slots, positions, hidden)
+
+    @property
+    def drafter_kv_bytes(self) -> int:
+        """The drafters' own caches: the MTP block's KV, or the draft model's KV."""
+        if self.mtp is not None:
+            return self.mtp.nextn.kv_bytes
+        draft = self.drafters.get("draft")
+        return draft.pipeline.local.kv_bytes if draft is not None else 0
 
     def request_config(self, body: dict) -> SpecConfig | None:
         """A request's override (None: the server's config); a type this server cannot run is a UserError."""
         cfg = self.config.with_request(body)
         if cfg is self.config:
             return None
-        if cfg.type == "mtp":
-            raise UserError("speculative type 'mtp' is not available: no supported GGUF carries an MTP head")
         if cfg.active and cfg.type not in self.drafters:
             raise UserError(
-                f"speculative type {cfg.type!r} is not available on this server "
-                "(a draft model needs: hydra-engine serve --spec-type draft --model-draft PATH)"
+                f"speculative type {cfg.type!r} is not available on this server (a draft model needs: "
+                "hydra-engine serve --spec-type draft --model-draft PATH; MTP needs --spec-type mtp on a qwen35 "
+                "GGUF with its MTP block)"
             )
         return cfg
 
@@ -408,16 +521,27 @@ class Speculator:
         return emitted
 
 
-def build_speculator(config: SpecConfig, draft_path: str | None, g, model: ModelSettings, n_slots: int) -> Speculator:
-    """The head's Speculator from its settings (`--spec-type`, `--model-draft`, `--draft-*`); `g` is
-    the target GGUF. Loads the draft model for `--spec-type draft`; `mtp` is a UserError naming why."""
+def check_speculative(config: SpecConfig, draft_path: str | None, g) -> None:
+    """The `--spec-type` / `--model-draft` combination against the target GGUF `g`, before anything loads."""
     if config.type == "mtp":
         check_mtp(g)
-    max_draft = ROLLBACK if ModelConfig.from_gguf(g).recurrent else MAX_DRAFT
     if config.type == "draft" and not draft_path:
         raise UserError("--spec-type draft needs --model-draft PATH (a smaller GGUF with the same vocabulary)")
     if draft_path and config.type != "draft":
         raise UserError(f"--model-draft is only used with --spec-type draft (got --spec-type {config.type})")
+
+
+def build_speculator(config: SpecConfig, draft_path: str | None, g, model: ModelSettings, n_slots: int,
+                     head: Stage | None = None) -> Speculator:  # fmt: skip
+    """The head's Speculator from its settings (`--spec-type`, `--model-draft`, `--draft-*`); `g` is
+    the target GGUF, `head` the head's Stage (`--spec-type mtp` builds the MTP block beside it).
+    Loads the draft model for `--spec-type draft`."""
+    check_speculative(config, draft_path, g)
+    max_draft = ROLLBACK if ModelConfig.from_gguf(g).recurrent else MAX_DRAFT
+    if config.type == "mtp":
+        if head is None:
+            raise ValueError("--spec-type mtp builds the MTP block on the head's stage: pass head=")
+        return Speculator(config, max_draft=max_draft, nextn=NextN(head))
     if not draft_path:
         return Speculator(config, max_draft=max_draft)
     dg = GGUFFile(draft_path)

@@ -155,4 +155,6 @@ def throughput(engine) -> Throughput:
 
 def speculative(engine) -> Speculative:
     spec = getattr(engine, "spec_stats", None)
-    return spec.snapshot(getattr(engine, "spec_config", None)) if spec is not None else Speculative()
+    if spec is None:
+        return Speculative()
+    return spec.snapshot(engine.spec_config, engine.spec.drafter_kv_bytes)

@@ -76,6 +76,7 @@ def write_synthetic(
     ssm_v_heads: int = 4,
     conv_kernel: int = 4,
     nextn: bool = False,
+    bigram: bool = False,
 ) -> Path:
     """Write a random-weight GGUF and return its path.
 
@@ -91,6 +92,10 @@ def write_synthetic(
     (the default's fourth section leaves the last pairs unrotated for text, which tests that rule);
     `nextn` adds Qwen3.5's multi-token-prediction block as layer `n_layers` (written last, so the
     trunk's weights are those of the same file without it).
+    `bigram` zeroes what every block writes into the residual stream (`attn_output`, `ssm_out`,
+    `ffn_down`), so a position's logits depend on its token alone; with `nextn` the MTP block then
+    passes the token's embedding through (`eh_proj` = [I 0], `enorm` = 1, no `shared_head_norm`) and
+    predicts exactly the trunk's next token: MTP drafts the target accepts (tests, benches).
     """
     if arch not in ARCHITECTURES:
         raise ValueError(f"unsupported architecture {arch!r}; choose one of {', '.join(ARCHITECTURES)}")
@@ -162,10 +167,16 @@ def write_synthetic(
         getattr(w, f"add_{key}_token_id")(tokens.index(tok))
 
     def dense(name: str, rows: int, cols: int, std: float) -> None:
-        _add_weight(w, name, rng.standard_normal((rows, cols), dtype=np.float32) * np.float32(std), type_of(name), rng)
+        x = rng.standard_normal((rows, cols), dtype=np.float32) * np.float32(std)
+        if bigram and name.endswith(("attn_output.weight", "ssm_out.weight", "ffn_down.weight")):
+            x[:] = 0.0
+        elif bigram and name.endswith("nextn.eh_proj.weight"):
+            x = np.eye(rows, cols, dtype=np.float32)
+        _add_weight(w, name, x, type_of(name), rng)
 
     def vec(name: str, n: int, center: float = 1.0, spread: float = 0.1) -> None:
-        w.add_tensor(name, (center + spread * rng.standard_normal(n)).astype(np.float32))
+        x = (center + spread * rng.standard_normal(n)).astype(np.float32)
+        w.add_tensor(name, np.ones(n, np.float32) if bigram and name.endswith("nextn.enorm.weight") else x)
 
     dense("token_embd.weight", n_vocab, n_embd, 1.0 / np.sqrt(n_embd) if arch == "gemma3" else 1.0)
     vec("output_norm.weight", n_embd)
@@ -179,7 +190,7 @@ def write_synthetic(
         vec(p + "attn_norm.weight", n_embd)
         if i == n_layers:  # the NextN block: a gated-attention block fed by eh_proj([enorm(e); hnorm(h)])
             dense(p + "nextn.eh_proj.weight", n_embd, 2 * n_embd, 1.0 / np.sqrt(2 * n_embd))
-            for name in ("enorm", "hnorm", "shared_head_norm"):
+            for name in ("enorm", "hnorm") if bigram else ("enorm", "hnorm", "shared_head_norm"):
                 vec(p + f"nextn.{name}.weight", n_embd)
         if arch == "qwen35":
             if (i + 1) % full_attention_interval and i < n_layers:

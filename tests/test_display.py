@@ -147,6 +147,8 @@ async def test_rows_and_panels_from_a_status_document():
     assert "95.0 GiB/100.0 GiB ⚠" in display.memory_line(mem[0])
     status = sup.head.status  # parsed once, by the probe
     assert display.acceptance_text(status) == "spec ngram: accept 90% · mean len 2.70 · drafts 12"
+    mtp = Status.from_json({"speculative": {**STATUS["speculative"], "type": "mtp"}})
+    assert display.acceptance_text(mtp) == "MTP acceptance 90% · mean len 2.70 · drafts 12"
     assert display.pool_text(status) == "RPC control pool (console ops, not requests) 1/2 busy · queued 3 · dropped 4"
     assert display.peer_lines(status, Alerts()) == [("127.0.0.1:8091 ● up rtt 80.0 ms ⚠ [9,18)", "warn")]
     same_gpu = Status.from_json({"peers": [{**STATUS["peers"][0], "rtt_ms": 0.1, "transport": "cuda-ipc"}]})

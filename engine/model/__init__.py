@@ -1,10 +1,13 @@
 """The transformer: `config` (shape and per-architecture deltas), `weights` (GGUF tensors as
 dense or int8 products, the prepared-weight cache), `rope`, `attention`, `deltanet` (Gated
-DeltaNet layers and their recurrent state), `stage` (a layer range with its KV cache, built by `build_stage`) and `graphs` (CUDA graphs of the decode step)."""
+DeltaNet layers and their recurrent state), `stage` (a layer range with its KV cache, built by
+`build_stage`), `nextn` (Qwen3.5's MTP block, on the head) and `graphs` (CUDA graphs of the decode
+step)."""
 
 from .config import ARCHITECTURES, ModelConfig
 from .deltanet import ROLLBACK
 from .graphs import DecodeGraphs
+from .nextn import NextN, nextn_prefix
 from .stage import RESCORE_TOP, Stage, build_stage
 from .weights import Linear, Weights, device_bytes
 
@@ -15,8 +18,10 @@ __all__ = [
     "DecodeGraphs",
     "Linear",
     "ModelConfig",
+    "NextN",
     "Stage",
     "Weights",
     "device_bytes",
     "build_stage",
+    "nextn_prefix",
 ]

@@ -189,6 +189,11 @@ class Stage:
         return sum(t.nbytes for layer in self.layers.values() for t in _state_tensors(layer))
 
     @property
+    def state_bytes(self) -> int:
+        """The recurrent (DeltaNet) part of `kv_bytes`: conv + SSM state and their checkpoints."""
+        return sum(t.nbytes for layer in self.layers.values() if layer.deltanet is not None for t in _state_tensors(layer))
+
+    @property
     def weight_bytes(self) -> int:
         """Bytes of weights read per decoded token (layers + output head; embedding rows are negligible)."""
         n = sum(layer.nbytes for layer in self.layers.values())
@@ -212,7 +217,14 @@ class Stage:
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Hidden states [R, n_embd] -> float32 logits [R, n_vocab]."""
-        x = self._norm(h, self.output_norm)
+        return self.project(self.final_norm(h))
+
+    def final_norm(self, h: torch.Tensor) -> torch.Tensor:
+        """The output norm: what the head projects, and what an MTP block drafts from (llama.cpp's `h_nextn`)."""
+        return self._norm(h, self.output_norm)
+
+    def project(self, x: torch.Tensor) -> torch.Tensor:
+        """Normed hidden states [R, n_embd] -> float32 logits [R, n_vocab] through the output head."""
         out = self.output(x.to(self.dtype)).float()
         if self.output.scale is not None and out.shape[-1] > RESCORE_TOP:  # int8 head
             top = out.topk(RESCORE_TOP, dim=-1).indices

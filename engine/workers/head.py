@@ -54,7 +54,7 @@ class HeadWorker:
         from ..model import ModelConfig
         from ..rpc.service import HeadRpc, RpcCollector
         from ..runtime import Engine
-        from ..speculative import build_speculator
+        from ..speculative import build_speculator, check_speculative
         from ..tokenizer import Tokenizer
 
         cfg = self.cfg
@@ -65,9 +65,10 @@ class HeadWorker:
         self.model_name = self.model_name or path.stem
         self.status.model = ModelInfo(self.model_name, str(path), g.architecture, mcfg.n_layers, g.fingerprint)
         self.status.startup_stage = 2
-        # Before the peers: a bad --spec-type / --model-draft fails at once.
-        speculator = build_speculator(cfg.spec, cfg.model_draft, g, cfg.model, n_slots=cfg.parallel)
+        check_speculative(cfg.spec, cfg.model_draft, g)  # before the peers: a bad flag fails at once
         self.pipeline = pipeline = build_pipeline(cfg, g, mcfg)
+        # After the pipeline: the MTP block shares the head stage's embedding and output head.
+        speculator = build_speculator(cfg.spec, cfg.model_draft, g, cfg.model, n_slots=cfg.parallel, head=pipeline.local)
         if cfg.peers and not pipeline.remotes:
             self.status.degraded = "--fallback-solo: the peers never came up, every layer runs on the head"
         self.status.pipeline = pipeline

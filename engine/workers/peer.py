@@ -54,7 +54,8 @@ class PeerWorker:
     def _rpc_status(self) -> dict:
         host, rpc = self.host, self.cfg.rpc
         stage = StageInfo("peer", f"{rpc.host}:{self.listener.bound_port}", tuple(host.layers) if host.stage is not None else None,
-                          str(self.device), "ok" if host.stage is not None else "idle")  # fmt: skip
+                          str(self.device), "ok" if host.stage is not None else "idle",
+                          host.stage.kv_bytes if host.stage is not None else None)  # fmt: skip
         return {
             "rpc": Address(rpc.host, self.listener.bound_port, self.listener.is_running()),
             "pool": self.listener.stats(),

@@ -1,0 +1,82 @@
+"""Qwen3.5's multi-token-prediction block (`blk.{n_layers}.nextn.*`), run on the head.
+
+As llama.cpp's `qwen35` MTP graph (src/models/qwen35.cpp, `graph_mtp`): for a token x at position
+p and the trunk's hidden state h of position p - 1 *after* the output norm (llama.cpp's `h_nextn`),
+
+    y = eh_proj([enorm(embed(x)); hnorm(h)])        (embedding half first)
+    y = one gated full-attention block (its own KV per slot, IMROPE at p) + its FFN
+    h' = shared_head_norm(y)   (else the trunk's output_norm)
+    logits = shared_head_head(h')   (else the trunk's output head)
+
+and h' is what the next chained draft step takes as its h. The block's attention layer is built
+by the one `Stage` implementation as layer `n_layers` of a config one attention layer longer, so its
+KV cache, RoPE and attention are the trunk's own code. Embedding and output head are the head
+stage's (no second copy of the vocabulary-sized tables).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+
+from ..errors import UserError
+from .stage import Stage
+
+
+def nextn_prefix(g, n_layers: int) -> str | None:
+    """`blk.{n_layers}.nextn.` when the file carries an MTP block there, else None."""
+    p = f"blk.{n_layers}.nextn."
+    return p if p + "eh_proj.weight" in g.tensors else None
+
+
+class NextN:
+    """The MTP block of `head`'s model, with a KV cache of `head.n_slots` x `head.n_ctx`."""
+
+    def __init__(self, head: Stage):
+        cfg, w = head.cfg, head.weights
+        if not (head.has_embed and head.has_head):
+            raise UserError("the MTP block runs on the head: its stage needs the embedding and the output head")
+        il = cfg.n_layers
+        p = nextn_prefix(head.g, il)
+        if p is None:
+            raise UserError(f"{head.g.path}: no MTP block (tensor 'blk.{il}.nextn.eh_proj.weight' is missing)")
+        if p + "embed_tokens.weight" in head.g.tensors:
+            raise UserError(f"{head.g.path}: an MTP block with its own embedding ({p}embed_tokens) is not supported yet")
+        self.head = head
+        block_cfg = dataclasses.replace(cfg, n_layers=il + 1, recurrent_layers=cfg.recurrent_layers + (False,),
+                                        swa_layers=cfg.swa_layers + (False,))  # fmt: skip
+        self.block = Stage(block_cfg, w, (il, il + 1), embed=False, head=False, n_slots=head.n_slots, n_ctx=head.n_ctx)
+        self.eh_proj = w.linear([p + "eh_proj.weight"])
+        self.enorm, self.hnorm = w.vector(p + "enorm.weight"), w.vector(p + "hnorm.weight")
+        has = lambda name: p + name + ".weight" in head.g.tensors  # noqa: E731
+        self.head_norm = w.vector(p + "shared_head_norm.weight") if has("shared_head_norm") else head.output_norm
+        self.own_head = w.linear([p + "shared_head_head.weight"], terms=1) if has("shared_head_head") else None
+
+    def run(self, tokens, h_prev: torch.Tensor, slots, positions) -> torch.Tensor:
+        """Tokens [T] with the trunk's (or the previous draft step's) normed hidden state of the
+        position before each: writes the block's KV, returns its normed output h' [T, n_embd]."""
+        d, eps = self.head.cfg.n_embd, self.head.cfg.rms_eps
+        e = self.head.embed(tokens)
+        h_prev = h_prev.to(e.device, torch.float32)
+        x = torch.cat([F.rms_norm(e, (d,), self.enorm, eps), F.rms_norm(h_prev, (d,), self.hnorm, eps)], dim=-1)
+        y = self.block.run_layers(self.eh_proj(x.to(self.block.dtype)).float(), slots, positions)
+        return F.rms_norm(y, (d,), self.head_norm, eps)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """The block's normed output [R, n_embd] -> float32 draft logits [R, n_vocab]."""
+        if self.own_head is None:
+            return self.head.project(h)
+        return self.own_head(h.to(self.block.dtype)).float()
+
+    def clear(self, slot: int) -> None:
+        self.block.kv_clear(slot)
+
+    @property
+    def kv_bytes(self) -> int:
+        return self.block.kv_bytes
+
+    @property
+    def weight_bytes(self) -> int:
+        return self.block.weight_bytes + self.eh_proj.nbytes + (self.own_head.nbytes if self.own_head else 0)

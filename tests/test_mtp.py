@@ -1,0 +1,213 @@
+"""MTP drafting (qwen35's NextN block): agreement with llama.cpp's MTP graph, greedy with MTP equal to
+greedy without it (solo and split across real processes), acceptance counted on a model whose MTP
+block provably predicts the trunk's next token, and the block's KV in the accounting."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from rpc_workers import complete, head, peer
+
+from hydra_console.engine.config import ModelSettings, SpecConfig
+from hydra_console.engine.errors import UserError
+from hydra_console.engine.gguf_file import GGUFFile
+from hydra_console.engine.model import ROLLBACK, NextN
+from hydra_console.engine.pipeline import Pipeline
+from hydra_console.engine.runtime import Engine
+from hydra_console.engine.sampling import Sampler, SamplingParams
+from hydra_console.engine.sequence import Request
+from hydra_console.engine.speculative import Draft, DraftRequest, MtpDrafter, Speculator, build_speculator, check_speculative
+from hydra_console.engine.synth import write_synthetic
+from hydra_console.engine.tokenizer import Tokenizer
+from stages import load
+
+REFERENCE = Path(__file__).resolve().parent / "data" / "reference" / "qwen35"
+F32_MAX_ABS = 5e-5  # as test_qwen35: refdump-style dumpers print 5 decimals
+F32 = ModelSettings(None, "cpu", "float32", 128)
+PROMPTS = ("hello world hello world hello", "a b a b a b a", "the cat sat on the")
+
+
+def trunk_hidden(stage, ids: list[int]) -> torch.Tensor:
+    """The trunk's normed last hidden states (llama.cpp's h_nextn) of `ids` run in slot 0 from position 0."""
+    n = len(ids)
+    return stage.final_norm(stage.run_layers(stage.embed(torch.tensor(ids)), torch.zeros(n, dtype=torch.long), torch.arange(n)))
+
+
+def test_mtp_logits_and_draft_chain_agree_with_llama_cpp(tmp_path):
+    """Fixture from mtpdump.cpp (README.md): llama.cpp's MTP logits at every prompt position (token p
+    with the trunk's h of p - 1), then its greedy chain of draft steps fed the block's own h."""
+    spec = importlib.util.spec_from_file_location("make_reference", REFERENCE / "make_reference.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    ref = json.loads((REFERENCE / "mtp_f32.json").read_text())
+    path = write_synthetic(tmp_path / "mtp.gguf", "qwen35", **mod.MTP_MODEL)
+    assert hashlib.sha256(path.read_bytes()).hexdigest() == ref["sha256"], "synthetic model changed: regenerate (README.md)"
+    stage = load(path, n_slots=1)
+    nextn = NextN(stage)
+    ids, n = ref["ids"], len(ref["ids"])
+    h = trunk_hidden(stage, ids)
+    assert int(stage.project(h[-1:]).argmax()) == ref["target_next"]
+    h_prev = torch.cat([torch.zeros(1, h.shape[1]), h[:-1]])
+    logits = nextn.logits(nextn.run(torch.tensor(ids), h_prev, torch.zeros(n, dtype=torch.long), torch.arange(n)))
+    rows = ref["top10"]
+    top1 = sum(int(logits[r["pos"]].argmax()) == r["top"][0][0] for r in rows) / len(rows)
+    diffs = torch.tensor([[abs(float(logits[r["pos"], i]) - v) for i, v in r["top"]] for r in rows])
+    margins = torch.tensor([r["top"][0][1] - r["top"][1][1] for r in rows])
+    print(f"MTP top-1 {top1:.3f}, max |dlogit| {float(diffs.max()):.2e} on llama.cpp's top-10; "
+          f"margin min {float(margins.min()):.3g} p10 {float(margins.quantile(0.1)):.3g} median {float(margins.median()):.3g}")  # fmt: skip
+    assert top1 == 1.0 and float(diffs.max()) < F32_MAX_ABS
+    # The chain, step by step against llama.cpp's logits, then through the drafter itself.
+    tok, hh = ref["target_next"], h[-1:]
+    for step, r in enumerate(ref["drafts"]):
+        hh = nextn.run(torch.tensor([tok]), hh, torch.zeros(1, dtype=torch.long), torch.tensor([n + step]))
+        lg = nextn.logits(hh)[0]
+        assert max(abs(float(lg[i]) - v) for i, v in r["top"]) < F32_MAX_ABS
+        tok = int(lg.argmax())
+    stage.kv_clear(0)
+    drafter = MtpDrafter(NextN(stage), p_min=0.0)
+    drafter.observe(torch.tensor(ids), torch.zeros(n, dtype=torch.long), torch.arange(n), trunk_hidden(stage, ids))
+    draft = drafter.draft_batch([DraftRequest(0, ids + [ref["target_next"]], len(ref["drafts"]))])[0]
+    assert draft.tokens == [r["top"][0][0] for r in ref["drafts"]]
+
+
+def _engine_outputs(path, spec_type: str, p_min: float, n_slots: int = 3, max_tokens: int = 30):
+    """Greedy outputs of PROMPTS submitted together (slots batched), and the acceptance counters."""
+    g = GGUFFile(path)
+    tok = Tokenizer.from_gguf(g)
+    stage = load(path, n_slots=n_slots, n_ctx=128)
+    spec = build_speculator(SpecConfig(type=spec_type, n_max=3, p_min=p_min), None, g, F32, n_slots, head=stage)
+    eng = Engine(Pipeline(stage), tok, n_slots, 128, speculator=spec).start()
+    results = {}
+
+    def one(i, prompt):
+        ids = []
+        req = Request(tok.encode(prompt), SamplingParams(temperature=0.0), max_tokens=max_tokens, ignore_eos=True)
+        for ev in eng.generate(req, timeout=120):
+            ids += [t.id for t in ev.tokens]
+        results[i] = ids
+
+    try:
+        threads = [threading.Thread(target=one, args=(i, p)) for i, p in enumerate(PROMPTS)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=180)
+        return [results[i] for i in range(len(PROMPTS))], eng.spec_stats.snapshot(spec.config)
+    finally:
+        eng.stop()
+
+
+def test_greedy_with_mtp_equals_greedy_without(tiny_model):
+    """Random weights: most drafts are rejected (p-min 0 drafts every step), so the recurrent state and
+    the block's KV go through many rollbacks, with three slots batched; the tokens do not change."""
+    path = tiny_model("qwen35", n_layers=4, nextn=True)
+    plain, _ = _engine_outputs(path, "off", 0.75)
+    with_mtp, stats = _engine_outputs(path, "mtp", 0.0)
+    assert with_mtp == plain
+    assert stats.type == "mtp" and stats.draft_tokens > 0 and stats.accepted < stats.draft_tokens
+
+
+def test_mtp_drafts_are_accepted_on_a_model_whose_block_predicts_the_next_token(tiny_model):
+    """`bigram`: the trunk's logits depend on the current token only and the NextN block passes the
+    token's embedding through, so each draft is the trunk's own greedy continuation: acceptance must
+    be (near) total, and the output still that of plain greedy."""
+    path = tiny_model("qwen35", n_layers=4, nextn=True, bigram=True)
+    plain, _ = _engine_outputs(path, "off", 0.75)
+    with_mtp, stats = _engine_outputs(path, "mtp", 0.0)
+    print("bigram MTP:", stats)
+    assert with_mtp == plain
+    assert stats.drafts > 0 and stats.acceptance > 0.9 and stats.mean_accepted_len > 3.5
+    assert stats.accepted_per_pos[0] >= 0.9 * stats.drafts
+
+
+def test_sampled_requests_draft_through_their_own_sampler(tiny_model):
+    """temperature > 0: the block's draft is drawn from the request's sampler and verified by rejection
+    sampling; on the bigram model the two distributions are the same, so drafts are accepted."""
+    path = tiny_model("qwen35", n_layers=4, nextn=True, bigram=True)
+    g = GGUFFile(path)
+    stage = load(path, n_slots=1, n_ctx=128)
+    spec = build_speculator(SpecConfig(type="mtp", n_max=3, p_min=0.0), None, g, F32, 1, head=stage)
+    eng = Engine(Pipeline(stage), Tokenizer.from_gguf(g), 1, 128, speculator=spec).start()
+    try:
+        req = Request([5, 17, 300], SamplingParams(temperature=0.8, seed=3), max_tokens=30, ignore_eos=True)
+        n = sum(len(ev.tokens) for ev in eng.generate(req, timeout=120))
+    finally:
+        eng.stop()
+    stats = eng.spec_stats
+    assert n == 30 and stats.drafts > 0 and stats.accepted >= 0.9 * stats.draft_tokens
+
+
+def test_a_draft_of_the_greedy_continuation_is_accepted_fully(tiny_model):
+    """Verification: a 3-token draft that is exactly the model's greedy continuation yields 4 tokens."""
+    path = tiny_model("qwen35", n_layers=4, nextn=True)
+    stage = load(path, n_slots=1, n_ctx=128)
+    pipe, prompt = Pipeline(stage), [5, 17, 300, 45, 99, 512, 7]
+    zeros = lambda n: torch.zeros(n, dtype=torch.long)  # noqa: E731
+    n = len(prompt)
+    cont = [int(pipe.forward(torch.tensor(prompt), zeros(n), torch.arange(n), torch.tensor([n - 1]))[0].argmax())]
+    for i in range(4):
+        cont.append(int(pipe.forward(torch.tensor(cont[-1:]), zeros(1), torch.tensor([n + i]), zeros(1))[0].argmax()))
+    stage.kv_clear(0)
+    pipe.forward(torch.tensor(prompt), zeros(n), torch.arange(n), torch.tensor([n - 1]))
+    rows = pipe.forward(torch.tensor(cont[:4]), zeros(4), torch.arange(n, n + 4), torch.arange(4))  # c0 + draft c1..c3
+    spec = Speculator(SpecConfig(type="ngram"))
+    emitted = spec.verify(rows, Draft(cont[1:4]), Sampler(SamplingParams(temperature=0.0)), prompt + cont[:1])
+    assert emitted == cont[1:5]
+    assert spec.stats.accepted == 3 and spec.stats.accepted_per_pos == [1, 1, 1]
+
+
+def test_mtp_needs_the_nextn_block_and_counts_its_kv(tiny_model):
+    plain = GGUFFile(tiny_model("qwen35", n_layers=2))
+    with pytest.raises(UserError, match="qwen35 GGUF has no MTP block"):
+        check_speculative(SpecConfig(type="mtp"), None, plain)
+    with pytest.raises(UserError, match="speculative type 'mtp' is not available"):
+        Speculator(SpecConfig(type="ngram")).request_config({"speculative": {"type": "mtp"}})
+    path = tiny_model("qwen35", n_layers=2, nextn=True)
+    stage = load(path, n_slots=2, n_ctx=64)
+    spec = build_speculator(SpecConfig(type="mtp"), None, GGUFFile(path), F32, 2, head=stage)
+    cfg = stage.cfg
+    assert spec.drafter_kv_bytes == 2 * 2 * cfg.n_head_kv * 64 * cfg.head_dim * 4  # K and V, 2 slots, fp32
+    assert spec.stats.snapshot(spec.config, spec.drafter_kv_bytes).kv_bytes == spec.drafter_kv_bytes
+    assert spec.max_draft == 4 and spec.request_config({"speculative": {"type": "mtp"}}).type == "mtp"
+    # The head's accounting: one DeltaNet layer's conv + SSM state and its ROLLBACK + 1 checkpoints
+    # (j = 0..4 tokens back) beside one attention layer's KV.
+    net, attn_kv = stage.recurrent[0], 2 * 2 * cfg.n_head_kv * 64 * cfg.head_dim * 4
+    per_state = net.conv_state.nbytes + net.ssm_state.nbytes
+    assert stage.state_bytes == (1 + ROLLBACK + 1) * per_state and stage.kv_bytes == stage.state_bytes + attn_kv
+
+
+@pytest.fixture(scope="module")
+def split_mtp(tiny_model, tmp_path_factory):
+    """Real processes: a solo head without speculation, and a head running MTP with a peer holding
+    half of the trunk (float32)."""
+    model = tiny_model("qwen35", n_layers=4, nextn=True)
+    logs = tmp_path_factory.mktemp("mtp-split-logs")
+    f32 = ("--dtype", "float32")
+    solo, p = head(model, logs, (), *f32), peer(model, logs, *f32)
+    split = head(model, logs, [p], "--split", "2/2", "--spec-type", "mtp", "--draft-p-min", "0", *f32)
+    try:
+        for w in (solo, p, split):
+            w.wait_ready()
+        yield {"solo": solo, "peer": p, "head": split}
+    finally:
+        for w in (solo, p, split):
+            w.stop()
+
+
+def test_mtp_on_a_split_pipeline_equals_solo_greedy(split_mtp):
+    w, solo = split_mtp["head"], split_mtp["solo"]
+    for prompt in ("hello world", "the quick brown fox"):
+        got = complete(w, prompt, 24, temperature=0.0, cache_prompt=False).json()["choices"][0]["text"]
+        want = complete(solo, prompt, 24, temperature=0.0, cache_prompt=False).json()["choices"][0]["text"]
+        assert got == want
+    status = w.status()
+    spec = status["speculative"]
+    assert spec["type"] == "mtp" and spec["draft_tokens"] > 0 and spec["acceptance"] is not None
+    assert spec["kv_bytes"] > 0 and status["stages"][0]["kv_bytes"] > 0
+    assert split_mtp["peer"].status()["stages"][0]["kv_bytes"] > 0  # the peer's KV and DeltaNet state
