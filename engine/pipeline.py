@@ -69,13 +69,19 @@ class Pipeline:
         logit_rows: torch.Tensor,
     ) -> torch.Tensor:
         """Flattened batch in, float32 logits of the rows in `logit_rows` out."""
+        return self.forward_hidden(tokens, slots, positions, logit_rows, None)[0]
+
+    def forward_hidden(self, tokens, slots, positions, logit_rows, hidden_rows: torch.Tensor | None):
+        """`forward`, plus the final-norm hidden states of the rows in `hidden_rows` (embeddings:
+        the last stage's output, whichever worker ran it), or None: (logits, hidden)."""
         with self._lock:
             if self._stale is not None:
                 self._rebuild(self._stale)
             h = self._run(tokens, slots, positions)
             if self.remotes:  # only a split pipeline ever needs to rebuild KV
                 self._record(tokens, slots, positions)
-            return self.local.logits(h[logit_rows])
+            hidden = self.local.final_norm(h[hidden_rows.to(h.device)]) if hidden_rows is not None else None
+            return self.local.logits(h[logit_rows]), hidden
 
     def _run(self, tokens, slots, positions) -> torch.Tensor:
         h = self.local.run_layers(self.local.embed(tokens), slots, positions)

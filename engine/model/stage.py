@@ -204,9 +204,13 @@ class Stage:
             h = dequantize_rows(self.g.raw(t.name), t.ggml_type, self.cfg.n_embd, tokens.cpu()).to(self.device)
         return h * self.cfg.embed_scale if self.cfg.embed_scale != 1.0 else h
 
+    def final_norm(self, h: torch.Tensor) -> torch.Tensor:
+        """Hidden states [R, n_embd] after the output norm, float32: the output head's input (embeddings)."""
+        return self._norm(h, self.output_norm)
+
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Hidden states [R, n_embd] -> float32 logits [R, n_vocab]."""
-        x = self._norm(h, self.output_norm)
+        x = self.final_norm(h)
         out = self.output(x.to(self.dtype)).float()
         if self.output.scale is not None and out.shape[-1] > RESCORE_TOP:  # int8 head
             top = out.topk(RESCORE_TOP, dim=-1).indices
