@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import base64
 import json
-import threading
 from pathlib import Path
 
 import httpx
@@ -18,6 +17,13 @@ from rpc_workers import head, peer, running
 
 from hydra_console.engine.embedding import embed_vectors, normalize, pool, resolve_pooling
 from hydra_console.engine.errors import UserError
+from hydra_console.engine.gguf_file import GGUFFile
+from hydra_console.engine.model import build_stage
+from hydra_console.engine.pipeline import Pipeline
+from hydra_console.engine.runtime import Engine
+from hydra_console.engine.sampling import SamplingParams
+from hydra_console.engine.sequence import Request as EngineRequest
+from hydra_console.engine.tokenizer import Tokenizer
 
 REFERENCE = Path(__file__).resolve().parent / "data" / "reference" / "gemma3-270m" / "embeddings.json"
 TEXTS = ["the quick brown fox", "jumps over the lazy dog", "hello"]
@@ -179,17 +185,50 @@ def test_bad_input_is_a_400_naming_the_field(mean_server, body, param):
         assert "too large" in err["message"]
 
 
-def test_embeddings_do_not_disturb_a_running_generation(mean_server):
-    """A greedy completion gives the same text while embedding requests take slots and share its steps."""
-    body = {"prompt": "the lazy dog", "max_tokens": 24, "temperature": 0, "ignore_eos": True, "cache_prompt": False}
-    alone = post(mean_server, "/v1/completions", body).json()["choices"][0]["text"]
-    out = {}
-    t = threading.Thread(target=lambda: out.update(r=post(mean_server, "/v1/completions", body)))
-    t.start()
-    for _ in range(3):
-        assert post(mean_server, "/v1/embeddings", {"input": TEXTS}).status_code == 200
-    t.join(60)
-    assert out["r"].json()["choices"][0]["text"] == alone
+def test_engine_embedding_shares_steps_and_leaves_a_generation_untouched(tiny_model):
+    """Engine level, stepped by hand: an embedding prompt (several chunks) runs in the same forwards
+    as a decoding request; the generation's tokens are those it gives alone, and the hidden states
+    are a direct forward's through the model's final norm."""
+    g = GGUFFile(tiny_model("llama"))
+    tok = Tokenizer.from_gguf(g)
+    engine = Engine(Pipeline(build_stage(g, device="cpu", dtype="float32", n_slots=3, n_ctx=64)), tok, 3, 64,
+                    batch_tokens=8, mixed_steps=True)  # fmt: skip
+
+    def submit(req: EngineRequest) -> list:
+        events: list = []
+        req.sink = events.append
+        engine.submit(req)
+        return events
+
+    def generated(events) -> list[int]:
+        return [t.id for ev in events for t in ev.tokens]
+
+    def generation() -> EngineRequest:
+        prompt = tok.encode("the quick brown fox")
+        return EngineRequest(prompt, SamplingParams(temperature=0.0), max_tokens=20, ignore_eos=True, cache_prompt=False)
+
+    alone = submit(generation())
+    while not alone or alone[-1].finish_reason is None:
+        engine.step()
+    gen = submit(generation())
+    while len(generated(gen)) < 3:
+        engine.step()
+    ids = tok.encode("jumps over the lazy dog " * 3)
+    assert len(ids) > 2 * 8
+    emb = submit(EngineRequest(ids, max_tokens=0, cache_prompt=False, embedding=True))
+    n_before = len(generated(gen))
+    while not emb:
+        engine.step()
+    assert len(generated(gen)) - n_before >= 2  # it decoded in the embedding's steps
+    while gen[-1].finish_reason is None:
+        engine.step()
+    assert generated(gen) == generated(alone)
+    assert emb[-1].finish_reason == "length" and emb[-1].usage["completion_tokens"] == 0
+
+    ref = build_stage(g, device="cpu", dtype="float32", n_slots=1, n_ctx=64)
+    n = len(ids)
+    expected = ref.final_norm(ref.run_layers(ref.embed(torch.tensor(ids)), torch.zeros(n, dtype=torch.long), torch.arange(n)))
+    assert emb[-1].hidden.shape == expected.shape and torch.allclose(emb[-1].hidden, expected, atol=1e-4)
 
 
 def test_pooling_none_returns_raw_vectors_per_token_and_v1_refuses_it(tiny_model, tmp_path):
