@@ -54,7 +54,8 @@ class Cors:
         cors = [(b"access-control-allow-origin", allowed.encode("latin-1")), (b"vary", b"Origin")] if allowed else []
         if scope["method"] == "OPTIONS":
             headers = [*cors, (b"access-control-allow-credentials", b"true"),
-                       (b"access-control-allow-methods", ALLOW_METHODS), (b"access-control-allow-headers", ALLOW_HEADERS),
+                       (b"access-control-allow-methods", ALLOW_METHODS),
+                       (b"access-control-allow-headers", ALLOW_HEADERS),
                        (b"content-type", b"text/html"), (b"content-length", b"0")]  # fmt: skip
             await send({"type": "http.response.start", "status": 200, "headers": headers})
             await send({"type": "http.response.body", "body": b""})

@@ -39,7 +39,8 @@ def dequantized_copy(src: Path, dst: Path) -> None:
     arch = reader.fields[gguf.Keys.General.ARCHITECTURE].contents()
     writer = gguf.GGUFWriter(dst, arch)
     for field in reader.fields.values():
-        if field.name in (gguf.Keys.General.ARCHITECTURE, gguf.Keys.General.FILE_TYPE) or field.name.startswith("GGUF."):
+        skip = (gguf.Keys.General.ARCHITECTURE, gguf.Keys.General.FILE_TYPE)
+        if field.name in skip or field.name.startswith("GGUF."):
             continue
         vtype = field.types[0]
         sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None

@@ -170,7 +170,7 @@ def test_base64_and_normalisation_options(mean_server):
         ({"input": [[]]}, "input"),
         ({"input": [10**9]}, "input"),
         ({"input": "word " * 80}, "input"),
-        ({"input": [{"content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]}, "input"),
+        ({"input": [{"content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AA"}}]}]}, "input"),
         ({"input": [{"content": "text"}]}, "input"),
         ({"nothing": "hi"}, "input"),
         ({"input": "hi", "embd_normalize": "2"}, "embd_normalize"),
@@ -205,7 +205,8 @@ def test_engine_embedding_shares_steps_and_leaves_a_generation_untouched(tiny_mo
 
     def generation() -> EngineRequest:
         prompt = tok.encode("the quick brown fox")
-        return EngineRequest(prompt, SamplingParams(temperature=0.0), max_tokens=20, ignore_eos=True, cache_prompt=False)
+        params = SamplingParams(temperature=0.0)
+        return EngineRequest(prompt, params, max_tokens=20, ignore_eos=True, cache_prompt=False)
 
     alone = submit(generation())
     while not alone or alone[-1].finish_reason is None:
@@ -227,7 +228,8 @@ def test_engine_embedding_shares_steps_and_leaves_a_generation_untouched(tiny_mo
 
     ref = build_stage(g, device="cpu", dtype="float32", n_slots=1, n_ctx=64)
     n = len(ids)
-    expected = ref.final_norm(ref.run_layers(ref.embed(torch.tensor(ids)), torch.zeros(n, dtype=torch.long), torch.arange(n)))
+    h = ref.run_layers(ref.embed(torch.tensor(ids)), torch.zeros(n, dtype=torch.long), torch.arange(n))
+    expected = ref.final_norm(h)
     assert emb[-1].hidden.shape == expected.shape and torch.allclose(emb[-1].hidden, expected, atol=1e-4)
 
 

@@ -48,7 +48,8 @@ def preflight(base: str, path: str, origin: str) -> httpx.Response:
 
 @pytest.mark.unit
 def test_allowed_origin_by_setting():
-    star, local, listed = Cors(None), Cors(None, origins="localhost"), Cors(None, origins="https://a.org, https://b.org")
+    star, local = Cors(None), Cors(None, origins="localhost")
+    listed = Cors(None, origins="https://a.org, https://b.org")
     assert star.allowed("https://anything.example") == "https://anything.example" and star.allowed(None) is None
     for origin in ("http://localhost", "http://localhost:8080", "http://127.0.0.1:3000", "http://[::1]:3000"):
         assert local.allowed(origin) == origin
