@@ -110,7 +110,8 @@ class OutputProcessor:
             Event(
                 finish_reason=seq.finish_reason,
                 usage={"prompt_tokens": seq.n_prompt, "completion_tokens": seq.n_gen,
-                       "total_tokens": seq.n_prompt + seq.n_gen},  # fmt: skip
+                       "total_tokens": seq.n_prompt + seq.n_gen,
+                       "prompt_tokens_details": {"cached_tokens": seq.n_cached}},  # fmt: skip
                 timings=timings(seq, st.t_first, now),
                 error=error,
                 hidden=torch.cat(seq.hidden) if seq.req.embedding and seq.finish_reason == "length" else None,

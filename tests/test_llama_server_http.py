@@ -137,8 +137,9 @@ def test_metrics_are_public_and_carry_llama_servers_names(server):
     r, m = scrape(server)  # no key: public, as the console polls it
     assert r.status_code == 200 and int(r.headers["Process-Start-Time-Unix"]) > 1_600_000_000
     client = openai.OpenAI(base_url=f"{server}/v1", api_key=KEY, max_retries=0, timeout=120)
-    for _ in range(2):  # the same prompt twice: the second reuses the first one's prefix
-        client.completions.create(model="m", prompt=PROMPT, max_tokens=4, temperature=0)
+    # the same prompt twice: the second reuses the first one's prefix, and its usage says how much
+    runs = [client.completions.create(model="m", prompt=PROMPT, max_tokens=4, temperature=0) for _ in range(2)]
+    assert runs[1].usage.prompt_tokens_details.cached_tokens == runs[1].model_extra["timings"]["cache_n"] > 0
     _, after = scrape(server)
     for name in ("prompt_tokens_total", "prompt_tokens_cached_total", "prompt_seconds_total", "tokens_predicted_total",
                  "tokens_predicted_seconds_total", "n_decode_total"):  # fmt: skip
