@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .errors import Overloaded, Unavailable, UserError, describe
+from .http_cors import Cors
 from .http_errors import APIError, error_response
 from .http_gate import Gate, record_of
 from .worker_http import add_observation_routes
@@ -262,8 +263,12 @@ def _engine(head: Head):
 def create_app(head: Head) -> FastAPI:
     app = FastAPI(title="Hydra head", version="0.1.0")
     app.state.head = head
+    from .api_embeddings import embedding_routes  # it reads this module's request runner
+
     app.add_middleware(Gate, api_key=head.cfg.api_key, max_body=head.cfg.max_body)
-    add_observation_routes(app, head.status, head.metrics)
+    app.add_middleware(Cors, origins=head.cfg.cors_origins)  # outermost: a preflight needs no key
+    add_observation_routes(app, head.status, head.metrics if head.cfg.metrics else None)
+    app.include_router(embedding_routes(head))
 
     @app.exception_handler(APIError)
     async def _api_error(_, e: APIError):
@@ -295,13 +300,19 @@ def create_app(head: Head) -> FastAPI:
         data = []
         if head.status.startup_stage >= 2:
             meta = {"n_ctx": head.cfg.model.ctx, "n_vocab": head.tok.vocab_size, **head.status.model.to_json()}
-            data.append({"id": head.model_name, "object": "model", "created": head.created, "owned_by": "hydra",
-                         "meta": meta})  # fmt: skip
+            data.append({"id": head.model_name, "aliases": list(head.cfg.aliases), "tags": list(head.cfg.tags),
+                         "object": "model", "created": head.created, "owned_by": "hydra", "meta": meta})  # fmt: skip
         return {"object": "list", "data": data}
 
     @app.get("/slots")
-    async def slots():
-        return _engine(head).slot_info()
+    async def slots(fail_on_no_slot: str | None = None):
+        if not head.cfg.slots:
+            raise APIError(501, "This server does not support slots endpoint. Start it with `--slots`",
+                           "not_supported_error")  # fmt: skip
+        info = _llama_slots(_engine(head))
+        if fail_on_no_slot and all(s["is_processing"] for s in info):
+            raise APIError(503, "no slot available", "unavailable_error")
+        return info
 
     @app.post("/slots/{slot}")
     async def slot_action(slot: int, action: str, body: SlotFileBody | None = None):
@@ -395,6 +406,31 @@ def create_app(head: Head) -> FastAPI:
         return await _respond_chat(head, http, body, req)
 
     return app
+
+
+def _llama_slots(engine) -> list[dict]:
+    """llama-server's /slots entries: ours (`Engine.slot_info`, what /status shows) plus its names
+    for what maps: `is_processing`, `speculative`, and for a busy slot the prompt and cache counts,
+    `params` and `next_token`."""
+    out = []
+    for info, seq in zip(engine.slot_info(), engine.slots):
+        spec = (seq.req.spec if seq is not None and seq.req.spec else engine.spec_config).active
+        entry = {**info, "speculative": spec, "is_processing": seq is not None}
+        if seq is not None:
+            p = seq.req.params
+            entry.update(
+                n_prompt_tokens_processed=max(min(seq.n_past, seq.n_prompt) - seq.n_cached, 0),
+                n_prompt_tokens_cache=seq.n_cached,
+                params={"n_predict": seq.req.max_tokens, "max_tokens": seq.req.max_tokens, "seed": p.seed,
+                        "temperature": p.temperature, "top_k": p.top_k, "top_p": p.top_p, "min_p": p.min_p,
+                        "repeat_last_n": p.repeat_last_n, "repeat_penalty": p.repeat_penalty,
+                        "presence_penalty": p.presence_penalty, "frequency_penalty": p.frequency_penalty,
+                        "ignore_eos": seq.req.ignore_eos, "stop": seq.req.stop, "n_probs": p.logprobs or 0},
+                next_token=[{"has_next_token": seq.finish_reason is None, "n_remain": seq.req.max_tokens - seq.n_gen,
+                             "n_decoded": seq.n_gen}],
+            )  # fmt: skip
+        out.append(entry)
+    return out
 
 
 def _tokenize(head: Head, body: TokenizeBody) -> dict:

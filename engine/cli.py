@@ -15,6 +15,7 @@ import sys
 from typing import Mapping
 
 from .config import BODY_BYTES_PER_TOKEN, ENVIRONMENT, compile_cache_env, default_cache_dir, head_config, peer_config
+from .embedding import DEFAULT_NORMALIZE, POOLINGS
 from .errors import UserError
 from .openmp import configure_split_worker
 
@@ -87,7 +88,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8080)
     s.add_argument("--parallel", "-np", type=int, default=4, help="slots decoded together")
-    s.add_argument("--alias", default=None, help="model name reported by the API")
+    s.add_argument("--alias", "-a", default=None,
+                   help="model names, comma-separated: /v1/models lists them as aliases, the first in sorted "
+                        "order is the model's id (llama-server's); default: the file's name")  # fmt: skip
+    s.add_argument("--tags", default=None, help="model tags, comma-separated (listed by /v1/models)")
     _rpc_args(s)
     s.add_argument("--rpc-pool-size", type=int, default=2, help="RPC connection workers (head mode)")
     s.add_argument("--rpc-queue", type=int, default=64, help="RPC connections waiting for a worker")
@@ -107,6 +111,21 @@ def build_parser() -> argparse.ArgumentParser:
                         "of the context); completions keep OpenAI's 16 (default 1024)")  # fmt: skip
     s.add_argument("--slot-save-path", default=None,
                    help="folder for POST /slots/{id}?action=save|restore (llama-server's; off without it)")
+    s.add_argument("--embedding", "--embeddings", action="store_true",
+                   help="serve /v1/embeddings, /embeddings and /embedding (the final-norm hidden states of the "
+                        "same model); generation keeps working")  # fmt: skip
+    s.add_argument("--pooling", choices=POOLINGS, default=None,
+                   help="embedding pooling (default: the GGUF's pooling_type, else none); rank is not supported")
+    s.add_argument("--embd-normalize", type=int, default=DEFAULT_NORMALIZE,
+                   help="pooled embeddings' normalisation: -1 none, 0 max absolute (int16), 1 taxicab, 2 euclidean, "
+                        ">2 p-norm")  # fmt: skip
+    s.add_argument("--cors-origins", default="*",
+                   help="origins a browser may call from, comma-separated; '*' reflects any Origin with credentials, "
+                        "'localhost' only local pages (llama-server's)")  # fmt: skip
+    s.add_argument("--slots", action=argparse.BooleanOptionalAction, default=True,
+                   help="GET /slots (off: 501, as llama-server's --no-slots)")
+    s.add_argument("--metrics", action=argparse.BooleanOptionalAction, default=True,
+                   help="GET /metrics (off: 501); on by default, unlike llama-server: the console reads it")
     _spec_args(s)
 
     pr = sub.add_parser("peer", help="peer worker: serves its assigned layers over the merged RPC port")

@@ -156,7 +156,8 @@ class WorkerConfig:
 class HeadConfig(WorkerConfig):
     port: int = 8080
     parallel: int = 4
-    alias: str | None = None
+    aliases: tuple[str, ...] = ()  # --alias, sorted: the first is the model's id (llama-server's std::set)
+    tags: tuple[str, ...] = ()
     peers: tuple[str, ...] = ()
     split: str | None = None
     fallback_solo: bool = False
@@ -168,6 +169,12 @@ class HeadConfig(WorkerConfig):
     max_queue: int = 64  # requests waiting beyond the slots; above: 503 + Retry-After
     n_predict: int = 1024  # max_tokens of a chat request that names none; -1: to the end of the context
     slot_save_path: Path | None = None  # where /slots save and restore files live; None: off
+    embedding: bool = False  # /embedding(s) and /v1/embeddings answer (llama-server's --embedding)
+    pooling: str | None = None  # None: the GGUF's pooling_type, else none (embedding.resolve_pooling)
+    embd_normalize: int = 2  # embedding.normalize's p
+    cors_origins: str = "*"  # http_cors.Cors: "*" reflects any Origin, "localhost" only local ones, else a list
+    slots: bool = True  # GET /slots (--no-slots: 501)
+    metrics: bool = True  # GET /metrics (--no-metrics: 501); llama-server defaults off, the console reads it
 
     def redacted(self) -> dict:
         doc = super().redacted()
@@ -251,7 +258,8 @@ def head_config(args, env: Mapping[str, str]) -> HeadConfig:
         host=args.host,
         port=args.port,
         parallel=args.parallel,
-        alias=args.alias,
+        aliases=_csv(args.alias),
+        tags=_csv(args.tags),
         peers=tuple(args.peer),
         split=args.split,
         fallback_solo=args.fallback_solo,
@@ -263,7 +271,24 @@ def head_config(args, env: Mapping[str, str]) -> HeadConfig:
         max_queue=args.max_queue,
         n_predict=args.n_predict,
         slot_save_path=_existing_dir("--slot-save-path", args.slot_save_path),
+        embedding=args.embedding,
+        pooling=args.pooling,
+        embd_normalize=args.embd_normalize,
+        cors_origins=_cors_origins(args.cors_origins),
+        slots=args.slots,
+        metrics=args.metrics,
     )
+
+
+def _csv(value: str | None) -> tuple[str, ...]:
+    """llama-server's comma-separated names (--alias, --tags): stripped, empties dropped, sorted, unique."""
+    return tuple(sorted({v.strip() for v in (value or "").split(",") if v.strip()}))
+
+
+def _cors_origins(value: str) -> str:
+    if not value.strip():
+        raise UserError("--cors-origins must name origins, '*' or 'localhost'")
+    return value.strip()
 
 
 def peer_config(args, env: Mapping[str, str]) -> PeerConfig:

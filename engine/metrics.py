@@ -7,12 +7,18 @@ layer: pool occupancy, peer RTT).
 
 from __future__ import annotations
 
+import time
+
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from .status import StatusDocument, devices
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+# llama-server types this high watermark a counter without the `_total` suffix that prometheus_client
+# gives every counter: it is collected as a gauge and its TYPE line retyped when rendered.
+N_TOKENS_MAX = "n_tokens_max"
+_RETYPE = (f"# TYPE llamacpp:{N_TOKENS_MAX} gauge\n".encode(), f"# TYPE llamacpp:{N_TOKENS_MAX} counter\n".encode())
 
 
 class _EngineCollector:
@@ -29,12 +35,17 @@ class _EngineCollector:
         def gauge(name: str, doc: str, value: float):
             yield GaugeMetricFamily(f"llamacpp:{name}", doc, value=value)
 
-        yield from counter("prompt_tokens", "Number of prompt tokens processed.", st.prompt_tokens if st else 0)
+        yield from counter("prompt_tokens", "Number of prompt tokens processed, excluding cached tokens.",
+                           st.prompt_tokens if st else 0)  # fmt: skip
+        yield from counter("prompt_tokens_cached", "Number of prompt tokens reused from the cache.",
+                           st.prompt_tokens_cached if st else 0)  # fmt: skip
         yield from counter("prompt_seconds", "Prompt process time.", st.prompt_seconds if st else 0.0)
         yield from counter("tokens_predicted", "Number of generation tokens processed.",
                            st.predicted_tokens if st else 0)  # fmt: skip
         yield from counter("tokens_predicted_seconds", "Predict process time.", st.predicted_seconds if st else 0.0)
         yield from counter("n_decode", "Total number of engine steps (forward calls).", st.steps if st else 0)
+        yield from gauge(N_TOKENS_MAX, "Largest observed sequence length (prompt + generation).",
+                         st.n_tokens_max if st else 0)  # fmt: skip
         yield CounterMetricFamily("hydra_requests", "Requests accepted.", value=st.requests_total if st else 0)
         yield CounterMetricFamily("hydra_requests_rejected", "Requests refused because the queue was full (--max-queue).",
                                   value=st.requests_rejected if st else 0)  # fmt: skip
@@ -44,6 +55,8 @@ class _EngineCollector:
         yield from gauge("requests_processing", "Number of requests processing.",
                          engine.n_processing if engine else 0)  # fmt: skip
         yield from gauge("requests_deferred", "Number of requests deferred.", engine.n_deferred if engine else 0)
+        yield from gauge("n_busy_slots_per_decode", "Average number of busy slots per engine step.",
+                         st.busy_slots / max(st.steps, 1) if st else 0.0)  # fmt: skip
 
         spec = getattr(engine, "spec_stats", None)
         yield from counter("spec_decode_num_drafts", "Speculative drafts verified.", spec.drafts if spec else 0)
@@ -85,6 +98,7 @@ class Metrics:
     """One registry per worker (never the global one, so tests and embedders can run several)."""
 
     def __init__(self, status: StatusDocument):
+        self.start_time = int(time.time())  # llama-server's Process-Start-Time-Unix header
         self.registry = CollectorRegistry(auto_describe=False)
         self.register(_EngineCollector(status))
         self.register(_HydraCollector(status))
@@ -94,4 +108,4 @@ class Metrics:
         self.registry.register(collector)
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        return generate_latest(self.registry).replace(*_RETYPE)

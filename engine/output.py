@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import time
 
+import torch
+
 from .scheduler import Sampled
 from .sequence import Event, GenToken, Sequence
 from .tokenizer import StreamDecoder
@@ -46,7 +48,7 @@ class OutputProcessor:
             seq.req.sink(Event(prompt_logprobs=sampled.prompt_logprobs))
         if not seq.prefilling and st.t_first is None:
             st.t_first = time.perf_counter()
-            self.stats.add_prompt(seq.n_prompt, st.t_first - seq.t_start)
+            self.stats.add_prompt(seq.n_prompt - seq.n_cached, st.t_first - seq.t_start, seq.n_cached)
         new = seq.tokens[st.n_seen :]
         if seq.finish_reason == "stop":  # only end-of-generation finishes as "stop" before this point
             new = new[:-1]  # that token counts in usage but is never shown
@@ -108,9 +110,11 @@ class OutputProcessor:
             Event(
                 finish_reason=seq.finish_reason,
                 usage={"prompt_tokens": seq.n_prompt, "completion_tokens": seq.n_gen,
-                       "total_tokens": seq.n_prompt + seq.n_gen},  # fmt: skip
+                       "total_tokens": seq.n_prompt + seq.n_gen,
+                       "prompt_tokens_details": {"cached_tokens": seq.n_cached}},  # fmt: skip
                 timings=timings(seq, st.t_first, now),
                 error=error,
+                hidden=torch.cat(seq.hidden) if seq.req.embedding and seq.finish_reason == "length" else None,
             )
         )
 

@@ -70,7 +70,8 @@ class Pipeline:
         hidden: bool = False,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Flattened batch in, float32 logits of the rows in `logit_rows` out; with `hidden`, also
-        every token's last hidden state after the output norm (what an MTP block drafts from)."""
+        every token's last hidden state after the output norm (what an MTP block drafts from and an
+        embedding pools: the last stage's output, whichever worker ran it)."""
         with self._lock:
             if self._stale is not None:
                 self._rebuild(self._stale)

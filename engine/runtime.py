@@ -36,18 +36,22 @@ class EngineStats:
 
     def __init__(self):
         self.lock = threading.Lock()
-        self.prompt_tokens = 0
+        self.prompt_tokens = 0  # computed; a reused prefix (prompt cache) counts in prompt_tokens_cached
+        self.prompt_tokens_cached = 0
         self.prompt_seconds = 0.0
         self.predicted_tokens = 0
         self.predicted_seconds = 0.0
         self.requests_total = 0
         self.requests_rejected = 0
         self.steps = 0
+        self.busy_slots = 0  # summed over steps: / steps = llama-server's n_busy_slots_per_decode
+        self.n_tokens_max = 0  # the longest sequence a slot has held (prompt + generated)
         self._recent: deque[tuple[float, float, int, int]] = deque()  # (start, end, prefill, decode)
 
-    def add_prompt(self, n: int, seconds: float) -> None:
+    def add_prompt(self, n: int, seconds: float, cached: int = 0) -> None:
         with self.lock:
             self.prompt_tokens += n
+            self.prompt_tokens_cached += cached
             self.prompt_seconds += seconds
 
     def add_predicted(self, n: int, seconds: float) -> None:
@@ -55,9 +59,13 @@ class EngineStats:
             self.predicted_tokens += n
             self.predicted_seconds += seconds
 
-    def record_step(self, start: float, end: float, n_prefill: int, n_decode: int) -> None:
+    def record_step(self, start: float, end: float, n_prefill: int, n_decode: int, n_busy: int = 0,
+                    n_tokens: int = 0) -> None:  # fmt: skip
+        """One forward: its token counts, the slots busy during it and the longest sequence among them."""
         with self.lock:
             self.steps += 1
+            self.busy_slots += n_busy
+            self.n_tokens_max = max(self.n_tokens_max, n_tokens)
             self._recent.append((start, end, n_prefill, n_decode))
             self._trim(end)
 
@@ -257,18 +265,37 @@ class Engine:
             cancelled = self.scheduler.admit()
         batch = self.scheduler.schedule()
         t0 = time.perf_counter()
-        sampled = self._sample(batch, self._forward(batch)) if batch.chunks else []
+        sampled = []
+        if batch.chunks:
+            logits, hidden = self._forward(batch)
+            sampled = self._sample(batch, logits)
+            self._keep_hidden(batch, hidden)
         self.scheduler.postprocess(batch, [s.tokens for s in sampled])
         self._emit(cancelled, batch, sampled, t0)
 
-    def _forward(self, batch: Batch) -> torch.Tensor:
+    def _forward(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(logits, the embedding chunks' hidden states or None)."""
         as_tensor = lambda xs: torch.tensor(xs, dtype=torch.long)  # noqa: E731  (stages move what they need)
         inputs = [as_tensor(xs) for xs in batch.inputs()]
-        if not self.spec.wants_hidden:
-            return self.pipeline.forward(*inputs)
+        hidden_rows = batch.hidden_rows()
+        if not (self.spec.wants_hidden or hidden_rows):
+            return self.pipeline.forward(*inputs), None
         logits, hidden = self.pipeline.forward(*inputs, hidden=True)
-        self.spec.observe(*inputs[:3], hidden)  # the MTP block follows every token the target ran
-        return logits
+        if self.spec.wants_hidden:
+            self.spec.observe(*inputs[:3], hidden)  # the MTP block follows every token the target ran
+        return logits, hidden[as_tensor(hidden_rows).to(hidden.device)] if hidden_rows else None
+
+    @staticmethod
+    def _keep_hidden(batch: Batch, hidden: torch.Tensor | None) -> None:
+        """Each embedding chunk's rows go to its sequence (the output processor sends them whole)."""
+        if hidden is None:
+            return
+        hidden, row = hidden.cpu(), 0
+        for c in batch.chunks:
+            if c.hidden:
+                n = c.end - c.start
+                c.seq.hidden.append(hidden[row : row + n])
+                row += n
 
     def _sample(self, batch: Batch, logits: torch.Tensor) -> list[Sampled]:
         """Per chunk: the verified draft and the target's next token, or one sampled token, or none
@@ -320,6 +347,7 @@ class Engine:
 
     def _emit(self, cancelled: list[Sequence], batch: Batch, sampled: list[Sampled], t0: float) -> None:
         """Events for every sequence the step touched; finished ones give their slot back."""
+        busy = self.scheduler.running  # the slots this step ran with, before any is given back
         for seq in cancelled:
             self.output.process(seq)
         for c, s in zip(batch.chunks, sampled):
@@ -328,4 +356,5 @@ class Engine:
                 self.scheduler.free(c.seq)
         if batch.chunks:
             n_decode = sum(len(s.tokens) for c, s in zip(batch.chunks, sampled) if not c.prefill)
-            self.stats.record_step(t0, time.perf_counter(), batch.n_prefill, n_decode)
+            self.stats.record_step(t0, time.perf_counter(), batch.n_prefill, n_decode, len(busy),
+                                   max((len(s.tokens) for s in busy), default=0))  # fmt: skip

@@ -42,6 +42,11 @@ class Chunk:
     def prefill(self) -> bool:
         return self.start < self.seq.n_prompt
 
+    @property
+    def hidden(self) -> bool:
+        """An embedding request's chunk: every row's hidden state comes back, no logits."""
+        return self.seq.req.embedding
+
 
 @dataclass
 class Batch:
@@ -64,6 +69,16 @@ class Batch:
             elif c.sample:
                 rows.append(first_row + n - 1)
         return tokens, slots, positions, rows
+
+    def hidden_rows(self) -> list[int]:
+        """Rows of `inputs()` whose final-norm hidden states the step returns (embedding chunks)."""
+        rows, first = [], 0
+        for c in self.chunks:
+            n = c.end - c.start + (len(c.draft.tokens) if c.draft else 0)
+            if c.hidden:
+                rows += range(first, first + n)
+            first += n
+        return rows
 
     @property
     def n_prefill(self) -> int:
@@ -139,7 +154,8 @@ class Scheduler:
             i = max(free, key=lambda j: (shared(j), -len(self.cached[j])))
             free.remove(i)
             seq = self.slots[i] = Sequence(req, i)
-            if req.cache_prompt and req.prompt_logprobs is None:  # a scored prompt needs every row's logits
+            # A scored prompt needs every row's logits, an embedding every row's hidden state.
+            if req.cache_prompt and req.prompt_logprobs is None and not req.embedding:
                 seq.n_past = seq.n_cached = max(0, min(shared(i), len(req.prompt) - 1))
             self.cached[i] = []
             self.spec.start(i, seq.tokens)

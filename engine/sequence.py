@@ -10,6 +10,8 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
+import torch
+
 from .sampling import Sampler, SamplingParams, TokenLogprob
 
 if TYPE_CHECKING:
@@ -28,8 +30,9 @@ class GenToken:
 @dataclass
 class Event:
     """What a request's sink receives: text and tokens as they are released; on the last event
-    `finish_reason` ("stop", "length", "cancelled", "error"), `usage`, `timings`, and on "error" the
-    exception itself (`error`), so the API can answer by its type."""
+    `finish_reason` ("stop", "length", "cancelled", "error"), `usage`, `timings`, on "error" the
+    exception itself (`error`), so the API can answer by its type, and for an embedding request
+    the prompt's final-norm hidden states (`hidden`, [n_prompt, n_embd] float32 on the CPU)."""
 
     text: str = ""
     tokens: list[GenToken] = field(default_factory=list)
@@ -38,6 +41,7 @@ class Event:
     usage: dict | None = None
     timings: dict | None = None
     error: BaseException | None = None
+    hidden: torch.Tensor | None = None
 
 
 @dataclass
@@ -50,6 +54,7 @@ class Request:
     prompt_logprobs: int | None = None  # score the prompt: logprob of each prompt token + top N
     spec: SpecConfig | None = None  # this request's speculative decoding; None: the engine's default
     cache_prompt: bool = True  # reuse the KV of a prefix a slot already holds (llama-server's default)
+    embedding: bool = False  # run the prompt only and return its hidden states (Event.hidden), no tokens
     sink: Callable[[Event], None] = lambda ev: None
     id: int = 0
     cancelled: bool = False
@@ -72,6 +77,7 @@ class Sequence:
         self.n_accepted = 0
         self.t_start = time.perf_counter()  # when it took the slot: its prompt time counts from here
         self.finish_reason: str | None = None
+        self.hidden: list[torch.Tensor] = []  # an embedding request's hidden states, chunk by chunk
 
     @property
     def prefilling(self) -> bool:

@@ -11,11 +11,14 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 
 from .errors import UserError
+from .http_errors import error_response
 from .metrics import CONTENT_TYPE, Metrics
 from .status import StatusDocument
 
 
-def add_observation_routes(app: FastAPI, status: StatusDocument, metrics: Metrics) -> None:
+def add_observation_routes(app: FastAPI, status: StatusDocument, metrics: Metrics | None) -> None:
+    """`metrics` None: /metrics is off (llama-server's --no-metrics), 501 in its error shape."""
+
     @app.get("/health")
     async def health():
         h = status.health()
@@ -27,7 +30,11 @@ def add_observation_routes(app: FastAPI, status: StatusDocument, metrics: Metric
 
     @app.get("/metrics")
     async def get_metrics():
-        return Response(await asyncio.to_thread(metrics.render), media_type=CONTENT_TYPE)
+        if metrics is None:
+            return error_response(501, "This server does not support metrics endpoint. Start it with `--metrics`",
+                                  "not_supported_error")  # fmt: skip
+        return Response(await asyncio.to_thread(metrics.render), media_type=CONTENT_TYPE,
+                        headers={"Process-Start-Time-Unix": str(metrics.start_time)})  # fmt: skip
 
 
 def listen_socket(host: str, port: int) -> socket.socket:

@@ -35,6 +35,20 @@ def test_http_limits_of_the_head():
     assert serve().api_key is None and serve().redacted()["api_key"] is None
 
 
+def test_llama_server_flags_of_the_head():
+    cfg = serve()
+    assert (cfg.embedding, cfg.pooling, cfg.embd_normalize, cfg.cors_origins, cfg.slots, cfg.metrics) == (
+        False, None, 2, "*", True, True)  # fmt: skip
+    assert (cfg.aliases, cfg.tags) == ((), ())
+    cfg = serve("--embeddings", "--pooling", "last", "--embd-normalize", "-1", "--cors-origins", " localhost ",
+                "--no-slots", "--no-metrics", "-a", "b, a,,b", "--tags", "x")  # fmt: skip
+    assert (cfg.embedding, cfg.pooling, cfg.embd_normalize, cfg.cors_origins, cfg.slots, cfg.metrics) == (
+        True, "last", -1, "localhost", False, False)  # fmt: skip
+    assert (cfg.aliases, cfg.tags) == (("a", "b"), ("x",))  # sorted: the first is the model's id
+    with pytest.raises(SystemExit):
+        serve("--pooling", "max")
+
+
 def test_peer_config_defaults():
     cfg = peer_config(build_parser().parse_args(["peer"]), {})
     assert (cfg.port, cfg.rpc.port, cfg.rpc.host, cfg.rpc.auth_token) == (8090, 8091, "127.0.0.1", None)
@@ -53,6 +67,7 @@ def test_peer_config_defaults():
         ([], {"HYDRA_RPC_SPIN_MS": "fast"}, "HYDRA_RPC_SPIN_MS"),
         (["--slot-save-path", "/nonexistent/slots"], {}, "--slot-save-path"),
         ([], {"HYDRA_RPC_SPIN_MS": "-3"}, "HYDRA_RPC_SPIN_MS"),
+        (["--cors-origins", " "], {}, "--cors-origins"),
     ],
 )
 def test_bad_settings_name_their_key(argv, env, key):

@@ -220,7 +220,8 @@ class Stage:
         return self.project(self.final_norm(h))
 
     def final_norm(self, h: torch.Tensor) -> torch.Tensor:
-        """The output norm: what the head projects, and what an MTP block drafts from (llama.cpp's `h_nextn`)."""
+        """The output norm: what the head projects, what an MTP block drafts from (llama.cpp's `h_nextn`)
+        and what an embedding pools (its `t_embd`)."""
         return self._norm(h, self.output_norm)
 
     def project(self, x: torch.Tensor) -> torch.Tensor:

@@ -33,7 +33,8 @@ class HeadWorker:
         self.cfg = cfg
         self.status = StatusDocument("head", cfg.host, cfg.port, config=cfg.redacted())
         self.metrics = Metrics(self.status)
-        self.model_name: str | None = cfg.alias
+        self.model_name: str | None = cfg.aliases[0] if cfg.aliases else None
+        self.pooling: str | None = None  # embedding pooling, resolved from --pooling and the GGUF at load
         self.created = int(time.time())
         self.gguf = None  # the chat template reads its metadata
         self.tok = None
@@ -50,6 +51,7 @@ class HeadWorker:
         """Model file → Pipeline → Engine; each step moves /health's startup_stage on."""
         # Imported here, not at the top: they bring torch, and /health must answer while it loads.
         from ..default_model import model_path
+        from ..embedding import resolve_pooling
         from ..gguf_file import GGUFFile
         from ..model import ModelConfig
         from ..rpc.service import HeadRpc, RpcCollector
@@ -63,6 +65,8 @@ class HeadWorker:
         self.tok = Tokenizer.from_gguf(g)
         mcfg = ModelConfig.from_gguf(g)
         self.model_name = self.model_name or path.stem
+        if cfg.embedding or cfg.pooling is not None:
+            self.pooling = resolve_pooling(cfg.pooling, g.metadata, g.architecture)
         self.status.model = ModelInfo(self.model_name, str(path), g.architecture, mcfg.n_layers, g.fingerprint)
         self.status.startup_stage = 2
         check_speculative(cfg.spec, cfg.model_draft, g)  # before the peers: a bad flag fails at once
