@@ -139,7 +139,7 @@ def main(args, cache_dir: Path | None) -> int:
     llama_bench = find_llama_bench(args.llama_bench) if args.llama_bench else None  # fail before our run
     # On CUDA the decode step is compiled before graph capture (fused element-wise kernels: ~1.6x decode).
     options = {"cache_dir": cache_dir, "quantized": None if args.gpu_weights == "quantized" else False,
-               "compile_decode": not args.no_compile}
+               "compile_decode": not args.no_compile, "kv_types": (args.cache_type_k, args.cache_type_v)}
     result = run_bench(model, args.device, args.dtype, args.n_prompt, args.n_gen, args.repetitions, **options)
     if llama_bench:
         theirs = run_llama_bench(llama_bench, model, torch.device(result["device"]), args.n_prompt, args.n_gen, args.repetitions)

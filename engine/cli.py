@@ -14,7 +14,7 @@ import os
 import sys
 from typing import Mapping
 
-from .config import BODY_BYTES_PER_TOKEN, ENVIRONMENT, compile_cache_env, default_cache_dir, head_config, peer_config
+from .config import BODY_BYTES_PER_TOKEN, ENVIRONMENT, KV_CACHE_TYPES, compile_cache_env, default_cache_dir, head_config, peer_config
 from .embedding import DEFAULT_NORMALIZE, POOLINGS
 from .errors import UserError
 from .openmp import configure_split_worker
@@ -28,6 +28,9 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu-weights", choices=["quantized", "dense"], default="quantized",
                    help="on a GPU, keep GGUF-quantized weights quantized (smallest) or expand them to the compute "
                         "dtype (faster decode today where they fit)")  # fmt: skip
+    for kv in ("k", "v"):
+        p.add_argument(f"--cache-type-{kv}", f"-ct{kv}", choices=KV_CACHE_TYPES, default="auto",
+                       help=f"{kv.upper()} cache type, as llama.cpp's; q8_0 halves the cache of f16; auto: the compute dtype")
     p.add_argument("--no-compile", action="store_true",
                    help="on a GPU, capture the decode step in CUDA graphs without torch.compile: a faster start "
                         "(no warm-up compile), a slower decode")  # fmt: skip

@@ -98,6 +98,7 @@ class ModelSettings:
     cache_dir: Path | None = None  # prepared-weight cache; None = off
     gpu_weights: str = "quantized"  # or "dense": expanded to the compute dtype on a GPU
     compile: bool = True  # torch.compile the CUDA decode step before graph capture (--no-compile)
+    kv_types: tuple[str, str] = ("auto", "auto")  # --cache-type-k / --cache-type-v (engine/model/kv_cache.py)
 
     @property
     def quantized(self) -> bool | None:
@@ -202,6 +203,10 @@ def default_cache_dir(env: Mapping[str, str]) -> Path | None:
     return Path(value) if value else Path.home() / ".cache" / "hydra-console" / "prepared"
 
 
+# llama.cpp's names; "auto" = the compute dtype (what model/kv_cache.py stores for each).
+KV_CACHE_TYPES = ("auto", "f32", "f16", "bf16", "q8_0")
+
+
 def compile_cache_env(cache_dir: Path | None) -> dict[str, str]:
     """Inductor's and Triton's caches beside the prepared weights, so a restarted worker reuses its
     compiled decode step (seconds, not a fresh compile)."""
@@ -213,7 +218,7 @@ def compile_cache_env(cache_dir: Path | None) -> dict[str, str]:
 def model_settings(args, env: Mapping[str, str]) -> ModelSettings:
     _at_least(1, ctx=args.ctx)
     return ModelSettings(args.model, args.device, args.dtype, args.ctx, default_cache_dir(env), args.gpu_weights,
-                         not args.no_compile)
+                         not args.no_compile, (args.cache_type_k, args.cache_type_v))
 
 
 def read_token_file(path: str) -> str:

@@ -28,11 +28,9 @@ def attend_runs(cfg: ModelConfig, layer: _Layer, q, k, v, runs) -> torch.Tensor:
     outs, i = [], 0
     for slot, p0, n in runs:
         end = p0 + n
-        layer.k_cache[slot, :, p0:end] = k[i : i + n].transpose(0, 1)
-        layer.v_cache[slot, :, p0:end] = v[i : i + n].transpose(0, 1)
+        layer.kv.write_run(slot, p0, k[i : i + n], v[i : i + n])
         start = max(0, p0 - layer.window + 1) if layer.window else 0
-        keys = layer.k_cache[slot, :, start:end].unsqueeze(0)
-        vals = layer.v_cache[slot, :, start:end].unsqueeze(0)
+        keys, vals = (t.unsqueeze(0) for t in layer.kv.read_run(slot, start, end))
         qr = q[i : i + n].transpose(0, 1).unsqueeze(0)
         windowed = layer.window and n > 1 and end - start > layer.window
         if n == 1:
@@ -68,10 +66,8 @@ def decode_bias(cfg: ModelConfig, positions: torch.Tensor, kv_len: int, window: 
 def attend_batched(cfg: ModelConfig, layer: _Layer, q, k, v, slots, positions, kv_len: int, bias) -> torch.Tensor:
     """One token per slot: scatter K/V, gather each slot's first `kv_len` cache rows, attend under `bias`.
     Grouped-query heads share their K/V through a batched matmul, not a copy per head."""
-    layer.k_cache[slots, :, positions] = k
-    layer.v_cache[slots, :, positions] = v
-    keys = layer.k_cache[slots, :, :kv_len].reshape(-1, kv_len, cfg.head_dim)
-    vals = layer.v_cache[slots, :, :kv_len].reshape(-1, kv_len, cfg.head_dim)
+    layer.kv.scatter(slots, positions, k, v)
+    keys, vals = (t.reshape(-1, kv_len, cfg.head_dim) for t in layer.kv.gather(slots, kv_len))
     q = q.reshape(keys.shape[0], -1, cfg.head_dim)  # [B * n_kv, group, head_dim]
     scores = torch.baddbmm(bias, q, keys.transpose(1, 2), alpha=cfg.attn_scale)
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(vals.dtype)

@@ -44,6 +44,7 @@ from .attention import attend_batched, attend_runs, decode_bias
 from .config import ModelConfig
 from .deltanet import ROLLBACK, DeltaNet
 from .graphs import DecodeGraphs
+from .kv_cache import KVCache, check_cache_type
 from .rope import rope_table, rotate
 from .weights import Weights
 
@@ -79,9 +80,8 @@ class _Layer:
             q_w, k_w = vec(p + "attn_q_norm.weight"), vec(p + "attn_k_norm.weight")
             self.qk_norm = torch.cat([q_w.expand(cfg.n_head, -1), k_w.expand(cfg.n_head_kv, -1)])
         self.post_attn_norm = vec(p + "post_attention_norm.weight") if cfg.post_norms else None
-        shape = (stage.cache_rows, cfg.n_head_kv, stage.n_ctx, cfg.head_dim)
-        self.k_cache = torch.zeros(shape, dtype=stage.dtype, device=stage.device)
-        self.v_cache = torch.zeros(shape, dtype=stage.dtype, device=stage.device)
+        self.kv = KVCache(stage.cache_rows, cfg.n_head_kv, stage.n_ctx, cfg.head_dim, compute=stage.dtype,
+                          device=stage.device, k_type=stage.kv_types[0], v_type=stage.kv_types[1])  # fmt: skip
 
     @property
     def nbytes(self) -> int:
@@ -92,7 +92,7 @@ class _Layer:
 def _state_tensors(layer: _Layer) -> tuple[torch.Tensor, ...]:
     net = layer.deltanet
     if net is None:
-        return layer.k_cache, layer.v_cache
+        return layer.kv.tensors()
     return net.conv_state, net.ssm_state, net.conv_ckpt, net.ssm_ckpt
 
 
@@ -100,8 +100,12 @@ class Stage:
     """Embedding (optional) + layers [a, b) + final norm and output head (optional) on one device."""
 
     def __init__(self, cfg: ModelConfig, weights: Weights, layers: tuple[int, int], *, embed: bool, head: bool,
-                 n_slots: int, n_ctx: int, compile_decode: bool = False):  # fmt: skip
+                 n_slots: int, n_ctx: int, compile_decode: bool = False,
+                 kv_types: tuple[str, str] = ("auto", "auto")):  # fmt: skip
         self.cfg, self.weights, self.g = cfg, weights, weights.g
+        for kind, flag in zip(kv_types, ("--cache-type-k", "--cache-type-v")):
+            check_cache_type(kind, flag, cfg.head_dim)
+        self.kv_types = kv_types
         self.device, self.dtype, self.int8 = weights.device, weights.dtype, weights.int8
         if n_slots < 1 or n_ctx < 1:
             raise UserError(f"need at least one slot and a positive context (got {n_slots} slots, n_ctx {n_ctx})")
@@ -156,8 +160,7 @@ class Stage:
         """Forget a slot: its KV and its recurrent state."""
         for layer in self.layers.values():
             if layer.deltanet is None:
-                layer.k_cache[slot].zero_()
-                layer.v_cache[slot].zero_()
+                layer.kv.clear(slot)
         self._restart(slot)
 
     def _restart(self, slot: int) -> None:
@@ -175,8 +178,7 @@ class Stage:
                 out[f"blk.{il}.conv"] = layer.deltanet.conv_state[slot]
                 out[f"blk.{il}.ssm"] = layer.deltanet.ssm_state[slot]
             else:
-                out[f"blk.{il}.k"] = layer.k_cache[slot, :, :n]
-                out[f"blk.{il}.v"] = layer.v_cache[slot, :, :n]
+                out |= {f"blk.{il}.{name}": view for name, view in layer.kv.views(slot, n).items()}
         return out
 
     def restored(self, slot: int, n: int) -> None:
@@ -361,6 +363,7 @@ def build_stage(
     int8: bool | None = None,
     quantized: bool | None = None,
     compile_decode: bool = False,
+    kv_types: tuple[str, str] = ("auto", "auto"),
 ) -> Stage:
     """The Stage of `g` for layers [a, b) (default: all), from `--device` / `--dtype` values or torch
     objects. `cache_dir` keeps converted int8 weights across runs (None: convert on every load);
@@ -376,4 +379,4 @@ def build_stage(
         quantized = device.type == "cuda"
     weights = Weights(g, cfg.arch, device, dtype, int8, cache_dir, quantized)
     return Stage(cfg, weights, layers or (0, cfg.n_layers), embed=embed, head=head, n_slots=n_slots, n_ctx=n_ctx,
-                 compile_decode=compile_decode)  # fmt: skip
+                 compile_decode=compile_decode, kv_types=kv_types)  # fmt: skip

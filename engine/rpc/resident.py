@@ -19,6 +19,7 @@ from ...contracts.rpc import DTYPE_CODES, MAX_CTX, MAX_SLOTS, StaleEpoch
 from ..device import free_bytes
 from ..errors import UserError
 from ..model import build_stage, device_bytes
+from ..model.kv_cache import KVCache
 
 # Torch dtypes of the wire's dtype names (contracts.rpc.DTYPE_CODES).
 DTYPES = {name: getattr(torch, name) for name in DTYPE_CODES}
@@ -45,11 +46,12 @@ class StageHost:
     `cache_dir`: the prepared-weight cache for the stages it loads (None: convert on every load)."""
 
     def __init__(self, g, cfg, device, *, stage=None, assignable: bool = True, cache_dir: Path | None = None,
-                 quantized: bool | None = None, compile_decode: bool = False):  # fmt: skip
+                 quantized: bool | None = None, compile_decode: bool = False,
+                 kv_types: tuple[str, str] = ("auto", "auto")):  # fmt: skip
         self.g, self.cfg, self.device = g, cfg, torch.device(device)
         self.cache_dir = cache_dir
         self.quantized = quantized if quantized is not None else self.device.type == "cuda"  # as build_stage decides
-        self.compile_decode = compile_decode
+        self.compile_decode, self.kv_types = compile_decode, kv_types
         self.n_layers = cfg.n_layers
         self.stage = stage
         self.assignable = assignable
@@ -121,7 +123,7 @@ class StageHost:
                                        f"{free >> 20} MiB free on {self.device}: refused, the current stage stays")  # fmt: skip
                 stage = build_stage(self.g, (a, b), embed=False, head=False, device=self.device, dtype=dtype,
                                     n_slots=n_slots, n_ctx=n_ctx, cache_dir=self.cache_dir, quantized=self.quantized,
-                                    compile_decode=self.compile_decode)  # fmt: skip
+                                    compile_decode=self.compile_decode, kv_types=self.kv_types)  # fmt: skip
                 stage.warm_up()  # before the swap: the old stage serves meanwhile
             with self.lock:
                 if stage is self.stage:
@@ -137,8 +139,8 @@ class StageHost:
         """What a stage of layers [a, b) costs: its weights as they will be held (still quantized on
         a GPU) plus K and V in `dtype` for every slot."""
         weights = sum(device_bytes(t, dtype, self.quantized) for name, t in self.g.tensors.items() if layer_of(name) in range(a, b))
-        kv = 2 * (b - a) * n_slots * n_ctx * self.cfg.n_head_kv * self.cfg.head_dim
-        return weights + kv * torch.empty((), dtype=dtype).element_size()
+        values = (b - a) * n_slots * n_ctx * self.cfg.n_head_kv * self.cfg.head_dim
+        return weights + int(values * sum(KVCache.bytes_per_value(kind, dtype) for kind in self.kv_types))
 
     def _own(self, owner: int) -> None:
         if self.owner != owner:

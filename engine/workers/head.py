@@ -153,7 +153,7 @@ def build_pipeline(cfg: HeadConfig, g, mcfg):
         log.warning("peers %s never came up: --fallback-solo runs all %d layers on the head", names, mcfg.n_layers)
         remotes, ranges = [], [(0, mcfg.n_layers)]
     local = build_stage(g, ranges[0], device=device, dtype=dtype, n_slots=n_slots, n_ctx=m.ctx, cache_dir=m.cache_dir,
-                        quantized=m.quantized, compile_decode=m.compile)  # fmt: skip
+                        quantized=m.quantized, compile_decode=m.compile, kv_types=m.kv_types)  # fmt: skip
     pipeline = Pipeline(local, remotes, ranges=ranges)
     if remotes:
         pipeline.start_watch()

@@ -1,0 +1,120 @@
+"""One attention layer's K and V for every slot, in a cache type (`--cache-type-k` / `--cache-type-v`).
+
+Types as llama.cpp names them: `f32`, `f16`, `bf16` store values as they are; `q8_0` stores int8
+codes with one float16 scale per 32 values of a head (d = max|x| / 127, code = round(x / d)), about
+half the bytes of f16. `auto` follows the compute dtype (exact: the fp32 CPU path stays bit-equal).
+Reads return the compute dtype; positions a slot has not written are never read (attention masks
+them), so nothing needs clearing for correctness.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..config import KV_CACHE_TYPES as CACHE_TYPES
+from ..errors import UserError
+
+_DENSE = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
+Q8_BLOCK = 32
+
+
+def check_cache_type(name: str, flag: str, head_dim: int | None = None) -> None:
+    if name not in CACHE_TYPES:
+        raise UserError(f"{flag} must be one of {', '.join(CACHE_TYPES)}, got {name!r}")
+    if name == "q8_0" and head_dim is not None and head_dim % Q8_BLOCK:
+        raise UserError(f"{flag} q8_0 needs a head size that is a multiple of {Q8_BLOCK} (this model's is {head_dim})")
+
+
+class _Store:
+    """One of K or V: [rows, n_kv, n_ctx, head_dim] in a cache type."""
+
+    def __init__(self, kind: str, shape: tuple[int, ...], compute: torch.dtype, device):
+        self.kind, self.compute = kind, compute
+        if kind == "q8_0":
+            self.codes = torch.zeros(shape, dtype=torch.int8, device=device)
+            self.scale = torch.zeros(*shape[:-1], shape[-1] // Q8_BLOCK, dtype=torch.float16, device=device)
+        else:
+            self.codes = torch.zeros(shape, dtype=_DENSE.get(kind, compute), device=device)
+            self.scale = None
+
+    def encode(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if self.scale is None:
+            return x.to(self.codes.dtype), None
+        blocks = x.float().unflatten(-1, (-1, Q8_BLOCK))
+        d = blocks.abs().amax(-1) / 127
+        inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
+        codes = torch.round(blocks * inv[..., None]).to(torch.int8).flatten(-2)
+        return codes, d.to(torch.float16)
+
+    def decode(self, codes: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+        if scale is None:
+            return codes.to(self.compute)
+        x = codes.float().unflatten(-1, (-1, Q8_BLOCK)) * scale.float()[..., None]
+        return x.flatten(-2).to(self.compute)
+
+    def put(self, index: tuple, x: torch.Tensor) -> None:
+        codes, scale = self.encode(x)
+        self.codes[index] = codes
+        if scale is not None:
+            self.scale[index] = scale
+
+    def get(self, index: tuple) -> torch.Tensor:
+        return self.decode(self.codes[index], self.scale[index] if self.scale is not None else None)
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return (self.codes,) if self.scale is None else (self.codes, self.scale)
+
+
+class KVCache:
+    """K and V of one layer for `rows` slots. `k_type` / `v_type`: CACHE_TYPES."""
+
+    def __init__(self, rows: int, n_kv: int, n_ctx: int, head_dim: int, *, compute: torch.dtype, device,
+                 k_type: str = "auto", v_type: str = "auto"):  # fmt: skip
+        shape = (rows, n_kv, n_ctx, head_dim)
+        self.k = _Store(k_type, shape, compute, device)
+        self.v = _Store(v_type, shape, compute, device)
+
+    def write_run(self, slot: int, p0: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v [n, n_kv, head_dim] at positions p0.. of one slot."""
+        index = (slot, slice(None), slice(p0, p0 + k.shape[0]))
+        self.k.put(index, k.transpose(0, 1))
+        self.v.put(index, v.transpose(0, 1))
+
+    def read_run(self, slot: int, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V [n_kv, end - start, head_dim] of one slot, in the compute dtype."""
+        index = (slot, slice(None), slice(start, end))
+        return self.k.get(index), self.v.get(index)
+
+    def scatter(self, slots: torch.Tensor, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """One token per slot: k, v [B, n_kv, head_dim] (graph-capturable: no host values)."""
+        index = (slots, slice(None), positions)
+        self.k.put(index, k)
+        self.v.put(index, v)
+
+    def gather(self, slots: torch.Tensor, kv_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V [B, n_kv, kv_len, head_dim] of each slot's first kv_len positions, in the compute dtype."""
+        index = (slots, slice(None), slice(None, kv_len))
+        return self.k.get(index), self.v.get(index)
+
+    def clear(self, slot: int) -> None:
+        for t in (*self.k.tensors(), *self.v.tensors()):
+            t[slot].zero_()
+
+    def views(self, slot: int, n: int) -> dict[str, torch.Tensor]:
+        """The slot's first n positions as stored, by name suffix (slot state: writing them restores)."""
+        out = {}
+        for name, store in (("k", self.k), ("v", self.v)):
+            out[name] = store.codes[slot, :, :n]
+            if store.scale is not None:
+                out[name + ".scale"] = store.scale[slot, :, :n]
+        return out
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return (*self.k.tensors(), *self.v.tensors())
+
+    @staticmethod
+    def bytes_per_value(kind: str, compute: torch.dtype) -> float:
+        """Storage per cached value: the memory estimates' unit."""
+        if kind == "q8_0":
+            return 1 + 2 / Q8_BLOCK
+        return torch.empty((), dtype=_DENSE.get(kind, compute)).element_size()

@@ -1,0 +1,66 @@
+"""KV cache types (`--cache-type-k/-v`): q8_0 as llama.cpp quantizes it, f16/bf16 storage under an fp32
+compute, through the real stage (prefill, decode, slot state) on CPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hydra_console.engine.cli import build_parser
+from hydra_console.engine.config import head_config
+from hydra_console.engine.errors import UserError
+from hydra_console.engine.model.kv_cache import KVCache, check_cache_type
+from stages import load, prefill
+
+pytestmark = pytest.mark.unit
+
+
+def test_q8_0_round_trip_is_within_half_a_step_per_block_plus_the_float16_scale():
+    kv = KVCache(2, 3, 16, 64, compute=torch.float32, device="cpu", k_type="q8_0", v_type="q8_0")
+    k = torch.randn(16, 3, 64) * torch.logspace(-3, 2, 16)[:, None, None]  # blocks of very different scales
+    kv.write_run(1, 0, k, -k)
+    got_k, got_v = kv.read_run(1, 0, 16)
+    blocks = k.transpose(0, 1).unflatten(-1, (2, 32))
+    step = blocks.abs().amax(-1, keepdim=True) / 127  # d of each block
+    err = (got_k.unflatten(-1, (2, 32)) - blocks).abs()
+    scale_err = 127 * (step - step.half().float()).abs()  # the scale is stored as float16, as llama.cpp's
+    assert (err <= step / 2 * 1.001 + scale_err).all() and torch.equal(got_v, -got_k)
+    assert kv.k.codes.dtype == torch.int8 and kv.k.scale.shape == (2, 3, 16, 2)
+    assert sum(t.nbytes for t in kv.tensors()) == 2 * (2 * 3 * 16 * 64 * (1 + 2 / 32))
+    kv.write_run(0, 0, torch.zeros(4, 3, 64), torch.zeros(4, 3, 64))  # an all-zero block: scale 0, no NaN
+    assert torch.equal(kv.read_run(0, 0, 4)[0], torch.zeros(3, 4, 64))
+
+
+def test_scatter_and_gather_match_runs():
+    kv = KVCache(3, 2, 8, 32, compute=torch.float32, device="cpu", k_type="q8_0", v_type="f16")
+    k, v = torch.randn(3, 2, 32), torch.randn(3, 2, 32)
+    kv.scatter(torch.tensor([2, 0, 1]), torch.tensor([5, 0, 7]), k, v)
+    keys, vals = kv.gather(torch.tensor([2, 0, 1]), 8)
+    assert keys.shape == (3, 2, 8, 32) and vals.dtype == torch.float32
+    assert torch.equal(keys[0, :, 5], kv.read_run(2, 5, 6)[0][:, 0])
+    assert torch.equal(vals[2, :, 7], v[2].half().float())
+
+
+@pytest.mark.parametrize("types", [("q8_0", "q8_0"), ("f16", "bf16")])
+def test_a_stage_with_a_smaller_cache_stays_close_to_the_exact_one(tiny_model, types):
+    path = tiny_model("llama", n_layers=2, n_embd=128, n_head=4, n_head_kv=2)
+    exact, small = load(path, n_slots=2, n_ctx=64), load(path, n_slots=2, n_ctx=64, kv_types=types)
+    tokens = torch.randint(0, 1000, (40,), generator=torch.Generator().manual_seed(0)).tolist()
+    want, got = prefill(exact, tokens[:32], slot=1), prefill(small, tokens[:32], slot=1)
+    for i, t in enumerate(tokens[32:]):  # decode continues over the stored cache
+        want = torch.cat([want, prefill(exact, [t], slot=1, start=32 + i)])
+        got = torch.cat([got, prefill(small, [t], slot=1, start=32 + i)])
+    rel = ((got - want).norm() / want.norm()).item()
+    assert 0 < rel < 2e-2, rel  # not exact (it is stored smaller), but close
+    assert small.kv_bytes < exact.kv_bytes * (0.3 if types[0] == "q8_0" else 0.55)
+    names = small.slot_state(1, 40)
+    assert ("blk.0.k.scale" in names) == (types[0] == "q8_0") and names["blk.0.k"].shape[1] == 40
+
+
+def test_cache_type_flags():
+    args = build_parser().parse_args(["serve", "-ctk", "q8_0", "--cache-type-v", "f16"])
+    assert head_config(args, {}).model.kv_types == ("q8_0", "f16")
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--cache-type-k", "q4_0"])
+    with pytest.raises(UserError, match="--cache-type-v must be one of"):  # values given through the API
+        check_cache_type("int4", "--cache-type-v")
