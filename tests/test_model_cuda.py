@@ -64,12 +64,14 @@ def test_graph_replay_equals_eager_on_cuda(tiny_model):
 
 @pytest.fixture
 def cuda_peer(tiny_model, tmp_path):
-    """A `hydra-engine peer --device cuda` process on this GPU and the model it serves."""
+    """A `hydra-engine peer --device cuda` process on this GPU and the model it serves. Graphs without
+    torch.compile on both sides and in the solo stage: the split is compared like with like (compiled
+    kernels are fused per layer range, so a different range may round differently)."""
     from rpc_workers import Worker, free_ports
 
     path = tiny_model("llama", n_layers=4)
     port, rpc = free_ports(2)
-    peer = Worker("peer", ["--model", str(path), "--device", "cuda"], tmp_path, port, rpc)
+    peer = Worker("peer", ["--model", str(path), "--device", "cuda", "--no-compile"], tmp_path, port, rpc)
     try:
         peer.wait_ready()
         yield peer, path
@@ -82,7 +84,7 @@ def split_pipeline(peer, path, cuda_ipc: bool = True):
     from hydra_console.engine.workers.head import build_pipeline
 
     g = GGUFFile(path)
-    cfg = HeadConfig(ModelSettings(str(path), "cuda", "bfloat16", 64), RpcSettings(cuda_ipc=cuda_ipc), parallel=2,
+    cfg = HeadConfig(ModelSettings(str(path), "cuda", "bfloat16", 64, compile=False), RpcSettings(cuda_ipc=cuda_ipc), parallel=2,
                      peers=(peer.rpc_addr,), split="2/2", peer_wait=30.0)  # fmt: skip
     return build_pipeline(cfg, g, ModelConfig.from_gguf(g))
 

@@ -80,7 +80,9 @@ class HeadWorker:
         self.status.add_provider(self.rpc.status)
         self.metrics.register(RpcCollector(self.rpc.listener, pipeline))
         self.status.startup_stage = WARMING_STAGE
+        t0 = time.perf_counter()
         pipeline.local.warm_up()
+        log.info("decode step warmed up in %.1f s", time.perf_counter() - t0)
         self.engine = Engine(pipeline, self.tok, n_slots=cfg.parallel, n_ctx=cfg.model.ctx, speculator=speculator,
                              max_queue=cfg.max_queue).start()  # fmt: skip
         pipeline.active_slots = lambda: {s.slot for s in self.engine.slots if s is not None}
