@@ -221,6 +221,7 @@ def main() -> None:
         proc, _, t = start(args, 1)
         stop(proc)
         cold.append(t)
+        print(f"cold start {len(cold)}: {t}", file=sys.stderr, flush=True)  # progress: compiles can be slow
     report["cold_start"] = cold
 
     proc, base, _ = start(args, max(streams))
@@ -229,6 +230,7 @@ def main() -> None:
         for n in streams:
             concurrent(base, n, 8)  # warm-up: first use of a batch size (CUDA graph capture)
             report["concurrency"].append(concurrent(base, n, args.n_gen))
+            print(f"streams {n}: {report['concurrency'][-1]}", file=sys.stderr, flush=True)
         single = stream_one(base, PROMPTS[1], args.n_gen * 2)
         api_tok_s = (single["chunks"] - 1) / (single["t_last"] - single["t_first"])
     finally:
