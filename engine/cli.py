@@ -112,6 +112,8 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--port", type=int, default=8090)
     _rpc_args(pr)
     pr.add_argument("--insecure", action="store_true", help="allow a non-loopback --rpc-host without a token")
+    # Tests only: a peer slowed on purpose (ms per layer run), for the split advisor.
+    pr.add_argument("--layer-delay-ms", type=float, default=0.0, help=argparse.SUPPRESS)
     return ap
 
 

@@ -396,9 +396,8 @@ async def test_events_panel_rewraps_after_a_resize():
         narrow = shown()
         assert narrow[-1].endswith("END") and not any("long event" in t and "END" in t for t in narrow)  # wrapped
         await pilot.resize_terminal(200, 30)
-        await pilot.pause(0.3)
-        wide = shown()
-        assert len(wide) < len(narrow) and any("long event" in t and t.endswith("END") for t in wide)  # re-wrapped
+        # Re-wrapped: waited for, not slept on (a loaded machine lays out later).
+        await until(pilot, lambda: len(shown()) < len(narrow) and any("long event" in t and t.endswith("END") for t in shown()), 10)
         await pilot.press("q")
 
 

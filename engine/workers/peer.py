@@ -38,7 +38,8 @@ class PeerWorker:
         self.device = resolve_device(cfg.model.device)
         self.status.model = ModelInfo(self.path.stem, str(self.path), g.architecture, self.model_cfg.n_layers, g.fingerprint)
         self.status.startup_stage = 2
-        self.host = StageHost(g, self.model_cfg, self.device, cache_dir=cfg.model.cache_dir, quantized=cfg.model.quantized)
+        self.host = StageHost(g, self.model_cfg, self.device, cache_dir=cfg.model.cache_dir, quantized=cfg.model.quantized,
+                              layer_delay_s=cfg.layer_delay_ms / 1e3)  # fmt: skip
         # No stage until a head loads one: /health says degraded, /status "idle".
         self.host.on_change = lambda: setattr(self.status, "degraded", self.host.stage is None)
         self.host.on_change()
