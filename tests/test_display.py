@@ -120,6 +120,21 @@ def test_memory_estimate_adds_up_to_the_gguf(tiny_model):
         shape.estimate([2, 1], 64, 2)
 
 
+def test_memory_estimate_keeps_quantized_weights_in_their_file_bytes(tiny_model):
+    path = tiny_model("llama", n_layers=4, n_embd=256, n_ff=256, qtype="Q4_K")
+    shape = ModelShape.from_gguf(path)
+    g = GGUFFile(path)
+    quantized = [t for t in g.tensors.values() if t.ggml_type.name not in ("F32", "F16", "BF16")]
+    assert quantized, "the synthetic model should hold quantized tensors"
+    gpu, cpu = (shape.estimate([3, 1], n_ctx=64, n_slots=2, quantized=[q, q]) for q in (True, False))
+    floats = sum(t.n_elements for t in g.tensors.values()) - sum(t.n_elements for t in quantized)
+    assert sum(e.weight_bytes for e in gpu) == pytest.approx(sum(t.nbytes for t in quantized) * 1.03 + 2 * floats, abs=2)
+    assert sum(e.weight_bytes for e in cpu) == 2 * sum(t.n_elements for t in g.tensors.values())
+    assert [e.kv_bytes for e in gpu] == [e.kv_bytes for e in cpu]
+    mixed = shape.estimate([3, 1], n_ctx=64, n_slots=2, quantized=[False, True])
+    assert mixed[0] == cpu[0] and mixed[1] == gpu[1]
+
+
 STATUS = {
     "role": "head", "pid": 4242, "uptime_s": 75.0, "state": "ok", "startup_stage": 4,
     "stages": [{"role": "head", "addr": "127.0.0.1:8081", "layers": [0, 9]},

@@ -89,7 +89,9 @@ class SplitEditorScreen(Screen):
         if not self.counts:
             self.query_one("#split-table", Static).update("No layer count yet: waiting for the head's /status or the model file.")
             return
-        estimates = self.shape.estimate(self.counts, sup.profile.ctx, sup.profile.parallel, self._dtype()) if self.shape else None
+        quantized = self._quantized()
+        estimates = (self.shape.estimate(self.counts, sup.profile.ctx, sup.profile.parallel, self._dtype(), quantized)
+                     if self.shape else None)  # fmt: skip
         table = Table(box=None, expand=False, pad_edge=False, header_style="bold")
         for col in ("", "worker", "layers", "n", "weights", "KV", "total", "device free"):
             table.add_column(col, no_wrap=True, justify="right" if col in ("n", "weights", "KV", "total", "device free") else "left")
@@ -121,8 +123,9 @@ class SplitEditorScreen(Screen):
         note.update(
             f"layers {layer_map}\n"
             f"boundary {left} | {right}  ·  split {split_arg(self.counts)}{state}"
-            + f"\nestimates at {self._dtype()}: weights dequantized, KV for {sup.profile.parallel} slots"
-            f" × {sup.profile.ctx} tokens (CPU int8 weights take about half)"
+            + f"\nestimates: weights {'quantized as in the GGUF on GPU workers, else ' if any(quantized) else ''}"
+            f"at {self._dtype()}, KV at {self._dtype()} for {sup.profile.parallel} slots × {sup.profile.ctx} tokens"
+            + ("" if all(quantized) else " (CPU int8 weights take about half)")
         )
 
     def render_advice(self) -> None:
@@ -180,6 +183,16 @@ class SplitEditorScreen(Screen):
         self.promised = (counts, self.advice.best.tok_s)
         self._applied(counts)
         self.action_measure()
+
+    def _quantized(self) -> list[bool]:
+        """Per worker: does it keep GGUF-quantized weights? A GPU worker does (the engine's default
+        --gpu-weights quantized), unless its flags say dense."""
+        out = []
+        for w in self.app.supervisor.workers.values():
+            st, device = w.status, w.spec.device
+            gpu = device.startswith("cuda") or (device == "auto" and st is not None and any(d.kind == "cuda" for d in st.devices))
+            out.append(gpu and "dense" not in w.spec.args)
+        return out
 
     def _dtype(self) -> str:
         """The head's --dtype if its profile entry passes one, else the engine's auto (bfloat16)."""
