@@ -272,11 +272,13 @@ def acceptance_text(status: Status | None) -> str:
 
 
 def pool_text(status: Status | None) -> str:
-    """The head's RPC port pool: it carries control ops (this console's CONFIGURE/INFO), not requests."""
+    """The merged RPC port as it is used: compute sessions (the pipeline's hops), the control pool
+    (console ops: CONFIGURE, INFO, PROBE; never the API's requests), and sockets open but idle."""
     pool = status.pool if status else None
     if pool is None:
-        return "RPC control pool —"
-    return f"RPC control pool (console ops, not requests) {pool.busy}/{pool.size} busy · queued {pool.queued} · dropped {pool.dropped}"
+        return "RPC —"
+    control = f" · control pool {pool.busy}/{pool.size} busy, {pool.queued} queued, {pool.dropped} dropped" if pool.size else ""
+    return f"RPC {pool.compute} compute{control} · {pool.idle} idle sockets"
 
 
 def slots_text(status: Status | None) -> str:
@@ -285,6 +287,20 @@ def slots_text(status: Status | None) -> str:
     if not slots:
         return "slots —"
     return f"slots {sum(1 for s in slots if s.state == 'processing')}/{len(slots)} busy"
+
+
+def _ms(x: float | None) -> str:
+    return "—" if x is None else f"{x:.0f}"
+
+
+def requests_text(status: Status | None) -> str:
+    """The head's requests: slots, queue, rate, p50/p99 time to first token and inter-token latency."""
+    r = status.requests if status else None
+    if r is None:
+        return slots_text(status)
+    queue = f"queue {r.queued}" + (f"/{r.queue_max}" if r.queue_max is not None else "")
+    return (f"slots {r.slots_busy}/{r.slots_total} · {queue} · {r.requests_per_s:.2f} req/s · "
+            f"TTFT {_ms(r.ttft_p50_ms)}/{_ms(r.ttft_p99_ms)} ms · ITL {_ms(r.itl_p50_ms)}/{_ms(r.itl_p99_ms)} ms (p50/p99)")
 
 
 def peer_lines(status: Status | None, alerts: Alerts) -> list[tuple[str, str]]:
@@ -343,6 +359,10 @@ def compile_filter(pattern: str) -> re.Pattern | None:
         return re.compile(pattern, re.IGNORECASE)
     except re.error:
         return re.compile(re.escape(pattern), re.IGNORECASE)
+
+
+# The head's access log (engine/http_gate.py): "<12-hex id> POST /v1/completions 200 in=12 out=40 812ms".
+ACCESS_LINE = re.compile(r"\b[0-9a-f]{12} [A-Z]+ /\S* \d{3}\b")
 
 
 def filter_lines(lines, pattern: re.Pattern | None, invert: bool = False) -> list:

@@ -20,6 +20,7 @@ from ..contracts.status import (
     DeviceInfo,
     Health,
     ModelInfo,
+    Requests,
     SlotInfo,
     Speculative,
     StageInfo,
@@ -138,6 +139,7 @@ class StatusDocument:
             throughput=throughput(engine),
             speculative=speculative(engine),
             slots=[SlotInfo(**s) for s in engine.slot_info()] if engine is not None else [],
+            requests=requests(engine),
             config=self.config,
         )
         for provider in self._providers:
@@ -150,6 +152,15 @@ def throughput(engine) -> Throughput:
         return Throughput()
     prefill, decode = engine.stats.rates()
     return Throughput(round(prefill, 2), round(decode, 2), engine.stats.prompt_tokens, engine.stats.predicted_tokens)
+
+
+def requests(engine) -> Requests | None:
+    if engine is None:
+        return None
+    st = engine.stats
+    return Requests(slots_busy=engine.n_processing, slots_total=engine.n_slots, queued=engine.n_deferred,
+                    queue_max=engine.max_queue, requests_total=st.requests_total, rejected_total=st.requests_rejected,
+                    **st.latency())  # fmt: skip
 
 
 def speculative(engine) -> Speculative:

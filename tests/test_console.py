@@ -179,6 +179,7 @@ async def test_logs_filter_invert_and_failure_highlight(tmp_path):
         "import time\n"
         "print('hello from worker', flush=True)\n"
         "print('OSError: [Errno 98] Address already in use', flush=True)\n"
+        "print('INFO hydra.http 3f2a9c1b7d4e POST /v1/completions 200 in=3 out=4 12ms', flush=True)\n"
         "time.sleep(60)\n"
     )
     script = tmp_path / "w.py"
@@ -188,7 +189,7 @@ async def test_logs_filter_invert_and_failure_highlight(tmp_path):
     sup = Supervisor(profile, log_dir=tmp_path)
     app = HydraConsole(sup, load_model_shape=False)
     async with app.run_test(size=(80, 24)) as pilot:
-        await until(pilot, lambda: len(sup.head.log) >= 2)
+        await until(pilot, lambda: len(sup.head.log) >= 4)
         await pilot.press("l")
         logs = app.screen
         assert isinstance(logs, LogsScreen)
@@ -207,8 +208,11 @@ async def test_logs_filter_invert_and_failure_highlight(tmp_path):
         assert not any("hello" in t for t in shown()) and any("Address" in t for t in shown())
         titles = {c.title for c in app.get_system_commands(logs)}
         assert {"Logs: follow / pause", "Logs: invert filter", "Logs: next worker"} <= titles
-        await pilot.press("c", "f")
-        assert logs.follow is False and len(shown()) == 3  # the launch line, then the two printed ones
+        await pilot.press("c", "a")  # the access log only
+        assert [t.split(maxsplit=2)[2].strip() for t in shown()] == ["INFO hydra.http 3f2a9c1b7d4e POST /v1/completions 200 in=3 out=4 12ms"]
+        assert "requests only" in str(logs.query_one("#logbar").render())
+        await pilot.press("a", "f")
+        assert logs.follow is False and len(shown()) == 4  # the launch line, then the three printed ones
         await pilot.press("w")
         assert logs.source == "head"
         app._stop_and_exit(True)

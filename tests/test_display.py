@@ -142,7 +142,9 @@ STATUS = {
     "devices": [{"index": 0, "kind": "cuda", "name": "H200", "memory_used": 95 * 2**30, "memory_total": 100 * 2**30, "util": 40}],
     "throughput": {"prefill_tok_s": 1234.5, "decode_tok_s": 56.7},
     "speculative": {"type": "ngram", "acceptance": 0.9, "mean_accepted_len": 2.7, "drafts": 12},
-    "pool": {"size": 2, "busy": 1, "queued": 3, "dropped": 4},
+    "pool": {"size": 2, "busy": 1, "queued": 3, "dropped": 4, "connections": 4, "compute": 1},
+    "requests": {"slots_busy": 4, "slots_total": 4, "queued": 2, "queue_max": 16, "requests_per_s": 0.75,
+                 "ttft_p50_ms": 120.4, "ttft_p99_ms": 401.0, "itl_p50_ms": 30.2, "itl_p99_ms": None},
     "peers": [{"addr": "127.0.0.1:8091", "state": "up", "rtt_ms": 80.0, "layers": [9, 18]}],
 }
 
@@ -162,12 +164,15 @@ async def test_rows_and_panels_from_a_status_document():
     assert "95.0 GiB/100.0 GiB ⚠" in display.memory_line(mem[0])
     status = sup.head.status  # parsed once, by the probe
     assert display.acceptance_text(status) == "spec ngram: accept 90% · mean len 2.70 · drafts 12"
-    assert display.pool_text(status) == "RPC control pool (console ops, not requests) 1/2 busy · queued 3 · dropped 4"
+    assert display.pool_text(status) == "RPC 1 compute · control pool 1/2 busy, 3 queued, 4 dropped · 3 idle sockets"
+    assert display.requests_text(status) == "slots 4/4 · queue 2/16 · 0.75 req/s · TTFT 120/401 ms · ITL 30/— ms (p50/p99)"
+    peer_pool = Status.from_json({"pool": {"connections": 1, "compute": 1, "accepted": 3}})
+    assert display.pool_text(peer_pool) == "RPC 1 compute · 1 idle sockets"
     assert display.peer_lines(status, Alerts()) == [("127.0.0.1:8091 ● up rtt 80.0 ms ⚠ [9,18)", "warn")]
     same_gpu = Status.from_json({"peers": [{**STATUS["peers"][0], "rtt_ms": 0.1, "transport": "cuda-ipc"}]})
     assert display.peer_lines(same_gpu, Alerts()) == [("127.0.0.1:8091 ● up rtt 0.1 ms [9,18) · cuda-ipc", "ok")]
-    assert display.acceptance_text(Status()) == "spec off" and display.pool_text(None) == "RPC control pool —"
-    assert display.slots_text(Status.from_json({"slots": [{"state": "processing"}, {}]})) == "slots 1/2 busy"
+    assert display.acceptance_text(Status()) == "spec off" and display.pool_text(None) == "RPC —"
+    assert display.requests_text(Status.from_json({"slots": [{"state": "processing"}, {}]})) == "slots 1/2 busy"  # an older head
     snap = json.loads(display.snapshot_json(sup))
     assert [(w["name"], w["state"], w["reachable"], w["layers"]) for w in snap["workers"]] == [
         ("head", "ready", True, [0, 9]), ("peer1", "unreachable", False, [9, 18])]

@@ -378,12 +378,16 @@ class HydraConsole(App):
             yield SystemCommand("Logs: invert filter", "Show the lines that do not match", screen.action_toggle_invert)
             yield SystemCommand("Logs: next worker", "Cycle merged / each worker", screen.action_next_source)
             yield SystemCommand("Logs: clear filter", "Show every line", screen.action_clear_filter)
+            yield SystemCommand("Logs: requests only", "Only the head's access log: one line per API request", screen.action_toggle_requests)
         if isinstance(screen, SplitEditorScreen):
             yield SystemCommand("Split: undo", "Undo the last boundary move", screen.action_undo)
             yield SystemCommand("Split: even", "Spread the layers evenly", screen.action_even)
             yield SystemCommand("Split: save to profile", "Write this split to the profile", screen.action_save)
             if not self.readonly:
                 yield SystemCommand("Split: apply", "Apply live (or by restarting the head)", screen.action_apply)
+                yield SystemCommand("Split advisor: measure", "Time every stage's layers, propose the fastest split",
+                                    screen.action_measure)  # fmt: skip
+                yield SystemCommand("Split advisor: apply proposal", "Apply the advisor's split live", screen.action_apply_proposal)
         for w in self.supervisor.workers.values():
             yield SystemCommand(f"Detail: {w.name}", f"{w.role} at {w.spec.url}", partial(self.action_detail, w.name))
             yield SystemCommand(f"Logs: {w.name}", f"Log of {w.name}", partial(self.action_logs, w.name))

@@ -147,9 +147,8 @@ class DashboardScreen(Screen):
 
         status = sup.head.status
         info = Text()
-        info.append(f"{display.slots_text(status)} · {display.acceptance_text(status)}")
-        info.append("\n")
-        info.append(display.pool_text(status))
+        info.append(display.requests_text(status))
+        info.append(f"\n{display.acceptance_text(status)}\n{display.pool_text(status)}")
         for line, tone in display.peer_lines(status, sup.profile.alerts):
             info.append("\npeer ")
             info.append(line, style=app.tone_style(tone))
