@@ -204,8 +204,8 @@ class MemoryRow:
 
 def memory_rows(sup: Supervisor, alerts: Alerts) -> list[MemoryRow]:
     """Machine totals once per device (labelled "machine", or the host when workers run on several),
-    noting the workers on it; then each local worker's own RSS (psutil on its pid). A GPU row is the
-    device's total use: the workers do not report per-process GPU memory."""
+    noting the workers on it; then each worker's own process: its RSS (psutil on the pid this
+    console started, else what the worker reports) and its GPU memory (NVML's per-process reading)."""
     rows: list[MemoryRow] = []
     hosts = {w.spec.host for w in sup.workers.values()}
     devices: dict[tuple, tuple] = {}  # (host, kind, index) -> (device, names of the workers on it)
@@ -218,11 +218,20 @@ def memory_rows(sup: Supervisor, alerts: Alerts) -> list[MemoryRow]:
         util = f"util {d.util:.0f}% " if d.util is not None and kind == "cuda" else ""
         rows.append(MemoryRow(label, d.memory_used, d.memory_total, f"{util}({', '.join(names)})",
                               _mem_tone(d.memory_used, d.memory_total, alerts)))
-    ram = psutil.virtual_memory().total
     for w in sup.workers.values():
-        if w.rss is not None:
+        st = w.status
+        proc = st.process if st else None
+        rss = w.rss if w.rss is not None else (proc.rss if proc else None)
+        if rss is not None:
+            ram = next((d.memory_total for d in st.devices if d.kind == "cpu"), None) if st else None
+            ram = ram or (psutil.virtual_memory().total if w.spec.is_local else None)
             cpu = f"cpu {w.cpu_pct:.0f}%" if w.cpu_pct is not None else ""
-            rows.append(MemoryRow(f"{w.name} RSS", w.rss, ram, cpu, _mem_tone(w.rss, ram, alerts)))
+            rows.append(MemoryRow(f"{w.name} RSS", rss, ram, cpu, _mem_tone(rss, ram, alerts)))
+        if proc is not None and proc.gpu_memory is not None:
+            gpu = next((d for d in st.devices if d.kind == "cuda"), None)
+            total = gpu.memory_total if gpu else None
+            note = "per process" if proc.gpu_source == "nvml" else "torch reserved"
+            rows.append(MemoryRow(f"{w.name} GPU", proc.gpu_memory, total, note, _mem_tone(proc.gpu_memory, total, alerts)))
     return rows
 
 

@@ -128,6 +128,15 @@ class DeviceInfo(_Doc):
 
 
 @dataclass(frozen=True)
+class ProcessInfo(_Doc):
+    """The worker's own process (not the machine's totals, which `devices` carries)."""
+
+    rss: int | None = None  # resident set, bytes
+    gpu_memory: int | None = None  # NVML's per-process reading over every GPU (the CUDA context included)
+    gpu_source: str | None = None  # "nvml" | "torch" (the caching allocator's reservation, when NVML cannot see the pid)
+
+
+@dataclass(frozen=True)
 class Throughput(_Doc):
     """Rates over the last ~10 s; totals are monotonic."""
 
@@ -228,6 +237,7 @@ class Status(_Doc):
     model: ModelInfo | None = None
     stages: list[StageInfo] = field(default_factory=list)
     devices: list[DeviceInfo] = field(default_factory=list)
+    process: ProcessInfo | None = None
     throughput: Throughput = field(default_factory=Throughput)
     speculative: Speculative = field(default_factory=Speculative)
     pool: Pool | None = None

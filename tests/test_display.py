@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import psutil
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -195,3 +196,17 @@ async def test_machine_totals_appear_once_and_each_worker_shows_its_own_rss():
     assert [(r.label, r.used, r.note) for r in rows] == [
         ("machine RAM", 6 << 30, "(head, peer1)"), ("head RSS", 1 << 30, "cpu 50%")]
     assert display.device_free(sup, "head") == (10 << 30, True)  # one machine's RAM, both workers on it
+
+
+async def test_gpu_workers_show_their_own_process_memory_beside_the_device_total():
+    gpu = {"index": 0, "kind": "cuda", "name": "H200", "memory_used": 40 << 30, "memory_total": 140 << 30}
+    head = {"devices": [gpu], "process": {"rss": 3 << 30, "gpu_memory": 12 << 30, "gpu_source": "nvml"}}
+    peer = {"devices": [gpu], "process": {"rss": 2 << 30, "gpu_memory": 28 << 30, "gpu_source": "torch"}}
+    feed = FixedFeedSource({"head": Probe(True, 200, {"status": "ok"}, head), "peer1": Probe(True, 200, {"status": "ok"}, peer)})
+    sup = Supervisor(Profile(), attach=True, source=feed, clock=lambda: 0.0)
+    await sup.poll_once()
+    rows = [(r.label, r.used, r.total, r.note) for r in display.memory_rows(sup, Alerts())]
+    ram = psutil.virtual_memory().total  # local workers that report no RAM device: this machine's
+    assert rows == [("machine cuda:0", 40 << 30, 140 << 30, "(head, peer1)"),  # the machine's total, once
+                    ("head RSS", 3 << 30, ram, ""), ("head GPU", 12 << 30, 140 << 30, "per process"),
+                    ("peer1 RSS", 2 << 30, ram, ""), ("peer1 GPU", 28 << 30, 140 << 30, "torch reserved")]

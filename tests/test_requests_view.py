@@ -39,6 +39,8 @@ def test_requests_slots_queue_latency_and_access_log(tiny_model, tmp_path):
         access = [ln for ln in h.log().splitlines() if "POST /v1/completions 200" in ln]
         assert len(access) == 3 and all("in=" in ln and "out=40" in ln and ln.rstrip().endswith("ms") for ln in access)
         assert display.ACCESS_LINE.search(access[0])
+        process = Status.from_json(h.status()).process  # the worker's own memory, not the machine's
+        assert process.rss > 0 and process.gpu_memory is None  # a CPU worker
 
 
 def test_rpc_port_pool_counts_compute_sessions(tiny_model, tmp_path):
