@@ -148,6 +148,7 @@ class Worker:
     probe: Probe | None = None
     prefill_hist: deque = field(default_factory=lambda: deque(maxlen=HISTORY))
     decode_hist: deque = field(default_factory=lambda: deque(maxlen=HISTORY))
+    history: deque = field(default_factory=lambda: deque(maxlen=HISTORY))  # (time, Status) as polled: triage's input
     cpu_pct: float | None = None  # psutil, local started workers only
     rss: int | None = None
     wanted: bool = False  # should be running (drives auto-restart)
@@ -792,6 +793,7 @@ class Supervisor:
         w.misses = 0
         w.probe = p
         if p.status is not None:
+            w.history.append((self.clock(), p.status))
             w.prefill_hist.append(p.status.throughput.prefill_tok_s)
             w.decode_hist.append(p.status.throughput.decode_tok_s)
         if w._ps is not None:

@@ -28,6 +28,7 @@ from hydra_console.app.ui.app import HydraConsole
 from hydra_console.app.ui.dialogs import ConfirmScreen, HelpScreen
 from hydra_console.app.ui.logs import LogsScreen
 from hydra_console.app.ui.split_editor import SplitEditorScreen
+from hydra_console.app.ui.triage import TriageScreen
 from consoles import FAKE, all_ready, fake_profile, kill_groups, port_pair, until
 
 def head_ranges(sup: Supervisor) -> list[list[int]]:
@@ -471,3 +472,26 @@ async def test_an_alert_toasts_and_rings_once_per_incident_and_goes_into_the_his
         await pilot.press("A")
         assert isinstance(app.screen, AlertsScreen)
         await pilot.press("escape", "q")
+
+
+async def test_triage_strip_and_timeline_follow_the_heads_history():
+    ok = {"role": "head", "state": "ok", "startup_stage": 4, "requests": {"slots_total": 2},
+          "peers": [{"addr": "p:1", "state": "up", "rtt_ms": 1.0}]}  # fmt: skip
+    health = {"status": "ok", "startup_stage": 4}
+    feed = FixedFeedSource({"head": Probe(True, 200, health, ok)})
+    sup = Supervisor(Profile(peers=[], supervisor=SupervisorSettings(poll_s=0.2)), attach=True, source=feed)
+    app = HydraConsole(sup, load_model_shape=False)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await until(pilot, lambda: len(sup.head.history) >= 1)
+        assert app.dashboard.query_one("#advice").display is False  # nothing to change: no strip
+        feed.probes["head"] = Probe(True, 200, health, {**ok, "requests": {"slots_total": 2, "queued": 9},
+                                                        "peers": [{"addr": "p:1", "state": "down", "error": "reset"}]})  # fmt: skip
+        strip = app.dashboard.query_one("#advice")
+        await until(pilot, lambda: strip.display and "queue 9 deep with 2 slots: raise --parallel (i)" in str(strip.render()))
+        await pilot.press("i")
+        assert isinstance(app.screen, TriageScreen)
+        timeline = str(app.screen.query_one("#triage-timeline").render())
+        assert "peer-down" in timeline and "peer p:1 up → down (reset)" in timeline
+        assert "⚑ queue 9 deep with 2 slots: raise --parallel" in str(app.screen.query_one("#triage-advice").render())
+        await pilot.press("escape")
+        assert app.screen is app.dashboard
