@@ -308,8 +308,8 @@ def requests_text(status: Status | None) -> str:
     if r is None:
         return slots_text(status)
     queue = f"queue {r.queued}" + (f"/{r.queue_max}" if r.queue_max is not None else "")
-    return (f"slots {r.slots_busy}/{r.slots_total} · {queue} · {r.requests_per_s:.2f} req/s · "
-            f"TTFT {_ms(r.ttft_p50_ms)}/{_ms(r.ttft_p99_ms)} ms · ITL {_ms(r.itl_p50_ms)}/{_ms(r.itl_p99_ms)} ms (p50/p99)")
+    return (f"slots {r.slots_busy}/{r.slots_total} · {queue} · {r.requests_per_s:.2f} req/s · p50/p99 "
+            f"TTFT {_ms(r.ttft_p50_ms)}/{_ms(r.ttft_p99_ms)} · ITL {_ms(r.itl_p50_ms)}/{_ms(r.itl_p99_ms)} ms")
 
 
 def peer_lines(status: Status | None, alerts: Alerts) -> list[tuple[str, str]]:

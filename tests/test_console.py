@@ -25,6 +25,7 @@ from hydra_console.app.sources import FixedFeedSource, Probe
 from hydra_console.app.split_plan import ModelShape
 from hydra_console.app.supervisor import State, Supervisor
 from hydra_console.app.ui.app import HydraConsole
+from hydra_console.app.ui.detail import WorkerDetailScreen
 from hydra_console.app.ui.dialogs import ConfirmScreen, HelpScreen
 from hydra_console.app.ui.logs import LogsScreen
 from hydra_console.app.ui.split_editor import SplitEditorScreen
@@ -55,10 +56,10 @@ async def test_restart_peer_from_the_dashboard_changes_its_pid(tmp_path, size):
         await pilot.press("y")
         await until(pilot, lambda: peer.pid != old and peer.state == State.READY)
         assert peer.restarts == 1 and sup.head.restarts == 0
-        await pilot.pause(0.3)
         table = app.dashboard.query_one("#workers")
-        assert str(table.get_cell("peer1", "pid")) == str(peer.pid)
-        assert "● ready" in str(table.get_cell("peer1", "state"))
+        # The table catches up at its next refresh: waited for, not slept on.
+        await until(pilot, lambda: str(table.get_cell("peer1", "pid")) == str(peer.pid))
+        await until(pilot, lambda: "● ready" in str(table.get_cell("peer1", "state")))
         assert str(table.get_cell("peer1", "rst")) == "1"  # the operator's own R raises no restart alert
         await pilot.press("q")
         assert isinstance(app.screen, ConfirmScreen) and "head (pid" in app.screen.question
@@ -141,7 +142,7 @@ async def test_saving_a_draft_applies_nothing_and_the_editor_says_so(tmp_path):
         assert "--split 9/9" in " ".join(sup.command_for("head"))  # a crash-restart relaunches what runs
         await pilot.press("escape")
         app.action_detail("head")
-        await pilot.pause(0.2)
+        await until(pilot, lambda: isinstance(app.screen, WorkerDetailScreen) and app.screen.is_mounted)
         table = app.screen.query_one("#detail-info").content
         rows = {str(k): str(v) for k, v in zip(table.columns[0]._cells, table.columns[1]._cells)}
         assert rows["command"] == shlex.join(argv) and "--split" not in rows["command"]
@@ -194,7 +195,7 @@ async def test_logs_filter_invert_and_failure_highlight(tmp_path):
         await pilot.press("l")
         logs = app.screen
         assert isinstance(logs, LogsScreen)
-        await pilot.pause(0.4)
+        await until(pilot, lambda: any("in=3" in strip.text for strip in logs.query_one("#log").lines))
 
         def shown() -> list[str]:
             return [strip.text for strip in logs.query_one("#log").lines]
@@ -392,8 +393,8 @@ async def test_events_panel_rewraps_after_a_resize():
     app = HydraConsole(sup, load_model_shape=False)
     async with app.run_test(size=(80, 24)) as pilot:
         sup.emit("head", "error", "a long event line " + "x" * 90 + " END")
-        await pilot.pause(0.2)
         log = app.dashboard.query_one("#events")
+        await until(pilot, lambda: any(strip.text.rstrip().endswith("END") for strip in log.lines))
 
         def shown() -> list[str]:
             return [strip.text.rstrip() for strip in log.lines]

@@ -166,7 +166,7 @@ async def test_rows_and_panels_from_a_status_document():
     status = sup.head.status  # parsed once, by the probe
     assert display.acceptance_text(status) == "spec ngram: accept 90% · mean len 2.70 · drafts 12"
     assert display.pool_text(status) == "RPC 1 compute · control pool 1/2 busy, 3 queued, 4 dropped · 3 idle sockets"
-    assert display.requests_text(status) == "slots 4/4 · queue 2/16 · 0.75 req/s · TTFT 120/401 ms · ITL 30/— ms (p50/p99)"
+    assert display.requests_text(status) == "slots 4/4 · queue 2/16 · 0.75 req/s · p50/p99 TTFT 120/401 · ITL 30/— ms"
     peer_pool = Status.from_json({"pool": {"connections": 1, "compute": 1, "accepted": 3}})
     assert display.pool_text(peer_pool) == "RPC 1 compute · 1 idle sockets"
     assert display.peer_lines(status, Alerts()) == [("127.0.0.1:8091 ● up rtt 80.0 ms ⚠ [9,18)", "warn")]

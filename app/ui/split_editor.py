@@ -136,7 +136,7 @@ class SplitEditorScreen(Screen):
             return
         names = list(self.app.supervisor.workers)
         table = Table(box=None, expand=False, pad_edge=False, header_style="bold", title_justify="left",
-                      title="split advisor (decode of one stream; stages run one after another: a step is their sum)")  # fmt: skip
+                      title="split advisor · one decode step = every stage's layers + hops, in sequence")  # fmt: skip
         for col in ("stage", "device", "layers", "ms/layer", "prefill ms/layer", "hop ms", "memory for layers"):
             table.add_column(col, no_wrap=True, justify="left" if col in ("stage", "device", "layers") else "right")
         for i, st in enumerate(advice.stages):
