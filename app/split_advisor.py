@@ -156,7 +156,10 @@ def best_split(costs: list[list[float]], hops: list[float], *, fixed_ms: float =
 def advise(probe: dict, min_gain: float = MIN_GAIN, pipelined: bool = False) -> Advice:
     """From a PROBE reply (contracts.rpc.PipelineProbe): the running split's predicted step, the
     best split's, and a proposal when it is at least `min_gain` faster."""
-    stages = [StageTiming.from_probe(s) for s in probe.get("stages") or [] if isinstance(s, dict)]
+    try:
+        stages = [StageTiming.from_probe(s) for s in probe.get("stages") or [] if isinstance(s, dict)]
+    except (TypeError, ValueError, IndexError) as e:
+        raise ValueError(f"malformed probe reply: {e}") from None
     if not stages:
         raise ValueError("the probe reply holds no stages")
     n_layers = stages[-1].layers[1]

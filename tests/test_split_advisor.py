@@ -108,5 +108,7 @@ def test_dynamic_programme_matches_brute_force(pipelined):
 def test_a_tolerant_reading_of_odd_replies():
     with pytest.raises(ValueError):
         advise({"stages": "nonsense"})
+    with pytest.raises(ValueError, match="malformed"):
+        advise({"stages": [{"layers": ["a", None], "decode_ms": [1]}]})
     st = StageTiming.from_probe({"name": "p", "layers": [1, 2]})
     assert st.mean_ms() is None and st.budget_bytes is None and st.hop_ms == 0.0

@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import json
+import socket
 import threading
 
 from rpc_workers import complete, head, peer, running, wait_for
 
 from hydra_console.app import control_client
-from hydra_console.contracts.rpc import Op, Status
+from hydra_console.contracts.rpc import Cmd, Op, ReplyStatus, Status
+from hydra_console.engine.gguf_file import GGUFFile
+from hydra_console.engine.rpc import wire
+from hydra_console.engine.rpc.compute import pack_hello
+from hydra_console.engine.rpc.resident import tensor_shapes
 
 
 def probe(h, body: dict) -> control_client.ControlReply:
@@ -62,3 +67,28 @@ def test_probe_refusals(tiny_model, tmp_path):
             reply = probe(h, body)
             assert reply.status == Status.BAD_REQUEST and words in reply.meta["error"], (body, reply.meta)
         assert probe(h, {"tokens": 4, "reps": 1}).ok  # the connection and the head carry on
+
+
+def compute_probe(port: int, g: GGUFFile) -> bytes:
+    """PROBE from a compute session of our own (HELLO and CHECK pass: no token on these workers)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=60) as s:
+        def ask(cmd, payload=b""):
+            s.sendall(wire.pack_compute_request(cmd, payload))
+            return bytes(wire.read_compute_response(wire.SocketReader(s), 1 << 20))
+
+        ask(Cmd.HELLO, pack_hello())
+        assert ask(Cmd.CHECK, json.dumps({"fingerprint": g.fingerprint, "shapes": tensor_shapes(g)}).encode())[0] == ReplyStatus.OK
+        return ask(Cmd.PROBE, json.dumps({"slot": 0, "position": 0, "tokens": 4, "reps": 1}).encode())
+
+
+def test_only_the_heads_session_may_probe_a_peer(tiny_model, tmp_path):
+    """Another session's PROBE would write KV into the head's slots: refused, as its FORWARD is;
+    and the head's own compute port refuses PROBE (its stage is timed under its pipeline)."""
+    model = tiny_model("llama", n_layers=4)
+    g = GGUFFile(model)
+    with running(peer(model, tmp_path)) as p, running(head(model, tmp_path, [p])) as h:
+        reply = compute_probe(p.rpc_port, g)
+        assert reply[0] == ReplyStatus.ERROR and b"another session" in reply
+        reply = compute_probe(h.rpc_port, g)
+        assert reply[0] == ReplyStatus.ERROR and b"use the control op PROBE" in reply
+        assert probe(h, {"tokens": 4, "reps": 1}).ok  # the head's own session may

@@ -157,10 +157,11 @@ class StageHost:
         except (KeyError, TypeError, ValueError, UserError) as e:
             raise ComputeError(f"PROBE needs slot, position, tokens, reps: {e}") from None
         with self.lock:
+            if not self.assignable:  # the head's stage runs under its pipeline: the control op PROBE times it
+                raise ComputeError("this worker is a head: use the control op PROBE")
             if self.stage is None:
                 raise ComputeError("no stage assigned here: nothing to probe")
-            if self.assignable:
-                self._own(owner)
+            self._own(owner)
             stage = self.stage
             try:
                 timings = probe_stage(stage, slot, position, tokens, reps, self.layer_delay_s)
