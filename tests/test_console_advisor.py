@@ -17,7 +17,7 @@ from hydra_console.app.ui.split_editor import SplitEditorScreen
 
 from consoles import all_ready, port_pair, until
 
-DELAY_MS = 25  # per layer on the peer: dominates a tiny model's own compute on any machine
+DELAY_MS = 50  # per layer on the peer: dominates a tiny model's own compute even on a loaded machine
 N_LAYERS = 8
 
 
