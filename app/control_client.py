@@ -1,4 +1,4 @@
-"""The console's client of the Hydra control protocol (DESIGN §4): CONFIGURE and INFO.
+"""The console's client of the Hydra control protocol (DESIGN §4): CONFIGURE, PROBE and INFO.
 
 Op and status codes come from `contracts.rpc`, framing from the engine's `rpc.wire` (request `<HBBHQH` header + key + trace + payload;
 response status u8 + meta_len u24 + payload_len u64, meta JSON, payload), so the console and the
@@ -75,6 +75,11 @@ async def request(host: str, port: int, op: int, payload: bytes = b"", *, timeou
 async def configure(host: str, port: int, settings: dict, *, timeout: float = 120.0, token: str | None = None) -> ControlReply:
     """CONFIGURE; a live re-split is `{"split": "12/6"}` (layer counts, head first)."""
     return await request(host, port, OP_CONFIGURE, json.dumps(settings).encode(), timeout=timeout, token=token)
+
+
+async def probe(host: str, port: int, tokens: int, reps: int, *, timeout: float = 300.0, token: str | None = None) -> ControlReply:
+    """PROBE: every stage times its layers (the split advisor); the reply's meta is a PipelineProbe."""
+    return await request(host, port, Op.PROBE, json.dumps({"tokens": tokens, "reps": reps}).encode(), timeout=timeout, token=token)
 
 
 async def info(host: str, port: int, *, timeout: float = 5.0, token: str | None = None) -> ControlReply:

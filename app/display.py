@@ -204,8 +204,8 @@ class MemoryRow:
 
 def memory_rows(sup: Supervisor, alerts: Alerts) -> list[MemoryRow]:
     """Machine totals once per device (labelled "machine", or the host when workers run on several),
-    noting the workers on it; then each local worker's own RSS (psutil on its pid). A GPU row is the
-    device's total use: the workers do not report per-process GPU memory."""
+    noting the workers on it; then each worker's own process: its RSS (psutil on the pid this
+    console started, else what the worker reports) and its GPU memory (NVML's per-process reading)."""
     rows: list[MemoryRow] = []
     hosts = {w.spec.host for w in sup.workers.values()}
     devices: dict[tuple, tuple] = {}  # (host, kind, index) -> (device, names of the workers on it)
@@ -218,11 +218,20 @@ def memory_rows(sup: Supervisor, alerts: Alerts) -> list[MemoryRow]:
         util = f"util {d.util:.0f}% " if d.util is not None and kind == "cuda" else ""
         rows.append(MemoryRow(label, d.memory_used, d.memory_total, f"{util}({', '.join(names)})",
                               _mem_tone(d.memory_used, d.memory_total, alerts)))
-    ram = psutil.virtual_memory().total
     for w in sup.workers.values():
-        if w.rss is not None:
+        st = w.status
+        proc = st.process if st else None
+        rss = w.rss if w.rss is not None else (proc.rss if proc else None)
+        if rss is not None:
+            ram = next((d.memory_total for d in st.devices if d.kind == "cpu"), None) if st else None
+            ram = ram or (psutil.virtual_memory().total if w.spec.is_local else None)
             cpu = f"cpu {w.cpu_pct:.0f}%" if w.cpu_pct is not None else ""
-            rows.append(MemoryRow(f"{w.name} RSS", w.rss, ram, cpu, _mem_tone(w.rss, ram, alerts)))
+            rows.append(MemoryRow(f"{w.name} RSS", rss, ram, cpu, _mem_tone(rss, ram, alerts)))
+        if proc is not None and proc.gpu_memory is not None:
+            gpu = next((d for d in st.devices if d.kind == "cuda"), None)
+            total = gpu.memory_total if gpu else None
+            note = "per process" if proc.gpu_source == "nvml" else "torch reserved"
+            rows.append(MemoryRow(f"{w.name} GPU", proc.gpu_memory, total, note, _mem_tone(proc.gpu_memory, total, alerts)))
     return rows
 
 
@@ -274,11 +283,13 @@ def acceptance_text(status: Status | None) -> str:
 
 
 def pool_text(status: Status | None) -> str:
-    """The head's RPC port pool: it carries control ops (this console's CONFIGURE/INFO), not requests."""
+    """The merged RPC port as it is used: compute sessions (the pipeline's hops), the control pool
+    (console ops: CONFIGURE, INFO, PROBE; never the API's requests), and sockets open but idle."""
     pool = status.pool if status else None
     if pool is None:
-        return "RPC control pool —"
-    return f"RPC control pool (console ops, not requests) {pool.busy}/{pool.size} busy · queued {pool.queued} · dropped {pool.dropped}"
+        return "RPC —"
+    control = f" · control pool {pool.busy}/{pool.size} busy, {pool.queued} queued, {pool.dropped} dropped" if pool.size else ""
+    return f"RPC {pool.compute} compute{control} · {pool.idle} idle sockets"
 
 
 def slots_text(status: Status | None) -> str:
@@ -287,6 +298,20 @@ def slots_text(status: Status | None) -> str:
     if not slots:
         return "slots —"
     return f"slots {sum(1 for s in slots if s.state == 'processing')}/{len(slots)} busy"
+
+
+def _ms(x: float | None) -> str:
+    return "—" if x is None else f"{x:.0f}"
+
+
+def requests_text(status: Status | None) -> str:
+    """The head's requests: slots, queue, rate, p50/p99 time to first token and inter-token latency."""
+    r = status.requests if status else None
+    if r is None:
+        return slots_text(status)
+    queue = f"queue {r.queued}" + (f"/{r.queue_max}" if r.queue_max is not None else "")
+    return (f"slots {r.slots_busy}/{r.slots_total} · {queue} · {r.requests_per_s:.2f} req/s · p50/p99 "
+            f"TTFT {_ms(r.ttft_p50_ms)}/{_ms(r.ttft_p99_ms)} · ITL {_ms(r.itl_p50_ms)}/{_ms(r.itl_p99_ms)} ms")
 
 
 def peer_lines(status: Status | None, alerts: Alerts) -> list[tuple[str, str]]:
@@ -345,6 +370,10 @@ def compile_filter(pattern: str) -> re.Pattern | None:
         return re.compile(pattern, re.IGNORECASE)
     except re.error:
         return re.compile(re.escape(pattern), re.IGNORECASE)
+
+
+# The head's access log (engine/http_gate.py): "<12-hex id> POST /v1/completions 200 in=12 out=40 812ms".
+ACCESS_LINE = re.compile(r"\b[0-9a-f]{12} [A-Z]+ /\S* \d{3}\b")
 
 
 def filter_lines(lines, pattern: re.Pattern | None, invert: bool = False) -> list:

@@ -148,6 +148,7 @@ class Worker:
     probe: Probe | None = None
     prefill_hist: deque = field(default_factory=lambda: deque(maxlen=HISTORY))
     decode_hist: deque = field(default_factory=lambda: deque(maxlen=HISTORY))
+    history: deque = field(default_factory=lambda: deque(maxlen=HISTORY))  # (time, Status) as polled: triage's input
     cpu_pct: float | None = None  # psutil, local started workers only
     rss: int | None = None
     wanted: bool = False  # should be running (drives auto-restart)
@@ -535,6 +536,22 @@ class Supervisor:
         await self.restart_worker(head.name)
         return "restart"
 
+    async def probe_split(self, tokens: int = 32, reps: int = 3) -> dict:
+        """The split advisor's measurement: the head's PROBE (every stage times its own layers, the
+        head times each hop and a whole step). Requests pause for its length."""
+        if self.readonly:
+            raise SupervisorError("read-only console: it runs no probe")
+        head = self.head
+        host = _connect_host(head.spec.rpc_host or head.spec.host)
+        try:
+            reply = await control_client.probe(host, head.spec.rpc, tokens, reps, token=self.token)
+        except control_client.ControlUnreachable as e:
+            raise SupervisorError(f"probe: {e}") from None
+        if not reply.ok:
+            raise SupervisorError(f"probe refused ({reply.status_name}): {reply.meta.get('error', '')}")
+        self.emit(head.name, "probe", f"split probe: one decode step {reply.meta.get('step_ms', 0):.1f} ms")
+        return reply.meta
+
     async def shutdown(self, stop_workers: bool = True) -> None:
         """Stop polling and (by default) the workers this console started, head first; else detach:
         they keep running, and the state file lets the next console of this profile adopt them."""
@@ -776,6 +793,7 @@ class Supervisor:
         w.misses = 0
         w.probe = p
         if p.status is not None:
+            w.history.append((self.clock(), p.status))
             w.prefill_hist.append(p.status.throughput.prefill_tok_s)
             w.decode_hist.append(p.status.throughput.decode_tok_s)
         if w._ps is not None:

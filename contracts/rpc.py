@@ -25,10 +25,15 @@ starts with a `ReplyStatus` byte, then JSON, raw bytes or an error message:
 | STATS 37 | empty | JSON |
 | PING 38 | up to 64 bytes | the same bytes |
 | IPC_OPEN 41 | JSON `IpcOpenRequest` | JSON channel description |
+| PROBE 50 | JSON `ProbeRequest` | JSON `StageProbe` (the loading session only) |
 
 Hydra control protocol (the fork's framing): request `CONTROL_HEADER` (magic, op, flags,
 key_len, payload_len, trace_len) + key + trace + payload; response `CONTROL_RESPONSE`
 (status u8 | meta_len u24, payload_len u64) + meta JSON + payload.
+
+PROBE (compute 50, control 0x50) is the split advisor's measurement: on the control port the head
+answers a `PipelineProbe` (JSON `{"tokens", "reps"}` in) after timing its own layers and asking each
+peer for a `StageProbe` over its compute session, on the positions no slot holds yet.
 """
 
 from __future__ import annotations
@@ -90,6 +95,7 @@ class Cmd:
     AUTH = 40
     IPC_OPEN = 41
     FORWARD_IPC = 42
+    PROBE = 50  # time the resident layers one by one (the split advisor)
 
 
 class ReplyStatus:
@@ -125,6 +131,30 @@ class LoadStageRequest(TypedDict):
     n_ctx: int
 
 
+class ProbeRequest(TypedDict):
+    slot: int  # written at positions >= what the slot holds: the next real token overwrites them first
+    position: int
+    tokens: int  # the prefill probe's length; decode is timed one position after it
+    reps: int  # median of this many runs
+
+
+class StageProbe(TypedDict):
+    layers: list[int]  # [a, b) timed
+    device: str
+    decode_ms: list[float]  # per layer of [a, b): one token
+    prefill_ms: list[float]  # per layer: the `tokens`-long prefill
+    layer_bytes: list[int]  # every layer of the model as this worker would hold it: weights + KV (its dtype, slots, context)
+    held_bytes: int  # what its current layers take (freed by a re-split)
+    free_bytes: int  # free device memory now
+
+
+class PipelineProbe(TypedDict):
+    tokens: int
+    stages: list[dict]  # StageProbe per stage (head first) + "name" and "hop_ms" (the wire's part of a FORWARD, peers)
+    fixed_ms: float  # embedding + output head on the head: paid per token whatever the split
+    step_ms: float  # one whole decode step through every stage, measured
+
+
 class IpcOpenRequest(TypedDict):
     uuid: str  # the head's GPU; the peer refuses unless it computes on the same one
     rows: int
@@ -152,6 +182,7 @@ class Op:
     SET_EXPERT_MODE = 0x44
     SWAP_QUANT = 0x45
     PIPELINE_ATTACH = 0x46
+    PROBE = 0x50  # JSON {"tokens", "reps"} -> PipelineProbe: the split advisor's timings
     AUTH = 0x4F  # ours: empty payload -> nonce challenge in meta; then the HMAC proof
 
 

@@ -133,6 +133,15 @@ class DeviceInfo(_Doc):
 
 
 @dataclass(frozen=True)
+class ProcessInfo(_Doc):
+    """The worker's own process (not the machine's totals, which `devices` carries)."""
+
+    rss: int | None = None  # resident set, bytes
+    gpu_memory: int | None = None  # NVML's per-process reading over every GPU (the CUDA context included)
+    gpu_source: str | None = None  # "nvml" | "torch" (the caching allocator's reservation, when NVML cannot see the pid)
+
+
+@dataclass(frozen=True)
 class Throughput(_Doc):
     """Rates over the last ~10 s; totals are monotonic."""
 
@@ -160,12 +169,19 @@ class Speculative(_Doc):
 class Pool(_Doc):
     """The merged RPC port's connection pool (head mode) or its connections (peer mode)."""
 
-    size: int = 0
+    size: int = 0  # head: pool workers that serve control requests and the compute sessions' requests
     busy: int = 0
     queued: int = 0
     queue_max: int = 0
     dropped: int = 0
     accepted: int = 0
+    connections: int = 0  # open on the port now: handshaking, idle or served
+    compute: int = 0  # of those, compute sessions (a head's peers; on a peer, its head)
+
+    @property
+    def idle(self) -> int:
+        """Open connections no pool worker holds (waiting for their next request)."""
+        return max(self.connections - self.busy, 0)
 
 
 @dataclass(frozen=True)
@@ -195,6 +211,24 @@ class SlotInfo(_Doc):
 
 
 @dataclass(frozen=True)
+class Requests(_Doc):
+    """The head's requests: slots and queue now; rate and latency percentiles over the last
+    ~60 s (None: no request finished in it)."""
+
+    slots_busy: int = 0
+    slots_total: int = 0
+    queued: int = 0  # waiting for a slot
+    queue_max: int | None = None  # --max-queue; None = unbounded
+    requests_per_s: float = 0.0
+    requests_total: int = 0
+    rejected_total: int = 0  # refused with 503: the queue was full
+    ttft_p50_ms: float | None = None  # time to first token, from arrival (queue wait included)
+    ttft_p99_ms: float | None = None
+    itl_p50_ms: float | None = None  # inter-token latency, per generated token
+    itl_p99_ms: float | None = None
+
+
+@dataclass(frozen=True)
 class Status(_Doc):
     """`/status` of a head or a peer: one document the console reads."""
 
@@ -209,6 +243,7 @@ class Status(_Doc):
     model: ModelInfo | None = None
     stages: list[StageInfo] = field(default_factory=list)
     devices: list[DeviceInfo] = field(default_factory=list)
+    process: ProcessInfo | None = None
     throughput: Throughput = field(default_factory=Throughput)
     speculative: Speculative = field(default_factory=Speculative)
     pool: Pool | None = None
@@ -218,5 +253,6 @@ class Status(_Doc):
     resplits: int = 0
     split_by: str | None = None
     slots: list[SlotInfo] = field(default_factory=list)
+    requests: Requests | None = None  # the head's; None on a peer
     resident: dict | None = None  # a peer's resident stage: layers, epoch, forwards, bytes
     config: dict | None = None  # the worker's effective configuration, secrets redacted

@@ -20,9 +20,20 @@ from .errors import UserError
 from .openmp import configure_split_worker
 
 
+class DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """A flag's help ends with its default once: not when its text already names one, nor when
+    there is none to name (None, off, an empty list)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if "default" in text or action.default in (None, False, []) or not action.option_strings:
+            return text
+        return super()._get_help_string(action)
+
+
 def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", "-m", default=None, help="GGUF file (default: the Gemma 3 270M package)")
-    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
+    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
     p.add_argument("--dtype", default="auto", help="compute dtype: auto, float32, bfloat16, float16")
     p.add_argument("--ctx", type=int, default=4096, help="context length per slot")
     p.add_argument("--gpu-weights", choices=["quantized", "dense"], default="quantized",
@@ -50,11 +61,11 @@ def _rpc_args(p: argparse.ArgumentParser, default_host: str = "127.0.0.1") -> No
 
 
 def _spec_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--spec-type", choices=["off", "ngram", "draft", "mtp"], default="off")
+    p.add_argument("--spec-type", choices=["off", "ngram", "draft", "mtp"], default="off", help="speculative decoding")
     p.add_argument("--model-draft", default=None, help="draft GGUF for --spec-type draft")
-    p.add_argument("--draft-max", type=int, default=3)
-    p.add_argument("--draft-min", type=int, default=0)
-    p.add_argument("--draft-p-min", type=float, default=0.75)
+    p.add_argument("--draft-max", type=int, default=3, help="most tokens drafted per step")
+    p.add_argument("--draft-min", type=int, default=0, help="fewest tokens a draft must have to be verified")
+    p.add_argument("--draft-p-min", type=float, default=0.75, help="draft model: stop drafting below this probability")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -63,33 +74,33 @@ def build_parser() -> argparse.ArgumentParser:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     # Every subcommand's --help shows its defaults.
     sub = ap.add_subparsers(dest="command", required=True, parser_class=functools.partial(
-        argparse.ArgumentParser, formatter_class=argparse.ArgumentDefaultsHelpFormatter))
+        argparse.ArgumentParser, formatter_class=DefaultsFormatter))
 
     g = sub.add_parser("generate", help="stream a completion to stdout")
     _model_args(g)
-    g.add_argument("--prompt", "-p", required=True)
-    g.add_argument("-n", "--n-predict", type=int, default=64)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--min-p", type=float, default=0.0)
-    g.add_argument("--repeat-penalty", type=float, default=1.0)
-    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--prompt", "-p", required=True, help="the prompt text")
+    g.add_argument("-n", "--n-predict", type=int, default=64, help="tokens to generate")
+    g.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    g.add_argument("--top-k", type=int, default=0, help="0: off")
+    g.add_argument("--top-p", type=float, default=1.0, help="1: off")
+    g.add_argument("--min-p", type=float, default=0.0, help="0: off")
+    g.add_argument("--repeat-penalty", type=float, default=1.0, help="1: off")
+    g.add_argument("--seed", type=int, default=None, help="sampling seed (random without it)")
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
 
     b = sub.add_parser("bench", help="prefill and decode throughput")
     _model_args(b)
-    b.add_argument("-p", "--n-prompt", type=int, default=512)
-    b.add_argument("-n", "--n-gen", type=int, default=128)
-    b.add_argument("-r", "--repetitions", type=int, default=3)
+    b.add_argument("-p", "--n-prompt", type=int, default=512, help="prompt tokens (prefill test)")
+    b.add_argument("-n", "--n-gen", type=int, default=128, help="generated tokens (decode test)")
+    b.add_argument("-r", "--repetitions", type=int, default=3, help="runs per test")
     b.add_argument("--json", action="store_true", help="print one JSON object")
     b.add_argument("--llama-bench", default=None, help="path of upstream llama-bench to run on the same file")
 
     s = sub.add_parser("serve", help="head worker: HTTP API + merged RPC port, drives peers")
     _model_args(s)
-    s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=int, default=8080)
+    s.add_argument("--host", default="127.0.0.1", help="HTTP bind address")
+    s.add_argument("--port", type=int, default=8080, help="HTTP port")
     s.add_argument("--parallel", "-np", type=int, default=4, help="slots decoded together")
     s.add_argument("--alias", "-a", default=None,
                    help="model names, comma-separated: /v1/models lists them as aliases, the first in sorted "
@@ -108,10 +119,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-body", type=int, default=None,
                    help=f"largest request body in bytes, 413 above (default: max(1 MiB, ctx x {BODY_BYTES_PER_TOKEN}))")
     s.add_argument("--max-queue", type=int, default=64,
-                   help="requests waiting beyond the busy slots; more get 503 + Retry-After (default 64)")
+                   help="requests waiting beyond the busy slots; more get 503 + Retry-After")
     s.add_argument("-n", "--n-predict", type=int, default=1024,
                    help="max_tokens of a chat request that sets none (capped by the context; -1: to the end "
-                        "of the context); completions keep OpenAI's 16 (default 1024)")  # fmt: skip
+                        "of the context); completions keep OpenAI's 16")  # fmt: skip
     s.add_argument("--slot-save-path", default=None,
                    help="folder for POST /slots/{id}?action=save|restore (llama-server's; off without it)")
     s.add_argument("--embedding", "--embeddings", action="store_true",
@@ -134,9 +145,11 @@ def build_parser() -> argparse.ArgumentParser:
     pr = sub.add_parser("peer", help="peer worker: serves its assigned layers over the merged RPC port")
     _model_args(pr)
     pr.add_argument("--host", default="127.0.0.1", help="HTTP bind for /health, /status, /metrics")
-    pr.add_argument("--port", type=int, default=8090)
+    pr.add_argument("--port", type=int, default=8090, help="HTTP port")
     _rpc_args(pr)
     pr.add_argument("--insecure", action="store_true", help="allow a non-loopback --rpc-host without a token")
+    # Tests only: a peer slowed on purpose (ms per layer run), for the split advisor.
+    pr.add_argument("--layer-delay-ms", type=float, default=0.0, help=argparse.SUPPRESS)
     return ap
 
 

@@ -189,6 +189,7 @@ class PeerConfig(WorkerConfig):
     listen beyond loopback without a token."""
 
     insecure: bool = False
+    layer_delay_ms: float = 0.0  # tests: a per-layer delay on every forward and probe (a slow peer on purpose)
 
 
 # ---- from argv and the environment -----------------------------------------------------------------
@@ -298,7 +299,8 @@ def _cors_origins(value: str) -> str:
 
 def peer_config(args, env: Mapping[str, str]) -> PeerConfig:
     cfg = PeerConfig(model=model_settings(args, env), rpc=rpc_settings(args, env), host=args.host, port=args.port,
-                     insecure=args.insecure)  # fmt: skip
+                     insecure=args.insecure, layer_delay_ms=args.layer_delay_ms)  # fmt: skip
+    _at_least(0, layer_delay_ms=args.layer_delay_ms)
     _require_token_off_loopback(cfg)
     return cfg
 

@@ -27,6 +27,7 @@ class _Stream:
         self.held_tokens: list[GenToken] = []
         self.emitted_in_held = 0  # chars of the first held tokens' text already passed on
         self.t_first: float | None = None
+        self.t_last: float | None = None  # when its latest tokens came (inter-token latency)
 
 
 class OutputProcessor:
@@ -46,10 +47,15 @@ class OutputProcessor:
             st = self._streams[seq] = _Stream(seq, self.tok)
         if sampled is not None and sampled.prompt_logprobs is not None:
             seq.req.sink(Event(prompt_logprobs=sampled.prompt_logprobs))
-        if not seq.prefilling and st.t_first is None:
-            st.t_first = time.perf_counter()
-            self.stats.add_prompt(seq.n_prompt - seq.n_cached, st.t_first - seq.t_start, seq.n_cached)
         new = seq.tokens[st.n_seen :]
+        if not seq.prefilling and st.t_first is None:
+            st.t_first = st.t_last = time.perf_counter()
+            self.stats.add_prompt(seq.n_prompt - seq.n_cached, st.t_first - seq.t_start, seq.n_cached)
+            self.stats.add_first_token(st.t_first, st.t_first - seq.req.t_submit)
+        elif new and st.t_last is not None:
+            now = time.perf_counter()
+            self.stats.add_tokens(now, now - st.t_last, len(new))
+            st.t_last = now
         if seq.finish_reason == "stop":  # only end-of-generation finishes as "stop" before this point
             new = new[:-1]  # that token counts in usage but is never shown
         logprobs = sampled.logprobs if sampled is not None else [None] * len(new)
@@ -106,6 +112,7 @@ class OutputProcessor:
         self._emit(seq, st, st.held_text, final=True)
         if st.t_first is not None:
             self.stats.add_predicted(seq.n_gen, now - st.t_first)
+        self.stats.add_finished(now)
         seq.req.sink(
             Event(
                 finish_reason=seq.finish_reason,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import socket
+import statistics
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -22,6 +23,7 @@ from ..contracts.split import check_ranges
 from ..contracts.status import StageInfo
 from . import slot_state
 from .errors import UserError
+from .layer_probe import median_ms, probe_stage
 from .model import Stage
 from .rpc.client import PeerUnavailable
 
@@ -188,6 +190,40 @@ class Pipeline:
                 n_tokens += end - start
         self._stale = None
         return n_tokens
+
+    # --- the split advisor's measurement --------------------------------------------------------
+
+    def probe(self, tokens: int, reps: int) -> dict:
+        """Every stage times its own layers (contracts.rpc.PipelineProbe, without the head's
+        footprint, which its StageHost adds), then whole decode steps give each hop's wire time and
+        the step as it runs. On the slot holding the fewest tokens, past them: nothing is lost."""
+        if not self.remotes:
+            raise UserError("a solo head has no split to tune: the split advisor needs peers")
+        with self._lock:
+            if self._stale is not None:
+                self._rebuild(self._stale)
+            slot = min(range(self.local.n_slots), key=self.slot_length)
+            position = self.slot_length(slot)
+            request = {"slot": slot, "position": position, "tokens": tokens, "reps": reps}
+            stages = [{"name": "head", "layers": list(self.ranges[0]), "device": str(self.local.device),
+                       **probe_stage(self.local, slot, position, tokens, reps)}]  # fmt: skip
+            stages += [{"name": r.addr, **r.time_layers(request)} for r in self.remotes]
+            token = torch.zeros(1, dtype=torch.long)
+            slots, positions = torch.full((1,), slot, dtype=torch.long), torch.tensor([position + tokens])
+            hops: list[list[float]] = [[] for _ in self.remotes]
+
+            def step():
+                h = self.local.run_layers(self.local.embed(token), slots, positions)
+                for i, remote in enumerate(self.remotes):
+                    h = remote.run_layers(h, slots, positions)
+                    hops[i].append(remote.rtt_ms)
+                self.local.logits(h)
+
+            step_ms = median_ms(step, reps, self.local.device)
+            fixed_ms = median_ms(lambda: self.local.logits(self.local.embed(token).to(self.local.device)), reps, self.local.device)
+        for stage, times in zip(stages[1:], hops):
+            stage["hop_ms"] = round(statistics.median(times), 4)
+        return {"tokens": tokens, "stages": stages, "fixed_ms": round(fixed_ms, 4), "step_ms": round(step_ms, 4)}
 
     # --- live re-split --------------------------------------------------------------------------
 

@@ -17,6 +17,7 @@ import time
 from collections import deque
 from typing import Iterator
 
+import numpy as np
 import torch
 
 from .errors import Overloaded, Unavailable, UserError, describe
@@ -27,6 +28,8 @@ from .sequence import Event, Request, Sequence
 from .speculative import Speculator
 
 RATE_WINDOW_S = 10.0
+LATENCY_WINDOW_S = 60.0  # requests/s and the latency percentiles in /status
+LATENCY_SAMPLES = 4096
 log = logging.getLogger("hydra.engine")
 
 
@@ -47,6 +50,10 @@ class EngineStats:
         self.busy_slots = 0  # summed over steps: / steps = llama-server's n_busy_slots_per_decode
         self.n_tokens_max = 0  # the longest sequence a slot has held (prompt + generated)
         self._recent: deque[tuple[float, float, int, int]] = deque()  # (start, end, prefill, decode)
+        # (time, ms) samples for the latency percentiles, and finish times for requests/s.
+        self._ttft: deque[tuple[float, float]] = deque(maxlen=LATENCY_SAMPLES)
+        self._itl: deque[tuple[float, float]] = deque(maxlen=LATENCY_SAMPLES)
+        self._done: deque[float] = deque(maxlen=LATENCY_SAMPLES)
 
     def add_prompt(self, n: int, seconds: float, cached: int = 0) -> None:
         with self.lock:
@@ -58,6 +65,35 @@ class EngineStats:
         with self.lock:
             self.predicted_tokens += n
             self.predicted_seconds += seconds
+
+    def add_first_token(self, now: float, seconds: float) -> None:
+        """A request's first token, `seconds` after it arrived (its wait for a slot included)."""
+        with self.lock:
+            self._ttft.append((now, seconds * 1e3))
+
+    def add_tokens(self, now: float, seconds: float, n: int) -> None:
+        """`n` tokens of one request came `seconds` after its previous ones (a verified draft brings several)."""
+        with self.lock:
+            self._itl.extend([(now, seconds * 1e3 / n)] * n)
+
+    def add_finished(self, now: float) -> None:
+        with self.lock:
+            self._done.append(now)
+
+    def latency(self) -> dict:
+        """requests/s and p50/p99 TTFT and inter-token latency over the last LATENCY_WINDOW_S."""
+        now = time.perf_counter()
+        since = now - LATENCY_WINDOW_S
+        with self.lock:
+            ttft = [ms for t, ms in self._ttft if t >= since]
+            itl = [ms for t, ms in self._itl if t >= since]
+            done = sum(1 for t in self._done if t >= since)
+        out = {"requests_per_s": round(done / LATENCY_WINDOW_S, 3)}
+        for name, xs in (("ttft", ttft), ("itl", itl)):
+            p50, p99 = np.percentile(xs, [50, 99]).tolist() if xs else (None, None)
+            out[f"{name}_p50_ms"] = round(p50, 2) if p50 is not None else None
+            out[f"{name}_p99_ms"] = round(p99, 2) if p99 is not None else None
+        return out
 
     def record_step(self, start: float, end: float, n_prefill: int, n_decode: int, n_busy: int = 0,
                     n_tokens: int = 0) -> None:  # fmt: skip

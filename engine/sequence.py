@@ -58,6 +58,7 @@ class Request:
     sink: Callable[[Event], None] = lambda ev: None
     id: int = 0
     cancelled: bool = False
+    t_submit: float = field(default_factory=time.perf_counter)  # arrival: time to first token counts from here
 
 
 class Sequence:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 import threading
 import time
 from typing import Callable
@@ -21,6 +22,8 @@ from ..contracts.status import (
     DeviceInfo,
     Health,
     ModelInfo,
+    ProcessInfo,
+    Requests,
     SlotInfo,
     Speculative,
     StageInfo,
@@ -82,6 +85,30 @@ def devices() -> list[DeviceInfo]:
     return [DeviceInfo(0, "cpu", f"CPU ({os.cpu_count()} cores)", int(vm.total - vm.available), int(vm.total), psutil.cpu_percent())]
 
 
+def process_info() -> ProcessInfo:
+    """This process's RSS and GPU memory: NVML's per-process accounting where it sees our pid (not
+    inside a PID namespace it does not share), else what torch's allocator has reserved."""
+    import psutil
+
+    rss = psutil.Process().memory_info().rss
+    nvml, pid = _Nvml.module(), os.getpid()
+    if nvml is not None:
+        try:
+            seen, used = False, 0
+            for i in range(nvml.nvmlDeviceGetCount()):
+                for p in nvml.nvmlDeviceGetComputeRunningProcesses(nvml.nvmlDeviceGetHandleByIndex(i)):
+                    if p.pid == pid:
+                        seen, used = True, used + (p.usedGpuMemory or 0)
+            if seen:
+                return ProcessInfo(rss, used, "nvml")
+        except Exception:  # NVML without per-process support: torch's view below
+            pass
+    torch = sys.modules.get("torch")  # never imported just for this (a peer before LOAD_STAGE has no CUDA context)
+    if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
+        return ProcessInfo(rss, sum(torch.cuda.memory_reserved(i) for i in range(torch.cuda.device_count())), "torch")
+    return ProcessInfo(rss)
+
+
 class StatusDocument:
     """What one worker reports at /health and /status. The owner sets `startup_stage`, `model`,
     `pipeline`, `engine` as they come up; everything is read at request time."""
@@ -136,9 +163,11 @@ class StatusDocument:
             model=self.model,
             stages=self.stages(),
             devices=devices(),
+            process=process_info(),
             throughput=throughput(engine),
             speculative=speculative(engine),
             slots=[SlotInfo(**s) for s in engine.slot_info()] if engine is not None else [],
+            requests=requests(engine),
             config=self.config,
         )
         for provider in self._providers:
@@ -151,6 +180,15 @@ def throughput(engine) -> Throughput:
         return Throughput()
     prefill, decode = engine.stats.rates()
     return Throughput(round(prefill, 2), round(decode, 2), engine.stats.prompt_tokens, engine.stats.predicted_tokens)
+
+
+def requests(engine) -> Requests | None:
+    if engine is None:
+        return None
+    st = engine.stats
+    return Requests(slots_busy=engine.n_processing, slots_total=engine.n_slots, queued=engine.n_deferred,
+                    queue_max=engine.max_queue, requests_total=st.requests_total, rejected_total=st.requests_rejected,
+                    **st.latency())  # fmt: skip
 
 
 def speculative(engine) -> Speculative:

@@ -3,7 +3,7 @@
 
 Starts `hydra-console`'s app headless with the default profile (head + 1 peer, Gemma 3 270M,
 layers split evenly) on free ports, sends a few completions so the rates move, and writes SVGs
-of every screen to screenshots/:
+of every screen (the split advisor's probe and the triage screen included) to screenshots/:
 
     python scripts/screenshots.py [--out screenshots] [--device cpu]
 """
@@ -50,10 +50,11 @@ async def wait_for(pilot, cond, timeout: float, what: str) -> None:
 
 
 async def load(url: str, n: int) -> None:
-    async with httpx.AsyncClient(timeout=120) as client:
-        for i in range(n):
-            await client.post(f"{url}/v1/completions",
-                              json={"prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": 16, "temperature": 0})
+    """`n` completions at once: more than the slots, so some queue (the requests line shows it)."""
+    async with httpx.AsyncClient(timeout=300) as client:
+        await asyncio.gather(*(client.post(f"{url}/v1/completions",
+                                           json={"prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": 16, "temperature": 0})
+                               for i in range(n)))  # fmt: skip
 
 
 async def main(out: Path, device: str) -> None:
@@ -90,6 +91,14 @@ async def main(out: Path, device: str) -> None:
         await pilot.press("escape", "s", "right", "right")
         await pilot.pause(0.3)
         shot("split-editor")
+        editor = app.screen
+        await pilot.press("m")
+        await wait_for(pilot, lambda: editor.advice is not None, 300, "the split advisor's probe")
+        await pilot.pause(0.3)
+        shot("split-advisor")
+        await pilot.press("escape", "i")
+        await pilot.pause(0.5)
+        shot("triage")
         await pilot.press("escape", "question_mark")
         await pilot.pause(0.3)
         shot("help")

@@ -25,9 +25,11 @@ from hydra_console.app.sources import FixedFeedSource, Probe
 from hydra_console.app.split_plan import ModelShape
 from hydra_console.app.supervisor import State, Supervisor
 from hydra_console.app.ui.app import HydraConsole
+from hydra_console.app.ui.detail import WorkerDetailScreen
 from hydra_console.app.ui.dialogs import ConfirmScreen, HelpScreen
 from hydra_console.app.ui.logs import LogsScreen
 from hydra_console.app.ui.split_editor import SplitEditorScreen
+from hydra_console.app.ui.triage import TriageScreen
 from consoles import FAKE, all_ready, fake_profile, kill_groups, port_pair, until
 
 def head_ranges(sup: Supervisor) -> list[list[int]]:
@@ -54,10 +56,10 @@ async def test_restart_peer_from_the_dashboard_changes_its_pid(tmp_path, size):
         await pilot.press("y")
         await until(pilot, lambda: peer.pid != old and peer.state == State.READY)
         assert peer.restarts == 1 and sup.head.restarts == 0
-        await pilot.pause(0.3)
         table = app.dashboard.query_one("#workers")
-        assert str(table.get_cell("peer1", "pid")) == str(peer.pid)
-        assert "● ready" in str(table.get_cell("peer1", "state"))
+        # The table catches up at its next refresh: waited for, not slept on.
+        await until(pilot, lambda: str(table.get_cell("peer1", "pid")) == str(peer.pid))
+        await until(pilot, lambda: "● ready" in str(table.get_cell("peer1", "state")))
         assert str(table.get_cell("peer1", "rst")) == "1"  # the operator's own R raises no restart alert
         await pilot.press("q")
         assert isinstance(app.screen, ConfirmScreen) and "head (pid" in app.screen.question
@@ -140,7 +142,7 @@ async def test_saving_a_draft_applies_nothing_and_the_editor_says_so(tmp_path):
         assert "--split 9/9" in " ".join(sup.command_for("head"))  # a crash-restart relaunches what runs
         await pilot.press("escape")
         app.action_detail("head")
-        await pilot.pause(0.2)
+        await until(pilot, lambda: isinstance(app.screen, WorkerDetailScreen) and app.screen.is_mounted)
         table = app.screen.query_one("#detail-info").content
         rows = {str(k): str(v) for k, v in zip(table.columns[0]._cells, table.columns[1]._cells)}
         assert rows["command"] == shlex.join(argv) and "--split" not in rows["command"]
@@ -179,6 +181,7 @@ async def test_logs_filter_invert_and_failure_highlight(tmp_path):
         "import time\n"
         "print('hello from worker', flush=True)\n"
         "print('OSError: [Errno 98] Address already in use', flush=True)\n"
+        "print('INFO hydra.http 3f2a9c1b7d4e POST /v1/completions 200 in=3 out=4 12ms', flush=True)\n"
         "time.sleep(60)\n"
     )
     script = tmp_path / "w.py"
@@ -188,11 +191,11 @@ async def test_logs_filter_invert_and_failure_highlight(tmp_path):
     sup = Supervisor(profile, log_dir=tmp_path)
     app = HydraConsole(sup, load_model_shape=False)
     async with app.run_test(size=(80, 24)) as pilot:
-        await until(pilot, lambda: len(sup.head.log) >= 2)
+        await until(pilot, lambda: len(sup.head.log) >= 4)
         await pilot.press("l")
         logs = app.screen
         assert isinstance(logs, LogsScreen)
-        await pilot.pause(0.4)
+        await until(pilot, lambda: any("in=3" in strip.text for strip in logs.query_one("#log").lines))
 
         def shown() -> list[str]:
             return [strip.text for strip in logs.query_one("#log").lines]
@@ -207,8 +210,11 @@ async def test_logs_filter_invert_and_failure_highlight(tmp_path):
         assert not any("hello" in t for t in shown()) and any("Address" in t for t in shown())
         titles = {c.title for c in app.get_system_commands(logs)}
         assert {"Logs: follow / pause", "Logs: invert filter", "Logs: next worker"} <= titles
-        await pilot.press("c", "f")
-        assert logs.follow is False and len(shown()) == 3  # the launch line, then the two printed ones
+        await pilot.press("c", "a")  # the access log only
+        assert [t.split(maxsplit=2)[2].strip() for t in shown()] == ["INFO hydra.http 3f2a9c1b7d4e POST /v1/completions 200 in=3 out=4 12ms"]
+        assert "requests only" in str(logs.query_one("#logbar").render())
+        await pilot.press("a", "f")
+        assert logs.follow is False and len(shown()) == 4  # the launch line, then the three printed ones
         await pilot.press("w")
         assert logs.source == "head"
         app._stop_and_exit(True)
@@ -387,8 +393,8 @@ async def test_events_panel_rewraps_after_a_resize():
     app = HydraConsole(sup, load_model_shape=False)
     async with app.run_test(size=(80, 24)) as pilot:
         sup.emit("head", "error", "a long event line " + "x" * 90 + " END")
-        await pilot.pause(0.2)
         log = app.dashboard.query_one("#events")
+        await until(pilot, lambda: any(strip.text.rstrip().endswith("END") for strip in log.lines))
 
         def shown() -> list[str]:
             return [strip.text.rstrip() for strip in log.lines]
@@ -396,9 +402,8 @@ async def test_events_panel_rewraps_after_a_resize():
         narrow = shown()
         assert narrow[-1].endswith("END") and not any("long event" in t and "END" in t for t in narrow)  # wrapped
         await pilot.resize_terminal(200, 30)
-        await pilot.pause(0.3)
-        wide = shown()
-        assert len(wide) < len(narrow) and any("long event" in t and t.endswith("END") for t in wide)  # re-wrapped
+        # Re-wrapped: waited for, not slept on (a loaded machine lays out later).
+        await until(pilot, lambda: len(shown()) < len(narrow) and any("long event" in t and t.endswith("END") for t in shown()), 10)
         await pilot.press("q")
 
 
@@ -468,3 +473,26 @@ async def test_an_alert_toasts_and_rings_once_per_incident_and_goes_into_the_his
         await pilot.press("A")
         assert isinstance(app.screen, AlertsScreen)
         await pilot.press("escape", "q")
+
+
+async def test_triage_strip_and_timeline_follow_the_heads_history():
+    ok = {"role": "head", "state": "ok", "startup_stage": 4, "requests": {"slots_total": 2},
+          "peers": [{"addr": "p:1", "state": "up", "rtt_ms": 1.0}]}  # fmt: skip
+    health = {"status": "ok", "startup_stage": 4}
+    feed = FixedFeedSource({"head": Probe(True, 200, health, ok)})
+    sup = Supervisor(Profile(peers=[], supervisor=SupervisorSettings(poll_s=0.2)), attach=True, source=feed)
+    app = HydraConsole(sup, load_model_shape=False)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await until(pilot, lambda: len(sup.head.history) >= 1)
+        assert app.dashboard.query_one("#advice").display is False  # nothing to change: no strip
+        feed.probes["head"] = Probe(True, 200, health, {**ok, "requests": {"slots_total": 2, "queued": 9},
+                                                        "peers": [{"addr": "p:1", "state": "down", "error": "reset"}]})  # fmt: skip
+        strip = app.dashboard.query_one("#advice")
+        await until(pilot, lambda: strip.display and "queue 9 deep with 2 slots: raise --parallel (i)" in str(strip.render()))
+        await pilot.press("i")
+        assert isinstance(app.screen, TriageScreen)
+        timeline = str(app.screen.query_one("#triage-timeline").render())
+        assert "peer-down" in timeline and "peer p:1 up → down (reset)" in timeline
+        assert "⚑ queue 9 deep with 2 slots: raise --parallel" in str(app.screen.query_one("#triage-advice").render())
+        await pilot.press("escape")
+        assert app.screen is app.dashboard

@@ -132,9 +132,8 @@ async def test_a_missing_model_is_a_named_crash_loop_in_the_row_and_the_events(t
         await until(pilot, lambda: any(e.kind == "crash-loop" for e in sup.events), timeout=120)
         loop = next(e.message for e in sup.events if e.kind == "crash-loop")
         assert "cannot open model file" in loop and "no-such-model.gguf" in loop
-        await pilot.pause(0.5)
         table = app.dashboard.query_one("#workers")
-        assert "crash-loop" in str(table.get_cell("head", "state"))
+        await until(pilot, lambda: "crash-loop" in str(table.get_cell("head", "state")))
         assert "2: hydra-engine: error: cannot open model file" in str(table.get_cell("head", "exit"))
         app._stop_and_exit(True)
         await until(pilot, lambda: not sup.running_managed(), timeout=30)

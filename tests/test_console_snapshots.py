@@ -35,7 +35,9 @@ HEAD_STATUS = {
     "devices": [gpu(0, 31.5)],
     "throughput": {"prefill_tok_s": 4210.0, "decode_tok_s": 187.5},
     "speculative": {"type": "ngram", "draft_max": 3, "drafts": 812, "acceptance": 0.62, "mean_accepted_len": 1.86},
-    "pool": {"size": 2, "busy": 1, "queued": 0, "queue_max": 64, "dropped": 0, "accepted": 57},
+    "pool": {"size": 2, "busy": 1, "queued": 0, "queue_max": 64, "dropped": 0, "accepted": 57, "connections": 1, "compute": 0},
+    "requests": {"slots_busy": 1, "slots_total": 1, "queued": 2, "requests_per_s": 0.4, "requests_total": 57,
+                 "ttft_p50_ms": 212.0, "ttft_p99_ms": 930.0, "itl_p50_ms": 5.3, "itl_p99_ms": 11.8},
     "peers": [{"addr": "127.0.0.1:8091", "state": "up", "rtt_ms": 0.4, "layers": [6, 12]},
               {"addr": "10.0.0.7:8091", "state": "up", "rtt_ms": 72.5, "layers": [12, 18]}],
     "slots": [{"id": 0, "state": "processing", "n_ctx": 4096, "n_past": 812}],
@@ -53,7 +55,7 @@ LOG = [
     ("peer2", "err", "OSError: [Errno 98] Address already in use"),
     ("head", "err", "peer 10.0.0.7:8091: [Errno 111] Connection refused, retrying in 2 s"),
     ("peer1", "err", "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB"),
-    ("head", "out", "POST /v1/completions 200 (prompt 12, predicted 64)"),
+    ("head", "err", "INFO hydra.http 3f2a9c1b7d4e POST /v1/completions 200 in=12 out=64 412ms"),
 ]
 SHAPE = ModelShape(n_layers=18, layer_elements=[3 << 19] * 18, head_elements=90 << 20, kv_elements_per_token_layer=512)
 

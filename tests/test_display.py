@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import psutil
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -120,6 +121,21 @@ def test_memory_estimate_adds_up_to_the_gguf(tiny_model):
         shape.estimate([2, 1], 64, 2)
 
 
+def test_memory_estimate_keeps_quantized_weights_in_their_file_bytes(tiny_model):
+    path = tiny_model("llama", n_layers=4, n_embd=256, n_ff=256, qtype="Q4_K")
+    shape = ModelShape.from_gguf(path)
+    g = GGUFFile(path)
+    quantized = [t for t in g.tensors.values() if t.ggml_type.name not in ("F32", "F16", "BF16")]
+    assert quantized, "the synthetic model should hold quantized tensors"
+    gpu, cpu = (shape.estimate([3, 1], n_ctx=64, n_slots=2, quantized=[q, q]) for q in (True, False))
+    floats = sum(t.n_elements for t in g.tensors.values()) - sum(t.n_elements for t in quantized)
+    assert sum(e.weight_bytes for e in gpu) == pytest.approx(sum(t.nbytes for t in quantized) * 1.03 + 2 * floats, abs=2)
+    assert sum(e.weight_bytes for e in cpu) == 2 * sum(t.n_elements for t in g.tensors.values())
+    assert [e.kv_bytes for e in gpu] == [e.kv_bytes for e in cpu]
+    mixed = shape.estimate([3, 1], n_ctx=64, n_slots=2, quantized=[False, True])
+    assert mixed[0] == cpu[0] and mixed[1] == gpu[1]
+
+
 STATUS = {
     "role": "head", "pid": 4242, "uptime_s": 75.0, "state": "ok", "startup_stage": 5,
     "stages": [{"role": "head", "addr": "127.0.0.1:8081", "layers": [0, 9]},
@@ -127,7 +143,9 @@ STATUS = {
     "devices": [{"index": 0, "kind": "cuda", "name": "H200", "memory_used": 95 * 2**30, "memory_total": 100 * 2**30, "util": 40}],
     "throughput": {"prefill_tok_s": 1234.5, "decode_tok_s": 56.7},
     "speculative": {"type": "ngram", "acceptance": 0.9, "mean_accepted_len": 2.7, "drafts": 12},
-    "pool": {"size": 2, "busy": 1, "queued": 3, "dropped": 4},
+    "pool": {"size": 2, "busy": 1, "queued": 3, "dropped": 4, "connections": 4, "compute": 1},
+    "requests": {"slots_busy": 4, "slots_total": 4, "queued": 2, "queue_max": 16, "requests_per_s": 0.75,
+                 "ttft_p50_ms": 120.4, "ttft_p99_ms": 401.0, "itl_p50_ms": 30.2, "itl_p99_ms": None},
     "peers": [{"addr": "127.0.0.1:8091", "state": "up", "rtt_ms": 80.0, "layers": [9, 18]}],
 }
 
@@ -149,12 +167,15 @@ async def test_rows_and_panels_from_a_status_document():
     assert display.acceptance_text(status) == "spec ngram: accept 90% · mean len 2.70 · drafts 12"
     mtp = Status.from_json({"speculative": {**STATUS["speculative"], "type": "mtp"}})
     assert display.acceptance_text(mtp) == "MTP acceptance 90% · mean len 2.70 · drafts 12"
-    assert display.pool_text(status) == "RPC control pool (console ops, not requests) 1/2 busy · queued 3 · dropped 4"
+    assert display.pool_text(status) == "RPC 1 compute · control pool 1/2 busy, 3 queued, 4 dropped · 3 idle sockets"
+    assert display.requests_text(status) == "slots 4/4 · queue 2/16 · 0.75 req/s · p50/p99 TTFT 120/401 · ITL 30/— ms"
+    peer_pool = Status.from_json({"pool": {"connections": 1, "compute": 1, "accepted": 3}})
+    assert display.pool_text(peer_pool) == "RPC 1 compute · 1 idle sockets"
     assert display.peer_lines(status, Alerts()) == [("127.0.0.1:8091 ● up rtt 80.0 ms ⚠ [9,18)", "warn")]
     same_gpu = Status.from_json({"peers": [{**STATUS["peers"][0], "rtt_ms": 0.1, "transport": "cuda-ipc"}]})
     assert display.peer_lines(same_gpu, Alerts()) == [("127.0.0.1:8091 ● up rtt 0.1 ms [9,18) · cuda-ipc", "ok")]
-    assert display.acceptance_text(Status()) == "spec off" and display.pool_text(None) == "RPC control pool —"
-    assert display.slots_text(Status.from_json({"slots": [{"state": "processing"}, {}]})) == "slots 1/2 busy"
+    assert display.acceptance_text(Status()) == "spec off" and display.pool_text(None) == "RPC —"
+    assert display.requests_text(Status.from_json({"slots": [{"state": "processing"}, {}]})) == "slots 1/2 busy"  # an older head
     snap = json.loads(display.snapshot_json(sup))
     assert [(w["name"], w["state"], w["reachable"], w["layers"]) for w in snap["workers"]] == [
         ("head", "ready", True, [0, 9]), ("peer1", "unreachable", False, [9, 18])]
@@ -177,3 +198,17 @@ async def test_machine_totals_appear_once_and_each_worker_shows_its_own_rss():
     assert [(r.label, r.used, r.note) for r in rows] == [
         ("machine RAM", 6 << 30, "(head, peer1)"), ("head RSS", 1 << 30, "cpu 50%")]
     assert display.device_free(sup, "head") == (10 << 30, True)  # one machine's RAM, both workers on it
+
+
+async def test_gpu_workers_show_their_own_process_memory_beside_the_device_total():
+    gpu = {"index": 0, "kind": "cuda", "name": "H200", "memory_used": 40 << 30, "memory_total": 140 << 30}
+    head = {"devices": [gpu], "process": {"rss": 3 << 30, "gpu_memory": 12 << 30, "gpu_source": "nvml"}}
+    peer = {"devices": [gpu], "process": {"rss": 2 << 30, "gpu_memory": 28 << 30, "gpu_source": "torch"}}
+    feed = FixedFeedSource({"head": Probe(True, 200, {"status": "ok"}, head), "peer1": Probe(True, 200, {"status": "ok"}, peer)})
+    sup = Supervisor(Profile(), attach=True, source=feed, clock=lambda: 0.0)
+    await sup.poll_once()
+    rows = [(r.label, r.used, r.total, r.note) for r in display.memory_rows(sup, Alerts())]
+    ram = psutil.virtual_memory().total  # local workers that report no RAM device: this machine's
+    assert rows == [("machine cuda:0", 40 << 30, 140 << 30, "(head, peer1)"),  # the machine's total, once
+                    ("head RSS", 3 << 30, ram, ""), ("head GPU", 12 << 30, 140 << 30, "per process"),
+                    ("peer1 RSS", 2 << 30, ram, ""), ("peer1 GPU", 28 << 30, 140 << 30, "torch reserved")]

@@ -91,3 +91,19 @@ def test_every_environment_variable_is_documented_in_the_readme():
 
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     assert all(name in readme for name in ENVIRONMENT)
+
+
+def test_every_subcommand_help_names_each_default_once():
+    import argparse
+
+    subparsers = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    for name, parser in subparsers.choices.items():
+        formatter = parser._get_formatter()
+        for action in parser._actions:
+            if not action.option_strings or action.help == argparse.SUPPRESS or "-h" in action.option_strings:
+                continue
+            help_text = formatter._get_help_string(action) % {"default": action.default}
+            has_default = action.default not in (None, False, [])
+            assert help_text, (name, action.option_strings)  # every flag says what it does
+            assert help_text.count("default") == (1 if has_default or "default" in (action.help or "") else 0), (name, help_text)
+        assert "(default: None)" not in parser.format_help()

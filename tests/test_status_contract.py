@@ -34,12 +34,18 @@ def test_wrong_types_fall_back_to_defaults_never_raise():
     assert s.pid is None and s.pool is None and s.peers == []
     assert [x.layers for x in s.stages] == [None, (2, 5)]
     assert s.throughput.decode_tok_s == 0.0 and s.throughput.prefill_tok_s == 3.0
+    s = Status.from_json({"requests": {"queued": "x", "ttft_p50_ms": 12, "queue_max": None}, "process": {"rss": 1.5},
+                          "pool": {"connections": 3, "busy": 5}})  # fmt: skip
+    assert (s.requests.queued, s.requests.ttft_p50_ms, s.requests.queue_max) == (0, 12.0, None)
+    assert s.process.rss is None and s.pool.idle == 0  # never negative
+    assert Status.from_json({}).requests is None and Status.from_json({}).process is None  # an older worker
 
 
 json_values = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=5),
                            lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=8), c, max_size=4),
                            max_leaves=20)  # fmt: skip
-field_names = st.sampled_from(["role", "pid", "stages", "devices", "throughput", "speculative", "pool", "peers", "slots", "model", "http"])
+field_names = st.sampled_from(["role", "pid", "stages", "devices", "throughput", "speculative", "pool", "peers", "slots", "model", "http",
+                               "requests", "process"])
 
 
 @given(st.dictionaries(field_names, json_values, max_size=6), st.one_of(st.none(), st.dictionaries(st.text(max_size=8), json_values, max_size=4)))

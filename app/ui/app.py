@@ -27,6 +27,7 @@ from .detail import WorkerDetailScreen
 from .dialogs import ConfirmScreen, HelpScreen
 from .logs import LogsScreen
 from .split_editor import SplitEditorScreen
+from .triage import TriageScreen
 
 def binding_ids() -> set[str]:
     """Every id a profile's [keys] table may remap."""
@@ -52,6 +53,7 @@ class HydraConsole(App):
         Binding("p", "toggle_pause", "Pause", id="hydra.pause"),
         Binding("r", "next_refresh_rate", "Refresh rate", show=False, id="hydra.rate"),
         Binding("A", "alerts", "Alerts", show=False, id="hydra.alerts"),
+        Binding("i", "triage", "Triage", show=False, id="hydra.triage"),
         # Declared here (Textual then adds none of its own) so that the palette key is remappable too.
         Binding("ctrl+p", "command_palette", "palette", show=False, priority=True, id="hydra.palette"),
     ]
@@ -172,6 +174,10 @@ class HydraConsole(App):
             self.notify(active[key], title="alert", severity="warning", timeout=10, markup=False)
             self.bell()
         self._alerting = set(active)
+
+    def action_triage(self) -> None:
+        if not isinstance(self.screen, TriageScreen):
+            self.push_screen(TriageScreen())
 
     def action_alerts(self) -> None:
         if not isinstance(self.screen, AlertsScreen):
@@ -367,6 +373,7 @@ class HydraConsole(App):
         yield from super().get_system_commands(screen)
         yield SystemCommand("Help", "Keys of this screen", self.action_help)
         yield SystemCommand("Alerts", "Every alert of this session", self.action_alerts)
+        yield SystemCommand("Triage", "Incident timeline and what to change", self.action_triage)
         yield SystemCommand("Split editor", "Move layer boundaries, preview memory, apply", self.action_split_editor)
         yield SystemCommand("Logs: all workers", "Merged log of every worker", partial(self.action_logs, None))
         yield SystemCommand("Log filter", "Open the logs with the regex filter focused", self.action_filter)
@@ -378,12 +385,16 @@ class HydraConsole(App):
             yield SystemCommand("Logs: invert filter", "Show the lines that do not match", screen.action_toggle_invert)
             yield SystemCommand("Logs: next worker", "Cycle merged / each worker", screen.action_next_source)
             yield SystemCommand("Logs: clear filter", "Show every line", screen.action_clear_filter)
+            yield SystemCommand("Logs: requests only", "Only the head's access log: one line per API request", screen.action_toggle_requests)
         if isinstance(screen, SplitEditorScreen):
             yield SystemCommand("Split: undo", "Undo the last boundary move", screen.action_undo)
             yield SystemCommand("Split: even", "Spread the layers evenly", screen.action_even)
             yield SystemCommand("Split: save to profile", "Write this split to the profile", screen.action_save)
             if not self.readonly:
                 yield SystemCommand("Split: apply", "Apply live (or by restarting the head)", screen.action_apply)
+                yield SystemCommand("Split advisor: measure", "Time every stage's layers, propose the fastest split",
+                                    screen.action_measure)  # fmt: skip
+                yield SystemCommand("Split advisor: apply proposal", "Apply the advisor's split live", screen.action_apply_proposal)
         for w in self.supervisor.workers.values():
             yield SystemCommand(f"Detail: {w.name}", f"{w.role} at {w.spec.url}", partial(self.action_detail, w.name))
             yield SystemCommand(f"Logs: {w.name}", f"Log of {w.name}", partial(self.action_logs, w.name))

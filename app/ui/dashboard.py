@@ -10,6 +10,7 @@ from textual.screen import Screen
 from textual.widgets import DataTable, Footer, Header, Label, RichLog, Sparkline, Static
 
 from .. import display
+from .triage import advice_and_timeline
 
 
 SPARK_SAMPLES = 60  # the sparklines show the last minute at 1 Hz
@@ -40,6 +41,7 @@ class DashboardScreen(Screen):
                 yield Label("decode —", id="decode-label", classes="rate-label")
                 yield Sparkline([], id="decode", summary_function=max)
             yield Static(id="info")
+            yield Static(id="advice")
             events = RichLog(id="events", max_lines=500, wrap=True, min_width=20)
             events.border_title = "Events"
             yield events
@@ -147,13 +149,20 @@ class DashboardScreen(Screen):
 
         status = sup.head.status
         info = Text()
-        info.append(f"{display.slots_text(status)} · {display.acceptance_text(status)}")
-        info.append("\n")
-        info.append(display.pool_text(status))
+        info.append(display.requests_text(status))
+        info.append(f"\n{display.acceptance_text(status)}\n{display.pool_text(status)}")
         for line, tone in display.peer_lines(status, sup.profile.alerts):
             info.append("\npeer ")
             info.append(line, style=app.tone_style(tone))
         self.query_one("#info", Static).update(info)
+
+        # The advisor strip: the first thing to change, when there is one (i: all, with the timeline).
+        advice, _ = advice_and_timeline(app)
+        strip = self.query_one("#advice", Static)
+        strip.display = bool(advice)
+        if advice:
+            more = f" (+{len(advice) - 1} · i)" if len(advice) > 1 else " (i)"
+            strip.update(Text(f"⚑ {advice[0].message}{more}", style=app.tone_style("warn")))
 
     def _sort(self, table: DataTable, now: float) -> None:
         title = "Workers" + ("" if all(w.managed for w in self.app.supervisor.workers.values()) else " (attached ones are monitor only)")

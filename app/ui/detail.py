@@ -73,10 +73,10 @@ class WorkerDetailScreen(Screen):
         stages = [f"{s.role} {display.fmt_layers(s.layers)} {s.device}".rstrip() for s in (st.stages if st else [])]
         if stages:
             rows.append(("stages", " · ".join(stages)))
-        slots = st.slots if st else []
-        if slots:
-            busy = sum(1 for s in slots if s.state == "processing")
-            rows.append(("slots", f"{busy}/{len(slots)} processing"))
+        if st and (st.requests or st.slots):
+            rows.append(("requests", display.requests_text(st)))
+        if st and st.pool:
+            rows.append(("rpc port", display.pool_text(st)))
         # The argv the process really runs; what a (re)start would launch only when it differs.
         if w.argv:
             rows.append(("command", shlex.join(w.argv)))

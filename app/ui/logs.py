@@ -1,4 +1,5 @@
-"""Logs: one worker or all merged, follow/pause, `/` regex filter, `!` invert, failures highlighted."""
+"""Logs: one worker or all merged, follow/pause, `/` regex filter, `!` invert, `a` the head's access
+log only (one line per API request), failures highlighted."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ class LogsScreen(Screen):
         Binding("f", "toggle_follow", "Follow", id="logs.follow"),
         Binding("exclamation_mark", "toggle_invert", "Invert", id="logs.invert"),
         Binding("c", "clear_filter", "Clear filter", id="logs.clear"),
+        Binding("a", "toggle_requests", "Requests only", id="logs.requests"),
     ]
 
     def __init__(self, worker: str | None = None, pattern: str = ""):
@@ -28,6 +30,7 @@ class LogsScreen(Screen):
         self.pattern_text = pattern
         self.invert = False
         self.follow = True
+        self.requests_only = False  # only the access log's lines (display.ACCESS_LINE)
         self._last_seq = -1
 
     def compose(self) -> ComposeResult:
@@ -55,6 +58,8 @@ class LogsScreen(Screen):
             bar.append(f"[{name}]" if current else f" {name} ", style="bold reverse" if current else "")
             bar.append(" ")
         bar.append(f" · {'following' if self.follow else 'paused'}")
+        if self.requests_only:
+            bar.append("  requests only")
         if self.pattern_text:
             bar.append(f"  filter {'!' if self.invert else ''}/{self.pattern_text}/")
         self.query_one("#logbar", Label).update(bar)
@@ -74,8 +79,7 @@ class LogsScreen(Screen):
         log.clear()
         lines = list(self._lines())
         self._last_seq = lines[-1].seq if lines else self._last_seq
-        shown = display.filter_lines(lines, display.compile_filter(self.pattern_text), self.invert)[-SHOWN:]
-        for line in shown:
+        for line in self._visible(lines)[-SHOWN:]:
             self._write(log, line)
 
     def append_new(self) -> None:
@@ -86,8 +90,13 @@ class LogsScreen(Screen):
             return
         self._last_seq = new[-1].seq
         log = self.query_one("#log", RichLog)
-        for line in display.filter_lines(new, display.compile_filter(self.pattern_text), self.invert):
+        for line in self._visible(new):
             self._write(log, line)
+
+    def _visible(self, lines) -> list:
+        if self.requests_only:
+            lines = display.filter_lines(lines, display.ACCESS_LINE)
+        return display.filter_lines(lines, display.compile_filter(self.pattern_text), self.invert)
 
     def action_focus_filter(self) -> None:
         filt = self.query_one("#filter", Input)
@@ -120,6 +129,10 @@ class LogsScreen(Screen):
 
     def action_toggle_invert(self) -> None:
         self.invert = not self.invert
+        self.rerender()
+
+    def action_toggle_requests(self) -> None:
+        self.requests_only = not self.requests_only
         self.rerender()
 
     def action_clear_filter(self) -> None:

@@ -1,9 +1,12 @@
-"""Split editor: move stage boundaries from the keyboard, see per-stage memory, apply, undo, save."""
+"""Split editor: move stage boundaries from the keyboard, see per-stage memory, apply, undo, save;
+and the split advisor: measure every stage (`m`), see the fastest split with predicted decode tok/s,
+apply it (`P`), then see predicted against achieved."""
 
 from __future__ import annotations
 
 from rich.table import Table
 from rich.text import Text
+from textual import work
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.screen import Screen
@@ -11,7 +14,9 @@ from textual.widgets import Footer, Header, Static
 
 from .. import display
 from ...contracts.split import counts_of, even_split, move_boundary, ranges, split_arg
+from ..split_advisor import MIN_GAIN, Advice, advise
 from ..split_plan import ModelShape
+from ..supervisor import SupervisorError
 
 
 class SplitEditorScreen(Screen):
@@ -25,6 +30,8 @@ class SplitEditorScreen(Screen):
         Binding("e", "even", "Even", id="split.even"),
         Binding("a", "apply", "Apply", id="split.apply"),
         Binding("w", "save", "Save to profile", id="split.save"),
+        Binding("m", "measure", "Advisor: measure", id="split.measure"),
+        Binding("P", "apply_proposal", "Apply proposal", id="split.propose"),
     ]
 
     def __init__(self, shape: ModelShape | None):
@@ -35,6 +42,9 @@ class SplitEditorScreen(Screen):
         self.applied = self._current_counts()  # what runs: the head's /status, whoever applied it
         self.counts = list(self.applied) if self.applied else []
         self.saved: list[int] | None = None  # written to the profile file by `w` (which applies nothing)
+        self.advice: Advice | None = None  # the advisor's last reading
+        self.advice_note = "m: measure every stage's layers and propose the fastest split"
+        self.promised: tuple[list[int], float] | None = None  # an applied proposal and its predicted tok/s
 
     def _live_counts(self) -> list[int] | None:
         sup = self.app.supervisor
@@ -56,10 +66,13 @@ class SplitEditorScreen(Screen):
         yield Header()
         yield Static(id="split-table")
         yield Static(id="split-note")
+        yield Static(id="split-advice")
+        yield Static(id="split-verdict")
         yield Footer()
 
     def on_mount(self) -> None:
         self.render_plan()
+        self.render_advice()
 
     def refresh_view(self) -> None:
         """Follow the running split: another console may apply one, or a restart change it."""
@@ -76,7 +89,9 @@ class SplitEditorScreen(Screen):
         if not self.counts:
             self.query_one("#split-table", Static).update("No layer count yet: waiting for the head's /status or the model file.")
             return
-        estimates = self.shape.estimate(self.counts, sup.profile.ctx, sup.profile.parallel, self._dtype()) if self.shape else None
+        quantized = self._quantized()
+        estimates = (self.shape.estimate(self.counts, sup.profile.ctx, sup.profile.parallel, self._dtype(), quantized)
+                     if self.shape else None)  # fmt: skip
         table = Table(box=None, expand=False, pad_edge=False, header_style="bold")
         for col in ("", "worker", "layers", "n", "weights", "KV", "total", "device free"):
             table.add_column(col, no_wrap=True, justify="right" if col in ("n", "weights", "KV", "total", "device free") else "left")
@@ -108,9 +123,76 @@ class SplitEditorScreen(Screen):
         note.update(
             f"layers {layer_map}\n"
             f"boundary {left} | {right}  ·  split {split_arg(self.counts)}{state}"
-            + f"\nestimates at {self._dtype()}: weights dequantized, KV for {sup.profile.parallel} slots"
-            f" × {sup.profile.ctx} tokens (CPU int8 weights take about half)"
+            + f"\nestimates: weights {'quantized as in the GGUF on GPU workers, else ' if any(quantized) else ''}"
+            f"at {self._dtype()}, KV at {self._dtype()} for {sup.profile.parallel} slots × {sup.profile.ctx} tokens"
+            + ("" if all(quantized) else " (CPU int8 weights take about half)")
         )
+
+    def render_advice(self) -> None:
+        advice, box, verdict = self.advice, self.query_one("#split-advice", Static), self.query_one("#split-verdict", Static)
+        if advice is None:
+            box.update(self.advice_note)
+            verdict.update("")
+            return
+        names = list(self.app.supervisor.workers)
+        table = Table(box=None, expand=False, pad_edge=False, header_style="bold", title_justify="left",
+                      title="split advisor · one decode step = every stage's layers + hops, in sequence")  # fmt: skip
+        for col in ("stage", "device", "layers", "ms/layer", "prefill ms/layer", "hop ms", "memory for layers"):
+            table.add_column(col, no_wrap=True, justify="left" if col in ("stage", "device", "layers") else "right")
+        for i, st in enumerate(advice.stages):
+            dec, pre = st.mean_ms("decode"), st.mean_ms("prefill")
+            table.add_row(names[i] if i < len(names) else st.name, st.device, display.fmt_layers(st.layers),
+                          f"{dec:.2f}" if dec is not None else "—", f"{pre:.2f}" if pre is not None else "—",
+                          f"{st.hop_ms:.2f}" if i else "—",
+                          display.fmt_bytes(st.budget_bytes) if st.budget_bytes is not None else "—")  # fmt: skip
+        cur, best = advice.current, advice.best
+        lines = [f"running {split_arg(cur.counts)}: predicted {cur.step_ms:.1f} ms/token = {cur.tok_s:.1f} tok/s"
+                 + (f" (measured {advice.measured_step_ms:.1f} ms = {advice.measured_tok_s:.1f} tok/s)" if advice.measured_step_ms else "")]
+        if advice.proposal:
+            lines.append(f"proposal {split_arg(best.counts)}: predicted {best.step_ms:.1f} ms/token = {best.tok_s:.1f} tok/s"
+                         f"  ({cur.step_ms / best.step_ms:.2f}x)  ·  P applies it live")
+        else:
+            lines.append(f"the running split is within {MIN_GAIN:.0%} of the best ({split_arg(best.counts)}, {best.tok_s:.1f} tok/s): keep it")
+        if self.promised:
+            counts, tok_s = self.promised
+            got = f"{advice.measured_tok_s:.1f} tok/s achieved" if advice.measured_tok_s and cur.counts == counts else "measuring…"
+            lines.append(f"applied {split_arg(counts)}: {tok_s:.1f} tok/s predicted, {got}")
+        box.update(table)
+        verdict.update("\n".join(lines))
+
+    @work(exclusive=True, group="advisor")
+    async def action_measure(self) -> None:
+        if self.app.refused("the split probe"):
+            return
+        self.advice_note = "measuring every stage's layers… (requests pause for the probe)"
+        self.render_advice()
+        try:
+            self.advice = advise(await self.app.supervisor.probe_split())
+        except (SupervisorError, ValueError) as e:
+            self.advice, self.advice_note = None, f"advisor: {e}"
+        if self.is_mounted:
+            self.render_advice()
+
+    def action_apply_proposal(self) -> None:
+        if self.advice is None or not self.advice.proposal:
+            self.notify("no proposal: press m to measure first" if self.advice is None else "the running split is already the best")
+            return
+        self.app.confirm_apply_split(list(self.advice.proposal), on_done=self._proposal_applied)
+
+    def _proposal_applied(self, counts: list[int]) -> None:
+        self.promised = (counts, self.advice.best.tok_s)
+        self._applied(counts)
+        self.action_measure()
+
+    def _quantized(self) -> list[bool]:
+        """Per worker: does it keep GGUF-quantized weights? A GPU worker does (the engine's default
+        --gpu-weights quantized), unless its flags say dense."""
+        out = []
+        for w in self.app.supervisor.workers.values():
+            st, device = w.status, w.spec.device
+            gpu = device.startswith("cuda") or (device == "auto" and st is not None and any(d.kind == "cuda" for d in st.devices))
+            out.append(gpu and "dense" not in w.spec.args)
+        return out
 
     def _dtype(self) -> str:
         """The head's --dtype if its profile entry passes one, else the engine's auto (bfloat16)."""

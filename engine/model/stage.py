@@ -257,6 +257,18 @@ class Stage:
             self.state_len[slot], self.rollback[slot] = p0 + n, min(n, ROLLBACK)
         return out
 
+    def run_layer(self, il: int, h: torch.Tensor, slots, positions) -> torch.Tensor:
+        """Layer `il` alone, eagerly (the split advisor times layers one by one); writes its KV.
+        Attention layers only: a recurrent layer's state would advance."""
+        layer = self.layers[il]
+        if layer.deltanet is not None:
+            raise UserError(f"layer {il} is recurrent (DeltaNet): its state cannot be run out of order")
+        slots = torch.as_tensor(slots, dtype=torch.long)
+        positions = torch.as_tensor(positions, dtype=torch.long)
+        runs = self._runs(slots, positions)
+        h = h.to(self.device, torch.float32)
+        return self._forward(h, slots.to(self.device), positions.to(self.device), runs, layers=[layer])
+
     def _check_continues(self, runs) -> None:
         """A run starts a slot afresh (position 0), continues its recurrent state, or re-runs the
         last few positions (a rejected draft), whose state a checkpoint restores."""
@@ -296,7 +308,7 @@ class Stage:
             i = j
         return runs
 
-    def _forward(self, h, slots, positions, runs, batched: bool = False, kv_len: int | None = None):
+    def _forward(self, h, slots, positions, runs, batched: bool = False, kv_len: int | None = None, layers=None):
         """The layers, eagerly. `batched`: one token per slot, attention over gathered caches of
         length `kv_len` with a mask from positions (no host values: CUDA-graph capturable).
         Q and K travel together through norm and RoPE: fewer, larger kernels."""
@@ -305,7 +317,7 @@ class Stage:
         ropes = {False: self._rope_global, True: self._rope_swa}
         ropes = {w: (cos[positions, None], sin[positions, None]) for w, (cos, sin) in ropes.items()}
         biases = {}
-        for layer in self.layers.values():
+        for layer in self.layers.values() if layers is None else layers:
             x = self._norm(h, layer.attn_norm).to(self.dtype)
             if layer.deltanet is not None:
                 h = self._ffn(layer, h + layer.deltanet(x, runs))

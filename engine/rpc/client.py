@@ -282,6 +282,16 @@ class RemoteStage:
             if self.state == "up":
                 self._guarded(lambda: self._exchange(Cmd.KV_CLEAR, KV_CLEAR.pack(slot)))
 
+    def time_layers(self, request: dict) -> dict:
+        """PROBE (contracts.rpc.ProbeRequest -> StageProbe): the peer times its own layers."""
+        with self._lock:
+            if self.state != "up":
+                raise PeerUnavailable(f"peer {self.addr} is down ({self.error}): cannot probe it")
+            status, body = self._guarded(lambda: self._status(self._exchange(Cmd.PROBE, json.dumps(request).encode())))
+        if status != R.OK:
+            raise UserError(f"peer {self.addr} refused the probe: {body.decode('utf-8', 'replace')}")
+        return json.loads(body)
+
     def ping(self) -> float | None:
         """RTT of an empty round trip in ms; skipped (None) while a forward holds the socket."""
         if not self._lock.acquire(blocking=False):

@@ -240,6 +240,8 @@ class ComputeServer:
             body = {**self.host.stats(), "bytes_in": self.bytes_in, "bytes_out": self.bytes_out}
         elif cmd == Cmd.PING:
             return [bytes(payload[:PING_MAX])]
+        elif cmd == Cmd.PROBE:
+            body = self.host.probe(_json(payload), owner=session["id"])
         elif cmd == Cmd.IPC_OPEN:
             session["ipc"] = None  # a failed re-open leaves no channel half-set
             session["ipc"], body = IpcChannel.create(self.host.device, _json(payload), self.host.cfg.n_embd)

@@ -48,10 +48,11 @@ class ControlBackend(Protocol):
     def set_expert_mode(self, mode: str) -> dict: ...
 
 
-_JSON_OPS = {Op.CONFIGURE}
+_JSON_OPS = {Op.CONFIGURE, Op.PROBE}
 _HANDLERS = {
     Op.INFO: "info",
     Op.CONFIGURE: "configure",
+    Op.PROBE: "probe",
     Op.SET_EXPERT_MODE: "set_expert_mode",
     Op.STATE_GET: "state_get",
     Op.STATE_PUT: "state_put",

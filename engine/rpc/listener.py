@@ -174,7 +174,9 @@ class RpcListener:
         queued = self._queue.qsize() if self.mode == "head" else 0
         size = self.pool_size if self.mode == "head" else 0
         queue_max = self.queue_max if self.mode == "head" else 0
-        return Pool(size, self._busy, queued, queue_max, self._dropped, self._accepted)
+        conns = list(self._conns)
+        compute = sum(1 for c in conns if c.server is self.compute)
+        return Pool(size, self._busy, queued, queue_max, self._dropped, self._accepted, len(conns), compute)
 
     # --- the selector thread: accept, handshakes, waiting for requests ----------------------------
 

@@ -18,6 +18,7 @@ import torch
 from ...contracts.rpc import DTYPE_CODES, MAX_CTX, MAX_SLOTS, StaleEpoch
 from ..device import free_bytes
 from ..errors import UserError
+from ..layer_probe import PROBE_REPS, PROBE_TOKENS, check_request, probe_stage
 from ..model import build_stage, device_bytes
 from ..model.kv_cache import KVCache
 
@@ -47,8 +48,9 @@ class StageHost:
 
     def __init__(self, g, cfg, device, *, stage=None, assignable: bool = True, cache_dir: Path | None = None,
                  quantized: bool | None = None, compile_decode: bool = False,
-                 kv_types: tuple[str, str] = ("auto", "auto")):  # fmt: skip
+                 kv_types: tuple[str, str] = ("auto", "auto"), layer_delay_s: float = 0.0):  # fmt: skip
         self.g, self.cfg, self.device = g, cfg, torch.device(device)
+        self.layer_delay_s = layer_delay_s  # a test flag: a peer slowed on purpose, per layer run
         self.cache_dir = cache_dir
         self.quantized = quantized if quantized is not None else self.device.type == "cuda"  # as build_stage decides
         self.compile_decode, self.kv_types = compile_decode, kv_types
@@ -138,9 +140,43 @@ class StageHost:
     def stage_bytes(self, a: int, b: int, dtype: torch.dtype, n_slots: int, n_ctx: int) -> int:
         """What a stage of layers [a, b) costs: its weights as they will be held (still quantized on
         a GPU) plus K and V in `dtype` for every slot."""
-        weights = sum(device_bytes(t, dtype, self.quantized) for name, t in self.g.tensors.items() if layer_of(name) in range(a, b))
-        values = (b - a) * n_slots * n_ctx * self.cfg.n_head_kv * self.cfg.head_dim
-        return weights + int(values * sum(KVCache.bytes_per_value(kind, dtype) for kind in self.kv_types))
+        return sum(self.layer_footprint(dtype, n_slots, n_ctx)[a:b])
+
+    def layer_footprint(self, dtype: torch.dtype, n_slots: int, n_ctx: int) -> list[int]:
+        """Bytes of every layer of the model as this worker would hold it: weights (quantized as
+        they stay here) + K and V in its cache types for `n_slots` x `n_ctx`."""
+        values = n_slots * n_ctx * self.cfg.n_head_kv * self.cfg.head_dim
+        kv = int(values * sum(KVCache.bytes_per_value(kind, dtype) for kind in self.kv_types))
+        out = [kv] * self.n_layers
+        for name, t in self.g.tensors.items():
+            il = layer_of(name)
+            if il is not None and il < self.n_layers:
+                out[il] += device_bytes(t, dtype, self.quantized)
+        return out
+
+    def probe(self, request: dict, owner: int = 0) -> dict:
+        """PROBE: time the resident layers one by one (a `StageProbe`); only the loading session,
+        on the slot positions it names (past what the slot holds)."""
+        try:
+            slot, position = int(request["slot"]), int(request["position"])
+            tokens, reps = check_request(request.get("tokens", PROBE_TOKENS), request.get("reps", PROBE_REPS))
+        except (KeyError, TypeError, ValueError, UserError) as e:
+            raise ComputeError(f"PROBE needs slot, position, tokens, reps: {e}") from None
+        with self.lock:
+            if not self.assignable:  # the head's stage runs under its pipeline: the control op PROBE times it
+                raise ComputeError("this worker is a head: use the control op PROBE")
+            if self.stage is None:
+                raise ComputeError("no stage assigned here: nothing to probe")
+            self._own(owner)
+            stage = self.stage
+            try:
+                timings = probe_stage(stage, slot, position, tokens, reps, self.layer_delay_s)
+            except UserError as e:
+                raise ComputeError(str(e)) from None
+        a, b = self.layers
+        footprint = self.layer_footprint(stage.dtype, stage.n_slots, stage.n_ctx)
+        return {"layers": [a, b], "device": str(self.device), **timings, "layer_bytes": footprint,
+                "held_bytes": sum(footprint[a:b]), "free_bytes": free_bytes(self.device)}  # fmt: skip
 
     def _own(self, owner: int) -> None:
         if self.owner != owner:
@@ -176,6 +212,8 @@ class StageHost:
                 out = self.stage.run_layers(hidden, slots, positions)
             except (UserError, ValueError) as e:  # a batch with slots or positions this stage cannot take
                 raise ComputeError(str(e)) from None
+            if self.layer_delay_s:
+                time.sleep(self.layer_delay_s * len(self.stage.layers))
             self.compute_s += time.perf_counter() - t0
             self.forwards += 1
             self.tokens += hidden.shape[0]

@@ -12,7 +12,9 @@ from ...contracts.rpc import VERSION, ControlError, Op, Status
 from ...contracts.split import parse_split
 from ...contracts.status import Address, ModelInfo
 from ..config import RpcSettings
+from ..device import free_bytes
 from ..errors import UserError
+from ..layer_probe import PROBE_REPS, PROBE_TOKENS, check_request
 from .compute import ComputeServer
 from .control import ControlServer
 from .listener import RpcListener
@@ -44,7 +46,7 @@ class HeadControl:
             "resplits": self.pipeline.resplits,
             "last_resplit": self.pipeline.last_resplit,
             "ops": {"INFO": Op.INFO, "CONFIGURE": Op.CONFIGURE, "SET_EXPERT_MODE": Op.SET_EXPERT_MODE,
-                    "STATE_META": Op.STATE_META, "AUTH": Op.AUTH},  # fmt: skip
+                    "STATE_META": Op.STATE_META, "PROBE": Op.PROBE, "AUTH": Op.AUTH},  # fmt: skip
         }
 
     def configure(self, request: dict) -> dict:
@@ -69,6 +71,23 @@ class HeadControl:
         self.host.epoch += 1  # the head's resident set changed too
         self.split_by = str(by) if by else "CONFIGURE"
         return {"ok": True, **result}
+
+    def probe(self, request: dict) -> dict:
+        """PROBE: the split advisor's timings of every stage (contracts.rpc.PipelineProbe), with the
+        head's own footprint and free memory (the peers report theirs)."""
+        unknown = request.keys() - {"tokens", "reps"}
+        if unknown:
+            raise ControlError(f"PROBE takes 'tokens' and 'reps' (got {sorted(unknown)})", Status.BAD_REQUEST)
+        try:
+            tokens, reps = check_request(request.get("tokens", PROBE_TOKENS), request.get("reps", PROBE_REPS))
+            result = self.pipeline.probe(tokens, reps)
+        except UserError as e:
+            raise ControlError(str(e), Status.BAD_REQUEST) from None
+        local = self.pipeline.local
+        footprint = self.host.layer_footprint(local.dtype, local.n_slots, local.n_ctx)
+        a, b = result["stages"][0]["layers"]
+        result["stages"][0].update(layer_bytes=footprint, held_bytes=sum(footprint[a:b]), free_bytes=free_bytes(local.device))
+        return result
 
     def state_meta(self, slot: int) -> dict:
         """What the head holds for a slot's KV (STATE_GET/PUT, moving the KV itself, are not built)."""

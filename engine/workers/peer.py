@@ -39,7 +39,8 @@ class PeerWorker:
         self.status.model = ModelInfo(self.path.stem, str(self.path), g.architecture, self.model_cfg.n_layers, g.fingerprint)
         self.status.startup_stage = 2
         self.host = StageHost(g, self.model_cfg, self.device, cache_dir=cfg.model.cache_dir, quantized=cfg.model.quantized,
-                              compile_decode=cfg.model.compile, kv_types=cfg.model.kv_types)  # fmt: skip
+                              compile_decode=cfg.model.compile, kv_types=cfg.model.kv_types,
+                              layer_delay_s=cfg.layer_delay_ms / 1e3)  # fmt: skip
         # No stage until a head loads one: /health says degraded, /status "idle".
         self.host.on_change = lambda: setattr(self.status, "degraded", self.host.stage is None)
         self.host.on_change()

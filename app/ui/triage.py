@@ -1,0 +1,55 @@
+"""Incident triage: advice that names the setting to change, over a timeline that puts restarts,
+crash loops, peers down/up, RTT spikes, pool drops, a full queue or context, acceptance collapse
+and latency spikes in one order (rules: app/triage.py)."""
+
+from __future__ import annotations
+
+import time
+
+from rich.text import Text
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import VerticalScroll
+from textual.screen import Screen
+from textual.widgets import Footer, Header, Static
+
+from .. import triage
+
+INCIDENT_TONES = {"crash": "error", "crash-loop": "error", "down": "error", "peer-down": "error", "up": "ok",
+                  "peer-up": "ok", "restart": "warn", "split": "busy"}  # fmt: skip
+
+
+def advice_and_timeline(app) -> tuple[list[triage.Advice], list[triage.Incident]]:
+    sup = app.supervisor
+    history, events, alerts = list(sup.head.history), list(sup.events), sup.profile.alerts
+    return triage.advise(history, events, alerts), triage.timeline(history, events, alerts)
+
+
+class TriageScreen(Screen):
+    BINDINGS = [Binding("escape", "app.pop_screen", "Back", id="triage.back")]
+
+    def compose(self) -> ComposeResult:
+        yield Header()
+        yield Static(id="triage-advice")
+        with VerticalScroll(id="triage-scroll"):
+            yield Static(id="triage-timeline")
+        yield Footer()
+
+    def on_mount(self) -> None:
+        self.refresh_view()
+        self.query_one("#triage-scroll", VerticalScroll).focus()
+
+    def refresh_view(self) -> None:
+        app = self.app
+        advice, incidents = advice_and_timeline(app)
+        strip = Text()
+        for i, a in enumerate(advice):
+            strip.append(("\n" if i else "") + f"⚑ {a.message}", style=app.tone_style("warn"))
+        self.query_one("#triage-advice", Static).update(strip if advice else Text("⚑ nothing to change now", style="dim"))
+        timeline = Text(f"Timeline · {len(incidents)} incidents over the last {len(app.supervisor.head.history)} polls of the head\n",
+                        style="bold")  # fmt: skip
+        for inc in incidents:
+            tone = INCIDENT_TONES.get(inc.kind, "warn")
+            stamp = time.strftime("%H:%M:%S", time.localtime(inc.ts))
+            timeline.append(f"{stamp} {inc.kind:<19} {inc.subject}: {inc.message}\n", style=app.tone_style(tone))
+        self.query_one("#triage-timeline", Static).update(timeline)

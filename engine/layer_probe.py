@@ -1,0 +1,83 @@
+"""Per-layer timing of a stage on a short probe: what the split advisor weighs.
+
+The probe runs on positions its slot does not hold yet (at or past the slot's length), so it writes
+KV only where the slot's next real token writes before anything reads it: no request loses
+anything. Each layer is timed alone, eagerly, between device syncs; those shares are then scaled
+to the stage's real path (CUDA graphs included) timed whole, so the numbers add up to what a
+forward costs. A recurrent (DeltaNet) stage is refused: its state would advance.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from .errors import UserError
+
+PROBE_TOKENS = 32  # the prefill probe's default length
+PROBE_REPS = 3
+MAX_PROBE_TOKENS = 512
+MAX_PROBE_REPS = 20
+
+
+def check_request(tokens, reps) -> tuple[int, int]:
+    """A probe's size, bounded: an operator's key press must stay a short pause for the requests."""
+    if not (isinstance(tokens, int) and isinstance(reps, int)) or isinstance(tokens, bool) or isinstance(reps, bool):
+        raise UserError(f"probe 'tokens' and 'reps' must be integers (got {tokens!r}, {reps!r})")
+    if not (1 <= tokens <= MAX_PROBE_TOKENS and 1 <= reps <= MAX_PROBE_REPS):
+        raise UserError(f"probe 'tokens' must be 1..{MAX_PROBE_TOKENS} and 'reps' 1..{MAX_PROBE_REPS} (got {tokens}, {reps})")
+    return tokens, reps
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def median_ms(fn, reps: int, device: torch.device) -> float:
+    times = []
+    for _ in range(reps):
+        _sync(device)
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def probe_stage(stage, slot: int, position: int, tokens: int, reps: int, delay_s: float = 0.0) -> dict:
+    """{"decode_ms": [...], "prefill_ms": [...]} per layer of `stage`, measured on `slot` from
+    `position` (a `tokens`-long prefill, then one decode token after it). `delay_s` is the
+    worker's injected per-layer delay (a test flag), paid as a forward pays it."""
+    if stage.recurrent:
+        raise UserError("the split advisor cannot probe recurrent (DeltaNet) layers: running them would advance a slot's state")
+    if not 0 <= slot < stage.n_slots:
+        raise UserError(f"probe slot {slot} does not exist ({stage.n_slots} slots)")
+    if position < 0 or position + tokens + 1 > stage.n_ctx:
+        raise UserError(f"no room for a {tokens}-token probe at position {position} of a {stage.n_ctx}-token context")
+    layers = list(stage.layers)
+    if not layers:
+        return {"decode_ms": [], "prefill_ms": []}
+    gen = torch.Generator().manual_seed(0)
+    out = {}
+    for name, n, p0 in (("prefill_ms", tokens, position), ("decode_ms", 1, position + tokens)):
+        h = torch.randn(n, stage.cfg.n_embd, generator=gen).to(stage.device)
+        slots = torch.full((n,), slot, dtype=torch.long)
+        positions = torch.arange(p0, p0 + n, dtype=torch.long)
+
+        def one(il):
+            stage.run_layer(il, h, slots, positions)
+            time.sleep(delay_s)
+
+        def whole():
+            stage.run_layers(h, slots, positions)
+            time.sleep(delay_s * len(layers))
+
+        whole()  # warm-up: first-use allocations and graph capture stay out of the numbers
+        per = [median_ms(lambda il=il: one(il), reps, stage.device) for il in layers]
+        total = median_ms(whole, reps, stage.device)
+        scale = total / sum(per) if sum(per) > 0 else 1.0
+        out[name] = [round(ms * scale, 4) for ms in per]
+    return out
