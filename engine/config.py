@@ -167,6 +167,10 @@ class HeadConfig(WorkerConfig):
     max_queue: int = 64  # requests waiting beyond the slots; above: 503 + Retry-After
     n_predict: int = 1024  # max_tokens of a chat request that names none; -1: to the end of the context
     slot_save_path: Path | None = None  # where /slots save and restore files live; None: off
+    role: str = "head"  # or "prefill": only prefills, for decode heads (PREFILL)
+    prefill_worker: str | None = None  # HOST:PORT of a prefill worker's RPC port; None: prefill here
+    prefill_threshold: int = 256  # prompt tokens to compute at which the prefill worker takes over
+    prefill_deadline: float = 30.0  # seconds for prefill + transfer before the head prefills itself
 
     def redacted(self) -> dict:
         doc = super().redacted()
@@ -253,7 +257,27 @@ def head_config(args, env: Mapping[str, str]) -> HeadConfig:
         max_queue=args.max_queue,
         n_predict=args.n_predict,
         slot_save_path=_existing_dir("--slot-save-path", args.slot_save_path),
+        role=args.role,
+        prefill_worker=_prefill_worker(args),
+        prefill_threshold=args.prefill_threshold,
+        prefill_deadline=args.prefill_deadline,
     )
+
+
+def _prefill_worker(args) -> str | None:
+    """--prefill-worker, checked: HOST:PORT, on a decode head only."""
+    addr = args.prefill_worker
+    if addr is None:
+        return None
+    if args.role == "prefill":
+        raise UserError("--prefill-worker is for decode heads: a --role prefill worker prefills itself")
+    host, sep, port = addr.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise UserError(f"--prefill-worker {addr!r}: expected HOST:PORT (the prefill worker's RPC port)")
+    _at_least(0, prefill_threshold=args.prefill_threshold)
+    if not args.prefill_deadline > 0:
+        raise UserError(f"--prefill-deadline must be > 0 seconds, got {args.prefill_deadline}")
+    return addr
 
 
 def peer_config(args, env: Mapping[str, str]) -> PeerConfig:

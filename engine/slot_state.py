@@ -1,4 +1,5 @@
-"""Save a slot of a Stage into the slot-state format (contracts.slot_state) and place one back.
+"""Save a slot of a Stage into the slot-state format (contracts.slot_state) and place one back;
+split and regroup a pipeline's states by layer (one state per stage, any split on either side).
 
 Placing is transactional: the header, every tensor's name, shape and dtype, and every chunk's
 checksum are checked before the first byte reaches the slot, so a refused state leaves the slot
@@ -44,8 +45,29 @@ def reader(data: bytes | bytearray | memoryview) -> Callable[[int], bytes]:
 
 
 def restore(stage, slot: int, read: Callable[[int], bytes], fingerprint: str) -> list[int]:
-    """Place a state read with `read(n)` into `slot`; returns the tokens it covers."""
+    """Place a state read with `read(n)` into `slot`; returns the tokens it covers. The header is
+    judged before the body is read."""
     header = SlotHeader.decode(read)
+    check(stage, slot, header, fingerprint)
+    return place(stage, slot, header, decode_body(read, header), fingerprint)
+
+
+def place(stage, slot: int, header: SlotHeader, body, fingerprint: str) -> list[int]:
+    """Place a state already read whole (its chunks checked) into `slot`."""
+    views = check(stage, slot, header, fingerprint)
+    stage.kv_clear(slot)
+    offset = 0
+    for entry in header.tensors:
+        view = views[entry.name]
+        src = torch.frombuffer(body, dtype=view.dtype, count=view.numel(), offset=offset).view(view.shape)
+        view.copy_(src)
+        offset += entry.nbytes
+    stage.restored(slot, len(header.tokens))
+    return list(header.tokens)
+
+
+def check(stage, slot: int, header: SlotHeader, fingerprint: str) -> dict[str, torch.Tensor]:
+    """The slot's views, once the header fits this stage; else SlotStateError naming why."""
     if header.fingerprint != fingerprint:
         raise SlotStateError(f"slot state is of model {header.fingerprint}, this worker serves {fingerprint}")
     if tuple(header.layers) != tuple(stage.layer_range):
@@ -62,13 +84,47 @@ def restore(stage, slot: int, read: Callable[[int], bytes], fingerprint: str) ->
     got = [(t.name, t.shape, t.dtype) for t in header.tensors]
     if got != want or any(t.nbytes != views[t.name].numel() * views[t.name].element_size() for t in header.tensors):
         raise SlotStateError(f"slot state tensors {got[:2]}... do not match this stage's {want[:2]}...")
-    body = decode_body(read, header)
-    stage.kv_clear(slot)
-    offset = 0
-    for entry in header.tensors:
-        view = views[entry.name]
-        src = torch.frombuffer(body, dtype=view.dtype, count=view.numel(), offset=offset).view(view.shape)
-        view.copy_(src)
-        offset += entry.nbytes
-    stage.restored(slot, n)
-    return list(header.tokens)
+    return views
+
+
+def read_all(data) -> list[tuple[SlotHeader, bytearray]]:
+    """Slot states back to back (a pipeline's, one per stage), each read whole and checked."""
+    view, out = memoryview(data), []
+    read, total = reader(view), len(view)
+    consumed = 0
+
+    def counted(n: int) -> bytes:
+        nonlocal consumed
+        consumed += n
+        return read(n)
+
+    while consumed < total:
+        header = SlotHeader.decode(counted)
+        out.append((header, decode_body(counted, header)))
+    if not out:
+        raise SlotStateError("no slot state in an empty stream")
+    return out
+
+
+def regroup(states: list[tuple[SlotHeader, bytearray]], ranges: list[tuple[int, int]]) -> list[bytes]:
+    """One state per layer range in `ranges`, from states of one slot that may be split otherwise
+    (a prefill worker's own stages, a file saved under another split). They must agree on model,
+    tokens and dtype and hold every layer asked for."""
+    first = states[0][0]
+    parts: dict[int, list[tuple[TensorEntry, memoryview]]] = {}
+    for header, body in states:
+        if (header.fingerprint, header.tokens, header.dtype) != (first.fingerprint, first.tokens, first.dtype):
+            raise SlotStateError("slot states of different models, tokens or dtypes cannot be joined")
+        offset, view = 0, memoryview(body)
+        for entry in header.tensors:
+            parts.setdefault(int(entry.name.split(".")[1]), []).append((entry, view[offset : offset + entry.nbytes]))
+            offset += entry.nbytes
+    out = []
+    for a, b in ranges:
+        missing = [il for il in range(a, b) if il not in parts]
+        if missing:
+            raise SlotStateError(f"slot states lack layers {missing[:4]} of [{a}, {b})")
+        chosen = [p for il in range(a, b) for p in parts[il]]
+        header = SlotHeader(first.fingerprint, [a, b], list(first.tokens), first.dtype, first.kv_type, [e for e, _ in chosen])
+        out.append(b"".join([header.encode(), *encode_body(v for _, v in chosen)]))
+    return out

@@ -48,7 +48,7 @@ class ControlBackend(Protocol):
     def set_expert_mode(self, mode: str) -> dict: ...
 
 
-_JSON_OPS = {Op.CONFIGURE}
+_JSON_OPS = {Op.CONFIGURE, Op.PREFILL}
 _HANDLERS = {
     Op.INFO: "info",
     Op.CONFIGURE: "configure",
@@ -56,6 +56,7 @@ _HANDLERS = {
     Op.STATE_GET: "state_get",
     Op.STATE_PUT: "state_put",
     Op.STATE_META: "state_meta",
+    Op.PREFILL: "prefill",
 }
 _KEYED_OPS = {Op.STATE_GET, Op.STATE_PUT, Op.STATE_META}
 
