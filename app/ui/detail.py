@@ -77,6 +77,8 @@ class WorkerDetailScreen(Screen):
         if slots:
             busy = sum(1 for s in slots if s.state == "processing")
             rows.append(("slots", f"{busy}/{len(slots)} processing"))
+        for i, line in enumerate(display.pd_lines(st)):
+            rows.append(("P/D" if i == 0 else "", line))
         # The argv the process really runs; what a (re)start would launch only when it differs.
         if w.argv:
             rows.append(("command", shlex.join(w.argv)))
