@@ -210,7 +210,7 @@ class Disaggregation(_Doc):
     threshold: int = 0
     transfers: int = 0
     bytes: int = 0
-    seconds: float = 0.0
+    seconds: float = 0.0  # moving them: fetch + placement, less the prefill worker's compute
     fallbacks: int = 0
     fallback_reasons: dict = field(default_factory=dict)  # reason -> count
     served: int = 0

@@ -101,10 +101,10 @@ class PdStats:
             self.recent.append(t)
             if t.fallback:
                 self.fallbacks[t.fallback] += 1
-            else:
+            else:  # moving time: the prefill worker's compute is not the transfer's
                 self.transfers += 1
                 self.bytes += t.bytes
-                self.seconds += t.ms / 1e3
+                self.seconds += (t.ms - (t.prefill_ms or 0.0)) / 1e3
 
     def served_one(self, n_bytes: int) -> None:
         with self.lock:
@@ -122,7 +122,8 @@ class PdStats:
             yield CounterMetricFamily("hydra_pd_transfers", "Prompt states fetched from the prefill worker and placed.",
                                       value=self.transfers)  # fmt: skip
             yield CounterMetricFamily("hydra_pd_transfer_bytes", "Bytes of prompt state fetched.", value=self.bytes)
-            yield CounterMetricFamily("hydra_pd_transfer_seconds", "Fetch + placement time of prompt states.", value=self.seconds)
+            yield CounterMetricFamily("hydra_pd_transfer_seconds", "Time moving prompt states: fetch + placement, "
+                                      "less the prefill worker's compute.", value=self.seconds)  # fmt: skip
             fb = CounterMetricFamily("hydra_pd_fallbacks", "Prompts prefilled locally after all, by reason.", labels=["reason"])
             for reason in ("down", "deadline", "transfer", "refused"):
                 fb.add_metric([reason], self.fallbacks[reason])
@@ -205,7 +206,7 @@ def serve_prefill(engine, pipeline, request: dict, stats: PdStats) -> tuple[dict
         parts = slot_state.regroup(slot_state.read_all(b"".join(states)), ranges)
     except SlotStateError as e:
         raise ControlError(str(e), Status.BAD_REQUEST) from None
-    payload = b"".join(parts)
+    payload = b"".join(parts)  # one copy: the reply goes out as one buffer
     stats.served_one(len(payload))
     meta = {"n_tokens": len(tokens), "sizes": [len(p) for p in parts], "prefill_ms": round((t1 - t0) * 1e3, 3),
             "collect_ms": round((time.perf_counter() - t1) * 1e3, 3)}  # fmt: skip

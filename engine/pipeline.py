@@ -132,11 +132,14 @@ class Pipeline:
             raise SlotStateError(f"slot state covers other tokens than the {len(tokens)} asked for")
         with self._lock:
             parts = slot_state.regroup(states, self.ranges)
-            local = slot_state.reader(parts[0])
-            header = SlotHeader.decode(local)
-            slot_state.check(self.local, slot, header, fingerprint)
+            mine = next(((h, body) for h, body, _ in states if tuple(h.layers) == tuple(self.ranges[0])), None)
+            if mine is None:  # our range came regrouped: read it back
+                read = slot_state.reader(parts[0])
+                header = SlotHeader.decode(read)
+                mine = header, decode_body(read, header)
+            slot_state.check(self.local, slot, mine[0], fingerprint)
             try:
-                placed = slot_state.place(self.local, slot, header, decode_body(local, header), fingerprint)
+                placed = slot_state.place(self.local, slot, *mine, fingerprint)
                 for remote, part in zip(self.remotes, parts[1:]):
                     remote.state_put(slot, part)
             except Exception:

@@ -87,8 +87,9 @@ def check(stage, slot: int, header: SlotHeader, fingerprint: str) -> dict[str, t
     return views
 
 
-def read_all(data) -> list[tuple[SlotHeader, bytearray]]:
-    """Slot states back to back (a pipeline's, one per stage), each read whole and checked."""
+def read_all(data) -> list[tuple[SlotHeader, bytearray, memoryview]]:
+    """Slot states back to back (a pipeline's, one per stage), each read whole and checked:
+    (header, body, the state's own bytes)."""
     view, out = memoryview(data), []
     read, total = reader(view), len(view)
     consumed = 0
@@ -99,20 +100,23 @@ def read_all(data) -> list[tuple[SlotHeader, bytearray]]:
         return read(n)
 
     while consumed < total:
+        start = consumed
         header = SlotHeader.decode(counted)
-        out.append((header, decode_body(counted, header)))
+        out.append((header, decode_body(counted, header), view[start:consumed]))
     if not out:
         raise SlotStateError("no slot state in an empty stream")
     return out
 
 
-def regroup(states: list[tuple[SlotHeader, bytearray]], ranges: list[tuple[int, int]]) -> list[bytes]:
+def regroup(states: list[tuple[SlotHeader, bytearray, memoryview]], ranges: list[tuple[int, int]]) -> list:
     """One state per layer range in `ranges`, from states of one slot that may be split otherwise
     (a prefill worker's own stages, a file saved under another split). They must agree on model,
-    tokens and dtype and hold every layer asked for."""
+    tokens and dtype and hold every layer asked for. A state whose range is asked for as it is
+    passes unchanged."""
     first = states[0][0]
+    as_is = {tuple(h.layers): raw for h, _, raw in states}
     parts: dict[int, list[tuple[TensorEntry, memoryview]]] = {}
-    for header, body in states:
+    for header, body, _ in states:
         if (header.fingerprint, header.tokens, header.dtype) != (first.fingerprint, first.tokens, first.dtype):
             raise SlotStateError("slot states of different models, tokens or dtypes cannot be joined")
         offset, view = 0, memoryview(body)
@@ -121,6 +125,9 @@ def regroup(states: list[tuple[SlotHeader, bytearray]], ranges: list[tuple[int, 
             offset += entry.nbytes
     out = []
     for a, b in ranges:
+        if (a, b) in as_is:
+            out.append(as_is[(a, b)])
+            continue
         missing = [il for il in range(a, b) if il not in parts]
         if missing:
             raise SlotStateError(f"slot states lack layers {missing[:4]} of [{a}, {b})")
