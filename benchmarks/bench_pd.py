@@ -2,10 +2,10 @@
 
     python benchmarks/bench_pd.py [--model PATH] [--device cpu] [--dtype float32] [--streams 2]
                                   [--prompt-tokens 512] [--every-s 2] [--duration-s 20] [--threshold 64]
-                                  [--layers 8 --embd 512 --ff 1536 (synthetic model)] [--json]
+                                  [--layers 8 --embd 512 --ff 1536 (synthetic model)] [--threads 1] [--json]
 
 Issue-sized on a GPU: --model M.gguf --device cuda --dtype bfloat16 --streams 8 --prompt-tokens 4096
---every-s 2 --ctx 8192. Per mode (`local`: the head prefills everything; `pd`: prompts of at least
+--every-s 2 --ctx 8192 --threads 0. Per mode (`local`: the head prefills everything; `pd`: prompts of at least
 --threshold tokens go to a `serve --role prefill` worker), a fresh head runs --streams streaming
 completions; after a quiet warm-up (their inter-token gaps there are the `idle` baseline), a long
 prompt (random token ids, no prompt cache) arrives every --every-s seconds. Prints p50/p99 of the
@@ -52,7 +52,8 @@ def start(role_args: list[str], args, log_dir: Path, name: str) -> tuple[subproc
     cmd = [sys.executable, "-m", "hydra_console.engine.cli", "serve", "--model", str(args.model), "--device", args.device,
            "--dtype", args.dtype, "--ctx", str(args.ctx), "--port", str(port), *role_args]  # fmt: skip
     log = open(log_dir / f"{name}.log", "wb")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)} if args.threads else None
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
     wait_ready(port, name, proc=proc)
     return proc, port
 
@@ -164,6 +165,9 @@ def main() -> None:
     ap.add_argument("--idle-s", type=float, default=5.0)
     ap.add_argument("--threshold", type=int, default=64)
     ap.add_argument("--modes", default="local,pd")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="OMP_NUM_THREADS of each worker (0: torch's default); 1 keeps a 2-core machine's head and "
+                         "prefill worker on a core each, as two devices would be")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:

@@ -57,6 +57,8 @@ def test_greedy_with_pd_equals_greedy_without_solo_and_split(tiny_model, tmp_pat
             assert split.status()["pd"]["transfers"] == 2
             assert p.status()["resident"]["state_bytes_in"] > 0  # the peer's layers went in through STATE_PUT
         assert pw.status()["role"] == "prefill" and pw.status()["pd"]["served"] == 4
+        r = httpx.post(f"{pw.url}/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=30)
+        assert r.status_code == 400 and "only prefills" in r.json()["error"]["message"]
 
 
 class CutRelay:
