@@ -17,10 +17,12 @@ import pytest
 import torch
 from rpc_workers import Worker, free_ports, greedy, head, peer, running, wait_for
 
+from hydra_console.contracts.rpc import Op, Status
 from hydra_console.contracts.slot_state import SlotHeader
 from hydra_console.engine.gguf_file import GGUFFile
 from hydra_console.engine.model import ModelConfig
 from hydra_console.engine.rpc.client import PeerError, RemoteStage
+from hydra_console.engine.rpc.wire import SocketReader, pack_control_request, read_control_response
 
 LONG = "the quick brown fox jumps over the lazy dog and keeps running far away " * 3
 SHAPE = {"n_layers": 4}
@@ -163,6 +165,12 @@ def test_prefill_worker_slow_killed_mid_transfer_or_down_falls_back_and_is_count
         pw.stop()
 
 
+def control(w: Worker, op: int, payload: bytes = b"", slot: int = 0):
+    with socket.create_connection(("127.0.0.1", w.rpc_port), timeout=30) as s:
+        s.sendall(pack_control_request(op, payload, key=str(slot).encode()))
+        return read_control_response(SocketReader(s), 1 << 30)
+
+
 def _respoiled(blob: bytes, **header) -> bytes:
     """The same state under another header (another model's fingerprint, another layer range)."""
     view = memoryview(blob)
@@ -232,6 +240,15 @@ def test_a_saved_slot_survives_a_head_restart_and_bad_files_leave_it_intact(tiny
             for name, reason in (("corrupt.bin", "checksum"), ("other.bin", "of model")):
                 r = act(w, "restore", name)
                 assert r.status_code == 400 and reason in r.json()["error"]["message"], r.text
+            # The same through the head's control port: STATE_META / STATE_GET / STATE_PUT on the pipeline.
+            meta = control(w, Op.STATE_META)
+            assert meta.status == Status.OK and meta.meta["n_tokens"] == saved["n_saved"]
+            assert meta.meta["layers"] == ([[0, 2], [2, 4]] if split else [[0, 4]])
+            got = control(w, Op.STATE_GET)
+            assert got.status == Status.OK and got.payload == blob  # what the file holds
+            r = control(w, Op.STATE_PUT, got.payload[:-20] + bytes([got.payload[-20] ^ 1]) + got.payload[-19:])
+            assert r.status == Status.BAD_REQUEST and "checksum" in r.meta["error"]
+            assert control(w, Op.STATE_PUT, got.payload).meta["n_tokens"] == saved["n_saved"]
             again = complete(w)
             assert again["choices"][0]["text"] == first
             assert again["timings"]["cache_n"] > 0  # continued from the restored slot
