@@ -98,6 +98,15 @@ def pct(xs: list[float], p: float) -> float | None:
     return xs[min(len(xs) - 1, int(p / 100 * len(xs)))] * 1e3
 
 
+def _ok(pd: dict) -> list[dict]:
+    return [t for t in pd.get("recent", []) if not t.get("fallback") and t.get("place_ms") is not None]
+
+
+def _median(pd: dict, key: str) -> float | None:
+    values = [t[key] for t in _ok(pd)]
+    return statistics.median(values) if values else None
+
+
 def run_mode(mode: str, args, log_dir: Path) -> dict:
     procs = []
     try:
@@ -140,6 +149,11 @@ def run_mode(mode: str, args, log_dir: Path) -> dict:
             "transfers": pd.get("transfers"), "fallbacks": pd.get("fallbacks"),
             "transfer_gb_s": pd["bytes"] / pd["seconds"] / 1e9 if pd.get("seconds") else None,
             "transfer_mb_each": pd["bytes"] / pd["transfers"] / 1e6 if pd.get("transfers") else None,
+            # Of one transfer: the prefill worker copying the state out, this head placing it, and
+            # the rest of the move (framing, loopback, checksums on arrival).
+            "collect_ms_p50": _median(pd, "collect_ms"), "place_ms_p50": _median(pd, "place_ms"),
+            "wire_ms_p50": statistics.median(t["ms"] - t["prefill_ms"] - t["collect_ms"] - t["place_ms"] for t in _ok(pd))
+            if _ok(pd) else None,
         }  # fmt: skip
     finally:
         for p in procs:

@@ -199,6 +199,8 @@ class Transfer(_Doc):
     prefill_ms: float | None = None  # the prefill worker's own compute
     fallback: str | None = None  # None: placed; else why the head prefilled locally
     error: str | None = None
+    collect_ms: float | None = None  # the prefill worker copying the state out
+    place_ms: float | None = None  # this head placing it (waits for the running step, then copies)
 
 
 @dataclass(frozen=True)

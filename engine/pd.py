@@ -152,12 +152,14 @@ class Disaggregator:
     def _run(self, seq, place, done) -> None:
         tokens = seq.tokens[: seq.n_prompt - 1]
         t0 = time.perf_counter()
-        n_bytes, prefill_ms, fallback, error = 0, None, None, None
+        n_bytes, prefill_ms, collect_ms, place_ms, fallback, error = 0, None, None, None, None, None
         try:
             meta, payload = self.client.prefill(tokens, self.pipeline.ranges, self.pipeline.local.g.fingerprint)
-            n_bytes, prefill_ms = len(payload), meta.get("prefill_ms")
+            n_bytes, prefill_ms, collect_ms = len(payload), meta.get("prefill_ms"), meta.get("collect_ms")
+            t_place = time.perf_counter()
             try:
                 place(payload, tokens)
+                place_ms = round((time.perf_counter() - t_place) * 1e3, 3)
             except Exception as e:  # a state this head will not take: the slot is as it was
                 raise PdFallback("refused", str(e)) from None
         except PdFallback as e:
@@ -167,7 +169,7 @@ class Disaggregator:
             log.exception("prompt state transfer failed")
             fallback, error = "transfer", f"{type(e).__name__}: {e}"
         transfer = Transfer(seq.req.id, len(tokens), n_bytes, round((time.perf_counter() - t0) * 1e3, 3), prefill_ms,
-                            fallback, error)  # fmt: skip
+                            fallback, error, collect_ms, place_ms)  # fmt: skip
         self.stats.record(transfer)
         done(transfer)
 
@@ -202,8 +204,9 @@ def serve_prefill(engine, pipeline, request: dict, stats: PdStats) -> tuple[dict
     states = engine.held_state(tokens, pipeline.collect_state)
     if states is None:
         raise ControlError("the prefilled slot was taken before its state was copied out: retry", Status.BUSY)
-    try:
-        parts = slot_state.regroup(slot_state.read_all(b"".join(states)), ranges)
+    try:  # the asker's split is ours (the common case): the states go as they are
+        same = ranges == [tuple(r) for r in pipeline.ranges]
+        parts = states if same else slot_state.regroup(slot_state.read_all(b"".join(states)), ranges)
     except SlotStateError as e:
         raise ControlError(str(e), Status.BAD_REQUEST) from None
     payload = b"".join(parts)  # one copy: the reply goes out as one buffer
