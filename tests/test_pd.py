@@ -255,3 +255,13 @@ def test_a_saved_slot_survives_a_head_restart_and_bad_files_leave_it_intact(tiny
     finally:
         for p in peers:
             p.stop()
+
+
+def test_a_hybrid_models_recurrent_state_moves_too(tiny_model, tmp_path):
+    """qwen35: DeltaNet conv/ssm state travels with the attention layers' KV; greedy is unchanged."""
+    model = tiny_model("qwen35", n_layers=4)
+    with running(prefill_worker(model, tmp_path)) as pw, running(head(model, tmp_path, (), "--dtype", "float32")) as ref:
+        want = greedy(ref, LONG, 12)[0]
+        with running(pd_head(model, tmp_path, pw.rpc_addr)) as w:
+            assert greedy(w, LONG, 12)[0] == want
+            assert w.status()["pd"]["transfers"] == 1
