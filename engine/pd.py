@@ -177,7 +177,7 @@ class Disaggregator:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
-def serve_prefill(engine, pipeline, request: dict, stats: PdStats) -> tuple[dict, bytes]:
+def serve_prefill(engine, pipeline, request: dict, stats: PdStats) -> tuple[dict, list]:
     """PREFILL on a prefill worker: run `tokens` through this worker's engine (its prompt cache
     helps), then answer one slot state per range asked for, regrouped from this worker's own
     stages. The slot is held (engine lock) from the moment the prompt is done until its state is
@@ -209,8 +209,8 @@ def serve_prefill(engine, pipeline, request: dict, stats: PdStats) -> tuple[dict
         parts = states if same else slot_state.regroup(slot_state.read_all(b"".join(states)), ranges)
     except SlotStateError as e:
         raise ControlError(str(e), Status.BAD_REQUEST) from None
-    payload = b"".join(parts)  # one copy: the reply goes out as one buffer
-    stats.served_one(len(payload))
-    meta = {"n_tokens": len(tokens), "sizes": [len(p) for p in parts], "prefill_ms": round((t1 - t0) * 1e3, 3),
+    sizes = [memoryview(p).nbytes for p in parts]
+    stats.served_one(sum(sizes))
+    meta = {"n_tokens": len(tokens), "sizes": sizes, "prefill_ms": round((t1 - t0) * 1e3, 3),
             "collect_ms": round((time.perf_counter() - t1) * 1e3, 3)}  # fmt: skip
-    return meta, payload
+    return meta, list(parts)

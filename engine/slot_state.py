@@ -27,11 +27,14 @@ def save(stage, slot: int, tokens: list[int], fingerprint: str) -> Iterator[byte
     dtype = _dtype_name(stage.dtype)
     entries = [TensorEntry(name, list(t.shape), _dtype_name(t.dtype), t.numel() * t.element_size()) for name, t in views.items()]
     yield SlotHeader(fingerprint, list(stage.layer_range), list(tokens), dtype, dtype, entries).encode()
-    yield from encode_body(t.contiguous().cpu().view(-1).view(torch.uint8).numpy() for t in views.values())
+    # One copy, taken now: the chunks must not alias KV that later steps overwrite.
+    snapshot = [t.to("cpu", copy=True, memory_format=torch.contiguous_format) for t in views.values()]
+    yield from encode_body(t.view(-1).view(torch.uint8).numpy() for t in snapshot)
 
 
 def reader(data: bytes | bytearray | memoryview) -> Callable[[int], bytes]:
-    """`read(n)` over bytes in memory: a truncated state is a SlotStateError, not a short read."""
+    """`read(n)` over bytes in memory (views, no copies): a truncated state is a SlotStateError, not
+    a short read."""
     view, pos = memoryview(data), 0
 
     def read(n: int) -> bytes:
@@ -39,7 +42,7 @@ def reader(data: bytes | bytearray | memoryview) -> Callable[[int], bytes]:
         if pos + n > len(view):
             raise SlotStateError(f"slot state truncated: wanted {n} bytes at {pos}, it has {len(view)}")
         pos += n
-        return bytes(view[pos - n : pos])
+        return view[pos - n : pos]
 
     return read
 
