@@ -15,7 +15,7 @@ import threading
 import httpx
 import pytest
 import torch
-from rpc_workers import Worker, free_ports, greedy, head, peer, running, wait_for
+from rpc_workers import Worker, free_ports, greedy, head, peer, running
 
 from hydra_console.contracts.rpc import Op, Status
 from hydra_console.contracts.slot_state import SlotHeader
