@@ -101,6 +101,10 @@ class Profile(_Strict):
     head: WorkerSpec = WorkerSpec(name="head", port=HEAD_HTTP_PORT, rpc_port=HEAD_RPC_PORT)
     peers: list[WorkerSpec] = [WorkerSpec(name="peer1", port=PEER_HTTP_PORT, rpc_port=PEER_RPC_PORT)]
     speculative: SpeculativeSettings = SpeculativeSettings()
+    # A prefill worker (`hydra-engine serve --role prefill`) the head sends long prompts to:
+    # its RPC HOST:PORT ("" = none, the head prefills itself), and the prompt length that goes there.
+    prefill_worker: str = ""
+    prefill_threshold: int = Field(default=256, ge=0)
     alerts: Alerts = Alerts()
     supervisor: SupervisorSettings = SupervisorSettings()
     keys: dict[str, str] = {}  # binding id -> keys, e.g. {"hydra.restart" = "ctrl+r"}
@@ -110,6 +114,14 @@ class Profile(_Strict):
     def _split_positive(cls, v):
         if v is not None and (not v or any(n < 1 for n in v)):
             raise ValueError("every stage needs at least one layer")
+        return v
+
+    @field_validator("prefill_worker")
+    @classmethod
+    def _host_port(cls, v):
+        host, sep, port = v.rpartition(":")
+        if v and (not sep or not host or not port.isdigit() or not 0 < int(port) < 65536):
+            raise ValueError(f"expected HOST:PORT (the prefill worker's RPC port), got {v!r}")
         return v
 
     @model_validator(mode="after")

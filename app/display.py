@@ -144,7 +144,7 @@ def worker_row(w: Worker, sup: Supervisor, now: float) -> tuple[list[str], str]:
     pid = w.shown_pid()
     row = [
         w.name,
-        w.role,
+        worker_role(w),
         w.spec.host,
         worker_devices(w),
         fmt_layers(worker_layers(w, sup)),
@@ -155,6 +155,29 @@ def worker_row(w: Worker, sup: Supervisor, now: float) -> tuple[list[str], str]:
         exit_text(w),
     ]
     return row, tone
+
+
+def worker_role(w: Worker) -> str:
+    """The role the worker reports (a head started with --role prefill says "prefill"), else the profile's."""
+    reported = w.status.role if w.status is not None else "?"
+    return reported if reported != "?" else w.role
+
+
+def pd_lines(status: Status | None) -> list[str]:
+    """Prefill/decode disaggregation: totals, then each recent request's transfer or fallback."""
+    pd = status.pd if status else None
+    if pd is None:
+        return []
+    if pd.prefill_worker is None:  # a prefill worker
+        return [f"served {pd.served} prefills · {fmt_bytes(pd.served_bytes)}"]
+    reasons = ", ".join(f"{k} {v}" for k, v in sorted(pd.fallback_reasons.items()))
+    rate = f" · {pd.bytes / pd.seconds / 1e9:.2f} GB/s" if pd.seconds > 0 else ""
+    out = [f"prefill worker {pd.prefill_worker} (≥ {pd.threshold} tokens) · {pd.transfers} transfers · "
+           f"{fmt_bytes(pd.bytes)}{rate} · fallbacks {pd.fallbacks}" + (f" ({reasons})" if reasons else "")]  # fmt: skip
+    for t in pd.recent[-4:]:
+        what = f"fallback: {t.fallback}" if t.fallback else f"{fmt_bytes(t.bytes)} in {t.ms:.0f} ms"
+        out.append(f"request {t.request}: {t.tokens} tokens · {what}")
+    return out
 
 
 def exit_text(w: Worker, width: int = 48) -> str:

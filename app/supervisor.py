@@ -381,6 +381,8 @@ class Supervisor:
                 args += ["--peer", f"{_connect_host(peer.host)}:{peer.rpc}"]
             if self.split:
                 args += ["--split", split_arg(self.split)]
+            if p.prefill_worker:
+                args += ["--prefill-worker", p.prefill_worker, "--prefill-threshold", str(p.prefill_threshold)]
             sp = p.speculative
             if sp.type != "off":
                 args += ["--spec-type", sp.type, "--draft-max", str(sp.draft_max)]

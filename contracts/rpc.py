@@ -25,11 +25,28 @@ starts with a `ReplyStatus` byte, then JSON, raw bytes or an error message:
 | STATS 37 | empty | JSON |
 | PING 38 | up to 64 bytes | the same bytes |
 | IPC_OPEN 41 | JSON `IpcOpenRequest` | JSON channel description |
+| STATE_META 43 | `STATE_SLOT` (slot i32) | JSON `StateMeta` |
+| STATE_GET 44 | JSON `StateGetRequest` | the slot's state in the slot-state format (contracts.slot_state), chunked and checksummed |
+| STATE_PUT 45 | `STATE_SLOT` + a slot state (at most STATE_PUT_CAP; larger is drained in DRAIN_CHUNK pieces and refused) | JSON `StateMeta` of the placed slot |
 | PROBE 50 | JSON `ProbeRequest` | JSON `StageProbe` (the loading session only) |
+
+STATE_GET and STATE_PUT touch a slot's KV: like FORWARD, only the session that loaded the stage
+(its head) may send them, after AUTH. A refused STATE_PUT (wrong fingerprint, layer range, dtype,
+a chunk that fails its crc32, a stream that ends early) leaves the slot exactly as it was: the
+state is staged whole and checked before its first byte reaches the slot.
 
 Hydra control protocol (the fork's framing): request `CONTROL_HEADER` (magic, op, flags,
 key_len, payload_len, trace_len) + key + trace + payload; response `CONTROL_RESPONSE`
-(status u8 | meta_len u24, payload_len u64) + meta JSON + payload.
+(status u8 | meta_len u24, payload_len u64) + meta JSON + payload. The state ops, keyed by
+slot id (ASCII), on a head's whole pipeline (its layers and its peers'):
+
+| op | request payload | reply meta / payload |
+|---|---|---|
+| STATE_META 0x32 | empty | `StateMeta` / empty |
+| STATE_GET 0x30 | empty | `StateMeta` / one slot state per stage, back to back, pipeline order |
+| STATE_PUT 0x31 | slot states (any grouping of layers that covers the model) | `StateMeta` of the placed slot |
+| PREFILL 0x42 | JSON `PrefillRequest` (key ignored) | `PrefillReply` / one slot state per requested range |
+| PROBE 0x50 | JSON `{"tokens", "reps"}` | `PipelineProbe` |
 
 PROBE (compute 50, control 0x50) is the split advisor's measurement: on the control port the head
 answers a `PipelineProbe` (JSON `{"tokens", "reps"}` in) after timing its own layers and asking each
@@ -95,6 +112,9 @@ class Cmd:
     AUTH = 40
     IPC_OPEN = 41
     FORWARD_IPC = 42
+    STATE_META = 43
+    STATE_GET = 44
+    STATE_PUT = 45
     PROBE = 50  # time the resident layers one by one (the split advisor)
 
 
@@ -109,6 +129,7 @@ FORWARD_REPLY = struct.Struct("<B3xI")  # status, peer compute µs
 KV_TRIM = struct.Struct("<iI")
 KV_CLEAR = struct.Struct("<i")
 PING_MAX = 64
+STATE_SLOT = struct.Struct("<i")
 
 # Hidden-state dtypes on the wire, by torch name (the engine maps names to torch dtypes).
 DTYPE_CODES = {"float32": 0, "float16": 1, "bfloat16": 2}
@@ -153,6 +174,33 @@ class PipelineProbe(TypedDict):
     stages: list[dict]  # StageProbe per stage (head first) + "name" and "hop_ms" (the wire's part of a FORWARD, peers)
     fixed_ms: float  # embedding + output head on the head: paid per token whatever the split
     step_ms: float  # one whole decode step through every stage, measured
+
+
+class StateMeta(TypedDict):
+    slot: int
+    n_tokens: int  # positions whose state the slot holds
+    layers: list[list[int]]  # [a, b) of each stage described
+    bytes: int  # body bytes a STATE_GET would move
+    fingerprint: str
+    dtype: str
+
+
+class StateGetRequest(TypedDict):
+    slot: int
+    tokens: list[int]  # the ids at positions 0..n-1 (the peer does not keep them): the header names them
+
+
+class PrefillRequest(TypedDict):
+    tokens: list[int]  # prefill these positions 0..n-1
+    ranges: list[list[int]]  # the asker's stages: one slot state per [a, b)
+    fingerprint: str  # the asker's model: a prefill worker of another model refuses before computing
+
+
+class PrefillReply(TypedDict):
+    n_tokens: int
+    sizes: list[int]  # bytes of each slot state in the payload
+    prefill_ms: float
+    collect_ms: float
 
 
 class IpcOpenRequest(TypedDict):

@@ -67,7 +67,7 @@ class SlotHeader:
         if n > MAX_HEADER:
             raise SlotStateError(f"slot state header of {n} bytes (at most {MAX_HEADER})")
         try:
-            doc = json.loads(read(n))
+            doc = json.loads(bytes(read(n)))
             header = cls(**{**doc, "tensors": [TensorEntry(**t) for t in doc["tensors"]]})
         except (ValueError, TypeError, KeyError) as e:
             raise SlotStateError(f"slot state header is malformed: {e}") from None
@@ -76,15 +76,17 @@ class SlotHeader:
         return header
 
 
-def encode_body(parts: Iterable[bytes | memoryview]) -> Iterator[bytes]:
-    """The tensors' bytes as checksummed chunks, then the end chunk."""
+def encode_body(parts: Iterable[bytes | memoryview]) -> Iterator[bytes | memoryview]:
+    """The tensors' bytes as checksummed chunks (each chunk's header, then a view of its bytes:
+    no copy), then the end chunk."""
     total = 0
     for part in parts:
         view = memoryview(part).cast("B")
         for i in range(0, len(view), CHUNK_BYTES):
             chunk = view[i : i + CHUNK_BYTES]
             total = zlib.crc32(chunk, total)
-            yield CHUNK.pack(len(chunk), zlib.crc32(chunk)) + bytes(chunk)
+            yield CHUNK.pack(len(chunk), zlib.crc32(chunk))
+            yield chunk
     yield CHUNK.pack(0, total)
 
 

@@ -229,10 +229,42 @@ class Requests(_Doc):
 
 
 @dataclass(frozen=True)
+class Transfer(_Doc):
+    """One request's prompt state fetched from the prefill worker (or its fallback)."""
+
+    request: int = 0
+    tokens: int = 0
+    bytes: int = 0
+    ms: float = 0.0  # fetch + placement, as the decode head saw it
+    prefill_ms: float | None = None  # the prefill worker's own compute
+    fallback: str | None = None  # None: placed; else why the head prefilled locally
+    error: str | None = None
+    collect_ms: float | None = None  # the prefill worker copying the state out
+    place_ms: float | None = None  # this head placing it (waits for the running step, then copies)
+
+
+@dataclass(frozen=True)
+class Disaggregation(_Doc):
+    """Prefill/decode disaggregation: a decode head's transfers and fallbacks (totals monotonic),
+    a prefill worker's prefills served."""
+
+    prefill_worker: str | None = None
+    threshold: int = 0
+    transfers: int = 0
+    bytes: int = 0
+    seconds: float = 0.0  # moving them: fetch + placement, less the prefill worker's compute
+    fallbacks: int = 0
+    fallback_reasons: dict = field(default_factory=dict)  # reason -> count
+    served: int = 0
+    served_bytes: int = 0
+    recent: list[Transfer] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
 class Status(_Doc):
     """`/status` of a head or a peer: one document the console reads."""
 
-    role: str = "?"  # "head" | "peer"
+    role: str = "?"  # "head" | "peer" | "prefill"
     pid: int | None = None
     version: str | None = None
     uptime_s: float | None = None
@@ -255,4 +287,5 @@ class Status(_Doc):
     slots: list[SlotInfo] = field(default_factory=list)
     requests: Requests | None = None  # the head's; None on a peer
     resident: dict | None = None  # a peer's resident stage: layers, epoch, forwards, bytes
+    pd: Disaggregation | None = None  # a decode head with --prefill-worker, or a prefill worker
     config: dict | None = None  # the worker's effective configuration, secrets redacted

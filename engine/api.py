@@ -202,6 +202,8 @@ class _Run:
         self.queue: asyncio.Queue[Event] = asyncio.Queue()
         loop = asyncio.get_running_loop()
         req.sink = lambda ev: loop.call_soon_threadsafe(self.queue.put_nowait, ev)
+        if head.cfg.role == "prefill":
+            raise APIError(400, "this worker only prefills for decode heads (--role prefill): send requests to a decode head")
         head.engine.submit(req)
 
     async def events(self) -> AsyncIterator[Event]:

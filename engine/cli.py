@@ -140,6 +140,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="GET /slots (off: 501, as llama-server's --no-slots)")
     s.add_argument("--metrics", action=argparse.BooleanOptionalAction, default=True,
                    help="GET /metrics (off: 501); on by default, unlike llama-server: the console reads it")
+    s.add_argument("--role", choices=["head", "prefill"], default="head",
+                   help="prefill: a worker that only prefills: answers PREFILL with the prompt's state (for decode heads)")
+    s.add_argument("--prefill-worker", default=None, metavar="HOST:PORT",
+                   help="the RPC port of a --role prefill worker: long prompts are prefilled there")
+    s.add_argument("--prefill-threshold", type=int, default=256,
+                   help="prompts with at least this many tokens to compute go to --prefill-worker")
+    s.add_argument("--prefill-deadline", type=float, default=30.0,
+                   help="seconds a prefill + transfer may take before the head prefills locally")
     _spec_args(s)
 
     pr = sub.add_parser("peer", help="peer worker: serves its assigned layers over the merged RPC port")

@@ -176,6 +176,10 @@ class HeadConfig(WorkerConfig):
     cors_origins: str = "*"  # http_cors.Cors: "*" reflects any Origin, "localhost" only local ones, else a list
     slots: bool = True  # GET /slots (--no-slots: 501)
     metrics: bool = True  # GET /metrics (--no-metrics: 501); llama-server defaults off, the console reads it
+    role: str = "head"  # or "prefill": only prefills, for decode heads (PREFILL)
+    prefill_worker: str | None = None  # HOST:PORT of a prefill worker's RPC port; None: prefill here
+    prefill_threshold: int = 256  # prompt tokens to compute at which the prefill worker takes over
+    prefill_deadline: float = 30.0  # seconds for prefill + transfer before the head prefills itself
 
     def redacted(self) -> dict:
         doc = super().redacted()
@@ -283,6 +287,10 @@ def head_config(args, env: Mapping[str, str]) -> HeadConfig:
         cors_origins=_cors_origins(args.cors_origins),
         slots=args.slots,
         metrics=args.metrics,
+        role=args.role,
+        prefill_worker=_prefill_worker(args),
+        prefill_threshold=args.prefill_threshold,
+        prefill_deadline=args.prefill_deadline,
     )
 
 
@@ -295,6 +303,22 @@ def _cors_origins(value: str) -> str:
     if not value.strip():
         raise UserError("--cors-origins must name origins, '*' or 'localhost'")
     return value.strip()
+
+
+def _prefill_worker(args) -> str | None:
+    """--prefill-worker, checked: HOST:PORT, on a decode head only."""
+    addr = args.prefill_worker
+    if addr is None:
+        return None
+    if args.role == "prefill":
+        raise UserError("--prefill-worker is for decode heads: a --role prefill worker prefills itself")
+    host, sep, port = addr.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise UserError(f"--prefill-worker {addr!r}: expected HOST:PORT (the prefill worker's RPC port)")
+    _at_least(0, prefill_threshold=args.prefill_threshold)
+    if not args.prefill_deadline > 0:
+        raise UserError(f"--prefill-deadline must be > 0 seconds, got {args.prefill_deadline}")
+    return addr
 
 
 def peer_config(args, env: Mapping[str, str]) -> PeerConfig:

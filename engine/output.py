@@ -144,4 +144,6 @@ def timings(seq: Sequence, t_first: float | None, now: float) -> dict:
         "predicted_per_second": seq.n_gen / predicted_ms * 1e3 if predicted_ms > 0 else 0.0,
         "draft_n": seq.n_drafted,
         "draft_n_accepted": seq.n_accepted,
+        **({"transfer_bytes": seq.transfer.bytes, "transfer_ms": seq.transfer.ms, "transfer_fallback": seq.transfer.fallback}
+           if seq.transfer is not None else {}),  # fmt: skip
     }

@@ -8,6 +8,7 @@ of the active slots by replaying them: running requests carry on instead of fail
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import socket
 import statistics
@@ -22,6 +23,7 @@ from ..contracts.rpc import StaleEpoch
 from ..contracts.split import check_ranges
 from ..contracts.status import StageInfo
 from . import slot_state
+from ..contracts.slot_state import SlotHeader, SlotStateError, decode_body
 from .errors import UserError
 from .layer_probe import median_ms, probe_stage
 from .model import Stage
@@ -109,29 +111,57 @@ class Pipeline:
             for remote in self.remotes:
                 remote.kv_clear(slot)
 
-    def save_slot(self, slot: int, tokens: list[int], write) -> int:
-        """Write the state of `slot`'s `tokens` (contracts.slot_state) through `write(bytes)`;
-        returns the bytes written. Solo only: a split slot's layers live on the peers too."""
-        self._solo_only("save")
-        n = 0
+    def collect_state(self, slot: int, tokens: list[int]) -> list[bytes]:
+        """The state of `slot`'s `tokens`, one slot state (contracts.slot_state) per stage in
+        pipeline order: the head's layers from here, each peer's through STATE_GET."""
         with self._lock:
-            for chunk in slot_state.save(self.local, slot, tokens, self.local.g.fingerprint):
-                write(chunk)
-                n += len(chunk)
+            out = [b"".join(slot_state.save(self.local, slot, tokens, self.local.g.fingerprint))]
+            return out + [remote.state_get(slot, tokens) for remote in self.remotes]
+
+    def save_slot(self, slot: int, tokens: list[int], write) -> int:
+        """Write the state of `slot`'s `tokens` through `write(bytes)`; returns the bytes written."""
+        n = 0
+        for state in self.collect_state(slot, tokens):
+            write(state)
+            n += len(state)
         return n
 
-    def restore_slot(self, slot: int, data: bytes) -> list[int]:
-        """Place a saved state into `slot` (checked first; refused states leave it untouched)."""
-        self._solo_only("restore")
+    def place_state(self, slot: int, data, tokens: list[int] | None = None) -> list[int]:
+        """Place slot states (back to back, any split that covers the model) into `slot`, each
+        stage its layers (peers through STATE_PUT); returns the tokens they cover (which must be
+        `tokens` when given). Every chunk and
+        the model are checked before anything is placed, so a refused state leaves the slot as it
+        was; a peer lost midway leaves the slot empty on every stage (nothing half-placed is used)."""
+        fingerprint = self.local.g.fingerprint
+        states = slot_state.read_all(data)
+        if states[0][0].fingerprint != fingerprint:
+            raise SlotStateError(f"slot state is of model {states[0][0].fingerprint}, this worker serves {fingerprint}")
+        if tokens is not None and states[0][0].tokens != list(tokens):
+            raise SlotStateError(f"slot state covers other tokens than the {len(tokens)} asked for")
         with self._lock:
-            tokens = slot_state.restore(self.local, slot, slot_state.reader(data), self.local.g.fingerprint)
-            self._lengths[slot] = len(tokens)
-            return tokens
-
-    def _solo_only(self, what: str) -> None:
-        if self.remotes:
-            raise UserError(f"slot {what} on a split pipeline needs the peers' state ops (STATE_GET/PUT), "
-                            "not built yet: only a solo head saves and restores slots")  # fmt: skip
+            parts = slot_state.regroup(states, self.ranges)
+            mine = next(((h, body) for h, body, _ in states if tuple(h.layers) == tuple(self.ranges[0])), None)
+            if mine is None:  # our range came regrouped: read it back
+                read = slot_state.reader(parts[0])
+                header = SlotHeader.decode(read)
+                mine = header, decode_body(read, header)
+            slot_state.check(self.local, slot, mine[0], fingerprint)
+            try:
+                placed = slot_state.place(self.local, slot, *mine, fingerprint)
+                for remote, part in zip(self.remotes, parts[1:]):
+                    remote.state_put(slot, part)
+            except Exception:
+                self._lengths.pop(slot, None)
+                self.local.kv_clear(slot)
+                for remote in self.remotes:
+                    with contextlib.suppress(PeerUnavailable):
+                        remote.kv_clear(slot)
+                raise
+            n = self._lengths[slot] = len(placed)
+            if self.remotes and n:  # a later KV rebuild replays them
+                self._flush_history()
+                self._write_history(torch.tensor(placed), torch.full((n,), slot), torch.arange(n))
+            return placed
 
     # --- slot history and KV rebuild ------------------------------------------------------------
 

@@ -20,6 +20,7 @@ from typing import Iterator
 import numpy as np
 import torch
 
+from ..contracts.slot_state import SlotStateError
 from .errors import Overloaded, Unavailable, UserError, describe
 from .output import OutputProcessor
 from .sampling import InvalidParam, TokenLogprob, sample_batch, token_logprobs
@@ -125,7 +126,7 @@ class Engine:
 
     def __init__(self, pipeline, tokenizer, n_slots: int, n_ctx: int, batch_tokens: int = DEFAULT_BATCH_TOKENS,
                  speculator: Speculator | None = None, mixed_steps: bool | None = None,
-                 max_queue: int | None = None):  # fmt: skip
+                 max_queue: int | None = None, disaggregator=None):  # fmt: skip
         self.pipeline = pipeline
         self.n_slots = n_slots
         self.max_queue = max_queue  # requests waiting beyond the slots; None = unbounded
@@ -151,6 +152,7 @@ class Engine:
                                    lambda: getattr(pipeline, "kv_generation", 0),
                                    recurrent=getattr(getattr(pipeline, "cfg", None), "recurrent", False))  # fmt: skip
         self.output = OutputProcessor(tokenizer, self.stats)
+        self.pd = disaggregator  # pd.Disaggregator: long prompts prefilled on a prefill worker
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
         self._stopping = False
@@ -243,10 +245,17 @@ class Engine:
             return len(tokens), self.pipeline.save_slot(slot, tokens, write)
 
     def restore_slot(self, slot: int, data: bytes) -> int:
-        """Load a saved state into an idle slot; its tokens become that slot's prompt cache."""
+        """Load a saved state into an idle slot; its tokens become that slot's prompt cache. A
+        refused state leaves the slot's cache as it was; a placement that failed midway empties it."""
         with self._cond:
             self._idle(slot)
-            self.scheduler.cached[slot] = self.pipeline.restore_slot(slot, data)
+            try:
+                self.scheduler.cached[slot] = self.pipeline.place_state(slot, data)
+            except SlotStateError:
+                raise
+            except Exception:
+                self.scheduler.cached[slot] = []
+                raise
             return len(self.scheduler.cached[slot])
 
     def erase_slot(self, slot: int) -> int:
@@ -254,6 +263,44 @@ class Engine:
             self._idle(slot)
             n, self.scheduler.cached[slot] = len(self.scheduler.cached[slot]), []
             return n
+
+    def held_state(self, tokens: list[int], collect, wait_s: float = 5.0):
+        """`collect(slot, tokens)` for the idle slot whose prompt cache is exactly `tokens` (a
+        request that just finished), under the engine lock so no request takes the slot meanwhile;
+        None when no slot holds them (a finished request frees its slot just after its last event)."""
+        deadline = time.monotonic() + wait_s
+        with self._cond:
+            while True:
+                for i, cached in enumerate(self.scheduler.cached):
+                    if self.scheduler.slots[i] is None and cached == tokens:
+                        return collect(i, tokens)
+                if time.monotonic() > deadline:
+                    return None
+                self._cond.wait(0.005)
+
+    # ---- prefill/decode disaggregation (pd.py) ---------------------------------------------------
+
+    def _start_transfers(self) -> None:
+        """Newly admitted sequences with a long prompt fetch its state from the prefill worker."""
+        for seq in self.scheduler.running:
+            if seq.transfer is None and not seq.remote_prefill and seq.n_gen == 0 and self.pd.wants(seq):
+                seq.remote_prefill = True
+                self.pd.start(seq, lambda payload, tokens, seq=seq: self._place(seq, payload, tokens),
+                              lambda transfer, seq=seq: self._transferred(seq, transfer))  # fmt: skip
+
+    def _place(self, seq: Sequence, payload: bytes, tokens: list[int]) -> None:
+        with self._cond:  # the slot stays this sequence's while its state goes in
+            if self.scheduler.slots[seq.slot] is not seq or seq.req.cancelled:
+                raise UserError("the request left its slot during the transfer")
+            self.pipeline.place_state(seq.slot, payload, tokens)
+            seq.n_past = len(tokens)
+
+    def _transferred(self, seq: Sequence, transfer) -> None:
+        with self._cond:
+            seq.transfer, seq.remote_prefill = transfer, False
+            if transfer.fallback is not None:  # prefill here from the start: a half-placed slot is never read
+                seq.n_past = seq.n_cached = 0
+            self._cond.notify()
 
     def _idle(self, slot: int) -> None:
         if not 0 <= slot < len(self.scheduler.slots):
@@ -272,6 +319,8 @@ class Engine:
         with self._cond:
             self._stopping = True
             self._cond.notify()
+        if self.pd is not None:
+            self.pd.stop()
         if self._thread is not None:
             self._thread.join(timeout=10)
 
@@ -279,7 +328,7 @@ class Engine:
         torch.set_num_threads(self._n_threads)
         while True:
             with self._cond:
-                while not self._stopping and not self.scheduler.waiting and self.n_processing == 0:
+                while not self._stopping and not self._has_work():
                     self._cond.wait()
                 if self._stopping:
                     return
@@ -295,10 +344,16 @@ class Engine:
                     self.output.process(seq, error=e)
                     self.scheduler.free(seq)
 
+    def _has_work(self) -> bool:
+        """Something to admit, cancel or compute (a sequence waiting for its prompt state is not)."""
+        return bool(self.scheduler.waiting) or any(not s.remote_prefill or s.req.cancelled for s in self.scheduler.running)
+
     def step(self) -> None:
         """schedule → forward → sample → postprocess → emit."""
         with self._cond:  # submit and cancel touch the queue and the flags from other threads
             cancelled = self.scheduler.admit()
+            if self.pd is not None:
+                self._start_transfers()
         batch = self.scheduler.schedule()
         t0 = time.perf_counter()
         sampled = []

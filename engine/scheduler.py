@@ -171,7 +171,7 @@ class Scheduler:
     def schedule(self) -> Batch:
         """Decoding sequences take one token each, plus their drafts (unless prefill runs alone);
         prefill chunks share what is left of the token budget, oldest request first."""
-        running = self.running
+        running = [s for s in self.running if not s.remote_prefill]  # their state is still on its way
         decoding = [s for s in running if not s.prefilling]
         if not self.mixed_steps and len(decoding) < len(running):
             decoding = []

@@ -77,6 +77,10 @@ class Sequence:
         self.n_drafted = 0  # draft tokens verified for this request, and how many were accepted
         self.n_accepted = 0
         self.t_start = time.perf_counter()  # when it took the slot: its prompt time counts from here
+        # Prefill/decode disaggregation: True while the prompt's state is fetched from the prefill
+        # worker (not scheduled meanwhile); `transfer` (contracts.status.Transfer) once it is decided.
+        self.remote_prefill = False
+        self.transfer = None
         self.finish_reason: str | None = None
         self.hidden: list[torch.Tensor] = []  # an embedding request's hidden states, chunk by chunk
 

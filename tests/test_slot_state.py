@@ -112,3 +112,23 @@ def test_slots_save_erase_restore_over_http(tiny_model, tmp_path):
             assert r.status_code == code and r.json()["error"]["param"] == "filename"
         (tmp_path / "bad.bin").write_bytes(b"HYSLOT\x00\x01" + b"\xff" * 12)
         assert act("restore", filename="bad.bin").status_code == 400
+
+
+def test_states_regroup_to_another_split_and_continue_bit_for_bit(tiny_model):
+    """A whole-model state (a prefill worker's) placed on a head [0,1) and a peer [1,4), and back."""
+    path = tiny_model("llama", n_layers=4)
+    fp = GGUFFile(path).fingerprint
+    full = stage(path, (0, 4))
+    nxt = prefill(full, 0, PROMPT).argmax(-1).item()
+    states = slot_state.read_all(saved(full, 0, PROMPT, fp))
+    head_part, peer_part = slot_state.regroup(states, [(0, 1), (1, 4)])
+    head, peer = stage(path, (0, 1)), stage(path, (1, 4))
+    assert slot_state.restore(head, 2, slot_state.reader(head_part), fp) == PROMPT
+    assert slot_state.restore(peer, 2, slot_state.reader(peer_part), fp) == PROMPT
+    x = full.embed(torch.tensor([nxt]))
+    one = lambda st, h, slot: st.run_layers(h, torch.tensor([slot]), torch.tensor([len(PROMPT)]))  # noqa: E731
+    assert torch.equal(one(full, x, 0), one(peer, one(head, x, 2), 2))
+    again = slot_state.regroup(slot_state.read_all(bytes(head_part) + bytes(peer_part)), [(0, 4)])
+    assert slot_state.read_all(again[0])[0][0].layers == [0, 4]
+    with pytest.raises(SlotStateError, match="lack layers"):
+        slot_state.regroup(slot_state.read_all(head_part), [(0, 4)])

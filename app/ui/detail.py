@@ -77,6 +77,8 @@ class WorkerDetailScreen(Screen):
             rows.append(("requests", display.requests_text(st)))
         if st and st.pool:
             rows.append(("rpc port", display.pool_text(st)))
+        for i, line in enumerate(display.pd_lines(st)):
+            rows.append(("P/D" if i == 0 else "", line))
         # The argv the process really runs; what a (re)start would launch only when it differs.
         if w.argv:
             rows.append(("command", shlex.join(w.argv)))

@@ -42,6 +42,8 @@ from ...contracts.rpc import (
     KV_TRIM,
     PING_MAX,
     PREAUTH_MAX_FRAME,
+    STATE_PUT_CAP,
+    STATE_SLOT,
     VERSION,
     Cmd,
     StaleEpoch,
@@ -50,10 +52,12 @@ from ...contracts.rpc import (
     verify,
 )
 from ...contracts.rpc import ReplyStatus as R
+from ...contracts.slot_state import SlotStateError
 from ..device import host_buffer, to_host
 from .cuda_ipc import IpcChannel
 from .resident import DTYPES, ComputeError
 from .wire import (
+    FrameError,
     Refused,
     SocketReader,
     read_compute_header,
@@ -184,11 +188,9 @@ class ComputeServer:
             spin_until_readable(conn, self.spin_s)
         try:
             cmd, payload = self._read_request(reader)
-        finally:
-            self.bytes_in += reader.bytes_in
-            reader.bytes_in = 0
-        try:
-            status, parts = R.OK, self._command(cmd, payload, session)
+            status, parts = R.OK, self._command(cmd, payload, session)  # a STATE_PUT streams in here
+        except (FrameError, OSError):  # the stream itself broke: close the connection
+            raise
         except StaleEpoch as e:
             status, parts = R.STALE_EPOCH, [str(e).encode()]
         except ComputeError as e:
@@ -196,6 +198,9 @@ class ComputeServer:
         except Exception as e:  # a bug or a device error fails this command, not the worker
             log.exception("compute command %d failed", cmd)
             status, parts = R.ERROR, [f"{type(e).__name__}: {e}".encode()]
+        finally:
+            self.bytes_in += reader.bytes_in
+            reader.bytes_in = 0
         if status == R.OK and cmd in (Cmd.FORWARD, Cmd.FORWARD_IPC):
             self._send(conn, *parts)  # the FORWARD reply carries its own status header
         else:
@@ -205,9 +210,14 @@ class ComputeServer:
     def _read_request(self, reader: SocketReader) -> tuple[int, object]:
         """The next frame, within a deadline scaled to its size. A FORWARD for a CUDA stage lands
         in page-locked memory, so its hidden states reach the device by DMA (unpack_forward's
-        tensors are views of this buffer)."""
-        cmd, size = read_compute_header(reader, self.max_frame)
+        tensors are views of this buffer). A STATE_PUT is not read here: its command streams the
+        state in (up to STATE_PUT_CAP, beyond the frame limit)."""
+        cmd, size = read_compute_header(reader, 1 << 64)
         reader.expect(frame_deadline(size))
+        if cmd == Cmd.STATE_PUT:
+            return cmd, (reader, size)
+        if size > self.max_frame:
+            raise FrameError(f"compute frame of {size} bytes exceeds the {self.max_frame}-byte limit (cmd {cmd})")
         if cmd != Cmd.FORWARD or self.host.device.type != "cuda":
             return cmd, reader.read_exact(size)
         buf = host_buffer((size,), torch.uint8, self.host.device).numpy()
@@ -242,12 +252,41 @@ class ComputeServer:
             return [bytes(payload[:PING_MAX])]
         elif cmd == Cmd.PROBE:
             body = self.host.probe(_json(payload), owner=session["id"])
+        elif cmd == Cmd.STATE_META:
+            (slot,) = _unpack(STATE_SLOT, payload)
+            body = self.host.state_meta(slot, owner=session["id"])
+        elif cmd == Cmd.STATE_GET:
+            return self.host.state_get(_json(payload), owner=session["id"])
+        elif cmd == Cmd.STATE_PUT:
+            body = self._state_put(*payload, session)
         elif cmd == Cmd.IPC_OPEN:
             session["ipc"] = None  # a failed re-open leaves no channel half-set
             session["ipc"], body = IpcChannel.create(self.host.device, _json(payload), self.host.cfg.n_embd)
         else:
             raise ComputeError(f"unknown command {cmd}")
         return [json.dumps(body, separators=(",", ":")).encode()]
+
+    def _state_put(self, reader: SocketReader, size: int, session: dict) -> dict:
+        """STATE_PUT: `STATE_SLOT` then the state, read straight off the socket; whatever the
+        refusal leaves unread is drained in 64 KiB pieces, so the session stays in sync."""
+        left = size
+
+        def read(n: int) -> bytes:
+            nonlocal left
+            if n > left:
+                raise SlotStateError(f"slot state truncated: the frame ends {n - left} bytes early")
+            left -= n
+            return reader.read_exact(n)
+
+        try:
+            if size > STATE_PUT_CAP:
+                raise ComputeError(f"STATE_PUT of {size} bytes over the {STATE_PUT_CAP >> 30} GiB cap")
+            if size < STATE_SLOT.size:
+                raise ComputeError("STATE_PUT shorter than its slot id")
+            (slot,) = STATE_SLOT.unpack(read(STATE_SLOT.size))
+            return self.host.state_put(slot, read, owner=session["id"])
+        finally:
+            reader.drain(left)
 
     def _forward(self, cmd: int, payload, session: dict) -> list:
         """FORWARD: hidden states in the frame and back in the reply. FORWARD_IPC: they stay on

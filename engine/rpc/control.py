@@ -29,7 +29,7 @@ from .wire import (
     BufferReader,
     Refused,
     SocketReader,
-    pack_control_response,
+    control_response_head,
     read_control_body,
     read_control_header,
     read_control_request,
@@ -48,7 +48,7 @@ class ControlBackend(Protocol):
     def set_expert_mode(self, mode: str) -> dict: ...
 
 
-_JSON_OPS = {Op.CONFIGURE, Op.PROBE}
+_JSON_OPS = {Op.CONFIGURE, Op.PROBE, Op.PREFILL}
 _HANDLERS = {
     Op.INFO: "info",
     Op.CONFIGURE: "configure",
@@ -57,6 +57,7 @@ _HANDLERS = {
     Op.STATE_GET: "state_get",
     Op.STATE_PUT: "state_put",
     Op.STATE_META: "state_meta",
+    Op.PREFILL: "prefill",
 }
 _KEYED_OPS = {Op.STATE_GET, Op.STATE_PUT, Op.STATE_META}
 
@@ -159,9 +160,11 @@ class ControlServer:
         self._reply(conn, Status.OK, meta, body)
 
     @staticmethod
-    def _reply(conn, status: int, meta: dict | None, payload: bytes = b"") -> None:
+    def _reply(conn, status: int, meta: dict | None, payload: bytes | list = b"") -> None:
+        """`payload`: bytes, or a list of buffers sent back to back (slot states: no joined copy)."""
+        parts = payload if isinstance(payload, list) else [payload]
         try:
-            send_all(conn, pack_control_response(status, meta, payload))
+            send_all(conn, control_response_head(status, meta, sum(memoryview(p).nbytes for p in parts)), *parts)
         except OSError:
             pass
 

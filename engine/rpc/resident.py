@@ -16,6 +16,8 @@ from pathlib import Path
 import torch
 
 from ...contracts.rpc import DTYPE_CODES, MAX_CTX, MAX_SLOTS, StaleEpoch
+from ...contracts.slot_state import SlotHeader, SlotStateError, decode_body
+from .. import slot_state
 from ..device import free_bytes
 from ..errors import UserError
 from ..layer_probe import PROBE_REPS, PROBE_TOKENS, check_request, probe_stage
@@ -64,6 +66,8 @@ class StageHost:
         self.on_change = lambda: None  # called after a stage swap (the peer's /health follows it)
         self._params: tuple | None = None
         self.forwards = self.tokens = 0
+        self.lengths: dict[int, int] = {}  # per slot: the positions it has run (STATE_META)
+        self.state_bytes_in = self.state_bytes_out = 0
         self.compute_s = 0.0
         self.load_s = 0.0
 
@@ -132,6 +136,7 @@ class StageHost:
                     for slot in range(n_slots):
                         stage.kv_clear(slot)
                 self.stage, self._params, self.owner = stage, params, owner
+                self.lengths = {}
                 self.epoch += 1
         self.load_s = time.perf_counter() - t0
         self.on_change()
@@ -215,6 +220,8 @@ class StageHost:
             if self.layer_delay_s:
                 time.sleep(self.layer_delay_s * len(self.stage.layers))
             self.compute_s += time.perf_counter() - t0
+            for slot, pos in zip(slots.tolist(), positions.tolist()):  # a slot's run ends at its last position
+                self.lengths[slot] = pos + 1
             self.forwards += 1
             self.tokens += hidden.shape[0]
             return out
@@ -229,6 +236,61 @@ class StageHost:
                 raise ComputeError(f"slot {slot} does not exist ({n_slots} slots)")
             for s in range(n_slots) if slot < 0 else [slot]:
                 self.stage.kv_clear(s)
+                self.lengths.pop(s, None)
+
+    # --- state ops: a slot's state out and in (contracts.slot_state), for its head only ------------
+
+    def _state_stage(self, slot: int, owner: int):
+        """The stage whose slot a state op may touch (caller holds the lock)."""
+        if not self.assignable:
+            raise ComputeError("this worker is a head: its slots move through the control port's state ops")
+        if self.stage is None:
+            raise ComputeError("no stage assigned here: send LOAD_STAGE first")
+        self._own(owner)
+        if not 0 <= slot < self.stage.n_slots:
+            raise ComputeError(f"slot {slot} does not exist ({self.stage.n_slots} slots)")
+        return self.stage
+
+    def state_meta(self, slot: int, owner: int = 0) -> dict:
+        with self.lock:
+            stage = self._state_stage(slot, owner)
+            n = self.lengths.get(slot, 0)
+            return {"slot": slot, "n_tokens": n, "layers": [list(self.layers)], "fingerprint": self.fingerprint,
+                    "bytes": sum(t.nbytes for t in stage.slot_state(slot, n).values()),
+                    "dtype": str(stage.dtype).removeprefix("torch.")}  # fmt: skip
+
+    def state_get(self, request: dict, owner: int = 0) -> list[bytes]:
+        """The state of the slot's first len(tokens) positions, as the format's byte chunks."""
+        try:
+            slot, tokens = int(request["slot"]), [int(t) for t in request["tokens"]]
+        except (KeyError, TypeError, ValueError) as e:
+            raise ComputeError(f"STATE_GET needs slot and tokens: {e!r}") from None
+        with self.lock:
+            stage = self._state_stage(slot, owner)
+            if len(tokens) > self.lengths.get(slot, 0):
+                raise ComputeError(f"slot {slot} holds {self.lengths.get(slot, 0)} positions, {len(tokens)} asked for")
+            try:
+                chunks = list(slot_state.save(stage, slot, tokens, self.fingerprint))
+            except SlotStateError as e:
+                raise ComputeError(str(e)) from None
+        self.state_bytes_out += sum(len(c) for c in chunks)
+        return chunks
+
+    def state_put(self, slot: int, read, owner: int = 0) -> dict:
+        """Stage a state read with `read(n)` whole (header judged first, then every chunk's
+        checksum), then place it: a refused or broken stream leaves the slot as it was."""
+        try:
+            header = SlotHeader.decode(read)
+            with self.lock:
+                slot_state.check(self._state_stage(slot, owner), slot, header, self.fingerprint)
+            body = decode_body(read, header)
+            with self.lock:  # the stage may have been swapped while the body streamed in
+                tokens = slot_state.place(self._state_stage(slot, owner), slot, header, body, self.fingerprint)
+                self.lengths[slot] = len(tokens)
+        except SlotStateError as e:
+            raise ComputeError(f"STATE_PUT refused: {e}") from None
+        self.state_bytes_in += header.body_bytes
+        return self.state_meta(slot, owner)
 
     def stats(self) -> dict:
         return {
@@ -240,4 +302,6 @@ class StageHost:
             "tokens": self.tokens,
             "compute_s": round(self.compute_s, 6),
             "load_s": round(self.load_s, 4),
+            "state_bytes_in": self.state_bytes_in,
+            "state_bytes_out": self.state_bytes_out,
         }

@@ -15,6 +15,7 @@ from ..config import RpcSettings
 from ..device import free_bytes
 from ..errors import UserError
 from ..layer_probe import PROBE_REPS, PROBE_TOKENS, check_request
+from ..pd import PdStats, serve_prefill
 from .compute import ComputeServer
 from .control import ControlServer
 from .listener import RpcListener
@@ -24,11 +25,15 @@ EXPERT_MODES = ("solo", "combined")
 
 
 class HeadControl:
-    """The head's Hydra control backend: INFO, CONFIGURE (live re-split), SET_EXPERT_MODE."""
+    """The head's Hydra control backend: INFO, CONFIGURE (live re-split), SET_EXPERT_MODE, the
+    state ops (STATE_META/GET/PUT on a slot of the whole pipeline) and PREFILL."""
 
-    def __init__(self, pipeline, host: StageHost, model: ModelInfo | None, auth: bool):
-        self.pipeline, self.host, self.model, self.auth = pipeline, host, model, auth
+    def __init__(self, pipeline, host: StageHost, model: ModelInfo | None, auth: bool, role: str = "head",
+                 pd_stats: PdStats | None = None):  # fmt: skip
+        self.pipeline, self.host, self.model, self.auth, self.role = pipeline, host, model, auth, role
         self.expert_mode = "solo"
+        self.engine = None  # set once the engine runs: the state ops and PREFILL go through it
+        self.pd_stats = pd_stats or PdStats()
         self.split_by: str | None = None  # who asked for the live split (CONFIGURE's optional "by")
 
     def info(self) -> dict:
@@ -36,7 +41,7 @@ class HeadControl:
             "engine": "hydra",
             "version": __version__,
             "compute_protocol": ".".join(map(str, VERSION)),
-            "mode": "head",
+            "mode": self.role,
             "pid": os.getpid(),
             "model": self.model.to_json() if self.model else None,
             "layer_split": [list(r) for r in self.pipeline.ranges],
@@ -46,7 +51,8 @@ class HeadControl:
             "resplits": self.pipeline.resplits,
             "last_resplit": self.pipeline.last_resplit,
             "ops": {"INFO": Op.INFO, "CONFIGURE": Op.CONFIGURE, "SET_EXPERT_MODE": Op.SET_EXPERT_MODE,
-                    "STATE_META": Op.STATE_META, "PROBE": Op.PROBE, "AUTH": Op.AUTH},  # fmt: skip
+                    "STATE_META": Op.STATE_META, "STATE_GET": Op.STATE_GET, "STATE_PUT": Op.STATE_PUT,
+                    "PREFILL": Op.PREFILL, "PROBE": Op.PROBE, "AUTH": Op.AUTH},  # fmt: skip
         }
 
     def configure(self, request: dict) -> dict:
@@ -89,13 +95,48 @@ class HeadControl:
         result["stages"][0].update(layer_bytes=footprint, held_bytes=sum(footprint[a:b]), free_bytes=free_bytes(local.device))
         return result
 
+    # --- state ops on the whole pipeline (an idle slot's prompt cache; contracts.slot_state) ------
+
+    def _engine(self):
+        if self.engine is None:
+            raise ControlError("the engine is not running yet", Status.BUSY)
+        return self.engine
+
     def state_meta(self, slot: int) -> dict:
-        """What the head holds for a slot's KV (STATE_GET/PUT, moving the KV itself, are not built)."""
-        head = self.pipeline.local
+        """What a slot holds, stage by stage, without moving it."""
+        engine, head = self._engine(), self.pipeline.local
         if not 0 <= slot < head.n_slots:
             raise ControlError(f"slot {slot} does not exist ({head.n_slots} slots)", Status.NOT_FOUND)
-        return {"slot": slot, "n_past": self.pipeline.slot_length(slot), "n_ctx": head.n_ctx,
-                "layer_split": [list(r) for r in self.pipeline.ranges]}  # fmt: skip
+        seq = engine.slots[slot]
+        n = seq.n_past if seq is not None else len(engine.scheduler.cached[slot])
+        stages = [{"layers": list(self.pipeline.ranges[0]), "bytes": sum(t.nbytes for t in head.slot_state(slot, n).values())}]
+        stages += [{"layers": list(r.layer_range), "bytes": r.state_meta(slot)["bytes"]} for r in self.pipeline.remotes]
+        return {"slot": slot, "n_tokens": n, "state": "idle" if seq is None else "processing", "n_ctx": head.n_ctx,
+                "layers": [s["layers"] for s in stages], "bytes": sum(s["bytes"] for s in stages), "stages": stages,
+                "fingerprint": head.g.fingerprint, "dtype": str(head.dtype).removeprefix("torch.")}  # fmt: skip
+
+    def state_get(self, slot: int) -> tuple[dict, bytes]:
+        """An idle slot's state: one slot state per stage (the peers' through STATE_GET)."""
+        parts: list[bytes] = []
+        n, _ = self._state_op(lambda: self._engine().save_slot(slot, parts.append))
+        return {"slot": slot, "n_tokens": n, "sizes": [len(p) for p in parts]}, b"".join(parts)
+
+    def state_put(self, slot: int, payload: bytes) -> dict:
+        """Place slot states into an idle slot (checked whole first; refused: the slot is as it was)."""
+        n = self._state_op(lambda: self._engine().restore_slot(slot, payload))
+        return {"slot": slot, "n_tokens": n, "bytes": len(payload)}
+
+    @staticmethod
+    def _state_op(fn):
+        try:
+            return fn()
+        except UserError as e:  # a slot that is busy or missing, a refused state: the reason goes back
+            raise ControlError(str(e), Status.BAD_REQUEST) from None
+
+    def prefill(self, request: dict) -> tuple[dict, bytes]:
+        """PREFILL (a prefill worker's job; any head answers it): the state of `tokens`, one slot
+        state per range the asker holds."""
+        return serve_prefill(self._engine(), self.pipeline, request, self.pd_stats)
 
     def set_expert_mode(self, mode: str) -> dict:
         if mode not in EXPERT_MODES:
@@ -107,10 +148,11 @@ class HeadControl:
 class HeadRpc:
     """The head's merged port (pool + peek dispatch) serving compute and control."""
 
-    def __init__(self, rpc: RpcSettings, g, cfg, pipeline, model: ModelInfo | None = None):
+    def __init__(self, rpc: RpcSettings, g, cfg, pipeline, model: ModelInfo | None = None, *, role: str = "head",
+                 pd_stats: PdStats | None = None):  # fmt: skip
         token = rpc.auth_token
         self.host = StageHost(g, cfg, pipeline.local.device, stage=pipeline.local, assignable=False)
-        self.control = HeadControl(pipeline, self.host, model, auth=bool(token))
+        self.control = HeadControl(pipeline, self.host, model, auth=bool(token), role=role, pd_stats=pd_stats)
         self.pipeline = pipeline
         self.listener = RpcListener(
             rpc.host, rpc.port, mode="head",

@@ -237,10 +237,15 @@ def pack_control_request(op: int, payload: bytes = b"", key: bytes = b"", trace:
 
 
 def pack_control_response(status: int, meta: dict | None = None, payload: bytes = b"") -> bytes:
+    return control_response_head(status, meta, len(payload)) + payload
+
+
+def control_response_head(status: int, meta: dict | None, payload_len: int) -> bytes:
+    """A control response up to its payload (a large payload then goes out as its own buffers)."""
     meta_bytes = json.dumps(meta, separators=(",", ":")).encode() if meta is not None else b""
     if len(meta_bytes) > MAX_META:
         raise ValueError(f"control meta of {len(meta_bytes)} bytes does not fit u24")
-    return CONTROL_RESPONSE.pack(status | len(meta_bytes) << 8, len(payload)) + meta_bytes + payload
+    return CONTROL_RESPONSE.pack(status | len(meta_bytes) << 8, payload_len) + meta_bytes
 
 
 @dataclass
@@ -260,4 +265,4 @@ def read_control_response(reader, max_frame: int) -> ControlResponse:
         meta = json.loads(bytes(meta_raw)) if meta_len else {}
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise FrameError(f"control response meta is not JSON: {e}") from None
-    return ControlResponse(status, meta, bytes(reader.read_exact(payload_len)))
+    return ControlResponse(status, meta, reader.read_exact(payload_len))

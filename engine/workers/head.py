@@ -31,7 +31,7 @@ class HeadWorker:
 
     def __init__(self, cfg: HeadConfig):
         self.cfg = cfg
-        self.status = StatusDocument("head", cfg.host, cfg.port, config=cfg.redacted())
+        self.status = StatusDocument(cfg.role, cfg.host, cfg.port, config=cfg.redacted())
         self.metrics = Metrics(self.status)
         self.model_name: str | None = cfg.aliases[0] if cfg.aliases else None
         self.pooling: str | None = None  # embedding pooling, resolved from --pooling and the GGUF at load
@@ -54,6 +54,7 @@ class HeadWorker:
         from ..embedding import resolve_pooling
         from ..gguf_file import GGUFFile
         from ..model import ModelConfig
+        from ..pd import Disaggregator, PdStats, PrefillClient
         from ..rpc.service import HeadRpc, RpcCollector
         from ..runtime import Engine
         from ..speculative import build_speculator, check_speculative
@@ -76,15 +77,25 @@ class HeadWorker:
         if cfg.peers and not pipeline.remotes:
             self.status.degraded = "--fallback-solo: the peers never came up, every layer runs on the head"
         self.status.pipeline = pipeline
-        self.rpc = HeadRpc(cfg.rpc, g, mcfg, pipeline, self.status.model).start()
+        pd_stats = PdStats(cfg.prefill_worker, cfg.prefill_threshold if cfg.prefill_worker else 0)
+        self.rpc = HeadRpc(cfg.rpc, g, mcfg, pipeline, self.status.model, role=cfg.role, pd_stats=pd_stats).start()
         self.status.add_provider(self.rpc.status)
         self.metrics.register(RpcCollector(self.rpc.listener, pipeline))
+        if cfg.prefill_worker or cfg.role == "prefill":
+            self.status.add_provider(pd_stats.status)
+            self.metrics.register(pd_stats)
+        self.status.startup_stage = 3
+        disaggregator = None
+        if cfg.prefill_worker:
+            client = PrefillClient(cfg.prefill_worker, cfg.rpc.auth_token, cfg.prefill_deadline)
+            disaggregator = Disaggregator(client, cfg.prefill_threshold, pipeline, pd_stats)
         self.status.startup_stage = WARMING_STAGE
         t0 = time.perf_counter()
         pipeline.local.warm_up()
         log.info("decode step warmed up in %.1f s", time.perf_counter() - t0)
         self.engine = Engine(pipeline, self.tok, n_slots=cfg.parallel, n_ctx=cfg.model.ctx, speculator=speculator,
-                             max_queue=cfg.max_queue).start()  # fmt: skip
+                             max_queue=cfg.max_queue, disaggregator=disaggregator).start()  # fmt: skip
+        self.rpc.control.engine = self.engine
         pipeline.active_slots = lambda: {s.slot for s in self.engine.slots if s is not None}
         self.status.engine = self.engine
         self.status.startup_stage = READY_STAGE

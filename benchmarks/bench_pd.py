@@ -1,0 +1,204 @@
+"""Prefill/decode disaggregation: what long prompts cost the streams already decoding.
+
+    python benchmarks/bench_pd.py [--model PATH] [--device cpu] [--dtype float32] [--streams 2]
+                                  [--prompt-tokens 512] [--every-s 2] [--duration-s 20] [--threshold 64]
+                                  [--layers 8 --embd 512 --ff 1536 (synthetic model)] [--threads 1] [--json]
+
+Issue-sized on a GPU: --model M.gguf --device cuda --dtype bfloat16 --streams 8 --prompt-tokens 4096
+--every-s 2 --ctx 8192 --threads 0. Per mode (`local`: the head prefills everything; `pd`: prompts of at least
+--threshold tokens go to a `serve --role prefill` worker), a fresh head runs --streams streaming
+completions; after a quiet warm-up (their inter-token gaps there are the `idle` baseline), a long
+prompt (random token ids, no prompt cache) arrives every --every-s seconds. Prints p50/p99 of the
+streams' inter-token gaps while long prompts arrive, the long prompts' TTFT, and for `pd` the
+transfer throughput the head measured (prompt-state bytes / fetch + placement time, /status `pd`).
+Without --model a random-weight llama GGUF of the given shape is written to a temporary folder.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import httpx
+from ready import wait_ready
+
+from hydra_console.engine.synth import write_synthetic
+
+
+def free_port_pair() -> int:
+    while True:
+        with socket.socket() as a, socket.socket() as b:
+            a.bind(("127.0.0.1", 0))
+            port = a.getsockname()[1]
+            try:
+                b.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+            return port
+
+
+def start(role_args: list[str], args, log_dir: Path, name: str) -> tuple[subprocess.Popen, int]:
+    port = free_port_pair()
+    cmd = [sys.executable, "-m", "hydra_console.engine.cli", "serve", "--model", str(args.model), "--device", args.device,
+           "--dtype", args.dtype, "--ctx", str(args.ctx), "--port", str(port), *role_args]  # fmt: skip
+    log = open(log_dir / f"{name}.log", "wb")
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)} if args.threads else None
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
+    wait_ready(port, name, proc=proc)
+    return proc, port
+
+
+def stream(url: str, max_tokens: int, times: list[float], stop: threading.Event) -> None:
+    """One decoding stream: the arrival time of every streamed chunk, restarted until `stop`."""
+    while not stop.is_set():
+        body = {"prompt": "once upon a time", "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=600) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    times.append(time.perf_counter())
+                if stop.is_set():
+                    return
+        times.append(None)  # a new request: no gap across it
+
+
+def long_prompt(url: str, n: int, vocab: int, rng: random.Random) -> float:
+    """TTFT of a prompt of `n` random token ids (nothing cached)."""
+    body = {"prompt": [rng.randrange(4, vocab) for _ in range(n)], "max_tokens": 1, "temperature": 0,
+            "cache_prompt": False, "stream": True}  # fmt: skip
+    t0 = time.perf_counter()
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=600) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                return time.perf_counter() - t0
+    raise SystemExit(f"long prompt got no token: {r.status_code}")
+
+
+def gaps(times: list, t0: float, t1: float) -> list[float]:
+    out = []
+    for a, b in zip(times, times[1:]):
+        if a is not None and b is not None and t0 <= a and b <= t1:
+            out.append(b - a)
+    return out
+
+
+def pct(xs: list[float], p: float) -> float | None:
+    if not xs:
+        return None
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(p / 100 * len(xs)))] * 1e3
+
+
+def _ok(pd: dict) -> list[dict]:
+    return [t for t in pd.get("recent", []) if not t.get("fallback") and t.get("place_ms") is not None]
+
+
+def _median(pd: dict, key: str) -> float | None:
+    values = [t[key] for t in _ok(pd)]
+    return statistics.median(values) if values else None
+
+
+def run_mode(mode: str, args, log_dir: Path) -> dict:
+    procs = []
+    try:
+        head_args = ["--parallel", str(args.streams + 1), "--rpc-pool-size", "4"]
+        if mode == "pd":
+            pw, pw_port = start(["--role", "prefill", "--parallel", "1"], args, log_dir, "prefill")
+            procs.append(pw)
+            head_args += ["--prefill-worker", f"127.0.0.1:{pw_port + 1}", "--prefill-threshold", str(args.threshold)]
+        head, port = start(head_args, args, log_dir, f"head-{mode}")
+        procs.append(head)
+        url = f"http://127.0.0.1:{port}"
+        vocab = httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["meta"]["n_vocab"]
+        rng = random.Random(0)
+        long_prompt(url, args.prompt_tokens, vocab, rng)  # warm the path once (both workers)
+        stop = threading.Event()
+        times = [[] for _ in range(args.streams)]
+        threads = [threading.Thread(target=stream, args=(url, args.stream_tokens, t, stop), daemon=True) for t in times]
+        for t in threads:
+            t.start()
+        time.sleep(args.warmup_s)
+        t_idle0 = time.perf_counter()
+        time.sleep(args.idle_s)
+        t_load0 = time.perf_counter()
+        ttft = []
+        while time.perf_counter() - t_load0 < args.duration_s:
+            t_next = time.perf_counter() + args.every_s
+            ttft.append(long_prompt(url, args.prompt_tokens, vocab, rng))
+            time.sleep(max(0.0, t_next - time.perf_counter()))
+        t_load1 = time.perf_counter()
+        stop.set()
+        idle = [g for ts in times for g in gaps(ts, t_idle0, t_load0)]
+        loaded = [g for ts in times for g in gaps(ts, t_load0, t_load1)]
+        status = httpx.get(f"{url}/status", timeout=10).json()
+        pd = status.get("pd") or {}
+        return {
+            "mode": mode,
+            "idle_itl_p50_ms": pct(idle, 50), "idle_itl_p99_ms": pct(idle, 99),
+            "itl_p50_ms": pct(loaded, 50), "itl_p99_ms": pct(loaded, 99),
+            "ttft_p50_ms": pct(ttft, 50), "ttft_max_ms": max(ttft) * 1e3, "long_prompts": len(ttft),
+            "transfers": pd.get("transfers"), "fallbacks": pd.get("fallbacks"),
+            "transfer_gb_s": pd["bytes"] / pd["seconds"] / 1e9 if pd.get("seconds") else None,
+            "transfer_mb_each": pd["bytes"] / pd["transfers"] / 1e6 if pd.get("transfers") else None,
+            # Of one transfer: the prefill worker copying the state out, this head placing it, and
+            # the rest of the move (framing, loopback, checksums on arrival).
+            "collect_ms_p50": _median(pd, "collect_ms"), "place_ms_p50": _median(pd, "place_ms"),
+            "wire_ms_p50": statistics.median(t["ms"] - t["prefill_ms"] - t["collect_ms"] - t["place_ms"] for t in _ok(pd))
+            if _ok(pd) else None,
+        }  # fmt: skip
+    finally:
+        for p in procs:
+            os.killpg(p.pid, 15)
+            p.wait(timeout=30)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="GGUF (default: a synthetic llama of --layers/--embd/--ff)")
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--embd", type=int, default=512)
+    ap.add_argument("--ff", type=int, default=1536)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--ctx", type=int, default=1024)
+    ap.add_argument("--streams", type=int, default=2)
+    ap.add_argument("--stream-tokens", type=int, default=256)
+    ap.add_argument("--prompt-tokens", type=int, default=512)
+    ap.add_argument("--every-s", type=float, default=2.0)
+    ap.add_argument("--duration-s", type=float, default=20.0)
+    ap.add_argument("--warmup-s", type=float, default=2.0)
+    ap.add_argument("--idle-s", type=float, default=5.0)
+    ap.add_argument("--threshold", type=int, default=64)
+    ap.add_argument("--modes", default="local,pd")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="OMP_NUM_THREADS of each worker (0: torch's default); 1 keeps a 2-core machine's head and "
+                         "prefill worker on a core each, as two devices would be")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        if args.model is None:
+            args.model = write_synthetic(tmp / "bench-pd.gguf", "llama", n_layers=args.layers, n_embd=args.embd, n_head=8,
+                                         n_head_kv=4, n_ff=args.ff, n_ctx=args.ctx)  # fmt: skip
+        rows = [run_mode(mode, args, tmp) for mode in args.modes.split(",")]
+    if args.json:
+        print(json.dumps(rows, indent=1))
+        return
+    fmt = lambda v: "—" if v is None else f"{v:.4g}" if isinstance(v, float) else str(v)  # noqa: E731
+    keys = list(rows[0])
+    print(" | ".join(keys))
+    for r in rows:
+        print(" | ".join(fmt(r[k]) for k in keys))
+
+
+if __name__ == "__main__":
+    main()

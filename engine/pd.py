@@ -1,0 +1,216 @@
+"""Prefill/decode disaggregation: a long prompt is prefilled on a prefill worker (`serve --role
+prefill`), its state comes back over the control protocol (PREFILL), and the decode head places
+each stage's layers on that stage (its own here, the peers' through STATE_PUT) and decodes.
+
+Decode side: `Disaggregator` decides which prompts go (at least `threshold` tokens not already in
+the slot's prompt cache), fetches their state with a `PrefillClient` off the engine thread, and
+hands it to the engine to place. Whatever goes wrong — the worker is down, slower than the
+deadline, dies mid-transfer, or its state is refused — the request is prefilled here instead,
+nothing lost, and the fallback is counted (`PdStats`: /status `pd`, /metrics `hydra_pd_*`).
+Prefill side: `serve_prefill` runs the prompt through this worker's own engine and answers with
+one slot state per range the decode head asked for.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+import threading
+import time
+from collections import Counter, deque
+from concurrent.futures import ThreadPoolExecutor
+
+from prometheus_client.core import CounterMetricFamily
+
+from ..contracts.rpc import STATE_PUT_CAP, ControlError, Op, Status, prove
+from ..contracts.slot_state import SlotStateError
+from ..contracts.status import Disaggregation, Transfer
+from . import slot_state
+from .rpc.client import parse_addr
+from .rpc.wire import FrameError, FrameTimeout, SocketReader, pack_control_request, read_control_response
+from .sequence import Request
+
+log = logging.getLogger("hydra.pd")
+
+CONNECT_TIMEOUT_S = 2.0
+RECENT = 16  # transfers kept for /status
+
+
+class PdFallback(Exception):
+    """The prompt is prefilled here after all; `reason` is what /metrics counts."""
+
+    def __init__(self, reason: str, detail: str):
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+
+
+class PrefillClient:
+    """One PREFILL exchange per prompt with the prefill worker's control port, within a deadline
+    for the whole exchange (connect, prefill, transfer)."""
+
+    def __init__(self, addr: str, auth_token: str | None, deadline_s: float):
+        self.addr = addr
+        self.host, self.port = parse_addr(addr)
+        self.auth_token = auth_token
+        self.deadline_s = deadline_s
+
+    def prefill(self, tokens: list[int], ranges: list, fingerprint: str) -> tuple[dict, bytes]:
+        """(reply meta, slot states) or PdFallback naming why not."""
+        t_end = time.monotonic() + self.deadline_s
+        try:
+            sock = socket.create_connection((self.host, self.port), timeout=min(CONNECT_TIMEOUT_S, self.deadline_s))
+        except OSError as e:
+            raise PdFallback("down", f"prefill worker {self.addr} unreachable: {e.strerror or e}") from None
+        request = {"tokens": list(tokens), "ranges": [list(r) for r in ranges], "fingerprint": fingerprint}
+        try:
+            with sock:
+                reader = SocketReader(sock)
+                reader.expect(t_end - time.monotonic())
+                if self.auth_token:
+                    challenge = self._exchange(sock, reader, Op.AUTH, b"")
+                    self._exchange(sock, reader, Op.AUTH, prove(self.auth_token, bytes.fromhex(challenge.meta["nonce"])))
+                reply = self._exchange(sock, reader, Op.PREFILL, json.dumps(request).encode())
+        except (FrameTimeout, socket.timeout):
+            raise PdFallback("deadline", f"prefill worker {self.addr} did not answer within {self.deadline_s:g} s") from None
+        except (FrameError, OSError, KeyError, ValueError) as e:
+            raise PdFallback("transfer", f"prefill worker {self.addr} failed mid-transfer: {e}") from None
+        return reply.meta, reply.payload
+
+    def _exchange(self, sock, reader: SocketReader, op: int, payload: bytes):
+        sock.sendall(pack_control_request(op, payload))
+        reply = read_control_response(reader, STATE_PUT_CAP)
+        if reply.status != Status.OK:
+            raise PdFallback("refused", f"prefill worker {self.addr}: {reply.meta.get('error', reply.status)}")
+        return reply
+
+
+class PdStats:
+    """Counters both roles report: transfers and fallbacks (decode head), prefills served."""
+
+    def __init__(self, prefill_worker: str | None = None, threshold: int = 0):
+        self.prefill_worker, self.threshold = prefill_worker, threshold
+        self.lock = threading.Lock()
+        self.transfers = self.bytes = self.served = self.served_bytes = 0
+        self.seconds = 0.0
+        self.fallbacks: Counter[str] = Counter()
+        self.recent: deque[Transfer] = deque(maxlen=RECENT)
+
+    def record(self, t: Transfer) -> None:
+        with self.lock:
+            self.recent.append(t)
+            if t.fallback:
+                self.fallbacks[t.fallback] += 1
+            else:  # moving time: the prefill worker's compute is not the transfer's
+                self.transfers += 1
+                self.bytes += t.bytes
+                self.seconds += (t.ms - (t.prefill_ms or 0.0)) / 1e3
+
+    def served_one(self, n_bytes: int) -> None:
+        with self.lock:
+            self.served += 1
+            self.served_bytes += n_bytes
+
+    def status(self) -> dict:
+        with self.lock:
+            return {"pd": Disaggregation(self.prefill_worker, self.threshold, self.transfers, self.bytes,
+                                         round(self.seconds, 6), sum(self.fallbacks.values()), dict(self.fallbacks),
+                                         self.served, self.served_bytes, list(self.recent))}  # fmt: skip
+
+    def collect(self):
+        with self.lock:
+            yield CounterMetricFamily("hydra_pd_transfers", "Prompt states fetched from the prefill worker and placed.",
+                                      value=self.transfers)  # fmt: skip
+            yield CounterMetricFamily("hydra_pd_transfer_bytes", "Bytes of prompt state fetched.", value=self.bytes)
+            yield CounterMetricFamily("hydra_pd_transfer_seconds", "Time moving prompt states: fetch + placement, "
+                                      "less the prefill worker's compute.", value=self.seconds)  # fmt: skip
+            fb = CounterMetricFamily("hydra_pd_fallbacks", "Prompts prefilled locally after all, by reason.", labels=["reason"])
+            for reason in ("down", "deadline", "transfer", "refused"):
+                fb.add_metric([reason], self.fallbacks[reason])
+            yield fb
+            yield CounterMetricFamily("hydra_pd_prefills_served", "PREFILL requests this worker answered.", value=self.served)
+            yield CounterMetricFamily("hydra_pd_served_bytes", "Bytes of prompt state this worker sent.", value=self.served_bytes)
+
+
+class Disaggregator:
+    """The decode head's side: which prompts go to the prefill worker, and fetching their state."""
+
+    def __init__(self, client: PrefillClient, threshold: int, pipeline, stats: PdStats):
+        self.client, self.threshold, self.pipeline, self.stats = client, threshold, pipeline, stats
+        self._pool = ThreadPoolExecutor(2, thread_name_prefix="hydra-pd")
+
+    def wants(self, seq) -> bool:
+        """A prompt with at least `threshold` tokens to compute (beyond the slot's cached prefix;
+        the last one runs here: its logits pick the first token). Scored prompts need every row."""
+        return seq.req.prompt_logprobs is None and seq.n_prompt - 1 - seq.n_past >= self.threshold
+
+    def start(self, seq, place, done) -> None:
+        """Fetch `seq`'s prompt state in the background; `place(payload, tokens)` puts it in the
+        slot (raises to refuse), `done(transfer)` always follows."""
+        self._pool.submit(self._run, seq, place, done)
+
+    def _run(self, seq, place, done) -> None:
+        tokens = seq.tokens[: seq.n_prompt - 1]
+        t0 = time.perf_counter()
+        n_bytes, prefill_ms, collect_ms, place_ms, fallback, error = 0, None, None, None, None, None
+        try:
+            meta, payload = self.client.prefill(tokens, self.pipeline.ranges, self.pipeline.local.g.fingerprint)
+            n_bytes, prefill_ms, collect_ms = len(payload), meta.get("prefill_ms"), meta.get("collect_ms")
+            t_place = time.perf_counter()
+            try:
+                place(payload, tokens)
+                place_ms = round((time.perf_counter() - t_place) * 1e3, 3)
+            except Exception as e:  # a state this head will not take: the slot is as it was
+                raise PdFallback("refused", str(e)) from None
+        except PdFallback as e:
+            fallback, error = e.reason, str(e)
+            log.warning("request %d prefills here: %s", seq.req.id, e)
+        except Exception as e:  # a bug must not lose the request: it prefills here
+            log.exception("prompt state transfer failed")
+            fallback, error = "transfer", f"{type(e).__name__}: {e}"
+        transfer = Transfer(seq.req.id, len(tokens), n_bytes, round((time.perf_counter() - t0) * 1e3, 3), prefill_ms,
+                            fallback, error, collect_ms, place_ms)  # fmt: skip
+        self.stats.record(transfer)
+        done(transfer)
+
+    def stop(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def serve_prefill(engine, pipeline, request: dict, stats: PdStats) -> tuple[dict, list]:
+    """PREFILL on a prefill worker: run `tokens` through this worker's engine (its prompt cache
+    helps), then answer one slot state per range asked for, regrouped from this worker's own
+    stages. The slot is held (engine lock) from the moment the prompt is done until its state is
+    copied out."""
+    try:
+        tokens = [int(t) for t in request["tokens"]]
+        ranges = [(int(a), int(b)) for a, b in request["ranges"]]
+        fingerprint = str(request["fingerprint"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise ControlError(f"PREFILL needs tokens, ranges and fingerprint: {e!r}", Status.BAD_REQUEST) from None
+    ours = pipeline.local.g.fingerprint
+    if fingerprint != ours:
+        raise ControlError(f"PREFILL for model {fingerprint}, this worker serves {ours}", Status.BAD_REQUEST)
+    if not tokens:
+        raise ControlError("PREFILL of no tokens", Status.BAD_REQUEST)
+    t0 = time.perf_counter()
+    try:
+        events = list(engine.generate(Request(tokens, max_tokens=0), timeout=None))
+    except Exception as e:  # bad token ids, too long, overloaded: the decode head prefills itself
+        raise ControlError(f"PREFILL refused: {e}", Status.BAD_REQUEST) from None
+    if events and events[-1].error is not None:
+        raise ControlError(f"PREFILL failed: {events[-1].error}")
+    t1 = time.perf_counter()
+    states = engine.held_state(tokens, pipeline.collect_state)
+    if states is None:
+        raise ControlError("the prefilled slot was taken before its state was copied out: retry", Status.BUSY)
+    try:  # the asker's split is ours (the common case): the states go as they are
+        same = ranges == [tuple(r) for r in pipeline.ranges]
+        parts = states if same else slot_state.regroup(slot_state.read_all(b"".join(states)), ranges)
+    except SlotStateError as e:
+        raise ControlError(str(e), Status.BAD_REQUEST) from None
+    sizes = [memoryview(p).nbytes for p in parts]
+    stats.served_one(sum(sizes))
+    meta = {"n_tokens": len(tokens), "sizes": sizes, "prefill_ms": round((t1 - t0) * 1e3, 3),
+            "collect_ms": round((time.perf_counter() - t1) * 1e3, 3)}  # fmt: skip
+    return meta, list(parts)

@@ -1,0 +1,267 @@
+"""Prefill/decode disaggregation and the state ops, with real workers on loopback: a decode head
+(solo, or split with a peer) sends long prompts to a `serve --role prefill` worker, pulls their
+state (PREFILL), places each stage's layers (peers through STATE_PUT) and decodes: greedy output
+equals the head's own prefill, token for token; every failure falls back to a local prefill and
+is counted; bad states are refused and leave the slot as it was."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import threading
+
+import httpx
+import pytest
+import torch
+from rpc_workers import Worker, free_ports, greedy, head, peer, running
+
+from hydra_console.contracts.rpc import Op, Status
+from hydra_console.contracts.slot_state import SlotHeader
+from hydra_console.engine.gguf_file import GGUFFile
+from hydra_console.engine.model import ModelConfig
+from hydra_console.engine.rpc.client import PeerError, RemoteStage
+from hydra_console.engine.rpc.wire import SocketReader, pack_control_request, read_control_response
+
+LONG = "the quick brown fox jumps over the lazy dog and keeps running far away " * 3
+SHAPE = {"n_layers": 4}
+
+
+def prefill_worker(model, log_dir, *extra) -> Worker:
+    port, rpc = free_ports(2)
+    argv = ["--model", str(model), "--device", "cpu", "--dtype", "float32", "--parallel", "2", "--ctx", "256",
+            "--role", "prefill", *extra]  # fmt: skip
+    return Worker("serve", argv, log_dir, port, rpc)
+
+
+def pd_head(model, log_dir, prefill_addr, peers=(), *extra) -> Worker:
+    return head(model, log_dir, peers, "--dtype", "float32", "--prefill-worker", prefill_addr, "--prefill-threshold", "8",
+                *extra)  # fmt: skip
+
+
+def metric(w: Worker, name: str) -> float:
+    text = httpx.get(f"{w.url}/metrics", timeout=10).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
+
+
+def test_greedy_with_pd_equals_greedy_without_solo_and_split(tiny_model, tmp_path):
+    model = tiny_model("llama", **SHAPE)
+    with running(prefill_worker(model, tmp_path)) as pw, running(head(model, tmp_path, (), "--dtype", "float32")) as ref:
+        want = [greedy(ref, LONG + str(i), 12)[0] for i in range(2)]
+        with running(pd_head(model, tmp_path, pw.rpc_addr)) as solo:
+            assert [greedy(solo, LONG + str(i), 12)[0] for i in range(2)] == want
+            pd = solo.status()["pd"]
+            assert pd["transfers"] == 2 and pd["fallbacks"] == 0 and pd["bytes"] > 0
+            assert metric(solo, "hydra_pd_transfers_total") == 2
+        with running(peer(model, tmp_path)) as p, running(pd_head(model, tmp_path, pw.rpc_addr, [p], "--split", "2/2")) as split:
+            assert [greedy(split, LONG + str(i), 12)[0] for i in range(2)] == want
+            assert split.status()["pd"]["transfers"] == 2
+            assert p.status()["resident"]["state_bytes_in"] > 0  # the peer's layers went in through STATE_PUT
+        assert pw.status()["role"] == "prefill" and pw.status()["pd"]["served"] == 4
+        r = httpx.post(f"{pw.url}/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=30)
+        assert r.status_code == 400 and "only prefills" in r.json()["error"]["message"]
+
+
+class CutRelay:
+    """A TCP relay in front of the prefill worker's RPC port. With `cut` set, it forwards the first
+    bytes of the next reply, signals `mid_transfer` and holds the rest until the connection drops:
+    the test kills the worker right then, mid-transfer."""
+
+    def __init__(self, upstream: tuple[str, int]):
+        self.upstream, self.cut = upstream, False
+        self.mid_transfer, self.killed = threading.Event(), threading.Event()
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.addr = f"127.0.0.1:{self.sock.getsockname()[1]}"
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self):
+        while True:
+            try:
+                down, _ = self.sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._relay, args=(down,), daemon=True).start()
+
+    def _relay(self, down):
+        try:
+            up = socket.create_connection(self.upstream)
+        except OSError:
+            down.close()
+            return
+        cut, self.cut = self.cut, False
+        threading.Thread(target=self._pump, args=(down, up), daemon=True).start()
+        sent = 0
+        with up, down, contextlib.suppress(OSError):
+            while data := _recv(up):
+                if cut and sent + len(data) > 64:
+                    down.sendall(data[: 64 - sent])
+                    self.mid_transfer.set()
+                    self.killed.wait(30)
+                    down.shutdown(socket.SHUT_RDWR)  # the head sees the stream end mid-reply
+                    return
+                down.sendall(data)
+                sent += len(data)
+
+    @staticmethod
+    def _pump(src, dst):
+        while data := _recv(src):
+            try:
+                dst.sendall(data)
+            except OSError:
+                return
+
+    def close(self):
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)  # wakes the accept(): the port stops listening
+        self.sock.close()
+
+
+def _recv(s) -> bytes:
+    try:
+        return s.recv(1 << 16)
+    except OSError:
+        return b""
+
+
+def test_prefill_worker_slow_killed_mid_transfer_or_down_falls_back_and_is_counted(tiny_model, tmp_path):
+    model = tiny_model("llama", **SHAPE)
+    pw = prefill_worker(model, tmp_path)
+    relay = None
+    try:
+        pw.wait_ready()
+        relay = CutRelay(("127.0.0.1", pw.rpc_port))
+        with running(pd_head(model, tmp_path, relay.addr, (), "--prefill-deadline", "3")) as w:
+            want = greedy(w, LONG, 12)[0]  # through the prefill worker
+            assert w.status()["pd"]["transfers"] == 1
+
+            os.killpg(pw.proc.pid, signal.SIGSTOP)  # slow: past the deadline
+            assert greedy(w, LONG, 12)[0] == want
+            os.killpg(pw.proc.pid, signal.SIGCONT)
+
+            relay.cut = True  # killed mid-transfer
+            result = {}
+            t = threading.Thread(target=lambda: result.setdefault("text", greedy(w, LONG, 12)[0]))
+            t.start()
+            assert relay.mid_transfer.wait(60), "the prefill worker never started answering"
+            pw.kill9()
+            relay.killed.set()
+            t.join(60)
+            assert result["text"] == want
+
+            relay.close()  # down: nothing listens any more
+            assert greedy(w, LONG, 12)[0] == want
+
+            pd = w.status()["pd"]
+            assert pd["fallback_reasons"] == {"deadline": 1, "transfer": 1, "down": 1}, pd
+            assert [t["fallback"] for t in pd["recent"]] == [None, "deadline", "transfer", "down"]
+            for reason in ("deadline", "transfer", "down"):
+                assert metric(w, f'hydra_pd_fallbacks_total{{reason="{reason}"}}') == 1
+    finally:
+        if relay is not None:
+            relay.close()
+        if pw.proc.poll() is None:
+            os.killpg(pw.proc.pid, signal.SIGCONT)
+        pw.stop()
+
+
+def control(w: Worker, op: int, payload: bytes = b"", slot: int = 0):
+    with socket.create_connection(("127.0.0.1", w.rpc_port), timeout=30) as s:
+        s.sendall(pack_control_request(op, payload, key=str(slot).encode()))
+        return read_control_response(SocketReader(s), 1 << 30)
+
+
+def _respoiled(blob: bytes, **header) -> bytes:
+    """The same state under another header (another model's fingerprint, another layer range)."""
+    view = memoryview(blob)
+    pos = 0
+
+    def read(n):
+        nonlocal pos
+        pos += n
+        return bytes(view[pos - n : pos])
+
+    h = SlotHeader.decode(read)
+    doc = {**h.__dict__, **header}
+    return SlotHeader(**doc).encode() + bytes(view[pos:])
+
+
+def test_peer_state_ops_refuse_bad_states_and_leave_the_slot_as_it_was(tiny_model, tmp_path):
+    """STATE_META/GET/PUT on a real peer, driven as its head drives it (RemoteStage)."""
+    model = tiny_model("llama", **SHAPE)
+    g = GGUFFile(model)
+    with running(peer(model, tmp_path)) as p:
+        remote = RemoteStage(p.rpc_addr, (2, 4), g=g, dtype=torch.float32, n_slots=2, n_ctx=64)
+        remote.attach()
+        torch.manual_seed(0)
+        hidden = torch.randn(6, ModelConfig.from_gguf(g).n_embd)
+        tokens = [5, 6, 7, 8, 9]
+        remote.run_layers(hidden[:5], torch.zeros(5, dtype=torch.long), torch.arange(5))
+        meta = remote.state_meta(0)
+        assert meta["n_tokens"] == 5 and meta["layers"] == [[2, 4]] and meta["fingerprint"] == g.fingerprint
+        blob = remote.state_get(0, tokens)
+        bad = {
+            "checksum": blob[:-20] + bytes([blob[-20] ^ 1]) + blob[-19:],
+            "of model": _respoiled(blob, fingerprint="another-model"),
+            "holds layers": _respoiled(blob, layers=[0, 2]),
+            "truncated": blob[:-100],
+        }
+        for reason, state in bad.items():
+            with pytest.raises(PeerError, match=reason):
+                remote.state_put(0, state)
+            assert remote.state_get(0, tokens) == blob  # the slot as it was; the session still in sync
+        remote.state_put(1, blob)  # a good state: slot 1 continues exactly as slot 0
+        step = lambda slot: remote.run_layers(hidden[5:], torch.tensor([slot]), torch.tensor([5]))  # noqa: E731
+        assert torch.equal(step(0), step(1))
+        remote.close()
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["solo", "split"])
+def test_a_saved_slot_survives_a_head_restart_and_bad_files_leave_it_intact(tiny_model, tmp_path, split):
+    model, other = tiny_model("llama", **SHAPE), tiny_model("llama", n_layers=6)
+    peers = [peer(model, tmp_path)] if split else []
+    extra = ["--dtype", "float32", "--slot-save-path", str(tmp_path), *(["--split", "2/2"] if split else [])]
+    act = lambda w, action, name: httpx.post(f"{w.url}/slots/0", params={"action": action},  # noqa: E731
+                                             json={"filename": name}, timeout=30)  # fmt: skip
+    complete = lambda w: httpx.post(f"{w.url}/v1/completions", json={"prompt": LONG, "max_tokens": 8, "temperature": 0},  # noqa: E731
+                                    timeout=60).json()  # fmt: skip
+    try:
+        for p in peers:
+            p.wait_ready()
+        with running(head(model, tmp_path, peers, *extra, parallel=1)) as w:
+            first = complete(w)["choices"][0]["text"]
+            saved = act(w, "save", "good.bin").json()
+            assert saved["n_saved"] > 0
+        blob = (tmp_path / "good.bin").read_bytes()
+        (tmp_path / "corrupt.bin").write_bytes(blob[:-20] + bytes([blob[-20] ^ 1]) + blob[-19:])
+        (tmp_path / "other.bin").write_bytes(_respoiled(blob, fingerprint=GGUFFile(other).fingerprint))
+        with running(head(model, tmp_path, peers, *extra, parallel=1)) as w:  # restarted
+            assert act(w, "restore", "good.bin").json()["n_restored"] == saved["n_saved"]
+            for name, reason in (("corrupt.bin", "checksum"), ("other.bin", "of model")):
+                r = act(w, "restore", name)
+                assert r.status_code == 400 and reason in r.json()["error"]["message"], r.text
+            # The same through the head's control port: STATE_META / STATE_GET / STATE_PUT on the pipeline.
+            meta = control(w, Op.STATE_META)
+            assert meta.status == Status.OK and meta.meta["n_tokens"] == saved["n_saved"]
+            assert meta.meta["layers"] == ([[0, 2], [2, 4]] if split else [[0, 4]])
+            got = control(w, Op.STATE_GET)
+            assert got.status == Status.OK and got.payload == blob  # what the file holds
+            r = control(w, Op.STATE_PUT, got.payload[:-20] + bytes([got.payload[-20] ^ 1]) + got.payload[-19:])
+            assert r.status == Status.BAD_REQUEST and "checksum" in r.meta["error"]
+            assert control(w, Op.STATE_PUT, got.payload).meta["n_tokens"] == saved["n_saved"]
+            again = complete(w)
+            assert again["choices"][0]["text"] == first
+            assert again["timings"]["cache_n"] > 0  # continued from the restored slot
+    finally:
+        for p in peers:
+            p.stop()
+
+
+def test_a_hybrid_models_recurrent_state_moves_too(tiny_model, tmp_path):
+    """qwen35: DeltaNet conv/ssm state travels with the attention layers' KV; greedy is unchanged."""
+    model = tiny_model("qwen35", n_layers=4)
+    with running(prefill_worker(model, tmp_path)) as pw, running(head(model, tmp_path, (), "--dtype", "float32")) as ref:
+        want = greedy(ref, LONG, 12)[0]
+        with running(pd_head(model, tmp_path, pw.rpc_addr)) as w:
+            assert greedy(w, LONG, 12)[0] == want
+            assert w.status()["pd"]["transfers"] == 1
