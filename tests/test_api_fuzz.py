@@ -22,7 +22,8 @@ schema = schemathesis.pytest.from_fixture("api_schema")
 @settings(max_examples=12, deadline=None, suppress_health_check=list(HealthCheck))
 def test_no_server_errors(case):
     response = case.call(timeout=60)
-    assert response.status_code < 500, f"{case.method} {case.path} {case.body!r}: {response.text[:500]}"
+    # 501: a feature this server was not started with (llama-server's answer, e.g. /embeddings without --embedding)
+    assert response.status_code < 500 or response.status_code == 501, f"{case.method} {case.path} {case.body!r}: {response.text[:500]}"
     if response.status_code >= 400:
         err = response.json()["error"]
         assert set(err) == {"message", "type", "param", "code"} and err["message"]

@@ -3,6 +3,7 @@ log, and the RPC port's pool as the console shows them: a real head, the real op
 
 from __future__ import annotations
 
+import re
 import threading
 
 import openai
@@ -17,17 +18,23 @@ def test_requests_slots_queue_latency_and_access_log(tiny_model, tmp_path):
     with running(head(model, tmp_path, parallel=1, ctx=256)) as h:
         client = openai.OpenAI(base_url=f"{h.url}/v1", api_key="unused", max_retries=0, timeout=120)
 
-        def ask():
-            client.completions.create(model="m", prompt="count with me", max_tokens=40, temperature=0,
+        def ask(max_tokens=40):
+            client.completions.create(model="m", prompt="count with me", max_tokens=max_tokens, temperature=0,
                                       extra_body={"ignore_eos": True})  # fmt: skip
 
-        threads = [threading.Thread(target=ask) for _ in range(3)]
+        # The first request holds the one slot for the rest of the context (its first token is out
+        # before the others start); the other two then wait, and /status says so while they do.
+        first = client.completions.create(model="m", prompt="count with me", max_tokens=230, temperature=0,
+                                          stream=True, extra_body={"ignore_eos": True})  # fmt: skip
+        next(iter(first))
+        threads = [threading.Thread(target=ask) for _ in range(2)]
         for t in threads:
             t.start()
-        # One slot, three requests: two wait, and /status says so while they do.
         busy = wait_for(lambda: (r := Status.from_json(h.status()).requests) and r.queued >= 1 and r, 60, "a queue")
         assert busy.slots_busy == busy.slots_total == 1
         assert "slots 1/1 · queue " in display.requests_text(Status.from_json(h.status()))
+        for _ in first:  # read the first request to its end
+            pass
         for t in threads:
             t.join(120)
         r = Status.from_json(h.status()).requests
@@ -37,7 +44,8 @@ def test_requests_slots_queue_latency_and_access_log(tiny_model, tmp_path):
         # Queued requests waited for the slot: their time to first token counts the wait.
         assert r.ttft_p99_ms > r.itl_p50_ms
         access = [ln for ln in h.log().splitlines() if "POST /v1/completions 200" in ln]
-        assert len(access) == 3 and all("in=" in ln and "out=40" in ln and ln.rstrip().endswith("ms") for ln in access)
+        assert len(access) == 3 and all("in=" in ln and "out=" in ln and ln.rstrip().endswith("ms") for ln in access)
+        assert sorted(int(re.search(r"out=(\d+)", ln).group(1)) for ln in access) == [40, 40, 230]
         assert display.ACCESS_LINE.search(access[0])
         process = Status.from_json(h.status()).process  # the worker's own memory, not the machine's
         assert process.rss > 0 and process.gpu_memory is None  # a CPU worker
