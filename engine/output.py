@@ -48,8 +48,8 @@ class OutputProcessor:
             st.t_first = time.perf_counter()
             self.stats.add_prompt(seq.n_prompt, st.t_first - seq.t_start)
         new = seq.tokens[st.n_seen :]
-        if seq.finish_reason == "stop":  # only end-of-generation finishes as "stop" before this point
-            new = new[:-1]  # that token counts in usage but is never shown
+        if seq.at_eog:
+            new = new[:-1]  # the end-of-generation token counts in usage but is never shown
         logprobs = sampled.logprobs if sampled is not None else [None] * len(new)
         at_stop_string = False
         for i, tid in enumerate(new):

@@ -14,6 +14,7 @@ from .sampling import Sampler, SamplingParams, TokenLogprob
 
 if TYPE_CHECKING:
     from .speculative import SpecConfig
+    from .structured import Constraint
 
 
 @dataclass
@@ -50,6 +51,7 @@ class Request:
     prompt_logprobs: int | None = None  # score the prompt: logprob of each prompt token + top N
     spec: SpecConfig | None = None  # this request's speculative decoding; None: the engine's default
     cache_prompt: bool = True  # reuse the KV of a prefix a slot already holds (llama-server's default)
+    constraint: Constraint | None = None  # structured output: this request's own grammar matcher
     sink: Callable[[Event], None] = lambda ev: None
     id: int = 0
     cancelled: bool = False
@@ -72,6 +74,7 @@ class Sequence:
         self.n_accepted = 0
         self.t_start = time.perf_counter()  # when it took the slot: its prompt time counts from here
         self.finish_reason: str | None = None
+        self.at_eog = False  # it ended on an end-of-generation token (counted, never shown)
 
     @property
     def prefilling(self) -> bool:
@@ -80,6 +83,8 @@ class Sequence:
     def append(self, tid: int) -> None:
         self.tokens.append(tid)
         self.n_gen += 1
+        if self.req.constraint is not None:
+            self.req.constraint.advance(tid)
 
     def take_back(self, n: int) -> None:
         """Forget the last `n` generated tokens: a stop string ended the text before them."""
