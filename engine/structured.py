@@ -66,7 +66,7 @@ class _TokenSource:
     def __call__(self, text: str | bytes) -> list[int]:
         if isinstance(text, bytes):
             text = text.decode("utf-8", "replace")
-        return self._tok.encode(text, add_special=False, parse_special=False)
+        return self._tok.encode(text, add_special=False, parse_special=False, space_prefix=False)
 
 
 class Constraint:
