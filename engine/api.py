@@ -67,7 +67,7 @@ class _Common(BaseModel):
     cache_prompt: bool = True  # llama-server: reuse the KV of a prefix a slot already holds
     n: int = Field(1, ge=1, le=MAX_CHOICES, description="choices: one engine request each")
     # OpenAI's {"token id": bias}; llama-server's [[id or text, bias]] too; a bias of false bans the token
-    logit_bias: Union[dict[str, Union[float, bool]], list[list[Any]], None] = None
+    logit_bias: Union[dict[str, Any], list[Any], None] = None  # checked by _logit_bias
     # Structured output (engine/structured.py): at most one of these
     response_format: dict[str, Any] | None = None
     json_schema: dict[str, Any] | None = None  # llama-server
@@ -187,7 +187,7 @@ def _logit_bias(head: Head, raw) -> tuple[tuple[int, float], ...]:
     pairs = raw.items() if isinstance(raw, dict) else raw
     out: dict[int, float] = {}
     for pair in pairs:
-        if len(pair) != 2:
+        if not isinstance(pair, (tuple, list)) or len(pair) != 2:
             raise APIError(400, f"logit_bias entries are [token, bias] pairs, got {pair!r}", param="logit_bias")
         key, bias = pair
         if bias is False:
