@@ -1,8 +1,8 @@
 """Per-token cost of structured output: a JSON-schema request vs the same request unconstrained.
 
-    python benchmarks/bench_structured.py [--device cpu|cuda] [--dtype auto] [--tokens 64] [--batch 1] [--repeats 5]
+    python benchmarks/bench_structured.py [--device cpu|cuda] [--dtype auto] [--tokens 64] [--batch 1] [--repeats 5] [--model GGUF]
 
-Runs the default model in an in-process Engine (the server's engine, without HTTP). Each round
+Runs the default model (or `--model`) in an in-process Engine (the server's engine, without HTTP). Each round
 first runs `--batch` greedy requests under a JSON schema whose one long string field lets the model
 write up to `--tokens` tokens, then the same requests unconstrained for exactly as many tokens
 each. Prints decode ms/token both ways (the engine's own `predicted_per_token_ms`, median of the
@@ -84,9 +84,10 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--model", default=None, help="GGUF (default: the default model)")
     args = ap.parse_args()
 
-    g = GGUFFile(default_model_path())
+    g = GGUFFile(args.model or default_model_path())
     tok = Tokenizer.from_gguf(g)
     n_ctx = 512
     stage = build_stage(g, device=args.device, dtype=args.dtype, n_slots=args.batch, n_ctx=n_ctx)
