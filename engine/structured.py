@@ -112,7 +112,7 @@ class Grammars:
         self._tok = tok
         self._lock = threading.Lock()
         self._lltok: llguidance.LLTokenizer | None = None
-        self._executor: llguidance.LLExecutor | None = None
+        self._executor = llguidance.LLExecutor()  # computes a batch's masks in parallel
 
     @property
     def tokenizer(self) -> llguidance.LLTokenizer:
@@ -120,7 +120,6 @@ class Grammars:
             if self._lltok is None:
                 wrapper = llguidance.TokenizerWrapper(_TokenSource(self._tok))
                 self._lltok = llguidance.LLTokenizer(wrapper, eos_token=sorted(self._tok.eog_ids))
-                self._executor = llguidance.LLExecutor()
             return self._lltok
 
     @property
@@ -138,7 +137,6 @@ class Grammars:
     def bitmask(self, constraints: list[Constraint], pinned: bool) -> torch.Tensor:
         """`[len(constraints), W]` int32: each constraint's next-token mask, computed in parallel."""
         out = torch.empty((len(constraints), self.words), dtype=torch.int32, pin_memory=pinned)
-        self.tokenizer  # noqa: B018  (builds the executor too)
         self._executor.unsafe_compute_mask_ptr([(c.matcher, i) for i, c in enumerate(constraints)],
                                                out.data_ptr(), self.words * 4, len(constraints))  # fmt: skip
         return out
