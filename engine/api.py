@@ -243,9 +243,13 @@ async def _choices(head: Head, body: _Common, req: EngineRequest) -> list[Engine
     own seed (seed + index), so seeded sampled choices differ and each one is reproducible."""
     from dataclasses import replace
 
+    engine = head.engine
+    if engine.max_queue is not None and body.n > engine.n_slots + engine.max_queue:
+        raise APIError(400, f"n={body.n} choices are more than this server holds at once ({engine.n_slots} slots + "
+                            f"--max-queue {engine.max_queue})", param="n")  # fmt: skip
     grammar = await asyncio.to_thread(_grammar, body)
     if grammar is not None:  # built on the model's llguidance tokenizer: the first one builds it (seconds)
-        req.constraint = await asyncio.to_thread(head.engine.grammars.constraint, *grammar)
+        req.constraint = await asyncio.to_thread(engine.grammars.constraint, *grammar)
     reqs = [req]
     for i in range(1, body.n):
         params = req.params if req.params.seed is None else replace(req.params, seed=(req.params.seed + i) % 2**64)

@@ -90,11 +90,15 @@ class Constraint:
     def finished(self) -> bool:
         return self.matcher.is_stopped() or self.matcher.is_error()
 
+    def valid_prefix(self, tokens: list[int]) -> int:
+        """How many of `tokens` the grammar accepts in a row from here (the state is unchanged)."""
+        return self.matcher.validate_tokens(tokens)
+
     def draft_bitmask(self, draft: list[int], out: torch.Tensor) -> None:
         """`out[k+1, W]`: row i allows what may follow the emitted tokens plus `draft[:i]`. Rows
         after the first draft token the grammar refuses allow everything: that token is masked in
         its own row, so the accept step stops there and never reads them."""
-        n = self.matcher.validate_tokens(draft)
+        n = self.valid_prefix(draft)
         out[n + 1 :] = -1
         for i in range(n + 1):
             self.fill_bitmask(out[i])
