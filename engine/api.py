@@ -35,6 +35,7 @@ if TYPE_CHECKING:  # the engine's modules bring torch: imported when the model l
 
 DISCONNECT_POLL_S = 0.25
 MAX_LOGPROBS = 20  # = sampling.MAX_LOGPROBS, which also checks it
+MAX_CHOICES = 128  # OpenAI's bound on `n`
 
 
 def _loc_param(loc) -> str | None:
@@ -65,7 +66,13 @@ class _Common(BaseModel):
     stream_options: dict[str, Any] | None = None
     ignore_eos: bool = False
     cache_prompt: bool = True  # llama-server: reuse the KV of a prefix a slot already holds
-    n: int = Field(1, ge=1, le=1, description="only one choice per request is supported")
+    n: int = Field(1, ge=1, le=MAX_CHOICES, description="choices: one engine request each")
+    # OpenAI's {"token id": bias}; llama-server's [[id or text, bias]] too; a bias of false bans the token
+    logit_bias: Union[dict[str, Any], list[Any], None] = None  # checked by _logit_bias
+    # Structured output (engine/structured.py): at most one of these
+    response_format: dict[str, Any] | None = None
+    json_schema: dict[str, Any] | None = None  # llama-server
+    grammar: str | None = None  # llama-server: GBNF (or Lark)
     # Speculative decoding for this request: {"type": "off"|"ngram"|"draft", "n_max", "n_min", "p_min"},
     # or llama-server's flat fields; checked against the server's drafters by the engine's Speculator.
     speculative: Union[bool, dict[str, Any], None] = None
@@ -164,12 +171,100 @@ def _chat_logprob_content(head: Head, tokens: list[GenToken], as_ids: bool) -> l
     ]
 
 
-def _sampling(body: _Common, logprobs: int | None) -> SamplingParams:
+def _sampling(head: Head, body: _Common, logprobs: int | None) -> SamplingParams:
     from .sampling import SamplingParams
 
     given = {k: getattr(body, k) for k in ("temperature", "top_p", "top_k", "min_p", "repeat_penalty",
                                           "repeat_last_n", "presence_penalty", "frequency_penalty", "seed")}  # fmt: skip
-    return SamplingParams(**{k: v for k, v in given.items() if v is not None}, logprobs=logprobs)
+    return SamplingParams(**{k: v for k, v in given.items() if v is not None}, logprobs=logprobs,
+                          logit_bias=_logit_bias(head, body.logit_bias))  # fmt: skip
+
+
+def _logit_bias(head: Head, raw) -> tuple[tuple[int, float], ...]:
+    """(token id, bias) pairs from OpenAI's map or llama-server's pairs; a text key biases each of
+    its tokens, `false` bans."""
+    if not raw:
+        return ()
+    pairs = raw.items() if isinstance(raw, dict) else raw
+    out: dict[int, float] = {}
+    for pair in pairs:
+        if not isinstance(pair, (tuple, list)) or len(pair) != 2:
+            raise APIError(400, f"logit_bias entries are [token, bias] pairs, got {pair!r}", param="logit_bias")
+        key, bias = pair
+        if bias is False:
+            bias = float("-inf")
+        elif isinstance(bias, bool) or not isinstance(bias, (int, float)) or bias != bias or abs(bias) == float("inf"):
+            raise APIError(400, f"logit_bias for {key!r} must be a finite number or false, got {bias!r}", param="logit_bias")
+        if isinstance(key, int) and not isinstance(key, bool) or isinstance(key, str) and key.lstrip("-").isdigit():
+            ids = [int(key)]
+        elif isinstance(key, str):
+            ids = head.tok.encode(key, add_special=False, parse_special=False)
+        else:
+            raise APIError(400, f"logit_bias keys are token ids or text, got {key!r}", param="logit_bias")
+        for t in ids:
+            if not 0 <= t < head.tok.vocab_size:
+                raise APIError(400, f"logit_bias token id {t} is outside the vocabulary of {head.tok.vocab_size}", param="logit_bias")
+            out[t] = float(bias)
+    return tuple(out.items())
+
+
+def _grammar(body: _Common) -> tuple[str, str] | None:
+    """(the compiled llguidance grammar, the field it came from) of a structured-output request."""
+    from .structured import compile_grammar
+
+    sources = []
+    rf = body.response_format
+    if rf is not None:
+        kind = rf.get("type")
+        if kind == "json_object":  # llama-server also takes a schema here
+            sources.append(("json_schema", rf.get("schema", {"type": "object"}), "response_format"))
+        elif kind == "json_schema":
+            wrapper = rf.get("json_schema")
+            if not isinstance(wrapper, dict):
+                raise APIError(400, "response_format.json_schema must be an object holding `schema`", param="response_format")
+            sources.append(("json_schema", wrapper.get("schema", {}), "response_format"))
+        elif kind != "text":
+            raise APIError(400, f"response_format.type must be text, json_object or json_schema, not {kind!r}",
+                           param="response_format")  # fmt: skip
+    if body.json_schema is not None:
+        sources.append(("json_schema", body.json_schema, "json_schema"))
+    if body.grammar is not None:
+        sources.append(("gbnf", body.grammar, "grammar"))
+    if len(sources) > 1:
+        fields = ", ".join(f for _, _, f in sources)
+        raise APIError(400, f"give one of response_format, json_schema and grammar, not {fields}", param=sources[1][2])
+    if not sources:
+        return None
+    kind, source, field = sources[0]
+    return compile_grammar(kind, source, field), field
+
+
+async def _choices(head: Head, body: _Common, req: EngineRequest) -> list[EngineRequest]:
+    """The engine requests of `body.n` choices: each its own grammar matcher and, when seeded, its
+    own seed (seed + index), so seeded sampled choices differ and each one is reproducible."""
+    from dataclasses import replace
+
+    engine = head.engine
+    if engine.max_queue is not None and body.n > engine.n_slots + engine.max_queue:
+        raise APIError(400, f"n={body.n} choices are more than this server holds at once ({engine.n_slots} slots + "
+                            f"--max-queue {engine.max_queue})", param="n")  # fmt: skip
+    grammar = await asyncio.to_thread(_grammar, body)
+    if grammar is not None:  # built on the model's llguidance tokenizer: the first one builds it (seconds)
+        req.constraint = await asyncio.to_thread(engine.grammars.constraint, *grammar)
+    reqs = [req]
+    for i in range(1, body.n):
+        params = req.params if req.params.seed is None else replace(req.params, seed=(req.params.seed + i) % 2**64)
+        reqs.append(replace(req, params=params, constraint=req.constraint and req.constraint.copy()))
+    return reqs
+
+
+def _usage(finals: list[Event]) -> dict | None:
+    """One usage for all choices: the prompt once, every choice's completion tokens."""
+    usages = [ev.usage for ev in finals if ev.usage]
+    if not usages:
+        return None
+    completion = sum(u["completion_tokens"] for u in usages)
+    return {**usages[0], "completion_tokens": completion, "total_tokens": usages[0]["prompt_tokens"] + completion}
 
 
 def _speculative(engine, body: _Common) -> SpecConfig | None:
@@ -194,37 +289,50 @@ def _stops(stop: Stop) -> list[str]:
 
 
 class _Run:
-    """One engine request seen from asyncio: events arrive on a queue via call_soon_threadsafe."""
+    """The engine requests of one HTTP request (one per choice) seen from asyncio: their events
+    arrive on one queue via call_soon_threadsafe, tagged with the choice index."""
 
-    def __init__(self, head: Head, http: Request, req: EngineRequest):
-        self.head, self.http, self.req = head, http, req
+    def __init__(self, head: Head, http: Request, reqs: list[EngineRequest]):
+        self.head, self.http, self.reqs = head, http, reqs
         self.record = record_of(http)
-        self.queue: asyncio.Queue[Event] = asyncio.Queue()
+        self.queue: asyncio.Queue[tuple[int, Event]] = asyncio.Queue()
         loop = asyncio.get_running_loop()
-        req.sink = lambda ev: loop.call_soon_threadsafe(self.queue.put_nowait, ev)
+        for i, req in enumerate(reqs):
+            req.sink = lambda ev, i=i: loop.call_soon_threadsafe(self.queue.put_nowait, (i, ev))
         if head.cfg.role == "prefill":
             raise APIError(400, "this worker only prefills for decode heads (--role prefill): send requests to a decode head")
-        head.engine.submit(req)
-
-    async def events(self) -> AsyncIterator[Event]:
-        """The request's events; a client that goes away cancels it (its slot is freed at once)."""
         try:
-            while True:
+            for req in reqs:
+                head.engine.submit(req)
+        except Exception:  # a full queue refuses the whole request, not some of its choices
+            self._cancel()
+            raise
+
+    def _cancel(self) -> None:
+        for req in self.reqs:
+            self.head.engine.cancel(req)
+
+    async def events(self) -> AsyncIterator[tuple[int, Event]]:
+        """(choice index, event) until every choice has finished; a client that goes away cancels
+        them (their slots are freed at once)."""
+        finals: list[Event] = []
+        try:
+            while len(finals) < len(self.reqs):
                 try:
-                    ev = await asyncio.wait_for(self.queue.get(), DISCONNECT_POLL_S)
+                    i, ev = await asyncio.wait_for(self.queue.get(), DISCONNECT_POLL_S)
                 except asyncio.TimeoutError:
                     if await self.http.is_disconnected():
                         return
                     continue
-                if ev.finish_reason is not None and self.record is not None:
-                    self.record.usage(ev.usage)
-                    if ev.error is not None:  # a stream has sent its 200 already: the log says why it ended
-                        self.record.reason = describe(ev.error)
-                yield ev
                 if ev.finish_reason is not None:
-                    return
+                    finals.append(ev)
+                    if self.record is not None:
+                        self.record.usage(_usage(finals))
+                        if ev.error is not None:  # a stream has sent its 200 already: the log says why it ended
+                            self.record.reason = describe(ev.error)
+                yield i, ev
         finally:
-            self.head.engine.cancel(self.req)
+            self._cancel()
 
 
 def _generation_error(ev: Event) -> APIError:
@@ -382,11 +490,11 @@ def create_app(head: Head) -> FastAPI:
         max_tokens = body.max_tokens if body.max_tokens is not None else 16
         engine.check(len(ids), max_tokens)
         req = EngineRequest(
-            prompt=ids, params=_sampling(body, body.logprobs), max_tokens=max_tokens, stop=_stops(body.stop),
+            prompt=ids, params=_sampling(head, body, body.logprobs), max_tokens=max_tokens, stop=_stops(body.stop),
             ignore_eos=body.ignore_eos, prompt_logprobs=body.logprobs if body.echo and body.logprobs is not None else None,
             spec=_speculative(engine, body), cache_prompt=body.cache_prompt,
         )  # fmt: skip
-        return await _respond_completion(head, http, body, req, prompt_text)
+        return await _respond_completion(head, http, body, await _choices(head, body, req), prompt_text)
 
     @app.post("/v1/chat/completions")
     @app.post("/chat/completions", include_in_schema=False)
@@ -402,10 +510,10 @@ def create_app(head: Head) -> FastAPI:
             max_tokens = room if head.cfg.n_predict < 0 else min(head.cfg.n_predict, room)
         engine.check(len(ids), max_tokens)
         n_top = (body.top_logprobs or 0) if body.logprobs else None
-        req = EngineRequest(prompt=ids, params=_sampling(body, n_top), max_tokens=max_tokens,
+        req = EngineRequest(prompt=ids, params=_sampling(head, body, n_top), max_tokens=max_tokens,
                             stop=_stops(body.stop), ignore_eos=body.ignore_eos, spec=_speculative(engine, body),
                             cache_prompt=body.cache_prompt)  # fmt: skip
-        return await _respond_chat(head, http, body, req)
+        return await _respond_chat(head, http, body, await _choices(head, body, req))
 
     return app
 
@@ -457,76 +565,80 @@ def _chat_prompt(head: Head, messages: list[dict]) -> list[int]:
     return head.tok.encode(text, add_special=True, parse_special=True)
 
 
-async def _respond_completion(head: Head, http: Request, body: CompletionBody, req: EngineRequest, prompt_text: str):
-    cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+async def _respond_completion(head: Head, http: Request, body: CompletionBody, reqs: list[EngineRequest], prompt_text: str):
+    cid, created, n = f"cmpl-{uuid.uuid4().hex}", int(time.time()), len(reqs)
     want_lp = body.logprobs is not None
-    lps = _CompletionLogprobs(head, body.return_tokens_as_token_ids)
-    run = _Run(head, http, req)
+    lps = [_CompletionLogprobs(head, body.return_tokens_as_token_ids) for _ in reqs]
+    run = _Run(head, http, reqs)
 
-    def prompt_part(ev: Event) -> dict:
-        entries = [(lp, None) for lp in ev.prompt_logprobs]
-        return lps.add(entries)
+    def prompt_part(i: int, ev: Event) -> dict:
+        return lps[i].add([(lp, None) for lp in ev.prompt_logprobs])
 
-    def gen_part(ev: Event) -> dict | None:
+    def gen_part(i: int, ev: Event) -> dict | None:
         if not want_lp:
             return None
-        return lps.add([(t.logprob, t.text) for t in ev.tokens if t.logprob is not None])
+        return lps[i].add([(t.logprob, t.text) for t in ev.tokens if t.logprob is not None])
 
-    def chunk(text: str, logprobs, finish=None, **extra) -> dict:
-        choice = {"text": text, "index": 0, "logprobs": logprobs, "finish_reason": finish}
+    def chunk(i: int, text: str, logprobs, finish=None, **extra) -> dict:
+        choice = {"text": text, "index": i, "logprobs": logprobs, "finish_reason": finish}
         return {"id": cid, "object": "text_completion", "created": created, "model": head.model_name,
                 "choices": [choice], **extra}  # fmt: skip
 
     if body.stream:
 
         async def stream():
-            echoed = not body.echo
-            async for ev in run.events():
+            echoed = [not body.echo] * n
+            finals: list[Event] = []
+            async for i, ev in run.events():
                 if ev.finish_reason == "error":
                     yield _sse(_stream_error(ev))
                     break
                 if ev.prompt_logprobs is not None:
-                    yield _sse(chunk("" if echoed else prompt_text, prompt_part(ev)))
-                    echoed = True
+                    yield _sse(chunk(i, "" if echoed[i] else prompt_text, prompt_part(i, ev)))
+                    echoed[i] = True
                     continue
-                if not echoed:
-                    yield _sse(chunk(prompt_text, None))
-                    echoed = True
+                if not echoed[i]:
+                    yield _sse(chunk(i, prompt_text, None))
+                    echoed[i] = True
                 if ev.finish_reason is None:
-                    yield _sse(chunk(ev.text, gen_part(ev)))
-                else:
-                    yield _sse(chunk(ev.text, gen_part(ev) if ev.tokens else None, ev.finish_reason,
-                                     usage=ev.usage, timings=ev.timings))  # fmt: skip
+                    yield _sse(chunk(i, ev.text, gen_part(i, ev)))
+                    continue
+                finals.append(ev)
+                last = {"usage": _usage(finals), "timings": ev.timings} if len(finals) == n else {}
+                yield _sse(chunk(i, ev.text, gen_part(i, ev) if ev.tokens else None, ev.finish_reason, **last))
             yield b"data: [DONE]\n\n"
 
         return StreamingResponse(stream(), media_type="text/event-stream")
 
-    text, parts, final = [], [], None
-    async for ev in run.events():
+    texts, parts, finals = [[] for _ in reqs], [[] for _ in reqs], [None] * n
+    async for i, ev in run.events():
         if ev.prompt_logprobs is not None:
-            parts.append(prompt_part(ev))
+            parts[i].append(prompt_part(i, ev))
             continue
-        text.append(ev.text)
+        texts[i].append(ev.text)
         if want_lp and ev.tokens:
-            parts.append(gen_part(ev))
+            parts[i].append(gen_part(i, ev))
         if ev.finish_reason is not None:
-            final = ev
-    if final is None:  # the client left; nobody reads this
+            finals[i] = ev
+    if None in finals:  # the client left; nobody reads this
         return Response(status_code=499)
-    _check_finish(final)
-    out = chunk((prompt_text if body.echo else "") + "".join(text), _merge_logprobs(parts) if want_lp else None,
-                final.finish_reason, usage=final.usage, timings=final.timings)  # fmt: skip
-    return out
+    for ev in finals:
+        _check_finish(ev)
+    choices = [chunk(i, (prompt_text if body.echo else "") + "".join(texts[i]),
+                     _merge_logprobs(parts[i]) if want_lp else None, finals[i].finish_reason)["choices"][0]
+               for i in range(n)]  # fmt: skip
+    return {"id": cid, "object": "text_completion", "created": created, "model": head.model_name,
+            "choices": choices, "usage": _usage(finals), "timings": finals[0].timings}  # fmt: skip
 
 
-async def _respond_chat(head: Head, http: Request, body: ChatBody, req: EngineRequest):
-    cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+async def _respond_chat(head: Head, http: Request, body: ChatBody, reqs: list[EngineRequest]):
+    cid, created, n = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), len(reqs)
     as_ids = body.return_tokens_as_token_ids
-    run = _Run(head, http, req)
+    run = _Run(head, http, reqs)
 
-    def chunk(delta: dict, tokens: list[GenToken], finish=None, **extra) -> dict:
+    def chunk(i: int, delta: dict, tokens: list[GenToken], finish=None, **extra) -> dict:
         logprobs = {"content": _chat_logprob_content(head, tokens, as_ids)} if body.logprobs and tokens else None
-        choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+        choice = {"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         return {"id": cid, "object": "chat.completion.chunk", "created": created, "model": head.model_name,
                 "choices": [choice], **extra}  # fmt: skip
 
@@ -534,37 +646,44 @@ async def _respond_chat(head: Head, http: Request, body: ChatBody, req: EngineRe
         include_usage = bool((body.stream_options or {}).get("include_usage"))
 
         async def stream():
-            yield _sse(chunk({"role": "assistant", "content": ""}, []))
-            async for ev in run.events():
+            for i in range(n):
+                yield _sse(chunk(i, {"role": "assistant", "content": ""}, []))
+            finals: list[Event] = []
+            async for i, ev in run.events():
                 if ev.finish_reason == "error":
                     yield _sse(_stream_error(ev))
                     break
                 delta = {"content": ev.text} if ev.text else {}
                 if ev.finish_reason is None:
-                    yield _sse(chunk(delta, ev.tokens))
+                    yield _sse(chunk(i, delta, ev.tokens))
                     continue
-                yield _sse(chunk(delta, ev.tokens, ev.finish_reason, timings=ev.timings))
-                if include_usage:
+                finals.append(ev)
+                yield _sse(chunk(i, delta, ev.tokens, ev.finish_reason, timings=ev.timings))
+                if include_usage and len(finals) == n:
                     yield _sse({"id": cid, "object": "chat.completion.chunk", "created": created,
-                                "model": head.model_name, "choices": [], "usage": ev.usage})  # fmt: skip
+                                "model": head.model_name, "choices": [], "usage": _usage(finals)})  # fmt: skip
             yield b"data: [DONE]\n\n"
 
         return StreamingResponse(stream(), media_type="text/event-stream")
 
-    text, tokens, final = [], [], None
-    async for ev in run.events():
-        text.append(ev.text)
-        tokens += ev.tokens
+    texts, tokens, finals = [[] for _ in reqs], [[] for _ in reqs], [None] * n
+    async for i, ev in run.events():
+        texts[i].append(ev.text)
+        tokens[i] += ev.tokens
         if ev.finish_reason is not None:
-            final = ev
-    if final is None:
+            finals[i] = ev
+    if None in finals:
         return Response(status_code=499)
-    _check_finish(final)
-    logprobs = {"content": _chat_logprob_content(head, tokens, as_ids)} if body.logprobs else None
-    message = {"role": "assistant", "content": "".join(text)}
+    for ev in finals:
+        _check_finish(ev)
+
+    def choice(i: int) -> dict:
+        logprobs = {"content": _chat_logprob_content(head, tokens[i], as_ids)} if body.logprobs else None
+        message = {"role": "assistant", "content": "".join(texts[i])}
+        return {"index": i, "message": message, "logprobs": logprobs, "finish_reason": finals[i].finish_reason}
+
     return {"id": cid, "object": "chat.completion", "created": created, "model": head.model_name,
-            "choices": [{"index": 0, "message": message, "logprobs": logprobs, "finish_reason": final.finish_reason}],
-            "usage": final.usage, "timings": final.timings}  # fmt: skip
+            "choices": [choice(i) for i in range(n)], "usage": _usage(finals), "timings": finals[0].timings}  # fmt: skip
 
 
 # ---- serve -----------------------------------------------------------------------------------

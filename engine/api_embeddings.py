@@ -68,9 +68,9 @@ async def _hidden_states(head: Head, http: Request, prompts: list[list[int]]):
 
     async def one(ids: list[int]):
         async with turns:
-            run = _Run(head, http, EngineRequest(prompt=ids, max_tokens=0, cache_prompt=False, embedding=True))
+            run = _Run(head, http, [EngineRequest(prompt=ids, max_tokens=0, cache_prompt=False, embedding=True)])
             final = None
-            async for ev in run.events():
+            async for _, ev in run.events():
                 final = ev
             if final is None:
                 return None

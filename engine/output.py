@@ -56,8 +56,8 @@ class OutputProcessor:
             now = time.perf_counter()
             self.stats.add_tokens(now, now - st.t_last, len(new))
             st.t_last = now
-        if seq.finish_reason == "stop":  # only end-of-generation finishes as "stop" before this point
-            new = new[:-1]  # that token counts in usage but is never shown
+        if seq.at_eog:
+            new = new[:-1]  # the end-of-generation token counts in usage but is never shown
         logprobs = sampled.logprobs if sampled is not None else [None] * len(new)
         at_stop_string = False
         for i, tid in enumerate(new):

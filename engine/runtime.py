@@ -23,10 +23,11 @@ import torch
 from ..contracts.slot_state import SlotStateError
 from .errors import Overloaded, Unavailable, UserError, describe
 from .output import OutputProcessor
-from .sampling import InvalidParam, TokenLogprob, sample_batch, token_logprobs
+from .sampling import InvalidParam, TokenLogprob, apply_logit_bias, sample_batch, token_logprobs
 from .scheduler import DEFAULT_BATCH_TOKENS, Batch, Chunk, Sampled, Scheduler
 from .sequence import Event, Request, Sequence
 from .speculative import Speculator
+from .structured import Grammars, apply_bitmask
 
 RATE_WINDOW_S = 10.0
 LATENCY_WINDOW_S = 60.0  # requests/s and the latency percentiles in /status
@@ -153,6 +154,7 @@ class Engine:
                                    recurrent=getattr(getattr(pipeline, "cfg", None), "recurrent", False))  # fmt: skip
         self.output = OutputProcessor(tokenizer, self.stats)
         self.pd = disaggregator  # pd.Disaggregator: long prompts prefilled on a prefill worker
+        self.grammars = Grammars(tokenizer)  # structured output; its tokenizer is built on first use
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
         self._stopping = False
@@ -397,7 +399,7 @@ class Engine:
         for i, c in enumerate(batch.chunks):
             if c.draft:
                 rows = logits[row : row + len(c.draft) + 1]
-                tids = self.spec.verify(rows, c.draft, c.seq.sampler, c.seq.tokens)
+                tids = self.spec.verify(self._constrain_draft(rows, c), c.draft, c.seq.sampler, c.seq.tokens)
                 out[i] = Sampled(tids, self._logprobs(c.seq, rows, tids))
                 row += len(c.draft) + 1
             elif c.score:
@@ -413,10 +415,34 @@ class Engine:
             seqs = [batch.chunks[i].seq for i, _ in to_sample]
             idx = [r for _, r in to_sample]
             rows = logits if idx == list(range(logits.shape[0])) else logits[idx]  # decode-only steps: no copy
-            picks = sample_batch(rows, [s.sampler for s in seqs], [s.tokens for s in seqs])
+            picks = sample_batch(self._constrain(rows, seqs), [s.sampler for s in seqs], [s.tokens for s in seqs])
             for j, ((i, _), seq, tid) in enumerate(zip(to_sample, seqs, picks)):
                 out[i].tokens, out[i].logprobs = [tid], self._logprobs(seq, rows[j : j + 1], [tid])
         return out
+
+    def _constrain(self, rows: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """`rows[i]` (sequence i's next-token logits) with its logit bias and grammar mask: a new
+        tensor when any applies; the raw rows stay for the logprobs. Others' rows pay nothing."""
+        rows = apply_logit_bias(rows, [s.sampler.params for s in seqs])
+        constrained = [i for i, s in enumerate(seqs) if s.req.constraint is not None]
+        if not constrained:
+            return rows
+        mask = self.grammars.bitmask([seqs[i].req.constraint for i in constrained], pinned=rows.is_cuda)
+        if len(constrained) == len(seqs):
+            return apply_bitmask(rows, mask)
+        idx = torch.tensor(constrained, device=rows.device)
+        return rows.index_copy(0, idx, apply_bitmask(rows[idx], mask))
+
+    def _constrain_draft(self, rows: torch.Tensor, c: Chunk) -> torch.Tensor:
+        """A draft's k+1 verified rows with the request's logit bias and, row by row, the grammar's
+        mask after the draft tokens before that row: a draft the grammar refuses is rejected there."""
+        rows = apply_logit_bias(rows, [c.seq.sampler.params] * rows.shape[0])
+        constraint = c.seq.req.constraint
+        if constraint is None:
+            return rows
+        mask = torch.empty((rows.shape[0], self.grammars.words), dtype=torch.int32, pin_memory=rows.is_cuda)
+        constraint.draft_bitmask(c.draft.tokens, mask)
+        return apply_bitmask(rows, mask)
 
     @staticmethod
     def _logprobs(seq: Sequence, rows: torch.Tensor, tids: list[int]) -> list[TokenLogprob | None]:

@@ -39,6 +39,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     seed: int | None = None
     logprobs: int | None = None  # None: none; N: the chosen token's logprob and the top N alternatives
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit; -inf bans it)
 
     def __post_init__(self):
         def check(ok: bool, param: str, what: str):
@@ -55,6 +56,8 @@ class SamplingParams:
         check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "in [-2, 2]")
         check(self.seed is None or -(2**63) <= self.seed < 2**64, "seed", "a 64-bit integer")
         check(self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS, "logprobs", f"in [0, {MAX_LOGPROBS}]")
+        check(all(t >= 0 and b == b and b != float("inf") for t, b in self.logit_bias), "logit_bias",
+              "token ids >= 0 with finite biases (or -inf to ban)")  # fmt: skip
 
     @property
     def greedy(self) -> bool:
@@ -155,6 +158,18 @@ class Sampler:
         ids, x = self._candidates(x)
         pick = torch.multinomial(torch.softmax(x, -1), 1, generator=self.generator(x.device))
         return int(pick if ids is None else ids[pick])
+
+
+def apply_logit_bias(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """`logits[B, V]` with row i's `params[i].logit_bias` added (a new tensor when any row has one)."""
+    biased = [i for i, p in enumerate(params) if p.logit_bias]
+    if not biased:
+        return logits
+    out = logits.clone()
+    for i in biased:
+        ids, bias = zip(*params[i].logit_bias)
+        out[i].index_add_(0, torch.tensor(ids, device=out.device), torch.tensor(bias, dtype=out.dtype, device=out.device))
+    return out
 
 
 def sample_batch(logits: torch.Tensor, samplers: list[Sampler], histories: list[list[int]]) -> list[int]:

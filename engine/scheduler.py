@@ -203,6 +203,9 @@ class Scheduler:
             for tid in tokens:
                 seq.append(tid)
                 if tid in self.eog_ids and not seq.req.ignore_eos:
+                    seq.finish_reason, seq.at_eog = "stop", True
+                    break
+                if seq.req.constraint is not None and seq.req.constraint.finished:  # the grammar is complete
                     seq.finish_reason = "stop"
                     break
                 if seq.n_gen >= seq.req.max_tokens or len(seq.tokens) >= self.n_ctx:

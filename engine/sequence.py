@@ -16,6 +16,7 @@ from .sampling import Sampler, SamplingParams, TokenLogprob
 
 if TYPE_CHECKING:
     from .speculative import SpecConfig
+    from .structured import Constraint
 
 
 @dataclass
@@ -55,6 +56,7 @@ class Request:
     spec: SpecConfig | None = None  # this request's speculative decoding; None: the engine's default
     cache_prompt: bool = True  # reuse the KV of a prefix a slot already holds (llama-server's default)
     embedding: bool = False  # run the prompt only and return its hidden states (Event.hidden), no tokens
+    constraint: Constraint | None = None  # structured output: this request's own grammar matcher
     sink: Callable[[Event], None] = lambda ev: None
     id: int = 0
     cancelled: bool = False
@@ -83,6 +85,7 @@ class Sequence:
         self.transfer = None
         self.finish_reason: str | None = None
         self.hidden: list[torch.Tensor] = []  # an embedding request's hidden states, chunk by chunk
+        self.at_eog = False  # it ended on an end-of-generation token (counted, never shown)
 
     @property
     def prefilling(self) -> bool:
@@ -91,6 +94,8 @@ class Sequence:
     def append(self, tid: int) -> None:
         self.tokens.append(tid)
         self.n_gen += 1
+        if self.req.constraint is not None:
+            self.req.constraint.advance(tid)
 
     def take_back(self, n: int) -> None:
         """Forget the last `n` generated tokens: a stop string ended the text before them."""

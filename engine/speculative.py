@@ -51,6 +51,9 @@ class Draft:
     def __len__(self) -> int:
         return len(self.tokens)
 
+    def prefix(self, n: int) -> Draft:
+        return self if n >= len(self.tokens) else Draft(self.tokens[:n], None if self.q is None else self.q[:n])
+
 
 @dataclass
 class DraftRequest:
@@ -484,8 +487,9 @@ class Speculator:
 
     def plan(self, seqs: list, n_ctx: int) -> list[Draft | None]:
         """A draft (or None) per decoding sequence (sequence.Sequence: slot, tokens, n_gen, req.spec,
-        req.max_tokens, sampler). k is capped so that the k+1 emitted tokens fit max_tokens and the
-        k+1 verified positions fit the context."""
+        req.max_tokens, req.constraint, sampler). k is capped so that the k+1 emitted tokens fit
+        max_tokens and the k+1 verified positions fit the context; a constrained sequence's draft
+        ends before the first token its grammar refuses."""
         out: list[Draft | None] = [None] * len(seqs)
         by_type: dict[str, list[tuple[int, DraftRequest, SpecConfig]]] = {}
         for i, seq in enumerate(seqs):
@@ -500,6 +504,9 @@ class Speculator:
         for kind, items in by_type.items():
             drafts = self.drafters[kind].draft_batch([r for _, r, _ in items])
             for (i, _, cfg), d in zip(items, drafts):
+                constraint = seqs[i].req.constraint
+                if constraint is not None:  # past a token its grammar refuses, a draft is rejected anyway
+                    d = d.prefix(constraint.valid_prefix(d.tokens))
                 if len(d) >= max(cfg.n_min, 1):
                     out[i] = d
         return out

@@ -330,9 +330,10 @@ class Tokenizer:
 
     # ---- encode ---------------------------------------------------------------------------------
 
-    def encode(self, text: str, add_special: bool = True, parse_special: bool = True) -> list[int]:
+    def encode(self, text: str, add_special: bool = True, parse_special: bool = True, space_prefix: bool = True) -> list[int]:
         """Token ids of `text`. add_special adds BOS/EOS as the model asks; parse_special lets
-        control-token texts ("<start_of_turn>") in the text become those tokens."""
+        control-token texts ("<start_of_turn>") in the text become those tokens; space_prefix=False
+        encodes text that continues a stream (no SPM space prefix even where the model asks for one)."""
         if not isinstance(text, str):
             raise TokenizerError(f"text to tokenize must be a string, not {type(text).__name__}")
         try:
@@ -350,7 +351,7 @@ class Tokenizer:
                 continue
             if self.is_spm:
                 piece = text[frag[0] : frag[1]]
-                if self.add_space_prefix and prev_special:
+                if self.add_space_prefix and prev_special and space_prefix:
                     piece = " " + piece
                 self._encode_spm(piece.replace(" ", SPM_SPACE), out)
             else:

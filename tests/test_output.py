@@ -30,12 +30,12 @@ def sequence(events: list[Event], stop: list[str] = (), max_tokens: int = 10) ->
     return seq
 
 
-def step(out: OutputProcessor, seq: Sequence, *tids: int, finish: str | None = None) -> None:
+def step(out: OutputProcessor, seq: Sequence, *tids: int, finish: str | None = None, at_eog: bool = False) -> None:
     """What a step hands the output processor: tokens the scheduler appended (several for a verified
-    draft), and the finish reason it set."""
+    draft), the finish reason it set and whether it ended on an end-of-generation token."""
     for tid in tids:
         seq.append(tid)
-    seq.finish_reason = finish
+    seq.finish_reason, seq.at_eog = finish, at_eog
     out.process(seq, Sampled(list(tids), [None] * len(tids)))
 
 
@@ -79,11 +79,19 @@ def test_no_text_and_no_tokens_after_the_stop_string(out, events):
 
 def test_end_of_generation_counts_but_is_not_shown(out, events):
     seq = sequence(events)
-    step(out, seq, 1, EOS, finish="stop")
+    step(out, seq, 1, EOS, finish="stop", at_eog=True)
     assert text(events) == "he"
     assert [t.id for e in events for t in e.tokens] == [1]
     assert events[-1].usage == {"prompt_tokens": 1, "completion_tokens": 2, "total_tokens": 3,
                                 "prompt_tokens_details": {"cached_tokens": 0}}  # fmt: skip
+
+
+def test_a_stop_on_a_content_token_shows_it(out, events):
+    """A complete grammar stops on the token that completed it: that token is output."""
+    seq = sequence(events)
+    step(out, seq, 1, finish="stop")
+    assert text(events) == "he" and [t.id for e in events for t in e.tokens] == [1]
+    assert events[-1].finish_reason == "stop" and events[-1].usage["completion_tokens"] == 1
 
 
 def test_the_final_event_releases_what_was_held(out, events):
