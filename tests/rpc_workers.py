@@ -177,5 +177,7 @@ def assert_peer_kill_fails_request_fast(head: Worker, victim: Worker, max_tokens
     assert r.status_code == 503, r.text
     err = r.json()["error"]
     assert victim.rpc_addr in err["message"] and err["code"] == "unavailable"
-    print(f"503 arrived {result['t'] - killed_at:.3f} s after kill -9")
-    assert result["t"] - killed_at < 2.0
+    print(f"503 arrived {result['t'] - killed_at:.3f} s after kill -9: {err['message']}")
+    # Noticed by the connection closing (at once), not by the pending-reply watch (WATCH_S +
+    # PROBE_ANSWER_S later): the cause, not a stopwatch, so a loaded machine cannot fail it.
+    assert "connection closed" in err["message"], err["message"]
