@@ -159,7 +159,7 @@ def wait_for(predicate, timeout: float, what: str):
 
 def assert_peer_kill_fails_request_fast(head: Worker, victim: Worker, max_tokens: int, timeout: float) -> None:
     """kill -9 `victim` while `head` decodes a long completion: the request must end with a 503 in
-    OpenAI's shape naming the peer, within 2 s of the kill, never hang."""
+    OpenAI's shape naming the peer, as soon as its connection closes, never hang."""
     result = {}
 
     def run():
@@ -180,4 +180,4 @@ def assert_peer_kill_fails_request_fast(head: Worker, victim: Worker, max_tokens
     print(f"503 arrived {result['t'] - killed_at:.3f} s after kill -9: {err['message']}")
     # Noticed by the connection closing (at once), not by the pending-reply watch (WATCH_S +
     # PROBE_ANSWER_S later): the cause, not a stopwatch, so a loaded machine cannot fail it.
-    assert "connection closed" in err["message"], err["message"]
+    assert "failed mid-request" in err["message"] and "stopped answering" not in err["message"], err["message"]
