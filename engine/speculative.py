@@ -162,15 +162,9 @@ class DraftModelDrafter(Drafter):
             still = []
             for row, i in enumerate(live):
                 r = requests[i]
-                history = r.tokens + out[i].tokens
-                tok, prob, q = _pick(logits[row], r, history)
-                if prob < (self.p_min if r.p_min is None else r.p_min):
-                    continue
-                out[i].tokens.append(tok)
-                if q is not None:
-                    qs[i].append(q)
-                if len(out[i].tokens) < r.k:
-                    feeds[i] = ([tok], len(history))
+                if _draft_step(out[i], qs[i], r, logits[row], self.p_min):
+                    tok = out[i].tokens[-1]
+                    feeds[i] = ([tok], len(r.tokens) + len(out[i].tokens) - 1)
                     self._cached[r.slot].append(tok)
                     still.append(i)
             live = still
@@ -238,14 +232,7 @@ class MtpDrafter(Drafter):
             logits = self.nextn.logits(hn)
             still, next_rows = [], []
             for row, i in enumerate(live):
-                r = requests[i]
-                tok, prob, q = _pick(logits[row], r, r.tokens + out[i].tokens, self.TOP_K)
-                if prob < (self.p_min if r.p_min is None else r.p_min):
-                    continue
-                out[i].tokens.append(tok)
-                if q is not None:
-                    qs[i].append(q)
-                if len(out[i].tokens) < r.k:
+                if _draft_step(out[i], qs[i], requests[i], logits[row], self.p_min, self.TOP_K):
                     still.append(i)
                     next_rows.append(row)
             toks = [out[i].tokens[-1] for i in still]
@@ -256,6 +243,18 @@ class MtpDrafter(Drafter):
             if q:
                 out[i].q = torch.stack(q)
         return out
+
+
+def _draft_step(draft: Draft, qs: list, req: DraftRequest, logits: torch.Tensor, p_min: float, top_k: int = 0) -> bool:
+    """Append the next draft token unless its probability falls below p-min (the request's, else the
+    drafter's); True while the draft goes on."""
+    tok, prob, q = _pick(logits, req, req.tokens + draft.tokens, top_k)
+    if prob < (p_min if req.p_min is None else req.p_min):
+        return False
+    draft.tokens.append(tok)
+    if q is not None:
+        qs.append(q)
+    return len(draft.tokens) < req.k
 
 
 def _pick(logits: torch.Tensor, req: DraftRequest, history: list[int], top_k: int = 0):

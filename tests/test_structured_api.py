@@ -9,18 +9,11 @@ import httpx
 import openai
 import pytest
 from rpc_workers import head, running
+from test_structured import SCHEMA, YES_NO  # the same schema and grammar, engine-level and over HTTP
 
 N_CTX, N_SLOTS = 384, 4
 PROMPT = 'the quick brown fox {"flag": true, "count": 12, "word": "cat"} {"flag": false, "count": 3, "word": "dog"}'
 MESSAGES = [{"role": "user", "content": PROMPT}]
-SCHEMA = {
-    "type": "object",
-    "properties": {"flag": {"type": "boolean"}, "count": {"type": "integer", "minimum": 0, "maximum": 99},
-                   "word": {"type": "string", "maxLength": 6}},  # fmt: skip
-    "required": ["flag", "count", "word"],
-    "additionalProperties": False,
-}
-YES_NO = 'root ::= ("yes" | "no")'
 
 
 @pytest.fixture(scope="module")
