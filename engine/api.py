@@ -9,10 +9,9 @@ stall the event loop (and /health with it).
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 import uuid
-from typing import TYPE_CHECKING, Any, AsyncIterator, Union
+from typing import TYPE_CHECKING, Any, Union
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -20,20 +19,20 @@ from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .errors import Overloaded, Unavailable, UserError, describe
+from .api_common import (MAX_LOGPROBS, CommonBody, Run, check_finish, check_token_ids, ready_engine, sampling_params,
+                         speculative_config, sse, stop_list, stream_error)  # fmt: skip
+from .errors import ContextOverflow, Overloaded, Unavailable, UserError
 from .http_errors import APIError, error_response
-from .http_gate import Gate, record_of
+from .http_gate import Gate
+from .llama_routes import BUILD_INFO, template_prompt
+from .llama_routes import router as llama_router
 from .worker_http import add_observation_routes
 
 if TYPE_CHECKING:  # the engine's modules bring torch: imported when the model loads, after the port is up
-    from .sampling import SamplingParams, TokenLogprob
+    from .sampling import TokenLogprob
     from .sequence import Event, GenToken
     from .sequence import Request as EngineRequest
-    from .speculative import SpecConfig
     from .workers.head import HeadWorker as Head
-
-DISCONNECT_POLL_S = 0.25
-MAX_LOGPROBS = 20  # = sampling.MAX_LOGPROBS, which also checks it
 
 
 def _loc_param(loc) -> str | None:
@@ -43,37 +42,7 @@ def _loc_param(loc) -> str | None:
 
 # ---- request bodies -----------------------------------------------------------------------------
 
-Stop = Union[str, list[str], None]
-
-
-class _Common(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-    model: str | None = None
-    temperature: float | None = Field(None, ge=0.0, le=100.0)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=0)
-    min_p: float | None = Field(None, ge=0.0, le=1.0)
-    repeat_penalty: float | None = Field(None, gt=0.0, le=100.0)
-    repeat_last_n: int | None = Field(None, ge=-1)
-    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    seed: int | None = Field(None, ge=-(2**63), lt=2**64)
-    stop: Stop = None
-    stream: bool = False
-    stream_options: dict[str, Any] | None = None
-    ignore_eos: bool = False
-    cache_prompt: bool = True  # llama-server: reuse the KV of a prefix a slot already holds
-    n: int = Field(1, ge=1, le=1, description="only one choice per request is supported")
-    # Speculative decoding for this request: {"type": "off"|"ngram"|"draft", "n_max", "n_min", "p_min"},
-    # or llama-server's flat fields; checked against the server's drafters by the engine's Speculator.
-    speculative: Union[bool, dict[str, Any], None] = None
-    speculative_n_max: int | None = Field(None, alias="speculative.n_max", ge=0)
-    speculative_n_min: int | None = Field(None, alias="speculative.n_min", ge=0)
-    speculative_p_min: float | None = Field(None, alias="speculative.p_min", ge=0.0, le=1.0)
-
-
-class CompletionBody(_Common):
+class CompletionBody(CommonBody):
     prompt: Union[str, list[str], list[int], list[list[int]]] = Field(
         ..., description="text, token ids, or a list holding one of those"
     )
@@ -90,8 +59,13 @@ class ChatMessage(BaseModel):
     content: Union[str, list[dict[str, Any]], None] = None
 
 
-class ChatBody(_Common):
+class ChatBody(CommonBody):
     messages: list[ChatMessage] = Field(..., min_length=1)
+    add_generation_prompt: bool = True
+    continue_final_message: bool | None = None  # None: a last assistant message is continued (prefill)
+    tools: list[dict[str, Any]] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    verbose: bool = False  # llama-server: `__verbose` (the prompt) in the response
     max_tokens: int | None = Field(None, ge=0)
     max_completion_tokens: int | None = Field(None, ge=0)
     logprobs: bool = False
@@ -99,19 +73,8 @@ class ChatBody(_Common):
     return_tokens_as_token_ids: bool = False
 
 
-class TokenizeBody(BaseModel):
-    content: str
-    add_special: bool = False
-    parse_special: bool = True
-    with_pieces: bool = False
-
-
 class SlotFileBody(BaseModel):
     filename: str = ""
-
-
-class DetokenizeBody(BaseModel):
-    tokens: list[int]
 
 
 # ---- turning events into OpenAI objects -------------------------------------------------------
@@ -163,100 +126,7 @@ def _chat_logprob_content(head: Head, tokens: list[GenToken], as_ids: bool) -> l
     ]
 
 
-def _sampling(body: _Common, logprobs: int | None) -> SamplingParams:
-    from .sampling import SamplingParams
-
-    given = {k: getattr(body, k) for k in ("temperature", "top_p", "top_k", "min_p", "repeat_penalty",
-                                          "repeat_last_n", "presence_penalty", "frequency_penalty", "seed")}  # fmt: skip
-    return SamplingParams(**{k: v for k, v in given.items() if v is not None}, logprobs=logprobs)
-
-
-def _speculative(engine, body: _Common) -> SpecConfig | None:
-    """The request's speculative override, validated against what this server can draft with."""
-    over = {"speculative": body.speculative} if body.speculative is not None else {}
-    for key in ("n_max", "n_min", "p_min"):
-        if getattr(body, f"speculative_{key}") is not None:
-            over[f"speculative.{key}"] = getattr(body, f"speculative_{key}")
-    try:
-        return engine.spec.request_config(over)
-    except UserError as e:
-        raise APIError(400, str(e), param="speculative") from None
-
-
-def _stops(stop: Stop) -> list[str]:
-    stops = [stop] if isinstance(stop, str) else list(stop or [])
-    if any(not s for s in stops):
-        raise APIError(400, "stop strings must not be empty", param="stop")
-    if len(stops) > 16:
-        raise APIError(400, "at most 16 stop strings", param="stop")
-    return stops
-
-
-class _Run:
-    """One engine request seen from asyncio: events arrive on a queue via call_soon_threadsafe."""
-
-    def __init__(self, head: Head, http: Request, req: EngineRequest):
-        self.head, self.http, self.req = head, http, req
-        self.record = record_of(http)
-        self.queue: asyncio.Queue[Event] = asyncio.Queue()
-        loop = asyncio.get_running_loop()
-        req.sink = lambda ev: loop.call_soon_threadsafe(self.queue.put_nowait, ev)
-        head.engine.submit(req)
-
-    async def events(self) -> AsyncIterator[Event]:
-        """The request's events; a client that goes away cancels it (its slot is freed at once)."""
-        try:
-            while True:
-                try:
-                    ev = await asyncio.wait_for(self.queue.get(), DISCONNECT_POLL_S)
-                except asyncio.TimeoutError:
-                    if await self.http.is_disconnected():
-                        return
-                    continue
-                if ev.finish_reason is not None and self.record is not None:
-                    self.record.usage(ev.usage)
-                    if ev.error is not None:  # a stream has sent its 200 already: the log says why it ended
-                        self.record.reason = describe(ev.error)
-                yield ev
-                if ev.finish_reason is not None:
-                    return
-        finally:
-            self.head.engine.cancel(self.req)
-
-
-def _generation_error(ev: Event) -> APIError:
-    """A failed generation by the type of its exception: a peer gone away (retry once it is back) is
-    503, anything else 500."""
-    message = f"generation failed: {describe(ev.error)}"
-    if isinstance(ev.error, Unavailable):
-        return APIError(503, message, "unavailable_error", retry_after=ev.error.retry_after)
-    return APIError(500, message, "server_error")
-
-
-def _stream_error(ev: Event) -> dict:
-    e = _generation_error(ev)
-    return {"error": {"message": describe(ev.error), "type": e.type, "param": None, "code": str(e.status)}}
-
-
-def _check_finish(ev: Event) -> None:
-    if ev.finish_reason == "error":
-        raise _generation_error(ev)
-
-
-def _sse(obj) -> bytes:
-    return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
-
-
 # ---- the app -----------------------------------------------------------------------------------
-
-
-LOADING_RETRY_S = 5
-
-
-def _engine(head: Head):
-    if not head.ready:
-        raise APIError(503, "Loading model", "unavailable_error", retry_after=LOADING_RETRY_S)
-    return head.engine
 
 
 def create_app(head: Head) -> FastAPI:
@@ -273,6 +143,11 @@ def create_app(head: Head) -> FastAPI:
     async def _unavailable(_, e: Unavailable):
         code = "server_overloaded" if isinstance(e, Overloaded) else None
         return error_response(503, str(e), "unavailable_error", code=code, retry_after=e.retry_after)
+
+    @app.exception_handler(ContextOverflow)
+    async def _overflow(_, e: ContextOverflow):
+        return error_response(400, str(e), "exceed_context_size_error", e.param, n_prompt_tokens=e.n_prompt_tokens,
+                              n_ctx=e.n_ctx)  # fmt: skip
 
     @app.exception_handler(UserError)  # sampling.InvalidParam names the parameter
     async def _user(_, e: UserError):
@@ -301,12 +176,12 @@ def create_app(head: Head) -> FastAPI:
 
     @app.get("/slots")
     async def slots():
-        return _engine(head).slot_info()
+        return ready_engine(head).slot_info()
 
     @app.post("/slots/{slot}")
     async def slot_action(slot: int, action: str, body: SlotFileBody | None = None):
         """llama-server's slot save / restore / erase, files under --slot-save-path."""
-        engine = _engine(head)
+        engine = ready_engine(head)
         if action == "erase":
             return {"id_slot": slot, "n_erased": await asyncio.to_thread(engine.erase_slot, slot)}
         if action not in ("save", "restore"):
@@ -333,25 +208,13 @@ def create_app(head: Head) -> FastAPI:
         return {"id_slot": slot, "filename": name, "n_restored": n, "n_read": len(data),
                 "timings": {"restore_ms": (time.perf_counter() - t0) * 1e3}}  # fmt: skip
 
-    @app.post("/tokenize")
-    async def tokenize(body: TokenizeBody):
-        _engine(head)
-        return await asyncio.to_thread(_tokenize, head, body)
-
-    @app.post("/detokenize")
-    async def detokenize(body: DetokenizeBody):
-        _engine(head)
-        bad = next((t for t in body.tokens if not 0 <= t < head.tok.vocab_size), None)
-        if bad is not None:
-            raise APIError(400, f"token id {bad} is outside the vocabulary of {head.tok.vocab_size}", param="tokens")
-        return {"content": await asyncio.to_thread(head.tok.decode, body.tokens)}
+    app.include_router(llama_router(head))
 
     @app.post("/v1/completions")
-    @app.post("/completions", include_in_schema=False)
     async def completions(body: CompletionBody, http: Request):
         from .sequence import Request as EngineRequest
 
-        engine = _engine(head)
+        engine = ready_engine(head)
         prompt = body.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
             if len(prompt) != 1:
@@ -361,17 +224,15 @@ def create_app(head: Head) -> FastAPI:
             ids = await asyncio.to_thread(head.tok.encode, prompt, add_special=True, parse_special=True)
             prompt_text = prompt
         else:
-            ids = list(prompt)
-            bad = next((t for t in ids if not 0 <= t < head.tok.vocab_size), None)
-            if bad is not None:
-                raise APIError(400, f"token id {bad} is outside the vocabulary of {head.tok.vocab_size}", param="prompt")
+            ids = check_token_ids(head, list(prompt))
             prompt_text = await asyncio.to_thread(head.tok.decode, ids, skip_special=True) if body.echo else ""
         max_tokens = body.max_tokens if body.max_tokens is not None else 16
         engine.check(len(ids), max_tokens)
         req = EngineRequest(
-            prompt=ids, params=_sampling(body, body.logprobs), max_tokens=max_tokens, stop=_stops(body.stop),
+            prompt=ids, params=sampling_params(head, body, body.logprobs), max_tokens=max_tokens,
+            stop=stop_list(body.stop),
             ignore_eos=body.ignore_eos, prompt_logprobs=body.logprobs if body.echo and body.logprobs is not None else None,
-            spec=_speculative(engine, body), cache_prompt=body.cache_prompt,
+            spec=speculative_config(engine, body), cache_prompt=body.cache_prompt,
         )  # fmt: skip
         return await _respond_completion(head, http, body, req, prompt_text)
 
@@ -380,50 +241,28 @@ def create_app(head: Head) -> FastAPI:
     async def chat_completions(body: ChatBody, http: Request):
         from .sequence import Request as EngineRequest
 
-        engine = _engine(head)
-        messages = [m.model_dump(exclude_none=True) for m in body.messages]
-        ids = await asyncio.to_thread(_chat_prompt, head, messages)
+        engine = ready_engine(head)
+        prompt = await asyncio.to_thread(template_prompt, head, body)
+        ids = await asyncio.to_thread(head.tok.encode, prompt, add_special=True, parse_special=True)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         if max_tokens is None:  # llama-server's --n-predict: the server's default, within the context
             room = max(engine.n_ctx - len(ids), 0)
             max_tokens = room if head.cfg.n_predict < 0 else min(head.cfg.n_predict, room)
         engine.check(len(ids), max_tokens)
         n_top = (body.top_logprobs or 0) if body.logprobs else None
-        req = EngineRequest(prompt=ids, params=_sampling(body, n_top), max_tokens=max_tokens,
-                            stop=_stops(body.stop), ignore_eos=body.ignore_eos, spec=_speculative(engine, body),
-                            cache_prompt=body.cache_prompt)  # fmt: skip
-        return await _respond_chat(head, http, body, req)
+        req = EngineRequest(prompt=ids, params=sampling_params(head, body, n_top), max_tokens=max_tokens,
+                            stop=stop_list(body.stop), ignore_eos=body.ignore_eos,
+                            spec=speculative_config(engine, body), cache_prompt=body.cache_prompt)  # fmt: skip
+        return await _respond_chat(head, http, body, req, prompt)
 
     return app
-
-
-def _tokenize(head: Head, body: TokenizeBody) -> dict:
-    ids = head.tok.encode(body.content, add_special=body.add_special, parse_special=body.parse_special)
-    if not body.with_pieces:
-        return {"tokens": ids}
-    pieces = []
-    for t in ids:
-        raw = head.tok.token_bytes(t)
-        try:
-            piece: Any = raw.decode("utf-8")
-        except UnicodeDecodeError:
-            piece = list(raw)
-        pieces.append({"id": t, "piece": piece})
-    return {"tokens": pieces}
-
-
-def _chat_prompt(head: Head, messages: list[dict]) -> list[int]:
-    from .chat import apply_chat_template
-
-    text = apply_chat_template(head.tok, head.gguf, messages, add_generation_prompt=True)
-    return head.tok.encode(text, add_special=True, parse_special=True)
 
 
 async def _respond_completion(head: Head, http: Request, body: CompletionBody, req: EngineRequest, prompt_text: str):
     cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
     want_lp = body.logprobs is not None
     lps = _CompletionLogprobs(head, body.return_tokens_as_token_ids)
-    run = _Run(head, http, req)
+    run = Run(head, http, req)
 
     def prompt_part(ev: Event) -> dict:
         entries = [(lp, None) for lp in ev.prompt_logprobs]
@@ -437,7 +276,7 @@ async def _respond_completion(head: Head, http: Request, body: CompletionBody, r
     def chunk(text: str, logprobs, finish=None, **extra) -> dict:
         choice = {"text": text, "index": 0, "logprobs": logprobs, "finish_reason": finish}
         return {"id": cid, "object": "text_completion", "created": created, "model": head.model_name,
-                "choices": [choice], **extra}  # fmt: skip
+                "system_fingerprint": BUILD_INFO, "choices": [choice], **extra}  # fmt: skip
 
     if body.stream:
 
@@ -445,19 +284,19 @@ async def _respond_completion(head: Head, http: Request, body: CompletionBody, r
             echoed = not body.echo
             async for ev in run.events():
                 if ev.finish_reason == "error":
-                    yield _sse(_stream_error(ev))
+                    yield sse(stream_error(ev))
                     break
                 if ev.prompt_logprobs is not None:
-                    yield _sse(chunk("" if echoed else prompt_text, prompt_part(ev)))
+                    yield sse(chunk("" if echoed else prompt_text, prompt_part(ev)))
                     echoed = True
                     continue
                 if not echoed:
-                    yield _sse(chunk(prompt_text, None))
+                    yield sse(chunk(prompt_text, None))
                     echoed = True
                 if ev.finish_reason is None:
-                    yield _sse(chunk(ev.text, gen_part(ev)))
+                    yield sse(chunk(ev.text, gen_part(ev)))
                 else:
-                    yield _sse(chunk(ev.text, gen_part(ev) if ev.tokens else None, ev.finish_reason,
+                    yield sse(chunk(ev.text, gen_part(ev) if ev.tokens else None, ev.finish_reason,
                                      usage=ev.usage, timings=ev.timings))  # fmt: skip
             yield b"data: [DONE]\n\n"
 
@@ -475,40 +314,45 @@ async def _respond_completion(head: Head, http: Request, body: CompletionBody, r
             final = ev
     if final is None:  # the client left; nobody reads this
         return Response(status_code=499)
-    _check_finish(final)
+    check_finish(final)
     out = chunk((prompt_text if body.echo else "") + "".join(text), _merge_logprobs(parts) if want_lp else None,
                 final.finish_reason, usage=final.usage, timings=final.timings)  # fmt: skip
     return out
 
 
-async def _respond_chat(head: Head, http: Request, body: ChatBody, req: EngineRequest):
+async def _respond_chat(head: Head, http: Request, body: ChatBody, req: EngineRequest, prompt: str):
     cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     as_ids = body.return_tokens_as_token_ids
-    run = _Run(head, http, req)
+    run = Run(head, http, req)
+    common = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": head.model_name,
+              "system_fingerprint": BUILD_INFO}  # fmt: skip
 
     def chunk(delta: dict, tokens: list[GenToken], finish=None, **extra) -> dict:
         logprobs = {"content": _chat_logprob_content(head, tokens, as_ids)} if body.logprobs and tokens else None
         choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
-        return {"id": cid, "object": "chat.completion.chunk", "created": created, "model": head.model_name,
-                "choices": [choice], **extra}  # fmt: skip
+        return {**common, "choices": [choice], **extra}
 
     if body.stream:
+        # llama-server's stream: a first chunk with the role and content null; content chunks (each
+        # with `timings` when timings_per_token); a finish chunk with an empty delta; the usage chunk
+        # (choices []) only with stream_options.include_usage. The last chunk carries `timings`.
         include_usage = bool((body.stream_options or {}).get("include_usage"))
 
         async def stream():
-            yield _sse(chunk({"role": "assistant", "content": ""}, []))
+            yield sse(chunk({"role": "assistant", "content": None}, []))
             async for ev in run.events():
                 if ev.finish_reason == "error":
-                    yield _sse(_stream_error(ev))
+                    yield sse(stream_error(ev))
                     break
-                delta = {"content": ev.text} if ev.text else {}
+                per_token = {"timings": ev.timings} if body.timings_per_token and ev.timings else {}
+                if ev.text or ev.tokens:
+                    yield sse(chunk({"content": ev.text} if ev.text else {}, ev.tokens, **per_token))
                 if ev.finish_reason is None:
-                    yield _sse(chunk(delta, ev.tokens))
                     continue
-                yield _sse(chunk(delta, ev.tokens, ev.finish_reason, timings=ev.timings))
+                timings = {"timings": ev.timings}
+                yield sse(chunk({}, [], ev.finish_reason, **({} if include_usage else timings)))
                 if include_usage:
-                    yield _sse({"id": cid, "object": "chat.completion.chunk", "created": created,
-                                "model": head.model_name, "choices": [], "usage": ev.usage})  # fmt: skip
+                    yield sse({**common, "choices": [], "usage": ev.usage, **timings})
             yield b"data: [DONE]\n\n"
 
         return StreamingResponse(stream(), media_type="text/event-stream")
@@ -521,12 +365,16 @@ async def _respond_chat(head: Head, http: Request, body: ChatBody, req: EngineRe
             final = ev
     if final is None:
         return Response(status_code=499)
-    _check_finish(final)
+    check_finish(final)
     logprobs = {"content": _chat_logprob_content(head, tokens, as_ids)} if body.logprobs else None
     message = {"role": "assistant", "content": "".join(text)}
-    return {"id": cid, "object": "chat.completion", "created": created, "model": head.model_name,
-            "choices": [{"index": 0, "message": message, "logprobs": logprobs, "finish_reason": final.finish_reason}],
-            "usage": final.usage, "timings": final.timings}  # fmt: skip
+    out = {"id": cid, "object": "chat.completion", "created": created, "model": head.model_name,
+           "system_fingerprint": BUILD_INFO,
+           "choices": [{"index": 0, "message": message, "logprobs": logprobs, "finish_reason": final.finish_reason}],
+           "usage": final.usage, "timings": final.timings}  # fmt: skip
+    if body.verbose:
+        out["__verbose"] = {"prompt": prompt, "content": message["content"]}
+    return out
 
 
 # ---- serve -----------------------------------------------------------------------------------

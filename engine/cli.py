@@ -23,7 +23,9 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", "-m", default=None, help="GGUF file (default: the Gemma 3 270M package)")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
     p.add_argument("--dtype", default="auto", help="compute dtype: auto, float32, bfloat16, float16")
-    p.add_argument("--ctx", type=int, default=4096, help="context length per slot")
+    p.add_argument("--ctx", type=int, default=None, help="context length per slot (default 4096)")
+    p.add_argument("-c", "--ctx-size", type=int, default=None,
+                   help="llama-server's: the context of all slots together (each gets ctx-size / parallel)")
     p.add_argument("--gpu-weights", choices=["quantized", "dense"], default="quantized",
                    help="on a GPU, keep GGUF-quantized weights quantized (smallest) or expand them to the compute "
                         "dtype (faster decode today where they fit)")  # fmt: skip
@@ -48,6 +50,17 @@ def _spec_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-max", type=int, default=3)
     p.add_argument("--draft-min", type=int, default=0)
     p.add_argument("--draft-p-min", type=float, default=0.75)
+
+
+def _sampling_defaults(p: argparse.ArgumentParser) -> None:
+    """What a request gets for a sampling field it omits (llama-server's flags; unset: the engine's
+    defaults, OpenAI's temperature 1 and no top-k/top-p/min-p/penalty)."""
+    p.add_argument("--temperature", "--temp", type=float, default=None, help="default temperature")
+    p.add_argument("--top-k", type=int, default=None, help="default top-k (0: off)")
+    p.add_argument("--top-p", type=float, default=None, help="default top-p (1: off)")
+    p.add_argument("--min-p", type=float, default=None, help="default min-p (0: off)")
+    p.add_argument("--repeat-penalty", type=float, default=None, help="default repeat penalty (1: off)")
+    p.add_argument("--seed", type=int, default=None, help="default seed (-1 or unset: a random seed per request)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -104,6 +117,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "of the context); completions keep OpenAI's 16 (default 1024)")  # fmt: skip
     s.add_argument("--slot-save-path", default=None,
                    help="folder for POST /slots/{id}?action=save|restore (llama-server's; off without it)")
+    _sampling_defaults(s)
+    s.add_argument("--chat-template", default=None, metavar="NAME|JINJA",
+                   help="chat template instead of the GGUF's: a built-in name (gemma, chatml, llama3) or jinja source")
+    s.add_argument("--chat-template-file", default=None, help="read the chat template (jinja) from this file")
+    s.add_argument("--jinja", "--no-jinja", action="store_true",
+                   help="accepted for llama-server compatibility: the chat template is always rendered with jinja")
     _spec_args(s)
 
     pr = sub.add_parser("peer", help="peer worker: serves its assigned layers over the merged RPC port")

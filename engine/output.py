@@ -25,6 +25,7 @@ class _Stream:
         self.held_tokens: list[GenToken] = []
         self.emitted_in_held = 0  # chars of the first held tokens' text already passed on
         self.t_first: float | None = None
+        self.stop_word = ""  # the stop string that ended the request
 
 
 class OutputProcessor:
@@ -68,8 +69,9 @@ class OutputProcessor:
         """Pass on text that can no longer start a stop string; True when a stop string ended the request."""
         text = st.held_text + piece
         stops = seq.req.stop
-        cut = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
-        if cut >= 0:
+        found = [(i, s) for s in stops if (i := text.find(s)) >= 0]
+        if found:
+            cut, st.stop_word = min(found)
             st.held_text = text[:cut]
             return True
         keep = max((k for s in stops for k in range(min(len(s) - 1, len(text)), 0, -1) if s.startswith(text[-k:])),
@@ -108,9 +110,11 @@ class OutputProcessor:
             Event(
                 finish_reason=seq.finish_reason,
                 usage={"prompt_tokens": seq.n_prompt, "completion_tokens": seq.n_gen,
-                       "total_tokens": seq.n_prompt + seq.n_gen},  # fmt: skip
+                       "total_tokens": seq.n_prompt + seq.n_gen,
+                       "prompt_tokens_details": {"cached_tokens": seq.n_cached}},  # fmt: skip
                 timings=timings(seq, st.t_first, now),
                 error=error,
+                stop_word=st.stop_word,
             )
         )
 

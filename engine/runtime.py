@@ -19,7 +19,7 @@ from typing import Iterator
 
 import torch
 
-from .errors import Overloaded, Unavailable, UserError, describe
+from .errors import ContextOverflow, Overloaded, Unavailable, UserError, describe
 from .output import OutputProcessor
 from .sampling import InvalidParam, TokenLogprob, sample_batch, token_logprobs
 from .scheduler import DEFAULT_BATCH_TOKENS, Batch, Chunk, Sampled, Scheduler
@@ -122,11 +122,13 @@ class Engine:
             raise InvalidParam("the prompt is empty", "prompt")
         if max_tokens < 0:
             raise InvalidParam(f"max_tokens must be >= 0, got {max_tokens}", "max_tokens")
+        if n_prompt >= self.n_ctx:
+            raise ContextOverflow(n_prompt, self.n_ctx)
         if n_prompt + max_tokens > self.n_ctx:
             raise InvalidParam(
                 f"the prompt ({n_prompt} tokens) plus max_tokens ({max_tokens}) exceeds the context "
                 f"of {self.n_ctx} tokens",
-                "max_tokens" if n_prompt < self.n_ctx else "prompt",
+                "max_tokens",
             )
 
     def submit(self, req: Request) -> Request:

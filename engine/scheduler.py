@@ -139,6 +139,7 @@ class Scheduler:
             i = max(free, key=lambda j: (shared(j), -len(self.cached[j])))
             free.remove(i)
             seq = self.slots[i] = Sequence(req, i)
+            req.slot = i
             if req.cache_prompt and req.prompt_logprobs is None:  # a scored prompt needs every row's logits
                 seq.n_past = seq.n_cached = max(0, min(shared(i), len(req.prompt) - 1))
             self.cached[i] = []

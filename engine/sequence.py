@@ -28,8 +28,9 @@ class GenToken:
 @dataclass
 class Event:
     """What a request's sink receives: text and tokens as they are released; on the last event
-    `finish_reason` ("stop", "length", "cancelled", "error"), `usage`, `timings`, and on "error" the
-    exception itself (`error`), so the API can answer by its type."""
+    `finish_reason` ("stop", "length", "cancelled", "error"), `usage`, `timings`, the stop string
+    that ended it (`stop_word`, "" when none did), and on "error" the exception itself (`error`), so
+    the API can answer by its type."""
 
     text: str = ""
     tokens: list[GenToken] = field(default_factory=list)
@@ -38,6 +39,7 @@ class Event:
     usage: dict | None = None
     timings: dict | None = None
     error: BaseException | None = None
+    stop_word: str = ""
 
 
 @dataclass
@@ -52,6 +54,7 @@ class Request:
     cache_prompt: bool = True  # reuse the KV of a prefix a slot already holds (llama-server's default)
     sink: Callable[[Event], None] = lambda ev: None
     id: int = 0
+    slot: int = -1  # the slot the scheduler gave it (llama-server reports it as id_slot)
     cancelled: bool = False
 
 

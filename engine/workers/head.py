@@ -35,8 +35,10 @@ class HeadWorker:
         self.metrics = Metrics(self.status)
         self.model_name: str | None = cfg.alias
         self.created = int(time.time())
-        self.gguf = None  # the chat template reads its metadata
+        self.gguf = None
         self.tok = None
+        self.chat_template = None  # chat.ChatTemplate: --chat-template, else the GGUF's
+        self.fim_tokens: dict[str, int | None] = {}  # /infill's pre/suf/mid/rep/sep token ids
         self.engine = None
         self.pipeline = None
         self.rpc = None
@@ -55,12 +57,15 @@ class HeadWorker:
         from ..rpc.service import HeadRpc, RpcCollector
         from ..runtime import Engine
         from ..speculative import build_speculator
-        from ..tokenizer import Tokenizer
+        from ..chat import ChatTemplate
+        from ..tokenizer import Tokenizer, fim_tokens
 
         cfg = self.cfg
         path = model_path(cfg.model.model)
         self.gguf = g = GGUFFile(path)
         self.tok = Tokenizer.from_gguf(g)
+        self.chat_template = ChatTemplate.for_model(self.tok, g, cfg.chat_template)
+        self.fim_tokens = fim_tokens(self.tok, g.metadata)
         mcfg = ModelConfig.from_gguf(g)
         self.model_name = self.model_name or path.stem
         self.status.model = ModelInfo(self.model_name, str(path), g.architecture, mcfg.n_layers, g.fingerprint)
