@@ -252,7 +252,8 @@ def create_app(head: Head) -> FastAPI:
         n_top = (body.top_logprobs or 0) if body.logprobs else None
         req = EngineRequest(prompt=ids, params=sampling_params(head, body, n_top), max_tokens=max_tokens,
                             stop=stop_list(body.stop), ignore_eos=body.ignore_eos,
-                            spec=speculative_config(engine, body), cache_prompt=body.cache_prompt)  # fmt: skip
+                            spec=speculative_config(engine, body), cache_prompt=body.cache_prompt,
+                            timings_per_token=body.timings_per_token)  # fmt: skip
         return await _respond_chat(head, http, body, req, prompt)
 
     return app
@@ -344,7 +345,7 @@ async def _respond_chat(head: Head, http: Request, body: ChatBody, req: EngineRe
                 if ev.finish_reason == "error":
                     yield sse(stream_error(ev))
                     break
-                per_token = {"timings": ev.timings} if body.timings_per_token and ev.timings else {}
+                per_token = {"timings": ev.timings} if ev.timings else {}
                 if ev.text or ev.tokens:
                     yield sse(chunk({"content": ev.text} if ev.text else {}, ev.tokens, **per_token))
                 if ev.finish_reason is None:

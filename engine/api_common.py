@@ -32,6 +32,8 @@ LOADING_RETRY_S = 5
 SEED_RANDOM = -1  # llama-server's "pick a seed": a random one per request
 
 Stop = Union[str, list[str], None]
+PROMPT_FORMS = ("\"prompt\" elements must be a string, a list of tokens, a JSON object containing a prompt string, "
+                "or a list of mixed strings & tokens.")  # llama-server's words
 
 
 class CommonBody(BaseModel):
@@ -119,6 +121,8 @@ def tokenize_mixed(head: Head, prompt, add_special: bool = True, parse_special: 
         prompt = prompt["prompt_string"]
     if isinstance(prompt, str):
         return head.tok.encode(prompt, add_special=add_special, parse_special=parse_special)
+    if not isinstance(prompt, list):
+        raise APIError(400, PROMPT_FORMS, param="prompt")
     ids: list[int] = []
     for i, part in enumerate(prompt):
         if isinstance(part, str):
@@ -126,8 +130,7 @@ def tokenize_mixed(head: Head, prompt, add_special: bool = True, parse_special: 
         elif isinstance(part, int) and not isinstance(part, bool):
             ids.append(part)
         else:
-            raise APIError(400, "\"prompt\" elements must be a string, a list of tokens, a JSON object containing a "
-                                "prompt string, or a list of mixed strings & tokens.", param="prompt")  # fmt: skip
+            raise APIError(400, PROMPT_FORMS, param="prompt")
     return check_token_ids(head, ids)
 
 

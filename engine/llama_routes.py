@@ -143,7 +143,7 @@ class _Completion:
         self.req: EngineRequest = EngineRequest(
             prompt=ids, params=self.params, max_tokens=n_predict_for(head, requested, len(ids)),
             stop=stop_list(body.stop), ignore_eos=body.ignore_eos, spec=speculative_config(engine, body),
-            cache_prompt=body.cache_prompt,
+            cache_prompt=body.cache_prompt, timings_per_token=body.timings_per_token,
         )  # fmt: skip
         self.t_start = time.time()
         self.text: list[str] = []
@@ -204,7 +204,7 @@ class _Completion:
             for text, tokens in pieces[:-1] if ev.finish_reason is not None else pieces:
                 n += len(tokens)
                 chunk = self.partial(text, tokens, n)
-                if self.body.timings_per_token:
+                if ev.timings is not None:
                     chunk["timings"] = ev.timings
                 yield sse(chunk)
             if ev.finish_reason is not None:

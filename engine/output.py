@@ -94,7 +94,8 @@ class OutputProcessor:
             tokens, st.held_tokens = st.held_tokens[:n], st.held_tokens[n:]
             st.emitted_in_held = avail - covered
         if text or tokens:
-            seq.req.sink(Event(text=text, tokens=tokens))
+            per_token = timings(seq, st.t_first, time.perf_counter()) if seq.req.timings_per_token else None
+            seq.req.sink(Event(text=text, tokens=tokens, timings=per_token))
 
     def _finish(self, seq: Sequence, st: _Stream, at_stop_string: bool, error: BaseException | None) -> None:
         """Deliver what is held back (text after a stop string is dropped, otherwise nothing is) and

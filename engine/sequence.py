@@ -52,6 +52,7 @@ class Request:
     prompt_logprobs: int | None = None  # score the prompt: logprob of each prompt token + top N
     spec: SpecConfig | None = None  # this request's speculative decoding; None: the engine's default
     cache_prompt: bool = True  # reuse the KV of a prefix a slot already holds (llama-server's default)
+    timings_per_token: bool = False  # every event carries the timings so far, not only the last
     sink: Callable[[Event], None] = lambda ev: None
     id: int = 0
     slot: int = -1  # the slot the scheduler gave it (llama-server reports it as id_slot)

@@ -40,6 +40,7 @@ _SCALE_FIELDS = {
 # The ones gguf cannot quantize: the writer uses random blocks for these.
 _K_QUANTS = (T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K)
 
+FIM_TOKENS = ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>")
 # Words for the tiny vocabularies: enough for readable test prompts to tokenize into pieces.
 _WORDS = (
     "the of and to in is was for on that with as by at from it his an were are which this be or has had "
@@ -76,6 +77,7 @@ def write_synthetic(
     ssm_v_heads: int = 4,
     conv_kernel: int = 4,
     nextn: bool = False,
+    fim: bool = False,
 ) -> Path:
     """Write a random-weight GGUF and return its path.
 
@@ -90,7 +92,8 @@ def write_synthetic(
     taps); `n_rot` (default head_dim / 4, as Qwen3.5's partial rotary) and IMROPE `rope_sections`
     (the default's fourth section leaves the last pairs unrotated for text, which tests that rule);
     `nextn` adds Qwen3.5's multi-token-prediction block as layer `n_layers` (written last, so the
-    trunk's weights are those of the same file without it).
+    trunk's weights are those of the same file without it). `fim` adds Qwen's fill-in-the-middle
+    control tokens (<|fim_prefix|>, <|fim_suffix|>, <|fim_middle|>) to the vocabulary.
     """
     if arch not in ARCHITECTURES:
         raise ValueError(f"unsupported architecture {arch!r}; choose one of {', '.join(ARCHITECTURES)}")
@@ -112,6 +115,9 @@ def write_synthetic(
     path = Path(path)
 
     tokens, scores, types, merges, special = _tokenizer(arch, vocab_size)
+    if fim:
+        tokens, scores = tokens + list(FIM_TOKENS), scores + [-1000.0] * len(FIM_TOKENS)
+        types = types + [gguf.TokenType.CONTROL] * len(FIM_TOKENS)
     n_vocab = len(tokens)
 
     w = gguf.GGUFWriter(str(path), arch)
