@@ -10,7 +10,6 @@ prompts; streamed, one `data: {...}` per token and a last one with `stop: true`,
 from __future__ import annotations
 
 import asyncio
-import time
 from typing import TYPE_CHECKING, Any, Union
 
 from fastapi import APIRouter, Request
@@ -48,11 +47,10 @@ class NativeCompletionBody(CommonBody):
     id_slot: int = -1  # accepted; the scheduler picks the slot holding the longest prefix
     samplers: list[str] | None = None
     response_fields: list[str] | None = None
+    post_sampling_probs: bool = False  # refused when true: our probabilities are those of the raw logits
 
 
 class InfillBody(NativeCompletionBody):
-    model_config = ConfigDict(extra="ignore", populate_by_name=True)
-
     prompt: str = ""
     input_prefix: str
     input_suffix: str
@@ -136,6 +134,9 @@ class _Completion:
             if unknown:
                 raise APIError(400, f"samplers {unknown} are not supported (available: {', '.join(SAMPLERS)})",
                                param="samplers")  # fmt: skip
+        if body.post_sampling_probs:
+            raise APIError(400, "post_sampling_probs is not supported: n_probs reports logprobs of the raw logits",
+                           param="post_sampling_probs")  # fmt: skip
         requested = body.n_predict if body.n_predict is not None else body.max_tokens
         engine.check(len(ids), 0)
         self.head, self.body, self.ids, self.index = head, body, ids, index
@@ -145,7 +146,6 @@ class _Completion:
             stop=stop_list(body.stop), ignore_eos=body.ignore_eos, spec=speculative_config(engine, body),
             cache_prompt=body.cache_prompt, timings_per_token=body.timings_per_token,
         )  # fmt: skip
-        self.t_start = time.time()
         self.text: list[str] = []
         self.tokens: list[GenToken] = []
 

@@ -120,6 +120,8 @@ def test_completion_refuses_bad_prompts_and_samplers(server):
     assert post(server, "/completion", {"prompt": [5, 10**9]}).json()["error"]["param"] == "prompt"
     r = post(server, "/completion", {"prompt": "x", "samplers": ["mirostat"]})
     assert r.status_code == 400 and r.json()["error"]["param"] == "samplers"
+    r = post(server, "/completion", {"prompt": "x", "n_probs": 2, "post_sampling_probs": True})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "post_sampling_probs"
 
 
 # ---- context overflow ------------------------------------------------------------------------------
