@@ -94,7 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("serve", help="head worker: HTTP API + merged RPC port, drives peers")
     _model_args(s)
-    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--host", default="127.0.0.1", help="HTTP bind address; several comma-separated (127.0.0.1,::1)")
     s.add_argument("--port", type=int, default=8080)
     s.add_argument("--parallel", "-np", type=int, default=4, help="slots decoded together")
     s.add_argument("--alias", default=None, help="model name reported by the API")

@@ -4,6 +4,7 @@ real port (raw httpx and the official openai client), started with llama-server'
 from __future__ import annotations
 
 import json
+import socket
 
 import httpx
 import openai
@@ -230,6 +231,17 @@ def test_server_seed_and_temperature_are_the_defaults(tiny_model, tmp_path):
         assert a["generation_settings"]["temperature"] == 1.0
         own = post(w.url, "/completion", {**body, "seed": 5}).json()
         assert own["generation_settings"]["seed"] == 5
+
+
+def test_listens_on_every_comma_separated_host(tiny_model, tmp_path):
+    try:
+        with socket.socket(socket.AF_INET6) as probe:
+            probe.bind(("::1", 0))
+    except OSError:
+        pytest.skip("no IPv6 loopback here")
+    with running(llama_head(tiny_model("llama"), tmp_path, "--host", "127.0.0.1,::1")) as w:
+        for host in ("127.0.0.1", "[::1]"):
+            assert httpx.get(f"http://{host}:{w.port}/health", timeout=10).status_code == 200
 
 
 # ---- /infill -----------------------------------------------------------------------------------------------

@@ -20,7 +20,7 @@ from ..config import HeadConfig
 from ..errors import UserError
 from ..metrics import Metrics
 from ..status import StatusDocument
-from ..worker_http import http_server, listen_socket
+from ..worker_http import http_server, listen_sockets
 
 log = logging.getLogger("hydra.head")
 
@@ -96,7 +96,7 @@ class HeadWorker:
         from ..api import create_app
 
         cfg = self.cfg
-        sock = listen_socket(cfg.host, cfg.port)
+        socks = listen_sockets(cfg.host, cfg.port)
         server = http_server(create_app(self))
 
         def load():
@@ -110,7 +110,7 @@ class HeadWorker:
 
         threading.Thread(target=load, name="hydra-load", daemon=True).start()
         try:
-            server.run(sockets=[sock])
+            server.run(sockets=socks)
         finally:
             self.stop()
         if isinstance(self.error, UserError):
