@@ -13,7 +13,10 @@ executable stands in for the binary, swaps every model source (--hf-repo, --hf-f
     python scripts/llama_server_suite.py test_completion.py -k stream
     python scripts/llama_server_suite.py --all                 # every file of the suite
 
-The suite imports `wget` (only to download, which never happens offline): a stub stands in.
+The suite imports `wget` (only to download, which never happens offline): a stub stands in. Its
+session fixture `ServerPreset.load_all` starts every preset once, only to download their models:
+offline that is nine server starts for nothing (minutes for a Python server on a busy machine,
+past the fixture's timeout), so a small plugin makes it a no-op; the tests themselves are unchanged.
 """
 
 from __future__ import annotations
@@ -106,17 +109,20 @@ def run_suite(args) -> int:
     (work / "stub").mkdir()
     (work / "stub" / "wget.py").write_text(
         "def download(url, out=None):\n    raise RuntimeError(f'offline suite: no download of {url}')\n")
+    (work / "stub" / "suite_offline.py").write_text(
+        "import utils\n\nutils.ServerPreset.load_all = staticmethod(lambda: None)  # nothing to download\n")
     shim = work / "llama-server"
     shim.write_text(f"#!/bin/sh\nexec {sys.executable} {HERE} --wrap {args.server} --model {model} -- \"$@\"\n")
     shim.chmod(0o755)
     env = {**os.environ, "LLAMA_SERVER_BIN_PATH": str(shim), "PORT": str(free_port()), "LLAMA_CACHE": str(work),
-           "PYTHONPATH": os.pathsep.join(p for p in (str(work / "stub"), os.environ.get("PYTHONPATH")) if p)}  # fmt: skip
+           "PYTHONPATH": os.pathsep.join(p for p in (str(work / "stub"), str(root / "tools" / "server" / "tests"),
+                                                     os.environ.get("PYTHONPATH")) if p)}  # fmt: skip
     files = sorted(p.name for p in (tests / "unit").glob("test_*.py")) if args.all else args.files or DEFAULT_FILES
     totals = {"passed": 0, "failed": 0, "error": 0, "skipped": 0}
     print(f"server: {args.server}   model: {model}   work: {work}")
     for name in files:
         cmd = [sys.executable, "-m", "pytest", f"unit/{name}", "-q", "-rA", "-p", "no:cacheprovider",
-               "-o", "addopts=", "--timeout", str(args.timeout), *args.pytest_args]  # fmt: skip
+               "-o", "addopts=", "-p", "suite_offline", "--timeout", str(args.timeout), *args.pytest_args]  # fmt: skip
         proc = subprocess.run(cmd, cwd=root / "tools" / "server" / "tests", env=env, capture_output=True, text=True)
         (work / f"{name}.log").write_text(proc.stdout + proc.stderr)
         counts = {k: len(re.findall(rf"^{k.upper()} ", proc.stdout, re.M)) for k in totals}
