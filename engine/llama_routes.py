@@ -10,6 +10,8 @@ prompts; streamed, one `data: {...}` per token and a last one with `stop: true`,
 from __future__ import annotations
 
 import asyncio
+import math
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Union
 
 from fastapi import APIRouter, Request
@@ -47,7 +49,7 @@ class NativeCompletionBody(CommonBody):
     id_slot: int = -1  # accepted; the scheduler picks the slot holding the longest prefix
     samplers: list[str] | None = None
     response_fields: list[str] | None = None
-    post_sampling_probs: bool = False  # refused when true: our probabilities are those of the raw logits
+    post_sampling_probs: bool = False  # n_probs as probabilities of the distribution drawn from
 
 
 class InfillBody(NativeCompletionBody):
@@ -98,15 +100,18 @@ def n_predict_for(head: Head, requested: int | None, n_prompt: int) -> int:
     return room if n < 0 else min(n, room)
 
 
-def _probs(head: Head, tokens: list[GenToken]) -> list[dict]:
-    """llama-server's completion_probabilities: each token with its logprob and its top alternatives."""
+def _probs(head: Head, tokens: list[GenToken], post_sampling: bool) -> list[dict]:
+    """llama-server's completion_probabilities: each token with its logprob and its top alternatives
+    (post_sampling: probabilities, `prob` / `top_probs`)."""
 
-    def entry(tid: int, text: str | None = None) -> dict:
+    def entry(tid: int, lp: float, text: str | None = None) -> dict:
         raw = head.tok.token_bytes(tid)
-        return {"id": tid, "token": text if text is not None else raw.decode("utf-8", "ignore"), "bytes": list(raw)}
+        value = {"prob": math.exp(lp)} if post_sampling else {"logprob": lp}
+        return {"id": tid, "token": text if text is not None else raw.decode("utf-8", "ignore"), "bytes": list(raw),
+                **value}  # fmt: skip
 
-    return [{**entry(t.id, t.text), "logprob": t.logprob.logprob,
-             "top_logprobs": [{**entry(i), "logprob": lp} for i, lp in t.logprob.top]}
+    top = "top_probs" if post_sampling else "top_logprobs"
+    return [{**entry(t.id, t.logprob.logprob, t.text), top: [entry(i, lp) for i, lp in t.logprob.top]}
             for t in tokens if t.logprob is not None]  # fmt: skip
 
 
@@ -134,13 +139,10 @@ class _Completion:
             if unknown:
                 raise APIError(400, f"samplers {unknown} are not supported (available: {', '.join(SAMPLERS)})",
                                param="samplers")  # fmt: skip
-        if body.post_sampling_probs:
-            raise APIError(400, "post_sampling_probs is not supported: n_probs reports logprobs of the raw logits",
-                           param="post_sampling_probs")  # fmt: skip
         requested = body.n_predict if body.n_predict is not None else body.max_tokens
         engine.check(len(ids), 0)
         self.head, self.body, self.ids, self.index = head, body, ids, index
-        self.params = sampling_params(head, body, body.n_probs or None)
+        self.params = replace(sampling_params(head, body, body.n_probs or None), post_sampling=body.post_sampling_probs)
         self.req: EngineRequest = EngineRequest(
             prompt=ids, params=self.params, max_tokens=n_predict_for(head, requested, len(ids)),
             stop=stop_list(body.stop), ignore_eos=body.ignore_eos, spec=speculative_config(engine, body),
@@ -157,13 +159,13 @@ class _Completion:
                 "stop": self.req.stop, "max_tokens": self.req.max_tokens, "n_predict": self.req.max_tokens,
                 "n_keep": 0, "n_discard": 0, "ignore_eos": body.ignore_eos, "stream": body.stream,
                 "n_probs": body.n_probs, "min_keep": 0, "samplers": list(body.samplers or SAMPLERS),
-                "timings_per_token": body.timings_per_token, "post_sampling_probs": False, "lora": []}  # fmt: skip
+                "timings_per_token": body.timings_per_token, "post_sampling_probs": p.post_sampling, "lora": []}  # fmt: skip
 
     def partial(self, text: str, tokens: list[GenToken], n_decoded: int) -> dict:
         out = {"index": self.index, "content": text, "tokens": [t.id for t in tokens], "stop": False,
                "id_slot": self.req.slot, "tokens_predicted": n_decoded, "tokens_evaluated": len(self.ids)}  # fmt: skip
         if self.body.n_probs:
-            out["completion_probabilities"] = _probs(self.head, tokens)
+            out["completion_probabilities"] = _probs(self.head, tokens, self.params.post_sampling)
         return out
 
     def final(self, ev: Event, content: str) -> dict:
@@ -177,7 +179,7 @@ class _Completion:
                "truncated": len(self.ids) + n_gen >= self.head.engine.n_ctx, "stop_type": reason,
                "stopping_word": ev.stop_word, "tokens_cached": len(self.ids) + n_gen, "timings": ev.timings}  # fmt: skip
         if self.body.n_probs and not self.body.stream:
-            out["completion_probabilities"] = _probs(self.head, self.tokens)
+            out["completion_probabilities"] = _probs(self.head, self.tokens, self.params.post_sampling)
         return _nested(self.body.response_fields, out) if self.body.response_fields else out
 
     async def run(self, http: Request) -> dict | None:

@@ -21,7 +21,7 @@ import torch
 
 from .errors import ContextOverflow, Overloaded, Unavailable, UserError, describe
 from .output import OutputProcessor
-from .sampling import InvalidParam, TokenLogprob, sample_batch, token_logprobs
+from .sampling import InvalidParam, TokenLogprob, sample_batch, sampled_logprob, token_logprobs
 from .scheduler import DEFAULT_BATCH_TOKENS, Batch, Chunk, Sampled, Scheduler
 from .sequence import Event, Request, Sequence
 from .speculative import Speculator
@@ -303,6 +303,8 @@ class Engine:
         n_top = seq.req.params.logprobs
         if n_top is None:
             return [None] * len(tids)
+        if seq.req.params.post_sampling:  # row i follows the tokens so far and the i draft tokens before it
+            return [sampled_logprob(seq.sampler, rows[i], seq.tokens + tids[:i], tid, n_top) for i, tid in enumerate(tids)]
         return [token_logprobs(rows[i : i + 1], [tid], n_top)[0] for i, tid in enumerate(tids)]
 
     @staticmethod

@@ -97,6 +97,19 @@ def test_completion_n_probs_and_response_fields(server):
     assert set(only) == {"content", "generation_settings/n_predict"} and only["generation_settings/n_predict"] == 2
 
 
+def test_completion_post_sampling_probs(server):
+    """post_sampling_probs: probabilities of what the sampler drew from; top_k 3 leaves 3 tokens whose
+    probabilities sum to 1, the chosen one among them."""
+    body = {"prompt": PROMPT, "n_predict": 3, "n_probs": 5, "ignore_eos": True, "temperature": 1.0, "top_k": 3,
+            "post_sampling_probs": True}  # fmt: skip
+    got = post(server, "/completion", body).json()
+    assert got["generation_settings"]["post_sampling_probs"] is True
+    for p in got["completion_probabilities"]:
+        top = p["top_probs"]
+        assert len(top) == 3 and sum(t["prob"] for t in top) == pytest.approx(1.0, abs=1e-5)
+        assert p["id"] in [t["id"] for t in top] and 0 < p["prob"] <= 1 and "logprob" not in p
+
+
 def test_completion_stream_is_one_chunk_per_token(server):
     body = {"prompt": PROMPT, "n_predict": 5, "ignore_eos": True, "n_probs": 2}
     plain = post(server, "/completion", body).json()
@@ -121,8 +134,7 @@ def test_completion_refuses_bad_prompts_and_samplers(server):
     assert post(server, "/completion", {"prompt": [5, 10**9]}).json()["error"]["param"] == "prompt"
     r = post(server, "/completion", {"prompt": "x", "samplers": ["mirostat"]})
     assert r.status_code == 400 and r.json()["error"]["param"] == "samplers"
-    r = post(server, "/completion", {"prompt": "x", "n_probs": 2, "post_sampling_probs": True})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "post_sampling_probs"
+
 
 
 # ---- context overflow ------------------------------------------------------------------------------
