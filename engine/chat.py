@@ -118,6 +118,9 @@ class ChatTemplate:
         strip = bool(tok.add_bos and bos)
         if override in FALLBACK_TEMPLATES:
             return cls(FALLBACK_TEMPLATES[override], bos, eos, strip, name=override)
+        if override and "{" not in override:  # a name, not jinja source
+            raise ChatError(f"--chat-template {override!r}: unknown template name (built-in: "
+                            f"{', '.join(FALLBACK_TEMPLATES)}; or give jinja source or --chat-template-file)")
         if override:
             _compile(override)  # a template that does not parse fails at start, not on the first chat
             return cls(override, bos, eos, strip, name="--chat-template")
