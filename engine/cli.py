@@ -121,6 +121,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--chat-template", default=None, metavar="NAME|JINJA",
                    help="chat template instead of the GGUF's: a built-in name (gemma, chatml, llama3) or jinja source")
     s.add_argument("--chat-template-file", default=None, help="read the chat template (jinja) from this file")
+    s.add_argument("--reasoning", choices=["on", "off", "auto"], default="auto",
+                   help="the template's enable_thinking for every chat (auto: the template's own default; a request's "
+                        "chat_template_kwargs wins)")  # fmt: skip
     s.add_argument("--jinja", "--no-jinja", action="store_true",
                    help="accepted for llama-server compatibility: the chat template is always rendered with jinja")
     _spec_args(s)

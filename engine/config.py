@@ -185,6 +185,7 @@ class HeadConfig(WorkerConfig):
     slot_save_path: Path | None = None  # where /slots save and restore files live; None: off
     sampling: SamplingDefaults = SamplingDefaults()
     chat_template: str | None = None  # --chat-template(-file): a built-in name or jinja source; None: the GGUF's
+    chat_template_kwargs: dict = field(default_factory=dict)  # template variables of every chat (--reasoning)
 
     def redacted(self) -> dict:
         doc = super().redacted()
@@ -287,6 +288,7 @@ def head_config(args, env: Mapping[str, str]) -> HeadConfig:
         slot_save_path=_existing_dir("--slot-save-path", args.slot_save_path),
         sampling=_sampling_defaults(args),
         chat_template=_chat_template(args.chat_template, args.chat_template_file),
+        chat_template_kwargs={} if args.reasoning == "auto" else {"enable_thinking": args.reasoning == "on"},
     )
 
 

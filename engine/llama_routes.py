@@ -83,7 +83,7 @@ class DetokenizeBody(BaseModel):
 def template_prompt(head: Head, body: TemplateBody) -> str:
     """The chat prompt of a /apply-template, /chat/completions or input_tokens body."""
     messages = [m.model_dump(exclude_none=True) if isinstance(m, BaseModel) else m for m in body.messages]
-    extra = dict(body.chat_template_kwargs or {})
+    extra = {**head.cfg.chat_template_kwargs, **(body.chat_template_kwargs or {})}
     if body.tools:
         extra["tools"] = body.tools
     return chat_prompt(head, messages, body.add_generation_prompt, body.continue_final_message, **extra)

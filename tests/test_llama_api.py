@@ -235,8 +235,14 @@ def test_chat_without_max_tokens_stops_at_dash_n(server):
 
 def test_server_seed_and_temperature_are_the_defaults(tiny_model, tmp_path):
     """--temp 1 --seed S: requests without them sample alike (the seed is the server's), and a
-    request's own seed still wins."""
-    with running(llama_head(tiny_model("llama"), tmp_path, "--temp", "1", "--seed", "123")) as w:
+    request's own seed still wins; --reasoning is the template's enable_thinking."""
+    thinking = "{{ 'T' if enable_thinking is defined and enable_thinking else 'F' }}"
+    with running(llama_head(tiny_model("llama"), tmp_path, "--temp", "1", "--seed", "123", "--reasoning", "off",
+                            "--chat-template", thinking)) as w:  # fmt: skip
+        # --reasoning off sets the template's enable_thinking; a request's chat_template_kwargs wins
+        assert post(w.url, "/apply-template", {"messages": CHAT}).json()["prompt"] == "F"
+        on = {"messages": CHAT, "chat_template_kwargs": {"enable_thinking": True}}
+        assert post(w.url, "/apply-template", on).json()["prompt"] == "T"
         body = {"prompt": PROMPT, "n_predict": 8, "ignore_eos": True, "cache_prompt": False}
         a, b = (post(w.url, "/completion", body).json() for _ in range(2))
         assert a["content"] == b["content"] and a["generation_settings"]["seed"] == 123
@@ -316,6 +322,9 @@ def test_llama_server_flag_names(tmp_path):
     assert cfg.sampling.given() == {"temperature": 0.5, "seed": 9, "top_k": 20}
     assert cfg.chat_template == "{{ messages[0].content }}" and cfg.api_key == "k" and cfg.slot_save_path == tmp_path
     assert head_config(build_parser().parse_args(["serve", "--seed", "-1"]), {}).sampling.seed is None
+    assert cfg.chat_template_kwargs == {}
+    off = head_config(build_parser().parse_args(["serve", "--reasoning", "off"]), {})
+    assert off.chat_template_kwargs == {"enable_thinking": False}
     for bad, flag in ((["--ctx", "64", "-c", "128"], "--ctx"), (["--temp", "-1"], "--temperature"),
                       (["--chat-template", "x", "--chat-template-file", "y"], "--chat-template")):  # fmt: skip
         with pytest.raises(Exception, match=flag):
