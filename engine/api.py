@@ -1,5 +1,5 @@
-"""The head's HTTP routes: OpenAI and llama-server endpoints over the Engine, plus the /health,
-/status and /metrics every worker serves. It only routes: `workers.head` builds and starts the
+"""The head's HTTP app: OpenAI's routes over the Engine, llama-server's native ones (llama_routes,
+included here), /slots, and the /health, /status and /metrics every worker serves. It only routes: `workers.head` builds and starts the
 parts it reads. Every bad request is a 4xx in OpenAI's error shape; requests before the engine
 is ready, or beyond its queue, get 503 with Retry-After. `http_gate.Gate` runs in front (API key,
 body limit, the log line). Tokenizer and chat-template work runs in a thread: a long prompt must not
@@ -41,6 +41,7 @@ def _loc_param(loc) -> str | None:
 
 
 # ---- request bodies -----------------------------------------------------------------------------
+
 
 class CompletionBody(CommonBody):
     prompt: Union[str, list[str], list[int], list[list[int]]] = Field(
