@@ -1,7 +1,7 @@
 """Chat prompts: the model's own jinja template (`tokenizer.chat_template`) or a built-in one.
 
 Rendering follows Hugging Face / llama.cpp: a sandboxed jinja2 environment with `trim_blocks` and
-`lstrip_blocks`, `raise_exception`, `strftime_now`, and `bos_token` / `eos_token` variables.
+`lstrip_blocks`, `raise_exception`, `strftime_now`, and `bos_token` / `eos_token` / `date_string` / `datetime` variables.
 Models without a template get a built-in one by architecture (gemma turns, ChatML, Llama 3 headers).
 """
 
@@ -132,11 +132,15 @@ class ChatTemplate:
 
     def render(self, messages, add_generation_prompt: bool = True, **extra) -> str:
         template = _compile(self.source)
+        now = datetime.now()
         context = {
             "messages": normalize_messages(messages),
             "add_generation_prompt": add_generation_prompt,
             "bos_token": self.bos_token,
             "eos_token": self.eos_token,
+            # today's date, under the names llama.cpp gives templates (Llama 3.x, firefunction)
+            "date_string": now.strftime("%d %b %Y"),
+            "datetime": now.strftime("%b %d %Y"),
             **extra,
         }
         try:

@@ -88,9 +88,16 @@ def wrapper_main(server: str, model: str, argv: list[str]) -> int:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port whose next one is free too: hydra's head puts its RPC port there."""
+    while True:
+        with socket.socket() as s, socket.socket() as t:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+            try:
+                t.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+            return port
 
 
 def run_suite(args) -> int:

@@ -250,3 +250,14 @@ def test_chat_template_override_by_name_or_source(tmp_path):
         ChatTemplate.for_model(tok, g, "command-r")
     with pytest.raises(ChatError, match="does not parse"):
         ChatTemplate.for_model(tok, g, "{% if %}")
+
+
+@pytest.mark.unit
+def test_templates_see_todays_date_as_llama_cpp_names_it(tmp_path):
+    from datetime import date
+
+    g = GGUFFile(write_synthetic(tmp_path / "m.gguf", "llama"))
+    tok = Tokenizer.from_gguf(g)
+    text = ChatTemplate.for_model(tok, g, "{{ date_string }}|{{ datetime }}").render(CHAT[:1])
+    today = date.today()
+    assert text == f"{today:%d %b %Y}|{today:%b %d %Y}"
