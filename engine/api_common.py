@@ -161,13 +161,20 @@ class Run:
 
     async def events(self) -> AsyncIterator[Event]:
         """The request's events; a client that goes away cancels it (its slot is freed at once)."""
+        loop = asyncio.get_running_loop()
+        checked = loop.time()
         try:
             while True:
                 try:
                     ev = await asyncio.wait_for(self.queue.get(), DISCONNECT_POLL_S)
                 except asyncio.TimeoutError:
+                    ev = None
+                # checked while events flow too: a non-streamed request's client may leave mid-generation
+                if ev is None or loop.time() - checked >= DISCONNECT_POLL_S:
+                    checked = loop.time()
                     if await self.http.is_disconnected():
                         return
+                if ev is None:
                     continue
                 if ev.finish_reason is not None and self.record is not None:
                     self.record.usage(ev.usage)
