@@ -374,7 +374,7 @@ async def _respond_chat(head: Head, http: Request, body: ChatBody, req: EngineRe
            "system_fingerprint": BUILD_INFO,
            "choices": [{"index": 0, "message": message, "logprobs": logprobs, "finish_reason": final.finish_reason}],
            "usage": final.usage, "timings": final.timings}  # fmt: skip
-    if body.verbose:
+    if body.verbose or head.cfg.verbose:
         out["__verbose"] = {"prompt": prompt, "content": message["content"]}
     return out
 

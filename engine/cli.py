@@ -124,6 +124,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--reasoning", choices=["on", "off", "auto"], default="auto",
                    help="the template's enable_thinking for every chat (auto: the template's own default; a request's "
                         "chat_template_kwargs wins)")  # fmt: skip
+    s.add_argument("--verbose", action="store_true",
+                   help="llama-server's: every chat response carries __verbose (its prompt), as if the request said verbose")
     s.add_argument("--jinja", "--no-jinja", action="store_true",
                    help="accepted for llama-server compatibility: the chat template is always rendered with jinja")
     _spec_args(s)

@@ -186,6 +186,7 @@ class HeadConfig(WorkerConfig):
     sampling: SamplingDefaults = SamplingDefaults()
     chat_template: str | None = None  # --chat-template(-file): a built-in name or jinja source; None: the GGUF's
     chat_template_kwargs: dict = field(default_factory=dict)  # template variables of every chat (--reasoning)
+    verbose: bool = False  # every chat response carries __verbose (llama-server's --verbose)
 
     def redacted(self) -> dict:
         doc = super().redacted()
@@ -289,6 +290,7 @@ def head_config(args, env: Mapping[str, str]) -> HeadConfig:
         sampling=_sampling_defaults(args),
         chat_template=_chat_template(args.chat_template, args.chat_template_file),
         chat_template_kwargs={} if args.reasoning == "auto" else {"enable_thinking": args.reasoning == "on"},
+        verbose=args.verbose,
     )
 
 

@@ -187,8 +187,9 @@ def test_assistant_prefill_and_continue_final_message(server, tiny_model):
     closed = post(server, "/apply-template", {"messages": prefill, "continue_final_message": False}).json()["prompt"]
     assert closed.endswith("the lazy<|im_end|>\n<|im_start|>assistant\n")
     # the chat generates from that open turn: its usage counts the prefilled prompt
-    r = post(server, "/v1/chat/completions", {"messages": prefill, "max_tokens": 2, "ignore_eos": True}).json()
-    assert r["usage"]["prompt_tokens"] == len(tokenize(server, prompt))
+    r = post(server, "/v1/chat/completions", {"messages": prefill, "max_tokens": 2, "ignore_eos": True,
+                                              "verbose": True}).json()  # fmt: skip
+    assert r["usage"]["prompt_tokens"] == len(tokenize(server, prompt)) and r["__verbose"]["prompt"] == prompt
     for bad in ({"messages": prefill + [{"role": "assistant", "content": "x"}]},
                 {"messages": prefill, "add_generation_prompt": True, "continue_final_message": True}):  # fmt: skip
         for path in ("/apply-template", "/v1/chat/completions"):
@@ -322,7 +323,8 @@ def test_llama_server_flag_names(tmp_path):
     assert cfg.sampling.given() == {"temperature": 0.5, "seed": 9, "top_k": 20}
     assert cfg.chat_template == "{{ messages[0].content }}" and cfg.api_key == "k" and cfg.slot_save_path == tmp_path
     assert head_config(build_parser().parse_args(["serve", "--seed", "-1"]), {}).sampling.seed is None
-    assert cfg.chat_template_kwargs == {}
+    assert cfg.chat_template_kwargs == {} and not cfg.verbose
+    assert head_config(build_parser().parse_args(["serve", "--verbose"]), {}).verbose
     off = head_config(build_parser().parse_args(["serve", "--reasoning", "off"]), {})
     assert off.chat_template_kwargs == {"enable_thinking": False}
     for bad, flag in ((["--ctx", "64", "-c", "128"], "--ctx"), (["--temp", "-1"], "--temperature"),
