@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from .api import _check_finish, _engine, _Run
+from .api_common import Run, check_finish, ready_engine
 from .http_errors import APIError
 from .http_gate import record_of
 
@@ -68,13 +68,13 @@ async def _hidden_states(head: Head, http: Request, prompts: list[list[int]]):
 
     async def one(ids: list[int]):
         async with turns:
-            run = _Run(head, http, [EngineRequest(prompt=ids, max_tokens=0, cache_prompt=False, embedding=True)])
+            run = Run(head, http, [EngineRequest(prompt=ids, max_tokens=0, cache_prompt=False, embedding=True)])
             final = None
             async for _, ev in run.events():
                 final = ev
             if final is None:
                 return None
-            _check_finish(final)
+            check_finish(final)
             return final.hidden
 
     tasks = [asyncio.ensure_future(one(ids)) for ids in prompts]
@@ -95,7 +95,7 @@ def embedding_routes(head: Head) -> APIRouter:
         if not cfg.embedding:
             raise APIError(501, "This server does not support embeddings. Start it with `--embeddings`",
                            "not_supported_error")  # fmt: skip
-        engine = _engine(head)
+        engine = ready_engine(head)
         if oai and head.pooling == "none":
             raise APIError(400, "Pooling type 'none' is not OAI compatible. Please use a different pooling type "
                                 "(--pooling mean, cls or last)", param="pooling")  # fmt: skip

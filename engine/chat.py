@@ -1,7 +1,7 @@
 """Chat prompts: the model's own jinja template (`tokenizer.chat_template`) or a built-in one.
 
 Rendering follows Hugging Face / llama.cpp: a sandboxed jinja2 environment with `trim_blocks` and
-`lstrip_blocks`, `raise_exception`, `strftime_now`, and `bos_token` / `eos_token` variables.
+`lstrip_blocks`, `raise_exception`, `strftime_now`, and `bos_token` / `eos_token` / `date_string` / `datetime` variables.
 Models without a template get a built-in one by architecture (gemma turns, ChatML, Llama 3 headers).
 """
 
@@ -110,11 +110,20 @@ class ChatTemplate:
         self.name = name
 
     @classmethod
-    def for_model(cls, tok: Tokenizer, g) -> ChatTemplate:
-        """The GGUF's `tokenizer.chat_template`, else the built-in one for its architecture."""
+    def for_model(cls, tok: Tokenizer, g, override: str | None = None) -> ChatTemplate:
+        """`override` (`--chat-template`: a built-in name or jinja source), else the GGUF's
+        `tokenizer.chat_template`, else the built-in one for its architecture."""
         bos = tok.token_text(tok.bos_id) if tok.bos_id is not None else ""
         eos = tok.token_text(tok.eos_id) if tok.eos_id is not None else ""
         strip = bool(tok.add_bos and bos)
+        if override in FALLBACK_TEMPLATES:
+            return cls(FALLBACK_TEMPLATES[override], bos, eos, strip, name=override)
+        if override and "{" not in override:  # a name, not jinja source
+            raise ChatError(f"--chat-template {override!r}: unknown template name (built-in: "
+                            f"{', '.join(FALLBACK_TEMPLATES)}; or give jinja source or --chat-template-file)")
+        if override:
+            _compile(override)  # a template that does not parse fails at start, not on the first chat
+            return cls(override, bos, eos, strip, name="--chat-template")
         source = g.metadata.get("tokenizer.chat_template")
         if isinstance(source, str) and source.strip():
             return cls(source, bos, eos, strip, name="gguf")
@@ -123,11 +132,15 @@ class ChatTemplate:
 
     def render(self, messages, add_generation_prompt: bool = True, **extra) -> str:
         template = _compile(self.source)
+        now = datetime.now()
         context = {
             "messages": normalize_messages(messages),
             "add_generation_prompt": add_generation_prompt,
             "bos_token": self.bos_token,
             "eos_token": self.eos_token,
+            # today's date, under the names llama.cpp gives templates (Llama 3.x, firefunction)
+            "date_string": now.strftime("%d %b %Y"),
+            "datetime": now.strftime("%b %d %Y"),
             **extra,
         }
         try:
@@ -139,6 +152,36 @@ class ChatTemplate:
         if self.strip_bos and self.bos_token and text.startswith(self.bos_token):
             text = text[len(self.bos_token) :]
         return text
+
+
+    def prompt(self, messages, add_generation_prompt: bool = True, continue_final_message: bool | None = None,
+               **extra) -> str:
+        """The prompt text for a chat request, with llama-server's assistant prefill: a last
+        assistant message is continued (its turn left open, no generation prompt) unless
+        `continue_final_message` is False; two assistant messages at the end are refused."""
+        last = messages[-1] if messages else None
+        ends_with_assistant = isinstance(last, Mapping) and last.get("role") == "assistant"
+        if continue_final_message is None and ends_with_assistant:
+            if len(messages) >= 2 and isinstance(messages[-2], Mapping) and messages[-2].get("role") == "assistant":
+                raise ChatError("Cannot have 2 or more assistant messages at the end of the list.")
+            continue_final_message, add_generation_prompt = True, False
+        if not continue_final_message:
+            return self.render(messages, add_generation_prompt, **extra)
+        if add_generation_prompt:
+            raise ChatError("Cannot set both add_generation_prompt and continue_final_message to true.")
+        if not ends_with_assistant:
+            raise ChatError("continue_final_message needs an assistant message at the end of the list")
+        if last.get("tool_calls"):
+            raise ChatError("Cannot continue an assistant message that contains tool calls.")
+        text = self.render(messages, False, **extra)
+        # The rendered turn ends with the template's closing text: cut right after the message's own
+        # content (templates may trim it), so that generation continues it (as transformers does).
+        content = normalize_messages([last])[0]["content"]
+        needle = content.strip() or content
+        at = text.rfind(needle) if needle else len(text)
+        if at < 0:
+            raise ChatError("chat template: the final assistant message does not appear in the rendered prompt")
+        return text[: at + len(needle)]
 
 
 def fallback_name(arch: str, tok: Tokenizer | None = None) -> str:

@@ -35,7 +35,9 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", "-m", default=None, help="GGUF file (default: the Gemma 3 270M package)")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
     p.add_argument("--dtype", default="auto", help="compute dtype: auto, float32, bfloat16, float16")
-    p.add_argument("--ctx", type=int, default=4096, help="context length per slot")
+    p.add_argument("--ctx", type=int, default=None, help="context length per slot (default 4096)")
+    p.add_argument("-c", "--ctx-size", type=int, default=None,
+                   help="llama-server's: the context of all slots together (each gets ctx-size / parallel)")
     p.add_argument("--gpu-weights", choices=["quantized", "dense"], default="quantized",
                    help="on a GPU, keep GGUF-quantized weights quantized (smallest) or expand them to the compute "
                         "dtype (faster decode today where they fit)")  # fmt: skip
@@ -66,6 +68,17 @@ def _spec_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-max", type=int, default=3, help="most tokens drafted per step")
     p.add_argument("--draft-min", type=int, default=0, help="fewest tokens a draft must have to be verified")
     p.add_argument("--draft-p-min", type=float, default=0.75, help="draft model: stop drafting below this probability")
+
+
+def _sampling_defaults(p: argparse.ArgumentParser) -> None:
+    """What a request gets for a sampling field it omits (llama-server's flags; unset: the engine's
+    defaults, OpenAI's temperature 1 and no top-k/top-p/min-p/penalty)."""
+    p.add_argument("--temperature", "--temp", type=float, default=None, help="default temperature")
+    p.add_argument("--top-k", type=int, default=None, help="default top-k (0: off)")
+    p.add_argument("--top-p", type=float, default=None, help="default top-p (1: off)")
+    p.add_argument("--min-p", type=float, default=None, help="default min-p (0: off)")
+    p.add_argument("--repeat-penalty", type=float, default=None, help="default repeat penalty (1: off)")
+    p.add_argument("--seed", type=int, default=None, help="default seed (-1 or unset: a random seed per request)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -99,7 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("serve", help="head worker: HTTP API + merged RPC port, drives peers")
     _model_args(s)
-    s.add_argument("--host", default="127.0.0.1", help="HTTP bind address")
+    s.add_argument("--host", default="127.0.0.1", help="HTTP bind address; several comma-separated (127.0.0.1,::1)")
     s.add_argument("--port", type=int, default=8080, help="HTTP port")
     s.add_argument("--parallel", "-np", type=int, default=4, help="slots decoded together")
     s.add_argument("--alias", "-a", default=None,
@@ -148,6 +161,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="prompts with at least this many tokens to compute go to --prefill-worker")
     s.add_argument("--prefill-deadline", type=float, default=30.0,
                    help="seconds a prefill + transfer may take before the head prefills locally")
+    _sampling_defaults(s)
+    s.add_argument("--chat-template", default=None, metavar="NAME|JINJA",
+                   help="chat template instead of the GGUF's: a built-in name (gemma, chatml, llama3) or jinja source")
+    s.add_argument("--chat-template-file", default=None, help="read the chat template (jinja) from this file")
+    s.add_argument("--reasoning", choices=["on", "off", "auto"], default="auto",
+                   help="the template's enable_thinking for every chat (auto: the template's own default; a request's "
+                        "chat_template_kwargs wins)")  # fmt: skip
+    s.add_argument("--verbose", action="store_true",
+                   help="llama-server's: every chat response carries __verbose (its prompt), as if the request said verbose")
+    s.add_argument("--jinja", "--no-jinja", action="store_true",
+                   help="accepted for llama-server compatibility: the chat template is always rendered with jinja")
     _spec_args(s)
 
     pr = sub.add_parser("peer", help="peer worker: serves its assigned layers over the merged RPC port")

@@ -90,6 +90,22 @@ class SpecConfig:
 
 
 @dataclass(frozen=True)
+class SamplingDefaults:
+    """The server's sampling defaults (`--temp`, `--seed`, ...): what a request that omits a field
+    gets; None leaves the engine's own default (sampling.SamplingParams)."""
+
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+    min_p: float | None = None
+    repeat_penalty: float | None = None
+    seed: int | None = None
+
+    def given(self) -> dict:
+        return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
+
+
+@dataclass(frozen=True)
 class ModelSettings:
     model: str | None  # GGUF path; None = the embedded default model
     device: str = "auto"
@@ -180,6 +196,10 @@ class HeadConfig(WorkerConfig):
     prefill_worker: str | None = None  # HOST:PORT of a prefill worker's RPC port; None: prefill here
     prefill_threshold: int = 256  # prompt tokens to compute at which the prefill worker takes over
     prefill_deadline: float = 30.0  # seconds for prefill + transfer before the head prefills itself
+    sampling: SamplingDefaults = SamplingDefaults()
+    chat_template: str | None = None  # --chat-template(-file): a built-in name or jinja source; None: the GGUF's
+    chat_template_kwargs: dict = field(default_factory=dict)  # template variables of every chat (--reasoning)
+    verbose: bool = False  # every chat response carries __verbose (llama-server's --verbose)
 
     def redacted(self) -> dict:
         doc = super().redacted()
@@ -220,9 +240,23 @@ def compile_cache_env(cache_dir: Path | None) -> dict[str, str]:
     return {"TORCHINDUCTOR_CACHE_DIR": str(cache_dir / "inductor"), "TRITON_CACHE_DIR": str(cache_dir / "triton")}
 
 
+DEFAULT_CTX = 4096
+
+
+def slot_ctx(args) -> int:
+    """Context per slot: --ctx, or llama-server's -c/--ctx-size shared by the --parallel slots."""
+    if args.ctx is not None and args.ctx_size is not None:
+        raise UserError("--ctx (per slot) and -c/--ctx-size (all slots): give one of them")
+    if args.ctx_size is None:
+        return args.ctx if args.ctx is not None else DEFAULT_CTX
+    _at_least(1, ctx_size=args.ctx_size)
+    return args.ctx_size // getattr(args, "parallel", 1)
+
+
 def model_settings(args, env: Mapping[str, str]) -> ModelSettings:
-    _at_least(1, ctx=args.ctx)
-    return ModelSettings(args.model, args.device, args.dtype, args.ctx, default_cache_dir(env), args.gpu_weights,
+    ctx = slot_ctx(args)
+    _at_least(1, ctx=ctx)
+    return ModelSettings(args.model, args.device, args.dtype, ctx, default_cache_dir(env), args.gpu_weights,
                          not args.no_compile, (args.cache_type_k, args.cache_type_v))
 
 
@@ -259,7 +293,7 @@ def head_config(args, env: Mapping[str, str]) -> HeadConfig:
     _at_least(1, parallel=args.parallel, rpc_pool_size=args.rpc_pool_size)
     _at_least(0, rpc_queue=args.rpc_queue, peer_wait=args.peer_wait, max_queue=args.max_queue)
     _at_least(-1, n_predict=args.n_predict)
-    max_body = args.max_body if args.max_body is not None else default_max_body(args.ctx)
+    max_body = args.max_body if args.max_body is not None else default_max_body(slot_ctx(args))
     _at_least(1024, max_body=max_body)
     spec = SpecConfig(type=args.spec_type, n_max=args.draft_max, n_min=args.draft_min, p_min=args.draft_p_min)
     return HeadConfig(
@@ -291,6 +325,10 @@ def head_config(args, env: Mapping[str, str]) -> HeadConfig:
         prefill_worker=_prefill_worker(args),
         prefill_threshold=args.prefill_threshold,
         prefill_deadline=args.prefill_deadline,
+        sampling=_sampling_defaults(args),
+        chat_template=_chat_template(args.chat_template, args.chat_template_file),
+        chat_template_kwargs={} if args.reasoning == "auto" else {"enable_thinking": args.reasoning == "on"},
+        verbose=args.verbose,
     )
 
 
@@ -319,6 +357,29 @@ def _prefill_worker(args) -> str | None:
     if not args.prefill_deadline > 0:
         raise UserError(f"--prefill-deadline must be > 0 seconds, got {args.prefill_deadline}")
     return addr
+
+
+def _sampling_defaults(args) -> SamplingDefaults:
+    checks = {"temperature": (args.temperature, lambda v: 0 <= v <= 100, "in [0, 100]"),
+              "top_k": (args.top_k, lambda v: v >= 0, ">= 0"), "top_p": (args.top_p, lambda v: 0 < v <= 1, "in (0, 1]"),
+              "min_p": (args.min_p, lambda v: 0 <= v <= 1, "in [0, 1]"),
+              "repeat_penalty": (args.repeat_penalty, lambda v: 0 < v <= 100, "in (0, 100]")}  # fmt: skip
+    for key, (value, ok, what) in checks.items():
+        if value is not None and not ok(value):
+            raise UserError(f"--{key.replace('_', '-')} must be {what}, got {value}")
+    return SamplingDefaults(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                            repeat_penalty=args.repeat_penalty, seed=None if args.seed == -1 else args.seed)
+
+
+def _chat_template(inline: str | None, path: str | None) -> str | None:
+    if inline and path:
+        raise UserError("--chat-template and --chat-template-file: give one of them")
+    if path is None:
+        return inline
+    try:
+        return Path(path).read_text()
+    except OSError as e:
+        raise UserError(f"--chat-template-file {path}: {e.strerror}") from None
 
 
 def peer_config(args, env: Mapping[str, str]) -> PeerConfig:

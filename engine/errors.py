@@ -3,7 +3,7 @@ the kinds of failure the HTTP layer tells apart by type (never by message text).
 
 from ..contracts.errors import UserError
 
-__all__ = ["Overloaded", "Unavailable", "UserError", "describe"]
+__all__ = ["ContextOverflow", "Overloaded", "Unavailable", "UserError", "describe"]
 
 
 class Unavailable(Exception):
@@ -17,6 +17,18 @@ class Overloaded(Unavailable):
     """The engine's request queue is full (`--max-queue`): shed at once rather than queue for minutes."""
 
     retry_after = 1
+
+
+class ContextOverflow(UserError):
+    """A prompt that leaves no room in a slot's context (llama-server's exceed_context_size_error:
+    HTTP 400 carrying both numbers)."""
+
+    param = "prompt"
+
+    def __init__(self, n_prompt_tokens: int, n_ctx: int):
+        super().__init__(f"request ({n_prompt_tokens} tokens) exceeds the available context size ({n_ctx} tokens), "
+                         "try increasing it")  # fmt: skip
+        self.n_prompt_tokens, self.n_ctx = n_prompt_tokens, n_ctx
 
 
 def describe(e: BaseException) -> str:

@@ -21,6 +21,7 @@ def main(args, cache_dir: Path | None) -> int:
     from .sampling import SamplingParams
     from .tokenizer import Tokenizer
 
+    from .config import slot_ctx
     from .default_model import model_path
 
     path = model_path(args.model)
@@ -38,11 +39,12 @@ def main(args, cache_dir: Path | None) -> int:
     ids = tok.encode(text, add_special=True, parse_special=True)
     if args.n_predict < -1:
         raise UserError(f"-n must be >= -1 (-1 = until the context is full), got {args.n_predict}")
-    if len(ids) >= args.ctx:
-        raise UserError(f"the prompt is {len(ids)} tokens, the context only {args.ctx} (--ctx)")
-    n_predict = args.ctx - len(ids) if args.n_predict == -1 else args.n_predict
+    ctx = slot_ctx(args)
+    if len(ids) >= ctx:
+        raise UserError(f"the prompt is {len(ids)} tokens, the context only {ctx} (--ctx)")
+    n_predict = ctx - len(ids) if args.n_predict == -1 else args.n_predict
     # One slot, sized to this request: no KV memory for context it will never use.
-    n_ctx = min(args.ctx, len(ids) + n_predict)
+    n_ctx = min(ctx, len(ids) + n_predict)
     stage = build_stage(g, device=args.device, dtype=args.dtype, n_slots=1, n_ctx=n_ctx,
                         cache_dir=cache_dir, quantized=None if args.gpu_weights == "quantized" else False,
                         kv_types=(args.cache_type_k, args.cache_type_v))  # fmt: skip

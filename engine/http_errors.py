@@ -21,7 +21,9 @@ class APIError(Exception):
 
 
 def error_response(status: int, message: str, type_: str, param: str | None = None, code: str | None = None,
-                   retry_after: int | None = None) -> JSONResponse:  # fmt: skip
+                   retry_after: int | None = None, **extra) -> JSONResponse:  # fmt: skip
+    """`extra`: fields of a particular error (llama-server's exceed_context_size_error carries
+    n_prompt_tokens and n_ctx)."""
     headers = {"Retry-After": str(retry_after)} if retry_after is not None else None
-    body = {"message": message, "type": type_, "param": param, "code": code or CODES.get(status, str(status))}
+    body = {"message": message, "type": type_, "param": param, "code": code or CODES.get(status, str(status)), **extra}
     return JSONResponse({"error": body}, status_code=status, headers=headers)

@@ -28,6 +28,7 @@ class _Stream:
         self.emitted_in_held = 0  # chars of the first held tokens' text already passed on
         self.t_first: float | None = None
         self.t_last: float | None = None  # when its latest tokens came (inter-token latency)
+        self.stop_word = ""  # the stop string that ended the request
 
 
 class OutputProcessor:
@@ -76,8 +77,9 @@ class OutputProcessor:
         """Pass on text that can no longer start a stop string; True when a stop string ended the request."""
         text = st.held_text + piece
         stops = seq.req.stop
-        cut = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
-        if cut >= 0:
+        found = [(i, s) for s in stops if (i := text.find(s)) >= 0]
+        if found:
+            cut, st.stop_word = min(found)
             st.held_text = text[:cut]
             return True
         keep = max((k for s in stops for k in range(min(len(s) - 1, len(text)), 0, -1) if s.startswith(text[-k:])),
@@ -100,7 +102,8 @@ class OutputProcessor:
             tokens, st.held_tokens = st.held_tokens[:n], st.held_tokens[n:]
             st.emitted_in_held = avail - covered
         if text or tokens:
-            seq.req.sink(Event(text=text, tokens=tokens))
+            per_token = timings(seq, st.t_first, time.perf_counter()) if seq.req.timings_per_token else None
+            seq.req.sink(Event(text=text, tokens=tokens, timings=per_token))
 
     def _finish(self, seq: Sequence, st: _Stream, at_stop_string: bool, error: BaseException | None) -> None:
         """Deliver what is held back (text after a stop string is dropped, otherwise nothing is) and
@@ -122,6 +125,7 @@ class OutputProcessor:
                 timings=timings(seq, st.t_first, now),
                 error=error,
                 hidden=torch.cat(seq.hidden) if seq.req.embedding and seq.finish_reason == "length" else None,
+                stop_word=st.stop_word,
             )
         )
 

@@ -21,9 +21,9 @@ import numpy as np
 import torch
 
 from ..contracts.slot_state import SlotStateError
-from .errors import Overloaded, Unavailable, UserError, describe
+from .errors import ContextOverflow, Overloaded, Unavailable, UserError, describe
 from .output import OutputProcessor
-from .sampling import InvalidParam, TokenLogprob, apply_logit_bias, sample_batch, token_logprobs
+from .sampling import InvalidParam, TokenLogprob, apply_logit_bias, sample_batch, sampled_logprob, token_logprobs
 from .scheduler import DEFAULT_BATCH_TOKENS, Batch, Chunk, Sampled, Scheduler
 from .sequence import Event, Request, Sequence
 from .speculative import Speculator
@@ -170,11 +170,13 @@ class Engine:
             raise InvalidParam("the prompt is empty", "prompt")
         if max_tokens < 0:
             raise InvalidParam(f"max_tokens must be >= 0, got {max_tokens}", "max_tokens")
+        if n_prompt >= self.n_ctx:
+            raise ContextOverflow(n_prompt, self.n_ctx)
         if n_prompt + max_tokens > self.n_ctx:
             raise InvalidParam(
                 f"the prompt ({n_prompt} tokens) plus max_tokens ({max_tokens}) exceeds the context "
                 f"of {self.n_ctx} tokens",
-                "max_tokens" if n_prompt < self.n_ctx else "prompt",
+                "max_tokens",
             )
 
     def submit(self, req: Request) -> Request:
@@ -450,6 +452,8 @@ class Engine:
         n_top = seq.req.params.logprobs
         if n_top is None:
             return [None] * len(tids)
+        if seq.req.params.post_sampling:  # row i follows the tokens so far and the i draft tokens before it
+            return [sampled_logprob(seq.sampler, rows[i], seq.tokens + tids[:i], tid, n_top) for i, tid in enumerate(tids)]
         return [token_logprobs(rows[i : i + 1], [tid], n_top)[0] for i, tid in enumerate(tids)]
 
     @staticmethod

@@ -3,8 +3,9 @@
 Order of the transforms (stochastic sampling): penalties → temperature → top-k → top-p → min-p →
 multinomial draw with the request's own `torch.Generator`, so a request's seed alone fixes its
 output whatever else shares the batch. temperature == 0 is greedy (argmax after the penalties).
-Logprobs are always taken from the raw logits (log-softmax before any transform), as OpenAI and
-vLLM report them.
+Logprobs are taken from the raw logits (log-softmax before any transform), as OpenAI and vLLM
+report them, unless a request asks for the sampled distribution's (`post_sampling`, llama-server's
+post_sampling_probs).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ class SamplingParams:
     seed: int | None = None
     logprobs: int | None = None  # None: none; N: the chosen token's logprob and the top N alternatives
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit; -inf bans it)
+    post_sampling: bool = False  # logprobs of the distribution drawn from (after the transforms), not the raw logits
 
     def __post_init__(self):
         def check(ok: bool, param: str, what: str):
@@ -186,6 +188,15 @@ def sample_batch(logits: torch.Tensor, samplers: list[Sampler], histories: list[
         if i not in done:
             out[i] = s.sample(logits[i], histories[i])
     return out
+
+
+def sampled_logprob(sampler: Sampler, logits: torch.Tensor, history: list[int], token: int, n_top: int) -> TokenLogprob:
+    """llama-server's post_sampling_probs: `token`'s logprob under the distribution `sampler` draws
+    from (`logits[V]`), and the top `n_top` tokens that keep a nonzero probability there."""
+    probs = sampler.probs(logits, history)
+    vals, ids = torch.topk(probs, min(n_top, probs.numel()))
+    top = [(i, float(torch.log(v))) for i, v in zip(ids.tolist(), vals) if v > 0]
+    return TokenLogprob(token, float(torch.log(probs[token])), top)
 
 
 def token_logprobs(logits: torch.Tensor, tokens: list[int], n_top: int) -> list[TokenLogprob]:

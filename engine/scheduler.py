@@ -154,6 +154,7 @@ class Scheduler:
             i = max(free, key=lambda j: (shared(j), -len(self.cached[j])))
             free.remove(i)
             seq = self.slots[i] = Sequence(req, i)
+            req.slot = i
             # A scored prompt needs every row's logits, an embedding every row's hidden state.
             if req.cache_prompt and req.prompt_logprobs is None and not req.embedding:
                 seq.n_past = seq.n_cached = max(0, min(shared(i), len(req.prompt) - 1))

@@ -31,9 +31,10 @@ class GenToken:
 @dataclass
 class Event:
     """What a request's sink receives: text and tokens as they are released; on the last event
-    `finish_reason` ("stop", "length", "cancelled", "error"), `usage`, `timings`, on "error" the
-    exception itself (`error`), so the API can answer by its type, and for an embedding request
-    the prompt's final-norm hidden states (`hidden`, [n_prompt, n_embd] float32 on the CPU)."""
+    `finish_reason` ("stop", "length", "cancelled", "error"), `usage`, `timings`, the stop string
+    that ended it (`stop_word`, "" when none did), on "error" the exception itself (`error`), so the
+    API can answer by its type, and for an embedding request the prompt's final-norm hidden states
+    (`hidden`, [n_prompt, n_embd] float32 on the CPU)."""
 
     text: str = ""
     tokens: list[GenToken] = field(default_factory=list)
@@ -43,6 +44,7 @@ class Event:
     timings: dict | None = None
     error: BaseException | None = None
     hidden: torch.Tensor | None = None
+    stop_word: str = ""
 
 
 @dataclass
@@ -57,8 +59,10 @@ class Request:
     cache_prompt: bool = True  # reuse the KV of a prefix a slot already holds (llama-server's default)
     embedding: bool = False  # run the prompt only and return its hidden states (Event.hidden), no tokens
     constraint: Constraint | None = None  # structured output: this request's own grammar matcher
+    timings_per_token: bool = False  # every event carries the timings so far, not only the last
     sink: Callable[[Event], None] = lambda ev: None
     id: int = 0
+    slot: int = -1  # the slot the scheduler gave it (llama-server reports it as id_slot)
     cancelled: bool = False
     t_submit: float = field(default_factory=time.perf_counter)  # arrival: time to first token counts from here
 

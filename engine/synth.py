@@ -40,6 +40,7 @@ _SCALE_FIELDS = {
 # The ones gguf cannot quantize: the writer uses random blocks for these.
 _K_QUANTS = (T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K)
 
+FIM_TOKENS = ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>")
 # Words for the tiny vocabularies: enough for readable test prompts to tokenize into pieces.
 _WORDS = (
     "the of and to in is was for on that with as by at from it his an were are which this be or has had "
@@ -77,6 +78,7 @@ def write_synthetic(
     conv_kernel: int = 4,
     nextn: bool = False,
     bigram: bool = False,
+    fim: bool = False,
 ) -> Path:
     """Write a random-weight GGUF and return its path.
 
@@ -95,7 +97,8 @@ def write_synthetic(
     `bigram` zeroes what every block writes into the residual stream (`attn_output`, `ssm_out`,
     `ffn_down`), so a position's logits depend on its token alone; with `nextn` the MTP block then
     passes the token's embedding through (`eh_proj` = [I 0], `enorm` = 1, no `shared_head_norm`) and
-    predicts exactly the trunk's next token: MTP drafts the target accepts (tests, benches).
+    predicts exactly the trunk's next token: MTP drafts the target accepts (tests, benches). `fim` adds Qwen's fill-in-the-middle
+    control tokens (<|fim_prefix|>, <|fim_suffix|>, <|fim_middle|>) to the vocabulary.
     """
     if arch not in ARCHITECTURES:
         raise ValueError(f"unsupported architecture {arch!r}; choose one of {', '.join(ARCHITECTURES)}")
@@ -117,6 +120,9 @@ def write_synthetic(
     path = Path(path)
 
     tokens, scores, types, merges, special = _tokenizer(arch, vocab_size)
+    if fim:
+        tokens, scores = tokens + list(FIM_TOKENS), scores + [-1000.0] * len(FIM_TOKENS)
+        types = types + [gguf.TokenType.CONTROL] * len(FIM_TOKENS)
     n_vocab = len(tokens)
 
     w = gguf.GGUFWriter(str(path), arch)

@@ -591,3 +591,30 @@ class StreamDecoder:
         self._utf8.reset()
         return text
 
+
+
+# llama.cpp's FIM tokens: the GGUF's tokenizer.ggml.fim_*_token_id, else a vocab entry with a known text.
+_FIM_TEXTS = {
+    "pre": ("<|fim_prefix|>", "<fim-prefix>", "<fim_prefix>", "<｜fim▁begin｜>", "<PRE>", "▁<PRE>", "<|code_prefix|>",
+            "<|prefix|>"),
+    "suf": ("<|fim_suffix|>", "<fim-suffix>", "<fim_suffix>", "<｜fim▁hole｜>", "<SUF>", "▁<SUF>", "<|code_suffix|>",
+            "<|suffix|>"),
+    "mid": ("<|fim_middle|>", "<fim-middle>", "<fim_middle>", "<｜fim▁end｜>", "<MID>", "▁<MID>", "<|code_middle|>",
+            "<|middle|>"),
+    "rep": ("<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>"),
+    "sep": ("<|file_sep|>",),
+}  # fmt: skip
+_FIM_KEYS = {"pre": ("fim_pre", "prefix"), "suf": ("fim_suf", "suffix"), "mid": ("fim_mid", "middle"),
+             "rep": ("fim_rep",), "sep": ("fim_sep",)}  # fmt: skip
+
+
+def fim_tokens(tok: Tokenizer, md: Mapping[str, object]) -> dict[str, int | None]:
+    """Fill-in-the-middle token ids {pre, suf, mid, rep, sep} (None: the model has none), found as
+    llama.cpp finds them: the metadata key first, then the vocabulary's known FIM texts."""
+    out: dict[str, int | None] = {}
+    for kind, keys in _FIM_KEYS.items():
+        tid = next((int(md[f"tokenizer.ggml.{k}_token_id"]) for k in keys if f"tokenizer.ggml.{k}_token_id" in md), None)
+        if tid is None or not 0 <= tid < tok.vocab_size:
+            tid = next((t for t in map(tok.find_token, _FIM_TEXTS[kind]) if t is not None), None)
+        out[kind] = tid
+    return out

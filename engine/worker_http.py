@@ -51,5 +51,19 @@ def listen_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+def listen_sockets(hosts: str, port: int) -> list[socket.socket]:
+    """One listening socket per address of a comma-separated `--host` (llama-server's form,
+    e.g. "127.0.0.1,::1")."""
+    socks: list[socket.socket] = []
+    try:
+        for host in hosts.split(","):
+            socks.append(listen_socket(host.strip().strip("[]"), port))
+    except UserError:
+        for s in socks:
+            s.close()
+        raise
+    return socks
+
+
 def http_server(app: FastAPI) -> uvicorn.Server:
     return uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2))

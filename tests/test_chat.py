@@ -11,6 +11,7 @@ from hydra_console.engine.chat import ChatError, ChatTemplate, apply_chat_templa
 from hydra_console.engine.default_model import default_model_path
 from hydra_console.engine.errors import UserError
 from hydra_console.engine.gguf_file import GGUFFile
+from hydra_console.engine.synth import write_synthetic
 from hydra_console.engine.tokenizer import BYTE_TO_UNICODE, CONTROL, NORMAL, Tokenizer
 
 CHAT = [
@@ -235,3 +236,28 @@ def test_chat_template_object_reusable():
     t = ChatTemplate(CHATML_JINJA)
     assert t.render([{"role": "user", "content": "a"}]) == "<|im_start|>user\na<|im_end|>\n<|im_start|>assistant\n"
     assert t.render([{"role": "user", "content": "b"}], add_generation_prompt=False) == "<|im_start|>user\nb<|im_end|>\n"
+
+
+@pytest.mark.unit
+def test_chat_template_override_by_name_or_source(tmp_path):
+    from hydra_console.engine.chat import CHATML_TEMPLATE
+
+    g = GGUFFile(write_synthetic(tmp_path / "m.gguf", "llama"))
+    tok = Tokenizer.from_gguf(g)
+    assert ChatTemplate.for_model(tok, g, "chatml").source == CHATML_TEMPLATE
+    assert ChatTemplate.for_model(tok, g, "{{ messages[0].content }}!").render(CHAT[:1]) == CHAT[0]["content"] + "!"
+    with pytest.raises(ChatError, match="unknown template name"):
+        ChatTemplate.for_model(tok, g, "command-r")
+    with pytest.raises(ChatError, match="does not parse"):
+        ChatTemplate.for_model(tok, g, "{% if %}")
+
+
+@pytest.mark.unit
+def test_templates_see_todays_date_as_llama_cpp_names_it(tmp_path):
+    from datetime import date
+
+    g = GGUFFile(write_synthetic(tmp_path / "m.gguf", "llama"))
+    tok = Tokenizer.from_gguf(g)
+    text = ChatTemplate.for_model(tok, g, "{{ date_string }}|{{ datetime }}").render(CHAT[:1])
+    today = date.today()
+    assert text == f"{today:%d %b %Y}|{today:%b %d %Y}"

