@@ -178,14 +178,14 @@ def test_huge_preauth_frames_close_the_connection_without_allocating(ws):
 
 def test_unknown_and_state_changing_ops_before_auth_close_unanswered(ws):
     w = ws["tok_head"]
-    for op in (0x7A, Op.INFO, Op.CONFIGURE, Op.DECODE, Op.STATE_GET, Op.STATE_PUT, Op.STATE_META, Op.PREFILL):
+    for op in (0x7A, Op.INFO, Op.CONFIGURE, Op.DECODE, Op.STATE_GET, Op.STATE_PUT, Op.STATE_META, Op.PREFILL, Op.PROBE):
         with connect(w.rpc_port) as s:
             s.sendall(wire.pack_control_request(op, b"{}"))
             assert unanswered_close(s) == b""
     with connect(w.rpc_port) as s:  # an AUTH frame over the pre-auth cap
         s.sendall(wire.pack_control_request(Op.AUTH, b"x" * PREAUTH_MAX_FRAME))
         assert unanswered_close(s) == b""
-    for cmd in (Cmd.LOAD_STAGE, Cmd.KV_CLEAR, Cmd.STATS, Cmd.STATE_META, Cmd.STATE_GET, Cmd.STATE_PUT, 99):
+    for cmd in (Cmd.LOAD_STAGE, Cmd.KV_CLEAR, Cmd.STATS, Cmd.STATE_META, Cmd.STATE_GET, Cmd.STATE_PUT, Cmd.PROBE, 99):
         with connect(ws["tok_peer"].rpc_port) as s:
             compute(s, Cmd.HELLO, pack_hello())
             wire.read_compute_response(SocketReader(s), 64)  # the nonce

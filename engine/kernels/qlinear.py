@@ -6,22 +6,21 @@ import torch
 
 from .qweight import QuantWeight
 
-# Up to this many rows (decode, speculative verify) the fused GEMV reads the weight once; its
-# multiply-adds grow with the rows, and from about 8 rows one dequantization into a scratch dense
-# weight amortized over cuBLAS's tensor-core GEMM is as fast (`benchmarks/bench_qkernels.py`).
-FUSED_MAX_ROWS = 8
-
 
 def qlinear(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
-    """x [..., k] -> [..., n] in x's dtype. On CPU the reference (dequantize, then matmul) for tests."""
+    """x [..., k] -> [..., n] in x's dtype. On CPU the reference (dequantize, then matmul) for tests.
+    On CUDA, up to GEMV_MAX_ROWS rows (decode, speculative verify) the fused GEMV reads the weight
+    once; its multiply-adds grow with the rows, and from about 8 rows one dequantization into a
+    scratch dense weight amortized over cuBLAS's tensor-core GEMM is as fast (`benchmarks/bench_qkernels.py`)."""
     x2 = x.reshape(-1, x.shape[-1])
     if x.device.type != "cuda":
         y = x2 @ w.dequantize_reference().to(x.dtype).T
-    elif x2.shape[0] <= FUSED_MAX_ROWS:
-        from .triton_qmatmul import fused_matmul
-
-        y = fused_matmul(x2, w)
     else:
-        # The caching allocator hands each layer the block the previous one freed: a reused scratch.
-        y = x2 @ w.dequantize(x.dtype).T
+        from .triton_qmatmul import GEMV_MAX_ROWS, fused_matmul
+
+        if x2.shape[0] <= GEMV_MAX_ROWS:
+            y = fused_matmul(x2, w)
+        else:
+            # The caching allocator hands each layer the block the previous one freed: a reused scratch.
+            y = x2 @ w.dequantize(x.dtype).T
     return y.view(*x.shape[:-1], w.shape[0])
