@@ -134,6 +134,22 @@ def running(worker: Worker, timeout: float = 90.0):
         worker.stop()
 
 
+@contextlib.contextmanager
+def solo_and_split(model, logs, *split_flags: str):
+    """Real processes in float32: a solo head, and a head (`split_flags`) with one peer; all ready,
+    all stopped on the way out. Yields {"solo", "peer", "head"}."""
+    f32 = ("--dtype", "float32")
+    solo, p = head(model, logs, (), *f32), peer(model, logs, *f32)
+    split = head(model, logs, [p], *split_flags, *f32)
+    try:
+        for w in (solo, p, split):
+            w.wait_ready()
+        yield {"solo": solo, "peer": p, "head": split}
+    finally:
+        for w in (solo, p, split):
+            w.stop()
+
+
 def complete(w: Worker, prompt: str, max_tokens: int = 16, timeout: float = 60.0, **kw) -> httpx.Response:
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, **kw}
     return httpx.post(f"{w.url}/v1/completions", json=body, timeout=timeout)

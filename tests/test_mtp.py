@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from rpc_workers import complete, head, peer
+from rpc_workers import complete, solo_and_split
 
 from hydra_console.engine.config import ModelSettings, SpecConfig
 from hydra_console.engine.errors import UserError
@@ -188,16 +188,8 @@ def split_mtp(tiny_model, tmp_path_factory):
     half of the trunk (float32)."""
     model = tiny_model("qwen35", n_layers=4, nextn=True)
     logs = tmp_path_factory.mktemp("mtp-split-logs")
-    f32 = ("--dtype", "float32")
-    solo, p = head(model, logs, (), *f32), peer(model, logs, *f32)
-    split = head(model, logs, [p], "--split", "2/2", "--spec-type", "mtp", "--draft-p-min", "0", *f32)
-    try:
-        for w in (solo, p, split):
-            w.wait_ready()
-        yield {"solo": solo, "peer": p, "head": split}
-    finally:
-        for w in (solo, p, split):
-            w.stop()
+    with solo_and_split(model, logs, "--split", "2/2", "--spec-type", "mtp", "--draft-p-min", "0") as workers:
+        yield workers
 
 
 def test_mtp_on_a_split_pipeline_equals_solo_greedy(split_mtp):

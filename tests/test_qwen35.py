@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from rpc_workers import complete, greedy, head, peer, wait_for
+from rpc_workers import complete, greedy, solo_and_split, wait_for
 
 from hydra_console.engine.errors import UserError
 from hydra_console.engine.gguf_file import GGUFFile
@@ -232,16 +232,8 @@ def cluster(tiny_model, tmp_path_factory):
     token-by-token state it replaces (enough to flip a near-tie of a random model much later)."""
     model = tiny_model("qwen35", n_layers=4)
     logs = tmp_path_factory.mktemp("qwen35-split-logs")
-    f32 = ("--dtype", "float32")
-    solo, p = head(model, logs, (), *f32), peer(model, logs, *f32)
-    split = head(model, logs, [p], "--split", "2/2", *f32)
-    try:
-        for w in (solo, p, split):
-            w.wait_ready()
-        yield {"solo": solo, "peer": p, "head": split}
-    finally:
-        for w in (solo, p, split):
-            w.stop()
+    with solo_and_split(model, logs, "--split", "2/2") as workers:
+        yield workers
 
 
 def test_split_across_processes_and_live_resplit_equal_solo(cluster):
