@@ -173,12 +173,19 @@ def write_synthetic(
         getattr(w, f"add_{key}_token_id")(tokens.index(tok))
 
     def dense(name: str, rows: int, cols: int, std: float) -> None:
+        qt = type_of(name)
+        zero = bigram and name.endswith(("attn_output.weight", "ssm_out.weight", "ffn_down.weight"))
+        eye = bigram and name.endswith("nextn.eh_proj.weight")
+        if qt in _K_QUANTS and not (zero or eye):  # random blocks need only the std: no float matrix (27B files)
+            _check_row(name, cols, qt)
+            w.add_tensor(name, random_blocks((rows, cols), qt, std, rng), raw_dtype=qt)
+            return
         x = rng.standard_normal((rows, cols), dtype=np.float32) * np.float32(std)
-        if bigram and name.endswith(("attn_output.weight", "ssm_out.weight", "ffn_down.weight")):
+        if zero:
             x[:] = 0.0
-        elif bigram and name.endswith("nextn.eh_proj.weight"):
+        elif eye:
             x = np.eye(rows, cols, dtype=np.float32)
-        _add_weight(w, name, x, type_of(name), rng)
+        _add_weight(w, name, x, qt, rng)
 
     def vec(name: str, n: int, center: float = 1.0, spread: float = 0.1) -> None:
         x = (center + spread * rng.standard_normal(n)).astype(np.float32)
@@ -270,10 +277,14 @@ def _file_type(qt: T) -> int:
         return int(gguf.LlamaFileType.GUESSED)
 
 
+def _check_row(name: str, cols: int, qt: T) -> None:
+    block = GGML_QUANT_SIZES[qt][0]
+    if cols % block:
+        raise ValueError(f"{name}: row length {cols} is not a multiple of the {qt.name} block size {block}")
+
+
 def _add_weight(w: gguf.GGUFWriter, name: str, x: np.ndarray, qt: T, rng: np.random.Generator) -> None:
-    block, type_size = GGML_QUANT_SIZES[qt]
-    if x.shape[1] % block:
-        raise ValueError(f"{name}: row length {x.shape[1]} is not a multiple of the {qt.name} block size {block}")
+    _check_row(name, x.shape[1], qt)
     if qt == T.F32:
         w.add_tensor(name, x)
     elif qt in _K_QUANTS:
