@@ -26,7 +26,7 @@ def run(stage: Stage, tokens, slots, positions) -> torch.Tensor:
     return stage.logits(h)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma3", "qwen35"])
 def test_cuda_bf16_matches_cpu_float32(tiny_model, arch):
     g = GGUFFile(tiny_model(arch, n_layers=3))
     cpu = build_stage(g, device="cpu", dtype="float32", n_slots=3, n_ctx=64)
