@@ -26,7 +26,7 @@ AUTO_DTYPE = "bfloat16"  # `--dtype auto` on every device (engine/device.py)
 # Bytes per cached value of each `--cache-type-k/-v` (q8_0: an int8 code + a float16 scale per 32);
 # "auto" is the compute dtype. engine/model/kv_cache.py `KVCache.bytes_per_value` stores these.
 KV_VALUE_BYTES = {"f32": 4.0, "f16": 2.0, "bf16": 2.0, "q8_0": 1 + 2 / 32}
-CACHE_TYPES = ("auto", *KV_VALUE_BYTES)  # = engine/config.py KV_CACHE_TYPES (tests/test_footprint.py)
+CACHE_TYPES = ("auto", *KV_VALUE_BYTES)  # --cache-type-k/-v (engine/config.py KV_CACHE_TYPES)
 # Device bytes of a block kept quantized: (weights per block, bytes per block).
 QUANT_BLOCKS = {
     "Q4_0": (32, 18),

@@ -8,8 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hydra_console.contracts.footprint import CACHE_TYPES, KV_VALUE_BYTES, QUANT_BLOCKS, model_tensors, tensor_bytes
-from hydra_console.engine.config import KV_CACHE_TYPES
+from hydra_console.contracts.footprint import KV_VALUE_BYTES, QUANT_BLOCKS, model_tensors, tensor_bytes
 from hydra_console.engine.gguf_file import GGUFFile
 from hydra_console.engine.kernels.qweight import QuantWeight
 from hydra_console.engine.model import build_stage
@@ -83,7 +82,6 @@ def test_quant_blocks_are_the_repacked_planes(qtype):
 
 @pytest.mark.unit
 def test_kv_value_bytes_are_the_caches():
-    assert CACHE_TYPES == KV_CACHE_TYPES
     for kind, size in KV_VALUE_BYTES.items():
         assert KVCache.bytes_per_value(kind, torch.bfloat16) == size
 
