@@ -26,24 +26,26 @@ async def test_split_editor_estimates_kv_in_the_profiles_cache_types(tmp_path, t
     sup = Supervisor(profile, log_dir=tmp_path)
     assert " --cache-type-k q8_0 --cache-type-v q8_0" in " ".join(sup.command_for("head"))
     assert " ".join(sup.command_for("peer1")).endswith("--cache-type-v q8_0 --cache-type-v f16")  # the last one wins
-    app = HydraConsole(sup, model_shape=shape)
-    async with app.run_test(size=(160, 40)) as pilot:
-        await until(pilot, lambda: all_ready(sup))
-        await pilot.press("s")
-        editor = app.screen
-        await until(pilot, lambda: editor.is_mounted and editor.counts == [9, 9])
-        kv = column(editor, "KV")
-        q8 = WorkerMemory("cpu", kv_types=("q8_0", "q8_0"))
-        q8_f16 = WorkerMemory("cpu", kv_types=("q8_0", "f16"))
-        want = shape.estimate([9, 9], profile.ctx, profile.parallel, [q8, q8_f16])
-        assert kv == [display.fmt_bytes(e.kv_bytes) for e in want]
-        bf16 = shape.estimate([9, 9], profile.ctx, profile.parallel, [WorkerMemory("cpu")] * 2)
-        assert want[0].kv_bytes == bf16[0].kv_bytes * 17 // 32 and bf16[1].kv_bytes > want[1].kv_bytes > want[0].kv_bytes
-        note = str(editor.query_one("#split-note").render())
-        assert "head (cpu): weights int8 + bf16 prefill copy, KV q8_0/q8_0" in note
-        assert "peer1 (cpu): weights int8 + bf16 prefill copy, KV q8_0/f16" in note
-        # The profile's type changed (as a reload would): the next render follows it.
-        sup.profile.cache_type_k = sup.profile.cache_type_v = "auto"
-        editor.render_plan()
-        assert column(editor, "KV")[0] == display.fmt_bytes(bf16[0].kv_bytes)
-        app._stop_and_exit(True)
+    try:
+        app = HydraConsole(sup, model_shape=shape)
+        async with app.run_test(size=(160, 40)) as pilot:
+            await until(pilot, lambda: all_ready(sup))
+            await pilot.press("s")
+            editor = app.screen
+            await until(pilot, lambda: editor.is_mounted and editor.counts == [9, 9])
+            kv = column(editor, "KV")
+            q8 = WorkerMemory("cpu", kv_types=("q8_0", "q8_0"))
+            q8_f16 = WorkerMemory("cpu", kv_types=("q8_0", "f16"))
+            want = shape.estimate([9, 9], profile.ctx, profile.parallel, [q8, q8_f16])
+            assert kv == [display.fmt_bytes(e.kv_bytes) for e in want]
+            bf16 = shape.estimate([9, 9], profile.ctx, profile.parallel, [WorkerMemory("cpu")] * 2)
+            assert want[0].kv_bytes == bf16[0].kv_bytes * 17 // 32 and bf16[1].kv_bytes > want[1].kv_bytes > want[0].kv_bytes
+            note = str(editor.query_one("#split-note").render())
+            assert "head (cpu): weights int8 + bf16 prefill copy, KV q8_0/q8_0" in note
+            assert "peer1 (cpu): weights int8 + bf16 prefill copy, KV q8_0/f16" in note
+            # The profile's type changed (as a reload would): the next render follows it.
+            sup.profile.cache_type_k = sup.profile.cache_type_v = "auto"
+            editor.render_plan()
+            assert column(editor, "KV")[0] == display.fmt_bytes(bf16[0].kv_bytes)
+    finally:
+        await sup.shutdown()  # the stand-in workers this test started
