@@ -53,3 +53,18 @@ def test_bench_api_reports_every_field(tiny_model, tmp_path):
     assert set(r["ratios"]) == {"single_over_bench", "single_over_llama_cpp", "bench_over_llama_cpp",
                                 "split_over_solo_single", "split_over_bench", "split_over_llama_cpp_split"}  # fmt: skip
     assert all(number(v) for v in r["ratios"].values())
+
+
+def test_bench_memory_estimate_equals_what_served_workers_hold(tiny_model, tmp_path):
+    """benchmarks/bench_memory.py on CPU: a head and a peer process, one prompt served; each one's
+    estimate (the split editor's) equals the bytes its stage holds, as its /status reports them."""
+    model = tiny_model("llama", n_layers=4, n_embd=256, n_head=4, n_head_kv=2, n_ff=512, qtype="Q4_K_M")
+    cmd = [sys.executable, str(BENCH_API.with_name("bench_memory.py")), "--model", str(model), "--split", "3/1",
+           "--ctx", "128", "--parallel", "2", "--prompt", "32", "--cache-type-k", "q8_0"]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "HYDRA_CACHE_DIR": str(tmp_path)})
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = json.loads(done.stdout.strip().splitlines()[-1])
+    assert [(r["role"], r["layers"]) for r in rows] == [("head", [0, 3]), ("peer", [3, 4])]
+    for r in rows:
+        assert r["estimate_weights"] == r["held_weights"] > 0 and r["estimate_kv"] == r["held_kv"] > 0
+        assert r["reading_source"] == "rss" and r["reading"] > r["baseline"] > 0
