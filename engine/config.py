@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Mapping
 
+from ..contracts.footprint import CACHE_TYPES
 from .errors import UserError
 
 # The environment variables Hydra reads (README lists them), all of them here and nowhere else.
@@ -228,8 +229,9 @@ def default_cache_dir(env: Mapping[str, str]) -> Path | None:
     return Path(value) if value else Path.home() / ".cache" / "hydra-console" / "prepared"
 
 
-# llama.cpp's names; "auto" = the compute dtype (what model/kv_cache.py stores for each).
-KV_CACHE_TYPES = ("auto", "f32", "f16", "bf16", "q8_0")
+# llama.cpp's names; "auto" = the compute dtype (what model/kv_cache.py stores for each), declared
+# with their bytes per value in contracts/footprint.py (the console's estimate reads them there).
+KV_CACHE_TYPES = CACHE_TYPES
 
 
 def compile_cache_env(cache_dir: Path | None) -> dict[str, str]:

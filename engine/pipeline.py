@@ -332,7 +332,8 @@ class Pipeline:
 
     def stages(self) -> list[StageInfo]:
         """Explicit layer ranges of every stage, for /status."""
-        out = [StageInfo("head", None, tuple(self.ranges[0]), str(self.local.device), "ok", self.local.kv_bytes)]
+        out = [StageInfo("head", None, tuple(self.ranges[0]), str(self.local.device), "ok", self.local.kv_bytes,
+                         self.local.held_weight_bytes)]  # fmt: skip
         for remote, r in zip(self.remotes, self.ranges[1:]):
             out.append(StageInfo("peer", remote.addr, tuple(r), str(remote.device), remote.state))
         return out

@@ -46,7 +46,7 @@ from .deltanet import ROLLBACK, DeltaNet
 from .graphs import DecodeGraphs
 from .kv_cache import KVCache, check_cache_type
 from .rope import rope_table, rotate
-from .weights import Weights
+from .weights import Linear, QuantLinear, Weights
 
 # Logits recomputed exactly after the int8 head: far more than any near-tie of the top token.
 RESCORE_TOP = 32
@@ -87,6 +87,20 @@ class _Layer:
     def nbytes(self) -> int:
         mixer = self.deltanet.nbytes if self.deltanet else self.wqkv.nbytes + self.wo.nbytes
         return mixer + self.w_gate_up.nbytes + self.w_down.nbytes
+
+
+def _collect_storages(obj, out: dict[int, int]) -> None:
+    """{storage pointer: bytes} of every tensor in `obj`, through containers and the model's weight
+    holders (not a layer's KV cache: `kv_bytes` counts it)."""
+    if isinstance(obj, torch.Tensor):
+        out[obj.untyped_storage().data_ptr()] = obj.untyped_storage().nbytes()
+    elif isinstance(obj, dict):
+        _collect_storages(list(obj.values()), out)
+    elif isinstance(obj, (list, tuple)):
+        for x in obj:
+            _collect_storages(x, out)
+    elif isinstance(obj, (_Layer, DeltaNet, Linear, QuantLinear, QuantWeight)):
+        _collect_storages([v for v in vars(obj).values() if not isinstance(v, KVCache)], out)
 
 
 def _state_tensors(layer: _Layer) -> tuple[torch.Tensor, ...]:
@@ -193,6 +207,19 @@ class Stage:
     def state_bytes(self) -> int:
         """The recurrent (DeltaNet) part of `kv_bytes`: conv + SSM state and their checkpoints."""
         return sum(t.nbytes for layer in self.layers.values() if layer.deltanet is not None for t in _state_tensors(layer))
+
+    @property
+    def held_weight_bytes(self) -> int:
+        """Bytes of every weight this stage keeps on its device, each storage once: layers (with a CPU
+        layer's prefill copy once built), the embedding table (a GPU's), the output head, the norms
+        and the RoPE tables. With `kv_bytes`, what the stage holds (contracts/footprint.py estimates it)."""
+        storages: dict[int, int] = {}
+        _collect_storages([self.layers, self._embd_table if self.has_embed else None, self._rope_global, self._rope_swa,
+                           getattr(self, "output", None), getattr(self, "output_norm", None)], storages)  # fmt: skip
+        for layer in self.layers.values():
+            for t in _state_tensors(layer):
+                storages.pop(t.untyped_storage().data_ptr(), None)
+        return sum(storages.values())
 
     @property
     def weight_bytes(self) -> int:

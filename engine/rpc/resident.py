@@ -15,14 +15,14 @@ from pathlib import Path
 
 import torch
 
+from ...contracts.footprint import model_tensors, weight_form
 from ...contracts.rpc import DTYPE_CODES, MAX_CTX, MAX_SLOTS, StaleEpoch
 from ...contracts.slot_state import SlotHeader, SlotStateError, decode_body
 from .. import slot_state
 from ..device import free_bytes
 from ..errors import UserError
 from ..layer_probe import PROBE_REPS, PROBE_TOKENS, check_request, probe_stage
-from ..model import build_stage, device_bytes
-from ..model.kv_cache import KVCache
+from ..model import build_stage
 
 # Torch dtypes of the wire's dtype names (contracts.rpc.DTYPE_CODES).
 DTYPES = {name: getattr(torch, name) for name in DTYPE_CODES}
@@ -57,6 +57,7 @@ class StageHost:
         self.quantized = quantized if quantized is not None else self.device.type == "cuda"  # as build_stage decides
         self.compile_decode, self.kv_types = compile_decode, kv_types
         self.n_layers = cfg.n_layers
+        self.tensors = model_tensors(g.metadata, g.tensors)
         self.stage = stage
         self.assignable = assignable
         self.epoch = 1 if stage is not None else 0
@@ -143,21 +144,17 @@ class StageHost:
         return {"epoch": self.epoch, "layers": [a, b], "device": str(self.device), "load_s": round(self.load_s, 4)}
 
     def stage_bytes(self, a: int, b: int, dtype: torch.dtype, n_slots: int, n_ctx: int) -> int:
-        """What a stage of layers [a, b) costs: its weights as they will be held (still quantized on
-        a GPU) plus K and V in `dtype` for every slot."""
+        """What a stage of layers [a, b) costs: its weights as they will be held plus its KV."""
         return sum(self.layer_footprint(dtype, n_slots, n_ctx)[a:b])
 
     def layer_footprint(self, dtype: torch.dtype, n_slots: int, n_ctx: int) -> list[int]:
-        """Bytes of every layer of the model as this worker would hold it: weights (quantized as
-        they stay here) + K and V in its cache types for `n_slots` x `n_ctx`."""
-        values = n_slots * n_ctx * self.cfg.n_head_kv * self.cfg.head_dim
-        kv = int(values * sum(KVCache.bytes_per_value(kind, dtype) for kind in self.kv_types))
-        out = [kv] * self.n_layers
-        for name, t in self.g.tensors.items():
-            il = layer_of(name)
-            if il is not None and il < self.n_layers:
-                out[il] += device_bytes(t, dtype, self.quantized)
-        return out
+        """Bytes of every layer of the model as this worker would hold it (contracts/footprint.py):
+        weights in this worker's form + K and V in its cache types for `n_slots` x `n_ctx`."""
+        name = str(dtype).removeprefix("torch.")
+        form = "quantized" if self.quantized else weight_form(self.device.type, name, "dense")
+        rows = n_slots + (1 if self.device.type == "cuda" and not self.cfg.recurrent else 0)  # the graphs' padding slot
+        return [self.tensors.layer_weights(il, form, name) + self.tensors.layer_kv(il, rows, n_ctx, self.kv_types, name)
+                for il in range(self.n_layers)]  # fmt: skip
 
     def probe(self, request: dict, owner: int = 0) -> dict:
         """PROBE: time the resident layers one by one (a `StageProbe`); only the loading session,

@@ -179,14 +179,14 @@ def build_pipeline(cfg: HeadConfig, g, mcfg):
 
 
 def _check_fits(g, device) -> None:
-    """--fallback-solo only when every layer's weights fit, as they would be held (quantized on a GPU,
-    else at most 2 bytes a value)."""
+    """--fallback-solo only when every layer's weights fit, as they would be held (contracts/footprint.py)."""
     import psutil
     import torch
 
-    from ..model import device_bytes
+    from ...contracts.footprint import model_tensors, weight_form
 
-    need = sum(device_bytes(t, torch.bfloat16, device.type == "cuda") for name, t in g.tensors.items() if name.startswith("blk."))
+    tensors = model_tensors(g.metadata, g.tensors)
+    need = sum(tensors.layer_weights(il, weight_form(device.type)) for il in range(tensors.n_layers))
     free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else psutil.virtual_memory().available
     if need > free:
         raise UserError(f"--fallback-solo: all layers need ~{need >> 20} MiB, only {free >> 20} MiB free on {device}")
