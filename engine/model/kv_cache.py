@@ -71,6 +71,7 @@ class KVCache:
     def __init__(self, rows: int, n_kv: int, n_ctx: int, head_dim: int, *, compute: torch.dtype, device,
                  k_type: str = "auto", v_type: str = "auto"):  # fmt: skip
         shape = (rows, n_kv, n_ctx, head_dim)
+        self.n_ctx = n_ctx
         self.k = _Store(k_type, shape, compute, device)
         self.v = _Store(v_type, shape, compute, device)
 
@@ -111,6 +112,11 @@ class KVCache:
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
         return (*self.k.tensors(), *self.v.tensors())
+
+    def stored(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
+        """K codes, K scales, V codes, V scales as stored (scales None unless q8_0): what the
+        decode-attention kernel reads in place."""
+        return self.k.codes, self.k.scale, self.v.codes, self.v.scale
 
     @staticmethod
     def bytes_per_value(kind: str, compute: torch.dtype) -> float:

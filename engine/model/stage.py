@@ -40,7 +40,7 @@ from ..errors import UserError
 from ..gguf_file import GGUFFile
 from ..kernels.qweight import QuantWeight
 from ..quant import dequantize_rows
-from .attention import attend_batched, attend_runs, decode_bias
+from .attention import attend_batched, attend_decode, attend_runs, decode_bias
 from .config import ModelConfig
 from .deltanet import ROLLBACK, DeltaNet
 from .graphs import DecodeGraphs
@@ -309,8 +309,9 @@ class Stage:
         return runs
 
     def _forward(self, h, slots, positions, runs, batched: bool = False, kv_len: int | None = None, layers=None):
-        """The layers, eagerly. `batched`: one token per slot, attention over gathered caches of
-        length `kv_len` with a mask from positions (no host values: CUDA-graph capturable).
+        """The layers, eagerly. `batched`: one token per slot with no host values (CUDA-graph
+        capturable): the decode-attention kernel on CUDA, elsewhere attention over gathered caches
+        of length `kv_len` with a mask from positions.
         Q and K travel together through norm and RoPE: fewer, larger kernels."""
         cfg = self.cfg
         T, n_q, qk_dim = h.shape[0], cfg.n_head, (cfg.n_head + cfg.n_head_kv) * cfg.head_dim
@@ -334,7 +335,9 @@ class Stage:
                 qk = F.rms_norm(qk, (cfg.head_dim,), None, cfg.rms_eps) * layer.qk_norm
             qk = rotate(cfg, qk, *ropes[bool(layer.window)]).to(self.dtype)
             q, k = qk[:, :n_q], qk[:, n_q:]
-            if batched:
+            if batched and self.device.type == "cuda":
+                o = attend_decode(cfg, layer, q, k, v, slots, positions)
+            elif batched:
                 if layer.window not in biases:
                     biases[layer.window] = decode_bias(cfg, positions, kv_len, layer.window, self.dtype)
                 o = attend_batched(cfg, layer, q, k, v, slots, positions, kv_len, biases[layer.window])

@@ -1,0 +1,103 @@
+"""Decode attention and KV memory on the 1.1B shape (hidden 2048, 16 layers, 32/8 heads, head size 64).
+
+    python benchmarks/bench_kv.py [--batches 1,8,64] [--contexts 512,2048,8192,32768] [--types f16,q8_0]
+
+Attention (CUDA only; prints "skipped" elsewhere): one layer's decode step (K/V scatter + attention)
+through the Triton kernel (`attend_decode`) and through the torch path (`attend_batched`: every slot
+over the whole context under a mask), each a replayed CUDA graph. "full": every slot at the end of
+the context; "mixed": slot lengths uniform in 1..context, which the kernel walks and the torch path
+pads. GB/s counts the K/V bytes the slots really hold.
+
+Memory: the KV cache of `--parallel 64` at an 8,192-token context per slot, reserved per slot.
+"""
+
+from __future__ import annotations
+
+import argparse
+from types import SimpleNamespace
+
+import torch
+
+from hydra_console.engine.model.attention import attend_batched, attend_decode, decode_bias
+from hydra_console.engine.model.kv_cache import KVCache
+
+N_LAYERS, N_HEAD, N_KV, HEAD_DIM = 16, 32, 8, 64
+CFG = SimpleNamespace(n_head=N_HEAD, n_head_kv=N_KV, head_dim=HEAD_DIM, attn_scale=HEAD_DIM**-0.5)
+
+
+def _layer(batch: int, n_ctx: int, kind: str) -> SimpleNamespace:
+    """One attention layer of `batch` slots whose cache holds random values (the layout a Stage keeps)."""
+    kv = KVCache(batch, N_KV, n_ctx, HEAD_DIM, compute=torch.bfloat16, device="cuda", k_type=kind, v_type=kind)
+    for store in (kv.k, kv.v):
+        if store.scale is None:
+            store.codes.normal_()
+        else:
+            store.codes.random_(-127, 128)
+            store.scale.fill_(0.01)
+    return SimpleNamespace(kv=kv, window=0)
+
+
+def _time(fn) -> float:
+    """Median seconds of one call, replayed from a CUDA graph."""
+    import triton
+
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return triton.testing.do_bench(graph.replay, warmup=10, rep=50, return_mode="median") * 1e-3
+
+
+def attention(batches: list[int], contexts: list[int], kinds: list[str]) -> None:
+    if not torch.cuda.is_available():
+        print("decode attention: skipped (no CUDA device)")
+        return
+    print(f"decode attention, one layer ({N_HEAD}/{N_KV} heads x {HEAD_DIM}), bf16 compute: microseconds per step")
+    print(f"{'kv':>5} {'batch':>5} {'context':>7} {'lengths':>7} | {'kernel':>8} {'GB/s':>6} | {'torch':>8} {'GB/s':>6} | speedup")
+    g = torch.Generator().manual_seed(0)
+    for kind in kinds:
+        per_token = 2 * N_KV * HEAD_DIM * KVCache.bytes_per_value(kind, torch.bfloat16)
+        for batch in batches:
+            for n_ctx in contexts:
+                layer = _layer(batch, n_ctx, kind)
+                q = torch.randn(batch, N_HEAD, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+                k, v = (torch.randn(batch, N_KV, HEAD_DIM, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+                slots = torch.arange(batch, device="cuda")
+                for mix in ("full", "mixed"):
+                    lengths = torch.full((batch,), n_ctx) if mix == "full" else torch.randint(1, n_ctx + 1, (batch,), generator=g)
+                    positions = (lengths - 1).cuda()
+                    held = float(lengths.sum()) * per_token
+
+                    def torch_path():
+                        bias = decode_bias(CFG, positions, n_ctx, 0, torch.bfloat16)
+                        return attend_batched(CFG, layer, q, k, v, slots, positions, n_ctx, bias)
+
+                    t_kernel = _time(lambda: attend_decode(CFG, layer, q, k, v, slots, positions))
+                    t_torch = _time(torch_path)
+                    print(f"{kind:>5} {batch:>5} {n_ctx:>7} {mix:>7} | {t_kernel * 1e6:8.1f} {held / t_kernel / 1e9:6.0f} | "
+                          f"{t_torch * 1e6:8.1f} {held / t_torch / 1e9:6.0f} | {t_torch / t_kernel:5.1f}x")
+                del layer
+                torch.cuda.empty_cache()
+
+
+def memory(parallel: int = 64, n_ctx: int = 8192) -> None:
+    print(f"KV memory, --parallel {parallel} at {n_ctx} tokens per slot, {N_LAYERS} layers x {N_KV} KV heads x {HEAD_DIM}:")
+    for kind in ("f16", "q8_0"):
+        per_token = N_LAYERS * 2 * N_KV * HEAD_DIM * KVCache.bytes_per_value(kind, torch.bfloat16)
+        print(f"  {kind:>5}: reserved per slot {parallel * n_ctx * per_token / 2**30:6.2f} GiB")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--batches", default="1,8,64")
+    p.add_argument("--contexts", default="512,2048,8192,32768")
+    p.add_argument("--types", default="f16,q8_0")
+    a = p.parse_args()
+    ints = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
+    memory()
+    attention(ints(a.batches), ints(a.contexts), a.types.split(","))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,133 @@
+"""The Triton decode-attention kernel (`hydra::decode_attention`) against attention in float64 over the
+cache as `KVCache.read_run` dequantizes it: every cache type, GQA, sliding windows, split-K, and a
+block table. On CPU it runs under Triton's interpreter (TRITON_INTERPRET=1)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+import torch
+
+from hydra_console.engine.model.kv_cache import KVCache
+
+KERNEL_DEVICE = "cuda" if torch.cuda.is_available() else (
+    "cpu" if os.environ.get("TRITON_INTERPRET") == "1" and importlib.util.find_spec("triton") else None)
+pytestmark = pytest.mark.skipif(
+    KERNEL_DEVICE is None, reason="no CUDA device, and no `triton` package with TRITON_INTERPRET=1 for CPU")
+
+
+def _filled(n_slots, n_kv, n_ctx, head_dim, dtype, types, lengths, seed=0):
+    """A cache whose slots hold `lengths` random positions (and garbage beyond them, which must not be read)."""
+    g = torch.Generator().manual_seed(seed)
+    kv = KVCache(n_slots, n_kv, n_ctx, head_dim, compute=dtype, device=KERNEL_DEVICE, k_type=types[0], v_type=types[1])
+    for slot in range(n_slots):
+        k, v = (torch.randn(n_ctx, n_kv, head_dim, generator=g) for _ in range(2))
+        k[lengths[slot]:], v[lengths[slot]:] = 1e4, -1e4  # poison: any read past the length shows
+        kv.write_run(slot, 0, k.to(KERNEL_DEVICE), v.to(KERNEL_DEVICE))
+    return kv
+
+
+def _reference(kv, q, slots, positions, window, scale):
+    """float64 attention of each row over its slot's visible positions, as read_run dequantizes them."""
+    out = []
+    for b, (slot, pos) in enumerate(zip(slots.tolist(), positions.tolist())):
+        start = max(0, pos + 1 - window) if window else 0
+        keys, vals = (t.double() for t in kv.read_run(slot, start, pos + 1))  # [n_kv, n, d]
+        group = q.shape[1] // keys.shape[0]
+        keys, vals = keys.repeat_interleave(group, 0), vals.repeat_interleave(group, 0)
+        p = torch.softmax(torch.einsum("hd,hnd->hn", q[b].double(), keys) * scale, dim=-1)
+        out.append(torch.einsum("hn,hnd->hd", p, vals))
+    return torch.stack(out)
+
+
+def _run(kv, q, slots, positions, window, scale, splits, table=None, k=None, v=None):
+    from hydra_console.engine.kernels.triton_attention import decode_attention
+
+    k = k or (kv.k.codes, kv.k.scale)
+    v = v or (kv.v.codes, kv.v.scale)
+    return decode_attention(q, k[0], k[1], v[0], v[1], slots, positions, table, window, scale, splits)
+
+
+def _check(got, want, dtype, what):
+    err = (got.double() - want).abs().max().item()
+    tol = {torch.float32: 1e-5, torch.bfloat16: 3e-2, torch.float16: 4e-3}[dtype]
+    print(f"{what}: max abs err {err:.2e}")
+    assert got.dtype == dtype and err < tol, (what, err)
+
+
+CASES = [  # (compute dtype, K type, V type, n_head, n_kv, head_dim)
+    (torch.float32, "auto", "auto", 4, 2, 64),
+    (torch.float32, "q8_0", "q8_0", 8, 2, 64),
+    (torch.bfloat16, "auto", "q8_0", 4, 1, 256),  # Gemma 3 270M's heads
+    (torch.float16, "q8_0", "f16", 6, 2, 96),  # a head size that is not a power of two
+]
+
+
+@pytest.mark.parametrize("dtype, k_type, v_type, n_head, n_kv, head_dim", CASES,
+                         ids=[f"{c[0]}-{c[1]}-{c[2]}-{c[3]}x{c[4]}x{c[5]}".replace("torch.", "") for c in CASES])
+@pytest.mark.parametrize("window, splits", [(0, 1), (0, 3), (37, 2)])
+def test_kernel_matches_float64_attention(dtype, k_type, v_type, n_head, n_kv, head_dim, window, splits):
+    lengths = [150, 1, 64, 129]
+    kv = _filled(4, n_kv, 192, head_dim, dtype, (k_type, v_type), lengths)
+    slots = torch.tensor([2, 0, 3, 1, 0], device=KERNEL_DEVICE)  # slot 0 twice: rows need not be distinct slots
+    positions = torch.tensor([lengths[s] - 1 for s in slots.tolist()], device=KERNEL_DEVICE)
+    q = torch.randn(5, n_head, head_dim, generator=torch.Generator().manual_seed(1)).to(KERNEL_DEVICE, dtype)
+    scale = head_dim**-0.5
+    got = _run(kv, q, slots, positions, window, scale, splits)
+    _check(got, _reference(kv, q, slots, positions, window, scale), dtype,
+           f"{dtype} K {k_type} V {v_type} heads {n_head}/{n_kv}x{head_dim} window {window} splits {splits}")
+
+
+@pytest.mark.parametrize("types", [("auto", "auto"), ("q8_0", "q8_0")])
+def test_kernel_reads_through_a_block_table(types):
+    """The same cache cut into blocks of 64 positions stored out of order: the same result as dense."""
+    page, n_ctx, n_kv, head_dim, dtype = 64, 256, 2, 64, torch.float32
+    lengths = [256, 65, 3]
+    kv = _filled(3, n_kv, n_ctx, head_dim, dtype, types, lengths, seed=2)
+    per_slot = n_ctx // page
+    order = torch.randperm(3 * per_slot, generator=torch.Generator().manual_seed(3))
+    table = torch.empty(3, per_slot, dtype=torch.int32)
+    table.view(-1)[order] = torch.arange(3 * per_slot, dtype=torch.int32)  # block j of slot s lives at table[s, j]
+
+    def blocks(t):
+        if t is None:
+            return None
+        pages = t.unflatten(2, (per_slot, page)).transpose(1, 2).flatten(0, 1)  # [slot * per_slot, n_kv, page, ...]
+        out = torch.empty_like(pages)
+        out[table.view(-1).to(t.device).long()] = pages
+        return out
+
+    slots = torch.tensor([0, 1, 2], device=KERNEL_DEVICE)
+    positions = torch.tensor([255, 64, 2], device=KERNEL_DEVICE)
+    q = torch.randn(3, 4, head_dim, generator=torch.Generator().manual_seed(4)).to(KERNEL_DEVICE, dtype)
+    for window, splits in ((0, 1), (0, 4), (100, 2)):
+        got = _run(kv, q, slots, positions, window, 0.125, splits, table.to(KERNEL_DEVICE),
+                   (blocks(kv.k.codes), blocks(kv.k.scale)), (blocks(kv.v.codes), blocks(kv.v.scale)))
+        _check(got, _reference(kv, q, slots, positions, window, 0.125), dtype,
+               f"paged {types} window {window} splits {splits}")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs and torch.compile's Triton backend")
+@pytest.mark.parametrize("types", [("auto", "auto"), ("q8_0", "q8_0")])
+@pytest.mark.parametrize("compiled", [False, True])
+def test_graphed_stage_decode_through_the_kernel_equals_eager(tiny_model, types, compiled):
+    """A CUDA stage's captured decode step (the kernel) against the eager one (SDPA over `read_run`):
+    three slots of different lengths, past Gemma 3's sliding window of 8."""
+    from stages import load
+
+    path = tiny_model("gemma3")
+    graphed = load(path, device="cuda", n_slots=3, n_ctx=64, kv_types=types, compile_decode=compiled)
+    eager = load(path, device="cuda", n_slots=3, n_ctx=64, kv_types=types)
+    eager.graphs = None
+    prompts = {0: list(range(2, 21)), 1: [5], 2: list(range(40, 46))}
+    for stage in (graphed, eager):
+        for slot, prompt in prompts.items():
+            stage.run_layers(stage.embed(torch.tensor(prompt)), torch.full((len(prompt),), slot), torch.arange(len(prompt)))
+    positions = torch.tensor([len(p) for p in prompts.values()])
+    for step in range(12):
+        tokens = torch.tensor([60 + step, 70 + step, 80 + step])
+        a, b = (s.run_layers(s.embed(tokens), torch.tensor([0, 1, 2]), positions + step) for s in (graphed, eager))
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+    assert 3 in graphed.graphs.graphs  # the steps replayed a captured graph
