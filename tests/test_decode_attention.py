@@ -1,6 +1,6 @@
 """The Triton decode-attention kernel (`hydra::decode_attention`) against attention in float64 over the
-cache as `KVCache.read_run` dequantizes it: every cache type, GQA, sliding windows, split-K, and a
-block table. On CPU it runs under Triton's interpreter (TRITON_INTERPRET=1)."""
+cache as `KVCache.read_run` dequantizes it: every cache type, GQA, sliding windows, split-K, reserved
+and pooled blocks. On CPU it runs under Triton's interpreter (TRITON_INTERPRET=1)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import os
 import pytest
 import torch
 
+from hydra_console.engine.model.kv_blocks import KV_BLOCK, KVBlocks
 from hydra_console.engine.model.kv_cache import KVCache
 
 KERNEL_DEVICE = "cuda" if torch.cuda.is_available() else (
@@ -18,13 +19,21 @@ pytestmark = pytest.mark.skipif(
     KERNEL_DEVICE is None, reason="no CUDA device, and no `triton` package with TRITON_INTERPRET=1 for CPU")
 
 
-def _filled(n_slots, n_kv, n_ctx, head_dim, dtype, types, lengths, seed=0):
-    """A cache whose slots hold `lengths` random positions (and garbage beyond them, which must not be read)."""
+def _filled(n_slots, n_kv, n_ctx, head_dim, dtype, types, lengths, pooled, seed=0):
+    """A cache whose slots hold `lengths` random positions (and poison beyond them, which must not be
+    read). Pooled: the slots grow a block at a time in turn, so each one's blocks are scattered."""
     g = torch.Generator().manual_seed(seed)
-    kv = KVCache(n_slots, n_kv, n_ctx, head_dim, compute=dtype, device=KERNEL_DEVICE, k_type=types[0], v_type=types[1])
+    if pooled:
+        blocks = KVBlocks.pool(n_slots, n_ctx, n_slots * -(-n_ctx // KV_BLOCK) * KV_BLOCK, KERNEL_DEVICE)
+        for end in range(KV_BLOCK, n_ctx + KV_BLOCK, KV_BLOCK):
+            for slot in range(n_slots):
+                blocks.fit({slot: min(end, n_ctx)})
+    else:
+        blocks = KVBlocks.reserved(n_slots, n_ctx, KERNEL_DEVICE)
+    kv = KVCache(blocks, n_kv, head_dim, compute=dtype, device=KERNEL_DEVICE, k_type=types[0], v_type=types[1])
     for slot in range(n_slots):
         k, v = (torch.randn(n_ctx, n_kv, head_dim, generator=g) for _ in range(2))
-        k[lengths[slot]:], v[lengths[slot]:] = 1e4, -1e4  # poison: any read past the length shows
+        k[lengths[slot]:], v[lengths[slot]:] = 1e4, -1e4
         kv.write_run(slot, 0, k.to(KERNEL_DEVICE), v.to(KERNEL_DEVICE))
     return kv
 
@@ -42,12 +51,10 @@ def _reference(kv, q, slots, positions, window, scale):
     return torch.stack(out)
 
 
-def _run(kv, q, slots, positions, window, scale, splits, table=None, k=None, v=None):
+def _run(kv, q, slots, positions, window, scale, splits):
     from hydra_console.engine.kernels.triton_attention import decode_attention
 
-    k = k or (kv.k.codes, kv.k.scale)
-    v = v or (kv.v.codes, kv.v.scale)
-    return decode_attention(q, k[0], k[1], v[0], v[1], slots, positions, table, window, scale, splits)
+    return decode_attention(q, *kv.stored(), slots, positions, kv.blocks.table, window, scale, splits)
 
 
 def _check(got, want, dtype, what):
@@ -67,46 +74,18 @@ CASES = [  # (compute dtype, K type, V type, n_head, n_kv, head_dim)
 
 @pytest.mark.parametrize("dtype, k_type, v_type, n_head, n_kv, head_dim", CASES,
                          ids=[f"{c[0]}-{c[1]}-{c[2]}-{c[3]}x{c[4]}x{c[5]}".replace("torch.", "") for c in CASES])
-@pytest.mark.parametrize("window, splits", [(0, 1), (0, 3), (37, 2)])
-def test_kernel_matches_float64_attention(dtype, k_type, v_type, n_head, n_kv, head_dim, window, splits):
-    lengths = [150, 1, 64, 129]
-    kv = _filled(4, n_kv, 192, head_dim, dtype, (k_type, v_type), lengths)
+@pytest.mark.parametrize("window, splits, pooled", [(0, 1, False), (0, 3, True), (37, 2, True)])
+def test_kernel_matches_float64_attention(dtype, k_type, v_type, n_head, n_kv, head_dim, window, splits, pooled):
+    lengths = [300, 1, 64, 129]
+    kv = _filled(4, n_kv, 320, head_dim, dtype, (k_type, v_type), lengths, pooled)
     slots = torch.tensor([2, 0, 3, 1, 0], device=KERNEL_DEVICE)  # slot 0 twice: rows need not be distinct slots
     positions = torch.tensor([lengths[s] - 1 for s in slots.tolist()], device=KERNEL_DEVICE)
     q = torch.randn(5, n_head, head_dim, generator=torch.Generator().manual_seed(1)).to(KERNEL_DEVICE, dtype)
     scale = head_dim**-0.5
     got = _run(kv, q, slots, positions, window, scale, splits)
     _check(got, _reference(kv, q, slots, positions, window, scale), dtype,
-           f"{dtype} K {k_type} V {v_type} heads {n_head}/{n_kv}x{head_dim} window {window} splits {splits}")
-
-
-@pytest.mark.parametrize("types", [("auto", "auto"), ("q8_0", "q8_0")])
-def test_kernel_reads_through_a_block_table(types):
-    """The same cache cut into blocks of 64 positions stored out of order: the same result as dense."""
-    page, n_ctx, n_kv, head_dim, dtype = 64, 256, 2, 64, torch.float32
-    lengths = [256, 65, 3]
-    kv = _filled(3, n_kv, n_ctx, head_dim, dtype, types, lengths, seed=2)
-    per_slot = n_ctx // page
-    order = torch.randperm(3 * per_slot, generator=torch.Generator().manual_seed(3))
-    table = torch.empty(3, per_slot, dtype=torch.int32)
-    table.view(-1)[order] = torch.arange(3 * per_slot, dtype=torch.int32)  # block j of slot s lives at table[s, j]
-
-    def blocks(t):
-        if t is None:
-            return None
-        pages = t.unflatten(2, (per_slot, page)).transpose(1, 2).flatten(0, 1)  # [slot * per_slot, n_kv, page, ...]
-        out = torch.empty_like(pages)
-        out[table.view(-1).to(t.device).long()] = pages
-        return out
-
-    slots = torch.tensor([0, 1, 2], device=KERNEL_DEVICE)
-    positions = torch.tensor([255, 64, 2], device=KERNEL_DEVICE)
-    q = torch.randn(3, 4, head_dim, generator=torch.Generator().manual_seed(4)).to(KERNEL_DEVICE, dtype)
-    for window, splits in ((0, 1), (0, 4), (100, 2)):
-        got = _run(kv, q, slots, positions, window, 0.125, splits, table.to(KERNEL_DEVICE),
-                   (blocks(kv.k.codes), blocks(kv.k.scale)), (blocks(kv.v.codes), blocks(kv.v.scale)))
-        _check(got, _reference(kv, q, slots, positions, window, 0.125), dtype,
-               f"paged {types} window {window} splits {splits}")
+           f"{dtype} K {k_type} V {v_type} heads {n_head}/{n_kv}x{head_dim} window {window} splits {splits} "
+           f"{'pooled' if pooled else 'reserved'}")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs and torch.compile's Triton backend")

@@ -8,9 +8,9 @@ each program leaves a partial max, sum and weighted V; a second kernel reduces t
 fixed order (deterministic: a GPU split equals solo bit for bit).
 
 K and V are read in the cache's own type (model/kv_cache.py): f32/f16/bf16 as stored, q8_0 as int8
-codes times the float16 scale of each 32 values, dequantized in registers. A cache is addressed as
-[X, n_kv, T, head_dim]: dense, X is the slot and T the context; paged, a block table maps
-(slot, position // T) to the block X that holds it.
+codes times the float16 scale of each 32 values, dequantized in registers. A cache is blocks
+[n_blocks, n_kv, block_size, head_dim]; the block table (model/kv_blocks.py) maps (slot,
+position // block_size) to the block that holds the position.
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ Q8_BLOCK = 32
 
 @triton.jit
 def _tile(codes_ptr, scale_ptr, x, head, tt, d, ok, c_s0, c_s1, c_s2, s_s0, s_s1, s_s2, Q8: tl.constexpr):
-    """K or V rows tt of block x, head `head`, as float32 [BLOCK_N, BLOCK_D]."""
-    base = x.to(tl.int64)
+    """K or V of head `head` at offsets tt of blocks x (one per position), as float32 [BLOCK_N, BLOCK_D]."""
+    base = x.to(tl.int64)[:, None]
     vals = tl.load(codes_ptr + base * c_s0 + head * c_s1 + tt[:, None] * c_s2 + d[None, :], mask=ok, other=0)
     vals = vals.to(tl.float32)
     if Q8:
@@ -38,10 +38,10 @@ def _tile(codes_ptr, scale_ptr, x, head, tt, d, ok, c_s0, c_s1, c_s2, s_s0, s_s1
 
 @triton.jit
 def _partial_kernel(q_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, slots_ptr, pos_ptr, table_ptr, m_ptr, l_ptr, acc_ptr,
-                    window, scale, q_sb, q_sh, table_stride,
+                    window, scale, q_sb, q_sh, table_stride, block_size,
                     k_s0, k_s1, k_s2, ks_s0, ks_s1, ks_s2, v_s0, v_s1, v_s2, vs_s0, vs_s1, vs_s2,
                     SPLITS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
-                    BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, K_Q8: tl.constexpr,
+                    BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, K_Q8: tl.constexpr,
                     V_Q8: tl.constexpr, PRECISION: tl.constexpr):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -51,7 +51,6 @@ def _partial_kernel(q_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, slots_ptr, pos_ptr, tab
     start = 0
     if window > 0:
         start = tl.maximum(length - window, 0)
-    # Slices are whole BLOCK_N tiles from a tile boundary, so a tile never straddles a block of PAGE.
     first = (start // BLOCK_N) * BLOCK_N
     chunk = tl.cdiv(tl.cdiv(length - first, SPLITS), BLOCK_N) * BLOCK_N
     lo = first + split * chunk
@@ -71,12 +70,8 @@ def _partial_kernel(q_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, slots_ptr, pos_ptr, tab
     while t0 < hi:  # bounds read from the device: a while loop (Triton's interpreter cannot range() over them)
         t = t0 + tl.arange(0, BLOCK_N)
         t_ok = (t >= start) & (t < hi)
-        if PAGE:
-            x = tl.load(table_ptr + slot * table_stride + t0 // PAGE)
-            tt = t - (t0 // PAGE) * PAGE
-        else:
-            x = slot
-            tt = t
+        x = tl.load(table_ptr + slot * table_stride + t // block_size, mask=t_ok, other=0)  # each position's block
+        tt = t % block_size
         ok = t_ok[:, None] & d_ok[None, :]
         k = _tile(k_ptr, ks_ptr, x, kvh, tt, d, ok, k_s0, k_s1, k_s2, ks_s0, ks_s1, ks_s2, K_Q8)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
@@ -136,18 +131,15 @@ def _strides(t: torch.Tensor | None) -> tuple[int, int, int]:
 @torch.library.custom_op("hydra::decode_attention", mutates_args=())
 def decode_attention(q: torch.Tensor, k: torch.Tensor, k_scale: torch.Tensor | None, v: torch.Tensor,
                      v_scale: torch.Tensor | None, slots: torch.Tensor, positions: torch.Tensor,
-                     block_table: torch.Tensor | None, window: int, scale: float, splits: int) -> torch.Tensor:
+                     block_table: torch.Tensor, window: int, scale: float, splits: int) -> torch.Tensor:
     """q [B, n_head, head_dim] over each slot's positions 0..positions[b] (the last `window` of them when
-    window > 0) of the cache k, v [X, n_kv, T, head_dim] (int8 with k_scale / v_scale [X, n_kv, T,
-    head_dim / 32] for q8_0). block_table [slots, T_max / T] int32 names each slot's blocks of T
-    positions (paged); None: X is the slot (dense). -> [B, n_head, head_dim] in q's dtype."""
+    window > 0) of the cache k, v [n_blocks, n_kv, block_size, head_dim] (int8 with k_scale / v_scale
+    [n_blocks, n_kv, block_size, head_dim / 32] for q8_0); block_table [slots, blocks per slot] int32:
+    entry j of a slot is the block holding its positions from j * block_size. -> [B, n_head, head_dim]
+    in q's dtype."""
     B, n_head, head_dim = q.shape
     n_kv = k.shape[1]
     group = n_head // n_kv
-    block_n = _block_n(head_dim)
-    page = 0 if block_table is None else k.shape[2]
-    if page % block_n:
-        raise ValueError(f"a KV block of {page} positions is not a multiple of the kernel's tile ({block_n})")
     for t in (k, v):
         if t.stride(3) != 1:
             raise ValueError("the KV cache's head_dim must be contiguous")
@@ -156,15 +148,14 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, k_scale: torch.Tensor | N
     l = torch.empty_like(m)
     acc = torch.empty(B, n_head, splits, head_dim, dtype=torch.float32, device=q.device)
     block_d = triton.next_power_of_2(head_dim)
-    table = slots if block_table is None else block_table  # never read when dense
     # Products in float32 on tensor cores: TF32 holds a 16-bit value exactly; a float32 compute stays IEEE.
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     _partial_kernel[(B, n_kv, splits)](
-        q, k, k if k_scale is None else k_scale, v, v if v_scale is None else v_scale, slots, positions, table,
-        m, l, acc, window, scale, q.stride(0), q.stride(1), 0 if block_table is None else block_table.stride(0),
+        q, k, k if k_scale is None else k_scale, v, v if v_scale is None else v_scale, slots, positions, block_table,
+        m, l, acc, window, scale, q.stride(0), q.stride(1), block_table.stride(0), k.shape[2],
         *k.stride()[:3], *_strides(k_scale), *v.stride()[:3], *_strides(v_scale),
         SPLITS=splits, GROUP=group, HEAD_DIM=head_dim, BLOCK_H=max(16, triton.next_power_of_2(group)),
-        BLOCK_D=block_d, BLOCK_N=block_n, PAGE=page, K_Q8=k_scale is not None, V_Q8=v_scale is not None,
+        BLOCK_D=block_d, BLOCK_N=_block_n(head_dim), K_Q8=k_scale is not None, V_Q8=v_scale is not None,
         PRECISION=precision, num_warps=4)
     out = torch.empty_like(q)
     _reduce_kernel[(B * n_head,)](m, l, acc, out, SPLITS=splits, BLOCK_S=triton.next_power_of_2(splits),

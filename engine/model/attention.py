@@ -82,5 +82,5 @@ def attend_decode(cfg: ModelConfig, layer: _Layer, q, k, v, slots, positions) ->
 
     kv = layer.kv
     kv.scatter(slots, positions, k, v)
-    splits = default_splits(q.shape[0], cfg.n_head_kv, kv.n_ctx, cfg.head_dim, q.device)
-    return decode_attention(q, *kv.stored(), slots, positions, None, layer.window, cfg.attn_scale, splits)
+    splits = default_splits(q.shape[0], cfg.n_head_kv, kv.blocks.n_ctx, cfg.head_dim, q.device)
+    return decode_attention(q, *kv.stored(), slots, positions, kv.blocks.table, layer.window, cfg.attn_scale, splits)
