@@ -19,6 +19,7 @@ from types import SimpleNamespace
 import torch
 
 from hydra_console.engine.model.attention import attend_batched, attend_decode, decode_bias
+from hydra_console.engine.model.kv_blocks import KVBlocks
 from hydra_console.engine.model.kv_cache import KVCache
 
 N_LAYERS, N_HEAD, N_KV, HEAD_DIM = 16, 32, 8, 64
@@ -27,7 +28,8 @@ CFG = SimpleNamespace(n_head=N_HEAD, n_head_kv=N_KV, head_dim=HEAD_DIM, attn_sca
 
 def _layer(batch: int, n_ctx: int, kind: str) -> SimpleNamespace:
     """One attention layer of `batch` slots whose cache holds random values (the layout a Stage keeps)."""
-    kv = KVCache(batch, N_KV, n_ctx, HEAD_DIM, compute=torch.bfloat16, device="cuda", k_type=kind, v_type=kind)
+    kv = KVCache(KVBlocks.reserved(batch, n_ctx, "cuda"), N_KV, HEAD_DIM, compute=torch.bfloat16, device="cuda",
+                 k_type=kind, v_type=kind)
     for store in (kv.k, kv.v):
         if store.scale is None:
             store.codes.normal_()
