@@ -31,6 +31,12 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def cache_positions(n_slots: int, n_ctx: int, kv_pool: int | None) -> int:
+    """Positions one layer's cache holds for `n_slots` slots of `n_ctx` (a CUDA stage's padding slot
+    aside): every slot's context, or the pool in whole blocks (block 0 included). The memory estimates' unit."""
+    return n_slots * n_ctx if kv_pool is None else (_cdiv(kv_pool, KV_BLOCK) + 1) * KV_BLOCK
+
+
 class KVBlocks:
     """The block table of `rows` slots whose contexts reach `n_ctx` positions each."""
 
@@ -63,6 +69,14 @@ class KVBlocks:
     def free_tokens(self) -> int:
         return len(self.free) * self.block_size if self.pooled else 0
 
+    def shortfall(self, lengths: dict[int, int]) -> int:
+        """Blocks `fit(lengths)` would lack."""
+        if not self.pooled:
+            return 0
+        trimmed = sum(max(0, len(self.held[slot]) - _cdiv(n, self.block_size)) for slot, n in lengths.items())
+        grown = sum(max(0, _cdiv(n, self.block_size) - len(self.held[slot])) for slot, n in lengths.items())
+        return max(0, grown - trimmed - len(self.free))
+
     def fit(self, lengths: dict[int, int]) -> None:
         """From now on each slot holds positions 0..length-1: blocks past a length go back to the pool,
         then missing ones are taken, all or none (KVPoolFull names what was short)."""
@@ -74,7 +88,7 @@ class KVBlocks:
             if n < len(held):  # positions past the length are stale: their blocks are free again
                 self.free += reversed(held[n:])
                 del held[n:]
-        short = sum(n - len(self.held[slot]) for slot, n in want.items())
+        short = sum(max(0, n - len(self.held[slot])) for slot, n in want.items())
         if short > len(self.free):
             raise KVPoolFull(
                 f"KV pool full: this step needs {short} more blocks of {self.block_size} positions, {len(self.free)} of "

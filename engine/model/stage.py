@@ -109,7 +109,7 @@ class Stage:
         self.cfg, self.weights, self.g = cfg, weights, weights.g
         for kind, flag in zip(kv_types, ("--cache-type-k", "--cache-type-v")):
             check_cache_type(kind, flag, cfg.head_dim)
-        self.kv_types = kv_types
+        self.kv_types, self.kv_pool = kv_types, kv_pool
         self.device, self.dtype, self.int8 = weights.device, weights.dtype, weights.int8
         if n_slots < 1 or n_ctx < 1:
             raise UserError(f"need at least one slot and a positive context (got {n_slots} slots, n_ctx {n_ctx})")
