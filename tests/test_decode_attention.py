@@ -90,17 +90,17 @@ def test_kernel_matches_float64_attention(dtype, k_type, v_type, n_head, n_kv, h
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs and torch.compile's Triton backend")
 @pytest.mark.parametrize("types", [("auto", "auto"), ("q8_0", "q8_0")])
-@pytest.mark.parametrize("compiled", [False, True])
-def test_graphed_stage_decode_through_the_kernel_equals_eager(tiny_model, types, compiled):
+@pytest.mark.parametrize("compiled, kv_pool", [(False, None), (True, None), (False, 4 * KV_BLOCK)])
+def test_graphed_stage_decode_through_the_kernel_equals_eager(tiny_model, types, compiled, kv_pool):
     """A CUDA stage's captured decode step (the kernel) against the eager one (SDPA over `read_run`):
-    three slots of different lengths, past Gemma 3's sliding window of 8."""
+    three slots of different lengths, one across a pooled block boundary, past Gemma 3's sliding window of 8."""
     from stages import load
 
     path = tiny_model("gemma3", head_dim=32)  # q8_0 needs heads of whole 32-value blocks
-    graphed = load(path, device="cuda", n_slots=3, n_ctx=64, kv_types=types, compile_decode=compiled)
-    eager = load(path, device="cuda", n_slots=3, n_ctx=64, kv_types=types)
+    kw = dict(device="cuda", n_slots=3, n_ctx=320, kv_types=types, kv_pool=kv_pool)
+    graphed, eager = load(path, compile_decode=compiled, **kw), load(path, **kw)
     eager.graphs = None
-    prompts = {0: list(range(2, 21)), 1: [5], 2: list(range(40, 46))}
+    prompts = {0: list(range(2, 142)), 1: [5], 2: list(range(40, 46))}
     for stage in (graphed, eager):
         for slot, prompt in prompts.items():
             stage.run_layers(stage.embed(torch.tensor(prompt)), torch.full((len(prompt),), slot), torch.arange(len(prompt)))

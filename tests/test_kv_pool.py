@@ -165,3 +165,17 @@ def test_a_server_takes_back_idle_prompt_cache_and_reports_a_full_pool(tiny_mode
         assert errors and all("KV pool full" in str(e.body) for e in errors), errors
         again = client.completions.create(model=model, prompt="w1 w2 w3", max_tokens=5, temperature=0)
         assert again.usage.completion_tokens == 5
+
+
+def test_a_peer_holds_the_pool_the_head_asks_for(tiny_model, tmp_path):
+    """Head and peer (real processes, float32) with --kv-unified: LOAD_STAGE carries the pool, the
+    peer's /status counts its bytes, and greedy text equals a solo head's with reserved slots."""
+    from rpc_workers import greedy, solo_and_split
+
+    model = tiny_model("llama", head_dim=32)
+    pool = 3 * KV_BLOCK
+    with solo_and_split(model, tmp_path, "--split", "1/1", "--kv-unified", "-c", str(pool)) as w:
+        peer_kv = w["peer"].status()["stages"][0]["kv_bytes"]
+        assert peer_kv == (pool + KV_BLOCK) * 2 * 32 * 2 * 4  # K and V of block 0 + the pool: 2 KV heads x 32, float32
+        for prompt in ("the quick brown fox", "w1 w2 w3 w4 w5 w6"):
+            assert greedy(w["head"], prompt, 20)[0] == greedy(w["solo"], prompt, 20)[0]
