@@ -8,7 +8,8 @@ over the whole context under a mask), each a replayed CUDA graph. "full": every 
 the context; "mixed": slot lengths uniform in 1..context, which the kernel walks and the torch path
 pads. GB/s counts the K/V bytes the slots really hold.
 
-Memory: the KV cache of `--parallel 64` at an 8,192-token context per slot, reserved per slot.
+Memory: the KV cache of `--parallel 64` at an 8,192-token context per slot, reserved per slot and
+pooled (`--kv-unified`): the blocks 64 streams of mixed length take, and fixed `-c` pools.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from types import SimpleNamespace
 import torch
 
 from hydra_console.engine.model.attention import attend_batched, attend_decode, decode_bias
-from hydra_console.engine.model.kv_blocks import KVBlocks
+from hydra_console.engine.model.kv_blocks import KV_BLOCK, KVBlocks, cache_positions
 from hydra_console.engine.model.kv_cache import KVCache
 
 N_LAYERS, N_HEAD, N_KV, HEAD_DIM = 16, 32, 8, 64
@@ -84,10 +85,22 @@ def attention(batches: list[int], contexts: list[int], kinds: list[str]) -> None
 
 
 def memory(parallel: int = 64, n_ctx: int = 8192) -> None:
-    print(f"KV memory, --parallel {parallel} at {n_ctx} tokens per slot, {N_LAYERS} layers x {N_KV} KV heads x {HEAD_DIM}:")
+    """Reserved: every slot at full context. Pooled: the blocks `KVBlocks` hands out to `parallel` streams of
+    mixed length (uniform in 1..n_ctx), and a fixed `-c` pool as a server would be started with."""
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.randint(1, n_ctx + 1, (parallel,), generator=g).tolist()
+    blocks = KVBlocks.pool(parallel, n_ctx, parallel * n_ctx, "cpu")
+    blocks.fit(dict(enumerate(lengths)))
+    mixed = (sum(len(h) for h in blocks.held) + 1) * KV_BLOCK  # + block 0
+    print(f"KV memory, --parallel {parallel} at {n_ctx} positions per slot, {N_LAYERS} layers x {N_KV} KV heads x {HEAD_DIM}"
+          f" (GiB; mixed: {parallel} streams of 1..{n_ctx} positions, {sum(lengths)} in all):")
+    print(f"{'kv':>5} | {'reserved':>8} | {'pooled, mixed':>13} | {'-c 131072 -kvu':>14} | {'-c 262144 -kvu':>14}")
     for kind in ("f16", "q8_0"):
-        per_token = N_LAYERS * 2 * N_KV * HEAD_DIM * KVCache.bytes_per_value(kind, torch.bfloat16)
-        print(f"  {kind:>5}: reserved per slot {parallel * n_ctx * per_token / 2**30:6.2f} GiB")
+        per_pos = N_LAYERS * 2 * N_KV * HEAD_DIM * KVCache.bytes_per_value(kind, torch.bfloat16) / 2**30
+        pools = [cache_positions(parallel, n_ctx, pool) for pool in (None, None, 131072, 262144)]
+        pools[1] = mixed
+        print(f"{kind:>5} | {pools[0] * per_pos:8.2f} | {pools[1] * per_pos:13.2f} | {pools[2] * per_pos:14.2f} | "
+              f"{pools[3] * per_pos:14.2f}")
 
 
 def main() -> None:
