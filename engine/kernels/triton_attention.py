@@ -25,14 +25,18 @@ Q8_BLOCK = 32
 
 
 @triton.jit
-def _tile(codes_ptr, scale_ptr, x, head, tt, d, ok, c_s0, c_s1, c_s2, s_s0, s_s1, s_s2, Q8: tl.constexpr):
+def _tile(codes_ptr, scale_ptr, x, head, tt, d, t_ok, d_ok, c_s0, c_s1, c_s2, s_s0, s_s1, s_s2, Q8: tl.constexpr,
+          HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     """K or V of head `head` at offsets tt of blocks x (one per position), as float32 [BLOCK_N, BLOCK_D]."""
     base = x.to(tl.int64)[:, None]
-    vals = tl.load(codes_ptr + base * c_s0 + head * c_s1 + tt[:, None] * c_s2 + d[None, :], mask=ok, other=0)
-    vals = vals.to(tl.float32)
-    if Q8:
-        at = scale_ptr + base * s_s0 + head * s_s1 + tt[:, None] * s_s2 + (d // 32)[None, :]
-        vals = vals * tl.load(at, mask=ok, other=0).to(tl.float32)
+    at = codes_ptr + base * c_s0 + head * c_s1 + tt[:, None] * c_s2 + d[None, :]
+    vals = tl.load(at, mask=t_ok[:, None] & d_ok[None, :], other=0).to(tl.float32)
+    if Q8:  # one scale per 32 values: loaded once, broadcast over its block
+        G: tl.constexpr = BLOCK_D // 32
+        g = tl.arange(0, G)
+        at = scale_ptr + base * s_s0 + head * s_s1 + tt[:, None] * s_s2 + g[None, :]
+        scale = tl.load(at, mask=t_ok[:, None] & (g < HEAD_DIM // 32)[None, :], other=0).to(tl.float32)
+        vals = tl.reshape(tl.reshape(vals, [BLOCK_N, G, 32]) * scale[:, :, None], [BLOCK_N, BLOCK_D])
     return vals
 
 
@@ -72,15 +76,16 @@ def _partial_kernel(q_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, slots_ptr, pos_ptr, tab
         t_ok = (t >= start) & (t < hi)
         x = tl.load(table_ptr + slot * table_stride + t // block_size, mask=t_ok, other=0)  # each position's block
         tt = t % block_size
-        ok = t_ok[:, None] & d_ok[None, :]
-        k = _tile(k_ptr, ks_ptr, x, kvh, tt, d, ok, k_s0, k_s1, k_s2, ks_s0, ks_s1, ks_s2, K_Q8)
+        k = _tile(k_ptr, ks_ptr, x, kvh, tt, d, t_ok, d_ok, k_s0, k_s1, k_s2, ks_s0, ks_s1, ks_s2, K_Q8, HEAD_DIM,
+                  BLOCK_N, BLOCK_D)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
         s = tl.where(t_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))  # every tile holds a visible position: finite
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = _tile(v_ptr, vs_ptr, x, kvh, tt, d, ok, v_s0, v_s1, v_s2, vs_s0, vs_s1, vs_s2, V_Q8)
+        v = _tile(v_ptr, vs_ptr, x, kvh, tt, d, t_ok, d_ok, v_s0, v_s1, v_s2, vs_s0, vs_s1, vs_s2, V_Q8, HEAD_DIM,
+                  BLOCK_N, BLOCK_D)
         acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
         m_i = m_new
         t0 += BLOCK_N
