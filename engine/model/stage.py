@@ -67,7 +67,7 @@ class _Layer:
         self.w_gate_up = w.linear([p + "ffn_gate.weight", p + "ffn_up.weight"])
         self.w_down = w.linear([p + "ffn_down.weight"])
         self.post_ffn_norm = vec(p + "post_ffw_norm.weight") if cfg.post_norms else None
-        self.deltanet = DeltaNet(cfg, w, p, stage.n_slots) if cfg.recurrent_layers[il] else None
+        self.deltanet = DeltaNet(cfg, w, p, stage.cache_rows) if cfg.recurrent_layers[il] else None
         if self.deltanet is None:
             self._attention(stage, p)
 
@@ -121,8 +121,7 @@ class Stage:
         self.layer_range = (0, 0)
         self.state_len = [0] * n_slots  # tokens each slot's recurrent state has consumed
         self.rollback = [0] * n_slots  # how many of them checkpoints can take back
-        # Recurrent layers run eagerly for now (their batched step is not graph-captured yet).
-        capture = self.device.type == "cuda" and not cfg.recurrent
+        capture = self.device.type == "cuda"
         self.cache_rows = n_slots + 1 if capture else n_slots  # + the graphs' padding slot
         if kv_pool is not None and kv_pool < 1:
             raise UserError(f"the KV pool needs at least one position (got {kv_pool})")
@@ -264,11 +263,11 @@ class Stage:
         self.kv_blocks.fit({slot: p0 + n for slot, p0, n in runs})
         if self.recurrent:
             self._check_continues(runs)
+        out = None
         if self.graphs is not None and all(n == 1 for _, _, n in runs):
             out = self.graphs.run(h, slots, positions)
-            if out is not None:
-                return out
-        out = self._forward(h, slots.to(self.device), positions.to(self.device), runs)
+        if out is None:
+            out = self._forward(h, slots.to(self.device), positions.to(self.device), runs)
         for slot, p0, n in runs:
             self.state_len[slot], self.rollback[slot] = p0 + n, min(n, ROLLBACK)
         return out
@@ -338,7 +337,7 @@ class Stage:
         for layer in self.layers.values() if layers is None else layers:
             x = self._norm(h, layer.attn_norm).to(self.dtype)
             if layer.deltanet is not None:
-                h = self._ffn(layer, h + layer.deltanet(x, runs))
+                h = self._ffn(layer, h + (layer.deltanet.step(x, slots) if batched else layer.deltanet(x, runs)))
                 continue
             qkv = layer.wqkv(x)
             gate = None
