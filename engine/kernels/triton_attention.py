@@ -21,8 +21,6 @@ import torch
 import triton
 import triton.language as tl
 
-Q8_BLOCK = 32
-
 
 @triton.jit
 def _tile(codes_ptr, scale_ptr, x, head, tt, d, t_ok, d_ok, c_s0, c_s1, c_s2, s_s0, s_s1, s_s2, Q8: tl.constexpr,
@@ -55,7 +53,7 @@ def _partial_kernel(q_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, slots_ptr, pos_ptr, tab
     start = 0
     if window > 0:
         start = tl.maximum(length - window, 0)
-    first = (start // BLOCK_N) * BLOCK_N
+    first = (start // BLOCK_N) * BLOCK_N  # tiles on tile boundaries: within one block when it holds whole tiles
     chunk = tl.cdiv(tl.cdiv(length - first, SPLITS), BLOCK_N) * BLOCK_N
     lo = first + split * chunk
     hi = tl.minimum(lo + chunk, length)
