@@ -12,9 +12,12 @@ Weight forms (engine/model/weights.py):
 - `dense`: the compute dtype (a CPU at float32, a GPU with `--gpu-weights dense`).
 Vectors (norms, biases) are float32. The token embedding is held on a GPU (quantized, one copy
 with a tied output head, or dense); on a CPU its rows are read from the file's mmap as needed.
-KV: K and V of every attention layer for every cache row at full context, in the cache types of
-`--cache-type-k/-v` (a CUDA stage has one more row: the decode graphs' padding slot). RoPE:
-cos and sin tables (float32, full context) for the global and the sliding-window base.
+KV: K and V of every attention layer for every cache position (`cache_positions`: every slot at
+full context, or the `--kv-unified` pool in blocks), in the cache types of `--cache-type-k/-v`
+(a CUDA stage without a pool has one more slot: the decode graphs' padding slot). Recurrent
+(Gated DeltaNet) layers hold float32 conv + SSM state per slot, the padding slot included, with
+`ROLLBACK` + 1 checkpoints (engine/model/deltanet.py). RoPE: cos and sin tables (float32, full
+context) for the global and the sliding-window base.
 """
 
 from __future__ import annotations
@@ -39,6 +42,10 @@ QUANT_BLOCKS = {
     "Q6_K": (256, 210),
 }
 FORMS = ("quantized", "int8", "dense")
+KV_BLOCK = 128  # positions per block of a `--kv-unified` pool (engine/model/kv_blocks.py)
+# Positions a recurrent layer's state can be taken back (a rejected draft): the longest draft a
+# recurrent model verifies. Each costs a copy of the state per slot and layer.
+ROLLBACK = 4
 _HEAD_TERMS, _LAYER_TERMS = 1, 2  # int8 terms of the output head and of a layer's matrices
 
 
@@ -72,6 +79,14 @@ class Tensor:
         for s in self.shape:
             n *= s
         return n
+
+
+def cache_positions(n_slots: int, n_ctx: int, kv_pool: int | None = None, *, padding: bool = False) -> int:
+    """Positions one attention layer's cache holds: every slot's context (+ the CUDA graphs'
+    padding slot), or the pool in whole blocks plus block 0 (where padding rows write)."""
+    if kv_pool is None:
+        return (n_slots + padding) * n_ctx
+    return (-(-kv_pool // KV_BLOCK) + 1) * KV_BLOCK
 
 
 def tensor_bytes(t: Tensor, form: str, dtype: str = "auto", *, output_head: bool = False) -> int:
@@ -112,17 +127,29 @@ class ModelTensors:
     head_vectors: tuple[Tensor, ...]  # the output norm
     kv_values_per_token_layer: tuple[int, int]  # K and V values of one token in one attention layer
     n_rot: int
-    attention_layers: tuple[bool, ...]  # False: a recurrent layer (no KV; its state is not counted)
+    attention_layers: tuple[bool, ...]  # False: a recurrent layer (no KV)
+    state_values: int = 0  # float32 values of a recurrent layer's state per slot: conv + SSM
 
     def layer_weights(self, il: int, form: str, dtype: str = "auto") -> int:
         return sum(tensor_bytes(t, form, dtype) for t in self.layers[il])
 
-    def layer_kv(self, il: int, rows: int, n_ctx: int, kv_types: tuple[str, str], dtype: str = "auto") -> int:
+    def layer_kv(self, il: int, positions: int, kv_types: tuple[str, str], dtype: str = "auto") -> int:
+        """K and V of `positions` cache positions (`cache_positions`) of an attention layer."""
         if not self.attention_layers[il]:
             return 0
         k, v = self.kv_values_per_token_layer
         per_token = k * kv_value_bytes(kv_types[0], dtype) + v * kv_value_bytes(kv_types[1], dtype)
-        return int(rows * n_ctx * per_token)
+        return int(positions * per_token)
+
+    def layer_state(self, il: int, rows: int) -> int:
+        """A recurrent layer's state for `rows` slots: the state and its ROLLBACK + 1 checkpoints."""
+        return 0 if self.attention_layers[il] else rows * self.state_values * 4 * (ROLLBACK + 2)
+
+    def layer_cache(self, il: int, n_slots: int, n_ctx: int, kv_types: tuple[str, str], dtype: str = "auto", *,
+                    gpu: bool, kv_pool: int | None = None) -> int:  # fmt: skip
+        """What a layer caches per stage: its KV (or pool share) or its recurrent state, all slots."""
+        positions = cache_positions(n_slots, n_ctx, kv_pool, padding=gpu)
+        return self.layer_kv(il, positions, kv_types, dtype) + self.layer_state(il, n_slots + gpu)
 
     def head_weights(self, form: str, dtype: str = "auto", *, gpu: bool) -> int:
         """The head's own tensors: the embedding (held on a GPU only; one copy with a tied output
@@ -135,16 +162,17 @@ class ModelTensors:
         return out + tensor_bytes(head, form, dtype, output_head=True)
 
     def stage(self, a: int, b: int, *, head: bool, device: str, dtype: str, n_slots: int, n_ctx: int,
-              kv_types: tuple[str, str] = ("auto", "auto"), gpu_weights: str = "quantized") -> StageBytes:  # fmt: skip
+              kv_types: tuple[str, str] = ("auto", "auto"), gpu_weights: str = "quantized",
+              kv_pool: int | None = None) -> StageBytes:  # fmt: skip
         """Layers [a, b) (+ the head's tensors when `head`) as a worker on `device` ("cpu", "cuda")
-        with `--dtype`, `--gpu-weights`, `--cache-type-k/-v` holds them for `n_slots` slots of `n_ctx`."""
+        with `--dtype`, `--gpu-weights`, `--cache-type-k/-v` holds them for `n_slots` slots of `n_ctx`
+        (or a `--kv-unified` pool of `kv_pool` positions)."""
         gpu = device.startswith("cuda")
         form = weight_form(device, dtype, gpu_weights)
-        rows = n_slots + (1 if gpu and all(self.attention_layers) else 0)  # + the CUDA graphs' padding slot
         weights = sum(self.layer_weights(il, form, dtype) for il in range(a, b))
         weights += self.head_weights(form, dtype, gpu=gpu) if head else 0
         weights += 4 * 4 * n_ctx * self.n_rot  # RoPE: cos and sin for two bases, float32
-        kv = sum(self.layer_kv(il, rows, n_ctx, kv_types, dtype) for il in range(a, b))
+        kv = sum(self.layer_cache(il, n_slots, n_ctx, kv_types, dtype, gpu=gpu, kv_pool=kv_pool) for il in range(a, b))
         return StageBytes((a, b), weights, kv)
 
 
@@ -180,9 +208,15 @@ def model_tensors(metadata, tensors) -> ModelTensors:
         elif name in _HEAD_TENSORS:
             head[name] = t
     attention = tuple(f"blk.{il}.attn_k.weight" in tensors for il in range(n_layers))
+    # Gated DeltaNet state per slot: the conv's last kernel-1 inputs of every channel, and a
+    # [state_size, inner_size / V heads] matrix per V head (engine/model/config.py DeltaNetShape).
+    d_state, inner = (int(metadata.get(f"{arch}.ssm.{key}", 0)) for key in ("state_size", "inner_size"))
+    channels = 2 * int(metadata.get(f"{arch}.ssm.group_count", 0)) * d_state + inner
+    state = channels * (int(metadata.get(f"{arch}.ssm.conv_kernel", 1)) - 1) + d_state * inner
     return ModelTensors(n_layers, tuple(tuple(ts) for ts in layers), head.get("token_embd.weight"),
                         head.get("output.weight"), tuple(t for n, t in head.items() if n == "output_norm.weight"),
-                        (n_kv * k_len, n_kv * v_len), int(metadata.get(f"{arch}.rope.dimension_count", k_len)), attention)  # fmt: skip
+                        (n_kv * k_len, n_kv * v_len), int(metadata.get(f"{arch}.rope.dimension_count", k_len)),
+                        attention, state)  # fmt: skip
 
 
 def _product(shape: tuple[int, ...]) -> int:

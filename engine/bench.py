@@ -115,7 +115,7 @@ def _estimate(g: GGUFFile, stage: Stage) -> dict:
     est = model_tensors(g.metadata, g.tensors).stage(
         0, stage.cfg.n_layers, head=True, device=stage.device.type, dtype=str(stage.dtype).removeprefix("torch."),
         n_slots=stage.n_slots, n_ctx=stage.n_ctx, kv_types=stage.kv_types,
-        gpu_weights="quantized" if stage.weights.quantized else "dense")  # fmt: skip
+        gpu_weights="quantized" if stage.weights.quantized else "dense", kv_pool=stage.kv_pool)  # fmt: skip
     return {"weight_bytes": est.weight_bytes, "kv_bytes": est.kv_bytes}
 
 

@@ -116,6 +116,7 @@ class ModelSettings:
     gpu_weights: str = "quantized"  # or "dense": expanded to the compute dtype on a GPU
     compile: bool = True  # torch.compile the CUDA decode step before graph capture (--no-compile)
     kv_types: tuple[str, str] = ("auto", "auto")  # --cache-type-k / --cache-type-v (engine/model/kv_cache.py)
+    kv_pool: int | None = None  # --kv-unified: positions of the KV pool all slots share; None: each reserves ctx
 
     @property
     def quantized(self) -> bool | None:
@@ -246,20 +247,34 @@ DEFAULT_CTX = 4096
 
 
 def slot_ctx(args) -> int:
-    """Context per slot: --ctx, or llama-server's -c/--ctx-size shared by the --parallel slots."""
-    if args.ctx is not None and args.ctx_size is not None:
-        raise UserError("--ctx (per slot) and -c/--ctx-size (all slots): give one of them")
-    if args.ctx_size is None:
+    """Context per slot: --ctx, or llama-server's -c/--ctx-size shared by the --parallel slots (with
+    --kv-unified, any slot may grow to the whole -c unless --ctx caps it)."""
+    unified = getattr(args, "kv_unified", False)
+    if args.ctx is not None and args.ctx_size is not None and not unified:
+        raise UserError("--ctx (per slot) and -c/--ctx-size (all slots): give one of them (or both with --kv-unified)")
+    if args.ctx_size is None or args.ctx is not None:
         return args.ctx if args.ctx is not None else DEFAULT_CTX
     _at_least(1, ctx_size=args.ctx_size)
-    return args.ctx_size // getattr(args, "parallel", 1)
+    return args.ctx_size if unified else args.ctx_size // getattr(args, "parallel", 1)
+
+
+def kv_pool(args, ctx: int) -> int | None:
+    """--kv-unified: the positions of the pool the slots share (-c/--ctx-size, else every slot's
+    context); None: each slot reserves its context."""
+    if not getattr(args, "kv_unified", False):
+        return None
+    if args.ctx_size is None:
+        return ctx * getattr(args, "parallel", 1)
+    if ctx > args.ctx_size:
+        raise UserError(f"--ctx {ctx} per slot exceeds the --kv-unified pool of -c/--ctx-size {args.ctx_size}")
+    return args.ctx_size
 
 
 def model_settings(args, env: Mapping[str, str]) -> ModelSettings:
     ctx = slot_ctx(args)
     _at_least(1, ctx=ctx)
     return ModelSettings(args.model, args.device, args.dtype, ctx, default_cache_dir(env), args.gpu_weights,
-                         not args.no_compile, (args.cache_type_k, args.cache_type_v))
+                         not args.no_compile, (args.cache_type_k, args.cache_type_v), kv_pool(args, ctx))
 
 
 def read_token_file(path: str) -> str:

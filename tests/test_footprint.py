@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hydra_console.contracts.footprint import KV_VALUE_BYTES, QUANT_BLOCKS, model_tensors, tensor_bytes
+from hydra_console.contracts.footprint import KV_BLOCK, KV_VALUE_BYTES, QUANT_BLOCKS, model_tensors, tensor_bytes
 from hydra_console.engine.gguf_file import GGUFFile
 from hydra_console.engine.kernels.qweight import QuantWeight
 from hydra_console.engine.model import build_stage
@@ -35,7 +35,8 @@ CASES = [(arch, qtype, dtype, ("auto", "auto")) for arch, qtype in
          [("llama", "F32"), ("llama", "F16"), ("llama", "Q8_0"), ("llama", "Q4_K_M"), ("gemma3", "Q4_0"), ("gemma3", "Q5_K")]
          for dtype in ("float32", "bfloat16")]  # fmt: skip
 CASES += [("llama", "Q4_K_M", "bfloat16", ("q8_0", "q8_0")), ("gemma3", "Q5_K", "float32", ("f16", "q8_0")),
-          ("llama", "F16", "bfloat16", ("f32", "bf16"))]  # fmt: skip
+          ("llama", "F16", "bfloat16", ("f32", "bf16")),
+          ("qwen35", "F32", "float32", ("auto", "auto")), ("qwen35", "Q8_0", "bfloat16", ("q8_0", "q8_0"))]  # fmt: skip
 
 
 @pytest.mark.parametrize("arch,qtype,dtype,kv_types", CASES)
@@ -48,6 +49,17 @@ def test_estimate_matches_a_built_cpu_stage(tiny_model, arch, qtype, dtype, kv_t
         est = tensors.stage(*layers, head=head, device="cpu", dtype=dtype, n_slots=N_SLOTS, n_ctx=N_CTX, kv_types=kv_types)
         assert est.weight_bytes == pytest.approx(stage.held_weight_bytes, rel=0.05)
         assert est.kv_bytes == pytest.approx(stage.kv_bytes, rel=0.05) and est.kv_bytes > 0
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen35"])
+def test_estimate_of_a_kv_pool_matches_a_built_stage(tiny_model, arch):
+    """`--kv-unified`: the pool's blocks (block 0 included) instead of every slot's context."""
+    g = GGUFFile(tiny_model(arch, **SHAPE))
+    pool = 3 * KV_BLOCK - 5
+    stage = build_stage(g, device="cpu", dtype="float32", n_slots=4, n_ctx=2 * KV_BLOCK, kv_pool=pool)
+    est = model_tensors(g.metadata, g.tensors).stage(0, 3, head=True, device="cpu", dtype="float32", n_slots=4,
+                                                     n_ctx=2 * KV_BLOCK, kv_pool=pool)  # fmt: skip
+    assert est.kv_bytes == stage.kv_bytes
 
 
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q5_1", "Q8_0", "Q4_K_M", "Q5_K", "Q6_K"])

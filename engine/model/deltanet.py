@@ -30,11 +30,9 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from ...contracts.footprint import ROLLBACK
 from .config import ModelConfig
 
-# Positions a slot's recurrent state can be taken back: the longest draft a recurrent model verifies.
-# Each one costs a copy of the state per slot and layer.
-ROLLBACK = 4
 # Steps per chunk of the chunked (prefill) form: llama.cpp's chunk size.
 CHUNK = 64
 

@@ -1,8 +1,9 @@
 """A `Stage`: one transformer implementation for every architecture in `config.ARCHITECTURES`.
 
 A `Stage` materialises the embedding (optional), a layer range [a, b) and the output head
-(optional) of one GGUF file on one device, with a static KV cache per slot:
-`[n_slots, n_kv_heads, n_ctx, head_dim]` per attention layer, and a recurrent state per slot
+(optional) of one GGUF file on one device, with a KV cache per attention layer in blocks of
+positions (`kv_blocks`: one block of n_ctx per slot, or a pool shared by the slots that hands out
+blocks as they grow), and a recurrent state per slot
 (conv + SSM, `deltanet`) per Gated DeltaNet layer (qwen35's hybrid stack: per-layer type as data).
 
 A batch is a flat list of tokens with a slot and a position each; the tokens of one slot are
@@ -40,10 +41,11 @@ from ..errors import UserError
 from ..gguf_file import GGUFFile
 from ..kernels.qweight import QuantWeight
 from ..quant import dequantize_rows
-from .attention import attend_batched, attend_runs, decode_bias
+from .attention import attend_batched, attend_decode, attend_runs, decode_bias
 from .config import ModelConfig
 from .deltanet import ROLLBACK, DeltaNet
 from .graphs import DecodeGraphs
+from .kv_blocks import KVBlocks
 from .kv_cache import KVCache, check_cache_type
 from .rope import rope_table, rotate
 from .weights import Linear, QuantLinear, Weights
@@ -80,8 +82,8 @@ class _Layer:
             q_w, k_w = vec(p + "attn_q_norm.weight"), vec(p + "attn_k_norm.weight")
             self.qk_norm = torch.cat([q_w.expand(cfg.n_head, -1), k_w.expand(cfg.n_head_kv, -1)])
         self.post_attn_norm = vec(p + "post_attention_norm.weight") if cfg.post_norms else None
-        self.kv = KVCache(stage.cache_rows, cfg.n_head_kv, stage.n_ctx, cfg.head_dim, compute=stage.dtype,
-                          device=stage.device, k_type=stage.kv_types[0], v_type=stage.kv_types[1])  # fmt: skip
+        self.kv = KVCache(stage.kv_blocks, cfg.n_head_kv, cfg.head_dim, compute=stage.dtype, device=stage.device,
+                          k_type=stage.kv_types[0], v_type=stage.kv_types[1])  # fmt: skip
 
     @property
     def nbytes(self) -> int:
@@ -115,11 +117,13 @@ class Stage:
 
     def __init__(self, cfg: ModelConfig, weights: Weights, layers: tuple[int, int], *, embed: bool, head: bool,
                  n_slots: int, n_ctx: int, compile_decode: bool = False,
-                 kv_types: tuple[str, str] = ("auto", "auto")):  # fmt: skip
+                 kv_types: tuple[str, str] = ("auto", "auto"), kv_pool: int | None = None):  # fmt: skip
+        """`kv_pool`: positions of a KV pool all slots share (each still up to `n_ctx`); None: each slot
+        reserves its whole context."""
         self.cfg, self.weights, self.g = cfg, weights, weights.g
         for kind, flag in zip(kv_types, ("--cache-type-k", "--cache-type-v")):
             check_cache_type(kind, flag, cfg.head_dim)
-        self.kv_types = kv_types
+        self.kv_types, self.kv_pool = kv_types, kv_pool
         self.device, self.dtype, self.int8 = weights.device, weights.dtype, weights.int8
         if n_slots < 1 or n_ctx < 1:
             raise UserError(f"need at least one slot and a positive context (got {n_slots} slots, n_ctx {n_ctx})")
@@ -133,6 +137,10 @@ class Stage:
         self.rollback = [0] * n_slots  # how many of them checkpoints can take back
         capture = self.device.type == "cuda"
         self.cache_rows = n_slots + 1 if capture else n_slots  # + the graphs' padding slot
+        if kv_pool is not None and kv_pool < 1:
+            raise UserError(f"the KV pool needs at least one position (got {kv_pool})")
+        self.kv_blocks = (KVBlocks.reserved(self.cache_rows, n_ctx, self.device) if kv_pool is None
+                          else KVBlocks.pool(self.cache_rows, n_ctx, kv_pool, self.device))  # fmt: skip
         self.assign(*layers)
         if embed:
             self._embd_info = weights.tensor("token_embd.weight")
@@ -170,10 +178,8 @@ class Stage:
             self.graphs.warm_up()
 
     def kv_clear(self, slot: int) -> None:
-        """Forget a slot: its KV and its recurrent state."""
-        for layer in self.layers.values():
-            if layer.deltanet is None:
-                layer.kv.clear(slot)
+        """Forget a slot: its KV (pooled blocks go back to the pool) and its recurrent state."""
+        self.kv_blocks.release(slot)
         self._restart(slot)
 
     def _restart(self, slot: int) -> None:
@@ -182,9 +188,9 @@ class Stage:
         self.state_len[slot] = self.rollback[slot] = 0
 
     def slot_state(self, slot: int, n: int) -> dict[str, torch.Tensor]:
-        """Views of what this stage holds for `slot`'s first `n` positions, by name: what moves when
-        a slot moves (contracts.slot_state). Writing into the views restores it; then `restored`.
-        A DeltaNet layer's views are its state after the slot's tokens (saved only when those are n)."""
+        """What this stage holds for `slot`'s first `n` positions, by name: what moves when a slot
+        moves (contracts.slot_state); `place_slot_state` puts it back. A DeltaNet layer's entries are
+        its state after the slot's tokens (saved only when those are n)."""
         out = {}
         for il, layer in self.layers.items():
             if layer.deltanet is not None:
@@ -194,8 +200,17 @@ class Stage:
                 out |= {f"blk.{il}.{name}": view for name, view in layer.kv.views(slot, n).items()}
         return out
 
-    def restored(self, slot: int, n: int) -> None:
-        """The slot's views were written with the state of n tokens (its recurrent state continues from n)."""
+    def place_slot_state(self, slot: int, n: int, tensors: dict[str, torch.Tensor]) -> None:
+        """Put the state of n tokens (`slot_state`'s names and shapes) into `slot`; its recurrent
+        state continues from n."""
+        self.kv_blocks.fit({slot: n})
+        for il, layer in self.layers.items():
+            if layer.deltanet is not None:
+                layer.deltanet.conv_state[slot].copy_(tensors[f"blk.{il}.conv"])
+                layer.deltanet.ssm_state[slot].copy_(tensors[f"blk.{il}.ssm"])
+            else:
+                prefix = f"blk.{il}."
+                layer.kv.write_views(slot, n, {k.removeprefix(prefix): t for k, t in tensors.items() if k.startswith(prefix)})
         self.state_len[slot], self.rollback[slot] = n, 0
 
     @property
@@ -272,6 +287,7 @@ class Stage:
         if h.shape[0] == 0 or not self.layers:
             return h
         runs = self._runs(slots, positions)
+        self.kv_blocks.fit({slot: p0 + n for slot, p0, n in runs})
         if self.recurrent:
             self._check_continues(runs)
         out = None
@@ -292,6 +308,7 @@ class Stage:
         slots = torch.as_tensor(slots, dtype=torch.long)
         positions = torch.as_tensor(positions, dtype=torch.long)
         runs = self._runs(slots, positions)
+        self.kv_blocks.fit({slot: p0 + n for slot, p0, n in runs})
         h = h.to(self.device, torch.float32)
         return self._forward(h, slots.to(self.device), positions.to(self.device), runs, layers=[layer])
 
@@ -335,8 +352,9 @@ class Stage:
         return runs
 
     def _forward(self, h, slots, positions, runs, batched: bool = False, kv_len: int | None = None, layers=None):
-        """The layers, eagerly. `batched`: one token per slot, attention over gathered caches of
-        length `kv_len` with a mask from positions (no host values: CUDA-graph capturable).
+        """The layers, eagerly. `batched`: one token per slot with no host values (CUDA-graph
+        capturable): the decode-attention kernel on CUDA, elsewhere attention over gathered caches
+        of length `kv_len` with a mask from positions.
         Q and K travel together through norm and RoPE: fewer, larger kernels."""
         cfg = self.cfg
         T, n_q, qk_dim = h.shape[0], cfg.n_head, (cfg.n_head + cfg.n_head_kv) * cfg.head_dim
@@ -360,7 +378,9 @@ class Stage:
                 qk = F.rms_norm(qk, (cfg.head_dim,), None, cfg.rms_eps) * layer.qk_norm
             qk = rotate(cfg, qk, *ropes[bool(layer.window)]).to(self.dtype)
             q, k = qk[:, :n_q], qk[:, n_q:]
-            if batched:
+            if batched and self.device.type == "cuda":
+                o = attend_decode(cfg, layer, q, k, v, slots, positions)
+            elif batched:
                 if layer.window not in biases:
                     biases[layer.window] = decode_bias(cfg, positions, kv_len, layer.window, self.dtype)
                 o = attend_batched(cfg, layer, q, k, v, slots, positions, kv_len, biases[layer.window])
@@ -402,6 +422,7 @@ def build_stage(
     quantized: bool | None = None,
     compile_decode: bool = False,
     kv_types: tuple[str, str] = ("auto", "auto"),
+    kv_pool: int | None = None,
 ) -> Stage:
     """The Stage of `g` for layers [a, b) (default: all), from `--device` / `--dtype` values or torch
     objects. `cache_dir` keeps converted int8 weights across runs (None: convert on every load);
@@ -417,4 +438,4 @@ def build_stage(
         quantized = device.type == "cuda"
     weights = Weights(g, cfg.arch, device, dtype, int8, cache_dir, quantized)
     return Stage(cfg, weights, layers or (0, cfg.n_layers), embed=embed, head=head, n_slots=n_slots, n_ctx=n_ctx,
-                 compile_decode=compile_decode, kv_types=kv_types)  # fmt: skip
+                 compile_decode=compile_decode, kv_types=kv_types, kv_pool=kv_pool)  # fmt: skip

@@ -154,7 +154,7 @@ def build_pipeline(cfg: HeadConfig, g, mcfg):
     device = resolve_device(m.device)
     dtype = resolve_dtype(m.dtype, device)
     remotes = [
-        RemoteStage(addr, r, g=g, dtype=dtype, n_slots=n_slots, n_ctx=m.ctx, auth_token=cfg.rpc.auth_token,
+        RemoteStage(addr, r, g=g, dtype=dtype, n_slots=n_slots, n_ctx=m.ctx, kv_pool=m.kv_pool, auth_token=cfg.rpc.auth_token,
                     max_frame=cfg.rpc.max_frame, spin_s=cfg.rpc.spin_seconds(device),
                     head_device=device if cfg.rpc.cuda_ipc else None)  # fmt: skip
         for addr, r in zip(cfg.peers, ranges[1:])
@@ -171,7 +171,7 @@ def build_pipeline(cfg: HeadConfig, g, mcfg):
         log.warning("peers %s never came up: --fallback-solo runs all %d layers on the head", names, mcfg.n_layers)
         remotes, ranges = [], [(0, mcfg.n_layers)]
     local = build_stage(g, ranges[0], device=device, dtype=dtype, n_slots=n_slots, n_ctx=m.ctx, cache_dir=m.cache_dir,
-                        quantized=m.quantized, compile_decode=m.compile, kv_types=m.kv_types)  # fmt: skip
+                        quantized=m.quantized, compile_decode=m.compile, kv_types=m.kv_types, kv_pool=m.kv_pool)  # fmt: skip
     pipeline = Pipeline(local, remotes, ranges=ranges)
     if remotes:
         pipeline.start_watch()
