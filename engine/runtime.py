@@ -149,6 +149,8 @@ class Engine:
         self.spec = speculator or Speculator()
         self.spec_stats = self.spec.stats
         self.spec_config = self.spec.config
+        if hasattr(pipeline, "side_state"):  # the MTP block's per-slot state moves with the slot's
+            pipeline.side_state = self.spec.mtp
         self.scheduler = Scheduler(n_slots, n_ctx, batch_tokens, mixed_steps, self.spec, tokenizer.eog_ids,
                                    lambda: getattr(pipeline, "kv_generation", 0),
                                    recurrent=getattr(getattr(pipeline, "cfg", None), "recurrent", False))  # fmt: skip
@@ -251,10 +253,11 @@ class Engine:
     def restore_slot(self, slot: int, data: bytes) -> int:
         """Load a saved state into an idle slot; its tokens become that slot's prompt cache. A
         refused state leaves the slot's cache as it was; a placement that failed midway empties it."""
+        prepared = self.pipeline.prepare_state(data)  # checksums off the engine lock: decoding goes on
         with self._cond:
             self._idle(slot)
             try:
-                self.scheduler.cached[slot] = self.pipeline.place_state(slot, data)
+                self.scheduler.cached[slot] = self.pipeline.place_state(slot, prepared)
             except SlotStateError:
                 raise
             except Exception:
@@ -293,10 +296,12 @@ class Engine:
                               lambda transfer, seq=seq: self._transferred(seq, transfer))  # fmt: skip
 
     def _place(self, seq: Sequence, payload: bytes, tokens: list[int]) -> None:
+        # Parsing and checksums first, holding nothing: only the copy into the slot stops the engine.
+        prepared = self.pipeline.prepare_state(payload, tokens)
         with self._cond:  # the slot stays this sequence's while its state goes in
             if self.scheduler.slots[seq.slot] is not seq or seq.req.cancelled:
                 raise UserError("the request left its slot during the transfer")
-            self.pipeline.place_state(seq.slot, payload, tokens)
+            self.pipeline.place_state(seq.slot, prepared)
             seq.n_past = len(tokens)
 
     def _transferred(self, seq: Sequence, transfer) -> None:

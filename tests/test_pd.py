@@ -181,9 +181,9 @@ def _respoiled(blob: bytes, **header) -> bytes:
         pos += n
         return bytes(view[pos - n : pos])
 
-    h = SlotHeader.decode(read)
+    h, crcs = SlotHeader.decode(read)
     doc = {**h.__dict__, **header}
-    return SlotHeader(**doc).encode() + bytes(view[pos:])
+    return SlotHeader(**doc).encode(crcs) + bytes(view[pos:])
 
 
 def test_peer_state_ops_refuse_bad_states_and_leave_the_slot_as_it_was(tiny_model, tmp_path):
@@ -199,7 +199,7 @@ def test_peer_state_ops_refuse_bad_states_and_leave_the_slot_as_it_was(tiny_mode
         remote.run_layers(hidden[:5], torch.zeros(5, dtype=torch.long), torch.arange(5))
         meta = remote.state_meta(0)
         assert meta["n_tokens"] == 5 and meta["layers"] == [[2, 4]] and meta["fingerprint"] == g.fingerprint
-        blob = remote.state_get(0, tokens)
+        blob = bytes(remote.state_get(0, tokens))
         bad = {
             "checksum": blob[:-20] + bytes([blob[-20] ^ 1]) + blob[-19:],
             "of model": _respoiled(blob, fingerprint="another-model"),

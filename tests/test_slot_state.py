@@ -30,7 +30,7 @@ def decode(st, slot, token, pos):
 
 
 def saved(st, slot, tokens, fingerprint) -> bytes:
-    return b"".join(slot_state.save(st, slot, tokens, fingerprint))
+    return bytes(slot_state.save(st, slot, tokens, fingerprint))
 
 
 def test_a_restored_slot_continues_bit_for_bit(tiny_model):
