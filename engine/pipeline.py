@@ -166,7 +166,8 @@ class Pipeline:
         through STATE_PUT); returns the tokens they cover (which must be `tokens` when given).
         Every chunk and the model are checked before anything is placed, so a refused state leaves
         the slot as it was; a peer lost midway leaves the slot empty on every stage (nothing
-        half-placed is used)."""
+        half-placed is used). The caller keeps `slot` out of every forward meanwhile: this
+        stage's copy runs beside them, without the pipeline lock (only a re-split waits)."""
         prepared = data if isinstance(data, PreparedState) else self.prepare_state(data, tokens)
         fingerprint, header, n = self.local.g.fingerprint, prepared.header, len(prepared.header.tokens)
         with self._lock:
@@ -174,25 +175,31 @@ class Pipeline:
                 raise SlotStateError(f"the pipeline was re-split to {self.ranges} while the state was checked")
             side = self.side_state if self.side_state is not None and slot_state.has_extra(header) else None
             extra = side.state_in(slot, n) if side is not None else None
-            slot_state.check(self.local, slot, header, fingerprint, extra)
-            try:
-                placed = slot_state.place(self.local, slot, header, prepared.body, fingerprint, extra)
+            views = slot_state.check(self.local, slot, header, fingerprint, extra)
+            resplits = self.resplits
+        try:
+            slot_state.copy_in(views, header, prepared.body)
+            with self._lock:
+                if self.resplits != resplits:
+                    raise SlotStateError("the pipeline was re-split while the state went in")
+                self.local.restored(slot, n)
                 for remote, part in zip(self.remotes, prepared.peer_states):
                     remote.state_put(slot, part)
-            except Exception:
+                if self.side_state is not None:
+                    self.side_state.restored(slot, n, extra)
+                self._lengths[slot] = n
+                if self.remotes and n:  # a later KV rebuild replays them
+                    self._flush_history()
+                    self._write_history(torch.tensor(header.tokens), torch.full((n,), slot), torch.arange(n))
+        except Exception:
+            with self._lock:
                 self._lengths.pop(slot, None)
                 self.local.kv_clear(slot)
                 for remote in self.remotes:
                     with contextlib.suppress(PeerUnavailable):
                         remote.kv_clear(slot)
-                raise
-            if self.side_state is not None:
-                self.side_state.restored(slot, n, extra)
-            self._lengths[slot] = n
-            if self.remotes and n:  # a later KV rebuild replays them
-                self._flush_history()
-                self._write_history(torch.tensor(placed), torch.full((n,), slot), torch.arange(n))
-            return placed
+            raise
+        return list(header.tokens)
 
     # --- slot history and KV rebuild ------------------------------------------------------------
 

@@ -296,12 +296,15 @@ class Engine:
                               lambda transfer, seq=seq: self._transferred(seq, transfer))  # fmt: skip
 
     def _place(self, seq: Sequence, payload: bytes, tokens: list[int]) -> None:
-        # Parsing and checksums first, holding nothing: only the copy into the slot stops the engine.
+        """On the transfer's thread, holding no engine lock: decoding goes on while the state is
+        checked and copied in. The slot stays this sequence's until `_transferred` (the scheduler
+        frees no sequence whose state is in flight)."""
         prepared = self.pipeline.prepare_state(payload, tokens)
-        with self._cond:  # the slot stays this sequence's while its state goes in
+        with self._cond:
             if self.scheduler.slots[seq.slot] is not seq or seq.req.cancelled:
                 raise UserError("the request left its slot during the transfer")
-            self.pipeline.place_state(seq.slot, prepared)
+        self.pipeline.place_state(seq.slot, prepared)
+        with self._cond:
             seq.n_past = len(tokens)
 
     def _transferred(self, seq: Sequence, transfer) -> None:
@@ -349,13 +352,15 @@ class Engine:
                 else:
                     log.exception("step failed")
                 for seq in self.scheduler.running:
+                    if seq.remote_prefill:  # not in the step; its state may be going into its slot
+                        continue
                     seq.finish_reason = "error"
                     self.output.process(seq, error=e)
                     self.scheduler.free(seq)
 
     def _has_work(self) -> bool:
         """Something to admit, cancel or compute (a sequence waiting for its prompt state is not)."""
-        return bool(self.scheduler.waiting) or any(not s.remote_prefill or s.req.cancelled for s in self.scheduler.running)
+        return bool(self.scheduler.waiting) or any(not s.remote_prefill for s in self.scheduler.running)
 
     def step(self) -> None:
         """schedule → forward → sample → postprocess → emit."""

@@ -116,15 +116,20 @@ def place(stage, slot: int, header: SlotHeader, body, fingerprint: str, extra: d
     """Place a state already read whole (its chunks checked) into `slot`: each tensor copied from
     the body's bytes into the slot's views (positions past the state's are never read: nothing to
     clear). `extra`: where the `mtp.*` tensors go (None: they are skipped)."""
-    views = check(stage, slot, header, fingerprint, extra)
+    copy_in(check(stage, slot, header, fingerprint, extra), header, body)
+    stage.restored(slot, len(header.tokens))
+    return list(header.tokens)
+
+
+def copy_in(views: dict[str, torch.Tensor], header: SlotHeader, body) -> None:
+    """Each of the header's tensors from the body's bytes into its view (`check`'s); tensors
+    without one are skipped."""
     offset = 0
     for entry in header.tensors:
         view = views.get(entry.name)
         if view is not None and entry.nbytes:
             view.copy_(torch.frombuffer(body, dtype=view.dtype, count=view.numel(), offset=offset).view(view.shape))
         offset += entry.nbytes
-    stage.restored(slot, len(header.tokens))
-    return list(header.tokens)
 
 
 def check(stage, slot: int, header: SlotHeader, fingerprint: str, extra: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
