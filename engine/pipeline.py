@@ -61,6 +61,9 @@ class Pipeline:
         self.resplits = 0
         self.last_resplit: dict | None = None
         self._lock = threading.RLock()  # one forward, re-split or re-attach at a time
+        # Held while this stage's layers change (re-split) and while a slot state is copied into
+        # them: a placement waits for a re-split, never for a forward.
+        self._layout = threading.Lock()
         self._history: torch.Tensor | None = None  # [slots, ctx] token ids run so far
         self._pending: list[tuple] = []  # (tokens, slots, positions) not yet in _history
         self._lengths: dict[int, int] = {}
@@ -170,27 +173,24 @@ class Pipeline:
         stage's copy runs beside them, without the pipeline lock (only a re-split waits)."""
         prepared = data if isinstance(data, PreparedState) else self.prepare_state(data, tokens)
         fingerprint, header, n = self.local.g.fingerprint, prepared.header, len(prepared.header.tokens)
-        with self._lock:
-            if prepared.ranges != list(self.ranges):
-                raise SlotStateError(f"the pipeline was re-split to {self.ranges} while the state was checked")
-            side = self.side_state if self.side_state is not None and slot_state.has_extra(header) else None
-            extra = side.state_in(slot, n) if side is not None else None
-            views = slot_state.check(self.local, slot, header, fingerprint, extra)
-            resplits = self.resplits
         try:
-            slot_state.copy_in(views, header, prepared.body)
-            with self._lock:
-                if self.resplits != resplits:
-                    raise SlotStateError("the pipeline was re-split while the state went in")
+            with self._layout:  # this stage's layers stay as they are (a re-split waits), forwards go on
+                if prepared.ranges != list(self.ranges):
+                    raise SlotStateError(f"the pipeline was re-split to {self.ranges} while the state was checked")
+                side = self.side_state if self.side_state is not None and slot_state.has_extra(header) else None
+                extra = side.state_in(slot, n) if side is not None else None
+                slot_state.copy_in(slot_state.check(self.local, slot, header, fingerprint, extra), header, prepared.body)
                 self.local.restored(slot, n)
-                for remote, part in zip(self.remotes, prepared.peer_states):
-                    remote.state_put(slot, part)
                 if self.side_state is not None:
                     self.side_state.restored(slot, n, extra)
-                self._lengths[slot] = n
-                if self.remotes and n:  # a later KV rebuild replays them
-                    self._flush_history()
-                    self._write_history(torch.tensor(header.tokens), torch.full((n,), slot), torch.arange(n))
+            if self.remotes:
+                with self._lock:  # the peers' sockets and the slot history are the forwards' too
+                    for remote, part in zip(self.remotes, prepared.peer_states):
+                        remote.state_put(slot, part)
+                    if n:  # a later KV rebuild replays them
+                        self._flush_history()
+                        self._write_history(torch.tensor(header.tokens), torch.full((n,), slot), torch.arange(n))
+            self._lengths[slot] = n
         except Exception:
             with self._lock:
                 self._lengths.pop(slot, None)
@@ -307,10 +307,12 @@ class Pipeline:
             old = list(self.ranges)
             t0 = time.perf_counter()
             try:
-                self._assign_all(ranges)
+                with self._layout:
+                    self._assign_all(ranges)
             except Exception:
                 log.exception("re-split to %s failed: restoring %s", ranges, old)
-                self._assign_all(old)
+                with self._layout:
+                    self._assign_all(old)
                 self._stale = len(self.remotes)
                 raise
             t_assign = time.perf_counter() - t0
