@@ -161,7 +161,7 @@ class Pipeline:
         mine = next(((h, body) for h, body, _ in states if tuple(h.layers) == tuple(ranges[0])), None)
         if mine is None:  # our range came regrouped: read it back
             mine = slot_state.read_all(parts[0])[0][:2]
-        slot_state.check(self.local, 0, mine[0], fingerprint)
+        slot_state.check(self.local, 0, mine[0], fingerprint)  # a state that cannot fit is refused here, before any lock
         return PreparedState(*mine, parts[1:], ranges)
 
     def place_state(self, slot: int, data, tokens: list[int] | None = None) -> list[int]:

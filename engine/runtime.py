@@ -283,7 +283,7 @@ class Engine:
                         return collect(i, tokens)
                 if time.monotonic() > deadline:
                     return None
-                self._cond.wait(0.005)
+                self._cond.wait(0.001)
 
     # ---- prefill/decode disaggregation (pd.py) ---------------------------------------------------
 

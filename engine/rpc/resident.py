@@ -259,7 +259,7 @@ class StageHost:
                     "bytes": sum(t.nbytes for t in stage.slot_state(slot, n).values()),
                     "dtype": str(stage.dtype).removeprefix("torch.")}  # fmt: skip
 
-    def state_get(self, request: dict, owner: int = 0) -> list[bytearray]:
+    def state_get(self, request: dict, owner: int = 0) -> list[memoryview]:
         """The state of the slot's first len(tokens) positions (one buffer, sent as it is)."""
         try:
             slot, tokens = int(request["slot"]), [int(t) for t in request["tokens"]]
