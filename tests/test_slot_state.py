@@ -3,6 +3,9 @@ bit for bit, in another; anything wrong is refused with a reason and leaves the 
 
 from __future__ import annotations
 
+import dataclasses
+import json
+
 import pytest
 import torch
 
@@ -211,3 +214,21 @@ def test_state_buffers_are_reused_only_once_released():
     c = pool.take(800)
     assert id(c.obj) == kept and len(c) == 800  # released: handed out again
     assert pool.take(5000).obj not in (c.obj, b.obj)
+
+
+@pytest.mark.unit
+def test_the_header_and_table_carry_their_own_checksum_and_version_1_is_refused_by_name():
+    from hydra_console.contracts.slot_state import CHUNK_BYTES, MAGIC, SlotHeader, TensorEntry
+
+    body = bytes(range(256)) * (CHUNK_BYTES // 128 + 3)  # three chunks, the last one short
+    header = SlotHeader("fp", [0, 1], [7, 8, 9], "float32", "float32", [TensorEntry("blk.0.k", [len(body) // 4], "float32", len(body))])
+    blob = slot_state.pack(header, [memoryview(body)])
+    assert header.n_chunks == 3 and header.prefix_bytes % 64 == 0 and bytes(blob[header.prefix_bytes :]) == body
+    (got, body_view, _), = slot_state.read_all(bytes(blob))
+    assert got == header and bytes(body_view) == body
+    spoiled = bytes(blob).replace(b"[7,8,9]", b"[7,8,8]")  # another token, same length: only the checksum sees it
+    with pytest.raises(SlotStateError, match="header fails its checksum"):
+        slot_state.read_all(spoiled)
+    raw = json.dumps({**dataclasses.asdict(header), "version": 1}).encode()  # a file of the first format
+    with pytest.raises(SlotStateError, match="slot state version 1, this worker reads 2"):
+        slot_state.read_all(MAGIC + len(raw).to_bytes(4, "little") + raw + body)
