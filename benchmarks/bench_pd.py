@@ -3,6 +3,7 @@
     python benchmarks/bench_pd.py [--model PATH] [--device cpu] [--dtype float32] [--streams 2]
                                   [--prompt-tokens 512] [--every-s 2] [--duration-s 20] [--threshold 64]
                                   [--layers 8 --embd 512 --ff 1536 (synthetic model)] [--threads 1] [--json]
+                                  [--modes local,pd,slots] [--netns] [--slot-reps 3]
 
 Issue-sized on a GPU: --model M.gguf --device cuda --dtype bfloat16 --streams 8 --prompt-tokens 4096
 --every-s 2 --ctx 8192 --threads 0. Per mode (`local`: the head prefills everything; `pd`: prompts of at least
@@ -12,14 +13,25 @@ prompt (random token ids, no prompt cache) arrives every --every-s seconds. Prin
 streams' inter-token gaps while long prompts arrive, the long prompts' TTFT, and for `pd` the
 transfer throughput the head measured (prompt-state bytes / fetch + placement time, /status `pd`).
 Without --model a random-weight llama GGUF of the given shape is written to a temporary folder.
+
+--netns (root): the prefill worker runs in its own network namespace, reached over a veth pair (its
+own IP stack and address, not loopback), with an auth token on both sides as off-loopback RPC needs.
+The namespace and the pair are removed at the end.
+
+Mode `slots` (in --modes): restoring a slot against recomputing it. A fresh head (one slot) prefills
+a --prompt-tokens prompt (`recompute_ms`: its prompt_ms), saves the slot to --slot-save-path,
+erases it, restores it (`restore_ms`: file read, checks and placement, the server's own timing)
+and answers the same prompt again from the restored slot (`ttft_after_restore_ms`).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
+import secrets
 import socket
 import statistics
 import subprocess
@@ -47,15 +59,54 @@ def free_port_pair() -> int:
             return port
 
 
-def start(role_args: list[str], args, log_dir: Path, name: str) -> tuple[subprocess.Popen, int]:
-    port = free_port_pair()
+NETNS_TOKEN = "bench-pd-netns"
+
+
+def ip(*argv: str) -> None:
+    done = subprocess.run(["ip", *argv], capture_output=True, text=True, timeout=10)
+    if done.returncode != 0:
+        raise SystemExit(f"`ip {' '.join(argv)}` failed: {done.stderr.strip()}")
+
+
+class Netns:
+    """A network namespace holding one end of a veth pair: `addr` inside it, `launcher` runs a
+    command there. Always removed on exit."""
+
+    def __enter__(self) -> Netns:
+        tag = secrets.token_hex(3)  # interface names stay within 15 characters
+        self.name, self.outer, inner = f"hydra-bench-{tag}", f"hbo{tag}", f"hbi{tag}"
+        subnet = f"10.78.{int(tag[:2], 16)}"
+        self.addr, self.launcher = f"{subnet}.2", ["ip", "netns", "exec", self.name]
+        ip("netns", "add", self.name)
+        try:
+            for argv in [("link", "add", self.outer, "type", "veth", "peer", "name", inner), ("link", "set", inner, "netns", self.name),
+                         ("addr", "add", f"{subnet}.1/24", "dev", self.outer), ("link", "set", self.outer, "up"),
+                         ("-n", self.name, "addr", "add", f"{subnet}.2/24", "dev", inner), ("-n", self.name, "link", "set", inner, "up"),
+                         ("-n", self.name, "link", "set", "lo", "up")]:  # fmt: skip
+                ip(*argv)
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        subprocess.run(["ip", "netns", "del", self.name], capture_output=True, timeout=10)  # takes the pair along
+        subprocess.run(["ip", "link", "del", self.outer], capture_output=True, timeout=10)
+
+
+def start(role_args: list[str], args, log_dir: Path, name: str, netns: Netns | None = None) -> tuple[subprocess.Popen, str, int]:
+    """A `serve` worker (in `netns` when given); (process, host, HTTP port), the RPC port is HTTP + 1."""
+    port, host = free_port_pair(), "127.0.0.1"
     cmd = [sys.executable, "-m", "hydra_console.engine.cli", "serve", "--model", str(args.model), "--device", args.device,
            "--dtype", args.dtype, "--ctx", str(args.ctx), "--port", str(port), *role_args]  # fmt: skip
+    if netns is not None:
+        host = netns.addr
+        cmd = [*netns.launcher, *cmd, "--host", host, "--rpc-host", host, "--auth-token", NETNS_TOKEN]
     log = open(log_dir / f"{name}.log", "wb")
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)} if args.threads else None
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
-    wait_ready(port, name, proc=proc)
-    return proc, port
+    wait_ready(port, name, proc=proc, host=host)
+    return proc, host, port
 
 
 def stream(url: str, max_tokens: int, times: list[float], stop: threading.Event) -> None:
@@ -107,15 +158,17 @@ def _median(pd: dict, key: str) -> float | None:
     return statistics.median(values) if values else None
 
 
-def run_mode(mode: str, args, log_dir: Path) -> dict:
+def run_mode(mode: str, args, log_dir: Path, netns: Netns | None) -> dict:
     procs = []
     try:
         head_args = ["--parallel", str(args.streams + 1), "--rpc-pool-size", "4"]
         if mode == "pd":
-            pw, pw_port = start(["--role", "prefill", "--parallel", "1"], args, log_dir, "prefill")
+            pw, pw_host, pw_port = start(["--role", "prefill", "--parallel", "1"], args, log_dir, "prefill", netns)
             procs.append(pw)
-            head_args += ["--prefill-worker", f"127.0.0.1:{pw_port + 1}", "--prefill-threshold", str(args.threshold)]
-        head, port = start(head_args, args, log_dir, f"head-{mode}")
+            head_args += ["--prefill-worker", f"{pw_host}:{pw_port + 1}", "--prefill-threshold", str(args.threshold)]
+            if netns is not None:
+                head_args += ["--auth-token", NETNS_TOKEN]
+        head, _, port = start(head_args, args, log_dir, f"head-{mode}")
         procs.append(head)
         url = f"http://127.0.0.1:{port}"
         vocab = httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["meta"]["n_vocab"]
@@ -142,9 +195,10 @@ def run_mode(mode: str, args, log_dir: Path) -> dict:
         status = httpx.get(f"{url}/status", timeout=10).json()
         pd = status.get("pd") or {}
         return {
-            "mode": mode,
+            "mode": mode + ("+netns" if netns is not None and mode == "pd" else ""),
             "idle_itl_p50_ms": pct(idle, 50), "idle_itl_p99_ms": pct(idle, 99),
             "itl_p50_ms": pct(loaded, 50), "itl_p99_ms": pct(loaded, 99),
+            "p99_over_idle": pct(loaded, 99) / pct(idle, 99) if idle and loaded else None,
             "ttft_p50_ms": pct(ttft, 50), "ttft_max_ms": max(ttft) * 1e3, "long_prompts": len(ttft),
             "transfers": pd.get("transfers"), "fallbacks": pd.get("fallbacks"),
             "transfer_gb_s": pd["bytes"] / pd["seconds"] / 1e9 if pd.get("seconds") else None,
@@ -159,6 +213,45 @@ def run_mode(mode: str, args, log_dir: Path) -> dict:
         for p in procs:
             os.killpg(p.pid, 15)
             p.wait(timeout=30)
+
+
+def run_slots(args, log_dir: Path) -> dict:
+    """Restore a slot of --prompt-tokens tokens against recomputing it, on one head."""
+    save_dir = log_dir / "slots"
+    save_dir.mkdir(exist_ok=True)
+    head, _, port = start(["--parallel", "1", "--slot-save-path", str(save_dir)], args, log_dir, "head-slots")
+    try:
+        url = f"http://127.0.0.1:{port}"
+        vocab = httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["meta"]["n_vocab"]
+        rng = random.Random(1)
+        act = lambda action, **body: httpx.post(f"{url}/slots/0", params={"action": action}, json=body or None,  # noqa: E731
+                                                timeout=600).json()  # fmt: skip
+        complete = lambda prompt: httpx.post(f"{url}/v1/completions", json={"prompt": prompt, "max_tokens": 1,  # noqa: E731
+                                             "temperature": 0, "cache_prompt": True}, timeout=600).json()  # fmt: skip
+        complete([rng.randrange(4, vocab) for _ in range(64)])  # warm up
+        recompute, restore, after = [], [], []
+        for _ in range(args.slot_reps):
+            prompt = [rng.randrange(4, vocab) for _ in range(args.prompt_tokens)]
+            t0 = time.perf_counter()
+            first = complete(prompt)
+            ttft_fresh = time.perf_counter() - t0
+            recompute.append(first["timings"]["prompt_ms"])
+            saved = act("save", filename="bench.bin")
+            act("erase")
+            restored = act("restore", filename="bench.bin")
+            assert restored["n_restored"] == saved["n_saved"], restored
+            restore.append(restored["timings"]["restore_ms"])
+            t0 = time.perf_counter()
+            again = complete(prompt)
+            after.append((time.perf_counter() - t0) * 1e3)
+            assert again["timings"]["cache_n"] == args.prompt_tokens - 1, again["timings"]
+        med = statistics.median
+        return {"mode": "slots", "slot_tokens": saved["n_saved"], "slot_mb": saved["n_written"] / 1e6,
+                "recompute_ms": med(recompute), "restore_ms": med(restore), "restore_speedup": med(recompute) / med(restore),
+                "ttft_fresh_ms": ttft_fresh * 1e3, "ttft_after_restore_ms": med(after)}  # fmt: skip
+    finally:
+        os.killpg(head.pid, 15)
+        head.wait(timeout=30)
 
 
 def main() -> None:
@@ -178,7 +271,9 @@ def main() -> None:
     ap.add_argument("--warmup-s", type=float, default=2.0)
     ap.add_argument("--idle-s", type=float, default=5.0)
     ap.add_argument("--threshold", type=int, default=64)
-    ap.add_argument("--modes", default="local,pd")
+    ap.add_argument("--modes", default="local,pd", help="comma-separated: local, pd, slots")
+    ap.add_argument("--slot-reps", type=int, default=3)
+    ap.add_argument("--netns", action="store_true", help="the prefill worker in its own network namespace (root)")
     ap.add_argument("--threads", type=int, default=1,
                     help="OMP_NUM_THREADS of each worker (0: torch's default); 1 keeps a 2-core machine's head and "
                          "prefill worker on a core each, as two devices would be")
@@ -189,15 +284,14 @@ def main() -> None:
         if args.model is None:
             args.model = write_synthetic(tmp / "bench-pd.gguf", "llama", n_layers=args.layers, n_embd=args.embd, n_head=8,
                                          n_head_kv=4, n_ff=args.ff, n_ctx=args.ctx)  # fmt: skip
-        rows = [run_mode(mode, args, tmp) for mode in args.modes.split(",")]
+        with Netns() if args.netns else contextlib.nullcontext() as netns:
+            rows = [run_slots(args, tmp) if mode == "slots" else run_mode(mode, args, tmp, netns) for mode in args.modes.split(",")]
     if args.json:
         print(json.dumps(rows, indent=1))
         return
     fmt = lambda v: "—" if v is None else f"{v:.4g}" if isinstance(v, float) else str(v)  # noqa: E731
-    keys = list(rows[0])
-    print(" | ".join(keys))
     for r in rows:
-        print(" | ".join(fmt(r[k]) for k in keys))
+        print(" | ".join(f"{k} {fmt(v)}" for k, v in r.items()))
 
 
 if __name__ == "__main__":

@@ -8,14 +8,14 @@ import time
 import httpx
 
 
-def wait_ready(port: int, what: str, budget_s: float = 120.0, proc: subprocess.Popen | None = None) -> None:
-    """Poll http://127.0.0.1:PORT/health every 0.2 s; SystemExit if `proc` exits or the budget runs out."""
+def wait_ready(port: int, what: str, budget_s: float = 120.0, proc: subprocess.Popen | None = None, host: str = "127.0.0.1") -> None:
+    """Poll http://HOST:PORT/health every 0.2 s; SystemExit if `proc` exits or the budget runs out."""
     deadline = time.monotonic() + budget_s
     while time.monotonic() < deadline:
         if proc is not None and proc.poll() is not None:
             raise SystemExit(f"{what} exited {proc.returncode}")
         try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+            if httpx.get(f"http://{host}:{port}/health", timeout=2).status_code == 200:
                 return
         except httpx.HTTPError:
             pass

@@ -70,16 +70,16 @@ class PrefillClient:
                 if self.auth_token:
                     challenge = self._exchange(sock, reader, Op.AUTH, b"")
                     self._exchange(sock, reader, Op.AUTH, prove(self.auth_token, bytes.fromhex(challenge.meta["nonce"])))
-                reply = self._exchange(sock, reader, Op.PREFILL, json.dumps(request).encode())
+                reply = self._exchange(sock, reader, Op.PREFILL, json.dumps(request).encode(), slot_state.BUFFERS.take)
         except (FrameTimeout, socket.timeout):
             raise PdFallback("deadline", f"prefill worker {self.addr} did not answer within {self.deadline_s:g} s") from None
         except (FrameError, OSError, KeyError, ValueError) as e:
             raise PdFallback("transfer", f"prefill worker {self.addr} failed mid-transfer: {e}") from None
         return reply.meta, reply.payload
 
-    def _exchange(self, sock, reader: SocketReader, op: int, payload: bytes):
+    def _exchange(self, sock, reader: SocketReader, op: int, payload: bytes, buffer=None):
         sock.sendall(pack_control_request(op, payload))
-        reply = read_control_response(reader, STATE_PUT_CAP)
+        reply = read_control_response(reader, STATE_PUT_CAP, buffer)
         if reply.status != Status.OK:
             raise PdFallback("refused", f"prefill worker {self.addr}: {reply.meta.get('error', reply.status)}")
         return reply

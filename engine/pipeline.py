@@ -15,6 +15,7 @@ import statistics
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -23,7 +24,7 @@ from ..contracts.rpc import StaleEpoch
 from ..contracts.split import check_ranges
 from ..contracts.status import StageInfo
 from . import slot_state
-from ..contracts.slot_state import SlotHeader, SlotStateError, decode_body
+from ..contracts.slot_state import SlotHeader, SlotStateError
 from .errors import UserError
 from .layer_probe import median_ms, probe_stage
 from .model import Stage
@@ -36,6 +37,17 @@ REPLAY_CHUNK = 256  # tokens per replay forward, like the runtime's prefill budg
 PENDING_BATCHES_MAX = 64  # batches of device-resident tokens recorded before one bulk copy back
 
 
+@dataclass(frozen=True)
+class PreparedState:
+    """A slot's states checked and split for this pipeline (`Pipeline.prepare_state`): the head's
+    own (header, body view) and each peer's whole state, for the ranges they were split by."""
+
+    header: SlotHeader
+    body: memoryview
+    peer_states: list
+    ranges: list
+
+
 class Pipeline:
     def __init__(self, local: Stage, remotes: list | None = None, *, ranges: list[tuple[int, int]] | None = None):
         self.local = local  # the stage this process runs: embedding, the first layers, the output
@@ -43,9 +55,15 @@ class Pipeline:
         self.ranges = list(ranges) if ranges else [tuple(getattr(local, "layer_range", (0, local.cfg.n_layers)))]
         # Which slots hold a live request (the runtime's view); None = every slot seen so far.
         self.active_slots: Callable[[], set[int]] | None = None
+        # Per-slot state kept beside the head stage's (the MTP drafter: `state_out`, `state_in`,
+        # `restored`), moved with it in slot states; set by the engine that owns it.
+        self.side_state = None
         self.resplits = 0
         self.last_resplit: dict | None = None
         self._lock = threading.RLock()  # one forward, re-split or re-attach at a time
+        # Held while this stage's layers change (re-split) and while a slot state is copied into
+        # them: a placement waits for a re-split, never for a forward.
+        self._layout = threading.Lock()
         self._history: torch.Tensor | None = None  # [slots, ctx] token ids run so far
         self._pending: list[tuple] = []  # (tokens, slots, positions) not yet in _history
         self._lengths: dict[int, int] = {}
@@ -132,11 +150,13 @@ class Pipeline:
             for remote in self.remotes:
                 remote.kv_clear(slot)
 
-    def collect_state(self, slot: int, tokens: list[int]) -> list[bytes]:
+    def collect_state(self, slot: int, tokens: list[int]) -> list:
         """The state of `slot`'s `tokens`, one slot state (contracts.slot_state) per stage in
-        pipeline order: the head's layers from here, each peer's through STATE_GET."""
+        pipeline order: the head's layers from here (with the MTP block's own state when
+        `side_state` has it), each peer's through STATE_GET."""
         with self._lock:
-            out = [b"".join(slot_state.save(self.local, slot, tokens, self.local.g.fingerprint))]
+            extra = self.side_state.state_out(slot, len(tokens)) if self.side_state is not None else None
+            out = [slot_state.save(self.local, slot, tokens, self.local.g.fingerprint, extra)]
             return out + [remote.state_get(slot, tokens) for remote in self.remotes]
 
     def save_slot(self, slot: int, tokens: list[int], write) -> int:
@@ -147,42 +167,60 @@ class Pipeline:
             n += len(state)
         return n
 
-    def place_state(self, slot: int, data, tokens: list[int] | None = None) -> list[int]:
-        """Place slot states (back to back, any split that covers the model) into `slot`, each
-        stage its layers (peers through STATE_PUT); returns the tokens they cover (which must be
-        `tokens` when given). Every chunk and
-        the model are checked before anything is placed, so a refused state leaves the slot as it
-        was; a peer lost midway leaves the slot empty on every stage (nothing half-placed is used)."""
+    def prepare_state(self, data, tokens: list[int] | None = None) -> PreparedState:
+        """Slot states (back to back, any split that covers the model) read, checksummed and
+        regrouped to this pipeline's ranges, without holding the pipeline: the costly half of a
+        placement, off the forward's path. They must cover `tokens` when given."""
         fingerprint = self.local.g.fingerprint
         states = slot_state.read_all(data)
         if states[0][0].fingerprint != fingerprint:
             raise SlotStateError(f"slot state is of model {states[0][0].fingerprint}, this worker serves {fingerprint}")
         if tokens is not None and states[0][0].tokens != list(tokens):
             raise SlotStateError(f"slot state covers other tokens than the {len(tokens)} asked for")
-        with self._lock:
-            parts = slot_state.regroup(states, self.ranges)
-            mine = next(((h, body) for h, body, _ in states if tuple(h.layers) == tuple(self.ranges[0])), None)
-            if mine is None:  # our range came regrouped: read it back
-                read = slot_state.reader(parts[0])
-                header = SlotHeader.decode(read)
-                mine = header, decode_body(read, header)
-            slot_state.check(self.local, slot, mine[0], fingerprint)
-            try:
-                placed = slot_state.place(self.local, slot, *mine, fingerprint)
-                for remote, part in zip(self.remotes, parts[1:]):
-                    remote.state_put(slot, part)
-            except Exception:
+        ranges = list(self.ranges)
+        parts = slot_state.regroup(states, ranges)
+        mine = next(((h, body) for h, body, _ in states if tuple(h.layers) == tuple(ranges[0])), None)
+        if mine is None:  # our range came regrouped: read it back
+            mine = slot_state.read_all(parts[0])[0][:2]
+        slot_state.check(self.local, 0, mine[0], fingerprint)  # a state that cannot fit is refused here, before any lock
+        return PreparedState(*mine, parts[1:], ranges)
+
+    def place_state(self, slot: int, data, tokens: list[int] | None = None) -> list[int]:
+        """Place slot states (raw, or a `prepare_state`) into `slot`, each stage its layers (peers
+        through STATE_PUT); returns the tokens they cover (which must be `tokens` when given).
+        Every chunk and the model are checked before anything is placed, so a refused state leaves
+        the slot as it was; a peer lost midway leaves the slot empty on every stage (nothing
+        half-placed is used). The caller keeps `slot` out of every forward meanwhile: this
+        stage's copy runs beside them, without the pipeline lock (only a re-split waits)."""
+        prepared = data if isinstance(data, PreparedState) else self.prepare_state(data, tokens)
+        fingerprint, header, n = self.local.g.fingerprint, prepared.header, len(prepared.header.tokens)
+        try:
+            with self._layout:  # this stage's layers stay as they are (a re-split waits), forwards go on
+                if prepared.ranges != list(self.ranges):
+                    raise SlotStateError(f"the pipeline was re-split to {self.ranges} while the state was checked")
+                side = self.side_state if self.side_state is not None and slot_state.has_extra(header) else None
+                extra = side.state_in(slot, n) if side is not None else None
+                views = slot_state.check(self.local, slot, header, fingerprint, extra)
+                slot_state.place_checked(self.local, slot, header, prepared.body, views)
+                if self.side_state is not None:
+                    self.side_state.restored(slot, n, extra)
+            if self.remotes:
+                with self._lock:  # the peers' sockets and the slot history are the forwards' too
+                    for remote, part in zip(self.remotes, prepared.peer_states):
+                        remote.state_put(slot, part)
+                    if n:  # a later KV rebuild replays them
+                        self._flush_history()
+                        self._write_history(torch.tensor(header.tokens), torch.full((n,), slot), torch.arange(n))
+            self._lengths[slot] = n
+        except Exception:
+            with self._lock:
                 self._lengths.pop(slot, None)
                 self.local.kv_clear(slot)
                 for remote in self.remotes:
                     with contextlib.suppress(PeerUnavailable):
                         remote.kv_clear(slot)
-                raise
-            n = self._lengths[slot] = len(placed)
-            if self.remotes and n:  # a later KV rebuild replays them
-                self._flush_history()
-                self._write_history(torch.tensor(placed), torch.full((n,), slot), torch.arange(n))
-            return placed
+            raise
+        return list(header.tokens)
 
     # --- slot history and KV rebuild ------------------------------------------------------------
 
@@ -290,10 +328,12 @@ class Pipeline:
             old = list(self.ranges)
             t0 = time.perf_counter()
             try:
-                self._assign_all(ranges)
+                with self._layout:
+                    self._assign_all(ranges)
             except Exception:
                 log.exception("re-split to %s failed: restoring %s", ranges, old)
-                self._assign_all(old)
+                with self._layout:
+                    self._assign_all(old)
                 self._stale = len(self.remotes)
                 raise
             t_assign = time.perf_counter() - t0

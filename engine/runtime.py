@@ -149,6 +149,8 @@ class Engine:
         self.spec = speculator or Speculator()
         self.spec_stats = self.spec.stats
         self.spec_config = self.spec.config
+        if hasattr(pipeline, "side_state"):  # the MTP block's per-slot state moves with the slot's
+            pipeline.side_state = self.spec.mtp
         self.scheduler = Scheduler(n_slots, n_ctx, batch_tokens, mixed_steps, self.spec, tokenizer.eog_ids,
                                    lambda: getattr(pipeline, "kv_generation", 0),
                                    recurrent=getattr(getattr(pipeline, "cfg", None), "recurrent", False))  # fmt: skip
@@ -251,10 +253,11 @@ class Engine:
     def restore_slot(self, slot: int, data: bytes) -> int:
         """Load a saved state into an idle slot; its tokens become that slot's prompt cache. A
         refused state leaves the slot's cache as it was; a placement that failed midway empties it."""
+        prepared = self.pipeline.prepare_state(data)  # checksums off the engine lock: decoding goes on
         with self._cond:
             self._idle(slot)
             try:
-                self.scheduler.cached[slot] = self.pipeline.place_state(slot, data)
+                self.scheduler.cached[slot] = self.pipeline.place_state(slot, prepared)
             except SlotStateError:
                 raise
             except Exception:
@@ -280,7 +283,7 @@ class Engine:
                         return collect(i, tokens)
                 if time.monotonic() > deadline:
                     return None
-                self._cond.wait(0.005)
+                self._cond.wait(0.001)
 
     # ---- prefill/decode disaggregation (pd.py) ---------------------------------------------------
 
@@ -293,10 +296,15 @@ class Engine:
                               lambda transfer, seq=seq: self._transferred(seq, transfer))  # fmt: skip
 
     def _place(self, seq: Sequence, payload: bytes, tokens: list[int]) -> None:
-        with self._cond:  # the slot stays this sequence's while its state goes in
+        """On the transfer's thread, holding no engine lock: decoding goes on while the state is
+        checked and copied in. The slot stays this sequence's until `_transferred` (the scheduler
+        frees no sequence whose state is in flight)."""
+        prepared = self.pipeline.prepare_state(payload, tokens)
+        with self._cond:
             if self.scheduler.slots[seq.slot] is not seq or seq.req.cancelled:
                 raise UserError("the request left its slot during the transfer")
-            self.pipeline.place_state(seq.slot, payload, tokens)
+        self.pipeline.place_state(seq.slot, prepared)
+        with self._cond:
             seq.n_past = len(tokens)
 
     def _transferred(self, seq: Sequence, transfer) -> None:
@@ -344,13 +352,15 @@ class Engine:
                 else:
                     log.exception("step failed")
                 for seq in self.scheduler.running:
+                    if seq.remote_prefill:  # not in the step; its state may be going into its slot
+                        continue
                     seq.finish_reason = "error"
                     self.output.process(seq, error=e)
                     self.scheduler.free(seq)
 
     def _has_work(self) -> bool:
         """Something to admit, cancel or compute (a sequence waiting for its prompt state is not)."""
-        return bool(self.scheduler.waiting) or any(not s.remote_prefill or s.req.cancelled for s in self.scheduler.running)
+        return bool(self.scheduler.waiting) or any(not s.remote_prefill for s in self.scheduler.running)
 
     def step(self) -> None:
         """schedule → forward → sample → postprocess → emit."""

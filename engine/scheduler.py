@@ -132,7 +132,9 @@ class Scheduler:
     def admit(self) -> list[Sequence]:
         """End cancelled sequences (returned: they still owe their consumer a final event), drop
         cancelled requests from the queue, then fill free slots in arrival order."""
-        cancelled = [s for s in self.running if s.req.cancelled]
+        # A sequence whose prompt state is on its way keeps its slot until the transfer ends: the
+        # state may be going into the slot right now (the engine frees it then).
+        cancelled = [s for s in self.running if s.req.cancelled and not s.remote_prefill]
         for seq in cancelled:
             seq.finish_reason = "cancelled"
             self.free(seq)

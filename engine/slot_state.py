@@ -1,43 +1,98 @@
 """Save a slot of a Stage into the slot-state format (contracts.slot_state) and place one back;
 split and regroup a pipeline's states by layer (one state per stage, any split on either side).
 
-Placing is transactional: the header, every tensor's name, shape and dtype, and every chunk's
-checksum are checked before the first byte reaches the slot, so a refused state leaves the slot
-as it was.
+A state is built in one buffer: each tensor is copied once, straight into its place in the body,
+then the body is checksummed. A state that arrived in memory is placed from views of those bytes
+(no copy until the slot's own tensors). Placing is transactional: the header, every tensor's name,
+shape and dtype, and every chunk's checksum are checked before the first byte reaches the slot, so
+a refused state leaves the slot as it was.
+
+`extra`: per-slot state kept beside the stage's own (the head's MTP block: names `mtp.*`), saved
+after the stage's tensors; a receiver without it skips those tensors.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Iterator
+import sys
+import threading
+from typing import Callable, Iterable
 
 import torch
 
-from ..contracts.slot_state import SlotHeader, SlotStateError, TensorEntry, decode_body, encode_body
+from ..contracts.slot_state import SlotHeader, SlotStateError, TensorEntry, check_body, chunk_crcs
+
+EXTRA_PREFIX = "mtp."
+
+
+class Buffers:
+    """Large byte buffers for slot states, kept for reuse: a fresh buffer costs its page faults on
+    first touch (measured on a 2-core VM: ~40 ms for 64 MiB, six times the copy into it, on every
+    transfer). A kept buffer is handed out again once nothing but this pool refers to it (the
+    views, tensors and sockets that used it are gone). At most `keep` are kept."""
+
+    def __init__(self, keep: int = 2):
+        self.keep = keep
+        self._kept: list[bytearray] = []
+        self._lock = threading.Lock()
+
+    def take(self, n: int) -> memoryview:
+        """A writable view of n bytes (contents undefined)."""
+        with self._lock:
+            free = [b for b in self._kept if sys.getrefcount(b) <= 3]  # the list, `b`, the call's argument
+            fits = [b for b in free if len(b) >= n]
+            if fits:
+                return memoryview(min(fits, key=len))[:n]
+            buf = bytearray(n)
+            if free:  # a kept buffer too small for states of this size: this one replaces it
+                self._kept.remove(min(free, key=len))
+            if len(self._kept) < self.keep:
+                self._kept.append(buf)
+            return memoryview(buf)
+
+
+BUFFERS = Buffers()
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def save(stage, slot: int, tokens: list[int], fingerprint: str) -> Iterator[bytes]:
-    """The state of `slot`'s first len(tokens) positions, as the byte chunks of the format."""
+def save(stage, slot: int, tokens: list[int], fingerprint: str, extra: dict[str, torch.Tensor] | None = None) -> memoryview:
+    """The state of `slot`'s first len(tokens) positions (and `extra`'s tensors), in one buffer:
+    a copy, taken now, that later steps cannot overwrite."""
     if stage.recurrent and stage.state_len[slot] != len(tokens):
         raise SlotStateError(f"slot {slot}'s recurrent state covers {stage.state_len[slot]} tokens, not the {len(tokens)} asked for")
-    views = stage.slot_state(slot, len(tokens))
+    views = {**stage.slot_state(slot, len(tokens)), **(extra or {})}
     dtype = _dtype_name(stage.dtype)
     entries = [TensorEntry(name, list(t.shape), _dtype_name(t.dtype), t.numel() * t.element_size()) for name, t in views.items()]
-    yield SlotHeader(fingerprint, list(stage.layer_range), list(tokens), dtype, dtype, entries).encode()
-    # One copy, taken now: the chunks must not alias KV that later steps overwrite.
-    snapshot = [t.to("cpu", copy=True, memory_format=torch.contiguous_format) for t in views.values()]
-    yield from encode_body(t.view(-1).view(torch.uint8).numpy() for t in snapshot)
+    return pack(SlotHeader(fingerprint, list(stage.layer_range), list(tokens), dtype, dtype, entries), views.values())
 
 
-def reader(data: bytes | bytearray | memoryview) -> Callable[[int], bytes]:
-    """`read(n)` over bytes in memory (views, no copies): a truncated state is a SlotStateError, not
-    a short read."""
-    view, pos = memoryview(data), 0
+def pack(header: SlotHeader, parts: Iterable[torch.Tensor | memoryview]) -> memoryview:
+    """A whole state: `parts` (tensors on any device, or raw bytes) copied once into the body, in
+    header order, then the prefix with the body's checksums."""
+    start = header.prefix_bytes
+    out = BUFFERS.take(start + header.body_bytes)
+    offset = start
+    for entry, part in zip(header.tensors, parts):
+        if entry.nbytes:
+            if isinstance(part, torch.Tensor):
+                torch.frombuffer(out, dtype=part.dtype, count=part.numel(), offset=offset).view(part.shape).copy_(part)
+            else:
+                out[offset : offset + entry.nbytes] = part
+        offset += entry.nbytes
+    out[:start] = header.encode(chunk_crcs(memoryview(out)[start:]))
+    return out
 
-    def read(n: int) -> bytes:
+
+def reader(data: bytes | bytearray | memoryview) -> Callable[[int], memoryview]:
+    """`read(n)` over bytes in memory (views, no copies; read-only bytes are copied once: tensors
+    are made over them): a truncated state is a SlotStateError, not a short read."""
+    view, pos = memoryview(data).cast("B"), 0
+    if view.readonly:
+        view = memoryview(bytearray(view))
+
+    def read(n: int) -> memoryview:
         nonlocal pos
         if pos + n > len(view):
             raise SlotStateError(f"slot state truncated: wanted {n} bytes at {pos}, it has {len(view)}")
@@ -50,26 +105,40 @@ def reader(data: bytes | bytearray | memoryview) -> Callable[[int], bytes]:
 def restore(stage, slot: int, read: Callable[[int], bytes], fingerprint: str) -> list[int]:
     """Place a state read with `read(n)` into `slot`; returns the tokens it covers. The header is
     judged before the body is read."""
-    header = SlotHeader.decode(read)
+    header, crcs = SlotHeader.decode(read)
     check(stage, slot, header, fingerprint)
-    return place(stage, slot, header, decode_body(read, header), fingerprint)
+    body = read(header.body_bytes)
+    check_body(body, header, crcs)
+    return place(stage, slot, header, body, fingerprint)
 
 
-def place(stage, slot: int, header: SlotHeader, body, fingerprint: str) -> list[int]:
-    """Place a state already read whole (its chunks checked) into `slot`."""
-    views = check(stage, slot, header, fingerprint)
-    tensors, offset = {}, 0
-    for entry in header.tensors:
-        view = views[entry.name]
-        tensors[entry.name] = torch.frombuffer(body, dtype=view.dtype, count=view.numel(), offset=offset).view(view.shape)
-        offset += entry.nbytes
-    stage.kv_clear(slot)
-    stage.place_slot_state(slot, len(header.tokens), tensors)
+def place(stage, slot: int, header: SlotHeader, body, fingerprint: str, extra: dict[str, torch.Tensor] | None = None) -> list[int]:
+    """Place a state already read whole (its chunks checked) into `slot` (positions past the
+    state's are never read: nothing to clear). `extra`: where the `mtp.*` tensors go (None: they
+    are skipped)."""
+    place_checked(stage, slot, header, body, check(stage, slot, header, fingerprint, extra))
     return list(header.tokens)
 
 
-def check(stage, slot: int, header: SlotHeader, fingerprint: str) -> dict[str, torch.Tensor]:
-    """The slot's views, once the header fits this stage; else SlotStateError naming why."""
+def place_checked(stage, slot: int, header: SlotHeader, body, views: dict[str, torch.Tensor]) -> None:
+    """Place a state whose header `check` accepted (`views`: its answer) into `slot`: the stage's
+    tensors, made over the body's bytes, through `Stage.place_slot_state` (a pooled cache takes its
+    blocks there), the `mtp.*` ones copied into their views; tensors without a view are skipped."""
+    tensors, offset = {}, 0
+    for entry in header.tensors:
+        view = views.get(entry.name)
+        if view is not None:  # an empty one (no positions yet) is its own empty view
+            tensors[entry.name] = view if not entry.nbytes else torch.frombuffer(
+                body, dtype=view.dtype, count=view.numel(), offset=offset).view(view.shape)
+        offset += entry.nbytes
+    for name in [name for name in tensors if name.startswith(EXTRA_PREFIX)]:
+        views[name].copy_(tensors.pop(name))
+    stage.place_slot_state(slot, len(header.tokens), tensors)
+
+
+def check(stage, slot: int, header: SlotHeader, fingerprint: str, extra: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """Where each of the header's tensors goes (the slot's views, and `extra`'s for `mtp.*` ones
+    when given), once the header fits this stage; else SlotStateError naming why."""
     if header.fingerprint != fingerprint:
         raise SlotStateError(f"slot state is of model {header.fingerprint}, this worker serves {fingerprint}")
     if tuple(header.layers) != tuple(stage.layer_range):
@@ -82,48 +151,62 @@ def check(stage, slot: int, header: SlotHeader, fingerprint: str) -> dict[str, t
     if n > stage.n_ctx:
         raise SlotStateError(f"slot state of {n} tokens exceeds this stage's context of {stage.n_ctx}")
     views = stage.slot_state(slot, n)
-    want = [(name, list(t.shape), _dtype_name(t.dtype)) for name, t in views.items()]
-    got = [(t.name, t.shape, t.dtype) for t in header.tensors]
-    if got != want or any(t.nbytes != views[t.name].numel() * views[t.name].element_size() for t in header.tensors):
-        raise SlotStateError(f"slot state tensors {got[:2]}... do not match this stage's {want[:2]}...")
+    own = [t for t in header.tensors if not t.name.startswith(EXTRA_PREFIX)]
+    _match(own, views, "this stage's")
+    side = [t for t in header.tensors if t.name.startswith(EXTRA_PREFIX)]
+    if extra and side:
+        _match(side, extra, "this head's MTP block's")
+        views = {**views, **extra}
     return views
 
 
-def read_all(data) -> list[tuple[SlotHeader, bytearray, memoryview]]:
-    """Slot states back to back (a pipeline's, one per stage), each read whole and checked:
-    (header, body, the state's own bytes)."""
-    view, out = memoryview(data), []
-    read, total = reader(view), len(view)
-    consumed = 0
+def has_extra(header: SlotHeader) -> bool:
+    """Whether the state carries the MTP block's own state (`mtp.*`)."""
+    return any(t.name.startswith(EXTRA_PREFIX) for t in header.tensors)
 
-    def counted(n: int) -> bytes:
-        nonlocal consumed
-        consumed += n
-        return read(n)
 
-    while consumed < total:
-        start = consumed
-        header = SlotHeader.decode(counted)
-        out.append((header, decode_body(counted, header), view[start:consumed]))
+def _match(entries: list[TensorEntry], views: dict[str, torch.Tensor], whose: str) -> None:
+    want = [(name, list(t.shape), _dtype_name(t.dtype)) for name, t in views.items()]
+    got = [(t.name, t.shape, t.dtype) for t in entries]
+    if got != want or any(t.nbytes != views[t.name].numel() * views[t.name].element_size() for t in entries):
+        raise SlotStateError(f"slot state tensors {got[:2]}... do not match {whose} {want[:2]}...")
+
+
+def read_all(data) -> list[tuple[SlotHeader, memoryview, memoryview]]:
+    """Slot states back to back (a pipeline's, one per stage), each read and checked:
+    (header, body, the state's own bytes), all views of `data`. Read-only bytes (a file's) are
+    copied once: tensors are made over the body."""
+    view = memoryview(data).cast("B")
+    if view.readonly:
+        view = memoryview(bytearray(view))
+    read, out, consumed = reader(view), [], 0
+    while consumed < len(view):
+        header, crcs = SlotHeader.decode(read)
+        body = read(header.body_bytes)
+        check_body(body, header, crcs)
+        end = consumed + header.prefix_bytes + header.body_bytes
+        out.append((header, body, view[consumed:end]))
+        consumed = end
     if not out:
         raise SlotStateError("no slot state in an empty stream")
     return out
 
 
-def regroup(states: list[tuple[SlotHeader, bytearray, memoryview]], ranges: list[tuple[int, int]]) -> list:
+def regroup(states: list[tuple[SlotHeader, memoryview, memoryview]], ranges: list[tuple[int, int]]) -> list:
     """One state per layer range in `ranges`, from states of one slot that may be split otherwise
     (a prefill worker's own stages, a file saved under another split). They must agree on model,
-    tokens and dtype and hold every layer asked for. A state whose range is asked for as it is
-    passes unchanged."""
+    tokens and dtype and hold every layer asked for; `mtp.*` tensors go with the range that starts
+    at layer 0 (the head's). A state whose range is asked for as it is passes unchanged."""
     first = states[0][0]
     as_is = {tuple(h.layers): raw for h, _, raw in states}
     parts: dict[int, list[tuple[TensorEntry, memoryview]]] = {}
     for header, body, _ in states:
         if (header.fingerprint, header.tokens, header.dtype) != (first.fingerprint, first.tokens, first.dtype):
             raise SlotStateError("slot states of different models, tokens or dtypes cannot be joined")
-        offset, view = 0, memoryview(body)
+        offset = 0
         for entry in header.tensors:
-            parts.setdefault(int(entry.name.split(".")[1]), []).append((entry, view[offset : offset + entry.nbytes]))
+            il = -1 if entry.name.startswith(EXTRA_PREFIX) else int(entry.name.split(".")[1])
+            parts.setdefault(il, []).append((entry, body[offset : offset + entry.nbytes]))
             offset += entry.nbytes
     out = []
     for a, b in ranges:
@@ -133,7 +216,7 @@ def regroup(states: list[tuple[SlotHeader, bytearray, memoryview]], ranges: list
         missing = [il for il in range(a, b) if il not in parts]
         if missing:
             raise SlotStateError(f"slot states lack layers {missing[:4]} of [{a}, {b})")
-        chosen = [p for il in range(a, b) for p in parts[il]]
+        chosen = [p for il in range(a, b) for p in parts[il]] + (parts.get(-1, []) if a == 0 else [])
         header = SlotHeader(first.fingerprint, [a, b], list(first.tokens), first.dtype, first.kv_type, [e for e, _ in chosen])
-        out.append(b"".join([header.encode(), *encode_body(v for _, v in chosen)]))
+        out.append(pack(header, (v for _, v in chosen)))
     return out

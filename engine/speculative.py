@@ -205,6 +205,35 @@ class MtpDrafter(Drafter):
             return rows[pos - 1 - p0]
         return torch.zeros(self.nextn.head.cfg.n_embd, device=self.nextn.head.device)
 
+    # The slot's MTP state moves with the slot (contracts.slot_state `mtp.*`): the block's KV of the
+    # positions moved, and the trunk's h at the last one (what the next run starts from).
+
+    def state_out(self, slot: int, n: int) -> dict[str, torch.Tensor]:
+        """The block's state for `slot`'s first n positions, by name; empty when the trunk's h at
+        position n - 1 is no longer kept (the state then travels without it)."""
+        p0, rows = self._rows.get(slot, (0, None))
+        if rows is None or n == 0 or not 0 <= n - 1 - p0 < rows.shape[0]:
+            return {}
+        return {**self._kv_views(slot, n), "mtp.h": rows[n - 1 - p0 : n - p0].float()}
+
+    def state_in(self, slot: int, n: int) -> dict[str, torch.Tensor]:
+        """Where a moved slot's MTP state goes (`restored` then takes the h row in)."""
+        h = torch.empty(1, self.nextn.head.cfg.n_embd, dtype=torch.float32, device=self.nextn.head.device)
+        return {**self._kv_views(slot, n), "mtp.h": h}
+
+    def restored(self, slot: int, n: int, views: dict[str, torch.Tensor] | None) -> None:
+        """`slot` now holds a moved state of n positions; `views` (from `state_in`) were written,
+        or None when the state had no MTP part: the block's KV there is stale, so drafts for the
+        slot are poorer until it refills (the target's verification keeps output exact)."""
+        if views is None:
+            self._rows.pop(slot, None)
+        else:
+            self._rows[slot] = (n - 1, views["mtp.h"])
+
+    def _kv_views(self, slot: int, n: int) -> dict[str, torch.Tensor]:
+        prefix = f"blk.{self.nextn.block.layer_range[0]}."
+        return {"mtp." + name.removeprefix(prefix): view for name, view in self.nextn.block.slot_state(slot, n).items()}
+
     def observe(self, tokens: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor) -> None:
         """The target ran `tokens` (per slot contiguous) and returned their normed hidden states."""
         if tokens.numel() == 0:

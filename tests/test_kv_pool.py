@@ -79,9 +79,9 @@ def test_slot_state_moves_between_pooled_and_reserved_stages(tiny_model):
     pooled = load(path, n_slots=2, n_ctx=512, kv_pool=4 * KV_BLOCK)
     fp = reserved.g.fingerprint
     prefill(pooled, TOKENS[:200], slot=1)
-    state = b"".join(slot_state.save(pooled, 1, TOKENS[:200], fp))
+    state = bytes(slot_state.save(pooled, 1, TOKENS[:200], fp))
     assert slot_state.restore(reserved, 0, slot_state.reader(state), fp) == TOKENS[:200]
-    back = b"".join(slot_state.save(reserved, 0, TOKENS[:200], fp))
+    back = bytes(slot_state.save(reserved, 0, TOKENS[:200], fp))
     assert back == state  # what went in comes out, byte for byte
     assert slot_state.restore(pooled, 0, slot_state.reader(back), fp) == TOKENS[:200]
     assert [len(h) for h in pooled.kv_blocks.held] == [2, 2]

@@ -11,6 +11,7 @@ import os
 import signal
 import socket
 import threading
+import time
 
 import httpx
 import pytest
@@ -165,6 +166,32 @@ def test_prefill_worker_slow_killed_mid_transfer_or_down_falls_back_and_is_count
         pw.stop()
 
 
+def test_a_request_cancelled_while_its_state_is_in_flight_keeps_its_slot_until_the_transfer_ends(tiny_model, tmp_path):
+    """The head copies a prompt state into its slot beside the running forwards, so a slot whose
+    state is on its way is never handed on: a request cancelled meanwhile keeps its slot until the
+    transfer ends (here at the deadline, the prefill worker being stopped), then the slot is free
+    and the next request's output is as before."""
+    model = tiny_model("llama", **SHAPE)
+    pw = prefill_worker(model, tmp_path)
+    try:
+        pw.wait_ready()
+        flags = ("--dtype", "float32", "--prefill-worker", pw.rpc_addr, "--prefill-threshold", "8", "--prefill-deadline", "6")
+        with running(head(model, tmp_path, (), *flags, parallel=1)) as w:
+            want = greedy(w, LONG, 12)[0]
+            os.killpg(pw.proc.pid, signal.SIGSTOP)
+            try:
+                with pytest.raises(httpx.TimeoutException):  # the client leaves: the server cancels the request
+                    httpx.post(f"{w.url}/v1/completions", json={"prompt": "and " + LONG, "max_tokens": 4}, timeout=1.5)
+                time.sleep(1.5)  # well past the server's disconnect poll, well before the deadline
+                assert httpx.get(f"{w.url}/slots", timeout=10).json()[0]["is_processing"]
+            finally:
+                os.killpg(pw.proc.pid, signal.SIGCONT)
+            assert greedy(w, LONG, 12)[0] == want
+            assert not httpx.get(f"{w.url}/slots", timeout=10).json()[0]["is_processing"]
+    finally:
+        pw.stop()
+
+
 def control(w: Worker, op: int, payload: bytes = b"", slot: int = 0):
     with socket.create_connection(("127.0.0.1", w.rpc_port), timeout=30) as s:
         s.sendall(pack_control_request(op, payload, key=str(slot).encode()))
@@ -181,9 +208,9 @@ def _respoiled(blob: bytes, **header) -> bytes:
         pos += n
         return bytes(view[pos - n : pos])
 
-    h = SlotHeader.decode(read)
+    h, crcs = SlotHeader.decode(read)
     doc = {**h.__dict__, **header}
-    return SlotHeader(**doc).encode() + bytes(view[pos:])
+    return SlotHeader(**doc).encode(crcs) + bytes(view[pos:])
 
 
 def test_peer_state_ops_refuse_bad_states_and_leave_the_slot_as_it_was(tiny_model, tmp_path):
@@ -199,7 +226,7 @@ def test_peer_state_ops_refuse_bad_states_and_leave_the_slot_as_it_was(tiny_mode
         remote.run_layers(hidden[:5], torch.zeros(5, dtype=torch.long), torch.arange(5))
         meta = remote.state_meta(0)
         assert meta["n_tokens"] == 5 and meta["layers"] == [[2, 4]] and meta["fingerprint"] == g.fingerprint
-        blob = remote.state_get(0, tokens)
+        blob = bytes(remote.state_get(0, tokens))
         bad = {
             "checksum": blob[:-20] + bytes([blob[-20] ^ 1]) + blob[-19:],
             "of model": _respoiled(blob, fingerprint="another-model"),

@@ -361,11 +361,11 @@ def test_slot_state_moves_with_the_recurrent_state(tiny_model):
     fp = GGUFFile(path).fingerprint
     a, b = load(path, n_slots=3), load(path, n_slots=3)
     nxt = int(prefill(a, PROMPT, slot=0)[-1].argmax())
-    blob = b"".join(slot_state.save(a, 0, PROMPT, fp))
+    blob = bytes(slot_state.save(a, 0, PROMPT, fp))
     assert slot_state.restore(b, 2, slot_state.reader(blob), fp) == PROMPT
     assert torch.equal(prefill(a, [nxt], slot=0, start=len(PROMPT)), prefill(b, [nxt], slot=2, start=len(PROMPT)))
     with pytest.raises(SlotStateError, match="recurrent state covers 21 tokens, not the 20"):
-        b"".join(slot_state.save(a, 0, PROMPT, fp))
+        bytes(slot_state.save(a, 0, PROMPT, fp))
 
 
 def test_prompt_cache_reuses_only_a_whole_cached_sequence(tiny_model):

@@ -3,6 +3,9 @@ bit for bit, in another; anything wrong is refused with a reason and leaves the 
 
 from __future__ import annotations
 
+import dataclasses
+import json
+
 import pytest
 import torch
 
@@ -30,7 +33,7 @@ def decode(st, slot, token, pos):
 
 
 def saved(st, slot, tokens, fingerprint) -> bytes:
-    return b"".join(slot_state.save(st, slot, tokens, fingerprint))
+    return bytes(slot_state.save(st, slot, tokens, fingerprint))
 
 
 def test_a_restored_slot_continues_bit_for_bit(tiny_model):
@@ -132,3 +135,100 @@ def test_states_regroup_to_another_split_and_continue_bit_for_bit(tiny_model):
     assert slot_state.read_all(again[0])[0][0].layers == [0, 4]
     with pytest.raises(SlotStateError, match="lack layers"):
         slot_state.regroup(slot_state.read_all(head_part), [(0, 4)])
+
+
+def _mtp_engine(path, spec_type: str):
+    from hydra_console.engine.config import ModelSettings, SpecConfig
+    from hydra_console.engine.pipeline import Pipeline
+    from hydra_console.engine.runtime import Engine
+    from hydra_console.engine.speculative import build_speculator
+    from hydra_console.engine.tokenizer import Tokenizer
+    from stages import load
+
+    g = GGUFFile(path)
+    st = load(path, n_slots=1, n_ctx=128)
+    spec = build_speculator(SpecConfig(type=spec_type, n_max=3, p_min=0.0), None, g, ModelSettings(None, "cpu", "float32", 128), 1, head=st)
+    return Engine(Pipeline(st), Tokenizer.from_gguf(g), 1, 128, speculator=spec).start()
+
+
+def _greedy(eng, prompt: list[int], n: int) -> list[int]:
+    from hydra_console.engine.sampling import SamplingParams
+    from hydra_console.engine.sequence import Request
+
+    req = Request(prompt, SamplingParams(temperature=0.0), max_tokens=n, ignore_eos=True)
+    return [t.id for ev in eng.generate(req, timeout=120) for t in ev.tokens]
+
+
+def _saved_slot(eng) -> bytes:
+    parts = []
+    eng.save_slot(0, parts.append)
+    return b"".join(parts)
+
+
+def _draft_logits(eng, n: int, token: int) -> torch.Tensor:
+    """The MTP block's logits for `token` at position n of slot 0: its KV of positions < n and the
+    trunk's h at n - 1, as the slot holds them."""
+    d = eng.spec.mtp
+    h = d.nextn.run(torch.tensor([token]), d._h_before(0, n)[None], torch.zeros(1, dtype=torch.long), torch.tensor([n]))
+    return d.nextn.logits(h)
+
+
+def test_the_mtp_blocks_state_moves_with_the_slot(tiny_model):
+    """qwen35 with its MTP block: a saved slot carries the block's own KV and the trunk's last h
+    (`mtp.*`), so after a restore in a fresh engine the block drafts exactly as in the engine that
+    saved it, and greedy with MTP continues as without the restore, draft for draft. A state saved
+    without MTP restores too, but then the block's state is not there (drafts differ)."""
+    path = tiny_model("qwen35", n_layers=4, nextn=True)
+    prompt, more = [5, 17, 300, 45, 99, 512, 7], 9
+    src, dst, plain_src, plain_dst = (_mtp_engine(path, t) for t in ("mtp", "mtp", "off", "mtp"))
+    try:
+        first = _greedy(src, prompt, 8)
+        assert _greedy(plain_src, prompt, 8) == first
+        blob = _saved_slot(src)
+        held = prompt + first[:-1]  # the slot's prompt cache: the last token was never run
+        assert [h.name for h in slot_state.read_all(blob)[0][0].tensors][-3:] == ["mtp.k", "mtp.v", "mtp.h"]
+        assert dst.restore_slot(0, blob) == len(held)
+        assert plain_dst.restore_slot(0, _saved_slot(plain_src)) == len(held)
+        want = _draft_logits(src, len(held), first[-1])
+        assert torch.equal(_draft_logits(dst, len(held), first[-1]), want)
+        assert not torch.allclose(_draft_logits(plain_dst, len(held), first[-1]), want, atol=1e-3)
+
+        before = src.spec_stats.snapshot()
+        cont = prompt + first + [more]
+        assert _greedy(dst, cont, 12) == _greedy(src, cont, 12)
+        after, moved = src.spec_stats.snapshot(), dst.spec_stats.snapshot()
+        assert moved.drafts > 0 and moved.draft_tokens == after.draft_tokens - before.draft_tokens
+        assert moved.accepted == after.accepted - before.accepted
+    finally:
+        for eng in (src, dst, plain_src, plain_dst):
+            eng.stop()
+
+
+def test_state_buffers_are_reused_only_once_released():
+    pool = slot_state.Buffers(keep=2)
+    a = pool.take(1000)
+    b = pool.take(1000)
+    assert a.obj is not b.obj  # both in use
+    kept = id(a.obj)
+    del a
+    c = pool.take(800)
+    assert id(c.obj) == kept and len(c) == 800  # released: handed out again
+    assert pool.take(5000).obj not in (c.obj, b.obj)
+
+
+@pytest.mark.unit
+def test_the_header_and_table_carry_their_own_checksum_and_version_1_is_refused_by_name():
+    from hydra_console.contracts.slot_state import CHUNK_BYTES, MAGIC, SlotHeader, TensorEntry
+
+    body = bytes(range(256)) * (CHUNK_BYTES // 128 + 3)  # three chunks, the last one short
+    header = SlotHeader("fp", [0, 1], [7, 8, 9], "float32", "float32", [TensorEntry("blk.0.k", [len(body) // 4], "float32", len(body))])
+    blob = slot_state.pack(header, [memoryview(body)])
+    assert header.n_chunks == 3 and header.prefix_bytes % 64 == 0 and bytes(blob[header.prefix_bytes :]) == body
+    (got, body_view, _), = slot_state.read_all(bytes(blob))
+    assert got == header and bytes(body_view) == body
+    spoiled = bytes(blob).replace(b"[7,8,9]", b"[7,8,8]")  # another token, same length: only the checksum sees it
+    with pytest.raises(SlotStateError, match="header fails its checksum"):
+        slot_state.read_all(spoiled)
+    raw = json.dumps({**dataclasses.asdict(header), "version": 1}).encode()  # a file of the first format
+    with pytest.raises(SlotStateError, match="slot state version 1, this worker reads 2"):
+        slot_state.read_all(MAGIC + len(raw).to_bytes(4, "little") + raw + body)

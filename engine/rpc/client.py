@@ -297,23 +297,27 @@ class RemoteStage:
     # --- state ops: this peer's layers of a slot, out and in (contracts.slot_state) ----------------
 
     def state_meta(self, slot: int) -> dict:
-        return json.loads(self._state_call(Cmd.STATE_META, [STATE_SLOT.pack(slot)]))
+        return json.loads(bytes(self._state_call(Cmd.STATE_META, [STATE_SLOT.pack(slot)])))
 
-    def state_get(self, slot: int, tokens: list[int]) -> bytes:
-        """The state of `slot`'s first len(tokens) positions on this peer's layers."""
+    def state_get(self, slot: int, tokens: list[int]) -> memoryview:
+        """The state of `slot`'s first len(tokens) positions on this peer's layers (a view of the
+        reply as it was received: no copy)."""
         return self._state_call(Cmd.STATE_GET, [json.dumps({"slot": slot, "tokens": list(tokens)}).encode()])
 
     def state_put(self, slot: int, state) -> dict:
         """Place a state of this peer's layers into `slot`; a refusal (PeerError) leaves it as it was."""
-        return json.loads(self._state_call(Cmd.STATE_PUT, [STATE_SLOT.pack(slot), state]))
+        return json.loads(bytes(self._state_call(Cmd.STATE_PUT, [STATE_SLOT.pack(slot), state])))
 
-    def _state_call(self, cmd: int, parts: list) -> bytes:
+    def _state_call(self, cmd: int, parts: list) -> memoryview:
         with self._lock:
             if self.state != "up":
                 raise PeerUnavailable(f"peer {self.addr} is down ({self.error})")
-            status, body = self._status(self._guarded(lambda: (self._send(cmd, parts), self._read_reply())[1]))
-        if status != R.OK:
-            raise PeerError(f"peer {self.addr}: {body.decode('utf-8', 'replace')}")
+            reply = self._guarded(lambda: (self._send(cmd, parts), self._read_reply())[1])
+        if not reply:
+            raise FrameError("empty reply")
+        body = memoryview(reply)[1:]
+        if reply[0] != R.OK:
+            raise PeerError(f"peer {self.addr}: {bytes(body).decode('utf-8', 'replace')}")
         return body
 
     def ping(self) -> float | None:

@@ -52,8 +52,9 @@ from ...contracts.rpc import (
     verify,
 )
 from ...contracts.rpc import ReplyStatus as R
-from ...contracts.slot_state import SlotStateError
+from ...contracts.slot_state import CHUNK_BYTES, SlotStateError
 from ..device import host_buffer, to_host
+from ..slot_state import BUFFERS
 from .cuda_ipc import IpcChannel
 from .resident import DTYPES, ComputeError
 from .wire import (
@@ -276,7 +277,11 @@ class ComputeServer:
             if n > left:
                 raise SlotStateError(f"slot state truncated: the frame ends {n - left} bytes early")
             left -= n
-            return reader.read_exact(n)
+            if n < CHUNK_BYTES:
+                return reader.read_exact(n)
+            body = BUFFERS.take(n)  # the body: into a kept buffer (a fresh one costs its page faults)
+            reader.read_into(body)
+            return body
 
         try:
             if size > STATE_PUT_CAP:

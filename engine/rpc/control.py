@@ -114,7 +114,7 @@ class ControlServer:
             self._reply(conn, Status.NOT_IMPLEMENTED if known else Status.ERROR,
                         {"error": f"op 0x{req.op:02x} is not implemented" if known else f"unknown op 0x{req.op:02x}"})  # fmt: skip
             return True
-        payload = bytes(reader.read_exact(req.payload_len))
+        payload = reader.read_exact(req.payload_len)  # writable: a slot state is placed from it as it is
         if req.op == Op.AUTH:
             return self._auth(conn, payload, session)
         self._handle(conn, req, method, payload)

@@ -17,7 +17,7 @@ import torch
 
 from ...contracts.footprint import model_tensors, weight_form
 from ...contracts.rpc import DTYPE_CODES, MAX_CTX, MAX_SLOTS, StaleEpoch
-from ...contracts.slot_state import SlotHeader, SlotStateError, decode_body
+from ...contracts.slot_state import SlotHeader, SlotStateError, check_body
 from .. import slot_state
 from ..device import free_bytes
 from ..errors import UserError
@@ -262,8 +262,8 @@ class StageHost:
                     "bytes": sum(t.nbytes for t in stage.slot_state(slot, n).values()),
                     "dtype": str(stage.dtype).removeprefix("torch.")}  # fmt: skip
 
-    def state_get(self, request: dict, owner: int = 0) -> list[bytes]:
-        """The state of the slot's first len(tokens) positions, as the format's byte chunks."""
+    def state_get(self, request: dict, owner: int = 0) -> list[memoryview]:
+        """The state of the slot's first len(tokens) positions (one buffer, sent as it is)."""
         try:
             slot, tokens = int(request["slot"]), [int(t) for t in request["tokens"]]
         except (KeyError, TypeError, ValueError) as e:
@@ -273,7 +273,7 @@ class StageHost:
             if len(tokens) > self.lengths.get(slot, 0):
                 raise ComputeError(f"slot {slot} holds {self.lengths.get(slot, 0)} positions, {len(tokens)} asked for")
             try:
-                chunks = list(slot_state.save(stage, slot, tokens, self.fingerprint))
+                chunks = [slot_state.save(stage, slot, tokens, self.fingerprint)]
             except SlotStateError as e:
                 raise ComputeError(str(e)) from None
         self.state_bytes_out += sum(len(c) for c in chunks)
@@ -283,10 +283,11 @@ class StageHost:
         """Stage a state read with `read(n)` whole (header judged first, then every chunk's
         checksum), then place it: a refused or broken stream leaves the slot as it was."""
         try:
-            header = SlotHeader.decode(read)
+            header, crcs = SlotHeader.decode(read)
             with self.lock:
                 slot_state.check(self._state_stage(slot, owner), slot, header, self.fingerprint)
-            body = decode_body(read, header)
+            body = read(header.body_bytes)  # its size is the stage's own slot's, checked above
+            check_body(body, header, crcs)
             with self.lock:  # the stage may have been swapped while the body streamed in
                 tokens = slot_state.place(self._state_stage(slot, owner), slot, header, body, self.fingerprint)
                 self.lengths[slot] = len(tokens)

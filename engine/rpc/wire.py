@@ -255,7 +255,8 @@ class ControlResponse:
     payload: bytes
 
 
-def read_control_response(reader, max_frame: int) -> ControlResponse:
+def read_control_response(reader, max_frame: int, buffer=None) -> ControlResponse:
+    """`buffer(n) -> writable view`: where a payload goes (default: a new bytearray)."""
     word, payload_len = CONTROL_RESPONSE.unpack(reader.read_exact(CONTROL_RESPONSE.size))
     status, meta_len = word & 0xFF, word >> 8
     if payload_len > max_frame:
@@ -265,4 +266,8 @@ def read_control_response(reader, max_frame: int) -> ControlResponse:
         meta = json.loads(bytes(meta_raw)) if meta_len else {}
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise FrameError(f"control response meta is not JSON: {e}") from None
-    return ControlResponse(status, meta, reader.read_exact(payload_len))
+    if buffer is None:
+        return ControlResponse(status, meta, reader.read_exact(payload_len))
+    payload = buffer(payload_len)
+    reader.read_into(payload)
+    return ControlResponse(status, meta, payload)
