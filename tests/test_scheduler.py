@@ -155,6 +155,7 @@ class FakePipeline:
 
     def forward(self, tokens, slots, positions, rows):
         self.calls += 1
+        rows = torch.arange(len(tokens)) if rows is None else rows  # None: every row
         logits = torch.zeros(len(rows), len(PIECES))
         for i, p in enumerate(positions[rows].tolist()):
             logits[i, self.next_token(p)] = 1.0
