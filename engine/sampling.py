@@ -34,7 +34,7 @@ from .errors import UserError
 
 MAX_LOGPROBS = 20
 PENDING = -1  # a history entry still on the device (sampled by a step the host has not read yet)
-_PAD = -2  # a window entry beyond the row's history
+PAIRWISE_MAX = 256  # penalty windows up to this long count repeats pairwise; longer ones through a vocabulary-wide count
 
 
 class InvalidParam(UserError):
@@ -130,8 +130,9 @@ class Rows:
     min_p: torch.Tensor  # [B]
     seeds: torch.Tensor  # [B] long, the seed's 64 bits
     counters: torch.Tensor  # [B] long, the index of the token each row draws
-    window: torch.Tensor | None  # [B, L] long: each row's last-n history, _PAD beyond it; None: no penalties
-    penalties: torch.Tensor | None  # [3, B]: repeat, presence, frequency
+    window: torch.Tensor | None  # [B, L] long: each row's last-n history, left-padded with its first entry; None: no penalties
+    valid: torch.Tensor | None  # [B, L] bool: the window's own entries (not padding)
+    penalties: torch.Tensor | None  # [3, B]: repeat, presence, frequency (neutral on rows without penalties)
     bias: tuple[torch.Tensor, torch.Tensor] | None  # [B, n] ids and values (0 on padding)
 
     @classmethod
@@ -143,17 +144,22 @@ class Rows:
         device = torch.device(device)
         ends = [len(h) for h in histories] if ends is None else list(ends)
         ps = [s.params for s in samplers]
+        neutral = [p if p.penalised else SamplingParams() for p in ps]
         floats = torch.tensor([[p.temperature or 1.0 for p in ps], [p.top_p if p.top_p < 1.0 else 2.0 for p in ps],
-                               [p.min_p for p in ps], [p.repeat_penalty for p in ps], [p.presence_penalty for p in ps],
-                               [p.frequency_penalty for p in ps]], dtype=torch.float32)  # fmt: skip
+                               [p.min_p for p in ps], [p.repeat_penalty for p in neutral],
+                               [p.presence_penalty for p in neutral], [p.frequency_penalty for p in neutral]],
+                              dtype=torch.float32)  # fmt: skip
         seeds = [s.seed - 2**64 if s.seed >= 2**63 else s.seed for s in samplers]
         longs = torch.tensor([[p.top_k or (1 << 62) for p in ps], seeds, ends, [p.greedy for p in ps]], dtype=torch.long)
         floats, longs = to_device(floats, device), to_device(longs, device)
-        window = penalties = bias = None
+        window = valid = penalties = bias = None
         if any(p.penalised for p in ps):
-            windows = [_window(h, e, p.repeat_last_n) if p.penalised else [] for h, e, p in zip(histories, ends, ps)]
+            windows = [_window(h, e, p.repeat_last_n) if p.penalised else [0] for h, e, p in zip(histories, ends, ps)]
             width = max(len(w) for w in windows)
-            window = to_device(torch.tensor([[_PAD] * (width - len(w)) + w for w in windows], dtype=torch.long), device)
+            # Padding repeats the row's first entry: it writes that token's penalised logit again, unchanged.
+            window = torch.tensor([w[:1] * (width - len(w)) + w for w in windows], dtype=torch.long)
+            valid = torch.tensor([[False] * (width - len(w)) + [True] * len(w) for w in windows])
+            window, valid = to_device(window, device), to_device(valid, device)
             if pending is not None:
                 window = torch.where(window == PENDING, pending.to(device)[:, None], window)
             penalties = floats[3:6]
@@ -163,7 +169,7 @@ class Rows:
             ids = to_device(torch.tensor([[t for t, _ in row] for row in pairs], dtype=torch.long), device)
             bias = ids, to_device(torch.tensor([[b for _, b in row] for row in pairs], dtype=torch.float32), device)
         return cls(samplers, longs[3].bool(), floats[0], longs[0], floats[1], floats[2], longs[1], longs[2],
-                   window, penalties, bias)  # fmt: skip
+                   window, valid, penalties, bias)  # fmt: skip
 
     def __len__(self) -> int:
         return len(self.samplers)
@@ -185,7 +191,7 @@ def _window(history: Sequence[int], end: int, last_n: int) -> list[int]:
 
 def _finite(x: torch.Tensor) -> torch.Tensor:
     """Extreme parameters (a temperature or penalty near 0) overflow float32: keep the order, drop NaN."""
-    return torch.nan_to_num(x, nan=float("-inf"), posinf=torch.finfo(x.dtype).max)
+    return torch.nan_to_num(x, nan=float("-inf"), posinf=torch.finfo(x.dtype).max, neginf=float("-inf"))
 
 
 def _prepare(logits: torch.Tensor, rows: Rows, mask: Callable[[torch.Tensor], torch.Tensor] | None) -> torch.Tensor:
@@ -195,13 +201,16 @@ def _prepare(logits: torch.Tensor, rows: Rows, mask: Callable[[torch.Tensor], to
         x = x.scatter_add(1, *rows.bias)
     if mask is not None:
         x = mask(x)
-    if rows.window is not None:
-        w = rows.window
-        counts = torch.zeros_like(x).scatter_add_(1, w.clamp(min=0), (w >= 0).to(x.dtype))
-        seen = counts > 0
+    if rows.window is not None:  # only the window's tokens change: [B, L] work, not [B, V]
+        w, valid = rows.window, rows.valid
+        if w.shape[1] <= PAIRWISE_MAX:
+            counts = ((w[:, :, None] == w[:, None, :]) & valid[:, None, :]).sum(-1)
+        else:
+            counts = torch.zeros_like(x).scatter_add_(1, w, valid.to(x.dtype)).gather(1, w)
         rep, presence, frequency = (t[:, None] for t in rows.penalties)
-        pen = torch.where(x > 0, x / rep, x * rep) - counts * frequency - presence
-        x = torch.where(seen, _finite(pen), x)
+        xs = x.gather(1, w)
+        pen = torch.where(xs > 0, xs / rep, xs * rep) - counts.to(x.dtype) * frequency - presence
+        x = x.scatter(1, w, _finite(pen))  # a token's every entry writes the same value
     return x
 
 
@@ -212,7 +221,10 @@ def _weights(x: torch.Tensor, rows: Rows) -> tuple[torch.Tensor, torch.Tensor | 
     the sorted vocabulary when some row needs an order (top-k or top-p), else the vocabulary as is."""
     V = x.shape[-1]
     ps = [p for p in rows.params if not p.greedy]
-    x = _finite(x / rows.temperature[:, None])
+    # In place on fresh tensors where the vocabulary is whole: every [B, V] temporary costs (page
+    # faults for a 262k vocabulary on a CPU).
+    x = torch.nan_to_num_(x / rows.temperature[:, None], nan=float("-inf"), posinf=torch.finfo(x.dtype).max,
+                          neginf=float("-inf"))  # fmt: skip
     ids = None
     ranked = any(0 < p.top_k < V for p in ps)
     if ps and all(0 < p.top_k < V for p in ps):
@@ -222,15 +234,15 @@ def _weights(x: torch.Tensor, rows: Rows) -> tuple[torch.Tensor, torch.Tensor | 
     if ranked:
         rank = torch.arange(x.shape[-1], device=x.device)
         x = x.masked_fill(rank >= rows.top_k[:, None], float("-inf"))
-    w = torch.exp(x - x.amax(-1, keepdim=True))
-    w = torch.nan_to_num(w, nan=0.0)  # an all -inf row (everything banned): no weight anywhere
+    w = x.sub_(x.amax(-1, keepdim=True)).exp_()  # x is this function's own tensor by now
+    w = torch.nan_to_num_(w, nan=0.0)  # an all -inf row (everything banned): no weight anywhere
     if ids is not None and any(p.top_p < 1.0 for p in ps):
         cum = torch.cumsum(w, -1)
         drop = cum - w >= rows.top_p[:, None] * cum[:, -1:]  # the better tokens already hold top_p
         drop[:, 0] = False  # the best token always stays (a top_p below float32's range rounds to 0)
-        w = w.masked_fill(drop, 0.0)
+        w.masked_fill_(drop, 0.0)
     if any(p.min_p > 0.0 for p in ps):
-        w = w.masked_fill(w < rows.min_p[:, None], 0.0)  # the best token's weight is 1
+        w.masked_fill_(w < rows.min_p[:, None], 0.0)  # the best token's weight is 1
     return w, ids
 
 
@@ -333,10 +345,13 @@ def sample(logits: torch.Tensor, rows: Rows, mask: Callable[[torch.Tensor], torc
     """One token per row of `logits[B, V]` (float32, on any device), its logprobs when asked; `mask`
     (a grammar's) applies after the logit bias. Nothing waits for the device."""
     x = _prepare(logits, rows, mask)
-    tokens = x.argmax(-1)
-    if not all(p.greedy for p in rows.params):
-        drawn = _draw_tokens(x, rows, stream)
-        tokens = torch.where(rows.greedy, tokens, drawn)
+    greedy = [p.greedy for p in rows.params]
+    if all(greedy):
+        tokens = x.argmax(-1)
+    else:
+        tokens = _draw_tokens(x, rows, stream)
+        if any(greedy):
+            tokens = torch.where(rows.greedy, x.argmax(-1), tokens)
     return Picks(tokens, _logprob_tensors(logits, rows, tokens, mask), [p.logprobs for p in rows.params])
 
 

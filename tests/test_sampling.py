@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from hydra_console.engine.sampling import (
+    PAIRWISE_MAX,
     PENDING,
     InvalidParam,
     Rows,
@@ -169,6 +170,16 @@ def test_penalties_equal_the_reference(logits, params):
     # a window that ends on a token still on the device reads it there
     pending = rows_of([params], [history[:-1]], ends=[len(history)], pending=torch.tensor([history[-1]]))
     assert torch.equal(distribution(logits[None], pending), distribution(logits[None], rows))
+
+
+def test_long_penalty_windows_count_like_short_ones(logits):
+    """Past PAIRWISE_MAX entries the repeats are counted over the vocabulary: the same penalties."""
+    history = torch.randint(0, V, (PAIRWISE_MAX + 40,), generator=torch.Generator().manual_seed(3)).tolist()
+    params = [SamplingParams(temperature=1.0, repeat_penalty=1.4, frequency_penalty=0.2, presence_penalty=0.1, repeat_last_n=n)
+              for n in (-1, PAIRWISE_MAX + 10, 5)]  # fmt: skip
+    got = distribution(logits.expand(3, V), rows_of(params, [history] * 3))
+    for row, p in zip(got, params):
+        assert torch.allclose(row, ref_probs(logits, p, history), atol=1e-6)
 
 
 def test_logprobs_raw_and_post_sampling(logits):
