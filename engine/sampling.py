@@ -98,6 +98,9 @@ class Sampler:
         self.seed = (params.seed if params.seed is not None else secrets.randbits(63)) % (2**64)
 
 
+_NEUTRAL = SamplingParams()  # the penalties' "off" values
+
+
 class Stream(IntEnum):
     """Independent random streams of one request: the token drawn at an index, a draft's draw there,
     and speculative decoding's accept test."""
@@ -125,7 +128,7 @@ class Rows:
     samplers: list[Sampler]
     greedy: torch.Tensor  # [B] bool
     temperature: torch.Tensor  # [B] (1 on greedy rows: unused there)
-    top_k: torch.Tensor  # [B] long, the vocabulary size where off
+    top_k: torch.Tensor  # [B] long (2^62 where off)
     top_p: torch.Tensor  # [B] (2 where off: never reached by a running total)
     min_p: torch.Tensor  # [B]
     seeds: torch.Tensor  # [B] long, the seed's 64 bits
@@ -144,7 +147,7 @@ class Rows:
         device = torch.device(device)
         ends = [len(h) for h in histories] if ends is None else list(ends)
         ps = [s.params for s in samplers]
-        neutral = [p if p.penalised else SamplingParams() for p in ps]
+        neutral = [p if p.penalised else _NEUTRAL for p in ps]
         floats = torch.tensor([[p.temperature or 1.0 for p in ps], [p.top_p if p.top_p < 1.0 else 2.0 for p in ps],
                                [p.min_p for p in ps], [p.repeat_penalty for p in neutral],
                                [p.presence_penalty for p in neutral], [p.frequency_penalty for p in neutral]],
@@ -170,9 +173,6 @@ class Rows:
             bias = ids, to_device(torch.tensor([[b for _, b in row] for row in pairs], dtype=torch.float32), device)
         return cls(samplers, longs[3].bool(), floats[0], longs[0], floats[1], floats[2], longs[1], longs[2],
                    window, valid, penalties, bias)  # fmt: skip
-
-    def __len__(self) -> int:
-        return len(self.samplers)
 
     @property
     def params(self) -> list[SamplingParams]:
@@ -334,7 +334,7 @@ def _logprob_tensors(logits: torch.Tensor, rows: Rows, tokens: torch.Tensor, mas
     n = min(max(p.logprobs or 0 for p in ps), logits.shape[-1])
     lp = torch.log_softmax(logits.float(), -1)
     if any(p.post_sampling for p in ps):
-        post = torch.tensor([p.post_sampling for p in ps], device=logits.device)[:, None]
+        post = to_device(torch.tensor([p.post_sampling for p in ps]), logits.device)[:, None]
         lp = torch.where(post, torch.log(distribution(logits, rows, mask)), lp)
     top_lp, top_ids = torch.topk(lp, n, dim=-1)
     return lp.gather(1, tokens[:, None]).squeeze(1), top_ids, top_lp
