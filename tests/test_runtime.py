@@ -224,9 +224,10 @@ def test_end_of_generation_stops_unless_ignored(engine, model):
     assert more_text.startswith(text)
 
 
-def outputs(engine: Engine, requests: list[dict], together: bool) -> list[tuple]:
-    """(text, ids, finish reason, stop word, completion tokens, logprobs) of each request, run one
-    after the other or all at once (more than the slots: the last ones wait for a slot)."""
+def outputs(engine: Engine, requests: list[dict], together: bool, cached: bool = False) -> list[tuple]:
+    """(text, ids, finish reason, stop word, completion tokens, logprobs[, prompt tokens from the
+    cache]) of each request, run one after the other or all at once (more than the slots: the last
+    ones wait for a slot)."""
     def one(kw):
         text, ids, lps, final = [], [], [], None
         for ev in engine.generate(Request(**kw), timeout=60):
@@ -234,7 +235,8 @@ def outputs(engine: Engine, requests: list[dict], together: bool) -> list[tuple]
             ids += [t.id for t in ev.tokens]
             lps += [(t.logprob.token, round(t.logprob.logprob, 4)) for t in ev.tokens if t.logprob is not None]
             final = ev
-        return "".join(text), ids, final.finish_reason, final.stop_word, final.usage["completion_tokens"], lps
+        out = "".join(text), ids, final.finish_reason, final.stop_word, final.usage["completion_tokens"], lps
+        return out + (final.timings["cache_n"],) if cached else out
 
     if not together:
         return [one(kw) for kw in requests]
@@ -247,14 +249,17 @@ def outputs(engine: Engine, requests: list[dict], together: bool) -> list[tuple]
     return [out.get(i) for i in range(len(requests))]
 
 
-def test_overlap_gives_the_synchronous_output_while_sequences_end_mid_batch(model):
+@pytest.mark.parametrize("arch", ["llama", "qwen35"])
+def test_overlap_gives_the_synchronous_output_while_sequences_end_mid_batch(tiny_model, arch):
     """Requests batched together end at different steps — max_tokens, a stop string, the
     end-of-generation token — while the others go on, and queued ones take the freed slots: with
     overlap every request's output (text, tokens, finish, usage, logprobs) is the synchronous
     engine's for it alone. Greedy, seeded sampling and penalties (whose window ends on the token in
-    flight) alike; the freed slots then serve from their prompt cache unchanged."""
-    _, tok = model
-    sync, overlapped = start_engine(model, False), start_engine(model, True)
+    flight) alike. The freed slots then serve from their prompt cache unchanged, also where a
+    dropped row advanced a recurrent (DeltaNet) state one token further than the synchronous run."""
+    g = GGUFFile(tiny_model(arch, **({"n_layers": 4} if arch == "qwen35" else {})))
+    tok = Tokenizer.from_gguf(g)
+    sync, overlapped = start_engine((g, tok), False), start_engine((g, tok), True)
     try:
         hello = tok.encode("hello")
         eos_seed = next(seed for seed in range(50) if outputs(sync, [dict(
@@ -278,6 +283,13 @@ def test_overlap_gives_the_synchronous_output_while_sequences_end_mid_batch(mode
         assert overlapped.stats.overlapped > steps, "no step was launched before the previous one was read"
         assert (overlapped.n_processing, overlapped.n_deferred) == (0, 0)
         assert outputs(overlapped, requests[:3], together=False) == want[:3]  # from the prompt cache the slots kept
+        # a prompt that extends the whole sequence of a request that ended on a stop string (its
+        # extra row ran) continues from its slot's state
+        assert outputs(overlapped, [requests[1]], False) == [want[1]]
+        follow = {**requests[1], "prompt": requests[1]["prompt"] + want[1][1], "stop": []}
+        got = outputs(overlapped, [follow], False, cached=True)[0]
+        assert got[-1] >= len(requests[1]["prompt"])  # the slot's state carried on
+        assert got[:-1] == outputs(sync, [{**follow, "cache_prompt": False}], False)[0]
     finally:
         sync.stop()
         overlapped.stop()
