@@ -10,7 +10,9 @@ counts as host time; on a GPU the forward only queues kernels and the time spent
 shows up wherever the host first reads a result. Prints only: compare runs of two trees (e.g. this
 one and the main checkout, through PYTHONPATH) on the same machine. Samplings: greedy; sampled =
 temperature 0.8, top-k 40, top-p 0.95, min-p 0.05 (llama-server's defaults); penalised = sampled +
-repeat penalty 1.1 over the last 64 tokens.
+repeat penalty 1.1 over the last 64 tokens. First, the device sampler alone (`sampling.sample` on
+random `[B, vocab]` logits, 200-token histories, read back): ms per call, median of 20 (a tree
+without it says so).
 """
 
 from __future__ import annotations
@@ -21,6 +23,9 @@ import statistics
 import threading
 import time
 
+import torch
+
+from hydra_console.engine import sampling
 from hydra_console.engine.default_model import model_path
 from hydra_console.engine.gguf_file import GGUFFile
 from hydra_console.engine.model import build_stage
@@ -76,6 +81,19 @@ def measure(engine: Engine, tok, streams: int, n_gen: int, sampling: str) -> dic
     }
 
 
+def sampler_ms(vocab: int, device: torch.device, batch: int, sampling_name: str) -> float:
+    """Median ms of one `sampling.sample` call + read over `batch` rows."""
+    x = torch.randn(batch, vocab, device=device)
+    histories = [list(range(i, i + 200)) for i in range(batch)]
+    times = []
+    for _ in range(20):
+        t = time.perf_counter()
+        samplers = [sampling.Sampler(SamplingParams(seed=i, **SAMPLINGS[sampling_name])) for i in range(batch)]
+        sampling.sample(x, sampling.Rows.build(samplers, histories, device)).read()
+        times.append((time.perf_counter() - t) * 1e3)
+    return statistics.median(times)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None, help="GGUF (default: Gemma 3 270M)")
@@ -95,13 +113,20 @@ def main() -> None:
     engine = Engine(Pipeline(stage), tok, n_slots, stage.n_ctx, **kw).start()
     print(f"engine {Engine.__module__} ({inspect.getsourcefile(Engine)}), overlap {getattr(engine, 'overlap', 'n/a')}, "
           f"{g.architecture} vocab {tok.vocab_size}, {args.device}")  # fmt: skip
+    if hasattr(sampling, "Rows"):
+        print(f"{'sampling':<10} {'rows':>7} {'sampler ms':>10}")
+        for name in args.sampling:
+            for streams in args.streams:
+                print(f"{name:<10} {streams:>7} {sampler_ms(tok.vocab_size, stage.device, streams, name):>10.2f}")
+    else:
+        print("(this tree has no batched device sampler: engine steps only)")
     print(f"{'sampling':<10} {'streams':>7} {'steps':>6} {'step ms':>8} {'forward ms':>10} {'host ms':>8}")
     try:
         measure(engine, tok, 1, 8, "greedy")  # warm-up
-        for sampling in args.sampling:
+        for name in args.sampling:
             for streams in args.streams:
-                r = measure(engine, tok, streams, args.n_gen, sampling)
-                print(f"{sampling:<10} {streams:>7} {r['steps']:>6} {r['step_ms']:>8.2f} {r['forward_ms']:>10.2f} {r['host_ms']:>8.2f}")
+                r = measure(engine, tok, streams, args.n_gen, name)
+                print(f"{name:<10} {streams:>7} {r['steps']:>6} {r['step_ms']:>8.2f} {r['forward_ms']:>10.2f} {r['host_ms']:>8.2f}")
     finally:
         engine.stop()
 

@@ -12,11 +12,12 @@ off): a plain decoding batch launches before the host reads the previous step's 
 are those tokens where they already are (`_last`, each slot's latest sample, on the device), and
 while it runs the host copies the previous step's tokens through page-locked memory and does the
 detokenizing, stop strings, events and metrics. A sequence that ended at step n was already in step
-n+1: that row's output is dropped (its extra KV position lies beyond what the slot's prompt cache
-claims, or is that last token's own). Batches that need a host decision before they launch take the
-synchronous path: prefill chunks, speculative verification, grammar-constrained rows, embeddings,
-P/D transfers (`Scheduler.overlappable`). On a CPU the forward runs in this thread anyway, so there
-is nothing to overlap and it stays off unless asked for.
+n+1: that row's output is dropped. The row ran the sequence's last token, so the KV (or recurrent
+state) it wrote is that token's own, and the slot's prompt cache counts it. Batches that need a
+host decision before they launch take the synchronous path: prefill chunks, speculative
+verification, grammar-constrained rows, embeddings, P/D transfers (`Scheduler.overlappable`). On a
+CPU the forward runs in this thread anyway, so there is nothing to overlap and it stays off unless
+asked for.
 """
 
 from __future__ import annotations

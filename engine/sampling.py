@@ -221,15 +221,15 @@ def _weights(x: torch.Tensor, rows: Rows) -> tuple[torch.Tensor, torch.Tensor | 
     the sorted vocabulary when some row needs an order (top-k or top-p), else the vocabulary as is."""
     V = x.shape[-1]
     ps = [p for p in rows.params if not p.greedy]
-    # In place on fresh tensors where the vocabulary is whole: every [B, V] temporary costs (page
-    # faults for a 262k vocabulary on a CPU).
-    x = torch.nan_to_num_(x / rows.temperature[:, None], nan=float("-inf"), posinf=torch.finfo(x.dtype).max,
-                          neginf=float("-inf"))  # fmt: skip
     ids = None
     ranked = any(0 < p.top_k < V for p in ps)
     if ps and all(0 < p.top_k < V for p in ps):
+        # Temperature keeps the order: only the k candidates are scaled. Elsewhere in place on fresh
+        # tensors: every [B, V] temporary costs (page faults for a 262k vocabulary on a CPU).
         x, ids = torch.topk(x, max(p.top_k for p in ps), dim=-1)  # sorted, best first
-    elif ranked or any(p.top_p < 1.0 for p in ps):
+    x = torch.nan_to_num_(x / rows.temperature[:, None], nan=float("-inf"), posinf=torch.finfo(x.dtype).max,
+                          neginf=float("-inf"))  # fmt: skip
+    if ids is None and (ranked or any(p.top_p < 1.0 for p in ps)):
         x, ids = torch.sort(x, dim=-1, descending=True)
     if ranked:
         rank = torch.arange(x.shape[-1], device=x.device)
