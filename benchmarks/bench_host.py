@@ -1,7 +1,8 @@
 """Host time per decode step: the engine loop's own work apart from the model's forward.
 
     python benchmarks/bench_host.py [--model PATH] [--device cpu] [--dtype auto] [--streams 1 4]
-                                    [--n-gen 64] [--sampling greedy sampled penalised] [--overlap | --no-overlap]
+                                    [--n-gen 64] [--sampling greedy sampled penalised] [--threads N]
+                                    [--overlap | --no-overlap]
 
 Runs `--streams` concurrent requests through the real Engine and times each `Engine.step` and the
 `Pipeline.forward` inside it; host ms per step = step - forward (scheduling, sampling, postprocess,
@@ -102,9 +103,12 @@ def main() -> None:
     ap.add_argument("--streams", type=int, nargs="+", default=[1, 4])
     ap.add_argument("--n-gen", type=int, default=64)
     ap.add_argument("--sampling", nargs="+", choices=list(SAMPLINGS), default=list(SAMPLINGS))
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     ap.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=None,
                     help="the engine's overlap (default: its own; an engine without it ignores the flag)")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     g = GGUFFile(model_path(args.model))
     tok = Tokenizer.from_gguf(g)
     n_slots = max(args.streams)

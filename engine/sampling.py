@@ -34,6 +34,7 @@ from .errors import UserError
 
 MAX_LOGPROBS = 20
 PENDING = -1  # a history entry still on the device (sampled by a step the host has not read yet)
+_M32 = 0xFFFFFFFF
 PAIRWISE_MAX = 256  # penalty windows up to this long count repeats pairwise; longer ones through a vocabulary-wide count
 
 
@@ -131,7 +132,7 @@ class Rows:
     top_k: torch.Tensor  # [B] long (2^62 where off)
     top_p: torch.Tensor  # [B] (2 where off: never reached by a running total)
     min_p: torch.Tensor  # [B]
-    seeds: torch.Tensor  # [B] long, the seed's 64 bits
+    keys: torch.Tensor  # [B] long: a 32-bit hash of each row's seed (per request, hashed on the host)
     counters: torch.Tensor  # [B] long, the index of the token each row draws
     window: torch.Tensor | None  # [B, L] long: each row's last-n history, left-padded with its first entry; None: no penalties
     valid: torch.Tensor | None  # [B, L] bool: the window's own entries (not padding)
@@ -152,8 +153,8 @@ class Rows:
                                [p.min_p for p in ps], [p.repeat_penalty for p in neutral],
                                [p.presence_penalty for p in neutral], [p.frequency_penalty for p in neutral]],
                               dtype=torch.float32)  # fmt: skip
-        seeds = [s.seed - 2**64 if s.seed >= 2**63 else s.seed for s in samplers]
-        longs = torch.tensor([[p.top_k or (1 << 62) for p in ps], seeds, ends, [p.greedy for p in ps]], dtype=torch.long)
+        keys = [_mix(_mix(s.seed & _M32) ^ (s.seed >> 32)) for s in samplers]
+        longs = torch.tensor([[p.top_k or (1 << 62) for p in ps], keys, ends, [p.greedy for p in ps]], dtype=torch.long)
         floats, longs = to_device(floats, device), to_device(longs, device)
         window = valid = penalties = bias = None
         if any(p.penalised for p in ps):
@@ -251,11 +252,9 @@ def _in_vocab_order(w: torch.Tensor, ids: torch.Tensor | None, V: int) -> torch.
     return w if ids is None else torch.zeros(w.shape[0], V, dtype=w.dtype, device=w.device).scatter_(1, ids, w)
 
 
-_M32 = 0xFFFFFFFF
-
-
-def _mix(x: torch.Tensor) -> torch.Tensor:
-    """A 32-bit integer hash (Wellons' lowbias32 family; multipliers < 2^31 keep products in int64)."""
+def _mix(x):
+    """A 32-bit integer hash of a tensor or an int (Wellons' lowbias32 family; multipliers < 2^31
+    keep products in int64)."""
     x = ((x ^ (x >> 16)) * 0x21F0AAAD) & _M32
     x = ((x ^ (x >> 15)) * 0x735A2D97) & _M32
     return x ^ (x >> 15)
@@ -263,9 +262,7 @@ def _mix(x: torch.Tensor) -> torch.Tensor:
 
 def uniform(rows: Rows, stream: Stream) -> torch.Tensor:
     """`[B]` float32 uniforms in (0, 1): a hash of (the row's seed, its counter, `stream`)."""
-    h = _mix(rows.seeds & _M32)
-    h = _mix(h ^ ((rows.seeds >> 32) & _M32))
-    h = _mix(h ^ (rows.counters & _M32))
+    h = _mix(rows.keys ^ (rows.counters & _M32))
     h = _mix(h ^ int(stream) * 0x9E3779B9 & _M32)
     return ((h >> 8).to(torch.float32) + 0.5) / 2**24
 
