@@ -112,7 +112,8 @@ def main() -> None:
     g = GGUFFile(model_path(args.model))
     tok = Tokenizer.from_gguf(g)
     n_slots = max(args.streams)
-    stage = build_stage(g, device=args.device, dtype=args.dtype, n_slots=n_slots, n_ctx=len(tok.encode(PROMPT)) + args.n_gen + 8)
+    n_ctx = len(tok.encode(PROMPT)) + args.n_gen + 8
+    stage = build_stage(g, device=args.device, dtype=args.dtype, n_slots=n_slots, n_ctx=n_ctx)
     kw = {"overlap": args.overlap} if "overlap" in inspect.signature(Engine).parameters and args.overlap is not None else {}
     engine = Engine(Pipeline(stage), tok, n_slots, stage.n_ctx, **kw).start()
     print(f"engine {Engine.__module__} ({inspect.getsourcefile(Engine)}), overlap {getattr(engine, 'overlap', 'n/a')}, "
@@ -130,7 +131,8 @@ def main() -> None:
         for name in args.sampling:
             for streams in args.streams:
                 r = measure(engine, tok, streams, args.n_gen, name)
-                print(f"{name:<10} {streams:>7} {r['steps']:>6} {r['step_ms']:>8.2f} {r['forward_ms']:>10.2f} {r['host_ms']:>8.2f}")
+                print(f"{name:<10} {streams:>7} {r['steps']:>6} {r['step_ms']:>8.2f} {r['forward_ms']:>10.2f} "
+                      f"{r['host_ms']:>8.2f}")  # fmt: skip
     finally:
         engine.stop()
 

@@ -134,7 +134,7 @@ class Rows:
     min_p: torch.Tensor  # [B]
     keys: torch.Tensor  # [B] long: a 32-bit hash of each row's seed (per request, hashed on the host)
     counters: torch.Tensor  # [B] long, the index of the token each row draws
-    window: torch.Tensor | None  # [B, L] long: each row's last-n history, left-padded with its first entry; None: no penalties
+    window: torch.Tensor | None  # [B, L] long: last-n histories, left-padded with their first entry; None: no penalties
     valid: torch.Tensor | None  # [B, L] bool: the window's own entries (not padding)
     penalties: torch.Tensor | None  # [3, B]: repeat, presence, frequency (neutral on rows without penalties)
     bias: tuple[torch.Tensor, torch.Tensor] | None  # [B, n] ids and values (0 on padding)
@@ -275,7 +275,8 @@ def draw(w: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return torch.where(w.gather(1, idx) > 0, idx, w.argmax(-1, keepdim=True)).squeeze(1)
 
 
-def distribution(logits: torch.Tensor, rows: Rows, mask: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+def distribution(logits: torch.Tensor, rows: Rows, mask: Callable[[torch.Tensor], torch.Tensor] | None = None
+                 ) -> torch.Tensor:  # fmt: skip
     """`[B, V]`: the probabilities each row draws from (a point mass on the argmax for greedy rows)."""
     x = _prepare(logits, rows, mask)
     greedy = torch.zeros_like(x).scatter_(1, x.argmax(-1, keepdim=True), 1.0)
