@@ -22,6 +22,7 @@ from typing import Literal
 import tomli_w
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from ..contracts.footprint import CACHE_TYPES
 from ..engine.errors import UserError
 
 HEAD_HTTP_PORT, HEAD_RPC_PORT = 8080, 8081
@@ -97,6 +98,9 @@ class Profile(_Strict):
     ctx: int = Field(default=4096, ge=16)
     parallel: int = Field(default=4, ge=1)
     split: list[int] | None = None  # layers per stage, head first; None = even
+    # Every worker's --cache-type-k / --cache-type-v (a worker's own args may override them).
+    cache_type_k: str = "auto"
+    cache_type_v: str = "auto"
     engine_command: str = ""  # "" = this Python's hydra_console.engine.cli locally, "hydra-engine" remotely
     head: WorkerSpec = WorkerSpec(name="head", port=HEAD_HTTP_PORT, rpc_port=HEAD_RPC_PORT)
     peers: list[WorkerSpec] = [WorkerSpec(name="peer1", port=PEER_HTTP_PORT, rpc_port=PEER_RPC_PORT)]
@@ -114,6 +118,13 @@ class Profile(_Strict):
     def _split_positive(cls, v):
         if v is not None and (not v or any(n < 1 for n in v)):
             raise ValueError("every stage needs at least one layer")
+        return v
+
+    @field_validator("cache_type_k", "cache_type_v")
+    @classmethod
+    def _cache_type(cls, v):
+        if v not in CACHE_TYPES:
+            raise ValueError(f"expected one of {', '.join(CACHE_TYPES)} (llama.cpp's cache types), got {v!r}")
         return v
 
     @field_validator("prefill_worker")

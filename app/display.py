@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import psutil
 
+from ..contracts.footprint import compute_dtype, weight_form
 from ..contracts.status import READY_STAGE, Status
 from .config import Alerts
 from .supervisor import Event, State, Supervisor, Worker, describe_exit
@@ -78,6 +79,25 @@ def fmt_bytes(n: float | None) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     raise AssertionError("unreachable")
+
+
+_FORM_TEXT = {"quantized": "weights as in the GGUF", "int8": "weights int8 + bf16 prefill copy", "dense": "weights at {dtype}"}
+_KV_AUTO = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}
+
+
+def memory_form(m) -> str:
+    """How a worker holds its stage (a split_plan.WorkerMemory), as the split editor's note says it."""
+    dtype = compute_dtype(m.dtype)
+    k, v = (_KV_AUTO[dtype] if kind == "auto" else kind for kind in m.kv_types)
+    return f"({m.device}): {_FORM_TEXT[weight_form(m.device, m.dtype, m.gpu_weights)].format(dtype=dtype)}, KV {k}/{v}"
+
+
+def memory_forms(names: list[str], memory: list) -> str:
+    """`memory_form` of each worker, workers that hold their stage alike named together."""
+    groups: dict[str, list[str]] = {}
+    for name, m in zip(names, memory):
+        groups.setdefault(memory_form(m), []).append(name)
+    return "; ".join(f"{', '.join(who)} {form}" for form, who in groups.items())
 
 
 def fmt_rate(tok_s: float | None) -> str:

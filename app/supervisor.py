@@ -375,6 +375,9 @@ class Supervisor:
             args += ["--model", p.model]
         args += ["--host", bind, "--port", str(spec.port), "--rpc-host", rpc_bind, "--rpc-port", str(spec.rpc)]
         args += ["--device", spec.device, "--ctx", str(p.ctx)]
+        for kv, kind in (("k", p.cache_type_k), ("v", p.cache_type_v)):
+            if kind != "auto":
+                args += [f"--cache-type-{kv}", kind]
         if w.role == "head":
             args += ["--parallel", str(p.parallel)]
             for peer in p.peers:

@@ -1,28 +1,50 @@
-"""Benchmarks of `hydra-engine serve` through HTTP (prints numbers, asserts nothing).
+"""Serving benchmarks: what `hydra-engine serve` delivers, against `hydra-engine bench` and llama.cpp.
 
-1. cold start: process launch → first /health answer (port up) → /health 200 (model ready);
-2. aggregate decode tok/s with 1, 4, 8 concurrent streams (`--parallel` = the largest);
-3. single-stream decode through the API (client-side: tokens between first and last streamed
-   chunk) against `hydra-engine bench` decode on the same model, device and dtype.
+One run, in this order (prints a table, then the JSON; asserts nothing):
+1. `hydra-engine bench` decode on the same model, device and dtype: the engine's fastest path
+   (torch.compile'd decode step in CUDA graphs on CUDA);
+2. `serve` solo, through the real `openai` client, streaming: one stream; 1 / 8 / 64 concurrent
+   streams (aggregate and per-stream decode tok/s); time to first token of a `--ttft-prompt`
+   (512) token prompt on the idle server (median of `--ttft-runs`, prompt cache off); each
+   worker's memory from its /status (weights, KV, peak);
+3. restart → READY of the same server, now with warm prepared-weight and compile caches
+   (issue 15's target: ≤ 15 s on the 1.1B shape);
+4. the same single stream and TTFT through a head + peer split on the same device (a `peer`
+   process; on one GPU the head reaches it through CUDA IPC), and what the gap to solo is made
+   of: `bench_split.py`'s time per part of a decode step, run on the same file (`--no-split-parts`
+   skips it).
 
-    python benchmarks/bench_api.py [--model PATH] [--device cpu] [--dtype auto] [-n 64] [--streams 1,4,8]
-    python benchmarks/bench_api.py --synthetic-llama-1b --device cuda   # the issue's GPU shape
+Ratios are to `bench` decode and to upstream llama.cpp on an H200 with the synthetic 1.1B F16
+llama (issue 15: llama-bench 879 tok/s solo, its RPC split 546): those two are only comparable
+on that GPU and shape. Client-side rates: tokens between the first and last streamed token of a
+stream. Streams are spread over client processes (a busy client would otherwise be the bound).
+
+    python benchmarks/bench_api.py                                 # CPU, default model, quick
+    python benchmarks/bench_api.py --synthetic-llama-1b --device cuda -n 256 --ctx 2048   # issue 15's GPU run
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import httpx
+import openai
+
+# Upstream llama.cpp on an NVIDIA H200, synthetic 1.1B F16 llama (issue 15).
+LLAMA_CPP_SOLO_TOK_S = 879.0
+LLAMA_CPP_SPLIT_TOK_S = 546.0
+BENCH_SPLIT = Path(__file__).with_name("bench_split.py")
 
 PROMPTS = [
     "The history of the city begins",
@@ -34,6 +56,7 @@ PROMPTS = [
     "Scientists announced today that",
     "The old lighthouse keeper said",
 ]
+ENGINE = [sys.executable, "-m", "hydra_console.engine.cli"]
 
 
 def free_port() -> int:
@@ -42,211 +65,307 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start(args, parallel: int, extra: tuple[str, ...] = ()) -> tuple[subprocess.Popen, str, dict]:
-    port = free_port()
-    cmd = [sys.executable, "-m", "hydra_console.engine.cli", "serve", "--port", str(port), "--rpc-port",
-           str(free_port()), "--parallel", str(parallel), "--ctx", str(args.ctx), "--device", args.device,
-           "--dtype", args.dtype, *extra]  # fmt: skip
-    if args.model:
-        cmd += ["--model", args.model]
+class Server:
+    """One `hydra-engine` process (serve or peer) with its stderr in a file, not a pipe nobody drains."""
+
+    def __init__(self, argv: list[str]):
+        self.port, self.rpc_port = free_port(), free_port()
+        self.argv = [*ENGINE, *argv, "--port", str(self.port), "--rpc-port", str(self.rpc_port)]
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, timeout: float) -> float:
+        """Launch and wait for /health 200; seconds from launch to READY."""
+        self.log = tempfile.TemporaryFile("w+")
+        t0 = time.perf_counter()
+        self.proc = subprocess.Popen(self.argv, stdout=subprocess.DEVNULL, stderr=self.log, text=True)
+        while time.perf_counter() < t0 + timeout:
+            if self.proc.poll() is not None:
+                self.log.seek(0)
+                raise SystemExit(f"{' '.join(self.argv)} exited {self.proc.returncode}: {self.log.read()[-4000:]}")
+            try:
+                if httpx.get(f"{self.base}/health", timeout=5).status_code == 200:
+                    return time.perf_counter() - t0
+            except httpx.TransportError:
+                pass
+            time.sleep(0.02)
+        self.stop()
+        raise SystemExit(f"{' '.join(self.argv)}: not ready after {timeout:.0f} s")
+
+    def status(self) -> dict:
+        return httpx.get(f"{self.base}/status", timeout=10).json()
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+# ---- client side: one stream, streams in several processes -----------------------------------------
+
+
+async def _stream(client: openai.AsyncOpenAI, prompt, n: int, cache: bool, start_at: float) -> dict:
+    """One streamed completion (`cache`: the server's prompt cache may serve a prefix); perf_counter
+    stamps (CLOCK_MONOTONIC: comparable across processes)."""
+    await asyncio.sleep(max(0.0, start_at - time.perf_counter()))
     t0 = time.perf_counter()
-    # stderr to a file, not a pipe nobody drains: the head logs a line per request.
-    log = tempfile.TemporaryFile("w+")
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log, text=True)
-    base = f"http://127.0.0.1:{port}"
-    first_answer = None
-    deadline = t0 + 300
-    while time.perf_counter() < deadline:
-        if proc.poll() is not None:
-            log.seek(0)
-            raise SystemExit(f"server exited {proc.returncode}: {log.read()[-4000:]}")
-        try:
-            r = httpx.get(f"{base}/health", timeout=5)
-            first_answer = first_answer or time.perf_counter() - t0
-            if r.status_code == 200:
-                return proc, base, {"port_up_s": round(first_answer, 3), "ready_s": round(time.perf_counter() - t0, 3)}
-        except httpx.TransportError:
-            pass
-        time.sleep(0.01)
-    proc.kill()
-    raise SystemExit("server not ready after 300 s")
-
-
-def stop(proc: subprocess.Popen) -> None:
-    proc.terminate()
-    try:
-        proc.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-
-
-def stream_one(base: str, prompt: str, n: int) -> dict:
-    """One streamed completion; client-side timestamps of the first and last token chunks."""
-    body = {"prompt": prompt, "max_tokens": n, "temperature": 0, "stream": True, "ignore_eos": True}
+    stream = await client.completions.create(model="hydra", prompt=prompt, max_tokens=n, temperature=0, stream=True,
+                                             stream_options={"include_usage": True},
+                                             extra_body={"ignore_eos": True, "cache_prompt": cache})  # fmt: skip
     t_first = t_last = None
-    n_chunks, final = 0, None
-    with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=600) as r:
-        for line in r.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            obj = json.loads(line[6:])
-            now = time.perf_counter()
-            if obj["choices"][0]["finish_reason"] is None:
-                n_chunks += 1
-                t_first = t_first or now
+    tokens, server = 0, {}
+    async for chunk in stream:
+        now = time.perf_counter()
+        if chunk.choices and (chunk.choices[0].text or chunk.choices[0].finish_reason):
+            t_first = t_first or now
+            if chunk.choices[0].text:
                 t_last = now
-            else:
-                final = obj
-    return {"t_first": t_first, "t_last": t_last, "chunks": n_chunks, "usage": final["usage"], "timings": final["timings"]}
+        if chunk.usage:
+            tokens = chunk.usage.completion_tokens
+        server = (chunk.model_extra or {}).get("timings") or server
+    return {"t_start": t0, "t_first": t_first, "t_last": t_last or t_first, "t_end": time.perf_counter(),
+            "tokens": tokens, "server_prompt_ms": server.get("prompt_ms"),
+            "server_decode_tok_s": server.get("predicted_per_second")}  # fmt: skip
 
 
-def concurrent(base: str, n_streams: int, n: int) -> dict:
-    results: list[dict] = [None] * n_streams  # type: ignore[list-item]
+def _client_process(base: str, jobs: list[tuple], start_at: float) -> list[dict]:
+    async def run() -> list[dict]:
+        limits = httpx.Limits(max_connections=len(jobs) + 4)
+        async with openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0,
+                                      http_client=openai.DefaultAsyncHttpxClient(limits=limits, timeout=600)) as client:  # fmt: skip
+            return await asyncio.gather(*(_stream(client, *job, start_at) for job in jobs))
 
-    def run(i: int) -> None:
-        results[i] = stream_one(base, PROMPTS[i % len(PROMPTS)], n)
+    return asyncio.run(run())
 
-    t0 = time.perf_counter()
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(n_streams)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    wall = time.perf_counter() - t0
-    tokens = sum(r["usage"]["completion_tokens"] for r in results)
-    first = min(r["t_first"] for r in results)
-    last = max(r["t_last"] for r in results)
+
+def streams(base: str, jobs: list[tuple], clients: int) -> list[dict]:
+    """Run `jobs` (prompt, max_tokens, cache_prompt) at once, spread over `clients` processes started beforehand."""
+    clients = max(1, min(clients, len(jobs)))
+    shares = [jobs[i::clients] for i in range(clients)]
+    with ProcessPoolExecutor(clients) as pool:
+        list(pool.map(time.sleep, [0] * clients))  # every client process up before the clock starts
+        start_at = time.perf_counter() + 0.2
+        return [r for part in pool.map(_client_process, [base] * clients, shares, [start_at] * clients) for r in part]
+
+
+def decode_rate(r: dict) -> float | None:
+    """Client-side decode tok/s of one stream: tokens after the first over their span."""
+    span = r["t_last"] - r["t_first"]
+    return (r["tokens"] - 1) / span if r["tokens"] > 1 and span > 0 else None
+
+
+def concurrency(base: str, n_streams: int, n: int, clients: int) -> dict:
+    results = streams(base, [(PROMPTS[i % len(PROMPTS)], n, True) for i in range(n_streams)], clients)
+    tokens = sum(r["tokens"] for r in results)
+    wall = max(r["t_end"] for r in results) - min(r["t_start"] for r in results)
+    rates = [x for x in map(decode_rate, results) if x]
     return {
         "streams": n_streams,
         "tokens": tokens,
         "wall_s": round(wall, 3),
-        "aggregate_tok_s": round(tokens / wall, 2),
-        "aggregate_decode_tok_s": round((tokens - n_streams) / (last - first), 2) if last > first else None,
-        "per_stream_tok_s": round(sum(r["timings"]["predicted_per_second"] for r in results) / n_streams, 2),
+        "aggregate_tok_s": round(tokens / wall, 2),  # prompts and queueing included
+        "aggregate_decode_tok_s": round(sum(rates), 2),  # the streams' own decode rates, summed
+        "per_stream_tok_s": round(statistics.mean(rates), 2) if rates else None,
+        "per_stream_server_tok_s": round(statistics.mean(r["server_decode_tok_s"] for r in results), 2),
     }
 
 
-def scheduling(args, n_long: int = 512, n_streams: int = 4) -> list[dict]:
-    """In-process: `n_streams` greedy streams decode while an `n_long`-token prompt arrives. Mixed
-    steps (prefill chunks ride with the decode tokens) against prefill-only steps (nano-vllm)."""
-    from hydra_console.engine.default_model import default_model_path
-    from hydra_console.engine.gguf_file import GGUFFile
-    from hydra_console.engine.pipeline import Pipeline
-    from hydra_console.engine.config import default_cache_dir
-    from hydra_console.engine.model import build_stage
-    from hydra_console.engine.runtime import Engine, Request
-    from hydra_console.engine.sampling import SamplingParams
-    from hydra_console.engine.tokenizer import Tokenizer
-
-    g = GGUFFile(args.model or default_model_path())
-    tok = Tokenizer.from_gguf(g)
-    stage = build_stage(g, device=args.device, dtype=args.dtype, n_slots=n_streams + 1, n_ctx=args.ctx,
-                        cache_dir=default_cache_dir(os.environ))  # fmt: skip
-    long_prompt = (tok.encode(" ".join(PROMPTS) * 40))[:n_long]
-
-    def one(mixed: bool) -> dict:
-        engine = Engine(Pipeline(stage), tok, n_streams + 1, args.ctx, mixed_steps=mixed).start()
-        stamps: list[list[float]] = [[] for _ in range(n_streams)]
-
-        def decode(i: int) -> None:
-            req = Request(tok.encode(PROMPTS[i]), SamplingParams(temperature=0.0), max_tokens=args.n_gen,
-                          ignore_eos=True)  # fmt: skip
-            for ev in engine.generate(req):
-                if ev.tokens:
-                    stamps[i].append(time.perf_counter())
-
-        threads = [threading.Thread(target=decode, args=(i,)) for i in range(n_streams)]
-        for t in threads:
-            t.start()
-        while min(len(s) for s in stamps) < 8:
-            time.sleep(0.001)
-        t_submit = time.perf_counter()
-        first = None
-        for ev in engine.generate(Request(long_prompt, SamplingParams(temperature=0.0), max_tokens=4, ignore_eos=True)):
-            first = first or (time.perf_counter() if ev.tokens else None)
-        for t in threads:
-            t.join()
-        engine.stop()
-        gaps = [b - a for s in stamps for a, b in zip(s, s[1:]) if b > t_submit]
-        span = max(s[-1] for s in stamps) - min(s[0] for s in stamps)
-        return {
-            "mixed_steps": mixed,
-            "long_prompt_ttft_ms": round((first - t_submit) * 1e3, 1),
-            "decode_max_gap_ms": round(max(gaps) * 1e3, 1),
-            "decode_aggregate_tok_s": round(sum(len(s) - 1 for s in stamps) / span, 2),
-        }  # fmt: skip
-
-    one(True), one(False)  # warm-up: first use of each batch shape (kernel choice, CUDA graph capture)
-    return [one(True), one(False)]
+def single(base: str, n: int) -> dict:
+    (r,) = streams(base, [(PROMPTS[1], n, True)], 1)
+    return {"tokens": r["tokens"], "client_tok_s": round(decode_rate(r), 2), "server_tok_s": round(r["server_decode_tok_s"], 2)}
 
 
-def engine_bench(args, n: int) -> dict:
-    cmd = [sys.executable, "-m", "hydra_console.engine.cli", "bench", "--json", "-p", "16", "-n", str(n), "-r", "3",
+def ttft_prompts(base: str, n_tokens: int, runs: int) -> list[list[int]]:
+    """`runs` prompts of exactly `n_tokens` ids, each starting at a different token (no shared prefix)."""
+    text = " ".join(PROMPTS)
+    ids: list[int] = []
+    while len(ids) < n_tokens + runs:
+        text += " " + text
+        ids = httpx.post(f"{base}/tokenize", json={"content": text}, timeout=60).json()["tokens"]
+    return [ids[i : i + n_tokens] for i in range(runs)]
+
+
+def ttft(base: str, prompts: list[list[int]]) -> dict:
+    """Time to first token, one prompt at a time on the idle server (prompt cache off), client-side."""
+    times, server = [], []
+    for p in prompts:
+        (r,) = streams(base, [(p, 1, False)], 1)
+        times.append((r["t_first"] - r["t_start"]) * 1e3)
+        server.append(r["server_prompt_ms"])
+    return {"prompt_tokens": len(prompts[0]), "runs": len(prompts), "median_ms": round(statistics.median(times), 2),
+            "min_ms": round(min(times), 2), "server_prompt_median_ms": round(statistics.median(server), 2)}  # fmt: skip
+
+
+def memory(status: dict) -> dict:
+    """A worker's memory from its /status: its stages' weights and KV, the process's device use and peak."""
+    process = status.get("process") or {}
+    own = [s for s in status.get("stages", []) if s.get("weight_bytes") is not None or s.get("kv_bytes") is not None]
+    own = own[:1] if status.get("role") == "head" else own  # the head's other entries are its peers
+    return {"weight_bytes": sum(s.get("weight_bytes") or 0 for s in own), "kv_bytes": sum(s.get("kv_bytes") or 0 for s in own),
+            "peak_device_bytes": process.get("peak_device_bytes"), "device_bytes": process.get("gpu_memory"),
+            "device_bytes_source": process.get("gpu_source"), "rss": process.get("rss")}  # fmt: skip
+
+
+# ---- the run -----------------------------------------------------------------------------------
+
+
+def engine_bench(args) -> dict:
+    cmd = [*ENGINE, "bench", "--json", "-p", "16", "-n", str(args.n_gen), "-r", "3", "--model", args.model,
            "--device", args.device, "--dtype", args.dtype]  # fmt: skip
-    if args.model:
-        cmd += ["--model", args.model]
-    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
-    return json.loads(out.strip().splitlines()[-1])
+    out = subprocess.run(cmd, capture_output=True, text=True)
+    if out.returncode:
+        raise SystemExit(f"hydra-engine bench failed: {out.stderr[-2000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def split_parts(args) -> dict:
+    """bench_split.py on the same file: split/solo decode and the median ms of each part of a step."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out_path = Path(tmp) / "split.json"
+        cmd = [sys.executable, str(BENCH_SPLIT), "--model", args.model, "--device", args.device, "--dtype", args.dtype,
+               "--block", "16", "-r", "2", "--prefill", "0", "--no-resplit", "--json", str(out_path)]  # fmt: skip
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode:
+            raise SystemExit(f"bench_split.py failed: {done.stderr[-2000:]}")
+        return json.loads(out_path.read_text())
+
+
+def ratio(a, b) -> float | None:
+    return round(a / b, 3) if a and b else None
+
+
+def run(args) -> dict:
+    serve = ["serve", "--model", args.model, "--device", args.device, "--dtype", args.dtype, "--ctx", str(args.ctx)]
+    counts = [int(s) for s in args.streams.split(",")]
+    report: dict = {"model": args.model, "device": args.device, "dtype": args.dtype, "n_gen": args.n_gen, "ctx": args.ctx,
+                    "cpus": os.cpu_count(), "load_avg_start": round(os.getloadavg()[0], 2)}  # fmt: skip
+    print("bench …", file=sys.stderr, flush=True)
+    bench = engine_bench(args)
+    report["bench"] = {k: bench.get(k) for k in ("decode_tok_s", "weights", "weight_bytes", "kv_bytes", "peak_device_bytes")}
+
+    solo = Server([*serve, "--parallel", str(max(counts))])
+    report["solo"] = {"first_start_ready_s": round(solo.start(args.timeout), 3)}
+    try:
+        single(solo.base, min(args.n_gen, 8))  # warm-up (first request's shapes, kernel choices)
+        report["solo"]["single"] = single(solo.base, args.n_gen)
+        report["solo"]["concurrency"] = []
+        for n in counts:
+            concurrency(solo.base, n, min(args.n_gen, 8), args.clients)  # warm-up: the batch size's first use
+            report["solo"]["concurrency"].append(concurrency(solo.base, n, args.n_gen, args.clients))
+            print(f"streams {n}: {report['solo']['concurrency'][-1]}", file=sys.stderr, flush=True)
+        prompts = ttft_prompts(solo.base, args.ttft_prompt, args.ttft_runs + 1)
+        ttft(solo.base, prompts[:1])  # warm-up: the prompt length's first use
+        report["solo"]["ttft"] = ttft(solo.base, prompts[1:])
+        report["solo"]["memory"] = memory(solo.status())
+    finally:
+        solo.stop()
+    report["solo"]["restart_ready_s"] = round(solo.start(args.timeout), 3)  # caches warm now
+    solo.stop()
+    print(f"solo: {report['solo']}", file=sys.stderr, flush=True)
+
+    if not args.no_split:
+        peer = Server(["peer", "--model", args.model, "--device", args.device, "--dtype", args.dtype])
+        peer.start(args.timeout)
+        n_layers = httpx.get(f"{peer.base}/status", timeout=10).json()["model"]["n_layers"]
+        head = Server([*serve, "--parallel", "1", "--peer", f"127.0.0.1:{peer.rpc_port}",
+                       "--split", f"{n_layers - n_layers // 2}/{n_layers // 2}"])  # fmt: skip
+        try:
+            report["split"] = {"ready_s": round(head.start(args.timeout), 3)}
+            report["split"]["transport"] = (head.status().get("peers") or [{}])[0].get("transport")
+            single(head.base, min(args.n_gen, 8))
+            report["split"]["single"] = single(head.base, args.n_gen)
+            ttft(head.base, prompts[:1])
+            report["split"]["ttft"] = ttft(head.base, prompts[1:])
+            report["split"]["memory"] = {"head": memory(head.status()), "peer": memory(peer.status())}
+        finally:
+            head.stop()
+            peer.stop()
+        if not args.no_split_parts:
+            print("bench_split.py (time per part) …", file=sys.stderr, flush=True)
+            report["split"]["parts"] = split_parts(args)
+        print(f"split: {report['split']}", file=sys.stderr, flush=True)
+
+    bench_tok_s = report["bench"]["decode_tok_s"]
+    report["ratios"] = {
+        "single_over_bench": ratio(report["solo"]["single"]["client_tok_s"], bench_tok_s),
+        "single_over_llama_cpp": ratio(report["solo"]["single"]["client_tok_s"], LLAMA_CPP_SOLO_TOK_S),
+        "bench_over_llama_cpp": ratio(bench_tok_s, LLAMA_CPP_SOLO_TOK_S),
+    }
+    if "split" in report:
+        split_tok_s = report["split"]["single"]["client_tok_s"]
+        report["ratios"] |= {"split_over_solo_single": ratio(split_tok_s, report["solo"]["single"]["client_tok_s"]),
+                             "split_over_bench": ratio(split_tok_s, bench_tok_s),
+                             "split_over_llama_cpp_split": ratio(split_tok_s, LLAMA_CPP_SPLIT_TOK_S)}  # fmt: skip
+    report["load_avg_end"] = round(os.getloadavg()[0], 2)
+    return report
+
+
+def table(report: dict) -> str:
+    r, solo, bench = report["ratios"], report["solo"], report["bench"]
+    rows = [("hydra-engine bench decode", f"{bench['decode_tok_s']:.1f} tok/s", f"llama.cpp {r['bench_over_llama_cpp']}")]
+    rows.append(("serve, 1 stream (openai, streaming)", f"{solo['single']['client_tok_s']:.1f} tok/s",
+                 f"bench {r['single_over_bench']}  llama.cpp {r['single_over_llama_cpp']}"))  # fmt: skip
+    for c in solo["concurrency"]:
+        rows.append((f"serve, {c['streams']} streams", f"{c['aggregate_decode_tok_s']} tok/s aggregate",
+                     f"{c['per_stream_tok_s']} per stream; {c['aggregate_tok_s']} with prompts"))  # fmt: skip
+    rows.append((f"serve TTFT, {solo['ttft']['prompt_tokens']}-token prompt", f"{solo['ttft']['median_ms']} ms",
+                 f"median of {solo['ttft']['runs']}; server prompt {solo['ttft']['server_prompt_median_ms']} ms"))  # fmt: skip
+    rows.append(("serve start → READY", f"{solo['first_start_ready_s']} s", f"restart (warm caches) {solo['restart_ready_s']} s"))
+    if "split" in report:
+        sp = report["split"]
+        rows.append((f"head + peer, 1 stream ({sp['transport']})", f"{sp['single']['client_tok_s']:.1f} tok/s",
+                     f"solo {r['split_over_solo_single']}  llama.cpp split {r['split_over_llama_cpp_split']}"))  # fmt: skip
+        rows.append(("head + peer TTFT", f"{sp['ttft']['median_ms']} ms", f"server prompt {sp['ttft']['server_prompt_median_ms']} ms"))
+        if "parts" in sp:
+            for mode in ("solo", "split"):
+                parts = sp["parts"]["decode_parts_ms"][mode]
+                rows.append((f"  {mode} decode step parts (bench_split)", f"{parts['total']:.3f} ms",
+                             ", ".join(f"{k} {v:.3f}" for k, v in parts.items() if k != "total")))  # fmt: skip
+    w = max(len(a) for a, _, _ in rows)
+    v = max(len(b) for _, b, _ in rows)
+    return "\n".join(f"{a:<{w}}  {b:>{v}}  {c}" for a, b, c in rows)
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="GGUF (default: the Gemma 3 270M package)")
+    ap.add_argument("--synthetic-llama-1b", action="store_true",
+                    help="write and serve issue 15's random-weight 1.1B llama (hidden 2048, 16 layers, 32/8 heads, "
+                         "FFN 8192, vocab 32000, F16)")  # fmt: skip
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="auto")
-    ap.add_argument("--ctx", type=int, default=1024)
-    ap.add_argument("-n", "--n-gen", type=int, default=64)
-    ap.add_argument("--streams", default="1,4,8")
-    ap.add_argument("--cold-runs", type=int, default=2)
-    ap.add_argument("--scheduling", action="store_true",
-                    help="only compare mixed prefill+decode steps against prefill-only steps (in-process)")  # fmt: skip
-    ap.add_argument("--synthetic-llama-1b", action="store_true",
-                    help="write and serve a random-weight llama of 1.1B parameters (hidden 2048, 16 layers, "
-                         "32 heads, 8 KV heads, FFN 8192, vocab 32000, F16)")  # fmt: skip
+    ap.add_argument("--ctx", type=int, default=1024, help="context per slot (≥ the TTFT prompt + 1)")
+    ap.add_argument("-n", "--n-gen", type=int, default=32, help="tokens per stream")
+    ap.add_argument("--streams", default="1,8,64", help="concurrent stream counts (the server gets --parallel = the largest)")
+    ap.add_argument("--clients", type=int, default=max(1, (os.cpu_count() or 2) // 4), help="client processes")
+    ap.add_argument("--ttft-prompt", type=int, default=512, help="prompt tokens of the TTFT test")
+    ap.add_argument("--ttft-runs", type=int, default=5)
+    ap.add_argument("--no-split", action="store_true", help="skip the head + peer section")
+    ap.add_argument("--no-split-parts", action="store_true", help="skip bench_split.py's time per part")
+    ap.add_argument("--timeout", type=float, default=600, help="seconds a worker may take to become ready")
+    ap.add_argument("--json", dest="json_path", default=None, help="also write the JSON report to this file")
     args = ap.parse_args()
+    if args.ctx <= args.ttft_prompt:
+        ap.error(f"--ctx {args.ctx} must exceed --ttft-prompt {args.ttft_prompt}")
+    tmp = tempfile.TemporaryDirectory()
     if args.synthetic_llama_1b:
         from hydra_console.engine.synth import write_synthetic
 
-        args.model = str(write_synthetic(Path(tempfile.mkdtemp()) / "llama-1b.gguf", "llama", n_layers=16, n_embd=2048,
-                                         n_head=32, n_head_kv=8, n_ff=8192, vocab_size=32000, n_ctx=4096, qtype="F16"))  # fmt: skip
-    if args.scheduling:
-        print(json.dumps(scheduling(args), indent=2))
-        return
-    streams = [int(s) for s in args.streams.split(",")]
-    report: dict = {"model": args.model or "default (gemma3 270m q4_k_m)", "device": args.device, "dtype": args.dtype,
-                    "cpus": os.cpu_count(), "load_avg_start": os.getloadavg()[0]}  # fmt: skip
+        args.model = str(write_synthetic(Path(tmp.name) / "llama-1b.gguf", "llama", n_layers=16, n_embd=2048, n_head=32,
+                                         n_head_kv=8, n_ff=8192, vocab_size=32000, n_ctx=8192, qtype="F16"))  # fmt: skip
+    elif args.model is None:
+        from hydra_console.engine.default_model import default_model_path
 
-    cold = []
-    for _ in range(args.cold_runs):
-        proc, _, t = start(args, 1)
-        stop(proc)
-        cold.append(t)
-        print(f"cold start {len(cold)}: {t}", file=sys.stderr, flush=True)  # progress: compiles can be slow
-    report["cold_start"] = cold
-
-    proc, base, _ = start(args, max(streams))
-    try:
-        report["concurrency"] = []
-        for n in streams:
-            concurrent(base, n, 8)  # warm-up: first use of a batch size (CUDA graph capture)
-            report["concurrency"].append(concurrent(base, n, args.n_gen))
-            print(f"streams {n}: {report['concurrency'][-1]}", file=sys.stderr, flush=True)
-        single = stream_one(base, PROMPTS[1], args.n_gen * 2)
-        api_tok_s = (single["chunks"] - 1) / (single["t_last"] - single["t_first"])
-    finally:
-        stop(proc)
-    bench = engine_bench(args, args.n_gen * 2)
-    report["single_stream"] = {
-        "api_client_decode_tok_s": round(api_tok_s, 2),
-        "api_engine_decode_tok_s": round(single["timings"]["predicted_per_second"], 2),
-        "bench_decode_tok_s": bench["decode_tok_s"],
-        "ratio_api_over_bench": round(api_tok_s / bench["decode_tok_s"], 3),
-    }
-    base1 = report["concurrency"][0]["aggregate_decode_tok_s"]
-    for row in report["concurrency"]:
-        row["speedup_vs_1"] = round(row["aggregate_decode_tok_s"] / base1, 2) if base1 else None
-    report["load_avg_end"] = os.getloadavg()[0]
+        args.model = str(default_model_path())
+    report = run(args)
+    print(table(report))
     print(json.dumps(report, indent=2))
+    if args.json_path:
+        Path(args.json_path).write_text(json.dumps(report, indent=2))
 
 
 if __name__ == "__main__":

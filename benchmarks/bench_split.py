@@ -17,6 +17,7 @@ side busy-wait for the other's frame instead of sleeping.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import socket
 import statistics
@@ -124,8 +125,12 @@ def forward_parts(pipe: Pipeline, tokens: torch.Tensor, positions: torch.Tensor)
     return parts, tok
 
 
-def median_parts(runs: list[dict[str, float]]) -> str:
-    return ", ".join(f"{k} {statistics.median(r[k] for r in runs):.3f}" for k in runs[0])
+def median_parts(runs: list[dict[str, float]]) -> dict[str, float]:
+    return {k: round(statistics.median(r[k] for r in runs), 4) for k in runs[0]}
+
+
+def fmt_parts(parts: dict[str, float]) -> str:
+    return ", ".join(f"{k} {v:.3f}" for k, v in parts.items())
 
 
 def main() -> None:
@@ -143,7 +148,11 @@ def main() -> None:
     ap.add_argument("--peer-in-process", action="store_true",
                     help="serve the peer's layers from a thread of this process over the same loopback RPC: on one GPU "
                          "this shares the head's CUDA context, which separates the GPU's context switches from our cost")
+    ap.add_argument("--no-resplit", action="store_true", help="skip the live re-split timings")
+    ap.add_argument("--json", dest="json_path", default=None,
+                    help="also write the decode rates and the median time per part to this file (bench_api.py reads it)")
     args = ap.parse_args()
+    summary: dict = {"model": str(args.model), "device": args.device, "decode_tok_s": {}, "decode_parts_ms": {}}
 
     tmp = tempfile.TemporaryDirectory()
     if args.synthetic_llama_1b:
@@ -189,6 +198,7 @@ def main() -> None:
         split = build_pipeline(head_config(build_parser().parse_args(argv), os.environ), g, cfg)
         remote = split.remotes[0]
         print(f"peer {addr}: hidden states via {remote.transport}")
+        summary["transport"] = remote.transport
         # Blocks of `--block` steps, alternating solo / split, so load drifts on a shared machine
         # hit both alike; every block restarts after the same prompt (same positions, same work).
         # On a GPU both ways of feeding tokens are measured (on a CPU they are the same).
@@ -206,6 +216,8 @@ def main() -> None:
             print(f"decode, {feed}:")
             for k in pipes:
                 rates = [args.block / t for t in times[k]]
+                if host:  # as the runtime feeds tokens
+                    summary["decode_tok_s"][k] = round(len(rates) * args.block / sum(times[k]), 2)
                 print(f"  {k:5s} tok/s: overall {len(rates) * args.block / sum(times[k]):.2f}  "
                       f"best block {max(rates):.2f}  median block {statistics.median(rates):.2f}")  # fmt: skip
             print(f"  split/solo ratio: overall {sum(times['solo']) / sum(times['split']):.3f}  "
@@ -223,14 +235,19 @@ def main() -> None:
             for i in range(part_steps):
                 parts, tok = forward_parts(p, tok, torch.tensor([PROMPT_TOKENS + i]))
                 runs.append(parts)
-            print(f"{k} decode step parts, ms (median, synchronised after each): {median_parts(runs)}")
+            summary["decode_parts_ms"][k] = median_parts(runs)
+            print(f"{k} decode step parts, ms (median, synchronised after each): {fmt_parts(summary['decode_parts_ms'][k])}")
             if args.prefill:
                 runs = [forward_parts(p, torch.arange(1, args.prefill + 1) % cfg.n_vocab, torch.arange(args.prefill))[0] for _ in range(4)]
-                print(f"{k} prefill {args.prefill} parts, ms: {median_parts(runs)}")
+                print(f"{k} prefill {args.prefill} parts, ms: {fmt_parts(median_parts(runs))}")
         pings = [remote.ping() for _ in range(100)]
         print(f"empty PING round trip: median {statistics.median(p for p in pings if p is not None):.3f} ms")
         step_ms = statistics.median(times["split"]) / args.block * 1e3
         rpc_ms = statistics.median(overheads)
+        summary["split_over_solo"] = round(summary["decode_tok_s"]["split"] / summary["decode_tok_s"]["solo"], 3)
+        summary["rpc_overhead_ms"], summary["step_ms"] = round(rpc_ms, 4), round(step_ms, 4)
+        if args.json_path:
+            Path(args.json_path).write_text(json.dumps(summary, indent=2))
         if remote.transport == "cuda-ipc":  # the peer replies once its work is queued: the exchange overlaps the GPU
             print(f"RPC round trip per step minus the peer's time to queue its work: median {rpc_ms:.3f} ms of a "
                   f"{step_ms:.2f} ms step, spent while the GPU runs the head's layers")  # fmt: skip
@@ -250,6 +267,9 @@ def main() -> None:
                 print(f"  {label} -> {r['layers']}: {times[-1]:.3f} s (assign {r['assign_s']:.3f} s, rebuilt {r['rebuilt_tokens']} tokens)")
             print(f"re-split, {label}: median {statistics.median(times):.3f} s, max {max(times):.3f} s")
 
+        if args.no_resplit:
+            split.stop()
+            return
         split.active_slots = lambda: set()
         resplits("no live slot")
         # One live slot of --resplit-ctx tokens: its KV is rebuilt on every stage after each move.

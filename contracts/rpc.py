@@ -59,7 +59,7 @@ import hashlib
 import hmac
 import os
 import struct
-from typing import TypedDict
+from typing import NotRequired, TypedDict
 
 # --- framing ---------------------------------------------------------------------------------------
 
@@ -149,7 +149,8 @@ class LoadStageRequest(TypedDict):
     layers: list[int]  # [a, b)
     dtype: str  # a DTYPE_CODES name
     n_slots: int
-    n_ctx: int
+    n_ctx: int  # per slot
+    kv_pool: NotRequired[int]  # positions of a KV pool the slots share (--kv-unified); absent: each reserves n_ctx
 
 
 class ProbeRequest(TypedDict):

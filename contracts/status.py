@@ -120,6 +120,8 @@ class StageInfo(_Doc):
     # KV cache + recurrent (DeltaNet) state with its rollback checkpoints, all slots, in bytes;
     # None where this process does not know it (a peer, seen from the head: its own /status says).
     kv_bytes: int | None = None
+    # Every weight the stage holds on its device (contracts/footprint.py estimates it); None as kv_bytes.
+    weight_bytes: int | None = None
 
 
 @dataclass(frozen=True)
@@ -139,6 +141,10 @@ class ProcessInfo(_Doc):
     rss: int | None = None  # resident set, bytes
     gpu_memory: int | None = None  # NVML's per-process reading over every GPU (the CUDA context included)
     gpu_source: str | None = None  # "nvml" | "torch" (the caching allocator's reservation, when NVML cannot see the pid)
+    # High-water marks since the start: torch's caching allocator over every GPU (reserved bytes;
+    # NVML also counts the CUDA context), and the resident set.
+    peak_device_bytes: int | None = None
+    peak_rss: int | None = None
 
 
 @dataclass(frozen=True)

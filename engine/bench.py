@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import shutil
 import statistics
 import subprocess
@@ -19,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from ..contracts.footprint import model_tensors
 from .default_model import model_path
 from .device import resolve_device
 from .errors import UserError
@@ -78,8 +80,10 @@ def run_bench(model: Path, device: str, dtype: str, n_prompt: int, n_gen: int, r
         "n_gen": n_gen,
         "repetitions": repetitions,
         "load_s": round(load_s, 3),
-        "weight_bytes": stage.weight_bytes,
+        "weight_bytes": stage.weight_bytes,  # read per decoded token
         "kv_bytes": stage.kv_bytes,  # KV + recurrent state with its checkpoints
+        # contracts/footprint.py's estimate of the two (what the console's split editor shows)
+        "estimate": _estimate(g, stage),
         "state_bytes": stage.state_bytes,
         "mtp_kv_bytes": NextN(stage).kv_bytes if nextn_prefix(g, cfg.n_layers) else 0,  # the MTP block's own KV
         "load_avg": round(os.getloadavg()[0], 2),  # other processes on the cores make every rate a lower bound
@@ -98,9 +102,21 @@ def run_bench(model: Path, device: str, dtype: str, n_prompt: int, n_gen: int, r
         result["decode_tok_s_std"] = round(statistics.pstdev(rates), 2)
         # Significant digits, not decimals: a tiny model on a loaded box reads well under 0.01 GB/s.
         result["decode_gb_s"] = float(f"{stage.weight_bytes * result['decode_tok_s'] / 1e9:.4g}")
-    if stage.device.type == "cuda":
-        result["peak_device_bytes"] = torch.cuda.max_memory_allocated(stage.device)
+    # Every weight kept on the device, after the runs: a CPU layer keeps a bfloat16 copy from its
+    # first prefill of more than 16 tokens on (the estimate counts it).
+    result["held_weight_bytes"] = stage.held_weight_bytes
+    if stage.device.type == "cuda":  # the allocator's high-water mark (NVML adds the CUDA context)
+        result["peak_device_bytes"] = torch.cuda.max_memory_reserved(stage.device)
+    result["peak_rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
     return result
+
+
+def _estimate(g: GGUFFile, stage: Stage) -> dict:
+    est = model_tensors(g.metadata, g.tensors).stage(
+        0, stage.cfg.n_layers, head=True, device=stage.device.type, dtype=str(stage.dtype).removeprefix("torch."),
+        n_slots=stage.n_slots, n_ctx=stage.n_ctx, kv_types=stage.kv_types,
+        gpu_weights="quantized" if stage.weights.quantized else "dense", kv_pool=stage.kv_pool)  # fmt: skip
+    return {"weight_bytes": est.weight_bytes, "kv_bytes": est.kv_bytes}
 
 
 def find_llama_bench(exe: str) -> str:

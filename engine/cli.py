@@ -37,7 +37,8 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", help="compute dtype: auto, float32, bfloat16, float16")
     p.add_argument("--ctx", type=int, default=None, help="context length per slot (default 4096)")
     p.add_argument("-c", "--ctx-size", type=int, default=None,
-                   help="llama-server's: the context of all slots together (each gets ctx-size / parallel)")
+                   help="llama-server's: the context of all slots together (each gets ctx-size / parallel; with "
+                        "--kv-unified, the shared KV pool)")
     p.add_argument("--gpu-weights", choices=["quantized", "dense"], default="quantized",
                    help="on a GPU, keep GGUF-quantized weights quantized (smallest) or expand them to the compute "
                         "dtype (faster decode today where they fit)")  # fmt: skip
@@ -117,6 +118,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--host", default="127.0.0.1", help="HTTP bind address; several comma-separated (127.0.0.1,::1)")
     s.add_argument("--port", type=int, default=8080, help="HTTP port")
     s.add_argument("--parallel", "-np", type=int, default=4, help="slots decoded together")
+    s.add_argument("-kvu", "--kv-unified", action="store_true",
+                   help="llama-server's: all slots share one KV pool of -c/--ctx-size positions (without -c: --ctx x "
+                        "--parallel), taken in blocks of 128 as a slot grows and given back when it ends or when an "
+                        "idle slot's prompt cache is reclaimed; a slot may grow to --ctx, or to the whole pool without "
+                        "--ctx. Without --kv-unified each slot reserves its context")
     s.add_argument("--alias", "-a", default=None,
                    help="model names, comma-separated: /v1/models lists them as aliases, the first in sorted "
                         "order is the model's id (llama-server's); default: the file's name")  # fmt: skip

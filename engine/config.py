@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Mapping
 
+from ..contracts.footprint import CACHE_TYPES
 from .errors import UserError
 
 # The environment variables Hydra reads (README lists them), all of them here and nowhere else.
@@ -115,6 +116,7 @@ class ModelSettings:
     gpu_weights: str = "quantized"  # or "dense": expanded to the compute dtype on a GPU
     compile: bool = True  # torch.compile the CUDA decode step before graph capture (--no-compile)
     kv_types: tuple[str, str] = ("auto", "auto")  # --cache-type-k / --cache-type-v (engine/model/kv_cache.py)
+    kv_pool: int | None = None  # --kv-unified: positions of the KV pool all slots share; None: each reserves ctx
 
     @property
     def quantized(self) -> bool | None:
@@ -229,8 +231,9 @@ def default_cache_dir(env: Mapping[str, str]) -> Path | None:
     return Path(value) if value else Path.home() / ".cache" / "hydra-console" / "prepared"
 
 
-# llama.cpp's names; "auto" = the compute dtype (what model/kv_cache.py stores for each).
-KV_CACHE_TYPES = ("auto", "f32", "f16", "bf16", "q8_0")
+# llama.cpp's names; "auto" = the compute dtype (what model/kv_cache.py stores for each), declared
+# with their bytes per value in contracts/footprint.py (the console's estimate reads them there).
+KV_CACHE_TYPES = CACHE_TYPES
 
 
 def compile_cache_env(cache_dir: Path | None) -> dict[str, str]:
@@ -245,20 +248,34 @@ DEFAULT_CTX = 4096
 
 
 def slot_ctx(args) -> int:
-    """Context per slot: --ctx, or llama-server's -c/--ctx-size shared by the --parallel slots."""
-    if args.ctx is not None and args.ctx_size is not None:
-        raise UserError("--ctx (per slot) and -c/--ctx-size (all slots): give one of them")
-    if args.ctx_size is None:
+    """Context per slot: --ctx, or llama-server's -c/--ctx-size shared by the --parallel slots (with
+    --kv-unified, any slot may grow to the whole -c unless --ctx caps it)."""
+    unified = getattr(args, "kv_unified", False)
+    if args.ctx is not None and args.ctx_size is not None and not unified:
+        raise UserError("--ctx (per slot) and -c/--ctx-size (all slots): give one of them (or both with --kv-unified)")
+    if args.ctx_size is None or args.ctx is not None:
         return args.ctx if args.ctx is not None else DEFAULT_CTX
     _at_least(1, ctx_size=args.ctx_size)
-    return args.ctx_size // getattr(args, "parallel", 1)
+    return args.ctx_size if unified else args.ctx_size // getattr(args, "parallel", 1)
+
+
+def kv_pool(args, ctx: int) -> int | None:
+    """--kv-unified: the positions of the pool the slots share (-c/--ctx-size, else every slot's
+    context); None: each slot reserves its context."""
+    if not getattr(args, "kv_unified", False):
+        return None
+    if args.ctx_size is None:
+        return ctx * getattr(args, "parallel", 1)
+    if ctx > args.ctx_size:
+        raise UserError(f"--ctx {ctx} per slot exceeds the --kv-unified pool of -c/--ctx-size {args.ctx_size}")
+    return args.ctx_size
 
 
 def model_settings(args, env: Mapping[str, str]) -> ModelSettings:
     ctx = slot_ctx(args)
     _at_least(1, ctx=ctx)
     return ModelSettings(args.model, args.device, args.dtype, ctx, default_cache_dir(env), args.gpu_weights,
-                         not args.no_compile, (args.cache_type_k, args.cache_type_v))
+                         not args.no_compile, (args.cache_type_k, args.cache_type_v), kv_pool(args, ctx))
 
 
 def read_token_file(path: str) -> str:

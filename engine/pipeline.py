@@ -79,6 +79,7 @@ class Pipeline:
         with self._lock:
             if self._stale is not None:
                 self._rebuild(self._stale)
+            self._make_room(slots, positions)
             h = self._run(tokens, slots, positions)
             if self.remotes:  # only a split pipeline ever needs to rebuild KV
                 self._record(tokens, slots, positions)
@@ -99,6 +100,26 @@ class Pipeline:
                 self._rebuild(i)
                 return self._run(tokens, slots, positions)
         return h
+
+    def _make_room(self, slots: torch.Tensor, positions: torch.Tensor) -> None:
+        """A pooled KV cache short of blocks for this batch takes back those of the idle slots' prompt
+        cache first (every stage holds the same blocks per slot; the scheduler drops those prefixes).
+        Still short: the stages refuse the batch (KVPoolFull) before computing anything."""
+        blocks = self.local.kv_blocks
+        if not blocks.pooled or self.active_slots is None:
+            return
+        ends: dict[int, int] = {}
+        for slot, pos in zip(slots.tolist(), positions.tolist()):
+            ends[slot] = pos + 1
+        if not blocks.shortfall(ends):
+            return
+        keep = self.active_slots() | ends.keys()
+        idle = [s for s, held in enumerate(blocks.held) if held and s not in keep]
+        for slot in idle:
+            self.clear_slot(slot)
+        if idle:
+            self.kv_generation += 1
+            log.info("KV pool short: took back the prompt cache of %d idle slots", len(idle))
 
     def slot_length(self, slot: int) -> int:
         """Tokens of `slot` whose KV every stage holds."""
@@ -332,7 +353,8 @@ class Pipeline:
 
     def stages(self) -> list[StageInfo]:
         """Explicit layer ranges of every stage, for /status."""
-        out = [StageInfo("head", None, tuple(self.ranges[0]), str(self.local.device), "ok", self.local.kv_bytes)]
+        out = [StageInfo("head", None, tuple(self.ranges[0]), str(self.local.device), "ok", self.local.kv_bytes,
+                         self.local.held_weight_bytes)]  # fmt: skip
         for remote, r in zip(self.remotes, self.ranges[1:]):
             out.append(StageInfo("peer", remote.addr, tuple(r), str(remote.device), remote.state))
         return out

@@ -58,14 +58,13 @@ def restore(stage, slot: int, read: Callable[[int], bytes], fingerprint: str) ->
 def place(stage, slot: int, header: SlotHeader, body, fingerprint: str) -> list[int]:
     """Place a state already read whole (its chunks checked) into `slot`."""
     views = check(stage, slot, header, fingerprint)
-    stage.kv_clear(slot)
-    offset = 0
+    tensors, offset = {}, 0
     for entry in header.tensors:
         view = views[entry.name]
-        src = torch.frombuffer(body, dtype=view.dtype, count=view.numel(), offset=offset).view(view.shape)
-        view.copy_(src)
+        tensors[entry.name] = torch.frombuffer(body, dtype=view.dtype, count=view.numel(), offset=offset).view(view.shape)
         offset += entry.nbytes
-    stage.restored(slot, len(header.tokens))
+    stage.kv_clear(slot)
+    stage.place_slot_state(slot, len(header.tokens), tensors)
     return list(header.tokens)
 
 

@@ -557,5 +557,5 @@ def build_speculator(config: SpecConfig, draft_path: str | None, g, model: Model
     if ModelConfig.from_gguf(dg).recurrent:  # it would re-run its own last drafts every round
         raise UserError(f"--model-draft: a recurrent model ({dg.architecture}) cannot draft yet; use a transformer of the same vocabulary")
     stage = build_stage(dg, device=model.device, dtype=model.dtype, n_slots=n_slots, n_ctx=model.ctx, cache_dir=model.cache_dir,
-                        quantized=model.quantized)  # fmt: skip
+                        quantized=model.quantized, kv_pool=model.kv_pool)  # fmt: skip
     return Speculator(config, draft_pipeline=Pipeline(stage), max_draft=max_draft)

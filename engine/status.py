@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import resource
 import sys
 import threading
 import time
@@ -91,6 +92,12 @@ def process_info() -> ProcessInfo:
     import psutil
 
     rss = psutil.Process().memory_info().rss
+    # Linux reports KiB, from counters that can lag /proc's current reading by a few pages.
+    peaks = {"peak_rss": max(rss, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)}
+    torch = sys.modules.get("torch")  # never imported just for this (a peer before LOAD_STAGE has no CUDA context)
+    cuda = torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized()
+    if cuda:
+        peaks["peak_device_bytes"] = sum(torch.cuda.max_memory_reserved(i) for i in range(torch.cuda.device_count()))
     nvml, pid = _Nvml.module(), os.getpid()
     if nvml is not None:
         try:
@@ -100,13 +107,12 @@ def process_info() -> ProcessInfo:
                     if p.pid == pid:
                         seen, used = True, used + (p.usedGpuMemory or 0)
             if seen:
-                return ProcessInfo(rss, used, "nvml")
+                return ProcessInfo(rss, used, "nvml", **peaks)
         except Exception:  # NVML without per-process support: torch's view below
             pass
-    torch = sys.modules.get("torch")  # never imported just for this (a peer before LOAD_STAGE has no CUDA context)
-    if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
-        return ProcessInfo(rss, sum(torch.cuda.memory_reserved(i) for i in range(torch.cuda.device_count())), "torch")
-    return ProcessInfo(rss)
+    if cuda:
+        return ProcessInfo(rss, sum(torch.cuda.memory_reserved(i) for i in range(torch.cuda.device_count())), "torch", **peaks)
+    return ProcessInfo(rss, **peaks)
 
 
 class StatusDocument:

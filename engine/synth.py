@@ -180,11 +180,12 @@ def write_synthetic(
             _check_row(name, cols, qt)
             w.add_tensor(name, random_blocks((rows, cols), qt, std, rng), raw_dtype=qt)
             return
-        x = rng.standard_normal((rows, cols), dtype=np.float32) * np.float32(std)
         if zero:
-            x[:] = 0.0
+            x = np.zeros((rows, cols), np.float32)
         elif eye:
             x = np.eye(rows, cols, dtype=np.float32)
+        else:
+            x = rng.standard_normal((rows, cols), dtype=np.float32) * np.float32(std)
         _add_weight(w, name, x, qt, rng)
 
     def vec(name: str, n: int, center: float = 1.0, spread: float = 0.1) -> None:

@@ -11,6 +11,8 @@ import time
 from rpc_workers import free_ports
 
 from hydra_console.app.config import Profile, SupervisorSettings, WorkerSpec
+from hydra_console.app.split_plan import ModelShape
+from hydra_console.contracts.footprint import ModelTensors, Tensor
 from hydra_console.app.supervisor import State, Supervisor
 
 FAKE = f"{shlex.quote(sys.executable)} -m hydra_console.app.fake_worker"
@@ -30,6 +32,14 @@ def fake_profile(peers: int = 1, **kw) -> Profile:
         supervisor=SupervisorSettings(poll_s=0.2, grace_s=5),
         **kw,
     )
+
+
+def uniform_shape(n_layers: int, layer_elements: int, head_elements: int, kv_values_per_token_layer: int) -> ModelShape:
+    """A made-up model for the split editor: equal F16 layers of one matrix each, a tied F16
+    embedding of `head_elements`, K and V of half `kv_values_per_token_layer` each, no RoPE."""
+    layer = (Tensor("blk.w", "F16", (1024, layer_elements // 1024)),)
+    return ModelShape(ModelTensors(n_layers, (layer,) * n_layers, Tensor("token_embd.weight", "F16", (1024, head_elements // 1024)),
+                                   None, (), (kv_values_per_token_layer // 2,) * 2, 0, (True,) * n_layers))  # fmt: skip
 
 
 async def until(pilot, cond, timeout: float = 20.0) -> None:

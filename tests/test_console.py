@@ -22,7 +22,6 @@ from textual.command import CommandPalette
 
 from hydra_console.app.config import Alerts, Profile, SupervisorSettings, WorkerSpec, load_profile
 from hydra_console.app.sources import FixedFeedSource, Probe
-from hydra_console.app.split_plan import ModelShape
 from hydra_console.app.supervisor import State, Supervisor
 from hydra_console.app.ui.app import HydraConsole
 from hydra_console.app.ui.detail import WorkerDetailScreen
@@ -30,14 +29,14 @@ from hydra_console.app.ui.dialogs import ConfirmScreen, HelpScreen
 from hydra_console.app.ui.logs import LogsScreen
 from hydra_console.app.ui.split_editor import SplitEditorScreen
 from hydra_console.app.ui.triage import TriageScreen
-from consoles import FAKE, all_ready, fake_profile, kill_groups, port_pair, until
+from consoles import FAKE, all_ready, fake_profile, kill_groups, port_pair, uniform_shape, until
 
 def head_ranges(sup: Supervisor) -> list[list[int]]:
     doc = httpx.get(f"{sup.head.spec.url}/status", timeout=2).json()
     return [s["layers"] for s in doc["stages"]]
 
 
-SHAPE = ModelShape(n_layers=18, layer_elements=[5 << 20] * 18, head_elements=50 << 20, kv_elements_per_token_layer=1024)
+SHAPE = uniform_shape(18, 5 << 20, 50 << 20, 1024)
 
 
 # Each flow at the size the real-worker test (test_console_real.py) does not use.

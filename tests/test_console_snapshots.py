@@ -13,9 +13,10 @@ import pytest
 
 from hydra_console.app.config import Profile, SupervisorSettings, WorkerSpec
 from hydra_console.app.sources import FixedFeedSource, Probe
-from hydra_console.app.split_plan import ModelShape
 from hydra_console.app.supervisor import LogLine, Supervisor
 from hydra_console.app.ui.app import HydraConsole
+
+from consoles import uniform_shape
 
 T0 = 1_767_225_600.0  # 2026-01-01 00:00:00 UTC
 GiB = 1 << 30
@@ -57,7 +58,7 @@ LOG = [
     ("peer1", "err", "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB"),
     ("head", "err", "INFO hydra.http 3f2a9c1b7d4e POST /v1/completions 200 in=12 out=64 412ms"),
 ]
-SHAPE = ModelShape(n_layers=18, layer_elements=[3 << 19] * 18, head_elements=90 << 20, kv_elements_per_token_layer=512)
+SHAPE = uniform_shape(18, 3 << 19, 90 << 20, 512)
 
 
 @pytest.fixture(autouse=True)

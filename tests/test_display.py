@@ -12,11 +12,10 @@ from hypothesis import strategies as st
 from hydra_console.app import display
 from hydra_console.app.config import Alerts, Profile, WorkerSpec
 from hydra_console.app.sources import FixedFeedSource, Probe
-from hydra_console.app.split_plan import ModelShape
+from hydra_console.app.split_plan import ModelShape, WorkerMemory
 from hydra_console.app.supervisor import LogLine, State, Supervisor
 from hydra_console.contracts.status import Status
 from hydra_console.engine.errors import UserError
-from hydra_console.engine.gguf_file import GGUFFile
 
 
 def test_every_state_has_a_distinct_symbol_and_word():
@@ -107,33 +106,31 @@ def test_filter_regex_invert_and_literal_fallback():
     assert display.filter_lines(lines, display.compile_filter("")) == lines
 
 
-def test_memory_estimate_adds_up_to_the_gguf(tiny_model):
-    path = tiny_model("llama", n_layers=4)
-    shape = ModelShape.from_gguf(path)
-    g = GGUFFile(path)
-    est = shape.estimate([3, 1], n_ctx=64, n_slots=2)
-    assert [e.layers for e in est] == [(0, 3), (3, 4)]
-    assert sum(e.weight_bytes for e in est) == 2 * sum(t.n_elements for t in g.tensors.values())  # bfloat16
-    assert est[0].kv_bytes == 3 * est[1].kv_bytes > 0
-    f32 = shape.estimate([3, 1], n_ctx=64, n_slots=2, dtype="float32")
-    assert [e.total for e in f32] == [2 * e.total for e in est]
-    with pytest.raises(UserError, match="covers 3 layers"):
-        shape.estimate([2, 1], 64, 2)
-
-
-def test_memory_estimate_keeps_quantized_weights_in_their_file_bytes(tiny_model):
+def test_memory_estimate_counts_each_stage_as_its_worker_holds_it(tiny_model):
     path = tiny_model("llama", n_layers=4, n_embd=256, n_ff=256, qtype="Q4_K")
     shape = ModelShape.from_gguf(path)
-    g = GGUFFile(path)
-    quantized = [t for t in g.tensors.values() if t.ggml_type.name not in ("F32", "F16", "BF16")]
-    assert quantized, "the synthetic model should hold quantized tensors"
-    gpu, cpu = (shape.estimate([3, 1], n_ctx=64, n_slots=2, quantized=[q, q]) for q in (True, False))
-    floats = sum(t.n_elements for t in g.tensors.values()) - sum(t.n_elements for t in quantized)
-    assert sum(e.weight_bytes for e in gpu) == pytest.approx(sum(t.nbytes for t in quantized) * 1.03 + 2 * floats, abs=2)
-    assert sum(e.weight_bytes for e in cpu) == 2 * sum(t.n_elements for t in g.tensors.values())
-    assert [e.kv_bytes for e in gpu] == [e.kv_bytes for e in cpu]
-    mixed = shape.estimate([3, 1], n_ctx=64, n_slots=2, quantized=[False, True])
-    assert mixed[0] == cpu[0] and mixed[1] == gpu[1]
+    cpu, gpu = WorkerMemory("cpu"), WorkerMemory("cuda")
+    est = shape.estimate([3, 1], n_ctx=64, n_slots=2, workers=[cpu, cpu])
+    assert [e.layers for e in est] == [(0, 3), (3, 4)]
+    assert est[0].kv_bytes == 3 * est[1].kv_bytes > 0
+    # A GPU keeps Q4_K in its bits (148 bytes per 256 weights) where a CPU holds int8 terms and a bf16 copy.
+    on_gpu = shape.estimate([3, 1], n_ctx=64, n_slots=2, workers=[cpu, gpu])
+    assert on_gpu[0] == est[0] and on_gpu[1].weight_bytes < est[1].weight_bytes / 5
+    assert on_gpu[1].kv_bytes == est[1].kv_bytes * 3 // 2  # + the CUDA graphs' padding slot
+    q8 = shape.estimate([3, 1], n_ctx=64, n_slots=2, workers=[WorkerMemory("cpu", kv_types=("q8_0", "q8_0"))] * 2)
+    assert [e.kv_bytes for e in q8] == [e.kv_bytes * 17 // 32 for e in est]  # 34 bytes per 32 values, not 64
+    with pytest.raises(UserError, match="covers 3 layers"):
+        shape.estimate([2, 1], 64, 2, [cpu, cpu])
+
+
+def test_memory_form_says_how_a_worker_holds_its_stage():
+    assert display.memory_form(WorkerMemory("cpu")) == "(cpu): weights int8 + bf16 prefill copy, KV bf16/bf16"
+    assert display.memory_form(WorkerMemory("cpu", "float32")) == "(cpu): weights at float32, KV f32/f32"
+    assert display.memory_form(WorkerMemory("cuda", kv_types=("q8_0", "f16"))) == "(cuda): weights as in the GGUF, KV q8_0/f16"
+    assert display.memory_form(WorkerMemory("cuda", gpu_weights="dense")) == "(cuda): weights at bfloat16, KV bf16/bf16"
+    mixed = [WorkerMemory("cuda"), WorkerMemory("cpu"), WorkerMemory("cuda")]
+    assert display.memory_forms(["head", "peer1", "peer2"], mixed) == (
+        "head, peer2 (cuda): weights as in the GGUF, KV bf16/bf16; peer1 (cpu): weights int8 + bf16 prefill copy, KV bf16/bf16")
 
 
 STATUS = {

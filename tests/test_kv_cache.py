@@ -9,6 +9,7 @@ import torch
 from hydra_console.engine.cli import build_parser
 from hydra_console.engine.config import head_config
 from hydra_console.engine.errors import UserError
+from hydra_console.engine.model.kv_blocks import KVBlocks
 from hydra_console.engine.model.kv_cache import KVCache, check_cache_type
 from stages import load, prefill
 
@@ -16,7 +17,7 @@ pytestmark = pytest.mark.unit
 
 
 def test_q8_0_round_trip_is_within_half_a_step_per_block_plus_the_float16_scale():
-    kv = KVCache(2, 3, 16, 64, compute=torch.float32, device="cpu", k_type="q8_0", v_type="q8_0")
+    kv = KVCache(KVBlocks.reserved(2, 16, "cpu"), 3, 64, compute=torch.float32, device="cpu", k_type="q8_0", v_type="q8_0")
     k = torch.randn(16, 3, 64) * torch.logspace(-3, 2, 16)[:, None, None]  # blocks of very different scales
     kv.write_run(1, 0, k, -k)
     got_k, got_v = kv.read_run(1, 0, 16)
@@ -32,7 +33,7 @@ def test_q8_0_round_trip_is_within_half_a_step_per_block_plus_the_float16_scale(
 
 
 def test_scatter_and_gather_match_runs():
-    kv = KVCache(3, 2, 8, 32, compute=torch.float32, device="cpu", k_type="q8_0", v_type="f16")
+    kv = KVCache(KVBlocks.reserved(3, 8, "cpu"), 2, 32, compute=torch.float32, device="cpu", k_type="q8_0", v_type="f16")
     k, v = torch.randn(3, 2, 32), torch.randn(3, 2, 32)
     kv.scatter(torch.tensor([2, 0, 1]), torch.tensor([5, 0, 7]), k, v)
     keys, vals = kv.gather(torch.tensor([2, 0, 1]), 8)

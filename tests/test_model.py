@@ -11,7 +11,8 @@ import torch
 
 from hydra_console.engine.errors import UserError
 from hydra_console.engine.gguf_file import GGUFFile
-from hydra_console.engine.model import ModelConfig, build_stage, device_bytes
+from hydra_console.contracts.footprint import model_tensors
+from hydra_console.engine.model import ModelConfig, build_stage
 from stages import load, prefill
 
 ARCHS = ["llama", "qwen2", "qwen3", "gemma3"]
@@ -219,5 +220,6 @@ def test_weights_kept_quantized_compute_what_the_dense_ones_do(tiny_model, qtype
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     assert quant.weight_bytes < dense.weight_bytes / 3 and not quant.weights.expanded
     # What a peer checks against free memory before LOAD_STAGE: the held bytes, not bfloat16's.
-    held = sum(device_bytes(t, torch.float32, True) for n, t in g.tensors.items() if n.startswith("blk."))
-    assert held < sum(device_bytes(t, torch.float32, False) for n, t in g.tensors.items() if n.startswith("blk.")) / 3
+    tensors = model_tensors(g.metadata, g.tensors)
+    held = sum(tensors.layer_weights(il, "quantized", "float32") for il in range(tensors.n_layers))
+    assert held < sum(tensors.layer_weights(il, "dense", "float32") for il in range(tensors.n_layers)) / 3

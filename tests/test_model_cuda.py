@@ -26,7 +26,7 @@ def run(stage: Stage, tokens, slots, positions) -> torch.Tensor:
     return stage.logits(h)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma3", "qwen35"])
 def test_cuda_bf16_matches_cpu_float32(tiny_model, arch):
     g = GGUFFile(tiny_model(arch, n_layers=3))
     cpu = build_stage(g, device="cpu", dtype="float32", n_slots=3, n_ctx=64)
@@ -196,11 +196,12 @@ def test_weights_stay_quantized_and_agree_with_bf16(tiny_model, qtype):
         token = q_rows[-1][-1].argmax().item()
     q, d = torch.cat(q_rows).cpu(), torch.cat(d_rows).cpu()
     err = rel_err(q, d)
-    # Random weights leave near-ties that bfloat16 rounding flips either way: top-1 must agree wherever
-    # the dense lead over the runner-up is 4x the typical error, and that must be most positions.
+    # Random weights leave near-ties that bfloat16 rounding flips either way: top-1 must agree (the
+    # issue's 0.99) wherever the dense lead over the runner-up is 4x the typical error, and that must
+    # be most positions. Measured 0.996-1.0 (one flip in 288 positions on Q6_K and Q4_K_M).
     top2 = d.topk(2, dim=-1).values
     decisive = (top2[:, 0] - top2[:, 1]) > 4 * err * d.pow(2).mean(-1).sqrt()
     agree = (q.argmax(-1) == d.argmax(-1))[decisive].float().mean().item()
     print(f"{qtype}: top-1 agreement {agree:.4f} on {decisive.float().mean().item():.1%} decisive positions, "
           f"rel err {err:.2e}, weights {quant.weight_bytes / 2**20:.1f} MiB vs bf16 {dense.weight_bytes / 2**20:.1f} MiB")
-    assert err < 2e-2 and decisive.float().mean() >= 0.8 and agree == 1.0 and 1 in quant.graphs.graphs
+    assert err < 2e-2 and decisive.float().mean() >= 0.8 and agree >= 0.99 and 1 in quant.graphs.graphs

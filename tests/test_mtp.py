@@ -76,11 +76,11 @@ def test_mtp_logits_and_draft_chain_agree_with_llama_cpp(tmp_path):
     assert draft.tokens == [r["top"][0][0] for r in ref["drafts"]]
 
 
-def _engine_outputs(path, spec_type: str, p_min: float, n_slots: int = 3, max_tokens: int = 30):
+def _engine_outputs(path, spec_type: str, p_min: float, n_slots: int = 3, max_tokens: int = 30, device: str = "cpu"):
     """Greedy outputs of PROMPTS submitted together (slots batched), and the acceptance counters."""
     g = GGUFFile(path)
     tok = Tokenizer.from_gguf(g)
-    stage = load(path, n_slots=n_slots, n_ctx=128)
+    stage = load(path, n_slots=n_slots, n_ctx=128, device=device)
     spec = build_speculator(SpecConfig(type=spec_type, n_max=3, p_min=p_min), None, g, F32, n_slots, head=stage)
     eng = Engine(Pipeline(stage), tok, n_slots, 128, speculator=spec).start()
     results = {}
@@ -103,12 +103,14 @@ def _engine_outputs(path, spec_type: str, p_min: float, n_slots: int = 3, max_to
         eng.stop()
 
 
-def test_greedy_with_mtp_equals_greedy_without(tiny_model):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"))])
+def test_greedy_with_mtp_equals_greedy_without(tiny_model, device):
     """Random weights: most drafts are rejected (p-min 0 drafts every step), so the recurrent state and
-    the block's KV go through many rollbacks, with three slots batched; the tokens do not change."""
+    the block's KV go through many rollbacks, with three slots batched; the tokens do not change.
+    On CUDA the plain run decodes through the captured graphs, the MTP run through verify batches."""
     path = tiny_model("qwen35", n_layers=4, nextn=True)
-    plain, _ = _engine_outputs(path, "off", 0.75)
-    with_mtp, stats = _engine_outputs(path, "mtp", 0.0)
+    plain, _ = _engine_outputs(path, "off", 0.75, device=device)
+    with_mtp, stats = _engine_outputs(path, "mtp", 0.0, device=device)
     assert with_mtp == plain
     assert stats.type == "mtp" and stats.draft_tokens > 0 and stats.accepted < stats.draft_tokens
 

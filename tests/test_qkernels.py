@@ -11,7 +11,7 @@ import pytest
 import torch
 from gguf.constants import GGMLQuantizationType as T
 
-from hydra_console.engine.kernels import LAYOUTS, QuantWeight, qlinear
+from hydra_console.engine.kernels import LAYOUTS, QuantWeight, qlinear, qweight
 from hydra_console.engine.quant import QuantError, dequantize
 from hydra_console.engine.synth import random_blocks
 
@@ -48,6 +48,16 @@ def test_layout_is_bit_exact_and_rows_gather(qt):
     # The true footprint: the file's bytes, plus 4 bytes per 256 weights where 6-bit scales are unpacked.
     extra = 24 * _k(qt) // 256 * 4 if qt in (T.Q4_K, T.Q5_K) else 0
     assert w.nbytes == raw.nbytes + extra
+
+
+@pytest.mark.parametrize("qt", [T.Q5_K, T.Q8_0], ids=lambda t: t.name)
+def test_repack_in_row_slices_equals_whole(qt, monkeypatch):
+    """Big tensors are repacked a slice of rows at a time (device peak at load): same planes, last slice short."""
+    raw, whole, _ = _weight(qt, 24, _k(qt))
+    monkeypatch.setattr(qweight, "REPACK_BYTES", raw.shape[1] * 5)  # slices of 5 rows: 5+5+5+5+4
+    sliced = QuantWeight.from_gguf(raw, qt, (24, _k(qt)))
+    assert sliced.planes.keys() == whole.planes.keys()
+    assert all(torch.equal(sliced.planes[name], t) for name, t in whole.planes.items())
 
 
 def test_unsupported_type_and_bad_shape_are_clear_errors():

@@ -64,14 +64,19 @@ def greedy_ids(stage, ids, n) -> list[int]:
     return out
 
 
+CUDA = pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"))
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
 @pytest.mark.parametrize("name", ["f32", "q4_k"])
-def test_logits_agree_with_llama_cpp(reference_models, name):
+def test_logits_agree_with_llama_cpp(reference_models, name, device):
+    """On CUDA: chunked prefill, the graph-captured decode step, and Q4_K weights kept quantized."""
     ref = json.loads((REFERENCE / f"logits_{name}.json").read_text())
     path = reference_models[name]
     assert hashlib.sha256(path.read_bytes()).hexdigest() == ref["sha256"], "synthetic model changed: regenerate (README.md)"
-    stage = load(path, n_slots=1)
+    stage = load(path, n_slots=1, device=device)
     got = compare(stage, ref)
-    print(name, {k: f"{v:.3g}" for k, v in got.items()})
+    print(name, device, {k: f"{v:.3g}" for k, v in got.items()})
     if name == "f32":
         assert got["top1"] == 1.0 and got["max_abs"] < F32_MAX_ABS, got
         assert greedy_ids(stage, ref["ids"], len(ref["greedy"])) == ref["greedy"]
@@ -122,6 +127,28 @@ def test_batched_slots_equal_each_slot_alone(tiny_model):
     got = batched.logits(batched.run_layers(batched.embed(tokens), slots, positions))
     want = [prefill(alone, prompts[0] + [41])[-1:], prefill(alone, prompts[1] + [42, 43, 44])[-3:], prefill(alone, prompts[2] + [45])[-1:]]
     torch.testing.assert_close(got, torch.cat(want), atol=1e-5, rtol=1e-5)
+
+
+def test_the_graph_step_equals_the_eager_decode(tiny_model):
+    """`DeltaNet.step` (what the CUDA decode graphs capture) against the eager runs of one token:
+    the same outputs, states and checkpoints, so a rejected draft rolls back the same way after either."""
+    path = tiny_model("qwen35", n_layers=4)
+    eager, graphed = load(path), load(path)
+    prompts = [PROMPT[:5], PROMPT[3:12], PROMPT[7:10]]
+    for stage in (eager, graphed):
+        for slot, p in enumerate(prompts):
+            prefill(stage, p, slot=slot)
+    slots, positions = torch.tensor([0, 2, 1]), torch.tensor([5, 3, 9])
+    for step in range(3):
+        tokens = torch.tensor([41 + step, 42 + step, 43 + step])
+        want = eager.logits(eager.run_layers(eager.embed(tokens), slots, positions + step))
+        h = graphed._forward(graphed.embed(tokens), slots, positions + step, None, batched=True, kv_len=graphed.n_ctx)
+        torch.testing.assert_close(graphed.logits(h), want, atol=1e-5, rtol=1e-5)
+    for a, b in zip(eager.recurrent, graphed.recurrent):
+        for name in ("conv_state", "ssm_state", "conv_ckpt", "ssm_ckpt"):
+            torch.testing.assert_close(getattr(b, name)[:3, :2] if "ckpt" in name else getattr(b, name)[:3],
+                                       getattr(a, name)[:3, :2] if "ckpt" in name else getattr(a, name)[:3],
+                                       atol=1e-5, rtol=1e-5)  # fmt: skip
 
 
 def test_kv_clear_resets_the_recurrent_state(tiny_model):

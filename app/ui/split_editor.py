@@ -15,7 +15,7 @@ from textual.widgets import Footer, Header, Static
 from .. import display
 from ...contracts.split import counts_of, even_split, move_boundary, ranges, split_arg
 from ..split_advisor import MIN_GAIN, Advice, advise
-from ..split_plan import ModelShape
+from ..split_plan import ModelShape, WorkerMemory
 from ..supervisor import SupervisorError
 
 
@@ -89,9 +89,8 @@ class SplitEditorScreen(Screen):
         if not self.counts:
             self.query_one("#split-table", Static).update("No layer count yet: waiting for the head's /status or the model file.")
             return
-        quantized = self._quantized()
-        estimates = (self.shape.estimate(self.counts, sup.profile.ctx, sup.profile.parallel, self._dtype(), quantized)
-                     if self.shape else None)  # fmt: skip
+        memory = self._memory()
+        estimates = self.shape.estimate(self.counts, sup.profile.ctx, sup.profile.parallel, memory) if self.shape else None
         table = Table(box=None, expand=False, pad_edge=False, header_style="bold")
         for col in ("", "worker", "layers", "n", "weights", "KV", "total", "device free"):
             table.add_column(col, no_wrap=True, justify="right" if col in ("n", "weights", "KV", "total", "device free") else "left")
@@ -123,9 +122,7 @@ class SplitEditorScreen(Screen):
         note.update(
             f"layers {layer_map}\n"
             f"boundary {left} | {right}  ·  split {split_arg(self.counts)}{state}"
-            + f"\nestimates: weights {'quantized as in the GGUF on GPU workers, else ' if any(quantized) else ''}"
-            f"at {self._dtype()}, KV at {self._dtype()} for {sup.profile.parallel} slots × {sup.profile.ctx} tokens"
-            + ("" if all(quantized) else " (CPU int8 weights take about half)")
+            + f"\nestimates for {sup.profile.parallel} slots × {sup.profile.ctx} tokens: {display.memory_forms(names, memory)}"
         )
 
     def render_advice(self) -> None:
@@ -184,20 +181,19 @@ class SplitEditorScreen(Screen):
         self._applied(counts)
         self.action_measure()
 
-    def _quantized(self) -> list[bool]:
-        """Per worker: does it keep GGUF-quantized weights? A GPU worker does (the engine's default
-        --gpu-weights quantized), unless its flags say dense."""
+    def _memory(self) -> list[WorkerMemory]:
+        """Per worker, how it will hold its stage: its device (`auto` is a GPU when its /status lists
+        one), the head's --dtype (LOAD_STAGE gives it to every peer), its --gpu-weights, and its
+        --cache-type-k/-v (its own args over the profile's)."""
+        profile = self.app.supervisor.profile
+        dtype = _flag(profile.head.args, ("--dtype",), "auto")
         out = []
         for w in self.app.supervisor.workers.values():
-            st, device = w.status, w.spec.device
+            st, device, args = w.status, w.spec.device, w.spec.args
             gpu = device.startswith("cuda") or (device == "auto" and st is not None and any(d.kind == "cuda" for d in st.devices))
-            out.append(gpu and "dense" not in w.spec.args)
+            kv = (_flag(args, ("--cache-type-k", "-ctk"), profile.cache_type_k), _flag(args, ("--cache-type-v", "-ctv"), profile.cache_type_v))
+            out.append(WorkerMemory("cuda" if gpu else "cpu", dtype, _flag(args, ("--gpu-weights",), "quantized"), kv))
         return out
-
-    def _dtype(self) -> str:
-        """The head's --dtype if its profile entry passes one, else the engine's auto (bfloat16)."""
-        args = self.app.supervisor.profile.head.args
-        return args[args.index("--dtype") + 1] if "--dtype" in args[:-1] else "bfloat16"
 
     def action_select(self, step: int) -> None:
         if len(self.counts) > 1:
@@ -236,3 +232,14 @@ class SplitEditorScreen(Screen):
         if self.counts and self.app.save_split(list(self.counts)):
             self.saved = list(self.counts)
             self.render_plan()
+
+
+def _flag(args: list[str], names: tuple[str, ...], default: str) -> str:
+    """The value of the last of `names` in `args` (argparse's: the last one wins), else `default`."""
+    value = default
+    for i, a in enumerate(args):
+        if a in names and i + 1 < len(args):
+            value = args[i + 1]
+        elif a.startswith(tuple(n + "=" for n in names)):
+            value = a.split("=", 1)[1]
+    return value

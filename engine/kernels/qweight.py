@@ -28,6 +28,9 @@ from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as T
 
 from ..quant import QuantError, _as_bytes, _bits, _f16, _q5_low_high, _scale_min_k4
 
+# GGUF bytes repacked per slice (see `QuantWeight.from_gguf`).
+REPACK_BYTES = 64 << 20
+
 
 @dataclass(frozen=True)
 class Layout:
@@ -112,6 +115,18 @@ def _unpack(q: torch.Tensor, h: torch.Tensor | None, bits: int) -> torch.Tensor:
     return torch.stack([lo, hi], dim=2).reshape(n, half * 2)
 
 
+def _repack(data: torch.Tensor, qt: T, k: int) -> dict[str, torch.Tensor]:
+    """GGUF bytes of whole rows of width k -> the planes of those rows."""
+    type_size = GGML_QUANT_SIZES[qt][1]
+    fields = _split(data.view(-1, type_size), qt)
+    u = fields.pop("u")
+    q, h = _pack(u.reshape(-1, k), LAYOUTS[qt].bits)
+    n = q.shape[0]
+    planes = {"q": q} | ({"h": h} if h is not None else {})
+    return planes | {name: t.reshape(n, -1).to(torch.float16 if name in ("d", "m") else t.dtype).contiguous()
+                     for name, t in fields.items()}
+
+
 class QuantWeight:
     """A [n, k] weight kept quantized (see the module doc for the planes); `.planes` are on one device."""
 
@@ -137,12 +152,15 @@ class QuantWeight:
         data = _as_bytes(raw)
         if k % block or data.numel() != n * k // block * type_size:
             raise QuantError(f"{qt.name} tensor of shape {[n, k]} does not match its {data.numel()} bytes")
-        fields = _split(data.to(device).view(-1, type_size), qt)
-        layout = LAYOUTS[qt]
-        q, h = _pack(fields.pop("u").reshape(n, k), layout.bits)
-        planes = {"q": q} | ({"h": h} if h is not None else {})
-        planes |= {name: t.reshape(n, -1).to(torch.float16 if name in ("d", "m") else t.dtype).contiguous()
-                   for name, t in fields.items()}
+        # A slice of rows at a time: the repack's integer intermediates are several times the bytes, and
+        # a 248k-row embedding repacked whole would set the device's peak (a 27B's load).
+        row_bytes = k // block * type_size
+        step = max(1, REPACK_BYTES // row_bytes)
+        planes: dict[str, torch.Tensor] = {}
+        for r0 in range(0, n, step):
+            part = _repack(data[r0 * row_bytes : (r0 + step) * row_bytes].to(device), qt, k)
+            for name, t in part.items():
+                planes.setdefault(name, torch.empty(n, t.shape[1], dtype=t.dtype, device=t.device))[r0 : r0 + step] = t
         return cls(qt, (n, k), planes)
 
     @property

@@ -9,7 +9,7 @@ from .deltanet import ROLLBACK
 from .graphs import DecodeGraphs
 from .nextn import NextN, nextn_prefix
 from .stage import RESCORE_TOP, Stage, build_stage
-from .weights import Linear, Weights, device_bytes
+from .weights import Linear, Weights
 
 __all__ = [
     "ARCHITECTURES",
@@ -21,7 +21,6 @@ __all__ = [
     "NextN",
     "Stage",
     "Weights",
-    "device_bytes",
     "build_stage",
     "nextn_prefix",
 ]

@@ -1,9 +1,10 @@
-"""The two attention paths over a layer's static KV cache.
+"""The attention paths over a layer's KV cache.
 
 `attend_runs` serves any batch (prefill, speculative verify, decode) one slot run at a time
-through SDPA; `attend_batched` serves one token per slot with no host values, so a CUDA graph can
-capture it: every slot attends over its first `kv_len` cache rows under an additive
-`decode_bias`.
+through SDPA. One token per slot with no host values, so a CUDA graph can capture it:
+`attend_decode` on CUDA (the Triton kernel: each slot walks only its own positions, in the cache's
+own type), `attend_batched` elsewhere (every slot attends over its first `kv_len` cache rows under
+an additive `decode_bias`).
 """
 
 from __future__ import annotations
@@ -72,3 +73,14 @@ def attend_batched(cfg: ModelConfig, layer: _Layer, q, k, v, slots, positions, k
     scores = torch.baddbmm(bias, q, keys.transpose(1, 2), alpha=cfg.attn_scale)
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(vals.dtype)
     return torch.bmm(probs, vals).view(q.shape[0] // cfg.n_head_kv, cfg.n_head, cfg.head_dim)
+
+
+def attend_decode(cfg: ModelConfig, layer: _Layer, q, k, v, slots, positions) -> torch.Tensor:
+    """One token per slot through the decode-attention kernel: scatter K/V, attend over each slot's
+    positions up to its own (the last `window` of them on a sliding-window layer)."""
+    from ..kernels.triton_attention import decode_attention, default_splits
+
+    kv = layer.kv
+    kv.scatter(slots, positions, k, v)
+    splits = default_splits(q.shape[0], cfg.n_head_kv, kv.blocks.n_ctx, cfg.head_dim, q.device)
+    return decode_attention(q, *kv.stored(), slots, positions, kv.blocks.table, layer.window, cfg.attn_scale, splits)

@@ -11,7 +11,8 @@ then updates a [head_k_dim, head_v_dim] state per V head:
 and the output is RMSNorm(o) * ssm_norm * SiLU(z) through ssm_out. Both states live per slot in
 float32, beside the attention layers' KV cache.
 
-The recurrence runs token by token (the reference form). A batch's runs (one per slot) go through
+The recurrence runs token by token (the reference form); `step` is its one-token-per-slot form
+with no host values, which the decode graphs capture. A batch's runs (one per slot) go through
 it together, padded to the longest: a padded step has g = 0 and β = 0, which leaves the state
 exactly as it was, so prefill chunks, verify batches and decode share one code path. Long runs
 (prefill) take their first CHUNK-multiple of steps in the chunked form (`_chunked`, equal to the
@@ -29,11 +30,9 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from ...contracts.footprint import ROLLBACK
 from .config import ModelConfig
 
-# Positions a slot's recurrent state can be taken back: the longest draft a recurrent model verifies.
-# Each one costs a copy of the state per slot and layer.
-ROLLBACK = 4
 # Steps per chunk of the chunked (prefill) form: llama.cpp's chunk size.
 CHUNK = 64
 
@@ -118,9 +117,41 @@ class DeltaNet:
         else:
             out = self._delta_rule(q, k, v, g, b, slots, lengths)
 
-        o = out[valid] / s.head_k_dim**0.5  # [T, Hv, dv], back in batch order
-        o = F.rms_norm(o, (dv,), self.norm, self.cfg.rms_eps) * F.silu(z.view(-1, Hv, dv))
-        return self.w_out(o.flatten(1).to(x.dtype)).float()
+        return self._output(out[valid], z, x.dtype)  # [T, Hv, dv], back in batch order
+
+    def step(self, x: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """One token per slot (decode): x [B, n_embd] -> [B, n_embd] float32, with no host values
+        (CUDA-graph capturable; rows of a graph's padding slot may repeat). The same arithmetic as
+        `__call__` on runs of one token, checkpoints included (j = 1: the incoming state)."""
+        s = self.shape
+        C, Hv, dv, K = s.conv_channels, s.n_v_heads, s.head_v_dim, s.conv_kernel
+        mixed, z, beta, alpha = self.w_in(x).float().split([C, Hv * dv, Hv, Hv], dim=-1)
+        conv_in = torch.cat([self.conv_state[slots], mixed[:, :, None]], dim=2)  # [B, C, K]
+        conv = F.silu(sum(conv_in[:, :, i] * self.conv[:, i] for i in range(K)))
+        self.conv_ckpt[slots, 1] = conv_in[:, :, :-1]
+        self.conv_ckpt[slots, 0] = self.conv_state[slots] = conv_in[:, :, 1:]
+        nk = s.n_k_heads * s.head_k_dim
+        q = _l2norm(conv[:, :nk].unflatten(-1, (s.n_k_heads, s.head_k_dim)), self.cfg.rms_eps)
+        k = _l2norm(conv[:, nk : 2 * nk].unflatten(-1, (s.n_k_heads, s.head_k_dim)), self.cfg.rms_eps)
+        v = conv[:, 2 * nk :].unflatten(-1, (Hv, dv))
+        repeat = Hv // s.n_k_heads
+        q, k = q.repeat(1, repeat, 1), k.repeat(1, repeat, 1)
+        g = F.softplus(alpha + self.dt_bias) * self.a
+        b = torch.sigmoid(beta)
+        state = self.ssm_state[slots]
+        self.ssm_ckpt[slots, 1] = state
+        state = state * torch.exp(g[:, :, None, None])
+        delta = (v - (k[:, :, None, :] @ state).squeeze(-2)) * b[:, :, None]
+        state = state + k[:, :, :, None] * delta[:, :, None, :]
+        self.ssm_ckpt[slots, 0] = self.ssm_state[slots] = state
+        return self._output((q[:, :, None, :] @ state).squeeze(-2), z, x.dtype)
+
+    def _output(self, o: torch.Tensor, z: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Sᵀq per token [T, Hv, dv] -> the layer's output: scaled, gated RMSNorm, ssm_out."""
+        s = self.shape
+        o = o / s.head_k_dim**0.5
+        o = F.rms_norm(o, (s.head_v_dim,), self.norm, self.cfg.rms_eps) * F.silu(z.view(-1, s.n_v_heads, s.head_v_dim))
+        return self.w_out(o.flatten(1).to(dtype)).float()
 
     def _conv(self, mixed, slots, n, keep) -> torch.Tensor:
         """Causal depthwise conv + SiLU over [state | run] per run: mixed [R, L, C] -> [R, L, C];

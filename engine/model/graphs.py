@@ -27,8 +27,8 @@ class DecodeGraphs:
     Inputs are copied into static buffers (slots and positions through pinned host memory, so the
     host never waits for the device), the graph replays the whole layer stack, and the output
     buffer is cloned out. Rows beyond the batch write their K/V into the stage's padding slot
-    (`pad_slot`, a cache row no sequence owns). Attention covers the whole per-slot cache (`n_ctx`
-    rows) under a position mask, so one graph serves every position.
+    (`pad_slot`, a cache row no sequence owns). The decode-attention kernel reads each slot's length
+    from its position on the device, so one graph serves every position.
     """
 
     def __init__(self, stage: Stage, pad_slot: int, compiled: bool = False):

@@ -4,7 +4,8 @@ Types as llama.cpp names them: `f32`, `f16`, `bf16` store values as they are; `q
 codes with one float16 scale per 32 values of a head (d = max|x| / 127, code = round(x / d)), about
 half the bytes of f16. `auto` follows the compute dtype (exact: the fp32 CPU path stays bit-equal).
 Reads return the compute dtype; positions a slot has not written are never read (attention masks
-them), so nothing needs clearing for correctness.
+them), so nothing needs clearing for correctness. Positions live in blocks (kv_blocks.py): one per
+slot when reserved, blocks of a shared pool when pooled.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import torch
 
 from ..config import KV_CACHE_TYPES as CACHE_TYPES
 from ..errors import UserError
+from .kv_blocks import KVBlocks
 
 _DENSE = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
 Q8_BLOCK = 32
@@ -26,7 +28,7 @@ def check_cache_type(name: str, flag: str, head_dim: int | None = None) -> None:
 
 
 class _Store:
-    """One of K or V: [rows, n_kv, n_ctx, head_dim] in a cache type."""
+    """One of K or V: [n_blocks, n_kv, block_size, head_dim] in a cache type."""
 
     def __init__(self, kind: str, shape: tuple[int, ...], compute: torch.dtype, device):
         self.kind, self.compute = kind, compute
@@ -66,51 +68,82 @@ class _Store:
 
 
 class KVCache:
-    """K and V of one layer for `rows` slots. `k_type` / `v_type`: CACHE_TYPES."""
+    """K and V of one layer, in blocks of positions that `blocks` (the stage's block table) assigns
+    to slots. `k_type` / `v_type`: CACHE_TYPES."""
 
-    def __init__(self, rows: int, n_kv: int, n_ctx: int, head_dim: int, *, compute: torch.dtype, device,
+    def __init__(self, blocks: KVBlocks, n_kv: int, head_dim: int, *, compute: torch.dtype, device,
                  k_type: str = "auto", v_type: str = "auto"):  # fmt: skip
-        shape = (rows, n_kv, n_ctx, head_dim)
+        shape = (blocks.n_blocks, n_kv, blocks.block_size, head_dim)
+        self.blocks = blocks
         self.k = _Store(k_type, shape, compute, device)
         self.v = _Store(v_type, shape, compute, device)
 
+    def _run(self, slot: int, start: int, end: int) -> tuple[tuple, bool]:
+        """The index of one slot's positions start..end-1, and whether it puts positions first
+        ([n, n_kv, ...], several blocks) or heads first ([n_kv, n, ...], a slice of one block)."""
+        bs = self.blocks.block_size
+        if not self.blocks.pooled:  # the slot's one block: a view, no gather
+            return (self.blocks.held[slot][0], slice(None), slice(start, end)), False
+        pos = torch.arange(start, end, device=self.blocks.table.device)
+        return (self.blocks.table[slot, pos // bs].long(), slice(None), pos % bs), True
+
     def write_run(self, slot: int, p0: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """k, v [n, n_kv, head_dim] at positions p0.. of one slot."""
-        index = (slot, slice(None), slice(p0, p0 + k.shape[0]))
-        self.k.put(index, k.transpose(0, 1))
-        self.v.put(index, v.transpose(0, 1))
+        """k, v [n, n_kv, head_dim] at positions p0.. of one slot (its blocks are held: `KVBlocks.fit`)."""
+        index, positions_first = self._run(slot, p0, p0 + k.shape[0])
+        self.k.put(index, k if positions_first else k.transpose(0, 1))
+        self.v.put(index, v if positions_first else v.transpose(0, 1))
 
     def read_run(self, slot: int, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K, V [n_kv, end - start, head_dim] of one slot, in the compute dtype."""
-        index = (slot, slice(None), slice(start, end))
-        return self.k.get(index), self.v.get(index)
+        index, positions_first = self._run(slot, start, end)
+        k, v = self.k.get(index), self.v.get(index)
+        return (k.transpose(0, 1), v.transpose(0, 1)) if positions_first else (k, v)
 
     def scatter(self, slots: torch.Tensor, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """One token per slot: k, v [B, n_kv, head_dim] (graph-capturable: no host values)."""
-        index = (slots, slice(None), positions)
+        bs = self.blocks.block_size
+        index = (self.blocks.table[slots, positions // bs].long(), slice(None), positions % bs)
         self.k.put(index, k)
         self.v.put(index, v)
 
     def gather(self, slots: torch.Tensor, kv_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K, V [B, n_kv, kv_len, head_dim] of each slot's first kv_len positions, in the compute dtype."""
-        index = (slots, slice(None), slice(None, kv_len))
-        return self.k.get(index), self.v.get(index)
+        n = -(-kv_len // self.blocks.block_size)
+        blocks = self.blocks.table[slots, :n].long()  # [B, n]
 
-    def clear(self, slot: int) -> None:
-        for t in (*self.k.tensors(), *self.v.tensors()):
-            t[slot].zero_()
+        def whole(t: torch.Tensor) -> torch.Tensor:  # [B, n, n_kv, bs, d] -> [B, n_kv, kv_len, d]
+            t = t[blocks]
+            return t.permute(0, 2, 1, 3, 4).flatten(2, 3)[:, :, :kv_len]
+
+        return tuple(s.decode(whole(s.codes), None if s.scale is None else whole(s.scale)) for s in (self.k, self.v))
 
     def views(self, slot: int, n: int) -> dict[str, torch.Tensor]:
-        """The slot's first n positions as stored, by name suffix (slot state: writing them restores)."""
+        """The slot's first n positions as stored, [n_kv, n, ...] by name suffix (slot state;
+        `write_views` puts them back). Views of the cache when reserved, copies when pooled."""
+        index, positions_first = self._run(slot, 0, n)
         out = {}
         for name, store in (("k", self.k), ("v", self.v)):
-            out[name] = store.codes[slot, :, :n]
-            if store.scale is not None:
-                out[name + ".scale"] = store.scale[slot, :, :n]
+            for suffix, t in (("", store.codes), (".scale", store.scale)):
+                if t is not None:
+                    out[name + suffix] = t[index].transpose(0, 1) if positions_first else t[index]
         return out
+
+    def write_views(self, slot: int, n: int, tensors: dict[str, torch.Tensor]) -> None:
+        """Put back what `views` gave, stored as it is (the slot holds n positions: `KVBlocks.fit`)."""
+        index, positions_first = self._run(slot, 0, n)
+        for name, store in (("k", self.k), ("v", self.v)):
+            for suffix, t in (("", store.codes), (".scale", store.scale)):
+                if t is not None:
+                    src = tensors[name + suffix].to(t.device)
+                    t[index] = src.transpose(0, 1) if positions_first else src
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
         return (*self.k.tensors(), *self.v.tensors())
+
+    def stored(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
+        """K codes, K scales, V codes, V scales as stored (scales None unless q8_0): what the
+        decode-attention kernel reads in place through the block table."""
+        return self.k.codes, self.k.scale, self.v.codes, self.v.scale
 
     @staticmethod
     def bytes_per_value(kind: str, compute: torch.dtype) -> float:

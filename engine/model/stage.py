@@ -1,8 +1,9 @@
 """A `Stage`: one transformer implementation for every architecture in `config.ARCHITECTURES`.
 
 A `Stage` materialises the embedding (optional), a layer range [a, b) and the output head
-(optional) of one GGUF file on one device, with a static KV cache per slot:
-`[n_slots, n_kv_heads, n_ctx, head_dim]` per attention layer, and a recurrent state per slot
+(optional) of one GGUF file on one device, with a KV cache per attention layer in blocks of
+positions (`kv_blocks`: one block of n_ctx per slot, or a pool shared by the slots that hands out
+blocks as they grow), and a recurrent state per slot
 (conv + SSM, `deltanet`) per Gated DeltaNet layer (qwen35's hybrid stack: per-layer type as data).
 
 A batch is a flat list of tokens with a slot and a position each; the tokens of one slot are
@@ -40,13 +41,14 @@ from ..errors import UserError
 from ..gguf_file import GGUFFile
 from ..kernels.qweight import QuantWeight
 from ..quant import dequantize_rows
-from .attention import attend_batched, attend_runs, decode_bias
+from .attention import attend_batched, attend_decode, attend_runs, decode_bias
 from .config import ModelConfig
 from .deltanet import ROLLBACK, DeltaNet
 from .graphs import DecodeGraphs
+from .kv_blocks import KVBlocks
 from .kv_cache import KVCache, check_cache_type
 from .rope import rope_table, rotate
-from .weights import Weights
+from .weights import Linear, QuantLinear, Weights
 
 # Logits recomputed exactly after the int8 head: far more than any near-tie of the top token.
 RESCORE_TOP = 32
@@ -65,7 +67,7 @@ class _Layer:
         self.w_gate_up = w.linear([p + "ffn_gate.weight", p + "ffn_up.weight"])
         self.w_down = w.linear([p + "ffn_down.weight"])
         self.post_ffn_norm = vec(p + "post_ffw_norm.weight") if cfg.post_norms else None
-        self.deltanet = DeltaNet(cfg, w, p, stage.n_slots) if cfg.recurrent_layers[il] else None
+        self.deltanet = DeltaNet(cfg, w, p, stage.cache_rows) if cfg.recurrent_layers[il] else None
         if self.deltanet is None:
             self._attention(stage, p)
 
@@ -80,13 +82,27 @@ class _Layer:
             q_w, k_w = vec(p + "attn_q_norm.weight"), vec(p + "attn_k_norm.weight")
             self.qk_norm = torch.cat([q_w.expand(cfg.n_head, -1), k_w.expand(cfg.n_head_kv, -1)])
         self.post_attn_norm = vec(p + "post_attention_norm.weight") if cfg.post_norms else None
-        self.kv = KVCache(stage.cache_rows, cfg.n_head_kv, stage.n_ctx, cfg.head_dim, compute=stage.dtype,
-                          device=stage.device, k_type=stage.kv_types[0], v_type=stage.kv_types[1])  # fmt: skip
+        self.kv = KVCache(stage.kv_blocks, cfg.n_head_kv, cfg.head_dim, compute=stage.dtype, device=stage.device,
+                          k_type=stage.kv_types[0], v_type=stage.kv_types[1])  # fmt: skip
 
     @property
     def nbytes(self) -> int:
         mixer = self.deltanet.nbytes if self.deltanet else self.wqkv.nbytes + self.wo.nbytes
         return mixer + self.w_gate_up.nbytes + self.w_down.nbytes
+
+
+def _collect_storages(obj, out: dict[int, int]) -> None:
+    """{storage pointer: bytes} of every tensor in `obj`, through containers and the model's weight
+    holders (not a layer's KV cache: `kv_bytes` counts it)."""
+    if isinstance(obj, torch.Tensor):
+        out[obj.untyped_storage().data_ptr()] = obj.untyped_storage().nbytes()
+    elif isinstance(obj, dict):
+        _collect_storages(list(obj.values()), out)
+    elif isinstance(obj, (list, tuple)):
+        for x in obj:
+            _collect_storages(x, out)
+    elif isinstance(obj, (_Layer, DeltaNet, Linear, QuantLinear, QuantWeight)):
+        _collect_storages([v for v in vars(obj).values() if not isinstance(v, KVCache)], out)
 
 
 def _state_tensors(layer: _Layer) -> tuple[torch.Tensor, ...]:
@@ -101,11 +117,13 @@ class Stage:
 
     def __init__(self, cfg: ModelConfig, weights: Weights, layers: tuple[int, int], *, embed: bool, head: bool,
                  n_slots: int, n_ctx: int, compile_decode: bool = False,
-                 kv_types: tuple[str, str] = ("auto", "auto")):  # fmt: skip
+                 kv_types: tuple[str, str] = ("auto", "auto"), kv_pool: int | None = None):  # fmt: skip
+        """`kv_pool`: positions of a KV pool all slots share (each still up to `n_ctx`); None: each slot
+        reserves its whole context."""
         self.cfg, self.weights, self.g = cfg, weights, weights.g
         for kind, flag in zip(kv_types, ("--cache-type-k", "--cache-type-v")):
             check_cache_type(kind, flag, cfg.head_dim)
-        self.kv_types = kv_types
+        self.kv_types, self.kv_pool = kv_types, kv_pool
         self.device, self.dtype, self.int8 = weights.device, weights.dtype, weights.int8
         if n_slots < 1 or n_ctx < 1:
             raise UserError(f"need at least one slot and a positive context (got {n_slots} slots, n_ctx {n_ctx})")
@@ -117,9 +135,12 @@ class Stage:
         self.layer_range = (0, 0)
         self.state_len = [0] * n_slots  # tokens each slot's recurrent state has consumed
         self.rollback = [0] * n_slots  # how many of them checkpoints can take back
-        # Recurrent layers run eagerly for now (their batched step is not graph-captured yet).
-        capture = self.device.type == "cuda" and not cfg.recurrent
+        capture = self.device.type == "cuda"
         self.cache_rows = n_slots + 1 if capture else n_slots  # + the graphs' padding slot
+        if kv_pool is not None and kv_pool < 1:
+            raise UserError(f"the KV pool needs at least one position (got {kv_pool})")
+        self.kv_blocks = (KVBlocks.reserved(self.cache_rows, n_ctx, self.device) if kv_pool is None
+                          else KVBlocks.pool(self.cache_rows, n_ctx, kv_pool, self.device))  # fmt: skip
         self.assign(*layers)
         if embed:
             self._embd_info = weights.tensor("token_embd.weight")
@@ -157,10 +178,8 @@ class Stage:
             self.graphs.warm_up()
 
     def kv_clear(self, slot: int) -> None:
-        """Forget a slot: its KV and its recurrent state."""
-        for layer in self.layers.values():
-            if layer.deltanet is None:
-                layer.kv.clear(slot)
+        """Forget a slot: its KV (pooled blocks go back to the pool) and its recurrent state."""
+        self.kv_blocks.release(slot)
         self._restart(slot)
 
     def _restart(self, slot: int) -> None:
@@ -169,9 +188,9 @@ class Stage:
         self.state_len[slot] = self.rollback[slot] = 0
 
     def slot_state(self, slot: int, n: int) -> dict[str, torch.Tensor]:
-        """Views of what this stage holds for `slot`'s first `n` positions, by name: what moves when
-        a slot moves (contracts.slot_state). Writing into the views restores it; then `restored`.
-        A DeltaNet layer's views are its state after the slot's tokens (saved only when those are n)."""
+        """What this stage holds for `slot`'s first `n` positions, by name: what moves when a slot
+        moves (contracts.slot_state); `place_slot_state` puts it back. A DeltaNet layer's entries are
+        its state after the slot's tokens (saved only when those are n)."""
         out = {}
         for il, layer in self.layers.items():
             if layer.deltanet is not None:
@@ -181,8 +200,17 @@ class Stage:
                 out |= {f"blk.{il}.{name}": view for name, view in layer.kv.views(slot, n).items()}
         return out
 
-    def restored(self, slot: int, n: int) -> None:
-        """The slot's views were written with the state of n tokens (its recurrent state continues from n)."""
+    def place_slot_state(self, slot: int, n: int, tensors: dict[str, torch.Tensor]) -> None:
+        """Put the state of n tokens (`slot_state`'s names and shapes) into `slot`; its recurrent
+        state continues from n."""
+        self.kv_blocks.fit({slot: n})
+        for il, layer in self.layers.items():
+            if layer.deltanet is not None:
+                layer.deltanet.conv_state[slot].copy_(tensors[f"blk.{il}.conv"])
+                layer.deltanet.ssm_state[slot].copy_(tensors[f"blk.{il}.ssm"])
+            else:
+                prefix = f"blk.{il}."
+                layer.kv.write_views(slot, n, {k.removeprefix(prefix): t for k, t in tensors.items() if k.startswith(prefix)})
         self.state_len[slot], self.rollback[slot] = n, 0
 
     @property
@@ -194,6 +222,19 @@ class Stage:
     def state_bytes(self) -> int:
         """The recurrent (DeltaNet) part of `kv_bytes`: conv + SSM state and their checkpoints."""
         return sum(t.nbytes for layer in self.layers.values() if layer.deltanet is not None for t in _state_tensors(layer))
+
+    @property
+    def held_weight_bytes(self) -> int:
+        """Bytes of every weight this stage keeps on its device, each storage once: layers (with a CPU
+        layer's prefill copy once built), the embedding table (a GPU's), the output head, the norms
+        and the RoPE tables. With `kv_bytes`, what the stage holds (contracts/footprint.py estimates it)."""
+        storages: dict[int, int] = {}
+        _collect_storages([self.layers, self._embd_table if self.has_embed else None, self._rope_global, self._rope_swa,
+                           getattr(self, "output", None), getattr(self, "output_norm", None)], storages)  # fmt: skip
+        for layer in self.layers.values():
+            for t in _state_tensors(layer):
+                storages.pop(t.untyped_storage().data_ptr(), None)
+        return sum(storages.values())
 
     @property
     def weight_bytes(self) -> int:
@@ -246,13 +287,14 @@ class Stage:
         if h.shape[0] == 0 or not self.layers:
             return h
         runs = self._runs(slots, positions)
+        self.kv_blocks.fit({slot: p0 + n for slot, p0, n in runs})
         if self.recurrent:
             self._check_continues(runs)
+        out = None
         if self.graphs is not None and all(n == 1 for _, _, n in runs):
             out = self.graphs.run(h, slots, positions)
-            if out is not None:
-                return out
-        out = self._forward(h, slots.to(self.device), positions.to(self.device), runs)
+        if out is None:
+            out = self._forward(h, slots.to(self.device), positions.to(self.device), runs)
         for slot, p0, n in runs:
             self.state_len[slot], self.rollback[slot] = p0 + n, min(n, ROLLBACK)
         return out
@@ -266,6 +308,7 @@ class Stage:
         slots = torch.as_tensor(slots, dtype=torch.long)
         positions = torch.as_tensor(positions, dtype=torch.long)
         runs = self._runs(slots, positions)
+        self.kv_blocks.fit({slot: p0 + n for slot, p0, n in runs})
         h = h.to(self.device, torch.float32)
         return self._forward(h, slots.to(self.device), positions.to(self.device), runs, layers=[layer])
 
@@ -309,8 +352,9 @@ class Stage:
         return runs
 
     def _forward(self, h, slots, positions, runs, batched: bool = False, kv_len: int | None = None, layers=None):
-        """The layers, eagerly. `batched`: one token per slot, attention over gathered caches of
-        length `kv_len` with a mask from positions (no host values: CUDA-graph capturable).
+        """The layers, eagerly. `batched`: one token per slot with no host values (CUDA-graph
+        capturable): the decode-attention kernel on CUDA, elsewhere attention over gathered caches
+        of length `kv_len` with a mask from positions.
         Q and K travel together through norm and RoPE: fewer, larger kernels."""
         cfg = self.cfg
         T, n_q, qk_dim = h.shape[0], cfg.n_head, (cfg.n_head + cfg.n_head_kv) * cfg.head_dim
@@ -320,7 +364,7 @@ class Stage:
         for layer in self.layers.values() if layers is None else layers:
             x = self._norm(h, layer.attn_norm).to(self.dtype)
             if layer.deltanet is not None:
-                h = self._ffn(layer, h + layer.deltanet(x, runs))
+                h = self._ffn(layer, h + (layer.deltanet.step(x, slots) if batched else layer.deltanet(x, runs)))
                 continue
             qkv = layer.wqkv(x)
             gate = None
@@ -334,7 +378,9 @@ class Stage:
                 qk = F.rms_norm(qk, (cfg.head_dim,), None, cfg.rms_eps) * layer.qk_norm
             qk = rotate(cfg, qk, *ropes[bool(layer.window)]).to(self.dtype)
             q, k = qk[:, :n_q], qk[:, n_q:]
-            if batched:
+            if batched and self.device.type == "cuda":
+                o = attend_decode(cfg, layer, q, k, v, slots, positions)
+            elif batched:
                 if layer.window not in biases:
                     biases[layer.window] = decode_bias(cfg, positions, kv_len, layer.window, self.dtype)
                 o = attend_batched(cfg, layer, q, k, v, slots, positions, kv_len, biases[layer.window])
@@ -376,6 +422,7 @@ def build_stage(
     quantized: bool | None = None,
     compile_decode: bool = False,
     kv_types: tuple[str, str] = ("auto", "auto"),
+    kv_pool: int | None = None,
 ) -> Stage:
     """The Stage of `g` for layers [a, b) (default: all), from `--device` / `--dtype` values or torch
     objects. `cache_dir` keeps converted int8 weights across runs (None: convert on every load);
@@ -391,4 +438,4 @@ def build_stage(
         quantized = device.type == "cuda"
     weights = Weights(g, cfg.arch, device, dtype, int8, cache_dir, quantized)
     return Stage(cfg, weights, layers or (0, cfg.n_layers), embed=embed, head=head, n_slots=n_slots, n_ctx=n_ctx,
-                 compile_decode=compile_decode, kv_types=kv_types)  # fmt: skip
+                 compile_decode=compile_decode, kv_types=kv_types, kv_pool=kv_pool)  # fmt: skip

@@ -67,14 +67,6 @@ class Linear:
         return self._dense
 
 
-def device_bytes(t, dtype: torch.dtype, quantized: bool) -> int:
-    """What tensor `t` (a GGUF TensorInfo) takes once loaded: its file bytes when it stays
-    quantized (the K-quants' unpacked scales add ~3 %), else its elements in `dtype`."""
-    if quantized and t.ggml_type in LAYOUTS:
-        return t.nbytes * 103 // 100
-    return t.n_elements * torch.empty((), dtype=dtype).element_size()
-
-
 class QuantLinear:
     """y = x @ W^T (+ b) with W quantized on the device. Row blocks of different types (Q4_K_M's
     Q6_K attn_v beside Q4_K q and k) stay separate weights, each multiplied by its own kernel."""

@@ -86,6 +86,7 @@ class RemoteStage:
         dtype: torch.dtype,
         n_slots: int,
         n_ctx: int,
+        kv_pool: int | None = None,
         auth_token: str | None = None,
         max_frame: int = 1 << 30,
         spin_s: float = 0.0,
@@ -94,7 +95,7 @@ class RemoteStage:
         self.addr = addr
         self.host, self.port = parse_addr(addr)
         self.layer_range = tuple(layers)
-        self.g, self.dtype, self.n_slots, self.n_ctx = g, dtype, n_slots, n_ctx
+        self.g, self.dtype, self.n_slots, self.n_ctx, self.kv_pool = g, dtype, n_slots, n_ctx, kv_pool
         self.auth_token = auth_token
         self.max_frame = max_frame
         self.state = "connecting"
@@ -160,10 +161,10 @@ class RemoteStage:
 
     def _load(self, layers) -> None:
         dtype = str(self.dtype).removeprefix("torch.")
-        reply = self._request_json(
-            Cmd.LOAD_STAGE,
-            {"layers": list(layers), "dtype": dtype, "n_slots": self.n_slots, "n_ctx": self.n_ctx},
-        )
+        request = {"layers": list(layers), "dtype": dtype, "n_slots": self.n_slots, "n_ctx": self.n_ctx}
+        if self.kv_pool is not None:
+            request["kv_pool"] = self.kv_pool
+        reply = self._request_json(Cmd.LOAD_STAGE, request)
         self.epoch = reply["epoch"]
         self.layer_range = tuple(layers)
         self.device = reply.get("device", "remote")

@@ -154,7 +154,7 @@ def build_pipeline(cfg: HeadConfig, g, mcfg):
     device = resolve_device(m.device)
     dtype = resolve_dtype(m.dtype, device)
     remotes = [
-        RemoteStage(addr, r, g=g, dtype=dtype, n_slots=n_slots, n_ctx=m.ctx, auth_token=cfg.rpc.auth_token,
+        RemoteStage(addr, r, g=g, dtype=dtype, n_slots=n_slots, n_ctx=m.ctx, kv_pool=m.kv_pool, auth_token=cfg.rpc.auth_token,
                     max_frame=cfg.rpc.max_frame, spin_s=cfg.rpc.spin_seconds(device),
                     head_device=device if cfg.rpc.cuda_ipc else None)  # fmt: skip
         for addr, r in zip(cfg.peers, ranges[1:])
@@ -171,7 +171,7 @@ def build_pipeline(cfg: HeadConfig, g, mcfg):
         log.warning("peers %s never came up: --fallback-solo runs all %d layers on the head", names, mcfg.n_layers)
         remotes, ranges = [], [(0, mcfg.n_layers)]
     local = build_stage(g, ranges[0], device=device, dtype=dtype, n_slots=n_slots, n_ctx=m.ctx, cache_dir=m.cache_dir,
-                        quantized=m.quantized, compile_decode=m.compile, kv_types=m.kv_types)  # fmt: skip
+                        quantized=m.quantized, compile_decode=m.compile, kv_types=m.kv_types, kv_pool=m.kv_pool)  # fmt: skip
     pipeline = Pipeline(local, remotes, ranges=ranges)
     if remotes:
         pipeline.start_watch()
@@ -179,14 +179,14 @@ def build_pipeline(cfg: HeadConfig, g, mcfg):
 
 
 def _check_fits(g, device) -> None:
-    """--fallback-solo only when every layer's weights fit, as they would be held (quantized on a GPU,
-    else at most 2 bytes a value)."""
+    """--fallback-solo only when every layer's weights fit, as they would be held (contracts/footprint.py)."""
     import psutil
     import torch
 
-    from ..model import device_bytes
+    from ...contracts.footprint import model_tensors, weight_form
 
-    need = sum(device_bytes(t, torch.bfloat16, device.type == "cuda") for name, t in g.tensors.items() if name.startswith("blk."))
+    tensors = model_tensors(g.metadata, g.tensors)
+    need = sum(tensors.layer_weights(il, weight_form(device.type)) for il in range(tensors.n_layers))
     free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else psutil.virtual_memory().available
     if need > free:
         raise UserError(f"--fallback-solo: all layers need ~{need >> 20} MiB, only {free >> 20} MiB free on {device}")

@@ -56,7 +56,8 @@ class PeerWorker:
         host, rpc = self.host, self.cfg.rpc
         stage = StageInfo("peer", f"{rpc.host}:{self.listener.bound_port}", tuple(host.layers) if host.stage is not None else None,
                           str(self.device), "ok" if host.stage is not None else "idle",
-                          host.stage.kv_bytes if host.stage is not None else None)  # fmt: skip
+                          host.stage.kv_bytes if host.stage is not None else None,
+                          host.stage.held_weight_bytes if host.stage is not None else None)  # fmt: skip
         return {
             "rpc": Address(rpc.host, self.listener.bound_port, self.listener.is_running()),
             "pool": self.listener.stats(),

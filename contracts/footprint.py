@@ -1,0 +1,223 @@
+"""What a worker holds in memory for a stage, from the GGUF tensor table alone (no torch, no tensor
+data): declared once, so the engine's LOAD_STAGE size check and PROBE budget and the console's
+split editor count the same bytes. tests/test_footprint.py holds it to a built Stage's tensors.
+
+Weight forms (engine/model/weights.py):
+- `quantized` (a GPU, `--gpu-weights quantized`): a block type with a GPU kernel keeps its bits,
+  repacked into planes (engine/kernels/qweight.py): the file's bytes, except Q4_K / Q5_K whose
+  12 packed bytes of 6-bit scales and mins per 256 weights become 16. Other types are dense.
+- `int8` (CPU with 16-bit compute): every matrix is int8 rows with a bfloat16 scale per row, in
+  two terms (a layer) or one (the output head); a layer's matrix also keeps the bfloat16 copy it
+  builds on its first many-row product (prefill), which any served prompt triggers.
+- `dense`: the compute dtype (a CPU at float32, a GPU with `--gpu-weights dense`).
+Vectors (norms, biases) are float32. The token embedding is held on a GPU (quantized, one copy
+with a tied output head, or dense); on a CPU its rows are read from the file's mmap as needed.
+KV: K and V of every attention layer for every cache position (`cache_positions`: every slot at
+full context, or the `--kv-unified` pool in blocks), in the cache types of `--cache-type-k/-v`
+(a CUDA stage without a pool has one more slot: the decode graphs' padding slot). Recurrent
+(Gated DeltaNet) layers hold float32 conv + SSM state per slot, the padding slot included, with
+`ROLLBACK` + 1 checkpoints (engine/model/deltanet.py). RoPE: cos and sin tables (float32, full
+context) for the global and the sliding-window base.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+AUTO_DTYPE = "bfloat16"  # `--dtype auto` on every device (engine/device.py)
+# Bytes per cached value of each `--cache-type-k/-v` (q8_0: an int8 code + a float16 scale per 32);
+# "auto" is the compute dtype. engine/model/kv_cache.py `KVCache.bytes_per_value` stores these.
+KV_VALUE_BYTES = {"f32": 4.0, "f16": 2.0, "bf16": 2.0, "q8_0": 1 + 2 / 32}
+CACHE_TYPES = ("auto", *KV_VALUE_BYTES)  # --cache-type-k/-v (engine/config.py KV_CACHE_TYPES)
+# Device bytes of a block kept quantized: (weights per block, bytes per block).
+QUANT_BLOCKS = {
+    "Q4_0": (32, 18),
+    "Q4_1": (32, 20),
+    "Q5_0": (32, 22),
+    "Q5_1": (32, 24),
+    "Q8_0": (32, 34),
+    "Q4_K": (256, 148),
+    "Q5_K": (256, 180),
+    "Q6_K": (256, 210),
+}
+FORMS = ("quantized", "int8", "dense")
+KV_BLOCK = 128  # positions per block of a `--kv-unified` pool (engine/model/kv_blocks.py)
+# Positions a recurrent layer's state can be taken back (a rejected draft): the longest draft a
+# recurrent model verifies. Each costs a copy of the state per slot and layer.
+ROLLBACK = 4
+_HEAD_TERMS, _LAYER_TERMS = 1, 2  # int8 terms of the output head and of a layer's matrices
+
+
+def compute_dtype(dtype: str) -> str:
+    """A `--dtype` value as a name in DTYPE_BYTES (auto → bfloat16)."""
+    return AUTO_DTYPE if dtype in ("", "auto") else dtype
+
+
+def weight_form(device: str, dtype: str = "auto", gpu_weights: str = "quantized") -> str:
+    """The form of a worker's weights on `device` ("cpu", "cuda", "cuda:1")."""
+    if device.startswith("cuda"):
+        return "quantized" if gpu_weights == "quantized" else "dense"
+    return "dense" if compute_dtype(dtype) == "float32" else "int8"
+
+
+def kv_value_bytes(kind: str, dtype: str = "auto") -> float:
+    return KV_VALUE_BYTES[kind] if kind in KV_VALUE_BYTES else float(DTYPE_BYTES[compute_dtype(dtype)])
+
+
+@dataclass(frozen=True)
+class Tensor:
+    """One GGUF tensor as the footprint needs it: its type name and torch-order shape."""
+
+    name: str
+    type_name: str
+    shape: tuple[int, ...]
+
+    @property
+    def n_elements(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+
+def cache_positions(n_slots: int, n_ctx: int, kv_pool: int | None = None, *, padding: bool = False) -> int:
+    """Positions one attention layer's cache holds: every slot's context (+ the CUDA graphs'
+    padding slot), or the pool in whole blocks plus block 0 (where padding rows write)."""
+    if kv_pool is None:
+        return (n_slots + padding) * n_ctx
+    return (-(-kv_pool // KV_BLOCK) + 1) * KV_BLOCK
+
+
+def tensor_bytes(t: Tensor, form: str, dtype: str = "auto", *, output_head: bool = False) -> int:
+    """Bytes tensor `t` takes on its worker in `form`: a 1-D tensor is a float32 vector, a 2-D one a matrix."""
+    size = DTYPE_BYTES[compute_dtype(dtype)]
+    if len(t.shape) < 2:
+        return 4 * t.n_elements
+    if form == "quantized" and t.type_name in QUANT_BLOCKS:
+        block, nbytes = QUANT_BLOCKS[t.type_name]
+        return t.n_elements // block * nbytes
+    if form == "int8":
+        rows = t.shape[0]
+        terms = _HEAD_TERMS if output_head else _LAYER_TERMS
+        prefill_copy = 2 * t.n_elements if terms > 1 else 0
+        return terms * (t.n_elements + 2 * rows) + prefill_copy
+    return t.n_elements * size
+
+
+@dataclass(frozen=True)
+class StageBytes:
+    layers: tuple[int, int]
+    weight_bytes: int  # every weight the stage holds (RoPE tables included)
+    kv_bytes: int  # K and V for all cache rows at full context
+
+    @property
+    def total(self) -> int:
+        return self.weight_bytes + self.kv_bytes
+
+
+@dataclass(frozen=True)
+class ModelTensors:
+    """The tensor table and shape numbers a footprint needs (`from_gguf_table` builds it)."""
+
+    n_layers: int
+    layers: tuple[tuple[Tensor, ...], ...]  # each layer's tensors
+    embedding: Tensor | None
+    output: Tensor | None  # None: tied to the embedding
+    head_vectors: tuple[Tensor, ...]  # the output norm
+    kv_values_per_token_layer: tuple[int, int]  # K and V values of one token in one attention layer
+    n_rot: int
+    attention_layers: tuple[bool, ...]  # False: a recurrent layer (no KV)
+    state_values: int = 0  # float32 values of a recurrent layer's state per slot: conv + SSM
+
+    def layer_weights(self, il: int, form: str, dtype: str = "auto") -> int:
+        return sum(tensor_bytes(t, form, dtype) for t in self.layers[il])
+
+    def layer_kv(self, il: int, positions: int, kv_types: tuple[str, str], dtype: str = "auto") -> int:
+        """K and V of `positions` cache positions (`cache_positions`) of an attention layer."""
+        if not self.attention_layers[il]:
+            return 0
+        k, v = self.kv_values_per_token_layer
+        per_token = k * kv_value_bytes(kv_types[0], dtype) + v * kv_value_bytes(kv_types[1], dtype)
+        return int(positions * per_token)
+
+    def layer_state(self, il: int, rows: int) -> int:
+        """A recurrent layer's state for `rows` slots: the state and its ROLLBACK + 1 checkpoints."""
+        return 0 if self.attention_layers[il] else rows * self.state_values * 4 * (ROLLBACK + 2)
+
+    def layer_cache(self, il: int, n_slots: int, n_ctx: int, kv_types: tuple[str, str], dtype: str = "auto", *,
+                    gpu: bool, kv_pool: int | None = None) -> int:  # fmt: skip
+        """What a layer caches per stage: its KV (or pool share) or its recurrent state, all slots."""
+        positions = cache_positions(n_slots, n_ctx, kv_pool, padding=gpu)
+        return self.layer_kv(il, positions, kv_types, dtype) + self.layer_state(il, n_slots + gpu)
+
+    def head_weights(self, form: str, dtype: str = "auto", *, gpu: bool) -> int:
+        """The head's own tensors: the embedding (held on a GPU only; one copy with a tied output
+        head that stays quantized), the output head, the output norm."""
+        out = sum(tensor_bytes(t, form, dtype) for t in self.head_vectors)
+        head = self.output or self.embedding
+        shared = self.output is None and form == "quantized" and head.type_name in QUANT_BLOCKS
+        if gpu and self.embedding is not None and not shared:
+            out += tensor_bytes(self.embedding, form, dtype)
+        return out + tensor_bytes(head, form, dtype, output_head=True)
+
+    def stage(self, a: int, b: int, *, head: bool, device: str, dtype: str, n_slots: int, n_ctx: int,
+              kv_types: tuple[str, str] = ("auto", "auto"), gpu_weights: str = "quantized",
+              kv_pool: int | None = None) -> StageBytes:  # fmt: skip
+        """Layers [a, b) (+ the head's tensors when `head`) as a worker on `device` ("cpu", "cuda")
+        with `--dtype`, `--gpu-weights`, `--cache-type-k/-v` holds them for `n_slots` slots of `n_ctx`
+        (or a `--kv-unified` pool of `kv_pool` positions)."""
+        gpu = device.startswith("cuda")
+        form = weight_form(device, dtype, gpu_weights)
+        weights = sum(self.layer_weights(il, form, dtype) for il in range(a, b))
+        weights += self.head_weights(form, dtype, gpu=gpu) if head else 0
+        weights += 4 * 4 * n_ctx * self.n_rot  # RoPE: cos and sin for two bases, float32
+        kv = sum(self.layer_cache(il, n_slots, n_ctx, kv_types, dtype, gpu=gpu, kv_pool=kv_pool) for il in range(a, b))
+        return StageBytes((a, b), weights, kv)
+
+
+_VECTOR_MATRICES = (".ssm_conv1d.weight",)  # 2-D in the file, held as a float32 vector
+_HEAD_TENSORS = ("token_embd.weight", "output.weight", "output_norm.weight")
+
+
+def model_tensors(metadata, tensors) -> ModelTensors:
+    """From a GGUF's metadata {key: value} and tensor table {name: info with `.ggml_type.name` and
+    torch-order `.shape`} (engine/gguf_file.GGUFFile's `.metadata` and `.tensors`)."""
+    arch = metadata["general.architecture"]
+    n_layers = int(metadata.get(f"{arch}.block_count", 0))
+    n_head = int(metadata.get(f"{arch}.attention.head_count", 1))
+    n_embd = int(metadata.get(f"{arch}.embedding_length", 0))
+    n_kv = metadata.get(f"{arch}.attention.head_count_kv", n_head)
+    n_kv = int(max(n_kv) if isinstance(n_kv, (list, tuple)) else n_kv)
+    k_len = int(metadata.get(f"{arch}.attention.key_length", n_embd // max(n_head, 1)))
+    v_len = int(metadata.get(f"{arch}.attention.value_length", k_len))
+    layers: list[list[Tensor]] = [[] for _ in range(n_layers)]
+    head: dict[str, Tensor] = {}
+    for name, info in tensors.items():
+        shape = tuple(int(s) for s in info.shape)
+        if name.endswith(_VECTOR_MATRICES):
+            shape = (_product(shape),)
+        elif name.endswith(".attn_q_norm.weight"):  # held expanded to one row per head
+            shape = (n_head * _product(shape),)
+        elif name.endswith(".attn_k_norm.weight"):
+            shape = (n_kv * _product(shape),)
+        t = Tensor(name, info.ggml_type.name, shape)
+        parts = name.split(".")
+        if parts[0] == "blk" and parts[1].isdigit() and int(parts[1]) < n_layers:
+            layers[int(parts[1])].append(t)
+        elif name in _HEAD_TENSORS:
+            head[name] = t
+    attention = tuple(f"blk.{il}.attn_k.weight" in tensors for il in range(n_layers))
+    # Gated DeltaNet state per slot: the conv's last kernel-1 inputs of every channel, and a
+    # [state_size, inner_size / V heads] matrix per V head (engine/model/config.py DeltaNetShape).
+    d_state, inner = (int(metadata.get(f"{arch}.ssm.{key}", 0)) for key in ("state_size", "inner_size"))
+    channels = 2 * int(metadata.get(f"{arch}.ssm.group_count", 0)) * d_state + inner
+    state = channels * (int(metadata.get(f"{arch}.ssm.conv_kernel", 1)) - 1) + d_state * inner
+    return ModelTensors(n_layers, tuple(tuple(ts) for ts in layers), head.get("token_embd.weight"),
+                        head.get("output.weight"), tuple(t for n, t in head.items() if n == "output_norm.weight"),
+                        (n_kv * k_len, n_kv * v_len), int(metadata.get(f"{arch}.rope.dimension_count", k_len)),
+                        attention, state)  # fmt: skip
+
+
+def _product(shape: tuple[int, ...]) -> int:
+    return Tensor("", "", shape).n_elements

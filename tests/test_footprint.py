@@ -1,0 +1,114 @@
+"""contracts/footprint.py against what a built Stage really holds: its weights' storages
+(`Stage.held_weight_bytes`) and its KV (`Stage.kv_bytes`), on tiny synthetic models of several
+weight types and KV cache types, on CPU. The quantized (GPU) form is built on CPU too: its planes
+are the same bytes on any device. (GPU against NVML: benchmarks/bench_memory.py.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hydra_console.contracts.footprint import KV_BLOCK, KV_VALUE_BYTES, QUANT_BLOCKS, model_tensors, tensor_bytes
+from hydra_console.engine.gguf_file import GGUFFile
+from hydra_console.engine.kernels.qweight import QuantWeight
+from hydra_console.engine.model import build_stage
+from hydra_console.engine.model.kv_cache import KVCache
+from hydra_console.engine.pipeline import Pipeline
+from hydra_console.engine.rpc.resident import StageHost
+from hydra_console.engine.status import process_info
+
+SHAPE = {"n_layers": 3, "n_embd": 256, "n_head": 4, "n_head_kv": 2, "n_ff": 512}
+N_SLOTS, N_CTX = 2, 96
+
+
+def served(stage, n: int = 24):
+    """A prompt of more than 16 tokens through the stage, as any served one: a CPU int8 layer then
+    keeps its bfloat16 prefill copy (the estimate counts it)."""
+    h = stage.embed(torch.arange(n)) if stage.has_embed else torch.randn(n, stage.cfg.n_embd)
+    h = stage.run_layers(h, torch.zeros(n, dtype=torch.long), torch.arange(n))
+    if stage.has_head:
+        stage.logits(h[-1:])
+    return stage
+
+
+CASES = [(arch, qtype, dtype, ("auto", "auto")) for arch, qtype in
+         [("llama", "F32"), ("llama", "F16"), ("llama", "Q8_0"), ("llama", "Q4_K_M"), ("gemma3", "Q4_0"), ("gemma3", "Q5_K")]
+         for dtype in ("float32", "bfloat16")]  # fmt: skip
+CASES += [("llama", "Q4_K_M", "bfloat16", ("q8_0", "q8_0")), ("gemma3", "Q5_K", "float32", ("f16", "q8_0")),
+          ("llama", "F16", "bfloat16", ("f32", "bf16")),
+          ("qwen35", "F32", "float32", ("auto", "auto")), ("qwen35", "Q8_0", "bfloat16", ("q8_0", "q8_0"))]  # fmt: skip
+
+
+@pytest.mark.parametrize("arch,qtype,dtype,kv_types", CASES)
+def test_estimate_matches_a_built_cpu_stage(tiny_model, arch, qtype, dtype, kv_types):
+    g = GGUFFile(tiny_model(arch, qtype=qtype, **SHAPE))
+    tensors = model_tensors(g.metadata, g.tensors)
+    for layers, head in (((0, 3), True), ((1, 3), False)):  # a head alone, a peer's range
+        stage = served(build_stage(g, layers, embed=head, head=head, device="cpu", dtype=dtype, n_slots=N_SLOTS,
+                                   n_ctx=N_CTX, kv_types=kv_types))  # fmt: skip
+        est = tensors.stage(*layers, head=head, device="cpu", dtype=dtype, n_slots=N_SLOTS, n_ctx=N_CTX, kv_types=kv_types)
+        assert est.weight_bytes == pytest.approx(stage.held_weight_bytes, rel=0.05)
+        assert est.kv_bytes == pytest.approx(stage.kv_bytes, rel=0.05) and est.kv_bytes > 0
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen35"])
+def test_estimate_of_a_kv_pool_matches_a_built_stage(tiny_model, arch):
+    """`--kv-unified`: the pool's blocks (block 0 included) instead of every slot's context."""
+    g = GGUFFile(tiny_model(arch, **SHAPE))
+    pool = 3 * KV_BLOCK - 5
+    stage = build_stage(g, device="cpu", dtype="float32", n_slots=4, n_ctx=2 * KV_BLOCK, kv_pool=pool)
+    est = model_tensors(g.metadata, g.tensors).stage(0, 3, head=True, device="cpu", dtype="float32", n_slots=4,
+                                                     n_ctx=2 * KV_BLOCK, kv_pool=pool)  # fmt: skip
+    assert est.kv_bytes == stage.kv_bytes
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q5_1", "Q8_0", "Q4_K_M", "Q5_K", "Q6_K"])
+def test_quantized_form_matches_a_stage_that_keeps_gguf_blocks(tiny_model, qtype):
+    """The GPU's form (weights kept in their GGUF blocks), built on CPU: the layers and the output
+    head (the embedding table is held only on a GPU; bench_memory.py covers it there)."""
+    g = GGUFFile(tiny_model("llama", qtype=qtype, **SHAPE))
+    tensors = model_tensors(g.metadata, g.tensors)
+    stage = served(build_stage(g, embed=False, head=True, device="cpu", dtype="bfloat16", quantized=True, n_slots=N_SLOTS, n_ctx=N_CTX))
+    dense = served(build_stage(g, embed=False, head=True, device="cpu", dtype="bfloat16", quantized=False, int8=False,
+                               n_slots=N_SLOTS, n_ctx=N_CTX))  # fmt: skip
+    rope = 16 * N_CTX * tensors.n_rot
+    vectors = sum(tensor_bytes(t, "quantized") for t in tensors.head_vectors)
+    for form, built in (("quantized", stage), ("dense", dense)):
+        head = tensor_bytes(tensors.output or tensors.embedding, form, "bfloat16", output_head=True)
+        est = sum(tensors.layer_weights(il, form, "bfloat16") for il in range(tensors.n_layers)) + head + vectors + rope
+        assert est == pytest.approx(built.held_weight_bytes, rel=0.05), form
+    assert stage.held_weight_bytes < dense.held_weight_bytes * 0.6  # Q8_0: 34 bytes per 32 weights, bf16 64
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("qtype", list(QUANT_BLOCKS))
+def test_quant_blocks_are_the_repacked_planes(qtype):
+    """QUANT_BLOCKS' bytes per block are what QuantWeight's planes take (Q4_K/Q5_K's unpacked scales included)."""
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as T
+
+    block, type_size = GGML_QUANT_SIZES[T[qtype]]
+    n, k = 4, 2 * 256
+    raw = torch.zeros(n * k // block * type_size, dtype=torch.uint8)
+    assert QuantWeight.from_gguf(raw, T[qtype], (n, k)).nbytes == n * k // QUANT_BLOCKS[qtype][0] * QUANT_BLOCKS[qtype][1]
+
+
+@pytest.mark.unit
+def test_kv_value_bytes_are_the_caches():
+    for kind, size in KV_VALUE_BYTES.items():
+        assert KVCache.bytes_per_value(kind, torch.bfloat16) == size
+
+
+def test_peer_footprint_and_status_report_held_bytes(tiny_model):
+    """LOAD_STAGE's size check and PROBE's budget (StageHost.layer_footprint) count the contract's
+    bytes; /status's stage entry carries the held weights and KV, its process entry the peaks."""
+    g = GGUFFile(tiny_model("llama", qtype="Q8_0", **SHAPE))
+    stage = served(build_stage(g, (1, 3), embed=False, head=False, device="cpu", dtype="bfloat16", n_slots=N_SLOTS,
+                               n_ctx=N_CTX, kv_types=("q8_0", "f16")))  # fmt: skip
+    host = StageHost(g, stage.cfg, "cpu", kv_types=("q8_0", "f16"))
+    rope = 16 * N_CTX * model_tensors(g.metadata, g.tensors).n_rot
+    assert host.stage_bytes(1, 3, torch.bfloat16, N_SLOTS, N_CTX) + rope == pytest.approx(stage.held_weight_bytes + stage.kv_bytes, rel=0.05)
+    head = served(build_stage(g, device="cpu", dtype="bfloat16", n_slots=N_SLOTS, n_ctx=N_CTX))
+    (info,) = Pipeline(head).stages()
+    assert (info.weight_bytes, info.kv_bytes) == (head.held_weight_bytes, head.kv_bytes)
+    proc = process_info()
+    assert proc.peak_rss >= proc.rss > 0
