@@ -102,6 +102,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=None, help="sampling seed (random without it)")
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    g.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=None,
+                   help="launch each decoding step before the host reads the previous one (default: on a GPU)")
 
     b = sub.add_parser("bench", help="prefill and decode throughput")
     _model_args(b)
@@ -155,6 +157,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--cors-origins", default="*",
                    help="origins a browser may call from, comma-separated; '*' reflects any Origin with credentials, "
                         "'localhost' only local pages (llama-server's)")  # fmt: skip
+    s.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=None,
+                   help="launch each decoding step before the host reads the previous one's tokens (default: on a "
+                        "GPU; a CPU computes in the engine's thread, nothing to overlap)")  # fmt: skip
     s.add_argument("--slots", action=argparse.BooleanOptionalAction, default=True,
                    help="GET /slots (off: 501, as llama-server's --no-slots)")
     s.add_argument("--metrics", action=argparse.BooleanOptionalAction, default=True,

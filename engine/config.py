@@ -202,6 +202,7 @@ class HeadConfig(WorkerConfig):
     chat_template: str | None = None  # --chat-template(-file): a built-in name or jinja source; None: the GGUF's
     chat_template_kwargs: dict = field(default_factory=dict)  # template variables of every chat (--reasoning)
     verbose: bool = False  # every chat response carries __verbose (llama-server's --verbose)
+    overlap: bool | None = None  # --overlap / --no-overlap: decoding steps launched ahead of the host (None: on a GPU)
 
     def redacted(self) -> dict:
         doc = super().redacted()
@@ -346,6 +347,7 @@ def head_config(args, env: Mapping[str, str]) -> HeadConfig:
         chat_template=_chat_template(args.chat_template, args.chat_template_file),
         chat_template_kwargs={} if args.reasoning == "auto" else {"enable_thinking": args.reasoning == "on"},
         verbose=args.verbose,
+        overlap=args.overlap,
     )
 
 

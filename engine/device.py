@@ -56,6 +56,15 @@ def host_buffer(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor
     return torch.empty(shape, dtype=dtype, pin_memory=torch.device(device).type == "cuda")
 
 
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device` without waiting for the device's queue: through page-locked memory
+    to CUDA (a copy from pageable memory synchronises the stream: it would wait for a step in
+    flight); on the CPU it is returned as it is."""
+    if torch.device(device).type != "cuda":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 def to_host(t: torch.Tensor) -> torch.Tensor:
     """`t` on the host, waiting for the device: staged through page-locked memory from CUDA;
     a CPU tensor is returned as it is."""

@@ -48,7 +48,7 @@ def main(args, cache_dir: Path | None) -> int:
     stage = build_stage(g, device=args.device, dtype=args.dtype, n_slots=1, n_ctx=n_ctx,
                         cache_dir=cache_dir, quantized=None if args.gpu_weights == "quantized" else False,
                         kv_types=(args.cache_type_k, args.cache_type_v))  # fmt: skip
-    engine = Engine(Pipeline(stage), tok, 1, n_ctx)
+    engine = Engine(Pipeline(stage), tok, 1, n_ctx, overlap=args.overlap)
     engine.check(len(ids), n_predict)
     engine.start()
     final = None

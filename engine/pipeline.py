@@ -88,10 +88,10 @@ class Pipeline:
         tokens: torch.Tensor,
         slots: torch.Tensor,
         positions: torch.Tensor,
-        logit_rows: torch.Tensor,
+        logit_rows: torch.Tensor | None,
         hidden: bool = False,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """Flattened batch in, float32 logits of the rows in `logit_rows` out; with `hidden`, also
+        """Flattened batch in, float32 logits of the rows in `logit_rows` (None: every row, no gather) out; with `hidden`, also
         every token's last hidden state after the output norm (what an MTP block drafts from and an
         embedding pools: the last stage's output, whichever worker ran it)."""
         with self._lock:
@@ -102,9 +102,9 @@ class Pipeline:
             if self.remotes:  # only a split pipeline ever needs to rebuild KV
                 self._record(tokens, slots, positions)
             if not hidden:
-                return self.local.logits(h[logit_rows])
+                return self.local.logits(h if logit_rows is None else h[logit_rows])
             x = self.local.final_norm(h)
-            return self.local.project(x[logit_rows]), x
+            return self.local.project(x if logit_rows is None else x[logit_rows]), x
 
     def _run(self, tokens, slots, positions) -> torch.Tensor:
         h = self.local.run_layers(self.local.embed(tokens), slots, positions)

@@ -2,10 +2,22 @@
 
 nano-vllm's shape: a `Request` comes in (`submit`), the `Scheduler` binds it to a slot as a
 `Sequence` and builds each step's `Batch`; the engine runs that batch through one
-`Pipeline.forward`, samples (verifying speculative drafts), lets the scheduler append the tokens,
-and the `OutputProcessor` turns them into `Event`s for each request's `sink` (a callable the
-consumer supplies; the API bridges it into asyncio). A failed step ends the requests in it with the
-exception as `Event.error`, never the engine.
+`Pipeline.forward`, samples on the device (verifying speculative drafts), lets the scheduler append
+the tokens, and the `OutputProcessor` turns them into `Event`s for each request's `sink` (a callable
+the consumer supplies; the API bridges it into asyncio). A failed step ends the requests in it with
+the exception as `Event.error`, never the engine.
+
+Overlap (vLLM's and SGLang's overlap scheduling; on by default on a GPU, `--no-overlap` turns it
+off): a plain decoding batch launches before the host reads the previous step's tokens. Its inputs
+are those tokens where they already are (`_last`, each slot's latest sample, on the device), and
+while it runs the host copies the previous step's tokens through page-locked memory and does the
+detokenizing, stop strings, events and metrics. A sequence that ended at step n was already in step
+n+1: that row's output is dropped. The row ran the sequence's last token, so the KV (or recurrent
+state) it wrote is that token's own, and the slot's prompt cache counts it. Batches that need a
+host decision before they launch take the synchronous path: prefill chunks, speculative
+verification, grammar-constrained rows, embeddings, P/D transfers (`Scheduler.overlappable`). On a
+CPU the forward runs in this thread anyway, so there is nothing to overlap and it stays off unless
+asked for.
 """
 
 from __future__ import annotations
@@ -15,15 +27,17 @@ import queue
 import threading
 import time
 from collections import deque
+from dataclasses import dataclass, field
 from typing import Iterator
 
 import numpy as np
 import torch
 
 from ..contracts.slot_state import SlotStateError
+from .device import to_device
 from .errors import ContextOverflow, Overloaded, Unavailable, UserError, describe
 from .output import OutputProcessor
-from .sampling import InvalidParam, TokenLogprob, apply_logit_bias, sample_batch, sampled_logprob, token_logprobs
+from .sampling import PENDING, InvalidParam, Picks, Rows, TokenLogprob, logprobs, sample, token_logprobs
 from .scheduler import DEFAULT_BATCH_TOKENS, Batch, Chunk, Sampled, Scheduler
 from .sequence import Event, Request, Sequence
 from .speculative import Speculator
@@ -49,6 +63,7 @@ class EngineStats:
         self.requests_total = 0
         self.requests_rejected = 0
         self.steps = 0
+        self.overlapped = 0  # steps launched before the host read the one before
         self.busy_slots = 0  # summed over steps: / steps = llama-server's n_busy_slots_per_decode
         self.n_tokens_max = 0  # the longest sequence a slot has held (prompt + generated)
         self._recent: deque[tuple[float, float, int, int]] = deque()  # (start, end, prefill, decode)
@@ -122,12 +137,26 @@ class EngineStats:
             return sum(r[2] for r in self._recent) / span, sum(r[3] for r in self._recent) / span
 
 
+@dataclass
+class Launched:
+    """A step on its way: its batch, what the host already has per chunk (verified drafts, prompt
+    logprobs), and the device's sampled tokens (`picks`, row j for chunk `rows[j]`)."""
+
+    batch: Batch
+    cancelled: list[Sequence]
+    t0: float
+    sampled: list[Sampled] = field(default_factory=list)
+    rows: list[int] = field(default_factory=list)
+    picks: Picks | None = None
+
+
 class Engine:
-    """Continuous batching over `n_slots` slots of `n_ctx` tokens each, driving `pipeline.forward`."""
+    """Continuous batching over `n_slots` slots of `n_ctx` tokens each, driving `pipeline.forward`.
+    `overlap`: launch plain decoding steps before reading the previous one (None: on a GPU)."""
 
     def __init__(self, pipeline, tokenizer, n_slots: int, n_ctx: int, batch_tokens: int = DEFAULT_BATCH_TOKENS,
                  speculator: Speculator | None = None, mixed_steps: bool | None = None,
-                 max_queue: int | None = None, disaggregator=None):  # fmt: skip
+                 max_queue: int | None = None, disaggregator=None, overlap: bool | None = None):  # fmt: skip
         self.pipeline = pipeline
         self.n_slots = n_slots
         self.max_queue = max_queue  # requests waiting beyond the slots; None = unbounded
@@ -141,9 +170,13 @@ class Engine:
         # path; on CPU (Gemma 3 270M, 2 cores) mixing halves the decoders' longest stall (290-384
         # vs 642-669 ms) at a similar TTFT (636-857 vs 607-632 ms) and throughput (43-53 vs 44-48
         # tok/s). Default (None): mixed off CUDA.
+        self.device = torch.device(getattr(pipeline.local, "device", "cpu"))
         if mixed_steps is None:
-            mixed_steps = getattr(getattr(pipeline.local, "device", None), "type", "cpu") != "cuda"
+            mixed_steps = self.device.type != "cuda"
         self.mixed_steps = mixed_steps
+        self.overlap = self.device.type == "cuda" if overlap is None else overlap
+        self._in_flight: deque[Launched] = deque()  # launched steps the host has not read yet
+        self._last = torch.zeros(n_slots, dtype=torch.long, device=self.device)  # each slot's latest sampled token
         self.stats = EngineStats()
         # Always there: requests may ask for n-gram drafting even when the server default is off.
         self.spec = speculator or Speculator()
@@ -351,6 +384,7 @@ class Engine:
                     log.debug("step failed: %s", describe(e))
                 else:
                     log.exception("step failed")
+                self._in_flight.clear()
                 for seq in self.scheduler.running:
                     if seq.remote_prefill:  # not in the step; its state may be going into its slot
                         continue
@@ -360,35 +394,65 @@ class Engine:
 
     def _has_work(self) -> bool:
         """Something to admit, cancel or compute (a sequence waiting for its prompt state is not)."""
-        return bool(self.scheduler.waiting) or any(not s.remote_prefill for s in self.scheduler.running)
+        return (bool(self._in_flight) or bool(self.scheduler.waiting)
+                or any(not s.remote_prefill for s in self.scheduler.running))  # fmt: skip
 
     def step(self) -> None:
-        """schedule → forward → sample → postprocess → emit."""
+        """admit → schedule → launch (forward, sampling on the device) → finish the step before it (read
+        its tokens, postprocess, emit) while this one runs; a batch that is not overlappable first
+        finishes what is in flight, then itself."""
+        cancelled = self._admit()
+        overlap = self.overlap and self.scheduler.overlappable()
+        self.stats.overlapped += overlap and bool(self._in_flight)
+        while self._in_flight and not overlap:
+            self._finish(self._in_flight.popleft())
+        self._in_flight.append(self._launch(self.scheduler.schedule(), cancelled))
+        while len(self._in_flight) > overlap:
+            self._finish(self._in_flight.popleft())
+
+    def _admit(self) -> list[Sequence]:
         with self._cond:  # submit and cancel touch the queue and the flags from other threads
             cancelled = self.scheduler.admit()
             if self.pd is not None:
                 self._start_transfers()
-        batch = self.scheduler.schedule()
-        t0 = time.perf_counter()
-        sampled = []
+        return cancelled
+
+    def _launch(self, batch: Batch, cancelled: list[Sequence]) -> Launched:
+        """Forward and sampling queued on the device; the sampled tokens start their copy to the host."""
+        step = Launched(batch, cancelled, time.perf_counter(), [Sampled() for _ in batch.chunks])
         if batch.chunks:
             logits, hidden = self._forward(batch)
-            sampled = self._sample(batch, logits)
+            self._sample(batch, logits, step)
             self._keep_hidden(batch, hidden)
-        self.scheduler.postprocess(batch, [s.tokens for s in sampled])
-        self._emit(cancelled, batch, sampled, t0)
+            self.scheduler.launched(batch)
+        return step
+
+    def _finish(self, step: Launched) -> None:
+        """Read a launched step's tokens, append them, emit. A sequence that ended (or was cancelled)
+        after this step launched is not in it any more: its row is dropped."""
+        if step.picks is not None:
+            for i, tid, lp in zip(step.rows, *step.picks.read()):
+                step.sampled[i].tokens, step.sampled[i].logprobs = [tid], [lp]
+        live = [(c, s) for c, s in zip(step.batch.chunks, step.sampled) if c.seq.finish_reason is None]
+        self.scheduler.postprocess(Batch([c for c, _ in live]), [s.tokens for _, s in live])
+        self._emit(step, live)
 
     def _forward(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(logits, the embedding chunks' hidden states or None)."""
-        as_tensor = lambda xs: torch.tensor(xs, dtype=torch.long)  # noqa: E731  (stages move what they need)
-        inputs = [as_tensor(xs) for xs in batch.inputs()]
+        """(logits, the embedding chunks' hidden states or None). Inputs the host has not read yet
+        (PENDING) are each slot's latest sampled token, taken on the device."""
+        tokens, slots, positions, rows = (torch.tensor(xs, dtype=torch.long) for xs in batch.inputs())
+        if rows.numel() == tokens.numel():  # one logits row per token (decode): no gather
+            rows = None
+        if bool((tokens == PENDING).any()):
+            tokens = to_device(tokens, self.device)
+            tokens = torch.where(tokens == PENDING, self._last[to_device(slots, self.device)], tokens)
         hidden_rows = batch.hidden_rows()
         if not (self.spec.wants_hidden or hidden_rows):
-            return self.pipeline.forward(*inputs), None
-        logits, hidden = self.pipeline.forward(*inputs, hidden=True)
+            return self.pipeline.forward(tokens, slots, positions, rows), None
+        logits, hidden = self.pipeline.forward(tokens, slots, positions, rows, hidden=True)
         if self.spec.wants_hidden:
-            self.spec.observe(*inputs[:3], hidden)  # the MTP block follows every token the target ran
-        return logits, hidden[as_tensor(hidden_rows).to(hidden.device)] if hidden_rows else None
+            self.spec.observe(tokens, slots, positions, hidden)  # the MTP block follows every token the target ran
+        return logits, hidden[torch.tensor(hidden_rows).to(hidden.device)] if hidden_rows else None
 
     @staticmethod
     def _keep_hidden(batch: Batch, hidden: torch.Tensor | None) -> None:
@@ -402,69 +466,77 @@ class Engine:
                 c.seq.hidden.append(hidden[row : row + n])
                 row += n
 
-    def _sample(self, batch: Batch, logits: torch.Tensor) -> list[Sampled]:
-        """Per chunk: the verified draft and the target's next token, or one sampled token, or none
-        (a prompt chunk before the last); a scored chunk also gets its prompt logprobs."""
-        out = [Sampled() for _ in batch.chunks]
+    def _sample(self, batch: Batch, logits: torch.Tensor, step: Launched) -> None:
+        """Per chunk: the verified draft and the target's next token (on the host), or one token
+        sampled on the device (`step.picks`), or none (a prompt chunk before the last); a scored chunk
+        also gets its prompt logprobs."""
         to_sample: list[tuple[int, int]] = []  # (chunk index, its logits row)
         row = 0
         for i, c in enumerate(batch.chunks):
             if c.draft:
                 rows = logits[row : row + len(c.draft) + 1]
-                tids = self.spec.verify(self._constrain_draft(rows, c), c.draft, c.seq.sampler, c.seq.tokens)
-                out[i] = Sampled(tids, self._logprobs(c.seq, rows, tids))
+                tids = self.spec.verify(self._draft_mask(rows, c), c.draft, c.seq.sampler, c.seq.tokens)
+                step.sampled[i] = Sampled(tids, self._draft_logprobs(c.seq, rows, tids))
                 row += len(c.draft) + 1
             elif c.score:
                 n = c.end - c.start
-                out[i].prompt_logprobs = self._score_prompt(c, logits[row : row + n])
+                step.sampled[i].prompt_logprobs = self._score_prompt(c, logits[row : row + n])
                 row += n
                 if c.sample:
                     to_sample.append((i, row - 1))
             elif c.sample:
                 to_sample.append((i, row))
                 row += 1
-        if to_sample:
-            seqs = [batch.chunks[i].seq for i, _ in to_sample]
-            idx = [r for _, r in to_sample]
-            rows = logits if idx == list(range(logits.shape[0])) else logits[idx]  # decode-only steps: no copy
-            picks = sample_batch(self._constrain(rows, seqs), [s.sampler for s in seqs], [s.tokens for s in seqs])
-            for j, ((i, _), seq, tid) in enumerate(zip(to_sample, seqs, picks)):
-                out[i].tokens, out[i].logprobs = [tid], self._logprobs(seq, rows[j : j + 1], [tid])
-        return out
+        if not to_sample:
+            return
+        seqs = [batch.chunks[i].seq for i, _ in to_sample]
+        ends = [batch.chunks[i].end for i, _ in to_sample]
+        idx = [r for _, r in to_sample]
+        rows = logits if idx == list(range(logits.shape[0])) else logits[idx]  # decode-only steps: no copy
+        slots = to_device(torch.tensor([s.slot for s in seqs]), self.device)
+        in_flight = any(e > len(s.tokens) for s, e in zip(seqs, ends))  # a penalty window ends on a PENDING token
+        picked = Rows.build([s.sampler for s in seqs], [s.tokens for s in seqs], rows.device, ends,
+                            self._last[slots] if in_flight else None)  # fmt: skip
+        step.picks = sample(rows, picked, self._mask(seqs)).copy()
+        self._last[slots] = step.picks.tokens  # the next step's input, should it launch before this one is read
+        step.rows = [i for i, _ in to_sample]
 
-    def _constrain(self, rows: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-        """`rows[i]` (sequence i's next-token logits) with its logit bias and grammar mask: a new
-        tensor when any applies; the raw rows stay for the logprobs. Others' rows pay nothing."""
-        rows = apply_logit_bias(rows, [s.sampler.params for s in seqs])
+    @staticmethod
+    def _draft_logprobs(seq: Sequence, rows: torch.Tensor, tids: list[int]) -> list[TokenLogprob | None]:
+        """Row j's logprob of `tids[j]` and its top alternatives (row j follows the tokens so far and
+        the j accepted draft tokens before it), when the request asked for them."""
+        if seq.req.params.logprobs is None:
+            return [None] * len(tids)
+        n = len(tids)
+        picked = Rows.build([seq.sampler] * n, [seq.tokens + tids[:j] for j in range(n)], rows.device)
+        return logprobs(rows[:n], picked, tids)
+
+    def _mask(self, seqs: list[Sequence]):
+        """The grammar mask of the constrained rows among `seqs` (None when there are none), applied
+        after the logit bias; the raw rows stay for the logprobs. Others' rows pay nothing."""
         constrained = [i for i, s in enumerate(seqs) if s.req.constraint is not None]
         if not constrained:
-            return rows
-        mask = self.grammars.bitmask([seqs[i].req.constraint for i in constrained], pinned=rows.is_cuda)
-        if len(constrained) == len(seqs):
-            return apply_bitmask(rows, mask)
-        idx = torch.tensor(constrained, device=rows.device)
-        return rows.index_copy(0, idx, apply_bitmask(rows[idx], mask))
+            return None
+        bitmask = self.grammars.bitmask([seqs[i].req.constraint for i in constrained], pinned=self.device.type == "cuda")
 
-    def _constrain_draft(self, rows: torch.Tensor, c: Chunk) -> torch.Tensor:
-        """A draft's k+1 verified rows with the request's logit bias and, row by row, the grammar's
-        mask after the draft tokens before that row: a draft the grammar refuses is rejected there."""
-        rows = apply_logit_bias(rows, [c.seq.sampler.params] * rows.shape[0])
+        def mask(x: torch.Tensor) -> torch.Tensor:
+            if len(constrained) == len(seqs):
+                return apply_bitmask(x, bitmask)
+            idx = torch.tensor(constrained, device=x.device)
+            return x.index_copy(0, idx, apply_bitmask(x[idx], bitmask))
+
+        return mask
+
+    def _draft_mask(self, rows: torch.Tensor, c: Chunk) -> torch.Tensor:
+        """A draft's k+1 verified rows with, row by row, the grammar's mask after the draft tokens
+        before that row: a draft the grammar refuses is rejected there (the logit bias comes in the
+        sampler: a ban and a mask commute)."""
         constraint = c.seq.req.constraint
         if constraint is None:
             return rows
         mask = torch.empty((rows.shape[0], self.grammars.words), dtype=torch.int32, pin_memory=rows.is_cuda)
         constraint.draft_bitmask(c.draft.tokens, mask)
         return apply_bitmask(rows, mask)
-
-    @staticmethod
-    def _logprobs(seq: Sequence, rows: torch.Tensor, tids: list[int]) -> list[TokenLogprob | None]:
-        """Row i's logprob of `tids[i]` and its top alternatives, when the request asked for them."""
-        n_top = seq.req.params.logprobs
-        if n_top is None:
-            return [None] * len(tids)
-        if seq.req.params.post_sampling:  # row i follows the tokens so far and the i draft tokens before it
-            return [sampled_logprob(seq.sampler, rows[i], seq.tokens + tids[:i], tid, n_top) for i, tid in enumerate(tids)]
-        return [token_logprobs(rows[i : i + 1], [tid], n_top)[0] for i, tid in enumerate(tids)]
 
     @staticmethod
     def _score_prompt(c: Chunk, logits: torch.Tensor) -> list[TokenLogprob]:
@@ -476,16 +548,16 @@ class Engine:
             out.insert(0, TokenLogprob(seq.tokens[0], None, []))
         return out
 
-    def _emit(self, cancelled: list[Sequence], batch: Batch, sampled: list[Sampled], t0: float) -> None:
+    def _emit(self, step: Launched, live: list[tuple[Chunk, Sampled]]) -> None:
         """Events for every sequence the step touched; finished ones give their slot back."""
         busy = self.scheduler.running  # the slots this step ran with, before any is given back
-        for seq in cancelled:
+        for seq in step.cancelled:
             self.output.process(seq)
-        for c, s in zip(batch.chunks, sampled):
+        for c, s in live:
             self.output.process(c.seq, s)
             if c.seq.finish_reason is not None:
                 self.scheduler.free(c.seq)
-        if batch.chunks:
-            n_decode = sum(len(s.tokens) for c, s in zip(batch.chunks, sampled) if not c.prefill)
-            self.stats.record_step(t0, time.perf_counter(), batch.n_prefill, n_decode, len(busy),
+        if step.batch.chunks:
+            n_decode = sum(len(s.tokens) for c, s in live if not c.prefill)
+            self.stats.record_step(step.t0, time.perf_counter(), step.batch.n_prefill, n_decode, len(busy),
                                    max((len(s.tokens) for s in busy), default=0))  # fmt: skip

@@ -2,9 +2,17 @@
 
 It only changes sequence state (nano-vllm's scheduler): `admit` fills free slots from the FIFO
 queue, `schedule` builds a `Batch` (prompt chunks within a token budget, one token per decoding
-sequence, speculative drafts), `postprocess` appends what the step sampled, advances `n_past` and
-marks sequences finished on end-of-generation or length. No thread, no text, no forward: the
-engine runs the batch and the output processor turns tokens into text.
+sequence, speculative drafts), `launched` advances `n_past` past what a launched batch computes,
+`postprocess` appends what the step sampled and marks sequences finished on end-of-generation or
+length. No thread, no text, no forward: the engine runs the batch and the output processor turns
+tokens into text.
+
+Overlap (the runtime's): a plain decoding batch may be scheduled before the host has read the
+previous step's tokens. A sequence then has a token in flight: `n_past` already counts the position
+the previous step ran, and `Batch.inputs` gives PENDING for an input the host does not hold yet (the
+engine takes it from the device). A sequence whose in-flight token reaches max_tokens or the context
+is not scheduled again; one that ends on an end-of-generation token or a stop string was already in
+the next batch, whose row for it the engine drops.
 """
 
 from __future__ import annotations
@@ -13,7 +21,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
-from .sampling import TokenLogprob
+from .sampling import PENDING, TokenLogprob
 from .sequence import Request, Sequence
 
 if TYPE_CHECKING:
@@ -55,13 +63,15 @@ class Batch:
     chunks: list[Chunk] = field(default_factory=list)
 
     def inputs(self) -> tuple[list[int], list[int], list[int], list[int]]:
-        """(token ids, slots, positions, logits rows): the arguments of `Pipeline.forward`."""
+        """(token ids, slots, positions, logits rows): the arguments of `Pipeline.forward`; PENDING
+        stands for a token the previous step sampled that the host has not read yet."""
         tokens, slots, positions, rows = [], [], [], []
         for c in self.chunks:
             drafted = c.draft.tokens if c.draft else []
             n = c.end - c.start + len(drafted)
             first_row = len(tokens)
-            tokens += c.seq.tokens[c.start : c.end] + drafted
+            known = c.seq.tokens[c.start : c.end]
+            tokens += known + [PENDING] * (c.end - c.start - len(known)) + drafted
             slots += [c.seq.slot] * n
             positions += range(c.start, c.start + n)
             if c.score or drafted:
@@ -168,8 +178,18 @@ class Scheduler:
         if self.slots[seq.slot] is seq:
             self.slots[seq.slot] = None
             self.spec.release(seq.slot)
-            # What a failed step left in the slot is not trusted.
+            # What a failed step left in the slot is not trusted. With a token in flight, `n_past`
+            # still equals the tokens the host holds: the step in flight runs the last of them.
             self.cached[seq.slot] = seq.tokens[: seq.n_past] if seq.finish_reason != "error" else []
+
+    def overlappable(self) -> bool:
+        """Whether the next batch may launch before the host reads the step in flight: only when every
+        running sequence just decodes (its next input is the token the device already holds). Prefill
+        chunks, speculative drafts (they read the tokens so far), grammar masks (the matcher advances
+        on the host), embeddings and P/D transfers need the host first."""
+        return bool(self.running) and not self.spec.wants_hidden and all(
+            not s.prefilling and not s.remote_prefill and s.req.constraint is None and not s.req.embedding
+            and not (s.req.spec or self.spec.config).active for s in self.running)  # fmt: skip
 
     def schedule(self) -> Batch:
         """Decoding sequences take one token each, plus their drafts (unless prefill runs alone);
@@ -178,6 +198,8 @@ class Scheduler:
         decoding = [s for s in running if not s.prefilling]
         if not self.mixed_steps and len(decoding) < len(running):
             decoding = []
+        # With a token in flight that reaches max_tokens or the context, a sequence is done.
+        decoding = [s for s in decoding if s.n_past + 1 - s.n_prompt < s.req.max_tokens and s.n_past + 1 < self.n_ctx]
         drafts = self.spec.plan(decoding, self.n_ctx)
         chunks = [Chunk(s, s.n_past, s.n_past + 1, True, False, d) for s, d in zip(decoding, drafts)]
         budget = max(self.batch_tokens - len(chunks) - sum(len(d) for d in drafts if d), 1)
@@ -191,13 +213,19 @@ class Scheduler:
             budget -= n
         return Batch(chunks)
 
+    def launched(self, batch: Batch) -> None:
+        """The batch is on its way: each chunk's sequence has its KV through `c.end` (the next
+        schedule continues there, before the host reads what this one samples)."""
+        for c in batch.chunks:
+            c.seq.n_past = max(c.seq.n_past, c.end)
+
     def postprocess(self, batch: Batch, sampled: list[list[int]]) -> None:
         """Advance each chunk's sequence past what the step computed and append its sampled tokens,
         stopping at the first that ends it. Rejected draft positions stay behind `n_past`: their KV
         (here and on peers) is overwritten by the next step."""
         for c, tokens in zip(batch.chunks, sampled):
             seq = c.seq
-            seq.n_past = c.end
+            seq.n_past = max(seq.n_past, c.end)
             if c.draft:
                 accepted = len(tokens) - 1
                 seq.n_past += accepted

@@ -33,6 +33,7 @@ from .errors import UserError
 from .gguf_file import GGUFFile
 from .model import ROLLBACK, ModelConfig, NextN, Stage, build_stage
 from .pipeline import Pipeline
+from .sampling import Rows, Stream, distribution, draw, sample, uniform
 
 # Other GGUF architectures whose converters (llama.cpp convert_hf_to_gguf.py) can keep a
 # multi-token-prediction ("NextN") head, stored as `blk.N.nextn.*` tensors and counted in
@@ -292,8 +293,9 @@ def _pick(logits: torch.Tensor, req: DraftRequest, history: list[int], top_k: in
     drafter samples through a top-10 sampler and compares that candidate's p with p-min)."""
     s = req.sampler
     if s is not None and not s.params.greedy:
-        q = s.probs(logits, history)
-        tok = int(torch.multinomial(q, 1, generator=s.generator(q.device)))
+        rows = Rows.build([s], [history], logits.device)
+        q = distribution(logits[None], rows)[0]
+        tok = int(draw(q[None], uniform(rows, Stream.DRAFT))[0])
         return tok, float(q[tok]), q
     if top_k:
         top = logits.float().topk(min(top_k, logits.shape[-1]))
@@ -373,12 +375,11 @@ def accept_greedy(targets: list[int], draft: list[int]) -> list[int]:
     return draft[:m] + [targets[m]]
 
 
-def accept_sampled(
-    p: torch.Tensor, draft: list[int], q: torch.Tensor | None, generator: torch.Generator | None
-) -> list[int]:
+def accept_sampled(p: torch.Tensor, draft: list[int], q: torch.Tensor | None, u: torch.Tensor) -> list[int]:
     """Rejection sampling. `p[k+1, V]`: the target's probabilities (after the request's sampling
     transforms) at each verified row; `q[k, V]`: the drafter's, or None for a deterministic drafter
-    (point mass on each draft token). Emitted tokens are distributed exactly as sampling from p."""
+    (point mass on each draft token); `u[k+1, 2]`: independent uniforms in (0, 1), row i's accept
+    test and its draw. Emitted tokens are distributed exactly as sampling from p."""
     k = len(draft)
     if p.shape[0] != k + 1:
         raise ValueError(f"need k+1={k + 1} target rows, got {p.shape[0]}")
@@ -386,8 +387,7 @@ def accept_sampled(
     for i, x in enumerate(draft):
         px = float(p[i, x])
         qx = 1.0 if q is None else float(q[i, x])
-        u = float(torch.rand((), generator=generator))
-        if qx > 0 and u < min(1.0, px / qx):
+        if qx > 0 and float(u[i, 0]) < min(1.0, px / qx):
             out.append(x)
             continue
         if q is None:
@@ -397,9 +397,9 @@ def accept_sampled(
             residual = torch.clamp(p[i] - q[i], min=0.0)
         if float(residual.sum()) <= 0.0:  # p == q up to rounding: any p-sample is right
             residual = p[i]
-        out.append(int(torch.multinomial(residual, 1, generator=generator)))
+        out.append(int(draw(residual[None], u[i : i + 1, 1])))
         return out
-    out.append(int(torch.multinomial(p[k], 1, generator=generator)))
+    out.append(int(draw(p[k : k + 1], u[k : k + 1, 1])))
     return out
 
 
@@ -541,17 +541,19 @@ class Speculator:
 
     def verify(self, logits: torch.Tensor, draft: Draft, sampler, history: list[int]) -> list[int]:
         """Tokens to emit after verifying `draft` against the target's `logits[k+1, V]` (row i follows
-        `history + draft[:i]`), with the request's own sampler so its transforms and penalties hold."""
+        `history + draft[:i]`), with the request's own sampler so its bias, transforms and penalties
+        hold (and its seed: row i's randomness is that of the token at its index)."""
         k = len(draft)
         params = sampler.params
-        if params.greedy and not params.penalised:
+        if params.greedy and not params.penalised and not params.logit_bias:
             emitted = accept_greedy(logits.argmax(-1).tolist(), draft.tokens)
-        elif params.greedy:
-            picks = [sampler.sample(logits[i], history + draft.tokens[:i]) for i in range(k + 1)]
-            emitted = accept_greedy(picks, draft.tokens)
         else:
-            p = torch.stack([sampler.probs(logits[i], history + draft.tokens[:i]) for i in range(k + 1)])
-            emitted = accept_sampled(p, draft.tokens, draft.q, sampler.generator(logits.device))
+            rows = Rows.build([sampler] * (k + 1), [history + draft.tokens[:i] for i in range(k + 1)], logits.device)
+            if params.greedy:
+                emitted = accept_greedy(sample(logits, rows).tokens.tolist(), draft.tokens)
+            else:
+                u = torch.stack([uniform(rows, Stream.ACCEPT), uniform(rows, Stream.SAMPLE)], 1).cpu()
+                emitted = accept_sampled(distribution(logits, rows), draft.tokens, draft.q, u)
         self.stats.record(k, len(emitted) - 1)
         return emitted
 

@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from rpc_workers import Worker, head, running
+from rpc_workers import Worker, head, peer, running
 
 N_CTX, N_SLOTS = 256, 2
 PROMPT = "the quick brown fox jumps over the lazy dog"
@@ -287,3 +287,38 @@ def test_bad_requests_get_openai_errors(server, path, body, param):
     bad_json = httpx.post(f"{base}/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
     assert bad_json.status_code == 400 and "error" in bad_json.json()
     assert httpx.get(f"{base}/nope").json()["error"]["code"] == "not_found"
+
+
+# ---- overlap ------------------------------------------------------------------------------------------
+
+
+def test_overlap_through_http_and_a_peer_streams_what_the_synchronous_server_does(server, client, model_id, tiny_model,
+                                                                                 tmp_path):  # fmt: skip
+    """`serve --overlap` (a head with one peer: the split path too), streamed through the openai
+    client, concurrent requests: greedy with a stop string and logprobs, and seeded sampling, give
+    what the synchronous solo server gives."""
+    model = tiny_model("llama")
+    with running(peer(model, tmp_path, "--dtype", "float32")) as p, \
+            running(head(model, tmp_path, [p], "--dtype", "float32", "--overlap", parallel=N_SLOTS, ctx=N_CTX)) as w:  # fmt: skip
+        other = openai.OpenAI(base_url=f"{w.url}/v1", api_key="none", max_retries=0, timeout=60)
+        ref = greedy(client, model_id, max_tokens=24, extra_body={"ignore_eos": True}).choices[0].text
+        at = next(i for i in range(3, len(ref) - 2) if ref.find(ref[i : i + 2]) == i)
+        asks = [dict(prompt=PROMPT, temperature=0, max_tokens=24, stop=[ref[at : at + 2]], logprobs=2),
+                dict(prompt="night and day", temperature=1.5, seed=11, max_tokens=12),
+                dict(prompt="hello world", temperature=0, max_tokens=9)]  # fmt: skip
+
+        def streamed(c, ask):
+            chunks = list(c.completions.create(model=model_id, stream=True, extra_body={"ignore_eos": True}, **ask))
+            lps = [t for ch in chunks if ch.choices and ch.choices[0].logprobs for t in ch.choices[0].logprobs.tokens]
+            return "".join(ch.choices[0].text for ch in chunks if ch.choices), [ch.choices[0].finish_reason for ch in chunks][-1], lps
+
+        want = [streamed(client, a) for a in asks]
+        assert want[0][:2] == (ref[:at], "stop")
+        got: dict[int, tuple] = {}
+        threads = [threading.Thread(target=lambda i=i, a=a: got.__setitem__(i, streamed(other, a))) for i, a in enumerate(asks)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        assert [got.get(i) for i in range(len(asks))] == want
+        assert w.status()["config"]["overlap"] is True

@@ -45,6 +45,7 @@ def test_llama_server_flags_of_the_head():
     assert (cfg.embedding, cfg.pooling, cfg.embd_normalize, cfg.cors_origins, cfg.slots, cfg.metrics) == (
         True, "last", -1, "localhost", False, False)  # fmt: skip
     assert (cfg.aliases, cfg.tags) == (("a", "b"), ("x",))  # sorted: the first is the model's id
+    assert (serve().overlap, serve("--overlap").overlap, serve("--no-overlap").overlap) == (None, True, False)
     with pytest.raises(SystemExit):
         serve("--pooling", "max")
 

@@ -1,4 +1,5 @@
-"""The Engine on a real tiny synthetic model: batching, queueing, stops, scoring, cancellation."""
+"""The Engine on a real tiny synthetic model: batching, queueing, stops, scoring, cancellation, each
+with and without overlap (a decoding step launched before the host reads the one before)."""
 
 from __future__ import annotations
 
@@ -25,11 +26,15 @@ def model(tiny_model):
     return g, Tokenizer.from_gguf(g)
 
 
-@pytest.fixture(scope="module")
-def engine(model):
+def start_engine(model, overlap: bool) -> Engine:
     g, tok = model
     pipeline = Pipeline(build_stage(g, device="cpu", dtype="float32", n_slots=N_SLOTS, n_ctx=N_CTX))
-    eng = Engine(pipeline, tok, N_SLOTS, N_CTX).start()
+    return Engine(pipeline, tok, N_SLOTS, N_CTX, overlap=overlap).start()
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["sync", "overlap"])
+def engine(model, request):
+    eng = start_engine(model, request.param)
     yield eng
     eng.stop()
 
@@ -217,3 +222,74 @@ def test_end_of_generation_stops_unless_ignored(engine, model):
     more_text, more_ids, _, more = run(engine, prompt, params=params, max_tokens=100, ignore_eos=True)
     assert more.finish_reason == "length" and more_ids[: n - 1] == ids and more_ids[n - 1] in tok.eog_ids
     assert more_text.startswith(text)
+
+
+def outputs(engine: Engine, requests: list[dict], together: bool, cached: bool = False) -> list[tuple]:
+    """(text, ids, finish reason, stop word, completion tokens, logprobs[, prompt tokens from the
+    cache]) of each request, run one after the other or all at once (more than the slots: the last
+    ones wait for a slot)."""
+    def one(kw):
+        text, ids, lps, final = [], [], [], None
+        for ev in engine.generate(Request(**kw), timeout=60):
+            text.append(ev.text)
+            ids += [t.id for t in ev.tokens]
+            lps += [(t.logprob.token, round(t.logprob.logprob, 4)) for t in ev.tokens if t.logprob is not None]
+            final = ev
+        out = "".join(text), ids, final.finish_reason, final.stop_word, final.usage["completion_tokens"], lps
+        return out + (final.timings["cache_n"],) if cached else out
+
+    if not together:
+        return [one(kw) for kw in requests]
+    out: dict[int, tuple] = {}
+    threads = [threading.Thread(target=lambda i=i, kw=kw: out.__setitem__(i, one(kw))) for i, kw in enumerate(requests)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    return [out.get(i) for i in range(len(requests))]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen35"])
+def test_overlap_gives_the_synchronous_output_while_sequences_end_mid_batch(tiny_model, arch):
+    """Requests batched together end at different steps — max_tokens, a stop string, the
+    end-of-generation token — while the others go on, and queued ones take the freed slots: with
+    overlap every request's output (text, tokens, finish, usage, logprobs) is the synchronous
+    engine's for it alone. Greedy, seeded sampling and penalties (whose window ends on the token in
+    flight) alike. The freed slots then serve from their prompt cache unchanged, also where a
+    dropped row advanced a recurrent (DeltaNet) state one token further than the synchronous run."""
+    g = GGUFFile(tiny_model(arch, **({"n_layers": 4} if arch == "qwen35" else {})))
+    tok = Tokenizer.from_gguf(g)
+    sync, overlapped = start_engine((g, tok), False), start_engine((g, tok), True)
+    try:
+        hello = tok.encode("hello")
+        eos_seed = next(seed for seed in range(50) if outputs(sync, [dict(
+            prompt=hello, params=SamplingParams(temperature=3.0, seed=seed), max_tokens=60)], False)[0][2] == "stop")  # fmt: skip
+        ref = outputs(sync, [dict(prompt=tok.encode(PROMPTS[1]), params=greedy(), max_tokens=30, ignore_eos=True)], False)[0][0]
+        at = next(i for i in range(4, len(ref) - 3) if ref.find(ref[i : i + 3]) == i)
+        requests = [
+            dict(prompt=tok.encode(PROMPTS[0]), params=greedy(logprobs=2), max_tokens=5, ignore_eos=True),
+            dict(prompt=tok.encode(PROMPTS[1]), params=greedy(), max_tokens=30, ignore_eos=True, stop=[ref[at : at + 3]]),
+            dict(prompt=hello, params=SamplingParams(temperature=3.0, seed=eos_seed), max_tokens=60),
+            dict(prompt=tok.encode(PROMPTS[3]), params=greedy(repeat_penalty=1.5, presence_penalty=0.3), max_tokens=24,
+                 ignore_eos=True),
+            dict(prompt=tok.encode(PROMPTS[2]), params=SamplingParams(temperature=1.2, top_k=8, top_p=0.9, seed=7,
+                 frequency_penalty=0.5, logprobs=1, post_sampling=True), max_tokens=20, ignore_eos=True),
+        ]  # fmt: skip
+        want = outputs(sync, requests, together=False)
+        assert [w[2] for w in want] == ["length", "stop", "stop", "length", "length"]
+        assert want[1][3] and not want[2][3]  # one ends on its stop string, one on end-of-generation
+        steps = overlapped.stats.overlapped
+        assert outputs(overlapped, requests, together=True) == want
+        assert overlapped.stats.overlapped > steps, "no step was launched before the previous one was read"
+        assert (overlapped.n_processing, overlapped.n_deferred) == (0, 0)
+        assert outputs(overlapped, requests[:3], together=False) == want[:3]  # from the prompt cache the slots kept
+        # a prompt that extends the whole sequence of a request that ended on a stop string (its
+        # extra row ran) continues from its slot's state
+        assert outputs(overlapped, [requests[1]], False) == [want[1]]
+        follow = {**requests[1], "prompt": requests[1]["prompt"] + want[1][1], "stop": []}
+        got = outputs(overlapped, [follow], False, cached=True)[0]
+        assert got[-1] >= len(requests[1]["prompt"])  # the slot's state carried on
+        assert got[:-1] == outputs(sync, [{**follow, "cache_prompt": False}], False)[0]
+    finally:
+        sync.stop()
+        overlapped.stop()

@@ -9,6 +9,7 @@ from fake_tokenizer import EOS, PIECES, FakeTokenizer
 
 from hydra_console.engine.errors import Unavailable
 from hydra_console.engine.runtime import Engine
+from hydra_console.engine.sampling import PENDING
 from hydra_console.engine.scheduler import Scheduler
 from hydra_console.engine.sequence import Event, Request
 from hydra_console.engine.speculative import SpecConfig, Speculator
@@ -141,6 +142,31 @@ def test_a_verified_draft_advances_past_the_accepted_tokens():
     assert seq.tokens[-4:] == [3, 4, 1, 7]
 
 
+def test_a_token_in_flight_is_pending_in_the_next_batch_and_max_tokens_counts_it():
+    """Overlap: the next batch is scheduled before the previous one's tokens are read. Its input is
+    PENDING (the engine takes it on the device), and a sequence whose token in flight is its last
+    (max_tokens) is not scheduled again; one that may still end on a token is (plain decoding only)."""
+    s = scheduler()
+    s.add(Request([5, 6, 7], max_tokens=3))
+    s.add(Request([8, 9], max_tokens=8))
+    step(s)  # both prompts: one token each
+    assert s.overlappable()
+    first = s.schedule()
+    s.launched(first)  # not read yet
+    second = s.schedule()
+    assert shape(second) == [(1, 4, 5, True), (2, 3, 4, True)]
+    assert second.inputs()[0] == [PENDING, PENDING]
+    s.postprocess(first, [[2], [2]])
+    s.launched(second)
+    assert shape(s.schedule()) == [(2, 4, 5, True)]  # request 1's token in flight is its third: it is done
+    s.postprocess(second, [[2], [2]])
+    assert s.slots[0].finish_reason == "length" and s.slots[1].finish_reason is None
+    s.free(s.slots[0])
+    s.add(Request([1, 2], max_tokens=4))
+    s.admit()
+    assert not s.overlappable()  # a prompt to prefill: the host decides first
+
+
 # ---- the engine's step around the scheduler, with a fake forward ---------------------------------
 
 
@@ -155,6 +181,7 @@ class FakePipeline:
 
     def forward(self, tokens, slots, positions, rows):
         self.calls += 1
+        rows = torch.arange(len(tokens)) if rows is None else rows  # None: every row
         logits = torch.zeros(len(rows), len(PIECES))
         for i, p in enumerate(positions[rows].tolist()):
             logits[i, self.next_token(p)] = 1.0

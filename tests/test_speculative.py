@@ -168,7 +168,7 @@ def _speculative_pairs(n: int, k: int, mode: str, seed: int = 0) -> torch.Tensor
             q = torch.stack(qs) if qs else None
             if mode == "broken":  # the drafter reports a q other than the one it sampled from
                 q = torch.full((k, V), 1.0 / V)
-            out += accept_sampled(p, draft, q, g)
+            out += accept_sampled(p, draft, q, torch.rand(k + 1, 2, generator=g))
         counts[out[0], out[1]] += 1
     return counts
 
@@ -192,14 +192,14 @@ def test_the_distribution_check_catches_a_biased_sampler():
 
 
 def test_accept_sampled_edge_cases():
-    g = torch.Generator().manual_seed(0)
+    u = torch.rand(2, 2, generator=torch.Generator().manual_seed(0))
     p = torch.tensor([[0.0, 1.0, 0.0], [0.0, 0.0, 1.0]])
-    assert accept_sampled(p, [1], None, g) == [1, 2]  # p(x)=1: always accepted
-    assert accept_sampled(p, [0], None, g) == [1]  # p(x)=0: rejected, resampled from p minus x
+    assert accept_sampled(p, [1], None, u) == [1, 2]  # p(x)=1: always accepted
+    assert accept_sampled(p, [0], None, u) == [1]  # p(x)=0: rejected, resampled from p minus x
     q = torch.tensor([[0.0, 1.0, 0.0]])
-    assert accept_sampled(p, [1], q, g) == [1, 2]  # p == q: residual empty, accepted anyway
+    assert accept_sampled(p, [1], q, u) == [1, 2]  # p == q: residual empty, accepted anyway
     with pytest.raises(ValueError):
-        accept_sampled(p, [1, 1], None, g)
+        accept_sampled(p, [1, 1], None, u)
 
 
 # ---------------------------------------------------------------- statistics

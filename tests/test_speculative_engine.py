@@ -5,6 +5,7 @@ model drafter itself, and rejection sampling through the real Speculator and Sam
 from __future__ import annotations
 
 import threading
+from dataclasses import replace
 
 import pytest
 import torch
@@ -15,7 +16,7 @@ from hydra_console.engine.pipeline import Pipeline
 from hydra_console.engine.config import ModelSettings
 from hydra_console.engine.model import build_stage
 from hydra_console.engine.runtime import Engine, Request
-from hydra_console.engine.sampling import Sampler, SamplingParams
+from hydra_console.engine.sampling import Rows, Sampler, SamplingParams, distribution
 from hydra_console.engine.speculative import (
     Draft,
     DraftModelDrafter,
@@ -189,23 +190,23 @@ def test_draft_model_must_share_the_vocabulary(tiny_model, tmp_path):
 @pytest.mark.parametrize("with_q", [False, True])
 def test_speculator_verify_samples_the_samplers_distribution(with_q):
     """The real Speculator.verify with a real Sampler (temperature, top-k, top-p, repeat penalty):
-    the first emitted token follows Sampler.probs of row 0 (max 4.5 standard errors per token)."""
+    the first emitted token follows the sampler's distribution at row 0 (max 4.5 standard errors per
+    token) over requests of different seeds."""
     V, k, n = 12, 3, 4000
     gen = torch.Generator().manual_seed(0)
     logits = torch.randn(k + 1, V, generator=gen) * 2
     history = [1, 2, 2]
     params = SamplingParams(temperature=0.8, top_k=8, top_p=0.95, repeat_penalty=1.3, seed=5)
     spec = Speculator(SpecConfig("ngram"))
-    sampler = Sampler(params)
     q = torch.softmax(torch.randn(k, V, generator=gen), -1)
     counts = torch.zeros(V)
-    for _ in range(n):
+    for seed in range(n):
         draft = [int(torch.multinomial(q[i], 1, generator=gen)) for i in range(k)]
         if not with_q:
             draft = [3, 4, 5]
-        emitted = spec.verify(logits, Draft(draft, q if with_q else None), sampler, history)
+        emitted = spec.verify(logits, Draft(draft, q if with_q else None), Sampler(replace(params, seed=seed)), history)
         counts[emitted[0]] += 1
-    want = sampler.probs(logits[0], history)
+    want = distribution(logits[:1], Rows.build([Sampler(params)], [history], torch.device("cpu")))[0]
     assert bool((counts[want == 0] == 0).all())  # filtered tokens never appear
     sd = (want * (1 - want) / n).sqrt().clamp_min(1e-9)
     assert float(((counts / n - want).abs() / sd).max()) < 4.5

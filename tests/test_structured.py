@@ -4,6 +4,8 @@ model: constrained greedy output follows the grammar and is the same with n-gram
 
 from __future__ import annotations
 
+import math
+
 import json
 import threading
 
@@ -14,7 +16,7 @@ from hydra_console.engine.gguf_file import GGUFFile
 from hydra_console.engine.model import build_stage
 from hydra_console.engine.pipeline import Pipeline
 from hydra_console.engine.runtime import Engine, Request
-from hydra_console.engine.sampling import InvalidParam, SamplingParams, apply_logit_bias
+from hydra_console.engine.sampling import InvalidParam, Rows, Sampler, SamplingParams, distribution
 from hydra_console.engine.speculative import SpecConfig
 from hydra_console.engine.structured import Grammars, apply_bitmask, compile_grammar
 from hydra_console.engine.tokenizer import Tokenizer
@@ -59,10 +61,11 @@ def test_apply_bitmask_bans_exactly_the_zero_bits():
 def test_logit_bias_adds_and_bans_per_row():
     logits = torch.zeros(3, 8)
     params = [SamplingParams(logit_bias=((2, 5.0), (4, float("-inf")))), SamplingParams(), SamplingParams(logit_bias=((7, -1.5),))]
-    out = apply_logit_bias(logits, params)
-    assert out[0, 2] == 5.0 and torch.isneginf(out[0, 4]) and out[0].count_nonzero() == 2
-    assert torch.equal(out[1], logits[1]) and out[2, 7] == -1.5
-    assert apply_logit_bias(logits, [SamplingParams()] * 3) is logits  # nothing asked: no copy
+    p = distribution(logits, Rows.build([Sampler(x) for x in params], [[]] * 3, torch.device("cpu")))
+    assert p[0, 4] == 0 and float(p[0, 2] / p[0, 0]) == pytest.approx(math.exp(5.0), rel=1e-5)
+    assert torch.allclose(p[0, [0, 1, 3, 5, 6, 7]], p[0, 0].expand(6))
+    assert torch.allclose(p[1], torch.full((8,), 1 / 8))  # no bias: untouched
+    assert float(p[2, 7] / p[2, 0]) == pytest.approx(math.exp(-1.5), rel=1e-5)
     with pytest.raises(InvalidParam) as e:
         SamplingParams(logit_bias=((1, float("nan")),))
     assert e.value.param == "logit_bias"
