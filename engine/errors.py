@@ -3,7 +3,7 @@ the kinds of failure the HTTP layer tells apart by type (never by message text).
 
 from ..contracts.errors import UserError
 
-__all__ = ["ContextOverflow", "Overloaded", "Unavailable", "UserError", "describe"]
+__all__ = ["ContextOverflow", "KVPoolFull", "Overloaded", "Unavailable", "UserError", "describe"]
 
 
 class Unavailable(Exception):
@@ -34,3 +34,10 @@ class ContextOverflow(UserError):
 def describe(e: BaseException) -> str:
     """`Type: message`, the one line an error is reported as."""
     return f"{type(e).__name__}: {e}"
+
+
+class KVPoolFull(Unavailable):
+    """A `--kv-unified` pool has too few free blocks: for a step (nothing of it was computed), or
+    for a request beside the others (the scheduler ended it; a retry once others finish may fit)."""
+
+    retry_after = 1

@@ -119,6 +119,15 @@ class Pipeline:
                 return self._run(tokens, slots, positions)
         return h
 
+    def kv_fits(self, ends: dict[int, int]) -> bool:
+        """Whether the KV cache can hold these slot lengths: always with reserved slots; a pool
+        counts the idle slots' prompt cache as free (`_make_room` takes it back when needed)."""
+        blocks = self.local.kv_blocks
+        if not blocks.pooled:
+            return True
+        keep = (self.active_slots() if self.active_slots is not None else set()) | ends.keys()
+        return blocks.shortfall(ends) <= sum(len(held) for slot, held in enumerate(blocks.held) if slot not in keep)
+
     def _make_room(self, slots: torch.Tensor, positions: torch.Tensor) -> None:
         """A pooled KV cache short of blocks for this batch takes back those of the idle slots' prompt
         cache first (every stage holds the same blocks per slot; the scheduler drops those prefixes).

@@ -35,7 +35,7 @@ import torch
 
 from ..contracts.slot_state import SlotStateError
 from .device import to_device
-from .errors import ContextOverflow, Overloaded, Unavailable, UserError, describe
+from .errors import ContextOverflow, KVPoolFull, Overloaded, Unavailable, UserError, describe
 from .output import OutputProcessor
 from .sampling import PENDING, InvalidParam, Picks, Rows, TokenLogprob, logprobs, sample, token_logprobs
 from .scheduler import DEFAULT_BATCH_TOKENS, Batch, Chunk, Sampled, Scheduler
@@ -186,7 +186,8 @@ class Engine:
             pipeline.side_state = self.spec.mtp
         self.scheduler = Scheduler(n_slots, n_ctx, batch_tokens, mixed_steps, self.spec, tokenizer.eog_ids,
                                    lambda: getattr(pipeline, "kv_generation", 0),
-                                   recurrent=getattr(getattr(pipeline, "cfg", None), "recurrent", False))  # fmt: skip
+                                   recurrent=getattr(getattr(pipeline, "cfg", None), "recurrent", False),
+                                   kv_fits=getattr(pipeline, "kv_fits", lambda ends: True))  # fmt: skip
         self.output = OutputProcessor(tokenizer, self.stats)
         self.pd = disaggregator  # pd.Disaggregator: long prompts prefilled on a prefill worker
         self.grammars = Grammars(tokenizer)  # structured output; its tokenizer is built on first use
@@ -420,6 +421,9 @@ class Engine:
     def _launch(self, batch: Batch, cancelled: list[Sequence]) -> Launched:
         """Forward and sampling queued on the device; the sampled tokens start their copy to the host."""
         step = Launched(batch, cancelled, time.perf_counter(), [Sampled() for _ in batch.chunks])
+        for seq in batch.shed:  # the KV pool could not hold them beside the others
+            full = KVPoolFull("KV pool full: this request does not fit beside the others (-c/--ctx-size sets the pool with --kv-unified)")
+            self.output.process(seq, error=full if seq.finish_reason == "error" else None)
         if batch.chunks:
             logits, hidden = self._forward(batch)
             self._sample(batch, logits, step)

@@ -61,6 +61,9 @@ class Batch:
     """The next forward: its chunks, flattened by `inputs()` into one row per token."""
 
     chunks: list[Chunk] = field(default_factory=list)
+    # Sequences a pooled KV cache could not hold, ended by this schedule (their consumers are owed
+    # an error): the others go on.
+    shed: list[Sequence] = field(default_factory=list)
 
     def inputs(self) -> tuple[list[int], list[int], list[int], list[int]]:
         """(token ids, slots, positions, logits rows): the arguments of `Pipeline.forward`; PENDING
@@ -112,8 +115,12 @@ class Scheduler:
     is taken or left (`start`, `release`); `eog_ids` end a request unless it ignores them."""
 
     def __init__(self, n_slots: int, n_ctx: int, batch_tokens: int, mixed_steps: bool, speculator: Speculator,
-                 eog_ids: set[int], kv_generation: Callable[[], int] = lambda: 0, recurrent: bool = False):  # fmt: skip
+                 eog_ids: set[int], kv_generation: Callable[[], int] = lambda: 0, recurrent: bool = False,
+                 kv_fits: Callable[[dict[int, int]], bool] = lambda ends: True):  # fmt: skip
+        """`kv_fits({slot: positions})`: whether the KV cache can hold those slot lengths (a
+        `--kv-unified` pool can run short; reserved slots always can)."""
         self.n_ctx = n_ctx
+        self.kv_fits = kv_fits
         self.batch_tokens = batch_tokens
         self.mixed_steps = mixed_steps
         self.spec = speculator
@@ -202,16 +209,35 @@ class Scheduler:
         decoding = [s for s in decoding if s.n_past + 1 - s.n_prompt < s.req.max_tokens and s.n_past + 1 < self.n_ctx]
         drafts = self.spec.plan(decoding, self.n_ctx)
         chunks = [Chunk(s, s.n_past, s.n_past + 1, True, False, d) for s, d in zip(decoding, drafts)]
-        budget = max(self.batch_tokens - len(chunks) - sum(len(d) for d in drafts if d), 1)
+        # A KV pool without room for every sequence's next positions: the newest wait for the oldest
+        # to end and give their blocks back.
+        chunks.sort(key=lambda c: c.seq.req.id)
+        blocked = False
+        while chunks and not self.kv_fits(_ends(chunks)):
+            blocked = bool(chunks.pop())
+        budget = max(self.batch_tokens - len(chunks) - sum(len(c.draft) for c in chunks if c.draft), 1)
         for s in sorted((s for s in running if s.prefilling), key=lambda s: s.req.id):
-            if budget <= 0:
-                break
             score = s.req.prompt_logprobs is not None
             n = min(s.n_prompt - s.n_past, budget, SCORING_CHUNK if score else budget)
             end = s.n_past + n
+            # A prompt starts only when the pool can hold all of it.
+            need = {**_ends(chunks), s.slot: end if s.n_past > s.n_cached else s.n_prompt}
+            if budget <= 0 or not self.kv_fits(need):
+                blocked = blocked or budget > 0
+                break
             chunks.append(Chunk(s, s.n_past, end, end == s.n_prompt and s.req.max_tokens > 0, score))
             budget -= n
+        if not chunks and blocked:
+            return Batch([], [self._shed(running)])
         return Batch(chunks)
+
+    def _shed(self, running: list[Sequence]) -> Sequence:
+        """Nothing fits the KV pool: the newest sequence ends and its blocks go to the others. Alone,
+        it has reached what the pool holds, as a slot's context: it ends by length."""
+        seq = max(running, key=lambda s: s.req.id)
+        seq.finish_reason = "length" if len(running) == 1 else "error"
+        self.free(seq)
+        return seq
 
     def launched(self, batch: Batch) -> None:
         """The batch is on its way: each chunk's sequence has its KV through `c.end` (the next
@@ -244,6 +270,11 @@ class Scheduler:
                     break
             if not seq.prefilling and seq.req.max_tokens == 0:
                 seq.finish_reason = "length"
+
+
+def _ends(chunks: list[Chunk]) -> dict[int, int]:
+    """The positions each chunk's slot holds once the chunk (and its draft) ran."""
+    return {c.seq.slot: c.end + (len(c.draft) if c.draft else 0) for c in chunks}
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

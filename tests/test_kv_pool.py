@@ -94,7 +94,7 @@ def test_a_full_pool_refuses_the_step_and_loses_nothing(tiny_model):
     pooled = load(path, n_slots=2, n_ctx=512, kv_pool=2 * KV_BLOCK)
     for stage in (reserved, pooled):
         prefill(stage, TOKENS[:200], slot=0)
-    with pytest.raises(UserError, match="KV pool full"):
+    with pytest.raises(KVPoolFull, match="KV pool full"):
         prefill(pooled, TOKENS[:100], slot=1)
     assert pooled.kv_blocks.held[1] == []
     torch.testing.assert_close(_decode(pooled, {0: 200}, 3), _decode(reserved, {0: 200}, 3), rtol=1e-5, atol=1e-5)
@@ -124,8 +124,9 @@ def test_kv_unified_flag_errors(argv, match):
 
 def test_a_server_takes_back_idle_prompt_cache_and_reports_a_full_pool(tiny_model, tmp_path):
     """Four slots in a pool of four blocks: four short streams at once fill it, their prompt cache
-    stays; a longer request then gets the idle slots' blocks. Two requests that outgrow the pool
-    together get OpenAI-shaped errors, and the server goes on serving."""
+    stays; a longer request then gets the idle slots' blocks. Streams that outgrow the pool
+    together: the newest wait for blocks, and when nothing can grow the newest is ended with an
+    OpenAI-shaped 503 while the others complete; the server goes on serving."""
     server = head(tiny_model("llama", head_dim=32), tmp_path, (), "--dtype", "float32", "-c", str(4 * KV_BLOCK),
                   "--kv-unified", parallel=4, ctx=4 * KV_BLOCK)
     with running(server) as w:
@@ -148,21 +149,28 @@ def test_a_server_takes_back_idle_prompt_cache_and_reports_a_full_pool(tiny_mode
         assert long.usage.prompt_tokens > KV_BLOCK and long.usage.completion_tokens == 40
         assert "KV pool short: took back the prompt cache of" in w.log()
 
-        errors = []
+        done, errors = [], []
 
-        def grow(i: int) -> None:
+        def grow(i: int, n: int) -> None:
             try:
-                client.completions.create(model=model, prompt=" ".join(words[i * 150 : i * 150 + 30]),
-                                          max_tokens=4 * KV_BLOCK - 200, temperature=0, extra_body={"ignore_eos": True})  # fmt: skip
+                done.append(client.completions.create(model=model, prompt=" ".join(words[i * 40 : i * 40 + 30]),
+                                                      max_tokens=n, temperature=0, extra_body={"ignore_eos": True}))  # fmt: skip
             except openai.APIStatusError as e:
                 errors.append(e)
 
-        threads = [threading.Thread(target=grow, args=(i,)) for i in range(2)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        assert errors and all("KV pool full" in str(e.body) for e in errors), errors
+        for n_req, n_gen in ((6, KV_BLOCK), (2, 4 * KV_BLOCK - 200)):  # 6 x 2 blocks; then 2 x 3 of 4
+            done.clear()
+            threads = [threading.Thread(target=grow, args=(i, n_gen)) for i in range(n_req)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            # Six streams of two blocks each in a pool of four: the newest wait; when nothing can
+            # grow the newest is ended (503, retry) and the others go on. None is lost silently.
+            assert len(done) + len(errors) == n_req and done, errors
+            assert all(r.usage.completion_tokens == n_gen for r in done)
+            assert all(e.status_code == 503 and "KV pool full" in str(e.body) for e in errors), errors
+            errors.clear()
         again = client.completions.create(model=model, prompt="w1 w2 w3", max_tokens=5, temperature=0)
         assert again.usage.completion_tokens == 5
 

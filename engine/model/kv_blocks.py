@@ -19,12 +19,8 @@ from __future__ import annotations
 import torch
 
 from ...contracts.footprint import KV_BLOCK
-from ..errors import UserError
+from ..errors import KVPoolFull
 
-
-
-class KVPoolFull(UserError):
-    """The pool has too few free blocks for a step; nothing of the step was computed."""
 
 
 def _cdiv(a: int, b: int) -> int:
