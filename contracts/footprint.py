@@ -19,6 +19,7 @@ cos and sin tables (float32, full context) for the global and the sliding-window
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
@@ -38,7 +39,6 @@ QUANT_BLOCKS = {
     "Q5_K": (256, 180),
     "Q6_K": (256, 210),
 }
-FORMS = ("quantized", "int8", "dense")
 _HEAD_TERMS, _LAYER_TERMS = 1, 2  # int8 terms of the output head and of a layer's matrices
 
 
@@ -68,10 +68,7 @@ class Tensor:
 
     @property
     def n_elements(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n
+        return math.prod(self.shape)
 
 
 def tensor_bytes(t: Tensor, form: str, dtype: str = "auto", *, output_head: bool = False) -> int:
@@ -168,11 +165,11 @@ def model_tensors(metadata, tensors) -> ModelTensors:
     for name, info in tensors.items():
         shape = tuple(int(s) for s in info.shape)
         if name.endswith(_VECTOR_MATRICES):
-            shape = (_product(shape),)
+            shape = (math.prod(shape),)
         elif name.endswith(".attn_q_norm.weight"):  # held expanded to one row per head
-            shape = (n_head * _product(shape),)
+            shape = (n_head * math.prod(shape),)
         elif name.endswith(".attn_k_norm.weight"):
-            shape = (n_kv * _product(shape),)
+            shape = (n_kv * math.prod(shape),)
         t = Tensor(name, info.ggml_type.name, shape)
         parts = name.split(".")
         if parts[0] == "blk" and parts[1].isdigit() and int(parts[1]) < n_layers:
@@ -183,7 +180,3 @@ def model_tensors(metadata, tensors) -> ModelTensors:
     return ModelTensors(n_layers, tuple(tuple(ts) for ts in layers), head.get("token_embd.weight"),
                         head.get("output.weight"), tuple(t for n, t in head.items() if n == "output_norm.weight"),
                         (n_kv * k_len, n_kv * v_len), int(metadata.get(f"{arch}.rope.dimension_count", k_len)), attention)  # fmt: skip
-
-
-def _product(shape: tuple[int, ...]) -> int:
-    return Tensor("", "", shape).n_elements
