@@ -337,6 +337,10 @@ def table(report: dict) -> str:
                 parts = sp["parts"]["decode_parts_ms"][mode]
                 rows.append((f"  {mode} decode step parts (bench_split)", f"{parts['total']:.3f} ms",
                              ", ".join(f"{k} {v:.3f}" for k, v in parts.items() if k != "total")))  # fmt: skip
+            solo_ms, split_ms = (sp["parts"]["decode_parts_ms"][m] for m in ("solo", "split"))
+            exchange = sum(split_ms[k] - split_ms[k.replace("round trip", "compute")] for k in split_ms if "round trip" in k)
+            rows.append(("  split step - solo step", f"{split_ms['total'] - solo_ms['total']:.3f} ms",
+                         f"exchange (round trips - peer compute) {exchange:.3f} ms, the rest: compute in two processes"))  # fmt: skip
     w = max(len(a) for a, _, _ in rows)
     v = max(len(b) for _, b, _ in rows)
     return "\n".join(f"{a:<{w}}  {b:>{v}}  {c}" for a, b, c in rows)
