@@ -245,7 +245,8 @@ def run(args) -> dict:
                     "cpus": os.cpu_count(), "load_avg_start": round(os.getloadavg()[0], 2)}  # fmt: skip
     print("bench …", file=sys.stderr, flush=True)
     bench = engine_bench(args)
-    report["bench"] = {k: bench.get(k) for k in ("decode_tok_s", "weights", "weight_bytes", "kv_bytes", "peak_device_bytes")}
+    report["bench"] = {k: bench.get(k) for k in ("decode_tok_s", "weights", "weight_bytes", "held_weight_bytes", "kv_bytes",
+                                                 "estimate", "peak_device_bytes", "peak_rss")}  # fmt: skip
 
     solo = Server([*serve, "--parallel", str(max(counts))])
     report["solo"] = {"first_start_ready_s": round(solo.start(args.timeout), 3)}
@@ -304,6 +305,14 @@ def run(args) -> dict:
     return report
 
 
+def mib(mem: dict) -> tuple[str, str]:
+    """A worker's memory row: weights + KV its stage holds; the process's device reading and peak, RSS."""
+    f = lambda n: f"{n / (1 << 20):.1f} MiB" if n is not None else "—"  # noqa: E731
+    return (f"{f(mem['weight_bytes'])} + KV {f(mem['kv_bytes'])}",
+            f"device {f(mem['device_bytes'])} ({mem['device_bytes_source'] or '—'}), peak {f(mem['peak_device_bytes'])}; "
+            f"RSS {f(mem['rss'])}")  # fmt: skip
+
+
 def table(report: dict) -> str:
     r, solo, bench = report["ratios"], report["solo"], report["bench"]
     rows = [("hydra-engine bench decode", f"{bench['decode_tok_s']:.1f} tok/s", f"llama.cpp {r['bench_over_llama_cpp']}")]
@@ -315,16 +324,23 @@ def table(report: dict) -> str:
     rows.append((f"serve TTFT, {solo['ttft']['prompt_tokens']}-token prompt", f"{solo['ttft']['median_ms']} ms",
                  f"median of {solo['ttft']['runs']}; server prompt {solo['ttft']['server_prompt_median_ms']} ms"))  # fmt: skip
     rows.append(("serve start → READY", f"{solo['first_start_ready_s']} s", f"restart (warm caches) {solo['restart_ready_s']} s"))
+    rows.append(("serve memory", *mib(solo["memory"])))
     if "split" in report:
         sp = report["split"]
         rows.append((f"head + peer, 1 stream ({sp['transport']})", f"{sp['single']['client_tok_s']:.1f} tok/s",
                      f"solo {r['split_over_solo_single']}  llama.cpp split {r['split_over_llama_cpp_split']}"))  # fmt: skip
         rows.append(("head + peer TTFT", f"{sp['ttft']['median_ms']} ms", f"server prompt {sp['ttft']['server_prompt_median_ms']} ms"))
+        for role in ("head", "peer"):
+            rows.append((f"  {role} memory", *mib(sp["memory"][role])))
         if "parts" in sp:
             for mode in ("solo", "split"):
                 parts = sp["parts"]["decode_parts_ms"][mode]
                 rows.append((f"  {mode} decode step parts (bench_split)", f"{parts['total']:.3f} ms",
                              ", ".join(f"{k} {v:.3f}" for k, v in parts.items() if k != "total")))  # fmt: skip
+            solo_ms, split_ms = (sp["parts"]["decode_parts_ms"][m] for m in ("solo", "split"))
+            exchange = sum(split_ms[k] - split_ms[k.replace("round trip", "compute")] for k in split_ms if "round trip" in k)
+            rows.append(("  split step - solo step", f"{split_ms['total'] - solo_ms['total']:.3f} ms",
+                         f"exchange (round trips - peer compute) {exchange:.3f} ms, the rest: compute in two processes"))  # fmt: skip
     w = max(len(a) for a, _, _ in rows)
     v = max(len(b) for _, b, _ in rows)
     return "\n".join(f"{a:<{w}}  {b:>{v}}  {c}" for a, b, c in rows)

@@ -22,6 +22,7 @@ context) for the global and the sliding-window base.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
@@ -41,7 +42,6 @@ QUANT_BLOCKS = {
     "Q5_K": (256, 180),
     "Q6_K": (256, 210),
 }
-FORMS = ("quantized", "int8", "dense")
 KV_BLOCK = 128  # positions per block of a `--kv-unified` pool (engine/model/kv_blocks.py)
 # Positions a recurrent layer's state can be taken back (a rejected draft): the longest draft a
 # recurrent model verifies. Each costs a copy of the state per slot and layer.
@@ -75,10 +75,7 @@ class Tensor:
 
     @property
     def n_elements(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n
+        return math.prod(self.shape)
 
 
 def cache_positions(n_slots: int, n_ctx: int, kv_pool: int | None = None, *, padding: bool = False) -> int:
@@ -196,11 +193,11 @@ def model_tensors(metadata, tensors) -> ModelTensors:
     for name, info in tensors.items():
         shape = tuple(int(s) for s in info.shape)
         if name.endswith(_VECTOR_MATRICES):
-            shape = (_product(shape),)
+            shape = (math.prod(shape),)
         elif name.endswith(".attn_q_norm.weight"):  # held expanded to one row per head
-            shape = (n_head * _product(shape),)
+            shape = (n_head * math.prod(shape),)
         elif name.endswith(".attn_k_norm.weight"):
-            shape = (n_kv * _product(shape),)
+            shape = (n_kv * math.prod(shape),)
         t = Tensor(name, info.ggml_type.name, shape)
         parts = name.split(".")
         if parts[0] == "blk" and parts[1].isdigit() and int(parts[1]) < n_layers:
@@ -217,7 +214,3 @@ def model_tensors(metadata, tensors) -> ModelTensors:
                         head.get("output.weight"), tuple(t for n, t in head.items() if n == "output_norm.weight"),
                         (n_kv * k_len, n_kv * v_len), int(metadata.get(f"{arch}.rope.dimension_count", k_len)),
                         attention, state)  # fmt: skip
-
-
-def _product(shape: tuple[int, ...]) -> int:
-    return Tensor("", "", shape).n_elements

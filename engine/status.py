@@ -92,7 +92,7 @@ def process_info() -> ProcessInfo:
     import psutil
 
     rss = psutil.Process().memory_info().rss
-    # Linux reports KiB, from counters that can lag /proc's current reading by a few pages.
+    # Linux reports KiB, and updates the high-water mark lazily: it is at least what is resident now.
     peaks = {"peak_rss": max(rss, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)}
     torch = sys.modules.get("torch")  # never imported just for this (a peer before LOAD_STAGE has no CUDA context)
     cuda = torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized()

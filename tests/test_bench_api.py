@@ -28,6 +28,7 @@ def test_bench_api_reports_every_field(tiny_model, tmp_path):
     assert "serve, 1 stream (openai, streaming)" in done.stdout and "head + peer, 1 stream (socket)" in done.stdout
 
     assert number(r["bench"]["decode_tok_s"]) and r["bench"]["weight_bytes"] > 0 and r["bench"]["kv_bytes"] > 0
+    assert r["bench"]["estimate"]["kv_bytes"] == r["bench"]["kv_bytes"] and r["bench"]["peak_rss"] > 0
     solo = r["solo"]
     assert number(solo["first_start_ready_s"]) and number(solo["restart_ready_s"])
     assert solo["single"]["tokens"] == 4 and number(solo["single"]["client_tok_s"]) and number(solo["single"]["server_tok_s"])

@@ -10,7 +10,7 @@ import torch
 
 from hydra_console.contracts.footprint import KV_BLOCK, KV_VALUE_BYTES, QUANT_BLOCKS, model_tensors, tensor_bytes
 from hydra_console.engine.gguf_file import GGUFFile
-from hydra_console.engine.kernels.qweight import QuantWeight
+from hydra_console.engine.kernels.qweight import LAYOUTS, QuantWeight
 from hydra_console.engine.model import build_stage
 from hydra_console.engine.model.kv_cache import KVCache
 from hydra_console.engine.pipeline import Pipeline
@@ -90,6 +90,11 @@ def test_quant_blocks_are_the_repacked_planes(qtype):
     n, k = 4, 2 * 256
     raw = torch.zeros(n * k // block * type_size, dtype=torch.uint8)
     assert QuantWeight.from_gguf(raw, T[qtype], (n, k)).nbytes == n * k // QUANT_BLOCKS[qtype][0] * QUANT_BLOCKS[qtype][1]
+
+
+@pytest.mark.unit
+def test_every_gpu_layout_has_its_block_bytes():
+    assert {t.name for t in LAYOUTS} == set(QUANT_BLOCKS)
 
 
 @pytest.mark.unit
