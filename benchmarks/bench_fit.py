@@ -6,63 +6,25 @@ the CUDA context included) against the card it stands for, and decode through th
                                    [-- extra `serve` flags, e.g. -ctk q8_0 -ctv q8_0 --spec-type mtp]
 
 The original system runs a 27B Q5_K_M over a 16 GB and a 12 GB card (11.06 GB + 6.46 GB of
-weights). Prints one JSON object; asserts nothing.
+weights). Issue 14's pair (head <= 15.0 GiB, peer <= 11.0 GiB on one H200):
+
+    python -c "from hydra_console.engine.synth import write_synthetic as w; w('/tmp/d26b.gguf', 'llama', qtype='Q5_K',
+               n_layers=64, n_embd=5120, n_head=40, n_head_kv=8, n_ff=20480, vocab_size=152064, n_ctx=8192)"
+    python benchmarks/bench_fit.py --model /tmp/d26b.gguf --split 40/24 --ctx 8192 -- -ctk q8_0 -ctv q8_0 --no-compile
+
+Prints one JSON object; asserts nothing.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import socket
-import subprocess
-import sys
-import tempfile
 import time
 
 import httpx
+from bench_api import Server  # benchmarks/ is the script's directory
 
 PROMPT = "The history of the city begins with a small settlement on the river, where"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Proc:
-    """One worker process, its log in a temporary file (shown if it dies)."""
-
-    def __init__(self, role: str, argv: list[str]):
-        self.port, self.rpc = free_port(), free_port()
-        self.log = tempfile.TemporaryFile("w+")
-        cmd = [sys.executable, "-m", "hydra_console.engine.cli", role, "--port", str(self.port), "--rpc-port", str(self.rpc), *argv]
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, text=True)
-        self.url = f"http://127.0.0.1:{self.port}"
-
-    def wait_ready(self, timeout: float) -> float:
-        t0 = time.perf_counter()
-        while time.perf_counter() - t0 < timeout:
-            if self.proc.poll() is not None:
-                self.log.seek(0)
-                raise SystemExit(f"worker exited {self.proc.returncode}:\n{self.log.read()[-4000:]}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=5).status_code == 200:
-                    return time.perf_counter() - t0
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
-        raise SystemExit(f"not ready after {timeout} s")
-
-    def status(self) -> dict:
-        return httpx.get(f"{self.url}/status", timeout=10).json()
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
 
 
 def decode(url: str, n: int) -> dict:
@@ -99,14 +61,13 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=600)
     args, extra = ap.parse_known_args()
     extra = [a for a in extra if a != "--"]
-    peer = Proc("peer", ["--model", args.model, "--device", args.device])
-    head = None
+    peer = Server(["peer", "--model", args.model, "--device", args.device])
+    head = Server(["serve", "--model", args.model, "--device", args.device, "--peer", f"127.0.0.1:{peer.rpc_port}",
+                   "--split", args.split, "--ctx", str(args.ctx), "--parallel", "1", *extra])  # fmt: skip
     try:
-        peer.wait_ready(args.timeout)
-        head = Proc("serve", ["--model", args.model, "--device", args.device, "--peer", f"127.0.0.1:{peer.rpc}",
-                              "--split", args.split, "--ctx", str(args.ctx), "--parallel", "1", *extra])  # fmt: skip
-        ready_s = head.wait_ready(args.timeout)
-        run = decode(head.url, args.n)
+        peer.start(args.timeout)
+        ready_s = head.start(args.timeout)
+        run = decode(head.base, args.n)
         cards = [float(c) for c in args.cards.split(",")]
         out = {"model": args.model, "split": args.split, "ctx": args.ctx, "serve_flags": extra,
                "head_ready_s": round(ready_s, 1), **run}  # fmt: skip
@@ -116,9 +77,8 @@ def main() -> None:
             out[name] = m | {"card_gb": card, "fits": None if used is None else used * 2**30 <= card * 1e9}
         print(json.dumps(out))
     finally:
-        for p in (head, peer):
-            if p is not None:
-                p.stop()
+        head.stop()
+        peer.stop()
 
 
 if __name__ == "__main__":
