@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping, Sequence
 from datetime import datetime
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from typing import TYPE_CHECKING
 
 import jinja2
@@ -143,6 +143,8 @@ class ChatTemplate:
             "datetime": now.strftime("%b %d %Y"),
             **extra,
         }
+        if "enable_thinking" not in extra:  # llama-server's --reasoning auto: on where the template has thinking
+            context["enable_thinking"] = self.supports_thinking
         try:
             text = template.render(context)
         except ChatError:
@@ -153,6 +155,15 @@ class ChatTemplate:
             text = text[len(self.bos_token) :]
         return text
 
+    @cached_property
+    def supports_thinking(self) -> bool:
+        """Whether `enable_thinking` changes what this template renders for a user turn (llama-server
+        passes true to such templates unless `--reasoning off`, false to all others)."""
+        probe = [{"role": "user", "content": "test"}]
+        try:
+            return self.render(probe, True, enable_thinking=True) != self.render(probe, True, enable_thinking=False)
+        except ChatError:
+            return False
 
     def prompt(self, messages, add_generation_prompt: bool = True, continue_final_message: bool | None = None,
                **extra) -> str:

@@ -166,8 +166,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="chat template instead of the GGUF's: a built-in name (gemma, chatml, llama3) or jinja source")
     s.add_argument("--chat-template-file", default=None, help="read the chat template (jinja) from this file")
     s.add_argument("--reasoning", choices=["on", "off", "auto"], default="auto",
-                   help="the template's enable_thinking for every chat (auto: the template's own default; a request's "
-                        "chat_template_kwargs wins)")  # fmt: skip
+                   help="the template's enable_thinking for every chat (auto: true where the template reacts to it, "
+                        "as llama-server; a request's chat_template_kwargs wins)")  # fmt: skip
     s.add_argument("--verbose", action="store_true",
                    help="llama-server's: every chat response carries __verbose (its prompt), as if the request said verbose")
     s.add_argument("--jinja", "--no-jinja", action="store_true",

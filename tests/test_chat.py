@@ -261,3 +261,26 @@ def test_templates_see_todays_date_as_llama_cpp_names_it(tmp_path):
     text = ChatTemplate.for_model(tok, g, "{{ date_string }}|{{ datetime }}").render(CHAT[:1])
     today = date.today()
     assert text == f"{today:%d %b %Y}|{today:%b %d %Y}"
+
+
+# A reasoning template in the style of DeepSeek R1 / QwQ: the turn opens a thinking block that
+# `enable_thinking` false closes at once.
+THINKING_JINJA = (
+    "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|><think>\n{% if not enable_thinking %}</think>{% endif %}{% endif %}"
+)
+
+
+@pytest.mark.unit
+def test_enable_thinking_defaults_to_whether_the_template_has_thinking():
+    """As llama-server's --reasoning auto: true for a template that reacts to enable_thinking, false
+    for one that does not; an explicit value (--reasoning on/off, chat_template_kwargs) wins."""
+    thinking = ChatTemplate(THINKING_JINJA)
+    assert thinking.supports_thinking
+    assert thinking.prompt(CHAT[1:2]).endswith("<|assistant|><think>\n")
+    assert thinking.prompt(CHAT[1:2], enable_thinking=False).endswith("<think>\n</think>")
+    # this one shows the variable only without a generation prompt: no thinking, so false there
+    plain = ChatTemplate(CHATML_JINJA + "{% if not add_generation_prompt %}{{ enable_thinking }}{% endif %}")
+    assert not plain.supports_thinking
+    assert plain.prompt(CHAT[1:2], add_generation_prompt=False).endswith("False")
+    assert plain.prompt(CHAT[1:2], add_generation_prompt=False, enable_thinking=True).endswith("True")
