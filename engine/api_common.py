@@ -156,14 +156,23 @@ async def choices(head: Head, body: CommonBody, req: EngineRequest) -> list[Engi
     if engine.max_queue is not None and body.n > engine.n_slots + engine.max_queue:
         raise APIError(400, f"n={body.n} choices are more than this server holds at once ({engine.n_slots} slots + "
                             f"--max-queue {engine.max_queue})", param="n")  # fmt: skip
-    grammar = await asyncio.to_thread(grammar_of, body)
-    if grammar is not None:  # built on the model's llguidance tokenizer: the first one builds it (seconds)
-        req.constraint = await asyncio.to_thread(engine.grammars.constraint, *grammar)
     reqs = [req]
     for i in range(1, body.n):
         params = req.params if req.params.seed is None else replace(req.params, seed=(req.params.seed + i) % 2**64)
-        reqs.append(replace(req, params=params, constraint=req.constraint and req.constraint.copy()))
+        reqs.append(replace(req, params=params))
+    await constrain(head, body, reqs)
     return reqs
+
+
+async def constrain(head: Head, body: CommonBody, reqs: list[EngineRequest]) -> None:
+    """Give each request its own matcher of the body's structured-output grammar, if it has one."""
+    grammar = await asyncio.to_thread(grammar_of, body)
+    if grammar is None:
+        return
+    # built on the model's llguidance tokenizer: the first one builds it (seconds)
+    first = await asyncio.to_thread(head.engine.grammars.constraint, *grammar)
+    for i, req in enumerate(reqs):
+        req.constraint = first if i == 0 else first.copy()
 
 
 def usage_of(finals: list[Event]) -> dict | None:

@@ -18,9 +18,9 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from .api_common import (MAX_LOGPROBS, CommonBody, Run, chat_prompt, check_finish, check_token_ids, ready_engine,
-                         sampling_params, speculative_config, split_prompts, sse, stop_list, stream_error,
-                         tokenize_mixed)  # fmt: skip
+from .api_common import (MAX_LOGPROBS, CommonBody, Run, chat_prompt, check_finish, check_token_ids, constrain,
+                         ready_engine, sampling_params, speculative_config, split_prompts, sse, stop_list,
+                         stream_error, tokenize_mixed)  # fmt: skip
 from .http_errors import APIError
 
 if TYPE_CHECKING:
@@ -373,6 +373,7 @@ def router(head: Head) -> APIRouter:
 
 async def _respond(head: Head, http: Request, body: NativeCompletionBody, prompts: list[list[int]]):
     runs = [_Completion(head, body, ids, i) for i, ids in enumerate(prompts)]
+    await constrain(head, body, [c.req for c in runs])
     if body.stream:
 
         async def stream():
