@@ -244,6 +244,7 @@ def create_app(head: Head) -> FastAPI:
             stop=stop_list(body.stop),
             ignore_eos=body.ignore_eos, prompt_logprobs=body.logprobs if body.echo and body.logprobs is not None else None,
             spec=speculative_config(engine, body), cache_prompt=body.cache_prompt,
+            return_progress=body.stream and body.return_progress,
         )  # fmt: skip
         return await _respond_completion(head, http, body, await choices(head, body, req), prompt_text)
 
@@ -264,7 +265,8 @@ def create_app(head: Head) -> FastAPI:
         req = EngineRequest(prompt=ids, params=sampling_params(head, body, n_top), max_tokens=max_tokens,
                             stop=stop_list(body.stop), ignore_eos=body.ignore_eos,
                             spec=speculative_config(engine, body), cache_prompt=body.cache_prompt,
-                            timings_per_token=body.timings_per_token)  # fmt: skip
+                            timings_per_token=body.timings_per_token,
+                            return_progress=body.stream and body.return_progress)  # fmt: skip
         return await _respond_chat(head, http, body, await choices(head, body, req), prompt)
 
     return app
@@ -324,6 +326,9 @@ async def _respond_completion(head: Head, http: Request, body: CompletionBody, r
                 if ev.finish_reason == "error":
                     yield sse(stream_error(ev))
                     break
+                if ev.progress is not None:
+                    yield sse(chunk(i, "", None, prompt_progress=ev.progress))
+                    continue
                 if ev.prompt_logprobs is not None:
                     yield sse(chunk(i, "" if echoed[i] else prompt_text, prompt_part(i, ev)))
                     echoed[i] = True
@@ -388,6 +393,9 @@ async def _respond_chat(head: Head, http: Request, body: ChatBody, reqs: list[En
                 if ev.finish_reason == "error":
                     yield sse(stream_error(ev))
                     break
+                if ev.progress is not None:  # as llama-server: a role delta carrying prompt_progress
+                    yield sse(chunk(i, {"role": "assistant", "content": None}, [], prompt_progress=ev.progress))
+                    continue
                 per_token = {"timings": ev.timings} if ev.timings else {}
                 if ev.text or ev.tokens:
                     yield sse(chunk(i, {"content": ev.text} if ev.text else {}, ev.tokens, **per_token))

@@ -58,6 +58,7 @@ class CommonBody(BaseModel):
     ignore_eos: bool = False
     cache_prompt: bool = True  # llama-server: reuse the KV of a prefix a slot already holds
     timings_per_token: bool = False  # llama-server: `timings` on every streamed chunk, not just the last
+    return_progress: bool = False  # llama-server: streamed `prompt_progress` chunks while the prompt is computed
     n: int = Field(1, ge=1, le=MAX_CHOICES, description="choices: one engine request each")
     # OpenAI's {"token id": bias}; llama-server's [[id or text, bias]] too; a bias of false bans the token
     logit_bias: Union[dict[str, Any], list[Any], None] = None  # checked by logit_bias_pairs

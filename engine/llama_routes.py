@@ -147,6 +147,7 @@ class _Completion:
             prompt=ids, params=self.params, max_tokens=n_predict_for(head, requested, len(ids)),
             stop=stop_list(body.stop), ignore_eos=body.ignore_eos, spec=speculative_config(engine, body),
             cache_prompt=body.cache_prompt, timings_per_token=body.timings_per_token,
+            return_progress=body.stream and body.return_progress,
         )  # fmt: skip
         self.text: list[str] = []
         self.tokens: list[GenToken] = []
@@ -201,6 +202,9 @@ class _Completion:
             if ev.finish_reason == "error":
                 yield sse(stream_error(ev))
                 return
+            if ev.progress is not None:
+                yield sse({**self.partial("", [], n), "prompt_progress": ev.progress})
+                continue
             self.tokens += ev.tokens
             pieces = _per_token(ev)
             for text, tokens in pieces[:-1] if ev.finish_reason is not None else pieces:

@@ -29,6 +29,7 @@ class _Stream:
         self.t_first: float | None = None
         self.t_last: float | None = None  # when its latest tokens came (inter-token latency)
         self.stop_word = ""  # the stop string that ended the request
+        self.n_processed = seq.n_cached  # prompt tokens in the KV as last reported (return_progress)
 
 
 class OutputProcessor:
@@ -46,6 +47,11 @@ class OutputProcessor:
         st = self._streams.get(seq)
         if st is None:
             st = self._streams[seq] = _Stream(seq, self.tok)
+            if seq.req.return_progress:  # llama-server's first report: the slot taken, only the cache
+                self._progress(seq, seq.n_cached)
+        if seq.req.return_progress and min(seq.n_past, seq.n_prompt) > st.n_processed:
+            st.n_processed = min(seq.n_past, seq.n_prompt)
+            self._progress(seq, st.n_processed)
         if sampled is not None and sampled.prompt_logprobs is not None:
             seq.req.sink(Event(prompt_logprobs=sampled.prompt_logprobs))
         new = seq.tokens[st.n_seen :]
@@ -72,6 +78,11 @@ class OutputProcessor:
         st.n_seen = len(seq.tokens)
         if seq.finish_reason is not None:
             self._finish(seq, st, at_stop_string, error)
+
+    @staticmethod
+    def _progress(seq: Sequence, processed: int) -> None:
+        ms = (time.perf_counter() - seq.t_start) * 1e3
+        seq.req.sink(Event(progress={"total": seq.n_prompt, "cache": seq.n_cached, "processed": processed, "time_ms": ms}))
 
     def _release(self, seq: Sequence, st: _Stream, piece: str) -> bool:
         """Pass on text that can no longer start a stop string; True when a stop string ended the request."""

@@ -13,14 +13,13 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
+from .config import DEFAULT_BATCH_TOKENS  # noqa: F401  (the engine's default, set by --batch-size)
 from .sampling import TokenLogprob
 from .sequence import Request, Sequence
 
 if TYPE_CHECKING:
     from .speculative import Draft, Speculator
 
-# Prefill tokens per step across all sequences: bounds how long a long prompt stalls decoders.
-DEFAULT_BATCH_TOKENS = 256
 # Prompt-scoring chunks are smaller: each row brings a full-vocabulary logits row.
 SCORING_CHUNK = 64
 

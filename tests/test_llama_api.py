@@ -317,9 +317,9 @@ def test_llama_server_flag_names(tmp_path):
     template.write_text("{{ messages[0].content }}")
     args = build_parser().parse_args(["serve", "-m", "x.gguf", "-c", "1024", "-np", "4", "-n", "32", "--temp", "0.5",
                                       "--seed", "9", "--top-k", "20", "--jinja", "--chat-template-file", str(template),
-                                      "--api-key", "k", "--slot-save-path", str(tmp_path)])  # fmt: skip
+                                      "--api-key", "k", "--slot-save-path", str(tmp_path), "-b", "64"])  # fmt: skip
     cfg = head_config(args, {})
-    assert (cfg.model.model, cfg.model.ctx, cfg.parallel, cfg.n_predict) == ("x.gguf", 256, 4, 32)
+    assert (cfg.model.model, cfg.model.ctx, cfg.parallel, cfg.n_predict, cfg.batch_tokens) == ("x.gguf", 256, 4, 32, 64)
     assert cfg.sampling.given() == {"temperature": 0.5, "seed": 9, "top_k": 20}
     assert cfg.chat_template == "{{ messages[0].content }}" and cfg.api_key == "k" and cfg.slot_save_path == tmp_path
     assert head_config(build_parser().parse_args(["serve", "--seed", "-1"]), {}).sampling.seed is None
@@ -328,6 +328,39 @@ def test_llama_server_flag_names(tmp_path):
     off = head_config(build_parser().parse_args(["serve", "--reasoning", "off"]), {})
     assert off.chat_template_kwargs == {"enable_thinking": False}
     for bad, flag in ((["--ctx", "64", "-c", "128"], "--ctx"), (["--temp", "-1"], "--temperature"),
-                      (["--chat-template", "x", "--chat-template-file", "y"], "--chat-template")):  # fmt: skip
+                      (["--chat-template", "x", "--chat-template-file", "y"], "--chat-template"),
+                      (["-b", "0"], "--batch-size")):  # fmt: skip
         with pytest.raises(Exception, match=flag):
             head_config(build_parser().parse_args(["serve", *bad]), {})
+
+
+# ---- return_progress and --batch-size ---------------------------------------------------------------
+
+
+def test_return_progress_reports_each_prompt_batch(tiny_model, tmp_path):
+    """-b 16: the prompt is computed 16 tokens a step; a streamed request with return_progress gets
+    llama-server's prompt_progress after taking its slot (only the cache) and after each batch."""
+    long_chat = [{"role": "user", "content": PROMPT * 3}]
+    with running(llama_head(tiny_model("llama"), tmp_path, "-b", "16")) as w:
+        n_prompt = post(w.url, "/chat/completions/input_tokens", {"messages": long_chat}).json()["input_tokens"]
+        assert n_prompt > 48
+
+        def progress(path: str, body: dict) -> list[dict]:
+            events, _ = sse_events(w.url, path, {**body, "stream": True, "return_progress": True, "max_tokens": 2})
+            return [e["prompt_progress"] for e in events if "prompt_progress" in e]
+
+        reports = progress("/v1/chat/completions", {"messages": long_chat, "cache_prompt": False})
+        assert [(r["total"], r["cache"]) for r in reports] == [(n_prompt, 0)] * len(reports)
+        assert [r["processed"] for r in reports] == [*range(0, n_prompt, 16), n_prompt]
+        # the same prompt again: all but its last token is cached, so one batch of one token
+        again = progress("/v1/chat/completions", {"messages": long_chat})
+        assert [(r["cache"], r["processed"]) for r in again] == [(n_prompt - 1, n_prompt - 1), (n_prompt - 1, n_prompt)]
+        # the native and the OpenAI completion streams report it too; without the flag or the stream, nothing
+        native = progress("/completion", {"prompt": PROMPT * 3, "cache_prompt": False})
+        assert native[-1]["processed"] == native[-1]["total"] and len(native) > 2
+        oai = progress("/v1/completions", {"prompt": PROMPT * 3, "cache_prompt": False})
+        assert [r["processed"] for r in oai] == [r["processed"] for r in native]
+        events, _ = sse_events(w.url, "/v1/chat/completions", {"messages": long_chat, "stream": True, "max_tokens": 2})
+        assert not any("prompt_progress" in e for e in events)
+        body = post(w.url, "/v1/chat/completions", {"messages": long_chat, "max_tokens": 2, "return_progress": True})
+        assert "prompt_progress" not in body.json()
