@@ -86,7 +86,10 @@ def sampling_params(head: Head, body: CommonBody, logprobs: int | None) -> Sampl
     given = {**head.cfg.sampling.given(), **{k: getattr(body, k) for k in SAMPLING_FIELDS if getattr(body, k) is not None}}
     if given.get("seed", SEED_RANDOM) == SEED_RANDOM:
         given["seed"] = secrets.randbits(32)
-    return SamplingParams(**given, logprobs=logprobs, logit_bias=logit_bias_pairs(head, body.logit_bias))
+    bias = dict(logit_bias_pairs(head, body.logit_bias))
+    if body.ignore_eos:  # as llama-server: the end-of-generation tokens are banned, not only passed over
+        bias.update((t, float("-inf")) for t in sorted(head.tok.eog_ids))
+    return SamplingParams(**given, logprobs=logprobs, logit_bias=tuple(bias.items()))
 
 
 def logit_bias_pairs(head: Head, raw) -> tuple[tuple[int, float], ...]:

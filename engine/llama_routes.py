@@ -159,6 +159,7 @@ class _Completion:
                 "presence_penalty": p.presence_penalty, "frequency_penalty": p.frequency_penalty,
                 "stop": self.req.stop, "max_tokens": self.req.max_tokens, "n_predict": self.req.max_tokens,
                 "n_keep": 0, "n_discard": 0, "ignore_eos": body.ignore_eos, "stream": body.stream,
+                "logit_bias": [{"bias": None if b == float("-inf") else b, "token": t} for t, b in p.logit_bias],
                 "n_probs": body.n_probs, "min_keep": 0, "samplers": list(body.samplers or SAMPLERS),
                 "timings_per_token": body.timings_per_token, "post_sampling_probs": p.post_sampling, "lora": []}  # fmt: skip
 

@@ -334,6 +334,24 @@ def test_llama_server_flag_names(tmp_path):
             head_config(build_parser().parse_args(["serve", *bad]), {})
 
 
+
+def test_ignore_eos_bans_the_end_of_generation_tokens(server, tiny_model):
+    """As llama-server: ignore_eos is a -inf logit bias on every end-of-generation token (listed in
+    generation_settings.logit_bias, -inf as null), so even a forced EOS is never sampled."""
+    from hydra_console.engine.gguf_file import GGUFFile
+
+    tok = Tokenizer.from_gguf(GGUFFile(tiny_model("llama")))
+    forced = {"prompt": PROMPT, "n_predict": 4, "return_tokens": True, "logit_bias": [[tok.eos_id, 100]]}
+    plain = post(server, "/completion", forced).json()
+    assert plain["stop_type"] == "eos" and plain["tokens_predicted"] == 1
+    assert plain["generation_settings"]["logit_bias"] == [{"bias": 100.0, "token": tok.eos_id}]
+    banned = post(server, "/completion", {**forced, "ignore_eos": True}).json()
+    assert banned["stop_type"] == "limit" and len(banned["tokens"]) == 4
+    assert not set(banned["tokens"]) & tok.eog_ids
+    bias = banned["generation_settings"]["logit_bias"]
+    assert {b["token"] for b in bias} == tok.eog_ids and all(b["bias"] is None for b in bias)
+    assert post(server, "/completion", {"prompt": PROMPT, "n_predict": 1}).json()["generation_settings"]["logit_bias"] == []
+
 # ---- return_progress and --batch-size ---------------------------------------------------------------
 
 
