@@ -327,7 +327,7 @@ async def _respond_completion(head: Head, http: Request, body: CompletionBody, r
                     yield sse(stream_error(ev))
                     break
                 if ev.progress is not None:
-                    yield sse(chunk(i, "", None, prompt_progress=ev.progress))
+                    yield sse(chunk(i, "", None, prompt_progress=ev.progress, **({"timings": ev.timings} if ev.timings else {})))
                     continue
                 if ev.prompt_logprobs is not None:
                     yield sse(chunk(i, "" if echoed[i] else prompt_text, prompt_part(i, ev)))
@@ -393,10 +393,10 @@ async def _respond_chat(head: Head, http: Request, body: ChatBody, reqs: list[En
                 if ev.finish_reason == "error":
                     yield sse(stream_error(ev))
                     break
-                if ev.progress is not None:  # as llama-server: a role delta carrying prompt_progress
-                    yield sse(chunk(i, {"role": "assistant", "content": None}, [], prompt_progress=ev.progress))
-                    continue
                 per_token = {"timings": ev.timings} if ev.timings else {}
+                if ev.progress is not None:  # as llama-server: a role delta carrying prompt_progress
+                    yield sse(chunk(i, {"role": "assistant", "content": None}, [], prompt_progress=ev.progress, **per_token))
+                    continue
                 if ev.text or ev.tokens:
                     yield sse(chunk(i, {"content": ev.text} if ev.text else {}, ev.tokens, **per_token))
                 if ev.finish_reason is None:

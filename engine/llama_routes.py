@@ -204,7 +204,8 @@ class _Completion:
                 yield sse(stream_error(ev))
                 return
             if ev.progress is not None:
-                yield sse({**self.partial("", [], n), "prompt_progress": ev.progress})
+                timings = {"timings": ev.timings} if ev.timings else {}
+                yield sse({**self.partial("", [], n), "prompt_progress": ev.progress, **timings})
                 continue
             self.tokens += ev.tokens
             pieces = _per_token(ev)

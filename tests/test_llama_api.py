@@ -352,6 +352,16 @@ def test_ignore_eos_bans_the_end_of_generation_tokens(server, tiny_model):
     assert {b["token"] for b in bias} == tok.eog_ids and all(b["bias"] is None for b in bias)
     assert post(server, "/completion", {"prompt": PROMPT, "n_predict": 1}).json()["generation_settings"]["logit_bias"] == []
 
+
+def test_generation_rates_are_over_decode_steps(server):
+    """As llama-server: the first token comes with the prompt's last batch, so the generation rate
+    counts n - 1 decode steps (and one token alone has no rate)."""
+    one = post(server, "/completion", {"prompt": PROMPT, "n_predict": 1, "ignore_eos": True}).json()["timings"]
+    assert one["predicted_n"] == 1 and one["predicted_per_second"] == 0.0 and one["predicted_per_token_ms"] == 0.0
+    five = post(server, "/completion", {"prompt": PROMPT, "n_predict": 5, "ignore_eos": True}).json()["timings"]
+    assert five["predicted_per_second"] == pytest.approx(4 / five["predicted_ms"] * 1e3)
+    assert five["predicted_per_token_ms"] == pytest.approx(five["predicted_ms"] / 4)
+
 # ---- return_progress and --batch-size ---------------------------------------------------------------
 
 
@@ -376,6 +386,13 @@ def test_return_progress_reports_each_prompt_batch(tiny_model, tmp_path):
         # the native and the OpenAI completion streams report it too; without the flag or the stream, nothing
         native = progress("/completion", {"prompt": PROMPT * 3, "cache_prompt": False})
         assert native[-1]["processed"] == native[-1]["total"] and len(native) > 2
+        # with timings_per_token each report carries timings of the prompt so far: none before the first batch
+        timed, _ = sse_events(w.url, "/completion", {"prompt": PROMPT * 3, "cache_prompt": False, "n_predict": 2,
+                                                      "stream": True, "return_progress": True, "timings_per_token": True})  # fmt: skip
+        timed = [e["timings"] for e in timed if "prompt_progress" in e]
+        assert (timed[0]["prompt_n"], timed[0]["prompt_ms"], timed[0]["predicted_n"]) == (0, 0.0, 0)
+        assert [t["prompt_n"] for t in timed] == [r["processed"] for r in native]
+        assert all(a["prompt_ms"] <= b["prompt_ms"] for a, b in zip(timed, timed[1:]))
         oai = progress("/v1/completions", {"prompt": PROMPT * 3, "cache_prompt": False})
         assert [r["processed"] for r in oai] == [r["processed"] for r in native]
         events, _ = sse_events(w.url, "/v1/chat/completions", {"messages": long_chat, "stream": True, "max_tokens": 2})
