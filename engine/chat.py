@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from .tokenizer import Tokenizer
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
+MEDIA_PARTS = {"image_url": "image", "input_audio": "audio"}  # OpenAI's content parts we cannot take
 
 # Gemma has no system turn: the system text goes in front of the first user turn (as llama.cpp and
 # Gemma's own template do); "assistant" is "model"; contents are trimmed.
@@ -239,6 +240,9 @@ def normalize_messages(messages) -> list[dict]:
 def _join_parts(parts: list, i: int) -> str:
     texts = []
     for j, part in enumerate(parts):
+        if isinstance(part, Mapping) and part.get("type") in MEDIA_PARTS:
+            raise ChatError(f"messages[{i}].content[{j}]: {MEDIA_PARTS[part['type']]} input is not supported "
+                            "(the model is text-only)")
         if not isinstance(part, Mapping) or part.get("type") != "text" or not isinstance(part.get("text"), str):
             kind = part.get("type") if isinstance(part, Mapping) else type(part).__name__
             raise ChatError(f"messages[{i}].content[{j}]: only text parts are supported (got {kind!r})")

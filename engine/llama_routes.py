@@ -18,9 +18,9 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from .api_common import (MAX_LOGPROBS, CommonBody, Run, chat_prompt, check_finish, check_token_ids, constrain,
-                         ready_engine, sampling_params, speculative_config, split_prompts, sse, stop_list,
-                         stream_error, tokenize_mixed)  # fmt: skip
+from .api_common import (MAX_LOGPROBS, CommonBody, Run, check_finish, check_token_ids, constrain, ready_engine,
+                         sampling_params, speculative_config, split_prompts, sse, stop_list, stream_error,
+                         template_prompt, tokenize_mixed)  # fmt: skip
 from .http_errors import APIError
 
 if TYPE_CHECKING:
@@ -78,15 +78,6 @@ class TokenizeBody(BaseModel):
 
 class DetokenizeBody(BaseModel):
     tokens: list[int]
-
-
-def template_prompt(head: Head, body: TemplateBody) -> str:
-    """The chat prompt of a /apply-template, /chat/completions or input_tokens body."""
-    messages = [m.model_dump(exclude_none=True) if isinstance(m, BaseModel) else m for m in body.messages]
-    extra = {**head.cfg.chat_template_kwargs, **(body.chat_template_kwargs or {})}
-    if body.tools:
-        extra["tools"] = body.tools
-    return chat_prompt(head, messages, body.add_generation_prompt, body.continue_final_message, **extra)
 
 
 def n_predict_for(head: Head, requested: int | None, n_prompt: int) -> int:

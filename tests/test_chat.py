@@ -215,7 +215,9 @@ def test_broken_or_unsafe_templates(tmp_path, template, error):
         ([{"role": "user"}], r"messages\[0\] \(user\) has no content"),
         ([{"role": "user", "content": "a"}, {"role": "robot", "content": "b"}], r"messages\[1\] has unknown role 'robot'"),
         ([{"role": "user", "content": 5}], "must be a string or a list of text parts"),
-        ([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}], "only text parts"),
+        ([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}], r"content\[0\]: image input is not supported"),
+        ([{"role": "user", "content": [{"type": "input_audio"}]}], "audio input is not supported"),
+        ([{"role": "user", "content": [{"type": "file"}]}], "only text parts"),
         (["hi"], r"messages\[0\] must be an object"),
     ],
 )
