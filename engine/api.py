@@ -24,6 +24,7 @@ from .api_common import (MAX_LOGPROBS, ChatBody, CommonBody, Run, chat_requests,
                          usage_of)  # fmt: skip
 from .api_anthropic import anthropic_routes
 from .api_embeddings import embedding_routes
+from .api_responses import responses_routes
 from .errors import ContextOverflow, Overloaded, Unavailable, UserError
 from .http_cors import Cors
 from .http_errors import APIError, error_response
@@ -202,6 +203,7 @@ def create_app(head: Head) -> FastAPI:
 
     app.include_router(llama_router(head))
     app.include_router(anthropic_routes(head))
+    app.include_router(responses_routes(head))
 
     @app.post("/v1/completions")
     async def completions(body: CompletionBody, http: Request):

@@ -20,7 +20,8 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from .api_common import ChatBody, Run, chat_requests, check_finish, generation_error, ready_engine, template_prompt
+from .api_common import (ChatBody, Run, chat_requests, check_finish, generation_error, named_sse, ready_engine,
+                         template_prompt)  # fmt: skip
 from .http_errors import APIError
 
 if TYPE_CHECKING:
@@ -136,10 +137,6 @@ def _usage(n_prompt: int, n_cached: int, n_out: int) -> dict:
     return {"cache_read_input_tokens": n_cached, "input_tokens": n_prompt - n_cached, "output_tokens": n_out}
 
 
-def _sse(kind: str, data: dict) -> bytes:
-    return f"event: {kind}\ndata: {json.dumps({'type': kind, **data}, ensure_ascii=False)}\n\n".encode()
-
-
 def anthropic_routes(head: Head) -> APIRouter:
     r = APIRouter()
 
@@ -187,23 +184,23 @@ async def _stream(head: Head, http: Request, req, message: dict):
     async for _, ev in Run(head, http, [req]).events():
         if ev.finish_reason == "error":
             e = generation_error(ev)
-            yield _sse("error", {"error": {"type": e.type, "message": e.message}})
+            yield named_sse("error", {"error": {"type": e.type, "message": e.message}})
             return
         if ev.progress is not None:
             if not started:
                 started = True
                 usage = _usage(ev.progress["total"], ev.progress["cache"], 0)
-                yield _sse("message_start", {"message": {**message, "content": [], "stop_reason": None,
+                yield named_sse("message_start", {"message": {**message, "content": [], "stop_reason": None,
                                                          "stop_sequence": None, "usage": usage}})  # fmt: skip
             continue
         if ev.text:
             if not text_open:
                 text_open = True
-                yield _sse("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}})
-            yield _sse("content_block_delta", {"index": 0, "delta": {"type": "text_delta", "text": ev.text}})
+                yield named_sse("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}})
+            yield named_sse("content_block_delta", {"index": 0, "delta": {"type": "text_delta", "text": ev.text}})
         if ev.finish_reason is not None:
             if text_open:
-                yield _sse("content_block_stop", {"index": 0})
-            yield _sse("message_delta", {"delta": {"stop_reason": _stop_reason(ev), "stop_sequence": ev.stop_word or None},
+                yield named_sse("content_block_stop", {"index": 0})
+            yield named_sse("message_delta", {"delta": {"stop_reason": _stop_reason(ev), "stop_sequence": ev.stop_word or None},
                                          "usage": {"output_tokens": ev.usage["completion_tokens"]}})  # fmt: skip
-            yield _sse("message_stop", {})
+            yield named_sse("message_stop", {})

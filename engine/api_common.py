@@ -388,6 +388,11 @@ def sse(obj) -> bytes:
     return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
 
 
+def named_sse(kind: str, data: dict) -> bytes:
+    """An SSE event named by its type, as Anthropic's and OpenAI's Responses streams send them."""
+    return f"event: {kind}\ndata: {json.dumps({'type': kind, **data}, ensure_ascii=False)}\n\n".encode()
+
+
 def ready_engine(head: Head):
     if not head.ready:
         raise APIError(503, "Loading model", "unavailable_error", retry_after=LOADING_RETRY_S)
