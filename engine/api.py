@@ -24,6 +24,7 @@ from .api_common import (MAX_LOGPROBS, ChatBody, CommonBody, Run, chat_requests,
                          usage_of)  # fmt: skip
 from .api_anthropic import anthropic_routes
 from .api_embeddings import embedding_routes
+from .api_predict import add_predict_route
 from .api_responses import responses_routes
 from .errors import ContextOverflow, Overloaded, Unavailable, UserError
 from .http_cors import Cors
@@ -237,6 +238,9 @@ def create_app(head: Head) -> FastAPI:
     async def chat_completions(body: ChatBody, http: Request):
         prompt, reqs = await chat_requests(head, body)
         return await _respond_chat(head, http, body, reqs, prompt)
+
+    if head.cfg.predict_route is not None:  # last: it dispatches to the routes above
+        add_predict_route(app, head.cfg.predict_route)
 
     return app
 

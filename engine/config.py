@@ -23,6 +23,8 @@ ENVIRONMENT = {
     "HYDRA_CACHE_DIR": "prepared-weight cache directory; 'off' disables it (default ~/.cache/hydra-console/prepared)",
     "HYDRA_CUDA_IPC": "'0' turns off CUDA IPC between a head and a peer on the same GPU (default on)",
     "HYDRA_RPC_SPIN_MS": "busy-wait for the next compute frame, in ms (default 20 on CUDA workers, 0 on CPU)",
+    "AIP_MODE": "'PREDICTION' (Vertex AI sets it): the head also serves the predict route, as llama-server",
+    "AIP_PREDICT_ROUTE": "that predict route's path (default /predict)",
 }
 GPU_SPIN_S = 0.02  # see RpcSettings.spin_seconds
 
@@ -203,6 +205,7 @@ class HeadConfig(WorkerConfig):
     chat_template: str | None = None  # --chat-template(-file): a built-in name or jinja source; None: the GGUF's
     chat_template_kwargs: dict = field(default_factory=dict)  # template variables of every chat (--reasoning)
     verbose: bool = False  # every chat response carries __verbose (llama-server's --verbose)
+    predict_route: str | None = None  # Vertex AI's predict route (env AIP_MODE=PREDICTION); None: off
 
     def redacted(self) -> dict:
         doc = super().redacted()
@@ -334,7 +337,15 @@ def head_config(args, env: Mapping[str, str]) -> HeadConfig:
         chat_template=_chat_template(args.chat_template, args.chat_template_file),
         chat_template_kwargs={} if args.reasoning == "auto" else {"enable_thinking": args.reasoning == "on"},
         verbose=args.verbose,
+        predict_route=_predict_route(env),
     )
+
+
+def _predict_route(env: Mapping[str, str]) -> str | None:
+    if env.get("AIP_MODE") != "PREDICTION":
+        return None
+    route = env.get("AIP_PREDICT_ROUTE") or "/predict"
+    return route if route.startswith("/") else "/" + route
 
 
 def _csv(value: str | None) -> tuple[str, ...]:

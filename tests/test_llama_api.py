@@ -362,6 +362,34 @@ def test_generation_rates_are_over_decode_steps(server):
     assert five["predicted_per_second"] == pytest.approx(4 / five["predicted_ms"] * 1e3)
     assert five["predicted_per_token_ms"] == pytest.approx(five["predicted_ms"] / 4)
 
+
+def test_vertex_ai_predict_route(tiny_model, tmp_path):
+    """AIP_MODE=PREDICTION (Vertex AI's custom containers): POST /predict runs each instance on the
+    route its @requestFormat names, with the caller's key, never streamed; predictions in order."""
+    from hydra_console.engine.api_predict import request_format
+
+    assert [request_format(p) for p in ("/v1/chat/completions", "/apply-template", "/completion")] == [
+        "chatCompletions", "applyTemplate", "completion"]  # fmt: skip
+    port, rpc = free_ports(2)
+    argv = ["-m", str(tiny_model("llama")), "--device", "cpu", "--dtype", "float32", "-np", "2", "-c", str(2 * N_CTX),
+            "--temp", "0", "--chat-template", "chatml", "--api-key", "k"]  # fmt: skip
+    env = ("env", "AIP_MODE=PREDICTION", "AIP_PREDICT_ROUTE=infer")
+    with running(Worker("serve", argv, tmp_path, port, rpc, launcher=env)) as w:
+        key = {"Authorization": "Bearer k"}
+        chat = {"messages": CHAT, "max_tokens": 3, "ignore_eos": True}
+        instances = [{"@requestFormat": "chatCompletions", **chat, "stream": True},
+                     {"@requestFormat": "/completion", "prompt": PROMPT, "n_predict": 2},
+                     {"@requestFormat": "nowhere"}, {"@requestFormat": "chatCompletions", "messages": []}]  # fmt: skip
+        r = httpx.post(f"{w.url}/infer", json={"instances": instances}, headers=key, timeout=60)
+        assert r.status_code == 200, r.text
+        first, second, unknown, bad = r.json()["predictions"]
+        direct = httpx.post(f"{w.url}/v1/chat/completions", json=chat, headers=key, timeout=60).json()
+        assert first["choices"][0]["message"] == direct["choices"][0]["message"]
+        assert second.get("tokens_predicted") == 2, second
+        assert "nowhere" in unknown["error"]["message"] and bad["error"]["param"] == "messages"
+        assert httpx.post(f"{w.url}/infer", json={"instances": instances[:1]}, timeout=60).status_code == 401
+        assert httpx.post(f"{w.url}/infer", json={"instances": "x"}, headers=key, timeout=60).status_code == 400
+
 # ---- return_progress and --batch-size ---------------------------------------------------------------
 
 
