@@ -286,3 +286,13 @@ def test_enable_thinking_defaults_to_whether_the_template_has_thinking():
     assert not plain.supports_thinking
     assert plain.prompt(CHAT[1:2], add_generation_prompt=False).endswith("False")
     assert plain.prompt(CHAT[1:2], add_generation_prompt=False, enable_thinking=True).endswith("True")
+
+
+@pytest.mark.unit
+def test_an_undefined_name_joins_a_string_as_empty():
+    """As llama.cpp's jinja (firefunction's template adds `functions`, which only its tool-calling
+    path sets, to its system text); other uses of an undefined name still fail as a ChatError."""
+    t = ChatTemplate("{{ 'tools:' + functions + '|' }}{{ messages[0].content }}")
+    assert t.render(CHAT[:1]) == "tools:|" + CHAT[0]["content"]
+    with pytest.raises(ChatError, match="undefined"):
+        ChatTemplate("{{ functions.name.first }}").render(CHAT[:1])
