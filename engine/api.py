@@ -11,22 +11,26 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from typing import TYPE_CHECKING, Any, Union
+from typing import TYPE_CHECKING, Union
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .api_common import (MAX_LOGPROBS, CommonBody, Run, check_finish, check_token_ids, choices, ready_engine,
-                         sampling_params, speculative_config, sse, stop_list, stream_error, usage_of)  # fmt: skip
+from .api_common import (MAX_LOGPROBS, ChatBody, CommonBody, Run, chat_requests, check_finish, check_token_ids,
+                         choices, ready_engine, sampling_params, speculative_config, sse, stop_list, stream_error,
+                         usage_of)  # fmt: skip
+from .api_anthropic import anthropic_routes
 from .api_embeddings import embedding_routes
+from .api_predict import add_predict_route
+from .api_responses import responses_routes
 from .errors import ContextOverflow, Overloaded, Unavailable, UserError
 from .http_cors import Cors
 from .http_errors import APIError, error_response
 from .http_gate import Gate
-from .llama_routes import BUILD_INFO, template_prompt
+from .llama_routes import BUILD_INFO
 from .llama_routes import router as llama_router
 from .worker_http import add_observation_routes
 
@@ -52,27 +56,6 @@ class CompletionBody(CommonBody):
     max_tokens: int | None = Field(16, ge=0)
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    return_tokens_as_token_ids: bool = False
-
-
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
-    role: str
-    content: Union[str, list[dict[str, Any]], None] = None
-
-
-class ChatBody(CommonBody):
-    messages: list[ChatMessage] = Field(..., min_length=1)
-    add_generation_prompt: bool = True
-    continue_final_message: bool | None = None  # None: a last assistant message is continued (prefill)
-    tools: list[dict[str, Any]] | None = None
-    chat_template_kwargs: dict[str, Any] | None = None
-    verbose: bool = False  # llama-server: `__verbose` (the prompt) in the response
-    max_tokens: int | None = Field(None, ge=0)
-    max_completion_tokens: int | None = Field(None, ge=0)
-    logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     return_tokens_as_token_ids: bool = False
 
 
@@ -220,6 +203,8 @@ def create_app(head: Head) -> FastAPI:
                 "timings": {"restore_ms": (time.perf_counter() - t0) * 1e3}}  # fmt: skip
 
     app.include_router(llama_router(head))
+    app.include_router(anthropic_routes(head))
+    app.include_router(responses_routes(head))
 
     @app.post("/v1/completions")
     async def completions(body: CompletionBody, http: Request):
@@ -244,28 +229,18 @@ def create_app(head: Head) -> FastAPI:
             stop=stop_list(body.stop),
             ignore_eos=body.ignore_eos, prompt_logprobs=body.logprobs if body.echo and body.logprobs is not None else None,
             spec=speculative_config(engine, body), cache_prompt=body.cache_prompt,
+            return_progress=body.stream and body.return_progress,
         )  # fmt: skip
         return await _respond_completion(head, http, body, await choices(head, body, req), prompt_text)
 
     @app.post("/v1/chat/completions")
     @app.post("/chat/completions", include_in_schema=False)
     async def chat_completions(body: ChatBody, http: Request):
-        from .sequence import Request as EngineRequest
+        prompt, reqs = await chat_requests(head, body)
+        return await _respond_chat(head, http, body, reqs, prompt)
 
-        engine = ready_engine(head)
-        prompt = await asyncio.to_thread(template_prompt, head, body)
-        ids = await asyncio.to_thread(head.tok.encode, prompt, add_special=True, parse_special=True)
-        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        if max_tokens is None:  # llama-server's --n-predict: the server's default, within the context
-            room = max(engine.n_ctx - len(ids), 0)
-            max_tokens = room if head.cfg.n_predict < 0 else min(head.cfg.n_predict, room)
-        engine.check(len(ids), max_tokens)
-        n_top = (body.top_logprobs or 0) if body.logprobs else None
-        req = EngineRequest(prompt=ids, params=sampling_params(head, body, n_top), max_tokens=max_tokens,
-                            stop=stop_list(body.stop), ignore_eos=body.ignore_eos,
-                            spec=speculative_config(engine, body), cache_prompt=body.cache_prompt,
-                            timings_per_token=body.timings_per_token)  # fmt: skip
-        return await _respond_chat(head, http, body, await choices(head, body, req), prompt)
+    if head.cfg.predict_route is not None:  # last: it dispatches to the routes above
+        add_predict_route(app, head.cfg.predict_route)
 
     return app
 
@@ -324,6 +299,9 @@ async def _respond_completion(head: Head, http: Request, body: CompletionBody, r
                 if ev.finish_reason == "error":
                     yield sse(stream_error(ev))
                     break
+                if ev.progress is not None:
+                    yield sse(chunk(i, "", None, prompt_progress=ev.progress, **({"timings": ev.timings} if ev.timings else {})))
+                    continue
                 if ev.prompt_logprobs is not None:
                     yield sse(chunk(i, "" if echoed[i] else prompt_text, prompt_part(i, ev)))
                     echoed[i] = True
@@ -389,6 +367,9 @@ async def _respond_chat(head: Head, http: Request, body: ChatBody, reqs: list[En
                     yield sse(stream_error(ev))
                     break
                 per_token = {"timings": ev.timings} if ev.timings else {}
+                if ev.progress is not None:  # as llama-server: a role delta carrying prompt_progress
+                    yield sse(chunk(i, {"role": "assistant", "content": None}, [], prompt_progress=ev.progress, **per_token))
+                    continue
                 if ev.text or ev.tokens:
                     yield sse(chunk(i, {"content": ev.text} if ev.text else {}, ev.tokens, **per_token))
                 if ev.finish_reason is None:

@@ -58,6 +58,7 @@ class CommonBody(BaseModel):
     ignore_eos: bool = False
     cache_prompt: bool = True  # llama-server: reuse the KV of a prefix a slot already holds
     timings_per_token: bool = False  # llama-server: `timings` on every streamed chunk, not just the last
+    return_progress: bool = False  # llama-server: streamed `prompt_progress` chunks while the prompt is computed
     n: int = Field(1, ge=1, le=MAX_CHOICES, description="choices: one engine request each")
     # OpenAI's {"token id": bias}; llama-server's [[id or text, bias]] too; a bias of false bans the token
     logit_bias: Union[dict[str, Any], list[Any], None] = None  # checked by logit_bias_pairs
@@ -73,6 +74,27 @@ class CommonBody(BaseModel):
     speculative_p_min: float | None = Field(None, alias="speculative.p_min", ge=0.0, le=1.0)
 
 
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: str
+    content: Union[str, list[dict[str, Any]], None] = None
+
+
+class ChatBody(CommonBody):
+    messages: list[ChatMessage] = Field(..., min_length=1)
+    add_generation_prompt: bool = True
+    continue_final_message: bool | None = None  # None: a last assistant message is continued (prefill)
+    tools: list[dict[str, Any]] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    verbose: bool = False  # llama-server: `__verbose` (the prompt) in the response
+    max_tokens: int | None = Field(None, ge=0)
+    max_completion_tokens: int | None = Field(None, ge=0)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    return_tokens_as_token_ids: bool = False
+
+
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repeat_penalty", "repeat_last_n", "presence_penalty",
                    "frequency_penalty", "seed")  # fmt: skip
 
@@ -85,7 +107,10 @@ def sampling_params(head: Head, body: CommonBody, logprobs: int | None) -> Sampl
     given = {**head.cfg.sampling.given(), **{k: getattr(body, k) for k in SAMPLING_FIELDS if getattr(body, k) is not None}}
     if given.get("seed", SEED_RANDOM) == SEED_RANDOM:
         given["seed"] = secrets.randbits(32)
-    return SamplingParams(**given, logprobs=logprobs, logit_bias=logit_bias_pairs(head, body.logit_bias))
+    bias = dict(logit_bias_pairs(head, body.logit_bias))
+    if body.ignore_eos:  # as llama-server: the end-of-generation tokens are banned, not only passed over
+        bias.update((t, float("-inf")) for t in sorted(head.tok.eog_ids))
+    return SamplingParams(**given, logprobs=logprobs, logit_bias=tuple(bias.items()))
 
 
 def logit_bias_pairs(head: Head, raw) -> tuple[tuple[int, float], ...]:
@@ -156,14 +181,23 @@ async def choices(head: Head, body: CommonBody, req: EngineRequest) -> list[Engi
     if engine.max_queue is not None and body.n > engine.n_slots + engine.max_queue:
         raise APIError(400, f"n={body.n} choices are more than this server holds at once ({engine.n_slots} slots + "
                             f"--max-queue {engine.max_queue})", param="n")  # fmt: skip
-    grammar = await asyncio.to_thread(grammar_of, body)
-    if grammar is not None:  # built on the model's llguidance tokenizer: the first one builds it (seconds)
-        req.constraint = await asyncio.to_thread(engine.grammars.constraint, *grammar)
     reqs = [req]
     for i in range(1, body.n):
         params = req.params if req.params.seed is None else replace(req.params, seed=(req.params.seed + i) % 2**64)
-        reqs.append(replace(req, params=params, constraint=req.constraint and req.constraint.copy()))
+        reqs.append(replace(req, params=params))
+    await constrain(head, body, reqs)
     return reqs
+
+
+async def constrain(head: Head, body: CommonBody, reqs: list[EngineRequest]) -> None:
+    """Give each request its own matcher of the body's structured-output grammar, if it has one."""
+    grammar = await asyncio.to_thread(grammar_of, body)
+    if grammar is None:
+        return
+    # built on the model's llguidance tokenizer: the first one builds it (seconds)
+    first = await asyncio.to_thread(head.engine.grammars.constraint, *grammar)
+    for i, req in enumerate(reqs):
+        req.constraint = first if i == 0 else first.copy()
 
 
 def usage_of(finals: list[Event]) -> dict | None:
@@ -234,6 +268,41 @@ def split_prompts(prompt) -> list:
     if isinstance(prompt, list) and prompt and not any(isinstance(p, int) and not isinstance(p, bool) for p in prompt):
         return prompt
     return [prompt]
+
+
+async def chat_requests(head: Head, body: ChatBody, fit_context: bool = False) -> tuple[str, list[EngineRequest]]:
+    """A chat request's prompt text and its engine requests (one per choice); max_tokens defaults to
+    the server's --n-predict, within the context. A max_tokens past the context is refused, or with
+    `fit_context` cut to it (generation stops where the context ends, as llama-server's)."""
+    from .sequence import Request as EngineRequest
+
+    engine = ready_engine(head)
+    prompt = await asyncio.to_thread(template_prompt, head, body)
+    ids = await asyncio.to_thread(head.tok.encode, prompt, add_special=True, parse_special=True)
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    room = max(engine.n_ctx - len(ids), 0)
+    if max_tokens is None:
+        max_tokens = room if head.cfg.n_predict < 0 else min(head.cfg.n_predict, room)
+    elif fit_context:
+        max_tokens = min(max_tokens, room)
+    engine.check(len(ids), max_tokens)
+    n_top = (body.top_logprobs or 0) if body.logprobs else None
+    req = EngineRequest(prompt=ids, params=sampling_params(head, body, n_top), max_tokens=max_tokens,
+                        stop=stop_list(body.stop), ignore_eos=body.ignore_eos,
+                        spec=speculative_config(engine, body), cache_prompt=body.cache_prompt,
+                        timings_per_token=body.timings_per_token,
+                        return_progress=body.stream and body.return_progress)  # fmt: skip
+    return prompt, await choices(head, body, req)
+
+
+def template_prompt(head: Head, body) -> str:
+    """The chat prompt of a body with `messages`, `add_generation_prompt`, `continue_final_message`,
+    `tools` and `chat_template_kwargs` (a chat request, /apply-template, input_tokens)."""
+    messages = [m.model_dump(exclude_none=True) if isinstance(m, BaseModel) else m for m in body.messages]
+    extra = {**head.cfg.chat_template_kwargs, **(body.chat_template_kwargs or {})}
+    if body.tools:
+        extra["tools"] = body.tools
+    return chat_prompt(head, messages, body.add_generation_prompt, body.continue_final_message, **extra)
 
 
 def chat_prompt(head: Head, messages: list[dict], add_generation_prompt: bool = True,
@@ -317,6 +386,11 @@ def check_finish(ev: Event) -> None:
 
 def sse(obj) -> bytes:
     return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
+
+
+def named_sse(kind: str, data: dict) -> bytes:
+    """An SSE event named by its type, as Anthropic's and OpenAI's Responses streams send them."""
+    return f"event: {kind}\ndata: {json.dumps({'type': kind, **data}, ensure_ascii=False)}\n\n".encode()
 
 
 def ready_engine(head: Head):

@@ -22,7 +22,6 @@ import torch
 
 from ..contracts.footprint import model_tensors
 from .default_model import model_path
-from .device import resolve_device
 from .errors import UserError
 from .gguf_file import GGUFFile
 from .model import ModelConfig, NextN, Stage, build_stage, nextn_prefix

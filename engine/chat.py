@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping, Sequence
 from datetime import datetime
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from typing import TYPE_CHECKING
 
 import jinja2
@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from .tokenizer import Tokenizer
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
+MEDIA_PARTS = {"image_url": "image", "input_audio": "audio"}  # OpenAI's content parts we cannot take
 
 # Gemma has no system turn: the system text goes in front of the first user turn (as llama.cpp and
 # Gemma's own template do); "assistant" is "model"; contents are trimmed.
@@ -85,9 +86,21 @@ def _tojson(value, indent=None, ensure_ascii=False, sort_keys=False, separators=
     return json.dumps(value, indent=indent, ensure_ascii=ensure_ascii, sort_keys=sort_keys, separators=separators)
 
 
+class _Undefined(jinja2.Undefined):
+    """As llama.cpp's jinja: an undefined name joins a string as the empty string (templates such as
+    firefunction's concatenate variables only their own tool-calling code path sets)."""
+
+    def __add__(self, other):
+        return other if isinstance(other, str) else super().__add__(other)
+
+    def __radd__(self, other):
+        return other if isinstance(other, str) else super().__radd__(other)
+
+
 @lru_cache(maxsize=16)
 def _compile(source: str) -> jinja2.Template:
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"],
+                                        undefined=_Undefined)  # fmt: skip
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
     env.filters["tojson"] = _tojson
@@ -143,6 +156,8 @@ class ChatTemplate:
             "datetime": now.strftime("%b %d %Y"),
             **extra,
         }
+        if "enable_thinking" not in extra:  # llama-server's --reasoning auto: on where the template has thinking
+            context["enable_thinking"] = self.supports_thinking
         try:
             text = template.render(context)
         except ChatError:
@@ -153,6 +168,15 @@ class ChatTemplate:
             text = text[len(self.bos_token) :]
         return text
 
+    @cached_property
+    def supports_thinking(self) -> bool:
+        """Whether `enable_thinking` changes what this template renders for a user turn (llama-server
+        passes true to such templates unless `--reasoning off`, false to all others)."""
+        probe = [{"role": "user", "content": "test"}]
+        try:
+            return self.render(probe, True, enable_thinking=True) != self.render(probe, True, enable_thinking=False)
+        except ChatError:
+            return False
 
     def prompt(self, messages, add_generation_prompt: bool = True, continue_final_message: bool | None = None,
                **extra) -> str:
@@ -228,6 +252,9 @@ def normalize_messages(messages) -> list[dict]:
 def _join_parts(parts: list, i: int) -> str:
     texts = []
     for j, part in enumerate(parts):
+        if isinstance(part, Mapping) and part.get("type") in MEDIA_PARTS:
+            raise ChatError(f"messages[{i}].content[{j}]: {MEDIA_PARTS[part['type']]} input is not supported "
+                            "(the model is text-only)")
         if not isinstance(part, Mapping) or part.get("type") != "text" or not isinstance(part.get("text"), str):
             kind = part.get("type") if isinstance(part, Mapping) else type(part).__name__
             raise ChatError(f"messages[{i}].content[{j}]: only text parts are supported (got {kind!r})")

@@ -14,7 +14,7 @@ import os
 import sys
 from typing import Mapping
 
-from .config import BODY_BYTES_PER_TOKEN, ENVIRONMENT, KV_CACHE_TYPES, compile_cache_env, default_cache_dir, head_config, peer_config
+from .config import BODY_BYTES_PER_TOKEN, DEFAULT_BATCH_TOKENS, ENVIRONMENT, KV_CACHE_TYPES, compile_cache_env, default_cache_dir, head_config, peer_config
 from .embedding import DEFAULT_NORMALIZE, POOLINGS
 from .errors import UserError
 from .openmp import configure_split_worker
@@ -144,6 +144,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("-n", "--n-predict", type=int, default=1024,
                    help="max_tokens of a chat request that sets none (capped by the context; -1: to the end "
                         "of the context); completions keep OpenAI's 16")  # fmt: skip
+    s.add_argument("-b", "--batch-size", type=int, default=DEFAULT_BATCH_TOKENS,
+                   help="prompt tokens one engine step computes at most (llama-server's logical batch)")
     s.add_argument("--slot-save-path", default=None,
                    help="folder for POST /slots/{id}?action=save|restore (llama-server's; off without it)")
     s.add_argument("--embedding", "--embeddings", action="store_true",
@@ -177,8 +179,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="chat template instead of the GGUF's: a built-in name (gemma, chatml, llama3) or jinja source")
     s.add_argument("--chat-template-file", default=None, help="read the chat template (jinja) from this file")
     s.add_argument("--reasoning", choices=["on", "off", "auto"], default="auto",
-                   help="the template's enable_thinking for every chat (auto: the template's own default; a request's "
-                        "chat_template_kwargs wins)")  # fmt: skip
+                   help="the template's enable_thinking for every chat (auto: true where the template reacts to it, "
+                        "as llama-server; a request's chat_template_kwargs wins)")  # fmt: skip
     s.add_argument("--verbose", action="store_true",
                    help="llama-server's: every chat response carries __verbose (its prompt), as if the request said verbose")
     s.add_argument("--jinja", "--no-jinja", action="store_true",

@@ -24,6 +24,8 @@ ENVIRONMENT = {
     "HYDRA_CACHE_DIR": "prepared-weight cache directory; 'off' disables it (default ~/.cache/hydra-console/prepared)",
     "HYDRA_CUDA_IPC": "'0' turns off CUDA IPC between a head and a peer on the same GPU (default on)",
     "HYDRA_RPC_SPIN_MS": "busy-wait for the next compute frame, in ms (default 20 on CUDA workers, 0 on CPU)",
+    "AIP_MODE": "'PREDICTION' (Vertex AI sets it): the head also serves the predict route, as llama-server",
+    "AIP_PREDICT_ROUTE": "that predict route's path (default /predict)",
 }
 GPU_SPIN_S = 0.02  # see RpcSettings.spin_seconds
 
@@ -33,6 +35,8 @@ MAX_DRAFT = 32  # per-request cap: beyond this a draft costs more verify compute
 # (a token is ~4 characters, at most 6 bytes each as \uXXXX) and token-id prompts ("123456, ").
 BODY_BYTES_PER_TOKEN = 64
 MIN_MAX_BODY = 1 << 20
+# Prefill tokens per step across all sequences (--batch-size): bounds how long a long prompt stalls decoders.
+DEFAULT_BATCH_TOKENS = 256
 
 
 def default_max_body(n_ctx: int) -> int:
@@ -187,6 +191,7 @@ class HeadConfig(WorkerConfig):
     max_body: int = MIN_MAX_BODY  # bytes of a request body; above: 413
     max_queue: int = 64  # requests waiting beyond the slots; above: 503 + Retry-After
     n_predict: int = 1024  # max_tokens of a chat request that names none; -1: to the end of the context
+    batch_tokens: int = DEFAULT_BATCH_TOKENS  # prompt tokens per engine step (-b, --batch-size)
     slot_save_path: Path | None = None  # where /slots save and restore files live; None: off
     embedding: bool = False  # /embedding(s) and /v1/embeddings answer (llama-server's --embedding)
     pooling: str | None = None  # None: the GGUF's pooling_type, else none (embedding.resolve_pooling)
@@ -203,6 +208,7 @@ class HeadConfig(WorkerConfig):
     chat_template_kwargs: dict = field(default_factory=dict)  # template variables of every chat (--reasoning)
     verbose: bool = False  # every chat response carries __verbose (llama-server's --verbose)
     overlap: bool | None = None  # --overlap / --no-overlap: decoding steps launched ahead of the host (None: on a GPU)
+    predict_route: str | None = None  # Vertex AI's predict route (env AIP_MODE=PREDICTION); None: off
 
     def redacted(self) -> dict:
         doc = super().redacted()
@@ -311,6 +317,7 @@ def head_config(args, env: Mapping[str, str]) -> HeadConfig:
     _at_least(1, parallel=args.parallel, rpc_pool_size=args.rpc_pool_size)
     _at_least(0, rpc_queue=args.rpc_queue, peer_wait=args.peer_wait, max_queue=args.max_queue)
     _at_least(-1, n_predict=args.n_predict)
+    _at_least(1, batch_size=args.batch_size)
     max_body = args.max_body if args.max_body is not None else default_max_body(slot_ctx(args))
     _at_least(1024, max_body=max_body)
     spec = SpecConfig(type=args.spec_type, n_max=args.draft_max, n_min=args.draft_min, p_min=args.draft_p_min)
@@ -332,6 +339,7 @@ def head_config(args, env: Mapping[str, str]) -> HeadConfig:
         max_body=max_body,
         max_queue=args.max_queue,
         n_predict=args.n_predict,
+        batch_tokens=args.batch_size,
         slot_save_path=_existing_dir("--slot-save-path", args.slot_save_path),
         embedding=args.embedding,
         pooling=args.pooling,
@@ -348,7 +356,15 @@ def head_config(args, env: Mapping[str, str]) -> HeadConfig:
         chat_template_kwargs={} if args.reasoning == "auto" else {"enable_thinking": args.reasoning == "on"},
         verbose=args.verbose,
         overlap=args.overlap,
+        predict_route=_predict_route(env),
     )
+
+
+def _predict_route(env: Mapping[str, str]) -> str | None:
+    if env.get("AIP_MODE") != "PREDICTION":
+        return None
+    route = env.get("AIP_PREDICT_ROUTE") or "/predict"
+    return route if route.startswith("/") else "/" + route
 
 
 def _csv(value: str | None) -> tuple[str, ...]:

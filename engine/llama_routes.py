@@ -18,14 +18,13 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from .api_common import (MAX_LOGPROBS, CommonBody, Run, chat_prompt, check_finish, check_token_ids, ready_engine,
+from .api_common import (MAX_LOGPROBS, CommonBody, Run, check_finish, check_token_ids, constrain, ready_engine,
                          sampling_params, speculative_config, split_prompts, sse, stop_list, stream_error,
-                         tokenize_mixed)  # fmt: skip
+                         template_prompt, tokenize_mixed)  # fmt: skip
 from .http_errors import APIError
 
 if TYPE_CHECKING:
     from .sequence import Event, GenToken
-    from .sequence import Request as EngineRequest
     from .workers.head import HeadWorker as Head
 
 BUILD_INFO = "b0-hydra-0.1.0"  # llama-server's build_info / system_fingerprint ("b" + build number)
@@ -78,15 +77,6 @@ class TokenizeBody(BaseModel):
 
 class DetokenizeBody(BaseModel):
     tokens: list[int]
-
-
-def template_prompt(head: Head, body: TemplateBody) -> str:
-    """The chat prompt of a /apply-template, /chat/completions or input_tokens body."""
-    messages = [m.model_dump(exclude_none=True) if isinstance(m, BaseModel) else m for m in body.messages]
-    extra = {**head.cfg.chat_template_kwargs, **(body.chat_template_kwargs or {})}
-    if body.tools:
-        extra["tools"] = body.tools
-    return chat_prompt(head, messages, body.add_generation_prompt, body.continue_final_message, **extra)
 
 
 def n_predict_for(head: Head, requested: int | None, n_prompt: int) -> int:
@@ -147,6 +137,7 @@ class _Completion:
             prompt=ids, params=self.params, max_tokens=n_predict_for(head, requested, len(ids)),
             stop=stop_list(body.stop), ignore_eos=body.ignore_eos, spec=speculative_config(engine, body),
             cache_prompt=body.cache_prompt, timings_per_token=body.timings_per_token,
+            return_progress=body.stream and body.return_progress,
         )  # fmt: skip
         self.text: list[str] = []
         self.tokens: list[GenToken] = []
@@ -158,6 +149,7 @@ class _Completion:
                 "presence_penalty": p.presence_penalty, "frequency_penalty": p.frequency_penalty,
                 "stop": self.req.stop, "max_tokens": self.req.max_tokens, "n_predict": self.req.max_tokens,
                 "n_keep": 0, "n_discard": 0, "ignore_eos": body.ignore_eos, "stream": body.stream,
+                "logit_bias": [{"bias": None if b == float("-inf") else b, "token": t} for t, b in p.logit_bias],
                 "n_probs": body.n_probs, "min_keep": 0, "samplers": list(body.samplers or SAMPLERS),
                 "timings_per_token": body.timings_per_token, "post_sampling_probs": p.post_sampling, "lora": []}  # fmt: skip
 
@@ -201,6 +193,10 @@ class _Completion:
             if ev.finish_reason == "error":
                 yield sse(stream_error(ev))
                 return
+            if ev.progress is not None:
+                timings = {"timings": ev.timings} if ev.timings else {}
+                yield sse({**self.partial("", [], n), "prompt_progress": ev.progress, **timings})
+                continue
             self.tokens += ev.tokens
             pieces = _per_token(ev)
             for text, tokens in pieces[:-1] if ev.finish_reason is not None else pieces:
@@ -373,6 +369,7 @@ def router(head: Head) -> APIRouter:
 
 async def _respond(head: Head, http: Request, body: NativeCompletionBody, prompts: list[list[int]]):
     runs = [_Completion(head, body, ids, i) for i, ids in enumerate(prompts)]
+    await constrain(head, body, [c.req for c in runs])
     if body.stream:
 
         async def stream():

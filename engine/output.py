@@ -29,6 +29,7 @@ class _Stream:
         self.t_first: float | None = None
         self.t_last: float | None = None  # when its latest tokens came (inter-token latency)
         self.stop_word = ""  # the stop string that ended the request
+        self.n_processed = seq.n_cached  # prompt tokens in the KV as last reported (return_progress)
 
 
 class OutputProcessor:
@@ -46,6 +47,11 @@ class OutputProcessor:
         st = self._streams.get(seq)
         if st is None:
             st = self._streams[seq] = _Stream(seq, self.tok)
+            if seq.req.return_progress:  # llama-server's first report: the slot taken, only the cache
+                self._progress(seq, seq.n_cached)
+        if seq.req.return_progress and min(seq.n_past, seq.n_prompt) > st.n_processed:
+            st.n_processed = min(seq.n_past, seq.n_prompt)
+            self._progress(seq, st.n_processed)
         if sampled is not None and sampled.prompt_logprobs is not None:
             seq.req.sink(Event(prompt_logprobs=sampled.prompt_logprobs))
         new = seq.tokens[st.n_seen :]
@@ -72,6 +78,12 @@ class OutputProcessor:
         st.n_seen = len(seq.tokens)
         if seq.finish_reason is not None:
             self._finish(seq, st, at_stop_string, error)
+
+    @staticmethod
+    def _progress(seq: Sequence, processed: int) -> None:
+        t = timings(seq, None, time.perf_counter(), processed)
+        progress = {"total": seq.n_prompt, "cache": seq.n_cached, "processed": processed, "time_ms": t["prompt_ms"]}
+        seq.req.sink(Event(progress=progress, timings=t if seq.req.timings_per_token else None))
 
     def _release(self, seq: Sequence, st: _Stream, piece: str) -> bool:
         """Pass on text that can no longer start a stop string; True when a stop string ended the request."""
@@ -130,12 +142,20 @@ class OutputProcessor:
         )
 
 
-def timings(seq: Sequence, t_first: float | None, now: float) -> dict:
-    """llama-server's `timings`: prompt time runs from taking the slot to the first token."""
-    t_first = t_first if t_first is not None else now
-    prompt_ms = (t_first - seq.t_start) * 1e3
-    predicted_ms = (now - t_first) * 1e3
-    n = seq.n_prompt - seq.n_cached  # prompt tokens computed: the cached prefix cost nothing
+def timings(seq: Sequence, t_first: float | None, now: float, processed: int | None = None) -> dict:
+    """llama-server's `timings`: prompt time runs from taking the slot to the first token; while the
+    prompt is computed (a progress report), `processed` prompt tokens are in the KV so far and the
+    time runs to `now` (0 before the first batch). Generation rates are over decode steps: the first
+    token comes with the prompt's last batch."""
+    if processed is not None:
+        n = processed - seq.n_cached
+        prompt_ms, predicted_ms = ((now - seq.t_start) * 1e3 if n else 0.0), 0.0
+    else:
+        t_first = t_first if t_first is not None else now
+        prompt_ms = (t_first - seq.t_start) * 1e3
+        predicted_ms = (now - t_first) * 1e3
+        n = seq.n_prompt - seq.n_cached  # prompt tokens computed: the cached prefix cost nothing
+    steps = max(seq.n_gen - 1, 0)
     return {
         "cache_n": seq.n_cached,
         "prompt_n": n,
@@ -144,8 +164,8 @@ def timings(seq: Sequence, t_first: float | None, now: float) -> dict:
         "prompt_per_second": n / prompt_ms * 1e3 if prompt_ms > 0 else 0.0,
         "predicted_n": seq.n_gen,
         "predicted_ms": predicted_ms,
-        "predicted_per_token_ms": predicted_ms / seq.n_gen if seq.n_gen else 0.0,
-        "predicted_per_second": seq.n_gen / predicted_ms * 1e3 if predicted_ms > 0 else 0.0,
+        "predicted_per_token_ms": predicted_ms / steps if steps else 0.0,
+        "predicted_per_second": steps / predicted_ms * 1e3 if predicted_ms > 0 else 0.0,
         "draft_n": seq.n_drafted,
         "draft_n_accepted": seq.n_accepted,
         **({"transfer_bytes": seq.transfer.bytes, "transfer_ms": seq.transfer.ms, "transfer_fallback": seq.transfer.fallback}

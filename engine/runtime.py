@@ -34,11 +34,12 @@ import numpy as np
 import torch
 
 from ..contracts.slot_state import SlotStateError
+from .config import DEFAULT_BATCH_TOKENS
 from .device import to_device
 from .errors import ContextOverflow, KVPoolFull, Overloaded, Unavailable, UserError, describe
 from .output import OutputProcessor
 from .sampling import PENDING, InvalidParam, Picks, Rows, TokenLogprob, logprobs, sample, token_logprobs
-from .scheduler import DEFAULT_BATCH_TOKENS, Batch, Chunk, Sampled, Scheduler
+from .scheduler import Batch, Chunk, Sampled, Scheduler
 from .sequence import Event, Request, Sequence
 from .speculative import Speculator
 from .structured import Grammars, apply_bitmask

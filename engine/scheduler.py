@@ -27,8 +27,6 @@ from .sequence import Request, Sequence
 if TYPE_CHECKING:
     from .speculative import Draft, Speculator
 
-# Prefill tokens per step across all sequences: bounds how long a long prompt stalls decoders.
-DEFAULT_BATCH_TOKENS = 256
 # Prompt-scoring chunks are smaller: each row brings a full-vocabulary logits row.
 SCORING_CHUNK = 64
 

@@ -34,7 +34,9 @@ class Event:
     `finish_reason` ("stop", "length", "cancelled", "error"), `usage`, `timings`, the stop string
     that ended it (`stop_word`, "" when none did), on "error" the exception itself (`error`), so the
     API can answer by its type, and for an embedding request the prompt's final-norm hidden states
-    (`hidden`, [n_prompt, n_embd] float32 on the CPU)."""
+    (`hidden`, [n_prompt, n_embd] float32 on the CPU); with `Request.return_progress`, an event with
+    only `progress` (llama-server's prompt_progress: total, cache, processed, time_ms) as the prompt is
+    computed."""
 
     text: str = ""
     tokens: list[GenToken] = field(default_factory=list)
@@ -45,6 +47,7 @@ class Event:
     error: BaseException | None = None
     hidden: torch.Tensor | None = None
     stop_word: str = ""
+    progress: dict | None = None
 
 
 @dataclass
@@ -60,6 +63,7 @@ class Request:
     embedding: bool = False  # run the prompt only and return its hidden states (Event.hidden), no tokens
     constraint: Constraint | None = None  # structured output: this request's own grammar matcher
     timings_per_token: bool = False  # every event carries the timings so far, not only the last
+    return_progress: bool = False  # an Event.progress when it takes a slot and after each prompt chunk
     sink: Callable[[Event], None] = lambda ev: None
     id: int = 0
     slot: int = -1  # the slot the scheduler gave it (llama-server reports it as id_slot)

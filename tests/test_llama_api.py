@@ -317,9 +317,9 @@ def test_llama_server_flag_names(tmp_path):
     template.write_text("{{ messages[0].content }}")
     args = build_parser().parse_args(["serve", "-m", "x.gguf", "-c", "1024", "-np", "4", "-n", "32", "--temp", "0.5",
                                       "--seed", "9", "--top-k", "20", "--jinja", "--chat-template-file", str(template),
-                                      "--api-key", "k", "--slot-save-path", str(tmp_path)])  # fmt: skip
+                                      "--api-key", "k", "--slot-save-path", str(tmp_path), "-b", "64"])  # fmt: skip
     cfg = head_config(args, {})
-    assert (cfg.model.model, cfg.model.ctx, cfg.parallel, cfg.n_predict) == ("x.gguf", 256, 4, 32)
+    assert (cfg.model.model, cfg.model.ctx, cfg.parallel, cfg.n_predict, cfg.batch_tokens) == ("x.gguf", 256, 4, 32, 64)
     assert cfg.sampling.given() == {"temperature": 0.5, "seed": 9, "top_k": 20}
     assert cfg.chat_template == "{{ messages[0].content }}" and cfg.api_key == "k" and cfg.slot_save_path == tmp_path
     assert head_config(build_parser().parse_args(["serve", "--seed", "-1"]), {}).sampling.seed is None
@@ -328,6 +328,102 @@ def test_llama_server_flag_names(tmp_path):
     off = head_config(build_parser().parse_args(["serve", "--reasoning", "off"]), {})
     assert off.chat_template_kwargs == {"enable_thinking": False}
     for bad, flag in ((["--ctx", "64", "-c", "128"], "--ctx"), (["--temp", "-1"], "--temperature"),
-                      (["--chat-template", "x", "--chat-template-file", "y"], "--chat-template")):  # fmt: skip
+                      (["--chat-template", "x", "--chat-template-file", "y"], "--chat-template"),
+                      (["-b", "0"], "--batch-size")):  # fmt: skip
         with pytest.raises(Exception, match=flag):
             head_config(build_parser().parse_args(["serve", *bad]), {})
+
+
+
+def test_ignore_eos_bans_the_end_of_generation_tokens(server, tiny_model):
+    """As llama-server: ignore_eos is a -inf logit bias on every end-of-generation token (listed in
+    generation_settings.logit_bias, -inf as null), so even a forced EOS is never sampled."""
+    from hydra_console.engine.gguf_file import GGUFFile
+
+    tok = Tokenizer.from_gguf(GGUFFile(tiny_model("llama")))
+    forced = {"prompt": PROMPT, "n_predict": 4, "return_tokens": True, "logit_bias": [[tok.eos_id, 100]]}
+    plain = post(server, "/completion", forced).json()
+    assert plain["stop_type"] == "eos" and plain["tokens_predicted"] == 1
+    assert plain["generation_settings"]["logit_bias"] == [{"bias": 100.0, "token": tok.eos_id}]
+    banned = post(server, "/completion", {**forced, "ignore_eos": True}).json()
+    assert banned["stop_type"] == "limit" and len(banned["tokens"]) == 4
+    assert not set(banned["tokens"]) & tok.eog_ids
+    bias = banned["generation_settings"]["logit_bias"]
+    assert {b["token"] for b in bias} == tok.eog_ids and all(b["bias"] is None for b in bias)
+    assert post(server, "/completion", {"prompt": PROMPT, "n_predict": 1}).json()["generation_settings"]["logit_bias"] == []
+
+
+def test_generation_rates_are_over_decode_steps(server):
+    """As llama-server: the first token comes with the prompt's last batch, so the generation rate
+    counts n - 1 decode steps (and one token alone has no rate)."""
+    one = post(server, "/completion", {"prompt": PROMPT, "n_predict": 1, "ignore_eos": True}).json()["timings"]
+    assert one["predicted_n"] == 1 and one["predicted_per_second"] == 0.0 and one["predicted_per_token_ms"] == 0.0
+    five = post(server, "/completion", {"prompt": PROMPT, "n_predict": 5, "ignore_eos": True}).json()["timings"]
+    assert five["predicted_per_second"] == pytest.approx(4 / five["predicted_ms"] * 1e3)
+    assert five["predicted_per_token_ms"] == pytest.approx(five["predicted_ms"] / 4)
+
+
+def test_vertex_ai_predict_route(tiny_model, tmp_path):
+    """AIP_MODE=PREDICTION (Vertex AI's custom containers): POST /predict runs each instance on the
+    route its @requestFormat names, with the caller's key, never streamed; predictions in order."""
+    from hydra_console.engine.api_predict import request_format
+
+    assert [request_format(p) for p in ("/v1/chat/completions", "/apply-template", "/completion")] == [
+        "chatCompletions", "applyTemplate", "completion"]  # fmt: skip
+    port, rpc = free_ports(2)
+    argv = ["-m", str(tiny_model("llama")), "--device", "cpu", "--dtype", "float32", "-np", "2", "-c", str(2 * N_CTX),
+            "--temp", "0", "--chat-template", "chatml", "--api-key", "k"]  # fmt: skip
+    env = ("env", "AIP_MODE=PREDICTION", "AIP_PREDICT_ROUTE=infer")
+    with running(Worker("serve", argv, tmp_path, port, rpc, launcher=env)) as w:
+        key = {"Authorization": "Bearer k"}
+        chat = {"messages": CHAT, "max_tokens": 3, "ignore_eos": True}
+        instances = [{"@requestFormat": "chatCompletions", **chat, "stream": True},
+                     {"@requestFormat": "/completion", "prompt": PROMPT, "n_predict": 2},
+                     {"@requestFormat": "nowhere"}, {"@requestFormat": "chatCompletions", "messages": []}]  # fmt: skip
+        r = httpx.post(f"{w.url}/infer", json={"instances": instances}, headers=key, timeout=60)
+        assert r.status_code == 200, r.text
+        first, second, unknown, bad = r.json()["predictions"]
+        direct = httpx.post(f"{w.url}/v1/chat/completions", json=chat, headers=key, timeout=60).json()
+        assert first["choices"][0]["message"] == direct["choices"][0]["message"]
+        assert second.get("tokens_predicted") == 2, second
+        assert "nowhere" in unknown["error"]["message"] and bad["error"]["param"] == "messages"
+        assert httpx.post(f"{w.url}/infer", json={"instances": instances[:1]}, timeout=60).status_code == 401
+        assert httpx.post(f"{w.url}/infer", json={"instances": "x"}, headers=key, timeout=60).status_code == 400
+
+# ---- return_progress and --batch-size ---------------------------------------------------------------
+
+
+def test_return_progress_reports_each_prompt_batch(tiny_model, tmp_path):
+    """-b 16: the prompt is computed 16 tokens a step; a streamed request with return_progress gets
+    llama-server's prompt_progress after taking its slot (only the cache) and after each batch."""
+    long_chat = [{"role": "user", "content": PROMPT * 3}]
+    with running(llama_head(tiny_model("llama"), tmp_path, "-b", "16")) as w:
+        n_prompt = post(w.url, "/chat/completions/input_tokens", {"messages": long_chat}).json()["input_tokens"]
+        assert n_prompt > 48
+
+        def progress(path: str, body: dict) -> list[dict]:
+            events, _ = sse_events(w.url, path, {**body, "stream": True, "return_progress": True, "max_tokens": 2})
+            return [e["prompt_progress"] for e in events if "prompt_progress" in e]
+
+        reports = progress("/v1/chat/completions", {"messages": long_chat, "cache_prompt": False})
+        assert [(r["total"], r["cache"]) for r in reports] == [(n_prompt, 0)] * len(reports)
+        assert [r["processed"] for r in reports] == [*range(0, n_prompt, 16), n_prompt]
+        # the same prompt again: all but its last token is cached, so one batch of one token
+        again = progress("/v1/chat/completions", {"messages": long_chat})
+        assert [(r["cache"], r["processed"]) for r in again] == [(n_prompt - 1, n_prompt - 1), (n_prompt - 1, n_prompt)]
+        # the native and the OpenAI completion streams report it too; without the flag or the stream, nothing
+        native = progress("/completion", {"prompt": PROMPT * 3, "cache_prompt": False})
+        assert native[-1]["processed"] == native[-1]["total"] and len(native) > 2
+        # with timings_per_token each report carries timings of the prompt so far: none before the first batch
+        timed, _ = sse_events(w.url, "/completion", {"prompt": PROMPT * 3, "cache_prompt": False, "n_predict": 2,
+                                                      "stream": True, "return_progress": True, "timings_per_token": True})  # fmt: skip
+        timed = [e["timings"] for e in timed if "prompt_progress" in e]
+        assert (timed[0]["prompt_n"], timed[0]["prompt_ms"], timed[0]["predicted_n"]) == (0, 0.0, 0)
+        assert [t["prompt_n"] for t in timed] == [r["processed"] for r in native]
+        assert all(a["prompt_ms"] <= b["prompt_ms"] for a, b in zip(timed, timed[1:]))
+        oai = progress("/v1/completions", {"prompt": PROMPT * 3, "cache_prompt": False})
+        assert [r["processed"] for r in oai] == [r["processed"] for r in native]
+        events, _ = sse_events(w.url, "/v1/chat/completions", {"messages": long_chat, "stream": True, "max_tokens": 2})
+        assert not any("prompt_progress" in e for e in events)
+        body = post(w.url, "/v1/chat/completions", {"messages": long_chat, "max_tokens": 2, "return_progress": True})
+        assert "prompt_progress" not in body.json()

@@ -136,6 +136,7 @@ def scrape(base: str) -> tuple[httpx.Response, dict[str, tuple[str, float]]]:
 def test_metrics_are_public_and_carry_llama_servers_names(server):
     r, m = scrape(server)  # no key: public, as the console polls it
     assert r.status_code == 200 and int(r.headers["Process-Start-Time-Unix"]) > 1_600_000_000
+    assert b"Process-Start-Time-Unix" in [name for name, _ in r.headers.raw]  # llama-server's spelling on the wire
     client = openai.OpenAI(base_url=f"{server}/v1", api_key=KEY, max_retries=0, timeout=120)
     # the same prompt twice: the second reuses the first one's prefix, and its usage says how much
     runs = [client.completions.create(model="m", prompt=PROMPT, max_tokens=4, temperature=0) for _ in range(2)]

@@ -67,6 +67,27 @@ def test_json_object_and_schema_in_chat_and_completions(server, client):
         _check_schema(json.loads(c.choices[0].text))
 
 
+def test_native_completion_follows_the_structured_fields(server):
+    """llama-server's /completion takes the same fields: json_schema, response_format, grammar;
+    streamed too, and each prompt of a list follows the grammar on its own."""
+
+    def complete(**body) -> httpx.Response:
+        return httpx.post(f"{server}/completion", json={"prompt": PROMPT, "n_predict": 80, "temperature": 0, **body},
+                          timeout=120)  # fmt: skip
+
+    for extra in ({"json_schema": SCHEMA}, {"response_format": {"type": "json_schema", "json_schema": {"schema": SCHEMA}}}):
+        r = complete(**extra).json()
+        assert r["stop_type"] == "eos" and r["stop"] is True
+        _check_schema(json.loads(r["content"]))
+    with httpx.stream("POST", f"{server}/completion", timeout=120,
+                      json={"prompt": PROMPT, "n_predict": 80, "temperature": 0, "json_schema": SCHEMA, "stream": True}) as r:
+        events = [json.loads(line[len("data: ") :]) for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1]["stop"] is True
+    _check_schema(json.loads("".join(e["content"] for e in events)))
+    many = complete(prompt=[PROMPT, "the lazy dog"], grammar=YES_NO, temperature=0.9, seed=3, n_predict=10).json()
+    assert [x["content"] in ("yes", "no") for x in many] == [True, True]
+
+
 def test_gbnf_grammar_gives_one_of_its_words(client):
     for stream in (False, True):
         r = _chat(client, extra_body={"grammar": YES_NO}, stream=stream)
@@ -92,7 +113,8 @@ def test_gbnf_grammar_gives_one_of_its_words(client):
      ({"n": 0}, "n")],  # fmt: skip
 )
 def test_bad_structured_fields_are_400_naming_the_field(server, client, body, field):
-    for path, base in (("/v1/chat/completions", {"messages": MESSAGES}), ("/v1/completions", {"prompt": PROMPT})):
+    for path, base in (("/v1/chat/completions", {"messages": MESSAGES}), ("/v1/completions", {"prompt": PROMPT}),
+                       ("/completion", {"prompt": PROMPT})):  # fmt: skip
         r = httpx.post(f"{server}{path}", json={**base, "max_tokens": 4, **body}, timeout=60)
         assert r.status_code == 400, r.text
         assert r.json()["error"]["param"] == field and r.json()["error"]["type"] == "invalid_request_error"

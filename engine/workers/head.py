@@ -99,7 +99,8 @@ class HeadWorker:
         pipeline.local.warm_up()
         log.info("decode step warmed up in %.1f s", time.perf_counter() - t0)
         self.engine = Engine(pipeline, self.tok, n_slots=cfg.parallel, n_ctx=cfg.model.ctx, speculator=speculator,
-                             max_queue=cfg.max_queue, disaggregator=disaggregator, overlap=cfg.overlap).start()  # fmt: skip
+                             batch_tokens=cfg.batch_tokens, max_queue=cfg.max_queue, disaggregator=disaggregator,
+                             overlap=cfg.overlap).start()  # fmt: skip
         self.rpc.control.engine = self.engine
         pipeline.active_slots = lambda: {s.slot for s in self.engine.slots if s is not None}
         self.status.engine = self.engine

@@ -1,0 +1,177 @@
+"""OpenAI's Responses API as llama-server serves it: `POST /v1/responses` (and `/responses`),
+streamed or not, stateless (no `previous_response_id`).
+
+A responses request becomes a chat request (`to_chat`: `instructions` as the system message, `input`
+text or message items with input_text / output_text parts, `function_call` items as the assistant's
+tool calls, `function_call_output` items as tool messages, flat function tools, `max_output_tokens`)
+and runs as one. The answer is a `response` object with one `message` output item; the stream sends
+response.created / in_progress (also per prompt batch with `return_progress`), output_item /
+content_part added, output_text deltas, their done events and response.completed.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import TYPE_CHECKING, Any, Union
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from .api_common import ChatBody, Run, chat_requests, check_finish, generation_error, named_sse
+from .http_errors import APIError
+
+if TYPE_CHECKING:
+    from .sequence import Event
+    from .workers.head import HeadWorker as Head
+
+TEXT_PARTS = ("input_text", "output_text")
+
+
+class ResponsesBody(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    input: Union[str, list[dict[str, Any]]]
+    instructions: str | None = None
+    max_output_tokens: int | None = Field(None, ge=0)
+    temperature: float | None = None
+    top_p: float | None = None
+    stream: bool = False
+    tools: list[dict[str, Any]] | None = None
+    previous_response_id: str | None = None
+    timings_per_token: bool = False  # llama-server's
+    return_progress: bool = False  # llama-server's
+
+
+def _content(parts: Any, i: int) -> Any:
+    if isinstance(parts, str):
+        return parts
+    out = []
+    for j, part in enumerate(parts if isinstance(parts, list) else []):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind in TEXT_PARTS and isinstance(part.get("text"), str):
+            out.append({"type": "text", "text": part["text"]})
+        elif kind == "input_image":
+            out.append({"type": "image_url", "image_url": {"url": part.get("image_url", "")}})
+        else:
+            raise APIError(400, f"input[{i}].content[{j}]: type must be input_text, output_text or input_image",
+                           param="input")  # fmt: skip
+    return out
+
+
+def _messages(body: ResponsesBody) -> list[dict]:
+    out: list[dict] = [{"role": "system", "content": body.instructions}] if body.instructions is not None else []
+    if isinstance(body.input, str):
+        return [*out, {"role": "user", "content": body.input}]
+    for i, item in enumerate(body.input):
+        kind = item.get("type", "message")
+        if kind == "message":
+            out.append({"role": item.get("role", "user"), "content": _content(item.get("content"), i)})
+        elif kind == "function_call":
+            call = {"id": item.get("call_id", ""), "type": "function",
+                    "function": {"name": item.get("name", ""), "arguments": item.get("arguments", "")}}  # fmt: skip
+            if out and out[-1]["role"] == "assistant" and "tool_calls" in out[-1]:
+                out[-1]["tool_calls"].append(call)
+            else:
+                out.append({"role": "assistant", "content": "", "tool_calls": [call]})
+        elif kind == "function_call_output":
+            output = item.get("output", "")
+            out.append({"role": "tool", "tool_call_id": item.get("call_id", ""),
+                        "content": output if isinstance(output, str) else _content(output, i)})  # fmt: skip
+        elif kind != "reasoning":  # earlier reasoning items are not replayed
+            raise APIError(400, f"input[{i}]: type {kind!r} is not supported (message, function_call, "
+                                "function_call_output, reasoning)", param="input")  # fmt: skip
+    return out
+
+
+def to_chat(body: ResponsesBody) -> ChatBody:
+    if body.previous_response_id is not None:
+        raise APIError(400, "previous_response_id is not supported: this server keeps no responses; send the whole "
+                            "conversation as input", param="previous_response_id")  # fmt: skip
+    chat: dict[str, Any] = {"messages": _messages(body), "max_tokens": body.max_output_tokens, "stream": body.stream,
+                            "timings_per_token": body.timings_per_token, "return_progress": body.return_progress}  # fmt: skip
+    if body.tools is not None:
+        chat["tools"] = [{"type": "function", "function": {k: t[k] for k in ("name", "description", "parameters") if k in t}}
+                         for t in body.tools if t.get("type") == "function"]  # fmt: skip
+    for key in ("model", "temperature", "top_p"):
+        if getattr(body, key) is not None:
+            chat[key] = getattr(body, key)
+    try:
+        return ChatBody.model_validate(chat)
+    except ValidationError as e:
+        err = e.errors()[0]
+        raise APIError(400, f"{'.'.join(map(str, err['loc']))}: {err['msg']}", param=str(err["loc"][0])) from None
+
+
+def _usage(ev: Event) -> dict:
+    u = ev.usage
+    return {"input_tokens": u["prompt_tokens"], "output_tokens": u["completion_tokens"], "total_tokens": u["total_tokens"],
+            "input_tokens_details": {"cached_tokens": u["prompt_tokens_details"]["cached_tokens"]}}  # fmt: skip
+
+
+def responses_routes(head: Head) -> APIRouter:
+    r = APIRouter()
+
+    @r.post("/v1/responses")
+    @r.post("/responses", include_in_schema=False)
+    async def responses(body: ResponsesBody, http: Request):
+        _, reqs = await chat_requests(head, to_chat(body))
+        ids = {"resp": f"resp_{uuid.uuid4().hex}", "msg": f"msg_{uuid.uuid4().hex}"}
+        if body.stream:
+            return StreamingResponse(_stream(head, http, reqs[0], ids), media_type="text/event-stream")
+        text, final = [], None
+        async for _, ev in Run(head, http, reqs).events():
+            text.append(ev.text)
+            if ev.finish_reason is not None:
+                final = ev
+        if final is None:  # the client left; nobody reads this
+            return Response(status_code=499)
+        check_finish(final)
+        return _response(head, ids, "".join(text), final)
+
+    return r
+
+
+def _message(ids: dict, text: str, status: str) -> dict:
+    part = {"type": "output_text", "annotations": [], "logprobs": [], "text": text}
+    return {"type": "message", "id": ids["msg"], "role": "assistant", "status": status, "content": [part] if text else []}
+
+
+def _response(head: Head, ids: dict, text: str, final: Event) -> dict:
+    """The finished response; "completed" also when max_output_tokens cut it, as llama-server's."""
+    now = int(time.time())
+    return {"id": ids["resp"], "object": "response", "created_at": now, "completed_at": now, "status": "completed",
+            "model": head.model_name, "output": [_message(ids, text, "completed")] if text else [], "usage": _usage(final)}  # fmt: skip
+
+
+async def _stream(head: Head, http: Request, req, ids: dict):
+    pending = {"id": ids["resp"], "object": "response", "status": "in_progress", "model": head.model_name}
+    yield named_sse("response.created", {"response": pending})
+    yield named_sse("response.in_progress", {"response": pending})
+    text: list[str] = []
+    where = {"item_id": ids["msg"], "output_index": 0, "content_index": 0}
+    async for _, ev in Run(head, http, [req]).events():
+        if ev.finish_reason == "error":
+            e = generation_error(ev)
+            yield named_sse("error", {"code": e.type, "message": e.message})
+            return
+        timings = {"timings": ev.timings} if ev.timings else {}
+        if ev.progress is not None:
+            yield named_sse("response.in_progress", {"response": pending, "prompt_progress": ev.progress, **timings})
+            continue
+        if ev.text:
+            if not text:
+                yield named_sse("response.output_item.added", {"output_index": 0, "item": _message(ids, "", "in_progress")})
+                yield named_sse("response.content_part.added", {**where, "part": {"type": "output_text", "text": "", "annotations": []}})
+            text.append(ev.text)
+            yield named_sse("response.output_text.delta", {**where, "delta": ev.text, **timings})
+        if ev.finish_reason is not None:
+            content = "".join(text)
+            if content:
+                item = _message(ids, content, "completed")
+                yield named_sse("response.output_text.done", {**where, "text": content})
+                yield named_sse("response.content_part.done", {**where, "part": item["content"][0]})
+                yield named_sse("response.output_item.done", {"output_index": 0, "item": item})
+            yield named_sse("response.completed", {"response": _response(head, ids, content, ev), "timings": ev.timings})
