@@ -16,7 +16,7 @@ KV: K and V of every attention layer for every cache position (`cache_positions`
 full context, or the `--kv-unified` pool in blocks), in the cache types of `--cache-type-k/-v`
 (a CUDA stage without a pool has one more slot: the decode graphs' padding slot). Recurrent
 (Gated DeltaNet) layers hold float32 conv + SSM state per slot, the padding slot included, with
-`ROLLBACK` + 1 checkpoints (engine/model/deltanet.py). RoPE: cos and sin tables (float32, full
+`ROLLBACK` checkpoints (engine/model/deltanet.py). RoPE: cos and sin tables (float32, full
 context) for the global and the sliding-window base.
 """
 
@@ -139,8 +139,8 @@ class ModelTensors:
         return int(positions * per_token)
 
     def layer_state(self, il: int, rows: int) -> int:
-        """A recurrent layer's state for `rows` slots: the state and its ROLLBACK + 1 checkpoints."""
-        return 0 if self.attention_layers[il] else rows * self.state_values * 4 * (ROLLBACK + 2)
+        """A recurrent layer's state for `rows` slots: the state and its ROLLBACK checkpoints."""
+        return 0 if self.attention_layers[il] else rows * self.state_values * 4 * (ROLLBACK + 1)
 
     def layer_cache(self, il: int, n_slots: int, n_ctx: int, kv_types: tuple[str, str], dtype: str = "auto", *,
                     gpu: bool, kv_pool: int | None = None) -> int:  # fmt: skip

@@ -177,11 +177,11 @@ def test_mtp_needs_the_nextn_block_and_counts_its_kv(tiny_model):
     assert spec.drafter_kv_bytes == 2 * 2 * cfg.n_head_kv * 64 * cfg.head_dim * 4  # K and V, 2 slots, fp32
     assert spec.stats.snapshot(spec.config, spec.drafter_kv_bytes).kv_bytes == spec.drafter_kv_bytes
     assert spec.max_draft == 4 and spec.request_config({"speculative": {"type": "mtp"}}).type == "mtp"
-    # The head's accounting: one DeltaNet layer's conv + SSM state and its ROLLBACK + 1 checkpoints
-    # (j = 0..4 tokens back) beside one attention layer's KV.
+    # The head's accounting: one DeltaNet layer's conv + SSM state and its ROLLBACK checkpoints
+    # (j = 1..4 tokens back) beside one attention layer's KV.
     net, attn_kv = stage.recurrent[0], 2 * 2 * cfg.n_head_kv * 64 * cfg.head_dim * 4
     per_state = net.conv_state.nbytes + net.ssm_state.nbytes
-    assert stage.state_bytes == (1 + ROLLBACK + 1) * per_state and stage.kv_bytes == stage.state_bytes + attn_kv
+    assert stage.state_bytes == (1 + ROLLBACK) * per_state and stage.kv_bytes == stage.state_bytes + attn_kv
 
 
 @pytest.fixture(scope="module")

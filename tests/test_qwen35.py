@@ -146,8 +146,8 @@ def test_the_graph_step_equals_the_eager_decode(tiny_model):
         torch.testing.assert_close(graphed.logits(h), want, atol=1e-5, rtol=1e-5)
     for a, b in zip(eager.recurrent, graphed.recurrent):
         for name in ("conv_state", "ssm_state", "conv_ckpt", "ssm_ckpt"):
-            torch.testing.assert_close(getattr(b, name)[:3, :2] if "ckpt" in name else getattr(b, name)[:3],
-                                       getattr(a, name)[:3, :2] if "ckpt" in name else getattr(a, name)[:3],
+            torch.testing.assert_close(getattr(b, name)[:3, :1] if "ckpt" in name else getattr(b, name)[:3],
+                                       getattr(a, name)[:3, :1] if "ckpt" in name else getattr(a, name)[:3],
                                        atol=1e-5, rtol=1e-5)  # fmt: skip
 
 

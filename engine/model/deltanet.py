@@ -57,9 +57,10 @@ class DeltaNet:
         dev = w.device
         self.conv_state = torch.zeros(n_slots, s.conv_channels, s.conv_kernel - 1, device=dev)
         self.ssm_state = torch.zeros(n_slots, s.n_v_heads, s.head_k_dim, s.head_v_dim, device=dev)
-        # [slot, j]: the state j tokens before the end of the slot's last run (j <= ROLLBACK)
-        self.conv_ckpt = torch.zeros(n_slots, ROLLBACK + 1, *self.conv_state.shape[1:], device=dev)
-        self.ssm_ckpt = torch.zeros(n_slots, ROLLBACK + 1, *self.ssm_state.shape[1:], device=dev)
+        # [slot, j - 1]: the state j tokens before the end of the slot's last run (1 <= j <= ROLLBACK;
+        # j = 0 is the state itself)
+        self.conv_ckpt = torch.zeros(n_slots, ROLLBACK, *self.conv_state.shape[1:], device=dev)
+        self.ssm_ckpt = torch.zeros(n_slots, ROLLBACK, *self.ssm_state.shape[1:], device=dev)
 
     @property
     def nbytes(self) -> int:
@@ -71,8 +72,8 @@ class DeltaNet:
 
     def restore(self, slot: int, back: int) -> None:
         """Take the slot's state back `back` tokens (at most ROLLBACK and its last run's length)."""
-        self.conv_state[slot] = self.conv_ckpt[slot, back]
-        self.ssm_state[slot] = self.ssm_ckpt[slot, back]
+        self.conv_state[slot] = self.conv_ckpt[slot, back - 1]
+        self.ssm_state[slot] = self.ssm_ckpt[slot, back - 1]
 
     def __call__(self, x: torch.Tensor, runs: list[tuple[int, int, int]]) -> torch.Tensor:
         """Normed hidden states [T, n_embd] (compute dtype) of a flat batch -> layer output [T, n_embd]
@@ -128,8 +129,8 @@ class DeltaNet:
         mixed, z, beta, alpha = self.w_in(x).float().split([C, Hv * dv, Hv, Hv], dim=-1)
         conv_in = torch.cat([self.conv_state[slots], mixed[:, :, None]], dim=2)  # [B, C, K]
         conv = F.silu(sum(conv_in[:, :, i] * self.conv[:, i] for i in range(K)))
-        self.conv_ckpt[slots, 1] = conv_in[:, :, :-1]
-        self.conv_ckpt[slots, 0] = self.conv_state[slots] = conv_in[:, :, 1:]
+        self.conv_ckpt[slots, 0] = conv_in[:, :, :-1]
+        self.conv_state[slots] = conv_in[:, :, 1:]
         nk = s.n_k_heads * s.head_k_dim
         q = _l2norm(conv[:, :nk].unflatten(-1, (s.n_k_heads, s.head_k_dim)), self.cfg.rms_eps)
         k = _l2norm(conv[:, nk : 2 * nk].unflatten(-1, (s.n_k_heads, s.head_k_dim)), self.cfg.rms_eps)
@@ -139,11 +140,11 @@ class DeltaNet:
         g = F.softplus(alpha + self.dt_bias) * self.a
         b = torch.sigmoid(beta)
         state = self.ssm_state[slots]
-        self.ssm_ckpt[slots, 1] = state
+        self.ssm_ckpt[slots, 0] = state
         state = state * torch.exp(g[:, :, None, None])
         delta = (v - (k[:, :, None, :] @ state).squeeze(-2)) * b[:, :, None]
         state = state + k[:, :, :, None] * delta[:, :, None, :]
-        self.ssm_ckpt[slots, 0] = self.ssm_state[slots] = state
+        self.ssm_state[slots] = state
         return self._output((q[:, :, None, :] @ state).squeeze(-2), z, x.dtype)
 
     def _output(self, o: torch.Tensor, z: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -163,7 +164,8 @@ class DeltaNet:
         kr, kj = (torch.tensor(x, device=dev) for x in zip(*keep))
         cols = (n[kr] - kj)[:, None] + torch.arange(K - 1, device=dev)[None, :]
         states = conv_in[kr].gather(2, cols[:, None, :].expand(-1, C, -1))
-        self.conv_ckpt[slots[kr], kj] = states
+        back = kj > 0
+        self.conv_ckpt[slots[kr[back]], kj[back] - 1] = states[back]
         self.conv_state[slots] = states[kj == 0]
         return F.silu(conv).transpose(1, 2)
 
@@ -175,7 +177,7 @@ class DeltaNet:
         dev = v.device
         # The state after step t is checkpoint j = length - 1 - t of its run; the incoming one is j = length.
         saves: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        keep = _checkpoints(lengths)
+        keep = [(r, j) for r, j in _checkpoints(lengths) if j]  # j = 0 is the final state itself
         for t in {lengths[r] - 1 - j for r, j in keep}:
             rows, js = zip(*[(r, j) for r, j in keep if lengths[r] - 1 - j == t])
             saves[t] = torch.tensor(rows, device=dev), torch.tensor(js, device=dev)
@@ -185,7 +187,7 @@ class DeltaNet:
         def save(t: int) -> None:
             if t in saves:
                 rows, js = saves[t]
-                self.ssm_ckpt[slots[rows], js] = state[rows]
+                self.ssm_ckpt[slots[rows], js - 1] = state[rows]
 
         save(-1)
         n_chunked = CHUNK * max(0, (min(lengths) - ROLLBACK - 1) // CHUNK)
