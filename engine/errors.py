@@ -36,8 +36,7 @@ def describe(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}"
 
 
-class KVPoolFull(Unavailable):
+class KVPoolFull(UserError):
     """A `--kv-unified` pool has too few free blocks: for a step (nothing of it was computed), or
-    for a request beside the others (the scheduler ended it; a retry once others finish may fit)."""
-
-    retry_after = 1
+    for a request beside the others (the scheduler ended it). Mid-generation it answers as
+    llama-server's does: HTTP 500 saying the context size has been exceeded."""

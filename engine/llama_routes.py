@@ -80,12 +80,9 @@ class DetokenizeBody(BaseModel):
 
 
 def n_predict_for(head: Head, requested: int | None, n_prompt: int) -> int:
-    """llama-server's n_predict: the request's (-1: unlimited), capped by the server's `-n` unless
-    that is -1, and generation stops where the slot's context ends."""
-    server = head.cfg.n_predict
-    n = requested if requested is not None and requested >= 0 else server
-    if server >= 0 and n >= 0:
-        n = min(n, server)
+    """llama-server's n_predict: the request's, else (absent or -1) the server's `-n` (-1: unlimited);
+    generation stops where the slot's context ends."""
+    n = requested if requested is not None and requested >= 0 else head.cfg.n_predict
     room = max(head.engine.n_ctx - n_prompt, 0)
     return room if n < 0 else min(n, room)
 

@@ -423,7 +423,8 @@ class Engine:
         """Forward and sampling queued on the device; the sampled tokens start their copy to the host."""
         step = Launched(batch, cancelled, time.perf_counter(), [Sampled() for _ in batch.chunks])
         for seq in batch.shed:  # the KV pool could not hold them beside the others
-            full = KVPoolFull("KV pool full: this request does not fit beside the others (-c/--ctx-size sets the pool with --kv-unified)")
+            full = KVPoolFull("KV pool full: the context size has been exceeded, this request does not fit beside the "
+                              "others (-c/--ctx-size sets the pool with --kv-unified)")  # fmt: skip
             self.output.process(seq, error=full if seq.finish_reason == "error" else None)
         if batch.chunks:
             logits, hidden = self._forward(batch)

@@ -79,10 +79,11 @@ def test_completion_native_shape_and_prompt_forms(server):
     assert many.json()[0]["content"] == many.json()[1]["content"] == body["content"]
 
 
-def test_completion_n_predict_defaults_to_and_is_capped_by_dash_n(server):
-    for n in (None, 100):
+def test_completion_n_predict_defaults_to_dash_n_and_the_request_overrides_it(server):
+    """As llama-server (this version): the request's n_predict wins; absent or -1, the server's `-n`."""
+    for n, want in ((None, N_PREDICT), (-1, N_PREDICT), (100, 100)):
         body = post(server, "/completion", {"prompt": PROMPT, "ignore_eos": True, **({"n_predict": n} if n else {})})
-        assert body.json()["tokens_predicted"] == N_PREDICT
+        assert body.json()["tokens_predicted"] == want
 
 
 def test_completion_n_probs_and_response_fields(server):
