@@ -58,7 +58,17 @@ LLAMA3_TEMPLATE = """\
 {%- if add_generation_prompt -%}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif -%}
 """
 
-FALLBACK_TEMPLATES = {"gemma": GEMMA_TEMPLATE, "chatml": CHATML_TEMPLATE, "llama3": LLAMA3_TEMPLATE}
+# llama.cpp's built-in `command-r` (Cohere): system, user and chatbot turns, contents trimmed.
+COMMAND_R_TEMPLATE = """\
+{%- set tokens = {'system': '<|SYSTEM_TOKEN|>', 'user': '<|USER_TOKEN|>', 'assistant': '<|CHATBOT_TOKEN|>'} -%}
+{%- for message in messages -%}
+  {{- '<|START_OF_TURN_TOKEN|>' + tokens[message.role] + (message.content | trim) + '<|END_OF_TURN_TOKEN|>' -}}
+{%- endfor -%}
+{%- if add_generation_prompt -%}{{ '<|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|>' }}{%- endif -%}
+"""
+
+FALLBACK_TEMPLATES = {"gemma": GEMMA_TEMPLATE, "chatml": CHATML_TEMPLATE, "llama3": LLAMA3_TEMPLATE,
+                      "command-r": COMMAND_R_TEMPLATE}
 _FALLBACK_BY_ARCH = {
     "gemma": "gemma",
     "gemma2": "gemma",
@@ -197,6 +207,9 @@ class ChatTemplate:
             raise ChatError("continue_final_message needs an assistant message at the end of the list")
         if last.get("tool_calls"):
             raise ChatError("Cannot continue an assistant message that contains tool calls.")
+        if isinstance(last.get("content"), list):  # llama-server continues text parts joined by a blank line
+            last = {**last, "content": _join_parts(last["content"], len(messages) - 1, "\n\n")}
+            messages = [*messages[:-1], last]
         text = self.render(messages, False, **extra)
         # The rendered turn ends with the template's closing text: cut right after the message's own
         # content (templates may trim it), so that generation continues it (as transformers does).
@@ -249,7 +262,7 @@ def normalize_messages(messages) -> list[dict]:
     return out
 
 
-def _join_parts(parts: list, i: int) -> str:
+def _join_parts(parts: list, i: int, sep: str = "\n") -> str:
     texts = []
     for j, part in enumerate(parts):
         if isinstance(part, Mapping) and part.get("type") in MEDIA_PARTS:
@@ -259,7 +272,7 @@ def _join_parts(parts: list, i: int) -> str:
             kind = part.get("type") if isinstance(part, Mapping) else type(part).__name__
             raise ChatError(f"messages[{i}].content[{j}]: only text parts are supported (got {kind!r})")
         texts.append(part["text"])
-    return "\n".join(texts)
+    return sep.join(texts)
 
 
 def apply_chat_template(tok: Tokenizer, g, messages, add_generation_prompt: bool = True, **extra) -> str:

@@ -248,8 +248,13 @@ def test_chat_template_override_by_name_or_source(tmp_path):
     tok = Tokenizer.from_gguf(g)
     assert ChatTemplate.for_model(tok, g, "chatml").source == CHATML_TEMPLATE
     assert ChatTemplate.for_model(tok, g, "{{ messages[0].content }}!").render(CHAT[:1]) == CHAT[0]["content"] + "!"
+    # llama.cpp's built-in command-r, as its server test expects it rendered
+    system_user = [{"role": "system", "content": "You are a test."}, {"role": "user", "content": "Hi there"}]
+    assert ChatTemplate.for_model(tok, g, "command-r").render(system_user) == (
+        "<|START_OF_TURN_TOKEN|><|SYSTEM_TOKEN|>You are a test.<|END_OF_TURN_TOKEN|><|START_OF_TURN_TOKEN|><|USER_TOKEN|>"
+        "Hi there<|END_OF_TURN_TOKEN|><|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|>")
     with pytest.raises(ChatError, match="unknown template name"):
-        ChatTemplate.for_model(tok, g, "command-r")
+        ChatTemplate.for_model(tok, g, "vicuna")
     with pytest.raises(ChatError, match="does not parse"):
         ChatTemplate.for_model(tok, g, "{% if %}")
 

@@ -187,6 +187,9 @@ def test_assistant_prefill_and_continue_final_message(server, tiny_model):
     assert explicit == prompt
     closed = post(server, "/apply-template", {"messages": prefill, "continue_final_message": False}).json()["prompt"]
     assert closed.endswith("the lazy<|im_end|>\n<|im_start|>assistant\n")
+    # text parts of the continued message join with a blank line (llama-server's render_content)
+    parts = CHAT + [{"role": "assistant", "content": [{"type": "text", "text": "the"}, {"type": "text", "text": "lazy"}]}]
+    assert post(server, "/apply-template", {"messages": parts}).json()["prompt"].endswith("<|im_start|>assistant\nthe\n\nlazy")
     # the chat generates from that open turn: its usage counts the prefilled prompt
     r = post(server, "/v1/chat/completions", {"messages": prefill, "max_tokens": 2, "ignore_eos": True,
                                               "verbose": True}).json()  # fmt: skip
