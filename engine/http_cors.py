@@ -51,11 +51,12 @@ class Cors:
             return await self.app(scope, receive, send)
         origin = dict(scope["headers"]).get(b"origin", b"").decode("latin-1")
         allowed = self.allowed(origin)
-        cors = [(b"access-control-allow-origin", allowed.encode("latin-1")), (b"vary", b"Origin")] if allowed else []
+        # Spelled as llama-server sends them: clients that read headers into a plain dict compare names exactly.
+        cors = [(b"Access-Control-Allow-Origin", allowed.encode("latin-1")), (b"Vary", b"Origin")] if allowed else []
         if scope["method"] == "OPTIONS":
-            headers = [*cors, (b"access-control-allow-credentials", b"true"),
-                       (b"access-control-allow-methods", ALLOW_METHODS),
-                       (b"access-control-allow-headers", ALLOW_HEADERS),
+            headers = [*cors, (b"Access-Control-Allow-Credentials", b"true"),
+                       (b"Access-Control-Allow-Methods", ALLOW_METHODS),
+                       (b"Access-Control-Allow-Headers", ALLOW_HEADERS),
                        (b"content-type", b"text/html"), (b"content-length", b"0")]  # fmt: skip
             await send({"type": "http.response.start", "status": 200, "headers": headers})
             await send({"type": "http.response.body", "body": b""})

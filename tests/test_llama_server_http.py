@@ -67,6 +67,9 @@ def test_preflight_needs_no_key_and_answers_like_llama_server(server, path):
     assert h["Access-Control-Allow-Credentials"] == "true"
     assert h["Access-Control-Allow-Methods"] == "GET, POST, DELETE, OPTIONS"
     assert h["Access-Control-Allow-Headers"] == "*"
+    # llama-server's spelling on the wire: its own tests read the names into a plain dict
+    assert {b"Access-Control-Allow-Origin", b"Access-Control-Allow-Credentials", b"Access-Control-Allow-Methods",
+            b"Access-Control-Allow-Headers"} <= {name for name, _ in h.raw}  # fmt: skip
 
 
 def test_responses_carry_the_allowed_origin_and_the_key_still_holds(server):
