@@ -93,6 +93,12 @@ class Health(_Doc):
     def http_code(self) -> int:
         return 200 if self.startup_stage >= READY_STAGE and self.serving else 503
 
+    def to_json(self) -> dict:
+        """`error` and `reason` only when there is one: llama-server's clients read a key `error` in
+        /health as a failure (absent fields parse back as None)."""
+        doc = super().to_json()
+        return {k: v for k, v in doc.items() if not (k in ("error", "reason") and v is None)}
+
 
 @dataclass(frozen=True)
 class Address(_Doc):
