@@ -29,7 +29,7 @@ from consoles import FAKE, fake_profile, kill_groups, port_pair
 
 
 
-async def wait_until(cond, timeout: float = 15.0, step: float = 0.05) -> None:
+async def wait_until(cond, timeout: float = 60.0, step: float = 0.05) -> None:
     deadline = time.monotonic() + timeout
     while not cond():
         if time.monotonic() > deadline:
