@@ -18,11 +18,10 @@ from typing import TYPE_CHECKING, Any, Union
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
-from .api_common import (ChatBody, Run, chat_requests, check_finish, generation_error, named_sse, ready_engine,
+from .api_common import (ChatBody, Run, chat_body, chat_requests, check_finish, generation_error, named_sse, ready_engine,
                          template_prompt)  # fmt: skip
-from .http_errors import APIError
 
 if TYPE_CHECKING:
     from .sequence import Event
@@ -119,14 +118,7 @@ def to_chat(body: MessagesBody) -> ChatBody:
                          for t in body.tools]  # fmt: skip
     if body.stop_sequences is not None:
         chat["stop"] = body.stop_sequences
-    for key in ("model", "temperature", "top_p", "top_k", "chat_template_kwargs"):
-        if getattr(body, key) is not None:
-            chat[key] = getattr(body, key)
-    try:
-        return ChatBody.model_validate(chat)
-    except ValidationError as e:
-        err = e.errors()[0]
-        raise APIError(400, f"{'.'.join(map(str, err['loc']))}: {err['msg']}", param=str(err["loc"][0])) from None
+    return chat_body(chat, body, ("model", "temperature", "top_p", "top_k", "chat_template_kwargs"))
 
 
 def _stop_reason(ev: Event) -> str:

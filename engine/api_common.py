@@ -13,7 +13,7 @@ import secrets
 from typing import TYPE_CHECKING, Any, AsyncIterator, Union
 
 from fastapi import Request
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from .errors import Unavailable, UserError, describe
 from .http_errors import APIError
@@ -397,3 +397,14 @@ def ready_engine(head: Head):
     if not head.ready:
         raise APIError(503, "Loading model", "unavailable_error", retry_after=LOADING_RETRY_S)
     return head.engine
+
+
+def chat_body(chat: dict, body, keys: tuple[str, ...]) -> ChatBody:
+    """A chat request translated from another API's `body`: `chat` plus the `keys` the body sets,
+    validated as the chat route's own (400 naming the field)."""
+    chat = {**chat, **{key: getattr(body, key) for key in keys if getattr(body, key) is not None}}
+    try:
+        return ChatBody.model_validate(chat)
+    except ValidationError as e:
+        err = e.errors()[0]
+        raise APIError(400, f"{'.'.join(map(str, err['loc']))}: {err['msg']}", param=str(err["loc"][0])) from None

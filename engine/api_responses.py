@@ -17,9 +17,9 @@ from typing import TYPE_CHECKING, Any, Union
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
-from .api_common import ChatBody, Run, chat_requests, check_finish, generation_error, named_sse
+from .api_common import ChatBody, Run, chat_body, chat_requests, check_finish, generation_error, named_sse
 from .http_errors import APIError
 
 if TYPE_CHECKING:
@@ -95,14 +95,7 @@ def to_chat(body: ResponsesBody) -> ChatBody:
     if body.tools is not None:
         chat["tools"] = [{"type": "function", "function": {k: t[k] for k in ("name", "description", "parameters") if k in t}}
                          for t in body.tools if t.get("type") == "function"]  # fmt: skip
-    for key in ("model", "temperature", "top_p"):
-        if getattr(body, key) is not None:
-            chat[key] = getattr(body, key)
-    try:
-        return ChatBody.model_validate(chat)
-    except ValidationError as e:
-        err = e.errors()[0]
-        raise APIError(400, f"{'.'.join(map(str, err['loc']))}: {err['msg']}", param=str(err["loc"][0])) from None
+    return chat_body(chat, body, ("model", "temperature", "top_p"))
 
 
 def _usage(ev: Event) -> dict:
