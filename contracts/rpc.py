@@ -151,6 +151,7 @@ class LoadStageRequest(TypedDict):
     n_slots: int
     n_ctx: int  # per slot
     kv_pool: NotRequired[int]  # positions of a KV pool the slots share (--kv-unified); absent: each reserves n_ctx
+    kv_types: NotRequired[list[str]]  # [K, V] cache types, the head's --cache-type-k/-v; absent: the peer's own
 
 
 class ProbeRequest(TypedDict):

@@ -111,7 +111,7 @@ def test_peer_footprint_and_status_report_held_bytes(tiny_model):
                                n_ctx=N_CTX, kv_types=("q8_0", "f16")))  # fmt: skip
     host = StageHost(g, stage.cfg, "cpu", kv_types=("q8_0", "f16"))
     rope = 16 * N_CTX * model_tensors(g.metadata, g.tensors).n_rot
-    assert host.stage_bytes(1, 3, torch.bfloat16, N_SLOTS, N_CTX) + rope == pytest.approx(stage.held_weight_bytes + stage.kv_bytes, rel=0.05)
+    assert host.stage_bytes(1, 3, torch.bfloat16, N_SLOTS, N_CTX, None, ("auto", "auto")) + rope == pytest.approx(stage.held_weight_bytes + stage.kv_bytes, rel=0.05)
     head = served(build_stage(g, device="cpu", dtype="bfloat16", n_slots=N_SLOTS, n_ctx=N_CTX))
     (info,) = Pipeline(head).stages()
     assert (info.weight_bytes, info.kv_bytes) == (head.held_weight_bytes, head.kv_bytes)

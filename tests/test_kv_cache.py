@@ -65,3 +65,25 @@ def test_cache_type_flags():
         build_parser().parse_args(["serve", "--cache-type-k", "q4_0"])
     with pytest.raises(UserError, match="--cache-type-v must be one of"):  # values given through the API
         check_cache_type("int4", "--cache-type-v")
+
+
+def test_a_peer_caches_in_the_heads_kv_types(tiny_model, tmp_path):
+    """The head's --cache-type-k/-v reach its peer through LOAD_STAGE (a peer started without them):
+    the peer's KV is q8_0-sized, and greedy text through the split equals a solo head's with the same types."""
+    from rpc_workers import greedy, head, peer
+
+    model = tiny_model("llama", head_dim=32)
+    q8 = ("-ctk", "q8_0", "-ctv", "q8_0", "--dtype", "float32")
+    solo, p = head(model, tmp_path, (), *q8, ctx=64), peer(model, tmp_path, "--dtype", "float32")
+    split = head(model, tmp_path, [p], "--split", "1/1", *q8, ctx=64)
+    try:
+        for w in (solo, p, split):
+            w.wait_ready()
+        stage = p.status()["stages"][0]
+        positions = 2 * 64 * (stage["layers"][1] - stage["layers"][0])  # 2 slots of 64, per layer
+        assert stage["kv_bytes"] == positions * 2 * (2 * 32) * 34 // 32  # K and V, 2 KV heads x 32, 34 bytes per 32
+        for prompt in ("the quick brown fox", "w1 w2 w3 w4 w5 w6"):
+            assert greedy(split, prompt, 12)[0] == greedy(solo, prompt, 12)[0]
+    finally:
+        for w in (solo, p, split):
+            w.stop()

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from ...contracts.footprint import model_tensors, weight_form
+from ...contracts.footprint import KV_VALUE_BYTES, model_tensors, weight_form
 from ...contracts.rpc import DTYPE_CODES, MAX_CTX, MAX_SLOTS, StaleEpoch
 from ...contracts.slot_state import SlotHeader, SlotStateError, check_body
 from .. import slot_state
@@ -113,28 +113,34 @@ class StageHost:
             dtype = DTYPES[request.get("dtype", "float32")]
             n_slots, n_ctx = int(request["n_slots"]), int(request["n_ctx"])
             kv_pool = None if request.get("kv_pool") is None else int(request["kv_pool"])
+            kv_types = tuple(str(t) for t in request.get("kv_types", self.kv_types))
         except (KeyError, TypeError, ValueError) as e:
-            raise ComputeError(f"LOAD_STAGE needs layers [a,b], dtype, n_slots, n_ctx (kv_pool optional): {e!r}") from None
+            raise ComputeError(f"LOAD_STAGE needs layers [a,b], dtype, n_slots, n_ctx (kv_pool, kv_types optional): {e!r}") from None
+        if len(kv_types) != 2 or not all(t == "auto" or t in KV_VALUE_BYTES for t in kv_types):
+            raise ComputeError(f"kv_types must be [K, V], each auto or one of {sorted(KV_VALUE_BYTES)} (got {kv_types})")
         if not 0 <= a < b <= self.n_layers:
             raise ComputeError(f"layer range [{a},{b}) outside the model's 0..{self.n_layers}")
         if not (1 <= n_slots <= MAX_SLOTS and 1 <= n_ctx <= MAX_CTX):
             raise ComputeError(f"n_slots must be 1..{MAX_SLOTS} and n_ctx 1..{MAX_CTX} (got {n_slots}, {n_ctx})")
         if kv_pool is not None and not 1 <= kv_pool <= MAX_SLOTS * MAX_CTX:
             raise ComputeError(f"kv_pool must be 1..{MAX_SLOTS * MAX_CTX} positions (got {kv_pool})")
-        params = (dtype, n_slots, n_ctx, kv_pool)
+        params = (dtype, n_slots, n_ctx, kv_pool, kv_types)
         t0 = time.perf_counter()
         with self._load_lock:  # one load at a time; forwards go on meanwhile on the old stage
             if self.stage is not None and self._params == params and self.layers == (a, b):
                 stage = self.stage  # same stage: only its KV starts over (the swap below clears it)
             else:
-                need, free = self.stage_bytes(a, b, dtype, n_slots, n_ctx, kv_pool), free_bytes(self.device)
+                need, free = self.stage_bytes(a, b, dtype, n_slots, n_ctx, kv_pool, kv_types), free_bytes(self.device)
                 if need > free:
                     kv = f"{n_slots}x{n_ctx}" if kv_pool is None else f"a {kv_pool}-position pool of"
                     raise ComputeError(f"LOAD_STAGE of layers [{a},{b}) with {kv} KV needs ~{need >> 20} MiB, "
                                        f"{free >> 20} MiB free on {self.device}: refused, the current stage stays")  # fmt: skip
-                stage = build_stage(self.g, (a, b), embed=False, head=False, device=self.device, dtype=dtype,
-                                    n_slots=n_slots, n_ctx=n_ctx, cache_dir=self.cache_dir, quantized=self.quantized,
-                                    compile_decode=self.compile_decode, kv_types=self.kv_types, kv_pool=kv_pool)  # fmt: skip
+                try:
+                    stage = build_stage(self.g, (a, b), embed=False, head=False, device=self.device, dtype=dtype,
+                                        n_slots=n_slots, n_ctx=n_ctx, cache_dir=self.cache_dir, quantized=self.quantized,
+                                        compile_decode=self.compile_decode, kv_types=kv_types, kv_pool=kv_pool)  # fmt: skip
+                except UserError as e:  # e.g. q8_0 on a head size it cannot block
+                    raise ComputeError(f"LOAD_STAGE refused: {e}") from None
                 stage.warm_up()  # before the swap: the old stage serves meanwhile
             with self.lock:
                 if stage is self.stage:
@@ -147,19 +153,21 @@ class StageHost:
         self.on_change()
         return {"epoch": self.epoch, "layers": [a, b], "device": str(self.device), "load_s": round(self.load_s, 4)}
 
-    def stage_bytes(self, a: int, b: int, dtype: torch.dtype, n_slots: int, n_ctx: int, kv_pool: int | None = None) -> int:
+    def stage_bytes(self, a: int, b: int, dtype: torch.dtype, n_slots: int, n_ctx: int, kv_pool: int | None,
+                    kv_types: tuple[str, str]) -> int:
         """What a stage of layers [a, b) costs: its weights as they will be held plus its KV (every
         slot's context, or a pool of `kv_pool` positions) and recurrent state."""
-        return sum(self.layer_footprint(dtype, n_slots, n_ctx, kv_pool)[a:b])
+        return sum(self.layer_footprint(dtype, n_slots, n_ctx, kv_pool, kv_types)[a:b])
 
-    def layer_footprint(self, dtype: torch.dtype, n_slots: int, n_ctx: int, kv_pool: int | None = None) -> list[int]:
+    def layer_footprint(self, dtype: torch.dtype, n_slots: int, n_ctx: int, kv_pool: int | None,
+                        kv_types: tuple[str, str]) -> list[int]:
         """Bytes of every layer of the model as this worker would hold it (contracts/footprint.py):
-        weights in this worker's form + its cache (KV in its cache types, or recurrent state)."""
+        weights in this worker's form + its cache (KV in the given cache types, or recurrent state)."""
         name = str(dtype).removeprefix("torch.")
         form = "quantized" if self.quantized else weight_form(self.device.type, name, "dense")
         gpu = self.device.type == "cuda"
         return [self.tensors.layer_weights(il, form, name)
-                + self.tensors.layer_cache(il, n_slots, n_ctx, self.kv_types, name, gpu=gpu, kv_pool=kv_pool)
+                + self.tensors.layer_cache(il, n_slots, n_ctx, kv_types, name, gpu=gpu, kv_pool=kv_pool)
                 for il in range(self.n_layers)]  # fmt: skip
 
     def probe(self, request: dict, owner: int = 0) -> dict:
@@ -182,7 +190,7 @@ class StageHost:
             except UserError as e:
                 raise ComputeError(str(e)) from None
         a, b = self.layers
-        footprint = self.layer_footprint(stage.dtype, stage.n_slots, stage.n_ctx, stage.kv_pool)
+        footprint = self.layer_footprint(stage.dtype, stage.n_slots, stage.n_ctx, stage.kv_pool, stage.kv_types)
         return {"layers": [a, b], "device": str(self.device), **timings, "layer_bytes": footprint,
                 "held_bytes": sum(footprint[a:b]), "free_bytes": free_bytes(self.device)}  # fmt: skip
 

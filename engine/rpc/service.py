@@ -90,7 +90,7 @@ class HeadControl:
         except UserError as e:
             raise ControlError(str(e), Status.BAD_REQUEST) from None
         local = self.pipeline.local
-        footprint = self.host.layer_footprint(local.dtype, local.n_slots, local.n_ctx, local.kv_pool)
+        footprint = self.host.layer_footprint(local.dtype, local.n_slots, local.n_ctx, local.kv_pool, local.kv_types)
         a, b = result["stages"][0]["layers"]
         result["stages"][0].update(layer_bytes=footprint, held_bytes=sum(footprint[a:b]), free_bytes=free_bytes(local.device))
         return result

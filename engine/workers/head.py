@@ -155,7 +155,8 @@ def build_pipeline(cfg: HeadConfig, g, mcfg):
     device = resolve_device(m.device)
     dtype = resolve_dtype(m.dtype, device)
     remotes = [
-        RemoteStage(addr, r, g=g, dtype=dtype, n_slots=n_slots, n_ctx=m.ctx, kv_pool=m.kv_pool, auth_token=cfg.rpc.auth_token,
+        RemoteStage(addr, r, g=g, dtype=dtype, n_slots=n_slots, n_ctx=m.ctx, kv_pool=m.kv_pool, kv_types=m.kv_types,
+                    auth_token=cfg.rpc.auth_token,
                     max_frame=cfg.rpc.max_frame, spin_s=cfg.rpc.spin_seconds(device),
                     head_device=device if cfg.rpc.cuda_ipc else None)  # fmt: skip
         for addr, r in zip(cfg.peers, ranges[1:])
