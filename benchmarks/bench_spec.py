@@ -134,6 +134,7 @@ class Link:
 
 def make_engine(args, g, peer_addr: str | None) -> Engine:
     argv = ["serve", "--device", args.device, "--dtype", args.dtype, "--parallel", "1", "--ctx", str(args.ctx), "--peer-wait", "60"]
+    argv += ["--no-compile"] if args.no_compile else []
     if peer_addr:
         argv += ["--peer", peer_addr, "--split", args.split] if args.split else ["--peer", peer_addr]
     cfg = head_config(build_parser().parse_args(argv), {})
@@ -318,6 +319,7 @@ def main() -> None:
     ap.add_argument("--workloads", default=",".join(WORKLOADS), help=f"comma list of {', '.join(WORKLOADS)}")
     ap.add_argument("--threads", type=int, default=None, help="torch threads of the head and the peer")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--no-compile", action="store_true", help="CUDA: graphs without torch.compile (a 64-layer compile takes minutes)")
     args = ap.parse_args()
     args.workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
     unknown = [w for w in args.workloads if w not in WORKLOADS]
