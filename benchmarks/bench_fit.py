@@ -61,7 +61,8 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=600)
     args, extra = ap.parse_known_args()
     extra = [a for a in extra if a != "--"]
-    peer = Server(["peer", "--model", args.model, "--device", args.device])
+    # The peer takes its KV types and context from the head's LOAD_STAGE; of the serve flags only this one is its own.
+    peer = Server(["peer", "--model", args.model, "--device", args.device, *(["--no-compile"] if "--no-compile" in extra else [])])
     head = Server(["serve", "--model", args.model, "--device", args.device, "--peer", f"127.0.0.1:{peer.rpc_port}",
                    "--split", args.split, "--ctx", str(args.ctx), "--parallel", "1", *extra])  # fmt: skip
     try:
