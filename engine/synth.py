@@ -176,6 +176,8 @@ def write_synthetic(
         qt = type_of(name)
         zero = bigram and name.endswith(("attn_output.weight", "ssm_out.weight", "ffn_down.weight"))
         eye = bigram and name.endswith("nextn.eh_proj.weight")
+        if eye and qt in _K_QUANTS:  # random K-quant blocks cannot hold the identity the construction needs
+            qt = T.F16
         if qt in _K_QUANTS and not (zero or eye):  # random blocks need only the std: no float matrix (27B files)
             _check_row(name, cols, qt)
             w.add_tensor(name, random_blocks((rows, cols), qt, std, rng), raw_dtype=qt)

@@ -115,11 +115,14 @@ def test_greedy_with_mtp_equals_greedy_without(tiny_model, device):
     assert stats.type == "mtp" and stats.draft_tokens > 0 and stats.accepted < stats.draft_tokens
 
 
-def test_mtp_drafts_are_accepted_on_a_model_whose_block_predicts_the_next_token(tiny_model):
+@pytest.mark.parametrize("qtype", ["F32", "Q5_K_M"])
+def test_mtp_drafts_are_accepted_on_a_model_whose_block_predicts_the_next_token(tiny_model, qtype):
     """`bigram`: the trunk's logits depend on the current token only and the NextN block passes the
     token's embedding through, so each draft is the trunk's own greedy continuation: acceptance must
-    be (near) total, and the output still that of plain greedy."""
-    path = tiny_model("qwen35", n_layers=4, nextn=True, bigram=True)
+    be (near) total, and the output still that of plain greedy. Also in the users' K-quant mix (the
+    writer once drew its identity `eh_proj` as random blocks there: acceptance 0 on the 27B file)."""
+    shape = dict(n_embd=256, n_ff=512, head_dim=64, ssm_state=64, ssm_groups=2, ssm_v_heads=4) if qtype != "F32" else {}
+    path = tiny_model("qwen35", n_layers=4, nextn=True, bigram=True, qtype=qtype, **shape)
     plain, _ = _engine_outputs(path, "off", 0.75)
     with_mtp, stats = _engine_outputs(path, "mtp", 0.0)
     print("bigram MTP:", stats)
