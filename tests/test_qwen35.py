@@ -151,6 +151,30 @@ def test_the_graph_step_equals_the_eager_decode(tiny_model):
                                        atol=1e-5, rtol=1e-5)  # fmt: skip
 
 
+def test_the_graph_verify_step_equals_the_eager_runs(tiny_model):
+    """`per_slot` tokens for each slot (a speculative verify, as the CUDA graphs capture it) against
+    the eager runs: the same outputs, states and every checkpoint a rollback reads."""
+    path = tiny_model("qwen35", n_layers=4)
+    eager, graphed = load(path), load(path)
+    for stage in (eager, graphed):
+        prefill(stage, PROMPT[:6], slot=0)
+        prefill(stage, PROMPT[2:13], slot=2)
+    at = {0: 6, 2: 11}
+    for m in (3, 2, 4):
+        slots = torch.tensor([0] * m + [2] * m)
+        positions = torch.tensor([at[s] + t for s in (0, 2) for t in range(m)])
+        tokens = torch.arange(m * 2) + 40 + m
+        want = eager.logits(eager.run_layers(eager.embed(tokens), slots, positions))
+        h = graphed._forward(graphed.embed(tokens), slots, positions, None, batched=True, kv_len=graphed.n_ctx, per_slot=m)
+        torch.testing.assert_close(graphed.logits(h), want, atol=1e-5, rtol=1e-5)
+        for a, b in zip(eager.recurrent, graphed.recurrent):
+            for name in ("conv_state", "ssm_state"):
+                torch.testing.assert_close(getattr(b, name)[[0, 2]], getattr(a, name)[[0, 2]], atol=1e-5, rtol=1e-5)
+            for name in ("conv_ckpt", "ssm_ckpt"):
+                torch.testing.assert_close(getattr(b, name)[[0, 2], :m], getattr(a, name)[[0, 2], :m], atol=1e-5, rtol=1e-5)
+        at = {s: at[s] + m for s in at}
+
+
 def test_kv_clear_resets_the_recurrent_state(tiny_model):
     stage = load(tiny_model("qwen35", n_layers=4))
     first = prefill(stage, PROMPT)

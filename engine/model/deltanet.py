@@ -120,32 +120,42 @@ class DeltaNet:
 
         return self._output(out[valid], z, x.dtype)  # [T, Hv, dv], back in batch order
 
-    def step(self, x: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        """One token per slot (decode): x [B, n_embd] -> [B, n_embd] float32, with no host values
-        (CUDA-graph capturable; rows of a graph's padding slot may repeat). The same arithmetic as
-        `__call__` on runs of one token, checkpoints included (j = 1: the incoming state)."""
+    def step(self, x: torch.Tensor, slots: torch.Tensor, per_slot: int = 1) -> torch.Tensor:
+        """`per_slot` tokens for each slot (decode: 1; a speculative verify: k + 1), rows slot-major:
+        x [B * per_slot, n_embd] -> same shape float32, with no host values (CUDA-graph capturable;
+        rows of a graph's padding slot may repeat). The same arithmetic as `__call__` on runs of
+        `per_slot` tokens, checkpoints included (before token t of the run: j = per_slot - t)."""
         s = self.shape
         C, Hv, dv, K = s.conv_channels, s.n_v_heads, s.head_v_dim, s.conv_kernel
+        B, m = x.shape[0] // per_slot, per_slot
+        slots = slots[::m]
         mixed, z, beta, alpha = self.w_in(x).float().split([C, Hv * dv, Hv, Hv], dim=-1)
-        conv_in = torch.cat([self.conv_state[slots], mixed[:, :, None]], dim=2)  # [B, C, K]
-        conv = F.silu(sum(conv_in[:, :, i] * self.conv[:, i] for i in range(K)))
-        self.conv_ckpt[slots, 0] = conv_in[:, :, :-1]
-        self.conv_state[slots] = conv_in[:, :, 1:]
+        mixed, beta, alpha = mixed.view(B, m, C), beta.view(B, m, Hv), alpha.view(B, m, Hv)
+        window, convs = self.conv_state[slots], []  # [B, C, K - 1]
+        for t in range(m):
+            conv_in = torch.cat([window, mixed[:, t, :, None]], dim=2)  # [B, C, K]
+            convs.append(F.silu(sum(conv_in[:, :, i] * self.conv[:, i] for i in range(K))))
+            self.conv_ckpt[slots, m - 1 - t] = window
+            window = conv_in[:, :, 1:]
+        self.conv_state[slots] = window
+        conv = torch.stack(convs, 1)  # [B, m, C]
         nk = s.n_k_heads * s.head_k_dim
-        q = _l2norm(conv[:, :nk].unflatten(-1, (s.n_k_heads, s.head_k_dim)), self.cfg.rms_eps)
-        k = _l2norm(conv[:, nk : 2 * nk].unflatten(-1, (s.n_k_heads, s.head_k_dim)), self.cfg.rms_eps)
-        v = conv[:, 2 * nk :].unflatten(-1, (Hv, dv))
+        q = _l2norm(conv[..., :nk].unflatten(-1, (s.n_k_heads, s.head_k_dim)), self.cfg.rms_eps)
+        k = _l2norm(conv[..., nk : 2 * nk].unflatten(-1, (s.n_k_heads, s.head_k_dim)), self.cfg.rms_eps)
+        v = conv[..., 2 * nk :].unflatten(-1, (Hv, dv))
         repeat = Hv // s.n_k_heads
-        q, k = q.repeat(1, repeat, 1), k.repeat(1, repeat, 1)
+        q, k = q.repeat(1, 1, repeat, 1), k.repeat(1, 1, repeat, 1)
         g = F.softplus(alpha + self.dt_bias) * self.a
         b = torch.sigmoid(beta)
-        state = self.ssm_state[slots]
-        self.ssm_ckpt[slots, 0] = state
-        state = state * torch.exp(g[:, :, None, None])
-        delta = (v - (k[:, :, None, :] @ state).squeeze(-2)) * b[:, :, None]
-        state = state + k[:, :, :, None] * delta[:, :, None, :]
+        state, outs = self.ssm_state[slots], []
+        for t in range(m):
+            self.ssm_ckpt[slots, m - 1 - t] = state
+            state = state * torch.exp(g[:, t, :, None, None])
+            delta = (v[:, t] - (k[:, t, :, None, :] @ state).squeeze(-2)) * b[:, t, :, None]
+            state = state + k[:, t, :, :, None] * delta[:, :, None, :]
+            outs.append((q[:, t, :, None, :] @ state).squeeze(-2))
         self.ssm_state[slots] = state
-        return self._output((q[:, :, None, :] @ state).squeeze(-2), z, x.dtype)
+        return self._output(torch.stack(outs, 1).flatten(0, 1), z, x.dtype)
 
     def _output(self, o: torch.Tensor, z: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Sᵀq per token [T, Hv, dv] -> the layer's output: scaled, gated RMSNorm, ssm_out."""

@@ -172,10 +172,11 @@ class Stage:
         if getattr(self, "graphs", None) is not None:
             self.graphs.reset()
 
-    def warm_up(self) -> None:
-        """Compile and capture the decode step for every batch bucket now (CUDA; nothing elsewhere)."""
+    def warm_up(self, per_slot: range = range(1, 2)) -> None:
+        """Compile and capture the decode step for every batch bucket now (CUDA; nothing elsewhere),
+        for runs of each length in `per_slot` (speculative verifies: up to draft max + 1)."""
         if self.graphs is not None:
-            self.graphs.warm_up()
+            self.graphs.warm_up(per_slot)
 
     def kv_clear(self, slot: int) -> None:
         """Forget a slot: its KV (pooled blocks go back to the pool) and its recurrent state."""
@@ -291,8 +292,9 @@ class Stage:
         if self.recurrent:
             self._check_continues(runs)
         out = None
-        if self.graphs is not None and all(n == 1 for _, _, n in runs):
-            out = self.graphs.run(h, slots, positions)
+        per_slot = {n for _, _, n in runs}
+        if self.graphs is not None and len(per_slot) == 1:  # decode, or verifies of one draft length
+            out = self.graphs.run(h, slots, positions, per_slot.pop())
         if out is None:
             out = self._forward(h, slots.to(self.device), positions.to(self.device), runs)
         for slot, p0, n in runs:
@@ -351,10 +353,12 @@ class Stage:
             i = j
         return runs
 
-    def _forward(self, h, slots, positions, runs, batched: bool = False, kv_len: int | None = None, layers=None):
-        """The layers, eagerly. `batched`: one token per slot with no host values (CUDA-graph
-        capturable): the decode-attention kernel on CUDA, elsewhere attention over gathered caches
-        of length `kv_len` with a mask from positions.
+    def _forward(self, h, slots, positions, runs, batched: bool = False, kv_len: int | None = None, layers=None,
+                 per_slot: int = 1):
+        """The layers, eagerly. `batched`: `per_slot` tokens for each slot (rows slot-major) with no
+        host values (CUDA-graph capturable): the decode-attention kernel on CUDA, elsewhere attention
+        over gathered caches of length `kv_len` with a mask from positions (each row sees its own
+        position and those before it: a slot's K/V rows are all written first).
         Q and K travel together through norm and RoPE: fewer, larger kernels."""
         cfg = self.cfg
         T, n_q, qk_dim = h.shape[0], cfg.n_head, (cfg.n_head + cfg.n_head_kv) * cfg.head_dim
@@ -364,7 +368,7 @@ class Stage:
         for layer in self.layers.values() if layers is None else layers:
             x = self._norm(h, layer.attn_norm).to(self.dtype)
             if layer.deltanet is not None:
-                h = self._ffn(layer, h + (layer.deltanet.step(x, slots) if batched else layer.deltanet(x, runs)))
+                h = self._ffn(layer, h + (layer.deltanet.step(x, slots, per_slot) if batched else layer.deltanet(x, runs)))
                 continue
             qkv = layer.wqkv(x)
             gate = None

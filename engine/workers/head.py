@@ -96,7 +96,8 @@ class HeadWorker:
             disaggregator = Disaggregator(client, cfg.prefill_threshold, pipeline, pd_stats)
         self.status.startup_stage = WARMING_STAGE
         t0 = time.perf_counter()
-        pipeline.local.warm_up()
+        # Speculative verifies run k + 1 tokens per slot: their graphs are captured now too.
+        pipeline.local.warm_up(range(1, 2 + (cfg.spec.n_max if cfg.spec.type != "off" else 0)))
         log.info("decode step warmed up in %.1f s", time.perf_counter() - t0)
         self.engine = Engine(pipeline, self.tok, n_slots=cfg.parallel, n_ctx=cfg.model.ctx, speculator=speculator,
                              batch_tokens=cfg.batch_tokens, max_queue=cfg.max_queue, disaggregator=disaggregator,
