@@ -138,6 +138,7 @@ CODE_DTYPES = {v: k for k, v in DTYPE_CODES.items()}
 
 MAX_SLOTS = 1024  # LOAD_STAGE bounds, before any memory estimate
 MAX_CTX = 1 << 20
+MAX_RUN = 64  # tokens per slot in one step (a speculative verify's draft + 1)
 
 
 class CheckRequest(TypedDict):
@@ -152,6 +153,7 @@ class LoadStageRequest(TypedDict):
     n_ctx: int  # per slot
     kv_pool: NotRequired[int]  # positions of a KV pool the slots share (--kv-unified); absent: each reserves n_ctx
     kv_types: NotRequired[list[str]]  # [K, V] cache types, the head's --cache-type-k/-v; absent: the peer's own
+    max_run: NotRequired[int]  # tokens per slot of the head's steps (1 + draft max): decode graphs captured for each at load
 
 
 class ProbeRequest(TypedDict):

@@ -116,6 +116,11 @@ def test_oversized_load_stage_is_refused_and_the_stage_stays(ws, model):
             req = {"layers": [2, 4], "dtype": "float32", "n_slots": n_slots, "n_ctx": n_ctx}
             reply = compute(s, Cmd.LOAD_STAGE, json.dumps(req).encode())
             assert reply[0] == 1 and (b"n_ctx 1.." in reply or b"MiB free" in reply), reply
+        for extra, why in (({"max_run": 1 << 20}, b"max_run must be"), ({"kv_types": ["q8_0"]}, b"kv_types must be"),
+                           ({"kv_types": ["q8_0", "nope"]}, b"kv_types must be")):  # fmt: skip
+            req = {"layers": [2, 4], "dtype": "float32", "n_slots": 1, "n_ctx": 8, **extra}
+            reply = compute(s, Cmd.LOAD_STAGE, json.dumps(req).encode())
+            assert reply[0] == 1 and why in reply, reply
     assert peer_epoch(w) == epoch and w.status()["stages"][0]["state"] == "ok"
     assert greedy(ws["head"], PROMPT, N_TOKENS)[0] == ws["baseline"]
     assert peer_epoch(w) == epoch  # the head never had to re-attach

@@ -88,6 +88,7 @@ class RemoteStage:
         n_ctx: int,
         kv_pool: int | None = None,
         kv_types: tuple[str, str] = ("auto", "auto"),
+        max_run: int = 1,
         auth_token: str | None = None,
         max_frame: int = 1 << 30,
         spin_s: float = 0.0,
@@ -98,6 +99,7 @@ class RemoteStage:
         self.layer_range = tuple(layers)
         self.g, self.dtype, self.n_slots, self.n_ctx, self.kv_pool = g, dtype, n_slots, n_ctx, kv_pool
         self.kv_types = kv_types  # the peer allocates its KV in the head's cache types, as llama.cpp's RPC backend does
+        self.max_run = max_run  # and captures graphs for the head's verify steps before it serves
         self.auth_token = auth_token
         self.max_frame = max_frame
         self.state = "connecting"
@@ -164,7 +166,7 @@ class RemoteStage:
     def _load(self, layers) -> None:
         dtype = str(self.dtype).removeprefix("torch.")
         request = {"layers": list(layers), "dtype": dtype, "n_slots": self.n_slots, "n_ctx": self.n_ctx,
-                   "kv_types": list(self.kv_types)}
+                   "kv_types": list(self.kv_types), "max_run": self.max_run}
         if self.kv_pool is not None:
             request["kv_pool"] = self.kv_pool
         reply = self._request_json(Cmd.LOAD_STAGE, request)

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from ...contracts.footprint import KV_VALUE_BYTES, model_tensors, weight_form
-from ...contracts.rpc import DTYPE_CODES, MAX_CTX, MAX_SLOTS, StaleEpoch
+from ...contracts.rpc import DTYPE_CODES, MAX_CTX, MAX_RUN, MAX_SLOTS, StaleEpoch
 from ...contracts.slot_state import SlotHeader, SlotStateError, check_body
 from .. import slot_state
 from ..device import free_bytes
@@ -114,8 +114,11 @@ class StageHost:
             n_slots, n_ctx = int(request["n_slots"]), int(request["n_ctx"])
             kv_pool = None if request.get("kv_pool") is None else int(request["kv_pool"])
             kv_types = tuple(str(t) for t in request.get("kv_types", self.kv_types))
+            max_run = int(request.get("max_run", 1))
         except (KeyError, TypeError, ValueError) as e:
             raise ComputeError(f"LOAD_STAGE needs layers [a,b], dtype, n_slots, n_ctx (kv_pool, kv_types optional): {e!r}") from None
+        if not 1 <= max_run <= MAX_RUN:
+            raise ComputeError(f"max_run must be 1..{MAX_RUN} tokens per slot (got {max_run})")
         if len(kv_types) != 2 or not all(t == "auto" or t in KV_VALUE_BYTES for t in kv_types):
             raise ComputeError(f"kv_types must be [K, V], each auto or one of {sorted(KV_VALUE_BYTES)} (got {kv_types})")
         if not 0 <= a < b <= self.n_layers:
@@ -141,7 +144,7 @@ class StageHost:
                                         compile_decode=self.compile_decode, kv_types=kv_types, kv_pool=kv_pool)  # fmt: skip
                 except UserError as e:  # e.g. q8_0 on a head size it cannot block
                     raise ComputeError(f"LOAD_STAGE refused: {e}") from None
-                stage.warm_up()  # before the swap: the old stage serves meanwhile
+                stage.warm_up(range(1, max_run + 1))  # before the swap: the old stage serves meanwhile
             with self.lock:
                 if stage is self.stage:
                     for slot in range(n_slots):

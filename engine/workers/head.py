@@ -96,8 +96,7 @@ class HeadWorker:
             disaggregator = Disaggregator(client, cfg.prefill_threshold, pipeline, pd_stats)
         self.status.startup_stage = WARMING_STAGE
         t0 = time.perf_counter()
-        # Speculative verifies run k + 1 tokens per slot: their graphs are captured now too.
-        pipeline.local.warm_up(range(1, 2 + (cfg.spec.n_max if cfg.spec.type != "off" else 0)))
+        pipeline.local.warm_up(range(1, max_run_of(cfg.spec) + 1))
         log.info("decode step warmed up in %.1f s", time.perf_counter() - t0)
         self.engine = Engine(pipeline, self.tok, n_slots=cfg.parallel, n_ctx=cfg.model.ctx, speculator=speculator,
                              batch_tokens=cfg.batch_tokens, max_queue=cfg.max_queue, disaggregator=disaggregator,
@@ -142,6 +141,12 @@ class HeadWorker:
         return 0
 
 
+def max_run_of(spec) -> int:
+    """Tokens per slot of the longest decode step: a speculative verify runs the draft + 1 (their
+    graphs are captured at start, on the head and its peers)."""
+    return 1 + (spec.n_max if spec.type != "off" else 0)
+
+
 def build_pipeline(cfg: HeadConfig, g, mcfg):
     """Head Stage + one RemoteStage per `--peer`, split by `--split`; waits for the peers
     (`--peer-wait`, polling every 2 s) and, if they never come, fails or (`--fallback-solo`)
@@ -152,11 +157,12 @@ def build_pipeline(cfg: HeadConfig, g, mcfg):
     from ..rpc.client import RemoteStage
 
     m, n_slots = cfg.model, cfg.parallel
+    max_run = max_run_of(cfg.spec)
     ranges = parse_split(cfg.split, mcfg.n_layers, 1 + len(cfg.peers))
     device = resolve_device(m.device)
     dtype = resolve_dtype(m.dtype, device)
     remotes = [
-        RemoteStage(addr, r, g=g, dtype=dtype, n_slots=n_slots, n_ctx=m.ctx, kv_pool=m.kv_pool, kv_types=m.kv_types,
+        RemoteStage(addr, r, g=g, dtype=dtype, n_slots=n_slots, n_ctx=m.ctx, kv_pool=m.kv_pool, kv_types=m.kv_types, max_run=max_run,
                     auth_token=cfg.rpc.auth_token,
                     max_frame=cfg.rpc.max_frame, spin_s=cfg.rpc.spin_seconds(device),
                     head_device=device if cfg.rpc.cuda_ipc else None)  # fmt: skip
