@@ -16,7 +16,7 @@ starts with a `ReplyStatus` byte, then JSON, raw bytes or an error message:
 | HELLO 14 | `HELLO` (major, minor, patch, pad, caps) | (no status byte) `HELLO` of the server, then a refusal text if versions differ |
 | AUTH 40 | 32-byte HMAC proof | empty |
 | CHECK 39 | JSON `CheckRequest` | JSON {"epoch", ...} |
-| LOAD_STAGE 32 | JSON `LoadStageRequest` | JSON {"epoch", "layers", "device", ...} |
+| LOAD_STAGE 32 | JSON `LoadStageRequest` | JSON {"epoch", "layers", "device", "state_key", ...} |
 | RESOLVE 33 | tensor name (UTF-8) | JSON {"found", "epoch", "dtype", "shape"} |
 | FORWARD 34 | `FORWARD_HEADER` + int32 slots[T] + int32 positions[T] + hidden[T, d] raw | (own header) `FORWARD_REPLY` + hidden raw |
 | FORWARD_IPC 42 | FORWARD without the hidden bytes | `FORWARD_REPLY` |
@@ -28,10 +28,13 @@ starts with a `ReplyStatus` byte, then JSON, raw bytes or an error message:
 | STATE_META 43 | `STATE_SLOT` (slot i32) | JSON `StateMeta` |
 | STATE_GET 44 | JSON `StateGetRequest` | the slot's state in the slot-state format (contracts.slot_state), chunked and checksummed |
 | STATE_PUT 45 | `STATE_SLOT` + a slot state (at most STATE_PUT_CAP; larger is drained in DRAIN_CHUNK pieces and refused) | JSON `StateMeta` of the placed slot |
+| STATE_JOIN 46 | the 16 bytes of LOAD_STAGE's `state_key` (hex there) | empty: this session now owns the stage's slots too |
 | PROBE 50 | JSON `ProbeRequest` | JSON `StageProbe` (the loading session only) |
 
 STATE_GET and STATE_PUT touch a slot's KV: like FORWARD, only the session that loaded the stage
-(its head) may send them, after AUTH. A refused STATE_PUT (wrong fingerprint, layer range, dtype,
+(its head) may send them, after AUTH, or a second session of that head that joined it with the
+key only the loading session was given (STATE_JOIN): a state streams in there while the forwards
+go on over the first; the peer takes its forward lock only for the final copy into the slot. A refused STATE_PUT (wrong fingerprint, layer range, dtype,
 a chunk that fails its crc32, a stream that ends early) leaves the slot exactly as it was: the
 state is staged whole and checked before its first byte reaches the slot.
 
@@ -115,6 +118,7 @@ class Cmd:
     STATE_META = 43
     STATE_GET = 44
     STATE_PUT = 45
+    STATE_JOIN = 46
     PROBE = 50  # time the resident layers one by one (the split advisor)
 
 

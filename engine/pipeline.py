@@ -199,12 +199,14 @@ class Pipeline:
         through STATE_PUT); returns the tokens they cover (which must be `tokens` when given).
         Every chunk and the model are checked before anything is placed, so a refused state leaves
         the slot as it was; a peer lost midway leaves the slot empty on every stage (nothing
-        half-placed is used). The caller keeps `slot` out of every forward meanwhile: this
-        stage's copy runs beside them, without the pipeline lock (only a re-split waits)."""
+        half-placed is used). The caller keeps `slot` out of every forward meanwhile: the copies run
+        beside them, this stage's without the pipeline lock, the peers' over connections of their
+        own (only a re-split waits); the lock is taken only to record the slot's tokens."""
         prepared = data if isinstance(data, PreparedState) else self.prepare_state(data, tokens)
         fingerprint, header, n = self.local.g.fingerprint, prepared.header, len(prepared.header.tokens)
+        generation = self.kv_generation
         try:
-            with self._layout:  # this stage's layers stay as they are (a re-split waits), forwards go on
+            with self._layout:  # the stages' layers stay as they are (a re-split waits), forwards go on
                 if prepared.ranges != list(self.ranges):
                     raise SlotStateError(f"the pipeline was re-split to {self.ranges} while the state was checked")
                 side = self.side_state if self.side_state is not None and slot_state.has_extra(header) else None
@@ -213,10 +215,12 @@ class Pipeline:
                 slot_state.place_checked(self.local, slot, header, prepared.body, views)
                 if self.side_state is not None:
                     self.side_state.restored(slot, n, extra)
+                for remote, part in zip(self.remotes, prepared.peer_states):
+                    remote.state_put(slot, part)
             if self.remotes:
-                with self._lock:  # the peers' sockets and the slot history are the forwards' too
-                    for remote, part in zip(self.remotes, prepared.peer_states):
-                        remote.state_put(slot, part)
+                with self._lock:  # the slot history is the forwards' too
+                    if self.kv_generation != generation:  # a stage's KV was rebuilt meanwhile, without this slot's
+                        raise SlotStateError("the pipeline rebuilt its KV while the state was placed")
                     if n:  # a later KV rebuild replays them
                         self._flush_history()
                         self._write_history(torch.tensor(header.tokens), torch.full((n,), slot), torch.arange(n))

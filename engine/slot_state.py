@@ -121,19 +121,33 @@ def place(stage, slot: int, header: SlotHeader, body, fingerprint: str, extra: d
 
 
 def place_checked(stage, slot: int, header: SlotHeader, body, views: dict[str, torch.Tensor]) -> None:
-    """Place a state whose header `check` accepted (`views`: its answer) into `slot`: the stage's
-    tensors, made over the body's bytes, through `Stage.place_slot_state` (a pooled cache takes its
-    blocks there), the `mtp.*` ones copied into their views; tensors without a view are skipped."""
+    """Place a state whose header `check` accepted (`views`: its answer) into `slot`: `staged`, then
+    `place_staged`."""
+    place_staged(stage, slot, len(header.tokens), staged(header, body, views), views)
+
+
+def staged(header: SlotHeader, body, views: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The state's tensors, ready to copy into the slot, for a state whose header `check` accepted
+    (`views`: its answer): made over the body's bytes (no copy: on the CPU the received body is the
+    staging area), copied to the views' device when that is a GPU. Tensors without a view are
+    skipped. Touches no slot: a worker stages without holding its forwards."""
     tensors, offset = {}, 0
     for entry in header.tensors:
         view = views.get(entry.name)
         if view is not None:  # an empty one (no positions yet) is its own empty view
             tensors[entry.name] = view if not entry.nbytes else torch.frombuffer(
-                body, dtype=view.dtype, count=view.numel(), offset=offset).view(view.shape)
+                body, dtype=view.dtype, count=view.numel(), offset=offset).view(view.shape).to(view.device)
         offset += entry.nbytes
-    for name in [name for name in tensors if name.startswith(EXTRA_PREFIX)]:
-        views[name].copy_(tensors.pop(name))
-    stage.place_slot_state(slot, len(header.tokens), tensors)
+    return tensors
+
+
+def place_staged(stage, slot: int, n: int, tensors: dict[str, torch.Tensor], views: dict[str, torch.Tensor]) -> None:
+    """Copy `staged` tensors of n tokens into `slot`: the stage's through `Stage.place_slot_state`
+    (a pooled cache takes its blocks there), the `mtp.*` ones into their views."""
+    own = {name: t for name, t in tensors.items() if not name.startswith(EXTRA_PREFIX)}
+    for name in tensors.keys() - own.keys():
+        views[name].copy_(tensors[name])
+    stage.place_slot_state(slot, n, own)
 
 
 def check(stage, slot: int, header: SlotHeader, fingerprint: str, extra: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
