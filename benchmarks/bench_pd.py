@@ -3,7 +3,7 @@
     python benchmarks/bench_pd.py [--model PATH] [--device cpu] [--dtype float32] [--streams 2]
                                   [--prompt-tokens 512] [--every-s 2] [--duration-s 20] [--threshold 64]
                                   [--layers 8 --embd 512 --ff 1536 (synthetic model)] [--threads 1] [--json]
-                                  [--modes local,pd,slots] [--netns] [--slot-reps 3]
+                                  [--modes local,pd,slots] [--netns] [--slot-reps 3] [--prefill-deadline 300]
 
 Issue-sized on a GPU: --model M.gguf --device cuda --dtype bfloat16 --streams 8 --prompt-tokens 4096
 --every-s 2 --ctx 8192 --threads 0. Per mode (`local`: the head prefills everything; `pd`: prompts of at least
@@ -153,11 +153,6 @@ def _ok(pd: dict) -> list[dict]:
     return [t for t in pd.get("recent", []) if not t.get("fallback") and t.get("place_ms") is not None]
 
 
-def _median(pd: dict, key: str) -> float | None:
-    values = [t[key] for t in _ok(pd)]
-    return statistics.median(values) if values else None
-
-
 def run_mode(mode: str, args, log_dir: Path, netns: Netns | None) -> dict:
     procs = []
     try:
@@ -165,7 +160,8 @@ def run_mode(mode: str, args, log_dir: Path, netns: Netns | None) -> dict:
         if mode == "pd":
             pw, pw_host, pw_port = start(["--role", "prefill", "--parallel", "1"], args, log_dir, "prefill", netns)
             procs.append(pw)
-            head_args += ["--prefill-worker", f"{pw_host}:{pw_port + 1}", "--prefill-threshold", str(args.threshold)]
+            head_args += ["--prefill-worker", f"{pw_host}:{pw_port + 1}", "--prefill-threshold", str(args.threshold),
+                          "--prefill-deadline", str(args.prefill_deadline)]  # fmt: skip
             if netns is not None:
                 head_args += ["--auth-token", NETNS_TOKEN]
         head, _, port = start(head_args, args, log_dir, f"head-{mode}")
@@ -174,6 +170,7 @@ def run_mode(mode: str, args, log_dir: Path, netns: Netns | None) -> dict:
         vocab = httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["meta"]["n_vocab"]
         rng = random.Random(0)
         long_prompt(url, args.prompt_tokens, vocab, rng)  # warm the path once (both workers)
+        warm = httpx.get(f"{url}/status", timeout=10).json().get("pd") or {}
         stop = threading.Event()
         times = [[] for _ in range(args.streams)]
         threads = [threading.Thread(target=stream, args=(url, args.stream_tokens, t, stop), daemon=True) for t in times]
@@ -194,6 +191,8 @@ def run_mode(mode: str, args, log_dir: Path, netns: Netns | None) -> dict:
         loaded = [g for ts in times for g in gaps(ts, t_load0, t_load1)]
         status = httpx.get(f"{url}/status", timeout=10).json()
         pd = status.get("pd") or {}
+        moved = {k: pd[k] - warm[k] for k in ("transfers", "bytes", "seconds")} if pd else {}
+        loaded_transfers = _ok(pd)[-moved["transfers"] :] if moved.get("transfers") else []
         return {
             "mode": mode + ("+netns" if netns is not None and mode == "pd" else ""),
             "idle_itl_p50_ms": pct(idle, 50), "idle_itl_p99_ms": pct(idle, 99),
@@ -201,13 +200,13 @@ def run_mode(mode: str, args, log_dir: Path, netns: Netns | None) -> dict:
             "p99_over_idle": pct(loaded, 99) / pct(idle, 99) if idle and loaded else None,
             "ttft_p50_ms": pct(ttft, 50), "ttft_max_ms": max(ttft) * 1e3, "long_prompts": len(ttft),
             "transfers": pd.get("transfers"), "fallbacks": pd.get("fallbacks"),
-            "transfer_gb_s": pd["bytes"] / pd["seconds"] / 1e9 if pd.get("seconds") else None,
+            # Throughput of the transfers after the warm-up one (whose buffers are new: page faults).
+            "transfer_gb_s": moved["bytes"] / moved["seconds"] / 1e9 if moved.get("seconds") else None,
             "transfer_mb_each": pd["bytes"] / pd["transfers"] / 1e6 if pd.get("transfers") else None,
-            # Of one transfer: the prefill worker copying the state out, this head placing it, and
-            # the rest of the move (framing, loopback, checksums on arrival).
-            "collect_ms_p50": _median(pd, "collect_ms"), "place_ms_p50": _median(pd, "place_ms"),
-            "wire_ms_p50": statistics.median(t["ms"] - t["prefill_ms"] - t["collect_ms"] - t["place_ms"] for t in _ok(pd))
-            if _ok(pd) else None,
+            # Of each of those transfers: the prefill worker copying the state out, the move
+            # (framing, the network, receiving), this head checking and placing it.
+            "collect_wire_place_ms": [[t["collect_ms"], round(t["ms"] - t["prefill_ms"] - t["collect_ms"] - t["place_ms"], 1),
+                                       t["place_ms"]] for t in loaded_transfers],
         }  # fmt: skip
     finally:
         for p in procs:
@@ -271,6 +270,8 @@ def main() -> None:
     ap.add_argument("--warmup-s", type=float, default=2.0)
     ap.add_argument("--idle-s", type=float, default=5.0)
     ap.add_argument("--threshold", type=int, default=64)
+    ap.add_argument("--prefill-deadline", type=float, default=300.0,
+                    help="the head's --prefill-deadline: long, so that a slow CPU prefill is measured, not a fallback")
     ap.add_argument("--modes", default="local,pd", help="comma-separated: local, pd, slots")
     ap.add_argument("--slot-reps", type=int, default=3)
     ap.add_argument("--netns", action="store_true", help="the prefill worker in its own network namespace (root)")

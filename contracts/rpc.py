@@ -48,7 +48,7 @@ slot id (ASCII), on a head's whole pipeline (its layers and its peers'):
 | STATE_META 0x32 | empty | `StateMeta` / empty |
 | STATE_GET 0x30 | empty | `StateMeta` / one slot state per stage, back to back, pipeline order |
 | STATE_PUT 0x31 | slot states (any grouping of layers that covers the model) | `StateMeta` of the placed slot |
-| PREFILL 0x42 | JSON `PrefillRequest` (key ignored) | `PrefillReply` / one slot state per requested range |
+| PREFILL 0x42 | JSON `PrefillRequest` (key ignored) | `PrefillReply` / one slot state per requested range (none when the reply hands them over by CUDA IPC) |
 | PROBE 0x50 | JSON `{"tokens", "reps"}` | `PipelineProbe` |
 
 PROBE (compute 50, control 0x50) is the split advisor's measurement: on the control port the head
@@ -199,6 +199,7 @@ class PrefillRequest(TypedDict):
     tokens: list[int]  # prefill these positions 0..n-1
     ranges: list[list[int]]  # the asker's stages: one slot state per [a, b)
     fingerprint: str  # the asker's model: a prefill worker of another model refuses before computing
+    ipc: NotRequired[str]  # the asker's GPU (uuid): a worker computing on it answers by CUDA IPC (`PrefillReply.ipc`)
 
 
 class PrefillReply(TypedDict):
@@ -206,6 +207,7 @@ class PrefillReply(TypedDict):
     sizes: list[int]  # bytes of each slot state in the payload
     prefill_ms: float
     collect_ms: float
+    ipc: NotRequired[list[dict]]  # instead of the payload, on one GPU: contracts.slot_state.IpcSlotState per range
 
 
 class IpcOpenRequest(TypedDict):

@@ -28,6 +28,7 @@ from ..contracts.slot_state import SlotStateError
 from ..contracts.status import Disaggregation, Transfer
 from . import slot_state
 from .rpc.client import parse_addr
+from .rpc.cuda_ipc import export_states, gpu_uuid, open_states
 from .rpc.wire import FrameError, FrameTimeout, SocketReader, pack_control_request, read_control_response
 from .sequence import Request
 
@@ -55,14 +56,17 @@ class PrefillClient:
         self.auth_token = auth_token
         self.deadline_s = deadline_s
 
-    def prefill(self, tokens: list[int], ranges: list, fingerprint: str) -> tuple[dict, bytes]:
-        """(reply meta, slot states) or PdFallback naming why not."""
+    def prefill(self, tokens: list[int], ranges: list, fingerprint: str, ipc: str | None = None) -> tuple[dict, bytes]:
+        """(reply meta, slot states) or PdFallback naming why not. `ipc`: this head's GPU; a
+        worker on it answers CUDA IPC handles in the meta instead (contracts.rpc.PrefillReply)."""
         t_end = time.monotonic() + self.deadline_s
         try:
             sock = socket.create_connection((self.host, self.port), timeout=min(CONNECT_TIMEOUT_S, self.deadline_s))
         except OSError as e:
             raise PdFallback("down", f"prefill worker {self.addr} unreachable: {e.strerror or e}") from None
         request = {"tokens": list(tokens), "ranges": [list(r) for r in ranges], "fingerprint": fingerprint}
+        if ipc is not None:
+            request["ipc"] = ipc
         try:
             with sock:
                 reader = SocketReader(sock)
@@ -151,13 +155,19 @@ class Disaggregator:
 
     def _run(self, seq, place, done) -> None:
         tokens = seq.tokens[: seq.n_prompt - 1]
+        device = self.pipeline.local.device
         t0 = time.perf_counter()
         n_bytes, prefill_ms, collect_ms, place_ms, fallback, error = 0, None, None, None, None, None
+        transport = "socket"
         try:
-            meta, payload = self.client.prefill(tokens, self.pipeline.ranges, self.pipeline.local.g.fingerprint)
+            ipc = gpu_uuid(device) if device.type == "cuda" else None
+            meta, payload = self.client.prefill(tokens, self.pipeline.ranges, self.pipeline.local.g.fingerprint, ipc)
             n_bytes, prefill_ms, collect_ms = len(payload), meta.get("prefill_ms"), meta.get("collect_ms")
             t_place = time.perf_counter()
             try:
+                if "ipc" in meta:  # on our GPU: the states stay in the worker's device memory
+                    transport, payload = "cuda-ipc", open_states(meta["ipc"], device)
+                    n_bytes = sum(header.body_bytes for header, _ in payload)
                 place(payload, tokens)
                 place_ms = round((time.perf_counter() - t_place) * 1e3, 3)
             except Exception as e:  # a state this head will not take: the slot is as it was
@@ -169,7 +179,7 @@ class Disaggregator:
             log.exception("prompt state transfer failed")
             fallback, error = "transfer", f"{type(e).__name__}: {e}"
         transfer = Transfer(seq.req.id, len(tokens), n_bytes, round((time.perf_counter() - t0) * 1e3, 3), prefill_ms,
-                            fallback, error, collect_ms, place_ms)  # fmt: skip
+                            fallback, error, collect_ms, place_ms, transport)  # fmt: skip
         self.stats.record(transfer)
         done(transfer)
 
@@ -201,6 +211,9 @@ def serve_prefill(engine, pipeline, request: dict, stats: PdStats) -> tuple[dict
     if events and events[-1].error is not None:
         raise ControlError(f"PREFILL failed: {events[-1].error}")
     t1 = time.perf_counter()
+    device = pipeline.local.device
+    if request.get("ipc") is not None and device.type == "cuda" and request["ipc"] == gpu_uuid(device) and not pipeline.remotes:
+        return _serve_by_ipc(engine, pipeline, tokens, ranges, stats, t0, t1)
     states = engine.held_state(tokens, pipeline.collect_state)
     if states is None:
         raise ControlError("the prefilled slot was taken before its state was copied out: retry", Status.BUSY)
@@ -214,3 +227,19 @@ def serve_prefill(engine, pipeline, request: dict, stats: PdStats) -> tuple[dict
     meta = {"n_tokens": len(tokens), "sizes": sizes, "prefill_ms": round((t1 - t0) * 1e3, 3),
             "collect_ms": round((time.perf_counter() - t1) * 1e3, 3)}  # fmt: skip
     return meta, list(parts)
+
+
+def _serve_by_ipc(engine, pipeline, tokens: list[int], ranges: list, stats: PdStats, t0: float, t1: float) -> tuple[dict, list]:
+    """PREFILL's answer to a head on this worker's GPU: the states stay in device memory, one
+    buffer per range, and go as CUDA IPC handles in the meta; no payload."""
+    try:
+        states = engine.held_state(tokens, lambda slot, toks: pipeline.device_states(slot, toks, ranges))
+    except SlotStateError as e:
+        raise ControlError(str(e), Status.BAD_REQUEST) from None
+    if states is None:
+        raise ControlError("the prefilled slot was taken before its state was copied out: retry", Status.BUSY)
+    sizes = [header.body_bytes for header, _ in states]
+    meta = {"n_tokens": len(tokens), "sizes": sizes, "prefill_ms": round((t1 - t0) * 1e3, 3), "ipc": export_states(states),
+            "collect_ms": round((time.perf_counter() - t1) * 1e3, 3)}  # fmt: skip
+    stats.served_one(sum(sizes))
+    return meta, []

@@ -199,7 +199,7 @@ def test_running_streams_decode_while_a_peer_is_mid_placement(tiny_model, tmp_pa
                 a = threading.Thread(target=lambda: stream.update(r=complete(split, "hi", 1500, timeout=300, ignore_eos=True)))
                 a.start()
                 # The running stream's tokens (the prompt being transferred has none yet).
-                decoded = lambda: max(s.get("n_decoded") or 0 for s in split.status()["slots"] if s["state"] == "processing")  # noqa: E731
+                decoded = lambda: max((s.get("n_decoded") or 0 for s in split.status()["slots"] if s["state"] == "processing"), default=0)  # noqa: E731
                 wait_for(lambda: decoded() > 0, 60, "the stream to decode")
                 relay.armed = True
                 prompt = {}
