@@ -8,7 +8,8 @@ hands it to the engine to place. Whatever goes wrong — the worker is down, slo
 deadline, dies mid-transfer, or its state is refused — the request is prefilled here instead,
 nothing lost, and the fallback is counted (`PdStats`: /status `pd`, /metrics `hydra_pd_*`).
 Prefill side: `serve_prefill` runs the prompt through this worker's own engine and answers with
-one slot state per range the decode head asked for.
+one slot state per range the decode head asked for; to a head on the same GPU, as CUDA IPC handles
+of device buffers (rpc/cuda_ipc.py), which the head copies device to device.
 """
 
 from __future__ import annotations
@@ -139,8 +140,11 @@ class PdStats:
 class Disaggregator:
     """The decode head's side: which prompts go to the prefill worker, and fetching their state."""
 
-    def __init__(self, client: PrefillClient, threshold: int, pipeline, stats: PdStats):
+    def __init__(self, client: PrefillClient, threshold: int, pipeline, stats: PdStats, *, cuda_ipc: bool = True):
         self.client, self.threshold, self.pipeline, self.stats = client, threshold, pipeline, stats
+        device = pipeline.local.device
+        # A prefill worker on our GPU hands the states over in device memory (HYDRA_CUDA_IPC=0: bytes).
+        self.ipc = gpu_uuid(device) if cuda_ipc and device.type == "cuda" else None
         self._pool = ThreadPoolExecutor(2, thread_name_prefix="hydra-pd")
 
     def wants(self, seq) -> bool:
@@ -155,18 +159,16 @@ class Disaggregator:
 
     def _run(self, seq, place, done) -> None:
         tokens = seq.tokens[: seq.n_prompt - 1]
-        device = self.pipeline.local.device
         t0 = time.perf_counter()
         n_bytes, prefill_ms, collect_ms, place_ms, fallback, error = 0, None, None, None, None, None
         transport = "socket"
         try:
-            ipc = gpu_uuid(device) if device.type == "cuda" else None
-            meta, payload = self.client.prefill(tokens, self.pipeline.ranges, self.pipeline.local.g.fingerprint, ipc)
+            meta, payload = self.client.prefill(tokens, self.pipeline.ranges, self.pipeline.local.g.fingerprint, self.ipc)
             n_bytes, prefill_ms, collect_ms = len(payload), meta.get("prefill_ms"), meta.get("collect_ms")
             t_place = time.perf_counter()
             try:
                 if "ipc" in meta:  # on our GPU: the states stay in the worker's device memory
-                    transport, payload = "cuda-ipc", open_states(meta["ipc"], device)
+                    transport, payload = "cuda-ipc", open_states(meta["ipc"], self.pipeline.local.device)
                     n_bytes = sum(header.body_bytes for header, _ in payload)
                 place(payload, tokens)
                 place_ms = round((time.perf_counter() - t_place) * 1e3, 3)
