@@ -3,7 +3,7 @@
     python benchmarks/bench_pd.py [--model PATH] [--device cpu] [--dtype float32] [--streams 2]
                                   [--prompt-tokens 512] [--every-s 2] [--duration-s 20] [--threshold 64]
                                   [--layers 8 --embd 512 --ff 1536 (synthetic model)] [--threads 1] [--json]
-                                  [--modes local,pd,slots] [--netns] [--slot-reps 3] [--prefill-deadline 300]
+                                  [--modes local,pd,slots] [--netns [--mtu N]] [--slot-reps 3] [--prefill-deadline 300]
 
 Issue-sized on a GPU: --model M.gguf --device cuda --dtype bfloat16 --streams 8 --prompt-tokens 4096
 --every-s 2 --ctx 8192 --threads 0. Per mode (`local`: the head prefills everything; `pd`: prompts of at least
@@ -16,7 +16,14 @@ Without --model a random-weight llama GGUF of the given shape is written to a te
 
 --netns (root): the prefill worker runs in its own network namespace, reached over a veth pair (its
 own IP stack and address, not loopback), with an auth token on both sides as off-loopback RPC needs.
-The namespace and the pair are removed at the end.
+The namespace and the pair are removed at the end. --mtu sets the pair's MTU (a same-host link can
+take up to 65535, as loopback's 65536; the kernel's default is 1500).
+
+Transfer throughput is that of the transfers after the warm-up one (prompt-state bytes / (fetch +
+placement - the prefill worker's compute)), each split into collect (the prefill worker copying the
+state out and checksumming it), wire (framing, the network, receiving) and place (this head's
+checksums and copy into the slot). A 4,096-token state of hundreds of MB from a model small enough to
+prefill on a CPU: --layers 64 --embd 256 --ff 256 --prompt-tokens 4096 --ctx 4200 (268 MB in float32).
 
 Mode `slots` (in --modes): restoring a slot against recomputing it. A fresh head (one slot) prefills
 a --prompt-tokens prompt (`recompute_ms`: its prompt_ms), saves the slot to --slot-save-path,
@@ -72,6 +79,9 @@ class Netns:
     """A network namespace holding one end of a veth pair: `addr` inside it, `launcher` runs a
     command there. Always removed on exit."""
 
+    def __init__(self, mtu: int | None = None):
+        self.mtu = mtu
+
     def __enter__(self) -> Netns:
         tag = secrets.token_hex(3)  # interface names stay within 15 characters
         self.name, self.outer, inner = f"hydra-bench-{tag}", f"hbo{tag}", f"hbi{tag}"
@@ -84,6 +94,9 @@ class Netns:
                          ("-n", self.name, "addr", "add", f"{subnet}.2/24", "dev", inner), ("-n", self.name, "link", "set", inner, "up"),
                          ("-n", self.name, "link", "set", "lo", "up")]:  # fmt: skip
                 ip(*argv)
+            if self.mtu:
+                ip("link", "set", self.outer, "mtu", str(self.mtu))
+                ip("-n", self.name, "link", "set", inner, "mtu", str(self.mtu))
         except BaseException:
             self.__exit__()
             raise
@@ -275,6 +288,8 @@ def main() -> None:
     ap.add_argument("--modes", default="local,pd", help="comma-separated: local, pd, slots")
     ap.add_argument("--slot-reps", type=int, default=3)
     ap.add_argument("--netns", action="store_true", help="the prefill worker in its own network namespace (root)")
+    ap.add_argument("--mtu", type=int, default=None,
+                    help="with --netns: the veth pair's MTU (default the kernel's 1500; at most 65535)")
     ap.add_argument("--threads", type=int, default=1,
                     help="OMP_NUM_THREADS of each worker (0: torch's default); 1 keeps a 2-core machine's head and "
                          "prefill worker on a core each, as two devices would be")
@@ -285,7 +300,7 @@ def main() -> None:
         if args.model is None:
             args.model = write_synthetic(tmp / "bench-pd.gguf", "llama", n_layers=args.layers, n_embd=args.embd, n_head=8,
                                          n_head_kv=4, n_ff=args.ff, n_ctx=args.ctx)  # fmt: skip
-        with Netns() if args.netns else contextlib.nullcontext() as netns:
+        with Netns(args.mtu) if args.netns else contextlib.nullcontext() as netns:
             rows = [run_slots(args, tmp) if mode == "slots" else run_mode(mode, args, tmp, netns) for mode in args.modes.split(",")]
     if args.json:
         print(json.dumps(rows, indent=1))

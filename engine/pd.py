@@ -214,34 +214,23 @@ def serve_prefill(engine, pipeline, request: dict, stats: PdStats) -> tuple[dict
         raise ControlError(f"PREFILL failed: {events[-1].error}")
     t1 = time.perf_counter()
     device = pipeline.local.device
-    if request.get("ipc") is not None and device.type == "cuda" and request["ipc"] == gpu_uuid(device) and not pipeline.remotes:
-        return _serve_by_ipc(engine, pipeline, tokens, ranges, stats, t0, t1)
-    states = engine.held_state(tokens, pipeline.collect_state)
-    if states is None:
-        raise ControlError("the prefilled slot was taken before its state was copied out: retry", Status.BUSY)
-    try:  # the asker's split is ours (the common case): the states go as they are
-        same = ranges == [tuple(r) for r in pipeline.ranges]
-        parts = states if same else slot_state.regroup(slot_state.read_all(b"".join(states)), ranges)
+    # A head on this GPU takes the states in device memory (CUDA IPC handles in the meta, no payload).
+    by_ipc = request.get("ipc") is not None and device.type == "cuda" and request["ipc"] == gpu_uuid(device)
+    by_ipc = by_ipc and not pipeline.remotes
+    collect = (lambda slot, toks: pipeline.device_states(slot, toks, ranges)) if by_ipc else pipeline.collect_state
+    try:
+        states = engine.held_state(tokens, collect)
+        if states is None:
+            raise ControlError("the prefilled slot was taken before its state was copied out: retry", Status.BUSY)
+        if by_ipc:
+            parts, sizes, extra = [], [header.body_bytes for header, _ in states], {"ipc": export_states(states)}
+        else:  # the asker's split is ours (the common case): the states go as they are
+            same = ranges == [tuple(r) for r in pipeline.ranges]
+            parts = states if same else slot_state.regroup(slot_state.read_all(b"".join(states)), ranges)
+            sizes, extra = [memoryview(p).nbytes for p in parts], {}
     except SlotStateError as e:
         raise ControlError(str(e), Status.BAD_REQUEST) from None
-    sizes = [memoryview(p).nbytes for p in parts]
     stats.served_one(sum(sizes))
     meta = {"n_tokens": len(tokens), "sizes": sizes, "prefill_ms": round((t1 - t0) * 1e3, 3),
-            "collect_ms": round((time.perf_counter() - t1) * 1e3, 3)}  # fmt: skip
+            "collect_ms": round((time.perf_counter() - t1) * 1e3, 3), **extra}  # fmt: skip
     return meta, list(parts)
-
-
-def _serve_by_ipc(engine, pipeline, tokens: list[int], ranges: list, stats: PdStats, t0: float, t1: float) -> tuple[dict, list]:
-    """PREFILL's answer to a head on this worker's GPU: the states stay in device memory, one
-    buffer per range, and go as CUDA IPC handles in the meta; no payload."""
-    try:
-        states = engine.held_state(tokens, lambda slot, toks: pipeline.device_states(slot, toks, ranges))
-    except SlotStateError as e:
-        raise ControlError(str(e), Status.BAD_REQUEST) from None
-    if states is None:
-        raise ControlError("the prefilled slot was taken before its state was copied out: retry", Status.BUSY)
-    sizes = [header.body_bytes for header, _ in states]
-    meta = {"n_tokens": len(tokens), "sizes": sizes, "prefill_ms": round((t1 - t0) * 1e3, 3), "ipc": export_states(states),
-            "collect_ms": round((time.perf_counter() - t1) * 1e3, 3)}  # fmt: skip
-    stats.served_one(sum(sizes))
-    return meta, []

@@ -176,11 +176,9 @@ class Pipeline:
             n += len(state)
         return n
 
-    def device_states(self, slot: int, tokens: list[int], ranges: list[tuple[int, int]]) -> list | None:
-        """The state of `slot`'s `tokens` per range in device buffers, for a head on this GPU (CUDA
-        IPC: slot_state.device_states); None unless this worker holds every layer on a GPU."""
-        if self.remotes or self.local.device.type != "cuda":
-            return None
+    def device_states(self, slot: int, tokens: list[int], ranges: list[tuple[int, int]]) -> list:
+        """The state of `slot`'s `tokens` per range in buffers on this stage's device, for a head on
+        this GPU (CUDA IPC: slot_state.device_states); this stage must hold every layer asked for."""
         with self._lock:
             extra = self.side_state.state_out(slot, len(tokens)) if self.side_state is not None else None
             return slot_state.device_states(self.local, slot, tokens, self.local.g.fingerprint, ranges, extra)
