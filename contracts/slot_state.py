@@ -101,7 +101,6 @@ class SlotHeader:
             raise SlotStateError("slot state header fails its checksum")
         return header, list(struct.unpack(f"<{header.n_chunks}I", table))
 
-
     def to_json(self) -> bytes:
         return json.dumps(asdict(self), separators=(",", ":")).encode()
 
