@@ -3,7 +3,7 @@
     python benchmarks/bench_pd.py [--model PATH] [--device cpu] [--dtype float32] [--streams 2]
                                   [--prompt-tokens 512] [--every-s 2] [--duration-s 20] [--threshold 64]
                                   [--layers 8 --embd 512 --ff 1536 (synthetic model)] [--threads 1] [--json]
-                                  [--modes local,pd,slots] [--netns] [--slot-reps 3]
+                                  [--modes local,pd,slots] [--netns [--mtu N]] [--slot-reps 3] [--prefill-deadline 300]
 
 Issue-sized on a GPU: --model M.gguf --device cuda --dtype bfloat16 --streams 8 --prompt-tokens 4096
 --every-s 2 --ctx 8192 --threads 0. Per mode (`local`: the head prefills everything; `pd`: prompts of at least
@@ -16,7 +16,14 @@ Without --model a random-weight llama GGUF of the given shape is written to a te
 
 --netns (root): the prefill worker runs in its own network namespace, reached over a veth pair (its
 own IP stack and address, not loopback), with an auth token on both sides as off-loopback RPC needs.
-The namespace and the pair are removed at the end.
+The namespace and the pair are removed at the end. --mtu sets the pair's MTU (a same-host link can
+take up to 65535, as loopback's 65536; the kernel's default is 1500).
+
+Transfer throughput is that of the transfers after the warm-up one (prompt-state bytes / (fetch +
+placement - the prefill worker's compute)), each split into collect (the prefill worker copying the
+state out and checksumming it), wire (framing, the network, receiving) and place (this head's
+checksums and copy into the slot). A 4,096-token state of hundreds of MB from a model small enough to
+prefill on a CPU: --layers 64 --embd 256 --ff 256 --prompt-tokens 4096 --ctx 4200 (268 MB in float32).
 
 Mode `slots` (in --modes): restoring a slot against recomputing it. A fresh head (one slot) prefills
 a --prompt-tokens prompt (`recompute_ms`: its prompt_ms), saves the slot to --slot-save-path,
@@ -72,6 +79,9 @@ class Netns:
     """A network namespace holding one end of a veth pair: `addr` inside it, `launcher` runs a
     command there. Always removed on exit."""
 
+    def __init__(self, mtu: int | None = None):
+        self.mtu = mtu
+
     def __enter__(self) -> Netns:
         tag = secrets.token_hex(3)  # interface names stay within 15 characters
         self.name, self.outer, inner = f"hydra-bench-{tag}", f"hbo{tag}", f"hbi{tag}"
@@ -84,6 +94,9 @@ class Netns:
                          ("-n", self.name, "addr", "add", f"{subnet}.2/24", "dev", inner), ("-n", self.name, "link", "set", inner, "up"),
                          ("-n", self.name, "link", "set", "lo", "up")]:  # fmt: skip
                 ip(*argv)
+            if self.mtu:
+                ip("link", "set", self.outer, "mtu", str(self.mtu))
+                ip("-n", self.name, "link", "set", inner, "mtu", str(self.mtu))
         except BaseException:
             self.__exit__()
             raise
@@ -153,11 +166,6 @@ def _ok(pd: dict) -> list[dict]:
     return [t for t in pd.get("recent", []) if not t.get("fallback") and t.get("place_ms") is not None]
 
 
-def _median(pd: dict, key: str) -> float | None:
-    values = [t[key] for t in _ok(pd)]
-    return statistics.median(values) if values else None
-
-
 def run_mode(mode: str, args, log_dir: Path, netns: Netns | None) -> dict:
     procs = []
     try:
@@ -165,7 +173,8 @@ def run_mode(mode: str, args, log_dir: Path, netns: Netns | None) -> dict:
         if mode == "pd":
             pw, pw_host, pw_port = start(["--role", "prefill", "--parallel", "1"], args, log_dir, "prefill", netns)
             procs.append(pw)
-            head_args += ["--prefill-worker", f"{pw_host}:{pw_port + 1}", "--prefill-threshold", str(args.threshold)]
+            head_args += ["--prefill-worker", f"{pw_host}:{pw_port + 1}", "--prefill-threshold", str(args.threshold),
+                          "--prefill-deadline", str(args.prefill_deadline)]  # fmt: skip
             if netns is not None:
                 head_args += ["--auth-token", NETNS_TOKEN]
         head, _, port = start(head_args, args, log_dir, f"head-{mode}")
@@ -174,6 +183,7 @@ def run_mode(mode: str, args, log_dir: Path, netns: Netns | None) -> dict:
         vocab = httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["meta"]["n_vocab"]
         rng = random.Random(0)
         long_prompt(url, args.prompt_tokens, vocab, rng)  # warm the path once (both workers)
+        warm = httpx.get(f"{url}/status", timeout=10).json().get("pd") or {}
         stop = threading.Event()
         times = [[] for _ in range(args.streams)]
         threads = [threading.Thread(target=stream, args=(url, args.stream_tokens, t, stop), daemon=True) for t in times]
@@ -194,6 +204,8 @@ def run_mode(mode: str, args, log_dir: Path, netns: Netns | None) -> dict:
         loaded = [g for ts in times for g in gaps(ts, t_load0, t_load1)]
         status = httpx.get(f"{url}/status", timeout=10).json()
         pd = status.get("pd") or {}
+        moved = {k: pd[k] - warm[k] for k in ("transfers", "bytes", "seconds")} if pd else {}
+        loaded_transfers = _ok(pd)[-moved["transfers"] :] if moved.get("transfers") else []
         return {
             "mode": mode + ("+netns" if netns is not None and mode == "pd" else ""),
             "idle_itl_p50_ms": pct(idle, 50), "idle_itl_p99_ms": pct(idle, 99),
@@ -201,13 +213,13 @@ def run_mode(mode: str, args, log_dir: Path, netns: Netns | None) -> dict:
             "p99_over_idle": pct(loaded, 99) / pct(idle, 99) if idle and loaded else None,
             "ttft_p50_ms": pct(ttft, 50), "ttft_max_ms": max(ttft) * 1e3, "long_prompts": len(ttft),
             "transfers": pd.get("transfers"), "fallbacks": pd.get("fallbacks"),
-            "transfer_gb_s": pd["bytes"] / pd["seconds"] / 1e9 if pd.get("seconds") else None,
+            # Throughput of the transfers after the warm-up one (whose buffers are new: page faults).
+            "transfer_gb_s": moved["bytes"] / moved["seconds"] / 1e9 if moved.get("seconds") else None,
             "transfer_mb_each": pd["bytes"] / pd["transfers"] / 1e6 if pd.get("transfers") else None,
-            # Of one transfer: the prefill worker copying the state out, this head placing it, and
-            # the rest of the move (framing, loopback, checksums on arrival).
-            "collect_ms_p50": _median(pd, "collect_ms"), "place_ms_p50": _median(pd, "place_ms"),
-            "wire_ms_p50": statistics.median(t["ms"] - t["prefill_ms"] - t["collect_ms"] - t["place_ms"] for t in _ok(pd))
-            if _ok(pd) else None,
+            # Of each of those transfers: the prefill worker copying the state out, the move
+            # (framing, the network, receiving), this head checking and placing it.
+            "collect_wire_place_ms": [[t["collect_ms"], round(t["ms"] - t["prefill_ms"] - t["collect_ms"] - t["place_ms"], 1),
+                                       t["place_ms"]] for t in loaded_transfers],
         }  # fmt: skip
     finally:
         for p in procs:
@@ -271,9 +283,13 @@ def main() -> None:
     ap.add_argument("--warmup-s", type=float, default=2.0)
     ap.add_argument("--idle-s", type=float, default=5.0)
     ap.add_argument("--threshold", type=int, default=64)
+    ap.add_argument("--prefill-deadline", type=float, default=300.0,
+                    help="the head's --prefill-deadline: long, so that a slow CPU prefill is measured, not a fallback")
     ap.add_argument("--modes", default="local,pd", help="comma-separated: local, pd, slots")
     ap.add_argument("--slot-reps", type=int, default=3)
     ap.add_argument("--netns", action="store_true", help="the prefill worker in its own network namespace (root)")
+    ap.add_argument("--mtu", type=int, default=None,
+                    help="with --netns: the veth pair's MTU (default the kernel's 1500; at most 65535)")
     ap.add_argument("--threads", type=int, default=1,
                     help="OMP_NUM_THREADS of each worker (0: torch's default); 1 keeps a 2-core machine's head and "
                          "prefill worker on a core each, as two devices would be")
@@ -284,7 +300,7 @@ def main() -> None:
         if args.model is None:
             args.model = write_synthetic(tmp / "bench-pd.gguf", "llama", n_layers=args.layers, n_embd=args.embd, n_head=8,
                                          n_head_kv=4, n_ff=args.ff, n_ctx=args.ctx)  # fmt: skip
-        with Netns() if args.netns else contextlib.nullcontext() as netns:
+        with Netns(args.mtu) if args.netns else contextlib.nullcontext() as netns:
             rows = [run_slots(args, tmp) if mode == "slots" else run_mode(mode, args, tmp, netns) for mode in args.modes.split(",")]
     if args.json:
         print(json.dumps(rows, indent=1))

@@ -16,7 +16,7 @@ starts with a `ReplyStatus` byte, then JSON, raw bytes or an error message:
 | HELLO 14 | `HELLO` (major, minor, patch, pad, caps) | (no status byte) `HELLO` of the server, then a refusal text if versions differ |
 | AUTH 40 | 32-byte HMAC proof | empty |
 | CHECK 39 | JSON `CheckRequest` | JSON {"epoch", ...} |
-| LOAD_STAGE 32 | JSON `LoadStageRequest` | JSON {"epoch", "layers", "device", ...} |
+| LOAD_STAGE 32 | JSON `LoadStageRequest` | JSON {"epoch", "layers", "device", "state_key", ...} |
 | RESOLVE 33 | tensor name (UTF-8) | JSON {"found", "epoch", "dtype", "shape"} |
 | FORWARD 34 | `FORWARD_HEADER` + int32 slots[T] + int32 positions[T] + hidden[T, d] raw | (own header) `FORWARD_REPLY` + hidden raw |
 | FORWARD_IPC 42 | FORWARD without the hidden bytes | `FORWARD_REPLY` |
@@ -28,10 +28,13 @@ starts with a `ReplyStatus` byte, then JSON, raw bytes or an error message:
 | STATE_META 43 | `STATE_SLOT` (slot i32) | JSON `StateMeta` |
 | STATE_GET 44 | JSON `StateGetRequest` | the slot's state in the slot-state format (contracts.slot_state), chunked and checksummed |
 | STATE_PUT 45 | `STATE_SLOT` + a slot state (at most STATE_PUT_CAP; larger is drained in DRAIN_CHUNK pieces and refused) | JSON `StateMeta` of the placed slot |
+| STATE_JOIN 46 | the 16 bytes of LOAD_STAGE's `state_key` (hex there) | empty: this session now owns the stage's slots too |
 | PROBE 50 | JSON `ProbeRequest` | JSON `StageProbe` (the loading session only) |
 
 STATE_GET and STATE_PUT touch a slot's KV: like FORWARD, only the session that loaded the stage
-(its head) may send them, after AUTH. A refused STATE_PUT (wrong fingerprint, layer range, dtype,
+(its head) may send them, after AUTH, or a second session of that head that joined it with the
+key only the loading session was given (STATE_JOIN): a state streams in there while the forwards
+go on over the first; the peer takes its forward lock only for the final copy into the slot. A refused STATE_PUT (wrong fingerprint, layer range, dtype,
 a chunk that fails its crc32, a stream that ends early) leaves the slot exactly as it was: the
 state is staged whole and checked before its first byte reaches the slot.
 
@@ -45,7 +48,7 @@ slot id (ASCII), on a head's whole pipeline (its layers and its peers'):
 | STATE_META 0x32 | empty | `StateMeta` / empty |
 | STATE_GET 0x30 | empty | `StateMeta` / one slot state per stage, back to back, pipeline order |
 | STATE_PUT 0x31 | slot states (any grouping of layers that covers the model) | `StateMeta` of the placed slot |
-| PREFILL 0x42 | JSON `PrefillRequest` (key ignored) | `PrefillReply` / one slot state per requested range |
+| PREFILL 0x42 | JSON `PrefillRequest` (key ignored) | `PrefillReply` / one slot state per requested range (none when the reply hands them over by CUDA IPC) |
 | PROBE 0x50 | JSON `{"tokens", "reps"}` | `PipelineProbe` |
 
 PROBE (compute 50, control 0x50) is the split advisor's measurement: on the control port the head
@@ -115,6 +118,7 @@ class Cmd:
     STATE_META = 43
     STATE_GET = 44
     STATE_PUT = 45
+    STATE_JOIN = 46
     PROBE = 50  # time the resident layers one by one (the split advisor)
 
 
@@ -198,6 +202,7 @@ class PrefillRequest(TypedDict):
     tokens: list[int]  # prefill these positions 0..n-1
     ranges: list[list[int]]  # the asker's stages: one slot state per [a, b)
     fingerprint: str  # the asker's model: a prefill worker of another model refuses before computing
+    ipc: NotRequired[str]  # the asker's GPU (uuid): a worker computing on it answers by CUDA IPC (`PrefillReply.ipc`)
 
 
 class PrefillReply(TypedDict):
@@ -205,6 +210,7 @@ class PrefillReply(TypedDict):
     sizes: list[int]  # bytes of each slot state in the payload
     prefill_ms: float
     collect_ms: float
+    ipc: NotRequired[list[dict]]  # instead of the payload, on one GPU: contracts.slot_state.IpcSlotState per range
 
 
 class IpcOpenRequest(TypedDict):

@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import struct
 from dataclasses import asdict, dataclass, field
+from typing import TypedDict
 
 from zlib_ng.zlib_ng import crc32
 
@@ -66,7 +67,7 @@ class SlotHeader:
         return -(-self.body_bytes // CHUNK_BYTES)
 
     def _json(self) -> bytes:
-        raw = json.dumps(asdict(self), separators=(",", ":")).encode()
+        raw = self.to_json()
         fixed = len(MAGIC) + HEADER_LEN.size + CRC.size * (self.n_chunks + 1)
         return raw + b" " * (-(fixed + len(raw)) % ALIGN)
 
@@ -93,6 +94,19 @@ class SlotHeader:
         if n > MAX_HEADER:
             raise SlotStateError(f"slot state header of {n} bytes (at most {MAX_HEADER})")
         raw = bytes(read(n))
+        header = cls.from_json(raw)
+        table = bytes(read(CRC.size * header.n_chunks))
+        (want,) = CRC.unpack(read(CRC.size))
+        if crc32(table, crc32(raw)) != want:
+            raise SlotStateError("slot state header fails its checksum")
+        return header, list(struct.unpack(f"<{header.n_chunks}I", table))
+
+    def to_json(self) -> bytes:
+        return json.dumps(asdict(self), separators=(",", ":")).encode()
+
+    @classmethod
+    def from_json(cls, raw: bytes) -> SlotHeader:
+        """The header in `raw` (JSON), its version and sizes checked."""
         try:
             doc = json.loads(raw)
             header = cls(**{**doc, "tensors": [TensorEntry(**t) for t in doc["tensors"]]})
@@ -102,11 +116,19 @@ class SlotHeader:
             raise SlotStateError(f"slot state header is malformed: {e}") from None
         if header.version != VERSION:
             raise SlotStateError(f"slot state version {header.version}, this worker reads {VERSION}")
-        table = bytes(read(CRC.size * header.n_chunks))
-        (want,) = CRC.unpack(read(CRC.size))
-        if crc32(table, crc32(raw)) != want:
-            raise SlotStateError("slot state header fails its checksum")
-        return header, list(struct.unpack(f"<{header.n_chunks}I", table))
+        return header
+
+
+class IpcSlotState(TypedDict):
+    """A slot state handed over on one GPU (PREFILL between a prefill worker and a head that share
+    it): the header as JSON with its crc32, and the body left in the sender's device memory, as a
+    CUDA IPC handle of a uint8 buffer of exactly `body_bytes` (engine/rpc/cuda_ipc.py
+    `export_tensor`). The checksum covers the header only, not the device memory: the body never
+    crosses a wire; its size is checked against the header's, and the header against the model."""
+
+    header: str
+    header_crc: int
+    body: dict
 
 
 def chunk_crcs(body) -> list[int]:

@@ -8,7 +8,8 @@ hands it to the engine to place. Whatever goes wrong — the worker is down, slo
 deadline, dies mid-transfer, or its state is refused — the request is prefilled here instead,
 nothing lost, and the fallback is counted (`PdStats`: /status `pd`, /metrics `hydra_pd_*`).
 Prefill side: `serve_prefill` runs the prompt through this worker's own engine and answers with
-one slot state per range the decode head asked for.
+one slot state per range the decode head asked for; to a head on the same GPU, as CUDA IPC handles
+of device buffers (rpc/cuda_ipc.py), which the head copies device to device.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from ..contracts.slot_state import SlotStateError
 from ..contracts.status import Disaggregation, Transfer
 from . import slot_state
 from .rpc.client import parse_addr
+from .rpc.cuda_ipc import export_states, gpu_uuid, open_states
 from .rpc.wire import FrameError, FrameTimeout, SocketReader, pack_control_request, read_control_response
 from .sequence import Request
 
@@ -55,14 +57,17 @@ class PrefillClient:
         self.auth_token = auth_token
         self.deadline_s = deadline_s
 
-    def prefill(self, tokens: list[int], ranges: list, fingerprint: str) -> tuple[dict, bytes]:
-        """(reply meta, slot states) or PdFallback naming why not."""
+    def prefill(self, tokens: list[int], ranges: list, fingerprint: str, ipc: str | None = None) -> tuple[dict, bytes]:
+        """(reply meta, slot states) or PdFallback naming why not. `ipc`: this head's GPU; a
+        worker on it answers CUDA IPC handles in the meta instead (contracts.rpc.PrefillReply)."""
         t_end = time.monotonic() + self.deadline_s
         try:
             sock = socket.create_connection((self.host, self.port), timeout=min(CONNECT_TIMEOUT_S, self.deadline_s))
         except OSError as e:
             raise PdFallback("down", f"prefill worker {self.addr} unreachable: {e.strerror or e}") from None
         request = {"tokens": list(tokens), "ranges": [list(r) for r in ranges], "fingerprint": fingerprint}
+        if ipc is not None:
+            request["ipc"] = ipc
         try:
             with sock:
                 reader = SocketReader(sock)
@@ -135,8 +140,11 @@ class PdStats:
 class Disaggregator:
     """The decode head's side: which prompts go to the prefill worker, and fetching their state."""
 
-    def __init__(self, client: PrefillClient, threshold: int, pipeline, stats: PdStats):
+    def __init__(self, client: PrefillClient, threshold: int, pipeline, stats: PdStats, *, cuda_ipc: bool = True):
         self.client, self.threshold, self.pipeline, self.stats = client, threshold, pipeline, stats
+        device = pipeline.local.device
+        # A prefill worker on our GPU hands the states over in device memory (HYDRA_CUDA_IPC=0: bytes).
+        self.ipc = gpu_uuid(device) if cuda_ipc and device.type == "cuda" else None
         self._pool = ThreadPoolExecutor(2, thread_name_prefix="hydra-pd")
 
     def wants(self, seq) -> bool:
@@ -153,11 +161,15 @@ class Disaggregator:
         tokens = seq.tokens[: seq.n_prompt - 1]
         t0 = time.perf_counter()
         n_bytes, prefill_ms, collect_ms, place_ms, fallback, error = 0, None, None, None, None, None
+        transport = "socket"
         try:
-            meta, payload = self.client.prefill(tokens, self.pipeline.ranges, self.pipeline.local.g.fingerprint)
+            meta, payload = self.client.prefill(tokens, self.pipeline.ranges, self.pipeline.local.g.fingerprint, self.ipc)
             n_bytes, prefill_ms, collect_ms = len(payload), meta.get("prefill_ms"), meta.get("collect_ms")
             t_place = time.perf_counter()
             try:
+                if "ipc" in meta:  # on our GPU: the states stay in the worker's device memory
+                    transport, payload = "cuda-ipc", open_states(meta["ipc"], self.pipeline.local.device)
+                    n_bytes = sum(header.body_bytes for header, _ in payload)
                 place(payload, tokens)
                 place_ms = round((time.perf_counter() - t_place) * 1e3, 3)
             except Exception as e:  # a state this head will not take: the slot is as it was
@@ -169,7 +181,7 @@ class Disaggregator:
             log.exception("prompt state transfer failed")
             fallback, error = "transfer", f"{type(e).__name__}: {e}"
         transfer = Transfer(seq.req.id, len(tokens), n_bytes, round((time.perf_counter() - t0) * 1e3, 3), prefill_ms,
-                            fallback, error, collect_ms, place_ms)  # fmt: skip
+                            fallback, error, collect_ms, place_ms, transport)  # fmt: skip
         self.stats.record(transfer)
         done(transfer)
 
@@ -201,16 +213,24 @@ def serve_prefill(engine, pipeline, request: dict, stats: PdStats) -> tuple[dict
     if events and events[-1].error is not None:
         raise ControlError(f"PREFILL failed: {events[-1].error}")
     t1 = time.perf_counter()
-    states = engine.held_state(tokens, pipeline.collect_state)
-    if states is None:
-        raise ControlError("the prefilled slot was taken before its state was copied out: retry", Status.BUSY)
-    try:  # the asker's split is ours (the common case): the states go as they are
-        same = ranges == [tuple(r) for r in pipeline.ranges]
-        parts = states if same else slot_state.regroup(slot_state.read_all(b"".join(states)), ranges)
+    device = pipeline.local.device
+    # A head on this GPU takes the states in device memory (CUDA IPC handles in the meta, no payload).
+    by_ipc = request.get("ipc") is not None and device.type == "cuda" and request["ipc"] == gpu_uuid(device)
+    by_ipc = by_ipc and not pipeline.remotes
+    collect = (lambda slot, toks: pipeline.device_states(slot, toks, ranges)) if by_ipc else pipeline.collect_state
+    try:
+        states = engine.held_state(tokens, collect)
+        if states is None:
+            raise ControlError("the prefilled slot was taken before its state was copied out: retry", Status.BUSY)
+        if by_ipc:
+            parts, sizes, extra = [], [header.body_bytes for header, _ in states], {"ipc": export_states(states)}
+        else:  # the asker's split is ours (the common case): the states go as they are
+            same = ranges == [tuple(r) for r in pipeline.ranges]
+            parts = states if same else slot_state.regroup(slot_state.read_all(b"".join(states)), ranges)
+            sizes, extra = [memoryview(p).nbytes for p in parts], {}
     except SlotStateError as e:
         raise ControlError(str(e), Status.BAD_REQUEST) from None
-    sizes = [memoryview(p).nbytes for p in parts]
     stats.served_one(sum(sizes))
     meta = {"n_tokens": len(tokens), "sizes": sizes, "prefill_ms": round((t1 - t0) * 1e3, 3),
-            "collect_ms": round((time.perf_counter() - t1) * 1e3, 3)}  # fmt: skip
+            "collect_ms": round((time.perf_counter() - t1) * 1e3, 3), **extra}  # fmt: skip
     return meta, list(parts)

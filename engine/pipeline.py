@@ -43,7 +43,7 @@ class PreparedState:
     own (header, body view) and each peer's whole state, for the ranges they were split by."""
 
     header: SlotHeader
-    body: memoryview
+    body: memoryview | torch.Tensor  # a device buffer when handed over by CUDA IPC
     peer_states: list
     ranges: list
 
@@ -176,18 +176,35 @@ class Pipeline:
             n += len(state)
         return n
 
+    def device_states(self, slot: int, tokens: list[int], ranges: list[tuple[int, int]]) -> list:
+        """The state of `slot`'s `tokens` per range in buffers on this stage's device, for a head on
+        this GPU (CUDA IPC: slot_state.device_states); this stage must hold every layer asked for."""
+        with self._lock:
+            extra = self.side_state.state_out(slot, len(tokens)) if self.side_state is not None else None
+            return slot_state.device_states(self.local, slot, tokens, self.local.g.fingerprint, ranges, extra)
+
     def prepare_state(self, data, tokens: list[int] | None = None) -> PreparedState:
         """Slot states (back to back, any split that covers the model) read, checksummed and
         regrouped to this pipeline's ranges, without holding the pipeline: the costly half of a
-        placement, off the forward's path. They must cover `tokens` when given."""
+        placement, off the forward's path. They must cover `tokens` when given. `data` may instead
+        be (header, device body) per range of this pipeline, handed over by CUDA IPC: this stage's
+        is then placed device to device, the peers' are packed into bytes for their STATE_PUT."""
         fingerprint = self.local.g.fingerprint
-        states = slot_state.read_all(data)
+        if isinstance(data, list):
+            if [tuple(h.layers) for h, _ in data] != list(self.ranges):
+                raise SlotStateError(f"slot states of ranges {[h.layers for h, _ in data]}, this pipeline holds {self.ranges}")
+            states = [(h, body, None) for h, body in data]
+        else:
+            states = slot_state.read_all(data)
         if states[0][0].fingerprint != fingerprint:
             raise SlotStateError(f"slot state is of model {states[0][0].fingerprint}, this worker serves {fingerprint}")
         if tokens is not None and states[0][0].tokens != list(tokens):
             raise SlotStateError(f"slot state covers other tokens than the {len(tokens)} asked for")
         ranges = list(self.ranges)
-        parts = slot_state.regroup(states, ranges)
+        if isinstance(data, list):
+            parts = [None] + [slot_state.pack(h, slot_state.entry_bytes(h, body)) for h, body, _ in states[1:]]
+        else:
+            parts = slot_state.regroup(states, ranges)
         mine = next(((h, body) for h, body, _ in states if tuple(h.layers) == tuple(ranges[0])), None)
         if mine is None:  # our range came regrouped: read it back
             mine = slot_state.read_all(parts[0])[0][:2]
@@ -199,24 +216,30 @@ class Pipeline:
         through STATE_PUT); returns the tokens they cover (which must be `tokens` when given).
         Every chunk and the model are checked before anything is placed, so a refused state leaves
         the slot as it was; a peer lost midway leaves the slot empty on every stage (nothing
-        half-placed is used). The caller keeps `slot` out of every forward meanwhile: this
-        stage's copy runs beside them, without the pipeline lock (only a re-split waits)."""
+        half-placed is used). The caller keeps `slot` out of every forward meanwhile: the copies run
+        beside them, this stage's without the pipeline lock, the peers' over connections of their
+        own (only a re-split waits); the lock is taken only to record the slot's tokens."""
         prepared = data if isinstance(data, PreparedState) else self.prepare_state(data, tokens)
         fingerprint, header, n = self.local.g.fingerprint, prepared.header, len(prepared.header.tokens)
+        generation = self.kv_generation
         try:
-            with self._layout:  # this stage's layers stay as they are (a re-split waits), forwards go on
+            with self._layout:  # the stages' layers stay as they are (a re-split waits), forwards go on
                 if prepared.ranges != list(self.ranges):
                     raise SlotStateError(f"the pipeline was re-split to {self.ranges} while the state was checked")
                 side = self.side_state if self.side_state is not None and slot_state.has_extra(header) else None
                 extra = side.state_in(slot, n) if side is not None else None
                 views = slot_state.check(self.local, slot, header, fingerprint, extra)
                 slot_state.place_checked(self.local, slot, header, prepared.body, views)
+                if isinstance(prepared.body, torch.Tensor) and prepared.body.is_cuda:  # another process's memory
+                    torch.cuda.current_stream(prepared.body.device).synchronize()  # copied before it is let go
                 if self.side_state is not None:
                     self.side_state.restored(slot, n, extra)
+                for remote, part in zip(self.remotes, prepared.peer_states):
+                    remote.state_put(slot, part)
             if self.remotes:
-                with self._lock:  # the peers' sockets and the slot history are the forwards' too
-                    for remote, part in zip(self.remotes, prepared.peer_states):
-                        remote.state_put(slot, part)
+                with self._lock:  # the slot history is the forwards' too
+                    if self.kv_generation != generation:  # a stage's KV was rebuilt meanwhile, without this slot's
+                        raise SlotStateError("the pipeline rebuilt its KV while the state was placed")
                     if n:  # a later KV rebuild replays them
                         self._flush_history()
                         self._write_history(torch.tensor(header.tokens), torch.full((n,), slot), torch.arange(n))

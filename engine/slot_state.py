@@ -121,19 +121,80 @@ def place(stage, slot: int, header: SlotHeader, body, fingerprint: str, extra: d
 
 
 def place_checked(stage, slot: int, header: SlotHeader, body, views: dict[str, torch.Tensor]) -> None:
-    """Place a state whose header `check` accepted (`views`: its answer) into `slot`: the stage's
-    tensors, made over the body's bytes, through `Stage.place_slot_state` (a pooled cache takes its
-    blocks there), the `mtp.*` ones copied into their views; tensors without a view are skipped."""
+    """Place a state whose header `check` accepted (`views`: its answer) into `slot`: `staged`, then
+    `place_staged`."""
+    place_staged(stage, slot, len(header.tokens), staged(header, body, views), views)
+
+
+def staged(header: SlotHeader, body, views: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The state's tensors, ready to copy into the slot, for a state whose header `check` accepted
+    (`views`: its answer): made over the body's bytes (no copy: on the CPU the received body is the
+    staging area), copied to the views' device when that is a GPU. Tensors without a view are
+    skipped. Touches no slot: a worker stages without holding its forwards."""
     tensors, offset = {}, 0
     for entry in header.tensors:
         view = views.get(entry.name)
         if view is not None:  # an empty one (no positions yet) is its own empty view
-            tensors[entry.name] = view if not entry.nbytes else torch.frombuffer(
-                body, dtype=view.dtype, count=view.numel(), offset=offset).view(view.shape)
+            tensors[entry.name] = view if not entry.nbytes else _tensor_at(body, offset, view).to(view.device)
         offset += entry.nbytes
-    for name in [name for name in tensors if name.startswith(EXTRA_PREFIX)]:
-        views[name].copy_(tensors.pop(name))
-    stage.place_slot_state(slot, len(header.tokens), tensors)
+    return tensors
+
+
+def _tensor_at(body, offset: int, like: torch.Tensor) -> torch.Tensor:
+    """`like`'s shape and dtype over the body's bytes from `offset`: host bytes, or a uint8 device
+    buffer (a state handed over by CUDA IPC)."""
+    if not isinstance(body, torch.Tensor):
+        return torch.frombuffer(body, dtype=like.dtype, count=like.numel(), offset=offset).view(like.shape)
+    raw = body[offset : offset + like.numel() * like.element_size()]
+    if offset % like.element_size():
+        raw = raw.clone()  # a view as a wider dtype must start aligned
+    return raw.view(like.dtype).view(like.shape)
+
+
+def device_states(stage, slot: int, tokens: list[int], fingerprint: str, ranges: list[tuple[int, int]],
+                  extra: dict[str, torch.Tensor] | None = None) -> list[tuple[SlotHeader, torch.Tensor]]:  # fmt: skip
+    """The state of `slot`'s tokens split by `ranges` (which this stage's layers must cover), each
+    as (header, body) with the body a uint8 buffer on the stage's device: what a worker hands over
+    by CUDA IPC (no checksums: the body never crosses a wire). `mtp.*` tensors go with the range
+    that starts at layer 0."""
+    views = {**stage.slot_state(slot, len(tokens)), **(extra or {})}
+    dtype = _dtype_name(stage.dtype)
+    out = []
+    for a, b in ranges:
+        chosen = {name: t for name, t in views.items() if (a == 0 if _layer(name) < 0 else a <= _layer(name) < b)}
+        missing = [il for il in range(a, b) if il not in {_layer(name) for name in chosen}]
+        if missing:
+            raise SlotStateError(f"this worker lacks layers {missing[:4]} of [{a}, {b})")
+        entries = [TensorEntry(name, list(t.shape), _dtype_name(t.dtype), t.numel() * t.element_size()) for name, t in chosen.items()]
+        header = SlotHeader(fingerprint, [a, b], list(tokens), dtype, dtype, entries)
+        body, offset = torch.empty(header.body_bytes, dtype=torch.uint8, device=stage.device), 0
+        for entry, t in zip(entries, chosen.values()):
+            body[offset : offset + entry.nbytes].copy_(t.contiguous().view(-1).view(torch.uint8))
+            offset += entry.nbytes
+        out.append((header, body))
+    return out
+
+
+def entry_bytes(header: SlotHeader, body: torch.Tensor) -> list[torch.Tensor]:
+    """Each tensor's bytes in a device body, as uint8 views (`pack` takes them)."""
+    offsets = [0]
+    for entry in header.tensors:
+        offsets.append(offsets[-1] + entry.nbytes)
+    return [body[a:b] for a, b in zip(offsets, offsets[1:])]
+
+
+def _layer(name: str) -> int:
+    """The layer a tensor of the state belongs to; -1 for the MTP block's (`mtp.*`)."""
+    return -1 if name.startswith(EXTRA_PREFIX) else int(name.split(".")[1])
+
+
+def place_staged(stage, slot: int, n: int, tensors: dict[str, torch.Tensor], views: dict[str, torch.Tensor]) -> None:
+    """Copy `staged` tensors of n tokens into `slot`: the stage's through `Stage.place_slot_state`
+    (a pooled cache takes its blocks there), the `mtp.*` ones into their views."""
+    own = {name: t for name, t in tensors.items() if not name.startswith(EXTRA_PREFIX)}
+    for name in tensors.keys() - own.keys():
+        views[name].copy_(tensors[name])
+    stage.place_slot_state(slot, n, own)
 
 
 def check(stage, slot: int, header: SlotHeader, fingerprint: str, extra: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
@@ -205,8 +266,7 @@ def regroup(states: list[tuple[SlotHeader, memoryview, memoryview]], ranges: lis
             raise SlotStateError("slot states of different models, tokens or dtypes cannot be joined")
         offset = 0
         for entry in header.tensors:
-            il = -1 if entry.name.startswith(EXTRA_PREFIX) else int(entry.name.split(".")[1])
-            parts.setdefault(il, []).append((entry, body[offset : offset + entry.nbytes]))
+            parts.setdefault(_layer(entry.name), []).append((entry, body[offset : offset + entry.nbytes]))
             offset += entry.nbytes
     out = []
     for a, b in ranges:

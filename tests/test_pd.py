@@ -16,9 +16,9 @@ import time
 import httpx
 import pytest
 import torch
-from rpc_workers import Worker, free_ports, greedy, head, peer, running
+from rpc_workers import Worker, complete, free_ports, greedy, head, peer, running, wait_for
 
-from hydra_console.contracts.rpc import Op, Status
+from hydra_console.contracts.rpc import COMPUTE_HEADER, Cmd, Op, Status
 from hydra_console.contracts.slot_state import SlotHeader
 from hydra_console.engine.gguf_file import GGUFFile
 from hydra_console.engine.model import ModelConfig
@@ -123,6 +123,103 @@ def _recv(s) -> bytes:
         return s.recv(1 << 16)
     except OSError:
         return b""
+
+
+class HoldRelay:
+    """A TCP relay in front of a peer's compute port that reads the head's frames (`cmd u8 | size
+    u64 | payload`). Armed, it forwards the next STATE_PUT's header and half its payload, sets
+    `holding` and keeps the rest until `release`: the peer is then mid-placement, in its prepare
+    phase, for as long as the test wants."""
+
+    def __init__(self, upstream: str):
+        host, port = upstream.rsplit(":", 1)
+        self.upstream, self.armed = (host, int(port)), False
+        self.holding, self.release = threading.Event(), threading.Event()
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.rpc_addr = f"127.0.0.1:{self.sock.getsockname()[1]}"
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self):
+        while True:
+            try:
+                down, _ = self.sock.accept()
+            except OSError:
+                return
+            try:
+                up = socket.create_connection(self.upstream)
+            except OSError:
+                down.close()
+                continue
+            threading.Thread(target=CutRelay._pump, args=(up, down), daemon=True).start()
+            threading.Thread(target=self._frames, args=(down, up), daemon=True).start()
+
+    def _frames(self, down, up):
+        with up, down, contextlib.suppress(OSError):
+            while header := _recv_exact(down, COMPUTE_HEADER.size):
+                cmd, size = COMPUTE_HEADER.unpack(header)
+                payload = _recv_exact(down, size)
+                if cmd == Cmd.STATE_PUT and self.armed:
+                    self.armed = False
+                    up.sendall(header + payload[: size // 2])
+                    self.holding.set()
+                    self.release.wait(60)
+                    up.sendall(payload[size // 2 :])
+                else:
+                    up.sendall(header + payload)
+
+    def close(self):
+        self.release.set()
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
+        self.sock.close()
+
+
+def _recv_exact(s, n: int) -> bytes:
+    out = bytearray()
+    while len(out) < n:
+        data = s.recv(min(n - len(out), 1 << 20))
+        if not data:
+            return b""
+        out += data
+    return bytes(out)
+
+
+def test_running_streams_decode_while_a_peer_is_mid_placement(tiny_model, tmp_path):
+    """A split head places a transferred prompt's layers on its peer (STATE_PUT) while a running
+    stream keeps decoding: the relay holds the STATE_PUT halfway, the peer reports it staging,
+    and meanwhile the stream's token count grows. Both answers then equal the reference."""
+    model = tiny_model("llama", **SHAPE)
+    with running(head(model, tmp_path, (), "--dtype", "float32")) as ref:
+        want = greedy(ref, LONG, 12)[0]
+    with running(peer(model, tmp_path)) as p, running(prefill_worker(model, tmp_path)) as pw:
+        relay = HoldRelay(p.rpc_addr)
+        try:
+            with running(pd_head(model, tmp_path, pw.rpc_addr, [relay], "--split", "2/2", "--ctx", "2048")) as split:
+                stream = {}
+                a = threading.Thread(target=lambda: stream.update(r=complete(split, "hi", 1500, timeout=300, ignore_eos=True)))
+                a.start()
+                # The running stream's tokens (the prompt being transferred has none yet).
+                decoded = lambda: max((s.get("n_decoded") or 0 for s in split.status()["slots"] if s["state"] == "processing"), default=0)  # noqa: E731
+                wait_for(lambda: decoded() > 0, 60, "the stream to decode")
+                relay.armed = True
+                prompt = {}
+                b = threading.Thread(target=lambda: prompt.update(text=greedy(split, LONG, 12)[0]))
+                b.start()
+                assert relay.holding.wait(60), "no STATE_PUT reached the peer"
+                wait_for(lambda: p.status()["resident"]["staging"] == 1, 60, "the peer to stage the state")
+                n = decoded()
+                assert n > 0, "the stream ended before the placement began"
+                wait_for(lambda: decoded() >= n + 2, 60, "the stream to decode while the peer is mid-placement")
+                assert p.status()["resident"]["staging"] == 1  # still mid-placement all along
+                relay.release.set()
+                b.join(120)
+                a.join(300)
+                assert prompt["text"] == want and stream["r"].status_code == 200
+                pd = split.status()["pd"]
+                assert pd["transfers"] == 1 and pd["fallbacks"] == 0
+                assert p.status()["resident"]["staging"] == 0
+        finally:
+            relay.close()
 
 
 def test_prefill_worker_slow_killed_mid_transfer_or_down_falls_back_and_is_counted(tiny_model, tmp_path):

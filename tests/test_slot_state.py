@@ -137,6 +137,50 @@ def test_states_regroup_to_another_split_and_continue_bit_for_bit(tiny_model):
         slot_state.regroup(slot_state.read_all(head_part), [(0, 4)])
 
 
+def test_states_in_device_buffers_are_placed_and_continue_bit_for_bit(tiny_model):
+    """The CUDA IPC hand-off's form of a state (slot_state.device_states: one buffer per range,
+    here on the CPU): the head's range is placed from the buffer, a peer's is packed into bytes
+    for its STATE_PUT; both continue exactly as the stage they came from."""
+    from hydra_console.engine.pipeline import Pipeline
+
+    path = tiny_model("llama", n_layers=4)
+    fp = GGUFFile(path).fingerprint
+    full = stage(path, (0, 4))
+    nxt = prefill(full, 0, PROMPT).argmax(-1).item()
+    states = slot_state.device_states(full, 0, PROMPT, fp, [(0, 1), (1, 4)])
+    assert [(h.layers, body.numel()) for h, body in states] == [([0, 1], states[0][0].body_bytes), ([1, 4], states[1][0].body_bytes)]
+    head, peer = stage(path, (0, 1)), stage(path, (1, 4))
+    pipeline = Pipeline(head, ranges=[(0, 1), (1, 4)])
+    prepared = pipeline.prepare_state(states, PROMPT)
+    assert pipeline.place_state(2, prepared) == PROMPT
+    assert slot_state.restore(peer, 2, slot_state.reader(prepared.peer_states[0]), fp) == PROMPT
+    x = full.embed(torch.tensor([nxt]))
+    one = lambda st, h, slot: st.run_layers(h, torch.tensor([slot]), torch.tensor([len(PROMPT)]))  # noqa: E731
+    assert torch.equal(one(full, x, 0), one(peer, one(head, x, 2), 2))
+    with pytest.raises(SlotStateError, match="this pipeline holds"):
+        Pipeline(head, ranges=[(0, 2), (2, 4)]).prepare_state(states, PROMPT)
+    with pytest.raises(SlotStateError, match="lacks layers"):
+        slot_state.device_states(head, 2, PROMPT, fp, [(0, 4)])
+
+
+def test_a_state_handed_over_by_cuda_ipc_is_checked_before_it_is_mapped():
+    """open_states judges the header (its checksum, its body's size) before mapping any memory."""
+    from zlib_ng.zlib_ng import crc32
+
+    from hydra_console.contracts.slot_state import SlotHeader, TensorEntry
+    from hydra_console.engine.rpc.cuda_ipc import open_states
+
+    raw = SlotHeader("fp", [0, 1], [1, 2], "float32", "float32", [TensorEntry("blk.0.k", [1, 2, 4], "float32", 32)]).to_json()
+    good = {"header": raw.decode(), "header_crc": crc32(raw), "body": {"shape": [32]}}
+    gpu = torch.device("cuda", 0)
+    with pytest.raises(SlotStateError, match="fails its checksum"):
+        open_states([{**good, "header_crc": crc32(raw) ^ 1}], gpu)
+    with pytest.raises(SlotStateError, match=r"body of \[31\] bytes, the header names 32"):
+        open_states([{**good, "body": {"shape": [31]}}], gpu)
+    with pytest.raises(SlotStateError, match="malformed"):
+        open_states([{"header": raw.decode()}], gpu)
+
+
 def _mtp_engine(path, spec_type: str):
     from hydra_console.engine.config import ModelSettings, SpecConfig
     from hydra_console.engine.pipeline import Pipeline

@@ -105,6 +105,7 @@ class RemoteStage:
         self.state = "connecting"
         self.device = "remote"
         self.epoch = 0
+        self.state_key: bytes | None = None  # LOAD_STAGE's: lets a second connection move slot states (STATE_JOIN)
         self.rtt_ms: float | None = None
         self.compute_ms: float | None = None  # the peer's own time for the last FORWARD
         self.bytes_sent = self.bytes_recv = 0
@@ -143,25 +144,34 @@ class RemoteStage:
         self.on_state()
 
     def _connect(self) -> None:
+        self._sock, self._reader = self._handshake()
+
+    def _handshake(self) -> tuple[socket.socket, SocketReader]:
+        """A new connection past HELLO (and AUTH when the peer asks for it)."""
         sock = socket.create_connection((self.host, self.port), timeout=CONNECT_TIMEOUT_S)
-        tune_socket(sock)
-        sock.settimeout(WATCH_S)
-        self._sock, self._reader = sock, SocketReader(sock, on_idle=self._probe)
-        reply = self._exchange(Cmd.HELLO, pack_hello())
-        if len(reply) < HELLO.size:
-            raise PeerMismatch(f"peer {self.addr} answered HELLO with {len(reply)} bytes: not a Hydra worker")
-        major, minor, patch, _, caps = HELLO.unpack_from(reply)
-        self._caps = caps
-        if (major, minor) != VERSION[:2]:
-            detail = bytes(reply[HELLO.size :]).decode("utf-8", "replace")
-            raise PeerMismatch(f"peer {self.addr} speaks compute protocol {major}.{minor}.{patch}, we {VERSION}: {detail}")
-        if caps & CAP_AUTH:
-            if not self.auth_token:
-                raise PeerMismatch(f"peer {self.addr} requires a token: set --auth-token or HYDRA_TOKEN")
-            nonce = self._read_reply()
-            status, body = self._status(self._exchange(Cmd.AUTH, prove(self.auth_token, bytes(nonce))))
-            if status != R.OK:
-                raise PeerMismatch(f"peer {self.addr} rejected our token: {body.decode(errors='replace')}")
+        try:
+            tune_socket(sock)
+            sock.settimeout(WATCH_S)
+            link = (sock, SocketReader(sock, on_idle=self._probe))
+            reply = self._exchange(Cmd.HELLO, pack_hello(), link)
+            if len(reply) < HELLO.size:
+                raise PeerMismatch(f"peer {self.addr} answered HELLO with {len(reply)} bytes: not a Hydra worker")
+            major, minor, patch, _, caps = HELLO.unpack_from(reply)
+            self._caps = caps
+            if (major, minor) != VERSION[:2]:
+                detail = bytes(reply[HELLO.size :]).decode("utf-8", "replace")
+                raise PeerMismatch(f"peer {self.addr} speaks compute protocol {major}.{minor}.{patch}, we {VERSION}: {detail}")
+            if caps & CAP_AUTH:
+                if not self.auth_token:
+                    raise PeerMismatch(f"peer {self.addr} requires a token: set --auth-token or HYDRA_TOKEN")
+                nonce = self._read_reply(link)
+                status, body = self._status(self._exchange(Cmd.AUTH, prove(self.auth_token, bytes(nonce)), link))
+                if status != R.OK:
+                    raise PeerMismatch(f"peer {self.addr} rejected our token: {body.decode(errors='replace')}")
+        except BaseException:
+            sock.close()
+            raise
+        return link
 
     def _load(self, layers) -> None:
         dtype = str(self.dtype).removeprefix("torch.")
@@ -170,7 +180,7 @@ class RemoteStage:
         if self.kv_pool is not None:
             request["kv_pool"] = self.kv_pool
         reply = self._request_json(Cmd.LOAD_STAGE, request)
-        self.epoch = reply["epoch"]
+        self.epoch, self.state_key = reply["epoch"], bytes.fromhex(reply["state_key"])
         self.layer_range = tuple(layers)
         self.device = reply.get("device", "remote")
 
@@ -314,12 +324,27 @@ class RemoteStage:
         return json.loads(bytes(self._state_call(Cmd.STATE_PUT, [STATE_SLOT.pack(slot), state])))
 
     def _state_call(self, cmd: int, parts: list) -> memoryview:
-        with self._lock:
-            if self.state != "up":
-                raise PeerUnavailable(f"peer {self.addr} is down ({self.error})")
-            reply = self._guarded(lambda: (self._send(cmd, parts), self._read_reply())[1])
+        """One state op on a connection of its own, joined to our session (STATE_JOIN): a slot's
+        state streams while the forwards go on over the main connection. A peer that fails here is
+        not marked down (the main connection's next exchange tells)."""
+        if self.state != "up":
+            raise PeerUnavailable(f"peer {self.addr} is down ({self.error})")
+        link = None
+        try:
+            link = self._handshake()
+            status, body = self._status(self._exchange(Cmd.STATE_JOIN, self.state_key, link))
+            if status != R.OK:
+                raise PeerError(f"peer {self.addr}: {body.decode('utf-8', 'replace')}")
+            self._send(cmd, parts, link)
+            reply = self._read_reply(link)
+        except (OSError, FrameError) as e:
+            raise PeerUnavailable(f"peer {self.addr} failed during a state op: {e}") from None
+        finally:
+            if link is not None:
+                link[0].close()
+                self.bytes_recv += link[1].bytes_in
         if not reply:
-            raise FrameError("empty reply")
+            raise PeerError(f"peer {self.addr} sent an empty reply")
         body = memoryview(reply)[1:]
         if reply[0] != R.OK:
             raise PeerError(f"peer {self.addr}: {bytes(body).decode('utf-8', 'replace')}")
@@ -356,19 +381,19 @@ class RemoteStage:
             error=self.error,
         )
 
-    # --- framing helpers (caller holds the lock) --------------------------------------------------
+    # --- framing helpers: on the main connection (caller holds the lock) or on `link` (sock, reader) --
 
-    def _send(self, cmd: int, parts) -> None:
+    def _send(self, cmd: int, parts, link=None) -> None:
         parts = parts if isinstance(parts, list) else [parts]
         size = sum(memoryview(p).cast("B").nbytes for p in parts)
-        self.bytes_sent += send_all(self._sock, COMPUTE_HEADER.pack(cmd, size), *parts)
+        self.bytes_sent += send_all(link[0] if link else self._sock, COMPUTE_HEADER.pack(cmd, size), *parts)
 
-    def _read_reply(self):
-        return read_compute_response(self._reader, self.max_frame)
+    def _read_reply(self, link=None):
+        return read_compute_response(link[1] if link else self._reader, self.max_frame)
 
-    def _exchange(self, cmd: int, payload) -> bytearray:
-        self._send(cmd, payload)
-        return self._read_reply()
+    def _exchange(self, cmd: int, payload, link=None) -> bytearray:
+        self._send(cmd, payload, link)
+        return self._read_reply(link)
 
     def _request_json(self, cmd: int, obj: dict) -> dict:
         status, body = self._status(self._exchange(cmd, json.dumps(obj).encode()))

@@ -260,6 +260,9 @@ class ComputeServer:
             return self.host.state_get(_json(payload), owner=session["id"])
         elif cmd == Cmd.STATE_PUT:
             body = self._state_put(*payload, session)
+        elif cmd == Cmd.STATE_JOIN:
+            session["id"] = self.host.join(payload)
+            return []
         elif cmd == Cmd.IPC_OPEN:
             session["ipc"] = None  # a failed re-open leaves no channel half-set
             session["ipc"], body = IpcChannel.create(self.host.device, _json(payload), self.host.cfg.n_embd)

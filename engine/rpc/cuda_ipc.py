@@ -15,6 +15,11 @@ is safe without locks: the head writes the inbox only after its stream waited fo
 `done` (the peer has read it), and the peer writes the outbox only after waiting for the next
 `ready`, which the head records after its stream consumed the outbox.
 
+A slot's state moves the same way between a prefill worker and a head on one GPU (PREFILL,
+`export_states` / `open_states`): the worker copies it into one device buffer per range and answers
+their handles and headers (contracts.slot_state.IpcSlotState) instead of the bytes; the head
+checks each header and copies device to device into its slot.
+
 The peer owns every resource, so a head that dies leaves the peer intact. The handles are torch's
 own IPC export (what `torch.multiprocessing` sends between processes); they are JSON-encoded here
 and never unpickled.
@@ -25,7 +30,9 @@ from __future__ import annotations
 import base64
 
 import torch
+from zlib_ng.zlib_ng import crc32
 
+from ...contracts.slot_state import IpcSlotState, SlotHeader, SlotStateError
 from .resident import DTYPES, ComputeError
 
 IPC_TOKENS = 1024  # rows per buffer; larger batches (long prefills) take the byte path
@@ -51,7 +58,8 @@ def _b64(data: bytes) -> str:
     return base64.b64encode(data).decode()
 
 
-def _export_tensor(t: torch.Tensor) -> dict:
+def export_tensor(t: torch.Tensor) -> dict:
+    """A contiguous CUDA tensor's IPC handle, as JSON (`open_tensor` maps it in another process)."""
     storage = t.untyped_storage()
     (_, handle, size_bytes, offset_bytes, ref_handle, ref_offset, event_handle, event_sync) = storage._share_cuda_()
     return {
@@ -61,11 +69,15 @@ def _export_tensor(t: torch.Tensor) -> dict:
     }  # fmt: skip
 
 
-def _open_tensor(desc: dict, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def open_tensor(desc: dict, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Map what `export_tensor` described; torch counts the mapping, so the exporting process keeps
+    the memory until this tensor is freed."""
     from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
     shape = desc["shape"]
-    stride = [shape[1], 1]
+    stride = [1] * len(shape)  # contiguous
+    for i in range(len(shape) - 2, -1, -1):
+        stride[i] = stride[i + 1] * shape[i + 1]
     return rebuild_cuda_tensor(
         torch.Tensor, torch.Size(shape), stride, 0, torch.UntypedStorage, dtype, device.index,
         base64.b64decode(desc["handle"]), desc["size_bytes"], desc["offset_bytes"], False,
@@ -108,7 +120,7 @@ class IpcChannel:
         outbox = torch.empty(rows, width, dtype=dtype, device=device)
         ready, done = (torch.cuda.Event(interprocess=True) for _ in range(2))
         desc = {
-            "inbox": _export_tensor(inbox), "outbox": _export_tensor(outbox),
+            "inbox": export_tensor(inbox), "outbox": export_tensor(outbox),
             "ready": _b64(ready.ipc_handle()), "done": _b64(done.ipc_handle()),
         }  # fmt: skip
         return cls(inbox, outbox, ready, done), desc
@@ -119,7 +131,7 @@ class IpcChannel:
         if device.index is None:  # an event opened for device index -1 cannot be recorded
             device = torch.device("cuda", torch.cuda.current_device())
         ready, done = (torch.cuda.Event.from_ipc_handle(device, base64.b64decode(desc[k])) for k in ("ready", "done"))
-        return cls(_open_tensor(desc["inbox"], dtype, device), _open_tensor(desc["outbox"], dtype, device), ready, done)
+        return cls(open_tensor(desc["inbox"], dtype, device), open_tensor(desc["outbox"], dtype, device), ready, done)
 
     # head side
     def send(self, h: torch.Tensor) -> None:
@@ -139,3 +151,37 @@ class IpcChannel:
     def reply(self, out: torch.Tensor) -> None:
         self.outbox[: out.shape[0]].copy_(out)
         self.done.record(torch.cuda.current_stream(self.outbox.device))
+
+
+def export_states(states: list[tuple[SlotHeader, torch.Tensor]]) -> list[IpcSlotState]:
+    """Prefill worker side: (header, device body) of `slot_state.device_states` as IPC handles.
+    Torch keeps each buffer until the head has freed its mapping (its IPC reference count), so
+    they are not held here; its copies into them are complete before the reply goes."""
+    if states:
+        torch.cuda.current_stream(states[0][1].device).synchronize()
+        torch.cuda.ipc_collect()  # buffers of earlier transfers the heads are done with go back
+    out = []
+    for header, body in states:
+        raw = header.to_json()
+        out.append(IpcSlotState(header=raw.decode(), header_crc=crc32(raw), body=export_tensor(body)))
+    return out
+
+
+def open_states(descs: list, device: torch.device) -> list[tuple[SlotHeader, torch.Tensor]]:
+    """Head side: (header, device body) of each state `export_states` described, each header
+    checked against its checksum and its body's size against the header's; SlotStateError if not."""
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    out = []
+    for desc in descs:
+        try:
+            raw = desc["header"].encode()
+            if crc32(raw) != desc["header_crc"]:
+                raise SlotStateError("slot state header handed over by CUDA IPC fails its checksum")
+            header = SlotHeader.from_json(raw)
+            if desc["body"]["shape"] != [header.body_bytes]:
+                raise SlotStateError(f"slot state body of {desc['body']['shape']} bytes, the header names {header.body_bytes}")
+            out.append((header, open_tensor(desc["body"], torch.uint8, device)))
+        except (KeyError, TypeError, AttributeError) as e:
+            raise SlotStateError(f"malformed CUDA IPC slot state: {e!r}") from None
+    return out

@@ -9,6 +9,8 @@ or KV_CLEAR is refused, so a second client cannot corrupt a running head's KV.
 
 from __future__ import annotations
 
+import hmac
+import os
 import threading
 import time
 from pathlib import Path
@@ -64,11 +66,15 @@ class StageHost:
         self.lock = threading.Lock()  # one forward or stage swap at a time
         self._load_lock = threading.Lock()
         self.owner = 0  # the compute session that loaded the stage owns its slots
+        # Given to the loading session only: its second session presents it (STATE_JOIN) to move
+        # slot states while the first runs forwards.
+        self.state_key = os.urandom(16)
         self.on_change = lambda: None  # called after a stage swap (the peer's /health follows it)
         self._params: tuple | None = None
         self.forwards = self.tokens = 0
         self.lengths: dict[int, int] = {}  # per slot: the positions it has run (STATE_META)
         self.state_bytes_in = self.state_bytes_out = 0
+        self.staging = 0  # STATE_PUTs streaming in or being checked now, outside the forward lock
         self.compute_s = 0.0
         self.load_s = 0.0
 
@@ -150,11 +156,14 @@ class StageHost:
                     for slot in range(n_slots):
                         stage.kv_clear(slot)
                 self.stage, self._params, self.owner = stage, params, owner
+                self.state_key = os.urandom(16)
                 self.lengths = {}
                 self.epoch += 1
+                key = self.state_key.hex()
         self.load_s = time.perf_counter() - t0
         self.on_change()
-        return {"epoch": self.epoch, "layers": [a, b], "device": str(self.device), "load_s": round(self.load_s, 4)}
+        return {"epoch": self.epoch, "layers": [a, b], "device": str(self.device), "load_s": round(self.load_s, 4),
+                "state_key": key}  # fmt: skip
 
     def stage_bytes(self, a: int, b: int, dtype: torch.dtype, n_slots: int, n_ctx: int, kv_pool: int | None,
                     kv_types: tuple[str, str]) -> int:
@@ -290,18 +299,37 @@ class StageHost:
         self.state_bytes_out += sum(len(c) for c in chunks)
         return chunks
 
+    def join(self, key: bytes) -> int:
+        """STATE_JOIN: the identity a second session of the stage's head takes (the loading session's,
+        which owns the slots), given the `state_key` LOAD_STAGE answered."""
+        with self.lock:
+            if self.stage is None or not hmac.compare_digest(bytes(key), self.state_key):
+                raise ComputeError("STATE_JOIN refused: not the key of this worker's stage (reloaded since?)")
+            return self.owner
+
     def state_put(self, slot: int, read, owner: int = 0) -> dict:
         """Stage a state read with `read(n)` whole (header judged first, then every chunk's
-        checksum), then place it: a refused or broken stream leaves the slot as it was."""
+        checksum, then its tensors made ready on the stage's device) without holding the forwards;
+        only the copy into the slot takes the lock. A refused or broken stream leaves the slot as it
+        was."""
         try:
             header, crcs = SlotHeader.decode(read)
             with self.lock:
-                slot_state.check(self._state_stage(slot, owner), slot, header, self.fingerprint)
-            body = read(header.body_bytes)  # its size is the stage's own slot's, checked above
-            check_body(body, header, crcs)
-            with self.lock:  # the stage may have been swapped while the body streamed in
-                tokens = slot_state.place(self._state_stage(slot, owner), slot, header, body, self.fingerprint)
-                self.lengths[slot] = len(tokens)
+                stage = self._state_stage(slot, owner)
+                self.staging += 1
+            try:
+                views = slot_state.check(stage, slot, header, self.fingerprint)
+                body = read(header.body_bytes)  # its size is the stage's own slot's, checked above
+                check_body(body, header, crcs)
+                tensors = slot_state.staged(header, body, views)
+            finally:
+                with self.lock:
+                    self.staging -= 1
+            with self.lock:
+                if self._state_stage(slot, owner) is not stage:
+                    raise SlotStateError("the stage was replaced while the state streamed in")
+                slot_state.place_staged(stage, slot, len(header.tokens), tensors, views)
+                self.lengths[slot] = len(header.tokens)
         except SlotStateError as e:
             raise ComputeError(f"STATE_PUT refused: {e}") from None
         self.state_bytes_in += header.body_bytes
@@ -319,4 +347,5 @@ class StageHost:
             "load_s": round(self.load_s, 4),
             "state_bytes_in": self.state_bytes_in,
             "state_bytes_out": self.state_bytes_out,
+            "staging": self.staging,
         }

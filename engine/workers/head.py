@@ -93,7 +93,7 @@ class HeadWorker:
         disaggregator = None
         if cfg.prefill_worker:
             client = PrefillClient(cfg.prefill_worker, cfg.rpc.auth_token, cfg.prefill_deadline)
-            disaggregator = Disaggregator(client, cfg.prefill_threshold, pipeline, pd_stats)
+            disaggregator = Disaggregator(client, cfg.prefill_threshold, pipeline, pd_stats, cuda_ipc=cfg.rpc.cuda_ipc)
         self.status.startup_stage = WARMING_STAGE
         t0 = time.perf_counter()
         pipeline.local.warm_up(range(1, max_run_of(cfg.spec) + 1))
