@@ -59,10 +59,10 @@ def main() -> None:
     g = GGUFFile(path)
     stage = build_stage(g, device="cuda", dtype="bfloat16", n_slots=4, n_ctx=args.p + args.n)
     rows["batched4"] = {"decode_tok_s": round(batched_decode_tok_s(stage, 4, args.n), 1)}
-    graph = stage.graphs.graphs[1][0] if 1 in stage.graphs.graphs else None
+    graph = stage.graphs.graphs[1, 1][0] if (1, 1) in stage.graphs.graphs else None
     if graph is None:
         decode_once(stage, 1, 4)
-        graph = stage.graphs.graphs[1][0]
+        graph = stage.graphs.graphs[1, 1][0]
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(100):
