@@ -110,7 +110,7 @@ def responses_routes(head: Head) -> APIRouter:
     @r.post("/v1/responses")
     @r.post("/responses", include_in_schema=False)
     async def responses(body: ResponsesBody, http: Request):
-        _, reqs = await chat_requests(head, to_chat(body))
+        _, reqs, _ = await chat_requests(head, to_chat(body))
         ids = {"resp": f"resp_{uuid.uuid4().hex}", "msg": f"msg_{uuid.uuid4().hex}"}
         if body.stream:
             return StreamingResponse(_stream(head, http, reqs[0], ids), media_type="text/event-stream")
