@@ -44,7 +44,8 @@ PLAIN = _TURNS.replace("{%- if m.tool_calls -%}{%- for c in m.tool_calls -%}CALL
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"]}}}  # fmt: skip
 SUCCESS = {"type": "function", "function": {"name": "test", "parameters": {
-    "type": "object", "properties": {"success": {"type": "boolean", "const": True}}, "required": ["success"]}}}  # fmt: skip
+    "type": "object", "properties": {"success": {"type": "boolean", "const": True}}, "required": ["success"],
+    "additionalProperties": False}}}  # fmt: skip
 
 
 def learn(source: str) -> ToolFormat | None:
