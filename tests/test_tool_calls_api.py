@@ -101,3 +101,34 @@ def test_a_conversation_with_calls_and_results_renders_them(server, client):
     assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>' in prompt
     r = client.chat.completions.create(model="m", messages=messages, tools=[WEATHER], max_tokens=4, temperature=0)
     assert r.choices[0].finish_reason in ("length", "stop", "tool_calls")
+
+
+def test_anthropic_messages_answer_calls_as_tool_use_blocks(server):
+    import anthropic
+
+    client = anthropic.Anthropic(base_url=server, api_key="none", max_retries=0, timeout=120)
+    tool = {"name": "pick", "description": "pick a color", "input_schema": PICK["function"]["parameters"]}
+    kw = {"model": "m", "max_tokens": 60, "extra_body": {"temperature": 0}, "tools": [tool], "tool_choice": {"type": "tool", "name": "pick", "disable_parallel_tool_use": True},
+          "messages": [{"role": "user", "content": "Pick a color."}]}  # fmt: skip
+    msg = client.messages.create(**kw)
+    assert msg.stop_reason == "tool_use"
+    (block,) = msg.content
+    assert block.type == "tool_use" and block.name == "pick" and block.input["color"] in ("red", "green") and block.id
+    # streamed: the same call, its input as one input_json_delta the client assembles
+    with client.messages.stream(**kw) as stream:
+        final = stream.get_final_message()
+    assert final.stop_reason == "tool_use" and [b.input for b in final.content] == [block.input]
+
+
+def test_responses_answer_calls_as_function_call_items(client):
+    tool = {"type": "function", **PICK["function"]}
+    kw = {"model": "m", "input": "Pick a color.", "tools": [tool], "tool_choice": "required", "parallel_tool_calls": False,
+          "max_output_tokens": 60, "temperature": 0}  # fmt: skip
+    res = client.responses.create(**kw)
+    (item,) = res.output
+    assert item.type == "function_call" and item.name == "pick" and item.call_id.startswith("call_")
+    assert json.loads(item.arguments)["color"] in ("red", "green")
+    events = list(client.responses.create(**kw, stream=True))
+    done = [e.item for e in events if e.type == "response.output_item.done"]
+    assert [(i.type, i.arguments) for i in done] == [("function_call", item.arguments)]
+    assert events[-1].type == "response.completed" and events[-1].response.output[0].name == "pick"
