@@ -294,7 +294,8 @@ async def chat_requests(head: Head, body: ChatBody,
     its generations are parsed with (None: plain text); max_tokens defaults to the server's
     --n-predict, within the context. A max_tokens past the context is refused, or with
     `fit_context` cut to it (generation stops where the context ends, as llama-server's).
-    `tool_choice: required` (or a named function) constrains generation to calls."""
+    `tool_choice: required` (or a named function) constrains generation to calls; auto constrains
+    a call once its start marker is written (llama.cpp's lazy grammar)."""
     from .sequence import Request as EngineRequest
 
     engine = ready_engine(head)
@@ -314,8 +315,12 @@ async def chat_requests(head: Head, body: ChatBody,
                         spec=speculative_config(engine, body), cache_prompt=body.cache_prompt,
                         timings_per_token=body.timings_per_token,
                         return_progress=body.stream and body.return_progress)  # fmt: skip
-    if fmt is not None and choice.forces and grammar_fields(body) == []:
-        return prompt, await choices(head, body, req, ("lark", fmt.grammar(choice, head.tok), "tools")), fmt
+    if fmt is not None and choice.parses:
+        req.preserved_tokens = fmt.preserved(head.tok)
+    if fmt is not None and choice.parses and grammar_fields(body) == [] and (choice.forces or fmt.triggers):
+        # required: calls only; auto: once the model starts a call, it is held to the tools' schemas
+        grammar = fmt.grammar(choice, head.tok, lazy=not choice.forces)
+        return prompt, await choices(head, body, req, ("lark", grammar, "tools")), fmt
     return prompt, await choices(head, body, req), fmt if choice.parses else None
 
 

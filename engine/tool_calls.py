@@ -25,6 +25,7 @@ schemas (`ToolFormat.grammar`, run by engine/structured.py).
 from __future__ import annotations
 
 import json
+import re
 import secrets
 import string
 from dataclasses import dataclass, replace
@@ -248,9 +249,21 @@ class ToolFormat:
 
     # ---- the grammar of tool_choice: required ----
 
-    def grammar(self, choice: ToolChoice, tok: Tokenizer) -> str:
+    def preserved(self, tok: Tokenizer) -> frozenset[int]:
+        """The control tokens the calls are written with: kept in the generated text for `parse`."""
+        return frozenset(t for part in (self.start, self.sep or "", self.before_args, self.end)
+                         for t in _specials(part, tok).values())  # fmt: skip
+
+    @property
+    def triggers(self) -> bool:
+        """Whether calls start with a marker, so that text before one can be told from it."""
+        return bool(self.start.strip())
+
+    def grammar(self, choice: ToolChoice, tok: Tokenizer, lazy: bool = False) -> str:
         """Lark source (llguidance) of a turn made of calls only: one call, or with `parallel` as
-        many as the model writes, to the tools (or the named one) with arguments per their schema."""
+        many as the model writes, to the tools (or the named one) with arguments per their schema.
+        `lazy` (tool_choice auto, llama.cpp's lazy grammar): any text without the calls' start
+        marker, or such text, the marker, and calls as above."""
         tools = [t["function"] for t in choice.tools if choice.name is None or t["function"]["name"] == choice.name]
         rules = []
         for i, fn in enumerate(tools):
@@ -263,9 +276,19 @@ class ToolFormat:
                 rules.append(f"call_{i}: {_literal(fn['name'] + self.before_args, tok)} %json {json.dumps(args)}")
         calls = " | ".join(f"call_{i}" for i in range(len(tools)))
         more = f" ({_literal(self.sep, tok)} call)*" if choice.parallel and self.sep is not None else ""
-        start = f"{_literal(self.start, tok)} " if self.start else ""
         end = f" {_literal(self.end, tok)}" if self.end else ""
-        return "\n".join([f"start: {start}call{more}{end}", f"call: {calls}", *rules])
+        if not lazy:
+            start = f"{_literal(self.start, tok)} " if self.start else ""
+            return "\n".join([f"start: {start}call{more}{end}", f"call: {calls}", *rules])
+        marker = self.start.strip()
+        lead = self.start[self.start.index(marker) :]  # the whitespace before the marker is the text's
+        text = f"TEXT: /(?s:.*)/ & ~/(?s:.*{re.escape(marker).replace('/', chr(92) + '/')}.*)/"
+        tid = tok.find_token(marker)
+        if tid is not None and tok.is_special(tid):  # text cannot hold the token: no lexing ambiguity
+            head = [f"start: TEXT | TEXT {_literal(lead, tok)} call{more}{end}"]
+        else:  # one lexeme for text + marker: the text lexeme alone would swallow the marker's first bytes
+            head = [f"start: TEXT | OPENING call{more}{end}", f"OPENING: TEXT {json.dumps(lead, ensure_ascii=False)}"]
+        return "\n".join([*head, text, f"call: {calls}", *rules])
 
 
 class StreamedCalls:
@@ -289,20 +312,20 @@ class StreamedCalls:
         return (rest.rstrip() if calls else rest), calls
 
 
+def _specials(text: str, tok: Tokenizer) -> dict[str, int]:
+    """The control tokens written in `text` (by their text)."""
+    ids = tok.encode(text, add_special=False, parse_special=True) if text else []
+    return {tok.token_text(t): t for t in ids if tok.is_special(t)}
+
+
 def _literal(text: str, tok: Tokenizer) -> str:
-    """A Lark piece for `text`: a special token of the vocabulary by id (the model writes it as
-    one token), the rest as quoted strings."""
-    parts = []
-    stripped = text.strip()
-    tid = tok.find_token(stripped) if stripped else None
-    if tid is not None and tok.is_special(tid):
-        lead, trail = text[: text.index(stripped)], text[text.index(stripped) + len(stripped) :]
-        parts = [json.dumps(lead, ensure_ascii=False)] if lead else []
-        parts.append(f"<[{tid}]>")
-        if trail:
-            parts.append(json.dumps(trail, ensure_ascii=False))
-        return " ".join(parts)
-    return json.dumps(text, ensure_ascii=False)
+    """A Lark piece for `text`: its control tokens by id (the model writes each as one token, never
+    as text), the rest as quoted strings."""
+    specials = _specials(text, tok)
+    if not specials:
+        return json.dumps(text, ensure_ascii=False)
+    pieces = re.split("(" + "|".join(map(re.escape, specials)) + ")", text)
+    return " ".join(f"<[{specials[p]}]>" if p in specials else json.dumps(p, ensure_ascii=False) for p in pieces if p)
 
 
 def _from_shape(shape, obj) -> ToolCall | None:

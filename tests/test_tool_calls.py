@@ -12,7 +12,7 @@ import pytest
 from hydra_console.engine.chat import ChatTemplate
 from hydra_console.engine.gguf_file import GGUFFile
 from hydra_console.engine.structured import Grammars, compile_grammar
-from hydra_console.engine.tokenizer import Tokenizer
+from hydra_console.engine.tokenizer import StreamDecoder, Tokenizer
 from hydra_console.engine.tool_calls import ToolError, ToolFormat, arguments_as_objects, tool_choice_of
 
 _TURNS = """{%- for m in messages -%}
@@ -187,3 +187,55 @@ def test_grammars_can_write_gemmas_user_defined_whitespace_tokens(gemma):
     c = Grammars(gemma).constraint(compile_grammar("lark", 'start: "a\\n\\nb"', "grammar"), "grammar")
     assert c.valid_prefix(ids) == len(ids)
 
+
+
+def _run(grammars: Grammars, grammar: str, ids: list[int]) -> tuple[int, bool]:
+    """(how many of `ids` the grammar takes, whether it may end there)."""
+    c = grammars.constraint(compile_grammar("lark", grammar, "tools"), "tools")
+    n = c.valid_prefix(ids)
+    for t in ids[:n]:
+        c.advance(t)
+    return n, c.matcher.is_accepting()
+
+
+@pytest.mark.unit
+def test_auto_grammar_leaves_text_free_until_a_call_starts(gemma):
+    grammars, hermes = Grammars(gemma), learn(HERMES)
+    lazy = hermes.grammar(tool_choice_of([WEATHER, SUCCESS], "auto", False), gemma, lazy=True)
+
+    def enc(text: str) -> list[int]:
+        return gemma.encode(text, add_special=False, parse_special=False)
+
+    for text in ["It is sunny in Oslo.", "Use <tool> tags like <tool_call", ""]:
+        assert _run(grammars, lazy, enc(text)) == (len(enc(text)), True), text  # any text, and it may end
+    call = 'Checking.\n<tool_call>\n{"name": "test", "arguments": {"success": true}}\n</tool_call>'
+    assert _run(grammars, lazy, enc(call)) == (len(enc(call)), True)
+    started = enc('Checking. <tool_call>\n{"name": "test", "arguments": {')
+    assert _run(grammars, lazy, started) == (len(started), False)  # a call begun must be finished
+    wrong = enc('Checking. <tool_call>\n{"name": "get_time"')
+    assert _run(grammars, lazy, wrong)[0] < len(wrong)  # and be one of the tools
+
+
+@pytest.mark.unit
+def test_control_token_markers_are_written_as_tokens_and_kept_in_the_text(gemma):
+    """A template whose calls start with a control token of the vocabulary (Gemma's <unused0> here,
+    as Mistral's [TOOL_CALLS]): the grammar asks for the token itself, and the generated text keeps
+    it so that the call can be parsed."""
+    fmt = ToolFormat.learn(ChatTemplate(_template("{{- '<unused0>' + {'name': c.function.name, "
+                                                  "'arguments': c.function.arguments} | tojson -}}"), "<bos>", "<eos>", True, "t"))  # fmt: skip
+    marker = gemma.find_token("<unused0>")
+    assert fmt.start == "<unused0>" and gemma.is_special(marker) and fmt.preserved(gemma) == {marker}
+    ids = [marker, *gemma.encode('{"name": "test", "arguments": {"success": true}}', add_special=False)]
+    grammars = Grammars(gemma)
+    required = fmt.grammar(tool_choice_of([SUCCESS], "required", False), gemma)
+    assert _run(grammars, required, ids) == (len(ids), True)
+    spelled = gemma.encode('<unused0>{"name"', add_special=False, parse_special=False)  # the marker as plain text
+    assert _run(grammars, required, spelled)[0] < len(spelled)
+    lazy = fmt.grammar(tool_choice_of([SUCCESS], "auto", False), gemma, lazy=True)
+    hi = gemma.encode("Hi ", add_special=False)
+    assert _run(grammars, lazy, hi + ids) == (len(hi + ids), True)
+
+    kept = StreamDecoder(gemma, keep=fmt.preserved(gemma))
+    text = "".join(kept.push(t) for t in ids)
+    assert [c.name for c in fmt.parse(text)[1]] == ["test"]
+    assert "".join(StreamDecoder(gemma).push(t) for t in ids).startswith("{")  # other control tokens stay out
