@@ -19,7 +19,8 @@ format: its requests are answered as text, as llama-server does for templates wi
 
 Generated text is parsed back into content and calls (`ToolFormat.parse`); `tool_choice: required`
 (or a named function) constrains generation to calls with a Lark grammar over the tools' JSON
-schemas (`ToolFormat.grammar`, run by engine/structured.py).
+schemas (`ToolFormat.grammar`, run by engine/structured.py), and `auto` constrains a call once its
+start marker is written (llama.cpp's lazy grammar).
 """
 
 from __future__ import annotations
@@ -149,7 +150,7 @@ def arguments_as_objects(messages: list[dict]) -> list[dict]:
 class ToolFormat:
     """How one template writes calls: `start` + call + (`sep` + call)* + `end`, each call either a
     JSON object shaped as `shape` (the probe call's object: where the name, arguments and id go)
-    or `name_prefix`-less tagged text `name` + `before_args` + arguments JSON."""
+    or, tagged, the name + `before_args` + the arguments as JSON."""
 
     start: str
     end: str
@@ -247,7 +248,7 @@ class ToolFormat:
     def stream(self) -> StreamedCalls:
         return StreamedCalls(self)
 
-    # ---- the grammar of tool_choice: required ----
+    # ---- the grammars of tool_choice required / auto ----
 
     def preserved(self, tok: Tokenizer) -> frozenset[int]:
         """The control tokens the calls are written with: kept in the generated text for `parse`."""
