@@ -158,6 +158,9 @@ class ToolFormat:
     shape: Any | None  # JSON calls: the probe's decoded object
     before_args: str  # tagged calls: text between the name and the arguments
     object_arguments: bool = True  # the template reads a call's arguments as an object, not JSON text
+    # what text starts with where calls start with nothing (functionary v3.2's recipient `all\n`):
+    # text and calls are told apart by it, and calls may follow the text after `sep`
+    text_prefix: str = ""
 
     @staticmethod
     def learn(template: ChatTemplate) -> ToolFormat | None:
@@ -167,6 +170,14 @@ class ToolFormat:
 
     def parse(self, text: str) -> tuple[str, list[ToolCall]]:
         """(content, calls) of a finished generation; text that is not a well-formed call stays content."""
+        if self.text_prefix:  # recipient formats: text (after its prefix) up to the separator, then calls
+            if not text.startswith(self.text_prefix):
+                calls = self._calls_from(text, 0)
+                return ("", calls) if calls else (text, [])
+            body = text[len(self.text_prefix) :]
+            at = body.find(self.sep) if self.sep else -1
+            calls = self._calls_from(body, at + len(self.sep)) if at >= 0 else None
+            return (body[:at], calls) if calls else (body, [])
         start = self.start.strip()
         if start:
             at = text.find(start)
@@ -177,11 +188,16 @@ class ToolFormat:
             content, pos = "", len(text) - len(text.lstrip())
             if not text[pos:].startswith("{"):
                 return text, []
+        calls = self._calls_from(text, pos)
+        return (content, calls) if calls else (text, [])
+
+    def _calls_from(self, text: str, pos: int) -> list[ToolCall] | None:
+        """The calls written from `pos` to the end of `text` (their end marker optional), or None."""
         calls = []
         while True:
             call, pos = self._call_at(text, pos)
             if call is None:
-                return text, []
+                return None
             calls.append(call)
             rest = text[pos:].lstrip()
             nxt = self._next_call(rest)
@@ -192,9 +208,7 @@ class ToolFormat:
         end = self.end.strip()
         if end and tail.startswith(end):
             tail = tail[len(end):].strip()
-        if tail:  # something after the calls that is not their end: not a call after all
-            return text, []
-        return content, calls
+        return None if tail else calls  # something after the calls that is not their end: not calls after all
 
     def _next_call(self, rest: str) -> int | None:
         """Offset in `rest` where another call starts, None if the calls end here."""
@@ -231,19 +245,18 @@ class ToolFormat:
             return None, pos
         return ToolCall(name, json.dumps(args, ensure_ascii=False), new_call_id()), pos
 
-    def may_start_call(self, text: str) -> int:
-        """How much of streamed `text` is surely content: up to where a call may be starting
-        (held back until the generation ends and `parse` decides)."""
+    def content_span(self, text: str) -> tuple[int, int]:
+        """The part of streamed `text` that is surely content, as (from, to): up to where a call
+        may be starting (the rest is held back until the generation ends and `parse` decides)."""
+        if self.text_prefix:
+            if not text.startswith(self.text_prefix):  # a call, or its prefix not complete yet
+                return 0, 0
+            n = len(self.text_prefix)
+            return n, n + _before_marker(text[n:], self.sep or "")
         start = self.start.strip()
         if not start:
-            return 0 if not text.strip() or text.lstrip().startswith("{") else len(text)
-        at = text.find(start)
-        if at >= 0:
-            return at
-        for k in range(min(len(start) - 1, len(text)), 0, -1):  # a marker cut by the chunk boundary
-            if text.endswith(start[:k]):
-                return len(text) - k
-        return len(text)
+            return 0, (0 if not text.strip() or text.lstrip().startswith("{") else len(text))
+        return 0, _before_marker(text, start)
 
     def stream(self) -> StreamedCalls:
         return StreamedCalls(self)
@@ -297,20 +310,35 @@ class StreamedCalls:
     be starting; `finish` parses the whole generation and gives what is left to send."""
 
     def __init__(self, fmt: ToolFormat):
-        self.fmt, self.text, self.sent = fmt, "", 0
+        self.fmt, self.text = fmt, ""
+        self.sent = 0  # chars of content sent so far: always a prefix of what `parse` gives in the end
 
     def push(self, piece: str) -> str:
         """The content that may be sent now."""
         self.text += piece
-        upto = max(self.fmt.may_start_call(self.text), self.sent)
-        out, self.sent = self.text[self.sent : upto], upto
+        lo, hi = self.fmt.content_span(self.text)
+        out = self.text[lo + self.sent : hi]
+        self.sent += len(out)
         return out
 
     def finish(self) -> tuple[str, list[ToolCall]]:
         """(content not sent yet, the calls)."""
         content, calls = self.fmt.parse(self.text)
-        rest = content[self.sent :] if calls else self.text[self.sent :]
+        rest = content[self.sent :]
         return (rest.rstrip() if calls else rest), calls
+
+
+def _before_marker(text: str, marker: str) -> int:
+    """Where `marker` starts in `text`, or a piece of it cut by the end of `text`; else its length."""
+    if not marker:
+        return len(text)
+    at = text.find(marker)
+    if at >= 0:
+        return at
+    for k in range(min(len(marker) - 1, len(text)), 0, -1):
+        if text.endswith(marker[:k]):
+            return len(text) - k
+    return len(text)
 
 
 def _specials(text: str, tok: Tokenizer) -> dict[str, int]:
@@ -417,11 +445,18 @@ def _learn(source: str, bos: str, eos: str, strip_bos: bool, name: str) -> ToolF
     for as_text in (False, True):  # templates read arguments as objects, a few as JSON text
         one = render({"content": None, "tool_calls": [_probe_call(0, as_text)]})
         region = _region(text, one) if one is not None else ""
-        fmt = _read_one(region, eos)
+        # what the text turn writes before its text where calls start with nothing (a recipient)
+        written = _region(one, text) if one is not None else ""
+        prefix = written[: -len(_CONTENT)] if written.endswith(_CONTENT) else ""
+        fmt = _read_one(region, eos, bool(prefix))
         if fmt is not None or _NAMES[0] in region:  # written, but not as JSON: not a format we read
             break
-    if fmt is None or [(c.name, c.arguments) for c in fmt.parse(region)[1]] != [(_NAMES[0], json.dumps(_ARGS[0]))]:
+    if fmt is not None and fmt.start.strip():
+        prefix = ""
+    if fmt is None or [(c.name, c.arguments) for c in replace(fmt, text_prefix=prefix).parse(region)[1]] \
+            != [(_NAMES[0], json.dumps(_ARGS[0]))]:  # fmt: skip
         return None
+    fmt = replace(fmt, text_prefix=prefix)
     two = render({"content": None, "tool_calls": [_probe_call(0, as_text), _probe_call(1, as_text)]})
     sep = _read_sep(fmt, _region(text, two)) if two is not None else None
     if sep is not None and len(replace(fmt, sep=sep).parse(_region(text, two))[1]) != 2:
@@ -465,7 +500,7 @@ def _holds(obj, target) -> bool:
     return False
 
 
-def _read_one(region: str, eos: str) -> ToolFormat | None:
+def _read_one(region: str, eos: str, told_apart: bool = False) -> ToolFormat | None:
     """The format of a turn holding the one probe call, if it is a JSON or a tagged call."""
     name = region.find(_NAMES[0])
     if name < 0:
@@ -480,7 +515,7 @@ def _read_one(region: str, eos: str) -> ToolFormat | None:
     if args != _ARGS[0]:
         return None
     before = region[name + len(_NAMES[0]) : args_at]
-    if not region[:name].strip() or _IDS[0] in region[:args_at]:  # calls not told from text; ids in tags
+    if not (region[:name].strip() or told_apart) or _IDS[0] in region[:args_at]:  # calls not told from text; ids in tags
         return None
     return ToolFormat(region[:name], _cut_at(region[end:], eos), None, None, before)
 

@@ -239,3 +239,35 @@ def test_control_token_markers_are_written_as_tokens_and_kept_in_the_text(gemma)
     text = "".join(kept.push(t) for t in ids)
     assert [c.name for c in fmt.parse(text)[1]] == ["test"]
     assert "".join(StreamDecoder(gemma).push(t) for t in ids).startswith("{")  # other control tokens stay out
+
+
+# functionary v3.2's recipients: the generation prompt ends with ">>>", text is written to "all"
+RECIPIENTS = """{%- for m in messages -%}
+{{- '<|start_header_id|>' + m.role + '<|end_header_id|>\\n\\n' -}}
+{%- if m.role == 'assistant' -%}
+{%- if m.content -%}{{- '>>>all\\n' + m.content -}}{%- endif -%}
+{%- for c in m.tool_calls or [] -%}{{- '>>>' + c.function.name + '\\n' + c.function.arguments -}}{%- endfor -%}
+{%- else -%}{{- m.content -}}{%- endif -%}
+{{- '<|eot_id|>' -}}
+{%- endfor -%}
+{%- if add_generation_prompt -%}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n>>>' -}}{%- endif -%}"""
+
+
+@pytest.mark.unit
+def test_recipient_format_tells_text_from_calls_by_the_text_prefix(gemma):
+    fmt = learn(RECIPIENTS)
+    assert (fmt.start, fmt.text_prefix, fmt.sep, fmt.before_args, fmt.object_arguments) == ("", "all\n", ">>>", "\n", False)
+    assert calls_of(fmt, "all\nHello there") == ("Hello there", [])  # the recipient is not content
+    assert calls_of(fmt, 'all\nLet me check.>>>test\n{"success": true}') == ("Let me check.", [("test", {"success": True})])
+    assert calls_of(fmt, 'test\n{"success": true}>>>get_weather\n{"city": "Oslo"}')[1] == \
+        [("test", {"success": True}), ("get_weather", {"city": "Oslo"})]  # fmt: skip
+    assert fmt.parse("Hello") == ("Hello", [])
+
+    s = fmt.stream()
+    assert s.push("al") == "" and s.push("l\nHel") == "Hel" and s.push("lo>>") == "lo" and s.push('>test\n{"success": true}') == ""
+    rest, calls = s.finish()
+    assert rest == "" and [c.name for c in calls] == ["test"]
+
+    grammars = Grammars(gemma)
+    ids = gemma.encode('test\n{"success": true}', add_special=False)
+    assert _run(grammars, fmt.grammar(tool_choice_of([SUCCESS], "required", False), gemma), ids) == (len(ids), True)
