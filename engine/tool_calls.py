@@ -281,7 +281,7 @@ class ToolFormat:
         tools = [t["function"] for t in choice.tools if choice.name is None or t["function"]["name"] == choice.name]
         rules = []
         for i, fn in enumerate(tools):
-            params = {"type": "object", **fn.get("parameters", {})} if fn.get("parameters") else {"type": "object"}
+            params = _closed({"type": "object", **fn["parameters"]}) if fn.get("parameters") else {"type": "object"}
             if self.shape is not None:
                 schema = {**_schema_of(self.shape, fn["name"], params), "x-guidance": _JSON_STYLE}
                 rules.append(f"call_{i}: %json {json.dumps(schema)}")
@@ -339,6 +339,26 @@ def _before_marker(text: str, marker: str) -> int:
         if text.endswith(marker[:k]):
             return len(text) - k
     return len(text)
+
+
+def _closed(schema):
+    """The schema with llama.cpp's reading of objects: one that lists `properties` and says nothing
+    of `additionalProperties` has no others (JSON Schema would allow any; a model then pads forever)."""
+    if isinstance(schema, list):
+        return [_closed(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for key, value in schema.items():
+        if key in ("properties", "$defs", "definitions", "patternProperties") and isinstance(value, dict):
+            out[key] = {name: _closed(sub) for name, sub in value.items()}
+        elif key in ("const", "enum", "default", "examples"):  # values, not schemas
+            out[key] = value
+        else:
+            out[key] = _closed(value)
+    if isinstance(out.get("properties"), dict) and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    return out
 
 
 def _specials(text: str, tok: Tokenizer) -> dict[str, int]:

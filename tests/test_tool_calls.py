@@ -172,6 +172,12 @@ def test_required_grammar_admits_exactly_calls_to_the_tools(gemma):
     assert not accepts(hermes, required, call.replace("get_weather", "get_time"))
     assert not accepts(hermes, required, '<tool_call>\n{"arguments": {"city": "Oslo"}, "name": "get_weather"}\n</tool_call>')
     assert not accepts(hermes, required, other.replace("true", "false"))  # the tool's own schema
+    # as llama.cpp reads a tool's schema: listed properties and no others unless it says so
+    padded = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "units": "C"}}\n</tool_call>'
+    assert not accepts(hermes, required, padded)
+    open_weather = {"type": "function", "function": {**WEATHER["function"], "parameters": {
+        **WEATHER["function"]["parameters"], "additionalProperties": True}}}  # fmt: skip
+    assert accepts(hermes, tool_choice_of([open_weather], "required", False), padded)
     named = tool_choice_of([WEATHER, SUCCESS], {"type": "function", "function": {"name": "test"}}, True)
     assert accepts(hermes, named, other) and not accepts(hermes, named, call)
     assert accepts(mistral, required, '[TOOL_CALLS][{"name": "test", "arguments": {"success": true}, "id": "abcDEF123"}]')
