@@ -38,6 +38,7 @@ if TYPE_CHECKING:  # the engine's modules bring torch: imported when the model l
     from .sampling import TokenLogprob
     from .sequence import Event, GenToken
     from .sequence import Request as EngineRequest
+    from .tool_calls import ToolFormat
     from .workers.head import HeadWorker as Head
 
 
@@ -236,8 +237,8 @@ def create_app(head: Head) -> FastAPI:
     @app.post("/v1/chat/completions")
     @app.post("/chat/completions", include_in_schema=False)
     async def chat_completions(body: ChatBody, http: Request):
-        prompt, reqs = await chat_requests(head, body)
-        return await _respond_chat(head, http, body, reqs, prompt)
+        prompt, reqs, calls = await chat_requests(head, body)
+        return await _respond_chat(head, http, body, reqs, prompt, calls)
 
     if head.cfg.predict_route is not None:  # last: it dispatches to the routes above
         add_predict_route(app, head.cfg.predict_route)
@@ -340,7 +341,14 @@ async def _respond_completion(head: Head, http: Request, body: CompletionBody, r
             "system_fingerprint": BUILD_INFO, "choices": out, "usage": usage_of(finals), "timings": finals[0].timings}  # fmt: skip
 
 
-async def _respond_chat(head: Head, http: Request, body: ChatBody, reqs: list[EngineRequest], prompt: str):
+def _finish_reason(ev: Event, calls: list) -> str:
+    """llama-server's: a generation that ended by itself with calls ended for them."""
+    return "tool_calls" if calls and ev.finish_reason == "stop" else ev.finish_reason
+
+
+async def _respond_chat(head: Head, http: Request, body: ChatBody, reqs: list[EngineRequest], prompt: str,
+                        calls: ToolFormat | None):  # fmt: skip
+    """`calls`: the template's tool-call format when the request's generations are parsed for calls."""
     cid, created, n = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), len(reqs)
     as_ids = body.return_tokens_as_token_ids
     run = Run(head, http, reqs)
@@ -358,6 +366,9 @@ async def _respond_chat(head: Head, http: Request, body: ChatBody, reqs: list[En
         # usage chunk (choices []) only with stream_options.include_usage. The last chunk carries `timings`.
         include_usage = bool((body.stream_options or {}).get("include_usage"))
 
+        # With tools, text that may start a call is held back; the calls come whole at the end.
+        held = [calls.stream() if calls is not None else None for _ in reqs]
+
         async def stream():
             for i in range(n):
                 yield sse(chunk(i, {"role": "assistant", "content": None}, []))
@@ -370,13 +381,19 @@ async def _respond_chat(head: Head, http: Request, body: ChatBody, reqs: list[En
                 if ev.progress is not None:  # as llama-server: a role delta carrying prompt_progress
                     yield sse(chunk(i, {"role": "assistant", "content": None}, [], prompt_progress=ev.progress, **per_token))
                     continue
-                if ev.text or ev.tokens:
-                    yield sse(chunk(i, {"content": ev.text} if ev.text else {}, ev.tokens, **per_token))
+                text = held[i].push(ev.text) if held[i] is not None else ev.text
+                if text or (ev.tokens and (held[i] is None or body.logprobs)):  # no empty chunks for held text
+                    yield sse(chunk(i, {"content": text} if text else {}, ev.tokens, **per_token))
                 if ev.finish_reason is None:
                     continue
                 finals.append(ev)
+                rest, tool_calls = held[i].finish() if held[i] is not None else ("", [])
+                if rest:
+                    yield sse(chunk(i, {"content": rest}, []))
+                for k, call in enumerate(tool_calls):
+                    yield sse(chunk(i, {"tool_calls": [{"index": k, **call.to_json()}]}, []))
                 timings = {"timings": ev.timings}
-                yield sse(chunk(i, {}, [], ev.finish_reason, **({} if include_usage else timings)))
+                yield sse(chunk(i, {}, [], _finish_reason(ev, tool_calls), **({} if include_usage else timings)))
                 if include_usage and len(finals) == n:
                     yield sse({**common, "choices": [], "usage": usage_of(finals), **timings})
             yield b"data: [DONE]\n\n"
@@ -396,8 +413,13 @@ async def _respond_chat(head: Head, http: Request, body: ChatBody, reqs: list[En
 
     def choice(i: int) -> dict:
         logprobs = {"content": _chat_logprob_content(head, tokens[i], as_ids)} if body.logprobs else None
-        message = {"role": "assistant", "content": "".join(texts[i])}
-        return {"index": i, "message": message, "logprobs": logprobs, "finish_reason": finals[i].finish_reason}
+        content, tool_calls = "".join(texts[i]), []
+        if calls is not None:
+            content, tool_calls = calls.parse(content)
+        message = {"role": "assistant", "content": content.strip() if tool_calls else content}
+        if tool_calls:
+            message["tool_calls"] = [c.to_json() for c in tool_calls]
+        return {"index": i, "message": message, "logprobs": logprobs, "finish_reason": _finish_reason(finals[i], tool_calls)}
 
     out = {"id": cid, "object": "chat.completion", "created": created, "model": head.model_name,
            "system_fingerprint": BUILD_INFO, "choices": [choice(i) for i in range(n)], "usage": usage_of(finals),

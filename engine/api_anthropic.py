@@ -4,8 +4,11 @@
 A messages request becomes a chat request (`to_chat`, llama-server's conversion: `system` first,
 text blocks as content parts, `tool_use` blocks as the assistant's `tool_calls`, `tool_result`
 blocks as `tool` messages after their turn, `thinking` blocks as `reasoning_content`, tools'
-`input_schema` as their parameters, `stop_sequences` as stop strings) and runs as one; the answer
-has Anthropic's shape: content blocks, `stop_reason`, and `usage` with `cache_read_input_tokens`
+`input_schema` as their parameters, `tool_choice` auto / any / tool / none as OpenAI's (and its
+`disable_parallel_tool_use`),
+`stop_sequences` as stop strings) and runs as one; the answer has Anthropic's shape: content blocks
+(calls the model writes as `tool_use` blocks, engine/tool_calls.py), `stop_reason`
+(`tool_use` after calls), and `usage` with `cache_read_input_tokens`
 (prompt tokens taken from the prompt cache), no `timings`.
 """
 
@@ -25,6 +28,7 @@ from .api_common import (ChatBody, Run, chat_body, chat_requests, check_finish, 
 
 if TYPE_CHECKING:
     from .sequence import Event
+    from .tool_calls import ToolCall, ToolFormat
     from .workers.head import HeadWorker as Head
 
 DEFAULT_MAX_TOKENS = 4096  # Anthropic requires max_tokens; llama-server defaults it to this (within the context)
@@ -118,11 +122,26 @@ def to_chat(body: MessagesBody) -> ChatBody:
                          for t in body.tools]  # fmt: skip
     if body.stop_sequences is not None:
         chat["stop"] = body.stop_sequences
+    kind = (body.tool_choice or {}).get("type")
+    if kind in ("auto", "none"):
+        chat["tool_choice"] = kind
+    elif kind == "any":
+        chat["tool_choice"] = "required"
+    elif kind == "tool":
+        chat["tool_choice"] = {"type": "function", "function": {"name": body.tool_choice.get("name")}}
+    if (body.tool_choice or {}).get("disable_parallel_tool_use"):
+        chat["parallel_tool_calls"] = False
     return chat_body(chat, body, ("model", "temperature", "top_p", "top_k", "chat_template_kwargs"))
 
 
-def _stop_reason(ev: Event) -> str:
-    return "max_tokens" if ev.finish_reason == "length" else "end_turn"
+def _stop_reason(ev: Event, calls: list) -> str:
+    if ev.finish_reason == "length":
+        return "max_tokens"
+    return "tool_use" if calls else "end_turn"
+
+
+def _tool_use(call: ToolCall) -> dict:
+    return {"type": "tool_use", "id": call.id, "name": call.name, "input": json.loads(call.arguments)}
 
 
 def _usage(n_prompt: int, n_cached: int, n_out: int) -> dict:
@@ -145,13 +164,13 @@ def anthropic_routes(head: Head) -> APIRouter:
     @r.post("/v1/messages")
     async def messages(body: MessagesBody, http: Request):
         chat = to_chat(body)
-        _, reqs = await chat_requests(head, chat, fit_context=True)
+        _, reqs, calls = await chat_requests(head, chat, fit_context=True)
         req = reqs[0]
         mid = f"msg_{uuid.uuid4().hex}"
         message = {"id": mid, "type": "message", "role": "assistant", "model": head.model_name}
         if body.stream:
             req.return_progress = True  # its first report carries the prompt-cache hit message_start tells
-            return StreamingResponse(_stream(head, http, req, message), media_type="text/event-stream")
+            return StreamingResponse(_stream(head, http, req, message, calls), media_type="text/event-stream")
         text, final = [], None
         async for _, ev in Run(head, http, [req]).events():
             text.append(ev.text)
@@ -161,18 +180,24 @@ def anthropic_routes(head: Head) -> APIRouter:
             return Response(status_code=499)
         check_finish(final)
         u = final.usage
-        content = "".join(text)
-        return {**message, "content": [{"type": "text", "text": content}] if content else [],
-                "stop_reason": _stop_reason(final), "stop_sequence": final.stop_word or None,
+        content, tool_calls = "".join(text), []
+        if calls is not None:
+            content, tool_calls = calls.parse(content)
+            content = content.strip() if tool_calls else content
+        blocks = ([{"type": "text", "text": content}] if content else []) + [_tool_use(c) for c in tool_calls]
+        return {**message, "content": blocks, "stop_reason": _stop_reason(final, tool_calls), "stop_sequence": final.stop_word or None,
                 "usage": _usage(u["prompt_tokens"], u["prompt_tokens_details"]["cached_tokens"], u["completion_tokens"])}  # fmt: skip
 
     return r
 
 
-async def _stream(head: Head, http: Request, req, message: dict):
+async def _stream(head: Head, http: Request, req, message: dict, calls: ToolFormat | None):
     """Anthropic's event stream: message_start, one text block (content_block_start, its deltas,
-    content_block_stop), message_delta with the stop reason and output tokens, message_stop."""
+    content_block_stop), a tool_use block per call (its input as one input_json_delta), message_delta
+    with the stop reason and output tokens, message_stop. With tools, text where a call may start
+    is held back until the end."""
     started, text_open = False, False
+    held = calls.stream() if calls is not None else None
     async for _, ev in Run(head, http, [req]).events():
         if ev.finish_reason == "error":
             e = generation_error(ev)
@@ -185,14 +210,24 @@ async def _stream(head: Head, http: Request, req, message: dict):
                 yield named_sse("message_start", {"message": {**message, "content": [], "stop_reason": None,
                                                          "stop_sequence": None, "usage": usage}})  # fmt: skip
             continue
-        if ev.text:
+        texts = [held.push(ev.text) if held is not None else ev.text]
+        tool_calls = []
+        if ev.finish_reason is not None and held is not None:
+            rest, tool_calls = held.finish()
+            texts.append(rest)
+        for text in filter(None, texts):
             if not text_open:
                 text_open = True
                 yield named_sse("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}})
-            yield named_sse("content_block_delta", {"index": 0, "delta": {"type": "text_delta", "text": ev.text}})
+            yield named_sse("content_block_delta", {"index": 0, "delta": {"type": "text_delta", "text": text}})
         if ev.finish_reason is not None:
             if text_open:
                 yield named_sse("content_block_stop", {"index": 0})
-            yield named_sse("message_delta", {"delta": {"stop_reason": _stop_reason(ev), "stop_sequence": ev.stop_word or None},
+            for index, call in enumerate(tool_calls, start=int(text_open)):
+                yield named_sse("content_block_start", {"index": index, "content_block": {**_tool_use(call), "input": {}}})
+                yield named_sse("content_block_delta", {"index": index, "delta": {"type": "input_json_delta",
+                                                                                 "partial_json": call.arguments}})  # fmt: skip
+                yield named_sse("content_block_stop", {"index": index})
+            yield named_sse("message_delta", {"delta": {"stop_reason": _stop_reason(ev, tool_calls), "stop_sequence": ev.stop_word or None},
                                          "usage": {"output_tokens": ev.usage["completion_tokens"]}})  # fmt: skip
             yield named_sse("message_stop", {})

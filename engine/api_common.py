@@ -24,6 +24,7 @@ if TYPE_CHECKING:  # the engine's modules bring torch: imported when the model l
     from .sequence import Event
     from .sequence import Request as EngineRequest
     from .speculative import SpecConfig
+    from .tool_calls import ToolChoice, ToolFormat
     from .workers.head import HeadWorker as Head
 
 DISCONNECT_POLL_S = 0.25
@@ -86,6 +87,8 @@ class ChatBody(CommonBody):
     add_generation_prompt: bool = True
     continue_final_message: bool | None = None  # None: a last assistant message is continued (prefill)
     tools: list[dict[str, Any]] | None = None
+    tool_choice: Union[str, dict[str, Any], None] = None  # none / auto / required / {"function": {"name"}}
+    parallel_tool_calls: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     verbose: bool = False  # llama-server: `__verbose` (the prompt) in the response
     max_tokens: int | None = Field(None, ge=0)
@@ -145,6 +148,18 @@ def grammar_of(body: CommonBody) -> tuple[str, str] | None:
     """(the compiled llguidance grammar, the field it came from) of a structured-output request."""
     from .structured import compile_grammar
 
+    sources = grammar_fields(body)
+    if len(sources) > 1:
+        fields = ", ".join(f for _, _, f in sources)
+        raise APIError(400, f"give one of response_format, json_schema and grammar, not {fields}", param=sources[1][2])
+    if not sources:
+        return None
+    kind, source, field = sources[0]
+    return compile_grammar(kind, source, field), field
+
+
+def grammar_fields(body: CommonBody) -> list[tuple[str, Any, str]]:
+    """(kind, source, field) of each structured-output field the request sets."""
     sources = []
     rf = body.response_format
     if rf is not None:
@@ -163,18 +178,14 @@ def grammar_of(body: CommonBody) -> tuple[str, str] | None:
         sources.append(("json_schema", body.json_schema, "json_schema"))
     if body.grammar is not None:
         sources.append(("gbnf", body.grammar, "grammar"))
-    if len(sources) > 1:
-        fields = ", ".join(f for _, _, f in sources)
-        raise APIError(400, f"give one of response_format, json_schema and grammar, not {fields}", param=sources[1][2])
-    if not sources:
-        return None
-    kind, source, field = sources[0]
-    return compile_grammar(kind, source, field), field
+    return sources
 
 
-async def choices(head: Head, body: CommonBody, req: EngineRequest) -> list[EngineRequest]:
-    """The engine requests of `body.n` choices: each its own grammar matcher and, when seeded, its
-    own seed (seed + index), so seeded sampled choices differ and each one is reproducible."""
+async def choices(head: Head, body: CommonBody, req: EngineRequest,
+                  grammar: tuple[str, str, str] | None = None) -> list[EngineRequest]:  # fmt: skip
+    """The engine requests of `body.n` choices: each its own grammar matcher (of the body's
+    structured-output fields, or `grammar`: (kind, source, field)) and, when seeded, its own seed
+    (seed + index), so seeded sampled choices differ and each one is reproducible."""
     from dataclasses import replace
 
     engine = head.engine
@@ -185,13 +196,20 @@ async def choices(head: Head, body: CommonBody, req: EngineRequest) -> list[Engi
     for i in range(1, body.n):
         params = req.params if req.params.seed is None else replace(req.params, seed=(req.params.seed + i) % 2**64)
         reqs.append(replace(req, params=params))
-    await constrain(head, body, reqs)
+    await constrain(head, body, reqs, grammar)
     return reqs
 
 
-async def constrain(head: Head, body: CommonBody, reqs: list[EngineRequest]) -> None:
-    """Give each request its own matcher of the body's structured-output grammar, if it has one."""
-    grammar = await asyncio.to_thread(grammar_of, body)
+async def constrain(head: Head, body: CommonBody, reqs: list[EngineRequest],
+                    given: tuple[str, str, str] | None = None) -> None:  # fmt: skip
+    """Give each request its own matcher of the body's structured-output grammar (or of `given`:
+    (kind, source, field)), if there is one."""
+    from .structured import compile_grammar
+
+    if given is not None:
+        grammar = await asyncio.to_thread(compile_grammar, *given), given[2]
+    else:
+        grammar = await asyncio.to_thread(grammar_of, body)
     if grammar is None:
         return
     # built on the model's llguidance tokenizer: the first one builds it (seconds)
@@ -270,13 +288,18 @@ def split_prompts(prompt) -> list:
     return [prompt]
 
 
-async def chat_requests(head: Head, body: ChatBody, fit_context: bool = False) -> tuple[str, list[EngineRequest]]:
-    """A chat request's prompt text and its engine requests (one per choice); max_tokens defaults to
-    the server's --n-predict, within the context. A max_tokens past the context is refused, or with
-    `fit_context` cut to it (generation stops where the context ends, as llama-server's)."""
+async def chat_requests(head: Head, body: ChatBody,
+                        fit_context: bool = False) -> tuple[str, list[EngineRequest], ToolFormat | None]:  # fmt: skip
+    """A chat request's prompt text, its engine requests (one per choice) and the tool-call format
+    its generations are parsed with (None: plain text); max_tokens defaults to the server's
+    --n-predict, within the context. A max_tokens past the context is refused, or with
+    `fit_context` cut to it (generation stops where the context ends, as llama-server's).
+    `tool_choice: required` (or a named function) constrains generation to calls; auto constrains
+    a call once its start marker is written (llama.cpp's lazy grammar)."""
     from .sequence import Request as EngineRequest
 
     engine = ready_engine(head)
+    choice, fmt = await asyncio.to_thread(tool_plan, head, body)
     prompt = await asyncio.to_thread(template_prompt, head, body)
     ids = await asyncio.to_thread(head.tok.encode, prompt, add_special=True, parse_special=True)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
@@ -292,13 +315,35 @@ async def chat_requests(head: Head, body: ChatBody, fit_context: bool = False) -
                         spec=speculative_config(engine, body), cache_prompt=body.cache_prompt,
                         timings_per_token=body.timings_per_token,
                         return_progress=body.stream and body.return_progress)  # fmt: skip
-    return prompt, await choices(head, body, req)
+    if fmt is not None and choice.parses:
+        req.preserved_tokens = fmt.preserved(head.tok)
+    if fmt is not None and choice.parses and grammar_fields(body) == [] and (choice.forces or fmt.triggers):
+        # required: calls only; auto: once the model starts a call, it is held to the tools' schemas
+        grammar = fmt.grammar(choice, head.tok, lazy=not choice.forces)
+        return prompt, await choices(head, body, req, ("lark", grammar, "tools")), fmt
+    return prompt, await choices(head, body, req), fmt if choice.parses else None
+
+
+def tool_plan(head: Head, body: ChatBody) -> tuple[ToolChoice, ToolFormat | None]:
+    """The request's checked tools and the chat template's tool-call format (None: the template
+    writes no calls we can read)."""
+    from .tool_calls import ToolFormat, tool_choice_of
+
+    choice = tool_choice_of(body.tools, body.tool_choice, body.parallel_tool_calls)
+    if choice.parses and body.grammar is not None:  # llama-server's rule and words
+        raise APIError(400, "Cannot use custom grammar constraints with tools.", param="grammar")
+    return choice, ToolFormat.learn(head.chat_template) if choice.tools else None
 
 
 def template_prompt(head: Head, body) -> str:
     """The chat prompt of a body with `messages`, `add_generation_prompt`, `continue_final_message`,
     `tools` and `chat_template_kwargs` (a chat request, /apply-template, input_tokens)."""
+    from .tool_calls import ToolFormat, arguments_as_objects
+
     messages = [m.model_dump(exclude_none=True) if isinstance(m, BaseModel) else m for m in body.messages]
+    fmt = ToolFormat.learn(head.chat_template) if any(m.get("tool_calls") for m in messages) else None
+    if fmt is not None and fmt.object_arguments:  # as llama.cpp: JSON-text arguments to templates that read objects
+        messages = arguments_as_objects(messages)
     extra = {**head.cfg.chat_template_kwargs, **(body.chat_template_kwargs or {})}
     if body.tools:
         extra["tools"] = body.tools

@@ -4,9 +4,10 @@ streamed or not, stateless (no `previous_response_id`).
 A responses request becomes a chat request (`to_chat`: `instructions` as the system message, `input`
 text or message items with input_text / output_text parts, `function_call` items as the assistant's
 tool calls, `function_call_output` items as tool messages, flat function tools, `max_output_tokens`)
-and runs as one. The answer is a `response` object with one `message` output item; the stream sends
+and runs as one (`tool_choice` too). The answer is a `response` object with a `message` output
+item and a `function_call` item per call the model wrote (engine/tool_calls.py); the stream sends
 response.created / in_progress (also per prompt batch with `return_progress`), output_item /
-content_part added, output_text deltas, their done events and response.completed.
+content_part added, output_text deltas, their done events, the calls' items and response.completed.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from .http_errors import APIError
 
 if TYPE_CHECKING:
     from .sequence import Event
+    from .tool_calls import ToolCall, ToolFormat
     from .workers.head import HeadWorker as Head
 
 TEXT_PARTS = ("input_text", "output_text")
@@ -40,6 +42,8 @@ class ResponsesBody(BaseModel):
     top_p: float | None = None
     stream: bool = False
     tools: list[dict[str, Any]] | None = None
+    tool_choice: Union[str, dict[str, Any], None] = None  # none / auto / required / {"type": "function", "name"}
+    parallel_tool_calls: bool | None = None
     previous_response_id: str | None = None
     timings_per_token: bool = False  # llama-server's
     return_progress: bool = False  # llama-server's
@@ -95,7 +99,11 @@ def to_chat(body: ResponsesBody) -> ChatBody:
     if body.tools is not None:
         chat["tools"] = [{"type": "function", "function": {k: t[k] for k in ("name", "description", "parameters") if k in t}}
                          for t in body.tools if t.get("type") == "function"]  # fmt: skip
-    return chat_body(chat, body, ("model", "temperature", "top_p"))
+    choice = body.tool_choice
+    if isinstance(choice, dict) and choice.get("type") == "function":  # the Responses API's flat form
+        choice = {"type": "function", "function": {"name": choice.get("name")}}
+    chat["tool_choice"] = choice
+    return chat_body(chat, body, ("model", "temperature", "top_p", "parallel_tool_calls"))
 
 
 def _usage(ev: Event) -> dict:
@@ -110,10 +118,10 @@ def responses_routes(head: Head) -> APIRouter:
     @r.post("/v1/responses")
     @r.post("/responses", include_in_schema=False)
     async def responses(body: ResponsesBody, http: Request):
-        _, reqs = await chat_requests(head, to_chat(body))
+        _, reqs, calls = await chat_requests(head, to_chat(body))
         ids = {"resp": f"resp_{uuid.uuid4().hex}", "msg": f"msg_{uuid.uuid4().hex}"}
         if body.stream:
-            return StreamingResponse(_stream(head, http, reqs[0], ids), media_type="text/event-stream")
+            return StreamingResponse(_stream(head, http, reqs[0], ids, calls), media_type="text/event-stream")
         text, final = [], None
         async for _, ev in Run(head, http, reqs).events():
             text.append(ev.text)
@@ -122,7 +130,11 @@ def responses_routes(head: Head) -> APIRouter:
         if final is None:  # the client left; nobody reads this
             return Response(status_code=499)
         check_finish(final)
-        return _response(head, ids, "".join(text), final)
+        content, tool_calls = "".join(text), []
+        if calls is not None:
+            content, tool_calls = calls.parse(content)
+            content = content.strip() if tool_calls else content
+        return _response(head, ids, content, final, [_function_call(c) for c in tool_calls])
 
     return r
 
@@ -132,15 +144,25 @@ def _message(ids: dict, text: str, status: str) -> dict:
     return {"type": "message", "id": ids["msg"], "role": "assistant", "status": status, "content": [part] if text else []}
 
 
-def _response(head: Head, ids: dict, text: str, final: Event) -> dict:
+def _function_call(call: ToolCall) -> dict:
+    """A call the model wrote, as llama-server's `function_call` item."""
+    return {"id": f"fc_{call.id}", "type": "function_call", "status": "completed", "arguments": call.arguments,
+            "call_id": f"call_{call.id}", "name": call.name}  # fmt: skip
+
+
+def _response(head: Head, ids: dict, text: str, final: Event, calls: list[dict] = ()) -> dict:
     """The finished response; "completed" also when max_output_tokens cut it, as llama-server's."""
     now = int(time.time())
+    output = ([_message(ids, text, "completed")] if text else []) + list(calls)
     return {"id": ids["resp"], "object": "response", "created_at": now, "completed_at": now, "status": "completed",
-            "model": head.model_name, "output": [_message(ids, text, "completed")] if text else [], "usage": _usage(final)}  # fmt: skip
+            "model": head.model_name, "output": output, "usage": _usage(final)}  # fmt: skip
 
 
-async def _stream(head: Head, http: Request, req, ids: dict):
+async def _stream(head: Head, http: Request, req, ids: dict, calls: ToolFormat | None):
+    """The response.* events; with tools, text where a call may start is held back, and each call
+    comes at the end as a function_call output item (added, then done)."""
     pending = {"id": ids["resp"], "object": "response", "status": "in_progress", "model": head.model_name}
+    held = calls.stream() if calls is not None else None
     yield named_sse("response.created", {"response": pending})
     yield named_sse("response.in_progress", {"response": pending})
     text: list[str] = []
@@ -154,12 +176,16 @@ async def _stream(head: Head, http: Request, req, ids: dict):
         if ev.progress is not None:
             yield named_sse("response.in_progress", {"response": pending, "prompt_progress": ev.progress, **timings})
             continue
-        if ev.text:
+        pieces, tool_calls = [held.push(ev.text) if held is not None else ev.text], []
+        if ev.finish_reason is not None and held is not None:
+            rest, tool_calls = held.finish()
+            pieces.append(rest)
+        for piece in filter(None, pieces):
             if not text:
                 yield named_sse("response.output_item.added", {"output_index": 0, "item": _message(ids, "", "in_progress")})
                 yield named_sse("response.content_part.added", {**where, "part": {"type": "output_text", "text": "", "annotations": []}})
-            text.append(ev.text)
-            yield named_sse("response.output_text.delta", {**where, "delta": ev.text, **timings})
+            text.append(piece)
+            yield named_sse("response.output_text.delta", {**where, "delta": piece, **timings})
         if ev.finish_reason is not None:
             content = "".join(text)
             if content:
@@ -167,4 +193,8 @@ async def _stream(head: Head, http: Request, req, ids: dict):
                 yield named_sse("response.output_text.done", {**where, "text": content})
                 yield named_sse("response.content_part.done", {**where, "part": item["content"][0]})
                 yield named_sse("response.output_item.done", {"output_index": 0, "item": item})
-            yield named_sse("response.completed", {"response": _response(head, ids, content, ev), "timings": ev.timings})
+            items = [_function_call(c) for c in tool_calls]
+            for index, item in enumerate(items, start=int(bool(content))):
+                yield named_sse("response.output_item.added", {"output_index": index, "item": {**item, "status": "in_progress"}})
+                yield named_sse("response.output_item.done", {"output_index": index, "item": item})
+            yield named_sse("response.completed", {"response": _response(head, ids, content, ev, items), "timings": ev.timings})

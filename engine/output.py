@@ -21,7 +21,7 @@ class _Stream:
     """One request's output state while it runs."""
 
     def __init__(self, seq: Sequence, tok):
-        self.decoder = StreamDecoder(tok)
+        self.decoder = StreamDecoder(tok, keep=seq.req.preserved_tokens)
         self.n_seen = seq.n_prompt  # seq.tokens before this index are passed to the decoder
         self.held_text = ""  # text that may still turn out to start a stop string
         self.held_tokens: list[GenToken] = []

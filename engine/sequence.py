@@ -64,6 +64,8 @@ class Request:
     constraint: Constraint | None = None  # structured output: this request's own grammar matcher
     timings_per_token: bool = False  # every event carries the timings so far, not only the last
     return_progress: bool = False  # an Event.progress when it takes a slot and after each prompt chunk
+    # control tokens its text keeps (llama-server's preserved_tokens: a tool call's markers)
+    preserved_tokens: frozenset[int] = frozenset()
     sink: Callable[[Event], None] = lambda ev: None
     id: int = 0
     slot: int = -1  # the slot the scheduler gave it (llama-server reports it as id_slot)

@@ -23,7 +23,7 @@ import llguidance
 import torch
 
 from .sampling import InvalidParam
-from .tokenizer import CONTROL, UNKNOWN, USER_DEFINED, Tokenizer
+from .tokenizer import CONTROL, UNKNOWN, Tokenizer
 
 # JSON as compact as the schema allows: a free-whitespace grammar lets a model pad forever.
 _JSON_OPTIONS = {"whitespace_flexible": False}
@@ -60,8 +60,9 @@ class _TokenSource:
         self.eos_token_id = tok.eos_id
         self.bos_token_id = tok.bos_id
         self.tokens = [tok.token_bytes(i) for i in range(tok.vocab_size)]
-        # control / unknown / user-defined: never produced by text, so never a grammar's bytes
-        self.special_token_ids = [i for i in range(tok.vocab_size) if tok.token_type(i) in (CONTROL, UNKNOWN, USER_DEFINED)]
+        # control / unknown: never produced by text, so never a grammar's bytes. User-defined tokens
+        # are text (Gemma's newlines and runs of spaces are user-defined: a grammar needs them).
+        self.special_token_ids = [i for i in range(tok.vocab_size) if tok.token_type(i) in (CONTROL, UNKNOWN)]
 
     def __call__(self, text: str | bytes) -> list[int]:
         if isinstance(text, bytes):
