@@ -341,7 +341,7 @@ def template_prompt(head: Head, body) -> str:
     from .tool_calls import ToolFormat, arguments_as_objects
 
     messages = [m.model_dump(exclude_none=True) if isinstance(m, BaseModel) else m for m in body.messages]
-    fmt = ToolFormat.learn(head.chat_template) if any(m.get("tool_calls") for m in messages) else None
+    fmt = ToolFormat.learn(head.chat_template) if any(isinstance(m, dict) and m.get("tool_calls") for m in messages) else None
     if fmt is not None and fmt.object_arguments:  # as llama.cpp: JSON-text arguments to templates that read objects
         messages = arguments_as_objects(messages)
     extra = {**head.cfg.chat_template_kwargs, **(body.chat_template_kwargs or {})}
