@@ -64,16 +64,14 @@ def test_greedy_with_pd_equals_greedy_without_solo_and_split(tiny_model, tmp_pat
         assert r.status_code == 400 and "only prefills" in r.json()["error"]["message"]
 
 
-class CutRelay:
-    """A TCP relay in front of the prefill worker's RPC port. With `cut` set, it forwards the first
-    bytes of the next reply, signals `mid_transfer` and holds the rest until the connection drops:
-    the test kills the worker right then, mid-transfer."""
+class Relay:
+    """A TCP relay on a free loopback port in front of `upstream`; each accepted connection gets its
+    own upstream connection and `_relay(down, up)` in a thread."""
 
     def __init__(self, upstream: tuple[str, int]):
-        self.upstream, self.cut = upstream, False
-        self.mid_transfer, self.killed = threading.Event(), threading.Event()
+        self.upstream = upstream
         self.sock = socket.create_server(("127.0.0.1", 0))
-        self.addr = f"127.0.0.1:{self.sock.getsockname()[1]}"
+        self.addr = self.rpc_addr = f"127.0.0.1:{self.sock.getsockname()[1]}"
         threading.Thread(target=self._accept, daemon=True).start()
 
     def _accept(self):
@@ -82,27 +80,15 @@ class CutRelay:
                 down, _ = self.sock.accept()
             except OSError:
                 return
-            threading.Thread(target=self._relay, args=(down,), daemon=True).start()
+            try:
+                up = socket.create_connection(self.upstream)
+            except OSError:
+                down.close()
+                continue
+            threading.Thread(target=self._relay, args=(down, up), daemon=True).start()
 
-    def _relay(self, down):
-        try:
-            up = socket.create_connection(self.upstream)
-        except OSError:
-            down.close()
-            return
-        cut, self.cut = self.cut, False
-        threading.Thread(target=self._pump, args=(down, up), daemon=True).start()
-        sent = 0
-        with up, down, contextlib.suppress(OSError):
-            while data := _recv(up):
-                if cut and sent + len(data) > 64:
-                    down.sendall(data[: 64 - sent])
-                    self.mid_transfer.set()
-                    self.killed.wait(30)
-                    down.shutdown(socket.SHUT_RDWR)  # the head sees the stream end mid-reply
-                    return
-                down.sendall(data)
-                sent += len(data)
+    def _relay(self, down, up):
+        raise NotImplementedError
 
     @staticmethod
     def _pump(src, dst):
@@ -118,6 +104,32 @@ class CutRelay:
         self.sock.close()
 
 
+class CutRelay(Relay):
+    """In front of the prefill worker's RPC port. With `cut` set, it forwards the first bytes of the
+    next reply, signals `mid_transfer` and holds the rest until the connection drops: the test
+    kills the worker right then, mid-transfer."""
+
+    def __init__(self, upstream: tuple[str, int]):
+        self.cut = False
+        self.mid_transfer, self.killed = threading.Event(), threading.Event()
+        super().__init__(upstream)
+
+    def _relay(self, down, up):
+        cut, self.cut = self.cut, False
+        threading.Thread(target=self._pump, args=(down, up), daemon=True).start()
+        sent = 0
+        with up, down, contextlib.suppress(OSError):
+            while data := _recv(up):
+                if cut and sent + len(data) > 64:
+                    down.sendall(data[: 64 - sent])
+                    self.mid_transfer.set()
+                    self.killed.wait(30)
+                    down.shutdown(socket.SHUT_RDWR)  # the head sees the stream end mid-reply
+                    return
+                down.sendall(data)
+                sent += len(data)
+
+
 def _recv(s) -> bytes:
     try:
         return s.recv(1 << 16)
@@ -125,35 +137,20 @@ def _recv(s) -> bytes:
         return b""
 
 
-class HoldRelay:
-    """A TCP relay in front of a peer's compute port that reads the head's frames (`cmd u8 | size
-    u64 | payload`). Armed, it forwards the next STATE_PUT's header and half its payload, sets
-    `holding` and keeps the rest until `release`: the peer is then mid-placement, in its prepare
-    phase, for as long as the test wants."""
+class HoldRelay(Relay):
+    """In front of a peer's compute port; reads the head's frames (`cmd u8 | size u64 | payload`).
+    Armed, it forwards the next STATE_PUT's header and half its payload, sets `holding` and keeps
+    the rest until `release`: the peer is then mid-placement, in its prepare phase, for as long as
+    the test wants."""
 
     def __init__(self, upstream: str):
         host, port = upstream.rsplit(":", 1)
-        self.upstream, self.armed = (host, int(port)), False
+        self.armed = False
         self.holding, self.release = threading.Event(), threading.Event()
-        self.sock = socket.create_server(("127.0.0.1", 0))
-        self.rpc_addr = f"127.0.0.1:{self.sock.getsockname()[1]}"
-        threading.Thread(target=self._accept, daemon=True).start()
+        super().__init__((host, int(port)))
 
-    def _accept(self):
-        while True:
-            try:
-                down, _ = self.sock.accept()
-            except OSError:
-                return
-            try:
-                up = socket.create_connection(self.upstream)
-            except OSError:
-                down.close()
-                continue
-            threading.Thread(target=CutRelay._pump, args=(up, down), daemon=True).start()
-            threading.Thread(target=self._frames, args=(down, up), daemon=True).start()
-
-    def _frames(self, down, up):
+    def _relay(self, down, up):
+        threading.Thread(target=self._pump, args=(up, down), daemon=True).start()
         with up, down, contextlib.suppress(OSError):
             while header := _recv_exact(down, COMPUTE_HEADER.size):
                 cmd, size = COMPUTE_HEADER.unpack(header)
@@ -169,9 +166,7 @@ class HoldRelay:
 
     def close(self):
         self.release.set()
-        with contextlib.suppress(OSError):
-            self.sock.shutdown(socket.SHUT_RDWR)
-        self.sock.close()
+        super().close()
 
 
 def _recv_exact(s, n: int) -> bytes:
