@@ -413,10 +413,10 @@ async def _respond_chat(head: Head, http: Request, body: ChatBody, reqs: list[En
 
     def choice(i: int) -> dict:
         logprobs = {"content": _chat_logprob_content(head, tokens[i], as_ids)} if body.logprobs else None
-        content, tool_calls = "".join(texts[i]), []
-        if calls is not None:
-            content, tool_calls = calls.parse(content)
-        message = {"role": "assistant", "content": content.strip() if tool_calls else content}
+        from .tool_calls import reply_parts
+
+        content, tool_calls = reply_parts(calls, "".join(texts[i]))
+        message = {"role": "assistant", "content": content}
         if tool_calls:
             message["tool_calls"] = [c.to_json() for c in tool_calls]
         return {"index": i, "message": message, "logprobs": logprobs, "finish_reason": _finish_reason(finals[i], tool_calls)}

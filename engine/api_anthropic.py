@@ -23,7 +23,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from .api_common import (ChatBody, Run, chat_body, chat_requests, check_finish, generation_error, named_sse, ready_engine,
+from .api_common import (ChatBody, Run, chat_body, chat_requests, generation_error, named_sse, single_reply, ready_engine,
                          template_prompt)  # fmt: skip
 
 if TYPE_CHECKING:
@@ -171,19 +171,11 @@ def anthropic_routes(head: Head) -> APIRouter:
         if body.stream:
             req.return_progress = True  # its first report carries the prompt-cache hit message_start tells
             return StreamingResponse(_stream(head, http, req, message, calls), media_type="text/event-stream")
-        text, final = [], None
-        async for _, ev in Run(head, http, [req]).events():
-            text.append(ev.text)
-            if ev.finish_reason is not None:
-                final = ev
-        if final is None:  # the client left; nobody reads this
+        reply = await single_reply(head, http, req, calls)
+        if reply is None:  # the client left; nobody reads this
             return Response(status_code=499)
-        check_finish(final)
+        content, tool_calls, final = reply
         u = final.usage
-        content, tool_calls = "".join(text), []
-        if calls is not None:
-            content, tool_calls = calls.parse(content)
-            content = content.strip() if tool_calls else content
         blocks = ([{"type": "text", "text": content}] if content else []) + [_tool_use(c) for c in tool_calls]
         return {**message, "content": blocks, "stop_reason": _stop_reason(final, tool_calls), "stop_sequence": final.stop_word or None,
                 "usage": _usage(u["prompt_tokens"], u["prompt_tokens_details"]["cached_tokens"], u["completion_tokens"])}  # fmt: skip

@@ -424,6 +424,22 @@ def stream_error(ev: Event) -> dict:
     return {"error": {"message": describe(ev.error), "type": e.type, "param": None, "code": str(e.status)}}
 
 
+async def single_reply(head: Head, http: Request, req: EngineRequest, calls: ToolFormat | None):
+    """One request run to its end, not streamed: (content, tool calls, final event), None when the
+    client left; a generation error raises (check_finish)."""
+    from .tool_calls import reply_parts
+
+    text, final = [], None
+    async for _, ev in Run(head, http, [req]).events():
+        text.append(ev.text)
+        if ev.finish_reason is not None:
+            final = ev
+    if final is None:
+        return None
+    check_finish(final)
+    return (*reply_parts(calls, "".join(text)), final)
+
+
 def check_finish(ev: Event) -> None:
     if ev.finish_reason == "error":
         raise generation_error(ev)

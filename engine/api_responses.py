@@ -20,7 +20,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from .api_common import ChatBody, Run, chat_body, chat_requests, check_finish, generation_error, named_sse
+from .api_common import ChatBody, Run, chat_body, chat_requests, generation_error, named_sse, single_reply
 from .http_errors import APIError
 
 if TYPE_CHECKING:
@@ -122,18 +122,10 @@ def responses_routes(head: Head) -> APIRouter:
         ids = {"resp": f"resp_{uuid.uuid4().hex}", "msg": f"msg_{uuid.uuid4().hex}"}
         if body.stream:
             return StreamingResponse(_stream(head, http, reqs[0], ids, calls), media_type="text/event-stream")
-        text, final = [], None
-        async for _, ev in Run(head, http, reqs).events():
-            text.append(ev.text)
-            if ev.finish_reason is not None:
-                final = ev
-        if final is None:  # the client left; nobody reads this
+        reply = await single_reply(head, http, reqs[0], calls)
+        if reply is None:  # the client left; nobody reads this
             return Response(status_code=499)
-        check_finish(final)
-        content, tool_calls = "".join(text), []
-        if calls is not None:
-            content, tool_calls = calls.parse(content)
-            content = content.strip() if tool_calls else content
+        content, tool_calls, final = reply
         return _response(head, ids, content, final, [_function_call(c) for c in tool_calls])
 
     return r

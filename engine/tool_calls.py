@@ -146,6 +146,15 @@ def arguments_as_objects(messages: list[dict]) -> list[dict]:
 # ---- the format --------------------------------------------------------------------------------
 
 
+def reply_parts(fmt: ToolFormat | None, text: str) -> tuple[str, list[ToolCall]]:
+    """A finished reply's content and tool calls (`fmt`: the template's call format, None when the
+    request has no tools); beside calls the content loses its surrounding whitespace."""
+    if fmt is None:
+        return text, []
+    content, calls = fmt.parse(text)
+    return (content.strip() if calls else content), calls
+
+
 @dataclass(frozen=True)
 class ToolFormat:
     """How one template writes calls: `start` + call + (`sep` + call)* + `end`, each call either a
