@@ -136,6 +136,8 @@ def test_second_session_cannot_clear_or_forward_into_the_heads_slots(ws, model):
 
     def attack():
         with session(w, g) as s:
+            for key in (b"\0" * 16, b"", os.urandom(64)):  # guessing the head's state_key takes nothing over
+                replies.append(compute(s, Cmd.STATE_JOIN, key))
             while not stop.is_set():
                 replies.append(compute(s, Cmd.KV_CLEAR, KV_CLEAR.pack(-1)))
                 epoch = peer_epoch(w)
@@ -147,13 +149,15 @@ def test_second_session_cannot_clear_or_forward_into_the_heads_slots(ws, model):
     t = threading.Thread(target=attack)
     t.start()
     try:
-        wait_for(lambda: len(replies) >= 2, 30, "the attack to start")
+        wait_for(lambda: len(replies) >= 5, 30, "the attack to start")
         text = greedy(ws["head"], PROMPT, N_TOKENS)[0]
     finally:
         stop.set()
         t.join(30)
     assert text == ws["baseline"]
-    assert replies and all(r[0] == 1 and b"another session" in r for r in replies), replies[:2]
+    joins, others = replies[:3], replies[3:]
+    assert all(r[0] == 1 and b"STATE_JOIN refused" in r for r in joins), joins
+    assert others and all(r[0] == 1 and b"another session" in r for r in others), others[:2]
 
 
 # --- 3: nothing large is read before AUTH ------------------------------------------------------------
@@ -190,7 +194,8 @@ def test_unknown_and_state_changing_ops_before_auth_close_unanswered(ws):
     with connect(w.rpc_port) as s:  # an AUTH frame over the pre-auth cap
         s.sendall(wire.pack_control_request(Op.AUTH, b"x" * PREAUTH_MAX_FRAME))
         assert unanswered_close(s) == b""
-    for cmd in (Cmd.LOAD_STAGE, Cmd.KV_CLEAR, Cmd.STATS, Cmd.STATE_META, Cmd.STATE_GET, Cmd.STATE_PUT, Cmd.PROBE, 99):
+    for cmd in (Cmd.LOAD_STAGE, Cmd.KV_CLEAR, Cmd.STATS, Cmd.STATE_META, Cmd.STATE_GET, Cmd.STATE_PUT, Cmd.STATE_JOIN,
+                Cmd.PROBE, 99):
         with connect(ws["tok_peer"].rpc_port) as s:
             compute(s, Cmd.HELLO, pack_hello())
             wire.read_compute_response(SocketReader(s), 64)  # the nonce
