@@ -60,12 +60,22 @@ def _dtype_name(dtype: torch.dtype) -> str:
 def save(stage, slot: int, tokens: list[int], fingerprint: str, extra: dict[str, torch.Tensor] | None = None) -> memoryview:
     """The state of `slot`'s first len(tokens) positions (and `extra`'s tensors), in one buffer:
     a copy, taken now, that later steps cannot overwrite."""
+    views = _slot_views(stage, slot, tokens, extra)
+    return pack(_header(stage, stage.layer_range, tokens, fingerprint, views), views.values())
+
+
+def _slot_views(stage, slot: int, tokens: list[int], extra: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
+    """The tensors holding `slot`'s first len(tokens) positions, and `extra`'s, by name."""
     if stage.recurrent and stage.state_len[slot] != len(tokens):
         raise SlotStateError(f"slot {slot}'s recurrent state covers {stage.state_len[slot]} tokens, not the {len(tokens)} asked for")
-    views = {**stage.slot_state(slot, len(tokens)), **(extra or {})}
+    return {**stage.slot_state(slot, len(tokens)), **(extra or {})}
+
+
+def _header(stage, layers, tokens: list[int], fingerprint: str, views: dict[str, torch.Tensor]) -> SlotHeader:
+    """The header of a state of layers [a, b) made of `views`, in their order."""
     dtype = _dtype_name(stage.dtype)
     entries = [TensorEntry(name, list(t.shape), _dtype_name(t.dtype), t.numel() * t.element_size()) for name, t in views.items()]
-    return pack(SlotHeader(fingerprint, list(stage.layer_range), list(tokens), dtype, dtype, entries), views.values())
+    return SlotHeader(fingerprint, list(layers), list(tokens), dtype, dtype, entries)
 
 
 def pack(header: SlotHeader, parts: Iterable[torch.Tensor | memoryview]) -> memoryview:
@@ -157,18 +167,16 @@ def device_states(stage, slot: int, tokens: list[int], fingerprint: str, ranges:
     as (header, body) with the body a uint8 buffer on the stage's device: what a worker hands over
     by CUDA IPC (no checksums: the body never crosses a wire). `mtp.*` tensors go with the range
     that starts at layer 0."""
-    views = {**stage.slot_state(slot, len(tokens)), **(extra or {})}
-    dtype = _dtype_name(stage.dtype)
+    views = _slot_views(stage, slot, tokens, extra)
     out = []
     for a, b in ranges:
         chosen = {name: t for name, t in views.items() if (a == 0 if _layer(name) < 0 else a <= _layer(name) < b)}
         missing = [il for il in range(a, b) if il not in {_layer(name) for name in chosen}]
         if missing:
             raise SlotStateError(f"this worker lacks layers {missing[:4]} of [{a}, {b})")
-        entries = [TensorEntry(name, list(t.shape), _dtype_name(t.dtype), t.numel() * t.element_size()) for name, t in chosen.items()]
-        header = SlotHeader(fingerprint, [a, b], list(tokens), dtype, dtype, entries)
+        header = _header(stage, (a, b), tokens, fingerprint, chosen)
         body, offset = torch.empty(header.body_bytes, dtype=torch.uint8, device=stage.device), 0
-        for entry, t in zip(entries, chosen.values()):
+        for entry, t in zip(header.tensors, chosen.values()):
             body[offset : offset + entry.nbytes].copy_(t.contiguous().view(-1).view(torch.uint8))
             offset += entry.nbytes
         out.append((header, body))
