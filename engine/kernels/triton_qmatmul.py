@@ -24,12 +24,13 @@ from gguf.constants import GGMLQuantizationType as T
 from .qweight import LAYOUTS, QuantWeight
 
 # GEMV tiles by row count rounded up to a power of two: (BLOCK_N, BLOCK_K, num_warps, programs per SM
-# that split-K aims for). Chosen on an H200 by `benchmarks/bench_qkernels.py --sweep`.
-GEMV_CONFIGS: dict[int, tuple[int, int, int, int]] = {
-    1: (4, 1024, 4, 2),
-    2: (8, 1024, 4, 2),
-    4: (8, 1024, 4, 2),
-    8: (8, 512, 4, 2),
+# that split-K aims for, int8 x: 16-bit x quantized per tile for dp4a). Chosen on an H200 by
+# `benchmarks/bench_qkernels.py --sweep`.
+GEMV_CONFIGS: dict[int, tuple[int, int, int, int, bool]] = {
+    1: (4, 1024, 4, 2, False),
+    2: (8, 1024, 4, 2, False),
+    4: (8, 1024, 4, 2, False),
+    8: (8, 512, 4, 2, False),
 }
 GEMV_MAX_ROWS = max(GEMV_CONFIGS)
 
@@ -91,7 +92,7 @@ def _dequant_kernel(q_ptr, h_ptr, d_ptr, sc_ptr, m_ptr, mn_ptr, out_ptr, N, K, q
     k_lo = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K // 32)[None, :, None] * 32
     i = tl.arange(0, 16)[None, None, :]
     p = k_lo // 2 + i
-    q_lo, q_hi = _codes(q_ptr, h_ptr, r, r_ok & (p < K // 2), p, q_stride, h_stride, BITS, OFFSET)
+    q_lo, q_hi = _codes(q_ptr, h_ptr, r, r_ok & (k_lo < K), p, q_stride, h_stride, BITS, OFFSET)
     d_lo, d_hi, m = _scales(d_ptr, sc_ptr, m_ptr, mn_ptr, r, r_ok & (k_lo < K), k_lo, d_stride, s_stride, SB, G,
                             HAS_M, HAS_MN)
     # The same operations, in the same order, as quant.dequantize: (d * sc) * (u - offset) + m * mn.
@@ -104,48 +105,149 @@ def _dequant_kernel(q_ptr, h_ptr, d_ptr, sc_ptr, m_ptr, mn_ptr, out_ptr, N, K, q
     tl.store(out_ptr + r * K + k + 16, w_hi.to(dt), mask=ok)
 
 
+X_TILE_BYTES = 48  # a 32-element tile of x quantized for the dp4a GEMV: 32 codes, scale, two sums, padding
+
+
 @triton.jit
-def _gemv_kernel(x_ptr, q_ptr, h_ptr, d_ptr, sc_ptr, m_ptr, mn_ptr, out_ptr, M, N, K, x_stride, q_stride, h_stride,
-                 d_stride, s_stride, K_SPLIT: tl.constexpr, BITS: tl.constexpr, OFFSET: tl.constexpr, SB: tl.constexpr,
-                 G: tl.constexpr, HAS_M: tl.constexpr, HAS_MN: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, MR: tl.constexpr):
-    # Axes [weight row, x row, 32-element tile, element]: every operand is indexed in this one frame,
-    # so broadcasting never moves data between threads. Each tile's codes are dotted with x first and
-    # scaled once per half tile: per weight, one fused multiply-add after decoding the code.
+def _quantize_x_kernel(x_ptr, out_ptr, K, x_stride, out_stride, BLOCK_T: tl.constexpr):
+    """Rows of x -> per 32-element tile: int8 codes c = round(x / scale) with scale = max|x| / 127 (the
+    32 bytes in order), then int32 words [float32 scale, Σ c of elements 0-15, Σ c of 16-31, 0]."""
+    row = tl.program_id(0).to(tl.int64)
+    tt = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)[:, None]
+    e = tl.arange(0, 32)[None, :]
+    ok = tt * 32 < K
+    x = tl.load(x_ptr + row * x_stride + tt * 32 + e, mask=ok, other=0.0).to(tl.float32)
+    amax = tl.max(tl.abs(x), axis=1)
+    v = x * (127.0 / tl.where(amax > 0, amax, 1.0))[:, None]  # an all-zero tile: codes 0
+    c = tl.where(v >= 0, v + 0.5, v - 0.5).to(tl.int32)  # rounded half away from zero, as llama.cpp's q8_1
+    sums = tl.sum(tl.reshape(c, [BLOCK_T, 2, 16]), axis=2)
+    half = tl.arange(0, 2)[None, :]
+    sum_lo = tl.sum(tl.where(half == 0, sums, 0), axis=1)[:, None]
+    sum_hi = tl.sum(tl.where(half == 1, sums, 0), axis=1)[:, None]
+    b = tl.arange(0, 4)[None, None, :]
+    words = tl.sum(tl.reshape(c & 255, [BLOCK_T, 8, 4]) << (8 * b), axis=2)
+    out = out_ptr.to(tl.pointer_type(tl.int32)) + row * (out_stride // 4) + tt * 12
+    tl.store(out + tl.arange(0, 8)[None, :], words, mask=ok)
+    meta = tl.arange(0, 4)[None, :]
+    scale = (amax / 127.0).to(tl.int32, bitcast=True)[:, None]
+    meta_val = tl.where(meta == 0, scale, tl.where(meta == 1, sum_lo, tl.where(meta == 2, sum_hi, 0)))
+    tl.store(out + 8 + meta, meta_val, mask=ok)
+
+
+@triton.jit
+def _dp4a(a, b, ASM: tl.constexpr):
+    """Per int32 lane: the sum over its 4 bytes of unsigned a times signed b (PTX dp4a.u32.s32). Without
+    ASM the same in plain integer ops: Triton's interpreter (tests on CPU) runs no inline assembly."""
+    if ASM:
+        return tl.inline_asm_elementwise("dp4a.u32.s32 $0, $1, $2, 0;", "=r,r,r", [a, b], dtype=tl.int32,
+                                         is_pure=True, pack=1)
+    s = (a & 255) * ((b << 24) >> 24) + ((a >> 8) & 255) * ((b << 16) >> 24)
+    return s + ((a >> 16) & 255) * ((b << 8) >> 24) + ((a >> 24) & 255) * (b >> 24)
+
+
+@triton.jit
+def _code_words(q_ptr, h_ptr, r, ok, w, q_stride, h_stride, BITS: tl.constexpr):
+    """Unsigned codes four to an int32, one per byte, (lo, hi), of int32 words w of rows r of `q`: word w
+    holds nibble bytes 4w..4w+3, whose high bits sit in h bytes (4w..4w+3) * (BITS - 4) // 4."""
+    qw = tl.load(q_ptr.to(tl.pointer_type(tl.int32)) + r * (q_stride // 4) + w, mask=ok, other=0)
+    lo = qw & 0x0F0F0F0F
+    hi = (qw >> 4) & 0x0F0F0F0F
+    if BITS == 5:  # one h byte: the high bit of byte b's lo code at bit 2b, its hi code's at 2b + 1
+        hb = tl.load(h_ptr + r * h_stride + w, mask=ok, other=0).to(tl.int32)
+        # One multiply moves bit 2b to bit 8b + 4 for every b; its cross products land off the mask.
+        lo |= ((hb & 0x55) * 0x00410410) & 0x10101010
+        hi |= (((hb >> 1) & 0x55) * 0x00410410) & 0x10101010
+    elif BITS == 6:  # two h bytes: byte b's lo code's 2 high bits at 4b, its hi code's at 4b + 2
+        hv = tl.load(h_ptr.to(tl.pointer_type(tl.uint16)) + r * (h_stride // 2) + w, mask=ok, other=0).to(tl.int32)
+        # Even and odd b each by one multiply (bits 4b -> 8b + 4): cross products land off the masks.
+        lo |= (((hv & 0x0303) * 0x1010) & 0x00300030) | (((hv & 0x3030) * 0x10100) & 0x30003000)
+        hv = hv >> 2
+        hi |= (((hv & 0x0303) * 0x1010) & 0x00300030) | (((hv & 0x3030) * 0x10100) & 0x30003000)
+    elif BITS == 8:  # four h bytes: the high nibbles, placed as q's low ones
+        hw = tl.load(h_ptr.to(tl.pointer_type(tl.int32)) + r * (h_stride // 4) + w, mask=ok, other=0)
+        lo |= (hw & 0x0F0F0F0F) << 4
+        hi |= ((hw >> 4) & 0x0F0F0F0F) << 4
+    return lo, hi
+
+
+@triton.jit
+def _pick(v, j, c: tl.constexpr):
+    """Lane c of the last axis (held by one thread): a reduction that stays in registers."""
+    return tl.sum(tl.where(j == c, v, 0), axis=3)
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, q_ptr, h_ptr, d_ptr, sc_ptr, m_ptr, mn_ptr, out_ptr, M, N, K, x_stride, q_stride,
+                 h_stride, d_stride, s_stride, K_SPLIT: tl.constexpr, BITS: tl.constexpr, OFFSET: tl.constexpr,
+                 SB: tl.constexpr, G: tl.constexpr, HAS_M: tl.constexpr, HAS_MN: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, MR: tl.constexpr, INT8_X: tl.constexpr, ASM: tl.constexpr):
+    # Axes [weight row, 32-element tile, x row, part of a tile]. Every load has this whole shape (x's
+    # pointers broadcast over weight rows, the weight's over x rows where they meet), so Triton gives
+    # all of them one layout: a thread holds whole parts, threads spread over weight rows and tiles,
+    # x rows stay in registers, and nothing moves between threads until the final sum. The part axis
+    # is 16 nibble bytes (float x), or 4 int32 words of nibble bytes (INT8_X: x quantized per tile by
+    # `_quantize_x_kernel`, codes and x multiplied four bytes at a time by dp4a, as llama.cpp's mmvq).
+    # Each tile's codes are dotted with x first and scaled once per half tile.
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)[:, None, None, None]
     r_ok = rows < N
     r = rows.to(tl.int64)
     r3 = tl.reshape(r, [BLOCK_N, 1, 1])
     r3_ok = r3 < N
-    xr = tl.arange(0, MR)[None, :, None, None]
-    t = tl.arange(0, BLOCK_K // 32)[None, None, :, None]
-    t3 = tl.arange(0, BLOCK_K // 32)[None, None, :]
-    i = tl.arange(0, 16)[None, None, None, :]
+    t = tl.arange(0, BLOCK_K // 32)[None, :, None, None]
+    t3 = tl.arange(0, BLOCK_K // 32)[None, :, None]
+    xr = tl.arange(0, MR)[None, None, :, None]
+    x_row = xr + 0 * r  # x's pointers over the whole frame
     # Offsets in bytes of `q` first: each tile's 16 bytes are then provably contiguous and aligned,
     # so they load as one 128-bit access.
     byte_start = tl.program_id(1) * (K_SPLIT // 2)
-    acc = tl.zeros([BLOCK_N, MR, BLOCK_K // 32], tl.float32)
+    acc = tl.zeros([BLOCK_N, BLOCK_K // 32, MR], tl.float32)
     for b0 in range(0, K_SPLIT // 2, BLOCK_K // 2):  # the last split's steps past K load nothing (masked)
-        p = tl.max_contiguous(tl.multiple_of(byte_start + b0 + t * 16 + i, [1, 1, 16, 16]), [1, 1, 1, 16])
-        q_lo, q_hi = _codes(q_ptr, h_ptr, r, r_ok & (p < K // 2), p, q_stride, h_stride, BITS, OFFSET)
         k0 = 2 * (byte_start + b0)
+        k_lo = k0 + t * 32
+        x_ok = (x_row < M) & (k_lo < K)
+        if INT8_X:
+            j = tl.arange(0, 4)[None, None, None, :]
+            w = tl.max_contiguous(tl.multiple_of((byte_start + b0) // 4 + t * 4 + j, [1, 4, 1, 4]), [1, 1, 1, 4])
+            lo, hi = _code_words(q_ptr, h_ptr, r, r_ok & (k_lo < K), w, q_stride, h_stride, BITS)
+            # x: per tile 8 words of int8 codes (lo half, hi half), then 4 words [scale, Σ lo, Σ hi, 0]
+            xw = x_ptr.to(tl.pointer_type(tl.int32)) + x_row * (x_stride // 4) + (k_lo // 32) * 12 + j
+            x_lo = tl.load(xw, mask=x_ok, other=0)
+            x_hi = tl.load(xw + 4, mask=x_ok, other=0)
+            meta = tl.load(xw + 8, mask=x_ok, other=0)
+            x_scale = _pick(meta, j, 0).to(tl.float32, bitcast=True)
+            x_sum_lo = _pick(meta, j, 1)
+            x_sum_hi = _pick(meta, j, 2)
+            dot_lo = tl.sum(_dp4a(lo, x_lo, ASM), axis=3)
+            dot_hi = tl.sum(_dp4a(hi, x_hi, ASM), axis=3)
+            if G == 16:
+                s_lo = (dot_lo - OFFSET * x_sum_lo).to(tl.float32) * x_scale
+                s_hi = (dot_hi - OFFSET * x_sum_hi).to(tl.float32) * x_scale
+            else:
+                s_lo = (dot_lo + dot_hi - OFFSET * (x_sum_lo + x_sum_hi)).to(tl.float32) * x_scale
+                s_hi = s_lo
+            x_sum = (x_sum_lo + x_sum_hi).to(tl.float32) * x_scale
+        else:
+            i = tl.arange(0, 16)[None, None, None, :]
+            p = tl.max_contiguous(tl.multiple_of(byte_start + b0 + t * 16 + i, [1, 16, 1, 16]), [1, 1, 1, 16])
+            q_lo, q_hi = _codes(q_ptr, h_ptr, r, r_ok & (k_lo < K), p, q_stride, h_stride, BITS, OFFSET)
+            x_at = x_ptr + x_row * x_stride + k_lo + i
+            x_lo = tl.load(x_at, mask=x_ok, other=0.0).to(tl.float32)
+            x_hi = tl.load(x_at + 16, mask=x_ok, other=0.0).to(tl.float32)
+            s_lo = tl.sum(q_lo * x_lo, axis=3)
+            s_hi = tl.sum(q_hi * x_hi, axis=3)
+            if G != 16:
+                s_lo = s_lo + s_hi
+            x_sum = tl.sum(x_lo + x_hi, axis=3)
         k3 = k0 + t3 * 32
         d_lo, d_hi, m = _scales(d_ptr, sc_ptr, m_ptr, mn_ptr, r3, r3_ok & (k3 < K), k3, d_stride, s_stride, SB, G,
                                 HAS_M, HAS_MN)
-        k_lo = k0 + t * 32
-        x_at = x_ptr + xr * x_stride + k_lo + i
-        x_ok = (xr < M) & (k_lo < K)
-        x_lo = tl.load(x_at, mask=x_ok, other=0.0).to(tl.float32)
-        x_hi = tl.load(x_at + 16, mask=x_ok, other=0.0).to(tl.float32)
-        s_lo = tl.sum(q_lo * x_lo, axis=3)
-        s_hi = tl.sum(q_hi * x_hi, axis=3)
         if G == 16:
             acc += s_lo * d_lo + s_hi * d_hi
         else:
-            acc += (s_lo + s_hi) * d_lo
+            acc += s_lo * d_lo
         if HAS_M:
-            acc += m * tl.sum(x_lo + x_hi, axis=3)
-    y = tl.sum(acc, axis=2)  # [BN, MR]
+            acc += m * x_sum
+    y = tl.sum(acc, axis=1)  # [BN, MR]
     rows2 = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)[:, None]
     xr2 = tl.arange(0, MR)[None, :]
     out = out_ptr + tl.program_id(1) * M * N + xr2 * N + rows2
@@ -201,15 +303,27 @@ def qmm(x: torch.Tensor, q: torch.Tensor, h: torch.Tensor | None, d: torch.Tenso
     mr = triton.next_power_of_2(rows)
     if mr not in GEMV_CONFIGS:
         raise ValueError(f"the fused GEMV takes 1..{GEMV_MAX_ROWS} rows, got {rows}")
-    block_n, block_k, warps, per_sm = GEMV_CONFIGS[mr]
+    block_n, block_k, warps, per_sm, int8_x = GEMV_CONFIGS[mr]
+    int8_x = int8_x and x.dtype != torch.float32  # float32 x keeps float32 arithmetic throughout
     ptrs, strides, consts = _layout_args(qtype, q, h, d, sc, m, mn)
     grid_n = triton.cdiv(n, block_n)
     k_split = _split_k(grid_n, k, block_k, per_sm * _sm_count(x.device))
     splits = triton.cdiv(k, k_split)
     out = torch.empty(splits, rows, n, dtype=x.dtype if splits == 1 else torch.float32, device=x.device)
-    _gemv_kernel[(grid_n, splits)](x, *ptrs, out, rows, n, k, x.stride(0), *strides, K_SPLIT=k_split, **consts,
-                                   BLOCK_N=block_n, BLOCK_K=block_k, MR=mr, num_warps=warps)
+    xk = quantize_x(x) if int8_x else x
+    _gemv_kernel[(grid_n, splits)](xk, *ptrs, out, rows, n, k, xk.stride(0), *strides, K_SPLIT=k_split, **consts,
+                                   BLOCK_N=block_n, BLOCK_K=block_k, MR=mr, INT8_X=int8_x,
+                                   ASM=x.device.type == "cuda", num_warps=warps)
     return out[0] if splits == 1 else out.sum(0).to(x.dtype)
+
+
+def quantize_x(x: torch.Tensor) -> torch.Tensor:
+    """x [M, K] -> uint8 [M, K / 32 * X_TILE_BYTES]: each 32-element tile as `_quantize_x_kernel` writes it."""
+    rows, k = x.shape
+    out = torch.empty(rows, k // 32 * X_TILE_BYTES, dtype=torch.uint8, device=x.device)
+    block_t = 32
+    _quantize_x_kernel[(rows, triton.cdiv(k // 32, block_t))](x, out, k, x.stride(0), out.stride(0), BLOCK_T=block_t)
+    return out
 
 
 @qmm.register_fake
