@@ -98,12 +98,22 @@ def test_kernel_dequantize_is_bit_exact(qt):
 
 
 
+def _gemv_int8_x(monkeypatch, on: bool) -> None:
+    """Select the GEMV's int8-x (dp4a) variant, or its float one, for every row count."""
+    from hydra_console.engine.kernels import triton_qmatmul
+
+    for mr, cfg in triton_qmatmul.GEMV_CONFIGS.items():
+        monkeypatch.setitem(triton_qmatmul.GEMV_CONFIGS, mr, cfg[:4] + (on,))
+
+
 @kernels
 @pytest.mark.parametrize("qt", TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("n", [8, 1000 if KERNEL_DEVICE == "cuda" else 40])  # the interpreter is slow
-def test_fused_matmul_matches_reference(qt, n):
+def test_fused_matmul_matches_reference(qt, n, monkeypatch):
     from hydra_console.engine.kernels.triton_qmatmul import GEMV_MAX_ROWS, fused_matmul
 
+    _gemv_int8_x(monkeypatch, False)
+    torch.manual_seed(n)  # bf16 x under the interpreter sits near the bound: the same x every run
     k = 4 * _k(qt)
     _, w, ref = _weight(qt, n, k, seed=n, device=KERNEL_DEVICE)
     for rows in (1, 2, 4, 5, 8, 64, 300):
@@ -115,6 +125,59 @@ def test_fused_matmul_matches_reference(qt, n):
             errs |= {"gemv": _rel_err(fused_matmul(x, w), want), "gemv bf16": _rel_err(fused_matmul(x.bfloat16(), w), want)}
         print(f"{qt.name} n={n} k={k} rows={rows}: max rel err " + ", ".join(f"{p} {e:.2e}" for p, e in errs.items()))
         assert all(e < (1e-2 if p.endswith("bf16") else 1e-5) for p, e in errs.items()), errs
+
+
+def _dequantize_x(xq: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`quantize_x`'s bytes -> (int8 codes [M, K], float32 scales [M, K/32], int32 half sums [M, K/32, 2], pad)."""
+    tiles = xq.cpu().view(xq.shape[0], k // 32, 48)
+    codes = tiles[..., :32].contiguous().view(torch.int8).reshape(xq.shape[0], k)
+    meta = tiles[..., 32:].contiguous().view(torch.int32)
+    return codes, meta[..., 0].view(torch.float32), meta[..., 1:3], meta[..., 3]
+
+
+@kernels
+def test_quantize_x_codes_scales_and_sums():
+    """16-bit x's tiles of 32 as the int8-x GEMV reads them: codes round(x / scale), scale max|x| / 127."""
+    from hydra_console.engine.kernels.triton_qmatmul import quantize_x
+
+    k = 256
+    x = torch.randn(3, k) * torch.logspace(-3, 3, k)  # tiles of very different magnitudes
+    x[1, 32:64] = 0  # an all-zero tile: codes 0, scale 0
+    x[2, 70] = -x[2, 64:96].abs().max() * 2  # a tile whose extreme is negative
+    x = x.bfloat16()
+    codes, scale, sums, pad = _dequantize_x(quantize_x(x.to(KERNEL_DEVICE)), k)
+    xt = x.float().view(3, k // 32, 32)
+    torch.testing.assert_close(scale, xt.abs().amax(-1) / 127, rtol=1e-6, atol=0)
+    assert codes.abs().max() <= 127 and (codes.view(3, -1, 32).abs().amax(-1) == 127).sum() == 3 * k // 32 - 1
+    want = xt / scale.clamp_min(1e-30)[..., None]
+    assert ((codes.view(3, -1, 32).float() - want).abs() <= 0.5 + 1e-4).all()
+    assert torch.equal(sums, codes.view(3, -1, 2, 16).int().sum(-1))
+    assert (pad == 0).all()
+
+
+@kernels
+@pytest.mark.parametrize("qt", TYPES, ids=lambda t: t.name)
+def test_fused_matmul_int8_x(qt, monkeypatch):
+    """The dp4a variant against float64 dequantized weights times the int8-quantized x it multiplies
+    (its own error: the bf16 output's rounding), and against the unquantized x (x's quantization)."""
+    from hydra_console.engine.kernels.triton_qmatmul import fused_matmul, quantize_x
+
+    _gemv_int8_x(monkeypatch, True)
+    n, k = (1000, 4 * _k(qt)) if KERNEL_DEVICE == "cuda" else (24, 2 * _k(qt))
+    _, w, ref = _weight(qt, n, k, seed=3, device=KERNEL_DEVICE)
+    for rows, dtype in ((1, torch.float16), (2, torch.bfloat16), (3, torch.float16), (8, torch.bfloat16)):
+        x = torch.randn(rows, k, device=KERNEL_DEVICE).to(dtype)
+        codes, scale, _, _ = _dequantize_x(quantize_x(x), k)
+        x_seen = (codes.view(rows, -1, 32).double() * scale.double()[..., None]).view(rows, k)
+        y = fused_matmul(x, w)
+        assert y.dtype == dtype
+        err_kernel = _rel_err(y.cpu(), x_seen @ ref.double().cpu().T)
+        err_total = _rel_err(y.cpu(), x.double().cpu() @ ref.double().cpu().T)
+        print(f"{qt.name} int8 x rows={rows} {dtype}: max rel err {err_kernel:.2e} (against x as quantized), "
+              f"{err_total:.2e} (x)")
+        # The output's last bit: CUDA rounds, Triton's interpreter truncates.
+        bits = 11 if dtype == torch.float16 else 8
+        assert err_kernel < 2.0 ** -(bits if KERNEL_DEVICE == "cuda" else bits - 1) and err_total < 2e-2
 
 
 @cuda

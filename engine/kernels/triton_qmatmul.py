@@ -178,7 +178,7 @@ def _pick(v, j, c: tl.constexpr):
 
 @triton.jit
 def _gemv_kernel(x_ptr, q_ptr, h_ptr, d_ptr, sc_ptr, m_ptr, mn_ptr, out_ptr, M, N, K, x_stride, q_stride,
-                 h_stride, d_stride, s_stride, K_SPLIT: tl.constexpr, BITS: tl.constexpr, OFFSET: tl.constexpr,
+                 h_stride, d_stride, s_stride, k_split, BITS: tl.constexpr, OFFSET: tl.constexpr,
                  SB: tl.constexpr, G: tl.constexpr, HAS_M: tl.constexpr, HAS_MN: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr, MR: tl.constexpr, INT8_X: tl.constexpr, ASM: tl.constexpr):
     # Axes [weight row, 32-element tile, x row, part of a tile]. Every load has this whole shape (x's
@@ -199,9 +199,11 @@ def _gemv_kernel(x_ptr, q_ptr, h_ptr, d_ptr, sc_ptr, m_ptr, mn_ptr, out_ptr, M, 
     x_row = xr + 0 * r  # x's pointers over the whole frame
     # Offsets in bytes of `q` first: each tile's 16 bytes are then provably contiguous and aligned,
     # so they load as one 128-bit access.
-    byte_start = tl.program_id(1) * (K_SPLIT // 2)
+    byte_start = tl.program_id(1) * (k_split // 2)
     acc = tl.zeros([BLOCK_N, BLOCK_K // 32, MR], tl.float32)
-    for b0 in range(0, K_SPLIT // 2, BLOCK_K // 2):  # the last split's steps past K load nothing (masked)
+    b0 = 0
+    # A while loop: a runtime trip count (one compile for every K) that Triton's interpreter also runs.
+    while b0 < k_split // 2:  # the last split's steps past K load nothing (masked)
         k0 = 2 * (byte_start + b0)
         k_lo = k0 + t * 32
         x_ok = (x_row < M) & (k_lo < K)
@@ -247,6 +249,7 @@ def _gemv_kernel(x_ptr, q_ptr, h_ptr, d_ptr, sc_ptr, m_ptr, mn_ptr, out_ptr, M, 
             acc += s_lo * d_lo
         if HAS_M:
             acc += m * x_sum
+        b0 += BLOCK_K // 2
     y = tl.sum(acc, axis=1)  # [BN, MR]
     rows2 = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)[:, None]
     xr2 = tl.arange(0, MR)[None, :]
@@ -311,7 +314,7 @@ def qmm(x: torch.Tensor, q: torch.Tensor, h: torch.Tensor | None, d: torch.Tenso
     splits = triton.cdiv(k, k_split)
     out = torch.empty(splits, rows, n, dtype=x.dtype if splits == 1 else torch.float32, device=x.device)
     xk = quantize_x(x) if int8_x else x
-    _gemv_kernel[(grid_n, splits)](xk, *ptrs, out, rows, n, k, xk.stride(0), *strides, K_SPLIT=k_split, **consts,
+    _gemv_kernel[(grid_n, splits)](xk, *ptrs, out, rows, n, k, xk.stride(0), *strides, k_split, **consts,
                                    BLOCK_N=block_n, BLOCK_K=block_k, MR=mr, INT8_X=int8_x,
                                    ASM=x.device.type == "cuda", num_warps=warps)
     return out[0] if splits == 1 else out.sum(0).to(x.dtype)
