@@ -42,16 +42,18 @@ def _group(ptr, r, stride, k, DIV: tl.constexpr, ok):
 
 
 @triton.jit
-def _codes(q_ptr, h_ptr, r, ok, p, q_stride, h_stride, BITS: tl.constexpr, OFFSET: tl.constexpr):
-    """Codes minus offset as float32, (lo, hi), at nibble bytes p of rows r (int64): byte p of a
-    32-element tile holds element p % 16 (lo) and element 16 + p % 16 (hi)."""
+def _codes(q_ptr, h_ptr, r, ok, p, i, q_stride, h_stride, BITS: tl.constexpr, OFFSET: tl.constexpr):
+    """Codes minus offset as float32, (lo, hi), at nibble bytes p of rows r (int64), byte i of their
+    32-element tile: it holds element i (lo) and element 16 + i (hi)."""
     byte = tl.load(q_ptr + r * q_stride + p, mask=ok, other=0).to(tl.int32)
     lo = byte & 15
     hi = byte >> 4
     if BITS > 4:
         HB = BITS - 4
         PER = 8 // (2 * HB)
-        hb = tl.load(h_ptr + r * h_stride + p // PER, mask=ok, other=0).to(tl.int32) >> ((p % PER) * (2 * HB))
+        j = i // 4  # the tile's q word holding byte i (see qweight's `h` plane)
+        at = (p - i) // PER + j // PER * 4 + i % 4
+        hb = tl.load(h_ptr + r * h_stride + at, mask=ok, other=0).to(tl.int32) >> ((j % PER) * (2 * HB))
         lo = lo | ((hb & ((1 << HB) - 1)) << 4)
         hi = hi | (((hb >> HB) & ((1 << HB) - 1)) << 4)
     # Integer to float without the slow conversion unit: the float with bits 0x4B000000 | u is exactly 2^23 + u.
@@ -92,7 +94,7 @@ def _dequant_kernel(q_ptr, h_ptr, d_ptr, sc_ptr, m_ptr, mn_ptr, out_ptr, N, K, q
     k_lo = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K // 32)[None, :, None] * 32
     i = tl.arange(0, 16)[None, None, :]
     p = k_lo // 2 + i
-    q_lo, q_hi = _codes(q_ptr, h_ptr, r, r_ok & (k_lo < K), p, q_stride, h_stride, BITS, OFFSET)
+    q_lo, q_hi = _codes(q_ptr, h_ptr, r, r_ok & (k_lo < K), p, i, q_stride, h_stride, BITS, OFFSET)
     d_lo, d_hi, m = _scales(d_ptr, sc_ptr, m_ptr, mn_ptr, r, r_ok & (k_lo < K), k_lo, d_stride, s_stride, SB, G,
                             HAS_M, HAS_MN)
     # The same operations, in the same order, as quant.dequantize: (d * sc) * (u - offset) + m * mn.
@@ -146,27 +148,35 @@ def _dp4a(a, b, ASM: tl.constexpr):
 
 
 @triton.jit
-def _code_words(q_ptr, h_ptr, r, ok, w, q_stride, h_stride, BITS: tl.constexpr):
-    """Unsigned codes four to an int32, one per byte, (lo, hi), of int32 words w of rows r of `q`: word w
-    holds nibble bytes 4w..4w+3, whose high bits sit in h bytes (4w..4w+3) * (BITS - 4) // 4."""
+def _code_words(q_ptr, h_ptr, r, ok, w, q_stride, h_stride, BITS: tl.constexpr, BLOCK_N: tl.constexpr,
+                TILES: tl.constexpr):
+    """Unsigned codes four to an int32, one per byte, (lo, hi), of int32 words w ([BLOCK_N, TILES, 1, 4],
+    a tile's 4 on the last axis) of rows r of `q`: word w holds nibble bytes 4w..4w+3."""
     qw = tl.load(q_ptr.to(tl.pointer_type(tl.int32)) + r * (q_stride // 4) + w, mask=ok, other=0)
     lo = qw & 0x0F0F0F0F
     hi = (qw >> 4) & 0x0F0F0F0F
-    if BITS == 5:  # one h byte: the high bit of byte b's lo code at bit 2b, its hi code's at 2b + 1
-        hb = tl.load(h_ptr + r * h_stride + w, mask=ok, other=0).to(tl.int32)
-        # One multiply moves bit 2b to bit 8b + 4 for every b; its cross products land off the mask.
-        lo |= ((hb & 0x55) * 0x00410410) & 0x10101010
-        hi |= (((hb >> 1) & 0x55) * 0x00410410) & 0x10101010
-    elif BITS == 6:  # two h bytes: byte b's lo code's 2 high bits at 4b, its hi code's at 4b + 2
-        hv = tl.load(h_ptr.to(tl.pointer_type(tl.uint16)) + r * (h_stride // 2) + w, mask=ok, other=0).to(tl.int32)
-        # Even and odd b each by one multiply (bits 4b -> 8b + 4): cross products land off the masks.
-        lo |= (((hv & 0x0303) * 0x1010) & 0x00300030) | (((hv & 0x3030) * 0x10100) & 0x30003000)
-        hv = hv >> 2
-        hi |= (((hv & 0x0303) * 0x1010) & 0x00300030) | (((hv & 0x3030) * 0x10100) & 0x30003000)
-    elif BITS == 8:  # four h bytes: the high nibbles, placed as q's low ones
-        hw = tl.load(h_ptr.to(tl.pointer_type(tl.int32)) + r * (h_stride // 4) + w, mask=ok, other=0)
-        lo |= (hw & 0x0F0F0F0F) << 4
-        hi |= ((hw >> 4) & 0x0F0F0F0F) << 4
+    if BITS > 4:
+        HB: tl.constexpr = BITS - 4
+        PER: tl.constexpr = 8 // (2 * HB)
+        # Each q word's share of the tile's h words (HB bytes), loaded beside it; then the h word each
+        # serves (qweight's `h` plane), assembled from its PER shares in registers.
+        if HB == 1:
+            h_share = h_ptr
+        elif HB == 2:
+            h_share = h_ptr.to(tl.pointer_type(tl.uint16))
+        else:
+            h_share = h_ptr.to(tl.pointer_type(tl.int32))
+        share = tl.load(h_share + r * (h_stride // HB) + w, mask=ok, other=0).to(tl.int32)
+        if PER > 1:
+            c = tl.arange(0, PER)[None, None, None, :]
+            word = tl.sum(tl.reshape(share, [BLOCK_N, TILES, 4 // PER, PER]) << (8 * HB * c), axis=3)
+            share = tl.reshape(tl.broadcast_to(word[:, :, :, None], [BLOCK_N, TILES, 4 // PER, PER]),
+                               [BLOCK_N, TILES, 1, 4])
+        j = tl.arange(0, 4)[None, None, None, :]
+        at = (j % PER) * (2 * HB)  # the bits of this q word's lo codes; its hi codes' HB above
+        MASK: tl.constexpr = ((1 << HB) - 1) * 0x01010101
+        lo |= ((share >> at) & MASK) << 4
+        hi |= ((share >> (at + HB)) & MASK) << 4
     return lo, hi
 
 
@@ -210,7 +220,8 @@ def _gemv_kernel(x_ptr, q_ptr, h_ptr, d_ptr, sc_ptr, m_ptr, mn_ptr, out_ptr, M, 
         if INT8_X:
             j = tl.arange(0, 4)[None, None, None, :]
             w = tl.max_contiguous(tl.multiple_of((byte_start + b0) // 4 + t * 4 + j, [1, 4, 1, 4]), [1, 1, 1, 4])
-            lo, hi = _code_words(q_ptr, h_ptr, r, r_ok & (k_lo < K), w, q_stride, h_stride, BITS)
+            lo, hi = _code_words(q_ptr, h_ptr, r, r_ok & (k_lo < K), w, q_stride, h_stride, BITS, BLOCK_N,
+                                 BLOCK_K // 32)
             # x: per tile 8 words of int8 codes (lo half, hi half), then 4 words [scale, Σ lo, Σ hi, 0]
             xw = x_ptr.to(tl.pointer_type(tl.int32)) + x_row * (x_stride // 4) + (k_lo // 32) * 12 + j
             x_lo = tl.load(xw, mask=x_ok, other=0)
@@ -231,7 +242,7 @@ def _gemv_kernel(x_ptr, q_ptr, h_ptr, d_ptr, sc_ptr, m_ptr, mn_ptr, out_ptr, M, 
         else:
             i = tl.arange(0, 16)[None, None, None, :]
             p = tl.max_contiguous(tl.multiple_of(byte_start + b0 + t * 16 + i, [1, 16, 1, 16]), [1, 1, 1, 16])
-            q_lo, q_hi = _codes(q_ptr, h_ptr, r, r_ok & (k_lo < K), p, q_stride, h_stride, BITS, OFFSET)
+            q_lo, q_hi = _codes(q_ptr, h_ptr, r, r_ok & (k_lo < K), p, i, q_stride, h_stride, BITS, OFFSET)
             x_at = x_ptr + x_row * x_stride + k_lo + i
             x_lo = tl.load(x_at, mask=x_ok, other=0.0).to(tl.float32)
             x_hi = tl.load(x_at + 16, mask=x_ok, other=0.0).to(tl.float32)
