@@ -56,13 +56,13 @@ SWEEP_SHAPES = ((4096, 4096), (6144, 4096), (28672, 4096), (4096, 14336), (5120,
 def _sweep_grid(rows: int) -> list[tuple]:
     """GEMV configurations to time at `rows`: today's entry, then the int8-x (dp4a) variant over tiles
     of 1 or 2 tiles of 32 per thread (BLOCK_N * BLOCK_K / 32 = threads or twice), 4 or 8 warps."""
-    grid = [GEMV_CONFIGS[rows][:4] + (False,)]
+    grid = [GEMV_CONFIGS[rows][:4] + (False, 1)]
     for warps in (4, 8):
         for per_thread in (1, 2):
             for bn in (2, 4, 8, 16) if rows == 1 else (2, 4, 8):
                 bk = per_thread * 32 * warps * 32 // bn
                 if 256 <= bk <= 4096:
-                    grid.append((bn, bk, warps, 8, True))
+                    grid.append((bn, bk, warps, 8, True, 1))
     return grid
 
 
@@ -107,7 +107,7 @@ def _sweep(types: list[T], row_counts: list[int], shapes, rng: np.random.Generat
 
         cols = [f"{qt.name} {n}x{k}" for qt in types for n, k in shapes]
         print(f"\nsweep, {rows} rows: GB/s of weight bytes per type and shape (out x in); last column the summed µs")
-        print("| rows | (BLOCK_N, BLOCK_K, warps, programs/SM, int8 x) | " + " | ".join(cols) + " | µs |")
+        print("| rows | (BLOCK_N, BLOCK_K, warps, programs/SM, int8 x, stages) | " + " | ".join(cols) + " | µs |")
         print("|---" * (len(cols) + 3) + "|")
         grid = _sweep_grid(mr)
         for cfg in grid:
@@ -116,6 +116,9 @@ def _sweep(types: list[T], row_counts: list[int], shapes, rng: np.random.Generat
         for per_sm in (2, 4, 16):  # then how many programs split-K aims for, around the best tile
             if top[:3] + (per_sm,) + top[4:] not in totals:
                 measure(top[:3] + (per_sm,) + top[4:])
+        top = min(totals, key=totals.get)
+        for stages in (2, 3):  # then its loads pipelined (cp.async) that many steps deep
+            measure(top[:5] + (stages,))
         best[mr] = min(totals, key=totals.get)
         if grid[0] in totals:
             print(f"best for {rows} rows: {best[mr]}, {totals[grid[0]] / totals[best[mr]]:.2f}x today's {grid[0]}")

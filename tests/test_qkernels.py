@@ -103,7 +103,7 @@ def _gemv_int8_x(monkeypatch, on: bool) -> None:
     from hydra_console.engine.kernels import triton_qmatmul
 
     for mr, cfg in triton_qmatmul.GEMV_CONFIGS.items():
-        monkeypatch.setitem(triton_qmatmul.GEMV_CONFIGS, mr, cfg[:4] + (on,))
+        monkeypatch.setitem(triton_qmatmul.GEMV_CONFIGS, mr, cfg[:4] + (on,) + cfg[5:])
 
 
 @kernels

@@ -24,13 +24,13 @@ from gguf.constants import GGMLQuantizationType as T
 from .qweight import LAYOUTS, QuantWeight
 
 # GEMV tiles by row count rounded up to a power of two: (BLOCK_N, BLOCK_K, num_warps, programs per SM
-# that split-K aims for, int8 x: 16-bit x quantized per tile for dp4a). Chosen on an H200 by
-# `benchmarks/bench_qkernels.py --sweep`.
-GEMV_CONFIGS: dict[int, tuple[int, int, int, int, bool]] = {
-    1: (4, 1024, 4, 2, False),
-    2: (8, 1024, 4, 2, False),
-    4: (8, 1024, 4, 2, False),
-    8: (8, 512, 4, 2, False),
+# that split-K aims for, int8 x: 16-bit x quantized per tile for dp4a, stages: loads pipelined that
+# many steps deep, 1 = none). Chosen on an H200 by `benchmarks/bench_qkernels.py --sweep`.
+GEMV_CONFIGS: dict[int, tuple[int, int, int, int, bool, int]] = {
+    1: (4, 1024, 4, 2, False, 1),
+    2: (8, 1024, 4, 2, False, 1),
+    4: (8, 1024, 4, 2, False, 1),
+    8: (8, 512, 4, 2, False, 1),
 }
 GEMV_MAX_ROWS = max(GEMV_CONFIGS)
 
@@ -187,10 +187,11 @@ def _pick(v, j, c: tl.constexpr):
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, q_ptr, h_ptr, d_ptr, sc_ptr, m_ptr, mn_ptr, out_ptr, M, N, K, x_stride, q_stride,
-                 h_stride, d_stride, s_stride, k_split, BITS: tl.constexpr, OFFSET: tl.constexpr,
-                 SB: tl.constexpr, G: tl.constexpr, HAS_M: tl.constexpr, HAS_MN: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, MR: tl.constexpr, INT8_X: tl.constexpr, ASM: tl.constexpr):
+def _gemv_step(acc, b0, x_ptr, q_ptr, h_ptr, d_ptr, sc_ptr, m_ptr, mn_ptr, M, N, K, x_stride, q_stride, h_stride,
+               d_stride, s_stride, BITS: tl.constexpr, OFFSET: tl.constexpr, SB: tl.constexpr, G: tl.constexpr,
+               HAS_M: tl.constexpr, HAS_MN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+               MR: tl.constexpr, INT8_X: tl.constexpr, ASM: tl.constexpr):
+    """acc [BLOCK_N, tiles, MR] plus the products of the BLOCK_K elements from byte b0 of q's rows."""
     # Axes [weight row, 32-element tile, x row, part of a tile]. Every load has this whole shape (x's
     # pointers broadcast over weight rows, the weight's over x rows where they meet), so Triton gives
     # all of them one layout: a thread holds whole parts, threads spread over weight rows and tiles,
@@ -202,65 +203,80 @@ def _gemv_kernel(x_ptr, q_ptr, h_ptr, d_ptr, sc_ptr, m_ptr, mn_ptr, out_ptr, M, 
     r_ok = rows < N
     r = rows.to(tl.int64)
     r3 = tl.reshape(r, [BLOCK_N, 1, 1])
-    r3_ok = r3 < N
     t = tl.arange(0, BLOCK_K // 32)[None, :, None, None]
-    t3 = tl.arange(0, BLOCK_K // 32)[None, :, None]
-    xr = tl.arange(0, MR)[None, None, :, None]
-    x_row = xr + 0 * r  # x's pointers over the whole frame
-    # Offsets in bytes of `q` first: each tile's 16 bytes are then provably contiguous and aligned,
-    # so they load as one 128-bit access.
-    byte_start = tl.program_id(1) * (k_split // 2)
-    acc = tl.zeros([BLOCK_N, BLOCK_K // 32, MR], tl.float32)
-    b0 = 0
-    # A while loop: a runtime trip count (one compile for every K) that Triton's interpreter also runs.
-    while b0 < k_split // 2:  # the last split's steps past K load nothing (masked)
-        k0 = 2 * (byte_start + b0)
-        k_lo = k0 + t * 32
-        x_ok = (x_row < M) & (k_lo < K)
-        if INT8_X:
-            j = tl.arange(0, 4)[None, None, None, :]
-            w = tl.max_contiguous(tl.multiple_of((byte_start + b0) // 4 + t * 4 + j, [1, 4, 1, 4]), [1, 1, 1, 4])
-            lo, hi = _code_words(q_ptr, h_ptr, r, r_ok & (k_lo < K), w, q_stride, h_stride, BITS, BLOCK_N,
-                                 BLOCK_K // 32)
-            # x: per tile 8 words of int8 codes (lo half, hi half), then 4 words [scale, Σ lo, Σ hi, 0]
-            xw = x_ptr.to(tl.pointer_type(tl.int32)) + x_row * (x_stride // 4) + (k_lo // 32) * 12 + j
-            x_lo = tl.load(xw, mask=x_ok, other=0)
-            x_hi = tl.load(xw + 4, mask=x_ok, other=0)
-            meta = tl.load(xw + 8, mask=x_ok, other=0)
-            x_scale = _pick(meta, j, 0).to(tl.float32, bitcast=True)
-            x_sum_lo = _pick(meta, j, 1)
-            x_sum_hi = _pick(meta, j, 2)
-            dot_lo = tl.sum(_dp4a(lo, x_lo, ASM), axis=3)
-            dot_hi = tl.sum(_dp4a(hi, x_hi, ASM), axis=3)
-            if G == 16:
-                s_lo = (dot_lo - OFFSET * x_sum_lo).to(tl.float32) * x_scale
-                s_hi = (dot_hi - OFFSET * x_sum_hi).to(tl.float32) * x_scale
-            else:
-                s_lo = (dot_lo + dot_hi - OFFSET * (x_sum_lo + x_sum_hi)).to(tl.float32) * x_scale
-                s_hi = s_lo
-            x_sum = (x_sum_lo + x_sum_hi).to(tl.float32) * x_scale
-        else:
-            i = tl.arange(0, 16)[None, None, None, :]
-            p = tl.max_contiguous(tl.multiple_of(byte_start + b0 + t * 16 + i, [1, 16, 1, 16]), [1, 1, 1, 16])
-            q_lo, q_hi = _codes(q_ptr, h_ptr, r, r_ok & (k_lo < K), p, i, q_stride, h_stride, BITS, OFFSET)
-            x_at = x_ptr + x_row * x_stride + k_lo + i
-            x_lo = tl.load(x_at, mask=x_ok, other=0.0).to(tl.float32)
-            x_hi = tl.load(x_at + 16, mask=x_ok, other=0.0).to(tl.float32)
-            s_lo = tl.sum(q_lo * x_lo, axis=3)
-            s_hi = tl.sum(q_hi * x_hi, axis=3)
-            if G != 16:
-                s_lo = s_lo + s_hi
-            x_sum = tl.sum(x_lo + x_hi, axis=3)
-        k3 = k0 + t3 * 32
-        d_lo, d_hi, m = _scales(d_ptr, sc_ptr, m_ptr, mn_ptr, r3, r3_ok & (k3 < K), k3, d_stride, s_stride, SB, G,
-                                HAS_M, HAS_MN)
+    x_row = tl.arange(0, MR)[None, None, :, None] + 0 * r  # x's pointers over the whole frame
+    k0 = 2 * b0
+    k_lo = k0 + t * 32
+    x_ok = (x_row < M) & (k_lo < K)
+    if INT8_X:
+        j = tl.arange(0, 4)[None, None, None, :]
+        w = tl.max_contiguous(tl.multiple_of(b0 // 4 + t * 4 + j, [1, 4, 1, 4]), [1, 1, 1, 4])
+        lo, hi = _code_words(q_ptr, h_ptr, r, r_ok & (k_lo < K), w, q_stride, h_stride, BITS, BLOCK_N, BLOCK_K // 32)
+        # x: per tile 8 words of int8 codes (lo half, hi half), then 4 words [scale, Σ lo, Σ hi, 0]
+        xw = x_ptr.to(tl.pointer_type(tl.int32)) + x_row * (x_stride // 4) + (k_lo // 32) * 12 + j
+        x_lo = tl.load(xw, mask=x_ok, other=0)
+        x_hi = tl.load(xw + 4, mask=x_ok, other=0)
+        meta = tl.load(xw + 8, mask=x_ok, other=0)
+        x_scale = _pick(meta, j, 0).to(tl.float32, bitcast=True)
+        x_sum_lo = _pick(meta, j, 1)
+        x_sum_hi = _pick(meta, j, 2)
+        dot_lo = tl.sum(_dp4a(lo, x_lo, ASM), axis=3)
+        dot_hi = tl.sum(_dp4a(hi, x_hi, ASM), axis=3)
         if G == 16:
-            acc += s_lo * d_lo + s_hi * d_hi
+            s_lo = (dot_lo - OFFSET * x_sum_lo).to(tl.float32) * x_scale
+            s_hi = (dot_hi - OFFSET * x_sum_hi).to(tl.float32) * x_scale
         else:
-            acc += s_lo * d_lo
-        if HAS_M:
-            acc += m * x_sum
-        b0 += BLOCK_K // 2
+            s_lo = (dot_lo + dot_hi - OFFSET * (x_sum_lo + x_sum_hi)).to(tl.float32) * x_scale
+            s_hi = s_lo
+        x_sum = (x_sum_lo + x_sum_hi).to(tl.float32) * x_scale
+    else:
+        i = tl.arange(0, 16)[None, None, None, :]
+        # Offsets in bytes of `q`: each tile's 16 bytes are provably contiguous and aligned, one 128-bit load.
+        p = tl.max_contiguous(tl.multiple_of(b0 + t * 16 + i, [1, 16, 1, 16]), [1, 1, 1, 16])
+        q_lo, q_hi = _codes(q_ptr, h_ptr, r, r_ok & (k_lo < K), p, i, q_stride, h_stride, BITS, OFFSET)
+        x_at = x_ptr + x_row * x_stride + k_lo + i
+        x_lo = tl.load(x_at, mask=x_ok, other=0.0).to(tl.float32)
+        x_hi = tl.load(x_at + 16, mask=x_ok, other=0.0).to(tl.float32)
+        s_lo = tl.sum(q_lo * x_lo, axis=3)
+        s_hi = tl.sum(q_hi * x_hi, axis=3)
+        if G != 16:
+            s_lo = s_lo + s_hi
+        x_sum = tl.sum(x_lo + x_hi, axis=3)
+    k3 = k0 + tl.arange(0, BLOCK_K // 32)[None, :, None] * 32
+    d_lo, d_hi, m = _scales(d_ptr, sc_ptr, m_ptr, mn_ptr, r3, (r3 < N) & (k3 < K), k3, d_stride, s_stride, SB, G,
+                            HAS_M, HAS_MN)
+    if G == 16:
+        acc += s_lo * d_lo + s_hi * d_hi
+    else:
+        acc += s_lo * d_lo
+    if HAS_M:
+        acc += m * x_sum
+    return acc
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, q_ptr, h_ptr, d_ptr, sc_ptr, m_ptr, mn_ptr, out_ptr, M, N, K, x_stride, q_stride,
+                 h_stride, d_stride, s_stride, k_split, BITS: tl.constexpr, OFFSET: tl.constexpr,
+                 SB: tl.constexpr, G: tl.constexpr, HAS_M: tl.constexpr, HAS_MN: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, MR: tl.constexpr, INT8_X: tl.constexpr, ASM: tl.constexpr,
+                 STAGES: tl.constexpr):
+    """y [M, N] (or split-K partial sums [splits, M, N]) of program_id(1)'s k_split elements of K."""
+    acc = tl.zeros([BLOCK_N, BLOCK_K // 32, MR], tl.float32)
+    start = tl.program_id(1) * (k_split // 2)  # in bytes of q; the last split's steps past K load nothing
+    if STAGES > 1:
+        # A for loop: Triton pipelines its loads STAGES - 1 steps ahead (cp.async through shared
+        # memory). Triton's interpreter cannot run a for loop over a runtime count (tests: STAGES=1).
+        for b0 in tl.range(start, start + k_split // 2, BLOCK_K // 2, num_stages=STAGES):
+            acc = _gemv_step(acc, b0, x_ptr, q_ptr, h_ptr, d_ptr, sc_ptr, m_ptr, mn_ptr, M, N, K, x_stride, q_stride,
+                             h_stride, d_stride, s_stride, BITS, OFFSET, SB, G, HAS_M, HAS_MN, BLOCK_N, BLOCK_K, MR,
+                             INT8_X, ASM)
+    else:
+        b0 = start
+        while b0 < start + k_split // 2:  # a runtime trip count: one compile for every K
+            acc = _gemv_step(acc, b0, x_ptr, q_ptr, h_ptr, d_ptr, sc_ptr, m_ptr, mn_ptr, M, N, K, x_stride, q_stride,
+                             h_stride, d_stride, s_stride, BITS, OFFSET, SB, G, HAS_M, HAS_MN, BLOCK_N, BLOCK_K, MR,
+                             INT8_X, ASM)
+            b0 += BLOCK_K // 2
     y = tl.sum(acc, axis=1)  # [BN, MR]
     rows2 = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)[:, None]
     xr2 = tl.arange(0, MR)[None, :]
@@ -317,7 +333,7 @@ def qmm(x: torch.Tensor, q: torch.Tensor, h: torch.Tensor | None, d: torch.Tenso
     mr = triton.next_power_of_2(rows)
     if mr not in GEMV_CONFIGS:
         raise ValueError(f"the fused GEMV takes 1..{GEMV_MAX_ROWS} rows, got {rows}")
-    block_n, block_k, warps, per_sm, int8_x = GEMV_CONFIGS[mr]
+    block_n, block_k, warps, per_sm, int8_x, stages = GEMV_CONFIGS[mr]
     int8_x = int8_x and x.dtype != torch.float32  # float32 x keeps float32 arithmetic throughout
     ptrs, strides, consts = _layout_args(qtype, q, h, d, sc, m, mn)
     grid_n = triton.cdiv(n, block_n)
@@ -327,7 +343,8 @@ def qmm(x: torch.Tensor, q: torch.Tensor, h: torch.Tensor | None, d: torch.Tenso
     xk = quantize_x(x) if int8_x else x
     _gemv_kernel[(grid_n, splits)](xk, *ptrs, out, rows, n, k, xk.stride(0), *strides, k_split, **consts,
                                    BLOCK_N=block_n, BLOCK_K=block_k, MR=mr, INT8_X=int8_x,
-                                   ASM=x.device.type == "cuda", num_warps=warps)
+                                   ASM=x.device.type == "cuda", STAGES=stages if x.device.type == "cuda" else 1,
+                                   num_warps=warps)
     return out[0] if splits == 1 else out.sum(0).to(x.dtype)
 
 
