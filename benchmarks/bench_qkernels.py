@@ -18,6 +18,7 @@ the fastest per row count as a `GEMV_CONFIGS` line, and uses them for the table 
 from __future__ import annotations
 
 import argparse
+import time
 
 import numpy as np
 import torch
@@ -54,22 +55,21 @@ SWEEP_SHAPES = ((4096, 4096), (6144, 4096), (28672, 4096), (4096, 14336), (5120,
 
 
 def _sweep_grid(rows: int) -> list[tuple]:
-    """GEMV configurations to time at `rows`: today's entry, then the int8-x (dp4a) variant over tiles
-    of 1 or 2 tiles of 32 per thread (BLOCK_N * BLOCK_K / 32 = threads or twice), 4 or 8 warps."""
+    """GEMV configurations to time at `rows`: today's entry, then the int8-x (dp4a) variant over
+    (BLOCK_N, warps, 32-element tiles per thread and step): BLOCK_K = tiles * 32 * threads / BLOCK_N."""
     grid = [GEMV_CONFIGS[rows][:4] + (False, 1)]
-    for warps in (4, 8):
-        for per_thread in (1, 2):
-            for bn in (2, 4, 8, 16) if rows == 1 else (2, 4, 8):
-                bk = per_thread * 32 * warps * 32 // bn
-                if 256 <= bk <= 4096:
-                    grid.append((bn, bk, warps, 8, True, 1))
-    return grid
+    shapes = [(bn, 4, 1) for bn in (2, 4, 8, 16)] + [(bn, 4, 2) for bn in (2, 4, 8)] + [(bn, 8, 1) for bn in (2, 4, 8)]
+    if rows > 1:  # fewer rows per program: x's rows are in registers already
+        shapes = [(2, 4, 1), (4, 4, 1), (8, 4, 1), (4, 4, 2), (8, 4, 2), (4, 8, 1), (8, 8, 1)]
+    return grid + [(bn, tiles * 32 * warps * 32 // bn, warps, 8, True, 1) for bn, warps, tiles in shapes]
 
 
-def _sweep(types: list[T], row_counts: list[int], shapes, rng: np.random.Generator) -> None:
+def _sweep(types: list[T], row_counts: list[int], shapes, rng: np.random.Generator, budget_s: float) -> None:
     """Time each configuration of `_sweep_grid` on every type and shape (each checked against the
     reference first); print GB/s per configuration and shape, then the fastest per row count over all
-    types and shapes (summed time) as the line for GEMV_CONFIGS."""
+    types and shapes (summed time) as the line for GEMV_CONFIGS. Each row count gets an equal share
+    of `budget_s` (compiles included): its grid stops at 70 % of it, the refinements at 100 %."""
+    began = time.monotonic()
     weights = {}
     for qt in types:
         for n, k in shapes:
@@ -77,14 +77,20 @@ def _sweep(types: list[T], row_counts: list[int], shapes, rng: np.random.Generat
             w = QuantWeight.from_gguf(raw, qt, (n, k), device=DEVICE)
             weights[qt, n, k] = _copies(w)
     best: dict[int, tuple] = {}
-    for rows in row_counts:
+    for n_done, rows in enumerate(row_counts):
+        start = time.monotonic()
+        share = (budget_s - (start - began)) / (len(row_counts) - n_done)
         mr = triton.next_power_of_2(rows)
         saved = GEMV_CONFIGS[mr]
         xs = {k: torch.randn(rows, k, device=DEVICE, dtype=torch.bfloat16) for _, k in shapes}
         refs = {key: xs[key[2]].float() @ ws[0].dequantize().T for key, ws in weights.items()}
         totals: dict[tuple, float] = {}
+        per_type: dict[tuple, dict[T, float]] = {}
 
-        def measure(cfg) -> None:
+        def measure(cfg, until: float) -> None:
+            if time.monotonic() - start > until * share:
+                print(f"| {rows} | {cfg} | skipped: the sweep's time budget (--budget-s) is spent |", flush=True)
+                return
             GEMV_CONFIGS[mr] = cfg
             cells = []
             total = 0.0
@@ -101,6 +107,8 @@ def _sweep(types: list[T], row_counts: list[int], shapes, rng: np.random.Generat
                         return
                     t = _time_per_call([lambda w=w: fused_matmul(x, w) for w in ws], rep=20)
                     total += t
+                    per_type.setdefault(cfg, {}).setdefault(qt, 0.0)
+                    per_type[cfg][qt] += t
                     cells.append(f"{ws[0].nbytes / t / 1e9:.0f}")
             totals[cfg] = total
             print(f"| {rows} | {cfg} | " + " | ".join(cells) + f" | {total * 1e6:.1f} |", flush=True)
@@ -111,17 +119,24 @@ def _sweep(types: list[T], row_counts: list[int], shapes, rng: np.random.Generat
         print("|---" * (len(cols) + 3) + "|")
         grid = _sweep_grid(mr)
         for cfg in grid:
-            measure(cfg)
+            measure(cfg, 0.7)
+        if not totals:
+            GEMV_CONFIGS[mr] = saved
+            continue
         top = min(totals, key=totals.get)
         for per_sm in (2, 4, 16):  # then how many programs split-K aims for, around the best tile
             if top[:3] + (per_sm,) + top[4:] not in totals:
-                measure(top[:3] + (per_sm,) + top[4:])
+                measure(top[:3] + (per_sm,) + top[4:], 1.0)
         top = min(totals, key=totals.get)
         for stages in (2, 3):  # then its loads pipelined (cp.async) that many steps deep
-            measure(top[:5] + (stages,))
+            measure(top[:5] + (stages,), 1.0)
         best[mr] = min(totals, key=totals.get)
         if grid[0] in totals:
             print(f"best for {rows} rows: {best[mr]}, {totals[grid[0]] / totals[best[mr]]:.2f}x today's {grid[0]}")
+        for qt in types:
+            mine = min(per_type, key=lambda c: per_type[c][qt])
+            print(f"  {qt.name} alone: best {mine}, {per_type[mine][qt] * 1e6:.1f} µs over the shapes "
+                  f"(today's {per_type.get(grid[0], {}).get(qt, float('nan')) * 1e6:.1f})")
         GEMV_CONFIGS[mr] = saved
     GEMV_CONFIGS.update(best)
     if 2 not in best and 4 in best:
@@ -147,6 +162,7 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true", help="time GEMV configurations first (see --sweep-only)")
     ap.add_argument("--sweep-only", action="store_true", help="the sweep and its GEMV_CONFIGS line, no table")
     ap.add_argument("--shapes", default="", help="out x in list for the sweep, e.g. 4096x4096,28672x4096")
+    ap.add_argument("--budget-s", type=float, default=480, help="the sweep's time, shared by its row counts")
     args = ap.parse_args()
     types = [T[name] for name in args.types.split(",")]
     row_counts = [int(r) for r in args.rows.split(",")]
@@ -154,7 +170,7 @@ def main() -> None:
     print(f"{torch.cuda.get_device_name()}: device copy {_copy_bandwidth():.0f} GB/s (read + write)")
     if args.sweep or args.sweep_only:
         shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")] if args.shapes else SWEEP_SHAPES
-        _sweep([t for t in types if t in LAYOUTS], row_counts, shapes, rng)
+        _sweep([t for t in types if t in LAYOUTS], row_counts, shapes, rng, args.budget_s)
         if args.sweep_only:
             return
     print("| type | shape (out x in) | rows | path | µs | GB/s | TFLOP/s | bf16 cuBLAS µs | bf16 TFLOP/s | speed-up |")
