@@ -234,6 +234,9 @@ def _gemv_step(acc, b0, x_ptr, q_ptr, h_ptr, d_ptr, sc_ptr, m_ptr, mn_ptr, M, N,
         # Offsets in bytes of `q`: each tile's 16 bytes are provably contiguous and aligned, one 128-bit load.
         p = tl.max_contiguous(tl.multiple_of(b0 + t * 16 + i, [1, 16, 1, 16]), [1, 1, 1, 16])
         q_lo, q_hi = _codes(q_ptr, h_ptr, r, r_ok & (k_lo < K), p, i, q_stride, h_stride, BITS, OFFSET)
+        if MR > 1:  # x's own shape: converted to the codes' layout once per step, fewer instructions than
+            x_row = tl.arange(0, MR)[None, None, :, None]  # MR threads' worth of broadcast bf16 vectors
+            x_ok = (x_row < M) & (k_lo < K)
         x_at = x_ptr + x_row * x_stride + k_lo + i
         x_lo = tl.load(x_at, mask=x_ok, other=0.0).to(tl.float32)
         x_hi = tl.load(x_at + 16, mask=x_ok, other=0.0).to(tl.float32)
