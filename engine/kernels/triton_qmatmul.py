@@ -1,8 +1,11 @@
 """Triton kernels over `QuantWeight` planes, registered as torch custom ops.
 
 - `hydra::qdequant`: planes -> dense weight (the embedding rows, the prefill scratch for cuBLAS).
-- `hydra::qmm`: y = x @ w.T for 1-16 rows of x (decode, speculative verify): a GEMV on CUDA cores
-  with w dequantized in registers, each weight read once and used for every row, fp32 accumulate.
+- `hydra::qmm`: y = x @ w.T for 1-GEMV_MAX_ROWS rows of x (decode, speculative verify): a GEMV on
+  CUDA cores with w decoded in registers, each weight read once and used for every row, fp32
+  accumulate. Per `GEMV_CONFIGS` 16-bit x is first quantized per 32 to int8 (`quantize_x`), and codes
+  meet x four bytes at a time in dp4a (integer dot products, as llama.cpp's mmvq); else (and for
+  float32 x) the codes become floats and meet x in fused multiply-adds.
   A dequant-in-tile tensor-core GEMM was measured 3-6x slower than scratch + cuBLAS at 512 rows and
   no faster at 8-16 (see the benchmark), so prefill dequantizes into scratch for cuBLAS instead.
 Narrow outputs split K over more programs; their float32 partials are summed in a fixed order,
