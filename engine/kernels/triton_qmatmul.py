@@ -290,6 +290,19 @@ def _gemv_kernel(x_ptr, q_ptr, h_ptr, d_ptr, sc_ptr, m_ptr, mn_ptr, out_ptr, M, 
     tl.store(out, y.to(out_ptr.dtype.element_ty), mask=(rows2 < N) & (xr2 < M))
 
 
+@triton.jit
+def _sum_splits_kernel(part_ptr, out_ptr, SPLITS, SIZE, BLOCK: tl.constexpr):
+    """out = the split-K partials [SPLITS, SIZE] summed in split order, in out's dtype: one launch."""
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = i < SIZE
+    acc = tl.zeros([BLOCK], tl.float32)
+    s = 0
+    while s < SPLITS:
+        acc += tl.load(part_ptr + s * SIZE + i, mask=ok, other=0.0)
+        s += 1
+    tl.store(out_ptr + i, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
 @functools.cache
 def _sm_count(device: torch.device) -> int:
     """Multiprocessors to fill; 1 off CUDA (Triton's interpreter, TRITON_INTERPRET=1, on CPU tensors)."""
@@ -351,7 +364,11 @@ def qmm(x: torch.Tensor, q: torch.Tensor, h: torch.Tensor | None, d: torch.Tenso
                                    BLOCK_N=block_n, BLOCK_K=block_k, MR=mr, INT8_X=int8_x,
                                    ASM=x.device.type == "cuda", STAGES=stages if x.device.type == "cuda" else 1,
                                    num_warps=warps)
-    return out[0] if splits == 1 else out.sum(0).to(x.dtype)
+    if splits == 1:
+        return out[0]
+    y = torch.empty(rows, n, dtype=x.dtype, device=x.device)
+    _sum_splits_kernel[(triton.cdiv(rows * n, 1024),)](out, y, splits, rows * n, BLOCK=1024)
+    return y
 
 
 def quantize_x(x: torch.Tensor) -> torch.Tensor:
