@@ -69,6 +69,25 @@ def test_unsupported_type_and_bad_shape_are_clear_errors():
         QuantWeight.from_gguf(raw, T.Q4_K, (4, 512))
 
 
+def test_parts_of_one_type_join_into_one_weight(tiny_model):
+    """A layer's neighbouring weights of one type are one QuantWeight (one GEMV over their rows): Q4_K_M's
+    q and k (its v is Q6_K), gate and up; their rows equal each part's, and the parts leave the cache."""
+    from hydra_console.engine.gguf_file import GGUFFile
+    from hydra_console.engine.model import build_stage
+
+    g = GGUFFile(tiny_model("llama", qtype="Q4_K_M", n_layers=2, n_embd=256, n_head=4, n_head_kv=2, n_ff=512))
+    stage = build_stage(g, embed=False, head=True, device="cpu", dtype="bfloat16", quantized=True, n_slots=1, n_ctx=8)
+    layer = stage.layers[0]
+    assert [(p.qtype, p.shape) for p in layer.wqkv.parts] == [(T.Q4_K, (384, 256)), (T.Q6_K, (128, 256))]
+    assert [(p.qtype, p.shape) for p in layer.w_gate_up.parts] == [(T.Q4_K, (1024, 256))]
+    joined = {f"blk.0.{n}.weight" for n in ("attn_q", "attn_k", "ffn_gate", "ffn_up")}
+    assert not joined & stage.weights._quant.keys() and "blk.0.attn_v.weight" in stage.weights._quant
+    rows = torch.cat([dequantize(g.raw(f"blk.0.ffn_{n}.weight"), T.Q4_K, (512, 256)) for n in ("gate", "up")])
+    assert torch.equal(layer.w_gate_up.parts[0].dequantize_reference(), rows)
+    with pytest.raises(QuantError, match="one type and width"):
+        QuantWeight.cat(layer.wqkv.parts)
+
+
 def test_qlinear_reference_on_cpu():
     _, w, ref = _weight(T.Q4_K, 40, 512)
     x = torch.randn(2, 3, 512)

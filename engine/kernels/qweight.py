@@ -167,6 +167,15 @@ class QuantWeight:
                 planes.setdefault(name, torch.empty(n, t.shape[1], dtype=t.dtype, device=t.device))[r0 : r0 + step] = t
         return cls(qt, (n, k), planes)
 
+    @classmethod
+    def cat(cls, parts: list[QuantWeight]) -> QuantWeight:
+        """Row blocks of one type and width as one weight: one GEMV launch over all their rows."""
+        qt, k = parts[0].qtype, parts[0].shape[1]
+        if any(p.qtype != qt or p.shape[1] != k for p in parts):
+            raise QuantError(f"cannot join {[(p.qtype.name, p.shape) for p in parts]}: one type and width only")
+        planes = {name: torch.cat([p.planes[name] for p in parts]) for name in parts[0].planes}
+        return cls(qt, (sum(p.shape[0] for p in parts), k), planes)
+
     @property
     def device(self) -> torch.device:
         return self.planes["q"].device
