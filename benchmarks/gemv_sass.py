@@ -8,7 +8,7 @@ it per thread, per weight (times threads / weights per step), the barriers and s
 accesses (a layout conversion inside the loop), the dp4a (IDP.4A) and global loads, and the
 registers ptxas allots. At full bandwidth (~4.8 TB/s) an H200 issues about 3.3e13 thread
 instructions a second: 4-bit weights leave ~3.9 instructions each, 6-bit ~5.6. Each row count
-uses its GEMV_CONFIGS tile, the float-x and the int8-x variant.
+uses its GEMV_CONFIGS tile, the float-x variant and the int8-x one with x in 1 and 2 terms.
 """
 
 from __future__ import annotations
@@ -32,14 +32,14 @@ TOOLS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bi
 SASS_LINE = re.compile(r"\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)")
 
 
-def compile_gemv(qt: T, mr: int, block_n: int, block_k: int, warps: int, int8_x: bool, stages: int = 1):
+def compile_gemv(qt: T, mr: int, block_n: int, block_k: int, warps: int, x_terms: int, stages: int = 1):
     """The kernel as qmm launches it on CUDA (pointers and strides 16-byte aligned, as Triton specializes)."""
     lay = LAYOUTS[qt]
     consts = dict(BITS=lay.bits, OFFSET=lay.offset, SB=lay.sb, G=lay.g, HAS_M=lay.has_m, HAS_MN=lay.has_mn,
-                  BLOCK_N=block_n, BLOCK_K=block_k, MR=mr, INT8_X=int8_x, ASM=True, STAGES=stages)
+                  BLOCK_N=block_n, BLOCK_K=block_k, MR=mr, X_TERMS=x_terms, ASM=True, STAGES=stages)
     if mr == 1:
         consts["M"] = 1  # Triton specializes an int argument equal to 1
-    pointers = {"x_ptr": "*u8" if int8_x else "*bf16", "q_ptr": "*u8", "h_ptr": "*u8", "d_ptr": "*fp16",
+    pointers = {"x_ptr": "*u8" if x_terms else "*bf16", "q_ptr": "*u8", "h_ptr": "*u8", "d_ptr": "*fp16",
                 "sc_ptr": "*i8" if qt == T.Q6_K else "*u8", "m_ptr": "*fp16", "mn_ptr": "*u8", "out_ptr": "*fp32"}
     names = _gemv_kernel.arg_names
     signature = {n: "constexpr" if n in consts else pointers.get(n, "i32") for n in names}
@@ -86,12 +86,12 @@ def main() -> None:
     for name in args.types.split(","):
         for mr in (triton.next_power_of_2(int(r)) for r in args.rows.split(",")):
             block_n, block_k, warps = GEMV_CONFIGS[mr][:3]
-            for int8_x in (False, True):
-                k = compile_gemv(T[name], mr, block_n, block_k, warps, int8_x)
+            for x_terms in (0, 1, 2):
+                k = compile_gemv(T[name], mr, block_n, block_k, warps, x_terms)
                 ops = loop_ops(k.asm["cubin"])
                 total = sum(ops.values())
                 count = lambda *prefixes: sum(c for op, c in ops.items() if op.startswith(prefixes))  # noqa: E731
-                print(f"| {name} | {mr} | {(block_n, block_k, warps)} | {'int8' if int8_x else 'float'} | {total} | "
+                print(f"| {name} | {mr} | {(block_n, block_k, warps)} | {f'int8 x{x_terms}' if x_terms else 'float'} | {total} | "
                       f"{total * 32 * warps / (block_n * block_k):.2f} | {count('BAR')} | {count('LDS', 'STS')} | "
                       f"{count('IDP')} | {count('LDG')} | {_registers(k.asm['ptx'])} |", flush=True)
 

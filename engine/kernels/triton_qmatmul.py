@@ -3,9 +3,9 @@
 - `hydra::qdequant`: planes -> dense weight (the embedding rows, the prefill scratch for cuBLAS).
 - `hydra::qmm`: y = x @ w.T for 1-GEMV_MAX_ROWS rows of x (decode, speculative verify): a GEMV on
   CUDA cores with w decoded in registers, each weight read once and used for every row, fp32
-  accumulate. Per `GEMV_CONFIGS` 16-bit x is first quantized per 32 to int8 (`quantize_x`), and codes
-  meet x four bytes at a time in dp4a (integer dot products, as llama.cpp's mmvq); else (and for
-  float32 x) the codes become floats and meet x in fused multiply-adds.
+  accumulate. Per `GEMV_CONFIGS` 16-bit x is first quantized per 32 to one or two int8 terms
+  (`quantize_x`), and codes meet x four bytes at a time in dp4a (integer dot products, as llama.cpp's
+  mmvq); else (and for float32 x) the codes become floats and meet x in fused multiply-adds.
   A dequant-in-tile tensor-core GEMM was measured 3-6x slower than scratch + cuBLAS at 512 rows and
   no faster at 8-16 (see the benchmark), so prefill dequantizes into scratch for cuBLAS instead.
 Narrow outputs split K over more programs; their float32 partials are summed in a fixed order,
@@ -27,13 +27,14 @@ from gguf.constants import GGMLQuantizationType as T
 from .qweight import LAYOUTS, QuantWeight
 
 # GEMV tiles by row count rounded up to a power of two: (BLOCK_N, BLOCK_K, num_warps, programs per SM
-# that split-K aims for, int8 x: 16-bit x quantized per tile for dp4a, stages: loads pipelined that
-# many steps deep, 1 = none). Chosen on an H200 by `benchmarks/bench_qkernels.py --sweep`.
-GEMV_CONFIGS: dict[int, tuple[int, int, int, int, bool, int]] = {
-    1: (4, 1024, 4, 2, False, 1),
-    2: (8, 1024, 4, 2, False, 1),
-    4: (8, 1024, 4, 2, False, 1),
-    8: (8, 512, 4, 2, False, 1),
+# that split-K aims for, x terms: 16-bit x as that many int8 terms per tile for dp4a (0: float x; one
+# term rounds x to ~8 bits, two to ~15), stages: loads pipelined that many steps deep, 1 = none).
+# Chosen on an H200 by `benchmarks/bench_qkernels.py --sweep`.
+GEMV_CONFIGS: dict[int, tuple[int, int, int, int, int, int]] = {
+    1: (4, 1024, 4, 2, 0, 1),
+    2: (8, 1024, 4, 2, 0, 1),
+    4: (8, 1024, 4, 2, 0, 1),
+    8: (8, 512, 4, 2, 0, 1),
 }
 GEMV_MAX_ROWS = max(GEMV_CONFIGS)
 
@@ -110,33 +111,37 @@ def _dequant_kernel(q_ptr, h_ptr, d_ptr, sc_ptr, m_ptr, mn_ptr, out_ptr, N, K, q
     tl.store(out_ptr + r * K + k + 16, w_hi.to(dt), mask=ok)
 
 
-X_TILE_BYTES = 48  # a 32-element tile of x quantized for the dp4a GEMV: 32 codes, scale, two sums, padding
+X_TERM_BYTES = 48  # one int8 term of a 32-element tile of x: 32 codes, scale, two sums, padding
 
 
 @triton.jit
-def _quantize_x_kernel(x_ptr, out_ptr, K, x_stride, out_stride, BLOCK_T: tl.constexpr):
-    """Rows of x -> per 32-element tile: int8 codes c = round(x / scale) with scale = max|x| / 127 (the
-    32 bytes in order), then int32 words [float32 scale, Σ c of elements 0-15, Σ c of 16-31, 0]."""
+def _quantize_x_kernel(x_ptr, out_ptr, K, x_stride, out_stride, TERMS: tl.constexpr, BLOCK_T: tl.constexpr):
+    """Rows of x -> per 32-element tile TERMS int8 terms, x ≈ Σ scale_t * c_t, each of the residual
+    the terms before it left: codes c = round(r / scale) with scale = max|r| / 127 (the 32 bytes in
+    order), then int32 words [float32 scale, Σ c of elements 0-15, Σ c of 16-31, 0]."""
     row = tl.program_id(0).to(tl.int64)
     tt = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)[:, None]
     e = tl.arange(0, 32)[None, :]
     ok = tt * 32 < K
-    x = tl.load(x_ptr + row * x_stride + tt * 32 + e, mask=ok, other=0.0).to(tl.float32)
-    amax = tl.max(tl.abs(x), axis=1)
-    v = x * (127.0 / tl.where(amax > 0, amax, 1.0))[:, None]  # an all-zero tile: codes 0
-    c = tl.where(v >= 0, v + 0.5, v - 0.5).to(tl.int32)  # rounded half away from zero, as llama.cpp's q8_1
-    sums = tl.sum(tl.reshape(c, [BLOCK_T, 2, 16]), axis=2)
-    half = tl.arange(0, 2)[None, :]
-    sum_lo = tl.sum(tl.where(half == 0, sums, 0), axis=1)[:, None]
-    sum_hi = tl.sum(tl.where(half == 1, sums, 0), axis=1)[:, None]
-    b = tl.arange(0, 4)[None, None, :]
-    words = tl.sum(tl.reshape(c & 255, [BLOCK_T, 8, 4]) << (8 * b), axis=2)
-    out = out_ptr.to(tl.pointer_type(tl.int32)) + row * (out_stride // 4) + tt * 12
-    tl.store(out + tl.arange(0, 8)[None, :], words, mask=ok)
-    meta = tl.arange(0, 4)[None, :]
-    scale = (amax / 127.0).to(tl.int32, bitcast=True)[:, None]
-    meta_val = tl.where(meta == 0, scale, tl.where(meta == 1, sum_lo, tl.where(meta == 2, sum_hi, 0)))
-    tl.store(out + 8 + meta, meta_val, mask=ok)
+    res = tl.load(x_ptr + row * x_stride + tt * 32 + e, mask=ok, other=0.0).to(tl.float32)
+    for term in tl.static_range(TERMS):
+        amax = tl.max(tl.abs(res), axis=1)
+        scale = amax / 127.0
+        v = res * (127.0 / tl.where(amax > 0, amax, 1.0))[:, None]  # an all-zero tile: codes 0
+        c = tl.where(v >= 0, v + 0.5, v - 0.5).to(tl.int32)  # rounded half away from zero, as llama.cpp's q8_1
+        res = res - c.to(tl.float32) * scale[:, None]
+        sums = tl.sum(tl.reshape(c, [BLOCK_T, 2, 16]), axis=2)
+        half = tl.arange(0, 2)[None, :]
+        sum_lo = tl.sum(tl.where(half == 0, sums, 0), axis=1)[:, None]
+        sum_hi = tl.sum(tl.where(half == 1, sums, 0), axis=1)[:, None]
+        b = tl.arange(0, 4)[None, None, :]
+        words = tl.sum(tl.reshape(c & 255, [BLOCK_T, 8, 4]) << (8 * b), axis=2)
+        out = out_ptr.to(tl.pointer_type(tl.int32)) + row * (out_stride // 4) + (tt * TERMS + term) * 12
+        tl.store(out + tl.arange(0, 8)[None, :], words, mask=ok)
+        meta = tl.arange(0, 4)[None, :]
+        meta_val = tl.where(meta == 0, scale.to(tl.int32, bitcast=True)[:, None],
+                            tl.where(meta == 1, sum_lo, tl.where(meta == 2, sum_hi, 0)))
+        tl.store(out + 8 + meta, meta_val, mask=ok)
 
 
 @triton.jit
@@ -193,14 +198,15 @@ def _pick(v, j, c: tl.constexpr):
 def _gemv_step(acc, b0, x_ptr, q_ptr, h_ptr, d_ptr, sc_ptr, m_ptr, mn_ptr, M, N, K, x_stride, q_stride, h_stride,
                d_stride, s_stride, BITS: tl.constexpr, OFFSET: tl.constexpr, SB: tl.constexpr, G: tl.constexpr,
                HAS_M: tl.constexpr, HAS_MN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-               MR: tl.constexpr, INT8_X: tl.constexpr, ASM: tl.constexpr):
+               MR: tl.constexpr, X_TERMS: tl.constexpr, ASM: tl.constexpr):
     """acc [BLOCK_N, tiles, MR] plus the products of the BLOCK_K elements from byte b0 of q's rows."""
     # Axes [weight row, 32-element tile, x row, part of a tile]. Every load has this whole shape (x's
     # pointers broadcast over weight rows, the weight's over x rows where they meet), so Triton gives
     # all of them one layout: a thread holds whole parts, threads spread over weight rows and tiles,
     # x rows stay in registers, and nothing moves between threads until the final sum. The part axis
-    # is 16 nibble bytes (float x), or 4 int32 words of nibble bytes (INT8_X: x quantized per tile by
-    # `_quantize_x_kernel`, codes and x multiplied four bytes at a time by dp4a, as llama.cpp's mmvq).
+    # is 16 nibble bytes (float x), or 4 int32 words of nibble bytes (X_TERMS: x quantized per tile by
+    # `_quantize_x_kernel` into that many int8 terms, codes and x multiplied four bytes at a time by
+    # dp4a, as llama.cpp's mmvq with one term).
     # Each tile's codes are dotted with x first and scaled once per half tile.
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)[:, None, None, None]
     r_ok = rows < N
@@ -211,27 +217,32 @@ def _gemv_step(acc, b0, x_ptr, q_ptr, h_ptr, d_ptr, sc_ptr, m_ptr, mn_ptr, M, N,
     k0 = 2 * b0
     k_lo = k0 + t * 32
     x_ok = (x_row < M) & (k_lo < K)
-    if INT8_X:
+    if X_TERMS:
         j = tl.arange(0, 4)[None, None, None, :]
         w = tl.max_contiguous(tl.multiple_of(b0 // 4 + t * 4 + j, [1, 4, 1, 4]), [1, 1, 1, 4])
         lo, hi = _code_words(q_ptr, h_ptr, r, r_ok & (k_lo < K), w, q_stride, h_stride, BITS, BLOCK_N, BLOCK_K // 32)
-        # x: per tile 8 words of int8 codes (lo half, hi half), then 4 words [scale, Σ lo, Σ hi, 0]
-        xw = x_ptr.to(tl.pointer_type(tl.int32)) + x_row * (x_stride // 4) + (k_lo // 32) * 12 + j
-        x_lo = tl.load(xw, mask=x_ok, other=0)
-        x_hi = tl.load(xw + 4, mask=x_ok, other=0)
-        meta = tl.load(xw + 8, mask=x_ok, other=0)
-        x_scale = _pick(meta, j, 0).to(tl.float32, bitcast=True)
-        x_sum_lo = _pick(meta, j, 1)
-        x_sum_hi = _pick(meta, j, 2)
-        dot_lo = tl.sum(_dp4a(lo, x_lo, ASM), axis=3)
-        dot_hi = tl.sum(_dp4a(hi, x_hi, ASM), axis=3)
-        if G == 16:
-            s_lo = (dot_lo - OFFSET * x_sum_lo).to(tl.float32) * x_scale
-            s_hi = (dot_hi - OFFSET * x_sum_hi).to(tl.float32) * x_scale
-        else:
-            s_lo = (dot_lo + dot_hi - OFFSET * (x_sum_lo + x_sum_hi)).to(tl.float32) * x_scale
+        s_lo = tl.zeros([BLOCK_N, BLOCK_K // 32, MR], tl.float32)
+        s_hi = tl.zeros([BLOCK_N, BLOCK_K // 32, MR], tl.float32)
+        x_sum = tl.zeros([BLOCK_N, BLOCK_K // 32, MR], tl.float32)
+        for term in tl.static_range(X_TERMS):
+            # x's term: per tile 8 words of int8 codes (lo half, hi half), then 4 words [scale, Σ lo, Σ hi, 0]
+            xw = x_ptr.to(tl.pointer_type(tl.int32)) + x_row * (x_stride // 4) + ((k_lo // 32) * X_TERMS + term) * 12 + j
+            x_lo = tl.load(xw, mask=x_ok, other=0)
+            x_hi = tl.load(xw + 4, mask=x_ok, other=0)
+            meta = tl.load(xw + 8, mask=x_ok, other=0)
+            x_scale = _pick(meta, j, 0).to(tl.float32, bitcast=True)
+            x_sum_lo = _pick(meta, j, 1)
+            x_sum_hi = _pick(meta, j, 2)
+            dot_lo = tl.sum(_dp4a(lo, x_lo, ASM), axis=3)
+            dot_hi = tl.sum(_dp4a(hi, x_hi, ASM), axis=3)
+            if G == 16:
+                s_lo += (dot_lo - OFFSET * x_sum_lo).to(tl.float32) * x_scale
+                s_hi += (dot_hi - OFFSET * x_sum_hi).to(tl.float32) * x_scale
+            else:
+                s_lo += (dot_lo + dot_hi - OFFSET * (x_sum_lo + x_sum_hi)).to(tl.float32) * x_scale
+            x_sum += (x_sum_lo + x_sum_hi).to(tl.float32) * x_scale
+        if G != 16:
             s_hi = s_lo
-        x_sum = (x_sum_lo + x_sum_hi).to(tl.float32) * x_scale
     else:
         i = tl.arange(0, 16)[None, None, None, :]
         # Offsets in bytes of `q`: each tile's 16 bytes are provably contiguous and aligned, one 128-bit load.
@@ -264,7 +275,7 @@ def _gemv_step(acc, b0, x_ptr, q_ptr, h_ptr, d_ptr, sc_ptr, m_ptr, mn_ptr, M, N,
 def _gemv_kernel(x_ptr, q_ptr, h_ptr, d_ptr, sc_ptr, m_ptr, mn_ptr, out_ptr, M, N, K, x_stride, q_stride,
                  h_stride, d_stride, s_stride, k_split, BITS: tl.constexpr, OFFSET: tl.constexpr,
                  SB: tl.constexpr, G: tl.constexpr, HAS_M: tl.constexpr, HAS_MN: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, MR: tl.constexpr, INT8_X: tl.constexpr, ASM: tl.constexpr,
+                 BLOCK_K: tl.constexpr, MR: tl.constexpr, X_TERMS: tl.constexpr, ASM: tl.constexpr,
                  STAGES: tl.constexpr):
     """y [M, N] (or split-K partial sums [splits, M, N]) of program_id(1)'s k_split elements of K."""
     acc = tl.zeros([BLOCK_N, BLOCK_K // 32, MR], tl.float32)
@@ -275,13 +286,13 @@ def _gemv_kernel(x_ptr, q_ptr, h_ptr, d_ptr, sc_ptr, m_ptr, mn_ptr, out_ptr, M, 
         for b0 in tl.range(start, start + k_split // 2, BLOCK_K // 2, num_stages=STAGES):
             acc = _gemv_step(acc, b0, x_ptr, q_ptr, h_ptr, d_ptr, sc_ptr, m_ptr, mn_ptr, M, N, K, x_stride, q_stride,
                              h_stride, d_stride, s_stride, BITS, OFFSET, SB, G, HAS_M, HAS_MN, BLOCK_N, BLOCK_K, MR,
-                             INT8_X, ASM)
+                             X_TERMS, ASM)
     else:
         b0 = start
         while b0 < start + k_split // 2:  # a runtime trip count: one compile for every K
             acc = _gemv_step(acc, b0, x_ptr, q_ptr, h_ptr, d_ptr, sc_ptr, m_ptr, mn_ptr, M, N, K, x_stride, q_stride,
                              h_stride, d_stride, s_stride, BITS, OFFSET, SB, G, HAS_M, HAS_MN, BLOCK_N, BLOCK_K, MR,
-                             INT8_X, ASM)
+                             X_TERMS, ASM)
             b0 += BLOCK_K // 2
     y = tl.sum(acc, axis=1)  # [BN, MR]
     rows2 = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)[:, None]
@@ -352,16 +363,16 @@ def qmm(x: torch.Tensor, q: torch.Tensor, h: torch.Tensor | None, d: torch.Tenso
     mr = triton.next_power_of_2(rows)
     if mr not in GEMV_CONFIGS:
         raise ValueError(f"the fused GEMV takes 1..{GEMV_MAX_ROWS} rows, got {rows}")
-    block_n, block_k, warps, per_sm, int8_x, stages = GEMV_CONFIGS[mr]
-    int8_x = int8_x and x.dtype != torch.float32  # float32 x keeps float32 arithmetic throughout
+    block_n, block_k, warps, per_sm, x_terms, stages = GEMV_CONFIGS[mr]
+    x_terms = x_terms if x.dtype != torch.float32 else 0  # float32 x keeps float32 arithmetic throughout
     ptrs, strides, consts = _layout_args(qtype, q, h, d, sc, m, mn)
     grid_n = triton.cdiv(n, block_n)
     k_split = _split_k(grid_n, k, block_k, per_sm * _sm_count(x.device))
     splits = triton.cdiv(k, k_split)
     out = torch.empty(splits, rows, n, dtype=x.dtype if splits == 1 else torch.float32, device=x.device)
-    xk = quantize_x(x) if int8_x else x
+    xk = quantize_x(x, x_terms) if x_terms else x
     _gemv_kernel[(grid_n, splits)](xk, *ptrs, out, rows, n, k, xk.stride(0), *strides, k_split, **consts,
-                                   BLOCK_N=block_n, BLOCK_K=block_k, MR=mr, INT8_X=int8_x,
+                                   BLOCK_N=block_n, BLOCK_K=block_k, MR=mr, X_TERMS=x_terms,
                                    ASM=x.device.type == "cuda", STAGES=stages if x.device.type == "cuda" else 1,
                                    num_warps=warps)
     if splits == 1:
@@ -371,12 +382,14 @@ def qmm(x: torch.Tensor, q: torch.Tensor, h: torch.Tensor | None, d: torch.Tenso
     return y
 
 
-def quantize_x(x: torch.Tensor) -> torch.Tensor:
-    """x [M, K] -> uint8 [M, K / 32 * X_TILE_BYTES]: each 32-element tile as `_quantize_x_kernel` writes it."""
+def quantize_x(x: torch.Tensor, terms: int = 1) -> torch.Tensor:
+    """x [M, K] -> uint8 [M, K / 32 * terms * X_TERM_BYTES]: each 32-element tile's terms as
+    `_quantize_x_kernel` writes them."""
     rows, k = x.shape
-    out = torch.empty(rows, k // 32 * X_TILE_BYTES, dtype=torch.uint8, device=x.device)
+    out = torch.empty(rows, k // 32 * terms * X_TERM_BYTES, dtype=torch.uint8, device=x.device)
     block_t = 32
-    _quantize_x_kernel[(rows, triton.cdiv(k // 32, block_t))](x, out, k, x.stride(0), out.stride(0), BLOCK_T=block_t)
+    _quantize_x_kernel[(rows, triton.cdiv(k // 32, block_t))](x, out, k, x.stride(0), out.stride(0), TERMS=terms,
+                                                              BLOCK_T=block_t)
     return out
 
 
