@@ -94,6 +94,7 @@ def _sweep(types: list[T], row_counts: list[int], shapes, rng: np.random.Generat
             GEMV_CONFIGS[mr] = cfg
             cells = []
             total = 0.0
+            mine: dict[T, float] = {}
             for qt in types:
                 for n, k in shapes:
                     ws, x, ref = weights[qt, n, k], xs[k], refs[qt, n, k]
@@ -107,10 +108,9 @@ def _sweep(types: list[T], row_counts: list[int], shapes, rng: np.random.Generat
                         return
                     t = _time_per_call([lambda w=w: fused_matmul(x, w) for w in ws], rep=20)
                     total += t
-                    per_type.setdefault(cfg, {}).setdefault(qt, 0.0)
-                    per_type[cfg][qt] += t
+                    mine[qt] = mine.get(qt, 0.0) + t
                     cells.append(f"{ws[0].nbytes / t / 1e9:.0f}")
-            totals[cfg] = total
+            totals[cfg], per_type[cfg] = total, mine
             print(f"| {rows} | {cfg} | " + " | ".join(cells) + f" | {total * 1e6:.1f} |", flush=True)
 
         cols = [f"{qt.name} {n}x{k}" for qt in types for n, k in shapes]
@@ -137,8 +137,8 @@ def _sweep(types: list[T], row_counts: list[int], shapes, rng: np.random.Generat
         if grid[0] in totals:
             print(f"best for {rows} rows: {best[mr]}, {totals[grid[0]] / totals[best[mr]]:.2f}x today's {grid[0]}")
         for qt in types:
-            mine = min(per_type, key=lambda c: per_type[c][qt])
-            print(f"  {qt.name} alone: best {mine}, {per_type[mine][qt] * 1e6:.1f} µs over the shapes "
+            alone = min(per_type, key=lambda c: per_type[c][qt])
+            print(f"  {qt.name} alone: best {alone}, {per_type[alone][qt] * 1e6:.1f} µs over the shapes "
                   f"(today's {per_type.get(grid[0], {}).get(qt, float('nan')) * 1e6:.1f})")
         GEMV_CONFIGS[mr] = saved
     GEMV_CONFIGS.update(best)
