@@ -55,13 +55,13 @@ SWEEP_SHAPES = ((4096, 4096), (6144, 4096), (28672, 4096), (4096, 14336), (5120,
 
 
 def _sweep_grid(rows: int) -> list[tuple]:
-    """GEMV configurations to time at `rows`: today's entry, then the int8-x (dp4a) variant over
+    """GEMV configurations to time at `rows`: today's tile with float x, then the int8-x (dp4a) variant over
     (BLOCK_N, warps, 32-element tiles per thread and step): BLOCK_K = tiles * 32 * threads / BLOCK_N."""
-    grid = [GEMV_CONFIGS[rows][:4] + (0, 1)]
+    grid = [GEMV_CONFIGS[rows][:4] + (0,)]
     shapes = [(bn, 4, 1) for bn in (2, 4, 8, 16)] + [(bn, 4, 2) for bn in (2, 4, 8)] + [(bn, 8, 1) for bn in (2, 4, 8)]
     if rows > 1:  # fewer rows per program: x's rows are in registers already
         shapes = [(2, 4, 1), (4, 4, 1), (8, 4, 1), (4, 4, 2), (8, 4, 2), (4, 8, 1), (8, 8, 1)]
-    return grid + [(bn, tiles * 32 * warps * 32 // bn, warps, 8, 1, 1) for bn, warps, tiles in shapes]
+    return grid + [(bn, tiles * 32 * warps * 32 // bn, warps, 8, 1) for bn, warps, tiles in shapes]
 
 
 def _sweep(types: list[T], row_counts: list[int], shapes, rng: np.random.Generator, budget_s: float) -> None:
@@ -115,7 +115,7 @@ def _sweep(types: list[T], row_counts: list[int], shapes, rng: np.random.Generat
 
         cols = [f"{qt.name} {n}x{k}" for qt in types for n, k in shapes]
         print(f"\nsweep, {rows} rows: GB/s of weight bytes per type and shape (out x in); last column the summed µs")
-        print("| rows | (BLOCK_N, BLOCK_K, warps, programs/SM, x int8 terms, stages) | " + " | ".join(cols) + " | µs |")
+        print("| rows | (BLOCK_N, BLOCK_K, warps, programs/SM, x int8 terms) | " + " | ".join(cols) + " | µs |")
         print("|---" * (len(cols) + 3) + "|")
         grid = _sweep_grid(mr)
         for cfg in grid:
@@ -128,18 +128,15 @@ def _sweep(types: list[T], row_counts: list[int], shapes, rng: np.random.Generat
             if top[:3] + (per_sm,) + top[4:] not in totals:
                 measure(top[:3] + (per_sm,) + top[4:], 1.0)
         top = min(totals, key=totals.get)
-        for stages in (2, 3):  # then its loads pipelined (cp.async) that many steps deep
-            measure(top[:5] + (stages,), 1.0)
-        top = min(totals, key=totals.get)
         if top[4] == 1:  # and x in two int8 terms (~15 bits, near bf16's 8-bit rounding error away)
             measure(top[:4] + (2,) + top[5:], 1.0)
         best[mr] = min(totals, key=totals.get)
         if grid[0] in totals:
-            print(f"best for {rows} rows: {best[mr]}, {totals[grid[0]] / totals[best[mr]]:.2f}x today's {grid[0]}")
+            print(f"best for {rows} rows: {best[mr]}, {totals[grid[0]] / totals[best[mr]]:.2f}x float x {grid[0]}")
         for qt in types:
             alone = min(per_type, key=lambda c: per_type[c][qt])
             print(f"  {qt.name} alone: best {alone}, {per_type[alone][qt] * 1e6:.1f} µs over the shapes "
-                  f"(today's {per_type.get(grid[0], {}).get(qt, float('nan')) * 1e6:.1f})")
+                  f"(float x {per_type.get(grid[0], {}).get(qt, float('nan')) * 1e6:.1f})")
         GEMV_CONFIGS[mr] = saved
     GEMV_CONFIGS.update(best)
     if 2 not in best and 4 in best:

@@ -32,11 +32,11 @@ TOOLS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bi
 SASS_LINE = re.compile(r"\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)")
 
 
-def compile_gemv(qt: T, mr: int, block_n: int, block_k: int, warps: int, x_terms: int, stages: int = 1):
+def compile_gemv(qt: T, mr: int, block_n: int, block_k: int, warps: int, x_terms: int):
     """The kernel as qmm launches it on CUDA (pointers and strides 16-byte aligned, as Triton specializes)."""
     lay = LAYOUTS[qt]
     consts = dict(BITS=lay.bits, OFFSET=lay.offset, SB=lay.sb, G=lay.g, HAS_M=lay.has_m, HAS_MN=lay.has_mn,
-                  BLOCK_N=block_n, BLOCK_K=block_k, MR=mr, X_TERMS=x_terms, ASM=True, STAGES=stages)
+                  BLOCK_N=block_n, BLOCK_K=block_k, MR=mr, X_TERMS=x_terms, ASM=True)
     if mr == 1:
         consts["M"] = 1  # Triton specializes an int argument equal to 1
     pointers = {"x_ptr": "*u8" if x_terms else "*bf16", "q_ptr": "*u8", "h_ptr": "*u8", "d_ptr": "*fp16",

@@ -28,13 +28,13 @@ from .qweight import LAYOUTS, QuantWeight
 
 # GEMV tiles by row count rounded up to a power of two: (BLOCK_N, BLOCK_K, num_warps, programs per SM
 # that split-K aims for, x terms: 16-bit x as that many int8 terms per tile for dp4a (0: float x; one
-# term rounds x to ~8 bits, two to ~15), stages: loads pipelined that many steps deep, 1 = none).
-# Chosen on an H200 by `benchmarks/bench_qkernels.py --sweep`.
-GEMV_CONFIGS: dict[int, tuple[int, int, int, int, int, int]] = {
-    1: (4, 1024, 4, 2, 0, 1),
-    2: (8, 1024, 4, 2, 0, 1),
-    4: (8, 1024, 4, 2, 0, 1),
-    8: (8, 512, 4, 2, 0, 1),
+# term rounds x to ~8 bits, as llama.cpp's q8_1 activations; two to ~15).
+# Chosen on an H200 by `benchmarks/bench_qkernels.py --sweep` (docs/PERF.md, session 8).
+GEMV_CONFIGS: dict[int, tuple[int, int, int, int, int]] = {
+    1: (2, 2048, 4, 8, 1),
+    2: (2, 2048, 4, 8, 1),
+    4: (2, 2048, 4, 8, 1),
+    8: (4, 1024, 4, 2, 1),
 }
 GEMV_MAX_ROWS = max(GEMV_CONFIGS)
 
@@ -275,25 +275,16 @@ def _gemv_step(acc, b0, x_ptr, q_ptr, h_ptr, d_ptr, sc_ptr, m_ptr, mn_ptr, M, N,
 def _gemv_kernel(x_ptr, q_ptr, h_ptr, d_ptr, sc_ptr, m_ptr, mn_ptr, out_ptr, M, N, K, x_stride, q_stride,
                  h_stride, d_stride, s_stride, k_split, BITS: tl.constexpr, OFFSET: tl.constexpr,
                  SB: tl.constexpr, G: tl.constexpr, HAS_M: tl.constexpr, HAS_MN: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, MR: tl.constexpr, X_TERMS: tl.constexpr, ASM: tl.constexpr,
-                 STAGES: tl.constexpr):
+                 BLOCK_K: tl.constexpr, MR: tl.constexpr, X_TERMS: tl.constexpr, ASM: tl.constexpr):
     """y [M, N] (or split-K partial sums [splits, M, N]) of program_id(1)'s k_split elements of K."""
     acc = tl.zeros([BLOCK_N, BLOCK_K // 32, MR], tl.float32)
     start = tl.program_id(1) * (k_split // 2)  # in bytes of q; the last split's steps past K load nothing
-    if STAGES > 1:
-        # A for loop: Triton pipelines its loads STAGES - 1 steps ahead (cp.async through shared
-        # memory). Triton's interpreter cannot run a for loop over a runtime count (tests: STAGES=1).
-        for b0 in tl.range(start, start + k_split // 2, BLOCK_K // 2, num_stages=STAGES):
-            acc = _gemv_step(acc, b0, x_ptr, q_ptr, h_ptr, d_ptr, sc_ptr, m_ptr, mn_ptr, M, N, K, x_stride, q_stride,
-                             h_stride, d_stride, s_stride, BITS, OFFSET, SB, G, HAS_M, HAS_MN, BLOCK_N, BLOCK_K, MR,
-                             X_TERMS, ASM)
-    else:
-        b0 = start
-        while b0 < start + k_split // 2:  # a runtime trip count: one compile for every K
-            acc = _gemv_step(acc, b0, x_ptr, q_ptr, h_ptr, d_ptr, sc_ptr, m_ptr, mn_ptr, M, N, K, x_stride, q_stride,
-                             h_stride, d_stride, s_stride, BITS, OFFSET, SB, G, HAS_M, HAS_MN, BLOCK_N, BLOCK_K, MR,
-                             X_TERMS, ASM)
-            b0 += BLOCK_K // 2
+    b0 = start
+    while b0 < start + k_split // 2:  # a runtime trip count: one compile for every K
+        acc = _gemv_step(acc, b0, x_ptr, q_ptr, h_ptr, d_ptr, sc_ptr, m_ptr, mn_ptr, M, N, K, x_stride, q_stride,
+                         h_stride, d_stride, s_stride, BITS, OFFSET, SB, G, HAS_M, HAS_MN, BLOCK_N, BLOCK_K, MR,
+                         X_TERMS, ASM)
+        b0 += BLOCK_K // 2
     y = tl.sum(acc, axis=1)  # [BN, MR]
     rows2 = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)[:, None]
     xr2 = tl.arange(0, MR)[None, :]
@@ -360,10 +351,12 @@ def qmm(x: torch.Tensor, q: torch.Tensor, h: torch.Tensor | None, d: torch.Tenso
     rows, k = x.shape
     n = q.shape[0]
     x = x.contiguous()
+    if rows == 0:  # e.g. the output head of a prefill chunk that needs no logits
+        return x.new_empty(0, n)
     mr = triton.next_power_of_2(rows)
     if mr not in GEMV_CONFIGS:
         raise ValueError(f"the fused GEMV takes 1..{GEMV_MAX_ROWS} rows, got {rows}")
-    block_n, block_k, warps, per_sm, x_terms, stages = GEMV_CONFIGS[mr]
+    block_n, block_k, warps, per_sm, x_terms = GEMV_CONFIGS[mr]
     x_terms = x_terms if x.dtype != torch.float32 else 0  # float32 x keeps float32 arithmetic throughout
     ptrs, strides, consts = _layout_args(qtype, q, h, d, sc, m, mn)
     grid_n = triton.cdiv(n, block_n)
@@ -373,8 +366,7 @@ def qmm(x: torch.Tensor, q: torch.Tensor, h: torch.Tensor | None, d: torch.Tenso
     xk = quantize_x(x, x_terms) if x_terms else x
     _gemv_kernel[(grid_n, splits)](xk, *ptrs, out, rows, n, k, xk.stride(0), *strides, k_split, **consts,
                                    BLOCK_N=block_n, BLOCK_K=block_k, MR=mr, X_TERMS=x_terms,
-                                   ASM=x.device.type == "cuda", STAGES=stages if x.device.type == "cuda" else 1,
-                                   num_warps=warps)
+                                   ASM=x.device.type == "cuda", num_warps=warps)
     if splits == 1:
         return out[0]
     y = torch.empty(rows, n, dtype=x.dtype, device=x.device)
