@@ -69,6 +69,25 @@ def test_unsupported_type_and_bad_shape_are_clear_errors():
         QuantWeight.from_gguf(raw, T.Q4_K, (4, 512))
 
 
+def test_parts_of_one_type_join_into_one_weight(tiny_model):
+    """A layer's neighbouring weights of one type are one QuantWeight (one GEMV over their rows): Q4_K_M's
+    q and k (its v is Q6_K), gate and up; their rows equal each part's, and the parts leave the cache."""
+    from hydra_console.engine.gguf_file import GGUFFile
+    from hydra_console.engine.model import build_stage
+
+    g = GGUFFile(tiny_model("llama", qtype="Q4_K_M", n_layers=2, n_embd=256, n_head=4, n_head_kv=2, n_ff=512))
+    stage = build_stage(g, embed=False, head=True, device="cpu", dtype="bfloat16", quantized=True, n_slots=1, n_ctx=8)
+    layer = stage.layers[0]
+    assert [(p.qtype, p.shape) for p in layer.wqkv.parts] == [(T.Q4_K, (384, 256)), (T.Q6_K, (128, 256))]
+    assert [(p.qtype, p.shape) for p in layer.w_gate_up.parts] == [(T.Q4_K, (1024, 256))]
+    joined = {f"blk.0.{n}.weight" for n in ("attn_q", "attn_k", "ffn_gate", "ffn_up")}
+    assert not joined & stage.weights._quant.keys() and "blk.0.attn_v.weight" in stage.weights._quant
+    rows = torch.cat([dequantize(g.raw(f"blk.0.ffn_{n}.weight"), T.Q4_K, (512, 256)) for n in ("gate", "up")])
+    assert torch.equal(layer.w_gate_up.parts[0].dequantize_reference(), rows)
+    with pytest.raises(QuantError, match="one type and width"):
+        QuantWeight.cat(layer.wqkv.parts)
+
+
 def test_qlinear_reference_on_cpu():
     _, w, ref = _weight(T.Q4_K, 40, 512)
     x = torch.randn(2, 3, 512)
@@ -98,14 +117,25 @@ def test_kernel_dequantize_is_bit_exact(qt):
 
 
 
+def _gemv_x_terms(monkeypatch, terms: int) -> None:
+    """Select the GEMV's int8-x (dp4a) variant with `terms` terms, or (0) its float one, for every row count."""
+    from hydra_console.engine.kernels import triton_qmatmul
+
+    for mr, cfg in triton_qmatmul.GEMV_CONFIGS.items():
+        monkeypatch.setitem(triton_qmatmul.GEMV_CONFIGS, mr, cfg[:4] + (terms,) + cfg[5:])
+
+
 @kernels
 @pytest.mark.parametrize("qt", TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("n", [8, 1000 if KERNEL_DEVICE == "cuda" else 40])  # the interpreter is slow
-def test_fused_matmul_matches_reference(qt, n):
+def test_fused_matmul_matches_reference(qt, n, monkeypatch):
     from hydra_console.engine.kernels.triton_qmatmul import GEMV_MAX_ROWS, fused_matmul
 
+    _gemv_x_terms(monkeypatch, 0)
+    torch.manual_seed(n)  # bf16 x under the interpreter sits near the bound: the same x every run
     k = 4 * _k(qt)
     _, w, ref = _weight(qt, n, k, seed=n, device=KERNEL_DEVICE)
+    assert qlinear(torch.randn(0, k, device=KERNEL_DEVICE), w).shape == (0, n)  # a chunk without logit rows
     for rows in (1, 2, 4, 5, 8, 64, 300):
         x = torch.randn(rows, k, device=KERNEL_DEVICE)
         want = x.double() @ ref.double().T
@@ -115,6 +145,77 @@ def test_fused_matmul_matches_reference(qt, n):
             errs |= {"gemv": _rel_err(fused_matmul(x, w), want), "gemv bf16": _rel_err(fused_matmul(x.bfloat16(), w), want)}
         print(f"{qt.name} n={n} k={k} rows={rows}: max rel err " + ", ".join(f"{p} {e:.2e}" for p, e in errs.items()))
         assert all(e < (1e-2 if p.endswith("bf16") else 1e-5) for p, e in errs.items()), errs
+
+
+def _x_terms(xq: torch.Tensor, k: int, terms: int) -> list[tuple[torch.Tensor, ...]]:
+    """`quantize_x`'s bytes -> per term (int8 codes [M, K], float32 scales [M, K/32], int32 half sums
+    [M, K/32, 2], padding [M, K/32])."""
+    tiles = xq.cpu().view(xq.shape[0], k // 32, terms, 48)
+    out = []
+    for t in range(terms):
+        codes = tiles[:, :, t, :32].contiguous().view(torch.int8).reshape(xq.shape[0], k)
+        meta = tiles[:, :, t, 32:].contiguous().view(torch.int32)
+        out.append((codes, meta[..., 0].view(torch.float32), meta[..., 1:3], meta[..., 3]))
+    return out
+
+
+def _x_seen(terms: list[tuple[torch.Tensor, ...]]) -> torch.Tensor:
+    """x as the int8-x GEMV multiplies it: Σ codes * scale over the terms, float64."""
+    rows, k = terms[0][0].shape
+    return sum((c.view(rows, -1, 32).double() * s.double()[..., None]).view(rows, k) for c, s, _, _ in terms)
+
+
+@kernels
+def test_quantize_x_codes_scales_and_sums():
+    """16-bit x's tiles of 32 as the int8-x GEMV reads them: codes round(x / scale), scale max|x| / 127;
+    a second term the same of the residual, which leaves x to ~15 bits."""
+    from hydra_console.engine.kernels.triton_qmatmul import quantize_x
+
+    k = 256
+    x = torch.randn(3, k) * torch.logspace(-3, 3, k)  # tiles of very different magnitudes
+    x[1, 32:64] = 0  # an all-zero tile: codes 0, scale 0
+    x[2, 70] = -x[2, 64:96].abs().max() * 2  # a tile whose extreme is negative
+    x = x.bfloat16()
+    xt = x.float().view(3, k // 32, 32)
+    first = _x_terms(quantize_x(x.to(KERNEL_DEVICE)), k, 1)
+    two = _x_terms(quantize_x(x.to(KERNEL_DEVICE), 2), k, 2)
+    assert all(torch.equal(a, b) for a, b in zip(first[0], two[0]))  # the first of two terms is the one term
+    residual = xt  # float32, as the kernel forms it (its product and difference may be one fused op)
+    for codes, scale, sums, pad in two:
+        torch.testing.assert_close(scale, residual.abs().amax(-1) / 127, rtol=1e-4, atol=0)
+        tiles = codes.view(3, -1, 32)
+        assert tiles.abs().max() <= 127 and (tiles.abs().amax(-1) == 127).sum() == 3 * k // 32 - 1
+        assert ((tiles - residual / scale.clamp_min(1e-30)[..., None]).abs() <= 0.5 + 1e-3).all()
+        assert torch.equal(sums, tiles.int().view(3, -1, 2, 16).sum(-1)) and (pad == 0).all()
+        residual = residual - tiles * scale[..., None]
+    amax = xt.abs().amax(-1, keepdim=True).double()
+    assert ((_x_seen(first) - x.double()).view(3, -1, 32).abs() <= amax / 254 * (1 + 1e-5)).all()
+    assert ((_x_seen(two) - x.double()).view(3, -1, 32).abs() <= amax / 254 / 254 * (1 + 1e-3)).all()
+
+
+@kernels
+@pytest.mark.parametrize("terms", [1, 2])
+@pytest.mark.parametrize("qt", TYPES, ids=lambda t: t.name)
+def test_fused_matmul_int8_x(qt, terms, monkeypatch):
+    """The dp4a variant against float64 dequantized weights times the int8-quantized x it multiplies
+    (its own error: the output's rounding), and against the unquantized x (x's quantization)."""
+    from hydra_console.engine.kernels.triton_qmatmul import fused_matmul, quantize_x
+
+    _gemv_x_terms(monkeypatch, terms)
+    n, k = (1000, 4 * _k(qt)) if KERNEL_DEVICE == "cuda" else (24, 2 * _k(qt))
+    _, w, ref = _weight(qt, n, k, seed=3, device=KERNEL_DEVICE)
+    for rows, dtype in ((1, torch.float16), (2, torch.bfloat16), (3, torch.float16), (8, torch.bfloat16)):
+        x = torch.randn(rows, k, device=KERNEL_DEVICE).to(dtype)
+        x_seen = _x_seen(_x_terms(quantize_x(x, terms), k, terms))
+        y = fused_matmul(x, w)
+        assert y.dtype == dtype
+        err_kernel = _rel_err(y.cpu(), x_seen @ ref.double().cpu().T)
+        err_total = _rel_err(y.cpu(), x.double().cpu() @ ref.double().cpu().T)
+        print(f"{qt.name} {terms} int8 terms of x, rows={rows} {dtype}: max rel err {err_kernel:.2e} (against x "
+              f"as quantized), {err_total:.2e} (x)")
+        # The output's last bit: CUDA rounds, Triton's interpreter truncates.
+        bound = 2.0 ** -(11 if dtype == torch.float16 else 8) * (1 if KERNEL_DEVICE == "cuda" else 2)
+        assert err_kernel < bound and err_total < (2e-2 if terms == 1 else bound * 1.1)
 
 
 @cuda

@@ -11,8 +11,10 @@ m = -dmin, which is exact, so the formula repeats `quant.dequantize` operation f
 Planes of a [n, k] weight, each row-major with one row per output:
 - `q`  uint8 [n, k/2]: low 4 bits of the codes. In each 32-element tile, byte i holds element i in
   its low nibble and element i+16 in its high nibble: a tile is 16 contiguous bytes.
-- `h`  uint8 [n, k/2/per]: the codes' high `bits-4` bits (Q5*, Q6_K, Q8_0), those of nibble byte p
-  at bits `2*(bits-4)*(p % per)` of byte p // per (low element first), per = 8 // (2*(bits-4)).
+- `h`  uint8 [n, k/2/per]: the codes' high `bits-4` bits (Q5*, Q6_K, Q8_0), per = 8 // (2*(bits-4)):
+  a tile's are 4 // per little-endian 32-bit words; those of nibble byte 4j + b sit in byte b of
+  word j // per at bits 2*(bits-4)*(j % per) (low element first). So byte b of a word serves byte b
+  of each `q` word it covers: a GEMV merges them into 4 codes of an int32 by shifts and masks.
 - `d`  float16 [n, k/sb]; `m` float16 [n, k/sb]; `sc`, `mn` uint8 (int8 for Q6_K) [n, k/g].
 
 The bytes equal the GGUF file's except for Q4_K / Q5_K, whose 12 packed bytes of 6-bit scales
@@ -94,11 +96,12 @@ def _pack(u: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor | None
     if bits == 4:
         return q, None
     hb, per = bits - 4, _per(bits)
-    pair = ((lo >> 4) | ((hi >> 4) << hb)).reshape(n, k // 2 // per, per)
-    h = torch.zeros_like(pair[..., 0])
+    # Nibble byte 4j + b of a tile: word j // per of its h words, byte b, bits 2 * hb * (j % per).
+    pair = ((lo >> 4) | ((hi >> 4) << hb)).reshape(n, k // 32, 4 // per, per, 4)
+    h = torch.zeros_like(pair[:, :, :, 0])
     for j in range(per):
-        h |= pair[..., j] << (2 * hb * j)
-    return q, h
+        h |= pair[:, :, :, j] << (2 * hb * j)
+    return q, h.reshape(n, k // 2 // per)
 
 
 def _unpack(q: torch.Tensor, h: torch.Tensor | None, bits: int) -> torch.Tensor:
@@ -108,7 +111,8 @@ def _unpack(q: torch.Tensor, h: torch.Tensor | None, bits: int) -> torch.Tensor:
     lo, hi = q & 0x0F, q >> 4
     if h is not None:
         hb, per = bits - 4, _per(bits)
-        pair = torch.stack([(h.int() >> (2 * hb * j)) & ((1 << 2 * hb) - 1) for j in range(per)], dim=2)
+        h = h.int().view(n, half // 16, 4 // per, 4)
+        pair = torch.stack([(h >> (2 * hb * j)) & ((1 << 2 * hb) - 1) for j in range(per)], dim=3)
         pair = pair.view(n, half // 16, 16)
         lo = lo | ((pair & ((1 << hb) - 1)) << 4)
         hi = hi | ((pair >> hb) << 4)
@@ -162,6 +166,15 @@ class QuantWeight:
             for name, t in part.items():
                 planes.setdefault(name, torch.empty(n, t.shape[1], dtype=t.dtype, device=t.device))[r0 : r0 + step] = t
         return cls(qt, (n, k), planes)
+
+    @classmethod
+    def cat(cls, parts: list[QuantWeight]) -> QuantWeight:
+        """Row blocks of one type and width as one weight: one GEMV launch over all their rows."""
+        qt, k = parts[0].qtype, parts[0].shape[1]
+        if any(p.qtype != qt or p.shape[1] != k for p in parts):
+            raise QuantError(f"cannot join {[(p.qtype.name, p.shape) for p in parts]}: one type and width only")
+        planes = {name: torch.cat([p.planes[name] for p in parts]) for name in parts[0].planes}
+        return cls(qt, (sum(p.shape[0] for p in parts), k), planes)
 
     @property
     def device(self) -> torch.device:

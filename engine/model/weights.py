@@ -10,6 +10,7 @@ from one file onto one device; converted int8 weights of big files are kept in a
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 from pathlib import Path
@@ -173,13 +174,25 @@ class Weights:
             self._quant[name] = QuantWeight.from_gguf(self.g.raw(name), t.ggml_type, t.shape, self.device)
         return self._quant[name]
 
+    def _joined(self, names: list[str], parts: list[QuantWeight]) -> list[QuantWeight]:
+        """Neighbouring parts of one type as one weight (q and k of a Q4_K_M model, gate and up):
+        one GEMV launch over their rows. A joined tensor leaves the one-copy cache: held once."""
+        joined = []
+        for _, run in itertools.groupby(zip(names, parts), key=lambda part: part[1].qtype):
+            run = list(run)
+            if len(run) > 1:
+                for name, _ in run:
+                    del self._quant[name]
+            joined.append(run[0][1] if len(run) == 1 else QuantWeight.cat([w for _, w in run]))
+        return joined
+
     def linear(self, names: list[str], bias_names: list[str] = (), terms: int = 2) -> Linear:
         """One Linear over the row-wise concatenation of tensors `names` (fused QKV, fused gate+up);
         int8 weights get `terms` terms (the output head one: its top logits are rescored exactly)."""
         bias = torch.cat([self.f32(n) for n in bias_names]).to(self.device) if bias_names else None
         quant = [self.quant(n) for n in names]
         if all(q is not None for q in quant):
-            return QuantLinear(quant, bias)
+            return QuantLinear(self._joined(names, quant), bias)
         if not self.int8:
             parts = [self.f32(n) for n in names]
             return Linear((parts[0] if len(parts) == 1 else torch.cat(parts)).to(self.dtype), None, bias)
