@@ -14,7 +14,7 @@ import os
 import sys
 from typing import Mapping
 
-from .config import BODY_BYTES_PER_TOKEN, DEFAULT_BATCH_TOKENS, ENVIRONMENT, KV_CACHE_TYPES, compile_cache_env, default_cache_dir, head_config, peer_config
+from .config import BODY_BYTES_PER_TOKEN, DEFAULT_BATCH_TOKENS, DEFAULT_BATCH_TOKENS_GPU, ENVIRONMENT, KV_CACHE_TYPES, compile_cache_env, default_cache_dir, head_config, peer_config
 from .embedding import DEFAULT_NORMALIZE, POOLINGS
 from .errors import UserError
 from .openmp import configure_split_worker
@@ -144,8 +144,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("-n", "--n-predict", type=int, default=1024,
                    help="max_tokens of a chat request that sets none (capped by the context; -1: to the end "
                         "of the context); completions keep OpenAI's 16")  # fmt: skip
-    s.add_argument("-b", "--batch-size", type=int, default=DEFAULT_BATCH_TOKENS,
-                   help="prompt tokens one engine step computes at most (llama-server's logical batch)")
+    s.add_argument("-b", "--batch-size", type=int, default=None,
+                   help=f"prompt tokens one engine step computes at most (llama-server's logical batch; default "
+                        f"{DEFAULT_BATCH_TOKENS}, {DEFAULT_BATCH_TOKENS_GPU} on a GPU)")
     s.add_argument("--slot-save-path", default=None,
                    help="folder for POST /slots/{id}?action=save|restore (llama-server's; off without it)")
     s.add_argument("--embedding", "--embeddings", action="store_true",

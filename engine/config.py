@@ -37,6 +37,16 @@ BODY_BYTES_PER_TOKEN = 64
 MIN_MAX_BODY = 1 << 20
 # Prefill tokens per step across all sequences (--batch-size): bounds how long a long prompt stalls decoders.
 DEFAULT_BATCH_TOKENS = 256
+# On a GPU a step's host time (eager launches, ~55 ms for a 7.2B's 32 layers) and, for quantized
+# weights, one dequantization of every weight are paid per chunk whatever its length: llama.cpp's
+# physical batch (-ub 512) takes a 512-token prompt in one step (docs/PERF.md, session 8).
+DEFAULT_BATCH_TOKENS_GPU = 512
+
+
+def default_batch_tokens(device: str) -> int:
+    from .device import resolve_device  # torch: only when the default is asked for
+
+    return DEFAULT_BATCH_TOKENS_GPU if resolve_device(device).type == "cuda" else DEFAULT_BATCH_TOKENS
 
 
 def default_max_body(n_ctx: int) -> int:
@@ -317,7 +327,8 @@ def head_config(args, env: Mapping[str, str]) -> HeadConfig:
     _at_least(1, parallel=args.parallel, rpc_pool_size=args.rpc_pool_size)
     _at_least(0, rpc_queue=args.rpc_queue, peer_wait=args.peer_wait, max_queue=args.max_queue)
     _at_least(-1, n_predict=args.n_predict)
-    _at_least(1, batch_size=args.batch_size)
+    batch_tokens = args.batch_size if args.batch_size is not None else default_batch_tokens(args.device)
+    _at_least(1, batch_size=batch_tokens)
     max_body = args.max_body if args.max_body is not None else default_max_body(slot_ctx(args))
     _at_least(1024, max_body=max_body)
     spec = SpecConfig(type=args.spec_type, n_max=args.draft_max, n_min=args.draft_min, p_min=args.draft_p_min)
@@ -339,7 +350,7 @@ def head_config(args, env: Mapping[str, str]) -> HeadConfig:
         max_body=max_body,
         max_queue=args.max_queue,
         n_predict=args.n_predict,
-        batch_tokens=args.batch_size,
+        batch_tokens=batch_tokens,
         slot_save_path=_existing_dir("--slot-save-path", args.slot_save_path),
         embedding=args.embedding,
         pooling=args.pooling,

@@ -108,3 +108,13 @@ def test_every_subcommand_help_names_each_default_once():
             assert help_text, (name, action.option_strings)  # every flag says what it does
             assert help_text.count("default") == (1 if has_default or "default" in (action.help or "") else 0), (name, help_text)
         assert "(default: None)" not in parser.format_help()
+
+
+def test_prompt_batch_defaults_to_one_gpu_ubatch_and_the_flag_wins(monkeypatch, tmp_path):
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"")
+    assert serve("--model", str(model), "--device", "cpu").batch_tokens == 256
+    assert serve("--model", str(model), "--device", "cpu", "-b", "64").batch_tokens == 64
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)  # "auto" resolves to the GPU
+    assert serve("--model", str(model)).batch_tokens == 512
+    assert serve("--model", str(model), "-b", "300").batch_tokens == 300
