@@ -112,6 +112,8 @@ def start(role_args: list[str], args, log_dir: Path, name: str, netns: Netns | N
     port, host = free_port_pair(), "127.0.0.1"
     cmd = [sys.executable, "-m", "hydra_console.engine.cli", "serve", "--model", str(args.model), "--device", args.device,
            "--dtype", args.dtype, "--ctx", str(args.ctx), "--port", str(port), *role_args]  # fmt: skip
+    if args.no_compile:
+        cmd.append("--no-compile")
     if netns is not None:
         host = netns.addr
         cmd = [*netns.launcher, *cmd, "--host", host, "--rpc-host", host, "--auth-token", NETNS_TOKEN]
@@ -293,6 +295,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1,
                     help="OMP_NUM_THREADS of each worker (0: torch's default); 1 keeps a 2-core machine's head and "
                          "prefill worker on a core each, as two devices would be")
+    ap.add_argument("--no-compile", action="store_true",
+                    help="workers skip torch.compile (on a GPU each would compile every batch bucket at start)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
