@@ -69,3 +69,13 @@ def test_bench_memory_estimate_equals_what_served_workers_hold(tiny_model, tmp_p
     for r in rows:
         assert r["estimate_weights"] == r["held_weights"] > 0 and r["estimate_kv"] == r["held_kv"] > 0
         assert r["reading_source"] == "rss" and r["reading"] > r["baseline"] > 0
+
+
+def test_prompt_profile_runs_the_serve_config_and_prints_its_tables(tiny_model, tmp_path):
+    model = tiny_model("llama", n_layers=2, n_ctx=256)
+    script = BENCH_API.parent / "prompt_profile.py"
+    cmd = [sys.executable, str(script), str(model), "--device", "cpu", "--prompt-tokens", "40", "--runs", "1", "--", "-b", "16"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "HYDRA_CACHE_DIR": str(tmp_path / "cache")})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "request ms (40 tokens, -b 16)" in done.stdout  # serve's own parser took the flag after --
+    assert "Self CPU time total" in done.stdout
