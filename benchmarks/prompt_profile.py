@@ -2,10 +2,11 @@
 request's wall time, then torch.profiler's kernel table (by device time) and host table (by CPU
 time) for one request. A device busy for a small part of the wall time means a host-bound prefill.
 
-    python benchmarks/prompt_profile.py M.gguf [--device cuda] [--prompt-tokens 512] [-- SERVE_ARGS...]
+    python benchmarks/prompt_profile.py M.gguf [--device cuda] [--prompt-tokens 512] [--eager-prefill] [-- SERVE_ARGS...]
 
 SERVE_ARGS go to `serve`'s own parser (e.g. `-b 256`, `--cache-type-k q8_0`); the defaults here
-are `--parallel 4 --ctx 2048 --no-compile` (prefill is eager either way).
+are `--parallel 4 --ctx 2048 --no-compile` (torch.compile covers the decode step only). On CUDA a prompt
+replays its length bucket's prefill graph unless `--eager-prefill`.
 """
 
 from __future__ import annotations
@@ -31,13 +32,16 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--prompt-tokens", type=int, default=512)
     ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--eager-prefill", action="store_true", help="without the prefill graphs (what they buy: run both)")
     own, serve_args = (sys.argv[1:sys.argv.index("--")], sys.argv[sys.argv.index("--") + 1:]) if "--" in sys.argv else (sys.argv[1:], [])
     args = ap.parse_args(own)
     argv = ["serve", "--model", args.model, "--device", args.device, "--parallel", "4", "--ctx", "2048", "--no-compile"]
     cfg = head_config(build_parser().parse_args(argv + serve_args), {})
     g = GGUFFile(args.model)
     pipe = build_pipeline(cfg, g, ModelConfig.from_gguf(g))
-    pipe.local.warm_up()
+    if args.eager_prefill:
+        pipe.local.prefill_graphs = None
+    pipe.local.warm_up(prefill_tokens=cfg.batch_tokens)
     engine = Engine(pipe, Tokenizer.from_gguf(g), n_slots=cfg.parallel, n_ctx=cfg.model.ctx, batch_tokens=cfg.batch_tokens,
                     overlap=cfg.overlap).start()  # fmt: skip
 

@@ -179,6 +179,24 @@ def test_graph_decode_path_matches_per_slot_attention(tiny_model):
     torch.testing.assert_close(graphed, eager, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("kv", ["auto", "q8_0"])
+def test_prefill_graph_path_matches_the_eager_prompt(tiny_model, kv):
+    """What the CUDA prefill graphs capture: one slot's prompt padded to its bucket, with no host
+    values (sliding window from positions on the device), gives the eager rows, and the KV it leaves
+    (padding rows written past the prompt) continues the same decode."""
+    path = tiny_model("gemma3", head_dim=32)  # a sliding window of 8: the 12-token prompt needs the mask
+    a, b = load(path, n_ctx=32, kv_types=(kv, kv)), load(path, n_ctx=32, kv_types=(kv, kv))
+    n, size = 12, 16
+    eager = a.run_layers(a.embed(torch.tensor(PROMPT[:n])), torch.ones(n, dtype=torch.long), torch.arange(n))
+    h = b.embed(torch.tensor(PROMPT[:size]))
+    graphed = b._forward(h, torch.ones(size, dtype=torch.long), torch.arange(size), None, fresh=True)
+    torch.testing.assert_close(graphed[:n], eager, atol=1e-5, rtol=1e-5)
+    b.state_len[1] = n
+    for i, t in enumerate([7, 9, 11]):
+        step = [stage.logits(stage.run_layers(stage.embed(torch.tensor([t])), torch.tensor([1]), torch.tensor([n + i]))) for stage in (a, b)]
+        torch.testing.assert_close(step[1], step[0], atol=1e-5, rtol=1e-5)
+
+
 def test_converted_weights_cache_is_reused_and_repaired(tiny_model, tmp_path, monkeypatch):
     from hydra_console.engine.model import weights
 

@@ -88,6 +88,22 @@ def test_graph_verify_runs_and_short_batches_equal_eager_on_cuda(tiny_model, arc
     assert {(4, 1), (4, 2), (4, 3)} <= set(graphed.graphs.graphs)
 
 
+@pytest.mark.parametrize("arch,kv", [("llama", "auto"), ("gemma3", "q8_0")])
+def test_prefill_graphs_equal_eager_on_cuda(tiny_model, arch, kv):
+    """A prompt from position 0 replays its length bucket's graph (rows past the prompt are padding);
+    its logits, and the decode steps after it, equal the eager path's (gemma3: sliding window of 8)."""
+    g = GGUFFile(tiny_model(arch, n_layers=3, head_dim=32))
+    graphed, eager = (build_stage(g, device="cuda", dtype="float32", n_slots=2, n_ctx=64, kv_types=(kv, kv)) for _ in range(2))
+    eager.graphs = eager.prefill_graphs = None
+    for n, slot in ((12, 0), (16, 1), (5, 0)):  # buckets 16, 16, 8
+        prompt = PROMPT[:n]
+        torch.testing.assert_close(run(graphed, prompt, [slot] * n, list(range(n))), run(eager, prompt, [slot] * n, list(range(n))),
+                                   atol=1e-4, rtol=1e-4)  # fmt: skip
+        for i in range(3):
+            torch.testing.assert_close(run(graphed, [30 + i], [slot], [n + i]), run(eager, [30 + i], [slot], [n + i]), atol=1e-4, rtol=1e-4)
+    assert set(graphed.prefill_graphs.graphs) == {8, 16}
+
+
 @pytest.fixture
 def cuda_peer(tiny_model, tmp_path):
     """A `hydra-engine peer --device cuda` process on this GPU and the model it serves. Graphs without

@@ -4,7 +4,7 @@
 through SDPA. One token per slot with no host values, so a CUDA graph can capture it:
 `attend_decode` on CUDA (the Triton kernel: each slot walks only its own positions, in the cache's
 own type), `attend_batched` elsewhere (every slot attends over its first `kv_len` cache rows under
-an additive `decode_bias`).
+an additive `decode_bias`). A prompt from position 0 with no host values: `attend_fresh`.
 """
 
 from __future__ import annotations
@@ -51,6 +51,22 @@ def attend_runs(cfg: ModelConfig, layer: _Layer, q, k, v, runs) -> torch.Tensor:
         outs.append(o[0].transpose(0, 1))
         i += n
     return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+
+def attend_fresh(cfg: ModelConfig, layer: _Layer, q, k, v, slots, positions) -> torch.Tensor:
+    """One slot's run from position 0 with no host values (the prefill graphs): what `attend_runs`
+    does for it. K/V go into the cache and come back in its type, then causal attention (within the
+    window on a sliding-window layer)."""
+    layer.kv.scatter(slots, positions, k, v)
+    keys, vals = (t.transpose(0, 1).unsqueeze(0) for t in layer.kv.rows(slots, positions))
+    mask, causal = None, True
+    if layer.window and q.shape[0] > layer.window:
+        back = positions[:, None] - positions[None, :]
+        mask, causal = (back >= 0) & (back < layer.window), False
+    with sdpa_kernel(_SDPA_BACKENDS):
+        o = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), keys, vals, attn_mask=mask, is_causal=causal,
+                                           scale=cfg.attn_scale, enable_gqa=True)  # fmt: skip
+    return o[0].transpose(0, 1)
 
 
 def decode_bias(cfg: ModelConfig, positions: torch.Tensor, kv_len: int, window: int, dtype: torch.dtype) -> torch.Tensor:

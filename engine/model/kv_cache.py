@@ -99,12 +99,21 @@ class KVCache:
         k, v = self.k.get(index), self.v.get(index)
         return (k.transpose(0, 1), v.transpose(0, 1)) if positions_first else (k, v)
 
-    def scatter(self, slots: torch.Tensor, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """One token per slot: k, v [B, n_kv, head_dim] (graph-capturable: no host values)."""
+    def _at(self, slots: torch.Tensor, positions: torch.Tensor) -> tuple:
+        """The index of (slot, position) pairs: no host values, graph-capturable."""
         bs = self.blocks.block_size
-        index = (self.blocks.table[slots, positions // bs].long(), slice(None), positions % bs)
+        return self.blocks.table[slots, positions // bs].long(), slice(None), positions % bs
+
+    def scatter(self, slots: torch.Tensor, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v [T, n_kv, head_dim] at (slot, position) pairs: one token per slot (decode) or one slot's run."""
+        index = self._at(slots, positions)
         self.k.put(index, k)
         self.v.put(index, v)
+
+    def rows(self, slots: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V [T, n_kv, head_dim] at (slot, position) pairs, in the compute dtype."""
+        index = self._at(slots, positions)
+        return self.k.get(index), self.v.get(index)
 
     def gather(self, slots: torch.Tensor, kv_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K, V [B, n_kv, kv_len, head_dim] of each slot's first kv_len positions, in the compute dtype."""

@@ -23,7 +23,8 @@ so they are as exact as float32 weights), the output head (Gemma 3's tied 262k r
 the weights) as one term whose top `RESCORE_TOP` logits per row are recomputed from the exact
 rows. Many-row products (prefill) use a kept bfloat16 copy of the layers instead (see
 `weights`). A float32 Stage keeps exact dequantized weights everywhere (the reference path for
-tests). On CUDA, `DecodeGraphs` replays a captured decode step per batch size.
+tests). On CUDA, `DecodeGraphs` replays a captured decode step per batch size, and
+`PrefillGraphs` a prompt's run from position 0 per length bucket.
 
 `build_stage` is the one way to make a Stage: it resolves the device and dtype flags, reads the
 config and picks the weight format.
@@ -41,10 +42,10 @@ from ..errors import UserError
 from ..gguf_file import GGUFFile
 from ..kernels.qweight import QuantWeight
 from ..quant import dequantize_rows
-from .attention import attend_batched, attend_decode, attend_runs, decode_bias
+from .attention import attend_batched, attend_decode, attend_fresh, attend_runs, decode_bias
 from .config import ModelConfig
 from .deltanet import ROLLBACK, DeltaNet
-from .graphs import DecodeGraphs
+from .graphs import DecodeGraphs, PrefillGraphs
 from .kv_blocks import KVBlocks
 from .kv_cache import KVCache, check_cache_type
 from .rope import rope_table, rotate
@@ -155,6 +156,7 @@ class Stage:
             self._head_name = "token_embd.weight" if cfg.tied else "output.weight"
             self.output = weights.linear([self._head_name], terms=1)
         self.graphs = DecodeGraphs(self, pad_slot=n_slots, compiled=compile_decode) if capture else None
+        self.prefill_graphs = PrefillGraphs(self, self.graphs) if capture else None
 
     # ---- layers and cache ------------------------------------------------------------------
 
@@ -171,12 +173,16 @@ class Stage:
         self.state_len, self.rollback = [0] * self.n_slots, [0] * self.n_slots
         if getattr(self, "graphs", None) is not None:
             self.graphs.reset()
+            self.prefill_graphs.reset()
 
-    def warm_up(self, per_slot: range = range(1, 2)) -> None:
+    def warm_up(self, per_slot: range = range(1, 2), prefill_tokens: int = 0) -> None:
         """Compile and capture the decode step for every batch bucket now (CUDA; nothing elsewhere),
-        for runs of each length in `per_slot` (speculative verifies: up to draft max + 1)."""
+        for runs of each length in `per_slot` (speculative verifies: up to draft max + 1), and the
+        prefill of prompt chunks up to `prefill_tokens` (0: on first use)."""
         if self.graphs is not None:
             self.graphs.warm_up(per_slot)
+        if self.prefill_graphs is not None and prefill_tokens:
+            self.prefill_graphs.warm_up(prefill_tokens)
 
     def kv_clear(self, slot: int) -> None:
         """Forget a slot: its KV (pooled blocks go back to the pool) and its recurrent state."""
@@ -295,6 +301,8 @@ class Stage:
         per_slot = {n for _, _, n in runs}
         if self.graphs is not None and len(per_slot) == 1:  # decode, or verifies of one draft length
             out = self.graphs.run(h, slots, positions, per_slot.pop())
+        if out is None and self.prefill_graphs is not None and len(runs) == 1 and runs[0][1] == 0:  # a prompt from its start
+            out = self.prefill_graphs.run(h, runs[0][0])
         if out is None:
             out = self._forward(h, slots.to(self.device), positions.to(self.device), runs)
         for slot, p0, n in runs:
@@ -354,11 +362,12 @@ class Stage:
         return runs
 
     def _forward(self, h, slots, positions, runs, batched: bool = False, kv_len: int | None = None, layers=None,
-                 per_slot: int = 1):
+                 per_slot: int = 1, fresh: bool = False):
         """The layers, eagerly. `batched`: `per_slot` tokens for each slot (rows slot-major) with no
         host values (CUDA-graph capturable): the decode-attention kernel on CUDA, elsewhere attention
         over gathered caches of length `kv_len` with a mask from positions (each row sees its own
-        position and those before it: a slot's K/V rows are all written first).
+        position and those before it: a slot's K/V rows are all written first). `fresh`: one slot's
+        run from position 0 with no host values (the prefill graphs).
         Q and K travel together through norm and RoPE: fewer, larger kernels."""
         cfg = self.cfg
         T, n_q, qk_dim = h.shape[0], cfg.n_head, (cfg.n_head + cfg.n_head_kv) * cfg.head_dim
@@ -382,7 +391,9 @@ class Stage:
                 qk = F.rms_norm(qk, (cfg.head_dim,), None, cfg.rms_eps) * layer.qk_norm
             qk = rotate(cfg, qk, *ropes[bool(layer.window)]).to(self.dtype)
             q, k = qk[:, :n_q], qk[:, n_q:]
-            if batched and self.device.type == "cuda":
+            if fresh:
+                o = attend_fresh(cfg, layer, q, k, v, slots, positions)
+            elif batched and self.device.type == "cuda":
                 o = attend_decode(cfg, layer, q, k, v, slots, positions)
             elif batched:
                 if layer.window not in biases:

@@ -96,8 +96,8 @@ class HeadWorker:
             disaggregator = Disaggregator(client, cfg.prefill_threshold, pipeline, pd_stats, cuda_ipc=cfg.rpc.cuda_ipc)
         self.status.startup_stage = WARMING_STAGE
         t0 = time.perf_counter()
-        pipeline.local.warm_up(range(1, max_run_of(cfg.spec) + 1))
-        log.info("decode step warmed up in %.1f s", time.perf_counter() - t0)
+        pipeline.local.warm_up(range(1, max_run_of(cfg.spec) + 1), prefill_tokens=cfg.batch_tokens)
+        log.info("decode and prefill graphs warmed up in %.1f s", time.perf_counter() - t0)
         self.engine = Engine(pipeline, self.tok, n_slots=cfg.parallel, n_ctx=cfg.model.ctx, speculator=speculator,
                              batch_tokens=cfg.batch_tokens, max_queue=cfg.max_queue, disaggregator=disaggregator,
                              overlap=cfg.overlap).start()  # fmt: skip
