@@ -5,7 +5,8 @@ One run, in this order (prints a table, then the JSON; asserts nothing):
    (torch.compile'd decode step in CUDA graphs on CUDA);
 2. `serve` solo, through the real `openai` client, streaming: one stream; 1 / 8 / 64 concurrent
    streams (aggregate and per-stream decode tok/s); time to first token of a `--ttft-prompt`
-   (512) token prompt on the idle server (median of `--ttft-runs`, prompt cache off); each
+   (512) token prompt on the idle server (median of `--ttft-runs`, prompt cache off; over plain
+   HTTP, and through the `openai` client, which adds its own request building); each
    worker's memory from its /status (weights, KV, peak);
 3. restart → READY of the same server, now with warm prepared-weight and compile caches
    (issue 15's target: ≤ 15 s on the 1.1B shape);
@@ -189,25 +190,48 @@ def ttft_prompts(base: str, n_tokens: int, runs: int) -> list[list[int]]:
     return [ids[i : i + n_tokens] for i in range(runs)]
 
 
-def _ttft_process(base: str, prompts: list[list[int]]) -> list[dict]:
-    """One client, one prompt at a time; a first one-token request warms the client and its connection
-    (a fresh process's first request also pays for imports, the pool and the TCP handshake)."""
-    async def run() -> list[dict]:
-        async with openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0) as client:
+async def _raw_first_token(client: httpx.AsyncClient, base: str, prompt: list[int]) -> dict:
+    """One streamed one-token completion over plain HTTP (the JSON body and SSE lines by hand)."""
+    t0, t_first, server = time.perf_counter(), None, {}
+    body = {"prompt": prompt, "max_tokens": 1, "temperature": 0, "stream": True, "cache_prompt": False}
+    async with client.stream("POST", f"{base}/v1/completions", json=body) as r:
+        async for line in r.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            t_first = t_first or time.perf_counter()
+            server = json.loads(line[6:]).get("timings") or server
+    return {"t_start": t0, "t_first": t_first, "server_prompt_ms": server.get("prompt_ms")}
+
+
+def _ttft_process(base: str, prompts: list[list[int]]) -> tuple[list[dict], list[dict]]:
+    """One client, one prompt at a time, each prompt twice: over plain HTTP, then through the `openai`
+    client (which spends milliseconds of its own turning a list of token ids into its request body,
+    before anything is sent). A first one-token request warms each client and its connection (a fresh
+    process's first request also pays for imports, the pool and the TCP handshake)."""
+    async def run() -> tuple[list[dict], list[dict]]:
+        async with (httpx.AsyncClient(timeout=600) as raw,
+                    openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0) as client):  # fmt: skip
+            await _raw_first_token(raw, base, prompts[0][:8])
             await _stream(client, prompts[0][:8], 1, False, 0.0)
-            return [await _stream(client, p, 1, False, 0.0) for p in prompts]
+            # reversed for the second: no prefix in common with the one just computed
+            pairs = [(await _raw_first_token(raw, base, p), await _stream(client, p[::-1], 1, False, 0.0)) for p in prompts]
+        return [a for a, _ in pairs], [b for _, b in pairs]
 
     return asyncio.run(run())
 
 
 def ttft(base: str, prompts: list[list[int]]) -> dict:
-    """Time to first token, one prompt at a time on the idle server (prompt cache off), client-side."""
+    """Time to first token, one prompt at a time on the idle server (prompt cache off), client-side:
+    over plain HTTP (the server's share) and through the `openai` client."""
     with ProcessPoolExecutor(1) as pool:
-        results = pool.submit(_ttft_process, base, prompts).result()
-    times = [(r["t_first"] - r["t_start"]) * 1e3 for r in results]
-    server = [r["server_prompt_ms"] for r in results]
-    return {"prompt_tokens": len(prompts[0]), "runs": len(prompts), "median_ms": round(statistics.median(times), 2),
-            "min_ms": round(min(times), 2), "server_prompt_median_ms": round(statistics.median(server), 2)}  # fmt: skip
+        raw, client = pool.submit(_ttft_process, base, prompts).result()
+
+    def ms(results: list[dict]) -> list[float]:
+        return [(r["t_first"] - r["t_start"]) * 1e3 for r in results]
+
+    return {"prompt_tokens": len(prompts[0]), "runs": len(prompts), "median_ms": round(statistics.median(ms(raw)), 2),
+            "min_ms": round(min(ms(raw)), 2), "openai_median_ms": round(statistics.median(ms(client)), 2),
+            "server_prompt_median_ms": round(statistics.median(r["server_prompt_ms"] for r in raw + client), 2)}  # fmt: skip
 
 
 def memory(status: dict) -> dict:
@@ -331,15 +355,17 @@ def table(report: dict) -> str:
     for c in solo["concurrency"]:
         rows.append((f"serve, {c['streams']} streams", f"{c['aggregate_decode_tok_s']} tok/s aggregate",
                      f"{c['per_stream_tok_s']} per stream; {c['aggregate_tok_s']} with prompts"))  # fmt: skip
-    rows.append((f"serve TTFT, {solo['ttft']['prompt_tokens']}-token prompt", f"{solo['ttft']['median_ms']} ms",
-                 f"median of {solo['ttft']['runs']}; server prompt {solo['ttft']['server_prompt_median_ms']} ms"))  # fmt: skip
+    rows.append((f"serve TTFT, {solo['ttft']['prompt_tokens']}-token prompt (HTTP)", f"{solo['ttft']['median_ms']} ms",
+                 f"median of {solo['ttft']['runs']}; openai client {solo['ttft']['openai_median_ms']} ms; "
+                 f"server prompt {solo['ttft']['server_prompt_median_ms']} ms"))  # fmt: skip
     rows.append(("serve start → READY", f"{solo['first_start_ready_s']} s", f"restart (warm caches) {solo['restart_ready_s']} s"))
     rows.append(("serve memory", *mib(solo["memory"])))
     if "split" in report:
         sp = report["split"]
         rows.append((f"head + peer, 1 stream ({sp['transport']})", f"{sp['single']['client_tok_s']:.1f} tok/s",
                      f"solo {r['split_over_solo_single']}  llama.cpp split {r['split_over_llama_cpp_split']}"))  # fmt: skip
-        rows.append(("head + peer TTFT", f"{sp['ttft']['median_ms']} ms", f"server prompt {sp['ttft']['server_prompt_median_ms']} ms"))
+        rows.append(("head + peer TTFT (HTTP)", f"{sp['ttft']['median_ms']} ms",
+                     f"openai client {sp['ttft']['openai_median_ms']} ms; server prompt {sp['ttft']['server_prompt_median_ms']} ms"))  # fmt: skip
         for role in ("head", "peer"):
             rows.append((f"  {role} memory", *mib(sp["memory"][role])))
         if "parts" in sp:

@@ -40,6 +40,7 @@ def test_bench_api_reports_every_field(tiny_model, tmp_path):
     for ttft in (solo["ttft"], r["split"]["ttft"]):
         assert ttft["prompt_tokens"] == 16 and ttft["runs"] == 1
         assert number(ttft["median_ms"]) and number(ttft["min_ms"]) and number(ttft["server_prompt_median_ms"])
+        assert number(ttft["openai_median_ms"])
     # Each worker's memory from its /status: the stage's held weights and KV, the process's peaks.
     for mem in (solo["memory"], r["split"]["memory"]["head"], r["split"]["memory"]["peer"]):
         assert mem["weight_bytes"] > 0 and mem["kv_bytes"] > 0 and mem["rss"] > 0
