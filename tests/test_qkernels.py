@@ -3,6 +3,7 @@ against dequantize + matmul in float64."""
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import os
 
@@ -12,11 +13,13 @@ import torch
 from gguf.constants import GGMLQuantizationType as T
 
 from hydra_console.engine.kernels import LAYOUTS, QuantWeight, qlinear, qweight
+from hydra_console.engine.kernels.qlinear import DequantScratch
 from hydra_console.engine.quant import QuantError, dequantize
 from hydra_console.engine.synth import random_blocks
 
 TYPES = list(LAYOUTS)
 K_QUANTS = {T.Q4_K, T.Q5_K, T.Q6_K}
+qlinear_module = importlib.import_module("hydra_console.engine.kernels.qlinear")  # the package exports the function
 
 # The kernels run on CUDA, or on CPU tensors under Triton's interpreter: the CPU wheels of torch ship
 # no Triton, but PyPI's `triton` wheel installs on a CPU-only host and runs them with TRITON_INTERPRET=1.
@@ -92,6 +95,43 @@ def test_qlinear_reference_on_cpu():
     _, w, ref = _weight(T.Q4_K, 40, 512)
     x = torch.randn(2, 3, 512)
     torch.testing.assert_close(qlinear(x, w), x @ ref.T, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("cap", [None, 40 * 512, 7 * 512, 100])  # whole; one block; blocks of 7 rows (5 × 7 + 5); too small
+def test_prefill_matmul_through_the_stage_scratch(cap, monkeypatch):
+    """The prefill's product dequantizes into the stage's one scratch, a block of rows at a time where
+    the weight is larger: the same product (the block logic runs the same on CPU tensors)."""
+    _, w, ref = _weight(T.Q4_K, 40, 512)
+    scratch = DequantScratch()
+    scratch.register(w)
+    if cap is not None:
+        monkeypatch.setattr(qlinear_module, "SCRATCH_ELEMENTS", cap)
+    scratch.buf = torch.empty(min(scratch.need, qlinear_module.SCRATCH_ELEMENTS))  # `fit` allocates on CUDA only
+    x = torch.randn(33, 512)
+    torch.testing.assert_close(qlinear_module._dequant_matmul(x, w, scratch), x @ ref.T, rtol=1e-5, atol=1e-5)
+    if cap == 7 * 512:
+        assert torch.equal(scratch.buf.view(7, 512)[:5], ref[35:])  # the last block written was rows 35..39
+
+
+@cuda
+def test_prefill_matmul_scratch_on_cuda(monkeypatch):
+    """On the GPU: a stage-owned scratch in blocks, inside a CUDA graph too, equals the product."""
+    _, w, ref = _weight(T.Q5_K, 300, 1024, device="cuda")
+    scratch = DequantScratch()
+    scratch.register(w)
+    monkeypatch.setattr(qlinear_module, "SCRATCH_ELEMENTS", 64 * 1024)  # blocks of 64 rows: 64 * 4 + 44
+    scratch.fit(torch.bfloat16, torch.device("cuda"))
+    assert scratch.buf.numel() == 64 * 1024
+    x = torch.randn(100, 1024, device="cuda", dtype=torch.bfloat16)
+    want = (x.double() @ ref.double().T)
+    assert _rel_err(qlinear(x, w, scratch), want) < 1e-2
+    y = qlinear(x, w, scratch)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = qlinear(x, w, scratch)
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    torch.testing.assert_close(y, qlinear(x, w, scratch), rtol=0, atol=0)
 
 
 def _rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:

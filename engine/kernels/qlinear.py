@@ -6,8 +6,33 @@ import torch
 
 from .qweight import QuantWeight
 
+SCRATCH_ELEMENTS = 32 << 20  # 64 MiB of bfloat16: a 7.2B's gate+up (235 MB dense) runs in four blocks
 
-def qlinear(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
+
+class DequantScratch:
+    """One stage's dense buffer for the prefill's dequantized weights, shared by all its layers and
+    held for the stage's life (CUDA graphs keep its address). Left to the caching allocator, each
+    weight's dense copy was a block of its own size, and the eager passes and the graphs' pool each
+    kept their own. Sized by `fit` to the largest weight registered, at most SCRATCH_ELEMENTS; a
+    larger weight runs a block of rows at a time."""
+
+    def __init__(self):
+        self.need = 0
+        self.buf: torch.Tensor | None = None
+
+    def register(self, w: QuantWeight) -> None:
+        self.need = max(self.need, w.shape[0] * w.shape[1])
+
+    def fit(self, dtype: torch.dtype, device: torch.device) -> None:
+        """(Re)allocate for the weights registered so far (on CUDA): before any graph is captured,
+        or after they are all dropped (a re-split), since a graph keeps writing to the old address."""
+        size = min(self.need, SCRATCH_ELEMENTS)
+        if device.type == "cuda" and size and (self.buf is None or self.buf.numel() < size or self.buf.dtype != dtype):
+            self.buf = None  # the old buffer goes back before the new one is taken
+            self.buf = torch.empty(size, dtype=dtype, device=device)
+
+
+def qlinear(x: torch.Tensor, w: QuantWeight, scratch: DequantScratch | None = None) -> torch.Tensor:
     """x [..., k] -> [..., n] in x's dtype. On CPU the reference (dequantize, then matmul) for tests.
     On CUDA, up to GEMV_MAX_ROWS rows (decode, speculative verify) the fused GEMV reads the weight
     once; its multiply-adds grow with the rows, and from about 8 rows one dequantization into a
@@ -18,9 +43,20 @@ def qlinear(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
     else:
         from .triton_qmatmul import GEMV_MAX_ROWS, fused_matmul
 
-        if x2.shape[0] <= GEMV_MAX_ROWS:
-            y = fused_matmul(x2, w)
-        else:
-            # The caching allocator hands each layer the block the previous one freed: a reused scratch.
-            y = x2 @ w.dequantize(x.dtype).T
+        y = fused_matmul(x2, w) if x2.shape[0] <= GEMV_MAX_ROWS else _dequant_matmul(x2, w, scratch)
     return y.view(*x.shape[:-1], w.shape[0])
+
+
+def _dequant_matmul(x2: torch.Tensor, w: QuantWeight, scratch: DequantScratch | None) -> torch.Tensor:
+    n, k = w.shape
+    buf = scratch.buf if scratch is not None else None
+    if buf is None or buf.dtype != x2.dtype or buf.numel() < k:
+        return x2 @ w.dequantize(x2.dtype).T
+    step = buf.numel() // k
+    if n <= step:
+        return x2 @ w.dequantize(x2.dtype, buf[: n * k].view(n, k)).T
+    y = x2.new_empty(x2.shape[0], n)
+    for a in range(0, n, step):
+        b = min(n, a + step)
+        y[:, a:b] = x2 @ w.row_block(a, b).dequantize(x2.dtype, buf[: (b - a) * k].view(b - a, k)).T
+    return y

@@ -1,6 +1,7 @@
 """Triton kernels over `QuantWeight` planes, registered as torch custom ops.
 
-- `hydra::qdequant`: planes -> dense weight (the embedding rows, the prefill scratch for cuBLAS).
+- `hydra::qdequant`, `hydra::qdequant_into`: planes -> dense weight (the embedding rows; the prefill's
+  scratch for cuBLAS, a block of rows at a time).
 - `hydra::qmm`: y = x @ w.T for 1-GEMV_MAX_ROWS rows of x (decode, speculative verify): a GEMV on
   CUDA cores with w decoded in registers, each weight read once and used for every row, fp32
   accumulate. Per `GEMV_CONFIGS` 16-bit x is first quantized per 32 to one or two int8 terms
@@ -320,22 +321,38 @@ def _layout_args(qtype: int, q, h, d, sc, m, mn) -> tuple[list, list, dict]:
     return ptrs, strides, consts
 
 
-@torch.library.custom_op("hydra::qdequant", mutates_args=())
-def qdequant(q: torch.Tensor, h: torch.Tensor | None, d: torch.Tensor, sc: torch.Tensor | None,
-             m: torch.Tensor | None, mn: torch.Tensor | None, qtype: int, dtype: torch.dtype) -> torch.Tensor:
-    n, k = q.shape[0], q.shape[1] * 2
-    out = torch.empty(n, k, dtype=dtype, device=q.device)
+def _dequant_launch(q, h, d, sc, m, mn, qtype: int, out: torch.Tensor) -> None:
+    n, k = out.shape
     ptrs, strides, consts = _layout_args(qtype, q, h, d, sc, m, mn)
     block_n, block_k = 16, 256
     # No fused multiply-adds: float32 output equals quant.dequantize bit for bit.
     _dequant_kernel[(triton.cdiv(n, block_n), triton.cdiv(k, block_k))](
         *ptrs, out, n, k, *strides, **consts, BLOCK_N=block_n, BLOCK_K=block_k, enable_fp_fusion=False)
+
+
+@torch.library.custom_op("hydra::qdequant", mutates_args=())
+def qdequant(q: torch.Tensor, h: torch.Tensor | None, d: torch.Tensor, sc: torch.Tensor | None,
+             m: torch.Tensor | None, mn: torch.Tensor | None, qtype: int, dtype: torch.dtype) -> torch.Tensor:
+    out = torch.empty(q.shape[0], q.shape[1] * 2, dtype=dtype, device=q.device)
+    _dequant_launch(q, h, d, sc, m, mn, qtype, out)
     return out
 
 
 @qdequant.register_fake
 def _(q, h, d, sc, m, mn, qtype, dtype):
     return q.new_empty(q.shape[0], q.shape[1] * 2, dtype=dtype)
+
+
+@torch.library.custom_op("hydra::qdequant_into", mutates_args=("out",))
+def qdequant_into(q: torch.Tensor, h: torch.Tensor | None, d: torch.Tensor, sc: torch.Tensor | None,
+                  m: torch.Tensor | None, mn: torch.Tensor | None, qtype: int, out: torch.Tensor) -> None:
+    """The weight dequantized into `out` [n, k] (a reused scratch, contiguous)."""
+    _dequant_launch(q, h, d, sc, m, mn, qtype, out)
+
+
+@qdequant_into.register_fake
+def _(q, h, d, sc, m, mn, qtype, out):
+    return None
 
 
 def _split_k(n_programs: int, k: int, block_k: int, target: int) -> int:
@@ -395,8 +412,12 @@ def planes_args(w: QuantWeight) -> tuple:
     return p["q"], p.get("h"), p["d"], p.get("sc"), p.get("m"), p.get("mn"), int(w.qtype)
 
 
-def kernel_dequantize(w: QuantWeight, dtype: torch.dtype) -> torch.Tensor:
-    return qdequant(*planes_args(w), dtype)
+def kernel_dequantize(w: QuantWeight, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Dense [n, k]: a new tensor, or written into `out` (a scratch view of that shape) and returned."""
+    if out is None:
+        return qdequant(*planes_args(w), dtype)
+    qdequant_into(*planes_args(w), out)
+    return out
 
 
 def fused_matmul(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:

@@ -155,6 +155,7 @@ class Stage:
             self.output_norm = weights.vector("output_norm.weight")
             self._head_name = "token_embd.weight" if cfg.tied else "output.weight"
             self.output = weights.linear([self._head_name], terms=1)
+        self.weights.scratch.fit(self.dtype, self.device)  # every weight of the stage is built: before any graph
         self.graphs = DecodeGraphs(self, pad_slot=n_slots, compiled=compile_decode) if capture else None
         self.prefill_graphs = PrefillGraphs(self, self.graphs) if capture else None
 
@@ -174,6 +175,7 @@ class Stage:
         if getattr(self, "graphs", None) is not None:
             self.graphs.reset()
             self.prefill_graphs.reset()
+            self.weights.scratch.fit(self.dtype, self.device)  # the new layers' weights may be larger
 
     def warm_up(self, per_slot: range = range(1, 2), prefill_tokens: int = 0) -> None:
         """Compile and capture the decode step for every batch bucket now (CUDA; nothing elsewhere),

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from ..errors import UserError
 from ..gguf_file import GGUFFile
-from ..kernels.qlinear import qlinear
+from ..kernels.qlinear import DequantScratch, qlinear
 from ..kernels.qweight import LAYOUTS, QuantWeight
 from ..quant import DENSE_TYPES, dequantize
 
@@ -74,15 +74,17 @@ class QuantLinear:
 
     scale = None  # not an int8 head: its logits need no rescoring
 
-    def __init__(self, parts: list[QuantWeight], bias=None):
-        self.parts, self.bias = parts, bias
+    def __init__(self, parts: list[QuantWeight], bias=None, scratch: DequantScratch | None = None):
+        self.parts, self.bias, self.scratch = parts, bias, scratch
+        for p in parts if scratch is not None else ():
+            scratch.register(p)
 
     @property
     def nbytes(self) -> int:
         return sum(p.nbytes for p in self.parts)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        ys = [qlinear(x, p) for p in self.parts]
+        ys = [qlinear(x, p, self.scratch) for p in self.parts]
         y = ys[0] if len(ys) == 1 else torch.cat(ys, dim=-1)
         return y if self.bias is None else y.float() + self.bias
 
@@ -139,6 +141,7 @@ class Weights:
         self.quantized = quantized  # keep GGUF block quantization on the device (a GPU)
         self.expanded: list[str] = []  # quantized tensors without a kernel, expanded to the compute dtype
         self._quant: dict[str, QuantWeight] = {}
+        self.scratch = DequantScratch()  # the prefill's dense copies of this stage's quantized weights
 
     def tensor(self, name: str):
         try:
@@ -192,7 +195,7 @@ class Weights:
         bias = torch.cat([self.f32(n) for n in bias_names]).to(self.device) if bias_names else None
         quant = [self.quant(n) for n in names]
         if all(q is not None for q in quant):
-            return QuantLinear(self._joined(names, quant), bias)
+            return QuantLinear(self._joined(names, quant), bias, self.scratch)
         if not self.int8:
             parts = [self.f32(n) for n in names]
             return Linear((parts[0] if len(parts) == 1 else torch.cat(parts)).to(self.dtype), None, bias)
