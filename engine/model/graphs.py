@@ -42,11 +42,10 @@ class DecodeGraphs:
         self.stage = stage
         self.pad_slot = pad_slot
         # torch.compile fuses the many small element-wise kernels between the matrix products
-        # (norms, casts, RoPE, residual adds); the graph then replays the fused kernels. Dynamic
-        # batch rows (torch's automatic dynamic: static for the first bucket, one symbolic compile
-        # after): two or three compiles serve every bucket, not one per bucket, each a dynamo trace
-        # that inductor's cache does not spare a restart.
-        self.forward = torch.compile(stage._forward, dynamic=None) if compiled else stage._forward
+        # (norms, casts, RoPE, residual adds); the graph then replays the fused kernels. One static
+        # compile per bucket: dynamic batch rows (torch's automatic dynamic) started 35 % faster
+        # cold but served 30-35 % slower, and a warm restart took as long (docs/PERF.md, session 9).
+        self.forward = torch.compile(stage._forward, dynamic=False) if compiled else stage._forward
         self.buckets = batch_buckets(stage.n_slots)
         self.graphs: dict[int, tuple] = {}
         self.pool = None
