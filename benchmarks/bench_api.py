@@ -296,10 +296,14 @@ def run(args) -> dict:
         ttft(solo.base, prompts[:1])  # warm-up: the prompt length's first use
         report["solo"]["ttft"] = ttft(solo.base, prompts[1:])
         report["solo"]["memory"] = memory(solo.status())
+        report["solo"]["first_start_stages_s"] = solo.status().get("startup_s")
     finally:
         solo.stop()
     report["solo"]["restart_ready_s"] = round(solo.start(args.timeout), 3)  # caches warm now
-    solo.stop()
+    try:  # where the restart's time went: seconds from the process's start to each startup stage
+        report["solo"]["restart_stages_s"] = solo.status().get("startup_s")
+    finally:
+        solo.stop()
     print(f"solo: {report['solo']}", file=sys.stderr, flush=True)
 
     if not args.no_split:
@@ -359,6 +363,9 @@ def table(report: dict) -> str:
                  f"median of {solo['ttft']['runs']}; openai client {solo['ttft']['openai_median_ms']} ms; "
                  f"server prompt {solo['ttft']['server_prompt_median_ms']} ms"))  # fmt: skip
     rows.append(("serve start → READY", f"{solo['first_start_ready_s']} s", f"restart (warm caches) {solo['restart_ready_s']} s"))
+    for when in ("first_start", "restart"):
+        rows.append((f"  {when.replace('_', ' ')}: stage reached at", "",
+                     ", ".join(f"{k} {v} s" for k, v in (solo[f"{when}_stages_s"] or {}).items())))  # fmt: skip
     rows.append(("serve memory", *mib(solo["memory"])))
     if "split" in report:
         sp = report["split"]

@@ -283,6 +283,9 @@ class Status(_Doc):
     uptime_s: float | None = None
     state: str = "starting"  # as Health.status
     startup_stage: int = 1
+    # Seconds from the process's start (interpreter and imports included) to each startup stage
+    # reached, by STARTUP_STAGES name: where a start's time goes.
+    startup_s: dict = field(default_factory=dict)
     http: Address | None = None
     rpc: Address | None = None
     model: ModelInfo | None = None

@@ -18,6 +18,7 @@ from typing import Callable
 from .. import __version__
 from ..contracts.status import (
     READY_STAGE,
+    STARTUP_STAGES,
     WARMING_STAGE,
     Address,
     DeviceInfo,
@@ -124,6 +125,10 @@ class StatusDocument:
         self.http = Address(host, port)
         self.config = config
         self.t0 = time.monotonic()
+        import psutil
+
+        self._process_start = psutil.Process().create_time()  # wall clock, as time.time()
+        self.startup_s: dict[str, float] = {}
         self.startup_stage = 1
         self.degraded: str | None = None  # degraded but serving: why (the owner sets it)
         self.error: str | None = None  # why loading failed
@@ -131,6 +136,15 @@ class StatusDocument:
         self.pipeline = None
         self.engine = None
         self._providers: list[Callable[[], dict]] = []
+
+    @property
+    def startup_stage(self) -> int:
+        return self._startup_stage
+
+    @startup_stage.setter
+    def startup_stage(self, stage: int) -> None:
+        self._startup_stage = stage
+        self.startup_s[STARTUP_STAGES[stage]] = round(time.time() - self._process_start, 3)
 
     def add_provider(self, fn: Callable[[], dict]) -> None:
         """`fn()` -> {Status field: value} (e.g. "rpc", "pool", "peers") set on every document."""
@@ -165,6 +179,7 @@ class StatusDocument:
             uptime_s=round(time.monotonic() - self.t0, 3),
             state=self.state,
             startup_stage=self.startup_stage,
+            startup_s=dict(self.startup_s),
             http=self.http,
             model=self.model,
             stages=self.stages(),

@@ -31,6 +31,9 @@ def test_bench_api_reports_every_field(tiny_model, tmp_path):
     assert r["bench"]["estimate"]["kv_bytes"] == r["bench"]["kv_bytes"] and r["bench"]["peak_rss"] > 0
     solo = r["solo"]
     assert number(solo["first_start_ready_s"]) and number(solo["restart_ready_s"])
+    for stages in (solo["first_start_stages_s"], solo["restart_stages_s"]):  # seconds from process start, in order
+        assert list(stages) == ["alive", "model loaded", "RPC active", "warming", "ready"]
+        assert all(number(t) for t in stages.values()) and list(stages.values()) == sorted(stages.values())
     assert solo["single"]["tokens"] == 4 and number(solo["single"]["client_tok_s"]) and number(solo["single"]["server_tok_s"])
     assert [c["streams"] for c in solo["concurrency"]] == [1, 2]
     for c in solo["concurrency"]:

@@ -26,6 +26,10 @@ def test_a_served_document_reads_back_unchanged():
     assert doc.health().http_code == 503 and doc.health().status == "warming"
     doc.startup_stage = READY_STAGE
     assert doc.health().http_code == 200
+    # When each stage was reached, in seconds from the process's start (this test process's: > 0).
+    times = doc.document().startup_s
+    assert list(times) == ["alive", "warming", "ready"] and 0 < times["alive"] <= times["warming"] <= times["ready"]
+    assert Status.from_json(doc.document().to_json()).startup_s == times
 
 
 def test_wrong_types_fall_back_to_defaults_never_raise():
