@@ -1,0 +1,81 @@
+"""Where a GPU stage's device memory goes, phase by phase (issue 14's peak VRAM).
+
+    python benchmarks/memory_phases.py M.gguf [--ctx 2048] [--slots 1] [--eager-prefill]
+
+Builds the Stage as `bench` does (all layers, graphs without torch.compile), then prints allocated /
+reserved / peak bytes (torch's caching allocator) and the process's NVML reading (the CUDA context
+included) after each phase: built; decode and prefill graphs warmed up; three prefills of 512
+tokens; 64 decode steps. Last, the allocator's segments by pool (the graphs' private pools apart)
+and the six with the most unused bytes. CUDA only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import pynvml
+import torch
+
+from hydra_console.engine.bench import decode_once, prefill_once
+from hydra_console.engine.gguf_file import GGUFFile
+from hydra_console.engine.model import ModelConfig, build_stage
+
+GB = 1e9
+
+
+def nvml_bytes(handle) -> int:
+    return sum(p.usedGpuMemory or 0 for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle) if p.pid == os.getpid())
+
+
+def show(phase: str, handle) -> None:
+    torch.cuda.synchronize()
+    print(f"{phase:14s} allocated {torch.cuda.memory_allocated() / GB:6.3f}  reserved {torch.cuda.memory_reserved() / GB:6.3f}  "
+          f"peak allocated {torch.cuda.max_memory_allocated() / GB:6.3f}  peak reserved {torch.cuda.max_memory_reserved() / GB:6.3f}  "
+          f"NVML {nvml_bytes(handle) / GB:6.3f} GB", flush=True)  # fmt: skip
+
+
+def segments() -> None:
+    segs = torch.cuda.memory_snapshot()
+    pools: dict[tuple, list[int]] = {}
+    for s in segs:
+        key = ("graphs' pool" if tuple(s.get("segment_pool_id", (0, 0))) != (0, 0) else "default", s["segment_type"])
+        n, total, used = pools.get(key, (0, 0, 0))
+        pools[key] = [n + 1, total + s["total_size"], used + s["allocated_size"]]
+    for (pool, kind), (n, total, used) in sorted(pools.items()):
+        print(f"{pool:13s} {kind:5s}: {n:4d} segments, {total / GB:6.3f} GB, allocated {used / GB:6.3f} GB")
+    for s in sorted(segs, key=lambda s: s["allocated_size"] - s["total_size"])[:6]:
+        print(f"  segment {s['total_size'] / 1e6:8.1f} MB, allocated {s['allocated_size'] / 1e6:8.1f} MB, pool {s.get('segment_pool_id')}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("model")
+    ap.add_argument("--ctx", type=int, default=2048, help="context (KV positions) per slot")
+    ap.add_argument("--slots", type=int, default=1)
+    ap.add_argument("--eager-prefill", action="store_true", help="without the prefill graphs")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("memory_phases.py measures a CUDA device; none is here")
+    pynvml.nvmlInit()
+    handle = pynvml.nvmlDeviceGetHandleByIndex(torch.cuda.current_device())
+    g = GGUFFile(args.model)
+    show("start", handle)
+    stage = build_stage(g, device="cuda", n_slots=args.slots, n_ctx=args.ctx)
+    print(f"weights held {stage.held_weight_bytes / GB:.3f} GB (read per token {stage.weight_bytes / GB:.3f}), "
+          f"KV {stage.kv_bytes / GB:.3f} GB ({stage.cache_rows} rows: the slots and the graphs' padding slot)")  # fmt: skip
+    show("built", handle)
+    if args.eager_prefill:
+        stage.prefill_graphs = None
+    stage.warm_up(prefill_tokens=0 if args.eager_prefill else 512)
+    show("warmed up", handle)
+    prompt = torch.randint(0, ModelConfig.from_gguf(g).n_vocab, (512,))
+    print("prefill(512) ms", [round(prefill_once(stage, prompt) * 1e3, 2) for _ in range(3)])
+    show("prefill 512", handle)
+    print(f"decode {64 / decode_once(stage, 1, 64):.1f} tok/s")
+    show("decode 64", handle)
+    segments()
+
+
+if __name__ == "__main__":
+    main()
