@@ -388,10 +388,13 @@ class Run:
         finals: list[Event] = []
         try:
             while len(finals) < len(self.reqs):
-                try:
-                    i, ev = await asyncio.wait_for(self.queue.get(), DISCONNECT_POLL_S)
-                except asyncio.TimeoutError:
-                    i, ev = 0, None
+                try:  # events come in bursts (a step's): take what is queued without wait_for's task
+                    i, ev = self.queue.get_nowait()
+                except asyncio.QueueEmpty:
+                    try:
+                        i, ev = await asyncio.wait_for(self.queue.get(), DISCONNECT_POLL_S)
+                    except asyncio.TimeoutError:
+                        i, ev = 0, None
                 # checked while events flow too: a non-streamed request's client may leave mid-generation
                 if ev is None or loop.time() - checked >= DISCONNECT_POLL_S:
                     checked = loop.time()
