@@ -16,6 +16,7 @@ from fastapi import Request
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from .errors import Unavailable, UserError, describe
+from .event_bridge import LoopMailbox
 from .http_errors import APIError
 from .http_gate import record_of
 
@@ -358,7 +359,7 @@ def chat_prompt(head: Head, messages: list[dict], add_generation_prompt: bool = 
 
 class Run:
     """The engine requests of one HTTP request (one per choice) seen from asyncio: their events
-    arrive on one queue via call_soon_threadsafe, tagged with the choice index."""
+    arrive on one queue through the loop's `LoopMailbox`, tagged with the choice index."""
 
     def __init__(self, head: Head, http: Request, reqs: list[EngineRequest]):
         if head.cfg.role == "prefill":
@@ -366,9 +367,9 @@ class Run:
         self.head, self.http, self.reqs = head, http, reqs
         self.record = record_of(http)
         self.queue: asyncio.Queue[tuple[int, Event]] = asyncio.Queue()
-        loop = asyncio.get_running_loop()
+        mailbox = LoopMailbox.of(asyncio.get_running_loop())
         for i, req in enumerate(reqs):
-            req.sink = lambda ev, i=i: loop.call_soon_threadsafe(self.queue.put_nowait, (i, ev))
+            req.sink = lambda ev, i=i: mailbox.post(self.queue, (i, ev))
         try:
             for req in reqs:
                 head.engine.submit(req)
