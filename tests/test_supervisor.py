@@ -7,7 +7,6 @@ import json
 import os
 import shlex
 import signal
-import socket
 import struct
 import subprocess
 import sys

@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import select
 import socket
-import struct
 import time
 from dataclasses import dataclass
 
