@@ -295,8 +295,9 @@ def run(args) -> dict:
         prompts = ttft_prompts(solo.base, args.ttft_prompt, args.ttft_runs + 1)
         ttft(solo.base, prompts[:1])  # warm-up: the prompt length's first use
         report["solo"]["ttft"] = ttft(solo.base, prompts[1:])
-        report["solo"]["memory"] = memory(solo.status())
-        report["solo"]["first_start_stages_s"] = solo.status().get("startup_s")
+        status = solo.status()
+        report["solo"]["memory"] = memory(status)
+        report["solo"]["first_start_stages_s"] = status.get("startup_s")
     finally:
         solo.stop()
     report["solo"]["restart_ready_s"] = round(solo.start(args.timeout), 3)  # caches warm now

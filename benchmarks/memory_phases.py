@@ -4,7 +4,7 @@
 
 Builds the Stage as `bench` does (all layers, graphs without torch.compile), then prints allocated /
 reserved / peak bytes (torch's caching allocator) and the process's NVML reading (the CUDA context
-included) after each phase: built; decode and prefill graphs warmed up; three prefills of 512
+included; `/status`'s `process_info`) after each phase: built; decode and prefill graphs warmed up; three prefills of 512
 tokens; 64 decode steps. Last, the allocator's segments by pool (the graphs' private pools apart)
 and the six with the most unused bytes. CUDA only.
 """
@@ -12,27 +12,23 @@ and the six with the most unused bytes. CUDA only.
 from __future__ import annotations
 
 import argparse
-import os
 
-import pynvml
 import torch
 
 from hydra_console.engine.bench import decode_once, prefill_once
 from hydra_console.engine.gguf_file import GGUFFile
 from hydra_console.engine.model import ModelConfig, build_stage
+from hydra_console.engine.status import process_info
 
 GB = 1e9
 
 
-def nvml_bytes(handle) -> int:
-    return sum(p.usedGpuMemory or 0 for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle) if p.pid == os.getpid())
-
-
-def show(phase: str, handle) -> None:
+def show(phase: str) -> None:
     torch.cuda.synchronize()
+    proc = process_info()  # the worker's own reading: NVML's per-process bytes, else torch's
     print(f"{phase:14s} allocated {torch.cuda.memory_allocated() / GB:6.3f}  reserved {torch.cuda.memory_reserved() / GB:6.3f}  "
           f"peak allocated {torch.cuda.max_memory_allocated() / GB:6.3f}  peak reserved {torch.cuda.max_memory_reserved() / GB:6.3f}  "
-          f"NVML {nvml_bytes(handle) / GB:6.3f} GB", flush=True)  # fmt: skip
+          f"{proc.gpu_source} {(proc.gpu_memory or 0) / GB:6.3f} GB", flush=True)  # fmt: skip
 
 
 def segments() -> None:
@@ -57,23 +53,21 @@ def main() -> None:
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("memory_phases.py measures a CUDA device; none is here")
-    pynvml.nvmlInit()
-    handle = pynvml.nvmlDeviceGetHandleByIndex(torch.cuda.current_device())
     g = GGUFFile(args.model)
-    show("start", handle)
+    show("start")
     stage = build_stage(g, device="cuda", n_slots=args.slots, n_ctx=args.ctx)
     print(f"weights held {stage.held_weight_bytes / GB:.3f} GB (read per token {stage.weight_bytes / GB:.3f}), "
           f"KV {stage.kv_bytes / GB:.3f} GB ({stage.cache_rows} rows: the slots and the graphs' padding slot)")  # fmt: skip
-    show("built", handle)
+    show("built")
     if args.eager_prefill:
         stage.prefill_graphs = None
     stage.warm_up(prefill_tokens=0 if args.eager_prefill else 512)
-    show("warmed up", handle)
+    show("warmed up")
     prompt = torch.randint(0, ModelConfig.from_gguf(g).n_vocab, (512,))
     print("prefill(512) ms", [round(prefill_once(stage, prompt) * 1e3, 2) for _ in range(3)])
-    show("prefill 512", handle)
+    show("prefill 512")
     print(f"decode {64 / decode_once(stage, 1, 64):.1f} tok/s")
-    show("decode 64", handle)
+    show("decode 64")
     segments()
 
 

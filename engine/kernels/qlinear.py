@@ -56,11 +56,16 @@ def _dequant_matmul(x2: torch.Tensor, w: QuantWeight, scratch: DequantScratch | 
     if n * k <= buf.numel():
         return x2 @ w.dequantize(x2.dtype, buf[: n * k].view(n, k)).T
     # Blocks of equal size, whole tiles where the scratch allows (ragged ones ran the GEMM slower).
-    fit = buf.numel() // k
-    step = -(-n // -(-n // fit))
-    step = min(fit, -(-step // BLOCK_ROWS) * BLOCK_ROWS) if fit >= BLOCK_ROWS else step
+    fit = buf.numel() // k  # rows the scratch holds
+    step = _cdiv(n, _cdiv(n, fit))  # as few blocks as fit, of equal rows
+    if fit >= BLOCK_ROWS:
+        step = min(fit, _cdiv(step, BLOCK_ROWS) * BLOCK_ROWS)
     y = x2.new_empty(x2.shape[0], n)
     for a in range(0, n, step):
         b = min(n, a + step)
         y[:, a:b] = x2 @ w.row_block(a, b).dequantize(x2.dtype, buf[: (b - a) * k].view(b - a, k)).T
     return y
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)

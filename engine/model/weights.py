@@ -76,8 +76,9 @@ class QuantLinear:
 
     def __init__(self, parts: list[QuantWeight], bias=None, scratch: DequantScratch | None = None):
         self.parts, self.bias, self.scratch = parts, bias, scratch
-        for p in parts if scratch is not None else ():
-            scratch.register(p)
+        if scratch is not None:
+            for p in parts:
+                scratch.register(p)
 
     @property
     def nbytes(self) -> int:
