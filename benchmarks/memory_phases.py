@@ -57,7 +57,7 @@ def main() -> None:
     show("start")
     stage = build_stage(g, device="cuda", n_slots=args.slots, n_ctx=args.ctx)
     print(f"weights held {stage.held_weight_bytes / GB:.3f} GB (read per token {stage.weight_bytes / GB:.3f}), "
-          f"KV {stage.kv_bytes / GB:.3f} GB ({stage.cache_rows} rows: the slots and the graphs' padding slot)")  # fmt: skip
+          f"KV {stage.kv_bytes / GB:.3f} GB ({stage.n_slots} slots of {stage.n_ctx} + {stage.kv_blocks.padding} padding positions)")  # fmt: skip
     show("built")
     if args.eager_prefill:
         stage.prefill_graphs = None

@@ -79,10 +79,10 @@ class Tensor:
 
 
 def cache_positions(n_slots: int, n_ctx: int, kv_pool: int | None = None, *, padding: bool = False) -> int:
-    """Positions one attention layer's cache holds: every slot's context (+ the CUDA graphs'
-    padding slot), or the pool in whole blocks plus block 0 (where padding rows write)."""
+    """Positions one attention layer's cache holds: every slot's context (+ ROLLBACK past each, where
+    the CUDA graphs' padding rows write: model/kv_blocks.py), or the pool in whole blocks plus block 0."""
     if kv_pool is None:
-        return (n_slots + padding) * n_ctx
+        return n_slots * (n_ctx + ROLLBACK * padding)
     return (-(-kv_pool // KV_BLOCK) + 1) * KV_BLOCK
 
 

@@ -9,7 +9,7 @@ import torch
 from hydra_console.engine.cli import build_parser
 from hydra_console.engine.config import head_config
 from hydra_console.engine.errors import UserError
-from hydra_console.engine.model.kv_blocks import KVBlocks
+from hydra_console.engine.model.kv_blocks import KV_BLOCK, KVBlocks
 from hydra_console.engine.model.kv_cache import KVCache, check_cache_type
 from stages import load, prefill
 
@@ -40,6 +40,28 @@ def test_scatter_and_gather_match_runs():
     assert keys.shape == (3, 2, 8, 32) and vals.dtype == torch.float32
     assert torch.equal(keys[0, :, 5], kv.read_run(2, 5, 6)[0][:, 0])
     assert torch.equal(vals[2, :, 7], v[2].half().float())
+
+
+@pytest.mark.parametrize("pooled", [False, True])
+def test_the_padding_slot_writes_past_every_context_and_costs_a_few_positions(pooled):
+    """The CUDA graphs' padding rows (slot `pad_slot`, positions n_ctx..n_ctx + padding - 1) land in
+    block 0 beyond any slot's positions: every slot's KV stays as it was, at a few positions' cost."""
+    n_ctx, padding, n_kv, d = 40, 4, 2, 32
+    pool = 3 * -(-n_ctx // KV_BLOCK) * KV_BLOCK
+    blocks = KVBlocks.pool(3, n_ctx, pool, "cpu", padding) if pooled else KVBlocks.reserved(3, n_ctx, "cpu", padding)
+    kv = KVCache(blocks, n_kv, d, compute=torch.float32, device="cpu")
+    for slot in range(3):
+        blocks.fit({slot: n_ctx})
+        kv.write_run(slot, 0, torch.randn(n_ctx, n_kv, d), torch.randn(n_ctx, n_kv, d))
+    before = [kv.read_run(slot, 0, n_ctx) for slot in range(3)]
+    pad = torch.full((padding,), blocks.pad_slot)
+    kv.scatter(pad, n_ctx + torch.arange(padding), torch.full((padding, n_kv, d), 1e4), torch.full((padding, n_kv, d), -1e4))
+    assert blocks.pad_slot == 3
+    for slot in range(3):
+        assert all(torch.equal(a, b) for a, b in zip(kv.read_run(slot, 0, n_ctx), before[slot]))
+    assert torch.equal(kv.rows(pad, n_ctx + torch.arange(padding))[0], torch.full((padding, n_kv, d), 1e4))
+    if not pooled:  # three contexts and `padding` positions each, not a fourth context
+        assert kv.k.codes.shape == (3, n_kv, n_ctx + padding, d) and blocks.pool_tokens == 3 * n_ctx
 
 
 @pytest.mark.parametrize("types", [("q8_0", "q8_0"), ("f16", "bf16")])

@@ -34,13 +34,12 @@ class DecodeGraphs:
     Inputs are copied into static buffers (slots and positions through pinned host memory, so the
     host never waits for the device), the graph replays the whole layer stack, and the output
     buffer is cloned out. Rows beyond the batch write their K/V into the stage's padding slot
-    (`pad_slot`, a cache row no sequence owns) at positions 0.. of the run. The decode-attention
+    (`KVBlocks.pad_slot`, which no sequence owns) at positions n_ctx.. of the run. The decode-attention
     kernel reads each row's length from its position on the device, so one graph serves every position.
     """
 
-    def __init__(self, stage: Stage, pad_slot: int, compiled: bool = False):
+    def __init__(self, stage: Stage, compiled: bool = False):
         self.stage = stage
-        self.pad_slot = pad_slot
         # torch.compile fuses the many small element-wise kernels between the matrix products
         # (norms, casts, RoPE, residual adds); the graph then replays the fused kernels. One static
         # compile per bucket: dynamic batch rows (torch's automatic dynamic) started 35 % faster
@@ -89,8 +88,9 @@ class DecodeGraphs:
         rows = size * per_slot
         h_in = torch.zeros(rows, st.cfg.n_embd, device=dev)
         host = torch.zeros(2, rows, dtype=torch.long).pin_memory()
-        padding = torch.stack([torch.full((rows,), self.pad_slot), torch.arange(per_slot).repeat(size)])
-        host.copy_(padding)  # rows a batch does not fill: the padding slot, at positions 0..per_slot-1
+        pad_slot, n_ctx = st.kv_blocks.pad_slot, st.n_ctx
+        padding = torch.stack([torch.full((rows,), pad_slot), n_ctx + torch.arange(per_slot).repeat(size)])
+        host.copy_(padding)  # rows a batch does not fill: the padding slot, past the context
         index = host.to(dev)  # slots, positions
 
         def step():
@@ -131,7 +131,8 @@ def prefill_buckets(n_ctx: int, smallest: int = 8) -> list[int]:
 
 class PrefillGraphs:
     """CUDA graphs of one slot's prompt run from position 0 (a new prompt, or a prompt's first chunk),
-    per length bucket, captured by `warm_up` or on first use, in the decode graphs' memory pool.
+    per length bucket, captured by `warm_up` (at a worker's start: it writes slot 0) or on first use
+    (in the slot the prompt is for), in the decode graphs' memory pool.
 
     Positions are always 0..P-1, so RoPE, the causal mask and the KV rows a graph writes are fixed;
     only the hidden states and the slot change. The rows past the prompt are padding: causal
@@ -158,7 +159,7 @@ class PrefillGraphs:
             return
         for size in self.buckets:
             if size not in self.graphs:
-                self.graphs[size] = self._capture(size)
+                self.graphs[size] = self._capture(size, slot=0)
             if size >= max_tokens:
                 break
 
@@ -169,18 +170,20 @@ class PrefillGraphs:
         if size is None or not self.usable():
             return None
         if size not in self.graphs:
-            self.graphs[size] = self._capture(size)
+            self.graphs[size] = self._capture(size, slot)
         graph, h_in, slots, _, out = self.graphs[size]
         slots.fill_(slot)
         h_in[:T].copy_(h)
         graph.replay()
         return out[:T].clone()
 
-    def _capture(self, size: int):
+    def _capture(self, size: int, slot: int):
+        """Capturing writes positions 0..size-1 of `slot`: a slot whose content is about to be
+        replaced (the padding slot has only ROLLBACK positions)."""
         st = self.stage
         dev = st.device
         h_in = torch.zeros(size, st.cfg.n_embd, device=dev)
-        slots = torch.full((size,), self.decode.pad_slot, device=dev)  # capture writes the padding slot
+        slots = torch.full((size,), slot, device=dev)
         positions = torch.arange(size, device=dev)
         graph, out = capture(lambda: st._forward(h_in, slots, positions, None, fresh=True), dev, self.decode.pool)
         self.decode.pool = graph.pool()

@@ -12,6 +12,12 @@ Two ways to hand blocks out, as llama-server's `--kv-unified` chooses:
   slots of mixed length fit where every slot at full context would not. Block 0 belongs to no slot:
   table entries not handed out point at it (reads there are masked; the CUDA graphs' padding rows
   write there).
+
+The CUDA graphs' padding rows (a bucket's rows a batch does not fill) need somewhere to write that
+no slot reads: `padding` > 0 adds one table row, the padding slot, whose positions n_ctx ..
+n_ctx + padding - 1 all fall in block 0. Reserved blocks are then `padding` positions longer than a
+context (block 0 is slot 0's, whose positions stop at n_ctx); in a pool block 0 is no slot's. A
+whole extra slot would cost a full context of KV (0.7 GB on the 26B pair's head).
 """
 
 from __future__ import annotations
@@ -28,32 +34,36 @@ def _cdiv(a: int, b: int) -> int:
 
 
 class KVBlocks:
-    """The block table of `rows` slots whose contexts reach `n_ctx` positions each."""
+    """The block table of `rows` slots whose contexts reach `n_ctx` positions each (+ the padding
+    slot, row `rows`, with `padding` positions past n_ctx)."""
 
-    def __init__(self, rows: int, n_ctx: int, block_size: int, n_blocks: int, device, pooled: bool):
+    def __init__(self, rows: int, n_ctx: int, block_size: int, n_blocks: int, device, pooled: bool, padding: int = 0):
         self.n_ctx, self.block_size, self.n_blocks, self.pooled = n_ctx, block_size, n_blocks, pooled
-        table = torch.zeros(rows, _cdiv(n_ctx, block_size), dtype=torch.int32)
+        self.padding = padding
+        self.pad_slot = rows if padding else None  # the padding slot's table row
+        table = torch.zeros(rows + (padding > 0), _cdiv(n_ctx + padding, block_size), dtype=torch.int32)
         if pooled:
             self.held: list[list[int]] = [[] for _ in range(rows)]
             self.free = list(range(n_blocks - 1, 0, -1))  # pop() hands out low ids first
         else:
-            table[:, 0] = torch.arange(rows)
+            table[:rows, 0] = torch.arange(rows)
             self.held, self.free = [[r] for r in range(rows)], []
         self.table = table.to(device)
 
     @classmethod
-    def reserved(cls, rows: int, n_ctx: int, device) -> KVBlocks:
-        return cls(rows, n_ctx, n_ctx, rows, device, pooled=False)
+    def reserved(cls, rows: int, n_ctx: int, device, padding: int = 0) -> KVBlocks:
+        return cls(rows, n_ctx, n_ctx + padding, rows, device, pooled=False, padding=padding)
 
     @classmethod
-    def pool(cls, rows: int, n_ctx: int, n_tokens: int, device) -> KVBlocks:
+    def pool(cls, rows: int, n_ctx: int, n_tokens: int, device, padding: int = 0) -> KVBlocks:
         """A pool of `n_tokens` positions (whole blocks, plus block 0)."""
-        return cls(rows, n_ctx, KV_BLOCK, _cdiv(n_tokens, KV_BLOCK) + 1, device, pooled=True)
+        return cls(rows, n_ctx, KV_BLOCK, _cdiv(n_tokens, KV_BLOCK) + 1, device, pooled=True, padding=padding)
+
 
     @property
     def pool_tokens(self) -> int:
         """Positions slots can hold together."""
-        return (self.n_blocks - 1 if self.pooled else self.n_blocks) * self.block_size
+        return (self.n_blocks - 1) * self.block_size if self.pooled else self.n_blocks * self.n_ctx
 
     @property
     def free_tokens(self) -> int:

@@ -68,7 +68,7 @@ class _Layer:
         self.w_gate_up = w.linear([p + "ffn_gate.weight", p + "ffn_up.weight"])
         self.w_down = w.linear([p + "ffn_down.weight"])
         self.post_ffn_norm = vec(p + "post_ffw_norm.weight") if cfg.post_norms else None
-        self.deltanet = DeltaNet(cfg, w, p, stage.cache_rows) if cfg.recurrent_layers[il] else None
+        self.deltanet = DeltaNet(cfg, w, p, stage.state_rows) if cfg.recurrent_layers[il] else None
         if self.deltanet is None:
             self._attention(stage, p)
 
@@ -130,18 +130,21 @@ class Stage:
             raise UserError(f"need at least one slot and a positive context (got {n_slots} slots, n_ctx {n_ctx})")
         self.n_slots, self.n_ctx = n_slots, n_ctx
         self.has_embed, self.has_head = embed, head
-        self._rope_global = rope_table(cfg, n_ctx, cfg.rope_base, cfg.rope_scale, self.device)
-        self._rope_swa = rope_table(cfg, n_ctx, cfg.rope_base_swa, 1.0, self.device)
         self.layers: dict[int, _Layer] = {}
         self.layer_range = (0, 0)
         self.state_len = [0] * n_slots  # tokens each slot's recurrent state has consumed
         self.rollback = [0] * n_slots  # how many of them checkpoints can take back
         capture = self.device.type == "cuda"
-        self.cache_rows = n_slots + 1 if capture else n_slots  # + the graphs' padding slot
+        # The CUDA graphs' padding slot: a recurrent state row of its own, and ROLLBACK positions
+        # past the context in the KV (a bucket's unused rows run at most ROLLBACK tokens each).
+        self.state_rows = n_slots + 1 if capture else n_slots
+        padding = ROLLBACK if capture else 0
         if kv_pool is not None and kv_pool < 1:
             raise UserError(f"the KV pool needs at least one position (got {kv_pool})")
-        self.kv_blocks = (KVBlocks.reserved(self.cache_rows, n_ctx, self.device) if kv_pool is None
-                          else KVBlocks.pool(self.cache_rows, n_ctx, kv_pool, self.device))  # fmt: skip
+        self.kv_blocks = (KVBlocks.reserved(n_slots, n_ctx, self.device, padding) if kv_pool is None
+                          else KVBlocks.pool(n_slots, n_ctx, kv_pool, self.device, padding))  # fmt: skip
+        self._rope_global = rope_table(cfg, n_ctx + padding, cfg.rope_base, cfg.rope_scale, self.device)
+        self._rope_swa = rope_table(cfg, n_ctx + padding, cfg.rope_base_swa, 1.0, self.device)
         self.assign(*layers)
         if embed:
             self._embd_info = weights.tensor("token_embd.weight")
@@ -156,7 +159,7 @@ class Stage:
             self._head_name = "token_embd.weight" if cfg.tied else "output.weight"
             self.output = weights.linear([self._head_name], terms=1)
         self.weights.scratch.fit(self.dtype, self.device)  # every weight of the stage is built: before any graph
-        self.graphs = DecodeGraphs(self, pad_slot=n_slots, compiled=compile_decode) if capture else None
+        self.graphs = DecodeGraphs(self, compiled=compile_decode) if capture else None
         self.prefill_graphs = PrefillGraphs(self, self.graphs) if capture else None
 
     # ---- layers and cache ------------------------------------------------------------------
