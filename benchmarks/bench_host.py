@@ -2,7 +2,7 @@
 
     python benchmarks/bench_host.py [--model PATH] [--device cpu] [--dtype auto] [--streams 1 4]
                                     [--n-gen 64] [--sampling greedy sampled penalised] [--threads N]
-                                    [--overlap | --no-overlap]
+                                    [--overlap | --no-overlap] [--compile]
 
 Runs `--streams` concurrent requests through the real Engine and times each `Engine.step` and the
 `Pipeline.forward` inside it; host ms per step = step - forward (scheduling, sampling, postprocess,
@@ -104,6 +104,8 @@ def main() -> None:
     ap.add_argument("--n-gen", type=int, default=64)
     ap.add_argument("--sampling", nargs="+", choices=list(SAMPLINGS), default=list(SAMPLINGS))
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    ap.add_argument("--compile", action="store_true",
+                    help="torch.compile the decode graphs, as `serve` does on CUDA: a GPU step then takes less than the host's part")
     ap.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=None,
                     help="the engine's overlap (default: its own; an engine without it ignores the flag)")
     args = ap.parse_args()
@@ -113,7 +115,8 @@ def main() -> None:
     tok = Tokenizer.from_gguf(g)
     n_slots = max(args.streams)
     n_ctx = len(tok.encode(PROMPT)) + args.n_gen + 8
-    stage = build_stage(g, device=args.device, dtype=args.dtype, n_slots=n_slots, n_ctx=n_ctx)
+    stage = build_stage(g, device=args.device, dtype=args.dtype, n_slots=n_slots, n_ctx=n_ctx, compile_decode=args.compile)
+    stage.warm_up()  # captured (and compiled) before any step is timed
     kw = {"overlap": args.overlap} if "overlap" in inspect.signature(Engine).parameters and args.overlap is not None else {}
     engine = Engine(Pipeline(stage), tok, n_slots, stage.n_ctx, **kw).start()
     print(f"engine {Engine.__module__} ({inspect.getsourcefile(Engine)}), overlap {getattr(engine, 'overlap', 'n/a')}, "

@@ -450,8 +450,8 @@ class Engine:
         if rows.numel() == tokens.numel():  # one logits row per token (decode): no gather
             rows = None
         if bool((tokens == PENDING).any()):
-            tokens = to_device(tokens, self.device)
-            tokens = torch.where(tokens == PENDING, self._last[to_device(slots, self.device)], tokens)
+            pending, on_device = to_device(torch.stack([tokens, slots]), self.device)  # one copy, not two
+            tokens = torch.where(pending == PENDING, self._last[on_device], pending)
         hidden_rows = batch.hidden_rows()
         if not (self.spec.wants_hidden or hidden_rows):
             return self.pipeline.forward(tokens, slots, positions, rows), None

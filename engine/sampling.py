@@ -127,13 +127,14 @@ class Rows:
     between rows is data."""
 
     samplers: list[Sampler]
-    greedy: torch.Tensor  # [B] bool
-    temperature: torch.Tensor  # [B] (1 on greedy rows: unused there)
-    top_k: torch.Tensor  # [B] long (2^62 where off)
-    top_p: torch.Tensor  # [B] (2 where off: never reached by a running total)
-    min_p: torch.Tensor  # [B]
-    keys: torch.Tensor  # [B] long: a 32-bit hash of each row's seed (per request, hashed on the host)
-    counters: torch.Tensor  # [B] long, the index of the token each row draws
+    # The draw's parameters: None when every row is greedy (the argmax needs none of them).
+    greedy: torch.Tensor | None  # [B] bool
+    temperature: torch.Tensor | None  # [B] (1 on greedy rows: unused there)
+    top_k: torch.Tensor | None  # [B] long (2^62 where off)
+    top_p: torch.Tensor | None  # [B] (2 where off: never reached by a running total)
+    min_p: torch.Tensor | None  # [B]
+    keys: torch.Tensor | None  # [B] long: a 32-bit hash of each row's seed (per request, hashed on the host)
+    counters: torch.Tensor | None  # [B] long, the index of the token each row draws
     window: torch.Tensor | None  # [B, L] long: last-n histories, left-padded with their first entry; None: no penalties
     valid: torch.Tensor | None  # [B, L] bool: the window's own entries (not padding)
     penalties: torch.Tensor | None  # [3, B]: repeat, presence, frequency (neutral on rows without penalties)
@@ -149,14 +150,17 @@ class Rows:
         ends = [len(h) for h in histories] if ends is None else list(ends)
         ps = [s.params for s in samplers]
         neutral = [p if p.penalised else _NEUTRAL for p in ps]
-        floats = torch.tensor([[p.temperature or 1.0 for p in ps], [p.top_p if p.top_p < 1.0 else 2.0 for p in ps],
-                               [p.min_p for p in ps], [p.repeat_penalty for p in neutral],
-                               [p.presence_penalty for p in neutral], [p.frequency_penalty for p in neutral]],
-                              dtype=torch.float32)  # fmt: skip
-        keys = [_mix(_mix(s.seed & _M32) ^ (s.seed >> 32)) for s in samplers]
-        longs = torch.tensor([[p.top_k or (1 << 62) for p in ps], keys, ends, [p.greedy for p in ps]], dtype=torch.long)
-        floats, longs = to_device(floats, device), to_device(longs, device)
-        window = valid = penalties = bias = None
+        window = valid = penalties = bias = draw = None
+        repeat = [[p.repeat_penalty for p in neutral], [p.presence_penalty for p in neutral],
+                  [p.frequency_penalty for p in neutral]]  # fmt: skip
+        # An all-greedy step takes the argmax: none of the draw's parameters go to the device.
+        if not all(p.greedy for p in ps):
+            floats = torch.tensor([[p.temperature or 1.0 for p in ps], [p.top_p if p.top_p < 1.0 else 2.0 for p in ps],
+                                   [p.min_p for p in ps], *repeat], dtype=torch.float32)  # fmt: skip
+            keys = [_mix(_mix(s.seed & _M32) ^ (s.seed >> 32)) for s in samplers]
+            longs = torch.tensor([[p.top_k or (1 << 62) for p in ps], keys, ends, [p.greedy for p in ps]], dtype=torch.long)
+            floats, longs = to_device(floats, device), to_device(longs, device)
+            draw = (longs[3].bool(), floats[0], longs[0], floats[1], floats[2], longs[1], longs[2])
         if any(p.penalised for p in ps):
             windows = [_window(h, e, p.repeat_last_n) if p.penalised else [0] for h, e, p in zip(histories, ends, ps)]
             width = max(len(w) for w in windows)
@@ -166,14 +170,13 @@ class Rows:
             window, valid = to_device(window, device), to_device(valid, device)
             if pending is not None:
                 window = torch.where(window == PENDING, pending.to(device)[:, None], window)
-            penalties = floats[3:6]
+            penalties = floats[3:6] if draw else to_device(torch.tensor(repeat, dtype=torch.float32), device)
         if any(p.logit_bias for p in ps):
             width = max(len(p.logit_bias) for p in ps)
             pairs = [list(p.logit_bias) + [(0, 0.0)] * (width - len(p.logit_bias)) for p in ps]
             ids = to_device(torch.tensor([[t for t, _ in row] for row in pairs], dtype=torch.long), device)
             bias = ids, to_device(torch.tensor([[b for _, b in row] for row in pairs], dtype=torch.float32), device)
-        return cls(samplers, longs[3].bool(), floats[0], longs[0], floats[1], floats[2], longs[1], longs[2],
-                   window, valid, penalties, bias)  # fmt: skip
+        return cls(samplers, *(draw or (None,) * 7), window, valid, penalties, bias)
 
     @property
     def params(self) -> list[SamplingParams]:

@@ -94,7 +94,7 @@ def test_prefill_graphs_equal_eager_on_cuda(tiny_model, arch, kv):
     its logits, and the decode steps after it, equal the eager path's (gemma3: sliding window of 8)."""
     g = GGUFFile(tiny_model(arch, n_layers=3, head_dim=32))
     graphed, eager = (build_stage(g, device="cuda", dtype="float32", n_slots=2, n_ctx=64, kv_types=(kv, kv)) for _ in range(2))
-    eager.graphs = eager.prefill_graphs = None
+    eager.graphs = eager.prefill_graphs = eager.head_graphs = None
     for n, slot in ((12, 0), (16, 1), (5, 0)):  # buckets 16, 16, 8
         prompt = PROMPT[:n]
         torch.testing.assert_close(run(graphed, prompt, [slot] * n, list(range(n))), run(eager, prompt, [slot] * n, list(range(n))),
@@ -102,6 +102,18 @@ def test_prefill_graphs_equal_eager_on_cuda(tiny_model, arch, kv):
         for i in range(3):
             torch.testing.assert_close(run(graphed, [30 + i], [slot], [n + i]), run(eager, [30 + i], [slot], [n + i]), atol=1e-4, rtol=1e-4)
     assert set(graphed.prefill_graphs.graphs) == {8, 16}
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])  # gemma3: the final soft-cap
+def test_head_graphs_equal_the_eager_head(tiny_model, arch):
+    """The output head replayed from its row bucket's graph (rows past the batch are padding) gives
+    the eager head's logits; more rows than the largest bucket run eagerly."""
+    g = GGUFFile(tiny_model(arch, n_layers=2))
+    stage = build_stage(g, device="cuda", dtype="bfloat16", n_slots=3, n_ctx=64)
+    h = torch.randn(5, stage.cfg.n_embd, device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    for rows in (1, 2, 3):
+        torch.testing.assert_close(stage.logits(h[:rows]), stage.project(stage.final_norm(h[:rows])), atol=2e-3, rtol=2e-3)
+    assert set(stage.head_graphs.graphs) == {1, 2, 3} and stage.head_graphs.run(h) is None
 
 
 @pytest.fixture

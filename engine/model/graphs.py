@@ -1,5 +1,6 @@
 """CUDA graphs of a stage's layer stack: the decode step per batch bucket and run length (optionally
-torch.compile'd), and a prompt's prefill from position 0 per length bucket.
+torch.compile'd), a prompt's prefill from position 0 per length bucket, and the output head per
+row bucket.
 
 Eager, a layer costs dozens of kernel launches and torch ops on the host; a prefill of a few hundred
 tokens on a large GPU then waits on the host (7.2B Q4_K_M, 512 tokens on an H200: 61 ms wall for
@@ -188,3 +189,39 @@ class PrefillGraphs:
         graph, out = capture(lambda: st._forward(h_in, slots, positions, None, fresh=True), dev, self.decode.pool)
         self.decode.pool = graph.pool()
         return graph, h_in, slots, positions, out  # the graph reads its inputs where they are: keep them
+
+
+class HeadGraphs:
+    """CUDA graphs of the output head (final norm, projection, soft-cap) per row bucket, in the decode
+    graphs' memory pool: a decode step's logits in one launch where eagerly they take a handful
+    (with the layers in their graph, about a tenth of a single stream's host time per token)."""
+
+    def __init__(self, stage: Stage, decode: DecodeGraphs):
+        self.stage, self.decode = stage, decode
+        self.buckets = batch_buckets(stage.n_slots)
+        self.graphs: dict[int, tuple] = {}
+
+    def warm_up(self) -> None:
+        for size in self.buckets:
+            if size not in self.graphs:
+                self.graphs[size] = self._capture(size)
+
+    def run(self, h: torch.Tensor) -> torch.Tensor | None:
+        """Logits of rows h [R, n_embd] (None: more rows than a bucket holds)."""
+        R = h.shape[0]
+        size = next((s for s in self.buckets if s >= R), None)
+        if size is None:
+            return None
+        if size not in self.graphs:
+            self.graphs[size] = self._capture(size)
+        graph, h_in, out = self.graphs[size]
+        h_in[:R].copy_(h)
+        graph.replay()
+        return out[:R].clone()
+
+    def _capture(self, size: int):
+        st = self.stage
+        h_in = torch.zeros(size, st.cfg.n_embd, device=st.device)
+        graph, out = capture(lambda: st.project(st.final_norm(h_in)), st.device, self.decode.pool)
+        self.decode.pool = graph.pool()
+        return graph, h_in, out

@@ -45,7 +45,7 @@ from ..quant import dequantize_rows
 from .attention import attend_batched, attend_decode, attend_fresh, attend_runs, decode_bias
 from .config import ModelConfig
 from .deltanet import ROLLBACK, DeltaNet
-from .graphs import DecodeGraphs, PrefillGraphs
+from .graphs import DecodeGraphs, HeadGraphs, PrefillGraphs
 from .kv_blocks import KVBlocks
 from .kv_cache import KVCache, check_cache_type
 from .rope import rope_table, rotate
@@ -161,6 +161,7 @@ class Stage:
         self.weights.scratch.fit(self.dtype, self.device)  # every weight of the stage is built: before any graph
         self.graphs = DecodeGraphs(self, compiled=compile_decode) if capture else None
         self.prefill_graphs = PrefillGraphs(self, self.graphs) if capture else None
+        self.head_graphs = HeadGraphs(self, self.graphs) if capture and head else None
 
     # ---- layers and cache ------------------------------------------------------------------
 
@@ -183,9 +184,11 @@ class Stage:
     def warm_up(self, per_slot: range = range(1, 2), prefill_tokens: int = 0) -> None:
         """Compile and capture the decode step for every batch bucket now (CUDA; nothing elsewhere),
         for runs of each length in `per_slot` (speculative verifies: up to draft max + 1), and the
-        prefill of prompt chunks up to `prefill_tokens` (0: on first use)."""
+        prefill of prompt chunks up to `prefill_tokens` (0: on first use); the output head's graphs too."""
         if self.graphs is not None:
             self.graphs.warm_up(per_slot)
+        if self.head_graphs is not None:
+            self.head_graphs.warm_up()
         if self.prefill_graphs is not None and prefill_tokens:
             self.prefill_graphs.warm_up(prefill_tokens)
 
@@ -272,7 +275,8 @@ class Stage:
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Hidden states [R, n_embd] -> float32 logits [R, n_vocab]."""
-        return self.project(self.final_norm(h))
+        out = self.head_graphs.run(h) if self.head_graphs is not None else None
+        return self.project(self.final_norm(h)) if out is None else out
 
     def final_norm(self, h: torch.Tensor) -> torch.Tensor:
         """The output norm: what the head projects, what an MTP block drafts from (llama.cpp's `h_nextn`)
