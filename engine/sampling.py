@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from enum import IntEnum
 from typing import Callable, Sequence
 
+import numpy as np
 import torch
 
 from .device import to_device
@@ -133,12 +134,13 @@ class Rows:
     top_k: torch.Tensor | None  # [B] long (2^62 where off)
     top_p: torch.Tensor | None  # [B] (2 where off: never reached by a running total)
     min_p: torch.Tensor | None  # [B]
-    keys: torch.Tensor | None  # [B] long: a 32-bit hash of each row's seed (per request, hashed on the host)
-    counters: torch.Tensor | None  # [B] long, the index of the token each row draws
+    counters: list[int]  # the index of the token each row draws (with its seed: its randomness)
     window: torch.Tensor | None  # [B, L] long: last-n histories, left-padded with their first entry; None: no penalties
     valid: torch.Tensor | None  # [B, L] bool: the window's own entries (not padding)
     penalties: torch.Tensor | None  # [3, B]: repeat, presence, frequency (neutral on rows without penalties)
     bias: tuple[torch.Tensor, torch.Tensor] | None  # [B, n] ids and values (0 on padding)
+    device: torch.device
+    uniforms: dict[Stream, torch.Tensor]  # `uniform`'s results so far, on the device
 
     @classmethod
     def build(cls, samplers: list[Sampler], histories: Sequence[Sequence[int]], device: torch.device,
@@ -151,16 +153,19 @@ class Rows:
         ps = [s.params for s in samplers]
         neutral = [p if p.penalised else _NEUTRAL for p in ps]
         window = valid = penalties = bias = draw = None
+        uniforms: dict[Stream, torch.Tensor] = {}
         repeat = [[p.repeat_penalty for p in neutral], [p.presence_penalty for p in neutral],
                   [p.frequency_penalty for p in neutral]]  # fmt: skip
         # An all-greedy step takes the argmax: none of the draw's parameters go to the device.
         if not all(p.greedy for p in ps):
+            # The draw's uniforms (`uniform`) travel with the parameters: one row more, no copy of their own.
             floats = torch.tensor([[p.temperature or 1.0 for p in ps], [p.top_p if p.top_p < 1.0 else 2.0 for p in ps],
-                                   [p.min_p for p in ps], *repeat], dtype=torch.float32)  # fmt: skip
-            keys = [_mix(_mix(s.seed & _M32) ^ (s.seed >> 32)) for s in samplers]
-            longs = torch.tensor([[p.top_k or (1 << 62) for p in ps], keys, ends, [p.greedy for p in ps]], dtype=torch.long)
+                                   [p.min_p for p in ps], *repeat, _uniform(samplers, ends, Stream.SAMPLE).tolist()],
+                                  dtype=torch.float32)  # fmt: skip
+            longs = torch.tensor([[p.top_k or (1 << 62) for p in ps], [p.greedy for p in ps]], dtype=torch.long)
             floats, longs = to_device(floats, device), to_device(longs, device)
-            draw = (longs[3].bool(), floats[0], longs[0], floats[1], floats[2], longs[1], longs[2])
+            uniforms[Stream.SAMPLE] = floats[6]
+            draw = (longs[1].bool(), floats[0], longs[0], floats[1], floats[2])
         if any(p.penalised for p in ps):
             windows = [_window(h, e, p.repeat_last_n) if p.penalised else [0] for h, e, p in zip(histories, ends, ps)]
             width = max(len(w) for w in windows)
@@ -176,7 +181,7 @@ class Rows:
             pairs = [list(p.logit_bias) + [(0, 0.0)] * (width - len(p.logit_bias)) for p in ps]
             ids = to_device(torch.tensor([[t for t, _ in row] for row in pairs], dtype=torch.long), device)
             bias = ids, to_device(torch.tensor([[b for _, b in row] for row in pairs], dtype=torch.float32), device)
-        return cls(samplers, *(draw or (None,) * 7), window, valid, penalties, bias)
+        return cls(samplers, *(draw or (None,) * 5), ends, window, valid, penalties, bias, device, uniforms)
 
     @property
     def params(self) -> list[SamplingParams]:
@@ -263,11 +268,21 @@ def _mix(x):
     return x ^ (x >> 15)
 
 
-def uniform(rows: Rows, stream: Stream) -> torch.Tensor:
-    """`[B]` float32 uniforms in (0, 1): a hash of (the row's seed, its counter, `stream`)."""
-    h = _mix(rows.keys ^ (rows.counters & _M32))
+def _uniform(samplers: list[Sampler], counters: list[int], stream: Stream) -> np.ndarray:
+    seeds = [s.seed for s in samplers]
+    keys = _mix(_mix(np.array([x & _M32 for x in seeds], dtype=np.int64)) ^ np.array([x >> 32 for x in seeds], dtype=np.int64))
+    h = _mix(keys ^ (np.array(counters, dtype=np.int64) & _M32))
     h = _mix(h ^ int(stream) * 0x9E3779B9 & _M32)
-    return ((h >> 8).to(torch.float32) + 0.5) / 2**24
+    return ((h >> 8).astype(np.float32) + np.float32(0.5)) / np.float32(2**24)
+
+
+def uniform(rows: Rows, stream: Stream) -> torch.Tensor:
+    """`[B]` float32 uniforms in (0, 1) on the rows' device: a hash of (the row's seed, its counter,
+    `stream`). Seeds and counters are the host's integers, so it is hashed there: on a GPU a dozen
+    element-wise kernels a call were a tenth of a sampled step's host time."""
+    if stream not in rows.uniforms:
+        rows.uniforms[stream] = to_device(torch.from_numpy(_uniform(rows.samplers, rows.counters, stream)), rows.device)
+    return rows.uniforms[stream]
 
 
 def draw(w: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
