@@ -8,7 +8,7 @@ branch on tensor values): what differs between rows is data, so a step launches 
 behind its forward and the host reads the tokens later (the runtime's overlap).
 
 Randomness is counter-based: a row's uniform is a hash of (its request's seed, the index of the
-token it draws, a stream id) in integer tensor ops, and the draw is the inverse CDF of the filtered
+token it draws, a stream id) in integer ops on the host, and the draw is the inverse CDF of the filtered
 distribution taken in vocabulary order. A seeded request therefore draws the same tokens whatever
 else shares the batch, with no generator state to carry. Filter thresholds and the draw work on
 unnormalised weights exp(x - max) (min-p and top-p as ratios to the best and to the running total):
