@@ -8,6 +8,7 @@ tokens on a large GPU then waits on the host (7.2B Q4_K_M, 512 tokens on an H200
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING
 
 import torch
@@ -105,18 +106,23 @@ class DecodeGraphs:
         return graph, h_in, index, host, padding, copied, out
 
 
+@functools.cache
+def _warm_up_stream(device: torch.device) -> torch.cuda.Stream:
+    """One side stream per device for every capture's warm-up: cuBLAS keeps a workspace per stream
+    it has run on, taken from the caching allocator for the process's life, so a new stream per
+    capture (dozens of buckets) would each hold one."""
+    return torch.cuda.Stream(device)
+
+
 def capture(step, device: torch.device, pool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
     """Capture `step()` into a graph that allocates from `pool` (None: a new one). Warmed up on a side
     stream first (allocator, kernel selection, compilation), as torch's docs prescribe."""
-    side = torch.cuda.Stream(device)
+    side = _warm_up_stream(device)
     side.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(side):
         for _ in range(2):
             step()
     torch.cuda.current_stream(device).wait_stream(side)
-    # The warm-up's activations sit cached in the default pool: give them back before the capture
-    # takes its own in the graphs' pool, or the peak holds both (7.2B, a 512-token bucket: ~0.2 GB).
-    torch.cuda.empty_cache()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, pool=pool):
         out = step()
