@@ -21,9 +21,10 @@ take up to 65535, as loopback's 65536; the kernel's default is 1500).
 
 Transfer throughput is that of the transfers after the warm-up one (prompt-state bytes / (fetch +
 placement - the prefill worker's compute)), each split into collect (the prefill worker copying the
-state out and checksumming it), wire (framing, the network, receiving) and place (this head's
-checksums and copy into the slot). A 4,096-token state of hundreds of MB from a model small enough to
-prefill on a CPU: --layers 64 --embd 256 --ff 256 --prompt-tokens 4096 --ctx 4200 (268 MB in float32).
+state out and checksumming it), wire (framing, the network, receiving with each chunk's checksum
+checked as it arrives) and place (this head's header checks and copy into the slot). A 4,096-token
+state of hundreds of MB from a model small enough to prefill on a CPU:
+--layers 64 --embd 256 --ff 256 --prompt-tokens 4096 --ctx 4200 (268 MB in float32).
 
 Mode `slots` (in --modes): restoring a slot against recomputing it. A fresh head (one slot) prefills
 a --prompt-tokens prompt (`recompute_ms`: its prompt_ms), saves the slot to --slot-save-path,
@@ -219,7 +220,7 @@ def run_mode(mode: str, args, log_dir: Path, netns: Netns | None) -> dict:
             "transfer_gb_s": moved["bytes"] / moved["seconds"] / 1e9 if moved.get("seconds") else None,
             "transfer_mb_each": pd["bytes"] / pd["transfers"] / 1e6 if pd.get("transfers") else None,
             # Of each of those transfers: the prefill worker copying the state out, the move
-            # (framing, the network, receiving), this head checking and placing it.
+            # (framing, the network, receiving and checking each chunk), this head placing it.
             "collect_wire_place_ms": [[t["collect_ms"], round(t["ms"] - t["prefill_ms"] - t["collect_ms"] - t["place_ms"], 1),
                                        t["place_ms"]] for t in loaded_transfers],
         }  # fmt: skip

@@ -5,11 +5,13 @@ slot save/restore). Declared once for the worker that writes it and the one that
 
 The body is the tensors' raw bytes, back to back in header order, in one piece (so a reader places
 tensors straight from the bytes it received, no copy); each CHUNK_BYTES of it has its crc32 in the
-table, and a last crc32 covers the header JSON and the table. The header JSON is padded with
-spaces so that the body starts 64-byte aligned. The header names the model (fingerprint), the
-layer range, the tokens whose state this is, and every tensor: per layer the K and V of positions
-[0, n_tokens), for recurrent layers their whole state (conv, ssm), so a hybrid model's slot moves
-in the same format; the head's state may add the MTP block's own (`mtp.k`, `mtp.v`, and `mtp.h`, the
+table, and a last crc32 covers the header JSON and the table. The table comes first so that a
+reader off a socket checks each chunk as it arrives (`check_body`'s `fill`): no pass over the
+whole body afterwards, and a bad chunk is refused before the rest is read. The header JSON is
+padded with spaces so that the body starts 64-byte aligned. The header names the model
+(fingerprint), the layer range, the tokens whose state this is, and every tensor: per layer the K
+and V of positions [0, n_tokens), for recurrent layers their whole state (conv, ssm), so a hybrid
+model's slot moves in the same format; the head's state may add the MTP block's own (`mtp.k`, `mtp.v`, and `mtp.h`, the
 trunk's hidden state at the last position).
 
 crc32 is zlib's (CRC-32/ISO-HDLC), computed with zlib-ng's vectorised implementation: the same
@@ -137,11 +139,24 @@ def chunk_crcs(body) -> list[int]:
     return [crc32(view[i : i + CHUNK_BYTES]) for i in range(0, len(view), CHUNK_BYTES)]
 
 
-def check_body(body, header: SlotHeader, crcs: list[int]) -> None:
-    """A body that is not exactly the header's size or fails a chunk's checksum raises, naming where."""
+def check_body(body, header: SlotHeader, crcs: list[int], fill=None) -> None:
+    """A body that is not exactly the header's size or fails a chunk's checksum raises, naming where.
+    `fill(view, progress)`: the body's bytes are still to come (a socket's `read_into`), which
+    calls `progress(n)` as the first n arrive: each chunk is checked as soon as it is complete,
+    while its bytes are in cache (no second pass over the whole body), and a bad one stops the
+    stream there."""
     view = memoryview(body).cast("B")
     if len(view) != header.body_bytes:
         raise SlotStateError(f"slot state body of {len(view)} bytes, the header names {header.body_bytes}")
-    for i, crc in enumerate(crcs):
-        if crc32(view[i * CHUNK_BYTES : (i + 1) * CHUNK_BYTES]) != crc:
-            raise SlotStateError(f"slot state chunk at byte {i * CHUNK_BYTES} fails its checksum")
+    checked = 0
+
+    def progress(n: int) -> None:
+        nonlocal checked
+        while checked < len(crcs) and min((checked + 1) * CHUNK_BYTES, len(view)) <= n:
+            if crc32(view[checked * CHUNK_BYTES : (checked + 1) * CHUNK_BYTES]) != crcs[checked]:
+                raise SlotStateError(f"slot state chunk at byte {checked * CHUNK_BYTES} fails its checksum")
+            checked += 1
+
+    if fill is not None:
+        fill(view, progress)
+    progress(len(view))

@@ -57,9 +57,10 @@ class PrefillClient:
         self.auth_token = auth_token
         self.deadline_s = deadline_s
 
-    def prefill(self, tokens: list[int], ranges: list, fingerprint: str, ipc: str | None = None) -> tuple[dict, bytes]:
-        """(reply meta, slot states) or PdFallback naming why not. `ipc`: this head's GPU; a
-        worker on it answers CUDA IPC handles in the meta instead (contracts.rpc.PrefillReply)."""
+    def prefill(self, tokens: list[int], ranges: list, fingerprint: str, ipc: str | None = None) -> tuple[dict, list]:
+        """(reply meta, slot states as `slot_state.read_all` answers them: each chunk checked as it
+        arrived) or PdFallback naming why not. `ipc`: this head's GPU; a worker on it answers CUDA
+        IPC handles in the meta instead (contracts.rpc.PrefillReply)."""
         t_end = time.monotonic() + self.deadline_s
         try:
             sock = socket.create_connection((self.host, self.port), timeout=min(CONNECT_TIMEOUT_S, self.deadline_s))
@@ -75,16 +76,22 @@ class PrefillClient:
                 if self.auth_token:
                     challenge = self._exchange(sock, reader, Op.AUTH, b"")
                     self._exchange(sock, reader, Op.AUTH, prove(self.auth_token, bytes.fromhex(challenge.meta["nonce"])))
-                reply = self._exchange(sock, reader, Op.PREFILL, json.dumps(request).encode(), slot_state.BUFFERS.take)
+
+                def states(n: int) -> list:  # checked as they arrive, into a kept buffer (none: CUDA IPC handles in the meta)
+                    return slot_state.read_all(slot_state.BUFFERS.take(n), reader.read_into) if n else []
+
+                reply = self._exchange(sock, reader, Op.PREFILL, json.dumps(request).encode(), states)
         except (FrameTimeout, socket.timeout):
             raise PdFallback("deadline", f"prefill worker {self.addr} did not answer within {self.deadline_s:g} s") from None
+        except SlotStateError as e:  # a bad header or chunk: the rest is not read (the connection closes)
+            raise PdFallback("refused", f"prefill worker {self.addr}'s state: {e}") from None
         except (FrameError, OSError, KeyError, ValueError) as e:
             raise PdFallback("transfer", f"prefill worker {self.addr} failed mid-transfer: {e}") from None
         return reply.meta, reply.payload
 
-    def _exchange(self, sock, reader: SocketReader, op: int, payload: bytes, buffer=None):
+    def _exchange(self, sock, reader: SocketReader, op: int, payload: bytes, read_payload=None):
         sock.sendall(pack_control_request(op, payload))
-        reply = read_control_response(reader, STATE_PUT_CAP, buffer)
+        reply = read_control_response(reader, STATE_PUT_CAP, read_payload)
         if reply.status != Status.OK:
             raise PdFallback("refused", f"prefill worker {self.addr}: {reply.meta.get('error', reply.status)}")
         return reply
@@ -164,7 +171,7 @@ class Disaggregator:
         transport = "socket"
         try:
             meta, payload = self.client.prefill(tokens, self.pipeline.ranges, self.pipeline.local.g.fingerprint, self.ipc)
-            n_bytes, prefill_ms, collect_ms = len(payload), meta.get("prefill_ms"), meta.get("collect_ms")
+            n_bytes, prefill_ms, collect_ms = sum(raw.nbytes for *_, raw in payload), meta.get("prefill_ms"), meta.get("collect_ms")
             t_place = time.perf_counter()
             try:
                 if "ipc" in meta:  # on our GPU: the states stay in the worker's device memory

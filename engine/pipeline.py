@@ -187,21 +187,24 @@ class Pipeline:
         """Slot states (back to back, any split that covers the model) read, checksummed and
         regrouped to this pipeline's ranges, without holding the pipeline: the costly half of a
         placement, off the forward's path. They must cover `tokens` when given. `data` may instead
-        be (header, device body) per range of this pipeline, handed over by CUDA IPC: this stage's
-        is then placed device to device, the peers' are packed into bytes for their STATE_PUT."""
+        be states already read and checked (`slot_state.read_all`'s answer: as they arrived from a
+        socket), or (header, device body) per range of this pipeline, handed over by CUDA IPC: this
+        stage's is then placed device to device, the peers' are packed into bytes for their STATE_PUT."""
         fingerprint = self.local.g.fingerprint
-        if isinstance(data, list):
-            if [tuple(h.layers) for h, _ in data] != list(self.ranges):
-                raise SlotStateError(f"slot states of ranges {[h.layers for h, _ in data]}, this pipeline holds {self.ranges}")
-            states = [(h, body, None) for h, body in data]
-        else:
-            states = slot_state.read_all(data)
+        states = data if isinstance(data, list) else slot_state.read_all(data)
+        if not states:
+            raise SlotStateError("no slot state in an empty stream")
+        on_device = isinstance(states[0][1], torch.Tensor)
+        if on_device:
+            if [tuple(h.layers) for h, _ in states] != list(self.ranges):
+                raise SlotStateError(f"slot states of ranges {[h.layers for h, _ in states]}, this pipeline holds {self.ranges}")
+            states = [(h, body, None) for h, body in states]
         if states[0][0].fingerprint != fingerprint:
             raise SlotStateError(f"slot state is of model {states[0][0].fingerprint}, this worker serves {fingerprint}")
         if tokens is not None and states[0][0].tokens != list(tokens):
             raise SlotStateError(f"slot state covers other tokens than the {len(tokens)} asked for")
         ranges = list(self.ranges)
-        if isinstance(data, list):
+        if on_device:
             parts = [None] + [slot_state.pack(h, slot_state.entry_bytes(h, body)) for h, body, _ in states[1:]]
         else:
             parts = slot_state.regroup(states, ranges)

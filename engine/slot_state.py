@@ -2,8 +2,9 @@
 split and regroup a pipeline's states by layer (one state per stage, any split on either side).
 
 A state is built in one buffer: each tensor is copied once, straight into its place in the body,
-then the body is checksummed. A state that arrived in memory is placed from views of those bytes
-(no copy until the slot's own tensors). Placing is transactional: the header, every tensor's name,
+each chunk checksummed as soon as it is complete. A state is read into one buffer, from memory or
+from a socket (each chunk checked as it arrives), and placed from views of those bytes (no copy
+until the slot's own tensors). Placing is transactional: the header, every tensor's name,
 shape and dtype, and every chunk's checksum are checked before the first byte reaches the slot, so
 a refused state leaves the slot as it was.
 
@@ -19,7 +20,7 @@ from typing import Callable, Iterable
 
 import torch
 
-from ..contracts.slot_state import SlotHeader, SlotStateError, TensorEntry, check_body, chunk_crcs
+from ..contracts.slot_state import CHUNK_BYTES, SlotHeader, SlotStateError, TensorEntry, check_body, chunk_crcs
 
 EXTRA_PREFIX = "mtp."
 
@@ -83,7 +84,8 @@ def pack(header: SlotHeader, parts: Iterable[torch.Tensor | memoryview]) -> memo
     header order, then the prefix with the body's checksums."""
     start = header.prefix_bytes
     out = BUFFERS.take(start + header.body_bytes)
-    offset = start
+    offset = done = start
+    crcs: list[int] = []
     for entry, part in zip(header.tensors, parts):
         if entry.nbytes:
             if isinstance(part, torch.Tensor):
@@ -91,35 +93,49 @@ def pack(header: SlotHeader, parts: Iterable[torch.Tensor | memoryview]) -> memo
             else:
                 out[offset : offset + entry.nbytes] = part
         offset += entry.nbytes
-    out[:start] = header.encode(chunk_crcs(memoryview(out)[start:]))
+        whole = offset - (offset - start) % CHUNK_BYTES  # each complete chunk now, while its bytes are in cache
+        crcs += chunk_crcs(out[done:whole])
+        done = whole
+    out[:start] = header.encode(crcs + chunk_crcs(out[done:offset]))
     return out
 
 
-def reader(data: bytes | bytearray | memoryview) -> Callable[[int], memoryview]:
-    """`read(n)` over bytes in memory (views, no copies; read-only bytes are copied once: tensors
-    are made over them): a truncated state is a SlotStateError, not a short read."""
-    view, pos = memoryview(data).cast("B"), 0
-    if view.readonly:
-        view = memoryview(bytearray(view))
+class Reader:
+    """`read(n)` over one buffer, as views (no copies; read-only bytes are copied once: tensors are
+    made over them): a truncated state is a SlotStateError, not a short read. `fill(view,
+    progress=None)`: the buffer is still to be filled from a stream (a socket's `read_into`); each
+    read brings its bytes in first, a body's chunks are checked as they arrive."""
 
-    def read(n: int) -> memoryview:
-        nonlocal pos
-        if pos + n > len(view):
-            raise SlotStateError(f"slot state truncated: wanted {n} bytes at {pos}, it has {len(view)}")
-        pos += n
-        return view[pos - n : pos]
+    def __init__(self, data, fill: Callable | None = None):
+        self.view, self.pos, self.fill = memoryview(data).cast("B"), 0, fill
+        if self.view.readonly:
+            self.view = memoryview(bytearray(self.view))
 
-    return read
+    def _take(self, n: int) -> memoryview:
+        if self.pos + n > len(self.view):
+            raise SlotStateError(f"slot state truncated: wanted {n} bytes at {self.pos}, it has {len(self.view)}")
+        self.pos += n
+        return self.view[self.pos - n : self.pos]
+
+    def __call__(self, n: int) -> memoryview:
+        piece = self._take(n)
+        if self.fill is not None:
+            self.fill(piece)
+        return piece
+
+    def body(self, header: SlotHeader, crcs: list[int]) -> memoryview:
+        """The next state's body, every chunk checked (from a stream, as it arrives)."""
+        body = self._take(header.body_bytes)
+        check_body(body, header, crcs, self.fill)
+        return body
 
 
-def restore(stage, slot: int, read: Callable[[int], bytes], fingerprint: str) -> list[int]:
-    """Place a state read with `read(n)` into `slot`; returns the tokens it covers. The header is
+def restore(stage, slot: int, read: Reader, fingerprint: str) -> list[int]:
+    """Place the state `read` holds into `slot`; returns the tokens it covers. The header is
     judged before the body is read."""
     header, crcs = SlotHeader.decode(read)
     check(stage, slot, header, fingerprint)
-    body = read(header.body_bytes)
-    check_body(body, header, crcs)
-    return place(stage, slot, header, body, fingerprint)
+    return place(stage, slot, header, read.body(header, crcs), fingerprint)
 
 
 def place(stage, slot: int, header: SlotHeader, body, fingerprint: str, extra: dict[str, torch.Tensor] | None = None) -> list[int]:
@@ -241,21 +257,17 @@ def _match(entries: list[TensorEntry], views: dict[str, torch.Tensor], whose: st
         raise SlotStateError(f"slot state tensors {got[:2]}... do not match {whose} {want[:2]}...")
 
 
-def read_all(data) -> list[tuple[SlotHeader, memoryview, memoryview]]:
+def read_all(data, fill: Callable | None = None) -> list[tuple[SlotHeader, memoryview, memoryview]]:
     """Slot states back to back (a pipeline's, one per stage), each read and checked:
     (header, body, the state's own bytes), all views of `data`. Read-only bytes (a file's) are
-    copied once: tensors are made over the body."""
-    view = memoryview(data).cast("B")
-    if view.readonly:
-        view = memoryview(bytearray(view))
-    read, out, consumed = reader(view), [], 0
-    while consumed < len(view):
+    copied once: tensors are made over the body. `fill`: `data` is a buffer still to be filled
+    from a stream (`Reader`), each chunk checked as it arrives."""
+    read, out = Reader(data, fill), []
+    while read.pos < len(read.view):
+        start = read.pos
         header, crcs = SlotHeader.decode(read)
-        body = read(header.body_bytes)
-        check_body(body, header, crcs)
-        end = consumed + header.prefix_bytes + header.body_bytes
-        out.append((header, body, view[consumed:end]))
-        consumed = end
+        body = read.body(header, crcs)
+        out.append((header, body, read.view[start : read.pos]))
     if not out:
         raise SlotStateError("no slot state in an empty stream")
     return out

@@ -80,10 +80,10 @@ def test_slot_state_moves_between_pooled_and_reserved_stages(tiny_model):
     fp = reserved.g.fingerprint
     prefill(pooled, TOKENS[:200], slot=1)
     state = bytes(slot_state.save(pooled, 1, TOKENS[:200], fp))
-    assert slot_state.restore(reserved, 0, slot_state.reader(state), fp) == TOKENS[:200]
+    assert slot_state.restore(reserved, 0, slot_state.Reader(state), fp) == TOKENS[:200]
     back = bytes(slot_state.save(reserved, 0, TOKENS[:200], fp))
     assert back == state  # what went in comes out, byte for byte
-    assert slot_state.restore(pooled, 0, slot_state.reader(back), fp) == TOKENS[:200]
+    assert slot_state.restore(pooled, 0, slot_state.Reader(back), fp) == TOKENS[:200]
     assert [len(h) for h in pooled.kv_blocks.held] == [2, 2]
     torch.testing.assert_close(_decode(pooled, {0: 200}, 3), _decode(reserved, {0: 200}, 3), rtol=1e-5, atol=1e-5)
 

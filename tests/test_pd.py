@@ -384,3 +384,33 @@ def test_a_hybrid_models_recurrent_state_moves_too(tiny_model, tmp_path):
         with running(pd_head(model, tmp_path, pw.rpc_addr)) as w:
             assert greedy(w, LONG, 12)[0] == want
             assert w.status()["pd"]["transfers"] == 1
+
+
+@pytest.mark.unit
+def test_a_bad_chunk_from_the_prefill_worker_is_refused_as_it_arrives():
+    """The head checks each chunk as it arrives: a bad one ends the exchange there, a `refused`
+    fallback (the slot is never touched: nothing is placed), without reading the rest."""
+    from hydra_console.contracts.slot_state import CHUNK_BYTES, TensorEntry
+    from hydra_console.engine import slot_state
+    from hydra_console.engine.pd import PdFallback, PrefillClient
+    from hydra_console.engine.rpc.wire import pack_control_response, read_control_request
+
+    body = bytes(range(256)) * (CHUNK_BYTES // 32)  # eight chunks
+    header = SlotHeader("fp", [0, 4], [1, 2, 3], "float32", "float32", [TensorEntry("blk.0.k", [len(body) // 4], "float32", len(body))])
+    state = bytearray(slot_state.pack(header, [memoryview(body)]))
+    state[header.prefix_bytes + 2 * CHUNK_BYTES] ^= 1
+    server = socket.create_server(("127.0.0.1", 0))
+
+    def worker():
+        conn, _ = server.accept()
+        with conn, contextlib.suppress(OSError):  # the head hangs up mid-reply
+            reader = SocketReader(conn)
+            reader.drain(read_control_request(reader).payload_len)
+            conn.sendall(pack_control_response(Status.OK, {"sizes": [len(state)]}, bytes(state)))
+
+    threading.Thread(target=worker, daemon=True).start()
+    with server:
+        client = PrefillClient(f"127.0.0.1:{server.getsockname()[1]}", None, 30)
+        with pytest.raises(PdFallback, match=f"chunk at byte {2 * CHUNK_BYTES} fails its checksum") as e:
+            client.prefill([1, 2, 3], [(0, 4)], "fp")
+        assert e.value.reason == "refused"

@@ -386,7 +386,7 @@ def test_slot_state_moves_with_the_recurrent_state(tiny_model):
     a, b = load(path, n_slots=3), load(path, n_slots=3)
     nxt = int(prefill(a, PROMPT, slot=0)[-1].argmax())
     blob = bytes(slot_state.save(a, 0, PROMPT, fp))
-    assert slot_state.restore(b, 2, slot_state.reader(blob), fp) == PROMPT
+    assert slot_state.restore(b, 2, slot_state.Reader(blob), fp) == PROMPT
     assert torch.equal(prefill(a, [nxt], slot=0, start=len(PROMPT)), prefill(b, [nxt], slot=2, start=len(PROMPT)))
     with pytest.raises(SlotStateError, match="recurrent state covers 21 tokens, not the 20"):
         bytes(slot_state.save(a, 0, PROMPT, fp))

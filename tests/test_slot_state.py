@@ -3,8 +3,11 @@ bit for bit, in another; anything wrong is refused with a reason and leaves the 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import socket
+import threading
 
 import pytest
 import torch
@@ -42,7 +45,7 @@ def test_a_restored_slot_continues_bit_for_bit(tiny_model):
     a, b = stage(path), stage(path)
     nxt = prefill(a, 0, PROMPT).argmax(-1).item()
     blob = saved(a, 0, PROMPT, fp)
-    assert slot_state.restore(b, 2, slot_state.reader(blob), fp) == PROMPT
+    assert slot_state.restore(b, 2, slot_state.Reader(blob), fp) == PROMPT
     assert torch.equal(decode(a, 0, nxt, len(PROMPT)), decode(b, 2, nxt, len(PROMPT)))
 
 
@@ -52,9 +55,9 @@ def test_a_peer_stage_moves_only_its_layers(tiny_model):
     head, peer = stage(path, (0, 2)), stage(path, (2, 4))
     blob = saved(peer, 1, PROMPT[:3], fp)
     with pytest.raises(SlotStateError, match=r"holds layers \[2, 4\], this stage holds \[0, 2\]"):
-        slot_state.restore(head, 1, slot_state.reader(blob), fp)
+        slot_state.restore(head, 1, slot_state.Reader(blob), fp)
     other = stage(path, (2, 4))
-    assert slot_state.restore(other, 0, slot_state.reader(blob), fp) == PROMPT[:3]
+    assert slot_state.restore(other, 0, slot_state.Reader(blob), fp) == PROMPT[:3]
 
 
 @pytest.mark.parametrize(
@@ -73,7 +76,7 @@ def test_a_damaged_state_is_refused_and_the_slot_is_untouched(tiny_model, spoil,
     prefill(dst, 1, PROMPT[::-1])
     before = {k: v.clone() for k, v in dst.slot_state(1, len(PROMPT)).items()}
     with pytest.raises(SlotStateError, match=reason):
-        slot_state.restore(dst, 1, slot_state.reader(spoil(saved(src, 0, PROMPT, fp))), fp)
+        slot_state.restore(dst, 1, slot_state.Reader(spoil(saved(src, 0, PROMPT, fp))), fp)
     assert all(torch.equal(before[k], v) for k, v in dst.slot_state(1, len(PROMPT)).items())
 
 
@@ -84,14 +87,14 @@ def test_wrong_model_dtype_or_size_is_refused(tiny_model):
     prefill(src, 0, PROMPT)
     blob = saved(src, 0, PROMPT, fp)
     with pytest.raises(SlotStateError, match="of model"):
-        slot_state.restore(stage(path), 0, slot_state.reader(blob), "another-model")
+        slot_state.restore(stage(path), 0, slot_state.Reader(blob), "another-model")
     with pytest.raises(SlotStateError, match="exceeds this stage's context"):
-        slot_state.restore(stage(path, n_ctx=4), 0, slot_state.reader(blob), fp)
+        slot_state.restore(stage(path, n_ctx=4), 0, slot_state.Reader(blob), fp)
     bf16 = build_stage(GGUFFile(path), device="cpu", dtype="bfloat16", n_slots=1, n_ctx=32)
     with pytest.raises(SlotStateError, match="computes in bfloat16"):
-        slot_state.restore(bf16, 0, slot_state.reader(blob), fp)
+        slot_state.restore(bf16, 0, slot_state.Reader(blob), fp)
     with pytest.raises(SlotStateError, match="does not exist"):
-        slot_state.restore(stage(path), 7, slot_state.reader(blob), fp)
+        slot_state.restore(stage(path), 7, slot_state.Reader(blob), fp)
 
 
 def test_slots_save_erase_restore_over_http(tiny_model, tmp_path):
@@ -126,8 +129,8 @@ def test_states_regroup_to_another_split_and_continue_bit_for_bit(tiny_model):
     states = slot_state.read_all(saved(full, 0, PROMPT, fp))
     head_part, peer_part = slot_state.regroup(states, [(0, 1), (1, 4)])
     head, peer = stage(path, (0, 1)), stage(path, (1, 4))
-    assert slot_state.restore(head, 2, slot_state.reader(head_part), fp) == PROMPT
-    assert slot_state.restore(peer, 2, slot_state.reader(peer_part), fp) == PROMPT
+    assert slot_state.restore(head, 2, slot_state.Reader(head_part), fp) == PROMPT
+    assert slot_state.restore(peer, 2, slot_state.Reader(peer_part), fp) == PROMPT
     x = full.embed(torch.tensor([nxt]))
     one = lambda st, h, slot: st.run_layers(h, torch.tensor([slot]), torch.tensor([len(PROMPT)]))  # noqa: E731
     assert torch.equal(one(full, x, 0), one(peer, one(head, x, 2), 2))
@@ -153,7 +156,7 @@ def test_states_in_device_buffers_are_placed_and_continue_bit_for_bit(tiny_model
     pipeline = Pipeline(head, ranges=[(0, 1), (1, 4)])
     prepared = pipeline.prepare_state(states, PROMPT)
     assert pipeline.place_state(2, prepared) == PROMPT
-    assert slot_state.restore(peer, 2, slot_state.reader(prepared.peer_states[0]), fp) == PROMPT
+    assert slot_state.restore(peer, 2, slot_state.Reader(prepared.peer_states[0]), fp) == PROMPT
     x = full.embed(torch.tensor([nxt]))
     one = lambda st, h, slot: st.run_layers(h, torch.tensor([slot]), torch.tensor([len(PROMPT)]))  # noqa: E731
     assert torch.equal(one(full, x, 0), one(peer, one(head, x, 2), 2))
@@ -276,3 +279,38 @@ def test_the_header_and_table_carry_their_own_checksum_and_version_1_is_refused_
     raw = json.dumps({**dataclasses.asdict(header), "version": 1}).encode()  # a file of the first format
     with pytest.raises(SlotStateError, match="slot state version 1, this worker reads 2"):
         slot_state.read_all(MAGIC + len(raw).to_bytes(4, "little") + raw + body)
+
+
+def _multi_chunk_state() -> tuple[object, bytes]:
+    """(header, state) of four chunks of raw bytes: the checks of the stream, not of a stage."""
+    from hydra_console.contracts.slot_state import CHUNK_BYTES, SlotHeader, TensorEntry
+
+    body = bytes(range(256)) * (CHUNK_BYTES // 64)
+    header = SlotHeader("fp", [0, 1], [7, 8, 9], "float32", "float32", [TensorEntry("blk.0.k", [len(body) // 4], "float32", len(body))])
+    return header, bytes(slot_state.pack(header, [memoryview(body)]))
+
+
+def _send(sock, data: bytes) -> None:
+    with contextlib.suppress(OSError):  # the reader may stop early and close
+        sock.sendall(data)
+
+
+@pytest.mark.unit
+def test_a_state_from_a_socket_is_checked_as_it_arrives_and_a_bad_chunk_stops_it_there():
+    from hydra_console.contracts.slot_state import CHUNK_BYTES
+    from hydra_console.engine.rpc.wire import SocketReader
+
+    header, blob = _multi_chunk_state()
+    spoiled = bytearray(blob)
+    spoiled[header.prefix_bytes + CHUNK_BYTES + 5] ^= 1  # in the second chunk
+    a, b = socket.socketpair()
+    with a, b:
+        threading.Thread(target=_send, args=(a, blob + blob), daemon=True).start()  # a pipeline's two states
+        reader = SocketReader(b)
+        states = slot_state.read_all(bytearray(2 * len(blob)), reader.read_into)
+        assert [bytes(raw) for *_, raw in states] == [blob, blob] and reader.bytes_in == 2 * len(blob)
+        threading.Thread(target=_send, args=(a, bytes(spoiled)), daemon=True).start()
+        with pytest.raises(SlotStateError, match=f"chunk at byte {CHUNK_BYTES} fails its checksum"):
+            slot_state.read_all(bytearray(len(spoiled)), SocketReader(b).read_into)
+        b.settimeout(10)
+        assert b.recv(1)  # refused when it arrived: the rest (more than the socket holds) is still to come

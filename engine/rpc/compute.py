@@ -52,9 +52,8 @@ from ...contracts.rpc import (
     verify,
 )
 from ...contracts.rpc import ReplyStatus as R
-from ...contracts.slot_state import CHUNK_BYTES, SlotStateError
+from ...contracts.slot_state import SlotStateError
 from ..device import host_buffer, to_host
-from ..slot_state import BUFFERS
 from .cuda_ipc import IpcChannel
 from .resident import DTYPES, ComputeError
 from .wire import (
@@ -275,16 +274,19 @@ class ComputeServer:
         refusal leaves unread is drained in 64 KiB pieces, so the session stays in sync."""
         left = size
 
-        def read(n: int) -> bytes:
+        def take(n: int) -> None:  # before anything is allocated for them
             nonlocal left
             if n > left:
                 raise SlotStateError(f"slot state truncated: the frame ends {n - left} bytes early")
             left -= n
-            if n < CHUNK_BYTES:
-                return reader.read_exact(n)
-            body = BUFFERS.take(n)  # the body: into a kept buffer (a fresh one costs its page faults)
-            reader.read_into(body)
-            return body
+
+        def read(n: int) -> bytearray:
+            take(n)
+            return reader.read_exact(n)
+
+        def fill(view: memoryview, progress=None) -> None:
+            take(len(view))
+            reader.read_into(view, progress)
 
         try:
             if size > STATE_PUT_CAP:
@@ -292,7 +294,7 @@ class ComputeServer:
             if size < STATE_SLOT.size:
                 raise ComputeError("STATE_PUT shorter than its slot id")
             (slot,) = STATE_SLOT.unpack(read(STATE_SLOT.size))
-            return self.host.state_put(slot, read, owner=session["id"])
+            return self.host.state_put(slot, read, fill, owner=session["id"])
         finally:
             reader.drain(left)
 

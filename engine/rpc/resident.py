@@ -307,11 +307,11 @@ class StageHost:
                 raise ComputeError("STATE_JOIN refused: not the key of this worker's stage (reloaded since?)")
             return self.owner
 
-    def state_put(self, slot: int, read, owner: int = 0) -> dict:
-        """Stage a state read with `read(n)` whole (header judged first, then every chunk's
-        checksum, then its tensors made ready on the stage's device) without holding the forwards;
-        only the copy into the slot takes the lock. A refused or broken stream leaves the slot as it
-        was."""
+    def state_put(self, slot: int, read, fill, owner: int = 0) -> dict:
+        """Stage a state whole (its header read with `read(n)` and judged first, then its body
+        filled with `fill(view)` into a kept buffer, each chunk checked as it arrives, then its
+        tensors made ready on the stage's device) without holding the forwards; only the copy into
+        the slot takes the lock. A refused or broken stream leaves the slot as it was."""
         try:
             header, crcs = SlotHeader.decode(read)
             with self.lock:
@@ -319,8 +319,8 @@ class StageHost:
                 self.staging += 1
             try:
                 views = slot_state.check(stage, slot, header, self.fingerprint)
-                body = read(header.body_bytes)  # its size is the stage's own slot's, checked above
-                check_body(body, header, crcs)
+                body = slot_state.BUFFERS.take(header.body_bytes)  # the stage's own slot's size, checked above
+                check_body(body, header, crcs, fill)
                 tensors = slot_state.staged(header, body, views)
             finally:
                 with self.lock:

@@ -26,6 +26,7 @@ from ...contracts.rpc import (
     CONTROL_RESPONSE,
     DRAIN_CHUNK,
     MAX_META,
+    Status,
 )
 
 SEND_FLAGS = getattr(socket, "MSG_NOSIGNAL", 0)  # a dead peer must not SIGPIPE the worker
@@ -89,7 +90,8 @@ class SocketReader:
         self.read_into(memoryview(buf))
         return buf
 
-    def read_into(self, view: memoryview) -> None:
+    def read_into(self, view: memoryview, progress=None) -> None:
+        """Fill `view`; `progress(n)` after each receive, with the bytes of `view` in so far."""
         view = view.cast("B")
         n = len(view)
         got = min(len(self.prefix), n)
@@ -114,6 +116,8 @@ class SocketReader:
             if k == 0:
                 raise PeerClosed(f"connection closed after {got} of {n} bytes")
             got += k
+            if progress is not None:
+                progress(got)
         if self.deadline is not None:
             self.sock.settimeout(self.send_timeout)
         self.bytes_in += n
@@ -254,8 +258,9 @@ class ControlResponse:
     payload: bytes
 
 
-def read_control_response(reader, max_frame: int, buffer=None) -> ControlResponse:
-    """`buffer(n) -> writable view`: where a payload goes (default: a new bytearray)."""
+def read_control_response(reader, max_frame: int, payload=None) -> ControlResponse:
+    """`payload(n)`: reads an OK reply's n payload bytes off `reader` itself and answers what they
+    make (default, and for any other status: the bytes)."""
     word, payload_len = CONTROL_RESPONSE.unpack(reader.read_exact(CONTROL_RESPONSE.size))
     status, meta_len = word & 0xFF, word >> 8
     if payload_len > max_frame:
@@ -265,8 +270,6 @@ def read_control_response(reader, max_frame: int, buffer=None) -> ControlRespons
         meta = json.loads(bytes(meta_raw)) if meta_len else {}
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise FrameError(f"control response meta is not JSON: {e}") from None
-    if buffer is None:
+    if payload is None or status != Status.OK:
         return ControlResponse(status, meta, reader.read_exact(payload_len))
-    payload = buffer(payload_len)
-    reader.read_into(payload)
-    return ControlResponse(status, meta, payload)
+    return ControlResponse(status, meta, payload(payload_len))
