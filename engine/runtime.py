@@ -330,7 +330,7 @@ class Engine:
                 self.pd.start(seq, lambda payload, tokens, seq=seq: self._place(seq, payload, tokens),
                               lambda transfer, seq=seq: self._transferred(seq, transfer))  # fmt: skip
 
-    def _place(self, seq: Sequence, payload: bytes, tokens: list[int]) -> None:
+    def _place(self, seq: Sequence, payload: list, tokens: list[int]) -> None:
         """On the transfer's thread, holding no engine lock: decoding goes on while the state is
         checked and copied in. The slot stays this sequence's until `_transferred` (the scheduler
         frees no sequence whose state is in flight)."""
