@@ -116,7 +116,7 @@ def test_memory_estimate_counts_each_stage_as_its_worker_holds_it(tiny_model):
     # A GPU keeps Q4_K in its bits (148 bytes per 256 weights) where a CPU holds int8 terms and a bf16 copy.
     on_gpu = shape.estimate([3, 1], n_ctx=64, n_slots=2, workers=[cpu, gpu])
     assert on_gpu[0] == est[0] and on_gpu[1].weight_bytes < est[1].weight_bytes / 5
-    assert on_gpu[1].kv_bytes == est[1].kv_bytes * 3 // 2  # + the CUDA graphs' padding slot
+    assert on_gpu[1].kv_bytes == est[1].kv_bytes * (64 + 4) // 64  # + ROLLBACK positions a slot for the graphs' padding rows
     q8 = shape.estimate([3, 1], n_ctx=64, n_slots=2, workers=[WorkerMemory("cpu", kv_types=("q8_0", "q8_0"))] * 2)
     assert [e.kv_bytes for e in q8] == [e.kv_bytes * 17 // 32 for e in est]  # 34 bytes per 32 values, not 64
     with pytest.raises(UserError, match="covers 3 layers"):
