@@ -14,20 +14,23 @@ from hydra_console.app.ui.app import HydraConsole
 from hydra_console.app.ui.dialogs import ConfirmScreen
 from hydra_console.app.ui.split_editor import SplitEditorScreen
 
-from consoles import all_ready, port_pair, until
+from consoles import all_ready, until
+from rpc_workers import free_ports
 
 ENGINE_MISSING = [m for m in ("hydra_console.engine.api", "hydra_console.engine.workers.peer") if importlib.util.find_spec(m) is None]
 pytestmark = pytest.mark.skipif(bool(ENGINE_MISSING), reason=f"engine workers not built yet: {ENGINE_MISSING} missing")
 
 
 def real_profile(model) -> Profile:
+    # Both pairs from one call: two calls could hand the peer the head's RPC port (P + 1).
+    head, peer = free_ports(2, pairs=True)
     return Profile(
         name="real",
         model=str(model),
         ctx=128,
         parallel=2,
-        head=WorkerSpec(name="head", port=port_pair(), device="cpu"),
-        peers=[WorkerSpec(name="peer1", port=port_pair(), device="cpu")],
+        head=WorkerSpec(name="head", port=head, device="cpu"),
+        peers=[WorkerSpec(name="peer1", port=peer, device="cpu")],
         supervisor=SupervisorSettings(poll_s=0.25, grace_s=10),
     )
 
