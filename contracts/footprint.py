@@ -15,10 +15,9 @@ with a tied output head, or dense); on a CPU its rows are read from the file's m
 KV: K and V of every attention layer for every cache position (`cache_positions`: every slot at
 full context, or the `--kv-unified` pool in blocks), in the cache types of `--cache-type-k/-v`
 (a CUDA stage without a pool keeps ROLLBACK more positions per slot, where the decode graphs'
-padding rows write). Recurrent
-(Gated DeltaNet) layers hold float32 conv + SSM state per slot, the padding slot included, with
-`ROLLBACK` checkpoints (engine/model/deltanet.py). RoPE: cos and sin tables (float32, full
-context) for the global and the sliding-window base.
+padding rows write). Recurrent (Gated DeltaNet) layers hold float32 conv + SSM state per slot,
+the padding slot included, with `ROLLBACK` checkpoints (engine/model/deltanet.py). RoPE: cos and
+sin tables (float32, full context) for the global and the sliding-window base.
 """
 
 from __future__ import annotations

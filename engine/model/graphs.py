@@ -84,6 +84,12 @@ class DecodeGraphs:
         graph.replay()
         return out[:R].clone()
 
+    def capture(self, step):
+        """Capture `step()` in the memory pool every graph of this stage shares (prefill and head too)."""
+        graph, out = capture(step, self.stage.device, self.pool)
+        self.pool = graph.pool()
+        return graph, out
+
     def _capture(self, size: int, per_slot: int):
         st = self.stage
         dev = st.device
@@ -99,8 +105,7 @@ class DecodeGraphs:
             return self.forward(h_in, index[0], index[1], None, batched=True, kv_len=st.n_ctx, per_slot=per_slot)
 
         # Every row of the warm-up runs writes K/V into the padding slot only.
-        graph, out = capture(step, dev, self.pool)
-        self.pool = graph.pool()
+        graph, out = self.capture(step)
         copied = torch.cuda.Event()
         copied.record()
         return graph, h_in, index, host, padding, copied, out
@@ -195,8 +200,7 @@ class PrefillGraphs:
         h_in = torch.zeros(size, st.cfg.n_embd, device=dev)
         slots = torch.full((size,), slot, device=dev)
         positions = torch.arange(size, device=dev)
-        graph, out = capture(lambda: st._forward(h_in, slots, positions, None, fresh=True), dev, self.decode.pool)
-        self.decode.pool = graph.pool()
+        graph, out = self.decode.capture(lambda: st._forward(h_in, slots, positions, None, fresh=True))
         return graph, h_in, slots, positions, out  # the graph reads its inputs where they are: keep them
 
 
@@ -233,6 +237,5 @@ class HeadGraphs:
     def _capture(self, size: int):
         st = self.stage
         h_in = torch.zeros(size, st.cfg.n_embd, device=st.device)
-        graph, out = capture(lambda: st.project(st.final_norm(h_in)), st.device, self.decode.pool)
-        self.decode.pool = graph.pool()
+        graph, out = self.decode.capture(lambda: st.project(st.final_norm(h_in)))
         return graph, h_in, out

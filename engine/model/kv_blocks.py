@@ -59,7 +59,6 @@ class KVBlocks:
         """A pool of `n_tokens` positions (whole blocks, plus block 0)."""
         return cls(rows, n_ctx, KV_BLOCK, _cdiv(n_tokens, KV_BLOCK) + 1, device, pooled=True, padding=padding)
 
-
     @property
     def pool_tokens(self) -> int:
         """Positions slots can hold together."""
