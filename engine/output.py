@@ -89,10 +89,6 @@ class OutputProcessor:
         """Pass on text that can no longer start a stop string; True when a stop string ended the request."""
         text = st.held_text + piece
         stops = seq.req.stop
-        if not stops:  # nothing to hold back (the usual case: once per token per stream)
-            st.held_text = ""
-            self._emit(seq, st, text)
-            return False
         found = [(i, s) for s in stops if (i := text.find(s)) >= 0]
         if found:
             cut, st.stop_word = min(found)
