@@ -160,7 +160,7 @@ class Rows:
         if not all(p.greedy for p in ps):
             # The draw's uniforms (`uniform`) travel with the parameters: one row more, no copy of their own.
             floats = torch.tensor([[p.temperature or 1.0 for p in ps], [p.top_p if p.top_p < 1.0 else 2.0 for p in ps],
-                                   [p.min_p for p in ps], *repeat, _uniform(samplers, ends, Stream.SAMPLE).tolist()],
+                                   [p.min_p for p in ps], *repeat, host_uniform(samplers, ends, Stream.SAMPLE).tolist()],
                                   dtype=torch.float32)  # fmt: skip
             longs = torch.tensor([[p.top_k or (1 << 62) for p in ps], [p.greedy for p in ps]], dtype=torch.long)
             floats, longs = to_device(floats, device), to_device(longs, device)
@@ -268,7 +268,8 @@ def _mix(x):
     return x ^ (x >> 15)
 
 
-def _uniform(samplers: list[Sampler], counters: list[int], stream: Stream) -> np.ndarray:
+def host_uniform(samplers: list[Sampler], counters: list[int], stream: Stream) -> np.ndarray:
+    """`uniform`'s values, computed on the host: where they are read on the host, no round trip."""
     seeds = [s.seed for s in samplers]
     keys = _mix(_mix(np.array([x & _M32 for x in seeds], dtype=np.int64)) ^ np.array([x >> 32 for x in seeds], dtype=np.int64))
     h = _mix(keys ^ (np.array(counters, dtype=np.int64) & _M32))
@@ -281,7 +282,7 @@ def uniform(rows: Rows, stream: Stream) -> torch.Tensor:
     `stream`). Seeds and counters are the host's integers, so it is hashed there: on a GPU a dozen
     element-wise kernels a call were a tenth of a sampled step's host time."""
     if stream not in rows.uniforms:
-        rows.uniforms[stream] = to_device(torch.from_numpy(_uniform(rows.samplers, rows.counters, stream)), rows.device)
+        rows.uniforms[stream] = to_device(torch.from_numpy(host_uniform(rows.samplers, rows.counters, stream)), rows.device)
     return rows.uniforms[stream]
 
 

@@ -33,7 +33,7 @@ from .errors import UserError
 from .gguf_file import GGUFFile
 from .model import ROLLBACK, ModelConfig, NextN, Stage, build_stage
 from .pipeline import Pipeline
-from .sampling import Rows, Stream, distribution, draw, sample, uniform
+from .sampling import Rows, Stream, distribution, draw, host_uniform, sample, uniform
 
 # Other GGUF architectures whose converters (llama.cpp convert_hf_to_gguf.py) can keep a
 # multi-token-prediction ("NextN") head, stored as `blk.N.nextn.*` tensors and counted in
@@ -552,7 +552,7 @@ class Speculator:
             if params.greedy:
                 emitted = accept_greedy(sample(logits, rows).tokens.tolist(), draft.tokens)
             else:
-                u = torch.stack([uniform(rows, Stream.ACCEPT), uniform(rows, Stream.SAMPLE)], 1).cpu()
+                u = torch.from_numpy(np.stack([host_uniform(rows.samplers, rows.counters, s) for s in (Stream.ACCEPT, Stream.SAMPLE)], 1))
                 emitted = accept_sampled(distribution(logits, rows), draft.tokens, draft.q, u)
         self.stats.record(k, len(emitted) - 1)
         return emitted
