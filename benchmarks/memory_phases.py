@@ -1,12 +1,13 @@
 """Where a GPU stage's device memory goes, phase by phase (issue 14's peak VRAM).
 
-    python benchmarks/memory_phases.py M.gguf [--ctx 2048] [--slots 1] [--eager-prefill]
+    python benchmarks/memory_phases.py M.gguf [--ctx 2048] [--slots 1] [--eager-prefill] [--history]
 
 Builds the Stage as `bench` does (all layers, graphs without torch.compile), then prints allocated /
 reserved / peak bytes (torch's caching allocator) and the process's NVML reading (the CUDA context
 included; `/status`'s `process_info`) after each phase: built; decode and prefill graphs warmed up; three prefills of 512
 tokens; 64 decode steps. Last, the allocator's segments by pool (the graphs' private pools apart)
-and the six with the most unused bytes. CUDA only.
+and the six with the most unused bytes; with `--history`, the blocks still allocated by the
+source line that took them (torch's allocation history, recorded from the start). CUDA only.
 """
 
 from __future__ import annotations
@@ -44,15 +45,36 @@ def segments() -> None:
         print(f"  segment {s['total_size'] / 1e6:8.1f} MB, allocated {s['allocated_size'] / 1e6:8.1f} MB, pool {s.get('segment_pool_id')}")
 
 
+def by_origin(top: int = 14) -> None:
+    """Allocated bytes at the end by the innermost frame of this project (else of torch, else C++)
+    that allocated them, per pool: what each of the work memory's pieces is."""
+    totals: dict[tuple, int] = {}
+    for seg in torch.cuda.memory._snapshot()["segments"]:
+        pool = "graphs" if tuple(seg.get("segment_pool_id", (0, 0))) != (0, 0) else "default"
+        for blk in seg["blocks"]:
+            if blk["state"] != "active_allocated":
+                continue
+            frames = blk.get("frames", [])
+            ours = [f for f in frames if "hydra_console" in f["filename"] or "/benchmarks/" in f["filename"]]
+            pick = ours or [f for f in frames if f["filename"].endswith(".py")] or frames
+            where = f"{pick[0]['filename'].split('/')[-1]}:{pick[0]['line']} {pick[0]['name']}" if pick else "?"
+            totals[pool, where] = totals.get((pool, where), 0) + blk["size"]
+    for (pool, where), n in sorted(totals.items(), key=lambda kv: -kv[1])[:top]:
+        print(f"  {pool:8s} {n / 1e6:9.1f} MB  {where}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("model")
     ap.add_argument("--ctx", type=int, default=2048, help="context (KV positions) per slot")
     ap.add_argument("--slots", type=int, default=1)
     ap.add_argument("--eager-prefill", action="store_true", help="without the prefill graphs")
+    ap.add_argument("--history", action="store_true", help="record allocations' sources (slower) and list them")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("memory_phases.py measures a CUDA device; none is here")
+    if args.history:
+        torch.cuda.memory._record_memory_history(stacks="python", max_entries=200_000)
     g = GGUFFile(args.model)
     show("start")
     stage = build_stage(g, device="cuda", n_slots=args.slots, n_ctx=args.ctx)
@@ -69,6 +91,8 @@ def main() -> None:
     print(f"decode {64 / decode_once(stage, 1, 64):.1f} tok/s")
     show("decode 64")
     segments()
+    if args.history:
+        by_origin()
 
 
 if __name__ == "__main__":

@@ -102,11 +102,13 @@ def test_prefill_matmul_through_the_stage_scratch(cap, monkeypatch):
     """The prefill's product dequantizes into the stage's one scratch, a block of rows at a time where
     the weight is larger: the same product (the block logic runs the same on CPU tensors)."""
     _, w, ref = _weight(T.Q4_K, 40, 512)
-    scratch = DequantScratch()
-    scratch.register(w)
     if cap is not None:
         monkeypatch.setattr(qlinear_module, "SCRATCH_ELEMENTS", cap)
-    scratch.buf = torch.empty(min(scratch.need, qlinear_module.SCRATCH_ELEMENTS))  # `fit` allocates on CUDA only
+    scratch = DequantScratch()
+    scratch.register(w)
+    # Sized to the largest block it will hold, not the cap (equal blocks can be smaller).
+    assert scratch.need == {None: 40 * 512, 40 * 512: 40 * 512, 7 * 512: 7 * 512, 100: 0}[cap]
+    scratch.buf = torch.empty(min(scratch.need, cap or scratch.need))  # `fit` allocates on CUDA only
     x = torch.randn(33, 512)
     torch.testing.assert_close(qlinear_module._dequant_matmul(x, w, scratch), x @ ref.T, rtol=1e-5, atol=1e-5)
     if cap == 7 * 512:
@@ -117,11 +119,11 @@ def test_prefill_matmul_through_the_stage_scratch(cap, monkeypatch):
 def test_prefill_matmul_scratch_on_cuda(monkeypatch):
     """On the GPU: a stage-owned scratch in blocks, inside a CUDA graph too, equals the product."""
     _, w, ref = _weight(T.Q5_K, 300, 1024, device="cuda")
+    monkeypatch.setattr(qlinear_module, "SCRATCH_ELEMENTS", 64 * 1024)  # room for 64 rows: five blocks of 60
     scratch = DequantScratch()
     scratch.register(w)
-    monkeypatch.setattr(qlinear_module, "SCRATCH_ELEMENTS", 64 * 1024)  # blocks of 64 rows: 64 * 4 + 44
     scratch.fit(torch.bfloat16, torch.device("cuda"))
-    assert scratch.buf.numel() == 64 * 1024
+    assert scratch.buf.numel() == 60 * 1024
     x = torch.randn(100, 1024, device="cuda", dtype=torch.bfloat16)
     want = (x.double() @ ref.double().T)
     assert _rel_err(qlinear(x, w, scratch), want) < 1e-2

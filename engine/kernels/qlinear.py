@@ -14,20 +14,21 @@ class DequantScratch:
     """One stage's dense buffer for the prefill's dequantized weights, shared by all its layers and
     held for the stage's life (CUDA graphs keep its address). Left to the caching allocator, each
     weight's dense copy was a block of its own size, and the eager passes and the graphs' pool each
-    kept their own. Sized by `fit` to the largest weight registered, at most SCRATCH_ELEMENTS; a
-    larger weight runs a block of rows at a time."""
+    kept their own. Sized by `fit` to the largest block registered (`block_rows`): a weight up to
+    SCRATCH_ELEMENTS whole, a larger one a block of rows at a time."""
 
     def __init__(self):
         self.need = 0
         self.buf: torch.Tensor | None = None
 
     def register(self, w: QuantWeight) -> None:
-        self.need = max(self.need, w.shape[0] * w.shape[1])
+        n, k = w.shape
+        self.need = max(self.need, block_rows(n, k, SCRATCH_ELEMENTS) * k)
 
     def fit(self, dtype: torch.dtype, device: torch.device) -> None:
         """(Re)allocate for the weights registered so far (on CUDA): before any graph is captured,
         or after they are all dropped (a re-split), since a graph keeps writing to the old address."""
-        size = min(self.need, SCRATCH_ELEMENTS)
+        size = self.need
         if device.type == "cuda" and size and (self.buf is None or self.buf.numel() < size or self.buf.dtype != dtype):
             self.buf = None  # the old buffer goes back before the new one is taken
             self.buf = torch.empty(size, dtype=dtype, device=device)
@@ -53,18 +54,28 @@ def _dequant_matmul(x2: torch.Tensor, w: QuantWeight, scratch: DequantScratch | 
     buf = scratch.buf if scratch is not None else None
     if buf is None or buf.dtype != x2.dtype or buf.numel() < k:
         return x2 @ w.dequantize(x2.dtype).T
-    if n * k <= buf.numel():
+    step = block_rows(n, k, buf.numel())
+    if step == n:
         return x2 @ w.dequantize(x2.dtype, buf[: n * k].view(n, k)).T
-    # Blocks of equal size, whole tiles where the scratch allows (ragged ones ran the GEMM slower).
-    fit = buf.numel() // k  # rows the scratch holds
-    step = _cdiv(n, _cdiv(n, fit))  # as few blocks as fit, of equal rows
-    if fit >= BLOCK_ROWS:
-        step = min(fit, _cdiv(step, BLOCK_ROWS) * BLOCK_ROWS)
     y = x2.new_empty(x2.shape[0], n)
     for a in range(0, n, step):
         b = min(n, a + step)
-        y[:, a:b] = x2 @ w.row_block(a, b).dequantize(x2.dtype, buf[: (b - a) * k].view(b - a, k)).T
+        # Straight into y's columns (cuBLAS takes the row stride): no block-sized temporary.
+        torch.mm(x2, w.row_block(a, b).dequantize(x2.dtype, buf[: (b - a) * k].view(b - a, k)).T, out=y[:, a:b])
     return y
+
+
+def block_rows(n: int, k: int, capacity: int) -> int:
+    """Rows of an [n, k] weight dequantized at a time into a scratch of `capacity` elements: all of
+    them if they fit, else as few blocks as fit, of equal rows, whole tiles where the scratch allows
+    (ragged blocks ran the GEMM slower); 0 where not one row fits."""
+    if n * k <= capacity:
+        return n
+    fit = capacity // k  # rows the scratch holds
+    if not fit:
+        return 0
+    step = _cdiv(n, _cdiv(n, fit))
+    return min(fit, _cdiv(step, BLOCK_ROWS) * BLOCK_ROWS) if fit >= BLOCK_ROWS else step
 
 
 def _cdiv(a: int, b: int) -> int:

@@ -112,25 +112,27 @@ class DecodeGraphs:
 
 
 @functools.cache
-def _warm_up_stream(device: torch.device) -> torch.cuda.Stream:
-    """One side stream per device for every capture's warm-up: cuBLAS keeps a workspace per stream
-    it has run on, taken from the caching allocator for the process's life, so a new stream per
-    capture (dozens of buckets) would each hold one."""
+def _capture_stream(device: torch.device) -> torch.cuda.Stream:
+    """One side stream per device for every capture and its warm-up: cuBLAS keeps a 32 MiB workspace
+    per stream it has run on, taken from the caching allocator for the process's life. A new stream
+    per capture (dozens of buckets) held one each; a warm-up stream apart from torch's capture
+    stream held two, the second in the graphs' pool."""
     return torch.cuda.Stream(device)
 
 
 def capture(step, device: torch.device, pool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-    """Capture `step()` into a graph that allocates from `pool` (None: a new one). Warmed up on a side
-    stream first (allocator, kernel selection, compilation), as torch's docs prescribe."""
-    side = _warm_up_stream(device)
+    """Capture `step()` into a graph that allocates from `pool` (None: a new one). Warmed up on the
+    same side stream first (allocator, kernel selection, compilation), as torch's docs prescribe."""
+    side = _capture_stream(device)
     side.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(side):
         for _ in range(2):
             step()
     torch.cuda.current_stream(device).wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
+    with torch.cuda.graph(graph, pool=pool, stream=side):
         out = step()
+    torch.cuda.current_stream(device).wait_stream(side)
     return graph, out
 
 
