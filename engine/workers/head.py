@@ -3,12 +3,13 @@
 Start order: bind the HTTP port and serve /health (503, "starting") at once; then, in a loader
 thread, model file → tokenizer → speculator → pipeline (own stage + peers, waiting for them) →
 merged RPC port → engine, each step moving /health's startup_stage on. Stop order is the reverse:
-engine, RPC port, pipeline (peer connections).
+engine, RPC port, pipeline (peer connections), on SIGTERM too.
 """
 
 from __future__ import annotations
 
 import logging
+import signal
 import sys
 import threading
 import time
@@ -129,16 +130,34 @@ class HeadWorker:
                 server.should_exit = True
 
         threading.Thread(target=load, name="hydra-load", daemon=True).start()
+        # uvicorn stops serving on SIGTERM, then raises it again under the handler it found: this
+        # one lets `stop` run (a decode head's shared memory under /dev/shm is unlinked there)
+        # before the signal ends the process as it would have.
+        signal.signal(signal.SIGTERM, _terminated)
+        terminated = False
         try:
             server.run(sockets=socks)
+        except Terminated:
+            terminated = True
         finally:
             self.stop()
+        if terminated:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            signal.raise_signal(signal.SIGTERM)
         if isinstance(self.error, UserError):
             raise self.error
         if self.error is not None:
             traceback.print_exception(self.error, file=sys.stderr)
             return 1
         return 0
+
+
+class Terminated(BaseException):
+    """SIGTERM, once uvicorn has stopped serving."""
+
+
+def _terminated(sig, frame) -> None:
+    raise Terminated
 
 
 def max_run_of(spec) -> int:
