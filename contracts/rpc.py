@@ -48,8 +48,15 @@ slot id (ASCII), on a head's whole pipeline (its layers and its peers'):
 | STATE_META 0x32 | empty | `StateMeta` / empty |
 | STATE_GET 0x30 | empty | `StateMeta` / one slot state per stage, back to back, pipeline order |
 | STATE_PUT 0x31 | slot states (any grouping of layers that covers the model) | `StateMeta` of the placed slot |
-| PREFILL 0x42 | JSON `PrefillRequest` (key ignored) | `PrefillReply` / one slot state per requested range (none when the reply hands them over by CUDA IPC) |
+| PREFILL 0x42 | JSON `PrefillRequest` (key ignored) | `PrefillReply` / one slot state per requested range (none when the reply hands them over by CUDA IPC, or wrote them into the asker's shared memory) |
 | PROBE 0x50 | JSON `{"tokens", "reps"}` | `PipelineProbe` |
+
+PREFILL between a decode head and a prefill worker on one host: the head offers a file of its own
+under SHM_DIR (`ShmOffer`: mode 0600, created exclusively, a name of SHM_NAME's form), holding its
+`nonce` in the first bytes; a worker that opens that name, finds the nonce and has room writes the
+states there, back to back from SHM_DATA_OFFSET, in the slot-state format (each chunk's crc32
+included), and answers `PrefillReply.shm` with their sizes and no payload. Any other worker (another
+host or mount namespace: no such file, or another nonce) answers bytes as it always did.
 
 PROBE (compute 50, control 0x50) is the split advisor's measurement: on the control port the head
 answers a `PipelineProbe` (JSON `{"tokens", "reps"}` in) after timing its own layers and asking each
@@ -61,6 +68,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import os
+import re
 import struct
 from typing import NotRequired, TypedDict
 
@@ -198,19 +206,32 @@ class StateGetRequest(TypedDict):
     tokens: list[int]  # the ids at positions 0..n-1 (the peer does not keep them): the header names them
 
 
+SHM_DIR = "/dev/shm"
+SHM_NAME = re.compile(r"hydra-pd-([0-9]+)-[0-9a-f]{32}")  # the asker's pid, then 128 random bits
+SHM_DATA_OFFSET = 64  # the nonce first, then the states
+
+
+class ShmOffer(TypedDict):
+    name: str  # a file under SHM_DIR, SHM_NAME's form
+    size: int  # its size in bytes: the states may take size - SHM_DATA_OFFSET
+    nonce: str  # hex of its first bytes: a file of that name elsewhere holds other ones
+
+
 class PrefillRequest(TypedDict):
     tokens: list[int]  # prefill these positions 0..n-1
     ranges: list[list[int]]  # the asker's stages: one slot state per [a, b)
     fingerprint: str  # the asker's model: a prefill worker of another model refuses before computing
     ipc: NotRequired[str]  # the asker's GPU (uuid): a worker computing on it answers by CUDA IPC (`PrefillReply.ipc`)
+    shm: NotRequired[ShmOffer]  # the asker's shared memory: a worker on its host writes the states there (`PrefillReply.shm`)
 
 
 class PrefillReply(TypedDict):
     n_tokens: int
-    sizes: list[int]  # bytes of each slot state in the payload
+    sizes: list[int]  # bytes of each slot state, back to back in the payload (or in the asker's shared memory)
     prefill_ms: float
     collect_ms: float
     ipc: NotRequired[list[dict]]  # instead of the payload, on one GPU: contracts.slot_state.IpcSlotState per range
+    shm: NotRequired[bool]  # true: instead of the payload, the states lie in the offered file from SHM_DATA_OFFSET
 
 
 class IpcOpenRequest(TypedDict):

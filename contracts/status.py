@@ -253,7 +253,7 @@ class Transfer(_Doc):
     error: str | None = None
     collect_ms: float | None = None  # the prefill worker copying the state out
     place_ms: float | None = None  # this head placing it (waits for the running step, then copies)
-    transport: str | None = None  # "socket", or "cuda-ipc" (the prefill worker on this head's GPU)
+    transport: str | None = None  # "socket", "shm" (the prefill worker on this head's host), or "cuda-ipc" (on its GPU)
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ ENVIRONMENT = {
     "HYDRA_API_KEY": "key the head's HTTP API requires (like --api-key, which `ps` would show)",
     "HYDRA_CACHE_DIR": "prepared-weight cache directory; 'off' disables it (default ~/.cache/hydra-console/prepared)",
     "HYDRA_CUDA_IPC": "'0' turns off CUDA IPC between a head and a peer on the same GPU (default on)",
+    "HYDRA_SHM": "'0' turns off shared memory for prompt states between a decode head and a prefill worker on one host (default on)",
     "HYDRA_RPC_SPIN_MS": "busy-wait for the next compute frame, in ms (default 20 on CUDA workers, 0 on CPU)",
     "AIP_MODE": "'PREDICTION' (Vertex AI sets it): the head also serves the predict route, as llama-server",
     "AIP_PREDICT_ROUTE": "that predict route's path (default /predict)",
@@ -146,6 +147,7 @@ class RpcSettings:
     auth_token: str | None = field(default=None, repr=False)
     spin_ms: float | None = None  # None: GPU_SPIN_S on CUDA workers, 0 on CPU
     cuda_ipc: bool = True
+    shm: bool = True  # a decode head offers its prefill worker shared memory for prompt states (rpc/shm.py)
     pool_size: int = 2  # head mode
     queue: int = 64
 
@@ -319,6 +321,7 @@ def rpc_settings(args, env: Mapping[str, str], **mode) -> RpcSettings:
         or env.get("HYDRA_TOKEN") or None,
         spin_ms=_spin_ms(env.get("HYDRA_RPC_SPIN_MS")),
         cuda_ipc=env.get("HYDRA_CUDA_IPC", "1") != "0",
+        shm=env.get("HYDRA_SHM", "1") != "0",
         **mode,
     )
 

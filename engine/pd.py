@@ -9,11 +9,13 @@ deadline, dies mid-transfer, or its state is refused — the request is prefille
 nothing lost, and the fallback is counted (`PdStats`: /status `pd`, /metrics `hydra_pd_*`).
 Prefill side: `serve_prefill` runs the prompt through this worker's own engine and answers with
 one slot state per range the decode head asked for; to a head on the same GPU, as CUDA IPC handles
-of device buffers (rpc/cuda_ipc.py), which the head copies device to device.
+of device buffers (rpc/cuda_ipc.py), which the head copies device to device; to a head on the same
+host, written into the head's shared memory (rpc/shm.py), which the head checks and places from.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import socket
@@ -30,6 +32,7 @@ from ..contracts.status import Disaggregation, Transfer
 from . import slot_state
 from .rpc.client import parse_addr
 from .rpc.cuda_ipc import export_states, gpu_uuid, open_states
+from .rpc.shm import Attached, Segment, Segments
 from .rpc.wire import FrameError, FrameTimeout, SocketReader, pack_control_request, read_control_response
 from .sequence import Request
 
@@ -37,6 +40,8 @@ log = logging.getLogger("hydra.pd")
 
 CONNECT_TIMEOUT_S = 2.0
 RECENT = 16  # transfers kept for /status
+IN_FLIGHT = 2  # PREFILL exchanges a decode head runs at once (one shared segment each)
+ID_BYTES = 8  # a token id's text in a state's header, at most: what a prompt may need beyond the bytes per token seen
 
 
 class PdFallback(Exception):
@@ -57,10 +62,12 @@ class PrefillClient:
         self.auth_token = auth_token
         self.deadline_s = deadline_s
 
-    def prefill(self, tokens: list[int], ranges: list, fingerprint: str, ipc: str | None = None) -> tuple[dict, list]:
+    def prefill(self, tokens: list[int], ranges: list, fingerprint: str, ipc: str | None = None,
+                shm: Segment | None = None) -> tuple[dict, list]:  # fmt: skip
         """(reply meta, slot states as `slot_state.read_all` answers them: each chunk checked as it
         arrived) or PdFallback naming why not. `ipc`: this head's GPU; a worker on it answers CUDA
-        IPC handles in the meta instead (contracts.rpc.PrefillReply)."""
+        IPC handles in the meta instead (contracts.rpc.PrefillReply). `shm`: this head's segment; a
+        worker on this host writes the states there instead (meta `shm`, no payload)."""
         t_end = time.monotonic() + self.deadline_s
         try:
             sock = socket.create_connection((self.host, self.port), timeout=min(CONNECT_TIMEOUT_S, self.deadline_s))
@@ -69,6 +76,8 @@ class PrefillClient:
         request = {"tokens": list(tokens), "ranges": [list(r) for r in ranges], "fingerprint": fingerprint}
         if ipc is not None:
             request["ipc"] = ipc
+        if shm is not None:  # sent after AUTH: only a worker that took our proof learns the name
+            request["shm"] = shm.offer
         try:
             with sock:
                 reader = SocketReader(sock)
@@ -147,12 +156,16 @@ class PdStats:
 class Disaggregator:
     """The decode head's side: which prompts go to the prefill worker, and fetching their state."""
 
-    def __init__(self, client: PrefillClient, threshold: int, pipeline, stats: PdStats, *, cuda_ipc: bool = True):
+    def __init__(self, client: PrefillClient, threshold: int, pipeline, stats: PdStats, *, cuda_ipc: bool = True,
+                 shm: bool = True):  # fmt: skip
         self.client, self.threshold, self.pipeline, self.stats = client, threshold, pipeline, stats
         device = pipeline.local.device
         # A prefill worker on our GPU hands the states over in device memory (HYDRA_CUDA_IPC=0: bytes).
         self.ipc = gpu_uuid(device) if cuda_ipc and device.type == "cuda" else None
-        self._pool = ThreadPoolExecutor(2, thread_name_prefix="hydra-pd")
+        # One on our host writes them into our memory (HYDRA_SHM=0: bytes on the socket).
+        self.segments = Segments(keep=IN_FLIGHT) if shm else None
+        self._per_token = 0.0  # state bytes per prompt token, the most seen: sizes the segments
+        self._pool = ThreadPoolExecutor(IN_FLIGHT, thread_name_prefix="hydra-pd")
 
     def wants(self, seq) -> bool:
         """A prompt with at least `threshold` tokens to compute (beyond the slot's cached prefix;
@@ -170,17 +183,26 @@ class Disaggregator:
         n_bytes, prefill_ms, collect_ms, place_ms, fallback, error = 0, None, None, None, None, None
         transport = "socket"
         try:
-            meta, payload = self.client.prefill(tokens, self.pipeline.ranges, self.pipeline.local.g.fingerprint, self.ipc)
-            n_bytes, prefill_ms, collect_ms = sum(raw.nbytes for *_, raw in payload), meta.get("prefill_ms"), meta.get("collect_ms")
-            t_place = time.perf_counter()
-            try:
-                if "ipc" in meta:  # on our GPU: the states stay in the worker's device memory
-                    transport, payload = "cuda-ipc", open_states(meta["ipc"], self.pipeline.local.device)
-                    n_bytes = sum(header.body_bytes for header, _ in payload)
-                place(payload, tokens)
-                place_ms = round((time.perf_counter() - t_place) * 1e3, 3)
-            except Exception as e:  # a state this head will not take: the slot is as it was
-                raise PdFallback("refused", str(e)) from None
+            with self._segment(len(tokens)) as shm:  # placed from it: reused only once the placement is done
+                meta, payload = self.client.prefill(tokens, self.pipeline.ranges, self.pipeline.local.g.fingerprint, self.ipc, shm)
+                prefill_ms, collect_ms = meta.get("prefill_ms"), meta.get("collect_ms")
+                t_place = time.perf_counter()
+                try:
+                    if "ipc" in meta:  # on our GPU: the states stay in the worker's device memory
+                        transport, payload = "cuda-ipc", open_states(meta["ipc"], self.pipeline.local.device)
+                        n_bytes = sum(header.body_bytes for header, _ in payload)
+                    else:
+                        if meta.get("shm"):  # written into our segment: read there, every chunk checked
+                            transport = "shm"
+                            if shm is None or payload:
+                                raise SlotStateError("states answered in shared memory that was not offered, or in both places")
+                            payload = slot_state.read_all(shm.states(meta.get("sizes")))
+                        n_bytes = sum(raw.nbytes for *_, raw in payload)
+                        self._learn(shm, transport, n_bytes, len(tokens))
+                    place(payload, tokens)
+                    place_ms = round((time.perf_counter() - t_place) * 1e3, 3)
+                except Exception as e:  # a state this head will not take: the slot is as it was
+                    raise PdFallback("refused", str(e)) from None
         except PdFallback as e:
             fallback, error = e.reason, str(e)
             log.warning("request %d prefills here: %s", seq.req.id, e)
@@ -192,15 +214,34 @@ class Disaggregator:
         self.stats.record(transfer)
         done(transfer)
 
+    def _segment(self, n_tokens: int):
+        """A shared segment for this exchange, sized from the states seen so far (none yet: the
+        first one comes over the socket), or a null context."""
+        segments = self.segments
+        if segments is None or not self._per_token:
+            return contextlib.nullcontext()
+        return segments.lease(int(self._per_token * n_tokens) + ID_BYTES * n_tokens)
+
+    def _learn(self, shm: Segment | None, transport: str, n_bytes: int, n_tokens: int) -> None:
+        self._per_token = max(self._per_token, n_bytes / n_tokens)
+        segments = self.segments
+        if shm is not None and transport == "socket" and n_bytes <= shm.capacity and segments is not None:
+            # Offered with room and not taken: the worker cannot open it (another host or mount namespace, a split worker).
+            log.info("prefill worker %s does not share memory with this head: states come over the socket", self.client.addr)
+            self.segments = None
+            segments.close()
+
     def stop(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+        if self.segments is not None:
+            self.segments.close()
 
 
-def serve_prefill(engine, pipeline, request: dict, stats: PdStats) -> tuple[dict, list]:
+def serve_prefill(engine, pipeline, request: dict, stats: PdStats, attached: Attached) -> tuple[dict, list]:
     """PREFILL on a prefill worker: run `tokens` through this worker's engine (its prompt cache
     helps), then answer one slot state per range asked for, regrouped from this worker's own
     stages. The slot is held (engine lock) from the moment the prompt is done until its state is
-    copied out."""
+    copied out. `attached`: this worker's mappings of its heads' shared memory."""
     try:
         tokens = [int(t) for t in request["tokens"]]
         ranges = [(int(a), int(b)) for a, b in request["ranges"]]
@@ -224,17 +265,26 @@ def serve_prefill(engine, pipeline, request: dict, stats: PdStats) -> tuple[dict
     # A head on this GPU takes the states in device memory (CUDA IPC handles in the meta, no payload).
     by_ipc = request.get("ipc") is not None and device.type == "cuda" and request["ipc"] == gpu_uuid(device)
     by_ipc = by_ipc and not pipeline.remotes
-    collect = (lambda slot, toks: pipeline.device_states(slot, toks, ranges)) if by_ipc else pipeline.collect_state
+    # A head on this host offers its memory: the states are packed straight into it (no bytes on the socket).
+    window = attached.window(request["shm"]) if request.get("shm") is not None and not by_ipc and not pipeline.remotes else None
+    if by_ipc:
+        collect = lambda slot, toks: pipeline.device_states(slot, toks, ranges)  # noqa: E731
+    elif not pipeline.remotes:  # one copy per range asked for, whatever the asker's split
+        collect = lambda slot, toks: pipeline.pack_states(slot, toks, ranges, window)  # noqa: E731
+    else:
+        collect = pipeline.collect_state
     try:
         states = engine.held_state(tokens, collect)
         if states is None:
             raise ControlError("the prefilled slot was taken before its state was copied out: retry", Status.BUSY)
         if by_ipc:
             parts, sizes, extra = [], [header.body_bytes for header, _ in states], {"ipc": export_states(states)}
-        else:  # the asker's split is ours (the common case): the states go as they are
-            same = ranges == [tuple(r) for r in pipeline.ranges]
+        else:  # a split worker's states go as they are when the asker's split is ours, else regrouped
+            same = not pipeline.remotes or ranges == [tuple(r) for r in pipeline.ranges]
             parts = states if same else slot_state.regroup(slot_state.read_all(b"".join(states)), ranges)
             sizes, extra = [memoryview(p).nbytes for p in parts], {}
+            if window is not None and sum(sizes) <= len(window):  # they were packed into the head's memory
+                parts, extra = [], {"shm": True}
     except SlotStateError as e:
         raise ControlError(str(e), Status.BAD_REQUEST) from None
     stats.served_one(sum(sizes))

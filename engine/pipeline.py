@@ -176,6 +176,13 @@ class Pipeline:
             n += len(state)
         return n
 
+    def pack_states(self, slot: int, tokens: list[int], ranges: list[tuple[int, int]], into: memoryview | None = None) -> list:
+        """The state of `slot`'s `tokens` per range, packed (slot_state.save_ranges: in `into`, memory
+        shared with the asker, when they fit); this stage must hold every layer asked for."""
+        with self._lock:
+            extra = self.side_state.state_out(slot, len(tokens)) if self.side_state is not None else None
+            return slot_state.save_ranges(self.local, slot, tokens, self.local.g.fingerprint, ranges, extra, into)
+
     def device_states(self, slot: int, tokens: list[int], ranges: list[tuple[int, int]]) -> list:
         """The state of `slot`'s `tokens` per range in buffers on this stage's device, for a head on
         this GPU (CUDA IPC: slot_state.device_states); this stage must hold every layer asked for."""

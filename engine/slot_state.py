@@ -79,11 +79,12 @@ def _header(stage, layers, tokens: list[int], fingerprint: str, views: dict[str,
     return SlotHeader(fingerprint, list(layers), list(tokens), dtype, dtype, entries)
 
 
-def pack(header: SlotHeader, parts: Iterable[torch.Tensor | memoryview]) -> memoryview:
+def pack(header: SlotHeader, parts: Iterable[torch.Tensor | memoryview], out: memoryview | None = None) -> memoryview:
     """A whole state: `parts` (tensors on any device, or raw bytes) copied once into the body, in
-    header order, then the prefix with the body's checksums."""
+    header order, then the prefix with the body's checksums; into `out` (exactly its size) when
+    given, else a kept buffer."""
     start = header.prefix_bytes
-    out = BUFFERS.take(start + header.body_bytes)
+    out = BUFFERS.take(start + header.body_bytes) if out is None else out
     offset = done = start
     crcs: list[int] = []
     for entry, part in zip(header.tensors, parts):
@@ -177,12 +178,11 @@ def _tensor_at(body, offset: int, like: torch.Tensor) -> torch.Tensor:
     return raw.view(like.dtype).view(like.shape)
 
 
-def device_states(stage, slot: int, tokens: list[int], fingerprint: str, ranges: list[tuple[int, int]],
-                  extra: dict[str, torch.Tensor] | None = None) -> list[tuple[SlotHeader, torch.Tensor]]:  # fmt: skip
-    """The state of `slot`'s tokens split by `ranges` (which this stage's layers must cover), each
-    as (header, body) with the body a uint8 buffer on the stage's device: what a worker hands over
-    by CUDA IPC (no checksums: the body never crosses a wire). `mtp.*` tensors go with the range
-    that starts at layer 0."""
+def split_views(stage, slot: int, tokens: list[int], fingerprint: str, ranges: list[tuple[int, int]],
+                extra: dict[str, torch.Tensor] | None = None) -> list[tuple[SlotHeader, list[torch.Tensor]]]:  # fmt: skip
+    """The state of `slot`'s tokens split by `ranges` (which this stage's layers must cover): per
+    range its header and the slot's tensors in header order (views: copy them before the slot
+    moves on). `mtp.*` tensors go with the range that starts at layer 0."""
     views = _slot_views(stage, slot, tokens, extra)
     out = []
     for a, b in ranges:
@@ -190,9 +190,34 @@ def device_states(stage, slot: int, tokens: list[int], fingerprint: str, ranges:
         missing = [il for il in range(a, b) if il not in {_layer(name) for name in chosen}]
         if missing:
             raise SlotStateError(f"this worker lacks layers {missing[:4]} of [{a}, {b})")
-        header = _header(stage, (a, b), tokens, fingerprint, chosen)
+        out.append((_header(stage, (a, b), tokens, fingerprint, chosen), list(chosen.values())))
+    return out
+
+
+def save_ranges(stage, slot: int, tokens: list[int], fingerprint: str, ranges: list[tuple[int, int]],
+                extra: dict[str, torch.Tensor] | None = None, into: memoryview | None = None) -> list[memoryview]:  # fmt: skip
+    """`split_views`' states, each packed (one copy, every chunk checksummed): back to back from the
+    start of `into` when they all fit there (memory shared with the asker: rpc/shm.py), else each
+    into a kept buffer."""
+    states = split_views(stage, slot, tokens, fingerprint, ranges, extra)
+    sizes = [header.prefix_bytes + header.body_bytes for header, _ in states]
+    if into is None or sum(sizes) > len(into):
+        return [pack(header, parts) for header, parts in states]
+    out, offset = [], 0
+    for (header, parts), n in zip(states, sizes):
+        out.append(pack(header, parts, into[offset : offset + n]))
+        offset += n
+    return out
+
+
+def device_states(stage, slot: int, tokens: list[int], fingerprint: str, ranges: list[tuple[int, int]],
+                  extra: dict[str, torch.Tensor] | None = None) -> list[tuple[SlotHeader, torch.Tensor]]:  # fmt: skip
+    """`split_views`' states, each as (header, body) with the body a uint8 buffer on the stage's
+    device: what a worker hands over by CUDA IPC (no checksums: the body never crosses a wire)."""
+    out = []
+    for header, parts in split_views(stage, slot, tokens, fingerprint, ranges, extra):
         body, offset = torch.empty(header.body_bytes, dtype=torch.uint8, device=stage.device), 0
-        for entry, t in zip(header.tensors, chosen.values()):
+        for entry, t in zip(header.tensors, parts):
             body[offset : offset + entry.nbytes].copy_(t.contiguous().view(-1).view(torch.uint8))
             offset += entry.nbytes
         out.append((header, body))

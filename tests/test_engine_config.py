@@ -17,9 +17,9 @@ def serve(*argv, env=None):
 
 def test_head_config_from_argv_and_environment(tmp_path):
     cfg = serve("--port", "9000", "--peer", "h:1", "--split", "3/1", "--spec-type", "ngram",
-                env={"HYDRA_TOKEN": "s3cret", "HYDRA_CACHE_DIR": str(tmp_path), "HYDRA_CUDA_IPC": "0"})  # fmt: skip
+                env={"HYDRA_TOKEN": "s3cret", "HYDRA_CACHE_DIR": str(tmp_path), "HYDRA_CUDA_IPC": "0", "HYDRA_SHM": "0"})  # fmt: skip
     assert (cfg.rpc.port, cfg.peers, cfg.split, cfg.spec.type) == (9001, ("h:1",), "3/1", "ngram")
-    assert cfg.rpc.auth_token == "s3cret" and not cfg.rpc.cuda_ipc and cfg.model.cache_dir == tmp_path
+    assert cfg.rpc.auth_token == "s3cret" and not cfg.rpc.cuda_ipc and not cfg.rpc.shm and cfg.model.cache_dir == tmp_path
     doc = cfg.redacted()
     assert doc["rpc"]["auth_token"] == "***" and "s3cret" not in repr(cfg) + repr(doc)
     assert serve("--auth-token", "flag", env={"HYDRA_TOKEN": "env"}).rpc.auth_token == "flag"

@@ -54,10 +54,12 @@ def test_greedy_with_pd_equals_greedy_without_solo_and_split(tiny_model, tmp_pat
             assert [greedy(solo, LONG + str(i), 12)[0] for i in range(2)] == want
             pd = solo.status()["pd"]
             assert pd["transfers"] == 2 and pd["fallbacks"] == 0 and pd["bytes"] > 0
+            assert [t["transport"] for t in pd["recent"]] == ["socket", "shm"]  # the first sizes the shared segment
             assert metric(solo, "hydra_pd_transfers_total") == 2
         with running(peer(model, tmp_path)) as p, running(pd_head(model, tmp_path, pw.rpc_addr, [p], "--split", "2/2")) as split:
             assert [greedy(split, LONG + str(i), 12)[0] for i in range(2)] == want
-            assert split.status()["pd"]["transfers"] == 2
+            pd = split.status()["pd"]
+            assert pd["transfers"] == 2 and [t["transport"] for t in pd["recent"]] == ["socket", "shm"]  # one state per stage
             assert p.status()["resident"]["state_bytes_in"] > 0  # the peer's layers went in through STATE_PUT
         assert pw.status()["role"] == "prefill" and pw.status()["pd"]["served"] == 4
         r = httpx.post(f"{pw.url}/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=30)

@@ -20,6 +20,7 @@ from .compute import ComputeServer
 from .control import ControlServer
 from .listener import RpcListener
 from .resident import StageHost
+from .shm import Attached
 
 EXPERT_MODES = ("solo", "combined")
 
@@ -34,6 +35,7 @@ class HeadControl:
         self.expert_mode = "solo"
         self.engine = None  # set once the engine runs: the state ops and PREFILL go through it
         self.pd_stats = pd_stats or PdStats()
+        self.shm = Attached()  # decode heads' shared memory this worker writes PREFILL's states into
         self.split_by: str | None = None  # who asked for the live split (CONFIGURE's optional "by")
 
     def info(self) -> dict:
@@ -136,7 +138,7 @@ class HeadControl:
     def prefill(self, request: dict) -> tuple[dict, bytes]:
         """PREFILL (a prefill worker's job; any head answers it): the state of `tokens`, one slot
         state per range the asker holds."""
-        return serve_prefill(self._engine(), self.pipeline, request, self.pd_stats)
+        return serve_prefill(self._engine(), self.pipeline, request, self.pd_stats, self.shm)
 
     def set_expert_mode(self, mode: str) -> dict:
         if mode not in EXPERT_MODES:
@@ -167,6 +169,7 @@ class HeadRpc:
 
     def stop(self) -> None:
         self.listener.stop()
+        self.control.shm.close()
 
     def status(self) -> dict:
         """The /status fields this layer owns."""

@@ -94,7 +94,8 @@ class HeadWorker:
         disaggregator = None
         if cfg.prefill_worker:
             client = PrefillClient(cfg.prefill_worker, cfg.rpc.auth_token, cfg.prefill_deadline)
-            disaggregator = Disaggregator(client, cfg.prefill_threshold, pipeline, pd_stats, cuda_ipc=cfg.rpc.cuda_ipc)
+            disaggregator = Disaggregator(client, cfg.prefill_threshold, pipeline, pd_stats, cuda_ipc=cfg.rpc.cuda_ipc,
+                                          shm=cfg.rpc.shm)  # fmt: skip
         self.status.startup_stage = WARMING_STAGE
         t0 = time.perf_counter()
         pipeline.local.warm_up(range(1, max_run_of(cfg.spec) + 1), prefill_tokens=cfg.batch_tokens)
