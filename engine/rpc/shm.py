@@ -106,7 +106,8 @@ class Segments:
             yield segment
         except BaseException:
             if segment is not None:
-                self._drop(segment)
+                with self._lock:
+                    self._drop(segment)
             raise
         if segment is not None:
             with self._lock:
