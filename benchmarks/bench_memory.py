@@ -3,10 +3,12 @@
 Starts `serve` (and with `--split`, a `peer` on the same device), sends one prompt of
 `--prompt` tokens (what a served prompt allocates: a CPU layer's prefill copy, prefill
 activations), then prints per process: the estimate of contracts/footprint.py for its layers,
-flags and device (what the console's split editor shows), the stage's held bytes as it counts
-them (/status: weights + KV), torch's peak reservation, and NVML's per-process reading. NVML also
-counts the CUDA context (and RSS, on a CPU, the interpreter and torch): a bare torch process's
-reading is measured first and printed as the baseline the estimate leaves out. Prints numbers, asserts nothing.
+flags and device (what the console's split editor shows: weights + KV as held, and on a GPU the
+work memory and the CUDA runtime), the stage's held bytes as it counts them (/status: weights +
+KV), torch's peak reservation, and NVML's per-process reading. A bare torch process's reading is
+measured first and printed beside them: on a GPU, the context alone, which the estimate's runtime
+term (context + loaded kernels) must exceed; on a CPU, the interpreter and torch, which the
+estimate leaves out (est+base). Prints numbers, asserts nothing.
 
     python benchmarks/bench_memory.py --synthetic-llama-1b --device cuda --ctx 8192 --parallel 4
     python benchmarks/bench_memory.py --model 26b-q5_k.gguf --device cuda --split 40/24 \\
@@ -105,7 +107,8 @@ def main() -> None:
             proc = st.get("process") or {}
             reading = proc.get("gpu_memory") if device_kind == "cuda" else proc.get("rss")
             rows.append({"role": role, "layers": [bounds[i], bounds[i + 1]], "estimate_weights": est.weight_bytes,
-                         "estimate_kv": est.kv_bytes, "held_weights": stage["weight_bytes"], "held_kv": stage["kv_bytes"],
+                         "estimate_kv": est.kv_bytes, "estimate_work": est.work_bytes, "estimate_runtime": est.runtime_bytes,
+                         "held_weights": stage["weight_bytes"], "held_kv": stage["kv_bytes"],
                          "peak_device_bytes": proc.get("peak_device_bytes"), "reading": reading,
                          "reading_source": proc.get("gpu_source") if device_kind == "cuda" else "rss",
                          "baseline": baseline})  # fmt: skip
@@ -114,14 +117,16 @@ def main() -> None:
             server.stop()
     print(f"model {args.model}: {tensors.n_layers} layers; device {args.device}, ctx {args.ctx} x {args.parallel} slots, "
           f"KV {args.cache_type_k}/{args.cache_type_v}, GiB; a bare torch process ({'NVML' if device_kind == 'cuda' else 'RSS'}) "
-          f"{gib(baseline)} (est+base)")  # fmt: skip
-    print(f"{'process':8} {'layers':9} {'estimate':>9} {'held':>9} {'est/held':>8} {'peak':>9} {'reading':>9} "
-          f"{'est+base':>9} {'(est+base)/reading':>18}")  # fmt: skip
+          f"{gib(baseline)}")  # fmt: skip
+    print(f"{'process':8} {'layers':9} {'est held':>9} {'held':>9} {'est/held':>8} {'work':>9} {'runtime':>9} {'peak':>9} "
+          f"{'reading':>9} {'estimate':>9} {'estimate/reading':>16}")  # fmt: skip
     for r in rows:
         est, held = r["estimate_weights"] + r["estimate_kv"], r["held_weights"] + r["held_kv"]
-        with_ctx = est + (baseline or 0)
-        print(f"{r['role']:8} {str(r['layers']):9} {gib(est)} {gib(held)} {est / held:8.3f} {gib(r['peak_device_bytes'])} "
-              f"{gib(r['reading'])} {gib(with_ctx)} {with_ctx / r['reading'] if r['reading'] else float('nan'):18.3f}")  # fmt: skip
+        # A GPU estimate counts the process's runtime itself; a CPU one leaves the interpreter to the baseline.
+        whole = est + r["estimate_work"] + (r["estimate_runtime"] if device_kind == "cuda" else baseline or 0)
+        print(f"{r['role']:8} {str(r['layers']):9} {gib(est)} {gib(held)} {est / held:8.3f} {gib(r['estimate_work'])} "
+              f"{gib(r['estimate_runtime'])} {gib(r['peak_device_bytes'])} {gib(r['reading'])} {gib(whole)} "
+              f"{whole / r['reading'] if r['reading'] else float('nan'):16.3f}")  # fmt: skip
     print(json.dumps(rows))
 
 

@@ -18,6 +18,14 @@ full context, or the `--kv-unified` pool in blocks), in the cache types of `--ca
 padding rows write). Recurrent (Gated DeltaNet) layers hold float32 conv + SSM state per slot,
 the padding slot included, with `ROLLBACK` checkpoints (engine/model/deltanet.py). RoPE: cos and
 sin tables (float32, full context) for the global and the sliding-window base.
+
+Work memory (a CUDA stage, `StageBytes.work_bytes`): the prefill's dequantization scratch (exact:
+the largest block `block_rows` gives any quantized matrix, fused as the model fuses them), the
+cuBLAS workspace of each stream that runs GEMMs, and the CUDA graphs' pool: a prompt chunk's live
+activations in the FFN (the largest prefill graph, `--batch-size` rows) times the pool's measured
+overhead, and the output head's logits for every decode row. A CUDA process also takes its context
+and the kernels it loads, outside the allocator (`StageBytes.runtime_bytes`), so that weights + KV
++ work + runtime is what NVML reads for the process (`benchmarks/bench_memory.py`).
 """
 
 from __future__ import annotations
@@ -42,6 +50,22 @@ QUANT_BLOCKS = {
     "Q5_K": (256, 180),
     "Q6_K": (256, 210),
 }
+# The prefill's dequantization scratch (engine/kernels/qlinear.py DequantScratch): a matrix up to this
+# many elements is dequantized whole, a larger one in equal blocks of whole BLOCK_ROWS-row tiles.
+SCRATCH_ELEMENTS = 64 << 20  # 128 MiB of bfloat16: a 7.2B's gate+up (235 MB dense) runs in two blocks
+BLOCK_ROWS = 256
+# cuBLAS's workspace per stream (torch's default on Hopper; 8 MiB before it), for the process's
+# life: the compute stream and the one capture stream of the graphs (engine/model/graphs.py).
+CUBLAS_WORKSPACE_BYTES, CUBLAS_STREAMS = 32 << 20, 2
+# The graphs' pool against a prompt chunk's live FFN bytes: 1.7x on the 7.2B Q4_K_M, 1.8x on the
+# 26B-wide Q5_K (H200, `memory_phases.py --history`, session 11): the caching allocator rounds
+# blocks of 1-10 MB up into 20 MB segments, and attention's buffers come and go beside them.
+GRAPH_POOL_FACTOR = 2
+# A CUDA process outside its tensors: the context (0.54 GB on the H200, driver 12.x) and the kernels
+# a worker loads (cuBLAS, Triton, inductor: ~0.25 GB more, read as NVML minus torch's reservation on
+# three shapes). Another GPU or driver differs by a few hundred MB.
+CUDA_RUNTIME_BYTES = 800_000_000
+DEFAULT_PROMPT_ROWS = 512  # `--batch-size` on a GPU (engine/config.py DEFAULT_BATCH_TOKENS_GPU)
 KV_BLOCK = 128  # positions per block of a `--kv-unified` pool (engine/model/kv_blocks.py)
 # Positions a recurrent layer's state can be taken back (a rejected draft): the longest draft a
 # recurrent model verifies. Each costs a copy of the state per slot and layer.
@@ -102,15 +126,31 @@ def tensor_bytes(t: Tensor, form: str, dtype: str = "auto", *, output_head: bool
     return t.n_elements * size
 
 
+def block_rows(n: int, k: int, capacity: int) -> int:
+    """Rows of an [n, k] weight dequantized at a time into a scratch of `capacity` elements: all of
+    them if they fit, else as few blocks as fit, of equal rows, whole tiles where the scratch allows
+    (ragged blocks ran the GEMM slower); 0 where not one row fits."""
+    if n * k <= capacity:
+        return n
+    fit = capacity // k  # rows the scratch holds
+    if not fit:
+        return 0
+    step = -(-n // -(-n // fit))
+    return min(fit, -(-step // BLOCK_ROWS) * BLOCK_ROWS) if fit >= BLOCK_ROWS else step
+
+
 @dataclass(frozen=True)
 class StageBytes:
     layers: tuple[int, int]
     weight_bytes: int  # every weight the stage holds (RoPE tables included)
     kv_bytes: int  # K and V for all cache rows at full context
+    work_bytes: int = 0  # a CUDA stage's scratch, cuBLAS workspaces and graphs' pool
+    runtime_bytes: int = 0  # a CUDA process's context and loaded kernels
 
     @property
     def total(self) -> int:
-        return self.weight_bytes + self.kv_bytes
+        """What the worker's process takes for the stage (NVML's reading, on a GPU)."""
+        return self.weight_bytes + self.kv_bytes + self.work_bytes + self.runtime_bytes
 
 
 @dataclass(frozen=True)
@@ -160,17 +200,68 @@ class ModelTensors:
 
     def stage(self, a: int, b: int, *, head: bool, device: str, dtype: str, n_slots: int, n_ctx: int,
               kv_types: tuple[str, str] = ("auto", "auto"), gpu_weights: str = "quantized",
-              kv_pool: int | None = None) -> StageBytes:  # fmt: skip
+              kv_pool: int | None = None, prompt_rows: int = DEFAULT_PROMPT_ROWS) -> StageBytes:  # fmt: skip
         """Layers [a, b) (+ the head's tensors when `head`) as a worker on `device` ("cpu", "cuda")
         with `--dtype`, `--gpu-weights`, `--cache-type-k/-v` holds them for `n_slots` slots of `n_ctx`
-        (or a `--kv-unified` pool of `kv_pool` positions)."""
+        (or a `--kv-unified` pool of `kv_pool` positions); `prompt_rows`: `--batch-size`."""
         gpu = device.startswith("cuda")
         form = weight_form(device, dtype, gpu_weights)
         weights = sum(self.layer_weights(il, form, dtype) for il in range(a, b))
         weights += self.head_weights(form, dtype, gpu=gpu) if head else 0
         weights += 4 * 4 * n_ctx * self.n_rot  # RoPE: cos and sin for two bases, float32
         kv = sum(self.layer_cache(il, n_slots, n_ctx, kv_types, dtype, gpu=gpu, kv_pool=kv_pool) for il in range(a, b))
-        return StageBytes((a, b), weights, kv)
+        if not gpu:
+            return StageBytes((a, b), weights, kv)
+        work = self.scratch_bytes(a, b, head=head, dtype=dtype) if form == "quantized" else 0
+        work += CUBLAS_WORKSPACE_BYTES * CUBLAS_STREAMS
+        work += self.graph_bytes(a, b, head=head, n_slots=n_slots, n_ctx=n_ctx, prompt_rows=prompt_rows)
+        return StageBytes((a, b), weights, kv, work, CUDA_RUNTIME_BYTES)
+
+    def scratch_bytes(self, a: int, b: int, *, head: bool, dtype: str = "auto") -> int:
+        """The prefill's dequantization scratch: the largest block of any quantized matrix of the
+        stage, with neighbouring parts of one type joined as the model joins them (q+k+v, gate+up)."""
+        matrices = [m for il in range(a, b) for m in _joined(self.layers[il])]
+        out = self.output or self.embedding
+        if head and out is not None:
+            matrices.append(out)
+        blocks = [block_rows(t.shape[0], t.shape[1], SCRATCH_ELEMENTS) * t.shape[1] for t in matrices
+                  if t.type_name in QUANT_BLOCKS and len(t.shape) == 2]  # fmt: skip
+        return max(blocks, default=0) * DTYPE_BYTES[compute_dtype(dtype)]
+
+    def graph_bytes(self, a: int, b: int, *, head: bool, n_slots: int, n_ctx: int, prompt_rows: int) -> int:
+        """The CUDA graphs' pool: a prompt chunk's live bytes in the FFN (the float32 residual, its
+        sum and the norm; the 16-bit input and output; gate+up and the activation), times the pool's
+        measured overhead; and the head's float32 logits for every decode row."""
+        ff = max((t.shape[0] for il in range(a, b) for t in self.layers[il] if t.name.endswith("ffn_up.weight")), default=0)
+        d = self.embedding.shape[1] if self.embedding is not None else 0
+        # The largest prefill graph: powers of two from 8 up to the context (engine/model/graphs.py).
+        rows = max(8, 1 << (prompt_rows - 1).bit_length())
+        rows = rows if rows <= n_ctx else 1 << (n_ctx.bit_length() - 1)
+        ffn = rows * (3 * 4 * d + 2 * 2 * d + 3 * 2 * ff)
+        out = self.output or self.embedding
+        logits = 4 * n_slots * out.shape[0] if head and out is not None else 0
+        return GRAPH_POOL_FACTOR * ffn + logits
+
+
+_JOINED = (("attn_q", "attn_k", "attn_v"), ("ffn_gate", "ffn_up"),
+           ("attn_qkv", "attn_gate", "ssm_beta", "ssm_alpha"))  # fmt: skip
+
+
+def _joined(layer: tuple[Tensor, ...]) -> list[Tensor]:
+    """A layer's matrices as the model multiplies them: each of `_JOINED`'s groups in runs of one type
+    joined into one matrix (engine/model/weights.py `Weights._joined`), the others alone."""
+    by_part = {t.name.split(".")[-2]: t for t in layer if len(t.shape) == 2}
+    out = [t for part, t in by_part.items() if not any(part in group for group in _JOINED)]
+    for group in _JOINED:
+        run: list[Tensor] = []
+        for t in [by_part[p] for p in group if p in by_part] + [None]:
+            if run and (t is None or t.type_name != run[0].type_name):
+                rows = sum(r.shape[0] for r in run)
+                out.append(Tensor(run[0].name, run[0].type_name, (rows, run[0].shape[1])))
+                run = []
+            if t is not None:
+                run.append(t)
+    return out
 
 
 _VECTOR_MATRICES = (".ssm_conv1d.weight",)  # 2-D in the file, held as a float32 vector

@@ -115,7 +115,8 @@ def _estimate(g: GGUFFile, stage: Stage) -> dict:
         0, stage.cfg.n_layers, head=True, device=stage.device.type, dtype=str(stage.dtype).removeprefix("torch."),
         n_slots=stage.n_slots, n_ctx=stage.n_ctx, kv_types=stage.kv_types,
         gpu_weights="quantized" if stage.weights.quantized else "dense", kv_pool=stage.kv_pool)  # fmt: skip
-    return {"weight_bytes": est.weight_bytes, "kv_bytes": est.kv_bytes}
+    return {"weight_bytes": est.weight_bytes, "kv_bytes": est.kv_bytes, "work_bytes": est.work_bytes,
+            "runtime_bytes": est.runtime_bytes}  # fmt: skip
 
 
 def find_llama_bench(exe: str) -> str:

@@ -36,9 +36,9 @@ def fake_profile(peers: int = 1, **kw) -> Profile:
 
 def uniform_shape(n_layers: int, layer_elements: int, head_elements: int, kv_values_per_token_layer: int) -> ModelShape:
     """A made-up model for the split editor: equal F16 layers of one matrix each, a tied F16
-    embedding of `head_elements`, K and V of half `kv_values_per_token_layer` each, no RoPE."""
+    embedding of `head_elements` (hidden size 256), K and V of half `kv_values_per_token_layer` each, no RoPE."""
     layer = (Tensor("blk.w", "F16", (1024, layer_elements // 1024)),)
-    return ModelShape(ModelTensors(n_layers, (layer,) * n_layers, Tensor("token_embd.weight", "F16", (1024, head_elements // 1024)),
+    return ModelShape(ModelTensors(n_layers, (layer,) * n_layers, Tensor("token_embd.weight", "F16", (head_elements // 256, 256)),
                                    None, (), (kv_values_per_token_layer // 2,) * 2, 0, (True,) * n_layers))  # fmt: skip
 
 

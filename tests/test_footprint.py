@@ -8,7 +8,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hydra_console.contracts.footprint import KV_BLOCK, KV_VALUE_BYTES, QUANT_BLOCKS, model_tensors, tensor_bytes
+from hydra_console.contracts.footprint import (
+    CUBLAS_STREAMS,
+    CUBLAS_WORKSPACE_BYTES,
+    CUDA_RUNTIME_BYTES,
+    GRAPH_POOL_FACTOR,
+    KV_BLOCK,
+    KV_VALUE_BYTES,
+    QUANT_BLOCKS,
+    model_tensors,
+    tensor_bytes,
+)
 from hydra_console.engine.gguf_file import GGUFFile
 from hydra_console.engine.kernels.qweight import LAYOUTS, QuantWeight
 from hydra_console.engine.model import build_stage
@@ -117,3 +127,36 @@ def test_peer_footprint_and_status_report_held_bytes(tiny_model):
     assert (info.weight_bytes, info.kv_bytes) == (head.held_weight_bytes, head.kv_bytes)
     proc = process_info()
     assert proc.peak_rss >= proc.rss > 0
+
+
+@pytest.mark.parametrize("arch,qtype", [("llama", "Q4_K_M"), ("llama", "Q8_0"), ("gemma3", "Q5_K"), ("qwen35", "Q8_0")])
+def test_scratch_estimate_is_what_the_stage_registers(tiny_model, arch, qtype):
+    """The prefill's dequantization scratch (GPU work memory) from the tensor table: the largest
+    matrix as the model joins them (q+k of one type apart from a Q6_K v; gate+up; DeltaNet's input
+    product) and the output head, equal to what the built quantized stage sizes its scratch to."""
+    g = GGUFFile(tiny_model(arch, qtype=qtype, **SHAPE))
+    tensors = model_tensors(g.metadata, g.tensors)
+    for layers, head in (((0, 3), True), ((1, 3), False)):
+        stage = build_stage(g, layers, embed=head, head=head, device="cpu", dtype="bfloat16", quantized=True,
+                            n_slots=N_SLOTS, n_ctx=N_CTX)  # fmt: skip
+        assert tensors.scratch_bytes(*layers, head=head, dtype="bfloat16") == 2 * stage.weights.scratch.need > 0
+
+
+def test_a_gpu_estimate_adds_work_memory_and_the_runtime(tiny_model):
+    """On CUDA the estimate is what NVML reads for the process: held bytes + work (scratch, cuBLAS
+    workspaces, the graphs' pool) + the CUDA runtime; a CPU worker has none of those."""
+    g = GGUFFile(tiny_model("llama", qtype="Q4_K_M", **SHAPE))
+    tensors = model_tensors(g.metadata, g.tensors)
+    kw = dict(head=True, dtype="bfloat16", n_slots=N_SLOTS, n_ctx=N_CTX)
+    cpu, gpu = tensors.stage(0, 3, device="cpu", **kw), tensors.stage(0, 3, device="cuda", **kw)
+    assert cpu.work_bytes == cpu.runtime_bytes == 0 and cpu.total == cpu.weight_bytes + cpu.kv_bytes
+    graphs = tensors.graph_bytes(0, 3, head=True, n_slots=N_SLOTS, n_ctx=N_CTX, prompt_rows=512)
+    assert gpu.work_bytes == tensors.scratch_bytes(0, 3, head=True, dtype="bfloat16") + CUBLAS_WORKSPACE_BYTES * CUBLAS_STREAMS + graphs
+    assert gpu.runtime_bytes == CUDA_RUNTIME_BYTES
+    assert gpu.total == gpu.weight_bytes + gpu.kv_bytes + gpu.work_bytes + gpu.runtime_bytes
+    # The largest prefill graph: 512 rows, or the largest power of two in a shorter context (96 → 64).
+    d, ff = SHAPE["n_embd"], SHAPE["n_ff"]
+    logits = 4 * N_SLOTS * tensors.embedding.shape[0]
+    assert graphs == GRAPH_POOL_FACTOR * 64 * (16 * d + 6 * ff) + logits
+    dense = tensors.stage(0, 3, device="cuda", gpu_weights="dense", **kw)
+    assert dense.work_bytes == gpu.work_bytes - tensors.scratch_bytes(0, 3, head=True, dtype="bfloat16")

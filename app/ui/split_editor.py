@@ -92,8 +92,9 @@ class SplitEditorScreen(Screen):
         memory = self._memory()
         estimates = self.shape.estimate(self.counts, sup.profile.ctx, sup.profile.parallel, memory) if self.shape else None
         table = Table(box=None, expand=False, pad_edge=False, header_style="bold")
-        for col in ("", "worker", "layers", "n", "weights", "KV", "total", "device free"):
-            table.add_column(col, no_wrap=True, justify="right" if col in ("n", "weights", "KV", "total", "device free") else "left")
+        numbers = ("n", "weights", "KV", "work", "total", "free")
+        for col in ("", "worker", "layers", *numbers):
+            table.add_column(col, no_wrap=True, justify="right" if col in numbers else "left")
         names = list(sup.workers)
         for i, (a, b) in enumerate(ranges(self.counts)):
             marker = "▶" if i in (self.boundary, self.boundary + 1) else " "
@@ -104,6 +105,7 @@ class SplitEditorScreen(Screen):
                 marker, names[i], f"[{a},{b})", str(b - a),
                 display.fmt_bytes(est.weight_bytes) if est else "—",
                 display.fmt_bytes(est.kv_bytes) if est else "—",
+                display.fmt_bytes(est.work_bytes + est.runtime_bytes) if est and est.runtime_bytes else "—",
                 Text(display.fmt_bytes(est.total) + (" ⚠" if over else ""), style=self.app.tone_style("warn") if over else "")
                 if est else "—",
                 display.fmt_bytes(free) + (" shared" if shared else "") if free is not None else "—",
@@ -123,6 +125,8 @@ class SplitEditorScreen(Screen):
             f"layers {layer_map}\n"
             f"boundary {left} | {right}  ·  split {split_arg(self.counts)}{state}"
             + f"\nestimates for {sup.profile.parallel} slots × {sup.profile.ctx} tokens: {display.memory_forms(names, memory)}"
+            + ("\nwork: a GPU worker's prefill scratch, CUDA graphs and cuBLAS workspaces, and its CUDA context and kernels"
+               if any(m.device == "cuda" for m in memory) else "")
         )
 
     def render_advice(self) -> None:

@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from ...contracts.footprint import SCRATCH_ELEMENTS, block_rows  # the memory estimate counts the same blocks
 from .qweight import QuantWeight
-
-SCRATCH_ELEMENTS = 64 << 20  # 128 MiB of bfloat16: a 7.2B's gate+up (235 MB dense) runs in two blocks
-BLOCK_ROWS = 256  # a block's rows are a multiple of this: whole tiles for cuBLAS
 
 
 class DequantScratch:
@@ -63,20 +61,3 @@ def _dequant_matmul(x2: torch.Tensor, w: QuantWeight, scratch: DequantScratch | 
         # Straight into y's columns (cuBLAS takes the row stride): no block-sized temporary.
         torch.mm(x2, w.row_block(a, b).dequantize(x2.dtype, buf[: (b - a) * k].view(b - a, k)).T, out=y[:, a:b])
     return y
-
-
-def block_rows(n: int, k: int, capacity: int) -> int:
-    """Rows of an [n, k] weight dequantized at a time into a scratch of `capacity` elements: all of
-    them if they fit, else as few blocks as fit, of equal rows, whole tiles where the scratch allows
-    (ragged blocks ran the GEMM slower); 0 where not one row fits."""
-    if n * k <= capacity:
-        return n
-    fit = capacity // k  # rows the scratch holds
-    if not fit:
-        return 0
-    step = _cdiv(n, _cdiv(n, fit))
-    return min(fit, _cdiv(step, BLOCK_ROWS) * BLOCK_ROWS) if fit >= BLOCK_ROWS else step
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)

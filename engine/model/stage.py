@@ -153,7 +153,7 @@ class Stage:
             self._embd_table = None
             if self.device.type == "cuda":
                 q = weights.quant("token_embd.weight")
-                self._embd_table = q if q is not None else weights.f32("token_embd.weight").to(self.dtype)
+                self._embd_table = q if q is not None else weights.dense(["token_embd.weight"])
         if head:
             self.output_norm = weights.vector("output_norm.weight")
             self._head_name = "token_embd.weight" if cfg.tied else "output.weight"

@@ -32,6 +32,7 @@ _INT8_MAX_ROWS = 16
 _CACHE_MIN_FILE_BYTES = 64 << 20
 # Rows converted per step when building int8 weights: bounds the float32 temporaries.
 _CONVERT_ROWS = 16384
+_DENSE_BLOCK_BYTES = 16 << 20
 
 
 class Linear:
@@ -158,6 +159,23 @@ class Weights:
             raw = raw.to(self.device)
         return dequantize(raw, t.ggml_type, t.shape)
 
+    def dense(self, names: list[str]) -> torch.Tensor:
+        """The row-wise concatenation of matrices `names` in the compute dtype on the device, decoded
+        into the one tensor it ends as, `_DENSE_BLOCK_BYTES` of float32 at a time: whole-matrix
+        float32 temporaries (and their concatenation) left holes in the caching allocator's segments
+        that stayed reserved for the process's life (0.4 GB on a 1.1B F16 model on the GPU)."""
+        infos = [self.tensor(n) for n in names]
+        out = torch.empty(sum(t.shape[0] for t in infos), infos[0].shape[1], dtype=self.dtype, device=self.device)
+        at = 0
+        for name, t in zip(names, infos):
+            raw = torch.from_numpy(self.g.raw(name)).view(t.shape[0], -1)
+            step = max(1, _DENSE_BLOCK_BYTES // (4 * t.shape[1]))
+            for r in range(0, t.shape[0], step):
+                rows = raw[r : r + step].to(self.device)
+                out[at + r : at + r + rows.shape[0]] = dequantize(rows, t.ggml_type, (rows.shape[0], t.shape[1]))
+            at += t.shape[0]
+        return out
+
     def vector(self, name: str) -> torch.Tensor:
         return self.f32(name).to(self.device)
 
@@ -198,8 +216,7 @@ class Weights:
         if all(q is not None for q in quant):
             return QuantLinear(self._joined(names, quant), bias, self.scratch)
         if not self.int8:
-            parts = [self.f32(n) for n in names]
-            return Linear((parts[0] if len(parts) == 1 else torch.cat(parts)).to(self.dtype), None, bias)
+            return Linear(self.dense(names), None, bias)
 
         def convert() -> dict[str, torch.Tensor]:
             per_term = [[] for _ in range(2 * terms)]  # q and scale of each term, over all row chunks
