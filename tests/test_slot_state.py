@@ -166,6 +166,24 @@ def test_states_in_device_buffers_are_placed_and_continue_bit_for_bit(tiny_model
         slot_state.device_states(head, 2, PROMPT, fp, [(0, 4)])
 
 
+def test_states_packed_per_range_are_what_regroup_makes_in_place_when_they_fit(tiny_model):
+    """A prefill worker's PREFILL answer (slot_state.save_ranges): one state per range asked for,
+    byte for byte what regrouping its whole state makes; back to back from the start of memory
+    shared with the asker when they fit there, else in buffers of their own."""
+    path = tiny_model("llama", n_layers=4)
+    fp = GGUFFile(path).fingerprint
+    full = stage(path, (0, 4))
+    prefill(full, 0, PROMPT)
+    ranges = [(0, 1), (1, 4)]
+    want = [bytes(p) for p in slot_state.regroup(slot_state.read_all(saved(full, 0, PROMPT, fp)), ranges)]
+    shared = bytearray(sum(map(len, want)) + 10)
+    parts = slot_state.save_ranges(full, 0, PROMPT, fp, ranges, into=memoryview(shared))
+    assert [bytes(p) for p in parts] == want and bytes(shared[: sum(map(len, want))]) == b"".join(want)
+    small = bytearray(sum(map(len, want)) - 1)
+    parts = slot_state.save_ranges(full, 0, PROMPT, fp, ranges, into=memoryview(small))
+    assert [bytes(p) for p in parts] == want and not any(small)
+
+
 def test_a_state_handed_over_by_cuda_ipc_is_checked_before_it_is_mapped():
     """open_states judges the header (its checksum, its body's size) before mapping any memory."""
     from zlib_ng.zlib_ng import crc32
