@@ -9,6 +9,7 @@ tokens on a large GPU then waits on the host (7.2B Q4_K_M, 512 tokens on an H200
 from __future__ import annotations
 
 import functools
+import gc
 from typing import TYPE_CHECKING
 
 import torch
@@ -130,8 +131,16 @@ def capture(step, device: torch.device, pool) -> tuple[torch.cuda.CUDAGraph, tor
             step()
     torch.cuda.current_stream(device).wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool, stream=side):
-        out = step()
+    # A collection inside the capture could destroy an earlier stage's graphs or events: CUDA calls
+    # that invalidate a capture in progress (seen once as cudaErrorStreamCaptureInvalidated in tests).
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        with torch.cuda.graph(graph, pool=pool, stream=side):
+            out = step()
+    finally:
+        if collecting:
+            gc.enable()
     torch.cuda.current_stream(device).wait_stream(side)
     return graph, out
 
