@@ -12,7 +12,7 @@ The split arithmetic itself (counts, ranges, boundaries) is the shared contract 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ..contracts.errors import UserError
@@ -29,6 +29,9 @@ class WorkerMemory:
     dtype: str = "auto"
     gpu_weights: str = "quantized"
     kv_types: tuple[str, str] = ("auto", "auto")
+    # The running worker's own CUDA context and kernels (its /status `process`), which differ by GPU
+    # and driver; None: the footprint's default, measured on an H200.
+    runtime_bytes: int | None = None
 
 
 @dataclass(frozen=True)
@@ -55,6 +58,10 @@ class ModelShape:
         """Per stage (head first): what worker i holds for layers counts[i] with `n_slots` x `n_ctx`."""
         if sum(counts) != self.n_layers:
             raise UserError(f"split {split_arg(counts)} covers {sum(counts)} layers, the model has {self.n_layers}")
-        return [self.tensors.stage(a, b, head=i == 0, device=w.device, dtype=w.dtype, n_slots=n_slots, n_ctx=n_ctx,
-                                   kv_types=w.kv_types, gpu_weights=w.gpu_weights)
-                for i, ((a, b), w) in enumerate(zip(ranges(counts), workers))]  # fmt: skip
+        out = []
+        for i, ((a, b), w) in enumerate(zip(ranges(counts), workers)):
+            est = self.tensors.stage(a, b, head=i == 0, device=w.device, dtype=w.dtype, n_slots=n_slots, n_ctx=n_ctx,
+                                     kv_types=w.kv_types, gpu_weights=w.gpu_weights)  # fmt: skip
+            measured = w.runtime_bytes is not None and est.runtime_bytes
+            out.append(replace(est, runtime_bytes=w.runtime_bytes) if measured else est)
+        return out

@@ -151,6 +151,15 @@ class ProcessInfo(_Doc):
     # NVML also counts the CUDA context), and the resident set.
     peak_device_bytes: int | None = None
     peak_rss: int | None = None
+    device_reserved: int | None = None  # torch's caching allocator now, over every GPU
+
+    @property
+    def runtime_bytes(self) -> int | None:
+        """What the process takes on its GPUs outside torch's allocator (the CUDA context, loaded
+        kernels), from NVML's reading: the split editor's estimate for this worker counts it."""
+        if self.gpu_source != "nvml" or self.gpu_memory is None or self.device_reserved is None:
+            return None
+        return max(0, self.gpu_memory - self.device_reserved)
 
 
 @dataclass(frozen=True)

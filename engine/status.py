@@ -99,6 +99,7 @@ def process_info() -> ProcessInfo:
     cuda = torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized()
     if cuda:
         peaks["peak_device_bytes"] = sum(torch.cuda.max_memory_reserved(i) for i in range(torch.cuda.device_count()))
+        peaks["device_reserved"] = sum(torch.cuda.memory_reserved(i) for i in range(torch.cuda.device_count()))
     nvml, pid = _Nvml.module(), os.getpid()
     if nvml is not None:
         try:
@@ -112,7 +113,7 @@ def process_info() -> ProcessInfo:
         except Exception:  # NVML without per-process support: torch's view below
             pass
     if cuda:
-        return ProcessInfo(rss, sum(torch.cuda.memory_reserved(i) for i in range(torch.cuda.device_count())), "torch", **peaks)
+        return ProcessInfo(rss, peaks["device_reserved"], "torch", **peaks)
     return ProcessInfo(rss, **peaks)
 
 

@@ -14,7 +14,8 @@ from hydra_console.app.config import Alerts, Profile, WorkerSpec
 from hydra_console.app.sources import FixedFeedSource, Probe
 from hydra_console.app.split_plan import ModelShape, WorkerMemory
 from hydra_console.app.supervisor import LogLine, State, Supervisor
-from hydra_console.contracts.status import Status
+from hydra_console.contracts.footprint import CUDA_RUNTIME_BYTES
+from hydra_console.contracts.status import ProcessInfo, Status
 from hydra_console.engine.errors import UserError
 
 
@@ -121,6 +122,21 @@ def test_memory_estimate_counts_each_stage_as_its_worker_holds_it(tiny_model):
     assert [e.kv_bytes for e in q8] == [e.kv_bytes * 17 // 32 for e in est]  # 34 bytes per 32 values, not 64
     with pytest.raises(UserError, match="covers 3 layers"):
         shape.estimate([2, 1], 64, 2, [cpu, cpu])
+
+
+def test_a_gpu_workers_measured_runtime_replaces_the_default(tiny_model):
+    """A running GPU worker's /status measures its CUDA context and kernels (NVML's reading less
+    torch's reservation): its estimate counts that instead of the H200's default; a CPU's has none."""
+    shape = ModelShape.from_gguf(tiny_model("llama", n_layers=4, n_embd=256, n_ff=256, qtype="Q4_K"))
+    default, measured = shape.estimate([3, 1], 64, 2, [WorkerMemory("cuda"), WorkerMemory("cuda", runtime_bytes=300 << 20)])
+    assert default.runtime_bytes == CUDA_RUNTIME_BYTES and measured.runtime_bytes == 300 << 20
+    assert measured.total == measured.weight_bytes + measured.kv_bytes + measured.work_bytes + (300 << 20)
+    (cpu,) = shape.estimate([4], 64, 2, [WorkerMemory("cpu", runtime_bytes=300 << 20)])
+    assert cpu.runtime_bytes == cpu.work_bytes == 0
+    process = ProcessInfo(gpu_memory=5 << 30, gpu_source="nvml", device_reserved=4 << 30)
+    assert process.runtime_bytes == 1 << 30
+    assert ProcessInfo(gpu_memory=5 << 30, gpu_source="torch", device_reserved=5 << 30).runtime_bytes is None
+    assert ProcessInfo.from_json(process.to_json()).runtime_bytes == 1 << 30
 
 
 def test_memory_form_says_how_a_worker_holds_its_stage():

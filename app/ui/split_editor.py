@@ -100,7 +100,8 @@ class SplitEditorScreen(Screen):
             marker = "▶" if i in (self.boundary, self.boundary + 1) else " "
             est = estimates[i] if estimates else None
             free, shared = display.device_free(sup, names[i])
-            over = bool(est and free is not None and est.total > free)
+            # A running worker's context is in the device's used memory already: the new stage's bytes must fit.
+            over = bool(est and free is not None and est.total - est.runtime_bytes > free)
             table.add_row(
                 marker, names[i], f"[{a},{b})", str(b - a),
                 display.fmt_bytes(est.weight_bytes) if est else "—",
@@ -187,8 +188,9 @@ class SplitEditorScreen(Screen):
 
     def _memory(self) -> list[WorkerMemory]:
         """Per worker, how it will hold its stage: its device (`auto` is a GPU when its /status lists
-        one), the head's --dtype (LOAD_STAGE gives it to every peer), its --gpu-weights, and its
-        --cache-type-k/-v (its own args over the profile's)."""
+        one), the head's --dtype (LOAD_STAGE gives it to every peer), its --gpu-weights, its
+        --cache-type-k/-v (its own args over the profile's), and its CUDA runtime as its /status
+        measures it (NVML's reading less torch's reservation), where it runs."""
         profile = self.app.supervisor.profile
         dtype = _flag(profile.head.args, ("--dtype",), "auto")
         out = []
@@ -196,7 +198,8 @@ class SplitEditorScreen(Screen):
             st, device, args = w.status, w.spec.device, w.spec.args
             gpu = device.startswith("cuda") or (device == "auto" and st is not None and any(d.kind == "cuda" for d in st.devices))
             kv = (_flag(args, ("--cache-type-k", "-ctk"), profile.cache_type_k), _flag(args, ("--cache-type-v", "-ctv"), profile.cache_type_v))
-            out.append(WorkerMemory("cuda" if gpu else "cpu", dtype, _flag(args, ("--gpu-weights",), "quantized"), kv))
+            runtime = st.process.runtime_bytes if st is not None and st.process is not None else None
+            out.append(WorkerMemory("cuda" if gpu else "cpu", dtype, _flag(args, ("--gpu-weights",), "quantized"), kv, runtime))
         return out
 
     def action_select(self, step: int) -> None:

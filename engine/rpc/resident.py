@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from ...contracts.footprint import KV_VALUE_BYTES, model_tensors, weight_form
+from ...contracts.footprint import DEFAULT_PROMPT_ROWS, KV_VALUE_BYTES, model_tensors, weight_form
 from ...contracts.rpc import DTYPE_CODES, MAX_CTX, MAX_RUN, MAX_SLOTS, StaleEpoch
 from ...contracts.slot_state import SlotHeader, SlotStateError, check_body
 from .. import slot_state
@@ -168,8 +168,15 @@ class StageHost:
     def stage_bytes(self, a: int, b: int, dtype: torch.dtype, n_slots: int, n_ctx: int, kv_pool: int | None,
                     kv_types: tuple[str, str]) -> int:
         """What a stage of layers [a, b) costs: its weights as they will be held plus its KV (every
-        slot's context, or a pool of `kv_pool` positions) and recurrent state."""
-        return sum(self.layer_footprint(dtype, n_slots, n_ctx, kv_pool, kv_types)[a:b])
+        slot's context, or a pool of `kv_pool` positions) and recurrent state; on a GPU also the new
+        stage's dequantization scratch and graphs' pool (the process's cuBLAS workspaces exist already)."""
+        held = sum(self.layer_footprint(dtype, n_slots, n_ctx, kv_pool, kv_types)[a:b])
+        if self.device.type != "cuda":
+            return held
+        name = str(dtype).removeprefix("torch.")
+        scratch = self.tensors.scratch_bytes(a, b, head=False, dtype=name) if self.quantized else 0
+        return held + scratch + self.tensors.graph_bytes(a, b, head=False, n_slots=n_slots, n_ctx=n_ctx,
+                                                         prompt_rows=DEFAULT_PROMPT_ROWS)  # fmt: skip
 
     def layer_footprint(self, dtype: torch.dtype, n_slots: int, n_ctx: int, kv_pool: int | None,
                         kv_types: tuple[str, str]) -> list[int]:
