@@ -47,8 +47,16 @@ class DecodeGraphs:
         # (norms, casts, RoPE, residual adds); the graph then replays the fused kernels. One static
         # compile per bucket: dynamic batch rows (torch's automatic dynamic) started 35 % faster
         # cold but served 30-35 % slower, and a warm restart took as long (docs/PERF.md, session 9).
-        self.forward = torch.compile(stage._forward, dynamic=False) if compiled else stage._forward
+        # One layer is the compiled region, not the stack: every layer of a kind reuses its trace,
+        # so a bucket costs one layer's dynamo trace even when inductor's cache has the kernels (a
+        # restart traced the whole stack per bucket: 2.5 s each for the 1.1B's 16 layers).
         self.buckets = batch_buckets(stage.n_slots)
+        self.forward = stage._forward
+        if compiled:
+            # Entries per region: a bucket x a run length x a layer kind (global, windowed, recurrent).
+            limit = len(self.buckets) * ROLLBACK * 3
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, limit)
+            self.forward = functools.partial(stage._forward, block=torch.compile(stage._block, dynamic=False))
         self.graphs: dict[int, tuple] = {}
         self.pool = None
 

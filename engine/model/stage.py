@@ -371,52 +371,59 @@ class Stage:
         return runs
 
     def _forward(self, h, slots, positions, runs, batched: bool = False, kv_len: int | None = None, layers=None,
-                 per_slot: int = 1, fresh: bool = False):
+                 per_slot: int = 1, fresh: bool = False, block=None):
         """The layers, eagerly. `batched`: `per_slot` tokens for each slot (rows slot-major) with no
         host values (CUDA-graph capturable): the decode-attention kernel on CUDA, elsewhere attention
         over gathered caches of length `kv_len` with a mask from positions (each row sees its own
         position and those before it: a slot's K/V rows are all written first). `fresh`: one slot's
-        run from position 0 with no host values (the prefill graphs).
-        Q and K travel together through norm and RoPE: fewer, larger kernels."""
-        cfg = self.cfg
-        T, n_q, qk_dim = h.shape[0], cfg.n_head, (cfg.n_head + cfg.n_head_kv) * cfg.head_dim
+        run from position 0 with no host values (the prefill graphs). `block`: what runs one layer
+        (`_block`, or its torch.compile'd form)."""
+        block = block or self._block
         ropes = {False: self._rope_global, True: self._rope_swa}
         ropes = {w: (cos[positions, None], sin[positions, None]) for w, (cos, sin) in ropes.items()}
         biases = {}
         for layer in self.layers.values() if layers is None else layers:
-            x = self._norm(h, layer.attn_norm).to(self.dtype)
-            if layer.deltanet is not None:
-                h = self._ffn(layer, h + (layer.deltanet.step(x, slots, per_slot) if batched else layer.deltanet(x, runs)))
-                continue
-            qkv = layer.wqkv(x)
-            gate = None
-            if cfg.attn_gate:  # Q rows come as [q, gate] per head: split the gate off
-                qg = qkv[:, : 2 * n_q * cfg.head_dim].view(T, n_q, 2, cfg.head_dim)
-                gate = qg[:, :, 1]
-                qkv = torch.cat([qg[:, :, 0].reshape(T, -1), qkv[:, 2 * n_q * cfg.head_dim :]], dim=1)
-            qk = qkv[:, :qk_dim].float().view(T, -1, cfg.head_dim)
-            v = qkv[:, qk_dim:].view(T, cfg.n_head_kv, cfg.head_dim).to(self.dtype)
-            if layer.qk_norm is not None:
-                qk = F.rms_norm(qk, (cfg.head_dim,), None, cfg.rms_eps) * layer.qk_norm
-            qk = rotate(cfg, qk, *ropes[bool(layer.window)]).to(self.dtype)
-            q, k = qk[:, :n_q], qk[:, n_q:]
-            if fresh:
-                o = attend_fresh(cfg, layer, q, k, v, slots, positions)
-            elif batched and self.device.type == "cuda":
-                o = attend_decode(cfg, layer, q, k, v, slots, positions)
-            elif batched:
+            bias = None
+            if batched and self.device.type != "cuda" and layer.deltanet is None:
                 if layer.window not in biases:
-                    biases[layer.window] = decode_bias(cfg, positions, kv_len, layer.window, self.dtype)
-                o = attend_batched(cfg, layer, q, k, v, slots, positions, kv_len, biases[layer.window])
-            else:
-                o = attend_runs(cfg, layer, q, k, v, runs)
-            if gate is not None:
-                o = o * torch.sigmoid(gate.float()).to(o.dtype)
-            o = layer.wo(o.reshape(T, -1))
-            if layer.post_attn_norm is not None:
-                o = self._norm(o, layer.post_attn_norm)
-            h = self._ffn(layer, h + o)
+                    biases[layer.window] = decode_bias(self.cfg, positions, kv_len, layer.window, self.dtype)
+                bias = biases[layer.window]
+            h = block(layer, h, ropes[bool(layer.window)], slots, positions, runs, batched, kv_len, per_slot, fresh, bias)
         return h
+
+    def _block(self, layer: _Layer, h, rope, slots, positions, runs, batched, kv_len, per_slot, fresh, bias):
+        """One layer. Q and K travel together through norm and RoPE: fewer, larger kernels."""
+        cfg = self.cfg
+        T, n_q, qk_dim = h.shape[0], cfg.n_head, (cfg.n_head + cfg.n_head_kv) * cfg.head_dim
+        x = self._norm(h, layer.attn_norm).to(self.dtype)
+        if layer.deltanet is not None:
+            return self._ffn(layer, h + (layer.deltanet.step(x, slots, per_slot) if batched else layer.deltanet(x, runs)))
+        qkv = layer.wqkv(x)
+        gate = None
+        if cfg.attn_gate:  # Q rows come as [q, gate] per head: split the gate off
+            qg = qkv[:, : 2 * n_q * cfg.head_dim].view(T, n_q, 2, cfg.head_dim)
+            gate = qg[:, :, 1]
+            qkv = torch.cat([qg[:, :, 0].reshape(T, -1), qkv[:, 2 * n_q * cfg.head_dim :]], dim=1)
+        qk = qkv[:, :qk_dim].float().view(T, -1, cfg.head_dim)
+        v = qkv[:, qk_dim:].view(T, cfg.n_head_kv, cfg.head_dim).to(self.dtype)
+        if layer.qk_norm is not None:
+            qk = F.rms_norm(qk, (cfg.head_dim,), None, cfg.rms_eps) * layer.qk_norm
+        qk = rotate(cfg, qk, *rope).to(self.dtype)
+        q, k = qk[:, :n_q], qk[:, n_q:]
+        if fresh:
+            o = attend_fresh(cfg, layer, q, k, v, slots, positions)
+        elif batched and self.device.type == "cuda":
+            o = attend_decode(cfg, layer, q, k, v, slots, positions)
+        elif batched:
+            o = attend_batched(cfg, layer, q, k, v, slots, positions, kv_len, bias)
+        else:
+            o = attend_runs(cfg, layer, q, k, v, runs)
+        if gate is not None:
+            o = o * torch.sigmoid(gate.float()).to(o.dtype)
+        o = layer.wo(o.reshape(T, -1))
+        if layer.post_attn_norm is not None:
+            o = self._norm(o, layer.post_attn_norm)
+        return self._ffn(layer, h + o)
 
     def _ffn(self, layer: _Layer, h: torch.Tensor) -> torch.Tensor:
         x = self._norm(h, layer.ffn_norm).to(self.dtype)
