@@ -179,6 +179,26 @@ def test_graph_decode_path_matches_per_slot_attention(tiny_model):
     torch.testing.assert_close(graphed, eager, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("arch, kinds", [("llama", 1), ("gemma3", 1), ("qwen35", 2)])
+def test_the_compiled_region_is_traced_once_per_layer_kind(tiny_model, arch, kinds):
+    """The decode graphs compile one layer (`Stage._block`), not the stack: every layer of a kind
+    reuses one trace (Qwen3.5: recurrent and attention; on CPU a window reaches the block only as
+    its mask), so a bucket's warm-up traces one layer per kind."""
+    from torch._dynamo.utils import counters
+
+    path = tiny_model(arch, n_layers=4)
+    stage, eager = load(path), load(path)  # a recurrent layer's step advances its state: one run each
+    for s in (stage, eager):
+        prefill(s, PROMPT[:12], slot=0)
+    torch._dynamo.reset()
+    counters.clear()
+    block = torch.compile(stage._block, backend="eager", dynamic=False)
+    h, slots, positions = stage.embed(torch.tensor([7])), torch.tensor([0]), torch.tensor([12])
+    traced = stage._forward(h, slots, positions, None, batched=True, kv_len=stage.n_ctx, block=block)
+    assert counters["stats"]["unique_graphs"] == kinds
+    torch.testing.assert_close(traced, eager._forward(h, slots, positions, None, batched=True, kv_len=eager.n_ctx))
+
+
 @pytest.mark.parametrize("kv", ["auto", "q8_0"])
 def test_prefill_graph_path_matches_the_eager_prompt(tiny_model, kv):
     """What the CUDA prefill graphs capture: one slot's prompt padded to its bucket, with no host
