@@ -13,10 +13,12 @@ source line that took them (torch's allocation history, recorded from the start)
 from __future__ import annotations
 
 import argparse
+import os
 
 import torch
 
 from hydra_console.engine.bench import decode_once, prefill_once
+from hydra_console.engine.config import cuda_env
 from hydra_console.engine.gguf_file import GGUFFile
 from hydra_console.engine.model import ModelConfig, build_stage
 from hydra_console.engine.status import process_info
@@ -71,6 +73,8 @@ def main() -> None:
     ap.add_argument("--eager-prefill", action="store_true", help="without the prefill graphs")
     ap.add_argument("--history", action="store_true", help="record allocations' sources (slower) and list them")
     args = ap.parse_args()
+    for name, value in cuda_env().items():  # as a worker's entry point sets them
+        os.environ.setdefault(name, value)
     if not torch.cuda.is_available():
         raise SystemExit("memory_phases.py measures a CUDA device; none is here")
     if args.history:

@@ -54,9 +54,11 @@ QUANT_BLOCKS = {
 # many elements is dequantized whole, a larger one in equal blocks of whole BLOCK_ROWS-row tiles.
 SCRATCH_ELEMENTS = 64 << 20  # 128 MiB of bfloat16: a 7.2B's gate+up (235 MB dense) runs in two blocks
 BLOCK_ROWS = 256
-# cuBLAS's workspace per stream (torch's default on Hopper; 8 MiB before it), for the process's
-# life: the compute stream and the one capture stream of the graphs (engine/model/graphs.py).
-CUBLAS_WORKSPACE_BYTES, CUBLAS_STREAMS = 32 << 20, 2
+# cuBLAS's workspace per stream, for the process's life: the compute stream and the one capture
+# stream of the graphs (engine/model/graphs.py). Workers set it (engine/config.py cuda_env) below
+# torch's 32 MiB on Hopper: 68 MiB less per process on the 7.2B Q4_K_M, prefill and an F16 model's
+# decode unchanged (docs/PERF.md, session 12).
+CUBLAS_WORKSPACE_BYTES, CUBLAS_STREAMS = 8 << 20, 2
 # The graphs' pool against a prompt chunk's live FFN bytes: 1.7x on the 7.2B Q4_K_M, 1.8x on the
 # 26B-wide Q5_K (H200, `memory_phases.py --history`, session 11): the caching allocator rounds
 # blocks of 1-10 MB up into 20 MB segments, and attention's buffers come and go beside them.

@@ -14,7 +14,7 @@ import os
 import sys
 from typing import Mapping
 
-from .config import BODY_BYTES_PER_TOKEN, DEFAULT_BATCH_TOKENS, DEFAULT_BATCH_TOKENS_GPU, ENVIRONMENT, KV_CACHE_TYPES, compile_cache_env, default_cache_dir, head_config, peer_config
+from .config import BODY_BYTES_PER_TOKEN, DEFAULT_BATCH_TOKENS, DEFAULT_BATCH_TOKENS_GPU, ENVIRONMENT, KV_CACHE_TYPES, compile_cache_env, cuda_env, default_cache_dir, head_config, peer_config
 from .embedding import DEFAULT_NORMALIZE, POOLINGS
 from .errors import UserError
 from .openmp import configure_split_worker
@@ -206,7 +206,7 @@ def main(argv: list[str] | None = None, env: Mapping[str, str] | None = None) ->
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.command == "peer" or getattr(args, "peer", None):
         configure_split_worker()  # before the subcommand imports torch
-    for name, value in compile_cache_env(default_cache_dir(env)).items():
+    for name, value in {**compile_cache_env(default_cache_dir(env)), **cuda_env()}.items():
         os.environ.setdefault(name, value)  # before torch is imported; the operator's own setting wins
     try:
         if args.command == "generate":

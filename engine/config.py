@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Mapping
 
-from ..contracts.footprint import CACHE_TYPES
+from ..contracts.footprint import CACHE_TYPES, CUBLAS_WORKSPACE_BYTES
 from .errors import UserError
 
 # The environment variables Hydra reads (README lists them), all of them here and nowhere else.
@@ -252,6 +252,12 @@ def default_cache_dir(env: Mapping[str, str]) -> Path | None:
 # llama.cpp's names; "auto" = the compute dtype (what model/kv_cache.py stores for each), declared
 # with their bytes per value in contracts/footprint.py (the console's estimate reads them there).
 KV_CACHE_TYPES = CACHE_TYPES
+
+
+def cuda_env() -> dict[str, str]:
+    """cuBLAS's workspace per stream as the memory estimate counts it (two chunks, in KiB), read by
+    torch when a stream first runs a product."""
+    return {"CUBLAS_WORKSPACE_CONFIG": f":{CUBLAS_WORKSPACE_BYTES // 2 >> 10}:2"}
 
 
 def compile_cache_env(cache_dir: Path | None) -> dict[str, str]:

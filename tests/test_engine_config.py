@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from hydra_console.engine.cli import build_parser
-from hydra_console.engine.config import ENVIRONMENT, GPU_SPIN_S, RpcSettings, head_config, peer_config
+from hydra_console.contracts.footprint import CUBLAS_WORKSPACE_BYTES
+from hydra_console.engine.config import ENVIRONMENT, GPU_SPIN_S, RpcSettings, cuda_env, head_config, peer_config
 from hydra_console.engine.errors import UserError
 
 pytestmark = pytest.mark.unit
@@ -118,3 +119,11 @@ def test_prompt_batch_defaults_to_one_gpu_ubatch_and_the_flag_wins(monkeypatch, 
     monkeypatch.setattr("torch.cuda.is_available", lambda: True)  # "auto" resolves to the GPU
     assert serve("--model", str(model)).batch_tokens == 512
     assert serve("--model", str(model), "-b", "300").batch_tokens == 300
+
+
+def test_the_cublas_workspace_workers_set_is_what_the_memory_estimate_counts():
+    """CUBLAS_WORKSPACE_CONFIG is ":KiB per chunk:chunks" (read by torch); the estimate counts
+    CUBLAS_WORKSPACE_BYTES per stream."""
+    kib, chunks = (int(x) for x in cuda_env()["CUBLAS_WORKSPACE_CONFIG"].split(":")[1:])
+    assert kib * 1024 * chunks == CUBLAS_WORKSPACE_BYTES
+

@@ -122,10 +122,10 @@ class DecodeGraphs:
 
 @functools.cache
 def _capture_stream(device: torch.device) -> torch.cuda.Stream:
-    """One side stream per device for every capture and its warm-up: cuBLAS keeps a 32 MiB workspace
-    per stream it has run on, taken from the caching allocator for the process's life. A new stream
-    per capture (dozens of buckets) held one each; a warm-up stream apart from torch's capture
-    stream held two, the second in the graphs' pool."""
+    """One side stream per device for every capture and its warm-up: cuBLAS keeps a workspace
+    (CUBLAS_WORKSPACE_BYTES) per stream it has run on, taken from the caching allocator for the
+    process's life. A new stream per capture (dozens of buckets) held one each; a warm-up stream
+    apart from torch's capture stream held two, the second in the graphs' pool."""
     return torch.cuda.Stream(device)
 
 
