@@ -15,13 +15,16 @@ One run, in this order (prints a table, then the JSON; asserts nothing):
    of: `bench_split.py`'s time per part of a decode step, run on the same file (`--no-split-parts`
    skips it).
 
-Ratios are to `bench` decode and to upstream llama.cpp on an H200 with the synthetic 1.1B F16
-llama (issue 15: llama-bench 879 tok/s solo, its RPC split 546): those two are only comparable
-on that GPU and shape. Client-side rates: tokens between the first and last streamed token of a
+Ratios are to `bench` decode and to upstream llama.cpp: with `--llama-bench PATH`, its decode
+measured in the same run on the same file and device (`llama-bench -o json`, all layers offloaded
+on a GPU); without it, issue 15's numbers (an H200 with the synthetic 1.1B F16 llama: llama-bench
+879 tok/s solo, its RPC split 546), comparable only on that GPU and shape. The split's llama.cpp
+reference is always issue 15's. Client-side rates: tokens between the first and last streamed token of a
 stream. Streams are spread over client processes (a busy client would otherwise be the bound).
 
     python benchmarks/bench_api.py                                 # CPU, default model, quick
     python benchmarks/bench_api.py --synthetic-llama-1b --device cuda -n 256 --ctx 2048   # issue 15's GPU run
+    python benchmarks/bench_api.py ... --llama-bench build/bin/llama-bench   # llama.cpp measured beside it
 """
 
 from __future__ import annotations
@@ -256,6 +259,23 @@ def engine_bench(args) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def llama_cpp(args) -> dict:
+    """llama.cpp's decode rate: llama-bench on the same file and device when given (`tg` of n_gen
+    tokens, three repetitions), else issue 15's H200 number."""
+    if args.llama_bench is None:
+        return {"decode_tok_s": LLAMA_CPP_SOLO_TOK_S, "source": "issue 15 (H200, synthetic 1.1B F16)"}
+    cmd = [args.llama_bench, "-m", args.model, "-p", "0", "-n", str(args.n_gen), "-r", "3", "-o", "json",
+           "-ngl", "99" if args.device.startswith("cuda") else "0"]  # fmt: skip
+    out = subprocess.run(cmd, capture_output=True, text=True)
+    if out.returncode:
+        raise SystemExit(f"llama-bench failed: {out.stderr[-2000:]}")
+    tg = [r for r in json.loads(out.stdout) if r["n_prompt"] == 0 and r["n_gen"] > 0]
+    if not tg:
+        raise SystemExit(f"llama-bench reported no decode test: {out.stdout[-2000:]}")
+    return {"decode_tok_s": round(tg[0]["avg_ts"], 2), "stddev_tok_s": round(tg[0]["stddev_ts"], 2),
+            "source": "llama-bench, this run", "command": " ".join(cmd)}  # fmt: skip
+
+
 def split_parts(args) -> dict:
     """bench_split.py on the same file: split/solo decode and the median ms of each part of a step."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -277,6 +297,7 @@ def run(args) -> dict:
     counts = [int(s) for s in args.streams.split(",")]
     report: dict = {"model": args.model, "device": args.device, "dtype": args.dtype, "n_gen": args.n_gen, "ctx": args.ctx,
                     "cpus": os.cpu_count(), "load_avg_start": round(os.getloadavg()[0], 2)}  # fmt: skip
+    report["llama_cpp"] = llama_cpp(args)
     print("bench …", file=sys.stderr, flush=True)
     bench = engine_bench(args)
     report["bench"] = {k: bench.get(k) for k in ("decode_tok_s", "weights", "weight_bytes", "held_weight_bytes", "kv_bytes",
@@ -332,8 +353,8 @@ def run(args) -> dict:
     bench_tok_s = report["bench"]["decode_tok_s"]
     report["ratios"] = {
         "single_over_bench": ratio(report["solo"]["single"]["client_tok_s"], bench_tok_s),
-        "single_over_llama_cpp": ratio(report["solo"]["single"]["client_tok_s"], LLAMA_CPP_SOLO_TOK_S),
-        "bench_over_llama_cpp": ratio(bench_tok_s, LLAMA_CPP_SOLO_TOK_S),
+        "single_over_llama_cpp": ratio(report["solo"]["single"]["client_tok_s"], report["llama_cpp"]["decode_tok_s"]),
+        "bench_over_llama_cpp": ratio(bench_tok_s, report["llama_cpp"]["decode_tok_s"]),
     }
     if "split" in report:
         split_tok_s = report["split"]["single"]["client_tok_s"]
@@ -354,7 +375,9 @@ def mib(mem: dict) -> tuple[str, str]:
 
 def table(report: dict) -> str:
     r, solo, bench = report["ratios"], report["solo"], report["bench"]
-    rows = [("hydra-engine bench decode", f"{bench['decode_tok_s']:.1f} tok/s", f"llama.cpp {r['bench_over_llama_cpp']}")]
+    ref = report["llama_cpp"]
+    rows = [("llama.cpp decode (the ratios' reference)", f"{ref['decode_tok_s']:.1f} tok/s", ref["source"])]
+    rows.append(("hydra-engine bench decode", f"{bench['decode_tok_s']:.1f} tok/s", f"llama.cpp {r['bench_over_llama_cpp']}"))
     rows.append(("serve, 1 stream (openai, streaming)", f"{solo['single']['client_tok_s']:.1f} tok/s",
                  f"bench {r['single_over_bench']}  llama.cpp {r['single_over_llama_cpp']}"))  # fmt: skip
     for c in solo["concurrency"]:
@@ -404,6 +427,8 @@ def main() -> None:
     ap.add_argument("--clients", type=int, default=max(1, (os.cpu_count() or 2) // 4), help="client processes")
     ap.add_argument("--ttft-prompt", type=int, default=512, help="prompt tokens of the TTFT test")
     ap.add_argument("--ttft-runs", type=int, default=5)
+    ap.add_argument("--llama-bench", default=None, metavar="PATH",
+                    help="llama.cpp's llama-bench: its decode on the same file and device is the ratios' reference")
     ap.add_argument("--no-split", action="store_true", help="skip the head + peer section")
     ap.add_argument("--no-split-parts", action="store_true", help="skip bench_split.py's time per part")
     ap.add_argument("--timeout", type=float, default=600, help="seconds a worker may take to become ready")

@@ -58,6 +58,9 @@ def test_bench_api_reports_every_field(tiny_model, tmp_path):
     assert set(r["ratios"]) == {"single_over_bench", "single_over_llama_cpp", "bench_over_llama_cpp",
                                 "split_over_solo_single", "split_over_bench", "split_over_llama_cpp_split"}  # fmt: skip
     assert all(number(v) for v in r["ratios"].values())
+    # No --llama-bench: the ratios' reference is issue 15's H200 number, and the report says so.
+    assert r["llama_cpp"]["source"].startswith("issue 15") and "llama.cpp decode (the ratios' reference)" in done.stdout
+    assert r["ratios"]["bench_over_llama_cpp"] == round(r["bench"]["decode_tok_s"] / r["llama_cpp"]["decode_tok_s"], 3)
 
 
 def test_bench_memory_estimate_equals_what_served_workers_hold(tiny_model, tmp_path):
