@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Union
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 from pydantic import BaseModel, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -276,7 +276,7 @@ async def _respond_completion(head: Head, http: Request, body: CompletionBody, r
     cid, created, n = f"cmpl-{uuid.uuid4().hex}", int(time.time()), len(reqs)
     want_lp = body.logprobs is not None
     lps = [_CompletionLogprobs(head, body.return_tokens_as_token_ids) for _ in reqs]
-    run = Run(head, http, reqs)
+    run = Run(head, http, reqs, streamed=body.stream)
 
     def prompt_part(i: int, ev: Event) -> dict:
         return lps[i].add([(lp, None) for lp in ev.prompt_logprobs])
@@ -318,7 +318,7 @@ async def _respond_completion(head: Head, http: Request, body: CompletionBody, r
                 yield sse(chunk(i, ev.text, gen_part(i, ev) if ev.tokens else None, ev.finish_reason, **last))
             yield b"data: [DONE]\n\n"
 
-        return StreamingResponse(stream(), media_type="text/event-stream")
+        return run.response(stream())
 
     texts, parts, finals = [[] for _ in reqs], [[] for _ in reqs], [None] * n
     async for i, ev in run.events():
@@ -351,7 +351,7 @@ async def _respond_chat(head: Head, http: Request, body: ChatBody, reqs: list[En
     """`calls`: the template's tool-call format when the request's generations are parsed for calls."""
     cid, created, n = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), len(reqs)
     as_ids = body.return_tokens_as_token_ids
-    run = Run(head, http, reqs)
+    run = Run(head, http, reqs, streamed=body.stream)
     common = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": head.model_name,
               "system_fingerprint": BUILD_INFO}  # fmt: skip
 
@@ -398,7 +398,7 @@ async def _respond_chat(head: Head, http: Request, body: ChatBody, reqs: list[En
                     yield sse({**common, "choices": [], "usage": usage_of(finals), **timings})
             yield b"data: [DONE]\n\n"
 
-        return StreamingResponse(stream(), media_type="text/event-stream")
+        return run.response(stream())
 
     texts, tokens, finals = [[] for _ in reqs], [[] for _ in reqs], [None] * n
     async for i, ev in run.events():

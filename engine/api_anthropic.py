@@ -20,7 +20,7 @@ import uuid
 from typing import TYPE_CHECKING, Any, Union
 
 from fastapi import APIRouter, Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from .api_common import (ChatBody, Run, chat_body, chat_requests, generation_error, named_sse, single_reply, ready_engine,
@@ -170,7 +170,8 @@ def anthropic_routes(head: Head) -> APIRouter:
         message = {"id": mid, "type": "message", "role": "assistant", "model": head.model_name}
         if body.stream:
             req.return_progress = True  # its first report carries the prompt-cache hit message_start tells
-            return StreamingResponse(_stream(head, http, req, message, calls), media_type="text/event-stream")
+            run = Run(head, http, [req], streamed=True)
+            return run.response(_stream(run, message, calls))
         reply = await single_reply(head, http, req, calls)
         if reply is None:  # the client left; nobody reads this
             return Response(status_code=499)
@@ -183,14 +184,14 @@ def anthropic_routes(head: Head) -> APIRouter:
     return r
 
 
-async def _stream(head: Head, http: Request, req, message: dict, calls: ToolFormat | None):
+async def _stream(run: Run, message: dict, calls: ToolFormat | None):
     """Anthropic's event stream: message_start, one text block (content_block_start, its deltas,
     content_block_stop), a tool_use block per call (its input as one input_json_delta), message_delta
     with the stop reason and output tokens, message_stop. With tools, text where a call may start
     is held back until the end."""
     started, text_open = False, False
     held = calls.stream() if calls is not None else None
-    async for _, ev in Run(head, http, [req]).events():
+    async for _, ev in run.events():
         if ev.finish_reason == "error":
             e = generation_error(ev)
             yield named_sse("error", {"error": {"type": e.type, "message": e.message}})

@@ -10,13 +10,14 @@ from __future__ import annotations
 import asyncio
 import json
 import secrets
-from typing import TYPE_CHECKING, Any, AsyncIterator, Union
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Union
 
 from fastapi import Request
+from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from .errors import Unavailable, UserError, describe
-from .event_bridge import LoopMailbox
+from .event_bridge import Inbox, LoopMailbox
 from .http_errors import APIError
 from .http_gate import record_of
 
@@ -359,17 +360,19 @@ def chat_prompt(head: Head, messages: list[dict], add_generation_prompt: bool = 
 
 class Run:
     """The engine requests of one HTTP request (one per choice) seen from asyncio: their events
-    arrive on one queue through the loop's `LoopMailbox`, tagged with the choice index."""
+    arrive in one inbox through the loop's `LoopMailbox`, tagged with the choice index. `streamed`:
+    the response is an event stream, whose writes notice a client that left (starlette listens for
+    it beside the stream, or a write fails): the disconnect poll then runs only while no events come."""
 
-    def __init__(self, head: Head, http: Request, reqs: list[EngineRequest]):
+    def __init__(self, head: Head, http: Request, reqs: list[EngineRequest], streamed: bool = False):
         if head.cfg.role == "prefill":
             raise APIError(400, "this worker only prefills for decode heads (--role prefill): send requests to a decode head")
-        self.head, self.http, self.reqs = head, http, reqs
+        self.head, self.http, self.reqs, self.streamed = head, http, reqs, streamed
         self.record = record_of(http)
-        self.queue: asyncio.Queue[tuple[int, Event]] = asyncio.Queue()
+        self.inbox = Inbox()
         mailbox = LoopMailbox.of(asyncio.get_running_loop())
         for i, req in enumerate(reqs):
-            req.sink = lambda ev, i=i: mailbox.post(self.queue, (i, ev))
+            req.sink = lambda ev, i=i: mailbox.post(self.inbox, (i, ev))
         try:
             for req in reqs:
                 head.engine.submit(req)
@@ -389,15 +392,9 @@ class Run:
         finals: list[Event] = []
         try:
             while len(finals) < len(self.reqs):
-                try:  # events come in bursts (a step's): take what is queued without wait_for's task
-                    i, ev = self.queue.get_nowait()
-                except asyncio.QueueEmpty:
-                    try:
-                        i, ev = await asyncio.wait_for(self.queue.get(), DISCONNECT_POLL_S)
-                    except asyncio.TimeoutError:
-                        i, ev = 0, None
+                i, ev = await self.inbox.get(DISCONNECT_POLL_S, empty=(0, None))
                 # checked while events flow too: a non-streamed request's client may leave mid-generation
-                if ev is None or loop.time() - checked >= DISCONNECT_POLL_S:
+                if ev is None or (not self.streamed and loop.time() - checked >= DISCONNECT_POLL_S):
                     checked = loop.time()
                     if await self.http.is_disconnected():
                         return
@@ -412,6 +409,23 @@ class Run:
                 yield i, ev
         finally:
             self._cancel()
+
+    def response(self, parts: AsyncIterator[bytes]) -> StreamingResponse:
+        """The event stream of `parts` (this run's SSE events), written once per burst."""
+        return StreamingResponse(bursts(parts, self.inbox.pending), media_type="text/event-stream")
+
+
+async def bursts(parts: AsyncIterator[bytes], pending: Callable[[], bool]) -> AsyncIterator[bytes]:
+    """`parts` joined while `pending()` (more events already waiting): each write costs the ASGI
+    middleware chain and a send, so a stream that falls behind catches up in fewer writes."""
+    held: list[bytes] = []
+    async for part in parts:
+        held.append(part)
+        if not pending():
+            yield b"".join(held)
+            held.clear()
+    if held:
+        yield b"".join(held)
 
 
 def generation_error(ev: Event) -> APIError:

@@ -17,7 +17,7 @@ import uuid
 from typing import TYPE_CHECKING, Any, Union
 
 from fastapi import APIRouter, Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from .api_common import ChatBody, Run, chat_body, chat_requests, generation_error, named_sse, single_reply
@@ -121,7 +121,8 @@ def responses_routes(head: Head) -> APIRouter:
         _, reqs, calls = await chat_requests(head, to_chat(body))
         ids = {"resp": f"resp_{uuid.uuid4().hex}", "msg": f"msg_{uuid.uuid4().hex}"}
         if body.stream:
-            return StreamingResponse(_stream(head, http, reqs[0], ids, calls), media_type="text/event-stream")
+            run = Run(head, http, reqs[:1], streamed=True)
+            return run.response(_stream(run, ids, calls))
         reply = await single_reply(head, http, reqs[0], calls)
         if reply is None:  # the client left; nobody reads this
             return Response(status_code=499)
@@ -150,16 +151,17 @@ def _response(head: Head, ids: dict, text: str, final: Event, calls: list[dict] 
             "model": head.model_name, "output": output, "usage": _usage(final)}  # fmt: skip
 
 
-async def _stream(head: Head, http: Request, req, ids: dict, calls: ToolFormat | None):
+async def _stream(run: Run, ids: dict, calls: ToolFormat | None):
     """The response.* events; with tools, text where a call may start is held back, and each call
     comes at the end as a function_call output item (added, then done)."""
+    head = run.head
     pending = {"id": ids["resp"], "object": "response", "status": "in_progress", "model": head.model_name}
     held = calls.stream() if calls is not None else None
     yield named_sse("response.created", {"response": pending})
     yield named_sse("response.in_progress", {"response": pending})
     text: list[str] = []
     where = {"item_id": ids["msg"], "output_index": 0, "content_index": 0}
-    async for _, ev in Run(head, http, [req]).events():
+    async for _, ev in run.events():
         if ev.finish_reason == "error":
             e = generation_error(ev)
             yield named_sse("error", {"code": e.type, "message": e.message})

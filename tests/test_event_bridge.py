@@ -1,4 +1,4 @@
-"""Events from the engine's thread into asyncio: in order, per queue, one wake-up per burst."""
+"""Events from the engine's thread into asyncio: in order, per inbox, one wake-up per burst, one write per burst."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ import threading
 
 import pytest
 
-from hydra_console.engine.event_bridge import LoopMailbox
+from hydra_console.engine.api_common import bursts
+from hydra_console.engine.event_bridge import Inbox, LoopMailbox
 
 pytestmark = pytest.mark.unit
 
@@ -43,3 +44,42 @@ def test_posts_after_the_loop_closed_are_dropped_quietly():
     box = LoopMailbox.of(loop)
     loop.close()
     box.post(asyncio.Queue(), "late")  # the engine thread must not fail on it
+
+
+def test_an_inbox_gives_what_was_put_and_times_out_empty():
+    async def main():
+        box = Inbox()
+        assert not box.pending()
+        t = asyncio.get_running_loop().time()
+        assert await box.get(0.05, empty="none") == "none"
+        assert asyncio.get_running_loop().time() - t >= 0.04
+        asyncio.get_running_loop().call_later(0.01, box.put_nowait, "a")
+        assert await box.get(5) == "a"  # woken by the put, not the timeout
+        box.put_nowait("b"), box.put_nowait("c")
+        assert box.pending()
+        assert [await box.get(5), await box.get(5)] == ["b", "c"]
+        assert not box.pending()
+
+    asyncio.run(main())
+
+
+def test_a_stream_behind_its_events_writes_them_in_one_burst():
+    async def main():
+        box = Inbox()
+
+        async def parts():  # one SSE event per inbox item, as the routes' generators
+            while (item := await box.get(0.05)) is not None:
+                yield f"data: {item}\n\n".encode()
+            yield b"data: [DONE]\n\n"
+
+        for n in range(3):  # a step's events arrived before the stream read any
+            box.put_nowait(n)
+        writes = []
+        async for chunk in bursts(parts(), box.pending):
+            writes.append(chunk)
+            if len(writes) == 1:
+                box.put_nowait(3)  # the next step's, after the first write
+        assert writes[0] == b"data: 0\n\ndata: 1\n\ndata: 2\n\n"
+        assert b"".join(writes) == b"".join(f"data: {n}\n\n".encode() for n in range(4)) + b"data: [DONE]\n\n"
+
+    asyncio.run(main())
