@@ -70,4 +70,6 @@ def listen_sockets(hosts: str, port: int) -> list[socket.socket]:
 
 
 def http_server(app: FastAPI) -> uvicorn.Server:
-    return uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2))
+    # h11, not httptools: httptools' writer lowercases header names, and llama-server's clients see
+    # its spelling (Access-Control-Allow-Origin, Process-Start-Time-Unix); uvloop stays ("auto").
+    return uvicorn.Server(uvicorn.Config(app, http="h11", log_level="warning", timeout_graceful_shutdown=2))
