@@ -18,13 +18,16 @@ from hydra_console.engine.http_cors import Cors
 KEY = "s3cret"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 PROMPT = "the quick brown fox jumps over the lazy dog"
+# tokens of the request /slots must catch busy: ~2,000 decode steps of the tiny model outlast many
+# polls on any machine (100 could end between two polls of a loaded one, as CI saw)
+N_BUSY = 2000
 
 
 @pytest.fixture(scope="module")
 def server(tiny_model, tmp_path_factory):
     """Defaults but for an API key and several aliases."""
     w = head(tiny_model("llama"), tmp_path_factory.mktemp("llama-http"), (), "--api-key", KEY, "--alias",
-             "tiny-zeta, tiny-alpha,tiny-mid", "--tags", "small,test", parallel=2, ctx=128)  # fmt: skip
+             "tiny-zeta, tiny-alpha,tiny-mid", "--tags", "small,test", parallel=2, ctx=N_BUSY + 64)  # fmt: skip
     with running(w):
         yield w.url
 
@@ -99,20 +102,31 @@ def test_slots_show_is_processing_while_a_request_runs(server):
     assert len(idle) == 2 and all(s["is_processing"] is False and "params" not in s for s in idle)
     assert all({"id", "n_ctx", "speculative"} <= set(s) for s in idle)
     client = openai.OpenAI(base_url=f"{server}/v1", api_key=KEY, max_retries=0, timeout=120)
-    t = threading.Thread(target=lambda: client.completions.create(
-        model="m", prompt=PROMPT, max_tokens=100, temperature=0, extra_body={"ignore_eos": True}))  # fmt: skip
+    done: list = []  # the request's outcome: an error there must not read as "never busy"
+
+    def request() -> None:
+        try:
+            done.append(client.completions.create(model="m", prompt=PROMPT, max_tokens=N_BUSY, temperature=0,
+                                                  extra_body={"ignore_eos": True}))  # fmt: skip
+        except Exception as e:
+            done.append(e)
+
+    def busy_slots() -> list:
+        assert not done, f"the request ended before a poll saw its slot: {done[0]!r}"
+        return [s for s in httpx.get(f"{server}/slots", headers=AUTH).json() if s["is_processing"]]
+
+    t = threading.Thread(target=request)
     t.start()
     try:
-        busy = wait_for(lambda: [s for s in httpx.get(f"{server}/slots", headers=AUTH).json() if s["is_processing"]],
-                        60, "a busy slot")  # fmt: skip
-        s = busy[0]
-        assert s["params"]["n_predict"] == 100 and s["params"]["temperature"] == 0
-        assert s["next_token"][0]["n_remain"] == 100 - s["next_token"][0]["n_decoded"]
+        s = wait_for(busy_slots, 60, "a busy slot")[0]
+        assert s["params"]["n_predict"] == N_BUSY and s["params"]["temperature"] == 0
+        assert s["next_token"][0]["n_remain"] == N_BUSY - s["next_token"][0]["n_decoded"]
         # one slot busy of two: not "no slot available"
         assert httpx.get(f"{server}/slots", params={"fail_on_no_slot": 1}, headers=AUTH).status_code == 200
     finally:
         t.join(60)
     assert not any(s["is_processing"] for s in httpx.get(f"{server}/slots", headers=AUTH).json())
+    assert done and done[0].usage.completion_tokens == N_BUSY
 
 
 def test_no_slots_and_no_metrics_answer_501(locked_down):

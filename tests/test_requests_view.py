@@ -12,10 +12,13 @@ from rpc_workers import head, peer, running, wait_for
 from hydra_console.app import display
 from hydra_console.contracts.status import Status
 
+# the first request's tokens: long enough that the others still find it in its slot on a loaded machine
+HOLD = 2000
+
 
 def test_requests_slots_queue_latency_and_access_log(tiny_model, tmp_path):
     model = tiny_model("llama", n_layers=2)
-    with running(head(model, tmp_path, parallel=1, ctx=256)) as h:
+    with running(head(model, tmp_path, parallel=1, ctx=HOLD + 64)) as h:
         client = openai.OpenAI(base_url=f"{h.url}/v1", api_key="unused", max_retries=0, timeout=120)
 
         def ask(max_tokens=40):
@@ -24,7 +27,7 @@ def test_requests_slots_queue_latency_and_access_log(tiny_model, tmp_path):
 
         # The first request holds the one slot for the rest of the context (its first token is out
         # before the others start); the other two then wait, and /status says so while they do.
-        first = client.completions.create(model="m", prompt="count with me", max_tokens=230, temperature=0,
+        first = client.completions.create(model="m", prompt="count with me", max_tokens=HOLD, temperature=0,
                                           stream=True, extra_body={"ignore_eos": True})  # fmt: skip
         next(iter(first))
         threads = [threading.Thread(target=ask) for _ in range(2)]
@@ -45,7 +48,7 @@ def test_requests_slots_queue_latency_and_access_log(tiny_model, tmp_path):
         assert r.ttft_p99_ms > r.itl_p50_ms
         access = [ln for ln in h.log().splitlines() if "POST /v1/completions 200" in ln]
         assert len(access) == 3 and all("in=" in ln and "out=" in ln and ln.rstrip().endswith("ms") for ln in access)
-        assert sorted(int(re.search(r"out=(\d+)", ln).group(1)) for ln in access) == [40, 40, 230]
+        assert sorted(int(re.search(r"out=(\d+)", ln).group(1)) for ln in access) == [40, 40, HOLD]
         assert display.ACCESS_LINE.search(access[0])
         process = Status.from_json(h.status()).process  # the worker's own memory, not the machine's
         assert process.rss > 0 and process.gpu_memory is None  # a CPU worker
