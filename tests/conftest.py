@@ -6,8 +6,16 @@ sockets or the default model); `pytest -m unit` runs the fast half in seconds.""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
+import torch
+
+# Without a GPU, the Triton kernels (tests/test_qkernels.py, test_decode_attention.py) run on CPU
+# tensors under Triton's interpreter, set before any of them is imported; PyPI's CPU-installable
+# `triton` is a test dependency for it.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from hydra_console.engine.default_model import default_model_path
 from hydra_console.engine.synth import write_synthetic
