@@ -4,8 +4,7 @@ split editor count the same bytes. tests/test_footprint.py holds it to a built S
 
 Weight forms (engine/model/weights.py):
 - `quantized` (a GPU, `--gpu-weights quantized`): a block type with a GPU kernel keeps its bits,
-  repacked into planes (engine/kernels/qweight.py): the file's bytes, except Q4_K / Q5_K whose
-  12 packed bytes of 6-bit scales and mins per 256 weights become 16. Other types are dense.
+  repacked into planes (engine/kernels/qweight.py): the file's bytes. Other types are dense.
 - `int8` (CPU with 16-bit compute): every matrix is int8 rows with a bfloat16 scale per row, in
   two terms (a layer) or one (the output head); a layer's matrix also keeps the bfloat16 copy it
   builds on its first many-row product (prefill), which any served prompt triggers.
@@ -46,8 +45,8 @@ QUANT_BLOCKS = {
     "Q5_0": (32, 22),
     "Q5_1": (32, 24),
     "Q8_0": (32, 34),
-    "Q4_K": (256, 148),
-    "Q5_K": (256, 180),
+    "Q4_K": (256, 144),
+    "Q5_K": (256, 176),
     "Q6_K": (256, 210),
 }
 # The prefill's dequantization scratch (engine/kernels/qlinear.py DequantScratch): a matrix up to this

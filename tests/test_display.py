@@ -114,7 +114,7 @@ def test_memory_estimate_counts_each_stage_as_its_worker_holds_it(tiny_model):
     est = shape.estimate([3, 1], n_ctx=64, n_slots=2, workers=[cpu, cpu])
     assert [e.layers for e in est] == [(0, 3), (3, 4)]
     assert est[0].kv_bytes == 3 * est[1].kv_bytes > 0
-    # A GPU keeps Q4_K in its bits (148 bytes per 256 weights) where a CPU holds int8 terms and a bf16 copy.
+    # A GPU keeps Q4_K in its bits (144 bytes per 256 weights) where a CPU holds int8 terms and a bf16 copy.
     on_gpu = shape.estimate([3, 1], n_ctx=64, n_slots=2, workers=[cpu, gpu])
     assert on_gpu[0] == est[0] and on_gpu[1].weight_bytes < est[1].weight_bytes / 5
     assert on_gpu[1].kv_bytes == est[1].kv_bytes * (64 + 4) // 64  # + ROLLBACK positions a slot for the graphs' padding rows

@@ -93,7 +93,7 @@ def test_quantized_form_matches_a_stage_that_keeps_gguf_blocks(tiny_model, qtype
 @pytest.mark.unit
 @pytest.mark.parametrize("qtype", list(QUANT_BLOCKS))
 def test_quant_blocks_are_the_repacked_planes(qtype):
-    """QUANT_BLOCKS' bytes per block are what QuantWeight's planes take (Q4_K/Q5_K's unpacked scales included)."""
+    """QUANT_BLOCKS' bytes per block are what QuantWeight's planes take: the file's, for every type."""
     from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as T
 
     block, type_size = GGML_QUANT_SIZES[T[qtype]]

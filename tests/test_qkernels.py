@@ -48,9 +48,7 @@ def test_layout_is_bit_exact_and_rows_gather(qt):
     assert torch.equal(w.dequantize(), ref)
     ids = torch.tensor([[3, 0], [23, 3]])
     assert torch.equal(w.rows(ids), ref[ids])
-    # The true footprint: the file's bytes, plus 4 bytes per 256 weights where 6-bit scales are unpacked.
-    extra = 24 * _k(qt) // 256 * 4 if qt in (T.Q4_K, T.Q5_K) else 0
-    assert w.nbytes == raw.nbytes + extra
+    assert w.nbytes == raw.nbytes  # the true footprint: the file's bytes, rearranged
 
 
 @pytest.mark.parametrize("qt", [T.Q5_K, T.Q8_0], ids=lambda t: t.name)
@@ -157,6 +155,44 @@ def test_kernel_dequantize_is_bit_exact(qt):
         torch.testing.assert_close(bf16.float(), ref, rtol=2**-7, atol=0)
 
 
+
+
+def test_k_quant_scale_fields_round_trip():
+    """`sm` and `dm` hold a K-quant block's d, dmin and every 6-bit scale and min, whatever its bytes."""
+    from hydra_console.engine.quant import _scale_min_k4
+
+    b = torch.from_numpy(np.random.default_rng(0).integers(0, 256, (4096, 16), dtype=np.uint8))
+    packed = qweight._pack_k_scales(b)
+    assert packed["sm"].shape == (4096, 8) and packed["dm"].shape == (4096, 1)
+    d, m, sc, mn = qweight._unpack_k_scales(packed["sm"].reshape(1, -1), packed["dm"].reshape(1, -1))
+    want_d, want_dmin = (b[:, at : at + 2].contiguous().view(torch.float16).float().view(1, -1) for at in (0, 2))
+    torch.testing.assert_close(d, want_d, rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(m, -want_dmin, rtol=0, atol=0, equal_nan=True)
+    want_sc, want_mn = _scale_min_k4(b[:, 4:16])
+    assert torch.equal(sc.view(-1, 8), want_sc.long()) and torch.equal(mn.view(-1, 8), want_mn.long())
+
+
+@kernels
+@pytest.mark.parametrize("qt", [T.Q4_K, T.Q5_K], ids=lambda t: t.name)
+def test_kernels_read_k_quant_scales_and_mins_apart(qt, monkeypatch):
+    """`random_blocks` ties each min to its scale (zero-mean weights); here they are independent random
+    6-bit values, so a kernel that swaps them or misplaces a high bit is caught."""
+    from hydra_console.engine.kernels.triton_qmatmul import fused_matmul, kernel_dequantize
+
+    rng = np.random.default_rng(3)
+    n, k = 16, 512
+    raw = random_blocks((n, k), qt, 1 / 16, rng)
+    blocks = raw.reshape(-1, raw.shape[-1] // (k // 256))
+    blocks[:, 4:16] = rng.integers(0, 256, (blocks.shape[0], 12), dtype=np.uint8)
+    ref = dequantize(raw, qt, (n, k)).to(KERNEL_DEVICE)
+    w = QuantWeight.from_gguf(raw, qt, (n, k), device=KERNEL_DEVICE)
+    assert torch.equal(w.dequantize_reference(), ref)
+    assert torch.equal(kernel_dequantize(w, torch.float32), ref)
+    x = torch.randn(2, k, device=KERNEL_DEVICE)
+    for terms in (0, 1):
+        _gemv_x_terms(monkeypatch, terms)
+        x_in = x if terms == 0 else x.bfloat16()
+        assert _rel_err(fused_matmul(x_in, w), x_in.double() @ ref.double().T) < (1e-5 if terms == 0 else 1e-2)
 
 
 def _gemv_x_terms(monkeypatch, terms: int) -> None:

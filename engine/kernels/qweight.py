@@ -15,10 +15,16 @@ Planes of a [n, k] weight, each row-major with one row per output:
   a tile's are 4 // per little-endian 32-bit words; those of nibble byte 4j + b sit in byte b of
   word j // per at bits 2*(bits-4)*(j % per) (low element first). So byte b of a word serves byte b
   of each `q` word it covers: a GEMV merges them into 4 codes of an int32 by shifts and masks.
-- `d`  float16 [n, k/sb]; `m` float16 [n, k/sb]; `sc`, `mn` uint8 (int8 for Q6_K) [n, k/g].
+- `d`  float16 [n, k/sb]; `m` float16 [n, k/sb]; `sc` int8 [n, k/16] (Q6_K).
+- Q4_K / Q5_K (scales and mins per group of 32, 6 bits each) instead of `d`, `m`, `sc`, `mn`:
+  `sm` uint8 [n, k/32]: a group's low nibbles (scale | min << 4);
+  `dm` int64 [n, k/256]: a block's float16 d and m (bits 0-15, 16-31) and the high bits of its
+  groups' scales and mins (group j's at bits 32 + 4j: scale's 2, then min's 2).
+  A 32-element tile then reads two loads, its byte and its block's word (one address for the
+  block's eight tiles), where plain fields took four; the bytes are the file's 12 + 4 per block.
+  (The file's own packing, three byte loads a group, cost the GEMV 7.5 %: docs/PERF.md, session 13.)
 
-The bytes equal the GGUF file's except for Q4_K / Q5_K, whose 12 packed bytes of 6-bit scales
-and mins per 256 weights become 16 plain bytes (+2.8 % / +2.3 %).
+Every plane together holds the GGUF file's bytes, rearranged.
 """
 
 from __future__ import annotations
@@ -72,17 +78,35 @@ def _split(b: torch.Tensor, qt: T) -> dict[str, torch.Tensor]:
         u = _q5_low_high(b[:, at : at + 4], b[:, at + 4 :])
         return {"u": u, "d": _f16(b, 0)} | ({"m": _f16(b, 2)} if qt == T.Q5_1 else {})
     if qt in (T.Q4_K, T.Q5_K):
-        sc, mn = _scale_min_k4(b[:, 4:16])
         if qt == T.Q4_K:
             u = _bits(b[:, 16:], 32, (0, 4), 0x0F).reshape(n, 256)
         else:
             ql = _bits(b[:, 48:], 32, (0, 4), 0x0F).reshape(n, 256)
             u = ql | (_bits(b[:, 16:48], 32, list(range(8)), 0x01).reshape(n, 256) << 4)
-        return {"u": u, "d": _f16(b, 0), "m": -_f16(b, 2), "sc": sc, "mn": mn}
+        return {"u": u} | _pack_k_scales(b)
     # Q6_K
     ql = _bits(b[:, :128], 64, (0, 4), 0x0F).reshape(n, 256)
     qh = _bits(b[:, 128:192], 32, (0, 2, 4, 6), 0x03).reshape(n, 256)
     return {"u": ql | (qh << 4), "d": _f16(b, 208), "sc": b[:, 192:208].contiguous().view(torch.int8)}
+
+
+def _pack_k_scales(b: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Q4_K / Q5_K blocks [nb, type_size] -> their `sm` [nb, 8] and `dm` [nb, 1] (module doc)."""
+    sc, mn = _scale_min_k4(b[:, 4:16])
+    bits = (b[:, :4].long() << torch.tensor([0, 8, 16, 24], device=b.device)).sum(dim=1, keepdim=True)
+    high = ((sc >> 4) | ((mn >> 4) << 2)).long() << (32 + 4 * torch.arange(8, device=b.device))
+    # m = -dmin: its sign bit flipped, exact, so the formula adds m * mn as the reference subtracts dmin * min.
+    return {"sm": (sc & 15) | ((mn & 15) << 4), "dm": (bits ^ (0x8000 << 16)) | high.sum(dim=1, keepdim=True)}
+
+
+def _unpack_k_scales(sm: torch.Tensor, dm: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """`sm` [n, nb*8] and `dm` [n, nb] -> d, m float32 [n, nb] and the 6-bit scales, mins int64 [n, nb*8]."""
+    n, nb = dm.shape
+    d, m = (((dm >> at) & 0xFFFF).to(torch.int16).view(torch.float16).float() for at in (0, 16))
+    high = (dm.view(n, nb, 1) >> (32 + 4 * torch.arange(8, device=dm.device))) & 15
+    low = sm.long().view(n, nb, 8)
+    sc, mn = (low & 15) | ((high & 3) << 4), (low >> 4) | ((high >> 2) << 4)
+    return d, m, sc.view(n, -1), mn.view(n, -1)
 
 
 def _per(bits: int) -> int:
@@ -220,13 +244,17 @@ class QuantWeight:
         n, k = self.shape
         u = _unpack(p["q"], p.get("h"), lay.bits)
         g = lay.g or lay.sb  # one scale per group of g weights
-        d = p["d"].float().repeat_interleave(lay.sb // g, dim=1)
+        if lay.has_mn:
+            d, m, sc, mn = _unpack_k_scales(p["sm"], p["dm"])
+        else:
+            d, m, sc = p["d"].float(), p["m"].float() if lay.has_m else None, p.get("sc")
+        d = d.repeat_interleave(lay.sb // g, dim=1)
         if lay.g:
-            d = d * p["sc"].float()
+            d = d * sc.float()
         w = d.view(n, k // g, 1) * (u - lay.offset).float().view(n, k // g, g)
         if lay.has_m:
-            m = p["m"].float().repeat_interleave(lay.sb // g, dim=1)
+            m = m.repeat_interleave(lay.sb // g, dim=1)
             if lay.has_mn:
-                m = m * p["mn"].float()
+                m = m * mn.float()
             w = w + m.view(n, k // g, 1)
         return w.view(n, k)

@@ -68,29 +68,39 @@ def _codes(q_ptr, h_ptr, r, ok, p, i, q_stride, h_stride, BITS: tl.constexpr, OF
 
 
 @triton.jit
-def _scales(d_ptr, sc_ptr, m_ptr, mn_ptr, r, ok, k_lo, d_stride, s_stride, SB: tl.constexpr, G: tl.constexpr,
+def _half(v, at: tl.constexpr):
+    """The float16 at bits `at`..`at`+15 of int64 v, as float32."""
+    return ((v >> at) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _scales(d_ptr, sc_ptr, m_ptr, r, ok, k_lo, d_stride, s_stride, SB: tl.constexpr, G: tl.constexpr,
             HAS_M: tl.constexpr, HAS_MN: tl.constexpr):
     """(d_lo, d_hi, m) of the tiles starting at elements k_lo of rows r: the scales of a tile's lo and hi
     halves (a group of 16, Q6_K, splits a tile; wider groups cover both halves) and its min (0: none),
-    as quant.dequantize computes them: d * sc and m * mn."""
+    as quant.dequantize computes them: d * sc and m * mn. The K-quants with mins pass their `dm` as
+    `d_ptr` and `sm` as `sc_ptr` (qweight's layout): two loads a tile, the word shared by its block."""
+    if HAS_MN:
+        g = (k_lo // 32) % 8
+        v = tl.load(d_ptr + r * d_stride + k_lo // 256, mask=ok, other=0)
+        low = tl.load(sc_ptr + r * s_stride + k_lo // 32, mask=ok, other=0).to(tl.int32)
+        high = (v >> 32).to(tl.int32) >> (4 * g)
+        d_lo = _half(v, 0) * ((low & 15) | ((high & 3) << 4)).to(tl.float32)
+        m = _half(v, 16) * ((low >> 4) | ((high & 12) << 2)).to(tl.float32)
+        return d_lo, d_lo, m
     d_lo = _group(d_ptr, r, d_stride, k_lo, SB, ok)
     d_hi = d_lo
     if G == 16:
         d_lo = d_lo * _group(sc_ptr, r, s_stride, k_lo, G, ok)
         d_hi = d_hi * _group(sc_ptr, r, s_stride, k_lo + 16, G, ok)
-    elif G:
-        d_lo = d_lo * _group(sc_ptr, r, s_stride, k_lo, G, ok)
-        d_hi = d_lo
     m = 0.0
     if HAS_M:
         m = _group(m_ptr, r, d_stride, k_lo, SB, ok)
-        if HAS_MN:  # K-quants with mins have groups of 32
-            m = m * _group(mn_ptr, r, s_stride, k_lo, G, ok)
     return d_lo, d_hi, m
 
 
 @triton.jit
-def _dequant_kernel(q_ptr, h_ptr, d_ptr, sc_ptr, m_ptr, mn_ptr, out_ptr, N, K, q_stride, h_stride, d_stride,
+def _dequant_kernel(q_ptr, h_ptr, d_ptr, sc_ptr, m_ptr, out_ptr, N, K, q_stride, h_stride, d_stride,
                     s_stride, BITS: tl.constexpr, OFFSET: tl.constexpr, SB: tl.constexpr, G: tl.constexpr,
                     HAS_M: tl.constexpr, HAS_MN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)[:, None, None]
@@ -100,7 +110,7 @@ def _dequant_kernel(q_ptr, h_ptr, d_ptr, sc_ptr, m_ptr, mn_ptr, out_ptr, N, K, q
     i = tl.arange(0, 16)[None, None, :]
     p = k_lo // 2 + i
     q_lo, q_hi = _codes(q_ptr, h_ptr, r, r_ok & (k_lo < K), p, i, q_stride, h_stride, BITS, OFFSET)
-    d_lo, d_hi, m = _scales(d_ptr, sc_ptr, m_ptr, mn_ptr, r, r_ok & (k_lo < K), k_lo, d_stride, s_stride, SB, G,
+    d_lo, d_hi, m = _scales(d_ptr, sc_ptr, m_ptr, r, r_ok & (k_lo < K), k_lo, d_stride, s_stride, SB, G,
                             HAS_M, HAS_MN)
     # The same operations, in the same order, as quant.dequantize: (d * sc) * (u - offset) + m * mn.
     w_lo = d_lo * q_lo + m
@@ -196,7 +206,7 @@ def _pick(v, j, c: tl.constexpr):
 
 
 @triton.jit
-def _gemv_step(acc, b0, x_ptr, q_ptr, h_ptr, d_ptr, sc_ptr, m_ptr, mn_ptr, M, N, K, x_stride, q_stride, h_stride,
+def _gemv_step(acc, b0, x_ptr, q_ptr, h_ptr, d_ptr, sc_ptr, m_ptr, M, N, K, x_stride, q_stride, h_stride,
                d_stride, s_stride, BITS: tl.constexpr, OFFSET: tl.constexpr, SB: tl.constexpr, G: tl.constexpr,
                HAS_M: tl.constexpr, HAS_MN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                MR: tl.constexpr, X_TERMS: tl.constexpr, ASM: tl.constexpr):
@@ -261,7 +271,7 @@ def _gemv_step(acc, b0, x_ptr, q_ptr, h_ptr, d_ptr, sc_ptr, m_ptr, mn_ptr, M, N,
             s_lo = s_lo + s_hi
         x_sum = tl.sum(x_lo + x_hi, axis=3)
     k3 = k0 + tl.arange(0, BLOCK_K // 32)[None, :, None] * 32
-    d_lo, d_hi, m = _scales(d_ptr, sc_ptr, m_ptr, mn_ptr, r3, (r3 < N) & (k3 < K), k3, d_stride, s_stride, SB, G,
+    d_lo, d_hi, m = _scales(d_ptr, sc_ptr, m_ptr, r3, (r3 < N) & (k3 < K), k3, d_stride, s_stride, SB, G,
                             HAS_M, HAS_MN)
     if G == 16:
         acc += s_lo * d_lo + s_hi * d_hi
@@ -273,7 +283,7 @@ def _gemv_step(acc, b0, x_ptr, q_ptr, h_ptr, d_ptr, sc_ptr, m_ptr, mn_ptr, M, N,
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, q_ptr, h_ptr, d_ptr, sc_ptr, m_ptr, mn_ptr, out_ptr, M, N, K, x_stride, q_stride,
+def _gemv_kernel(x_ptr, q_ptr, h_ptr, d_ptr, sc_ptr, m_ptr, out_ptr, M, N, K, x_stride, q_stride,
                  h_stride, d_stride, s_stride, k_split, BITS: tl.constexpr, OFFSET: tl.constexpr,
                  SB: tl.constexpr, G: tl.constexpr, HAS_M: tl.constexpr, HAS_MN: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr, MR: tl.constexpr, X_TERMS: tl.constexpr, ASM: tl.constexpr):
@@ -282,7 +292,7 @@ def _gemv_kernel(x_ptr, q_ptr, h_ptr, d_ptr, sc_ptr, m_ptr, mn_ptr, out_ptr, M, 
     start = tl.program_id(1) * (k_split // 2)  # in bytes of q; the last split's steps past K load nothing
     b0 = start
     while b0 < start + k_split // 2:  # a runtime trip count: one compile for every K
-        acc = _gemv_step(acc, b0, x_ptr, q_ptr, h_ptr, d_ptr, sc_ptr, m_ptr, mn_ptr, M, N, K, x_stride, q_stride,
+        acc = _gemv_step(acc, b0, x_ptr, q_ptr, h_ptr, d_ptr, sc_ptr, m_ptr, M, N, K, x_stride, q_stride,
                          h_stride, d_stride, s_stride, BITS, OFFSET, SB, G, HAS_M, HAS_MN, BLOCK_N, BLOCK_K, MR,
                          X_TERMS, ASM)
         b0 += BLOCK_K // 2
@@ -312,18 +322,18 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
 
 
-def _layout_args(qtype: int, q, h, d, sc, m, mn) -> tuple[list, list, dict]:
+def _layout_args(qtype: int, q, h, d, sc, m) -> tuple[list, list, dict]:
     """Pointer and stride arguments (absent planes alias `d`, never read) and the layout's constexprs."""
     lay = LAYOUTS[T(qtype)]
-    ptrs = [q, d if h is None else h, d, d if sc is None else sc, d if m is None else m, d if mn is None else mn]
+    ptrs = [q, d if h is None else h, d, d if sc is None else sc, d if m is None else m]
     strides = [q.stride(0), 0 if h is None else h.stride(0), d.stride(0), 0 if sc is None else sc.stride(0)]
     consts = dict(BITS=lay.bits, OFFSET=lay.offset, SB=lay.sb, G=lay.g, HAS_M=lay.has_m, HAS_MN=lay.has_mn)
     return ptrs, strides, consts
 
 
-def _dequant_launch(q, h, d, sc, m, mn, qtype: int, out: torch.Tensor) -> None:
+def _dequant_launch(q, h, d, sc, m, qtype: int, out: torch.Tensor) -> None:
     n, k = out.shape
-    ptrs, strides, consts = _layout_args(qtype, q, h, d, sc, m, mn)
+    ptrs, strides, consts = _layout_args(qtype, q, h, d, sc, m)
     block_n, block_k = 16, 256
     # No fused multiply-adds: float32 output equals quant.dequantize bit for bit.
     _dequant_kernel[(triton.cdiv(n, block_n), triton.cdiv(k, block_k))](
@@ -332,26 +342,26 @@ def _dequant_launch(q, h, d, sc, m, mn, qtype: int, out: torch.Tensor) -> None:
 
 @torch.library.custom_op("hydra::qdequant", mutates_args=())
 def qdequant(q: torch.Tensor, h: torch.Tensor | None, d: torch.Tensor, sc: torch.Tensor | None,
-             m: torch.Tensor | None, mn: torch.Tensor | None, qtype: int, dtype: torch.dtype) -> torch.Tensor:
+             m: torch.Tensor | None, qtype: int, dtype: torch.dtype) -> torch.Tensor:
     out = torch.empty(q.shape[0], q.shape[1] * 2, dtype=dtype, device=q.device)
-    _dequant_launch(q, h, d, sc, m, mn, qtype, out)
+    _dequant_launch(q, h, d, sc, m, qtype, out)
     return out
 
 
 @qdequant.register_fake
-def _(q, h, d, sc, m, mn, qtype, dtype):
+def _(q, h, d, sc, m, qtype, dtype):
     return q.new_empty(q.shape[0], q.shape[1] * 2, dtype=dtype)
 
 
 @torch.library.custom_op("hydra::qdequant_into", mutates_args=("out",))
 def qdequant_into(q: torch.Tensor, h: torch.Tensor | None, d: torch.Tensor, sc: torch.Tensor | None,
-                  m: torch.Tensor | None, mn: torch.Tensor | None, qtype: int, out: torch.Tensor) -> None:
+                  m: torch.Tensor | None, qtype: int, out: torch.Tensor) -> None:
     """The weight dequantized into `out` [n, k] (a reused scratch, contiguous)."""
-    _dequant_launch(q, h, d, sc, m, mn, qtype, out)
+    _dequant_launch(q, h, d, sc, m, qtype, out)
 
 
 @qdequant_into.register_fake
-def _(q, h, d, sc, m, mn, qtype, out):
+def _(q, h, d, sc, m, qtype, out):
     return None
 
 
@@ -363,7 +373,7 @@ def _split_k(n_programs: int, k: int, block_k: int, target: int) -> int:
 
 @torch.library.custom_op("hydra::qmm", mutates_args=())
 def qmm(x: torch.Tensor, q: torch.Tensor, h: torch.Tensor | None, d: torch.Tensor, sc: torch.Tensor | None,
-        m: torch.Tensor | None, mn: torch.Tensor | None, qtype: int) -> torch.Tensor:
+        m: torch.Tensor | None, qtype: int) -> torch.Tensor:
     """x [M, K] @ w.T -> [M, N] in x's dtype, for M up to GEMV_MAX_ROWS."""
     rows, k = x.shape
     n = q.shape[0]
@@ -375,7 +385,7 @@ def qmm(x: torch.Tensor, q: torch.Tensor, h: torch.Tensor | None, d: torch.Tenso
         raise ValueError(f"the fused GEMV takes 1..{GEMV_MAX_ROWS} rows, got {rows}")
     block_n, block_k, warps, per_sm, x_terms = GEMV_CONFIGS[mr]
     x_terms = x_terms if x.dtype != torch.float32 else 0  # float32 x keeps float32 arithmetic throughout
-    ptrs, strides, consts = _layout_args(qtype, q, h, d, sc, m, mn)
+    ptrs, strides, consts = _layout_args(qtype, q, h, d, sc, m)
     grid_n = triton.cdiv(n, block_n)
     k_split = _split_k(grid_n, k, block_k, per_sm * _sm_count(x.device))
     splits = triton.cdiv(k, k_split)
@@ -403,13 +413,15 @@ def quantize_x(x: torch.Tensor, terms: int = 1) -> torch.Tensor:
 
 
 @qmm.register_fake
-def _(x, q, h, d, sc, m, mn, qtype):
+def _(x, q, h, d, sc, m, qtype):
     return x.new_empty(x.shape[0], q.shape[0])
 
 
 def planes_args(w: QuantWeight) -> tuple:
     p = w.planes
-    return p["q"], p.get("h"), p["d"], p.get("sc"), p.get("m"), p.get("mn"), int(w.qtype)
+    if w.layout.has_mn:  # the K-quants' `dm` and `sm` take the places of `d` and `sc` (see `_scales`)
+        return p["q"], p.get("h"), p["dm"], p["sm"], None, int(w.qtype)
+    return p["q"], p.get("h"), p["d"], p.get("sc"), p.get("m"), int(w.qtype)
 
 
 def kernel_dequantize(w: QuantWeight, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
