@@ -151,13 +151,16 @@ class Rows:
         device = torch.device(device)
         ends = [len(h) for h in histories] if ends is None else list(ends)
         ps = [s.params for s in samplers]
-        neutral = [p if p.penalised else _NEUTRAL for p in ps]
+        penalised = [p.penalised for p in ps]
         window = valid = penalties = bias = draw = None
         uniforms: dict[Stream, torch.Tensor] = {}
-        repeat = [[p.repeat_penalty for p in neutral], [p.presence_penalty for p in neutral],
-                  [p.frequency_penalty for p in neutral]]  # fmt: skip
+        sampled, any_penalised = not all(p.greedy for p in ps), any(penalised)
+        if sampled or any_penalised:  # a plain greedy step (most of a busy server's) builds none of this
+            neutral = [p if pen else _NEUTRAL for p, pen in zip(ps, penalised)]
+            repeat = [[p.repeat_penalty for p in neutral], [p.presence_penalty for p in neutral],
+                      [p.frequency_penalty for p in neutral]]  # fmt: skip
         # An all-greedy step takes the argmax: none of the draw's parameters go to the device.
-        if not all(p.greedy for p in ps):
+        if sampled:
             # The draw's uniforms (`uniform`) travel with the parameters: one row more, no copy of their own.
             floats = torch.tensor([[p.temperature or 1.0 for p in ps], [p.top_p if p.top_p < 1.0 else 2.0 for p in ps],
                                    [p.min_p for p in ps], *repeat, host_uniform(samplers, ends, Stream.SAMPLE).tolist()],
@@ -166,8 +169,9 @@ class Rows:
             floats, longs = to_device(floats, device), to_device(longs, device)
             uniforms[Stream.SAMPLE] = floats[6]
             draw = (longs[1].bool(), floats[0], longs[0], floats[1], floats[2])
-        if any(p.penalised for p in ps):
-            windows = [_window(h, e, p.repeat_last_n) if p.penalised else [0] for h, e, p in zip(histories, ends, ps)]
+        if any_penalised:
+            windows = [_window(h, e, p.repeat_last_n) if pen else [0]
+                       for h, e, p, pen in zip(histories, ends, ps, penalised)]  # fmt: skip
             width = max(len(w) for w in windows)
             # Padding repeats the row's first entry: it writes that token's penalised logit again, unchanged.
             window = torch.tensor([w[:1] * (width - len(w)) + w for w in windows], dtype=torch.long)

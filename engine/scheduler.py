@@ -84,6 +84,8 @@ class Batch:
     def hidden_rows(self) -> list[int]:
         """Rows of `inputs()` whose final-norm hidden states the step returns (embedding chunks)."""
         rows, first = [], 0
+        if not any(c.hidden for c in self.chunks):
+            return rows
         for c in self.chunks:
             n = c.end - c.start + (len(c.draft.tokens) if c.draft else 0)
             if c.hidden:

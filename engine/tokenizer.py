@@ -321,7 +321,12 @@ class Tokenizer:
 
     def is_special(self, tid: int) -> bool:
         """Control and unknown tokens: the ones `decode(..., skip_special=True)` leaves out."""
-        return int(self._types[self._check(tid)]) in (CONTROL, UNKNOWN)
+        return self._check(tid) in self._skipped
+
+    @cached_property
+    def _skipped(self) -> frozenset[int]:
+        """Control and unknown ids: a set lookup per streamed token, not a numpy scalar's."""
+        return frozenset(np.nonzero((self._types == CONTROL) | (self._types == UNKNOWN))[0].tolist())
 
     def _check(self, tid) -> int:
         if not isinstance(tid, (int, np.integer)) or isinstance(tid, bool) or not 0 <= tid < len(self._tokens):
