@@ -15,11 +15,11 @@ position // block_size) to the block that holds the position.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
+
+from .split_k import sm_count
 
 
 @triton.jit
@@ -111,19 +111,13 @@ def _reduce_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, SPLITS: tl.constexpr, BLOCK_S
     tl.store(out_ptr + row * HEAD_DIM + d, o.to(out_ptr.dtype.element_ty), mask=d_ok)
 
 
-@functools.cache
-def _sm_count(device: torch.device) -> int:
-    """Multiprocessors to fill; 1 off CUDA (Triton's interpreter, TRITON_INTERPRET=1, on CPU tensors)."""
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
-
-
 def _block_n(head_dim: int) -> int:
     return 64 if head_dim <= 128 else 32
 
 
 def default_splits(batch: int, n_kv: int, max_len: int, head_dim: int, device: torch.device) -> int:
     """Slices per (slot, KV head): about four programs per multiprocessor, at most one tile each."""
-    want = triton.cdiv(4 * _sm_count(device), batch * n_kv)
+    want = triton.cdiv(4 * sm_count(device), batch * n_kv)
     return max(1, min(want, triton.cdiv(max_len, _block_n(head_dim)), 64))
 
 

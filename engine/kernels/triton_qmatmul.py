@@ -18,14 +18,13 @@ and allocations, so CUDA graphs capture them.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 from gguf.constants import GGMLQuantizationType as T
 
 from .qweight import LAYOUTS, QuantWeight
+from .split_k import partials, reduced, sm_count, split_k
 
 # GEMV tiles by row count rounded up to a power of two: (BLOCK_N, BLOCK_K, num_warps, programs per SM
 # that split-K aims for, x terms: 16-bit x as that many int8 terms per tile for dp4a (0: float x; one
@@ -303,25 +302,6 @@ def _gemv_kernel(x_ptr, q_ptr, h_ptr, d_ptr, sc_ptr, m_ptr, out_ptr, M, N, K, x_
     tl.store(out, y.to(out_ptr.dtype.element_ty), mask=(rows2 < N) & (xr2 < M))
 
 
-@triton.jit
-def _sum_splits_kernel(part_ptr, out_ptr, SPLITS, SIZE, BLOCK: tl.constexpr):
-    """out = the split-K partials [SPLITS, SIZE] summed in split order, in out's dtype: one launch."""
-    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    ok = i < SIZE
-    acc = tl.zeros([BLOCK], tl.float32)
-    s = 0
-    while s < SPLITS:
-        acc += tl.load(part_ptr + s * SIZE + i, mask=ok, other=0.0)
-        s += 1
-    tl.store(out_ptr + i, acc.to(out_ptr.dtype.element_ty), mask=ok)
-
-
-@functools.cache
-def _sm_count(device: torch.device) -> int:
-    """Multiprocessors to fill; 1 off CUDA (Triton's interpreter, TRITON_INTERPRET=1, on CPU tensors)."""
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
-
-
 def _layout_args(qtype: int, q, h, d, sc, m) -> tuple[list, list, dict]:
     """Pointer and stride arguments (absent planes alias `d`, never read) and the layout's constexprs."""
     lay = LAYOUTS[T(qtype)]
@@ -365,12 +345,6 @@ def _(q, h, d, sc, m, qtype, out):
     return None
 
 
-def _split_k(n_programs: int, k: int, block_k: int, target: int) -> int:
-    """Elements of K per program: about `target` programs in all (enough loads in flight), whole BLOCK_K steps."""
-    splits = max(1, min(triton.cdiv(target, n_programs), k // block_k))
-    return triton.cdiv(triton.cdiv(k, splits), block_k) * block_k
-
-
 @torch.library.custom_op("hydra::qmm", mutates_args=())
 def qmm(x: torch.Tensor, q: torch.Tensor, h: torch.Tensor | None, d: torch.Tensor, sc: torch.Tensor | None,
         m: torch.Tensor | None, qtype: int) -> torch.Tensor:
@@ -387,18 +361,14 @@ def qmm(x: torch.Tensor, q: torch.Tensor, h: torch.Tensor | None, d: torch.Tenso
     x_terms = x_terms if x.dtype != torch.float32 else 0  # float32 x keeps float32 arithmetic throughout
     ptrs, strides, consts = _layout_args(qtype, q, h, d, sc, m)
     grid_n = triton.cdiv(n, block_n)
-    k_split = _split_k(grid_n, k, block_k, per_sm * _sm_count(x.device))
+    k_split = split_k(grid_n, k, block_k, per_sm * sm_count(x.device))
     splits = triton.cdiv(k, k_split)
-    out = torch.empty(splits, rows, n, dtype=x.dtype if splits == 1 else torch.float32, device=x.device)
+    out = partials(splits, rows, n, x.dtype, x.device)
     xk = quantize_x(x, x_terms) if x_terms else x
     _gemv_kernel[(grid_n, splits)](xk, *ptrs, out, rows, n, k, xk.stride(0), *strides, k_split, **consts,
                                    BLOCK_N=block_n, BLOCK_K=block_k, MR=mr, X_TERMS=x_terms,
                                    ASM=x.device.type == "cuda", num_warps=warps)
-    if splits == 1:
-        return out[0]
-    y = torch.empty(rows, n, dtype=x.dtype, device=x.device)
-    _sum_splits_kernel[(triton.cdiv(rows * n, 1024),)](out, y, splits, rows * n, BLOCK=1024)
-    return y
+    return reduced(out, x.dtype)
 
 
 def quantize_x(x: torch.Tensor, terms: int = 1) -> torch.Tensor:
