@@ -50,7 +50,7 @@ class Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.scale is None:
-            y = F.linear(x, self.weight)
+            y = _dense_linear(x, self.weight)
         elif x.shape[0] > _INT8_MAX_ROWS and self.terms > 1:
             y = F.linear(x.to(torch.bfloat16), self._bf16())
         else:
@@ -67,6 +67,17 @@ class Linear:
             w = (self.weight.view(self.terms, n, -1).float() * self.scale.float().view(self.terms, n, 1)).sum(0)
             self._dense = w.to(torch.bfloat16)
         return self._dense
+
+
+def _dense_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x @ w.T: on CUDA, decode's few rows of a 16-bit weight by the Triton GEMV (cuBLAS keeps most
+    of the memory idle on these shapes, docs/PERF.md session 15), more rows by cuBLAS."""
+    if x.device.type == "cuda" and x.dtype == w.dtype and w.dtype in (torch.bfloat16, torch.float16):
+        from ..kernels.triton_dense import DENSE_GEMV_MAX_ROWS
+
+        if x.shape[0] <= DENSE_GEMV_MAX_ROWS:
+            return torch.ops.hydra.dmm(x, w)
+    return F.linear(x, w)
 
 
 class QuantLinear:
