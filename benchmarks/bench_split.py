@@ -5,7 +5,8 @@
 
 Decode: single-token greedy steps through `Pipeline.forward` after the same prompt, solo (every
 layer here) and split (head [0, L/2) here, [L/2, L) in a `hydra-engine peer` process over the
-merged RPC port), in blocks of `--block` steps alternating between the two `-r` times. Re-split: boundaries
+merged RPC port), in blocks of `--block` steps alternating between the two `-r` times. On CUDA all
+three (solo, head, peer) compile the decode step as `serve` and `peer` do (`--no-compile`: none does). Re-split: boundaries
 moved back and forth with a slot of `--resplit-ctx` tokens live (its KV is rebuilt each time).
 Prints numbers, asserts nothing. This process is the split's head, so it takes the OpenMP setting
 of `hydra-engine serve --peer` (engine/openmp.py: a short idle spin, unless GOMP_SPINCOUNT or
@@ -51,10 +52,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_peer(model: Path, device: str, cores: set[int] | None = None) -> tuple[subprocess.Popen, str]:
+def start_peer(model: Path, device: str, cores: set[int] | None = None, compiled: bool = True) -> tuple[subprocess.Popen, str]:
     port, rpc = free_port(), free_port()
     cmd = [sys.executable, "-m", "hydra_console.engine.cli", "peer", "--model", str(model), "--device", device,
-           "--port", str(port), "--rpc-port", str(rpc)]  # fmt: skip
+           "--port", str(port), "--rpc-port", str(rpc), *([] if compiled else ["--no-compile"])]  # fmt: skip
     pin = (lambda: os.sched_setaffinity(0, cores)) if cores else None
     return subprocess.Popen(cmd, stderr=subprocess.DEVNULL, preexec_fn=pin), f"127.0.0.1:{rpc}"
 
@@ -149,6 +150,9 @@ def main() -> None:
                     help="serve the peer's layers from a thread of this process over the same loopback RPC: on one GPU "
                          "this shares the head's CUDA context, which separates the GPU's context switches from our cost")
     ap.add_argument("--no-resplit", action="store_true", help="skip the live re-split timings")
+    ap.add_argument("--no-compile", action="store_true",
+                    help="solo, head and peer replay the uncompiled decode step (as `serve --no-compile`); by default all "
+                         "three compile it, as serve and peer do, so solo and split compare like with like")  # fmt: skip
     ap.add_argument("--json", dest="json_path", default=None,
                     help="also write the decode rates and the median time per part to this file (bench_api.py reads it)")
     args = ap.parse_args()
@@ -173,6 +177,7 @@ def main() -> None:
     part_steps = max(args.block, 32)
     n_ctx = max(PROMPT_TOKENS + part_steps + 8, args.prefill)
     half = cfg.n_layers // 2
+    compiled = not args.no_compile and device.type == "cuda"  # only CUDA graphs replay a compiled step
     if args.pin:
         os.environ["OMP_NUM_THREADS"] = "1"  # inherited by the peer
         torch.set_num_threads(1)
@@ -186,15 +191,17 @@ def main() -> None:
         from hydra_console.engine.rpc.listener import RpcListener
         from hydra_console.engine.rpc.resident import StageHost
 
-        listener = RpcListener("127.0.0.1", 0, mode="peer", compute=ComputeServer(StageHost(g, cfg, device, cache_dir=cache_dir),
-                                                                                   spin_s=rpc.spin_seconds(device))).start()
+        host = StageHost(g, cfg, device, cache_dir=cache_dir, compile_decode=compiled)
+        listener = RpcListener("127.0.0.1", 0, mode="peer", compute=ComputeServer(host, spin_s=rpc.spin_seconds(device))).start()
         proc, addr = None, f"127.0.0.1:{listener.bound_port}"
     else:
-        proc, addr = start_peer(model, args.device, {1} if args.pin else None)
+        proc, addr = start_peer(model, args.device, {1} if args.pin else None, compiled)
     try:
-        solo = Pipeline(build_stage(g, device=device, dtype=dtype, n_slots=1, n_ctx=max(n_ctx, args.resplit_ctx), cache_dir=cache_dir))
+        solo = Pipeline(build_stage(g, device=device, dtype=dtype, n_slots=1, n_ctx=max(n_ctx, args.resplit_ctx), cache_dir=cache_dir,
+                                    compile_decode=compiled))  # fmt: skip
         argv = ["serve", "--model", str(model), "--peer", addr, "--split", f"{half}/{cfg.n_layers - half}", "--device", args.device,
-                "--dtype", args.dtype, "--parallel", "1", "--ctx", str(max(n_ctx, args.resplit_ctx)), "--peer-wait", "120"]  # fmt: skip
+                "--dtype", args.dtype, "--parallel", "1", "--ctx", str(max(n_ctx, args.resplit_ctx)), "--peer-wait", "120",
+                *([] if compiled else ["--no-compile"])]  # fmt: skip
         split = build_pipeline(head_config(build_parser().parse_args(argv), os.environ), g, cfg)
         remote = split.remotes[0]
         print(f"peer {addr}: hidden states via {remote.transport}")
