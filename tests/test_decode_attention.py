@@ -34,7 +34,7 @@ def _filled(n_slots, n_kv, n_ctx, head_dim, dtype, types, lengths, pooled, seed=
     for slot in range(n_slots):
         k, v = (torch.randn(n_ctx, n_kv, head_dim, generator=g) for _ in range(2))
         k[lengths[slot]:], v[lengths[slot]:] = 1e4, -1e4
-        kv.write_run(slot, 0, k.to(KERNEL_DEVICE), v.to(KERNEL_DEVICE))
+        kv.scatter(torch.full((n_ctx,), slot, device=KERNEL_DEVICE), torch.arange(n_ctx, device=KERNEL_DEVICE), k.to(KERNEL_DEVICE), v.to(KERNEL_DEVICE))
     return kv
 
 

@@ -19,7 +19,7 @@ pytestmark = pytest.mark.unit
 def test_q8_0_round_trip_is_within_half_a_step_per_block_plus_the_float16_scale():
     kv = KVCache(KVBlocks.reserved(2, 16, "cpu"), 3, 64, compute=torch.float32, device="cpu", k_type="q8_0", v_type="q8_0")
     k = torch.randn(16, 3, 64) * torch.logspace(-3, 2, 16)[:, None, None]  # blocks of very different scales
-    kv.write_run(1, 0, k, -k)
+    kv.scatter(torch.full((16,), 1), torch.arange(16), k, -k)
     got_k, got_v = kv.read_run(1, 0, 16)
     blocks = k.transpose(0, 1).unflatten(-1, (2, 32))
     step = blocks.abs().amax(-1, keepdim=True) / 127  # d of each block
@@ -28,7 +28,7 @@ def test_q8_0_round_trip_is_within_half_a_step_per_block_plus_the_float16_scale(
     assert (err <= step / 2 * 1.001 + scale_err).all() and torch.equal(got_v, -got_k)
     assert kv.k.codes.dtype == torch.int8 and kv.k.scale.shape == (2, 3, 16, 2)
     assert sum(t.nbytes for t in kv.tensors()) == 2 * (2 * 3 * 16 * 64 * (1 + 2 / 32))
-    kv.write_run(0, 0, torch.zeros(4, 3, 64), torch.zeros(4, 3, 64))  # an all-zero block: scale 0, no NaN
+    kv.scatter(torch.zeros(4, dtype=torch.long), torch.arange(4), torch.zeros(4, 3, 64), torch.zeros(4, 3, 64))  # an all-zero block: scale 0, no NaN
     assert torch.equal(kv.read_run(0, 0, 4)[0], torch.zeros(3, 4, 64))
 
 
@@ -52,7 +52,7 @@ def test_the_padding_slot_writes_past_every_context_and_costs_a_few_positions(po
     kv = KVCache(blocks, n_kv, d, compute=torch.float32, device="cpu")
     for slot in range(3):
         blocks.fit({slot: n_ctx})
-        kv.write_run(slot, 0, torch.randn(n_ctx, n_kv, d), torch.randn(n_ctx, n_kv, d))
+        kv.scatter(torch.full((n_ctx,), slot), torch.arange(n_ctx), torch.randn(n_ctx, n_kv, d), torch.randn(n_ctx, n_kv, d))
     before = [kv.read_run(slot, 0, n_ctx) for slot in range(3)]
     pad = torch.full((padding,), blocks.pad_slot)
     kv.scatter(pad, n_ctx + torch.arange(padding), torch.full((padding, n_kv, d), 1e4), torch.full((padding, n_kv, d), -1e4))

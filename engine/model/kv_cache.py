@@ -87,12 +87,6 @@ class KVCache:
         pos = torch.arange(start, end, device=self.blocks.table.device)
         return (self.blocks.table[slot, pos // bs].long(), slice(None), pos % bs), True
 
-    def write_run(self, slot: int, p0: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """k, v [n, n_kv, head_dim] at positions p0.. of one slot (its blocks are held: `KVBlocks.fit`)."""
-        index, positions_first = self._run(slot, p0, p0 + k.shape[0])
-        self.k.put(index, k if positions_first else k.transpose(0, 1))
-        self.v.put(index, v if positions_first else v.transpose(0, 1))
-
     def read_run(self, slot: int, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K, V [n_kv, end - start, head_dim] of one slot, in the compute dtype."""
         index, positions_first = self._run(slot, start, end)
@@ -105,7 +99,7 @@ class KVCache:
         return self.blocks.table[slots, positions // bs].long(), slice(None), positions % bs
 
     def scatter(self, slots: torch.Tensor, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """k, v [T, n_kv, head_dim] at (slot, position) pairs: one token per slot (decode) or one slot's run."""
+        """k, v [T, n_kv, head_dim] at (slot, position) pairs, any mix of slots and runs (blocks held: `KVBlocks.fit`)."""
         index = self._at(slots, positions)
         self.k.put(index, k)
         self.v.put(index, v)

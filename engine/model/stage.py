@@ -417,7 +417,7 @@ class Stage:
         elif batched:
             o = attend_batched(cfg, layer, q, k, v, slots, positions, kv_len, bias)
         else:
-            o = attend_runs(cfg, layer, q, k, v, runs)
+            o = attend_runs(cfg, layer, q, k, v, runs, slots, positions)
         if gate is not None:
             o = o * torch.sigmoid(gate.float()).to(o.dtype)
         o = layer.wo(o.reshape(T, -1))
