@@ -18,7 +18,7 @@ import itertools
 
 import torch
 import torch.nn.functional as F
-from bench_qkernels import ROTATE_BYTES, _time_per_call
+from bench_qkernels import ROTATE_BYTES, time_per_call
 
 from hydra_console.engine.kernels.triton_dense import DENSE_GEMV_CONFIGS, dense_gemv
 
@@ -45,9 +45,9 @@ def _check(x: torch.Tensor, w: torch.Tensor, config) -> None:
 def _time(rows: int, ws: list[torch.Tensor], config, rep: int = 100) -> float:
     x = torch.randn(rows, ws[0].shape[1], device="cuda", dtype=torch.bfloat16)
     if config == "cublas":
-        return _time_per_call([lambda w=w: F.linear(x, w) for w in ws], rep)
+        return time_per_call([lambda w=w: F.linear(x, w) for w in ws], rep)
     _check(x, ws[0], config)
-    return _time_per_call([lambda w=w: dense_gemv(x, w, config) for w in ws], rep)
+    return time_per_call([lambda w=w: dense_gemv(x, w, config) for w in ws], rep)
 
 
 def main() -> None:

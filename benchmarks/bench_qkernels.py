@@ -34,7 +34,7 @@ ROTATE_BYTES = 256 << 20  # several times the H200's 50 MB L2
 DEVICE = "cuda"
 
 
-def _time_per_call(fns, rep: int = 100) -> float:
+def time_per_call(fns, rep: int = 100) -> float:
     """Median seconds of one call, each of `fns` (one per weight copy) run once per graph replay."""
     for fn in fns:
         fn()
@@ -106,7 +106,7 @@ def _sweep(types: list[T], row_counts: list[int], shapes, rng: np.random.Generat
                     if not err < 2e-2:
                         print(f"| {rows} | {cfg} | WRONG for {qt.name} {n}x{k}: max rel err {err:.2e} |", flush=True)
                         return
-                    t = _time_per_call([lambda w=w: fused_matmul(x, w) for w in ws], rep=20)
+                    t = time_per_call([lambda w=w: fused_matmul(x, w) for w in ws], rep=20)
                     total += t
                     mine[qt] = mine.get(qt, 0.0) + t
                     cells.append(f"{ws[0].nbytes / t / 1e9:.0f}")
@@ -186,12 +186,12 @@ def main() -> None:
             denses = [dense] + [dense.clone() for _ in range(max(1, ROTATE_BYTES // (dense.numel() * 2)) - 1)]
             for rows in row_counts:
                 x = torch.randn(rows, k, device=DEVICE, dtype=torch.bfloat16)
-                t_ref = _time_per_call([lambda d=d: x @ d.T for d in denses])
+                t_ref = time_per_call([lambda d=d: x @ d.T for d in denses])
                 paths = {"fused": fused_matmul} if rows <= GEMV_MAX_ROWS else {}
                 if rows >= 4:  # where one dequantization shared by all rows may beat the GEMV
                     paths["scratch+cuBLAS"] = _scratch
                 for path, op in paths.items():
-                    t = _time_per_call([lambda w=w: op(x, w) for w in ws])
+                    t = time_per_call([lambda w=w: op(x, w) for w in ws])
                     flops = 2 * rows * n * k
                     print(f"| {qt.name} | {n}x{k} | {rows} | {path} | {t * 1e6:.1f} | {w0.nbytes / t / 1e9:.0f} | "
                           f"{flops / t / 1e12:.1f} | {t_ref * 1e6:.1f} | {flops / t_ref / 1e12:.1f} | {t_ref / t:.2f} |",
