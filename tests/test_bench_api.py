@@ -21,7 +21,8 @@ def test_bench_api_reports_every_field(tiny_model, tmp_path):
     model = tiny_model("llama", n_layers=4, n_ctx=256)
     out = tmp_path / "report.json"
     cmd = [sys.executable, str(BENCH_API), "--model", str(model), "-n", "4", "--streams", "1,2", "--ctx", "64",
-           "--ttft-prompt", "16", "--ttft-runs", "1", "--clients", "1", "--timeout", "120", "--json", str(out)]  # fmt: skip
+           "--ttft-prompt", "16", "--ttft-runs", "1", "--clients", "1", "--timeout", "120", "--restarts", "2",
+           "--json", str(out)]  # fmt: skip
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, "HYDRA_CACHE_DIR": str(tmp_path / "cache")})
     assert done.returncode == 0, done.stderr[-3000:]
     r = json.loads(out.read_text())
@@ -31,6 +32,7 @@ def test_bench_api_reports_every_field(tiny_model, tmp_path):
     assert r["bench"]["estimate"]["kv_bytes"] == r["bench"]["kv_bytes"] and r["bench"]["peak_rss"] > 0
     solo = r["solo"]
     assert number(solo["first_start_ready_s"]) and number(solo["restart_ready_s"])
+    assert len(solo["restarts"]) == 2 and solo["restart_ready_s"] in [x["ready_s"] for x in solo["restarts"]]
     for stages in (solo["first_start_stages_s"], solo["restart_stages_s"]):  # seconds from process start, in order
         assert list(stages) == ["alive", "model loaded", "RPC active", "warming", "ready"]
         assert all(number(t) for t in stages.values()) and list(stages.values()) == sorted(stages.values())
