@@ -70,9 +70,10 @@ class Linear:
 
 
 def _dense_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x @ w.T: on CUDA, decode's few rows of a 16-bit weight by the Triton GEMV (cuBLAS keeps most
-    of the memory idle on these shapes, docs/PERF.md session 15), more rows by cuBLAS."""
-    if x.device.type == "cuda" and x.dtype == w.dtype and w.dtype in (torch.bfloat16, torch.float16):
+    """x @ w.T: on CUDA, decode's one or two rows of a 16-bit weight by the Triton GEMV (1.13x
+    cuBLAS over the 1.1B's matrices at one row, docs/PERF.md session 15), more rows by cuBLAS."""
+    dense16 = w.dtype in (torch.bfloat16, torch.float16) and x.dtype == w.dtype and w.stride(1) == 1
+    if x.device.type == "cuda" and dense16:
         from ..kernels.triton_dense import DENSE_GEMV_MAX_ROWS
 
         if x.shape[0] <= DENSE_GEMV_MAX_ROWS:
