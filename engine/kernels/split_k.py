@@ -17,19 +17,22 @@ def sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
 
 
-def split_k(n_programs: int, k: int, block_k: int, target: int) -> int:
-    """Elements of K per program: about `target` programs in all (enough loads in flight), whole BLOCK_K steps."""
-    splits = max(1, min(triton.cdiv(target, n_programs), k // block_k))
-    return triton.cdiv(triton.cdiv(k, splits), block_k) * block_k
-
-
-def partials(splits: int, rows: int, n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A GEMV's output [splits, rows, n]: the result itself in `dtype` when K is not split, else float32 partials."""
-    return torch.empty(splits, rows, n, dtype=dtype if splits == 1 else torch.float32, device=device)
+def plan(rows: int, n: int, k: int, block_n: int, block_k: int, per_sm: int, dtype: torch.dtype,
+         device: torch.device) -> tuple[tuple[int, int], int, torch.Tensor]:
+    """A GEMV of [rows, k] by [n, k] in programs of BLOCK_N outputs: (grid, elements of K per program,
+    output [splits, rows, n]). K is split until about `per_sm` programs a multiprocessor are in flight
+    (enough loads), in whole BLOCK_K steps; the output is the result itself in `dtype` when K is not
+    split, else float32 partials for `reduced`."""
+    grid_n = triton.cdiv(n, block_n)
+    splits = max(1, min(triton.cdiv(per_sm * sm_count(device), grid_n), k // block_k))
+    k_split = triton.cdiv(triton.cdiv(k, splits), block_k) * block_k
+    splits = triton.cdiv(k, k_split)
+    out = torch.empty(splits, rows, n, dtype=dtype if splits == 1 else torch.float32, device=device)
+    return (grid_n, splits), k_split, out
 
 
 def reduced(out: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """[rows, n] in `dtype` from `partials`' tensor once the GEMV has filled it: one launch when split."""
+    """[rows, n] in `dtype` from `plan`'s output once the GEMV has filled it: one launch when split."""
     splits, rows, n = out.shape
     if splits == 1:
         return out[0]

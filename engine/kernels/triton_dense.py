@@ -1,10 +1,10 @@
 """`hydra::dmm`: y = x @ w.T for 1 to DENSE_GEMV_MAX_ROWS rows of x and a dense 16-bit w [N, K]
 (decode on F16/BF16 models), a Triton GEMV on CUDA cores.
 
-cuBLAS leaves much of the memory idle on decode's shapes (1.1B llama, H100: 2048 x 2048 in 6.6 us,
+cuBLAS leaves bandwidth unused on decode's smaller shapes (1.1B llama, H100: 2048 x 2048 in 6.6 us,
 1.27 TB/s; here 5.3 us). Each program reads BLOCK_N whole rows in BLOCK_K steps of 16-byte vectors;
-narrow outputs split K over more programs (`split_k`), their float32 partials summed in a fixed order
-(`reduced`): the result is deterministic, as a split must equal solo bit for bit. From 4 rows on,
+narrow outputs split K over more programs (`split_k.plan`), their float32 partials summed in a fixed
+order (`reduced`): the result is deterministic, as a split must equal solo bit for bit. From 4 rows on,
 cuBLAS was as fast or faster on most shapes and keeps them (`benchmarks/bench_dense_gemv.py`).
 """
 
@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .split_k import partials, reduced, sm_count, split_k
+from .split_k import plan, reduced
 
 # By row count rounded up to a power of two: (BLOCK_N, BLOCK_K, num_warps, programs per SM that
 # split-K aims for). Chosen by `benchmarks/bench_dense_gemv.py --sweep` (docs/PERF.md, session 15).
@@ -69,12 +69,9 @@ def dense_gemv(x: torch.Tensor, w: torch.Tensor, config: tuple[int, int, int, in
         config = DENSE_GEMV_CONFIGS[mr]
     block_n, block_k, warps, per_sm = config
     x = x.contiguous()
-    grid_n = triton.cdiv(n, block_n)
-    k_split = split_k(grid_n, k, block_k, per_sm * sm_count(x.device))
-    splits = triton.cdiv(k, k_split)
-    out = partials(splits, rows, n, x.dtype, x.device)
-    _dense_gemv_kernel[(grid_n, splits)](x, w, out, rows, n, k, x.stride(0), w.stride(0), k_split,
-                                         BLOCK_N=block_n, BLOCK_K=block_k, MR=mr, VEC=_VEC, num_warps=warps)
+    grid, k_split, out = plan(rows, n, k, block_n, block_k, per_sm, x.dtype, x.device)
+    _dense_gemv_kernel[grid](x, w, out, rows, n, k, x.stride(0), w.stride(0), k_split,
+                             BLOCK_N=block_n, BLOCK_K=block_k, MR=mr, VEC=_VEC, num_warps=warps)
     return reduced(out, x.dtype)
 
 

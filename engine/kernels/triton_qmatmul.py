@@ -24,7 +24,7 @@ import triton.language as tl
 from gguf.constants import GGMLQuantizationType as T
 
 from .qweight import LAYOUTS, QuantWeight
-from .split_k import partials, reduced, sm_count, split_k
+from .split_k import plan, reduced
 
 # GEMV tiles by row count rounded up to a power of two: (BLOCK_N, BLOCK_K, num_warps, programs per SM
 # that split-K aims for, x terms: 16-bit x as that many int8 terms per tile for dp4a (0: float x; one
@@ -360,14 +360,11 @@ def qmm(x: torch.Tensor, q: torch.Tensor, h: torch.Tensor | None, d: torch.Tenso
     block_n, block_k, warps, per_sm, x_terms = GEMV_CONFIGS[mr]
     x_terms = x_terms if x.dtype != torch.float32 else 0  # float32 x keeps float32 arithmetic throughout
     ptrs, strides, consts = _layout_args(qtype, q, h, d, sc, m)
-    grid_n = triton.cdiv(n, block_n)
-    k_split = split_k(grid_n, k, block_k, per_sm * sm_count(x.device))
-    splits = triton.cdiv(k, k_split)
-    out = partials(splits, rows, n, x.dtype, x.device)
+    grid, k_split, out = plan(rows, n, k, block_n, block_k, per_sm, x.dtype, x.device)
     xk = quantize_x(x, x_terms) if x_terms else x
-    _gemv_kernel[(grid_n, splits)](xk, *ptrs, out, rows, n, k, xk.stride(0), *strides, k_split, **consts,
-                                   BLOCK_N=block_n, BLOCK_K=block_k, MR=mr, X_TERMS=x_terms,
-                                   ASM=x.device.type == "cuda", num_warps=warps)
+    _gemv_kernel[grid](xk, *ptrs, out, rows, n, k, xk.stride(0), *strides, k_split, **consts,
+                       BLOCK_N=block_n, BLOCK_K=block_k, MR=mr, X_TERMS=x_terms, ASM=x.device.type == "cuda",
+                       num_warps=warps)
     return reduced(out, x.dtype)
 
 
