@@ -18,6 +18,7 @@ import itertools
 
 import torch
 import torch.nn.functional as F
+import triton
 from bench_qkernels import ROTATE_BYTES, time_per_call
 
 from hydra_console.engine.kernels.triton_dense import DENSE_GEMV_CONFIGS, dense_gemv
@@ -69,7 +70,7 @@ def main() -> None:
             best = min(totals, key=totals.get)
             for config, t in sorted(totals.items(), key=lambda kv: kv[1])[:5]:
                 print(f"sweep rows={rows} {config}: {t * 1e6:8.1f} us over the shapes")
-            configs[triton_rows(rows)] = best
+            configs[triton.next_power_of_2(rows)] = best
         print("DENSE_GEMV_CONFIGS = {" + ", ".join(f"{r}: {c}" for r, c in sorted(configs.items())) + "}")
     print(f"{'rows':>4} {'out x in':>13} {'cuBLAS us':>10} {'GB/s':>6} {'GEMV us':>9} {'GB/s':>6} {'speedup':>7}")
     for rows in rows_list:
@@ -77,16 +78,12 @@ def main() -> None:
         for n, k in shapes:
             ws = weights[n, k]
             t_c = _time(rows, ws, "cublas")
-            t_g = _time(rows, ws, configs.get(triton_rows(rows), configs[max(configs)]))
+            t_g = _time(rows, ws, configs.get(triton.next_power_of_2(rows), configs[max(configs)]))
             sum_c, sum_g = sum_c + t_c, sum_g + t_g
             gb = ws[0].nbytes / 1e9
             print(f"{rows:>4} {f'{n}x{k}':>13} {t_c * 1e6:10.1f} {gb / t_c:6.0f} {t_g * 1e6:9.1f} {gb / t_g:6.0f} "
                   f"{t_c / t_g:7.2f}")
         print(f"{rows:>4} {'all':>13} {sum_c * 1e6:10.1f} {'':>6} {sum_g * 1e6:9.1f} {'':>6} {sum_c / sum_g:7.2f}")
-
-
-def triton_rows(rows: int) -> int:
-    return 1 << (rows - 1).bit_length()
 
 
 if __name__ == "__main__":

@@ -6,11 +6,11 @@
 Decode: single-token greedy steps through `Pipeline.forward` after the same prompt, solo (every
 layer here) and split (head [0, L/2) here, [L/2, L) in a `hydra-engine peer` process over the
 merged RPC port), in blocks of `--block` steps alternating between the two `-r` times. On CUDA all
-three (solo, head, peer) compile the decode step as `serve` and `peer` do (`--no-compile`: none does). Re-split: boundaries
-moved back and forth with a slot of `--resplit-ctx` tokens live (its KV is rebuilt each time).
-Prints numbers, asserts nothing. This process is the split's head, so it takes the OpenMP setting
-of `hydra-engine serve --peer` (engine/openmp.py: a short idle spin, unless GOMP_SPINCOUNT or
-OMP_WAIT_POLICY is exported), and the solo blocks run under it too; `GOMP_SPINCOUNT=300000` gives
+three (solo, head, peer) compile the decode step as `serve` and `peer` do (`--no-compile`: none
+does). Re-split: boundaries moved back and forth with a slot of `--resplit-ctx` tokens live (its KV
+is rebuilt each time). Prints numbers, asserts nothing. This process is the split's head, so it
+takes the OpenMP setting of `hydra-engine serve --peer` (engine/openmp.py: a short idle spin, unless
+GOMP_SPINCOUNT or OMP_WAIT_POLICY is exported), and the solo blocks run under it too; `GOMP_SPINCOUNT=300000` gives
 libgomp's own default to both. With --pin (a core per process), HYDRA_RPC_SPIN_MS=50 makes each
 side busy-wait for the other's frame instead of sleeping.
 """
@@ -52,10 +52,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_peer(model: Path, device: str, cores: set[int] | None = None, compiled: bool = True) -> tuple[subprocess.Popen, str]:
+def start_peer(model: Path, device: str, cores: set[int] | None, flags: list[str]) -> tuple[subprocess.Popen, str]:
     port, rpc = free_port(), free_port()
     cmd = [sys.executable, "-m", "hydra_console.engine.cli", "peer", "--model", str(model), "--device", device,
-           "--port", str(port), "--rpc-port", str(rpc), *([] if compiled else ["--no-compile"])]  # fmt: skip
+           "--port", str(port), "--rpc-port", str(rpc), *flags]  # fmt: skip
     pin = (lambda: os.sched_setaffinity(0, cores)) if cores else None
     return subprocess.Popen(cmd, stderr=subprocess.DEVNULL, preexec_fn=pin), f"127.0.0.1:{rpc}"
 
@@ -178,6 +178,7 @@ def main() -> None:
     n_ctx = max(PROMPT_TOKENS + part_steps + 8, args.prefill)
     half = cfg.n_layers // 2
     compiled = not args.no_compile and device.type == "cuda"  # only CUDA graphs replay a compiled step
+    flags = [] if compiled else ["--no-compile"]  # what serve and peer are told
     if args.pin:
         os.environ["OMP_NUM_THREADS"] = "1"  # inherited by the peer
         torch.set_num_threads(1)
@@ -195,13 +196,13 @@ def main() -> None:
         listener = RpcListener("127.0.0.1", 0, mode="peer", compute=ComputeServer(host, spin_s=rpc.spin_seconds(device))).start()
         proc, addr = None, f"127.0.0.1:{listener.bound_port}"
     else:
-        proc, addr = start_peer(model, args.device, {1} if args.pin else None, compiled)
+        proc, addr = start_peer(model, args.device, {1} if args.pin else None, flags)
     try:
         solo = Pipeline(build_stage(g, device=device, dtype=dtype, n_slots=1, n_ctx=max(n_ctx, args.resplit_ctx), cache_dir=cache_dir,
                                     compile_decode=compiled))  # fmt: skip
         argv = ["serve", "--model", str(model), "--peer", addr, "--split", f"{half}/{cfg.n_layers - half}", "--device", args.device,
                 "--dtype", args.dtype, "--parallel", "1", "--ctx", str(max(n_ctx, args.resplit_ctx)), "--peer-wait", "120",
-                *([] if compiled else ["--no-compile"])]  # fmt: skip
+                *flags]  # fmt: skip
         split = build_pipeline(head_config(build_parser().parse_args(argv), os.environ), g, cfg)
         remote = split.remotes[0]
         print(f"peer {addr}: hidden states via {remote.transport}")
