@@ -90,15 +90,18 @@ class Pipeline:
         positions: torch.Tensor,
         logit_rows: torch.Tensor | None,
         hidden: bool = False,
+        meanwhile: Callable[[], None] | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Flattened batch in, float32 logits of the rows in `logit_rows` (None: every row, no gather) out; with `hidden`, also
         every token's last hidden state after the output norm (what an MTP block drafts from and an
-        embedding pools: the last stage's output, whichever worker ran it)."""
+        embedding pools: the last stage's output, whichever worker ran it). `meanwhile` runs once,
+        after this worker's layers are queued: with a peer, between its frame and its reply, so
+        the caller's host work overlaps the peer's. It must not call the pipeline."""
         with self._lock:
             if self._stale is not None:
                 self._rebuild(self._stale)
             self._make_room(slots, positions)
-            h = self._run(tokens, slots, positions)
+            h = self._run(tokens, slots, positions, meanwhile)
             if self.remotes:  # only a split pipeline ever needs to rebuild KV
                 self._record(tokens, slots, positions)
             if not hidden:
@@ -106,11 +109,13 @@ class Pipeline:
             x = self.local.final_norm(h)
             return self.local.project(x if logit_rows is None else x[logit_rows]), x
 
-    def _run(self, tokens, slots, positions) -> torch.Tensor:
+    def _run(self, tokens, slots, positions, meanwhile=None) -> torch.Tensor:
         h = self.local.run_layers(self.local.embed(tokens), slots, positions)
+        if meanwhile is not None and not self.remotes:
+            meanwhile()
         for i, remote in enumerate(self.remotes, 1):
             try:
-                h = remote.run_layers(h, slots, positions)
+                h = remote.run_layers(h, slots, positions, meanwhile if i == 1 else None)
             except StaleEpoch:
                 # Someone replaced the peer's resident set: re-validate, rebuild its KV, redo the batch.
                 log.warning("peer %s changed its resident set: re-attaching", remote.addr)

@@ -47,6 +47,7 @@ from .structured import Grammars, apply_bitmask
 RATE_WINDOW_S = 10.0
 LATENCY_WINDOW_S = 60.0  # requests/s and the latency percentiles in /status
 LATENCY_SAMPLES = 4096
+SLOT_INDEXES_KEPT = 256  # batches of slots whose device index is kept (`Engine._slot_index`)
 log = logging.getLogger("hydra.engine")
 
 
@@ -178,6 +179,7 @@ class Engine:
         self.overlap = self.device.type == "cuda" if overlap is None else overlap
         self._in_flight: deque[Launched] = deque()  # launched steps the host has not read yet
         self._last = torch.zeros(n_slots, dtype=torch.long, device=self.device)  # each slot's latest sampled token
+        self._slot_indexes: dict[tuple[int, ...], torch.Tensor] = {}  # see _slot_index
         self.stats = EngineStats()
         # Always there: requests may ask for n-gram drafting even when the server default is off.
         self.spec = speculator or Speculator()
@@ -401,14 +403,14 @@ class Engine:
 
     def step(self) -> None:
         """admit → schedule → launch (forward, sampling on the device) → finish the step before it (read
-        its tokens, postprocess, emit) while this one runs; a batch that is not overlappable first
-        finishes what is in flight, then itself."""
+        its tokens, postprocess, emit) while this one runs (while a peer queues its part of it); a batch
+        that is not overlappable first finishes what is in flight, then itself."""
         cancelled = self._admit()
         overlap = self.overlap and self.scheduler.overlappable()
         self.stats.overlapped += overlap and bool(self._in_flight)
-        while self._in_flight and not overlap:
-            self._finish(self._in_flight.popleft())
-        self._in_flight.append(self._launch(self.scheduler.schedule(), cancelled))
+        if not overlap:
+            self._finish_all()
+        self._in_flight.append(self._launch(self.scheduler.schedule(), cancelled, self._finish_all if overlap else None))
         while len(self._in_flight) > overlap:
             self._finish(self._in_flight.popleft())
 
@@ -419,19 +421,27 @@ class Engine:
                 self._start_transfers()
         return cancelled
 
-    def _launch(self, batch: Batch, cancelled: list[Sequence]) -> Launched:
-        """Forward and sampling queued on the device; the sampled tokens start their copy to the host."""
+    def _launch(self, batch: Batch, cancelled: list[Sequence], meanwhile=None) -> Launched:
+        """Forward and sampling queued on the device; the sampled tokens start their copy to the host.
+        `meanwhile` runs once the layers are queued (Pipeline.forward), before the sampling."""
         step = Launched(batch, cancelled, time.perf_counter(), [Sampled() for _ in batch.chunks])
         for seq in batch.shed:  # the KV pool could not hold them beside the others
             full = KVPoolFull("KV pool full: the context size has been exceeded, this request does not fit beside the "
                               "others (-c/--ctx-size sets the pool with --kv-unified)")  # fmt: skip
             self.output.process(seq, error=full if seq.finish_reason == "error" else None)
-        if batch.chunks:
-            logits, hidden = self._forward(batch)
-            self._sample(batch, logits, step)
-            self._keep_hidden(batch, hidden)
-            self.scheduler.launched(batch)
+        if not batch.chunks:
+            if meanwhile is not None:
+                meanwhile()
+            return step
+        self.scheduler.launched(batch)  # before `meanwhile` frees a slot: its prompt cache counts the token in flight
+        logits, hidden = self._forward(batch, meanwhile)
+        self._sample(batch, logits, step)
+        self._keep_hidden(batch, hidden)
         return step
+
+    def _finish_all(self) -> None:
+        while self._in_flight:
+            self._finish(self._in_flight.popleft())
 
     def _finish(self, step: Launched) -> None:
         """Read a launched step's tokens, append them, emit. A sequence that ended (or was cancelled)
@@ -443,22 +453,38 @@ class Engine:
         self.scheduler.postprocess(Batch([c for c, _ in live]), [s.tokens for _, s in live])
         self._emit(step, live)
 
-    def _forward(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _forward(self, batch: Batch, meanwhile=None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(logits, the embedding chunks' hidden states or None). Inputs the host has not read yet
         (PENDING) are each slot's latest sampled token, taken on the device."""
-        tokens, slots, positions, rows = (torch.tensor(xs, dtype=torch.long) for xs in batch.inputs())
-        if rows.numel() == tokens.numel():  # one logits row per token (decode): no gather
-            rows = None
-        if bool((tokens == PENDING).any()):
-            pending, on_device = to_device(torch.stack([tokens, slots]), self.device)  # one copy, not two
-            tokens = torch.where(pending == PENDING, self._last[on_device], pending)
+        ids, slot_ids, pos, rows = batch.inputs()
+        rows = None if len(rows) == len(ids) else torch.tensor(rows, dtype=torch.long)  # one logits row per token (decode): no gather
+        slots, positions = torch.tensor(slot_ids, dtype=torch.long), torch.tensor(pos, dtype=torch.long)
+        n_pending = ids.count(PENDING)
+        if n_pending == len(ids):  # a plain decode step: every input is on the device already
+            tokens = self._last[self._slot_index(slot_ids)]
+        elif n_pending:
+            tokens = torch.where((known := to_device(torch.tensor(ids, dtype=torch.long), self.device)) == PENDING,
+                                 self._last[self._slot_index(slot_ids)], known)  # fmt: skip
+        else:
+            tokens = torch.tensor(ids, dtype=torch.long)
         hidden_rows = batch.hidden_rows()
         if not (self.spec.wants_hidden or hidden_rows):
-            return self.pipeline.forward(tokens, slots, positions, rows), None
-        logits, hidden = self.pipeline.forward(tokens, slots, positions, rows, hidden=True)
+            return self.pipeline.forward(tokens, slots, positions, rows, meanwhile=meanwhile), None
+        logits, hidden = self.pipeline.forward(tokens, slots, positions, rows, hidden=True, meanwhile=meanwhile)
         if self.spec.wants_hidden:
             self.spec.observe(tokens, slots, positions, hidden)  # the MTP block follows every token the target ran
         return logits, hidden[torch.tensor(hidden_rows).to(hidden.device)] if hidden_rows else None
+
+    def _slot_index(self, slots: list[int]) -> torch.Tensor:
+        """`slots` on the device, kept per batch of slots: consecutive decode steps run the same
+        ones, and a fresh copy each step cost the host more than launching the step's graph."""
+        key = tuple(slots)
+        index = self._slot_indexes.get(key)
+        if index is None:
+            if len(self._slot_indexes) >= SLOT_INDEXES_KEPT:
+                self._slot_indexes.clear()
+            index = self._slot_indexes[key] = to_device(torch.tensor(slots, dtype=torch.long), self.device)
+        return index
 
     @staticmethod
     def _keep_hidden(batch: Batch, hidden: torch.Tensor | None) -> None:
@@ -499,7 +525,7 @@ class Engine:
         ends = [batch.chunks[i].end for i, _ in to_sample]
         idx = [r for _, r in to_sample]
         rows = logits if idx == list(range(logits.shape[0])) else logits[idx]  # decode-only steps: no copy
-        slots = to_device(torch.tensor([s.slot for s in seqs]), self.device)
+        slots = self._slot_index([s.slot for s in seqs])
         in_flight = any(e > len(s.tokens) for s, e in zip(seqs, ends))  # a penalty window ends on a PENDING token
         picked = Rows.build([s.sampler for s in seqs], [s.tokens for s in seqs], rows.device, ends,
                             self._last[slots] if in_flight else None)  # fmt: skip

@@ -323,3 +323,30 @@ def test_remote_stage_proves_the_token_and_follows_epochs(token_peer):
     assert remote.status().bytes_sent > 2 * h.numel() * 4 and remote.rtt_ms is not None
     remote.close()
     other.close()
+
+
+def test_work_run_while_a_peer_computes_keeps_the_connection_in_step(token_peer):
+    """`run_layers(meanwhile=…)` runs the caller's host work between the frame and the reply; what it
+    raises comes out after the reply is read, so the next request reads its own reply, not that one."""
+    import torch
+
+    from hydra_console.engine.rpc.client import RemoteStage
+
+    g, host, lst = token_peer
+    remote = RemoteStage(f"127.0.0.1:{lst.bound_port}", (1, 3), g=g, dtype=torch.float32, n_slots=2, n_ctx=32, auth_token=TOKEN)
+    remote.attach()
+    h, other = torch.randn(2, 2, g.get("gemma3.embedding_length"))
+    slots, positions = torch.tensor([0, 0]), torch.tensor([0, 1])
+    calls = []
+    want = remote.run_layers(h, slots, positions, meanwhile=lambda: calls.append(1))
+    assert calls == [1]
+
+    def fails():
+        raise RuntimeError("the caller's own bug")
+
+    with pytest.raises(RuntimeError, match="own bug"):
+        remote.run_layers(other, slots, positions, meanwhile=fails)
+    assert remote.state == "up"  # the caller's error is not the peer's
+    # Its own reply (the same positions rewritten, the same output), not the one for `other`.
+    assert torch.equal(remote.run_layers(h, slots, positions), want)
+    remote.close()

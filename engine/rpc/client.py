@@ -69,6 +69,17 @@ class PeerMismatch(UserError):
     """The peer serves a different model, refuses our protocol version, or rejects our token."""
 
 
+def _call(fn) -> tuple[BaseException | None, float]:
+    """`fn()` (if any): (what it raised instead of raising it, seconds it took)."""
+    t0 = time.perf_counter()
+    try:
+        if fn is not None:
+            fn()
+    except BaseException as e:  # noqa: BLE001 — re-raised by the caller once its reply is read
+        return e, time.perf_counter() - t0
+    return None, time.perf_counter() - t0
+
+
 def parse_addr(text: str) -> tuple[str, int]:
     host, sep, port = text.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
@@ -250,7 +261,10 @@ class RemoteStage:
 
     # --- the stage interface ----------------------------------------------------------------------
 
-    def run_layers(self, h: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def run_layers(self, h: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor, meanwhile=None) -> torch.Tensor:
+        """This peer's layers over `h`; `meanwhile` (the caller's host work) runs between the frame
+        and the reply: what it raises is raised once the reply is read, so the connection stays in step."""
+        failed, busy = None, 0.0
         with self._lock:
             if self.state != "up":
                 raise PeerUnavailable(f"peer {self.addr} is down ({self.error}); retry when it is back")
@@ -261,11 +275,13 @@ class RemoteStage:
                 if via_ipc:
                     ipc.send(h)
                     self._send(Cmd.FORWARD_IPC, pack_forward(self.epoch, h, slots.cpu(), positions.cpu(), with_hidden=False))
+                    failed, busy = _call(meanwhile)
                     compute_us = self._forward_reply(0)
                     out = ipc.receive(h.shape[0])
                 else:
                     hidden = to_host(h)  # the residual stream's own dtype: bit-exact across the wire
                     self._send(Cmd.FORWARD, pack_forward(self.epoch, hidden, slots.cpu(), positions.cpu()))
+                    failed, busy = _call(meanwhile)
                     compute_us = self._forward_reply(hidden.numel() * hidden.element_size())
                     out = host_buffer(hidden.shape, hidden.dtype, h.device)
                     self._reader.read_into(memoryview(out.view(-1).view(torch.uint8).numpy()))
@@ -276,7 +292,9 @@ class RemoteStage:
             finally:
                 self._account()
             self.compute_ms = compute_us / 1e3
-            self.rtt_ms = max((time.perf_counter() - t0) * 1e3 - self.compute_ms, 0.0)
+            self.rtt_ms = max((time.perf_counter() - t0 - busy) * 1e3 - self.compute_ms, 0.0)
+        if failed is not None:
+            raise failed
         return out
 
     def _forward_reply(self, hidden_bytes: int) -> int:

@@ -94,8 +94,7 @@ def unpack_forward(payload, *, with_hidden: bool = True) -> tuple[int, torch.Ten
     dtype = DTYPES.get(CODE_DTYPES.get(code, ""))
     if dtype is None:
         raise ComputeError(f"FORWARD dtype code {code} unknown")
-    elsize = torch.empty((), dtype=dtype).element_size()
-    want = FORWARD_HEADER.size + 8 * t + (t * d * elsize if with_hidden else 0)
+    want = FORWARD_HEADER.size + 8 * t + (t * d * dtype.itemsize if with_hidden else 0)
     if len(view) != want:
         raise ComputeError(f"FORWARD of {t}x{d} needs {want} bytes, frame has {len(view)}")
     o = FORWARD_HEADER.size
