@@ -22,6 +22,7 @@ post_sampling_probs).
 
 from __future__ import annotations
 
+import functools
 import secrets
 from dataclasses import dataclass
 from enum import IntEnum
@@ -36,6 +37,7 @@ from .errors import UserError
 MAX_LOGPROBS = 20
 PENDING = -1  # a history entry still on the device (sampled by a step the host has not read yet)
 _M32 = 0xFFFFFFFF
+BIASES_KEPT = 256  # batches of logit biases kept on the device (`_bias_on_device`)
 PAIRWISE_MAX = 256  # penalty windows up to this long count repeats pairwise; longer ones through a vocabulary-wide count
 
 
@@ -181,15 +183,23 @@ class Rows:
                 window = torch.where(window == PENDING, pending.to(device)[:, None], window)
             penalties = floats[3:6] if draw else to_device(torch.tensor(repeat, dtype=torch.float32), device)
         if any(p.logit_bias for p in ps):
-            width = max(len(p.logit_bias) for p in ps)
-            pairs = [list(p.logit_bias) + [(0, 0.0)] * (width - len(p.logit_bias)) for p in ps]
-            ids = to_device(torch.tensor([[t for t, _ in row] for row in pairs], dtype=torch.long), device)
-            bias = ids, to_device(torch.tensor([[b for _, b in row] for row in pairs], dtype=torch.float32), device)
+            bias = _bias_on_device(tuple(p.logit_bias for p in ps), device)
         return cls(samplers, *(draw or (None,) * 5), ends, window, valid, penalties, bias, device, uniforms)
 
     @property
     def params(self) -> list[SamplingParams]:
         return [s.params for s in self.samplers]
+
+
+@functools.lru_cache(maxsize=BIASES_KEPT)
+def _bias_on_device(biases: tuple[tuple[tuple[int, float], ...], ...], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's logit bias as ([B, n] ids, values; 0 on padding) on the device, read only, kept per
+    batch of biases: a request's bias (`ignore_eos` bans the end-of-generation tokens) is the same
+    every step, and copying it each step cost the host more than the step's sampling."""
+    width = max(len(b) for b in biases)
+    pairs = [list(b) + [(0, 0.0)] * (width - len(b)) for b in biases]
+    ids = to_device(torch.tensor([[t for t, _ in row] for row in pairs], dtype=torch.long), device)
+    return ids, to_device(torch.tensor([[b for _, b in row] for row in pairs], dtype=torch.float32), device)
 
 
 def _window(history: Sequence[int], end: int, last_n: int) -> list[int]:
