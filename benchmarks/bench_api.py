@@ -331,6 +331,9 @@ def run(args) -> dict:
     middle = sorted(restarts, key=lambda r: r["ready_s"])[(len(restarts) - 1) // 2]
     report["solo"]["restart_ready_s"], report["solo"]["restart_stages_s"] = middle["ready_s"], middle["stages_s"]
     report["solo"]["restarts"] = restarts
+    # Without cached bytecode (PYTHONDONTWRITEBYTECODE and a torch installed without __pycache__, as
+    # on the lent GPU machines) every start compiles torch's compiler stack from source: ~8 s more.
+    report["solo"]["bytecode_cached"] = not sys.dont_write_bytecode
     print(f"solo: {report['solo']}", file=sys.stderr, flush=True)
 
     if not args.no_split:
@@ -392,7 +395,8 @@ def table(report: dict) -> str:
                  f"median of {solo['ttft']['runs']}; openai client {solo['ttft']['openai_median_ms']} ms; "
                  f"server prompt {solo['ttft']['server_prompt_median_ms']} ms"))  # fmt: skip
     rows.append(("serve start → READY", f"{solo['first_start_ready_s']} s", f"restart (warm caches) {solo['restart_ready_s']} s"
-                 + (f" (median of {', '.join(str(r['ready_s']) for r in solo['restarts'])})" if len(solo["restarts"]) > 1 else "")))
+                 + (f" (median of {', '.join(str(r['ready_s']) for r in solo['restarts'])})" if len(solo["restarts"]) > 1 else "")
+                 + ("" if solo["bytecode_cached"] else "; PYTHONDONTWRITEBYTECODE is set: every start compiles Python sources")))
     for when in ("first_start", "restart"):
         rows.append((f"  {when.replace('_', ' ')}: stage reached at", "",
                      ", ".join(f"{k} {v} s" for k, v in (solo[f"{when}_stages_s"] or {}).items())))  # fmt: skip

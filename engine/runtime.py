@@ -11,8 +11,9 @@ Overlap (vLLM's and SGLang's overlap scheduling; on by default on a GPU, `--no-o
 off): a plain decoding batch launches before the host reads the previous step's tokens. Its inputs
 are those tokens where they already are (`_last`, each slot's latest sample, on the device), and
 while it runs the host copies the previous step's tokens through page-locked memory and does the
-detokenizing, stop strings, events and metrics. A sequence that ended at step n was already in step
-n+1: that row's output is dropped. The row ran the sequence's last token, so the KV (or recurrent
+detokenizing, stop strings, events and metrics, as soon as the new step's layers are queued: with a
+split this fills the time a peer takes to queue its part (`Pipeline.forward`'s `meanwhile`). A
+sequence that ended at step n was already in step n+1: that row's output is dropped. The row ran the sequence's last token, so the KV (or recurrent
 state) it wrote is that token's own, and the slot's prompt cache counts it. Batches that need a
 host decision before they launch take the synchronous path: prefill chunks, speculative
 verification, grammar-constrained rows, embeddings, P/D transfers (`Scheduler.overlappable`). On a
@@ -410,7 +411,7 @@ class Engine:
         self.stats.overlapped += overlap and bool(self._in_flight)
         if not overlap:
             self._finish_all()
-        self._in_flight.append(self._launch(self.scheduler.schedule(), cancelled, self._finish_all if overlap else None))
+        self._in_flight.append(self._launch(self.scheduler.schedule(), cancelled, meanwhile=self._finish_all))
         while len(self._in_flight) > overlap:
             self._finish(self._in_flight.popleft())
 
@@ -423,7 +424,7 @@ class Engine:
 
     def _launch(self, batch: Batch, cancelled: list[Sequence], meanwhile=None) -> Launched:
         """Forward and sampling queued on the device; the sampled tokens start their copy to the host.
-        `meanwhile` runs once the layers are queued (Pipeline.forward), before the sampling."""
+        `meanwhile` runs once the layers are queued (`Pipeline.forward`), before the sampling."""
         step = Launched(batch, cancelled, time.perf_counter(), [Sampled() for _ in batch.chunks])
         for seq in batch.shed:  # the KV pool could not hold them beside the others
             full = KVPoolFull("KV pool full: the context size has been exceeded, this request does not fit beside the "
@@ -457,14 +458,14 @@ class Engine:
         """(logits, the embedding chunks' hidden states or None). Inputs the host has not read yet
         (PENDING) are each slot's latest sampled token, taken on the device."""
         ids, slot_ids, pos, rows = batch.inputs()
-        rows = None if len(rows) == len(ids) else torch.tensor(rows, dtype=torch.long)  # one logits row per token (decode): no gather
         slots, positions = torch.tensor(slot_ids, dtype=torch.long), torch.tensor(pos, dtype=torch.long)
+        rows = None if len(rows) == len(ids) else torch.tensor(rows, dtype=torch.long)  # decode: no gather
         n_pending = ids.count(PENDING)
         if n_pending == len(ids):  # a plain decode step: every input is on the device already
             tokens = self._last[self._slot_index(slot_ids)]
         elif n_pending:
-            tokens = torch.where((known := to_device(torch.tensor(ids, dtype=torch.long), self.device)) == PENDING,
-                                 self._last[self._slot_index(slot_ids)], known)  # fmt: skip
+            known = to_device(torch.tensor(ids, dtype=torch.long), self.device)
+            tokens = torch.where(known == PENDING, self._last[self._slot_index(slot_ids)], known)
         else:
             tokens = torch.tensor(ids, dtype=torch.long)
         hidden_rows = batch.hidden_rows()

@@ -33,6 +33,7 @@ def test_bench_api_reports_every_field(tiny_model, tmp_path):
     solo = r["solo"]
     assert number(solo["first_start_ready_s"]) and number(solo["restart_ready_s"])
     assert len(solo["restarts"]) == 2 and solo["restart_ready_s"] in [x["ready_s"] for x in solo["restarts"]]
+    assert solo["bytecode_cached"] is (os.environ.get("PYTHONDONTWRITEBYTECODE", "") == "")
     for stages in (solo["first_start_stages_s"], solo["restart_stages_s"]):  # seconds from process start, in order
         assert list(stages) == ["alive", "model loaded", "RPC active", "warming", "ready"]
         assert all(number(t) for t in stages.values()) and list(stages.values()) == sorted(stages.values())
