@@ -347,6 +347,8 @@ def test_work_run_while_a_peer_computes_keeps_the_connection_in_step(token_peer)
     with pytest.raises(RuntimeError, match="own bug"):
         remote.run_layers(other, slots, positions, meanwhile=fails)
     assert remote.state == "up"  # the caller's error is not the peer's
+    with pytest.raises(RuntimeError, match="re-entered"):  # calling back into the peer: an error, not a deadlock
+        remote.run_layers(other, slots, positions, meanwhile=lambda: remote.kv_clear(0))
     # Its own reply (the same positions rewritten, the same output), not the one for `other`.
     assert torch.equal(remote.run_layers(h, slots, positions), want)
     remote.close()

@@ -69,6 +69,32 @@ class PeerMismatch(UserError):
     """The peer serves a different model, refuses our protocol version, or rejects our token."""
 
 
+class _ExchangeLock:
+    """One exchange on a peer's socket at a time. The thread holding it that comes back for it (work
+    run between a frame and its reply calling into the same peer) gets an error, not a deadlock."""
+
+    def __init__(self):
+        self._lock, self._owner = threading.Lock(), None
+
+    def acquire(self, blocking: bool = True) -> bool:
+        if self._owner == threading.get_ident():
+            raise RuntimeError("a peer's exchange re-entered from inside it: work run between a frame and its "
+                               "reply must not call the pipeline")  # fmt: skip
+        if not self._lock.acquire(blocking):
+            return False
+        self._owner = threading.get_ident()
+        return True
+
+    def release(self) -> None:
+        self._owner = None
+        self._lock.release()
+
+    __enter__ = acquire
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
 def _call(fn) -> tuple[BaseException | None, float]:
     """`fn()` (if any): (what it raised instead of raising it, seconds it took)."""
     t0 = time.perf_counter()
@@ -125,7 +151,7 @@ class RemoteStage:
         self.on_state = lambda: None  # called after every up/down change
         self._sock: socket.socket | None = None
         self._reader: SocketReader | None = None
-        self._lock = threading.Lock()  # one exchange on the socket at a time
+        self._lock = _ExchangeLock()  # one exchange on the socket at a time
         self._spin_s = spin_s  # busy-wait budget for each FORWARD reply (RpcSettings.spin_seconds)
         self._head_device = head_device  # a CUDA device: try CUDA IPC with a peer on the same GPU
         self._caps = 0
