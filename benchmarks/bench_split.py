@@ -147,8 +147,8 @@ def main() -> None:
     ap.add_argument("--pin", action="store_true",
                     help="head on core 0, peer on core 1, one thread each: two one-core hosts, no contention between them")
     ap.add_argument("--peer-in-process", action="store_true",
-                    help="serve the peer's layers from a thread of this process over the same loopback RPC: on one GPU "
-                         "this shares the head's CUDA context, which separates the GPU's context switches from our cost")
+                    help="serve the peer's layers from a thread of this process over the same loopback RPC (one CUDA "
+                         "context; no CUDA IPC channel opens within one process, so the hidden states take the socket)")
     ap.add_argument("--no-resplit", action="store_true", help="skip the live re-split timings")
     ap.add_argument("--no-compile", action="store_true",
                     help="solo, head and peer replay the uncompiled decode step (as `serve --no-compile`); by default all "
