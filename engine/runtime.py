@@ -23,6 +23,7 @@ asked for.
 
 from __future__ import annotations
 
+import functools
 import logging
 import queue
 import threading
@@ -48,8 +49,15 @@ from .structured import Grammars, apply_bitmask
 RATE_WINDOW_S = 10.0
 LATENCY_WINDOW_S = 60.0  # requests/s and the latency percentiles in /status
 LATENCY_SAMPLES = 4096
-SLOT_INDEXES_KEPT = 256  # batches of slots whose device index is kept (`Engine._slot_index`)
+SLOT_INDEXES_KEPT = 256  # batches of slots whose device index is kept (`_slot_index`)
 log = logging.getLogger("hydra.engine")
+
+
+@functools.lru_cache(maxsize=SLOT_INDEXES_KEPT)
+def _slot_index(slots: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """`slots` on the device, read only, kept per batch of slots: consecutive decode steps run the
+    same ones, and a fresh copy each step cost the host more than launching the step's graph."""
+    return to_device(torch.tensor(slots, dtype=torch.long), device)
 
 
 class EngineStats:
@@ -180,7 +188,6 @@ class Engine:
         self.overlap = self.device.type == "cuda" if overlap is None else overlap
         self._in_flight: deque[Launched] = deque()  # launched steps the host has not read yet
         self._last = torch.zeros(n_slots, dtype=torch.long, device=self.device)  # each slot's latest sampled token
-        self._slot_indexes: dict[tuple[int, ...], torch.Tensor] = {}  # see _slot_index
         self.stats = EngineStats()
         # Always there: requests may ask for n-gram drafting even when the server default is off.
         self.spec = speculator or Speculator()
@@ -462,10 +469,10 @@ class Engine:
         rows = None if len(rows) == len(ids) else torch.tensor(rows, dtype=torch.long)  # decode: no gather
         n_pending = ids.count(PENDING)
         if n_pending == len(ids):  # a plain decode step: every input is on the device already
-            tokens = self._last[self._slot_index(slot_ids)]
+            tokens = self._last[_slot_index(tuple(slot_ids), self.device)]
         elif n_pending:
             known = to_device(torch.tensor(ids, dtype=torch.long), self.device)
-            tokens = torch.where(known == PENDING, self._last[self._slot_index(slot_ids)], known)
+            tokens = torch.where(known == PENDING, self._last[_slot_index(tuple(slot_ids), self.device)], known)
         else:
             tokens = torch.tensor(ids, dtype=torch.long)
         hidden_rows = batch.hidden_rows()
@@ -475,17 +482,6 @@ class Engine:
         if self.spec.wants_hidden:
             self.spec.observe(tokens, slots, positions, hidden)  # the MTP block follows every token the target ran
         return logits, hidden[torch.tensor(hidden_rows).to(hidden.device)] if hidden_rows else None
-
-    def _slot_index(self, slots: list[int]) -> torch.Tensor:
-        """`slots` on the device, kept per batch of slots: consecutive decode steps run the same
-        ones, and a fresh copy each step cost the host more than launching the step's graph."""
-        key = tuple(slots)
-        index = self._slot_indexes.get(key)
-        if index is None:
-            if len(self._slot_indexes) >= SLOT_INDEXES_KEPT:
-                self._slot_indexes.clear()
-            index = self._slot_indexes[key] = to_device(torch.tensor(slots, dtype=torch.long), self.device)
-        return index
 
     @staticmethod
     def _keep_hidden(batch: Batch, hidden: torch.Tensor | None) -> None:
@@ -526,7 +522,7 @@ class Engine:
         ends = [batch.chunks[i].end for i, _ in to_sample]
         idx = [r for _, r in to_sample]
         rows = logits if idx == list(range(logits.shape[0])) else logits[idx]  # decode-only steps: no copy
-        slots = self._slot_index([s.slot for s in seqs])
+        slots = _slot_index(tuple(s.slot for s in seqs), self.device)
         in_flight = any(e > len(s.tokens) for s, e in zip(seqs, ends))  # a penalty window ends on a PENDING token
         picked = Rows.build([s.sampler for s in seqs], [s.tokens for s in seqs], rows.device, ends,
                             self._last[slots] if in_flight else None)  # fmt: skip
