@@ -4,7 +4,8 @@ For console demos, its tests and the polling benchmark on machines where loading
 wanted: `engine_command = "python -m hydra_console.app.fake_worker"` in a profile makes the
 supervisor start these instead of real workers. It reports "starting" for --startup-delay
 seconds, then "ok", with the layer ranges its --split implies (the /status schema of
-docs/ARCHITECTURE.md). It loads no model and opens no RPC port.
+docs/ARCHITECTURE.md), and exits --stop-delay seconds after SIGTERM. It loads no model and opens
+no RPC port.
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--split", default=None)
     ap.add_argument("--layers", type=int, default=18, help="layer count of the pretend model")
     ap.add_argument("--startup-delay", type=float, default=0.5)
+    ap.add_argument("--stop-delay", type=float, default=0.0, help="seconds SIGTERM takes, as a head draining its streams")
     args, _ = ap.parse_known_args(argv)
     args.rpc_port = args.rpc_port or args.port + 1
     started = time.time()
@@ -85,7 +87,11 @@ def main(argv: list[str] | None = None) -> int:
             pass
 
     server = ThreadingHTTPServer((args.host, args.port), Handler)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    def stop(*_):
+        time.sleep(args.stop_delay)
+        sys.exit(0)
+
+    signal.signal(signal.SIGTERM, stop)
     print(f"fake {args.command} listening on {args.host}:{args.port} split={args.split}", flush=True)
     try:
         server.serve_forever(poll_interval=0.2)

@@ -146,6 +146,7 @@ class Worker:
     down_since: float | None = None  # when it went degraded / unreachable
     backoff_until: float | None = None
     probe: Probe | None = None
+    probe_split_changes: int = 0  # the supervisor's split_changes when `probe` was asked for
     prefill_hist: deque = field(default_factory=lambda: deque(maxlen=HISTORY))
     decode_hist: deque = field(default_factory=lambda: deque(maxlen=HISTORY))
     history: deque = field(default_factory=lambda: deque(maxlen=HISTORY))  # (time, Status) as polled: triage's input
@@ -324,6 +325,9 @@ class Supervisor:
         self._tasks: set[asyncio.Task] = set()
         self._poller: asyncio.Task | None = None
         self._last_ranges: tuple | None = None
+        # Times this console set the split: the head's ranges from a poll sent before the last
+        # change are the old process's (or the old CONFIGURE's), and must not undo it.
+        self.split_changes = 0
 
     # ---- observation -------------------------------------------------------------------------
 
@@ -528,7 +532,7 @@ class Supervisor:
             reply = await control_client.configure(host, head.spec.rpc, {"split": split_arg(counts), "by": self.identity},
                                                    token=self.token)
             if reply.ok:
-                self.profile.split = self.split = list(counts)
+                self._set_split(counts)
                 self.emit(head.name, "split", f"live re-split to {split_arg(counts)}")
                 return "live"
             reason = reply.status_name + (f": {reply.meta['error']}" if "error" in reply.meta else "")
@@ -536,10 +540,14 @@ class Supervisor:
             reason = str(e)
         if not head.managed:
             raise SupervisorError(f"live re-split refused ({reason}) and {head.name} is attached, so it cannot be restarted")
-        self.profile.split = self.split = list(counts)
+        self._set_split(counts)
         self.emit(head.name, "split", f"live re-split unavailable ({reason}); restarting with --split {split_arg(counts)}")
         await self.restart_worker(head.name)
         return "restart"
+
+    def _set_split(self, counts: list[int]) -> None:
+        self.profile.split = self.split = list(counts)
+        self.split_changes += 1
 
     async def probe_split(self, tokens: int = 32, reps: int = 3) -> dict:
         """The split advisor's measurement: the head's PROBE (every stage times its own layers, the
@@ -779,15 +787,16 @@ class Supervisor:
             await asyncio.sleep(max(0.05, self.settings.poll_s - (time.monotonic() - t0)))
 
     async def poll_once(self) -> None:
+        split_changes = self.split_changes
         targets = [w for w in self.workers.values() if not w.managed or w.running]
         probes = await asyncio.gather(*(self.source.probe(w.spec) for w in targets), return_exceptions=True)
         for w, p in zip(targets, probes):
             if isinstance(p, BaseException):
                 p = Probe(False, error=f"{type(p).__name__}: {p}")
-            self._apply_probe(w, p)
+            self._apply_probe(w, p, split_changes)
         self._note_split()
 
-    def _apply_probe(self, w: Worker, p: Probe) -> None:
+    def _apply_probe(self, w: Worker, p: Probe, split_changes: int) -> None:
         if w.managed and (not w.running or w.state == State.STOPPING):
             return  # the answer raced a stop or an exit
         if not p.reachable and w.probe is not None and w.probe.reachable:
@@ -796,7 +805,7 @@ class Supervisor:
             if w.misses < MISSES_TOLERATED:
                 return
         w.misses = 0
-        w.probe = p
+        w.probe, w.probe_split_changes = p, split_changes
         if p.status is not None:
             w.history.append((self.clock(), p.status))
             w.prefill_hist.append(p.status.throughput.prefill_tok_s)
@@ -844,7 +853,7 @@ class Supervisor:
     def _note_split(self) -> None:
         """Follow the split the head runs, whoever applied it: a restart of the head relaunches it."""
         ranges = self.stage_ranges()
-        if ranges is None:
+        if ranges is None or self.head.probe_split_changes != self.split_changes:
             return
         key = tuple(r for _, r in ranges)
         if len(key) == len(self.workers):

@@ -203,6 +203,27 @@ async def test_polling_reaches_ready_and_split_falls_back_to_head_restart(tmp_pa
     assert not sup.running_managed()
 
 
+async def test_a_poll_while_the_head_stops_does_not_undo_the_split_it_restarts_with(tmp_path):
+    # The head takes a second to exit: a poll meanwhile still holds its old /status ([0,9)·[9,18)).
+    profile = fake_profile(peers=1)
+    profile.head.args = ["--stop-delay", "1"]
+    sup = Supervisor(profile, log_dir=tmp_path)
+    await sup.start()
+    try:
+        await wait_until(lambda: all(w.state == State.READY for w in sup.workers.values()))
+        assert [r for _, r in sup.stage_ranges()] == [(0, 9), (9, 18)]
+        applying = asyncio.create_task(sup.apply_split([12, 6]))
+        await wait_until(lambda: sup.head.state == State.STOPPING)
+        await sup.poll_once()
+        assert sup.split == [12, 6]
+        assert await applying == "restart"
+        assert sup.head.argv[sup.head.argv.index("--split") + 1] == "12/6"
+        await wait_until(lambda: sup.stage_ranges() and [r for _, r in sup.stage_ranges()] == [(0, 12), (12, 18)])
+        assert sup.split == [12, 6]
+    finally:
+        await sup.shutdown()
+
+
 class ControlServer:
     """A real TCP server speaking the control framing, answering CONFIGURE with a fixed status."""
 
