@@ -3,14 +3,13 @@
 Op and status codes come from `contracts.rpc`, framing from the engine's `rpc.wire` (request `<HBBHQH` header + key + trace + payload;
 response status u8 + meta_len u24 + payload_len u64, meta JSON, payload), so the console and the
 head never disagree on bytes. One blocking socket per request, run in a thread: these ops are rare.
-With a token (the supervisor's, else HYDRA_TOKEN), the AUTH challenge is answered first, as the head requires.
+With a token (the supervisor's), the AUTH challenge is answered first, as the head requires.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import os
 import socket
 from dataclasses import dataclass
 
@@ -49,7 +48,6 @@ def _exchange(sock: socket.socket, reader: SocketReader, op: int, payload: bytes
 
 def request_sync(host: str, port: int, op: int, payload: bytes = b"", *, timeout: float = 10.0,
                  token: str | None = None) -> ControlReply:
-    token = token if token is not None else os.environ.get("HYDRA_TOKEN")
     try:
         with socket.create_connection((host, port), timeout=timeout) as sock:
             reader = SocketReader(sock)

@@ -90,7 +90,8 @@ def run(argv: list[str] | None = None) -> int:
     theme = THEME_ALIASES.get(args.theme, args.theme)
     if theme not in THEMES:
         raise UserError(f"unknown theme {args.theme!r}: choose dark, light or colourblind")
-    sup = Supervisor(profile, attach=args.attach, readonly=args.readonly, log_dir=args.log_dir)
+    sup = Supervisor(profile, attach=args.attach, readonly=args.readonly, log_dir=args.log_dir,
+                     token=os.environ.get("HYDRA_TOKEN"))
     app = HydraConsole(sup, readonly=args.readonly, theme=theme, profile_path=path)
     try:
         app.run()

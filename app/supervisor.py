@@ -7,8 +7,8 @@ exits while it is wanted is restarted after a backoff of 1 s doubling to 30 s; o
 ring buffer (per worker and merged) and a log file per worker. Every `poll_s` the supervisor
 probes /health and /status of each worker through a `StatusSource` and derives its state.
 
-Workers it starts prove a token on their RPC ports: HYDRA_TOKEN from the console's environment
-when set (so workers started elsewhere share it), else a random one per console. Local workers get
+Workers it starts prove a token on their RPC ports: `token` (the console passes HYDRA_TOKEN from
+its environment, so workers started elsewhere share it), else a random one kept per profile. Local workers get
 it in their environment; remote ones in a 0600 file (`REMOTE_TOKEN_FILE`, written through the
 launcher with the token on stdin), never in argv, where `ps` on either host would show it.
 
@@ -291,6 +291,7 @@ class Supervisor:
         auto_restart: bool = True,
         readonly: bool = False,
         state_path: str | Path | None = None,
+        token: str | None = None,
     ):
         self.profile = profile
         self.settings = profile.supervisor
@@ -303,7 +304,7 @@ class Supervisor:
         self.run_id = uuid.uuid4().hex[:12]
         self.identity = f"hydra-console pid {os.getpid()} on {socket.gethostname()}"
         self.state_path = Path(state_path) if state_path else state_dir() / "run" / f"{profile.name}.json"
-        self.token = os.environ.get("HYDRA_TOKEN") or profile_token(self.state_path.with_suffix(".token"))
+        self.token = token or profile_token(self.state_path.with_suffix(".token"))
         self.detached = False
         self._foreign: set[str] = set()  # workers of this profile another live console runs
         self.log_dir = Path(log_dir or self.settings.log_dir or state_dir() / "logs")

@@ -563,6 +563,7 @@ async def test_local_workers_get_the_token_in_their_environment_not_argv(tmp_pat
     sup = new_supervisor(profile, tmp_path)
     # Random, and kept for the profile: the next console of it (attached, adopting) proves the same one.
     assert len(sup.token) == 64 and sup.token == new_supervisor(profile, tmp_path).token
+    assert new_supervisor(profile, tmp_path, token="shared").token == "shared"  # the console's HYDRA_TOKEN
     token_file = sup.state_path.with_suffix(".token")
     assert token_file.stat().st_mode & 0o777 == 0o600
     await sup.start_worker("head")
