@@ -467,14 +467,13 @@ class Engine:
         ids, slot_ids, pos, rows = batch.inputs()
         slots, positions = torch.tensor(slot_ids, dtype=torch.long), torch.tensor(pos, dtype=torch.long)
         rows = None if len(rows) == len(ids) else torch.tensor(rows, dtype=torch.long)  # decode: no gather
-        n_pending = ids.count(PENDING)
-        if n_pending == len(ids):  # a plain decode step: every input is on the device already
-            tokens = self._last[_slot_index(tuple(slot_ids), self.device)]
-        elif n_pending:
-            known = to_device(torch.tensor(ids, dtype=torch.long), self.device)
-            tokens = torch.where(known == PENDING, self._last[_slot_index(tuple(slot_ids), self.device)], known)
-        else:
+        if PENDING not in ids:
             tokens = torch.tensor(ids, dtype=torch.long)
+        else:  # a plain decode step builds nothing on the host: every input is on the device already
+            tokens = self._last[_slot_index(tuple(slot_ids), self.device)]
+            if ids.count(PENDING) < len(ids):  # a mixed batch: the known inputs replace theirs
+                known = to_device(torch.tensor(ids, dtype=torch.long), self.device)
+                tokens = torch.where(known == PENDING, tokens, known)
         hidden_rows = batch.hidden_rows()
         if not (self.spec.wants_hidden or hidden_rows):
             return self.pipeline.forward(tokens, slots, positions, rows, meanwhile=meanwhile), None
