@@ -13,7 +13,8 @@ import json
 import socket
 from dataclasses import dataclass
 
-from ..contracts.rpc import STATUS_NAMES, Op, Status, prove
+from ..contracts.auth import AuthError, control_login
+from ..contracts.rpc import STATUS_NAMES, Op, Status
 from ..engine.rpc.wire import FrameError, SocketReader, pack_control_request, read_control_response
 
 OP_CONFIGURE, OP_INFO = Op.CONFIGURE, Op.INFO
@@ -51,13 +52,15 @@ def request_sync(host: str, port: int, op: int, payload: bytes = b"", *, timeout
     try:
         with socket.create_connection((host, port), timeout=timeout) as sock:
             reader = SocketReader(sock)
-            if token:
-                challenge = _exchange(sock, reader, Op.AUTH, b"")
-                if challenge.ok and challenge.meta.get("auth"):
-                    proof = prove(token, bytes.fromhex(challenge.meta["nonce"]))
+            if token:  # the worker proves the token first: we send nothing to an impostor
+                def exchange(proof: bytes) -> tuple[bool, dict]:
                     answer = _exchange(sock, reader, Op.AUTH, proof)
-                    if not answer.ok:
-                        return answer
+                    return answer.ok, answer.meta
+
+                try:
+                    control_login(token, ("head", "prefill"), exchange)
+                except AuthError as e:
+                    return ControlReply(Status.ERROR, {"error": f"{host}:{port} failed to authenticate: {e}"}, b"")
             return _exchange(sock, reader, op, payload)
     except FrameError as e:
         raise ControlUnreachable(f"{host}:{port}: bad reply: {e}") from None

@@ -5,8 +5,10 @@ capability bit and request/response layout is here, and `engine/rpc` and `app/co
 import them. Framing and parsing code lives in `engine/rpc/wire.py`.
 
 Compute protocol (ggml-rpc framing): request `cmd u8 | size u64 LE | payload`, response
-`size u64 LE | payload`. HELLO (14) first; with a token, the server then sends a nonce and the
-client answers AUTH with HMAC-SHA256(token, nonce). Before AUTH only HELLO, AUTH and PING
+`size u64 LE | payload`. HELLO (14) first; with a token both sides prove it (contracts/auth.py):
+the client's HELLO carries CAP_AUTH and its nonce after the struct, the server answers HELLO and
+then a frame of its nonce, its 32-byte proof and its role, and the client answers AUTH with its
+own proof. Before AUTH only HELLO, AUTH and PING
 (control: AUTH) are read, in frames of at most PREAUTH_MAX_FRAME; anything else closes the
 connection unanswered. Every reply to our commands (ids >= 32)
 starts with a `ReplyStatus` byte, then JSON, raw bytes or an error message:
@@ -14,7 +16,7 @@ starts with a `ReplyStatus` byte, then JSON, raw bytes or an error message:
 | cmd | request payload | reply after the status byte |
 |---|---|---|
 | HELLO 14 | `HELLO` (major, minor, patch, pad, caps) | (no status byte) `HELLO` of the server, then a refusal text if versions differ |
-| AUTH 40 | 32-byte HMAC proof | empty |
+| AUTH 40 | the client's 32-byte proof | empty |
 | CHECK 39 | JSON `CheckRequest` | JSON {"epoch", ...} |
 | LOAD_STAGE 32 | JSON `LoadStageRequest` | JSON {"epoch", "layers", "device", "state_key", ...} |
 | RESOLVE 33 | tensor name (UTF-8) | JSON {"found", "epoch", "dtype", "shape"} |
@@ -65,9 +67,6 @@ peer for a `StageProbe` over its compute session, on the positions no slot holds
 
 from __future__ import annotations
 
-import hashlib
-import hmac
-import os
 import re
 import struct
 from typing import NotRequired, TypedDict
@@ -262,7 +261,7 @@ class Op:
     SWAP_QUANT = 0x45
     PIPELINE_ATTACH = 0x46
     PROBE = 0x50  # JSON {"tokens", "reps"} -> PipelineProbe: the split advisor's timings
-    AUTH = 0x4F  # ours: empty payload -> nonce challenge in meta; then the HMAC proof
+    AUTH = 0x4F  # ours: the client's nonce -> meta {auth, nonce, role, proof}; then the client's proof
 
 
 KNOWN_OPS = frozenset(v for k, v in vars(Op).items() if k.isupper())
@@ -280,20 +279,3 @@ class ControlError(Exception):
     def __init__(self, message: str, status: int = Status.ERROR):
         super().__init__(message)
         self.status = status
-
-
-# --- authentication: HMAC-SHA256(token, server nonce), never the token itself -------------------------
-
-NONCE_BYTES = 16
-
-
-def new_nonce() -> bytes:
-    return os.urandom(NONCE_BYTES)
-
-
-def prove(token: str, nonce: bytes) -> bytes:
-    return hmac.new(token.encode(), nonce, hashlib.sha256).digest()
-
-
-def verify(token: str, nonce: bytes, proof: bytes) -> bool:
-    return hmac.compare_digest(prove(token, nonce), bytes(proof))

@@ -198,6 +198,7 @@ class Pool(_Doc):
     accepted: int = 0
     connections: int = 0  # open on the port now: handshaking, idle or served
     compute: int = 0  # of those, compute sessions (a head's peers; on a peer, its head)
+    auth_failures: int = 0  # handshakes that failed to prove the token (each slows its address down)
 
     @property
     def idle(self) -> int:

@@ -26,7 +26,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 from prometheus_client.core import CounterMetricFamily
 
-from ..contracts.rpc import STATE_PUT_CAP, ControlError, Op, Status, prove
+from ..contracts.auth import AuthError, control_login
+from ..contracts.rpc import STATE_PUT_CAP, ControlError, Op, Status
 from ..contracts.slot_state import SlotStateError
 from ..contracts.status import Disaggregation, Transfer
 from . import slot_state
@@ -41,6 +42,7 @@ log = logging.getLogger("hydra.pd")
 CONNECT_TIMEOUT_S = 2.0
 RECENT = 16  # transfers kept for /status
 IN_FLIGHT = 2  # PREFILL exchanges a decode head runs at once (one shared segment each)
+AUTH_REPLY_MAX = 4 << 10  # an AUTH answer is a few hundred bytes of JSON
 ID_BYTES = 8  # a token id's text in a state's header, at most: what a prompt may need beyond the bytes per token seen
 
 
@@ -82,9 +84,8 @@ class PrefillClient:
             with sock:
                 reader = SocketReader(sock)
                 reader.expect(t_end - time.monotonic())
-                if self.auth_token:
-                    challenge = self._exchange(sock, reader, Op.AUTH, b"")
-                    self._exchange(sock, reader, Op.AUTH, prove(self.auth_token, bytes.fromhex(challenge.meta["nonce"])))
+                if self.auth_token:  # the worker proves the token before it learns the prompt
+                    self._login(sock, reader)
 
                 def states(n: int) -> list:  # checked as they arrive, into a kept buffer (none: CUDA IPC handles in the meta)
                     return slot_state.read_all(slot_state.BUFFERS.take(n), reader.read_into) if n else []
@@ -97,6 +98,17 @@ class PrefillClient:
         except (FrameError, OSError, KeyError, ValueError) as e:
             raise PdFallback("transfer", f"prefill worker {self.addr} failed mid-transfer: {e}") from None
         return reply.meta, reply.payload
+
+    def _login(self, sock, reader: SocketReader) -> None:
+        def exchange(payload: bytes) -> tuple[bool, dict]:
+            sock.sendall(pack_control_request(Op.AUTH, payload))
+            reply = read_control_response(reader, AUTH_REPLY_MAX)
+            return reply.status == Status.OK, reply.meta if isinstance(reply.meta, dict) else {}
+
+        try:
+            control_login(self.auth_token, ("prefill",), exchange)
+        except AuthError as e:
+            raise PdFallback("refused", f"prefill worker {self.addr} failed to authenticate: {e}") from None
 
     def _exchange(self, sock, reader: SocketReader, op: int, payload: bytes, read_payload=None):
         sock.sendall(pack_control_request(op, payload))

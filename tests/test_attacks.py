@@ -19,7 +19,7 @@ import pytest
 import torch
 from rpc_workers import greedy, head, peer, wait_for
 
-from hydra_console.contracts.rpc import CONTROL_MAGIC, KV_CLEAR, MAX_CTX, PREAUTH_MAX_FRAME, Cmd, Op, Status, StaleEpoch
+from hydra_console.contracts.rpc import CAP_AUTH, CONTROL_MAGIC, KV_CLEAR, MAX_CTX, PREAUTH_MAX_FRAME, Cmd, Op, Status, StaleEpoch
 from hydra_console.engine.gguf_file import GGUFFile
 from hydra_console.engine.model import ModelConfig
 from hydra_console.engine.rpc import wire
@@ -79,6 +79,12 @@ def session(w, g) -> socket.socket:
     compute(s, Cmd.HELLO, pack_hello())
     assert compute(s, Cmd.CHECK, json.dumps({"fingerprint": g.fingerprint, "shapes": tensor_shapes(g)}).encode())[0] == 0
     return s
+
+
+def hello_with_nonce(sock) -> bytes:
+    """HELLO offering authentication, as a client with a token opens: the worker's challenge."""
+    compute(sock, Cmd.HELLO, pack_hello(CAP_AUTH, nonce=os.urandom(16)))
+    return bytes(wire.read_compute_response(SocketReader(sock), 64))
 
 
 def unanswered_close(sock, timeout=30.0) -> bytes:
@@ -172,9 +178,7 @@ def test_huge_preauth_frames_close_the_connection_without_allocating(ws):
                 s.sendall(struct.pack("<BQ", Cmd.HELLO, huge) + b"x" * 4096)
                 assert unanswered_close(s) == b""
             with connect(w.rpc_port) as s:  # AUTH of 511 MiB after a valid HELLO
-                compute(s, Cmd.HELLO, pack_hello())
-                nonce = bytes(wire.read_compute_response(SocketReader(s), 64))
-                assert len(nonce) == 16
+                assert len(hello_with_nonce(s)) > 48  # the worker's nonce, proof and role
                 s.sendall(struct.pack("<BQ", Cmd.AUTH, huge - MiB))
                 assert unanswered_close(s) == b""
         if w is ws["tok_head"]:
@@ -197,8 +201,7 @@ def test_unknown_and_state_changing_ops_before_auth_close_unanswered(ws):
     for cmd in (Cmd.LOAD_STAGE, Cmd.KV_CLEAR, Cmd.STATS, Cmd.STATE_META, Cmd.STATE_GET, Cmd.STATE_PUT, Cmd.STATE_JOIN,
                 Cmd.PROBE, 99):
         with connect(ws["tok_peer"].rpc_port) as s:
-            compute(s, Cmd.HELLO, pack_hello())
-            wire.read_compute_response(SocketReader(s), 64)  # the nonce
+            hello_with_nonce(s)
             assert compute(s, Cmd.PING, b"ok") == b"\x00ok"  # PING is allowed
             s.sendall(wire.pack_compute_request(cmd, b"{}"))
             assert unanswered_close(s) == b""

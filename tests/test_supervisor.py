@@ -18,6 +18,7 @@ import psutil
 import pytest
 
 from hydra_console.app import control_client
+from hydra_console.contracts.auth import ServerHandshake
 from hydra_console.contracts.rpc import Op
 from hydra_console.app.config import Profile, SupervisorSettings, WorkerSpec
 from hydra_console.app.sources import FixedFeedSource, HttpStatusSource, Probe
@@ -230,6 +231,7 @@ class ControlServer:
     def __init__(self, status: int):
         self.status = status
         self.requests: list[tuple[int, dict]] = []
+        self.token = None  # the console's, once it exists: this stand-in proves it as a head does
 
     async def handle(self, reader, writer):
         while True:
@@ -239,8 +241,13 @@ class ControlServer:
             await reader.readexactly(key_len + trace_len)
             if op != Op.AUTH:
                 break
-            await reader.readexactly(payload_len)  # the console proves its token: this stand-in needs none
-            writer.write(pack_control_response(control_client.OK, {"auth": False}))
+            payload = await reader.readexactly(payload_len)
+            if len(payload) == 16:  # the console's nonce: our proof first, then its proof (not checked here)
+                hs = ServerHandshake(self.token, "control", "head", payload)
+                meta = {"auth": True, "nonce": hs.nonce.hex(), "role": "head", "proof": hs.proof.hex()}
+            else:
+                meta = {"auth": True, "ok": True}
+            writer.write(pack_control_response(control_client.OK, meta))
         self.requests.append((op, json.loads(await reader.readexactly(payload_len))))
         writer.write(pack_control_response(self.status, {"error": "not built"} if self.status else {"ok": True}))
         await writer.drain()
@@ -248,10 +255,12 @@ class ControlServer:
 
 
 @pytest.mark.parametrize("status,expected", [(control_client.OK, "live"), (control_client.NOT_IMPLEMENTED, "restart")])
-async def test_split_goes_live_through_configure_when_the_head_accepts_it(tmp_path, status, expected):
+async def test_split_goes_live_through_configure_when_the_head_accepts_it(tmp_path, status, expected, monkeypatch):
+    monkeypatch.setattr("hydra_console.contracts.auth._issued_here", lambda nonce: False)  # console and stand-in share this process
     profile = fake_profile(peers=1)
     ctl = ControlServer(status)
     sup = Supervisor(profile, log_dir=tmp_path)
+    ctl.token = sup.token
     await sup.start()
     # The stand-in head opens no RPC port: this server answers CONFIGURE there in its place.
     server = await asyncio.start_server(ctl.handle, "127.0.0.1", profile.head.rpc)

@@ -30,8 +30,8 @@ from ...contracts.rpc import (
     VERSION,
     Cmd,
     StaleEpoch,
-    prove,
 )
+from ...contracts.auth import NONCE_BYTES, PROOF_BYTES, AuthError, ClientHandshake
 from ...contracts.rpc import ReplyStatus as R
 from ...contracts.status import PeerInfo
 from ..device import host_buffer, to_host
@@ -190,7 +190,8 @@ class RemoteStage:
             tune_socket(sock)
             sock.settimeout(WATCH_S)
             link = (sock, SocketReader(sock, on_idle=self._probe))
-            reply = self._exchange(Cmd.HELLO, pack_hello(), link)
+            hs = ClientHandshake(self.auth_token, "compute", ("peer",)) if self.auth_token else None
+            reply = self._exchange(Cmd.HELLO, pack_hello(CAP_AUTH, nonce=hs.nonce) if hs else pack_hello(), link)
             if len(reply) < HELLO.size:
                 raise PeerMismatch(f"peer {self.addr} answered HELLO with {len(reply)} bytes: not a Hydra worker")
             major, minor, patch, _, caps = HELLO.unpack_from(reply)
@@ -198,11 +199,20 @@ class RemoteStage:
             if (major, minor) != VERSION[:2]:
                 detail = bytes(reply[HELLO.size :]).decode("utf-8", "replace")
                 raise PeerMismatch(f"peer {self.addr} speaks compute protocol {major}.{minor}.{patch}, we {VERSION}: {detail}")
-            if caps & CAP_AUTH:
-                if not self.auth_token:
-                    raise PeerMismatch(f"peer {self.addr} requires a token: set --auth-token or HYDRA_TOKEN")
-                nonce = self._read_reply(link)
-                status, body = self._status(self._exchange(Cmd.AUTH, prove(self.auth_token, bytes(nonce)), link))
+            if caps & CAP_AUTH and hs is None:
+                raise PeerMismatch(f"peer {self.addr} requires a token: set --auth-token or HYDRA_TOKEN")
+            if hs is not None:  # the peer proves the token before we send it anything
+                if not caps & CAP_AUTH:
+                    raise PeerMismatch(f"peer {self.addr} offers no authentication and we hold a token: refused "
+                                       "(start it with the same --auth-token / HYDRA_TOKEN)")  # fmt: skip
+                challenge = bytes(self._read_reply(link))
+                nonce, proof, role = challenge[:NONCE_BYTES], challenge[NONCE_BYTES : NONCE_BYTES + PROOF_BYTES], challenge[NONCE_BYTES + PROOF_BYTES :]
+                try:
+                    ours = hs.answer(nonce, role.decode("utf-8", "replace"), proof)
+                except AuthError as e:
+                    raise PeerMismatch(f"peer {self.addr} failed to authenticate ({e}): a different --auth-token, "
+                                       "or not one of our workers") from None  # fmt: skip
+                status, body = self._status(self._exchange(Cmd.AUTH, ours, link))
                 if status != R.OK:
                     raise PeerMismatch(f"peer {self.addr} rejected our token: {body.decode(errors='replace')}")
         except BaseException:

@@ -48,15 +48,15 @@ from ...contracts.rpc import (
     Cmd,
     StaleEpoch,
     frame_deadline,
-    new_nonce,
-    verify,
 )
+from ...contracts.auth import AuthError, ServerHandshake
 from ...contracts.rpc import ReplyStatus as R
 from ...contracts.slot_state import SlotStateError
 from ..device import host_buffer, to_host
 from .cuda_ipc import IpcChannel
 from .resident import DTYPES, ComputeError
 from .wire import (
+    AuthFailed,
     FrameError,
     Refused,
     SocketReader,
@@ -67,8 +67,9 @@ from .wire import (
 
 log = logging.getLogger("hydra.rpc.compute")
 
-def pack_hello(caps: int = 0, version=VERSION) -> bytes:
-    return HELLO.pack(*version, 0, caps)
+def pack_hello(caps: int = 0, version=VERSION, nonce: bytes = b"") -> bytes:
+    """HELLO's struct, then (a client with a token: caps has CAP_AUTH) the client's nonce."""
+    return HELLO.pack(*version, 0, caps) + nonce
 
 
 def pack_forward(epoch: int, hidden: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor, *, with_hidden: bool = True) -> list:
@@ -118,8 +119,8 @@ class ComputeServer:
     header = COMPUTE_HEADER.size
 
     def __init__(self, host, *, auth_token: str | None = None, max_frame: int = 1 << 30, spin_s: float = 0.0,
-                 idle_s: float = COMPUTE_IDLE_S):
-        self.host = host
+                 idle_s: float = COMPUTE_IDLE_S, role: str = "peer"):  # fmt: skip
+        self.host, self.role = host, role
         self.auth_token = auth_token
         self.max_frame = max_frame
         self.idle_s = idle_s
@@ -134,7 +135,7 @@ class ComputeServer:
 
     def open(self) -> dict:
         # `id` owns the slots of a stage this session loads (StageHost.owner).
-        return {"id": next(self._sessions), "hello": False, "authed": False, "nonce": None, "checked": False}
+        return {"id": next(self._sessions), "hello": False, "authed": False, "handshake": None, "checked": False}
 
     def _send(self, conn, *parts) -> None:
         body = sum(len(memoryview(p).cast("B")) for p in parts)
@@ -166,18 +167,29 @@ class ComputeServer:
                 raise Refused("HELLO refused")
             session["hello"] = True
             if self.auth_token:
-                session["nonce"] = new_nonce()
-                self._send(conn, session["nonce"])
+                self._challenge(conn, payload, session)
             else:
                 session["authed"] = True
         elif cmd == Cmd.PING:
             self._reply(conn, R.OK, payload)
-        elif verify(self.auth_token, session["nonce"], payload):
+        elif session["handshake"].check(payload):
             session["authed"] = True
             self._reply(conn, R.OK)
         else:
-            self._reply(conn, R.ERROR, "authentication failed: AUTH (40) with HMAC-SHA256(token, nonce) must follow HELLO")
-            raise Refused("authentication failed")
+            self._reply(conn, R.ERROR, "authentication failed: AUTH (40) must carry the client's proof of the token")
+            raise AuthFailed("authentication failed: a wrong proof")
+
+    def _challenge(self, conn, hello: bytes, session: dict) -> None:
+        """Our nonce, role and proof over the client's nonce (sent after HELLO's struct): a client
+        that offers none gets the HELLO it needs to say why, then the connection closes."""
+        caps = HELLO.unpack_from(hello)[4] if len(hello) >= HELLO.size else 0
+        if not caps & CAP_AUTH:
+            raise Refused("a client without CAP_AUTH: this worker requires the token")
+        try:
+            session["handshake"] = hs = ServerHandshake(self.auth_token, "compute", self.role, hello[HELLO.size :])
+        except AuthError as e:
+            raise AuthFailed(str(e)) from None
+        self._send(conn, hs.nonce, hs.proof, self.role.encode())
 
     # --- after the handshake ------------------------------------------------------------------------
 

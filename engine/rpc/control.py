@@ -22,10 +22,10 @@ from ...contracts.rpc import (
     Op,
     Status,
     frame_deadline,
-    new_nonce,
-    verify,
 )
+from ...contracts.auth import AuthError, ServerHandshake
 from .wire import (
+    AuthFailed,
     BufferReader,
     Refused,
     SocketReader,
@@ -69,14 +69,15 @@ class ControlServer:
 
     header = CONTROL_HEADER.size
 
-    def __init__(self, backend, *, auth_token: str | None = None, max_frame: int = 1 << 30, idle_s: float = CONTROL_IDLE_S):
-        self.backend = backend
+    def __init__(self, backend, *, auth_token: str | None = None, max_frame: int = 1 << 30, idle_s: float = CONTROL_IDLE_S,
+                 role: str = "head"):  # fmt: skip
+        self.backend, self.role = backend, role
         self.auth_token = auth_token
         self.max_frame = max_frame
         self.idle_s = idle_s
 
     def open(self) -> dict:
-        return {"authed": not self.auth_token, "nonce": None}
+        return {"authed": not self.auth_token, "handshake": None}
 
     def preauth_len(self, header: bytes, session: dict) -> int:
         h = read_control_header(BufferReader(header))
@@ -89,7 +90,7 @@ class ControlServer:
         reader = BufferReader(frame)
         req = read_control_request(reader)
         if not self._auth(conn, bytes(reader.read_exact(req.payload_len)), session):
-            raise Refused("authentication failed")
+            raise AuthFailed("authentication failed")
 
     def serve(self, conn, reader: SocketReader, session: dict) -> bool:
         """Serve one request; False closes the connection."""
@@ -121,16 +122,22 @@ class ControlServer:
         return True
 
     def _auth(self, conn, payload: bytes, session: dict) -> bool:
-        """Empty payload: challenge (answers a nonce). Otherwise: the HMAC proof of that nonce."""
+        """First AUTH: the client's nonce; we answer ours, our role and our proof (contracts.auth).
+        Second AUTH: the client's proof. Without a token: {"auth": false} (a client holding a
+        token refuses us then)."""
         if not self.auth_token:
             self._reply(conn, Status.OK, {"auth": False})
             return True
-        if not payload:
-            session["nonce"] = new_nonce()
-            self._reply(conn, Status.OK, {"auth": True, "nonce": session["nonce"].hex()})
+        handshake, session["handshake"] = session["handshake"], None
+        if handshake is None:
+            try:
+                session["handshake"] = hs = ServerHandshake(self.auth_token, "control", self.role, payload)
+            except AuthError as e:
+                self._reply(conn, Status.ERROR, {"error": f"authentication failed: {e}"})
+                return False
+            self._reply(conn, Status.OK, {"auth": True, "nonce": hs.nonce.hex(), "role": self.role, "proof": hs.proof.hex()})
             return True
-        nonce, session["nonce"] = session["nonce"], None
-        if nonce is not None and verify(self.auth_token, nonce, payload):
+        if handshake.check(payload):
             session["authed"] = True
             self._reply(conn, Status.OK, {"auth": True, "ok": True})
             return True

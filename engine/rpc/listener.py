@@ -20,6 +20,11 @@ progress within `header_s`, so a client that trickles or never reads frees its t
 
 Caps: MAX_CONNS open connections per port and MAX_CONNS_PER_IP per remote address (loopback
 exempt); a connection over a cap is closed at accept.
+
+Guessing costs time: each failed proof of the token is logged with its address and counted
+(`hydra_rpc_auth_failures_total`), and that address's next connections wait before their first
+byte is read, AUTH_DELAY_S doubling per failure up to AUTH_DELAY_MAX_S (loopback included: a
+local attacker guesses too); a success or AUTH_FORGET_S without failures forgets the address.
 """
 
 from __future__ import annotations
@@ -37,13 +42,15 @@ from typing import Protocol
 from ...contracts.rpc import BACKLOG, COMPUTE_FIRST_BYTE, HEADER_DEADLINE_S, MAX_CONNS, MAX_CONNS_PER_IP
 from ...contracts.status import Pool
 from ..errors import UserError
-from .wire import FrameError, Refused, SocketReader
+from .wire import AuthFailed, FrameError, Refused, SocketReader
 
 log = logging.getLogger("hydra.rpc")
 
 KEEPALIVE = {"TCP_KEEPIDLE": 30, "TCP_KEEPINTVL": 10, "TCP_KEEPCNT": 3}
 LOOPBACK = frozenset({"127.0.0.1", "::1", "::ffff:127.0.0.1"})
 SCAN_S = 0.25  # how often the selector closes connections past their deadline
+AUTH_DELAY_S, AUTH_DELAY_MAX_S = 0.25, 30.0  # the wait after the first failed proof, and its cap
+AUTH_FORGET_S = 600.0
 
 
 class Server(Protocol):
@@ -79,6 +86,7 @@ class _Conn:
     session: dict | None = None
     buf: bytearray = field(default_factory=bytearray)
     need: int = 1  # bytes `buf` must hold before the next step
+    held_until: float = 0.0  # its address failed to prove the token: not read before this
 
 
 class RpcListener:
@@ -115,7 +123,9 @@ class RpcListener:
         self._conns: set[_Conn] = set()  # every open connection: handshaking, waiting or served
         self._per_ip: collections.Counter[str] = collections.Counter()
         self._lock = threading.Lock()
-        self._busy = self._dropped = self._accepted = 0
+        self._busy = self._dropped = self._accepted = self._auth_failures = 0
+        self._failed: dict[str, tuple[int, float]] = {}  # ip -> (failed proofs in a row, last one)
+        self._held: list[_Conn] = []  # accepted from a failing address, not read yet
 
     # --- lifecycle --------------------------------------------------------------------------------
 
@@ -176,7 +186,7 @@ class RpcListener:
         queue_max = self.queue_max if self.mode == "head" else 0
         conns = list(self._conns)
         compute = sum(1 for c in conns if c.server is self.compute)
-        return Pool(size, self._busy, queued, queue_max, self._dropped, self._accepted, len(conns), compute)
+        return Pool(size, self._busy, queued, queue_max, self._dropped, self._accepted, len(conns), compute, self._auth_failures)
 
     # --- the selector thread: accept, handshakes, waiting for requests ----------------------------
 
@@ -212,6 +222,8 @@ class RpcListener:
             for key in list(self._sel.get_map().values()):
                 if key.data is not None:
                     self._close(key.data)
+            for c in self._held:
+                self._close(c)
             self._sel.close()
             self._wake_r.close()
             self._wake_w.close()
@@ -242,11 +254,41 @@ class RpcListener:
             except OSError:
                 sock.close()  # reset before we could even configure it
                 continue
-            c = _Conn(sock, ip, time.monotonic() + self.header_s)
+            now = time.monotonic()
+            c = _Conn(sock, ip, now + self.header_s, held_until=self._hold_until(ip, now))
             with self._lock:
                 self._conns.add(c)
                 self._per_ip[ip] += 1
-            self._sel.register(sock, selectors.EVENT_READ, c)
+            if c.held_until > now:
+                c.deadline = c.held_until + self.header_s
+                self._held.append(c)
+            else:
+                self._sel.register(sock, selectors.EVENT_READ, c)
+
+    def _hold_until(self, ip: str, now: float) -> float:
+        failures, last = self._failed.get(ip, (0, 0.0))
+        if not failures:
+            return 0.0
+        if now - last > AUTH_FORGET_S:
+            del self._failed[ip]
+            return 0.0
+        return last + min(AUTH_DELAY_S * 2 ** (failures - 1), AUTH_DELAY_MAX_S)
+
+    def _auth_failed(self, c: _Conn, why: Exception) -> None:
+        failures = self._failed.get(c.ip, (0, 0.0))[0] + 1
+        self._failed[c.ip] = (failures, time.monotonic())
+        with self._lock:
+            self._auth_failures += 1
+        delay = min(AUTH_DELAY_S * 2 ** (failures - 1), AUTH_DELAY_MAX_S)
+        log.warning("RPC authentication from %s failed (%s; %d in a row): its next connections wait %.2g s", c.ip, why, failures, delay)
+
+    def _release_held(self, now: float) -> None:
+        due = [c for c in self._held if c.held_until <= now]
+        if due:
+            self._held = [c for c in self._held if c.held_until > now]
+            for c in due:
+                c.deadline = now + self.header_s
+                self._sel.register(c.sock, selectors.EVENT_READ, c)
 
     def _step(self, c: _Conn) -> None:
         """Read what `c` has towards its next step (never more than that step needs), then take it."""
@@ -267,7 +309,10 @@ class RpcListener:
         except Refused as e:
             if e.reply:
                 _send_quietly(c.sock, e.reply)
-            log.debug("RPC connection from %s refused: %s", c.ip, e)
+            if isinstance(e, AuthFailed):
+                self._auth_failed(c, e)
+            else:
+                log.debug("RPC connection from %s refused: %s", c.ip, e)
             self._close(c)
         except (FrameError, OSError) as e:
             log.debug("RPC handshake with %s closed: %s", c.ip, e)
@@ -293,6 +338,7 @@ class RpcListener:
         c.need, c.deadline = c.server.header, time.monotonic() + self.header_s
         if not c.session["authed"]:
             return
+        self._failed.pop(c.ip, None)
         if self.mode == "peer":
             self._sel.unregister(c.sock)
             self._spawn(self._session_thread, "rpc-peer-conn", c)
@@ -300,6 +346,7 @@ class RpcListener:
             c.deadline = time.monotonic() + c.server.idle_s
 
     def _expire(self, now: float) -> None:
+        self._release_held(now)
         for key in list(self._sel.get_map().values()):
             c = key.data
             if c is not None and c.deadline <= now:

@@ -158,8 +158,9 @@ class HeadRpc:
         self.pipeline = pipeline
         self.listener = RpcListener(
             rpc.host, rpc.port, mode="head",
-            compute=ComputeServer(self.host, auth_token=token, max_frame=rpc.max_frame, spin_s=rpc.spin_seconds(self.host.device)),
-            control=ControlServer(self.control, auth_token=token, max_frame=rpc.max_frame),
+            compute=ComputeServer(self.host, auth_token=token, max_frame=rpc.max_frame, spin_s=rpc.spin_seconds(self.host.device),
+                                  role=role),
+            control=ControlServer(self.control, auth_token=token, max_frame=rpc.max_frame, role=role),
             pool_size=rpc.pool_size, queue_max=rpc.queue,
         )  # fmt: skip
 
@@ -199,6 +200,7 @@ class RpcCollector:
             yield GaugeMetricFamily(name, doc, value=value)
         yield CounterMetricFamily("hydra_rpc_dropped", "RPC connections dropped: queue full.", value=st.dropped)
         yield CounterMetricFamily("hydra_rpc_accepted", "RPC connections accepted.", value=st.accepted)
+        yield CounterMetricFamily("hydra_rpc_auth_failures", "RPC handshakes that failed to prove the token.", value=st.auth_failures)
         if self.pipeline is None:
             return
         up = GaugeMetricFamily("hydra_peer_up", "1 when the peer is attached.", labels=["peer"])

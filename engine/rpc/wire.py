@@ -48,6 +48,10 @@ class Refused(FrameError):
         self.reply = reply
 
 
+class AuthFailed(Refused):
+    """A handshake that failed to prove the token: the listener slows its sender down."""
+
+
 class PeerClosed(FrameError):
     """The other side closed the connection (possibly between frames)."""
 
