@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import os
 import tempfile
-import tomllib
 from pathlib import Path
 from typing import Literal
 
 import tomli_w
+import tomllib
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from ..contracts.footprint import CACHE_TYPES

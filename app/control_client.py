@@ -47,12 +47,14 @@ def _exchange(sock: socket.socket, reader: SocketReader, op: int, payload: bytes
     return ControlReply(r.status, r.meta if isinstance(r.meta, dict) else {"value": r.meta}, r.payload)
 
 
-def request_sync(host: str, port: int, op: int, payload: bytes = b"", *, timeout: float = 10.0,
-                 token: str | None = None) -> ControlReply:
+def request_sync(
+    host: str, port: int, op: int, payload: bytes = b"", *, timeout: float = 10.0, token: str | None = None
+) -> ControlReply:
     try:
         with socket.create_connection((host, port), timeout=timeout) as sock:
             reader = SocketReader(sock)
             if token:  # the worker proves the token first: we send nothing to an impostor
+
                 def exchange(proof: bytes) -> tuple[bool, dict]:
                     answer = _exchange(sock, reader, Op.AUTH, proof)
                     return answer.ok, answer.meta
@@ -68,19 +70,26 @@ def request_sync(host: str, port: int, op: int, payload: bytes = b"", *, timeout
         raise ControlUnreachable(f"cannot reach {host}:{port}: {e.strerror or e or 'timed out'}") from None
 
 
-async def request(host: str, port: int, op: int, payload: bytes = b"", *, timeout: float = 10.0,
-                  token: str | None = None) -> ControlReply:  # fmt: skip
+async def request(
+    host: str, port: int, op: int, payload: bytes = b"", *, timeout: float = 10.0, token: str | None = None
+) -> ControlReply:
     return await asyncio.to_thread(request_sync, host, port, op, payload, timeout=timeout, token=token)
 
 
-async def configure(host: str, port: int, settings: dict, *, timeout: float = 120.0, token: str | None = None) -> ControlReply:
+async def configure(
+    host: str, port: int, settings: dict, *, timeout: float = 120.0, token: str | None = None
+) -> ControlReply:
     """CONFIGURE; a live re-split is `{"split": "12/6"}` (layer counts, head first)."""
     return await request(host, port, OP_CONFIGURE, json.dumps(settings).encode(), timeout=timeout, token=token)
 
 
-async def probe(host: str, port: int, tokens: int, reps: int, *, timeout: float = 300.0, token: str | None = None) -> ControlReply:
+async def probe(
+    host: str, port: int, tokens: int, reps: int, *, timeout: float = 300.0, token: str | None = None
+) -> ControlReply:
     """PROBE: every stage times its layers (the split advisor); the reply's meta is a PipelineProbe."""
-    return await request(host, port, Op.PROBE, json.dumps({"tokens": tokens, "reps": reps}).encode(), timeout=timeout, token=token)
+    return await request(
+        host, port, Op.PROBE, json.dumps({"tokens": tokens, "reps": reps}).encode(), timeout=timeout, token=token
+    )
 
 
 async def info(host: str, port: int, *, timeout: float = 5.0, token: str | None = None) -> ControlReply:

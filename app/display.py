@@ -81,7 +81,11 @@ def fmt_bytes(n: float | None) -> str:
     raise AssertionError("unreachable")
 
 
-_FORM_TEXT = {"quantized": "weights as in the GGUF", "int8": "weights int8 + bf16 prefill copy", "dense": "weights at {dtype}"}
+_FORM_TEXT = {
+    "quantized": "weights as in the GGUF",
+    "int8": "weights int8 + bf16 prefill copy",
+    "dense": "weights at {dtype}",
+}
 _KV_AUTO = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}
 
 
@@ -192,8 +196,10 @@ def pd_lines(status: Status | None) -> list[str]:
         return [f"served {pd.served} prefills · {fmt_bytes(pd.served_bytes)}"]
     reasons = ", ".join(f"{k} {v}" for k, v in sorted(pd.fallback_reasons.items()))
     rate = f" · {pd.bytes / pd.seconds / 1e9:.2f} GB/s" if pd.seconds > 0 else ""
-    out = [f"prefill worker {pd.prefill_worker} (≥ {pd.threshold} tokens) · {pd.transfers} transfers · "
-           f"{fmt_bytes(pd.bytes)}{rate} · fallbacks {pd.fallbacks}" + (f" ({reasons})" if reasons else "")]  # fmt: skip
+    out = [
+        f"prefill worker {pd.prefill_worker} (≥ {pd.threshold} tokens) · {pd.transfers} transfers · "
+        f"{fmt_bytes(pd.bytes)}{rate} · fallbacks {pd.fallbacks}" + (f" ({reasons})" if reasons else "")
+    ]
     for t in pd.recent[-4:]:
         what = f"fallback: {t.fallback}" if t.fallback else f"{fmt_bytes(t.bytes)} in {t.ms:.0f} ms"
         out.append(f"request {t.request}: {t.tokens} tokens · {what}")
@@ -209,24 +215,33 @@ def exit_text(w: Worker, width: int = 48) -> str:
     return code
 
 
-STATE_ORDER = {s: i for i, s in enumerate(
-    [State.CRASH_LOOP, State.CRASHED, State.UNREACHABLE, State.PORT_BUSY, State.BACKOFF, State.DEGRADED,
-     State.STARTING, State.STOPPING, State.READY, State.STOPPED])}  # fmt: skip  # worst first
+STATE_WORST_FIRST = [
+    State.CRASH_LOOP, State.CRASHED, State.UNREACHABLE, State.PORT_BUSY, State.BACKOFF, State.DEGRADED,
+    State.STARTING, State.STOPPING, State.READY, State.STOPPED,
+]  # fmt: skip
+STATE_ORDER = {s: i for i, s in enumerate(STATE_WORST_FIRST)}
 
 
 def sort_key(w: Worker, column: str, sup: Supervisor, now: float) -> tuple:
     """The worker table sorts by what a column means (numbers as numbers, states worst first);
     a worker without a value sorts last, the name breaks ties."""
     value = {
-        "worker": lambda: w.name, "role": lambda: w.role, "host": lambda: w.spec.host, "device": lambda: worker_devices(w),
-        "layers": lambda: (worker_layers(w, sup) or [None])[0], "state": lambda: STATE_ORDER[w.state],
-        "pid": w.shown_pid, "uptime": lambda: w.uptime(now), "rst": lambda: w.restarts, "exit": lambda: w.last_exit,
-    }[column]()  # fmt: skip
+        "worker": lambda: w.name,
+        "role": lambda: w.role,
+        "host": lambda: w.spec.host,
+        "device": lambda: worker_devices(w),
+        "layers": lambda: (worker_layers(w, sup) or [None])[0],
+        "state": lambda: STATE_ORDER[w.state],
+        "pid": w.shown_pid,
+        "uptime": lambda: w.uptime(now),
+        "rst": lambda: w.restarts,
+        "exit": lambda: w.last_exit,
+    }[column]()
     return (value is None, value if value is not None else 0, w.name)
 
 
 def rate_label(name: str, now: float | None, hist: list[float]) -> str:
-    """"decode 187.5 tok/s · max 190 · avg 150": the sparkline's scale in words, over the samples it shows."""
+    """ "decode 187.5 tok/s · max 190 · avg 150": the sparkline's scale in words, over the samples it shows."""
     if not hist:
         return f"{name} {fmt_rate(now)}"
     return f"{name} {fmt_rate(now)} · max {_short(max(hist))} · avg {_short(sum(hist) / len(hist))}"
@@ -259,8 +274,15 @@ def memory_rows(sup: Supervisor, alerts: Alerts) -> list[MemoryRow]:
         where = "machine" if len(hosts) == 1 else host
         label = f"{where} {kind}:{index}" if kind == "cuda" else f"{where} RAM"
         util = f"util {d.util:.0f}% " if d.util is not None and kind == "cuda" else ""
-        rows.append(MemoryRow(label, d.memory_used, d.memory_total, f"{util}({', '.join(names)})",
-                              _mem_tone(d.memory_used, d.memory_total, alerts)))
+        rows.append(
+            MemoryRow(
+                label,
+                d.memory_used,
+                d.memory_total,
+                f"{util}({', '.join(names)})",
+                _mem_tone(d.memory_used, d.memory_total, alerts),
+            )
+        )
     for w in sup.workers.values():
         st = w.status
         proc = st.process if st else None
@@ -274,7 +296,9 @@ def memory_rows(sup: Supervisor, alerts: Alerts) -> list[MemoryRow]:
             gpu = next((d for d in st.devices if d.kind == "cuda"), None)
             total = gpu.memory_total if gpu else None
             note = "per process" if proc.gpu_source == "nvml" else "torch reserved"
-            rows.append(MemoryRow(f"{w.name} GPU", proc.gpu_memory, total, note, _mem_tone(proc.gpu_memory, total, alerts)))
+            rows.append(
+                MemoryRow(f"{w.name} GPU", proc.gpu_memory, total, note, _mem_tone(proc.gpu_memory, total, alerts))
+            )
     return rows
 
 
@@ -282,12 +306,19 @@ def device_free(sup: Supervisor, name: str) -> tuple[int | None, bool]:
     """Free memory of worker `name`'s roomiest device, and whether another worker reports the same
     device (same host, kind, index): then the one figure is shared, not each worker's to fill."""
     w = sup.worker(name)
-    devs = [d for d in (w.status.devices if w.status else []) if d.memory_total is not None and d.memory_used is not None]
+    devs = [
+        d for d in (w.status.devices if w.status else []) if d.memory_total is not None and d.memory_used is not None
+    ]
     if not devs:
         return None, False
     d = max(devs, key=lambda d: d.memory_total - d.memory_used)
-    shared = any(o is not w and o.spec.host == w.spec.host and o.status
-                 and any((x.kind, x.index) == (d.kind, d.index) for x in o.status.devices) for o in sup.workers.values())  # fmt: skip
+    shared = any(
+        o is not w
+        and o.spec.host == w.spec.host
+        and o.status
+        and any((x.kind, x.index) == (d.kind, d.index) for x in o.status.devices)
+        for o in sup.workers.values()
+    )
     return d.memory_total - d.memory_used, shared
 
 
@@ -331,7 +362,11 @@ def pool_text(status: Status | None) -> str:
     pool = status.pool if status else None
     if pool is None:
         return "RPC —"
-    control = f" · control pool {pool.busy}/{pool.size} busy, {pool.queued} queued, {pool.dropped} dropped" if pool.size else ""
+    control = (
+        f" · control pool {pool.busy}/{pool.size} busy, {pool.queued} queued, {pool.dropped} dropped"
+        if pool.size
+        else ""
+    )
     return f"RPC {pool.compute} compute{control} · {pool.idle} idle sockets"
 
 
@@ -353,8 +388,10 @@ def requests_text(status: Status | None) -> str:
     if r is None:
         return slots_text(status)
     queue = f"queue {r.queued}" + (f"/{r.queue_max}" if r.queue_max is not None else "")
-    return (f"slots {r.slots_busy}/{r.slots_total} · {queue} · {r.requests_per_s:.2f} req/s · p50/p99 "
-            f"TTFT {_ms(r.ttft_p50_ms)}/{_ms(r.ttft_p99_ms)} · ITL {_ms(r.itl_p50_ms)}/{_ms(r.itl_p99_ms)} ms")
+    return (
+        f"slots {r.slots_busy}/{r.slots_total} · {queue} · {r.requests_per_s:.2f} req/s · p50/p99 "
+        f"TTFT {_ms(r.ttft_p50_ms)}/{_ms(r.ttft_p99_ms)} · ITL {_ms(r.itl_p50_ms)}/{_ms(r.itl_p99_ms)} ms"
+    )
 
 
 def peer_lines(status: Status | None, alerts: Alerts) -> list[tuple[str, str]]:
@@ -362,7 +399,9 @@ def peer_lines(status: Status | None, alerts: Alerts) -> list[tuple[str, str]]:
     hidden states stay on a GPU the head and peer share."""
     out = []
     for p in status.peers if status else []:
-        symbol, tone = {"up": ("●", "ok"), "connecting": ("◐", "busy"), "down": ("✖", "error")}.get(p.state, ("?", "muted"))
+        symbol, tone = {"up": ("●", "ok"), "connecting": ("◐", "busy"), "down": ("✖", "error")}.get(
+            p.state, ("?", "muted")
+        )
         rtt_s = "—" if p.rtt_ms is None else f"{p.rtt_ms:.1f} ms"
         if tone == "ok" and p.rtt_ms is not None and p.rtt_ms >= alerts.rtt_ms:
             tone, rtt_s = "warn", f"{rtt_s} ⚠"
@@ -377,13 +416,17 @@ def active_alerts(sup: Supervisor, alerts: Alerts) -> dict[str, str]:
     out: dict[str, str] = {}
     for row in memory_rows(sup, alerts):
         if row.tone == "warn":
-            out[f"memory:{row.label}"] = f"{row.label} memory {row.used / row.total * 100:.0f}% (alert at {alerts.vram_pct:g}%)"
+            out[f"memory:{row.label}"] = (
+                f"{row.label} memory {row.used / row.total * 100:.0f}% (alert at {alerts.vram_pct:g}%)"
+            )
     for p in sup.head.status.peers if sup.head.status else []:
         if p.state == "up" and p.rtt_ms is not None and p.rtt_ms >= alerts.rtt_ms:
             out[f"rtt:{p.addr}"] = f"peer {p.addr} RTT {p.rtt_ms:.1f} ms (alert at {alerts.rtt_ms:g} ms)"
     for w in sup.workers.values():
         if w.crash_restarts >= alerts.restarts:
-            out[f"restarts:{w.name}"] = f"{w.name} restarted {w.crash_restarts} times after crashes (alert at {alerts.restarts})"
+            out[f"restarts:{w.name}"] = (
+                f"{w.name} restarted {w.crash_restarts} times after crashes (alert at {alerts.restarts})"
+            )
         if w.state == State.CRASH_LOOP:
             out[f"crash-loop:{w.name}"] = f"{w.name} is in a crash loop: {w.last_err or 'no stderr'}"
     return out
@@ -394,8 +437,18 @@ def event_line(ev: Event) -> str:
     return f"{time.strftime('%H:%M:%S', time.localtime(ev.ts))} {ev.kind:<11} {who}{ev.message}"
 
 
-EVENT_TONES = {"ready": "ok", "crashed": "error", "crash-loop": "error", "adopted": "busy", "killed": "error", "error": "error", "unreachable": "error",
-               "degraded": "warn", "restarted": "warn", "split": "busy"}
+EVENT_TONES = {
+    "ready": "ok",
+    "crashed": "error",
+    "crash-loop": "error",
+    "adopted": "busy",
+    "killed": "error",
+    "error": "error",
+    "unreachable": "error",
+    "degraded": "warn",
+    "restarted": "warn",
+    "split": "busy",
+}
 
 
 def failure_label(text: str) -> str | None:

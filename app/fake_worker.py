@@ -19,7 +19,18 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from ..contracts.split import parse_split
-from ..contracts.status import READY_STAGE, Address, DeviceInfo, Health, ModelInfo, PeerInfo, Pool, Speculative, StageInfo, Status
+from ..contracts.status import (
+    READY_STAGE,
+    Address,
+    DeviceInfo,
+    Health,
+    ModelInfo,
+    PeerInfo,
+    Pool,
+    Speculative,
+    StageInfo,
+    Status,
+)
 
 
 def build_status(args, started: float) -> Status:
@@ -60,7 +71,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--split", default=None)
     ap.add_argument("--layers", type=int, default=18, help="layer count of the pretend model")
     ap.add_argument("--startup-delay", type=float, default=0.5)
-    ap.add_argument("--stop-delay", type=float, default=0.0, help="seconds SIGTERM takes, as a head draining its streams")
+    ap.add_argument(
+        "--stop-delay", type=float, default=0.0, help="seconds SIGTERM takes, as a head draining its streams"
+    )
     args, _ = ap.parse_known_args(argv)
     args.rpc_port = args.rpc_port or args.port + 1
     started = time.time()
@@ -87,6 +100,7 @@ def main(argv: list[str] | None = None) -> int:
             pass
 
     server = ThreadingHTTPServer((args.host, args.port), Handler)
+
     def stop(*_):
         time.sleep(args.stop_delay)
         sys.exit(0)

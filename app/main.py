@@ -24,8 +24,12 @@ from .supervisor import State, Supervisor
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="hydra-console", description="Supervise, watch and steer Hydra workers.",
-                                 epilog=ONCE_CODES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="hydra-console",
+        description="Supervise, watch and steer Hydra workers.",
+        epilog=ONCE_CODES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     ap.add_argument("--profile", "-p", default=None, help="profile name or TOML path (default: built-in head + 1 peer)")
     ap.add_argument("--attach", action="store_true", help="monitor workers already running; start and stop nothing")
     ap.add_argument("--readonly", action="store_true", help="watch only: start, stop, restart and apply nothing")
@@ -33,8 +37,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--json", action="store_true", help="with --once: print JSON")
     ap.add_argument("--theme", default=os.environ.get("HYDRA_THEME", "dark"), help="dark, light or colourblind")
     ap.add_argument("--log-dir", default=None, help="folder of the per-worker log files")
-    ap.add_argument("--write-profile", metavar="PATH", default=None,
-                    help="write the profile as TOML (named after the file) and exit")
+    ap.add_argument(
+        "--write-profile",
+        metavar="PATH",
+        default=None,
+        help="write the profile as TOML (named after the file) and exit",
+    )
     ap.add_argument("--force", action="store_true", help="with --write-profile: overwrite an existing file")
     return ap
 
@@ -90,8 +98,9 @@ def run(argv: list[str] | None = None) -> int:
     theme = THEME_ALIASES.get(args.theme, args.theme)
     if theme not in THEMES:
         raise UserError(f"unknown theme {args.theme!r}: choose dark, light or colourblind")
-    sup = Supervisor(profile, attach=args.attach, readonly=args.readonly, log_dir=args.log_dir,
-                     token=os.environ.get("HYDRA_TOKEN"))
+    sup = Supervisor(
+        profile, attach=args.attach, readonly=args.readonly, log_dir=args.log_dir, token=os.environ.get("HYDRA_TOKEN")
+    )
     app = HydraConsole(sup, readonly=args.readonly, theme=theme, profile_path=path)
     try:
         app.run()

@@ -38,7 +38,7 @@ class Probe:
 
     @property
     def health_state(self) -> str | None:
-        """"starting" | "ok" | "degraded" from /health (a 503 without a body counts as starting)."""
+        """ "starting" | "ok" | "degraded" from /health (a 503 without a body counts as starting)."""
         if not self.reachable:
             return None
         if self.health is not None:

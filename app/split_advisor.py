@@ -104,17 +104,25 @@ def layer_costs(stage: StageTiming, n_layers: int, kind: str = "decode") -> list
     return out
 
 
-def evaluate(counts: list[int], costs: list[list[float]], hops: list[float], fixed_ms: float = 0.0,
-             pipelined: bool = False) -> Plan:  # fmt: skip
+def evaluate(
+    counts: list[int], costs: list[list[float]], hops: list[float], fixed_ms: float = 0.0, pipelined: bool = False
+) -> Plan:
     """What a split costs per decode step: the stages' sum (Hydra) or their max (pipelined)."""
     stage_ms = [sum(c[a:b]) + hop for c, (a, b), hop in zip(costs, ranges(counts), hops)]
     step = max(stage_ms) + fixed_ms if pipelined else sum(stage_ms) + fixed_ms
     return Plan(list(counts), stage_ms, step)
 
 
-def best_split(costs: list[list[float]], hops: list[float], *, fixed_ms: float = 0.0,
-               layer_bytes: list[list[int]] | None = None, budgets: list[int | None] | None = None,
-               min_layers: list[int] | None = None, pipelined: bool = False) -> Plan | None:  # fmt: skip
+def best_split(
+    costs: list[list[float]],
+    hops: list[float],
+    *,
+    fixed_ms: float = 0.0,
+    layer_bytes: list[list[int]] | None = None,
+    budgets: list[int | None] | None = None,
+    min_layers: list[int] | None = None,
+    pipelined: bool = False,
+) -> Plan | None:
     """The contiguous split minimising the step (dynamic programming over stage boundaries,
     O(stages x layers^2)); None when no split fits the memory budgets. `min_layers` per stage:
     by default the head may hold none and every peer at least one (contracts.split)."""
@@ -169,8 +177,17 @@ def advise(probe: dict, min_gain: float = MIN_GAIN, pipelined: bool = False) -> 
     counts = [s.layers[1] - s.layers[0] for s in stages]
     current = evaluate(counts, costs, hops, fixed, pipelined)
     sizes = [s.layer_bytes for s in stages] if all(len(s.layer_bytes) == n_layers for s in stages) else None
-    best = best_split(costs, hops, fixed_ms=fixed, layer_bytes=sizes, budgets=[s.budget_bytes for s in stages],
-                      pipelined=pipelined) or current  # fmt: skip
+    best = (
+        best_split(
+            costs,
+            hops,
+            fixed_ms=fixed,
+            layer_bytes=sizes,
+            budgets=[s.budget_bytes for s in stages],
+            pipelined=pipelined,
+        )
+        or current
+    )
     worth = best.counts != counts and best.step_ms < current.step_ms * (1 - min_gain)
     measured = probe.get("step_ms")
     return Advice(stages, current, best, best.counts if worth else None, float(measured) if measured else None, fixed)

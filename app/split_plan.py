@@ -60,8 +60,17 @@ class ModelShape:
             raise UserError(f"split {split_arg(counts)} covers {sum(counts)} layers, the model has {self.n_layers}")
         out = []
         for i, ((a, b), w) in enumerate(zip(ranges(counts), workers)):
-            est = self.tensors.stage(a, b, head=i == 0, device=w.device, dtype=w.dtype, n_slots=n_slots, n_ctx=n_ctx,
-                                     kv_types=w.kv_types, gpu_weights=w.gpu_weights)  # fmt: skip
+            est = self.tensors.stage(
+                a,
+                b,
+                head=i == 0,
+                device=w.device,
+                dtype=w.dtype,
+                n_slots=n_slots,
+                n_ctx=n_ctx,
+                kv_types=w.kv_types,
+                gpu_weights=w.gpu_weights,
+            )
             measured = w.runtime_bytes is not None and est.runtime_bytes
             out.append(replace(est, runtime_bytes=w.runtime_bytes) if measured else est)
         return out

@@ -202,6 +202,7 @@ def _connect_host(host: str) -> str:
 
 REMOTE_TOKEN_FILE = ".hydra/token-{name}"  # relative: ssh starts the remote command in the login directory
 
+
 def port_owner(port: int) -> str:
     """Who listens on `port` on this machine: "pid 4711 (python -m http.server 8080)"."""
     try:
@@ -398,7 +399,11 @@ class Supervisor:
                     args += ["--model-draft", sp.model_draft]
         args += spec.args
         if spec.is_local:
-            prefix = shlex.split(p.engine_command) if p.engine_command else [sys.executable, "-m", "hydra_console.engine.cli"]
+            prefix = (
+                shlex.split(p.engine_command)
+                if p.engine_command
+                else [sys.executable, "-m", "hydra_console.engine.cli"]
+            )
             return prefix + args
         args += ["--auth-token-file", REMOTE_TOKEN_FILE.format(name=name)]
         return self._remote(spec, shlex.join(shlex.split(p.engine_command or "hydra-engine") + args))
@@ -417,10 +422,19 @@ class Supervisor:
     async def _send_token(self, w: Worker) -> bool:
         """Write the token to the remote worker's 0600 token file through the launcher, on stdin."""
         path = REMOTE_TOKEN_FILE.format(name=w.name)
-        argv = self._remote(w.spec, f"umask 077 && mkdir -p {shlex.quote(os.path.dirname(path))} && cat > {shlex.quote(path)}", tty=False)
+        argv = self._remote(
+            w.spec,
+            f"umask 077 && mkdir -p {shlex.quote(os.path.dirname(path))} && cat > {shlex.quote(path)}",
+            tty=False,
+        )
         try:
-            proc = await asyncio.create_subprocess_exec(*argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.DEVNULL,
-                                                        stderr=asyncio.subprocess.DEVNULL, start_new_session=True)  # fmt: skip
+            proc = await asyncio.create_subprocess_exec(
+                *argv,
+                stdin=asyncio.subprocess.PIPE,
+                stdout=asyncio.subprocess.DEVNULL,
+                stderr=asyncio.subprocess.DEVNULL,
+                start_new_session=True,
+            )
             await asyncio.wait_for(proc.communicate(self.token.encode() + b"\n"), self.settings.grace_s + 20)
         except (OSError, asyncio.TimeoutError) as e:
             self.emit(w.name, "error", f"cannot write the token file on {w.spec.host}: {e}")
@@ -478,7 +492,9 @@ class Supervisor:
                 w.state, w.wanted = State.PORT_BUSY, True
                 held = "; ".join(f"port {port} held by {port_owner(port)}" for port in busy)
                 w.last_err = held
-                self.emit(w.name, "error", f"{held}: starting once it is free (--attach watches another console's workers)")
+                self.emit(
+                    w.name, "error", f"{held}: starting once it is free (--attach watches another console's workers)"
+                )
                 w._restart = self._task(self._start_when_free(w))
                 return
         w.wanted = True
@@ -530,8 +546,9 @@ class Supervisor:
         head = self.head
         host = _connect_host(head.spec.rpc_host or head.spec.host)
         try:
-            reply = await control_client.configure(host, head.spec.rpc, {"split": split_arg(counts), "by": self.identity},
-                                                   token=self.token)
+            reply = await control_client.configure(
+                host, head.spec.rpc, {"split": split_arg(counts), "by": self.identity}, token=self.token
+            )
             if reply.ok:
                 self._set_split(counts)
                 self.emit(head.name, "split", f"live re-split to {split_arg(counts)}")
@@ -540,9 +557,13 @@ class Supervisor:
         except control_client.ControlUnreachable as e:
             reason = str(e)
         if not head.managed:
-            raise SupervisorError(f"live re-split refused ({reason}) and {head.name} is attached, so it cannot be restarted")
+            raise SupervisorError(
+                f"live re-split refused ({reason}) and {head.name} is attached, so it cannot be restarted"
+            )
         self._set_split(counts)
-        self.emit(head.name, "split", f"live re-split unavailable ({reason}); restarting with --split {split_arg(counts)}")
+        self.emit(
+            head.name, "split", f"live re-split unavailable ({reason}); restarting with --split {split_arg(counts)}"
+        )
         await self.restart_worker(head.name)
         return "restart"
 
@@ -637,7 +658,9 @@ class Supervisor:
                 w.log_path.parent.mkdir(parents=True, exist_ok=True)
                 w._log_file = open(w.log_path, "a", buffering=1, encoding="utf-8", errors="replace")
             except OSError as e:
-                self.emit(w.name, "error", f"no log file ({e.strerror or e}: {w.log_path}); keeping the ring buffer only")
+                self.emit(
+                    w.name, "error", f"no log file ({e.strerror or e}: {w.log_path}); keeping the ring buffer only"
+                )
                 w.log_path = None
         if not w.spec.is_local and not await self._send_token(w):
             self._after_exit(w, None)
@@ -691,24 +714,39 @@ class Supervisor:
                 continue
             if owner_alive:  # two consoles must not both restart one worker
                 self._foreign.add(name)
-                self.emit(name, "error", f"pid {ps.pid} is run by console pid {owner}, which is alive: "
-                                         "not started here (--attach watches it)")
+                self.emit(
+                    name,
+                    "error",
+                    f"pid {ps.pid} is run by console pid {owner}, which is alive: "
+                    "not started here (--attach watches it)",
+                )
                 continue
             w.wanted = True
             w.backoff.reset()
             self._track(w, _Adopted(ps), list(entry.get("argv") or ps.cmdline()), entry["run_id"], ps.create_time())
-            self.emit(w.name, "adopted", f"pid {ps.pid} (run {entry['run_id']}, left by console pid {doc.get('console_pid', '?')})")
+            self.emit(
+                w.name,
+                "adopted",
+                f"pid {ps.pid} (run {entry['run_id']}, left by console pid {doc.get('console_pid', '?')})",
+            )
             w._watch = self._task(self._wait(w, w.proc, []))
         self._save_state()
 
     def _save_state(self) -> None:
         """The state file: which of this profile's workers run, so a later console can adopt them."""
-        entries = {w.name: {"pid": w.pid, "port": w.spec.port, "rpc": w.spec.rpc, "run_id": w.run_id, "argv": w.argv}
-                   for w in self.workers.values() if w.managed and w.running and w.spec.is_local}  # fmt: skip
+        entries = {
+            w.name: {"pid": w.pid, "port": w.spec.port, "rpc": w.spec.rpc, "run_id": w.run_id, "argv": w.argv}
+            for w in self.workers.values()
+            if w.managed and w.running and w.spec.is_local
+        }
         try:
             if entries:
-                atomic_write(self.state_path, json.dumps({"profile": self.profile.name, "console_pid": os.getpid(),
-                                                          "workers": entries}, indent=1))  # fmt: skip
+                atomic_write(
+                    self.state_path,
+                    json.dumps(
+                        {"profile": self.profile.name, "console_pid": os.getpid(), "workers": entries}, indent=1
+                    ),
+                )
             else:
                 self.state_path.unlink(missing_ok=True)
         except OSError as e:
@@ -763,10 +801,16 @@ class Supervisor:
         looping = w.quick_exits >= self.settings.crash_loop_count
         delay = w.backoff.next()
         w.state, w.backoff_until = (State.CRASH_LOOP if looping else State.BACKOFF), now + delay
-        self.emit(w.name, "crashed", f"pid {w.pid} exited ({describe_exit(code)}) after {ran:.1f} s; restart in {delay:g} s")
+        self.emit(
+            w.name, "crashed", f"pid {w.pid} exited ({describe_exit(code)}) after {ran:.1f} s; restart in {delay:g} s"
+        )
         if looping:
-            self.emit(w.name, "crash-loop", f"{w.quick_exits} exits in a row within {self.settings.crash_loop_s:g} s of "
-                                            f"the start; last stderr: {w.last_err or '(none)'}")
+            self.emit(
+                w.name,
+                "crash-loop",
+                f"{w.quick_exits} exits in a row within {self.settings.crash_loop_s:g} s of "
+                f"the start; last stderr: {w.last_err or '(none)'}",
+            )
         w._restart = self._task(self._restart_later(w, delay))
 
     async def _restart_later(self, w: Worker, delay: float) -> None:
@@ -861,6 +905,9 @@ class Supervisor:
             self.split = counts_of(list(key))
         if self._last_ranges is not None and key != self._last_ranges:
             by = self.head.status.split_by
-            self.emit(self.head.name, "split", "layers now " + " · ".join(f"[{a},{b})" for a, b in key)
-                      + (f" (applied by {by})" if by else ""))
+            self.emit(
+                self.head.name,
+                "split",
+                "layers now " + " · ".join(f"[{a},{b})" for a, b in key) + (f" (applied by {by})" if by else ""),
+            )
         self._last_ranges = key

@@ -25,8 +25,16 @@ MIN_DRAFT_TOKENS = 20  # advice on acceptance needs at least this many draft tok
 KV_FULL_MARGIN = 1  # a slot within this many positions of its context is full
 
 # Supervisor events on the timeline, by kind: (incident kind, shown).
-EVENT_INCIDENTS = {"restarted": "restart", "crash-loop": "crash-loop", "crashed": "crash", "unreachable": "down",
-                   "degraded": "down", "ready": "up", "split": "split", "killed": "crash"}  # fmt: skip
+EVENT_INCIDENTS = {
+    "restarted": "restart",
+    "crash-loop": "crash-loop",
+    "crashed": "crash",
+    "unreachable": "down",
+    "degraded": "down",
+    "ready": "up",
+    "split": "split",
+    "killed": "crash",
+}
 
 # A crash loop's last stderr line -> what to change.
 CRASH_CAUSES: list[tuple[re.Pattern, str]] = [
@@ -71,25 +79,62 @@ def timeline(history: list[tuple[float, Status]], events: list[Event], alerts: A
             was = before.get(addr)
             if was is not None and was.state != p.state and "down" in (was.state, p.state):
                 kind = "peer-down" if p.state == "down" else "peer-up"
-                out.append(Incident(ts, kind, addr, f"peer {addr} {was.state} → {p.state}" + (f" ({p.error})" if p.error else "")))
-            if p.rtt_ms is not None and p.rtt_ms >= alerts.rtt_ms and (was is None or was.rtt_ms is None or was.rtt_ms < alerts.rtt_ms):
-                out.append(Incident(ts, "rtt-spike", addr, f"peer {addr} RTT {p.rtt_ms:.1f} ms (alert at {alerts.rtt_ms:g} ms)"))
+                out.append(
+                    Incident(
+                        ts, kind, addr, f"peer {addr} {was.state} → {p.state}" + (f" ({p.error})" if p.error else "")
+                    )
+                )
+            if (
+                p.rtt_ms is not None
+                and p.rtt_ms >= alerts.rtt_ms
+                and (was is None or was.rtt_ms is None or was.rtt_ms < alerts.rtt_ms)
+            ):
+                out.append(
+                    Incident(
+                        ts, "rtt-spike", addr, f"peer {addr} RTT {p.rtt_ms:.1f} ms (alert at {alerts.rtt_ms:g} ms)"
+                    )
+                )
         if prev.pool and cur.pool and cur.pool.dropped > prev.pool.dropped:
-            out.append(Incident(ts, "pool-drop", "head", f"RPC pool dropped {cur.pool.dropped - prev.pool.dropped} connection(s): its queue was full"))
+            out.append(
+                Incident(
+                    ts,
+                    "pool-drop",
+                    "head",
+                    f"RPC pool dropped {cur.pool.dropped - prev.pool.dropped} connection(s): its queue was full",
+                )
+            )
         r0, r1 = prev.requests, cur.requests
         if r0 and r1:
             if r1.rejected_total > r0.rejected_total:
-                out.append(Incident(ts, "queue-full", "head", f"{r1.rejected_total - r0.rejected_total} request(s) refused: queue full ({r1.queued} waiting)"))
+                out.append(
+                    Incident(
+                        ts,
+                        "queue-full",
+                        "head",
+                        f"{r1.rejected_total - r0.rejected_total} request(s) refused: queue full ({r1.queued} waiting)",
+                    )
+                )
             spiking = r1.itl_p99_ms is not None and r1.itl_p50_ms and r1.itl_p99_ms >= SPIKE_FACTOR * r1.itl_p50_ms
             spiked = r0.itl_p99_ms is not None and r0.itl_p50_ms and r0.itl_p99_ms >= SPIKE_FACTOR * r0.itl_p50_ms
             if spiking and not spiked:
-                out.append(Incident(ts, "latency-spike", "head", f"inter-token p99 {r1.itl_p99_ms:.0f} ms, {r1.itl_p99_ms / r1.itl_p50_ms:.0f}x its p50"))
+                out.append(
+                    Incident(
+                        ts,
+                        "latency-spike",
+                        "head",
+                        f"inter-token p99 {r1.itl_p99_ms:.0f} ms, {r1.itl_p99_ms / r1.itl_p50_ms:.0f}x its p50",
+                    )
+                )
         full = set(_kv_full(cur)) - set(_kv_full(prev))
         if full:
-            out.append(Incident(ts, "kv-full", "head", f"slot(s) {', '.join(map(str, sorted(full)))} reached the context"))
+            out.append(
+                Incident(ts, "kv-full", "head", f"slot(s) {', '.join(map(str, sorted(full)))} reached the context")
+            )
         a0, a1 = prev.speculative.recent_acceptance, cur.speculative.recent_acceptance
         if a0 is not None and a1 is not None and a0 >= HEALTHY and a1 < COLLAPSED:
-            out.append(Incident(ts, "acceptance-collapse", "head", f"{cur.speculative.type} acceptance {a0:.0%} → {a1:.0%}"))
+            out.append(
+                Incident(ts, "acceptance-collapse", "head", f"{cur.speculative.type} acceptance {a0:.0%} → {a1:.0%}")
+            )
     return sorted(out, key=lambda i: i.ts)
 
 
@@ -112,13 +157,27 @@ def _requests_advice(history) -> list[Advice]:
     if r and first.requests and r.rejected_total > first.requests.rejected_total:
         n = r.rejected_total - first.requests.rejected_total
         limit = f" at {r.queue_max}" if r.queue_max is not None else ""
-        out.append(Advice("queue-full", f"{n} requests refused, queue full{limit}: raise --max-queue, or --parallel to drain it"))
+        out.append(
+            Advice(
+                "queue-full", f"{n} requests refused, queue full{limit}: raise --max-queue, or --parallel to drain it"
+            )
+        )
     full = _kv_full(last)
     if full:
-        out.append(Advice("kv-full", f"slot(s) {', '.join(map(str, full))} at the context ({last.slots[full[0]].n_ctx} tokens): raise --ctx"))
+        out.append(
+            Advice(
+                "kv-full",
+                f"slot(s) {', '.join(map(str, full))} at the context ({last.slots[full[0]].n_ctx} tokens): raise --ctx",
+            )
+        )
     if first.pool and last.pool and last.pool.dropped > first.pool.dropped:
-        out.append(Advice("pool-drop", f"RPC pool dropped {last.pool.dropped - first.pool.dropped} connections: "
-                                       "raise --rpc-pool-size or --rpc-queue"))  # fmt: skip
+        out.append(
+            Advice(
+                "pool-drop",
+                f"RPC pool dropped {last.pool.dropped - first.pool.dropped} connections: "
+                "raise --rpc-pool-size or --rpc-queue",
+            )
+        )
     return out
 
 
@@ -133,8 +192,13 @@ def _spec_advice(history) -> list[Advice]:
         return []
     decoded = max(last.throughput.decode_tokens_total - first.throughput.decode_tokens_total, 1)
     waste = (drafted - accepted) / decoded  # rejected draft rows verified per token kept
-    return [Advice("speculation", f"{s1.type} acceptance {rate:.0%} over {drafted} draft tokens: {waste:.1f} rejected rows "
-                                  "verified per token: turn it off (--spec-type off), or lower --draft-max")]  # fmt: skip
+    return [
+        Advice(
+            "speculation",
+            f"{s1.type} acceptance {rate:.0%} over {drafted} draft tokens: {waste:.1f} rejected rows "
+            "verified per token: turn it off (--spec-type off), or lower --draft-max",
+        )
+    ]
 
 
 def _link_advice(history, alerts: Alerts) -> list[Advice]:
@@ -149,8 +213,13 @@ def _link_advice(history, alerts: Alerts) -> list[Advice]:
         if p99 < alerts.rtt_ms:
             continue
         share = f": the hop is {p50 / step:.0%} of a step" if step else ""
-        out.append(Advice(f"rtt:{addr}", f"peer {addr} RTT p99 {p99:.0f} ms{share}: move layers off it "
-                                         "(split editor, m: advisor) or give it a faster link"))  # fmt: skip
+        out.append(
+            Advice(
+                f"rtt:{addr}",
+                f"peer {addr} RTT p99 {p99:.0f} ms{share}: move layers off it "
+                "(split editor, m: advisor) or give it a faster link",
+            )
+        )
     return out
 
 

@@ -53,8 +53,21 @@ def free_port() -> int:
 class Worker:
     def __init__(self, role: str, model: Path, log: Path, *extra: str):
         self.port, self.rpc = free_port(), free_port()
-        cmd = [sys.executable, "-m", "hydra_console.engine.cli", role, "--model", str(model), "--device", "cpu",
-               "--port", str(self.port), "--rpc-port", str(self.rpc), *extra]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "hydra_console.engine.cli",
+            role,
+            "--model",
+            str(model),
+            "--device",
+            "cpu",
+            "--port",
+            str(self.port),
+            "--rpc-port",
+            str(self.rpc),
+            *extra,
+        ]
         env = {**os.environ, "HYDRA_TOKEN": TOKEN, "OMP_NUM_THREADS": "1"}
         with open(log, "wb") as f:
             self.proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
@@ -76,8 +89,11 @@ class Worker:
 
 def completion_s(head: Worker, n: int) -> float:
     t0 = time.perf_counter()
-    r = httpx.post(f"http://127.0.0.1:{head.port}/v1/completions", timeout=300,
-                   json={"prompt": PROMPT, "max_tokens": n, "temperature": 0})  # fmt: skip
+    r = httpx.post(
+        f"http://127.0.0.1:{head.port}/v1/completions",
+        timeout=300,
+        json={"prompt": PROMPT, "max_tokens": n, "temperature": 0},
+    )
     if r.status_code != 200:
         raise RuntimeError(f"completion failed: {r.status_code} {r.text[:200]}")
     return time.perf_counter() - t0
@@ -171,16 +187,23 @@ def idle_sockets_phase(head: Worker, peer: Worker, args, baseline_s: float) -> d
     opened, reopened, refused = idle.opened, idle.reopened, idle.refused
     idle.close()
     return {
-        "sockets_per_port": args.sockets, "duration_s": args.duration, "opened": opened, "reopened_after_deadline": reopened,
-        "refused_at_connect": refused, "completions": len(latencies), "failed": failures,
+        "sockets_per_port": args.sockets,
+        "duration_s": args.duration,
+        "opened": opened,
+        "reopened_after_deadline": reopened,
+        "refused_at_connect": refused,
+        "completions": len(latencies),
+        "failed": failures,
         "latency_median_s": round(statistics.median(latencies), 3) if latencies else None,
         "latency_vs_quiet": round(statistics.median(latencies) / baseline_s, 2) if latencies else None,
-        "info_ms_p50": p(infos, 0.5), "info_ms_p99": p(infos, 0.99), "health_ms_p99": p(healths, 0.99),
+        "info_ms_p50": p(infos, 0.5),
+        "info_ms_p99": p(infos, 0.99),
+        "health_ms_p99": p(healths, 0.99),
         **{f"{name}_rss_mib_start": round(start[w][0] / MiB, 1) for name, w in (("head", head), ("peer", peer))},
         **{f"{name}_rss_mib_peak": round(w.peak_rss / MiB, 1) for name, w in (("head", head), ("peer", peer))},
         **{f"{name}_threads_start": start[w][1] for name, w in (("head", head), ("peer", peer))},
         **{f"{name}_threads_peak": w.peak_threads for name, w in (("head", head), ("peer", peer))},
-    }  # fmt: skip
+    }
 
 
 def preauth_probe(head: Worker, peer: Worker, rounds: int = 20) -> dict:
@@ -221,10 +244,17 @@ def main() -> None:
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, max(soft, 4 * args.sockets + 256)), hard))
     with tempfile.TemporaryDirectory() as tmp:
-        model = Path(args.model) if args.model else write_synthetic(
-            Path(tmp) / "attack.gguf", "gemma3", n_layers=8, n_embd=256, n_head=4, n_head_kv=2, n_ff=512)  # fmt: skip
+        model = (
+            Path(args.model)
+            if args.model
+            else write_synthetic(
+                Path(tmp) / "attack.gguf", "gemma3", n_layers=8, n_embd=256, n_head=4, n_head_kv=2, n_ff=512
+            )
+        )
         peer = Worker("peer", model, Path(tmp) / "peer.log")
-        head = Worker("serve", model, Path(tmp) / "head.log", "--peer", f"127.0.0.1:{peer.rpc}", "--parallel", "2", "--ctx", "512")
+        head = Worker(
+            "serve", model, Path(tmp) / "head.log", "--peer", f"127.0.0.1:{peer.rpc}", "--parallel", "2", "--ctx", "512"
+        )
         try:
             peer.wait_ready()
             head.wait_ready()
@@ -232,7 +262,10 @@ def main() -> None:
             quiet = [completion_s(head, args.tokens) for _ in range(args.quiet)]
             baseline = statistics.median(quiet)
             infos = [info_ms(head) for _ in range(20)]
-            print(json.dumps({"quiet_latency_median_s": round(baseline, 3), "quiet_info_ms_p50": p(infos, 0.5)}), flush=True)
+            print(
+                json.dumps({"quiet_latency_median_s": round(baseline, 3), "quiet_info_ms_p50": p(infos, 0.5)}),
+                flush=True,
+            )
             print(json.dumps(idle_sockets_phase(head, peer, args, baseline)), flush=True)
             print(json.dumps(preauth_probe(head, peer)), flush=True)
         finally:

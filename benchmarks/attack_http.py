@@ -34,8 +34,12 @@ async def flood(base: str, args) -> dict:
         done = asyncio.Event()
 
         async def one(i: int) -> tuple[str, float]:
-            body = {"prompt": f"Request {i}: tell a story", "max_tokens": args.max_tokens, "temperature": 0,
-                    "ignore_eos": True}  # fmt: skip
+            body = {
+                "prompt": f"Request {i}: tell a story",
+                "max_tokens": args.max_tokens,
+                "temperature": 0,
+                "ignore_eos": True,
+            }
             async with gate:
                 t0 = time.perf_counter()
                 try:
@@ -65,13 +69,21 @@ async def flood(base: str, args) -> dict:
     counts = Counter(k for k, _ in results)
     lat = {k: [dt for kk, dt in results if kk == k] for k in ("200", "503")}
     return {
-        "requests": args.requests, "concurrency": args.concurrency, "parallel": args.parallel,
-        "max_queue": args.max_queue, "max_tokens": args.max_tokens, "wall_s": round(wall, 2),
-        "lost": sum(n for k, n in counts.items() if k.startswith("lost")), "counts": dict(counts),
-        "latency_200_p50_s": pct(lat["200"], 50), "latency_200_p99_s": pct(lat["200"], 99),
-        "latency_503_p50_s": pct(lat["503"], 50), "latency_503_p99_s": pct(lat["503"], 99),
-        "health_polls": len(health_s), "health_p99_s": pct(health_s, 99),
-    }  # fmt: skip
+        "requests": args.requests,
+        "concurrency": args.concurrency,
+        "parallel": args.parallel,
+        "max_queue": args.max_queue,
+        "max_tokens": args.max_tokens,
+        "wall_s": round(wall, 2),
+        "lost": sum(n for k, n in counts.items() if k.startswith("lost")),
+        "counts": dict(counts),
+        "latency_200_p50_s": pct(lat["200"], 50),
+        "latency_200_p99_s": pct(lat["200"], 99),
+        "latency_503_p50_s": pct(lat["503"], 50),
+        "latency_503_p99_s": pct(lat["503"], 99),
+        "health_polls": len(health_s),
+        "health_p99_s": pct(health_s, 99),
+    }
 
 
 def main() -> None:

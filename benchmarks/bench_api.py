@@ -117,9 +117,15 @@ async def _stream(client: openai.AsyncOpenAI, prompt, n: int, cache: bool, start
     stamps (CLOCK_MONOTONIC: comparable across processes)."""
     await asyncio.sleep(max(0.0, start_at - time.perf_counter()))
     t0 = time.perf_counter()
-    stream = await client.completions.create(model="hydra", prompt=prompt, max_tokens=n, temperature=0, stream=True,
-                                             stream_options={"include_usage": True},
-                                             extra_body={"ignore_eos": True, "cache_prompt": cache})  # fmt: skip
+    stream = await client.completions.create(
+        model="hydra",
+        prompt=prompt,
+        max_tokens=n,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True, "cache_prompt": cache},
+    )
     t_first = t_last = None
     tokens, server = 0, {}
     async for chunk in stream:
@@ -131,16 +137,26 @@ async def _stream(client: openai.AsyncOpenAI, prompt, n: int, cache: bool, start
         if chunk.usage:
             tokens = chunk.usage.completion_tokens
         server = (chunk.model_extra or {}).get("timings") or server
-    return {"t_start": t0, "t_first": t_first, "t_last": t_last or t_first, "t_end": time.perf_counter(),
-            "tokens": tokens, "server_prompt_ms": server.get("prompt_ms"),
-            "server_decode_tok_s": server.get("predicted_per_second")}  # fmt: skip
+    return {
+        "t_start": t0,
+        "t_first": t_first,
+        "t_last": t_last or t_first,
+        "t_end": time.perf_counter(),
+        "tokens": tokens,
+        "server_prompt_ms": server.get("prompt_ms"),
+        "server_decode_tok_s": server.get("predicted_per_second"),
+    }
 
 
 def _client_process(base: str, jobs: list[tuple], start_at: float) -> list[dict]:
     async def run() -> list[dict]:
         limits = httpx.Limits(max_connections=len(jobs) + 4)
-        async with openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0,
-                                      http_client=openai.DefaultAsyncHttpxClient(limits=limits, timeout=600)) as client:  # fmt: skip
+        async with openai.AsyncOpenAI(
+            base_url=f"{base}/v1",
+            api_key="none",
+            max_retries=0,
+            http_client=openai.DefaultAsyncHttpxClient(limits=limits, timeout=600),
+        ) as client:
             return await asyncio.gather(*(_stream(client, *job, start_at) for job in jobs))
 
     return asyncio.run(run())
@@ -180,7 +196,11 @@ def concurrency(base: str, n_streams: int, n: int, clients: int) -> dict:
 
 def single(base: str, n: int) -> dict:
     (r,) = streams(base, [(PROMPTS[1], n, True)], 1)
-    return {"tokens": r["tokens"], "client_tok_s": round(decode_rate(r), 2), "server_tok_s": round(r["server_decode_tok_s"], 2)}
+    return {
+        "tokens": r["tokens"],
+        "client_tok_s": round(decode_rate(r), 2),
+        "server_tok_s": round(r["server_decode_tok_s"], 2),
+    }
 
 
 def ttft_prompts(base: str, n_tokens: int, runs: int) -> list[list[int]]:
@@ -211,13 +231,18 @@ def _ttft_process(base: str, prompts: list[list[int]]) -> tuple[list[dict], list
     client (which spends milliseconds of its own turning a list of token ids into its request body,
     before anything is sent). A first one-token request warms each client and its connection (a fresh
     process's first request also pays for imports, the pool and the TCP handshake)."""
+
     async def run() -> tuple[list[dict], list[dict]]:
-        async with (httpx.AsyncClient(timeout=600) as raw,
-                    openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0) as client):  # fmt: skip
+        async with (
+            httpx.AsyncClient(timeout=600) as raw,
+            openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0) as client,
+        ):
             await _raw_first_token(raw, base, prompts[0][:8])
             await _stream(client, prompts[0][:8], 1, False, 0.0)
             # reversed for the second: no prefix in common with the one just computed
-            pairs = [(await _raw_first_token(raw, base, p), await _stream(client, p[::-1], 1, False, 0.0)) for p in prompts]
+            pairs = [
+                (await _raw_first_token(raw, base, p), await _stream(client, p[::-1], 1, False, 0.0)) for p in prompts
+            ]
         return [a for a, _ in pairs], [b for _, b in pairs]
 
     return asyncio.run(run())
@@ -232,9 +257,14 @@ def ttft(base: str, prompts: list[list[int]]) -> dict:
     def ms(results: list[dict]) -> list[float]:
         return [(r["t_first"] - r["t_start"]) * 1e3 for r in results]
 
-    return {"prompt_tokens": len(prompts[0]), "runs": len(prompts), "median_ms": round(statistics.median(ms(raw)), 2),
-            "min_ms": round(min(ms(raw)), 2), "openai_median_ms": round(statistics.median(ms(client)), 2),
-            "server_prompt_median_ms": round(statistics.median(r["server_prompt_ms"] for r in raw + client), 2)}  # fmt: skip
+    return {
+        "prompt_tokens": len(prompts[0]),
+        "runs": len(prompts),
+        "median_ms": round(statistics.median(ms(raw)), 2),
+        "min_ms": round(min(ms(raw)), 2),
+        "openai_median_ms": round(statistics.median(ms(client)), 2),
+        "server_prompt_median_ms": round(statistics.median(r["server_prompt_ms"] for r in raw + client), 2),
+    }
 
 
 def memory(status: dict) -> dict:
@@ -242,17 +272,37 @@ def memory(status: dict) -> dict:
     process = status.get("process") or {}
     own = [s for s in status.get("stages", []) if s.get("weight_bytes") is not None or s.get("kv_bytes") is not None]
     own = own[:1] if status.get("role") == "head" else own  # the head's other entries are its peers
-    return {"weight_bytes": sum(s.get("weight_bytes") or 0 for s in own), "kv_bytes": sum(s.get("kv_bytes") or 0 for s in own),
-            "peak_device_bytes": process.get("peak_device_bytes"), "device_bytes": process.get("gpu_memory"),
-            "device_bytes_source": process.get("gpu_source"), "rss": process.get("rss")}  # fmt: skip
+    return {
+        "weight_bytes": sum(s.get("weight_bytes") or 0 for s in own),
+        "kv_bytes": sum(s.get("kv_bytes") or 0 for s in own),
+        "peak_device_bytes": process.get("peak_device_bytes"),
+        "device_bytes": process.get("gpu_memory"),
+        "device_bytes_source": process.get("gpu_source"),
+        "rss": process.get("rss"),
+    }
 
 
 # ---- the run -----------------------------------------------------------------------------------
 
 
 def engine_bench(args) -> dict:
-    cmd = [*ENGINE, "bench", "--json", "-p", "16", "-n", str(args.n_gen), "-r", "3", "--model", args.model,
-           "--device", args.device, "--dtype", args.dtype]  # fmt: skip
+    cmd = [
+        *ENGINE,
+        "bench",
+        "--json",
+        "-p",
+        "16",
+        "-n",
+        str(args.n_gen),
+        "-r",
+        "3",
+        "--model",
+        args.model,
+        "--device",
+        args.device,
+        "--dtype",
+        args.dtype,
+    ]
     out = subprocess.run(cmd, capture_output=True, text=True)
     if out.returncode:
         raise SystemExit(f"hydra-engine bench failed: {out.stderr[-2000:]}")
@@ -264,24 +314,58 @@ def llama_cpp(args) -> dict:
     tokens, three repetitions), else issue 15's H200 number."""
     if args.llama_bench is None:
         return {"decode_tok_s": LLAMA_CPP_SOLO_TOK_S, "source": "issue 15 (H200, synthetic 1.1B F16)"}
-    cmd = [args.llama_bench, "-m", args.model, "-p", "0", "-n", str(args.n_gen), "-r", "3", "-o", "json",
-           "-ngl", "99" if args.device.startswith("cuda") else "0"]  # fmt: skip
+    cmd = [
+        args.llama_bench,
+        "-m",
+        args.model,
+        "-p",
+        "0",
+        "-n",
+        str(args.n_gen),
+        "-r",
+        "3",
+        "-o",
+        "json",
+        "-ngl",
+        "99" if args.device.startswith("cuda") else "0",
+    ]
     out = subprocess.run(cmd, capture_output=True, text=True)
     if out.returncode:
         raise SystemExit(f"llama-bench failed: {out.stderr[-2000:]}")
     tg = [r for r in json.loads(out.stdout) if r["n_prompt"] == 0 and r["n_gen"] > 0]
     if not tg:
         raise SystemExit(f"llama-bench reported no decode test: {out.stdout[-2000:]}")
-    return {"decode_tok_s": round(tg[0]["avg_ts"], 2), "stddev_tok_s": round(tg[0]["stddev_ts"], 2),
-            "source": "llama-bench, this run", "command": " ".join(cmd)}  # fmt: skip
+    return {
+        "decode_tok_s": round(tg[0]["avg_ts"], 2),
+        "stddev_tok_s": round(tg[0]["stddev_ts"], 2),
+        "source": "llama-bench, this run",
+        "command": " ".join(cmd),
+    }
 
 
 def split_parts(args) -> dict:
     """bench_split.py on the same file: split/solo decode and the median ms of each part of a step."""
     with tempfile.TemporaryDirectory() as tmp:
         out_path = Path(tmp) / "split.json"
-        cmd = [sys.executable, str(BENCH_SPLIT), "--model", args.model, "--device", args.device, "--dtype", args.dtype,
-               "--block", "16", "-r", "2", "--prefill", "0", "--no-resplit", "--json", str(out_path)]  # fmt: skip
+        cmd = [
+            sys.executable,
+            str(BENCH_SPLIT),
+            "--model",
+            args.model,
+            "--device",
+            args.device,
+            "--dtype",
+            args.dtype,
+            "--block",
+            "16",
+            "-r",
+            "2",
+            "--prefill",
+            "0",
+            "--no-resplit",
+            "--json",
+            str(out_path),
+        ]
         done = subprocess.run(cmd, capture_output=True, text=True)
         if done.returncode:
             raise SystemExit(f"bench_split.py failed: {done.stderr[-2000:]}")
@@ -295,13 +379,31 @@ def ratio(a, b) -> float | None:
 def run(args) -> dict:
     serve = ["serve", "--model", args.model, "--device", args.device, "--dtype", args.dtype, "--ctx", str(args.ctx)]
     counts = [int(s) for s in args.streams.split(",")]
-    report: dict = {"model": args.model, "device": args.device, "dtype": args.dtype, "n_gen": args.n_gen, "ctx": args.ctx,
-                    "cpus": os.cpu_count(), "load_avg_start": round(os.getloadavg()[0], 2)}  # fmt: skip
+    report: dict = {
+        "model": args.model,
+        "device": args.device,
+        "dtype": args.dtype,
+        "n_gen": args.n_gen,
+        "ctx": args.ctx,
+        "cpus": os.cpu_count(),
+        "load_avg_start": round(os.getloadavg()[0], 2),
+    }
     report["llama_cpp"] = llama_cpp(args)
     print("bench …", file=sys.stderr, flush=True)
     bench = engine_bench(args)
-    report["bench"] = {k: bench.get(k) for k in ("decode_tok_s", "weights", "weight_bytes", "held_weight_bytes", "kv_bytes",
-                                                 "estimate", "peak_device_bytes", "peak_rss")}  # fmt: skip
+    report["bench"] = {
+        k: bench.get(k)
+        for k in (
+            "decode_tok_s",
+            "weights",
+            "weight_bytes",
+            "held_weight_bytes",
+            "kv_bytes",
+            "estimate",
+            "peak_device_bytes",
+            "peak_rss",
+        )
+    }
 
     solo = Server([*serve, "--parallel", str(max(counts))])
     report["solo"] = {"first_start_ready_s": round(solo.start(args.timeout), 3)}
@@ -340,8 +442,17 @@ def run(args) -> dict:
         peer = Server(["peer", "--model", args.model, "--device", args.device, "--dtype", args.dtype])
         peer.start(args.timeout)
         n_layers = httpx.get(f"{peer.base}/status", timeout=10).json()["model"]["n_layers"]
-        head = Server([*serve, "--parallel", "1", "--peer", f"127.0.0.1:{peer.rpc_port}",
-                       "--split", f"{n_layers - n_layers // 2}/{n_layers // 2}"])  # fmt: skip
+        head = Server(
+            [
+                *serve,
+                "--parallel",
+                "1",
+                "--peer",
+                f"127.0.0.1:{peer.rpc_port}",
+                "--split",
+                f"{n_layers - n_layers // 2}/{n_layers // 2}",
+            ]
+        )
         try:
             report["split"] = {"ready_s": round(head.start(args.timeout), 3)}
             report["split"]["transport"] = (head.status().get("peers") or [{}])[0].get("transport")
@@ -366,9 +477,11 @@ def run(args) -> dict:
     }
     if "split" in report:
         split_tok_s = report["split"]["single"]["client_tok_s"]
-        report["ratios"] |= {"split_over_solo_single": ratio(split_tok_s, report["solo"]["single"]["client_tok_s"]),
-                             "split_over_bench": ratio(split_tok_s, bench_tok_s),
-                             "split_over_llama_cpp_split": ratio(split_tok_s, LLAMA_CPP_SPLIT_TOK_S)}  # fmt: skip
+        report["ratios"] |= {
+            "split_over_solo_single": ratio(split_tok_s, report["solo"]["single"]["client_tok_s"]),
+            "split_over_bench": ratio(split_tok_s, bench_tok_s),
+            "split_over_llama_cpp_split": ratio(split_tok_s, LLAMA_CPP_SPLIT_TOK_S),
+        }
     report["load_avg_end"] = round(os.getloadavg()[0], 2)
     return report
 
@@ -376,48 +489,108 @@ def run(args) -> dict:
 def mib(mem: dict) -> tuple[str, str]:
     """A worker's memory row: weights + KV its stage holds; the process's device reading and peak, RSS."""
     f = lambda n: f"{n / (1 << 20):.1f} MiB" if n is not None else "—"  # noqa: E731
-    return (f"{f(mem['weight_bytes'])} + KV {f(mem['kv_bytes'])}",
-            f"device {f(mem['device_bytes'])} ({mem['device_bytes_source'] or '—'}), peak {f(mem['peak_device_bytes'])}; "
-            f"RSS {f(mem['rss'])}")  # fmt: skip
+    return (
+        f"{f(mem['weight_bytes'])} + KV {f(mem['kv_bytes'])}",
+        f"device {f(mem['device_bytes'])} ({mem['device_bytes_source'] or '—'}), peak {f(mem['peak_device_bytes'])}; "
+        f"RSS {f(mem['rss'])}",
+    )
 
 
 def table(report: dict) -> str:
     r, solo, bench = report["ratios"], report["solo"], report["bench"]
     ref = report["llama_cpp"]
     rows = [("llama.cpp decode (the ratios' reference)", f"{ref['decode_tok_s']:.1f} tok/s", ref["source"])]
-    rows.append(("hydra-engine bench decode", f"{bench['decode_tok_s']:.1f} tok/s", f"llama.cpp {r['bench_over_llama_cpp']}"))
-    rows.append(("serve, 1 stream (openai, streaming)", f"{solo['single']['client_tok_s']:.1f} tok/s",
-                 f"bench {r['single_over_bench']}  llama.cpp {r['single_over_llama_cpp']}"))  # fmt: skip
+    rows.append(
+        ("hydra-engine bench decode", f"{bench['decode_tok_s']:.1f} tok/s", f"llama.cpp {r['bench_over_llama_cpp']}")
+    )
+    rows.append(
+        (
+            "serve, 1 stream (openai, streaming)",
+            f"{solo['single']['client_tok_s']:.1f} tok/s",
+            f"bench {r['single_over_bench']}  llama.cpp {r['single_over_llama_cpp']}",
+        )
+    )
     for c in solo["concurrency"]:
-        rows.append((f"serve, {c['streams']} streams", f"{c['aggregate_decode_tok_s']} tok/s aggregate",
-                     f"{c['per_stream_tok_s']} per stream; {c['aggregate_tok_s']} with prompts"))  # fmt: skip
-    rows.append((f"serve TTFT, {solo['ttft']['prompt_tokens']}-token prompt (HTTP)", f"{solo['ttft']['median_ms']} ms",
-                 f"median of {solo['ttft']['runs']}; openai client {solo['ttft']['openai_median_ms']} ms; "
-                 f"server prompt {solo['ttft']['server_prompt_median_ms']} ms"))  # fmt: skip
-    rows.append(("serve start → READY", f"{solo['first_start_ready_s']} s", f"restart (warm caches) {solo['restart_ready_s']} s"
-                 + (f" (median of {', '.join(str(r['ready_s']) for r in solo['restarts'])})" if len(solo["restarts"]) > 1 else "")
-                 + ("" if solo["bytecode_cached"] else "; PYTHONDONTWRITEBYTECODE is set: every start compiles Python sources")))
+        rows.append(
+            (
+                f"serve, {c['streams']} streams",
+                f"{c['aggregate_decode_tok_s']} tok/s aggregate",
+                f"{c['per_stream_tok_s']} per stream; {c['aggregate_tok_s']} with prompts",
+            )
+        )
+    rows.append(
+        (
+            f"serve TTFT, {solo['ttft']['prompt_tokens']}-token prompt (HTTP)",
+            f"{solo['ttft']['median_ms']} ms",
+            f"median of {solo['ttft']['runs']}; openai client {solo['ttft']['openai_median_ms']} ms; "
+            f"server prompt {solo['ttft']['server_prompt_median_ms']} ms",
+        )
+    )
+    rows.append(
+        (
+            "serve start → READY",
+            f"{solo['first_start_ready_s']} s",
+            f"restart (warm caches) {solo['restart_ready_s']} s"
+            + (
+                f" (median of {', '.join(str(r['ready_s']) for r in solo['restarts'])})"
+                if len(solo["restarts"]) > 1
+                else ""
+            )
+            + (
+                ""
+                if solo["bytecode_cached"]
+                else "; PYTHONDONTWRITEBYTECODE is set: every start compiles Python sources"
+            ),
+        )
+    )
     for when in ("first_start", "restart"):
-        rows.append((f"  {when.replace('_', ' ')}: stage reached at", "",
-                     ", ".join(f"{k} {v} s" for k, v in (solo[f"{when}_stages_s"] or {}).items())))  # fmt: skip
+        rows.append(
+            (
+                f"  {when.replace('_', ' ')}: stage reached at",
+                "",
+                ", ".join(f"{k} {v} s" for k, v in (solo[f"{when}_stages_s"] or {}).items()),
+            )
+        )
     rows.append(("serve memory", *mib(solo["memory"])))
     if "split" in report:
         sp = report["split"]
-        rows.append((f"head + peer, 1 stream ({sp['transport']})", f"{sp['single']['client_tok_s']:.1f} tok/s",
-                     f"solo {r['split_over_solo_single']}  llama.cpp split {r['split_over_llama_cpp_split']}"))  # fmt: skip
-        rows.append(("head + peer TTFT (HTTP)", f"{sp['ttft']['median_ms']} ms",
-                     f"openai client {sp['ttft']['openai_median_ms']} ms; server prompt {sp['ttft']['server_prompt_median_ms']} ms"))  # fmt: skip
+        rows.append(
+            (
+                f"head + peer, 1 stream ({sp['transport']})",
+                f"{sp['single']['client_tok_s']:.1f} tok/s",
+                f"solo {r['split_over_solo_single']}  llama.cpp split {r['split_over_llama_cpp_split']}",
+            )
+        )
+        rows.append(
+            (
+                "head + peer TTFT (HTTP)",
+                f"{sp['ttft']['median_ms']} ms",
+                f"openai client {sp['ttft']['openai_median_ms']} ms; server prompt {sp['ttft']['server_prompt_median_ms']} ms",
+            )
+        )
         for role in ("head", "peer"):
             rows.append((f"  {role} memory", *mib(sp["memory"][role])))
         if "parts" in sp:
             for mode in ("solo", "split"):
                 parts = sp["parts"]["decode_parts_ms"][mode]
-                rows.append((f"  {mode} decode step parts (bench_split)", f"{parts['total']:.3f} ms",
-                             ", ".join(f"{k} {v:.3f}" for k, v in parts.items() if k != "total")))  # fmt: skip
+                rows.append(
+                    (
+                        f"  {mode} decode step parts (bench_split)",
+                        f"{parts['total']:.3f} ms",
+                        ", ".join(f"{k} {v:.3f}" for k, v in parts.items() if k != "total"),
+                    )
+                )
             solo_ms, split_ms = (sp["parts"]["decode_parts_ms"][m] for m in ("solo", "split"))
-            exchange = sum(split_ms[k] - split_ms[k.replace("round trip", "compute")] for k in split_ms if "round trip" in k)
-            rows.append(("  split step - solo step", f"{split_ms['total'] - solo_ms['total']:.3f} ms",
-                         f"exchange (round trips - peer compute) {exchange:.3f} ms, the rest: compute in two processes"))  # fmt: skip
+            exchange = sum(
+                split_ms[k] - split_ms[k.replace("round trip", "compute")] for k in split_ms if "round trip" in k
+            )
+            rows.append(
+                (
+                    "  split step - solo step",
+                    f"{split_ms['total'] - solo_ms['total']:.3f} ms",
+                    f"exchange (round trips - peer compute) {exchange:.3f} ms, the rest: compute in two processes",
+                )
+            )
     w = max(len(a) for a, _, _ in rows)
     v = max(len(b) for _, b, _ in rows)
     return "\n".join(f"{a:<{w}}  {b:>{v}}  {c}" for a, b, c in rows)
@@ -426,19 +599,28 @@ def table(report: dict) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="GGUF (default: the Gemma 3 270M package)")
-    ap.add_argument("--synthetic-llama-1b", action="store_true",
-                    help="write and serve issue 15's random-weight 1.1B llama (hidden 2048, 16 layers, 32/8 heads, "
-                         "FFN 8192, vocab 32000, F16)")  # fmt: skip
+    ap.add_argument(
+        "--synthetic-llama-1b",
+        action="store_true",
+        help="write and serve issue 15's random-weight 1.1B llama (hidden 2048, 16 layers, 32/8 heads, "
+        "FFN 8192, vocab 32000, F16)",
+    )
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--ctx", type=int, default=1024, help="context per slot (≥ the TTFT prompt + 1)")
     ap.add_argument("-n", "--n-gen", type=int, default=32, help="tokens per stream")
-    ap.add_argument("--streams", default="1,8,64", help="concurrent stream counts (the server gets --parallel = the largest)")
+    ap.add_argument(
+        "--streams", default="1,8,64", help="concurrent stream counts (the server gets --parallel = the largest)"
+    )
     ap.add_argument("--clients", type=int, default=max(1, (os.cpu_count() or 2) // 4), help="client processes")
     ap.add_argument("--ttft-prompt", type=int, default=512, help="prompt tokens of the TTFT test")
     ap.add_argument("--ttft-runs", type=int, default=5)
-    ap.add_argument("--llama-bench", default=None, metavar="PATH",
-                    help="llama.cpp's llama-bench: its decode on the same file and device is the ratios' reference")
+    ap.add_argument(
+        "--llama-bench",
+        default=None,
+        metavar="PATH",
+        help="llama.cpp's llama-bench: its decode on the same file and device is the ratios' reference",
+    )
     ap.add_argument("--no-split", action="store_true", help="skip the head + peer section")
     ap.add_argument("--no-split-parts", action="store_true", help="skip bench_split.py's time per part")
     ap.add_argument("--restarts", type=int, default=1, help="warm restarts timed (the table shows the median's stages)")
@@ -453,8 +635,20 @@ def main() -> None:
     if args.synthetic_llama_1b:
         from hydra_console.engine.synth import write_synthetic
 
-        args.model = str(write_synthetic(Path(tmp.name) / "llama-1b.gguf", "llama", n_layers=16, n_embd=2048, n_head=32,
-                                         n_head_kv=8, n_ff=8192, vocab_size=32000, n_ctx=8192, qtype="F16"))  # fmt: skip
+        args.model = str(
+            write_synthetic(
+                Path(tmp.name) / "llama-1b.gguf",
+                "llama",
+                n_layers=16,
+                n_embd=2048,
+                n_head=32,
+                n_head_kv=8,
+                n_ff=8192,
+                vocab_size=32000,
+                n_ctx=8192,
+                qtype="F16",
+            )
+        )
     elif args.model is None:
         from hydra_console.engine.default_model import default_model_path
 

@@ -18,8 +18,8 @@ import asyncio
 import os
 import shlex
 import signal
-import subprocess
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -53,8 +53,10 @@ def profile(engine: str, model: str) -> Profile:
 def start_workers(prof: Profile) -> list[subprocess.Popen]:
     """The workers, launched exactly as the console would, but outside the process under test."""
     argv_of = Supervisor(prof, source=FixedFeedSource({})).command_for
-    return [subprocess.Popen(argv_of(w.name), start_new_session=True, stdout=subprocess.DEVNULL,
-                             stderr=subprocess.DEVNULL) for w in [*prof.peers, prof.head]]
+    return [
+        subprocess.Popen(argv_of(w.name), start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        for w in [*prof.peers, prof.head]
+    ]
 
 
 async def key_to_frame(app, key: str, frames: list[float], timeout: float = 5.0) -> float:
@@ -90,7 +92,9 @@ async def run(engine: str, seconds: float, presses: int) -> None:
             c0, w0 = time.process_time(), time.monotonic()
             await asyncio.sleep(seconds)
             cpu = (time.process_time() - c0) / (time.monotonic() - w0) * 100
-            print(f"engine={engine} workers=3 poll=1Hz window={seconds:.0f}s size=120x40 console CPU {cpu:.2f}% of one core")
+            print(
+                f"engine={engine} workers=3 poll=1Hz window={seconds:.0f}s size=120x40 console CPU {cpu:.2f}% of one core"
+            )
 
             # Frames reach _display whether or not a terminal is attached; time the first one after each key.
             frames: list[float] = []
@@ -102,15 +106,20 @@ async def run(engine: str, seconds: float, presses: int) -> None:
                 return real_display(screen, renderable)
 
             app._display = display
-            for name, keys in {"cursor down/up": ("down", "up"), "open/close logs": ("l", "escape"),
-                               "theme cycle": ("t",)}.items():
+            for name, keys in {
+                "cursor down/up": ("down", "up"),
+                "open/close logs": ("l", "escape"),
+                "theme cycle": ("t",),
+            }.items():
                 samples = []
                 for i in range(presses):
                     samples.append(await key_to_frame(app, keys[i % len(keys)], frames))
                     await pilot.pause(0.05)
                 samples.sort()
-                print(f"keypress-to-redraw {name:<16} median {statistics.median(samples):6.1f} ms"
-                      f"  p95 {samples[max(0, int(len(samples) * 0.95) - 1)]:6.1f} ms  (n={len(samples)})")
+                print(
+                    f"keypress-to-redraw {name:<16} median {statistics.median(samples):6.1f} ms"
+                    f"  p95 {samples[max(0, int(len(samples) * 0.95) - 1)]:6.1f} ms  (n={len(samples)})"
+                )
         await console.shutdown(stop_workers=False)
     finally:
         for p in procs:

@@ -81,8 +81,10 @@ def main() -> None:
             t_g = _time(rows, ws, configs.get(triton.next_power_of_2(rows), configs[max(configs)]))
             sum_c, sum_g = sum_c + t_c, sum_g + t_g
             gb = ws[0].nbytes / 1e9
-            print(f"{rows:>4} {f'{n}x{k}':>13} {t_c * 1e6:10.1f} {gb / t_c:6.0f} {t_g * 1e6:9.1f} {gb / t_g:6.0f} "
-                  f"{t_c / t_g:7.2f}")
+            print(
+                f"{rows:>4} {f'{n}x{k}':>13} {t_c * 1e6:10.1f} {gb / t_c:6.0f} {t_g * 1e6:9.1f} {gb / t_g:6.0f} "
+                f"{t_c / t_g:7.2f}"
+            )
         print(f"{rows:>4} {'all':>13} {sum_c * 1e6:10.1f} {'':>6} {sum_g * 1e6:9.1f} {'':>6} {sum_c / sum_g:7.2f}")
 
 

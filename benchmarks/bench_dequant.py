@@ -38,8 +38,10 @@ def best_of(fn, repeats: int, device: str = "cpu") -> float:
 
 def bench_types(n_elements: int, device: str) -> None:
     rng = np.random.default_rng(0)
-    print(f"dequantize, {n_elements / 1e6:.1f}M elements per tensor, torch on {device} "
-          f"({torch.get_num_threads()} threads), best of 3 (numpy: best of 2)")
+    print(
+        f"dequantize, {n_elements / 1e6:.1f}M elements per tensor, torch on {device} "
+        f"({torch.get_num_threads()} threads), best of 3 (numpy: best of 2)"
+    )
     print(f"{'type':<8} {'torch ms/M':>11} {'numpy ms/M':>11} {'speedup':>8}")
     for qt in sorted(SUPPORTED_TYPES, key=lambda t: t.value):
         block, type_size = GGML_QUANT_SIZES[qt]

@@ -25,6 +25,7 @@ TEXT = "Embeddings from the same model: the final hidden state after the output 
 def measure(port: int, inputs: list[str]) -> dict:
     url = f"http://127.0.0.1:{port}/v1/embeddings"
     post = lambda body: httpx.post(url, json=body, timeout=600).json()  # noqa: E731
+
     def timed() -> tuple[dict, float, float]:
         t0 = time.perf_counter()
         batched = post({"input": inputs})
@@ -36,9 +37,14 @@ def measure(port: int, inputs: list[str]) -> dict:
     timed()  # warm-up: the CPU GEMM libraries build kernels per new row count on first use
     batched, t_batched, t_single = timed()
     tokens = batched["usage"]["prompt_tokens"]
-    return {"inputs": len(inputs), "tokens": tokens, "batched_s": round(t_batched, 3),
-            "batched_tok_s": round(tokens / t_batched, 1), "one_by_one_s": round(t_single, 3),
-            "one_by_one_tok_s": round(tokens / t_single, 1)}  # fmt: skip
+    return {
+        "inputs": len(inputs),
+        "tokens": tokens,
+        "batched_s": round(t_batched, 3),
+        "batched_tok_s": round(tokens / t_batched, 1),
+        "one_by_one_s": round(t_single, 3),
+        "one_by_one_tok_s": round(tokens / t_single, 1),
+    }
 
 
 def run(argv: list[str], port: int, what: str, inputs: list[str], env=None) -> dict:
@@ -66,14 +72,46 @@ def main() -> int:
 
     model = str(model_path(args.model))
     inputs = [f"{i}: {TEXT * (1 + i % 4)}" for i in range(args.inputs)]
-    hydra = [sys.executable, "-m", "hydra_console.engine.cli", "serve", "--model", model, "--port", str(args.port),
-             "--rpc-port", str(args.port + 1), "--device", args.device, "--dtype", args.dtype, "--ctx", "1024",
-             "--parallel", str(args.parallel), "--embedding", "--pooling", args.pooling]  # fmt: skip
+    hydra = [
+        sys.executable,
+        "-m",
+        "hydra_console.engine.cli",
+        "serve",
+        "--model",
+        model,
+        "--port",
+        str(args.port),
+        "--rpc-port",
+        str(args.port + 1),
+        "--device",
+        args.device,
+        "--dtype",
+        args.dtype,
+        "--ctx",
+        "1024",
+        "--parallel",
+        str(args.parallel),
+        "--embedding",
+        "--pooling",
+        args.pooling,
+    ]
     print(json.dumps(run(hydra, args.port, "hydra", inputs)))
     if args.llama_server:
         env = {**os.environ, "LD_LIBRARY_PATH": str(Path(args.llama_server).parent)}
-        upstream = [args.llama_server, "-m", model, "--port", str(args.port + 2), "--embedding", "--pooling",
-                    args.pooling, "-c", str(1024 * args.parallel), "-np", str(args.parallel)]  # fmt: skip
+        upstream = [
+            args.llama_server,
+            "-m",
+            model,
+            "--port",
+            str(args.port + 2),
+            "--embedding",
+            "--pooling",
+            args.pooling,
+            "-c",
+            str(1024 * args.parallel),
+            "-np",
+            str(args.parallel),
+        ]
         print(json.dumps(run(upstream, args.port + 2, "llama-server", inputs, env)))
     return 0
 

@@ -62,16 +62,40 @@ def main() -> None:
     args, extra = ap.parse_known_args()
     extra = [a for a in extra if a != "--"]
     # The peer takes its KV types and context from the head's LOAD_STAGE; of the serve flags only this one is its own.
-    peer = Server(["peer", "--model", args.model, "--device", args.device, *(["--no-compile"] if "--no-compile" in extra else [])])
-    head = Server(["serve", "--model", args.model, "--device", args.device, "--peer", f"127.0.0.1:{peer.rpc_port}",
-                   "--split", args.split, "--ctx", str(args.ctx), "--parallel", "1", *extra])  # fmt: skip
+    peer = Server(
+        ["peer", "--model", args.model, "--device", args.device, *(["--no-compile"] if "--no-compile" in extra else [])]
+    )
+    head = Server(
+        [
+            "serve",
+            "--model",
+            args.model,
+            "--device",
+            args.device,
+            "--peer",
+            f"127.0.0.1:{peer.rpc_port}",
+            "--split",
+            args.split,
+            "--ctx",
+            str(args.ctx),
+            "--parallel",
+            "1",
+            *extra,
+        ]
+    )
     try:
         peer.start(args.timeout)
         ready_s = head.start(args.timeout)
         run = decode(head.base, args.n)
         cards = [float(c) for c in args.cards.split(",")]
-        out = {"model": args.model, "split": args.split, "ctx": args.ctx, "serve_flags": extra,
-               "head_ready_s": round(ready_s, 1), **run}  # fmt: skip
+        out = {
+            "model": args.model,
+            "split": args.split,
+            "ctx": args.ctx,
+            "serve_flags": extra,
+            "head_ready_s": round(ready_s, 1),
+            **run,
+        }
         for name, proc, card in (("head", head, cards[0]), ("peer", peer, cards[1])):
             m = memory(proc.status())
             used = m["gpu_memory_gib"]

@@ -64,8 +64,10 @@ def measure(engine: Engine, tok, streams: int, n_gen: int, sampling: str) -> dic
     engine.pipeline.forward, engine.step = timed_forward, timed_step
     try:
         ids = tok.encode(PROMPT)
-        reqs = [Request(ids, SamplingParams(seed=i, **SAMPLINGS[sampling]), max_tokens=n_gen, ignore_eos=True)
-                for i in range(streams)]  # fmt: skip
+        reqs = [
+            Request(ids, SamplingParams(seed=i, **SAMPLINGS[sampling]), max_tokens=n_gen, ignore_eos=True)
+            for i in range(streams)
+        ]
         threads = [threading.Thread(target=lambda r=r: list(engine.generate(r, timeout=600))) for r in reqs]
         for t in threads:
             t.start()
@@ -104,10 +106,17 @@ def main() -> None:
     ap.add_argument("--n-gen", type=int, default=64)
     ap.add_argument("--sampling", nargs="+", choices=list(SAMPLINGS), default=list(SAMPLINGS))
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
-    ap.add_argument("--compile", action="store_true",
-                    help="torch.compile the decode graphs, as `serve` does on CUDA: a GPU step then takes less than the host's part")
-    ap.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=None,
-                    help="the engine's overlap (default: its own; an engine without it ignores the flag)")
+    ap.add_argument(
+        "--compile",
+        action="store_true",
+        help="torch.compile the decode graphs, as `serve` does on CUDA: a GPU step then takes less than the host's part",
+    )
+    ap.add_argument(
+        "--overlap",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="the engine's overlap (default: its own; an engine without it ignores the flag)",
+    )
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -115,12 +124,20 @@ def main() -> None:
     tok = Tokenizer.from_gguf(g)
     n_slots = max(args.streams)
     n_ctx = len(tok.encode(PROMPT)) + args.n_gen + 8
-    stage = build_stage(g, device=args.device, dtype=args.dtype, n_slots=n_slots, n_ctx=n_ctx, compile_decode=args.compile)
+    stage = build_stage(
+        g, device=args.device, dtype=args.dtype, n_slots=n_slots, n_ctx=n_ctx, compile_decode=args.compile
+    )
     stage.warm_up()  # captured (and compiled) before any step is timed
-    kw = {"overlap": args.overlap} if "overlap" in inspect.signature(Engine).parameters and args.overlap is not None else {}
+    kw = (
+        {"overlap": args.overlap}
+        if "overlap" in inspect.signature(Engine).parameters and args.overlap is not None
+        else {}
+    )
     engine = Engine(Pipeline(stage), tok, n_slots, stage.n_ctx, **kw).start()
-    print(f"engine {Engine.__module__} ({inspect.getsourcefile(Engine)}), overlap {getattr(engine, 'overlap', 'n/a')}, "
-          f"{g.architecture} vocab {tok.vocab_size}, {args.device}")  # fmt: skip
+    print(
+        f"engine {Engine.__module__} ({inspect.getsourcefile(Engine)}), overlap {getattr(engine, 'overlap', 'n/a')}, "
+        f"{g.architecture} vocab {tok.vocab_size}, {args.device}"
+    )
     if hasattr(sampling, "Rows"):
         print(f"{'sampling':<10} {'rows':>7} {'sampler ms':>10}")
         for name in args.sampling:
@@ -134,8 +151,10 @@ def main() -> None:
         for name in args.sampling:
             for streams in args.streams:
                 r = measure(engine, tok, streams, args.n_gen, name)
-                print(f"{name:<10} {streams:>7} {r['steps']:>6} {r['step_ms']:>8.2f} {r['forward_ms']:>10.2f} "
-                      f"{r['host_ms']:>8.2f}")  # fmt: skip
+                print(
+                    f"{name:<10} {streams:>7} {r['steps']:>6} {r['step_ms']:>8.2f} {r['forward_ms']:>10.2f} "
+                    f"{r['host_ms']:>8.2f}"
+                )
     finally:
         engine.stop()
 

@@ -29,8 +29,8 @@ from types import SimpleNamespace
 
 import torch
 
-from hydra_console.engine.model.attention import attend_batched, attend_decode, decode_bias
 from hydra_console.contracts.footprint import cache_positions
+from hydra_console.engine.model.attention import attend_batched, attend_decode, decode_bias
 from hydra_console.engine.model.kv_blocks import KV_BLOCK, KVBlocks
 from hydra_console.engine.model.kv_cache import KVCache
 
@@ -40,8 +40,15 @@ CFG = SimpleNamespace(n_head=N_HEAD, n_head_kv=N_KV, head_dim=HEAD_DIM, attn_sca
 
 def _layer(batch: int, n_ctx: int, kind: str) -> SimpleNamespace:
     """One attention layer of `batch` slots whose cache holds random values (the layout a Stage keeps)."""
-    kv = KVCache(KVBlocks.reserved(batch, n_ctx, "cuda"), N_KV, HEAD_DIM, compute=torch.bfloat16, device="cuda",
-                 k_type=kind, v_type=kind)
+    kv = KVCache(
+        KVBlocks.reserved(batch, n_ctx, "cuda"),
+        N_KV,
+        HEAD_DIM,
+        compute=torch.bfloat16,
+        device="cuda",
+        k_type=kind,
+        v_type=kind,
+    )
     for store in (kv.k, kv.v):
         if store.scale is None:
             store.codes.normal_()
@@ -70,7 +77,9 @@ def attention(batches: list[int], contexts: list[int], kinds: list[str]) -> None
     from hydra_console.engine.kernels.triton_attention import decode_attention, default_splits
 
     print(f"decode attention, one layer ({N_HEAD}/{N_KV} heads x {HEAD_DIM}), bf16 compute: microseconds per step")
-    print(f"{'kv':>5} {'batch':>5} {'context':>7} {'lengths':>7} | {'attn':>7} {'GB/s':>6} | {'kernel':>8} | {'torch':>8} | speedup")
+    print(
+        f"{'kv':>5} {'batch':>5} {'context':>7} {'lengths':>7} | {'attn':>7} {'GB/s':>6} | {'kernel':>8} | {'torch':>8} | speedup"
+    )
     g = torch.Generator().manual_seed(0)
     for kind in kinds:
         per_token = 2 * N_KV * HEAD_DIM * KVCache.bytes_per_value(kind, torch.bfloat16)
@@ -81,7 +90,11 @@ def attention(batches: list[int], contexts: list[int], kinds: list[str]) -> None
                 k, v = (torch.randn(batch, N_KV, HEAD_DIM, device="cuda", dtype=torch.bfloat16) for _ in range(2))
                 slots = torch.arange(batch, device="cuda")
                 for mix in ("full", "mixed"):
-                    lengths = torch.full((batch,), n_ctx) if mix == "full" else torch.randint(1, n_ctx + 1, (batch,), generator=g)
+                    lengths = (
+                        torch.full((batch,), n_ctx)
+                        if mix == "full"
+                        else torch.randint(1, n_ctx + 1, (batch,), generator=g)
+                    )
                     positions = (lengths - 1).cuda()
                     held = float(lengths.sum()) * per_token
 
@@ -91,15 +104,25 @@ def attention(batches: list[int], contexts: list[int], kinds: list[str]) -> None
 
                     def attn():
                         kv = layer.kv
-                        return decode_attention(q, *kv.stored(), slots, positions, kv.blocks.table, 0, CFG.attn_scale,
-                                                default_splits(batch, N_KV, n_ctx, HEAD_DIM, q.device))  # fmt: skip
+                        return decode_attention(
+                            q,
+                            *kv.stored(),
+                            slots,
+                            positions,
+                            kv.blocks.table,
+                            0,
+                            CFG.attn_scale,
+                            default_splits(batch, N_KV, n_ctx, HEAD_DIM, q.device),
+                        )
 
                     t_attn = _time(attn)
                     t_kernel = _time(lambda: attend_decode(CFG, layer, q, k, v, slots, positions))
                     t_torch = _time(torch_path)
-                    print(f"{kind:>5} {batch:>5} {n_ctx:>7} {mix:>7} | {t_attn * 1e6:7.1f} {held / t_attn / 1e9:6.0f} | "
-                          f"{t_kernel * 1e6:8.1f} | {t_torch * 1e6:8.1f} | {t_torch / t_kernel:5.1f}x")
-                del layer
+                    print(
+                        f"{kind:>5} {batch:>5} {n_ctx:>7} {mix:>7} | {t_attn * 1e6:7.1f} {held / t_attn / 1e9:6.0f} | "
+                        f"{t_kernel * 1e6:8.1f} | {t_torch * 1e6:8.1f} | {t_torch / t_kernel:5.1f}x"
+                    )
+                layer = None  # free the cache before the next size
                 torch.cuda.empty_cache()
 
 
@@ -111,15 +134,19 @@ def memory(parallel: int = 64, n_ctx: int = 8192) -> None:
     blocks = KVBlocks.pool(parallel, n_ctx, parallel * n_ctx, "cpu")
     blocks.fit(dict(enumerate(lengths)))
     mixed = (sum(len(h) for h in blocks.held) + 1) * KV_BLOCK  # + block 0
-    print(f"KV memory, --parallel {parallel} at {n_ctx} positions per slot, {N_LAYERS} layers x {N_KV} KV heads x {HEAD_DIM}"
-          f" (GiB; mixed: {parallel} streams of 1..{n_ctx} positions, {sum(lengths)} in all):")
+    print(
+        f"KV memory, --parallel {parallel} at {n_ctx} positions per slot, {N_LAYERS} layers x {N_KV} KV heads x {HEAD_DIM}"
+        f" (GiB; mixed: {parallel} streams of 1..{n_ctx} positions, {sum(lengths)} in all):"
+    )
     print(f"{'kv':>5} | {'reserved':>8} | {'pooled, mixed':>13} | {'-c 131072 -kvu':>14} | {'-c 262144 -kvu':>14}")
     for kind in ("f16", "q8_0"):
         per_pos = N_LAYERS * 2 * N_KV * HEAD_DIM * KVCache.bytes_per_value(kind, torch.bfloat16) / 2**30
         pools = [cache_positions(parallel, n_ctx, pool) for pool in (None, None, 131072, 262144)]
         pools[1] = mixed
-        print(f"{kind:>5} | {pools[0] * per_pos:8.2f} | {pools[1] * per_pos:13.2f} | {pools[2] * per_pos:14.2f} | "
-              f"{pools[3] * per_pos:14.2f}")
+        print(
+            f"{kind:>5} | {pools[0] * per_pos:8.2f} | {pools[1] * per_pos:13.2f} | {pools[2] * per_pos:14.2f} | "
+            f"{pools[3] * per_pos:14.2f}"
+        )
 
 
 def serve(model: str | None, parallel: int = 64, n_ctx: int = 8192, pool: int = 262144) -> None:
@@ -132,16 +159,34 @@ def serve(model: str | None, parallel: int = 64, n_ctx: int = 8192, pool: int = 
     if model is None:
         from hydra_console.engine.synth import write_synthetic
 
-        model = str(write_synthetic(Path(tempfile.mkdtemp()) / "llama-1b.gguf", "llama", n_layers=N_LAYERS, n_embd=2048,
-                                    n_head=N_HEAD, n_head_kv=N_KV, n_ff=8192, vocab_size=32000, n_ctx=n_ctx, qtype="F16"))  # fmt: skip
+        model = str(
+            write_synthetic(
+                Path(tempfile.mkdtemp()) / "llama-1b.gguf",
+                "llama",
+                n_layers=N_LAYERS,
+                n_embd=2048,
+                n_head=N_HEAD,
+                n_head_kv=N_KV,
+                n_ff=8192,
+                vocab_size=32000,
+                n_ctx=n_ctx,
+                qtype="F16",
+            )
+        )
     g = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(1, 32000, (int(n),), generator=g).tolist() for n in torch.randint(1, 7001, (parallel,), generator=g)]
+    prompts = [
+        torch.randint(1, 32000, (int(n),), generator=g).tolist()
+        for n in torch.randint(1, 7001, (parallel,), generator=g)
+    ]
     args = SimpleNamespace(ctx=n_ctx, device="cuda", dtype="auto", model=model)
-    print(f"serve --parallel {parallel} --ctx {n_ctx}: {parallel} requests at once, prompts of "
-          f"{sum(map(len, prompts))} tokens in all, 64 generated each")
+    print(
+        f"serve --parallel {parallel} --ctx {n_ctx}: {parallel} requests at once, prompts of "
+        f"{sum(map(len, prompts))} tokens in all, 64 generated each"
+    )
     for label, extra in (("reserved", ()), (f"-c {pool} --kv-unified", ("-c", str(pool), "--kv-unified"))):
         proc, base, ready = start(args, parallel, ("--no-compile", *extra))
         try:
+
             def one(prompt, out):
                 body = {"prompt": prompt, "max_tokens": 64, "temperature": 0, "ignore_eos": True}
                 r = httpx.post(f"{base}/v1/completions", json=body, timeout=600)
@@ -159,9 +204,11 @@ def serve(model: str | None, parallel: int = 64, n_ctx: int = 8192, pool: int = 
         finally:
             stop(proc)
         failed = [x for x in done if not isinstance(x, int)]
-        print(f"  {label:>24}: ready in {ready['ready_s']:.0f} s, KV {kv / 2**30:.2f} GiB, {len(done) - len(failed)} done "
-              f"in {wall:.1f} s ({sum(x for x in done if isinstance(x, int)) / wall:.0f} generated tok/s)"
-              + (f", {len(failed)} failed: {failed[0]}" if failed else ""))
+        print(
+            f"  {label:>24}: ready in {ready['ready_s']:.0f} s, KV {kv / 2**30:.2f} GiB, {len(done) - len(failed)} done "
+            f"in {wall:.1f} s ({sum(x for x in done if isinstance(x, int)) / wall:.0f} generated tok/s)"
+            + (f", {len(failed)} failed: {failed[0]}" if failed else "")
+        )
 
 
 def main() -> None:

@@ -26,7 +26,6 @@ import tempfile
 from pathlib import Path
 
 import httpx
-
 from bench_api import Server  # benchmarks/ is the script's own folder
 
 from hydra_console.contracts.footprint import model_tensors
@@ -45,7 +44,9 @@ print(sum(p.usedGpuMemory or 0 for p in pynvml.nvmlDeviceGetComputeRunningProces
 
 
 def baseline_bytes(device_kind: str) -> int | None:
-    done = subprocess.run([sys.executable, "-c", _CUDA_PROBE if device_kind == "cuda" else _CPU_PROBE], capture_output=True, text=True)
+    done = subprocess.run(
+        [sys.executable, "-c", _CUDA_PROBE if device_kind == "cuda" else _CPU_PROBE], capture_output=True, text=True
+    )
     return int(done.stdout.strip()) if done.returncode == 0 and done.stdout.strip().isdigit() else None
 
 
@@ -72,16 +73,40 @@ def main() -> None:
     if args.synthetic_llama_1b:
         from hydra_console.engine.synth import write_synthetic
 
-        args.model = str(write_synthetic(Path(tmp.name) / "llama-1b.gguf", "llama", n_layers=16, n_embd=2048, n_head=32,
-                                         n_head_kv=8, n_ff=8192, vocab_size=32000, n_ctx=8192, qtype=args.qtype))  # fmt: skip
+        args.model = str(
+            write_synthetic(
+                Path(tmp.name) / "llama-1b.gguf",
+                "llama",
+                n_layers=16,
+                n_embd=2048,
+                n_head=32,
+                n_head_kv=8,
+                n_ff=8192,
+                vocab_size=32000,
+                n_ctx=8192,
+                qtype=args.qtype,
+            )
+        )
     elif args.model is None:
         from hydra_console.engine.default_model import default_model_path
 
         args.model = str(default_model_path())
     g = GGUFFile(args.model)
     tensors = model_tensors(g.metadata, g.tensors)
-    flags = ["--model", args.model, "--device", args.device, "--dtype", args.dtype, "--cache-type-k", args.cache_type_k,
-             "--cache-type-v", args.cache_type_v, "--gpu-weights", args.gpu_weights]  # fmt: skip
+    flags = [
+        "--model",
+        args.model,
+        "--device",
+        args.device,
+        "--dtype",
+        args.dtype,
+        "--cache-type-k",
+        args.cache_type_k,
+        "--cache-type-v",
+        args.cache_type_v,
+        "--gpu-weights",
+        args.gpu_weights,
+    ]
     counts = [int(c) for c in args.split.split("/")] if args.split else [tensors.n_layers]
     bounds = [sum(counts[:i]) for i in range(len(counts) + 1)]
     device_kind = "cuda" if args.device.startswith("cuda") or args.device == "auto" and _has_cuda() else "cpu"
@@ -97,36 +122,63 @@ def main() -> None:
         head.start(900)
         servers = [("head", head)] + ([("peer", peer)] if peer else [])
         prompt = list(range(1, args.prompt + 1))
-        httpx.post(f"{head.base}/v1/completions", json={"prompt": prompt, "max_tokens": 4}, timeout=600).raise_for_status()
+        httpx.post(
+            f"{head.base}/v1/completions", json={"prompt": prompt, "max_tokens": 4}, timeout=600
+        ).raise_for_status()
         rows = []
         for i, (role, server) in enumerate(servers):
             st = server.status()
             stage = next(s for s in st["stages"] if s.get("weight_bytes") is not None)
-            est = tensors.stage(bounds[i], bounds[i + 1], head=i == 0, device=device_kind, dtype=args.dtype, n_slots=args.parallel,
-                                n_ctx=args.ctx, kv_types=(args.cache_type_k, args.cache_type_v), gpu_weights=args.gpu_weights)  # fmt: skip
+            est = tensors.stage(
+                bounds[i],
+                bounds[i + 1],
+                head=i == 0,
+                device=device_kind,
+                dtype=args.dtype,
+                n_slots=args.parallel,
+                n_ctx=args.ctx,
+                kv_types=(args.cache_type_k, args.cache_type_v),
+                gpu_weights=args.gpu_weights,
+            )
             proc = st.get("process") or {}
             reading = proc.get("gpu_memory") if device_kind == "cuda" else proc.get("rss")
-            rows.append({"role": role, "layers": [bounds[i], bounds[i + 1]], "estimate_weights": est.weight_bytes,
-                         "estimate_kv": est.kv_bytes, "estimate_work": est.work_bytes, "estimate_runtime": est.runtime_bytes,
-                         "held_weights": stage["weight_bytes"], "held_kv": stage["kv_bytes"],
-                         "peak_device_bytes": proc.get("peak_device_bytes"), "reading": reading,
-                         "reading_source": proc.get("gpu_source") if device_kind == "cuda" else "rss",
-                         "baseline": baseline})  # fmt: skip
+            rows.append(
+                {
+                    "role": role,
+                    "layers": [bounds[i], bounds[i + 1]],
+                    "estimate_weights": est.weight_bytes,
+                    "estimate_kv": est.kv_bytes,
+                    "estimate_work": est.work_bytes,
+                    "estimate_runtime": est.runtime_bytes,
+                    "held_weights": stage["weight_bytes"],
+                    "held_kv": stage["kv_bytes"],
+                    "peak_device_bytes": proc.get("peak_device_bytes"),
+                    "reading": reading,
+                    "reading_source": proc.get("gpu_source") if device_kind == "cuda" else "rss",
+                    "baseline": baseline,
+                }
+            )
     finally:
         for _, server in servers or ([("peer", peer)] if peer else []):
             server.stop()
-    print(f"model {args.model}: {tensors.n_layers} layers; device {args.device}, ctx {args.ctx} x {args.parallel} slots, "
-          f"KV {args.cache_type_k}/{args.cache_type_v}, GiB; a bare torch process ({'NVML' if device_kind == 'cuda' else 'RSS'}) "
-          f"{gib(baseline)}")  # fmt: skip
-    print(f"{'process':8} {'layers':9} {'est held':>9} {'held':>9} {'est/held':>8} {'work':>9} {'runtime':>9} {'peak':>9} "
-          f"{'reading':>9} {'estimate':>9} {'estimate/reading':>16}")  # fmt: skip
+    print(
+        f"model {args.model}: {tensors.n_layers} layers; device {args.device}, ctx {args.ctx} x {args.parallel} slots, "
+        f"KV {args.cache_type_k}/{args.cache_type_v}, GiB; a bare torch process ({'NVML' if device_kind == 'cuda' else 'RSS'}) "
+        f"{gib(baseline)}"
+    )
+    print(
+        f"{'process':8} {'layers':9} {'est held':>9} {'held':>9} {'est/held':>8} {'work':>9} {'runtime':>9} {'peak':>9} "
+        f"{'reading':>9} {'estimate':>9} {'estimate/reading':>16}"
+    )
     for r in rows:
         est, held = r["estimate_weights"] + r["estimate_kv"], r["held_weights"] + r["held_kv"]
         # A GPU estimate counts the process's runtime itself; a CPU one leaves the interpreter to the baseline.
         whole = est + r["estimate_work"] + (r["estimate_runtime"] if device_kind == "cuda" else baseline or 0)
-        print(f"{r['role']:8} {str(r['layers']):9} {gib(est)} {gib(held)} {est / held:8.3f} {gib(r['estimate_work'])} "
-              f"{gib(r['estimate_runtime'])} {gib(r['peak_device_bytes'])} {gib(r['reading'])} {gib(whole)} "
-              f"{whole / r['reading'] if r['reading'] else float('nan'):16.3f}")  # fmt: skip
+        print(
+            f"{r['role']:8} {str(r['layers']):9} {gib(est)} {gib(held)} {est / held:8.3f} {gib(r['estimate_work'])} "
+            f"{gib(r['estimate_runtime'])} {gib(r['peak_device_bytes'])} {gib(r['reading'])} {gib(whole)} "
+            f"{whole / r['reading'] if r['reading'] else float('nan'):16.3f}"
+        )
     print(json.dumps(rows))
 
 

@@ -90,10 +90,15 @@ class Netns:
         self.addr, self.launcher = f"{subnet}.2", ["ip", "netns", "exec", self.name]
         ip("netns", "add", self.name)
         try:
-            for argv in [("link", "add", self.outer, "type", "veth", "peer", "name", inner), ("link", "set", inner, "netns", self.name),
-                         ("addr", "add", f"{subnet}.1/24", "dev", self.outer), ("link", "set", self.outer, "up"),
-                         ("-n", self.name, "addr", "add", f"{subnet}.2/24", "dev", inner), ("-n", self.name, "link", "set", inner, "up"),
-                         ("-n", self.name, "link", "set", "lo", "up")]:  # fmt: skip
+            for argv in [
+                ("link", "add", self.outer, "type", "veth", "peer", "name", inner),
+                ("link", "set", inner, "netns", self.name),
+                ("addr", "add", f"{subnet}.1/24", "dev", self.outer),
+                ("link", "set", self.outer, "up"),
+                ("-n", self.name, "addr", "add", f"{subnet}.2/24", "dev", inner),
+                ("-n", self.name, "link", "set", inner, "up"),
+                ("-n", self.name, "link", "set", "lo", "up"),
+            ]:
                 ip(*argv)
             if self.mtu:
                 ip("link", "set", self.outer, "mtu", str(self.mtu))
@@ -108,11 +113,28 @@ class Netns:
         subprocess.run(["ip", "link", "del", self.outer], capture_output=True, timeout=10)
 
 
-def start(role_args: list[str], args, log_dir: Path, name: str, netns: Netns | None = None) -> tuple[subprocess.Popen, str, int]:
+def start(
+    role_args: list[str], args, log_dir: Path, name: str, netns: Netns | None = None
+) -> tuple[subprocess.Popen, str, int]:
     """A `serve` worker (in `netns` when given); (process, host, HTTP port), the RPC port is HTTP + 1."""
     port, host = free_port_pair(), "127.0.0.1"
-    cmd = [sys.executable, "-m", "hydra_console.engine.cli", "serve", "--model", str(args.model), "--device", args.device,
-           "--dtype", args.dtype, "--ctx", str(args.ctx), "--port", str(port), *role_args]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "hydra_console.engine.cli",
+        "serve",
+        "--model",
+        str(args.model),
+        "--device",
+        args.device,
+        "--dtype",
+        args.dtype,
+        "--ctx",
+        str(args.ctx),
+        "--port",
+        str(port),
+        *role_args,
+    ]
     if args.no_compile:
         cmd.append("--no-compile")
     if netns is not None:
@@ -128,7 +150,13 @@ def start(role_args: list[str], args, log_dir: Path, name: str, netns: Netns | N
 def stream(url: str, max_tokens: int, times: list[float], stop: threading.Event) -> None:
     """One decoding stream: the arrival time of every streamed chunk, restarted until `stop`."""
     while not stop.is_set():
-        body = {"prompt": "once upon a time", "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True}
+        body = {
+            "prompt": "once upon a time",
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+        }
         with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=600) as r:
             for line in r.iter_lines():
                 if line.startswith("data: {"):
@@ -140,8 +168,13 @@ def stream(url: str, max_tokens: int, times: list[float], stop: threading.Event)
 
 def long_prompt(url: str, n: int, vocab: int, rng: random.Random) -> float:
     """TTFT of a prompt of `n` random token ids (nothing cached)."""
-    body = {"prompt": [rng.randrange(4, vocab) for _ in range(n)], "max_tokens": 1, "temperature": 0,
-            "cache_prompt": False, "stream": True}  # fmt: skip
+    body = {
+        "prompt": [rng.randrange(4, vocab) for _ in range(n)],
+        "max_tokens": 1,
+        "temperature": 0,
+        "cache_prompt": False,
+        "stream": True,
+    }
     t0 = time.perf_counter()
     with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=600) as r:
         for line in r.iter_lines():
@@ -176,8 +209,14 @@ def run_mode(mode: str, args, log_dir: Path, netns: Netns | None) -> dict:
         if mode == "pd":
             pw, pw_host, pw_port = start(["--role", "prefill", "--parallel", "1"], args, log_dir, "prefill", netns)
             procs.append(pw)
-            head_args += ["--prefill-worker", f"{pw_host}:{pw_port + 1}", "--prefill-threshold", str(args.threshold),
-                          "--prefill-deadline", str(args.prefill_deadline)]  # fmt: skip
+            head_args += [
+                "--prefill-worker",
+                f"{pw_host}:{pw_port + 1}",
+                "--prefill-threshold",
+                str(args.threshold),
+                "--prefill-deadline",
+                str(args.prefill_deadline),
+            ]
             if netns is not None:
                 head_args += ["--auth-token", NETNS_TOKEN]
         head, _, port = start(head_args, args, log_dir, f"head-{mode}")
@@ -211,19 +250,26 @@ def run_mode(mode: str, args, log_dir: Path, netns: Netns | None) -> dict:
         loaded_transfers = _ok(pd)[-moved["transfers"] :] if moved.get("transfers") else []
         return {
             "mode": mode + ("+netns" if netns is not None and mode == "pd" else ""),
-            "idle_itl_p50_ms": pct(idle, 50), "idle_itl_p99_ms": pct(idle, 99),
-            "itl_p50_ms": pct(loaded, 50), "itl_p99_ms": pct(loaded, 99),
+            "idle_itl_p50_ms": pct(idle, 50),
+            "idle_itl_p99_ms": pct(idle, 99),
+            "itl_p50_ms": pct(loaded, 50),
+            "itl_p99_ms": pct(loaded, 99),
             "p99_over_idle": pct(loaded, 99) / pct(idle, 99) if idle and loaded else None,
-            "ttft_p50_ms": pct(ttft, 50), "ttft_max_ms": max(ttft) * 1e3, "long_prompts": len(ttft),
-            "transfers": pd.get("transfers"), "fallbacks": pd.get("fallbacks"),
+            "ttft_p50_ms": pct(ttft, 50),
+            "ttft_max_ms": max(ttft) * 1e3,
+            "long_prompts": len(ttft),
+            "transfers": pd.get("transfers"),
+            "fallbacks": pd.get("fallbacks"),
             # Throughput of the transfers after the warm-up one (whose buffers are new: page faults).
             "transfer_gb_s": moved["bytes"] / moved["seconds"] / 1e9 if moved.get("seconds") else None,
             "transfer_mb_each": pd["bytes"] / pd["transfers"] / 1e6 if pd.get("transfers") else None,
             # Of each of those transfers: the prefill worker copying the state out, the move
             # (framing, the network, receiving and checking each chunk), this head placing it.
-            "collect_wire_place_ms": [[t["collect_ms"], round(t["ms"] - t["prefill_ms"] - t["collect_ms"] - t["place_ms"], 1),
-                                       t["place_ms"]] for t in loaded_transfers],
-        }  # fmt: skip
+            "collect_wire_place_ms": [
+                [t["collect_ms"], round(t["ms"] - t["prefill_ms"] - t["collect_ms"] - t["place_ms"], 1), t["place_ms"]]
+                for t in loaded_transfers
+            ],
+        }
     finally:
         for p in procs:
             os.killpg(p.pid, 15)
@@ -239,10 +285,27 @@ def run_slots(args, log_dir: Path) -> dict:
         url = f"http://127.0.0.1:{port}"
         vocab = httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["meta"]["n_vocab"]
         rng = random.Random(1)
-        act = lambda action, **body: httpx.post(f"{url}/slots/0", params={"action": action}, json=body or None,  # noqa: E731
-                                                timeout=600).json()  # fmt: skip
-        complete = lambda prompt: httpx.post(f"{url}/v1/completions", json={"prompt": prompt, "max_tokens": 1,  # noqa: E731
-                                             "temperature": 0, "cache_prompt": True}, timeout=600).json()  # fmt: skip
+
+        def act(action, **body):
+            return httpx.post(
+                f"{url}/slots/0",
+                params={"action": action},
+                json=body or None,  # noqa: E731
+                timeout=600,
+            ).json()
+
+        def complete(prompt):
+            return httpx.post(
+                f"{url}/v1/completions",
+                json={
+                    "prompt": prompt,
+                    "max_tokens": 1,  # noqa: E731
+                    "temperature": 0,
+                    "cache_prompt": True,
+                },
+                timeout=600,
+            ).json()
+
         complete([rng.randrange(4, vocab) for _ in range(64)])  # warm up
         recompute, restore, after = [], [], []
         for _ in range(args.slot_reps):
@@ -261,9 +324,16 @@ def run_slots(args, log_dir: Path) -> dict:
             after.append((time.perf_counter() - t0) * 1e3)
             assert again["timings"]["cache_n"] == args.prompt_tokens - 1, again["timings"]
         med = statistics.median
-        return {"mode": "slots", "slot_tokens": saved["n_saved"], "slot_mb": saved["n_written"] / 1e6,
-                "recompute_ms": med(recompute), "restore_ms": med(restore), "restore_speedup": med(recompute) / med(restore),
-                "ttft_fresh_ms": ttft_fresh * 1e3, "ttft_after_restore_ms": med(after)}  # fmt: skip
+        return {
+            "mode": "slots",
+            "slot_tokens": saved["n_saved"],
+            "slot_mb": saved["n_written"] / 1e6,
+            "recompute_ms": med(recompute),
+            "restore_ms": med(restore),
+            "restore_speedup": med(recompute) / med(restore),
+            "ttft_fresh_ms": ttft_fresh * 1e3,
+            "ttft_after_restore_ms": med(after),
+        }
     finally:
         os.killpg(head.pid, 15)
         head.wait(timeout=30)
@@ -286,27 +356,53 @@ def main() -> None:
     ap.add_argument("--warmup-s", type=float, default=2.0)
     ap.add_argument("--idle-s", type=float, default=5.0)
     ap.add_argument("--threshold", type=int, default=64)
-    ap.add_argument("--prefill-deadline", type=float, default=300.0,
-                    help="the head's --prefill-deadline: long, so that a slow CPU prefill is measured, not a fallback")
+    ap.add_argument(
+        "--prefill-deadline",
+        type=float,
+        default=300.0,
+        help="the head's --prefill-deadline: long, so that a slow CPU prefill is measured, not a fallback",
+    )
     ap.add_argument("--modes", default="local,pd", help="comma-separated: local, pd, slots")
     ap.add_argument("--slot-reps", type=int, default=3)
     ap.add_argument("--netns", action="store_true", help="the prefill worker in its own network namespace (root)")
-    ap.add_argument("--mtu", type=int, default=None,
-                    help="with --netns: the veth pair's MTU (default the kernel's 1500; at most 65535)")
-    ap.add_argument("--threads", type=int, default=1,
-                    help="OMP_NUM_THREADS of each worker (0: torch's default); 1 keeps a 2-core machine's head and "
-                         "prefill worker on a core each, as two devices would be")
-    ap.add_argument("--no-compile", action="store_true",
-                    help="workers skip torch.compile (on a GPU each would compile every batch bucket at start)")
+    ap.add_argument(
+        "--mtu",
+        type=int,
+        default=None,
+        help="with --netns: the veth pair's MTU (default the kernel's 1500; at most 65535)",
+    )
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="OMP_NUM_THREADS of each worker (0: torch's default); 1 keeps a 2-core machine's head and "
+        "prefill worker on a core each, as two devices would be",
+    )
+    ap.add_argument(
+        "--no-compile",
+        action="store_true",
+        help="workers skip torch.compile (on a GPU each would compile every batch bucket at start)",
+    )
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         if args.model is None:
-            args.model = write_synthetic(tmp / "bench-pd.gguf", "llama", n_layers=args.layers, n_embd=args.embd, n_head=8,
-                                         n_head_kv=4, n_ff=args.ff, n_ctx=args.ctx)  # fmt: skip
+            args.model = write_synthetic(
+                tmp / "bench-pd.gguf",
+                "llama",
+                n_layers=args.layers,
+                n_embd=args.embd,
+                n_head=8,
+                n_head_kv=4,
+                n_ff=args.ff,
+                n_ctx=args.ctx,
+            )
         with Netns(args.mtu) if args.netns else contextlib.nullcontext() as netns:
-            rows = [run_slots(args, tmp) if mode == "slots" else run_mode(mode, args, tmp, netns) for mode in args.modes.split(",")]
+            rows = [
+                run_slots(args, tmp) if mode == "slots" else run_mode(mode, args, tmp, netns)
+                for mode in args.modes.split(",")
+            ]
     if args.json:
         print(json.dumps(rows, indent=1))
         return

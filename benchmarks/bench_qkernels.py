@@ -47,8 +47,10 @@ def time_per_call(fns, rep: int = 100) -> float:
 
 
 def _copies(w: QuantWeight) -> list[QuantWeight]:
-    return [QuantWeight(w.qtype, w.shape, {p: t.clone() for p, t in w.planes.items()})
-            for _ in range(max(1, ROTATE_BYTES // w.nbytes))]
+    return [
+        QuantWeight(w.qtype, w.shape, {p: t.clone() for p, t in w.planes.items()})
+        for _ in range(max(1, ROTATE_BYTES // w.nbytes))
+    ]
 
 
 SWEEP_SHAPES = ((4096, 4096), (6144, 4096), (28672, 4096), (4096, 14336), (5120, 5120), (34816, 5120), (5120, 17408))
@@ -135,8 +137,10 @@ def _sweep(types: list[T], row_counts: list[int], shapes, rng: np.random.Generat
             print(f"best for {rows} rows: {best[mr]}, {totals[grid[0]] / totals[best[mr]]:.2f}x float x {grid[0]}")
         for qt in types:
             alone = min(per_type, key=lambda c: per_type[c][qt])
-            print(f"  {qt.name} alone: best {alone}, {per_type[alone][qt] * 1e6:.1f} µs over the shapes "
-                  f"(float x {per_type.get(grid[0], {}).get(qt, float('nan')) * 1e6:.1f})")
+            print(
+                f"  {qt.name} alone: best {alone}, {per_type[alone][qt] * 1e6:.1f} µs over the shapes "
+                f"(float x {per_type.get(grid[0], {}).get(qt, float('nan')) * 1e6:.1f})"
+            )
         GEMV_CONFIGS[mr] = saved
     GEMV_CONFIGS.update(best)
     if 2 not in best and 4 in best:
@@ -157,7 +161,9 @@ def _copy_bandwidth() -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--types", default=",".join(t.name for t in (T.Q4_K, T.Q6_K, T.Q5_K, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1)))
+    ap.add_argument(
+        "--types", default=",".join(t.name for t in (T.Q4_K, T.Q6_K, T.Q5_K, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1))
+    )
     ap.add_argument("--rows", default="1,4,8,16,512")
     ap.add_argument("--sweep", action="store_true", help="time GEMV configurations first (see --sweep-only)")
     ap.add_argument("--sweep-only", action="store_true", help="the sweep and its GEMV_CONFIGS line, no table")
@@ -193,9 +199,11 @@ def main() -> None:
                 for path, op in paths.items():
                     t = time_per_call([lambda w=w: op(x, w) for w in ws])
                     flops = 2 * rows * n * k
-                    print(f"| {qt.name} | {n}x{k} | {rows} | {path} | {t * 1e6:.1f} | {w0.nbytes / t / 1e9:.0f} | "
-                          f"{flops / t / 1e12:.1f} | {t_ref * 1e6:.1f} | {flops / t_ref / 1e12:.1f} | {t_ref / t:.2f} |",
-                          flush=True)
+                    print(
+                        f"| {qt.name} | {n}x{k} | {rows} | {path} | {t * 1e6:.1f} | {w0.nbytes / t / 1e9:.0f} | "
+                        f"{flops / t / 1e12:.1f} | {t_ref * 1e6:.1f} | {flops / t_ref / 1e12:.1f} | {t_ref / t:.2f} |",
+                        flush=True,
+                    )
             del ws, denses, dense, w0
             torch.cuda.empty_cache()
 

@@ -69,12 +69,22 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
-        path = write_synthetic(Path(tmp) / "state.gguf", "llama", n_layers=args.layers, n_embd=args.embd, n_head=8,
-                               n_head_kv=4, n_ff=256, n_ctx=args.tokens)  # fmt: skip
+        path = write_synthetic(
+            Path(tmp) / "state.gguf",
+            "llama",
+            n_layers=args.layers,
+            n_embd=args.embd,
+            n_head=8,
+            n_head_kv=4,
+            n_ff=256,
+            n_ctx=args.tokens,
+        )
         g = GGUFFile(path)
         stage = build_stage(g, device="cpu", dtype="float32", n_slots=2, n_ctx=args.tokens)
         tokens = list(range(args.tokens))
-        stage.place_slot_state(0, args.tokens, {k: torch.randn(v.shape) for k, v in stage.slot_state(0, args.tokens).items()})
+        stage.place_slot_state(
+            0, args.tokens, {k: torch.randn(v.shape) for k, v in stage.slot_state(0, args.tokens).items()}
+        )
         blob = slot_state.save(stage, 0, tokens, g.fingerprint)
         pipeline = Pipeline(stage)
         prepared = pipeline.prepare_state(blob, tokens)
@@ -89,7 +99,9 @@ def main() -> None:
     for name, s in seconds.items():
         print(f"{name:8s} {s * 1e3:8.1f} ms {len(blob) / s / 1e9:7.2f} GB/s")
     serial = sum(seconds[k] for k in ("save", "socket", "prepare", "place"))
-    print(f"save + socket + prepare + place, one after another: {serial * 1e3:.1f} ms, {len(blob) / serial / 1e9:.2f} GB/s")
+    print(
+        f"save + socket + prepare + place, one after another: {serial * 1e3:.1f} ms, {len(blob) / serial / 1e9:.2f} GB/s"
+    )
 
 
 if __name__ == "__main__":

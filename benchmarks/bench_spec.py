@@ -42,19 +42,19 @@ from pathlib import Path
 import psutil
 from ready import wait_ready
 
+from hydra_console.engine.cli import build_parser
+from hydra_console.engine.config import head_config
 from hydra_console.engine.default_model import model_path
 from hydra_console.engine.gguf_file import GGUFFile
 from hydra_console.engine.model import ModelConfig
-from hydra_console.engine.cli import build_parser
-from hydra_console.engine.config import head_config
-from hydra_console.engine.workers.head import build_pipeline
 from hydra_console.engine.runtime import DEFAULT_BATCH_TOKENS, Engine, Request
 from hydra_console.engine.sampling import SamplingParams
 from hydra_console.engine.speculative import SpecConfig, build_speculator
 from hydra_console.engine.synth import write_synthetic
 from hydra_console.engine.tokenizer import Tokenizer
+from hydra_console.engine.workers.head import build_pipeline
 
-CODE = '''def total_price(items, tax_rate):
+CODE = """def total_price(items, tax_rate):
     total = 0
     for item in items:
         price = item["price"] * item["quantity"]
@@ -70,17 +70,32 @@ def cheapest(items):
         if best is None or item["price"] < best["price"]:
             best = item
     return best
-'''
-REWRITE = ("Here is a Python module:\n\n```python\n" + CODE + "```\n\nHere is the same module with the variable "
-           "`total` renamed to `subtotal` and nothing else changed:\n\n```python\n")  # fmt: skip
-PROSE = ("The river had flooded twice that spring, and by the time the surveyors arrived the old mill road was "
-         "gone. Marta, who had kept the ferry for eleven years,")  # fmt: skip
+"""
+REWRITE = (
+    "Here is a Python module:\n\n```python\n" + CODE + "```\n\nHere is the same module with the variable "
+    "`total` renamed to `subtotal` and nothing else changed:\n\n```python\n"
+)
+PROSE = (
+    "The river had flooded twice that spring, and by the time the surveyors arrived the old mill road was "
+    "gone. Marta, who had kept the ferry for eleven years,"
+)
 # name -> (prompt, temperature). Greedy prose from a small pretrained model soon loops, which prompt
 # lookup exploits; sampled prose (rejection sampling against a point-mass draft) does not loop.
 WORKLOADS = {"repetitive": (REWRITE, 0.0), "prose": (PROSE, 0.0), "prose-t0.8": (PROSE, 0.8)}
 # --synth: a small qwen35 (DeltaNet + gated attention, 8 layers) with its MTP block.
-SYNTH_SHAPE = dict(n_layers=8, n_embd=256, n_head=8, n_head_kv=2, head_dim=64, n_ff=768, ssm_state=64, ssm_groups=2,
-                   ssm_v_heads=4, full_attention_interval=4, nextn=True)  # fmt: skip
+SYNTH_SHAPE = dict(
+    n_layers=8,
+    n_embd=256,
+    n_head=8,
+    n_head_kv=2,
+    head_dim=64,
+    n_ff=768,
+    ssm_state=64,
+    ssm_groups=2,
+    ssm_v_heads=4,
+    full_attention_interval=4,
+    nextn=True,
+)
 
 
 def free_port() -> int:
@@ -98,8 +113,20 @@ class Peer:
         self.port, self.rpc_port = free_port(), free_port()
         env = {**os.environ, **({"OMP_NUM_THREADS": str(threads)} if threads else {})}
         self.log = tempfile.NamedTemporaryFile(prefix="bench-spec-peer-", suffix=".log", delete=False)
-        cmd = [sys.executable, "-m", "hydra_console.engine.cli", "peer", "--model", str(model), "--device", device,
-               "--port", str(self.port), "--rpc-port", str(self.rpc_port)]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "hydra_console.engine.cli",
+            "peer",
+            "--model",
+            str(model),
+            "--device",
+            device,
+            "--port",
+            str(self.port),
+            "--rpc-port",
+            str(self.rpc_port),
+        ]
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
         self.ps = psutil.Process(self.proc.pid)
         wait_ready(self.port, f"peer (log: {self.log.name})", 120, self.proc)
@@ -118,8 +145,14 @@ class Link:
     to the peer's RPC port with `rtt_ms / 2` of delay each way."""
 
     def __init__(self, peer: Peer, rtt_ms: float):
-        cmd = [sys.executable, str(Path(__file__).with_name("link.py")), "--to", f"127.0.0.1:{peer.rpc_port}",
-               "--delay-ms", str(rtt_ms / 2)]  # fmt: skip
+        cmd = [
+            sys.executable,
+            str(Path(__file__).with_name("link.py")),
+            "--to",
+            f"127.0.0.1:{peer.rpc_port}",
+            "--delay-ms",
+            str(rtt_ms / 2),
+        ]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
         line = self.proc.stdout.readline().split()  # "listening HOST:PORT"
         if len(line) != 2:
@@ -133,7 +166,19 @@ class Link:
 
 
 def make_engine(args, g, peer_addr: str | None) -> Engine:
-    argv = ["serve", "--device", args.device, "--dtype", args.dtype, "--parallel", "1", "--ctx", str(args.ctx), "--peer-wait", "60"]
+    argv = [
+        "serve",
+        "--device",
+        args.device,
+        "--dtype",
+        args.dtype,
+        "--parallel",
+        "1",
+        "--ctx",
+        str(args.ctx),
+        "--peer-wait",
+        "60",
+    ]
     argv += ["--no-compile"] if args.no_compile else []
     if peer_addr:
         argv += ["--peer", peer_addr, "--split", args.split] if args.split else ["--peer", peer_addr]
@@ -179,9 +224,14 @@ def run_once(engine, calls, prompt: list[int], spec: SpecConfig, n_gen: int, tem
     t = final.timings
     prefill_forwards = -(-len(prompt) // DEFAULT_BATCH_TOKENS)  # the last one samples the first token
     decode_forwards = calls[0] - before - prefill_forwards
-    return {"ids": ids, "tok_s": t["predicted_per_second"], "decode_forwards": decode_forwards,
-            "cpu_ms_per_tok": 1e3 * cpu_decode / max(len(ids) - n_first, 1),
-            "draft_n": t["draft_n"], "accepted": t["draft_n_accepted"]}  # fmt: skip
+    return {
+        "ids": ids,
+        "tok_s": t["predicted_per_second"],
+        "decode_forwards": decode_forwards,
+        "cpu_ms_per_tok": 1e3 * cpu_decode / max(len(ids) - n_first, 1),
+        "draft_n": t["draft_n"],
+        "accepted": t["draft_n_accepted"],
+    }
 
 
 def forward_costs(engine: Engine, prompt: list[int], k: int, peer, n: int = 15) -> dict:
@@ -209,11 +259,16 @@ def forward_costs(engine: Engine, prompt: list[int], k: int, peer, n: int = 15) 
             mtp.nextn.logits(mtp.nextn.run(as_t(prompt[:1]), h, torch.zeros(1, dtype=torch.long), as_t([P])))
             mtp_cpu.append((cpu_s(None) - c0) * 1e3)
     med = statistics.median
-    out = {"decode_ms_min": round(min(times[1]), 1), "decode_ms_median": round(med(times[1]), 1),
-           "verify_ms_min": round(min(times[k + 1]), 1), "verify_ms_median": round(med(times[k + 1]), 1),
-           "decode_cpu_ms": round(med(cpu[1]), 1), "verify_cpu_ms": round(med(cpu[k + 1]), 1),
-           "verify_cost_ratio": round(med(cpu[k + 1]) / med(cpu[1]), 3),
-           "verify_cost_ratio_by_k": {j: round(med(cpu[j + 1]) / med(cpu[1]), 3) for j in range(1, k + 1)}}  # fmt: skip
+    out = {
+        "decode_ms_min": round(min(times[1]), 1),
+        "decode_ms_median": round(med(times[1]), 1),
+        "verify_ms_min": round(min(times[k + 1]), 1),
+        "verify_ms_median": round(med(times[k + 1]), 1),
+        "decode_cpu_ms": round(med(cpu[1]), 1),
+        "verify_cpu_ms": round(med(cpu[k + 1]), 1),
+        "verify_cost_ratio": round(med(cpu[k + 1]) / med(cpu[1]), 3),
+        "verify_cost_ratio_by_k": {j: round(med(cpu[j + 1]) / med(cpu[1]), 3) for j in range(1, k + 1)},
+    }
     if mtp_cpu:
         out["mtp_step_cpu_ms"] = round(med(mtp_cpu), 2)
         out["mtp_step_cost_ratio"] = round(med(mtp_cpu) / med(cpu[1]), 3)
@@ -237,15 +292,24 @@ def bench(engine: Engine, tok: Tokenizer, args, where: str, peer: Peer | None = 
     if not args.json:
         if costs["peer_rtt_ms"] is not None:
             print(f"{where:10} peer PING round trip {costs['peer_rtt_ms']} ms (median)", flush=True)
-        print(f"{where:10} forward, 1 token: {costs['decode_ms_min']} ms min, {costs['decode_ms_median']} median, "
-              f"{costs['decode_cpu_ms']} CPU ms; {args.draft_max + 1} tokens: {costs['verify_ms_min']} ms min, "
-              f"{costs['verify_ms_median']} median, {costs['verify_cpu_ms']} CPU ms: "
-              f"verify/decode CPU cost x{costs['verify_cost_ratio']} (by k: {costs['verify_cost_ratio_by_k']})", flush=True)  # fmt: skip
+        print(
+            f"{where:10} forward, 1 token: {costs['decode_ms_min']} ms min, {costs['decode_ms_median']} median, "
+            f"{costs['decode_cpu_ms']} CPU ms; {args.draft_max + 1} tokens: {costs['verify_ms_min']} ms min, "
+            f"{costs['verify_ms_median']} median, {costs['verify_cpu_ms']} CPU ms: "
+            f"verify/decode CPU cost x{costs['verify_cost_ratio']} (by k: {costs['verify_cost_ratio_by_k']})",
+            flush=True,
+        )
         if "mtp_step_cpu_ms" in costs:
-            print(f"{where:10} MTP draft step: {costs['mtp_step_cpu_ms']} CPU ms = x{costs['mtp_step_cost_ratio']} of a "
-                  f"trunk decode step; MTP KV {costs['mtp_kv_bytes']} B, head KV + state {costs['kv_bytes']} B", flush=True)  # fmt: skip
+            print(
+                f"{where:10} MTP draft step: {costs['mtp_step_cpu_ms']} CPU ms = x{costs['mtp_step_cost_ratio']} of a "
+                f"trunk decode step; MTP KV {costs['mtp_kv_bytes']} B, head KV + state {costs['kv_bytes']} B",
+                flush=True,
+            )
     calls = count_forwards(engine)
-    specs = {"off": SpecConfig(), args.spec_type: SpecConfig(args.spec_type, n_max=args.draft_max, p_min=args.draft_p_min)}
+    specs = {
+        "off": SpecConfig(),
+        args.spec_type: SpecConfig(args.spec_type, n_max=args.draft_max, p_min=args.draft_p_min),
+    }
     rows = []
     for name in args.workloads:
         text, temp = WORKLOADS[name]
@@ -261,50 +325,67 @@ def bench(engine: Engine, tok: Tokenizer, args, where: str, peer: Peer | None = 
             ratios = [x["tok_s"] / o["tok_s"] for x, o in zip(rs, runs["off"])]
             cpu_ratios = [o["cpu_ms_per_tok"] / x["cpu_ms_per_tok"] for x, o in zip(rs, runs["off"])]
             ms_per_fwd = [1e3 * len(x["ids"]) / x["tok_s"] / max(x["decode_forwards"], 1) for x in rs]
-            rows.append({
-                "pipeline": where, "workload": name, "spec": kind, "draft_max": spec.n_max if spec.active else 0,
-                "n_prompt": len(prompt), "n_gen": len(r["ids"]),
-                "decode_tok_s": round(statistics.median(x["tok_s"] for x in rs), 2),
-                "ms_per_forward": round(statistics.median(ms_per_fwd), 1),
-                "tokens_per_forward": round((len(r["ids"]) - 1) / max(r["decode_forwards"], 1), 3),
-                "acceptance": round(r["accepted"] / r["draft_n"], 3) if r["draft_n"] else None,
-                "draft_n": r["draft_n"], "draft_n_accepted": r["accepted"],
-                "speedup": round(statistics.median(ratios), 2),
-                "cpu_ms_per_token": round(statistics.median(x["cpu_ms_per_tok"] for x in rs), 1),
-                "speedup_cpu_time": round(statistics.median(cpu_ratios), 2),
-                "same_output": all(x["ids"] == base_ids for x in rs) if temp == 0 else None,
-                "reps_tok_s": [round(x["tok_s"], 2) for x in rs],
-                **costs,
-            })  # fmt: skip
+            rows.append(
+                {
+                    "pipeline": where,
+                    "workload": name,
+                    "spec": kind,
+                    "draft_max": spec.n_max if spec.active else 0,
+                    "n_prompt": len(prompt),
+                    "n_gen": len(r["ids"]),
+                    "decode_tok_s": round(statistics.median(x["tok_s"] for x in rs), 2),
+                    "ms_per_forward": round(statistics.median(ms_per_fwd), 1),
+                    "tokens_per_forward": round((len(r["ids"]) - 1) / max(r["decode_forwards"], 1), 3),
+                    "acceptance": round(r["accepted"] / r["draft_n"], 3) if r["draft_n"] else None,
+                    "draft_n": r["draft_n"],
+                    "draft_n_accepted": r["accepted"],
+                    "speedup": round(statistics.median(ratios), 2),
+                    "cpu_ms_per_token": round(statistics.median(x["cpu_ms_per_tok"] for x in rs), 1),
+                    "speedup_cpu_time": round(statistics.median(cpu_ratios), 2),
+                    "same_output": all(x["ids"] == base_ids for x in rs) if temp == 0 else None,
+                    "reps_tok_s": [round(x["tok_s"], 2) for x in rs],
+                    **costs,
+                }
+            )
             if not args.json:
                 x = rows[-1]
                 acc = f"{x['acceptance']:.3f}" if x["acceptance"] is not None else "    -"
-                print(f"{where:10} {name:11} {kind:6} {x['tokens_per_forward']:5.2f} tok/fwd  acc {acc}  "
-                      f"{x['decode_tok_s']:7.2f} tok/s (x{x['speedup']:.2f} wall)  {x['cpu_ms_per_token']:7.1f} CPU ms/tok "
-                      f"(x{x['speedup_cpu_time']:.2f} CPU)  same={x['same_output']}  reps={x['reps_tok_s']}",
-                      flush=True)  # fmt: skip
+                print(
+                    f"{where:10} {name:11} {kind:6} {x['tokens_per_forward']:5.2f} tok/fwd  acc {acc}  "
+                    f"{x['decode_tok_s']:7.2f} tok/s (x{x['speedup']:.2f} wall)  {x['cpu_ms_per_token']:7.1f} CPU ms/tok "
+                    f"(x{x['speedup_cpu_time']:.2f} CPU)  same={x['same_output']}  reps={x['reps_tok_s']}",
+                    flush=True,
+                )
     return rows
 
 
 def summary(rows: list[dict]) -> str:
     """Markdown: per workload and pipeline, the drafter's tokens per forward, acceptance, speed-up."""
     kind = rows[1]["spec"] if len(rows) > 1 else "spec"
-    out = [f"| workload | pipeline | peer RTT ms | ms/fwd off | ms/fwd {kind} | tok/fwd | acceptance | off tok/s "
-           f"| {kind} tok/s | speed-up (wall) | speed-up (CPU time) |",
-           "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+    out = [
+        f"| workload | pipeline | peer RTT ms | ms/fwd off | ms/fwd {kind} | tok/fwd | acceptance | off tok/s "
+        f"| {kind} tok/s | speed-up (wall) | speed-up (CPU time) |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for off, ng in zip(rows[::2], rows[1::2]):
         rtt = "-" if ng["peer_rtt_ms"] is None else f"{ng['peer_rtt_ms']:.2f}"
         acc = "-" if ng["acceptance"] is None else f"{ng['acceptance']:.3f}"
-        out.append(f"| {ng['workload']} | {ng['pipeline']} | {rtt} | {off['ms_per_forward']} | {ng['ms_per_forward']} "
-                   f"| {ng['tokens_per_forward']:.2f} | {acc} | {off['decode_tok_s']:.1f} | {ng['decode_tok_s']:.1f} "
-                   f"| x{ng['speedup']:.2f} | x{ng['speedup_cpu_time']:.2f} |")  # fmt: skip
+        out.append(
+            f"| {ng['workload']} | {ng['pipeline']} | {rtt} | {off['ms_per_forward']} | {ng['ms_per_forward']} "
+            f"| {ng['tokens_per_forward']:.2f} | {acc} | {off['decode_tok_s']:.1f} | {ng['decode_tok_s']:.1f} "
+            f"| x{ng['speedup']:.2f} | x{ng['speedup_cpu_time']:.2f} |"
+        )
     return "\n".join(out)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", help="GGUF file (default: the embedded Gemma 3 270M)")
-    ap.add_argument("--synth", choices=["qwen35", "qwen35-bigram"], help="instead of --model: a small synthetic qwen35 with an MTP block")
+    ap.add_argument(
+        "--synth",
+        choices=["qwen35", "qwen35-bigram"],
+        help="instead of --model: a small synthetic qwen35 with an MTP block",
+    )
     ap.add_argument("--spec-type", choices=["ngram", "mtp"], default="ngram", help="the drafter compared with off")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="auto")
@@ -314,12 +395,21 @@ def main() -> None:
     ap.add_argument("--draft-p-min", type=float, default=0.75, help="MTP: stop drafting below this draft probability")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--split", default=None, help="also run head + one peer with this split, e.g. 9/9")
-    ap.add_argument("--link-rtt-ms", type=float, nargs="+", default=[0.0],
-                    help="with --split: one split run per round trip time, 0 = direct loopback (default: 0)")
+    ap.add_argument(
+        "--link-rtt-ms",
+        type=float,
+        nargs="+",
+        default=[0.0],
+        help="with --split: one split run per round trip time, 0 = direct loopback (default: 0)",
+    )
     ap.add_argument("--workloads", default=",".join(WORKLOADS), help=f"comma list of {', '.join(WORKLOADS)}")
     ap.add_argument("--threads", type=int, default=None, help="torch threads of the head and the peer")
     ap.add_argument("--json", action="store_true")
-    ap.add_argument("--no-compile", action="store_true", help="CUDA: graphs without torch.compile (a 64-layer compile takes minutes)")
+    ap.add_argument(
+        "--no-compile",
+        action="store_true",
+        help="CUDA: graphs without torch.compile (a 64-layer compile takes minutes)",
+    )
     args = ap.parse_args()
     args.workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
     unknown = [w for w in args.workloads if w not in WORKLOADS]
@@ -338,7 +428,9 @@ def main() -> None:
         ap.error("--synth writes its own model: leave out --model")
     if args.synth:
         tmp = Path(tempfile.mkdtemp(prefix="bench-spec-"))
-        path = write_synthetic(tmp / f"{args.synth}.gguf", "qwen35", bigram=args.synth.endswith("bigram"), **SYNTH_SHAPE)
+        path = write_synthetic(
+            tmp / f"{args.synth}.gguf", "qwen35", bigram=args.synth.endswith("bigram"), **SYNTH_SHAPE
+        )
     else:
         path = model_path(args.model)
     g = GGUFFile(path)
@@ -367,8 +459,18 @@ def main() -> None:
         finally:
             peer.stop()
     if args.json:
-        print(json.dumps({"model": path.name, "device": args.device, "dtype": args.dtype,
-                          "loadavg": os.getloadavg(), "rows": rows}, indent=1))  # fmt: skip
+        print(
+            json.dumps(
+                {
+                    "model": path.name,
+                    "device": args.device,
+                    "dtype": args.dtype,
+                    "loadavg": os.getloadavg(),
+                    "rows": rows,
+                },
+                indent=1,
+            )
+        )
     else:
         print(summary(rows))
         print(f"load average after: {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")

@@ -34,12 +34,11 @@ configure_split_worker()  # before torch loads libgomp; the peer inherits it
 
 import torch  # noqa: E402
 
+from hydra_console.engine.cli import build_parser  # noqa: E402
+from hydra_console.engine.config import default_cache_dir, head_config  # noqa: E402
 from hydra_console.engine.device import resolve_device, resolve_dtype  # noqa: E402
 from hydra_console.engine.gguf_file import GGUFFile  # noqa: E402
-from hydra_console.engine.config import default_cache_dir  # noqa: E402
 from hydra_console.engine.model import ModelConfig, build_stage  # noqa: E402
-from hydra_console.engine.cli import build_parser  # noqa: E402
-from hydra_console.engine.config import head_config  # noqa: E402
 from hydra_console.engine.pipeline import Pipeline  # noqa: E402
 from hydra_console.engine.workers.head import build_pipeline  # noqa: E402
 
@@ -54,8 +53,21 @@ def free_port() -> int:
 
 def start_peer(model: Path, device: str, cores: set[int] | None, flags: list[str]) -> tuple[subprocess.Popen, str]:
     port, rpc = free_port(), free_port()
-    cmd = [sys.executable, "-m", "hydra_console.engine.cli", "peer", "--model", str(model), "--device", device,
-           "--port", str(port), "--rpc-port", str(rpc), *flags]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "hydra_console.engine.cli",
+        "peer",
+        "--model",
+        str(model),
+        "--device",
+        device,
+        "--port",
+        str(port),
+        "--rpc-port",
+        str(rpc),
+        *flags,
+    ]
     pin = (lambda: os.sched_setaffinity(0, cores)) if cores else None
     return subprocess.Popen(cmd, stderr=subprocess.DEVNULL, preexec_fn=pin), f"127.0.0.1:{rpc}"
 
@@ -67,7 +79,9 @@ def device_sync(pipe: Pipeline):
 
 def prefill(pipe: Pipeline, slot: int = 0) -> torch.Tensor:
     prompt = torch.arange(1, PROMPT_TOKENS + 1) % pipe.cfg.n_vocab
-    logits = pipe.forward(prompt, torch.full((PROMPT_TOKENS,), slot), torch.arange(PROMPT_TOKENS), torch.tensor([PROMPT_TOKENS - 1]))
+    logits = pipe.forward(
+        prompt, torch.full((PROMPT_TOKENS,), slot), torch.arange(PROMPT_TOKENS), torch.tensor([PROMPT_TOKENS - 1])
+    )
     return logits.argmax(-1)
 
 
@@ -82,7 +96,9 @@ def prefill_tok_s(pipe: Pipeline, n: int, slot: int = 0) -> float:
     return n / (time.perf_counter() - t0)
 
 
-def decode_block(pipe: Pipeline, tok: torch.Tensor, start: int, n: int, overheads: list, host: bool) -> tuple[torch.Tensor, float]:
+def decode_block(
+    pipe: Pipeline, tok: torch.Tensor, start: int, n: int, overheads: list, host: bool
+) -> tuple[torch.Tensor, float]:
     """n greedy single-token steps from position `start`; (last token, seconds). `host`: each
     token is read back to the host before the next step, as the runtime's sampler does; else it
     stays on the device and the host may run a step ahead. Appends each step's RPC overhead
@@ -100,7 +116,9 @@ def decode_block(pipe: Pipeline, tok: torch.Tensor, start: int, n: int, overhead
     return tok, time.perf_counter() - t0
 
 
-def forward_parts(pipe: Pipeline, tokens: torch.Tensor, positions: torch.Tensor) -> tuple[dict[str, float], torch.Tensor]:
+def forward_parts(
+    pipe: Pipeline, tokens: torch.Tensor, positions: torch.Tensor
+) -> tuple[dict[str, float], torch.Tensor]:
     """One forward (slot 0) timed part by part, synchronising the device after each part (so the
     parts add up to more than an unsynchronised forward): the head's layers (embedding included),
     each peer's round trip and, inside it, the peer's own compute (its host<->device copies
@@ -121,8 +139,13 @@ def forward_parts(pipe: Pipeline, tokens: torch.Tensor, positions: torch.Tensor)
     sync()
     t.append(time.perf_counter())
     d = [(b - a) * 1e3 for a, b in zip(t, t[1:])]
-    parts = {"head layers": d[0], **{f"peer {j} round trip": x for j, x in enumerate(d[1:-1])},
-             **{f"peer {j} compute": c for j, c in enumerate(computes)}, "output head": d[-1], "total": sum(d)}  # fmt: skip
+    parts = {
+        "head layers": d[0],
+        **{f"peer {j} round trip": x for j, x in enumerate(d[1:-1])},
+        **{f"peer {j} compute": c for j, c in enumerate(computes)},
+        "output head": d[-1],
+        "total": sum(d),
+    }
     return parts, tok
 
 
@@ -144,17 +167,30 @@ def main() -> None:
     ap.add_argument("-r", "--repetitions", type=int, default=8, help="blocks per mode, interleaved")
     ap.add_argument("--resplit-ctx", type=int, default=64, help="tokens live in a slot during re-splits")
     ap.add_argument("--prefill", type=int, default=128, help="prompt length of the prefill comparison (0: skip)")
-    ap.add_argument("--pin", action="store_true",
-                    help="head on core 0, peer on core 1, one thread each: two one-core hosts, no contention between them")
-    ap.add_argument("--peer-in-process", action="store_true",
-                    help="serve the peer's layers from a thread of this process over the same loopback RPC (one CUDA "
-                         "context; no CUDA IPC channel opens within one process, so the hidden states take the socket)")
+    ap.add_argument(
+        "--pin",
+        action="store_true",
+        help="head on core 0, peer on core 1, one thread each: two one-core hosts, no contention between them",
+    )
+    ap.add_argument(
+        "--peer-in-process",
+        action="store_true",
+        help="serve the peer's layers from a thread of this process over the same loopback RPC (one CUDA "
+        "context; no CUDA IPC channel opens within one process, so the hidden states take the socket)",
+    )
     ap.add_argument("--no-resplit", action="store_true", help="skip the live re-split timings")
-    ap.add_argument("--no-compile", action="store_true",
-                    help="solo, head and peer replay the uncompiled decode step (as `serve --no-compile`); by default all "
-                         "three compile it, as serve and peer do, so solo and split compare like with like")  # fmt: skip
-    ap.add_argument("--json", dest="json_path", default=None,
-                    help="also write the decode rates and the median time per part to this file (bench_api.py reads it)")
+    ap.add_argument(
+        "--no-compile",
+        action="store_true",
+        help="solo, head and peer replay the uncompiled decode step (as `serve --no-compile`); by default all "
+        "three compile it, as serve and peer do, so solo and split compare like with like",
+    )
+    ap.add_argument(
+        "--json",
+        dest="json_path",
+        default=None,
+        help="also write the decode rates and the median time per part to this file (bench_api.py reads it)",
+    )
     args = ap.parse_args()
     summary: dict = {"model": str(args.model), "device": args.device, "decode_tok_s": {}, "decode_parts_ms": {}}
 
@@ -162,8 +198,17 @@ def main() -> None:
     if args.synthetic_llama_1b:
         from hydra_console.engine.synth import write_synthetic
 
-        model = write_synthetic(Path(tmp.name) / "llama-1b.gguf", "llama", n_layers=22, n_embd=2048, n_head=32,
-                                n_head_kv=4, n_ff=5632, vocab_size=32000, qtype="F16")  # fmt: skip
+        model = write_synthetic(
+            Path(tmp.name) / "llama-1b.gguf",
+            "llama",
+            n_layers=22,
+            n_embd=2048,
+            n_head=32,
+            n_head_kv=4,
+            n_ff=5632,
+            vocab_size=32000,
+            qtype="F16",
+        )
     else:
         from hydra_console.engine.default_model import model_path
 
@@ -183,9 +228,11 @@ def main() -> None:
         os.environ["OMP_NUM_THREADS"] = "1"  # inherited by the peer
         torch.set_num_threads(1)
         os.sched_setaffinity(0, {0})
-    print(f"model {model.name}: {cfg.n_layers} layers, n_embd {cfg.n_embd}; device {device}, dtype {dtype}, "
-          f"torch threads {torch.get_num_threads()}, cores {os.cpu_count()}, RPC spin {rpc.spin_seconds(device) * 1e3:g} ms, "
-          f"GOMP_SPINCOUNT {os.environ.get('GOMP_SPINCOUNT', 'default')}, OMP_WAIT_POLICY {os.environ.get('OMP_WAIT_POLICY', 'default')}")  # fmt: skip
+    print(
+        f"model {model.name}: {cfg.n_layers} layers, n_embd {cfg.n_embd}; device {device}, dtype {dtype}, "
+        f"torch threads {torch.get_num_threads()}, cores {os.cpu_count()}, RPC spin {rpc.spin_seconds(device) * 1e3:g} ms, "
+        f"GOMP_SPINCOUNT {os.environ.get('GOMP_SPINCOUNT', 'default')}, OMP_WAIT_POLICY {os.environ.get('OMP_WAIT_POLICY', 'default')}"
+    )
 
     if args.peer_in_process:
         from hydra_console.engine.rpc.compute import ComputeServer
@@ -193,16 +240,44 @@ def main() -> None:
         from hydra_console.engine.rpc.resident import StageHost
 
         host = StageHost(g, cfg, device, cache_dir=cache_dir, compile_decode=compiled)
-        listener = RpcListener("127.0.0.1", 0, mode="peer", compute=ComputeServer(host, spin_s=rpc.spin_seconds(device))).start()
+        listener = RpcListener(
+            "127.0.0.1", 0, mode="peer", compute=ComputeServer(host, spin_s=rpc.spin_seconds(device))
+        ).start()
         proc, addr = None, f"127.0.0.1:{listener.bound_port}"
     else:
         proc, addr = start_peer(model, args.device, {1} if args.pin else None, flags)
     try:
-        solo = Pipeline(build_stage(g, device=device, dtype=dtype, n_slots=1, n_ctx=max(n_ctx, args.resplit_ctx), cache_dir=cache_dir,
-                                    compile_decode=compiled))  # fmt: skip
-        argv = ["serve", "--model", str(model), "--peer", addr, "--split", f"{half}/{cfg.n_layers - half}", "--device", args.device,
-                "--dtype", args.dtype, "--parallel", "1", "--ctx", str(max(n_ctx, args.resplit_ctx)), "--peer-wait", "120",
-                *flags]  # fmt: skip
+        solo = Pipeline(
+            build_stage(
+                g,
+                device=device,
+                dtype=dtype,
+                n_slots=1,
+                n_ctx=max(n_ctx, args.resplit_ctx),
+                cache_dir=cache_dir,
+                compile_decode=compiled,
+            )
+        )
+        argv = [
+            "serve",
+            "--model",
+            str(model),
+            "--peer",
+            addr,
+            "--split",
+            f"{half}/{cfg.n_layers - half}",
+            "--device",
+            args.device,
+            "--dtype",
+            args.dtype,
+            "--parallel",
+            "1",
+            "--ctx",
+            str(max(n_ctx, args.resplit_ctx)),
+            "--peer-wait",
+            "120",
+            *flags,
+        ]
         split = build_pipeline(head_config(build_parser().parse_args(argv), os.environ), g, cfg)
         remote = split.remotes[0]
         print(f"peer {addr}: hidden states via {remote.transport}")
@@ -226,27 +301,38 @@ def main() -> None:
                 rates = [args.block / t for t in times[k]]
                 if host:  # as the runtime feeds tokens
                     summary["decode_tok_s"][k] = round(len(rates) * args.block / sum(times[k]), 2)
-                print(f"  {k:5s} tok/s: overall {len(rates) * args.block / sum(times[k]):.2f}  "
-                      f"best block {max(rates):.2f}  median block {statistics.median(rates):.2f}")  # fmt: skip
-            print(f"  split/solo ratio: overall {sum(times['solo']) / sum(times['split']):.3f}  "
-                  f"best blocks {min(times['solo']) / min(times['split']):.3f}  "
-                  f"median blocks {statistics.median(times['solo']) / statistics.median(times['split']):.3f}")  # fmt: skip
+                print(
+                    f"  {k:5s} tok/s: overall {len(rates) * args.block / sum(times[k]):.2f}  "
+                    f"best block {max(rates):.2f}  median block {statistics.median(rates):.2f}"
+                )
+            print(
+                f"  split/solo ratio: overall {sum(times['solo']) / sum(times['split']):.3f}  "
+                f"best blocks {min(times['solo']) / min(times['split']):.3f}  "
+                f"median blocks {statistics.median(times['solo']) / statistics.median(times['split']):.3f}"
+            )
         if args.prefill:
             rates = {k: [] for k in pipes}
             for _ in range(max(args.repetitions // 4, 2)):
                 for k, p in pipes.items():
                     rates[k].append(prefill_tok_s(p, args.prefill))
-            print(f"prefill {args.prefill} tokens, tok/s: solo best {max(rates['solo']):.1f}, split best {max(rates['split']):.1f}, "
-                  f"ratio {max(rates['split']) / max(rates['solo']):.3f}")  # fmt: skip
+            print(
+                f"prefill {args.prefill} tokens, tok/s: solo best {max(rates['solo']):.1f}, split best {max(rates['split']):.1f}, "
+                f"ratio {max(rates['split']) / max(rates['solo']):.3f}"
+            )
         for k, p in pipes.items():
             runs, tok = [], first[k]
             for i in range(part_steps):
                 parts, tok = forward_parts(p, tok, torch.tensor([PROMPT_TOKENS + i]))
                 runs.append(parts)
             summary["decode_parts_ms"][k] = median_parts(runs)
-            print(f"{k} decode step parts, ms (median, synchronised after each): {fmt_parts(summary['decode_parts_ms'][k])}")
+            print(
+                f"{k} decode step parts, ms (median, synchronised after each): {fmt_parts(summary['decode_parts_ms'][k])}"
+            )
             if args.prefill:
-                runs = [forward_parts(p, torch.arange(1, args.prefill + 1) % cfg.n_vocab, torch.arange(args.prefill))[0] for _ in range(4)]
+                runs = [
+                    forward_parts(p, torch.arange(1, args.prefill + 1) % cfg.n_vocab, torch.arange(args.prefill))[0]
+                    for _ in range(4)
+                ]
                 print(f"{k} prefill {args.prefill} parts, ms: {fmt_parts(median_parts(runs))}")
         pings = [remote.ping() for _ in range(100)]
         print(f"empty PING round trip: median {statistics.median(p for p in pings if p is not None):.3f} ms")
@@ -257,14 +343,22 @@ def main() -> None:
         if args.json_path:
             Path(args.json_path).write_text(json.dumps(summary, indent=2))
         if remote.transport == "cuda-ipc":  # the peer replies once its work is queued: the exchange overlaps the GPU
-            print(f"RPC round trip per step minus the peer's time to queue its work: median {rpc_ms:.3f} ms of a "
-                  f"{step_ms:.2f} ms step, spent while the GPU runs the head's layers")  # fmt: skip
+            print(
+                f"RPC round trip per step minus the peer's time to queue its work: median {rpc_ms:.3f} ms of a "
+                f"{step_ms:.2f} ms step, spent while the GPU runs the head's layers"
+            )
         else:
-            print(f"RPC overhead per step (round trip minus peer compute): median {rpc_ms:.3f} ms of a "
-                  f"{step_ms:.2f} ms step -> the split's own cost bounds the ratio at ~{1 - rpc_ms / step_ms:.3f}")  # fmt: skip
+            print(
+                f"RPC overhead per step (round trip minus peer compute): median {rpc_ms:.3f} ms of a "
+                f"{step_ms:.2f} ms step -> the split's own cost bounds the ratio at ~{1 - rpc_ms / step_ms:.3f}"
+            )
         print(f"peer {addr}: sent {remote.bytes_sent} B, received {remote.bytes_recv} B")
 
-        layouts = [[(0, half + 3), (half + 3, cfg.n_layers)], [(0, half - 3), (half - 3, cfg.n_layers)], [(0, half), (half, cfg.n_layers)]]
+        layouts = [
+            [(0, half + 3), (half + 3, cfg.n_layers)],
+            [(0, half - 3), (half - 3, cfg.n_layers)],
+            [(0, half), (half, cfg.n_layers)],
+        ]
 
         def resplits(label: str) -> None:
             times = []
@@ -272,7 +366,9 @@ def main() -> None:
                 t0 = time.perf_counter()
                 r = split.resplit(layout)
                 times.append(time.perf_counter() - t0)
-                print(f"  {label} -> {r['layers']}: {times[-1]:.3f} s (assign {r['assign_s']:.3f} s, rebuilt {r['rebuilt_tokens']} tokens)")
+                print(
+                    f"  {label} -> {r['layers']}: {times[-1]:.3f} s (assign {r['assign_s']:.3f} s, rebuilt {r['rebuilt_tokens']} tokens)"
+                )
             print(f"re-split, {label}: median {statistics.median(times):.3f} s, max {max(times):.3f} s")
 
         if args.no_resplit:
@@ -281,8 +377,12 @@ def main() -> None:
         split.active_slots = lambda: set()
         resplits("no live slot")
         # One live slot of --resplit-ctx tokens: its KV is rebuilt on every stage after each move.
-        split.forward(torch.arange(1, args.resplit_ctx + 1) % cfg.n_vocab, torch.zeros(args.resplit_ctx, dtype=torch.long),
-                      torch.arange(args.resplit_ctx), torch.tensor([args.resplit_ctx - 1]))  # fmt: skip
+        split.forward(
+            torch.arange(1, args.resplit_ctx + 1) % cfg.n_vocab,
+            torch.zeros(args.resplit_ctx, dtype=torch.long),
+            torch.arange(args.resplit_ctx),
+            torch.tensor([args.resplit_ctx - 1]),
+        )
         split.active_slots = lambda: {0}
         resplits(f"{args.resplit_ctx}-token live slot")
         split.stop()

@@ -42,8 +42,14 @@ def run_batch(eng: Engine, prompt: list[int], constraints: list, max_tokens: lis
     out: dict[int, tuple[int, float]] = {}
 
     def one(i: int) -> None:
-        req = Request(prompt, SamplingParams(temperature=0.0), max_tokens=max_tokens[i], ignore_eos=constraints[i] is None,
-                      constraint=constraints[i], cache_prompt=False)  # fmt: skip
+        req = Request(
+            prompt,
+            SamplingParams(temperature=0.0),
+            max_tokens=max_tokens[i],
+            ignore_eos=constraints[i] is None,
+            constraint=constraints[i],
+            cache_prompt=False,
+        )
         n, final = 0, None
         for ev in eng.generate(req, timeout=600):
             n += len(ev.tokens)
@@ -58,7 +64,9 @@ def run_batch(eng: Engine, prompt: list[int], constraints: list, max_tokens: lis
     return [out[i] for i in range(len(constraints))]
 
 
-def time_mask_parts(eng: Engine, constraint, batch: int, device: torch.device, repeats: int = 200) -> tuple[float, float]:
+def time_mask_parts(
+    eng: Engine, constraint, batch: int, device: torch.device, repeats: int = 200
+) -> tuple[float, float]:
     """(host bitmask ms per sequence, device apply ms per batch) for `batch` rows."""
     V = eng.tok.vocab_size
     logits = torch.randn(batch, V, device=device)
@@ -98,18 +106,26 @@ def main() -> None:
     try:
         t = time.perf_counter()
         eng.grammars.constraint(grammar, "json_schema")
-        print(f"llguidance tokenizer for {tok.vocab_size} tokens built in {time.perf_counter() - t:.2f} s (once per model)")
+        print(
+            f"llguidance tokenizer for {tok.vocab_size} tokens built in {time.perf_counter() - t:.2f} s (once per model)"
+        )
         run_batch(eng, prompt, [None] * args.batch, [8] * args.batch)  # warm-up
         constrained, free = [], []
         for _ in range(args.repeats):
-            cons = run_batch(eng, prompt, [eng.grammars.constraint(grammar, "json_schema") for _ in range(args.batch)],
-                             [args.tokens] * args.batch)  # fmt: skip
+            cons = run_batch(
+                eng,
+                prompt,
+                [eng.grammars.constraint(grammar, "json_schema") for _ in range(args.batch)],
+                [args.tokens] * args.batch,
+            )
             plain = run_batch(eng, prompt, [None] * args.batch, [n for n, _ in cons])
             constrained += [ms for _, ms in cons]
             free += [ms for _, ms in plain]
         n_tokens = [n for n, _ in cons]
         c_ms, f_ms = statistics.median(constrained), statistics.median(free)
-        host, apply = time_mask_parts(eng, eng.grammars.constraint(grammar, "json_schema"), args.batch, torch.device(device))
+        host, apply = time_mask_parts(
+            eng, eng.grammars.constraint(grammar, "json_schema"), args.batch, torch.device(device)
+        )
         print(f"device {device}, batch {args.batch}, {n_tokens} tokens per request, median of {args.repeats} rounds")
         print(f"unconstrained: {f_ms:.2f} ms/token")
         print(f"json schema:   {c_ms:.2f} ms/token")

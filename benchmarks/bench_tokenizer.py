@@ -20,11 +20,19 @@ from hydra_console.engine.tokenizer import Tokenizer
 
 def prose(tok: Tokenizer, n_tokens: int) -> str:
     """English prose from standard-library docstrings, cut at about n_tokens tokens."""
-    import argparse as a, email.message as e, logging as lg, subprocess as s, textwrap as t
+    import argparse as a
+    import email.message as e
+    import logging as lg
+    import subprocess as s
+    import textwrap as t
 
     docs = []
     for mod in (lg, s, a, e, t):
-        docs += [inspect.getdoc(obj) or "" for _, obj in inspect.getmembers(mod) if inspect.isclass(obj) or inspect.isfunction(obj)]
+        docs += [
+            inspect.getdoc(obj) or ""
+            for _, obj in inspect.getmembers(mod)
+            if inspect.isclass(obj) or inspect.isfunction(obj)
+        ]
     text = "\n\n".join(d for d in docs if len(d) > 200)
     # ~4 characters a token; trim to the wanted count
     text = text[: n_tokens * 5]

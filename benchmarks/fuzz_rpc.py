@@ -24,10 +24,10 @@ from pathlib import Path
 
 from ready import wait_ready
 
-from hydra_console.engine.rpc import wire
 from hydra_console.contracts.rpc import CONTROL_MAGIC, FORWARD_HEADER, Cmd, Op
-from hydra_console.engine.rpc.compute import pack_hello
 from hydra_console.engine.gguf_file import GGUFFile
+from hydra_console.engine.rpc import wire
+from hydra_console.engine.rpc.compute import pack_hello
 from hydra_console.engine.rpc.resident import tensor_shapes
 from hydra_console.engine.rpc.wire import BufferReader, FrameError, SocketReader
 from hydra_console.engine.synth import write_synthetic
@@ -44,8 +44,23 @@ def free_port() -> int:
 
 def spawn(role: str, model: Path, log: Path, *extra: str) -> tuple[subprocess.Popen, int, int]:
     port, rpc = free_port(), free_port()
-    cmd = [sys.executable, "-m", "hydra_console.engine.cli", role, "--model", str(model), "--device", "cpu",
-           "--port", str(port), "--rpc-port", str(rpc), "--max-frame", str(MAX_FRAME), *extra]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "hydra_console.engine.cli",
+        role,
+        "--model",
+        str(model),
+        "--device",
+        "cpu",
+        "--port",
+        str(port),
+        "--rpc-port",
+        str(rpc),
+        "--max-frame",
+        str(MAX_FRAME),
+        *extra,
+    ]
     with open(log, "wb") as f:
         proc = subprocess.Popen(cmd, stderr=f, stdout=f)
     wait_ready(port, role)
@@ -54,10 +69,32 @@ def spawn(role: str, model: Path, log: Path, *extra: str) -> tuple[subprocess.Po
 
 # --- generators -----------------------------------------------------------------------------------
 
-OPS = [Op.STATE_GET, Op.STATE_PUT, Op.STATE_META, Op.CONFIGURE, Op.INFO, Op.PREFILL, Op.DECODE,
-       Op.SET_EXPERT_MODE, Op.SWAP_QUANT, Op.PIPELINE_ATTACH, Op.AUTH]  # fmt: skip
-CMDS = [Cmd.LOAD_STAGE, Cmd.RESOLVE, Cmd.FORWARD, Cmd.KV_TRIM, Cmd.KV_CLEAR, Cmd.STATS, Cmd.PING, Cmd.CHECK, Cmd.AUTH,
-        Cmd.IPC_OPEN, Cmd.FORWARD_IPC]  # fmt: skip
+OPS = [
+    Op.STATE_GET,
+    Op.STATE_PUT,
+    Op.STATE_META,
+    Op.CONFIGURE,
+    Op.INFO,
+    Op.PREFILL,
+    Op.DECODE,
+    Op.SET_EXPERT_MODE,
+    Op.SWAP_QUANT,
+    Op.PIPELINE_ATTACH,
+    Op.AUTH,
+]
+CMDS = [
+    Cmd.LOAD_STAGE,
+    Cmd.RESOLVE,
+    Cmd.FORWARD,
+    Cmd.KV_TRIM,
+    Cmd.KV_CLEAR,
+    Cmd.STATS,
+    Cmd.PING,
+    Cmd.CHECK,
+    Cmd.AUTH,
+    Cmd.IPC_OPEN,
+    Cmd.FORWARD_IPC,
+]
 
 
 def junk(rng: random.Random, n: int | None = None) -> bytes:
@@ -70,7 +107,12 @@ def json_payload(rng: random.Random) -> bytes:
         {"layers": [[0, rng.randrange(-2, 40)]]},
         {"layers": [[rng.randrange(-3, 3), rng.randrange(-3, 40)], [1]]},
         {"fingerprint": junk(rng, 4).hex(), "shapes": {"a": [1]}},
-        {"layers": [0, rng.randrange(-1, 5)], "dtype": rng.choice(["float32", "int8", None]), "n_slots": rng.randrange(-1, 3), "n_ctx": 0},
+        {
+            "layers": [0, rng.randrange(-1, 5)],
+            "dtype": rng.choice(["float32", "int8", None]),
+            "n_slots": rng.randrange(-1, 3),
+            "n_ctx": 0,
+        },
         [1, 2, 3],
         None,
     ]
@@ -91,10 +133,14 @@ def control_frame(rng: random.Random) -> tuple[bytes, bool]:
     kind = rng.random()
     op = rng.choice(OPS) if rng.random() < 0.8 else rng.randrange(256)
     key = rng.choice([b"", b"0", b"1", b"99", b"-1", b"x", junk(rng, 3)])
-    payload = json_payload(rng) if op == Op.CONFIGURE and rng.random() < 0.7 else rng.choice(
-        [b"", b"solo", b"combined", junk(rng)]
+    payload = (
+        json_payload(rng)
+        if op == Op.CONFIGURE and rng.random() < 0.7
+        else rng.choice([b"", b"solo", b"combined", junk(rng)])
     )
-    frame = wire.pack_control_request(op, payload, key=key, trace=junk(rng, rng.randrange(0, 16)), flags=rng.randrange(256))
+    frame = wire.pack_control_request(
+        op, payload, key=key, trace=junk(rng, rng.randrange(0, 16)), flags=rng.randrange(256)
+    )
     if kind < 0.75:
         return frame, op != Op.AUTH
     if kind < 0.85:
@@ -102,7 +148,9 @@ def control_frame(rng: random.Random) -> tuple[bytes, bool]:
     if kind < 0.90:
         return struct.pack("<HBBHQH", rng.randrange(1 << 16), op, 0, 0, 0, 0), False
     if kind < 0.95:
-        return struct.pack("<HBBHQH", CONTROL_MAGIC, op, 0, 0, rng.choice([MAX_FRAME + 1, 1 << 40, (1 << 64) - 1]), 0), False
+        return struct.pack(
+            "<HBBHQH", CONTROL_MAGIC, op, 0, 0, rng.choice([MAX_FRAME + 1, 1 << 40, (1 << 64) - 1]), 0
+        ), False
     return frame[: rng.randrange(len(frame))], False
 
 
@@ -115,7 +163,9 @@ def forward_payload(rng: random.Random, with_hidden: bool = True) -> bytes:
     epoch = 1 if rng.random() < 0.7 else rng.randrange(3)
     n_tokens = t if rng.random() < 0.9 else rng.randrange(1 << 32)
     body = FORWARD_HEADER.pack(epoch, n_tokens, d, code)
-    index = struct.pack(f"<{2 * t}i", *(rng.randrange(-1, 4) for _ in range(t)), *(rng.randrange(-1, 20) for _ in range(t)))
+    index = struct.pack(
+        f"<{2 * t}i", *(rng.randrange(-1, 4) for _ in range(t)), *(rng.randrange(-1, 20) for _ in range(t))
+    )
     values = junk(rng, 4 * t * d) if with_hidden else b""
     return body + (index + values if rng.random() < 0.8 else junk(rng, rng.randrange(0, 600)))
 
@@ -148,7 +198,9 @@ def compute_frame(rng: random.Random) -> tuple[bytes, bool]:
 def checked_session(g) -> bytes:
     """HELLO + a passing CHECK: FORWARD and LOAD_STAGE frames then reach the stage itself."""
     check = {"fingerprint": g.fingerprint, "shapes": tensor_shapes(g)}
-    return wire.pack_compute_request(Cmd.HELLO, pack_hello()) + wire.pack_compute_request(Cmd.CHECK, json.dumps(check).encode())
+    return wire.pack_compute_request(Cmd.HELLO, pack_hello()) + wire.pack_compute_request(
+        Cmd.CHECK, json.dumps(check).encode()
+    )
 
 
 def hello(rng: random.Random, checked: bytes) -> tuple[bytes, bool]:
@@ -242,8 +294,16 @@ def run(name: str, target: int, rng, port: int, make, first=None, check=lambda: 
             crashes += 1
     dt = time.perf_counter() - t0
     crashes += not check()
-    result = {"protocol": name, "frames": sent, "answered": answered, "connections": conns,
-              "hangs": hangs, "crashes": crashes, "seconds": round(dt, 1), "frames_per_s": round(sent / dt)}  # fmt: skip
+    result = {
+        "protocol": name,
+        "frames": sent,
+        "answered": answered,
+        "connections": conns,
+        "hangs": hangs,
+        "crashes": crashes,
+        "seconds": round(dt, 1),
+        "frames_per_s": round(sent / dt),
+    }
     print(json.dumps(result), flush=True)
     return result
 
@@ -268,14 +328,32 @@ def main() -> None:
         try:
             check = lambda: alive(head_rpc, peer_rpc) and head.poll() is None and peer.poll() is None  # noqa: E731
             run("control (head)", args.frames, rng, head_rpc, control_frame, check=check)
-            run("compute (head, one request per pool hand-off)", args.frames, rng, head_rpc, compute_frame, first=first, check=check)
-            run("compute (peer, thread per handshaken connection)", args.frames, rng, peer_rpc, compute_frame, first=first, check=check)
+            run(
+                "compute (head, one request per pool hand-off)",
+                args.frames,
+                rng,
+                head_rpc,
+                compute_frame,
+                first=first,
+                check=check,
+            )
+            run(
+                "compute (peer, thread per handshaken connection)",
+                args.frames,
+                rng,
+                peer_rpc,
+                compute_frame,
+                first=first,
+                check=check,
+            )
             data, _ = burst(peer_rpc, [checked, wire.pack_compute_request(Cmd.STATS)])
             r = BufferReader(data)
             for _ in range(3):  # HELLO, CHECK, then STATS
                 stats = wire.read_compute_response(r, MAX_FRAME)
-            print(f"peer ran {json.loads(bytes(stats[1:]))['forwards']} fuzzed FORWARD batches through its stage "
-                  "(0 expected: none came from the session that owns its slots)")
+            print(
+                f"peer ran {json.loads(bytes(stats[1:]))['forwards']} fuzzed FORWARD batches through its stage "
+                "(0 expected: none came from the session that owns its slots)"
+            )
         finally:
             for p in (head, peer):
                 p.terminate()

@@ -35,17 +35,40 @@ SASS_LINE = re.compile(r"\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+
 def compile_gemv(qt: T, mr: int, block_n: int, block_k: int, warps: int, x_terms: int):
     """The kernel as qmm launches it on CUDA (pointers and strides 16-byte aligned, as Triton specializes)."""
     lay = LAYOUTS[qt]
-    consts = dict(BITS=lay.bits, OFFSET=lay.offset, SB=lay.sb, G=lay.g, HAS_M=lay.has_m, HAS_MN=lay.has_mn,
-                  BLOCK_N=block_n, BLOCK_K=block_k, MR=mr, X_TERMS=x_terms, ASM=True)
+    consts = dict(
+        BITS=lay.bits,
+        OFFSET=lay.offset,
+        SB=lay.sb,
+        G=lay.g,
+        HAS_M=lay.has_m,
+        HAS_MN=lay.has_mn,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        MR=mr,
+        X_TERMS=x_terms,
+        ASM=True,
+    )
     if mr == 1:
         consts["M"] = 1  # Triton specializes an int argument equal to 1
-    pointers = {"x_ptr": "*u8" if x_terms else "*bf16", "q_ptr": "*u8", "h_ptr": "*u8", "d_ptr": "*fp16",
-                "sc_ptr": "*i8" if qt == T.Q6_K else "*u8", "m_ptr": "*fp16", "mn_ptr": "*u8", "out_ptr": "*fp32"}
+    pointers = {
+        "x_ptr": "*u8" if x_terms else "*bf16",
+        "q_ptr": "*u8",
+        "h_ptr": "*u8",
+        "d_ptr": "*fp16",
+        "sc_ptr": "*i8" if qt == T.Q6_K else "*u8",
+        "m_ptr": "*fp16",
+        "mn_ptr": "*u8",
+        "out_ptr": "*fp32",
+    }
     names = _gemv_kernel.arg_names
     signature = {n: "constexpr" if n in consts else pointers.get(n, "i32") for n in names}
     aligned = [n for n in names if n in pointers or n.endswith("stride") or n in ("N", "K", "k_split")]
-    src = ASTSource(_gemv_kernel, signature, constexprs={(names.index(n),): v for n, v in consts.items()},
-                    attrs={(names.index(n),): [["tt.divisibility", 16]] for n in aligned})
+    src = ASTSource(
+        _gemv_kernel,
+        signature,
+        constexprs={(names.index(n),): v for n, v in consts.items()},
+        attrs={(names.index(n),): [["tt.divisibility", 16]] for n in aligned},
+    )
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps))
 
 
@@ -53,8 +76,11 @@ def _registers(ptx: str) -> str:
     with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
         f.write(ptx)
         f.flush()
-        out = subprocess.run([os.path.join(TOOLS, "ptxas"), "-arch=sm_90a", "-v", "-o", os.devnull, f.name],
-                             capture_output=True, text=True).stderr
+        out = subprocess.run(
+            [os.path.join(TOOLS, "ptxas"), "-arch=sm_90a", "-v", "-o", os.devnull, f.name],
+            capture_output=True,
+            text=True,
+        ).stderr
     found = re.search(r"Used (\d+) registers", out)
     return found.group(1) if found else "?"
 
@@ -64,14 +90,15 @@ def loop_ops(cubin: bytes) -> collections.Counter:
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        lines = subprocess.run([os.path.join(TOOLS, "nvdisasm"), "-c", f.name], capture_output=True,
-                               text=True, check=True).stdout.splitlines()
+        lines = subprocess.run(
+            [os.path.join(TOOLS, "nvdisasm"), "-c", f.name], capture_output=True, text=True, check=True
+        ).stdout.splitlines()
     for end, line in enumerate(lines):
         branch = re.search(r"@!?P\d+\s+BRA\s+`\((\.L_x_\d+)\)", line)
         if branch:
             start = next(i for i, s in enumerate(lines) if s.startswith(branch.group(1) + ":"))
             if start < end:
-                return collections.Counter(m.group(1) for s in lines[start:end + 1] if (m := SASS_LINE.match(s)))
+                return collections.Counter(m.group(1) for s in lines[start : end + 1] if (m := SASS_LINE.match(s)))
     raise SystemExit("no loop found in the SASS")
 
 
@@ -80,8 +107,10 @@ def main() -> None:
     ap.add_argument("--types", default="Q4_K,Q5_K,Q6_K,Q8_0")
     ap.add_argument("--rows", default="1,4,8")
     args = ap.parse_args()
-    print("| type | rows | (BLOCK_N, BLOCK_K, warps) | x | instr/thread/step | instr/weight | barriers | "
-          "shared ld/st | dp4a | global loads | registers |")
+    print(
+        "| type | rows | (BLOCK_N, BLOCK_K, warps) | x | instr/thread/step | instr/weight | barriers | "
+        "shared ld/st | dp4a | global loads | registers |"
+    )
     print("|---" * 11 + "|")
     for name in args.types.split(","):
         for mr in (triton.next_power_of_2(int(r)) for r in args.rows.split(",")):
@@ -91,9 +120,12 @@ def main() -> None:
                 ops = loop_ops(k.asm["cubin"])
                 total = sum(ops.values())
                 count = lambda *prefixes: sum(c for op, c in ops.items() if op.startswith(prefixes))  # noqa: E731
-                print(f"| {name} | {mr} | {(block_n, block_k, warps)} | {f'int8 x{x_terms}' if x_terms else 'float'} | {total} | "
-                      f"{total * 32 * warps / (block_n * block_k):.2f} | {count('BAR')} | {count('LDS', 'STS')} | "
-                      f"{count('IDP')} | {count('LDG')} | {_registers(k.asm['ptx'])} |", flush=True)
+                print(
+                    f"| {name} | {mr} | {(block_n, block_k, warps)} | {f'int8 x{x_terms}' if x_terms else 'float'} | {total} | "
+                    f"{total * 32 * warps / (block_n * block_k):.2f} | {count('BAR')} | {count('LDS', 'STS')} | "
+                    f"{count('IDP')} | {count('LDG')} | {_registers(k.asm['ptx'])} |",
+                    flush=True,
+                )
 
 
 if __name__ == "__main__":

@@ -84,7 +84,9 @@ def main() -> None:
     print(f"{'bf16 + CUDA graphs':<28}{r['prefill_tok_s']:>15,.0f}{r['decode_tok_s']:>14,.1f}{r['decode_gb_s']:>8,.0f}")
     r = rows["compiled"]
     if "decode_tok_s" in r:
-        print(f"{'bf16 + compile + graphs':<28}{r['prefill_tok_s']:>15,.0f}{r['decode_tok_s']:>14,.1f}{r['decode_gb_s']:>8,.0f}")
+        print(
+            f"{'bf16 + compile + graphs':<28}{r['prefill_tok_s']:>15,.0f}{r['decode_tok_s']:>14,.1f}{r['decode_gb_s']:>8,.0f}"
+        )
     print(f"{'bf16 eager (no graphs)':<28}{'':>15}{rows['eager']['decode_tok_s']:>14,.1f}")
     print(f"{'bf16 + graphs, 4 slots':<28}{'':>15}{rows['batched4']['decode_tok_s']:>14,.1f}")
     print(f"layer-stack graph replay alone: {rows['graph_replay_ms']:.3f} ms per token")

@@ -50,7 +50,9 @@ def main() -> None:
         tok = st.logits(st.run_layers(st.embed(tok), slot, torch.tensor([i]))).argmax(-1)
     torch.cuda.synchronize()
     print(f"eager step, 4 layers: {(time.perf_counter() - t0) / 20 * 1e3:.2f} ms")
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]) as prof:
+    with torch.profiler.profile(
+        activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    ) as prof:
         for i in range(24, 28):
             tok = st.logits(st.run_layers(st.embed(tok), slot, torch.tensor([i]))).argmax(-1)
         torch.cuda.synchronize()

@@ -29,9 +29,12 @@ GB = 1e9
 def show(phase: str) -> None:
     torch.cuda.synchronize()
     proc = process_info()  # the worker's own reading: NVML's per-process bytes, else torch's
-    print(f"{phase:14s} allocated {torch.cuda.memory_allocated() / GB:6.3f}  reserved {torch.cuda.memory_reserved() / GB:6.3f}  "
-          f"peak allocated {torch.cuda.max_memory_allocated() / GB:6.3f}  peak reserved {torch.cuda.max_memory_reserved() / GB:6.3f}  "
-          f"{proc.gpu_source} {(proc.gpu_memory or 0) / GB:6.3f} GB", flush=True)  # fmt: skip
+    print(
+        f"{phase:14s} allocated {torch.cuda.memory_allocated() / GB:6.3f}  reserved {torch.cuda.memory_reserved() / GB:6.3f}  "
+        f"peak allocated {torch.cuda.max_memory_allocated() / GB:6.3f}  peak reserved {torch.cuda.max_memory_reserved() / GB:6.3f}  "
+        f"{proc.gpu_source} {(proc.gpu_memory or 0) / GB:6.3f} GB",
+        flush=True,
+    )
 
 
 def segments() -> None:
@@ -44,7 +47,9 @@ def segments() -> None:
     for (pool, kind), (n, total, used) in sorted(pools.items()):
         print(f"{pool:13s} {kind:5s}: {n:4d} segments, {total / GB:6.3f} GB, allocated {used / GB:6.3f} GB")
     for s in sorted(segs, key=lambda s: s["allocated_size"] - s["total_size"])[:6]:
-        print(f"  segment {s['total_size'] / 1e6:8.1f} MB, allocated {s['allocated_size'] / 1e6:8.1f} MB, pool {s.get('segment_pool_id')}")
+        print(
+            f"  segment {s['total_size'] / 1e6:8.1f} MB, allocated {s['allocated_size'] / 1e6:8.1f} MB, pool {s.get('segment_pool_id')}"
+        )
 
 
 def by_origin(top: int = 14) -> None:
@@ -82,8 +87,10 @@ def main() -> None:
     g = GGUFFile(args.model)
     show("start")
     stage = build_stage(g, device="cuda", n_slots=args.slots, n_ctx=args.ctx)
-    print(f"weights held {stage.held_weight_bytes / GB:.3f} GB (read per token {stage.weight_bytes / GB:.3f}), "
-          f"KV {stage.kv_bytes / GB:.3f} GB ({stage.n_slots} slots of {stage.n_ctx} + {stage.kv_blocks.padding} padding positions)")  # fmt: skip
+    print(
+        f"weights held {stage.held_weight_bytes / GB:.3f} GB (read per token {stage.weight_bytes / GB:.3f}), "
+        f"KV {stage.kv_bytes / GB:.3f} GB ({stage.n_slots} slots of {stage.n_ctx} + {stage.kv_blocks.padding} padding positions)"
+    )
     show("built")
     if args.eager_prefill:
         stage.prefill_graphs = None

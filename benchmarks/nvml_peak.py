@@ -38,8 +38,11 @@ def main() -> int:
     while proc.poll() is None:
         peak = max(peak, pynvml.nvmlDeviceGetMemoryInfo(handle).used)
         time.sleep(args.interval_ms / 1e3)
-    print(f"NVML peak above idle: {(peak - idle) / 2**20:.0f} MiB (idle {idle / 2**20:.0f} MiB), "
-          f"command exit {proc.returncode}", flush=True)
+    print(
+        f"NVML peak above idle: {(peak - idle) / 2**20:.0f} MiB (idle {idle / 2**20:.0f} MiB), "
+        f"command exit {proc.returncode}",
+        flush=True,
+    )
     return proc.returncode
 
 

@@ -33,7 +33,11 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, default=512)
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--eager-prefill", action="store_true", help="without the prefill graphs (what they buy: run both)")
-    own, serve_args = (sys.argv[1:sys.argv.index("--")], sys.argv[sys.argv.index("--") + 1:]) if "--" in sys.argv else (sys.argv[1:], [])
+    own, serve_args = (
+        (sys.argv[1 : sys.argv.index("--")], sys.argv[sys.argv.index("--") + 1 :])
+        if "--" in sys.argv
+        else (sys.argv[1:], [])
+    )
     args = ap.parse_args(own)
     argv = ["serve", "--model", args.model, "--device", args.device, "--parallel", "4", "--ctx", "2048", "--no-compile"]
     cfg = head_config(build_parser().parse_args(argv + serve_args), {})
@@ -42,12 +46,20 @@ def main() -> None:
     if args.eager_prefill:
         pipe.local.prefill_graphs = None
     pipe.local.warm_up(prefill_tokens=cfg.batch_tokens)
-    engine = Engine(pipe, Tokenizer.from_gguf(g), n_slots=cfg.parallel, n_ctx=cfg.model.ctx, batch_tokens=cfg.batch_tokens,
-                    overlap=cfg.overlap).start()  # fmt: skip
+    engine = Engine(
+        pipe,
+        Tokenizer.from_gguf(g),
+        n_slots=cfg.parallel,
+        n_ctx=cfg.model.ctx,
+        batch_tokens=cfg.batch_tokens,
+        overlap=cfg.overlap,
+    ).start()
 
     def request(i: int) -> Request:
         """One distinct prompt up to its first token (no prompt cache)."""
-        return Request(prompt=[(7 * i + j) % 1000 + 5 for j in range(args.prompt_tokens)], max_tokens=1, cache_prompt=False)
+        return Request(
+            prompt=[(7 * i + j) % 1000 + 5 for j in range(args.prompt_tokens)], max_tokens=1, cache_prompt=False
+        )
 
     def one(i: int) -> float:
         t = time.perf_counter()
@@ -57,13 +69,18 @@ def main() -> None:
         return (time.perf_counter() - t) * 1e3
 
     print("warm-up ms", [round(one(i), 1) for i in range(3)])
-    print(f"request ms ({args.prompt_tokens} tokens, -b {cfg.batch_tokens})", [round(one(i + 10), 1) for i in range(args.runs)])
+    print(
+        f"request ms ({args.prompt_tokens} tokens, -b {cfg.batch_tokens})",
+        [round(one(i + 10), 1) for i in range(args.runs)],
+    )
     # The profiler records host ops on the thread that starts it: the profiled request is stepped here.
     engine.stop()
     events = []
     req = request(99)
     req.sink = events.append
-    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    activities = [torch.profiler.ProfilerActivity.CPU] + (
+        [torch.profiler.ProfilerActivity.CUDA] if torch.cuda.is_available() else []
+    )
     with torch.profiler.profile(activities=activities) as prof:
         engine.submit(req)
         while not events or events[-1].finish_reason is None:

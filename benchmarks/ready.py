@@ -8,7 +8,9 @@ import time
 import httpx
 
 
-def wait_ready(port: int, what: str, budget_s: float = 120.0, proc: subprocess.Popen | None = None, host: str = "127.0.0.1") -> None:
+def wait_ready(
+    port: int, what: str, budget_s: float = 120.0, proc: subprocess.Popen | None = None, host: str = "127.0.0.1"
+) -> None:
     """Poll http://HOST:PORT/health every 0.2 s; SystemExit if `proc` exits or the budget runs out."""
     deadline = time.monotonic() + budget_s
     while time.monotonic() < deadline:

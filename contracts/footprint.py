@@ -183,8 +183,17 @@ class ModelTensors:
         """A recurrent layer's state for `rows` slots: the state and its ROLLBACK checkpoints."""
         return 0 if self.attention_layers[il] else rows * self.state_values * 4 * (ROLLBACK + 1)
 
-    def layer_cache(self, il: int, n_slots: int, n_ctx: int, kv_types: tuple[str, str], dtype: str = "auto", *,
-                    gpu: bool, kv_pool: int | None = None) -> int:  # fmt: skip
+    def layer_cache(
+        self,
+        il: int,
+        n_slots: int,
+        n_ctx: int,
+        kv_types: tuple[str, str],
+        dtype: str = "auto",
+        *,
+        gpu: bool,
+        kv_pool: int | None = None,
+    ) -> int:
         """What a layer caches per stage: its KV (or pool share) or its recurrent state, all slots."""
         positions = cache_positions(n_slots, n_ctx, kv_pool, padding=gpu)
         return self.layer_kv(il, positions, kv_types, dtype) + self.layer_state(il, n_slots + gpu)
@@ -199,9 +208,21 @@ class ModelTensors:
             out += tensor_bytes(self.embedding, form, dtype)
         return out + tensor_bytes(head, form, dtype, output_head=True)
 
-    def stage(self, a: int, b: int, *, head: bool, device: str, dtype: str, n_slots: int, n_ctx: int,
-              kv_types: tuple[str, str] = ("auto", "auto"), gpu_weights: str = "quantized",
-              kv_pool: int | None = None, prompt_rows: int = DEFAULT_PROMPT_ROWS) -> StageBytes:  # fmt: skip
+    def stage(
+        self,
+        a: int,
+        b: int,
+        *,
+        head: bool,
+        device: str,
+        dtype: str,
+        n_slots: int,
+        n_ctx: int,
+        kv_types: tuple[str, str] = ("auto", "auto"),
+        gpu_weights: str = "quantized",
+        kv_pool: int | None = None,
+        prompt_rows: int = DEFAULT_PROMPT_ROWS,
+    ) -> StageBytes:
         """Layers [a, b) (+ the head's tensors when `head`) as a worker on `device` ("cpu", "cuda")
         with `--dtype`, `--gpu-weights`, `--cache-type-k/-v` holds them for `n_slots` slots of `n_ctx`
         (or a `--kv-unified` pool of `kv_pool` positions); `prompt_rows`: `--batch-size`."""
@@ -225,15 +246,20 @@ class ModelTensors:
         out = self.output or self.embedding
         if head and out is not None:
             matrices.append(out)
-        blocks = [block_rows(t.shape[0], t.shape[1], SCRATCH_ELEMENTS) * t.shape[1] for t in matrices
-                  if t.type_name in QUANT_BLOCKS and len(t.shape) == 2]  # fmt: skip
+        blocks = [
+            block_rows(t.shape[0], t.shape[1], SCRATCH_ELEMENTS) * t.shape[1]
+            for t in matrices
+            if t.type_name in QUANT_BLOCKS and len(t.shape) == 2
+        ]
         return max(blocks, default=0) * DTYPE_BYTES[compute_dtype(dtype)]
 
     def graph_bytes(self, a: int, b: int, *, head: bool, n_slots: int, n_ctx: int, prompt_rows: int) -> int:
         """The CUDA graphs' pool: a prompt chunk's live bytes in the FFN (the float32 residual, its
         sum and the norm; the 16-bit input and output; gate+up and the activation), times the pool's
         measured overhead; and the head's float32 logits for every decode row."""
-        ff = max((t.shape[0] for il in range(a, b) for t in self.layers[il] if t.name.endswith("ffn_up.weight")), default=0)
+        ff = max(
+            (t.shape[0] for il in range(a, b) for t in self.layers[il] if t.name.endswith("ffn_up.weight")), default=0
+        )
         d = self.embedding.shape[1] if self.embedding is not None else 0
         # The largest prefill graph: powers of two from 8 up to the context (engine/model/graphs.py).
         rows = max(8, 1 << (prompt_rows - 1).bit_length())
@@ -244,8 +270,7 @@ class ModelTensors:
         return GRAPH_POOL_FACTOR * ffn + logits
 
 
-_JOINED = (("attn_q", "attn_k", "attn_v"), ("ffn_gate", "ffn_up"),
-           ("attn_qkv", "attn_gate", "ssm_beta", "ssm_alpha"))  # fmt: skip
+_JOINED = (("attn_q", "attn_k", "attn_v"), ("ffn_gate", "ffn_up"), ("attn_qkv", "attn_gate", "ssm_beta", "ssm_alpha"))
 
 
 def _joined(layer: tuple[Tensor, ...]) -> list[Tensor]:
@@ -302,7 +327,14 @@ def model_tensors(metadata, tensors) -> ModelTensors:
     d_state, inner = (int(metadata.get(f"{arch}.ssm.{key}", 0)) for key in ("state_size", "inner_size"))
     channels = 2 * int(metadata.get(f"{arch}.ssm.group_count", 0)) * d_state + inner
     state = channels * (int(metadata.get(f"{arch}.ssm.conv_kernel", 1)) - 1) + d_state * inner
-    return ModelTensors(n_layers, tuple(tuple(ts) for ts in layers), head.get("token_embd.weight"),
-                        head.get("output.weight"), tuple(t for n, t in head.items() if n == "output_norm.weight"),
-                        (n_kv * k_len, n_kv * v_len), int(metadata.get(f"{arch}.rope.dimension_count", k_len)),
-                        attention, state)  # fmt: skip
+    return ModelTensors(
+        n_layers,
+        tuple(tuple(ts) for ts in layers),
+        head.get("token_embd.weight"),
+        head.get("output.weight"),
+        tuple(t for n, t in head.items() if n == "output_norm.weight"),
+        (n_kv * k_len, n_kv * v_len),
+        int(metadata.get(f"{arch}.rope.dimension_count", k_len)),
+        attention,
+        state,
+    )

@@ -103,6 +103,7 @@ def frame_deadline(size: int) -> float:
     every cap gets the largest cap's deadline: the frame is refused or drained, never read whole)."""
     return HEADER_DEADLINE_S + min(size, STATE_PUT_CAP) / FRAME_RATE
 
+
 # --- compute protocol --------------------------------------------------------------------------------
 
 VERSION = (72, 1, 0)  # major 72 ("H") never matches an upstream ggml-rpc major (1..3)
@@ -164,7 +165,9 @@ class LoadStageRequest(TypedDict):
     n_ctx: int  # per slot
     kv_pool: NotRequired[int]  # positions of a KV pool the slots share (--kv-unified); absent: each reserves n_ctx
     kv_types: NotRequired[list[str]]  # [K, V] cache types, the head's --cache-type-k/-v; absent: the peer's own
-    max_run: NotRequired[int]  # tokens per slot of the head's steps (1 + draft max): decode graphs captured for each at load
+    max_run: NotRequired[
+        int
+    ]  # tokens per slot of the head's steps (1 + draft max): decode graphs captured for each at load
 
 
 class ProbeRequest(TypedDict):
@@ -179,7 +182,9 @@ class StageProbe(TypedDict):
     device: str
     decode_ms: list[float]  # per layer of [a, b): one token
     prefill_ms: list[float]  # per layer: the `tokens`-long prefill
-    layer_bytes: list[int]  # every layer of the model as this worker would hold it: weights + KV (its dtype, slots, context)
+    layer_bytes: list[
+        int
+    ]  # every layer of the model as this worker would hold it: weights + KV (its dtype, slots, context)
     held_bytes: int  # what its current layers take (freed by a re-split)
     free_bytes: int  # free device memory now
 
@@ -221,7 +226,9 @@ class PrefillRequest(TypedDict):
     ranges: list[list[int]]  # the asker's stages: one slot state per [a, b)
     fingerprint: str  # the asker's model: a prefill worker of another model refuses before computing
     ipc: NotRequired[str]  # the asker's GPU (uuid): a worker computing on it answers by CUDA IPC (`PrefillReply.ipc`)
-    shm: NotRequired[ShmOffer]  # the asker's shared memory: a worker on its host writes the states there (`PrefillReply.shm`)
+    shm: NotRequired[
+        ShmOffer
+    ]  # the asker's shared memory: a worker on its host writes the states there (`PrefillReply.shm`)
 
 
 class PrefillReply(TypedDict):

@@ -95,7 +95,9 @@ def check_ranges(layer_ranges: Ranges, n_layers: int, n_stages: int) -> None:
     expect = 0
     for i, (a, b) in enumerate(layer_ranges):
         if a != expect or b < a:
-            raise SplitError(f"layer ranges {layer_ranges} must be contiguous from 0 (stage {i} starts at {a}, expected {expect})")
+            raise SplitError(
+                f"layer ranges {layer_ranges} must be contiguous from 0 (stage {i} starts at {a}, expected {expect})"
+            )
         if i > 0 and b == a:
             raise SplitError(f"layer ranges {layer_ranges}: peer {i} would hold no layer")
         expect = b

@@ -58,7 +58,11 @@ def _coerce(tp, value) -> tuple[bool, Any]:
         out = [v for ok, v in (_coerce(item, x) for x in value) if ok]
         return True, out
     if origin is tuple:  # a layer range [a, b)
-        if isinstance(value, (list, tuple)) and len(value) == 2 and all(isinstance(x, int) and not isinstance(x, bool) for x in value):
+        if (
+            isinstance(value, (list, tuple))
+            and len(value) == 2
+            and all(isinstance(x, int) and not isinstance(x, bool) for x in value)
+        ):
             return True, (int(value[0]), int(value[1]))
         return False, None
     if origin is dict or tp is dict:
@@ -66,7 +70,9 @@ def _coerce(tp, value) -> tuple[bool, Any]:
     if isinstance(tp, type) and issubclass(tp, _Doc):
         return isinstance(value, dict), tp.from_json(value)
     if tp is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool), float(value) if isinstance(value, (int, float)) else None
+        return isinstance(value, (int, float)) and not isinstance(value, bool), float(value) if isinstance(
+            value, (int, float)
+        ) else None
     if tp is int:
         return isinstance(value, int) and not isinstance(value, bool), value
     if tp is Any:
@@ -146,7 +152,9 @@ class ProcessInfo(_Doc):
 
     rss: int | None = None  # resident set, bytes
     gpu_memory: int | None = None  # NVML's per-process reading over every GPU (the CUDA context included)
-    gpu_source: str | None = None  # "nvml" | "torch" (the caching allocator's reservation, when NVML cannot see the pid)
+    gpu_source: str | None = (
+        None  # "nvml" | "torch" (the caching allocator's reservation, when NVML cannot see the pid)
+    )
     # High-water marks since the start: torch's caching allocator over every GPU (reserved bytes;
     # NVML also counts the CUDA context), and the resident set.
     peak_device_bytes: int | None = None

@@ -19,10 +19,24 @@ from fastapi.responses import Response
 from pydantic import BaseModel, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .api_common import (MAX_LOGPROBS, ChatBody, CommonBody, Run, chat_requests, check_finish, check_token_ids,
-                         choices, ready_engine, sampling_params, speculative_config, sse, stop_list, stream_error,
-                         usage_of)  # fmt: skip
 from .api_anthropic import anthropic_routes
+from .api_common import (
+    MAX_LOGPROBS,
+    ChatBody,
+    CommonBody,
+    Run,
+    chat_requests,
+    check_finish,
+    check_token_ids,
+    choices,
+    ready_engine,
+    sampling_params,
+    speculative_config,
+    sse,
+    stop_list,
+    stream_error,
+    usage_of,
+)
 from .api_embeddings import embedding_routes
 from .api_predict import add_predict_route
 from .api_responses import responses_routes
@@ -135,8 +149,9 @@ def create_app(head: Head) -> FastAPI:
 
     @app.exception_handler(ContextOverflow)
     async def _overflow(_, e: ContextOverflow):
-        return error_response(400, str(e), "exceed_context_size_error", e.param, n_prompt_tokens=e.n_prompt_tokens,
-                              n_ctx=e.n_ctx)  # fmt: skip
+        return error_response(
+            400, str(e), "exceed_context_size_error", e.param, n_prompt_tokens=e.n_prompt_tokens, n_ctx=e.n_ctx
+        )
 
     @app.exception_handler(UserError)  # sampling.InvalidParam names the parameter
     async def _user(_, e: UserError):
@@ -151,7 +166,9 @@ def create_app(head: Head) -> FastAPI:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_, e: StarletteHTTPException):
-        return error_response(e.status_code, str(e.detail), "invalid_request_error" if e.status_code < 500 else "server_error")
+        return error_response(
+            e.status_code, str(e.detail), "invalid_request_error" if e.status_code < 500 else "server_error"
+        )
 
     @app.get("/v1/models")
     @app.get("/models", include_in_schema=False)
@@ -159,15 +176,25 @@ def create_app(head: Head) -> FastAPI:
         data = []
         if head.status.startup_stage >= 2:
             meta = {"n_ctx": head.cfg.model.ctx, "n_vocab": head.tok.vocab_size, **head.status.model.to_json()}
-            data.append({"id": head.model_name, "aliases": list(head.cfg.aliases), "tags": list(head.cfg.tags),
-                         "object": "model", "created": head.created, "owned_by": "hydra", "meta": meta})  # fmt: skip
+            data.append(
+                {
+                    "id": head.model_name,
+                    "aliases": list(head.cfg.aliases),
+                    "tags": list(head.cfg.tags),
+                    "object": "model",
+                    "created": head.created,
+                    "owned_by": "hydra",
+                    "meta": meta,
+                }
+            )
         return {"object": "list", "data": data}
 
     @app.get("/slots")
     async def slots(fail_on_no_slot: str | None = None):
         if not head.cfg.slots:
-            raise APIError(501, "This server does not support slots endpoint. Start it with `--slots`",
-                           "not_supported_error")  # fmt: skip
+            raise APIError(
+                501, "This server does not support slots endpoint. Start it with `--slots`", "not_supported_error"
+            )
         info = _llama_slots(ready_engine(head))
         if fail_on_no_slot and all(s["is_processing"] for s in info):
             raise APIError(503, "no slot available", "unavailable_error")
@@ -183,25 +210,38 @@ def create_app(head: Head) -> FastAPI:
             raise APIError(400, f"action must be save, restore or erase, not {action!r}", param="action")
         folder = head.cfg.slot_save_path
         if folder is None:
-            raise APIError(501, "slot save/restore is off: start the server with --slot-save-path", "not_supported_error")
+            raise APIError(
+                501, "slot save/restore is off: start the server with --slot-save-path", "not_supported_error"
+            )
         name = body.filename if body else ""
         if not name or "/" in name or "\\" in name or name.startswith("."):
             raise APIError(400, f"filename {name!r} must be a plain file name", param="filename")
         path, t0 = folder / name, time.perf_counter()
         if action == "save":
+
             def save():
                 with open(path, "wb") as f:
                     return engine.save_slot(slot, f.write)
 
             n, written = await asyncio.to_thread(save)
-            return {"id_slot": slot, "filename": name, "n_saved": n, "n_written": written,
-                    "timings": {"save_ms": (time.perf_counter() - t0) * 1e3}}  # fmt: skip
+            return {
+                "id_slot": slot,
+                "filename": name,
+                "n_saved": n,
+                "n_written": written,
+                "timings": {"save_ms": (time.perf_counter() - t0) * 1e3},
+            }
         if not path.is_file():
             raise APIError(404, f"no saved slot named {name!r}", "not_found_error", "filename")
         data = await asyncio.to_thread(path.read_bytes)
         n = await asyncio.to_thread(engine.restore_slot, slot, data)
-        return {"id_slot": slot, "filename": name, "n_restored": n, "n_read": len(data),
-                "timings": {"restore_ms": (time.perf_counter() - t0) * 1e3}}  # fmt: skip
+        return {
+            "id_slot": slot,
+            "filename": name,
+            "n_restored": n,
+            "n_read": len(data),
+            "timings": {"restore_ms": (time.perf_counter() - t0) * 1e3},
+        }
 
     app.include_router(llama_router(head))
     app.include_router(anthropic_routes(head))
@@ -226,12 +266,16 @@ def create_app(head: Head) -> FastAPI:
         max_tokens = body.max_tokens if body.max_tokens is not None else 16
         engine.check(len(ids), max_tokens)
         req = EngineRequest(
-            prompt=ids, params=sampling_params(head, body, body.logprobs), max_tokens=max_tokens,
+            prompt=ids,
+            params=sampling_params(head, body, body.logprobs),
+            max_tokens=max_tokens,
             stop=stop_list(body.stop),
-            ignore_eos=body.ignore_eos, prompt_logprobs=body.logprobs if body.echo and body.logprobs is not None else None,
-            spec=speculative_config(engine, body), cache_prompt=body.cache_prompt,
+            ignore_eos=body.ignore_eos,
+            prompt_logprobs=body.logprobs if body.echo and body.logprobs is not None else None,
+            spec=speculative_config(engine, body),
+            cache_prompt=body.cache_prompt,
             return_progress=body.stream and body.return_progress,
-        )  # fmt: skip
+        )
         return await _respond_completion(head, http, body, await choices(head, body, req), prompt_text)
 
     @app.post("/v1/chat/completions")
@@ -259,20 +303,37 @@ def _llama_slots(engine) -> list[dict]:
             entry.update(
                 n_prompt_tokens_processed=max(min(seq.n_past, seq.n_prompt) - seq.n_cached, 0),
                 n_prompt_tokens_cache=seq.n_cached,
-                params={"n_predict": seq.req.max_tokens, "max_tokens": seq.req.max_tokens, "seed": p.seed,
-                        "temperature": p.temperature, "top_k": p.top_k, "top_p": p.top_p, "min_p": p.min_p,
-                        "repeat_last_n": p.repeat_last_n, "repeat_penalty": p.repeat_penalty,
-                        "presence_penalty": p.presence_penalty, "frequency_penalty": p.frequency_penalty,
-                        "ignore_eos": seq.req.ignore_eos, "stop": seq.req.stop, "n_probs": p.logprobs or 0},
-                next_token=[{"has_next_token": seq.finish_reason is None, "n_remain": seq.req.max_tokens - seq.n_gen,
-                             "n_decoded": seq.n_gen}],
-            )  # fmt: skip
+                params={
+                    "n_predict": seq.req.max_tokens,
+                    "max_tokens": seq.req.max_tokens,
+                    "seed": p.seed,
+                    "temperature": p.temperature,
+                    "top_k": p.top_k,
+                    "top_p": p.top_p,
+                    "min_p": p.min_p,
+                    "repeat_last_n": p.repeat_last_n,
+                    "repeat_penalty": p.repeat_penalty,
+                    "presence_penalty": p.presence_penalty,
+                    "frequency_penalty": p.frequency_penalty,
+                    "ignore_eos": seq.req.ignore_eos,
+                    "stop": seq.req.stop,
+                    "n_probs": p.logprobs or 0,
+                },
+                next_token=[
+                    {
+                        "has_next_token": seq.finish_reason is None,
+                        "n_remain": seq.req.max_tokens - seq.n_gen,
+                        "n_decoded": seq.n_gen,
+                    }
+                ],
+            )
         out.append(entry)
     return out
 
 
-
-async def _respond_completion(head: Head, http: Request, body: CompletionBody, reqs: list[EngineRequest], prompt_text: str):
+async def _respond_completion(
+    head: Head, http: Request, body: CompletionBody, reqs: list[EngineRequest], prompt_text: str
+):
     cid, created, n = f"cmpl-{uuid.uuid4().hex}", int(time.time()), len(reqs)
     want_lp = body.logprobs is not None
     lps = [_CompletionLogprobs(head, body.return_tokens_as_token_ids) for _ in reqs]
@@ -288,8 +349,15 @@ async def _respond_completion(head: Head, http: Request, body: CompletionBody, r
 
     def chunk(i: int, text: str, logprobs, finish=None, **extra) -> dict:
         choice = {"text": text, "index": i, "logprobs": logprobs, "finish_reason": finish}
-        return {"id": cid, "object": "text_completion", "created": created, "model": head.model_name,
-                "system_fingerprint": BUILD_INFO, "choices": [choice], **extra}  # fmt: skip
+        return {
+            "id": cid,
+            "object": "text_completion",
+            "created": created,
+            "model": head.model_name,
+            "system_fingerprint": BUILD_INFO,
+            "choices": [choice],
+            **extra,
+        }
 
     if body.stream:
 
@@ -301,7 +369,11 @@ async def _respond_completion(head: Head, http: Request, body: CompletionBody, r
                     yield sse(stream_error(ev))
                     break
                 if ev.progress is not None:
-                    yield sse(chunk(i, "", None, prompt_progress=ev.progress, **({"timings": ev.timings} if ev.timings else {})))
+                    yield sse(
+                        chunk(
+                            i, "", None, prompt_progress=ev.progress, **({"timings": ev.timings} if ev.timings else {})
+                        )
+                    )
                     continue
                 if ev.prompt_logprobs is not None:
                     yield sse(chunk(i, "" if echoed[i] else prompt_text, prompt_part(i, ev)))
@@ -334,11 +406,25 @@ async def _respond_completion(head: Head, http: Request, body: CompletionBody, r
         return Response(status_code=499)
     for ev in finals:
         check_finish(ev)
-    out = [chunk(i, (prompt_text if body.echo else "") + "".join(texts[i]),
-                 _merge_logprobs(parts[i]) if want_lp else None, finals[i].finish_reason)["choices"][0]
-           for i in range(n)]  # fmt: skip
-    return {"id": cid, "object": "text_completion", "created": created, "model": head.model_name,
-            "system_fingerprint": BUILD_INFO, "choices": out, "usage": usage_of(finals), "timings": finals[0].timings}  # fmt: skip
+    out = [
+        chunk(
+            i,
+            (prompt_text if body.echo else "") + "".join(texts[i]),
+            _merge_logprobs(parts[i]) if want_lp else None,
+            finals[i].finish_reason,
+        )["choices"][0]
+        for i in range(n)
+    ]
+    return {
+        "id": cid,
+        "object": "text_completion",
+        "created": created,
+        "model": head.model_name,
+        "system_fingerprint": BUILD_INFO,
+        "choices": out,
+        "usage": usage_of(finals),
+        "timings": finals[0].timings,
+    }
 
 
 def _finish_reason(ev: Event, calls: list) -> str:
@@ -346,14 +432,20 @@ def _finish_reason(ev: Event, calls: list) -> str:
     return "tool_calls" if calls and ev.finish_reason == "stop" else ev.finish_reason
 
 
-async def _respond_chat(head: Head, http: Request, body: ChatBody, reqs: list[EngineRequest], prompt: str,
-                        calls: ToolFormat | None):  # fmt: skip
+async def _respond_chat(
+    head: Head, http: Request, body: ChatBody, reqs: list[EngineRequest], prompt: str, calls: ToolFormat | None
+):
     """`calls`: the template's tool-call format when the request's generations are parsed for calls."""
     cid, created, n = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), len(reqs)
     as_ids = body.return_tokens_as_token_ids
     run = Run(head, http, reqs, streamed=body.stream)
-    common = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": head.model_name,
-              "system_fingerprint": BUILD_INFO}  # fmt: skip
+    common = {
+        "id": cid,
+        "object": "chat.completion.chunk",
+        "created": created,
+        "model": head.model_name,
+        "system_fingerprint": BUILD_INFO,
+    }
 
     def chunk(i: int, delta: dict, tokens: list[GenToken], finish=None, **extra) -> dict:
         logprobs = {"content": _chat_logprob_content(head, tokens, as_ids)} if body.logprobs and tokens else None
@@ -379,7 +471,9 @@ async def _respond_chat(head: Head, http: Request, body: ChatBody, reqs: list[En
                     break
                 per_token = {"timings": ev.timings} if ev.timings else {}
                 if ev.progress is not None:  # as llama-server: a role delta carrying prompt_progress
-                    yield sse(chunk(i, {"role": "assistant", "content": None}, [], prompt_progress=ev.progress, **per_token))
+                    yield sse(
+                        chunk(i, {"role": "assistant", "content": None}, [], prompt_progress=ev.progress, **per_token)
+                    )
                     continue
                 text = held[i].push(ev.text) if held[i] is not None else ev.text
                 if text or (ev.tokens and (held[i] is None or body.logprobs)):  # no empty chunks for held text
@@ -419,11 +513,23 @@ async def _respond_chat(head: Head, http: Request, body: ChatBody, reqs: list[En
         message = {"role": "assistant", "content": content}
         if tool_calls:
             message["tool_calls"] = [c.to_json() for c in tool_calls]
-        return {"index": i, "message": message, "logprobs": logprobs, "finish_reason": _finish_reason(finals[i], tool_calls)}
+        return {
+            "index": i,
+            "message": message,
+            "logprobs": logprobs,
+            "finish_reason": _finish_reason(finals[i], tool_calls),
+        }
 
-    out = {"id": cid, "object": "chat.completion", "created": created, "model": head.model_name,
-           "system_fingerprint": BUILD_INFO, "choices": [choice(i) for i in range(n)], "usage": usage_of(finals),
-           "timings": finals[0].timings}  # fmt: skip
+    out = {
+        "id": cid,
+        "object": "chat.completion",
+        "created": created,
+        "model": head.model_name,
+        "system_fingerprint": BUILD_INFO,
+        "choices": [choice(i) for i in range(n)],
+        "usage": usage_of(finals),
+        "timings": finals[0].timings,
+    }
     if body.verbose or head.cfg.verbose:
         out["__verbose"] = {"prompt": prompt, "content": out["choices"][0]["message"]["content"]}
     return out

@@ -23,8 +23,17 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field
 
-from .api_common import (ChatBody, Run, chat_body, chat_requests, generation_error, named_sse, single_reply, ready_engine,
-                         template_prompt)  # fmt: skip
+from .api_common import (
+    ChatBody,
+    Run,
+    chat_body,
+    chat_requests,
+    generation_error,
+    named_sse,
+    ready_engine,
+    single_reply,
+    template_prompt,
+)
 
 if TYPE_CHECKING:
     from .sequence import Event
@@ -67,8 +76,11 @@ def _image_part(block: dict) -> dict:
 def _tool_result(block: dict) -> dict:
     content = block.get("content")
     if isinstance(content, list):
-        parts = [{"type": "text", "text": c.get("text", "")} if c.get("type") == "text" else _image_part(c)
-                 for c in content if c.get("type") in ("text", "image")]  # fmt: skip
+        parts = [
+            {"type": "text", "text": c.get("text", "")} if c.get("type") == "text" else _image_part(c)
+            for c in content
+            if c.get("type") in ("text", "image")
+        ]
         has_image = any(p["type"] == "image_url" for p in parts)
         content = parts if has_image else "".join(p["text"] for p in parts)
     elif not isinstance(content, str):
@@ -79,8 +91,11 @@ def _tool_result(block: dict) -> dict:
 def _messages(body: MessagesBody) -> list[dict]:
     out: list[dict] = []
     if body.system is not None:
-        system = body.system if isinstance(body.system, str) else "".join(
-            b.get("text", "") for b in body.system if b.get("type") == "text")  # fmt: skip
+        system = (
+            body.system
+            if isinstance(body.system, str)
+            else "".join(b.get("text", "") for b in body.system if b.get("type") == "text")
+        )
         out.append({"role": "system", "content": system})
     for msg in body.messages:
         content = msg.get("content")
@@ -98,8 +113,13 @@ def _messages(body: MessagesBody) -> list[dict]:
             elif kind == "image":
                 parts.append(_image_part(block))
             elif kind == "tool_use":
-                calls.append({"id": block.get("id", ""), "type": "function",
-                              "function": {"name": block.get("name", ""), "arguments": json.dumps(block.get("input", {}))}})  # fmt: skip
+                calls.append(
+                    {
+                        "id": block.get("id", ""),
+                        "type": "function",
+                        "function": {"name": block.get("name", ""), "arguments": json.dumps(block.get("input", {}))},
+                    }
+                )
             elif kind == "tool_result":
                 results.append(_tool_result(block))
         if parts or calls or reasoning:
@@ -117,9 +137,17 @@ def to_chat(body: MessagesBody) -> ChatBody:
     """The chat request a messages request stands for (llama-server's conversion)."""
     chat: dict[str, Any] = {"messages": _messages(body), "max_tokens": body.max_tokens, "stream": body.stream}
     if body.tools is not None:
-        chat["tools"] = [{"type": "function", "function": {"name": t.get("name", ""), "description": t.get("description", ""),
-                                                           "parameters": t.get("input_schema", {})}}
-                         for t in body.tools]  # fmt: skip
+        chat["tools"] = [
+            {
+                "type": "function",
+                "function": {
+                    "name": t.get("name", ""),
+                    "description": t.get("description", ""),
+                    "parameters": t.get("input_schema", {}),
+                },
+            }
+            for t in body.tools
+        ]
     if body.stop_sequences is not None:
         chat["stop"] = body.stop_sequences
     kind = (body.tool_choice or {}).get("type")
@@ -178,8 +206,13 @@ def anthropic_routes(head: Head) -> APIRouter:
         content, tool_calls, final = reply
         u = final.usage
         blocks = ([{"type": "text", "text": content}] if content else []) + [_tool_use(c) for c in tool_calls]
-        return {**message, "content": blocks, "stop_reason": _stop_reason(final, tool_calls), "stop_sequence": final.stop_word or None,
-                "usage": _usage(u["prompt_tokens"], u["prompt_tokens_details"]["cached_tokens"], u["completion_tokens"])}  # fmt: skip
+        return {
+            **message,
+            "content": blocks,
+            "stop_reason": _stop_reason(final, tool_calls),
+            "stop_sequence": final.stop_word or None,
+            "usage": _usage(u["prompt_tokens"], u["prompt_tokens_details"]["cached_tokens"], u["completion_tokens"]),
+        }
 
     return r
 
@@ -200,8 +233,10 @@ async def _stream(run: Run, message: dict, calls: ToolFormat | None):
             if not started:
                 started = True
                 usage = _usage(ev.progress["total"], ev.progress["cache"], 0)
-                yield named_sse("message_start", {"message": {**message, "content": [], "stop_reason": None,
-                                                         "stop_sequence": None, "usage": usage}})  # fmt: skip
+                yield named_sse(
+                    "message_start",
+                    {"message": {**message, "content": [], "stop_reason": None, "stop_sequence": None, "usage": usage}},
+                )
             continue
         texts = [held.push(ev.text) if held is not None else ev.text]
         tool_calls = []
@@ -217,10 +252,19 @@ async def _stream(run: Run, message: dict, calls: ToolFormat | None):
             if text_open:
                 yield named_sse("content_block_stop", {"index": 0})
             for index, call in enumerate(tool_calls, start=int(text_open)):
-                yield named_sse("content_block_start", {"index": index, "content_block": {**_tool_use(call), "input": {}}})
-                yield named_sse("content_block_delta", {"index": index, "delta": {"type": "input_json_delta",
-                                                                                 "partial_json": call.arguments}})  # fmt: skip
+                yield named_sse(
+                    "content_block_start", {"index": index, "content_block": {**_tool_use(call), "input": {}}}
+                )
+                yield named_sse(
+                    "content_block_delta",
+                    {"index": index, "delta": {"type": "input_json_delta", "partial_json": call.arguments}},
+                )
                 yield named_sse("content_block_stop", {"index": index})
-            yield named_sse("message_delta", {"delta": {"stop_reason": _stop_reason(ev, tool_calls), "stop_sequence": ev.stop_word or None},
-                                         "usage": {"output_tokens": ev.usage["completion_tokens"]}})  # fmt: skip
+            yield named_sse(
+                "message_delta",
+                {
+                    "delta": {"stop_reason": _stop_reason(ev, tool_calls), "stop_sequence": ev.stop_word or None},
+                    "usage": {"output_tokens": ev.usage["completion_tokens"]},
+                },
+            )
             yield named_sse("message_stop", {})

@@ -36,8 +36,10 @@ LOADING_RETRY_S = 5
 SEED_RANDOM = -1  # llama-server's "pick a seed": a random one per request
 
 Stop = Union[str, list[str], None]
-PROMPT_FORMS = ("\"prompt\" elements must be a string, a list of tokens, a JSON object containing a prompt string, "
-                "or a list of mixed strings & tokens.")  # llama-server's words
+PROMPT_FORMS = (
+    '"prompt" elements must be a string, a list of tokens, a JSON object containing a prompt string, '
+    "or a list of mixed strings & tokens."
+)  # llama-server's words
 
 
 class CommonBody(BaseModel):
@@ -100,8 +102,17 @@ class ChatBody(CommonBody):
     return_tokens_as_token_ids: bool = False
 
 
-SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repeat_penalty", "repeat_last_n", "presence_penalty",
-                   "frequency_penalty", "seed")  # fmt: skip
+SAMPLING_FIELDS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "repeat_penalty",
+    "repeat_last_n",
+    "presence_penalty",
+    "frequency_penalty",
+    "seed",
+)
 
 
 def sampling_params(head: Head, body: CommonBody, logprobs: int | None) -> SamplingParams:
@@ -109,7 +120,10 @@ def sampling_params(head: Head, body: CommonBody, logprobs: int | None) -> Sampl
     The seed is always fixed here (a random one when none is given) so that responses can report it."""
     from .sampling import SamplingParams
 
-    given = {**head.cfg.sampling.given(), **{k: getattr(body, k) for k in SAMPLING_FIELDS if getattr(body, k) is not None}}
+    given = {
+        **head.cfg.sampling.given(),
+        **{k: getattr(body, k) for k in SAMPLING_FIELDS if getattr(body, k) is not None},
+    }
     if given.get("seed", SEED_RANDOM) == SEED_RANDOM:
         given["seed"] = secrets.randbits(32)
     bias = dict(logit_bias_pairs(head, body.logit_bias))
@@ -132,7 +146,9 @@ def logit_bias_pairs(head: Head, raw) -> tuple[tuple[int, float], ...]:
         if bias is False:
             bias = float("-inf")
         elif isinstance(bias, bool) or not isinstance(bias, (int, float)) or bias != bias or abs(bias) == float("inf"):
-            raise APIError(400, f"logit_bias for {key!r} must be a finite number or false, got {bias!r}", param="logit_bias")
+            raise APIError(
+                400, f"logit_bias for {key!r} must be a finite number or false, got {bias!r}", param="logit_bias"
+            )
         if isinstance(key, int) and not isinstance(key, bool) or isinstance(key, str) and key.lstrip("-").isdigit():
             ids = [int(key)]
         elif isinstance(key, str):
@@ -141,7 +157,11 @@ def logit_bias_pairs(head: Head, raw) -> tuple[tuple[int, float], ...]:
             raise APIError(400, f"logit_bias keys are token ids or text, got {key!r}", param="logit_bias")
         for t in ids:
             if not 0 <= t < head.tok.vocab_size:
-                raise APIError(400, f"logit_bias token id {t} is outside the vocabulary of {head.tok.vocab_size}", param="logit_bias")
+                raise APIError(
+                    400,
+                    f"logit_bias token id {t} is outside the vocabulary of {head.tok.vocab_size}",
+                    param="logit_bias",
+                )
             out[t] = float(bias)
     return tuple(out.items())
 
@@ -171,11 +191,16 @@ def grammar_fields(body: CommonBody) -> list[tuple[str, Any, str]]:
         elif kind == "json_schema":
             wrapper = rf.get("json_schema")
             if not isinstance(wrapper, dict):
-                raise APIError(400, "response_format.json_schema must be an object holding `schema`", param="response_format")
+                raise APIError(
+                    400, "response_format.json_schema must be an object holding `schema`", param="response_format"
+                )
             sources.append(("json_schema", wrapper.get("schema", {}), "response_format"))
         elif kind != "text":
-            raise APIError(400, f"response_format.type must be text, json_object or json_schema, not {kind!r}",
-                           param="response_format")  # fmt: skip
+            raise APIError(
+                400,
+                f"response_format.type must be text, json_object or json_schema, not {kind!r}",
+                param="response_format",
+            )
     if body.json_schema is not None:
         sources.append(("json_schema", body.json_schema, "json_schema"))
     if body.grammar is not None:
@@ -183,8 +208,9 @@ def grammar_fields(body: CommonBody) -> list[tuple[str, Any, str]]:
     return sources
 
 
-async def choices(head: Head, body: CommonBody, req: EngineRequest,
-                  grammar: tuple[str, str, str] | None = None) -> list[EngineRequest]:  # fmt: skip
+async def choices(
+    head: Head, body: CommonBody, req: EngineRequest, grammar: tuple[str, str, str] | None = None
+) -> list[EngineRequest]:
     """The engine requests of `body.n` choices: each its own grammar matcher (of the body's
     structured-output fields, or `grammar`: (kind, source, field)) and, when seeded, its own seed
     (seed + index), so seeded sampled choices differ and each one is reproducible."""
@@ -192,8 +218,12 @@ async def choices(head: Head, body: CommonBody, req: EngineRequest,
 
     engine = head.engine
     if engine.max_queue is not None and body.n > engine.n_slots + engine.max_queue:
-        raise APIError(400, f"n={body.n} choices are more than this server holds at once ({engine.n_slots} slots + "
-                            f"--max-queue {engine.max_queue})", param="n")  # fmt: skip
+        raise APIError(
+            400,
+            f"n={body.n} choices are more than this server holds at once ({engine.n_slots} slots + "
+            f"--max-queue {engine.max_queue})",
+            param="n",
+        )
     reqs = [req]
     for i in range(1, body.n):
         params = req.params if req.params.seed is None else replace(req.params, seed=(req.params.seed + i) % 2**64)
@@ -202,8 +232,9 @@ async def choices(head: Head, body: CommonBody, req: EngineRequest,
     return reqs
 
 
-async def constrain(head: Head, body: CommonBody, reqs: list[EngineRequest],
-                    given: tuple[str, str, str] | None = None) -> None:  # fmt: skip
+async def constrain(
+    head: Head, body: CommonBody, reqs: list[EngineRequest], given: tuple[str, str, str] | None = None
+) -> None:
     """Give each request its own matcher of the body's structured-output grammar (or of `given`:
     (kind, source, field)), if there is one."""
     from .structured import compile_grammar
@@ -262,8 +293,9 @@ def tokenize_mixed(head: Head, prompt, add_special: bool = True, parse_special: 
     element, if it is text, gets the BOS), or {"prompt_string": text}."""
     if isinstance(prompt, dict):
         if "multimodal_data" in prompt:
-            raise APIError(400, "Multimodal data provided, but model does not support multimodal requests.",
-                           param="prompt")  # fmt: skip
+            raise APIError(
+                400, "Multimodal data provided, but model does not support multimodal requests.", param="prompt"
+            )
         if not isinstance(prompt.get("prompt_string"), str):
             raise APIError(400, "a prompt object must hold a prompt_string", param="prompt")
         prompt = prompt["prompt_string"]
@@ -290,8 +322,9 @@ def split_prompts(prompt) -> list:
     return [prompt]
 
 
-async def chat_requests(head: Head, body: ChatBody,
-                        fit_context: bool = False) -> tuple[str, list[EngineRequest], ToolFormat | None]:  # fmt: skip
+async def chat_requests(
+    head: Head, body: ChatBody, fit_context: bool = False
+) -> tuple[str, list[EngineRequest], ToolFormat | None]:
     """A chat request's prompt text, its engine requests (one per choice) and the tool-call format
     its generations are parsed with (None: plain text); max_tokens defaults to the server's
     --n-predict, within the context. A max_tokens past the context is refused, or with
@@ -312,11 +345,17 @@ async def chat_requests(head: Head, body: ChatBody,
         max_tokens = min(max_tokens, room)
     engine.check(len(ids), max_tokens)
     n_top = (body.top_logprobs or 0) if body.logprobs else None
-    req = EngineRequest(prompt=ids, params=sampling_params(head, body, n_top), max_tokens=max_tokens,
-                        stop=stop_list(body.stop), ignore_eos=body.ignore_eos,
-                        spec=speculative_config(engine, body), cache_prompt=body.cache_prompt,
-                        timings_per_token=body.timings_per_token,
-                        return_progress=body.stream and body.return_progress)  # fmt: skip
+    req = EngineRequest(
+        prompt=ids,
+        params=sampling_params(head, body, n_top),
+        max_tokens=max_tokens,
+        stop=stop_list(body.stop),
+        ignore_eos=body.ignore_eos,
+        spec=speculative_config(engine, body),
+        cache_prompt=body.cache_prompt,
+        timings_per_token=body.timings_per_token,
+        return_progress=body.stream and body.return_progress,
+    )
     if fmt is not None and choice.parses:
         req.preserved_tokens = fmt.preserved(head.tok)
     if fmt is not None and choice.parses and grammar_fields(body) == [] and (choice.forces or fmt.triggers):
@@ -343,7 +382,11 @@ def template_prompt(head: Head, body) -> str:
     from .tool_calls import ToolFormat, arguments_as_objects
 
     messages = [m.model_dump(exclude_none=True) if isinstance(m, BaseModel) else m for m in body.messages]
-    fmt = ToolFormat.learn(head.chat_template) if any(isinstance(m, dict) and m.get("tool_calls") for m in messages) else None
+    fmt = (
+        ToolFormat.learn(head.chat_template)
+        if any(isinstance(m, dict) and m.get("tool_calls") for m in messages)
+        else None
+    )
     if fmt is not None and fmt.object_arguments:  # as llama.cpp: JSON-text arguments to templates that read objects
         messages = arguments_as_objects(messages)
     extra = {**head.cfg.chat_template_kwargs, **(body.chat_template_kwargs or {})}
@@ -352,8 +395,13 @@ def template_prompt(head: Head, body) -> str:
     return chat_prompt(head, messages, body.add_generation_prompt, body.continue_final_message, **extra)
 
 
-def chat_prompt(head: Head, messages: list[dict], add_generation_prompt: bool = True,
-                continue_final_message: bool | None = None, **extra) -> str:  # fmt: skip
+def chat_prompt(
+    head: Head,
+    messages: list[dict],
+    add_generation_prompt: bool = True,
+    continue_final_message: bool | None = None,
+    **extra,
+) -> str:
     """The chat prompt text (tokenize it with add_special=True, parse_special=True)."""
     return head.chat_template.prompt(messages, add_generation_prompt, continue_final_message, **extra)
 
@@ -366,7 +414,9 @@ class Run:
 
     def __init__(self, head: Head, http: Request, reqs: list[EngineRequest], streamed: bool = False):
         if head.cfg.role == "prefill":
-            raise APIError(400, "this worker only prefills for decode heads (--role prefill): send requests to a decode head")
+            raise APIError(
+                400, "this worker only prefills for decode heads (--role prefill): send requests to a decode head"
+            )
         self.head, self.http, self.reqs, self.streamed = head, http, reqs, streamed
         self.record = record_of(http)
         self.inbox = Inbox()

@@ -38,8 +38,9 @@ def _content_prompt(head: Head, entry: dict) -> list[int]:
     for part in parts:
         kind = part.get("type") if isinstance(part, dict) else None
         if kind != "text" or not isinstance(part.get("text"), str):
-            raise APIError(400, f"content part type {kind!r} is not supported: this model takes text parts only",
-                           param="input")  # fmt: skip
+            raise APIError(
+                400, f"content part type {kind!r} is not supported: this model takes text parts only", param="input"
+            )
     return head.tok.encode("".join(p["text"] for p in parts), add_special=True, parse_special=True)
 
 
@@ -48,14 +49,18 @@ def _tokenize_inputs(head: Head, value: Any, param: str, n_ctx: int) -> list[lis
 
     if not isinstance(value, (str, list, dict)):
         raise APIError(400, f'"{param}" must be a string, a list of token ids, or a list of those', param=param)
-    prompts = [tokenize_prompt(p, head.tok, param, lambda e: _content_prompt(head, e))
-               for p in split_prompts(value, param)]  # fmt: skip
+    prompts = [
+        tokenize_prompt(p, head.tok, param, lambda e: _content_prompt(head, e)) for p in split_prompts(value, param)
+    ]
     for ids in prompts:
         if not ids:
             raise APIError(400, "Input content cannot be empty", param=param)
         if len(ids) > n_ctx:
-            raise APIError(400, f"input ({len(ids)} tokens) is too large to process: a slot holds {n_ctx} tokens "
-                                "(--ctx)", param=param)  # fmt: skip
+            raise APIError(
+                400,
+                f"input ({len(ids)} tokens) is too large to process: a slot holds {n_ctx} tokens (--ctx)",
+                param=param,
+            )
     return prompts
 
 
@@ -93,12 +98,17 @@ def embedding_routes(head: Head) -> APIRouter:
 
         cfg = head.cfg
         if not cfg.embedding:
-            raise APIError(501, "This server does not support embeddings. Start it with `--embeddings`",
-                           "not_supported_error")  # fmt: skip
+            raise APIError(
+                501, "This server does not support embeddings. Start it with `--embeddings`", "not_supported_error"
+            )
         engine = ready_engine(head)
         if oai and head.pooling == "none":
-            raise APIError(400, "Pooling type 'none' is not OAI compatible. Please use a different pooling type "
-                                "(--pooling mean, cls or last)", param="pooling")  # fmt: skip
+            raise APIError(
+                400,
+                "Pooling type 'none' is not OAI compatible. Please use a different pooling type "
+                "(--pooling mean, cls or last)",
+                param="pooling",
+            )
         try:
             body = await http.json()
         except ValueError:
@@ -113,8 +123,9 @@ def embedding_routes(head: Head) -> APIRouter:
             raise APIError(400, '"input" or "content" must be provided', param="input")
         fmt = body.get("encoding_format", "float")
         if fmt not in ("float", "base64"):
-            raise APIError(400, "The format to return the embeddings in. Can be either float or base64",
-                           param="encoding_format")  # fmt: skip
+            raise APIError(
+                400, "The format to return the embeddings in. Can be either float or base64", param="encoding_format"
+            )
         norm = body.get("embd_normalize", cfg.embd_normalize)
         if not isinstance(norm, int) or isinstance(norm, bool):
             raise APIError(400, f"embd_normalize must be an integer, got {norm!r}", param="embd_normalize")
@@ -132,12 +143,22 @@ def embedding_routes(head: Head) -> APIRouter:
         data = []
         for i, (v,) in enumerate(vectors):
             if fmt == "base64":  # little-endian float32, as OpenAI and llama-server encode it
-                data.append({"embedding": base64.b64encode(v.numpy().astype("<f4").tobytes()).decode(),
-                             "index": i, "object": "embedding", "encoding_format": "base64"})  # fmt: skip
+                data.append(
+                    {
+                        "embedding": base64.b64encode(v.numpy().astype("<f4").tobytes()).decode(),
+                        "index": i,
+                        "object": "embedding",
+                        "encoding_format": "base64",
+                    }
+                )
             else:
                 data.append({"embedding": v.tolist(), "index": i, "object": "embedding"})
-        return {"model": body.get("model") or head.model_name, "object": "list",
-                "usage": {"prompt_tokens": n_tokens, "total_tokens": n_tokens}, "data": data}  # fmt: skip
+        return {
+            "model": body.get("model") or head.model_name,
+            "object": "list",
+            "usage": {"prompt_tokens": n_tokens, "total_tokens": n_tokens},
+            "data": data,
+        }
 
     @router.post("/v1/embeddings")
     async def embeddings_oai(http: Request):

@@ -60,8 +60,9 @@ def _content(parts: Any, i: int) -> Any:
         elif kind == "input_image":
             out.append({"type": "image_url", "image_url": {"url": part.get("image_url", "")}})
         else:
-            raise APIError(400, f"input[{i}].content[{j}]: type must be input_text, output_text or input_image",
-                           param="input")  # fmt: skip
+            raise APIError(
+                400, f"input[{i}].content[{j}]: type must be input_text, output_text or input_image", param="input"
+            )
     return out
 
 
@@ -74,31 +75,54 @@ def _messages(body: ResponsesBody) -> list[dict]:
         if kind == "message":
             out.append({"role": item.get("role", "user"), "content": _content(item.get("content"), i)})
         elif kind == "function_call":
-            call = {"id": item.get("call_id", ""), "type": "function",
-                    "function": {"name": item.get("name", ""), "arguments": item.get("arguments", "")}}  # fmt: skip
+            call = {
+                "id": item.get("call_id", ""),
+                "type": "function",
+                "function": {"name": item.get("name", ""), "arguments": item.get("arguments", "")},
+            }
             if out and out[-1]["role"] == "assistant" and "tool_calls" in out[-1]:
                 out[-1]["tool_calls"].append(call)
             else:
                 out.append({"role": "assistant", "content": "", "tool_calls": [call]})
         elif kind == "function_call_output":
             output = item.get("output", "")
-            out.append({"role": "tool", "tool_call_id": item.get("call_id", ""),
-                        "content": output if isinstance(output, str) else _content(output, i)})  # fmt: skip
+            out.append(
+                {
+                    "role": "tool",
+                    "tool_call_id": item.get("call_id", ""),
+                    "content": output if isinstance(output, str) else _content(output, i),
+                }
+            )
         elif kind != "reasoning":  # earlier reasoning items are not replayed
-            raise APIError(400, f"input[{i}]: type {kind!r} is not supported (message, function_call, "
-                                "function_call_output, reasoning)", param="input")  # fmt: skip
+            raise APIError(
+                400,
+                f"input[{i}]: type {kind!r} is not supported (message, function_call, function_call_output, reasoning)",
+                param="input",
+            )
     return out
 
 
 def to_chat(body: ResponsesBody) -> ChatBody:
     if body.previous_response_id is not None:
-        raise APIError(400, "previous_response_id is not supported: this server keeps no responses; send the whole "
-                            "conversation as input", param="previous_response_id")  # fmt: skip
-    chat: dict[str, Any] = {"messages": _messages(body), "max_tokens": body.max_output_tokens, "stream": body.stream,
-                            "timings_per_token": body.timings_per_token, "return_progress": body.return_progress}  # fmt: skip
+        raise APIError(
+            400,
+            "previous_response_id is not supported: this server keeps no responses; send the whole "
+            "conversation as input",
+            param="previous_response_id",
+        )
+    chat: dict[str, Any] = {
+        "messages": _messages(body),
+        "max_tokens": body.max_output_tokens,
+        "stream": body.stream,
+        "timings_per_token": body.timings_per_token,
+        "return_progress": body.return_progress,
+    }
     if body.tools is not None:
-        chat["tools"] = [{"type": "function", "function": {k: t[k] for k in ("name", "description", "parameters") if k in t}}
-                         for t in body.tools if t.get("type") == "function"]  # fmt: skip
+        chat["tools"] = [
+            {"type": "function", "function": {k: t[k] for k in ("name", "description", "parameters") if k in t}}
+            for t in body.tools
+            if t.get("type") == "function"
+        ]
     choice = body.tool_choice
     if isinstance(choice, dict) and choice.get("type") == "function":  # the Responses API's flat form
         choice = {"type": "function", "function": {"name": choice.get("name")}}
@@ -108,8 +132,12 @@ def to_chat(body: ResponsesBody) -> ChatBody:
 
 def _usage(ev: Event) -> dict:
     u = ev.usage
-    return {"input_tokens": u["prompt_tokens"], "output_tokens": u["completion_tokens"], "total_tokens": u["total_tokens"],
-            "input_tokens_details": {"cached_tokens": u["prompt_tokens_details"]["cached_tokens"]}}  # fmt: skip
+    return {
+        "input_tokens": u["prompt_tokens"],
+        "output_tokens": u["completion_tokens"],
+        "total_tokens": u["total_tokens"],
+        "input_tokens_details": {"cached_tokens": u["prompt_tokens_details"]["cached_tokens"]},
+    }
 
 
 def responses_routes(head: Head) -> APIRouter:
@@ -134,21 +162,41 @@ def responses_routes(head: Head) -> APIRouter:
 
 def _message(ids: dict, text: str, status: str) -> dict:
     part = {"type": "output_text", "annotations": [], "logprobs": [], "text": text}
-    return {"type": "message", "id": ids["msg"], "role": "assistant", "status": status, "content": [part] if text else []}
+    return {
+        "type": "message",
+        "id": ids["msg"],
+        "role": "assistant",
+        "status": status,
+        "content": [part] if text else [],
+    }
 
 
 def _function_call(call: ToolCall) -> dict:
     """A call the model wrote, as llama-server's `function_call` item."""
-    return {"id": f"fc_{call.id}", "type": "function_call", "status": "completed", "arguments": call.arguments,
-            "call_id": f"call_{call.id}", "name": call.name}  # fmt: skip
+    return {
+        "id": f"fc_{call.id}",
+        "type": "function_call",
+        "status": "completed",
+        "arguments": call.arguments,
+        "call_id": f"call_{call.id}",
+        "name": call.name,
+    }
 
 
 def _response(head: Head, ids: dict, text: str, final: Event, calls: list[dict] = ()) -> dict:
     """The finished response; "completed" also when max_output_tokens cut it, as llama-server's."""
     now = int(time.time())
     output = ([_message(ids, text, "completed")] if text else []) + list(calls)
-    return {"id": ids["resp"], "object": "response", "created_at": now, "completed_at": now, "status": "completed",
-            "model": head.model_name, "output": output, "usage": _usage(final)}  # fmt: skip
+    return {
+        "id": ids["resp"],
+        "object": "response",
+        "created_at": now,
+        "completed_at": now,
+        "status": "completed",
+        "model": head.model_name,
+        "output": output,
+        "usage": _usage(final),
+    }
 
 
 async def _stream(run: Run, ids: dict, calls: ToolFormat | None):
@@ -176,8 +224,13 @@ async def _stream(run: Run, ids: dict, calls: ToolFormat | None):
             pieces.append(rest)
         for piece in filter(None, pieces):
             if not text:
-                yield named_sse("response.output_item.added", {"output_index": 0, "item": _message(ids, "", "in_progress")})
-                yield named_sse("response.content_part.added", {**where, "part": {"type": "output_text", "text": "", "annotations": []}})
+                yield named_sse(
+                    "response.output_item.added", {"output_index": 0, "item": _message(ids, "", "in_progress")}
+                )
+                yield named_sse(
+                    "response.content_part.added",
+                    {**where, "part": {"type": "output_text", "text": "", "annotations": []}},
+                )
             text.append(piece)
             yield named_sse("response.output_text.delta", {**where, "delta": piece, **timings})
         if ev.finish_reason is not None:
@@ -189,6 +242,10 @@ async def _stream(run: Run, ids: dict, calls: ToolFormat | None):
                 yield named_sse("response.output_item.done", {"output_index": 0, "item": item})
             items = [_function_call(c) for c in tool_calls]
             for index, item in enumerate(items, start=int(bool(content))):
-                yield named_sse("response.output_item.added", {"output_index": index, "item": {**item, "status": "in_progress"}})
+                yield named_sse(
+                    "response.output_item.added", {"output_index": index, "item": {**item, "status": "in_progress"}}
+                )
                 yield named_sse("response.output_item.done", {"output_index": index, "item": item})
-            yield named_sse("response.completed", {"response": _response(head, ids, content, ev, items), "timings": ev.timings})
+            yield named_sse(
+                "response.completed", {"response": _response(head, ids, content, ev, items), "timings": ev.timings}
+            )

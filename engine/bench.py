@@ -59,7 +59,9 @@ def decode_once(stage: Stage, first_token: int, n_gen: int) -> float:
     return time.perf_counter() - t0
 
 
-def run_bench(model: Path, device: str, dtype: str, n_prompt: int, n_gen: int, repetitions: int, **stage_options) -> dict:
+def run_bench(
+    model: Path, device: str, dtype: str, n_prompt: int, n_gen: int, repetitions: int, **stage_options
+) -> dict:
     g = GGUFFile(model)
     cfg = ModelConfig.from_gguf(g)
     t0 = time.perf_counter()
@@ -73,7 +75,11 @@ def run_bench(model: Path, device: str, dtype: str, n_prompt: int, n_gen: int, r
         "arch": cfg.arch,
         "device": str(stage.device),
         "dtype": str(stage.dtype).removeprefix("torch."),
-        "weights": "int8" if stage.int8 else "gguf-quantized" if stage.weights.quantized else str(stage.dtype).removeprefix("torch."),
+        "weights": "int8"
+        if stage.int8
+        else "gguf-quantized"
+        if stage.weights.quantized
+        else str(stage.dtype).removeprefix("torch."),
         "threads": torch.get_num_threads(),
         "n_prompt": n_prompt,
         "n_gen": n_gen,
@@ -112,11 +118,23 @@ def run_bench(model: Path, device: str, dtype: str, n_prompt: int, n_gen: int, r
 
 def _estimate(g: GGUFFile, stage: Stage) -> dict:
     est = model_tensors(g.metadata, g.tensors).stage(
-        0, stage.cfg.n_layers, head=True, device=stage.device.type, dtype=str(stage.dtype).removeprefix("torch."),
-        n_slots=stage.n_slots, n_ctx=stage.n_ctx, kv_types=stage.kv_types,
-        gpu_weights="quantized" if stage.weights.quantized else "dense", kv_pool=stage.kv_pool)  # fmt: skip
-    return {"weight_bytes": est.weight_bytes, "kv_bytes": est.kv_bytes, "work_bytes": est.work_bytes,
-            "runtime_bytes": est.runtime_bytes}  # fmt: skip
+        0,
+        stage.cfg.n_layers,
+        head=True,
+        device=stage.device.type,
+        dtype=str(stage.dtype).removeprefix("torch."),
+        n_slots=stage.n_slots,
+        n_ctx=stage.n_ctx,
+        kv_types=stage.kv_types,
+        gpu_weights="quantized" if stage.weights.quantized else "dense",
+        kv_pool=stage.kv_pool,
+    )
+    return {
+        "weight_bytes": est.weight_bytes,
+        "kv_bytes": est.kv_bytes,
+        "work_bytes": est.work_bytes,
+        "runtime_bytes": est.runtime_bytes,
+    }
 
 
 def find_llama_bench(exe: str) -> str:
@@ -154,11 +172,17 @@ def main(args, cache_dir: Path | None) -> int:
     model = model_path(args.model)
     llama_bench = find_llama_bench(args.llama_bench) if args.llama_bench else None  # fail before our run
     # On CUDA the decode step is compiled before graph capture (fused element-wise kernels: ~1.6x decode).
-    options = {"cache_dir": cache_dir, "quantized": None if args.gpu_weights == "quantized" else False,
-               "compile_decode": not args.no_compile, "kv_types": (args.cache_type_k, args.cache_type_v)}
+    options = {
+        "cache_dir": cache_dir,
+        "quantized": None if args.gpu_weights == "quantized" else False,
+        "compile_decode": not args.no_compile,
+        "kv_types": (args.cache_type_k, args.cache_type_v),
+    }
     result = run_bench(model, args.device, args.dtype, args.n_prompt, args.n_gen, args.repetitions, **options)
     if llama_bench:
-        theirs = run_llama_bench(llama_bench, model, torch.device(result["device"]), args.n_prompt, args.n_gen, args.repetitions)
+        theirs = run_llama_bench(
+            llama_bench, model, torch.device(result["device"]), args.n_prompt, args.n_gen, args.repetitions
+        )
         result["llama_bench"] = theirs
         for key, value in theirs.items():
             if key in result and value:
@@ -167,10 +191,14 @@ def main(args, cache_dir: Path | None) -> int:
         print(json.dumps(result))
         return 0
     print(f"model   {result['model']} ({result['arch']})")
-    print(f"device  {result['device']}  dtype {result['dtype']}  weights {result['weights']}  threads {result['threads']}")
+    print(
+        f"device  {result['device']}  dtype {result['dtype']}  weights {result['weights']}  threads {result['threads']}"
+    )
     print(f"load    {result['load_s']:.2f} s   weights read per token {result['weight_bytes'] / 1e6:.1f} MB")
     if result["load_avg"] > 0.5 * (os.cpu_count() or 1):
-        print(f"note    load average {result['load_avg']} on {os.cpu_count()} cores: other processes compete, rates are lower bounds")
+        print(
+            f"note    load average {result['load_avg']} on {os.cpu_count()} cores: other processes compete, rates are lower bounds"
+        )
     if "prefill_tok_s" in result:
         line = f"prefill {result['prefill_tok_s']:10.1f} ± {result['prefill_tok_s_std']:.1f} tok/s  (p={args.n_prompt})"
         if "prefill_ratio" in result:
@@ -179,7 +207,9 @@ def main(args, cache_dir: Path | None) -> int:
     if "decode_tok_s" in result:
         line = f"decode  {result['decode_tok_s']:10.1f} ± {result['decode_tok_s_std']:.1f} tok/s  (n={args.n_gen})  {result['decode_gb_s']:.1f} GB/s"
         if "decode_ratio" in result:
-            line += f"   llama-bench {result['llama_bench']['decode_tok_s']:.1f}  ours/theirs {result['decode_ratio']:.2f}"
+            line += (
+                f"   llama-bench {result['llama_bench']['decode_tok_s']:.1f}  ours/theirs {result['decode_ratio']:.2f}"
+            )
         print(line)
     sys.stdout.flush()
     return 0

@@ -67,8 +67,12 @@ COMMAND_R_TEMPLATE = """\
 {%- if add_generation_prompt -%}{{ '<|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|>' }}{%- endif -%}
 """
 
-FALLBACK_TEMPLATES = {"gemma": GEMMA_TEMPLATE, "chatml": CHATML_TEMPLATE, "llama3": LLAMA3_TEMPLATE,
-                      "command-r": COMMAND_R_TEMPLATE}
+FALLBACK_TEMPLATES = {
+    "gemma": GEMMA_TEMPLATE,
+    "chatml": CHATML_TEMPLATE,
+    "llama3": LLAMA3_TEMPLATE,
+    "command-r": COMMAND_R_TEMPLATE,
+}
 _FALLBACK_BY_ARCH = {
     "gemma": "gemma",
     "gemma2": "gemma",
@@ -109,8 +113,9 @@ class _Undefined(jinja2.Undefined):
 
 @lru_cache(maxsize=16)
 def _compile(source: str) -> jinja2.Template:
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"],
-                                        undefined=_Undefined)  # fmt: skip
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"], undefined=_Undefined
+    )
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
     env.filters["tojson"] = _tojson
@@ -142,8 +147,10 @@ class ChatTemplate:
         if override in FALLBACK_TEMPLATES:
             return cls(FALLBACK_TEMPLATES[override], bos, eos, strip, name=override)
         if override and "{" not in override:  # a name, not jinja source
-            raise ChatError(f"--chat-template {override!r}: unknown template name (built-in: "
-                            f"{', '.join(FALLBACK_TEMPLATES)}; or give jinja source or --chat-template-file)")
+            raise ChatError(
+                f"--chat-template {override!r}: unknown template name (built-in: "
+                f"{', '.join(FALLBACK_TEMPLATES)}; or give jinja source or --chat-template-file)"
+            )
         if override:
             _compile(override)  # a template that does not parse fails at start, not on the first chat
             return cls(override, bos, eos, strip, name="--chat-template")
@@ -188,8 +195,9 @@ class ChatTemplate:
         except ChatError:
             return False
 
-    def prompt(self, messages, add_generation_prompt: bool = True, continue_final_message: bool | None = None,
-               **extra) -> str:
+    def prompt(
+        self, messages, add_generation_prompt: bool = True, continue_final_message: bool | None = None, **extra
+    ) -> str:
         """The prompt text for a chat request, with llama-server's assistant prefill: a last
         assistant message is continued (its turn left open, no generation prompt) unless
         `continue_final_message` is False; two assistant messages at the end are refused."""
@@ -266,8 +274,10 @@ def _join_parts(parts: list, i: int, sep: str = "\n") -> str:
     texts = []
     for j, part in enumerate(parts):
         if isinstance(part, Mapping) and part.get("type") in MEDIA_PARTS:
-            raise ChatError(f"messages[{i}].content[{j}]: {MEDIA_PARTS[part['type']]} input is not supported "
-                            "(the model is text-only)")
+            raise ChatError(
+                f"messages[{i}].content[{j}]: {MEDIA_PARTS[part['type']]} input is not supported "
+                "(the model is text-only)"
+            )
         if not isinstance(part, Mapping) or part.get("type") != "text" or not isinstance(part.get("text"), str):
             kind = part.get("type") if isinstance(part, Mapping) else type(part).__name__
             raise ChatError(f"messages[{i}].content[{j}]: only text parts are supported (got {kind!r})")

@@ -14,7 +14,18 @@ import os
 import sys
 from typing import Mapping
 
-from .config import BODY_BYTES_PER_TOKEN, DEFAULT_BATCH_TOKENS, DEFAULT_BATCH_TOKENS_GPU, ENVIRONMENT, KV_CACHE_TYPES, compile_cache_env, cuda_env, default_cache_dir, head_config, peer_config
+from .config import (
+    BODY_BYTES_PER_TOKEN,
+    DEFAULT_BATCH_TOKENS,
+    DEFAULT_BATCH_TOKENS_GPU,
+    ENVIRONMENT,
+    KV_CACHE_TYPES,
+    compile_cache_env,
+    cuda_env,
+    default_cache_dir,
+    head_config,
+    peer_config,
+)
 from .embedding import DEFAULT_NORMALIZE, POOLINGS
 from .errors import UserError
 from .openmp import configure_split_worker
@@ -36,18 +47,35 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
     p.add_argument("--dtype", default="auto", help="compute dtype: auto, float32, bfloat16, float16")
     p.add_argument("--ctx", type=int, default=None, help="context length per slot (default 4096)")
-    p.add_argument("-c", "--ctx-size", type=int, default=None,
-                   help="llama-server's: the context of all slots together (each gets ctx-size / parallel; with "
-                        "--kv-unified, the shared KV pool)")
-    p.add_argument("--gpu-weights", choices=["quantized", "dense"], default="quantized",
-                   help="on a GPU, keep GGUF-quantized weights quantized (smallest) or expand them to the compute "
-                        "dtype (faster decode today where they fit)")  # fmt: skip
+    p.add_argument(
+        "-c",
+        "--ctx-size",
+        type=int,
+        default=None,
+        help="llama-server's: the context of all slots together (each gets ctx-size / parallel; with "
+        "--kv-unified, the shared KV pool)",
+    )
+    p.add_argument(
+        "--gpu-weights",
+        choices=["quantized", "dense"],
+        default="quantized",
+        help="on a GPU, keep GGUF-quantized weights quantized (smallest) or expand them to the compute "
+        "dtype (faster decode today where they fit)",
+    )
     for kv in ("k", "v"):
-        p.add_argument(f"--cache-type-{kv}", f"-ct{kv}", choices=KV_CACHE_TYPES, default="auto",
-                       help=f"{kv.upper()} cache type, as llama.cpp's; q8_0 halves the cache of f16; auto: the compute dtype")
-    p.add_argument("--no-compile", action="store_true",
-                   help="on a GPU, capture the decode step in CUDA graphs without torch.compile: a faster start "
-                        "(no warm-up compile), a slower decode")  # fmt: skip
+        p.add_argument(
+            f"--cache-type-{kv}",
+            f"-ct{kv}",
+            choices=KV_CACHE_TYPES,
+            default="auto",
+            help=f"{kv.upper()} cache type, as llama.cpp's; q8_0 halves the cache of f16; auto: the compute dtype",
+        )
+    p.add_argument(
+        "--no-compile",
+        action="store_true",
+        help="on a GPU, capture the decode step in CUDA graphs without torch.compile: a faster start "
+        "(no warm-up compile), a slower decode",
+    )
 
 
 def _rpc_args(p: argparse.ArgumentParser, default_host: str = "127.0.0.1") -> None:
@@ -84,11 +112,18 @@ def _sampling_defaults(p: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     epilog = "environment:\n" + "\n".join(f"  {name:<18} {doc}" for name, doc in ENVIRONMENT.items())
-    ap = argparse.ArgumentParser(prog="hydra-engine", description="Hydra layer-split LLM engine", epilog=epilog,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="hydra-engine",
+        description="Hydra layer-split LLM engine",
+        epilog=epilog,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     # Every subcommand's --help shows its defaults.
-    sub = ap.add_subparsers(dest="command", required=True, parser_class=functools.partial(
-        argparse.ArgumentParser, formatter_class=DefaultsFormatter))
+    sub = ap.add_subparsers(
+        dest="command",
+        required=True,
+        parser_class=functools.partial(argparse.ArgumentParser, formatter_class=DefaultsFormatter),
+    )
 
     g = sub.add_parser("generate", help="stream a completion to stdout")
     _model_args(g)
@@ -102,8 +137,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=None, help="sampling seed (random without it)")
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    g.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=None,
-                   help="launch each decoding step before the host reads the previous one (default: on a GPU)")
+    g.add_argument(
+        "--overlap",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="launch each decoding step before the host reads the previous one (default: on a GPU)",
+    )
 
     b = sub.add_parser("bench", help="prefill and decode throughput")
     _model_args(b)
@@ -118,14 +157,22 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--host", default="127.0.0.1", help="HTTP bind address; several comma-separated (127.0.0.1,::1)")
     s.add_argument("--port", type=int, default=8080, help="HTTP port")
     s.add_argument("--parallel", "-np", type=int, default=4, help="slots decoded together")
-    s.add_argument("-kvu", "--kv-unified", action="store_true",
-                   help="llama-server's: all slots share one KV pool of -c/--ctx-size positions (without -c: --ctx x "
-                        "--parallel), taken in blocks of 128 as a slot grows and given back when it ends or when an "
-                        "idle slot's prompt cache is reclaimed; a slot may grow to --ctx, or to the whole pool without "
-                        "--ctx. Without --kv-unified each slot reserves its context")
-    s.add_argument("--alias", "-a", default=None,
-                   help="model names, comma-separated: /v1/models lists them as aliases, the first in sorted "
-                        "order is the model's id (llama-server's); default: the file's name")  # fmt: skip
+    s.add_argument(
+        "-kvu",
+        "--kv-unified",
+        action="store_true",
+        help="llama-server's: all slots share one KV pool of -c/--ctx-size positions (without -c: --ctx x "
+        "--parallel), taken in blocks of 128 as a slot grows and given back when it ends or when an "
+        "idle slot's prompt cache is reclaimed; a slot may grow to --ctx, or to the whole pool without "
+        "--ctx. Without --kv-unified each slot reserves its context",
+    )
+    s.add_argument(
+        "--alias",
+        "-a",
+        default=None,
+        help="model names, comma-separated: /v1/models lists them as aliases, the first in sorted "
+        "order is the model's id (llama-server's); default: the file's name",
+    )
     s.add_argument("--tags", default=None, help="model tags, comma-separated (listed by /v1/models)")
     _rpc_args(s)
     s.add_argument("--rpc-pool-size", type=int, default=2, help="RPC connection workers (head mode)")
@@ -134,58 +181,136 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--split", default=None, help="layers per stage, head first: 9/9, 9,9 or proportions")
     s.add_argument("--fallback-solo", action="store_true", help="run all layers locally if peers never come up")
     s.add_argument("--peer-wait", type=float, default=180.0, help="seconds to wait for peers at start")
-    s.add_argument("--api-key", default=None,
-                   help="key the HTTP API requires (Authorization: Bearer KEY or X-Api-Key); /health, /status, "
-                        "/metrics stay public (visible in `ps`: prefer env HYDRA_API_KEY)")  # fmt: skip
-    s.add_argument("--max-body", type=int, default=None,
-                   help=f"largest request body in bytes, 413 above (default: max(1 MiB, ctx x {BODY_BYTES_PER_TOKEN}))")
-    s.add_argument("--max-queue", type=int, default=64,
-                   help="requests waiting beyond the busy slots; more get 503 + Retry-After")
-    s.add_argument("-n", "--n-predict", type=int, default=1024,
-                   help="max_tokens of a chat request that sets none (capped by the context; -1: to the end "
-                        "of the context); completions keep OpenAI's 16")  # fmt: skip
-    s.add_argument("-b", "--batch-size", type=int, default=None,
-                   help=f"prompt tokens one engine step computes at most (llama-server's logical batch; default "
-                        f"{DEFAULT_BATCH_TOKENS}, {DEFAULT_BATCH_TOKENS_GPU} on a GPU)")
-    s.add_argument("--slot-save-path", default=None,
-                   help="folder for POST /slots/{id}?action=save|restore (llama-server's; off without it)")
-    s.add_argument("--embedding", "--embeddings", action="store_true",
-                   help="serve /v1/embeddings, /embeddings and /embedding (the final-norm hidden states of the "
-                        "same model); generation keeps working")  # fmt: skip
-    s.add_argument("--pooling", choices=POOLINGS, default=None,
-                   help="embedding pooling (default: the GGUF's pooling_type, else none); rank is not supported")
-    s.add_argument("--embd-normalize", type=int, default=DEFAULT_NORMALIZE,
-                   help="pooled embeddings' normalisation: -1 none, 0 max absolute (int16), 1 taxicab, 2 euclidean, "
-                        ">2 p-norm")  # fmt: skip
-    s.add_argument("--cors-origins", default="*",
-                   help="origins a browser may call from, comma-separated; '*' reflects any Origin with credentials, "
-                        "'localhost' only local pages (llama-server's)")  # fmt: skip
-    s.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=None,
-                   help="launch each decoding step before the host reads the previous one's tokens (default: on a "
-                        "GPU; a CPU computes in the engine's thread, nothing to overlap)")  # fmt: skip
-    s.add_argument("--slots", action=argparse.BooleanOptionalAction, default=True,
-                   help="GET /slots (off: 501, as llama-server's --no-slots)")
-    s.add_argument("--metrics", action=argparse.BooleanOptionalAction, default=True,
-                   help="GET /metrics (off: 501); on by default, unlike llama-server: the console reads it")
-    s.add_argument("--role", choices=["head", "prefill"], default="head",
-                   help="prefill: a worker that only prefills: answers PREFILL with the prompt's state (for decode heads)")
-    s.add_argument("--prefill-worker", default=None, metavar="HOST:PORT",
-                   help="the RPC port of a --role prefill worker: long prompts are prefilled there")
-    s.add_argument("--prefill-threshold", type=int, default=256,
-                   help="prompts with at least this many tokens to compute go to --prefill-worker")
-    s.add_argument("--prefill-deadline", type=float, default=30.0,
-                   help="seconds a prefill + transfer may take before the head prefills locally")
+    s.add_argument(
+        "--api-key",
+        default=None,
+        help="key the HTTP API requires (Authorization: Bearer KEY or X-Api-Key); /health, /status, "
+        "/metrics stay public (visible in `ps`: prefer env HYDRA_API_KEY)",
+    )
+    s.add_argument(
+        "--max-body",
+        type=int,
+        default=None,
+        help=f"largest request body in bytes, 413 above (default: max(1 MiB, ctx x {BODY_BYTES_PER_TOKEN}))",
+    )
+    s.add_argument(
+        "--max-queue", type=int, default=64, help="requests waiting beyond the busy slots; more get 503 + Retry-After"
+    )
+    s.add_argument(
+        "-n",
+        "--n-predict",
+        type=int,
+        default=1024,
+        help="max_tokens of a chat request that sets none (capped by the context; -1: to the end "
+        "of the context); completions keep OpenAI's 16",
+    )
+    s.add_argument(
+        "-b",
+        "--batch-size",
+        type=int,
+        default=None,
+        help=f"prompt tokens one engine step computes at most (llama-server's logical batch; default "
+        f"{DEFAULT_BATCH_TOKENS}, {DEFAULT_BATCH_TOKENS_GPU} on a GPU)",
+    )
+    s.add_argument(
+        "--slot-save-path",
+        default=None,
+        help="folder for POST /slots/{id}?action=save|restore (llama-server's; off without it)",
+    )
+    s.add_argument(
+        "--embedding",
+        "--embeddings",
+        action="store_true",
+        help="serve /v1/embeddings, /embeddings and /embedding (the final-norm hidden states of the "
+        "same model); generation keeps working",
+    )
+    s.add_argument(
+        "--pooling",
+        choices=POOLINGS,
+        default=None,
+        help="embedding pooling (default: the GGUF's pooling_type, else none); rank is not supported",
+    )
+    s.add_argument(
+        "--embd-normalize",
+        type=int,
+        default=DEFAULT_NORMALIZE,
+        help="pooled embeddings' normalisation: -1 none, 0 max absolute (int16), 1 taxicab, 2 euclidean, >2 p-norm",
+    )
+    s.add_argument(
+        "--cors-origins",
+        default="*",
+        help="origins a browser may call from, comma-separated; '*' reflects any Origin with credentials, "
+        "'localhost' only local pages (llama-server's)",
+    )
+    s.add_argument(
+        "--overlap",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="launch each decoding step before the host reads the previous one's tokens (default: on a "
+        "GPU; a CPU computes in the engine's thread, nothing to overlap)",
+    )
+    s.add_argument(
+        "--slots",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="GET /slots (off: 501, as llama-server's --no-slots)",
+    )
+    s.add_argument(
+        "--metrics",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="GET /metrics (off: 501); on by default, unlike llama-server: the console reads it",
+    )
+    s.add_argument(
+        "--role",
+        choices=["head", "prefill"],
+        default="head",
+        help="prefill: a worker that only prefills: answers PREFILL with the prompt's state (for decode heads)",
+    )
+    s.add_argument(
+        "--prefill-worker",
+        default=None,
+        metavar="HOST:PORT",
+        help="the RPC port of a --role prefill worker: long prompts are prefilled there",
+    )
+    s.add_argument(
+        "--prefill-threshold",
+        type=int,
+        default=256,
+        help="prompts with at least this many tokens to compute go to --prefill-worker",
+    )
+    s.add_argument(
+        "--prefill-deadline",
+        type=float,
+        default=30.0,
+        help="seconds a prefill + transfer may take before the head prefills locally",
+    )
     _sampling_defaults(s)
-    s.add_argument("--chat-template", default=None, metavar="NAME|JINJA",
-                   help="chat template instead of the GGUF's: a built-in name (gemma, chatml, llama3) or jinja source")
+    s.add_argument(
+        "--chat-template",
+        default=None,
+        metavar="NAME|JINJA",
+        help="chat template instead of the GGUF's: a built-in name (gemma, chatml, llama3) or jinja source",
+    )
     s.add_argument("--chat-template-file", default=None, help="read the chat template (jinja) from this file")
-    s.add_argument("--reasoning", choices=["on", "off", "auto"], default="auto",
-                   help="the template's enable_thinking for every chat (auto: true where the template reacts to it, "
-                        "as llama-server; a request's chat_template_kwargs wins)")  # fmt: skip
-    s.add_argument("--verbose", action="store_true",
-                   help="llama-server's: every chat response carries __verbose (its prompt), as if the request said verbose")
-    s.add_argument("--jinja", "--no-jinja", action="store_true",
-                   help="accepted for llama-server compatibility: the chat template is always rendered with jinja")
+    s.add_argument(
+        "--reasoning",
+        choices=["on", "off", "auto"],
+        default="auto",
+        help="the template's enable_thinking for every chat (auto: true where the template reacts to it, "
+        "as llama-server; a request's chat_template_kwargs wins)",
+    )
+    s.add_argument(
+        "--verbose",
+        action="store_true",
+        help="llama-server's: every chat response carries __verbose (its prompt), as if the request said verbose",
+    )
+    s.add_argument(
+        "--jinja",
+        "--no-jinja",
+        action="store_true",
+        help="accepted for llama-server compatibility: the chat template is always rendered with jinja",
+    )
     _spec_args(s)
 
     pr = sub.add_parser("peer", help="peer worker: serves its assigned layers over the merged RPC port")

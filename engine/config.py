@@ -87,7 +87,7 @@ class SpecConfig:
             if isinstance(nested, bool):
                 nested = {"type": self.type if nested and self.type != "off" else ("ngram" if nested else "off")}
             if not isinstance(nested, dict):
-                raise UserError("'speculative' must be an object like {\"type\": \"ngram\", \"n_max\": 4}")
+                raise UserError('\'speculative\' must be an object like {"type": "ngram", "n_max": 4}')
             unknown = set(nested) - {"type", "n_max", "n_min", "p_min"}
             if unknown:
                 raise UserError(f"unknown 'speculative' field(s): {', '.join(sorted(unknown))}")
@@ -298,8 +298,17 @@ def kv_pool(args, ctx: int) -> int | None:
 def model_settings(args, env: Mapping[str, str]) -> ModelSettings:
     ctx = slot_ctx(args)
     _at_least(1, ctx=ctx)
-    return ModelSettings(args.model, args.device, args.dtype, ctx, default_cache_dir(env), args.gpu_weights,
-                         not args.no_compile, (args.cache_type_k, args.cache_type_v), kv_pool(args, ctx))
+    return ModelSettings(
+        args.model,
+        args.device,
+        args.dtype,
+        ctx,
+        default_cache_dir(env),
+        args.gpu_weights,
+        not args.no_compile,
+        (args.cache_type_k, args.cache_type_v),
+        kv_pool(args, ctx),
+    )
 
 
 def read_token_file(path: str) -> str:
@@ -324,7 +333,8 @@ def rpc_settings(args, env: Mapping[str, str], **mode) -> RpcSettings:
         port=args.rpc_port if args.rpc_port is not None else args.port + 1,
         max_frame=args.max_frame,
         auth_token=(read_token_file(args.auth_token_file) if args.auth_token_file else args.auth_token)
-        or env.get("HYDRA_TOKEN") or None,
+        or env.get("HYDRA_TOKEN")
+        or None,
         spin_ms=_spin_ms(env.get("HYDRA_RPC_SPIN_MS")),
         cuda_ipc=env.get("HYDRA_CUDA_IPC", "1") != "0",
         shm=env.get("HYDRA_SHM", "1") != "0",
@@ -415,15 +425,24 @@ def _prefill_worker(args) -> str | None:
 
 
 def _sampling_defaults(args) -> SamplingDefaults:
-    checks = {"temperature": (args.temperature, lambda v: 0 <= v <= 100, "in [0, 100]"),
-              "top_k": (args.top_k, lambda v: v >= 0, ">= 0"), "top_p": (args.top_p, lambda v: 0 < v <= 1, "in (0, 1]"),
-              "min_p": (args.min_p, lambda v: 0 <= v <= 1, "in [0, 1]"),
-              "repeat_penalty": (args.repeat_penalty, lambda v: 0 < v <= 100, "in (0, 100]")}  # fmt: skip
+    checks = {
+        "temperature": (args.temperature, lambda v: 0 <= v <= 100, "in [0, 100]"),
+        "top_k": (args.top_k, lambda v: v >= 0, ">= 0"),
+        "top_p": (args.top_p, lambda v: 0 < v <= 1, "in (0, 1]"),
+        "min_p": (args.min_p, lambda v: 0 <= v <= 1, "in [0, 1]"),
+        "repeat_penalty": (args.repeat_penalty, lambda v: 0 < v <= 100, "in (0, 100]"),
+    }
     for key, (value, ok, what) in checks.items():
         if value is not None and not ok(value):
             raise UserError(f"--{key.replace('_', '-')} must be {what}, got {value}")
-    return SamplingDefaults(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
-                            repeat_penalty=args.repeat_penalty, seed=None if args.seed == -1 else args.seed)
+    return SamplingDefaults(
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        min_p=args.min_p,
+        repeat_penalty=args.repeat_penalty,
+        seed=None if args.seed == -1 else args.seed,
+    )
 
 
 def _chat_template(inline: str | None, path: str | None) -> str | None:
@@ -438,8 +457,14 @@ def _chat_template(inline: str | None, path: str | None) -> str | None:
 
 
 def peer_config(args, env: Mapping[str, str]) -> PeerConfig:
-    cfg = PeerConfig(model=model_settings(args, env), rpc=rpc_settings(args, env), host=args.host, port=args.port,
-                     insecure=args.insecure, layer_delay_ms=args.layer_delay_ms)  # fmt: skip
+    cfg = PeerConfig(
+        model=model_settings(args, env),
+        rpc=rpc_settings(args, env),
+        host=args.host,
+        port=args.port,
+        insecure=args.insecure,
+        layer_delay_ms=args.layer_delay_ms,
+    )
     _at_least(0, layer_delay_ms=args.layer_delay_ms)
     _require_token_off_loopback(cfg)
     return cfg
@@ -456,8 +481,10 @@ def _require_token_off_loopback(cfg: PeerConfig) -> None:
     except ValueError:
         loopback = host == "localhost"
     if not loopback:
-        raise UserError(f"--rpc-host {host} without a token exposes this peer to anyone who reaches it: "
-                        "set HYDRA_TOKEN or --auth-token-file, or pass --insecure")  # fmt: skip
+        raise UserError(
+            f"--rpc-host {host} without a token exposes this peer to anyone who reaches it: "
+            "set HYDRA_TOKEN or --auth-token-file, or pass --insecure"
+        )
 
 
 def _existing_dir(flag: str, value: str | None) -> Path | None:

@@ -19,7 +19,7 @@ _DTYPES = {
 
 
 def resolve_device(name: str | torch.device | None = "auto") -> torch.device:
-    """"auto" picks the first CUDA device when there is one, else the CPU."""
+    """ "auto" picks the first CUDA device when there is one, else the CPU."""
     if isinstance(name, torch.device):
         return name
     if name in (None, "", "auto"):
@@ -38,7 +38,7 @@ def resolve_device(name: str | torch.device | None = "auto") -> torch.device:
 
 
 def resolve_dtype(name: str | torch.dtype | None, device: torch.device) -> torch.dtype:
-    """"auto" is bfloat16 everywhere: on CPU it pairs with int8 weights (see model.Stage)."""
+    """ "auto" is bfloat16 everywhere: on CPU it pairs with int8 weights (see model.Stage)."""
     if isinstance(name, torch.dtype):
         return name
     if name in (None, "", "auto"):

@@ -37,8 +37,10 @@ def resolve_pooling(flag: str | None, metadata: dict, arch: str) -> str:
     if flag not in POOLINGS:
         raise UserError(f"--pooling must be one of {', '.join(POOLINGS)}, got {flag!r}")
     if flag == "rank":  # from the flag or a reranker's file
-        raise UserError("pooling rank needs a reranker's classification head (cls.* tensors), "
-                        "which Hydra does not build: use none, mean, cls or last")  # fmt: skip
+        raise UserError(
+            "pooling rank needs a reranker's classification head (cls.* tensors), "
+            "which Hydra does not build: use none, mean, cls or last"
+        )
     return flag
 
 

@@ -26,8 +26,9 @@ class ContextOverflow(UserError):
     param = "prompt"
 
     def __init__(self, n_prompt_tokens: int, n_ctx: int):
-        super().__init__(f"request ({n_prompt_tokens} tokens) exceeds the available context size ({n_ctx} tokens), "
-                         "try increasing it")  # fmt: skip
+        super().__init__(
+            f"request ({n_prompt_tokens} tokens) exceeds the available context size ({n_ctx} tokens), try increasing it"
+        )
         self.n_prompt_tokens, self.n_ctx = n_prompt_tokens, n_ctx
 
 

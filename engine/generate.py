@@ -14,6 +14,8 @@ from .errors import UserError
 
 def main(args, cache_dir: Path | None) -> int:
     t0 = time.perf_counter()
+    from .config import slot_ctx
+    from .default_model import model_path
     from .gguf_file import GGUFFile
     from .model import build_stage
     from .pipeline import Pipeline
@@ -21,12 +23,15 @@ def main(args, cache_dir: Path | None) -> int:
     from .sampling import SamplingParams
     from .tokenizer import Tokenizer
 
-    from .config import slot_ctx
-    from .default_model import model_path
-
     path = model_path(args.model)
-    params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
-                            repeat_penalty=args.repeat_penalty, seed=args.seed)  # fmt: skip
+    params = SamplingParams(
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        min_p=args.min_p,
+        repeat_penalty=args.repeat_penalty,
+        seed=args.seed,
+    )
     if any(not s for s in args.stop):
         raise UserError("--stop strings must not be empty")
     g = GGUFFile(path)
@@ -45,9 +50,16 @@ def main(args, cache_dir: Path | None) -> int:
     n_predict = ctx - len(ids) if args.n_predict == -1 else args.n_predict
     # One slot, sized to this request: no KV memory for context it will never use.
     n_ctx = min(ctx, len(ids) + n_predict)
-    stage = build_stage(g, device=args.device, dtype=args.dtype, n_slots=1, n_ctx=n_ctx,
-                        cache_dir=cache_dir, quantized=None if args.gpu_weights == "quantized" else False,
-                        kv_types=(args.cache_type_k, args.cache_type_v))  # fmt: skip
+    stage = build_stage(
+        g,
+        device=args.device,
+        dtype=args.dtype,
+        n_slots=1,
+        n_ctx=n_ctx,
+        cache_dir=cache_dir,
+        quantized=None if args.gpu_weights == "quantized" else False,
+        kv_types=(args.cache_type_k, args.cache_type_v),
+    )
     engine = Engine(Pipeline(stage), tok, 1, n_ctx, overlap=args.overlap)
     engine.check(len(ids), n_predict)
     engine.start()

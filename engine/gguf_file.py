@@ -69,7 +69,9 @@ class _Cursor:
 
     def need(self, n: int) -> None:
         if n < 0 or self.pos + n > len(self.buf):
-            raise GGUFError(f"{self.path}: truncated GGUF (need {n} bytes at offset {self.pos}, file has {len(self.buf)})")
+            raise GGUFError(
+                f"{self.path}: truncated GGUF (need {n} bytes at offset {self.pos}, file has {len(self.buf)})"
+            )
 
     def unpack(self, fmt: str, size: int):
         self.need(size)

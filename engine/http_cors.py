@@ -54,10 +54,14 @@ class Cors:
         # Spelled as llama-server sends them: clients that read headers into a plain dict compare names exactly.
         cors = [(b"Access-Control-Allow-Origin", allowed.encode("latin-1")), (b"Vary", b"Origin")] if allowed else []
         if scope["method"] == "OPTIONS":
-            headers = [*cors, (b"Access-Control-Allow-Credentials", b"true"),
-                       (b"Access-Control-Allow-Methods", ALLOW_METHODS),
-                       (b"Access-Control-Allow-Headers", ALLOW_HEADERS),
-                       (b"content-type", b"text/html"), (b"content-length", b"0")]  # fmt: skip
+            headers = [
+                *cors,
+                (b"Access-Control-Allow-Credentials", b"true"),
+                (b"Access-Control-Allow-Methods", ALLOW_METHODS),
+                (b"Access-Control-Allow-Headers", ALLOW_HEADERS),
+                (b"content-type", b"text/html"),
+                (b"content-length", b"0"),
+            ]
             await send({"type": "http.response.start", "status": 200, "headers": headers})
             await send({"type": "http.response.body", "body": b""})
             return

@@ -27,7 +27,9 @@ def check_request(tokens, reps) -> tuple[int, int]:
     if not (isinstance(tokens, int) and isinstance(reps, int)) or isinstance(tokens, bool) or isinstance(reps, bool):
         raise UserError(f"probe 'tokens' and 'reps' must be integers (got {tokens!r}, {reps!r})")
     if not (1 <= tokens <= MAX_PROBE_TOKENS and 1 <= reps <= MAX_PROBE_REPS):
-        raise UserError(f"probe 'tokens' must be 1..{MAX_PROBE_TOKENS} and 'reps' 1..{MAX_PROBE_REPS} (got {tokens}, {reps})")
+        raise UserError(
+            f"probe 'tokens' must be 1..{MAX_PROBE_TOKENS} and 'reps' 1..{MAX_PROBE_REPS} (got {tokens}, {reps})"
+        )
     return tokens, reps
 
 
@@ -52,7 +54,9 @@ def probe_stage(stage, slot: int, position: int, tokens: int, reps: int, delay_s
     `position` (a `tokens`-long prefill, then one decode token after it). `delay_s` is the
     worker's injected per-layer delay (a test flag), paid as a forward pays it."""
     if stage.recurrent:
-        raise UserError("the split advisor cannot probe recurrent (DeltaNet) layers: running them would advance a slot's state")
+        raise UserError(
+            "the split advisor cannot probe recurrent (DeltaNet) layers: running them would advance a slot's state"
+        )
     if not 0 <= slot < stage.n_slots:
         raise UserError(f"probe slot {slot} does not exist ({stage.n_slots} slots)")
     if position < 0 or position + tokens + 1 > stage.n_ctx:

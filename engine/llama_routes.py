@@ -18,9 +18,23 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from .api_common import (MAX_LOGPROBS, CommonBody, Run, check_finish, check_token_ids, constrain, ready_engine,
-                         sampling_params, speculative_config, split_prompts, sse, stop_list, stream_error,
-                         template_prompt, tokenize_mixed)  # fmt: skip
+from .api_common import (
+    MAX_LOGPROBS,
+    CommonBody,
+    Run,
+    check_finish,
+    check_token_ids,
+    constrain,
+    ready_engine,
+    sampling_params,
+    speculative_config,
+    split_prompts,
+    sse,
+    stop_list,
+    stream_error,
+    template_prompt,
+    tokenize_mixed,
+)
 from .http_errors import APIError
 
 if TYPE_CHECKING:
@@ -31,10 +45,23 @@ BUILD_INFO = "b0-hydra-0.1.0"  # llama-server's build_info / system_fingerprint 
 # The samplers llama-server names that we apply, in our fixed order (sampling.py); others are refused.
 SAMPLERS = ("penalties", "temperature", "top_k", "top_p", "min_p")
 # Fields llama-server reports in generation_settings for samplers we do not have, at their "off" values.
-OFF_SAMPLERS = {"dynatemp_range": 0.0, "dynatemp_exponent": 1.0, "top_n_sigma": -1.0, "xtc_probability": 0.0,
-                "xtc_threshold": 0.1, "typical_p": 1.0, "dry_multiplier": 0.0, "dry_base": 1.75,
-                "dry_allowed_length": 2, "dry_penalty_last_n": -1, "mirostat": 0, "mirostat_tau": 5.0,
-                "mirostat_eta": 0.1, "adaptive_target": -1.0, "adaptive_decay": 0.9}  # fmt: skip
+OFF_SAMPLERS = {
+    "dynatemp_range": 0.0,
+    "dynatemp_exponent": 1.0,
+    "top_n_sigma": -1.0,
+    "xtc_probability": 0.0,
+    "xtc_threshold": 0.1,
+    "typical_p": 1.0,
+    "dry_multiplier": 0.0,
+    "dry_base": 1.75,
+    "dry_allowed_length": 2,
+    "dry_penalty_last_n": -1,
+    "mirostat": 0,
+    "mirostat_tau": 5.0,
+    "mirostat_eta": 0.1,
+    "adaptive_target": -1.0,
+    "adaptive_decay": 0.9,
+}
 
 Prompt = Union[str, list[Any], dict[str, Any]]
 
@@ -94,12 +121,19 @@ def _probs(head: Head, tokens: list[GenToken], post_sampling: bool) -> list[dict
     def entry(tid: int, lp: float, text: str | None = None) -> dict:
         raw = head.tok.token_bytes(tid)
         value = {"prob": math.exp(lp)} if post_sampling else {"logprob": lp}
-        return {"id": tid, "token": text if text is not None else raw.decode("utf-8", "ignore"), "bytes": list(raw),
-                **value}  # fmt: skip
+        return {
+            "id": tid,
+            "token": text if text is not None else raw.decode("utf-8", "ignore"),
+            "bytes": list(raw),
+            **value,
+        }
 
     top = "top_probs" if post_sampling else "top_logprobs"
-    return [{**entry(t.id, t.logprob.logprob, t.text), top: [entry(i, lp) for i, lp in t.logprob.top]}
-            for t in tokens if t.logprob is not None]  # fmt: skip
+    return [
+        {**entry(t.id, t.logprob.logprob, t.text), top: [entry(i, lp) for i, lp in t.logprob.top]}
+        for t in tokens
+        if t.logprob is not None
+    ]
 
 
 def _nested(fields: list[str], doc: dict) -> dict:
@@ -124,35 +158,66 @@ class _Completion:
         if body.samplers is not None:
             unknown = [s for s in body.samplers if s not in SAMPLERS]
             if unknown:
-                raise APIError(400, f"samplers {unknown} are not supported (available: {', '.join(SAMPLERS)})",
-                               param="samplers")  # fmt: skip
+                raise APIError(
+                    400, f"samplers {unknown} are not supported (available: {', '.join(SAMPLERS)})", param="samplers"
+                )
         requested = body.n_predict if body.n_predict is not None else body.max_tokens
         engine.check(len(ids), 0)
         self.head, self.body, self.ids, self.index = head, body, ids, index
         self.params = replace(sampling_params(head, body, body.n_probs or None), post_sampling=body.post_sampling_probs)
         self.req: EngineRequest = EngineRequest(
-            prompt=ids, params=self.params, max_tokens=n_predict_for(head, requested, len(ids)),
-            stop=stop_list(body.stop), ignore_eos=body.ignore_eos, spec=speculative_config(engine, body),
-            cache_prompt=body.cache_prompt, timings_per_token=body.timings_per_token,
+            prompt=ids,
+            params=self.params,
+            max_tokens=n_predict_for(head, requested, len(ids)),
+            stop=stop_list(body.stop),
+            ignore_eos=body.ignore_eos,
+            spec=speculative_config(engine, body),
+            cache_prompt=body.cache_prompt,
+            timings_per_token=body.timings_per_token,
             return_progress=body.stream and body.return_progress,
-        )  # fmt: skip
+        )
         self.text: list[str] = []
         self.tokens: list[GenToken] = []
 
     def generation_settings(self) -> dict:
         p, body = self.params, self.body
-        return {"seed": p.seed, "temperature": p.temperature, "top_k": p.top_k, "top_p": p.top_p, "min_p": p.min_p,
-                **OFF_SAMPLERS, "repeat_last_n": p.repeat_last_n, "repeat_penalty": p.repeat_penalty,
-                "presence_penalty": p.presence_penalty, "frequency_penalty": p.frequency_penalty,
-                "stop": self.req.stop, "max_tokens": self.req.max_tokens, "n_predict": self.req.max_tokens,
-                "n_keep": 0, "n_discard": 0, "ignore_eos": body.ignore_eos, "stream": body.stream,
-                "logit_bias": [{"bias": None if b == float("-inf") else b, "token": t} for t, b in p.logit_bias],
-                "n_probs": body.n_probs, "min_keep": 0, "samplers": list(body.samplers or SAMPLERS),
-                "timings_per_token": body.timings_per_token, "post_sampling_probs": p.post_sampling, "lora": []}  # fmt: skip
+        return {
+            "seed": p.seed,
+            "temperature": p.temperature,
+            "top_k": p.top_k,
+            "top_p": p.top_p,
+            "min_p": p.min_p,
+            **OFF_SAMPLERS,
+            "repeat_last_n": p.repeat_last_n,
+            "repeat_penalty": p.repeat_penalty,
+            "presence_penalty": p.presence_penalty,
+            "frequency_penalty": p.frequency_penalty,
+            "stop": self.req.stop,
+            "max_tokens": self.req.max_tokens,
+            "n_predict": self.req.max_tokens,
+            "n_keep": 0,
+            "n_discard": 0,
+            "ignore_eos": body.ignore_eos,
+            "stream": body.stream,
+            "logit_bias": [{"bias": None if b == float("-inf") else b, "token": t} for t, b in p.logit_bias],
+            "n_probs": body.n_probs,
+            "min_keep": 0,
+            "samplers": list(body.samplers or SAMPLERS),
+            "timings_per_token": body.timings_per_token,
+            "post_sampling_probs": p.post_sampling,
+            "lora": [],
+        }
 
     def partial(self, text: str, tokens: list[GenToken], n_decoded: int) -> dict:
-        out = {"index": self.index, "content": text, "tokens": [t.id for t in tokens], "stop": False,
-               "id_slot": self.req.slot, "tokens_predicted": n_decoded, "tokens_evaluated": len(self.ids)}  # fmt: skip
+        out = {
+            "index": self.index,
+            "content": text,
+            "tokens": [t.id for t in tokens],
+            "stop": False,
+            "id_slot": self.req.slot,
+            "tokens_predicted": n_decoded,
+            "tokens_evaluated": len(self.ids),
+        }
         if self.body.n_probs:
             out["completion_probabilities"] = _probs(self.head, tokens, self.params.post_sampling)
         return out
@@ -160,13 +225,24 @@ class _Completion:
     def final(self, ev: Event, content: str) -> dict:
         reason = "limit" if ev.finish_reason == "length" else ("word" if ev.stop_word else "eos")
         n_gen = ev.usage["completion_tokens"]
-        out = {"index": self.index, "content": content,
-               "tokens": [t.id for t in self.tokens] if self.body.return_tokens else [],
-               "id_slot": self.req.slot, "stop": True, "model": self.head.model_name, "tokens_predicted": n_gen,
-               "tokens_evaluated": len(self.ids), "generation_settings": self.generation_settings(),
-               "prompt": self.head.tok.decode(self.ids), "has_new_line": "\n" in content,
-               "truncated": len(self.ids) + n_gen >= self.head.engine.n_ctx, "stop_type": reason,
-               "stopping_word": ev.stop_word, "tokens_cached": len(self.ids) + n_gen, "timings": ev.timings}  # fmt: skip
+        out = {
+            "index": self.index,
+            "content": content,
+            "tokens": [t.id for t in self.tokens] if self.body.return_tokens else [],
+            "id_slot": self.req.slot,
+            "stop": True,
+            "model": self.head.model_name,
+            "tokens_predicted": n_gen,
+            "tokens_evaluated": len(self.ids),
+            "generation_settings": self.generation_settings(),
+            "prompt": self.head.tok.decode(self.ids),
+            "has_new_line": "\n" in content,
+            "truncated": len(self.ids) + n_gen >= self.head.engine.n_ctx,
+            "stop_type": reason,
+            "stopping_word": ev.stop_word,
+            "tokens_cached": len(self.ids) + n_gen,
+            "timings": ev.timings,
+        }
         if self.body.n_probs and not self.body.stream:
             out["completion_probabilities"] = _probs(self.head, self.tokens, self.params.post_sampling)
         return _nested(self.body.response_fields, out) if self.body.response_fields else out
@@ -225,16 +301,25 @@ def _infill_prompt(head: Head, body: InfillBody) -> list[int]:
     tok, fim = head.tok, head.fim_tokens
     missing = [k for k in ("pre", "suf", "mid") if fim.get(k) is None]
     if missing:
-        raise APIError(501, "Infill is not supported by this model: " + " ".join(
-            f"{ {'pre': 'prefix', 'suf': 'suffix', 'mid': 'middle'}[k]} token is missing." for k in missing),
-            "not_supported_error")  # fmt: skip
+        raise APIError(
+            501,
+            "Infill is not supported by this model: "
+            + " ".join(
+                f"{ {'pre': 'prefix', 'suf': 'suffix', 'mid': 'middle'}[k] } token is missing." for k in missing
+            ),
+            "not_supported_error",
+        )
     for i, chunk in enumerate(body.input_extra):
         if not isinstance(chunk.get("text"), str):
-            raise APIError(400, "extra_context chunk must contain a \"text\" field with a string value",
-                           param=f"input_extra[{i}].text")  # fmt: skip
+            raise APIError(
+                400,
+                'extra_context chunk must contain a "text" field with a string value',
+                param=f"input_extra[{i}].text",
+            )
         if "filename" in chunk and not isinstance(chunk["filename"], str):
-            raise APIError(400, "extra_context chunk's \"filename\" field must be a string",
-                           param=f"input_extra[{i}].filename")  # fmt: skip
+            raise APIError(
+                400, 'extra_context chunk\'s "filename" field must be a string', param=f"input_extra[{i}].filename"
+            )
     enc = lambda text: tok.encode(text, add_special=False, parse_special=False)  # noqa: E731
     extra: list[int] = []
     if fim.get("rep") is not None:
@@ -303,10 +388,21 @@ def sampling_params_defaults(head: Head) -> dict:
 
     p = SamplingParams(**head.cfg.sampling.given())
     n = head.cfg.n_predict
-    return {"seed": -1 if p.seed is None else p.seed, "temperature": p.temperature, "top_k": p.top_k,
-            "top_p": p.top_p, "min_p": p.min_p, **OFF_SAMPLERS, "repeat_last_n": p.repeat_last_n,
-            "repeat_penalty": p.repeat_penalty, "presence_penalty": p.presence_penalty,
-            "frequency_penalty": p.frequency_penalty, "max_tokens": n, "n_predict": n, "samplers": list(SAMPLERS)}  # fmt: skip
+    return {
+        "seed": -1 if p.seed is None else p.seed,
+        "temperature": p.temperature,
+        "top_k": p.top_k,
+        "top_p": p.top_p,
+        "min_p": p.min_p,
+        **OFF_SAMPLERS,
+        "repeat_last_n": p.repeat_last_n,
+        "repeat_penalty": p.repeat_penalty,
+        "presence_penalty": p.presence_penalty,
+        "frequency_penalty": p.frequency_penalty,
+        "max_tokens": n,
+        "n_predict": n,
+        "samplers": list(SAMPLERS),
+    }
 
 
 def router(head: Head) -> APIRouter:
@@ -318,8 +414,11 @@ def router(head: Head) -> APIRouter:
 
     @r.post("/props")
     async def post_props():
-        raise APIError(501, "This server does not support changing global properties. Start it with `--props`",
-                       "not_supported_error")  # fmt: skip
+        raise APIError(
+            501,
+            "This server does not support changing global properties. Start it with `--props`",
+            "not_supported_error",
+        )
 
     @r.post("/tokenize")
     async def tokenize(body: TokenizeBody):

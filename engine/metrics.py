@@ -35,35 +35,55 @@ class _EngineCollector:
         def gauge(name: str, doc: str, value: float):
             yield GaugeMetricFamily(f"llamacpp:{name}", doc, value=value)
 
-        yield from counter("prompt_tokens", "Number of prompt tokens processed, excluding cached tokens.",
-                           st.prompt_tokens if st else 0)  # fmt: skip
-        yield from counter("prompt_tokens_cached", "Number of prompt tokens reused from the cache.",
-                           st.prompt_tokens_cached if st else 0)  # fmt: skip
+        yield from counter(
+            "prompt_tokens",
+            "Number of prompt tokens processed, excluding cached tokens.",
+            st.prompt_tokens if st else 0,
+        )
+        yield from counter(
+            "prompt_tokens_cached",
+            "Number of prompt tokens reused from the cache.",
+            st.prompt_tokens_cached if st else 0,
+        )
         yield from counter("prompt_seconds", "Prompt process time.", st.prompt_seconds if st else 0.0)
-        yield from counter("tokens_predicted", "Number of generation tokens processed.",
-                           st.predicted_tokens if st else 0)  # fmt: skip
+        yield from counter(
+            "tokens_predicted", "Number of generation tokens processed.", st.predicted_tokens if st else 0
+        )
         yield from counter("tokens_predicted_seconds", "Predict process time.", st.predicted_seconds if st else 0.0)
         yield from counter("n_decode", "Total number of engine steps (forward calls).", st.steps if st else 0)
-        yield from gauge(N_TOKENS_MAX, "Largest observed sequence length (prompt + generation).",
-                         st.n_tokens_max if st else 0)  # fmt: skip
+        yield from gauge(
+            N_TOKENS_MAX, "Largest observed sequence length (prompt + generation).", st.n_tokens_max if st else 0
+        )
         yield CounterMetricFamily("hydra_requests", "Requests accepted.", value=st.requests_total if st else 0)
-        yield CounterMetricFamily("hydra_requests_rejected", "Requests refused because the queue was full (--max-queue).",
-                                  value=st.requests_rejected if st else 0)  # fmt: skip
+        yield CounterMetricFamily(
+            "hydra_requests_rejected",
+            "Requests refused because the queue was full (--max-queue).",
+            value=st.requests_rejected if st else 0,
+        )
         prefill, decode = st.rates() if st else (0.0, 0.0)
         yield from gauge("prompt_tokens_seconds", "Recent prompt throughput in tokens/s.", prefill)
         yield from gauge("predicted_tokens_seconds", "Recent generation throughput in tokens/s.", decode)
-        yield from gauge("requests_processing", "Number of requests processing.",
-                         engine.n_processing if engine else 0)  # fmt: skip
+        yield from gauge("requests_processing", "Number of requests processing.", engine.n_processing if engine else 0)
         yield from gauge("requests_deferred", "Number of requests deferred.", engine.n_deferred if engine else 0)
-        yield from gauge("n_busy_slots_per_decode", "Average number of busy slots per engine step.",
-                         st.busy_slots / max(st.steps, 1) if st else 0.0)  # fmt: skip
+        yield from gauge(
+            "n_busy_slots_per_decode",
+            "Average number of busy slots per engine step.",
+            st.busy_slots / max(st.steps, 1) if st else 0.0,
+        )
 
         spec = getattr(engine, "spec_stats", None)
         yield from counter("spec_decode_num_drafts", "Speculative drafts verified.", spec.drafts if spec else 0)
-        yield from counter("spec_decode_num_draft_tokens", "Speculative tokens drafted.", spec.draft_tokens if spec else 0)
-        yield from counter("spec_decode_num_accepted_tokens", "Speculative tokens accepted.", spec.accepted if spec else 0)
-        per_pos = CounterMetricFamily("llamacpp:spec_decode_num_accepted_tokens_per_pos",
-                                      "Speculative tokens accepted, by position in the draft.", labels=["position"])  # fmt: skip
+        yield from counter(
+            "spec_decode_num_draft_tokens", "Speculative tokens drafted.", spec.draft_tokens if spec else 0
+        )
+        yield from counter(
+            "spec_decode_num_accepted_tokens", "Speculative tokens accepted.", spec.accepted if spec else 0
+        )
+        per_pos = CounterMetricFamily(
+            "llamacpp:spec_decode_num_accepted_tokens_per_pos",
+            "Speculative tokens accepted, by position in the draft.",
+            labels=["position"],
+        )
         for i, n in enumerate(getattr(spec, "accepted_per_pos", None) or []):
             per_pos.add_metric([str(i)], n)
         yield per_pos
@@ -74,11 +94,15 @@ class _HydraCollector:
         self.status = status
 
     def collect(self):
-        up = GaugeMetricFamily("hydra_startup_stage", "1 alive, 2 model loaded, 3 RPC active, 4 warming, 5 ready.",
-                               value=self.status.startup_stage)  # fmt: skip
+        up = GaugeMetricFamily(
+            "hydra_startup_stage",
+            "1 alive, 2 model loaded, 3 RPC active, 4 warming, 5 ready.",
+            value=self.status.startup_stage,
+        )
         yield up
-        layers = GaugeMetricFamily("hydra_stage_layers", "Layers held by each pipeline stage.",
-                                   labels=["stage", "role", "first", "end"])  # fmt: skip
+        layers = GaugeMetricFamily(
+            "hydra_stage_layers", "Layers held by each pipeline stage.", labels=["stage", "role", "first", "end"]
+        )
         for i, st in enumerate(self.status.stages()):
             if st.layers:
                 a, b = st.layers

@@ -94,8 +94,9 @@ class OutputProcessor:
             cut, st.stop_word = min(found)
             st.held_text = text[:cut]
             return True
-        keep = max((k for s in stops for k in range(min(len(s) - 1, len(text)), 0, -1) if s.startswith(text[-k:])),
-                   default=0)  # fmt: skip
+        keep = max(
+            (k for s in stops for k in range(min(len(s) - 1, len(text)), 0, -1) if s.startswith(text[-k:])), default=0
+        )
         st.held_text = text[len(text) - keep :]
         self._emit(seq, st, text[: len(text) - keep])
         return False
@@ -131,9 +132,12 @@ class OutputProcessor:
         seq.req.sink(
             Event(
                 finish_reason=seq.finish_reason,
-                usage={"prompt_tokens": seq.n_prompt, "completion_tokens": seq.n_gen,
-                       "total_tokens": seq.n_prompt + seq.n_gen,
-                       "prompt_tokens_details": {"cached_tokens": seq.n_cached}},  # fmt: skip
+                usage={
+                    "prompt_tokens": seq.n_prompt,
+                    "completion_tokens": seq.n_gen,
+                    "total_tokens": seq.n_prompt + seq.n_gen,
+                    "prompt_tokens_details": {"cached_tokens": seq.n_cached},
+                },
                 timings=timings(seq, st.t_first, now),
                 error=error,
                 hidden=torch.cat(seq.hidden) if seq.req.embedding and seq.finish_reason == "length" else None,
@@ -168,6 +172,13 @@ def timings(seq: Sequence, t_first: float | None, now: float, processed: int | N
         "predicted_per_second": steps / predicted_ms * 1e3 if predicted_ms > 0 else 0.0,
         "draft_n": seq.n_drafted,
         "draft_n_accepted": seq.n_accepted,
-        **({"transfer_bytes": seq.transfer.bytes, "transfer_ms": seq.transfer.ms, "transfer_fallback": seq.transfer.fallback}
-           if seq.transfer is not None else {}),  # fmt: skip
+        **(
+            {
+                "transfer_bytes": seq.transfer.bytes,
+                "transfer_ms": seq.transfer.ms,
+                "transfer_fallback": seq.transfer.fallback,
+            }
+            if seq.transfer is not None
+            else {}
+        ),
     }

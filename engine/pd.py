@@ -64,8 +64,9 @@ class PrefillClient:
         self.auth_token = auth_token
         self.deadline_s = deadline_s
 
-    def prefill(self, tokens: list[int], ranges: list, fingerprint: str, ipc: str | None = None,
-                shm: Segment | None = None) -> tuple[dict, list]:  # fmt: skip
+    def prefill(
+        self, tokens: list[int], ranges: list, fingerprint: str, ipc: str | None = None, shm: Segment | None = None
+    ) -> tuple[dict, list]:
         """(reply meta, slot states as `slot_state.read_all` answers them: each chunk checked as it
         arrived) or PdFallback naming why not. `ipc`: this head's GPU; a worker on it answers CUDA
         IPC handles in the meta instead (contracts.rpc.PrefillReply). `shm`: this head's segment; a
@@ -87,12 +88,16 @@ class PrefillClient:
                 if self.auth_token:  # the worker proves the token before it learns the prompt
                     self._login(sock, reader)
 
-                def states(n: int) -> list:  # checked as they arrive, into a kept buffer (none: CUDA IPC handles in the meta)
+                def states(
+                    n: int,
+                ) -> list:  # checked as they arrive, into a kept buffer (none: CUDA IPC handles in the meta)
                     return slot_state.read_all(slot_state.BUFFERS.take(n), reader.read_into) if n else []
 
                 reply = self._exchange(sock, reader, Op.PREFILL, json.dumps(request).encode(), states)
         except (FrameTimeout, socket.timeout):
-            raise PdFallback("deadline", f"prefill worker {self.addr} did not answer within {self.deadline_s:g} s") from None
+            raise PdFallback(
+                "deadline", f"prefill worker {self.addr} did not answer within {self.deadline_s:g} s"
+            ) from None
         except SlotStateError as e:  # a bad header or chunk: the rest is not read (the connection closes)
             raise PdFallback("refused", f"prefill worker {self.addr}'s state: {e}") from None
         except (FrameError, OSError, KeyError, ValueError) as e:
@@ -146,30 +151,59 @@ class PdStats:
 
     def status(self) -> dict:
         with self.lock:
-            return {"pd": Disaggregation(self.prefill_worker, self.threshold, self.transfers, self.bytes,
-                                         round(self.seconds, 6), sum(self.fallbacks.values()), dict(self.fallbacks),
-                                         self.served, self.served_bytes, list(self.recent))}  # fmt: skip
+            return {
+                "pd": Disaggregation(
+                    self.prefill_worker,
+                    self.threshold,
+                    self.transfers,
+                    self.bytes,
+                    round(self.seconds, 6),
+                    sum(self.fallbacks.values()),
+                    dict(self.fallbacks),
+                    self.served,
+                    self.served_bytes,
+                    list(self.recent),
+                )
+            }
 
     def collect(self):
         with self.lock:
-            yield CounterMetricFamily("hydra_pd_transfers", "Prompt states fetched from the prefill worker and placed.",
-                                      value=self.transfers)  # fmt: skip
+            yield CounterMetricFamily(
+                "hydra_pd_transfers", "Prompt states fetched from the prefill worker and placed.", value=self.transfers
+            )
             yield CounterMetricFamily("hydra_pd_transfer_bytes", "Bytes of prompt state fetched.", value=self.bytes)
-            yield CounterMetricFamily("hydra_pd_transfer_seconds", "Time moving prompt states: fetch + placement, "
-                                      "less the prefill worker's compute.", value=self.seconds)  # fmt: skip
-            fb = CounterMetricFamily("hydra_pd_fallbacks", "Prompts prefilled locally after all, by reason.", labels=["reason"])
+            yield CounterMetricFamily(
+                "hydra_pd_transfer_seconds",
+                "Time moving prompt states: fetch + placement, less the prefill worker's compute.",
+                value=self.seconds,
+            )
+            fb = CounterMetricFamily(
+                "hydra_pd_fallbacks", "Prompts prefilled locally after all, by reason.", labels=["reason"]
+            )
             for reason in ("down", "deadline", "transfer", "refused"):
                 fb.add_metric([reason], self.fallbacks[reason])
             yield fb
-            yield CounterMetricFamily("hydra_pd_prefills_served", "PREFILL requests this worker answered.", value=self.served)
-            yield CounterMetricFamily("hydra_pd_served_bytes", "Bytes of prompt state this worker sent.", value=self.served_bytes)
+            yield CounterMetricFamily(
+                "hydra_pd_prefills_served", "PREFILL requests this worker answered.", value=self.served
+            )
+            yield CounterMetricFamily(
+                "hydra_pd_served_bytes", "Bytes of prompt state this worker sent.", value=self.served_bytes
+            )
 
 
 class Disaggregator:
     """The decode head's side: which prompts go to the prefill worker, and fetching their state."""
 
-    def __init__(self, client: PrefillClient, threshold: int, pipeline, stats: PdStats, *, cuda_ipc: bool = True,
-                 shm: bool = True):  # fmt: skip
+    def __init__(
+        self,
+        client: PrefillClient,
+        threshold: int,
+        pipeline,
+        stats: PdStats,
+        *,
+        cuda_ipc: bool = True,
+        shm: bool = True,
+    ):
         self.client, self.threshold, self.pipeline, self.stats = client, threshold, pipeline, stats
         device = pipeline.local.device
         # A prefill worker on our GPU hands the states over in device memory (HYDRA_CUDA_IPC=0: bytes).
@@ -196,7 +230,9 @@ class Disaggregator:
         transport = "socket"
         try:
             with self._segment(len(tokens)) as shm:  # placed from it: reused only once the placement is done
-                meta, payload = self.client.prefill(tokens, self.pipeline.ranges, self.pipeline.local.g.fingerprint, self.ipc, shm)
+                meta, payload = self.client.prefill(
+                    tokens, self.pipeline.ranges, self.pipeline.local.g.fingerprint, self.ipc, shm
+                )
                 prefill_ms, collect_ms = meta.get("prefill_ms"), meta.get("collect_ms")
                 t_place = time.perf_counter()
                 try:
@@ -207,7 +243,9 @@ class Disaggregator:
                         if meta.get("shm"):  # written into our segment: read there, every chunk checked
                             transport = "shm"
                             if shm is None or payload:
-                                raise SlotStateError("states answered in shared memory that was not offered, or in both places")
+                                raise SlotStateError(
+                                    "states answered in shared memory that was not offered, or in both places"
+                                )
                             payload = slot_state.read_all(shm.states(meta.get("sizes")))
                         n_bytes = sum(raw.nbytes for *_, raw in payload)
                         self._learn(shm, transport, n_bytes, len(tokens))
@@ -221,8 +259,18 @@ class Disaggregator:
         except Exception as e:  # a bug must not lose the request: it prefills here
             log.exception("prompt state transfer failed")
             fallback, error = "transfer", f"{type(e).__name__}: {e}"
-        transfer = Transfer(seq.req.id, len(tokens), n_bytes, round((time.perf_counter() - t0) * 1e3, 3), prefill_ms,
-                            fallback, error, collect_ms, place_ms, transport)  # fmt: skip
+        transfer = Transfer(
+            seq.req.id,
+            len(tokens),
+            n_bytes,
+            round((time.perf_counter() - t0) * 1e3, 3),
+            prefill_ms,
+            fallback,
+            error,
+            collect_ms,
+            place_ms,
+            transport,
+        )
         self.stats.record(transfer)
         done(transfer)
 
@@ -239,7 +287,9 @@ class Disaggregator:
         segments = self.segments
         if shm is not None and transport == "socket" and n_bytes <= shm.capacity and segments is not None:
             # Offered with room and not taken: the worker cannot open it (another host or mount namespace, a split worker).
-            log.info("prefill worker %s does not share memory with this head: states come over the socket", self.client.addr)
+            log.info(
+                "prefill worker %s does not share memory with this head: states come over the socket", self.client.addr
+            )
             self.segments = None
             segments.close()
 
@@ -278,7 +328,11 @@ def serve_prefill(engine, pipeline, request: dict, stats: PdStats, attached: Att
     by_ipc = request.get("ipc") is not None and device.type == "cuda" and request["ipc"] == gpu_uuid(device)
     by_ipc = by_ipc and not pipeline.remotes
     # A head on this host offers its memory: the states are packed straight into it (no bytes on the socket).
-    window = attached.window(request["shm"]) if request.get("shm") is not None and not by_ipc and not pipeline.remotes else None
+    window = (
+        attached.window(request["shm"])
+        if request.get("shm") is not None and not by_ipc and not pipeline.remotes
+        else None
+    )
     if by_ipc:
         collect = lambda slot, toks: pipeline.device_states(slot, toks, ranges)  # noqa: E731
     elif not pipeline.remotes:  # one copy per range asked for, whatever the asker's split
@@ -300,6 +354,11 @@ def serve_prefill(engine, pipeline, request: dict, stats: PdStats, attached: Att
     except SlotStateError as e:
         raise ControlError(str(e), Status.BAD_REQUEST) from None
     stats.served_one(sum(sizes))
-    meta = {"n_tokens": len(tokens), "sizes": sizes, "prefill_ms": round((t1 - t0) * 1e3, 3),
-            "collect_ms": round((time.perf_counter() - t1) * 1e3, 3), **extra}  # fmt: skip
+    meta = {
+        "n_tokens": len(tokens),
+        "sizes": sizes,
+        "prefill_ms": round((t1 - t0) * 1e3, 3),
+        "collect_ms": round((time.perf_counter() - t1) * 1e3, 3),
+        **extra,
+    }
     return meta, list(parts)

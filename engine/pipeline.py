@@ -21,10 +21,10 @@ from typing import Callable
 import torch
 
 from ..contracts.rpc import StaleEpoch
+from ..contracts.slot_state import SlotHeader, SlotStateError
 from ..contracts.split import check_ranges
 from ..contracts.status import StageInfo
 from . import slot_state
-from ..contracts.slot_state import SlotHeader, SlotStateError
 from .errors import UserError
 from .layer_probe import median_ms, probe_stage
 from .model import Stage
@@ -80,7 +80,9 @@ class Pipeline:
 
     def unavailable(self) -> str | None:
         """Why a forward would fail now (the peers not up), or None."""
-        down = [f"peer {r.addr} {r.state}" + (f" ({r.error})" if r.error else "") for r in self.remotes if r.state != "up"]
+        down = [
+            f"peer {r.addr} {r.state}" + (f" ({r.error})" if r.error else "") for r in self.remotes if r.state != "up"
+        ]
         return "; ".join(down) or None
 
     def forward(
@@ -181,7 +183,9 @@ class Pipeline:
             n += len(state)
         return n
 
-    def pack_states(self, slot: int, tokens: list[int], ranges: list[tuple[int, int]], into: memoryview | None = None) -> list:
+    def pack_states(
+        self, slot: int, tokens: list[int], ranges: list[tuple[int, int]], into: memoryview | None = None
+    ) -> list:
         """The state of `slot`'s `tokens` per range, packed (slot_state.save_ranges: in `into`, memory
         shared with the asker, when they fit); this stage must hold every layer asked for."""
         with self._lock:
@@ -209,7 +213,9 @@ class Pipeline:
         on_device = isinstance(states[0][1], torch.Tensor)
         if on_device:
             if [tuple(h.layers) for h, _ in states] != list(self.ranges):
-                raise SlotStateError(f"slot states of ranges {[h.layers for h, _ in states]}, this pipeline holds {self.ranges}")
+                raise SlotStateError(
+                    f"slot states of ranges {[h.layers for h, _ in states]}, this pipeline holds {self.ranges}"
+                )
             states = [(h, body, None) for h, body in states]
         if states[0][0].fingerprint != fingerprint:
             raise SlotStateError(f"slot state is of model {states[0][0].fingerprint}, this worker serves {fingerprint}")
@@ -223,7 +229,9 @@ class Pipeline:
         mine = next(((h, body) for h, body, _ in states if tuple(h.layers) == tuple(ranges[0])), None)
         if mine is None:  # our range came regrouped: read it back
             mine = slot_state.read_all(parts[0])[0][:2]
-        slot_state.check(self.local, 0, mine[0], fingerprint)  # a state that cannot fit is refused here, before any lock
+        slot_state.check(
+            self.local, 0, mine[0], fingerprint
+        )  # a state that cannot fit is refused here, before any lock
         return PreparedState(*mine, parts[1:], ranges)
 
     def place_state(self, slot: int, data, tokens: list[int] | None = None) -> list[int]:
@@ -299,8 +307,11 @@ class Pipeline:
         need_slots, need_ctx = int(s.max()) + 1, int(p.max()) + 1
         hist = self._history
         if hist is None or hist.shape[0] < need_slots or hist.shape[1] < need_ctx:
-            grown = torch.zeros(max(need_slots, hist.shape[0] if hist is not None else 0),
-                                max(need_ctx, 2 * hist.shape[1] if hist is not None else 256), dtype=torch.long)  # fmt: skip
+            grown = torch.zeros(
+                max(need_slots, hist.shape[0] if hist is not None else 0),
+                max(need_ctx, 2 * hist.shape[1] if hist is not None else 256),
+                dtype=torch.long,
+            )
             if hist is not None:
                 grown[: hist.shape[0], : hist.shape[1]] = hist
             self._history = hist = grown
@@ -341,8 +352,14 @@ class Pipeline:
             slot = min(range(self.local.n_slots), key=self.slot_length)
             position = self.slot_length(slot)
             request = {"slot": slot, "position": position, "tokens": tokens, "reps": reps}
-            stages = [{"name": "head", "layers": list(self.ranges[0]), "device": str(self.local.device),
-                       **probe_stage(self.local, slot, position, tokens, reps)}]  # fmt: skip
+            stages = [
+                {
+                    "name": "head",
+                    "layers": list(self.ranges[0]),
+                    "device": str(self.local.device),
+                    **probe_stage(self.local, slot, position, tokens, reps),
+                }
+            ]
             stages += [{"name": r.addr, **r.time_layers(request)} for r in self.remotes]
             token = torch.zeros(1, dtype=torch.long)
             slots, positions = torch.full((1,), slot, dtype=torch.long), torch.tensor([position + tokens])
@@ -356,7 +373,9 @@ class Pipeline:
                 self.local.logits(h)
 
             step_ms = median_ms(step, reps, self.local.device)
-            fixed_ms = median_ms(lambda: self.local.logits(self.local.embed(token).to(self.local.device)), reps, self.local.device)
+            fixed_ms = median_ms(
+                lambda: self.local.logits(self.local.embed(token).to(self.local.device)), reps, self.local.device
+            )
         for stage, times in zip(stages[1:], hops):
             stage["hop_ms"] = round(statistics.median(times), 4)
         return {"tokens": tokens, "stages": stages, "fixed_ms": round(fixed_ms, 4), "step_ms": round(step_ms, 4)}
@@ -440,8 +459,17 @@ class Pipeline:
 
     def stages(self) -> list[StageInfo]:
         """Explicit layer ranges of every stage, for /status."""
-        out = [StageInfo("head", None, tuple(self.ranges[0]), str(self.local.device), "ok", self.local.kv_bytes,
-                         self.local.held_weight_bytes)]  # fmt: skip
+        out = [
+            StageInfo(
+                "head",
+                None,
+                tuple(self.ranges[0]),
+                str(self.local.device),
+                "ok",
+                self.local.kv_bytes,
+                self.local.held_weight_bytes,
+            )
+        ]
         for remote, r in zip(self.remotes, self.ranges[1:]):
             out.append(StageInfo("peer", remote.addr, tuple(r), str(remote.device), remote.state))
         return out

@@ -53,5 +53,8 @@ def tokenize_prompt(value: Any, tok, param: str, object_prompt: Callable[[dict],
         return tokenize_prompt(inner, tok, param)
     if isinstance(value, dict) and object_prompt is not None:
         return object_prompt(value)
-    raise InvalidParam(f'"{param}" elements must be a string, a list of tokens, a JSON object containing a prompt '
-                       "string, or a list of mixed strings & tokens", param)  # fmt: skip
+    raise InvalidParam(
+        f'"{param}" elements must be a string, a list of tokens, a JSON object containing a prompt '
+        "string, or a list of mixed strings & tokens",
+        param,
+    )

@@ -13,7 +13,8 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
-from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as T
+from gguf.constants import GGML_QUANT_SIZES
+from gguf.constants import GGMLQuantizationType as T
 
 from .errors import UserError
 

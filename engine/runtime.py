@@ -123,8 +123,9 @@ class EngineStats:
             out[f"{name}_p99_ms"] = round(p99, 2) if p99 is not None else None
         return out
 
-    def record_step(self, start: float, end: float, n_prefill: int, n_decode: int, n_busy: int = 0,
-                    n_tokens: int = 0) -> None:  # fmt: skip
+    def record_step(
+        self, start: float, end: float, n_prefill: int, n_decode: int, n_busy: int = 0, n_tokens: int = 0
+    ) -> None:
         """One forward: its token counts, the slots busy during it and the longest sequence among them."""
         with self.lock:
             self.steps += 1
@@ -165,9 +166,19 @@ class Engine:
     """Continuous batching over `n_slots` slots of `n_ctx` tokens each, driving `pipeline.forward`.
     `overlap`: launch plain decoding steps before reading the previous one (None: on a GPU)."""
 
-    def __init__(self, pipeline, tokenizer, n_slots: int, n_ctx: int, batch_tokens: int = DEFAULT_BATCH_TOKENS,
-                 speculator: Speculator | None = None, mixed_steps: bool | None = None,
-                 max_queue: int | None = None, disaggregator=None, overlap: bool | None = None):  # fmt: skip
+    def __init__(
+        self,
+        pipeline,
+        tokenizer,
+        n_slots: int,
+        n_ctx: int,
+        batch_tokens: int = DEFAULT_BATCH_TOKENS,
+        speculator: Speculator | None = None,
+        mixed_steps: bool | None = None,
+        max_queue: int | None = None,
+        disaggregator=None,
+        overlap: bool | None = None,
+    ):
         self.pipeline = pipeline
         self.n_slots = n_slots
         self.max_queue = max_queue  # requests waiting beyond the slots; None = unbounded
@@ -195,10 +206,17 @@ class Engine:
         self.spec_config = self.spec.config
         if hasattr(pipeline, "side_state"):  # the MTP block's per-slot state moves with the slot's
             pipeline.side_state = self.spec.mtp
-        self.scheduler = Scheduler(n_slots, n_ctx, batch_tokens, mixed_steps, self.spec, tokenizer.eog_ids,
-                                   lambda: getattr(pipeline, "kv_generation", 0),
-                                   recurrent=getattr(getattr(pipeline, "cfg", None), "recurrent", False),
-                                   kv_fits=getattr(pipeline, "kv_fits", lambda ends: True))  # fmt: skip
+        self.scheduler = Scheduler(
+            n_slots,
+            n_ctx,
+            batch_tokens,
+            mixed_steps,
+            self.spec,
+            tokenizer.eog_ids,
+            lambda: getattr(pipeline, "kv_generation", 0),
+            recurrent=getattr(getattr(pipeline, "cfg", None), "recurrent", False),
+            kv_fits=getattr(pipeline, "kv_fits", lambda ends: True),
+        )
         self.output = OutputProcessor(tokenizer, self.stats)
         self.pd = disaggregator  # pd.Disaggregator: long prompts prefilled on a prefill worker
         self.grammars = Grammars(tokenizer)  # structured output; its tokenizer is built on first use
@@ -279,8 +297,12 @@ class Engine:
     def slot_info(self) -> list[dict]:
         out = []
         for i, seq in enumerate(self.slots):
-            info = {"id": i, "state": "idle" if seq is None else "processing", "n_ctx": self.n_ctx,
-                    "n_past": 0 if seq is None else seq.n_past}  # fmt: skip
+            info = {
+                "id": i,
+                "state": "idle" if seq is None else "processing",
+                "n_ctx": self.n_ctx,
+                "n_past": 0 if seq is None else seq.n_past,
+            }
             if seq is not None:
                 info.update(id_task=seq.req.id, n_prompt_tokens=seq.n_prompt, n_decoded=seq.n_gen)
             out.append(info)
@@ -337,8 +359,11 @@ class Engine:
         for seq in self.scheduler.running:
             if seq.transfer is None and not seq.remote_prefill and seq.n_gen == 0 and self.pd.wants(seq):
                 seq.remote_prefill = True
-                self.pd.start(seq, lambda payload, tokens, seq=seq: self._place(seq, payload, tokens),
-                              lambda transfer, seq=seq: self._transferred(seq, transfer))  # fmt: skip
+                self.pd.start(
+                    seq,
+                    lambda payload, tokens, seq=seq: self._place(seq, payload, tokens),
+                    lambda transfer, seq=seq: self._transferred(seq, transfer),
+                )
 
     def _place(self, seq: Sequence, payload: list, tokens: list[int]) -> None:
         """On the transfer's thread, holding no engine lock: decoding goes on while the state is
@@ -406,8 +431,11 @@ class Engine:
 
     def _has_work(self) -> bool:
         """Something to admit, cancel or compute (a sequence waiting for its prompt state is not)."""
-        return (bool(self._in_flight) or bool(self.scheduler.waiting)
-                or any(not s.remote_prefill for s in self.scheduler.running))  # fmt: skip
+        return (
+            bool(self._in_flight)
+            or bool(self.scheduler.waiting)
+            or any(not s.remote_prefill for s in self.scheduler.running)
+        )
 
     def step(self) -> None:
         """admit → schedule → launch (forward, sampling on the device) → finish the step before it (read
@@ -434,8 +462,10 @@ class Engine:
         `meanwhile` runs once the layers are queued (`Pipeline.forward`), before the sampling."""
         step = Launched(batch, cancelled, time.perf_counter(), [Sampled() for _ in batch.chunks])
         for seq in batch.shed:  # the KV pool could not hold them beside the others
-            full = KVPoolFull("KV pool full: the context size has been exceeded, this request does not fit beside the "
-                              "others (-c/--ctx-size sets the pool with --kv-unified)")  # fmt: skip
+            full = KVPoolFull(
+                "KV pool full: the context size has been exceeded, this request does not fit beside the "
+                "others (-c/--ctx-size sets the pool with --kv-unified)"
+            )
             self.output.process(seq, error=full if seq.finish_reason == "error" else None)
         if not batch.chunks:
             if meanwhile is not None:
@@ -523,8 +553,13 @@ class Engine:
         rows = logits if idx == list(range(logits.shape[0])) else logits[idx]  # decode-only steps: no copy
         slots = _slot_index(tuple(s.slot for s in seqs), self.device)
         in_flight = any(e > len(s.tokens) for s, e in zip(seqs, ends))  # a penalty window ends on a PENDING token
-        picked = Rows.build([s.sampler for s in seqs], [s.tokens for s in seqs], rows.device, ends,
-                            self._last[slots] if in_flight else None)  # fmt: skip
+        picked = Rows.build(
+            [s.sampler for s in seqs],
+            [s.tokens for s in seqs],
+            rows.device,
+            ends,
+            self._last[slots] if in_flight else None,
+        )
         step.picks = sample(rows, picked, self._mask(seqs)).copy()
         self._last[slots] = step.picks.tokens  # the next step's input, should it launch before this one is read
         step.rows = [i for i, _ in to_sample]
@@ -545,7 +580,9 @@ class Engine:
         constrained = [i for i, s in enumerate(seqs) if s.req.constraint is not None]
         if not constrained:
             return None
-        bitmask = self.grammars.bitmask([seqs[i].req.constraint for i in constrained], pinned=self.device.type == "cuda")
+        bitmask = self.grammars.bitmask(
+            [seqs[i].req.constraint for i in constrained], pinned=self.device.type == "cuda"
+        )
 
         def mask(x: torch.Tensor) -> torch.Tensor:
             if len(constrained) == len(seqs):
@@ -587,5 +624,11 @@ class Engine:
                 self.scheduler.free(c.seq)
         if step.batch.chunks:
             n_decode = sum(len(s.tokens) for c, s in live if not c.prefill)
-            self.stats.record_step(step.t0, time.perf_counter(), step.batch.n_prefill, n_decode, len(busy),
-                                   max((len(s.tokens) for s in busy), default=0))  # fmt: skip
+            self.stats.record_step(
+                step.t0,
+                time.perf_counter(),
+                step.batch.n_prefill,
+                n_decode,
+                len(busy),
+                max((len(s.tokens) for s in busy), default=0),
+            )

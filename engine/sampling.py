@@ -38,7 +38,9 @@ MAX_LOGPROBS = 20
 PENDING = -1  # a history entry still on the device (sampled by a step the host has not read yet)
 _M32 = 0xFFFFFFFF
 BIASES_KEPT = 256  # batches of logit biases kept on the device (`_bias_on_device`)
-PAIRWISE_MAX = 256  # penalty windows up to this long count repeats pairwise; longer ones through a vocabulary-wide count
+PAIRWISE_MAX = (
+    256  # penalty windows up to this long count repeats pairwise; longer ones through a vocabulary-wide count
+)
 
 
 class InvalidParam(UserError):
@@ -79,8 +81,11 @@ class SamplingParams:
         check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "in [-2, 2]")
         check(self.seed is None or -(2**63) <= self.seed < 2**64, "seed", "a 64-bit integer")
         check(self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS, "logprobs", f"in [0, {MAX_LOGPROBS}]")
-        check(all(t >= 0 and b == b and b != float("inf") for t, b in self.logit_bias), "logit_bias",
-              "token ids >= 0 with finite biases (or -inf to ban)")  # fmt: skip
+        check(
+            all(t >= 0 and b == b and b != float("inf") for t, b in self.logit_bias),
+            "logit_bias",
+            "token ids >= 0 with finite biases (or -inf to ban)",
+        )
 
     @property
     def greedy(self) -> bool:
@@ -145,8 +150,14 @@ class Rows:
     uniforms: dict[Stream, torch.Tensor]  # `uniform`'s results so far, on the device
 
     @classmethod
-    def build(cls, samplers: list[Sampler], histories: Sequence[Sequence[int]], device: torch.device,
-              ends: Sequence[int] | None = None, pending: torch.Tensor | None = None) -> Rows:  # fmt: skip
+    def build(
+        cls,
+        samplers: list[Sampler],
+        histories: Sequence[Sequence[int]],
+        device: torch.device,
+        ends: Sequence[int] | None = None,
+        pending: torch.Tensor | None = None,
+    ) -> Rows:
         """Row i samples the token at index `ends[i]` (default: `len(histories[i])`) after
         `histories[i][:ends[i]]`; indexes past the history, or entries equal to PENDING, are
         `pending[i]` (a device tensor: the row's token from a step the host has not read yet)."""
@@ -159,21 +170,32 @@ class Rows:
         sampled, any_penalised = not all(p.greedy for p in ps), any(penalised)
         if sampled or any_penalised:  # a plain greedy step (most of a busy server's) builds none of this
             neutral = [p if pen else _NEUTRAL for p, pen in zip(ps, penalised)]
-            repeat = [[p.repeat_penalty for p in neutral], [p.presence_penalty for p in neutral],
-                      [p.frequency_penalty for p in neutral]]  # fmt: skip
+            repeat = [
+                [p.repeat_penalty for p in neutral],
+                [p.presence_penalty for p in neutral],
+                [p.frequency_penalty for p in neutral],
+            ]
         # An all-greedy step takes the argmax: none of the draw's parameters go to the device.
         if sampled:
             # The draw's uniforms (`uniform`) travel with the parameters: one row more, no copy of their own.
-            floats = torch.tensor([[p.temperature or 1.0 for p in ps], [p.top_p if p.top_p < 1.0 else 2.0 for p in ps],
-                                   [p.min_p for p in ps], *repeat, host_uniform(samplers, ends, Stream.SAMPLE).tolist()],
-                                  dtype=torch.float32)  # fmt: skip
+            floats = torch.tensor(
+                [
+                    [p.temperature or 1.0 for p in ps],
+                    [p.top_p if p.top_p < 1.0 else 2.0 for p in ps],
+                    [p.min_p for p in ps],
+                    *repeat,
+                    host_uniform(samplers, ends, Stream.SAMPLE).tolist(),
+                ],
+                dtype=torch.float32,
+            )
             longs = torch.tensor([[p.top_k or (1 << 62) for p in ps], [p.greedy for p in ps]], dtype=torch.long)
             floats, longs = to_device(floats, device), to_device(longs, device)
             uniforms[Stream.SAMPLE] = floats[6]
             draw = (longs[1].bool(), floats[0], longs[0], floats[1], floats[2])
         if any_penalised:
-            windows = [_window(h, e, p.repeat_last_n) if pen else [0]
-                       for h, e, p, pen in zip(histories, ends, ps, penalised)]  # fmt: skip
+            windows = [
+                _window(h, e, p.repeat_last_n) if pen else [0] for h, e, p, pen in zip(histories, ends, ps, penalised)
+            ]
             width = max(len(w) for w in windows)
             # Padding repeats the row's first entry: it writes that token's penalised logit again, unchanged.
             window = torch.tensor([w[:1] * (width - len(w)) + w for w in windows], dtype=torch.long)
@@ -192,7 +214,9 @@ class Rows:
 
 
 @functools.lru_cache(maxsize=BIASES_KEPT)
-def _bias_on_device(biases: tuple[tuple[tuple[int, float], ...], ...], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def _bias_on_device(
+    biases: tuple[tuple[tuple[int, float], ...], ...], device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row's logit bias as ([B, n] ids, values; 0 on padding) on the device, read only, kept per
     batch of biases: a request's bias (`ignore_eos` bans the end-of-generation tokens) is the same
     every step, and copying it each step cost the host more than the step's sampling."""
@@ -250,8 +274,9 @@ def _weights(x: torch.Tensor, rows: Rows) -> tuple[torch.Tensor, torch.Tensor | 
         # Temperature keeps the order: only the k candidates are scaled. Elsewhere in place on fresh
         # tensors: every [B, V] temporary costs (page faults for a 262k vocabulary on a CPU).
         x, ids = torch.topk(x, max(p.top_k for p in ps), dim=-1)  # sorted, best first
-    x = torch.nan_to_num_(x / rows.temperature[:, None], nan=float("-inf"), posinf=torch.finfo(x.dtype).max,
-                          neginf=float("-inf"))  # fmt: skip
+    x = torch.nan_to_num_(
+        x / rows.temperature[:, None], nan=float("-inf"), posinf=torch.finfo(x.dtype).max, neginf=float("-inf")
+    )
     if ids is None and (ranked or any(p.top_p < 1.0 for p in ps)):
         x, ids = torch.sort(x, dim=-1, descending=True)
     if ranked:
@@ -285,7 +310,9 @@ def _mix(x):
 def host_uniform(samplers: list[Sampler], counters: list[int], stream: Stream) -> np.ndarray:
     """`uniform`'s values, computed on the host: where they are read on the host, no round trip."""
     seeds = [s.seed for s in samplers]
-    keys = _mix(_mix(np.array([x & _M32 for x in seeds], dtype=np.int64)) ^ np.array([x >> 32 for x in seeds], dtype=np.int64))
+    keys = _mix(
+        _mix(np.array([x & _M32 for x in seeds], dtype=np.int64)) ^ np.array([x >> 32 for x in seeds], dtype=np.int64)
+    )
     h = _mix(keys ^ (np.array(counters, dtype=np.int64) & _M32))
     h = _mix(h ^ int(stream) * 0x9E3779B9 & _M32)
     return ((h >> 8).astype(np.float32) + np.float32(0.5)) / np.float32(2**24)
@@ -296,7 +323,9 @@ def uniform(rows: Rows, stream: Stream) -> torch.Tensor:
     `stream`). Seeds and counters are the host's integers, so it is hashed there: on a GPU a dozen
     element-wise kernels a call were a tenth of a sampled step's host time."""
     if stream not in rows.uniforms:
-        rows.uniforms[stream] = to_device(torch.from_numpy(host_uniform(rows.samplers, rows.counters, stream)), rows.device)
+        rows.uniforms[stream] = to_device(
+            torch.from_numpy(host_uniform(rows.samplers, rows.counters, stream)), rows.device
+        )
     return rows.uniforms[stream]
 
 
@@ -308,8 +337,9 @@ def draw(w: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return torch.where(w.gather(1, idx) > 0, idx, w.argmax(-1, keepdim=True)).squeeze(1)
 
 
-def distribution(logits: torch.Tensor, rows: Rows, mask: Callable[[torch.Tensor], torch.Tensor] | None = None
-                 ) -> torch.Tensor:  # fmt: skip
+def distribution(
+    logits: torch.Tensor, rows: Rows, mask: Callable[[torch.Tensor], torch.Tensor] | None = None
+) -> torch.Tensor:
     """`[B, V]`: the probabilities each row draws from (a point mass on the argmax for greedy rows)."""
     x = _prepare(logits, rows, mask)
     greedy = torch.zeros_like(x).scatter_(1, x.argmax(-1, keepdim=True), 1.0)
@@ -336,7 +366,9 @@ class Picks:
         if self.tokens.device.type != "cuda":
             self._host = parts
             return self
-        self._host = tuple(torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True) for t in parts)
+        self._host = tuple(
+            torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True) for t in parts
+        )
         self._ready = torch.cuda.Event()
         self._ready.record(torch.cuda.current_stream(self.tokens.device))
         return self
@@ -371,8 +403,12 @@ def _logprob_tensors(logits: torch.Tensor, rows: Rows, tokens: torch.Tensor, mas
     return lp.gather(1, tokens[:, None]).squeeze(1), top_ids, top_lp
 
 
-def sample(logits: torch.Tensor, rows: Rows, mask: Callable[[torch.Tensor], torch.Tensor] | None = None,
-           stream: Stream = Stream.SAMPLE) -> Picks:  # fmt: skip
+def sample(
+    logits: torch.Tensor,
+    rows: Rows,
+    mask: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    stream: Stream = Stream.SAMPLE,
+) -> Picks:
     """One token per row of `logits[B, V]` (float32, on any device), its logprobs when asked; `mask`
     (a grammar's) applies after the logit bias. Nothing waits for the device."""
     x = _prepare(logits, rows, mask)

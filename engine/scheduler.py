@@ -114,9 +114,18 @@ class Scheduler:
     (False). `speculator` proposes drafts for the decoding sequences (`plan`) and hears when a slot
     is taken or left (`start`, `release`); `eog_ids` end a request unless it ignores them."""
 
-    def __init__(self, n_slots: int, n_ctx: int, batch_tokens: int, mixed_steps: bool, speculator: Speculator,
-                 eog_ids: set[int], kv_generation: Callable[[], int] = lambda: 0, recurrent: bool = False,
-                 kv_fits: Callable[[dict[int, int]], bool] = lambda ends: True):  # fmt: skip
+    def __init__(
+        self,
+        n_slots: int,
+        n_ctx: int,
+        batch_tokens: int,
+        mixed_steps: bool,
+        speculator: Speculator,
+        eog_ids: set[int],
+        kv_generation: Callable[[], int] = lambda: 0,
+        recurrent: bool = False,
+        kv_fits: Callable[[dict[int, int]], bool] = lambda ends: True,
+    ):
         """`kv_fits({slot: positions})`: whether the KV cache can hold those slot lengths (a
         `--kv-unified` pool can run short; reserved slots always can)."""
         self.n_ctx = n_ctx
@@ -163,6 +172,7 @@ class Scheduler:
         free = [i for i, s in enumerate(self.slots) if s is None]
         while free and self.waiting:
             req = self.waiting.popleft()
+
             # The free slot holding the longest prefix of this prompt, else the one with the least
             # cached (keep other prefixes for their requests); its KV rows need no clearing:
             # positions >= n_past are overwritten.
@@ -194,9 +204,18 @@ class Scheduler:
         running sequence just decodes (its next input is the token the device already holds). Prefill
         chunks, speculative drafts (they read the tokens so far), grammar masks (the matcher advances
         on the host), embeddings and P/D transfers need the host first."""
-        return bool(self.running) and not self.spec.wants_hidden and all(
-            not s.prefilling and not s.remote_prefill and s.req.constraint is None and not s.req.embedding
-            and not (s.req.spec or self.spec.config).active for s in self.running)  # fmt: skip
+        return (
+            bool(self.running)
+            and not self.spec.wants_hidden
+            and all(
+                not s.prefilling
+                and not s.remote_prefill
+                and s.req.constraint is None
+                and not s.req.embedding
+                and not (s.req.spec or self.spec.config).active
+                for s in self.running
+            )
+        )
 
     def schedule(self) -> Batch:
         """Decoding sequences take one token each, plus their drafts (unless prefill runs alone);

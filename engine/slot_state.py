@@ -58,7 +58,9 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def save(stage, slot: int, tokens: list[int], fingerprint: str, extra: dict[str, torch.Tensor] | None = None) -> memoryview:
+def save(
+    stage, slot: int, tokens: list[int], fingerprint: str, extra: dict[str, torch.Tensor] | None = None
+) -> memoryview:
     """The state of `slot`'s first len(tokens) positions (and `extra`'s tensors), in one buffer:
     a copy, taken now, that later steps cannot overwrite."""
     views = _slot_views(stage, slot, tokens, extra)
@@ -68,14 +70,19 @@ def save(stage, slot: int, tokens: list[int], fingerprint: str, extra: dict[str,
 def _slot_views(stage, slot: int, tokens: list[int], extra: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
     """The tensors holding `slot`'s first len(tokens) positions, and `extra`'s, by name."""
     if stage.recurrent and stage.state_len[slot] != len(tokens):
-        raise SlotStateError(f"slot {slot}'s recurrent state covers {stage.state_len[slot]} tokens, not the {len(tokens)} asked for")
+        raise SlotStateError(
+            f"slot {slot}'s recurrent state covers {stage.state_len[slot]} tokens, not the {len(tokens)} asked for"
+        )
     return {**stage.slot_state(slot, len(tokens)), **(extra or {})}
 
 
 def _header(stage, layers, tokens: list[int], fingerprint: str, views: dict[str, torch.Tensor]) -> SlotHeader:
     """The header of a state of layers [a, b) made of `views`, in their order."""
     dtype = _dtype_name(stage.dtype)
-    entries = [TensorEntry(name, list(t.shape), _dtype_name(t.dtype), t.numel() * t.element_size()) for name, t in views.items()]
+    entries = [
+        TensorEntry(name, list(t.shape), _dtype_name(t.dtype), t.numel() * t.element_size())
+        for name, t in views.items()
+    ]
     return SlotHeader(fingerprint, list(layers), list(tokens), dtype, dtype, entries)
 
 
@@ -139,7 +146,9 @@ def restore(stage, slot: int, read: Reader, fingerprint: str) -> list[int]:
     return place(stage, slot, header, read.body(header, crcs), fingerprint)
 
 
-def place(stage, slot: int, header: SlotHeader, body, fingerprint: str, extra: dict[str, torch.Tensor] | None = None) -> list[int]:
+def place(
+    stage, slot: int, header: SlotHeader, body, fingerprint: str, extra: dict[str, torch.Tensor] | None = None
+) -> list[int]:
     """Place a state already read whole (its chunks checked) into `slot` (positions past the
     state's are never read: nothing to clear). `extra`: where the `mtp.*` tensors go (None: they
     are skipped)."""
@@ -178,8 +187,14 @@ def _tensor_at(body, offset: int, like: torch.Tensor) -> torch.Tensor:
     return raw.view(like.dtype).view(like.shape)
 
 
-def split_views(stage, slot: int, tokens: list[int], fingerprint: str, ranges: list[tuple[int, int]],
-                extra: dict[str, torch.Tensor] | None = None) -> list[tuple[SlotHeader, list[torch.Tensor]]]:  # fmt: skip
+def split_views(
+    stage,
+    slot: int,
+    tokens: list[int],
+    fingerprint: str,
+    ranges: list[tuple[int, int]],
+    extra: dict[str, torch.Tensor] | None = None,
+) -> list[tuple[SlotHeader, list[torch.Tensor]]]:
     """The state of `slot`'s tokens split by `ranges` (which this stage's layers must cover): per
     range its header and the slot's tensors in header order (views: copy them before the slot
     moves on). `mtp.*` tensors go with the range that starts at layer 0."""
@@ -194,8 +209,15 @@ def split_views(stage, slot: int, tokens: list[int], fingerprint: str, ranges: l
     return out
 
 
-def save_ranges(stage, slot: int, tokens: list[int], fingerprint: str, ranges: list[tuple[int, int]],
-                extra: dict[str, torch.Tensor] | None = None, into: memoryview | None = None) -> list[memoryview]:  # fmt: skip
+def save_ranges(
+    stage,
+    slot: int,
+    tokens: list[int],
+    fingerprint: str,
+    ranges: list[tuple[int, int]],
+    extra: dict[str, torch.Tensor] | None = None,
+    into: memoryview | None = None,
+) -> list[memoryview]:
     """`split_views`' states, each packed (one copy, every chunk checksummed): back to back from the
     start of `into` when they all fit there (memory shared with the asker: rpc/shm.py), else each
     into a kept buffer."""
@@ -210,8 +232,14 @@ def save_ranges(stage, slot: int, tokens: list[int], fingerprint: str, ranges: l
     return out
 
 
-def device_states(stage, slot: int, tokens: list[int], fingerprint: str, ranges: list[tuple[int, int]],
-                  extra: dict[str, torch.Tensor] | None = None) -> list[tuple[SlotHeader, torch.Tensor]]:  # fmt: skip
+def device_states(
+    stage,
+    slot: int,
+    tokens: list[int],
+    fingerprint: str,
+    ranges: list[tuple[int, int]],
+    extra: dict[str, torch.Tensor] | None = None,
+) -> list[tuple[SlotHeader, torch.Tensor]]:
     """`split_views`' states, each as (header, body) with the body a uint8 buffer on the stage's
     device: what a worker hands over by CUDA IPC (no checksums: the body never crosses a wire)."""
     out = []
@@ -246,7 +274,9 @@ def place_staged(stage, slot: int, n: int, tensors: dict[str, torch.Tensor], vie
     stage.place_slot_state(slot, n, own)
 
 
-def check(stage, slot: int, header: SlotHeader, fingerprint: str, extra: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+def check(
+    stage, slot: int, header: SlotHeader, fingerprint: str, extra: dict[str, torch.Tensor] | None = None
+) -> dict[str, torch.Tensor]:
     """Where each of the header's tensors goes (the slot's views, and `extra`'s for `mtp.*` ones
     when given), once the header fits this stage; else SlotStateError naming why."""
     if header.fingerprint != fingerprint:
@@ -322,6 +352,8 @@ def regroup(states: list[tuple[SlotHeader, memoryview, memoryview]], ranges: lis
         if missing:
             raise SlotStateError(f"slot states lack layers {missing[:4]} of [{a}, {b})")
         chosen = [p for il in range(a, b) for p in parts[il]] + (parts.get(-1, []) if a == 0 else [])
-        header = SlotHeader(first.fingerprint, [a, b], list(first.tokens), first.dtype, first.kv_type, [e for e, _ in chosen])
+        header = SlotHeader(
+            first.fingerprint, [a, b], list(first.tokens), first.dtype, first.kv_type, [e for e, _ in chosen]
+        )
         out.append(pack(header, (v for _, v in chosen)))
     return out

@@ -324,7 +324,9 @@ def check_mtp(g) -> None:
         if has_tensors and n_nextn <= 1:
             return
         if has_tensors:
-            raise UserError(f"--spec-type mtp: this qwen35 GGUF has {n_nextn} MTP blocks; Hydra (like llama.cpp) runs exactly one")
+            raise UserError(
+                f"--spec-type mtp: this qwen35 GGUF has {n_nextn} MTP blocks; Hydra (like llama.cpp) runs exactly one"
+            )
         raise UserError(
             "--spec-type mtp: this qwen35 GGUF has no MTP block (no blk.N.nextn.* tensors: it was converted "
             "without the multi-token-prediction layer). Use a GGUF that keeps it, or --spec-type ngram"
@@ -461,8 +463,13 @@ class Speculator:
     always, the draft model when loaded), and the acceptance counters. The engine asks `plan` for
     drafts of its decoding sequences, runs them in its one forward, and asks `verify` what to emit."""
 
-    def __init__(self, config: SpecConfig | None = None, draft_pipeline=None, max_draft: int = MAX_DRAFT,
-                 nextn: NextN | None = None):  # fmt: skip
+    def __init__(
+        self,
+        config: SpecConfig | None = None,
+        draft_pipeline=None,
+        max_draft: int = MAX_DRAFT,
+        nextn: NextN | None = None,
+    ):
         """`max_draft` caps every draft: a recurrent target verifies at most `model.ROLLBACK` tokens,
         the positions its state checkpoints can take back. `nextn`: the target's MTP block."""
         self.config = config or SpecConfig()
@@ -552,7 +559,9 @@ class Speculator:
             if params.greedy:
                 emitted = accept_greedy(sample(logits, rows).tokens.tolist(), draft.tokens)
             else:
-                u = torch.from_numpy(np.stack([host_uniform(rows.samplers, rows.counters, s) for s in (Stream.ACCEPT, Stream.SAMPLE)], 1))
+                u = torch.from_numpy(
+                    np.stack([host_uniform(rows.samplers, rows.counters, s) for s in (Stream.ACCEPT, Stream.SAMPLE)], 1)
+                )
                 emitted = accept_sampled(distribution(logits, rows), draft.tokens, draft.q, u)
         self.stats.record(k, len(emitted) - 1)
         return emitted
@@ -568,8 +577,9 @@ def check_speculative(config: SpecConfig, draft_path: str | None, g) -> None:
         raise UserError(f"--model-draft is only used with --spec-type draft (got --spec-type {config.type})")
 
 
-def build_speculator(config: SpecConfig, draft_path: str | None, g, model: ModelSettings, n_slots: int,
-                     head: Stage | None = None) -> Speculator:  # fmt: skip
+def build_speculator(
+    config: SpecConfig, draft_path: str | None, g, model: ModelSettings, n_slots: int, head: Stage | None = None
+) -> Speculator:
     """The head's Speculator from its settings (`--spec-type`, `--model-draft`, `--draft-*`); `g` is
     the target GGUF, `head` the head's Stage (`--spec-type mtp` builds the MTP block beside it).
     Loads the draft model for `--spec-type draft`."""
@@ -584,7 +594,17 @@ def build_speculator(config: SpecConfig, draft_path: str | None, g, model: Model
     dg = GGUFFile(draft_path)
     check_same_vocab(g, dg)
     if ModelConfig.from_gguf(dg).recurrent:  # it would re-run its own last drafts every round
-        raise UserError(f"--model-draft: a recurrent model ({dg.architecture}) cannot draft yet; use a transformer of the same vocabulary")
-    stage = build_stage(dg, device=model.device, dtype=model.dtype, n_slots=n_slots, n_ctx=model.ctx, cache_dir=model.cache_dir,
-                        quantized=model.quantized, kv_pool=model.kv_pool)  # fmt: skip
+        raise UserError(
+            f"--model-draft: a recurrent model ({dg.architecture}) cannot draft yet; use a transformer of the same vocabulary"
+        )
+    stage = build_stage(
+        dg,
+        device=model.device,
+        dtype=model.dtype,
+        n_slots=n_slots,
+        n_ctx=model.ctx,
+        cache_dir=model.cache_dir,
+        quantized=model.quantized,
+        kv_pool=model.kv_pool,
+    )
     return Speculator(config, draft_pipeline=Pipeline(stage), max_draft=max_draft)

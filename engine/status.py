@@ -34,7 +34,6 @@ from ..contracts.status import (
 )
 
 
-
 class _Nvml:
     """NVML, initialised once; unavailable (no driver, no GPU) means None forever."""
 
@@ -68,7 +67,16 @@ def devices() -> list[DeviceInfo]:
                 mem = nvml.nvmlDeviceGetMemoryInfo(h)
                 util = nvml.nvmlDeviceGetUtilizationRates(h).gpu
                 name = nvml.nvmlDeviceGetName(h)
-                out.append(DeviceInfo(i, "cuda", name.decode() if isinstance(name, bytes) else name, int(mem.used), int(mem.total), util))
+                out.append(
+                    DeviceInfo(
+                        i,
+                        "cuda",
+                        name.decode() if isinstance(name, bytes) else name,
+                        int(mem.used),
+                        int(mem.total),
+                        util,
+                    )
+                )
             if out:
                 return out
         except Exception:  # a device vanished or NVML broke mid-way: the next probe is torch
@@ -84,7 +92,11 @@ def devices() -> list[DeviceInfo]:
     import psutil
 
     vm = psutil.virtual_memory()
-    return [DeviceInfo(0, "cpu", f"CPU ({os.cpu_count()} cores)", int(vm.total - vm.available), int(vm.total), psutil.cpu_percent())]
+    return [
+        DeviceInfo(
+            0, "cpu", f"CPU ({os.cpu_count()} cores)", int(vm.total - vm.available), int(vm.total), psutil.cpu_percent()
+        )
+    ]
 
 
 def process_info() -> ProcessInfo:
@@ -164,9 +176,16 @@ class StatusDocument:
     def health(self) -> Health:
         ready = self.startup_stage >= READY_STAGE
         down = self.unavailable() if ready else None
-        return Health(self.state, self.startup_stage, self.model is not None,
-                      self.model.name if self.model else None, self.startup_stage >= 3, self.error,
-                      serving=ready and down is None, reason=down or self.degraded)  # fmt: skip
+        return Health(
+            self.state,
+            self.startup_stage,
+            self.model is not None,
+            self.model.name if self.model else None,
+            self.startup_stage >= 3,
+            self.error,
+            serving=ready and down is None,
+            reason=down or self.degraded,
+        )
 
     def stages(self) -> list[StageInfo]:
         return self.pipeline.stages() if self.pipeline is not None else []
@@ -208,9 +227,15 @@ def requests(engine) -> Requests | None:
     if engine is None:
         return None
     st = engine.stats
-    return Requests(slots_busy=engine.n_processing, slots_total=engine.n_slots, queued=engine.n_deferred,
-                    queue_max=engine.max_queue, requests_total=st.requests_total, rejected_total=st.requests_rejected,
-                    **st.latency())  # fmt: skip
+    return Requests(
+        slots_busy=engine.n_processing,
+        slots_total=engine.n_slots,
+        queued=engine.n_deferred,
+        queue_max=engine.max_queue,
+        requests_total=st.requests_total,
+        rejected_total=st.requests_rejected,
+        **st.latency(),
+    )
 
 
 def speculative(engine) -> Speculative:

@@ -142,8 +142,9 @@ class Grammars:
     def bitmask(self, constraints: list[Constraint], pinned: bool) -> torch.Tensor:
         """`[len(constraints), W]` int32: each constraint's next-token mask, computed in parallel."""
         out = torch.empty((len(constraints), self.words), dtype=torch.int32, pin_memory=pinned)
-        self._executor.unsafe_compute_mask_ptr([(c.matcher, i) for i, c in enumerate(constraints)],
-                                               out.data_ptr(), self.words * 4, len(constraints))  # fmt: skip
+        self._executor.unsafe_compute_mask_ptr(
+            [(c.matcher, i) for i, c in enumerate(constraints)], out.data_ptr(), self.words * 4, len(constraints)
+        )
         return out
 
 

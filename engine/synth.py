@@ -17,7 +17,8 @@ from pathlib import Path
 
 import gguf
 import numpy as np
-from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as T
+from gguf.constants import GGML_QUANT_SIZES
+from gguf.constants import GGMLQuantizationType as T
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3", "qwen35")
 
@@ -108,7 +109,9 @@ def write_synthetic(
     qt = T[_MIXES[qtype.upper()] if mix else qtype.upper()] if isinstance(qtype, str) else T(qtype)
 
     def type_of(name: str) -> T:
-        if mix and (name == "output.weight" or ".attn_v." in name or (".ffn_down." in name and int(name.split(".")[1]) % 2 == 0)):
+        if mix and (
+            name == "output.weight" or ".attn_v." in name or (".ffn_down." in name and int(name.split(".")[1]) % 2 == 0)
+        ):
             return T.Q6_K
         return qt
 
@@ -263,7 +266,9 @@ def _deltanet_tensors(w, p, n_embd, d_state, n_k, n_v, kernel, dense, vec, rng) 
     dense(p + "ssm_beta.weight", n_v, n_embd, 1.0 / np.sqrt(n_embd))
     dense(p + "ssm_alpha.weight", n_v, n_embd, 1.0 / np.sqrt(n_embd))
     # Small rows (kernel taps, per-head scalars) stay F32 in any file type, as in converted models.
-    w.add_tensor(p + "ssm_conv1d.weight", (rng.standard_normal((channels, kernel)) / np.sqrt(kernel)).astype(np.float32))
+    w.add_tensor(
+        p + "ssm_conv1d.weight", (rng.standard_normal((channels, kernel)) / np.sqrt(kernel)).astype(np.float32)
+    )
     vec(p + "ssm_dt.bias", n_v, center=0.0, spread=0.5)
     w.add_tensor(p + "ssm_a", (-np.exp(rng.uniform(-1.0, 0.5, n_v))).astype(np.float32))  # -exp(A_log)
     vec(p + "ssm_norm.weight", d_state)

@@ -32,9 +32,21 @@ _SPM_SPACE_UTF8 = SPM_SPACE.encode("utf-8")
 
 # Texts llama.cpp treats as end-of-generation whatever the metadata says (and forces to CONTROL).
 END_OF_TURN_TEXTS = (
-    "<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<end_of_turn>", "<|endoftext|>",
-    "<|eom_id|>", "<EOT>", "_<EOT>", "<|end_of_text|>", "<end_of_utterance>", "[EOT]", "<｜end▁of▁sentence｜>",
-)  # fmt: skip
+    "<|eot_id|>",
+    "<|im_end|>",
+    "<|end|>",
+    "<|return|>",
+    "<|call|>",
+    "<end_of_turn>",
+    "<|endoftext|>",
+    "<|eom_id|>",
+    "<EOT>",
+    "_<EOT>",
+    "<|end_of_text|>",
+    "<end_of_utterance>",
+    "[EOT]",
+    "<｜end▁of▁sentence｜>",
+)
 
 _END_OF_TURN = frozenset(END_OF_TURN_TEXTS)
 
@@ -188,7 +200,8 @@ class Tokenizer:
             self.add_space_prefix = _default(add_space_prefix, False)
         self.add_eos = _default(add_eos, False)
         self.bos_id, self.eos_id, self.unk_id, self.pad_id = (
-            self._valid_id(name, tid) for name, tid in (("bos", bos_id), ("eos", eos_id), ("unknown", unk_id), ("padding", pad_id))
+            self._valid_id(name, tid)
+            for name, tid in (("bos", bos_id), ("eos", eos_id), ("unknown", unk_id), ("padding", pad_id))
         )
         eot_id, eom_id = self._valid_id("eot", eot_id), self._valid_id("eom", eom_id)
 
@@ -205,7 +218,12 @@ class Tokenizer:
     def _valid_id(self, name: str, tid: int | None) -> int | None:
         if tid is not None and not 0 <= tid < len(self._tokens):
             # as llama.cpp: a bad special-token id is warned about and ignored, the model still loads
-            log.warning("tokenizer.ggml.%s_token_id %d is outside the vocabulary of %d tokens; ignored", name, tid, len(self._tokens))
+            log.warning(
+                "tokenizer.ggml.%s_token_id %d is outside the vocabulary of %d tokens; ignored",
+                name,
+                tid,
+                len(self._tokens),
+            )
             return None
         return tid
 
@@ -335,7 +353,9 @@ class Tokenizer:
 
     # ---- encode ---------------------------------------------------------------------------------
 
-    def encode(self, text: str, add_special: bool = True, parse_special: bool = True, space_prefix: bool = True) -> list[int]:
+    def encode(
+        self, text: str, add_special: bool = True, parse_special: bool = True, space_prefix: bool = True
+    ) -> list[int]:
         """Token ids of `text`. add_special adds BOS/EOS as the model asks; parse_special lets
         control-token texts ("<start_of_turn>") in the text become those tokens; space_prefix=False
         encodes text that continues a stream (no SPM space prefix even where the model asks for one)."""
@@ -598,20 +618,48 @@ class StreamDecoder:
         return text
 
 
-
 # llama.cpp's FIM tokens: the GGUF's tokenizer.ggml.fim_*_token_id, else a vocab entry with a known text.
 _FIM_TEXTS = {
-    "pre": ("<|fim_prefix|>", "<fim-prefix>", "<fim_prefix>", "<｜fim▁begin｜>", "<PRE>", "▁<PRE>", "<|code_prefix|>",
-            "<|prefix|>"),
-    "suf": ("<|fim_suffix|>", "<fim-suffix>", "<fim_suffix>", "<｜fim▁hole｜>", "<SUF>", "▁<SUF>", "<|code_suffix|>",
-            "<|suffix|>"),
-    "mid": ("<|fim_middle|>", "<fim-middle>", "<fim_middle>", "<｜fim▁end｜>", "<MID>", "▁<MID>", "<|code_middle|>",
-            "<|middle|>"),
+    "pre": (
+        "<|fim_prefix|>",
+        "<fim-prefix>",
+        "<fim_prefix>",
+        "<｜fim▁begin｜>",
+        "<PRE>",
+        "▁<PRE>",
+        "<|code_prefix|>",
+        "<|prefix|>",
+    ),
+    "suf": (
+        "<|fim_suffix|>",
+        "<fim-suffix>",
+        "<fim_suffix>",
+        "<｜fim▁hole｜>",
+        "<SUF>",
+        "▁<SUF>",
+        "<|code_suffix|>",
+        "<|suffix|>",
+    ),
+    "mid": (
+        "<|fim_middle|>",
+        "<fim-middle>",
+        "<fim_middle>",
+        "<｜fim▁end｜>",
+        "<MID>",
+        "▁<MID>",
+        "<|code_middle|>",
+        "<|middle|>",
+    ),
     "rep": ("<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>"),
     "sep": ("<|file_sep|>",),
-}  # fmt: skip
-_FIM_KEYS = {"pre": ("fim_pre", "prefix"), "suf": ("fim_suf", "suffix"), "mid": ("fim_mid", "middle"),
-             "rep": ("fim_rep",), "sep": ("fim_sep",)}  # fmt: skip
+}
+_FIM_KEYS = {
+    "pre": ("fim_pre", "prefix"),
+    "suf": ("fim_suf", "suffix"),
+    "mid": ("fim_mid", "middle"),
+    "rep": ("fim_rep",),
+    "sep": ("fim_sep",),
+}
 
 
 def fim_tokens(tok: Tokenizer, md: Mapping[str, object]) -> dict[str, int | None]:
@@ -619,7 +667,9 @@ def fim_tokens(tok: Tokenizer, md: Mapping[str, object]) -> dict[str, int | None
     llama.cpp finds them: the metadata key first, then the vocabulary's known FIM texts."""
     out: dict[str, int | None] = {}
     for kind, keys in _FIM_KEYS.items():
-        tid = next((int(md[f"tokenizer.ggml.{k}_token_id"]) for k in keys if f"tokenizer.ggml.{k}_token_id" in md), None)
+        tid = next(
+            (int(md[f"tokenizer.ggml.{k}_token_id"]) for k in keys if f"tokenizer.ggml.{k}_token_id" in md), None
+        )
         if tid is None or not 0 <= tid < tok.vocab_size:
             tid = next((t for t in map(tok.find_token, _FIM_TEXTS[kind]) if t is not None), None)
         out[kind] = tid

@@ -43,9 +43,17 @@ _NAMES = ("hydra_probe_fn", "hydra_probe_fn_two")
 _ARGS = ({"hydra_probe_key": "hydra_probe_value"}, {"hydra_probe_key": "hydra_probe_value_two"})
 _IDS = ("hydra0001", "hydra0002")  # nine alphanumerics: Mistral's templates refuse other ids
 _CONTENT = "hydra_probe_content"
-_PROBE_TOOLS = [{"type": "function", "function": {"name": n, "description": "probe",
-                                                  "parameters": {"type": "object", "properties": {
-                                                      "hydra_probe_key": {"type": "string"}}}}} for n in _NAMES]  # fmt: skip
+_PROBE_TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": n,
+            "description": "probe",
+            "parameters": {"type": "object", "properties": {"hydra_probe_key": {"type": "string"}}},
+        },
+    }
+    for n in _NAMES
+]
 _ID_CHARS = string.ascii_letters + string.digits
 # JSON as templates write it (Python's json.dumps separators): the grammar asks for the same
 _JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -106,14 +114,18 @@ def tool_choice_of(tools: list[dict] | None, tool_choice: Any, parallel: bool | 
         mode = "auto"
     elif isinstance(tool_choice, str):
         if tool_choice not in ("none", "auto", "required"):
-            raise ToolError(f"tool_choice must be none, auto, required or a function, not {tool_choice!r}", "tool_choice")
+            raise ToolError(
+                f"tool_choice must be none, auto, required or a function, not {tool_choice!r}", "tool_choice"
+            )
         mode = tool_choice
     elif isinstance(tool_choice, dict) and isinstance(tool_choice.get("function"), dict):
         name, mode = tool_choice["function"].get("name"), "required"
         if name not in names:
             raise ToolError(f"tool_choice names function {name!r}, which is not in tools", "tool_choice")
     else:
-        raise ToolError('tool_choice must be a string or {"type": "function", "function": {"name": ...}}', "tool_choice")
+        raise ToolError(
+            'tool_choice must be a string or {"type": "function", "function": {"name": ...}}', "tool_choice"
+        )
     return ToolChoice(tuple(tools), mode, name, True if parallel is None else bool(parallel))
 
 
@@ -216,17 +228,17 @@ class ToolFormat:
         tail = text[pos:].strip()
         end = self.end.strip()
         if end and tail.startswith(end):
-            tail = tail[len(end):].strip()
+            tail = tail[len(end) :].strip()
         return None if tail else calls  # something after the calls that is not their end: not calls after all
 
     def _next_call(self, rest: str) -> int | None:
         """Offset in `rest` where another call starts, None if the calls end here."""
         sep = (self.sep or "").strip()
         if sep and rest.startswith(sep):
-            return len(rest) - len(rest[len(sep):].lstrip())
+            return len(rest) - len(rest[len(sep) :].lstrip())
         end, start = self.end.strip(), self.start.strip()
-        if end and start and rest.startswith(end) and rest[len(end):].lstrip().startswith(start):
-            after = rest[len(end):].lstrip()[len(start):]
+        if end and start and rest.startswith(end) and rest[len(end) :].lstrip().startswith(start):
+            after = rest[len(end) :].lstrip()[len(start) :]
             return len(rest) - len(after.lstrip())
         return None
 
@@ -274,8 +286,11 @@ class ToolFormat:
 
     def preserved(self, tok: Tokenizer) -> frozenset[int]:
         """The control tokens the calls are written with: kept in the generated text for `parse`."""
-        return frozenset(t for part in (self.start, self.sep or "", self.before_args, self.end)
-                         for t in _specials(part, tok).values())  # fmt: skip
+        return frozenset(
+            t
+            for part in (self.start, self.sep or "", self.before_args, self.end)
+            for t in _specials(part, tok).values()
+        )
 
     @property
     def triggers(self) -> bool:
@@ -400,8 +415,11 @@ def _from_shape(shape, obj) -> ToolCall | None:
             found["arguments"] = o
             return isinstance(o, dict)
         if isinstance(s, dict):
-            return isinstance(o, dict) and all(walk(v, o[k]) if k in o else v == _IDS[0]  # an id may be left out
-                                               for k, v in s.items() if _is_part(v))  # fmt: skip
+            return isinstance(o, dict) and all(
+                walk(v, o[k]) if k in o else v == _IDS[0]  # an id may be left out
+                for k, v in s.items()
+                if _is_part(v)
+            )
         if s == _NAMES[0]:
             found["name"] = o
             return isinstance(o, str)
@@ -482,8 +500,9 @@ def _learn(source: str, bos: str, eos: str, strip_bos: bool, name: str) -> ToolF
             break
     if fmt is not None and fmt.start.strip():
         prefix = ""
-    if fmt is None or [(c.name, c.arguments) for c in replace(fmt, text_prefix=prefix).parse(region)[1]] \
-            != [(_NAMES[0], json.dumps(_ARGS[0]))]:  # fmt: skip
+    if fmt is None or [(c.name, c.arguments) for c in replace(fmt, text_prefix=prefix).parse(region)[1]] != [
+        (_NAMES[0], json.dumps(_ARGS[0]))
+    ]:
         return None
     fmt = replace(fmt, text_prefix=prefix)
     two = render({"content": None, "tool_calls": [_probe_call(0, as_text), _probe_call(1, as_text)]})
@@ -536,7 +555,11 @@ def _read_one(region: str, eos: str, told_apart: bool = False) -> ToolFormat | N
         return None
     for at in (i for i, c in enumerate(region[:name]) if c == "{"):  # outermost first
         obj, end = _json_at(region, at)
-        if isinstance(obj, dict) and _holds(obj, _NAMES[0]) and (_holds(obj, _ARGS[0]) or _holds(obj, json.dumps(_ARGS[0]))):
+        if (
+            isinstance(obj, dict)
+            and _holds(obj, _NAMES[0])
+            and (_holds(obj, _ARGS[0]) or _holds(obj, json.dumps(_ARGS[0])))
+        ):
             return ToolFormat(region[:at], _cut_at(region[end:], eos), None, obj, "")
     key = region.find('"hydra_probe_key"', name)
     args_at = region.rfind("{", name, key) if key >= 0 else -1
@@ -544,7 +567,9 @@ def _read_one(region: str, eos: str, told_apart: bool = False) -> ToolFormat | N
     if args != _ARGS[0]:
         return None
     before = region[name + len(_NAMES[0]) : args_at]
-    if not (region[:name].strip() or told_apart) or _IDS[0] in region[:args_at]:  # calls not told from text; ids in tags
+    if (
+        not (region[:name].strip() or told_apart) or _IDS[0] in region[:args_at]
+    ):  # calls not told from text; ids in tags
         return None
     return ToolFormat(region[:name], _cut_at(region[end:], eos), None, None, before)
 
@@ -568,7 +593,13 @@ def _read_sep(fmt: ToolFormat, region: str) -> str | None:
     if fmt.shape is None:
         second = region.find(_NAMES[1], first_end)
     else:
-        second = next((i for i in range(first_end, len(region)) if region[i] == "{"
-                       and _holds(_json_at(region, i)[0], _NAMES[1])), -1)  # fmt: skip
+        second = next(
+            (
+                i
+                for i in range(first_end, len(region))
+                if region[i] == "{" and _holds(_json_at(region, i)[0], _NAMES[1])
+            ),
+            -1,
+        )
     sep = region[first_end:second] if second >= 0 else ""
     return sep if sep and "hydra_probe" not in sep and "{" not in sep else None

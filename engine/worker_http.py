@@ -31,8 +31,9 @@ def add_observation_routes(app: FastAPI, status: StatusDocument, metrics: Metric
     @app.get("/metrics")
     async def get_metrics():
         if metrics is None:
-            return error_response(501, "This server does not support metrics endpoint. Start it with `--metrics`",
-                                  "not_supported_error")  # fmt: skip
+            return error_response(
+                501, "This server does not support metrics endpoint. Start it with `--metrics`", "not_supported_error"
+            )
         res = Response(await asyncio.to_thread(metrics.render), media_type=CONTENT_TYPE)
         # spelled as llama-server sends it: header names are case-insensitive, but not every client's lookup is
         res.raw_headers.append((b"Process-Start-Time-Unix", str(metrics.start_time).encode()))

@@ -57,8 +57,22 @@ def dequantized_copy(src: Path, dst: Path) -> None:
 
 def serve(binary: str, model: Path, pooling: str, port: int) -> subprocess.Popen:
     env = {**os.environ, "LD_LIBRARY_PATH": str(Path(binary).parent)}
-    argv = [binary, "-m", str(model), "--embedding", "--pooling", pooling, "--port", str(port), "-c", "512",
-            "-np", "1", "-t", "2"]  # fmt: skip
+    argv = [
+        binary,
+        "-m",
+        str(model),
+        "--embedding",
+        "--pooling",
+        pooling,
+        "--port",
+        str(port),
+        "-c",
+        "512",
+        "-np",
+        "1",
+        "-t",
+        "2",
+    ]
     proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
     for _ in range(600):
         try:
@@ -78,8 +92,13 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=OUT)
     args = ap.parse_args()
     src = default_model_path()
-    doc = {"model": src.name, "note": "llama-server on this model dequantized to F32 (scripts/embedding_reference.py)",
-           "inputs": INPUTS, "token_input": TOKEN_INPUT, "embeddings": {}}  # fmt: skip
+    doc = {
+        "model": src.name,
+        "note": "llama-server on this model dequantized to F32 (scripts/embedding_reference.py)",
+        "inputs": INPUTS,
+        "token_input": TOKEN_INPUT,
+        "embeddings": {},
+    }
     with tempfile.TemporaryDirectory() as tmp:
         f32 = Path(tmp) / "f32.gguf"
         dequantized_copy(src, f32)

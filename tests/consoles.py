@@ -12,8 +12,8 @@ from rpc_workers import free_ports
 
 from hydra_console.app.config import Profile, SupervisorSettings, WorkerSpec
 from hydra_console.app.split_plan import ModelShape
-from hydra_console.contracts.footprint import ModelTensors, Tensor
 from hydra_console.app.supervisor import State, Supervisor
+from hydra_console.contracts.footprint import ModelTensors, Tensor
 
 FAKE = f"{shlex.quote(sys.executable)} -m hydra_console.app.fake_worker"
 
@@ -38,8 +38,18 @@ def uniform_shape(n_layers: int, layer_elements: int, head_elements: int, kv_val
     """A made-up model for the split editor: equal F16 layers of one matrix each, a tied F16
     embedding of `head_elements` (hidden size 256), K and V of half `kv_values_per_token_layer` each, no RoPE."""
     layer = (Tensor("blk.w", "F16", (1024, layer_elements // 1024)),)
-    return ModelShape(ModelTensors(n_layers, (layer,) * n_layers, Tensor("token_embd.weight", "F16", (head_elements // 256, 256)),
-                                   None, (), (kv_values_per_token_layer // 2,) * 2, 0, (True,) * n_layers))  # fmt: skip
+    return ModelShape(
+        ModelTensors(
+            n_layers,
+            (layer,) * n_layers,
+            Tensor("token_embd.weight", "F16", (head_elements // 256, 256)),
+            None,
+            (),
+            (kv_values_per_token_layer // 2,) * 2,
+            0,
+            (True,) * n_layers,
+        )
+    )
 
 
 async def until(pilot, cond, timeout: float = 20.0) -> None:

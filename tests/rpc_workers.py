@@ -49,8 +49,17 @@ class Worker:
     `host` is where it is reached (it must bind there: pass `--host`/`--rpc-host` in argv);
     `launcher` prefixes the command, e.g. `ip netns exec NAME`."""
 
-    def __init__(self, role: str, argv: list[str], log_dir: Path, port: int, rpc_port: int, *,
-                 host: str = "127.0.0.1", launcher: tuple[str, ...] = ()):  # fmt: skip
+    def __init__(
+        self,
+        role: str,
+        argv: list[str],
+        log_dir: Path,
+        port: int,
+        rpc_port: int,
+        *,
+        host: str = "127.0.0.1",
+        launcher: tuple[str, ...] = (),
+    ):
         self.role, self.argv, self.port, self.rpc_port = role, argv, port, rpc_port
         self.host, self.launcher = host, tuple(launcher)
         self.log_path = log_dir / f"{role}-{port}.log"
@@ -59,8 +68,18 @@ class Worker:
 
     def start(self) -> None:
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-        cmd = [*self.launcher, sys.executable, "-m", "hydra_console.engine.cli", self.role, *self.argv,
-               "--port", str(self.port), "--rpc-port", str(self.rpc_port)]  # fmt: skip
+        cmd = [
+            *self.launcher,
+            sys.executable,
+            "-m",
+            "hydra_console.engine.cli",
+            self.role,
+            *self.argv,
+            "--port",
+            str(self.port),
+            "--rpc-port",
+            str(self.rpc_port),
+        ]
         log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         log.close()
@@ -116,7 +135,9 @@ def peer(model: Path, log_dir: Path, *extra: str) -> Worker:
     return Worker("peer", ["--model", str(model), "--device", "cpu", *extra], log_dir, port, rpc)
 
 
-def head(model: Path, log_dir: Path, peers: list[Worker] = (), *extra: str, parallel: int = 2, ctx: int = 256) -> Worker:
+def head(
+    model: Path, log_dir: Path, peers: list[Worker] = (), *extra: str, parallel: int = 2, ctx: int = 256
+) -> Worker:
     port, rpc = free_ports(2)
     argv = ["--model", str(model), "--device", "cpu", "--parallel", str(parallel), "--ctx", str(ctx), *extra]
     for p in peers:

@@ -18,8 +18,24 @@ USER = [{"role": "user", "content": "the quick brown fox"}]
 @pytest.fixture(scope="module")
 def server(tiny_model, tmp_path_factory):
     port, rpc = free_ports(2)
-    argv = ["-m", str(tiny_model("llama")), "--device", "cpu", "--dtype", "float32", "-np", "1", "-c", str(N_CTX),
-            "--temp", "0", "--seed", str(SEED), "--chat-template", "chatml"]  # fmt: skip
+    argv = [
+        "-m",
+        str(tiny_model("llama")),
+        "--device",
+        "cpu",
+        "--dtype",
+        "float32",
+        "-np",
+        "1",
+        "-c",
+        str(N_CTX),
+        "--temp",
+        "0",
+        "--seed",
+        str(SEED),
+        "--chat-template",
+        "chatml",
+    ]
     with running(Worker("serve", argv, tmp_path_factory.mktemp("anthropic"), port, rpc)) as w:
         yield w.url
 
@@ -67,15 +83,17 @@ def test_stop_sequences_end_the_turn(server, client):
     text = free.content[0].text
     word = text[len(text) // 2 :].strip()[:3]
     assert word
-    cut = client.messages.create(model="m", max_tokens=8, messages=USER, stop_sequences=[word],
-                                 extra_body={"ignore_eos": True})  # fmt: skip
+    cut = client.messages.create(
+        model="m", max_tokens=8, messages=USER, stop_sequences=[word], extra_body={"ignore_eos": True}
+    )
     assert cut.stop_reason == "end_turn" and cut.stop_sequence == word
     assert text.startswith(cut.content[0].text) and word not in cut.content[0].text
 
 
 def test_streamed_events(server, client):
-    events = list(client.messages.create(model="m", max_tokens=6, messages=USER, stream=True,
-                                         extra_body={"ignore_eos": True}))  # fmt: skip
+    events = list(
+        client.messages.create(model="m", max_tokens=6, messages=USER, stream=True, extra_body={"ignore_eos": True})
+    )
     kinds = [e.type for e in events]
     assert kinds[0] == "message_start" and kinds[-1] == "message_stop"
     assert kinds.count("content_block_start") == kinds.count("content_block_stop") == 1
@@ -100,19 +118,36 @@ def test_conversion_to_the_chat_prompt(server, client):
     tool = {"name": "weather", "description": "the weather", "input_schema": {"type": "object", "properties": {}}}
     messages = [
         {"role": "user", "content": [{"type": "text", "text": "What is"}, {"type": "text", "text": "the weather?"}]},
-        {"role": "assistant", "content": [{"type": "text", "text": "Let me look."},
-                                          {"type": "tool_use", "id": "t1", "name": "weather", "input": {"city": "Paris"}}]},
-        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": [{"type": "text", "text": "sunny"}]}]},
-    ]  # fmt: skip
+        {
+            "role": "assistant",
+            "content": [
+                {"type": "text", "text": "Let me look."},
+                {"type": "tool_use", "id": "t1", "name": "weather", "input": {"city": "Paris"}},
+            ],
+        },
+        {
+            "role": "user",
+            "content": [{"type": "tool_result", "tool_use_id": "t1", "content": [{"type": "text", "text": "sunny"}]}],
+        },
+    ]
     chat = [
         {"role": "system", "content": "be brief"},
         {"role": "user", "content": "What is\nthe weather?"},
-        {"role": "assistant", "content": "Let me look.", "tool_calls": [
-            {"id": "t1", "type": "function", "function": {"name": "weather", "arguments": '{"city": "Paris"}'}}]},
+        {
+            "role": "assistant",
+            "content": "Let me look.",
+            "tool_calls": [
+                {"id": "t1", "type": "function", "function": {"name": "weather", "arguments": '{"city": "Paris"}'}}
+            ],
+        },
         {"role": "tool", "tool_call_id": "t1", "content": "sunny"},
-    ]  # fmt: skip
-    tools = [{"type": "function", "function": {"name": "weather", "description": "the weather",
-                                               "parameters": tool["input_schema"]}}]  # fmt: skip
+    ]
+    tools = [
+        {
+            "type": "function",
+            "function": {"name": "weather", "description": "the weather", "parameters": tool["input_schema"]},
+        }
+    ]
     n_tokens = post(server, "/tokenize", {"content": chat_prompt(server, chat, tools=tools), "add_special": True})
     for system in ("be brief", [{"type": "text", "text": "be "}, {"type": "text", "text": "brief"}]):
         counted = client.messages.count_tokens(model="m", system=system, messages=messages, tools=[tool])
@@ -122,11 +157,25 @@ def test_conversion_to_the_chat_prompt(server, client):
 
 @pytest.mark.parametrize(
     "body, status, words",
-    [({"max_tokens": 4}, 400, "messages"),
-     ({"messages": [{"role": "user", "content": [{"type": "image", "source": {"type": "base64", "media_type": "image/png",
-                                                                            "data": "AAAA"}}]}]}, 400, "image input is not supported"),
-     ({"messages": USER, "max_tokens": -1}, 400, "max_tokens"),
-     ({"messages": USER, "max_tokens": 4, "stop_sequences": [""]}, 400, "stop")],  # fmt: skip
+    [
+        ({"max_tokens": 4}, 400, "messages"),
+        (
+            {
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [
+                            {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AAAA"}}
+                        ],
+                    }
+                ]
+            },
+            400,
+            "image input is not supported",
+        ),
+        ({"messages": USER, "max_tokens": -1}, 400, "max_tokens"),
+        ({"messages": USER, "max_tokens": 4, "stop_sequences": [""]}, 400, "stop"),
+    ],
 )
 def test_bad_requests_are_400(server, body, status, words):
     r = post(server, "/v1/messages", body)

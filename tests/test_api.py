@@ -90,7 +90,11 @@ def test_completion_plain_and_streamed_agree_with_exact_usage(server, client, mo
     n_prompt = len(httpx.post(f"{base}/tokenize", json={"content": PROMPT, "add_special": True}).json()["tokens"])
     full = greedy(client, model_id, max_tokens=10, extra_body={"ignore_eos": True})
     assert full.choices[0].finish_reason == "length"
-    assert (full.usage.prompt_tokens, full.usage.completion_tokens, full.usage.total_tokens) == (n_prompt, 10, n_prompt + 10)
+    assert (full.usage.prompt_tokens, full.usage.completion_tokens, full.usage.total_tokens) == (
+        n_prompt,
+        10,
+        n_prompt + 10,
+    )
     timings = full.model_extra["timings"]
     assert timings["prompt_n"] == n_prompt and timings["predicted_n"] == 10 and timings["draft_n"] == 0
 
@@ -113,8 +117,9 @@ def test_token_id_prompt_equals_text_prompt(server, client, model_id):
 def test_prompt_scoring_with_echo_and_token_ids(server, client, model_id):
     base = server
     ids = httpx.post(f"{base}/tokenize", json={"content": PROMPT, "add_special": True}).json()["tokens"]
-    r = client.completions.create(model=model_id, prompt=ids, echo=True, logprobs=1, max_tokens=0,
-                                  extra_body={"return_tokens_as_token_ids": True})  # fmt: skip
+    r = client.completions.create(
+        model=model_id, prompt=ids, echo=True, logprobs=1, max_tokens=0, extra_body={"return_tokens_as_token_ids": True}
+    )
     lp = r.choices[0].logprobs
     assert lp.tokens == [f"token_id:{t}" for t in ids]
     assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
@@ -122,8 +127,18 @@ def test_prompt_scoring_with_echo_and_token_ids(server, client, model_id):
     assert all(len(t) == 1 and next(iter(t)).startswith("token_id:") for t in lp.top_logprobs[1:])
     assert r.usage.completion_tokens == 0 and r.choices[0].text == PROMPT
     # the greedy token after a prefix is the top alternative there, with the same logprob as scoring it
-    nxt = greedy(client, model_id, prompt=ids[:5], max_tokens=1, logprobs=1,
-                 extra_body={"return_tokens_as_token_ids": True, "ignore_eos": True}).choices[0].logprobs  # fmt: skip
+    nxt = (
+        greedy(
+            client,
+            model_id,
+            prompt=ids[:5],
+            max_tokens=1,
+            logprobs=1,
+            extra_body={"return_tokens_as_token_ids": True, "ignore_eos": True},
+        )
+        .choices[0]
+        .logprobs
+    )
     assert nxt.tokens == [next(iter(lp.top_logprobs[5]))]
     assert nxt.token_logprobs[0] == pytest.approx(next(iter(lp.top_logprobs[5].values())), abs=1e-4)
 
@@ -133,7 +148,7 @@ def test_generated_logprobs_shape(server, client, model_id):
     lp = r.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 5
     assert "".join(lp.tokens) == r.choices[0].text
-    for tok, val, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+    for _tok, val, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
         assert len(top) == 3 and max(top.values()) == pytest.approx(val, abs=1e-5)  # greedy = the top one
     assert lp.text_offset == sorted(lp.text_offset)
 
@@ -143,14 +158,26 @@ def test_stop_strings(server, client, model_id):
     at = next(i for i in range(3, len(ref) - 2) if ref.find(ref[i : i + 2]) == i)
     r = greedy(client, model_id, max_tokens=24, stop=[ref[at : at + 2]], extra_body={"ignore_eos": True})
     assert r.choices[0].text == ref[:at] and r.choices[0].finish_reason == "stop"
-    streamed = greedy(client, model_id, max_tokens=24, stop=ref[at : at + 2], stream=True, extra_body={"ignore_eos": True})
+    streamed = greedy(
+        client, model_id, max_tokens=24, stop=ref[at : at + 2], stream=True, extra_body={"ignore_eos": True}
+    )
     assert "".join(c.choices[0].text for c in streamed) == ref[:at]
 
 
 def test_seed_reproducibility(client, model_id):
     def sample(seed):
-        return client.completions.create(model=model_id, prompt=PROMPT, max_tokens=12, temperature=1.5, seed=seed,
-                                         extra_body={"ignore_eos": True}).choices[0].text  # fmt: skip
+        return (
+            client.completions.create(
+                model=model_id,
+                prompt=PROMPT,
+                max_tokens=12,
+                temperature=1.5,
+                seed=seed,
+                extra_body={"ignore_eos": True},
+            )
+            .choices[0]
+            .text
+        )
 
     assert sample(7) == sample(7)
     assert sample(7) != sample(8)
@@ -161,16 +188,30 @@ def test_seed_reproducibility(client, model_id):
 
 def test_chat_plain_and_streamed(client, model_id):
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello there"}]
-    full = client.chat.completions.create(model=model_id, messages=messages, max_tokens=8, temperature=0,
-                                          logprobs=True, top_logprobs=2, extra_body={"ignore_eos": True})  # fmt: skip
+    full = client.chat.completions.create(
+        model=model_id,
+        messages=messages,
+        max_tokens=8,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+        extra_body={"ignore_eos": True},
+    )
     msg = full.choices[0].message
     assert msg.role == "assistant" and full.usage.completion_tokens == 8 and full.choices[0].finish_reason == "length"
     content = full.choices[0].logprobs.content
     assert len(content) == 8 and all(len(c.top_logprobs) == 2 for c in content)
     assert "".join(c.token for c in content) == msg.content
 
-    stream = client.chat.completions.create(model=model_id, messages=messages, max_tokens=8, temperature=0, stream=True,
-                                            stream_options={"include_usage": True}, extra_body={"ignore_eos": True})  # fmt: skip
+    stream = client.chat.completions.create(
+        model=model_id,
+        messages=messages,
+        max_tokens=8,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
     chunks = list(stream)
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == msg.content
@@ -185,8 +226,10 @@ def test_chat_plain_and_streamed(client, model_id):
 def test_concurrent_requests_equal_sequential_ones(server, client, model_id):
     base = server
     prompts = ["hello world", "night and day", "a b c d", "the lazy dog", "fox over dog"]
-    single = [greedy(client, model_id, prompt=p, max_tokens=10, extra_body={"ignore_eos": True}).choices[0].text
-              for p in prompts]  # fmt: skip
+    single = [
+        greedy(client, model_id, prompt=p, max_tokens=10, extra_body={"ignore_eos": True}).choices[0].text
+        for p in prompts
+    ]
     before = metrics(base)
     out: dict[int, str] = {}
 
@@ -229,10 +272,17 @@ def test_metrics_names_and_counters_move(server, client, model_id):
     before = metrics(base)
     greedy(client, model_id, max_tokens=4, extra_body={"ignore_eos": True})
     after = metrics(base)
-    for name in ("prompt_tokens_total", "prompt_seconds_total", "tokens_predicted_total",
-                 "tokens_predicted_seconds_total", "requests_processing", "requests_deferred",
-                 "spec_decode_num_draft_tokens_total", "spec_decode_num_accepted_tokens_total",
-                 "spec_decode_num_drafts_total"):  # fmt: skip
+    for name in (
+        "prompt_tokens_total",
+        "prompt_seconds_total",
+        "tokens_predicted_total",
+        "tokens_predicted_seconds_total",
+        "requests_processing",
+        "requests_deferred",
+        "spec_decode_num_draft_tokens_total",
+        "spec_decode_num_accepted_tokens_total",
+        "spec_decode_num_drafts_total",
+    ):
         assert f"llamacpp:{name}" in after
     assert after["llamacpp:tokens_predicted_total"] - before["llamacpp:tokens_predicted_total"] == 4
     assert after["llamacpp:prompt_tokens_total"] > before["llamacpp:prompt_tokens_total"]
@@ -267,16 +317,18 @@ def test_over_context_prompt_is_a_400(client, model_id):
 
 @pytest.mark.parametrize(
     "path,body,param",
-    [("/v1/completions", {"prompt": "x", "temperature": -1}, "temperature"),
-     ("/v1/completions", {"prompt": "x", "logprobs": 50}, "logprobs"),
-     ("/v1/completions", {"prompt": [5, 10**9]}, "prompt"),
-     ("/v1/completions", {"prompt": ["a", "b"]}, "prompt"),
-     ("/v1/completions", {"max_tokens": 3}, "prompt"),
-     ("/v1/completions", {"prompt": "x", "stop": [""]}, "stop"),
-     ("/v1/chat/completions", {"messages": []}, "messages"),
-     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, None),
-     ("/detokenize", {"tokens": [-1]}, "tokens"),
-     ("/tokenize", {"content": 5}, "content")],  # fmt: skip
+    [
+        ("/v1/completions", {"prompt": "x", "temperature": -1}, "temperature"),
+        ("/v1/completions", {"prompt": "x", "logprobs": 50}, "logprobs"),
+        ("/v1/completions", {"prompt": [5, 10**9]}, "prompt"),
+        ("/v1/completions", {"prompt": ["a", "b"]}, "prompt"),
+        ("/v1/completions", {"max_tokens": 3}, "prompt"),
+        ("/v1/completions", {"prompt": "x", "stop": [""]}, "stop"),
+        ("/v1/chat/completions", {"messages": []}, "messages"),
+        ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, None),
+        ("/detokenize", {"tokens": [-1]}, "tokens"),
+        ("/tokenize", {"content": 5}, "content"),
+    ],
 )
 def test_bad_requests_get_openai_errors(server, path, body, param):
     base = server
@@ -293,30 +345,41 @@ def test_bad_requests_get_openai_errors(server, path, body, param):
 # ---- overlap ------------------------------------------------------------------------------------------
 
 
-def test_overlap_through_http_and_a_peer_streams_what_the_synchronous_server_does(server, client, model_id, tiny_model,
-                                                                                 tmp_path):  # fmt: skip
+def test_overlap_through_http_and_a_peer_streams_what_the_synchronous_server_does(
+    server, client, model_id, tiny_model, tmp_path
+):
     """`serve --overlap` (a head with one peer: the split path too), streamed through the openai
     client, concurrent requests: greedy with a stop string and logprobs, and seeded sampling, give
     what the synchronous solo server gives."""
     model = tiny_model("llama")
-    with running(peer(model, tmp_path, "--dtype", "float32")) as p, \
-            running(head(model, tmp_path, [p], "--dtype", "float32", "--overlap", parallel=N_SLOTS, ctx=N_CTX)) as w:  # fmt: skip
+    with (
+        running(peer(model, tmp_path, "--dtype", "float32")) as p,
+        running(head(model, tmp_path, [p], "--dtype", "float32", "--overlap", parallel=N_SLOTS, ctx=N_CTX)) as w,
+    ):
         other = openai.OpenAI(base_url=f"{w.url}/v1", api_key="none", max_retries=0, timeout=60)
         ref = greedy(client, model_id, max_tokens=24, extra_body={"ignore_eos": True}).choices[0].text
         at = next(i for i in range(3, len(ref) - 2) if ref.find(ref[i : i + 2]) == i)
-        asks = [dict(prompt=PROMPT, temperature=0, max_tokens=24, stop=[ref[at : at + 2]], logprobs=2),
-                dict(prompt="night and day", temperature=1.5, seed=11, max_tokens=12),
-                dict(prompt="hello world", temperature=0, max_tokens=9)]  # fmt: skip
+        asks = [
+            dict(prompt=PROMPT, temperature=0, max_tokens=24, stop=[ref[at : at + 2]], logprobs=2),
+            dict(prompt="night and day", temperature=1.5, seed=11, max_tokens=12),
+            dict(prompt="hello world", temperature=0, max_tokens=9),
+        ]
 
         def streamed(c, ask):
             chunks = list(c.completions.create(model=model_id, stream=True, extra_body={"ignore_eos": True}, **ask))
             lps = [t for ch in chunks if ch.choices and ch.choices[0].logprobs for t in ch.choices[0].logprobs.tokens]
-            return "".join(ch.choices[0].text for ch in chunks if ch.choices), [ch.choices[0].finish_reason for ch in chunks][-1], lps
+            return (
+                "".join(ch.choices[0].text for ch in chunks if ch.choices),
+                [ch.choices[0].finish_reason for ch in chunks][-1],
+                lps,
+            )
 
         want = [streamed(client, a) for a in asks]
         assert want[0][:2] == (ref[:at], "stop")
         got: dict[int, tuple] = {}
-        threads = [threading.Thread(target=lambda i=i, a=a: got.__setitem__(i, streamed(other, a))) for i, a in enumerate(asks)]
+        threads = [
+            threading.Thread(target=lambda i=i, a=a: got.__setitem__(i, streamed(other, a))) for i, a in enumerate(asks)
+        ]
         for t in threads:
             t.start()
         for t in threads:

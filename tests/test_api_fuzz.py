@@ -25,7 +25,9 @@ def test_no_server_errors(case):
     response = case.call(timeout=60)
     # 501 not_supported_error: a feature this server was not started with (llama-server's answer)
     not_supported = response.status_code == 501 and response.json()["error"]["type"] == "not_supported_error"
-    assert response.status_code < 500 or not_supported, f"{case.method} {case.path} {case.body!r}: {response.text[:500]}"
+    assert response.status_code < 500 or not_supported, (
+        f"{case.method} {case.path} {case.body!r}: {response.text[:500]}"
+    )
     if response.status_code >= 400:
         err = response.json()["error"]
         extra = {"n_prompt_tokens", "n_ctx"} if err.get("type") == "exceed_context_size_error" else set()

@@ -19,14 +19,23 @@ import pytest
 import torch
 from rpc_workers import greedy, head, peer, wait_for
 
-from hydra_console.contracts.rpc import CAP_AUTH, CONTROL_MAGIC, KV_CLEAR, MAX_CTX, PREAUTH_MAX_FRAME, Cmd, Op, Status, StaleEpoch
+from hydra_console.contracts.rpc import (
+    CAP_AUTH,
+    CONTROL_MAGIC,
+    KV_CLEAR,
+    MAX_CTX,
+    PREAUTH_MAX_FRAME,
+    Cmd,
+    Op,
+    StaleEpoch,
+    Status,
+)
 from hydra_console.engine.gguf_file import GGUFFile
 from hydra_console.engine.model import ModelConfig
 from hydra_console.engine.rpc import wire
 from hydra_console.engine.rpc.compute import ComputeServer, pack_forward, pack_hello
 from hydra_console.engine.rpc.listener import RpcListener
-from hydra_console.engine.rpc.resident import StageHost
-from hydra_console.engine.rpc.resident import tensor_shapes
+from hydra_console.engine.rpc.resident import StageHost, tensor_shapes
 from hydra_console.engine.rpc.wire import SocketReader
 
 pytestmark = pytest.mark.integration
@@ -77,7 +86,9 @@ def session(w, g) -> socket.socket:
     """A second compute session on a peer without a token: HELLO and CHECK pass (both public)."""
     s = connect(w.rpc_port)
     compute(s, Cmd.HELLO, pack_hello())
-    assert compute(s, Cmd.CHECK, json.dumps({"fingerprint": g.fingerprint, "shapes": tensor_shapes(g)}).encode())[0] == 0
+    assert (
+        compute(s, Cmd.CHECK, json.dumps({"fingerprint": g.fingerprint, "shapes": tensor_shapes(g)}).encode())[0] == 0
+    )
     return s
 
 
@@ -122,8 +133,11 @@ def test_oversized_load_stage_is_refused_and_the_stage_stays(ws, model):
             req = {"layers": [2, 4], "dtype": "float32", "n_slots": n_slots, "n_ctx": n_ctx}
             reply = compute(s, Cmd.LOAD_STAGE, json.dumps(req).encode())
             assert reply[0] == 1 and (b"n_ctx 1.." in reply or b"MiB free" in reply), reply
-        for extra, why in (({"max_run": 1 << 20}, b"max_run must be"), ({"kv_types": ["q8_0"]}, b"kv_types must be"),
-                           ({"kv_types": ["q8_0", "nope"]}, b"kv_types must be")):  # fmt: skip
+        for extra, why in (
+            ({"max_run": 1 << 20}, b"max_run must be"),
+            ({"kv_types": ["q8_0"]}, b"kv_types must be"),
+            ({"kv_types": ["q8_0", "nope"]}, b"kv_types must be"),
+        ):
             req = {"layers": [2, 4], "dtype": "float32", "n_slots": 1, "n_ctx": 8, **extra}
             reply = compute(s, Cmd.LOAD_STAGE, json.dumps(req).encode())
             assert reply[0] == 1 and why in reply, reply
@@ -198,8 +212,17 @@ def test_unknown_and_state_changing_ops_before_auth_close_unanswered(ws):
     with connect(w.rpc_port) as s:  # an AUTH frame over the pre-auth cap
         s.sendall(wire.pack_control_request(Op.AUTH, b"x" * PREAUTH_MAX_FRAME))
         assert unanswered_close(s) == b""
-    for cmd in (Cmd.LOAD_STAGE, Cmd.KV_CLEAR, Cmd.STATS, Cmd.STATE_META, Cmd.STATE_GET, Cmd.STATE_PUT, Cmd.STATE_JOIN,
-                Cmd.PROBE, 99):
+    for cmd in (
+        Cmd.LOAD_STAGE,
+        Cmd.KV_CLEAR,
+        Cmd.STATS,
+        Cmd.STATE_META,
+        Cmd.STATE_GET,
+        Cmd.STATE_PUT,
+        Cmd.STATE_JOIN,
+        Cmd.PROBE,
+        99,
+    ):
         with connect(ws["tok_peer"].rpc_port) as s:
             hello_with_nonce(s)
             assert compute(s, Cmd.PING, b"ok") == b"\x00ok"  # PING is allowed
@@ -248,7 +271,9 @@ def short_port(model):
     """A peer-mode port with a 0.5 s handshake deadline and a 1 s idle limit, at most 4 connections per IP."""
     g = GGUFFile(model)
     server = ComputeServer(StageHost(g, ModelConfig.from_gguf(g), "cpu"), idle_s=1.0)
-    lst = RpcListener("127.0.0.1", 0, mode="peer", compute=server, header_s=0.5, max_per_ip=4, cap_exempt=frozenset()).start()
+    lst = RpcListener(
+        "127.0.0.1", 0, mode="peer", compute=server, header_s=0.5, max_per_ip=4, cap_exempt=frozenset()
+    ).start()
     yield lst
     lst.stop()
 
@@ -300,7 +325,18 @@ def test_a_peer_without_stage_is_degraded_and_reads_as_stale(ws, model):
 
 def test_peer_refuses_a_public_bind_without_token_unless_insecure(model):
     env = {k: v for k, v in os.environ.items() if k != "HYDRA_TOKEN"}
-    cmd = [sys.executable, "-m", "hydra_console.engine.cli", "peer", "--model", str(model), "--rpc-host", "0.0.0.0", "--port", "1"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "hydra_console.engine.cli",
+        "peer",
+        "--model",
+        str(model),
+        "--rpc-host",
+        "0.0.0.0",
+        "--port",
+        "1",
+    ]
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "--insecure" in r.stderr
 

@@ -11,7 +11,6 @@ import json
 import random
 import socket
 import threading
-import time
 
 import httpx
 import pytest
@@ -29,9 +28,22 @@ TIMEOUT = 120.0
 
 @pytest.fixture(scope="module")
 def server(tiny_model, tmp_path_factory):
-    w = head(tiny_model("llama"), tmp_path_factory.mktemp("attacks-http"), (), "--dtype", "float32",
-             "--api-key", KEY, "--max-body", str(MAX_BODY), "--max-queue", str(MAX_QUEUE),
-             "--n-predict", str(N_PREDICT), parallel=1)  # fmt: skip
+    w = head(
+        tiny_model("llama"),
+        tmp_path_factory.mktemp("attacks-http"),
+        (),
+        "--dtype",
+        "float32",
+        "--api-key",
+        KEY,
+        "--max-body",
+        str(MAX_BODY),
+        "--max-queue",
+        str(MAX_QUEUE),
+        "--n-predict",
+        str(N_PREDICT),
+        parallel=1,
+    )
     with running(w) as w:
         yield w
 
@@ -77,16 +89,26 @@ def assert_openai_error(r: httpx.Response, status: int, code: str | None = None)
 
 
 def test_oversize_content_length_is_413_before_the_body_is_read(server):
-    lines = [f"POST /v1/completions HTTP/1.1", f"Host: 127.0.0.1:{server.port}", f"Authorization: Bearer {KEY}",
-             "Content-Type: application/json", f"Content-Length: {MAX_BODY + 1}"]  # fmt: skip
+    lines = [
+        "POST /v1/completions HTTP/1.1",
+        f"Host: 127.0.0.1:{server.port}",
+        f"Authorization: Bearer {KEY}",
+        "Content-Type: application/json",
+        f"Content-Length: {MAX_BODY + 1}",
+    ]
     reply = raw_request(server, lines, [b'{"prompt": "'])  # the rest never comes: the header alone decides
     assert reply.startswith(b"HTTP/1.1 413"), reply[:200]
     assert b'"request_too_large"' in reply and b"--max-body" in reply
 
 
 def test_oversize_chunked_body_is_413_while_it_streams(server):
-    lines = [f"POST /v1/completions HTTP/1.1", f"Host: 127.0.0.1:{server.port}", f"Authorization: Bearer {KEY}",
-             "Content-Type: application/json", "Transfer-Encoding: chunked"]  # fmt: skip
+    lines = [
+        "POST /v1/completions HTTP/1.1",
+        f"Host: 127.0.0.1:{server.port}",
+        f"Authorization: Bearer {KEY}",
+        "Content-Type: application/json",
+        "Transfer-Encoding: chunked",
+    ]
     piece = 1 << 20
     chunks = [b'%x\r\n{"prompt": "%s\r\n' % (piece, b"a" * (piece - 12))]
     chunks += [b"%x\r\n%s\r\n" % (piece, b"a" * piece)] * (MAX_BODY // piece)  # past the limit, never finished
@@ -107,8 +129,12 @@ def test_health_answers_while_a_big_prompt_tokenizes(server):
 
     def big():
         body = json.dumps({"prompt": prompt, "max_tokens": 1}, ensure_ascii=False).encode()
-        result["r"] = httpx.post(f"{server.url}/v1/completions", content=body, timeout=TIMEOUT,
-                                 headers={**AUTH, "Content-Type": "application/json"})  # fmt: skip
+        result["r"] = httpx.post(
+            f"{server.url}/v1/completions",
+            content=body,
+            timeout=TIMEOUT,
+            headers={**AUTH, "Content-Type": "application/json"},
+        )
         done.set()
 
     t = threading.Thread(target=big)
@@ -134,8 +160,11 @@ def test_a_burst_beyond_the_queue_gets_503_with_retry_after_and_none_is_lost(ser
 
     def one(i):
         try:
-            results[i] = post(server, "/v1/completions", {"prompt": f"request {i}", "max_tokens": 200,
-                                                         "ignore_eos": True, "temperature": 0})  # fmt: skip
+            results[i] = post(
+                server,
+                "/v1/completions",
+                {"prompt": f"request {i}", "max_tokens": 200, "ignore_eos": True, "temperature": 0},
+            )
         except BaseException as e:  # a hang or a dropped connection: reported below
             results[i] = e
 
@@ -195,7 +224,9 @@ def test_one_log_line_per_failed_request_and_no_traceback_for_a_4xx(server):
     assert [r.status_code for r in failed] == [401, 400, 400] and ok.status_code == 200
 
     def lines_of(r):
-        return [ln for ln in server.log_path.read_text(errors="replace").splitlines() if r.headers["x-request-id"] in ln]
+        return [
+            ln for ln in server.log_path.read_text(errors="replace").splitlines() if r.headers["x-request-id"] in ln
+        ]
 
     wait_for(lambda: all(lines_of(r) for r in [*failed, ok]), TIMEOUT, "the request log lines")
     for r in failed:
@@ -215,8 +246,11 @@ def test_health_is_503_with_a_peer_killed(tiny_model, tmp_path):
     with running(p), running(head(model, tmp_path, [p])) as w:
         assert httpx.get(f"{w.url}/health", timeout=TIMEOUT).json()["serving"] is True
         p.kill9()
-        r = wait_for(lambda: (h := httpx.get(f"{w.url}/health", timeout=TIMEOUT)).status_code == 503 and h, TIMEOUT,
-                     "/health to turn 503")  # fmt: skip
+        r = wait_for(
+            lambda: (h := httpx.get(f"{w.url}/health", timeout=TIMEOUT)).status_code == 503 and h,
+            TIMEOUT,
+            "/health to turn 503",
+        )
         body = r.json()
         assert body["status"] == "degraded" and body["serving"] is False and body["startup_stage"] == 5
         assert p.rpc_addr in body["reason"]

@@ -77,13 +77,26 @@ GEMMA_CHAT = (
     "<start_of_turn>model\n"
 )
 
-SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|begin_of_text|>", "<|start_header_id|>",
-            "<|end_header_id|>", "<|eot_id|>"]  # fmt: skip
+SPECIALS = [
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|begin_of_text|>",
+    "<|start_header_id|>",
+    "<|end_header_id|>",
+    "<|eot_id|>",
+]
 
 
-def write_model(path: Path, arch: str, template: str | None = None, add_bos: bool = False, specials=SPECIALS) -> GGUFFile:
+def write_model(
+    path: Path, arch: str, template: str | None = None, add_bos: bool = False, specials=SPECIALS
+) -> GGUFFile:
     """A vocabulary-only GGUF: byte-level BPE tokens plus the chat special tokens."""
-    specials = ["<|endoftext|>", "<|begin_of_text|>", *(s for s in specials if s not in ("<|endoftext|>", "<|begin_of_text|>"))]
+    specials = [
+        "<|endoftext|>",
+        "<|begin_of_text|>",
+        *(s for s in specials if s not in ("<|endoftext|>", "<|begin_of_text|>")),
+    ]
     tokens = list(BYTE_TO_UNICODE) + specials
     w = gguf.GGUFWriter(str(path), arch)
     w.add_tokenizer_model("gpt2")
@@ -184,7 +197,9 @@ def test_template_variables_and_bos_handling(tmp_path):
 
 
 def test_raise_exception_is_a_user_error(tmp_path):
-    template = "{% if messages[0].role != 'user' %}{{ raise_exception('first message must be from the user') }}{% endif %}ok"
+    template = (
+        "{% if messages[0].role != 'user' %}{{ raise_exception('first message must be from the user') }}{% endif %}ok"
+    )
     with pytest.raises(ChatError, match="first message must be from the user") as e:
         render(tmp_path, "qwen2", CHAT, template)
     assert isinstance(e.value, UserError)
@@ -213,9 +228,15 @@ def test_broken_or_unsafe_templates(tmp_path, template, error):
         ("hello", "must be a list"),
         ([{"content": "hi"}], r"messages\[0\] has no role"),
         ([{"role": "user"}], r"messages\[0\] \(user\) has no content"),
-        ([{"role": "user", "content": "a"}, {"role": "robot", "content": "b"}], r"messages\[1\] has unknown role 'robot'"),
+        (
+            [{"role": "user", "content": "a"}, {"role": "robot", "content": "b"}],
+            r"messages\[1\] has unknown role 'robot'",
+        ),
         ([{"role": "user", "content": 5}], "must be a string or a list of text parts"),
-        ([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}], r"content\[0\]: image input is not supported"),
+        (
+            [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}],
+            r"content\[0\]: image input is not supported",
+        ),
         ([{"role": "user", "content": [{"type": "input_audio"}]}], "audio input is not supported"),
         ([{"role": "user", "content": [{"type": "file"}]}], "only text parts"),
         (["hi"], r"messages\[0\] must be an object"),
@@ -229,7 +250,10 @@ def test_invalid_messages(gemma, messages, error):
 
 def test_normalize_keeps_tool_calls_and_extra_keys():
     msgs = normalize_messages(
-        [{"role": "user", "content": "q"}, {"role": "assistant", "content": None, "tool_calls": [{"id": "1"}], "name": "a"}]
+        [
+            {"role": "user", "content": "q"},
+            {"role": "assistant", "content": None, "tool_calls": [{"id": "1"}], "name": "a"},
+        ]
     )
     assert msgs[1] == {"role": "assistant", "content": "", "tool_calls": [{"id": "1"}], "name": "a"}
 
@@ -237,7 +261,9 @@ def test_normalize_keeps_tool_calls_and_extra_keys():
 def test_chat_template_object_reusable():
     t = ChatTemplate(CHATML_JINJA)
     assert t.render([{"role": "user", "content": "a"}]) == "<|im_start|>user\na<|im_end|>\n<|im_start|>assistant\n"
-    assert t.render([{"role": "user", "content": "b"}], add_generation_prompt=False) == "<|im_start|>user\nb<|im_end|>\n"
+    assert (
+        t.render([{"role": "user", "content": "b"}], add_generation_prompt=False) == "<|im_start|>user\nb<|im_end|>\n"
+    )
 
 
 @pytest.mark.unit
@@ -252,7 +278,8 @@ def test_chat_template_override_by_name_or_source(tmp_path):
     system_user = [{"role": "system", "content": "You are a test."}, {"role": "user", "content": "Hi there"}]
     assert ChatTemplate.for_model(tok, g, "command-r").render(system_user) == (
         "<|START_OF_TURN_TOKEN|><|SYSTEM_TOKEN|>You are a test.<|END_OF_TURN_TOKEN|><|START_OF_TURN_TOKEN|><|USER_TOKEN|>"
-        "Hi there<|END_OF_TURN_TOKEN|><|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|>")
+        "Hi there<|END_OF_TURN_TOKEN|><|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|>"
+    )
     with pytest.raises(ChatError, match="unknown template name"):
         ChatTemplate.for_model(tok, g, "vicuna")
     with pytest.raises(ChatError, match="does not parse"):

@@ -18,9 +18,10 @@ import time
 
 import httpx
 import pytest
+from consoles import all_ready, fake_profile, kill_groups, uniform_shape, until
 from textual.command import CommandPalette
 
-from hydra_console.app.config import Alerts, Profile, SupervisorSettings, WorkerSpec, load_profile
+from hydra_console.app.config import Alerts, Profile, SupervisorSettings, load_profile
 from hydra_console.app.sources import FixedFeedSource, Probe
 from hydra_console.app.supervisor import State, Supervisor
 from hydra_console.app.ui.app import HydraConsole
@@ -29,7 +30,7 @@ from hydra_console.app.ui.dialogs import ConfirmScreen, HelpScreen
 from hydra_console.app.ui.logs import LogsScreen
 from hydra_console.app.ui.split_editor import SplitEditorScreen
 from hydra_console.app.ui.triage import TriageScreen
-from consoles import FAKE, all_ready, fake_profile, kill_groups, port_pair, uniform_shape, until
+
 
 def head_ranges(sup: Supervisor) -> list[list[int]]:
     doc = httpx.get(f"{sup.head.spec.url}/status", timeout=2).json()
@@ -210,7 +211,9 @@ async def test_logs_filter_invert_and_failure_highlight(tmp_path):
         titles = {c.title for c in app.get_system_commands(logs)}
         assert {"Logs: follow / pause", "Logs: invert filter", "Logs: next worker"} <= titles
         await pilot.press("c", "a")  # the access log only
-        assert [t.split(maxsplit=2)[2].strip() for t in shown()] == ["INFO hydra.http 3f2a9c1b7d4e POST /v1/completions 200 in=3 out=4 12ms"]
+        assert [t.split(maxsplit=2)[2].strip() for t in shown()] == [
+            "INFO hydra.http 3f2a9c1b7d4e POST /v1/completions 200 in=3 out=4 12ms"
+        ]
         assert "requests only" in str(logs.query_one("#logbar").render())
         await pilot.press("a", "f")
         assert logs.follow is False and len(shown()) == 4  # the launch line, then the three printed ones
@@ -235,8 +238,16 @@ async def test_help_lists_remapped_keys_and_palette_has_every_action(tmp_path):
         assert isinstance(app.screen, SplitEditorScreen)
         await pilot.press("escape")
         titles = {c.title for c in app.get_system_commands(app.screen)}
-        assert {"Help", "Split editor", "Logs: all workers", "Log filter", "Save profile", "Detail: head",
-                "Logs: peer1", "Theme: hydra-colourblind"} <= titles
+        assert {
+            "Help",
+            "Split editor",
+            "Logs: all workers",
+            "Log filter",
+            "Save profile",
+            "Detail: head",
+            "Logs: peer1",
+            "Theme: hydra-colourblind",
+        } <= titles
         await pilot.press("ctrl+k")
         assert isinstance(app.screen, CommandPalette)
         await pilot.press("escape")
@@ -249,8 +260,9 @@ async def test_help_lists_remapped_keys_and_palette_has_every_action(tmp_path):
 
 
 def run_cli(*args, timeout=60) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "hydra_console.app.main", *args],
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "hydra_console.app.main", *args], capture_output=True, text=True, timeout=timeout
+    )
 
 
 async def test_once_json_reports_running_workers_without_starting_any(tmp_path):
@@ -269,7 +281,9 @@ async def test_once_json_reports_running_workers_without_starting_any(tmp_path):
         assert proc.returncode == 0, proc.stderr
         doc = json.loads(proc.stdout)
         assert [(w["name"], w["state"], w["pid"], w["layers"]) for w in doc["workers"]] == [
-            ("head", "ready", sup.head.pid, [0, 9]), ("peer1", "ready", sup.workers["peer1"].pid, [9, 18])]
+            ("head", "ready", sup.head.pid, [0, 9]),
+            ("peer1", "ready", sup.workers["peer1"].pid, [9, 18]),
+        ]
     finally:
         await sup.shutdown()
     proc = await asyncio.to_thread(run_cli, "--profile", str(path), "--once")
@@ -279,8 +293,11 @@ async def test_once_json_reports_running_workers_without_starting_any(tmp_path):
 
 @pytest.mark.parametrize(
     "args,needle",
-    [(["--json"], "--json needs --once"), (["--profile", "/nonexistent/x.toml", "--once"], "profile not found"),
-     (["--theme", "pink", "--profile", "/dev/null"], "unknown theme")],
+    [
+        (["--json"], "--json needs --once"),
+        (["--profile", "/nonexistent/x.toml", "--once"], "profile not found"),
+        (["--theme", "pink", "--profile", "/dev/null"], "unknown theme"),
+    ],
 )
 def test_cli_errors_are_one_line_without_traceback(args, needle):
     proc = run_cli(*args)
@@ -321,9 +338,7 @@ def test_hangup_of_the_ssh_session_stops_the_started_workers(tmp_path, hangup):
     """The real `hydra-console` in a pseudo-terminal; a dropped SSH session must not orphan workers.
     `terminal_closed` is what sshd does: the pty goes away (the kernel sends SIGHUP) and every
     later write to it fails, so the console must not wait to restore the terminal."""
-    import os
     import pty
-    import signal
     import threading
 
     from hydra_console.app.config import save_profile
@@ -402,13 +417,21 @@ async def test_events_panel_rewraps_after_a_resize():
         assert narrow[-1].endswith("END") and not any("long event" in t and "END" in t for t in narrow)  # wrapped
         await pilot.resize_terminal(200, 30)
         # Re-wrapped: waited for, not slept on (a loaded machine lays out later).
-        await until(pilot, lambda: len(shown()) < len(narrow) and any("long event" in t and t.endswith("END") for t in shown()), 10)
+        await until(
+            pilot,
+            lambda: len(shown()) < len(narrow) and any("long event" in t and t.endswith("END") for t in shown()),
+            10,
+        )
         await pilot.press("q")
 
 
 async def test_sort_pause_refresh_rate_and_help_at_80x24():
-    feed = FixedFeedSource({"peer1": Probe(True, 200, {"status": "ok"}, {"pid": 7, "uptime_s": 50.0}),
-                            "head": Probe(True, 200, {"status": "ok"}, {"pid": 9, "uptime_s": 10.0})})
+    feed = FixedFeedSource(
+        {
+            "peer1": Probe(True, 200, {"status": "ok"}, {"pid": 7, "uptime_s": 50.0}),
+            "head": Probe(True, 200, {"status": "ok"}, {"pid": 9, "uptime_s": 10.0}),
+        }
+    )
     sup = Supervisor(Profile(supervisor=SupervisorSettings(poll_s=1.0)), attach=True, source=feed)
     app = HydraConsole(sup, load_model_shape=False)
     async with app.run_test(size=(80, 24)) as pilot:
@@ -461,7 +484,9 @@ async def test_an_alert_toasts_and_rings_once_per_incident_and_goes_into_the_his
         await sup.poll_once()
         app.check_alerts()
         app.check_alerts()  # still the same incident
-        assert len(bells) == 1 and [m for _, m in app.alert_history] == ["peer 10.0.0.7:8091 RTT 80.0 ms (alert at 50 ms)"]
+        assert len(bells) == 1 and [m for _, m in app.alert_history] == [
+            "peer 10.0.0.7:8091 RTT 80.0 ms (alert at 50 ms)"
+        ]
         feed.probes["head"] = Probe(True, 200, {"status": "ok"}, fast)
         await sup.poll_once()
         app.check_alerts()
@@ -475,8 +500,13 @@ async def test_an_alert_toasts_and_rings_once_per_incident_and_goes_into_the_his
 
 
 async def test_triage_strip_and_timeline_follow_the_heads_history():
-    ok = {"role": "head", "state": "ok", "startup_stage": 4, "requests": {"slots_total": 2},
-          "peers": [{"addr": "p:1", "state": "up", "rtt_ms": 1.0}]}  # fmt: skip
+    ok = {
+        "role": "head",
+        "state": "ok",
+        "startup_stage": 4,
+        "requests": {"slots_total": 2},
+        "peers": [{"addr": "p:1", "state": "up", "rtt_ms": 1.0}],
+    }
     health = {"status": "ok", "startup_stage": 4}
     feed = FixedFeedSource({"head": Probe(True, 200, health, ok)})
     sup = Supervisor(Profile(peers=[], supervisor=SupervisorSettings(poll_s=0.2)), attach=True, source=feed)
@@ -484,10 +514,20 @@ async def test_triage_strip_and_timeline_follow_the_heads_history():
     async with app.run_test(size=(80, 24)) as pilot:
         await until(pilot, lambda: len(sup.head.history) >= 1)
         assert app.dashboard.query_one("#advice").display is False  # nothing to change: no strip
-        feed.probes["head"] = Probe(True, 200, health, {**ok, "requests": {"slots_total": 2, "queued": 9},
-                                                        "peers": [{"addr": "p:1", "state": "down", "error": "reset"}]})  # fmt: skip
+        feed.probes["head"] = Probe(
+            True,
+            200,
+            health,
+            {
+                **ok,
+                "requests": {"slots_total": 2, "queued": 9},
+                "peers": [{"addr": "p:1", "state": "down", "error": "reset"}],
+            },
+        )
         strip = app.dashboard.query_one("#advice")
-        await until(pilot, lambda: strip.display and "queue 9 deep with 2 slots: raise --parallel (i)" in str(strip.render()))
+        await until(
+            pilot, lambda: strip.display and "queue 9 deep with 2 slots: raise --parallel (i)" in str(strip.render())
+        )
         await pilot.press("i")
         assert isinstance(app.screen, TriageScreen)
         timeline = str(app.screen.query_one("#triage-timeline").render())

@@ -7,6 +7,7 @@ import asyncio
 
 import openai
 import pytest
+from consoles import all_ready, port_pair, until
 
 from hydra_console.app.config import Profile, SupervisorSettings, WorkerSpec
 from hydra_console.app.split_plan import ModelShape
@@ -15,16 +16,19 @@ from hydra_console.app.ui.app import HydraConsole
 from hydra_console.app.ui.dialogs import ConfirmScreen
 from hydra_console.app.ui.split_editor import SplitEditorScreen
 
-from consoles import all_ready, port_pair, until
-
 DELAY_MS = 50  # per layer on the peer: dominates a tiny model's own compute even on a loaded machine
 N_LAYERS = 8
 
 
 def ms_per_token(client: openai.OpenAI) -> float:
     """The head's own decode time per token for a fixed-length greedy completion."""
-    r = client.completions.create(model="any", prompt="one two three", max_tokens=12, temperature=0,
-                                  extra_body={"ignore_eos": True, "cache_prompt": False})  # fmt: skip
+    r = client.completions.create(
+        model="any",
+        prompt="one two three",
+        max_tokens=12,
+        temperature=0,
+        extra_body={"ignore_eos": True, "cache_prompt": False},
+    )
     assert r.usage.completion_tokens == 12
     return r.model_extra["timings"]["predicted_per_token_ms"]
 
@@ -32,11 +36,14 @@ def ms_per_token(client: openai.OpenAI) -> float:
 async def test_advisor_moves_layers_off_a_slowed_peer_and_the_proposal_beats_the_even_split(tiny_model, tmp_path):
     model = tiny_model("llama", n_layers=N_LAYERS)
     profile = Profile(
-        name="advisor", model=str(model), ctx=128, parallel=1,
+        name="advisor",
+        model=str(model),
+        ctx=128,
+        parallel=1,
         head=WorkerSpec(name="head", port=port_pair(), device="cpu"),
         peers=[WorkerSpec(name="peer1", port=port_pair(), device="cpu", args=["--layer-delay-ms", str(DELAY_MS)])],
         supervisor=SupervisorSettings(poll_s=0.25, grace_s=10),
-    )  # fmt: skip
+    )
     sup = Supervisor(profile, log_dir=tmp_path, state_path=tmp_path / "run.json")
     app = HydraConsole(sup, model_shape=ModelShape.from_gguf(model))
     async with app.run_test(size=(120, 40)) as pilot:
@@ -68,8 +75,10 @@ async def test_advisor_moves_layers_off_a_slowed_peer_and_the_proposal_beats_the
         assert any(e.kind == "split" and "7/1" in e.message for e in sup.events)
 
         proposal_ms = await asyncio.to_thread(ms_per_token, client)
-        print(f"decode ms/token: even 4/4 {even_ms:.1f}, proposal 7/1 {proposal_ms:.1f}; "
-              f"predicted {advice.current.step_ms:.1f} -> {advice.best.step_ms:.1f}")
+        print(
+            f"decode ms/token: even 4/4 {even_ms:.1f}, proposal 7/1 {proposal_ms:.1f}; "
+            f"predicted {advice.current.step_ms:.1f} -> {advice.best.step_ms:.1f}"
+        )
         # The injected delay dominates: 4 slowed layers a step against 1 (a generous margin for noise).
         assert proposal_ms < 0.6 * even_ms
 

@@ -3,13 +3,13 @@ stand-in workers) and what the supervisor launches carries them."""
 
 from __future__ import annotations
 
+from consoles import all_ready, fake_profile, port_pair, until
+
 from hydra_console.app import display
 from hydra_console.app.config import WorkerSpec
 from hydra_console.app.split_plan import ModelShape, WorkerMemory
 from hydra_console.app.supervisor import Supervisor
 from hydra_console.app.ui.app import HydraConsole
-
-from consoles import all_ready, fake_profile, port_pair, until
 
 
 def column(editor, name: str) -> list[str]:
@@ -39,7 +39,10 @@ async def test_split_editor_estimates_kv_in_the_profiles_cache_types(tmp_path, t
             want = shape.estimate([9, 9], profile.ctx, profile.parallel, [q8, q8_f16])
             assert kv == [display.fmt_bytes(e.kv_bytes) for e in want]
             bf16 = shape.estimate([9, 9], profile.ctx, profile.parallel, [WorkerMemory("cpu")] * 2)
-            assert want[0].kv_bytes == bf16[0].kv_bytes * 17 // 32 and bf16[1].kv_bytes > want[1].kv_bytes > want[0].kv_bytes
+            assert (
+                want[0].kv_bytes == bf16[0].kv_bytes * 17 // 32
+                and bf16[1].kv_bytes > want[1].kv_bytes > want[0].kv_bytes
+            )
             note = str(editor.query_one("#split-note").render())
             assert "head (cpu): weights int8 + bf16 prefill copy, KV q8_0/q8_0" in note
             assert "peer1 (cpu): weights int8 + bf16 prefill copy, KV q8_0/f16" in note

@@ -6,6 +6,8 @@ import importlib.util
 
 import httpx
 import pytest
+from consoles import all_ready, until
+from rpc_workers import free_ports
 
 from hydra_console.app.config import Profile, SupervisorSettings, WorkerSpec
 from hydra_console.app.split_plan import ModelShape
@@ -14,10 +16,9 @@ from hydra_console.app.ui.app import HydraConsole
 from hydra_console.app.ui.dialogs import ConfirmScreen
 from hydra_console.app.ui.split_editor import SplitEditorScreen
 
-from consoles import all_ready, until
-from rpc_workers import free_ports
-
-ENGINE_MISSING = [m for m in ("hydra_console.engine.api", "hydra_console.engine.workers.peer") if importlib.util.find_spec(m) is None]
+ENGINE_MISSING = [
+    m for m in ("hydra_console.engine.api", "hydra_console.engine.workers.peer") if importlib.util.find_spec(m) is None
+]
 pytestmark = pytest.mark.skipif(bool(ENGINE_MISSING), reason=f"engine workers not built yet: {ENGINE_MISSING} missing")
 
 
@@ -117,7 +118,9 @@ async def test_an_attached_console_and_the_supervising_one_converge_on_a_split_a
         await wait(lambda: own.head.pid != old and own.head.running)
         assert own.head.argv[own.head.argv.index("--split") + 1] == "3/1"
         await wait(lambda: all_ready(own) and [r for _, r in own.stage_ranges() or []] == [(0, 3), (3, 4)])
-        await wait(lambda: any(e.kind == "restarted" and f"pid {old} → {own.head.pid}" in e.message for e in att.events))
+        await wait(
+            lambda: any(e.kind == "restarted" and f"pid {old} → {own.head.pid}" in e.message for e in att.events)
+        )
     finally:
         await att.shutdown()
         await own.shutdown()
@@ -127,8 +130,9 @@ async def test_a_missing_model_is_a_named_crash_loop_in_the_row_and_the_events(t
     profile = real_profile(tmp_path / "no-such-model.gguf")
     profile.peers = []
     # Generous "quick exit" window: a slow machine's torch import must not hide the loop.
-    profile.supervisor = SupervisorSettings(poll_s=0.25, grace_s=10, backoff_initial_s=0.1, backoff_max_s=0.5,
-                                            crash_loop_s=120, crash_loop_count=2)
+    profile.supervisor = SupervisorSettings(
+        poll_s=0.25, grace_s=10, backoff_initial_s=0.1, backoff_max_s=0.5, crash_loop_s=120, crash_loop_count=2
+    )
     sup = Supervisor(profile, log_dir=tmp_path)
     app = HydraConsole(sup, load_model_shape=False)
     async with app.run_test(size=(120, 40)) as pilot:

@@ -10,41 +10,79 @@ import time
 from collections import deque
 
 import pytest
+from consoles import uniform_shape
 
 from hydra_console.app.config import Profile, SupervisorSettings, WorkerSpec
 from hydra_console.app.sources import FixedFeedSource, Probe
 from hydra_console.app.supervisor import LogLine, Supervisor
 from hydra_console.app.ui.app import HydraConsole
 
-from consoles import uniform_shape
-
 T0 = 1_767_225_600.0  # 2026-01-01 00:00:00 UTC
 GiB = 1 << 30
 
 
 def gpu(index: int, used: float, total: float = 139) -> dict:
-    return {"index": index, "kind": "cuda", "name": "NVIDIA H200", "memory_used": int(used * GiB),
-            "memory_total": int(total * GiB), "util": 35.0}
+    return {
+        "index": index,
+        "kind": "cuda",
+        "name": "NVIDIA H200",
+        "memory_used": int(used * GiB),
+        "memory_total": int(total * GiB),
+        "util": 35.0,
+    }
 
 
 HEAD_STATUS = {
-    "role": "head", "pid": 4101, "uptime_s": 3725.0, "state": "ok", "startup_stage": 5,
+    "role": "head",
+    "pid": 4101,
+    "uptime_s": 3725.0,
+    "state": "ok",
+    "startup_stage": 5,
     "model": {"name": "Gemma 3 270m", "arch": "gemma3", "n_layers": 18},
-    "stages": [{"role": "head", "addr": "127.0.0.1:8081", "layers": [0, 6], "device": "cuda:0", "state": "ok"},
-               {"role": "peer", "addr": "127.0.0.1:8091", "layers": [6, 12], "device": "cuda:1", "state": "ok"},
-               {"role": "peer", "addr": "10.0.0.7:8091", "layers": [12, 18], "device": "cuda:0", "state": "ok"}],
+    "stages": [
+        {"role": "head", "addr": "127.0.0.1:8081", "layers": [0, 6], "device": "cuda:0", "state": "ok"},
+        {"role": "peer", "addr": "127.0.0.1:8091", "layers": [6, 12], "device": "cuda:1", "state": "ok"},
+        {"role": "peer", "addr": "10.0.0.7:8091", "layers": [12, 18], "device": "cuda:0", "state": "ok"},
+    ],
     "devices": [gpu(0, 31.5)],
     "throughput": {"prefill_tok_s": 4210.0, "decode_tok_s": 187.5},
     "speculative": {"type": "ngram", "draft_max": 3, "drafts": 812, "acceptance": 0.62, "mean_accepted_len": 1.86},
-    "pool": {"size": 2, "busy": 1, "queued": 0, "queue_max": 64, "dropped": 0, "accepted": 57, "connections": 1, "compute": 0},
-    "requests": {"slots_busy": 1, "slots_total": 1, "queued": 2, "requests_per_s": 0.4, "requests_total": 57,
-                 "ttft_p50_ms": 212.0, "ttft_p99_ms": 930.0, "itl_p50_ms": 5.3, "itl_p99_ms": 11.8},
-    "peers": [{"addr": "127.0.0.1:8091", "state": "up", "rtt_ms": 0.4, "layers": [6, 12]},
-              {"addr": "10.0.0.7:8091", "state": "up", "rtt_ms": 72.5, "layers": [12, 18]}],
+    "pool": {
+        "size": 2,
+        "busy": 1,
+        "queued": 0,
+        "queue_max": 64,
+        "dropped": 0,
+        "accepted": 57,
+        "connections": 1,
+        "compute": 0,
+    },
+    "requests": {
+        "slots_busy": 1,
+        "slots_total": 1,
+        "queued": 2,
+        "requests_per_s": 0.4,
+        "requests_total": 57,
+        "ttft_p50_ms": 212.0,
+        "ttft_p99_ms": 930.0,
+        "itl_p50_ms": 5.3,
+        "itl_p99_ms": 11.8,
+    },
+    "peers": [
+        {"addr": "127.0.0.1:8091", "state": "up", "rtt_ms": 0.4, "layers": [6, 12]},
+        {"addr": "10.0.0.7:8091", "state": "up", "rtt_ms": 72.5, "layers": [12, 18]},
+    ],
     "slots": [{"id": 0, "state": "processing", "n_ctx": 4096, "n_past": 812}],
 }
-PEER_STATUS = {"role": "peer", "pid": 4102, "uptime_s": 3731.0, "state": "ok", "startup_stage": 5,
-               "stages": [{"role": "peer", "addr": "127.0.0.1:8091", "layers": [6, 12]}], "devices": [gpu(1, 128.0)]}
+PEER_STATUS = {
+    "role": "peer",
+    "pid": 4102,
+    "uptime_s": 3731.0,
+    "state": "ok",
+    "startup_stage": 5,
+    "stages": [{"role": "peer", "addr": "127.0.0.1:8091", "layers": [6, 12]}],
+    "devices": [gpu(1, 128.0)],
+}
 FEED = {
     "head": Probe(True, 200, {"status": "ok", "startup_stage": 5}, HEAD_STATUS),
     "peer1": Probe(True, 200, {"status": "ok", "startup_stage": 5}, PEER_STATUS),
@@ -74,8 +112,10 @@ def make_app(theme: str = "hydra-dark") -> HydraConsole:
     profile = Profile(
         name="lab",
         head=WorkerSpec(name="head", port=8080, device="cuda:0"),
-        peers=[WorkerSpec(name="peer1", port=8090, device="cuda:1"),
-               WorkerSpec(name="peer2", host="10.0.0.7", port=8090, device="cuda:0")],
+        peers=[
+            WorkerSpec(name="peer1", port=8090, device="cuda:1"),
+            WorkerSpec(name="peer2", host="10.0.0.7", port=8090, device="cuda:0"),
+        ],
         supervisor=SupervisorSettings(poll_s=3600),  # one poll: the picture must not move
     )
     sup = Supervisor(profile, attach=True, source=FixedFeedSource(FEED), clock=lambda: T0)

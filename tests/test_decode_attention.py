@@ -13,10 +13,14 @@ import torch
 from hydra_console.engine.model.kv_blocks import KV_BLOCK, KVBlocks
 from hydra_console.engine.model.kv_cache import KVCache
 
-KERNEL_DEVICE = "cuda" if torch.cuda.is_available() else (
-    "cpu" if os.environ.get("TRITON_INTERPRET") == "1" and importlib.util.find_spec("triton") else None)
+KERNEL_DEVICE = (
+    "cuda"
+    if torch.cuda.is_available()
+    else ("cpu" if os.environ.get("TRITON_INTERPRET") == "1" and importlib.util.find_spec("triton") else None)
+)
 pytestmark = pytest.mark.skipif(
-    KERNEL_DEVICE is None, reason="no CUDA device, and no `triton` package with TRITON_INTERPRET=1 for CPU")
+    KERNEL_DEVICE is None, reason="no CUDA device, and no `triton` package with TRITON_INTERPRET=1 for CPU"
+)
 
 
 def _filled(n_slots, n_kv, n_ctx, head_dim, dtype, types, lengths, pooled, seed=0):
@@ -33,8 +37,13 @@ def _filled(n_slots, n_kv, n_ctx, head_dim, dtype, types, lengths, pooled, seed=
     kv = KVCache(blocks, n_kv, head_dim, compute=dtype, device=KERNEL_DEVICE, k_type=types[0], v_type=types[1])
     for slot in range(n_slots):
         k, v = (torch.randn(n_ctx, n_kv, head_dim, generator=g) for _ in range(2))
-        k[lengths[slot]:], v[lengths[slot]:] = 1e4, -1e4
-        kv.scatter(torch.full((n_ctx,), slot, device=KERNEL_DEVICE), torch.arange(n_ctx, device=KERNEL_DEVICE), k.to(KERNEL_DEVICE), v.to(KERNEL_DEVICE))
+        k[lengths[slot] :], v[lengths[slot] :] = 1e4, -1e4
+        kv.scatter(
+            torch.full((n_ctx,), slot, device=KERNEL_DEVICE),
+            torch.arange(n_ctx, device=KERNEL_DEVICE),
+            k.to(KERNEL_DEVICE),
+            v.to(KERNEL_DEVICE),
+        )
     return kv
 
 
@@ -72,8 +81,11 @@ CASES = [  # (compute dtype, K type, V type, n_head, n_kv, head_dim)
 ]
 
 
-@pytest.mark.parametrize("dtype, k_type, v_type, n_head, n_kv, head_dim", CASES,
-                         ids=[f"{c[0]}-{c[1]}-{c[2]}-{c[3]}x{c[4]}x{c[5]}".replace("torch.", "") for c in CASES])
+@pytest.mark.parametrize(
+    "dtype, k_type, v_type, n_head, n_kv, head_dim",
+    CASES,
+    ids=[f"{c[0]}-{c[1]}-{c[2]}-{c[3]}x{c[4]}x{c[5]}".replace("torch.", "") for c in CASES],
+)
 @pytest.mark.parametrize("window, splits, pooled", [(0, 1, False), (0, 3, True), (37, 2, True)])
 def test_kernel_matches_float64_attention(dtype, k_type, v_type, n_head, n_kv, head_dim, window, splits, pooled):
     lengths = [300, 1, 64, 129]
@@ -83,9 +95,13 @@ def test_kernel_matches_float64_attention(dtype, k_type, v_type, n_head, n_kv, h
     q = torch.randn(5, n_head, head_dim, generator=torch.Generator().manual_seed(1)).to(KERNEL_DEVICE, dtype)
     scale = head_dim**-0.5
     got = _run(kv, q, slots, positions, window, scale, splits)
-    _check(got, _reference(kv, q, slots, positions, window, scale), dtype,
-           f"{dtype} K {k_type} V {v_type} heads {n_head}/{n_kv}x{head_dim} window {window} splits {splits} "
-           f"{'pooled' if pooled else 'reserved'}")
+    _check(
+        got,
+        _reference(kv, q, slots, positions, window, scale),
+        dtype,
+        f"{dtype} K {k_type} V {v_type} heads {n_head}/{n_kv}x{head_dim} window {window} splits {splits} "
+        f"{'pooled' if pooled else 'reserved'}",
+    )
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs and torch.compile's Triton backend")
@@ -103,7 +119,9 @@ def test_graphed_stage_decode_through_the_kernel_equals_eager(tiny_model, types,
     prompts = {0: list(range(2, 142)), 1: [5], 2: list(range(40, 46))}
     for stage in (graphed, eager):
         for slot, prompt in prompts.items():
-            stage.run_layers(stage.embed(torch.tensor(prompt)), torch.full((len(prompt),), slot), torch.arange(len(prompt)))
+            stage.run_layers(
+                stage.embed(torch.tensor(prompt)), torch.full((len(prompt),), slot), torch.arange(len(prompt))
+            )
     positions = torch.tensor([len(p) for p in prompts.values()])
     for step in range(12):
         tokens = torch.tensor([60 + step, 70 + step, 80 + step])

@@ -10,17 +10,23 @@ import torch
 
 from hydra_console.engine.kernels.triton_dense import DENSE_GEMV_MAX_ROWS, dense_gemv
 
-DEVICE = "cuda" if torch.cuda.is_available() else (
-    "cpu" if os.environ.get("TRITON_INTERPRET") == "1" and importlib.util.find_spec("triton") else None)
+DEVICE = (
+    "cuda"
+    if torch.cuda.is_available()
+    else ("cpu" if os.environ.get("TRITON_INTERPRET") == "1" and importlib.util.find_spec("triton") else None)
+)
 pytestmark = pytest.mark.skipif(DEVICE is None, reason="no CUDA device, and no Triton interpreter")
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 8])
-@pytest.mark.parametrize("n,k,config", [
-    (37, 96, (4, 32, 4, 4)),  # rows past N's last block, K not a multiple of BLOCK_K: both masks
-    (64, 256, (2, 64, 4, 64)),  # split K over four programs: partials summed by the second kernel
-    (48, 512, None),  # the configuration decode uses
-])
+@pytest.mark.parametrize(
+    "n,k,config",
+    [
+        (37, 96, (4, 32, 4, 4)),  # rows past N's last block, K not a multiple of BLOCK_K: both masks
+        (64, 256, (2, 64, 4, 64)),  # split K over four programs: partials summed by the second kernel
+        (48, 512, None),  # the configuration decode uses
+    ],
+)
 def test_dense_gemv_matches_float64(rows, n, k, config):
     if config is None and rows > DENSE_GEMV_MAX_ROWS:
         pytest.skip("cuBLAS takes these rows")
@@ -31,7 +37,7 @@ def test_dense_gemv_matches_float64(rows, n, k, config):
     y = dense_gemv(x.to(DEVICE), w.to(DEVICE), config)
     assert y.shape == (rows, n) and y.dtype == torch.bfloat16
     # float32 accumulation, then one rounding to bfloat16 (the interpreter truncates: two ulps)
-    torch.testing.assert_close(y.cpu().double(), ref, rtol=2 ** -7, atol=2 ** -7 * ref.abs().max().item())
+    torch.testing.assert_close(y.cpu().double(), ref, rtol=2**-7, atol=2**-7 * ref.abs().max().item())
 
 
 def test_dense_gemv_is_deterministic_and_refuses_too_many_rows():

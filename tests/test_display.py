@@ -53,12 +53,16 @@ def test_a_crash_loop_row_names_its_cause():
     assert display.worker_row(w, sup, now=100.0)[0][-1] == "2"  # one crash: the code only
 
 
-@pytest.mark.parametrize("secs,text", [(None, "—"), (0, "0s"), (59.9, "59s"), (61, "1m01s"), (3661, "1h01m"), (90000, "1d01h")])
+@pytest.mark.parametrize(
+    "secs,text", [(None, "—"), (0, "0s"), (59.9, "59s"), (61, "1m01s"), (3661, "1h01m"), (90000, "1d01h")]
+)
 def test_fmt_duration(secs, text):
     assert display.fmt_duration(secs) == text
 
 
-@pytest.mark.parametrize("n,text", [(None, "—"), (0, "0 B"), (1023, "1023 B"), (1536, "1.5 KiB"), (139 * 2**30, "139.0 GiB")])
+@pytest.mark.parametrize(
+    "n,text", [(None, "—"), (0, "0 B"), (1023, "1023 B"), (1536, "1.5 KiB"), (139 * 2**30, "139.0 GiB")]
+)
 def test_fmt_bytes(n, text):
     assert display.fmt_bytes(n) == text
 
@@ -98,7 +102,9 @@ def test_failure_patterns(line, label):
 
 
 def test_filter_regex_invert_and_literal_fallback():
-    lines = [LogLine(i, 0.0, "head", "out", t) for i, t in enumerate(["GET /health 200", "GET /status 200", "error: x ["])]
+    lines = [
+        LogLine(i, 0.0, "head", "out", t) for i, t in enumerate(["GET /health 200", "GET /status 200", "error: x ["])
+    ]
     rx = display.compile_filter(r"/(health|status)")
     assert [ln.text for ln in display.filter_lines(lines, rx)] == ["GET /health 200", "GET /status 200"]
     assert [ln.text for ln in display.filter_lines(lines, rx, invert=True)] == ["error: x ["]
@@ -117,7 +123,9 @@ def test_memory_estimate_counts_each_stage_as_its_worker_holds_it(tiny_model):
     # A GPU keeps Q4_K in its bits (144 bytes per 256 weights) where a CPU holds int8 terms and a bf16 copy.
     on_gpu = shape.estimate([3, 1], n_ctx=64, n_slots=2, workers=[cpu, gpu])
     assert on_gpu[0] == est[0] and on_gpu[1].weight_bytes < est[1].weight_bytes / 5
-    assert on_gpu[1].kv_bytes == est[1].kv_bytes * (64 + 4) // 64  # + ROLLBACK positions a slot for the graphs' padding rows
+    assert (
+        on_gpu[1].kv_bytes == est[1].kv_bytes * (64 + 4) // 64
+    )  # + ROLLBACK positions a slot for the graphs' padding rows
     q8 = shape.estimate([3, 1], n_ctx=64, n_slots=2, workers=[WorkerMemory("cpu", kv_types=("q8_0", "q8_0"))] * 2)
     assert [e.kv_bytes for e in q8] == [e.kv_bytes * 17 // 32 for e in est]  # 34 bytes per 32 values, not 64
     with pytest.raises(UserError, match="covers 3 layers"):
@@ -128,7 +136,9 @@ def test_a_gpu_workers_measured_runtime_replaces_the_default(tiny_model):
     """A running GPU worker's /status measures its CUDA context and kernels (NVML's reading less
     torch's reservation): its estimate counts that instead of the H200's default; a CPU's has none."""
     shape = ModelShape.from_gguf(tiny_model("llama", n_layers=4, n_embd=256, n_ff=256, qtype="Q4_K"))
-    default, measured = shape.estimate([3, 1], 64, 2, [WorkerMemory("cuda"), WorkerMemory("cuda", runtime_bytes=300 << 20)])
+    default, measured = shape.estimate(
+        [3, 1], 64, 2, [WorkerMemory("cuda"), WorkerMemory("cuda", runtime_bytes=300 << 20)]
+    )
     assert default.runtime_bytes == CUDA_RUNTIME_BYTES and measured.runtime_bytes == 300 << 20
     assert measured.total == measured.weight_bytes + measured.kv_bytes + measured.work_bytes + (300 << 20)
     (cpu,) = shape.estimate([4], 64, 2, [WorkerMemory("cpu", runtime_bytes=300 << 20)])
@@ -142,23 +152,44 @@ def test_a_gpu_workers_measured_runtime_replaces_the_default(tiny_model):
 def test_memory_form_says_how_a_worker_holds_its_stage():
     assert display.memory_form(WorkerMemory("cpu")) == "(cpu): weights int8 + bf16 prefill copy, KV bf16/bf16"
     assert display.memory_form(WorkerMemory("cpu", "float32")) == "(cpu): weights at float32, KV f32/f32"
-    assert display.memory_form(WorkerMemory("cuda", kv_types=("q8_0", "f16"))) == "(cuda): weights as in the GGUF, KV q8_0/f16"
+    assert (
+        display.memory_form(WorkerMemory("cuda", kv_types=("q8_0", "f16")))
+        == "(cuda): weights as in the GGUF, KV q8_0/f16"
+    )
     assert display.memory_form(WorkerMemory("cuda", gpu_weights="dense")) == "(cuda): weights at bfloat16, KV bf16/bf16"
     mixed = [WorkerMemory("cuda"), WorkerMemory("cpu"), WorkerMemory("cuda")]
     assert display.memory_forms(["head", "peer1", "peer2"], mixed) == (
-        "head, peer2 (cuda): weights as in the GGUF, KV bf16/bf16; peer1 (cpu): weights int8 + bf16 prefill copy, KV bf16/bf16")
+        "head, peer2 (cuda): weights as in the GGUF, KV bf16/bf16; peer1 (cpu): weights int8 + bf16 prefill copy, KV bf16/bf16"
+    )
 
 
 STATUS = {
-    "role": "head", "pid": 4242, "uptime_s": 75.0, "state": "ok", "startup_stage": 5,
-    "stages": [{"role": "head", "addr": "127.0.0.1:8081", "layers": [0, 9]},
-               {"role": "peer", "addr": "127.0.0.1:8091", "layers": [9, 18]}],
-    "devices": [{"index": 0, "kind": "cuda", "name": "H200", "memory_used": 95 * 2**30, "memory_total": 100 * 2**30, "util": 40}],
+    "role": "head",
+    "pid": 4242,
+    "uptime_s": 75.0,
+    "state": "ok",
+    "startup_stage": 5,
+    "stages": [
+        {"role": "head", "addr": "127.0.0.1:8081", "layers": [0, 9]},
+        {"role": "peer", "addr": "127.0.0.1:8091", "layers": [9, 18]},
+    ],
+    "devices": [
+        {"index": 0, "kind": "cuda", "name": "H200", "memory_used": 95 * 2**30, "memory_total": 100 * 2**30, "util": 40}
+    ],
     "throughput": {"prefill_tok_s": 1234.5, "decode_tok_s": 56.7},
     "speculative": {"type": "ngram", "acceptance": 0.9, "mean_accepted_len": 2.7, "drafts": 12},
     "pool": {"size": 2, "busy": 1, "queued": 3, "dropped": 4, "connections": 4, "compute": 1},
-    "requests": {"slots_busy": 4, "slots_total": 4, "queued": 2, "queue_max": 16, "requests_per_s": 0.75,
-                 "ttft_p50_ms": 120.4, "ttft_p99_ms": 401.0, "itl_p50_ms": 30.2, "itl_p99_ms": None},
+    "requests": {
+        "slots_busy": 4,
+        "slots_total": 4,
+        "queued": 2,
+        "queue_max": 16,
+        "requests_per_s": 0.75,
+        "ttft_p50_ms": 120.4,
+        "ttft_p99_ms": 401.0,
+        "itl_p50_ms": 30.2,
+        "itl_p99_ms": None,
+    },
     "peers": [{"addr": "127.0.0.1:8091", "state": "up", "rtt_ms": 80.0, "layers": [9, 18]}],
 }
 
@@ -169,12 +200,23 @@ async def test_rows_and_panels_from_a_status_document():
     await sup.poll_once()
     row, tone = display.worker_row(sup.head, sup, now=0.0)
     assert dict(zip(display.WORKER_COLUMNS, row)) == {
-        "worker": "head", "role": "head", "host": "127.0.0.1", "device": "cuda:0", "layers": "[0,9)",
-        "state": "● ready", "pid": "4242", "uptime": "1m15s", "rst": "0", "exit": "—"}
+        "worker": "head",
+        "role": "head",
+        "host": "127.0.0.1",
+        "device": "cuda:0",
+        "layers": "[0,9)",
+        "state": "● ready",
+        "pid": "4242",
+        "uptime": "1m15s",
+        "rst": "0",
+        "exit": "—",
+    }
     peer_row, peer_tone = display.worker_row(sup.workers["peer1"], sup, now=0.0)
     assert peer_row[4] == "[9,18)" and peer_row[5] == "✖ unreachable" and peer_tone == "error"
     mem = display.memory_rows(sup, Alerts())
-    assert [(m.label, m.tone, m.note) for m in mem] == [("machine cuda:0", "warn", "util 40% (head)")]  # 95% >= 90% alert
+    assert [(m.label, m.tone, m.note) for m in mem] == [
+        ("machine cuda:0", "warn", "util 40% (head)")
+    ]  # 95% >= 90% alert
     assert "95.0 GiB/100.0 GiB ⚠" in display.memory_line(mem[0])
     status = sup.head.status  # parsed once, by the probe
     assert display.acceptance_text(status) == "spec ngram: accept 90% · mean len 2.70 · drafts 12"
@@ -188,28 +230,37 @@ async def test_rows_and_panels_from_a_status_document():
     same_gpu = Status.from_json({"peers": [{**STATUS["peers"][0], "rtt_ms": 0.1, "transport": "cuda-ipc"}]})
     assert display.peer_lines(same_gpu, Alerts()) == [("127.0.0.1:8091 ● up rtt 0.1 ms [9,18) · cuda-ipc", "ok")]
     assert display.acceptance_text(Status()) == "spec off" and display.pool_text(None) == "RPC —"
-    assert display.requests_text(Status.from_json({"slots": [{"state": "processing"}, {}]})) == "slots 1/2 busy"  # an older head
+    assert (
+        display.requests_text(Status.from_json({"slots": [{"state": "processing"}, {}]})) == "slots 1/2 busy"
+    )  # an older head
     snap = json.loads(display.snapshot_json(sup))
     assert [(w["name"], w["state"], w["reachable"], w["layers"]) for w in snap["workers"]] == [
-        ("head", "ready", True, [0, 9]), ("peer1", "unreachable", False, [9, 18])]
+        ("head", "ready", True, [0, 9]),
+        ("peer1", "unreachable", False, [9, 18]),
+    ]
 
 
 def test_peer_layers_come_from_its_own_status_when_it_has_one():
     sup = Supervisor(Profile(peers=[WorkerSpec(name="p", port=8090)]), attach=True, source=FixedFeedSource({}))
-    sup.workers["p"].probe = Probe(True, 200, {"status": "ok"},
-                                   {"stages": [{"role": "peer", "addr": "127.0.0.1:8091", "layers": [5, 18]}]})
+    sup.workers["p"].probe = Probe(
+        True, 200, {"status": "ok"}, {"stages": [{"role": "peer", "addr": "127.0.0.1:8091", "layers": [5, 18]}]}
+    )
     assert display.worker_layers(sup.workers["p"], sup) == [5, 18]
 
 
 async def test_machine_totals_appear_once_and_each_worker_shows_its_own_rss():
     cpu = {"devices": [{"index": 0, "kind": "cpu", "name": "CPU", "memory_used": 6 << 30, "memory_total": 16 << 30}]}
-    feed = FixedFeedSource({"head": Probe(True, 200, {"status": "ok"}, cpu), "peer1": Probe(True, 200, {"status": "ok"}, cpu)})
+    feed = FixedFeedSource(
+        {"head": Probe(True, 200, {"status": "ok"}, cpu), "peer1": Probe(True, 200, {"status": "ok"}, cpu)}
+    )
     sup = Supervisor(Profile(), attach=True, source=feed, clock=lambda: 0.0)
     await sup.poll_once()
     sup.head.rss, sup.head.cpu_pct = 1 << 30, 50.0
     rows = display.memory_rows(sup, Alerts())
     assert [(r.label, r.used, r.note) for r in rows] == [
-        ("machine RAM", 6 << 30, "(head, peer1)"), ("head RSS", 1 << 30, "cpu 50%")]
+        ("machine RAM", 6 << 30, "(head, peer1)"),
+        ("head RSS", 1 << 30, "cpu 50%"),
+    ]
     assert display.device_free(sup, "head") == (10 << 30, True)  # one machine's RAM, both workers on it
 
 
@@ -217,11 +268,17 @@ async def test_gpu_workers_show_their_own_process_memory_beside_the_device_total
     gpu = {"index": 0, "kind": "cuda", "name": "H200", "memory_used": 40 << 30, "memory_total": 140 << 30}
     head = {"devices": [gpu], "process": {"rss": 3 << 30, "gpu_memory": 12 << 30, "gpu_source": "nvml"}}
     peer = {"devices": [gpu], "process": {"rss": 2 << 30, "gpu_memory": 28 << 30, "gpu_source": "torch"}}
-    feed = FixedFeedSource({"head": Probe(True, 200, {"status": "ok"}, head), "peer1": Probe(True, 200, {"status": "ok"}, peer)})
+    feed = FixedFeedSource(
+        {"head": Probe(True, 200, {"status": "ok"}, head), "peer1": Probe(True, 200, {"status": "ok"}, peer)}
+    )
     sup = Supervisor(Profile(), attach=True, source=feed, clock=lambda: 0.0)
     await sup.poll_once()
     rows = [(r.label, r.used, r.total, r.note) for r in display.memory_rows(sup, Alerts())]
     ram = psutil.virtual_memory().total  # local workers that report no RAM device: this machine's
-    assert rows == [("machine cuda:0", 40 << 30, 140 << 30, "(head, peer1)"),  # the machine's total, once
-                    ("head RSS", 3 << 30, ram, ""), ("head GPU", 12 << 30, 140 << 30, "per process"),
-                    ("peer1 RSS", 2 << 30, ram, ""), ("peer1 GPU", 28 << 30, 140 << 30, "torch reserved")]
+    assert rows == [
+        ("machine cuda:0", 40 << 30, 140 << 30, "(head, peer1)"),  # the machine's total, once
+        ("head RSS", 3 << 30, ram, ""),
+        ("head GPU", 12 << 30, 140 << 30, "per process"),
+        ("peer1 RSS", 2 << 30, ram, ""),
+        ("peer1 GPU", 28 << 30, 140 << 30, "torch reserved"),
+    ]

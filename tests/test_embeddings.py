@@ -106,8 +106,18 @@ def test_vectors_match_llama_server(default_model, reference, tmp_path, pooling)
 
 @pytest.fixture(scope="module")
 def mean_server(tiny_model, tmp_path_factory):
-    w = head(tiny_model("llama"), tmp_path_factory.mktemp("emb"), (), "--dtype", "float32", "--embedding",
-             "--pooling", "mean", parallel=2, ctx=64)  # fmt: skip
+    w = head(
+        tiny_model("llama"),
+        tmp_path_factory.mktemp("emb"),
+        (),
+        "--dtype",
+        "float32",
+        "--embedding",
+        "--pooling",
+        "mean",
+        parallel=2,
+        ctx=64,
+    )
     with running(w):
         yield w.url
 
@@ -191,8 +201,14 @@ def test_engine_embedding_shares_steps_and_leaves_a_generation_untouched(tiny_mo
     are a direct forward's through the model's final norm."""
     g = GGUFFile(tiny_model("llama"))
     tok = Tokenizer.from_gguf(g)
-    engine = Engine(Pipeline(build_stage(g, device="cpu", dtype="float32", n_slots=3, n_ctx=64)), tok, 3, 64,
-                    batch_tokens=8, mixed_steps=True)  # fmt: skip
+    engine = Engine(
+        Pipeline(build_stage(g, device="cpu", dtype="float32", n_slots=3, n_ctx=64)),
+        tok,
+        3,
+        64,
+        batch_tokens=8,
+        mixed_steps=True,
+    )
 
     def submit(req: EngineRequest) -> list:
         events: list = []
@@ -252,8 +268,20 @@ def test_split_pipeline_gives_the_solo_vectors(tiny_model, tmp_path, mean_server
     p = peer(model, tmp_path)
     try:
         p.wait_ready()
-        split = head(model, tmp_path, [p], "--dtype", "float32", "--embedding", "--pooling", "mean", "--split", "1/1",
-                     parallel=2, ctx=64)  # fmt: skip
+        split = head(
+            model,
+            tmp_path,
+            [p],
+            "--dtype",
+            "float32",
+            "--embedding",
+            "--pooling",
+            "mean",
+            "--split",
+            "1/1",
+            parallel=2,
+            ctx=64,
+        )
         with running(split):
             assert split.status()["stages"][1]["role"] == "peer"
             got = post(split.url, "/v1/embeddings", {"input": TEXTS}).json()["data"]

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from hydra_console.engine.cli import build_parser
 from hydra_console.contracts.footprint import CUBLAS_WORKSPACE_BYTES
+from hydra_console.engine.cli import build_parser
 from hydra_console.engine.config import ENVIRONMENT, GPU_SPIN_S, RpcSettings, cuda_env, head_config, peer_config
 from hydra_console.engine.errors import UserError
 
@@ -17,10 +17,21 @@ def serve(*argv, env=None):
 
 
 def test_head_config_from_argv_and_environment(tmp_path):
-    cfg = serve("--port", "9000", "--peer", "h:1", "--split", "3/1", "--spec-type", "ngram",
-                env={"HYDRA_TOKEN": "s3cret", "HYDRA_CACHE_DIR": str(tmp_path), "HYDRA_CUDA_IPC": "0", "HYDRA_SHM": "0"})  # fmt: skip
+    cfg = serve(
+        "--port",
+        "9000",
+        "--peer",
+        "h:1",
+        "--split",
+        "3/1",
+        "--spec-type",
+        "ngram",
+        env={"HYDRA_TOKEN": "s3cret", "HYDRA_CACHE_DIR": str(tmp_path), "HYDRA_CUDA_IPC": "0", "HYDRA_SHM": "0"},
+    )
     assert (cfg.rpc.port, cfg.peers, cfg.split, cfg.spec.type) == (9001, ("h:1",), "3/1", "ngram")
-    assert cfg.rpc.auth_token == "s3cret" and not cfg.rpc.cuda_ipc and not cfg.rpc.shm and cfg.model.cache_dir == tmp_path
+    assert (
+        cfg.rpc.auth_token == "s3cret" and not cfg.rpc.cuda_ipc and not cfg.rpc.shm and cfg.model.cache_dir == tmp_path
+    )
     doc = cfg.redacted()
     assert doc["rpc"]["auth_token"] == "***" and "s3cret" not in repr(cfg) + repr(doc)
     assert serve("--auth-token", "flag", env={"HYDRA_TOKEN": "env"}).rpc.auth_token == "flag"
@@ -39,12 +50,37 @@ def test_http_limits_of_the_head():
 def test_llama_server_flags_of_the_head():
     cfg = serve()
     assert (cfg.embedding, cfg.pooling, cfg.embd_normalize, cfg.cors_origins, cfg.slots, cfg.metrics) == (
-        False, None, 2, "*", True, True)  # fmt: skip
+        False,
+        None,
+        2,
+        "*",
+        True,
+        True,
+    )
     assert (cfg.aliases, cfg.tags) == ((), ())
-    cfg = serve("--embeddings", "--pooling", "last", "--embd-normalize", "-1", "--cors-origins", " localhost ",
-                "--no-slots", "--no-metrics", "-a", "b, a,,b", "--tags", "x")  # fmt: skip
+    cfg = serve(
+        "--embeddings",
+        "--pooling",
+        "last",
+        "--embd-normalize",
+        "-1",
+        "--cors-origins",
+        " localhost ",
+        "--no-slots",
+        "--no-metrics",
+        "-a",
+        "b, a,,b",
+        "--tags",
+        "x",
+    )
     assert (cfg.embedding, cfg.pooling, cfg.embd_normalize, cfg.cors_origins, cfg.slots, cfg.metrics) == (
-        True, "last", -1, "localhost", False, False)  # fmt: skip
+        True,
+        "last",
+        -1,
+        "localhost",
+        False,
+        False,
+    )
     assert (cfg.aliases, cfg.tags) == (("a", "b"), ("x",))  # sorted: the first is the model's id
     assert (serve().overlap, serve("--overlap").overlap, serve("--no-overlap").overlap) == (None, True, False)
     with pytest.raises(SystemExit):
@@ -79,8 +115,15 @@ def test_bad_settings_name_their_key(argv, env, key):
 
 @pytest.mark.parametrize(
     ("value", "device", "seconds"),
-    [(None, "cpu", 0.0), ("", "cpu", 0.0), ("50", "cpu", 0.05), (None, "cuda:0", GPU_SPIN_S), ("", "cuda", GPU_SPIN_S),
-     ("0", "cuda", 0.0), ("5", "cuda", 0.005)],
+    [
+        (None, "cpu", 0.0),
+        ("", "cpu", 0.0),
+        ("50", "cpu", 0.05),
+        (None, "cuda:0", GPU_SPIN_S),
+        ("", "cuda", GPU_SPIN_S),
+        ("0", "cuda", 0.0),
+        ("5", "cuda", 0.005),
+    ],
 )
 def test_spin_budget_from_env_and_device(value, device, seconds):
     env = {} if value is None else {"HYDRA_RPC_SPIN_MS": value}
@@ -107,7 +150,10 @@ def test_every_subcommand_help_names_each_default_once():
             help_text = formatter._get_help_string(action) % {"default": action.default}
             has_default = action.default not in (None, False, [])
             assert help_text, (name, action.option_strings)  # every flag says what it does
-            assert help_text.count("default") == (1 if has_default or "default" in (action.help or "") else 0), (name, help_text)
+            assert help_text.count("default") == (1 if has_default or "default" in (action.help or "") else 0), (
+                name,
+                help_text,
+            )
         assert "(default: None)" not in parser.format_help()
 
 
@@ -126,4 +172,3 @@ def test_the_cublas_workspace_workers_set_is_what_the_memory_estimate_counts():
     CUBLAS_WORKSPACE_BYTES per stream."""
     kib, chunks = (int(x) for x in cuda_env()["CUBLAS_WORKSPACE_CONFIG"].split(":")[1:])
     assert kib * 1024 * chunks == CUBLAS_WORKSPACE_BYTES
-

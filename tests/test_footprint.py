@@ -41,12 +41,25 @@ def served(stage, n: int = 24):
     return stage
 
 
-CASES = [(arch, qtype, dtype, ("auto", "auto")) for arch, qtype in
-         [("llama", "F32"), ("llama", "F16"), ("llama", "Q8_0"), ("llama", "Q4_K_M"), ("gemma3", "Q4_0"), ("gemma3", "Q5_K")]
-         for dtype in ("float32", "bfloat16")]  # fmt: skip
-CASES += [("llama", "Q4_K_M", "bfloat16", ("q8_0", "q8_0")), ("gemma3", "Q5_K", "float32", ("f16", "q8_0")),
-          ("llama", "F16", "bfloat16", ("f32", "bf16")),
-          ("qwen35", "F32", "float32", ("auto", "auto")), ("qwen35", "Q8_0", "bfloat16", ("q8_0", "q8_0"))]  # fmt: skip
+CASES = [
+    (arch, qtype, dtype, ("auto", "auto"))
+    for arch, qtype in [
+        ("llama", "F32"),
+        ("llama", "F16"),
+        ("llama", "Q8_0"),
+        ("llama", "Q4_K_M"),
+        ("gemma3", "Q4_0"),
+        ("gemma3", "Q5_K"),
+    ]
+    for dtype in ("float32", "bfloat16")
+]
+CASES += [
+    ("llama", "Q4_K_M", "bfloat16", ("q8_0", "q8_0")),
+    ("gemma3", "Q5_K", "float32", ("f16", "q8_0")),
+    ("llama", "F16", "bfloat16", ("f32", "bf16")),
+    ("qwen35", "F32", "float32", ("auto", "auto")),
+    ("qwen35", "Q8_0", "bfloat16", ("q8_0", "q8_0")),
+]
 
 
 @pytest.mark.parametrize("arch,qtype,dtype,kv_types", CASES)
@@ -54,9 +67,22 @@ def test_estimate_matches_a_built_cpu_stage(tiny_model, arch, qtype, dtype, kv_t
     g = GGUFFile(tiny_model(arch, qtype=qtype, **SHAPE))
     tensors = model_tensors(g.metadata, g.tensors)
     for layers, head in (((0, 3), True), ((1, 3), False)):  # a head alone, a peer's range
-        stage = served(build_stage(g, layers, embed=head, head=head, device="cpu", dtype=dtype, n_slots=N_SLOTS,
-                                   n_ctx=N_CTX, kv_types=kv_types))  # fmt: skip
-        est = tensors.stage(*layers, head=head, device="cpu", dtype=dtype, n_slots=N_SLOTS, n_ctx=N_CTX, kv_types=kv_types)
+        stage = served(
+            build_stage(
+                g,
+                layers,
+                embed=head,
+                head=head,
+                device="cpu",
+                dtype=dtype,
+                n_slots=N_SLOTS,
+                n_ctx=N_CTX,
+                kv_types=kv_types,
+            )
+        )
+        est = tensors.stage(
+            *layers, head=head, device="cpu", dtype=dtype, n_slots=N_SLOTS, n_ctx=N_CTX, kv_types=kv_types
+        )
         assert est.weight_bytes == pytest.approx(stage.held_weight_bytes, rel=0.05)
         assert est.kv_bytes == pytest.approx(stage.kv_bytes, rel=0.05) and est.kv_bytes > 0
 
@@ -67,8 +93,9 @@ def test_estimate_of_a_kv_pool_matches_a_built_stage(tiny_model, arch):
     g = GGUFFile(tiny_model(arch, **SHAPE))
     pool = 3 * KV_BLOCK - 5
     stage = build_stage(g, device="cpu", dtype="float32", n_slots=4, n_ctx=2 * KV_BLOCK, kv_pool=pool)
-    est = model_tensors(g.metadata, g.tensors).stage(0, 3, head=True, device="cpu", dtype="float32", n_slots=4,
-                                                     n_ctx=2 * KV_BLOCK, kv_pool=pool)  # fmt: skip
+    est = model_tensors(g.metadata, g.tensors).stage(
+        0, 3, head=True, device="cpu", dtype="float32", n_slots=4, n_ctx=2 * KV_BLOCK, kv_pool=pool
+    )
     assert est.kv_bytes == stage.kv_bytes
 
 
@@ -78,9 +105,24 @@ def test_quantized_form_matches_a_stage_that_keeps_gguf_blocks(tiny_model, qtype
     head (the embedding table is held only on a GPU; bench_memory.py covers it there)."""
     g = GGUFFile(tiny_model("llama", qtype=qtype, **SHAPE))
     tensors = model_tensors(g.metadata, g.tensors)
-    stage = served(build_stage(g, embed=False, head=True, device="cpu", dtype="bfloat16", quantized=True, n_slots=N_SLOTS, n_ctx=N_CTX))
-    dense = served(build_stage(g, embed=False, head=True, device="cpu", dtype="bfloat16", quantized=False, int8=False,
-                               n_slots=N_SLOTS, n_ctx=N_CTX))  # fmt: skip
+    stage = served(
+        build_stage(
+            g, embed=False, head=True, device="cpu", dtype="bfloat16", quantized=True, n_slots=N_SLOTS, n_ctx=N_CTX
+        )
+    )
+    dense = served(
+        build_stage(
+            g,
+            embed=False,
+            head=True,
+            device="cpu",
+            dtype="bfloat16",
+            quantized=False,
+            int8=False,
+            n_slots=N_SLOTS,
+            n_ctx=N_CTX,
+        )
+    )
     rope = 16 * N_CTX * tensors.n_rot
     vectors = sum(tensor_bytes(t, "quantized") for t in tensors.head_vectors)
     for form, built in (("quantized", stage), ("dense", dense)):
@@ -94,12 +136,15 @@ def test_quantized_form_matches_a_stage_that_keeps_gguf_blocks(tiny_model, qtype
 @pytest.mark.parametrize("qtype", list(QUANT_BLOCKS))
 def test_quant_blocks_are_the_repacked_planes(qtype):
     """QUANT_BLOCKS' bytes per block are what QuantWeight's planes take: the file's, for every type."""
-    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as T
+    from gguf.constants import GGML_QUANT_SIZES
+    from gguf.constants import GGMLQuantizationType as T
 
     block, type_size = GGML_QUANT_SIZES[T[qtype]]
     n, k = 4, 2 * 256
     raw = torch.zeros(n * k // block * type_size, dtype=torch.uint8)
-    assert QuantWeight.from_gguf(raw, T[qtype], (n, k)).nbytes == n * k // QUANT_BLOCKS[qtype][0] * QUANT_BLOCKS[qtype][1]
+    assert (
+        QuantWeight.from_gguf(raw, T[qtype], (n, k)).nbytes == n * k // QUANT_BLOCKS[qtype][0] * QUANT_BLOCKS[qtype][1]
+    )
 
 
 @pytest.mark.unit
@@ -117,11 +162,24 @@ def test_peer_footprint_and_status_report_held_bytes(tiny_model):
     """LOAD_STAGE's size check and PROBE's budget (StageHost.layer_footprint) count the contract's
     bytes; /status's stage entry carries the held weights and KV, its process entry the peaks."""
     g = GGUFFile(tiny_model("llama", qtype="Q8_0", **SHAPE))
-    stage = served(build_stage(g, (1, 3), embed=False, head=False, device="cpu", dtype="bfloat16", n_slots=N_SLOTS,
-                               n_ctx=N_CTX, kv_types=("q8_0", "f16")))  # fmt: skip
+    stage = served(
+        build_stage(
+            g,
+            (1, 3),
+            embed=False,
+            head=False,
+            device="cpu",
+            dtype="bfloat16",
+            n_slots=N_SLOTS,
+            n_ctx=N_CTX,
+            kv_types=("q8_0", "f16"),
+        )
+    )
     host = StageHost(g, stage.cfg, "cpu", kv_types=("q8_0", "f16"))
     rope = 16 * N_CTX * model_tensors(g.metadata, g.tensors).n_rot
-    assert host.stage_bytes(1, 3, torch.bfloat16, N_SLOTS, N_CTX, None, ("auto", "auto")) + rope == pytest.approx(stage.held_weight_bytes + stage.kv_bytes, rel=0.05)
+    assert host.stage_bytes(1, 3, torch.bfloat16, N_SLOTS, N_CTX, None, ("auto", "auto")) + rope == pytest.approx(
+        stage.held_weight_bytes + stage.kv_bytes, rel=0.05
+    )
     head = served(build_stage(g, device="cpu", dtype="bfloat16", n_slots=N_SLOTS, n_ctx=N_CTX))
     (info,) = Pipeline(head).stages()
     assert (info.weight_bytes, info.kv_bytes) == (head.held_weight_bytes, head.kv_bytes)
@@ -137,8 +195,17 @@ def test_scratch_estimate_is_what_the_stage_registers(tiny_model, arch, qtype):
     g = GGUFFile(tiny_model(arch, qtype=qtype, **SHAPE))
     tensors = model_tensors(g.metadata, g.tensors)
     for layers, head in (((0, 3), True), ((1, 3), False)):
-        stage = build_stage(g, layers, embed=head, head=head, device="cpu", dtype="bfloat16", quantized=True,
-                            n_slots=N_SLOTS, n_ctx=N_CTX)  # fmt: skip
+        stage = build_stage(
+            g,
+            layers,
+            embed=head,
+            head=head,
+            device="cpu",
+            dtype="bfloat16",
+            quantized=True,
+            n_slots=N_SLOTS,
+            n_ctx=N_CTX,
+        )
         assert tensors.scratch_bytes(*layers, head=head, dtype="bfloat16") == 2 * stage.weights.scratch.need > 0
 
 
@@ -151,7 +218,10 @@ def test_a_gpu_estimate_adds_work_memory_and_the_runtime(tiny_model):
     cpu, gpu = tensors.stage(0, 3, device="cpu", **kw), tensors.stage(0, 3, device="cuda", **kw)
     assert cpu.work_bytes == cpu.runtime_bytes == 0 and cpu.total == cpu.weight_bytes + cpu.kv_bytes
     graphs = tensors.graph_bytes(0, 3, head=True, n_slots=N_SLOTS, n_ctx=N_CTX, prompt_rows=512)
-    assert gpu.work_bytes == tensors.scratch_bytes(0, 3, head=True, dtype="bfloat16") + CUBLAS_WORKSPACE_BYTES * CUBLAS_STREAMS + graphs
+    assert (
+        gpu.work_bytes
+        == tensors.scratch_bytes(0, 3, head=True, dtype="bfloat16") + CUBLAS_WORKSPACE_BYTES * CUBLAS_STREAMS + graphs
+    )
     assert gpu.runtime_bytes == CUDA_RUNTIME_BYTES
     assert gpu.total == gpu.weight_bytes + gpu.kv_bytes + gpu.work_bytes + gpu.runtime_bytes
     # The largest prefill graph: 512 rows, or the largest power of two in a shorter context (96 → 64).

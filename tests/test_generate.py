@@ -8,8 +8,8 @@ import sys
 import pytest
 
 from hydra_console.engine.gguf_file import GGUFFile
-from hydra_console.engine.pipeline import Pipeline
 from hydra_console.engine.model import build_stage
+from hydra_console.engine.pipeline import Pipeline
 from hydra_console.engine.runtime import Engine, Request
 from hydra_console.engine.sampling import SamplingParams
 from hydra_console.engine.tokenizer import Tokenizer
@@ -31,14 +31,17 @@ def test_output_equals_the_engine_and_seeds_repeat(tiny_model):
     ids = tok.encode("hello world")
     engine = Engine(Pipeline(build_stage(g, device="cpu", dtype="float32", n_slots=1, n_ctx=64)), tok, 1, 64).start()
     try:
-        want = "".join(ev.text for ev in engine.generate(Request(ids, SamplingParams(temperature=0.0), max_tokens=12),
-                                                         timeout=30))  # fmt: skip
+        want = "".join(
+            ev.text for ev in engine.generate(Request(ids, SamplingParams(temperature=0.0), max_tokens=12), timeout=30)
+        )
     finally:
         engine.stop()
     assert r.stdout == want + "\n"
 
-    seeded = [generate("--model", str(path), "-p", "hello", "-n", "10", "--temperature", "1.2", "--seed", s).stdout
-              for s in ("5", "5", "6")]  # fmt: skip
+    seeded = [
+        generate("--model", str(path), "-p", "hello", "-n", "10", "--temperature", "1.2", "--seed", s).stdout
+        for s in ("5", "5", "6")
+    ]
     assert seeded[0] == seeded[1] and seeded[0] != seeded[2]
 
 
@@ -50,9 +53,11 @@ def test_chat_wraps_the_prompt(tiny_model):
 
 @pytest.mark.parametrize(
     "extra,needle",
-    [(["-p", "word " * 100, "--ctx", "32"], "context"),
-     (["-p", "x", "--temperature", "-1"], "temperature"),
-     (["-p", "x", "-n", "-5"], "-n")],  # fmt: skip
+    [
+        (["-p", "word " * 100, "--ctx", "32"], "context"),
+        (["-p", "x", "--temperature", "-1"], "temperature"),
+        (["-p", "x", "-n", "-5"], "-n"),
+    ],
 )
 def test_bad_input_is_one_clear_error(tiny_model, extra, needle):
     r = generate("--model", str(tiny_model("llama")), *extra)

@@ -7,10 +7,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from gguf import GGUFReader, GGUFValueType as V, GGUFWriter
+from gguf import GGUFReader, GGUFWriter
+from gguf import GGUFValueType as V
 from gguf import quants as reference_quants
 from gguf.constants import GGMLQuantizationType as T
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from hydra_console.engine.errors import UserError
 from hydra_console.engine.gguf_file import GGUFError, GGUFFile
@@ -43,10 +45,18 @@ METADATA = [
 ]
 PY_TYPE = {V.FLOAT32: float, V.FLOAT64: float, V.BOOL: bool, V.STRING: str}
 NP_DTYPE = {
-    V.UINT8: np.uint8, V.INT8: np.int8, V.UINT16: np.uint16, V.INT16: np.int16, V.UINT32: np.uint32,
-    V.INT32: np.int32, V.UINT64: np.uint64, V.INT64: np.int64, V.FLOAT32: np.float32,
-    V.FLOAT64: np.float64, V.BOOL: np.bool_,
-}  # fmt: skip
+    V.UINT8: np.uint8,
+    V.INT8: np.int8,
+    V.UINT16: np.uint16,
+    V.INT16: np.int16,
+    V.UINT32: np.uint32,
+    V.INT32: np.int32,
+    V.UINT64: np.uint64,
+    V.INT64: np.int64,
+    V.FLOAT32: np.float32,
+    V.FLOAT64: np.float64,
+    V.BOOL: np.bool_,
+}
 
 
 def write_gguf(path: Path, *, alignment: int | None = None, tensors: dict | None = None, seed: int = 0) -> Path:

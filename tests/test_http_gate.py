@@ -44,7 +44,9 @@ def client(api_key: str | None = None, max_body: int = 1024) -> TestClient:
 def test_a_bug_is_a_500_with_one_traceback(caplog):
     caplog.set_level(logging.INFO, "hydra.http")
     r = client().get("/v1/bug")
-    assert r.status_code == 500 and r.json()["error"]["type"] == "server_error" and "boom" in r.json()["error"]["message"]
+    assert (
+        r.status_code == 500 and r.json()["error"]["type"] == "server_error" and "boom" in r.json()["error"]["message"]
+    )
     with_traceback = [rec for rec in caplog.records if rec.exc_info]
     assert len(with_traceback) == 1
     (line,) = [rec.getMessage() for rec in caplog.records if not rec.exc_info]
@@ -67,8 +69,10 @@ def test_refusals_log_one_line_without_traceback(caplog):
     assert "reason='Invalid API Key'" in lines[0] and "in=3 out=4" in lines[3]
 
 
-@pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer kk"}, {"Authorization": "Basic k"},
-                                     {"X-Api-Key": ""}, {"Authorization": "Bearer "}])  # fmt: skip
+@pytest.mark.parametrize(
+    "headers",
+    [{}, {"Authorization": "Bearer kk"}, {"Authorization": "Basic k"}, {"X-Api-Key": ""}, {"Authorization": "Bearer "}],
+)
 def test_wrong_or_missing_keys_are_401(headers):
     r = client(api_key="k").post("/v1/echo", content=b"", headers=headers)
     assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"

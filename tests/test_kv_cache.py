@@ -5,19 +5,21 @@ from __future__ import annotations
 
 import pytest
 import torch
+from stages import load, prefill
 
 from hydra_console.engine.cli import build_parser
 from hydra_console.engine.config import head_config
 from hydra_console.engine.errors import UserError
 from hydra_console.engine.model.kv_blocks import KV_BLOCK, KVBlocks
 from hydra_console.engine.model.kv_cache import KVCache, check_cache_type
-from stages import load, prefill
 
 pytestmark = pytest.mark.unit
 
 
 def test_q8_0_round_trip_is_within_half_a_step_per_block_plus_the_float16_scale():
-    kv = KVCache(KVBlocks.reserved(2, 16, "cpu"), 3, 64, compute=torch.float32, device="cpu", k_type="q8_0", v_type="q8_0")
+    kv = KVCache(
+        KVBlocks.reserved(2, 16, "cpu"), 3, 64, compute=torch.float32, device="cpu", k_type="q8_0", v_type="q8_0"
+    )
     k = torch.randn(16, 3, 64) * torch.logspace(-3, 2, 16)[:, None, None]  # blocks of very different scales
     kv.scatter(torch.full((16,), 1), torch.arange(16), k, -k)
     got_k, got_v = kv.read_run(1, 0, 16)
@@ -28,12 +30,16 @@ def test_q8_0_round_trip_is_within_half_a_step_per_block_plus_the_float16_scale(
     assert (err <= step / 2 * 1.001 + scale_err).all() and torch.equal(got_v, -got_k)
     assert kv.k.codes.dtype == torch.int8 and kv.k.scale.shape == (2, 3, 16, 2)
     assert sum(t.nbytes for t in kv.tensors()) == 2 * (2 * 3 * 16 * 64 * (1 + 2 / 32))
-    kv.scatter(torch.zeros(4, dtype=torch.long), torch.arange(4), torch.zeros(4, 3, 64), torch.zeros(4, 3, 64))  # an all-zero block: scale 0, no NaN
+    kv.scatter(
+        torch.zeros(4, dtype=torch.long), torch.arange(4), torch.zeros(4, 3, 64), torch.zeros(4, 3, 64)
+    )  # an all-zero block: scale 0, no NaN
     assert torch.equal(kv.read_run(0, 0, 4)[0], torch.zeros(3, 4, 64))
 
 
 def test_scatter_and_gather_match_runs():
-    kv = KVCache(KVBlocks.reserved(3, 8, "cpu"), 2, 32, compute=torch.float32, device="cpu", k_type="q8_0", v_type="f16")
+    kv = KVCache(
+        KVBlocks.reserved(3, 8, "cpu"), 2, 32, compute=torch.float32, device="cpu", k_type="q8_0", v_type="f16"
+    )
     k, v = torch.randn(3, 2, 32), torch.randn(3, 2, 32)
     kv.scatter(torch.tensor([2, 0, 1]), torch.tensor([5, 0, 7]), k, v)
     keys, vals = kv.gather(torch.tensor([2, 0, 1]), 8)
@@ -52,10 +58,14 @@ def test_the_padding_slot_writes_past_every_context_and_costs_a_few_positions(po
     kv = KVCache(blocks, n_kv, d, compute=torch.float32, device="cpu")
     for slot in range(3):
         blocks.fit({slot: n_ctx})
-        kv.scatter(torch.full((n_ctx,), slot), torch.arange(n_ctx), torch.randn(n_ctx, n_kv, d), torch.randn(n_ctx, n_kv, d))
+        kv.scatter(
+            torch.full((n_ctx,), slot), torch.arange(n_ctx), torch.randn(n_ctx, n_kv, d), torch.randn(n_ctx, n_kv, d)
+        )
     before = [kv.read_run(slot, 0, n_ctx) for slot in range(3)]
     pad = torch.full((padding,), blocks.pad_slot)
-    kv.scatter(pad, n_ctx + torch.arange(padding), torch.full((padding, n_kv, d), 1e4), torch.full((padding, n_kv, d), -1e4))
+    kv.scatter(
+        pad, n_ctx + torch.arange(padding), torch.full((padding, n_kv, d), 1e4), torch.full((padding, n_kv, d), -1e4)
+    )
     assert blocks.pad_slot == 3
     for slot in range(3):
         assert all(torch.equal(a, b) for a, b in zip(kv.read_run(slot, 0, n_ctx), before[slot]))

@@ -9,14 +9,14 @@ import threading
 import openai
 import pytest
 import torch
+from rpc_workers import head, running
+from stages import load, prefill
 
 from hydra_console.engine import slot_state
 from hydra_console.engine.cli import build_parser
 from hydra_console.engine.config import head_config
 from hydra_console.engine.errors import UserError
 from hydra_console.engine.model.kv_blocks import KV_BLOCK, KVBlocks, KVPoolFull
-from rpc_workers import head, running
-from stages import load, prefill
 
 TOKENS = torch.randint(0, 1000, (400,), generator=torch.Generator().manual_seed(0)).tolist()
 
@@ -101,22 +101,28 @@ def test_a_full_pool_refuses_the_step_and_loses_nothing(tiny_model):
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("argv, ctx, pool", [
-    (["-c", "4096", "-np", "8"], 512, None),
-    (["-c", "4096", "-np", "8", "--kv-unified"], 4096, 4096),
-    (["--ctx", "512", "-c", "4096", "-np", "8", "-kvu"], 512, 4096),
-    (["--ctx", "512", "-np", "8", "--kv-unified"], 512, 4096),
-])
+@pytest.mark.parametrize(
+    "argv, ctx, pool",
+    [
+        (["-c", "4096", "-np", "8"], 512, None),
+        (["-c", "4096", "-np", "8", "--kv-unified"], 4096, 4096),
+        (["--ctx", "512", "-c", "4096", "-np", "8", "-kvu"], 512, 4096),
+        (["--ctx", "512", "-np", "8", "--kv-unified"], 512, 4096),
+    ],
+)
 def test_kv_unified_flags(argv, ctx, pool):
     cfg = head_config(build_parser().parse_args(["serve", *argv]), {})
     assert (cfg.model.ctx, cfg.model.kv_pool) == (ctx, pool)
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("argv, match", [
-    (["--ctx", "512", "-c", "4096"], "give one of them"),
-    (["--ctx", "8192", "-c", "4096", "--kv-unified"], "--ctx 8192 per slot exceeds the --kv-unified pool"),
-])
+@pytest.mark.parametrize(
+    "argv, match",
+    [
+        (["--ctx", "512", "-c", "4096"], "give one of them"),
+        (["--ctx", "8192", "-c", "4096", "--kv-unified"], "--ctx 8192 per slot exceeds the --kv-unified pool"),
+    ],
+)
 def test_kv_unified_flag_errors(argv, match):
     with pytest.raises(UserError, match=match):
         head_config(build_parser().parse_args(["serve", *argv]), {})
@@ -126,16 +132,34 @@ def test_a_server_takes_back_idle_prompt_cache_and_reports_a_full_pool(tiny_mode
     """Four slots in a pool of four blocks: four short requests fill it, their prompt cache stays; a longer request then gets the idle slots' blocks. Streams that outgrow the pool
     together: the newest wait for blocks, and when nothing can grow the newest is ended with an
     OpenAI-shaped 500 (llama-server's "context size has been exceeded") while the others complete; the server goes on serving."""
-    server = head(tiny_model("llama", head_dim=32), tmp_path, (), "--dtype", "float32", "-c", str(4 * KV_BLOCK),
-                  "--kv-unified", parallel=4, ctx=4 * KV_BLOCK)
+    server = head(
+        tiny_model("llama", head_dim=32),
+        tmp_path,
+        (),
+        "--dtype",
+        "float32",
+        "-c",
+        str(4 * KV_BLOCK),
+        "--kv-unified",
+        parallel=4,
+        ctx=4 * KV_BLOCK,
+    )
     with running(server) as w:
         client = openai.OpenAI(base_url=f"{w.url}/v1", api_key="none", max_retries=0, timeout=60)
         model = client.models.list().data[0].id
         words = [f"w{i}" for i in range(400)]
         # One after another, without prompt-cache matching: each takes an empty slot (the least
         # cached), so all four slots keep a block of prompt cache, whatever the machine's speed.
-        results = [client.completions.create(model=model, prompt=" ".join(words[i * 20 : i * 20 + 20]), max_tokens=30,
-                                             temperature=0, extra_body={"cache_prompt": False}) for i in range(4)]  # fmt: skip
+        results = [
+            client.completions.create(
+                model=model,
+                prompt=" ".join(words[i * 20 : i * 20 + 20]),
+                max_tokens=30,
+                temperature=0,
+                extra_body={"cache_prompt": False},
+            )
+            for i in range(4)
+        ]
         assert all(r.usage.completion_tokens == 30 for r in results), results
         long = client.completions.create(model=model, prompt=" ".join(words[100:150]), max_tokens=40, temperature=0)
         assert long.usage.prompt_tokens > KV_BLOCK and long.usage.completion_tokens == 40
@@ -145,8 +169,15 @@ def test_a_server_takes_back_idle_prompt_cache_and_reports_a_full_pool(tiny_mode
 
         def grow(i: int, n: int) -> None:
             try:
-                done.append(client.completions.create(model=model, prompt=" ".join(words[i * 40 : i * 40 + 30]),
-                                                      max_tokens=n, temperature=0, extra_body={"ignore_eos": True}))  # fmt: skip
+                done.append(
+                    client.completions.create(
+                        model=model,
+                        prompt=" ".join(words[i * 40 : i * 40 + 30]),
+                        max_tokens=n,
+                        temperature=0,
+                        extra_body={"ignore_eos": True},
+                    )
+                )
             except openai.APIStatusError as e:
                 errors.append(e)
 

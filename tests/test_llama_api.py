@@ -24,8 +24,28 @@ CHAT = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "
 def llama_head(model, log_dir, *extra: str, n_ctx: int = N_CTX) -> Worker:
     """A head started as llama-server would be: -c is the total context of the -np slots."""
     port, rpc = free_ports(2)
-    argv = ["-m", str(model), "--device", "cpu", "--dtype", "float32", "-np", str(N_SLOTS), "-c", str(n_ctx * N_SLOTS),
-            "-n", str(N_PREDICT), "--temp", "0", "--seed", str(SEED), "--jinja", "--chat-template", "chatml", *extra]  # fmt: skip
+    argv = [
+        "-m",
+        str(model),
+        "--device",
+        "cpu",
+        "--dtype",
+        "float32",
+        "-np",
+        str(N_SLOTS),
+        "-c",
+        str(n_ctx * N_SLOTS),
+        "-n",
+        str(N_PREDICT),
+        "--temp",
+        "0",
+        "--seed",
+        str(SEED),
+        "--jinja",
+        "--chat-template",
+        "chatml",
+        *extra,
+    ]
     return Worker("serve", argv, log_dir, port, rpc)
 
 
@@ -93,16 +113,26 @@ def test_completion_n_probs_and_response_fields(server):
     for p in probs:
         assert p["logprob"] <= 0 and bytes(p["bytes"]).decode() == p["token"] and len(p["top_logprobs"]) == 4
         assert p["id"] == p["top_logprobs"][0]["id"]  # greedy: the chosen token is the most likely one
-    only = post(server, "/completion", {"prompt": PROMPT, "n_predict": 2,
-                                        "response_fields": ["content", "generation_settings/n_predict"]}).json()  # fmt: skip
+    only = post(
+        server,
+        "/completion",
+        {"prompt": PROMPT, "n_predict": 2, "response_fields": ["content", "generation_settings/n_predict"]},
+    ).json()
     assert set(only) == {"content", "generation_settings/n_predict"} and only["generation_settings/n_predict"] == 2
 
 
 def test_completion_post_sampling_probs(server):
     """post_sampling_probs: probabilities of what the sampler drew from; top_k 3 leaves 3 tokens whose
     probabilities sum to 1, the chosen one among them."""
-    body = {"prompt": PROMPT, "n_predict": 3, "n_probs": 5, "ignore_eos": True, "temperature": 1.0, "top_k": 3,
-            "post_sampling_probs": True}  # fmt: skip
+    body = {
+        "prompt": PROMPT,
+        "n_predict": 3,
+        "n_probs": 5,
+        "ignore_eos": True,
+        "temperature": 1.0,
+        "top_k": 3,
+        "post_sampling_probs": True,
+    }
     got = post(server, "/completion", body).json()
     assert got["generation_settings"]["post_sampling_probs"] is True
     for p in got["completion_probabilities"]:
@@ -137,13 +167,17 @@ def test_completion_refuses_bad_prompts_and_samplers(server):
     assert r.status_code == 400 and r.json()["error"]["param"] == "samplers"
 
 
-
 # ---- context overflow ------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("path,body", [("/completion", {"prompt": "word " * 300}),
-                                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "word " * 300}]}),
-                                       ("/v1/completions", {"prompt": "word " * 300})])  # fmt: skip
+@pytest.mark.parametrize(
+    "path,body",
+    [
+        ("/completion", {"prompt": "word " * 300}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "word " * 300}]}),
+        ("/v1/completions", {"prompt": "word " * 300}),
+    ],
+)
 def test_context_overflow_is_exceed_context_size_error(server, path, body):
     r = post(server, path, body)
     assert r.status_code == 400
@@ -169,8 +203,10 @@ def test_props(server):
 
 def test_apply_template_and_input_tokens(server):
     prompt = post(server, "/apply-template", {"messages": CHAT}).json()["prompt"]
-    assert prompt == "<|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\nthe quick brown fox<|im_end|>\n" \
-                     "<|im_start|>assistant\n"  # fmt: skip  (--chat-template chatml)
+    assert (
+        prompt == "<|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\nthe quick brown fox<|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )  # --chat-template chatml
     bare = post(server, "/apply-template", {"messages": CHAT, "add_generation_prompt": False}).json()["prompt"]
     assert prompt.startswith(bare) and not bare.endswith("assistant\n")
     for path in ("/chat/completions/input_tokens", "/v1/chat/completions/input_tokens"):
@@ -182,20 +218,30 @@ def test_assistant_prefill_and_continue_final_message(server, tiny_model):
     prefill = CHAT + [{"role": "assistant", "content": "the lazy"}]
     prompt = post(server, "/apply-template", {"messages": prefill}).json()["prompt"]
     assert prompt.endswith("<|im_start|>assistant\nthe lazy")  # the turn stays open, no generation prompt
-    explicit = post(server, "/apply-template", {"messages": prefill, "add_generation_prompt": False,
-                                                "continue_final_message": True}).json()["prompt"]  # fmt: skip
+    explicit = post(
+        server, "/apply-template", {"messages": prefill, "add_generation_prompt": False, "continue_final_message": True}
+    ).json()["prompt"]
     assert explicit == prompt
     closed = post(server, "/apply-template", {"messages": prefill, "continue_final_message": False}).json()["prompt"]
     assert closed.endswith("the lazy<|im_end|>\n<|im_start|>assistant\n")
     # text parts of the continued message join with a blank line (llama-server's render_content)
-    parts = CHAT + [{"role": "assistant", "content": [{"type": "text", "text": "the"}, {"type": "text", "text": "lazy"}]}]
-    assert post(server, "/apply-template", {"messages": parts}).json()["prompt"].endswith("<|im_start|>assistant\nthe\n\nlazy")
+    parts = CHAT + [
+        {"role": "assistant", "content": [{"type": "text", "text": "the"}, {"type": "text", "text": "lazy"}]}
+    ]
+    assert (
+        post(server, "/apply-template", {"messages": parts})
+        .json()["prompt"]
+        .endswith("<|im_start|>assistant\nthe\n\nlazy")
+    )
     # the chat generates from that open turn: its usage counts the prefilled prompt
-    r = post(server, "/v1/chat/completions", {"messages": prefill, "max_tokens": 2, "ignore_eos": True,
-                                              "verbose": True}).json()  # fmt: skip
+    r = post(
+        server, "/v1/chat/completions", {"messages": prefill, "max_tokens": 2, "ignore_eos": True, "verbose": True}
+    ).json()
     assert r["usage"]["prompt_tokens"] == len(tokenize(server, prompt)) and r["__verbose"]["prompt"] == prompt
-    for bad in ({"messages": prefill + [{"role": "assistant", "content": "x"}]},
-                {"messages": prefill, "add_generation_prompt": True, "continue_final_message": True}):  # fmt: skip
+    for bad in (
+        {"messages": prefill + [{"role": "assistant", "content": "x"}]},
+        {"messages": prefill, "add_generation_prompt": True, "continue_final_message": True},
+    ):
         for path in ("/apply-template", "/v1/chat/completions"):
             r = post(server, path, bad)
             assert r.status_code == 400 and r.json()["error"]["message"].startswith("Cannot")
@@ -213,8 +259,9 @@ def test_chat_stream_shape_usage_and_timings(server):
     assert all("role" not in e["choices"][0]["delta"] and "timings" not in e for e in middle)
     assert finish["choices"][0]["delta"] == {} and finish["choices"][0]["finish_reason"] == "length"
     assert finish["timings"]["predicted_n"] == 3 and "usage" not in finish  # no usage chunk unless asked
-    events, _ = sse_events(server, "/v1/chat/completions", {**body, "timings_per_token": True,
-                                                            "stream_options": {"include_usage": True}})  # fmt: skip
+    events, _ = sse_events(
+        server, "/v1/chat/completions", {**body, "timings_per_token": True, "stream_options": {"include_usage": True}}
+    )
     first, *middle, finish, usage = events
     assert "timings" not in first and all("predicted_per_second" in e["timings"] for e in middle)
     assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 3 and usage["timings"]["predicted_n"] == 3
@@ -222,8 +269,11 @@ def test_chat_stream_shape_usage_and_timings(server):
 
 def test_chat_openai_client_stream_and_cached_tokens(server):
     client = openai.OpenAI(base_url=f"{server}/v1", api_key="none", max_retries=0, timeout=60)
-    chunks = list(client.chat.completions.create(model="x", messages=CHAT, max_tokens=3, stream=True,
-                                                 stream_options={"include_usage": True}))  # fmt: skip
+    chunks = list(
+        client.chat.completions.create(
+            model="x", messages=CHAT, max_tokens=3, stream=True, stream_options={"include_usage": True}
+        )
+    )
     assert chunks[0].choices[0].delta.role == "assistant" and chunks[0].choices[0].delta.content is None
     assert chunks[-1].usage.completion_tokens + 0 >= 1
     # the same prompt again: all but its last token comes from the slot's prompt cache
@@ -242,8 +292,20 @@ def test_server_seed_and_temperature_are_the_defaults(tiny_model, tmp_path):
     """--temp 1 --seed S: requests without them sample alike (the seed is the server's), and a
     request's own seed still wins; --reasoning is the template's enable_thinking."""
     thinking = "{{ 'T' if enable_thinking is defined and enable_thinking else 'F' }}"
-    with running(llama_head(tiny_model("llama"), tmp_path, "--temp", "1", "--seed", "123", "--reasoning", "off",
-                            "--chat-template", thinking)) as w:  # fmt: skip
+    with running(
+        llama_head(
+            tiny_model("llama"),
+            tmp_path,
+            "--temp",
+            "1",
+            "--seed",
+            "123",
+            "--reasoning",
+            "off",
+            "--chat-template",
+            thinking,
+        )
+    ) as w:
         # --reasoning off sets the template's enable_thinking; a request's chat_template_kwargs wins
         assert post(w.url, "/apply-template", {"messages": CHAT}).json()["prompt"] == "F"
         on = {"messages": CHAT, "chat_template_kwargs": {"enable_thinking": True}}
@@ -280,8 +342,14 @@ def test_infill_lays_out_fim_tokens(tiny_model, tmp_path):
     # room for extra context: llama-server gives it what the context leaves beyond a batch and 2 x -n
     with running(llama_head(model, tmp_path, n_ctx=1024)) as w:
         pre, suf, mid = (tokenize(w.url, t, add_special=False)[0] for t in FIM_TOKENS)
-        body = {"input_prefix": "the quick", "prompt": " brown", "input_suffix": "lazy dog", "n_predict": 2,
-                "ignore_eos": True, "return_tokens": True}  # fmt: skip
+        body = {
+            "input_prefix": "the quick",
+            "prompt": " brown",
+            "input_suffix": "lazy dog",
+            "n_predict": 2,
+            "ignore_eos": True,
+            "return_tokens": True,
+        }
         r = post(w.url, "/infill", body)
         assert r.status_code == 200, r.text
         out = r.json()
@@ -319,9 +387,34 @@ def test_fim_tokens_from_metadata_or_vocabulary(tiny_model):
 def test_llama_server_flag_names(tmp_path):
     template = tmp_path / "t.jinja"
     template.write_text("{{ messages[0].content }}")
-    args = build_parser().parse_args(["serve", "-m", "x.gguf", "-c", "1024", "-np", "4", "-n", "32", "--temp", "0.5",
-                                      "--seed", "9", "--top-k", "20", "--jinja", "--chat-template-file", str(template),
-                                      "--api-key", "k", "--slot-save-path", str(tmp_path), "-b", "64"])  # fmt: skip
+    args = build_parser().parse_args(
+        [
+            "serve",
+            "-m",
+            "x.gguf",
+            "-c",
+            "1024",
+            "-np",
+            "4",
+            "-n",
+            "32",
+            "--temp",
+            "0.5",
+            "--seed",
+            "9",
+            "--top-k",
+            "20",
+            "--jinja",
+            "--chat-template-file",
+            str(template),
+            "--api-key",
+            "k",
+            "--slot-save-path",
+            str(tmp_path),
+            "-b",
+            "64",
+        ]
+    )
     cfg = head_config(args, {})
     assert (cfg.model.model, cfg.model.ctx, cfg.parallel, cfg.n_predict, cfg.batch_tokens) == ("x.gguf", 256, 4, 32, 64)
     assert cfg.sampling.given() == {"temperature": 0.5, "seed": 9, "top_k": 20}
@@ -331,12 +424,14 @@ def test_llama_server_flag_names(tmp_path):
     assert head_config(build_parser().parse_args(["serve", "--verbose"]), {}).verbose
     off = head_config(build_parser().parse_args(["serve", "--reasoning", "off"]), {})
     assert off.chat_template_kwargs == {"enable_thinking": False}
-    for bad, flag in ((["--ctx", "64", "-c", "128"], "--ctx"), (["--temp", "-1"], "--temperature"),
-                      (["--chat-template", "x", "--chat-template-file", "y"], "--chat-template"),
-                      (["-b", "0"], "--batch-size")):  # fmt: skip
+    for bad, flag in (
+        (["--ctx", "64", "-c", "128"], "--ctx"),
+        (["--temp", "-1"], "--temperature"),
+        (["--chat-template", "x", "--chat-template-file", "y"], "--chat-template"),
+        (["-b", "0"], "--batch-size"),
+    ):
         with pytest.raises(Exception, match=flag):
             head_config(build_parser().parse_args(["serve", *bad]), {})
-
 
 
 def test_ignore_eos_bans_the_end_of_generation_tokens(server, tiny_model):
@@ -354,7 +449,10 @@ def test_ignore_eos_bans_the_end_of_generation_tokens(server, tiny_model):
     assert not set(banned["tokens"]) & tok.eog_ids
     bias = banned["generation_settings"]["logit_bias"]
     assert {b["token"] for b in bias} == tok.eog_ids and all(b["bias"] is None for b in bias)
-    assert post(server, "/completion", {"prompt": PROMPT, "n_predict": 1}).json()["generation_settings"]["logit_bias"] == []
+    assert (
+        post(server, "/completion", {"prompt": PROMPT, "n_predict": 1}).json()["generation_settings"]["logit_bias"]
+        == []
+    )
 
 
 def test_generation_rates_are_over_decode_steps(server):
@@ -373,17 +471,39 @@ def test_vertex_ai_predict_route(tiny_model, tmp_path):
     from hydra_console.engine.api_predict import request_format
 
     assert [request_format(p) for p in ("/v1/chat/completions", "/apply-template", "/completion")] == [
-        "chatCompletions", "applyTemplate", "completion"]  # fmt: skip
+        "chatCompletions",
+        "applyTemplate",
+        "completion",
+    ]
     port, rpc = free_ports(2)
-    argv = ["-m", str(tiny_model("llama")), "--device", "cpu", "--dtype", "float32", "-np", "2", "-c", str(2 * N_CTX),
-            "--temp", "0", "--chat-template", "chatml", "--api-key", "k"]  # fmt: skip
+    argv = [
+        "-m",
+        str(tiny_model("llama")),
+        "--device",
+        "cpu",
+        "--dtype",
+        "float32",
+        "-np",
+        "2",
+        "-c",
+        str(2 * N_CTX),
+        "--temp",
+        "0",
+        "--chat-template",
+        "chatml",
+        "--api-key",
+        "k",
+    ]
     env = ("env", "AIP_MODE=PREDICTION", "AIP_PREDICT_ROUTE=infer")
     with running(Worker("serve", argv, tmp_path, port, rpc, launcher=env)) as w:
         key = {"Authorization": "Bearer k"}
         chat = {"messages": CHAT, "max_tokens": 3, "ignore_eos": True}
-        instances = [{"@requestFormat": "chatCompletions", **chat, "stream": True},
-                     {"@requestFormat": "/completion", "prompt": PROMPT, "n_predict": 2},
-                     {"@requestFormat": "nowhere"}, {"@requestFormat": "chatCompletions", "messages": []}]  # fmt: skip
+        instances = [
+            {"@requestFormat": "chatCompletions", **chat, "stream": True},
+            {"@requestFormat": "/completion", "prompt": PROMPT, "n_predict": 2},
+            {"@requestFormat": "nowhere"},
+            {"@requestFormat": "chatCompletions", "messages": []},
+        ]
         r = httpx.post(f"{w.url}/infer", json={"instances": instances}, headers=key, timeout=60)
         assert r.status_code == 200, r.text
         first, second, unknown, bad = r.json()["predictions"]
@@ -393,6 +513,7 @@ def test_vertex_ai_predict_route(tiny_model, tmp_path):
         assert "nowhere" in unknown["error"]["message"] and bad["error"]["param"] == "messages"
         assert httpx.post(f"{w.url}/infer", json={"instances": instances[:1]}, timeout=60).status_code == 401
         assert httpx.post(f"{w.url}/infer", json={"instances": "x"}, headers=key, timeout=60).status_code == 400
+
 
 # ---- return_progress and --batch-size ---------------------------------------------------------------
 
@@ -419,8 +540,18 @@ def test_return_progress_reports_each_prompt_batch(tiny_model, tmp_path):
         native = progress("/completion", {"prompt": PROMPT * 3, "cache_prompt": False})
         assert native[-1]["processed"] == native[-1]["total"] and len(native) > 2
         # with timings_per_token each report carries timings of the prompt so far: none before the first batch
-        timed, _ = sse_events(w.url, "/completion", {"prompt": PROMPT * 3, "cache_prompt": False, "n_predict": 2,
-                                                      "stream": True, "return_progress": True, "timings_per_token": True})  # fmt: skip
+        timed, _ = sse_events(
+            w.url,
+            "/completion",
+            {
+                "prompt": PROMPT * 3,
+                "cache_prompt": False,
+                "n_predict": 2,
+                "stream": True,
+                "return_progress": True,
+                "timings_per_token": True,
+            },
+        )
         timed = [e["timings"] for e in timed if "prompt_progress" in e]
         assert (timed[0]["prompt_n"], timed[0]["prompt_ms"], timed[0]["predicted_n"]) == (0, 0.0, 0)
         assert [t["prompt_n"] for t in timed] == [r["processed"] for r in native]

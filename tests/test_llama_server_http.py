@@ -26,8 +26,19 @@ N_BUSY = 2000
 @pytest.fixture(scope="module")
 def server(tiny_model, tmp_path_factory):
     """Defaults but for an API key and several aliases."""
-    w = head(tiny_model("llama"), tmp_path_factory.mktemp("llama-http"), (), "--api-key", KEY, "--alias",
-             "tiny-zeta, tiny-alpha,tiny-mid", "--tags", "small,test", parallel=2, ctx=N_BUSY + 64)  # fmt: skip
+    w = head(
+        tiny_model("llama"),
+        tmp_path_factory.mktemp("llama-http"),
+        (),
+        "--api-key",
+        KEY,
+        "--alias",
+        "tiny-zeta, tiny-alpha,tiny-mid",
+        "--tags",
+        "small,test",
+        parallel=2,
+        ctx=N_BUSY + 64,
+    )
     with running(w):
         yield w.url
 
@@ -35,15 +46,30 @@ def server(tiny_model, tmp_path_factory):
 @pytest.fixture(scope="module")
 def locked_down(tiny_model, tmp_path_factory):
     """--no-slots --no-metrics --cors-origins localhost."""
-    w = head(tiny_model("llama"), tmp_path_factory.mktemp("llama-http-off"), (), "--no-slots", "--no-metrics",
-             "--cors-origins", "localhost", parallel=1, ctx=64)  # fmt: skip
+    w = head(
+        tiny_model("llama"),
+        tmp_path_factory.mktemp("llama-http-off"),
+        (),
+        "--no-slots",
+        "--no-metrics",
+        "--cors-origins",
+        "localhost",
+        parallel=1,
+        ctx=64,
+    )
     with running(w):
         yield w.url
 
 
 def preflight(base: str, path: str, origin: str) -> httpx.Response:
-    return httpx.options(f"{base}{path}", headers={"Origin": origin, "Access-Control-Request-Method": "POST",
-                                                   "Access-Control-Request-Headers": "Authorization"})  # fmt: skip
+    return httpx.options(
+        f"{base}{path}",
+        headers={
+            "Origin": origin,
+            "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "Authorization",
+        },
+    )
 
 
 # ---- CORS ---------------------------------------------------------------------------------------
@@ -71,8 +97,12 @@ def test_preflight_needs_no_key_and_answers_like_llama_server(server, path):
     assert h["Access-Control-Allow-Methods"] == "GET, POST, DELETE, OPTIONS"
     assert h["Access-Control-Allow-Headers"] == "*"
     # llama-server's spelling on the wire: its own tests read the names into a plain dict
-    assert {b"Access-Control-Allow-Origin", b"Access-Control-Allow-Credentials", b"Access-Control-Allow-Methods",
-            b"Access-Control-Allow-Headers"} <= {name for name, _ in h.raw}  # fmt: skip
+    assert {
+        b"Access-Control-Allow-Origin",
+        b"Access-Control-Allow-Credentials",
+        b"Access-Control-Allow-Methods",
+        b"Access-Control-Allow-Headers",
+    } <= {name for name, _ in h.raw}
 
 
 def test_responses_carry_the_allowed_origin_and_the_key_still_holds(server):
@@ -106,8 +136,11 @@ def test_slots_show_is_processing_while_a_request_runs(server):
 
     def request() -> None:
         try:
-            done.append(client.completions.create(model="m", prompt=PROMPT, max_tokens=N_BUSY, temperature=0,
-                                                  extra_body={"ignore_eos": True}))  # fmt: skip
+            done.append(
+                client.completions.create(
+                    model="m", prompt=PROMPT, max_tokens=N_BUSY, temperature=0, extra_body={"ignore_eos": True}
+                )
+            )
         except Exception as e:
             done.append(e)
 
@@ -159,11 +192,22 @@ def test_metrics_are_public_and_carry_llama_servers_names(server):
     runs = [client.completions.create(model="m", prompt=PROMPT, max_tokens=4, temperature=0) for _ in range(2)]
     assert runs[1].usage.prompt_tokens_details.cached_tokens == runs[1].model_extra["timings"]["cache_n"] > 0
     _, after = scrape(server)
-    for name in ("prompt_tokens_total", "prompt_tokens_cached_total", "prompt_seconds_total", "tokens_predicted_total",
-                 "tokens_predicted_seconds_total", "n_decode_total"):  # fmt: skip
+    for name in (
+        "prompt_tokens_total",
+        "prompt_tokens_cached_total",
+        "prompt_seconds_total",
+        "tokens_predicted_total",
+        "tokens_predicted_seconds_total",
+        "n_decode_total",
+    ):
         assert after[f"llamacpp:{name}"][0] == "counter", name
-    for name in ("prompt_tokens_seconds", "predicted_tokens_seconds", "requests_processing", "requests_deferred",
-                 "n_busy_slots_per_decode"):  # fmt: skip
+    for name in (
+        "prompt_tokens_seconds",
+        "predicted_tokens_seconds",
+        "requests_processing",
+        "requests_deferred",
+        "n_busy_slots_per_decode",
+    ):
         assert after[f"llamacpp:{name}"][0] == "gauge", name
     # llama-server's one counter without `_total`, a high watermark
     text = httpx.get(f"{server}/metrics").text

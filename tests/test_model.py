@@ -8,12 +8,12 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from stages import load, prefill
 
+from hydra_console.contracts.footprint import model_tensors
 from hydra_console.engine.errors import UserError
 from hydra_console.engine.gguf_file import GGUFFile
-from hydra_console.contracts.footprint import model_tensors
 from hydra_console.engine.model import ModelConfig, build_stage
-from stages import load, prefill
 
 ARCHS = ["llama", "qwen2", "qwen3", "gemma3"]
 
@@ -213,7 +213,10 @@ def test_prefill_graph_path_matches_the_eager_prompt(tiny_model, kv):
     torch.testing.assert_close(graphed[:n], eager, atol=1e-5, rtol=1e-5)
     b.state_len[1] = n
     for i, t in enumerate([7, 9, 11]):
-        step = [stage.logits(stage.run_layers(stage.embed(torch.tensor([t])), torch.tensor([1]), torch.tensor([n + i]))) for stage in (a, b)]
+        step = [
+            stage.logits(stage.run_layers(stage.embed(torch.tensor([t])), torch.tensor([1]), torch.tensor([n + i])))
+            for stage in (a, b)
+        ]
         torch.testing.assert_close(step[1], step[0], atol=1e-5, rtol=1e-5)
 
 

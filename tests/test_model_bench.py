@@ -14,8 +14,10 @@ BENCH = [sys.executable, "-m", "hydra_console.engine.cli", "bench"]
 def test_bench_json(tiny_model):
     out = subprocess.run(
         [*BENCH, "--model", str(tiny_model("gemma3")), "-p", "16", "-n", "4", "-r", "1", "--json"],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout)
     assert result["n_prompt"] == 16 and result["n_gen"] == 4
@@ -27,16 +29,33 @@ def test_bench_json(tiny_model):
 
 def test_bench_without_llama_bench_is_a_clear_error(tiny_model, tmp_path):
     out = subprocess.run(
-        [*BENCH, "--model", str(tiny_model("llama")), "-p", "4", "-n", "2", "-r", "1",
-         "--llama-bench", str(tmp_path / "llama-bench")],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        [
+            *BENCH,
+            "--model",
+            str(tiny_model("llama")),
+            "-p",
+            "4",
+            "-n",
+            "2",
+            "-r",
+            "1",
+            "--llama-bench",
+            str(tmp_path / "llama-bench"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 2
     assert "llama-bench not found" in out.stderr and "Traceback" not in out.stderr
 
 
 def test_bench_bad_flags(tiny_model):
-    out = subprocess.run([*BENCH, "--model", str(tiny_model("llama")), "-r", "0"], capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [*BENCH, "--model", str(tiny_model("llama")), "-r", "0"], capture_output=True, text=True, timeout=60
+    )
     assert out.returncode == 2 and "--repetitions" in out.stderr
-    out = subprocess.run([*BENCH, "--model", str(tiny_model("llama")), "--dtype", "int3"], capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [*BENCH, "--model", str(tiny_model("llama")), "--dtype", "int3"], capture_output=True, text=True, timeout=60
+    )
     assert out.returncode == 2 and "unknown dtype" in out.stderr

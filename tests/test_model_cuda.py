@@ -82,7 +82,9 @@ def test_graph_verify_runs_and_short_batches_equal_eager_on_cuda(tiny_model, arc
         tokens = [30 + i + t for s in slots for t in range(m)]
         rows = [s for s in slots for _ in range(m)]
         positions = [pos[s] + t for s in slots for t in range(m)]
-        torch.testing.assert_close(run(graphed, tokens, rows, positions), run(eager, tokens, rows, positions), atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(
+            run(graphed, tokens, rows, positions), run(eager, tokens, rows, positions), atol=1e-4, rtol=1e-4
+        )
         for s in slots:
             pos[s] += m
     assert {(4, 1), (4, 2), (4, 3)} <= set(graphed.graphs.graphs)
@@ -93,14 +95,22 @@ def test_prefill_graphs_equal_eager_on_cuda(tiny_model, arch, kv):
     """A prompt from position 0 replays its length bucket's graph (rows past the prompt are padding);
     its logits, and the decode steps after it, equal the eager path's (gemma3: sliding window of 8)."""
     g = GGUFFile(tiny_model(arch, n_layers=3, head_dim=32))
-    graphed, eager = (build_stage(g, device="cuda", dtype="float32", n_slots=2, n_ctx=64, kv_types=(kv, kv)) for _ in range(2))
+    graphed, eager = (
+        build_stage(g, device="cuda", dtype="float32", n_slots=2, n_ctx=64, kv_types=(kv, kv)) for _ in range(2)
+    )
     eager.graphs = eager.prefill_graphs = eager.head_graphs = None
     for n, slot in ((12, 0), (16, 1), (5, 0)):  # buckets 16, 16, 8
         prompt = PROMPT[:n]
-        torch.testing.assert_close(run(graphed, prompt, [slot] * n, list(range(n))), run(eager, prompt, [slot] * n, list(range(n))),
-                                   atol=1e-4, rtol=1e-4)  # fmt: skip
+        torch.testing.assert_close(
+            run(graphed, prompt, [slot] * n, list(range(n))),
+            run(eager, prompt, [slot] * n, list(range(n))),
+            atol=1e-4,
+            rtol=1e-4,
+        )
         for i in range(3):
-            torch.testing.assert_close(run(graphed, [30 + i], [slot], [n + i]), run(eager, [30 + i], [slot], [n + i]), atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(
+                run(graphed, [30 + i], [slot], [n + i]), run(eager, [30 + i], [slot], [n + i]), atol=1e-4, rtol=1e-4
+            )
     assert set(graphed.prefill_graphs.graphs) == {8, 16}
 
 
@@ -112,7 +122,9 @@ def test_head_graphs_equal_the_eager_head(tiny_model, arch):
     stage = build_stage(g, device="cuda", dtype="bfloat16", n_slots=3, n_ctx=64)
     h = torch.randn(5, stage.cfg.n_embd, device="cuda", generator=torch.Generator("cuda").manual_seed(0))
     for rows in (1, 2, 3):
-        torch.testing.assert_close(stage.logits(h[:rows]), stage.project(stage.final_norm(h[:rows])), atol=2e-3, rtol=2e-3)
+        torch.testing.assert_close(
+            stage.logits(h[:rows]), stage.project(stage.final_norm(h[:rows])), atol=2e-3, rtol=2e-3
+        )
     assert set(stage.head_graphs.graphs) == {1, 2, 3} and stage.head_graphs.run(h) is None
 
 
@@ -138,8 +150,14 @@ def split_pipeline(peer, path, cuda_ipc: bool = True):
     from hydra_console.engine.workers.head import build_pipeline
 
     g = GGUFFile(path)
-    cfg = HeadConfig(ModelSettings(str(path), "cuda", "bfloat16", 64, compile=False), RpcSettings(cuda_ipc=cuda_ipc), parallel=2,
-                     peers=(peer.rpc_addr,), split="2/2", peer_wait=30.0)  # fmt: skip
+    cfg = HeadConfig(
+        ModelSettings(str(path), "cuda", "bfloat16", 64, compile=False),
+        RpcSettings(cuda_ipc=cuda_ipc),
+        parallel=2,
+        peers=(peer.rpc_addr,),
+        split="2/2",
+        peer_wait=30.0,
+    )
     return build_pipeline(cfg, g, ModelConfig.from_gguf(g))
 
 
@@ -153,7 +171,9 @@ def solo_pipeline(path):
 def greedy_logits(pipe, steps: int = 6) -> torch.Tensor:
     """Prefill PROMPT in slot 0, then `steps` graph-replayed decode steps fed from the device."""
     n = len(PROMPT)
-    logits = [pipe.forward(torch.tensor(PROMPT), torch.zeros(n, dtype=torch.long), torch.arange(n), torch.tensor([n - 1]))]
+    logits = [
+        pipe.forward(torch.tensor(PROMPT), torch.zeros(n, dtype=torch.long), torch.arange(n), torch.tensor([n - 1]))
+    ]
     for i in range(steps):
         tok = logits[-1].argmax(-1)
         logits.append(pipe.forward(tok, torch.tensor([0]), torch.tensor([n + i]), torch.tensor([0])))
@@ -229,16 +249,21 @@ def test_cuda_ipc_peer_killed_mid_decode_fails_fast_and_recovers(cuda_peer):
     finally:
         split.stop()
 
+
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "Q4_K_M"])
 def test_weights_stay_quantized_and_agree_with_bf16(tiny_model, qtype):
     """GGUF-quantized weights stay quantized on the GPU (kernels), and top-1 agrees with the same
     weights expanded to bfloat16 wherever that is decisive, prefill and graph-replayed decode."""
-    g = GGUFFile(tiny_model("llama", n_layers=2, n_embd=512, n_head=8, n_head_kv=4, n_ff=1024, qtype=qtype, vocab_size=2048))
+    g = GGUFFile(
+        tiny_model("llama", n_layers=2, n_embd=512, n_head=8, n_head_kv=4, n_ff=1024, qtype=qtype, vocab_size=2048)
+    )
     opts = dict(device="cuda", dtype="bfloat16", n_slots=2, n_ctx=320)
     quant, dense = build_stage(g, quantized=True, **opts), build_stage(g, quantized=False, **opts)
     # Held at the file's bits per weight (the widest type of a mix), not at bf16's 16.
     block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType["Q6_K" if qtype == "Q4_K_M" else qtype]]
-    assert quant.weight_bytes < dense.weight_bytes * (type_size / block / 2 * 1.05 + 0.05) and not quant.weights.expanded
+    assert (
+        quant.weight_bytes < dense.weight_bytes * (type_size / block / 2 * 1.05 + 0.05) and not quant.weights.expanded
+    )
     prompt = torch.randint(0, 2048, (256,), generator=torch.Generator().manual_seed(1)).tolist()
     q_rows = [run(quant, prompt, [0] * 256, list(range(256)))]
     d_rows = [run(dense, prompt, [0] * 256, list(range(256)))]
@@ -255,6 +280,8 @@ def test_weights_stay_quantized_and_agree_with_bf16(tiny_model, qtype):
     top2 = d.topk(2, dim=-1).values
     decisive = (top2[:, 0] - top2[:, 1]) > 4 * err * d.pow(2).mean(-1).sqrt()
     agree = (q.argmax(-1) == d.argmax(-1))[decisive].float().mean().item()
-    print(f"{qtype}: top-1 agreement {agree:.4f} on {decisive.float().mean().item():.1%} decisive positions, "
-          f"rel err {err:.2e}, weights {quant.weight_bytes / 2**20:.1f} MiB vs bf16 {dense.weight_bytes / 2**20:.1f} MiB")
+    print(
+        f"{qtype}: top-1 agreement {agree:.4f} on {decisive.float().mean().item():.1%} decisive positions, "
+        f"rel err {err:.2e}, weights {quant.weight_bytes / 2**20:.1f} MiB vs bf16 {dense.weight_bytes / 2**20:.1f} MiB"
+    )
     assert err < 2e-2 and decisive.float().mean() >= 0.8 and agree >= 0.99 and (1, 1) in quant.graphs.graphs

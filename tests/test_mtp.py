@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from rpc_workers import complete, solo_and_split
+from stages import load
 
 from hydra_console.engine.config import ModelSettings, SpecConfig
 from hydra_console.engine.errors import UserError
@@ -22,10 +23,16 @@ from hydra_console.engine.pipeline import Pipeline
 from hydra_console.engine.runtime import Engine
 from hydra_console.engine.sampling import Sampler, SamplingParams
 from hydra_console.engine.sequence import Request
-from hydra_console.engine.speculative import Draft, DraftRequest, MtpDrafter, Speculator, build_speculator, check_speculative
+from hydra_console.engine.speculative import (
+    Draft,
+    DraftRequest,
+    MtpDrafter,
+    Speculator,
+    build_speculator,
+    check_speculative,
+)
 from hydra_console.engine.synth import write_synthetic
 from hydra_console.engine.tokenizer import Tokenizer
-from stages import load
 
 REFERENCE = Path(__file__).resolve().parent / "data" / "reference" / "qwen35"
 F32_MAX_ABS = 5e-5  # as test_qwen35: refdump-style dumpers print 5 decimals
@@ -36,7 +43,9 @@ PROMPTS = ("hello world hello world hello", "a b a b a b a", "the cat sat on the
 def trunk_hidden(stage, ids: list[int]) -> torch.Tensor:
     """The trunk's normed last hidden states (llama.cpp's h_nextn) of `ids` run in slot 0 from position 0."""
     n = len(ids)
-    return stage.final_norm(stage.run_layers(stage.embed(torch.tensor(ids)), torch.zeros(n, dtype=torch.long), torch.arange(n)))
+    return stage.final_norm(
+        stage.run_layers(stage.embed(torch.tensor(ids)), torch.zeros(n, dtype=torch.long), torch.arange(n))
+    )
 
 
 def test_mtp_logits_and_draft_chain_agree_with_llama_cpp(tmp_path):
@@ -47,7 +56,9 @@ def test_mtp_logits_and_draft_chain_agree_with_llama_cpp(tmp_path):
     spec.loader.exec_module(mod)
     ref = json.loads((REFERENCE / "mtp_f32.json").read_text())
     path = write_synthetic(tmp_path / "mtp.gguf", "qwen35", **mod.MTP_MODEL)
-    assert hashlib.sha256(path.read_bytes()).hexdigest() == ref["sha256"], "synthetic model changed: regenerate (README.md)"
+    assert hashlib.sha256(path.read_bytes()).hexdigest() == ref["sha256"], (
+        "synthetic model changed: regenerate (README.md)"
+    )
     stage = load(path, n_slots=1)
     nextn = NextN(stage)
     ids, n = ref["ids"], len(ref["ids"])
@@ -59,8 +70,10 @@ def test_mtp_logits_and_draft_chain_agree_with_llama_cpp(tmp_path):
     top1 = sum(int(logits[r["pos"]].argmax()) == r["top"][0][0] for r in rows) / len(rows)
     diffs = torch.tensor([[abs(float(logits[r["pos"], i]) - v) for i, v in r["top"]] for r in rows])
     margins = torch.tensor([r["top"][0][1] - r["top"][1][1] for r in rows])
-    print(f"MTP top-1 {top1:.3f}, max |dlogit| {float(diffs.max()):.2e} on llama.cpp's top-10; "
-          f"margin min {float(margins.min()):.3g} p10 {float(margins.quantile(0.1)):.3g} median {float(margins.median()):.3g}")  # fmt: skip
+    print(
+        f"MTP top-1 {top1:.3f}, max |dlogit| {float(diffs.max()):.2e} on llama.cpp's top-10; "
+        f"margin min {float(margins.min()):.3g} p10 {float(margins.quantile(0.1)):.3g} median {float(margins.median()):.3g}"
+    )
     assert top1 == 1.0 and float(diffs.max()) < F32_MAX_ABS
     # The chain, step by step against llama.cpp's logits, then through the drafter itself.
     tok, hh = ref["target_next"], h[-1:]
@@ -103,7 +116,13 @@ def _engine_outputs(path, spec_type: str, p_min: float, n_slots: int = 3, max_to
         eng.stop()
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"))])
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")),
+    ],
+)
 def test_greedy_with_mtp_equals_greedy_without(tiny_model, device):
     """Random weights: most drafts are rejected (p-min 0 drafts every step), so the recurrent state and
     the block's KV go through many rollbacks, with three slots batched; the tokens do not change.

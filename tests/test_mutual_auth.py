@@ -47,10 +47,14 @@ def test_the_honest_pair_proves_the_token_both_ways():
 @pytest.mark.unit
 def test_relayed_reflected_and_foreign_role_proofs_fail():
     client = ClientHandshake(TOKEN, "control", ("prefill",))
-    relayed = ServerHandshake(TOKEN, "control", "prefill", elsewhere(ClientHandshake(TOKEN, "control", ("prefill",))).nonce)
+    relayed = ServerHandshake(
+        TOKEN, "control", "prefill", elsewhere(ClientHandshake(TOKEN, "control", ("prefill",))).nonce
+    )
     with pytest.raises(AuthError, match="did not prove"):  # proved for another session's nonce
         client.answer(relayed.nonce, "prefill", relayed.proof)
-    compute = ServerHandshake(TOKEN, "compute", "prefill", elsewhere(ClientHandshake(TOKEN, "compute", ("prefill",))).nonce)
+    compute = ServerHandshake(
+        TOKEN, "compute", "prefill", elsewhere(ClientHandshake(TOKEN, "compute", ("prefill",))).nonce
+    )
     with pytest.raises(AuthError, match="did not prove"):  # a compute proof on the control protocol
         client.answer(compute.nonce, "prefill", compute.proof)
     with pytest.raises(AuthError, match="reflected"):  # our own nonce handed to our own server
@@ -64,7 +68,15 @@ def test_relayed_reflected_and_foreign_role_proofs_fail():
 
 
 def impostor(mode: str, port: int, record: Path, head_rpc: int | None = None) -> subprocess.Popen:
-    argv = [sys.executable, str(Path(__file__).with_name("fake_rpc_worker.py")), mode, "--port", str(port), "--record", str(record)]
+    argv = [
+        sys.executable,
+        str(Path(__file__).with_name("fake_rpc_worker.py")),
+        mode,
+        "--port",
+        str(port),
+        "--record",
+        str(record),
+    ]
     if head_rpc is not None:
         argv += ["--head-rpc", str(head_rpc)]
     proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
@@ -81,13 +93,28 @@ def events(record: Path) -> list[dict]:
 def test_a_fake_prefill_worker_learns_no_prompt_and_cannot_log_into_the_head(tiny_model, tmp_path, mode):
     model = tiny_model("llama", n_layers=4)
     (fake_port,) = free_ports(1)
-    w = head(model, tmp_path, (), "--dtype", "float32", "--auth-token", TOKEN, "--prefill-worker", f"127.0.0.1:{fake_port}",
-             "--prefill-threshold", "8", "--prefill-deadline", "20")  # fmt: skip
+    w = head(
+        model,
+        tmp_path,
+        (),
+        "--dtype",
+        "float32",
+        "--auth-token",
+        TOKEN,
+        "--prefill-worker",
+        f"127.0.0.1:{fake_port}",
+        "--prefill-threshold",
+        "8",
+        "--prefill-deadline",
+        "20",
+    )
     record = tmp_path / f"{mode}.jsonl"
     fake = impostor(mode, fake_port, record, head_rpc=w.rpc_port)
     try:
         with running(w):
-            r = httpx.post(f"{w.url}/v1/completions", json={"prompt": LONG, "max_tokens": 8, "temperature": 0}, timeout=120)
+            r = httpx.post(
+                f"{w.url}/v1/completions", json={"prompt": LONG, "max_tokens": 8, "temperature": 0}, timeout=120
+            )
             assert r.status_code == 200 and r.json()["choices"][0]["text"]  # prefilled here after all
             assert w.status()["pd"]["fallback_reasons"] == {"refused": 1}, w.status()["pd"]
             got = events(record)
@@ -98,7 +125,9 @@ def test_a_fake_prefill_worker_learns_no_prompt_and_cannot_log_into_the_head(tin
             else:  # a valid proof, but over the fake's nonce and as a head: the head's client refuses it
                 assert challenge["status"] == Status.OK
             kinds = [e["event"] for e in got]
-            assert "head_sent_request" not in kinds and "victim_login" not in kinds and "victim_state_get" not in kinds, got
+            assert (
+                "head_sent_request" not in kinds and "victim_login" not in kinds and "victim_state_get" not in kinds
+            ), got
             assert "failed to authenticate" in w.log()
     finally:
         fake.kill()

@@ -82,8 +82,12 @@ def test_end_of_generation_counts_but_is_not_shown(out, events):
     step(out, seq, 1, EOS, finish="stop", at_eog=True)
     assert text(events) == "he"
     assert [t.id for e in events for t in e.tokens] == [1]
-    assert events[-1].usage == {"prompt_tokens": 1, "completion_tokens": 2, "total_tokens": 3,
-                                "prompt_tokens_details": {"cached_tokens": 0}}  # fmt: skip
+    assert events[-1].usage == {
+        "prompt_tokens": 1,
+        "completion_tokens": 2,
+        "total_tokens": 3,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
 
 
 def test_a_stop_on_a_content_token_shows_it(out, events):

@@ -31,14 +31,37 @@ SHAPE = {"n_layers": 4}
 
 def prefill_worker(model, log_dir, *extra) -> Worker:
     port, rpc = free_ports(2)
-    argv = ["--model", str(model), "--device", "cpu", "--dtype", "float32", "--parallel", "2", "--ctx", "256",
-            "--role", "prefill", *extra]  # fmt: skip
+    argv = [
+        "--model",
+        str(model),
+        "--device",
+        "cpu",
+        "--dtype",
+        "float32",
+        "--parallel",
+        "2",
+        "--ctx",
+        "256",
+        "--role",
+        "prefill",
+        *extra,
+    ]
     return Worker("serve", argv, log_dir, port, rpc)
 
 
 def pd_head(model, log_dir, prefill_addr, peers=(), *extra) -> Worker:
-    return head(model, log_dir, peers, "--dtype", "float32", "--prefill-worker", prefill_addr, "--prefill-threshold", "8",
-                *extra)  # fmt: skip
+    return head(
+        model,
+        log_dir,
+        peers,
+        "--dtype",
+        "float32",
+        "--prefill-worker",
+        prefill_addr,
+        "--prefill-threshold",
+        "8",
+        *extra,
+    )
 
 
 def metric(w: Worker, name: str) -> float:
@@ -48,7 +71,10 @@ def metric(w: Worker, name: str) -> float:
 
 def test_greedy_with_pd_equals_greedy_without_solo_and_split(tiny_model, tmp_path):
     model = tiny_model("llama", **SHAPE)
-    with running(prefill_worker(model, tmp_path)) as pw, running(head(model, tmp_path, (), "--dtype", "float32")) as ref:
+    with (
+        running(prefill_worker(model, tmp_path)) as pw,
+        running(head(model, tmp_path, (), "--dtype", "float32")) as ref,
+    ):
         want = [greedy(ref, LONG + str(i), 12)[0] for i in range(2)]
         with running(pd_head(model, tmp_path, pw.rpc_addr)) as solo:
             assert [greedy(solo, LONG + str(i), 12)[0] for i in range(2)] == want
@@ -56,10 +82,16 @@ def test_greedy_with_pd_equals_greedy_without_solo_and_split(tiny_model, tmp_pat
             assert pd["transfers"] == 2 and pd["fallbacks"] == 0 and pd["bytes"] > 0
             assert [t["transport"] for t in pd["recent"]] == ["socket", "shm"]  # the first sizes the shared segment
             assert metric(solo, "hydra_pd_transfers_total") == 2
-        with running(peer(model, tmp_path)) as p, running(pd_head(model, tmp_path, pw.rpc_addr, [p], "--split", "2/2")) as split:
+        with (
+            running(peer(model, tmp_path)) as p,
+            running(pd_head(model, tmp_path, pw.rpc_addr, [p], "--split", "2/2")) as split,
+        ):
             assert [greedy(split, LONG + str(i), 12)[0] for i in range(2)] == want
             pd = split.status()["pd"]
-            assert pd["transfers"] == 2 and [t["transport"] for t in pd["recent"]] == ["socket", "shm"]  # one state per stage
+            assert pd["transfers"] == 2 and [t["transport"] for t in pd["recent"]] == [
+                "socket",
+                "shm",
+            ]  # one state per stage
             assert p.status()["resident"]["state_bytes_in"] > 0  # the peer's layers went in through STATE_PUT
         assert pw.status()["role"] == "prefill" and pw.status()["pd"]["served"] == 4
         r = httpx.post(f"{pw.url}/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=30)
@@ -193,10 +225,18 @@ def test_running_streams_decode_while_a_peer_is_mid_placement(tiny_model, tmp_pa
         try:
             with running(pd_head(model, tmp_path, pw.rpc_addr, [relay], "--split", "2/2", "--ctx", "2048")) as split:
                 stream = {}
-                a = threading.Thread(target=lambda: stream.update(r=complete(split, "hi", 1500, timeout=300, ignore_eos=True)))
+                a = threading.Thread(
+                    target=lambda: stream.update(r=complete(split, "hi", 1500, timeout=300, ignore_eos=True))
+                )
                 a.start()
+
                 # The running stream's tokens (the prompt being transferred has none yet).
-                decoded = lambda: max((s.get("n_decoded") or 0 for s in split.status()["slots"] if s["state"] == "processing"), default=0)  # noqa: E731
+                def decoded():
+                    return max(
+                        (s.get("n_decoded") or 0 for s in split.status()["slots"] if s["state"] == "processing"),
+                        default=0,
+                    )
+
                 wait_for(lambda: decoded() > 0, 60, "the stream to decode")
                 relay.armed = True
                 prompt = {}
@@ -269,7 +309,16 @@ def test_a_request_cancelled_while_its_state_is_in_flight_keeps_its_slot_until_t
     pw = prefill_worker(model, tmp_path)
     try:
         pw.wait_ready()
-        flags = ("--dtype", "float32", "--prefill-worker", pw.rpc_addr, "--prefill-threshold", "8", "--prefill-deadline", "6")
+        flags = (
+            "--dtype",
+            "float32",
+            "--prefill-worker",
+            pw.rpc_addr,
+            "--prefill-threshold",
+            "8",
+            "--prefill-deadline",
+            "6",
+        )
         with running(head(model, tmp_path, (), *flags, parallel=1)) as w:
             want = greedy(w, LONG, 12)[0]
             os.killpg(pw.proc.pid, signal.SIGSTOP)
@@ -342,10 +391,22 @@ def test_a_saved_slot_survives_a_head_restart_and_bad_files_leave_it_intact(tiny
     model, other = tiny_model("llama", **SHAPE), tiny_model("llama", n_layers=6)
     peers = [peer(model, tmp_path)] if split else []
     extra = ["--dtype", "float32", "--slot-save-path", str(tmp_path), *(["--split", "2/2"] if split else [])]
-    act = lambda w, action, name: httpx.post(f"{w.url}/slots/0", params={"action": action},  # noqa: E731
-                                             json={"filename": name}, timeout=30)  # fmt: skip
-    complete = lambda w: httpx.post(f"{w.url}/v1/completions", json={"prompt": LONG, "max_tokens": 8, "temperature": 0},  # noqa: E731
-                                    timeout=60).json()  # fmt: skip
+
+    def act(w, action, name):
+        return httpx.post(
+            f"{w.url}/slots/0",
+            params={"action": action},  # noqa: E731
+            json={"filename": name},
+            timeout=30,
+        )
+
+    def complete(w):
+        return httpx.post(
+            f"{w.url}/v1/completions",
+            json={"prompt": LONG, "max_tokens": 8, "temperature": 0},  # noqa: E731
+            timeout=60,
+        ).json()
+
     try:
         for p in peers:
             p.wait_ready()
@@ -381,7 +442,10 @@ def test_a_saved_slot_survives_a_head_restart_and_bad_files_leave_it_intact(tiny
 def test_a_hybrid_models_recurrent_state_moves_too(tiny_model, tmp_path):
     """qwen35: DeltaNet conv/ssm state travels with the attention layers' KV; greedy is unchanged."""
     model = tiny_model("qwen35", n_layers=4)
-    with running(prefill_worker(model, tmp_path)) as pw, running(head(model, tmp_path, (), "--dtype", "float32")) as ref:
+    with (
+        running(prefill_worker(model, tmp_path)) as pw,
+        running(head(model, tmp_path, (), "--dtype", "float32")) as ref,
+    ):
         want = greedy(ref, LONG, 12)[0]
         with running(pd_head(model, tmp_path, pw.rpc_addr)) as w:
             assert greedy(w, LONG, 12)[0] == want
@@ -398,7 +462,9 @@ def test_a_bad_chunk_from_the_prefill_worker_is_refused_as_it_arrives():
     from hydra_console.engine.rpc.wire import pack_control_response, read_control_request
 
     body = bytes(range(256)) * (CHUNK_BYTES // 32)  # eight chunks
-    header = SlotHeader("fp", [0, 4], [1, 2, 3], "float32", "float32", [TensorEntry("blk.0.k", [len(body) // 4], "float32", len(body))])
+    header = SlotHeader(
+        "fp", [0, 4], [1, 2, 3], "float32", "float32", [TensorEntry("blk.0.k", [len(body) // 4], "float32", len(body))]
+    )
     state = bytearray(slot_state.pack(header, [memoryview(body)]))
     state[header.prefix_bytes + 2 * CHUNK_BYTES] ^= 1
     server = socket.create_server(("127.0.0.1", 0))

@@ -15,10 +15,17 @@ from hydra_console.engine.errors import UserError
 pytestmark = pytest.mark.unit
 
 PD = {
-    "prefill_worker": "gpu2:8181", "threshold": 512, "transfers": 3, "bytes": 3_000_000, "seconds": 0.003,
-    "fallbacks": 2, "fallback_reasons": {"deadline": 1, "down": 1},
-    "recent": [{"request": 7, "tokens": 900, "bytes": 1_000_000, "ms": 12.0},
-               {"request": 8, "tokens": 700, "fallback": "deadline", "error": "too slow"}],
+    "prefill_worker": "gpu2:8181",
+    "threshold": 512,
+    "transfers": 3,
+    "bytes": 3_000_000,
+    "seconds": 0.003,
+    "fallbacks": 2,
+    "fallback_reasons": {"deadline": 1, "down": 1},
+    "recent": [
+        {"request": 7, "tokens": 900, "bytes": 1_000_000, "ms": 12.0},
+        {"request": 8, "tokens": 700, "fallback": "deadline", "error": "too slow"},
+    ],
 }
 
 
@@ -34,8 +41,12 @@ def test_the_prefill_worker_profile_key_becomes_the_heads_flags():
 
 
 async def test_reported_role_and_transfers_show():
-    feed = FixedFeedSource({"head": Probe(True, 200, {"status": "ok"}, {"role": "head", "pd": PD}),
-                            "peer1": Probe(True, 200, {"status": "ok"}, {"role": "prefill", "pd": {"served": 4, "served_bytes": 2048}})})
+    feed = FixedFeedSource(
+        {
+            "head": Probe(True, 200, {"status": "ok"}, {"role": "head", "pd": PD}),
+            "peer1": Probe(True, 200, {"status": "ok"}, {"role": "prefill", "pd": {"served": 4, "served_bytes": 2048}}),
+        }
+    )
     sup = Supervisor(Profile(), attach=True, source=feed, clock=lambda: 0.0)
     await sup.poll_once()
     assert display.worker_row(sup.workers["peer1"], sup, now=0.0)[0][1] == "prefill"

@@ -32,7 +32,10 @@ def test_device_states_place_on_the_gpu_and_continue_bit_for_bit(tiny_model):
     states = slot_state.device_states(a, 0, PROMPT, g.fingerprint, [(0, 4)])
     assert states[0][1].is_cuda
     assert Pipeline(b).place_state(1, states, PROMPT) == PROMPT
-    step = lambda st, slot: st.logits(st.run_layers(st.embed(torch.tensor([nxt])), torch.tensor([slot]), torch.tensor([n])))  # noqa: E731
+
+    def step(st, slot):
+        return st.logits(st.run_layers(st.embed(torch.tensor([nxt])), torch.tensor([slot]), torch.tensor([n])))
+
     assert torch.equal(step(a, 0), step(b, 1))
 
 
@@ -52,10 +55,15 @@ def test_pd_on_one_gpu_moves_the_state_by_cuda_ipc_solo_and_split(tiny_model, tm
         with running(head(model, tmp_path, (), *CUDA, *pd_flags)) as solo:
             got = [greedy(solo, p, 12) for p in prompts]
             pd = solo.status()["pd"]
-        with running(peer(model, tmp_path, *CUDA)) as p, running(head(model, tmp_path, [p], *CUDA, *pd_flags, "--split", "2/2")) as split:
+        with (
+            running(peer(model, tmp_path, *CUDA)) as p,
+            running(head(model, tmp_path, [p], *CUDA, *pd_flags, "--split", "2/2")) as split,
+        ):
             got_split = [greedy(split, p_, 12) for p_ in prompts]
             pd_split = split.status()["pd"]
-            assert p.status()["resident"]["state_bytes_in"] > 0  # the peer's layers: packed from the device buffer, STATE_PUT
+            assert (
+                p.status()["resident"]["state_bytes_in"] > 0
+            )  # the peer's layers: packed from the device buffer, STATE_PUT
     for stats in (pd, pd_split):
         assert stats["transfers"] == 2 and stats["fallbacks"] == 0 and stats["bytes"] > 0
         assert {t["transport"] for t in stats["recent"]} == {"cuda-ipc"}

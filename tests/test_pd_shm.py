@@ -138,8 +138,14 @@ def test_a_worker_maps_only_this_hosts_segment_of_its_user_with_the_offered_nonc
         assert bytes(segment.states([3])) == b"abc"  # the same memory
         del window
         other = {**offer, "nonce": os.urandom(16).hex()}  # a file of that name elsewhere
-        bad = [other, {**offer, "size": offer["size"] + 1}, {**offer, "name": "../" + segment.name},
-               {**offer, "name": segment.name[:-32] + "0" * 32}, {"name": segment.name}, "junk"]  # fmt: skip
+        bad = [
+            other,
+            {**offer, "size": offer["size"] + 1},
+            {**offer, "name": "../" + segment.name},
+            {**offer, "name": segment.name[:-32] + "0" * 32},
+            {"name": segment.name},
+            "junk",
+        ]
         assert [attached.window(o) for o in bad] == [None] * len(bad)
         link = segment.name[:-32] + "1" * 32
         os.symlink(segment.path, tmp_path / link)

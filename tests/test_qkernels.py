@@ -23,10 +23,14 @@ qlinear_module = importlib.import_module("hydra_console.engine.kernels.qlinear")
 
 # The kernels run on CUDA, or on CPU tensors under Triton's interpreter: the CPU wheels of torch ship
 # no Triton, but PyPI's `triton` wheel installs on a CPU-only host and runs them with TRITON_INTERPRET=1.
-KERNEL_DEVICE = "cuda" if torch.cuda.is_available() else (
-    "cpu" if os.environ.get("TRITON_INTERPRET") == "1" and importlib.util.find_spec("triton") else None)
+KERNEL_DEVICE = (
+    "cuda"
+    if torch.cuda.is_available()
+    else ("cpu" if os.environ.get("TRITON_INTERPRET") == "1" and importlib.util.find_spec("triton") else None)
+)
 kernels = pytest.mark.skipif(
-    KERNEL_DEVICE is None, reason="no CUDA device, and no `triton` package with TRITON_INTERPRET=1 for CPU")
+    KERNEL_DEVICE is None, reason="no CUDA device, and no `triton` package with TRITON_INTERPRET=1 for CPU"
+)
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs and the Triton backend of torch.compile")
 
 
@@ -95,7 +99,9 @@ def test_qlinear_reference_on_cpu():
     torch.testing.assert_close(qlinear(x, w), x @ ref.T, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("cap", [None, 40 * 512, 7 * 512, 100])  # whole; one block; blocks of 7 rows (5 × 7 + 5); too small
+@pytest.mark.parametrize(
+    "cap", [None, 40 * 512, 7 * 512, 100]
+)  # whole; one block; blocks of 7 rows (5 × 7 + 5); too small
 def test_prefill_matmul_through_the_stage_scratch(cap, monkeypatch):
     """The prefill's product dequantizes into the stage's one scratch, a block of rows at a time where
     the weight is larger: the same product (the block logic runs the same on CPU tensors)."""
@@ -123,7 +129,7 @@ def test_prefill_matmul_scratch_on_cuda(monkeypatch):
     scratch.fit(torch.bfloat16, torch.device("cuda"))
     assert scratch.buf.numel() == 60 * 1024
     x = torch.randn(100, 1024, device="cuda", dtype=torch.bfloat16)
-    want = (x.double() @ ref.double().T)
+    want = x.double() @ ref.double().T
     assert _rel_err(qlinear(x, w, scratch), want) < 1e-2
     y = qlinear(x, w, scratch)
     graph = torch.cuda.CUDAGraph()
@@ -153,8 +159,6 @@ def test_kernel_dequantize_is_bit_exact(qt):
         assert torch.equal(w.rows(ids), ref[ids])
     else:  # Triton's interpreter truncates to bfloat16 where CUDA rounds to nearest
         torch.testing.assert_close(bf16.float(), ref, rtol=2**-7, atol=0)
-
-
 
 
 def test_k_quant_scale_fields_round_trip():
@@ -220,7 +224,10 @@ def test_fused_matmul_matches_reference(qt, n, monkeypatch):
         # float32 x: float32 arithmetic throughout; bf16 x: the output's rounding dominates.
         errs = {"qlinear": _rel_err(qlinear(x, w), want), "qlinear bf16": _rel_err(qlinear(x.bfloat16(), w), want)}
         if rows <= GEMV_MAX_ROWS:
-            errs |= {"gemv": _rel_err(fused_matmul(x, w), want), "gemv bf16": _rel_err(fused_matmul(x.bfloat16(), w), want)}
+            errs |= {
+                "gemv": _rel_err(fused_matmul(x, w), want),
+                "gemv bf16": _rel_err(fused_matmul(x.bfloat16(), w), want),
+            }
         print(f"{qt.name} n={n} k={k} rows={rows}: max rel err " + ", ".join(f"{p} {e:.2e}" for p, e in errs.items()))
         assert all(e < (1e-2 if p.endswith("bf16") else 1e-5) for p, e in errs.items()), errs
 
@@ -289,8 +296,10 @@ def test_fused_matmul_int8_x(qt, terms, monkeypatch):
         assert y.dtype == dtype
         err_kernel = _rel_err(y.cpu(), x_seen @ ref.double().cpu().T)
         err_total = _rel_err(y.cpu(), x.double().cpu() @ ref.double().cpu().T)
-        print(f"{qt.name} {terms} int8 terms of x, rows={rows} {dtype}: max rel err {err_kernel:.2e} (against x "
-              f"as quantized), {err_total:.2e} (x)")
+        print(
+            f"{qt.name} {terms} int8 terms of x, rows={rows} {dtype}: max rel err {err_kernel:.2e} (against x "
+            f"as quantized), {err_total:.2e} (x)"
+        )
         # The output's last bit: CUDA rounds, Triton's interpreter truncates.
         bound = 2.0 ** -(11 if dtype == torch.float16 else 8) * (1 if KERNEL_DEVICE == "cuda" else 2)
         assert err_kernel < bound and err_total < (2e-2 if terms == 1 else bound * 1.1)

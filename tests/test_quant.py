@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 import torch
 from gguf import quants as reference_quants
-from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as T
+from gguf.constants import GGML_QUANT_SIZES
+from gguf.constants import GGMLQuantizationType as T
 
 from hydra_console.engine import quant
 from hydra_console.engine.errors import UserError
@@ -156,7 +157,9 @@ def test_cuda_matches_reference(qt):
     assert ours.is_cuda
     assert torch.equal(ours.cpu(), reference(raw, qt, shape))
     rows = torch.tensor([5, 1, 1], device="cuda")
-    assert torch.equal(dequantize_rows(torch.from_numpy(raw).cuda(), qt, shape[1], rows).cpu(), reference(raw, qt, shape)[[5, 1, 1]])
+    assert torch.equal(
+        dequantize_rows(torch.from_numpy(raw).cuda(), qt, shape[1], rows).cpu(), reference(raw, qt, shape)[[5, 1, 1]]
+    )
 
 
 @pytest.fixture(scope="module")

@@ -13,12 +13,12 @@ from pathlib import Path
 import pytest
 import torch
 from rpc_workers import complete, greedy, solo_and_split, wait_for
+from stages import load, prefill
 
 from hydra_console.engine.errors import UserError
 from hydra_console.engine.gguf_file import GGUFFile
-from hydra_console.engine.model import ROLLBACK, ModelConfig, build_stage
+from hydra_console.engine.model import ROLLBACK, ModelConfig
 from hydra_console.engine.synth import write_synthetic
-from stages import load, prefill
 
 REFERENCE = Path(__file__).resolve().parent / "data" / "reference" / "qwen35"
 PROMPT = [5, 17, 300, 45, 99, 512, 7, 8, 540, 33, 21, 5, 600, 64, 71, 12, 13, 14, 15, 16]
@@ -42,16 +42,23 @@ def reference_models(tmp_path_factory):
 def compare(stage, ref) -> dict:
     ids = torch.tensor(ref["ids"])
     stage.kv_clear(0)
-    logits = stage.logits(stage.run_layers(stage.embed(ids), torch.zeros(len(ids), dtype=torch.long), torch.arange(len(ids))))
+    logits = stage.logits(
+        stage.run_layers(stage.embed(ids), torch.zeros(len(ids), dtype=torch.long), torch.arange(len(ids)))
+    )
     top1 = [int(logits[r["pos"]].argmax()) == r["top"][0][0] for r in ref["top10"]]
     diffs = torch.tensor([[abs(float(logits[r["pos"], i]) - v) for i, v in r["top"]] for r in ref["top10"]])
     # Margin: llama.cpp's top-1 minus top-2 logit, where a near-tie could flip the argmax.
     margins = torch.tensor([r["top"][0][1] - r["top"][1][1] for r in ref["top10"]])
     confident = [t for t, m in zip(top1, margins.tolist()) if m > CONFIDENT_MARGIN]
-    return {"top1": sum(top1) / len(top1), "top1_confident": sum(confident) / len(confident),
-            "max_abs": float(diffs.max()), "mean_abs": float(diffs.mean()),
-            "max_logit": max(abs(v) for r in ref["top10"] for _, v in r["top"]),
-            "margin_min": float(margins.min()), "margin_p10": float(margins.quantile(0.1))}  # fmt: skip
+    return {
+        "top1": sum(top1) / len(top1),
+        "top1_confident": sum(confident) / len(confident),
+        "max_abs": float(diffs.max()),
+        "mean_abs": float(diffs.mean()),
+        "max_logit": max(abs(v) for r in ref["top10"] for _, v in r["top"]),
+        "margin_min": float(margins.min()),
+        "margin_p10": float(margins.quantile(0.1)),
+    }
 
 
 def greedy_ids(stage, ids, n) -> list[int]:
@@ -73,7 +80,9 @@ def test_logits_agree_with_llama_cpp(reference_models, name, device):
     """On CUDA: chunked prefill, the graph-captured decode step, and Q4_K weights kept quantized."""
     ref = json.loads((REFERENCE / f"logits_{name}.json").read_text())
     path = reference_models[name]
-    assert hashlib.sha256(path.read_bytes()).hexdigest() == ref["sha256"], "synthetic model changed: regenerate (README.md)"
+    assert hashlib.sha256(path.read_bytes()).hexdigest() == ref["sha256"], (
+        "synthetic model changed: regenerate (README.md)"
+    )
     stage = load(path, n_slots=1, device=device)
     got = compare(stage, ref)
     print(name, device, {k: f"{v:.3g}" for k, v in got.items()})
@@ -98,7 +107,9 @@ def test_prefill_equals_token_by_token(tiny_model):
     full = prefill(stage, PROMPT)
     steps = [prefill(stage, [t], start=i) for i, t in enumerate(PROMPT)]  # position 0 restarts the state
     torch.testing.assert_close(torch.cat(steps), full, atol=1e-5, rtol=1e-5)
-    chunks = torch.cat([prefill(stage, PROMPT[:7]), prefill(stage, PROMPT[7:15], start=7), prefill(stage, PROMPT[15:], start=15)])
+    chunks = torch.cat(
+        [prefill(stage, PROMPT[:7]), prefill(stage, PROMPT[7:15], start=7), prefill(stage, PROMPT[15:], start=15)]
+    )
     torch.testing.assert_close(chunks, full, atol=1e-5, rtol=1e-5)
 
 
@@ -108,7 +119,11 @@ def test_split_stages_are_bit_identical_to_one_stage(tiny_model):
     first = load(path, layers=(0, 1), head=False)
     rest = load(path, layers=(1, 4), embed=False)
     for start, chunk in ((0, PROMPT[:12]), (12, PROMPT[12:]), (20, [3])):
-        tokens, slots, pos = torch.tensor(chunk), torch.zeros(len(chunk), dtype=torch.long), torch.arange(start, start + len(chunk))
+        tokens, slots, pos = (
+            torch.tensor(chunk),
+            torch.zeros(len(chunk), dtype=torch.long),
+            torch.arange(start, start + len(chunk)),
+        )
         expected = whole.logits(whole.run_layers(whole.embed(tokens), slots, pos))
         got = rest.logits(rest.run_layers(first.run_layers(first.embed(tokens), slots, pos), slots, pos))
         assert torch.equal(got, expected)
@@ -125,7 +140,11 @@ def test_batched_slots_equal_each_slot_alone(tiny_model):
     slots = torch.tensor([0, 1, 1, 1, 2])
     positions = torch.tensor([5, 9, 10, 11, 3])
     got = batched.logits(batched.run_layers(batched.embed(tokens), slots, positions))
-    want = [prefill(alone, prompts[0] + [41])[-1:], prefill(alone, prompts[1] + [42, 43, 44])[-3:], prefill(alone, prompts[2] + [45])[-1:]]
+    want = [
+        prefill(alone, prompts[0] + [41])[-1:],
+        prefill(alone, prompts[1] + [42, 43, 44])[-3:],
+        prefill(alone, prompts[2] + [45])[-1:],
+    ]
     torch.testing.assert_close(got, torch.cat(want), atol=1e-5, rtol=1e-5)
 
 
@@ -146,9 +165,12 @@ def test_the_graph_step_equals_the_eager_decode(tiny_model):
         torch.testing.assert_close(graphed.logits(h), want, atol=1e-5, rtol=1e-5)
     for a, b in zip(eager.recurrent, graphed.recurrent):
         for name in ("conv_state", "ssm_state", "conv_ckpt", "ssm_ckpt"):
-            torch.testing.assert_close(getattr(b, name)[:3, :1] if "ckpt" in name else getattr(b, name)[:3],
-                                       getattr(a, name)[:3, :1] if "ckpt" in name else getattr(a, name)[:3],
-                                       atol=1e-5, rtol=1e-5)  # fmt: skip
+            torch.testing.assert_close(
+                getattr(b, name)[:3, :1] if "ckpt" in name else getattr(b, name)[:3],
+                getattr(a, name)[:3, :1] if "ckpt" in name else getattr(a, name)[:3],
+                atol=1e-5,
+                rtol=1e-5,
+            )
 
 
 def test_the_graph_verify_step_equals_the_eager_runs(tiny_model):
@@ -165,13 +187,17 @@ def test_the_graph_verify_step_equals_the_eager_runs(tiny_model):
         positions = torch.tensor([at[s] + t for s in (0, 2) for t in range(m)])
         tokens = torch.arange(m * 2) + 40 + m
         want = eager.logits(eager.run_layers(eager.embed(tokens), slots, positions))
-        h = graphed._forward(graphed.embed(tokens), slots, positions, None, batched=True, kv_len=graphed.n_ctx, per_slot=m)
+        h = graphed._forward(
+            graphed.embed(tokens), slots, positions, None, batched=True, kv_len=graphed.n_ctx, per_slot=m
+        )
         torch.testing.assert_close(graphed.logits(h), want, atol=1e-5, rtol=1e-5)
         for a, b in zip(eager.recurrent, graphed.recurrent):
             for name in ("conv_state", "ssm_state"):
                 torch.testing.assert_close(getattr(b, name)[[0, 2]], getattr(a, name)[[0, 2]], atol=1e-5, rtol=1e-5)
             for name in ("conv_ckpt", "ssm_ckpt"):
-                torch.testing.assert_close(getattr(b, name)[[0, 2], :m], getattr(a, name)[[0, 2], :m], atol=1e-5, rtol=1e-5)
+                torch.testing.assert_close(
+                    getattr(b, name)[[0, 2], :m], getattr(a, name)[[0, 2], :m], atol=1e-5, rtol=1e-5
+                )
         at = {s: at[s] + m for s in at}
 
 
@@ -179,7 +205,10 @@ def test_kv_clear_resets_the_recurrent_state(tiny_model):
     stage = load(tiny_model("qwen35", n_layers=4))
     first = prefill(stage, PROMPT)
     stage.kv_clear(0)
-    assert all(float(net.ssm_state[0].abs().sum()) == 0 and float(net.conv_state[0].abs().sum()) == 0 for net in stage.recurrent)
+    assert all(
+        float(net.ssm_state[0].abs().sum()) == 0 and float(net.conv_state[0].abs().sum()) == 0
+        for net in stage.recurrent
+    )
     torch.testing.assert_close(prefill(stage, PROMPT), first, atol=0, rtol=0)
 
 
@@ -240,13 +269,17 @@ def test_speculation_on_qwen35_is_greedy_token_for_token(tiny_model):
     prompts = [tok.encode(p) for p in ("hello world hello world hello", "a b a b a b a", "the cat the cat the")]
 
     def outputs(spec_type):
-        spec = build_speculator(SpecConfig(type=spec_type, n_max=8), None, g, ModelSettings(None, "cpu", "float32", 128), 3)
+        spec = build_speculator(
+            SpecConfig(type=spec_type, n_max=8), None, g, ModelSettings(None, "cpu", "float32", 128), 3
+        )
         eng = Engine(Pipeline(load(path, n_slots=3, n_ctx=128)), tok, 3, 128, speculator=spec).start()
         results = {}
 
         def one(i, p):
             ids = []
-            for ev in eng.generate(Request(p, SamplingParams(temperature=0.0), max_tokens=30, ignore_eos=True), timeout=120):
+            for ev in eng.generate(
+                Request(p, SamplingParams(temperature=0.0), max_tokens=30, ignore_eos=True), timeout=120
+            ):
                 ids += [t.id for t in ev.tokens]
             results[i] = ids
 
@@ -297,7 +330,9 @@ def test_split_across_processes_and_live_resplit_equal_solo(cluster):
     for prompt in ("hello world", "the quick brown fox"):
         assert greedy(w, prompt) == greedy(solo, prompt)
     result = {}
-    t = threading.Thread(target=lambda: result.setdefault("r", complete(w, "once upon a time", 60, timeout=120, cache_prompt=False)))
+    t = threading.Thread(
+        target=lambda: result.setdefault("r", complete(w, "once upon a time", 60, timeout=120, cache_prompt=False))
+    )
     t.start()
     try:
         wait_for(lambda: any((s["n_decoded"] or 0) > 3 for s in w.status()["slots"]), 60, "decoding to start")
@@ -407,7 +442,9 @@ def test_prompt_cache_reuses_only_a_whole_cached_sequence(tiny_model):
 
     def gen(prompt, **kw):
         ids, final = [], None
-        for ev in eng.generate(Request(prompt, SamplingParams(temperature=0.0), max_tokens=6, ignore_eos=True, **kw), timeout=60):
+        for ev in eng.generate(
+            Request(prompt, SamplingParams(temperature=0.0), max_tokens=6, ignore_eos=True, **kw), timeout=60
+        ):
             ids += [t.id for t in ev.tokens]
             final = ev
         return ids, final.timings["cache_n"]
@@ -424,7 +461,10 @@ def test_prompt_cache_reuses_only_a_whole_cached_sequence(tiny_model):
         try:
             for p, got in ((extended, cont), (prompt[:4] + tok.encode(" world"), diverged)):
                 ids = []
-                for ev in fresh.generate(Request(p, SamplingParams(temperature=0.0), max_tokens=6, ignore_eos=True, cache_prompt=False), timeout=60):
+                for ev in fresh.generate(
+                    Request(p, SamplingParams(temperature=0.0), max_tokens=6, ignore_eos=True, cache_prompt=False),
+                    timeout=60,
+                ):
                     ids += [t.id for t in ev.tokens]
                 assert ids == got
         finally:

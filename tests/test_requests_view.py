@@ -22,13 +22,20 @@ def test_requests_slots_queue_latency_and_access_log(tiny_model, tmp_path):
         client = openai.OpenAI(base_url=f"{h.url}/v1", api_key="unused", max_retries=0, timeout=120)
 
         def ask(max_tokens=40):
-            client.completions.create(model="m", prompt="count with me", max_tokens=max_tokens, temperature=0,
-                                      extra_body={"ignore_eos": True})  # fmt: skip
+            client.completions.create(
+                model="m", prompt="count with me", max_tokens=max_tokens, temperature=0, extra_body={"ignore_eos": True}
+            )
 
         # The first request holds the one slot for the rest of the context (its first token is out
         # before the others start); the other two then wait, and /status says so while they do.
-        first = client.completions.create(model="m", prompt="count with me", max_tokens=HOLD, temperature=0,
-                                          stream=True, extra_body={"ignore_eos": True})  # fmt: skip
+        first = client.completions.create(
+            model="m",
+            prompt="count with me",
+            max_tokens=HOLD,
+            temperature=0,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
         next(iter(first))
         threads = [threading.Thread(target=ask) for _ in range(2)]
         for t in threads:

@@ -17,8 +17,26 @@ CHAT = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "
 @pytest.fixture(scope="module")
 def server(tiny_model, tmp_path_factory):
     port, rpc = free_ports(2)
-    argv = ["-m", str(tiny_model("llama")), "--device", "cpu", "--dtype", "float32", "-np", "1", "-c", str(N_CTX),
-            "--temp", "0", "--seed", "7", "--chat-template", "chatml", "-b", "16"]  # fmt: skip
+    argv = [
+        "-m",
+        str(tiny_model("llama")),
+        "--device",
+        "cpu",
+        "--dtype",
+        "float32",
+        "-np",
+        "1",
+        "-c",
+        str(N_CTX),
+        "--temp",
+        "0",
+        "--seed",
+        "7",
+        "--chat-template",
+        "chatml",
+        "-b",
+        "16",
+    ]
     with running(Worker("serve", argv, tmp_path_factory.mktemp("responses"), port, rpc)) as w:
         yield w.url
 
@@ -29,35 +47,47 @@ def client(server):
 
 
 def chat_text(server: str, messages: list[dict], n: int) -> dict:
-    return httpx.post(f"{server}/v1/chat/completions", json={"messages": messages, "max_tokens": n, "ignore_eos": True},
-                      timeout=60).json()  # fmt: skip
+    return httpx.post(
+        f"{server}/v1/chat/completions", json={"messages": messages, "max_tokens": n, "ignore_eos": True}, timeout=60
+    ).json()
 
 
 def test_response_is_the_chat_answer(server, client):
     """instructions + input items are the chat's system + messages: the same text, in a response object."""
     chat = chat_text(server, CHAT, 6)
-    res = client.responses.create(model="m", instructions="be brief", input=[CHAT[1]], max_output_tokens=6,
-                                  extra_body={"ignore_eos": True})  # fmt: skip
+    res = client.responses.create(
+        model="m", instructions="be brief", input=[CHAT[1]], max_output_tokens=6, extra_body={"ignore_eos": True}
+    )
     assert res.id.startswith("resp_") and res.status == "completed" and res.object == "response"
     assert [(o.type, o.role, o.id[:4]) for o in res.output] == [("message", "assistant", "msg_")]
     assert res.output_text == chat["choices"][0]["message"]["content"]
     assert res.usage.input_tokens == chat["usage"]["prompt_tokens"] and res.usage.output_tokens == 6
     assert res.usage.input_tokens_details.cached_tokens == chat["usage"]["prompt_tokens"] - 1  # the chat left it cached
     # a plain string input is one user message; content parts and earlier output_text turns are taken too
-    plain = client.responses.create(model="m", input=CHAT[1]["content"], max_output_tokens=4, extra_body={"ignore_eos": True})
+    plain = client.responses.create(
+        model="m", input=CHAT[1]["content"], max_output_tokens=4, extra_body={"ignore_eos": True}
+    )
     assert plain.output_text == chat_text(server, CHAT[1:], 4)["choices"][0]["message"]["content"]
-    turns = [{"role": "user", "content": [{"type": "input_text", "text": "the quick brown fox"}]},
-             {"role": "assistant", "content": [{"type": "output_text", "text": "jumps"}]},
-             {"role": "user", "content": "over"}]  # fmt: skip
-    as_chat = [{"role": "user", "content": "the quick brown fox"}, {"role": "assistant", "content": "jumps"},
-               {"role": "user", "content": "over"}]  # fmt: skip
+    turns = [
+        {"role": "user", "content": [{"type": "input_text", "text": "the quick brown fox"}]},
+        {"role": "assistant", "content": [{"type": "output_text", "text": "jumps"}]},
+        {"role": "user", "content": "over"},
+    ]
+    as_chat = [
+        {"role": "user", "content": "the quick brown fox"},
+        {"role": "assistant", "content": "jumps"},
+        {"role": "user", "content": "over"},
+    ]
     got = client.responses.create(model="m", input=turns, max_output_tokens=4, extra_body={"ignore_eos": True})
     assert got.output_text == chat_text(server, as_chat, 4)["choices"][0]["message"]["content"]
 
 
 def test_stream_events(server, client):
-    events = list(client.responses.create(model="m", input=CHAT[1]["content"], max_output_tokens=5, stream=True,
-                                          extra_body={"ignore_eos": True}))  # fmt: skip
+    events = list(
+        client.responses.create(
+            model="m", input=CHAT[1]["content"], max_output_tokens=5, stream=True, extra_body={"ignore_eos": True}
+        )
+    )
     kinds = [e.type for e in events]
     assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == "response.completed"
     assert kinds.index("response.output_item.added") < kinds.index("response.output_text.delta")
@@ -71,8 +101,14 @@ def test_stream_events(server, client):
 def test_llama_server_progress_and_timings(server):
     """llama-server's extensions: return_progress sends response.in_progress with prompt_progress per
     prompt batch (-b 16), timings_per_token puts timings on each delta and the completed event."""
-    body = {"input": "the quick brown fox " * 8, "max_output_tokens": 3, "stream": True, "return_progress": True,
-            "timings_per_token": True, "ignore_eos": True}  # fmt: skip
+    body = {
+        "input": "the quick brown fox " * 8,
+        "max_output_tokens": 3,
+        "stream": True,
+        "return_progress": True,
+        "timings_per_token": True,
+        "ignore_eos": True,
+    }
     with httpx.stream("POST", f"{server}/responses", json=body, timeout=60) as r:
         data = [json.loads(line[len("data: ") :]) for line in r.iter_lines() if line.startswith("data: ")]
     progress = [d for d in data if "prompt_progress" in d]
@@ -85,10 +121,12 @@ def test_llama_server_progress_and_timings(server):
 
 @pytest.mark.parametrize(
     "body, param",
-    [({"input": "x", "previous_response_id": "resp_1"}, "previous_response_id"),
-     ({"input": [{"type": "web_search_call"}]}, "input"),
-     ({"input": [{"role": "user", "content": [{"type": "input_file"}]}]}, "input"),
-     ({"max_output_tokens": 4}, "input")],  # fmt: skip
+    [
+        ({"input": "x", "previous_response_id": "resp_1"}, "previous_response_id"),
+        ({"input": [{"type": "web_search_call"}]}, "input"),
+        ({"input": [{"role": "user", "content": [{"type": "input_file"}]}]}, "input"),
+        ({"max_output_tokens": 4}, "input"),
+    ],
 )
 def test_bad_requests_are_400(server, body, param):
     r = httpx.post(f"{server}/v1/responses", json=body, timeout=60)

@@ -12,9 +12,20 @@ import httpx
 import pytest
 from rpc_workers import head, peer
 
-from hydra_console.engine.gguf_file import GGUFFile
 from hydra_console.contracts.auth import AuthError, ClientHandshake
-from hydra_console.contracts.rpc import CAP_AUTH, CAP_FORWARD, CAP_IPC, CONTROL_MAGIC, FORWARD_HEADER, HELLO, VERSION, Cmd, Op, Status
+from hydra_console.contracts.rpc import (
+    CAP_AUTH,
+    CAP_FORWARD,
+    CAP_IPC,
+    CONTROL_MAGIC,
+    FORWARD_HEADER,
+    HELLO,
+    VERSION,
+    Cmd,
+    Op,
+    Status,
+)
+from hydra_console.engine.gguf_file import GGUFFile
 from hydra_console.engine.rpc import wire
 from hydra_console.engine.rpc.compute import pack_hello
 from hydra_console.engine.rpc.resident import tensor_shapes
@@ -258,7 +269,9 @@ def test_auth_token_guards_both_protocols(workers):
         hs = ClientHandshake(TOKEN, "control", ("head",))
         challenge = control(s, Op.AUTH, hs.nonce)
         assert challenge.status == Status.OK and challenge.meta["role"] == "head"
-        proof = hs.answer(bytes.fromhex(challenge.meta["nonce"]), challenge.meta["role"], bytes.fromhex(challenge.meta["proof"]))
+        proof = hs.answer(
+            bytes.fromhex(challenge.meta["nonce"]), challenge.meta["role"], bytes.fromhex(challenge.meta["proof"])
+        )
         assert control(s, Op.AUTH, proof).status == Status.OK
         info = control(s, Op.INFO)
         assert info.status == Status.OK and info.meta["auth"] is True
@@ -376,7 +389,9 @@ def test_work_run_while_a_peer_computes_keeps_the_connection_in_step(token_peer)
     from hydra_console.engine.rpc.client import RemoteStage
 
     g, host, lst = token_peer
-    remote = RemoteStage(f"127.0.0.1:{lst.bound_port}", (1, 3), g=g, dtype=torch.float32, n_slots=2, n_ctx=32, auth_token=TOKEN)
+    remote = RemoteStage(
+        f"127.0.0.1:{lst.bound_port}", (1, 3), g=g, dtype=torch.float32, n_slots=2, n_ctx=32, auth_token=TOKEN
+    )
     remote.attach()
     h, other = torch.randn(2, 2, g.get("gemma3.embedding_length"))
     slots, positions = torch.tensor([0, 0]), torch.tensor([0, 1])

@@ -11,8 +11,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hydra_console.engine.rpc import wire
 from hydra_console.contracts.rpc import FORWARD_HEADER
+from hydra_console.engine.rpc import wire
 from hydra_console.engine.rpc.compute import pack_forward, unpack_forward
 from hydra_console.engine.rpc.resident import ComputeError
 from hydra_console.engine.rpc.wire import BufferReader, FrameError, SocketReader
@@ -42,7 +42,9 @@ def test_control_request_round_trip(op, flags, key, trace, payload):
     assert r.read_exact(req.payload_len) == payload
 
 
-@given(status=st.integers(0, 6), meta=st.dictionaries(st.text(max_size=8), st.integers()), payload=st.binary(max_size=64))
+@given(
+    status=st.integers(0, 6), meta=st.dictionaries(st.text(max_size=8), st.integers()), payload=st.binary(max_size=64)
+)
 def test_control_response_round_trip(status, meta, payload):
     resp = wire.read_control_response(BufferReader(wire.pack_control_response(status, meta, payload)), MAX)
     assert (resp.status, resp.meta, resp.payload) == (status, meta, payload)

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from hydra_console.engine.gguf_file import GGUFFile
-from hydra_console.engine.pipeline import Pipeline
 from hydra_console.engine.model import build_stage
+from hydra_console.engine.pipeline import Pipeline
 from hydra_console.engine.runtime import Engine, Request
 from hydra_console.engine.sampling import InvalidParam, SamplingParams
 from hydra_console.engine.tokenizer import Tokenizer
@@ -61,8 +61,14 @@ def test_concurrent_greedy_equals_single_and_shares_forwards(engine, model):
 
     results: dict[int, tuple] = {}
     steps_before = engine.stats.steps
-    threads = [threading.Thread(target=lambda i=i, p=p: results.__setitem__(
-        i, run(engine, p, params=greedy(), max_tokens=12, ignore_eos=True)[:2])) for i, p in enumerate(prompts)]  # fmt: skip
+    threads = [
+        threading.Thread(
+            target=lambda i=i, p=p: results.__setitem__(
+                i, run(engine, p, params=greedy(), max_tokens=12, ignore_eos=True)[:2]
+            )
+        )
+        for i, p in enumerate(prompts)
+    ]
     for t in threads:
         t.start()
     for t in threads:
@@ -113,8 +119,9 @@ def test_stop_string_cuts_and_is_never_streamed(engine, model):
     at = next(i for i in range(4, len(ref) - 3) if ref.find(ref[i : i + 3]) == i)
     stop = ref[at : at + 3]
     pieces = []
-    for ev in engine.generate(Request(prompt, greedy(), max_tokens=30, ignore_eos=True, stop=[stop, "\x00never"]),
-                              timeout=30):  # fmt: skip
+    for ev in engine.generate(
+        Request(prompt, greedy(), max_tokens=30, ignore_eos=True, stop=[stop, "\x00never"]), timeout=30
+    ):
         pieces.append(ev.text)
         final = ev
     assert "".join(pieces) == ref[:at]
@@ -128,11 +135,20 @@ def test_usage_timings_and_length(engine, model):
     text, ids, _, final = run(engine, prompt, params=greedy(), max_tokens=9, ignore_eos=True)
     assert final.finish_reason == "length"
     cached = final.timings["cache_n"]  # the prompt cache: an earlier test may have left this prompt's prefix
-    assert final.usage == {"prompt_tokens": len(prompt), "completion_tokens": 9, "total_tokens": len(prompt) + 9,
-                           "prompt_tokens_details": {"cached_tokens": cached}}  # fmt: skip
+    assert final.usage == {
+        "prompt_tokens": len(prompt),
+        "completion_tokens": 9,
+        "total_tokens": len(prompt) + 9,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
     assert len(ids) == 9 and tok.decode(prompt + ids, skip_special=True) == tok.decode(prompt, skip_special=True) + text
     t = final.timings
-    assert (t["prompt_n"] + t["cache_n"], t["predicted_n"], t["draft_n"], t["draft_n_accepted"]) == (len(prompt), 9, 0, 0)
+    assert (t["prompt_n"] + t["cache_n"], t["predicted_n"], t["draft_n"], t["draft_n_accepted"]) == (
+        len(prompt),
+        9,
+        0,
+        0,
+    )
     assert t["prompt_ms"] > 0 and t["predicted_ms"] > 0
 
 
@@ -191,14 +207,24 @@ def test_both_step_kinds_give_the_same_tokens(engine, model):
     g, tok = model
     prompts = [tok.encode(p) for p in PROMPTS[:3]]
     want = [run(engine, p, params=greedy(), max_tokens=10, ignore_eos=True)[1] for p in prompts]
-    other = Engine(Pipeline(build_stage(g, device="cpu", dtype="float32", n_slots=N_SLOTS, n_ctx=N_CTX)), tok, N_SLOTS, N_CTX,
-                   mixed_steps=not engine.mixed_steps).start()  # fmt: skip
+    other = Engine(
+        Pipeline(build_stage(g, device="cpu", dtype="float32", n_slots=N_SLOTS, n_ctx=N_CTX)),
+        tok,
+        N_SLOTS,
+        N_CTX,
+        mixed_steps=not engine.mixed_steps,
+    ).start()
     try:
         got: dict[int, list[int]] = {}
         threads = []
         for i, p in enumerate(prompts):  # staggered: later prompts prefill while earlier ones decode
-            threads.append(threading.Thread(target=lambda i=i, p=p: got.__setitem__(
-                i, run(other, p, params=greedy(), max_tokens=10, ignore_eos=True)[1])))  # fmt: skip
+            threads.append(
+                threading.Thread(
+                    target=lambda i=i, p=p: got.__setitem__(
+                        i, run(other, p, params=greedy(), max_tokens=10, ignore_eos=True)[1]
+                    )
+                )
+            )
             threads[-1].start()
             time.sleep(0.01)
         for t in threads:
@@ -228,6 +254,7 @@ def outputs(engine: Engine, requests: list[dict], together: bool, cached: bool =
     """(text, ids, finish reason, stop word, completion tokens, logprobs[, prompt tokens from the
     cache]) of each request, run one after the other or all at once (more than the slots: the last
     ones wait for a slot)."""
+
     def one(kw):
         text, ids, lps, final = [], [], [], None
         for ev in engine.generate(Request(**kw), timeout=60):
@@ -262,19 +289,39 @@ def test_overlap_gives_the_synchronous_output_while_sequences_end_mid_batch(tiny
     sync, overlapped = start_engine((g, tok), False), start_engine((g, tok), True)
     try:
         hello = tok.encode("hello")
-        eos_seed = next(seed for seed in range(50) if outputs(sync, [dict(
-            prompt=hello, params=SamplingParams(temperature=3.0, seed=seed), max_tokens=60)], False)[0][2] == "stop")  # fmt: skip
-        ref = outputs(sync, [dict(prompt=tok.encode(PROMPTS[1]), params=greedy(), max_tokens=30, ignore_eos=True)], False)[0][0]
+        eos_seed = next(
+            seed
+            for seed in range(50)
+            if outputs(
+                sync, [dict(prompt=hello, params=SamplingParams(temperature=3.0, seed=seed), max_tokens=60)], False
+            )[0][2]
+            == "stop"
+        )
+        ref = outputs(
+            sync, [dict(prompt=tok.encode(PROMPTS[1]), params=greedy(), max_tokens=30, ignore_eos=True)], False
+        )[0][0]
         at = next(i for i in range(4, len(ref) - 3) if ref.find(ref[i : i + 3]) == i)
         requests = [
             dict(prompt=tok.encode(PROMPTS[0]), params=greedy(logprobs=2), max_tokens=5, ignore_eos=True),
-            dict(prompt=tok.encode(PROMPTS[1]), params=greedy(), max_tokens=30, ignore_eos=True, stop=[ref[at : at + 3]]),
+            dict(
+                prompt=tok.encode(PROMPTS[1]), params=greedy(), max_tokens=30, ignore_eos=True, stop=[ref[at : at + 3]]
+            ),
             dict(prompt=hello, params=SamplingParams(temperature=3.0, seed=eos_seed), max_tokens=60),
-            dict(prompt=tok.encode(PROMPTS[3]), params=greedy(repeat_penalty=1.5, presence_penalty=0.3), max_tokens=24,
-                 ignore_eos=True),
-            dict(prompt=tok.encode(PROMPTS[2]), params=SamplingParams(temperature=1.2, top_k=8, top_p=0.9, seed=7,
-                 frequency_penalty=0.5, logprobs=1, post_sampling=True), max_tokens=20, ignore_eos=True),
-        ]  # fmt: skip
+            dict(
+                prompt=tok.encode(PROMPTS[3]),
+                params=greedy(repeat_penalty=1.5, presence_penalty=0.3),
+                max_tokens=24,
+                ignore_eos=True,
+            ),
+            dict(
+                prompt=tok.encode(PROMPTS[2]),
+                params=SamplingParams(
+                    temperature=1.2, top_k=8, top_p=0.9, seed=7, frequency_penalty=0.5, logprobs=1, post_sampling=True
+                ),
+                max_tokens=20,
+                ignore_eos=True,
+            ),
+        ]
         want = outputs(sync, requests, together=False)
         assert [w[2] for w in want] == ["length", "stop", "stop", "length", "length"]
         assert want[1][3] and not want[2][3]  # one ends on its stop string, one on end-of-generation

@@ -105,8 +105,11 @@ def test_greedy_rows_are_the_argmax_bit_for_bit(logits):
 
 def test_the_draw_is_the_inverse_cdf_of_the_distribution_at_the_rows_uniform(logits):
     """Token = the first in vocabulary order whose cumulative probability exceeds the row's uniform."""
-    params = [SamplingParams(temperature=1.0, seed=s, **f) for s in range(40)
-              for f in ({}, {"top_k": 7}, {"top_p": 0.8}, {"min_p": 0.1})]  # fmt: skip
+    params = [
+        SamplingParams(temperature=1.0, seed=s, **f)
+        for s in range(40)
+        for f in ({}, {"top_k": 7}, {"top_p": 0.8}, {"min_p": 0.1})
+    ]
     rows = rows_of(params, ends=[s % 9 for s in range(len(params))])
     x = logits.expand(len(params), V)
     got = sample(x, rows).read()[0]
@@ -143,7 +146,10 @@ def test_seeded_draws_repeat_and_ignore_the_rest_of_the_batch(logits):
     alone = draws(p)
     assert alone == draws(p)
     assert alone != draws(SamplingParams(temperature=1.0, seed=43))
-    for neighbours in ([SamplingParams(top_k=3, seed=1)], [SamplingParams(top_p=0.5, seed=2), SamplingParams(temperature=0.0)]):
+    for neighbours in (
+        [SamplingParams(top_k=3, seed=1)],
+        [SamplingParams(top_p=0.5, seed=2), SamplingParams(temperature=0.0)],
+    ):
         assert draws(p, neighbours) == alone
     # the same for a top-k row, whose batch takes the top-k path alone and the sorted path beside a top-p row
     k = SamplingParams(temperature=1.0, top_k=9, seed=5)
@@ -154,14 +160,19 @@ def test_seeded_draws_repeat_and_ignore_the_rest_of_the_batch(logits):
 
 @pytest.mark.parametrize(
     "params",
-    [SamplingParams(temperature=0.0, repeat_penalty=1.7), SamplingParams(temperature=0.0, repeat_penalty=0.6, repeat_last_n=2),
-     SamplingParams(temperature=0.0, frequency_penalty=1.0, presence_penalty=0.5, repeat_last_n=-1),
-     SamplingParams(temperature=1.0, repeat_penalty=1.3, frequency_penalty=-0.5),
-     SamplingParams(temperature=0.0, repeat_penalty=50.0, repeat_last_n=0)],  # fmt: skip
+    [
+        SamplingParams(temperature=0.0, repeat_penalty=1.7),
+        SamplingParams(temperature=0.0, repeat_penalty=0.6, repeat_last_n=2),
+        SamplingParams(temperature=0.0, frequency_penalty=1.0, presence_penalty=0.5, repeat_last_n=-1),
+        SamplingParams(temperature=1.0, repeat_penalty=1.3, frequency_penalty=-0.5),
+        SamplingParams(temperature=0.0, repeat_penalty=50.0, repeat_last_n=0),
+    ],
 )
 def test_penalties_equal_the_reference(logits, params):
     history = [int(logits.argmax()), 3, 3, 4, int(logits.argmin()), 3, 9]
-    want = ref_probs(logits, params if not params.greedy else SamplingParams(**{**params.__dict__, "temperature": 1.0}), history)
+    want = ref_probs(
+        logits, params if not params.greedy else SamplingParams(**{**params.__dict__, "temperature": 1.0}), history
+    )
     rows = rows_of([params], [history])
     if params.greedy:
         assert sample(logits[None], rows).read()[0] == [int(ref_penalise(logits, history, params).argmax())]
@@ -175,8 +186,12 @@ def test_penalties_equal_the_reference(logits, params):
 def test_long_penalty_windows_count_like_short_ones(logits):
     """Past PAIRWISE_MAX entries the repeats are counted over the vocabulary: the same penalties."""
     history = torch.randint(0, V, (PAIRWISE_MAX + 40,), generator=torch.Generator().manual_seed(3)).tolist()
-    params = [SamplingParams(temperature=1.0, repeat_penalty=1.4, frequency_penalty=0.2, presence_penalty=0.1, repeat_last_n=n)
-              for n in (-1, PAIRWISE_MAX + 10, 5)]  # fmt: skip
+    params = [
+        SamplingParams(
+            temperature=1.0, repeat_penalty=1.4, frequency_penalty=0.2, presence_penalty=0.1, repeat_last_n=n
+        )
+        for n in (-1, PAIRWISE_MAX + 10, 5)
+    ]
     got = distribution(logits.expand(3, V), rows_of(params, [history] * 3))
     for row, p in zip(got, params):
         assert torch.allclose(row, ref_probs(logits, p, history), atol=1e-6)
@@ -184,7 +199,10 @@ def test_long_penalty_windows_count_like_short_ones(logits):
 
 def test_logprobs_raw_and_post_sampling(logits):
     rows = torch.stack([logits, logits * 0.5])
-    params = [SamplingParams(temperature=0.0, logprobs=3), SamplingParams(temperature=1.0, top_k=2, seed=1, logprobs=4, post_sampling=True)]
+    params = [
+        SamplingParams(temperature=0.0, logprobs=3),
+        SamplingParams(temperature=1.0, top_k=2, seed=1, logprobs=4, post_sampling=True),
+    ]
     tokens, lps = sample(rows, rows_of(params)).read()
     ref = torch.log_softmax(rows[0], -1)
     assert lps[0].token == tokens[0] and lps[0].logprob == pytest.approx(float(ref[tokens[0]]))
@@ -198,17 +216,27 @@ def test_logprobs_raw_and_post_sampling(logits):
 
 
 def test_pending_entries_come_from_the_device(logits):
-    rows = rows_of([SamplingParams(temperature=0.0, repeat_penalty=80.0)], [[]], ends=[1],
-                   pending=torch.tensor([int(logits.argmax())]))  # fmt: skip
+    rows = rows_of(
+        [SamplingParams(temperature=0.0, repeat_penalty=80.0)],
+        [[]],
+        ends=[1],
+        pending=torch.tensor([int(logits.argmax())]),
+    )
     assert sample(logits[None], rows).read()[0] != [int(logits.argmax())]
     assert PENDING < 0
 
 
 @pytest.mark.parametrize(
     "bad,param",
-    [({"temperature": -1}, "temperature"), ({"top_p": 0.0}, "top_p"), ({"top_k": -2}, "top_k"),
-     ({"min_p": 1.5}, "min_p"), ({"repeat_penalty": 0}, "repeat_penalty"), ({"logprobs": 21}, "logprobs"),
-     ({"presence_penalty": 3}, "presence_penalty")],  # fmt: skip
+    [
+        ({"temperature": -1}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_k": -2}, "top_k"),
+        ({"min_p": 1.5}, "min_p"),
+        ({"repeat_penalty": 0}, "repeat_penalty"),
+        ({"logprobs": 21}, "logprobs"),
+        ({"presence_penalty": 3}, "presence_penalty"),
+    ],
 )
 def test_bad_parameters_name_themselves(bad, param):
     with pytest.raises(InvalidParam) as e:
@@ -218,8 +246,14 @@ def test_bad_parameters_name_themselves(bad, param):
 
 @pytest.mark.parametrize(
     "extreme",
-    [{"top_p": 5e-324}, {"temperature": 5e-324}, {"repeat_penalty": 5e-324}, {"repeat_penalty": 100.0},
-     {"temperature": 100.0, "min_p": 1.0}, {"logit_bias": tuple((i, float("-inf")) for i in range(V))}],  # fmt: skip
+    [
+        {"top_p": 5e-324},
+        {"temperature": 5e-324},
+        {"repeat_penalty": 5e-324},
+        {"repeat_penalty": 100.0},
+        {"temperature": 100.0, "min_p": 1.0},
+        {"logit_bias": tuple((i, float("-inf")) for i in range(V))},
+    ],
 )
 def test_extreme_parameters_still_sample_a_valid_token(logits, extreme):
     rows = rows_of([SamplingParams(seed=0, **extreme)], [[int(logits.argmax()), 3]])

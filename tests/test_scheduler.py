@@ -18,8 +18,9 @@ pytestmark = pytest.mark.unit
 
 
 def scheduler(n_slots: int = 2, batch_tokens: int = 256, mixed: bool = True, spec: Speculator | None = None):
-    return Scheduler(n_slots, n_ctx=64, batch_tokens=batch_tokens, mixed_steps=mixed,
-                     speculator=spec or Speculator(), eog_ids={EOS})  # fmt: skip
+    return Scheduler(
+        n_slots, n_ctx=64, batch_tokens=batch_tokens, mixed_steps=mixed, speculator=spec or Speculator(), eog_ids={EOS}
+    )
 
 
 def step(s: Scheduler, token: int = 1):
@@ -228,8 +229,15 @@ def test_a_failed_forward_ends_its_requests_with_the_exception():
 
 def test_a_slot_keeps_its_prefix_for_the_next_request_until_the_kv_is_lost():
     generation = [0]
-    s = Scheduler(2, 64, 16, mixed_steps=True, speculator=Speculator(SpecConfig()), eog_ids={EOS},
-                  kv_generation=lambda: generation[0])  # fmt: skip
+    s = Scheduler(
+        2,
+        64,
+        16,
+        mixed_steps=True,
+        speculator=Speculator(SpecConfig()),
+        eog_ids={EOS},
+        kv_generation=lambda: generation[0],
+    )
     first = Request([5, 6, 7, 8], max_tokens=1)
     s.add(first)
     s.admit()

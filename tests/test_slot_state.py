@@ -103,9 +103,14 @@ def test_slots_save_erase_restore_over_http(tiny_model, tmp_path):
     from rpc_workers import complete, head, running
 
     prompt = "the quick brown fox jumps over the lazy dog"
-    with running(head(tiny_model("llama"), tmp_path, (), "--dtype", "float32", "--slot-save-path", str(tmp_path), parallel=1)) as w:
+    with running(
+        head(tiny_model("llama"), tmp_path, (), "--dtype", "float32", "--slot-save-path", str(tmp_path), parallel=1)
+    ) as w:
         first = complete(w, prompt, 6).json()
-        act = lambda action, **body: httpx.post(f"{w.url}/slots/0", params={"action": action}, json=body or None, timeout=30)  # noqa: E731
+
+        def act(action, **body):
+            return httpx.post(f"{w.url}/slots/0", params={"action": action}, json=body or None, timeout=30)
+
         saved = act("save", filename="s.bin").json()
         assert saved["n_saved"] > 0 and saved["n_written"] == (tmp_path / "s.bin").stat().st_size
         assert act("erase").json()["n_erased"] == saved["n_saved"]
@@ -151,7 +156,10 @@ def test_states_in_device_buffers_are_placed_and_continue_bit_for_bit(tiny_model
     full = stage(path, (0, 4))
     nxt = prefill(full, 0, PROMPT).argmax(-1).item()
     states = slot_state.device_states(full, 0, PROMPT, fp, [(0, 1), (1, 4)])
-    assert [(h.layers, body.numel()) for h, body in states] == [([0, 1], states[0][0].body_bytes), ([1, 4], states[1][0].body_bytes)]
+    assert [(h.layers, body.numel()) for h, body in states] == [
+        ([0, 1], states[0][0].body_bytes),
+        ([1, 4], states[1][0].body_bytes),
+    ]
     head, peer = stage(path, (0, 1)), stage(path, (1, 4))
     pipeline = Pipeline(head, ranges=[(0, 1), (1, 4)])
     prepared = pipeline.prepare_state(states, PROMPT)
@@ -191,7 +199,9 @@ def test_a_state_handed_over_by_cuda_ipc_is_checked_before_it_is_mapped():
     from hydra_console.contracts.slot_state import SlotHeader, TensorEntry
     from hydra_console.engine.rpc.cuda_ipc import open_states
 
-    raw = SlotHeader("fp", [0, 1], [1, 2], "float32", "float32", [TensorEntry("blk.0.k", [1, 2, 4], "float32", 32)]).to_json()
+    raw = SlotHeader(
+        "fp", [0, 1], [1, 2], "float32", "float32", [TensorEntry("blk.0.k", [1, 2, 4], "float32", 32)]
+    ).to_json()
     good = {"header": raw.decode(), "header_crc": crc32(raw), "body": {"shape": [32]}}
     gpu = torch.device("cuda", 0)
     with pytest.raises(SlotStateError, match="fails its checksum"):
@@ -203,16 +213,19 @@ def test_a_state_handed_over_by_cuda_ipc_is_checked_before_it_is_mapped():
 
 
 def _mtp_engine(path, spec_type: str):
+    from stages import load
+
     from hydra_console.engine.config import ModelSettings, SpecConfig
     from hydra_console.engine.pipeline import Pipeline
     from hydra_console.engine.runtime import Engine
     from hydra_console.engine.speculative import build_speculator
     from hydra_console.engine.tokenizer import Tokenizer
-    from stages import load
 
     g = GGUFFile(path)
     st = load(path, n_slots=1, n_ctx=128)
-    spec = build_speculator(SpecConfig(type=spec_type, n_max=3, p_min=0.0), None, g, ModelSettings(None, "cpu", "float32", 128), 1, head=st)
+    spec = build_speculator(
+        SpecConfig(type=spec_type, n_max=3, p_min=0.0), None, g, ModelSettings(None, "cpu", "float32", 128), 1, head=st
+    )
     return Engine(Pipeline(st), Tokenizer.from_gguf(g), 1, 128, speculator=spec).start()
 
 
@@ -286,10 +299,12 @@ def test_the_header_and_table_carry_their_own_checksum_and_version_1_is_refused_
     from hydra_console.contracts.slot_state import CHUNK_BYTES, MAGIC, SlotHeader, TensorEntry
 
     body = bytes(range(256)) * (CHUNK_BYTES // 128 + 3)  # three chunks, the last one short
-    header = SlotHeader("fp", [0, 1], [7, 8, 9], "float32", "float32", [TensorEntry("blk.0.k", [len(body) // 4], "float32", len(body))])
+    header = SlotHeader(
+        "fp", [0, 1], [7, 8, 9], "float32", "float32", [TensorEntry("blk.0.k", [len(body) // 4], "float32", len(body))]
+    )
     blob = slot_state.pack(header, [memoryview(body)])
     assert header.n_chunks == 3 and header.prefix_bytes % 64 == 0 and bytes(blob[header.prefix_bytes :]) == body
-    (got, body_view, _), = slot_state.read_all(bytes(blob))
+    ((got, body_view, _),) = slot_state.read_all(bytes(blob))
     assert got == header and bytes(body_view) == body
     spoiled = bytes(blob).replace(b"[7,8,9]", b"[7,8,8]")  # another token, same length: only the checksum sees it
     with pytest.raises(SlotStateError, match="header fails its checksum"):
@@ -304,7 +319,9 @@ def _multi_chunk_state() -> tuple[object, bytes]:
     from hydra_console.contracts.slot_state import CHUNK_BYTES, SlotHeader, TensorEntry
 
     body = bytes(range(256)) * (CHUNK_BYTES // 64)
-    header = SlotHeader("fp", [0, 1], [7, 8, 9], "float32", "float32", [TensorEntry("blk.0.k", [len(body) // 4], "float32", len(body))])
+    header = SlotHeader(
+        "fp", [0, 1], [7, 8, 9], "float32", "float32", [TensorEntry("blk.0.k", [len(body) // 4], "float32", len(body))]
+    )
     return header, bytes(slot_state.pack(header, [memoryview(body)]))
 
 

@@ -19,8 +19,23 @@ PROMPTS = ["a b c d a b c d a b c d a b", "the cat sat on the mat the cat sat on
 
 def _serve(tmp_path, model, *extra: str) -> Worker:
     port, rpc = free_ports(2)
-    argv = ["--model", str(model), "--parallel", str(N_SLOTS), "--ctx", str(N_CTX), "--device", "cpu",
-            "--dtype", "float32", "--spec-type", "ngram", "--draft-max", "4", *extra]  # fmt: skip
+    argv = [
+        "--model",
+        str(model),
+        "--parallel",
+        str(N_SLOTS),
+        "--ctx",
+        str(N_CTX),
+        "--device",
+        "cpu",
+        "--dtype",
+        "float32",
+        "--spec-type",
+        "ngram",
+        "--draft-max",
+        "4",
+        *extra,
+    ]
     w = Worker("serve", argv, tmp_path, port, rpc)
     w.wait_ready()
     return w
@@ -29,8 +44,9 @@ def _serve(tmp_path, model, *extra: str) -> Worker:
 def _complete(base: str, prompt: str, **extra) -> dict:
     client = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=60)
     model = client.models.list().data[0].id
-    r = client.completions.create(model=model, prompt=prompt, temperature=0, max_tokens=40,
-                                  extra_body={"ignore_eos": True, **extra})  # fmt: skip
+    r = client.completions.create(
+        model=model, prompt=prompt, temperature=0, max_tokens=40, extra_body={"ignore_eos": True, **extra}
+    )
     return r.model_dump()
 
 
@@ -75,8 +91,13 @@ def test_solo_server_speculation_is_exact_and_counted(tmp_path, tiny_model):
         # llama-server's flat per-request fields and bad overrides
         r = _complete(head.url, PROMPTS[0], **{"speculative.n_max": 1})
         assert r["timings"]["draft_n"] <= 40
-        for bad in ({"speculative": {"type": "draft"}}, {"speculative": {"n_max": 99}}, {"speculative": "x"},
-                    {"speculative.p_min": 3}, {"speculative": {"type": "mtp"}}):  # fmt: skip
+        for bad in (
+            {"speculative": {"type": "draft"}},
+            {"speculative": {"n_max": 99}},
+            {"speculative": "x"},
+            {"speculative.p_min": 3},
+            {"speculative": {"type": "mtp"}},
+        ):
             resp = httpx.post(f"{head.url}/v1/completions", json={"prompt": "a", **bad}, timeout=30)
             assert resp.status_code == 400, (bad, resp.text)
             assert resp.json()["error"]["message"]
@@ -105,8 +126,16 @@ def test_split_server_speculation_is_exact_and_counted(tmp_path, tiny_model):
 def test_draft_model_server(tmp_path, tiny_model):
     """`--spec-type draft --model-draft`: a second GGUF with the same vocabulary drafts; the
     output is the plain greedy output."""
-    head = _serve(tmp_path, tiny_model("llama"), "--spec-type", "draft", "--model-draft",
-                  str(tiny_model("llama", seed=7, n_layers=1)), "--draft-p-min", "0")  # fmt: skip
+    head = _serve(
+        tmp_path,
+        tiny_model("llama"),
+        "--spec-type",
+        "draft",
+        "--model-draft",
+        str(tiny_model("llama", seed=7, n_layers=1)),
+        "--draft-p-min",
+        "0",
+    )
     try:
         plain = _complete(head.url, PROMPTS[2], speculative={"type": "off"})
         spec = _complete(head.url, PROMPTS[2])
@@ -119,8 +148,20 @@ def test_draft_model_server(tmp_path, tiny_model):
 
 def test_mtp_flag_is_a_clear_error(tiny_model):
     """No supported GGUF carries an MTP head: `--spec-type mtp` exits 2 with one line saying so."""
-    cmd = [sys.executable, "-m", "hydra_console.engine.cli", "serve", "--model", str(tiny_model("llama")),
-           "--port", str(free_ports(1)[0]), "--device", "cpu", "--spec-type", "mtp"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "hydra_console.engine.cli",
+        "serve",
+        "--model",
+        str(tiny_model("llama")),
+        "--port",
+        str(free_ports(1)[0]),
+        "--device",
+        "cpu",
+        "--spec-type",
+        "mtp",
+    ]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert r.returncode == 2, r.stderr
     assert "no multi-token-prediction head" in r.stderr and "Traceback" not in r.stderr

@@ -10,11 +10,11 @@ from dataclasses import replace
 import pytest
 import torch
 
+from hydra_console.engine.config import ModelSettings
 from hydra_console.engine.errors import UserError
 from hydra_console.engine.gguf_file import GGUFFile
-from hydra_console.engine.pipeline import Pipeline
-from hydra_console.engine.config import ModelSettings
 from hydra_console.engine.model import build_stage
+from hydra_console.engine.pipeline import Pipeline
 from hydra_console.engine.runtime import Engine, Request
 from hydra_console.engine.sampling import Rows, Sampler, SamplingParams, distribution
 from hydra_console.engine.speculative import (
@@ -64,8 +64,10 @@ def _run(eng: Engine, prompt: list[int], spec: SpecConfig | None, params=GREEDY,
 
 def _run_concurrently(eng: Engine, prompts: list[list[int]], spec=None) -> list:
     results: dict[int, tuple] = {}
-    threads = [threading.Thread(target=lambda i=i, p=p: results.__setitem__(i, _run(eng, p, spec)))
-               for i, p in enumerate(prompts)]  # fmt: skip
+    threads = [
+        threading.Thread(target=lambda i=i, p=p: results.__setitem__(i, _run(eng, p, spec)))
+        for i, p in enumerate(prompts)
+    ]
     for t in threads:
         t.start()
     for t in threads:
@@ -226,8 +228,10 @@ def test_default_model_greedy_speculation_is_exact(default_model):
     tok = Tokenizer.from_gguf(g)
     eng = Engine(Pipeline(build_stage(g, device="cpu", dtype="float32", n_slots=1, n_ctx=512)), tok, 1, 512).start()
     code = "def area(w, h):\n    result = w * h\n    print('area', result)\n    return result\n"
-    prompts = [f"```python\n{code}```\n\nThe same code again:\n\n```python\n",
-               "The river had flooded twice that spring, and by the time the surveyors arrived the old mill"]  # fmt: skip
+    prompts = [
+        f"```python\n{code}```\n\nThe same code again:\n\n```python\n",
+        "The river had flooded twice that spring, and by the time the surveyors arrived the old mill",
+    ]
     try:
         for i, text in enumerate(prompts):
             prompt = tok.encode(text)

@@ -17,8 +17,8 @@ import httpx
 import pytest
 from rpc_workers import assert_peer_kill_fails_request_fast, complete, greedy, head, peer, wait_for
 
-from hydra_console.engine.rpc import wire
 from hydra_console.contracts.rpc import Op, Status
+from hydra_console.engine.rpc import wire
 from hydra_console.engine.rpc.wire import SocketReader
 
 PROMPTS = ["hello world", "the cat sat on", "abc abc abc"]
@@ -96,8 +96,8 @@ def test_live_resplit_under_a_running_request(cluster):
 def test_head_revalidates_when_a_peers_resident_set_changes(cluster, model):
     """Someone else re-assigns a peer (its epoch moves on): the head notices on its next FORWARD,
     re-attaches, rebuilds that peer's KV and the answer is still the solo one."""
-    from hydra_console.engine.gguf_file import GGUFFile
     from hydra_console.contracts.rpc import Cmd
+    from hydra_console.engine.gguf_file import GGUFFile
     from hydra_console.engine.rpc.compute import pack_hello
     from hydra_console.engine.rpc.resident import tensor_shapes
 
@@ -158,8 +158,21 @@ def test_frozen_peer_fails_the_request_instead_of_hanging(cluster):
 
 
 def run_head_cli(model, *argv, timeout=120) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "hydra_console.engine.cli", "serve", "--model", str(model), "--device", "cpu",
-           "--port", "0", "--rpc-port", "0", *argv]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "hydra_console.engine.cli",
+        "serve",
+        "--model",
+        str(model),
+        "--device",
+        "cpu",
+        "--port",
+        "0",
+        "--rpc-port",
+        "0",
+        *argv,
+    ]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
 
 
@@ -180,7 +193,9 @@ def test_fallback_solo_runs_every_layer_on_the_head(model, tmp_path):
     dead = socket.socket()
     dead.bind(("127.0.0.1", 0))
     try:
-        w = head(model, tmp_path, (), "--peer", f"127.0.0.1:{dead.getsockname()[1]}", "--peer-wait", "1", "--fallback-solo")
+        w = head(
+            model, tmp_path, (), "--peer", f"127.0.0.1:{dead.getsockname()[1]}", "--peer-wait", "1", "--fallback-solo"
+        )
         try:
             w.wait_ready()
             st = w.status()
@@ -193,8 +208,18 @@ def test_fallback_solo_runs_every_layer_on_the_head(model, tmp_path):
 
 
 def test_peer_cli_reports_bad_input_without_a_traceback(tmp_path):
-    cmd = [sys.executable, "-m", "hydra_console.engine.cli", "peer", "--model", str(tmp_path / "missing.gguf"),
-           "--port", "0", "--rpc-port", "0"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "hydra_console.engine.cli",
+        "peer",
+        "--model",
+        str(tmp_path / "missing.gguf"),
+        "--port",
+        "0",
+        "--rpc-port",
+        "0",
+    ]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and "cannot open model file" in done.stderr and "Traceback" not in done.stderr
 

@@ -19,9 +19,16 @@ def probe(counts, ms_per_layer, hops, *, layer_bytes=None, free=None, fixed=0.5,
     stages = []
     for i, ((a, b), ms, hop) in enumerate(zip(ranges(counts), ms_per_layer, hops)):
         sizes = layer_bytes[i] if layer_bytes else [100] * n
-        st = {"name": "head" if i == 0 else f"peer{i}", "layers": [a, b], "device": "cpu",
-              "decode_ms": [ms] * (b - a), "prefill_ms": [4 * ms] * (b - a), "layer_bytes": sizes,
-              "held_bytes": sum(sizes[a:b]), "free_bytes": free[i] if free else 10**12}  # fmt: skip
+        st = {
+            "name": "head" if i == 0 else f"peer{i}",
+            "layers": [a, b],
+            "device": "cpu",
+            "decode_ms": [ms] * (b - a),
+            "prefill_ms": [4 * ms] * (b - a),
+            "layer_bytes": sizes,
+            "held_bytes": sum(sizes[a:b]),
+            "free_bytes": free[i] if free else 10**12,
+        }
         if i:
             st["hop_ms"] = hop
         stages.append(st)

@@ -92,9 +92,18 @@ def test_console_preview_equals_what_the_engine_applies(text, n_layers, stages):
 
     engine_ranges = parse_split(text, n_layers, stages)  # what build_pipeline / CONFIGURE apply
     preview = ranges(parse_counts(text, n_layers, stages))  # what the split editor shows
-    args = SimpleNamespace(command="serve", peer=[f"127.0.0.1:{9000 + i}" for i in range(stages - 1)], split=text,
-                           layers=n_layers, startup_delay=0, rpc_host="127.0.0.1", rpc_port=1, host="127.0.0.1",
-                           port=0, model=None)  # fmt: skip
+    args = SimpleNamespace(
+        command="serve",
+        peer=[f"127.0.0.1:{9000 + i}" for i in range(stages - 1)],
+        split=text,
+        layers=n_layers,
+        startup_delay=0,
+        rpc_host="127.0.0.1",
+        rpc_port=1,
+        host="127.0.0.1",
+        port=0,
+        model=None,
+    )
     fake = [s.layers for s in build_status(args, 0.0).stages]
     assert preview == engine_ranges == fake
 
@@ -104,5 +113,7 @@ def test_move_boundary_keeps_total_and_stays_valid(counts, delta, data):
     b = data.draw(st.integers(0, len(counts) - 2))
     new = move_boundary(counts, b, delta)
     assert sum(new) == sum(counts) and min(new[1:]) >= 1 and new[0] >= 0
-    assert [n for i, n in enumerate(new) if i not in (b, b + 1)] == [n for i, n in enumerate(counts) if i not in (b, b + 1)]
+    assert [n for i, n in enumerate(new) if i not in (b, b + 1)] == [
+        n for i, n in enumerate(counts) if i not in (b, b + 1)
+    ]
     check_ranges(ranges(new), sum(counts), len(counts))

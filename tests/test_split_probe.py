@@ -62,8 +62,12 @@ def test_probe_refusals(tiny_model, tmp_path):
         reply = probe(solo, {})
         assert reply.status == Status.BAD_REQUEST and "solo" in reply.meta["error"]
     with running(peer(model, tmp_path)) as p, running(head(model, tmp_path, [p], ctx=64)) as h:
-        for body, words in (({"tokens": 0}, "'tokens' must be 1.."), ({"reps": "x"}, "integers"),
-                            ({"slot": 1}, "takes 'tokens' and 'reps'"), ({"tokens": 100}, "no room")):  # fmt: skip
+        for body, words in (
+            ({"tokens": 0}, "'tokens' must be 1.."),
+            ({"reps": "x"}, "integers"),
+            ({"slot": 1}, "takes 'tokens' and 'reps'"),
+            ({"tokens": 100}, "no room"),
+        ):
             reply = probe(h, body)
             assert reply.status == Status.BAD_REQUEST and words in reply.meta["error"], (body, reply.meta)
         assert probe(h, {"tokens": 4, "reps": 1}).ok  # the connection and the head carry on
@@ -72,12 +76,16 @@ def test_probe_refusals(tiny_model, tmp_path):
 def compute_probe(port: int, g: GGUFFile) -> bytes:
     """PROBE from a compute session of our own (HELLO and CHECK pass: no token on these workers)."""
     with socket.create_connection(("127.0.0.1", port), timeout=60) as s:
+
         def ask(cmd, payload=b""):
             s.sendall(wire.pack_compute_request(cmd, payload))
             return bytes(wire.read_compute_response(wire.SocketReader(s), 1 << 20))
 
         ask(Cmd.HELLO, pack_hello())
-        assert ask(Cmd.CHECK, json.dumps({"fingerprint": g.fingerprint, "shapes": tensor_shapes(g)}).encode())[0] == ReplyStatus.OK
+        assert (
+            ask(Cmd.CHECK, json.dumps({"fingerprint": g.fingerprint, "shapes": tensor_shapes(g)}).encode())[0]
+            == ReplyStatus.OK
+        )
         return ask(Cmd.PROBE, json.dumps({"slot": 0, "position": 0, "tokens": 4, "reps": 1}).encode())
 
 

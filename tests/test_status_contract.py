@@ -15,8 +15,13 @@ pytestmark = pytest.mark.unit
 
 def test_a_served_document_reads_back_unchanged():
     doc = StatusDocument("head", "127.0.0.1", 8080, config={"parallel": 4})
-    doc.add_provider(lambda: {"pool": Pool(2, 1, 0, 64, 0, 3), "peers": [PeerInfo("127.0.0.1:8091", "up", 0.4, layers=(9, 18))],
-                              "stages": [StageInfo("head", None, (0, 9), "cpu", "ok")]})  # fmt: skip
+    doc.add_provider(
+        lambda: {
+            "pool": Pool(2, 1, 0, 64, 0, 3),
+            "peers": [PeerInfo("127.0.0.1:8091", "up", 0.4, layers=(9, 18))],
+            "stages": [StageInfo("head", None, (0, 9), "cpu", "ok")],
+        }
+    )
     served = doc.document()
     assert Status.from_json(served.to_json()) == served
     assert served.devices and served.pool.busy == 1 and served.config == {"parallel": 4}
@@ -33,26 +38,58 @@ def test_a_served_document_reads_back_unchanged():
 
 
 def test_wrong_types_fall_back_to_defaults_never_raise():
-    s = Status.from_json({"pid": "x", "stages": [{"layers": [1]}, "junk", {"role": "peer", "layers": [2, 5]}],
-                          "throughput": {"decode_tok_s": True, "prefill_tok_s": 3}, "peers": None, "pool": 7})  # fmt: skip
+    s = Status.from_json(
+        {
+            "pid": "x",
+            "stages": [{"layers": [1]}, "junk", {"role": "peer", "layers": [2, 5]}],
+            "throughput": {"decode_tok_s": True, "prefill_tok_s": 3},
+            "peers": None,
+            "pool": 7,
+        }
+    )
     assert s.pid is None and s.pool is None and s.peers == []
     assert [x.layers for x in s.stages] == [None, (2, 5)]
     assert s.throughput.decode_tok_s == 0.0 and s.throughput.prefill_tok_s == 3.0
-    s = Status.from_json({"requests": {"queued": "x", "ttft_p50_ms": 12, "queue_max": None}, "process": {"rss": 1.5},
-                          "pool": {"connections": 3, "busy": 5}})  # fmt: skip
+    s = Status.from_json(
+        {
+            "requests": {"queued": "x", "ttft_p50_ms": 12, "queue_max": None},
+            "process": {"rss": 1.5},
+            "pool": {"connections": 3, "busy": 5},
+        }
+    )
     assert (s.requests.queued, s.requests.ttft_p50_ms, s.requests.queue_max) == (0, 12.0, None)
     assert s.process.rss is None and s.pool.idle == 0  # never negative
     assert Status.from_json({}).requests is None and Status.from_json({}).process is None  # an older worker
 
 
-json_values = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=5),
-                           lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=8), c, max_size=4),
-                           max_leaves=20)  # fmt: skip
-field_names = st.sampled_from(["role", "pid", "stages", "devices", "throughput", "speculative", "pool", "peers", "slots", "model", "http",
-                               "requests", "process"])
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=5),
+    lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=8), c, max_size=4),
+    max_leaves=20,
+)
+field_names = st.sampled_from(
+    [
+        "role",
+        "pid",
+        "stages",
+        "devices",
+        "throughput",
+        "speculative",
+        "pool",
+        "peers",
+        "slots",
+        "model",
+        "http",
+        "requests",
+        "process",
+    ]
+)
 
 
-@given(st.dictionaries(field_names, json_values, max_size=6), st.one_of(st.none(), st.dictionaries(st.text(max_size=8), json_values, max_size=4)))
+@given(
+    st.dictionaries(field_names, json_values, max_size=6),
+    st.one_of(st.none(), st.dictionaries(st.text(max_size=8), json_values, max_size=4)),
+)
 def test_the_console_parses_any_json_once(status, health):
     p = Probe(True, 200, health, status)
     assert isinstance(p.status, Status) and (health is None or isinstance(p.health, Health))

@@ -4,9 +4,8 @@ model: constrained greedy output follows the grammar and is the same with n-gram
 
 from __future__ import annotations
 
-import math
-
 import json
+import math
 import threading
 
 import pytest
@@ -26,8 +25,11 @@ GREEDY = SamplingParams(temperature=0.0)
 YES_NO = 'root ::= ("yes" | "no")'
 SCHEMA = {
     "type": "object",
-    "properties": {"flag": {"type": "boolean"}, "count": {"type": "integer", "minimum": 0, "maximum": 99},
-                   "word": {"type": "string", "maxLength": 6}},  # fmt: skip
+    "properties": {
+        "flag": {"type": "boolean"},
+        "count": {"type": "integer", "minimum": 0, "maximum": 99},
+        "word": {"type": "string", "maxLength": 6},
+    },
     "required": ["flag", "count", "word"],
     "additionalProperties": False,
 }
@@ -60,7 +62,11 @@ def test_apply_bitmask_bans_exactly_the_zero_bits():
 @pytest.mark.unit
 def test_logit_bias_adds_and_bans_per_row():
     logits = torch.zeros(3, 8)
-    params = [SamplingParams(logit_bias=((2, 5.0), (4, float("-inf")))), SamplingParams(), SamplingParams(logit_bias=((7, -1.5),))]
+    params = [
+        SamplingParams(logit_bias=((2, 5.0), (4, float("-inf")))),
+        SamplingParams(),
+        SamplingParams(logit_bias=((7, -1.5),)),
+    ]
     p = distribution(logits, Rows.build([Sampler(x) for x in params], [[]] * 3, torch.device("cpu")))
     assert p[0, 4] == 0 and float(p[0, 2] / p[0, 0]) == pytest.approx(math.exp(5.0), rel=1e-5)
     assert torch.allclose(p[0, [0, 1, 3, 5, 6, 7]], p[0, 0].expand(6))
@@ -74,9 +80,14 @@ def test_logit_bias_adds_and_bans_per_row():
 @pytest.mark.unit
 @pytest.mark.parametrize(
     "kind, source, field",
-    [("gbnf", 'root ::= ("yes" | ', "grammar"), ("gbnf", "root ::= missing", "grammar"), ("gbnf", "", "grammar"),
-     ("json_schema", {"type": "nope"}, "json_schema"), ("json_schema", {"$ref": "#/none"}, "response_format"),
-     ("json_schema", [1, 2], "json_schema")],  # fmt: skip
+    [
+        ("gbnf", 'root ::= ("yes" | ', "grammar"),
+        ("gbnf", "root ::= missing", "grammar"),
+        ("gbnf", "", "grammar"),
+        ("json_schema", {"type": "nope"}, "json_schema"),
+        ("json_schema", {"$ref": "#/none"}, "response_format"),
+        ("json_schema", [1, 2], "json_schema"),
+    ],
 )
 def test_bad_grammars_name_their_field(kind, source, field):
     with pytest.raises(InvalidParam) as e:
@@ -98,7 +109,9 @@ def test_draft_masks_follow_the_draft_and_roll_back(target):
     yes = tok.encode("yes", add_special=False, space_prefix=False)
     before = grammars.bitmask([c], pinned=False)
     allowed = lambda row: {t for t in range(tok.vocab_size) if row[t // 32] >> (t % 32) & 1}  # noqa: E731
-    assert yes[0] in allowed(before[0]) and tok.encode("maybe", add_special=False, space_prefix=False)[0] not in allowed(before[0])
+    assert yes[0] in allowed(before[0]) and tok.encode("maybe", add_special=False, space_prefix=False)[
+        0
+    ] not in allowed(before[0])
     refused = tok.encode("x", add_special=False, space_prefix=False)[0]
     draft = yes + [refused, yes[0]]
     masks = torch.empty((len(draft) + 1, grammars.words), dtype=torch.int32)
@@ -132,7 +145,9 @@ def test_engine_constrained_output_with_and_without_speculation(target):
         # the prompt holds JSON for the n-gram drafter to propose from: some drafts fit the schema, some not
         prompt = tok.encode('{"flag": true, "count": 12, "word": "cat"} {"flag":false,"count":3,"word":"dog"} {"flag":')
         plain_ids, plain = _run(eng, prompt, eng.grammars.constraint(grammar, "json_schema"))
-        spec_ids, spec = _run(eng, prompt, eng.grammars.constraint(grammar, "json_schema"), SpecConfig("ngram", n_max=4))
+        spec_ids, spec = _run(
+            eng, prompt, eng.grammars.constraint(grammar, "json_schema"), SpecConfig("ngram", n_max=4)
+        )
         assert spec_ids == plain_ids and plain.finish_reason == spec.finish_reason == "stop"
         assert spec.timings["draft_n"] > 0
         value = json.loads(tok.decode(plain_ids))
@@ -142,8 +157,12 @@ def test_engine_constrained_output_with_and_without_speculation(target):
         # a grammar request batched with unconstrained ones leaves their output alone
         free_alone, _ = _run(eng, prompt, n=20)
         results = {}
-        jobs = {"yes_no": lambda: _run(eng, prompt, eng.grammars.constraint(compile_grammar("gbnf", YES_NO, "grammar"), "grammar")),
-                "free": lambda: _run(eng, prompt, n=20)}  # fmt: skip
+        jobs = {
+            "yes_no": lambda: _run(
+                eng, prompt, eng.grammars.constraint(compile_grammar("gbnf", YES_NO, "grammar"), "grammar")
+            ),
+            "free": lambda: _run(eng, prompt, n=20),
+        }
         threads = [threading.Thread(target=lambda k=k, f=f: results.__setitem__(k, f())) for k, f in jobs.items()]
         for t in threads:
             t.start()

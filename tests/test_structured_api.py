@@ -19,7 +19,9 @@ MESSAGES = [{"role": "user", "content": PROMPT}]
 @pytest.fixture(scope="module")
 def server(tiny_model, tmp_path_factory):
     extra = ("--dtype", "float32", "--spec-type", "ngram", "--draft-max", "4")
-    with running(head(tiny_model("llama"), tmp_path_factory.mktemp("structured"), (), *extra, parallel=N_SLOTS, ctx=N_CTX)) as w:
+    with running(
+        head(tiny_model("llama"), tmp_path_factory.mktemp("structured"), (), *extra, parallel=N_SLOTS, ctx=N_CTX)
+    ) as w:
         yield w.url
 
 
@@ -72,15 +74,23 @@ def test_native_completion_follows_the_structured_fields(server):
     streamed too, and each prompt of a list follows the grammar on its own."""
 
     def complete(**body) -> httpx.Response:
-        return httpx.post(f"{server}/completion", json={"prompt": PROMPT, "n_predict": 80, "temperature": 0, **body},
-                          timeout=120)  # fmt: skip
+        return httpx.post(
+            f"{server}/completion", json={"prompt": PROMPT, "n_predict": 80, "temperature": 0, **body}, timeout=120
+        )
 
-    for extra in ({"json_schema": SCHEMA}, {"response_format": {"type": "json_schema", "json_schema": {"schema": SCHEMA}}}):
+    for extra in (
+        {"json_schema": SCHEMA},
+        {"response_format": {"type": "json_schema", "json_schema": {"schema": SCHEMA}}},
+    ):
         r = complete(**extra).json()
         assert r["stop_type"] == "eos" and r["stop"] is True
         _check_schema(json.loads(r["content"]))
-    with httpx.stream("POST", f"{server}/completion", timeout=120,
-                      json={"prompt": PROMPT, "n_predict": 80, "temperature": 0, "json_schema": SCHEMA, "stream": True}) as r:
+    with httpx.stream(
+        "POST",
+        f"{server}/completion",
+        timeout=120,
+        json={"prompt": PROMPT, "n_predict": 80, "temperature": 0, "json_schema": SCHEMA, "stream": True},
+    ) as r:
         events = [json.loads(line[len("data: ") :]) for line in r.iter_lines() if line.startswith("data: ")]
     assert events[-1]["stop"] is True
     _check_schema(json.loads("".join(e["content"] for e in events)))
@@ -93,28 +103,42 @@ def test_gbnf_grammar_gives_one_of_its_words(client):
         r = _chat(client, extra_body={"grammar": YES_NO}, stream=stream)
         if stream:
             chunks = list(r)
-            text, finish = "".join(c.choices[0].delta.content or "" for c in chunks), chunks[-1].choices[0].finish_reason
+            text, finish = (
+                "".join(c.choices[0].delta.content or "" for c in chunks),
+                chunks[-1].choices[0].finish_reason,
+            )
         else:
             text, finish = r.choices[0].message.content, r.choices[0].finish_reason
         assert text in ("yes", "no") and finish == "stop"
-    c = client.completions.create(model="m", prompt=PROMPT, temperature=0.9, seed=3, max_tokens=10,
-                                  extra_body={"grammar": YES_NO})  # fmt: skip
+    c = client.completions.create(
+        model="m", prompt=PROMPT, temperature=0.9, seed=3, max_tokens=10, extra_body={"grammar": YES_NO}
+    )
     assert c.choices[0].text in ("yes", "no")
 
 
 @pytest.mark.parametrize(
     "body, field",
-    [({"grammar": 'root ::= ("yes" | '}, "grammar"), ({"grammar": "root ::= nowhere"}, "grammar"),
-     ({"json_schema": {"type": "nope"}}, "json_schema"),
-     ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"$ref": "#/none"}}}}, "response_format"),
-     ({"response_format": {"type": "xml"}}, "response_format"),
-     ({"json_schema": SCHEMA, "grammar": YES_NO}, "grammar"),
-     ({"logit_bias": {"5": "much"}}, "logit_bias"), ({"logit_bias": {"999999": 1}}, "logit_bias"),
-     ({"n": 0}, "n")],  # fmt: skip
+    [
+        ({"grammar": 'root ::= ("yes" | '}, "grammar"),
+        ({"grammar": "root ::= nowhere"}, "grammar"),
+        ({"json_schema": {"type": "nope"}}, "json_schema"),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"schema": {"$ref": "#/none"}}}},
+            "response_format",
+        ),
+        ({"response_format": {"type": "xml"}}, "response_format"),
+        ({"json_schema": SCHEMA, "grammar": YES_NO}, "grammar"),
+        ({"logit_bias": {"5": "much"}}, "logit_bias"),
+        ({"logit_bias": {"999999": 1}}, "logit_bias"),
+        ({"n": 0}, "n"),
+    ],
 )
 def test_bad_structured_fields_are_400_naming_the_field(server, client, body, field):
-    for path, base in (("/v1/chat/completions", {"messages": MESSAGES}), ("/v1/completions", {"prompt": PROMPT}),
-                       ("/completion", {"prompt": PROMPT})):  # fmt: skip
+    for path, base in (
+        ("/v1/chat/completions", {"messages": MESSAGES}),
+        ("/v1/completions", {"prompt": PROMPT}),
+        ("/completion", {"prompt": PROMPT}),
+    ):
         r = httpx.post(f"{server}{path}", json={**base, "max_tokens": 4, **body}, timeout=60)
         assert r.status_code == 400, r.text
         assert r.json()["error"]["param"] == field and r.json()["error"]["type"] == "invalid_request_error"
@@ -129,16 +153,29 @@ def test_constrained_greedy_is_the_same_with_speculation(client):
     plain = _chat(client, response_format=fmt, extra_body={"speculative": {"type": "off"}})
     assert spec.choices[0].message.content == plain.choices[0].message.content
     assert spec.model_extra["timings"]["draft_n"] > 0 and plain.model_extra["timings"]["draft_n"] == 0
-    c_spec = client.completions.create(model="m", prompt=PROMPT, temperature=0, max_tokens=80, extra_body={"json_schema": SCHEMA})
-    c_plain = client.completions.create(model="m", prompt=PROMPT, temperature=0, max_tokens=80,
-                                        extra_body={"json_schema": SCHEMA, "speculative": {"type": "off"}})  # fmt: skip
+    c_spec = client.completions.create(
+        model="m", prompt=PROMPT, temperature=0, max_tokens=80, extra_body={"json_schema": SCHEMA}
+    )
+    c_plain = client.completions.create(
+        model="m",
+        prompt=PROMPT,
+        temperature=0,
+        max_tokens=80,
+        extra_body={"json_schema": SCHEMA, "speculative": {"type": "off"}},
+    )
     assert c_spec.choices[0].text == c_plain.choices[0].text and c_spec.model_extra["timings"]["draft_n"] > 0
 
 
 def test_logit_bias_bans_and_forces(server, client):
     def first(**kw) -> int:
-        r = client.completions.create(model="m", prompt=PROMPT, temperature=0, max_tokens=1, logprobs=0,
-                                      extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True, **kw})  # fmt: skip
+        r = client.completions.create(
+            model="m",
+            prompt=PROMPT,
+            temperature=0,
+            max_tokens=1,
+            logprobs=0,
+            extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True, **kw},
+        )
         return int(r.choices[0].logprobs.tokens[0].removeprefix("token_id:"))
 
     top = first()
@@ -155,10 +192,14 @@ def test_logit_bias_bans_and_forces(server, client):
 
 
 def test_n_choices(client):
-    greedy = client.completions.create(model="m", prompt=PROMPT, temperature=0, max_tokens=8, n=3, extra_body={"ignore_eos": True})
+    greedy = client.completions.create(
+        model="m", prompt=PROMPT, temperature=0, max_tokens=8, n=3, extra_body={"ignore_eos": True}
+    )
     assert [c.index for c in greedy.choices] == [0, 1, 2]
     assert len({c.text for c in greedy.choices}) == 1
-    one = client.completions.create(model="m", prompt=PROMPT, temperature=0, max_tokens=8, extra_body={"ignore_eos": True})
+    one = client.completions.create(
+        model="m", prompt=PROMPT, temperature=0, max_tokens=8, extra_body={"ignore_eos": True}
+    )
     assert greedy.usage.prompt_tokens == one.usage.prompt_tokens and greedy.usage.completion_tokens == 3 * 8
 
     sampled = _chat(client, temperature=1.0, seed=11, n=3, max_tokens=12, extra_body={"ignore_eos": True})
@@ -168,8 +209,18 @@ def test_n_choices(client):
     assert [c.message.content for c in again.choices] == texts  # ... and each reproducible
     assert sampled.usage.completion_tokens == 36
 
-    chunks = list(_chat(client, temperature=1.0, seed=11, n=3, max_tokens=12, stream=True,
-                        stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))  # fmt: skip
+    chunks = list(
+        _chat(
+            client,
+            temperature=1.0,
+            seed=11,
+            n=3,
+            max_tokens=12,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+    )
     streamed = ["", "", ""]
     for ch in chunks:
         for c in ch.choices:

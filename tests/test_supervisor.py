@@ -16,17 +16,15 @@ from pathlib import Path
 
 import psutil
 import pytest
-
-from hydra_console.app import control_client
-from hydra_console.contracts.auth import ServerHandshake
-from hydra_console.contracts.rpc import Op
-from hydra_console.app.config import Profile, SupervisorSettings, WorkerSpec
-from hydra_console.app.sources import FixedFeedSource, HttpStatusSource, Probe
-from hydra_console.engine.rpc.wire import pack_control_response
-from hydra_console.app.supervisor import Backoff, State, Supervisor, SupervisorError, describe_exit
-
 from consoles import FAKE, fake_profile, kill_groups, port_pair
 
+from hydra_console.app import control_client
+from hydra_console.app.config import Profile, SupervisorSettings, WorkerSpec
+from hydra_console.app.sources import FixedFeedSource, HttpStatusSource, Probe
+from hydra_console.app.supervisor import Backoff, State, Supervisor, SupervisorError, describe_exit
+from hydra_console.contracts.auth import ServerHandshake
+from hydra_console.contracts.rpc import Op
+from hydra_console.engine.rpc.wire import pack_control_response
 
 
 async def wait_until(cond, timeout: float = 60.0, step: float = 0.05) -> None:
@@ -96,7 +94,9 @@ async def test_backoff_resets_after_a_healthy_run(tmp_path):
 
 
 async def test_child_ignoring_sigterm_is_killed_after_grace(tmp_path):
-    body = "import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\nprint('up', flush=True)\ntime.sleep(60)\n"
+    body = (
+        "import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\nprint('up', flush=True)\ntime.sleep(60)\n"
+    )
     profile = script_profile(tmp_path, body)
     sup = new_supervisor(profile, tmp_path)
     await sup.start_worker("head")
@@ -129,7 +129,9 @@ async def test_sigterm_stops_the_whole_process_group(tmp_path):
     assert os.getpgid(grandchild) == sup.head.pid  # its own group, led by the worker
     await sup.stop_worker("head", grace=5)
     assert "killed" not in [e.kind for e in sup.events]  # SIGTERM was enough
-    await wait_until(lambda: not psutil.pid_exists(grandchild) or psutil.Process(grandchild).status() == psutil.STATUS_ZOMBIE, 5)
+    await wait_until(
+        lambda: not psutil.pid_exists(grandchild) or psutil.Process(grandchild).status() == psutil.STATUS_ZOMBIE, 5
+    )
     await sup.shutdown()
 
 
@@ -160,8 +162,9 @@ async def test_missing_executable_is_an_event_not_an_exception(tmp_path):
 
 
 def test_remote_command_goes_through_ssh_template_as_one_argument():
-    profile = Profile(peers=[WorkerSpec(name="far", host="gpu7", port=8090, device="cuda:1",
-                                        launcher="ssh -p 2222 {host} {command}")])
+    profile = Profile(
+        peers=[WorkerSpec(name="far", host="gpu7", port=8090, device="cuda:1", launcher="ssh -p 2222 {host} {command}")]
+    )
     sup = Supervisor(profile, source=FixedFeedSource({}))
     argv = sup.command_for("far")
     assert argv[:4] == ["ssh", "-p", "2222", "gpu7"] and len(argv) == 5
@@ -196,7 +199,9 @@ async def test_polling_reaches_ready_and_split_falls_back_to_head_restart(tmp_pa
         how = await sup.apply_split([8, 5, 5])  # nothing listens on the RPC port: no live CONFIGURE
         assert how == "restart" and sup.head.pid != old_pid
         assert sup.profile.split == [8, 5, 5]
-        await wait_until(lambda: sup.stage_ranges() and [r for _, r in sup.stage_ranges()] == [(0, 8), (8, 13), (13, 18)])
+        await wait_until(
+            lambda: sup.stage_ranges() and [r for _, r in sup.stage_ranges()] == [(0, 8), (8, 13), (13, 18)]
+        )
         assert any(e.kind == "split" and "[0,8)" in e.message for e in sup.events)
         assert sup.workers["peer1"].restarts == 0  # peers take their layers from the head
     finally:
@@ -256,7 +261,9 @@ class ControlServer:
 
 @pytest.mark.parametrize("status,expected", [(control_client.OK, "live"), (control_client.NOT_IMPLEMENTED, "restart")])
 async def test_split_goes_live_through_configure_when_the_head_accepts_it(tmp_path, status, expected, monkeypatch):
-    monkeypatch.setattr("hydra_console.contracts.auth._issued_here", lambda nonce: False)  # console and stand-in share this process
+    monkeypatch.setattr(
+        "hydra_console.contracts.auth._issued_here", lambda nonce: False
+    )  # console and stand-in share this process
     profile = fake_profile(peers=1)
     ctl = ControlServer(status)
     sup = Supervisor(profile, log_dir=tmp_path)
@@ -290,9 +297,13 @@ async def test_fixed_feed_drives_attached_states():
 
 async def test_a_port_held_by_another_process_is_named_and_the_worker_starts_once_it_frees(tmp_path):
     profile = script_profile(tmp_path, "import time; print('up', flush=True); time.sleep(60)\n", poll_s=0.1)
-    holder_code = ("import socket, sys, time; s = socket.socket(); s.bind(('127.0.0.1', int(sys.argv[1]))); s.listen(); "
-                   "print('held', flush=True); time.sleep(60)")
-    holder = subprocess.Popen([sys.executable, "-c", holder_code, str(profile.head.port)], stdout=subprocess.PIPE, text=True)
+    holder_code = (
+        "import socket, sys, time; s = socket.socket(); s.bind(('127.0.0.1', int(sys.argv[1]))); s.listen(); "
+        "print('held', flush=True); time.sleep(60)"
+    )
+    holder = subprocess.Popen(
+        [sys.executable, "-c", holder_code, str(profile.head.port)], stdout=subprocess.PIPE, text=True
+    )
     try:
         assert holder.stdout.readline().strip() == "held"
         sup = new_supervisor(profile, tmp_path)
@@ -316,14 +327,20 @@ async def test_a_port_held_by_another_process_is_named_and_the_worker_starts_onc
 async def test_remote_worker_runs_through_the_launcher_template(tmp_path):
     """A stand-in for ssh runs the remote command line in a shell, as sshd would; 127.0.0.2 is 'another host'."""
     fake_ssh = tmp_path / "fake_ssh.py"
-    fake_ssh.write_text(f"import os, sys\nhost, command = sys.argv[1], sys.argv[2]\nos.chdir({str(tmp_path)!r})\n"
-                        "os.execvp('sh', ['sh', '-c', command])\n")  # sshd starts in the login directory
+    fake_ssh.write_text(
+        f"import os, sys\nhost, command = sys.argv[1], sys.argv[2]\nos.chdir({str(tmp_path)!r})\n"
+        "os.execvp('sh', ['sh', '-c', command])\n"
+    )  # sshd starts in the login directory
     port = port_pair()
     profile = Profile(
         name="remote",
         engine_command=FAKE,
-        head=WorkerSpec(name="head", host="127.0.0.2", port=port,
-                        launcher=f"{shlex.quote(sys.executable)} {shlex.quote(str(fake_ssh))} {{host}} {{command}}"),
+        head=WorkerSpec(
+            name="head",
+            host="127.0.0.2",
+            port=port,
+            launcher=f"{shlex.quote(sys.executable)} {shlex.quote(str(fake_ssh))} {{host}} {{command}}",
+        ),
         peers=[],
         supervisor=SupervisorSettings(poll_s=0.2),
     )
@@ -331,7 +348,10 @@ async def test_remote_worker_runs_through_the_launcher_template(tmp_path):
     await sup.start()
     try:
         await wait_until(lambda: sup.head.state == State.READY)
-        assert (sup.head.status.http.host, sup.head.status.http.port) == ("0.0.0.0", port)  # a remote worker binds every address
+        assert (sup.head.status.http.host, sup.head.status.http.port) == (
+            "0.0.0.0",
+            port,
+        )  # a remote worker binds every address
         token_file = tmp_path / ".hydra" / "token-head"  # the token went by file, not argv
         assert token_file.read_text().strip() == sup.token and token_file.stat().st_mode & 0o777 == 0o600
         assert sup.token not in " ".join(sup.command_for("head"))
@@ -425,8 +445,11 @@ async def test_attached_console_follows_a_head_restart_and_its_recovery():
     feed.probes["head"] = Probe(True, 200, {"status": "ok"}, {"pid": 43})
     await sup.poll_once()
     assert [(e.kind, e.message) for e in sup.events] == [
-        ("ready", "ready"), ("unreachable", "connection refused"),
-        ("restarted", "pid 42 → 43 (restarted outside this console)"), ("ready", "ready again after 2.0 s unreachable")]
+        ("ready", "ready"),
+        ("unreachable", "connection refused"),
+        ("restarted", "pid 42 → 43 (restarted outside this console)"),
+        ("ready", "ready again after 2.0 s unreachable"),
+    ]
 
 
 async def test_ready_after_a_recovery_counts_from_the_degradation_not_the_first_start(tmp_path):
@@ -487,7 +510,9 @@ async def test_kill_9_of_the_console_then_a_new_console_adopts_and_stops_its_wor
     path = save_profile(profile, tmp_path / "p.toml")
     script = tmp_path / "console.py"
     script.write_text(CONSOLE)
-    console = subprocess.Popen([sys.executable, str(script), str(path), str(tmp_path / "logs")], stdout=subprocess.PIPE, text=True)
+    console = subprocess.Popen(
+        [sys.executable, str(script), str(path), str(tmp_path / "logs")], stdout=subprocess.PIPE, text=True
+    )
     pids = []
     try:
         line = await asyncio.wait_for(asyncio.to_thread(console.stdout.readline), 60)
@@ -545,7 +570,9 @@ async def test_workers_of_a_live_console_are_neither_adopted_nor_duplicated(tmp_
     path = save_profile(profile, tmp_path / "p.toml")
     script = tmp_path / "console.py"
     script.write_text(CONSOLE)
-    console = subprocess.Popen([sys.executable, str(script), str(path), str(tmp_path / "logs")], stdout=subprocess.PIPE, text=True)
+    console = subprocess.Popen(
+        [sys.executable, str(script), str(path), str(tmp_path / "logs")], stdout=subprocess.PIPE, text=True
+    )
     pid = None
     try:
         pid = int(await asyncio.wait_for(asyncio.to_thread(console.stdout.readline), 60))
@@ -568,7 +595,10 @@ async def test_workers_of_a_live_console_are_neither_adopted_nor_duplicated(tmp_
 async def test_local_workers_get_the_token_in_their_environment_not_argv(tmp_path, monkeypatch):
     monkeypatch.delenv("HYDRA_TOKEN", raising=False)
     out = tmp_path / "env.txt"
-    profile = script_profile(tmp_path, f"import os, sys, time\nopen({str(out)!r}, 'w').write(os.environ.get('HYDRA_TOKEN', '') + '|' + ' '.join(sys.argv))\ntime.sleep(60)\n")
+    profile = script_profile(
+        tmp_path,
+        f"import os, sys, time\nopen({str(out)!r}, 'w').write(os.environ.get('HYDRA_TOKEN', '') + '|' + ' '.join(sys.argv))\ntime.sleep(60)\n",
+    )
     sup = new_supervisor(profile, tmp_path)
     # Random, and kept for the profile: the next console of it (attached, adopting) proves the same one.
     assert len(sup.token) == 64 and sup.token == new_supervisor(profile, tmp_path).token

@@ -150,7 +150,10 @@ def test_spm_word_split_equals_whole_text_merge(gemma, text):
 @settings(max_examples=60, deadline=None)
 @given(st.text(alphabet="<>ab/\n", max_size=30))
 def test_special_index_finds_exactly_the_occurring_texts(text):
-    items = [(s, i) for i, s in enumerate(["<a>", "<b>", "</a>", "\n", "\n\n", "a", "<", "ab", *(f"<a{k}>" for k in range(40))])]
+    items = [
+        (s, i)
+        for i, s in enumerate(["<a>", "<b>", "</a>", "\n", "\n\n", "a", "<", "ab", *(f"<a{k}>" for k in range(40))])
+    ]
     assert sorted(_SpecialIndex(items).occurring(text)) == sorted(it for it in items if it[0] in text)
 
 
@@ -209,7 +212,9 @@ def test_spm_merges_only_through_vocab_pieces():
         spm_metadata({"a": -5, "b": -5, "c": -5, "d": -5, "ab": -1, "cd": -1, "abcd": -0.5}, add_space_prefix=False)
     )
     assert texts(tok, tok.encode("abcd", add_special=False)) == ["abcd"]
-    tok = Tokenizer.from_metadata(spm_metadata({"a": -5, "b": -5, "c": -5, "d": -5, "abcd": -0.5}, add_space_prefix=False))
+    tok = Tokenizer.from_metadata(
+        spm_metadata({"a": -5, "b": -5, "c": -5, "d": -5, "abcd": -0.5}, add_space_prefix=False)
+    )
     assert texts(tok, tok.encode("abcd", add_special=False)) == ["a", "b", "c", "d"]
 
 
@@ -227,7 +232,9 @@ def test_spm_space_prefix_bos_and_round_trip():
 
 def test_spm_word_crossing_piece_is_found():
     # a piece spanning a space: the word-by-word shortcut must not hide it
-    tok = Tokenizer.from_metadata(spm_metadata({"a": -5, "▁": -5, "b": -5, "a▁": -2, "a▁b": -1}, add_space_prefix=False))
+    tok = Tokenizer.from_metadata(
+        spm_metadata({"a": -5, "▁": -5, "b": -5, "a▁": -2, "a▁b": -1}, add_space_prefix=False)
+    )
     assert texts(tok, tok.encode("a b", add_special=False)) == ["a▁b"]
 
 
@@ -446,8 +453,13 @@ def test_bpe_matches_hf_tokenizers(pre, ignore_merges):
     tokens = sorted(model["vocab"], key=model["vocab"].get)
     merges = [m if isinstance(m, str) else " ".join(m) for m in model["merges"]]
     tok = Tokenizer.from_metadata(
-        {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": pre, "tokenizer.ggml.tokens": tokens,
-         "tokenizer.ggml.merges": merges, "tokenizer.ggml.add_bos_token": False}  # fmt: skip
+        {
+            "tokenizer.ggml.model": "gpt2",
+            "tokenizer.ggml.pre": pre,
+            "tokenizer.ggml.tokens": tokens,
+            "tokenizer.ggml.merges": merges,
+            "tokenizer.ggml.add_bos_token": False,
+        }
     )
     rnd = random.Random(0)
     samples = [corpus[i : i + rnd.randint(1, 200)] for i in (rnd.randrange(len(corpus)) for _ in range(300))]
@@ -469,10 +481,17 @@ def test_spm_matches_sentencepiece():
     corpus += "\nnaïve façade 中文字符测试 Ελληνικά 12345"
     model = io.BytesIO()
     spm.SentencePieceTrainer.train(
-        sentence_iterator=iter([line for line in corpus.split("\n") if line.strip()]), model_writer=model,
-        vocab_size=800, model_type="bpe", byte_fallback=True, normalization_rule_name="identity",
-        remove_extra_whitespaces=False, add_dummy_prefix=True, allow_whitespace_only_pieces=True, minloglevel=2,
-    )  # fmt: skip
+        sentence_iterator=iter([line for line in corpus.split("\n") if line.strip()]),
+        model_writer=model,
+        vocab_size=800,
+        model_type="bpe",
+        byte_fallback=True,
+        normalization_rule_name="identity",
+        remove_extra_whitespaces=False,
+        add_dummy_prefix=True,
+        allow_whitespace_only_pieces=True,
+        minloglevel=2,
+    )
     sp = spm.SentencePieceProcessor(model_proto=model.getvalue())
     ids = range(sp.get_piece_size())
     kinds = [(sp.is_unknown, 2), (sp.is_control, CONTROL), (sp.is_byte, BYTE), (sp.is_unused, 5)]

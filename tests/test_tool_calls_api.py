@@ -14,11 +14,23 @@ import pytest
 from rpc_workers import head, running
 from test_tool_calls import HERMES, SUCCESS, WEATHER
 
-MESSAGES = [{"role": "system", "content": "You call tools."}, {"role": "user", "content": "What is the weather in Oslo?"}]
+MESSAGES = [
+    {"role": "system", "content": "You call tools."},
+    {"role": "user", "content": "What is the weather in Oslo?"},
+]
 # a short call for a random model: one argument out of two values, no other keys
-PICK = {"type": "function", "function": {"name": "pick", "parameters": {
-    "type": "object", "properties": {"color": {"enum": ["red", "green"]}}, "required": ["color"],
-    "additionalProperties": False}}}  # fmt: skip
+PICK = {
+    "type": "function",
+    "function": {
+        "name": "pick",
+        "parameters": {
+            "type": "object",
+            "properties": {"color": {"enum": ["red", "green"]}},
+            "required": ["color"],
+            "additionalProperties": False,
+        },
+    },
+}
 
 
 @pytest.fixture(scope="module")
@@ -26,8 +38,19 @@ def server(tiny_model, tmp_path_factory):
     logs = tmp_path_factory.mktemp("tool-calls")
     template = logs / "hermes.jinja"
     template.write_text(HERMES)
-    with running(head(tiny_model("llama"), logs, (), "--dtype", "float32", "--chat-template-file", str(template),
-                      parallel=2, ctx=512)) as w:  # fmt: skip
+    with running(
+        head(
+            tiny_model("llama"),
+            logs,
+            (),
+            "--dtype",
+            "float32",
+            "--chat-template-file",
+            str(template),
+            parallel=2,
+            ctx=512,
+        )
+    ) as w:
         yield w.url
 
 
@@ -37,8 +60,15 @@ def client(server):
 
 
 def test_required_and_named_tool_choice_come_back_as_tool_calls(client):
-    r = client.chat.completions.create(model="m", messages=MESSAGES, tools=[SUCCESS, PICK], tool_choice="required",
-                                       parallel_tool_calls=False, max_tokens=60, temperature=0)  # fmt: skip
+    r = client.chat.completions.create(
+        model="m",
+        messages=MESSAGES,
+        tools=[SUCCESS, PICK],
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_tokens=60,
+        temperature=0,
+    )
     choice = r.choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.content in ("", None)
     (call,) = choice.message.tool_calls
@@ -47,16 +77,32 @@ def test_required_and_named_tool_choice_come_back_as_tool_calls(client):
     assert args == {"success": True} if call.function.name == "test" else args["color"] in ("red", "green")
 
     named = {"type": "function", "function": {"name": "pick"}}
-    r = client.chat.completions.create(model="m", messages=MESSAGES, tools=[SUCCESS, PICK], tool_choice=named,
-                                       parallel_tool_calls=False, max_tokens=60, temperature=0.9, seed=3)  # fmt: skip
+    r = client.chat.completions.create(
+        model="m",
+        messages=MESSAGES,
+        tools=[SUCCESS, PICK],
+        tool_choice=named,
+        parallel_tool_calls=False,
+        max_tokens=60,
+        temperature=0.9,
+        seed=3,
+    )
     (call,) = r.choices[0].message.tool_calls
     assert r.choices[0].finish_reason == "tool_calls" and call.function.name == "pick"
     assert json.loads(call.function.arguments)["color"] in ("red", "green")
 
 
 def test_streamed_tool_calls_arrive_as_deltas(client):
-    stream = client.chat.completions.create(model="m", messages=MESSAGES, tools=[PICK], tool_choice="required",
-                                            parallel_tool_calls=False, max_tokens=60, temperature=0, stream=True)  # fmt: skip
+    stream = client.chat.completions.create(
+        model="m",
+        messages=MESSAGES,
+        tools=[PICK],
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_tokens=60,
+        temperature=0,
+        stream=True,
+    )
     chunks = list(stream)
     deltas = [c.choices[0].delta for c in chunks if c.choices]
     calls = [tc for d in deltas for tc in (d.tool_calls or [])]
@@ -65,26 +111,38 @@ def test_streamed_tool_calls_arrive_as_deltas(client):
     assert "".join(d.content or "" for d in deltas) == ""  # the call's text is not content
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
     # the same call as the one the non-streamed request makes
-    r = client.chat.completions.create(model="m", messages=MESSAGES, tools=[PICK], tool_choice="required",
-                                       parallel_tool_calls=False, max_tokens=60, temperature=0)  # fmt: skip
+    r = client.chat.completions.create(
+        model="m",
+        messages=MESSAGES,
+        tools=[PICK],
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_tokens=60,
+        temperature=0,
+    )
     assert r.choices[0].message.tool_calls[0].function.arguments == calls[0].function.arguments
 
 
 def test_tool_choice_none_answers_in_text(client):
-    r = client.chat.completions.create(model="m", messages=MESSAGES, tools=[WEATHER], tool_choice="none",
-                                       max_tokens=8, temperature=0)  # fmt: skip
+    r = client.chat.completions.create(
+        model="m", messages=MESSAGES, tools=[WEATHER], tool_choice="none", max_tokens=8, temperature=0
+    )
     assert r.choices[0].message.tool_calls is None and r.choices[0].finish_reason in ("length", "stop")
     assert isinstance(r.choices[0].message.content, str)
 
 
 def test_bad_tools_are_400s_naming_the_field(server):
     def post(**body) -> httpx.Response:
-        return httpx.post(f"{server}/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 4, **body}, timeout=60)
+        return httpx.post(
+            f"{server}/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 4, **body}, timeout=60
+        )
 
-    for body, param in [({"tools": [WEATHER], "tool_choice": "always"}, "tool_choice"),
-                        ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
-                        ({"tools": [{"type": "function", "function": {"description": "no name"}}]}, "tools"),
-                        ({"tools": [WEATHER], "grammar": 'root ::= "x"'}, "grammar")]:  # fmt: skip
+    for body, param in [
+        ({"tools": [WEATHER], "tool_choice": "always"}, "tool_choice"),
+        ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+        ({"tools": [{"type": "function", "function": {"description": "no name"}}]}, "tools"),
+        ({"tools": [WEATHER], "grammar": 'root ::= "x"'}, "grammar"),
+    ]:
         r = post(**body)
         assert r.status_code == 400, body
         assert r.json()["error"]["param"] == param and r.json()["error"]["type"] == "invalid_request_error"
@@ -92,8 +150,13 @@ def test_bad_tools_are_400s_naming_the_field(server):
 
 
 def test_a_conversation_with_calls_and_results_renders_them(server, client):
-    turn = {"role": "assistant", "content": None, "tool_calls": [
-        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]}  # fmt: skip
+    turn = {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}
+        ],
+    }
     result = {"role": "tool", "tool_call_id": "call_1", "content": "-3 C"}
     messages = [*MESSAGES, turn, result]
     prompt = httpx.post(f"{server}/apply-template", json={"messages": messages, "tools": [WEATHER]}).json()["prompt"]
@@ -108,8 +171,14 @@ def test_anthropic_messages_answer_calls_as_tool_use_blocks(server):
 
     client = anthropic.Anthropic(base_url=server, api_key="none", max_retries=0, timeout=120)
     tool = {"name": "pick", "description": "pick a color", "input_schema": PICK["function"]["parameters"]}
-    kw = {"model": "m", "max_tokens": 60, "extra_body": {"temperature": 0}, "tools": [tool], "tool_choice": {"type": "tool", "name": "pick", "disable_parallel_tool_use": True},
-          "messages": [{"role": "user", "content": "Pick a color."}]}  # fmt: skip
+    kw = {
+        "model": "m",
+        "max_tokens": 60,
+        "extra_body": {"temperature": 0},
+        "tools": [tool],
+        "tool_choice": {"type": "tool", "name": "pick", "disable_parallel_tool_use": True},
+        "messages": [{"role": "user", "content": "Pick a color."}],
+    }
     msg = client.messages.create(**kw)
     assert msg.stop_reason == "tool_use"
     (block,) = msg.content
@@ -122,8 +191,15 @@ def test_anthropic_messages_answer_calls_as_tool_use_blocks(server):
 
 def test_responses_answer_calls_as_function_call_items(client):
     tool = {"type": "function", **PICK["function"]}
-    kw = {"model": "m", "input": "Pick a color.", "tools": [tool], "tool_choice": "required", "parallel_tool_calls": False,
-          "max_output_tokens": 60, "temperature": 0}  # fmt: skip
+    kw = {
+        "model": "m",
+        "input": "Pick a color.",
+        "tools": [tool],
+        "tool_choice": "required",
+        "parallel_tool_calls": False,
+        "max_output_tokens": 60,
+        "temperature": 0,
+    }
     res = client.responses.create(**kw)
     (item,) = res.output
     assert item.type == "function_call" and item.name == "pick" and item.call_id.startswith("call_")

@@ -15,8 +15,14 @@ ALERTS = Alerts(rtt_ms=20.0)
 
 def doc(**kw) -> Status:
     """A head's /status with a few fields set (the rest as a fresh head reports them)."""
-    base = {"role": "head", "requests": {"slots_total": 4}, "pool": {"size": 2}, "speculative": {"type": "off"},
-            "peers": [{"addr": "p2:9", "state": "up", "rtt_ms": 1.0}], "slots": [{"id": 0, "n_ctx": 128}]}  # fmt: skip
+    base = {
+        "role": "head",
+        "requests": {"slots_total": 4},
+        "pool": {"size": 2},
+        "speculative": {"type": "off"},
+        "peers": [{"addr": "p2:9", "state": "up", "rtt_ms": 1.0}],
+        "slots": [{"id": 0, "n_ctx": 128}],
+    }
     for key, value in kw.items():
         base[key] = {**base[key], **value} if isinstance(value, dict) and isinstance(base.get(key), dict) else value
     return Status.from_json(base)
@@ -36,34 +42,70 @@ def test_timeline_correlates_events_and_status_changes_in_time_order():
         (0.0, doc()),
         (1.0, doc(peers=[{"addr": "p2:9", "state": "up", "rtt_ms": 45.0}])),  # RTT spike
         (2.0, doc(peers=[{"addr": "p2:9", "state": "down", "error": "reset"}], pool={"dropped": 2})),
-        (3.0, doc(peers=[{"addr": "p2:9", "state": "up", "rtt_ms": 1.0}], requests={"rejected_total": 3, "queued": 64},
-                  slots=[{"id": 0, "n_ctx": 128, "n_past": 128}])),  # fmt: skip
+        (
+            3.0,
+            doc(
+                peers=[{"addr": "p2:9", "state": "up", "rtt_ms": 1.0}],
+                requests={"rejected_total": 3, "queued": 64},
+                slots=[{"id": 0, "n_ctx": 128, "n_past": 128}],
+            ),
+        ),
         (4.0, doc(requests={"itl_p50_ms": 10.0, "itl_p99_ms": 90.0})),
     ]
-    events = [Event(2.5, "peer2", "crashed", "pid 7 exited (SIGKILL)"), Event(2.6, "peer2", "restarted", "after 1 s backoff"),
-              Event(9.0, "peer2", "crash-loop", "3 exits in a row")]  # fmt: skip
+    events = [
+        Event(2.5, "peer2", "crashed", "pid 7 exited (SIGKILL)"),
+        Event(2.6, "peer2", "restarted", "after 1 s backoff"),
+        Event(9.0, "peer2", "crash-loop", "3 exits in a row"),
+    ]
     got = timeline(history, events, ALERTS)
     assert kinds(got) == [
-        ("rtt-spike", "p2:9"), ("peer-down", "p2:9"), ("pool-drop", "head"), ("crash", "peer2"), ("restart", "peer2"),
-        ("peer-up", "p2:9"), ("queue-full", "head"), ("kv-full", "head"), ("latency-spike", "head"), ("crash-loop", "peer2")]
+        ("rtt-spike", "p2:9"),
+        ("peer-down", "p2:9"),
+        ("pool-drop", "head"),
+        ("crash", "peer2"),
+        ("restart", "peer2"),
+        ("peer-up", "p2:9"),
+        ("queue-full", "head"),
+        ("kv-full", "head"),
+        ("latency-spike", "head"),
+        ("crash-loop", "peer2"),
+    ]
     assert "reset" in got[1].message and "2 connection" in got[2].message and "3 request(s) refused" in got[6].message
     # A spike is one incident while it lasts, not one per poll.
-    assert kinds(timeline([(0, doc()), *[(t, doc(peers=[{"addr": "p2:9", "state": "up", "rtt_ms": 45.0}])) for t in (1, 2, 3)]],
-                          [], ALERTS)) == [("rtt-spike", "p2:9")]  # fmt: skip
+    assert kinds(
+        timeline(
+            [(0, doc()), *[(t, doc(peers=[{"addr": "p2:9", "state": "up", "rtt_ms": 45.0}])) for t in (1, 2, 3)]],
+            [],
+            ALERTS,
+        )
+    ) == [("rtt-spike", "p2:9")]
 
 
 def test_acceptance_collapse_is_an_incident_and_costly_speculation_names_the_flag():
     spec = {"type": "ngram"}
     history = [
-        (0.0, doc(speculative={**spec, "draft_tokens": 100, "accepted": 60, "recent_acceptance": 0.6},
-                  throughput={"decode_tokens_total": 100})),
-        (1.0, doc(speculative={**spec, "draft_tokens": 241, "accepted": 60, "recent_acceptance": 0.0},
-                  throughput={"decode_tokens_total": 150})),
+        (
+            0.0,
+            doc(
+                speculative={**spec, "draft_tokens": 100, "accepted": 60, "recent_acceptance": 0.6},
+                throughput={"decode_tokens_total": 100},
+            ),
+        ),
+        (
+            1.0,
+            doc(
+                speculative={**spec, "draft_tokens": 241, "accepted": 60, "recent_acceptance": 0.0},
+                throughput={"decode_tokens_total": 150},
+            ),
+        ),
     ]
     assert kinds(timeline(history, [], ALERTS)) == [("acceptance-collapse", "head")]
     (advice,) = advise(history, [], ALERTS)
     assert advice.key == "speculation"
-    assert advice.message.startswith("ngram acceptance 0% over 141 draft tokens: 2.8 rejected rows") and "--spec-type off" in advice.message
+    assert (
+        advice.message.startswith("ngram acceptance 0% over 141 draft tokens: 2.8 rejected rows")
+        and "--spec-type off" in advice.message
+    )
     # Too few drafts to judge: no advice.
     few = [(0.0, doc(speculative=spec)), (1.0, doc(speculative={**spec, "draft_tokens": 5}))]
     assert advise(few, [], ALERTS) == []
@@ -72,11 +114,25 @@ def test_acceptance_collapse_is_an_incident_and_costly_speculation_names_the_fla
 def test_advice_names_the_setting():
     history = [
         (0.0, doc(pool={"dropped": 1}, peers=[{"addr": "p2:9", "state": "up", "rtt_ms": 30.0}])),
-        (1.0, doc(requests={"queued": 12, "rejected_total": 4, "queue_max": 12, "itl_p50_ms": 100.0}, pool={"dropped": 3},
-                  peers=[{"addr": "p2:9", "state": "up", "rtt_ms": 40.0}], slots=[{"id": 0, "n_ctx": 128, "n_past": 127}])),
-    ]  # fmt: skip
-    events = [Event(0.5, "peer1", "crash-loop", "3 exits in a row within 10 s of the start; last stderr: hydra-engine: "
-                                                "error: /m/x.gguf: No such file or directory")]  # fmt: skip
+        (
+            1.0,
+            doc(
+                requests={"queued": 12, "rejected_total": 4, "queue_max": 12, "itl_p50_ms": 100.0},
+                pool={"dropped": 3},
+                peers=[{"addr": "p2:9", "state": "up", "rtt_ms": 40.0}],
+                slots=[{"id": 0, "n_ctx": 128, "n_past": 127}],
+            ),
+        ),
+    ]
+    events = [
+        Event(
+            0.5,
+            "peer1",
+            "crash-loop",
+            "3 exits in a row within 10 s of the start; last stderr: hydra-engine: "
+            "error: /m/x.gguf: No such file or directory",
+        )
+    ]
     got = {a.key: a.message for a in advise(history, events, ALERTS)}
     assert got["queue"] == "queue 12 deep with 4 slots: raise --parallel"
     assert got["queue-full"].startswith("4 requests refused, queue full at 12: raise --max-queue")

@@ -63,5 +63,10 @@ HYDRA_COLOURBLIND = Theme(
 )
 
 THEMES = {t.name: t for t in (HYDRA_DARK, HYDRA_LIGHT, HYDRA_COLOURBLIND)}
-THEME_ALIASES = {"dark": "hydra-dark", "light": "hydra-light", "colourblind": "hydra-colourblind",
-                 "colorblind": "hydra-colourblind", "okabe-ito": "hydra-colourblind"}
+THEME_ALIASES = {
+    "dark": "hydra-dark",
+    "light": "hydra-light",
+    "colourblind": "hydra-colourblind",
+    "colorblind": "hydra-colourblind",
+    "okabe-ito": "hydra-colourblind",
+}

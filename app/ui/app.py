@@ -15,12 +15,12 @@ from textual.binding import Binding
 from textual.screen import Screen
 
 from ...contracts.errors import UserError
-from ...themes import THEMES
-from ..config import resolve_profile_path, save_profile
 from ...contracts.split import split_arg
+from ...themes import THEMES
+from .. import display
+from ..config import resolve_profile_path, save_profile
 from ..split_plan import ModelShape
 from ..supervisor import Supervisor, SupervisorError
-from .. import display
 from .alerts import AlertsScreen
 from .dashboard import DashboardScreen
 from .detail import WorkerDetailScreen
@@ -29,10 +29,19 @@ from .logs import LogsScreen
 from .split_editor import SplitEditorScreen
 from .triage import TriageScreen
 
+
 def binding_ids() -> set[str]:
     """Every id a profile's [keys] table may remap."""
-    classes = (HydraConsole, DashboardScreen, LogsScreen, SplitEditorScreen, WorkerDetailScreen, ConfirmScreen, HelpScreen,
-               AlertsScreen)
+    classes = (
+        HydraConsole,
+        DashboardScreen,
+        LogsScreen,
+        SplitEditorScreen,
+        WorkerDetailScreen,
+        ConfirmScreen,
+        HelpScreen,
+        AlertsScreen,
+    )
     return {b.id for cls in classes for b in cls.BINDINGS if isinstance(b, Binding) and b.id}
 
 
@@ -94,8 +103,13 @@ class HydraConsole(App):
         if p.keys:
             unknown = sorted(set(p.keys) - binding_ids())
             if unknown:
-                self.notify(f"profile [keys]: unknown binding id {', '.join(unknown)} "
-                            f"(known: {', '.join(sorted(binding_ids()))})", severity="warning", timeout=15, markup=False)
+                self.notify(
+                    f"profile [keys]: unknown binding id {', '.join(unknown)} "
+                    f"(known: {', '.join(sorted(binding_ids()))})",
+                    severity="warning",
+                    timeout=15,
+                    markup=False,
+                )
             self.set_keymap(p.keys)
         self.push_screen(self.dashboard)
         self._unsubscribe = self.supervisor.subscribe(self._on_supervisor_event)
@@ -143,8 +157,14 @@ class HydraConsole(App):
                 pass
 
     def _show_mode(self) -> None:
-        self.sub_title = " · ".join([f"profile {self.supervisor.profile.name}", *(["READ-ONLY"] if self.readonly else []),
-                                     *(["PAUSED (p)"] if self.paused else []), f"refresh {self.refresh_s:g} s"])  # fmt: skip
+        self.sub_title = " · ".join(
+            [
+                f"profile {self.supervisor.profile.name}",
+                *(["READ-ONLY"] if self.readonly else []),
+                *(["PAUSED (p)"] if self.paused else []),
+                f"refresh {self.refresh_s:g} s",
+            ]
+        )
 
     def action_toggle_pause(self) -> None:
         self.paused = not self.paused
@@ -224,9 +244,12 @@ class HydraConsole(App):
             return
         names = ", ".join(f"{w.name} (pid {w.pid or '—'})" for w in running)
         self.push_screen(
-            ConfirmScreen(f"Quit. Stop the workers this console runs: {names}? Or detach and leave them "
-                          "running: the next console of this profile adopts them.",
-                          yes="Stop all and quit", other=("d", "Detach")),
+            ConfirmScreen(
+                f"Quit. Stop the workers this console runs: {names}? Or detach and leave them "
+                "running: the next console of this profile adopts them.",
+                yes="Stop all and quit",
+                other=("d", "Detach"),
+            ),
             lambda answer: self._stop_and_exit(answer is True) if answer else None,
         )
 
@@ -288,8 +311,10 @@ class HydraConsole(App):
             return
         pid = f"pid {w.pid}" if w.running else "not running"
         self.push_screen(
-            ConfirmScreen(f"Restart {name} ({pid})? SIGTERM, SIGKILL after {self.supervisor.settings.grace_s:g} s, then start again.",
-                          yes="Restart"),
+            ConfirmScreen(
+                f"Restart {name} ({pid})? SIGTERM, SIGKILL after {self.supervisor.settings.grace_s:g} s, then start again.",
+                yes="Restart",
+            ),
             lambda ok: self._run_command(self.supervisor.restart_worker(name), f"{name} restarted") if ok else None,
         )
 
@@ -322,8 +347,11 @@ class HydraConsole(App):
             return
         head = self.supervisor.head
         self.push_screen(
-            ConfirmScreen(f"Apply split {split_arg(counts)}? Live through {head.name}'s CONFIGURE; "
-                          f"if unavailable, {head.name} (pid {head.pid or '—'}) restarts with --split.", yes="Apply"),
+            ConfirmScreen(
+                f"Apply split {split_arg(counts)}? Live through {head.name}'s CONFIGURE; "
+                f"if unavailable, {head.name} (pid {head.pid or '—'}) restarts with --split.",
+                yes="Apply",
+            ),
             lambda ok: self._apply_split(counts, on_done) if ok else None,
         )
 
@@ -348,8 +376,10 @@ class HydraConsole(App):
             self.notify(str(e), severity="error")
             return False
         running = self.supervisor.split
-        return self.action_save_profile(f"split {split_arg(counts)} saved, not applied"
-                                        + (f" (running {split_arg(running)})" if running and running != counts else ""))
+        return self.action_save_profile(
+            f"split {split_arg(counts)} saved, not applied"
+            + (f" (running {split_arg(running)})" if running and running != counts else "")
+        )
 
     def action_save_profile(self, what: str = "profile saved") -> bool:
         profile = self.supervisor.profile
@@ -377,7 +407,9 @@ class HydraConsole(App):
         yield SystemCommand("Split editor", "Move layer boundaries, preview memory, apply", self.action_split_editor)
         yield SystemCommand("Logs: all workers", "Merged log of every worker", partial(self.action_logs, None))
         yield SystemCommand("Log filter", "Open the logs with the regex filter focused", self.action_filter)
-        yield SystemCommand("Save profile", "Write the profile (split included) to its TOML file", self.action_save_profile)
+        yield SystemCommand(
+            "Save profile", "Write the profile (split included) to its TOML file", self.action_save_profile
+        )
         for name in THEMES:
             yield SystemCommand(f"Theme: {name}", "Switch colours", partial(self.action_set_theme, name))
         if isinstance(screen, LogsScreen):
@@ -385,21 +417,35 @@ class HydraConsole(App):
             yield SystemCommand("Logs: invert filter", "Show the lines that do not match", screen.action_toggle_invert)
             yield SystemCommand("Logs: next worker", "Cycle merged / each worker", screen.action_next_source)
             yield SystemCommand("Logs: clear filter", "Show every line", screen.action_clear_filter)
-            yield SystemCommand("Logs: requests only", "Only the head's access log: one line per API request", screen.action_toggle_requests)
+            yield SystemCommand(
+                "Logs: requests only",
+                "Only the head's access log: one line per API request",
+                screen.action_toggle_requests,
+            )
         if isinstance(screen, SplitEditorScreen):
             yield SystemCommand("Split: undo", "Undo the last boundary move", screen.action_undo)
             yield SystemCommand("Split: even", "Spread the layers evenly", screen.action_even)
             yield SystemCommand("Split: save to profile", "Write this split to the profile", screen.action_save)
             if not self.readonly:
                 yield SystemCommand("Split: apply", "Apply live (or by restarting the head)", screen.action_apply)
-                yield SystemCommand("Split advisor: measure", "Time every stage's layers, propose the fastest split",
-                                    screen.action_measure)  # fmt: skip
-                yield SystemCommand("Split advisor: apply proposal", "Apply the advisor's split live", screen.action_apply_proposal)
+                yield SystemCommand(
+                    "Split advisor: measure",
+                    "Time every stage's layers, propose the fastest split",
+                    screen.action_measure,
+                )
+                yield SystemCommand(
+                    "Split advisor: apply proposal", "Apply the advisor's split live", screen.action_apply_proposal
+                )
         for w in self.supervisor.workers.values():
             yield SystemCommand(f"Detail: {w.name}", f"{w.role} at {w.spec.url}", partial(self.action_detail, w.name))
             yield SystemCommand(f"Logs: {w.name}", f"Log of {w.name}", partial(self.action_logs, w.name))
             if w.managed and not self.readonly:
-                yield SystemCommand(f"Restart {w.name}", "Stop (SIGTERM, then SIGKILL) and start again",
-                                    partial(self.action_restart_worker, w.name))
-                yield SystemCommand(f"Stop {w.name}", "Stop without restarting", partial(self.action_stop_worker, w.name))
+                yield SystemCommand(
+                    f"Restart {w.name}",
+                    "Stop (SIGTERM, then SIGKILL) and start again",
+                    partial(self.action_restart_worker, w.name),
+                )
+                yield SystemCommand(
+                    f"Stop {w.name}", "Stop without restarting", partial(self.action_stop_worker, w.name)
+                )
                 yield SystemCommand(f"Start {w.name}", "Start if stopped", partial(self.action_start_worker, w.name))

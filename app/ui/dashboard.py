@@ -12,7 +12,6 @@ from textual.widgets import DataTable, Footer, Header, Label, RichLog, Sparkline
 from .. import display
 from .triage import advice_and_timeline
 
-
 SPARK_SAMPLES = 60  # the sparklines show the last minute at 1 Hz
 
 
@@ -69,8 +68,10 @@ class DashboardScreen(Screen):
         log = log or self.query_one("#events", RichLog)
         tone = display.EVENT_TONES.get(ev.kind)
         # Wrap at the panel's width: RichLog would measure against the app console's, not the terminal's.
-        log.write(Text(display.event_line(ev), style=self.app.tone_style(tone) if tone else ""),
-                  width=log.scrollable_content_region.width or None)
+        log.write(
+            Text(display.event_line(ev), style=self.app.tone_style(tone) if tone else ""),
+            width=log.scrollable_content_region.width or None,
+        )
 
     def on_data_table_row_selected(self, event: DataTable.RowSelected) -> None:
         self.app.action_detail(event.row_key.value)
@@ -85,7 +86,9 @@ class DashboardScreen(Screen):
     def action_sort_next(self) -> None:
         """`o`: sort by the next column shown (after the last one: back to profile order)."""
         order = [None, *self._columns]
-        self.sort_column = order[(order.index(self.sort_column) + 1) % len(order)] if self.sort_column in order else None
+        self.sort_column = (
+            order[(order.index(self.sort_column) + 1) % len(order)] if self.sort_column in order else None
+        )
         self.sort_reverse = False
         self.refresh_view()
 
@@ -165,10 +168,16 @@ class DashboardScreen(Screen):
             strip.update(Text(f"⚑ {advice[0].message}{more}", style=app.tone_style("warn")))
 
     def _sort(self, table: DataTable, now: float) -> None:
-        title = "Workers" + ("" if all(w.managed for w in self.app.supervisor.workers.values()) else " (attached ones are monitor only)")
+        title = "Workers" + (
+            "" if all(w.managed for w in self.app.supervisor.workers.values()) else " (attached ones are monitor only)"
+        )
         if self.sort_column in self._columns:
             sup, column, selected = self.app.supervisor, self.sort_column, self.selected_worker
-            table.sort("worker", key=lambda name: display.sort_key(sup.workers[str(name)], column, sup, now), reverse=self.sort_reverse)
+            table.sort(
+                "worker",
+                key=lambda name: display.sort_key(sup.workers[str(name)], column, sup, now),
+                reverse=self.sort_reverse,
+            )
             if selected:
                 table.move_cursor(row=table.get_row_index(selected))
             title += f" · by {column} {'▼' if self.sort_reverse else '▲'}"

@@ -55,21 +55,32 @@ class WorkerDetailScreen(Screen):
             ("state", Text(state, style=app.tone_style(tone))),
             ("pid", str(w.shown_pid() or "—")),
             ("uptime", display.fmt_duration(w.uptime(now))),
-            ("restarts", f"{w.restarts} ({w.crash_restarts} automatic) · last exit {display.describe_exit(w.last_exit)}"),
+            (
+                "restarts",
+                f"{w.restarts} ({w.crash_restarts} automatic) · last exit {display.describe_exit(w.last_exit)}",
+            ),
             ("http", w.spec.url),
             ("rpc", f"{w.spec.rpc_host or w.spec.host}:{w.spec.rpc}"),
             ("layers", display.fmt_layers(display.worker_layers(w, sup))),
             ("model", f"{model.name} ({model.arch}, {model.n_layers} layers)" if model else "—"),
-            ("health", f"{w.probe.health_state or 'no answer'} (stage {w.probe.health.startup_stage if w.probe.health else '—'})"
-             if w.probe else "not polled yet"),
+            (
+                "health",
+                f"{w.probe.health_state or 'no answer'} (stage {w.probe.health.startup_stage if w.probe.health else '—'})"
+                if w.probe
+                else "not polled yet",
+            ),
         ]
         if w.probe and w.probe.error:
             rows.append(("last error", Text(w.probe.error, style=app.tone_style("error"))))
         if w.rss is not None:
             rows.append(("process", f"rss {display.fmt_bytes(w.rss)} · cpu {w.cpu_pct or 0:.0f}%"))
         for d in st.devices if st else []:
-            rows.append((f"device {d.index}", f"{d.kind} {d.name} · "
-                         f"{display.fmt_bytes(d.memory_used)}/{display.fmt_bytes(d.memory_total)}"))
+            rows.append(
+                (
+                    f"device {d.index}",
+                    f"{d.kind} {d.name} · {display.fmt_bytes(d.memory_used)}/{display.fmt_bytes(d.memory_total)}",
+                )
+            )
         stages = [f"{s.role} {display.fmt_layers(s.layers)} {s.device}".rstrip() for s in (st.stages if st else [])]
         if stages:
             rows.append(("stages", " · ".join(stages)))

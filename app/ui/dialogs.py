@@ -53,6 +53,7 @@ class ConfirmScreen(ModalScreen[bool | str]):
 def binding_rows(app, screen: Screen) -> list[tuple[str, str]]:
     """(key, description) of every binding active on `screen`, after any keymap remapping."""
     rows, seen = [], set()
+
     # This screen's and the console's keys first, then Textual's app keys, then the focused widget's.
     def rank(a) -> tuple[bool, bool]:
         ours = isinstance(a.node, Screen) or (a.binding.id or "").startswith("hydra.")
@@ -86,8 +87,11 @@ class HelpScreen(ModalScreen[None]):
             for key, desc in self.rows:
                 table.add_row(key, desc)
             yield Static(table)
-            yield Static("States: ● ready  ◐ starting  ▲ degraded  ↻ backoff  ⟳ crash-loop  ⧗ port-busy  "
-                         "✖ crashed/unreachable  ◌ stopping  ○ stopped", classes="hint")
+            yield Static(
+                "States: ● ready  ◐ starting  ▲ degraded  ↻ backoff  ⟳ crash-loop  ⧗ port-busy  "
+                "✖ crashed/unreachable  ◌ stopping  ○ stopped",
+                classes="hint",
+            )
             yield Static("↑ ↓ PgUp PgDn scroll · esc closes", classes="hint")
 
     def on_mount(self) -> None:

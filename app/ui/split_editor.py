@@ -12,8 +12,8 @@ from textual.binding import Binding
 from textual.screen import Screen
 from textual.widgets import Footer, Header, Static
 
-from .. import display
 from ...contracts.split import counts_of, even_split, move_boundary, ranges, split_arg
+from .. import display
 from ..split_advisor import MIN_GAIN, Advice, advise
 from ..split_plan import ModelShape, WorkerMemory
 from ..supervisor import SupervisorError
@@ -87,10 +87,14 @@ class SplitEditorScreen(Screen):
         sup = self.app.supervisor
         note = self.query_one("#split-note", Static)
         if not self.counts:
-            self.query_one("#split-table", Static).update("No layer count yet: waiting for the head's /status or the model file.")
+            self.query_one("#split-table", Static).update(
+                "No layer count yet: waiting for the head's /status or the model file."
+            )
             return
         memory = self._memory()
-        estimates = self.shape.estimate(self.counts, sup.profile.ctx, sup.profile.parallel, memory) if self.shape else None
+        estimates = (
+            self.shape.estimate(self.counts, sup.profile.ctx, sup.profile.parallel, memory) if self.shape else None
+        )
         table = Table(box=None, expand=False, pad_edge=False, header_style="bold")
         numbers = ("n", "weights", "KV", "work", "total", "free")
         for col in ("", "worker", "layers", *numbers):
@@ -103,12 +107,19 @@ class SplitEditorScreen(Screen):
             # A running worker's context is in the device's used memory already: the new stage's bytes must fit.
             over = bool(est and free is not None and est.total - est.runtime_bytes > free)
             table.add_row(
-                marker, names[i], f"[{a},{b})", str(b - a),
+                marker,
+                names[i],
+                f"[{a},{b})",
+                str(b - a),
                 display.fmt_bytes(est.weight_bytes) if est else "—",
                 display.fmt_bytes(est.kv_bytes) if est else "—",
                 display.fmt_bytes(est.work_bytes + est.runtime_bytes) if est and est.runtime_bytes else "—",
-                Text(display.fmt_bytes(est.total) + (" ⚠" if over else ""), style=self.app.tone_style("warn") if over else "")
-                if est else "—",
+                Text(
+                    display.fmt_bytes(est.total) + (" ⚠" if over else ""),
+                    style=self.app.tone_style("warn") if over else "",
+                )
+                if est
+                else "—",
                 display.fmt_bytes(free) + (" shared" if shared else "") if free is not None else "—",
             )
         self.query_one("#split-table", Static).update(table)
@@ -126,38 +137,70 @@ class SplitEditorScreen(Screen):
             f"layers {layer_map}\n"
             f"boundary {left} | {right}  ·  split {split_arg(self.counts)}{state}"
             + f"\nestimates for {sup.profile.parallel} slots × {sup.profile.ctx} tokens: {display.memory_forms(names, memory)}"
-            + ("\nwork: a GPU worker's prefill scratch, CUDA graphs and cuBLAS workspaces, and its CUDA context and kernels"
-               if any(m.device == "cuda" for m in memory) else "")
+            + (
+                "\nwork: a GPU worker's prefill scratch, CUDA graphs and cuBLAS workspaces, and its CUDA context and kernels"
+                if any(m.device == "cuda" for m in memory)
+                else ""
+            )
         )
 
     def render_advice(self) -> None:
-        advice, box, verdict = self.advice, self.query_one("#split-advice", Static), self.query_one("#split-verdict", Static)
+        advice, box, verdict = (
+            self.advice,
+            self.query_one("#split-advice", Static),
+            self.query_one("#split-verdict", Static),
+        )
         if advice is None:
             box.update(self.advice_note)
             verdict.update("")
             return
         names = list(self.app.supervisor.workers)
-        table = Table(box=None, expand=False, pad_edge=False, header_style="bold", title_justify="left",
-                      title="split advisor · one decode step = every stage's layers + hops, in sequence")  # fmt: skip
+        table = Table(
+            box=None,
+            expand=False,
+            pad_edge=False,
+            header_style="bold",
+            title_justify="left",
+            title="split advisor · one decode step = every stage's layers + hops, in sequence",
+        )
         for col in ("stage", "device", "layers", "ms/layer", "prefill ms/layer", "hop ms", "memory for layers"):
             table.add_column(col, no_wrap=True, justify="left" if col in ("stage", "device", "layers") else "right")
         for i, st in enumerate(advice.stages):
             dec, pre = st.mean_ms("decode"), st.mean_ms("prefill")
-            table.add_row(names[i] if i < len(names) else st.name, st.device, display.fmt_layers(st.layers),
-                          f"{dec:.2f}" if dec is not None else "—", f"{pre:.2f}" if pre is not None else "—",
-                          f"{st.hop_ms:.2f}" if i else "—",
-                          display.fmt_bytes(st.budget_bytes) if st.budget_bytes is not None else "—")  # fmt: skip
+            table.add_row(
+                names[i] if i < len(names) else st.name,
+                st.device,
+                display.fmt_layers(st.layers),
+                f"{dec:.2f}" if dec is not None else "—",
+                f"{pre:.2f}" if pre is not None else "—",
+                f"{st.hop_ms:.2f}" if i else "—",
+                display.fmt_bytes(st.budget_bytes) if st.budget_bytes is not None else "—",
+            )
         cur, best = advice.current, advice.best
-        lines = [f"running {split_arg(cur.counts)}: predicted {cur.step_ms:.1f} ms/token = {cur.tok_s:.1f} tok/s"
-                 + (f" (measured {advice.measured_step_ms:.1f} ms = {advice.measured_tok_s:.1f} tok/s)" if advice.measured_step_ms else "")]
+        lines = [
+            f"running {split_arg(cur.counts)}: predicted {cur.step_ms:.1f} ms/token = {cur.tok_s:.1f} tok/s"
+            + (
+                f" (measured {advice.measured_step_ms:.1f} ms = {advice.measured_tok_s:.1f} tok/s)"
+                if advice.measured_step_ms
+                else ""
+            )
+        ]
         if advice.proposal:
-            lines.append(f"proposal {split_arg(best.counts)}: predicted {best.step_ms:.1f} ms/token = {best.tok_s:.1f} tok/s"
-                         f"  ({cur.step_ms / best.step_ms:.2f}x)  ·  P applies it live")
+            lines.append(
+                f"proposal {split_arg(best.counts)}: predicted {best.step_ms:.1f} ms/token = {best.tok_s:.1f} tok/s"
+                f"  ({cur.step_ms / best.step_ms:.2f}x)  ·  P applies it live"
+            )
         else:
-            lines.append(f"the running split is within {MIN_GAIN:.0%} of the best ({split_arg(best.counts)}, {best.tok_s:.1f} tok/s): keep it")
+            lines.append(
+                f"the running split is within {MIN_GAIN:.0%} of the best ({split_arg(best.counts)}, {best.tok_s:.1f} tok/s): keep it"
+            )
         if self.promised:
             counts, tok_s = self.promised
-            got = f"{advice.measured_tok_s:.1f} tok/s achieved" if advice.measured_tok_s and cur.counts == counts else "measuring…"
+            got = (
+                f"{advice.measured_tok_s:.1f} tok/s achieved"
+                if advice.measured_tok_s and cur.counts == counts
+                else "measuring…"
+            )
             lines.append(f"applied {split_arg(counts)}: {tok_s:.1f} tok/s predicted, {got}")
         box.update(table)
         verdict.update("\n".join(lines))
@@ -177,7 +220,11 @@ class SplitEditorScreen(Screen):
 
     def action_apply_proposal(self) -> None:
         if self.advice is None or not self.advice.proposal:
-            self.notify("no proposal: press m to measure first" if self.advice is None else "the running split is already the best")
+            self.notify(
+                "no proposal: press m to measure first"
+                if self.advice is None
+                else "the running split is already the best"
+            )
             return
         self.app.confirm_apply_split(list(self.advice.proposal), on_done=self._proposal_applied)
 
@@ -196,10 +243,17 @@ class SplitEditorScreen(Screen):
         out = []
         for w in self.app.supervisor.workers.values():
             st, device, args = w.status, w.spec.device, w.spec.args
-            gpu = device.startswith("cuda") or (device == "auto" and st is not None and any(d.kind == "cuda" for d in st.devices))
-            kv = (_flag(args, ("--cache-type-k", "-ctk"), profile.cache_type_k), _flag(args, ("--cache-type-v", "-ctv"), profile.cache_type_v))
+            gpu = device.startswith("cuda") or (
+                device == "auto" and st is not None and any(d.kind == "cuda" for d in st.devices)
+            )
+            kv = (
+                _flag(args, ("--cache-type-k", "-ctk"), profile.cache_type_k),
+                _flag(args, ("--cache-type-v", "-ctv"), profile.cache_type_v),
+            )
             runtime = st.process.runtime_bytes if st is not None and st.process is not None else None
-            out.append(WorkerMemory("cuda" if gpu else "cpu", dtype, _flag(args, ("--gpu-weights",), "quantized"), kv, runtime))
+            out.append(
+                WorkerMemory("cuda" if gpu else "cpu", dtype, _flag(args, ("--gpu-weights",), "quantized"), kv, runtime)
+            )
         return out
 
     def action_select(self, step: int) -> None:

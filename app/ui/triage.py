@@ -15,8 +15,16 @@ from textual.widgets import Footer, Header, Static
 
 from .. import triage
 
-INCIDENT_TONES = {"crash": "error", "crash-loop": "error", "down": "error", "peer-down": "error", "up": "ok",
-                  "peer-up": "ok", "restart": "warn", "split": "busy"}  # fmt: skip
+INCIDENT_TONES = {
+    "crash": "error",
+    "crash-loop": "error",
+    "down": "error",
+    "peer-down": "error",
+    "up": "ok",
+    "peer-up": "ok",
+    "restart": "warn",
+    "split": "busy",
+}
 
 
 def advice_and_timeline(app) -> tuple[list[triage.Advice], list[triage.Incident]]:
@@ -45,9 +53,13 @@ class TriageScreen(Screen):
         strip = Text()
         for i, a in enumerate(advice):
             strip.append(("\n" if i else "") + f"⚑ {a.message}", style=app.tone_style("warn"))
-        self.query_one("#triage-advice", Static).update(strip if advice else Text("⚑ nothing to change now", style="dim"))
-        timeline = Text(f"Timeline · {len(incidents)} incidents over the last {len(app.supervisor.head.history)} polls of the head\n",
-                        style="bold")  # fmt: skip
+        self.query_one("#triage-advice", Static).update(
+            strip if advice else Text("⚑ nothing to change now", style="dim")
+        )
+        timeline = Text(
+            f"Timeline · {len(incidents)} incidents over the last {len(app.supervisor.head.history)} polls of the head\n",
+            style="bold",
+        )
         for inc in incidents:
             tone = INCIDENT_TONES.get(inc.kind, "warn")
             stamp = time.strftime("%H:%M:%S", time.localtime(inc.ts))

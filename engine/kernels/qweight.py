@@ -32,7 +32,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as T
+from gguf.constants import GGML_QUANT_SIZES
+from gguf.constants import GGMLQuantizationType as T
 
 from ..quant import QuantError, _as_bytes, _bits, _f16, _q5_low_high, _scale_min_k4
 
@@ -153,8 +154,10 @@ def _repack(data: torch.Tensor, qt: T, k: int) -> dict[str, torch.Tensor]:
     q, h = _pack(u.reshape(-1, k), LAYOUTS[qt].bits)
     n = q.shape[0]
     planes = {"q": q} | ({"h": h} if h is not None else {})
-    return planes | {name: t.reshape(n, -1).to(torch.float16 if name in ("d", "m") else t.dtype).contiguous()
-                     for name, t in fields.items()}
+    return planes | {
+        name: t.reshape(n, -1).to(torch.float16 if name in ("d", "m") else t.dtype).contiguous()
+        for name, t in fields.items()
+    }
 
 
 class QuantWeight:
@@ -221,8 +224,9 @@ class QuantWeight:
     def take(self, ids: torch.Tensor) -> QuantWeight:
         """The selected rows, still quantized."""
         ids = ids.reshape(-1).to(self.device)
-        return QuantWeight(self.qtype, (ids.numel(), self.shape[1]),
-                           {k: t.index_select(0, ids) for k, t in self.planes.items()})
+        return QuantWeight(
+            self.qtype, (ids.numel(), self.shape[1]), {k: t.index_select(0, ids) for k, t in self.planes.items()}
+        )
 
     def rows(self, ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Dequantized rows [*ids.shape, k]: the embedding lookup, touching only those rows."""

@@ -17,8 +17,9 @@ def sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
 
 
-def plan(rows: int, n: int, k: int, block_n: int, block_k: int, per_sm: int, dtype: torch.dtype,
-         device: torch.device) -> tuple[tuple[int, int], int, torch.Tensor]:
+def plan(
+    rows: int, n: int, k: int, block_n: int, block_k: int, per_sm: int, dtype: torch.dtype, device: torch.device
+) -> tuple[tuple[int, int], int, torch.Tensor]:
     """A GEMV of [rows, k] by [n, k] in programs of BLOCK_N outputs: (grid, elements of K per program,
     output [splits, rows, n]). K is split until about `per_sm` programs a multiprocessor are in flight
     (enough loads), in whole BLOCK_K steps; the output is the result itself in `dtype` when K is not

@@ -23,8 +23,26 @@ from .split_k import sm_count
 
 
 @triton.jit
-def _tile(codes_ptr, scale_ptr, x, head, tt, d, t_ok, d_ok, c_s0, c_s1, c_s2, s_s0, s_s1, s_s2, Q8: tl.constexpr,
-          HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+def _tile(
+    codes_ptr,
+    scale_ptr,
+    x,
+    head,
+    tt,
+    d,
+    t_ok,
+    d_ok,
+    c_s0,
+    c_s1,
+    c_s2,
+    s_s0,
+    s_s1,
+    s_s2,
+    Q8: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
     """K or V of head `head` at offsets tt of blocks x (one per position), as float32 [BLOCK_N, BLOCK_D]."""
     base = x.to(tl.int64)[:, None]
     at = codes_ptr + base * c_s0 + head * c_s1 + tt[:, None] * c_s2 + d[None, :]
@@ -39,12 +57,46 @@ def _tile(codes_ptr, scale_ptr, x, head, tt, d, t_ok, d_ok, c_s0, c_s1, c_s2, s_
 
 
 @triton.jit
-def _partial_kernel(q_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, slots_ptr, pos_ptr, table_ptr, m_ptr, l_ptr, acc_ptr,
-                    window, scale, q_sb, q_sh, table_stride, block_size,
-                    k_s0, k_s1, k_s2, ks_s0, ks_s1, ks_s2, v_s0, v_s1, v_s2, vs_s0, vs_s1, vs_s2,
-                    SPLITS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
-                    BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, K_Q8: tl.constexpr,
-                    V_Q8: tl.constexpr, PRECISION: tl.constexpr):
+def _partial_kernel(
+    q_ptr,
+    k_ptr,
+    ks_ptr,
+    v_ptr,
+    vs_ptr,
+    slots_ptr,
+    pos_ptr,
+    table_ptr,
+    m_ptr,
+    l_ptr,
+    acc_ptr,
+    window,
+    scale,
+    q_sb,
+    q_sh,
+    table_stride,
+    block_size,
+    k_s0,
+    k_s1,
+    k_s2,
+    ks_s0,
+    ks_s1,
+    ks_s2,
+    v_s0,
+    v_s1,
+    v_s2,
+    vs_s0,
+    vs_s1,
+    vs_s2,
+    SPLITS: tl.constexpr,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    K_Q8: tl.constexpr,
+    V_Q8: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -74,16 +126,52 @@ def _partial_kernel(q_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, slots_ptr, pos_ptr, tab
         t_ok = (t >= start) & (t < hi)
         x = tl.load(table_ptr + slot * table_stride + t // block_size, mask=t_ok, other=0)  # each position's block
         tt = t % block_size
-        k = _tile(k_ptr, ks_ptr, x, kvh, tt, d, t_ok, d_ok, k_s0, k_s1, k_s2, ks_s0, ks_s1, ks_s2, K_Q8, HEAD_DIM,
-                  BLOCK_N, BLOCK_D)
+        k = _tile(
+            k_ptr,
+            ks_ptr,
+            x,
+            kvh,
+            tt,
+            d,
+            t_ok,
+            d_ok,
+            k_s0,
+            k_s1,
+            k_s2,
+            ks_s0,
+            ks_s1,
+            ks_s2,
+            K_Q8,
+            HEAD_DIM,
+            BLOCK_N,
+            BLOCK_D,
+        )
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
         s = tl.where(t_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))  # every tile holds a visible position: finite
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = _tile(v_ptr, vs_ptr, x, kvh, tt, d, t_ok, d_ok, v_s0, v_s1, v_s2, vs_s0, vs_s1, vs_s2, V_Q8, HEAD_DIM,
-                  BLOCK_N, BLOCK_D)
+        v = _tile(
+            v_ptr,
+            vs_ptr,
+            x,
+            kvh,
+            tt,
+            d,
+            t_ok,
+            d_ok,
+            v_s0,
+            v_s1,
+            v_s2,
+            vs_s0,
+            vs_s1,
+            vs_s2,
+            V_Q8,
+            HEAD_DIM,
+            BLOCK_N,
+            BLOCK_D,
+        )
         acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
         m_i = m_new
         t0 += BLOCK_N
@@ -94,8 +182,16 @@ def _partial_kernel(q_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, slots_ptr, pos_ptr, tab
 
 
 @triton.jit
-def _reduce_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
-                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+def _reduce_kernel(
+    m_ptr,
+    l_ptr,
+    acc_ptr,
+    out_ptr,
+    SPLITS: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
     row = tl.program_id(0)  # b * n_head + head
     s = tl.arange(0, BLOCK_S)
     s_ok = s < SPLITS
@@ -103,8 +199,9 @@ def _reduce_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, SPLITS: tl.constexpr, BLOCK_S
     d_ok = d < HEAD_DIM
     m = tl.load(m_ptr + row * SPLITS + s, mask=s_ok, other=float("-inf"))
     l = tl.load(l_ptr + row * SPLITS + s, mask=s_ok, other=0.0)
-    acc = tl.load(acc_ptr + (row * SPLITS + s)[:, None] * HEAD_DIM + d[None, :], mask=s_ok[:, None] & d_ok[None, :],
-                  other=0.0)
+    acc = tl.load(
+        acc_ptr + (row * SPLITS + s)[:, None] * HEAD_DIM + d[None, :], mask=s_ok[:, None] & d_ok[None, :], other=0.0
+    )
     top = tl.max(m, 0)  # the first slice always holds the token itself: finite
     w = tl.where(m > float("-inf"), tl.exp(m - top), 0.0)
     o = tl.sum(acc * w[:, None], 0) / tl.sum(l * w, 0)
@@ -126,9 +223,19 @@ def _strides(t: torch.Tensor | None) -> tuple[int, int, int]:
 
 
 @torch.library.custom_op("hydra::decode_attention", mutates_args=())
-def decode_attention(q: torch.Tensor, k: torch.Tensor, k_scale: torch.Tensor | None, v: torch.Tensor,
-                     v_scale: torch.Tensor | None, slots: torch.Tensor, positions: torch.Tensor,
-                     block_table: torch.Tensor, window: int, scale: float, splits: int) -> torch.Tensor:
+def decode_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    k_scale: torch.Tensor | None,
+    v: torch.Tensor,
+    v_scale: torch.Tensor | None,
+    slots: torch.Tensor,
+    positions: torch.Tensor,
+    block_table: torch.Tensor,
+    window: int,
+    scale: float,
+    splits: int,
+) -> torch.Tensor:
     """q [B, n_head, head_dim] over each slot's positions 0..positions[b] (the last `window` of them when
     window > 0) of the cache k, v [n_blocks, n_kv, block_size, head_dim] (int8 with k_scale / v_scale
     [n_blocks, n_kv, block_size, head_dim / 32] for q8_0); block_table [slots, blocks per slot] int32:
@@ -148,15 +255,50 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, k_scale: torch.Tensor | N
     # Products in float32 on tensor cores: TF32 holds a 16-bit value exactly; a float32 compute stays IEEE.
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     _partial_kernel[(B, n_kv, splits)](
-        q, k, k if k_scale is None else k_scale, v, v if v_scale is None else v_scale, slots, positions, block_table,
-        m, l, acc, window, scale, q.stride(0), q.stride(1), block_table.stride(0), k.shape[2],
-        *k.stride()[:3], *_strides(k_scale), *v.stride()[:3], *_strides(v_scale),
-        SPLITS=splits, GROUP=group, HEAD_DIM=head_dim, BLOCK_H=max(16, triton.next_power_of_2(group)),
-        BLOCK_D=block_d, BLOCK_N=_block_n(head_dim), K_Q8=k_scale is not None, V_Q8=v_scale is not None,
-        PRECISION=precision, num_warps=4)
+        q,
+        k,
+        k if k_scale is None else k_scale,
+        v,
+        v if v_scale is None else v_scale,
+        slots,
+        positions,
+        block_table,
+        m,
+        l,
+        acc,
+        window,
+        scale,
+        q.stride(0),
+        q.stride(1),
+        block_table.stride(0),
+        k.shape[2],
+        *k.stride()[:3],
+        *_strides(k_scale),
+        *v.stride()[:3],
+        *_strides(v_scale),
+        SPLITS=splits,
+        GROUP=group,
+        HEAD_DIM=head_dim,
+        BLOCK_H=max(16, triton.next_power_of_2(group)),
+        BLOCK_D=block_d,
+        BLOCK_N=_block_n(head_dim),
+        K_Q8=k_scale is not None,
+        V_Q8=v_scale is not None,
+        PRECISION=precision,
+        num_warps=4,
+    )
     out = torch.empty_like(q)
-    _reduce_kernel[(B * n_head,)](m, l, acc, out, SPLITS=splits, BLOCK_S=triton.next_power_of_2(splits),
-                                  HEAD_DIM=head_dim, BLOCK_D=block_d, num_warps=4)
+    _reduce_kernel[(B * n_head,)](
+        m,
+        l,
+        acc,
+        out,
+        SPLITS=splits,
+        BLOCK_S=triton.next_power_of_2(splits),
+        HEAD_DIM=head_dim,
+        BLOCK_D=block_d,
+        num_warps=4,
+    )
     return out
 
 

@@ -28,8 +28,21 @@ _VEC = 8  # 16-bit elements in one 16-byte load
 
 
 @triton.jit
-def _dense_gemv_kernel(x_ptr, w_ptr, out_ptr, M, N, K, x_stride, w_stride, k_split, BLOCK_N: tl.constexpr,
-                       BLOCK_K: tl.constexpr, MR: tl.constexpr, VEC: tl.constexpr):
+def _dense_gemv_kernel(
+    x_ptr,
+    w_ptr,
+    out_ptr,
+    M,
+    N,
+    K,
+    x_stride,
+    w_stride,
+    k_split,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    MR: tl.constexpr,
+    VEC: tl.constexpr,
+):
     """y [M, N] (or split-K partials [splits, M, N]) of program_id(1)'s k_split elements of K."""
     # Axes [weight row, vector, x row, element of a vector]: a thread holds whole vectors, x's rows
     # stay in its registers, and products are summed within the thread until the final reduction.
@@ -70,8 +83,22 @@ def dense_gemv(x: torch.Tensor, w: torch.Tensor, config: tuple[int, int, int, in
     block_n, block_k, warps, per_sm = config
     x = x.contiguous()
     grid, k_split, out = plan(rows, n, k, block_n, block_k, per_sm, x.dtype, x.device)
-    _dense_gemv_kernel[grid](x, w, out, rows, n, k, x.stride(0), w.stride(0), k_split,
-                             BLOCK_N=block_n, BLOCK_K=block_k, MR=mr, VEC=_VEC, num_warps=warps)
+    _dense_gemv_kernel[grid](
+        x,
+        w,
+        out,
+        rows,
+        n,
+        k,
+        x.stride(0),
+        w.stride(0),
+        k_split,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        MR=mr,
+        VEC=_VEC,
+        num_warps=warps,
+    )
     return reduced(out, x.dtype)
 
 

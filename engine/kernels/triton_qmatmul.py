@@ -73,8 +73,20 @@ def _half(v, at: tl.constexpr):
 
 
 @triton.jit
-def _scales(d_ptr, sc_ptr, m_ptr, r, ok, k_lo, d_stride, s_stride, SB: tl.constexpr, G: tl.constexpr,
-            HAS_M: tl.constexpr, HAS_MN: tl.constexpr):
+def _scales(
+    d_ptr,
+    sc_ptr,
+    m_ptr,
+    r,
+    ok,
+    k_lo,
+    d_stride,
+    s_stride,
+    SB: tl.constexpr,
+    G: tl.constexpr,
+    HAS_M: tl.constexpr,
+    HAS_MN: tl.constexpr,
+):
     """(d_lo, d_hi, m) of the tiles starting at elements k_lo of rows r: the scales of a tile's lo and hi
     halves (a group of 16, Q6_K, splits a tile; wider groups cover both halves) and its min (0: none),
     as quant.dequantize computes them: d * sc and m * mn. The K-quants with mins pass their `dm` as
@@ -99,9 +111,28 @@ def _scales(d_ptr, sc_ptr, m_ptr, r, ok, k_lo, d_stride, s_stride, SB: tl.conste
 
 
 @triton.jit
-def _dequant_kernel(q_ptr, h_ptr, d_ptr, sc_ptr, m_ptr, out_ptr, N, K, q_stride, h_stride, d_stride,
-                    s_stride, BITS: tl.constexpr, OFFSET: tl.constexpr, SB: tl.constexpr, G: tl.constexpr,
-                    HAS_M: tl.constexpr, HAS_MN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _dequant_kernel(
+    q_ptr,
+    h_ptr,
+    d_ptr,
+    sc_ptr,
+    m_ptr,
+    out_ptr,
+    N,
+    K,
+    q_stride,
+    h_stride,
+    d_stride,
+    s_stride,
+    BITS: tl.constexpr,
+    OFFSET: tl.constexpr,
+    SB: tl.constexpr,
+    G: tl.constexpr,
+    HAS_M: tl.constexpr,
+    HAS_MN: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)[:, None, None]
     r_ok = rows < N
     r = rows.to(tl.int64)
@@ -109,8 +140,7 @@ def _dequant_kernel(q_ptr, h_ptr, d_ptr, sc_ptr, m_ptr, out_ptr, N, K, q_stride,
     i = tl.arange(0, 16)[None, None, :]
     p = k_lo // 2 + i
     q_lo, q_hi = _codes(q_ptr, h_ptr, r, r_ok & (k_lo < K), p, i, q_stride, h_stride, BITS, OFFSET)
-    d_lo, d_hi, m = _scales(d_ptr, sc_ptr, m_ptr, r, r_ok & (k_lo < K), k_lo, d_stride, s_stride, SB, G,
-                            HAS_M, HAS_MN)
+    d_lo, d_hi, m = _scales(d_ptr, sc_ptr, m_ptr, r, r_ok & (k_lo < K), k_lo, d_stride, s_stride, SB, G, HAS_M, HAS_MN)
     # The same operations, in the same order, as quant.dequantize: (d * sc) * (u - offset) + m * mn.
     w_lo = d_lo * q_lo + m
     w_hi = d_hi * q_hi + m
@@ -149,8 +179,11 @@ def _quantize_x_kernel(x_ptr, out_ptr, K, x_stride, out_stride, TERMS: tl.conste
         out = out_ptr.to(tl.pointer_type(tl.int32)) + row * (out_stride // 4) + (tt * TERMS + term) * 12
         tl.store(out + tl.arange(0, 8)[None, :], words, mask=ok)
         meta = tl.arange(0, 4)[None, :]
-        meta_val = tl.where(meta == 0, scale.to(tl.int32, bitcast=True)[:, None],
-                            tl.where(meta == 1, sum_lo, tl.where(meta == 2, sum_hi, 0)))
+        meta_val = tl.where(
+            meta == 0,
+            scale.to(tl.int32, bitcast=True)[:, None],
+            tl.where(meta == 1, sum_lo, tl.where(meta == 2, sum_hi, 0)),
+        )
         tl.store(out + 8 + meta, meta_val, mask=ok)
 
 
@@ -159,15 +192,17 @@ def _dp4a(a, b, ASM: tl.constexpr):
     """Per int32 lane: the sum over its 4 bytes of unsigned a times signed b (PTX dp4a.u32.s32). Without
     ASM the same in plain integer ops: Triton's interpreter (tests on CPU) runs no inline assembly."""
     if ASM:
-        return tl.inline_asm_elementwise("dp4a.u32.s32 $0, $1, $2, 0;", "=r,r,r", [a, b], dtype=tl.int32,
-                                         is_pure=True, pack=1)
+        return tl.inline_asm_elementwise(
+            "dp4a.u32.s32 $0, $1, $2, 0;", "=r,r,r", [a, b], dtype=tl.int32, is_pure=True, pack=1
+        )
     s = (a & 255) * ((b << 24) >> 24) + ((a >> 8) & 255) * ((b << 16) >> 24)
     return s + ((a >> 16) & 255) * ((b << 8) >> 24) + ((a >> 24) & 255) * (b >> 24)
 
 
 @triton.jit
-def _code_words(q_ptr, h_ptr, r, ok, w, q_stride, h_stride, BITS: tl.constexpr, BLOCK_N: tl.constexpr,
-                TILES: tl.constexpr):
+def _code_words(
+    q_ptr, h_ptr, r, ok, w, q_stride, h_stride, BITS: tl.constexpr, BLOCK_N: tl.constexpr, TILES: tl.constexpr
+):
     """Unsigned codes four to an int32, one per byte, (lo, hi), of int32 words w ([BLOCK_N, TILES, 1, 4],
     a tile's 4 on the last axis) of rows r of `q`: word w holds nibble bytes 4w..4w+3."""
     qw = tl.load(q_ptr.to(tl.pointer_type(tl.int32)) + r * (q_stride // 4) + w, mask=ok, other=0)
@@ -188,8 +223,9 @@ def _code_words(q_ptr, h_ptr, r, ok, w, q_stride, h_stride, BITS: tl.constexpr, 
         if PER > 1:
             c = tl.arange(0, PER)[None, None, None, :]
             word = tl.sum(tl.reshape(share, [BLOCK_N, TILES, 4 // PER, PER]) << (8 * HB * c), axis=3)
-            share = tl.reshape(tl.broadcast_to(word[:, :, :, None], [BLOCK_N, TILES, 4 // PER, PER]),
-                               [BLOCK_N, TILES, 1, 4])
+            share = tl.reshape(
+                tl.broadcast_to(word[:, :, :, None], [BLOCK_N, TILES, 4 // PER, PER]), [BLOCK_N, TILES, 1, 4]
+            )
         j = tl.arange(0, 4)[None, None, None, :]
         at = (j % PER) * (2 * HB)  # the bits of this q word's lo codes; its hi codes' HB above
         MASK: tl.constexpr = ((1 << HB) - 1) * 0x01010101
@@ -205,10 +241,35 @@ def _pick(v, j, c: tl.constexpr):
 
 
 @triton.jit
-def _gemv_step(acc, b0, x_ptr, q_ptr, h_ptr, d_ptr, sc_ptr, m_ptr, M, N, K, x_stride, q_stride, h_stride,
-               d_stride, s_stride, BITS: tl.constexpr, OFFSET: tl.constexpr, SB: tl.constexpr, G: tl.constexpr,
-               HAS_M: tl.constexpr, HAS_MN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-               MR: tl.constexpr, X_TERMS: tl.constexpr, ASM: tl.constexpr):
+def _gemv_step(
+    acc,
+    b0,
+    x_ptr,
+    q_ptr,
+    h_ptr,
+    d_ptr,
+    sc_ptr,
+    m_ptr,
+    M,
+    N,
+    K,
+    x_stride,
+    q_stride,
+    h_stride,
+    d_stride,
+    s_stride,
+    BITS: tl.constexpr,
+    OFFSET: tl.constexpr,
+    SB: tl.constexpr,
+    G: tl.constexpr,
+    HAS_M: tl.constexpr,
+    HAS_MN: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    MR: tl.constexpr,
+    X_TERMS: tl.constexpr,
+    ASM: tl.constexpr,
+):
     """acc [BLOCK_N, tiles, MR] plus the products of the BLOCK_K elements from byte b0 of q's rows."""
     # Axes [weight row, 32-element tile, x row, part of a tile]. Every load has this whole shape (x's
     # pointers broadcast over weight rows, the weight's over x rows where they meet), so Triton gives
@@ -236,7 +297,9 @@ def _gemv_step(acc, b0, x_ptr, q_ptr, h_ptr, d_ptr, sc_ptr, m_ptr, M, N, K, x_st
         x_sum = tl.zeros([BLOCK_N, BLOCK_K // 32, MR], tl.float32)
         for term in tl.static_range(X_TERMS):
             # x's term: per tile 8 words of int8 codes (lo half, hi half), then 4 words [scale, Σ lo, Σ hi, 0]
-            xw = x_ptr.to(tl.pointer_type(tl.int32)) + x_row * (x_stride // 4) + ((k_lo // 32) * X_TERMS + term) * 12 + j
+            xw = (
+                x_ptr.to(tl.pointer_type(tl.int32)) + x_row * (x_stride // 4) + ((k_lo // 32) * X_TERMS + term) * 12 + j
+            )
             x_lo = tl.load(xw, mask=x_ok, other=0)
             x_hi = tl.load(xw + 4, mask=x_ok, other=0)
             meta = tl.load(xw + 8, mask=x_ok, other=0)
@@ -270,8 +333,7 @@ def _gemv_step(acc, b0, x_ptr, q_ptr, h_ptr, d_ptr, sc_ptr, m_ptr, M, N, K, x_st
             s_lo = s_lo + s_hi
         x_sum = tl.sum(x_lo + x_hi, axis=3)
     k3 = k0 + tl.arange(0, BLOCK_K // 32)[None, :, None] * 32
-    d_lo, d_hi, m = _scales(d_ptr, sc_ptr, m_ptr, r3, (r3 < N) & (k3 < K), k3, d_stride, s_stride, SB, G,
-                            HAS_M, HAS_MN)
+    d_lo, d_hi, m = _scales(d_ptr, sc_ptr, m_ptr, r3, (r3 < N) & (k3 < K), k3, d_stride, s_stride, SB, G, HAS_M, HAS_MN)
     if G == 16:
         acc += s_lo * d_lo + s_hi * d_hi
     else:
@@ -282,18 +344,69 @@ def _gemv_step(acc, b0, x_ptr, q_ptr, h_ptr, d_ptr, sc_ptr, m_ptr, M, N, K, x_st
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, q_ptr, h_ptr, d_ptr, sc_ptr, m_ptr, out_ptr, M, N, K, x_stride, q_stride,
-                 h_stride, d_stride, s_stride, k_split, BITS: tl.constexpr, OFFSET: tl.constexpr,
-                 SB: tl.constexpr, G: tl.constexpr, HAS_M: tl.constexpr, HAS_MN: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, MR: tl.constexpr, X_TERMS: tl.constexpr, ASM: tl.constexpr):
+def _gemv_kernel(
+    x_ptr,
+    q_ptr,
+    h_ptr,
+    d_ptr,
+    sc_ptr,
+    m_ptr,
+    out_ptr,
+    M,
+    N,
+    K,
+    x_stride,
+    q_stride,
+    h_stride,
+    d_stride,
+    s_stride,
+    k_split,
+    BITS: tl.constexpr,
+    OFFSET: tl.constexpr,
+    SB: tl.constexpr,
+    G: tl.constexpr,
+    HAS_M: tl.constexpr,
+    HAS_MN: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    MR: tl.constexpr,
+    X_TERMS: tl.constexpr,
+    ASM: tl.constexpr,
+):
     """y [M, N] (or split-K partial sums [splits, M, N]) of program_id(1)'s k_split elements of K."""
     acc = tl.zeros([BLOCK_N, BLOCK_K // 32, MR], tl.float32)
     start = tl.program_id(1) * (k_split // 2)  # in bytes of q; the last split's steps past K load nothing
     b0 = start
     while b0 < start + k_split // 2:  # a runtime trip count: one compile for every K
-        acc = _gemv_step(acc, b0, x_ptr, q_ptr, h_ptr, d_ptr, sc_ptr, m_ptr, M, N, K, x_stride, q_stride,
-                         h_stride, d_stride, s_stride, BITS, OFFSET, SB, G, HAS_M, HAS_MN, BLOCK_N, BLOCK_K, MR,
-                         X_TERMS, ASM)
+        acc = _gemv_step(
+            acc,
+            b0,
+            x_ptr,
+            q_ptr,
+            h_ptr,
+            d_ptr,
+            sc_ptr,
+            m_ptr,
+            M,
+            N,
+            K,
+            x_stride,
+            q_stride,
+            h_stride,
+            d_stride,
+            s_stride,
+            BITS,
+            OFFSET,
+            SB,
+            G,
+            HAS_M,
+            HAS_MN,
+            BLOCK_N,
+            BLOCK_K,
+            MR,
+            X_TERMS,
+            ASM,
+        )
         b0 += BLOCK_K // 2
     y = tl.sum(acc, axis=1)  # [BN, MR]
     rows2 = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)[:, None]
@@ -317,12 +430,20 @@ def _dequant_launch(q, h, d, sc, m, qtype: int, out: torch.Tensor) -> None:
     block_n, block_k = 16, 256
     # No fused multiply-adds: float32 output equals quant.dequantize bit for bit.
     _dequant_kernel[(triton.cdiv(n, block_n), triton.cdiv(k, block_k))](
-        *ptrs, out, n, k, *strides, **consts, BLOCK_N=block_n, BLOCK_K=block_k, enable_fp_fusion=False)
+        *ptrs, out, n, k, *strides, **consts, BLOCK_N=block_n, BLOCK_K=block_k, enable_fp_fusion=False
+    )
 
 
 @torch.library.custom_op("hydra::qdequant", mutates_args=())
-def qdequant(q: torch.Tensor, h: torch.Tensor | None, d: torch.Tensor, sc: torch.Tensor | None,
-             m: torch.Tensor | None, qtype: int, dtype: torch.dtype) -> torch.Tensor:
+def qdequant(
+    q: torch.Tensor,
+    h: torch.Tensor | None,
+    d: torch.Tensor,
+    sc: torch.Tensor | None,
+    m: torch.Tensor | None,
+    qtype: int,
+    dtype: torch.dtype,
+) -> torch.Tensor:
     out = torch.empty(q.shape[0], q.shape[1] * 2, dtype=dtype, device=q.device)
     _dequant_launch(q, h, d, sc, m, qtype, out)
     return out
@@ -334,8 +455,15 @@ def _(q, h, d, sc, m, qtype, dtype):
 
 
 @torch.library.custom_op("hydra::qdequant_into", mutates_args=("out",))
-def qdequant_into(q: torch.Tensor, h: torch.Tensor | None, d: torch.Tensor, sc: torch.Tensor | None,
-                  m: torch.Tensor | None, qtype: int, out: torch.Tensor) -> None:
+def qdequant_into(
+    q: torch.Tensor,
+    h: torch.Tensor | None,
+    d: torch.Tensor,
+    sc: torch.Tensor | None,
+    m: torch.Tensor | None,
+    qtype: int,
+    out: torch.Tensor,
+) -> None:
     """The weight dequantized into `out` [n, k] (a reused scratch, contiguous)."""
     _dequant_launch(q, h, d, sc, m, qtype, out)
 
@@ -346,8 +474,15 @@ def _(q, h, d, sc, m, qtype, out):
 
 
 @torch.library.custom_op("hydra::qmm", mutates_args=())
-def qmm(x: torch.Tensor, q: torch.Tensor, h: torch.Tensor | None, d: torch.Tensor, sc: torch.Tensor | None,
-        m: torch.Tensor | None, qtype: int) -> torch.Tensor:
+def qmm(
+    x: torch.Tensor,
+    q: torch.Tensor,
+    h: torch.Tensor | None,
+    d: torch.Tensor,
+    sc: torch.Tensor | None,
+    m: torch.Tensor | None,
+    qtype: int,
+) -> torch.Tensor:
     """x [M, K] @ w.T -> [M, N] in x's dtype, for M up to GEMV_MAX_ROWS."""
     rows, k = x.shape
     n = q.shape[0]
@@ -362,9 +497,24 @@ def qmm(x: torch.Tensor, q: torch.Tensor, h: torch.Tensor | None, d: torch.Tenso
     ptrs, strides, consts = _layout_args(qtype, q, h, d, sc, m)
     grid, k_split, out = plan(rows, n, k, block_n, block_k, per_sm, x.dtype, x.device)
     xk = quantize_x(x, x_terms) if x_terms else x
-    _gemv_kernel[grid](xk, *ptrs, out, rows, n, k, xk.stride(0), *strides, k_split, **consts,
-                       BLOCK_N=block_n, BLOCK_K=block_k, MR=mr, X_TERMS=x_terms, ASM=x.device.type == "cuda",
-                       num_warps=warps)
+    _gemv_kernel[grid](
+        xk,
+        *ptrs,
+        out,
+        rows,
+        n,
+        k,
+        xk.stride(0),
+        *strides,
+        k_split,
+        **consts,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        MR=mr,
+        X_TERMS=x_terms,
+        ASM=x.device.type == "cuda",
+        num_warps=warps,
+    )
     return reduced(out, x.dtype)
 
 
@@ -374,8 +524,9 @@ def quantize_x(x: torch.Tensor, terms: int = 1) -> torch.Tensor:
     rows, k = x.shape
     out = torch.empty(rows, k // 32 * terms * X_TERM_BYTES, dtype=torch.uint8, device=x.device)
     block_t = 32
-    _quantize_x_kernel[(rows, triton.cdiv(k // 32, block_t))](x, out, k, x.stride(0), out.stride(0), TERMS=terms,
-                                                              BLOCK_T=block_t)
+    _quantize_x_kernel[(rows, triton.cdiv(k // 32, block_t))](
+        x, out, k, x.stride(0), out.stride(0), TERMS=terms, BLOCK_T=block_t
+    )
     return out
 
 

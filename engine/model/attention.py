@@ -65,12 +65,21 @@ def attend_fresh(cfg: ModelConfig, layer: _Layer, q, k, v, slots, positions) -> 
         back = positions[:, None] - positions[None, :]
         mask, causal = (back >= 0) & (back < layer.window), False
     with sdpa_kernel(_SDPA_BACKENDS):
-        o = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), keys, vals, attn_mask=mask, is_causal=causal,
-                                           scale=cfg.attn_scale, enable_gqa=True)  # fmt: skip
+        o = F.scaled_dot_product_attention(
+            q.transpose(0, 1).unsqueeze(0),
+            keys,
+            vals,
+            attn_mask=mask,
+            is_causal=causal,
+            scale=cfg.attn_scale,
+            enable_gqa=True,
+        )
     return o[0].transpose(0, 1)
 
 
-def decode_bias(cfg: ModelConfig, positions: torch.Tensor, kv_len: int, window: int, dtype: torch.dtype) -> torch.Tensor:
+def decode_bias(
+    cfg: ModelConfig, positions: torch.Tensor, kv_len: int, window: int, dtype: torch.dtype
+) -> torch.Tensor:
     """Additive attention mask [B * n_kv, group, kv_len]: 0 where a slot's token may look, -inf elsewhere."""
     kpos = torch.arange(kv_len, device=positions.device)[None, :]
     visible = kpos <= positions[:, None]

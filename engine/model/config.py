@@ -29,8 +29,13 @@ ARCHITECTURES: dict[str, dict] = {
     # Hybrid: Gated DeltaNet layers, and every `full_attention_interval`-th layer a full-attention
     # layer whose Q projection also carries a sigmoid output gate. The FFN's input norm is named
     # post_attention_norm; RoPE is IMROPE over the first `rope.dimension_count` dims.
-    "qwen35": {"rope_neox": True, "qk_norm": True, "attn_gate": True, "deltanet": True,
-               "ffn_norm": "post_attention_norm"},  # fmt: skip
+    "qwen35": {
+        "rope_neox": True,
+        "qk_norm": True,
+        "attn_gate": True,
+        "deltanet": True,
+        "ffn_norm": "post_attention_norm",
+    },
 }
 # Architectures llama.cpp has that we name in errors rather than calling them unknown.
 NOT_YET = {"qwen35moe": "the MoE variant of Qwen3.5 (qwen35moe) is not supported yet; its dense sibling qwen35 is"}

@@ -28,7 +28,6 @@ from ...contracts.footprint import KV_BLOCK
 from ..errors import KVPoolFull
 
 
-
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -91,7 +90,8 @@ class KVBlocks:
         if short > len(self.free):
             raise KVPoolFull(
                 f"KV pool full: this step needs {short} more blocks of {self.block_size} positions, {len(self.free)} of "
-                f"{self.n_blocks - 1} are free (-c/--ctx-size sets the pool with --kv-unified)")
+                f"{self.n_blocks - 1} are free (-c/--ctx-size sets the pool with --kv-unified)"
+            )
         for slot, n in want.items():
             held = self.held[slot]
             if n > len(held):

@@ -71,8 +71,17 @@ class KVCache:
     """K and V of one layer, in blocks of positions that `blocks` (the stage's block table) assigns
     to slots. `k_type` / `v_type`: CACHE_TYPES."""
 
-    def __init__(self, blocks: KVBlocks, n_kv: int, head_dim: int, *, compute: torch.dtype, device,
-                 k_type: str = "auto", v_type: str = "auto"):  # fmt: skip
+    def __init__(
+        self,
+        blocks: KVBlocks,
+        n_kv: int,
+        head_dim: int,
+        *,
+        compute: torch.dtype,
+        device,
+        k_type: str = "auto",
+        v_type: str = "auto",
+    ):
         shape = (blocks.n_blocks, n_kv, blocks.block_size, head_dim)
         self.blocks = blocks
         self.k = _Store(k_type, shape, compute, device)

@@ -43,12 +43,23 @@ class NextN:
         if p is None:
             raise UserError(f"{head.g.path}: no MTP block (tensor 'blk.{il}.nextn.eh_proj.weight' is missing)")
         if p + "embed_tokens.weight" in head.g.tensors:
-            raise UserError(f"{head.g.path}: an MTP block with its own embedding ({p}embed_tokens) is not supported yet")
+            raise UserError(
+                f"{head.g.path}: an MTP block with its own embedding ({p}embed_tokens) is not supported yet"
+            )
         self.head = head
-        block_cfg = dataclasses.replace(cfg, n_layers=il + 1, recurrent_layers=cfg.recurrent_layers + (False,),
-                                        swa_layers=cfg.swa_layers + (False,))  # fmt: skip
-        self.block = Stage(block_cfg, w, (il, il + 1), embed=False, head=False, n_slots=head.n_slots, n_ctx=head.n_ctx,
-                           kv_pool=head.kv_pool)
+        block_cfg = dataclasses.replace(
+            cfg, n_layers=il + 1, recurrent_layers=cfg.recurrent_layers + (False,), swa_layers=cfg.swa_layers + (False,)
+        )
+        self.block = Stage(
+            block_cfg,
+            w,
+            (il, il + 1),
+            embed=False,
+            head=False,
+            n_slots=head.n_slots,
+            n_ctx=head.n_ctx,
+            kv_pool=head.kv_pool,
+        )
         self.eh_proj = w.linear([p + "eh_proj.weight"])
         self.enorm, self.hnorm = w.vector(p + "enorm.weight"), w.vector(p + "hnorm.weight")
         has = lambda name: p + name + ".weight" in head.g.tensors  # noqa: E731

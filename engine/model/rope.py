@@ -8,7 +8,9 @@ import torch
 from .config import ModelConfig
 
 
-def rope_table(cfg: ModelConfig, n_ctx: int, base: float, scale: float, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_table(
+    cfg: ModelConfig, n_ctx: int, base: float, scale: float, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and signed sin [n_ctx, n_rot] in float32 laid out for `rotate`; angles in float64."""
     n_rot = cfg.n_rot
     inv = base ** (-np.arange(0, n_rot, 2, dtype=np.float64) / n_rot)

@@ -83,8 +83,15 @@ class _Layer:
             q_w, k_w = vec(p + "attn_q_norm.weight"), vec(p + "attn_k_norm.weight")
             self.qk_norm = torch.cat([q_w.expand(cfg.n_head, -1), k_w.expand(cfg.n_head_kv, -1)])
         self.post_attn_norm = vec(p + "post_attention_norm.weight") if cfg.post_norms else None
-        self.kv = KVCache(stage.kv_blocks, cfg.n_head_kv, cfg.head_dim, compute=stage.dtype, device=stage.device,
-                          k_type=stage.kv_types[0], v_type=stage.kv_types[1])  # fmt: skip
+        self.kv = KVCache(
+            stage.kv_blocks,
+            cfg.n_head_kv,
+            cfg.head_dim,
+            compute=stage.dtype,
+            device=stage.device,
+            k_type=stage.kv_types[0],
+            v_type=stage.kv_types[1],
+        )
 
     @property
     def nbytes(self) -> int:
@@ -116,9 +123,20 @@ def _state_tensors(layer: _Layer) -> tuple[torch.Tensor, ...]:
 class Stage:
     """Embedding (optional) + layers [a, b) + final norm and output head (optional) on one device."""
 
-    def __init__(self, cfg: ModelConfig, weights: Weights, layers: tuple[int, int], *, embed: bool, head: bool,
-                 n_slots: int, n_ctx: int, compile_decode: bool = False,
-                 kv_types: tuple[str, str] = ("auto", "auto"), kv_pool: int | None = None):  # fmt: skip
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        weights: Weights,
+        layers: tuple[int, int],
+        *,
+        embed: bool,
+        head: bool,
+        n_slots: int,
+        n_ctx: int,
+        compile_decode: bool = False,
+        kv_types: tuple[str, str] = ("auto", "auto"),
+        kv_pool: int | None = None,
+    ):
         """`kv_pool`: positions of a KV pool all slots share (each still up to `n_ctx`); None: each slot
         reserves its whole context."""
         self.cfg, self.weights, self.g = cfg, weights, weights.g
@@ -141,8 +159,11 @@ class Stage:
         padding = ROLLBACK if capture else 0
         if kv_pool is not None and kv_pool < 1:
             raise UserError(f"the KV pool needs at least one position (got {kv_pool})")
-        self.kv_blocks = (KVBlocks.reserved(n_slots, n_ctx, self.device, padding) if kv_pool is None
-                          else KVBlocks.pool(n_slots, n_ctx, kv_pool, self.device, padding))  # fmt: skip
+        self.kv_blocks = (
+            KVBlocks.reserved(n_slots, n_ctx, self.device, padding)
+            if kv_pool is None
+            else KVBlocks.pool(n_slots, n_ctx, kv_pool, self.device, padding)
+        )
         self._rope_global = rope_table(cfg, n_ctx + padding, cfg.rope_base, cfg.rope_scale, self.device)
         self._rope_swa = rope_table(cfg, n_ctx + padding, cfg.rope_base_swa, 1.0, self.device)
         self.assign(*layers)
@@ -225,7 +246,9 @@ class Stage:
                 layer.deltanet.ssm_state[slot].copy_(tensors[f"blk.{il}.ssm"])
             else:
                 prefix = f"blk.{il}."
-                layer.kv.write_views(slot, n, {k.removeprefix(prefix): t for k, t in tensors.items() if k.startswith(prefix)})
+                layer.kv.write_views(
+                    slot, n, {k.removeprefix(prefix): t for k, t in tensors.items() if k.startswith(prefix)}
+                )
         self.state_len[slot], self.rollback[slot] = n, 0
 
     @property
@@ -236,7 +259,9 @@ class Stage:
     @property
     def state_bytes(self) -> int:
         """The recurrent (DeltaNet) part of `kv_bytes`: conv + SSM state and their checkpoints."""
-        return sum(t.nbytes for layer in self.layers.values() if layer.deltanet is not None for t in _state_tensors(layer))
+        return sum(
+            t.nbytes for layer in self.layers.values() if layer.deltanet is not None for t in _state_tensors(layer)
+        )
 
     @property
     def held_weight_bytes(self) -> int:
@@ -244,8 +269,17 @@ class Stage:
         layer's prefill copy once built), the embedding table (a GPU's), the output head, the norms
         and the RoPE tables. With `kv_bytes`, what the stage holds (contracts/footprint.py estimates it)."""
         storages: dict[int, int] = {}
-        _collect_storages([self.layers, self._embd_table if self.has_embed else None, self._rope_global, self._rope_swa,
-                           getattr(self, "output", None), getattr(self, "output_norm", None)], storages)  # fmt: skip
+        _collect_storages(
+            [
+                self.layers,
+                self._embd_table if self.has_embed else None,
+                self._rope_global,
+                self._rope_swa,
+                getattr(self, "output", None),
+                getattr(self, "output_norm", None),
+            ],
+            storages,
+        )
         for layer in self.layers.values():
             for t in _state_tensors(layer):
                 storages.pop(t.untyped_storage().data_ptr(), None)
@@ -262,7 +296,11 @@ class Stage:
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         """Token ids [T] -> float32 hidden states [T, n_embd] (Gemma's sqrt(n_embd) scale included)."""
         tokens = torch.as_tensor(tokens, dtype=torch.long)
-        if tokens.device.type == "cpu" and tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= self.cfg.n_vocab):
+        if (
+            tokens.device.type == "cpu"
+            and tokens.numel()
+            and (int(tokens.min()) < 0 or int(tokens.max()) >= self.cfg.n_vocab)
+        ):
             raise UserError(f"token id out of range 0..{self.cfg.n_vocab - 1}")
         if isinstance(self._embd_table, QuantWeight):
             h = self._embd_table.rows(tokens.to(self.device))
@@ -310,7 +348,9 @@ class Stage:
         per_slot = {n for _, _, n in runs}
         if self.graphs is not None and len(per_slot) == 1:  # decode, or verifies of one draft length
             out = self.graphs.run(h, slots, positions, per_slot.pop())
-        if out is None and self.prefill_graphs is not None and len(runs) == 1 and runs[0][1] == 0:  # a prompt from its start
+        if (
+            out is None and self.prefill_graphs is not None and len(runs) == 1 and runs[0][1] == 0
+        ):  # a prompt from its start
             out = self.prefill_graphs.run(h, runs[0][0])
         if out is None:
             out = self._forward(h, slots.to(self.device), positions.to(self.device), runs)
@@ -370,8 +410,19 @@ class Stage:
             i = j
         return runs
 
-    def _forward(self, h, slots, positions, runs, batched: bool = False, kv_len: int | None = None, layers=None,
-                 per_slot: int = 1, fresh: bool = False, block=None):
+    def _forward(
+        self,
+        h,
+        slots,
+        positions,
+        runs,
+        batched: bool = False,
+        kv_len: int | None = None,
+        layers=None,
+        per_slot: int = 1,
+        fresh: bool = False,
+        block=None,
+    ):
         """The layers, eagerly. `batched`: `per_slot` tokens for each slot (rows slot-major) with no
         host values (CUDA-graph capturable): the decode-attention kernel on CUDA, elsewhere attention
         over gathered caches of length `kv_len` with a mask from positions (each row sees its own
@@ -388,7 +439,9 @@ class Stage:
                 if layer.window not in biases:
                     biases[layer.window] = decode_bias(self.cfg, positions, kv_len, layer.window, self.dtype)
                 bias = biases[layer.window]
-            h = block(layer, h, ropes[bool(layer.window)], slots, positions, runs, batched, kv_len, per_slot, fresh, bias)
+            h = block(
+                layer, h, ropes[bool(layer.window)], slots, positions, runs, batched, kv_len, per_slot, fresh, bias
+            )
         return h
 
     def _block(self, layer: _Layer, h, rope, slots, positions, runs, batched, kv_len, per_slot, fresh, bias):
@@ -397,7 +450,9 @@ class Stage:
         T, n_q, qk_dim = h.shape[0], cfg.n_head, (cfg.n_head + cfg.n_head_kv) * cfg.head_dim
         x = self._norm(h, layer.attn_norm).to(self.dtype)
         if layer.deltanet is not None:
-            return self._ffn(layer, h + (layer.deltanet.step(x, slots, per_slot) if batched else layer.deltanet(x, runs)))
+            return self._ffn(
+                layer, h + (layer.deltanet.step(x, slots, per_slot) if batched else layer.deltanet(x, runs))
+            )
         qkv = layer.wqkv(x)
         gate = None
         if cfg.attn_gate:  # Q rows come as [q, gate] per head: split the gate off
@@ -468,5 +523,15 @@ def build_stage(
     if quantized is None:
         quantized = device.type == "cuda"
     weights = Weights(g, cfg.arch, device, dtype, int8, cache_dir, quantized)
-    return Stage(cfg, weights, layers or (0, cfg.n_layers), embed=embed, head=head, n_slots=n_slots, n_ctx=n_ctx,
-                 compile_decode=compile_decode, kv_types=kv_types, kv_pool=kv_pool)  # fmt: skip
+    return Stage(
+        cfg,
+        weights,
+        layers or (0, cfg.n_layers),
+        embed=embed,
+        head=head,
+        n_slots=n_slots,
+        n_ctx=n_ctx,
+        compile_decode=compile_decode,
+        kv_types=kv_types,
+        kv_pool=kv_pool,
+    )

@@ -147,8 +147,16 @@ class Weights:
     `Linear`s in the compute dtype or (`int8`) as int8 rows, converted once per big file thanks to
     the cache."""
 
-    def __init__(self, g: GGUFFile, arch: str, device: torch.device, dtype: torch.dtype, int8: bool,
-                 cache_dir: Path | None, quantized: bool = False):  # fmt: skip
+    def __init__(
+        self,
+        g: GGUFFile,
+        arch: str,
+        device: torch.device,
+        dtype: torch.dtype,
+        int8: bool,
+        cache_dir: Path | None,
+        quantized: bool = False,
+    ):
         self.g, self.arch = g, arch
         self.device, self.dtype, self.int8 = device, dtype, int8
         self.cache_dir = cache_dir
@@ -200,8 +208,13 @@ class Weights:
             return None
         if t.ggml_type not in LAYOUTS:
             if name not in self.expanded:
-                log.warning("%s: %s has no GPU kernel for its type %s: expanded to %s", self.g.path.name, name,
-                            t.ggml_type.name, self.dtype)  # fmt: skip
+                log.warning(
+                    "%s: %s has no GPU kernel for its type %s: expanded to %s",
+                    self.g.path.name,
+                    name,
+                    t.ggml_type.name,
+                    self.dtype,
+                )
                 self.expanded.append(name)
             return None
         if name not in self._quant:

@@ -19,6 +19,7 @@ import time
 
 import torch
 
+from ...contracts.auth import NONCE_BYTES, PROOF_BYTES, AuthError, ClientHandshake
 from ...contracts.rpc import (
     CAP_AUTH,
     CAP_IPC,
@@ -31,7 +32,6 @@ from ...contracts.rpc import (
     Cmd,
     StaleEpoch,
 )
-from ...contracts.auth import NONCE_BYTES, PROOF_BYTES, AuthError, ClientHandshake
 from ...contracts.rpc import ReplyStatus as R
 from ...contracts.status import PeerInfo
 from ..device import host_buffer, to_host
@@ -78,8 +78,10 @@ class _ExchangeLock:
 
     def acquire(self, blocking: bool = True) -> bool:
         if self._owner == threading.get_ident():
-            raise RuntimeError("a peer's exchange re-entered from inside it: work run between a frame and its "
-                               "reply must not call the pipeline")  # fmt: skip
+            raise RuntimeError(
+                "a peer's exchange re-entered from inside it: work run between a frame and its "
+                "reply must not call the pipeline"
+            )
         if not self._lock.acquire(blocking):
             return False
         self._owner = threading.get_ident()
@@ -198,20 +200,30 @@ class RemoteStage:
             self._caps = caps
             if (major, minor) != VERSION[:2]:
                 detail = bytes(reply[HELLO.size :]).decode("utf-8", "replace")
-                raise PeerMismatch(f"peer {self.addr} speaks compute protocol {major}.{minor}.{patch}, we {VERSION}: {detail}")
+                raise PeerMismatch(
+                    f"peer {self.addr} speaks compute protocol {major}.{minor}.{patch}, we {VERSION}: {detail}"
+                )
             if caps & CAP_AUTH and hs is None:
                 raise PeerMismatch(f"peer {self.addr} requires a token: set --auth-token or HYDRA_TOKEN")
             if hs is not None:  # the peer proves the token before we send it anything
                 if not caps & CAP_AUTH:
-                    raise PeerMismatch(f"peer {self.addr} offers no authentication and we hold a token: refused "
-                                       "(start it with the same --auth-token / HYDRA_TOKEN)")  # fmt: skip
+                    raise PeerMismatch(
+                        f"peer {self.addr} offers no authentication and we hold a token: refused "
+                        "(start it with the same --auth-token / HYDRA_TOKEN)"
+                    )
                 challenge = bytes(self._read_reply(link))
-                nonce, proof, role = challenge[:NONCE_BYTES], challenge[NONCE_BYTES : NONCE_BYTES + PROOF_BYTES], challenge[NONCE_BYTES + PROOF_BYTES :]
+                nonce, proof, role = (
+                    challenge[:NONCE_BYTES],
+                    challenge[NONCE_BYTES : NONCE_BYTES + PROOF_BYTES],
+                    challenge[NONCE_BYTES + PROOF_BYTES :],
+                )
                 try:
                     ours = hs.answer(nonce, role.decode("utf-8", "replace"), proof)
                 except AuthError as e:
-                    raise PeerMismatch(f"peer {self.addr} failed to authenticate ({e}): a different --auth-token, "
-                                       "or not one of our workers") from None  # fmt: skip
+                    raise PeerMismatch(
+                        f"peer {self.addr} failed to authenticate ({e}): a different --auth-token, "
+                        "or not one of our workers"
+                    ) from None
                 status, body = self._status(self._exchange(Cmd.AUTH, ours, link))
                 if status != R.OK:
                     raise PeerMismatch(f"peer {self.addr} rejected our token: {body.decode(errors='replace')}")
@@ -222,8 +234,14 @@ class RemoteStage:
 
     def _load(self, layers) -> None:
         dtype = str(self.dtype).removeprefix("torch.")
-        request = {"layers": list(layers), "dtype": dtype, "n_slots": self.n_slots, "n_ctx": self.n_ctx,
-                   "kv_types": list(self.kv_types), "max_run": self.max_run}
+        request = {
+            "layers": list(layers),
+            "dtype": dtype,
+            "n_slots": self.n_slots,
+            "n_ctx": self.n_ctx,
+            "kv_types": list(self.kv_types),
+            "max_run": self.max_run,
+        }
         if self.kv_pool is not None:
             request["kv_pool"] = self.kv_pool
         reply = self._request_json(Cmd.LOAD_STAGE, request)
@@ -249,7 +267,11 @@ class RemoteStage:
         try:
             self._ipc = IpcChannel.open(json.loads(body), DTYPES[request["dtype"]], dev)
         except (RuntimeError, KeyError, ValueError) as e:
-            log.warning("peer %s shares our GPU but its CUDA IPC channel could not be mapped (%s): using the socket", self.addr, e)
+            log.warning(
+                "peer %s shares our GPU but its CUDA IPC channel could not be mapped (%s): using the socket",
+                self.addr,
+                e,
+            )
 
     @property
     def transport(self) -> str:
@@ -310,7 +332,9 @@ class RemoteStage:
             try:
                 if via_ipc:
                     ipc.send(h)
-                    self._send(Cmd.FORWARD_IPC, pack_forward(self.epoch, h, slots.cpu(), positions.cpu(), with_hidden=False))
+                    self._send(
+                        Cmd.FORWARD_IPC, pack_forward(self.epoch, h, slots.cpu(), positions.cpu(), with_hidden=False)
+                    )
                     failed, busy = _call(meanwhile)
                     compute_us = self._forward_reply(0)
                     out = ipc.receive(h.shape[0])

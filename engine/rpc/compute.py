@@ -24,6 +24,7 @@ import time
 import numpy as np
 import torch
 
+from ...contracts.auth import AuthError, ServerHandshake
 from ...contracts.rpc import (
     CAP_AUTH,
     CAP_FORWARD,
@@ -49,7 +50,6 @@ from ...contracts.rpc import (
     StaleEpoch,
     frame_deadline,
 )
-from ...contracts.auth import AuthError, ServerHandshake
 from ...contracts.rpc import ReplyStatus as R
 from ...contracts.slot_state import SlotStateError
 from ..device import host_buffer, to_host
@@ -67,12 +67,15 @@ from .wire import (
 
 log = logging.getLogger("hydra.rpc.compute")
 
+
 def pack_hello(caps: int = 0, version=VERSION, nonce: bytes = b"") -> bytes:
     """HELLO's struct, then (a client with a token: caps has CAP_AUTH) the client's nonce."""
     return HELLO.pack(*version, 0, caps) + nonce
 
 
-def pack_forward(epoch: int, hidden: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor, *, with_hidden: bool = True) -> list:
+def pack_forward(
+    epoch: int, hidden: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor, *, with_hidden: bool = True
+) -> list:
     """FORWARD payload as buffers (header, slots, positions, hidden) for a zero-copy sendmsg;
     without the hidden bytes for FORWARD_IPC (`hidden` then only gives shape and dtype)."""
     t, d = hidden.shape
@@ -100,7 +103,9 @@ def unpack_forward(payload, *, with_hidden: bool = True) -> tuple[int, torch.Ten
         raise ComputeError(f"FORWARD of {t}x{d} needs {want} bytes, frame has {len(view)}")
     o = FORWARD_HEADER.size
     slots = torch.frombuffer(view[o : o + 4 * t], dtype=torch.int32) if t else torch.zeros(0, dtype=torch.int32)
-    positions = torch.frombuffer(view[o + 4 * t : o + 8 * t], dtype=torch.int32) if t else torch.zeros(0, dtype=torch.int32)
+    positions = (
+        torch.frombuffer(view[o + 4 * t : o + 8 * t], dtype=torch.int32) if t else torch.zeros(0, dtype=torch.int32)
+    )
     if not with_hidden:
         hidden = torch.empty(t, d, dtype=dtype, device="meta")
     elif t * d:
@@ -118,8 +123,16 @@ class ComputeServer:
 
     header = COMPUTE_HEADER.size
 
-    def __init__(self, host, *, auth_token: str | None = None, max_frame: int = 1 << 30, spin_s: float = 0.0,
-                 idle_s: float = COMPUTE_IDLE_S, role: str = "peer"):  # fmt: skip
+    def __init__(
+        self,
+        host,
+        *,
+        auth_token: str | None = None,
+        max_frame: int = 1 << 30,
+        spin_s: float = 0.0,
+        idle_s: float = COMPUTE_IDLE_S,
+        role: str = "peer",
+    ):
         self.host, self.role = host, role
         self.auth_token = auth_token
         self.max_frame = max_frame
@@ -320,8 +333,10 @@ class ComputeServer:
                 raise ComputeError("FORWARD_IPC needs an open CUDA IPC channel (IPC_OPEN)")
             t, d = hidden.shape
             if not ipc.fits(hidden):
-                raise ComputeError(f"FORWARD_IPC of {t}x{d} {hidden.dtype} does not fit the channel's "
-                                   f"{ipc.rows}x{ipc.inbox.shape[1]} {ipc.inbox.dtype}")  # fmt: skip
+                raise ComputeError(
+                    f"FORWARD_IPC of {t}x{d} {hidden.dtype} does not fit the channel's "
+                    f"{ipc.rows}x{ipc.inbox.shape[1]} {ipc.inbox.dtype}"
+                )
             hidden = ipc.incoming(t)
         t0 = time.perf_counter()
         out = self.host.forward(epoch, hidden, slots, positions, owner=session["id"])

@@ -12,6 +12,7 @@ import json
 import logging
 from typing import Protocol
 
+from ...contracts.auth import AuthError, ServerHandshake
 from ...contracts.rpc import (
     CONTROL_HEADER,
     CONTROL_IDLE_S,
@@ -23,7 +24,6 @@ from ...contracts.rpc import (
     Status,
     frame_deadline,
 )
-from ...contracts.auth import AuthError, ServerHandshake
 from .wire import (
     AuthFailed,
     BufferReader,
@@ -37,6 +37,7 @@ from .wire import (
 )
 
 log = logging.getLogger("hydra.rpc.control")
+
 
 class ControlBackend(Protocol):
     """What a worker exposes over the control port. Missing state ops answer NOT_IMPLEMENTED."""
@@ -69,8 +70,15 @@ class ControlServer:
 
     header = CONTROL_HEADER.size
 
-    def __init__(self, backend, *, auth_token: str | None = None, max_frame: int = 1 << 30, idle_s: float = CONTROL_IDLE_S,
-                 role: str = "head"):  # fmt: skip
+    def __init__(
+        self,
+        backend,
+        *,
+        auth_token: str | None = None,
+        max_frame: int = 1 << 30,
+        idle_s: float = CONTROL_IDLE_S,
+        role: str = "head",
+    ):
         self.backend, self.role = backend, role
         self.auth_token = auth_token
         self.max_frame = max_frame
@@ -107,13 +115,18 @@ class ControlServer:
         # chunks up to the STATE_PUT cap. Anything larger is malformed: answer, then close.
         cap = (STATE_PUT_CAP if req.op == Op.STATE_PUT else self.max_frame) if readable else STATE_PUT_CAP
         if req.payload_len > cap:
-            self._reply(conn, Status.BAD_REQUEST, {"error": f"payload of {req.payload_len} bytes over the {cap}-byte limit"})
+            self._reply(
+                conn, Status.BAD_REQUEST, {"error": f"payload of {req.payload_len} bytes over the {cap}-byte limit"}
+            )
             return False
         if not readable:
             reader.drain(req.payload_len)
             known = req.op in KNOWN_OPS
-            self._reply(conn, Status.NOT_IMPLEMENTED if known else Status.ERROR,
-                        {"error": f"op 0x{req.op:02x} is not implemented" if known else f"unknown op 0x{req.op:02x}"})  # fmt: skip
+            self._reply(
+                conn,
+                Status.NOT_IMPLEMENTED if known else Status.ERROR,
+                {"error": f"op 0x{req.op:02x} is not implemented" if known else f"unknown op 0x{req.op:02x}"},
+            )
             return True
         payload = reader.read_exact(req.payload_len)  # writable: a slot state is placed from it as it is
         if req.op == Op.AUTH:
@@ -135,7 +148,9 @@ class ControlServer:
             except AuthError as e:
                 self._reply(conn, Status.ERROR, {"error": f"authentication failed: {e}"})
                 return False
-            self._reply(conn, Status.OK, {"auth": True, "nonce": hs.nonce.hex(), "role": self.role, "proof": hs.proof.hex()})
+            self._reply(
+                conn, Status.OK, {"auth": True, "nonce": hs.nonce.hex(), "role": self.role, "proof": hs.proof.hex()}
+            )
             return True
         if handshake.check(payload):
             session["authed"] = True

@@ -63,10 +63,15 @@ def export_tensor(t: torch.Tensor) -> dict:
     storage = t.untyped_storage()
     (_, handle, size_bytes, offset_bytes, ref_handle, ref_offset, event_handle, event_sync) = storage._share_cuda_()
     return {
-        "shape": list(t.shape), "handle": _b64(handle), "size_bytes": size_bytes, "offset_bytes": offset_bytes,
-        "ref_handle": _b64(ref_handle), "ref_offset": ref_offset,
-        "event_handle": _b64(event_handle) if event_handle else "", "event_sync": bool(event_sync),
-    }  # fmt: skip
+        "shape": list(t.shape),
+        "handle": _b64(handle),
+        "size_bytes": size_bytes,
+        "offset_bytes": offset_bytes,
+        "ref_handle": _b64(ref_handle),
+        "ref_offset": ref_offset,
+        "event_handle": _b64(event_handle) if event_handle else "",
+        "event_sync": bool(event_sync),
+    }
 
 
 def open_tensor(desc: dict, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -79,11 +84,22 @@ def open_tensor(desc: dict, dtype: torch.dtype, device: torch.device) -> torch.T
     for i in range(len(shape) - 2, -1, -1):
         stride[i] = stride[i + 1] * shape[i + 1]
     return rebuild_cuda_tensor(
-        torch.Tensor, torch.Size(shape), stride, 0, torch.UntypedStorage, dtype, device.index,
-        base64.b64decode(desc["handle"]), desc["size_bytes"], desc["offset_bytes"], False,
-        base64.b64decode(desc["ref_handle"]), desc["ref_offset"],
-        base64.b64decode(desc["event_handle"]) or None, desc["event_sync"],
-    )  # fmt: skip
+        torch.Tensor,
+        torch.Size(shape),
+        stride,
+        0,
+        torch.UntypedStorage,
+        dtype,
+        device.index,
+        base64.b64decode(desc["handle"]),
+        desc["size_bytes"],
+        desc["offset_bytes"],
+        False,
+        base64.b64decode(desc["ref_handle"]),
+        desc["ref_offset"],
+        base64.b64decode(desc["event_handle"]) or None,
+        desc["event_sync"],
+    )
 
 
 class IpcChannel:
@@ -120,9 +136,11 @@ class IpcChannel:
         outbox = torch.empty(rows, width, dtype=dtype, device=device)
         ready, done = (torch.cuda.Event(interprocess=True) for _ in range(2))
         desc = {
-            "inbox": export_tensor(inbox), "outbox": export_tensor(outbox),
-            "ready": _b64(ready.ipc_handle()), "done": _b64(done.ipc_handle()),
-        }  # fmt: skip
+            "inbox": export_tensor(inbox),
+            "outbox": export_tensor(outbox),
+            "ready": _b64(ready.ipc_handle()),
+            "done": _b64(done.ipc_handle()),
+        }
         return cls(inbox, outbox, ready, done), desc
 
     @classmethod
@@ -180,7 +198,9 @@ def open_states(descs: list, device: torch.device) -> list[tuple[SlotHeader, tor
                 raise SlotStateError("slot state header handed over by CUDA IPC fails its checksum")
             header = SlotHeader.from_json(raw)
             if desc["body"]["shape"] != [header.body_bytes]:
-                raise SlotStateError(f"slot state body of {desc['body']['shape']} bytes, the header names {header.body_bytes}")
+                raise SlotStateError(
+                    f"slot state body of {desc['body']['shape']} bytes, the header names {header.body_bytes}"
+                )
             out.append((header, open_tensor(desc["body"], torch.uint8, device)))
         except (KeyError, TypeError, AttributeError) as e:
             raise SlotStateError(f"malformed CUDA IPC slot state: {e!r}") from None

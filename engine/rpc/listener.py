@@ -186,7 +186,9 @@ class RpcListener:
         queue_max = self.queue_max if self.mode == "head" else 0
         conns = list(self._conns)
         compute = sum(1 for c in conns if c.server is self.compute)
-        return Pool(size, self._busy, queued, queue_max, self._dropped, self._accepted, len(conns), compute, self._auth_failures)
+        return Pool(
+            size, self._busy, queued, queue_max, self._dropped, self._accepted, len(conns), compute, self._auth_failures
+        )
 
     # --- the selector thread: accept, handshakes, waiting for requests ----------------------------
 
@@ -242,7 +244,8 @@ class RpcListener:
             with self._lock:
                 self._accepted += 1
                 over = len(self._conns) >= self.max_conns or (
-                    ip not in self.cap_exempt and self._per_ip[ip] >= self.max_per_ip)  # fmt: skip
+                    ip not in self.cap_exempt and self._per_ip[ip] >= self.max_per_ip
+                )
                 if over:
                     self._dropped += 1
             if over:
@@ -280,7 +283,13 @@ class RpcListener:
         with self._lock:
             self._auth_failures += 1
         delay = min(AUTH_DELAY_S * 2 ** (failures - 1), AUTH_DELAY_MAX_S)
-        log.warning("RPC authentication from %s failed (%s; %d in a row): its next connections wait %.2g s", c.ip, why, failures, delay)
+        log.warning(
+            "RPC authentication from %s failed (%s; %d in a row): its next connections wait %.2g s",
+            c.ip,
+            why,
+            failures,
+            delay,
+        )
 
     def _release_held(self, now: float) -> None:
         due = [c for c in self._held if c.held_until <= now]

@@ -50,9 +50,20 @@ class StageHost:
     """One worker's resident stage. `assignable=False` on the head: its range follows its own split.
     `cache_dir`: the prepared-weight cache for the stages it loads (None: convert on every load)."""
 
-    def __init__(self, g, cfg, device, *, stage=None, assignable: bool = True, cache_dir: Path | None = None,
-                 quantized: bool | None = None, compile_decode: bool = False,
-                 kv_types: tuple[str, str] = ("auto", "auto"), layer_delay_s: float = 0.0):  # fmt: skip
+    def __init__(
+        self,
+        g,
+        cfg,
+        device,
+        *,
+        stage=None,
+        assignable: bool = True,
+        cache_dir: Path | None = None,
+        quantized: bool | None = None,
+        compile_decode: bool = False,
+        kv_types: tuple[str, str] = ("auto", "auto"),
+        layer_delay_s: float = 0.0,
+    ):
         self.g, self.cfg, self.device = g, cfg, torch.device(device)
         self.layer_delay_s = layer_delay_s  # a test flag: a peer slowed on purpose, per layer run
         self.cache_dir = cache_dir
@@ -122,11 +133,15 @@ class StageHost:
             kv_types = tuple(str(t) for t in request.get("kv_types", self.kv_types))
             max_run = int(request.get("max_run", 1))
         except (KeyError, TypeError, ValueError) as e:
-            raise ComputeError(f"LOAD_STAGE needs layers [a,b], dtype, n_slots, n_ctx (kv_pool, kv_types optional): {e!r}") from None
+            raise ComputeError(
+                f"LOAD_STAGE needs layers [a,b], dtype, n_slots, n_ctx (kv_pool, kv_types optional): {e!r}"
+            ) from None
         if not 1 <= max_run <= MAX_RUN:
             raise ComputeError(f"max_run must be 1..{MAX_RUN} tokens per slot (got {max_run})")
         if len(kv_types) != 2 or not all(t == "auto" or t in KV_VALUE_BYTES for t in kv_types):
-            raise ComputeError(f"kv_types must be [K, V], each auto or one of {sorted(KV_VALUE_BYTES)} (got {kv_types})")
+            raise ComputeError(
+                f"kv_types must be [K, V], each auto or one of {sorted(KV_VALUE_BYTES)} (got {kv_types})"
+            )
         if not 0 <= a < b <= self.n_layers:
             raise ComputeError(f"layer range [{a},{b}) outside the model's 0..{self.n_layers}")
         if not (1 <= n_slots <= MAX_SLOTS and 1 <= n_ctx <= MAX_CTX):
@@ -142,12 +157,26 @@ class StageHost:
                 need, free = self.stage_bytes(a, b, dtype, n_slots, n_ctx, kv_pool, kv_types), free_bytes(self.device)
                 if need > free:
                     kv = f"{n_slots}x{n_ctx}" if kv_pool is None else f"a {kv_pool}-position pool of"
-                    raise ComputeError(f"LOAD_STAGE of layers [{a},{b}) with {kv} KV needs ~{need >> 20} MiB, "
-                                       f"{free >> 20} MiB free on {self.device}: refused, the current stage stays")  # fmt: skip
+                    raise ComputeError(
+                        f"LOAD_STAGE of layers [{a},{b}) with {kv} KV needs ~{need >> 20} MiB, "
+                        f"{free >> 20} MiB free on {self.device}: refused, the current stage stays"
+                    )
                 try:
-                    stage = build_stage(self.g, (a, b), embed=False, head=False, device=self.device, dtype=dtype,
-                                        n_slots=n_slots, n_ctx=n_ctx, cache_dir=self.cache_dir, quantized=self.quantized,
-                                        compile_decode=self.compile_decode, kv_types=kv_types, kv_pool=kv_pool)  # fmt: skip
+                    stage = build_stage(
+                        self.g,
+                        (a, b),
+                        embed=False,
+                        head=False,
+                        device=self.device,
+                        dtype=dtype,
+                        n_slots=n_slots,
+                        n_ctx=n_ctx,
+                        cache_dir=self.cache_dir,
+                        quantized=self.quantized,
+                        compile_decode=self.compile_decode,
+                        kv_types=kv_types,
+                        kv_pool=kv_pool,
+                    )
                 except UserError as e:  # e.g. q8_0 on a head size it cannot block
                     raise ComputeError(f"LOAD_STAGE refused: {e}") from None
                 stage.warm_up(range(1, max_run + 1))  # before the swap: the old stage serves meanwhile
@@ -162,11 +191,24 @@ class StageHost:
                 key = self.state_key.hex()
         self.load_s = time.perf_counter() - t0
         self.on_change()
-        return {"epoch": self.epoch, "layers": [a, b], "device": str(self.device), "load_s": round(self.load_s, 4),
-                "state_key": key}  # fmt: skip
+        return {
+            "epoch": self.epoch,
+            "layers": [a, b],
+            "device": str(self.device),
+            "load_s": round(self.load_s, 4),
+            "state_key": key,
+        }
 
-    def stage_bytes(self, a: int, b: int, dtype: torch.dtype, n_slots: int, n_ctx: int, kv_pool: int | None,
-                    kv_types: tuple[str, str]) -> int:
+    def stage_bytes(
+        self,
+        a: int,
+        b: int,
+        dtype: torch.dtype,
+        n_slots: int,
+        n_ctx: int,
+        kv_pool: int | None,
+        kv_types: tuple[str, str],
+    ) -> int:
         """What a stage of layers [a, b) costs: its weights as they will be held plus its KV (every
         slot's context, or a pool of `kv_pool` positions) and recurrent state; on a GPU also the new
         stage's dequantization scratch and graphs' pool (the process's cuBLAS workspaces exist already)."""
@@ -175,19 +217,25 @@ class StageHost:
             return held
         name = str(dtype).removeprefix("torch.")
         scratch = self.tensors.scratch_bytes(a, b, head=False, dtype=name) if self.quantized else 0
-        return held + scratch + self.tensors.graph_bytes(a, b, head=False, n_slots=n_slots, n_ctx=n_ctx,
-                                                         prompt_rows=DEFAULT_PROMPT_ROWS)  # fmt: skip
+        return (
+            held
+            + scratch
+            + self.tensors.graph_bytes(a, b, head=False, n_slots=n_slots, n_ctx=n_ctx, prompt_rows=DEFAULT_PROMPT_ROWS)
+        )
 
-    def layer_footprint(self, dtype: torch.dtype, n_slots: int, n_ctx: int, kv_pool: int | None,
-                        kv_types: tuple[str, str]) -> list[int]:
+    def layer_footprint(
+        self, dtype: torch.dtype, n_slots: int, n_ctx: int, kv_pool: int | None, kv_types: tuple[str, str]
+    ) -> list[int]:
         """Bytes of every layer of the model as this worker would hold it (contracts/footprint.py):
         weights in this worker's form + its cache (KV in the given cache types, or recurrent state)."""
         name = str(dtype).removeprefix("torch.")
         form = "quantized" if self.quantized else weight_form(self.device.type, name, "dense")
         gpu = self.device.type == "cuda"
-        return [self.tensors.layer_weights(il, form, name)
-                + self.tensors.layer_cache(il, n_slots, n_ctx, kv_types, name, gpu=gpu, kv_pool=kv_pool)
-                for il in range(self.n_layers)]  # fmt: skip
+        return [
+            self.tensors.layer_weights(il, form, name)
+            + self.tensors.layer_cache(il, n_slots, n_ctx, kv_types, name, gpu=gpu, kv_pool=kv_pool)
+            for il in range(self.n_layers)
+        ]
 
     def probe(self, request: dict, owner: int = 0) -> dict:
         """PROBE: time the resident layers one by one (a `StageProbe`); only the loading session,
@@ -210,8 +258,14 @@ class StageHost:
                 raise ComputeError(str(e)) from None
         a, b = self.layers
         footprint = self.layer_footprint(stage.dtype, stage.n_slots, stage.n_ctx, stage.kv_pool, stage.kv_types)
-        return {"layers": [a, b], "device": str(self.device), **timings, "layer_bytes": footprint,
-                "held_bytes": sum(footprint[a:b]), "free_bytes": free_bytes(self.device)}  # fmt: skip
+        return {
+            "layers": [a, b],
+            "device": str(self.device),
+            **timings,
+            "layer_bytes": footprint,
+            "held_bytes": sum(footprint[a:b]),
+            "free_bytes": free_bytes(self.device),
+        }
 
     def _own(self, owner: int) -> None:
         if self.owner != owner:
@@ -227,7 +281,9 @@ class StageHost:
             return {"found": False, "epoch": self.epoch}
         return {"found": True, "epoch": self.epoch, "dtype": t.ggml_type.name, "shape": list(t.shape)}
 
-    def forward(self, epoch: int, hidden: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor, owner: int = 0) -> torch.Tensor:
+    def forward(
+        self, epoch: int, hidden: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor, owner: int = 0
+    ) -> torch.Tensor:
         """The stage's output on its device (on CUDA possibly still being computed: `compute_s`
         then counts the time to queue the work). Only the session that loaded the stage may run it."""
         with self.lock:
@@ -285,9 +341,14 @@ class StageHost:
         with self.lock:
             stage = self._state_stage(slot, owner)
             n = self.lengths.get(slot, 0)
-            return {"slot": slot, "n_tokens": n, "layers": [list(self.layers)], "fingerprint": self.fingerprint,
-                    "bytes": sum(t.nbytes for t in stage.slot_state(slot, n).values()),
-                    "dtype": str(stage.dtype).removeprefix("torch.")}  # fmt: skip
+            return {
+                "slot": slot,
+                "n_tokens": n,
+                "layers": [list(self.layers)],
+                "fingerprint": self.fingerprint,
+                "bytes": sum(t.nbytes for t in stage.slot_state(slot, n).values()),
+                "dtype": str(stage.dtype).removeprefix("torch."),
+            }
 
     def state_get(self, request: dict, owner: int = 0) -> list[memoryview]:
         """The state of the slot's first len(tokens) positions (one buffer, sent as it is)."""

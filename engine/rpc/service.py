@@ -29,8 +29,15 @@ class HeadControl:
     """The head's Hydra control backend: INFO, CONFIGURE (live re-split), SET_EXPERT_MODE, the
     state ops (STATE_META/GET/PUT on a slot of the whole pipeline) and PREFILL."""
 
-    def __init__(self, pipeline, host: StageHost, model: ModelInfo | None, auth: bool, role: str = "head",
-                 pd_stats: PdStats | None = None):  # fmt: skip
+    def __init__(
+        self,
+        pipeline,
+        host: StageHost,
+        model: ModelInfo | None,
+        auth: bool,
+        role: str = "head",
+        pd_stats: PdStats | None = None,
+    ):
         self.pipeline, self.host, self.model, self.auth, self.role = pipeline, host, model, auth, role
         self.expert_mode = "solo"
         self.engine = None  # set once the engine runs: the state ops and PREFILL go through it
@@ -52,9 +59,17 @@ class HeadControl:
             "auth": self.auth,
             "resplits": self.pipeline.resplits,
             "last_resplit": self.pipeline.last_resplit,
-            "ops": {"INFO": Op.INFO, "CONFIGURE": Op.CONFIGURE, "SET_EXPERT_MODE": Op.SET_EXPERT_MODE,
-                    "STATE_META": Op.STATE_META, "STATE_GET": Op.STATE_GET, "STATE_PUT": Op.STATE_PUT,
-                    "PREFILL": Op.PREFILL, "PROBE": Op.PROBE, "AUTH": Op.AUTH},  # fmt: skip
+            "ops": {
+                "INFO": Op.INFO,
+                "CONFIGURE": Op.CONFIGURE,
+                "SET_EXPERT_MODE": Op.SET_EXPERT_MODE,
+                "STATE_META": Op.STATE_META,
+                "STATE_GET": Op.STATE_GET,
+                "STATE_PUT": Op.STATE_PUT,
+                "PREFILL": Op.PREFILL,
+                "PROBE": Op.PROBE,
+                "AUTH": Op.AUTH,
+            },
         }
 
     def configure(self, request: dict) -> dict:
@@ -64,7 +79,9 @@ class HeadControl:
         by = request.pop("by", None)
         unknown = request.keys() - {"split", "layers"}
         if unknown or len(request) != 1:
-            raise ControlError(f"CONFIGURE takes exactly one of 'split' or 'layers' (got {sorted(request)})", Status.BAD_REQUEST)
+            raise ControlError(
+                f"CONFIGURE takes exactly one of 'split' or 'layers' (got {sorted(request)})", Status.BAD_REQUEST
+            )
         n_stages = 1 + len(self.pipeline.remotes)
         try:
             if "split" in request:
@@ -94,7 +111,9 @@ class HeadControl:
         local = self.pipeline.local
         footprint = self.host.layer_footprint(local.dtype, local.n_slots, local.n_ctx, local.kv_pool, local.kv_types)
         a, b = result["stages"][0]["layers"]
-        result["stages"][0].update(layer_bytes=footprint, held_bytes=sum(footprint[a:b]), free_bytes=free_bytes(local.device))
+        result["stages"][0].update(
+            layer_bytes=footprint, held_bytes=sum(footprint[a:b]), free_bytes=free_bytes(local.device)
+        )
         return result
 
     # --- state ops on the whole pipeline (an idle slot's prompt cache; contracts.slot_state) ------
@@ -111,11 +130,21 @@ class HeadControl:
             raise ControlError(f"slot {slot} does not exist ({head.n_slots} slots)", Status.NOT_FOUND)
         seq = engine.slots[slot]
         n = seq.n_past if seq is not None else len(engine.scheduler.cached[slot])
-        stages = [{"layers": list(self.pipeline.ranges[0]), "bytes": sum(t.nbytes for t in head.slot_state(slot, n).values())}]
+        stages = [
+            {"layers": list(self.pipeline.ranges[0]), "bytes": sum(t.nbytes for t in head.slot_state(slot, n).values())}
+        ]
         stages += [{"layers": list(r.layer_range), "bytes": r.state_meta(slot)["bytes"]} for r in self.pipeline.remotes]
-        return {"slot": slot, "n_tokens": n, "state": "idle" if seq is None else "processing", "n_ctx": head.n_ctx,
-                "layers": [s["layers"] for s in stages], "bytes": sum(s["bytes"] for s in stages), "stages": stages,
-                "fingerprint": head.g.fingerprint, "dtype": str(head.dtype).removeprefix("torch.")}  # fmt: skip
+        return {
+            "slot": slot,
+            "n_tokens": n,
+            "state": "idle" if seq is None else "processing",
+            "n_ctx": head.n_ctx,
+            "layers": [s["layers"] for s in stages],
+            "bytes": sum(s["bytes"] for s in stages),
+            "stages": stages,
+            "fingerprint": head.g.fingerprint,
+            "dtype": str(head.dtype).removeprefix("torch."),
+        }
 
     def state_get(self, slot: int) -> tuple[dict, bytes]:
         """An idle slot's state: one slot state per stage (the peers' through STATE_GET)."""
@@ -150,19 +179,36 @@ class HeadControl:
 class HeadRpc:
     """The head's merged port (pool + peek dispatch) serving compute and control."""
 
-    def __init__(self, rpc: RpcSettings, g, cfg, pipeline, model: ModelInfo | None = None, *, role: str = "head",
-                 pd_stats: PdStats | None = None):  # fmt: skip
+    def __init__(
+        self,
+        rpc: RpcSettings,
+        g,
+        cfg,
+        pipeline,
+        model: ModelInfo | None = None,
+        *,
+        role: str = "head",
+        pd_stats: PdStats | None = None,
+    ):
         token = rpc.auth_token
         self.host = StageHost(g, cfg, pipeline.local.device, stage=pipeline.local, assignable=False)
         self.control = HeadControl(pipeline, self.host, model, auth=bool(token), role=role, pd_stats=pd_stats)
         self.pipeline = pipeline
         self.listener = RpcListener(
-            rpc.host, rpc.port, mode="head",
-            compute=ComputeServer(self.host, auth_token=token, max_frame=rpc.max_frame, spin_s=rpc.spin_seconds(self.host.device),
-                                  role=role),
+            rpc.host,
+            rpc.port,
+            mode="head",
+            compute=ComputeServer(
+                self.host,
+                auth_token=token,
+                max_frame=rpc.max_frame,
+                spin_s=rpc.spin_seconds(self.host.device),
+                role=role,
+            ),
             control=ControlServer(self.control, auth_token=token, max_frame=rpc.max_frame, role=role),
-            pool_size=rpc.pool_size, queue_max=rpc.queue,
-        )  # fmt: skip
+            pool_size=rpc.pool_size,
+            queue_max=rpc.queue,
+        )
 
     def start(self) -> HeadRpc:
         self.listener.start()
@@ -200,11 +246,15 @@ class RpcCollector:
             yield GaugeMetricFamily(name, doc, value=value)
         yield CounterMetricFamily("hydra_rpc_dropped", "RPC connections dropped: queue full.", value=st.dropped)
         yield CounterMetricFamily("hydra_rpc_accepted", "RPC connections accepted.", value=st.accepted)
-        yield CounterMetricFamily("hydra_rpc_auth_failures", "RPC handshakes that failed to prove the token.", value=st.auth_failures)
+        yield CounterMetricFamily(
+            "hydra_rpc_auth_failures", "RPC handshakes that failed to prove the token.", value=st.auth_failures
+        )
         if self.pipeline is None:
             return
         up = GaugeMetricFamily("hydra_peer_up", "1 when the peer is attached.", labels=["peer"])
-        rtt = GaugeMetricFamily("hydra_peer_rtt_seconds", "Last measured peer round trip (network part).", labels=["peer"])
+        rtt = GaugeMetricFamily(
+            "hydra_peer_rtt_seconds", "Last measured peer round trip (network part).", labels=["peer"]
+        )
         sent = CounterMetricFamily("hydra_peer_bytes_sent", "Bytes sent to the peer.", labels=["peer"])
         recv = CounterMetricFamily("hydra_peer_bytes_recv", "Bytes received from the peer.", labels=["peer"])
         for r in self.pipeline.remotes:

@@ -72,7 +72,11 @@ class Segment:
     def states(self, sizes) -> memoryview:
         """The bytes of states of these sizes, back to back (a PREFILL reply's `sizes`); a
         SlotStateError unless they lie inside this segment."""
-        if not isinstance(sizes, list) or not all(type(n) is int and n >= 0 for n in sizes) or sum(sizes) > self.capacity:
+        if (
+            not isinstance(sizes, list)
+            or not all(type(n) is int and n >= 0 for n in sizes)
+            or sum(sizes) > self.capacity
+        ):
             raise SlotStateError(f"slot states of {sizes!r} bytes do not fit the shared segment of {self.capacity}")
         return memoryview(self.map)[SHM_DATA_OFFSET : SHM_DATA_OFFSET + sum(sizes)]
 

@@ -53,6 +53,7 @@ class HeadWorker:
     def load(self) -> None:
         """Model file → Pipeline → Engine; each step moves /health's startup_stage on."""
         # Imported here, not at the top: they bring torch, and /health must answer while it loads.
+        from ..chat import ChatTemplate
         from ..default_model import model_path
         from ..embedding import resolve_pooling
         from ..gguf_file import GGUFFile
@@ -60,7 +61,6 @@ class HeadWorker:
         from ..pd import Disaggregator, PdStats, PrefillClient
         from ..rpc.service import HeadRpc, RpcCollector
         from ..runtime import Engine
-        from ..chat import ChatTemplate
         from ..speculative import build_speculator, check_speculative
         from ..tokenizer import Tokenizer, fim_tokens
 
@@ -79,7 +79,9 @@ class HeadWorker:
         check_speculative(cfg.spec, cfg.model_draft, g)  # before the peers: a bad flag fails at once
         self.pipeline = pipeline = build_pipeline(cfg, g, mcfg)
         # After the pipeline: the MTP block shares the head stage's embedding and output head.
-        speculator = build_speculator(cfg.spec, cfg.model_draft, g, cfg.model, n_slots=cfg.parallel, head=pipeline.local)
+        speculator = build_speculator(
+            cfg.spec, cfg.model_draft, g, cfg.model, n_slots=cfg.parallel, head=pipeline.local
+        )
         if cfg.peers and not pipeline.remotes:
             self.status.degraded = "--fallback-solo: the peers never came up, every layer runs on the head"
         self.status.pipeline = pipeline
@@ -94,15 +96,24 @@ class HeadWorker:
         disaggregator = None
         if cfg.prefill_worker:
             client = PrefillClient(cfg.prefill_worker, cfg.rpc.auth_token, cfg.prefill_deadline)
-            disaggregator = Disaggregator(client, cfg.prefill_threshold, pipeline, pd_stats, cuda_ipc=cfg.rpc.cuda_ipc,
-                                          shm=cfg.rpc.shm)  # fmt: skip
+            disaggregator = Disaggregator(
+                client, cfg.prefill_threshold, pipeline, pd_stats, cuda_ipc=cfg.rpc.cuda_ipc, shm=cfg.rpc.shm
+            )
         self.status.startup_stage = WARMING_STAGE
         t0 = time.perf_counter()
         pipeline.local.warm_up(range(1, max_run_of(cfg.spec) + 1), prefill_tokens=cfg.batch_tokens)
         log.info("decode and prefill graphs warmed up in %.1f s", time.perf_counter() - t0)
-        self.engine = Engine(pipeline, self.tok, n_slots=cfg.parallel, n_ctx=cfg.model.ctx, speculator=speculator,
-                             batch_tokens=cfg.batch_tokens, max_queue=cfg.max_queue, disaggregator=disaggregator,
-                             overlap=cfg.overlap).start()  # fmt: skip
+        self.engine = Engine(
+            pipeline,
+            self.tok,
+            n_slots=cfg.parallel,
+            n_ctx=cfg.model.ctx,
+            speculator=speculator,
+            batch_tokens=cfg.batch_tokens,
+            max_queue=cfg.max_queue,
+            disaggregator=disaggregator,
+            overlap=cfg.overlap,
+        ).start()
         self.rpc.control.engine = self.engine
         pipeline.active_slots = lambda: {s.slot for s in self.engine.slots if s is not None}
         self.status.engine = self.engine
@@ -182,10 +193,21 @@ def build_pipeline(cfg: HeadConfig, g, mcfg):
     device = resolve_device(m.device)
     dtype = resolve_dtype(m.dtype, device)
     remotes = [
-        RemoteStage(addr, r, g=g, dtype=dtype, n_slots=n_slots, n_ctx=m.ctx, kv_pool=m.kv_pool, kv_types=m.kv_types, max_run=max_run,
-                    auth_token=cfg.rpc.auth_token,
-                    max_frame=cfg.rpc.max_frame, spin_s=cfg.rpc.spin_seconds(device),
-                    head_device=device if cfg.rpc.cuda_ipc else None)  # fmt: skip
+        RemoteStage(
+            addr,
+            r,
+            g=g,
+            dtype=dtype,
+            n_slots=n_slots,
+            n_ctx=m.ctx,
+            kv_pool=m.kv_pool,
+            kv_types=m.kv_types,
+            max_run=max_run,
+            auth_token=cfg.rpc.auth_token,
+            max_frame=cfg.rpc.max_frame,
+            spin_s=cfg.rpc.spin_seconds(device),
+            head_device=device if cfg.rpc.cuda_ipc else None,
+        )
         for addr, r in zip(cfg.peers, ranges[1:])
     ]
     # Wait before loading our own range: with --fallback-solo it depends on the outcome.
@@ -199,8 +221,19 @@ def build_pipeline(cfg: HeadConfig, g, mcfg):
         _check_fits(g, device)
         log.warning("peers %s never came up: --fallback-solo runs all %d layers on the head", names, mcfg.n_layers)
         remotes, ranges = [], [(0, mcfg.n_layers)]
-    local = build_stage(g, ranges[0], device=device, dtype=dtype, n_slots=n_slots, n_ctx=m.ctx, cache_dir=m.cache_dir,
-                        quantized=m.quantized, compile_decode=m.compile, kv_types=m.kv_types, kv_pool=m.kv_pool)  # fmt: skip
+    local = build_stage(
+        g,
+        ranges[0],
+        device=device,
+        dtype=dtype,
+        n_slots=n_slots,
+        n_ctx=m.ctx,
+        cache_dir=m.cache_dir,
+        quantized=m.quantized,
+        compile_decode=m.compile,
+        kv_types=m.kv_types,
+        kv_pool=m.kv_pool,
+    )
     pipeline = Pipeline(local, remotes, ranges=ranges)
     if remotes:
         pipeline.start_watch()

@@ -36,17 +36,27 @@ class PeerWorker:
         g = GGUFFile(self.path)
         self.model_cfg = ModelConfig.from_gguf(g)
         self.device = resolve_device(cfg.model.device)
-        self.status.model = ModelInfo(self.path.stem, str(self.path), g.architecture, self.model_cfg.n_layers, g.fingerprint)
+        self.status.model = ModelInfo(
+            self.path.stem, str(self.path), g.architecture, self.model_cfg.n_layers, g.fingerprint
+        )
         self.status.startup_stage = 2
-        self.host = StageHost(g, self.model_cfg, self.device, cache_dir=cfg.model.cache_dir, quantized=cfg.model.quantized,
-                              compile_decode=cfg.model.compile, kv_types=cfg.model.kv_types,
-                              layer_delay_s=cfg.layer_delay_ms / 1e3)  # fmt: skip
+        self.host = StageHost(
+            g,
+            self.model_cfg,
+            self.device,
+            cache_dir=cfg.model.cache_dir,
+            quantized=cfg.model.quantized,
+            compile_decode=cfg.model.compile,
+            kv_types=cfg.model.kv_types,
+            layer_delay_s=cfg.layer_delay_ms / 1e3,
+        )
         # No stage until a head loads one: /health says degraded, /status "idle".
         self.host.on_change = lambda: setattr(self.status, "degraded", self.host.stage is None)
         self.host.on_change()
         rpc = cfg.rpc
-        self.compute = ComputeServer(self.host, auth_token=rpc.auth_token, max_frame=rpc.max_frame,
-                                     spin_s=rpc.spin_seconds(self.device))  # fmt: skip
+        self.compute = ComputeServer(
+            self.host, auth_token=rpc.auth_token, max_frame=rpc.max_frame, spin_s=rpc.spin_seconds(self.device)
+        )
         self.listener = RpcListener(rpc.host, rpc.port, mode="peer", compute=self.compute)
         self.metrics = Metrics(self.status)
         self.metrics.register(RpcCollector(self.listener))
@@ -54,10 +64,15 @@ class PeerWorker:
 
     def _rpc_status(self) -> dict:
         host, rpc = self.host, self.cfg.rpc
-        stage = StageInfo("peer", f"{rpc.host}:{self.listener.bound_port}", tuple(host.layers) if host.stage is not None else None,
-                          str(self.device), "ok" if host.stage is not None else "idle",
-                          host.stage.kv_bytes if host.stage is not None else None,
-                          host.stage.held_weight_bytes if host.stage is not None else None)  # fmt: skip
+        stage = StageInfo(
+            "peer",
+            f"{rpc.host}:{self.listener.bound_port}",
+            tuple(host.layers) if host.stage is not None else None,
+            str(self.device),
+            "ok" if host.stage is not None else "idle",
+            host.stage.kv_bytes if host.stage is not None else None,
+            host.stage.held_weight_bytes if host.stage is not None else None,
+        )
         return {
             "rpc": Address(rpc.host, self.listener.bound_port, self.listener.is_running()),
             "pool": self.listener.stats(),

@@ -41,8 +41,12 @@ def main(refdump: str, mtpdump: str) -> None:
             ids = prompt(GGUFFile(path).tensors["token_embd.weight"].shape[0])
             ids_path = Path(tmp) / "ids.bin"
             ids_path.write_bytes(np.array(ids, dtype=np.int32).tobytes())
-            lines = subprocess.run([refdump, str(path), str(ids_path), str(TOP_K), str(N_GREEDY)], check=True,
-                                   capture_output=True, text=True).stdout.splitlines()  # fmt: skip
+            lines = subprocess.run(
+                [refdump, str(path), str(ids_path), str(TOP_K), str(N_GREEDY)],
+                check=True,
+                capture_output=True,
+                text=True,
+            ).stdout.splitlines()
             rows = [json.loads(line) for line in lines]
             out = {
                 "model": {"arch": "qwen35", **shape},
@@ -57,8 +61,9 @@ def main(refdump: str, mtpdump: str) -> None:
         ids = prompt(GGUFFile(path).tensors["token_embd.weight"].shape[0])
         ids_path = Path(tmp) / "ids.bin"
         ids_path.write_bytes(np.array(ids, dtype=np.int32).tobytes())
-        lines = subprocess.run([mtpdump, str(path), str(ids_path), str(TOP_K), str(N_DRAFT)], check=True,
-                               capture_output=True, text=True).stdout.splitlines()  # fmt: skip
+        lines = subprocess.run(
+            [mtpdump, str(path), str(ids_path), str(TOP_K), str(N_DRAFT)], check=True, capture_output=True, text=True
+        ).stdout.splitlines()
         rows = [json.loads(line) for line in lines]
         out = {
             "model": {"arch": "qwen35", **MTP_MODEL},
