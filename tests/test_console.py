@@ -333,25 +333,28 @@ def test_a_profile_saved_at_the_default_location_is_used_by_a_plain_console(tmp_
     assert doc["profile"] == "fake" and doc["workers"][0]["url"] == profile.head.url
 
 
-@pytest.mark.parametrize("hangup", ["sighup", "terminal_closed"])
-def test_hangup_of_the_ssh_session_stops_the_started_workers(tmp_path, hangup):
-    """The real `hydra-console` in a pseudo-terminal; a dropped SSH session must not orphan workers.
-    `terminal_closed` is what sshd does: the pty goes away (the kernel sends SIGHUP) and every
-    later write to it fails, so the console must not wait to restore the terminal."""
+def _gone(pid: int) -> bool:
+    import psutil
+
+    return not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+
+
+def _console_in_a_pty(profile, tmp_path):
+    """The real `hydra-console` on a pseudo-terminal of its own (a drain thread reads it: a pty that
+    nobody reads blocks the app's writes); returns its pid, the pty and its workers' pids once they serve."""
     import pty
     import threading
 
     from hydra_console.app.config import save_profile
 
-    profile = fake_profile()
     profile.supervisor.log_dir = str(tmp_path / "logs")
     path = save_profile(profile, tmp_path / "p.toml")
     pid, fd = pty.fork()
-    if pid == 0:  # the child: the console, on a terminal of its own
+    if pid == 0:
         os.environ["TERM"] = "xterm-256color"
         os.execv(sys.executable, [sys.executable, "-m", "hydra_console.app.main", "--profile", str(path)])
 
-    def drain():  # a pty that nobody reads blocks the app's writes
+    def drain():
         try:
             while os.read(fd, 65536):
                 pass
@@ -360,39 +363,51 @@ def test_hangup_of_the_ssh_session_stops_the_started_workers(tmp_path, hangup):
 
     threading.Thread(target=drain, daemon=True).start()
     worker_pids = {}
+    deadline = time.monotonic() + 60
+    while len(worker_pids) < len(profile.workers) and time.monotonic() < deadline:
+        for w in profile.workers:
+            try:
+                worker_pids[w.name] = httpx.get(f"{w.url}/status", timeout=1).json()["pid"]
+            except httpx.HTTPError:
+                pass
+        time.sleep(0.2)
+    return pid, fd, worker_pids
+
+
+def _wait_exit(pid: int) -> bool:
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if os.waitpid(pid, os.WNOHANG)[0] == pid:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+@pytest.mark.parametrize("hangup", ["sighup", "terminal_closed"])
+async def test_a_dropped_ssh_session_detaches_and_the_next_console_adopts_the_workers(tmp_path, hangup):
+    """`terminal_closed` is what sshd does: the pty goes away (the kernel sends SIGHUP) and every later
+    write to it fails, so the console must not wait to restore the terminal. Serving goes on."""
+    profile = fake_profile()
+    pid, fd, worker_pids = _console_in_a_pty(profile, tmp_path)
     try:
-        deadline = time.monotonic() + 60
-        while len(worker_pids) < 2 and time.monotonic() < deadline:
-            for w in profile.workers:
-                try:
-                    worker_pids[w.name] = httpx.get(f"{w.url}/status", timeout=1).json()["pid"]
-                except httpx.HTTPError:
-                    pass
-            time.sleep(0.2)
         assert len(worker_pids) == 2, "the console never started its workers"
         if hangup == "sighup":
             os.kill(pid, signal.SIGHUP)
         else:
             os.close(fd)
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and os.waitpid(pid, os.WNOHANG)[0] == 0:
-            time.sleep(0.1)
-        assert time.monotonic() < deadline, "the console did not exit on SIGHUP"
-        import psutil
-
-        def gone(p: int) -> bool:
-            return not psutil.pid_exists(p) or psutil.Process(p).status() == psutil.STATUS_ZOMBIE
-
-        deadline = time.monotonic() + 10
-        while not all(gone(p) for p in worker_pids.values()) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert all(gone(p) for p in worker_pids.values())
+        assert _wait_exit(pid), "the console did not exit on SIGHUP"
+        assert not any(_gone(p) for p in worker_pids.values())
+        nxt = Supervisor(profile)
+        assert nxt.state_path.exists()  # the run file stays for the next console
+        await nxt.start()
+        try:
+            assert {w.name: w.pid for w in nxt.workers.values()} == worker_pids
+            assert [e.kind for e in nxt.events] == ["adopted", "adopted"]
+        finally:
+            await nxt.shutdown()  # it stops what it adopted
+        assert all(_gone(p) for p in worker_pids.values()) and not nxt.state_path.exists()
     finally:
-        for p in worker_pids.values():
-            try:
-                os.killpg(p, signal.SIGKILL)
-            except OSError:
-                pass
+        kill_groups(worker_pids.values())
         try:
             os.kill(pid, signal.SIGKILL)
             os.waitpid(pid, 0)
@@ -400,6 +415,28 @@ def test_hangup_of_the_ssh_session_stops_the_started_workers(tmp_path, hangup):
             pass
         if hangup == "sighup":
             os.close(fd)
+
+
+def test_sigterm_stops_the_workers_the_console_runs(tmp_path):
+    profile = fake_profile()
+    pid, fd, worker_pids = _console_in_a_pty(profile, tmp_path)
+    try:
+        assert len(worker_pids) == 2, "the console never started its workers"
+        os.kill(pid, signal.SIGTERM)
+        assert _wait_exit(pid), "the console did not exit on SIGTERM"
+        deadline = time.monotonic() + 10
+        while not all(_gone(p) for p in worker_pids.values()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert all(_gone(p) for p in worker_pids.values())
+        assert not Supervisor(profile).state_path.exists()
+    finally:
+        kill_groups(worker_pids.values())
+        try:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+        except OSError:
+            pass
+        os.close(fd)
 
 
 async def test_events_panel_rewraps_after_a_resize():

@@ -115,16 +115,17 @@ class HydraConsole(App):
         self._unsubscribe = self.supervisor.subscribe(self._on_supervisor_event)
         self._refresh_timer = self.set_interval(self.refresh_s, self._tick)
         self._start_supervisor()
-        self._stop_on_hangup()
+        self._on_signals()
         if self._load_model_shape:
             self._load_shape()
 
-    def _stop_on_hangup(self) -> None:
-        """A dropped SSH session (SIGHUP) or a kill (SIGTERM) stops the started workers, never orphans them."""
+    def _on_signals(self) -> None:
+        """Serving outlives the terminal: a dropped SSH session (SIGHUP) detaches, leaving every worker
+        and the run file for the next console to adopt. A kill (SIGTERM) stops what this console runs."""
         loop = asyncio.get_running_loop()
-        for sig in (signal.SIGHUP, signal.SIGTERM):
+        for sig, stop in ((signal.SIGHUP, False), (signal.SIGTERM, True)):
             try:
-                loop.add_signal_handler(sig, self._stop_and_exit, True, sig == signal.SIGHUP)
+                loop.add_signal_handler(sig, self._stop_and_exit, stop, sig == signal.SIGHUP)
             except (NotImplementedError, RuntimeError, ValueError):  # not the main thread (tests), or no such signal
                 pass
 
