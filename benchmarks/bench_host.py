@@ -31,9 +31,9 @@ from hydra_console.engine.default_model import model_path
 from hydra_console.engine.gguf_file import GGUFFile
 from hydra_console.engine.model import build_stage
 from hydra_console.engine.pipeline import Pipeline
-from hydra_console.engine.runtime import Engine, Request
-from hydra_console.engine.sampling import SamplingParams
-from hydra_console.engine.tokenizer import Tokenizer
+from hydra_console.engine.serving.runtime import Engine, Request
+from hydra_console.engine.serving.sampling import SamplingParams
+from hydra_console.engine.text.tokenizer import Tokenizer
 
 SAMPLINGS = {
     "greedy": dict(temperature=0.0),

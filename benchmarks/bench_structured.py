@@ -24,10 +24,10 @@ from hydra_console.engine.default_model import default_model_path
 from hydra_console.engine.gguf_file import GGUFFile
 from hydra_console.engine.model import build_stage
 from hydra_console.engine.pipeline import Pipeline
-from hydra_console.engine.runtime import Engine, Request
-from hydra_console.engine.sampling import SamplingParams
-from hydra_console.engine.structured import apply_bitmask, compile_grammar
-from hydra_console.engine.tokenizer import Tokenizer
+from hydra_console.engine.serving.runtime import Engine, Request
+from hydra_console.engine.serving.sampling import SamplingParams
+from hydra_console.engine.text.structured import apply_bitmask, compile_grammar
+from hydra_console.engine.text.tokenizer import Tokenizer
 
 SCHEMA = {
     "type": "object",

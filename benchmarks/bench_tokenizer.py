@@ -15,7 +15,7 @@ import time
 
 from hydra_console.engine.default_model import default_model_path
 from hydra_console.engine.gguf_file import GGUFFile
-from hydra_console.engine.tokenizer import Tokenizer
+from hydra_console.engine.text.tokenizer import Tokenizer
 
 
 def prose(tok: Tokenizer, n_tokens: int) -> str:

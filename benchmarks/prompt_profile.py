@@ -21,8 +21,8 @@ from hydra_console.engine.cli import build_parser
 from hydra_console.engine.config import head_config
 from hydra_console.engine.gguf_file import GGUFFile
 from hydra_console.engine.model import ModelConfig
-from hydra_console.engine.runtime import Engine, Request
-from hydra_console.engine.tokenizer import Tokenizer
+from hydra_console.engine.serving.runtime import Engine, Request
+from hydra_console.engine.text.tokenizer import Tokenizer
 from hydra_console.engine.workers.head import build_pipeline
 
 

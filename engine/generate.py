@@ -19,9 +19,9 @@ def main(args, cache_dir: Path | None) -> int:
     from .gguf_file import GGUFFile
     from .model import build_stage
     from .pipeline import Pipeline
-    from .runtime import Engine, Request
-    from .sampling import SamplingParams
-    from .tokenizer import Tokenizer
+    from .serving.runtime import Engine, Request
+    from .serving.sampling import SamplingParams
+    from .text.tokenizer import Tokenizer
 
     path = model_path(args.model)
     params = SamplingParams(
@@ -38,7 +38,7 @@ def main(args, cache_dir: Path | None) -> int:
     tok = Tokenizer.from_gguf(g)
     text = args.prompt
     if args.chat:
-        from .chat import apply_chat_template
+        from .text.chat import apply_chat_template
 
         text = apply_chat_template(tok, g, [{"role": "user", "content": args.prompt}], add_generation_prompt=True)
     ids = tok.encode(text, add_special=True, parse_special=True)

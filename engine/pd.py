@@ -35,7 +35,7 @@ from .rpc.client import parse_addr
 from .rpc.cuda_ipc import export_states, gpu_uuid, open_states
 from .rpc.shm import Attached, Segment, Segments
 from .rpc.wire import FrameError, FrameTimeout, SocketReader, pack_control_request, read_control_response
-from .sequence import Request
+from .serving.sequence import Request
 
 log = logging.getLogger("hydra.pd")
 

@@ -7,12 +7,12 @@ from pathlib import Path
 import gguf
 import pytest
 
-from hydra_console.engine.chat import ChatError, ChatTemplate, apply_chat_template, normalize_messages
 from hydra_console.engine.default_model import default_model_path
 from hydra_console.engine.errors import UserError
 from hydra_console.engine.gguf_file import GGUFFile
 from hydra_console.engine.synth import write_synthetic
-from hydra_console.engine.tokenizer import BYTE_TO_UNICODE, CONTROL, NORMAL, Tokenizer
+from hydra_console.engine.text.chat import ChatError, ChatTemplate, apply_chat_template, normalize_messages
+from hydra_console.engine.text.tokenizer import BYTE_TO_UNICODE, CONTROL, NORMAL, Tokenizer
 
 CHAT = [
     {"role": "system", "content": "Be brief."},
@@ -268,7 +268,7 @@ def test_chat_template_object_reusable():
 
 @pytest.mark.unit
 def test_chat_template_override_by_name_or_source(tmp_path):
-    from hydra_console.engine.chat import CHATML_TEMPLATE
+    from hydra_console.engine.text.chat import CHATML_TEMPLATE
 
     g = GGUFFile(write_synthetic(tmp_path / "m.gguf", "llama"))
     tok = Tokenizer.from_gguf(g)

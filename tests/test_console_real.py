@@ -17,7 +17,9 @@ from hydra_console.app.ui.dialogs import ConfirmScreen
 from hydra_console.app.ui.split_editor import SplitEditorScreen
 
 ENGINE_MISSING = [
-    m for m in ("hydra_console.engine.api", "hydra_console.engine.workers.peer") if importlib.util.find_spec(m) is None
+    m
+    for m in ("hydra_console.engine.http.api", "hydra_console.engine.workers.peer")
+    if importlib.util.find_spec(m) is None
 ]
 pytestmark = pytest.mark.skipif(bool(ENGINE_MISSING), reason=f"engine workers not built yet: {ENGINE_MISSING} missing")
 

@@ -20,10 +20,10 @@ from hydra_console.engine.errors import UserError
 from hydra_console.engine.gguf_file import GGUFFile
 from hydra_console.engine.model import build_stage
 from hydra_console.engine.pipeline import Pipeline
-from hydra_console.engine.runtime import Engine
-from hydra_console.engine.sampling import SamplingParams
-from hydra_console.engine.sequence import Request as EngineRequest
-from hydra_console.engine.tokenizer import Tokenizer
+from hydra_console.engine.serving.runtime import Engine
+from hydra_console.engine.serving.sampling import SamplingParams
+from hydra_console.engine.serving.sequence import Request as EngineRequest
+from hydra_console.engine.text.tokenizer import Tokenizer
 
 REFERENCE = Path(__file__).resolve().parent / "data" / "reference" / "gemma3-270m" / "embeddings.json"
 TEXTS = ["the quick brown fox", "jumps over the lazy dog", "hello"]

@@ -10,9 +10,9 @@ import pytest
 from hydra_console.engine.gguf_file import GGUFFile
 from hydra_console.engine.model import build_stage
 from hydra_console.engine.pipeline import Pipeline
-from hydra_console.engine.runtime import Engine, Request
-from hydra_console.engine.sampling import SamplingParams
-from hydra_console.engine.tokenizer import Tokenizer
+from hydra_console.engine.serving.runtime import Engine, Request
+from hydra_console.engine.serving.sampling import SamplingParams
+from hydra_console.engine.text.tokenizer import Tokenizer
 
 
 def generate(*args: str) -> subprocess.CompletedProcess:

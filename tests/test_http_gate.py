@@ -10,8 +10,8 @@ from fastapi import FastAPI, Request
 from starlette.exceptions import HTTPException
 from starlette.testclient import TestClient
 
-from hydra_console.engine.http_errors import error_response
-from hydra_console.engine.http_gate import Gate, record_of
+from hydra_console.engine.http.errors import error_response
+from hydra_console.engine.http.gate import Gate, record_of
 
 pytestmark = pytest.mark.unit
 

@@ -14,7 +14,7 @@ from rpc_workers import Worker, free_ports, running
 from hydra_console.engine.cli import build_parser
 from hydra_console.engine.config import head_config
 from hydra_console.engine.synth import FIM_TOKENS
-from hydra_console.engine.tokenizer import Tokenizer, fim_tokens
+from hydra_console.engine.text.tokenizer import Tokenizer, fim_tokens
 
 N_CTX, N_SLOTS, N_PREDICT, SEED = 256, 2, 6, 7
 PROMPT = "the quick brown fox jumps over the lazy dog"
@@ -468,7 +468,7 @@ def test_generation_rates_are_over_decode_steps(server):
 def test_vertex_ai_predict_route(tiny_model, tmp_path):
     """AIP_MODE=PREDICTION (Vertex AI's custom containers): POST /predict runs each instance on the
     route its @requestFormat names, with the caller's key, never streamed; predictions in order."""
-    from hydra_console.engine.api_predict import request_format
+    from hydra_console.engine.http.predict import request_format
 
     assert [request_format(p) for p in ("/v1/chat/completions", "/apply-template", "/completion")] == [
         "chatCompletions",

@@ -13,7 +13,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from rpc_workers import head, running, wait_for
 
-from hydra_console.engine.http_cors import Cors
+from hydra_console.engine.http.cors import Cors
 
 KEY = "s3cret"
 AUTH = {"Authorization": f"Bearer {KEY}"}

@@ -20,10 +20,10 @@ from hydra_console.engine.errors import UserError
 from hydra_console.engine.gguf_file import GGUFFile
 from hydra_console.engine.model import ROLLBACK, NextN
 from hydra_console.engine.pipeline import Pipeline
-from hydra_console.engine.runtime import Engine
-from hydra_console.engine.sampling import Sampler, SamplingParams
-from hydra_console.engine.sequence import Request
-from hydra_console.engine.speculative import (
+from hydra_console.engine.serving.runtime import Engine
+from hydra_console.engine.serving.sampling import Sampler, SamplingParams
+from hydra_console.engine.serving.sequence import Request
+from hydra_console.engine.spec import (
     Draft,
     DraftRequest,
     MtpDrafter,
@@ -32,7 +32,7 @@ from hydra_console.engine.speculative import (
     check_speculative,
 )
 from hydra_console.engine.synth import write_synthetic
-from hydra_console.engine.tokenizer import Tokenizer
+from hydra_console.engine.text.tokenizer import Tokenizer
 
 REFERENCE = Path(__file__).resolve().parent / "data" / "reference" / "qwen35"
 F32_MAX_ABS = 5e-5  # as test_qwen35: refdump-style dumpers print 5 decimals

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 from fake_tokenizer import EOS, FakeTokenizer
 
-from hydra_console.engine.output import OutputProcessor
-from hydra_console.engine.runtime import EngineStats
-from hydra_console.engine.scheduler import Sampled
-from hydra_console.engine.sequence import Event, Request, Sequence
+from hydra_console.engine.serving.output import OutputProcessor
+from hydra_console.engine.serving.runtime import EngineStats
+from hydra_console.engine.serving.scheduler import Sampled
+from hydra_console.engine.serving.sequence import Event, Request, Sequence
 
 pytestmark = pytest.mark.unit
 

@@ -258,11 +258,11 @@ def test_speculation_on_qwen35_is_greedy_token_for_token(tiny_model):
     """ngram drafts (capped at ROLLBACK) verified with slots batched give exactly plain greedy."""
     from hydra_console.engine.config import ModelSettings, SpecConfig
     from hydra_console.engine.pipeline import Pipeline
-    from hydra_console.engine.runtime import Engine
-    from hydra_console.engine.sampling import SamplingParams
-    from hydra_console.engine.sequence import Request
-    from hydra_console.engine.speculative import build_speculator
-    from hydra_console.engine.tokenizer import Tokenizer
+    from hydra_console.engine.serving.runtime import Engine
+    from hydra_console.engine.serving.sampling import SamplingParams
+    from hydra_console.engine.serving.sequence import Request
+    from hydra_console.engine.spec import build_speculator
+    from hydra_console.engine.text.tokenizer import Tokenizer
 
     path = tiny_model("qwen35", n_layers=4)
     g, tok = GGUFFile(path), Tokenizer.from_gguf(GGUFFile(path))
@@ -302,7 +302,7 @@ def test_speculation_on_qwen35_is_greedy_token_for_token(tiny_model):
 
 def test_a_recurrent_draft_model_is_refused(tiny_model):
     from hydra_console.engine.config import ModelSettings, SpecConfig
-    from hydra_console.engine.speculative import build_speculator
+    from hydra_console.engine.spec import build_speculator
 
     path = str(tiny_model("qwen35", n_layers=2))
     with pytest.raises(UserError, match="recurrent model \\(qwen35\\) cannot draft"):
@@ -388,7 +388,7 @@ def test_a_nextn_block_is_not_part_of_the_trunk(tiny_model):
 
 def test_tokenizer_pre_type_qwen35_matches_llama_cpp(tiny_model):
     """Ids from llama.cpp: `printf '<text>' | /work/llama-cpp/bin/tok <synthetic qwen35>.gguf 0`."""
-    from hydra_console.engine.tokenizer import Tokenizer
+    from hydra_console.engine.text.tokenizer import Tokenizer
 
     tok = Tokenizer.from_gguf(GGUFFile(tiny_model("qwen35")))
     assert tok.pre == "qwen35"
@@ -431,10 +431,10 @@ def test_prompt_cache_reuses_only_a_whole_cached_sequence(tiny_model):
     """A recurrent slot cannot be cut back to a shorter prefix: a prompt that extends everything the
     slot holds continues it; one that diverges inside it starts from position 0. Same tokens either way."""
     from hydra_console.engine.pipeline import Pipeline
-    from hydra_console.engine.runtime import Engine
-    from hydra_console.engine.sampling import SamplingParams
-    from hydra_console.engine.sequence import Request
-    from hydra_console.engine.tokenizer import Tokenizer
+    from hydra_console.engine.serving.runtime import Engine
+    from hydra_console.engine.serving.sampling import SamplingParams
+    from hydra_console.engine.serving.sequence import Request
+    from hydra_console.engine.text.tokenizer import Tokenizer
 
     path = tiny_model("qwen35", n_layers=4)
     tok = Tokenizer.from_gguf(GGUFFile(path))

@@ -12,9 +12,9 @@ import torch
 from hydra_console.engine.gguf_file import GGUFFile
 from hydra_console.engine.model import build_stage
 from hydra_console.engine.pipeline import Pipeline
-from hydra_console.engine.runtime import Engine, Request
-from hydra_console.engine.sampling import InvalidParam, SamplingParams
-from hydra_console.engine.tokenizer import Tokenizer
+from hydra_console.engine.serving.runtime import Engine, Request
+from hydra_console.engine.serving.sampling import InvalidParam, SamplingParams
+from hydra_console.engine.text.tokenizer import Tokenizer
 
 N_SLOTS, N_CTX = 3, 128
 PROMPTS = ["the quick brown fox", "hello world", "a b c d e f", "night and day and night"]

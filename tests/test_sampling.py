@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from hydra_console.engine.sampling import (
+from hydra_console.engine.serving.sampling import (
     PAIRWISE_MAX,
     PENDING,
     InvalidParam,

@@ -8,11 +8,11 @@ import torch
 from fake_tokenizer import EOS, PIECES, FakeTokenizer
 
 from hydra_console.engine.errors import Unavailable
-from hydra_console.engine.runtime import Engine
-from hydra_console.engine.sampling import PENDING
-from hydra_console.engine.scheduler import Scheduler
-from hydra_console.engine.sequence import Event, Request
-from hydra_console.engine.speculative import SpecConfig, Speculator
+from hydra_console.engine.serving.runtime import Engine
+from hydra_console.engine.serving.sampling import PENDING
+from hydra_console.engine.serving.scheduler import Scheduler
+from hydra_console.engine.serving.sequence import Event, Request
+from hydra_console.engine.spec import SpecConfig, Speculator
 
 pytestmark = pytest.mark.unit
 
@@ -192,7 +192,7 @@ class FakePipeline:
 
 
 def greedy_request(prompt: list[int], events: list[Event], **kw) -> Request:
-    from hydra_console.engine.sampling import SamplingParams
+    from hydra_console.engine.serving.sampling import SamplingParams
 
     return Request(prompt, SamplingParams(temperature=0.0), sink=events.append, **kw)
 

@@ -217,9 +217,9 @@ def _mtp_engine(path, spec_type: str):
 
     from hydra_console.engine.config import ModelSettings, SpecConfig
     from hydra_console.engine.pipeline import Pipeline
-    from hydra_console.engine.runtime import Engine
-    from hydra_console.engine.speculative import build_speculator
-    from hydra_console.engine.tokenizer import Tokenizer
+    from hydra_console.engine.serving.runtime import Engine
+    from hydra_console.engine.spec import build_speculator
+    from hydra_console.engine.text.tokenizer import Tokenizer
 
     g = GGUFFile(path)
     st = load(path, n_slots=1, n_ctx=128)
@@ -230,8 +230,8 @@ def _mtp_engine(path, spec_type: str):
 
 
 def _greedy(eng, prompt: list[int], n: int) -> list[int]:
-    from hydra_console.engine.sampling import SamplingParams
-    from hydra_console.engine.sequence import Request
+    from hydra_console.engine.serving.sampling import SamplingParams
+    from hydra_console.engine.serving.sequence import Request
 
     req = Request(prompt, SamplingParams(temperature=0.0), max_tokens=n, ignore_eos=True)
     return [t.id for ev in eng.generate(req, timeout=120) for t in ev.tokens]

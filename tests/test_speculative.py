@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from hydra_console.engine.errors import UserError
-from hydra_console.engine.speculative import (
+from hydra_console.engine.spec import (
     NgramDrafter,
     SpecConfig,
     SpecStats,

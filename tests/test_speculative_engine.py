@@ -15,9 +15,9 @@ from hydra_console.engine.errors import UserError
 from hydra_console.engine.gguf_file import GGUFFile
 from hydra_console.engine.model import build_stage
 from hydra_console.engine.pipeline import Pipeline
-from hydra_console.engine.runtime import Engine, Request
-from hydra_console.engine.sampling import Rows, Sampler, SamplingParams, distribution
-from hydra_console.engine.speculative import (
+from hydra_console.engine.serving.runtime import Engine, Request
+from hydra_console.engine.serving.sampling import Rows, Sampler, SamplingParams, distribution
+from hydra_console.engine.spec import (
     Draft,
     DraftModelDrafter,
     DraftRequest,
@@ -26,7 +26,7 @@ from hydra_console.engine.speculative import (
     build_speculator,
     check_same_vocab,
 )
-from hydra_console.engine.tokenizer import Tokenizer
+from hydra_console.engine.text.tokenizer import Tokenizer
 
 N_SLOTS, N_CTX = 3, 192
 PROMPTS = ["the quick brown fox", "hello world hello world", "a b c d e f", "night and day and night"]

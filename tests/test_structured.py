@@ -14,11 +14,11 @@ import torch
 from hydra_console.engine.gguf_file import GGUFFile
 from hydra_console.engine.model import build_stage
 from hydra_console.engine.pipeline import Pipeline
-from hydra_console.engine.runtime import Engine, Request
-from hydra_console.engine.sampling import InvalidParam, Rows, Sampler, SamplingParams, distribution
-from hydra_console.engine.speculative import SpecConfig
-from hydra_console.engine.structured import Grammars, apply_bitmask, compile_grammar
-from hydra_console.engine.tokenizer import Tokenizer
+from hydra_console.engine.serving.runtime import Engine, Request
+from hydra_console.engine.serving.sampling import InvalidParam, Rows, Sampler, SamplingParams, distribution
+from hydra_console.engine.spec import SpecConfig
+from hydra_console.engine.text.structured import Grammars, apply_bitmask, compile_grammar
+from hydra_console.engine.text.tokenizer import Tokenizer
 
 N_SLOTS, N_CTX = 3, 256
 GREEDY = SamplingParams(temperature=0.0)

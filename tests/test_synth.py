@@ -8,7 +8,7 @@ import pytest
 from hydra_console.engine.gguf_file import GGUFFile
 from hydra_console.engine.quant import dequantize
 from hydra_console.engine.synth import write_synthetic
-from hydra_console.engine.tokenizer import Tokenizer
+from hydra_console.engine.text.tokenizer import Tokenizer
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma3"])

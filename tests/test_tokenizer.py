@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from hydra_console.engine.default_model import default_model_path
 from hydra_console.engine.errors import UserError
 from hydra_console.engine.gguf_file import GGUFFile
-from hydra_console.engine.tokenizer import (
+from hydra_console.engine.text.tokenizer import (
     BYTE,
     BYTE_TO_UNICODE,
     CONTROL,
@@ -434,7 +434,7 @@ def test_bpe_matches_hf_tokenizers(pre, ignore_merges):
     import random
 
     from hydra_console.engine import tokenizer as module
-    from hydra_console.engine.tokenizer import PRE_TOKENIZERS
+    from hydra_console.engine.text.tokenizer import PRE_TOKENIZERS
 
     corpus = "\n".join(inspect.getdoc(obj) or "" for _, obj in inspect.getmembers(module))
     corpus += " naïve façade 中文字符测试 Ελληνικά 🐍🚀 12345 1,000,000 it's I'LL we've\r\n\t  x"

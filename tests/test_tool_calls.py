@@ -9,11 +9,11 @@ import json
 
 import pytest
 
-from hydra_console.engine.chat import ChatTemplate
 from hydra_console.engine.gguf_file import GGUFFile
-from hydra_console.engine.structured import Grammars, compile_grammar
-from hydra_console.engine.tokenizer import StreamDecoder, Tokenizer
-from hydra_console.engine.tool_calls import ToolError, ToolFormat, arguments_as_objects, tool_choice_of
+from hydra_console.engine.text.chat import ChatTemplate
+from hydra_console.engine.text.structured import Grammars, compile_grammar
+from hydra_console.engine.text.tokenizer import StreamDecoder, Tokenizer
+from hydra_console.engine.text.tool_calls import ToolError, ToolFormat, arguments_as_objects, tool_choice_of
 
 _TURNS = """{%- for m in messages -%}
 {{- '<|im_start|>' + m.role + '\\n' -}}

@@ -8,7 +8,7 @@ import socket
 import pytest
 
 from hydra_console.engine.errors import UserError
-from hydra_console.engine.worker_http import listen_socket
+from hydra_console.engine.http.worker import listen_socket
 
 pytestmark = pytest.mark.unit
 

@@ -19,9 +19,9 @@ from ...contracts.split import parse_split
 from ...contracts.status import READY_STAGE, WARMING_STAGE, ModelInfo
 from ..config import HeadConfig
 from ..errors import UserError
+from ..http.worker import http_server, listen_sockets
 from ..metrics import Metrics
 from ..status import StatusDocument
-from ..worker_http import http_server, listen_sockets
 
 log = logging.getLogger("hydra.head")
 
@@ -53,16 +53,16 @@ class HeadWorker:
     def load(self) -> None:
         """Model file → Pipeline → Engine; each step moves /health's startup_stage on."""
         # Imported here, not at the top: they bring torch, and /health must answer while it loads.
-        from ..chat import ChatTemplate
         from ..default_model import model_path
         from ..embedding import resolve_pooling
         from ..gguf_file import GGUFFile
         from ..model import ModelConfig
         from ..pd import Disaggregator, PdStats, PrefillClient
         from ..rpc.service import HeadRpc, RpcCollector
-        from ..runtime import Engine
-        from ..speculative import build_speculator, check_speculative
-        from ..tokenizer import Tokenizer, fim_tokens
+        from ..serving.runtime import Engine
+        from ..spec import build_speculator, check_speculative
+        from ..text.chat import ChatTemplate
+        from ..text.tokenizer import Tokenizer, fim_tokens
 
         cfg = self.cfg
         path = model_path(cfg.model.model)
@@ -126,7 +126,7 @@ class HeadWorker:
 
     def serve(self) -> int:
         """Serve until stopped; a load failure ends the server and is reported here."""
-        from ..api import create_app
+        from ..http.api import create_app
 
         cfg = self.cfg
         socks = listen_sockets(cfg.host, cfg.port)

@@ -17,6 +17,7 @@ from ..config import PeerConfig
 from ..default_model import model_path
 from ..device import resolve_device
 from ..gguf_file import GGUFFile
+from ..http.worker import add_observation_routes, http_server, listen_socket
 from ..metrics import Metrics
 from ..model import ModelConfig
 from ..rpc.compute import ComputeServer
@@ -24,7 +25,6 @@ from ..rpc.listener import RpcListener
 from ..rpc.resident import StageHost
 from ..rpc.service import RpcCollector
 from ..status import StatusDocument
-from ..worker_http import add_observation_routes, http_server, listen_socket
 
 
 class PeerWorker:

@@ -10,10 +10,10 @@ import uvicorn
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 
-from .errors import UserError
-from .http_errors import error_response
-from .metrics import CONTENT_TYPE, Metrics
-from .status import StatusDocument
+from ..errors import UserError
+from ..metrics import CONTENT_TYPE, Metrics
+from ..status import StatusDocument
+from .errors import error_response
 
 
 def add_observation_routes(app: FastAPI, status: StatusDocument, metrics: Metrics | None) -> None:

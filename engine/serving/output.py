@@ -12,9 +12,9 @@ import time
 
 import torch
 
+from ..text.tokenizer import StreamDecoder
 from .scheduler import Sampled
 from .sequence import Event, GenToken, Sequence
-from .tokenizer import StreamDecoder
 
 
 class _Stream:

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from .errors import UserError
+from ..errors import UserError
 
 if TYPE_CHECKING:
     from .tokenizer import Tokenizer

@@ -18,7 +18,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from .api_common import (
+from .common import (
     MAX_LOGPROBS,
     CommonBody,
     Run,
@@ -35,11 +35,11 @@ from .api_common import (
     template_prompt,
     tokenize_mixed,
 )
-from .http_errors import APIError
+from .errors import APIError
 
 if TYPE_CHECKING:
-    from .sequence import Event, GenToken
-    from .workers.head import HeadWorker as Head
+    from ..serving.sequence import Event, GenToken
+    from ..workers.head import HeadWorker as Head
 
 BUILD_INFO = "b0-hydra-0.1.0"  # llama-server's build_info / system_fingerprint ("b" + build number)
 # The samplers llama-server names that we apply, in our fixed order (sampling.py); others are refused.
@@ -152,7 +152,7 @@ class _Completion:
     """One prompt's llama-server completion: the engine request and the objects it answers with."""
 
     def __init__(self, head: Head, body: NativeCompletionBody, ids: list[int], index: int):
-        from .sequence import Request as EngineRequest
+        from ..serving.sequence import Request as EngineRequest
 
         engine = ready_engine(head)
         if body.samplers is not None:
@@ -384,7 +384,7 @@ def props(head: Head) -> dict:
 
 
 def sampling_params_defaults(head: Head) -> dict:
-    from .sampling import SamplingParams
+    from ..serving.sampling import SamplingParams
 
     p = SamplingParams(**head.cfg.sampling.given())
     n = head.cfg.n_predict

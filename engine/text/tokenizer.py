@@ -20,7 +20,7 @@ from functools import cached_property
 import numpy as np
 import regex
 
-from .errors import UserError
+from ..errors import UserError
 
 log = logging.getLogger(__name__)
 

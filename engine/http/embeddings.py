@@ -22,12 +22,12 @@ from typing import TYPE_CHECKING, Any
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from .api_common import Run, check_finish, ready_engine
-from .http_errors import APIError
-from .http_gate import record_of
+from .common import Run, check_finish, ready_engine
+from .errors import APIError
+from .gate import record_of
 
 if TYPE_CHECKING:
-    from .workers.head import HeadWorker as Head
+    from ..workers.head import HeadWorker as Head
 
 
 def _content_prompt(head: Head, entry: dict) -> list[int]:
@@ -67,7 +67,7 @@ def _tokenize_inputs(head: Head, value: Any, param: str, n_ctx: int) -> list[lis
 async def _hidden_states(head: Head, http: Request, prompts: list[list[int]]):
     """Each prompt's final-norm hidden states [n, d], at most --parallel in the engine at once; None
     when the client went away."""
-    from .sequence import Request as EngineRequest
+    from ..serving.sequence import Request as EngineRequest
 
     turns = asyncio.Semaphore(head.engine.n_slots)
 
@@ -94,7 +94,7 @@ def embedding_routes(head: Head) -> APIRouter:
     router = APIRouter()
 
     async def handle(http: Request, oai: bool):
-        from .embedding import embed_vectors
+        from ..embedding import embed_vectors
 
         cfg = head.cfg
         if not cfg.embedding:

@@ -25,7 +25,7 @@ from .sampling import PENDING, TokenLogprob
 from .sequence import Request, Sequence
 
 if TYPE_CHECKING:
-    from .speculative import Draft, Speculator
+    from ..spec import Draft, Speculator
 
 # Prompt-scoring chunks are smaller: each row brings a full-vocabulary logits row.
 SCORING_CHUNK = 64

@@ -31,8 +31,8 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-from .device import to_device
-from .errors import UserError
+from ..device import to_device
+from ..errors import UserError
 
 MAX_LOGPROBS = 20
 PENDING = -1  # a history entry still on the device (sampled by a step the host has not read yet)

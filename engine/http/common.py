@@ -16,18 +16,18 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from .errors import Unavailable, UserError, describe
+from ..errors import Unavailable, UserError, describe
+from .errors import APIError
 from .event_bridge import Inbox, LoopMailbox
-from .http_errors import APIError
-from .http_gate import record_of
+from .gate import record_of
 
 if TYPE_CHECKING:  # the engine's modules bring torch: imported when the model loads, after the port is up
-    from .sampling import SamplingParams
-    from .sequence import Event
-    from .sequence import Request as EngineRequest
-    from .speculative import SpecConfig
-    from .tool_calls import ToolChoice, ToolFormat
-    from .workers.head import HeadWorker as Head
+    from ..serving.sampling import SamplingParams
+    from ..serving.sequence import Event
+    from ..serving.sequence import Request as EngineRequest
+    from ..spec import SpecConfig
+    from ..text.tool_calls import ToolChoice, ToolFormat
+    from ..workers.head import HeadWorker as Head
 
 DISCONNECT_POLL_S = 0.25
 MAX_LOGPROBS = 20  # = sampling.MAX_LOGPROBS, which also checks it
@@ -118,7 +118,7 @@ SAMPLING_FIELDS = (
 def sampling_params(head: Head, body: CommonBody, logprobs: int | None) -> SamplingParams:
     """The request's sampling: its own fields, else the server's defaults (`--temp`, `--seed`, ...).
     The seed is always fixed here (a random one when none is given) so that responses can report it."""
-    from .sampling import SamplingParams
+    from ..serving.sampling import SamplingParams
 
     given = {
         **head.cfg.sampling.given(),
@@ -168,7 +168,7 @@ def logit_bias_pairs(head: Head, raw) -> tuple[tuple[int, float], ...]:
 
 def grammar_of(body: CommonBody) -> tuple[str, str] | None:
     """(the compiled llguidance grammar, the field it came from) of a structured-output request."""
-    from .structured import compile_grammar
+    from ..text.structured import compile_grammar
 
     sources = grammar_fields(body)
     if len(sources) > 1:
@@ -237,7 +237,7 @@ async def constrain(
 ) -> None:
     """Give each request its own matcher of the body's structured-output grammar (or of `given`:
     (kind, source, field)), if there is one."""
-    from .structured import compile_grammar
+    from ..text.structured import compile_grammar
 
     if given is not None:
         grammar = await asyncio.to_thread(compile_grammar, *given), given[2]
@@ -331,7 +331,7 @@ async def chat_requests(
     `fit_context` cut to it (generation stops where the context ends, as llama-server's).
     `tool_choice: required` (or a named function) constrains generation to calls; auto constrains
     a call once its start marker is written (llama.cpp's lazy grammar)."""
-    from .sequence import Request as EngineRequest
+    from ..serving.sequence import Request as EngineRequest
 
     engine = ready_engine(head)
     choice, fmt = await asyncio.to_thread(tool_plan, head, body)
@@ -368,7 +368,7 @@ async def chat_requests(
 def tool_plan(head: Head, body: ChatBody) -> tuple[ToolChoice, ToolFormat | None]:
     """The request's checked tools and the chat template's tool-call format (None: the template
     writes no calls we can read)."""
-    from .tool_calls import ToolFormat, tool_choice_of
+    from ..text.tool_calls import ToolFormat, tool_choice_of
 
     choice = tool_choice_of(body.tools, body.tool_choice, body.parallel_tool_calls)
     if choice.parses and body.grammar is not None:  # llama-server's rule and words
@@ -379,7 +379,7 @@ def tool_plan(head: Head, body: ChatBody) -> tuple[ToolChoice, ToolFormat | None
 def template_prompt(head: Head, body) -> str:
     """The chat prompt of a body with `messages`, `add_generation_prompt`, `continue_final_message`,
     `tools` and `chat_template_kwargs` (a chat request, /apply-template, input_tokens)."""
-    from .tool_calls import ToolFormat, arguments_as_objects
+    from ..text.tool_calls import ToolFormat, arguments_as_objects
 
     messages = [m.model_dump(exclude_none=True) if isinstance(m, BaseModel) else m for m in body.messages]
     fmt = (
@@ -495,7 +495,7 @@ def stream_error(ev: Event) -> dict:
 async def single_reply(head: Head, http: Request, req: EngineRequest, calls: ToolFormat | None):
     """One request run to its end, not streamed: (content, tool calls, final event), None when the
     client left; a generation error raises (check_finish)."""
-    from .tool_calls import reply_parts
+    from ..text.tool_calls import reply_parts
 
     text, final = [], None
     async for _, ev in Run(head, http, [req]).events():

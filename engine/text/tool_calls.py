@@ -33,7 +33,7 @@ from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
-from .errors import UserError
+from ..errors import UserError
 
 if TYPE_CHECKING:
     from .chat import ChatTemplate

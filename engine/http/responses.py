@@ -20,13 +20,13 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field
 
-from .api_common import ChatBody, Run, chat_body, chat_requests, generation_error, named_sse, single_reply
-from .http_errors import APIError
+from .common import ChatBody, Run, chat_body, chat_requests, generation_error, named_sse, single_reply
+from .errors import APIError
 
 if TYPE_CHECKING:
-    from .sequence import Event
-    from .tool_calls import ToolCall, ToolFormat
-    from .workers.head import HeadWorker as Head
+    from ..serving.sequence import Event
+    from ..text.tool_calls import ToolCall, ToolFormat
+    from ..workers.head import HeadWorker as Head
 
 TEXT_PARTS = ("input_text", "output_text")
 

@@ -15,8 +15,8 @@ import torch
 from .sampling import Sampler, SamplingParams, TokenLogprob
 
 if TYPE_CHECKING:
-    from .speculative import SpecConfig
-    from .structured import Constraint
+    from ..spec import SpecConfig
+    from ..text.structured import Constraint
 
 
 @dataclass

@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 
-from .errors import describe
-from .http_errors import error_response
+from ..errors import describe
+from .errors import error_response
 
 log = logging.getLogger("hydra.http")
 

@@ -19,8 +19,9 @@ from fastapi.responses import Response
 from pydantic import BaseModel, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .api_anthropic import anthropic_routes
-from .api_common import (
+from ..errors import ContextOverflow, Overloaded, Unavailable, UserError
+from .anthropic import anthropic_routes
+from .common import (
     MAX_LOGPROBS,
     ChatBody,
     CommonBody,
@@ -37,23 +38,22 @@ from .api_common import (
     stream_error,
     usage_of,
 )
-from .api_embeddings import embedding_routes
-from .api_predict import add_predict_route
-from .api_responses import responses_routes
-from .errors import ContextOverflow, Overloaded, Unavailable, UserError
-from .http_cors import Cors
-from .http_errors import APIError, error_response
-from .http_gate import Gate
+from .cors import Cors
+from .embeddings import embedding_routes
+from .errors import APIError, error_response
+from .gate import Gate
 from .llama_routes import BUILD_INFO
 from .llama_routes import router as llama_router
-from .worker_http import add_observation_routes
+from .predict import add_predict_route
+from .responses import responses_routes
+from .worker import add_observation_routes
 
 if TYPE_CHECKING:  # the engine's modules bring torch: imported when the model loads, after the port is up
-    from .sampling import TokenLogprob
-    from .sequence import Event, GenToken
-    from .sequence import Request as EngineRequest
-    from .tool_calls import ToolFormat
-    from .workers.head import HeadWorker as Head
+    from ..serving.sampling import TokenLogprob
+    from ..serving.sequence import Event, GenToken
+    from ..serving.sequence import Request as EngineRequest
+    from ..text.tool_calls import ToolFormat
+    from ..workers.head import HeadWorker as Head
 
 
 def _loc_param(loc) -> str | None:
@@ -249,7 +249,7 @@ def create_app(head: Head) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(body: CompletionBody, http: Request):
-        from .sequence import Request as EngineRequest
+        from ..serving.sequence import Request as EngineRequest
 
         engine = ready_engine(head)
         prompt = body.prompt
@@ -507,7 +507,7 @@ async def _respond_chat(
 
     def choice(i: int) -> dict:
         logprobs = {"content": _chat_logprob_content(head, tokens[i], as_ids)} if body.logprobs else None
-        from .tool_calls import reply_parts
+        from ..text.tool_calls import reply_parts
 
         content, tool_calls = reply_parts(calls, "".join(texts[i]))
         message = {"role": "assistant", "content": content}

@@ -35,16 +35,16 @@ from typing import Iterator
 import numpy as np
 import torch
 
-from ..contracts.slot_state import SlotStateError
-from .config import DEFAULT_BATCH_TOKENS
-from .device import to_device
-from .errors import ContextOverflow, KVPoolFull, Overloaded, Unavailable, UserError, describe
+from ...contracts.slot_state import SlotStateError
+from ..config import DEFAULT_BATCH_TOKENS
+from ..device import to_device
+from ..errors import ContextOverflow, KVPoolFull, Overloaded, Unavailable, UserError, describe
+from ..spec import Speculator
+from ..text.structured import Grammars, apply_bitmask
 from .output import OutputProcessor
 from .sampling import PENDING, InvalidParam, Picks, Rows, TokenLogprob, logprobs, sample, token_logprobs
 from .scheduler import Batch, Chunk, Sampled, Scheduler
 from .sequence import Event, Request, Sequence
-from .speculative import Speculator
-from .structured import Grammars, apply_bitmask
 
 RATE_WINDOW_S = 10.0
 LATENCY_WINDOW_S = 60.0  # requests/s and the latency percentiles in /status

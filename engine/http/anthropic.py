@@ -23,7 +23,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field
 
-from .api_common import (
+from .common import (
     ChatBody,
     Run,
     chat_body,
@@ -36,9 +36,9 @@ from .api_common import (
 )
 
 if TYPE_CHECKING:
-    from .sequence import Event
-    from .tool_calls import ToolCall, ToolFormat
-    from .workers.head import HeadWorker as Head
+    from ..serving.sequence import Event
+    from ..text.tool_calls import ToolCall, ToolFormat
+    from ..workers.head import HeadWorker as Head
 
 DEFAULT_MAX_TOKENS = 4096  # Anthropic requires max_tokens; llama-server defaults it to this (within the context)
 

@@ -1,0 +1,94 @@
+"""The drafter interface (`Drafter.draft_batch`) and what every drafter shares: a draft, a
+request for one, the per-token draft step under p-min."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..serving.sampling import Rows, Stream, distribution, draw, uniform
+
+
+@dataclass
+class Draft:
+    """Proposed tokens and, when they were sampled from a distribution, that distribution per token
+    (`q[i]` over the vocabulary). `q is None` means each token was chosen deterministically."""
+
+    tokens: list[int] = field(default_factory=list)
+    q: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def prefix(self, n: int) -> Draft:
+        return self if n >= len(self.tokens) else Draft(self.tokens[:n], None if self.q is None else self.q[:n])
+
+
+@dataclass
+class DraftRequest:
+    """One slot's ask: its whole history (prompt + output so far), how many tokens at most, the
+    request's sampler (a draft model samples through it when temperature > 0) and its p-min."""
+
+    slot: int
+    tokens: list[int]
+    k: int
+    sampler: object | None = None  # sampling.Sampler
+    p_min: float | None = None
+
+
+class Drafter:
+    """Proposes up to k next tokens for a slot. Hooks: `start(slot, prompt)` when a request takes a
+    slot, `release(slot)` when it leaves; `draft_batch` may batch slots (the draft model does)."""
+
+    def start(self, slot: int, prompt: list[int]) -> None:
+        """A new request took `slot`."""
+
+    def release(self, slot: int) -> None:
+        """The request in `slot` finished; drop anything kept for it."""
+
+    def draft(self, slot: int, tokens: list[int], k: int) -> list[int]:
+        return self.draft_batch([DraftRequest(slot, tokens, k)])[0].tokens
+
+    def draft_batch(self, requests: list[DraftRequest]) -> list[Draft]:
+        raise NotImplementedError
+
+
+def draft_step(draft: Draft, qs: list, req: DraftRequest, logits: torch.Tensor, p_min: float, top_k: int = 0) -> bool:
+    """Append the next draft token unless its probability falls below p-min (the request's, else the
+    drafter's); True while the draft goes on."""
+    tok, prob, q = pick(logits, req, req.tokens + draft.tokens, top_k)
+    if prob < (p_min if req.p_min is None else req.p_min):
+        return False
+    draft.tokens.append(tok)
+    if q is not None:
+        qs.append(q)
+    return len(draft.tokens) < req.k
+
+
+def pick(logits: torch.Tensor, req: DraftRequest, history: list[int], top_k: int = 0):
+    """(token, its draft probability, the distribution it was drawn from or None for argmax).
+    `top_k` > 0: a greedy pick's probability is over the top k logits only (llama.cpp's MTP
+    drafter samples through a top-10 sampler and compares that candidate's p with p-min)."""
+    s = req.sampler
+    if s is not None and not s.params.greedy:
+        rows = Rows.build([s], [history], logits.device)
+        q = distribution(logits[None], rows)[0]
+        tok = int(draw(q[None], uniform(rows, Stream.DRAFT))[0])
+        return tok, float(q[tok]), q
+    if top_k:
+        top = logits.float().topk(min(top_k, logits.shape[-1]))
+        return int(top.indices[0]), float(torch.softmax(top.values, dim=-1)[0]), None
+    probs = torch.softmax(logits.float(), dim=-1)
+    tok = int(torch.argmax(probs))
+    return tok, float(probs[tok]), None
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    i = 0
+    while a[i] == b[i]:
+        i += 1
+    return i

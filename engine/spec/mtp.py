@@ -1,0 +1,143 @@
+"""qwen35's own multi-token-prediction block (`blk.N.nextn.*`) as a drafter, as llama.cpp's draft-mtp."""
+
+from __future__ import annotations
+
+import torch
+
+from ..config import MAX_DRAFT
+from ..errors import UserError
+from .drafter import Draft, Drafter, DraftRequest, draft_step
+
+# Other GGUF architectures whose converters (llama.cpp convert_hf_to_gguf.py) can keep a
+# multi-token-prediction ("NextN") head, stored as `blk.N.nextn.*` tensors and counted in
+# `<arch>.nextn_predict_layers`; Hydra runs qwen35's.
+MTP_ARCHS = ("glm4moe (GLM-4.5/4.6)", "deepseek2 (DeepSeek-V3/R1, when converted with the MTP layer)")
+
+
+class MtpDrafter(Drafter):
+    """Drafts with the target's own multi-token-prediction block (`model.NextN`, on the head), as
+    llama.cpp's `draft-mtp` for qwen35 (common/speculative.cpp):
+
+    - `observe` runs after every target forward (prefill, decode, verify) over all its tokens: the
+      block's KV at position p is computed from token x_p and the trunk's normed hidden state of
+      p - 1 (zeros at p = 0), so its cache always follows what the target has run. Rows the target
+      rejected are rewritten by the next forward that reaches their positions, and attention never
+      reads past the position it runs at.
+    - `draft_batch` starts from the slot's last token x_n at position n with the trunk's h of
+      n - 1, then feeds each drafted token at the next position with the block's own output h',
+      for up to k tokens, stopping at the first whose probability (over the top 10) is below p-min.
+
+    The trunk's h for the position before a slot's next run is the row the target computed there:
+    the last `MAX_DRAFT + 1` rows of each slot's latest run are kept (a verify keeps all its rows;
+    the next run starts right after the last accepted one)."""
+
+    TOP_K = 10
+
+    def __init__(self, nextn, p_min: float = 0.75):
+        self.nextn = nextn
+        self.p_min = p_min
+        self._rows: dict[int, tuple[int, torch.Tensor]] = {}  # slot -> (position of rows[0], trunk h rows)
+
+    def _h_before(self, slot: int, pos: int) -> torch.Tensor:
+        """The trunk's normed hidden state at `pos - 1` for `slot` (zeros at position 0 or when unknown)."""
+        p0, rows = self._rows.get(slot, (0, None))
+        if rows is not None and pos > 0 and 0 <= pos - 1 - p0 < rows.shape[0]:
+            return rows[pos - 1 - p0]
+        return torch.zeros(self.nextn.head.cfg.n_embd, device=self.nextn.head.device)
+
+    # The slot's MTP state moves with the slot (contracts.slot_state `mtp.*`): the block's KV of the
+    # positions moved, and the trunk's h at the last one (what the next run starts from).
+
+    def state_out(self, slot: int, n: int) -> dict[str, torch.Tensor]:
+        """The block's state for `slot`'s first n positions, by name; empty when the trunk's h at
+        position n - 1 is no longer kept (the state then travels without it)."""
+        p0, rows = self._rows.get(slot, (0, None))
+        if rows is None or n == 0 or not 0 <= n - 1 - p0 < rows.shape[0]:
+            return {}
+        return {**self._kv_views(slot, n), "mtp.h": rows[n - 1 - p0 : n - p0].float()}
+
+    def state_in(self, slot: int, n: int) -> dict[str, torch.Tensor]:
+        """Where a moved slot's MTP state goes (`restored` then takes the h row in)."""
+        h = torch.empty(1, self.nextn.head.cfg.n_embd, dtype=torch.float32, device=self.nextn.head.device)
+        return {**self._kv_views(slot, n), "mtp.h": h}
+
+    def restored(self, slot: int, n: int, views: dict[str, torch.Tensor] | None) -> None:
+        """`slot` now holds a moved state of n positions; `views` (from `state_in`) were written,
+        or None when the state had no MTP part: the block's KV there is stale, so drafts for the
+        slot are poorer until it refills (the target's verification keeps output exact)."""
+        if views is None:
+            self._rows.pop(slot, None)
+        else:
+            self._rows[slot] = (n - 1, views["mtp.h"])
+
+    def _kv_views(self, slot: int, n: int) -> dict[str, torch.Tensor]:
+        prefix = f"blk.{self.nextn.block.layer_range[0]}."
+        return {"mtp." + name.removeprefix(prefix): view for name, view in self.nextn.block.slot_state(slot, n).items()}
+
+    def observe(self, tokens: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor) -> None:
+        """The target ran `tokens` (per slot contiguous) and returned their normed hidden states."""
+        if tokens.numel() == 0:
+            return
+        s, p = slots.tolist(), positions.tolist()
+        starts = [i for i in range(len(s)) if i == 0 or s[i] != s[i - 1]]
+        h_prev = torch.cat([hidden[:1], hidden[:-1]])
+        for i in starts:
+            h_prev[i] = self._h_before(s[i], p[i])
+        self.nextn.run(tokens, h_prev, slots, positions)
+        for i, end in zip(starts, starts[1:] + [len(s)]):
+            keep = min(end - i, MAX_DRAFT + 1)
+            self._rows[s[i]] = (p[end - keep], hidden[end - keep : end].clone())
+
+    def draft_batch(self, requests: list[DraftRequest]) -> list[Draft]:
+        out = [Draft() for _ in requests]
+        live = [i for i, r in enumerate(requests) if r.k > 0 and r.tokens]
+        qs: dict[int, list[torch.Tensor]] = {i: [] for i in live}
+        toks = [requests[i].tokens[-1] for i in live]
+        pos = [len(requests[i].tokens) - 1 for i in live]
+        h = torch.stack([self._h_before(requests[i].slot, p) for i, p in zip(live, pos)]) if live else None
+        while live:
+            slots = torch.tensor([requests[i].slot for i in live], dtype=torch.long)
+            hn = self.nextn.run(torch.tensor(toks, dtype=torch.long), h, slots, torch.tensor(pos, dtype=torch.long))
+            logits = self.nextn.logits(hn)
+            still, next_rows = [], []
+            for row, i in enumerate(live):
+                if draft_step(out[i], qs[i], requests[i], logits[row], self.p_min, self.TOP_K):
+                    still.append(i)
+                    next_rows.append(row)
+            toks = [out[i].tokens[-1] for i in still]
+            pos = [len(requests[i].tokens) - 1 + len(out[i].tokens) for i in still]
+            h = hn[next_rows]
+            live = still
+        for i, q in qs.items():
+            if q:
+                out[i].q = torch.stack(q)
+        return out
+
+
+def check_mtp(g) -> None:
+    """`--spec-type mtp` needs a qwen35 GGUF that kept its MTP ("NextN") block; say plainly what this file has."""
+    arch = g.architecture
+    n_nextn = int(g.metadata.get(f"{arch}.nextn_predict_layers", 0) or 0)
+    has_tensors = any(".nextn." in name for name in g.tensors)
+    if arch == "qwen35":
+        if has_tensors and n_nextn <= 1:
+            return
+        if has_tensors:
+            raise UserError(
+                f"--spec-type mtp: this qwen35 GGUF has {n_nextn} MTP blocks; Hydra (like llama.cpp) runs exactly one"
+            )
+        raise UserError(
+            "--spec-type mtp: this qwen35 GGUF has no MTP block (no blk.N.nextn.* tensors: it was converted "
+            "without the multi-token-prediction layer). Use a GGUF that keeps it, or --spec-type ngram"
+        )
+    if n_nextn or has_tensors:
+        raise UserError(
+            f"this GGUF ({arch}) carries a multi-token-prediction head ({n_nextn or 'nextn'} layer(s)), "
+            f"but Hydra runs the MTP head of qwen35 only; use --spec-type ngram or --spec-type draft --model-draft PATH"
+        )
+    raise UserError(
+        f"--spec-type mtp: this GGUF ({arch}) has no multi-token-prediction head (no "
+        f"'{arch}.nextn_predict_layers' key, no blk.*.nextn.* tensors). Hydra runs the MTP head of qwen35 "
+        f"(Qwen3.5) GGUFs; other GGUF MTP heads exist for {', '.join(MTP_ARCHS)}. "
+        f"Use --spec-type ngram (no extra model) or --spec-type draft --model-draft PATH"
+    )

@@ -1,0 +1,172 @@
+"""`Speculator`: what the runtime asks (plan the step's drafts, verify them), and how a worker builds it
+from its flags (`check_speculative`, `build_speculator`)."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ..config import MAX_DRAFT, ModelSettings, SpecConfig
+from ..errors import UserError
+from ..gguf_file import GGUFFile
+from ..model import ROLLBACK, ModelConfig, NextN, Stage, build_stage
+from ..pipeline import Pipeline
+from ..serving.sampling import Rows, Stream, distribution, host_uniform, sample
+from .accept import accept_greedy, accept_sampled
+from .draft_model import DraftModelDrafter, check_same_vocab
+from .drafter import Draft, Drafter, DraftRequest
+from .mtp import MtpDrafter, check_mtp
+from .ngram import NgramDrafter
+from .stats import SpecStats
+
+
+class Speculator:
+    """What the engine holds: the server's default `SpecConfig`, the drafters it can use (n-gram
+    always, the draft model when loaded), and the acceptance counters. The engine asks `plan` for
+    drafts of its decoding sequences, runs them in its one forward, and asks `verify` what to emit."""
+
+    def __init__(
+        self,
+        config: SpecConfig | None = None,
+        draft_pipeline=None,
+        max_draft: int = MAX_DRAFT,
+        nextn: NextN | None = None,
+    ):
+        """`max_draft` caps every draft: a recurrent target verifies at most `model.ROLLBACK` tokens,
+        the positions its state checkpoints can take back. `nextn`: the target's MTP block."""
+        self.config = config or SpecConfig()
+        self.max_draft = max_draft
+        self.drafters: dict[str, Drafter] = {"ngram": NgramDrafter()}
+        if draft_pipeline is not None:
+            self.drafters["draft"] = DraftModelDrafter(draft_pipeline, p_min=self.config.p_min)
+        self.mtp = MtpDrafter(nextn, p_min=self.config.p_min) if nextn is not None else None
+        if self.mtp is not None:
+            self.drafters["mtp"] = self.mtp
+        self.stats = SpecStats()
+
+    @property
+    def wants_hidden(self) -> bool:
+        """Whether the engine must hand every forward's hidden states to `observe` (the MTP drafter's input)."""
+        return self.mtp is not None
+
+    def observe(self, tokens, slots, positions, hidden) -> None:
+        """The target ran this batch: the MTP block follows it (its KV, the trunk's last hidden rows)."""
+        self.mtp.observe(tokens, slots, positions, hidden)
+
+    @property
+    def drafter_kv_bytes(self) -> int:
+        """The drafters' own caches: the MTP block's KV, or the draft model's KV."""
+        if self.mtp is not None:
+            return self.mtp.nextn.kv_bytes
+        draft = self.drafters.get("draft")
+        return draft.pipeline.local.kv_bytes if draft is not None else 0
+
+    def request_config(self, body: dict) -> SpecConfig | None:
+        """A request's override (None: the server's config); a type this server cannot run is a UserError."""
+        cfg = self.config.with_request(body)
+        if cfg is self.config:
+            return None
+        if cfg.active and cfg.type not in self.drafters:
+            raise UserError(
+                f"speculative type {cfg.type!r} is not available on this server (a draft model needs: "
+                "hydra-engine serve --spec-type draft --model-draft PATH; MTP needs --spec-type mtp on a qwen35 "
+                "GGUF with its MTP block)"
+            )
+        return cfg
+
+    def start(self, slot: int, prompt: list[int]) -> None:
+        for d in self.drafters.values():
+            d.start(slot, prompt)
+
+    def release(self, slot: int) -> None:
+        for d in self.drafters.values():
+            d.release(slot)
+
+    def plan(self, seqs: list, n_ctx: int) -> list[Draft | None]:
+        """A draft (or None) per decoding sequence (sequence.Sequence: slot, tokens, n_gen, req.spec,
+        req.max_tokens, req.constraint, sampler). k is capped so that the k+1 emitted tokens fit
+        max_tokens and the k+1 verified positions fit the context; a constrained sequence's draft
+        ends before the first token its grammar refuses."""
+        out: list[Draft | None] = [None] * len(seqs)
+        by_type: dict[str, list[tuple[int, DraftRequest, SpecConfig]]] = {}
+        for i, seq in enumerate(seqs):
+            cfg = seq.req.spec or self.config
+            if not cfg.active or cfg.type not in self.drafters:
+                continue
+            k = min(cfg.n_max, self.max_draft, seq.req.max_tokens - seq.n_gen - 1, n_ctx - len(seq.tokens))
+            if k < max(cfg.n_min, 1):
+                continue
+            req = DraftRequest(seq.slot, seq.tokens, k, seq.sampler, cfg.p_min)
+            by_type.setdefault(cfg.type, []).append((i, req, cfg))
+        for kind, items in by_type.items():
+            drafts = self.drafters[kind].draft_batch([r for _, r, _ in items])
+            for (i, _, cfg), d in zip(items, drafts):
+                constraint = seqs[i].req.constraint
+                if constraint is not None:  # past a token its grammar refuses, a draft is rejected anyway
+                    d = d.prefix(constraint.valid_prefix(d.tokens))
+                if len(d) >= max(cfg.n_min, 1):
+                    out[i] = d
+        return out
+
+    def verify(self, logits: torch.Tensor, draft: Draft, sampler, history: list[int]) -> list[int]:
+        """Tokens to emit after verifying `draft` against the target's `logits[k+1, V]` (row i follows
+        `history + draft[:i]`), with the request's own sampler so its bias, transforms and penalties
+        hold (and its seed: row i's randomness is that of the token at its index)."""
+        k = len(draft)
+        params = sampler.params
+        if params.greedy and not params.penalised and not params.logit_bias:
+            emitted = accept_greedy(logits.argmax(-1).tolist(), draft.tokens)
+        else:
+            rows = Rows.build([sampler] * (k + 1), [history + draft.tokens[:i] for i in range(k + 1)], logits.device)
+            if params.greedy:
+                emitted = accept_greedy(sample(logits, rows).tokens.tolist(), draft.tokens)
+            else:
+                u = torch.from_numpy(
+                    np.stack([host_uniform(rows.samplers, rows.counters, s) for s in (Stream.ACCEPT, Stream.SAMPLE)], 1)
+                )
+                emitted = accept_sampled(distribution(logits, rows), draft.tokens, draft.q, u)
+        self.stats.record(k, len(emitted) - 1)
+        return emitted
+
+
+def check_speculative(config: SpecConfig, draft_path: str | None, g) -> None:
+    """The `--spec-type` / `--model-draft` combination against the target GGUF `g`, before anything loads."""
+    if config.type == "mtp":
+        check_mtp(g)
+    if config.type == "draft" and not draft_path:
+        raise UserError("--spec-type draft needs --model-draft PATH (a smaller GGUF with the same vocabulary)")
+    if draft_path and config.type != "draft":
+        raise UserError(f"--model-draft is only used with --spec-type draft (got --spec-type {config.type})")
+
+
+def build_speculator(
+    config: SpecConfig, draft_path: str | None, g, model: ModelSettings, n_slots: int, head: Stage | None = None
+) -> Speculator:
+    """The head's Speculator from its settings (`--spec-type`, `--model-draft`, `--draft-*`); `g` is
+    the target GGUF, `head` the head's Stage (`--spec-type mtp` builds the MTP block beside it).
+    Loads the draft model for `--spec-type draft`."""
+    check_speculative(config, draft_path, g)
+    max_draft = ROLLBACK if ModelConfig.from_gguf(g).recurrent else MAX_DRAFT
+    if config.type == "mtp":
+        if head is None:
+            raise ValueError("--spec-type mtp builds the MTP block on the head's stage: pass head=")
+        return Speculator(config, max_draft=max_draft, nextn=NextN(head))
+    if not draft_path:
+        return Speculator(config, max_draft=max_draft)
+    dg = GGUFFile(draft_path)
+    check_same_vocab(g, dg)
+    if ModelConfig.from_gguf(dg).recurrent:  # it would re-run its own last drafts every round
+        raise UserError(
+            f"--model-draft: a recurrent model ({dg.architecture}) cannot draft yet; use a transformer of the same vocabulary"
+        )
+    stage = build_stage(
+        dg,
+        device=model.device,
+        dtype=model.dtype,
+        n_slots=n_slots,
+        n_ctx=model.ctx,
+        cache_dir=model.cache_dir,
+        quantized=model.quantized,
+        kv_pool=model.kv_pool,
+    )
+    return Speculator(config, draft_pipeline=Pipeline(stage), max_draft=max_draft)
