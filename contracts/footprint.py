@@ -71,6 +71,9 @@ KV_BLOCK = 128  # positions per block of a `--kv-unified` pool (engine/model/kv_
 # Positions a recurrent layer's state can be taken back (a rejected draft): the longest draft a
 # recurrent model verifies. Each costs a copy of the state per slot and layer.
 ROLLBACK = 4
+# A slot state's header beyond its tensors: magic, version, fingerprint, dtype (STATE_HEADER_FIXED),
+# each token id as text (STATE_ID_BYTES, with its separator), each tensor's entry (STATE_ENTRY_BYTES).
+STATE_HEADER_FIXED, STATE_ID_BYTES, STATE_ENTRY_BYTES = 4096, 12, 256
 _HEAD_TERMS, _LAYER_TERMS = 1, 2  # int8 terms of the output head and of a layer's matrices
 
 
@@ -182,6 +185,24 @@ class ModelTensors:
     def layer_state(self, il: int, rows: int) -> int:
         """A recurrent layer's state for `rows` slots: the state and its ROLLBACK checkpoints."""
         return 0 if self.attention_layers[il] else rows * self.state_values * 4 * (ROLLBACK + 1)
+
+    def slot_state_bound(self, ranges, n_tokens: int) -> int:
+        """The most bytes the slot states of `ranges` (one per stage, contracts/slot_state.py) over
+        n_tokens may take: K and V as float32 (every cache type stores less), each recurrent
+        layer's state, an MTP block after the last layer (its K, V and hidden rows), each header's
+        token ids, names and chunk table. A head refuses a worker's reply announcing more."""
+        k, v = self.kv_values_per_token_layer
+        n_embd = self.embedding.shape[-1] if self.embedding is not None else 0
+        total = 0
+        for a, b in ranges:
+            body = sum(
+                n_tokens * (k + v) * 4 if self.attention_layers[il] else self.state_values * 4 for il in range(a, b)
+            )
+            if b == self.n_layers:
+                body += n_tokens * (k + v + n_embd) * 4
+            header = STATE_HEADER_FIXED + STATE_ID_BYTES * n_tokens + STATE_ENTRY_BYTES * (b - a + 3)
+            total += header + body + 4 * (body // (1 << 20) + 1) + 64 * (b - a + 3)
+        return total
 
     def layer_cache(
         self,

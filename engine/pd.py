@@ -27,6 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 from prometheus_client.core import CounterMetricFamily
 
 from ..contracts.auth import AuthError, control_login
+from ..contracts.footprint import model_tensors
 from ..contracts.rpc import STATE_PUT_CAP, ControlError, Op, Status
 from ..contracts.slot_state import SlotStateError
 from ..contracts.status import Disaggregation, Transfer
@@ -65,12 +66,20 @@ class PrefillClient:
         self.deadline_s = deadline_s
 
     def prefill(
-        self, tokens: list[int], ranges: list, fingerprint: str, ipc: str | None = None, shm: Segment | None = None
+        self,
+        tokens: list[int],
+        ranges: list,
+        fingerprint: str,
+        limit: int,
+        ipc: str | None = None,
+        shm: Segment | None = None,
     ) -> tuple[dict, list]:
         """(reply meta, slot states as `slot_state.read_all` answers them: each chunk checked as it
-        arrived) or PdFallback naming why not. `ipc`: this head's GPU; a worker on it answers CUDA
-        IPC handles in the meta instead (contracts.rpc.PrefillReply). `shm`: this head's segment; a
-        worker on this host writes the states there instead (meta `shm`, no payload)."""
+        arrived) or PdFallback naming why not. `limit`: the most bytes these states can take (the
+        head's own model says: `ModelTensors.slot_state_bound`); a reply announcing more is refused
+        before anything is allocated. `ipc`: this head's GPU; a worker on it answers CUDA IPC handles
+        in the meta instead (contracts.rpc.PrefillReply). `shm`: this head's segment; a worker on
+        this host writes the states there instead (meta `shm`, no payload)."""
         t_end = time.monotonic() + self.deadline_s
         try:
             sock = socket.create_connection((self.host, self.port), timeout=min(CONNECT_TIMEOUT_S, self.deadline_s))
@@ -88,10 +97,18 @@ class PrefillClient:
                 if self.auth_token:  # the worker proves the token before it learns the prompt
                     self._login(sock, reader)
 
-                def states(
-                    n: int,
-                ) -> list:  # checked as they arrive, into a kept buffer (none: CUDA IPC handles in the meta)
-                    return slot_state.read_all(slot_state.BUFFERS.take(n), reader.read_into) if n else []
+                def states(n: int) -> list:
+                    """Checked as they arrive, into a kept buffer (none: CUDA IPC handles in the meta)."""
+                    if n > limit:
+                        raise SlotStateError(
+                            f"the reply announces {n} bytes; {len(tokens)} tokens of layers {ranges} take at most {limit}"
+                        )
+                    buf = slot_state.BUFFERS.take(n) if n else None
+                    try:
+                        return slot_state.read_all(buf, reader.read_into) if n else []
+                    except BaseException:
+                        slot_state.BUFFERS.discard(buf)  # nothing stays reserved for a failed exchange
+                        raise
 
                 reply = self._exchange(sock, reader, Op.PREFILL, json.dumps(request).encode(), states)
         except (FrameTimeout, socket.timeout):
@@ -211,6 +228,8 @@ class Disaggregator:
         # One on our host writes them into our memory (HYDRA_SHM=0: bytes on the socket).
         self.segments = Segments(keep=IN_FLIGHT) if shm else None
         self._per_token = 0.0  # state bytes per prompt token, the most seen: sizes the segments
+        g = pipeline.local.g
+        self.tensors = model_tensors(g.metadata, g.tensors)  # bounds what a reply may announce
         self._pool = ThreadPoolExecutor(IN_FLIGHT, thread_name_prefix="hydra-pd")
 
     def wants(self, seq) -> bool:
@@ -230,8 +249,9 @@ class Disaggregator:
         transport = "socket"
         try:
             with self._segment(len(tokens)) as shm:  # placed from it: reused only once the placement is done
+                limit = self.tensors.slot_state_bound(self.pipeline.ranges, len(tokens))
                 meta, payload = self.client.prefill(
-                    tokens, self.pipeline.ranges, self.pipeline.local.g.fingerprint, self.ipc, shm
+                    tokens, self.pipeline.ranges, self.pipeline.local.g.fingerprint, limit, self.ipc, shm
                 )
                 prefill_ms, collect_ms = meta.get("prefill_ms"), meta.get("collect_ms")
                 t_place = time.perf_counter()

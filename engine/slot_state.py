@@ -50,6 +50,11 @@ class Buffers:
                 self._kept.append(buf)
             return memoryview(buf)
 
+    def discard(self, view: memoryview) -> None:
+        """Stop keeping the buffer under `view` (its exchange failed: nothing stays reserved for it)."""
+        with self._lock:
+            self._kept = [b for b in self._kept if b is not view.obj]
+
 
 BUFFERS = Buffers()
 

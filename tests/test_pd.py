@@ -14,6 +14,7 @@ import threading
 import time
 
 import httpx
+import psutil
 import pytest
 import torch
 from rpc_workers import Worker, complete, free_ports, greedy, head, peer, running, wait_for
@@ -480,5 +481,38 @@ def test_a_bad_chunk_from_the_prefill_worker_is_refused_as_it_arrives():
     with server:
         client = PrefillClient(f"127.0.0.1:{server.getsockname()[1]}", None, 30)
         with pytest.raises(PdFallback, match=f"chunk at byte {2 * CHUNK_BYTES} fails its checksum") as e:
-            client.prefill([1, 2, 3], [(0, 4)], "fp")
+            client.prefill([1, 2, 3], [(0, 4)], "fp", len(state))
         assert e.value.reason == "refused"
+
+
+@pytest.mark.unit
+def test_a_reply_larger_than_the_model_allows_is_refused_before_anything_is_allocated(tiny_model):
+    """A worker announcing a 4 GiB state for three tokens: refused from the header alone (the bound
+    comes from the head's own model), nothing allocated, nothing kept."""
+    from hydra_console.contracts.footprint import model_tensors
+    from hydra_console.engine import slot_state
+    from hydra_console.engine.pd import PdFallback, PrefillClient
+    from hydra_console.engine.rpc.wire import control_response_head, read_control_request
+
+    g = GGUFFile(tiny_model("llama", **SHAPE))
+    limit = model_tensors(g.metadata, g.tensors).slot_state_bound([(0, 4)], 3)
+    assert 0 < limit < 1 << 20  # three tokens of a tiny model
+    server = socket.create_server(("127.0.0.1", 0))
+
+    def worker():
+        conn, _ = server.accept()
+        with conn, contextlib.suppress(OSError):
+            reader = SocketReader(conn)
+            reader.drain(read_control_request(reader).payload_len)
+            conn.sendall(control_response_head(Status.OK, {"sizes": [4 << 30]}, 4 << 30))  # and never the bytes
+            conn.recv(1)
+
+    threading.Thread(target=worker, daemon=True).start()
+    kept = len(slot_state.BUFFERS._kept)
+    rss = psutil.Process().memory_info().rss
+    with server:
+        client = PrefillClient(f"127.0.0.1:{server.getsockname()[1]}", None, 30)
+        with pytest.raises(PdFallback, match=f"announces {4 << 30} bytes") as e:
+            client.prefill([1, 2, 3], [(0, 4)], "fp", limit)
+        assert e.value.reason == "refused"
+    assert psutil.Process().memory_info().rss - rss < 64 << 20 and len(slot_state.BUFFERS._kept) == kept

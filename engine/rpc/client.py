@@ -20,6 +20,7 @@ import time
 import torch
 
 from ...contracts.auth import NONCE_BYTES, PROOF_BYTES, AuthError, ClientHandshake
+from ...contracts.footprint import model_tensors
 from ...contracts.rpc import (
     CAP_AUTH,
     CAP_IPC,
@@ -137,6 +138,7 @@ class RemoteStage:
         self.host, self.port = parse_addr(addr)
         self.layer_range = tuple(layers)
         self.g, self.dtype, self.n_slots, self.n_ctx, self.kv_pool = g, dtype, n_slots, n_ctx, kv_pool
+        self._tensors = model_tensors(g.metadata, g.tensors)  # bounds the states a peer may send back
         self.kv_types = kv_types  # the peer allocates its KV in the head's cache types, as llama.cpp's RPC backend does
         self.max_run = max_run  # and captures graphs for the head's verify steps before it serves
         self.auth_token = auth_token
@@ -395,13 +397,14 @@ class RemoteStage:
     def state_get(self, slot: int, tokens: list[int]) -> memoryview:
         """The state of `slot`'s first len(tokens) positions on this peer's layers (a view of the
         reply as it was received: no copy)."""
-        return self._state_call(Cmd.STATE_GET, [json.dumps({"slot": slot, "tokens": list(tokens)}).encode()])
+        limit = 1 + self._tensors.slot_state_bound([self.layer_range], len(tokens))  # + the status byte
+        return self._state_call(Cmd.STATE_GET, [json.dumps({"slot": slot, "tokens": list(tokens)}).encode()], limit)
 
     def state_put(self, slot: int, state) -> dict:
         """Place a state of this peer's layers into `slot`; a refusal (PeerError) leaves it as it was."""
         return json.loads(bytes(self._state_call(Cmd.STATE_PUT, [STATE_SLOT.pack(slot), state])))
 
-    def _state_call(self, cmd: int, parts: list) -> memoryview:
+    def _state_call(self, cmd: int, parts: list, limit: int | None = None) -> memoryview:
         """One state op on a connection of its own, joined to our session (STATE_JOIN): a slot's
         state streams while the forwards go on over the main connection. A peer that fails here is
         not marked down (the main connection's next exchange tells)."""
@@ -414,7 +417,7 @@ class RemoteStage:
             if status != R.OK:
                 raise PeerError(f"peer {self.addr}: {body.decode('utf-8', 'replace')}")
             self._send(cmd, parts, link)
-            reply = self._read_reply(link)
+            reply = read_compute_response(link[1], min(limit or self.max_frame, self.max_frame))
         except (OSError, FrameError) as e:
             raise PeerUnavailable(f"peer {self.addr} failed during a state op: {e}") from None
         finally:
