@@ -89,6 +89,9 @@ class SupervisorSettings(_Strict):
     crash_loop_s: float = Field(default=10.0, gt=0)
     crash_loop_count: int = Field(default=3, ge=1)
     log_dir: str = ""  # "" = $XDG_STATE_HOME/hydra-console/logs
+    # Each worker's log file is copied to .1 (.2, … up to log_backups) and emptied past this size.
+    log_max_bytes: int = Field(default=20 << 20, ge=1 << 16)
+    log_backups: int = Field(default=3, ge=1)
     ring_lines: int = Field(default=5000, ge=100)
 
 

@@ -4,8 +4,8 @@ For console demos, its tests and the polling benchmark on machines where loading
 wanted: `engine_command = "python -m hydra_console.app.fake_worker"` in a profile makes the
 supervisor start these instead of real workers. It reports "starting" for --startup-delay
 seconds, then "ok", with the layer ranges its --split implies (the /status schema of
-docs/ARCHITECTURE.md), and exits --stop-delay seconds after SIGTERM. It loads no model and opens
-no RPC port.
+docs/ARCHITECTURE.md), writes an access-log line for any other path, and exits --stop-delay
+seconds after SIGTERM. It loads no model and opens no RPC port.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import os
 import signal
 import sys
 import time
+import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from ..contracts.split import parse_split
@@ -89,6 +90,8 @@ def main(argv: list[str] | None = None) -> int:
                 body, code = doc.to_json(), 200
             else:
                 body, code = {"error": "not found"}, 404
+                # An access-log line as the head writes one (not for the console's polls).
+                print(f"{uuid.uuid4().hex[:12]} GET {self.path} {code}", flush=True)
             data = json.dumps(body).encode()
             self.send_response(code)
             self.send_header("Content-Type", "application/json")

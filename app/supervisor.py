@@ -3,9 +3,11 @@
 Each started worker runs in its own session/process group so a stop reaches everything it
 spawned: SIGTERM to the group, a grace period (10 s by default), then SIGKILL. A worker that
 exits while it is wanted is restarted after a backoff of 1 s doubling to 30 s; one that ran for
-`healthy_reset_s` before it died starts again from 1 s. stdout/stderr go line by line into a
-ring buffer (per worker and merged) and a log file per worker. Every `poll_s` the supervisor
-probes /health and /status of each worker through a `StatusSource` and derives its state.
+`healthy_reset_s` before it died starts again from 1 s. A worker writes its stdout and stderr into
+its own log file (`worker_log.py`), never into pipes of the console, so it outlives the console
+that started it; every console follows the files into ring buffers (per worker and merged). Every
+`poll_s` the supervisor probes /health and /status of each worker through a `StatusSource` and
+derives its state.
 
 Workers it starts prove a token on their RPC ports: `token` (the console passes HYDRA_TOKEN from
 its environment, so workers started elsewhere share it), else a random one kept per profile. Local workers get
@@ -53,11 +55,13 @@ from ..contracts.status import Status
 from . import control_client
 from .config import DEFAULT_SSH_TEMPLATE, Profile, WorkerSpec, atomic_write, state_dir
 from .sources import HttpStatusSource, Probe, StatusSource
+from .worker_log import LogFile
 
 log = logging.getLogger("hydra.console.supervisor")
 HISTORY = 120  # samples kept for sparklines (2 min at 1 Hz)
 MISSES_TOLERATED = 3  # polls in a row a worker that answered before may miss before its state changes
-LINE_LIMIT = 1 << 20  # longest stdout line read in one piece
+FOLLOW_S = 0.2  # how often the log files are read
+CONSOLE_MARK = "[hydra-console]"  # the console's own lines in a worker's log file
 RUN_ID_ENV = "HYDRA_RUN_ID"  # set on every started worker: a later console recognises its workers by it
 
 
@@ -91,7 +95,6 @@ class LogLine:
     seq: int
     ts: float
     worker: str
-    stream: str  # "out" | "err"
     text: str
 
 
@@ -129,7 +132,7 @@ class Worker:
     role: str  # "head" | "peer"
     managed: bool  # started by this console (False: attached, monitor only)
     log: deque
-    log_path: Path | None
+    logfile: LogFile | None  # None: remote and attached (its file is on its host), or not writable
     backoff: Backoff
     state: State = State.STOPPED
     pid: int | None = None
@@ -138,7 +141,7 @@ class Worker:
     restarts: int = 0  # every restart, the operator's included
     crash_restarts: int = 0  # automatic ones only: what the restart alert counts
     quick_exits: int = 0  # exits in a row within crash_loop_s of the start
-    last_err: str | None = None  # last non-empty stderr line (names a crash loop's cause)
+    last_err: str | None = None  # last non-empty line it logged (names a crash loop's cause)
     last_exit: int | None = None
     argv: list[str] | None = None  # what the running process was really started with
     run_id: str | None = None
@@ -159,11 +162,15 @@ class Worker:
     _restart: asyncio.Task | None = None
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # serialises start/stop/restart
     _ps: psutil.Process | None = None
-    _log_file: object = None
+    _follow: asyncio.Task | None = None
 
     @property
     def name(self) -> str:
         return self.spec.name
+
+    @property
+    def log_path(self) -> Path | None:
+        return self.logfile.path if self.logfile else None
 
     @property
     def status(self) -> Status | None:
@@ -236,7 +243,7 @@ def profile_token(path: Path) -> str:
 
 
 class _Adopted:
-    """A worker process another console started: no pipes, and its exit code is its parent's to read."""
+    """A worker process another console started: its exit code is its parent's to read."""
 
     def __init__(self, ps: psutil.Process):
         self.pid, self._ps = ps.pid, ps
@@ -269,14 +276,10 @@ def _ours(entry: dict, spec: WorkerSpec) -> psutil.Process | None:
 
 
 def _release(proc) -> None:
-    """Detach from a started child: close our ends of its pipes (its writes fail, never block), and
-    keep asyncio's transport from killing it, as close() and collection would (CPython's transport)."""
+    """Detach from a started child: keep asyncio's transport from killing it, as close() and
+    collection would (CPython's transport). It writes its own log file, so nothing else ties it to us."""
     transport = getattr(proc, "_transport", None)
     if transport is not None:
-        for fd in (1, 2):
-            pipe = transport.get_pipe_transport(fd)
-            if pipe is not None:
-                pipe.close()
         transport._closed = True
 
 
@@ -314,12 +317,15 @@ class Supervisor:
         self.workers: dict[str, Worker] = {}
         for i, spec in enumerate(profile.workers):
             managed = not (self.attach_only or spec.attach)
+            path = self.log_dir / f"{profile.name}-{spec.name}.log"
             self.workers[spec.name] = Worker(
                 spec=spec,
                 role="head" if i == 0 else "peer",
                 managed=managed,
                 log=deque(maxlen=self.settings.ring_lines),
-                log_path=self.log_dir / f"{profile.name}-{spec.name}.log" if managed else None,
+                logfile=LogFile(path, self.settings.log_max_bytes, self.settings.log_backups)
+                if managed or spec.is_local
+                else None,
                 backoff=Backoff(self.settings.backoff_initial_s, self.settings.backoff_max_s),
             )
         self._listeners: list[Callable[[Event], None]] = []
@@ -449,6 +455,10 @@ class Supervisor:
             self._poller = asyncio.create_task(self._poll_loop())
         if not self.attach_only:
             self._adopt()
+        for w in self.workers.values():
+            if not w.managed and w.logfile is not None:  # another console's (or a hand-started) worker
+                w.logfile.follow_from_tail(self.settings.ring_lines)
+                self._follow_log(w)
         for w in [*list(self.workers.values())[1:], self.head]:
             if w.managed and not w.running and w.name not in self._foreign:
                 await self.start_worker(w.name)
@@ -605,10 +615,6 @@ class Supervisor:
             for w in self.workers.values():
                 if w.proc is not None:
                     _release(w.proc)
-        for w in self.workers.values():
-            if w._log_file is not None:
-                w._log_file.close()
-                w._log_file = None
         await self.source.aclose()
 
     def kill_all_sync(self, grace: float = 3.0) -> None:
@@ -653,38 +659,38 @@ class Supervisor:
         if w.running:
             return
         argv = self.command_for(w.name)
-        if w._log_file is None and w.log_path is not None:
-            try:
-                w.log_path.parent.mkdir(parents=True, exist_ok=True)
-                w._log_file = open(w.log_path, "a", buffering=1, encoding="utf-8", errors="replace")
-            except OSError as e:
-                self.emit(
-                    w.name, "error", f"no log file ({e.strerror or e}: {w.log_path}); keeping the ring buffer only"
-                )
-                w.log_path = None
         if not w.spec.is_local and not await self._send_token(w):
             self._after_exit(w, None)
             return
+        out = asyncio.subprocess.DEVNULL
+        if w.logfile is not None:
+            try:
+                w.logfile.follow_from_end()
+                out = w.logfile.open_for_worker()
+            except OSError as e:
+                self.emit(w.name, "error", f"no log file ({e.strerror or e}: {w.log_path}): its output is lost")
+                w.logfile = None
         env = dict(os.environ, PYTHONUNBUFFERED="1", HYDRA_TOKEN=self.token, **{RUN_ID_ENV: self.run_id})
         try:
             proc = await asyncio.create_subprocess_exec(
                 *argv,
                 stdin=asyncio.subprocess.DEVNULL,
-                stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.PIPE,
+                stdout=out,
+                stderr=out,
                 start_new_session=True,
-                limit=LINE_LIMIT,
                 env=env,
             )
         except OSError as e:
             self.emit(w.name, "error", f"cannot start {argv[0]}: {e.strerror or e}")
             self._after_exit(w, None)
             return
+        finally:
+            if isinstance(out, int) and out >= 0:
+                os.close(out)  # the worker holds its own copy
         self._track(w, proc, argv, self.run_id, self.clock())
-        self._log(w, "out", f"[hydra-console] started pid {proc.pid}: {shlex.join(argv)}")
+        self._mark(w, f"started pid {proc.pid}: {shlex.join(argv)}")
         self.emit(w.name, "started", f"pid {proc.pid}" + ("" if w.spec.is_local else f" on {w.spec.host}"))
-        pumps = [self._task(self._pump(w, proc.stdout, "out")), self._task(self._pump(w, proc.stderr, "err"))]
-        w._watch = self._task(self._wait(w, proc, pumps))
+        w._watch = self._task(self._wait(w, proc))
 
     def _track(self, w: Worker, proc, argv: list[str], run_id: str, started_at: float) -> None:
         w.proc, w.pid, w.argv, w.run_id = proc, proc.pid, argv, run_id
@@ -724,12 +730,15 @@ class Supervisor:
             w.wanted = True
             w.backoff.reset()
             self._track(w, _Adopted(ps), list(entry.get("argv") or ps.cmdline()), entry["run_id"], ps.create_time())
+            if w.logfile is not None:
+                w.logfile.follow_from_tail(self.settings.ring_lines)
+            self._mark(w, f"adopted pid {ps.pid} by console pid {os.getpid()}")
             self.emit(
                 w.name,
                 "adopted",
                 f"pid {ps.pid} (run {entry['run_id']}, left by console pid {doc.get('console_pid', '?')})",
             )
-            w._watch = self._task(self._wait(w, w.proc, []))
+            w._watch = self._task(self._wait(w, w.proc))
         self._save_state()
 
     def _save_state(self) -> None:
@@ -752,33 +761,47 @@ class Supervisor:
         except OSError as e:
             log.warning("state file %s: %s", self.state_path, e)
 
-    async def _pump(self, w: Worker, stream: asyncio.StreamReader, name: str) -> None:
-        while True:
-            try:
-                raw = await stream.readline()
-            except ValueError:  # longer than LINE_LIMIT: asyncio has already dropped it
-                self._log(w, name, f"[console: a line over {LINE_LIMIT} bytes was dropped]")
-                continue
-            if not raw:
-                return
-            self._log(w, name, raw.decode("utf-8", "replace").rstrip("\r\n"))
+    def _mark(self, w: Worker, text: str) -> None:
+        """A line of the console's own in the worker's log file (where an adopting console reads it too)."""
+        text = f"{CONSOLE_MARK} {time.strftime('%Y-%m-%dT%H:%M:%S')} {text}"
+        if w.logfile is None:
+            self._log(w, text)
+            return
+        try:
+            w.logfile.append(text)
+        except OSError as e:
+            log.warning("log file %s: %s", w.log_path, e)
+        self._follow_log(w)
 
-    def _log(self, w: Worker, stream: str, text: str) -> None:
-        line = LogLine(next(self._seq), self.clock(), w.name, stream, text)
+    def _follow_log(self, w: Worker) -> None:
+        if w.logfile is not None and w._follow is None:
+            w._follow = self._task(self._follow_loop(w))
+
+    async def _follow_loop(self, w: Worker) -> None:
+        while w.logfile is not None:
+            self._read_log(w)
+            # The console that runs the worker bounds its file; a watching one only reads it.
+            if w.managed and w.running:
+                try:
+                    w.logfile.rotate_if_full()
+                except OSError as e:
+                    log.warning("log file %s: cannot rotate: %s", w.log_path, e)
+            await asyncio.sleep(FOLLOW_S)
+
+    def _read_log(self, w: Worker) -> None:
+        for text in w.logfile.read_new() if w.logfile else []:
+            self._log(w, text)
+
+    def _log(self, w: Worker, text: str) -> None:
+        line = LogLine(next(self._seq), self.clock(), w.name, text)
         w.log.append(line)
         self.merged_log.append(line)
-        if stream == "err" and text.strip():
+        if text.strip() and not text.startswith(CONSOLE_MARK):
             w.last_err = text.strip()
-        if w._log_file is not None:
-            w._log_file.write(f"{time.strftime('%Y-%m-%dT%H:%M:%S', time.localtime(line.ts))} {stream} {text}\n")
 
-    async def _wait(self, w: Worker, proc: asyncio.subprocess.Process, pumps: list[asyncio.Task]) -> None:
+    async def _wait(self, w: Worker, proc: asyncio.subprocess.Process) -> None:
         code = await proc.wait()
-        # A grandchild can keep the pipes open after the worker died; do not wait on it forever.
-        if pumps:
-            await asyncio.wait(pumps, timeout=2.0)
-        for t in pumps:
-            t.cancel()
+        self._read_log(w)  # its last lines name the cause of a crash
         self._after_exit(w, code)
 
     def _after_exit(self, w: Worker, code: int | None) -> None:

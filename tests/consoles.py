@@ -5,12 +5,14 @@ from __future__ import annotations
 import os
 import shlex
 import signal
+import subprocess
 import sys
 import time
+from pathlib import Path
 
 from rpc_workers import free_ports
 
-from hydra_console.app.config import Profile, SupervisorSettings, WorkerSpec
+from hydra_console.app.config import Profile, SupervisorSettings, WorkerSpec, save_profile
 from hydra_console.app.split_plan import ModelShape
 from hydra_console.app.supervisor import State, Supervisor
 from hydra_console.contracts.footprint import ModelTensors, Tensor
@@ -71,3 +73,31 @@ def kill_groups(pids) -> None:
             os.killpg(p, signal.SIGKILL)
         except OSError:
             pass
+
+
+CONSOLE = """
+import asyncio, sys
+from hydra_console.app.config import load_profile
+from hydra_console.app.supervisor import State, Supervisor
+
+async def main():
+    sup = Supervisor(load_profile(sys.argv[1]), log_dir=sys.argv[2])
+    await sup.start()
+    while not all(w.state == State.READY for w in sup.workers.values()):
+        await asyncio.sleep(0.1)
+    print(' '.join(str(w.pid) for w in sup.workers.values()), flush=True)
+    await asyncio.sleep(600)
+
+asyncio.run(main())
+"""
+
+
+def console_process(profile: Profile, tmp_path: Path) -> subprocess.Popen:
+    """Another console (a bare supervisor in its own process) running `profile`'s workers, logs
+    under tmp_path/logs; it prints the workers' pids once they are ready."""
+    path = save_profile(profile, tmp_path / "p.toml")
+    script = tmp_path / "console.py"
+    script.write_text(CONSOLE)
+    return subprocess.Popen(
+        [sys.executable, str(script), str(path), str(tmp_path / "logs")], stdout=subprocess.PIPE, text=True
+    )

@@ -18,7 +18,7 @@ import time
 
 import httpx
 import pytest
-from consoles import all_ready, fake_profile, kill_groups, uniform_shape, until
+from consoles import all_ready, console_process, fake_profile, kill_groups, uniform_shape, until
 from textual.command import CommandPalette
 
 from hydra_console.app.config import Alerts, Profile, SupervisorSettings, load_profile
@@ -221,6 +221,36 @@ async def test_logs_filter_invert_and_failure_highlight(tmp_path):
         assert logs.source == "head"
         app._stop_and_exit(True)
         await until(pilot, lambda: not sup.running_managed())
+
+
+async def test_after_a_kill_9_of_its_console_an_adopted_workers_new_log_lines_show_in_l(tmp_path):
+    """Workers write their own log files: the console that adopts them reads what they write now."""
+    profile = fake_profile()
+    console = console_process(profile, tmp_path)
+    pids = []
+    try:
+        pids = [int(x) for x in (await asyncio.wait_for(asyncio.to_thread(console.stdout.readline), 60)).split()]
+        console.kill()  # kill -9: no cleanup ran
+        console.wait()
+        sup = Supervisor(profile, log_dir=tmp_path / "logs")
+        app = HydraConsole(sup, load_model_shape=False)
+        async with app.run_test(size=(120, 40)) as pilot:
+            await until(pilot, lambda: all_ready(sup) and [w.pid for w in sup.workers.values()] == pids)
+            assert any(f"started pid {pids[0]}" in ln.text for ln in sup.head.log)  # the first console's lines
+            size = sup.head.log_path.stat().st_size
+            await asyncio.to_thread(httpx.get, f"{profile.head.url}/v1/after-adoption", timeout=5)
+            await until(pilot, lambda: any("GET /v1/after-adoption 404" in ln.text for ln in sup.head.log))
+            assert sup.head.log_path.stat().st_size > size  # the file goes on growing
+            await pilot.press("l")
+            logs = app.screen
+            assert isinstance(logs, LogsScreen)
+            await until(pilot, lambda: any("/v1/after-adoption" in st.text for st in logs.query_one("#log").lines))
+            app._stop_and_exit(True)
+            await until(pilot, lambda: not sup.running_managed())
+    finally:
+        console.kill()
+        console.wait()
+        kill_groups(pids)
 
 
 async def test_help_lists_remapped_keys_and_palette_has_every_action(tmp_path):

@@ -89,12 +89,12 @@ FEED = {
     # peer2 is down: the feed has no answer for it.
 }
 LOG = [
-    ("head", "out", "hydra-engine: serving gemma-3-270m on http://127.0.0.1:8080"),
-    ("peer1", "out", "hydra-engine peer: layers [6,12) on cuda:1"),
-    ("peer2", "err", "OSError: [Errno 98] Address already in use"),
-    ("head", "err", "peer 10.0.0.7:8091: [Errno 111] Connection refused, retrying in 2 s"),
-    ("peer1", "err", "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB"),
-    ("head", "err", "INFO hydra.http 3f2a9c1b7d4e POST /v1/completions 200 in=12 out=64 412ms"),
+    ("head", "hydra-engine: serving gemma-3-270m on http://127.0.0.1:8080"),
+    ("peer1", "hydra-engine peer: layers [6,12) on cuda:1"),
+    ("peer2", "OSError: [Errno 98] Address already in use"),
+    ("head", "peer 10.0.0.7:8091: [Errno 111] Connection refused, retrying in 2 s"),
+    ("peer1", "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB"),
+    ("head", "INFO hydra.http 3f2a9c1b7d4e POST /v1/completions 200 in=12 out=64 412ms"),
 ]
 SHAPE = uniform_shape(18, 3 << 19, 90 << 20, 512)
 
@@ -119,8 +119,8 @@ def make_app(theme: str = "hydra-dark") -> HydraConsole:
         supervisor=SupervisorSettings(poll_s=3600),  # one poll: the picture must not move
     )
     sup = Supervisor(profile, attach=True, source=FixedFeedSource(FEED), clock=lambda: T0)
-    for i, (worker, stream, text) in enumerate(LOG):
-        line = LogLine(i, T0 - 60 + i, worker, stream, text)
+    for i, (worker, text) in enumerate(LOG):
+        line = LogLine(i, T0 - 60 + i, worker, text)
         sup.workers[worker].log.append(line)
         sup.merged_log.append(line)
     return HydraConsole(sup, theme=theme, model_shape=SHAPE)

