@@ -80,13 +80,21 @@ class Alerts(_Strict):
 
 
 class SupervisorSettings(_Strict):
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_crash_loop_s(cls, data):
+        # Profiles saved before crash loops were counted by failures carry this key; it means nothing now.
+        if isinstance(data, dict):
+            data = {k: v for k, v in data.items() if k != "crash_loop_s"}
+        return data
+
     poll_s: float = Field(default=1.0, gt=0)
     grace_s: float = Field(default=10.0, ge=0)
     backoff_initial_s: float = Field(default=1.0, gt=0)
     backoff_max_s: float = Field(default=30.0, gt=0)
     healthy_reset_s: float = Field(default=60.0, gt=0)  # running this long resets the backoff
-    # Exiting within crash_loop_s of its start crash_loop_count times in a row makes a worker `crash-loop`.
-    crash_loop_s: float = Field(default=10.0, gt=0)
+    # Exiting crash_loop_count times in a row without a healthy run (healthy_reset_s) makes a worker
+    # `crash-loop`, however long each try took.
     crash_loop_count: int = Field(default=3, ge=1)
     log_dir: str = ""  # "" = $XDG_STATE_HOME/hydra-console/logs
     # Each worker's log file is copied to .1 (.2, … up to log_backups) and emptied past this size.

@@ -140,7 +140,7 @@ class Worker:
     ready_at: float | None = None
     restarts: int = 0  # every restart, the operator's included
     crash_restarts: int = 0  # automatic ones only: what the restart alert counts
-    quick_exits: int = 0  # exits in a row within crash_loop_s of the start
+    failures: int = 0  # exits in a row without a healthy run (healthy_reset_s), however long each took
     last_err: str | None = None  # last non-empty line it logged (names a crash loop's cause)
     last_exit: int | None = None
     argv: list[str] | None = None  # what the running process was really started with
@@ -193,14 +193,18 @@ class Worker:
         return st.pid if st else None
 
 
-async def _listening(host: str, port: int) -> bool:
-    """Something accepts connections there already (a worker of another console, say)."""
-    try:
-        _, writer = await asyncio.wait_for(asyncio.open_connection(_connect_host(host), port), 0.5)
-    except (OSError, asyncio.TimeoutError):
-        return False
-    writer.close()
-    return True
+def _port_taken(host: str, port: int) -> bool:
+    """Binding fails where the worker would bind (SO_REUSEADDR, as its servers set it, so only a
+    socket still bound there counts, not connections closing). A connect would miss a holder that
+    does not accept: a full backlog times out like a free port."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host or "0.0.0.0", port))
+        except OSError:
+            return True
+    return False
 
 
 def _connect_host(host: str) -> str:
@@ -489,7 +493,7 @@ class Supervisor:
             w.restarts += 1
             w.wanted = True
             w.backoff.reset()
-            w.quick_exits = 0
+            w.failures = 0
             await self._spawn(w)
             self.emit(name, "restarted", f"by operator (pid {old or '—'} → {w.pid or '—'})")
 
@@ -497,7 +501,7 @@ class Supervisor:
         if w.running:
             return
         if w.spec.is_local:
-            busy = await self._busy_ports(w)
+            busy = self._busy_ports(w)
             if busy:
                 w.state, w.wanted = State.PORT_BUSY, True
                 held = "; ".join(f"port {port} held by {port_owner(port)}" for port in busy)
@@ -511,11 +515,12 @@ class Supervisor:
         w.backoff.reset()
         await self._spawn(w)
 
-    async def _busy_ports(self, w: Worker) -> list[int]:
-        return [port for port in (w.spec.port, w.spec.rpc) if await _listening(w.spec.host, port)]
+    def _busy_ports(self, w: Worker) -> list[int]:
+        rpc_host = w.spec.rpc_host or w.spec.host
+        return [port for host, port in ((w.spec.host, w.spec.port), (rpc_host, w.spec.rpc)) if _port_taken(host, port)]
 
     async def _start_when_free(self, w: Worker) -> None:
-        while await self._busy_ports(w):
+        while self._busy_ports(w):
             await asyncio.sleep(self.settings.poll_s)
         async with w.lock:
             w._restart = None
@@ -695,7 +700,7 @@ class Supervisor:
     def _track(self, w: Worker, proc, argv: list[str], run_id: str, started_at: float) -> None:
         w.proc, w.pid, w.argv, w.run_id = proc, proc.pid, argv, run_id
         w.started_at, w.ready_at, w.probe, w.backoff_until, w.down_since = started_at, None, None, None, None
-        w.state = State.CRASH_LOOP if w.quick_exits >= self.settings.crash_loop_count else State.STARTING
+        w.state = State.CRASH_LOOP if w.failures >= self.settings.crash_loop_count else State.STARTING
         try:
             w._ps = psutil.Process(proc.pid) if w.spec.is_local else None
         except psutil.Error:
@@ -820,8 +825,9 @@ class Supervisor:
             return
         if ran >= self.settings.healthy_reset_s:
             w.backoff.reset()
-        w.quick_exits = w.quick_exits + 1 if ran < self.settings.crash_loop_s else 0
-        looping = w.quick_exits >= self.settings.crash_loop_count
+            w.failures = 0
+        w.failures += 1
+        looping = w.failures >= self.settings.crash_loop_count
         delay = w.backoff.next()
         w.state, w.backoff_until = (State.CRASH_LOOP if looping else State.BACKOFF), now + delay
         self.emit(
@@ -831,8 +837,8 @@ class Supervisor:
             self.emit(
                 w.name,
                 "crash-loop",
-                f"{w.quick_exits} exits in a row within {self.settings.crash_loop_s:g} s of "
-                f"the start; last stderr: {w.last_err or '(none)'}",
+                f"{w.failures} exits in a row, none after a healthy run ({self.settings.healthy_reset_s:g} s); "
+                f"last line: {w.last_err or '(none)'}",
             )
         w._restart = self._task(self._restart_later(w, delay))
 
@@ -902,7 +908,7 @@ class Supervisor:
             return
         old, w.state, now = w.state, new, self.clock()
         if new == State.READY:
-            w.ready_at, w.quick_exits = now, 0
+            w.ready_at = now
             if w.down_since is not None:
                 self.emit(w.name, "ready", f"ready again after {now - w.down_since:.1f} s {old.value}")
             elif w.managed and w.started_at:

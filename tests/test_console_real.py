@@ -131,9 +131,8 @@ async def test_an_attached_console_and_the_supervising_one_converge_on_a_split_a
 async def test_a_missing_model_is_a_named_crash_loop_in_the_row_and_the_events(tmp_path):
     profile = real_profile(tmp_path / "no-such-model.gguf")
     profile.peers = []
-    # Generous "quick exit" window: a slow machine's torch import must not hide the loop.
     profile.supervisor = SupervisorSettings(
-        poll_s=0.25, grace_s=10, backoff_initial_s=0.1, backoff_max_s=0.5, crash_loop_s=120, crash_loop_count=2
+        poll_s=0.25, grace_s=10, backoff_initial_s=0.1, backoff_max_s=0.5, crash_loop_count=2
     )
     sup = Supervisor(profile, log_dir=tmp_path)
     app = HydraConsole(sup, load_model_shape=False)

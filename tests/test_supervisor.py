@@ -343,6 +343,32 @@ async def test_a_port_held_by_another_process_is_named_and_the_worker_starts_onc
     assert sup.head.state == State.STOPPED
 
 
+async def test_a_listener_that_never_accepts_is_a_busy_port(tmp_path):
+    """Its backlog full, a connect to it times out as to a free port; a bind still finds it."""
+    import socket
+
+    profile = script_profile(tmp_path, "import time; time.sleep(60)\n", poll_s=0.1)
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", profile.head.rpc))
+    holder.listen(0)
+    clients = []
+    for _ in range(4):  # fill the accept queue: later connects hang
+        c = socket.socket()
+        c.setblocking(False)
+        c.connect_ex(("127.0.0.1", profile.head.rpc))
+        clients.append(c)
+    sup = new_supervisor(profile, tmp_path)
+    try:
+        await sup.start_worker("head")
+        assert not sup.head.running and sup.head.state == State.PORT_BUSY
+        err = next(e.message for e in sup.events if e.kind == "error")
+        assert f"port {profile.head.rpc} held by pid {os.getpid()}" in err
+    finally:
+        for c in [*clients, holder]:
+            c.close()
+        await sup.shutdown()
+
+
 async def test_remote_worker_runs_through_the_launcher_template(tmp_path):
     """A stand-in for ssh runs the remote command line in a shell, as sshd would; 127.0.0.2 is 'another host'."""
     fake_ssh = tmp_path / "fake_ssh.py"
@@ -503,6 +529,32 @@ async def test_quick_exits_are_a_named_crash_loop(tmp_path):
     assert sup.head.state == State.CRASH_LOOP  # a new try of a looping worker is not "starting"
     await sup.shutdown()
     assert sup.head.state == State.STOPPED
+
+
+async def test_slow_failures_are_a_named_crash_loop_too(tmp_path):
+    """Each try fails after longer than the old quick-exit window (a profile saved before still
+    carries `crash_loop_s`): counted by failures, it is a crash loop with its last line."""
+    go = tmp_path / "go"
+    body = (
+        "import os, sys, time\n"
+        f"while not os.path.exists({str(go)!r}):\n    time.sleep(0.05)\n"
+        "os.unlink(" + repr(str(go)) + ")\n"
+        "print('hydra-engine: error: cannot open model file /m.gguf', file=sys.stderr, flush=True)\nsys.exit(2)\n"
+    )
+    profile = script_profile(tmp_path, body, crash_loop_count=3)
+    profile.supervisor = SupervisorSettings.model_validate(
+        {**profile.supervisor.model_dump(), "crash_loop_s": 0.01, "healthy_reset_s": 3600}
+    )
+    sup = new_supervisor(profile, tmp_path)
+    await sup.start_worker("head")
+    for tries in range(1, 4):  # each try ends when the test says so, never by the clock
+        await wait_until(lambda: sup.head.running and sup.head.started_at < sup.clock() - 0.02)
+        go.touch()
+        await wait_until(lambda: sum(e.kind == "crashed" for e in sup.events) == tries)
+    assert sup.head.state == State.CRASH_LOOP
+    loop = [e.message for e in sup.events if e.kind == "crash-loop"]
+    assert loop and loop[0].startswith("3 exits in a row") and "cannot open model file /m.gguf" in loop[0]
+    await sup.shutdown()
 
 
 async def test_kill_9_of_the_console_then_a_new_console_adopts_and_stops_its_workers(tmp_path):
