@@ -20,6 +20,7 @@ from pathlib import Path
 
 from ..engine.errors import UserError
 from .config import default_profile, load_profile, resolve_profile_path, save_profile
+from .incidents import IncidentLog, incidents_path
 from .supervisor import State, Supervisor
 
 
@@ -101,7 +102,8 @@ def run(argv: list[str] | None = None) -> int:
     sup = Supervisor(
         profile, attach=args.attach, readonly=args.readonly, log_dir=args.log_dir, token=os.environ.get("HYDRA_TOKEN")
     )
-    app = HydraConsole(sup, readonly=args.readonly, theme=theme, profile_path=path)
+    incidents = IncidentLog(profile.alerts, incidents_path(sup), writes=not sup.attach_only)
+    app = HydraConsole(sup, readonly=args.readonly, theme=theme, profile_path=path, incidents=incidents)
     try:
         app.run()
     finally:

@@ -333,6 +333,7 @@ class Supervisor:
                 backoff=Backoff(self.settings.backoff_initial_s, self.settings.backoff_max_s),
             )
         self._listeners: list[Callable[[Event], None]] = []
+        self._status_listeners: list[Callable[[str, float, Status], None]] = []
         self._seq = itertools.count()
         self._tasks: set[asyncio.Task] = set()
         self._poller: asyncio.Task | None = None
@@ -346,6 +347,11 @@ class Supervisor:
     def subscribe(self, fn: Callable[[Event], None]) -> Callable[[], None]:
         self._listeners.append(fn)
         return lambda: self._listeners.remove(fn) if fn in self._listeners else None
+
+    def subscribe_status(self, fn: Callable[[str, float, Status], None]) -> Callable[[], None]:
+        """`fn(worker, time, status)` for every /status polled (what the incident log compares)."""
+        self._status_listeners.append(fn)
+        return lambda: self._status_listeners.remove(fn) if fn in self._status_listeners else None
 
     def emit(self, worker: str, kind: str, message: str) -> Event:
         ev = Event(self.clock(), worker, kind, message)
@@ -881,9 +887,15 @@ class Supervisor:
         w.misses = 0
         w.probe, w.probe_split_changes = p, split_changes
         if p.status is not None:
-            w.history.append((self.clock(), p.status))
+            ts = self.clock()
+            w.history.append((ts, p.status))
             w.prefill_hist.append(p.status.throughput.prefill_tok_s)
             w.decode_hist.append(p.status.throughput.decode_tok_s)
+            for fn in list(self._status_listeners):
+                try:
+                    fn(w.name, ts, p.status)
+                except Exception:  # an observer's bug must not stop supervision
+                    log.exception("status listener failed on %s", w.name)
         if w._ps is not None:
             try:
                 w.cpu_pct = w._ps.cpu_percent(None)

@@ -4,7 +4,8 @@ drops, a full queue or context, speculation's acceptance collapsing, latency spi
 that names the setting to change.
 
 Plain functions over plain data: `history` is the head's /status documents as polled, oldest
-first, as (time, Status); `events` the supervisor's events. No I/O, no Textual.
+first, as (time, Status); `events` the supervisor's events. No I/O, no Textual: `incidents.py`
+keeps what these find, for hours and across consoles.
 """
 
 from __future__ import annotations
@@ -70,72 +71,72 @@ def _kv_full(st: Status) -> list[int]:
     return [s.id for s in st.slots if s.n_ctx and s.n_past >= s.n_ctx - KV_FULL_MARGIN]
 
 
-def timeline(history: list[tuple[float, Status]], events: list[Event], alerts: Alerts) -> list[Incident]:
-    """Every incident, oldest first: the supervisor's events and the changes between polls."""
-    out = [Incident(e.ts, EVENT_INCIDENTS[e.kind], e.worker, e.message) for e in events if e.kind in EVENT_INCIDENTS]
-    for (_, prev), (ts, cur) in zip(history, history[1:]):
-        before = _peers(prev)
-        for addr, p in _peers(cur).items():
-            was = before.get(addr)
-            if was is not None and was.state != p.state and "down" in (was.state, p.state):
-                kind = "peer-down" if p.state == "down" else "peer-up"
-                out.append(
-                    Incident(
-                        ts, kind, addr, f"peer {addr} {was.state} → {p.state}" + (f" ({p.error})" if p.error else "")
-                    )
-                )
-            if (
-                p.rtt_ms is not None
-                and p.rtt_ms >= alerts.rtt_ms
-                and (was is None or was.rtt_ms is None or was.rtt_ms < alerts.rtt_ms)
-            ):
-                out.append(
-                    Incident(
-                        ts, "rtt-spike", addr, f"peer {addr} RTT {p.rtt_ms:.1f} ms (alert at {alerts.rtt_ms:g} ms)"
-                    )
-                )
-        if prev.pool and cur.pool and cur.pool.dropped > prev.pool.dropped:
+def event_incident(e: Event) -> Incident | None:
+    """A supervisor event as an incident, if it is one."""
+    kind = EVENT_INCIDENTS.get(e.kind)
+    return Incident(e.ts, kind, e.worker, e.message) if kind else None
+
+
+def status_incidents(prev: Status, cur: Status, ts: float, alerts: Alerts, subject: str = "head") -> list[Incident]:
+    """What changed between two polls of one worker's /status (`subject`): its peers, its pool, its
+    requests, its slots, speculation. A condition that lasts is one incident, at its start."""
+    out = []
+    before = _peers(prev)
+    for addr, p in _peers(cur).items():
+        was = before.get(addr)
+        if was is not None and was.state != p.state and "down" in (was.state, p.state):
+            kind = "peer-down" if p.state == "down" else "peer-up"
+            out.append(
+                Incident(ts, kind, addr, f"peer {addr} {was.state} → {p.state}" + (f" ({p.error})" if p.error else ""))
+            )
+        if (
+            p.rtt_ms is not None
+            and p.rtt_ms >= alerts.rtt_ms
+            and (was is None or was.rtt_ms is None or was.rtt_ms < alerts.rtt_ms)
+        ):
+            out.append(
+                Incident(ts, "rtt-spike", addr, f"peer {addr} RTT {p.rtt_ms:.1f} ms (alert at {alerts.rtt_ms:g} ms)")
+            )
+    if prev.pool and cur.pool and cur.pool.dropped > prev.pool.dropped:
+        out.append(
+            Incident(
+                ts,
+                "pool-drop",
+                subject,
+                f"RPC pool dropped {cur.pool.dropped - prev.pool.dropped} connection(s): its queue was full",
+            )
+        )
+    r0, r1 = prev.requests, cur.requests
+    if r0 and r1:
+        if r1.rejected_total > r0.rejected_total:
             out.append(
                 Incident(
                     ts,
-                    "pool-drop",
-                    "head",
-                    f"RPC pool dropped {cur.pool.dropped - prev.pool.dropped} connection(s): its queue was full",
+                    "queue-full",
+                    subject,
+                    f"{r1.rejected_total - r0.rejected_total} request(s) refused: queue full ({r1.queued} waiting)",
                 )
             )
-        r0, r1 = prev.requests, cur.requests
-        if r0 and r1:
-            if r1.rejected_total > r0.rejected_total:
-                out.append(
-                    Incident(
-                        ts,
-                        "queue-full",
-                        "head",
-                        f"{r1.rejected_total - r0.rejected_total} request(s) refused: queue full ({r1.queued} waiting)",
-                    )
-                )
-            spiking = r1.itl_p99_ms is not None and r1.itl_p50_ms and r1.itl_p99_ms >= SPIKE_FACTOR * r1.itl_p50_ms
-            spiked = r0.itl_p99_ms is not None and r0.itl_p50_ms and r0.itl_p99_ms >= SPIKE_FACTOR * r0.itl_p50_ms
-            if spiking and not spiked:
-                out.append(
-                    Incident(
-                        ts,
-                        "latency-spike",
-                        "head",
-                        f"inter-token p99 {r1.itl_p99_ms:.0f} ms, {r1.itl_p99_ms / r1.itl_p50_ms:.0f}x its p50",
-                    )
-                )
-        full = set(_kv_full(cur)) - set(_kv_full(prev))
-        if full:
+        spiking = r1.itl_p99_ms is not None and r1.itl_p50_ms and r1.itl_p99_ms >= SPIKE_FACTOR * r1.itl_p50_ms
+        spiked = r0.itl_p99_ms is not None and r0.itl_p50_ms and r0.itl_p99_ms >= SPIKE_FACTOR * r0.itl_p50_ms
+        if spiking and not spiked:
             out.append(
-                Incident(ts, "kv-full", "head", f"slot(s) {', '.join(map(str, sorted(full)))} reached the context")
+                Incident(
+                    ts,
+                    "latency-spike",
+                    subject,
+                    f"inter-token p99 {r1.itl_p99_ms:.0f} ms, {r1.itl_p99_ms / r1.itl_p50_ms:.0f}x its p50",
+                )
             )
-        a0, a1 = prev.speculative.recent_acceptance, cur.speculative.recent_acceptance
-        if a0 is not None and a1 is not None and a0 >= HEALTHY and a1 < COLLAPSED:
-            out.append(
-                Incident(ts, "acceptance-collapse", "head", f"{cur.speculative.type} acceptance {a0:.0%} → {a1:.0%}")
-            )
-    return sorted(out, key=lambda i: i.ts)
+    full = set(_kv_full(cur)) - set(_kv_full(prev))
+    if full:
+        out.append(Incident(ts, "kv-full", subject, f"slot(s) {', '.join(map(str, sorted(full)))} reached the context"))
+    a0, a1 = prev.speculative.recent_acceptance, cur.speculative.recent_acceptance
+    if a0 is not None and a1 is not None and a0 >= HEALTHY and a1 < COLLAPSED:
+        out.append(
+            Incident(ts, "acceptance-collapse", subject, f"{cur.speculative.type} acceptance {a0:.0%} → {a1:.0%}")
+        )
+    return out
 
 
 def advise(history: list[tuple[float, Status]], events: list[Event], alerts: Alerts) -> list[Advice]:

@@ -22,6 +22,7 @@ from consoles import all_ready, console_process, fake_profile, kill_groups, unif
 from textual.command import CommandPalette
 
 from hydra_console.app.config import Alerts, Profile, SupervisorSettings, load_profile
+from hydra_console.app.incidents import IncidentLog, incidents_path
 from hydra_console.app.sources import FixedFeedSource, Probe
 from hydra_console.app.supervisor import State, Supervisor
 from hydra_console.app.ui.app import HydraConsole
@@ -251,6 +252,28 @@ async def test_after_a_kill_9_of_its_console_an_adopted_workers_new_log_lines_sh
         console.kill()
         console.wait()
         kill_groups(pids)
+
+
+async def test_a_peer_killed_before_a_console_restart_is_still_in_the_next_consoles_triage(tmp_path):
+    profile = fake_profile()
+    sup = Supervisor(profile, log_dir=tmp_path)
+    app = HydraConsole(sup, load_model_shape=False, incidents=IncidentLog(profile.alerts, incidents_path(sup)))
+    async with app.run_test(size=(120, 40)) as pilot:
+        await until(pilot, lambda: all_ready(sup))
+        peer = sup.workers["peer1"]
+        old = peer.pid
+        os.killpg(old, signal.SIGKILL)
+        await until(pilot, lambda: peer.pid != old and peer.state == State.READY)
+        app._stop_and_exit(True)
+        await until(pilot, lambda: not sup.running_managed())
+    later = Supervisor(profile, attach=True, source=FixedFeedSource({}))  # nothing runs now
+    app = HydraConsole(
+        later, load_model_shape=False, incidents=IncidentLog(profile.alerts, incidents_path(later), writes=False)
+    )
+    async with app.run_test(size=(120, 40)) as pilot:
+        await pilot.press("i")
+        timeline = str(app.screen.query_one("#triage-timeline").render())
+        assert f"peer1: pid {old} exited (SIGKILL)" in timeline and "restart" in timeline
 
 
 async def test_help_lists_remapped_keys_and_palette_has_every_action(tmp_path):

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from hydra_console.app.config import Alerts
-from hydra_console.app.supervisor import Event
-from hydra_console.app.triage import advise, timeline
+from hydra_console.app.config import Alerts, Profile
+from hydra_console.app.incidents import IncidentLog
+from hydra_console.app.sources import FixedFeedSource, Probe
+from hydra_console.app.supervisor import HISTORY, Event, Supervisor
+from hydra_console.app.triage import advise, event_incident, status_incidents
 from hydra_console.contracts.status import Status
 
 pytestmark = pytest.mark.unit
@@ -30,6 +32,14 @@ def doc(**kw) -> Status:
 
 def kinds(incidents) -> list[tuple[str, str]]:
     return [(i.kind, i.subject) for i in incidents]
+
+
+def timeline(history, events, alerts):
+    """Every incident of a history and events, oldest first, as the incident log records them."""
+    out = [i for e in events if (i := event_incident(e))]
+    for (_, prev), (ts, cur) in zip(history, history[1:]):
+        out += status_incidents(prev, cur, ts, alerts)
+    return sorted(out, key=lambda i: i.ts)
 
 
 def test_a_quiet_history_has_no_incident_and_no_advice():
@@ -140,3 +150,23 @@ def test_advice_names_the_setting():
     assert "dropped 2 connections: raise --rpc-pool-size or --rpc-queue" in got["pool-drop"]
     assert got["rtt:p2:9"].startswith("peer p2:9 RTT p99 40 ms: the hop is 35% of a step: move layers off it")
     assert got["crash-loop:peer1"] == "peer1 is crash-looping: fix the model path (the profile's `model`)"
+
+
+async def test_incidents_outlive_the_poll_history_and_the_console_and_age_out_after_keep_s(tmp_path):
+    now = [1000.0]
+    up, down = doc(), doc(peers=[{"addr": "p2:9", "state": "down", "error": "reset"}])
+    feed = FixedFeedSource({"head": Probe(True, 200, {"status": "ok"}, up)})
+    sup = Supervisor(Profile(peers=[]), attach=True, source=feed, clock=lambda: now[0])
+    path = tmp_path / "run" / "default.incidents.jsonl"
+    log = IncidentLog(ALERTS, path, clock=lambda: now[0], keep_s=86400)
+    log.follow(sup)
+    for i in range(HISTORY * 3):  # the peer goes down once, then polls go on for longer than the history
+        feed.probes["head"] = Probe(True, 200, {"status": "ok"}, down if i >= 1 else up)
+        now[0] += 1.0
+        await sup.poll_once()
+    assert all(st.peers[0].state == "down" for _, st in sup.head.history)  # the change left the history
+    assert ("peer-down", "p2:9") in kinds(log.since(0)) and len(log.incidents) == 2  # ready, peer-down
+    now[0] += 5 * 3600  # the console started after the page, hours later
+    assert ("peer-down", "p2:9") in kinds(IncidentLog(ALERTS, path, clock=lambda: now[0], keep_s=86400).since(0))
+    now[0] += 86400
+    assert IncidentLog(ALERTS, path, clock=lambda: now[0], keep_s=86400).since(0) == []

@@ -19,6 +19,7 @@ from ...contracts.split import split_arg
 from ...themes import THEMES
 from .. import display
 from ..config import resolve_profile_path, save_profile
+from ..incidents import IncidentLog
 from ..split_plan import ModelShape
 from ..supervisor import Supervisor, SupervisorError
 from .alerts import AlertsScreen
@@ -76,9 +77,12 @@ class HydraConsole(App):
         profile_path: Path | None = None,
         model_shape: ModelShape | None = None,
         load_model_shape: bool = True,
+        incidents: IncidentLog | None = None,
     ):
         super().__init__()
         self.supervisor = supervisor
+        # The triage timeline; the entry point passes the profile's file, else it lives in memory.
+        self.incidents = incidents or IncidentLog(supervisor.profile.alerts)
         self.readonly = readonly or supervisor.readonly
         self.profile_path = profile_path
         self.model_shape = model_shape
@@ -113,6 +117,7 @@ class HydraConsole(App):
             self.set_keymap(p.keys)
         self.push_screen(self.dashboard)
         self._unsubscribe = self.supervisor.subscribe(self._on_supervisor_event)
+        self._unfollow_incidents = self.incidents.follow(self.supervisor)
         self._refresh_timer = self.set_interval(self.refresh_s, self._tick)
         self._start_supervisor()
         self._on_signals()
@@ -136,6 +141,7 @@ class HydraConsole(App):
         if self._unsubscribe:
             self._unsubscribe()
             self._unsubscribe = None
+            self._unfollow_incidents()
 
     @work(exclusive=False, group="supervisor")
     async def _start_supervisor(self) -> None:

@@ -10,7 +10,7 @@ from textual.screen import Screen
 from textual.widgets import DataTable, Footer, Header, Label, RichLog, Sparkline, Static
 
 from .. import display
-from .triage import advice_and_timeline
+from . import triage
 
 SPARK_SAMPLES = 60  # the sparklines show the last minute at 1 Hz
 
@@ -160,7 +160,7 @@ class DashboardScreen(Screen):
         self.query_one("#info", Static).update(info)
 
         # The advisor strip: the first thing to change, when there is one (i: all, with the timeline).
-        advice, _ = advice_and_timeline(app)
+        advice = triage.advice(app)
         strip = self.query_one("#advice", Static)
         strip.display = bool(advice)
         if advice:

@@ -27,10 +27,10 @@ INCIDENT_TONES = {
 }
 
 
-def advice_and_timeline(app) -> tuple[list[triage.Advice], list[triage.Incident]]:
+def advice(app) -> list[triage.Advice]:
+    """What to change now: judged on the head's recent polls and this console's events."""
     sup = app.supervisor
-    history, events, alerts = list(sup.head.history), list(sup.events), sup.profile.alerts
-    return triage.advise(history, events, alerts), triage.timeline(history, events, alerts)
+    return triage.advise(list(sup.head.history), list(sup.events), sup.profile.alerts)
 
 
 class TriageScreen(Screen):
@@ -49,17 +49,15 @@ class TriageScreen(Screen):
 
     def refresh_view(self) -> None:
         app = self.app
-        advice, incidents = advice_and_timeline(app)
+        now_advice, incidents = advice(app), app.incidents.since(0)
         strip = Text()
-        for i, a in enumerate(advice):
+        for i, a in enumerate(now_advice):
             strip.append(("\n" if i else "") + f"⚑ {a.message}", style=app.tone_style("warn"))
         self.query_one("#triage-advice", Static).update(
-            strip if advice else Text("⚑ nothing to change now", style="dim")
+            strip if now_advice else Text("⚑ nothing to change now", style="dim")
         )
-        timeline = Text(
-            f"Timeline · {len(incidents)} incidents over the last {len(app.supervisor.head.history)} polls of the head\n",
-            style="bold",
-        )
+        since = f" since {time.strftime('%Y-%m-%d %H:%M', time.localtime(incidents[0].ts))}" if incidents else ""
+        timeline = Text(f"Timeline · {len(incidents)} incidents{since}\n", style="bold")
         for inc in incidents:
             tone = INCIDENT_TONES.get(inc.kind, "warn")
             stamp = time.strftime("%H:%M:%S", time.localtime(inc.ts))
