@@ -7,6 +7,7 @@ nothing depends on colour (NO_COLOR, colour-blind users, a monochrome SSH termin
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import time
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 
 import psutil
 
+from ..contracts.errors import UserError
 from ..contracts.footprint import compute_dtype, weight_form
 from ..contracts.status import READY_STAGE, Status
 from .config import Alerts
@@ -432,6 +434,20 @@ def active_alerts(sup: Supervisor, alerts: Alerts) -> dict[str, str]:
     return out
 
 
+def incident_line(inc) -> str:
+    """One incident of the timeline (a triage.Incident); dated, as the timeline spans days."""
+    return f"{time.strftime('%m-%d %H:%M:%S', time.localtime(inc.ts))} {inc.kind:<19} {inc.subject}: {inc.message}"
+
+
+def parse_since(text: str) -> float:
+    """ "90s", "30m", "2h", "7d" -> seconds (`hydra-console incidents --since`)."""
+    units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+    try:
+        return float(text[:-1]) * units[text[-1]]
+    except (KeyError, IndexError, ValueError):
+        raise UserError(f"--since {text!r}: expected a number and s, m, h or d, e.g. 2h") from None
+
+
 def event_line(ev: Event) -> str:
     who = f"{ev.worker}: " if ev.worker else ""
     return f"{time.strftime('%H:%M:%S', time.localtime(ev.ts))} {ev.kind:<11} {who}{ev.message}"
@@ -484,8 +500,9 @@ def log_line_text(line, with_worker: bool) -> str:
     return f"{ts} {who}{line.text}"
 
 
-def snapshot(sup: Supervisor) -> dict:
-    """The `--once --json` document: one entry per worker, /status included as reported."""
+def snapshot(sup: Supervisor, incidents: list = ()) -> dict:
+    """The `--once --json` document: one entry per worker, /status included as reported, and the
+    recent incidents (triage.Incident) the caller passes."""
     now = sup.clock()
     out = []
     for w in sup.workers.values():
@@ -505,8 +522,13 @@ def snapshot(sup: Supervisor) -> dict:
                 "status": p.status.to_json() if p and p.status else None,
             }
         )
-    return {"profile": sup.profile.name, "time": now, "workers": out}
+    return {
+        "profile": sup.profile.name,
+        "time": now,
+        "workers": out,
+        "incidents": [dataclasses.asdict(i) for i in incidents],
+    }
 
 
-def snapshot_json(sup: Supervisor) -> str:
-    return json.dumps(snapshot(sup), indent=2, sort_keys=False)
+def snapshot_json(sup: Supervisor, incidents: list = ()) -> str:
+    return json.dumps(snapshot(sup, incidents), indent=2, sort_keys=False)

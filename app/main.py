@@ -3,7 +3,8 @@
     hydra-console                         the default profile (below), else head + 1 peer on this machine
     hydra-console --profile lab           ~/.config/hydra-console/profiles/lab.toml (or a path)
     hydra-console --attach                watch workers that are already running, start nothing
-    hydra-console --once --json           one JSON snapshot of the profile's workers, then exit
+    hydra-console --once --json           one JSON snapshot of the profile's workers (and the last hour's incidents)
+    hydra-console incidents --since 2h    the profile's incidents for a postmortem (--json: one JSON list)
     hydra-console --write-profile p.toml  write the profile (default one if none given) and exit
 
 Profile lookup: --profile NAME|PATH; else <config dir>/profiles/default.toml if it exists (where
@@ -14,11 +15,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
+import json
 import os
 import sys
 from pathlib import Path
 
 from ..engine.errors import UserError
+from . import display
 from .config import default_profile, load_profile, resolve_profile_path, save_profile
 from .incidents import IncidentLog, incidents_path
 from .supervisor import State, Supervisor
@@ -31,11 +35,15 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=ONCE_CODES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    ap.add_argument(
+        "command", nargs="?", choices=["incidents"], help="incidents: print the profile's recorded incidents, exit"
+    )
+    ap.add_argument("--since", default="24h", help="with incidents: how far back (90s, 30m, 2h, 7d; default 24h)")
     ap.add_argument("--profile", "-p", default=None, help="profile name or TOML path (default: built-in head + 1 peer)")
     ap.add_argument("--attach", action="store_true", help="monitor workers already running; start and stop nothing")
     ap.add_argument("--readonly", action="store_true", help="watch only: start, stop, restart and apply nothing")
     ap.add_argument("--once", action="store_true", help="poll every worker once, print, exit (starts nothing)")
-    ap.add_argument("--json", action="store_true", help="with --once: print JSON")
+    ap.add_argument("--json", action="store_true", help="with --once or incidents: print JSON")
     ap.add_argument("--theme", default=os.environ.get("HYDRA_THEME", "dark"), help="dark, light or colourblind")
     ap.add_argument("--log-dir", default=None, help="folder of the per-worker log files")
     ap.add_argument(
@@ -62,16 +70,18 @@ def _profile(args):
     return default_profile(), None
 
 
-async def _once(sup: Supervisor, as_json: bool) -> str:
-    from . import display
+RECENT_S = 3600  # the incidents `--once --json` lists
 
+
+async def _once(sup: Supervisor, as_json: bool) -> str:
     try:
         await sup.poll_once()
     finally:
         await sup.source.aclose()
     healthy = all(w.state == State.READY for w in sup.workers.values())
     if as_json:
-        return display.snapshot_json(sup), healthy
+        recent = IncidentLog(sup.profile.alerts, incidents_path(sup), writes=False).since(sup.clock() - RECENT_S)
+        return display.snapshot_json(sup, recent), healthy
     now = sup.clock()
     rows = [list(display.WORKER_COLUMNS)] + [display.worker_row(w, sup, now)[0] for w in sup.workers.values()]
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
@@ -80,9 +90,20 @@ async def _once(sup: Supervisor, as_json: bool) -> str:
 
 def run(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.json and not args.once:
-        raise UserError("--json needs --once")
+    if args.json and not (args.once or args.command):
+        raise UserError("--json needs --once or incidents")
     profile, path = _profile(args)
+    if args.command == "incidents":
+        sup = Supervisor(profile, attach=True)
+        found = IncidentLog(profile.alerts, incidents_path(sup), writes=False).since(
+            sup.clock() - display.parse_since(args.since)
+        )
+        print(
+            json.dumps([dataclasses.asdict(i) for i in found], indent=1)
+            if args.json
+            else "\n".join(display.incident_line(i) for i in found) or f"no incidents in the last {args.since}"
+        )
+        return 0
     if args.write_profile:
         # Named after its file: a copy must not share the original's log and state files.
         target = Path(args.write_profile).expanduser()

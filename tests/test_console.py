@@ -21,7 +21,7 @@ import pytest
 from consoles import all_ready, console_process, fake_profile, kill_groups, uniform_shape, until
 from textual.command import CommandPalette
 
-from hydra_console.app.config import Alerts, Profile, SupervisorSettings, load_profile
+from hydra_console.app.config import Alerts, Profile, SupervisorSettings, load_profile, save_profile
 from hydra_console.app.incidents import IncidentLog, incidents_path
 from hydra_console.app.sources import FixedFeedSource, Probe
 from hydra_console.app.supervisor import State, Supervisor
@@ -274,6 +274,14 @@ async def test_a_peer_killed_before_a_console_restart_is_still_in_the_next_conso
         await pilot.press("i")
         timeline = str(app.screen.query_one("#triage-timeline").render())
         assert f"peer1: pid {old} exited (SIGKILL)" in timeline and "restart" in timeline
+    # For the postmortem: the command line lists them too.
+    path = save_profile(profile, tmp_path / "p.toml")
+    text = run_cli("incidents", "--since", "2h", "--profile", str(path)).stdout
+    assert f"peer1: pid {old} exited (SIGKILL)" in text
+    doc = json.loads(run_cli("incidents", "--since", "2h", "--json", "--profile", str(path)).stdout)
+    assert {"kind": "crash", "subject": "peer1"}.items() <= next(i for i in doc if i["kind"] == "crash").items()
+    once = json.loads(run_cli("--once", "--json", "--profile", str(path)).stdout)
+    assert any(f"pid {old} exited (SIGKILL)" in i["message"] for i in once["incidents"])
 
 
 async def test_help_lists_remapped_keys_and_palette_has_every_action(tmp_path):
@@ -321,8 +329,6 @@ def run_cli(*args, timeout=60) -> subprocess.CompletedProcess:
 async def test_once_json_reports_running_workers_without_starting_any(tmp_path):
     profile = fake_profile()
     path = tmp_path / "p.toml"
-    from hydra_console.app.config import save_profile
-
     save_profile(profile, path)
     sup = Supervisor(profile, log_dir=tmp_path)
     await sup.start()
@@ -377,7 +383,7 @@ def test_write_profile_errors_are_clean(tmp_path, where, needle):
 
 
 def test_a_profile_saved_at_the_default_location_is_used_by_a_plain_console(tmp_path):
-    from hydra_console.app.config import resolve_profile_path, save_profile
+    from hydra_console.app.config import resolve_profile_path
 
     profile = fake_profile()
     save_profile(profile, resolve_profile_path("default"))  # where the console saves the built-in profile
@@ -397,8 +403,6 @@ def _console_in_a_pty(profile, tmp_path):
     nobody reads blocks the app's writes); returns its pid, the pty and its workers' pids once they serve."""
     import pty
     import threading
-
-    from hydra_console.app.config import save_profile
 
     profile.supervisor.log_dir = str(tmp_path / "logs")
     path = save_profile(profile, tmp_path / "p.toml")

@@ -13,7 +13,7 @@ from textual.containers import VerticalScroll
 from textual.screen import Screen
 from textual.widgets import Footer, Header, Static
 
-from .. import triage
+from .. import display, triage
 
 INCIDENT_TONES = {
     "crash": "error",
@@ -60,6 +60,5 @@ class TriageScreen(Screen):
         timeline = Text(f"Timeline · {len(incidents)} incidents{since}\n", style="bold")
         for inc in incidents:
             tone = INCIDENT_TONES.get(inc.kind, "warn")
-            stamp = time.strftime("%H:%M:%S", time.localtime(inc.ts))
-            timeline.append(f"{stamp} {inc.kind:<19} {inc.subject}: {inc.message}\n", style=app.tone_style(tone))
+            timeline.append(display.incident_line(inc) + "\n", style=app.tone_style(tone))
         self.query_one("#triage-timeline", Static).update(timeline)
