@@ -220,12 +220,14 @@ class ModelTensors:
         return self.layer_kv(il, positions, kv_types, dtype) + self.layer_state(il, n_slots + gpu)
 
     def head_weights(self, form: str, dtype: str = "auto", *, gpu: bool) -> int:
-        """The head's own tensors: the embedding (held on a GPU only; one copy with a tied output
-        head that stays quantized), the output head, the output norm."""
+        """The head's own tensors: the embedding (held on a GPU only when it is dense or also the
+        output head: one copy, quantized; a quantized untied one stays in pinned host memory), the
+        output head, the output norm."""
         out = sum(tensor_bytes(t, form, dtype) for t in self.head_vectors)
         head = self.output or self.embedding
+        quantized = form == "quantized" and self.embedding is not None and self.embedding.type_name in QUANT_BLOCKS
         shared = self.output is None and form == "quantized" and head.type_name in QUANT_BLOCKS
-        if gpu and self.embedding is not None and not shared:
+        if gpu and self.embedding is not None and not shared and not (quantized and self.output is not None):
             out += tensor_bytes(self.embedding, form, dtype)
         return out + tensor_bytes(head, form, dtype, output_head=True)
 

@@ -161,6 +161,25 @@ def test_kernel_dequantize_is_bit_exact(qt):
         torch.testing.assert_close(bf16.float(), ref, rtol=2**-7, atol=0)
 
 
+@kernels
+@pytest.mark.parametrize("qt", [T.Q5_K, T.Q6_K, T.Q8_0], ids=lambda t: t.name)
+def test_embedding_rows_are_gathered_by_the_kernel_from_pinned_host_planes(qt):
+    """The token embedding on a GPU worker stays in pinned host memory (llama.cpp's placement): the
+    lookup kernel reads only the rows asked for, bit-exact, ids in any order and repeated."""
+    from hydra_console.engine.kernels.triton_qmatmul import kernel_rows
+
+    raw = random_blocks((300, 2 * _k(qt)), qt, 1 / 16, np.random.default_rng(3))
+    ref = dequantize(raw, qt, (300, 2 * _k(qt)))
+    ids = torch.tensor([7, 299, 0, 7, 150], device=KERNEL_DEVICE)
+    if KERNEL_DEVICE == "cuda":
+        w = QuantWeight.from_gguf(raw, qt, (300, 2 * _k(qt)), device="cuda", pinned=True)
+        assert w.device.type == "cpu" and all(t.is_pinned() for t in w.planes.values())
+        assert torch.equal(w.rows(ids), ref.cuda()[ids])
+    else:  # under the interpreter the planes are plain host tensors: the same kernel, the same gather
+        w = QuantWeight.from_gguf(raw, qt, (300, 2 * _k(qt)))
+    assert torch.equal(kernel_rows(w, ids, torch.float32).cpu(), ref[ids.cpu()])
+
+
 def test_k_quant_scale_fields_round_trip():
     """`sm` and `dm` hold a K-quant block's d, dmin and every 6-bit scale and min, whatever its bytes."""
     from hydra_console.engine.quant import _scale_min_k4

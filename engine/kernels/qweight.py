@@ -169,10 +169,11 @@ class QuantWeight:
         self.planes = planes
 
     @classmethod
-    def from_gguf(cls, raw, qtype, shape, device: str | torch.device = "cpu") -> QuantWeight:
+    def from_gguf(cls, raw, qtype, shape, device: str | torch.device = "cpu", *, pinned: bool = False) -> QuantWeight:
         """From a tensor's GGUF bytes (numpy or uint8 torch, e.g. `GGUFFile.raw`) of torch `shape` [n, k].
 
-        The repack runs on `device`, so a GPU does the bit shuffling of a big tensor.
+        The repack runs on `device`, so a GPU does the bit shuffling of a big tensor. `pinned`: the
+        planes are kept in page-locked host memory instead (read by `rows` from a GPU), a slice at a time.
         """
         qt = T(qtype)
         if qt not in LAYOUTS:
@@ -193,7 +194,8 @@ class QuantWeight:
         for r0 in range(0, n, step):
             part = _repack(data[r0 * row_bytes : (r0 + step) * row_bytes].to(device), qt, k)
             for name, t in part.items():
-                planes.setdefault(name, torch.empty(n, t.shape[1], dtype=t.dtype, device=t.device))[r0 : r0 + step] = t
+                where = {"device": "cpu", "pin_memory": True} if pinned else {"device": t.device}
+                planes.setdefault(name, torch.empty(n, t.shape[1], dtype=t.dtype, **where))[r0 : r0 + step] = t
         return cls(qt, (n, k), planes)
 
     @classmethod
@@ -229,7 +231,12 @@ class QuantWeight:
         )
 
     def rows(self, ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """Dequantized rows [*ids.shape, k]: the embedding lookup, touching only those rows."""
+        """Dequantized rows [*ids.shape, k]: the embedding lookup, touching only those rows. Ids on a
+        GPU read the planes where they are, on that GPU or pinned on the host (`from_gguf(pinned=)`)."""
+        if ids.device.type == "cuda":
+            from .triton_qmatmul import kernel_rows
+
+            return kernel_rows(self, ids, dtype).view(*ids.shape, self.shape[1])
         return self.take(ids).dequantize(dtype).view(*ids.shape, self.shape[1])
 
     def dequantize(self, dtype: torch.dtype = torch.float32, out: torch.Tensor | None = None) -> torch.Tensor:

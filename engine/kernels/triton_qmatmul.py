@@ -118,6 +118,7 @@ def _dequant_kernel(
     sc_ptr,
     m_ptr,
     out_ptr,
+    ids_ptr,
     N,
     K,
     q_stride,
@@ -130,12 +131,15 @@ def _dequant_kernel(
     G: tl.constexpr,
     HAS_M: tl.constexpr,
     HAS_MN: tl.constexpr,
+    HAS_IDS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
+    """Rows of the weight into `out`; with HAS_IDS, output row i is weight row ids[i] (the embedding)."""
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)[:, None, None]
     r_ok = rows < N
-    r = rows.to(tl.int64)
+    r_out = rows.to(tl.int64)
+    r = tl.load(ids_ptr + rows, mask=r_ok, other=0).to(tl.int64) if HAS_IDS else r_out
     k_lo = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K // 32)[None, :, None] * 32
     i = tl.arange(0, 16)[None, None, :]
     p = k_lo // 2 + i
@@ -147,8 +151,8 @@ def _dequant_kernel(
     k = k_lo + i
     ok = r_ok & (k < K)
     dt = out_ptr.dtype.element_ty
-    tl.store(out_ptr + r * K + k, w_lo.to(dt), mask=ok)
-    tl.store(out_ptr + r * K + k + 16, w_hi.to(dt), mask=ok)
+    tl.store(out_ptr + r_out * K + k, w_lo.to(dt), mask=ok)
+    tl.store(out_ptr + r_out * K + k + 16, w_hi.to(dt), mask=ok)
 
 
 X_TERM_BYTES = 48  # one int8 term of a 32-element tile of x: 32 codes, scale, two sums, padding
@@ -424,13 +428,23 @@ def _layout_args(qtype: int, q, h, d, sc, m) -> tuple[list, list, dict]:
     return ptrs, strides, consts
 
 
-def _dequant_launch(q, h, d, sc, m, qtype: int, out: torch.Tensor) -> None:
+def _dequant_launch(q, h, d, sc, m, qtype: int, out: torch.Tensor, ids: torch.Tensor | None = None) -> None:
     n, k = out.shape
     ptrs, strides, consts = _layout_args(qtype, q, h, d, sc, m)
     block_n, block_k = 16, 256
     # No fused multiply-adds: float32 output equals quant.dequantize bit for bit.
     _dequant_kernel[(triton.cdiv(n, block_n), triton.cdiv(k, block_k))](
-        *ptrs, out, n, k, *strides, **consts, BLOCK_N=block_n, BLOCK_K=block_k, enable_fp_fusion=False
+        *ptrs,
+        out,
+        out if ids is None else ids,
+        n,
+        k,
+        *strides,
+        **consts,
+        HAS_IDS=ids is not None,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        enable_fp_fusion=False,
     )
 
 
@@ -452,6 +466,30 @@ def qdequant(
 @qdequant.register_fake
 def _(q, h, d, sc, m, qtype, dtype):
     return q.new_empty(q.shape[0], q.shape[1] * 2, dtype=dtype)
+
+
+@torch.library.custom_op("hydra::qembed", mutates_args=())
+def qembed(
+    ids: torch.Tensor,
+    q: torch.Tensor,
+    h: torch.Tensor | None,
+    d: torch.Tensor,
+    sc: torch.Tensor | None,
+    m: torch.Tensor | None,
+    qtype: int,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """Rows `ids` (on the GPU) of a weight whose planes may lie in pinned host memory (the token
+    embedding, as llama.cpp keeps it): the kernel reads just those rows across the bus, on the
+    device's stream, so a lookup is still graph-capturable and never waits for the host."""
+    out = torch.empty(ids.numel(), q.shape[1] * 2, dtype=dtype, device=ids.device)
+    _dequant_launch(q, h, d, sc, m, qtype, out, ids.reshape(-1))
+    return out
+
+
+@qembed.register_fake
+def _(ids, q, h, d, sc, m, qtype, dtype):
+    return ids.new_empty(ids.numel(), q.shape[1] * 2, dtype=dtype)
 
 
 @torch.library.custom_op("hydra::qdequant_into", mutates_args=("out",))
@@ -548,6 +586,11 @@ def kernel_dequantize(w: QuantWeight, dtype: torch.dtype, out: torch.Tensor | No
         return qdequant(*planes_args(w), dtype)
     qdequant_into(*planes_args(w), out)
     return out
+
+
+def kernel_rows(w: QuantWeight, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Dequantized rows `ids` (a CUDA tensor) of `w`, its planes on that GPU or pinned on the host."""
+    return qembed(ids, *planes_args(w), dtype)
 
 
 def fused_matmul(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:

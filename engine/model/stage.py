@@ -103,7 +103,8 @@ def _collect_storages(obj, out: dict[int, int]) -> None:
     """{storage pointer: bytes} of every tensor in `obj`, through containers and the model's weight
     holders (not a layer's KV cache: `kv_bytes` counts it)."""
     if isinstance(obj, torch.Tensor):
-        out[obj.untyped_storage().data_ptr()] = obj.untyped_storage().nbytes()
+        if not obj.is_pinned():  # the host's (the embedding table): no device memory
+            out[obj.untyped_storage().data_ptr()] = obj.untyped_storage().nbytes()
     elif isinstance(obj, dict):
         _collect_storages(list(obj.values()), out)
     elif isinstance(obj, (list, tuple)):
@@ -169,11 +170,13 @@ class Stage:
         self.assign(*layers)
         if embed:
             self._embd_info = weights.tensor("token_embd.weight")
-            # On a GPU the table lives on the device (graph-capturable lookups); on CPU rows are
-            # dequantized from the mmap as they are looked up, so a 262k-row table costs nothing at load.
+            # On a GPU a quantized table stays in pinned host memory, as llama.cpp keeps it (a 27B's
+            # 248k rows are 0.8 GiB of a 16 GB card), unless it is also the output head (tied): the
+            # lookup kernel reads just the rows asked for across the bus, graph-capturable. On CPU rows
+            # are dequantized from the mmap as they are looked up, so a big table costs nothing at load.
             self._embd_table = None
             if self.device.type == "cuda":
-                q = weights.quant("token_embd.weight")
+                q = weights.quant("token_embd.weight", pinned=not cfg.tied)
                 self._embd_table = q if q is not None else weights.dense(["token_embd.weight"])
         if head:
             self.output_norm = weights.vector("output_norm.weight")

@@ -199,10 +199,11 @@ class Weights:
     def vector(self, name: str) -> torch.Tensor:
         return self.f32(name).to(self.device)
 
-    def quant(self, name: str) -> QuantWeight | None:
+    def quant(self, name: str, *, pinned: bool = False) -> QuantWeight | None:
         """The tensor kept quantized on the device, or None when it stays dense: quantization is
         off, the tensor is F32/F16/BF16, or its type has no kernel (then it is expanded, logged and
-        listed in `expanded`). One copy per tensor: Gemma's tied embedding and output share it."""
+        listed in `expanded`). One copy per tensor: Gemma's tied embedding and output share it.
+        `pinned`: kept in page-locked host memory, read row by row from the GPU (an untied embedding)."""
         t = self.tensor(name)
         if not self.quantized or t.ggml_type in DENSE_TYPES:
             return None
@@ -218,7 +219,9 @@ class Weights:
                 self.expanded.append(name)
             return None
         if name not in self._quant:
-            self._quant[name] = QuantWeight.from_gguf(self.g.raw(name), t.ggml_type, t.shape, self.device)
+            self._quant[name] = QuantWeight.from_gguf(
+                self.g.raw(name), t.ggml_type, t.shape, self.device, pinned=pinned
+            )
         return self._quant[name]
 
     def _joined(self, names: list[str], parts: list[QuantWeight]) -> list[QuantWeight]:
