@@ -458,6 +458,7 @@ EVENT_TONES = {
     "crashed": "error",
     "crash-loop": "error",
     "adopted": "busy",
+    "attached": "busy",
     "killed": "error",
     "error": "error",
     "unreachable": "error",

@@ -306,15 +306,17 @@ class Supervisor:
         self.source = source or HttpStatusSource()
         self.clock = clock
         self.auto_restart = auto_restart
-        self.readonly = readonly
-        self.attach_only = attach or readonly  # read-only: starts, stops and applies nothing
+        self.state_path = Path(state_path) if state_path else state_dir() / "run" / f"{profile.name}.json"
+        # A second console of a profile that a live console runs watches it, read-only, instead of
+        # competing for its workers (or showing them as stopped).
+        self.owner = None if attach or readonly else self._owning_console()
+        self.readonly = readonly or self.owner is not None
+        self.attach_only = attach or self.readonly  # read-only: starts, stops and applies nothing
         self.split = list(profile.split) if profile.split else None  # what a (re)start of the head launches
         self.run_id = uuid.uuid4().hex[:12]
         self.identity = f"hydra-console pid {os.getpid()} on {socket.gethostname()}"
-        self.state_path = Path(state_path) if state_path else state_dir() / "run" / f"{profile.name}.json"
         self.token = token or profile_token(self.state_path.with_suffix(".token"))
         self.detached = False
-        self._foreign: set[str] = set()  # workers of this profile another live console runs
         self.log_dir = Path(log_dir or self.settings.log_dir or state_dir() / "logs")
         self.events: deque[Event] = deque(maxlen=1000)
         self.merged_log: deque[LogLine] = deque(maxlen=self.settings.ring_lines * 2)
@@ -463,6 +465,13 @@ class Supervisor:
         """Begin polling and start every managed worker (peers first: the head waits for them)."""
         if self._poller is None:
             self._poller = asyncio.create_task(self._poll_loop())
+        if self.owner is not None:
+            self.emit(
+                "",
+                "attached",
+                f"console pid {self.owner} runs this profile's workers: watching them read-only "
+                "(that console starts, stops and re-splits them)",
+            )
         if not self.attach_only:
             self._adopt()
         for w in self.workers.values():
@@ -470,7 +479,7 @@ class Supervisor:
                 w.logfile.follow_from_tail(self.settings.ring_lines)
                 self._follow_log(w)
         for w in [*list(self.workers.values())[1:], self.head]:
-            if w.managed and not w.running and w.name not in self._foreign:
+            if w.managed and not w.running:
                 await self.start_worker(w.name)
 
     def _managed(self, name: str, verb: str) -> Worker:
@@ -713,30 +722,32 @@ class Supervisor:
             w._ps = None
         self._save_state()
 
-    def _adopt(self) -> None:
-        """Take over this profile's workers that a previous console started and left running."""
+    def _run_file(self) -> tuple[object, dict]:
+        """The run file's console pid and worker entries (None, {} when there is none)."""
         try:
             doc = json.loads(self.state_path.read_text())
-            entries = dict(doc["workers"])
+            return doc.get("console_pid"), dict(doc["workers"])
         except (OSError, ValueError, KeyError, TypeError):
-            return
-        owner = doc.get("console_pid")
-        owner_alive = isinstance(owner, int) and owner != os.getpid() and psutil.pid_exists(owner)
+            return None, {}
+
+    def _owning_console(self) -> int | None:
+        """Another live console that runs workers of this profile: its pid."""
+        owner, entries = self._run_file()
+        if not isinstance(owner, int) or owner == os.getpid() or not psutil.pid_exists(owner):
+            return None
+        specs = {s.name: s for s in self.profile.workers if s.is_local}
+        live = any(isinstance(e, dict) and n in specs and _ours(e, specs[n]) for n, e in entries.items())
+        return owner if live else None
+
+    def _adopt(self) -> None:
+        """Take over this profile's workers that a previous console started and left running."""
+        owner, entries = self._run_file()
         for name, entry in entries.items():
             w = self.workers.get(name)
             if w is None or not w.managed or w.running or not w.spec.is_local:
                 continue
             ps = _ours(entry, w.spec) if isinstance(entry, dict) else None
             if ps is None:
-                continue
-            if owner_alive:  # two consoles must not both restart one worker
-                self._foreign.add(name)
-                self.emit(
-                    name,
-                    "error",
-                    f"pid {ps.pid} is run by console pid {owner}, which is alive: "
-                    "not started here (--attach watches it)",
-                )
                 continue
             w.wanted = True
             w.backoff.reset()
@@ -747,7 +758,7 @@ class Supervisor:
             self.emit(
                 w.name,
                 "adopted",
-                f"pid {ps.pid} (run {entry['run_id']}, left by console pid {doc.get('console_pid', '?')})",
+                f"pid {ps.pid} (run {entry['run_id']}, left by console pid {owner or '?'})",
             )
             w._watch = self._task(self._wait(w, w.proc))
         self._save_state()

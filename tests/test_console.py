@@ -17,6 +17,7 @@ import sys
 import time
 
 import httpx
+import psutil
 import pytest
 from consoles import all_ready, console_process, fake_profile, kill_groups, uniform_shape, until
 from textual.command import CommandPalette
@@ -282,6 +283,32 @@ async def test_a_peer_killed_before_a_console_restart_is_still_in_the_next_conso
     assert {"kind": "crash", "subject": "peer1"}.items() <= next(i for i in doc if i["kind"] == "crash").items()
     once = json.loads(run_cli("--once", "--json", "--profile", str(path)).stdout)
     assert any(f"pid {old} exited (SIGKILL)" in i["message"] for i in once["incidents"])
+
+
+async def test_a_second_console_watches_the_live_workers_read_only_and_names_the_owner(tmp_path):
+    profile = fake_profile()
+    console = console_process(profile, tmp_path)
+    pids = []
+    try:
+        pids = [int(x) for x in (await asyncio.wait_for(asyncio.to_thread(console.stdout.readline), 60)).split()]
+        sup = Supervisor(profile, log_dir=tmp_path / "logs")
+        app = HydraConsole(sup, load_model_shape=False)
+        async with app.run_test(size=(120, 40)) as pilot:
+            table = app.dashboard.query_one("#workers")
+            await until(pilot, lambda: all("ready" in str(table.get_cell(n, "state")) for n in ("head", "peer1")))
+            assert [str(table.get_cell(n, "pid")) for n in ("head", "peer1")] == [str(p) for p in pids]
+            assert "READ-ONLY" in app.sub_title and f"workers run by console pid {console.pid}" in app.sub_title
+            await until(pilot, lambda: "no device data yet" not in str(app.dashboard.query_one("#memory").render()))
+            await until(pilot, lambda: any(f"started pid {pids[0]}" in ln.text for ln in sup.head.log))  # its log
+            await pilot.press("R")
+            assert not isinstance(app.screen, ConfirmScreen)  # refused: read-only
+            await pilot.press("q")  # nothing of its own to stop: quits at once, the workers stay
+            await pilot.pause(0.2)
+        assert console.poll() is None and all(psutil.pid_exists(p) for p in pids)
+    finally:
+        console.kill()
+        console.wait()
+        kill_groups(pids)
 
 
 async def test_help_lists_remapped_keys_and_palette_has_every_action(tmp_path):

@@ -610,16 +610,18 @@ async def test_detach_leaves_the_workers_running_for_the_next_console(tmp_path):
     await wait_until(lambda: not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE)
 
 
-async def test_workers_of_a_live_console_are_neither_adopted_nor_duplicated(tmp_path):
+async def test_workers_of_a_live_console_are_watched_not_adopted_nor_duplicated(tmp_path):
     profile = fake_profile(peers=0)
     console = console_process(profile, tmp_path)
     pid = None
     try:
         pid = int(await asyncio.wait_for(asyncio.to_thread(console.stdout.readline), 60))
         sup = Supervisor(profile, log_dir=tmp_path / "logs")
+        assert sup.owner == console.pid and sup.readonly and not sup.head.managed  # it watches
         await sup.start()
         assert not sup.head.running and not sup.running_managed()
-        assert any(e.kind == "error" and f"run by console pid {console.pid}" in e.message for e in sup.events)
+        assert any(e.kind == "attached" and f"console pid {console.pid} runs" in e.message for e in sup.events)
+        await wait_until(lambda: sup.head.state == State.READY and sup.head.shown_pid() == pid)
         await sup.shutdown()
         assert psutil.pid_exists(pid)
     finally:

@@ -168,6 +168,7 @@ class HydraConsole(App):
             [
                 f"profile {self.supervisor.profile.name}",
                 *(["READ-ONLY"] if self.readonly else []),
+                *([f"workers run by console pid {self.supervisor.owner}"] if self.supervisor.owner else []),
                 *(["PAUSED (p)"] if self.paused else []),
                 f"refresh {self.refresh_s:g} s",
             ]
