@@ -18,8 +18,12 @@ from .config import (
     BODY_BYTES_PER_TOKEN,
     DEFAULT_BATCH_TOKENS,
     DEFAULT_BATCH_TOKENS_GPU,
+    DEFAULT_BODY_TIMEOUT,
+    DEFAULT_HEADER_TIMEOUT,
+    DEFAULT_MAX_RESPONSE,
     ENVIRONMENT,
     KV_CACHE_TYPES,
+    MAX_CONNECTIONS_CAP,
     compile_cache_env,
     cuda_env,
     default_cache_dir,
@@ -195,6 +199,47 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument(
         "--max-queue", type=int, default=64, help="requests waiting beyond the busy slots; more get 503 + Retry-After"
+    )
+    s.add_argument(
+        "--max-n",
+        type=int,
+        default=None,
+        help="choices (n) one request may ask for, 400 above (default: --parallel); a request keeps at "
+        "most --parallel - 1 of them in the engine at once, the rest follow as they finish",
+    )
+    s.add_argument(
+        "--max-response",
+        type=int,
+        default=DEFAULT_MAX_RESPONSE,
+        help=f"largest non-streamed response body in bytes (embeddings above all), 400 above (default "
+        f"{DEFAULT_MAX_RESPONSE >> 20} MiB)",
+    )
+    s.add_argument(
+        "--max-connections",
+        type=int,
+        default=None,
+        help=f"open HTTP connections in all; more are answered 503 and closed (default: half of ulimit -n, "
+        f"at most {MAX_CONNECTIONS_CAP})",
+    )
+    s.add_argument(
+        "--max-client-connections",
+        type=int,
+        default=None,
+        help="open HTTP connections per client address; more are answered 503 and closed (default: a "
+        "quarter of --max-connections)",
+    )
+    s.add_argument(
+        "--header-timeout",
+        type=float,
+        default=DEFAULT_HEADER_TIMEOUT,
+        help="seconds for a request's headers to arrive (from the connection's start or the previous "
+        "response's end); then the connection is closed",
+    )
+    s.add_argument(
+        "--body-timeout",
+        type=float,
+        default=DEFAULT_BODY_TIMEOUT,
+        help="seconds for a request's body to arrive once its headers have; then 408 and the connection is closed",
     )
     s.add_argument(
         "-n",

@@ -36,6 +36,11 @@ MAX_DRAFT = 32  # per-request cap: beyond this a draft costs more verify compute
 # (a token is ~4 characters, at most 6 bytes each as \uXXXX) and token-id prompts ("123456, ").
 BODY_BYTES_PER_TOKEN = 64
 MIN_MAX_BODY = 1 << 20
+DEFAULT_MAX_RESPONSE = 64 << 20  # bytes of one non-streamed response body; above: 400 naming --max-response
+MAX_CHOICES = 128  # OpenAI's bound on `n`
+DEFAULT_HEADER_TIMEOUT = 10.0  # seconds for a request's headers to arrive (slowloris)
+DEFAULT_BODY_TIMEOUT = 60.0  # seconds for a request's body to arrive once its headers have
+MAX_CONNECTIONS_CAP = 4096  # the default total connection cap never exceeds this
 # Prefill tokens per step across all sequences (--batch-size): bounds how long a long prompt stalls decoders.
 DEFAULT_BATCH_TOKENS = 256
 # On a GPU a step's host time (eager launches, ~55 ms for a 7.2B's 32 layers) and, for quantized
@@ -171,6 +176,32 @@ def json_safe(value):
     return str(value) if isinstance(value, Path) else value
 
 
+def descriptor_limit() -> int:
+    """The process's soft limit on open file descriptors."""
+    import resource
+
+    return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+
+
+def default_max_connections(nofile: int) -> int:
+    """Half the descriptor limit (the rest: model files, RPC sockets, shared memory), at most
+    MAX_CONNECTIONS_CAP."""
+    return max(16, min(MAX_CONNECTIONS_CAP, nofile // 2))
+
+
+@dataclass(frozen=True)
+class HttpLimits:
+    """What one HTTP client may hold of the server (http/worker.py's `GuardedH11`): open connections
+    in all (`max_connections`) and per client address (`max_client_connections`), seconds for a
+    request's headers to arrive (from the connection's start or the previous response's end) and
+    for its body once the headers have."""
+
+    max_connections: int = 512
+    max_client_connections: int = 128
+    header_timeout: float = DEFAULT_HEADER_TIMEOUT
+    body_timeout: float = DEFAULT_BODY_TIMEOUT
+
+
 @dataclass(frozen=True)
 class WorkerConfig:
     """What every worker has: a model, an HTTP address and its merged RPC port."""
@@ -203,6 +234,9 @@ class HeadConfig(WorkerConfig):
     max_body: int = MIN_MAX_BODY  # bytes of a request body; above: 413
     max_queue: int = 64  # requests waiting beyond the slots; above: 503 + Retry-After
     n_predict: int = 1024  # max_tokens of a chat request that names none; -1: to the end of the context
+    max_n: int = 4  # choices (`n`) one request may ask for; above: 400 (default: --parallel)
+    max_response: int = DEFAULT_MAX_RESPONSE  # bytes of a non-streamed response body; above: 400
+    http: HttpLimits = HttpLimits()  # connection caps and read deadlines of the HTTP server
     batch_tokens: int = DEFAULT_BATCH_TOKENS  # prompt tokens per engine step (-b, --batch-size)
     slot_save_path: Path | None = None  # where /slots save and restore files live; None: off
     embedding: bool = False  # /embedding(s) and /v1/embeddings answer (llama-server's --embedding)
@@ -350,6 +384,11 @@ def head_config(args, env: Mapping[str, str]) -> HeadConfig:
     _at_least(1, batch_size=batch_tokens)
     max_body = args.max_body if args.max_body is not None else default_max_body(slot_ctx(args))
     _at_least(1024, max_body=max_body)
+    max_n = args.max_n if args.max_n is not None else min(args.parallel, MAX_CHOICES)
+    _at_least(1, max_n=max_n)
+    if max_n > MAX_CHOICES:
+        raise UserError(f"--max-n must be <= {MAX_CHOICES} (OpenAI's bound on n), got {max_n}")
+    _at_least(1024, max_response=args.max_response)
     spec = SpecConfig(type=args.spec_type, n_max=args.draft_max, n_min=args.draft_min, p_min=args.draft_p_min)
     return HeadConfig(
         model=model_settings(args, env),
@@ -369,6 +408,9 @@ def head_config(args, env: Mapping[str, str]) -> HeadConfig:
         max_body=max_body,
         max_queue=args.max_queue,
         n_predict=args.n_predict,
+        max_n=max_n,
+        max_response=args.max_response,
+        http=http_limits(args),
         batch_tokens=batch_tokens,
         slot_save_path=_existing_dir("--slot-save-path", args.slot_save_path),
         embedding=args.embedding,
@@ -388,6 +430,20 @@ def head_config(args, env: Mapping[str, str]) -> HeadConfig:
         overlap=args.overlap,
         predict_route=_predict_route(env),
     )
+
+
+def http_limits(args) -> HttpLimits:
+    """--max-connections (default: half the descriptor limit, at most MAX_CONNECTIONS_CAP),
+    --max-client-connections (default: a quarter of that), --header-timeout, --body-timeout."""
+    nofile = descriptor_limit()
+    total = args.max_connections if args.max_connections is not None else default_max_connections(nofile)
+    _at_least(1, max_connections=total)
+    if total >= nofile:
+        raise UserError(f"--max-connections {total} must stay below the descriptor limit ({nofile}, ulimit -n)")
+    per_client = args.max_client_connections if args.max_client_connections is not None else max(8, total // 4)
+    _at_least(1, max_client_connections=per_client)
+    _at_least(0.1, header_timeout=args.header_timeout, body_timeout=args.body_timeout)
+    return HttpLimits(total, min(per_client, total), args.header_timeout, args.body_timeout)
 
 
 def _predict_route(env: Mapping[str, str]) -> str | None:

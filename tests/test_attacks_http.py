@@ -256,3 +256,436 @@ def test_health_is_503_with_a_peer_killed(tiny_model, tmp_path):
         assert p.rpc_addr in body["reason"]
         refused = post(w, "/v1/completions", {"prompt": "hi", "max_tokens": 2}, headers={})
         assert_openai_error(refused, 503) and int(refused.headers["Retry-After"]) >= 1
+
+
+# ==== round 3 (issue 35): fair admission, bounded outputs, deadlines and caps, /slots files, bad bodies ====
+
+
+def openai_client(w, **kw):
+    import openai
+
+    return openai.OpenAI(base_url=f"{w.url}/v1", api_key=KEY, max_retries=0, timeout=TIMEOUT, **kw)
+
+
+# ---- fair admission: `n` ------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def fair(tiny_model, tmp_path_factory):
+    """Two slots, one waiting place: the issue's `--parallel 4 --max-queue 64`, small."""
+    w = head(
+        tiny_model("llama"),
+        tmp_path_factory.mktemp("fair"),
+        (),
+        "--dtype",
+        "float32",
+        "--api-key",
+        KEY,
+        "--max-queue",
+        "1",
+        parallel=2,
+    )
+    with running(w) as w:
+        yield w
+
+
+def test_n_beyond_max_n_is_a_400_naming_n(fair):
+    import openai
+
+    client = openai_client(fair)
+    with pytest.raises(openai.BadRequestError) as e:  # the slots + the queue: it would have held them all
+        client.completions.create(model="m", prompt="hi", max_tokens=1, n=3)
+    err = e.value.body
+    assert err["param"] == "n" and "--max-n 2" in err["message"], err
+    assert client.completions.create(model="m", prompt="hi", max_tokens=1, n=2).choices[1].index == 1
+
+
+def test_a_large_n_request_runs_while_another_clients_small_requests_are_answered(fair):
+    big_done = threading.Event()
+    result = {}
+
+    def big():
+        try:
+            result["r"] = openai_client(fair).completions.create(
+                model="m", prompt="write a lot", n=2, max_tokens=200, temperature=0.7, extra_body={"ignore_eos": True}
+            )
+        except BaseException as e:  # reported below
+            result["r"] = e
+        finally:
+            big_done.set()
+
+    t = threading.Thread(target=big)
+    t.start()
+    wait_for(
+        lambda: (
+            big_done.is_set() or any(s["is_processing"] for s in httpx.get(f"{fair.url}/slots", headers=AUTH).json())
+        ),
+        TIMEOUT,
+        "the big request to start",
+    )
+    assert not big_done.is_set(), result
+    other = openai_client(fair)
+    answered_meanwhile = 0
+    for i in range(5):
+        r = other.completions.create(model="m", prompt=f"small {i}", max_tokens=2, temperature=0)
+        assert len(r.choices) == 1 and r.usage.completion_tokens <= 2  # answered, not 503
+        answered_meanwhile += not big_done.is_set()
+    t.join(TIMEOUT)
+    assert [c.finish_reason for c in result["r"].choices] == ["length", "length"]
+    assert result["r"].usage.completion_tokens == 400
+    # A slot is always left to others: the small requests did not wait for the big one to end.
+    assert answered_meanwhile >= 1, answered_meanwhile
+
+
+# ---- bounded outputs ------------------------------------------------------------------------------------
+
+
+def _requests_total(w) -> float:
+    """Engine requests accepted so far (each embedding input is one)."""
+    text = httpx.get(f"{w.url}/metrics", timeout=TIMEOUT).text
+    return next(float(ln.split()[-1]) for ln in text.splitlines() if ln.startswith("hydra_requests_total"))
+
+
+def test_the_embeddings_amplification_is_refused_before_anything_is_computed(tiny_model, tmp_path):
+    # n_embd 768: the issue's 68 KB of input makes ~100 MB of JSON even at the fewest bytes per float,
+    # past the default --max-response (64 MiB), as with the issue's model (n_embd 640).
+    w = head(tiny_model("llama", n_embd=768), tmp_path, (), "--dtype", "float32", "--embedding", "--pooling", "none")
+    with running(w):
+        before = _requests_total(w)
+        result = {}
+
+        def attack():
+            result["r"] = httpx.post(f"{w.url}/embeddings", json={"input": ["a b c d e f g"] * 4000}, timeout=TIMEOUT)
+
+        t = threading.Thread(target=attack)
+        t.start()
+        done = httpx.post(
+            f"{w.url}/v1/completions", json={"prompt": "hi", "max_tokens": 3, "temperature": 0}, timeout=TIMEOUT
+        )
+        t.join(TIMEOUT)
+        assert done.status_code == 200 and done.json()["usage"]["completion_tokens"] == 3, done.text
+        err = assert_openai_error(result["r"], 400, "response_too_large")
+        assert "--max-response" in err["message"] and err["param"] == "input", err
+        # refused from the token count alone: the engine ran the completion, no input
+        assert _requests_total(w) - before == 1
+        ok = httpx.post(f"{w.url}/embeddings", json={"input": ["a b c"] * 3}, timeout=TIMEOUT)
+        assert ok.status_code == 200 and len(ok.json()) == 3, ok.text
+
+
+def test_any_response_beyond_max_response_is_a_400_naming_it(tiny_model, tmp_path):
+    limit = 64 << 10
+    w = head(
+        tiny_model("llama"),
+        tmp_path,
+        (),
+        "--dtype",
+        "float32",
+        "--embedding",
+        "--pooling",
+        "mean",
+        "--max-response",
+        str(limit),
+        "--n-predict",
+        "64",
+    )
+    with running(w):
+        client = openai_client(w)
+        # fits at the fewest bytes per float (so it is computed), not as written: refused once built
+        r = httpx.post(f"{w.url}/v1/embeddings", json={"input": ["a b c"] * 100}, timeout=TIMEOUT)
+        err = assert_openai_error(r, 400, "response_too_large")
+        assert f"--max-response ({limit} bytes)" in err["message"], err
+        assert len(client.embeddings.create(model="m", input=["a b c"] * 4).data) == 4
+        # a completion's logprobs grow with n and max_tokens
+        r = httpx.post(
+            f"{w.url}/v1/completions",
+            json={"prompt": "hi", "max_tokens": 200, "n": 2, "logprobs": 20, "ignore_eos": True},
+            timeout=TIMEOUT,
+        )
+        assert_openai_error(r, 400, "response_too_large")
+        r = httpx.post(
+            f"{w.url}/completion",
+            json={"prompt": ["a", "b"], "n_predict": 200, "n_probs": 20, "ignore_eos": True},
+            timeout=TIMEOUT,
+        )
+        assert_openai_error(r, 400, "response_too_large")
+        # the net under every route: /tokenize's pieces
+        r = httpx.post(f"{w.url}/tokenize", json={"content": "a " * 5000, "with_pieces": True}, timeout=TIMEOUT)
+        assert_openai_error(r, 400, "response_too_large")
+        assert (
+            httpx.post(f"{w.url}/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=TIMEOUT).status_code
+            == 200
+        )
+
+
+# ---- HTTP deadlines and connection caps (slowloris) --------------------------------------------------------
+
+PARTIAL = b"GET /health HTTP/1.1\r\nHost: x\r\nX-Slow: "  # headers that never end
+
+
+def _connect(w, source: str = "127.0.0.1") -> socket.socket:
+    """A socket to the worker from `source` (any 127.x address is this host's loopback)."""
+    return socket.create_connection(("127.0.0.1", w.port), timeout=TIMEOUT, source_address=(source, 0))
+
+
+def _state(s: socket.socket) -> str:
+    """ "open" (nothing sent back, not closed), "refused" (a 503, or closed at once), or what came."""
+    s.settimeout(0.5)
+    try:
+        data = s.recv(65536)
+    except TimeoutError:
+        return "open"
+    except ConnectionResetError:
+        return "refused"
+    return "refused" if not data or data.startswith(b"HTTP/1.1 503") else data.decode(errors="replace")
+
+
+def _until_closed(s: socket.socket) -> bytes:
+    """Everything the server sends until it closes the connection."""
+    s.settimeout(TIMEOUT)
+    out = b""
+    try:
+        while data := s.recv(65536):
+            out += data
+    except ConnectionResetError:
+        pass
+    return out
+
+
+@pytest.fixture(scope="module")
+def capped(tiny_model, tmp_path_factory):
+    w = head(
+        tiny_model("llama"),
+        tmp_path_factory.mktemp("capped"),
+        (),
+        "--dtype",
+        "float32",
+        "--max-connections",
+        "20",
+        "--max-client-connections",
+        "8",
+        "--header-timeout",
+        "600",  # this fixture's sockets are closed by the tests
+        parallel=1,
+    )
+    with running(w) as w:
+        yield w
+
+
+def test_one_client_holds_at_most_its_connections_and_the_rest_are_served(capped):
+    attack = [_connect(capped, "127.0.0.2") for _ in range(30)]
+    try:
+        for s in attack:
+            s.sendall(PARTIAL)
+        for _ in range(3):  # another client, served meanwhile
+            assert httpx.get(f"{capped.url}/health", timeout=TIMEOUT).status_code == 200
+        r = httpx.post(f"{capped.url}/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=TIMEOUT)
+        assert r.status_code == 200, r.text
+        states = [_state(s) for s in attack]
+        assert states.count("open") == 8 and states.count("refused") == 22, states
+    finally:
+        for s in attack:
+            s.close()
+
+
+def test_the_total_cap_refuses_with_503_until_connections_close(capped):
+    attack = [_connect(capped, f"127.0.0.{2 + i // 8}") for i in range(24)]  # 8 each from three addresses
+    try:
+        for s in attack:
+            s.sendall(PARTIAL)
+        states = [_state(s) for s in attack]
+        assert states.count("open") == 20 and states.count("refused") == 4, states
+        r = httpx.get(f"{capped.url}/health", timeout=TIMEOUT)
+        assert_openai_error(r, 503, "unavailable")
+        assert "--max-connections" in r.json()["error"]["message"]
+    finally:
+        for s in attack:
+            s.close()
+    wait_for(lambda: _try_health(capped) == 200, TIMEOUT, "a connection to be served once the attack's closed")
+
+
+def _try_health(w) -> int | None:
+    try:
+        return httpx.get(f"{w.url}/health", timeout=TIMEOUT).status_code
+    except httpx.HTTPError:
+        return None
+
+
+@pytest.fixture(scope="module")
+def deadlines(tiny_model, tmp_path_factory):
+    w = head(
+        tiny_model("llama"),
+        tmp_path_factory.mktemp("deadlines"),
+        (),
+        "--dtype",
+        "float32",
+        "--header-timeout",
+        "1",
+        "--body-timeout",
+        "1",
+        parallel=1,
+    )
+    with running(w) as w:
+        yield w
+
+
+def test_partial_headers_are_cut_off_at_the_header_deadline(deadlines):
+    attack = [_connect(deadlines, "127.0.0.2") for _ in range(50)]
+    for s in attack:
+        s.sendall(PARTIAL)
+    assert httpx.get(f"{deadlines.url}/health", timeout=TIMEOUT).status_code == 200  # served meanwhile
+    for s in attack:  # closed by the server, nothing answered
+        assert _until_closed(s) == b""
+        s.close()
+    # the same after a first request on a kept-alive connection
+    with _connect(deadlines) as s:
+        s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        s.settimeout(TIMEOUT)
+        first = s.recv(65536)
+        assert first.startswith(b"HTTP/1.1 200"), first[:100]
+        s.sendall(PARTIAL)
+        rest = _until_closed(s)
+        assert b"HTTP/1.1" not in rest, rest[:200]
+
+
+def test_a_body_that_does_not_arrive_is_a_408_at_the_body_deadline(deadlines):
+    lines = [
+        "POST /v1/completions HTTP/1.1",
+        "Host: x",
+        "Content-Type: application/json",
+        "Content-Length: 1000",
+    ]
+    with _connect(deadlines) as s:
+        s.sendall(("\r\n".join(lines) + "\r\n\r\n").encode() + b'{"prompt": "')
+        reply = _until_closed(s)
+    assert reply.startswith(b"HTTP/1.1 408"), reply[:200]
+    assert b'"request_timeout"' in reply and b"--body-timeout" in reply
+    assert httpx.get(f"{deadlines.url}/health", timeout=TIMEOUT).status_code == 200
+
+
+# ---- /slots keeps data -------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def slotted(tiny_model, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("slot-files")
+    w = head(
+        tiny_model("llama"),
+        tmp_path_factory.mktemp("slots"),
+        (),
+        "--dtype",
+        "float32",
+        "--slot-save-path",
+        str(folder),
+        parallel=2,
+    )
+    with running(w) as w:
+        w.folder = folder
+        r = httpx.post(f"{w.url}/v1/completions", json={"prompt": "keep this prompt", "max_tokens": 4}, timeout=TIMEOUT)
+        assert r.status_code == 200
+        # the slot that holds the prompt (a save of it writes tokens)
+        w.slot = next(i for i in (0, 1) if _slot_act(w, i, "save", "probe.bin").json()["n_saved"] > 0)
+        yield w
+
+
+def _slot_act(w, slot: int, action: str, filename: str | None = None) -> httpx.Response:
+    body = {"filename": filename} if filename is not None else None
+    return httpx.post(f"{w.url}/slots/{slot}", params={"action": action}, json=body, timeout=TIMEOUT)
+
+
+def test_a_refused_slot_touches_no_file(slotted):
+    keep = slotted.folder / "keep.bin"
+    keep.write_bytes(b"precious")
+    for slot in (99, -1):
+        for action in ("save", "restore"):
+            r = _slot_act(slotted, slot, action, "keep.bin")
+            assert assert_openai_error(r, 400)["param"] == "slot"
+    assert keep.read_bytes() == b"precious"
+
+
+def test_a_saved_slot_is_0600_written_whole_and_nothing_else_is_left(slotted):
+    r = _slot_act(slotted, slotted.slot, "save", "mine.bin")
+    assert r.status_code == 200, r.text
+    path = slotted.folder / "mine.bin"
+    assert path.stat().st_mode & 0o777 == 0o600 and path.stat().st_size == r.json()["n_written"]
+    assert not [p.name for p in slotted.folder.iterdir() if p.name.startswith(".")]
+
+
+def test_concurrent_save_and_restore_of_one_name_never_fail(slotted):
+    assert _slot_act(slotted, slotted.slot, "save", "busy.bin").status_code == 200
+    other = 1 - slotted.slot
+    failures: list[str] = []
+
+    def saver():
+        for _ in range(15):
+            r = _slot_act(slotted, slotted.slot, "save", "busy.bin")
+            if r.status_code != 200:
+                failures.append(r.text)
+
+    def restorer():
+        for _ in range(15):
+            r = _slot_act(slotted, other, "restore", "busy.bin")
+            if r.status_code != 200:
+                failures.append(r.text)
+
+    threads = [threading.Thread(target=f) for f in (saver, saver, restorer, restorer)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(TIMEOUT)
+    assert not failures, failures[:3]
+
+
+def test_a_planted_symlink_is_neither_written_nor_read_through(slotted, tmp_path):
+    victim = tmp_path / "victim.txt"
+    victim.write_bytes(b"not yours")
+    (slotted.folder / "link.bin").symlink_to(victim)
+    assert assert_openai_error(_slot_act(slotted, slotted.slot, "save", "link.bin"), 400)["param"] == "filename"
+    assert victim.read_bytes() == b"not yours"
+    # a link to a real state: restore does not follow it either
+    assert _slot_act(slotted, slotted.slot, "save", "real.bin").status_code == 200
+    (slotted.folder / "link2.bin").symlink_to(slotted.folder / "real.bin")
+    err = assert_openai_error(_slot_act(slotted, slotted.slot, "restore", "link2.bin"), 400)
+    assert "symbolic link" in err["message"]
+
+
+def test_bytes_after_the_last_state_are_refused_and_the_slot_is_untouched(slotted):
+    assert _slot_act(slotted, slotted.slot, "save", "whole.bin").status_code == 200
+    whole = (slotted.folder / "whole.bin").read_bytes()
+    other = 1 - slotted.slot
+    assert _slot_act(slotted, other, "erase").status_code == 200
+    for name, data in (("junk.bin", whole + b"junk"), ("twice.bin", whole + whole), ("short.bin", whole + b"HY")):
+        (slotted.folder / name).write_bytes(data)
+        assert_openai_error(_slot_act(slotted, other, "restore", name), 400)
+        assert _slot_act(slotted, other, "save", "after.bin").json()["n_saved"] == 0  # nothing was placed
+    assert _slot_act(slotted, other, "restore", "whole.bin").status_code == 200
+
+
+def test_bad_file_names_are_400_naming_filename(slotted):
+    (slotted.folder / "adir").mkdir()
+    for name in ("a\x00b.bin", "x" * 300, "adir", "", ".hidden", "../up.bin", "a/b"):
+        for action in ("save", "restore"):
+            err = assert_openai_error(_slot_act(slotted, slotted.slot, action, name), 400)
+            assert err["param"] == "filename", (name, action, err)
+    assert (slotted.folder / "adir").is_dir()
+
+
+# ---- 400 for every bad body ------------------------------------------------------------------------------
+
+
+def test_chat_template_kwargs_cannot_set_the_requests_own_fields(server):
+    import openai
+
+    messages = [{"role": "user", "content": "hi"}]
+    client = openai_client(server)
+    for kwargs in ({"messages": [{"role": "user", "content": "other"}]}, {"add_generation_prompt": False}):
+        (key,) = kwargs
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(
+                model="m", messages=messages, max_tokens=1, extra_body={"chat_template_kwargs": kwargs}
+            )
+        assert e.value.body["param"] == f"chat_template_kwargs.{key}", e.value.body
+        for path in ("/apply-template", "/v1/chat/completions/input_tokens"):
+            r = post(server, path, {"messages": messages, "chat_template_kwargs": kwargs})
+            assert assert_openai_error(r, 400)["param"] == f"chat_template_kwargs.{key}"
+    r = post(server, "/apply-template", {"messages": messages, "chat_template_kwargs": {"enable_thinking": False}})
+    assert r.status_code == 200 and "hi" in r.json()["prompt"]

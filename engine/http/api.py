@@ -20,6 +20,7 @@ from pydantic import BaseModel, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..errors import ContextOverflow, Overloaded, Unavailable, UserError
+from . import slot_files
 from .anthropic import anthropic_routes
 from .common import (
     MAX_LOGPROBS,
@@ -42,6 +43,7 @@ from .cors import Cors
 from .embeddings import embedding_routes
 from .errors import APIError, error_response
 from .gate import Gate
+from .limits import capped_json, json_response
 from .llama_routes import BUILD_INFO
 from .llama_routes import router as llama_router
 from .predict import add_predict_route
@@ -131,7 +133,8 @@ def _chat_logprob_content(head: Head, tokens: list[GenToken], as_ids: bool) -> l
 
 
 def create_app(head: Head) -> FastAPI:
-    app = FastAPI(title="Hydra head", version="0.1.0")
+    # every JSON answer is capped at --max-response (http/limits.py)
+    app = FastAPI(title="Hydra head", version="0.1.0", default_response_class=capped_json(head.cfg.max_response))
     app.state.head = head
     app.add_middleware(Gate, api_key=head.cfg.api_key, max_body=head.cfg.max_body)
     app.add_middleware(Cors, origins=head.cfg.cors_origins)  # outermost: a preflight needs no key
@@ -166,9 +169,11 @@ def create_app(head: Head) -> FastAPI:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_, e: StarletteHTTPException):
-        return error_response(
+        res = error_response(
             e.status_code, str(e.detail), "invalid_request_error" if e.status_code < 500 else "server_error"
         )
+        res.headers.update(e.headers or {})  # a 408 closes its connection (the rest of the body never came)
+        return res
 
     @app.get("/v1/models")
     @app.get("/models", include_in_schema=False)
@@ -202,8 +207,11 @@ def create_app(head: Head) -> FastAPI:
 
     @app.post("/slots/{slot}")
     async def slot_action(slot: int, action: str, body: SlotFileBody | None = None):
-        """llama-server's slot save / restore / erase, files under --slot-save-path."""
+        """llama-server's slot save / restore / erase, files under --slot-save-path (http/slot_files.py).
+        The slot, the action and the name are checked before any file is touched."""
         engine = ready_engine(head)
+        if not 0 <= slot < engine.n_slots:
+            raise APIError(400, f"slot {slot} does not exist ({engine.n_slots} slots)", param="slot")
         if action == "erase":
             return {"id_slot": slot, "n_erased": await asyncio.to_thread(engine.erase_slot, slot)}
         if action not in ("save", "restore"):
@@ -213,17 +221,11 @@ def create_app(head: Head) -> FastAPI:
             raise APIError(
                 501, "slot save/restore is off: start the server with --slot-save-path", "not_supported_error"
             )
-        name = body.filename if body else ""
-        if not name or "/" in name or "\\" in name or name.startswith("."):
-            raise APIError(400, f"filename {name!r} must be a plain file name", param="filename")
-        path, t0 = folder / name, time.perf_counter()
+        name, t0 = slot_files.checked_name(body.filename if body else ""), time.perf_counter()
         if action == "save":
-
-            def save():
-                with open(path, "wb") as f:
-                    return engine.save_slot(slot, f.write)
-
-            n, written = await asyncio.to_thread(save)
+            n, written = await asyncio.to_thread(
+                slot_files.save, folder, name, lambda write: engine.save_slot(slot, write)
+            )
             return {
                 "id_slot": slot,
                 "filename": name,
@@ -231,10 +233,14 @@ def create_app(head: Head) -> FastAPI:
                 "n_written": written,
                 "timings": {"save_ms": (time.perf_counter() - t0) * 1e3},
             }
-        if not path.is_file():
-            raise APIError(404, f"no saved slot named {name!r}", "not_found_error", "filename")
-        data = await asyncio.to_thread(path.read_bytes)
-        n = await asyncio.to_thread(engine.restore_slot, slot, data)
+        data = await asyncio.to_thread(slot_files.read, folder, name)
+
+        def restore() -> int:
+            from ..slot_state import read_all
+
+            return engine.restore_slot(slot, slot_files.check_states(read_all(data)))
+
+        n = await asyncio.to_thread(restore)
         return {
             "id_slot": slot,
             "filename": name,
@@ -415,7 +421,7 @@ async def _respond_completion(
         )["choices"][0]
         for i in range(n)
     ]
-    return {
+    answer = {
         "id": cid,
         "object": "text_completion",
         "created": created,
@@ -425,6 +431,7 @@ async def _respond_completion(
         "usage": usage_of(finals),
         "timings": finals[0].timings,
     }
+    return await json_response(answer, head.cfg.max_response)
 
 
 def _finish_reason(ev: Event, calls: list) -> str:
@@ -532,7 +539,7 @@ async def _respond_chat(
     }
     if body.verbose or head.cfg.verbose:
         out["__verbose"] = {"prompt": prompt, "content": out["choices"][0]["message"]["content"]}
-    return out
+    return await json_response(out, head.cfg.max_response)
 
 
 # ---- serve -----------------------------------------------------------------------------------

@@ -16,7 +16,8 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from ..errors import Unavailable, UserError, describe
+from ..config import MAX_CHOICES  # OpenAI's bound on `n`
+from ..errors import Overloaded, Unavailable, UserError, describe
 from .errors import APIError
 from .event_bridge import Inbox, LoopMailbox
 from .gate import record_of
@@ -31,7 +32,6 @@ if TYPE_CHECKING:  # the engine's modules bring torch: imported when the model l
 
 DISCONNECT_POLL_S = 0.25
 MAX_LOGPROBS = 20  # = sampling.MAX_LOGPROBS, which also checks it
-MAX_CHOICES = 128  # OpenAI's bound on `n`
 LOADING_RETRY_S = 5
 SEED_RANDOM = -1  # llama-server's "pick a seed": a random one per request
 
@@ -216,13 +216,9 @@ async def choices(
     (seed + index), so seeded sampled choices differ and each one is reproducible."""
     from dataclasses import replace
 
-    engine = head.engine
-    if engine.max_queue is not None and body.n > engine.n_slots + engine.max_queue:
+    if body.n > head.cfg.max_n:
         raise APIError(
-            400,
-            f"n={body.n} choices are more than this server holds at once ({engine.n_slots} slots + "
-            f"--max-queue {engine.max_queue})",
-            param="n",
+            400, f"n={body.n} choices are more than this server gives one request (--max-n {head.cfg.max_n})", param="n"
         )
     reqs = [req]
     for i in range(1, body.n):
@@ -376,6 +372,10 @@ def tool_plan(head: Head, body: ChatBody) -> tuple[ToolChoice, ToolFormat | None
     return choice, ToolFormat.learn(head.chat_template) if choice.tools else None
 
 
+# The chat prompt's own arguments (`chat_prompt`, `ChatTemplate.prompt`): chat_template_kwargs may not name them.
+TEMPLATE_ARGUMENTS = frozenset({"head", "self", "messages", "add_generation_prompt", "continue_final_message"})
+
+
 def template_prompt(head: Head, body) -> str:
     """The chat prompt of a body with `messages`, `add_generation_prompt`, `continue_final_message`,
     `tools` and `chat_template_kwargs` (a chat request, /apply-template, input_tokens)."""
@@ -389,6 +389,13 @@ def template_prompt(head: Head, body) -> str:
     )
     if fmt is not None and fmt.object_arguments:  # as llama.cpp: JSON-text arguments to templates that read objects
         messages = arguments_as_objects(messages)
+    taken = sorted(TEMPLATE_ARGUMENTS & set(body.chat_template_kwargs or {}))
+    if taken:  # the request's own fields (or our parameters): not template variables to override
+        raise APIError(
+            400,
+            f"chat_template_kwargs must not set {', '.join(taken)}: the request's own fields say that",
+            param=f"chat_template_kwargs.{taken[0]}",
+        )
     extra = {**head.cfg.chat_template_kwargs, **(body.chat_template_kwargs or {})}
     if body.tools:
         extra["tools"] = body.tools
@@ -406,11 +413,22 @@ def chat_prompt(
     return head.chat_template.prompt(messages, add_generation_prompt, continue_final_message, **extra)
 
 
+def engine_share(n_slots: int) -> int:
+    """Engine requests one HTTP request keeps in the engine at once (its choices, its embedding
+    inputs): all slots but one, so another client always finds a slot within one of its turns, and
+    one request never fills the queue."""
+    return max(1, n_slots - 1)
+
+
 class Run:
     """The engine requests of one HTTP request (one per choice) seen from asyncio: their events
     arrive in one inbox through the loop's `LoopMailbox`, tagged with the choice index. `streamed`:
     the response is an event stream, whose writes notice a client that left (starlette listens for
-    it beside the stream, or a write fails): the disconnect poll then runs only while no events come."""
+    it beside the stream, or a write fails): the disconnect poll then runs only while no events come.
+
+    Fair admission: at most `engine_share` choices are in the engine at once; the rest are held here
+    and submitted one as each of the request's own choices finishes (a full queue then holds it
+    back until there is room: the request was admitted, it is not refused midway)."""
 
     def __init__(self, head: Head, http: Request, reqs: list[EngineRequest], streamed: bool = False):
         if head.cfg.role == "prefill":
@@ -423,12 +441,28 @@ class Run:
         mailbox = LoopMailbox.of(asyncio.get_running_loop())
         for i, req in enumerate(reqs):
             req.sink = lambda ev, i=i: mailbox.post(self.inbox, (i, ev))
+        share = engine_share(head.engine.n_slots)
+        self.held = list(reqs[share:])
         try:
-            for req in reqs:
+            for req in reqs[:share]:
                 head.engine.submit(req)
         except Exception:  # a full queue refuses the whole request, not some of its choices
             self._cancel()
             raise
+
+    def _submit_held(self, n: int) -> None:
+        """Up to `n` held choices into the engine; those a full queue refuses stay held (retried at
+        the next poll)."""
+        while n > 0 and self.held:
+            try:
+                self.head.engine.submit(self.held[0])
+            except Overloaded:
+                return
+            self.held.pop(0)
+            n -= 1
+
+    def _in_engine(self, finished: int) -> int:
+        return len(self.reqs) - len(self.held) - finished
 
     def _cancel(self) -> None:
         for req in self.reqs:
@@ -442,6 +476,8 @@ class Run:
         finals: list[Event] = []
         try:
             while len(finals) < len(self.reqs):
+                if self.held:  # one in for each choice that finished (or was refused by a full queue)
+                    self._submit_held(engine_share(self.head.engine.n_slots) - self._in_engine(len(finals)))
                 i, ev = await self.inbox.get(DISCONNECT_POLL_S, empty=(0, None))
                 # checked while events flow too: a non-streamed request's client may leave mid-generation
                 if ev is None or (not self.streamed and loop.time() - checked >= DISCONNECT_POLL_S):

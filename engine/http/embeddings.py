@@ -4,13 +4,15 @@ and `/embedding`, over the same Engine that generates.
 Each input becomes an engine request that runs its prompt only (`Request.embedding`): it takes a
 free slot like any request, its prefill chunks share forwards with the other slots' work, and the
 pipeline returns its final-norm hidden states (solo or split: whatever stage runs last).
-`embedding` pools and normalises them. At most `--parallel` inputs of one request are in the
-engine at once, so a long list waits its turn instead of filling the queue.
+`embedding` pools and normalises them. At most `--parallel` - 1 inputs of one request are in the
+engine at once (`common.engine_share`: all slots but one, one of one), so a long list waits its turn
+instead of filling the queue, and another client's request finds a slot meanwhile.
 
 Shapes: `/v1/embeddings` answers OpenAI's list (`encoding_format` float or base64; a `content`
 field instead of `input` answers llama-server's shape, as upstream does) and refuses pooling
 `none`; `/embeddings` and `/embedding` answer `[{"index", "embedding": [[...], ...]}]`: one
-normalised vector, or with pooling none every token's raw vector.
+normalised vector, or with pooling none every token's raw vector. Answers are bounded by
+`--max-response` (http/limits.py): one that cannot fit is refused before anything is computed.
 """
 
 from __future__ import annotations
@@ -22,9 +24,10 @@ from typing import TYPE_CHECKING, Any
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from .common import Run, check_finish, ready_engine
+from .common import Run, check_finish, engine_share, ready_engine
 from .errors import APIError
 from .gate import record_of
+from .limits import check_embedding_size, json_response
 
 if TYPE_CHECKING:
     from ..workers.head import HeadWorker as Head
@@ -65,11 +68,11 @@ def _tokenize_inputs(head: Head, value: Any, param: str, n_ctx: int) -> list[lis
 
 
 async def _hidden_states(head: Head, http: Request, prompts: list[list[int]]):
-    """Each prompt's final-norm hidden states [n, d], at most --parallel in the engine at once; None
-    when the client went away."""
+    """Each prompt's final-norm hidden states [n, d], at most `engine_share` in the engine at once;
+    None when the client went away."""
     from ..serving.sequence import Request as EngineRequest
 
-    turns = asyncio.Semaphore(head.engine.n_slots)
+    turns = asyncio.Semaphore(engine_share(head.engine.n_slots))
 
     async def one(ids: list[int]):
         async with turns:
@@ -130,35 +133,43 @@ def embedding_routes(head: Head) -> APIRouter:
         if not isinstance(norm, int) or isinstance(norm, bool):
             raise APIError(400, f"embd_normalize must be an integer, got {norm!r}", param="embd_normalize")
         prompts = await asyncio.to_thread(_tokenize_inputs, head, value, param, engine.n_ctx)
+        vectors_per_token = head.pooling == "none"  # every token's vector, else one per input
+        n_vectors = sum(len(p) for p in prompts) if vectors_per_token else len(prompts)
+        n_embd = head.pipeline.local.cfg.n_embd
+        check_embedding_size(n_vectors * n_embd, oai and fmt == "base64", cfg.max_response, param)
         hidden = await _hidden_states(head, http, prompts)
         if any(h is None for h in hidden):
             return Response(status_code=499)  # the client left; nobody reads this
-        vectors = await asyncio.to_thread(lambda: [embed_vectors(h, head.pooling, norm) for h in hidden])
         n_tokens = sum(len(p) for p in prompts)
         record = record_of(http)
         if record is not None:
             record.tokens_in, record.tokens_out = n_tokens, 0
-        if not oai:
-            return [{"index": i, "embedding": [v.tolist() for v in vs]} for i, vs in enumerate(vectors)]
-        data = []
-        for i, (v,) in enumerate(vectors):
-            if fmt == "base64":  # little-endian float32, as OpenAI and llama-server encode it
-                data.append(
-                    {
-                        "embedding": base64.b64encode(v.numpy().astype("<f4").tobytes()).decode(),
-                        "index": i,
-                        "object": "embedding",
-                        "encoding_format": "base64",
-                    }
-                )
-            else:
-                data.append({"embedding": v.tolist(), "index": i, "object": "embedding"})
-        return {
-            "model": body.get("model") or head.model_name,
-            "object": "list",
-            "usage": {"prompt_tokens": n_tokens, "total_tokens": n_tokens},
-            "data": data,
-        }
+
+        def answer():  # in a thread: pooling, lists of floats and their JSON never hold the event loop
+            vectors = [embed_vectors(h, head.pooling, norm) for h in hidden]
+            if not oai:
+                return [{"index": i, "embedding": [v.tolist() for v in vs]} for i, vs in enumerate(vectors)]
+            data = []
+            for i, (v,) in enumerate(vectors):
+                if fmt == "base64":  # little-endian float32, as OpenAI and llama-server encode it
+                    data.append(
+                        {
+                            "embedding": base64.b64encode(v.numpy().astype("<f4").tobytes()).decode(),
+                            "index": i,
+                            "object": "embedding",
+                            "encoding_format": "base64",
+                        }
+                    )
+                else:
+                    data.append({"embedding": v.tolist(), "index": i, "object": "embedding"})
+            return {
+                "model": body.get("model") or head.model_name,
+                "object": "list",
+                "usage": {"prompt_tokens": n_tokens, "total_tokens": n_tokens},
+                "data": data,
+            }
+
+        return await json_response(answer, cfg.max_response, param)
 
     @router.post("/v1/embeddings")
     async def embeddings_oai(http: Request):

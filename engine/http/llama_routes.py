@@ -25,6 +25,7 @@ from .common import (
     check_finish,
     check_token_ids,
     constrain,
+    engine_share,
     ready_engine,
     sampling_params,
     speculative_config,
@@ -36,6 +37,7 @@ from .common import (
     tokenize_mixed,
 )
 from .errors import APIError
+from .limits import json_response
 
 if TYPE_CHECKING:
     from ..serving.sequence import Event, GenToken
@@ -464,8 +466,10 @@ def router(head: Head) -> APIRouter:
 
 
 async def _respond(head: Head, http: Request, body: NativeCompletionBody, prompts: list[list[int]]):
+    """A list of prompts runs as `common.Run`'s choices do: at most `engine_share` in the engine at once."""
     runs = [_Completion(head, body, ids, i) for i, ids in enumerate(prompts)]
     await constrain(head, body, [c.req for c in runs])
+    turns = asyncio.Semaphore(engine_share(head.engine.n_slots))
     if body.stream:
 
         async def stream():
@@ -473,8 +477,9 @@ async def _respond(head: Head, http: Request, body: NativeCompletionBody, prompt
 
             async def pump(c: _Completion):
                 try:
-                    async for chunk in c.stream(http):
-                        await queue.put(chunk)
+                    async with turns:
+                        async for chunk in c.stream(http):
+                            await queue.put(chunk)
                 finally:
                     await queue.put(None)
 
@@ -492,7 +497,15 @@ async def _respond(head: Head, http: Request, body: NativeCompletionBody, prompt
                     t.cancel()
 
         return StreamingResponse(stream(), media_type="text/event-stream")
-    results = await asyncio.gather(*(c.run(http) for c in runs))
+
+    async def run(c: _Completion):
+        async with turns:
+            return await c.run(http)
+
+    if len(runs) == 1:  # its Run refuses it at once when the queue is full
+        results = [await runs[0].run(http)]
+    else:
+        results = await asyncio.gather(*(run(c) for c in runs))
     if any(r is None for r in results):  # the client left; nobody reads this
         return Response(status_code=499)
-    return results[0] if len(results) == 1 else list(results)
+    return await json_response(results[0] if len(results) == 1 else list(results), head.cfg.max_response)

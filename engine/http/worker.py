@@ -10,10 +10,12 @@ import uvicorn
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 
+from ..config import HttpLimits
 from ..errors import UserError
 from ..metrics import CONTENT_TYPE, Metrics
 from ..status import StatusDocument
 from .errors import error_response
+from .guard import guarded_h11
 
 
 def add_observation_routes(app: FastAPI, status: StatusDocument, metrics: Metrics | None) -> None:
@@ -70,7 +72,10 @@ def listen_sockets(hosts: str, port: int) -> list[socket.socket]:
     return socks
 
 
-def http_server(app: FastAPI) -> uvicorn.Server:
+def http_server(app: FastAPI, limits: HttpLimits | None = None) -> uvicorn.Server:
     # h11, not httptools: httptools' writer lowercases header names, and llama-server's clients see
     # its spelling (Access-Control-Allow-Origin, Process-Start-Time-Unix); uvloop stays ("auto").
-    return uvicorn.Server(uvicorn.Config(app, http="h11", log_level="warning", timeout_graceful_shutdown=2))
+    # guard.py's subclass of it adds the connection caps and the header and body deadlines.
+    return uvicorn.Server(
+        uvicorn.Config(app, http=guarded_h11(limits or HttpLimits()), log_level="warning", timeout_graceful_shutdown=2)
+    )

@@ -130,7 +130,7 @@ class HeadWorker:
 
         cfg = self.cfg
         socks = listen_sockets(cfg.host, cfg.port)
-        server = http_server(create_app(self))
+        server = http_server(create_app(self), cfg.http)
 
         def load():
             try:
