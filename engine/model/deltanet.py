@@ -16,7 +16,10 @@ with no host values, which the decode graphs capture. A batch's runs (one per sl
 it together, padded to the longest: a padded step has g = 0 and β = 0, which leaves the state
 exactly as it was, so prefill chunks, verify batches and decode share one code path. Long runs
 (prefill) take their first CHUNK-multiple of steps in the chunked form (`_chunked`, equal to the
-token-by-token one to float32 rounding), the rest token by token.
+token-by-token one to float32 rounding), the rest token by token. On CUDA (`TRITON_PREFILL`) long runs
+go whole through the Triton chunked kernel instead (`kernels/triton_delta_rule.py`: the same chunked
+form, one launch per stage of it, with the final state and the checkpoints); the torch forms stay the
+reference and the CPU path.
 
 Unlike KV, recurrent state cannot be overwritten to roll back, so each run also checkpoints the
 states of its last `ROLLBACK` positions (and the one before them): a rejected speculative draft
@@ -35,6 +38,9 @@ from .config import ModelConfig
 
 # Steps per chunk of the chunked (prefill) form: llama.cpp's chunk size.
 CHUNK = 64
+# Long runs through the Triton chunked kernel: None = on CUDA tensors; True = everywhere (on CPU under
+# Triton's interpreter, TRITON_INTERPRET=1: the tests); False = never (the torch forms only).
+TRITON_PREFILL: bool | None = None
 
 if TYPE_CHECKING:
     from .weights import Weights
@@ -100,8 +106,6 @@ class DeltaNet:
         q = _l2norm(conv[..., :nk].unflatten(-1, (s.n_k_heads, s.head_k_dim)), self.cfg.rms_eps)
         k = _l2norm(conv[..., nk : 2 * nk].unflatten(-1, (s.n_k_heads, s.head_k_dim)), self.cfg.rms_eps)
         v = conv[..., 2 * nk :].unflatten(-1, (Hv, dv))
-        repeat = Hv // s.n_k_heads  # V head h reads Q/K head h % n_k_heads (ggml's repeat tiles)
-        q, k = q.repeat(1, 1, repeat, 1), k.repeat(1, 1, repeat, 1)
         g = padded(F.softplus(alpha + self.dt_bias) * self.a)  # padded steps: g = 0, β = 0
         b = padded(torch.sigmoid(beta))
         # Runs long enough for chunks go apart from the rest (decode, drafts, short chunks): one
@@ -114,9 +118,9 @@ class DeltaNet:
                 steps = max(lengths[r] for r in rows)
                 idx = torch.tensor(rows, device=dev)
                 part = (x[idx, :steps] for x in (q, k, v, g, b))
-                out[idx, :steps] = self._delta_rule(*part, slots[idx], [lengths[r] for r in rows])
+                out[idx, :steps] = self._delta_rule(*part, slots[idx], [lengths[r] for r in rows], x.dtype)
         else:
-            out = self._delta_rule(q, k, v, g, b, slots, lengths)
+            out = self._delta_rule(q, k, v, g, b, slots, lengths, x.dtype)
 
         return self._output(out[valid], z, x.dtype)  # [T, Hv, dv], back in batch order
 
@@ -179,12 +183,25 @@ class DeltaNet:
         self.conv_state[slots] = states[kj == 0]
         return F.silu(conv).transpose(1, 2)
 
-    def _delta_rule(self, q, k, v, g, b, slots, lengths) -> torch.Tensor:
-        """Sᵀq per step [R, L, Hv, dv] (unscaled), from each slot's state; keeps the new states and
-        the checkpoints. Chunked up to where the shortest run's checkpoints begin (they need
-        per-token states), token by token after that."""
+    def _delta_rule(self, q, k, v, g, b, slots, lengths, dtype) -> torch.Tensor:
+        """Sᵀq per step [R, L, Hv, dv] (unscaled), from each slot's state (q, k [R, L, n_k_heads, dk]);
+        keeps the new states and the checkpoints. Long runs on CUDA: the Triton chunked kernel, whole.
+        Otherwise chunked up to where the shortest run's checkpoints begin (they need per-token
+        states), token by token after that."""
         R, L, Hv, dv = v.shape
         dev = v.device
+        if min(lengths) > CHUNK + ROLLBACK and (v.is_cuda if TRITON_PREFILL is None else TRITON_PREFILL):
+            from ..kernels.triton_delta_rule import chunk_gated_delta_rule
+
+            # float32 products for a float32 model; TF32 for a 16-bit one (its inputs come from 16-bit products)
+            precision = "ieee" if dtype == torch.float32 else "tf32"
+            n = torch.tensor(lengths, dtype=torch.int32, device=dev)
+            out, state, ckpt = chunk_gated_delta_rule(q, k, v, g, b, self.ssm_state[slots], n, ROLLBACK, precision)
+            self.ssm_state[slots] = state
+            self.ssm_ckpt[slots] = ckpt  # [r, j - 1]: the state j steps before the run's end
+            return out
+        repeat = Hv // k.shape[2]  # V head h reads Q/K head h % n_k_heads (ggml's repeat tiles)
+        q, k = q.repeat(1, 1, repeat, 1), k.repeat(1, 1, repeat, 1)
         # The state after step t is checkpoint j = length - 1 - t of its run; the incoming one is j = length.
         saves: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         keep = [(r, j) for r, j in _checkpoints(lengths) if j]  # j = 0 is the final state itself

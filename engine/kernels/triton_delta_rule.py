@@ -1,0 +1,286 @@
+"""The gated delta rule over long runs (prefill) in Triton, chunked: the torch custom op
+`hydra::chunk_gated_delta_rule`.
+
+Per V head the state S [dk, dv] (float32) follows, token by token (model/deltanet.py):
+
+    S = exp(g_t) S;   S += k_t ⊗ β_t (v_t - Sᵀk_t);   o_t = Sᵀq_t
+
+In chunks of BT = 64 tokens this is the WY/UT form (flash-linear-attention's chunk_gated_delta_rule,
+llama.cpp's chunked GDN). With gc the cumulative log-gate from the chunk's start and S0 the state
+entering the chunk, the chunk's corrections U_t = β_t (v_t - (exp(g_t) S_{t-1})ᵀ k_t) solve a unit
+lower-triangular system:
+
+    (I + A) U = diag(β) V - diag(β exp(gc)) K S0,   A_ts = β_t exp(gc_t - gc_s) k_t·k_s  (s < t)
+
+so with T = (I + A)⁻¹ (forward substitution), u = T diag(β) V and w = T diag(β exp(gc)) K:
+
+    U = u - w S0
+    o_t = exp(gc_t) S0ᵀ q_t + Σ_{s≤t} exp(gc_t - gc_s) (q_t·k_s) U_s
+    S_end = exp(gc_last) S0 + Σ_s exp(gc_last - gc_s) k_s U_sᵀ
+
+Three kernels: `_wy_kernel` (one program per (chunk, row, head): gc, A, T, w, u; every chunk at once),
+`_state_kernel` (one per (V tile, row, head), looping over the chunks: U and the state entering each
+chunk, the final state and the checkpoints), `_output_kernel` (one per (V tile, chunk, row, head): o).
+
+Rows are runs padded to one length L; row r's steps past lengths[r] are absent (read as g = 0,
+β = 0, k = 0: the state stays), so the final state is the one after its last step. Besides it, the
+op returns the states `1..n_ckpt` steps before each row's end (the draft-rollback checkpoints).
+Q/K heads are shared GQA-style as ggml tiles them: V head h reads Q/K head h % n_k_heads.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BT = 64  # tokens per chunk (llama.cpp's and fla's)
+
+
+@triton.jit
+def _wy_kernel(
+    k_ptr,
+    v_ptr,
+    g_ptr,
+    b_ptr,
+    len_ptr,
+    a_ptr,
+    w_ptr,
+    u_ptr,
+    gc_ptr,
+    L,
+    H: tl.constexpr,
+    HK: tl.constexpr,
+    DK: tl.constexpr,
+    DV: tl.constexpr,
+    BT: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    c = tl.program_id(0)
+    rh = tl.program_id(1)
+    r = rh // H
+    h = rh % H
+    hk = h % HK
+    n = tl.load(len_ptr + r)
+    i = tl.arange(0, BT)
+    t = c * BT + i
+    ok = t < n
+    row = (r * L + t).to(tl.int64)  # token rows of [R, L, ...]
+    g = tl.load(g_ptr + row * H + h, mask=ok, other=0.0)
+    beta = tl.load(b_ptr + row * H + h, mask=ok, other=0.0)
+    gc = tl.cumsum(g, 0)
+    tl.store(gc_ptr + row * H + h, gc, mask=t < L)
+
+    kk = tl.zeros([BT, BT], dtype=tl.float32)
+    for k0 in range(0, DK, BK):
+        d = k0 + tl.arange(0, BK)
+        kt = tl.load(
+            k_ptr + (row * HK + hk)[:, None] * DK + d[None, :], mask=ok[:, None] & (d < DK)[None, :], other=0.0
+        )
+        kk += tl.dot(kt, tl.trans(kt), input_precision=PRECISION)
+    lower = i[:, None] > i[None, :]
+    decay = tl.exp(tl.where(lower, gc[:, None] - gc[None, :], 0.0))
+    a = tl.where(lower, -(beta[:, None] * kk * decay), 0.0)  # -A, strictly lower
+    # T = (I + A)⁻¹ by forward substitution: row s of T - I = Σ_{j<s} (-A)_sj (row j of T), in place;
+    # row s of -A read back from the scratch (one reduction a row instead of two).
+    scratch = a_ptr + ((rh.to(tl.int64) * tl.num_programs(0) + c) * BT) * BT  # [BT, BT] of this program
+    tl.store(scratch + i[:, None] * BT + i[None, :], a)
+    tl.debug_barrier()
+    for s in range(1, BT):
+        ai = tl.load(scratch + s * BT + i)
+        ai = ai + tl.sum(ai[:, None] * a, 0) * (i < s)
+        a = tl.where((i == s)[:, None], ai[None, :], a)
+    tri = a + (i[:, None] == i[None, :]).to(tl.float32)
+
+    for v0 in range(0, DV, BV):
+        e = v0 + tl.arange(0, BV)
+        m = ok[:, None] & (e < DV)[None, :]
+        vt = tl.load(v_ptr + (row * H + h)[:, None] * DV + e[None, :], mask=m, other=0.0)
+        u = tl.dot(tri, vt * beta[:, None], input_precision=PRECISION)
+        tl.store(u_ptr + (row * H + h)[:, None] * DV + e[None, :], u, mask=(t < L)[:, None] & (e < DV)[None, :])
+    kb = beta * tl.exp(gc)
+    for k0 in range(0, DK, BK):
+        d = k0 + tl.arange(0, BK)
+        kt = tl.load(
+            k_ptr + (row * HK + hk)[:, None] * DK + d[None, :], mask=ok[:, None] & (d < DK)[None, :], other=0.0
+        )
+        w = tl.dot(tri, kt * kb[:, None], input_precision=PRECISION)
+        tl.store(w_ptr + (row * H + h)[:, None] * DK + d[None, :], w, mask=(t < L)[:, None] & (d < DK)[None, :])
+
+
+@triton.jit
+def _state_kernel(
+    k_ptr,
+    w_ptr,
+    u_ptr,
+    gc_ptr,
+    len_ptr,
+    s0_ptr,
+    hs_ptr,
+    vn_ptr,
+    sf_ptr,
+    ck_ptr,
+    L,
+    NT,
+    H: tl.constexpr,
+    HK: tl.constexpr,
+    DK: tl.constexpr,
+    DV: tl.constexpr,
+    BT: tl.constexpr,
+    BKS: tl.constexpr,
+    BV: tl.constexpr,
+    NCK: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    vb = tl.program_id(0)
+    rh = tl.program_id(1)
+    r = rh // H
+    h = rh % H
+    hk = h % HK
+    n = tl.load(len_ptr + r)
+    d = tl.arange(0, BKS)
+    e = vb * BV + tl.arange(0, BV)
+    de = (d < DK)[:, None] & (e < DV)[None, :]
+    at = d[:, None] * DV + e[None, :]  # [DK, DV] offsets of this tile
+    state = tl.load(s0_ptr + rh.to(tl.int64) * DK * DV + at, mask=de, other=0.0)
+    for j in tl.static_range(NCK):  # a checkpoint before the row's first step: the incoming state
+        if n - 2 - j < 0:
+            tl.store(ck_ptr + ((r * NCK + j) * H + h).to(tl.int64) * DK * DV + at, state, mask=de)
+    i = tl.arange(0, BT)
+    for c in range(0, NT):
+        tl.store(hs_ptr + (((r * NT + c) * H + h).to(tl.int64) * DK * DV) + at, state, mask=de)
+        t = c * BT + i
+        in_l = t < L
+        row = (r * L + t).to(tl.int64)
+        w = tl.load(w_ptr + (row * H + h)[:, None] * DK + d[None, :], mask=in_l[:, None] & (d < DK)[None, :], other=0.0)
+        te = in_l[:, None] & (e < DV)[None, :]
+        u = tl.load(u_ptr + (row * H + h)[:, None] * DV + e[None, :], mask=te, other=0.0)
+        vn = u - tl.dot(w, state, input_precision=PRECISION)  # U: [BT, BV]
+        tl.store(vn_ptr + (row * H + h)[:, None] * DV + e[None, :], vn, mask=te)
+        gc = tl.load(gc_ptr + row * H + h, mask=in_l, other=0.0)
+        kt = tl.load(
+            k_ptr + (row * HK + hk)[:, None] * DK + d[None, :], mask=(t < n)[:, None] & (d < DK)[None, :], other=0.0
+        )
+        for j in tl.static_range(NCK):  # the state after step p = n - 2 - j, where p falls in this chunk
+            p = n - 2 - j
+            if (p >= c * BT) & (p < c * BT + BT):
+                gp = tl.sum(tl.where(t == p, gc, 0.0), 0)
+                coef = tl.where(t <= p, tl.exp(gp - gc), 0.0)
+                sp = state * tl.exp(gp) + tl.dot(tl.trans(kt * coef[:, None]), vn, input_precision=PRECISION)
+                tl.store(ck_ptr + ((r * NCK + j) * H + h).to(tl.int64) * DK * DV + at, sp, mask=de)
+        last = tl.minimum(c * BT + BT, L) - 1
+        gl = tl.sum(tl.where(t == last, gc, 0.0), 0)
+        kd = kt * tl.exp(gl - gc)[:, None]
+        state = state * tl.exp(gl) + tl.dot(tl.trans(kd), vn, input_precision=PRECISION)
+    tl.store(sf_ptr + rh.to(tl.int64) * DK * DV + at, state, mask=de)
+
+
+@triton.jit
+def _output_kernel(
+    q_ptr,
+    k_ptr,
+    gc_ptr,
+    hs_ptr,
+    vn_ptr,
+    o_ptr,
+    L,
+    NT,
+    H: tl.constexpr,
+    HK: tl.constexpr,
+    DK: tl.constexpr,
+    DV: tl.constexpr,
+    BT: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    vb = tl.program_id(0)
+    c = tl.program_id(1)
+    rh = tl.program_id(2)
+    r = rh // H
+    h = rh % H
+    hk = h % HK
+    i = tl.arange(0, BT)
+    t = c * BT + i
+    in_l = t < L
+    row = (r * L + t).to(tl.int64)
+    e = vb * BV + tl.arange(0, BV)
+    o = tl.zeros([BT, BV], dtype=tl.float32)
+    a = tl.zeros([BT, BT], dtype=tl.float32)
+    hs = hs_ptr + ((r * NT + c) * H + h).to(tl.int64) * DK * DV
+    for k0 in range(0, DK, BK):
+        d = k0 + tl.arange(0, BK)
+        m = in_l[:, None] & (d < DK)[None, :]
+        qt = tl.load(q_ptr + (row * HK + hk)[:, None] * DK + d[None, :], mask=m, other=0.0)
+        kt = tl.load(k_ptr + (row * HK + hk)[:, None] * DK + d[None, :], mask=m, other=0.0)
+        st = tl.load(hs + d[:, None] * DV + e[None, :], mask=(d < DK)[:, None] & (e < DV)[None, :], other=0.0)
+        o += tl.dot(qt, st, input_precision=PRECISION)
+        a += tl.dot(qt, tl.trans(kt), input_precision=PRECISION)
+    gc = tl.load(gc_ptr + row * H + h, mask=in_l, other=0.0)
+    causal = i[:, None] >= i[None, :]
+    a = tl.where(causal, a * tl.exp(tl.where(causal, gc[:, None] - gc[None, :], 0.0)), 0.0)
+    te = in_l[:, None] & (e < DV)[None, :]
+    vn = tl.load(vn_ptr + (row * H + h)[:, None] * DV + e[None, :], mask=te, other=0.0)
+    o = o * tl.exp(gc)[:, None] + tl.dot(a, vn, input_precision=PRECISION)
+    tl.store(o_ptr + (row * H + h)[:, None] * DV + e[None, :], o, mask=te)
+
+
+def _pow2(n: int, at_least: int = 16) -> int:
+    return max(at_least, triton.next_power_of_2(n))
+
+
+@torch.library.custom_op("hydra::chunk_gated_delta_rule", mutates_args=())
+def chunk_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    lengths: torch.Tensor,
+    n_ckpt: int,
+    precision: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k [R, L, HK, dk], v [R, L, H, dv], g, beta [R, L, H], state [R, H, dk, dv] (all float32),
+    lengths [R] (steps of each row, ≤ L) -> (o [R, L, H, dv]: Sᵀq per step, unscaled; rows' steps past
+    their length are left as they fall; the final state [R, H, dk, dv]; ckpt [R, n_ckpt, H, dk, dv]:
+    the state j + 1 steps before each row's end, the incoming state where the row is shorter).
+    `precision`: tl.dot's input_precision, "ieee" (float32 products) or "tf32"."""
+    R, L, HK, DK = k.shape
+    H, DV = v.shape[2], v.shape[3]
+    if H % HK:
+        raise ValueError(f"{H} V heads do not tile {HK} Q/K heads")
+    q, k, v, g, beta = (x.float().contiguous() for x in (q, k, v, g, beta))
+    state = state.float().contiguous()
+    lengths = lengths.to(device=k.device, dtype=torch.int32).contiguous()
+    dev = k.device
+    NT = triton.cdiv(L, BT)
+    f32 = dict(dtype=torch.float32, device=dev)
+    w = torch.empty(R, L, H, DK, **f32)
+    u = torch.empty(R, L, H, DV, **f32)
+    gc = torch.empty(R, L, H, **f32)
+    hs = torch.empty(R, NT, H, DK, DV, **f32)
+    a = torch.empty(R * H, NT, BT, BT, **f32)  # -A of each program of _wy_kernel
+    vn = torch.empty(R, L, H, DV, **f32)
+    o = torch.empty(R, L, H, DV, **f32)
+    final = torch.empty(R, H, DK, DV, **f32)
+    ckpt = torch.empty(R, n_ckpt, H, DK, DV, **f32)
+    BK = min(_pow2(DK), 64)
+    BV = min(_pow2(DV), 64)
+    shape = dict(H=H, HK=HK, DK=DK, DV=DV, BT=BT, PRECISION=precision)
+    _wy_kernel[(NT, R * H)](k, v, g, beta, lengths, a, w, u, gc, L, BK=BK, BV=BV, **shape, num_warps=4)
+    BVS = min(_pow2(DV), 32)
+    _state_kernel[(triton.cdiv(DV, BVS), R * H)](
+        k, w, u, gc, lengths, state, hs, vn, final, ckpt, L, NT, BKS=_pow2(DK), BV=BVS, NCK=n_ckpt, **shape, num_warps=4
+    )
+    _output_kernel[(triton.cdiv(DV, BV), NT, R * H)](q, k, gc, hs, vn, o, L, NT, BK=BK, BV=BV, **shape, num_warps=4)
+    return o, final, ckpt
+
+
+@chunk_gated_delta_rule.register_fake
+def _(q, k, v, g, beta, state, lengths, n_ckpt, precision):
+    R, L, H, DV = v.shape
+    DK = k.shape[3]
+    return v.new_empty(R, L, H, DV), v.new_empty(R, H, DK, DV), v.new_empty(R, n_ckpt, H, DK, DV)

@@ -1,0 +1,132 @@
+"""The Triton chunked gated delta rule (`hydra::chunk_gated_delta_rule`, qwen35's prefill on CUDA)
+against the token-by-token recurrence of model/deltanet.py: outputs, final states and the rollback
+checkpoints, over several chunk counts, a partial last chunk, runs of different lengths padded
+together, a non-zero incoming state and V heads sharing Q/K heads; and a synthetic qwen35 whose
+prefill goes through the kernel against the same model through the torch forms. On CPU it runs under
+Triton's interpreter (TRITON_INTERPRET=1, tests/conftest.py)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+import torch
+from stages import load
+
+from hydra_console.engine.model import ROLLBACK, deltanet
+
+KERNEL_DEVICE = (
+    "cuda"
+    if torch.cuda.is_available()
+    else ("cpu" if os.environ.get("TRITON_INTERPRET") == "1" and importlib.util.find_spec("triton") else None)
+)
+pytestmark = pytest.mark.skipif(
+    KERNEL_DEVICE is None, reason="no CUDA device, and no `triton` package with TRITON_INTERPRET=1 for CPU"
+)
+
+
+def token_by_token(q, k, v, g, b, state, lengths, n_ckpt):
+    """DeltaNet's recurrence (its `_delta_rule` loop), steps past a row's length held (g = 0, β = 0):
+    (Sᵀq per step, final state, the states 1..n_ckpt steps before each row's end)."""
+    R, L, H, _ = v.shape
+    rep = H // k.shape[2]
+    q, k = q.repeat(1, 1, rep, 1), k.repeat(1, 1, rep, 1)  # V head h reads Q/K head h % n_k_heads
+    on = (torch.arange(L)[None, :] < lengths[:, None])[..., None]
+    g, b = g * on, b * on
+    out, states = torch.empty(R, L, H, v.shape[3]), [state]
+    for t in range(L):
+        state = state * torch.exp(g[:, t, :, None, None])
+        kv = (k[:, t, :, None, :] @ state).squeeze(-2)
+        delta = (v[:, t] - kv) * b[:, t, :, None]
+        state = state + k[:, t, :, :, None] * delta[:, :, None, :]
+        out[:, t] = (q[:, t, :, None, :] @ state).squeeze(-2)
+        states.append(state)
+    every = torch.stack(states, 1)  # [R, L + 1, ...]: the state after step t at t + 1
+    at = (lengths[:, None] - torch.arange(n_ckpt)[None, :] - 1).clamp(min=0)  # before the row: incoming
+    return out, state, every[torch.arange(R)[:, None], at]
+
+
+def inputs(R, L, H, HK, dk, dv, lengths, seed=0):
+    """Random q, k (L2-normed, as DeltaNet's), v, gates as DeltaNet computes them, a non-zero state;
+    steps past each row's length are poison the kernel must not read."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.nn.functional.normalize(torch.randn(R, L, HK, dk, generator=gen), dim=-1)
+    k = torch.nn.functional.normalize(torch.randn(R, L, HK, dk, generator=gen), dim=-1)
+    v = torch.randn(R, L, H, dv, generator=gen)
+    g = torch.nn.functional.softplus(torch.randn(R, L, H, generator=gen)) * -torch.rand(H, generator=gen).exp()
+    b = torch.sigmoid(torch.randn(R, L, H, generator=gen))
+    state = 0.5 * torch.randn(R, H, dk, dv, generator=gen)
+    lengths = torch.tensor(lengths)
+    past = torch.arange(L)[None, :] >= lengths[:, None]
+    for x, poison in ((q, 1e4), (k, 1e4), (v, 1e4), (g, 80.0), (b, 1e4)):
+        x[past] = poison
+    return q, k, v, g, b, state, lengths
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    "R, L, H, HK, dk, dv, lengths",
+    [
+        (1, 64, 2, 2, 16, 16, [64]),  # one whole chunk
+        (2, 150, 4, 2, 32, 16, [150, 97]),  # 3 chunks, the last partial; a shorter row padded; GQA
+        (1, 130, 2, 1, 16, 32, [130]),  # 3 chunks, 2 steps in the last; two V heads on one Q/K head
+    ],
+)
+def test_kernel_equals_the_token_by_token_recurrence(R, L, H, HK, dk, dv, lengths):
+    from hydra_console.engine.kernels.triton_delta_rule import chunk_gated_delta_rule
+
+    args = inputs(R, L, H, HK, dk, dv, lengths)
+    want_o, want_state, want_ckpt = token_by_token(*args, ROLLBACK)
+    dev = [x.to(KERNEL_DEVICE) for x in args]
+    o, state, ckpt = (x.cpu() for x in chunk_gated_delta_rule(*dev, ROLLBACK, "ieee"))
+    valid = torch.arange(L)[None, :] < args[-1][:, None]
+    torch.testing.assert_close(o[valid], want_o[valid], atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(state, want_state, atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(ckpt, want_ckpt, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.unit
+def test_a_short_row_checkpoints_its_incoming_state():
+    """Rows shorter than the checkpoints reach: those before their first step are the incoming state."""
+    from hydra_console.engine.kernels.triton_delta_rule import chunk_gated_delta_rule
+
+    args = inputs(2, 20, 2, 1, 16, 16, [20, 3])
+    _, want_state, want_ckpt = token_by_token(*args, ROLLBACK)
+    _, state, ckpt = chunk_gated_delta_rule(*[x.to(KERNEL_DEVICE) for x in args], ROLLBACK, "ieee")
+    torch.testing.assert_close(state.cpu(), want_state, atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(ckpt.cpu(), want_ckpt, atol=2e-5, rtol=1e-5)
+
+
+def test_qwen35_prefill_through_the_kernel_equals_the_torch_forms(tiny_model, monkeypatch):
+    """A tiny qwen35 (one Gated DeltaNet layer, 4 V heads on 2 Q/K heads): two long runs padded together
+    (2 chunks and a partial third) and a short one, then one more token each; logits, states and
+    checkpoints with the kernel forced on (under the interpreter on CPU) against it off."""
+    path = tiny_model("qwen35", n_layers=2)
+    ids = torch.randint(0, 600, (140,), generator=torch.Generator().manual_seed(1)).tolist()
+    tokens = torch.tensor(ids + ids[:90] + ids[:3])
+    slots = torch.tensor([0] * 140 + [1] * 90 + [2] * 3)
+    positions = torch.cat([torch.arange(140), torch.arange(90), torch.arange(3)])
+
+    def to_device(*xs):
+        return [x.to(KERNEL_DEVICE) for x in xs]
+
+    def forward(kernel: bool):
+        monkeypatch.setattr(deltanet, "TRITON_PREFILL", kernel)
+        stage = load(path, n_slots=3, device=KERNEL_DEVICE)
+        tokens_ = tokens.to(KERNEL_DEVICE)
+        first = stage.logits(stage.run_layers(*to_device(stage.embed(tokens_), slots, positions)))
+        h = stage.embed(torch.tensor([5, 6, 7], device=KERNEL_DEVICE))
+        second = stage.logits(stage.run_layers(*to_device(h, torch.arange(3), torch.tensor([140, 90, 3]))))
+        return [x.cpu() for x in (first, second)], [
+            (net.ssm_state.cpu(), net.ssm_ckpt.cpu(), net.conv_state.cpu()) for net in stage.recurrent
+        ]
+
+    (first, second), states = forward(True)
+    (want_first, want_second), want_states = forward(False)
+    print(f"kernel vs torch forms: max |dlogit| {float((first - want_first).abs().max()):.2e}")
+    torch.testing.assert_close(first, want_first, atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(second, want_second, atol=2e-5, rtol=1e-5)
+    for got, want in zip(states, want_states):
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-5)
