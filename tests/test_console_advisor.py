@@ -73,6 +73,11 @@ async def test_advisor_moves_layers_off_a_slowed_peer_and_the_proposal_beats_the
         shown = str(editor.query_one("#split-verdict").render())
         assert "applied 7/1" in shown and "achieved" in shown
         assert any(e.kind == "split" and "7/1" in e.message for e in sup.events)
+        # The editor shows the applied split, so `a` there applies it, not the draft from before.
+        assert editor.counts == [7, 1] and "split 7/1" in str(editor.query_one("#split-note").render())
+        await pilot.press("a")
+        assert isinstance(app.screen, ConfirmScreen) and "Apply split 7/1?" in app.screen.question
+        await pilot.press("n")
 
         proposal_ms = await asyncio.to_thread(ms_per_token, client)
         print(

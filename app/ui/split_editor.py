@@ -285,7 +285,10 @@ class SplitEditorScreen(Screen):
             self.app.confirm_apply_split(list(self.counts), on_done=self._applied)
 
     def _applied(self, counts: list[int]) -> None:
-        self.applied = counts
+        if counts != self.counts:  # the advisor's proposal: the draft becomes what now runs
+            self.undo_stack.append(self.counts)
+            self.counts = list(counts)
+        self.applied = list(counts)
         if self.is_mounted:
             self.render_plan()
 
