@@ -1,0 +1,189 @@
+"""qwen35 prefill through one Gated DeltaNet layer on CUDA: the torch forms (`_chunked` + the token
+loop, model/deltanet.py) against the Triton chunked kernel (`kernels/triton_delta_rule.py`).
+
+    python benchmarks/bench_delta_rule.py [--tokens 512,4096,16384] [--layer] [--json]
+
+The default shape is Qwen3.5-27B's: 48 V heads on 16 Q/K heads, head dims 128 (`--v-heads`,
+`--k-heads`, `--dim`). For each prompt length T (one slot, state and checkpoints kept as in serving)
+it times `DeltaNet._delta_rule`, the gated delta rule alone, through each path: the torch forms,
+the kernel with TF32 products (a 16-bit model) and with float32 products (a float32 model), and
+prints the kernel's largest difference from the torch forms (outputs, final state). `--layer` also
+times the whole layer (`DeltaNet.__call__`: input product, conv, gates, the rule, gated norm, output
+product) of a one-layer synthetic file of the same shape (hidden 5120, BF16 weights) both ways.
+Timings are medians of `--reps` runs after one warm-up (the first kernel call compiles).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+from hydra_console.engine.model import ROLLBACK, deltanet
+from hydra_console.engine.model.deltanet import DeltaNet
+
+
+def timed(fn, reps: int) -> float:
+    """Median seconds of fn() after one warm-up."""
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def rule_inputs(T: int, hv: int, hk: int, dim: int, seed: int = 0):
+    """One slot's q, k (L2-normed, Q/K heads), v, gates as DeltaNet computes them: [1, T, ...]."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen, device="cuda")
+
+    q = torch.nn.functional.normalize(randn(1, T, hk, dim), dim=-1)
+    k = torch.nn.functional.normalize(randn(1, T, hk, dim), dim=-1)
+    v = randn(1, T, hv, dim)
+    g = torch.nn.functional.softplus(randn(1, T, hv)) * -torch.rand(hv, generator=gen, device="cuda").exp()
+    b = torch.sigmoid(randn(1, T, hv))
+    return q, k, v, g, b
+
+
+def bench_rule(T: int, args) -> dict:
+    hv, hk, dim = args.v_heads, args.k_heads, args.dim
+    q, k, v, g, b = rule_inputs(T, hv, hk, dim)
+    state0 = 0.1 * torch.randn(1, hv, dim, dim, device="cuda")
+    net = SimpleNamespace(ssm_state=state0.clone(), ssm_ckpt=torch.zeros(1, ROLLBACK, hv, dim, dim, device="cuda"))
+    slots = torch.zeros(1, dtype=torch.long, device="cuda")
+
+    def run(kernel: bool, dtype: torch.dtype):
+        def go():
+            deltanet.TRITON_PREFILL = kernel
+            net.ssm_state.copy_(state0)
+            return DeltaNet._delta_rule(net, q, k, v, g, b, slots, [T], dtype)
+
+        return go
+
+    row = {"tokens": T}
+    results = {}
+    for name, kernel, dtype in (
+        ("torch", False, torch.bfloat16),
+        ("kernel_tf32", True, torch.bfloat16),
+        ("kernel_ieee", True, torch.float32),
+    ):
+        if name == "torch" and T > args.torch_max:
+            continue
+        row[f"{name}_ms"] = timed(run(kernel, dtype), args.reps) * 1e3
+        out = run(kernel, dtype)()
+        results[name] = (out.clone(), net.ssm_state.clone(), net.ssm_ckpt.clone())
+    if "torch" in results:
+        o, s, c = results["torch"]
+        for name in ("kernel_tf32", "kernel_ieee"):
+            ko, ks, kc = results[name]
+            row[f"{name}_max_abs_out"] = float((ko - o).abs().max())
+            row[f"{name}_max_abs_state"] = float((ks - s).abs().max())
+            row[f"{name}_max_abs_ckpt"] = float((kc - c).abs().max())
+        row["speedup_tf32"] = row["torch_ms"] / row["kernel_tf32_ms"]
+    deltanet.TRITON_PREFILL = None
+    return row
+
+
+def bench_layer(T: int, stage, args) -> dict:
+    net = stage.recurrent[0]
+    x = torch.randn(T, stage.cfg.n_embd, device="cuda", dtype=torch.bfloat16)
+    row = {"tokens": T}
+    for name, kernel in (("layer_torch", False), ("layer_kernel", True)):
+        if not kernel and T > args.torch_max:
+            continue
+
+        def go(kernel=kernel):
+            deltanet.TRITON_PREFILL = kernel
+            net.clear(0)
+            return net(x, [(0, 0, T)])
+
+        row[f"{name}_ms"] = timed(go, args.reps) * 1e3
+    deltanet.TRITON_PREFILL = None
+    return row
+
+
+def layer_stage(args):
+    from hydra_console.engine.gguf_file import GGUFFile
+    from hydra_console.engine.model import build_stage
+    from hydra_console.engine.synth import write_synthetic
+
+    path = Path(tempfile.mkdtemp()) / "q35-deltanet.gguf"
+    write_synthetic(
+        path,
+        "qwen35",
+        n_layers=2,  # layer 0 Gated DeltaNet, layer 1 full attention
+        n_embd=5120,
+        n_head=24,
+        n_head_kv=4,
+        head_dim=256,
+        n_ff=256,
+        n_ctx=max(args.tokens) + 64,
+        qtype="BF16",
+        ssm_state=args.dim,
+        ssm_groups=args.k_heads,
+        ssm_v_heads=args.v_heads,
+    )
+    return build_stage(
+        GGUFFile(path), device="cuda", dtype="bfloat16", n_slots=1, n_ctx=max(args.tokens) + 64, cache_dir=None
+    )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", default="512,4096,16384", help="prompt lengths")
+    ap.add_argument("--v-heads", type=int, default=48)
+    ap.add_argument("--k-heads", type=int, default=16)
+    ap.add_argument("--dim", type=int, default=128, help="head_k_dim = head_v_dim")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--torch-max", type=int, default=1 << 20, help="skip the torch forms past this length")
+    ap.add_argument("--layer", action="store_true", help="also time the whole DeltaNet layer")
+    ap.add_argument("--layers", type=int, default=48, help="DeltaNet layers of the model (per-prompt totals)")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    args.tokens = [int(t) for t in args.tokens.split(",")]
+    torch.backends.cuda.matmul.allow_tf32 = False  # the torch forms in float32, as served
+
+    print(torch.cuda.get_device_name(), f"V heads {args.v_heads}, Q/K heads {args.k_heads}, dims {args.dim}")
+    rows = [bench_rule(T, args) for T in args.tokens]
+    if args.layer:
+        stage = layer_stage(args)
+        for row, T in zip(rows, args.tokens):
+            row.update(bench_layer(T, stage, args))
+    if args.json:
+        print(json.dumps(rows, indent=1))
+        return
+    print(
+        f"{'T':>6} {'torch ms':>10} {'tf32 ms':>9} {'ieee ms':>9} {'speedup':>8} {'x layers ms':>12}  max |Δ| out / state (tf32, ieee)"
+    )
+    for r in rows:
+        t = r.get("torch_ms", float("nan"))
+        d = (
+            f"{r.get('kernel_tf32_max_abs_out', float('nan')):.1e} / {r.get('kernel_tf32_max_abs_state', float('nan')):.1e}, "
+            f"{r.get('kernel_ieee_max_abs_out', float('nan')):.1e} / {r.get('kernel_ieee_max_abs_state', float('nan')):.1e}"
+        )
+        print(
+            f"{r['tokens']:>6} {t:>10.2f} {r['kernel_tf32_ms']:>9.3f} {r['kernel_ieee_ms']:>9.3f} "
+            f"{t / r['kernel_tf32_ms']:>7.1f}x {r['kernel_tf32_ms'] * args.layers:>12.1f}  {d}"
+        )
+        if "layer_kernel_ms" in r:
+            lt = r.get("layer_torch_ms", float("nan"))
+            print(
+                f"{'':>6} whole layer: torch forms {lt:.2f} ms, kernel {r['layer_kernel_ms']:.2f} ms "
+                f"({r['tokens'] / r['layer_kernel_ms'] * 1e3:,.0f} tok/s per layer)"
+            )
+
+
+if __name__ == "__main__":
+    main()
