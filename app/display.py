@@ -17,9 +17,9 @@ import psutil
 
 from ..contracts.errors import UserError
 from ..contracts.footprint import compute_dtype, weight_form
-from ..contracts.status import READY_STAGE, Status
+from ..contracts.status import READY_STAGE, Pool, Status
 from .config import Alerts
-from .supervisor import Event, State, Supervisor, Worker, describe_exit
+from .supervisor import Event, State, Supervisor, Worker, connect_host, describe_exit
 
 STATE_LOOK: dict[State, tuple[str, str]] = {  # state -> (symbol, tone)
     State.READY: ("●", "ok"),
@@ -396,9 +396,26 @@ def requests_text(status: Status | None) -> str:
     )
 
 
-def peer_lines(status: Status | None, alerts: Alerts) -> list[tuple[str, str]]:
+def peer_pools(sup: Supervisor) -> dict[str, Pool]:
+    """Each peer's merged RPC port as the peer's own /status reports it, by the address the head dials."""
+    return {
+        f"{connect_host(w.spec.host)}:{w.spec.rpc}": w.status.pool
+        for w in list(sup.workers.values())[1:]
+        if w.status is not None and w.status.pool is not None
+    }
+
+
+def port_text(pool: Pool) -> str:
+    """A peer's merged port: the pipeline's sessions on it and, where it runs a pool, sessions busy /
+    pool size, queued / queue max and dropped (the original system's headline: what a flood fills)."""
+    occupancy = f" {pool.busy}/{pool.size} busy, {pool.queued}/{pool.queue_max} queued," if pool.size else ""
+    return f"port {pool.compute} compute ·{occupancy} {pool.dropped} dropped"
+
+
+def peer_lines(status: Status | None, alerts: Alerts, pools: dict[str, Pool] | None = None) -> list[tuple[str, str]]:
     """("127.0.0.1:8091 ● up 0.3 ms [9,18)", tone) per peer the head drives; "· cuda-ipc" when the
-    hidden states stay on a GPU the head and peer share."""
+    hidden states stay on a GPU the head and peer share; its port's pool when `pools` (`peer_pools`)
+    has it (warn once it dropped)."""
     out = []
     for p in status.peers if status else []:
         symbol, tone = {"up": ("●", "ok"), "connecting": ("◐", "busy"), "down": ("✖", "error")}.get(
@@ -408,7 +425,11 @@ def peer_lines(status: Status | None, alerts: Alerts) -> list[tuple[str, str]]:
         if tone == "ok" and p.rtt_ms is not None and p.rtt_ms >= alerts.rtt_ms:
             tone, rtt_s = "warn", f"{rtt_s} ⚠"
         ipc = " · cuda-ipc" if p.transport == "cuda-ipc" else ""
-        out.append((f"{p.addr} {symbol} {p.state} rtt {rtt_s} {fmt_layers(p.layers)}{ipc}", tone))
+        pool = (pools or {}).get(p.addr)
+        if pool is not None and pool.dropped and tone == "ok":
+            tone = "warn"
+        port = f" · {port_text(pool)}" if pool is not None else ""
+        out.append((f"{p.addr} {symbol} {p.state} rtt {rtt_s} {fmt_layers(p.layers)}{ipc}{port}", tone))
     return out
 
 

@@ -207,7 +207,7 @@ def _port_taken(host: str, port: int) -> bool:
     return False
 
 
-def _connect_host(host: str) -> str:
+def connect_host(host: str) -> str:
     return "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
 
 
@@ -405,7 +405,7 @@ class Supervisor:
         if w.role == "head":
             args += ["--parallel", str(p.parallel)]
             for peer in p.peers:
-                args += ["--peer", f"{_connect_host(peer.host)}:{peer.rpc}"]
+                args += ["--peer", f"{connect_host(peer.host)}:{peer.rpc}"]
             if self.split:
                 args += ["--split", split_arg(self.split)]
             if p.prefill_worker:
@@ -574,7 +574,7 @@ class Supervisor:
         if len(counts) != len(self.workers):
             raise SupervisorError(f"split {split_arg(counts)} has {len(counts)} stages for {len(self.workers)} workers")
         head = self.head
-        host = _connect_host(head.spec.rpc_host or head.spec.host)
+        host = connect_host(head.spec.rpc_host or head.spec.host)
         try:
             reply = await control_client.configure(
                 host, head.spec.rpc, {"split": split_arg(counts), "by": self.identity}, token=self.token
@@ -607,7 +607,7 @@ class Supervisor:
         if self.readonly:
             raise SupervisorError("read-only console: it runs no probe")
         head = self.head
-        host = _connect_host(head.spec.rpc_host or head.spec.host)
+        host = connect_host(head.spec.rpc_host or head.spec.host)
         try:
             reply = await control_client.probe(host, head.spec.rpc, tokens, reps, token=self.token)
         except control_client.ControlUnreachable as e:

@@ -311,6 +311,27 @@ async def test_a_second_console_watches_the_live_workers_read_only_and_names_the
         kill_groups(pids)
 
 
+async def test_the_dashboard_shows_each_peers_pool_as_it_fills():
+    def peer(busy: int, queued: int, dropped: int) -> Probe:
+        pool = {"size": 2, "busy": busy, "queued": queued, "queue_max": 64, "dropped": dropped, "compute": 1}
+        return Probe(True, 200, {"status": "ok"}, {"role": "peer", "pool": pool})
+
+    head = {"role": "head", "peers": [{"addr": "127.0.0.1:8091", "state": "up"}]}
+    feed = FixedFeedSource({"head": Probe(True, 200, {"status": "ok"}, head), "peer1": peer(0, 0, 0)})
+    sup = Supervisor(Profile(supervisor=SupervisorSettings(poll_s=3600)), attach=True, source=feed)
+    app = HydraConsole(sup, load_model_shape=False)
+    async with app.run_test(size=(120, 40)) as pilot:
+        info = app.dashboard.query_one("#info")
+        await until(
+            pilot, lambda: "8091 ● up rtt — — · port 1 compute · 0/2 busy, 0/64 queued, 0 dropped" in str(info.render())
+        )
+        feed.probes["peer1"] = peer(2, 64, 7)  # a flood: the pool full, its queue full, connections dropped
+        await sup.poll_once()
+        app.refresh_view()
+        await until(pilot, lambda: "port 1 compute · 2/2 busy, 64/64 queued, 7 dropped" in str(info.render()))
+        assert any(i.kind == "pool-drop" and i.subject == "peer1" for i in app.incidents.since(0))
+
+
 async def test_help_lists_remapped_keys_and_palette_has_every_action(tmp_path):
     profile = fake_profile()
     profile.keys = {"hydra.restart": "ctrl+r", "hydra.split": "S", "hydra.palette": "ctrl+k", "hydra.nope": "x"}

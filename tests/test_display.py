@@ -238,6 +238,30 @@ async def test_rows_and_panels_from_a_status_document():
     ]
 
 
+async def test_each_peers_merged_port_pool_comes_from_its_own_status():
+    peer = {"role": "peer", "pool": {"size": 2, "busy": 2, "queued": 5, "queue_max": 64, "dropped": 3, "compute": 1}}
+    older = {"role": "peer", "pool": {"compute": 1, "connections": 1}}  # a peer that runs no pool
+    head = {
+        **STATUS,
+        "peers": [{"addr": f"127.0.0.1:{port}", "state": "up", "rtt_ms": 0.5} for port in (8091, 8093, 8095)],
+    }
+    profile = Profile(peers=[WorkerSpec(name=n, port=p) for n, p in (("peer1", 8090), ("peer2", 8092), ("p3", 8094))])
+    feed = FixedFeedSource(
+        {
+            "head": Probe(True, 200, {"status": "ok"}, head),
+            "peer1": Probe(True, 200, {"status": "ok"}, peer),
+            "peer2": Probe(True, 200, {"status": "ok"}, older),
+        }
+    )
+    sup = Supervisor(profile, attach=True, source=feed)
+    await sup.poll_once()
+    assert display.peer_lines(sup.head.status, Alerts(), display.peer_pools(sup)) == [
+        ("127.0.0.1:8091 ● up rtt 0.5 ms — · port 1 compute · 2/2 busy, 5/64 queued, 3 dropped", "warn"),
+        ("127.0.0.1:8093 ● up rtt 0.5 ms — · port 1 compute · 0 dropped", "ok"),
+        ("127.0.0.1:8095 ● up rtt 0.5 ms —", "ok"),  # no answer from it: the head's view only
+    ]
+
+
 def test_peer_layers_come_from_its_own_status_when_it_has_one():
     sup = Supervisor(Profile(peers=[WorkerSpec(name="p", port=8090)]), attach=True, source=FixedFeedSource({}))
     sup.workers["p"].probe = Probe(

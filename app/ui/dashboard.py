@@ -154,7 +154,7 @@ class DashboardScreen(Screen):
         info = Text()
         info.append(display.requests_text(status))
         info.append(f"\n{display.acceptance_text(status)}\n{display.pool_text(status)}")
-        for line, tone in display.peer_lines(status, sup.profile.alerts):
+        for line, tone in display.peer_lines(status, sup.profile.alerts, display.peer_pools(sup)):
             info.append("\npeer ")
             info.append(line, style=app.tone_style(tone))
         self.query_one("#info", Static).update(info)
