@@ -32,6 +32,7 @@ class WorkerMemory:
     # The running worker's own CUDA context and kernels (its /status `process`), which differ by GPU
     # and driver; None: the footprint's default, measured on an H200.
     runtime_bytes: int | None = None
+    mtp: bool = False  # the head drafts with the model's MTP block (`--spec-type mtp`): it holds it
 
 
 @dataclass(frozen=True)
@@ -70,6 +71,7 @@ class ModelShape:
                 n_ctx=n_ctx,
                 kv_types=w.kv_types,
                 gpu_weights=w.gpu_weights,
+                mtp=w.mtp,
             )
             measured = w.runtime_bytes is not None and est.runtime_bytes
             out.append(replace(est, runtime_bytes=w.runtime_bytes) if measured else est)

@@ -161,8 +161,8 @@ class StageBytes:
 class ModelTensors:
     """The tensor table and shape numbers a footprint needs (`from_gguf_table` builds it)."""
 
-    n_layers: int
-    layers: tuple[tuple[Tensor, ...], ...]  # each layer's tensors
+    n_layers: int  # the trunk's: what a split divides
+    layers: tuple[tuple[Tensor, ...], ...]  # each layer's tensors, the MTP blocks after the trunk's
     embedding: Tensor | None
     output: Tensor | None  # None: tied to the embedding
     head_vectors: tuple[Tensor, ...]  # the output norm
@@ -170,6 +170,11 @@ class ModelTensors:
     n_rot: int
     attention_layers: tuple[bool, ...]  # False: a recurrent layer (no KV)
     state_values: int = 0  # float32 values of a recurrent layer's state per slot: conv + SSM
+
+    @property
+    def mtp_layers(self) -> list[int]:
+        """The MTP (NextN) blocks' layer indices, after the trunk's (qwen35: one)."""
+        return list(range(self.n_layers, len(self.layers)))
 
     def layer_weights(self, il: int, form: str, dtype: str = "auto") -> int:
         return sum(tensor_bytes(t, form, dtype) for t in self.layers[il])
@@ -245,16 +250,19 @@ class ModelTensors:
         gpu_weights: str = "quantized",
         kv_pool: int | None = None,
         prompt_rows: int = DEFAULT_PROMPT_ROWS,
+        mtp: bool = False,
     ) -> StageBytes:
-        """Layers [a, b) (+ the head's tensors when `head`) as a worker on `device` ("cpu", "cuda")
+        """Layers [a, b) (+ the head's tensors when `head`, and its MTP block with its KV when `mtp`:
+        `--spec-type mtp`) as a worker on `device` ("cpu", "cuda")
         with `--dtype`, `--gpu-weights`, `--cache-type-k/-v` holds them for `n_slots` slots of `n_ctx`
         (or a `--kv-unified` pool of `kv_pool` positions); `prompt_rows`: `--batch-size`."""
         gpu = device.startswith("cuda")
         form = weight_form(device, dtype, gpu_weights)
-        weights = sum(self.layer_weights(il, form, dtype) for il in range(a, b))
+        held = list(range(a, b)) + (self.mtp_layers if head and mtp else [])
+        weights = sum(self.layer_weights(il, form, dtype) for il in held)
         weights += self.head_weights(form, dtype, gpu=gpu) if head else 0
         weights += 4 * 4 * n_ctx * self.n_rot  # RoPE: cos and sin for two bases, float32
-        kv = sum(self.layer_cache(il, n_slots, n_ctx, kv_types, dtype, gpu=gpu, kv_pool=kv_pool) for il in range(a, b))
+        kv = sum(self.layer_cache(il, n_slots, n_ctx, kv_types, dtype, gpu=gpu, kv_pool=kv_pool) for il in held)
         if not gpu:
             return StageBytes((a, b), weights, kv)
         work = self.scratch_bytes(a, b, head=head, dtype=dtype) if form == "quantized" else 0
@@ -321,14 +329,16 @@ def model_tensors(metadata, tensors) -> ModelTensors:
     """From a GGUF's metadata {key: value} and tensor table {name: info with `.ggml_type.name` and
     torch-order `.shape`} (engine/gguf_file.GGUFFile's `.metadata` and `.tensors`)."""
     arch = metadata["general.architecture"]
-    n_layers = int(metadata.get(f"{arch}.block_count", 0))
+    blocks = int(metadata.get(f"{arch}.block_count", 0))
+    # An MTP (NextN) block is counted in block_count after the trunk: split over the trunk only.
+    n_layers = blocks - int(metadata.get(f"{arch}.nextn_predict_layers", 0))
     n_head = int(metadata.get(f"{arch}.attention.head_count", 1))
     n_embd = int(metadata.get(f"{arch}.embedding_length", 0))
     n_kv = metadata.get(f"{arch}.attention.head_count_kv", n_head)
     n_kv = int(max(n_kv) if isinstance(n_kv, (list, tuple)) else n_kv)
     k_len = int(metadata.get(f"{arch}.attention.key_length", n_embd // max(n_head, 1)))
     v_len = int(metadata.get(f"{arch}.attention.value_length", k_len))
-    layers: list[list[Tensor]] = [[] for _ in range(n_layers)]
+    layers: list[list[Tensor]] = [[] for _ in range(blocks)]
     head: dict[str, Tensor] = {}
     for name, info in tensors.items():
         shape = tuple(int(s) for s in info.shape)
@@ -340,11 +350,11 @@ def model_tensors(metadata, tensors) -> ModelTensors:
             shape = (n_kv * math.prod(shape),)
         t = Tensor(name, info.ggml_type.name, shape)
         parts = name.split(".")
-        if parts[0] == "blk" and parts[1].isdigit() and int(parts[1]) < n_layers:
+        if parts[0] == "blk" and parts[1].isdigit() and int(parts[1]) < blocks:
             layers[int(parts[1])].append(t)
         elif name in _HEAD_TENSORS:
             head[name] = t
-    attention = tuple(f"blk.{il}.attn_k.weight" in tensors for il in range(n_layers))
+    attention = tuple(f"blk.{il}.attn_k.weight" in tensors for il in range(blocks))
     # Gated DeltaNet state per slot: the conv's last kernel-1 inputs of every channel, and a
     # [state_size, inner_size / V heads] matrix per V head (engine/model/config.py DeltaNetShape).
     d_state, inner = (int(metadata.get(f"{arch}.ssm.{key}", 0)) for key in ("state_size", "inner_size"))

@@ -230,3 +230,16 @@ def test_a_gpu_estimate_adds_work_memory_and_the_runtime(tiny_model):
     assert graphs == GRAPH_POOL_FACTOR * 64 * (16 * d + 6 * ff) + logits
     dense = tensors.stage(0, 3, device="cuda", gpu_weights="dense", **kw)
     assert dense.work_bytes == gpu.work_bytes - tensors.scratch_bytes(0, 3, head=True, dtype="bfloat16")
+
+
+def test_a_models_mtp_block_is_outside_the_split_and_counted_on_a_drafting_head(tiny_model):
+    """qwen35's NextN block is in block_count after the trunk: splits cover the trunk only, and a
+    head that drafts with it (`--spec-type mtp`) holds its weights and KV too."""
+    g = GGUFFile(tiny_model("qwen35", n_layers=4, nextn=True))
+    t = model_tensors(g.metadata, g.tensors)
+    assert t.n_layers == 4 and t.mtp_layers == [4]
+    kw = dict(head=True, device="cuda", dtype="bfloat16", n_slots=2, n_ctx=64, kv_types=("q8_0", "q8_0"))
+    plain, drafting = t.stage(0, 2, **kw), t.stage(0, 2, mtp=True, **kw)
+    assert drafting.weight_bytes - plain.weight_bytes == t.layer_weights(4, "quantized", "bfloat16") > 0
+    assert drafting.kv_bytes - plain.kv_bytes == t.layer_cache(4, 2, 64, ("q8_0", "q8_0"), "bfloat16", gpu=True) > 0
+    assert t.stage(2, 4, **{**kw, "head": False}, mtp=True) == t.stage(2, 4, **{**kw, "head": False})  # a peer: never

@@ -251,9 +251,11 @@ class SplitEditorScreen(Screen):
                 _flag(args, ("--cache-type-v", "-ctv"), profile.cache_type_v),
             )
             runtime = st.process.runtime_bytes if st is not None and st.process is not None else None
-            out.append(
-                WorkerMemory("cuda" if gpu else "cpu", dtype, _flag(args, ("--gpu-weights",), "quantized"), kv, runtime)
+            mtp = w is self.app.supervisor.head and (
+                _flag(args, ("--spec-type",), "") == "mtp" or profile.speculative.type == "mtp"
             )
+            weights = _flag(args, ("--gpu-weights",), "quantized")
+            out.append(WorkerMemory("cuda" if gpu else "cpu", dtype, weights, kv, runtime, mtp))
         return out
 
     def action_select(self, step: int) -> None:
