@@ -4,8 +4,10 @@ and a real server whose idle slots' prompt cache is taken back for new requests.
 
 from __future__ import annotations
 
+import json
 import threading
 
+import httpx
 import openai
 import pytest
 import torch
@@ -210,3 +212,47 @@ def test_a_peer_holds_the_pool_the_head_asks_for(tiny_model, tmp_path):
         assert peer_kv == (pool + KV_BLOCK) * 2 * 32 * 2 * 4  # K and V of block 0 + the pool: 2 KV heads x 32, float32
         for prompt in ("the quick brown fox", "w1 w2 w3 w4 w5 w6"):
             assert greedy(w["head"], prompt, 20)[0] == greedy(w["solo"], prompt, 20)[0]
+
+
+def test_a_full_pool_fails_a_request_that_holds_blocks_and_lets_waiting_prompts_wait(tiny_model, tmp_path):
+    """llama-server's `-c 256 -np 4 --kv-unified` (here two blocks of 128): one request streams two
+    long generations, which take a block each; two short requests arrive and wait for room. When
+    both long ones need a second block nothing fits: the newer ends, saying the context size has
+    been exceeded (its block lets the older grow), and the short ones, which hold nothing, wait and
+    complete. Every answer is all of n_predict with the reason it stopped, or that error: never a
+    silent short answer."""
+    server = head(tiny_model("llama", head_dim=32), tmp_path, (), "-c", "256", "--kv-unified", parallel=4, ctx=256)
+    with running(server) as w:
+        long, short = [], []
+        started = threading.Event()
+
+        def stream_long() -> None:
+            body = {"prompt": ["A", "A"], "n_predict": 200, "ignore_eos": True, "stream": True}
+            with httpx.stream("POST", f"{w.url}/completion", json=body, timeout=120) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        started.set()  # both are in: their prompts took a block each
+                        chunk = json.loads(line[6:])
+                        if "error" in chunk or chunk["stop"]:  # how each one ended
+                            long.append(chunk)
+            started.set()
+
+        def ask_short() -> None:
+            body = {"prompt": "A", "n_predict": 20, "ignore_eos": True}
+            short.append(httpx.post(f"{w.url}/completion", json=body, timeout=120))
+
+        threads = [threading.Thread(target=stream_long)]
+        threads[0].start()
+        assert started.wait(60), w.log()
+        threads += [threading.Thread(target=ask_short) for _ in range(2)]
+        for t in threads[1:]:
+            t.start()
+        for t in threads:
+            t.join()
+        ended = sorted(long, key=lambda c: "error" in c)
+        assert len(ended) == 2 and ended[0]["stop_type"] == "limit", long
+        assert ended[0]["tokens_predicted"] == ended[0]["timings"]["predicted_n"] == 200
+        assert "context size has been exceeded" in ended[1]["error"]["message"].lower(), long
+        for r in short:
+            assert r.status_code == 200, r.text
+            assert r.json()["timings"]["predicted_n"] == 20 and r.json()["stop_type"] == "limit"

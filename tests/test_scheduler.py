@@ -168,6 +168,73 @@ def test_a_token_in_flight_is_pending_in_the_next_batch_and_max_tokens_counts_it
     assert not s.overlappable()  # a prompt to prefill: the host decides first
 
 
+def pooled(capacity: int, n_slots: int = 2, mixed: bool = True) -> Scheduler:
+    """A scheduler over a fake `--kv-unified` pool of `capacity` positions: each slot holds its
+    sequence's positions so far, or the ones a step asks for."""
+    s = scheduler(n_slots=n_slots, mixed=mixed)
+
+    def fits(ends: dict[int, int]) -> bool:
+        return sum(ends.get(q.slot, q.n_past) for q in s.running) <= capacity
+
+    s.kv_fits = fits
+    return s
+
+
+def test_a_full_pool_ends_the_newest_sequence_that_holds_kv_with_an_error_while_prompts_wait():
+    s = pooled(capacity=8, n_slots=3)
+    old, new, waiting = (
+        Request([1, 2], max_tokens=10),
+        Request([3, 4], max_tokens=10),
+        Request([5, 6, 7, 8], max_tokens=2),
+    )
+    for r in (old, new):
+        s.add(r)
+    for _ in range(3):
+        step(s)  # 2 + 2 positions, then 3 + 3, 4 + 4: the pool is full
+    s.add(waiting)
+    _, batch = step(s)  # neither can grow, and the prompt has no room: the newer holder ends
+    assert not batch.chunks and [q.req for q in batch.shed] == [new]
+    assert batch.shed[0].finish_reason == "error"  # never "length": it asked for more
+    _, batch = step(s)
+    assert shape(batch) == [(1, 4, 5, True)]  # the older grows into the freed positions; the prompt waits
+    assert s.slots[2].req is waiting and s.slots[2].n_past == 0
+
+
+def test_alone_in_a_pool_that_cannot_hold_it_a_sequence_ends_with_an_error_not_by_length():
+    s = pooled(capacity=4)
+    s.add(Request([1, 2], max_tokens=10))
+    for _ in range(3):
+        step(s)  # its prompt and three tokens: the fourth needs a fifth position
+    _, batch = step(s)
+    assert not batch.chunks and batch.shed[0].finish_reason == "error" and batch.shed[0].n_gen == 3
+
+
+def test_a_full_pool_waits_for_a_sequence_whose_last_token_is_in_flight():
+    """Overlap: the older sequence's token in flight is its last; its positions come back once the
+    host reads it, so the newer one waits instead of being ended."""
+    s = pooled(capacity=6)
+    s.add(Request([1, 2], max_tokens=2))
+    s.add(Request([3, 4], max_tokens=5))
+    step(s)  # both prompts, a token each: 2 + 2 positions held, 3 + 3 once the next step runs
+    first = s.schedule()
+    s.launched(first)  # request 1's second token, its last, in flight
+    second = s.schedule()
+    assert not second.chunks and not second.shed  # request 2 needs a 4th position: it waits
+    s.postprocess(first, [[1], [1]])
+    s.free(s.slots[0])
+    assert shape(s.schedule()) == [(2, 3, 4, True)]
+
+
+def test_without_mixed_steps_a_prompt_without_room_lets_the_decoding_sequences_run():
+    s = pooled(capacity=6, mixed=False)
+    s.add(Request([1, 2, 3], max_tokens=3))
+    step(s)
+    s.add(Request([4, 5, 6, 7], max_tokens=2))  # 3 + 4 positions: no room until the first ends
+    for want in ([(1, 3, 4, True)], [(1, 4, 5, True)], [(2, 0, 4, True)]):
+        _, batch = step(s)
+        assert shape(batch) == want and not batch.shed
+
+
 # ---- the engine's step around the scheduler, with a fake forward ---------------------------------
 
 

@@ -466,7 +466,7 @@ class Engine:
                 "KV pool full: the context size has been exceeded, this request does not fit beside the "
                 "others (-c/--ctx-size sets the pool with --kv-unified)"
             )
-            self.output.process(seq, error=full if seq.finish_reason == "error" else None)
+            self.output.process(seq, error=full)
         if not batch.chunks:
             if meanwhile is not None:
                 meanwhile()

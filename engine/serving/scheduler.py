@@ -218,45 +218,66 @@ class Scheduler:
         )
 
     def schedule(self) -> Batch:
-        """Decoding sequences take one token each, plus their drafts (unless prefill runs alone);
-        prefill chunks share what is left of the token budget, oldest request first."""
+        """Decoding sequences take one token each, plus their drafts; prefill chunks share what is
+        left of the token budget, oldest request first. Without mixed steps a step with prefill runs
+        only prefill, unless no prompt has room in the KV pool: the decoding sequences run then (they
+        end and give blocks back)."""
         running = [s for s in self.running if not s.remote_prefill]  # their state is still on its way
-        decoding = [s for s in running if not s.prefilling]
-        if not self.mixed_steps and len(decoding) < len(running):
-            decoding = []
+        prefilling = sorted((s for s in running if s.prefilling), key=lambda s: s.req.id)
+        if not self.mixed_steps and prefilling:
+            chunks, _ = self._prefill([], prefilling, self.batch_tokens)
+            if chunks:
+                return Batch(chunks)
         # With a token in flight that reaches max_tokens or the context, a sequence is done.
-        decoding = [s for s in decoding if s.n_past + 1 - s.n_prompt < s.req.max_tokens and s.n_past + 1 < self.n_ctx]
+        decoding, done = [], []
+        for s in running:
+            if not s.prefilling:
+                last = s.n_past + 1 - s.n_prompt >= s.req.max_tokens or s.n_past + 1 >= self.n_ctx
+                (done if last else decoding).append(s)
         drafts = self.spec.plan(decoding, self.n_ctx)
         chunks = [Chunk(s, s.n_past, s.n_past + 1, True, False, d) for s, d in zip(decoding, drafts)]
         # A KV pool without room for every sequence's next positions: the newest wait for the oldest
         # to end and give their blocks back.
         chunks.sort(key=lambda c: c.seq.req.id)
-        blocked = False
+        blocked = bool(prefilling) and not self.mixed_steps  # here: no prompt had room
         while chunks and not self.kv_fits(_ends(chunks)):
             blocked = bool(chunks.pop())
-        budget = max(self.batch_tokens - len(chunks) - sum(len(c.draft) for c in chunks if c.draft), 1)
-        for s in sorted((s for s in running if s.prefilling), key=lambda s: s.req.id):
+        if self.mixed_steps:
+            budget = max(self.batch_tokens - len(chunks) - sum(len(c.draft) for c in chunks if c.draft), 1)
+            chunks, waiting = self._prefill(chunks, prefilling, budget)
+            blocked = blocked or waiting
+        if not chunks and blocked:
+            return self._shed(running, done)
+        return Batch(chunks)
+
+    def _prefill(self, chunks: list[Chunk], prefilling: list[Sequence], budget: int) -> tuple[list[Chunk], bool]:
+        """`chunks` and the prompt chunks of `prefilling` (in order) that fit beside them in `budget`
+        tokens; and whether a prompt waits for room in the KV pool."""
+        for s in prefilling:
+            if budget <= 0:
+                return chunks, False
             score = s.req.prompt_logprobs is not None
             n = min(s.n_prompt - s.n_past, budget, SCORING_CHUNK if score else budget)
             end = s.n_past + n
             # A prompt starts only when the pool can hold all of it.
-            need = {**_ends(chunks), s.slot: end if s.n_past > s.n_cached else s.n_prompt}
-            if budget <= 0 or not self.kv_fits(need):
-                blocked = blocked or budget > 0
-                break
-            chunks.append(Chunk(s, s.n_past, end, end == s.n_prompt and s.req.max_tokens > 0, score))
+            if not self.kv_fits({**_ends(chunks), s.slot: end if s.n_past > s.n_cached else s.n_prompt}):
+                return chunks, True
+            chunks = [*chunks, Chunk(s, s.n_past, end, end == s.n_prompt and s.req.max_tokens > 0, score)]
             budget -= n
-        if not chunks and blocked:
-            return Batch([], [self._shed(running)])
-        return Batch(chunks)
+        return chunks, False
 
-    def _shed(self, running: list[Sequence]) -> Sequence:
-        """Nothing fits the KV pool: the newest sequence ends and its blocks go to the others. Alone,
-        it has reached what the pool holds, as a slot's context: it ends by length."""
-        seq = max(running, key=lambda s: s.req.id)
-        seq.finish_reason = "length" if len(running) == 1 else "error"
+    def _shed(self, running: list[Sequence], done: list[Sequence]) -> Batch:
+        """Nothing fits the KV pool. Sequences whose last token is in flight give their blocks back
+        once the host reads it: an empty batch waits for them. Else the newest sequence that holds KV
+        ends with an error (llama-server's "context size has been exceeded"), never as if it had
+        reached its length, and its blocks go to the others; prompts waiting for room hold none and
+        wait on (unless no running sequence holds any: the newest ends, rather than wait unbounded)."""
+        if done:
+            return Batch()
+        seq = max([s for s in running if s.n_past > 0] or running, key=lambda s: s.req.id)
+        seq.finish_reason = "error"
         self.free(seq)
-        return seq
+        return Batch([], [seq])
 
     def launched(self, batch: Batch) -> None:
         """The batch is on its way: each chunk's sequence has its KV through `c.end` (the next
