@@ -144,10 +144,22 @@ def find_llama_bench(exe: str) -> str:
     return path
 
 
-def run_llama_bench(path: str, model: Path, device: torch.device, n_prompt: int, n_gen: int, repetitions: int) -> dict:
-    """Upstream llama-bench on the same file: {"prefill_tok_s", "decode_tok_s"} from its JSON output."""
+def run_llama_bench(
+    path: str,
+    model: Path,
+    device: torch.device,
+    n_prompt: int,
+    n_gen: int,
+    repetitions: int,
+    kv_types: tuple[str, str] = ("auto", "auto"),
+) -> dict:
+    """Upstream llama-bench on the same file, with our KV cache types (llama-bench's default is f16,
+    ours `auto` = the compute dtype): {"prefill_tok_s", "decode_tok_s"} from its JSON output."""
     cmd = [path, "-m", str(model), "-p", str(n_prompt), "-n", str(n_gen), "-r", str(repetitions), "-o", "json"]
     cmd += ["-ngl", "99" if device.type == "cuda" else "0", "-t", str(torch.get_num_threads())]
+    for flag, kind in zip(("-ctk", "-ctv"), kv_types):
+        if kind != "auto":
+            cmd += [flag, kind]
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
     except OSError as e:
@@ -181,7 +193,13 @@ def main(args, cache_dir: Path | None) -> int:
     result = run_bench(model, args.device, args.dtype, args.n_prompt, args.n_gen, args.repetitions, **options)
     if llama_bench:
         theirs = run_llama_bench(
-            llama_bench, model, torch.device(result["device"]), args.n_prompt, args.n_gen, args.repetitions
+            llama_bench,
+            model,
+            torch.device(result["device"]),
+            args.n_prompt,
+            args.n_gen,
+            args.repetitions,
+            options["kv_types"],
         )
         result["llama_bench"] = theirs
         for key, value in theirs.items():
