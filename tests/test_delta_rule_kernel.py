@@ -98,35 +98,38 @@ def test_a_short_row_checkpoints_its_incoming_state():
     torch.testing.assert_close(ckpt.cpu(), want_ckpt, atol=2e-5, rtol=1e-5)
 
 
-def test_qwen35_prefill_through_the_kernel_equals_the_torch_forms(tiny_model, monkeypatch):
-    """A tiny qwen35 (one Gated DeltaNet layer, 4 V heads on 2 Q/K heads): two long runs padded together
-    (2 chunks and a partial third) and a short one, then one more token each; logits, states and
-    checkpoints with the kernel forced on (under the interpreter on CPU) against it off."""
+def test_qwen35_prefill_through_the_kernels_equals_the_torch_forms(tiny_model, monkeypatch):
+    """A tiny qwen35 (one Gated DeltaNet layer, 4 V heads on 2 Q/K heads), with the kernels forced on
+    (under the interpreter on CPU) against them off: two long runs padded together (every run long:
+    the conv + gates kernel, then the chunked rule's), one long run going on from its slot's state,
+    a long run beside a short one (the chunked rule's for the long one alone), then one token each;
+    logits, states and checkpoints."""
     path = tiny_model("qwen35", n_layers=2)
-    ids = torch.randint(0, 600, (140,), generator=torch.Generator().manual_seed(1)).tolist()
-    tokens = torch.tensor(ids + ids[:90] + ids[:3])
-    slots = torch.tensor([0] * 140 + [1] * 90 + [2] * 3)
-    positions = torch.cat([torch.arange(140), torch.arange(90), torch.arange(3)])
-
-    def to_device(*xs):
-        return [x.to(KERNEL_DEVICE) for x in xs]
+    ids = torch.randint(0, 600, (100,), generator=torch.Generator().manual_seed(1)).tolist()
+    batches = [  # (tokens, slots, positions)
+        (ids + ids[:80], [0] * 100 + [1] * 80, [*range(100), *range(80)]),
+        (ids[:70], [1] * 70, [*range(80, 150)]),  # from a conv and SSM state
+        (ids[:70] + ids[:3], [0] * 70 + [2] * 3, [*range(100, 170), *range(3)]),
+        ([5, 6, 7], [0, 1, 2], [170, 150, 3]),
+    ]
 
     def forward(kernel: bool):
         monkeypatch.setattr(deltanet, "TRITON_PREFILL", kernel)
         stage = load(path, n_slots=3, device=KERNEL_DEVICE)
-        tokens_ = tokens.to(KERNEL_DEVICE)
-        first = stage.logits(stage.run_layers(*to_device(stage.embed(tokens_), slots, positions)))
-        h = stage.embed(torch.tensor([5, 6, 7], device=KERNEL_DEVICE))
-        second = stage.logits(stage.run_layers(*to_device(h, torch.arange(3), torch.tensor([140, 90, 3]))))
-        return [x.cpu() for x in (first, second)], [
-            (net.ssm_state.cpu(), net.ssm_ckpt.cpu(), net.conv_state.cpu()) for net in stage.recurrent
-        ]
+        logits = []
+        for batch in batches:
+            tokens, slots, positions = (torch.tensor(x, device=KERNEL_DEVICE) for x in batch)
+            logits.append(stage.logits(stage.run_layers(stage.embed(tokens), slots, positions)).cpu())
+        states = [(n.ssm_state, n.ssm_ckpt, n.conv_state, n.conv_ckpt) for n in stage.recurrent]
+        return logits, [[x.cpu() for x in layer] for layer in states]
 
-    (first, second), states = forward(True)
-    (want_first, want_second), want_states = forward(False)
-    print(f"kernel vs torch forms: max |dlogit| {float((first - want_first).abs().max()):.2e}")
-    torch.testing.assert_close(first, want_first, atol=2e-5, rtol=1e-5)
-    torch.testing.assert_close(second, want_second, atol=2e-5, rtol=1e-5)
+    logits, states = forward(True)
+    want_logits, want_states = forward(False)
+    print(
+        f"kernels vs torch forms: max |dlogit| {max(float((a - b).abs().max()) for a, b in zip(logits, want_logits)):.2e}"
+    )
+    for got, want in zip(logits, want_logits):
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
     for got, want in zip(states, want_states):
         for a, b in zip(got, want):
             torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-5)

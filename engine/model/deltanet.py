@@ -86,11 +86,13 @@ class DeltaNet:
         float32; advances the state of each run's slot by its tokens."""
         s = self.shape
         C, Hv, dv = s.conv_channels, s.n_v_heads, s.head_v_dim
+        lengths = [n for _, _, n in runs]
+        if min(lengths) > CHUNK + ROLLBACK and _triton(x):
+            return self._prefill(x, runs)
         proj = self.w_in(x).float()
         mixed, z, beta, alpha = proj.split([C, Hv * dv, Hv, Hv], dim=-1)
 
         # Flat tokens -> runs padded to the longest: [R, L, ...]; `valid` maps back.
-        lengths = [n for _, _, n in runs]
         R, L, dev = len(runs), max(lengths), x.device
         n = torch.tensor(lengths, device=dev)
         steps = torch.arange(L, device=dev)
@@ -123,6 +125,36 @@ class DeltaNet:
             out = self._delta_rule(q, k, v, g, b, slots, lengths, x.dtype)
 
         return self._output(out[valid], z, x.dtype)  # [T, Hv, dv], back in batch order
+
+    def _prefill(self, x: torch.Tensor, runs: list[tuple[int, int, int]]) -> torch.Tensor:
+        """`__call__` when every run is long, on CUDA: the conv, SiLU, L2 norms and gates in one Triton
+        kernel (`kernels/triton_gdn_conv.py`), then the chunked rule's (`_delta_rule`); the same
+        arithmetic, states and checkpoints as the torch forms, to float32 rounding."""
+        from ..kernels.triton_gdn_conv import gdn_conv_gates
+
+        s = self.shape
+        C, Hv, dv, K = s.conv_channels, s.n_v_heads, s.head_v_dim, s.conv_kernel
+        proj = self.w_in(x)  # the kernel reads it in float32, as `.float()` would give it
+        lengths = [n for _, _, n in runs]
+        R, L, dev = len(runs), max(lengths), x.device
+        n = torch.tensor(lengths, device=dev)
+        starts = torch.cumsum(n, 0) - n
+        slots = torch.tensor([slot for slot, _, _ in runs], device=dev)
+        heads = (s.n_k_heads, s.head_k_dim, Hv, dv)
+        state = self.conv_state[slots]
+        q, k, v, g, b = gdn_conv_gates(
+            proj, state, self.conv, self.dt_bias, self.a, starts, n, L, *heads, self.cfg.rms_eps
+        )
+        # The conv windows j = 0 (the new state) .. ROLLBACK tokens before each run's end: its last
+        # K - 1 inputs there, all inside the run (it is longer than ROLLBACK + K - 1).
+        back = torch.arange(ROLLBACK + 1, device=dev)[None, :, None]
+        rows = (starts + n - (K - 1))[:, None, None] - back + torch.arange(K - 1, device=dev)[None, None, :]
+        windows = proj[rows, :C].float().transpose(-1, -2)  # [R, ROLLBACK + 1, C, K - 1]
+        self.conv_state[slots] = windows[:, 0]
+        self.conv_ckpt[slots] = windows[:, 1:]
+        out = self._delta_rule(q, k, v, g, b, slots, lengths, x.dtype)
+        out = out[0] if R == 1 else out[torch.arange(L, device=dev)[None, :] < n[:, None]]
+        return self._output(out, proj[:, C : C + Hv * dv].float(), x.dtype)
 
     def step(self, x: torch.Tensor, slots: torch.Tensor, per_slot: int = 1) -> torch.Tensor:
         """`per_slot` tokens for each slot (decode: 1; a speculative verify: k + 1), rows slot-major:
@@ -190,7 +222,7 @@ class DeltaNet:
         states), token by token after that."""
         R, L, Hv, dv = v.shape
         dev = v.device
-        if min(lengths) > CHUNK + ROLLBACK and (v.is_cuda if TRITON_PREFILL is None else TRITON_PREFILL):
+        if min(lengths) > CHUNK + ROLLBACK and _triton(v):
             from ..kernels.triton_delta_rule import chunk_gated_delta_rule
 
             # float32 products for a float32 model; TF32 for a 16-bit one (its inputs come from 16-bit products)
@@ -229,6 +261,11 @@ class DeltaNet:
             save(t)
         self.ssm_state[slots] = state
         return out
+
+
+def _triton(t: torch.Tensor) -> bool:
+    """Whether long runs take the Triton kernels (`TRITON_PREFILL`)."""
+    return t.is_cuda if TRITON_PREFILL is None else TRITON_PREFILL
 
 
 def _checkpoints(lengths: list[int]) -> list[tuple[int, int]]:
