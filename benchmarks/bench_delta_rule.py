@@ -11,6 +11,8 @@ prints the kernel's largest difference from the torch forms (outputs, final stat
 times the whole layer (`DeltaNet.__call__`: input product, conv, gates, the rule, gated norm, output
 product) of a one-layer synthetic file of the same shape (hidden 5120, BF16 weights) both ways.
 Timings are medians of `--reps` runs after one warm-up (the first kernel call compiles).
+`--sweep` first times the kernel's launch settings (`triton_delta_rule.CONFIG`: the state recurrence's
+V tile and warps, the output's, the WY kernel's warps) at each length, prints the fastest, and uses it.
 """
 
 from __future__ import annotations
@@ -96,6 +98,35 @@ def bench_rule(T: int, args) -> dict:
     return row
 
 
+def sweep(T: int, args) -> dict:
+    """The fastest `CONFIG` at T tokens (TF32), one setting varied at a time from the current one."""
+    from hydra_console.engine.kernels import triton_delta_rule as tdr
+
+    q, k, v, g, b = rule_inputs(T, args.v_heads, args.k_heads, args.dim)
+    state = torch.zeros(1, args.v_heads, args.dim, args.dim, device="cuda")
+    n = torch.tensor([T], dtype=torch.int32, device="cuda")
+    options = {
+        "state_bv": (16, 32, 64),
+        "state_warps": (2, 4, 8),
+        "out_bv": (32, 64, 128),
+        "out_warps": (4, 8),
+        "wy_warps": (2, 4, 8),
+    }
+    best = dict(tdr.CONFIG)
+    for key, values in options.items():
+        times = {}
+        for value in values:
+            tdr.CONFIG = {**best, key: value}
+            times[value] = timed(
+                lambda: tdr.chunk_gated_delta_rule(q, k, v, g, b, state, n, ROLLBACK, "tf32"), args.reps
+            )
+        best[key] = min(times, key=times.get)
+        print(f"  T={T} {key}: " + ", ".join(f"{x}: {t * 1e3:.3f} ms" for x, t in times.items()))
+    tdr.CONFIG = best
+    print(f"T={T} fastest: CONFIG = {best}")
+    return best
+
+
 def bench_layer(T: int, stage, args) -> dict:
     net = stage.recurrent[0]
     x = torch.randn(T, stage.cfg.n_embd, device="cuda", dtype=torch.bfloat16)
@@ -150,12 +181,16 @@ def main() -> None:
     ap.add_argument("--torch-max", type=int, default=1 << 20, help="skip the torch forms past this length")
     ap.add_argument("--layer", action="store_true", help="also time the whole DeltaNet layer")
     ap.add_argument("--layers", type=int, default=48, help="DeltaNet layers of the model (per-prompt totals)")
+    ap.add_argument("--sweep", action="store_true", help="time the kernel's launch settings first")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     args.tokens = [int(t) for t in args.tokens.split(",")]
     torch.backends.cuda.matmul.allow_tf32 = False  # the torch forms in float32, as served
 
     print(torch.cuda.get_device_name(), f"V heads {args.v_heads}, Q/K heads {args.k_heads}, dims {args.dim}")
+    if args.sweep:
+        for T in args.tokens:
+            sweep(T, args)
     rows = [bench_rule(T, args) for T in args.tokens]
     if args.layer:
         stage = layer_stage(args)

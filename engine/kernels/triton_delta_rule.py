@@ -35,6 +35,9 @@ import triton
 import triton.language as tl
 
 BT = 64  # tokens per chunk (llama.cpp's and fla's)
+# Launch settings (benchmarks/bench_delta_rule.py --sweep times others): V tile and warps of the state
+# recurrence (its programs: V tiles x rows x heads, each walking every chunk) and of the output.
+CONFIG = {"wy_warps": 4, "state_bv": 32, "state_warps": 4, "out_bv": 64, "out_warps": 4}
 
 
 @triton.jit
@@ -268,14 +271,19 @@ def chunk_gated_delta_rule(
     final = torch.empty(R, H, DK, DV, **f32)
     ckpt = torch.empty(R, n_ckpt, H, DK, DV, **f32)
     BK = min(_pow2(DK), 64)
-    BV = min(_pow2(DV), 64)
     shape = dict(H=H, HK=HK, DK=DK, DV=DV, BT=BT, PRECISION=precision)
-    _wy_kernel[(NT, R * H)](k, v, g, beta, lengths, a, w, u, gc, L, BK=BK, BV=BV, **shape, num_warps=4)
-    BVS = min(_pow2(DV), 32)
-    _state_kernel[(triton.cdiv(DV, BVS), R * H)](
-        k, w, u, gc, lengths, state, hs, vn, final, ckpt, L, NT, BKS=_pow2(DK), BV=BVS, NCK=n_ckpt, **shape, num_warps=4
+    cfg = CONFIG
+    BV = min(_pow2(DV), 64)
+    _wy_kernel[(NT, R * H)](k, v, g, beta, lengths, a, w, u, gc, L, BK=BK, BV=BV, **shape, num_warps=cfg["wy_warps"])
+    BV = min(_pow2(DV), cfg["state_bv"])
+    _state_kernel[(triton.cdiv(DV, BV), R * H)](
+        *(k, w, u, gc, lengths, state, hs, vn, final, ckpt, L, NT),
+        **dict(BKS=_pow2(DK), BV=BV, NCK=n_ckpt, **shape, num_warps=cfg["state_warps"]),
     )
-    _output_kernel[(triton.cdiv(DV, BV), NT, R * H)](q, k, gc, hs, vn, o, L, NT, BK=BK, BV=BV, **shape, num_warps=4)
+    BV = min(_pow2(DV), cfg["out_bv"])
+    _output_kernel[(triton.cdiv(DV, BV), NT, R * H)](
+        q, k, gc, hs, vn, o, L, NT, BK=BK, BV=BV, **shape, num_warps=cfg["out_warps"]
+    )
     return o, final, ckpt
 
 
