@@ -209,7 +209,7 @@ def pd_lines(status: Status | None) -> list[str]:
 
 
 def exit_text(w: Worker, width: int = 48) -> str:
-    """The last exit; for a crash loop or a busy port also its cause (last stderr line), so the row names it."""
+    """The last exit; for a crash loop or a busy port also its cause (its last log line), so the row names it."""
     code = describe_exit(w.last_exit)
     if w.state in (State.CRASH_LOOP, State.PORT_BUSY) and w.last_err:
         cause = w.last_err if len(w.last_err) <= width else w.last_err[: width - 1] + "…"
@@ -451,7 +451,7 @@ def active_alerts(sup: Supervisor, alerts: Alerts) -> dict[str, str]:
                 f"{w.name} restarted {w.crash_restarts} times after crashes (alert at {alerts.restarts})"
             )
         if w.state == State.CRASH_LOOP:
-            out[f"crash-loop:{w.name}"] = f"{w.name} is in a crash loop: {w.last_err or 'no stderr'}"
+            out[f"crash-loop:{w.name}"] = f"{w.name} is in a crash loop: {w.last_err or 'no log line'}"
     return out
 
 

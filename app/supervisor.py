@@ -152,7 +152,9 @@ class Worker:
     probe_split_changes: int = 0  # the supervisor's split_changes when `probe` was asked for
     prefill_hist: deque = field(default_factory=lambda: deque(maxlen=HISTORY))
     decode_hist: deque = field(default_factory=lambda: deque(maxlen=HISTORY))
-    history: deque = field(default_factory=lambda: deque(maxlen=HISTORY))  # (time, Status) as polled: triage's input
+    history: deque = field(
+        default_factory=lambda: deque(maxlen=HISTORY)
+    )  # (time, Status) as polled: triage's advice (incidents.py keeps incidents longer)
     cpu_pct: float | None = None  # psutil, local started workers only
     rss: int | None = None
     wanted: bool = False  # should be running (drives auto-restart)

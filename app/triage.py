@@ -37,7 +37,7 @@ EVENT_INCIDENTS = {
     "killed": "crash",
 }
 
-# A crash loop's last stderr line -> what to change.
+# A crash loop's last log line -> what to change.
 CRASH_CAUSES: list[tuple[re.Pattern, str]] = [
     (re.compile(p, re.IGNORECASE), fix)
     for p, fix in [
