@@ -386,3 +386,29 @@ def test_overlap_through_http_and_a_peer_streams_what_the_synchronous_server_doe
             t.join(timeout=120)
         assert [got.get(i) for i in range(len(asks))] == want
         assert w.status()["config"]["overlap"] is True
+
+
+@pytest.mark.parametrize("content_type", ["application/x-www-form-urlencoded", "text/plain", "multipart/form-data"])
+@pytest.mark.parametrize(
+    "path, body, answered",
+    [
+        ("/v1/completions", {"prompt": PROMPT, "max_tokens": 3}, lambda a: a["usage"]["completion_tokens"] == 3),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "ignore_eos": True},
+            lambda a: a["usage"]["completion_tokens"] == 3,
+        ),
+        ("/completion", {"prompt": PROMPT, "n_predict": 3, "ignore_eos": True}, lambda a: a["tokens_predicted"] == 3),
+        ("/tokenize", {"content": PROMPT}, lambda a: len(a["tokens"]) > 3),
+    ],
+)
+def test_a_json_body_is_read_as_json_whatever_its_content_type(server, path, body, answered, content_type):
+    """curl's `-d` without `-H 'Content-Type: application/json'` sends form-urlencoded: llama-server
+    reads the body as JSON anyway, and so do we. A body that is not JSON stays a 400 in OpenAI's shape."""
+    r = httpx.post(f"{server}{path}", content=json.dumps(body).encode(), headers={"content-type": content_type})
+    assert r.status_code == 200 and answered(r.json()), r.text
+    bad = httpx.post(f"{server}{path}", content=b"prompt=hi&max_tokens=3", headers={"content-type": content_type})
+    assert bad.status_code == 400, bad.text
+    err = bad.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["param"] is None, err
+    assert err["message"] == "the request body is not valid JSON: Expecting value at character 0"

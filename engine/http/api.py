@@ -43,6 +43,7 @@ from .cors import Cors
 from .embeddings import embedding_routes
 from .errors import APIError, error_response
 from .gate import Gate
+from .json_body import JsonBody
 from .limits import capped_json, json_response
 from .llama_routes import BUILD_INFO
 from .llama_routes import router as llama_router
@@ -136,6 +137,7 @@ def create_app(head: Head) -> FastAPI:
     # every JSON answer is capped at --max-response (http/limits.py)
     app = FastAPI(title="Hydra head", version="0.1.0", default_response_class=capped_json(head.cfg.max_response))
     app.state.head = head
+    app.add_middleware(JsonBody)  # innermost: a body is JSON whatever its declared type
     app.add_middleware(Gate, api_key=head.cfg.api_key, max_body=head.cfg.max_body)
     app.add_middleware(Cors, origins=head.cfg.cors_origins)  # outermost: a preflight needs no key
     add_observation_routes(app, head.status, head.metrics if head.cfg.metrics else None)
@@ -164,6 +166,12 @@ def create_app(head: Head) -> FastAPI:
     async def _validation(_, e: RequestValidationError):
         errs = e.errors()
         first = errs[0] if errs else {"loc": (), "msg": "invalid request"}
+        if first.get("type") == "json_invalid":  # FastAPI's loc: ("body", the character it failed at)
+            why = first.get("ctx", {}).get("error", first.get("msg"))
+            at = first["loc"][-1]
+            return error_response(
+                400, f"the request body is not valid JSON: {why} at character {at}", "invalid_request_error"
+            )
         msg = "; ".join(f"{_loc_param(x.get('loc', ())) or 'body'}: {x.get('msg')}" for x in errs[:5])
         return error_response(400, msg or "invalid request", "invalid_request_error", _loc_param(first.get("loc", ())))
 
