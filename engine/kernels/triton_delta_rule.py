@@ -188,8 +188,16 @@ def _output_kernel(
     hs_ptr,
     vn_ptr,
     o_ptr,
+    z_ptr,
+    nw_ptr,
+    start_ptr,
+    len_ptr,
     L,
     NT,
+    z_stride,
+    scale,
+    eps,
+    GATED: tl.constexpr,
     H: tl.constexpr,
     HK: tl.constexpr,
     DK: tl.constexpr,
@@ -227,7 +235,17 @@ def _output_kernel(
     te = in_l[:, None] & (e < DV)[None, :]
     vn = tl.load(vn_ptr + (row * H + h)[:, None] * DV + e[None, :], mask=te, other=0.0)
     o = o * tl.exp(gc)[:, None] + tl.dot(a, vn, input_precision=PRECISION)
-    tl.store(o_ptr + (row * H + h)[:, None] * DV + e[None, :], o, mask=te)
+    if GATED:  # the layer's output side: scale, RMSNorm over the head (BV = DV), * norm weight * SiLU(z)
+        n = tl.load(len_ptr + r)
+        flat = tl.load(start_ptr + r).to(tl.int64) + t  # the token's row in the flat batch
+        m = (t < n)[:, None] & (e < DV)[None, :]
+        o = o * scale
+        o = o * tl.rsqrt(tl.sum(o * o, 1) / DV + eps)[:, None] * tl.load(nw_ptr + e, mask=e < DV, other=0.0)[None, :]
+        z = tl.load(z_ptr + flat[:, None] * z_stride + h * DV + e[None, :], mask=m, other=0.0).to(tl.float32)
+        o = o * (z * tl.sigmoid(z))
+        tl.store(o_ptr + flat[:, None] * (H * DV) + h * DV + e[None, :], o.to(o_ptr.dtype.element_ty), mask=m)
+    else:
+        tl.store(o_ptr + (row * H + h)[:, None] * DV + e[None, :], o, mask=te)
 
 
 def _pow2(n: int, at_least: int = 16) -> int:
@@ -245,12 +263,21 @@ def chunk_gated_delta_rule(
     lengths: torch.Tensor,
     n_ckpt: int,
     precision: str,
+    z: torch.Tensor | None = None,
+    norm: torch.Tensor | None = None,
+    starts: torch.Tensor | None = None,
+    scale: float = 1.0,
+    eps: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """q, k [R, L, HK, dk], v [R, L, H, dv], g, beta [R, L, H], state [R, H, dk, dv] (all float32),
     lengths [R] (steps of each row, ≤ L) -> (o [R, L, H, dv]: Sᵀq per step, unscaled; rows' steps past
     their length are left as they fall; the final state [R, H, dk, dv]; ckpt [R, n_ckpt, H, dk, dv]:
     the state j + 1 steps before each row's end, the incoming state where the row is shorter).
-    `precision`: tl.dot's input_precision, "ieee" (float32 products) or "tf32"."""
+    `precision`: tl.dot's input_precision, "ieee" (float32 products) or "tf32".
+
+    With the output gate z [T, ≥ H * dv] (any float dtype, rows of the flat batch; row r's steps from
+    starts[r]) and the norm weight [dv], o is the gated DeltaNet output instead, in z's dtype,
+    [T, H * dv] in batch order: RMSNorm(o * scale, eps) * norm * SiLU(z) per head."""
     R, L, HK, DK = k.shape
     H, DV = v.shape[2], v.shape[3]
     if H % HK:
@@ -265,9 +292,15 @@ def chunk_gated_delta_rule(
     u = torch.empty(R, L, H, DV, **f32)
     gc = torch.empty(R, L, H, **f32)
     hs = torch.empty(R, NT, H, DK, DV, **f32)
+    gated = z is not None
+    if gated:
+        if norm is None or starts is None or z.stride(1) != 1:
+            raise ValueError("a gated output needs z (rows contiguous), norm and starts")
+        starts = starts.to(device=dev, dtype=torch.int64).contiguous()
+        norm = norm.float().contiguous()
     a = torch.empty(R * H, NT, BT, BT, **f32)  # -A of each program of _wy_kernel
     vn = torch.empty(R, L, H, DV, **f32)
-    o = torch.empty(R, L, H, DV, **f32)
+    o = torch.empty(z.shape[0], H * DV, dtype=z.dtype, device=dev) if gated else torch.empty(R, L, H, DV, **f32)
     final = torch.empty(R, H, DK, DV, **f32)
     ckpt = torch.empty(R, n_ckpt, H, DK, DV, **f32)
     BK = min(_pow2(DK), 64)
@@ -280,15 +313,18 @@ def chunk_gated_delta_rule(
         *(k, w, u, gc, lengths, state, hs, vn, final, ckpt, L, NT),
         **dict(BKS=_pow2(DK), BV=BV, NCK=n_ckpt, **shape, num_warps=cfg["state_warps"]),
     )
-    BV = min(_pow2(DV), cfg["out_bv"])
+    BV = _pow2(DV) if gated else min(_pow2(DV), cfg["out_bv"])  # gated: a whole head per program
     _output_kernel[(triton.cdiv(DV, BV), NT, R * H)](
-        q, k, gc, hs, vn, o, L, NT, BK=BK, BV=BV, **shape, num_warps=cfg["out_warps"]
+        *(q, k, gc, hs, vn, o, z if gated else o, norm if gated else o, starts if gated else lengths, lengths),
+        *(L, NT, z.stride(0) if gated else 0, scale, eps),
+        **dict(GATED=gated, BK=BK, BV=BV, **shape, num_warps=cfg["out_warps"] * (2 if gated and BV > 64 else 1)),
     )
     return o, final, ckpt
 
 
 @chunk_gated_delta_rule.register_fake
-def _(q, k, v, g, beta, state, lengths, n_ckpt, precision):
+def _(q, k, v, g, beta, state, lengths, n_ckpt, precision, z=None, norm=None, starts=None, scale=1.0, eps=0.0):
     R, L, H, DV = v.shape
     DK = k.shape[3]
-    return v.new_empty(R, L, H, DV), v.new_empty(R, H, DK, DV), v.new_empty(R, n_ckpt, H, DK, DV)
+    o = z.new_empty(z.shape[0], H * DV) if z is not None else v.new_empty(R, L, H, DV)
+    return o, v.new_empty(R, H, DK, DV), v.new_empty(R, n_ckpt, H, DK, DV)

@@ -128,15 +128,17 @@ class DeltaNet:
 
     def _prefill(self, x: torch.Tensor, runs: list[tuple[int, int, int]]) -> torch.Tensor:
         """`__call__` when every run is long, on CUDA: the conv, SiLU, L2 norms and gates in one Triton
-        kernel (`kernels/triton_gdn_conv.py`), then the chunked rule's (`_delta_rule`); the same
+        kernel (`kernels/triton_gdn_conv.py`), then the chunked rule's (`kernels/triton_delta_rule.py`),
+        whose last kernel also applies the output side (scale, gated RMSNorm) to each head; the same
         arithmetic, states and checkpoints as the torch forms, to float32 rounding."""
+        from ..kernels.triton_delta_rule import chunk_gated_delta_rule
         from ..kernels.triton_gdn_conv import gdn_conv_gates
 
         s = self.shape
         C, Hv, dv, K = s.conv_channels, s.n_v_heads, s.head_v_dim, s.conv_kernel
         proj = self.w_in(x)  # the kernel reads it in float32, as `.float()` would give it
         lengths = [n for _, _, n in runs]
-        R, L, dev = len(runs), max(lengths), x.device
+        L, dev = max(lengths), x.device
         n = torch.tensor(lengths, device=dev)
         starts = torch.cumsum(n, 0) - n
         slots = torch.tensor([slot for slot, _, _ in runs], device=dev)
@@ -152,9 +154,15 @@ class DeltaNet:
         windows = proj[rows, :C].float().transpose(-1, -2)  # [R, ROLLBACK + 1, C, K - 1]
         self.conv_state[slots] = windows[:, 0]
         self.conv_ckpt[slots] = windows[:, 1:]
-        out = self._delta_rule(q, k, v, g, b, slots, lengths, x.dtype)
-        out = out[0] if R == 1 else out[torch.arange(L, device=dev)[None, :] < n[:, None]]
-        return self._output(out, proj[:, C : C + Hv * dv].float(), x.dtype)
+        # The rule, and the output side (scale, gated RMSNorm) as its kernel writes each head's rows.
+        z = proj[:, C : C + Hv * dv]
+        out, state, ckpt = chunk_gated_delta_rule(
+            *(q, k, v, g, b, self.ssm_state[slots], n, ROLLBACK, _precision(x.dtype)),
+            *(z, self.norm, starts, s.head_k_dim**-0.5, self.cfg.rms_eps),
+        )
+        self.ssm_state[slots] = state
+        self.ssm_ckpt[slots] = ckpt
+        return self.w_out(out).float()
 
     def step(self, x: torch.Tensor, slots: torch.Tensor, per_slot: int = 1) -> torch.Tensor:
         """`per_slot` tokens for each slot (decode: 1; a speculative verify: k + 1), rows slot-major:
@@ -225,10 +233,9 @@ class DeltaNet:
         if min(lengths) > CHUNK + ROLLBACK and _triton(v):
             from ..kernels.triton_delta_rule import chunk_gated_delta_rule
 
-            # float32 products for a float32 model; TF32 for a 16-bit one (its inputs come from 16-bit products)
-            precision = "ieee" if dtype == torch.float32 else "tf32"
             n = torch.tensor(lengths, dtype=torch.int32, device=dev)
-            out, state, ckpt = chunk_gated_delta_rule(q, k, v, g, b, self.ssm_state[slots], n, ROLLBACK, precision)
+            state = self.ssm_state[slots]
+            out, state, ckpt = chunk_gated_delta_rule(q, k, v, g, b, state, n, ROLLBACK, _precision(dtype))
             self.ssm_state[slots] = state
             self.ssm_ckpt[slots] = ckpt  # [r, j - 1]: the state j steps before the run's end
             return out
@@ -266,6 +273,12 @@ class DeltaNet:
 def _triton(t: torch.Tensor) -> bool:
     """Whether long runs take the Triton kernels (`TRITON_PREFILL`)."""
     return t.is_cuda if TRITON_PREFILL is None else TRITON_PREFILL
+
+
+def _precision(dtype: torch.dtype) -> str:
+    """The Triton kernels' products: float32 for a float32 model; TF32 for a 16-bit one (its inputs
+    come from 16-bit products)."""
+    return "ieee" if dtype == torch.float32 else "tf32"
 
 
 def _checkpoints(lengths: list[int]) -> list[tuple[int, int]]:
