@@ -631,6 +631,7 @@ class Supervisor:
                     await self.stop_worker(w.name)
         else:
             self.detached = True
+            self._save_state()
         for t in list(self._tasks):
             t.cancel()
         if self.detached:
@@ -724,17 +725,18 @@ class Supervisor:
             w._ps = None
         self._save_state()
 
-    def _run_file(self) -> tuple[object, dict]:
-        """The run file's console pid and worker entries (None, {} when there is none)."""
+    def _run_file(self) -> tuple[dict, dict]:
+        """The run file and its worker entries ({}, {} when there is none)."""
         try:
             doc = json.loads(self.state_path.read_text())
-            return doc.get("console_pid"), dict(doc["workers"])
-        except (OSError, ValueError, KeyError, TypeError):
-            return None, {}
+            return doc, dict(doc["workers"])
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            return {}, {}
 
     def _owning_console(self) -> int | None:
         """Another live console that runs workers of this profile: its pid."""
-        owner, entries = self._run_file()
+        doc, entries = self._run_file()
+        owner = doc.get("console_pid")
         if not isinstance(owner, int) or owner == os.getpid() or not psutil.pid_exists(owner):
             return None
         specs = {s.name: s for s in self.profile.workers if s.is_local}
@@ -743,7 +745,8 @@ class Supervisor:
 
     def _adopt(self) -> None:
         """Take over this profile's workers that a previous console started and left running."""
-        owner, entries = self._run_file()
+        doc, entries = self._run_file()
+        left_by = doc.get("left_by", doc.get("console_pid", "?"))
         for name, entry in entries.items():
             w = self.workers.get(name)
             if w is None or not w.managed or w.running or not w.spec.is_local:
@@ -760,7 +763,7 @@ class Supervisor:
             self.emit(
                 w.name,
                 "adopted",
-                f"pid {ps.pid} (run {entry['run_id']}, left by console pid {owner or '?'})",
+                f"pid {ps.pid} (run {entry['run_id']}, left by console pid {left_by})",
             )
             w._watch = self._task(self._wait(w, w.proc))
         self._save_state()
@@ -777,7 +780,14 @@ class Supervisor:
                 atomic_write(
                     self.state_path,
                     json.dumps(
-                        {"profile": self.profile.name, "console_pid": os.getpid(), "workers": entries}, indent=1
+                        {
+                            "profile": self.profile.name,
+                            # Who runs them now: none once detached (its process may live on).
+                            "console_pid": None if self.detached else os.getpid(),
+                            "left_by": os.getpid(),
+                            "workers": entries,
+                        },
+                        indent=1,
                     ),
                 )
             else:

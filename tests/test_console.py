@@ -522,6 +522,33 @@ async def test_a_dropped_ssh_session_detaches_and_the_next_console_adopts_the_wo
             os.close(fd)
 
 
+async def test_sighup_leaves_adopted_workers_running_too(tmp_path):
+    profile = fake_profile()
+    first = Supervisor(profile)
+    await first.start()
+    pids = []
+    try:
+        while not all_ready(first):
+            await asyncio.sleep(0.05)
+        pids = [w.pid for w in first.workers.values()]
+        await first.shutdown(stop_workers=False)
+        pid, fd, _ = _console_in_a_pty(profile, tmp_path)  # it adopts them
+        deadline = time.monotonic() + 30
+        while json.loads(first.state_path.read_text())["console_pid"] != pid:
+            assert time.monotonic() < deadline, "the console never adopted the workers"
+            await asyncio.sleep(0.05)
+        os.kill(pid, signal.SIGHUP)
+        assert _wait_exit(pid), "the console did not exit on SIGHUP"
+        assert not any(_gone(p) for p in pids)
+        nxt = Supervisor(profile)
+        await nxt.start()
+        assert [w.pid for w in nxt.workers.values()] == pids
+        await nxt.shutdown()
+    finally:
+        kill_groups(pids)
+        os.close(fd)
+
+
 def test_sigterm_stops_the_workers_the_console_runs(tmp_path):
     profile = fake_profile()
     pid, fd, worker_pids = _console_in_a_pty(profile, tmp_path)
