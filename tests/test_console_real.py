@@ -10,6 +10,7 @@ from consoles import all_ready, until
 from rpc_workers import free_ports
 
 from hydra_console.app.config import Profile, SupervisorSettings, WorkerSpec
+from hydra_console.app.display import ACCESS_LINE
 from hydra_console.app.split_plan import ModelShape
 from hydra_console.app.supervisor import State, Supervisor
 from hydra_console.app.ui.app import HydraConsole
@@ -173,6 +174,11 @@ async def test_detached_real_workers_keep_serving_and_the_next_console_adopts_th
     try:
         assert [w.pid for w in nxt.workers.values()] == pids and [e.kind for e in nxt.events] == ["adopted", "adopted"]
         assert await asyncio.to_thread(complete) == 200
+        # The head writes its own log file: its access log line reaches the console that adopted it.
+        deadline = time.monotonic() + 30
+        while not any(ACCESS_LINE.search(ln.text) and "/v1/completions 200" in ln.text for ln in nxt.head.log):
+            assert time.monotonic() < deadline, "no access-log line from the adopted head"
+            await asyncio.sleep(0.05)
     finally:
         await nxt.shutdown()
     assert all(not psutil.pid_exists(p) or psutil.Process(p).status() == psutil.STATUS_ZOMBIE for p in pids)
