@@ -476,8 +476,10 @@ class Supervisor:
             )
         if not self.attach_only:
             self._adopt()
+        _, entries = self._run_file()
         for w in self.workers.values():
             if not w.managed and w.logfile is not None:  # another console's (or a hand-started) worker
+                self._use_logged_path(w, entries.get(w.name))
                 w.logfile.follow_from_tail(self.settings.ring_lines)
                 self._follow_log(w)
         for w in [*list(self.workers.values())[1:], self.head]:
@@ -758,6 +760,7 @@ class Supervisor:
             w.backoff.reset()
             self._track(w, _Adopted(ps), list(entry.get("argv") or ps.cmdline()), entry["run_id"], ps.create_time())
             if w.logfile is not None:
+                self._use_logged_path(w, entry)
                 w.logfile.follow_from_tail(self.settings.ring_lines)
             self._mark(w, f"adopted pid {ps.pid} by console pid {os.getpid()}")
             self.emit(
@@ -768,10 +771,23 @@ class Supervisor:
             w._watch = self._task(self._wait(w, w.proc))
         self._save_state()
 
+    def _use_logged_path(self, w: Worker, entry) -> None:
+        """The file the worker really writes (its console's --log-dir may differ from ours)."""
+        path = entry.get("log") if isinstance(entry, dict) else None
+        if isinstance(path, str) and Path(path) != w.log_path:
+            w.logfile = LogFile(Path(path), self.settings.log_max_bytes, self.settings.log_backups)
+
     def _save_state(self) -> None:
         """The state file: which of this profile's workers run, so a later console can adopt them."""
         entries = {
-            w.name: {"pid": w.pid, "port": w.spec.port, "rpc": w.spec.rpc, "run_id": w.run_id, "argv": w.argv}
+            w.name: {
+                "pid": w.pid,
+                "port": w.spec.port,
+                "rpc": w.spec.rpc,
+                "run_id": w.run_id,
+                "argv": w.argv,
+                "log": str(w.log_path) if w.log_path else None,
+            }
             for w in self.workers.values()
             if w.managed and w.running and w.spec.is_local
         }

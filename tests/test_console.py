@@ -234,10 +234,11 @@ async def test_after_a_kill_9_of_its_console_an_adopted_workers_new_log_lines_sh
         pids = [int(x) for x in (await asyncio.wait_for(asyncio.to_thread(console.stdout.readline), 60)).split()]
         console.kill()  # kill -9: no cleanup ran
         console.wait()
-        sup = Supervisor(profile, log_dir=tmp_path / "logs")
+        sup = Supervisor(profile)  # its own --log-dir differs: it follows the files the workers write
         app = HydraConsole(sup, load_model_shape=False)
         async with app.run_test(size=(120, 40)) as pilot:
             await until(pilot, lambda: all_ready(sup) and [w.pid for w in sup.workers.values()] == pids)
+            assert sup.head.log_path == tmp_path / "logs" / f"{profile.name}-head.log"
             assert any(f"started pid {pids[0]}" in ln.text for ln in sup.head.log)  # the first console's lines
             size = sup.head.log_path.stat().st_size
             await asyncio.to_thread(httpx.get, f"{profile.head.url}/v1/after-adoption", timeout=5)
@@ -291,7 +292,7 @@ async def test_a_second_console_watches_the_live_workers_read_only_and_names_the
     pids = []
     try:
         pids = [int(x) for x in (await asyncio.wait_for(asyncio.to_thread(console.stdout.readline), 60)).split()]
-        sup = Supervisor(profile, log_dir=tmp_path / "logs")
+        sup = Supervisor(profile)
         app = HydraConsole(sup, load_model_shape=False)
         async with app.run_test(size=(120, 40)) as pilot:
             table = app.dashboard.query_one("#workers")
