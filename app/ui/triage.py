@@ -15,6 +15,7 @@ from textual.widgets import Footer, Header, Static
 
 from .. import display, triage
 
+SHOWN = 500  # newest incidents rendered (the log keeps days of them; `hydra-console incidents` prints all)
 INCIDENT_TONES = {
     "crash": "error",
     "crash-loop": "error",
@@ -57,8 +58,10 @@ class TriageScreen(Screen):
             strip if now_advice else Text("⚑ nothing to change now", style="dim")
         )
         since = f" since {time.strftime('%Y-%m-%d %H:%M', time.localtime(incidents[0].ts))}" if incidents else ""
-        timeline = Text(f"Timeline · {len(incidents)} incidents{since}\n", style="bold")
-        for inc in incidents:
+        older = len(incidents) - SHOWN
+        more = f" (the newest {SHOWN}; hydra-console incidents --since prints all)" if older > 0 else ""
+        timeline = Text(f"Timeline · {len(incidents)} incidents{since}{more}\n", style="bold")
+        for inc in incidents[-SHOWN:]:
             tone = INCIDENT_TONES.get(inc.kind, "warn")
             timeline.append(display.incident_line(inc) + "\n", style=app.tone_style(tone))
         self.query_one("#triage-timeline", Static).update(timeline)
