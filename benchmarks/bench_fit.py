@@ -41,12 +41,25 @@ def decode(url: str, n: int) -> dict:
 
 
 def memory(doc: dict) -> dict:
-    used = (doc.get("process") or {}).get("gpu_memory")
-    stages = doc.get("stages") or []
+    """NVML's reading and where it goes: the stage's weights and KV + recurrent state, what else
+    torch's allocator holds in live tensors (graphs' pools, scratch, MTP, logits), what it keeps
+    cached, and what lies outside it (CUDA context, kernels)."""
+    process = doc.get("process") or {}
+    used, reserved, live = (process.get(k) for k in ("gpu_memory", "device_reserved", "device_allocated"))
+    stages = [s for s in doc.get("stages") or [] if s.get("weight_bytes") is not None]
+    gib = lambda n: None if n is None else round(n / 2**30, 3)  # noqa: E731
+    held = sum(s["weight_bytes"] + s["kv_bytes"] for s in stages)
     return {
-        "gpu_memory_gib": None if used is None else round(used / 2**30, 3),
-        "source": (doc.get("process") or {}).get("gpu_source"),
-        "stages": [{k: s.get(k) for k in ("layers", "weight_bytes", "kv_bytes") if k in s} for s in stages],
+        "gpu_memory_gib": gib(used),
+        "source": process.get("gpu_source"),
+        "where_gib": {
+            "weights": gib(sum(s["weight_bytes"] for s in stages)),
+            "kv_and_state": gib(sum(s["kv_bytes"] for s in stages)),
+            "other_live": gib(None if live is None else live - held),
+            "allocator_cache": gib(None if live is None or reserved is None else reserved - live),
+            "outside_torch": gib(None if used is None or reserved is None else used - reserved),
+        },
+        "stages": [{k: s.get(k) for k in ("layers", "weight_bytes", "kv_bytes")} for s in stages],
     }
 
 

@@ -160,6 +160,7 @@ class ProcessInfo(_Doc):
     peak_device_bytes: int | None = None
     peak_rss: int | None = None
     device_reserved: int | None = None  # torch's caching allocator now, over every GPU
+    device_allocated: int | None = None  # of that, in live tensors (the rest is cached for reuse)
 
     @property
     def runtime_bytes(self) -> int | None:

@@ -112,6 +112,7 @@ def process_info() -> ProcessInfo:
     if cuda:
         peaks["peak_device_bytes"] = sum(torch.cuda.max_memory_reserved(i) for i in range(torch.cuda.device_count()))
         peaks["device_reserved"] = sum(torch.cuda.memory_reserved(i) for i in range(torch.cuda.device_count()))
+        peaks["device_allocated"] = sum(torch.cuda.memory_allocated(i) for i in range(torch.cuda.device_count()))
     nvml, pid = _Nvml.module(), os.getpid()
     if nvml is not None:
         try:

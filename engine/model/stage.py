@@ -215,6 +215,11 @@ class Stage:
             self.head_graphs.warm_up()
         if self.prefill_graphs is not None and prefill_tokens:
             self.prefill_graphs.warm_up(prefill_tokens)
+        if self.device.type == "cuda":
+            # The load's and the captures' temporaries stay cached in the allocator, unused until a
+            # prompt needs them; NVML counts them against the card. Given back here, what the
+            # process holds is what it serves with (the graphs keep their own pool).
+            torch.cuda.empty_cache()
 
     def kv_clear(self, slot: int) -> None:
         """Forget a slot: its KV (pooled blocks go back to the pool) and its recurrent state."""
