@@ -50,7 +50,7 @@ class CommonBody(BaseModel):
     model: str | None = None
     temperature: float | None = Field(None, ge=0.0, le=100.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=0)
+    top_k: int | None = Field(None, ge=0, lt=2**31)
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     repeat_penalty: float | None = Field(None, gt=0.0, le=100.0)
     repeat_last_n: int | None = Field(None, ge=-1)
@@ -399,7 +399,13 @@ def template_prompt(head: Head, body) -> str:
     extra = {**head.cfg.chat_template_kwargs, **(body.chat_template_kwargs or {})}
     if body.tools:
         extra["tools"] = body.tools
-    return chat_prompt(head, messages, body.add_generation_prompt, body.continue_final_message, **extra)
+    from ..text.chat import ChatError
+
+    try:
+        return chat_prompt(head, messages, body.add_generation_prompt, body.continue_final_message, **extra)
+    except ChatError as e:  # about the messages, or how they end (continue_final_message)
+        field = "continue_final_message" if "continue_final_message" in str(e) else "messages"
+        raise APIError(400, str(e), param=getattr(e, "param", None) or field) from None
 
 
 def chat_prompt(

@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 
 def _content_prompt(head: Head, entry: dict) -> list[int]:
     """OpenAI's content-parts input `{"content": [{"type": "text", "text": ...}, ...]}`: the texts joined."""
-    parts = entry["content"]
+    parts = entry.get("content")
     if not isinstance(parts, list):
         raise APIError(400, '"content" must be an array of parts', param="input")
     for part in parts:
