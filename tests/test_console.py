@@ -276,14 +276,26 @@ async def test_a_peer_killed_before_a_console_restart_is_still_in_the_next_conso
         await pilot.press("i")
         timeline = str(app.screen.query_one("#triage-timeline").render())
         assert f"peer1: pid {old} exited (SIGKILL)" in timeline and "restart" in timeline
-    # For the postmortem: the command line lists them too.
+
+
+def test_the_incidents_command_and_once_json_list_recorded_incidents(tmp_path, capsys):
+    from hydra_console.app.main import run
+    from hydra_console.app.triage import Incident
+
+    profile = fake_profile()
     path = save_profile(profile, tmp_path / "p.toml")
-    text = run_cli("incidents", "--since", "2h", "--profile", str(path)).stdout
-    assert f"peer1: pid {old} exited (SIGKILL)" in text
-    doc = json.loads(run_cli("incidents", "--since", "2h", "--json", "--profile", str(path)).stdout)
-    assert {"kind": "crash", "subject": "peer1"}.items() <= next(i for i in doc if i["kind"] == "crash").items()
-    once = json.loads(run_cli("--once", "--json", "--profile", str(path)).stdout)
-    assert any(f"pid {old} exited (SIGKILL)" in i["message"] for i in once["incidents"])
+    log = IncidentLog(profile.alerts, incidents_path(Supervisor(profile, attach=True)))
+    now = time.time()
+    log.add(
+        [Incident(now - 3 * 3600, "crash", "head", "old one"), Incident(now - 60, "crash", "peer1", "pid 7 exited")]
+    )
+    assert run(["incidents", "--since", "2h", "--profile", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "peer1: pid 7 exited" in out and "old one" not in out
+    assert run(["incidents", "--since", "4h", "--json", "--profile", str(path)]) == 0
+    assert [i["message"] for i in json.loads(capsys.readouterr().out)] == ["old one", "pid 7 exited"]
+    assert run(["--once", "--json", "--profile", str(path)]) == 1  # nothing runs
+    assert [i["subject"] for i in json.loads(capsys.readouterr().out)["incidents"]] == ["peer1"]  # the last hour
 
 
 async def test_a_second_console_watches_the_live_workers_read_only_and_names_the_owner(tmp_path):
@@ -402,7 +414,8 @@ async def test_once_json_reports_running_workers_without_starting_any(tmp_path):
 @pytest.mark.parametrize(
     "args,needle",
     [
-        (["--json"], "--json needs --once"),
+        (["--json"], "--json needs --once or incidents"),
+        (["incidents", "--since", "yesterday"], "--since 'yesterday': expected a number and s, m, h or d"),
         (["--profile", "/nonexistent/x.toml", "--once"], "profile not found"),
         (["--theme", "pink", "--profile", "/dev/null"], "unknown theme"),
     ],
