@@ -47,6 +47,39 @@ def test_http_limits_of_the_head():
     assert serve().api_key is None and serve().redacted()["api_key"] is None
 
 
+def test_fair_admission_bounded_responses_and_connection_limits_of_the_head():
+    from hydra_console.engine.config import DEFAULT_MAX_RESPONSE, descriptor_limit
+
+    cfg = serve("--parallel", "3")
+    assert (cfg.max_n, cfg.max_response) == (3, DEFAULT_MAX_RESPONSE)  # n up to the slots
+    nofile = descriptor_limit()
+    assert cfg.http.max_connections == max(16, min(4096, nofile // 2)) < nofile
+    assert cfg.http.max_client_connections == max(8, cfg.http.max_connections // 4)
+    assert (cfg.http.header_timeout, cfg.http.body_timeout) == (10.0, 60.0)
+    assert serve("--max-n", "8").max_n == 8 and cfg.redacted()["http"]["max_connections"] == cfg.http.max_connections
+    limits = serve(
+        "--max-connections", "100", "--max-client-connections", "500", "--header-timeout", "2", "--body-timeout", "3"
+    ).http
+    assert (limits.max_connections, limits.max_client_connections, limits.header_timeout, limits.body_timeout) == (
+        100,
+        100,  # never above the total
+        2.0,
+        3.0,
+    )
+    for argv in (
+        ("--max-n", "0"),
+        ("--max-n", "129"),
+        ("--max-response", "10"),
+        ("--max-connections", "0"),
+        ("--max-connections", str(nofile)),
+        ("--max-client-connections", "0"),
+        ("--header-timeout", "0"),
+        ("--body-timeout", "-1"),
+    ):
+        with pytest.raises(UserError):
+            serve(*argv)
+
+
 def test_llama_server_flags_of_the_head():
     cfg = serve()
     assert (cfg.embedding, cfg.pooling, cfg.embd_normalize, cfg.cors_origins, cfg.slots, cfg.metrics) == (
