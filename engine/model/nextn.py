@@ -23,6 +23,10 @@ import torch.nn.functional as F
 
 from ..errors import UserError
 from .stage import Stage
+from .weights import Linear, QuantLinear
+
+# Rows up to which the MTP block's input projection keeps float32 activations on a GPU (`NextN._project_in`).
+PRECISE_ROWS = 16
 
 
 def nextn_prefix(g, n_layers: int) -> str | None:
@@ -60,7 +64,10 @@ class NextN:
             n_ctx=head.n_ctx,
             kv_pool=head.kv_pool,
         )
-        self.eh_proj = w.linear([p + "eh_proj.weight"])
+        # On CPU the input projection is float32 whatever the compute dtype: the int8 and 16-bit
+        # kernels there take 16-bit rows only (`_project_in`).
+        cpu = head.device.type == "cpu"
+        self.eh_proj = Linear(w.f32(p + "eh_proj.weight").contiguous()) if cpu else w.linear([p + "eh_proj.weight"])
         self.enorm, self.hnorm = w.vector(p + "enorm.weight"), w.vector(p + "hnorm.weight")
         has = lambda name: p + name + ".weight" in head.g.tensors  # noqa: E731
         self.head_norm = w.vector(p + "shared_head_norm.weight") if has("shared_head_norm") else head.output_norm
@@ -73,8 +80,36 @@ class NextN:
         e = self.head.embed(tokens)
         h_prev = h_prev.to(e.device, torch.float32)
         x = torch.cat([F.rms_norm(e, (d,), self.enorm, eps), F.rms_norm(h_prev, (d,), self.hnorm, eps)], dim=-1)
-        y = self.block.run_layers(self.eh_proj(x.to(self.block.dtype)).float(), slots, positions)
+        y = self.block.run_layers(self._project_in(x), slots, positions)
         return F.rms_norm(y, (d,), self.head_norm, eps)
+
+    def _project_in(self, x: torch.Tensor) -> torch.Tensor:
+        """eh_proj(x) for x [T, 2 n_embd] float32 -> float32, with x kept in float32 as llama.cpp's
+        one-row mat-vec takes it. Rounding x to the 16-bit compute dtype first made the block's h'
+        norm(round16(norm(e))) where the trunk's h is norm(e) (on `write_synthetic(bigram=True)`):
+        a quarter of the components one 16-bit step off, enough to flip the top token of a big
+        vocabulary (its top two logits often tie in bfloat16), so the block missed the very token it
+        predicts. On a GPU, up to PRECISE_ROWS rows (the draft steps: a row per drafting slot; a few
+        slots' verifies) go through the GEMV kernels that take float32 rows, reading the weight as
+        it is kept; more rows (prompt chunks, whose only product is the block's KV, rounded to the
+        compute dtype at the attention's input anyway) run in the compute dtype. On CPU the weight
+        is float32 (its int8 and 16-bit kernels take 16-bit rows only)."""
+        lin = self.eh_proj
+        if isinstance(lin, QuantLinear):
+            if x.device.type == "cuda" and x.shape[0] <= PRECISE_ROWS:
+                from ..kernels.triton_qmatmul import GEMV_MAX_ROWS
+
+                # Its fused GEMV keeps float32 rows in float32 arithmetic.
+                return torch.cat([lin(x[i : i + GEMV_MAX_ROWS]) for i in range(0, x.shape[0], GEMV_MAX_ROWS)]).float()
+            return lin(x.to(self.block.dtype)).float()
+        if lin.weight.dtype == torch.float32:
+            return lin(x).float()
+        if x.device.type == "cuda" and x.shape[0] <= PRECISE_ROWS and lin.scale is None:
+            from ..kernels.triton_dense import DENSE_GEMV_MAX_ROWS as step
+
+            w = lin.weight  # 16-bit, read once per `step` rows, the products summed in float32
+            return torch.cat([torch.ops.hydra.dmm(x[i : i + step], w) for i in range(0, x.shape[0], step)])
+        return lin(x.to(self.block.dtype)).float()
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """The block's normed output [R, n_embd] -> float32 draft logits [R, n_vocab]."""
