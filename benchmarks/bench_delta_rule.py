@@ -6,8 +6,9 @@ loop, model/deltanet.py) against the Triton chunked kernel (`kernels/triton_delt
 The default shape is Qwen3.5-27B's: 48 V heads on 16 Q/K heads, head dims 128 (`--v-heads`,
 `--k-heads`, `--dim`). For each prompt length T (one slot, state and checkpoints kept as in serving)
 it times `DeltaNet._delta_rule`, the gated delta rule alone, through each path: the torch forms,
-the kernel with TF32 products (a 16-bit model) and with float32 products (a float32 model), and
-prints the kernel's largest difference from the torch forms (outputs, final state). `--layer` also
+the kernel with each of `--precisions` (tl.dot's: tf32, a 16-bit model's; tf32x3 / ieee, float32
+ones), and prints the kernel's largest difference from the torch forms (outputs, final state).
+`--profile` prints each kernel's share of one call. `--layer` also
 times the whole layer (`DeltaNet.__call__`: input product, conv, gates, the rule, gated norm, output
 product) of a one-layer synthetic file of the same shape (hidden 5120, BF16 weights) both ways.
 Timings are medians of `--reps` runs after one warm-up (the first kernel call compiles).
@@ -66,34 +67,31 @@ def bench_rule(T: int, args) -> dict:
     net = SimpleNamespace(ssm_state=state0.clone(), ssm_ckpt=torch.zeros(1, ROLLBACK, hv, dim, dim, device="cuda"))
     slots = torch.zeros(1, dtype=torch.long, device="cuda")
 
-    def run(kernel: bool, dtype: torch.dtype):
+    def run(kernel: bool, precision: str = ""):
         def go():
             deltanet.TRITON_PREFILL = kernel
             net.ssm_state.copy_(state0)
-            return DeltaNet._delta_rule(net, q, k, v, g, b, slots, [T], dtype)
+            return DeltaNet._delta_rule(net, q, k, v, g, b, slots, [T], torch.bfloat16)
 
         return go
 
     row = {"tokens": T}
     results = {}
-    for name, kernel, dtype in (
-        ("torch", False, torch.bfloat16),
-        ("kernel_tf32", True, torch.bfloat16),
-        ("kernel_ieee", True, torch.float32),
-    ):
-        if name == "torch" and T > args.torch_max:
-            continue
-        row[f"{name}_ms"] = timed(run(kernel, dtype), args.reps) * 1e3
-        out = run(kernel, dtype)()
+    choose = deltanet._precision
+    variants = [("torch", False, "")] if T <= args.torch_max else []
+    for name, kernel, precision in variants + [(p, True, p) for p in args.precisions]:
+        deltanet._precision = lambda dtype, p=precision: p
+        row[f"{name}_ms"] = timed(run(kernel, precision), args.reps) * 1e3
+        out = run(kernel, precision)()
         results[name] = (out.clone(), net.ssm_state.clone(), net.ssm_ckpt.clone())
+    deltanet._precision = choose
     if "torch" in results:
         o, s, c = results["torch"]
-        for name in ("kernel_tf32", "kernel_ieee"):
+        for name in args.precisions:
             ko, ks, kc = results[name]
             row[f"{name}_max_abs_out"] = float((ko - o).abs().max())
             row[f"{name}_max_abs_state"] = float((ks - s).abs().max())
             row[f"{name}_max_abs_ckpt"] = float((kc - c).abs().max())
-        row["speedup_tf32"] = row["torch_ms"] / row["kernel_tf32_ms"]
     deltanet.TRITON_PREFILL = None
     return row
 
@@ -125,6 +123,28 @@ def sweep(T: int, args) -> dict:
     tdr.CONFIG = best
     print(f"T={T} fastest: CONFIG = {best}")
     return best
+
+
+def profile(T: int, args, precision: str = "tf32") -> None:
+    """CUDA time of each kernel of one call at T tokens (torch.profiler)."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    from hydra_console.engine.kernels.triton_delta_rule import chunk_gated_delta_rule
+
+    q, k, v, g, b = rule_inputs(T, args.v_heads, args.k_heads, args.dim)
+    state = torch.zeros(1, args.v_heads, args.dim, args.dim, device="cuda")
+    n = torch.tensor([T], dtype=torch.int32, device="cuda")
+    chunk_gated_delta_rule(q, k, v, g, b, state, n, ROLLBACK, precision)
+    torch.cuda.synchronize()
+    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            chunk_gated_delta_rule(q, k, v, g, b, state, n, ROLLBACK, precision)
+        torch.cuda.synchronize()
+    print(f"T={T} {precision}: per call")
+    for e in sorted(prof.key_averages(), key=lambda e: -e.device_time_total):
+        if e.device_time_total > 0:
+            print(f"  {e.key[:60]:<60} {e.device_time_total / 3e3:8.3f} ms")
 
 
 def bench_layer(T: int, stage, args) -> dict:
@@ -182,15 +202,21 @@ def main() -> None:
     ap.add_argument("--layer", action="store_true", help="also time the whole DeltaNet layer")
     ap.add_argument("--layers", type=int, default=48, help="DeltaNet layers of the model (per-prompt totals)")
     ap.add_argument("--sweep", action="store_true", help="time the kernel's launch settings first")
+    ap.add_argument("--profile", action="store_true", help="print each kernel's time at every length")
+    ap.add_argument("--precisions", default="tf32,tf32x3,ieee", help="the kernel's products to time")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     args.tokens = [int(t) for t in args.tokens.split(",")]
+    args.precisions = args.precisions.split(",")
     torch.backends.cuda.matmul.allow_tf32 = False  # the torch forms in float32, as served
 
     print(torch.cuda.get_device_name(), f"V heads {args.v_heads}, Q/K heads {args.k_heads}, dims {args.dim}")
     if args.sweep:
         for T in args.tokens:
             sweep(T, args)
+    if args.profile:
+        for T in args.tokens:
+            profile(T, args)
     rows = [bench_rule(T, args) for T in args.tokens]
     if args.layer:
         stage = layer_stage(args)
@@ -199,18 +225,18 @@ def main() -> None:
     if args.json:
         print(json.dumps(rows, indent=1))
         return
-    print(
-        f"{'T':>6} {'torch ms':>10} {'tf32 ms':>9} {'ieee ms':>9} {'speedup':>8} {'x layers ms':>12}  max |Δ| out / state (tf32, ieee)"
-    )
+    first = args.precisions[0]
+    print(f"{'T':>6} {'torch ms':>10} " + " ".join(f"{p + ' ms':>10}" for p in args.precisions), end="")
+    print(f" {'speedup':>8} {'x layers ms':>12}  max |Δ| out / state")
     for r in rows:
         t = r.get("torch_ms", float("nan"))
-        d = (
-            f"{r.get('kernel_tf32_max_abs_out', float('nan')):.1e} / {r.get('kernel_tf32_max_abs_state', float('nan')):.1e}, "
-            f"{r.get('kernel_ieee_max_abs_out', float('nan')):.1e} / {r.get('kernel_ieee_max_abs_state', float('nan')):.1e}"
+        d = ", ".join(
+            f"{p} {r.get(p + '_max_abs_out', float('nan')):.1e} / {r.get(p + '_max_abs_state', float('nan')):.1e}"
+            for p in args.precisions
         )
+        times = " ".join(f"{r[p + '_ms']:>10.3f}" for p in args.precisions)
         print(
-            f"{r['tokens']:>6} {t:>10.2f} {r['kernel_tf32_ms']:>9.3f} {r['kernel_ieee_ms']:>9.3f} "
-            f"{t / r['kernel_tf32_ms']:>7.1f}x {r['kernel_tf32_ms'] * args.layers:>12.1f}  {d}"
+            f"{r['tokens']:>6} {t:>10.2f} {times} {t / r[first + '_ms']:>7.1f}x {r[first + '_ms'] * args.layers:>12.1f}  {d}"
         )
         if "layer_kernel_ms" in r:
             lt = r.get("layer_torch_ms", float("nan"))
