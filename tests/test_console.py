@@ -540,9 +540,11 @@ async def test_sighup_leaves_adopted_workers_running_too(tmp_path):
     profile = fake_profile()
     first = Supervisor(profile)
     await first.start()
-    pids = []
+    pids, pid, fd = [], None, None
     try:
+        deadline = time.monotonic() + 30
         while not all_ready(first):
+            assert time.monotonic() < deadline, "workers never ready"
             await asyncio.sleep(0.05)
         pids = [w.pid for w in first.workers.values()]
         await first.shutdown(stop_workers=False)
@@ -559,8 +561,14 @@ async def test_sighup_leaves_adopted_workers_running_too(tmp_path):
         assert [w.pid for w in nxt.workers.values()] == pids
         await nxt.shutdown()
     finally:
-        kill_groups(pids)
-        os.close(fd)
+        kill_groups(pids or [w.pid for w in first.workers.values() if w.pid])
+        if pid is not None:
+            try:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+            except OSError:
+                pass
+            os.close(fd)
 
 
 def test_sigterm_stops_the_workers_the_console_runs(tmp_path):
