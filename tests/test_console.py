@@ -258,6 +258,7 @@ async def test_after_a_kill_9_of_its_console_an_adopted_workers_new_log_lines_sh
 
 async def test_a_peer_killed_before_a_console_restart_is_still_in_the_next_consoles_triage(tmp_path):
     profile = fake_profile()
+    profile.supervisor.backoff_initial_s = 0.1
     sup = Supervisor(profile, log_dir=tmp_path)
     app = HydraConsole(sup, load_model_shape=False, incidents=IncidentLog(profile.alerts, incidents_path(sup)))
     async with app.run_test(size=(120, 40)) as pilot:
