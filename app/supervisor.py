@@ -15,16 +15,18 @@ it in their environment; remote ones in a 0600 file (`REMOTE_TOKEN_FILE`, writte
 launcher with the token on stdin), never in argv, where `ps` on either host would show it.
 
 Observers (the UI) read `workers`, `events`, `merged_log` and call the async commands; they get
-each new `Event` through `subscribe`.
+each new `Event` through `subscribe` and each polled /status through `subscribe_status`.
 
 Truth over intent: a worker's record holds the argv it was really started with, and a (re)start
 launches `Supervisor.split`, the split the head last reported in /status (or the one the operator
 applied), never a draft saved to the profile.
 
 Takeover: every started worker carries HYDRA_RUN_ID in its environment, and a per-profile state
-file (state dir, written atomically) lists pids, ports and run ids. A console that starts finds
-the workers of its profile that still run with those run ids and adopts them (watch, stop,
-restart) instead of starting duplicates; `shutdown(stop_workers=False)` detaches, leaving them.
+file (state dir, written atomically) lists pids, ports, run ids, log files and the console that
+runs them. A console that starts finds the workers of its profile that still run with those run
+ids and adopts them (watch, stop, restart) instead of starting duplicates; while the console named
+in the file lives, it watches them read-only instead (`owner`). `shutdown(stop_workers=False)`
+detaches, leaving them and naming no console in the file.
 """
 
 from __future__ import annotations
