@@ -522,9 +522,9 @@ def log_line_text(line, with_worker: bool) -> str:
     return f"{ts} {who}{line.text}"
 
 
-def snapshot(sup: Supervisor, incidents: list = ()) -> dict:
-    """The `--once --json` document: one entry per worker, /status included as reported, and the
-    recent incidents (triage.Incident) the caller passes."""
+def snapshot(sup: Supervisor, incidents: list = (), open_incidents: list = ()) -> dict:
+    """The `--once --json` document: one entry per worker, /status included as reported, the
+    recent incidents and the open ones (triage.Incident) the caller passes."""
     now = sup.clock()
     out = []
     for w in sup.workers.values():
@@ -549,8 +549,9 @@ def snapshot(sup: Supervisor, incidents: list = ()) -> dict:
         "time": now,
         "workers": out,
         "incidents": [dataclasses.asdict(i) for i in incidents],
+        "open_incidents": [dataclasses.asdict(i) for i in open_incidents],
     }
 
 
-def snapshot_json(sup: Supervisor, incidents: list = ()) -> str:
-    return json.dumps(snapshot(sup, incidents), indent=2, sort_keys=False)
+def snapshot_json(sup: Supervisor, incidents: list = (), open_incidents: list = ()) -> str:
+    return json.dumps(snapshot(sup, incidents, open_incidents), indent=2, sort_keys=False)

@@ -26,6 +26,7 @@ from . import display
 from .config import default_profile, load_profile, resolve_profile_path, save_profile
 from .incidents import IncidentLog, incidents_path
 from .supervisor import State, Supervisor
+from .triage import open_incidents
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -80,8 +81,9 @@ async def _once(sup: Supervisor, as_json: bool) -> str:
         await sup.source.aclose()
     healthy = all(w.state == State.READY for w in sup.workers.values())
     if as_json:
-        recent = IncidentLog(sup.profile.alerts, incidents_path(sup), writes=False).since(sup.clock() - RECENT_S)
-        return display.snapshot_json(sup, recent), healthy
+        kept = IncidentLog(sup.profile.alerts, incidents_path(sup), writes=False)
+        recent, still_open = kept.since(sup.clock() - RECENT_S), open_incidents(kept.since(0))
+        return display.snapshot_json(sup, recent, still_open), healthy
     now = sup.clock()
     rows = [list(display.WORKER_COLUMNS)] + [display.worker_row(w, sup, now)[0] for w in sup.workers.values()]
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]

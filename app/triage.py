@@ -139,6 +139,22 @@ def status_incidents(prev: Status, cur: Status, ts: float, alerts: Alerts, subje
     return out
 
 
+# An incident that stays open until its subject's closing kind follows it.
+CLOSED_BY = {"down": "up", "crash": "up", "crash-loop": "up", "peer-down": "peer-up"}
+
+
+def open_incidents(incidents: list[Incident]) -> list[Incident]:
+    """Incidents not over yet, oldest first: a worker down, crashed or looping that has not been
+    ready since; a peer down that has not come back."""
+    last: dict[tuple[str, str], Incident] = {}  # (subject, closing kind) -> the incident it would close
+    for inc in sorted(incidents, key=lambda i: i.ts):
+        if inc.kind in CLOSED_BY:
+            last[(inc.subject, CLOSED_BY[inc.kind])] = inc
+        else:
+            last.pop((inc.subject, inc.kind), None)
+    return sorted(last.values(), key=lambda i: i.ts)
+
+
 def advise(history: list[tuple[float, Status]], events: list[Event], alerts: Alerts) -> list[Advice]:
     """What to change now, judged on the latest document and the window `history` covers."""
     out: list[Advice] = []

@@ -288,15 +288,24 @@ def test_the_incidents_command_and_once_json_list_recorded_incidents(tmp_path, c
     log = IncidentLog(profile.alerts, incidents_path(Supervisor(profile, attach=True)))
     now = time.time()
     log.add(
-        [Incident(now - 3 * 3600, "crash", "head", "old one"), Incident(now - 60, "crash", "peer1", "pid 7 exited")]
+        [
+            Incident(now - 4 * 3600, "peer-down", "127.0.0.1:9", "peer down overnight"),
+            Incident(now - 3 * 3600, "crash", "head", "old one"),
+            Incident(now - 3 * 3600 + 5, "up", "head", "ready again"),
+            Incident(now - 60, "crash", "peer1", "pid 7 exited"),
+        ]
     )
     assert run(["incidents", "--since", "2h", "--profile", str(path)]) == 0
     out = capsys.readouterr().out
     assert "peer1: pid 7 exited" in out and "old one" not in out
-    assert run(["incidents", "--since", "4h", "--json", "--profile", str(path)]) == 0
-    assert [i["message"] for i in json.loads(capsys.readouterr().out)] == ["old one", "pid 7 exited"]
+    assert run(["incidents", "--since", "3h", "--json", "--profile", str(path)]) == 0
+    assert [i["message"] for i in json.loads(capsys.readouterr().out)] == ["ready again", "pid 7 exited"]
+    assert run(["incidents", "--since", "5h", "--json", "--profile", str(path)]) == 0
+    assert len(json.loads(capsys.readouterr().out)) == 4
     assert run(["--once", "--json", "--profile", str(path)]) == 1  # nothing runs
-    assert [i["subject"] for i in json.loads(capsys.readouterr().out)["incidents"]] == ["peer1"]  # the last hour
+    doc = json.loads(capsys.readouterr().out)
+    assert [i["subject"] for i in doc["incidents"]] == ["peer1"]  # the last hour
+    assert [i["message"] for i in doc["open_incidents"]] == ["peer down overnight", "pid 7 exited"]  # not over yet
 
 
 async def test_a_second_console_watches_the_live_workers_read_only_and_names_the_owner(tmp_path):

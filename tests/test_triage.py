@@ -8,7 +8,7 @@ from hydra_console.app.config import Alerts, Profile
 from hydra_console.app.incidents import IncidentLog
 from hydra_console.app.sources import FixedFeedSource, Probe
 from hydra_console.app.supervisor import HISTORY, Event, Supervisor
-from hydra_console.app.triage import advise, event_incident, status_incidents
+from hydra_console.app.triage import Incident, advise, event_incident, open_incidents, status_incidents
 from hydra_console.contracts.status import Status
 
 pytestmark = pytest.mark.unit
@@ -170,3 +170,15 @@ async def test_incidents_outlive_the_poll_history_and_the_console_and_age_out_af
     assert ("peer-down", "p2:9") in kinds(IncidentLog(ALERTS, path, clock=lambda: now[0], keep_s=86400).since(0))
     now[0] += 86400
     assert IncidentLog(ALERTS, path, clock=lambda: now[0], keep_s=86400).since(0) == []
+
+
+def test_an_incident_is_open_until_its_subject_recovers():
+    incidents = [
+        Incident(1.0, "peer-down", "p2:9", "down"),
+        Incident(2.0, "crash", "peer1", "exited"),
+        Incident(3.0, "up", "peer1", "ready again"),
+        Incident(4.0, "crash-loop", "head", "looping"),
+        Incident(5.0, "peer-up", "p3:9", "another peer"),
+    ]
+    assert [i.message for i in open_incidents(incidents)] == ["down", "looping"]
+    assert open_incidents([*incidents, Incident(6.0, "peer-up", "p2:9", "back"), Incident(7.0, "up", "head", "")]) == []
