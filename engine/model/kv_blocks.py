@@ -89,8 +89,9 @@ class KVBlocks:
         short = sum(max(0, n - len(self.held[slot])) for slot, n in want.items())
         if short > len(self.free):
             raise KVPoolFull(
-                f"KV pool full: this step needs {short} more blocks of {self.block_size} positions, {len(self.free)} of "
-                f"{self.n_blocks - 1} are free (-c/--ctx-size sets the pool with --kv-unified)"
+                f"KV pool full, the context size has been exceeded: this step needs {short} more blocks of "
+                f"{self.block_size} positions, {len(self.free)} of {self.n_blocks - 1} are free (-c/--ctx-size sets "
+                "the pool with --kv-unified)"
             )
         for slot, n in want.items():
             held = self.held[slot]
