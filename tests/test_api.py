@@ -325,7 +325,7 @@ def test_over_context_prompt_is_a_400(client, model_id):
         ("/v1/completions", {"max_tokens": 3}, "prompt"),
         ("/v1/completions", {"prompt": "x", "stop": [""]}, "stop"),
         ("/v1/chat/completions", {"messages": []}, "messages"),
-        ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, None),
+        ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, "messages"),
         ("/detokenize", {"tokens": [-1]}, "tokens"),
         ("/tokenize", {"content": 5}, "content"),
     ],
