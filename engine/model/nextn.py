@@ -62,7 +62,9 @@ class NextN:
             head=False,
             n_slots=head.n_slots,
             n_ctx=head.n_ctx,
+            kv_types=head.kv_types,  # the block's KV in the head's cache types (q8_0: half of bf16's)
             kv_pool=head.kv_pool,
+            rope_of=head,
         )
         # On CPU the input projection is float32 whatever the compute dtype: the int8 and 16-bit
         # kernels there take 16-bit rows only (`_project_in`).
