@@ -22,8 +22,8 @@ import tomli_w
 import tomllib
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from ..contracts.errors import UserError
 from ..contracts.footprint import CACHE_TYPES
-from ..engine.errors import UserError
 
 HEAD_HTTP_PORT, HEAD_RPC_PORT = 8080, 8081
 PEER_HTTP_PORT, PEER_RPC_PORT = 8090, 8091

@@ -1,8 +1,9 @@
 """The console's client of the Hydra control protocol (DESIGN §4): CONFIGURE, PROBE and INFO.
 
-Op and status codes come from `contracts.rpc`, framing from the engine's `rpc.wire` (request `<HBBHQH` header + key + trace + payload;
-response status u8 + meta_len u24 + payload_len u64, meta JSON, payload), so the console and the
-head never disagree on bytes. One blocking socket per request, run in a thread: these ops are rare.
+Op and status codes come from `contracts.rpc`, framing from `contracts.framing` (request `<HBBHQH`
+header + key + trace + payload; response status u8 + meta_len u24 + payload_len u64, meta JSON,
+payload), the same code the head serves with, so the console and the head never disagree on bytes.
+One blocking socket per request, run in a thread: these ops are rare.
 With a token (the supervisor's), the AUTH challenge is answered first, as the head requires.
 """
 
@@ -14,8 +15,8 @@ import socket
 from dataclasses import dataclass
 
 from ..contracts.auth import AuthError, control_login
+from ..contracts.framing import FrameError, SocketReader, pack_control_request, read_control_response
 from ..contracts.rpc import STATUS_NAMES, Op, Status
-from ..engine.rpc.wire import FrameError, SocketReader, pack_control_request, read_control_response
 
 OP_CONFIGURE, OP_INFO = Op.CONFIGURE, Op.INFO
 OK, NOT_IMPLEMENTED = Status.OK, Status.NOT_IMPLEMENTED

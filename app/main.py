@@ -21,7 +21,7 @@ import os
 import sys
 from pathlib import Path
 
-from ..engine.errors import UserError
+from ..contracts.errors import UserError
 from . import display
 from .config import default_profile, load_profile, resolve_profile_path, save_profile
 from .incidents import IncidentLog, incidents_path

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from ..contracts.errors import UserError
 from ..contracts.footprint import ModelTensors, StageBytes, model_tensors
+from ..contracts.gguf_header import GGUFHeader
 from ..contracts.split import ranges, split_arg
 
 
@@ -47,9 +48,7 @@ class ModelShape:
 
     @classmethod
     def from_gguf(cls, path: str | Path) -> "ModelShape":
-        from ..engine.gguf_file import GGUFFile
-
-        g = GGUFFile(path)
+        g = GGUFHeader(path)
         tensors = model_tensors(g.metadata, g.tensors)
         if tensors.n_layers < 1:
             raise UserError(f"{path}: no {g.architecture}.block_count in the GGUF metadata")

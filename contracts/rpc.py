@@ -2,7 +2,8 @@
 
 Like ggml-rpc's packed-struct block that both ends include: every command id, status code,
 capability bit and request/response layout is here, and `engine/rpc` and `app/control_client`
-import them. Framing and parsing code lives in `engine/rpc/wire.py`.
+import them. The control framing and the frame readers are `contracts/framing.py` (the console's
+too); the compute framing is `engine/rpc/wire.py`.
 
 Compute protocol (ggml-rpc framing): request `cmd u8 | size u64 LE | payload`, response
 `size u64 LE | payload`. HELLO (14) first; with a token both sides prove it (contracts/auth.py):

@@ -14,6 +14,7 @@ from textual.app import App, SystemCommand
 from textual.binding import Binding
 from textual.screen import Screen
 
+from ...contracts.default_model import default_model_path
 from ...contracts.errors import UserError
 from ...contracts.split import split_arg
 from ...themes import THEMES
@@ -152,8 +153,6 @@ class HydraConsole(App):
 
     @work(thread=True, group="model")
     def _load_shape(self) -> None:
-        from ...engine.default_model import default_model_path
-
         try:
             path = self.supervisor.profile.model or default_model_path()
             self.model_shape = ModelShape.from_gguf(path)
