@@ -3,7 +3,8 @@ uvicorn's h11 protocol meets the socket, before any request exists:
 
 - connection caps: open connections in all (`--max-connections`, below the descriptor limit) and
   per client address (`--max-client-connections`); a connection beyond either is answered 503 in
-  OpenAI's shape at once and closed, so the descriptors never run out and other clients are served;
+  OpenAI's shape at once and closed (once its client has, or after LINGER_S: what it sends
+  meanwhile is dropped), so the descriptors never run out and other clients are served;
 - a header deadline (`--header-timeout`): a request's headers must be complete within it, counted
   from the connection's start or from the end of the previous response; else the connection is
   closed (slowloris: sockets that send part of their headers and wait);
@@ -26,6 +27,8 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from ..config import HttpLimits
 
 log = logging.getLogger("hydra.http")
+
+LINGER_S = 0.5  # a refused connection is closed once its client has, or after this
 
 
 def _answer(status: int, reason: str, message: str, type_: str, code: str, extra: str = "") -> bytes:
@@ -104,7 +107,11 @@ def guarded_h11(limits: HttpLimits) -> type[H11Protocol]:
                 self.transport.write(
                     _answer(503, "Service Unavailable", why, "unavailable_error", "unavailable", "retry-after: 1\r\n")
                 )
-                self.transport.close()
+                # A lingering close: what the client sent is read and dropped for a moment, so that its
+                # request arriving does not turn our close into a reset that loses the answer.
+                if self.transport.can_write_eof():
+                    self.transport.write_eof()
+                self.deadline = self.loop.call_later(LINGER_S, self.transport.close)
                 return
             self.counted = True
             self._expect_headers()
@@ -117,7 +124,7 @@ def guarded_h11(limits: HttpLimits) -> type[H11Protocol]:
             super().connection_lost(exc)
 
         def data_received(self, data: bytes) -> None:
-            if not self.counted:  # refused: nothing it sends is read
+            if not self.counted:  # refused: what it sends is dropped
                 return
             super().data_received(data)
             self._progress()
