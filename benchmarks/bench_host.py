@@ -26,7 +26,7 @@ import time
 
 import torch
 
-from hydra_console.engine import sampling
+from hydra_console.engine.serving import sampling
 from hydra_console.engine.default_model import model_path
 from hydra_console.engine.gguf_file import GGUFFile
 from hydra_console.engine.model import build_stage

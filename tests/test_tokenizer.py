@@ -433,7 +433,7 @@ def test_bpe_matches_hf_tokenizers(pre, ignore_merges):
     import inspect
     import random
 
-    from hydra_console.engine import tokenizer as module
+    from hydra_console.engine.text import tokenizer as module
     from hydra_console.engine.text.tokenizer import PRE_TOKENIZERS
 
     corpus = "\n".join(inspect.getdoc(obj) or "" for _, obj in inspect.getmembers(module))
@@ -475,7 +475,7 @@ def test_spm_matches_sentencepiece():
     import io
     import random
 
-    from hydra_console.engine import tokenizer as module
+    from hydra_console.engine.text import tokenizer as module
 
     corpus = "\n".join(inspect.getdoc(obj) or "" for _, obj in inspect.getmembers(module))
     corpus += "\nnaïve façade 中文字符测试 Ελληνικά 12345"
