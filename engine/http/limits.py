@@ -17,6 +17,7 @@ import asyncio
 import json
 from typing import Any
 
+from fastapi.encoders import jsonable_encoder
 from fastapi.responses import JSONResponse, Response
 
 from .errors import APIError
@@ -36,8 +37,11 @@ def too_large(size: int | str, limit: int, param: str | None = None) -> APIError
 
 
 def dumps(obj: Any, limit: int, param: str | None = None) -> bytes:
-    """`obj` as compact JSON (as starlette's JSONResponse writes it), refused beyond `limit` bytes."""
-    body = json.dumps(obj, ensure_ascii=False, allow_nan=False, indent=None, separators=(",", ":")).encode()
+    """`obj` as compact JSON (as starlette's JSONResponse writes it; what JSON has no type for, as
+    FastAPI encodes it), refused beyond `limit` bytes."""
+    body = json.dumps(
+        obj, ensure_ascii=False, allow_nan=False, indent=None, separators=(",", ":"), default=jsonable_encoder
+    ).encode()
     if len(body) > limit:
         raise too_large(len(body), limit, param)
     return body
