@@ -210,6 +210,7 @@ class WorkerConfig:
     rpc: RpcSettings
     host: str = "127.0.0.1"
     port: int = 8090
+    http: HttpLimits = HttpLimits()  # connection caps and read deadlines of its HTTP server
 
     def redacted(self) -> dict:
         """The configuration /status reports: the secret as `***`."""
@@ -236,7 +237,6 @@ class HeadConfig(WorkerConfig):
     n_predict: int = 1024  # max_tokens of a chat request that names none; -1: to the end of the context
     max_n: int = 4  # choices (`n`) one request may ask for; above: 400 (default: --parallel)
     max_response: int = DEFAULT_MAX_RESPONSE  # bytes of a non-streamed response body; above: 400
-    http: HttpLimits = HttpLimits()  # connection caps and read deadlines of the HTTP server
     batch_tokens: int = DEFAULT_BATCH_TOKENS  # prompt tokens per engine step (-b, --batch-size)
     slot_save_path: Path | None = None  # where /slots save and restore files live; None: off
     embedding: bool = False  # /embedding(s) and /v1/embeddings answer (llama-server's --embedding)
@@ -434,16 +434,21 @@ def head_config(args, env: Mapping[str, str]) -> HeadConfig:
 
 def http_limits(args) -> HttpLimits:
     """--max-connections (default: half the descriptor limit, at most MAX_CONNECTIONS_CAP),
-    --max-client-connections (default: a quarter of that), --header-timeout, --body-timeout."""
+    --max-client-connections (default: a quarter of that), --header-timeout, --body-timeout; a
+    peer (no such flags) takes the defaults."""
     nofile = descriptor_limit()
-    total = args.max_connections if args.max_connections is not None else default_max_connections(nofile)
+    total = getattr(args, "max_connections", None)
+    total = total if total is not None else default_max_connections(nofile)
     _at_least(1, max_connections=total)
     if total >= nofile:
         raise UserError(f"--max-connections {total} must stay below the descriptor limit ({nofile}, ulimit -n)")
-    per_client = args.max_client_connections if args.max_client_connections is not None else max(8, total // 4)
+    per_client = getattr(args, "max_client_connections", None)
+    per_client = per_client if per_client is not None else max(8, total // 4)
     _at_least(1, max_client_connections=per_client)
-    _at_least(0.1, header_timeout=args.header_timeout, body_timeout=args.body_timeout)
-    return HttpLimits(total, min(per_client, total), args.header_timeout, args.body_timeout)
+    header = getattr(args, "header_timeout", DEFAULT_HEADER_TIMEOUT)
+    body = getattr(args, "body_timeout", DEFAULT_BODY_TIMEOUT)
+    _at_least(0.1, header_timeout=header, body_timeout=body)
+    return HttpLimits(total, min(per_client, total), header, body)
 
 
 def _predict_route(env: Mapping[str, str]) -> str | None:
@@ -518,6 +523,7 @@ def peer_config(args, env: Mapping[str, str]) -> PeerConfig:
         rpc=rpc_settings(args, env),
         host=args.host,
         port=args.port,
+        http=http_limits(args),
         insecure=args.insecure,
         layer_delay_ms=args.layer_delay_ms,
     )

@@ -92,7 +92,7 @@ class PeerWorker:
             flush=True,
         )
         try:
-            http_server(app).run(sockets=[self.http_sock])
+            http_server(app, self.cfg.http).run(sockets=[self.http_sock])
         finally:
             self.listener.stop()
         return 0
