@@ -27,6 +27,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import torch
+import triton
 
 from hydra_console.engine.model import ROLLBACK, deltanet
 from hydra_console.engine.model.deltanet import DeltaNet
@@ -115,9 +116,12 @@ def sweep(T: int, args) -> dict:
         times = {}
         for value in values:
             tdr.CONFIG = {**best, key: value}
-            times[value] = timed(
-                lambda: tdr.chunk_gated_delta_rule(q, k, v, g, b, state, n, ROLLBACK, "tf32"), args.reps
-            )
+            try:
+                times[value] = timed(
+                    lambda: tdr.chunk_gated_delta_rule(q, k, v, g, b, state, n, ROLLBACK, "tf32"), args.reps
+                )
+            except triton.runtime.errors.OutOfResources:
+                times[value] = float("inf")
         best[key] = min(times, key=times.get)
         print(f"  T={T} {key}: " + ", ".join(f"{x}: {t * 1e3:.3f} ms" for x, t in times.items()))
     tdr.CONFIG = best
@@ -211,12 +215,12 @@ def main() -> None:
     torch.backends.cuda.matmul.allow_tf32 = False  # the torch forms in float32, as served
 
     print(torch.cuda.get_device_name(), f"V heads {args.v_heads}, Q/K heads {args.k_heads}, dims {args.dim}")
-    if args.sweep:
-        for T in args.tokens:
-            sweep(T, args)
     if args.profile:
         for T in args.tokens:
             profile(T, args)
+    if args.sweep:
+        for T in args.tokens:
+            sweep(T, args)
     rows = [bench_rule(T, args) for T in args.tokens]
     if args.layer:
         stage = layer_stage(args)

@@ -35,9 +35,11 @@ import triton
 import triton.language as tl
 
 BT = 64  # tokens per chunk (llama.cpp's and fla's)
-# Launch settings (benchmarks/bench_delta_rule.py --sweep times others): V tile and warps of the state
-# recurrence (its programs: V tiles x rows x heads, each walking every chunk) and of the output.
-CONFIG = {"wy_warps": 4, "state_bv": 32, "state_warps": 4, "out_bv": 64, "out_warps": 4}
+# Launch settings: V tile and warps of the state recurrence (its programs: V tiles x rows x heads, each
+# walking every chunk), of the output, and the WY kernel's warps (its forward substitution is serial:
+# fewer warps, less synchronisation). The fastest of benchmarks/bench_delta_rule.py --sweep on an H100
+# at 512, 4096 and 16384 tokens of the 27B shape (state_bv 64 does not fit shared memory).
+CONFIG = {"wy_warps": 2, "state_bv": 32, "state_warps": 8, "out_bv": 64, "out_warps": 4}
 
 
 @triton.jit
@@ -273,7 +275,7 @@ def chunk_gated_delta_rule(
     lengths [R] (steps of each row, ≤ L) -> (o [R, L, H, dv]: Sᵀq per step, unscaled; rows' steps past
     their length are left as they fall; the final state [R, H, dk, dv]; ckpt [R, n_ckpt, H, dk, dv]:
     the state j + 1 steps before each row's end, the incoming state where the row is shorter).
-    `precision`: tl.dot's input_precision, "ieee" (float32 products) or "tf32".
+    `precision`: tl.dot's input_precision: "tf32", "tf32x3" (float32's accuracy on tensor cores) or "ieee".
 
     With the output gate z [T, ≥ H * dv] (any float dtype, rows of the flat batch; row r's steps from
     starts[r]) and the norm weight [dv], o is the gated DeltaNet output instead, in z's dtype,
