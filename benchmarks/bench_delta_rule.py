@@ -105,11 +105,14 @@ def sweep(T: int, args) -> dict:
     state = torch.zeros(1, args.v_heads, args.dim, args.dim, device="cuda")
     n = torch.tensor([T], dtype=torch.int32, device="cuda")
     options = {
+        "state_stages": (1, 2, 3),
         "state_bv": (16, 32, 64),
-        "state_warps": (2, 4, 8),
+        "state_warps": (4, 8),
         "out_bv": (32, 64, 128),
         "out_warps": (4, 8),
-        "wy_warps": (2, 4, 8),
+        "out_stages": (1, 2, 3),
+        "wy_warps": (1, 2, 4),
+        "wy_stages": (1, 2, 3),
     }
     best = dict(tdr.CONFIG)
     for key, values in options.items():

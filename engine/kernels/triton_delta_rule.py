@@ -39,7 +39,18 @@ BT = 64  # tokens per chunk (llama.cpp's and fla's)
 # walking every chunk), of the output, and the WY kernel's warps (its forward substitution is serial:
 # fewer warps, less synchronisation). The fastest of benchmarks/bench_delta_rule.py --sweep on an H100
 # at 512, 4096 and 16384 tokens of the 27B shape (state_bv 64 does not fit shared memory).
-CONFIG = {"wy_warps": 2, "state_bv": 32, "state_warps": 8, "out_bv": 64, "out_warps": 4}
+# `*_stages`: software-pipelining depth of each kernel's loops (Triton's num_stages; deeper stages hold
+# more tiles in shared memory, fewer programs fit a multiprocessor).
+CONFIG = {
+    "wy_warps": 2,
+    "wy_stages": 3,
+    "state_bv": 32,
+    "state_warps": 8,
+    "state_stages": 3,
+    "out_bv": 64,
+    "out_warps": 4,
+    "out_stages": 3,
+}
 
 
 @triton.jit
@@ -309,17 +320,40 @@ def chunk_gated_delta_rule(
     shape = dict(H=H, HK=HK, DK=DK, DV=DV, BT=BT, PRECISION=precision)
     cfg = CONFIG
     BV = min(_pow2(DV), 64)
-    _wy_kernel[(NT, R * H)](k, v, g, beta, lengths, a, w, u, gc, L, BK=BK, BV=BV, **shape, num_warps=cfg["wy_warps"])
+    _wy_kernel[(NT, R * H)](
+        k,
+        v,
+        g,
+        beta,
+        lengths,
+        a,
+        w,
+        u,
+        gc,
+        L,
+        BK=BK,
+        BV=BV,
+        **shape,
+        num_warps=cfg["wy_warps"],
+        num_stages=cfg["wy_stages"],
+    )
     BV = min(_pow2(DV), cfg["state_bv"])
     _state_kernel[(triton.cdiv(DV, BV), R * H)](
         *(k, w, u, gc, lengths, state, hs, vn, final, ckpt, L, NT),
-        **dict(BKS=_pow2(DK), BV=BV, NCK=n_ckpt, **shape, num_warps=cfg["state_warps"]),
+        **dict(BKS=_pow2(DK), BV=BV, NCK=n_ckpt, **shape, num_warps=cfg["state_warps"], num_stages=cfg["state_stages"]),
     )
     BV = _pow2(DV) if gated else min(_pow2(DV), cfg["out_bv"])  # gated: a whole head per program
     _output_kernel[(triton.cdiv(DV, BV), NT, R * H)](
         *(q, k, gc, hs, vn, o, z if gated else o, norm if gated else o, starts if gated else lengths, lengths),
         *(L, NT, z.stride(0) if gated else 0, scale, eps),
-        **dict(GATED=gated, BK=BK, BV=BV, **shape, num_warps=cfg["out_warps"] * (2 if gated and BV > 64 else 1)),
+        **dict(
+            GATED=gated,
+            BK=BK,
+            BV=BV,
+            **shape,
+            num_warps=cfg["out_warps"] * (2 if gated and BV > 64 else 1),
+            num_stages=cfg["out_stages"],
+        ),
     )
     return o, final, ckpt
 
