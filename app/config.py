@@ -97,7 +97,7 @@ class SupervisorSettings(_Strict):
     # `crash-loop`, however long each try took.
     crash_loop_count: int = Field(default=3, ge=1)
     log_dir: str = ""  # "" = $XDG_STATE_HOME/hydra-console/logs
-    # Each worker's log file is copied to .1 (.2, … up to log_backups) and emptied past this size.
+    # Past this size a worker's log writer renames its log file to .1 (.2, … up to log_backups).
     log_max_bytes: int = Field(default=20 << 20, ge=1 << 16)
     log_backups: int = Field(default=3, ge=1)
     ring_lines: int = Field(default=5000, ge=100)

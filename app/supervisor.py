@@ -4,8 +4,9 @@ Each started worker runs in its own session/process group so a stop reaches ever
 spawned: SIGTERM to the group, a grace period (10 s by default), then SIGKILL. A worker that
 exits while it is wanted is restarted after a backoff of 1 s doubling to 30 s; one that ran for
 `healthy_reset_s` before it died starts again from 1 s. A worker writes its stdout and stderr into
-its own log file (`worker_log.py`), never into pipes of the console, so it outlives the console
-that started it; every console follows the files into ring buffers (per worker and merged). Every
+its own log file through its log writer (`worker_log.py`), never into pipes of the console, so it
+outlives the console that started it; every console follows the files into ring buffers (per
+worker and merged). Every
 `poll_s` the supervisor probes /health and /status of each worker through a `StatusSource` and
 derives its state.
 
@@ -40,6 +41,7 @@ import secrets
 import shlex
 import signal
 import socket
+import subprocess
 import sys
 import time
 import uuid
@@ -63,6 +65,7 @@ log = logging.getLogger("hydra.console.supervisor")
 HISTORY = 120  # samples kept for sparklines (2 min at 1 Hz)
 MISSES_TOLERATED = 3  # polls in a row a worker that answered before may miss before its state changes
 FOLLOW_S = 0.2  # how often the log files are read
+WRITER_DRAIN_S = 2.0  # a dead worker's log writer gets this long to write its last lines
 CONSOLE_MARK = "[hydra-console]"  # the console's own lines in a worker's log file
 RUN_ID_ENV = "HYDRA_RUN_ID"  # set on every started worker: a later console recognises its workers by it
 
@@ -281,6 +284,13 @@ def _ours(entry: dict, spec: WorkerSpec) -> psutil.Process | None:
         return ps if same else None
     except (psutil.Error, KeyError, TypeError, ValueError):
         return None
+
+
+def _reap(writer: subprocess.Popen, timeout: float) -> None:
+    try:
+        writer.wait(timeout)
+    except subprocess.TimeoutExpired:
+        pass
 
 
 def _release(proc) -> None:
@@ -689,14 +699,7 @@ class Supervisor:
         if not w.spec.is_local and not await self._send_token(w):
             self._after_exit(w, None)
             return
-        out = asyncio.subprocess.DEVNULL
-        if w.logfile is not None:
-            try:
-                w.logfile.follow_from_end()
-                out = w.logfile.open_for_worker()
-            except OSError as e:
-                self.emit(w.name, "error", f"no log file ({e.strerror or e}: {w.log_path}): its output is lost")
-                w.logfile = None
+        out, writer = self._log_pipe(w)
         env = dict(os.environ, PYTHONUNBUFFERED="1", HYDRA_TOKEN=self.token, **{RUN_ID_ENV: self.run_id})
         try:
             proc = await asyncio.create_subprocess_exec(
@@ -708,16 +711,46 @@ class Supervisor:
                 env=env,
             )
         except OSError as e:
+            if writer is not None:
+                os.close(out)
+                await asyncio.to_thread(_reap, writer, WRITER_DRAIN_S)
             self.emit(w.name, "error", f"cannot start {argv[0]}: {e.strerror or e}")
             self._after_exit(w, None)
             return
-        finally:
-            if isinstance(out, int) and out >= 0:
-                os.close(out)  # the worker holds its own copy
+        if writer is not None:
+            os.close(out)  # the worker holds its own copy: the writer sees EOF once it exits
         self._track(w, proc, argv, self.run_id, self.clock())
         self._mark(w, f"started pid {proc.pid}: {shlex.join(argv)}")
         self.emit(w.name, "started", f"pid {proc.pid}" + ("" if w.spec.is_local else f" on {w.spec.host}"))
-        w._watch = self._task(self._wait(w, proc))
+        w._watch = self._task(self._wait(w, proc, writer))
+
+    def _log_pipe(self, w: Worker) -> tuple[int, subprocess.Popen | None]:
+        """The worker's stdout and stderr: the write end of a pipe whose read end only its log writer
+        holds (a process of its own session, so no stop of the worker's group cuts its last lines)."""
+        if w.logfile is None:
+            return asyncio.subprocess.DEVNULL, None
+        try:
+            w.logfile.follow_from_end()
+            w.log_path.parent.mkdir(parents=True, exist_ok=True)
+            r, wr = os.pipe()
+        except OSError as e:
+            self.emit(w.name, "error", f"no log file ({e.strerror or e}: {w.log_path}): its output is lost")
+            return asyncio.subprocess.DEVNULL, None
+        try:
+            writer = subprocess.Popen(
+                w.logfile.writer_argv(),
+                stdin=r,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+        except OSError as e:
+            os.close(wr)
+            self.emit(w.name, "error", f"no log writer ({e.strerror or e}): its output is lost")
+            return asyncio.subprocess.DEVNULL, None
+        finally:
+            os.close(r)
+        return wr, writer
 
     def _track(self, w: Worker, proc, argv: list[str], run_id: str, started_at: float) -> None:
         w.proc, w.pid, w.argv, w.run_id = proc, proc.pid, argv, run_id
@@ -770,7 +803,7 @@ class Supervisor:
                 "adopted",
                 f"pid {ps.pid} (run {entry['run_id']}, left by console pid {left_by})",
             )
-            w._watch = self._task(self._wait(w, w.proc))
+            w._watch = self._task(self._wait(w, w.proc, None))
         self._save_state()
 
     def _use_logged_path(self, w: Worker, entry) -> None:
@@ -832,12 +865,6 @@ class Supervisor:
     async def _follow_loop(self, w: Worker) -> None:
         while w.logfile is not None:
             self._read_log(w)
-            # The console that runs the worker bounds its file; a watching one only reads it.
-            if w.managed and w.running:
-                try:
-                    w.logfile.rotate_if_full()
-                except OSError as e:
-                    log.warning("log file %s: cannot rotate: %s", w.log_path, e)
             await asyncio.sleep(FOLLOW_S)
 
     def _read_log(self, w: Worker) -> None:
@@ -851,8 +878,10 @@ class Supervisor:
         if text.strip() and not text.startswith(CONSOLE_MARK):
             w.last_err = text.strip()
 
-    async def _wait(self, w: Worker, proc: asyncio.subprocess.Process) -> None:
+    async def _wait(self, w: Worker, proc: asyncio.subprocess.Process, writer: subprocess.Popen | None) -> None:
         code = await proc.wait()
+        if writer is not None:  # its last lines reach the file (a grandchild may hold the pipe: not forever)
+            await asyncio.to_thread(_reap, writer, WRITER_DRAIN_S)
         self._read_log(w)  # its last lines name the cause of a crash
         self._after_exit(w, code)
 

@@ -1,37 +1,40 @@
-"""A worker's own log file: the worker writes it, every console reads it.
+"""A worker's own log file: its log writer writes it, every console reads it.
 
-The supervisor opens the file (append) and hands the descriptor to the worker as its stdout and
-stderr, so the worker's lines land in the file from its first one, whichever console started it and
-whether or not any console still runs. A console follows the file (`LogFile.read_new`), the one that
-started or adopted the worker also bounds it: past `max_bytes` it copies the file to `.1` (older
-copies shift up to `.{backups}`) and truncates it in place. The worker's descriptor is O_APPEND, so
-its next write lands at the new end; a reader that finds the file shorter than its offset starts
-again from the top. Lines written between the copy and the truncation are lost (a few at most).
+The supervisor starts each worker with the write end of a pipe as its stdout and stderr, the read
+end held only by the worker's log writer (`log_writer.py`, a process of its own session), so the
+worker's lines land in the file from its first one, whichever console started it and whether or
+not any console still runs, and the writer keeps the file bounded (renamed to `.1` at a line end,
+older copies shifting up). A console follows the file (`LogFile.read_new`): when the name points
+to a new file, it finishes the one it was reading (now `.1`) before it starts on the new one.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 LINE_LIMIT = 1 << 20  # a longer line is cut here (a runaway write must not hold the console's memory)
 READ_CHUNK = 1 << 20  # bytes read per call: a flood is shown over several polls, not in one stall
+TAIL_LINE_GUESS = 200  # bytes per line assumed when starting from the last N lines
 
 
 class LogFile:
     def __init__(self, path: Path, max_bytes: int, backups: int):
         self.path, self.max_bytes, self.backups = path, max_bytes, backups
         self._offset: int | None = None  # where the next read starts; None: not following yet
+        self._ino: int | None = None  # the file being read (a rotation gives the name a new one)
         self._partial = b""  # the last line read, while it has no newline yet
 
-    def open_for_worker(self) -> int:
-        """A descriptor the worker writes (stdout and stderr); the caller closes its copy after the spawn."""
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        return os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    def writer_argv(self) -> list[str]:
+        """The log writer of a worker that writes this file."""
+        module = f"{__package__}.log_writer"
+        return [sys.executable, "-m", module, str(self.path), str(self.max_bytes), str(self.backups)]
 
     def append(self, text: str) -> None:
         """A line of the console's own (a start, an adoption) among the worker's lines."""
-        fd = self.open_for_worker()
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
         try:
             os.write(fd, text.encode("utf-8", "replace") + b"\n")
         finally:
@@ -40,34 +43,66 @@ class LogFile:
     def follow_from_end(self) -> None:
         """Follow what is written from now on (a worker this console starts)."""
         if self._offset is None:
-            self._offset = self._size()
+            st = self._stat()
+            self._offset, self._ino = (st.st_size, st.st_ino) if st else (0, None)
 
     def follow_from_tail(self, lines: int) -> None:
         """Follow from about the last `lines` lines (a worker this console adopts or watches)."""
         if self._offset is not None:
             return
-        size = self._size()
-        start = max(0, size - lines * 200)
-        self._offset = start
+        st = self._stat()
+        if st is None:
+            self._offset = 0
+            return
+        start = max(0, st.st_size - lines * TAIL_LINE_GUESS)
+        self._offset, self._ino = start, st.st_ino
         if start:  # skip the line the guess cut in half
             try:
                 with open(self.path, "rb") as f:
                     f.seek(start)
                     self._offset = start + len(f.readline())
             except OSError:
-                self._offset = size
+                self._offset = st.st_size
 
     def read_new(self) -> list[str]:
         """Complete lines written since the last call (none when the file is missing)."""
         if self._offset is None:
             return []
+        st = self._stat()
+        lines: list[str] = []
+        if self._ino is not None and (st is None or st.st_ino != self._ino):
+            # Rotated: finish the file we were reading (.1 now, or older after a flood), then the newer copies.
+            for older in self._since_rotation():
+                lines += self._read(older, None)
+                self._offset, self._ino = 0, None
+        if st is not None:
+            lines += self._read(self.path, READ_CHUNK)
+        return lines
+
+    def _since_rotation(self) -> list[Path]:
+        """The copies from the one we were reading (by inode) to .1, oldest first; every kept copy
+        when a flood rotated that one away (its unread lines are lost)."""
+        copies = [self.path.with_name(f"{self.path.name}.{i}") for i in range(1, self.backups + 1)]
+        for k, copy in enumerate(copies):
+            try:
+                if copy.stat().st_ino == self._ino:
+                    return copies[k::-1]
+            except OSError:
+                continue
+        self._offset, self._ino, self._partial = 0, None, b""
+        return copies[::-1]
+
+    def _read(self, path: Path, limit: int | None) -> list[str]:
         try:
-            with open(self.path, "rb") as f:
-                size = os.fstat(f.fileno()).st_size
-                if size < self._offset:  # rotated (truncated) since the last read
+            with open(path, "rb") as f:
+                st = os.fstat(f.fileno())
+                if self._ino is not None and st.st_ino != self._ino:
+                    return []
+                if st.st_size < self._offset:  # emptied in place: start again from the top
                     self._offset, self._partial = 0, b""
+                self._ino = st.st_ino
                 f.seek(self._offset)
-                data = f.read(READ_CHUNK)
+                data = f.read(-1 if limit is None else limit)
         except OSError:
             return []
         self._offset += len(data)
@@ -77,23 +112,8 @@ class LogFile:
             self._partial = b""
         return [ln.decode("utf-8", "replace").rstrip("\r") for ln in lines]
 
-    def rotate_if_full(self) -> bool:
-        """Copy-truncate once the file passes max_bytes (after `read_new` caught up with it)."""
-        if self._size() <= self.max_bytes:
-            return False
-        for i in range(self.backups, 1, -1):
-            older = self.path.with_name(f"{self.path.name}.{i - 1}")
-            if older.exists():
-                os.replace(older, self.path.with_name(f"{self.path.name}.{i}"))
-        with open(self.path, "rb") as src, open(self.path.with_name(f"{self.path.name}.1"), "wb") as dst:
-            while chunk := src.read(READ_CHUNK):
-                dst.write(chunk)
-        os.truncate(self.path, 0)
-        self._offset, self._partial = 0, b""
-        return True
-
-    def _size(self) -> int:
+    def _stat(self) -> os.stat_result | None:
         try:
-            return self.path.stat().st_size
+            return self.path.stat()
         except OSError:
-            return 0
+            return None

@@ -150,24 +150,32 @@ async def test_output_goes_to_ring_buffer_and_log_file(tmp_path):
     await sup.shutdown()
 
 
-async def test_a_workers_log_file_is_rotated_past_its_size_and_followed_across_the_rotation(tmp_path):
+async def test_a_workers_log_file_is_rotated_with_no_line_lost_and_stays_bounded_with_no_console(tmp_path):
     go = tmp_path / "go"
     body = (
         "import os, time\n"
         "for i in range(2000):\n    print(f'line {i:04d} ' + 'x' * 90, flush=True)\n"
         f"while not os.path.exists({str(go)!r}):\n    time.sleep(0.05)\n"
-        "print('after the rotation', flush=True)\ntime.sleep(60)\n"
+        "for i in range(2000):\n    print(f'after {i:04d} ' + 'y' * 90, flush=True)\n"
+        "time.sleep(60)\n"
     )
-    profile = script_profile(tmp_path, body, log_max_bytes=1 << 16, log_backups=2)
+    limit = 1 << 16
+    profile = script_profile(tmp_path, body, log_max_bytes=limit, log_backups=3)  # room for the first 2000
     sup = new_supervisor(profile, tmp_path)
     await sup.start_worker("head")
-    path = sup.head.log_path
-    await wait_until(lambda: any("line 1999" in ln.text for ln in sup.head.log))
-    await wait_until(lambda: path.with_name(path.name + ".1").exists() and path.stat().st_size <= 1 << 16)
-    go.touch()
-    await wait_until(lambda: sup.head.log[-1].text == "after the rotation")
-    assert "after the rotation" in path.read_text()  # written at the new end of the emptied file
-    await sup.shutdown()
+    pid, path = sup.head.pid, sup.head.log_path
+    try:
+        await wait_until(lambda: any(ln.text.startswith("line 1999") for ln in sup.head.log))
+        lines = [ln.text[:9] for ln in sup.head.log if ln.text.startswith("line ")]
+        assert lines == [f"line {i:04d}" for i in range(2000)]  # read across the rotations, in order
+        assert path.with_name(path.name + ".3").exists() and path.stat().st_size <= limit + 100
+        await sup.shutdown(stop_workers=False)  # no console any more: the file stays bounded
+        go.touch()
+        await wait_until(lambda: "after 1999" in path.read_text())
+        assert path.stat().st_size <= limit + 100 and not path.with_name(path.name + ".4").exists()
+        assert psutil.pid_exists(pid)
+    finally:
+        kill_groups([pid])
 
 
 async def test_missing_executable_is_an_event_not_an_exception(tmp_path):
