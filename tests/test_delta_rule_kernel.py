@@ -87,6 +87,23 @@ def test_kernel_equals_the_token_by_token_recurrence(R, L, H, HK, dk, dv, length
 
 
 @pytest.mark.unit
+def test_the_blocked_solve_equals_the_token_by_token_recurrence(monkeypatch):
+    """`CONFIG["wy_solve"] = "blocks"` (T = (I + A)⁻¹ by 16 x 16 blocks): a partial second chunk, GQA."""
+    from hydra_console.engine.kernels import triton_delta_rule
+
+    monkeypatch.setitem(triton_delta_rule.CONFIG, "wy_solve", "blocks")
+    args = inputs(1, 100, 2, 1, 16, 16, [100])
+    want_o, want_state, want_ckpt = token_by_token(*args, ROLLBACK)
+    o, state, ckpt = (
+        x.cpu()
+        for x in triton_delta_rule.chunk_gated_delta_rule(*[x.to(KERNEL_DEVICE) for x in args], ROLLBACK, "ieee")
+    )
+    torch.testing.assert_close(o, want_o, atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(state, want_state, atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(ckpt, want_ckpt, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.unit
 def test_a_short_row_checkpoints_its_incoming_state():
     """Rows shorter than the checkpoints reach: those before their first step are the incoming state."""
     from hydra_console.engine.kernels.triton_delta_rule import chunk_gated_delta_rule
