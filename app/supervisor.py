@@ -67,6 +67,7 @@ MISSES_TOLERATED = 3  # polls in a row a worker that answered before may miss be
 FOLLOW_S = 0.2  # how often the log files are read
 WRITER_DRAIN_S = 2.0  # a dead worker's log writer gets this long to write its last lines
 CONSOLE_MARK = "[hydra-console]"  # the console's own lines in a worker's log file
+_STARTED = psutil.Process().create_time()  # with the pid, names this console in the run file
 RUN_ID_ENV = "HYDRA_RUN_ID"  # set on every started worker: a later console recognises its workers by it
 
 
@@ -774,7 +775,12 @@ class Supervisor:
         """Another live console that runs workers of this profile: its pid."""
         doc, entries = self._run_file()
         owner = doc.get("console_pid")
-        if not isinstance(owner, int) or owner == os.getpid() or not psutil.pid_exists(owner):
+        if not isinstance(owner, int) or owner == os.getpid():
+            return None
+        try:  # that console itself, not a process that got its pid after it died
+            if psutil.Process(owner).create_time() != doc.get("console_started"):
+                return None
+        except psutil.Error:
             return None
         specs = {s.name: s for s in self.profile.workers if s.is_local}
         live = any(isinstance(e, dict) and n in specs and _ours(e, specs[n]) for n, e in entries.items())
@@ -836,6 +842,7 @@ class Supervisor:
                             # Who runs them now: none once detached (its process may live on).
                             "console_pid": None if self.detached else os.getpid(),
                             "left_by": os.getpid(),
+                            "console_started": _STARTED,
                             "workers": entries,
                         },
                         indent=1,
