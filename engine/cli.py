@@ -225,7 +225,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-client-connections",
         type=int,
         default=None,
-        help="open HTTP connections per client address; more are answered 503 and closed (default: a "
+        help="open HTTP connections per client address; more are answered 503 and closed (default: at least 8, a "
         "quarter of --max-connections)",
     )
     s.add_argument(
