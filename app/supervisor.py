@@ -68,6 +68,7 @@ FOLLOW_S = 0.2  # how often the log files are read
 WRITER_DRAIN_S = 2.0  # a dead worker's log writer gets this long to write its last lines
 CONSOLE_MARK = "[hydra-console]"  # the console's own lines in a worker's log file
 _STARTED = psutil.Process().create_time()  # with the pid, names this console in the run file
+START_TOLERANCE_S = 1.5  # start times read by two processes: each derives the boot time from a clock NTP moves
 RUN_ID_ENV = "HYDRA_RUN_ID"  # set on every started worker: a later console recognises its workers by it
 
 
@@ -778,9 +779,10 @@ class Supervisor:
         if not isinstance(owner, int) or owner == os.getpid():
             return None
         try:  # that console itself, not a process that got its pid after it died
-            if psutil.Process(owner).create_time() != doc.get("console_started"):
+            started = psutil.Process(owner).create_time()
+            if abs(started - float(doc.get("console_started", 0))) > START_TOLERANCE_S:
                 return None
-        except psutil.Error:
+        except (psutil.Error, TypeError, ValueError):
             return None
         specs = {s.name: s for s in self.profile.workers if s.is_local}
         live = any(isinstance(e, dict) and n in specs and _ours(e, specs[n]) for n, e in entries.items())

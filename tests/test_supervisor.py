@@ -634,7 +634,7 @@ async def test_workers_of_a_live_console_are_watched_not_adopted_nor_duplicated(
         assert psutil.pid_exists(pid)
         # A live process with the console's pid but another start time got the pid after it died.
         doc = json.loads(sup.state_path.read_text())
-        sup.state_path.write_text(json.dumps({**doc, "console_started": doc["console_started"] - 1}))
+        sup.state_path.write_text(json.dumps({**doc, "console_started": doc["console_started"] - 60}))
         assert Supervisor(profile, log_dir=tmp_path / "logs").owner is None
     finally:
         console.terminate()  # SIGTERM: asyncio.run is interrupted, its child transports kill the worker
