@@ -8,12 +8,17 @@ The default shape is Qwen3.5-27B's: 48 V heads on 16 Q/K heads, head dims 128 (`
 it times `DeltaNet._delta_rule`, the gated delta rule alone, through each path: the torch forms,
 the kernel with each of `--precisions` (tl.dot's: tf32, a 16-bit model's; tf32x3 / ieee, float32
 ones), and prints the kernel's largest difference from the torch forms (outputs, final state).
-`--profile` prints each kernel's share of one call. `--layer` also
-times the whole layer (`DeltaNet.__call__`: input product, conv, gates, the rule, gated norm, output
-product) of a one-layer synthetic file of the same shape (hidden 5120, BF16 weights) both ways.
+`--profile` prints each kernel's time in one call. `--layer` also times the whole layer
+(`DeltaNet.__call__`: input product, conv, gates, the rule, gated norm, output product) of a one-layer
+synthetic file of the same shape (hidden 5120, BF16 weights) both ways: the torch forms, and on
+CUDA `DeltaNet._prefill` (the conv + gates kernel, the rule's kernels with the gated output).
 Timings are medians of `--reps` runs after one warm-up (the first kernel call compiles).
-`--sweep` first times the kernel's launch settings (`triton_delta_rule.CONFIG`: the state recurrence's
-V tile and warps, the output's, the WY kernel's warps) at each length, prints the fastest, and uses it.
+`--sweep` first times the kernel's launch settings (`triton_delta_rule.CONFIG`: `wy_solve`, each
+kernel's tile, warps and stages, one at a time from the current ones) at each length, prints the
+fastest, and uses it for the table.
+
+    python benchmarks/bench_delta_rule.py --layer            # the comparison
+    python benchmarks/bench_delta_rule.py --profile --sweep  # where the kernel's time goes; settings
 """
 
 from __future__ import annotations
