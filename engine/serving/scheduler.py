@@ -29,6 +29,11 @@ if TYPE_CHECKING:
 
 # Prompt-scoring chunks are smaller: each row brings a full-vocabulary logits row.
 SCORING_CHUNK = 64
+# The error of a sequence shed from a batch (`Batch.shed`): llama-server's for a full context.
+SHED = (
+    "KV pool full: the context size has been exceeded, this request does not fit beside the others "
+    "(-c/--ctx-size sets the pool with --kv-unified)"
+)
 
 
 @dataclass
@@ -96,6 +101,17 @@ class Batch:
     @property
     def n_prefill(self) -> int:
         return sum(c.end - c.start for c in self.chunks if c.prefill)
+
+
+def mixed_by_default(device_type: str) -> bool:
+    """Whether prefill chunks ride along with the decoding slots' tokens in one forward (True) or a
+    step with prefill runs only prefill (False, nano-vllm's way), unless asked. Measured with
+    benchmarks/bench_api.py --scheduling (4 streams decoding, a 512-token prompt arrives): on an H200
+    (1.1B llama) prefill-only wins everything — TTFT 154 vs 526 ms, longest decode stall 155 vs 201
+    ms, 477 vs 288 tok/s — since a mixed step loses the CUDA-graph decode path; on CPU (Gemma 3 270M,
+    2 cores) mixing halves the decoders' longest stall (290-384 vs 642-669 ms) at a similar TTFT
+    (636-857 vs 607-632 ms) and throughput (43-53 vs 44-48 tok/s). So: mixed off CUDA."""
+    return device_type != "cuda"
 
 
 @dataclass
