@@ -499,7 +499,6 @@ def chunk_gated_delta_rule(
             raise ValueError("a gated output needs z (rows contiguous), norm and starts")
         starts = starts.to(device=dev, dtype=torch.int64).contiguous()
         norm = norm.float().contiguous()
-    a = torch.empty(R * H, NT, BT, BT, **f32)  # -A of each program of _wy_kernel
     vn = torch.empty(R, L, H, DV, **f32)
     o = torch.empty(z.shape[0], H * DV, dtype=z.dtype, device=dev) if gated else torch.empty(R, L, H, DV, **f32)
     final = torch.empty(R, H, DK, DV, **f32)
@@ -508,7 +507,9 @@ def chunk_gated_delta_rule(
     shape = dict(H=H, HK=HK, DK=DK, DV=DV, BT=BT, PRECISION=precision)
     cfg = CONFIG
     BV = min(_pow2(DV), 64)
-    wy = _wy_blocked_kernel if cfg["wy_solve"] == "blocks" else _wy_kernel
+    blocks = cfg["wy_solve"] == "blocks"
+    wy = _wy_blocked_kernel if blocks else _wy_kernel
+    a = gc if blocks else torch.empty(R * H, NT, BT, BT, **f32)  # -A of each program of _wy_kernel
     wy[(NT, R * H)](
         k,
         v,
