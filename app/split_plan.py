@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ..contracts.errors import UserError
-from ..contracts.footprint import ModelTensors, StageBytes, model_tensors
+from ..contracts.footprint import ROLLBACK, ModelTensors, StageBytes, model_tensors
 from ..contracts.gguf_header import GGUFHeader
 from ..contracts.split import ranges, split_arg
 
@@ -34,6 +34,7 @@ class WorkerMemory:
     # and driver; None: the footprint's default, measured on an H200.
     runtime_bytes: int | None = None
     mtp: bool = False  # the head drafts with the model's MTP block (`--spec-type mtp`): it holds it
+    depth: int = ROLLBACK  # recurrent-state checkpoints: the head's longest draft (1 without speculation)
 
 
 @dataclass(frozen=True)
@@ -71,6 +72,7 @@ class ModelShape:
                 kv_types=w.kv_types,
                 gpu_weights=w.gpu_weights,
                 mtp=w.mtp,
+                depth=w.depth,
             )
             measured = w.runtime_bytes is not None and est.runtime_bytes
             out.append(replace(est, runtime_bytes=w.runtime_bytes) if measured else est)

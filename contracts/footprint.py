@@ -77,6 +77,13 @@ STATE_HEADER_FIXED, STATE_ID_BYTES, STATE_ENTRY_BYTES = 4096, 12, 256
 _HEAD_TERMS, _LAYER_TERMS = 1, 2  # int8 terms of the output head and of a layer's matrices
 
 
+def rollback_depth(max_run: int) -> int:
+    """Positions a recurrent state must be able to go back for steps of at most `max_run` tokens per
+    slot (a speculative verify keeps at least its first token); at least one checkpoint, so no
+    kernel meets an empty one."""
+    return min(max(max_run - 1, 1), ROLLBACK)
+
+
 def compute_dtype(dtype: str) -> str:
     """A `--dtype` value as a name in DTYPE_BYTES (auto → bfloat16)."""
     return AUTO_DTYPE if dtype in ("", "auto") else dtype
@@ -187,9 +194,10 @@ class ModelTensors:
         per_token = k * kv_value_bytes(kv_types[0], dtype) + v * kv_value_bytes(kv_types[1], dtype)
         return int(positions * per_token)
 
-    def layer_state(self, il: int, rows: int) -> int:
-        """A recurrent layer's state for `rows` slots: the state and its ROLLBACK checkpoints."""
-        return 0 if self.attention_layers[il] else rows * self.state_values * 4 * (ROLLBACK + 1)
+    def layer_state(self, il: int, rows: int, depth: int = ROLLBACK) -> int:
+        """A recurrent layer's state for `rows` slots: the state and its `depth` checkpoints (the
+        longest draft verified, at most ROLLBACK: engine/model/deltanet.py `rollback_depth`)."""
+        return 0 if self.attention_layers[il] else rows * self.state_values * 4 * (depth + 1)
 
     def slot_state_bound(self, ranges, n_tokens: int) -> int:
         """The most bytes the slot states of `ranges` (one per stage, contracts/slot_state.py) over
@@ -219,10 +227,11 @@ class ModelTensors:
         *,
         gpu: bool,
         kv_pool: int | None = None,
+        depth: int = ROLLBACK,
     ) -> int:
         """What a layer caches per stage: its KV (or pool share) or its recurrent state, all slots."""
         positions = cache_positions(n_slots, n_ctx, kv_pool, padding=gpu)
-        return self.layer_kv(il, positions, kv_types, dtype) + self.layer_state(il, n_slots + gpu)
+        return self.layer_kv(il, positions, kv_types, dtype) + self.layer_state(il, n_slots + gpu, depth)
 
     def head_weights(self, form: str, dtype: str = "auto", *, gpu: bool) -> int:
         """The head's own tensors: the embedding (held on a GPU only when it is dense or also the
@@ -251,6 +260,7 @@ class ModelTensors:
         kv_pool: int | None = None,
         prompt_rows: int = DEFAULT_PROMPT_ROWS,
         mtp: bool = False,
+        depth: int = ROLLBACK,
     ) -> StageBytes:
         """Layers [a, b) (+ the head's tensors when `head`, and its MTP block with its KV when `mtp`:
         `--spec-type mtp`) as a worker on `device` ("cpu", "cuda")
@@ -262,7 +272,9 @@ class ModelTensors:
         weights = sum(self.layer_weights(il, form, dtype) for il in held)
         weights += self.head_weights(form, dtype, gpu=gpu) if head else 0
         weights += 4 * 4 * n_ctx * self.n_rot  # RoPE: cos and sin for two bases, float32
-        kv = sum(self.layer_cache(il, n_slots, n_ctx, kv_types, dtype, gpu=gpu, kv_pool=kv_pool) for il in held)
+        kv = sum(
+            self.layer_cache(il, n_slots, n_ctx, kv_types, dtype, gpu=gpu, kv_pool=kv_pool, depth=depth) for il in held
+        )
         if not gpu:
             return StageBytes((a, b), weights, kv)
         work = self.scratch_bytes(a, b, head=head, dtype=dtype) if form == "quantized" else 0

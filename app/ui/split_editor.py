@@ -12,6 +12,7 @@ from textual.binding import Binding
 from textual.screen import Screen
 from textual.widgets import Footer, Header, Static
 
+from ...contracts.footprint import rollback_depth
 from ...contracts.split import counts_of, even_split, move_boundary, ranges, split_arg
 from .. import display
 from ..split_advisor import MIN_GAIN, Advice, advise
@@ -255,7 +256,9 @@ class SplitEditorScreen(Screen):
                 _flag(args, ("--spec-type",), "") == "mtp" or profile.speculative.type == "mtp"
             )
             weights = _flag(args, ("--gpu-weights",), "quantized")
-            out.append(WorkerMemory("cuda" if gpu else "cpu", dtype, weights, kv, runtime, mtp))
+            spec = profile.speculative
+            depth = rollback_depth(1 + (spec.draft_max if spec.type != "off" else 0))
+            out.append(WorkerMemory("cuda" if gpu else "cpu", dtype, weights, kv, runtime, mtp, depth))
         return out
 
     def action_select(self, step: int) -> None:

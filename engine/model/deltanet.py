@@ -49,7 +49,7 @@ if TYPE_CHECKING:
 class DeltaNet:
     """Weights and per-slot recurrent state (conv + SSM) of one Gated DeltaNet layer."""
 
-    def __init__(self, cfg: ModelConfig, w: Weights, prefix: str, n_slots: int):
+    def __init__(self, cfg: ModelConfig, w: Weights, prefix: str, n_slots: int, depth: int = ROLLBACK):
         self.cfg, self.shape = cfg, cfg.deltanet
         s = self.shape
         # One product for everything the input feeds: conv input, z, β, α (in this order).
@@ -63,10 +63,12 @@ class DeltaNet:
         dev = w.device
         self.conv_state = torch.zeros(n_slots, s.conv_channels, s.conv_kernel - 1, device=dev)
         self.ssm_state = torch.zeros(n_slots, s.n_v_heads, s.head_k_dim, s.head_v_dim, device=dev)
-        # [slot, j - 1]: the state j tokens before the end of the slot's last run (1 <= j <= ROLLBACK;
-        # j = 0 is the state itself)
-        self.conv_ckpt = torch.zeros(n_slots, ROLLBACK, *self.conv_state.shape[1:], device=dev)
-        self.ssm_ckpt = torch.zeros(n_slots, ROLLBACK, *self.ssm_state.shape[1:], device=dev)
+        # [slot, j - 1]: the state j tokens before the end of the slot's last run (1 <= j <= depth;
+        # j = 0 is the state itself). `depth` (<= ROLLBACK): the longest draft the worker verifies,
+        # so a 27B's 3.1 MiB state per slot and layer is copied --draft-max times, not ROLLBACK.
+        self.depth = depth
+        self.conv_ckpt = torch.zeros(n_slots, depth, *self.conv_state.shape[1:], device=dev)
+        self.ssm_ckpt = torch.zeros(n_slots, depth, *self.ssm_state.shape[1:], device=dev)
 
     @property
     def nbytes(self) -> int:
@@ -77,7 +79,7 @@ class DeltaNet:
         self.ssm_state[slot].zero_()
 
     def restore(self, slot: int, back: int) -> None:
-        """Take the slot's state back `back` tokens (at most ROLLBACK and its last run's length)."""
+        """Take the slot's state back `back` tokens (at most `depth` and its last run's length)."""
         self.conv_state[slot] = self.conv_ckpt[slot, back - 1]
         self.ssm_state[slot] = self.ssm_ckpt[slot, back - 1]
 
@@ -103,7 +105,7 @@ class DeltaNet:
         def padded(t: torch.Tensor) -> torch.Tensor:
             return t[index] * valid.view(R, L, *([1] * (t.dim() - 1)))
 
-        conv = self._conv(padded(mixed), slots, n, _checkpoints(lengths))
+        conv = self._conv(padded(mixed), slots, n, _checkpoints(lengths, self.depth))
         nk = s.n_k_heads * s.head_k_dim
         q = _l2norm(conv[..., :nk].unflatten(-1, (s.n_k_heads, s.head_k_dim)), self.cfg.rms_eps)
         k = _l2norm(conv[..., nk : 2 * nk].unflatten(-1, (s.n_k_heads, s.head_k_dim)), self.cfg.rms_eps)
@@ -147,17 +149,17 @@ class DeltaNet:
         q, k, v, g, b = gdn_conv_gates(
             proj, state, self.conv, self.dt_bias, self.a, starts, n, L, *heads, self.cfg.rms_eps
         )
-        # The conv windows j = 0 (the new state) .. ROLLBACK tokens before each run's end: its last
+        # The conv windows j = 0 (the new state) .. depth tokens before each run's end: its last
         # K - 1 inputs there, all inside the run (it is longer than ROLLBACK + K - 1).
-        back = torch.arange(ROLLBACK + 1, device=dev)[None, :, None]
+        back = torch.arange(self.depth + 1, device=dev)[None, :, None]
         rows = (starts + n - (K - 1))[:, None, None] - back + torch.arange(K - 1, device=dev)[None, None, :]
-        windows = proj[rows, :C].float().transpose(-1, -2)  # [R, ROLLBACK + 1, C, K - 1]
+        windows = proj[rows, :C].float().transpose(-1, -2)  # [R, depth + 1, C, K - 1]
         self.conv_state[slots] = windows[:, 0]
         self.conv_ckpt[slots] = windows[:, 1:]
         # The rule, and the output side (scale, gated RMSNorm) as its kernel writes each head's rows.
         z = proj[:, C : C + Hv * dv]
         out, state, ckpt = chunk_gated_delta_rule(
-            *(q, k, v, g, b, self.ssm_state[slots], n, ROLLBACK, _precision(x.dtype)),
+            *(q, k, v, g, b, self.ssm_state[slots], n, self.depth, _precision(x.dtype)),
             *(z, self.norm, starts, s.head_k_dim**-0.5, self.cfg.rms_eps),
         )
         self.ssm_state[slots] = state
@@ -179,7 +181,8 @@ class DeltaNet:
         for t in range(m):
             conv_in = torch.cat([window, mixed[:, t, :, None]], dim=2)  # [B, C, K]
             convs.append(F.silu(sum(conv_in[:, :, i] * self.conv[:, i] for i in range(K))))
-            self.conv_ckpt[slots, m - 1 - t] = window
+            if m - 1 - t < self.depth:  # the state before a whole run is never restored beyond depth
+                self.conv_ckpt[slots, m - 1 - t] = window
             window = conv_in[:, :, 1:]
         self.conv_state[slots] = window
         conv = torch.stack(convs, 1)  # [B, m, C]
@@ -193,7 +196,8 @@ class DeltaNet:
         b = torch.sigmoid(beta)
         state, outs = self.ssm_state[slots], []
         for t in range(m):
-            self.ssm_ckpt[slots, m - 1 - t] = state
+            if m - 1 - t < self.depth:
+                self.ssm_ckpt[slots, m - 1 - t] = state
             state = state * torch.exp(g[:, t, :, None, None])
             delta = (v[:, t] - (k[:, t, :, None, :] @ state).squeeze(-2)) * b[:, t, :, None]
             state = state + k[:, t, :, :, None] * delta[:, :, None, :]
@@ -235,7 +239,7 @@ class DeltaNet:
 
             n = torch.tensor(lengths, dtype=torch.int32, device=dev)
             state = self.ssm_state[slots]
-            out, state, ckpt = chunk_gated_delta_rule(q, k, v, g, b, state, n, ROLLBACK, _precision(dtype))
+            out, state, ckpt = chunk_gated_delta_rule(q, k, v, g, b, state, n, self.depth, _precision(dtype))
             self.ssm_state[slots] = state
             self.ssm_ckpt[slots] = ckpt  # [r, j - 1]: the state j steps before the run's end
             return out
@@ -243,7 +247,7 @@ class DeltaNet:
         q, k = q.repeat(1, 1, repeat, 1), k.repeat(1, 1, repeat, 1)
         # The state after step t is checkpoint j = length - 1 - t of its run; the incoming one is j = length.
         saves: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        keep = [(r, j) for r, j in _checkpoints(lengths) if j]  # j = 0 is the final state itself
+        keep = [(r, j) for r, j in _checkpoints(lengths, self.depth) if j]  # j = 0 is the final state itself
         for t in {lengths[r] - 1 - j for r, j in keep}:
             rows, js = zip(*[(r, j) for r, j in keep if lengths[r] - 1 - j == t])
             saves[t] = torch.tensor(rows, device=dev), torch.tensor(js, device=dev)
@@ -281,10 +285,10 @@ def _precision(dtype: torch.dtype) -> str:
     return "tf32x3" if dtype == torch.float32 else "tf32"
 
 
-def _checkpoints(lengths: list[int]) -> list[tuple[int, int]]:
-    """The checkpoints a batch keeps: (run r, j tokens before its end) for j <= min(length, ROLLBACK);
+def _checkpoints(lengths: list[int], depth: int) -> list[tuple[int, int]]:
+    """The checkpoints a batch keeps: (run r, j tokens before its end) for j <= min(length, depth);
     j = 0 is the new state, j = length the incoming one."""
-    return [(r, j) for r, m in enumerate(lengths) for j in range(min(m, ROLLBACK) + 1)]
+    return [(r, j) for r, m in enumerate(lengths) for j in range(min(m, depth) + 1)]
 
 
 def _l2norm(x: torch.Tensor, eps: float) -> torch.Tensor:

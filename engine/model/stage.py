@@ -68,7 +68,7 @@ class _Layer:
         self.w_gate_up = w.linear([p + "ffn_gate.weight", p + "ffn_up.weight"])
         self.w_down = w.linear([p + "ffn_down.weight"])
         self.post_ffn_norm = vec(p + "post_ffw_norm.weight") if cfg.post_norms else None
-        self.deltanet = DeltaNet(cfg, w, p, stage.state_rows) if cfg.recurrent_layers[il] else None
+        self.deltanet = DeltaNet(cfg, w, p, stage.state_rows, stage.depth) if cfg.recurrent_layers[il] else None
         if self.deltanet is None:
             self._attention(stage, p)
 
@@ -138,10 +138,13 @@ class Stage:
         kv_types: tuple[str, str] = ("auto", "auto"),
         kv_pool: int | None = None,
         rope_of: Stage | None = None,
+        depth: int = ROLLBACK,
     ):
         """`kv_pool`: positions of a KV pool all slots share (each still up to `n_ctx`); None: each slot
         reserves its whole context. `rope_of`: a stage of the same model and context whose RoPE
-        tables this one reads (the head's MTP block: 0.1 GiB at 96K positions, not held twice)."""
+        tables this one reads (the head's MTP block: 0.1 GiB at 96K positions, not held twice).
+        `depth`: positions a recurrent layer's state can be taken back (the longest draft verified,
+        at most ROLLBACK): each costs a copy of the state per slot and layer."""
         self.cfg, self.weights, self.g = cfg, weights, weights.g
         for kind, flag in zip(kv_types, ("--cache-type-k", "--cache-type-v")):
             check_cache_type(kind, flag, cfg.head_dim)
@@ -155,6 +158,9 @@ class Stage:
         self.layer_range = (0, 0)
         self.state_len = [0] * n_slots  # tokens each slot's recurrent state has consumed
         self.rollback = [0] * n_slots  # how many of them checkpoints can take back
+        if not 1 <= depth <= ROLLBACK:
+            raise ValueError(f"rollback depth {depth} outside 1..{ROLLBACK}")
+        self.depth = depth
         capture = self.device.type == "cuda"
         # The CUDA graphs' padding slot: a recurrent state row of its own, and ROLLBACK positions
         # past the context in the KV (a bucket's unused rows run at most ROLLBACK tokens each).
@@ -368,7 +374,7 @@ class Stage:
         if out is None:
             out = self._forward(h, slots.to(self.device), positions.to(self.device), runs)
         for slot, p0, n in runs:
-            self.state_len[slot], self.rollback[slot] = p0 + n, min(n, ROLLBACK)
+            self.state_len[slot], self.rollback[slot] = p0 + n, min(n, self.depth)
         return out
 
     def run_layer(self, il: int, h: torch.Tensor, slots, positions) -> torch.Tensor:
@@ -522,12 +528,13 @@ def build_stage(
     compile_decode: bool = False,
     kv_types: tuple[str, str] = ("auto", "auto"),
     kv_pool: int | None = None,
+    depth: int = ROLLBACK,
 ) -> Stage:
     """The Stage of `g` for layers [a, b) (default: all), from `--device` / `--dtype` values or torch
     objects. `cache_dir` keeps converted int8 weights across runs (None: convert on every load);
     `int8` None picks int8 weights where they pay off: the int8 kernel beats the 16-bit ones only
     on CPU with 16-bit compute. `quantized` None keeps GGUF-quantized weights quantized on a GPU
-    (its kernels); CPU runs the int8 path."""
+    (its kernels); CPU runs the int8 path. `depth`: see `Stage`."""
     cfg = ModelConfig.from_gguf(g)
     device = resolve_device(device)
     dtype = resolve_dtype(dtype, device)
@@ -547,4 +554,5 @@ def build_stage(
         compile_decode=compile_decode,
         kv_types=kv_types,
         kv_pool=kv_pool,
+        depth=depth,
     )

@@ -17,13 +17,24 @@ from pathlib import Path
 
 import torch
 
-from ...contracts.footprint import DEFAULT_PROMPT_ROWS, KV_VALUE_BYTES, model_tensors, weight_form
-from ...contracts.rpc import DTYPE_CODES, MAX_CTX, MAX_RUN, MAX_SLOTS, StaleEpoch
+from ...contracts.footprint import DEFAULT_PROMPT_ROWS, ROLLBACK, model_tensors, rollback_depth, weight_form
+from ...contracts.rpc import (
+    DTYPE_CODES,
+    CheckReply,
+    CheckRequest,
+    LoadStageReply,
+    LoadStageRequest,
+    ProbeRequest,
+    StageProbe,
+    StaleEpoch,
+    StateGetRequest,
+    StateMeta,
+)
 from ...contracts.slot_state import SlotHeader, SlotStateError, check_body
 from .. import slot_state
 from ..device import free_bytes
 from ..errors import UserError
-from ..layer_probe import PROBE_REPS, PROBE_TOKENS, check_request, probe_stage
+from ..layer_probe import probe_stage
 from ..model import build_stage
 
 # Torch dtypes of the wire's dtype names (contracts.rpc.DTYPE_CODES).
@@ -97,17 +108,15 @@ class StageHost:
     def fingerprint(self) -> str:
         return self.g.fingerprint
 
-    def check(self, request: dict) -> dict:
+    def check(self, request: CheckRequest) -> CheckReply:
         """Identity guard: same model fingerprint and every tensor the same shape."""
-        theirs = request.get("fingerprint")
+        theirs = request.fingerprint
         if theirs != self.fingerprint:
             raise ComputeError(
                 f"model fingerprint mismatch: head has {theirs}, this worker has {self.fingerprint} ({self.g.path}); "
                 "start both with the same GGUF file"
             )
-        shapes = request.get("shapes")
-        if not isinstance(shapes, dict):
-            raise ComputeError("CHECK needs a 'shapes' object {tensor name: shape}")
+        shapes = request.shapes
         ours = tensor_shapes(self.g)
         bad = [
             f"{name}: head {shape} vs here {ours.get(name, 'missing')}"
@@ -117,44 +126,30 @@ class StageHost:
         bad += [f"{name}: missing on the head" for name in ours.keys() - shapes.keys()]
         if bad:
             raise ComputeError(f"tensor shape mismatch ({len(bad)}): " + "; ".join(sorted(bad)[:5]))
-        return {"ok": True, "fingerprint": self.fingerprint, "epoch": self.epoch}
+        return CheckReply(ok=True, fingerprint=self.fingerprint, epoch=self.epoch)
 
-    def load(self, request: dict, owner: int = 0) -> dict:
+    def load(self, request: LoadStageRequest, owner: int = 0) -> LoadStageReply:
         """Build the requested stage beside the current one, then swap: a refused or failed load
         leaves the old stage, its epoch and its owner as they were. The session `owner` owns
-        every slot of the new stage."""
+        every slot of the new stage. The request's fields are bounded (contracts.rpc); the layer
+        range is judged here, against this model."""
         if not self.assignable:
             raise ComputeError("this worker is a head: its layer range follows its own --split (use CONFIGURE)")
-        try:
-            a, b = (int(x) for x in request["layers"])
-            dtype = DTYPES[request.get("dtype", "float32")]
-            n_slots, n_ctx = int(request["n_slots"]), int(request["n_ctx"])
-            kv_pool = None if request.get("kv_pool") is None else int(request["kv_pool"])
-            kv_types = tuple(str(t) for t in request.get("kv_types", self.kv_types))
-            max_run = int(request.get("max_run", 1))
-        except (KeyError, TypeError, ValueError) as e:
-            raise ComputeError(
-                f"LOAD_STAGE needs layers [a,b], dtype, n_slots, n_ctx (kv_pool, kv_types optional): {e!r}"
-            ) from None
-        if not 1 <= max_run <= MAX_RUN:
-            raise ComputeError(f"max_run must be 1..{MAX_RUN} tokens per slot (got {max_run})")
-        if len(kv_types) != 2 or not all(t == "auto" or t in KV_VALUE_BYTES for t in kv_types):
-            raise ComputeError(
-                f"kv_types must be [K, V], each auto or one of {sorted(KV_VALUE_BYTES)} (got {kv_types})"
-            )
+        a, b = request.layers
+        dtype, n_slots, n_ctx, kv_pool = DTYPES[request.dtype], request.n_slots, request.n_ctx, request.kv_pool
+        kv_types = tuple(request.kv_types) if request.kv_types is not None else self.kv_types
+        max_run = request.max_run
         if not 0 <= a < b <= self.n_layers:
             raise ComputeError(f"layer range [{a},{b}) outside the model's 0..{self.n_layers}")
-        if not (1 <= n_slots <= MAX_SLOTS and 1 <= n_ctx <= MAX_CTX):
-            raise ComputeError(f"n_slots must be 1..{MAX_SLOTS} and n_ctx 1..{MAX_CTX} (got {n_slots}, {n_ctx})")
-        if kv_pool is not None and not 1 <= kv_pool <= MAX_SLOTS * MAX_CTX:
-            raise ComputeError(f"kv_pool must be 1..{MAX_SLOTS * MAX_CTX} positions (got {kv_pool})")
-        params = (dtype, n_slots, n_ctx, kv_pool, kv_types)
+        depth = rollback_depth(max_run)  # checkpoints of the recurrent states: the head's longest draft
+        params = (dtype, n_slots, n_ctx, kv_pool, kv_types, depth)
         t0 = time.perf_counter()
         with self._load_lock:  # one load at a time; forwards go on meanwhile on the old stage
             if self.stage is not None and self._params == params and self.layers == (a, b):
                 stage = self.stage  # same stage: only its KV starts over (the swap below clears it)
             else:
-                need, free = self.stage_bytes(a, b, dtype, n_slots, n_ctx, kv_pool, kv_types), free_bytes(self.device)
+                need = self.stage_bytes(a, b, dtype, n_slots, n_ctx, kv_pool, kv_types, depth)
+                free = free_bytes(self.device)
                 if need > free:
                     kv = f"{n_slots}x{n_ctx}" if kv_pool is None else f"a {kv_pool}-position pool of"
                     raise ComputeError(
@@ -176,6 +171,7 @@ class StageHost:
                         compile_decode=self.compile_decode,
                         kv_types=kv_types,
                         kv_pool=kv_pool,
+                        depth=depth,
                     )
                 except UserError as e:  # e.g. q8_0 on a head size it cannot block
                     raise ComputeError(f"LOAD_STAGE refused: {e}") from None
@@ -191,13 +187,9 @@ class StageHost:
                 key = self.state_key.hex()
         self.load_s = time.perf_counter() - t0
         self.on_change()
-        return {
-            "epoch": self.epoch,
-            "layers": [a, b],
-            "device": str(self.device),
-            "load_s": round(self.load_s, 4),
-            "state_key": key,
-        }
+        return LoadStageReply(
+            epoch=self.epoch, layers=[a, b], device=str(self.device), load_s=round(self.load_s, 4), state_key=key
+        )
 
     def stage_bytes(
         self,
@@ -208,11 +200,12 @@ class StageHost:
         n_ctx: int,
         kv_pool: int | None,
         kv_types: tuple[str, str],
+        depth: int = ROLLBACK,
     ) -> int:
         """What a stage of layers [a, b) costs: its weights as they will be held plus its KV (every
         slot's context, or a pool of `kv_pool` positions) and recurrent state; on a GPU also the new
         stage's dequantization scratch and graphs' pool (the process's cuBLAS workspaces exist already)."""
-        held = sum(self.layer_footprint(dtype, n_slots, n_ctx, kv_pool, kv_types)[a:b])
+        held = sum(self.layer_footprint(dtype, n_slots, n_ctx, kv_pool, kv_types, depth)[a:b])
         if self.device.type != "cuda":
             return held
         name = str(dtype).removeprefix("torch.")
@@ -224,7 +217,13 @@ class StageHost:
         )
 
     def layer_footprint(
-        self, dtype: torch.dtype, n_slots: int, n_ctx: int, kv_pool: int | None, kv_types: tuple[str, str]
+        self,
+        dtype: torch.dtype,
+        n_slots: int,
+        n_ctx: int,
+        kv_pool: int | None,
+        kv_types: tuple[str, str],
+        depth: int = ROLLBACK,
     ) -> list[int]:
         """Bytes of every layer of the model as this worker would hold it (contracts/footprint.py):
         weights in this worker's form + its cache (KV in the given cache types, or recurrent state)."""
@@ -233,18 +232,14 @@ class StageHost:
         gpu = self.device.type == "cuda"
         return [
             self.tensors.layer_weights(il, form, name)
-            + self.tensors.layer_cache(il, n_slots, n_ctx, kv_types, name, gpu=gpu, kv_pool=kv_pool)
+            + self.tensors.layer_cache(il, n_slots, n_ctx, kv_types, name, gpu=gpu, kv_pool=kv_pool, depth=depth)
             for il in range(self.n_layers)
         ]
 
-    def probe(self, request: dict, owner: int = 0) -> dict:
+    def probe(self, request: ProbeRequest, owner: int = 0) -> StageProbe:
         """PROBE: time the resident layers one by one (a `StageProbe`); only the loading session,
         on the slot positions it names (past what the slot holds)."""
-        try:
-            slot, position = int(request["slot"]), int(request["position"])
-            tokens, reps = check_request(request.get("tokens", PROBE_TOKENS), request.get("reps", PROBE_REPS))
-        except (KeyError, TypeError, ValueError, UserError) as e:
-            raise ComputeError(f"PROBE needs slot, position, tokens, reps: {e}") from None
+        slot, position, tokens, reps = request.slot, request.position, request.tokens, request.reps
         with self.lock:
             if not self.assignable:  # the head's stage runs under its pipeline: the control op PROBE times it
                 raise ComputeError("this worker is a head: use the control op PROBE")
@@ -257,15 +252,18 @@ class StageHost:
             except UserError as e:
                 raise ComputeError(str(e)) from None
         a, b = self.layers
-        footprint = self.layer_footprint(stage.dtype, stage.n_slots, stage.n_ctx, stage.kv_pool, stage.kv_types)
-        return {
-            "layers": [a, b],
-            "device": str(self.device),
-            **timings,
-            "layer_bytes": footprint,
-            "held_bytes": sum(footprint[a:b]),
-            "free_bytes": free_bytes(self.device),
-        }
+        footprint = self.layer_footprint(
+            stage.dtype, stage.n_slots, stage.n_ctx, stage.kv_pool, stage.kv_types, stage.depth
+        )
+        return StageProbe(
+            layers=[a, b],
+            device=str(self.device),
+            decode_ms=timings["decode_ms"],
+            prefill_ms=timings["prefill_ms"],
+            layer_bytes=footprint,
+            held_bytes=sum(footprint[a:b]),
+            free_bytes=free_bytes(self.device),
+        )
 
     def _own(self, owner: int) -> None:
         if self.owner != owner:
@@ -337,25 +335,22 @@ class StageHost:
             raise ComputeError(f"slot {slot} does not exist ({self.stage.n_slots} slots)")
         return self.stage
 
-    def state_meta(self, slot: int, owner: int = 0) -> dict:
+    def state_meta(self, slot: int, owner: int = 0) -> StateMeta:
         with self.lock:
             stage = self._state_stage(slot, owner)
             n = self.lengths.get(slot, 0)
-            return {
-                "slot": slot,
-                "n_tokens": n,
-                "layers": [list(self.layers)],
-                "fingerprint": self.fingerprint,
-                "bytes": sum(t.nbytes for t in stage.slot_state(slot, n).values()),
-                "dtype": str(stage.dtype).removeprefix("torch."),
-            }
+            return StateMeta(
+                slot=slot,
+                n_tokens=n,
+                layers=[list(self.layers)],
+                fingerprint=self.fingerprint,
+                bytes=sum(t.nbytes for t in stage.slot_state(slot, n).values()),
+                dtype=str(stage.dtype).removeprefix("torch."),
+            )
 
-    def state_get(self, request: dict, owner: int = 0) -> list[memoryview]:
+    def state_get(self, request: StateGetRequest, owner: int = 0) -> list[memoryview]:
         """The state of the slot's first len(tokens) positions (one buffer, sent as it is)."""
-        try:
-            slot, tokens = int(request["slot"]), [int(t) for t in request["tokens"]]
-        except (KeyError, TypeError, ValueError) as e:
-            raise ComputeError(f"STATE_GET needs slot and tokens: {e!r}") from None
+        slot, tokens = request.slot, request.tokens
         with self.lock:
             stage = self._state_stage(slot, owner)
             if len(tokens) > self.lengths.get(slot, 0):
@@ -375,7 +370,7 @@ class StageHost:
                 raise ComputeError("STATE_JOIN refused: not the key of this worker's stage (reloaded since?)")
             return self.owner
 
-    def state_put(self, slot: int, read, fill, owner: int = 0) -> dict:
+    def state_put(self, slot: int, read, fill, owner: int = 0) -> StateMeta:
         """Stage a state whole (its header read with `read(n)` and judged first, then its body
         filled with `fill(view)` into a kept buffer, each chunk checked as it arrives, then its
         tensors made ready on the stage's device) without holding the forwards; only the copy into

@@ -8,13 +8,22 @@ import os
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from ... import __version__
-from ...contracts.rpc import VERSION, ControlError, Op, Status
+from ...contracts.rpc import (
+    VERSION,
+    ConfigureRequest,
+    ControlError,
+    Op,
+    PipelineProbe,
+    PipelineProbeRequest,
+    PrefillReply,
+    PrefillRequest,
+    Status,
+)
 from ...contracts.split import parse_split
 from ...contracts.status import Address, ModelInfo
 from ..config import RpcSettings
 from ..device import free_bytes
 from ..errors import UserError
-from ..layer_probe import PROBE_REPS, PROBE_TOKENS, check_request
 from ..pd import PdStats, serve_prefill
 from .compute import ComputeServer
 from .control import ControlServer
@@ -72,49 +81,38 @@ class HeadControl:
             },
         }
 
-    def configure(self, request: dict) -> dict:
+    def configure(self, request: ConfigureRequest) -> dict:
         """`{"split": "12/6"}` (DESIGN §3 syntax) or `{"layers": [[0,12],[12,18]]}`: live re-split;
         an optional `"by"` names the requester in /status (`split_by`)."""
-        request = dict(request)
-        by = request.pop("by", None)
-        unknown = request.keys() - {"split", "layers"}
-        if unknown or len(request) != 1:
-            raise ControlError(
-                f"CONFIGURE takes exactly one of 'split' or 'layers' (got {sorted(request)})", Status.BAD_REQUEST
-            )
         n_stages = 1 + len(self.pipeline.remotes)
         try:
-            if "split" in request:
-                ranges = parse_split(str(request["split"]), self.pipeline.cfg.n_layers, n_stages)
+            if request.split is not None:
+                ranges = parse_split(request.split, self.pipeline.cfg.n_layers, n_stages)
             else:
-                ranges = [tuple(r) for r in request["layers"]]
-                if any(len(r) != 2 for r in ranges):
-                    raise UserError("'layers' must be a list of [first, end) pairs")
+                ranges = [tuple(r) for r in request.layers]
             result = self.pipeline.resplit(ranges)
         except (UserError, TypeError, ValueError) as e:
             raise ControlError(str(e), Status.BAD_REQUEST) from None
         self.host.epoch += 1  # the head's resident set changed too
-        self.split_by = str(by) if by else "CONFIGURE"
+        self.split_by = request.by or "CONFIGURE"
         return {"ok": True, **result}
 
-    def probe(self, request: dict) -> dict:
-        """PROBE: the split advisor's timings of every stage (contracts.rpc.PipelineProbe), with the
-        head's own footprint and free memory (the peers report theirs)."""
-        unknown = request.keys() - {"tokens", "reps"}
-        if unknown:
-            raise ControlError(f"PROBE takes 'tokens' and 'reps' (got {sorted(unknown)})", Status.BAD_REQUEST)
+    def probe(self, request: PipelineProbeRequest) -> PipelineProbe:
+        """PROBE: the split advisor's timings of every stage, with the head's own footprint and free
+        memory (the peers report theirs)."""
         try:
-            tokens, reps = check_request(request.get("tokens", PROBE_TOKENS), request.get("reps", PROBE_REPS))
-            result = self.pipeline.probe(tokens, reps)
+            result = self.pipeline.probe(request.tokens, request.reps)
         except UserError as e:
             raise ControlError(str(e), Status.BAD_REQUEST) from None
         local = self.pipeline.local
-        footprint = self.host.layer_footprint(local.dtype, local.n_slots, local.n_ctx, local.kv_pool, local.kv_types)
+        footprint = self.host.layer_footprint(
+            local.dtype, local.n_slots, local.n_ctx, local.kv_pool, local.kv_types, local.depth
+        )
         a, b = result["stages"][0]["layers"]
         result["stages"][0].update(
             layer_bytes=footprint, held_bytes=sum(footprint[a:b]), free_bytes=free_bytes(local.device)
         )
-        return result
+        return PipelineProbe(**result)
 
     # --- state ops on the whole pipeline (an idle slot's prompt cache; contracts.slot_state) ------
 
@@ -164,7 +162,7 @@ class HeadControl:
         except UserError as e:  # a slot that is busy or missing, a refused state: the reason goes back
             raise ControlError(str(e), Status.BAD_REQUEST) from None
 
-    def prefill(self, request: dict) -> tuple[dict, bytes]:
+    def prefill(self, request: PrefillRequest) -> tuple[PrefillReply, list]:
         """PREFILL (a prefill worker's job; any head answers it): the state of `tokens`, one slot
         state per range the asker holds."""
         return serve_prefill(self._engine(), self.pipeline, request, self.pd_stats, self.shm)

@@ -32,7 +32,7 @@ class Speculator:
         max_draft: int = MAX_DRAFT,
         nextn: NextN | None = None,
     ):
-        """`max_draft` caps every draft: a recurrent target verifies at most `model.ROLLBACK` tokens,
+        """`max_draft` caps every draft: a recurrent target verifies at most its stages' `depth` tokens,
         the positions its state checkpoints can take back. `nextn`: the target's MTP block."""
         self.config = config or SpecConfig()
         self.max_draft = max_draft
@@ -146,7 +146,9 @@ def build_speculator(
     the target GGUF, `head` the head's Stage (`--spec-type mtp` builds the MTP block beside it).
     Loads the draft model for `--spec-type draft`."""
     check_speculative(config, draft_path, g)
-    max_draft = ROLLBACK if ModelConfig.from_gguf(g).recurrent else MAX_DRAFT
+    # A recurrent target verifies at most what its states can take back (the head's, as its peers').
+    depth = head.depth if head is not None else ROLLBACK
+    max_draft = depth if ModelConfig.from_gguf(g).recurrent else MAX_DRAFT
     if config.type == "mtp":
         if head is None:
             raise ValueError("--spec-type mtp builds the MTP block on the head's stage: pass head=")

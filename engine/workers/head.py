@@ -15,6 +15,7 @@ import threading
 import time
 import traceback
 
+from ...contracts.footprint import rollback_depth
 from ...contracts.split import parse_split
 from ...contracts.status import READY_STAGE, WARMING_STAGE, ModelInfo
 from ..config import HeadConfig
@@ -233,6 +234,7 @@ def build_pipeline(cfg: HeadConfig, g, mcfg):
         compile_decode=m.compile,
         kv_types=m.kv_types,
         kv_pool=m.kv_pool,
+        depth=rollback_depth(max_run_of(cfg.spec)),
     )
     pipeline = Pipeline(local, remotes, ranges=ranges)
     if remotes:
