@@ -16,7 +16,9 @@ from hydra_console.contracts.footprint import (
     KV_BLOCK,
     KV_VALUE_BYTES,
     QUANT_BLOCKS,
+    ROLLBACK,
     model_tensors,
+    rollback_depth,
     tensor_bytes,
 )
 from hydra_console.engine.gguf_file import GGUFFile
@@ -243,3 +245,19 @@ def test_a_models_mtp_block_is_outside_the_split_and_counted_on_a_drafting_head(
     assert drafting.weight_bytes - plain.weight_bytes == t.layer_weights(4, "quantized", "bfloat16") > 0
     assert drafting.kv_bytes - plain.kv_bytes == t.layer_cache(4, 2, 64, ("q8_0", "q8_0"), "bfloat16", gpu=True) > 0
     assert t.stage(2, 4, **{**kw, "head": False}, mtp=True) == t.stage(2, 4, **{**kw, "head": False})  # a peer: never
+
+
+def test_recurrent_checkpoints_follow_the_longest_draft(tiny_model):
+    """A recurrent stage keeps `depth` checkpoints of each state (the head's --draft-max; 1 without
+    speculation), and the estimate counts exactly what it holds."""
+    g = GGUFFile(tiny_model("qwen35", **SHAPE))
+    tensors = model_tensors(g.metadata, g.tensors)
+    assert rollback_depth(1) == 1 and rollback_depth(4) == 3 and rollback_depth(64) == ROLLBACK
+    held = {}
+    for depth in (1, 3, ROLLBACK):
+        stage = build_stage(g, device="cpu", dtype="float32", n_slots=2, n_ctx=32, depth=depth)
+        est = tensors.stage(0, 3, head=True, device="cpu", dtype="float32", n_slots=2, n_ctx=32, depth=depth)
+        assert est.kv_bytes == stage.kv_bytes
+        held[depth] = stage.kv_bytes
+    per_copy = sum(tensors.layer_state(il, 2, 0) for il in range(3))
+    assert per_copy > 0 and held[ROLLBACK] - held[3] == per_copy and held[3] - held[1] == 2 * per_copy
