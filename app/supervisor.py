@@ -821,7 +821,10 @@ class Supervisor:
             w.logfile = LogFile(Path(path), self.settings.log_max_bytes, self.settings.log_backups)
 
     def _save_state(self) -> None:
-        """The state file: which of this profile's workers run, so a later console can adopt them."""
+        """The state file: which of this profile's workers run, so a later console can adopt them.
+        A watching console writes none: the file is the running console's."""
+        if self.attach_only:
+            return
         entries = {
             w.name: {
                 "pid": w.pid,

@@ -326,8 +326,9 @@ async def test_a_second_console_watches_the_live_workers_read_only_and_names_the
             await pilot.press("R")
             assert not isinstance(app.screen, ConfirmScreen)  # refused: read-only
             await pilot.press("q")  # nothing of its own to stop: quits at once, the workers stay
-            await pilot.pause(0.2)
+            await until(pilot, lambda: not app.is_running)
         assert console.poll() is None and all(psutil.pid_exists(p) for p in pids)
+        assert json.loads(sup.state_path.read_text())["console_pid"] == console.pid  # still the owner's file
     finally:
         console.kill()
         console.wait()
