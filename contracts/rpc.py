@@ -2,7 +2,10 @@
 
 Like ggml-rpc's packed-struct block that both ends include: every command id, status code,
 capability bit and request/response layout is here, and `engine/rpc` and `app/control_client`
-import them. The control framing and the frame readers are `contracts/framing.py` (the console's
+import them. The JSON layouts are `Message` dataclasses (contracts/wire_json.py): the client builds
+one and `encode`s it, the server `decode`s the payload into it before its handler runs, refusing a
+wrong type, a missing or unknown key or a number out of bounds with the field named (compute:
+ERROR, control: BAD_REQUEST). The control framing and the frame readers are `contracts/framing.py` (the console's
 too); the compute framing is `engine/rpc/wire.py`.
 
 Compute protocol (ggml-rpc framing): request `cmd u8 | size u64 LE | payload`, response
@@ -18,8 +21,8 @@ starts with a `ReplyStatus` byte, then JSON, raw bytes or an error message:
 |---|---|---|
 | HELLO 14 | `HELLO` (major, minor, patch, pad, caps) | (no status byte) `HELLO` of the server, then a refusal text if versions differ |
 | AUTH 40 | the client's 32-byte proof | empty |
-| CHECK 39 | JSON `CheckRequest` | JSON {"epoch", ...} |
-| LOAD_STAGE 32 | JSON `LoadStageRequest` | JSON {"epoch", "layers", "device", "state_key", ...} |
+| CHECK 39 | JSON `CheckRequest` | JSON `CheckReply` |
+| LOAD_STAGE 32 | JSON `LoadStageRequest` | JSON `LoadStageReply` |
 | RESOLVE 33 | tensor name (UTF-8) | JSON {"found", "epoch", "dtype", "shape"} |
 | FORWARD 34 | `FORWARD_HEADER` + int32 slots[T] + int32 positions[T] + hidden[T, d] raw | (own header) `FORWARD_REPLY` + hidden raw |
 | FORWARD_IPC 42 | FORWARD without the hidden bytes | `FORWARD_REPLY` |
@@ -52,7 +55,9 @@ slot id (ASCII), on a head's whole pipeline (its layers and its peers'):
 | STATE_GET 0x30 | empty | `StateMeta` / one slot state per stage, back to back, pipeline order |
 | STATE_PUT 0x31 | slot states (any grouping of layers that covers the model) | `StateMeta` of the placed slot |
 | PREFILL 0x42 | JSON `PrefillRequest` (key ignored) | `PrefillReply` / one slot state per requested range (none when the reply hands them over by CUDA IPC, or wrote them into the asker's shared memory) |
-| PROBE 0x50 | JSON `{"tokens", "reps"}` | `PipelineProbe` |
+| PROBE 0x50 | JSON `PipelineProbeRequest` | `PipelineProbe` |
+| CONFIGURE 0x40 | JSON `ConfigureRequest` (a live re-split) | {"ok", ...the re-split's timings} |
+| INFO 0x41 | empty | the worker's identity, split, peers and ops |
 
 PREFILL between a decode head and a prefill worker on one host: the head offers a file of its own
 under SHM_DIR (`ShmOffer`: mode 0600, created exclusively, a name of SHM_NAME's form), holding its
@@ -62,7 +67,7 @@ included), and answers `PrefillReply.shm` with their sizes and no payload. Any o
 host or mount namespace: no such file, or another nonce) answers bytes as it always did.
 
 PROBE (compute 50, control 0x50) is the split advisor's measurement: on the control port the head
-answers a `PipelineProbe` (JSON `{"tokens", "reps"}` in) after timing its own layers and asking each
+answers a `PipelineProbe` (a `PipelineProbeRequest` in) after timing its own layers and asking each
 peer for a `StageProbe` over its compute session, on the positions no slot holds yet.
 """
 
@@ -70,7 +75,10 @@ from __future__ import annotations
 
 import re
 import struct
-from typing import NotRequired, TypedDict
+from dataclasses import dataclass
+
+from .footprint import KV_VALUE_BYTES
+from .wire_json import Message, WireError, spec
 
 # --- framing ---------------------------------------------------------------------------------------
 
@@ -152,63 +160,134 @@ CODE_DTYPES = {v: k for k, v in DTYPE_CODES.items()}
 MAX_SLOTS = 1024  # LOAD_STAGE bounds, before any memory estimate
 MAX_CTX = 1 << 20
 MAX_RUN = 64  # tokens per slot in one step (a speculative verify's draft + 1)
+MAX_LAYERS = 1 << 16  # layer indices on the wire, before the model's own count judges them
+MAX_TOKEN_ID = (1 << 31) - 1
+MAX_BYTES = 1 << 62  # sizes and byte counts on the wire
+PROBE_TOKENS, PROBE_REPS = 32, 3  # PROBE's defaults: a 32-token prefill probe, median of 3
+MAX_PROBE_TOKENS, MAX_PROBE_REPS = 512, 20  # an operator's key press stays a short pause for the requests
+IPC_ROWS = 1024  # IPC_OPEN's default rows per buffer; larger batches (long prefills) take the byte path
+MAX_IPC_ROWS = 1 << 16
+
+# --- the JSON layouts (contracts/wire_json.py: from_json refuses wrong types, missing or unknown
+# keys and numbers out of bounds, naming the field) -------------------------------------------------
+
+_PROBE_WHY = f"probe 'tokens' must be 1..{MAX_PROBE_TOKENS} and 'reps' 1..{MAX_PROBE_REPS}, both integers"
+_SIZE_WHY = f"n_slots must be 1..{MAX_SLOTS} and n_ctx 1..{MAX_CTX}"
+_SLOT = spec(lo=0, hi=MAX_SLOTS - 1)
+_TOKENS = spec(lo=0, hi=MAX_TOKEN_ID, length=(0, MAX_CTX))
+_RANGE = spec(lo=0, hi=MAX_LAYERS, length=(2, 2))  # [a, b)
 
 
-class CheckRequest(TypedDict):
+@dataclass(frozen=True, kw_only=True)
+class CheckRequest(Message):
+    OP = "CHECK"
     fingerprint: str  # GGUF header + tensor table hash
-    shapes: dict[str, list[int]]  # every tensor's shape, torch order
+    shapes: dict[str, list[int]] = spec(lo=0, hi=MAX_BYTES, length=(0, 8))  # every tensor's shape, torch order
 
 
-class LoadStageRequest(TypedDict):
-    layers: list[int]  # [a, b)
-    dtype: str  # a DTYPE_CODES name
-    n_slots: int
-    n_ctx: int  # per slot
-    kv_pool: NotRequired[int]  # positions of a KV pool the slots share (--kv-unified); absent: each reserves n_ctx
-    kv_types: NotRequired[list[str]]  # [K, V] cache types, the head's --cache-type-k/-v; absent: the peer's own
-    max_run: NotRequired[
-        int
-    ]  # tokens per slot of the head's steps (1 + draft max): decode graphs captured for each at load
-
-
-class ProbeRequest(TypedDict):
-    slot: int  # written at positions >= what the slot holds: the next real token overwrites them first
-    position: int
-    tokens: int  # the prefill probe's length; decode is timed one position after it
-    reps: int  # median of this many runs
-
-
-class StageProbe(TypedDict):
-    layers: list[int]  # [a, b) timed
-    device: str
-    decode_ms: list[float]  # per layer of [a, b): one token
-    prefill_ms: list[float]  # per layer: the `tokens`-long prefill
-    layer_bytes: list[
-        int
-    ]  # every layer of the model as this worker would hold it: weights + KV (its dtype, slots, context)
-    held_bytes: int  # what its current layers take (freed by a re-split)
-    free_bytes: int  # free device memory now
-
-
-class PipelineProbe(TypedDict):
-    tokens: int
-    stages: list[dict]  # StageProbe per stage (head first) + "name" and "hop_ms" (the wire's part of a FORWARD, peers)
-    fixed_ms: float  # embedding + output head on the head: paid per token whatever the split
-    step_ms: float  # one whole decode step through every stage, measured
-
-
-class StateMeta(TypedDict):
-    slot: int
-    n_tokens: int  # positions whose state the slot holds
-    layers: list[list[int]]  # [a, b) of each stage described
-    bytes: int  # body bytes a STATE_GET would move
+@dataclass(frozen=True, kw_only=True)
+class CheckReply(Message):
+    OP = "CHECK reply"
+    ok: bool
     fingerprint: str
-    dtype: str
+    epoch: int = spec(lo=0, hi=MAX_BYTES)
 
 
-class StateGetRequest(TypedDict):
-    slot: int
-    tokens: list[int]  # the ids at positions 0..n-1 (the peer does not keep them): the header names them
+@dataclass(frozen=True, kw_only=True)
+class LoadStageRequest(Message):
+    OP = "LOAD_STAGE"
+    layers: list[int] = _RANGE
+    dtype: str = spec("float32", choices=DTYPE_CODES)  # a DTYPE_CODES name
+    n_slots: int = spec(lo=1, hi=MAX_SLOTS, why=_SIZE_WHY)
+    n_ctx: int = spec(lo=1, hi=MAX_CTX, why=_SIZE_WHY)  # per slot
+    # positions of a KV pool the slots share (--kv-unified); None: each reserves n_ctx
+    kv_pool: int | None = spec(
+        None, lo=1, hi=MAX_SLOTS * MAX_CTX, why=f"kv_pool must be 1..{MAX_SLOTS * MAX_CTX} positions"
+    )
+    # [K, V] cache types, the head's --cache-type-k/-v; None: the peer's own
+    kv_types: list[str] | None = spec(
+        None,
+        length=(2, 2),
+        choices=("auto", *KV_VALUE_BYTES),
+        why=f"kv_types must be [K, V], each auto or one of {sorted(KV_VALUE_BYTES)}",
+    )
+    # tokens per slot of the head's steps (1 + draft max): decode graphs captured for each at load
+    max_run: int = spec(1, lo=1, hi=MAX_RUN, why=f"max_run must be 1..{MAX_RUN} tokens per slot")
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoadStageReply(Message):
+    OP = "LOAD_STAGE reply"
+    epoch: int = spec(lo=0, hi=MAX_BYTES)
+    layers: list[int] = _RANGE
+    device: str = spec(length=(1, 64))
+    load_s: float = spec(lo=0)
+    state_key: str = spec(length=(32, 32))  # hex of the 16 bytes STATE_JOIN presents
+
+
+@dataclass(frozen=True, kw_only=True)
+class ProbeRequest(Message):
+    """Compute PROBE: time the resident layers from `position` of `slot` (positions the slot does not
+    hold yet: the next real token overwrites them first)."""
+
+    OP = "PROBE"
+    slot: int = _SLOT
+    position: int = spec(lo=0, hi=MAX_CTX)
+    tokens: int = spec(PROBE_TOKENS, lo=1, hi=MAX_PROBE_TOKENS, why=_PROBE_WHY)  # the prefill probe's length
+    reps: int = spec(PROBE_REPS, lo=1, hi=MAX_PROBE_REPS, why=_PROBE_WHY)  # median of this many runs
+
+
+@dataclass(frozen=True, kw_only=True)
+class PipelineProbeRequest(Message):
+    """Control PROBE: every stage of the head's pipeline times its layers."""
+
+    OP = "PROBE"
+    tokens: int = spec(PROBE_TOKENS, lo=1, hi=MAX_PROBE_TOKENS, why=_PROBE_WHY)
+    reps: int = spec(PROBE_REPS, lo=1, hi=MAX_PROBE_REPS, why=_PROBE_WHY)
+
+
+@dataclass(frozen=True, kw_only=True)
+class StageProbe(Message):
+    OP = "PROBE reply"
+    layers: list[int] = _RANGE  # [a, b) timed
+    device: str = spec(length=(1, 64))
+    decode_ms: list[float] = spec(lo=0, length=(0, MAX_LAYERS))  # per layer of [a, b): one token
+    prefill_ms: list[float] = spec(lo=0, length=(0, MAX_LAYERS))  # per layer: the `tokens`-long prefill
+    # every layer of the model as this worker would hold it: weights + KV (its dtype, slots, context)
+    layer_bytes: list[int] = spec(lo=0, hi=MAX_BYTES, length=(0, MAX_LAYERS))
+    held_bytes: int = spec(lo=0, hi=MAX_BYTES)  # what its current layers take (freed by a re-split)
+    free_bytes: int = spec(lo=0, hi=MAX_BYTES)  # free device memory now
+
+
+@dataclass(frozen=True, kw_only=True)
+class PipelineProbe(Message):
+    OP = "PROBE reply"
+    tokens: int = spec(lo=1, hi=MAX_PROBE_TOKENS)
+    # StageProbe per stage (head first) + "name" and "hop_ms" (the wire's part of a FORWARD, peers)
+    stages: list[dict] = spec(length=(1, MAX_LAYERS))
+    fixed_ms: float = spec(lo=0)  # embedding + output head on the head: paid per token whatever the split
+    step_ms: float = spec(lo=0)  # one whole decode step through every stage, measured
+
+
+@dataclass(frozen=True, kw_only=True)
+class StateMeta(Message):
+    """A stage's slot (compute STATE_META / STATE_PUT); the head's control STATE_META adds "state",
+    "n_ctx" and "stages" (one {"layers", "bytes"} per stage)."""
+
+    OP = "STATE_META reply"
+    slot: int = _SLOT
+    n_tokens: int = spec(lo=0, hi=MAX_CTX)  # positions whose state the slot holds
+    layers: list[list[int]] = spec(lo=0, hi=MAX_LAYERS, inner=2, length=(0, MAX_LAYERS))  # [a, b) of each stage
+    bytes: int = spec(lo=0, hi=MAX_BYTES)  # body bytes a STATE_GET would move
+    fingerprint: str = spec(length=(0, 256))
+    dtype: str = spec(length=(1, 32))
+
+
+@dataclass(frozen=True, kw_only=True)
+class StateGetRequest(Message):
+    OP = "STATE_GET"
+    slot: int = _SLOT
+    tokens: list[int] = _TOKENS  # the ids at positions 0..n-1 (the peer does not keep them): the header names them
 
 
 SHM_DIR = "/dev/shm"
@@ -216,35 +295,60 @@ SHM_NAME = re.compile(r"hydra-pd-([0-9]+)-[0-9a-f]{32}")  # the asker's pid, the
 SHM_DATA_OFFSET = 64  # the nonce first, then the states
 
 
-class ShmOffer(TypedDict):
-    name: str  # a file under SHM_DIR, SHM_NAME's form
-    size: int  # its size in bytes: the states may take size - SHM_DATA_OFFSET
-    nonce: str  # hex of its first bytes: a file of that name elsewhere holds other ones
+@dataclass(frozen=True, kw_only=True)
+class ShmOffer(Message):
+    """Its form is judged where it is opened (engine/rpc/shm.py: a name not of SHM_NAME's form, a
+    size or nonce that does not match the file: not used, the states go over the socket)."""
+
+    OP = "PREFILL"
+    name: str = spec(length=(1, 255))  # a file under SHM_DIR, SHM_NAME's form
+    size: int = spec(lo=0, hi=MAX_BYTES)  # its size in bytes: the states may take size - SHM_DATA_OFFSET
+    nonce: str = spec(length=(0, 64))  # hex of its first bytes: a file of that name elsewhere holds other ones
 
 
-class PrefillRequest(TypedDict):
-    tokens: list[int]  # prefill these positions 0..n-1
-    ranges: list[list[int]]  # the asker's stages: one slot state per [a, b)
-    fingerprint: str  # the asker's model: a prefill worker of another model refuses before computing
-    ipc: NotRequired[str]  # the asker's GPU (uuid): a worker computing on it answers by CUDA IPC (`PrefillReply.ipc`)
-    shm: NotRequired[
-        ShmOffer
-    ]  # the asker's shared memory: a worker on its host writes the states there (`PrefillReply.shm`)
+@dataclass(frozen=True, kw_only=True)
+class PrefillRequest(Message):
+    OP = "PREFILL"
+    tokens: list[int] = _TOKENS  # prefill these positions 0..n-1
+    ranges: list[list[int]] = spec(lo=0, hi=MAX_LAYERS, inner=2, length=(1, MAX_LAYERS))  # one slot state per [a, b)
+    fingerprint: str = spec(length=(0, 256))  # the asker's model: a worker of another model refuses before computing
+    ipc: str | None = spec(None, length=(0, 128))  # the asker's GPU (uuid): a worker on it answers by CUDA IPC
+    shm: ShmOffer | None = None  # the asker's shared memory: a worker on its host writes the states there
 
 
-class PrefillReply(TypedDict):
-    n_tokens: int
-    sizes: list[int]  # bytes of each slot state, back to back in the payload (or in the asker's shared memory)
-    prefill_ms: float
-    collect_ms: float
-    ipc: NotRequired[list[dict]]  # instead of the payload, on one GPU: contracts.slot_state.IpcSlotState per range
-    shm: NotRequired[bool]  # true: instead of the payload, the states lie in the offered file from SHM_DATA_OFFSET
+@dataclass(frozen=True, kw_only=True)
+class PrefillReply(Message):
+    OP = "PREFILL reply"
+    n_tokens: int = spec(lo=0, hi=MAX_CTX)
+    sizes: list[int] = spec(lo=0, hi=MAX_BYTES, length=(0, MAX_LAYERS))  # bytes of each slot state, back to back
+    prefill_ms: float = spec(lo=0)
+    collect_ms: float = spec(lo=0)
+    ipc: list[dict] | None = None  # instead of the payload, on one GPU: contracts.slot_state.IpcSlotState per range
+    shm: bool | None = None  # true: instead of the payload, the states lie in the offered file from SHM_DATA_OFFSET
 
 
-class IpcOpenRequest(TypedDict):
-    uuid: str  # the head's GPU; the peer refuses unless it computes on the same one
-    rows: int
-    dtype: str
+@dataclass(frozen=True, kw_only=True)
+class IpcOpenRequest(Message):
+    OP = "IPC_OPEN"
+    uuid: str = spec(length=(0, 128))  # the head's GPU; the peer refuses unless it computes on the same one
+    rows: int = spec(IPC_ROWS, lo=1, hi=MAX_IPC_ROWS)
+    dtype: str = spec("float32", choices=DTYPE_CODES)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ConfigureRequest(Message):
+    """CONFIGURE: a live re-split, as `split` (DESIGN §3 syntax, "12/6") or `layers` ([[0, 12], [12,
+    18]]), exactly one; `by` names the requester in /status (`split_by`)."""
+
+    OP = "CONFIGURE"
+    split: str | None = spec(None, length=(0, 1024))
+    layers: list[list[int]] | None = spec(None, lo=0, hi=MAX_LAYERS, inner=2, length=(1, MAX_LAYERS))
+    by: str | None = spec(None, length=(0, 256))
+
+    def validate(self) -> None:
+        if (self.split is None) == (self.layers is None):
+            given = [k for k in ("split", "layers") if getattr(self, k) is not None]
+            raise WireError(f"CONFIGURE takes exactly one of 'split' or 'layers' (got {given})", "split")
 
 
 # --- control protocol --------------------------------------------------------------------------------
@@ -261,14 +365,14 @@ class Op:
     STATE_GET = 0x30
     STATE_PUT = 0x31
     STATE_META = 0x32
-    CONFIGURE = 0x40  # JSON {"split": "12/6"} or {"layers": [[0, 12], [12, 18]]}: live re-split
+    CONFIGURE = 0x40  # ConfigureRequest: {"split": "12/6"} or {"layers": [[0, 12], [12, 18]]}: live re-split
     INFO = 0x41
     PREFILL = 0x42
     DECODE = 0x43
     SET_EXPERT_MODE = 0x44
     SWAP_QUANT = 0x45
     PIPELINE_ATTACH = 0x46
-    PROBE = 0x50  # JSON {"tokens", "reps"} -> PipelineProbe: the split advisor's timings
+    PROBE = 0x50  # PipelineProbeRequest -> PipelineProbe: the split advisor's timings
     AUTH = 0x4F  # ours: the client's nonce -> meta {auth, nonce, role, proof}; then the client's proof
 
 
