@@ -10,13 +10,12 @@ With a token (the supervisor's), the AUTH challenge is answered first, as the he
 from __future__ import annotations
 
 import asyncio
-import json
 import socket
 from dataclasses import dataclass
 
 from ..contracts.auth import AuthError, control_login
 from ..contracts.framing import FrameError, SocketReader, pack_control_request, read_control_response
-from ..contracts.rpc import STATUS_NAMES, Op, Status
+from ..contracts.rpc import STATUS_NAMES, ConfigureRequest, Op, PipelineProbeRequest, Status
 
 OP_CONFIGURE, OP_INFO = Op.CONFIGURE, Op.INFO
 OK, NOT_IMPLEMENTED = Status.OK, Status.NOT_IMPLEMENTED
@@ -78,19 +77,20 @@ async def request(
 
 
 async def configure(
-    host: str, port: int, settings: dict, *, timeout: float = 120.0, token: str | None = None
+    host: str, port: int, settings: ConfigureRequest | dict, *, timeout: float = 120.0, token: str | None = None
 ) -> ControlReply:
-    """CONFIGURE; a live re-split is `{"split": "12/6"}` (layer counts, head first)."""
-    return await request(host, port, OP_CONFIGURE, json.dumps(settings).encode(), timeout=timeout, token=token)
+    """CONFIGURE (contracts.rpc.ConfigureRequest); a live re-split is `{"split": "12/6"}` (layer
+    counts, head first) and an optional `"by"`. A dict that is not of its layout raises WireError."""
+    body = settings if isinstance(settings, ConfigureRequest) else ConfigureRequest.from_json(settings)
+    return await request(host, port, OP_CONFIGURE, body.encode(), timeout=timeout, token=token)
 
 
 async def probe(
     host: str, port: int, tokens: int, reps: int, *, timeout: float = 300.0, token: str | None = None
 ) -> ControlReply:
     """PROBE: every stage times its layers (the split advisor); the reply's meta is a PipelineProbe."""
-    return await request(
-        host, port, Op.PROBE, json.dumps({"tokens": tokens, "reps": reps}).encode(), timeout=timeout, token=token
-    )
+    body = PipelineProbeRequest(tokens=tokens, reps=reps).encode()
+    return await request(host, port, Op.PROBE, body, timeout=timeout, token=token)
 
 
 async def info(host: str, port: int, *, timeout: float = 5.0, token: str | None = None) -> ControlReply:

@@ -16,21 +16,7 @@ import torch
 
 from .errors import UserError
 
-PROBE_TOKENS = 32  # the prefill probe's default length
-PROBE_REPS = 3
-MAX_PROBE_TOKENS = 512
-MAX_PROBE_REPS = 20
-
-
-def check_request(tokens, reps) -> tuple[int, int]:
-    """A probe's size, bounded: an operator's key press must stay a short pause for the requests."""
-    if not (isinstance(tokens, int) and isinstance(reps, int)) or isinstance(tokens, bool) or isinstance(reps, bool):
-        raise UserError(f"probe 'tokens' and 'reps' must be integers (got {tokens!r}, {reps!r})")
-    if not (1 <= tokens <= MAX_PROBE_TOKENS and 1 <= reps <= MAX_PROBE_REPS):
-        raise UserError(
-            f"probe 'tokens' must be 1..{MAX_PROBE_TOKENS} and 'reps' 1..{MAX_PROBE_REPS} (got {tokens}, {reps})"
-        )
-    return tokens, reps
+# The probe's size is bounded by its request's layout (contracts.rpc.ProbeRequest: tokens, reps).
 
 
 def _sync(device: torch.device) -> None:

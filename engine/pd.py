@@ -16,7 +16,6 @@ host, written into the head's shared memory (rpc/shm.py), which the head checks 
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import socket
 import threading
@@ -28,7 +27,7 @@ from prometheus_client.core import CounterMetricFamily
 
 from ..contracts.auth import AuthError, control_login
 from ..contracts.footprint import model_tensors
-from ..contracts.rpc import STATE_PUT_CAP, ControlError, Op, Status
+from ..contracts.rpc import STATE_PUT_CAP, ControlError, Op, PrefillReply, PrefillRequest, ShmOffer, Status
 from ..contracts.slot_state import SlotStateError
 from ..contracts.status import Disaggregation, Transfer
 from . import slot_state
@@ -73,8 +72,8 @@ class PrefillClient:
         limit: int,
         ipc: str | None = None,
         shm: Segment | None = None,
-    ) -> tuple[dict, list]:
-        """(reply meta, slot states as `slot_state.read_all` answers them: each chunk checked as it
+    ) -> tuple[PrefillReply, list]:
+        """(the reply, slot states as `slot_state.read_all` answers them: each chunk checked as it
         arrived) or PdFallback naming why not. `limit`: the most bytes these states can take (the
         head's own model says: `ModelTensors.slot_state_bound`); a reply announcing more is refused
         before anything is allocated. `ipc`: this head's GPU; a worker on it answers CUDA IPC handles
@@ -85,11 +84,13 @@ class PrefillClient:
             sock = socket.create_connection((self.host, self.port), timeout=min(CONNECT_TIMEOUT_S, self.deadline_s))
         except OSError as e:
             raise PdFallback("down", f"prefill worker {self.addr} unreachable: {e.strerror or e}") from None
-        request = {"tokens": list(tokens), "ranges": [list(r) for r in ranges], "fingerprint": fingerprint}
-        if ipc is not None:
-            request["ipc"] = ipc
-        if shm is not None:  # sent after AUTH: only a worker that took our proof learns the name
-            request["shm"] = shm.offer
+        request = PrefillRequest(
+            tokens=list(tokens),
+            ranges=[list(r) for r in ranges],
+            fingerprint=fingerprint,
+            ipc=ipc,
+            shm=None if shm is None else ShmOffer.from_json(shm.offer),  # sent after AUTH: only a worker
+        )  # that took our proof learns the name
         try:
             with sock:
                 reader = SocketReader(sock)
@@ -110,16 +111,17 @@ class PrefillClient:
                         slot_state.BUFFERS.discard(buf)  # nothing stays reserved for a failed exchange
                         raise
 
-                reply = self._exchange(sock, reader, Op.PREFILL, json.dumps(request).encode(), states)
+                reply = self._exchange(sock, reader, Op.PREFILL, request.encode(), states)
+                meta = PrefillReply.from_json(reply.meta)
         except (FrameTimeout, socket.timeout):
             raise PdFallback(
                 "deadline", f"prefill worker {self.addr} did not answer within {self.deadline_s:g} s"
             ) from None
         except SlotStateError as e:  # a bad header or chunk: the rest is not read (the connection closes)
             raise PdFallback("refused", f"prefill worker {self.addr}'s state: {e}") from None
-        except (FrameError, OSError, KeyError, ValueError) as e:
+        except (FrameError, OSError, KeyError, ValueError) as e:  # a reply not of PrefillReply's layout too
             raise PdFallback("transfer", f"prefill worker {self.addr} failed mid-transfer: {e}") from None
-        return reply.meta, reply.payload
+        return meta, reply.payload
 
     def _login(self, sock, reader: SocketReader) -> None:
         def exchange(payload: bytes) -> tuple[bool, dict]:
@@ -253,20 +255,20 @@ class Disaggregator:
                 meta, payload = self.client.prefill(
                     tokens, self.pipeline.ranges, self.pipeline.local.g.fingerprint, limit, self.ipc, shm
                 )
-                prefill_ms, collect_ms = meta.get("prefill_ms"), meta.get("collect_ms")
+                prefill_ms, collect_ms = meta.prefill_ms, meta.collect_ms
                 t_place = time.perf_counter()
                 try:
-                    if "ipc" in meta:  # on our GPU: the states stay in the worker's device memory
-                        transport, payload = "cuda-ipc", open_states(meta["ipc"], self.pipeline.local.device)
+                    if meta.ipc is not None:  # on our GPU: the states stay in the worker's device memory
+                        transport, payload = "cuda-ipc", open_states(meta.ipc, self.pipeline.local.device)
                         n_bytes = sum(header.body_bytes for header, _ in payload)
                     else:
-                        if meta.get("shm"):  # written into our segment: read there, every chunk checked
+                        if meta.shm:  # written into our segment: read there, every chunk checked
                             transport = "shm"
                             if shm is None or payload:
                                 raise SlotStateError(
                                     "states answered in shared memory that was not offered, or in both places"
                                 )
-                            payload = slot_state.read_all(shm.states(meta.get("sizes")))
+                            payload = slot_state.read_all(shm.states(meta.sizes))
                         n_bytes = sum(raw.nbytes for *_, raw in payload)
                         self._learn(shm, transport, n_bytes, len(tokens))
                     place(payload, tokens)
@@ -319,17 +321,15 @@ class Disaggregator:
             self.segments.close()
 
 
-def serve_prefill(engine, pipeline, request: dict, stats: PdStats, attached: Attached) -> tuple[dict, list]:
+def serve_prefill(
+    engine, pipeline, request: PrefillRequest, stats: PdStats, attached: Attached
+) -> tuple[PrefillReply, list]:
     """PREFILL on a prefill worker: run `tokens` through this worker's engine (its prompt cache
     helps), then answer one slot state per range asked for, regrouped from this worker's own
     stages. The slot is held (engine lock) from the moment the prompt is done until its state is
     copied out. `attached`: this worker's mappings of its heads' shared memory."""
-    try:
-        tokens = [int(t) for t in request["tokens"]]
-        ranges = [(int(a), int(b)) for a, b in request["ranges"]]
-        fingerprint = str(request["fingerprint"])
-    except (KeyError, TypeError, ValueError) as e:
-        raise ControlError(f"PREFILL needs tokens, ranges and fingerprint: {e!r}", Status.BAD_REQUEST) from None
+    tokens, fingerprint = request.tokens, request.fingerprint
+    ranges = [(a, b) for a, b in request.ranges]
     ours = pipeline.local.g.fingerprint
     if fingerprint != ours:
         raise ControlError(f"PREFILL for model {fingerprint}, this worker serves {ours}", Status.BAD_REQUEST)
@@ -345,14 +345,10 @@ def serve_prefill(engine, pipeline, request: dict, stats: PdStats, attached: Att
     t1 = time.perf_counter()
     device = pipeline.local.device
     # A head on this GPU takes the states in device memory (CUDA IPC handles in the meta, no payload).
-    by_ipc = request.get("ipc") is not None and device.type == "cuda" and request["ipc"] == gpu_uuid(device)
+    by_ipc = request.ipc is not None and device.type == "cuda" and request.ipc == gpu_uuid(device)
     by_ipc = by_ipc and not pipeline.remotes
     # A head on this host offers its memory: the states are packed straight into it (no bytes on the socket).
-    window = (
-        attached.window(request["shm"])
-        if request.get("shm") is not None and not by_ipc and not pipeline.remotes
-        else None
-    )
+    window = attached.window(request.shm) if request.shm is not None and not by_ipc and not pipeline.remotes else None
     if by_ipc:
         collect = lambda slot, toks: pipeline.device_states(slot, toks, ranges)  # noqa: E731
     elif not pipeline.remotes:  # one copy per range asked for, whatever the asker's split
@@ -374,11 +370,11 @@ def serve_prefill(engine, pipeline, request: dict, stats: PdStats, attached: Att
     except SlotStateError as e:
         raise ControlError(str(e), Status.BAD_REQUEST) from None
     stats.served_one(sum(sizes))
-    meta = {
-        "n_tokens": len(tokens),
-        "sizes": sizes,
-        "prefill_ms": round((t1 - t0) * 1e3, 3),
-        "collect_ms": round((time.perf_counter() - t1) * 1e3, 3),
+    meta = PrefillReply(
+        n_tokens=len(tokens),
+        sizes=sizes,
+        prefill_ms=round((t1 - t0) * 1e3, 3),
+        collect_ms=round((time.perf_counter() - t1) * 1e3, 3),
         **extra,
-    }
+    )
     return meta, list(parts)

@@ -20,7 +20,7 @@ from typing import Callable
 
 import torch
 
-from ..contracts.rpc import StaleEpoch
+from ..contracts.rpc import ProbeRequest, StaleEpoch
 from ..contracts.slot_state import SlotHeader, SlotStateError
 from ..contracts.split import check_ranges
 from ..contracts.status import StageInfo
@@ -351,7 +351,7 @@ class Pipeline:
                 self._rebuild(self._stale)
             slot = min(range(self.local.n_slots), key=self.slot_length)
             position = self.slot_length(slot)
-            request = {"slot": slot, "position": position, "tokens": tokens, "reps": reps}
+            request = ProbeRequest(slot=slot, position=position, tokens=tokens, reps=reps)
             stages = [
                 {
                     "name": "head",
@@ -360,7 +360,7 @@ class Pipeline:
                     **probe_stage(self.local, slot, position, tokens, reps),
                 }
             ]
-            stages += [{"name": r.addr, **r.time_layers(request)} for r in self.remotes]
+            stages += [{"name": r.addr, **r.time_layers(request).to_json()} for r in self.remotes]
             token = torch.zeros(1, dtype=torch.long)
             slots, positions = torch.full((1,), slot, dtype=torch.long), torch.tensor([position + tokens])
             hops: list[list[float]] = [[] for _ in self.remotes]

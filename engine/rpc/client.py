@@ -16,6 +16,7 @@ import logging
 import socket
 import threading
 import time
+from typing import TypeVar
 
 import torch
 
@@ -30,11 +31,21 @@ from ...contracts.rpc import (
     KV_CLEAR,
     STATE_SLOT,
     VERSION,
+    CheckReply,
+    CheckRequest,
     Cmd,
+    IpcOpenRequest,
+    LoadStageReply,
+    LoadStageRequest,
+    ProbeRequest,
+    StageProbe,
     StaleEpoch,
+    StateGetRequest,
+    StateMeta,
 )
 from ...contracts.rpc import ReplyStatus as R
 from ...contracts.status import PeerInfo
+from ...contracts.wire_json import Message, WireError
 from ..device import host_buffer, to_host
 from ..errors import Unavailable, UserError
 from .compute import pack_forward, pack_hello
@@ -56,6 +67,7 @@ log = logging.getLogger("hydra.rpc.client")
 CONNECT_TIMEOUT_S = 2.0
 WATCH_S = 1.0  # while a reply is pending, probe the peer this often
 PROBE_ANSWER_S = 2.0
+M = TypeVar("M", bound=Message)
 
 
 class PeerError(RuntimeError):
@@ -171,7 +183,9 @@ class RemoteStage:
             self._close()
             try:
                 self._connect()
-                self._request_json(Cmd.CHECK, {"fingerprint": self.g.fingerprint, "shapes": tensor_shapes(self.g)})
+                self._request(
+                    Cmd.CHECK, CheckRequest(fingerprint=self.g.fingerprint, shapes=tensor_shapes(self.g)), CheckReply
+                )
                 self._load(self.layer_range)
                 self._open_ipc()
             except PeerMismatch as e:
@@ -235,21 +249,22 @@ class RemoteStage:
         return link
 
     def _load(self, layers) -> None:
-        dtype = str(self.dtype).removeprefix("torch.")
-        request = {
-            "layers": list(layers),
-            "dtype": dtype,
-            "n_slots": self.n_slots,
-            "n_ctx": self.n_ctx,
-            "kv_types": list(self.kv_types),
-            "max_run": self.max_run,
-        }
-        if self.kv_pool is not None:
-            request["kv_pool"] = self.kv_pool
-        reply = self._request_json(Cmd.LOAD_STAGE, request)
-        self.epoch, self.state_key = reply["epoch"], bytes.fromhex(reply["state_key"])
+        request = LoadStageRequest(
+            layers=list(layers),
+            dtype=str(self.dtype).removeprefix("torch."),
+            n_slots=self.n_slots,
+            n_ctx=self.n_ctx,
+            kv_pool=self.kv_pool,
+            kv_types=list(self.kv_types),
+            max_run=self.max_run,
+        )
+        reply = self._request(Cmd.LOAD_STAGE, request, LoadStageReply)
+        try:
+            self.epoch, self.state_key = reply.epoch, bytes.fromhex(reply.state_key)
+        except ValueError:
+            raise PeerMismatch(f"peer {self.addr} answered LOAD_STAGE with a state_key that is not hex") from None
         self.layer_range = tuple(layers)
-        self.device = reply.get("device", "remote")
+        self.device = reply.device
 
     def _open_ipc(self) -> None:
         """Map the peer's CUDA IPC channel when it computes on our GPU; otherwise (another GPU or
@@ -261,13 +276,13 @@ class RemoteStage:
             self._retired.clear()  # nothing queued can touch them any more: unmap
         if not self._caps & CAP_IPC:
             return
-        request = {"uuid": gpu_uuid(dev), "rows": IPC_TOKENS, "dtype": "float32"}
-        status, body = self._status(self._exchange(Cmd.IPC_OPEN, json.dumps(request).encode()))
+        request = IpcOpenRequest(uuid=gpu_uuid(dev), rows=IPC_TOKENS, dtype="float32")
+        status, body = self._status(self._exchange(Cmd.IPC_OPEN, request.encode()))
         if status != R.OK:
             log.info("peer %s: hidden states go over the socket (%s)", self.addr, body.decode("utf-8", "replace"))
             return
         try:
-            self._ipc = IpcChannel.open(json.loads(body), DTYPES[request["dtype"]], dev)
+            self._ipc = IpcChannel.open(json.loads(body), DTYPES[request.dtype], dev)
         except (RuntimeError, KeyError, ValueError) as e:
             log.warning(
                 "peer %s shares our GPU but its CUDA IPC channel could not be mapped (%s): using the socket",
@@ -379,30 +394,40 @@ class RemoteStage:
             if self.state == "up":
                 self._guarded(lambda: self._exchange(Cmd.KV_CLEAR, KV_CLEAR.pack(slot)))
 
-    def time_layers(self, request: dict) -> dict:
-        """PROBE (contracts.rpc.ProbeRequest -> StageProbe): the peer times its own layers."""
+    def time_layers(self, request: ProbeRequest) -> StageProbe:
+        """PROBE: the peer times its own layers."""
         with self._lock:
             if self.state != "up":
                 raise PeerUnavailable(f"peer {self.addr} is down ({self.error}): cannot probe it")
-            status, body = self._guarded(lambda: self._status(self._exchange(Cmd.PROBE, json.dumps(request).encode())))
+            status, body = self._guarded(lambda: self._status(self._exchange(Cmd.PROBE, request.encode())))
         if status != R.OK:
             raise UserError(f"peer {self.addr} refused the probe: {body.decode('utf-8', 'replace')}")
-        return json.loads(body)
+        try:
+            return StageProbe.decode(body)
+        except WireError as e:
+            raise UserError(f"peer {self.addr} answered the probe badly: {e}") from None
 
     # --- state ops: this peer's layers of a slot, out and in (contracts.slot_state) ----------------
 
     def state_meta(self, slot: int) -> dict:
-        return json.loads(bytes(self._state_call(Cmd.STATE_META, [STATE_SLOT.pack(slot)])))
+        return self._state_reply(self._state_call(Cmd.STATE_META, [STATE_SLOT.pack(slot)]))
 
     def state_get(self, slot: int, tokens: list[int]) -> memoryview:
         """The state of `slot`'s first len(tokens) positions on this peer's layers (a view of the
         reply as it was received: no copy)."""
         limit = 1 + self._tensors.slot_state_bound([self.layer_range], len(tokens))  # + the status byte
-        return self._state_call(Cmd.STATE_GET, [json.dumps({"slot": slot, "tokens": list(tokens)}).encode()], limit)
+        return self._state_call(Cmd.STATE_GET, [StateGetRequest(slot=slot, tokens=list(tokens)).encode()], limit)
 
     def state_put(self, slot: int, state) -> dict:
         """Place a state of this peer's layers into `slot`; a refusal (PeerError) leaves it as it was."""
-        return json.loads(bytes(self._state_call(Cmd.STATE_PUT, [STATE_SLOT.pack(slot), state])))
+        return self._state_reply(self._state_call(Cmd.STATE_PUT, [STATE_SLOT.pack(slot), state]))
+
+    def _state_reply(self, body) -> dict:
+        """A `StateMeta` reply, checked against its layout, as JSON."""
+        try:
+            return StateMeta.decode(body).to_json()
+        except WireError as e:
+            raise PeerError(f"peer {self.addr}: {e}") from None
 
     def _state_call(self, cmd: int, parts: list, limit: int | None = None) -> memoryview:
         """One state op on a connection of its own, joined to our session (STATE_JOIN): a slot's
@@ -476,11 +501,15 @@ class RemoteStage:
         self._send(cmd, payload, link)
         return self._read_reply(link)
 
-    def _request_json(self, cmd: int, obj: dict) -> dict:
-        status, body = self._status(self._exchange(cmd, json.dumps(obj).encode()))
+    def _request(self, cmd: int, request: Message, reply_type: type[M]) -> M:
+        """A JSON command and its reply, checked against the reply's layout."""
+        status, body = self._status(self._exchange(cmd, request.encode()))
         if status != R.OK:
             raise PeerMismatch(f"peer {self.addr} refused: {body.decode('utf-8', 'replace')}")
-        return json.loads(body) if body else {}
+        try:
+            return reply_type.decode(body)
+        except WireError as e:
+            raise PeerMismatch(f"peer {self.addr} answered {request.OP} badly: {e}") from None
 
     @staticmethod
     def _status(reply) -> tuple[int, bytes]:

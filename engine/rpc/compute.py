@@ -46,12 +46,19 @@ from ...contracts.rpc import (
     STATE_PUT_CAP,
     STATE_SLOT,
     VERSION,
+    CheckReply,
+    CheckRequest,
     Cmd,
+    IpcOpenRequest,
+    LoadStageRequest,
+    ProbeRequest,
     StaleEpoch,
+    StateGetRequest,
     frame_deadline,
 )
 from ...contracts.rpc import ReplyStatus as R
 from ...contracts.slot_state import SlotStateError
+from ...contracts.wire_json import Message, WireError
 from ..device import host_buffer, to_host
 from .cuda_ipc import IpcChannel
 from .resident import DTYPES, ComputeError
@@ -140,6 +147,7 @@ class ComputeServer:
         self.bytes_in = self.bytes_out = 0
         self.spin_s = spin_s  # busy-wait for the next frame (RpcSettings.spin_seconds)
         self._sessions = itertools.count(1)
+        self.commands = self._commands()
 
     @property
     def caps(self) -> int:
@@ -248,52 +256,64 @@ class ComputeServer:
         reader.read_into(memoryview(buf))
         return cmd, buf
 
+    def _commands(self) -> dict[int, tuple]:
+        """The dispatch table: command id -> (parse the payload into the command's request, run it
+        with the session; returns buffers, or a `Message` / dict sent as JSON). Parsing refuses what
+        the layout does not allow (contracts.rpc, naming the field) before anything runs."""
+        raw = _raw_payload
+        return {
+            Cmd.CHECK: (CheckRequest.decode, self._check),
+            Cmd.LOAD_STAGE: (LoadStageRequest.decode, lambda r, s: self.host.load(r, owner=s["id"])),
+            Cmd.RESOLVE: (_text, lambda name, s: self.host.resolve(name)),
+            Cmd.FORWARD: (raw, lambda p, s: self._forward(Cmd.FORWARD, p, s)),
+            Cmd.FORWARD_IPC: (raw, lambda p, s: self._forward(Cmd.FORWARD_IPC, p, s)),
+            Cmd.KV_CLEAR: (_struct(KV_CLEAR), lambda r, s: self.host.kv_clear(r[0], owner=s["id"]) or []),
+            Cmd.KV_TRIM: (_struct(KV_TRIM), lambda r, s: []),  # rollback is implicit: positions >= n are overwritten
+            Cmd.STATS: (
+                raw,
+                lambda p, s: {**self.host.stats(), "bytes_in": self.bytes_in, "bytes_out": self.bytes_out},
+            ),
+            Cmd.PING: (raw, lambda p, s: [bytes(p[:PING_MAX])]),
+            Cmd.PROBE: (ProbeRequest.decode, lambda r, s: self.host.probe(r, owner=s["id"])),
+            Cmd.STATE_META: (_struct(STATE_SLOT), lambda r, s: self.host.state_meta(r[0], owner=s["id"])),
+            Cmd.STATE_GET: (StateGetRequest.decode, lambda r, s: self.host.state_get(r, owner=s["id"])),
+            Cmd.STATE_PUT: (raw, lambda p, s: self._state_put(*p, s)),  # (reader, size): it streams in
+            Cmd.STATE_JOIN: (raw, self._join),
+            Cmd.IPC_OPEN: (IpcOpenRequest.decode, self._ipc_open),
+        }
+
     def _command(self, cmd: int, payload, session: dict) -> list:
         """Run one command; returns the reply body as buffers."""
-        if cmd in (Cmd.FORWARD, Cmd.FORWARD_IPC):
-            if not session["checked"]:
-                raise ComputeError("CHECK (fingerprint and shapes) must pass before FORWARD")
-            return self._forward(cmd, payload, session)
-        if cmd == Cmd.CHECK:
-            body = self.host.check(_json(payload))
-            session["checked"] = True
-        elif cmd == Cmd.LOAD_STAGE:
-            if not session["checked"]:
-                raise ComputeError("CHECK (fingerprint and shapes) must pass before LOAD_STAGE")
-            body = self.host.load(_json(payload), owner=session["id"])
-        elif cmd == Cmd.RESOLVE:
-            body = self.host.resolve(bytes(payload).decode("utf-8", "replace"))
-        elif cmd == Cmd.KV_CLEAR:
-            (slot,) = _unpack(KV_CLEAR, payload)
-            self.host.kv_clear(slot, owner=session["id"])
-            return []
-        elif cmd == Cmd.KV_TRIM:
-            _unpack(KV_TRIM, payload)  # rollback is implicit: positions >= n are overwritten
-            return []
-        elif cmd == Cmd.STATS:
-            body = {**self.host.stats(), "bytes_in": self.bytes_in, "bytes_out": self.bytes_out}
-        elif cmd == Cmd.PING:
-            return [bytes(payload[:PING_MAX])]
-        elif cmd == Cmd.PROBE:
-            body = self.host.probe(_json(payload), owner=session["id"])
-        elif cmd == Cmd.STATE_META:
-            (slot,) = _unpack(STATE_SLOT, payload)
-            body = self.host.state_meta(slot, owner=session["id"])
-        elif cmd == Cmd.STATE_GET:
-            return self.host.state_get(_json(payload), owner=session["id"])
-        elif cmd == Cmd.STATE_PUT:
-            body = self._state_put(*payload, session)
-        elif cmd == Cmd.STATE_JOIN:
-            session["id"] = self.host.join(payload)
-            return []
-        elif cmd == Cmd.IPC_OPEN:
-            session["ipc"] = None  # a failed re-open leaves no channel half-set
-            session["ipc"], body = IpcChannel.create(self.host.device, _json(payload), self.host.cfg.n_embd)
-        else:
+        parse, run = self.commands.get(cmd, (None, None))
+        if run is None:
             raise ComputeError(f"unknown command {cmd}")
+        if cmd in _AFTER_CHECK and not session["checked"]:
+            raise ComputeError(f"CHECK (fingerprint and shapes) must pass before {_NAMES[cmd]}")
+        try:
+            request = parse(payload)
+        except WireError as e:
+            raise ComputeError(str(e)) from None
+        body = run(request, session)
+        if isinstance(body, list):
+            return body
+        body = body.to_json() if isinstance(body, Message) else body
         return [json.dumps(body, separators=(",", ":")).encode()]
 
-    def _state_put(self, reader: SocketReader, size: int, session: dict) -> dict:
+    def _check(self, request: CheckRequest, session: dict) -> CheckReply:
+        reply = self.host.check(request)
+        session["checked"] = True
+        return reply
+
+    def _join(self, key, session: dict) -> list:
+        session["id"] = self.host.join(key)
+        return []
+
+    def _ipc_open(self, request: IpcOpenRequest, session: dict) -> dict:
+        session["ipc"] = None  # a failed re-open leaves no channel half-set
+        session["ipc"], desc = IpcChannel.create(self.host.device, request, self.host.cfg.n_embd)
+        return desc
+
+    def _state_put(self, reader: SocketReader, size: int, session: dict) -> Message:
         """STATE_PUT: `STATE_SLOT` then the state, read straight off the socket; whatever the
         refusal leaves unread is drained in 64 KiB pieces, so the session stays in sync."""
         left = size
@@ -367,17 +387,24 @@ class ComputeServer:
         return True
 
 
-def _json(payload) -> dict:
-    try:
-        obj = json.loads(bytes(payload) or b"{}")
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ComputeError(f"payload is not JSON: {e}") from None
-    if not isinstance(obj, dict):
-        raise ComputeError("payload must be a JSON object")
-    return obj
+_AFTER_CHECK = frozenset({Cmd.FORWARD, Cmd.FORWARD_IPC, Cmd.LOAD_STAGE})
+_NAMES = {v: k for k, v in vars(Cmd).items() if k.isupper()}
 
 
-def _unpack(st: struct.Struct, payload):
-    if len(payload) != st.size:
-        raise ComputeError(f"payload must be {st.size} bytes, got {len(payload)}")
-    return st.unpack(payload)
+def _raw_payload(payload):
+    return payload
+
+
+def _text(payload) -> str:
+    return bytes(payload).decode("utf-8", "replace")
+
+
+def _struct(st: struct.Struct):
+    """A fixed-size payload's fields."""
+
+    def parse(payload) -> tuple:
+        if len(payload) != st.size:
+            raise ComputeError(f"payload must be {st.size} bytes, got {len(payload)}")
+        return st.unpack(payload)
+
+    return parse

@@ -8,7 +8,6 @@ answer NOT_IMPLEMENTED, after their payload has been drained so the stream stays
 
 from __future__ import annotations
 
-import json
 import logging
 from typing import Protocol
 
@@ -19,11 +18,15 @@ from ...contracts.rpc import (
     KNOWN_OPS,
     PREAUTH_MAX_FRAME,
     STATE_PUT_CAP,
+    ConfigureRequest,
     ControlError,
     Op,
+    PipelineProbeRequest,
+    PrefillRequest,
     Status,
     frame_deadline,
 )
+from ...contracts.wire_json import Message, WireError
 from .wire import (
     AuthFailed,
     BufferReader,
@@ -40,27 +43,43 @@ log = logging.getLogger("hydra.rpc.control")
 
 
 class ControlBackend(Protocol):
-    """What a worker exposes over the control port. Missing state ops answer NOT_IMPLEMENTED."""
+    """What a worker exposes over the control port. Missing ops answer NOT_IMPLEMENTED."""
 
     def info(self) -> dict: ...
 
-    def configure(self, request: dict) -> dict: ...
+    def configure(self, request: ConfigureRequest) -> dict: ...
 
     def set_expert_mode(self, mode: str) -> dict: ...
 
 
-_JSON_OPS = {Op.CONFIGURE, Op.PROBE, Op.PREFILL}
-_HANDLERS = {
-    Op.INFO: "info",
-    Op.CONFIGURE: "configure",
-    Op.PROBE: "probe",
-    Op.SET_EXPERT_MODE: "set_expert_mode",
-    Op.STATE_GET: "state_get",
-    Op.STATE_PUT: "state_put",
-    Op.STATE_META: "state_meta",
-    Op.PREFILL: "prefill",
+def _none(key: bytes, payload) -> None:
+    return None
+
+
+def _json(layout: type[Message]):
+    return lambda key, payload: layout.decode(payload)
+
+
+def _slot(key: bytes, payload) -> int:
+    text = key.decode("ascii", "replace")
+    if not text.isdigit():
+        raise ControlError(f"bad key {text!r}: a slot id in ASCII digits")
+    return int(text)
+
+
+# op -> (backend method, parse(key, payload) -> the op's request). The server's dispatch table holds
+# the ops its backend has: (parse, the bound method taking the parsed request).
+_OPS = {
+    Op.INFO: ("info", _none),
+    Op.CONFIGURE: ("configure", _json(ConfigureRequest)),
+    Op.PROBE: ("probe", _json(PipelineProbeRequest)),
+    Op.SET_EXPERT_MODE: ("set_expert_mode", lambda key, payload: payload.decode("utf-8", "replace").strip()),
+    Op.STATE_GET: ("state_get", _slot),
+    Op.STATE_PUT: ("state_put", lambda key, payload: (_slot(key, payload), payload)),
+    Op.STATE_META: ("state_meta", _slot),
+    Op.PREFILL: ("prefill", _json(PrefillRequest)),
 }
-_KEYED_OPS = {Op.STATE_GET, Op.STATE_PUT, Op.STATE_META}
+_SPREAD = {Op.STATE_PUT}  # their parsed request is the method's arguments
 
 
 class ControlServer:
@@ -80,6 +99,11 @@ class ControlServer:
         role: str = "head",
     ):
         self.backend, self.role = backend, role
+        self.handlers = {
+            op: (parse, method)
+            for op, (name, parse) in _OPS.items()
+            if (method := getattr(backend, name, None)) is not None
+        }
         self.auth_token = auth_token
         self.max_frame = max_frame
         self.idle_s = idle_s
@@ -105,8 +129,8 @@ class ControlServer:
         h = read_control_header(reader)
         reader.expect(frame_deadline(h.key_len + h.trace_len + h.payload_len))
         req = read_control_body(reader, h)
-        method = getattr(self.backend, _HANDLERS.get(req.op, ""), None)
-        readable = req.op == Op.AUTH or method is not None
+        handler = self.handlers.get(req.op)
+        readable = req.op == Op.AUTH or handler is not None
         if req.op == Op.STATE_PUT and req.payload_len > STATE_PUT_CAP:
             reader.drain(req.payload_len)  # an oversize STATE_PUT is drained; the connection lives
             self._reply(conn, Status.ERROR, {"error": f"STATE_PUT of {req.payload_len} bytes over the 4 GiB cap"})
@@ -131,7 +155,7 @@ class ControlServer:
         payload = reader.read_exact(req.payload_len)  # writable: a slot state is placed from it as it is
         if req.op == Op.AUTH:
             return self._auth(conn, payload, session)
-        self._handle(conn, req, method, payload)
+        self._handle(conn, req, *handler, payload)
         return True
 
     def _auth(self, conn, payload: bytes, session: dict) -> bool:
@@ -159,18 +183,16 @@ class ControlServer:
         self._reply(conn, Status.ERROR, {"error": "authentication failed"})
         return False
 
-    def _handle(self, conn, req, method, payload: bytes) -> None:
+    def _handle(self, conn, req, parse, method, payload: bytes) -> None:
         try:
-            args = []
-            if req.op in _KEYED_OPS:
-                args.append(_slot_key(req.key))
-            if req.op in _JSON_OPS:
-                args.append(_json_payload(payload))
-            elif req.op == Op.SET_EXPERT_MODE:
-                args.append(payload.decode("utf-8", "replace").strip())
-            elif req.op == Op.STATE_PUT:
-                args.append(payload)
-            result = method(*args)
+            try:
+                request = parse(req.key, payload)
+            except WireError as e:
+                raise ControlError(str(e), Status.BAD_REQUEST) from None
+            if req.op in _SPREAD:
+                result = method(*request)
+            else:
+                result = method() if request is None else method(request)
         except ControlError as e:
             self._reply(conn, e.status, {"error": str(e)})
             return
@@ -179,6 +201,7 @@ class ControlServer:
             self._reply(conn, Status.ERROR, {"error": f"{type(e).__name__}: {e}"})
             return
         meta, body = result if isinstance(result, tuple) else (result, b"")
+        meta = meta.to_json() if isinstance(meta, Message) else meta
         self._reply(conn, Status.OK, meta, body)
 
     @staticmethod
@@ -189,20 +212,3 @@ class ControlServer:
             send_all(conn, control_response_head(status, meta, sum(memoryview(p).nbytes for p in parts)), *parts)
         except OSError:
             pass
-
-
-def _slot_key(key: bytes) -> int:
-    text = key.decode("ascii", "replace")
-    if not text.isdigit():
-        raise ControlError(f"bad key {text!r}: a slot id in ASCII digits")
-    return int(text)
-
-
-def _json_payload(payload: bytes) -> dict:
-    try:
-        obj = json.loads(payload or b"{}")
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ControlError(f"payload is not JSON: {e}", Status.BAD_REQUEST) from None
-    if not isinstance(obj, dict):
-        raise ControlError("payload must be a JSON object", Status.BAD_REQUEST)
-    return obj

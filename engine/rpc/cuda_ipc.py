@@ -32,10 +32,11 @@ import base64
 import torch
 from zlib_ng.zlib_ng import crc32
 
+from ...contracts.rpc import IPC_ROWS, IpcOpenRequest
 from ...contracts.slot_state import IpcSlotState, SlotHeader, SlotStateError
 from .resident import DTYPES, ComputeError
 
-IPC_TOKENS = 1024  # rows per buffer; larger batches (long prefills) take the byte path
+IPC_TOKENS = IPC_ROWS  # rows per buffer; larger batches (long prefills) take the byte path
 # Batches of at least this many rows wait for the other process's event on the host. Two
 # processes time-share the GPU: work queued behind a cross-process wait keeps its context in the
 # rotation and slowed the other side's long prefill by a third on an H200; a decode step is too
@@ -118,20 +119,14 @@ class IpcChannel:
         return t <= self.rows and d == self.inbox.shape[1] and hidden.dtype == self.inbox.dtype
 
     @classmethod
-    def create(cls, device: torch.device, request: dict, width: int) -> tuple[IpcChannel, dict]:
+    def create(cls, device: torch.device, request: IpcOpenRequest, width: int) -> tuple[IpcChannel, dict]:
         """Peer side: allocate and export. Refuses (ComputeError) unless this worker computes on
-        the very GPU the head names."""
+        the very GPU the head names (rows and dtype are bounded by the request's layout)."""
         if device.type != "cuda":
             raise ComputeError(f"this peer computes on {device}: no CUDA IPC")
-        if request.get("uuid") != gpu_uuid(device):
+        if request.uuid != gpu_uuid(device):
             raise ComputeError("head and peer are on different GPUs: no CUDA IPC")
-        try:
-            rows = int(request.get("rows", IPC_TOKENS))
-            dtype = DTYPES[request.get("dtype", "float32")]
-        except (KeyError, TypeError, ValueError) as e:
-            raise ComputeError(f"IPC_OPEN needs rows and dtype: {e!r}") from None
-        if not 0 < rows <= 1 << 16:
-            raise ComputeError(f"IPC_OPEN rows must be 1..65536, got {rows}")
+        rows, dtype = request.rows, DTYPES[request.dtype]
         inbox = torch.empty(rows, width, dtype=dtype, device=device)
         outbox = torch.empty(rows, width, dtype=dtype, device=device)
         ready, done = (torch.cuda.Event(interprocess=True) for _ in range(2))

@@ -66,8 +66,9 @@ class Segment:
         return len(self.map) - SHM_DATA_OFFSET
 
     @property
-    def offer(self) -> ShmOffer:
-        return {"name": self.name, "size": len(self.map), "nonce": self.nonce.hex()}
+    def offer(self) -> dict:
+        """The JSON of its `ShmOffer`."""
+        return ShmOffer(name=self.name, size=len(self.map), nonce=self.nonce.hex()).to_json()
 
     def states(self, sizes) -> memoryview:
         """The bytes of states of these sizes, back to back (a PREFILL reply's `sizes`); a
@@ -178,13 +179,14 @@ class Attached:
         self._maps: OrderedDict[str, tuple[int, mmap.mmap]] = OrderedDict()
         self._lock = threading.Lock()
 
-    def window(self, offer) -> memoryview | None:
+    def window(self, offer: ShmOffer | dict) -> memoryview | None:
         """Where the states go in the segment `offer` names (a PREFILL request's `shm`), or None
         when this worker cannot use it: malformed, not on this host (no such file, or another
         nonce: another host's or mount namespace's), not this user's, not of the offered size."""
         try:
-            name, size, nonce = str(offer["name"]), int(offer["size"]), bytes.fromhex(offer["nonce"])
-        except (KeyError, TypeError, ValueError, AttributeError):
+            offer = offer if isinstance(offer, ShmOffer) else ShmOffer.from_json(offer)
+            name, size, nonce = offer.name, offer.size, bytes.fromhex(offer.nonce)
+        except ValueError:  # WireError included
             return None
         if SHM_NAME.fullmatch(name) is None or not SHM_DATA_OFFSET < size <= SHM_DATA_OFFSET + STATE_PUT_CAP:
             return None
