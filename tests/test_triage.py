@@ -139,7 +139,7 @@ def test_advice_names_the_setting():
             0.5,
             "peer1",
             "crash-loop",
-            "3 exits in a row within 10 s of the start; last stderr: hydra-engine: "
+            "3 exits in a row, none after a healthy run (60 s); last line: hydra-engine: "
             "error: /m/x.gguf: No such file or directory",
         )
     ]
