@@ -201,6 +201,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-queue", type=int, default=64, help="requests waiting beyond the busy slots; more get 503 + Retry-After"
     )
     s.add_argument(
+        "--drain-grace",
+        type=float,
+        default=5.0,
+        help="seconds requests in flight may run on after SIGTERM (new ones get 503 + Retry-After); "
+        "then they end with 503 'the server is shutting down' and the head stops",
+    )
+    s.add_argument(
         "--max-n",
         type=int,
         default=None,

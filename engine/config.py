@@ -234,6 +234,7 @@ class HeadConfig(WorkerConfig):
     api_key: str | None = field(default=None, repr=False)  # None: the HTTP API is open
     max_body: int = MIN_MAX_BODY  # bytes of a request body; above: 413
     max_queue: int = 64  # requests waiting beyond the slots; above: 503 + Retry-After
+    drain_grace: float = 5.0  # seconds in-flight requests run on after SIGTERM (http/drain.py)
     n_predict: int = 1024  # max_tokens of a chat request that names none; -1: to the end of the context
     max_n: int = 4  # choices (`n`) one request may ask for; above: 400 (default: --parallel)
     max_response: int = DEFAULT_MAX_RESPONSE  # bytes of a non-streamed response body; above: 400
@@ -379,6 +380,7 @@ def rpc_settings(args, env: Mapping[str, str], **mode) -> RpcSettings:
 def head_config(args, env: Mapping[str, str]) -> HeadConfig:
     _at_least(1, parallel=args.parallel, rpc_pool_size=args.rpc_pool_size)
     _at_least(0, rpc_queue=args.rpc_queue, peer_wait=args.peer_wait, max_queue=args.max_queue)
+    _at_least(0, drain_grace=args.drain_grace)
     _at_least(-1, n_predict=args.n_predict)
     batch_tokens = args.batch_size if args.batch_size is not None else default_batch_tokens(args.device)
     _at_least(1, batch_size=batch_tokens)
@@ -407,6 +409,7 @@ def head_config(args, env: Mapping[str, str]) -> HeadConfig:
         api_key=args.api_key or env.get("HYDRA_API_KEY") or None,
         max_body=max_body,
         max_queue=args.max_queue,
+        drain_grace=args.drain_grace,
         n_predict=args.n_predict,
         max_n=max_n,
         max_response=args.max_response,

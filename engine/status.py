@@ -146,6 +146,7 @@ class StatusDocument:
         self.startup_stage = 1
         self.degraded: str | None = None  # degraded but serving: why (the owner sets it)
         self.error: str | None = None  # why loading failed
+        self.stopping: str | None = None  # set by SIGTERM's drain (http/drain.py): /health is 503 with it
         self.model: ModelInfo | None = None
         self.pipeline = None
         self.engine = None
@@ -166,6 +167,8 @@ class StatusDocument:
 
     def unavailable(self) -> str | None:
         """Why requests cannot be served now though loading is done, read at request time."""
+        if self.stopping is not None:
+            return self.stopping
         return self.pipeline.unavailable() if self.pipeline is not None else None
 
     @property

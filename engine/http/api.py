@@ -138,7 +138,7 @@ def create_app(head: Head) -> FastAPI:
     app = FastAPI(title="Hydra head", version="0.1.0", default_response_class=capped_json(head.cfg.max_response))
     app.state.head = head
     app.add_middleware(JsonBody)  # innermost: a body is JSON whatever its declared type
-    app.add_middleware(Gate, api_key=head.cfg.api_key, max_body=head.cfg.max_body)
+    app.add_middleware(Gate, api_key=head.cfg.api_key, max_body=head.cfg.max_body, drain=head.drain)
     app.add_middleware(Cors, origins=head.cfg.cors_origins)  # outermost: a preflight needs no key
     add_observation_routes(app, head.status, head.metrics if head.cfg.metrics else None)
     app.include_router(embedding_routes(head))

@@ -444,6 +444,9 @@ class Run:
         self.head, self.http, self.reqs, self.streamed = head, http, reqs, streamed
         self.record = record_of(http)
         self.inbox = Inbox()
+        self.done: set[int] = set()  # choices whose final event the consumer has had
+        self.ended = False  # aborted, or its consumer stopped reading
+        head.drain.admit(self)  # refused (503) once SIGTERM's drain has begun; else followed by it
         mailbox = LoopMailbox.of(asyncio.get_running_loop())
         for i, req in enumerate(reqs):
             req.sink = lambda ev, i=i: mailbox.post(self.inbox, (i, ev))
@@ -474,6 +477,24 @@ class Run:
         for req in self.reqs:
             self.head.engine.cancel(req)
 
+    @property
+    def live(self) -> bool:
+        """Some choice still generating for a consumer (what SIGTERM's drain waits for)."""
+        return not self.ended and len(self.done) < len(self.reqs)
+
+    def abort(self, error: BaseException) -> None:
+        """End every unfinished choice now (in the loop): the consumer reads a final event with
+        `error` for each, as if the engine had failed it; the engine's own later events for them are
+        dropped (`done`), their requests cancelled."""
+        from ..serving.sequence import Event
+
+        self.ended = True
+        self.held.clear()
+        for i in range(len(self.reqs)):
+            if i not in self.done:
+                self.inbox.put_nowait((i, Event(finish_reason="error", error=error)))
+        self._cancel()
+
     async def events(self) -> AsyncIterator[tuple[int, Event]]:
         """(choice index, event) until every choice has finished; a client that goes away cancels
         them (their slots are freed at once)."""
@@ -490,9 +511,10 @@ class Run:
                     checked = loop.time()
                     if await self.http.is_disconnected():
                         return
-                if ev is None:
+                if ev is None or i in self.done:  # in `done`: an aborted choice's own late events
                     continue
                 if ev.finish_reason is not None:
+                    self.done.add(i)
                     finals.append(ev)
                     if self.record is not None:
                         self.record.usage(usage_of(finals))
@@ -500,6 +522,7 @@ class Run:
                             self.record.reason = describe(ev.error)
                 yield i, ev
         finally:
+            self.ended = True
             self._cancel()
 
     def response(self, parts: AsyncIterator[bytes]) -> StreamingResponse:

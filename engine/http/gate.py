@@ -8,6 +8,7 @@ whole first) and a refusal costs no parsing.
 - Body limit (`--max-body`): 413 on a Content-Length above it before reading, or as soon as a
   chunked body passes it (the receive wrapper raises a 413 HTTPException, which FastAPI passes on
   to the app's handler).
+- Drain: once SIGTERM's drain closes the API (`http/drain.py`), 503 + Retry-After.
 - Log: one line per API request (id, endpoint, HTTP status, tokens in/out, ms, and why it failed);
   a traceback only for an unexpected exception, which becomes a 500 here. The routes fill the
   tokens and a streamed failure's reason in through `record_of(request)`; any other refusal's
@@ -27,6 +28,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 
 from ..errors import describe
+from .drain import Drain
 from .errors import error_response
 
 log = logging.getLogger("hydra.http")
@@ -64,10 +66,11 @@ def record_of(request: Request) -> RequestRecord | None:
 
 
 class Gate:
-    def __init__(self, app, *, api_key: str | None, max_body: int):
+    def __init__(self, app, *, api_key: str | None, max_body: int, drain: Drain | None = None):
         self.app = app
         self.key = api_key.encode() if api_key else None
         self.max_body = max_body
+        self.drain = drain  # once it is closing (SIGTERM), every API request gets 503
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or scope["path"] in PUBLIC_PATHS:
@@ -119,6 +122,8 @@ class Gate:
                 return error_response(400, "Content-Length is not a number", "invalid_request_error")
             if n > self.max_body:
                 return error_response(413, self.too_large, "invalid_request_error")
+        if self.drain is not None and self.drain.closing:
+            return self.drain.refusal().response()
         return None
 
     def _authorized(self, headers: dict[bytes, bytes]) -> bool:

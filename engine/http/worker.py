@@ -14,6 +14,7 @@ from ..config import HttpLimits
 from ..errors import UserError
 from ..metrics import CONTENT_TYPE, Metrics
 from ..status import StatusDocument
+from .drain import Drain
 from .errors import error_response
 from .guard import guarded_h11
 
@@ -72,10 +73,32 @@ def listen_sockets(hosts: str, port: int) -> list[socket.socket]:
     return socks
 
 
-def http_server(app: FastAPI, limits: HttpLimits | None = None) -> uvicorn.Server:
+def http_server(app: FastAPI, limits: HttpLimits | None = None, drain: Drain | None = None) -> uvicorn.Server:
+    """`drain`: the head's, run on a stop signal before uvicorn's own shutdown (http/drain.py)."""
     # h11, not httptools: httptools' writer lowercases header names, and llama-server's clients see
     # its spelling (Access-Control-Allow-Origin, Process-Start-Time-Unix); uvloop stays ("auto").
     # guard.py's subclass of it adds the connection caps and the header and body deadlines.
-    return uvicorn.Server(
-        uvicorn.Config(app, http=guarded_h11(limits or HttpLimits()), log_level="warning", timeout_graceful_shutdown=2)
+    config = uvicorn.Config(
+        app, http=guarded_h11(limits or HttpLimits()), log_level="warning", timeout_graceful_shutdown=2
     )
+    return DrainingServer(config, drain)
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn, whose shutdown (on SIGTERM / SIGINT, or a failed load) first runs `drain`: the
+    requests in flight end, finished or with a clean 503, before uvicorn closes the port and then
+    cancels whatever is still running after `timeout_graceful_shutdown`."""
+
+    def __init__(self, config: uvicorn.Config, drain: Drain | None = None):
+        super().__init__(config)
+        self.drain = drain
+
+    def handle_exit(self, sig, frame) -> None:
+        if self.should_exit and self.drain is not None:  # a second signal: no more grace
+            self.drain.hurry()
+        super().handle_exit(sig, frame)
+
+    async def shutdown(self, sockets=None) -> None:
+        if self.drain is not None:
+            await self.drain.run()
+        await super().shutdown(sockets)

@@ -3,7 +3,8 @@
 Start order: bind the HTTP port and serve /health (503, "starting") at once; then, in a loader
 thread, model file → tokenizer → speculator → pipeline (own stage + peers, waiting for them) →
 merged RPC port → engine, each step moving /health's startup_stage on. Stop order is the reverse:
-engine, RPC port, pipeline (peer connections), on SIGTERM too.
+engine, RPC port, pipeline (peer connections), on SIGTERM too, after the HTTP API's drain
+(http/drain.py: new requests 503, those in flight finish within --drain-grace or end with a clean 503).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from ...contracts.split import parse_split
 from ...contracts.status import READY_STAGE, WARMING_STAGE, ModelInfo
 from ..config import HeadConfig
 from ..errors import UserError
+from ..http.drain import Drain
 from ..http.worker import http_server, listen_sockets
 from ..metrics import Metrics
 from ..status import StatusDocument
@@ -35,6 +37,7 @@ class HeadWorker:
         self.cfg = cfg
         self.status = StatusDocument(cfg.role, cfg.host, cfg.port, config=cfg.redacted())
         self.metrics = Metrics(self.status)
+        self.drain = Drain(cfg.drain_grace, self.status)  # SIGTERM: the API's requests end before the engine
         self.model_name: str | None = cfg.aliases[0] if cfg.aliases else None
         self.pooling: str | None = None  # embedding pooling, resolved from --pooling and the GGUF at load
         self.created = int(time.time())
@@ -131,7 +134,7 @@ class HeadWorker:
 
         cfg = self.cfg
         socks = listen_sockets(cfg.host, cfg.port)
-        server = http_server(create_app(self), cfg.http)
+        server = http_server(create_app(self), cfg.http, self.drain)
 
         def load():
             try:
@@ -143,9 +146,9 @@ class HeadWorker:
                 server.should_exit = True
 
         threading.Thread(target=load, name="hydra-load", daemon=True).start()
-        # uvicorn stops serving on SIGTERM, then raises it again under the handler it found: this
-        # one lets `stop` run (a decode head's shared memory under /dev/shm is unlinked there)
-        # before the signal ends the process as it would have.
+        # On SIGTERM uvicorn drains the API (http/drain.py), stops serving, then raises the signal
+        # again under the handler it found: this one lets `stop` run (a decode head's shared memory
+        # under /dev/shm is unlinked there) before the signal ends the process as it would have.
         signal.signal(signal.SIGTERM, _terminated)
         terminated = False
         try:

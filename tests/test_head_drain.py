@@ -1,0 +1,153 @@
+"""SIGTERM drains a real head process (the console's restart and stop send it): in-flight requests
+either finish or end cleanly with a 503 in OpenAI's shape (streamed: an error event, then the end of
+the stream), never a 500, a cut connection or a traceback in the head's log; then the head exits,
+well before the console's SIGKILL (10 s after the SIGTERM).
+
+Nothing here depends on the machine's speed: the generations are long enough to still run when the
+grace ends on any machine (or, on a slow one, to still wait for their slot), and every client may
+see either a complete answer or a clean refusal."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+from rpc_workers import head, running, wait_for
+
+pytestmark = pytest.mark.integration
+
+N_CTX, N_SLOTS = 4096, 2
+GRACE_S = 1.0
+MAX_TOKENS = N_CTX - 64  # with ignore_eos: thousands of tokens, still decoding when the grace ends
+CONSOLE_KILL_S = 10.0  # app/supervisor.py: SIGKILL this long after the SIGTERM
+
+
+def _stream(url: str, out: dict, max_tokens: int = MAX_TOKENS) -> None:
+    """A streamed completion: out["status"], out["id"] (x-request-id), out["events"] (the data
+    lines, "[DONE]" included), out["exc"] when the connection failed mid-stream."""
+    body = {"prompt": "once upon a time", "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
+    try:
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as r:
+            out["status"], out["id"] = r.status_code, r.headers.get("x-request-id")
+            out["events"] = []
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    data = line[6:]
+                    out["events"].append(data if data == "[DONE]" else json.loads(data))
+    except httpx.HTTPError as e:
+        out["exc"] = repr(e)
+
+
+def _plain(url: str, out: dict) -> None:
+    body = {"prompt": "once upon a time", "max_tokens": MAX_TOKENS, "ignore_eos": True}
+    try:
+        r = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+        out["status"], out["id"], out["headers"] = r.status_code, r.headers.get("x-request-id"), r.headers
+        out["body"] = r.text
+    except httpx.HTTPError as e:
+        out["exc"] = repr(e)
+
+
+def _check_plain(out: dict) -> str:
+    """ "complete" or "refused" (a clean 503); anything else fails."""
+    assert "exc" not in out, out
+    if out["status"] == 200:
+        choice = json.loads(out["body"])["choices"][0]
+        assert choice["finish_reason"] == "length", out
+        return "complete"
+    assert out["status"] == 503, out
+    err = json.loads(out["body"])["error"]
+    assert "shutting down" in err["message"] and err["type"] == "unavailable_error", err
+    assert out["headers"].get("retry-after"), out["headers"]
+    return "refused"
+
+
+def _check_stream(out: dict) -> str:
+    assert "exc" not in out, out
+    if out["status"] == 503:  # refused before it began
+        return "refused"
+    assert out["status"] == 200, out
+    events = out["events"]
+    assert events and events[-1] == "[DONE]", events[-3:]  # the stream ended cleanly
+    last = events[-2]
+    if "error" in last:
+        assert "shutting down" in last["error"]["message"] and last["error"]["code"] == "503", last
+        return "refused"
+    assert last["choices"][0]["finish_reason"] == "length", last
+    return "complete"
+
+
+def test_sigterm_drains_in_flight_requests(tiny_model, tmp_path):
+    model = tiny_model("llama", n_ctx=N_CTX)
+    w = head(model, tmp_path, (), "--dtype", "float32", "--drain-grace", str(GRACE_S), parallel=N_SLOTS, ctx=N_CTX)
+    with running(w):
+        # two streams and two plain requests: two take the slots, two wait in the queue
+        streams, plains = [{} for _ in range(2)], [{} for _ in range(2)]
+        threads = [threading.Thread(target=_stream, args=(w.url, o)) for o in streams]
+        threads += [threading.Thread(target=_plain, args=(w.url, o)) for o in plains]
+        for t in threads:
+            t.start()
+        # mid-generation: a stream has tokens, and all four are in the engine (running or queued)
+        wait_for(lambda: any(len(o.get("events", ())) > 2 for o in streams), 60, "a streamed token")
+        wait_for(lambda: _in_engine(w.url) == 4, 60, "four requests in the engine")
+        t0 = time.monotonic()
+        os.killpg(w.proc.pid, signal.SIGTERM)
+        late: dict = {}
+        _plain(w.url, late)  # sent after the SIGTERM: refused (or, once the port is closed, not connected)
+        w.proc.wait(timeout=CONSOLE_KILL_S + 20)
+        exited_s = time.monotonic() - t0
+        for t in threads:
+            t.join(timeout=60)
+            assert not t.is_alive()
+
+    outcomes = [_check_stream(o) for o in streams] + [_check_plain(o) for o in plains]
+    assert "refused" in outcomes, outcomes  # thousands of tokens cannot all finish within the grace
+    if "exc" not in late:
+        assert late["status"] == 503 and _check_plain(late) == "refused", late
+    assert exited_s < CONSOLE_KILL_S, f"the head took {exited_s:.1f} s to exit after SIGTERM"
+    log = w.log_path.read_text(errors="replace")
+    assert "Traceback" not in log, log[-4000:]
+    assert "Exception in ASGI application" not in log, log[-4000:]
+    for o in [*streams, *plains]:  # one log line per request, saying how it ended
+        lines = [line for line in log.splitlines() if o["id"] in line]
+        assert len(lines) == 1, (o["id"], lines)
+
+
+def _in_engine(url: str) -> int:
+    r = httpx.get(f"{url}/status", timeout=10).json()["requests"]
+    return r["slots_busy"] + r["queued"]
+
+
+def test_drain_lets_short_generations_finish_and_a_second_sigterm_ends_it(tiny_model, tmp_path):
+    """A long grace: a short generation in flight at the SIGTERM finishes; a second SIGTERM ends the
+    grace at once, and the long one still running ends cleanly."""
+    model = tiny_model("llama", n_ctx=N_CTX)
+    w = head(model, tmp_path, (), "--dtype", "float32", "--drain-grace", "600", parallel=N_SLOTS, ctx=N_CTX)
+    with running(w):
+        short, long = {}, {}
+        threads = [
+            threading.Thread(target=_stream, args=(w.url, short, 64)),
+            threading.Thread(target=_stream, args=(w.url, long)),
+        ]
+        for t in threads:
+            t.start()
+        wait_for(lambda: all(len(o.get("events", ())) > 1 for o in (short, long)), 60, "both streams' tokens")
+        os.killpg(w.proc.pid, signal.SIGTERM)
+        threads[0].join(timeout=120)  # 64 tokens: well within the grace
+        assert _check_stream(short) == "complete"
+        t0 = time.monotonic()
+        with contextlib.suppress(ProcessLookupError):  # the long one may have finished too: the head is gone
+            os.killpg(w.proc.pid, signal.SIGTERM)
+        w.proc.wait(timeout=CONSOLE_KILL_S + 20)
+        exited_s = time.monotonic() - t0
+        threads[1].join(timeout=60)
+    assert _check_stream(long) in ("complete", "refused")
+    assert exited_s < CONSOLE_KILL_S, f"the head took {exited_s:.1f} s to exit after the second SIGTERM"
+    log = w.log_path.read_text(errors="replace")
+    assert "Traceback" not in log, log[-4000:]
