@@ -11,8 +11,9 @@ from hydra_console.engine.default_model import default_model_path
 from hydra_console.engine.errors import UserError
 from hydra_console.engine.gguf_file import GGUFFile
 from hydra_console.engine.synth import write_synthetic
+from hydra_console.engine.text.bpe import BYTE_TO_UNICODE
 from hydra_console.engine.text.chat import ChatError, ChatTemplate, apply_chat_template, normalize_messages
-from hydra_console.engine.text.tokenizer import BYTE_TO_UNICODE, CONTROL, NORMAL, Tokenizer
+from hydra_console.engine.text.tokenizer import CONTROL, NORMAL, Tokenizer
 
 CHAT = [
     {"role": "system", "content": "Be brief."},

@@ -14,15 +14,15 @@ from hypothesis import strategies as st
 from hydra_console.engine.default_model import default_model_path
 from hydra_console.engine.errors import UserError
 from hydra_console.engine.gguf_file import GGUFFile
+from hydra_console.engine.text.bpe import BYTE_TO_UNICODE
+from hydra_console.engine.text.special_tokens import SpecialIndex
+from hydra_console.engine.text.stream_decoder import StreamDecoder
 from hydra_console.engine.text.tokenizer import (
     BYTE,
-    BYTE_TO_UNICODE,
     CONTROL,
     NORMAL,
     USER_DEFINED,
-    StreamDecoder,
     Tokenizer,
-    _SpecialIndex,
 )
 
 # Upstream llama.cpp's tokenizations of the default model (copied from shared/reference into the repo).
@@ -154,12 +154,12 @@ def test_special_index_finds_exactly_the_occurring_texts(text):
         (s, i)
         for i, s in enumerate(["<a>", "<b>", "</a>", "\n", "\n\n", "a", "<", "ab", *(f"<a{k}>" for k in range(40))])
     ]
-    assert sorted(_SpecialIndex(items).occurring(text)) == sorted(it for it in items if it[0] in text)
+    assert sorted(SpecialIndex(items).occurring(text)) == sorted(it for it in items if it[0] in text)
 
 
 def test_special_index_on_a_long_chain_of_prefixes():
     items = [("a" * k, k) for k in range(1, 3000)]
-    assert sorted(_SpecialIndex(items).occurring("b" + "a" * 100)) == items[:100]
+    assert sorted(SpecialIndex(items).occurring("b" + "a" * 100)) == items[:100]
 
 
 # ---- SPM on a hand-built vocabulary --------------------------------------------------------------
@@ -434,7 +434,7 @@ def test_bpe_matches_hf_tokenizers(pre, ignore_merges):
     import random
 
     from hydra_console.engine.text import tokenizer as module
-    from hydra_console.engine.text.tokenizer import PRE_TOKENIZERS
+    from hydra_console.engine.text.bpe import PRE_TOKENIZERS
 
     corpus = "\n".join(inspect.getdoc(obj) or "" for _, obj in inspect.getmembers(module))
     corpus += " naïve façade 中文字符测试 Ελληνικά 🐍🚀 12345 1,000,000 it's I'LL we've\r\n\t  x"

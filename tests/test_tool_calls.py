@@ -11,8 +11,9 @@ import pytest
 
 from hydra_console.engine.gguf_file import GGUFFile
 from hydra_console.engine.text.chat import ChatTemplate
+from hydra_console.engine.text.stream_decoder import StreamDecoder
 from hydra_console.engine.text.structured import Grammars, compile_grammar
-from hydra_console.engine.text.tokenizer import StreamDecoder, Tokenizer
+from hydra_console.engine.text.tokenizer import Tokenizer
 from hydra_console.engine.text.tool_calls import ToolError, ToolFormat, arguments_as_objects, tool_choice_of
 
 _TURNS = """{%- for m in messages -%}

@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from ..text.tokenizer import StreamDecoder
+from ..text.stream_decoder import StreamDecoder
 from .scheduler import Sampled
 from .sequence import Event, GenToken, Sequence
 

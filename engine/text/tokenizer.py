@@ -1,18 +1,13 @@
 """Tokenizers from GGUF metadata, token for token as llama.cpp's `llama-vocab.cpp` runs them.
 
-Two vocabulary models:
-- SPM (`tokenizer.ggml.model == "llama"`: llama-2, gemma): spaces become U+2581, adjacent symbols
-  merge by a heap on (score desc, left index asc), pieces outside the vocab fall back to `<0xNN>`.
-- BPE (`"gpt2"`: llama-3, qwen2/3): GPT-2 byte↔unicode mapping, a regex pre-tokenizer chosen by
-  `tokenizer.ggml.pre`, merges ranked by their order in `tokenizer.ggml.merges`.
+Two vocabulary models: SPM (`tokenizer.ggml.model == "llama"`, the merges in `spm.py`) and
+byte-level BPE (`"gpt2"`, `bpe.py`).
 Both first split special tokens out of the text (longest first), as llama.cpp's
 `tokenizer_st_partition` does. Lookup tables are built on first use so that loading stays cheap.
 """
 
 from __future__ import annotations
 
-import codecs
-import heapq
 import logging
 from collections.abc import Iterable, Mapping
 from functools import cached_property
@@ -21,131 +16,22 @@ import numpy as np
 import regex
 
 from ..errors import UserError
+from .bpe import IGNORE_MERGES_PRE, PRE_TOKENIZERS, UNICODE_TO_BYTE, bpe_merge, pre_tokenize
+from .special_tokens import END_OF_TURN_TEXTS, FIM_KEYS, FIM_TEXTS, SpecialIndex
+from .spm import SPM_CROSSING, SPM_SPACE, SPM_SPACE_UTF8, SPM_WORD, spm_merge
 
 log = logging.getLogger(__name__)
 
 # tokenizer.ggml.token_type values (llama.cpp's llama_token_type)
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
 
-SPM_SPACE = "\u2581"  # "▁"
-_SPM_SPACE_UTF8 = SPM_SPACE.encode("utf-8")
-
-# Texts llama.cpp treats as end-of-generation whatever the metadata says (and forces to CONTROL).
-END_OF_TURN_TEXTS = (
-    "<|eot_id|>",
-    "<|im_end|>",
-    "<|end|>",
-    "<|return|>",
-    "<|call|>",
-    "<end_of_turn>",
-    "<|endoftext|>",
-    "<|eom_id|>",
-    "<EOT>",
-    "_<EOT>",
-    "<|end_of_text|>",
-    "<end_of_utterance>",
-    "[EOT]",
-    "<｜end▁of▁sentence｜>",
-)
-
 _END_OF_TURN = frozenset(END_OF_TURN_TEXTS)
 
-# Pre-tokenizer regexes of llama.cpp's llm_tokenizer_bpe, applied in turn (each splits the pieces
-# the previous one left, keeping the text between matches as pieces too).
-_LLAMA3 = (
-    r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_QWEN2 = (
-    r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-# Qwen3.5: letters and combining marks together (\p{M}), so an accented word stays one piece.
-_QWEN35 = (
-    r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
-    r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
-_DEFAULT = (
-    r"[\p{P}\$\+<=>\^~\|]+",
-    r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)",
-    r"\p{N}+",
-    r"[0-9][0-9][0-9]",
-)
-# tokenizer.ggml.pre names as llama.cpp groups them
-_LLAMA3_NAMES = ("llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2")
-PRE_TOKENIZERS: dict[str, tuple[str, ...]] = {
-    "default": _DEFAULT,
-    "gpt2": (_GPT2,),
-    "gpt-2": (_GPT2,),
-    "smaug-bpe": (_LLAMA3,),
-    "qwen2": (_QWEN2,),
-    "deepseek-r1-qwen": (_QWEN2,),
-    "qwen35": (_QWEN35,),
-    **{name: (_LLAMA3,) for name in _LLAMA3_NAMES},
-}
-# The llama-3 group takes a whole pre-token as one token, skipping merges, when the vocab has it,
-# and adds BOS unless the metadata says otherwise.
-_IGNORE_MERGES_PRE = frozenset(_LLAMA3_NAMES)
-
-_SPM_WORD = regex.compile(SPM_SPACE + "+[^" + SPM_SPACE + "]*|[^" + SPM_SPACE + "]+")
-_SPM_CROSSING = regex.compile("[^\x00" + SPM_SPACE + "]" + SPM_SPACE + "[^\x00]*")
 _CACHE_MAX = 1 << 16
-
-
-def _gpt2_byte_to_unicode() -> list[str]:
-    """GPT-2's reversible map of the 256 byte values onto printable unicode characters."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    table, extra = {}, 0
-    for b in range(256):
-        if b in printable:
-            table[b] = chr(b)
-        else:
-            table[b] = chr(256 + extra)
-            extra += 1
-    return [table[b] for b in range(256)]
-
-
-BYTE_TO_UNICODE = _gpt2_byte_to_unicode()
-UNICODE_TO_BYTE = {c: b for b, c in enumerate(BYTE_TO_UNICODE)}
-_LATIN1_TO_GPT2 = str.maketrans({chr(b): c for b, c in enumerate(BYTE_TO_UNICODE)})
 
 
 class TokenizerError(UserError):
     """A vocabulary that cannot be used, or token ids outside it."""
-
-
-class _SpecialIndex:
-    """Which of many special-token texts occur in a text, without one substring search per token.
-
-    A prefix tree whose nodes are only entered when their prefix occurs in the text: thousands of
-    `<unusedN>` tokens cost one search for "<u" on text without it."""
-
-    _LEAF = 16
-    _MAX_DEPTH = 64  # long chains ("\n", "\n\n", ...) stop nesting here and are checked one by one
-
-    def __init__(self, items: list[tuple[str, int]]):
-        self._root = self._build("", items)
-
-    def _build(self, prefix: str, items: list[tuple[str, int]]):
-        if len(items) <= self._LEAF or len(prefix) >= self._MAX_DEPTH:
-            return prefix, items, ()
-        depth = len(prefix) + 1
-        direct, groups = [], {}
-        for item in items:
-            if len(item[0]) < depth:
-                direct.append(item)
-            else:
-                groups.setdefault(item[0][:depth], []).append(item)
-        return prefix, direct, tuple(self._build(p, g) for p, g in groups.items())
-
-    def occurring(self, text: str) -> list[tuple[str, int]]:
-        found, stack = [], [self._root]
-        while stack:
-            _, items, children = stack.pop()
-            found.extend(item for item in items if item[0] in text)
-            stack.extend(child for child in children if child[0] in text)
-        return found
 
 
 class Tokenizer:
@@ -196,7 +82,7 @@ class Tokenizer:
                 raise TokenizerError(
                     f"unsupported tokenizer.ggml.pre {self.pre!r} (supported: {', '.join(sorted(PRE_TOKENIZERS))})"
                 )
-            self.add_bos = _default(add_bos, self.pre in _IGNORE_MERGES_PRE)
+            self.add_bos = _default(add_bos, self.pre in IGNORE_MERGES_PRE)
             self.add_space_prefix = _default(add_space_prefix, False)
         self.add_eos = _default(add_eos, False)
         self.bos_id, self.eos_id, self.unk_id, self.pad_id = (
@@ -303,7 +189,7 @@ class Tokenizer:
     def _spm_crossing(self) -> list[str]:
         """Vocab texts with "▁" after another character (from that character on): the only ones a
         merge across words can make. One regex pass over all texts joined by NULs."""
-        return _SPM_CROSSING.findall("\x00".join(self._tokens))
+        return SPM_CROSSING.findall("\x00".join(self._tokens))
 
     @cached_property
     def _special(self) -> list[tuple[str, int]]:
@@ -313,12 +199,12 @@ class Tokenizer:
         return [(self._tokens[i], i) for i in ids]
 
     @cached_property
-    def _special_index(self) -> _SpecialIndex:
-        return _SpecialIndex(self._special)
+    def _special_index(self) -> SpecialIndex:
+        return SpecialIndex(self._special)
 
     @cached_property
-    def _user_defined_index(self) -> _SpecialIndex:
-        return _SpecialIndex([s for s in self._special if self._types[s[1]] == USER_DEFINED])
+    def _user_defined_index(self) -> SpecialIndex:
+        return SpecialIndex([s for s in self._special if self._types[s[1]] == USER_DEFINED])
 
     @cached_property
     def _pre_regexes(self) -> list[regex.Pattern]:
@@ -424,121 +310,22 @@ class Tokenizer:
 
     def _encode_spm(self, text: str, out: list[int]) -> None:
         # Merges never cross a "▁" that follows another character unless the vocab holds a token
-        # spanning one ("_SPM_CROSSING"); so words merge independently and their ids can be cached.
+        # spanning one (`SPM_CROSSING`); so words merge independently and their ids can be cached.
         if any(c in text for c in self._spm_crossing):
             out.extend(self._spm_merge(text))
             return
-        for word in _SPM_WORD.findall(text):
+        for word in SPM_WORD.findall(text):
             out.extend(self._cached(word, self._spm_merge))
 
     def _spm_merge(self, text: str) -> tuple[int, ...]:
-        """llm_tokenizer_spm_session::tokenize on one piece (spaces already "▁")."""
-        t2i, scores = self.token_to_id, self._score_list
-        syms = list(text)
-        n = len(syms)
-        nxt = list(range(1, n + 1))
-        nxt[-1] = -1
-        prv = list(range(-1, n - 1))
-        heap = []
-        for i in range(n - 1):
-            tid = t2i.get(syms[i] + syms[i + 1])
-            if tid is not None:
-                heap.append((-scores[tid], i, i + 1, 2))
-        heapq.heapify(heap)
-        push, pop = heapq.heappush, heapq.heappop
-        while heap:
-            _, left, right, size = pop(heap)
-            ls, rs = syms[left], syms[right]
-            if not ls or not rs or len(ls) + len(rs) != size:
-                continue  # one side was merged since this pair was queued
-            merged = syms[left] = ls + rs
-            syms[right] = ""
-            after = nxt[left] = nxt[right]
-            if after >= 0:
-                prv[after] = left
-                tid = t2i.get(merged + syms[after])
-                if tid is not None:
-                    push(heap, (-scores[tid], left, after, len(merged) + len(syms[after])))
-            before = prv[left]
-            if before >= 0:
-                tid = t2i.get(syms[before] + merged)
-                if tid is not None:
-                    push(heap, (-scores[tid], before, left, len(syms[before]) + len(merged)))
-        ids = []
-        i = 0
-        while i >= 0:
-            tid = t2i.get(syms[i])
-            if tid is not None:
-                ids.append(tid)
-            else:  # a character outside the vocab: its UTF-8 bytes as <0xNN> tokens
-                byte_ids = self._spm_byte_ids
-                ids.extend(b for b in (byte_ids[x] for x in syms[i].encode("utf-8")) if b is not None)
-            i = nxt[i]
-        return tuple(ids)
+        return spm_merge(text, self.token_to_id, self._score_list, self._spm_byte_ids)
 
     def _encode_bpe(self, text: str, out: list[int]) -> None:
-        pieces = [text]
-        for pattern in self._pre_regexes:
-            split = []
-            for piece in pieces:
-                pos = 0
-                for m in pattern.finditer(piece):
-                    if m.start() > pos:
-                        split.append(piece[pos : m.start()])
-                    split.append(m.group())
-                    pos = m.end()
-                if pos < len(piece):
-                    split.append(piece[pos:])
-            pieces = split
-        for piece in pieces:
+        for piece in pre_tokenize(text, self._pre_regexes):
             out.extend(self._cached(piece, self._bpe_merge))
 
     def _bpe_merge(self, word: str) -> tuple[int, ...]:
-        """llm_tokenizer_bpe_session::tokenize on one pre-token."""
-        t2i, ranks = self.token_to_id, self._merge_ranks
-        mapped = word.encode("utf-8").decode("latin-1").translate(_LATIN1_TO_GPT2)
-        if self.pre in _IGNORE_MERGES_PRE and mapped in t2i:
-            return (t2i[mapped],)
-        syms = list(mapped)
-        n = len(syms)
-        nxt = list(range(1, n + 1))
-        nxt[-1] = -1
-        prv = list(range(-1, n - 1))
-        heap = []
-        for i in range(n - 1):
-            rank = ranks.get(syms[i] + " " + syms[i + 1])
-            if rank is not None:
-                heap.append((rank, i, i + 1, syms[i] + syms[i + 1]))
-        heapq.heapify(heap)
-        push, pop = heapq.heappush, heapq.heappop
-        while heap:
-            _, left, right, pair = pop(heap)
-            ls, rs = syms[left], syms[right]
-            if not ls or not rs or ls + rs != pair:
-                continue  # outdated pair
-            syms[left] = pair
-            syms[right] = ""
-            after = nxt[left] = nxt[right]
-            if after >= 0:
-                prv[after] = left
-                rank = ranks.get(pair + " " + syms[after])
-                if rank is not None:
-                    push(heap, (rank, left, after, pair + syms[after]))
-            before = prv[left]
-            if before >= 0:
-                rank = ranks.get(syms[before] + " " + pair)
-                if rank is not None:
-                    push(heap, (rank, before, left, syms[before] + pair))
-        ids = []
-        i = 0
-        while i >= 0:
-            tid = t2i.get(syms[i])
-            if tid is not None:
-                ids.append(tid)
-            else:  # as llama.cpp: try the symbol's single bytes as tokens, drop what is not there
-                ids.extend(t2i[chr(b)] for b in syms[i].encode("utf-8") if b < 0x80 and chr(b) in t2i)
-            i = nxt[i]
-        return tuple(ids)
+        return bpe_merge(word, self.token_to_id, self._merge_ranks, self.pre in IGNORE_MERGES_PRE)
 
     # ---- decode ---------------------------------------------------------------------------------
 
@@ -578,7 +365,7 @@ class Tokenizer:
                 pieces[first] = pieces[first][1:]
         text = b"".join(pieces)
         # "▁" means a space in SPM, also when it came as byte-fallback tokens (vocab without "▁")
-        return text.replace(_SPM_SPACE_UTF8, b" ") if self.is_spm else text
+        return text.replace(SPM_SPACE_UTF8, b" ") if self.is_spm else text
 
     def decode(self, ids: Iterable[int], skip_special: bool = False) -> str:
         """Text of `ids`; byte-fallback tokens are joined into UTF-8 first (bad bytes become U+FFFD)."""
@@ -593,84 +380,15 @@ def _default(value, default):
     return default if value is None else value
 
 
-class StreamDecoder:
-    """Turns generated ids into text as they come, never emitting half a UTF-8 character.
-
-    skip_special defaults to True: control tokens are not part of generated text, as llama-server
-    prints it, but for those in `keep`. No space is stripped (a continuation keeps its leading space)."""
-
-    def __init__(self, tok: Tokenizer, skip_special: bool = True, keep: frozenset[int] = frozenset()):
-        self.tok = tok
-        self.skip_special = skip_special
-        self.keep = keep
-        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
-
-    def push(self, tid: int) -> str:
-        if self.skip_special and self.tok.is_special(tid) and tid not in self.keep:
-            return ""
-        text = self._utf8.decode(self.tok.token_bytes(tid))
-        return text.replace(SPM_SPACE, " ") if self.tok.is_spm else text
-
-    def flush(self) -> str:
-        """What is still held back (an incomplete character becomes U+FFFD); resets the decoder."""
-        text = self._utf8.decode(b"", final=True)
-        self._utf8.reset()
-        return text
-
-
-# llama.cpp's FIM tokens: the GGUF's tokenizer.ggml.fim_*_token_id, else a vocab entry with a known text.
-_FIM_TEXTS = {
-    "pre": (
-        "<|fim_prefix|>",
-        "<fim-prefix>",
-        "<fim_prefix>",
-        "<｜fim▁begin｜>",
-        "<PRE>",
-        "▁<PRE>",
-        "<|code_prefix|>",
-        "<|prefix|>",
-    ),
-    "suf": (
-        "<|fim_suffix|>",
-        "<fim-suffix>",
-        "<fim_suffix>",
-        "<｜fim▁hole｜>",
-        "<SUF>",
-        "▁<SUF>",
-        "<|code_suffix|>",
-        "<|suffix|>",
-    ),
-    "mid": (
-        "<|fim_middle|>",
-        "<fim-middle>",
-        "<fim_middle>",
-        "<｜fim▁end｜>",
-        "<MID>",
-        "▁<MID>",
-        "<|code_middle|>",
-        "<|middle|>",
-    ),
-    "rep": ("<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>"),
-    "sep": ("<|file_sep|>",),
-}
-_FIM_KEYS = {
-    "pre": ("fim_pre", "prefix"),
-    "suf": ("fim_suf", "suffix"),
-    "mid": ("fim_mid", "middle"),
-    "rep": ("fim_rep",),
-    "sep": ("fim_sep",),
-}
-
-
 def fim_tokens(tok: Tokenizer, md: Mapping[str, object]) -> dict[str, int | None]:
     """Fill-in-the-middle token ids {pre, suf, mid, rep, sep} (None: the model has none), found as
     llama.cpp finds them: the metadata key first, then the vocabulary's known FIM texts."""
     out: dict[str, int | None] = {}
-    for kind, keys in _FIM_KEYS.items():
+    for kind, keys in FIM_KEYS.items():
         tid = next(
             (int(md[f"tokenizer.ggml.{k}_token_id"]) for k in keys if f"tokenizer.ggml.{k}_token_id" in md), None
         )
         if tid is None or not 0 <= tid < tok.vocab_size:
-            tid = next((t for t in map(tok.find_token, _FIM_TEXTS[kind]) if t is not None), None)
+            tid = next((t for t in map(tok.find_token, FIM_TEXTS[kind]) if t is not None), None)
         out[kind] = tid
     return out
