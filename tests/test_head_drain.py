@@ -3,24 +3,35 @@ either finish or end cleanly with a 503 in OpenAI's shape (streamed: an error ev
 the stream), never a 500, a cut connection or a traceback in the head's log; then the head exits,
 well before the console's SIGKILL (10 s after the SIGTERM).
 
+In process, the parts: `Run.abort` (each unfinished choice ends once, the engine's late events
+dropped), the grace, a generation begun while draining, the gate's refusal.
+
 Nothing here depends on the machine's speed: the generations are long enough to still run when the
 grace ends on any machine (or, on a slow one, to still wait for their slot), and every client may
 see either a complete answer or a clean refusal."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
 import signal
 import threading
 import time
+from types import SimpleNamespace
 
 import httpx
 import pytest
+from fastapi import FastAPI
 from rpc_workers import head, running, wait_for
+from starlette.testclient import TestClient
 
-pytestmark = pytest.mark.integration
+from hydra_console.engine.http.common import Run
+from hydra_console.engine.http.drain import Drain, ShuttingDown
+from hydra_console.engine.http.gate import Gate
+from hydra_console.engine.serving.sequence import Event
+from hydra_console.engine.serving.sequence import Request as EngineRequest
 
 N_CTX, N_SLOTS = 4096, 2
 GRACE_S = 1.0
@@ -83,6 +94,7 @@ def _check_stream(out: dict) -> str:
     return "complete"
 
 
+@pytest.mark.integration
 def test_sigterm_drains_in_flight_requests(tiny_model, tmp_path):
     model = tiny_model("llama", n_ctx=N_CTX)
     w = head(model, tmp_path, (), "--dtype", "float32", "--drain-grace", str(GRACE_S), parallel=N_SLOTS, ctx=N_CTX)
@@ -124,6 +136,7 @@ def _in_engine(url: str) -> int:
     return r["slots_busy"] + r["queued"]
 
 
+@pytest.mark.integration
 def test_drain_lets_short_generations_finish_and_a_second_sigterm_ends_it(tiny_model, tmp_path):
     """A long grace: a short generation in flight at the SIGTERM finishes; a second SIGTERM ends the
     grace at once, and the long one still running ends cleanly."""
@@ -151,3 +164,111 @@ def test_drain_lets_short_generations_finish_and_a_second_sigterm_ends_it(tiny_m
     assert exited_s < CONSOLE_KILL_S, f"the head took {exited_s:.1f} s to exit after the second SIGTERM"
     log = w.log_path.read_text(errors="replace")
     assert "Traceback" not in log, log[-4000:]
+
+
+# ---- in process: the drain's parts --------------------------------------------------------------
+
+
+class _Engine:
+    n_slots = 4
+
+    def __init__(self):
+        self.submitted, self.cancelled = [], []
+
+    def submit(self, req):
+        self.submitted.append(req)
+
+    def cancel(self, req):
+        self.cancelled.append(req)
+
+
+class _Http:
+    scope: dict = {}
+
+    async def is_disconnected(self) -> bool:
+        return False
+
+
+def _head(grace_s: float = 0.0):
+    return SimpleNamespace(cfg=SimpleNamespace(role="head"), engine=_Engine(), drain=Drain(grace_s))
+
+
+async def _read(run: Run) -> list[tuple[int, str, str | None, BaseException | None]]:
+    return [(i, ev.text, ev.finish_reason, ev.error) async for i, ev in run.events()]
+
+
+@pytest.mark.unit
+def test_abort_ends_each_unfinished_choice_once_and_drops_the_engines_late_events():
+    async def main():
+        h = _head()
+        reqs = [EngineRequest(prompt=[1]), EngineRequest(prompt=[1])]
+        run = Run(h, _Http(), reqs)
+        assert h.engine.submitted == reqs and run.live
+        reqs[0].sink(Event(text="a"))
+        reqs[1].sink(Event(text="b", finish_reason="length"))
+        reader = asyncio.ensure_future(_read(run))
+        await asyncio.sleep(0.01)
+        await h.drain.run()  # grace 0: the run is aborted
+        assert not run.live and h.drain.closing
+        reqs[0].sink(Event(text="late"))  # what the engine still sends before the cancel takes effect
+        reqs[0].sink(Event(finish_reason="cancelled"))
+        seen = await asyncio.wait_for(reader, 5)
+        assert [(i, t, f) for i, t, f, _ in seen] == [(0, "a", None), (1, "b", "length"), (0, "", "error")]
+        assert isinstance(seen[-1][3], ShuttingDown) and str(seen[-1][3]) == "the server is shutting down"
+        assert set(map(id, h.engine.cancelled)) >= set(map(id, reqs))
+
+    asyncio.run(main())
+
+
+@pytest.mark.unit
+def test_drain_waits_for_a_run_that_finishes_within_the_grace():
+    async def main():
+        h = _head(grace_s=30.0)
+        req = EngineRequest(prompt=[1])
+        run = Run(h, _Http(), [req])
+        reader = asyncio.ensure_future(_read(run))
+        draining = asyncio.ensure_future(h.drain.run())
+        await asyncio.sleep(0.2)
+        assert not draining.done()  # the run is still live: the drain waits
+        req.sink(Event(text="done", finish_reason="stop"))
+        await asyncio.wait_for(draining, 5)
+        assert [(t, f) for _, t, f, _ in await reader] == [("done", "stop")]
+
+    asyncio.run(main())
+
+
+@pytest.mark.unit
+def test_a_run_started_while_draining_ends_at_once_without_the_engine():
+    async def main():
+        h = _head()
+        await h.drain.run()
+        reqs = [EngineRequest(prompt=[1]), EngineRequest(prompt=[1])]
+        seen = await asyncio.wait_for(_read(Run(h, _Http(), reqs)), 5)
+        assert h.engine.submitted == []
+        assert sorted((i, f) for i, _, f, _ in seen) == [(0, "error"), (1, "error")]
+        assert all(isinstance(e, ShuttingDown) for *_, e in seen)
+
+    asyncio.run(main())
+
+
+@pytest.mark.unit
+def test_the_gate_refuses_new_requests_while_draining():
+    app = FastAPI()
+
+    @app.post("/v1/echo")
+    async def echo():
+        return {"ok": True}
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    drain = Drain(5.0)
+    app.add_middleware(Gate, api_key=None, max_body=1024, drain=drain)
+    c = TestClient(app)
+    assert c.post("/v1/echo").status_code == 200
+    drain.closing = True
+    r = c.post("/v1/echo")
+    assert r.status_code == 503 and r.headers["retry-after"] == "5"
+    assert r.json()["error"]["message"] == "the server is shutting down"
+    assert c.get("/health").status_code == 200  # public paths are not the gate's to refuse

@@ -14,7 +14,8 @@ from hydra_console.engine.text.chat import ChatTemplate
 from hydra_console.engine.text.stream_decoder import StreamDecoder
 from hydra_console.engine.text.structured import Grammars, compile_grammar
 from hydra_console.engine.text.tokenizer import Tokenizer
-from hydra_console.engine.text.tool_calls import ToolError, ToolFormat, arguments_as_objects, tool_choice_of
+from hydra_console.engine.text.tool_calls import ToolFormat, arguments_as_objects
+from hydra_console.engine.text.tool_choice import ToolError, tool_choice_of
 
 _TURNS = """{%- for m in messages -%}
 {{- '<|im_start|>' + m.role + '\\n' -}}

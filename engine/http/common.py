@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ..config import MAX_CHOICES  # OpenAI's bound on `n`
 from ..errors import Overloaded, Unavailable, UserError, describe
+from .drain import ShuttingDown
 from .errors import APIError
 from .event_bridge import Inbox, LoopMailbox
 from .gate import record_of
@@ -27,7 +28,8 @@ if TYPE_CHECKING:  # the engine's modules bring torch: imported when the model l
     from ..serving.sequence import Event
     from ..serving.sequence import Request as EngineRequest
     from ..spec import SpecConfig
-    from ..text.tool_calls import ToolChoice, ToolFormat
+    from ..text.tool_calls import ToolFormat
+    from ..text.tool_choice import ToolChoice
     from ..workers.head import HeadWorker as Head
 
 DISCONNECT_POLL_S = 0.25
@@ -364,7 +366,8 @@ async def chat_requests(
 def tool_plan(head: Head, body: ChatBody) -> tuple[ToolChoice, ToolFormat | None]:
     """The request's checked tools and the chat template's tool-call format (None: the template
     writes no calls we can read)."""
-    from ..text.tool_calls import ToolFormat, tool_choice_of
+    from ..text.tool_calls import ToolFormat
+    from ..text.tool_choice import tool_choice_of
 
     choice = tool_choice_of(body.tools, body.tool_choice, body.parallel_tool_calls)
     if choice.parses and body.grammar is not None:  # llama-server's rule and words
@@ -446,12 +449,14 @@ class Run:
         self.inbox = Inbox()
         self.done: set[int] = set()  # choices whose final event the consumer has had
         self.ended = False  # aborted, or its consumer stopped reading
-        head.drain.admit(self)  # refused (503) once SIGTERM's drain has begun; else followed by it
         mailbox = LoopMailbox.of(asyncio.get_running_loop())
         for i, req in enumerate(reqs):
             req.sink = lambda ev, i=i: mailbox.post(self.inbox, (i, ev))
         share = engine_share(head.engine.n_slots)
         self.held = list(reqs[share:])
+        if not head.drain.admit(self):  # SIGTERM's drain has begun: ended before it starts, as a 503
+            self.abort(ShuttingDown())  # (not raised: a stream may build its Run after its headers went out)
+            return
         try:
             for req in reqs[:share]:
                 head.engine.submit(req)

@@ -5,8 +5,8 @@ before cancelling their tasks: a 500 and a traceback for a request still generat
 connection for a stream. Instead, before uvicorn's own shutdown (`http/worker.py`'s server runs
 `Drain.run`):
 
-1. new API requests get 503 "the server is shutting down" + Retry-After (the gate, and any request
-   about to start a generation: `Run`), /health turns 503 with that reason;
+1. new API requests get 503 "the server is shutting down" + Retry-After (the gate; a request past
+   the gate whose generation starts now ends as in 3), /health turns 503 with that reason;
 2. generations in flight run on for `--drain-grace` seconds (a second SIGTERM or SIGINT cuts it short);
 3. those still running then end as a peer gone away ends them: `ShuttingDown` (an `Unavailable`),
    a 503 in OpenAI's shape for a plain request, an error event and the end of the stream for a
@@ -58,11 +58,13 @@ class Drain:
     def refusal(self) -> APIError:
         return APIError(503, SHUTTING_DOWN, "unavailable_error", retry_after=RETRY_AFTER_S)
 
-    def admit(self, run: Run) -> None:
-        """`run` is about to start its generation: refused once draining, else followed."""
+    def admit(self, run: Run) -> bool:
+        """`run` is about to start its generation: followed, or False once draining (the run then
+        ends at once with `ShuttingDown`)."""
         if self.closing:
-            raise self.refusal()
+            return False
         self._runs.add(run)
+        return True
 
     def live(self) -> list[Run]:
         return [r for r in list(self._runs) if r.live]

@@ -33,38 +33,27 @@ from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
-from ..errors import UserError
+from .tool_choice import ToolChoice
+from .tool_grammar import JSON_STYLE, call_schema, closed_schema, control_tokens, lark_literal
+from .tool_probe import (
+    ARGS,
+    CONTENT,
+    IDS,
+    NAMES,
+    PROBE_TOOLS,
+    cut_at,
+    holds,
+    json_at,
+    probe_call,
+    region_of,
+    shape_fields,
+)
 
 if TYPE_CHECKING:
     from .chat import ChatTemplate
     from .tokenizer import Tokenizer
 
-_NAMES = ("hydra_probe_fn", "hydra_probe_fn_two")
-_ARGS = ({"hydra_probe_key": "hydra_probe_value"}, {"hydra_probe_key": "hydra_probe_value_two"})
-_IDS = ("hydra0001", "hydra0002")  # nine alphanumerics: Mistral's templates refuse other ids
-_CONTENT = "hydra_probe_content"
-_PROBE_TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": n,
-            "description": "probe",
-            "parameters": {"type": "object", "properties": {"hydra_probe_key": {"type": "string"}}},
-        },
-    }
-    for n in _NAMES
-]
 _ID_CHARS = string.ascii_letters + string.digits
-# JSON as templates write it (Python's json.dumps separators): the grammar asks for the same
-_JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-
-
-class ToolError(UserError):
-    """Bad `tools` / `tool_choice` (400 naming the field)."""
-
-    def __init__(self, message: str, param: str):
-        super().__init__(message)
-        self.param = param
 
 
 @dataclass(frozen=True)
@@ -75,58 +64,6 @@ class ToolCall:
 
     def to_json(self) -> dict:
         return {"type": "function", "function": {"name": self.name, "arguments": self.arguments}, "id": self.id}
-
-
-@dataclass(frozen=True)
-class ToolChoice:
-    """A request's tools and what it asks of them: `mode` none / auto / required; `name`: the one
-    function a named tool_choice forces; `parallel`: more than one call allowed."""
-
-    tools: tuple[dict, ...]
-    mode: str
-    name: str | None
-    parallel: bool
-
-    @property
-    def parses(self) -> bool:
-        return bool(self.tools) and self.mode != "none"
-
-    @property
-    def forces(self) -> bool:
-        return bool(self.tools) and self.mode == "required"
-
-
-def tool_choice_of(tools: list[dict] | None, tool_choice: Any, parallel: bool | None) -> ToolChoice:
-    """The request's `tools`, `tool_choice` and `parallel_tool_calls`, checked."""
-    tools = list(tools or [])
-    names = []
-    for i, tool in enumerate(tools):
-        fn = tool.get("function") if isinstance(tool, dict) else None
-        if not isinstance(tool, dict) or tool.get("type", "function") != "function" or not isinstance(fn, dict):
-            raise ToolError(f'tools[{i}] must be {{"type": "function", "function": {{...}}}}', "tools")
-        if not isinstance(fn.get("name"), str) or not fn["name"]:
-            raise ToolError(f"tools[{i}].function.name must be a non-empty string", "tools")
-        if not isinstance(fn.get("parameters", {}), dict):
-            raise ToolError(f"tools[{i}].function.parameters must be a JSON schema object", "tools")
-        names.append(fn["name"])
-    name = None
-    if tool_choice is None:
-        mode = "auto"
-    elif isinstance(tool_choice, str):
-        if tool_choice not in ("none", "auto", "required"):
-            raise ToolError(
-                f"tool_choice must be none, auto, required or a function, not {tool_choice!r}", "tool_choice"
-            )
-        mode = tool_choice
-    elif isinstance(tool_choice, dict) and isinstance(tool_choice.get("function"), dict):
-        name, mode = tool_choice["function"].get("name"), "required"
-        if name not in names:
-            raise ToolError(f"tool_choice names function {name!r}, which is not in tools", "tool_choice")
-    else:
-        raise ToolError(
-            'tool_choice must be a string or {"type": "function", "function": {"name": ...}}', "tool_choice"
-        )
-    return ToolChoice(tuple(tools), mode, name, True if parallel is None else bool(parallel))
 
 
 def new_call_id() -> str:
@@ -289,7 +226,7 @@ class ToolFormat:
         return frozenset(
             t
             for part in (self.start, self.sep or "", self.before_args, self.end)
-            for t in _specials(part, tok).values()
+            for t in control_tokens(part, tok).values()
         )
 
     @property
@@ -305,25 +242,27 @@ class ToolFormat:
         tools = [t["function"] for t in choice.tools if choice.name is None or t["function"]["name"] == choice.name]
         rules = []
         for i, fn in enumerate(tools):
-            params = _closed({"type": "object", **fn["parameters"]}) if fn.get("parameters") else {"type": "object"}
+            params = (
+                closed_schema({"type": "object", **fn["parameters"]}) if fn.get("parameters") else {"type": "object"}
+            )
             if self.shape is not None:
-                schema = {**_schema_of(self.shape, fn["name"], params), "x-guidance": _JSON_STYLE}
+                schema = {**call_schema(self.shape, fn["name"], params), "x-guidance": JSON_STYLE}
                 rules.append(f"call_{i}: %json {json.dumps(schema)}")
             else:
-                args = {**params, "x-guidance": _JSON_STYLE}
-                rules.append(f"call_{i}: {_literal(fn['name'] + self.before_args, tok)} %json {json.dumps(args)}")
+                args = {**params, "x-guidance": JSON_STYLE}
+                rules.append(f"call_{i}: {lark_literal(fn['name'] + self.before_args, tok)} %json {json.dumps(args)}")
         calls = " | ".join(f"call_{i}" for i in range(len(tools)))
-        more = f" ({_literal(self.sep, tok)} call)*" if choice.parallel and self.sep is not None else ""
-        end = f" {_literal(self.end, tok)}" if self.end else ""
+        more = f" ({lark_literal(self.sep, tok)} call)*" if choice.parallel and self.sep is not None else ""
+        end = f" {lark_literal(self.end, tok)}" if self.end else ""
         if not lazy:
-            start = f"{_literal(self.start, tok)} " if self.start else ""
+            start = f"{lark_literal(self.start, tok)} " if self.start else ""
             return "\n".join([f"start: {start}call{more}{end}", f"call: {calls}", *rules])
         marker = self.start.strip()
         lead = self.start[self.start.index(marker) :]  # the whitespace before the marker is the text's
         text = f"TEXT: /(?s:.*)/ & ~/(?s:.*{re.escape(marker).replace('/', chr(92) + '/')}.*)/"
         tid = tok.find_token(marker)
         if tid is not None and tok.is_special(tid):  # text cannot hold the token: no lexing ambiguity
-            head = [f"start: TEXT | TEXT {_literal(lead, tok)} call{more}{end}"]
+            head = [f"start: TEXT | TEXT {lark_literal(lead, tok)} call{more}{end}"]
         else:  # one lexeme for text + marker: the text lexeme alone would swallow the marker's first bytes
             head = [f"start: TEXT | OPENING call{more}{end}", f"OPENING: TEXT {json.dumps(lead, ensure_ascii=False)}"]
         return "\n".join([*head, text, f"call: {calls}", *rules])
@@ -365,112 +304,16 @@ def _before_marker(text: str, marker: str) -> int:
     return len(text)
 
 
-def _closed(schema):
-    """The schema with llama.cpp's reading of objects: one that lists `properties` and says nothing
-    of `additionalProperties` has no others (JSON Schema would allow any; a model then pads forever)."""
-    if isinstance(schema, list):
-        return [_closed(s) for s in schema]
-    if not isinstance(schema, dict):
-        return schema
-    out = {}
-    for key, value in schema.items():
-        if key in ("properties", "$defs", "definitions", "patternProperties") and isinstance(value, dict):
-            out[key] = {name: _closed(sub) for name, sub in value.items()}
-        elif key in ("const", "enum", "default", "examples"):  # values, not schemas
-            out[key] = value
-        else:
-            out[key] = _closed(value)
-    if isinstance(out.get("properties"), dict) and "additionalProperties" not in out:
-        out["additionalProperties"] = False
-    return out
-
-
-def _specials(text: str, tok: Tokenizer) -> dict[str, int]:
-    """The control tokens written in `text` (by their text)."""
-    ids = tok.encode(text, add_special=False, parse_special=True) if text else []
-    return {tok.token_text(t): t for t in ids if tok.is_special(t)}
-
-
-def _literal(text: str, tok: Tokenizer) -> str:
-    """A Lark piece for `text`: its control tokens by id (the model writes each as one token, never
-    as text), the rest as quoted strings."""
-    specials = _specials(text, tok)
-    if not specials:
-        return json.dumps(text, ensure_ascii=False)
-    pieces = re.split("(" + "|".join(map(re.escape, specials)) + ")", text)
-    return " ".join(f"<[{specials[p]}]>" if p in specials else json.dumps(p, ensure_ascii=False) for p in pieces if p)
-
-
 def _from_shape(shape, obj) -> ToolCall | None:
     """The call in `obj` if it has the probe's shape (name, arguments and id where the probe has them)."""
-    found: dict[str, Any] = {}
-
-    def walk(s, o) -> bool:
-        if s == _ARGS[0] or s == json.dumps(_ARGS[0]):  # the arguments: an object, or JSON text of one
-            if isinstance(o, str):
-                try:
-                    o = json.loads(o)
-                except ValueError:
-                    return False
-            found["arguments"] = o
-            return isinstance(o, dict)
-        if isinstance(s, dict):
-            return isinstance(o, dict) and all(
-                walk(v, o[k]) if k in o else v == _IDS[0]  # an id may be left out
-                for k, v in s.items()
-                if _is_part(v)
-            )
-        if s == _NAMES[0]:
-            found["name"] = o
-            return isinstance(o, str)
-        if s == _IDS[0]:
-            found["id"] = o
-            return isinstance(o, str)
-        if isinstance(s, list):
-            return isinstance(o, list) and len(o) == len(s) and all(walk(a, b) for a, b in zip(s, o))
-        return True
-
-    if not walk(shape, obj) or "name" not in found or not isinstance(found.get("arguments", {}), dict):
+    found = shape_fields(shape, obj)
+    if found is None:
         return None
     args = json.dumps(found.get("arguments", {}), ensure_ascii=False)
     return ToolCall(found["name"], args, found.get("id") or new_call_id())
 
 
-def _is_part(value) -> bool:
-    """Whether a probe value is one the parser needs (name, arguments, id, or holds one)."""
-    if value in (_NAMES[0], _IDS[0], json.dumps(_ARGS[0])) or value == _ARGS[0]:
-        return True
-    if isinstance(value, dict):
-        return any(_is_part(v) for v in value.values())
-    if isinstance(value, list):
-        return any(_is_part(v) for v in value)
-    return False
-
-
-def _schema_of(shape, name: str, params: dict) -> dict:
-    """JSON schema of a call to `name` shaped as the probe's object: its constant parts as constants."""
-    if shape == _ARGS[0]:
-        return params
-    if isinstance(shape, dict):
-        props = {k: _schema_of(v, name, params) for k, v in shape.items()}
-        return {"type": "object", "properties": props, "required": list(props), "additionalProperties": False}
-    if shape == _NAMES[0]:
-        return {"const": name}
-    if shape == _IDS[0]:
-        return {"type": "string", "pattern": "^[a-zA-Z0-9]{9}$"}
-    if shape == json.dumps(_ARGS[0]):
-        return {"type": "string"}
-    if isinstance(shape, list):
-        return {"type": "array", "prefixItems": [_schema_of(v, name, params) for v in shape], "items": False}
-    return {"const": shape}
-
-
 # ---- learning a template's format ------------------------------------------------------------
-
-
-def _probe_call(i: int, as_text: bool) -> dict:
-    args = json.dumps(_ARGS[i]) if as_text else _ARGS[i]
-    return {"id": _IDS[i], "type": "function", "function": {"name": _NAMES[i], "arguments": args}}
 
 
 @lru_cache(maxsize=8)
@@ -482,101 +325,54 @@ def _learn(source: str, bos: str, eos: str, strip_bos: bool, name: str) -> ToolF
 
     def render(assistant: dict) -> str | None:
         try:
-            return template.render([user, {"role": "assistant", **assistant}], False, tools=_PROBE_TOOLS)
+            return template.render([user, {"role": "assistant", **assistant}], False, tools=PROBE_TOOLS)
         except ChatError:
             return None
 
-    text = render({"content": _CONTENT})
+    text = render({"content": CONTENT})
     if text is None:
         return None
     for as_text in (False, True):  # templates read arguments as objects, a few as JSON text
-        one = render({"content": None, "tool_calls": [_probe_call(0, as_text)]})
-        region = _region(text, one) if one is not None else ""
+        one = render({"content": None, "tool_calls": [probe_call(0, as_text)]})
+        region = region_of(text, one) if one is not None else ""
         # what the text turn writes before its text where calls start with nothing (a recipient)
-        written = _region(one, text) if one is not None else ""
-        prefix = written[: -len(_CONTENT)] if written.endswith(_CONTENT) else ""
+        written = region_of(one, text) if one is not None else ""
+        prefix = written[: -len(CONTENT)] if written.endswith(CONTENT) else ""
         fmt = _read_one(region, eos, bool(prefix))
-        if fmt is not None or _NAMES[0] in region:  # written, but not as JSON: not a format we read
+        if fmt is not None or NAMES[0] in region:  # written, but not as JSON: not a format we read
             break
     if fmt is not None and fmt.start.strip():
         prefix = ""
     if fmt is None or [(c.name, c.arguments) for c in replace(fmt, text_prefix=prefix).parse(region)[1]] != [
-        (_NAMES[0], json.dumps(_ARGS[0]))
+        (NAMES[0], json.dumps(ARGS[0]))
     ]:
         return None
     fmt = replace(fmt, text_prefix=prefix)
-    two = render({"content": None, "tool_calls": [_probe_call(0, as_text), _probe_call(1, as_text)]})
-    sep = _read_sep(fmt, _region(text, two)) if two is not None else None
-    if sep is not None and len(replace(fmt, sep=sep).parse(_region(text, two))[1]) != 2:
+    two = render({"content": None, "tool_calls": [probe_call(0, as_text), probe_call(1, as_text)]})
+    sep = _read_sep(fmt, region_of(text, two)) if two is not None else None
+    if sep is not None and len(replace(fmt, sep=sep).parse(region_of(text, two))[1]) != 2:
         sep = None
     return replace(fmt, sep=sep, object_arguments=not as_text)
 
 
-def _region(content_turn: str, call_turn: str) -> str:
-    """What the call turn has where the content turn has its text: the common prefix and suffix
-    (the turn's frame) cut away, never through a `<...>` marker the two turns only partly share."""
-    n = min(len(content_turn), len(call_turn))
-    p = 0
-    while p < n and content_turn[p] == call_turn[p]:
-        p += 1
-    s = 0
-    while s < n - p and content_turn[-1 - s] == call_turn[-1 - s]:
-        s += 1
-    head, tail = call_turn[:p], call_turn[len(call_turn) - s :]
-    if head.rfind("<") > head.rfind(">"):
-        p = head.rfind("<")
-    close, open_ = tail.find(">"), tail.find("<")
-    if close >= 0 and (open_ < 0 or close < open_):
-        s -= close + 1
-    return call_turn[p : len(call_turn) - s]
-
-
-def _json_at(text: str, at: int):
-    try:
-        return json.JSONDecoder().raw_decode(text, at)
-    except ValueError:
-        return None, at
-
-
-def _holds(obj, target) -> bool:
-    if obj == target:
-        return True
-    if isinstance(obj, dict):
-        return any(_holds(v, target) for v in obj.values())
-    if isinstance(obj, list):
-        return any(_holds(v, target) for v in obj)
-    return False
-
-
 def _read_one(region: str, eos: str, told_apart: bool = False) -> ToolFormat | None:
     """The format of a turn holding the one probe call, if it is a JSON or a tagged call."""
-    name = region.find(_NAMES[0])
+    name = region.find(NAMES[0])
     if name < 0:
         return None
     for at in (i for i, c in enumerate(region[:name]) if c == "{"):  # outermost first
-        obj, end = _json_at(region, at)
-        if (
-            isinstance(obj, dict)
-            and _holds(obj, _NAMES[0])
-            and (_holds(obj, _ARGS[0]) or _holds(obj, json.dumps(_ARGS[0])))
-        ):
-            return ToolFormat(region[:at], _cut_at(region[end:], eos), None, obj, "")
+        obj, end = json_at(region, at)
+        if isinstance(obj, dict) and holds(obj, NAMES[0]) and (holds(obj, ARGS[0]) or holds(obj, json.dumps(ARGS[0]))):
+            return ToolFormat(region[:at], cut_at(region[end:], eos), None, obj, "")
     key = region.find('"hydra_probe_key"', name)
     args_at = region.rfind("{", name, key) if key >= 0 else -1
-    args, end = _json_at(region, args_at) if args_at >= 0 else (None, 0)
-    if args != _ARGS[0]:
+    args, end = json_at(region, args_at) if args_at >= 0 else (None, 0)
+    if args != ARGS[0]:
         return None
-    before = region[name + len(_NAMES[0]) : args_at]
-    if (
-        not (region[:name].strip() or told_apart) or _IDS[0] in region[:args_at]
-    ):  # calls not told from text; ids in tags
+    before = region[name + len(NAMES[0]) : args_at]
+    if not (region[:name].strip() or told_apart) or IDS[0] in region[:args_at]:  # calls not told from text; ids in tags
         return None
-    return ToolFormat(region[:name], _cut_at(region[end:], eos), None, None, before)
-
-
-def _cut_at(end: str, eos: str) -> str:
-    """The calls' end without what follows the end of the turn (a template may open the next one)."""
-    return end[: end.index(eos)] if eos and eos in end else end
+    return ToolFormat(region[:name], cut_at(region[end:], eos), None, None, before)
 
 
 def _read_sep(fmt: ToolFormat, region: str) -> str | None:
@@ -586,19 +382,15 @@ def _read_sep(fmt: ToolFormat, region: str) -> str | None:
         return None
     first = len(fmt.start)
     if fmt.shape is None:
-        first += len(_NAMES[0]) + len(fmt.before_args)
-    _, first_end = _json_at(region, first)
+        first += len(NAMES[0]) + len(fmt.before_args)
+    _, first_end = json_at(region, first)
     if first_end == first:
         return None
     if fmt.shape is None:
-        second = region.find(_NAMES[1], first_end)
+        second = region.find(NAMES[1], first_end)
     else:
         second = next(
-            (
-                i
-                for i in range(first_end, len(region))
-                if region[i] == "{" and _holds(_json_at(region, i)[0], _NAMES[1])
-            ),
+            (i for i in range(first_end, len(region)) if region[i] == "{" and holds(json_at(region, i)[0], NAMES[1])),
             -1,
         )
     sep = region[first_end:second] if second >= 0 else ""
