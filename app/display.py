@@ -19,7 +19,9 @@ from ..contracts.errors import UserError
 from ..contracts.footprint import compute_dtype, weight_form
 from ..contracts.status import READY_STAGE, Pool, Status
 from .config import Alerts
-from .supervisor import Event, State, Supervisor, Worker, connect_host, describe_exit
+from .launch import connect_host
+from .records import Event, State, Worker, describe_exit
+from .supervisor import Supervisor
 
 STATE_LOOK: dict[State, tuple[str, str]] = {  # state -> (symbol, tone)
     State.READY: ("●", "ok"),

@@ -25,7 +25,8 @@ from ..contracts.errors import UserError
 from . import display
 from .config import default_profile, load_profile, resolve_profile_path, save_profile
 from .incidents import IncidentLog, incidents_path
-from .supervisor import State, Supervisor
+from .records import State
+from .supervisor import Supervisor
 from .triage import open_incidents
 
 

@@ -17,7 +17,7 @@ import numpy as np
 
 from ..contracts.status import Status
 from .config import Alerts
-from .supervisor import Event
+from .records import Event
 
 SPIKE_FACTOR = 4.0  # inter-token p99 this many times its p50: a latency spike
 COLLAPSED = 0.10  # speculation's recent acceptance under this, after it was at least HEALTHY

@@ -13,8 +13,9 @@ from pathlib import Path
 from rpc_workers import free_ports
 
 from hydra_console.app.config import Profile, SupervisorSettings, WorkerSpec, save_profile
+from hydra_console.app.records import State
 from hydra_console.app.split_plan import ModelShape
-from hydra_console.app.supervisor import State, Supervisor
+from hydra_console.app.supervisor import Supervisor
 from hydra_console.contracts.footprint import ModelTensors, Tensor
 
 FAKE = f"{shlex.quote(sys.executable)} -m hydra_console.app.fake_worker"
@@ -78,7 +79,8 @@ def kill_groups(pids) -> None:
 CONSOLE = """
 import asyncio, sys
 from hydra_console.app.config import load_profile
-from hydra_console.app.supervisor import State, Supervisor
+from hydra_console.app.records import State
+from hydra_console.app.supervisor import Supervisor
 
 async def main():
     sup = Supervisor(load_profile(sys.argv[1]), log_dir=sys.argv[2])

@@ -24,8 +24,9 @@ from textual.command import CommandPalette
 
 from hydra_console.app.config import Alerts, Profile, SupervisorSettings, load_profile, save_profile
 from hydra_console.app.incidents import IncidentLog, incidents_path
+from hydra_console.app.records import State
 from hydra_console.app.sources import FixedFeedSource, Probe
-from hydra_console.app.supervisor import State, Supervisor
+from hydra_console.app.supervisor import Supervisor
 from hydra_console.app.ui.app import HydraConsole
 from hydra_console.app.ui.detail import WorkerDetailScreen
 from hydra_console.app.ui.dialogs import ConfirmScreen, HelpScreen

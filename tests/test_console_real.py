@@ -11,8 +11,9 @@ from rpc_workers import free_ports
 
 from hydra_console.app.config import Profile, SupervisorSettings, WorkerSpec
 from hydra_console.app.display import ACCESS_LINE
+from hydra_console.app.records import State
 from hydra_console.app.split_plan import ModelShape
-from hydra_console.app.supervisor import State, Supervisor
+from hydra_console.app.supervisor import Supervisor
 from hydra_console.app.ui.app import HydraConsole
 from hydra_console.app.ui.dialogs import ConfirmScreen
 from hydra_console.app.ui.split_editor import SplitEditorScreen

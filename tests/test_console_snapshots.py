@@ -13,8 +13,9 @@ import pytest
 from consoles import uniform_shape
 
 from hydra_console.app.config import Profile, SupervisorSettings, WorkerSpec
+from hydra_console.app.records import LogLine
 from hydra_console.app.sources import FixedFeedSource, Probe
-from hydra_console.app.supervisor import LogLine, Supervisor
+from hydra_console.app.supervisor import Supervisor
 from hydra_console.app.ui.app import HydraConsole
 
 T0 = 1_767_225_600.0  # 2026-01-01 00:00:00 UTC

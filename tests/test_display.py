@@ -11,9 +11,10 @@ from hypothesis import strategies as st
 
 from hydra_console.app import display
 from hydra_console.app.config import Alerts, Profile, WorkerSpec
+from hydra_console.app.records import LogLine, State
 from hydra_console.app.sources import FixedFeedSource, Probe
 from hydra_console.app.split_plan import ModelShape, WorkerMemory
-from hydra_console.app.supervisor import LogLine, State, Supervisor
+from hydra_console.app.supervisor import Supervisor
 from hydra_console.contracts.footprint import CUDA_RUNTIME_BYTES
 from hydra_console.contracts.status import ProcessInfo, Status
 from hydra_console.engine.errors import UserError

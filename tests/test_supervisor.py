@@ -20,8 +20,9 @@ from consoles import FAKE, console_process, fake_profile, kill_groups, port_pair
 
 from hydra_console.app import control_client
 from hydra_console.app.config import Profile, SupervisorSettings, WorkerSpec
+from hydra_console.app.records import Backoff, State, SupervisorError, describe_exit
 from hydra_console.app.sources import FixedFeedSource, HttpStatusSource, Probe
-from hydra_console.app.supervisor import Backoff, State, Supervisor, SupervisorError, describe_exit
+from hydra_console.app.supervisor import Supervisor
 from hydra_console.contracts.auth import ServerHandshake
 from hydra_console.contracts.rpc import Op
 from hydra_console.engine.rpc.wire import pack_control_response

@@ -6,8 +6,9 @@ import pytest
 
 from hydra_console.app.config import Alerts, Profile
 from hydra_console.app.incidents import IncidentLog
+from hydra_console.app.records import HISTORY, Event
 from hydra_console.app.sources import FixedFeedSource, Probe
-from hydra_console.app.supervisor import HISTORY, Event, Supervisor
+from hydra_console.app.supervisor import Supervisor
 from hydra_console.app.triage import Incident, advise, event_incident, open_incidents, status_incidents
 from hydra_console.contracts.status import Status
 

@@ -21,8 +21,9 @@ from ...themes import THEMES
 from .. import display
 from ..config import resolve_profile_path, save_profile
 from ..incidents import IncidentLog
+from ..records import SupervisorError
 from ..split_plan import ModelShape
-from ..supervisor import Supervisor, SupervisorError
+from ..supervisor import Supervisor
 from .alerts import AlertsScreen
 from .dashboard import DashboardScreen
 from .detail import WorkerDetailScreen

@@ -15,9 +15,9 @@ from textual.widgets import Footer, Header, Static
 from ...contracts.footprint import rollback_depth
 from ...contracts.split import counts_of, even_split, move_boundary, ranges, split_arg
 from .. import display
+from ..records import SupervisorError
 from ..split_advisor import MIN_GAIN, Advice, advise
 from ..split_plan import ModelShape, WorkerMemory
-from ..supervisor import SupervisorError
 
 
 class SplitEditorScreen(Screen):
