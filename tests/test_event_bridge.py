@@ -7,8 +7,8 @@ import threading
 
 import pytest
 
-from hydra_console.engine.http.common import bursts
 from hydra_console.engine.http.event_bridge import Inbox, LoopMailbox
+from hydra_console.engine.http.streaming import bursts
 
 pytestmark = pytest.mark.unit
 

@@ -27,9 +27,9 @@ from fastapi import FastAPI
 from rpc_workers import head, running, wait_for
 from starlette.testclient import TestClient
 
-from hydra_console.engine.http.common import Run
 from hydra_console.engine.http.drain import Drain, ShuttingDown
 from hydra_console.engine.http.gate import Gate
+from hydra_console.engine.http.streaming import Run
 from hydra_console.engine.serving.sequence import Event
 from hydra_console.engine.serving.sequence import Request as EngineRequest
 

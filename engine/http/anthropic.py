@@ -23,17 +23,10 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field
 
-from .common import (
-    ChatBody,
-    Run,
-    chat_body,
-    chat_requests,
-    generation_error,
-    named_sse,
-    ready_engine,
-    single_reply,
-    template_prompt,
-)
+from .bodies import ChatBody, chat_body
+from .common import chat_requests, ready_engine
+from .prompts import template_prompt
+from .streaming import Run, generation_error, named_sse, single_reply
 
 if TYPE_CHECKING:
     from ..serving.sequence import Event

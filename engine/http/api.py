@@ -22,23 +22,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ..errors import ContextOverflow, Overloaded, Unavailable, UserError
 from . import slot_files
 from .anthropic import anthropic_routes
-from .common import (
-    MAX_LOGPROBS,
-    ChatBody,
-    CommonBody,
-    Run,
-    chat_requests,
-    check_finish,
-    check_token_ids,
-    choices,
-    ready_engine,
-    sampling_params,
-    speculative_config,
-    sse,
-    stop_list,
-    stream_error,
-    usage_of,
-)
+from .bodies import MAX_LOGPROBS, ChatBody, CommonBody
+from .common import chat_requests, choices, ready_engine, sampling_params, speculative_config, stop_list
 from .cors import Cors
 from .embeddings import embedding_routes
 from .errors import APIError, error_response
@@ -48,7 +33,9 @@ from .limits import capped_json, json_response
 from .llama_routes import BUILD_INFO
 from .llama_routes import router as llama_router
 from .predict import add_predict_route
+from .prompts import check_token_ids
 from .responses import responses_routes
+from .streaming import Run, check_finish, sse, stream_error, usage_of
 from .worker import add_observation_routes
 
 if TYPE_CHECKING:  # the engine's modules bring torch: imported when the model loads, after the port is up

@@ -28,7 +28,7 @@ from .errors import APIError
 
 if TYPE_CHECKING:
     from ..status import StatusDocument
-    from .common import Run
+    from .streaming import Run
 
 log = logging.getLogger("hydra.http")
 

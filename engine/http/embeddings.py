@@ -24,10 +24,11 @@ from typing import TYPE_CHECKING, Any
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from .common import Run, check_finish, engine_share, ready_engine
+from .common import ready_engine
 from .errors import APIError
 from .gate import record_of
 from .limits import check_embedding_size, json_response
+from .streaming import Run, check_finish, engine_share
 
 if TYPE_CHECKING:
     from ..workers.head import HeadWorker as Head

@@ -15,23 +15,12 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 from pydantic import Field
 
-from .common import (
-    MAX_LOGPROBS,
-    CommonBody,
-    Run,
-    check_finish,
-    constrain,
-    engine_share,
-    ready_engine,
-    sampling_params,
-    speculative_config,
-    sse,
-    stop_list,
-    stream_error,
-    tokenize_mixed,
-)
+from .bodies import MAX_LOGPROBS, CommonBody
+from .common import constrain, ready_engine, sampling_params, speculative_config, stop_list
 from .errors import APIError
 from .limits import json_response
+from .prompts import tokenize_mixed
+from .streaming import Run, check_finish, engine_share, sse, stream_error
 
 if TYPE_CHECKING:
     from ..serving.sequence import Event, GenToken

@@ -12,15 +12,10 @@ from typing import TYPE_CHECKING, Any
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict
 
-from .common import (
-    check_token_ids,
-    ready_engine,
-    split_prompts,
-    template_prompt,
-    tokenize_mixed,
-)
+from .common import ready_engine
 from .errors import APIError
 from .llama_completion import OFF_SAMPLERS, SAMPLERS, InfillBody, NativeCompletionBody, infill_prompt, respond
+from .prompts import check_token_ids, split_prompts, template_prompt, tokenize_mixed
 
 if TYPE_CHECKING:
     from ..workers.head import HeadWorker as Head

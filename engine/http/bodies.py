@@ -1,0 +1,87 @@
+"""The generation request bodies both APIs parse (pydantic): `CommonBody` (the fields every
+generation request may carry, OpenAI's and llama-server's names), `ChatBody` (a chat request), and
+`chat_body`, another API's request translated into a `ChatBody`."""
+
+from __future__ import annotations
+
+from typing import Any, Union
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from ..config import MAX_CHOICES  # OpenAI's bound on `n`
+from .errors import APIError
+
+MAX_LOGPROBS = 20  # = sampling.MAX_LOGPROBS, which also checks it
+
+Stop = Union[str, list[str], None]
+
+
+class CommonBody(BaseModel):
+    """Fields every generation request may carry (OpenAI's and llama-server's names)."""
+
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+    model: str | None = None
+    temperature: float | None = Field(None, ge=0.0, le=100.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=0, lt=2**31)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    repeat_penalty: float | None = Field(None, gt=0.0, le=100.0)
+    repeat_last_n: int | None = Field(None, ge=-1)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    seed: int | None = Field(None, ge=-(2**63), lt=2**64)
+    stop: Stop = None
+    stream: bool = False
+    stream_options: dict[str, Any] | None = None
+    ignore_eos: bool = False
+    cache_prompt: bool = True  # llama-server: reuse the KV of a prefix a slot already holds
+    timings_per_token: bool = False  # llama-server: `timings` on every streamed chunk, not just the last
+    return_progress: bool = False  # llama-server: streamed `prompt_progress` chunks while the prompt is computed
+    n: int = Field(1, ge=1, le=MAX_CHOICES, description="choices: one engine request each")
+    # OpenAI's {"token id": bias}; llama-server's [[id or text, bias]] too; a bias of false bans the token
+    logit_bias: Union[dict[str, Any], list[Any], None] = None  # checked by logit_bias_pairs
+    # Structured output (engine/structured.py): at most one of these
+    response_format: dict[str, Any] | None = None
+    json_schema: dict[str, Any] | None = None  # llama-server
+    grammar: str | None = None  # llama-server: GBNF (or Lark)
+    # Speculative decoding for this request: {"type": "off"|"ngram"|"draft", "n_max", "n_min", "p_min"},
+    # or llama-server's flat fields; checked against the server's drafters by the engine's Speculator.
+    speculative: Union[bool, dict[str, Any], None] = None
+    speculative_n_max: int | None = Field(None, alias="speculative.n_max", ge=0)
+    speculative_n_min: int | None = Field(None, alias="speculative.n_min", ge=0)
+    speculative_p_min: float | None = Field(None, alias="speculative.p_min", ge=0.0, le=1.0)
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: str
+    content: Union[str, list[dict[str, Any]], None] = None
+
+
+class ChatBody(CommonBody):
+    messages: list[ChatMessage] = Field(..., min_length=1)
+    add_generation_prompt: bool = True
+    continue_final_message: bool | None = None  # None: a last assistant message is continued (prefill)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Union[str, dict[str, Any], None] = None  # none / auto / required / {"function": {"name"}}
+    parallel_tool_calls: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    verbose: bool = False  # llama-server: `__verbose` (the prompt) in the response
+    max_tokens: int | None = Field(None, ge=0)
+    max_completion_tokens: int | None = Field(None, ge=0)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    return_tokens_as_token_ids: bool = False
+
+
+def chat_body(chat: dict, body, keys: tuple[str, ...]) -> ChatBody:
+    """A chat request translated from another API's `body`: `chat` plus the `keys` the body sets,
+    validated as the chat route's own (400 naming the field)."""
+    chat = {**chat, **{key: getattr(body, key) for key in keys if getattr(body, key) is not None}}
+    try:
+        return ChatBody.model_validate(chat)
+    except ValidationError as e:
+        err = e.errors()[0]
+        raise APIError(400, f"{'.'.join(map(str, err['loc']))}: {err['msg']}", param=str(err["loc"][0])) from None
