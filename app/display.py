@@ -9,18 +9,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import re
-import time
-from dataclasses import dataclass
 
-import psutil
-
-from ..contracts.errors import UserError
-from ..contracts.footprint import compute_dtype, weight_form
 from ..contracts.status import READY_STAGE, Pool, Status
 from .config import Alerts
 from .launch import connect_host
-from .records import Event, State, Worker, describe_exit
+from .memory_text import MemoryRow, memory_rows
+from .records import State, Worker, describe_exit
 from .supervisor import Supervisor
 
 STATE_LOOK: dict[State, tuple[str, str]] = {  # state -> (symbol, tone)
@@ -35,20 +29,6 @@ STATE_LOOK: dict[State, tuple[str, str]] = {  # state -> (symbol, tone)
     State.STOPPED: ("○", "muted"),
     State.UNREACHABLE: ("✖", "error"),
 }
-
-# Log lines worth a highlight: (label, pattern). First match wins.
-FAILURE_PATTERNS: list[tuple[str, re.Pattern]] = [
-    (label, re.compile(rx, re.IGNORECASE))
-    for label, rx in [
-        ("traceback", r"^Traceback \(most recent call last\)"),
-        ("out of memory", r"CUDA out of memory|OutOfMemoryError|\bout of memory\b|Cannot allocate memory"),
-        ("port in use", r"Address already in use|EADDRINUSE"),
-        ("connection refused", r"Connection refused|ECONNREFUSED"),
-        ("fingerprint mismatch", r"fingerprint mismatch|model mismatch|shape mismatch"),
-        ("timeout", r"timed out|TimeoutError"),
-        ("error", r"^\w*(Error|Exception)\b|\berror:"),
-    ]
-]
 
 
 def state_text(w: Worker, now: float) -> tuple[str, str]:
@@ -83,29 +63,6 @@ def fmt_bytes(n: float | None) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     raise AssertionError("unreachable")
-
-
-_FORM_TEXT = {
-    "quantized": "weights as in the GGUF",
-    "int8": "weights int8 + bf16 prefill copy",
-    "dense": "weights at {dtype}",
-}
-_KV_AUTO = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}
-
-
-def memory_form(m) -> str:
-    """How a worker holds its stage (a split_plan.WorkerMemory), as the split editor's note says it."""
-    dtype = compute_dtype(m.dtype)
-    k, v = (_KV_AUTO[dtype] if kind == "auto" else kind for kind in m.kv_types)
-    return f"({m.device}): {_FORM_TEXT[weight_form(m.device, m.dtype, m.gpu_weights)].format(dtype=dtype)}, KV {k}/{v}"
-
-
-def memory_forms(names: list[str], memory: list) -> str:
-    """`memory_form` of each worker, workers that hold their stage alike named together."""
-    groups: dict[str, list[str]] = {}
-    for name, m in zip(names, memory):
-        groups.setdefault(memory_form(m), []).append(name)
-    return "; ".join(f"{', '.join(who)} {form}" for form, who in groups.items())
 
 
 def fmt_rate(tok_s: float | None) -> str:
@@ -255,83 +212,6 @@ def _short(x: float) -> str:
     return f"{x / 1000:.1f}k" if x >= 1000 else f"{x:.0f}"
 
 
-@dataclass(frozen=True)
-class MemoryRow:
-    label: str  # "head cuda:0 NVIDIA H200" / "peer1 RAM"
-    used: int | None
-    total: int | None
-    note: str  # extra text, e.g. "cpu 12%"
-    tone: str
-
-
-def memory_rows(sup: Supervisor, alerts: Alerts) -> list[MemoryRow]:
-    """Machine totals once per device (labelled "machine", or the host when workers run on several),
-    noting the workers on it; then each worker's own process: its RSS (psutil on the pid this
-    console started, else what the worker reports) and its GPU memory (NVML's per-process reading)."""
-    rows: list[MemoryRow] = []
-    hosts = {w.spec.host for w in sup.workers.values()}
-    devices: dict[tuple, tuple] = {}  # (host, kind, index) -> (device, names of the workers on it)
-    for w in sup.workers.values():
-        for d in w.status.devices if w.status else []:
-            devices.setdefault((w.spec.host, d.kind, d.index), (d, []))[1].append(w.name)
-    for (host, kind, index), (d, names) in devices.items():
-        where = "machine" if len(hosts) == 1 else host
-        label = f"{where} {kind}:{index}" if kind == "cuda" else f"{where} RAM"
-        util = f"util {d.util:.0f}% " if d.util is not None and kind == "cuda" else ""
-        rows.append(
-            MemoryRow(
-                label,
-                d.memory_used,
-                d.memory_total,
-                f"{util}({', '.join(names)})",
-                _mem_tone(d.memory_used, d.memory_total, alerts),
-            )
-        )
-    for w in sup.workers.values():
-        st = w.status
-        proc = st.process if st else None
-        rss = w.rss if w.rss is not None else (proc.rss if proc else None)
-        if rss is not None:
-            ram = next((d.memory_total for d in st.devices if d.kind == "cpu"), None) if st else None
-            ram = ram or (psutil.virtual_memory().total if w.spec.is_local else None)
-            cpu = f"cpu {w.cpu_pct:.0f}%" if w.cpu_pct is not None else ""
-            rows.append(MemoryRow(f"{w.name} RSS", rss, ram, cpu, _mem_tone(rss, ram, alerts)))
-        if proc is not None and proc.gpu_memory is not None:
-            gpu = next((d for d in st.devices if d.kind == "cuda"), None)
-            total = gpu.memory_total if gpu else None
-            note = "per process" if proc.gpu_source == "nvml" else "torch reserved"
-            rows.append(
-                MemoryRow(f"{w.name} GPU", proc.gpu_memory, total, note, _mem_tone(proc.gpu_memory, total, alerts))
-            )
-    return rows
-
-
-def device_free(sup: Supervisor, name: str) -> tuple[int | None, bool]:
-    """Free memory of worker `name`'s roomiest device, and whether another worker reports the same
-    device (same host, kind, index): then the one figure is shared, not each worker's to fill."""
-    w = sup.worker(name)
-    devs = [
-        d for d in (w.status.devices if w.status else []) if d.memory_total is not None and d.memory_used is not None
-    ]
-    if not devs:
-        return None, False
-    d = max(devs, key=lambda d: d.memory_total - d.memory_used)
-    shared = any(
-        o is not w
-        and o.spec.host == w.spec.host
-        and o.status
-        and any((x.kind, x.index) == (d.kind, d.index) for x in o.status.devices)
-        for o in sup.workers.values()
-    )
-    return d.memory_total - d.memory_used, shared
-
-
-def _mem_tone(used, total, alerts: Alerts) -> str:
-    if not total or used is None:
-        return "muted"
-    return "warn" if used / total * 100 >= alerts.vram_pct else "ok"
-
-
 def memory_line(row: MemoryRow, width: int = 16) -> str:
     used = f"{fmt_bytes(row.used)}/{fmt_bytes(row.total)}"
     tail = f" {row.note}" if row.note else ""
@@ -455,73 +335,6 @@ def active_alerts(sup: Supervisor, alerts: Alerts) -> dict[str, str]:
         if w.state == State.CRASH_LOOP:
             out[f"crash-loop:{w.name}"] = f"{w.name} is in a crash loop: {w.last_err or 'no log line'}"
     return out
-
-
-def incident_line(inc) -> str:
-    """One incident of the timeline (a triage.Incident); dated, as the timeline spans days."""
-    return f"{time.strftime('%m-%d %H:%M:%S', time.localtime(inc.ts))} {inc.kind:<19} {inc.subject}: {inc.message}"
-
-
-def parse_since(text: str) -> float:
-    """ "90s", "30m", "2h", "7d" -> seconds (`hydra-console incidents --since`)."""
-    units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
-    try:
-        return float(text[:-1]) * units[text[-1]]
-    except (KeyError, IndexError, ValueError):
-        raise UserError(f"--since {text!r}: expected a number and s, m, h or d, e.g. 2h") from None
-
-
-def event_line(ev: Event) -> str:
-    who = f"{ev.worker}: " if ev.worker else ""
-    return f"{time.strftime('%H:%M:%S', time.localtime(ev.ts))} {ev.kind:<11} {who}{ev.message}"
-
-
-EVENT_TONES = {
-    "ready": "ok",
-    "crashed": "error",
-    "crash-loop": "error",
-    "adopted": "busy",
-    "attached": "busy",
-    "killed": "error",
-    "error": "error",
-    "unreachable": "error",
-    "degraded": "warn",
-    "restarted": "warn",
-    "split": "busy",
-}
-
-
-def failure_label(text: str) -> str | None:
-    for label, rx in FAILURE_PATTERNS:
-        if rx.search(text):
-            return label
-    return None
-
-
-def compile_filter(pattern: str) -> re.Pattern | None:
-    """The `/` filter: a regex, or the literal text when it is not a valid regex."""
-    if not pattern:
-        return None
-    try:
-        return re.compile(pattern, re.IGNORECASE)
-    except re.error:
-        return re.compile(re.escape(pattern), re.IGNORECASE)
-
-
-# The head's access log (engine/http_gate.py): "<12-hex id> POST /v1/completions 200 in=12 out=40 812ms".
-ACCESS_LINE = re.compile(r"\b[0-9a-f]{12} [A-Z]+ /\S* \d{3}\b")
-
-
-def filter_lines(lines, pattern: re.Pattern | None, invert: bool = False) -> list:
-    if pattern is None:
-        return list(lines)
-    return [ln for ln in lines if bool(pattern.search(ln.text)) != invert]
-
-
-def log_line_text(line, with_worker: bool) -> str:
-    ts = time.strftime("%H:%M:%S", time.localtime(line.ts))
-    who = f"{line.worker:<6} " if with_worker else ""
-    return f"{ts} {who}{line.text}"
 
 
 def snapshot(sup: Supervisor, incidents: list = (), open_incidents: list = ()) -> dict:

@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 
 from ..contracts.errors import UserError
-from . import display
+from . import display, log_text
 from .config import default_profile, load_profile, resolve_profile_path, save_profile
 from .incidents import IncidentLog, incidents_path
 from .records import State
@@ -99,12 +99,12 @@ def run(argv: list[str] | None = None) -> int:
     if args.command == "incidents":
         sup = Supervisor(profile, attach=True)
         found = IncidentLog(profile.alerts, incidents_path(sup), writes=False).since(
-            sup.clock() - display.parse_since(args.since)
+            sup.clock() - log_text.parse_since(args.since)
         )
         print(
             json.dumps([dataclasses.asdict(i) for i in found], indent=1)
             if args.json
-            else "\n".join(display.incident_line(i) for i in found) or f"no incidents in the last {args.since}"
+            else "\n".join(log_text.incident_line(i) for i in found) or f"no incidents in the last {args.since}"
         )
         return 0
     if args.write_profile:

@@ -28,8 +28,9 @@ from pathlib import Path
 from textual import events
 
 from hydra_console.app.config import Profile, SupervisorSettings, WorkerSpec
+from hydra_console.app.records import State
 from hydra_console.app.sources import FixedFeedSource
-from hydra_console.app.supervisor import State, Supervisor
+from hydra_console.app.supervisor import Supervisor
 from hydra_console.app.ui.app import HydraConsole
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))

@@ -21,7 +21,8 @@ from pathlib import Path
 import httpx
 
 from hydra_console.app.config import default_profile
-from hydra_console.app.supervisor import State, Supervisor
+from hydra_console.app.records import State
+from hydra_console.app.supervisor import Supervisor
 from hydra_console.app.ui.app import HydraConsole
 
 PROMPTS = ["The capital of France is", "Once upon a time", "def fibonacci(n):", "The three laws of motion are"]

@@ -10,7 +10,7 @@ from consoles import all_ready, until
 from rpc_workers import free_ports
 
 from hydra_console.app.config import Profile, SupervisorSettings, WorkerSpec
-from hydra_console.app.display import ACCESS_LINE
+from hydra_console.app.log_text import ACCESS_LINE
 from hydra_console.app.records import State
 from hydra_console.app.split_plan import ModelShape
 from hydra_console.app.supervisor import Supervisor

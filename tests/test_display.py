@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from hydra_console.app import display
+from hydra_console.app import display, log_text, memory_text
 from hydra_console.app.config import Alerts, Profile, WorkerSpec
 from hydra_console.app.records import LogLine, State
 from hydra_console.app.sources import FixedFeedSource, Probe
@@ -99,17 +99,17 @@ def test_bar_without_total_is_empty():
     ],
 )
 def test_failure_patterns(line, label):
-    assert display.failure_label(line) == label
+    assert log_text.failure_label(line) == label
 
 
 def test_filter_regex_invert_and_literal_fallback():
     lines = [LogLine(i, 0.0, "head", t) for i, t in enumerate(["GET /health 200", "GET /status 200", "error: x ["])]
-    rx = display.compile_filter(r"/(health|status)")
-    assert [ln.text for ln in display.filter_lines(lines, rx)] == ["GET /health 200", "GET /status 200"]
-    assert [ln.text for ln in display.filter_lines(lines, rx, invert=True)] == ["error: x ["]
-    bad = display.compile_filter("x [")  # not a regex: matched literally, never an exception
-    assert [ln.text for ln in display.filter_lines(lines, bad)] == ["error: x ["]
-    assert display.filter_lines(lines, display.compile_filter("")) == lines
+    rx = log_text.compile_filter(r"/(health|status)")
+    assert [ln.text for ln in log_text.filter_lines(lines, rx)] == ["GET /health 200", "GET /status 200"]
+    assert [ln.text for ln in log_text.filter_lines(lines, rx, invert=True)] == ["error: x ["]
+    bad = log_text.compile_filter("x [")  # not a regex: matched literally, never an exception
+    assert [ln.text for ln in log_text.filter_lines(lines, bad)] == ["error: x ["]
+    assert log_text.filter_lines(lines, log_text.compile_filter("")) == lines
 
 
 def test_memory_estimate_counts_each_stage_as_its_worker_holds_it(tiny_model):
@@ -149,15 +149,18 @@ def test_a_gpu_workers_measured_runtime_replaces_the_default(tiny_model):
 
 
 def test_memory_form_says_how_a_worker_holds_its_stage():
-    assert display.memory_form(WorkerMemory("cpu")) == "(cpu): weights int8 + bf16 prefill copy, KV bf16/bf16"
-    assert display.memory_form(WorkerMemory("cpu", "float32")) == "(cpu): weights at float32, KV f32/f32"
+    assert memory_text.memory_form(WorkerMemory("cpu")) == "(cpu): weights int8 + bf16 prefill copy, KV bf16/bf16"
+    assert memory_text.memory_form(WorkerMemory("cpu", "float32")) == "(cpu): weights at float32, KV f32/f32"
     assert (
-        display.memory_form(WorkerMemory("cuda", kv_types=("q8_0", "f16")))
+        memory_text.memory_form(WorkerMemory("cuda", kv_types=("q8_0", "f16")))
         == "(cuda): weights as in the GGUF, KV q8_0/f16"
     )
-    assert display.memory_form(WorkerMemory("cuda", gpu_weights="dense")) == "(cuda): weights at bfloat16, KV bf16/bf16"
+    assert (
+        memory_text.memory_form(WorkerMemory("cuda", gpu_weights="dense"))
+        == "(cuda): weights at bfloat16, KV bf16/bf16"
+    )
     mixed = [WorkerMemory("cuda"), WorkerMemory("cpu"), WorkerMemory("cuda")]
-    assert display.memory_forms(["head", "peer1", "peer2"], mixed) == (
+    assert memory_text.memory_forms(["head", "peer1", "peer2"], mixed) == (
         "head, peer2 (cuda): weights as in the GGUF, KV bf16/bf16; peer1 (cpu): weights int8 + bf16 prefill copy, KV bf16/bf16"
     )
 
@@ -212,7 +215,7 @@ async def test_rows_and_panels_from_a_status_document():
     }
     peer_row, peer_tone = display.worker_row(sup.workers["peer1"], sup, now=0.0)
     assert peer_row[4] == "[9,18)" and peer_row[5] == "✖ unreachable" and peer_tone == "error"
-    mem = display.memory_rows(sup, Alerts())
+    mem = memory_text.memory_rows(sup, Alerts())
     assert [(m.label, m.tone, m.note) for m in mem] == [
         ("machine cuda:0", "warn", "util 40% (head)")
     ]  # 95% >= 90% alert
@@ -279,12 +282,12 @@ async def test_machine_totals_appear_once_and_each_worker_shows_its_own_rss():
     sup = Supervisor(Profile(), attach=True, source=feed, clock=lambda: 0.0)
     await sup.poll_once()
     sup.head.rss, sup.head.cpu_pct = 1 << 30, 50.0
-    rows = display.memory_rows(sup, Alerts())
+    rows = memory_text.memory_rows(sup, Alerts())
     assert [(r.label, r.used, r.note) for r in rows] == [
         ("machine RAM", 6 << 30, "(head, peer1)"),
         ("head RSS", 1 << 30, "cpu 50%"),
     ]
-    assert display.device_free(sup, "head") == (10 << 30, True)  # one machine's RAM, both workers on it
+    assert memory_text.device_free(sup, "head") == (10 << 30, True)  # one machine's RAM, both workers on it
 
 
 async def test_gpu_workers_show_their_own_process_memory_beside_the_device_total():
@@ -296,7 +299,7 @@ async def test_gpu_workers_show_their_own_process_memory_beside_the_device_total
     )
     sup = Supervisor(Profile(), attach=True, source=feed, clock=lambda: 0.0)
     await sup.poll_once()
-    rows = [(r.label, r.used, r.total, r.note) for r in display.memory_rows(sup, Alerts())]
+    rows = [(r.label, r.used, r.total, r.note) for r in memory_text.memory_rows(sup, Alerts())]
     ram = psutil.virtual_memory().total  # local workers that report no RAM device: this machine's
     assert rows == [
         ("machine cuda:0", 40 << 30, 140 << 30, "(head, peer1)"),  # the machine's total, once

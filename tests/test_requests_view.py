@@ -9,7 +9,7 @@ import threading
 import openai
 from rpc_workers import head, peer, running, wait_for
 
-from hydra_console.app import display
+from hydra_console.app import display, log_text
 from hydra_console.contracts.status import Status
 
 # the first request's tokens: long enough that the others still find it in its slot on a loaded machine
@@ -56,7 +56,7 @@ def test_requests_slots_queue_latency_and_access_log(tiny_model, tmp_path):
         access = [ln for ln in h.log().splitlines() if "POST /v1/completions 200" in ln]
         assert len(access) == 3 and all("in=" in ln and "out=" in ln and ln.rstrip().endswith("ms") for ln in access)
         assert sorted(int(re.search(r"out=(\d+)", ln).group(1)) for ln in access) == [40, 40, HOLD]
-        assert display.ACCESS_LINE.search(access[0])
+        assert log_text.ACCESS_LINE.search(access[0])
         process = Status.from_json(h.status()).process  # the worker's own memory, not the machine's
         assert process.rss > 0 and process.gpu_memory is None  # a CPU worker
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-from functools import partial
 from pathlib import Path
 from typing import Callable, Iterable
 
@@ -29,6 +28,7 @@ from .dashboard import DashboardScreen
 from .detail import WorkerDetailScreen
 from .dialogs import ConfirmScreen, HelpScreen
 from .logs import LogsScreen
+from .palette import system_commands
 from .split_editor import SplitEditorScreen
 from .triage import TriageScreen
 
@@ -409,51 +409,4 @@ class HydraConsole(App):
 
     def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
         yield from super().get_system_commands(screen)
-        yield SystemCommand("Help", "Keys of this screen", self.action_help)
-        yield SystemCommand("Alerts", "Every alert of this session", self.action_alerts)
-        yield SystemCommand("Triage", "Incident timeline and what to change", self.action_triage)
-        yield SystemCommand("Split editor", "Move layer boundaries, preview memory, apply", self.action_split_editor)
-        yield SystemCommand("Logs: all workers", "Merged log of every worker", partial(self.action_logs, None))
-        yield SystemCommand("Log filter", "Open the logs with the regex filter focused", self.action_filter)
-        yield SystemCommand(
-            "Save profile", "Write the profile (split included) to its TOML file", self.action_save_profile
-        )
-        for name in THEMES:
-            yield SystemCommand(f"Theme: {name}", "Switch colours", partial(self.action_set_theme, name))
-        if isinstance(screen, LogsScreen):
-            yield SystemCommand("Logs: follow / pause", "Toggle following new lines", screen.action_toggle_follow)
-            yield SystemCommand("Logs: invert filter", "Show the lines that do not match", screen.action_toggle_invert)
-            yield SystemCommand("Logs: next worker", "Cycle merged / each worker", screen.action_next_source)
-            yield SystemCommand("Logs: clear filter", "Show every line", screen.action_clear_filter)
-            yield SystemCommand(
-                "Logs: requests only",
-                "Only the head's access log: one line per API request",
-                screen.action_toggle_requests,
-            )
-        if isinstance(screen, SplitEditorScreen):
-            yield SystemCommand("Split: undo", "Undo the last boundary move", screen.action_undo)
-            yield SystemCommand("Split: even", "Spread the layers evenly", screen.action_even)
-            yield SystemCommand("Split: save to profile", "Write this split to the profile", screen.action_save)
-            if not self.readonly:
-                yield SystemCommand("Split: apply", "Apply live (or by restarting the head)", screen.action_apply)
-                yield SystemCommand(
-                    "Split advisor: measure",
-                    "Time every stage's layers, propose the fastest split",
-                    screen.action_measure,
-                )
-                yield SystemCommand(
-                    "Split advisor: apply proposal", "Apply the advisor's split live", screen.action_apply_proposal
-                )
-        for w in self.supervisor.workers.values():
-            yield SystemCommand(f"Detail: {w.name}", f"{w.role} at {w.spec.url}", partial(self.action_detail, w.name))
-            yield SystemCommand(f"Logs: {w.name}", f"Log of {w.name}", partial(self.action_logs, w.name))
-            if w.managed and not self.readonly:
-                yield SystemCommand(
-                    f"Restart {w.name}",
-                    "Stop (SIGTERM, then SIGKILL) and start again",
-                    partial(self.action_restart_worker, w.name),
-                )
-                yield SystemCommand(
-                    f"Stop {w.name}", "Stop without restarting", partial(self.action_stop_worker, w.name)
-                )
-                yield SystemCommand(f"Start {w.name}", "Start if stopped", partial(self.action_start_worker, w.name))
+        yield from system_commands(self, screen)

@@ -9,7 +9,7 @@ from textual.containers import Horizontal, Vertical
 from textual.screen import Screen
 from textual.widgets import DataTable, Footer, Header, Label, RichLog, Sparkline, Static
 
-from .. import display
+from .. import display, log_text, memory_text
 from . import triage
 
 SPARK_SAMPLES = 60  # the sparklines show the last minute at 1 Hz
@@ -66,10 +66,10 @@ class DashboardScreen(Screen):
 
     def add_event(self, ev, log: RichLog | None = None) -> None:
         log = log or self.query_one("#events", RichLog)
-        tone = display.EVENT_TONES.get(ev.kind)
+        tone = log_text.EVENT_TONES.get(ev.kind)
         # Wrap at the panel's width: RichLog would measure against the app console's, not the terminal's.
         log.write(
-            Text(display.event_line(ev), style=self.app.tone_style(tone) if tone else ""),
+            Text(log_text.event_line(ev), style=self.app.tone_style(tone) if tone else ""),
             width=log.scrollable_content_region.width or None,
         )
 
@@ -134,7 +134,7 @@ class DashboardScreen(Screen):
 
         self._sort(table, now)
 
-        rows = display.memory_rows(sup, sup.profile.alerts)
+        rows = memory_text.memory_rows(sup, sup.profile.alerts)
         width = 8 if self.size.width < 100 else 20
         memory = Text()
         for i, row in enumerate(rows):

@@ -12,7 +12,7 @@ from textual.containers import VerticalScroll
 from textual.screen import Screen
 from textual.widgets import Footer, Header, Static
 
-from .. import display
+from .. import display, log_text
 
 LOG_TAIL = 15
 
@@ -102,7 +102,7 @@ class WorkerDetailScreen(Screen):
             t.add_row(k, v)
         self.query_one("#detail-info", Static).update(t)
 
-        evs = [display.event_line(e) for e in sup.events if e.worker == w.name][-8:]
+        evs = [log_text.event_line(e) for e in sup.events if e.worker == w.name][-8:]
         self.query_one("#detail-events", Static).update(Text("Events\n" + ("\n".join(evs) or "none")))
-        lines = [display.log_line_text(ln, with_worker=False) for ln in list(w.log)[-LOG_TAIL:]]
+        lines = [log_text.log_line_text(ln, with_worker=False) for ln in list(w.log)[-LOG_TAIL:]]
         self.query_one("#detail-log", Static).update(Text("Log (l for all)\n" + ("\n".join(lines) or "empty")))

@@ -9,7 +9,7 @@ from textual.binding import Binding
 from textual.screen import Screen
 from textual.widgets import Footer, Header, Input, Label, RichLog
 
-from .. import display
+from .. import log_text
 
 SHOWN = 2000  # lines re-rendered when the view changes
 
@@ -30,7 +30,7 @@ class LogsScreen(Screen):
         self.pattern_text = pattern
         self.invert = False
         self.follow = True
-        self.requests_only = False  # only the access log's lines (display.ACCESS_LINE)
+        self.requests_only = False  # only the access log's lines (log_text.ACCESS_LINE)
         self._last_seq = -1
 
     def compose(self) -> ComposeResult:
@@ -65,8 +65,8 @@ class LogsScreen(Screen):
         self.query_one("#logbar", Label).update(bar)
 
     def _write(self, log: RichLog, line) -> None:
-        text = display.log_line_text(line, with_worker=self.source is None)
-        label = display.failure_label(line.text)
+        text = log_text.log_line_text(line, with_worker=self.source is None)
+        label = log_text.failure_label(line.text)
         # Only known failures stand out: workers log everything to stderr, so the stream says little.
         if label:
             log.write(Text(f"{text}  ◀ {label}", style=f"bold {self.app.tone_style('error')}"))
@@ -95,8 +95,8 @@ class LogsScreen(Screen):
 
     def _visible(self, lines) -> list:
         if self.requests_only:
-            lines = display.filter_lines(lines, display.ACCESS_LINE)
-        return display.filter_lines(lines, display.compile_filter(self.pattern_text), self.invert)
+            lines = log_text.filter_lines(lines, log_text.ACCESS_LINE)
+        return log_text.filter_lines(lines, log_text.compile_filter(self.pattern_text), self.invert)
 
     def action_focus_filter(self) -> None:
         filt = self.query_one("#filter", Input)

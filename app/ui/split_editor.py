@@ -14,7 +14,7 @@ from textual.widgets import Footer, Header, Static
 
 from ...contracts.footprint import rollback_depth
 from ...contracts.split import counts_of, even_split, move_boundary, ranges, split_arg
-from .. import display
+from .. import display, memory_text
 from ..records import SupervisorError
 from ..split_advisor import MIN_GAIN, Advice, advise
 from ..split_plan import ModelShape, WorkerMemory
@@ -104,7 +104,7 @@ class SplitEditorScreen(Screen):
         for i, (a, b) in enumerate(ranges(self.counts)):
             marker = "▶" if i in (self.boundary, self.boundary + 1) else " "
             est = estimates[i] if estimates else None
-            free, shared = display.device_free(sup, names[i])
+            free, shared = memory_text.device_free(sup, names[i])
             # A running worker's context is in the device's used memory already: the new stage's bytes must fit.
             over = bool(est and free is not None and est.total - est.runtime_bytes > free)
             table.add_row(
@@ -137,7 +137,7 @@ class SplitEditorScreen(Screen):
         note.update(
             f"layers {layer_map}\n"
             f"boundary {left} | {right}  ·  split {split_arg(self.counts)}{state}"
-            + f"\nestimates for {sup.profile.parallel} slots × {sup.profile.ctx} tokens: {display.memory_forms(names, memory)}"
+            + f"\nestimates for {sup.profile.parallel} slots × {sup.profile.ctx} tokens: {memory_text.memory_forms(names, memory)}"
             + (
                 "\nwork: a GPU worker's prefill scratch, CUDA graphs and cuBLAS workspaces, and its CUDA context and kernels"
                 if any(m.device == "cuda" for m in memory)

@@ -13,7 +13,7 @@ from textual.containers import VerticalScroll
 from textual.screen import Screen
 from textual.widgets import Footer, Header, Static
 
-from .. import display, triage
+from .. import log_text, triage
 
 SHOWN = 500  # newest incidents rendered (the log keeps days of them; `hydra-console incidents` prints all)
 INCIDENT_TONES = {
@@ -63,5 +63,5 @@ class TriageScreen(Screen):
         timeline = Text(f"Timeline · {len(incidents)} incidents{since}{more}\n", style="bold")
         for inc in incidents[-SHOWN:]:
             tone = INCIDENT_TONES.get(inc.kind, "warn")
-            timeline.append(display.incident_line(inc) + "\n", style=app.tone_style(tone))
+            timeline.append(log_text.incident_line(inc) + "\n", style=app.tone_style(tone))
         self.query_one("#triage-timeline", Static).update(timeline)
