@@ -26,11 +26,11 @@ import time
 
 import torch
 
-from hydra_console.engine.serving import sampling
 from hydra_console.engine.default_model import model_path
 from hydra_console.engine.gguf_file import GGUFFile
 from hydra_console.engine.model import build_stage
 from hydra_console.engine.pipeline import Pipeline
+from hydra_console.engine.serving import sampling
 from hydra_console.engine.serving.runtime import Engine, Request
 from hydra_console.engine.serving.sampling import SamplingParams
 from hydra_console.engine.text.tokenizer import Tokenizer
