@@ -131,6 +131,15 @@ def test_sigterm_drains_in_flight_requests(tiny_model, tmp_path):
         assert len(lines) == 1, (o["id"], lines)
 
 
+def _stopping(url: str) -> bool:
+    """/health says the drain has begun, or the head is gone already."""
+    try:
+        r = httpx.get(f"{url}/health", timeout=10)
+    except httpx.HTTPError:
+        return True
+    return r.status_code == 503 and r.json().get("reason") == "the server is shutting down"
+
+
 def _in_engine(url: str) -> int:
     r = httpx.get(f"{url}/status", timeout=10).json()["requests"]
     return r["slots_busy"] + r["queued"]
@@ -154,6 +163,8 @@ def test_drain_lets_short_generations_finish_and_a_second_sigterm_ends_it(tiny_m
         os.killpg(w.proc.pid, signal.SIGTERM)
         threads[0].join(timeout=120)  # 64 tokens: well within the grace
         assert _check_stream(short) == "complete"
+        # the drain has begun (two signals at once would reach Python's handler as one)
+        wait_for(lambda: _stopping(w.url), 60, "/health to say the head is shutting down")
         t0 = time.monotonic()
         with contextlib.suppress(ProcessLookupError):  # the long one may have finished too: the head is gone
             os.killpg(w.proc.pid, signal.SIGTERM)
@@ -216,6 +227,20 @@ def test_abort_ends_each_unfinished_choice_once_and_drops_the_engines_late_event
         assert [(i, t, f) for i, t, f, _ in seen] == [(0, "a", None), (1, "b", "length"), (0, "", "error")]
         assert isinstance(seen[-1][3], ShuttingDown) and str(seen[-1][3]) == "the server is shutting down"
         assert set(map(id, h.engine.cancelled)) >= set(map(id, reqs))
+
+    asyncio.run(main())
+
+
+@pytest.mark.unit
+def test_a_final_on_its_way_when_the_run_is_aborted_is_kept():
+    async def main():
+        h = _head()
+        reqs = [EngineRequest(prompt=[1]), EngineRequest(prompt=[1])]
+        run = Run(h, _Http(), reqs)
+        reqs[1].sink(Event(text="b", finish_reason="length"))  # posted, not yet in the run's inbox
+        run.abort(ShuttingDown())
+        seen = await asyncio.wait_for(_read(run), 5)
+        assert sorted((i, f) for i, _, f, _ in seen) == [(0, "error"), (1, "length")]
 
     asyncio.run(main())
 

@@ -63,7 +63,7 @@ class Run:
         self.inbox = Inbox()
         self.done: set[int] = set()  # choices whose final event the consumer has had
         self.ended = False  # aborted, or its consumer stopped reading
-        mailbox = LoopMailbox.of(asyncio.get_running_loop())
+        self.mailbox = mailbox = LoopMailbox.of(asyncio.get_running_loop())
         for i, req in enumerate(reqs):
             req.sink = lambda ev, i=i: mailbox.post(self.inbox, (i, ev))
         share = engine_share(head.engine.n_slots)
@@ -75,6 +75,7 @@ class Run:
             for req in reqs[:share]:
                 head.engine.submit(req)
         except Exception:  # a full queue refuses the whole request, not some of its choices
+            self.ended = True
             self._cancel()
             raise
 
@@ -103,15 +104,16 @@ class Run:
 
     def abort(self, error: BaseException) -> None:
         """End every unfinished choice now (in the loop): the consumer reads a final event with
-        `error` for each, as if the engine had failed it; the engine's own later events for them are
-        dropped (`done`), their requests cancelled."""
+        `error` for each, as if the engine had failed it, after the engine's events already posted
+        (through the same mailbox: a choice whose own final was on its way keeps it); the engine's
+        later events for them are dropped (`done`), their requests cancelled."""
         from ..serving.sequence import Event
 
         self.ended = True
         self.held.clear()
         for i in range(len(self.reqs)):
             if i not in self.done:
-                self.inbox.put_nowait((i, Event(finish_reason="error", error=error)))
+                self.mailbox.post(self.inbox, (i, Event(finish_reason="error", error=error)))
         self._cancel()
 
     async def events(self) -> AsyncIterator[tuple[int, Event]]:
