@@ -43,7 +43,7 @@ import psutil
 from ready import wait_ready
 
 from hydra_console.engine.cli import build_parser
-from hydra_console.engine.config import head_config
+from hydra_console.engine.cli_config import head_config
 from hydra_console.engine.default_model import model_path
 from hydra_console.engine.gguf_file import GGUFFile
 from hydra_console.engine.model import ModelConfig

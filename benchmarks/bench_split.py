@@ -35,7 +35,8 @@ configure_split_worker()  # before torch loads libgomp; the peer inherits it
 import torch  # noqa: E402
 
 from hydra_console.engine.cli import build_parser  # noqa: E402
-from hydra_console.engine.config import default_cache_dir, head_config  # noqa: E402
+from hydra_console.engine.cli_config import head_config  # noqa: E402
+from hydra_console.engine.config import default_cache_dir  # noqa: E402
 from hydra_console.engine.device import resolve_device, resolve_dtype  # noqa: E402
 from hydra_console.engine.gguf_file import GGUFFile  # noqa: E402
 from hydra_console.engine.model import ModelConfig, build_stage  # noqa: E402

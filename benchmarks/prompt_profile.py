@@ -18,7 +18,7 @@ import time
 import torch
 
 from hydra_console.engine.cli import build_parser
-from hydra_console.engine.config import head_config
+from hydra_console.engine.cli_config import head_config
 from hydra_console.engine.gguf_file import GGUFFile
 from hydra_console.engine.model import ModelConfig
 from hydra_console.engine.serving.runtime import Engine, Request

@@ -14,6 +14,7 @@ import os
 import sys
 from typing import Mapping
 
+from .cli_config import head_config, peer_config
 from .config import (
     BODY_BYTES_PER_TOKEN,
     DEFAULT_BATCH_TOKENS,
@@ -27,8 +28,6 @@ from .config import (
     compile_cache_env,
     cuda_env,
     default_cache_dir,
-    head_config,
-    peer_config,
 )
 from .embedding import DEFAULT_NORMALIZE, POOLINGS
 from .errors import UserError

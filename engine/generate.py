@@ -14,7 +14,7 @@ from .errors import UserError
 
 def main(args, cache_dir: Path | None) -> int:
     t0 = time.perf_counter()
-    from .config import slot_ctx
+    from .cli_config import slot_ctx
     from .default_model import model_path
     from .gguf_file import GGUFFile
     from .model import build_stage

@@ -342,7 +342,7 @@ def test_peer_refuses_a_public_bind_without_token_unless_insecure(model):
 
 
 def test_token_file_must_be_private(tmp_path):
-    from hydra_console.engine.config import read_token_file
+    from hydra_console.engine.cli_config import read_token_file
     from hydra_console.engine.errors import UserError
 
     f = tmp_path / "token"

@@ -97,7 +97,7 @@ async def test_advisor_moves_layers_off_a_slowed_peer_and_the_proposal_beats_the
 def test_hidden_delay_flag_is_validated():
     from hydra_console.contracts.errors import UserError
     from hydra_console.engine.cli import build_parser
-    from hydra_console.engine.config import peer_config
+    from hydra_console.engine.cli_config import peer_config
 
     args = build_parser().parse_args(["peer", "--layer-delay-ms", "-1"])
     with pytest.raises(UserError, match="--layer-delay-ms"):

@@ -6,7 +6,8 @@ import pytest
 
 from hydra_console.contracts.footprint import CUBLAS_WORKSPACE_BYTES
 from hydra_console.engine.cli import build_parser
-from hydra_console.engine.config import ENVIRONMENT, GPU_SPIN_S, RpcSettings, cuda_env, head_config, peer_config
+from hydra_console.engine.cli_config import head_config, peer_config
+from hydra_console.engine.config import ENVIRONMENT, GPU_SPIN_S, RpcSettings, cuda_env
 from hydra_console.engine.errors import UserError
 
 pytestmark = pytest.mark.unit

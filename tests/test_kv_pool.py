@@ -16,7 +16,7 @@ from stages import load, prefill
 
 from hydra_console.engine import slot_state
 from hydra_console.engine.cli import build_parser
-from hydra_console.engine.config import head_config
+from hydra_console.engine.cli_config import head_config
 from hydra_console.engine.errors import UserError
 from hydra_console.engine.model.kv_blocks import KV_BLOCK, KVBlocks, KVPoolFull
 

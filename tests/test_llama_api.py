@@ -12,7 +12,7 @@ import pytest
 from rpc_workers import Worker, free_ports, running
 
 from hydra_console.engine.cli import build_parser
-from hydra_console.engine.config import head_config
+from hydra_console.engine.cli_config import head_config
 from hydra_console.engine.synth import FIM_TOKENS
 from hydra_console.engine.text.tokenizer import Tokenizer, fim_tokens
 
