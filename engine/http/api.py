@@ -23,6 +23,7 @@ from ..errors import ContextOverflow, Overloaded, Unavailable, UserError
 from . import slot_files
 from .anthropic import anthropic_routes
 from .bodies import MAX_LOGPROBS, ChatBody, CommonBody
+from .chat_completions import respond_chat
 from .common import chat_requests, choices, ready_engine, sampling_params, speculative_config, stop_list
 from .cors import Cors
 from .embeddings import embedding_routes
@@ -32,6 +33,7 @@ from .json_body import JsonBody
 from .limits import capped_json, json_response
 from .llama_routes import BUILD_INFO
 from .llama_routes import router as llama_router
+from .logprobs import CompletionLogprobs, merge_logprobs
 from .predict import add_predict_route
 from .prompts import check_token_ids
 from .responses import responses_routes
@@ -39,10 +41,8 @@ from .streaming import Run, check_finish, sse, stream_error, usage_of
 from .worker import add_observation_routes
 
 if TYPE_CHECKING:  # the engine's modules bring torch: imported when the model loads, after the port is up
-    from ..serving.sampling import TokenLogprob
-    from ..serving.sequence import Event, GenToken
+    from ..serving.sequence import Event
     from ..serving.sequence import Request as EngineRequest
-    from ..text.tool_calls import ToolFormat
     from ..workers.head import HeadWorker as Head
 
 
@@ -66,55 +66,6 @@ class CompletionBody(CommonBody):
 
 class SlotFileBody(BaseModel):
     filename: str = ""
-
-
-# ---- turning events into OpenAI objects -------------------------------------------------------
-
-
-def _token_str(head: Head, tid: int, as_ids: bool, text: str | None = None) -> str:
-    if as_ids:
-        return f"token_id:{tid}"
-    return text if text is not None else head.tok.token_bytes(tid).decode("utf-8", "replace")
-
-
-class _CompletionLogprobs:
-    """OpenAI completions logprobs: parallel lists tokens / token_logprobs / top_logprobs / text_offset."""
-
-    def __init__(self, head: Head, as_ids: bool, offset: int = 0):
-        self.head, self.as_ids, self.offset = head, as_ids, offset
-
-    def add(self, entries: list[tuple[TokenLogprob, str | None]]) -> dict:
-        out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-        for lp, text in entries:
-            s = _token_str(self.head, lp.token, self.as_ids, text)
-            out["tokens"].append(s)
-            out["token_logprobs"].append(lp.logprob)
-            out["top_logprobs"].append(
-                None if lp.logprob is None else {_token_str(self.head, t, self.as_ids): v for t, v in lp.top}
-            )
-            out["text_offset"].append(self.offset)
-            self.offset += len(text if text is not None else s)
-        return out
-
-
-def _merge_logprobs(parts: list[dict]) -> dict:
-    out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-    for p in parts:
-        for k in out:
-            out[k] += p[k]
-    return out
-
-
-def _chat_logprob_content(head: Head, tokens: list[GenToken], as_ids: bool) -> list[dict]:
-    def entry(tid: int, lp: float, text: str | None = None) -> dict:
-        s = _token_str(head, tid, as_ids, text)
-        return {"token": s, "logprob": lp, "bytes": list(head.tok.token_bytes(tid))}
-
-    return [
-        {**entry(t.id, t.logprob.logprob, t.text), "top_logprobs": [entry(i, v) for i, v in t.logprob.top]}
-        for t in tokens
-        if t.logprob is not None
-    ]
 
 
 # ---- the app -----------------------------------------------------------------------------------
@@ -283,7 +234,7 @@ def create_app(head: Head) -> FastAPI:
     @app.post("/chat/completions", include_in_schema=False)
     async def chat_completions(body: ChatBody, http: Request):
         prompt, reqs, calls = await chat_requests(head, body)
-        return await _respond_chat(head, http, body, reqs, prompt, calls)
+        return await respond_chat(head, http, body, reqs, prompt, calls)
 
     if head.cfg.predict_route is not None:  # last: it dispatches to the routes above
         add_predict_route(app, head.cfg.predict_route)
@@ -337,7 +288,7 @@ async def _respond_completion(
 ):
     cid, created, n = f"cmpl-{uuid.uuid4().hex}", int(time.time()), len(reqs)
     want_lp = body.logprobs is not None
-    lps = [_CompletionLogprobs(head, body.return_tokens_as_token_ids) for _ in reqs]
+    lps = [CompletionLogprobs(head, body.return_tokens_as_token_ids) for _ in reqs]
     run = Run(head, http, reqs, streamed=body.stream)
 
     def prompt_part(i: int, ev: Event) -> dict:
@@ -411,7 +362,7 @@ async def _respond_completion(
         chunk(
             i,
             (prompt_text if body.echo else "") + "".join(texts[i]),
-            _merge_logprobs(parts[i]) if want_lp else None,
+            merge_logprobs(parts[i]) if want_lp else None,
             finals[i].finish_reason,
         )["choices"][0]
         for i in range(n)
@@ -427,114 +378,6 @@ async def _respond_completion(
         "timings": finals[0].timings,
     }
     return await json_response(answer, head.cfg.max_response)
-
-
-def _finish_reason(ev: Event, calls: list) -> str:
-    """llama-server's: a generation that ended by itself with calls ended for them."""
-    return "tool_calls" if calls and ev.finish_reason == "stop" else ev.finish_reason
-
-
-async def _respond_chat(
-    head: Head, http: Request, body: ChatBody, reqs: list[EngineRequest], prompt: str, calls: ToolFormat | None
-):
-    """`calls`: the template's tool-call format when the request's generations are parsed for calls."""
-    cid, created, n = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), len(reqs)
-    as_ids = body.return_tokens_as_token_ids
-    run = Run(head, http, reqs, streamed=body.stream)
-    common = {
-        "id": cid,
-        "object": "chat.completion.chunk",
-        "created": created,
-        "model": head.model_name,
-        "system_fingerprint": BUILD_INFO,
-    }
-
-    def chunk(i: int, delta: dict, tokens: list[GenToken], finish=None, **extra) -> dict:
-        logprobs = {"content": _chat_logprob_content(head, tokens, as_ids)} if body.logprobs and tokens else None
-        choice = {"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
-        return {**common, "choices": [choice], **extra}
-
-    if body.stream:
-        # llama-server's stream: a first chunk with the role and content null (per choice); content
-        # chunks (each with `timings` when timings_per_token); a finish chunk with an empty delta; the
-        # usage chunk (choices []) only with stream_options.include_usage. The last chunk carries `timings`.
-        include_usage = bool((body.stream_options or {}).get("include_usage"))
-
-        # With tools, text that may start a call is held back; the calls come whole at the end.
-        held = [calls.stream() if calls is not None else None for _ in reqs]
-
-        async def stream():
-            for i in range(n):
-                yield sse(chunk(i, {"role": "assistant", "content": None}, []))
-            finals: list[Event] = []
-            async for i, ev in run.events():
-                if ev.finish_reason == "error":
-                    yield sse(stream_error(ev))
-                    break
-                per_token = {"timings": ev.timings} if ev.timings else {}
-                if ev.progress is not None:  # as llama-server: a role delta carrying prompt_progress
-                    yield sse(
-                        chunk(i, {"role": "assistant", "content": None}, [], prompt_progress=ev.progress, **per_token)
-                    )
-                    continue
-                text = held[i].push(ev.text) if held[i] is not None else ev.text
-                if text or (ev.tokens and (held[i] is None or body.logprobs)):  # no empty chunks for held text
-                    yield sse(chunk(i, {"content": text} if text else {}, ev.tokens, **per_token))
-                if ev.finish_reason is None:
-                    continue
-                finals.append(ev)
-                rest, tool_calls = held[i].finish() if held[i] is not None else ("", [])
-                if rest:
-                    yield sse(chunk(i, {"content": rest}, []))
-                for k, call in enumerate(tool_calls):
-                    yield sse(chunk(i, {"tool_calls": [{"index": k, **call.to_json()}]}, []))
-                timings = {"timings": ev.timings}
-                yield sse(chunk(i, {}, [], _finish_reason(ev, tool_calls), **({} if include_usage else timings)))
-                if include_usage and len(finals) == n:
-                    yield sse({**common, "choices": [], "usage": usage_of(finals), **timings})
-            yield b"data: [DONE]\n\n"
-
-        return run.response(stream())
-
-    texts, tokens, finals = [[] for _ in reqs], [[] for _ in reqs], [None] * n
-    async for i, ev in run.events():
-        texts[i].append(ev.text)
-        tokens[i] += ev.tokens
-        if ev.finish_reason is not None:
-            finals[i] = ev
-    if None in finals:
-        return Response(status_code=499)
-    for ev in finals:
-        check_finish(ev)
-
-    def choice(i: int) -> dict:
-        logprobs = {"content": _chat_logprob_content(head, tokens[i], as_ids)} if body.logprobs else None
-        from ..text.tool_calls import reply_parts
-
-        content, tool_calls = reply_parts(calls, "".join(texts[i]))
-        message = {"role": "assistant", "content": content}
-        if tool_calls:
-            message["tool_calls"] = [c.to_json() for c in tool_calls]
-        return {
-            "index": i,
-            "message": message,
-            "logprobs": logprobs,
-            "finish_reason": _finish_reason(finals[i], tool_calls),
-        }
-
-    out = {
-        "id": cid,
-        "object": "chat.completion",
-        "created": created,
-        "model": head.model_name,
-        "system_fingerprint": BUILD_INFO,
-        "choices": [choice(i) for i in range(n)],
-        "usage": usage_of(finals),
-        "timings": finals[0].timings,
-    }
-    if body.verbose or head.cfg.verbose:
-        out["__verbose"] = {"prompt": prompt, "content": out["choices"][0]["message"]["content"]}
-    return await json_response(out, head.cfg.max_response)
 
 
 # ---- serve -----------------------------------------------------------------------------------
