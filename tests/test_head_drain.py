@@ -22,6 +22,7 @@ import time
 from types import SimpleNamespace
 
 import httpx
+import openai
 import pytest
 from fastapi import FastAPI
 from rpc_workers import head, running, wait_for
@@ -65,6 +66,31 @@ def _plain(url: str, out: dict) -> None:
         out["exc"] = repr(e)
 
 
+def _openai_chat(url: str, out: dict) -> None:
+    """A streamed chat through the openai client: out["outcome"] "complete" (finish_reason length)
+    or "refused" (the stream's error event, or a 503), else out["exc"]."""
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
+    try:
+        stream = client.chat.completions.create(
+            model="any",
+            messages=[{"role": "user", "content": "once upon a time"}],
+            max_tokens=N_CTX // 2,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+        finish = None
+        for chunk in stream:
+            if chunk.choices and chunk.choices[0].finish_reason is not None:
+                finish = chunk.choices[0].finish_reason
+        out["outcome"] = "complete" if finish == "length" else f"finish {finish}"
+    except openai.APIStatusError as e:
+        out["outcome"] = "refused" if e.status_code == 503 and "shutting down" in str(e) else f"{e!r}"
+    except openai.APIError as e:  # an error event in the stream (openai's client raises it)
+        out["outcome"] = "refused" if "shutting down" in e.message else f"{e!r}"
+    except Exception as e:
+        out["exc"] = repr(e)
+
+
 def _check_plain(out: dict) -> str:
     """ "complete" or "refused" (a clean 503); anything else fails."""
     assert "exc" not in out, out
@@ -100,14 +126,17 @@ def test_sigterm_drains_in_flight_requests(tiny_model, tmp_path):
     w = head(model, tmp_path, (), "--dtype", "float32", "--drain-grace", str(GRACE_S), parallel=N_SLOTS, ctx=N_CTX)
     with running(w):
         # two streams and two plain requests: two take the slots, two wait in the queue
-        streams, plains = [{} for _ in range(2)], [{} for _ in range(2)]
+        # two streams and two plain requests, and a streamed chat through the openai client: two
+        # take the slots, three wait in the queue
+        streams, plains, chat = [{} for _ in range(2)], [{} for _ in range(2)], {}
         threads = [threading.Thread(target=_stream, args=(w.url, o)) for o in streams]
         threads += [threading.Thread(target=_plain, args=(w.url, o)) for o in plains]
+        threads.append(threading.Thread(target=_openai_chat, args=(w.url, chat)))
         for t in threads:
             t.start()
-        # mid-generation: a stream has tokens, and all four are in the engine (running or queued)
+        # mid-generation: a stream has tokens, and all five are in the engine (running or queued)
         wait_for(lambda: any(len(o.get("events", ())) > 2 for o in streams), 60, "a streamed token")
-        wait_for(lambda: _in_engine(w.url) == 4, 60, "four requests in the engine")
+        wait_for(lambda: _in_engine(w.url) == 5, 60, "five requests in the engine")
         t0 = time.monotonic()
         os.killpg(w.proc.pid, signal.SIGTERM)
         late: dict = {}
@@ -119,6 +148,7 @@ def test_sigterm_drains_in_flight_requests(tiny_model, tmp_path):
             assert not t.is_alive()
 
     outcomes = [_check_stream(o) for o in streams] + [_check_plain(o) for o in plains]
+    assert chat.get("outcome") in ("complete", "refused"), chat
     assert "refused" in outcomes, outcomes  # thousands of tokens cannot all finish within the grace
     if "exc" not in late:
         assert late["status"] == 503 and _check_plain(late) == "refused", late
