@@ -5,7 +5,7 @@ Each input becomes an engine request that runs its prompt only (`Request.embeddi
 free slot like any request, its prefill chunks share forwards with the other slots' work, and the
 pipeline returns its final-norm hidden states (solo or split: whatever stage runs last).
 `embedding` pools and normalises them. At most `--parallel` - 1 inputs of one request are in the
-engine at once (`common.engine_share`: all slots but one, one of one), so a long list waits its turn
+engine at once (`streaming.engine_share`: all slots but one, one of one), so a long list waits its turn
 instead of filling the queue, and another client's request finds a slot meanwhile.
 
 Shapes: `/v1/embeddings` answers OpenAI's list (`encoding_format` float or base64; a `content`

@@ -308,7 +308,7 @@ def infill_prompt(head: Head, body: InfillBody) -> list[int]:
 
 
 async def respond(head: Head, http: Request, body: NativeCompletionBody, prompts: list[list[int]]):
-    """A list of prompts runs as `common.Run`'s choices do: at most `engine_share` in the engine at once."""
+    """A list of prompts runs as `streaming.Run`'s choices do: at most `engine_share` in the engine at once."""
     runs = [_Completion(head, body, ids, i) for i, ids in enumerate(prompts)]
     await constrain(head, body, [c.req for c in runs])
     turns = asyncio.Semaphore(engine_share(head.engine.n_slots))
