@@ -211,7 +211,9 @@ def test_kernels_read_k_quant_scales_and_mins_apart(qt, monkeypatch):
     w = QuantWeight.from_gguf(raw, qt, (n, k), device=KERNEL_DEVICE)
     assert torch.equal(w.dequantize_reference(), ref)
     assert torch.equal(kernel_dequantize(w, torch.float32), ref)
-    x = torch.randn(2, k, device=KERNEL_DEVICE)
+    # A fixed x: one int8 term of bfloat16 x sits near the 1e-2 bound for some draws, and the
+    # global generator's state depends on which tests ran before in this process.
+    x = torch.randn(2, k, generator=torch.Generator().manual_seed(3)).to(KERNEL_DEVICE)
     for terms in (0, 1):
         _gemv_x_terms(monkeypatch, terms)
         x_in = x if terms == 0 else x.bfloat16()

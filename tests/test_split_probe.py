@@ -28,7 +28,10 @@ def text(h, prompt: str, n: int = 24) -> str:
 
 def test_probe_reports_every_stage_and_loses_no_kv(tiny_model, tmp_path):
     model = tiny_model("llama", n_layers=4)
-    with running(peer(model, tmp_path)) as p, running(head(model, tmp_path, [p], parallel=1, ctx=128)) as h:
+    # The peer's layers take 10 ms each: a 100-token request decodes for seconds, so the probe below
+    # meets it mid-generation however slow the machine's polls are.
+    slow_peer = peer(model, tmp_path, "--layer-delay-ms", "10")
+    with running(slow_peer) as p, running(head(model, tmp_path, [p], parallel=1, ctx=128)) as h:
         prompt = "the quick brown fox"
         baseline = text(h, prompt)
         reply = probe(h, {"tokens": 8, "reps": 2})
@@ -46,9 +49,9 @@ def test_probe_reports_every_stage_and_loses_no_kv(tiny_model, tmp_path):
 
         # A probe while a request decodes: it waits its turn between steps, and the request's KV stays whole.
         long_prompt = "a long story about the sea"
-        expected = text(h, long_prompt, 48)
+        expected = text(h, long_prompt, 100)
         got = {}
-        t = threading.Thread(target=lambda: got.update(text=text(h, long_prompt, 48)))
+        t = threading.Thread(target=lambda: got.update(text=text(h, long_prompt, 100)))
         t.start()
         wait_for(lambda: any((s["n_decoded"] or 0) > 2 for s in h.status()["slots"]), 60, "decoding to start")
         assert probe(h, {"tokens": 16, "reps": 1}).ok
