@@ -152,9 +152,11 @@ async def test_output_goes_to_ring_buffer_and_log_file(tmp_path):
 
 
 async def test_a_workers_log_file_is_rotated_with_no_line_lost_and_stays_bounded_with_no_console(tmp_path):
-    go = tmp_path / "go"
+    go, start = tmp_path / "go", tmp_path / "start"
     body = (
         "import os, time\n"
+        "print('ready', flush=True)\n"
+        f"while not os.path.exists({str(start)!r}):\n    time.sleep(0.05)\n"
         "for i in range(2000):\n    print(f'line {i:04d} ' + 'x' * 90, flush=True)\n"
         f"while not os.path.exists({str(go)!r}):\n    time.sleep(0.05)\n"
         "for i in range(2000):\n    print(f'after {i:04d} ' + 'y' * 90, flush=True)\n"
@@ -166,6 +168,10 @@ async def test_a_workers_log_file_is_rotated_with_no_line_lost_and_stays_bounded
     await sup.start_worker("head")
     pid, path = sup.head.pid, sup.head.log_path
     try:
+        # The flood starts once the console follows the file (a follower that attaches late starts
+        # at the current file; the rotations it missed are on disk, not in its view).
+        await wait_until(lambda: any(ln.text == "ready" for ln in sup.head.log))
+        start.touch()
         await wait_until(lambda: any(ln.text.startswith("line 1999") for ln in sup.head.log))
         lines = [ln.text[:9] for ln in sup.head.log if ln.text.startswith("line ")]
         assert lines == [f"line {i:04d}" for i in range(2000)]  # read across the rotations, in order
