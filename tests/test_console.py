@@ -623,7 +623,7 @@ async def test_events_panel_rewraps_after_a_resize():
         await until(
             pilot,
             lambda: len(shown()) < len(narrow) and any("long event" in t and t.endswith("END") for t in shown()),
-            10,
+            60,
         )
         await pilot.press("q")
 
