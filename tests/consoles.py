@@ -55,7 +55,7 @@ def uniform_shape(n_layers: int, layer_elements: int, head_elements: int, kv_val
     )
 
 
-async def until(pilot, cond, timeout: float = 20.0) -> None:
+async def until(pilot, cond, timeout: float = 60.0) -> None:
     deadline = time.monotonic() + timeout
     while not cond():
         if time.monotonic() > deadline:
