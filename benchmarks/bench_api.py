@@ -72,9 +72,10 @@ def free_port() -> int:
 class Server:
     """One `hydra-engine` process (serve or peer) with its stderr in a file, not a pipe nobody drains."""
 
-    def __init__(self, argv: list[str]):
+    def __init__(self, argv: list[str], command: list[str] = ENGINE, rpc: bool = True):
+        """`command`: what runs `argv` (another server: llama-server, given `rpc=False`: no --rpc-port)."""
         self.port, self.rpc_port = free_port(), free_port()
-        self.argv = [*ENGINE, *argv, "--port", str(self.port), "--rpc-port", str(self.rpc_port)]
+        self.argv = [*command, *argv, "--port", str(self.port), *(["--rpc-port", str(self.rpc_port)] if rpc else [])]
         self.base = f"http://127.0.0.1:{self.port}"
         self.proc: subprocess.Popen | None = None
 

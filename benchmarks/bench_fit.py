@@ -19,10 +19,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
+import sys
 import time
+from pathlib import Path
 
 import httpx
-from bench_api import Server  # benchmarks/ is the script's directory
+from bench_api import ENGINE, Server  # benchmarks/ is the script's directory
+
+OWNERS = Path(__file__).with_name("memory_owners.py")
 
 PROMPT = "The history of the city begins with a small settlement on the river, where"
 
@@ -72,11 +77,24 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("-n", type=int, default=64, help="tokens decoded through the split")
     ap.add_argument("--timeout", type=float, default=600)
+    ap.add_argument("--owners", help="a folder: each process's allocated bytes by source line (memory_owners.py)")
     args, extra = ap.parse_known_args()
     extra = [a for a in extra if a != "--"]
+
     # The peer takes its KV types and context from the head's LOAD_STAGE; of the serve flags only this one is its own.
+    def command(name: str) -> list[str]:
+        return [sys.executable, str(OWNERS), str(Path(args.owners) / f"{name}.txt")] if args.owners else ENGINE
+
     peer = Server(
-        ["peer", "--model", args.model, "--device", args.device, *(["--no-compile"] if "--no-compile" in extra else [])]
+        [
+            "peer",
+            "--model",
+            args.model,
+            "--device",
+            args.device,
+            *(["--no-compile"] if "--no-compile" in extra else []),
+        ],
+        command("peer"),
     )
     head = Server(
         [
@@ -94,7 +112,8 @@ def main() -> None:
             "--parallel",
             "1",
             *extra,
-        ]
+        ],
+        command("head"),
     )
     try:
         peer.start(args.timeout)
@@ -113,6 +132,10 @@ def main() -> None:
             m = memory(proc.status())
             used = m["gpu_memory_gib"]
             out[name] = m | {"card_gb": card, "fits": None if used is None else used * 2**30 <= card * 1e9}
+        if args.owners:
+            for proc in (head, peer):
+                proc.proc.send_signal(signal.SIGUSR1)
+            time.sleep(10)  # the snapshot walks every block; the files are read after the run
         print(json.dumps(out))
     finally:
         head.stop()

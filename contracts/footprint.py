@@ -14,8 +14,8 @@ with a tied output head, or dense); on a CPU its rows are read from the file's m
 KV: K and V of every attention layer for every cache position (`cache_positions`: every slot at
 full context, or the `--kv-unified` pool in blocks), in the cache types of `--cache-type-k/-v`
 (a CUDA stage without a pool keeps ROLLBACK more positions per slot, where the decode graphs'
-padding rows write). Recurrent (Gated DeltaNet) layers hold float32 conv + SSM state per slot,
-the padding slot included, with `ROLLBACK` checkpoints (engine/model/deltanet.py). RoPE: cos and
+padding rows write). Recurrent (Gated DeltaNet) layers hold float32 conv + SSM state per slot
+with `depth` checkpoints, and on a CUDA stage one row for the padding slot (engine/model/deltanet.py). RoPE: cos and
 sin tables (float32, full context) for the global and the sliding-window base.
 
 Work memory (a CUDA stage, `StageBytes.work_bytes`): the prefill's dequantization scratch (exact:
@@ -194,10 +194,11 @@ class ModelTensors:
         per_token = k * kv_value_bytes(kv_types[0], dtype) + v * kv_value_bytes(kv_types[1], dtype)
         return int(positions * per_token)
 
-    def layer_state(self, il: int, rows: int, depth: int = ROLLBACK) -> int:
-        """A recurrent layer's state for `rows` slots: the state and its `depth` checkpoints (the
-        longest draft verified, at most ROLLBACK: engine/model/deltanet.py `rollback_depth`)."""
-        return 0 if self.attention_layers[il] else rows * self.state_values * 4 * (depth + 1)
+    def layer_state(self, il: int, n_slots: int, depth: int = ROLLBACK, *, padding: bool = False) -> int:
+        """A recurrent layer's state for `n_slots` slots: the state and its `depth` checkpoints (the
+        longest draft verified, at most ROLLBACK: `rollback_depth`), and with `padding` (a CUDA
+        stage) one row for the graphs' padding slot (engine/model/deltanet.py)."""
+        return 0 if self.attention_layers[il] else (n_slots * (depth + 1) + padding) * self.state_values * 4
 
     def slot_state_bound(self, ranges, n_tokens: int) -> int:
         """The most bytes the slot states of `ranges` (one per stage, contracts/slot_state.py) over
@@ -231,7 +232,7 @@ class ModelTensors:
     ) -> int:
         """What a layer caches per stage: its KV (or pool share) or its recurrent state, all slots."""
         positions = cache_positions(n_slots, n_ctx, kv_pool, padding=gpu)
-        return self.layer_kv(il, positions, kv_types, dtype) + self.layer_state(il, n_slots + gpu, depth)
+        return self.layer_kv(il, positions, kv_types, dtype) + self.layer_state(il, n_slots, depth, padding=gpu)
 
     def head_weights(self, form: str, dtype: str = "auto", *, gpu: bool) -> int:
         """The head's own tensors: the embedding (held on a GPU only when it is dense or also the

@@ -18,6 +18,7 @@ from stages import load, prefill
 from hydra_console.engine.errors import UserError
 from hydra_console.engine.gguf_file import GGUFFile
 from hydra_console.engine.model import ROLLBACK, ModelConfig
+from hydra_console.engine.model.deltanet import DeltaNet
 from hydra_console.engine.synth import write_synthetic
 
 REFERENCE = Path(__file__).resolve().parent / "data" / "reference" / "qwen35"
@@ -199,6 +200,31 @@ def test_the_graph_verify_step_equals_the_eager_runs(tiny_model):
                     getattr(b, name)[[0, 2], :m], getattr(a, name)[[0, 2], :m], atol=1e-5, rtol=1e-5
                 )
         at = {s: at[s] + m for s in at}
+
+
+def test_the_padding_slot_holds_one_state_row_and_touches_no_slot(tiny_model):
+    """A CUDA stage's graphs run unused rows on the padding slot (row n_slots): its checkpoints land
+    on its own state row, so it costs one row of state, not depth + 1, and a verify step with
+    padding rows leaves every real slot's state and checkpoints as a step without them."""
+    stage = load(tiny_model("qwen35", n_layers=4))
+    il = next(il for il, layer in stage.layers.items() if layer.deltanet is not None)
+    plain = stage.layers[il].deltanet
+    padded = DeltaNet(stage.cfg, stage.weights, f"blk.{il}.", stage.n_slots, plain.depth, True)
+    n, depth = stage.n_slots, plain.depth
+    assert padded.ssm_rows.shape[0] == n * (depth + 1) + 1 and plain.ssm_rows.shape[0] == n * (depth + 1)
+    for net in (plain, padded):
+        torch.manual_seed(0)
+        net.conv_state[:n] = torch.randn_like(net.conv_state[:n])
+        net.ssm_state[:n] = torch.randn_like(net.ssm_state[:n]) * 0.1
+    m = 3
+    x = torch.randn(2 * m, stage.cfg.n_embd)
+    want = plain.step(x, torch.tensor([0] * m + [1] * m), per_slot=m)
+    pad_x = torch.cat([x[:m], torch.randn(m, stage.cfg.n_embd), x[m:]])
+    got = padded.step(pad_x, torch.tensor([0] * m + [n] * m + [1] * m), per_slot=m)
+    # (a product over 3m rows may round unlike one over 2m: equal to float32 noise, not bits)
+    torch.testing.assert_close(torch.cat([got[:m], got[2 * m :]]), want, atol=1e-5, rtol=1e-5)
+    for name in ("conv_state", "ssm_state", "conv_ckpt", "ssm_ckpt"):
+        torch.testing.assert_close(getattr(padded, name)[:n], getattr(plain, name)[:n], atol=1e-5, rtol=1e-5)
 
 
 def test_kv_clear_resets_the_recurrent_state(tiny_model):

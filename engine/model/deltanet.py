@@ -49,7 +49,7 @@ if TYPE_CHECKING:
 class DeltaNet:
     """Weights and per-slot recurrent state (conv + SSM) of one Gated DeltaNet layer."""
 
-    def __init__(self, cfg: ModelConfig, w: Weights, prefix: str, n_slots: int, depth: int = ROLLBACK):
+    def __init__(self, cfg: ModelConfig, w: Weights, prefix: str, n_slots: int, depth: int, padding: bool):
         self.cfg, self.shape = cfg, cfg.deltanet
         s = self.shape
         # One product for everything the input feeds: conv input, z, β, α (in this order).
@@ -60,19 +60,31 @@ class DeltaNet:
         self.dt_bias = w.vector(prefix + "ssm_dt.bias")
         self.a = w.vector(prefix + "ssm_a")
         self.norm = w.vector(prefix + "ssm_norm.weight")
-        dev = w.device
-        self.conv_state = torch.zeros(n_slots, s.conv_channels, s.conv_kernel - 1, device=dev)
-        self.ssm_state = torch.zeros(n_slots, s.n_v_heads, s.head_k_dim, s.head_v_dim, device=dev)
-        # [slot, j - 1]: the state j tokens before the end of the slot's last run (1 <= j <= depth;
-        # j = 0 is the state itself). `depth` (<= ROLLBACK): the longest draft the worker verifies,
-        # so a 27B's 3.1 MiB state per slot and layer is copied --draft-max times, not ROLLBACK.
-        self.depth = depth
-        self.conv_ckpt = torch.zeros(n_slots, depth, *self.conv_state.shape[1:], device=dev)
-        self.ssm_ckpt = torch.zeros(n_slots, depth, *self.ssm_state.shape[1:], device=dev)
+        # One buffer per kind: the slots' states, then (`padding`: the CUDA graphs) the padding slot's
+        # row, then the checkpoints `[slot, j - 1]`: the state j tokens before the end of the slot's
+        # last run (1 <= j <= depth; j = 0 is the state itself). `depth` (<= ROLLBACK): the longest
+        # draft the worker verifies, so a 27B's 3.1 MiB state per slot and layer is copied
+        # --draft-max times, not ROLLBACK. The padding slot's checkpoints all land on its own state
+        # row (`_ckpt_rows`): it holds nothing anyone reads, so it costs one row, not depth + 1.
+        self.n_slots, self.depth = n_slots, depth
+        self.rows = n_slots + padding
+        conv = (s.conv_channels, s.conv_kernel - 1)
+        ssm = (s.n_v_heads, s.head_k_dim, s.head_v_dim)
+        self.conv_rows = torch.zeros(self.rows + n_slots * depth, *conv, device=w.device)
+        self.ssm_rows = torch.zeros(self.rows + n_slots * depth, *ssm, device=w.device)
+        self.conv_state, self.ssm_state = self.conv_rows[: self.rows], self.ssm_rows[: self.rows]
+        self.conv_ckpt = self.conv_rows[self.rows :].view(n_slots, depth, *conv)
+        self.ssm_ckpt = self.ssm_rows[self.rows :].view(n_slots, depth, *ssm)
 
     @property
     def nbytes(self) -> int:
         return self.w_in.nbytes + self.w_out.nbytes
+
+    def _ckpt_rows(self, slots: torch.Tensor, j: int) -> torch.Tensor:
+        """Rows of `conv_rows`/`ssm_rows` holding checkpoint j (>= 1) of each slot; the padding slot's
+        (a graph's unused rows) is its own state row, overwritten by the step's end anyway."""
+        real = slots < self.n_slots
+        return torch.where(real, self.rows + slots * self.depth + (j - 1), slots)
 
     def clear(self, slot: int) -> None:
         self.conv_state[slot].zero_()
@@ -182,7 +194,7 @@ class DeltaNet:
             conv_in = torch.cat([window, mixed[:, t, :, None]], dim=2)  # [B, C, K]
             convs.append(F.silu(sum(conv_in[:, :, i] * self.conv[:, i] for i in range(K))))
             if m - 1 - t < self.depth:  # the state before a whole run is never restored beyond depth
-                self.conv_ckpt[slots, m - 1 - t] = window
+                self.conv_rows[self._ckpt_rows(slots, m - t)] = window
             window = conv_in[:, :, 1:]
         self.conv_state[slots] = window
         conv = torch.stack(convs, 1)  # [B, m, C]
@@ -197,7 +209,7 @@ class DeltaNet:
         state, outs = self.ssm_state[slots], []
         for t in range(m):
             if m - 1 - t < self.depth:
-                self.ssm_ckpt[slots, m - 1 - t] = state
+                self.ssm_rows[self._ckpt_rows(slots, m - t)] = state
             state = state * torch.exp(g[:, t, :, None, None])
             delta = (v[:, t] - (k[:, t, :, None, :] @ state).squeeze(-2)) * b[:, t, :, None]
             state = state + k[:, t, :, :, None] * delta[:, :, None, :]

@@ -68,7 +68,11 @@ class _Layer:
         self.w_gate_up = w.linear([p + "ffn_gate.weight", p + "ffn_up.weight"])
         self.w_down = w.linear([p + "ffn_down.weight"])
         self.post_ffn_norm = vec(p + "post_ffw_norm.weight") if cfg.post_norms else None
-        self.deltanet = DeltaNet(cfg, w, p, stage.state_rows, stage.depth) if cfg.recurrent_layers[il] else None
+        self.deltanet = (
+            DeltaNet(cfg, w, p, stage.n_slots, stage.depth, stage.state_rows > stage.n_slots)
+            if cfg.recurrent_layers[il]
+            else None
+        )
         if self.deltanet is None:
             self._attention(stage, p)
 

@@ -1,0 +1,144 @@
+"""Hydra against upstream llama.cpp's server, side by side on one file and one device (issue 38).
+
+    python benchmarks/vs_llama_cpp.py --llama-cpp DIR --model M.gguf [--spec mtp] [--streams 1,4]
+        [--ctx 8192] [-n 256] [--prompt-tokens 4096] [--cache-type q8_0] [--device cuda]
+
+Starts `llama-server` (DIR/bin/llama-server or DIR/llama-server) and `hydra-engine serve` in turn,
+each with the same context, slots (the largest stream count), KV type and unified KV pool; with
+`--spec mtp` each server is started twice, without speculation and with MTP drafting (llama.cpp:
+`--spec-type draft-mtp --spec-draft-n-max K --draft-p-min 0`; ours: `--spec-type mtp --draft-max K
+--draft-p-min 0`). One client drives both (benchmarks/bench_api.py's: the `openai` client, streams
+spread over processes, temperature 0, ignore_eos): per server, seconds to READY, its process's
+device memory after the runs (NVML), time to first token of a `--prompt-tokens` prompt on the idle
+server (median of 3, prompt cache off) and the prompt rate it implies, and per stream count the
+summed decode rate of the streams; with MTP, the acceptance the server reports (`timings.draft_n`,
+`draft_n_accepted` of one `/completion`). Prints a table of both and their ratio (ours / llama.cpp;
+higher is better except for time and memory), then the JSON. Asserts nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+import httpx
+from bench_api import PROMPTS, Server, concurrency, ttft_prompts  # benchmarks/ is the script's directory
+
+
+def llama_server(root: str) -> list[str]:
+    for candidate in (Path(root) / "bin" / "llama-server", Path(root) / "llama-server"):
+        if candidate.exists():
+            return [str(candidate)]
+    raise SystemExit(f"no llama-server under {root} (bin/llama-server or llama-server)")
+
+
+def flags(engine: str, args, spec: bool) -> list[str]:
+    """The same setting, spelled for each server."""
+    slots = max(args.streams)
+    common = ["-c", str(args.ctx * slots), "-np", str(slots), "-ctk", args.cache_type, "-ctv", args.cache_type]
+    if engine == "llama.cpp":
+        gpu = ["-ngl", "99"] if args.device.startswith("cuda") else ["-ngl", "0"]
+        mtp = ["--spec-type", "draft-mtp", "--spec-draft-n-max", str(args.draft_max), "--draft-p-min", "0"]
+        return ["-m", args.model, *gpu, *common, "-kvu", *(mtp if spec else [])]
+    mtp = ["--spec-type", "mtp", "--draft-max", str(args.draft_max), "--draft-p-min", "0"]
+    return ["serve", "--model", args.model, "--device", args.device, *common, "--kv-unified", *(mtp if spec else [])]
+
+
+def device_memory(pid: int) -> int | None:
+    """The process's bytes on the GPU as NVML reports them (the CUDA context included)."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        for i in range(pynvml.nvmlDeviceGetCount()):
+            for proc in pynvml.nvmlDeviceGetComputeRunningProcesses(pynvml.nvmlDeviceGetHandleByIndex(i)):
+                if proc.pid == pid:
+                    return proc.usedGpuMemory
+    except Exception:  # no NVML here (a CPU run): the column stays empty
+        return None
+    return None
+
+
+def acceptance(base: str, n: int) -> dict:
+    body = {"prompt": PROMPTS[0], "n_predict": n, "temperature": 0, "ignore_eos": True, "cache_prompt": False}
+    t = httpx.post(f"{base}/completion", json=body, timeout=600).json().get("timings", {})
+    drafted, accepted = t.get("draft_n"), t.get("draft_n_accepted")
+    return {"drafted": drafted, "accepted": accepted, "rate": round(accepted / drafted, 3) if drafted else None}
+
+
+def measure(engine: str, args, spec: bool) -> dict:
+    theirs = engine == "llama.cpp"
+    server = Server(flags(engine, args, spec), *((llama_server(args.llama_cpp), False) if theirs else ()))
+    out = {"ready_s": round(server.start(timeout=args.timeout), 1)}
+    try:
+        if not spec:  # the prompt does not depend on drafting
+            prompts = ttft_prompts(server.base, args.prompt_tokens, 3)
+            concurrency(server.base, 1, 8, 1)  # warm: the first request of a process pays for more than its tokens
+            ms = []
+            for p in prompts:
+                r = httpx.post(
+                    f"{server.base}/v1/completions",
+                    json={"prompt": p, "max_tokens": 1, "temperature": 0, "cache_prompt": False},
+                    timeout=600,
+                )
+                r.raise_for_status()
+                ms.append(r.elapsed.total_seconds() * 1e3)
+            out["ttft_ms"] = round(statistics.median(ms), 1)
+            out["prompt_tok_s"] = round(args.prompt_tokens / statistics.median(ms) * 1e3, 1)
+        else:
+            concurrency(server.base, 1, 8, 1)
+            out["acceptance"] = acceptance(server.base, args.n)
+        for s in args.streams:
+            runs = [concurrency(server.base, s, args.n, min(s, 8)) for _ in range(args.reps)]
+            out[f"decode_{s}"] = max(r["aggregate_decode_tok_s"] for r in runs)
+        out["device_gib"] = None if (b := device_memory(server.proc.pid)) is None else round(b / 2**30, 2)
+    finally:
+        server.stop()
+    return out
+
+
+def table(results: dict) -> None:
+    rows = []
+    for mode, by_engine in results.items():
+        theirs, ours = by_engine.get("llama.cpp", {}), by_engine.get("hydra", {})
+        for key in sorted(set(theirs) | set(ours)):
+            a, b = theirs.get(key), ours.get(key)
+            if isinstance(a, dict) or isinstance(b, dict):
+                a, b, key = (x and x.get("rate") for x in (a, b)) + (key + "_rate",)
+            ratio = round(b / a, 2) if isinstance(a, int | float) and isinstance(b, int | float) and a else None
+            rows.append((mode, key, a, b, ratio))
+    print(f"{'mode':6s} {'metric':16s} {'llama.cpp':>10s} {'hydra':>10s} {'ratio':>6s}")
+    for mode, key, a, b, ratio in rows:
+        print(f"{mode:6s} {key:16s} {a!s:>10s} {b!s:>10s} {ratio!s:>6s}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--llama-cpp", required=True, help="llama.cpp's build directory (with bin/llama-server)")
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--spec", choices=["mtp"], help="also compare MTP drafting")
+    ap.add_argument("--draft-max", type=int, default=3)
+    ap.add_argument("--streams", type=lambda s: [int(x) for x in s.split(",")], default=[1])
+    ap.add_argument("--ctx", type=int, default=8192, help="context per slot")
+    ap.add_argument("-n", type=int, default=256, help="tokens per stream")
+    ap.add_argument("--prompt-tokens", type=int, default=4096)
+    ap.add_argument("--cache-type", default="q8_0", help="KV cache type of both servers (K and V)")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--reps", type=int, default=2, help="runs per stream count; the best is kept")
+    ap.add_argument("--timeout", type=float, default=600, help="seconds a server may take to be ready")
+    ap.add_argument("--only", choices=["llama.cpp", "hydra"], help="one server only (its column alone)")
+    args = ap.parse_args()
+    engines = [e for e in ("llama.cpp", "hydra") if args.only in (None, e)]
+    results: dict[str, dict] = {}
+    for mode in ["plain", *(["mtp"] if args.spec else [])]:
+        for engine in engines:
+            results.setdefault(mode, {})[engine] = measure(engine, args, mode == "mtp")
+            print(json.dumps({"mode": mode, "engine": engine, **results[mode][engine]}), flush=True)
+    table(results)
+    print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()
