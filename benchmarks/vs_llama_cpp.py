@@ -1,7 +1,7 @@
 """Hydra against upstream llama.cpp's server, side by side on one file and one device (issue 38).
 
     python benchmarks/vs_llama_cpp.py --llama-cpp DIR --model M.gguf [--spec mtp] [--streams 1,4]
-        [--ctx 8192] [-n 256] [--prompt-tokens 4096] [--cache-type q8_0] [--device cuda]
+        [--ctx 8192] [-n 256] [--prompt-tokens 4096] [--cache-type q8_0] [--device cuda] [-- serve flags]
 
 Starts `llama-server` (DIR/bin/llama-server or DIR/llama-server) and `hydra-engine serve` in turn,
 each with the same context, slots (the largest stream count), KV type and unified KV pool; with
@@ -43,7 +43,8 @@ def flags(engine: str, args, spec: bool) -> list[str]:
         mtp = ["--spec-type", "draft-mtp", "--spec-draft-n-max", str(args.draft_max), "--draft-p-min", "0"]
         return ["-m", args.model, *gpu, *common, "-kvu", *(mtp if spec else [])]
     mtp = ["--spec-type", "mtp", "--draft-max", str(args.draft_max), "--draft-p-min", "0"]
-    return ["serve", "--model", args.model, "--device", args.device, *common, "--kv-unified", *(mtp if spec else [])]
+    serve = ["serve", "--model", args.model, "--device", args.device, *common, "--kv-unified"]
+    return [*serve, *(mtp if spec else []), *args.hydra_flags]
 
 
 def device_memory(pid: int) -> int | None:
@@ -129,7 +130,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=2, help="runs per stream count; the best is kept")
     ap.add_argument("--timeout", type=float, default=600, help="seconds a server may take to be ready")
     ap.add_argument("--only", choices=["llama.cpp", "hydra"], help="one server only (its column alone)")
-    args = ap.parse_args()
+    args, extra = ap.parse_known_args()
+    args.hydra_flags = [a for a in extra if a != "--"]
     engines = [e for e in ("llama.cpp", "hydra") if args.only in (None, e)]
     results: dict[str, dict] = {}
     for mode in ["plain", *(["mtp"] if args.spec else [])]:
