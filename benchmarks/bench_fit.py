@@ -27,6 +27,9 @@ from pathlib import Path
 import httpx
 from bench_api import ENGINE, Server  # benchmarks/ is the script's directory
 
+from hydra_console.contracts.footprint import model_tensors, rollback_depth
+from hydra_console.engine.gguf_file import GGUFFile
+
 OWNERS = Path(__file__).with_name("memory_owners.py")
 
 PROMPT = "The history of the city begins with a small settlement on the river, where"
@@ -66,6 +69,33 @@ def memory(doc: dict) -> dict:
         },
         "stages": [{k: s.get(k) for k in ("layers", "weight_bytes", "kv_bytes")} for s in stages],
     }
+
+
+def estimates(args, extra: list[str]) -> list:
+    """contracts/footprint.py's estimate of the head's and the peer's process, from the serve flags
+    that change it (what the console's split editor shows for this setting)."""
+    ap = argparse.ArgumentParser(add_help=False)
+    ap.add_argument("-ctk", "--cache-type-k", default="auto")
+    ap.add_argument("-ctv", "--cache-type-v", default="auto")
+    ap.add_argument("-c", "--ctx-size", type=int)
+    ap.add_argument("--kv-unified", action="store_true")
+    ap.add_argument("--spec-type")
+    ap.add_argument("--draft-max", type=int, default=3)
+    flags, _ = ap.parse_known_args(extra)
+    g = GGUFFile(args.model)
+    tensors = model_tensors(g.metadata, g.tensors)
+    mtp = flags.spec_type == "mtp"
+    a, b = (int(x) for x in args.split.split("/"))
+    common = dict(
+        device="cuda",
+        dtype="auto",
+        n_slots=1,
+        n_ctx=args.ctx,
+        kv_types=(flags.cache_type_k, flags.cache_type_v),
+        kv_pool=flags.ctx_size if flags.kv_unified else None,
+        depth=rollback_depth(flags.draft_max + 1) if flags.spec_type else 1,
+    )
+    return [tensors.stage(0, a, head=True, mtp=mtp, **common), tensors.stage(a, a + b, head=False, **common)]
 
 
 def main() -> None:
@@ -128,10 +158,17 @@ def main() -> None:
             "head_ready_s": round(ready_s, 1),
             **run,
         }
-        for name, proc, card in (("head", head, cards[0]), ("peer", peer, cards[1])):
+        for name, proc, card, est in zip(("head", "peer"), (head, peer), cards, estimates(args, extra)):
             m = memory(proc.status())
             used = m["gpu_memory_gib"]
             out[name] = m | {"card_gb": card, "fits": None if used is None else used * 2**30 <= card * 1e9}
+            gib = {
+                k: round(getattr(est, k) / 2**30, 3)
+                for k in ("weight_bytes", "kv_bytes", "work_bytes", "runtime_bytes")
+            }
+            out[name]["estimate_gib"] = gib | {"total": round(est.total / 2**30, 3)}
+            if used:
+                out[name]["estimate_error"] = round(est.total / 2**30 / used - 1, 3)
         if args.owners:
             for proc in (head, peer):
                 proc.proc.send_signal(signal.SIGUSR1)
