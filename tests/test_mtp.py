@@ -193,6 +193,26 @@ def test_the_block_predicts_the_trunks_token_in_bfloat16_and_every_draft_is_acce
     assert stats.accepted_per_pos[0] == stats.drafts
 
 
+def test_greedy_drafts_of_several_slots_chain_on_the_device_and_stop_at_their_own_k_and_p_min(tiny_model):
+    """Slots drafting together (one chain for all, each step's argmax fed on without a host round
+    trip) get the drafts each would get alone: cut at their own k, and empty under a p-min no
+    probability reaches."""
+    path = tiny_model("qwen35", n_layers=4, nextn=True)
+    stage = load(path, n_slots=2, n_ctx=128)
+    prompts = [[5, 17, 300, 45, 99], [7, 8, 9]]
+    drafter = MtpDrafter(NextN(stage), p_min=0.0)
+    for slot, ids in enumerate(prompts):
+        slots, positions = torch.full((len(ids),), slot, dtype=torch.long), torch.arange(len(ids))
+        hidden = stage.final_norm(stage.run_layers(stage.embed(torch.tensor(ids)), slots, positions))
+        drafter.observe(torch.tensor(ids), slots, positions, hidden)
+    alone = [drafter.draft_batch([DraftRequest(s, prompts[s], 3)])[0].tokens for s in (0, 1)]
+    assert all(len(d) == 3 for d in alone)
+    both = drafter.draft_batch([DraftRequest(0, prompts[0], 3), DraftRequest(1, prompts[1], 1)])
+    assert [d.tokens for d in both] == [alone[0], alone[1][:1]]
+    picky = drafter.draft_batch([DraftRequest(0, prompts[0], 3, p_min=1.01), DraftRequest(1, prompts[1], 2)])
+    assert [d.tokens for d in picky] == [[], alone[1][:2]]
+
+
 def test_sampled_requests_draft_through_their_own_sampler(tiny_model):
     """temperature > 0: the block's draft is drawn from the request's sampler and verified by rejection
     sampling; on the bigram model the two distributions are the same, so drafts are accepted."""
