@@ -107,7 +107,7 @@ def table(results: dict) -> None:
         for key in sorted(set(theirs) | set(ours)):
             a, b = theirs.get(key), ours.get(key)
             if isinstance(a, dict) or isinstance(b, dict):
-                a, b, key = (x and x.get("rate") for x in (a, b)) + (key + "_rate",)
+                a, b, key = a and a.get("rate"), b and b.get("rate"), key + "_rate"
             ratio = round(b / a, 2) if isinstance(a, int | float) and isinstance(b, int | float) and a else None
             rows.append((mode, key, a, b, ratio))
     print(f"{'mode':6s} {'metric':16s} {'llama.cpp':>10s} {'hydra':>10s} {'ratio':>6s}")
