@@ -156,6 +156,9 @@ def main() -> None:
             "ctx": args.ctx,
             "serve_flags": extra,
             "head_ready_s": round(ready_s, 1),
+            # seconds from the head's start to each stage: file opened, stages loaded (its own and
+            # the peer's LOAD_STAGE), graphs captured and compiled (warming -> ready)
+            "head_startup_s": head.status().get("startup_s"),
             **run,
         }
         for name, proc, card, est in zip(("head", "peer"), (head, peer), cards, estimates(args, extra)):
