@@ -248,10 +248,12 @@ def forward_costs(engine: Engine, prompt: list[int], k: int, peer, n: int = 15) 
     cpu = {m: [] for m in times}
     mtp = engine.spec.mtp
     mtp_cpu = []
+    at = P  # each forward keeps its first token, as a verify does: the recurrent state never rolls back past it
     for _ in range(n):
         for m in times:
             t0, c0 = time.perf_counter(), cpu_s(peer)
-            fwd(as_t(prompt[:m]), torch.zeros(m, dtype=torch.long), torch.arange(P, P + m), torch.arange(m))
+            fwd(as_t(prompt[:m]), torch.zeros(m, dtype=torch.long), torch.arange(at, at + m), torch.arange(m))
+            at += 1
             times[m].append((time.perf_counter() - t0) * 1e3)
             cpu[m].append((cpu_s(peer) - c0) * 1e3)
         if mtp is not None:
