@@ -180,6 +180,8 @@ def make_engine(args, g, peer_addr: str | None) -> Engine:
         "60",
     ]
     argv += ["--no-compile"] if args.no_compile else []
+    # the stages keep the recurrent checkpoints (and capture the verify graphs) of this draft length
+    argv += ["--spec-type", args.spec_type, "--draft-max", str(args.draft_max)]
     if peer_addr:
         argv += ["--peer", peer_addr, "--split", args.split] if args.split else ["--peer", peer_addr]
     cfg = head_config(build_parser().parse_args(argv), {})

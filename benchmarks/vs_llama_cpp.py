@@ -84,10 +84,13 @@ def measure(engine: str, args, spec: bool) -> dict:
                     json={"prompt": p, "max_tokens": 1, "temperature": 0, "cache_prompt": False},
                     timeout=600,
                 )
-                r.raise_for_status()
-                ms.append(r.elapsed.total_seconds() * 1e3)
-            out["ttft_ms"] = round(statistics.median(ms), 1)
-            out["prompt_tok_s"] = round(args.prompt_tokens / statistics.median(ms) * 1e3, 1)
+                if r.status_code == 200:
+                    ms.append(r.elapsed.total_seconds() * 1e3)
+                else:  # said, and the other measurements still run
+                    out["ttft_error"] = f"{r.status_code} {r.text[:300]}"
+            if ms:
+                out["ttft_ms"] = round(statistics.median(ms), 1)
+                out["prompt_tok_s"] = round(args.prompt_tokens / statistics.median(ms) * 1e3, 1)
         else:
             concurrency(server.base, 1, 8, 1)
             out["acceptance"] = acceptance(server.base, args.n)
@@ -106,6 +109,8 @@ def table(results: dict) -> None:
         theirs, ours = by_engine.get("llama.cpp", {}), by_engine.get("hydra", {})
         for key in sorted(set(theirs) | set(ours)):
             a, b = theirs.get(key), ours.get(key)
+            if "error" in key:
+                continue
             if isinstance(a, dict) or isinstance(b, dict):
                 a, b, key = a and a.get("rate"), b and b.get("rate"), key + "_rate"
             ratio = round(b / a, 2) if isinstance(a, int | float) and isinstance(b, int | float) and a else None
