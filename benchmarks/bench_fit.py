@@ -175,7 +175,11 @@ def main() -> None:
         if args.owners:
             for proc in (head, peer):
                 proc.proc.send_signal(signal.SIGUSR1)
-            time.sleep(10)  # the snapshot walks every block; the files are read after the run
+            files = [Path(args.owners) / f"{name}.txt" for name in ("head", "peer")]
+            deadline = time.monotonic() + 120  # the snapshot walks every block
+            while not all(f.exists() for f in files) and time.monotonic() < deadline:
+                time.sleep(0.5)
+            time.sleep(2)  # a file that exists may still be being written
         print(json.dumps(out))
     finally:
         head.stop()

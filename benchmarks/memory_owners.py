@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import signal
 import sys
+import traceback
 
 import torch
 
@@ -42,10 +43,20 @@ def owners(path: str) -> None:
             f.write(f"{pool:8s} {n / 2**20:10.1f} MiB  (reserved, free)\n")
 
 
+def safely(path: str) -> None:
+    """`owners`, or what went wrong written where the table would be (a signal handler's exception
+    would otherwise end in the worker's log, or end the worker)."""
+    try:
+        owners(path)
+    except Exception:
+        with open(path, "w") as f:
+            f.write(traceback.format_exc())
+
+
 def main() -> None:
     out, argv = sys.argv[1], sys.argv[2:]
     torch.cuda.memory._record_memory_history(stacks="python", max_entries=1_000_000)
-    signal.signal(signal.SIGUSR1, lambda *_: owners(out))
+    signal.signal(signal.SIGUSR1, lambda *_: safely(out))
     from hydra_console.engine.cli import main as engine
 
     sys.argv = ["hydra-engine", *argv]
