@@ -23,6 +23,7 @@ import tomllib
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from ..contracts.errors import UserError
+from ..contracts.fit import DEFAULT_HEADROOM_GIB
 from ..contracts.footprint import CACHE_TYPES
 
 HEAD_HTTP_PORT, HEAD_RPC_PORT = 8080, 8081
@@ -49,6 +50,9 @@ class WorkerSpec(_Strict):
     # ssh command template with {host} and {command}; "" = local subprocess (or DEFAULT_SSH_TEMPLATE for a remote host)
     launcher: str = ""
     attach: bool = False  # monitor only: the console neither starts nor stops it
+    # GiB of the worker's card (a "16 GB" card is 16), for the split plan where the console cannot
+    # read it: a remote peer, a worker not started yet on a machine without NVML. None: NVML or /status.
+    card_gb: float | None = Field(default=None, gt=0)
     args: list[str] = []  # extra hydra-engine flags, appended verbatim
 
     @property
@@ -112,6 +116,9 @@ class Profile(_Strict):
     # Every worker's --cache-type-k / --cache-type-v (a worker's own args may override them).
     cache_type_k: str = "auto"
     cache_type_v: str = "auto"
+    # GiB every stage must leave free on its card (driver, desktop): the split plan's and the workers'
+    # --headroom-gb (contracts/fit.py)
+    headroom_gb: float = Field(default=DEFAULT_HEADROOM_GIB, ge=0)
     engine_command: str = ""  # "" = this Python's hydra_console.engine.cli locally, "hydra-engine" remotely
     head: WorkerSpec = WorkerSpec(name="head", port=HEAD_HTTP_PORT, rpc_port=HEAD_RPC_PORT)
     peers: list[WorkerSpec] = [WorkerSpec(name="peer1", port=PEER_HTTP_PORT, rpc_port=PEER_RPC_PORT)]

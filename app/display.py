@@ -337,9 +337,10 @@ def active_alerts(sup: Supervisor, alerts: Alerts) -> dict[str, str]:
     return out
 
 
-def snapshot(sup: Supervisor, incidents: list = (), open_incidents: list = ()) -> dict:
+def snapshot(sup: Supervisor, incidents: list = (), open_incidents: list = (), plan: dict | None = None) -> dict:
     """The `--once --json` document: one entry per worker, /status included as reported, the
-    recent incidents and the open ones (triage.Incident) the caller passes."""
+    recent incidents and the open ones (triage.Incident) the caller passes, and the split plan
+    against the cards (split_fit.CardPlan.to_json) when given."""
     now = sup.clock()
     out = []
     for w in sup.workers.values():
@@ -365,8 +366,9 @@ def snapshot(sup: Supervisor, incidents: list = (), open_incidents: list = ()) -
         "workers": out,
         "incidents": [dataclasses.asdict(i) for i in incidents],
         "open_incidents": [dataclasses.asdict(i) for i in open_incidents],
+        "plan": plan,
     }
 
 
-def snapshot_json(sup: Supervisor, incidents: list = (), open_incidents: list = ()) -> str:
-    return json.dumps(snapshot(sup, incidents, open_incidents), indent=2, sort_keys=False)
+def snapshot_json(sup: Supervisor, incidents: list = (), open_incidents: list = (), plan: dict | None = None) -> str:
+    return json.dumps(snapshot(sup, incidents, open_incidents, plan), indent=2, sort_keys=False)

@@ -11,6 +11,7 @@ import sys
 
 import psutil
 
+from ..contracts.fit import DEFAULT_HEADROOM_GIB
 from ..contracts.split import split_arg
 from .config import DEFAULT_SSH_TEMPLATE, Profile, WorkerSpec
 from .tokens import REMOTE_TOKEN_FILE, token_file_command
@@ -70,6 +71,8 @@ def worker_argv(p: Profile, spec: WorkerSpec, role: str, split: list[int] | None
     for kv, kind in (("k", p.cache_type_k), ("v", p.cache_type_v)):
         if kind != "auto":
             args += [f"--cache-type-{kv}", kind]
+    if p.headroom_gb != DEFAULT_HEADROOM_GIB:
+        args += ["--headroom-gb", f"{p.headroom_gb:g}"]
     if role == "head":
         args += ["--parallel", str(p.parallel)]
         for peer in p.peers:

@@ -55,6 +55,7 @@ EVENT_TONES = {
     "degraded": "warn",
     "restarted": "warn",
     "split": "busy",
+    "refused": "error",
 }
 
 

@@ -22,6 +22,7 @@ import sys
 from pathlib import Path
 
 from ..contracts.errors import UserError
+from ..contracts.split import counts_of
 from . import display, log_text
 from .config import default_profile, load_profile, resolve_profile_path, save_profile
 from .incidents import IncidentLog, incidents_path
@@ -46,6 +47,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--readonly", action="store_true", help="watch only: start, stop, restart and apply nothing")
     ap.add_argument("--once", action="store_true", help="poll every worker once, print, exit (starts nothing)")
     ap.add_argument("--json", action="store_true", help="with --once or incidents: print JSON")
+    ap.add_argument(
+        "--headroom-gb",
+        type=float,
+        default=None,
+        help="GiB every stage must leave free on its card (default: the profile's headroom_gb, 0.5)",
+    )
     ap.add_argument("--theme", default=os.environ.get("HYDRA_THEME", "dark"), help="dark, light or colourblind")
     ap.add_argument("--log-dir", default=None, help="folder of the per-worker log files")
     ap.add_argument(
@@ -84,11 +91,24 @@ async def _once(sup: Supervisor, as_json: bool) -> str:
     if as_json:
         kept = IncidentLog(sup.profile.alerts, incidents_path(sup), writes=False)
         recent, still_open = kept.since(sup.clock() - RECENT_S), open_incidents(kept.since(0))
-        return display.snapshot_json(sup, recent, still_open), healthy
+        plan = await asyncio.to_thread(split_plan_json, sup)
+        return display.snapshot_json(sup, recent, still_open, plan), healthy
     now = sup.clock()
     rows = [list(display.WORKER_COLUMNS)] + [display.worker_row(w, sup, now)[0] for w in sup.workers.values()]
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(c.ljust(wd) for c, wd in zip(r, widths)).rstrip() for r in rows), healthy
+
+
+def split_plan_json(sup: Supervisor) -> dict:
+    """`--once --json`'s `plan`: the running split (else the one a start launches) against every
+    worker's card: per worker its need, its card's size and whether it fits, and a split that fits."""
+    live = sup.stage_ranges()
+    counts = counts_of([r for _, r in live]) if live and len(live) == len(sup.workers) else sup.split
+    try:
+        plan = sup.plans.plan([(w.spec, w.status) for w in sup.workers.values()], counts, require_card=False)
+    except UserError as e:
+        return {"error": str(e)}
+    return plan.to_json()
 
 
 def run(argv: list[str] | None = None) -> int:
@@ -96,6 +116,10 @@ def run(argv: list[str] | None = None) -> int:
     if args.json and not (args.once or args.command):
         raise UserError("--json needs --once or incidents")
     profile, path = _profile(args)
+    if args.headroom_gb is not None:
+        if args.headroom_gb < 0:
+            raise UserError(f"--headroom-gb must be >= 0, got {args.headroom_gb:g}")
+        profile.headroom_gb = args.headroom_gb
     if args.command == "incidents":
         sup = Supervisor(profile, attach=True)
         found = IncidentLog(profile.alerts, incidents_path(sup), writes=False).since(

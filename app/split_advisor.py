@@ -24,6 +24,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from itertools import accumulate
+from typing import Callable
 
 from ..contracts.split import ranges
 
@@ -122,10 +123,12 @@ def best_split(
     budgets: list[int | None] | None = None,
     min_layers: list[int] | None = None,
     pipelined: bool = False,
+    fits: Callable[[int, int, int], bool] | None = None,
 ) -> Plan | None:
     """The contiguous split minimising the step (dynamic programming over stage boundaries,
     O(stages x layers^2)); None when no split fits the memory budgets. `min_layers` per stage:
-    by default the head may hold none and every peer at least one (contracts.split)."""
+    by default the head may hold none and every peer at least one (contracts.split). `fits(k, a, b)`:
+    whether stage k may hold layers [a, b) (its card: split_fit.py)."""
     n_stages, n_layers = len(costs), len(costs[0])
     mins = min_layers or [0] + [1] * (n_stages - 1)
     cost_sum = [[0.0, *accumulate(c)] for c in costs]
@@ -135,7 +138,7 @@ def best_split(
     best = [[inf] * (n_layers + 1) for _ in range(n_stages)]
     cut = [[0] * (n_layers + 1) for _ in range(n_stages)]
     for k in range(n_stages):
-        for e in range(n_layers + 1):
+        for e in [n_layers] if k == n_stages - 1 else range(n_layers + 1):  # the last stage ends the model
             for a in range(e - mins[k] + 1) if k else [0]:
                 if e - a < mins[k]:
                     continue
@@ -146,6 +149,8 @@ def best_split(
                     continue
                 ms = cost_sum[k][e] - cost_sum[k][a] if e > a else 0.0
                 if ms == inf or (math.isnan(ms)):
+                    continue
+                if fits is not None and not fits(k, a, e):
                     continue
                 stage = ms + hops[k]
                 value = max(prev, stage) if pipelined else prev + stage
@@ -161,9 +166,16 @@ def best_split(
     return evaluate(counts[::-1], costs, hops, fixed_ms, pipelined)
 
 
-def advise(probe: dict, min_gain: float = MIN_GAIN, pipelined: bool = False) -> Advice:
+def advise(
+    probe: dict,
+    min_gain: float = MIN_GAIN,
+    pipelined: bool = False,
+    fits: Callable[[int, int, int], bool] | None = None,
+) -> Advice:
     """From a PROBE reply (contracts.rpc.PipelineProbe): the running split's predicted step, the
-    best split's, and a proposal when it is at least `min_gain` faster."""
+    best split's, and a proposal when it is at least `min_gain` faster. `fits(k, a, b)`: whether
+    stage k's card holds layers [a, b) with the headroom (split_fit.Planner.stage_fits): a proposal
+    always fits; a running split that does not is left whatever it predicts."""
     try:
         stages = [StageTiming.from_probe(s) for s in probe.get("stages") or [] if isinstance(s, dict)]
     except (TypeError, ValueError, IndexError) as e:
@@ -185,9 +197,11 @@ def advise(probe: dict, min_gain: float = MIN_GAIN, pipelined: bool = False) -> 
             layer_bytes=sizes,
             budgets=[s.budget_bytes for s in stages],
             pipelined=pipelined,
+            fits=fits,
         )
         or current
     )
-    worth = best.counts != counts and best.step_ms < current.step_ms * (1 - min_gain)
+    misfit = fits is not None and not all(fits(k, a, b) for k, (a, b) in enumerate(ranges(counts)))
+    worth = best.counts != counts and (misfit or best.step_ms < current.step_ms * (1 - min_gain))
     measured = probe.get("step_ms")
     return Advice(stages, current, best, best.counts if worth else None, float(measured) if measured else None, fixed)

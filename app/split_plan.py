@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ..contracts.errors import UserError
-from ..contracts.footprint import ROLLBACK, ModelTensors, StageBytes, model_tensors
+from ..contracts.footprint import ROLLBACK, ModelTensors, StageBytes, model_tensors, rollback_depth
 from ..contracts.gguf_header import GGUFHeader
 from ..contracts.split import ranges, split_arg
 
@@ -35,6 +35,42 @@ class WorkerMemory:
     runtime_bytes: int | None = None
     mtp: bool = False  # the head drafts with the model's MTP block (`--spec-type mtp`): it holds it
     depth: int = ROLLBACK  # recurrent-state checkpoints: the head's longest draft (1 without speculation)
+
+
+def worker_memory(profile, spec, status, *, head: bool, gpu: bool) -> WorkerMemory:
+    """How the worker of `spec` (a config.WorkerSpec; `status` its last /status or None) will hold
+    its stage: on a GPU or not (cards.on_gpu), the head's --dtype (LOAD_STAGE gives it to every
+    peer), its --gpu-weights, its --cache-type-k/-v (its own args over the profile's), the head's
+    MTP block and draft depth, and its CUDA runtime as its /status measures it, where it runs."""
+    args, spec_type = spec.args, profile.speculative
+    kv = (
+        flag(args, ("--cache-type-k", "-ctk"), profile.cache_type_k),
+        flag(args, ("--cache-type-v", "-ctv"), profile.cache_type_v),
+    )
+    runtime = status.process.runtime_bytes if status is not None and status.process is not None else None
+    mtp = head and (flag(args, ("--spec-type",), spec_type.type) == "mtp")
+    draft = int(flag(profile.head.args, ("--draft-max",), str(spec_type.draft_max)))
+    speculative = flag(profile.head.args, ("--spec-type",), spec_type.type) != "off"
+    return WorkerMemory(
+        "cuda" if gpu else "cpu",
+        flag(profile.head.args, ("--dtype",), "auto"),
+        flag(args, ("--gpu-weights",), "quantized"),
+        kv,
+        runtime,
+        mtp,
+        rollback_depth(1 + (draft if speculative else 0)),
+    )
+
+
+def flag(args: list[str], names: tuple[str, ...], default: str) -> str:
+    """The value of the last of `names` in `args` (argparse's: the last one wins), else `default`."""
+    value = default
+    for i, a in enumerate(args):
+        if a in names and i + 1 < len(args):
+            value = args[i + 1]
+        elif a.startswith(tuple(n + "=" for n in names)):
+            value = a.split("=", 1)[1]
+    return value
 
 
 @dataclass(frozen=True)

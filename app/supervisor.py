@@ -41,6 +41,7 @@ from .launch import busy_ports, port_owner, send_token, worker_argv, worker_env
 from .log_follow import LogFollower
 from .processes import WRITER_DRAIN_S, kill_groups_sync, log_pipe, reap, release, signal_group, start_process
 from .records import Event, LogLine, State, SupervisorError, Worker, new_worker
+from .split_fit import CardPlans
 from .sources import HttpStatusSource, Probe, StatusSource
 from .takeover import Adopted, adoptable, logged_path, owning_console, read_run_file, write_run_file
 from .tokens import profile_token
@@ -76,6 +77,7 @@ class Supervisor:
         self.readonly = readonly or self.owner is not None
         self.attach_only = attach or self.readonly  # read-only: starts, stops and applies nothing
         self.split = list(profile.split) if profile.split else None  # what a (re)start of the head launches
+        self.plans = CardPlans(profile)  # each split against the workers' cards (split_fit.py)
         self.run_id = uuid.uuid4().hex[:12]
         self.identity = f"hydra-console pid {os.getpid()} on {socket.gethostname()}"
         self.token = token or profile_token(self.state_path.with_suffix(".token"))
@@ -170,9 +172,11 @@ class Supervisor:
                 self._use_logged_path(w, entries.get(w.name))
                 w.logfile.follow_from_tail(self.settings.ring_lines)
                 self._logs.follow(w)
-        for w in [*list(self.workers.values())[1:], self.head]:
-            if w.managed and not w.running:
-                await self.start_worker(w.name)
+        starting = [w for w in [*list(self.workers.values())[1:], self.head] if w.managed and not w.running]
+        if starting:
+            await self.refuse_misfit(self.split)
+        for w in starting:
+            await self.start_worker(w.name)
 
     def _managed(self, name: str, verb: str) -> Worker:
         w = self.worker(name)
@@ -261,6 +265,7 @@ class Supervisor:
             raise SupervisorError("read-only console: it applies no split")
         if len(counts) != len(self.workers):
             raise SupervisorError(f"split {split_arg(counts)} has {len(counts)} stages for {len(self.workers)} workers")
+        await self.refuse_misfit(counts)
         head = self.head
         reason = await split_control.configure(head.spec, counts, self.identity, self.token)
         if reason is None:
@@ -277,6 +282,14 @@ class Supervisor:
         )
         await self.restart_worker(head.name)
         return "restart"
+
+    async def refuse_misfit(self, counts: list[int] | None) -> None:
+        """A split some card cannot hold is refused before anything loads, naming each stage's need
+        and its card's size (split_fit.py); a model the console cannot read is the worker's to report."""
+        workers = [(w.spec, w.status) for w in self.workers.values()]
+        if why := await asyncio.to_thread(self.plans.refusal, workers, counts):
+            self.emit(self.head.name, "refused", why)
+            raise SupervisorError(why)
 
     def _set_split(self, counts: list[int]) -> None:
         self.profile.split = self.split = list(counts)

@@ -14,6 +14,7 @@ import os
 import sys
 from typing import Mapping
 
+from ..contracts.fit import DEFAULT_HEADROOM_GIB
 from .cli_config import head_config, peer_config
 from .config import (
     BODY_BYTES_PER_TOKEN,
@@ -78,6 +79,16 @@ def _model_args(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="on a GPU, capture the decode step in CUDA graphs without torch.compile: a faster start "
         "(no warm-up compile), a slower decode",
+    )
+
+
+def _headroom_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--headroom-gb",
+        type=float,
+        default=DEFAULT_HEADROOM_GIB,
+        help="GiB a stage must leave free on its device (the driver, a desktop): a head (--split) or a "
+        "peer (LOAD_STAGE) whose stage would not leave it refuses before loading, naming need and free",
     )
 
 
@@ -157,6 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("serve", help="head worker: HTTP API + merged RPC port, drives peers")
     _model_args(s)
+    _headroom_arg(s)
     s.add_argument("--host", default="127.0.0.1", help="HTTP bind address; several comma-separated (127.0.0.1,::1)")
     s.add_argument("--port", type=int, default=8080, help="HTTP port")
     s.add_argument("--parallel", "-np", type=int, default=4, help="slots decoded together")
@@ -366,6 +378,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     pr = sub.add_parser("peer", help="peer worker: serves its assigned layers over the merged RPC port")
     _model_args(pr)
+    _headroom_arg(pr)
     pr.add_argument("--host", default="127.0.0.1", help="HTTP bind for /health, /status, /metrics")
     pr.add_argument("--port", type=int, default=8090, help="HTTP port")
     _rpc_args(pr)

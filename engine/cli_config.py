@@ -58,6 +58,7 @@ def kv_pool(args, ctx: int) -> int | None:
 def model_settings(args, env: Mapping[str, str]) -> ModelSettings:
     ctx = slot_ctx(args)
     _at_least(1, ctx=ctx)
+    _at_least(0, headroom_gb=args.headroom_gb)
     return ModelSettings(
         args.model,
         args.device,
@@ -68,6 +69,7 @@ def model_settings(args, env: Mapping[str, str]) -> ModelSettings:
         not args.no_compile,
         (args.cache_type_k, args.cache_type_v),
         kv_pool(args, ctx),
+        args.headroom_gb,
     )
 
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Mapping
 
+from ..contracts.fit import DEFAULT_HEADROOM_GIB
 from ..contracts.footprint import CACHE_TYPES, CUBLAS_WORKSPACE_BYTES
 from .errors import UserError
 
@@ -136,6 +137,9 @@ class ModelSettings:
     compile: bool = True  # torch.compile the CUDA decode step before graph capture (--no-compile)
     kv_types: tuple[str, str] = ("auto", "auto")  # --cache-type-k / --cache-type-v (engine/model/kv_cache.py)
     kv_pool: int | None = None  # --kv-unified: positions of the KV pool all slots share; None: each reserves ctx
+    # --headroom-gb: GiB a stage must leave free on its device (driver, desktop, estimate error):
+    # a stage that would not is refused before anything is allocated (contracts/fit.py)
+    headroom_gb: float = DEFAULT_HEADROOM_GIB
 
     @property
     def quantized(self) -> bool | None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from ..contracts.fit import StageFit
 from .errors import UserError
 
 _DTYPES = {
@@ -74,6 +75,13 @@ def to_host(t: torch.Tensor) -> torch.Tensor:
     out.copy_(t.detach(), non_blocking=True)
     torch.cuda.current_stream(t.device).synchronize()
     return out
+
+
+def fit_here(name: str, layers: tuple[int, int], need: int, headroom: int, device: torch.device, *, mtp=False):
+    """A stage of `need` bytes against what is free on `device` now (contracts/fit.py), checked
+    before anything of it is allocated."""
+    source = f"free on {device}" if device.type == "cuda" else "available RAM"
+    return StageFit(name, layers, need, free_bytes(device), headroom, source, mtp)
 
 
 def free_bytes(device: torch.device) -> int:

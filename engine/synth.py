@@ -80,6 +80,7 @@ def write_synthetic(
     nextn: bool = False,
     bigram: bool = False,
     fim: bool = False,
+    header_only: bool = False,
 ) -> Path:
     """Write a random-weight GGUF and return its path.
 
@@ -100,6 +101,10 @@ def write_synthetic(
     passes the token's embedding through (`eh_proj` = [I 0], `enorm` = 1, no `shared_head_norm`) and
     predicts exactly the trunk's next token: MTP drafts the target accepts (tests, benches). `fim` adds Qwen's fill-in-the-middle
     control tokens (<|fim_prefix|>, <|fim_suffix|>, <|fim_middle|>) to the vocabulary.
+    `header_only` writes the metadata and the tensor table and no weights: the file is extended to
+    its full size as a hole (sparse: a 27B shape takes a few MB of disk and no time), so readers of
+    the header (the footprint, the console's split plan) see the real model's shapes; its data reads
+    as zeros.
     """
     if arch not in ARCHITECTURES:
         raise ValueError(f"unsupported architecture {arch!r}; choose one of {', '.join(ARCHITECTURES)}")
@@ -128,7 +133,7 @@ def write_synthetic(
         types = types + [gguf.TokenType.CONTROL] * len(FIM_TOKENS)
     n_vocab = len(tokens)
 
-    w = gguf.GGUFWriter(str(path), arch)
+    w = (_TableWriter if header_only else gguf.GGUFWriter)(str(path), arch)
     w.add_name(f"synthetic-{arch}")
     w.add_context_length(n_ctx)
     w.add_embedding_length(n_embd)
@@ -181,6 +186,11 @@ def write_synthetic(
         eye = bigram and name.endswith("nextn.eh_proj.weight")
         if eye and qt in _K_QUANTS:  # random K-quant blocks cannot hold the identity the construction needs
             qt = T.F16
+        if header_only:  # the shape and type only: no data is made
+            _check_row(name, cols, qt)
+            block, size = GGML_QUANT_SIZES[qt]
+            w.add_tensor_info(name, (rows, cols), np.dtype(np.float32), rows * cols // block * size, raw_dtype=qt)
+            return
         if qt in _K_QUANTS and not (zero or eye):  # random blocks need only the std: no float matrix (27B files)
             _check_row(name, cols, qt)
             w.add_tensor(name, random_blocks((rows, cols), qt, std, rng), raw_dtype=qt)
@@ -241,9 +251,26 @@ def write_synthetic(
 
     w.write_header_to_file()
     w.write_kv_data_to_file()
-    w.write_tensors_to_file()
+    if header_only:
+        w.write_table_and_hole()
+    else:
+        w.write_tensors_to_file()
     w.close()
     return path
+
+
+class _TableWriter(gguf.GGUFWriter):
+    """A writer of the tensor table alone (`header_only`): `add_tensor` records a tensor's shape and
+    type, and the data region becomes a hole of its size."""
+
+    def add_tensor(self, name, tensor, raw_shape=None, raw_dtype=None, tensor_endianess=None) -> None:
+        self.add_tensor_info(name, raw_shape or tensor.shape, tensor.dtype, tensor.nbytes, raw_dtype=raw_dtype)
+
+    def write_table_and_hole(self) -> None:
+        self.write_ti_data_to_file()
+        (fout,) = self.fout
+        start = self.ggml_pad(fout.tell(), self.data_alignment)
+        fout.truncate(start + sum(self.ggml_pad(ti.nbytes, self.data_alignment) for ti in self.tensors[0].values()))
 
 
 _MIXES = {"Q4_K_M": "Q4_K", "Q5_K_M": "Q5_K"}

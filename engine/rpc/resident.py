@@ -32,7 +32,7 @@ from ...contracts.rpc import (
 )
 from ...contracts.slot_state import SlotHeader, SlotStateError, check_body
 from .. import slot_state
-from ..device import free_bytes
+from ..device import fit_here, free_bytes
 from ..errors import UserError
 from ..layer_probe import probe_stage
 from ..model import build_stage
@@ -74,8 +74,10 @@ class StageHost:
         compile_decode: bool = False,
         kv_types: tuple[str, str] = ("auto", "auto"),
         layer_delay_s: float = 0.0,
+        headroom: int = 0,
     ):
         self.g, self.cfg, self.device = g, cfg, torch.device(device)
+        self.headroom = headroom  # bytes a loaded stage must leave free (--headroom-gb)
         self.layer_delay_s = layer_delay_s  # a test flag: a peer slowed on purpose, per layer run
         self.cache_dir = cache_dir
         self.quantized = quantized if quantized is not None else self.device.type == "cuda"  # as build_stage decides
@@ -149,12 +151,11 @@ class StageHost:
                 stage = self.stage  # same stage: only its KV starts over (the swap below clears it)
             else:
                 need = self.stage_bytes(a, b, dtype, n_slots, n_ctx, kv_pool, kv_types, depth)
-                free = free_bytes(self.device)
-                if need > free:
+                fit = fit_here("peer", (a, b), need, self.headroom, self.device)
+                if not fit.fits:
                     kv = f"{n_slots}x{n_ctx}" if kv_pool is None else f"a {kv_pool}-position pool of"
                     raise ComputeError(
-                        f"LOAD_STAGE of layers [{a},{b}) with {kv} KV needs ~{need >> 20} MiB, "
-                        f"{free >> 20} MiB free on {self.device}: refused, the current stage stays"
+                        f"LOAD_STAGE with {kv} KV refused before loading: {fit.reason()}; the current stage stays"
                     )
                 try:
                     stage = build_stage(

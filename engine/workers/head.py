@@ -196,6 +196,7 @@ def build_pipeline(cfg: HeadConfig, g, mcfg):
     ranges = parse_split(cfg.split, mcfg.n_layers, 1 + len(cfg.peers))
     device = resolve_device(m.device)
     dtype = resolve_dtype(m.dtype, device)
+    _check_own_stage(cfg, g, ranges[0], device, dtype)  # before any peer loads or anything is allocated
     remotes = [
         RemoteStage(
             addr,
@@ -243,6 +244,38 @@ def build_pipeline(cfg: HeadConfig, g, mcfg):
     if remotes:
         pipeline.start_watch()
     return pipeline
+
+
+def _check_own_stage(cfg: HeadConfig, g, layers: tuple[int, int], device, dtype) -> None:
+    """The head's stage (its layers, embedding and output head, the MTP block with `--spec-type mtp`)
+    as contracts/footprint.py counts it, against what is free on its device: a split that cannot fit
+    is refused with both numbers before anything loads. Its CUDA context exists once `free_bytes`
+    asked, so it is not counted again."""
+    from ...contracts.fit import headroom_bytes
+    from ...contracts.footprint import model_tensors
+    from ..device import fit_here
+
+    m, mtp = cfg.model, cfg.spec.type == "mtp"
+    est = model_tensors(g.metadata, g.tensors).stage(
+        *layers,
+        head=True,
+        device=device.type,
+        dtype=str(dtype).removeprefix("torch."),
+        n_slots=cfg.parallel,
+        n_ctx=m.ctx,
+        kv_types=m.kv_types,
+        gpu_weights=m.gpu_weights,
+        kv_pool=m.kv_pool,
+        prompt_rows=cfg.batch_tokens,
+        mtp=mtp,
+        depth=rollback_depth(max_run_of(cfg.spec)),
+    )
+    fit = fit_here("head", layers, est.total - est.runtime_bytes, headroom_bytes(m.headroom_gb), device, mtp=mtp)
+    if not fit.fits:
+        raise UserError(
+            f"--split {cfg.split or 'even'} refused before loading: {fit.reason()}; "
+            "give the head fewer layers, a smaller --ctx or a smaller --headroom-gb"
+        )
 
 
 def _check_fits(g, device) -> None:

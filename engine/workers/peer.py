@@ -12,6 +12,7 @@ import sys
 
 from fastapi import FastAPI
 
+from ...contracts.fit import headroom_bytes
 from ...contracts.status import READY_STAGE, Address, ModelInfo, StageInfo
 from ..config import PeerConfig
 from ..default_model import model_path
@@ -49,6 +50,7 @@ class PeerWorker:
             compile_decode=cfg.model.compile,
             kv_types=cfg.model.kv_types,
             layer_delay_s=cfg.layer_delay_ms / 1e3,
+            headroom=headroom_bytes(cfg.model.headroom_gb),
         )
         # No stage until a head loads one: /health says degraded, /status "idle".
         self.host.on_change = lambda: setattr(self.status, "degraded", self.host.stage is None)

@@ -1,0 +1,171 @@
+"""The split against the cards: each stage's need (contracts/footprint.py, as its worker will hold
+it: the head with its MTP block at the profile's context, KV types and draft depth) against its
+card's capacity less the headroom (contracts/fit.py), and, where a split does not fit, the split
+that does.
+
+Which fitting split. Hydra's decode step is the sum of every stage's layers (split_advisor.py), so
+with no timings every card is taken as equally fast per layer and every fitting split predicts the
+same step: the proposal is then the fitting split that moves the fewest layers from the one asked
+for. With the advisor's measurements (`costs`: ms per layer on each stage) it is the fastest
+fitting split. A split that cannot fit is refused before anything loads: the profile's start, the
+split editor's apply and the advisor's proposal all go through `CardPlan.refusal`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..contracts.fit import StageFit, headroom_bytes, refusal
+from ..contracts.default_model import default_model_path
+from ..contracts.errors import UserError
+from ..contracts.split import even_split, ranges, split_arg
+from .cards import card_capacity, nvml_totals, on_gpu
+from .split_advisor import best_split
+from .split_plan import ModelShape, worker_memory
+
+
+@dataclass(frozen=True)
+class CardPlan:
+    counts: list[int]
+    stages: list[StageFit]
+    proposal: list[int] | None  # a split that fits where `counts` does not; None: none needed or none fits
+    proposal_stages: list[StageFit] | None
+
+    @property
+    def fits(self) -> bool | None:
+        """False: a stage does not fit its card; None: a card's size is unknown; else True."""
+        verdicts = [s.fits for s in self.stages]
+        return False if False in verdicts else None if None in verdicts else True
+
+    @property
+    def refusal(self) -> str | None:
+        """Why the split cannot run, with each stage's need and its card's capacity, and the split
+        that fits (if any); None when nothing is known not to fit."""
+        why = refusal(self.stages)
+        if why is None:
+            return None
+        fix = f"; {split_arg(self.proposal)} fits" if self.proposal else "; no split fits these cards"
+        return f"split {split_arg(self.counts)} does not fit: {why}{fix}"
+
+    def to_json(self) -> dict:
+        return {
+            "split": split_arg(self.counts),
+            "fits": self.fits,
+            "stages": [s.to_json() for s in self.stages],
+            "refusal": self.refusal,
+            "proposal": split_arg(self.proposal) if self.proposal else None,
+            "proposal_stages": [s.to_json() for s in self.proposal_stages] if self.proposal_stages else None,
+        }
+
+
+class Planner:
+    """The cards of one profile's workers and the model's shape, at the profile's slots and context."""
+
+    def __init__(self, shape: ModelShape, profile, workers: list, totals: dict[int, int] | None = None):
+        """`workers`: (WorkerSpec, its last /status or None) in pipeline order, head first."""
+        totals = nvml_totals() if totals is None else totals
+        self.shape, self.profile = shape, profile
+        self.names = [spec.name for spec, _ in workers]
+        self.memory = [
+            worker_memory(profile, spec, status, head=i == 0, gpu=on_gpu(spec, status, totals))
+            for i, (spec, status) in enumerate(workers)
+        ]
+        self.cards = [card_capacity(spec, status, totals) for spec, status in workers]
+        self.headroom = headroom_bytes(profile.headroom_gb)
+        self._needs: dict[tuple[int, int, int], int] = {}
+
+    @property
+    def known(self) -> bool:
+        """Whether any card's size is known (else no plan refuses anything)."""
+        return any(capacity is not None for capacity, _ in self.cards)
+
+    def need(self, i: int, a: int, b: int) -> int:
+        """Bytes worker i takes for layers [a, b) (one stage's estimate; memoised for the search)."""
+        if (i, a, b) not in self._needs:
+            self._needs[i, a, b] = self._estimate(i, a, b)
+        return self._needs[i, a, b]
+
+    def _estimate(self, i: int, a: int, b: int) -> int:
+        w = self.memory[i]
+        est = self.shape.tensors.stage(
+            a,
+            b,
+            head=i == 0,
+            device=w.device,
+            dtype=w.dtype,
+            n_slots=self.profile.parallel,
+            n_ctx=self.profile.ctx,
+            kv_types=w.kv_types,
+            gpu_weights=w.gpu_weights,
+            mtp=w.mtp,
+            depth=w.depth,
+        )
+        runtime = w.runtime_bytes if w.runtime_bytes is not None and est.runtime_bytes else est.runtime_bytes
+        return est.total - est.runtime_bytes + runtime
+
+    def stage_fits(self, i: int, a: int, b: int) -> bool:
+        capacity = self.cards[i][0]
+        return capacity is None or self.need(i, a, b) + self.headroom <= capacity
+
+    def stages(self, counts: list[int]) -> list[StageFit]:
+        return [
+            StageFit(name, r, self.need(i, *r), capacity, self.headroom, source, self.memory[i].mtp)
+            for i, (name, r, (capacity, source)) in enumerate(zip(self.names, ranges(counts), self.cards))
+        ]
+
+    def fitting(self, counts: list[int], costs: list[list[float]] | None = None) -> list[int] | None:
+        """The fastest split that fits every card (`costs`: each stage's ms per layer of the model),
+        else, without timings, the fitting split that moves the fewest layers from `counts`; every
+        stage keeps a layer. None when no split fits."""
+        n = self.shape.n_layers
+        if costs is None:  # a layer costs 1 where it moves, 0 where it stays
+            costs = [[0.0 if a <= il < b else 1.0 for il in range(n)] for a, b in ranges(counts)]
+        found = best_split(
+            costs, [0.0] * len(counts), min_layers=[1] * len(counts), fits=lambda k, a, b: self.stage_fits(k, a, b)
+        )
+        return found.counts if found else None
+
+    def plan(self, counts: list[int]) -> CardPlan:
+        stages = self.stages(counts)
+        proposal = self.fitting(counts) if refusal(stages) else None
+        return CardPlan(list(counts), stages, proposal, self.stages(proposal) if proposal else None)
+
+
+class CardPlans:
+    """A console's split plans: the model's shape read once (or given by whoever read it), the
+    planner kept while what it depends on stays (its memoised needs with it)."""
+
+    def __init__(self, profile, shape: ModelShape | None = None):
+        self.profile, self.shape = profile, shape
+        self._planner: tuple[tuple, Planner] | None = None
+
+    def planner(self, workers: list, *, require_card: bool) -> Planner | None:
+        """`workers`: (WorkerSpec, /status or None), head first. None when `require_card` and no
+        card's size is known (the model is not read for nothing). A model that cannot be read
+        raises UserError."""
+        totals = nvml_totals()
+        if require_card and all(card_capacity(spec, st, totals)[0] is None for spec, st in workers):
+            return None
+        if self.shape is None:
+            self.shape = ModelShape.from_gguf(self.profile.model or default_model_path())
+        planner = Planner(self.shape, self.profile, workers, totals)
+        key = (planner.names, planner.memory, planner.cards, planner.headroom, self.profile.ctx, self.profile.parallel)
+        if self._planner is None or self._planner[0] != key:
+            self._planner = (key, planner)
+        return self._planner[1]
+
+    def plan(self, workers: list, counts: list[int] | None, *, require_card: bool) -> CardPlan | None:
+        """The plan of `counts` (None: the engine's even split) on these workers' cards."""
+        planner = self.planner(workers, require_card=require_card)
+        if planner is None:
+            return None
+        return planner.plan(counts or even_split(planner.shape.n_layers, len(workers)))
+
+    def refusal(self, workers: list, counts: list[int] | None) -> str | None:
+        """Why `counts` cannot run on these cards, where a card's size is known; None otherwise, and
+        when the model cannot be read here (the worker reads it and says what is wrong)."""
+        try:
+            plan = self.plan(workers, counts, require_card=True)
+        except UserError:
+            return None
+        return plan.refusal if plan else None
