@@ -15,9 +15,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..contracts.fit import StageFit, headroom_bytes, refusal
 from ..contracts.default_model import default_model_path
 from ..contracts.errors import UserError
+from ..contracts.fit import StageFit, headroom_bytes, refusal
 from ..contracts.split import even_split, ranges, split_arg
 from .cards import card_capacity, nvml_totals, on_gpu
 from .split_advisor import best_split

@@ -41,8 +41,8 @@ from .launch import busy_ports, port_owner, send_token, worker_argv, worker_env
 from .log_follow import LogFollower
 from .processes import WRITER_DRAIN_S, kill_groups_sync, log_pipe, reap, release, signal_group, start_process
 from .records import Event, LogLine, State, SupervisorError, Worker, new_worker
-from .split_fit import CardPlans
 from .sources import HttpStatusSource, Probe, StatusSource
+from .split_fit import CardPlans
 from .takeover import Adopted, adoptable, logged_path, owning_console, read_run_file, write_run_file
 from .tokens import profile_token
 from .worker_log import LogFile

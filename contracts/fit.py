@@ -43,13 +43,12 @@ class StageFit:
         return None if self.capacity is None else self.need + self.headroom <= self.capacity
 
     def reason(self) -> str:
-        """"head needs 15.9 GiB + 0.5 GiB headroom, card has 15.0 GiB (card_gb)"."""
+        """ "head needs 15.9 GiB + 0.5 GiB headroom, card has 15.0 GiB (card_gb)"."""
         a, b = self.layers
         what = f"layers [{a},{b})" + (" + the MTP block" if self.mtp else "")
         has = f"card has {gib(self.capacity)}" if self.capacity is not None else "card size unknown"
-        return (
-            f"{self.name} needs {gib(self.need)} for {what} + {gib(self.headroom)} headroom, {has}"
-            + (f" ({self.source})" if self.source else "")
+        return f"{self.name} needs {gib(self.need)} for {what} + {gib(self.headroom)} headroom, {has}" + (
+            f" ({self.source})" if self.source else ""
         )
 
     def to_json(self) -> dict:

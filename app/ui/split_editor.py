@@ -12,12 +12,11 @@ from textual.binding import Binding
 from textual.screen import Screen
 from textual.widgets import Footer, Header, Static
 
-from ...contracts.footprint import rollback_depth
 from ...contracts.split import counts_of, even_split, move_boundary, ranges, split_arg
 from .. import display, memory_text
 from ..records import SupervisorError
 from ..split_advisor import MIN_GAIN, Advice, advise
-from ..split_plan import ModelShape, WorkerMemory
+from ..split_plan import ModelShape
 
 
 class SplitEditorScreen(Screen):
@@ -92,21 +91,25 @@ class SplitEditorScreen(Screen):
                 "No layer count yet: waiting for the head's /status or the model file."
             )
             return
-        memory = self._memory()
-        estimates = (
-            self.shape.estimate(self.counts, sup.profile.ctx, sup.profile.parallel, memory) if self.shape else None
-        )
+        planner = self._planner() if self.shape else None
+        memory = planner.memory if planner else []
+        estimates = self.shape.estimate(self.counts, sup.profile.ctx, sup.profile.parallel, memory) if planner else None
+        plan = planner.plan(self.counts) if planner else None
         table = Table(box=None, expand=False, pad_edge=False, header_style="bold")
-        numbers = ("n", "weights", "KV", "work", "total", "free")
+        numbers = ("n", "weights", "KV", "work", "total", "free", "card")
         for col in ("", "worker", "layers", *numbers):
             table.add_column(col, no_wrap=True, justify="right" if col in numbers else "left")
         names = list(sup.workers)
         for i, (a, b) in enumerate(ranges(self.counts)):
             marker = "▶" if i in (self.boundary, self.boundary + 1) else " "
             est = estimates[i] if estimates else None
+            fit = plan.stages[i] if plan else None
             free, shared = memory_text.device_free(sup, names[i])
-            # A running worker's context is in the device's used memory already: the new stage's bytes must fit.
-            over = bool(est and free is not None and est.total - est.runtime_bytes > free)
+            # A running worker's context is in the device's used memory already: the new stage's bytes must
+            # fit; and the whole stage, with the headroom, its card.
+            over = bool(est and free is not None and est.total - est.runtime_bytes > free) or bool(
+                fit and fit.fits is False
+            )
             table.add_row(
                 marker,
                 names[i],
@@ -122,6 +125,12 @@ class SplitEditorScreen(Screen):
                 if est
                 else "—",
                 display.fmt_bytes(free) + (" shared" if shared else "") if free is not None else "—",
+                Text(
+                    f"{display.fmt_bytes(fit.capacity)} {'✓' if fit.fits else '✗'}",
+                    style=self.app.tone_style("ok" if fit.fits else "error"),
+                )
+                if fit and fit.capacity is not None
+                else "—",
             )
         self.query_one("#split-table", Static).update(table)
         changed = self.counts != self.applied
@@ -143,6 +152,12 @@ class SplitEditorScreen(Screen):
                 if any(m.device == "cuda" for m in memory)
                 else ""
             )
+            + (
+                f"\ncard: its size less {display.fmt_bytes(planner.headroom)} headroom must hold the total"
+                if plan
+                else ""
+            )
+            + (f"\n{plan.refusal}: a applies nothing" if plan and plan.refusal else "")
         )
 
     def render_advice(self) -> None:
@@ -213,7 +228,10 @@ class SplitEditorScreen(Screen):
         self.advice_note = "measuring every stage's layers… (requests pause for the probe)"
         self.render_advice()
         try:
-            self.advice = advise(await self.app.supervisor.probe_split())
+            planner = self._planner() if self.shape else None
+            self.advice = advise(
+                await self.app.supervisor.probe_split(), fits=planner.stage_fits if planner and planner.known else None
+            )
         except (SupervisorError, ValueError) as e:
             self.advice, self.advice_note = None, f"advisor: {e}"
         if self.is_mounted:
@@ -234,32 +252,11 @@ class SplitEditorScreen(Screen):
         self._applied(counts)
         self.action_measure()
 
-    def _memory(self) -> list[WorkerMemory]:
-        """Per worker, how it will hold its stage: its device (`auto` is a GPU when its /status lists
-        one), the head's --dtype (LOAD_STAGE gives it to every peer), its --gpu-weights, its
-        --cache-type-k/-v (its own args over the profile's), and its CUDA runtime as its /status
-        measures it (NVML's reading less torch's reservation), where it runs."""
-        profile = self.app.supervisor.profile
-        dtype = _flag(profile.head.args, ("--dtype",), "auto")
-        out = []
-        for w in self.app.supervisor.workers.values():
-            st, device, args = w.status, w.spec.device, w.spec.args
-            gpu = device.startswith("cuda") or (
-                device == "auto" and st is not None and any(d.kind == "cuda" for d in st.devices)
-            )
-            kv = (
-                _flag(args, ("--cache-type-k", "-ctk"), profile.cache_type_k),
-                _flag(args, ("--cache-type-v", "-ctv"), profile.cache_type_v),
-            )
-            runtime = st.process.runtime_bytes if st is not None and st.process is not None else None
-            mtp = w is self.app.supervisor.head and (
-                _flag(args, ("--spec-type",), "") == "mtp" or profile.speculative.type == "mtp"
-            )
-            weights = _flag(args, ("--gpu-weights",), "quantized")
-            spec = profile.speculative
-            depth = rollback_depth(1 + (spec.draft_max if spec.type != "off" else 0))
-            out.append(WorkerMemory("cuda" if gpu else "cpu", dtype, weights, kv, runtime, mtp, depth))
-        return out
+    def _planner(self):
+        """The cards of this profile's workers (split_fit.Planner), on the model the editor shows."""
+        sup = self.app.supervisor
+        sup.plans.shape = sup.plans.shape or self.shape
+        return sup.plans.planner([(w.spec, w.status) for w in sup.workers.values()], require_card=False)
 
     def action_select(self, step: int) -> None:
         if len(self.counts) > 1:
@@ -286,8 +283,14 @@ class SplitEditorScreen(Screen):
             self.render_plan()
 
     def action_apply(self) -> None:
-        if self.counts:
-            self.app.confirm_apply_split(list(self.counts), on_done=self._applied)
+        if not self.counts:
+            return
+        planner = self._planner() if self.shape else None
+        why = planner.plan(self.counts).refusal if planner else None
+        if why:  # refused before anything loads (the supervisor checks again for every other way in)
+            self.notify(why, severity="error", markup=False)
+            return
+        self.app.confirm_apply_split(list(self.counts), on_done=self._applied)
 
     def _applied(self, counts: list[int]) -> None:
         if counts != self.counts:  # the advisor's proposal: the draft becomes what now runs
@@ -301,14 +304,3 @@ class SplitEditorScreen(Screen):
         if self.counts and self.app.save_split(list(self.counts)):
             self.saved = list(self.counts)
             self.render_plan()
-
-
-def _flag(args: list[str], names: tuple[str, ...], default: str) -> str:
-    """The value of the last of `names` in `args` (argparse's: the last one wins), else `default`."""
-    value = default
-    for i, a in enumerate(args):
-        if a in names and i + 1 < len(args):
-            value = args[i + 1]
-        elif a.startswith(tuple(n + "=" for n in names)):
-            value = a.split("=", 1)[1]
-    return value
