@@ -14,12 +14,13 @@ split editor's apply and the advisor's proposal all go through `CardPlan.refusal
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 from ..contracts.default_model import default_model_path
 from ..contracts.errors import UserError
-from ..contracts.fit import StageFit, headroom_bytes, refusal
+from ..contracts.fit import StageFit, gib, headroom_bytes, refusal
 from ..contracts.split import even_split, ranges, split_arg
-from .cards import card_capacity, nvml_totals, on_gpu
+from .cards import card_capacity, card_index, nvml_totals, on_gpu
 from .split_advisor import best_split
 from .split_plan import ModelShape, worker_memory
 
@@ -71,6 +72,14 @@ class Planner:
             for i, (spec, status) in enumerate(workers)
         ]
         self.cards = [card_capacity(spec, status, totals) for spec, status in workers]
+        # Which card each GPU worker uses (its host and GPU index): workers on one card share it. A
+        # worker the profile gives `card_gb` has that card to itself.
+        self.card_ids = [
+            (spec.host if not spec.is_local else "local", card_index(spec.device))
+            if m.device == "cuda" and spec.card_gb is None
+            else None
+            for (spec, _), m in zip(workers, self.memory)
+        ]
         self.headroom = headroom_bytes(profile.headroom_gb)
         self._needs: dict[tuple[int, int, int], int] = {}
 
@@ -103,27 +112,47 @@ class Planner:
         runtime = w.runtime_bytes if w.runtime_bytes is not None and est.runtime_bytes else est.runtime_bytes
         return est.total - est.runtime_bytes + runtime
 
-    def stage_fits(self, i: int, a: int, b: int) -> bool:
-        capacity = self.cards[i][0]
-        return capacity is None or self.need(i, a, b) + self.headroom <= capacity
+    def _sharers(self, counts: list[int]) -> list[tuple[int, list[str]]]:
+        """Per stage: the bytes the other stages on its card take in `counts`, and their names (a
+        head and a peer on one GPU share it; `card` None: a CPU worker shares nothing)."""
+        needs = [self.need(i, *r) for i, r in enumerate(ranges(counts))]
+        out = []
+        for i, card in enumerate(self.card_ids):
+            others = [j for j, c in enumerate(self.card_ids) if j != i and card is not None and c == card]
+            out.append((sum(needs[j] for j in others), [self.names[j] for j in others]))
+        return out
+
+    def fits_for(self, counts: list[int]) -> Callable[[int, int, int], bool]:
+        """`fits(k, a, b)`: whether stage k's card holds layers [a, b) with the headroom, the other
+        stages on its card as in `counts` (for split_advisor.best_split's search)."""
+        sharers = self._sharers(counts)
+
+        def fits(k: int, a: int, b: int) -> bool:
+            capacity = self.cards[k][0]
+            return capacity is None or self.need(k, a, b) + sharers[k][0] + self.headroom <= capacity
+
+        return fits
 
     def stages(self, counts: list[int]) -> list[StageFit]:
-        return [
-            StageFit(name, r, self.need(i, *r), capacity, self.headroom, source, self.memory[i].mtp)
-            for i, (name, r, (capacity, source)) in enumerate(zip(self.names, ranges(counts), self.cards))
-        ]
+        out = []
+        for i, (r, (others, who)) in enumerate(zip(ranges(counts), self._sharers(counts))):
+            capacity, source = self.cards[i]
+            if who and capacity is not None:  # what the card has left for this stage
+                capacity -= others
+                source += f", less {gib(others)} of {', '.join(who)} on it"
+            out.append(
+                StageFit(self.names[i], r, self.need(i, *r), capacity, self.headroom, source, self.memory[i].mtp)
+            )
+        return out
 
-    def fitting(self, counts: list[int], costs: list[list[float]] | None = None) -> list[int] | None:
-        """The fastest split that fits every card (`costs`: each stage's ms per layer of the model),
-        else, without timings, the fitting split that moves the fewest layers from `counts`; every
-        stage keeps a layer. None when no split fits."""
-        n = self.shape.n_layers
-        if costs is None:  # a layer costs 1 where it moves, 0 where it stays
-            costs = [[0.0 if a <= il < b else 1.0 for il in range(n)] for a, b in ranges(counts)]
-        found = best_split(
-            costs, [0.0] * len(counts), min_layers=[1] * len(counts), fits=lambda k, a, b: self.stage_fits(k, a, b)
-        )
-        return found.counts if found else None
+    def fitting(self, counts: list[int]) -> list[int] | None:
+        """The fitting split that moves the fewest layers from `counts` (with no timings every card
+        is taken as equally fast per layer, so every fitting split predicts the same step); every
+        stage keeps a layer. None when none fits (stages sharing a card are searched with the
+        others' share as in `counts`, then the split found is checked whole)."""
+        costs = [[0.0 if a <= il < b else 1.0 for il in range(self.shape.n_layers)] for a, b in ranges(counts)]
+        found = best_split(costs, [0.0] * len(counts), min_layers=[1] * len(counts), fits=self.fits_for(counts))
+        return found.counts if found and not refusal(self.stages(found.counts)) else None
 
     def plan(self, counts: list[int]) -> CardPlan:
         stages = self.stages(counts)
@@ -149,7 +178,8 @@ class CardPlans:
         if self.shape is None:
             self.shape = ModelShape.from_gguf(self.profile.model or default_model_path())
         planner = Planner(self.shape, self.profile, workers, totals)
-        key = (planner.names, planner.memory, planner.cards, planner.headroom, self.profile.ctx, self.profile.parallel)
+        key = (planner.names, planner.memory, planner.cards, planner.card_ids, planner.headroom)
+        key += (self.profile.ctx, self.profile.parallel)
         if self._planner is None or self._planner[0] != key:
             self._planner = (key, planner)
         return self._planner[1]

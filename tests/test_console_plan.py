@@ -125,7 +125,20 @@ def test_card_sizes_from_card_gb_else_nvml_else_unknown(qwen27b):
     plan = planner(profile).plan([40, 24])
     assert plan.fits is None and plan.refusal is None and plan.stages[0].need > 0
     # Through NVML, for a local head on a GPU.
-    assert planner(profile, {0: 15 * GIB}).plan([40, 24]).stages[0].source == "nvml"
+    assert planner(profile, {0: 15 * GIB}).plan([40, 24]).stages[0].source.startswith("nvml, less")
+
+
+def test_workers_on_one_card_share_it(qwen27b):
+    """A head and a peer on this machine's one GPU (NVML): each stage gets what the other leaves."""
+    profile = users_profile(qwen27b, 15, 12)
+    profile.head.card_gb = profile.peers[0].card_gb = None
+    needs = [s.need for s in planner(profile, {0: 1 << 40}).plan([40, 24]).stages]  # as GPU stages
+    roomy = planner(profile, {0: sum(needs) + 1 * GIB}).plan([40, 24])
+    assert roomy.fits is True and roomy.stages[0].capacity == sum(needs) + 1 * GIB - needs[1]
+    tight = planner(profile, {0: sum(needs)}).plan([40, 24])
+    assert tight.fits is False and tight.proposal is None  # moving layers within one card frees nothing
+    assert f"less {needs[1] / GIB:.1f} GiB of peer1 on it" in tight.refusal
+    assert f"less {needs[0] / GIB:.1f} GiB of head on it" in tight.refusal
 
 
 def test_the_advisor_proposes_only_a_split_that_fits(qwen27b):
@@ -138,7 +151,7 @@ def test_the_advisor_proposes_only_a_split_that_fits(qwen27b):
     ]
     free = advise({"stages": stages})
     assert free.proposal == [63, 1]  # memory unknown to the probe: everything on the fast card
-    fits = advise({"stages": stages}, fits=p.stage_fits)
+    fits = advise({"stages": stages}, fits=p.fits_for([40, 24]))
     n_head = fits.proposal[0]
     assert p.plan(fits.proposal).fits is True and p.plan([n_head + 1, 63 - n_head]).fits is False
 

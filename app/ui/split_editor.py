@@ -230,7 +230,8 @@ class SplitEditorScreen(Screen):
         try:
             planner = self._planner() if self.shape else None
             self.advice = advise(
-                await self.app.supervisor.probe_split(), fits=planner.stage_fits if planner and planner.known else None
+                await self.app.supervisor.probe_split(),
+                fits=planner.fits_for(self.applied or self.counts) if planner and planner.known else None,
             )
         except (SupervisorError, ValueError) as e:
             self.advice, self.advice_note = None, f"advisor: {e}"
