@@ -188,6 +188,15 @@ def test_once_json_shows_the_plan(qwen27b, tmp_path):
     assert out.returncode == 2 and "--headroom-gb must be >= 0" in out.stderr
 
 
+def column(editor, name: str) -> list[str]:
+    (col,) = [c for c in editor.query_one("#split-table").content.columns if c.header == name]
+    return [str(cell) for cell in col._cells]
+
+
+def note(editor) -> str:
+    return str(editor.query_one("#split-note").render())
+
+
 def tiny_profile(tiny_model, split, head_gb, peer_gb) -> Profile:
     """Stand-in workers (18 layers) planned on a real GGUF of 18 layers, on CPU, with card sizes."""
     model = tiny_model("llama", n_layers=18, n_embd=256, n_ff=1024, qtype="Q4_K")
@@ -232,20 +241,23 @@ async def test_split_editor_shows_each_card_and_refuses_a_split_that_cannot_fit(
             await pilot.press("s")
             editor = app.screen
             await until(pilot, lambda: editor.is_mounted and editor.counts == [9, 9])
-            cards = [str(c) for c in editor.query_one("#split-table").content.columns[-1]._cells]
-            assert cards[0].endswith("✓") and cards[1].endswith("✓")
+            assert [cell.endswith("✗") for cell in column(editor, "total")] == [False, False]
+            assert "cards, each keeping 0 B free: head" in note(editor) and "✗" not in note(editor)
             for _ in range(3):
                 await pilot.press("right")
             assert editor.counts == [12, 6]
-            cards = [str(c) for c in editor.query_one("#split-table").content.columns[-1]._cells]
-            assert cards[0].endswith("✗") and cards[1].endswith("✓")
-            note = str(editor.query_one("#split-note").render())
-            assert "split 12/6 does not fit: head needs" in note and "fits" in note
+            assert [cell.endswith("✗") for cell in column(editor, "total")] == [True, False]
+            assert "split 12/6 does not fit: head needs" in note(editor) and "f takes the split that fits" in note(
+                editor
+            )
             await pilot.press("a")
             await pilot.pause()
             assert not isinstance(app.screen, ConfirmScreen)  # refused before asking, nothing applied
             assert any("split 12/6 does not fit" in str(n.message) for n in app._notifications)
             assert sup.split == [9, 9]
+            await pilot.press("f")  # the draft becomes the split that fits, fewest layers moved
+            assert editor.counts == planner(profile).plan([12, 6]).proposal and editor.counts[0] in (10, 11)
+            assert [cell.endswith("✗") for cell in column(editor, "total")] == [False, False]
             # Every other way in (the palette, a script) meets the supervisor's refusal.
             with pytest.raises(Exception, match="does not fit"):
                 await sup.apply_split([12, 6])

@@ -1,4 +1,5 @@
-"""Split editor: move stage boundaries from the keyboard, see per-stage memory, apply, undo, save;
+"""Split editor: move stage boundaries from the keyboard, see per-stage memory and each card
+(`f`: the split that fits them), apply (refused when a card cannot hold its stage), undo, save;
 and the split advisor: measure every stage (`m`), see the fastest split with predicted decode tok/s,
 apply it (`P`), then see predicted against achieved."""
 
@@ -32,6 +33,8 @@ class SplitEditorScreen(Screen):
         Binding("w", "save", "Save to profile", id="split.save"),
         Binding("m", "measure", "Advisor: measure", id="split.measure"),
         Binding("P", "apply_proposal", "Apply proposal", id="split.propose"),
+        # Shown where it helps: the note names it when the draft does not fit.
+        Binding("f", "fit", "Fit the cards", show=False, id="split.fit"),
     ]
 
     def __init__(self, shape: ModelShape | None):
@@ -96,7 +99,8 @@ class SplitEditorScreen(Screen):
         estimates = self.shape.estimate(self.counts, sup.profile.ctx, sup.profile.parallel, memory) if planner else None
         plan = planner.plan(self.counts) if planner else None
         table = Table(box=None, expand=False, pad_edge=False, header_style="bold")
-        numbers = ("n", "weights", "KV", "work", "total", "free", "card")
+        cards = plan is not None and planner.known  # the cards' line only where a card's size is known
+        numbers = ("n", "weights", "KV", "work", "total", "free")
         for col in ("", "worker", "layers", *numbers):
             table.add_column(col, no_wrap=True, justify="right" if col in numbers else "left")
         names = list(sup.workers)
@@ -106,10 +110,9 @@ class SplitEditorScreen(Screen):
             fit = plan.stages[i] if plan else None
             free, shared = memory_text.device_free(sup, names[i])
             # A running worker's context is in the device's used memory already: the new stage's bytes must
-            # fit; and the whole stage, with the headroom, its card.
-            over = bool(est and free is not None and est.total - est.runtime_bytes > free) or bool(
-                fit and fit.fits is False
-            )
+            # fit (⚠); and the whole stage, with the headroom, its card (✗: refused).
+            over = bool(est and free is not None and est.total - est.runtime_bytes > free)
+            misfit = bool(fit and fit.fits is False)
             table.add_row(
                 marker,
                 names[i],
@@ -119,18 +122,12 @@ class SplitEditorScreen(Screen):
                 display.fmt_bytes(est.kv_bytes) if est else "—",
                 display.fmt_bytes(est.work_bytes + est.runtime_bytes) if est and est.runtime_bytes else "—",
                 Text(
-                    display.fmt_bytes(est.total) + (" ⚠" if over else ""),
-                    style=self.app.tone_style("warn") if over else "",
+                    display.fmt_bytes(est.total) + (" ✗" if misfit else " ⚠" if over else ""),
+                    style=self.app.tone_style("error" if misfit else "warn") if misfit or over else "",
                 )
                 if est
                 else "—",
                 display.fmt_bytes(free) + (" shared" if shared else "") if free is not None else "—",
-                Text(
-                    f"{display.fmt_bytes(fit.capacity)} {'✓' if fit.fits else '✗'}",
-                    style=self.app.tone_style("ok" if fit.fits else "error"),
-                )
-                if fit and fit.capacity is not None
-                else "—",
             )
         self.query_one("#split-table", Static).update(table)
         changed = self.counts != self.applied
@@ -152,12 +149,9 @@ class SplitEditorScreen(Screen):
                 if any(m.device == "cuda" for m in memory)
                 else ""
             )
-            + (
-                f"\ncard: its size less {display.fmt_bytes(planner.headroom)} headroom must hold the total"
-                if plan
-                else ""
-            )
+            + (f"\n{self._cards_line(plan, planner.headroom)}" if cards else "")
             + (f"\n{plan.refusal}: a applies nothing" if plan and plan.refusal else "")
+            + (", f takes the split that fits" if plan and plan.refusal and plan.proposal else "")
         )
 
     def render_advice(self) -> None:
@@ -282,6 +276,29 @@ class SplitEditorScreen(Screen):
         if self.undo_stack:
             self.counts = self.undo_stack.pop()
             self.render_plan()
+
+    @staticmethod
+    def _cards_line(plan, headroom: int) -> str:
+        """Each known card against its stage's total: "head 15.4 of 16.0 GiB ✓"."""
+        cards = [
+            f"{s.name} {display.fmt_bytes(s.need)} of {display.fmt_bytes(s.capacity)} {'✓' if s.fits else '✗'}"
+            for s in plan.stages
+            if s.capacity is not None
+        ]
+        return f"cards, each keeping {display.fmt_bytes(headroom)} free: " + " · ".join(cards)
+
+    def action_fit(self) -> None:
+        """The draft becomes the split that fits every card (fewest layers moved); `a` applies it."""
+        planner = self._planner() if self.shape else None
+        plan = planner.plan(self.counts) if planner and self.counts else None
+        if plan is None or not planner.known:
+            self.notify("no card sizes known: set card_gb per worker in the profile", severity="warning")
+        elif plan.fits:
+            self.notify(f"split {split_arg(self.counts)} fits every card")
+        elif plan.proposal is None:
+            self.notify(plan.refusal, severity="error", markup=False)
+        else:
+            self._change(list(plan.proposal))
 
     def action_apply(self) -> None:
         if not self.counts:

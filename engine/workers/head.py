@@ -196,7 +196,8 @@ def build_pipeline(cfg: HeadConfig, g, mcfg):
     ranges = parse_split(cfg.split, mcfg.n_layers, 1 + len(cfg.peers))
     device = resolve_device(m.device)
     dtype = resolve_dtype(m.dtype, device)
-    _check_own_stage(cfg, g, ranges[0], device, dtype)  # before any peer loads or anything is allocated
+    # Before any peer loads or anything is allocated.
+    _check_own_stage(cfg, g, ranges[0], device, dtype, f"--split {cfg.split or 'even'}")
     remotes = [
         RemoteStage(
             addr,
@@ -223,9 +224,11 @@ def build_pipeline(cfg: HeadConfig, g, mcfg):
             r.close()
         if not cfg.fallback_solo:
             raise UserError(f"peer(s) not ready after {cfg.peer_wait:g} s: {names} (or start with --fallback-solo)")
-        _check_fits(g, device)
+        _check_own_stage(cfg, g, (0, mcfg.n_layers), device, dtype, "--fallback-solo (every layer on the head)")
         log.warning("peers %s never came up: --fallback-solo runs all %d layers on the head", names, mcfg.n_layers)
         remotes, ranges = [], [(0, mcfg.n_layers)]
+    elif remotes:  # again: a peer on this GPU has loaded its stage since
+        _check_own_stage(cfg, g, ranges[0], device, dtype, f"--split {cfg.split or 'even'}")
     local = build_stage(
         g,
         ranges[0],
@@ -246,7 +249,7 @@ def build_pipeline(cfg: HeadConfig, g, mcfg):
     return pipeline
 
 
-def _check_own_stage(cfg: HeadConfig, g, layers: tuple[int, int], device, dtype) -> None:
+def _check_own_stage(cfg: HeadConfig, g, layers: tuple[int, int], device, dtype, what: str) -> None:
     """The head's stage (its layers, embedding and output head, the MTP block with `--spec-type mtp`)
     as contracts/footprint.py counts it, against what is free on its device: a split that cannot fit
     is refused with both numbers before anything loads. Its CUDA context exists once `free_bytes`
@@ -273,20 +276,6 @@ def _check_own_stage(cfg: HeadConfig, g, layers: tuple[int, int], device, dtype)
     fit = fit_here("head", layers, est.total - est.runtime_bytes, headroom_bytes(m.headroom_gb), device, mtp=mtp)
     if not fit.fits:
         raise UserError(
-            f"--split {cfg.split or 'even'} refused before loading: {fit.reason()}; "
+            f"{what} refused before loading: {fit.reason()}; "
             "give the head fewer layers, a smaller --ctx or a smaller --headroom-gb"
         )
-
-
-def _check_fits(g, device) -> None:
-    """--fallback-solo only when every layer's weights fit, as they would be held (contracts/footprint.py)."""
-    import psutil
-    import torch
-
-    from ...contracts.footprint import model_tensors, weight_form
-
-    tensors = model_tensors(g.metadata, g.tensors)
-    need = sum(tensors.layer_weights(il, weight_form(device.type)) for il in range(tensors.n_layers))
-    free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else psutil.virtual_memory().available
-    if need > free:
-        raise UserError(f"--fallback-solo: all layers need ~{need >> 20} MiB, only {free >> 20} MiB free on {device}")
