@@ -6,9 +6,9 @@ that does.
 Which fitting split. Hydra's decode step is the sum of every stage's layers (split_advisor.py), so
 with no timings every card is taken as equally fast per layer and every fitting split predicts the
 same step: the proposal is then the fitting split that moves the fewest layers from the one asked
-for. With the advisor's measurements (`costs`: ms per layer on each stage) it is the fastest
-fitting split. A split that cannot fit is refused before anything loads: the profile's start, the
-split editor's apply and the advisor's proposal all go through `CardPlan.refusal`.
+for. With the advisor's measurements it is the fastest fitting split (split_advisor.advise given
+`Planner.fits_for`). A split that cannot fit is refused before anything loads, by
+`CardPlan.refusal`: at the profile's start, on the split editor's apply and on every other apply.
 """
 
 from __future__ import annotations
@@ -82,6 +82,7 @@ class Planner:
         ]
         self.headroom = headroom_bytes(profile.headroom_gb)
         self._needs: dict[tuple[int, int, int], int] = {}
+        self._bounds: dict[tuple, int] = {}  # fits_for's binary searches
 
     @property
     def known(self) -> bool:
@@ -124,12 +125,21 @@ class Planner:
 
     def fits_for(self, counts: list[int]) -> Callable[[int, int, int], bool]:
         """`fits(k, a, b)`: whether stage k's card holds layers [a, b) with the headroom, the other
-        stages on its card as in `counts` (for split_advisor.best_split's search)."""
-        sharers = self._sharers(counts)
+        stages on its card as in `counts` (for split_advisor.best_split's search). A stage's need
+        grows with its range, so every end from one start (and every start to the model's end) is
+        answered by one binary search instead of an estimate per boundary."""
+        sharers, n = self._sharers(counts), self.shape.n_layers
+
+        def room(k: int, a: int, b: int) -> bool:
+            return self.need(k, a, b) + sharers[k][0] + self.headroom <= self.cards[k][0]
 
         def fits(k: int, a: int, b: int) -> bool:
-            capacity = self.cards[k][0]
-            return capacity is None or self.need(k, a, b) + sharers[k][0] + self.headroom <= capacity
+            if self.cards[k][0] is None:
+                return True
+            if b == n:  # the longest range to the end that fits
+                return a >= n - _last(lambda m: room(k, n - m, n), 0, n, ("start", k, sharers[k][0]), self._bounds)
+            # the longest range from layer a that fits
+            return b <= _last(lambda e: room(k, a, e), a, n, ("end", k, a, sharers[k][0]), self._bounds)
 
         return fits
 
@@ -158,6 +168,20 @@ class Planner:
         stages = self.stages(counts)
         proposal = self.fitting(counts) if refusal(stages) else None
         return CardPlan(list(counts), stages, proposal, self.stages(proposal) if proposal else None)
+
+
+def _last(ok: Callable[[int], bool], lo: int, hi: int, key: tuple, memo: dict) -> int:
+    """The largest x in [lo, hi] with ok(x), ok true up to some x and false past it; lo - 1 if none."""
+    if key not in memo:
+        found, left, right = lo - 1, lo, hi
+        while left <= right:
+            mid = (left + right) // 2
+            if ok(mid):
+                found, left = mid, mid + 1
+            else:
+                right = mid - 1
+        memo[key] = found
+    return memo[key]
 
 
 class CardPlans:
