@@ -67,3 +67,18 @@ def test_vocab_size_pads_and_bad_shapes_are_refused(tmp_path):
         write_synthetic(tmp_path / "bad.gguf", "llama", qtype="Q4_K")
     with pytest.raises(ValueError, match="unsupported architecture"):
         write_synthetic(tmp_path / "bad.gguf", "mamba")
+
+
+@pytest.mark.parametrize("qtype", ["F32", "Q5_K_M"])
+def test_header_only_file_has_the_full_files_metadata_and_tensor_table(tmp_path, qtype):
+    """`header_only`: the same metadata and tensor table (names, types, shapes, offsets) and the
+    same size as the file with weights, its data a hole that reads as zeros."""
+    shape = dict(n_layers=4, n_embd=256, n_ff=512, n_head=4, n_head_kv=2, ssm_state=64, nextn=True, bigram=True)
+    full = GGUFFile(write_synthetic(tmp_path / "full.gguf", "qwen35", qtype=qtype, **shape))
+    head = GGUFFile(write_synthetic(tmp_path / "head.gguf", "qwen35", qtype=qtype, header_only=True, **shape))
+    assert head.fingerprint == full.fingerprint  # the identity guard's: header and tensor table
+    assert head.metadata.keys() == full.metadata.keys()
+    table = {n: (t.ggml_type, t.shape, t.offset, t.nbytes) for n, t in full.tensors.items()}
+    assert {n: (t.ggml_type, t.shape, t.offset, t.nbytes) for n, t in head.tensors.items()} == table
+    assert (tmp_path / "head.gguf").stat().st_size == (tmp_path / "full.gguf").stat().st_size
+    assert not head.raw("blk.0.ffn_up.weight").any()
