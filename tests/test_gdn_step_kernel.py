@@ -111,3 +111,26 @@ def test_a_step_after_a_prefill_through_the_stage(tiny_model, monkeypatch):
     torch.testing.assert_close(logits, want_logits, atol=2e-5, rtol=1e-5)
     for got, want in zip(states, want_states):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_the_step_kernels_stay_whole_in_the_compiled_block(tiny_model, monkeypatch):
+    """The decode graphs torch.compile one layer (`Stage._block`): the custom op, which writes the
+    states in place, traces into one graph (fullgraph) and, functionalised as inductor would (aot_eager),
+    advances the states as the eager kernels do."""
+    monkeypatch.setattr(deltanet, "TRITON_PREFILL", True)
+    path = tiny_model("qwen35", n_layers=4)
+    dev = KERNEL_DEVICE
+    stage, eager = load(path, device=dev), load(path, device=dev)
+    ids = torch.arange(12, device=dev)
+    for s in (stage, eager):
+        s.run_layers(s.embed(ids + 5), torch.zeros(12, dtype=torch.long), ids)
+    torch._dynamo.reset()
+    block = torch.compile(stage._block, backend="aot_eager", dynamic=False, fullgraph=True)
+    h = stage.embed(torch.tensor([7, 8], device=dev)).to(dev, torch.float32)
+    slots, positions = torch.tensor([0, 0], device=dev), torch.tensor([12, 13], device=dev)
+    kw = dict(batched=True, kv_len=stage.n_ctx, per_slot=2)
+    traced = stage._forward(h, slots, positions, None, block=block, **kw)
+    torch.testing.assert_close(traced, eager._forward(h, slots, positions, None, **kw), atol=1e-6, rtol=1e-6)
+    for a, b in zip(stage.recurrent, eager.recurrent):
+        torch.testing.assert_close(a.ssm_rows, b.ssm_rows, atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(a.conv_rows, b.conv_rows, atol=1e-6, rtol=1e-6)
