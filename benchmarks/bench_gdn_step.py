@@ -12,9 +12,10 @@ first, as served by default), and the kernels alone (`hydra::gated_delta_step` i
 bandwidth its state traffic implies: the state read and written once, min(m, depth) checkpoints
 written). Steps rotate over `--copies` layers' states, so the states do not sit in L2 (the model has
 48 such layers). It prints both times, their ratio, each path's verify / decode ratio (the 27B's
-target for a 4-token verify: <= 1.15 of a one-token step, issue 38), and the kernels' largest
-difference from the torch form. `--sweep` first times the rule kernel's launch settings
-(`triton_gdn_step.CONFIG`) at each m and keeps the fastest.
+target for a 4-token verify: <= 1.15 of a one-token step, issue 38), per-step totals over `--layers`
+DeltaNet layers (the 27B has 48), and the kernels' largest difference from the torch form.
+`--sweep` first times the rule kernel's launch settings (`triton_gdn_step.CONFIG`) at each m and
+keeps the fastest.
 """
 
 from __future__ import annotations
@@ -136,6 +137,7 @@ def main() -> None:
     ap.add_argument("--k-heads", type=int, default=16)
     ap.add_argument("--dim", type=int, default=128, help="head_k_dim = head_v_dim")
     ap.add_argument("--copies", type=int, default=8, help="layers whose states the steps rotate over")
+    ap.add_argument("--layers", type=int, default=48, help="DeltaNet layers of the model (per-step totals)")
     ap.add_argument("--reps", type=int, default=200, help="ms of timing per number (triton.testing.do_bench)")
     ap.add_argument("--compile", action="store_true", help="torch.compile each path's step before capture")
     ap.add_argument("--sweep", action="store_true", help="time the rule kernel's launch settings first")
@@ -168,6 +170,11 @@ def main() -> None:
             f" {r['torch_graph_ms'] * 1e3:>9.1f} us {r['kernel_graph_ms'] * 1e3:>10.1f} us"
             f" {r['torch_graph_ms'] / r['kernel_graph_ms']:>5.2f}x {r['op_ms'] * 1e3:>7.1f} {r['op_gb_s']:>8.0f}"
             f"  {r['max_abs_out']:.1e} / {r['max_abs_state']:.1e}"
+        )
+    for r in rows:
+        print(
+            f"m={r['per_slot']}, {args.layers} layers (graphs): torch {r['torch_graph_ms'] * args.layers:.2f} ms,"
+            f" kernel {r['kernel_graph_ms'] * args.layers:.2f} ms per step"
         )
     one = next((r for r in rows if r["per_slot"] == 1), None)
     for r in rows:
