@@ -14,8 +14,8 @@ written). Steps rotate over `--copies` layers' states, so the states do not sit 
 48 such layers). It prints both times, their ratio, each path's verify / decode ratio (the 27B's
 target for a 4-token verify: <= 1.15 of a one-token step, issue 38), per-step totals over `--layers`
 DeltaNet layers (the 27B has 48), and the kernels' largest difference from the torch form.
-`--sweep` first times the rule kernel's launch settings (`triton_gdn_step.CONFIG`) at each m and
-keeps the fastest.
+`--sweep` first times the rule kernel's launch settings (`triton_gdn_step.CONFIG`) at each m; the
+table uses the fastest at the last m.
 """
 
 from __future__ import annotations
@@ -104,7 +104,7 @@ def bench(m: int, stage, nets, args) -> dict:
 
 
 def sweep(m: int, stage, nets, args) -> None:
-    """The fastest rule-kernel launch (`CONFIG`) at m tokens per slot, kept in CONFIG."""
+    """The fastest rule-kernel launch at m tokens per slot, left in `CONFIG`."""
     x = torch.randn(args.slots * m, stage.cfg.n_embd, device="cuda", dtype=torch.bfloat16)
     slots = torch.arange(args.slots, device="cuda").repeat_interleave(m)
     proj, s, n = nets[0].w_in(x), stage.cfg.deltanet, nets[0]
