@@ -18,8 +18,9 @@ exactly as it was, so prefill chunks, verify batches and decode share one code p
 (prefill) take their first CHUNK-multiple of steps in the chunked form (`_chunked`, equal to the
 token-by-token one to float32 rounding), the rest token by token. On CUDA (`TRITON_PREFILL`) long runs
 go whole through the Triton chunked kernel instead (`kernels/triton_delta_rule.py`: the same chunked
-form, one launch per stage of it, with the final state and the checkpoints); the torch forms stay the
-reference and the CPU path.
+form, one launch per stage of it, with the final state and the checkpoints), and `step` through the
+step kernels (`kernels/triton_gdn_step.py`: the conv and gates, then the recurrence with each state
+tile held in registers for all the slot's tokens); the torch forms stay the reference and the CPU path.
 
 Unlike KV, recurrent state cannot be overwritten to roll back, so each run also checkpoints the
 states of its last `ROLLBACK` positions (and the one before them): a rejected speculative draft
@@ -38,8 +39,9 @@ from .config import ModelConfig
 
 # Steps per chunk of the chunked (prefill) form: llama.cpp's chunk size.
 CHUNK = 64
-# Long runs through the Triton chunked kernel: None = on CUDA tensors; True = everywhere (on CPU under
-# Triton's interpreter, TRITON_INTERPRET=1: the tests); False = never (the torch forms only).
+# Long runs through the Triton chunked kernel, and steps (`step`) through the step kernels: None = on
+# CUDA tensors; True = everywhere (on CPU under Triton's interpreter, TRITON_INTERPRET=1: the tests);
+# False = never (the torch forms only).
 TRITON_PREFILL: bool | None = None
 
 if TYPE_CHECKING:
@@ -186,6 +188,15 @@ class DeltaNet:
         s = self.shape
         C, Hv, dv, K = s.conv_channels, s.n_v_heads, s.head_v_dim, s.conv_kernel
         B, m = x.shape[0] // per_slot, per_slot
+        if _triton(x):  # the whole recurrent part in two kernels, state read and written once
+            from ..kernels.triton_gdn_step import gated_delta_step
+
+            proj = self.w_in(x)  # the kernels read it in float32, as `.float()` would give it
+            o = gated_delta_step(
+                *(proj, slots, self.conv_rows, self.ssm_rows, self.conv, self.dt_bias, self.a, m),
+                *(self.n_slots, self.rows, self.depth, s.n_k_heads, self.cfg.rms_eps),
+            )
+            return self._output(o, proj[:, C : C + Hv * dv].float(), x.dtype)
         slots = slots[::m]
         mixed, z, beta, alpha = self.w_in(x).float().split([C, Hv * dv, Hv, Hv], dim=-1)
         mixed, beta, alpha = mixed.view(B, m, C), beta.view(B, m, Hv), alpha.view(B, m, Hv)
@@ -287,7 +298,7 @@ class DeltaNet:
 
 
 def _triton(t: torch.Tensor) -> bool:
-    """Whether long runs take the Triton kernels (`TRITON_PREFILL`)."""
+    """Whether long runs and steps take the Triton kernels (`TRITON_PREFILL`)."""
     return t.is_cuda if TRITON_PREFILL is None else TRITON_PREFILL
 
 
