@@ -1,15 +1,19 @@
 """The generation request bodies both APIs parse (pydantic): `CommonBody` (the fields every
 generation request may carry, OpenAI's and llama-server's names), `ChatBody` (a chat request), and
-`chat_body`, another API's request translated into a `ChatBody`."""
+`chat_body`, another API's request translated into a `ChatBody`; `sampler_fields`, the settings of a
+request's samplers as llama-server reports them."""
 
 from __future__ import annotations
 
-from typing import Any, Union
+from typing import TYPE_CHECKING, Any, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ..config import MAX_CHOICES  # OpenAI's bound on `n`
 from .errors import APIError
+
+if TYPE_CHECKING:
+    from ..serving.sampling import SamplingParams
 
 MAX_LOGPROBS = 20  # = sampling.MAX_LOGPROBS, which also checks it
 
@@ -85,3 +89,18 @@ def chat_body(chat: dict, body, keys: tuple[str, ...]) -> ChatBody:
     except ValidationError as e:
         err = e.errors()[0]
         raise APIError(400, f"{'.'.join(map(str, err['loc']))}: {err['msg']}", param=str(err["loc"][0])) from None
+
+
+def sampler_fields(p: SamplingParams) -> dict:
+    """The sampler settings of `p` under llama-server's names: what /slots' `params`, /props'
+    defaults and /completion's `generation_settings` report."""
+    return {
+        "temperature": p.temperature,
+        "top_k": p.top_k,
+        "top_p": p.top_p,
+        "min_p": p.min_p,
+        "repeat_last_n": p.repeat_last_n,
+        "repeat_penalty": p.repeat_penalty,
+        "presence_penalty": p.presence_penalty,
+        "frequency_penalty": p.frequency_penalty,
+    }

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict
 
+from .bodies import sampler_fields
 from .common import ready_engine
 from .errors import APIError
 from .llama_completion import OFF_SAMPLERS, SAMPLERS, InfillBody, NativeCompletionBody, infill_prompt, respond
@@ -90,15 +91,8 @@ def sampling_params_defaults(head: Head) -> dict:
     n = head.cfg.n_predict
     return {
         "seed": -1 if p.seed is None else p.seed,
-        "temperature": p.temperature,
-        "top_k": p.top_k,
-        "top_p": p.top_p,
-        "min_p": p.min_p,
+        **sampler_fields(p),
         **OFF_SAMPLERS,
-        "repeat_last_n": p.repeat_last_n,
-        "repeat_penalty": p.repeat_penalty,
-        "presence_penalty": p.presence_penalty,
-        "frequency_penalty": p.frequency_penalty,
         "max_tokens": n,
         "n_predict": n,
         "samplers": list(SAMPLERS),
