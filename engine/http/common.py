@@ -12,7 +12,7 @@ import secrets
 from typing import TYPE_CHECKING, Any
 
 from ..errors import UserError
-from .bodies import ChatBody, CommonBody, Stop
+from .bodies import ChatBody, CommonBody, Stop, spec_override
 from .errors import APIError
 from .prompts import template_prompt, tool_plan
 
@@ -178,7 +178,7 @@ def speculative_config(engine, body: CommonBody) -> SpecConfig | None:
         if getattr(body, f"speculative_{key}") is not None:
             over[f"speculative.{key}"] = getattr(body, f"speculative_{key}")
     try:
-        return engine.spec.request_config(over)
+        return engine.spec.request_config(spec_override(engine.spec.config, over))
     except UserError as e:
         raise APIError(400, str(e), param="speculative") from None
 
