@@ -40,6 +40,7 @@ import torch.nn.functional as F
 from ..device import resolve_device, resolve_dtype
 from ..errors import UserError
 from ..gguf_file import GGUFFile
+from ..kernels.qlinear import embed_rows
 from ..kernels.qweight import QuantWeight
 from ..quant import dequantize_rows
 from .attention import attend_batched, attend_decode, attend_fresh, attend_runs, decode_bias
@@ -326,7 +327,7 @@ class Stage:
         ):
             raise UserError(f"token id out of range 0..{self.cfg.n_vocab - 1}")
         if isinstance(self._embd_table, QuantWeight):
-            h = self._embd_table.rows(tokens.to(self.device))
+            h = embed_rows(self._embd_table, tokens.to(self.device))
         elif self._embd_table is not None:
             h = self._embd_table[tokens.to(self.device)].float()
         else:
