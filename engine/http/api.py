@@ -43,7 +43,7 @@ from .worker import add_observation_routes
 if TYPE_CHECKING:  # the engine's modules bring torch: imported when the model loads, after the port is up
     from ..serving.sequence import Event
     from ..serving.sequence import Request as EngineRequest
-    from ..workers.head import HeadWorker as Head
+    from .handle import Head
 
 
 def _loc_param(loc) -> str | None:

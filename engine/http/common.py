@@ -21,7 +21,7 @@ if TYPE_CHECKING:  # the engine's modules bring torch: imported when the model l
     from ..serving.sequence import Request as EngineRequest
     from ..spec import SpecConfig
     from ..text.tool_calls import ToolFormat
-    from ..workers.head import HeadWorker as Head
+    from .handle import Head
 
 LOADING_RETRY_S = 5
 SEED_RANDOM = -1  # llama-server's "pick a seed": a random one per request

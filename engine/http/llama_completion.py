@@ -24,7 +24,7 @@ from .streaming import Run, check_finish, engine_share, sse, stream_error
 
 if TYPE_CHECKING:
     from ..serving.sequence import Event, GenToken
-    from ..workers.head import HeadWorker as Head
+    from .handle import Head
 
 # The samplers llama-server names that we apply, in our fixed order (sampling.py); others are refused.
 SAMPLERS = ("penalties", "temperature", "top_k", "top_p", "min_p")

@@ -19,7 +19,7 @@ from .llama_completion import OFF_SAMPLERS, SAMPLERS, InfillBody, NativeCompleti
 from .prompts import check_token_ids, split_prompts, template_prompt, tokenize_mixed
 
 if TYPE_CHECKING:
-    from ..workers.head import HeadWorker as Head
+    from .handle import Head
 
 BUILD_INFO = "b0-hydra-0.1.0"  # llama-server's build_info / system_fingerprint ("b" + build number)
 
