@@ -21,7 +21,7 @@ from hydra_console.engine.gguf_file import GGUFFile
 from hydra_console.engine.model import ROLLBACK, NextN
 from hydra_console.engine.pipeline import Pipeline
 from hydra_console.engine.serving.runtime import Engine
-from hydra_console.engine.serving.sampling import Sampler, SamplingParams
+from hydra_console.engine.serving.sampling_params import Sampler, SamplingParams
 from hydra_console.engine.serving.sequence import Request
 from hydra_console.engine.spec import (
     Draft,

@@ -283,7 +283,7 @@ def test_speculation_on_qwen35_is_greedy_token_for_token(tiny_model):
     from hydra_console.engine.config import ModelSettings, SpecConfig
     from hydra_console.engine.pipeline import Pipeline
     from hydra_console.engine.serving.runtime import Engine
-    from hydra_console.engine.serving.sampling import SamplingParams
+    from hydra_console.engine.serving.sampling_params import SamplingParams
     from hydra_console.engine.serving.sequence import Request
     from hydra_console.engine.spec import build_speculator
     from hydra_console.engine.text.tokenizer import Tokenizer
@@ -456,7 +456,7 @@ def test_prompt_cache_reuses_only_a_whole_cached_sequence(tiny_model):
     slot holds continues it; one that diverges inside it starts from position 0. Same tokens either way."""
     from hydra_console.engine.pipeline import Pipeline
     from hydra_console.engine.serving.runtime import Engine
-    from hydra_console.engine.serving.sampling import SamplingParams
+    from hydra_console.engine.serving.sampling_params import SamplingParams
     from hydra_console.engine.serving.sequence import Request
     from hydra_console.engine.text.tokenizer import Tokenizer
 

@@ -7,18 +7,14 @@ samplers as llama-server reports them."""
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any, Union
+from typing import Any, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ..config import MAX_CHOICES, SpecConfig  # MAX_CHOICES: OpenAI's bound on `n`
 from ..errors import UserError
+from ..serving.sampling_params import MAX_LOGPROBS, SamplingParams  # MAX_LOGPROBS: the bound the params check
 from .errors import APIError
-
-if TYPE_CHECKING:
-    from ..serving.sampling import SamplingParams
-
-MAX_LOGPROBS = 20  # = sampling.MAX_LOGPROBS, which also checks it
 
 Stop = Union[str, list[str], None]
 

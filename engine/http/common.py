@@ -12,12 +12,12 @@ import secrets
 from typing import TYPE_CHECKING, Any
 
 from ..errors import UserError
+from ..serving.sampling_params import SamplingParams
 from .bodies import ChatBody, CommonBody, Stop, spec_override
 from .errors import APIError
 from .prompts import template_prompt, tool_plan
 
 if TYPE_CHECKING:  # the engine's modules bring torch: imported when the model loads, after the port is up
-    from ..serving.sampling import SamplingParams
     from ..serving.sequence import Request as EngineRequest
     from ..spec import SpecConfig
     from ..text.tool_calls import ToolFormat
@@ -42,7 +42,6 @@ SAMPLING_FIELDS = (
 def sampling_params(head: Head, body: CommonBody, logprobs: int | None) -> SamplingParams:
     """The request's sampling: its own fields, else the server's defaults (`--temp`, `--seed`, ...).
     The seed is always fixed here (a random one when none is given) so that responses can report it."""
-    from ..serving.sampling import SamplingParams
 
     given = {
         **head.cfg.sampling.given(),

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict
 
+from ..serving.sampling_params import SamplingParams
 from .bodies import sampler_fields
 from .common import ready_engine
 from .errors import APIError
@@ -85,8 +86,6 @@ def props(head: Head) -> dict:
 
 
 def sampling_params_defaults(head: Head) -> dict:
-    from ..serving.sampling import SamplingParams
-
     p = SamplingParams(**head.cfg.sampling.given())
     n = head.cfg.n_predict
     return {

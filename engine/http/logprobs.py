@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from ..serving.sampling import TokenLogprob
+    from ..serving.sampling_params import TokenLogprob
     from ..serving.sequence import GenToken
     from .handle import Head
 
