@@ -26,6 +26,7 @@ import triton
 from gguf.constants import GGMLQuantizationType as T
 
 from hydra_console.engine.kernels import LAYOUTS, QuantWeight
+from hydra_console.engine.kernels.qlinear import dense
 from hydra_console.engine.kernels.triton_qmatmul import GEMV_CONFIGS, GEMV_MAX_ROWS, fused_matmul
 from hydra_console.engine.synth import random_blocks
 
@@ -85,7 +86,7 @@ def _sweep(types: list[T], row_counts: list[int], shapes, rng: np.random.Generat
         mr = triton.next_power_of_2(rows)
         saved = GEMV_CONFIGS[mr]
         xs = {k: torch.randn(rows, k, device=DEVICE, dtype=torch.bfloat16) for _, k in shapes}
-        refs = {key: xs[key[2]].float() @ ws[0].dequantize().T for key, ws in weights.items()}
+        refs = {key: xs[key[2]].float() @ dense(ws[0], torch.float32).T for key, ws in weights.items()}
         totals: dict[tuple, float] = {}
         per_type: dict[tuple, dict[T, float]] = {}
 
@@ -149,7 +150,7 @@ def _sweep(types: list[T], row_counts: list[int], shapes, rng: np.random.Generat
 
 
 def _scratch(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
-    return x @ w.dequantize(x.dtype).T
+    return x @ dense(w, x.dtype).T
 
 
 def _copy_bandwidth() -> float:
@@ -188,8 +189,8 @@ def main() -> None:
             raw = random_blocks((n, k), qt, 1 / 64, rng)
             w0 = QuantWeight.from_gguf(raw, qt, (n, k), device=DEVICE)
             ws = _copies(w0)
-            dense = w0.dequantize(torch.bfloat16)
-            denses = [dense] + [dense.clone() for _ in range(max(1, ROTATE_BYTES // (dense.numel() * 2)) - 1)]
+            dense_w = dense(w0, torch.bfloat16)
+            denses = [dense_w] + [dense_w.clone() for _ in range(max(1, ROTATE_BYTES // (dense_w.numel() * 2)) - 1)]
             for rows in row_counts:
                 x = torch.randn(rows, k, device=DEVICE, dtype=torch.bfloat16)
                 t_ref = time_per_call([lambda d=d: x @ d.T for d in denses])
@@ -204,7 +205,7 @@ def main() -> None:
                         f"{flops / t / 1e12:.1f} | {t_ref * 1e6:.1f} | {flops / t_ref / 1e12:.1f} | {t_ref / t:.2f} |",
                         flush=True,
                     )
-            del ws, denses, dense, w0
+            del ws, denses, dense_w, w0
             torch.cuda.empty_cache()
 
 

@@ -48,7 +48,7 @@ from hydra_console.engine.default_model import model_path
 from hydra_console.engine.gguf_file import GGUFFile
 from hydra_console.engine.model import ModelConfig
 from hydra_console.engine.serving.runtime import DEFAULT_BATCH_TOKENS, Engine, Request
-from hydra_console.engine.serving.sampling import SamplingParams
+from hydra_console.engine.serving.sampling_params import SamplingParams
 from hydra_console.engine.spec import SpecConfig, build_speculator
 from hydra_console.engine.synth import write_synthetic
 from hydra_console.engine.text.tokenizer import Tokenizer

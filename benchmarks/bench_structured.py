@@ -25,7 +25,7 @@ from hydra_console.engine.gguf_file import GGUFFile
 from hydra_console.engine.model import build_stage
 from hydra_console.engine.pipeline import Pipeline
 from hydra_console.engine.serving.runtime import Engine, Request
-from hydra_console.engine.serving.sampling import SamplingParams
+from hydra_console.engine.serving.sampling_params import SamplingParams
 from hydra_console.engine.text.structured import apply_bitmask, compile_grammar
 from hydra_console.engine.text.tokenizer import Tokenizer
 

@@ -9,7 +9,7 @@ operator sees what a worker runs with, never its secret.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping
 
@@ -82,32 +82,6 @@ class SpecConfig:
     @property
     def active(self) -> bool:
         return self.type != "off" and self.n_max > 0
-
-    def with_request(self, body: dict) -> SpecConfig:
-        """Per-request override from an API body: `speculative: {type, n_max, n_min, p_min}` or
-        llama-server's flat `speculative.n_max` / `speculative.n_min` / `speculative.p_min`."""
-        over: dict = {}
-        nested = body.get("speculative")
-        if nested is not None:
-            if isinstance(nested, bool):
-                nested = {"type": self.type if nested and self.type != "off" else ("ngram" if nested else "off")}
-            if not isinstance(nested, dict):
-                raise UserError('\'speculative\' must be an object like {"type": "ngram", "n_max": 4}')
-            unknown = set(nested) - {"type", "n_max", "n_min", "p_min"}
-            if unknown:
-                raise UserError(f"unknown 'speculative' field(s): {', '.join(sorted(unknown))}")
-            over.update(nested)
-        for key in ("n_max", "n_min", "p_min"):
-            if f"speculative.{key}" in body:
-                over[key] = body[f"speculative.{key}"]
-        if not over:
-            return self
-        for key in ("n_max", "n_min"):
-            if key in over and (isinstance(over[key], bool) or not isinstance(over[key], int)):
-                raise UserError(f"speculative {key} must be an integer, got {over[key]!r}")
-        if "n_max" in over and "n_min" not in over:
-            over["n_min"] = min(self.n_min, over["n_max"])
-        return replace(self, **over)
 
 
 @dataclass(frozen=True)

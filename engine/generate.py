@@ -20,7 +20,7 @@ def main(args, cache_dir: Path | None) -> int:
     from .model import build_stage
     from .pipeline import Pipeline
     from .serving.runtime import Engine, Request
-    from .serving.sampling import SamplingParams
+    from .serving.sampling_params import SamplingParams
     from .text.tokenizer import Tokenizer
 
     path = model_path(args.model)

@@ -21,7 +21,7 @@ from hydra_console.engine.gguf_file import GGUFFile
 from hydra_console.engine.model import build_stage
 from hydra_console.engine.pipeline import Pipeline
 from hydra_console.engine.serving.runtime import Engine
-from hydra_console.engine.serving.sampling import SamplingParams
+from hydra_console.engine.serving.sampling_params import SamplingParams
 from hydra_console.engine.serving.sequence import Request as EngineRequest
 from hydra_console.engine.text.tokenizer import Tokenizer
 

@@ -18,6 +18,7 @@ from hydra_console.engine import slot_state
 from hydra_console.engine.cli import build_parser
 from hydra_console.engine.cli_config import head_config
 from hydra_console.engine.errors import UserError
+from hydra_console.engine.model import ForwardBatch
 from hydra_console.engine.model.kv_blocks import KV_BLOCK, KVBlocks, KVPoolFull
 
 TOKENS = torch.randint(0, 1000, (400,), generator=torch.Generator().manual_seed(0)).tolist()
@@ -70,7 +71,7 @@ def test_a_pooled_stage_computes_what_a_reserved_one_does(tiny_model, types):
     h = pooled.embed(torch.tensor([5, 6]))
     slots, positions = torch.tensor([2, 0]), torch.tensor([72, 262])
     eager = pooled.run_layers(h, slots, positions)
-    batched = pooled._forward(h, slots, positions, None, batched=True, kv_len=pooled.n_ctx)
+    batched = pooled.forward(h, ForwardBatch.batched(slots, positions, 1, pooled.n_ctx))
     torch.testing.assert_close(batched, eager, rtol=1e-5, atol=1e-5)
     assert pooled.kv_bytes < reserved.kv_bytes / 2 * 1.2  # 7 blocks of 128 against 3 x 512
 

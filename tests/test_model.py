@@ -13,7 +13,8 @@ from stages import load, prefill
 from hydra_console.contracts.footprint import model_tensors
 from hydra_console.engine.errors import UserError
 from hydra_console.engine.gguf_file import GGUFFile
-from hydra_console.engine.model import ModelConfig, build_stage
+from hydra_console.engine.model import ForwardBatch, ModelConfig, build_stage
+from hydra_console.engine.model.layer import block
 
 ARCHS = ["llama", "qwen2", "qwen3", "gemma3"]
 
@@ -175,13 +176,13 @@ def test_graph_decode_path_matches_per_slot_attention(tiny_model):
     h = a.embed(torch.tensor([7, 9]))
     slots, positions = torch.tensor([2, 0]), torch.tensor([3, 12])
     eager = a.run_layers(h, slots, positions)
-    graphed = b._forward(h, slots, positions, None, batched=True, kv_len=b.n_ctx)
+    graphed = b.forward(h, ForwardBatch.batched(slots, positions, 1, b.n_ctx))
     torch.testing.assert_close(graphed, eager, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("arch, kinds", [("llama", 1), ("gemma3", 1), ("qwen35", 2)])
 def test_the_compiled_region_is_traced_once_per_layer_kind(tiny_model, arch, kinds):
-    """The decode graphs compile one layer (`Stage._block`), not the stack: every layer of a kind
+    """The decode graphs compile one layer (`layer.block`), not the stack: every layer of a kind
     reuses one trace (Qwen3.5: recurrent and attention; on CPU a window reaches the block only as
     its mask), so a bucket's warm-up traces one layer per kind."""
     from torch._dynamo.utils import counters
@@ -192,11 +193,12 @@ def test_the_compiled_region_is_traced_once_per_layer_kind(tiny_model, arch, kin
         prefill(s, PROMPT[:12], slot=0)
     torch._dynamo.reset()
     counters.clear()
-    block = torch.compile(stage._block, backend="eager", dynamic=False)
+    compiled = torch.compile(block, backend="eager", dynamic=False)
     h, slots, positions = stage.embed(torch.tensor([7])), torch.tensor([0]), torch.tensor([12])
-    traced = stage._forward(h, slots, positions, None, batched=True, kv_len=stage.n_ctx, block=block)
+    batch = ForwardBatch.batched(slots, positions, 1, stage.n_ctx)
+    traced = stage.forward(h, batch, block=compiled)
     assert counters["stats"]["unique_graphs"] == kinds
-    torch.testing.assert_close(traced, eager._forward(h, slots, positions, None, batched=True, kv_len=eager.n_ctx))
+    torch.testing.assert_close(traced, eager.forward(h, batch))
 
 
 @pytest.mark.parametrize("kv", ["auto", "q8_0"])
@@ -209,7 +211,7 @@ def test_prefill_graph_path_matches_the_eager_prompt(tiny_model, kv):
     n, size = 12, 16
     eager = a.run_layers(a.embed(torch.tensor(PROMPT[:n])), torch.ones(n, dtype=torch.long), torch.arange(n))
     h = b.embed(torch.tensor(PROMPT[:size]))
-    graphed = b._forward(h, torch.ones(size, dtype=torch.long), torch.arange(size), None, fresh=True)
+    graphed = b.forward(h, ForwardBatch.fresh(torch.ones(size, dtype=torch.long), torch.arange(size)))
     torch.testing.assert_close(graphed[:n], eager, atol=1e-5, rtol=1e-5)
     b.state_len[1] = n
     for i, t in enumerate([7, 9, 11]):

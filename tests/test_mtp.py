@@ -21,7 +21,7 @@ from hydra_console.engine.gguf_file import GGUFFile
 from hydra_console.engine.model import ROLLBACK, NextN
 from hydra_console.engine.pipeline import Pipeline
 from hydra_console.engine.serving.runtime import Engine
-from hydra_console.engine.serving.sampling import Sampler, SamplingParams
+from hydra_console.engine.serving.sampling_params import Sampler, SamplingParams
 from hydra_console.engine.serving.sequence import Request
 from hydra_console.engine.spec import (
     Draft,
@@ -254,14 +254,14 @@ def test_mtp_needs_the_nextn_block_and_counts_its_kv(tiny_model):
     with pytest.raises(UserError, match="qwen35 GGUF has no MTP block"):
         check_speculative(SpecConfig(type="mtp"), None, plain)
     with pytest.raises(UserError, match="speculative type 'mtp' is not available"):
-        Speculator(SpecConfig(type="ngram")).request_config({"speculative": {"type": "mtp"}})
+        Speculator(SpecConfig(type="ngram")).request_config(SpecConfig(type="mtp"))
     path = tiny_model("qwen35", n_layers=2, nextn=True)
     stage = load(path, n_slots=2, n_ctx=64)
     spec = build_speculator(SpecConfig(type="mtp"), None, GGUFFile(path), F32, 2, head=stage)
     cfg = stage.cfg
     assert spec.drafter_kv_bytes == 2 * 2 * cfg.n_head_kv * 64 * cfg.head_dim * 4  # K and V, 2 slots, fp32
     assert spec.stats.snapshot(spec.config, spec.drafter_kv_bytes).kv_bytes == spec.drafter_kv_bytes
-    assert spec.max_draft == 4 and spec.request_config({"speculative": {"type": "mtp"}}).type == "mtp"
+    assert spec.max_draft == 4 and spec.request_config(SpecConfig(type="mtp")).type == "mtp"
     # The head's accounting: one DeltaNet layer's conv + SSM state and its ROLLBACK checkpoints
     # (j = 1..4 tokens back) beside one attention layer's KV.
     net, attn_kv = stage.recurrent[0], 2 * 2 * cfg.n_head_kv * 64 * cfg.head_dim * 4

@@ -17,7 +17,7 @@ from stages import load, prefill
 
 from hydra_console.engine.errors import UserError
 from hydra_console.engine.gguf_file import GGUFFile
-from hydra_console.engine.model import ROLLBACK, ModelConfig
+from hydra_console.engine.model import ROLLBACK, ForwardBatch, ModelConfig
 from hydra_console.engine.model.deltanet import DeltaNet
 from hydra_console.engine.synth import write_synthetic
 
@@ -162,7 +162,7 @@ def test_the_graph_step_equals_the_eager_decode(tiny_model):
     for step in range(3):
         tokens = torch.tensor([41 + step, 42 + step, 43 + step])
         want = eager.logits(eager.run_layers(eager.embed(tokens), slots, positions + step))
-        h = graphed._forward(graphed.embed(tokens), slots, positions + step, None, batched=True, kv_len=graphed.n_ctx)
+        h = graphed.forward(graphed.embed(tokens), ForwardBatch.batched(slots, positions + step, 1, graphed.n_ctx))
         torch.testing.assert_close(graphed.logits(h), want, atol=1e-5, rtol=1e-5)
     for a, b in zip(eager.recurrent, graphed.recurrent):
         for name in ("conv_state", "ssm_state", "conv_ckpt", "ssm_ckpt"):
@@ -188,9 +188,7 @@ def test_the_graph_verify_step_equals_the_eager_runs(tiny_model):
         positions = torch.tensor([at[s] + t for s in (0, 2) for t in range(m)])
         tokens = torch.arange(m * 2) + 40 + m
         want = eager.logits(eager.run_layers(eager.embed(tokens), slots, positions))
-        h = graphed._forward(
-            graphed.embed(tokens), slots, positions, None, batched=True, kv_len=graphed.n_ctx, per_slot=m
-        )
+        h = graphed.forward(graphed.embed(tokens), ForwardBatch.batched(slots, positions, m, graphed.n_ctx))
         torch.testing.assert_close(graphed.logits(h), want, atol=1e-5, rtol=1e-5)
         for a, b in zip(eager.recurrent, graphed.recurrent):
             for name in ("conv_state", "ssm_state"):
@@ -285,7 +283,7 @@ def test_speculation_on_qwen35_is_greedy_token_for_token(tiny_model):
     from hydra_console.engine.config import ModelSettings, SpecConfig
     from hydra_console.engine.pipeline import Pipeline
     from hydra_console.engine.serving.runtime import Engine
-    from hydra_console.engine.serving.sampling import SamplingParams
+    from hydra_console.engine.serving.sampling_params import SamplingParams
     from hydra_console.engine.serving.sequence import Request
     from hydra_console.engine.spec import build_speculator
     from hydra_console.engine.text.tokenizer import Tokenizer
@@ -458,7 +456,7 @@ def test_prompt_cache_reuses_only_a_whole_cached_sequence(tiny_model):
     slot holds continues it; one that diverges inside it starts from position 0. Same tokens either way."""
     from hydra_console.engine.pipeline import Pipeline
     from hydra_console.engine.serving.runtime import Engine
-    from hydra_console.engine.serving.sampling import SamplingParams
+    from hydra_console.engine.serving.sampling_params import SamplingParams
     from hydra_console.engine.serving.sequence import Request
     from hydra_console.engine.text.tokenizer import Tokenizer
 

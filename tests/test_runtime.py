@@ -13,7 +13,7 @@ from hydra_console.engine.gguf_file import GGUFFile
 from hydra_console.engine.model import build_stage
 from hydra_console.engine.pipeline import Pipeline
 from hydra_console.engine.serving.runtime import Engine, Request
-from hydra_console.engine.serving.sampling import InvalidParam, SamplingParams
+from hydra_console.engine.serving.sampling_params import InvalidParam, SamplingParams
 from hydra_console.engine.text.tokenizer import Tokenizer
 
 N_SLOTS, N_CTX = 3, 128

@@ -11,16 +11,14 @@ import torch
 from hydra_console.engine.serving.sampling import (
     PAIRWISE_MAX,
     PENDING,
-    InvalidParam,
     Rows,
-    Sampler,
-    SamplingParams,
     Stream,
     distribution,
     sample,
     token_logprobs,
     uniform,
 )
+from hydra_console.engine.serving.sampling_params import InvalidParam, Sampler, SamplingParams
 
 pytestmark = pytest.mark.unit
 

@@ -259,7 +259,7 @@ class FakePipeline:
 
 
 def greedy_request(prompt: list[int], events: list[Event], **kw) -> Request:
-    from hydra_console.engine.serving.sampling import SamplingParams
+    from hydra_console.engine.serving.sampling_params import SamplingParams
 
     return Request(prompt, SamplingParams(temperature=0.0), sink=events.append, **kw)
 

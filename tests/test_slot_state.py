@@ -230,7 +230,7 @@ def _mtp_engine(path, spec_type: str):
 
 
 def _greedy(eng, prompt: list[int], n: int) -> list[int]:
-    from hydra_console.engine.serving.sampling import SamplingParams
+    from hydra_console.engine.serving.sampling_params import SamplingParams
     from hydra_console.engine.serving.sequence import Request
 
     req = Request(prompt, SamplingParams(temperature=0.0), max_tokens=n, ignore_eos=True)

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from hydra_console.engine.errors import UserError
+from hydra_console.engine.http.bodies import spec_override
 from hydra_console.engine.spec import (
     NgramDrafter,
     SpecConfig,
@@ -62,13 +63,13 @@ def test_spec_config_validation():
 
 def test_spec_config_request_overrides():
     base = SpecConfig(type="ngram", n_max=3, n_min=1)
-    assert base.with_request({}) is base
-    assert base.with_request({"speculative": {"n_max": 6}}).n_max == 6
-    assert base.with_request({"speculative": {"type": "off"}}).active is False
-    assert base.with_request({"speculative": {"n_max": 0}}).n_min == 0
-    flat = base.with_request({"speculative.n_max": 8, "speculative.n_min": 2, "speculative.p_min": 0.3})
+    assert spec_override(base, {}) is base
+    assert spec_override(base, {"speculative": {"n_max": 6}}).n_max == 6
+    assert spec_override(base, {"speculative": {"type": "off"}}).active is False
+    assert spec_override(base, {"speculative": {"n_max": 0}}).n_min == 0
+    flat = spec_override(base, {"speculative.n_max": 8, "speculative.n_min": 2, "speculative.p_min": 0.3})
     assert (flat.n_max, flat.n_min, flat.p_min) == (8, 2, 0.3)
-    assert SpecConfig().with_request({"speculative": True}).type == "ngram"
+    assert spec_override(SpecConfig(), {"speculative": True}).type == "ngram"
     for bad in (
         {"speculative": "fast"},
         {"speculative": {"depth": 3}},
@@ -78,7 +79,7 @@ def test_spec_config_request_overrides():
         {"speculative": {"type": "eagle"}},
     ):
         with pytest.raises(UserError):
-            base.with_request(bad)
+            spec_override(base, bad)
 
 
 class _FakeGGUF:

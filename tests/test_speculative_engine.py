@@ -16,7 +16,8 @@ from hydra_console.engine.gguf_file import GGUFFile
 from hydra_console.engine.model import build_stage
 from hydra_console.engine.pipeline import Pipeline
 from hydra_console.engine.serving.runtime import Engine, Request
-from hydra_console.engine.serving.sampling import Rows, Sampler, SamplingParams, distribution
+from hydra_console.engine.serving.sampling import Rows, distribution
+from hydra_console.engine.serving.sampling_params import Sampler, SamplingParams
 from hydra_console.engine.spec import (
     Draft,
     DraftModelDrafter,

@@ -15,7 +15,8 @@ from hydra_console.engine.gguf_file import GGUFFile
 from hydra_console.engine.model import build_stage
 from hydra_console.engine.pipeline import Pipeline
 from hydra_console.engine.serving.runtime import Engine, Request
-from hydra_console.engine.serving.sampling import InvalidParam, Rows, Sampler, SamplingParams, distribution
+from hydra_console.engine.serving.sampling import Rows, distribution
+from hydra_console.engine.serving.sampling_params import InvalidParam, Sampler, SamplingParams
 from hydra_console.engine.spec import SpecConfig
 from hydra_console.engine.text.structured import Grammars, apply_bitmask, compile_grammar
 from hydra_console.engine.text.tokenizer import Tokenizer

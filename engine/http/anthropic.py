@@ -31,7 +31,7 @@ from .streaming import Run, generation_error, named_sse, single_reply
 if TYPE_CHECKING:
     from ..serving.sequence import Event
     from ..text.tool_calls import ToolCall, ToolFormat
-    from ..workers.head import HeadWorker as Head
+    from .handle import Head
 
 DEFAULT_MAX_TOKENS = 4096  # Anthropic requires max_tokens; llama-server defaults it to this (within the context)
 

@@ -22,7 +22,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ..errors import ContextOverflow, Overloaded, Unavailable, UserError
 from . import slot_files
 from .anthropic import anthropic_routes
-from .bodies import MAX_LOGPROBS, ChatBody, CommonBody
+from .bodies import MAX_LOGPROBS, ChatBody, CommonBody, sampler_fields
 from .chat_completions import respond_chat
 from .common import chat_requests, choices, ready_engine, sampling_params, speculative_config, stop_list
 from .cors import Cors
@@ -43,7 +43,7 @@ from .worker import add_observation_routes
 if TYPE_CHECKING:  # the engine's modules bring torch: imported when the model loads, after the port is up
     from ..serving.sequence import Event
     from ..serving.sequence import Request as EngineRequest
-    from ..workers.head import HeadWorker as Head
+    from .handle import Head
 
 
 def _loc_param(loc) -> str | None:
@@ -259,14 +259,7 @@ def _llama_slots(engine) -> list[dict]:
                     "n_predict": seq.req.max_tokens,
                     "max_tokens": seq.req.max_tokens,
                     "seed": p.seed,
-                    "temperature": p.temperature,
-                    "top_k": p.top_k,
-                    "top_p": p.top_p,
-                    "min_p": p.min_p,
-                    "repeat_last_n": p.repeat_last_n,
-                    "repeat_penalty": p.repeat_penalty,
-                    "presence_penalty": p.presence_penalty,
-                    "frequency_penalty": p.frequency_penalty,
+                    **sampler_fields(p),
                     "ignore_eos": seq.req.ignore_eos,
                     "stop": seq.req.stop,
                     "n_probs": p.logprobs or 0,

@@ -1,17 +1,20 @@
 """The generation request bodies both APIs parse (pydantic): `CommonBody` (the fields every
 generation request may carry, OpenAI's and llama-server's names), `ChatBody` (a chat request), and
-`chat_body`, another API's request translated into a `ChatBody`."""
+`chat_body`, another API's request translated into a `ChatBody`; `spec_override`, a request's
+speculative fields over the server's `SpecConfig`; `sampler_fields`, the settings of a request's
+samplers as llama-server reports them."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from ..config import MAX_CHOICES  # OpenAI's bound on `n`
+from ..config import MAX_CHOICES, SpecConfig  # MAX_CHOICES: OpenAI's bound on `n`
+from ..errors import UserError
+from ..serving.sampling_params import MAX_LOGPROBS, SamplingParams  # MAX_LOGPROBS: the bound the params check
 from .errors import APIError
-
-MAX_LOGPROBS = 20  # = sampling.MAX_LOGPROBS, which also checks it
 
 Stop = Union[str, list[str], None]
 
@@ -85,3 +88,46 @@ def chat_body(chat: dict, body, keys: tuple[str, ...]) -> ChatBody:
     except ValidationError as e:
         err = e.errors()[0]
         raise APIError(400, f"{'.'.join(map(str, err['loc']))}: {err['msg']}", param=str(err["loc"][0])) from None
+
+
+def spec_override(base: SpecConfig, body: dict) -> SpecConfig:
+    """A request's speculative override over the server's `base` (`base` itself when the body has
+    none): `speculative: {type, n_max, n_min, p_min}` (or a bool) or llama-server's flat
+    `speculative.n_max` / `speculative.n_min` / `speculative.p_min`. Bad fields are a UserError."""
+    over: dict = {}
+    nested = body.get("speculative")
+    if nested is not None:
+        if isinstance(nested, bool):
+            nested = {"type": base.type if nested and base.type != "off" else ("ngram" if nested else "off")}
+        if not isinstance(nested, dict):
+            raise UserError('\'speculative\' must be an object like {"type": "ngram", "n_max": 4}')
+        unknown = set(nested) - {"type", "n_max", "n_min", "p_min"}
+        if unknown:
+            raise UserError(f"unknown 'speculative' field(s): {', '.join(sorted(unknown))}")
+        over.update(nested)
+    for key in ("n_max", "n_min", "p_min"):
+        if f"speculative.{key}" in body:
+            over[key] = body[f"speculative.{key}"]
+    if not over:
+        return base
+    for key in ("n_max", "n_min"):
+        if key in over and (isinstance(over[key], bool) or not isinstance(over[key], int)):
+            raise UserError(f"speculative {key} must be an integer, got {over[key]!r}")
+    if "n_max" in over and "n_min" not in over:
+        over["n_min"] = min(base.n_min, over["n_max"])
+    return replace(base, **over)
+
+
+def sampler_fields(p: SamplingParams) -> dict:
+    """The sampler settings of `p` under llama-server's names: what /slots' `params`, /props'
+    defaults and /completion's `generation_settings` report."""
+    return {
+        "temperature": p.temperature,
+        "top_k": p.top_k,
+        "top_p": p.top_p,
+        "min_p": p.min_p,
+        "repeat_last_n": p.repeat_last_n,
+        "repeat_penalty": p.repeat_penalty,
+        "presence_penalty": p.presence_penalty,
+        "frequency_penalty": p.frequency_penalty,
+    }

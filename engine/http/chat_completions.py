@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from ..serving.sequence import Event, GenToken
     from ..serving.sequence import Request as EngineRequest
     from ..text.tool_calls import ToolFormat
-    from ..workers.head import HeadWorker as Head
+    from .handle import Head
 
 
 def _finish_reason(ev: Event, calls: list) -> str:

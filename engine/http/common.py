@@ -12,16 +12,16 @@ import secrets
 from typing import TYPE_CHECKING, Any
 
 from ..errors import UserError
-from .bodies import ChatBody, CommonBody, Stop
+from ..serving.sampling_params import SamplingParams
+from .bodies import ChatBody, CommonBody, Stop, spec_override
 from .errors import APIError
 from .prompts import template_prompt, tool_plan
 
 if TYPE_CHECKING:  # the engine's modules bring torch: imported when the model loads, after the port is up
-    from ..serving.sampling import SamplingParams
     from ..serving.sequence import Request as EngineRequest
     from ..spec import SpecConfig
     from ..text.tool_calls import ToolFormat
-    from ..workers.head import HeadWorker as Head
+    from .handle import Head
 
 LOADING_RETRY_S = 5
 SEED_RANDOM = -1  # llama-server's "pick a seed": a random one per request
@@ -42,7 +42,6 @@ SAMPLING_FIELDS = (
 def sampling_params(head: Head, body: CommonBody, logprobs: int | None) -> SamplingParams:
     """The request's sampling: its own fields, else the server's defaults (`--temp`, `--seed`, ...).
     The seed is always fixed here (a random one when none is given) so that responses can report it."""
-    from ..serving.sampling import SamplingParams
 
     given = {
         **head.cfg.sampling.given(),
@@ -178,7 +177,7 @@ def speculative_config(engine, body: CommonBody) -> SpecConfig | None:
         if getattr(body, f"speculative_{key}") is not None:
             over[f"speculative.{key}"] = getattr(body, f"speculative_{key}")
     try:
-        return engine.spec.request_config(over)
+        return engine.spec.request_config(spec_override(engine.spec.config, over))
     except UserError as e:
         raise APIError(400, str(e), param="speculative") from None
 

@@ -21,14 +21,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import weakref
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from ..errors import Unavailable
 from .errors import APIError
 
 if TYPE_CHECKING:
     from ..status import StatusDocument
-    from .streaming import Run
 
 log = logging.getLogger("hydra.http")
 
@@ -44,6 +43,15 @@ class ShuttingDown(Unavailable):
 
     def __init__(self, message: str = SHUTTING_DOWN):
         super().__init__(message)
+
+
+class Run(Protocol):
+    """What the drain follows of a request's generations (streaming.Run)."""
+
+    @property
+    def live(self) -> bool: ...
+
+    def abort(self, error: BaseException) -> None: ...
 
 
 class Drain:

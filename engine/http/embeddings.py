@@ -31,7 +31,7 @@ from .limits import check_embedding_size, json_response
 from .streaming import Run, check_finish, engine_share
 
 if TYPE_CHECKING:
-    from ..workers.head import HeadWorker as Head
+    from .handle import Head
 
 
 def _content_prompt(head: Head, entry: dict) -> list[int]:

@@ -15,7 +15,7 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 from pydantic import Field
 
-from .bodies import MAX_LOGPROBS, CommonBody
+from .bodies import MAX_LOGPROBS, CommonBody, sampler_fields
 from .common import constrain, ready_engine, sampling_params, speculative_config, stop_list
 from .errors import APIError
 from .limits import json_response
@@ -24,7 +24,7 @@ from .streaming import Run, check_finish, engine_share, sse, stream_error
 
 if TYPE_CHECKING:
     from ..serving.sequence import Event, GenToken
-    from ..workers.head import HeadWorker as Head
+    from .handle import Head
 
 # The samplers llama-server names that we apply, in our fixed order (sampling.py); others are refused.
 SAMPLERS = ("penalties", "temperature", "top_k", "top_p", "min_p")
@@ -146,15 +146,8 @@ class _Completion:
         p, body = self.params, self.body
         return {
             "seed": p.seed,
-            "temperature": p.temperature,
-            "top_k": p.top_k,
-            "top_p": p.top_p,
-            "min_p": p.min_p,
+            **sampler_fields(p),
             **OFF_SAMPLERS,
-            "repeat_last_n": p.repeat_last_n,
-            "repeat_penalty": p.repeat_penalty,
-            "presence_penalty": p.presence_penalty,
-            "frequency_penalty": p.frequency_penalty,
             "stop": self.req.stop,
             "max_tokens": self.req.max_tokens,
             "n_predict": self.req.max_tokens,

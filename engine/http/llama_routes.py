@@ -12,13 +12,15 @@ from typing import TYPE_CHECKING, Any
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict
 
+from ..serving.sampling_params import SamplingParams
+from .bodies import sampler_fields
 from .common import ready_engine
 from .errors import APIError
 from .llama_completion import OFF_SAMPLERS, SAMPLERS, InfillBody, NativeCompletionBody, infill_prompt, respond
 from .prompts import check_token_ids, split_prompts, template_prompt, tokenize_mixed
 
 if TYPE_CHECKING:
-    from ..workers.head import HeadWorker as Head
+    from .handle import Head
 
 BUILD_INFO = "b0-hydra-0.1.0"  # llama-server's build_info / system_fingerprint ("b" + build number)
 
@@ -84,21 +86,12 @@ def props(head: Head) -> dict:
 
 
 def sampling_params_defaults(head: Head) -> dict:
-    from ..serving.sampling import SamplingParams
-
     p = SamplingParams(**head.cfg.sampling.given())
     n = head.cfg.n_predict
     return {
         "seed": -1 if p.seed is None else p.seed,
-        "temperature": p.temperature,
-        "top_k": p.top_k,
-        "top_p": p.top_p,
-        "min_p": p.min_p,
+        **sampler_fields(p),
         **OFF_SAMPLERS,
-        "repeat_last_n": p.repeat_last_n,
-        "repeat_penalty": p.repeat_penalty,
-        "presence_penalty": p.presence_penalty,
-        "frequency_penalty": p.frequency_penalty,
         "max_tokens": n,
         "n_predict": n,
         "samplers": list(SAMPLERS),

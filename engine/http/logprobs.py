@@ -7,9 +7,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from ..serving.sampling import TokenLogprob
+    from ..serving.sampling_params import TokenLogprob
     from ..serving.sequence import GenToken
-    from ..workers.head import HeadWorker as Head
+    from .handle import Head
 
 
 def token_str(head: Head, tid: int, as_ids: bool, text: str | None = None) -> str:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from ..serving.sampling import InvalidParam
+from ..serving.sampling_params import InvalidParam
 
 
 def is_token(x: Any) -> bool:

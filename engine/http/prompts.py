@@ -14,7 +14,7 @@ from .errors import APIError
 if TYPE_CHECKING:
     from ..text.tool_calls import ToolFormat
     from ..text.tool_choice import ToolChoice
-    from ..workers.head import HeadWorker as Head
+    from .handle import Head
 
 PROMPT_FORMS = (
     '"prompt" elements must be a string, a list of tokens, a JSON object containing a prompt string, '

@@ -28,7 +28,7 @@ from .streaming import Run, generation_error, named_sse, single_reply
 if TYPE_CHECKING:
     from ..serving.sequence import Event
     from ..text.tool_calls import ToolCall, ToolFormat
-    from ..workers.head import HeadWorker as Head
+    from .handle import Head
 
 TEXT_PARTS = ("input_text", "output_text")
 

@@ -22,7 +22,7 @@ if TYPE_CHECKING:  # the engine's modules bring torch: imported when the model l
     from ..serving.sequence import Event
     from ..serving.sequence import Request as EngineRequest
     from ..text.tool_calls import ToolFormat
-    from ..workers.head import HeadWorker as Head
+    from .handle import Head
 
 DISCONNECT_POLL_S = 0.25
 

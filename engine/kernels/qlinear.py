@@ -1,4 +1,7 @@
-"""y = x @ w.T for a quantized weight, by device and row count."""
+"""What a model does with a quantized weight, each by device: y = x @ w.T (`qlinear`, also by row
+count), the dense weight (`dense`), the embedding lookup (`embed_rows`). On a GPU the Triton kernels
+(triton_qmatmul.py, imported there only: a CPU install may lack Triton), elsewhere QuantWeight's torch
+reference."""
 
 from __future__ import annotations
 
@@ -50,17 +53,36 @@ def qlinear(x: torch.Tensor, w: QuantWeight, scratch: DequantScratch | None = No
     return y.view(*x.shape[:-1], w.shape[0])
 
 
+def dense(w: QuantWeight, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Dense [n, k], written into `out` (a scratch of that shape) when given."""
+    if w.device.type != "cuda":
+        return w.dequantize(dtype, out)
+    from .triton_qmatmul import kernel_dequantize
+
+    return kernel_dequantize(w, dtype, out)
+
+
+def embed_rows(w: QuantWeight, ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Dequantized rows [*ids.shape, k], touching only those rows. Ids on a GPU read the planes where
+    they are, on that GPU or pinned on the host (`QuantWeight.from_gguf(pinned=)`)."""
+    if ids.device.type != "cuda":
+        return w.rows(ids, dtype)
+    from .triton_qmatmul import kernel_rows
+
+    return kernel_rows(w, ids, dtype).view(*ids.shape, w.shape[1])
+
+
 def _dequant_matmul(x2: torch.Tensor, w: QuantWeight, scratch: DequantScratch | None) -> torch.Tensor:
     n, k = w.shape
     buf = scratch.buf if scratch is not None else None
     if buf is None or buf.dtype != x2.dtype or buf.numel() < k:
-        return x2 @ w.dequantize(x2.dtype).T
+        return x2 @ dense(w, x2.dtype).T
     step = block_rows(n, k, buf.numel())
     if step == n:
-        return x2 @ w.dequantize(x2.dtype, buf[: n * k].view(n, k)).T
+        return x2 @ dense(w, x2.dtype, buf[: n * k].view(n, k)).T
     y = x2.new_empty(x2.shape[0], n)
     for a in range(0, n, step):
         b = min(n, a + step)
         # Straight into y's columns (cuBLAS takes the row stride): no block-sized temporary.
-        torch.mm(x2, w.row_block(a, b).dequantize(x2.dtype, buf[: (b - a) * k].view(b - a, k)).T, out=y[:, a:b])
+        torch.mm(x2, dense(w.row_block(a, b), x2.dtype, buf[: (b - a) * k].view(b - a, k)).T, out=y[:, a:b])
     return y

@@ -231,21 +231,12 @@ class QuantWeight:
         )
 
     def rows(self, ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """Dequantized rows [*ids.shape, k]: the embedding lookup, touching only those rows. Ids on a
-        GPU read the planes where they are, on that GPU or pinned on the host (`from_gguf(pinned=)`)."""
-        if ids.device.type == "cuda":
-            from .triton_qmatmul import kernel_rows
-
-            return kernel_rows(self, ids, dtype).view(*ids.shape, self.shape[1])
+        """Dequantized rows [*ids.shape, k] by torch ops (`qlinear.embed_rows` picks the kernel on a GPU)."""
         return self.take(ids).dequantize(dtype).view(*ids.shape, self.shape[1])
 
     def dequantize(self, dtype: torch.dtype = torch.float32, out: torch.Tensor | None = None) -> torch.Tensor:
-        """Dense [n, k]; bit-exact with `quant.dequantize` in float32. A Triton kernel on CUDA, which
-        writes into `out` (a scratch of that shape) when given."""
-        if self.device.type == "cuda":
-            from .triton_qmatmul import kernel_dequantize
-
-            return kernel_dequantize(self, dtype, out)
+        """Dense [n, k] by torch ops, bit-exact with `quant.dequantize` in float32, written into `out`
+        when given (`qlinear.dense` picks the kernel on a GPU)."""
         w = self.dequantize_reference().to(dtype)
         return w if out is None else out.copy_(w)
 

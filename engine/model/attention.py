@@ -1,4 +1,5 @@
-"""The attention paths over a layer's KV cache.
+"""The attention paths over a layer's KV cache; `attend` picks one by the batch's mode
+(`forward_batch.Mode`) and device.
 
 `attend_runs` serves any batch (prefill, speculative verify, decode) one slot run at a time
 through SDPA. One token per slot with no host values, so a CUDA graph can capture it:
@@ -9,33 +10,43 @@ an additive `decode_bias`). A prompt from position 0 with no host values: `atten
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .config import ModelConfig
-
-if TYPE_CHECKING:
-    from .stage import _Layer
+from .forward_batch import ForwardBatch, Mode
+from .kv_cache import KVCache
 
 # cuDNN attention re-plans for every new sequence length (~10 ms a call): decode would crawl.
 _SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
-def attend_runs(cfg: ModelConfig, layer: _Layer, q, k, v, runs, slots, positions) -> torch.Tensor:
+def attend(cfg: ModelConfig, kv: KVCache, window: int, q, k, v, batch: ForwardBatch, bias) -> torch.Tensor:
+    """A layer's attention over `batch` (`window`: its sliding window, 0 for none; `bias`: the
+    BATCHED mode's mask off CUDA, `decode_bias`), its K/V written into `kv` first."""
+    slots, positions = batch.slots, batch.positions
+    if batch.mode is Mode.FRESH:
+        return attend_fresh(cfg, kv, window, q, k, v, slots, positions)
+    if batch.mode is Mode.BATCHED:
+        if q.device.type == "cuda":
+            return attend_decode(cfg, kv, window, q, k, v, slots, positions)
+        return attend_batched(cfg, kv, q, k, v, slots, positions, batch.kv_len, bias)
+    return attend_runs(cfg, kv, window, q, k, v, batch.runs, slots, positions)
+
+
+def attend_runs(cfg: ModelConfig, kv: KVCache, window: int, q, k, v, runs, slots, positions) -> torch.Tensor:
     """Attention per slot run: every row's K/V into the cache at once (64 decode slots: one indexed
     write, not 64), then each run attends over its visible cache span."""
-    layer.kv.scatter(slots, positions, k, v)
+    kv.scatter(slots, positions, k, v)
     outs, i = [], 0
     with sdpa_kernel(_SDPA_BACKENDS):  # once per layer: entered per run it was ~1/6 of a 64-slot CPU step
         for slot, p0, n in runs:
             end = p0 + n
-            start = max(0, p0 - layer.window + 1) if layer.window else 0
-            keys, vals = (t.unsqueeze(0) for t in layer.kv.read_run(slot, start, end))
+            start = max(0, p0 - window + 1) if window else 0
+            keys, vals = (t.unsqueeze(0) for t in kv.read_run(slot, start, end))
             qr = q[i : i + n].transpose(0, 1).unsqueeze(0)
-            windowed = layer.window and n > 1 and end - start > layer.window
+            windowed = window and n > 1 and end - start > window
             if n == 1:
                 mask, causal = None, False
             elif start == 0 and p0 == 0 and not windowed:
@@ -44,8 +55,8 @@ def attend_runs(cfg: ModelConfig, layer: _Layer, q, k, v, runs, slots, positions
                 qpos = torch.arange(p0, end, device=q.device)[:, None]
                 kpos = torch.arange(start, end, device=q.device)[None, :]
                 mask, causal = kpos <= qpos, False
-                if layer.window:
-                    mask &= kpos > qpos - layer.window
+                if window:
+                    mask &= kpos > qpos - window
             o = F.scaled_dot_product_attention(
                 qr, keys, vals, attn_mask=mask, is_causal=causal, scale=cfg.attn_scale, enable_gqa=True
             )
@@ -54,16 +65,16 @@ def attend_runs(cfg: ModelConfig, layer: _Layer, q, k, v, runs, slots, positions
     return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
-def attend_fresh(cfg: ModelConfig, layer: _Layer, q, k, v, slots, positions) -> torch.Tensor:
+def attend_fresh(cfg: ModelConfig, kv: KVCache, window: int, q, k, v, slots, positions) -> torch.Tensor:
     """One slot's run from position 0 with no host values (the prefill graphs): what `attend_runs`
     does for it. K/V go into the cache and come back in its type, then causal attention (within the
     window on a sliding-window layer)."""
-    layer.kv.scatter(slots, positions, k, v)
-    keys, vals = (t.transpose(0, 1).unsqueeze(0) for t in layer.kv.rows(slots, positions))
+    kv.scatter(slots, positions, k, v)
+    keys, vals = (t.transpose(0, 1).unsqueeze(0) for t in kv.rows(slots, positions))
     mask, causal = None, True
-    if layer.window and q.shape[0] > layer.window:
+    if window and q.shape[0] > window:
         back = positions[:, None] - positions[None, :]
-        mask, causal = (back >= 0) & (back < layer.window), False
+        mask, causal = (back >= 0) & (back < window), False
     with sdpa_kernel(_SDPA_BACKENDS):
         o = F.scaled_dot_product_attention(
             q.transpose(0, 1).unsqueeze(0),
@@ -90,23 +101,22 @@ def decode_bias(
     return bias[:, None, None, :].expand(-1, cfg.n_head_kv, group, -1).reshape(-1, group, kv_len)
 
 
-def attend_batched(cfg: ModelConfig, layer: _Layer, q, k, v, slots, positions, kv_len: int, bias) -> torch.Tensor:
+def attend_batched(cfg: ModelConfig, kv: KVCache, q, k, v, slots, positions, kv_len: int, bias) -> torch.Tensor:
     """One token per slot: scatter K/V, gather each slot's first `kv_len` cache rows, attend under `bias`.
     Grouped-query heads share their K/V through a batched matmul, not a copy per head."""
-    layer.kv.scatter(slots, positions, k, v)
-    keys, vals = (t.reshape(-1, kv_len, cfg.head_dim) for t in layer.kv.gather(slots, kv_len))
+    kv.scatter(slots, positions, k, v)
+    keys, vals = (t.reshape(-1, kv_len, cfg.head_dim) for t in kv.gather(slots, kv_len))
     q = q.reshape(keys.shape[0], -1, cfg.head_dim)  # [B * n_kv, group, head_dim]
     scores = torch.baddbmm(bias, q, keys.transpose(1, 2), alpha=cfg.attn_scale)
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(vals.dtype)
     return torch.bmm(probs, vals).view(q.shape[0] // cfg.n_head_kv, cfg.n_head, cfg.head_dim)
 
 
-def attend_decode(cfg: ModelConfig, layer: _Layer, q, k, v, slots, positions) -> torch.Tensor:
+def attend_decode(cfg: ModelConfig, kv: KVCache, window: int, q, k, v, slots, positions) -> torch.Tensor:
     """One token per slot through the decode-attention kernel: scatter K/V, attend over each slot's
     positions up to its own (the last `window` of them on a sliding-window layer)."""
     from ..kernels.triton_attention import decode_attention, default_splits
 
-    kv = layer.kv
     kv.scatter(slots, positions, k, v)
     splits = default_splits(q.shape[0], cfg.n_head_kv, kv.blocks.n_ctx, cfg.head_dim, q.device)
-    return decode_attention(q, *kv.stored(), slots, positions, kv.blocks.table, layer.window, cfg.attn_scale, splits)
+    return decode_attention(q, *kv.stored(), slots, positions, kv.blocks.table, window, cfg.attn_scale, splits)

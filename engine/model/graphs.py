@@ -10,14 +10,35 @@ from __future__ import annotations
 
 import functools
 import gc
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from .deltanet import ROLLBACK
+from .forward_batch import ForwardBatch
+from .layer import block
 
 if TYPE_CHECKING:
-    from .stage import Stage
+    from .config import ModelConfig
+    from .deltanet import DeltaNet
+    from .kv_blocks import KVBlocks
+
+
+class Stage(Protocol):
+    """What the graphs read of the stage whose layers and head they capture (`stage.Stage`)."""
+
+    cfg: ModelConfig
+    device: torch.device
+    n_slots: int
+    n_ctx: int
+    kv_blocks: KVBlocks
+    recurrent: list[DeltaNet]
+
+    def forward(self, h: torch.Tensor, batch: ForwardBatch, layers=None, block=block) -> torch.Tensor: ...
+
+    def final_norm(self, h: torch.Tensor) -> torch.Tensor: ...
+
+    def project(self, x: torch.Tensor) -> torch.Tensor: ...
 
 
 def batch_buckets(max_batch: int) -> list[int]:
@@ -51,12 +72,12 @@ class DecodeGraphs:
         # so a bucket costs one layer's dynamo trace even when inductor's cache has the kernels (a
         # restart traced the whole stack per bucket: 2.5 s each for the 1.1B's 16 layers).
         self.buckets = batch_buckets(stage.n_slots)
-        self.forward = stage._forward
+        self.forward = stage.forward
         if compiled:
             # Entries per region: a bucket x a run length x a layer kind (global, windowed, recurrent).
             limit = len(self.buckets) * ROLLBACK * 3
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, limit)
-            self.forward = functools.partial(stage._forward, block=torch.compile(stage._block, dynamic=False))
+            self.forward = functools.partial(stage.forward, block=torch.compile(block, dynamic=False))
         self.graphs: dict[int, tuple] = {}
         self.pool = None
 
@@ -110,8 +131,10 @@ class DecodeGraphs:
         host.copy_(padding)  # rows a batch does not fill: the padding slot, past the context
         index = host.to(dev)  # slots, positions
 
+        batch = ForwardBatch.batched(index[0], index[1], per_slot, kv_len=n_ctx)
+
         def step():
-            return self.forward(h_in, index[0], index[1], None, batched=True, kv_len=st.n_ctx, per_slot=per_slot)
+            return self.forward(h_in, batch)
 
         # Every row of the warm-up runs writes K/V into the padding slot only.
         graph, out = self.capture(step)
@@ -219,7 +242,8 @@ class PrefillGraphs:
         h_in = torch.zeros(size, st.cfg.n_embd, device=dev)
         slots = torch.full((size,), slot, device=dev)
         positions = torch.arange(size, device=dev)
-        graph, out = self.decode.capture(lambda: st._forward(h_in, slots, positions, None, fresh=True))
+        batch = ForwardBatch.fresh(slots, positions)
+        graph, out = self.decode.capture(lambda: st.forward(h_in, batch))
         return graph, h_in, slots, positions, out  # the graph reads its inputs where they are: keep them
 
 

@@ -35,94 +35,26 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from ..device import resolve_device, resolve_dtype
 from ..errors import UserError
 from ..gguf_file import GGUFFile
+from ..kernels.qlinear import embed_rows
 from ..kernels.qweight import QuantWeight
 from ..quant import dequantize_rows
-from .attention import attend_batched, attend_decode, attend_fresh, attend_runs, decode_bias
+from .attention import decode_bias
 from .config import ModelConfig
-from .deltanet import ROLLBACK, DeltaNet
+from .deltanet import ROLLBACK
+from .forward_batch import ForwardBatch, Mode
 from .graphs import DecodeGraphs, HeadGraphs, PrefillGraphs
 from .kv_blocks import KVBlocks
-from .kv_cache import KVCache, check_cache_type
-from .rope import rope_table, rotate
-from .weights import Linear, QuantLinear, Weights
+from .kv_cache import check_cache_type
+from .layer import Layer, block, collect_storages, rms_norm
+from .rope import rope_table
+from .weights import Weights
 
 # Logits recomputed exactly after the int8 head: far more than any near-tie of the top token.
 RESCORE_TOP = 32
-
-
-class _Layer:
-    """Weights and KV cache (or recurrent state) of one transformer block."""
-
-    def __init__(self, stage: Stage, il: int):
-        cfg, w = stage.cfg, stage.weights
-        p = f"blk.{il}."
-        vec = w.vector
-        self.window = cfg.sliding_window if cfg.swa_layers[il] else 0
-        self.attn_norm = vec(p + "attn_norm.weight")
-        self.ffn_norm = vec(p + cfg.ffn_norm + ".weight")
-        self.w_gate_up = w.linear([p + "ffn_gate.weight", p + "ffn_up.weight"])
-        self.w_down = w.linear([p + "ffn_down.weight"])
-        self.post_ffn_norm = vec(p + "post_ffw_norm.weight") if cfg.post_norms else None
-        self.deltanet = (
-            DeltaNet(cfg, w, p, stage.n_slots, stage.depth, stage.state_rows > stage.n_slots)
-            if cfg.recurrent_layers[il]
-            else None
-        )
-        if self.deltanet is None:
-            self._attention(stage, p)
-
-    def _attention(self, stage: Stage, p: str) -> None:
-        cfg, w, vec = stage.cfg, stage.weights, stage.weights.vector
-        qkv = [p + n for n in ("attn_q", "attn_k", "attn_v")]
-        self.wqkv = w.linear([n + ".weight" for n in qkv], [n + ".bias" for n in qkv] if cfg.qkv_bias else [])
-        self.wo = w.linear([p + "attn_output.weight"])
-        # Q and K heads are normalised together: one weight row per head, [n_head + n_head_kv, head_dim].
-        self.qk_norm = None
-        if cfg.qk_norm:
-            q_w, k_w = vec(p + "attn_q_norm.weight"), vec(p + "attn_k_norm.weight")
-            self.qk_norm = torch.cat([q_w.expand(cfg.n_head, -1), k_w.expand(cfg.n_head_kv, -1)])
-        self.post_attn_norm = vec(p + "post_attention_norm.weight") if cfg.post_norms else None
-        self.kv = KVCache(
-            stage.kv_blocks,
-            cfg.n_head_kv,
-            cfg.head_dim,
-            compute=stage.dtype,
-            device=stage.device,
-            k_type=stage.kv_types[0],
-            v_type=stage.kv_types[1],
-        )
-
-    @property
-    def nbytes(self) -> int:
-        mixer = self.deltanet.nbytes if self.deltanet else self.wqkv.nbytes + self.wo.nbytes
-        return mixer + self.w_gate_up.nbytes + self.w_down.nbytes
-
-
-def _collect_storages(obj, out: dict[int, int]) -> None:
-    """{storage pointer: bytes} of every tensor in `obj`, through containers and the model's weight
-    holders (not a layer's KV cache: `kv_bytes` counts it)."""
-    if isinstance(obj, torch.Tensor):
-        if not obj.is_pinned():  # the host's (the embedding table): no device memory
-            out[obj.untyped_storage().data_ptr()] = obj.untyped_storage().nbytes()
-    elif isinstance(obj, dict):
-        _collect_storages(list(obj.values()), out)
-    elif isinstance(obj, (list, tuple)):
-        for x in obj:
-            _collect_storages(x, out)
-    elif isinstance(obj, (_Layer, DeltaNet, Linear, QuantLinear, QuantWeight)):
-        _collect_storages([v for v in vars(obj).values() if not isinstance(v, KVCache)], out)
-
-
-def _state_tensors(layer: _Layer) -> tuple[torch.Tensor, ...]:
-    net = layer.deltanet
-    if net is None:
-        return layer.kv.tensors()
-    return net.conv_state, net.ssm_state, net.conv_ckpt, net.ssm_ckpt
 
 
 class Stage:
@@ -158,7 +90,7 @@ class Stage:
             raise UserError(f"need at least one slot and a positive context (got {n_slots} slots, n_ctx {n_ctx})")
         self.n_slots, self.n_ctx = n_slots, n_ctx
         self.has_embed, self.has_head = embed, head
-        self.layers: dict[int, _Layer] = {}
+        self.layers: dict[int, Layer] = {}
         self.layer_range = (0, 0)
         self.state_len = [0] * n_slots  # tokens each slot's recurrent state has consumed
         self.rollback = [0] * n_slots  # how many of them checkpoints can take back
@@ -210,7 +142,7 @@ class Stage:
             raise UserError(f"layer range [{a}, {b}) is outside the model's {self.cfg.n_layers} layers")
         kept = {il: self.layers[il] for il in range(a, b) if il in self.layers}
         self.layers = {}  # drop the old ones before loading new ones: peak memory stays one range
-        self.layers = {il: kept.get(il) or _Layer(self, il) for il in range(a, b)}
+        self.layers = {il: kept.get(il) or self._layer(il) for il in range(a, b)}
         self.layer_range = (a, b)
         self.recurrent = [layer.deltanet for layer in self.layers.values() if layer.deltanet is not None]
         # New layers hold no state: slots continue only after a replay from position 0.
@@ -219,6 +151,10 @@ class Stage:
             self.graphs.reset()
             self.prefill_graphs.reset()
             self.weights.scratch.fit(self.dtype, self.device)  # the new layers' weights may be larger
+
+    def _layer(self, il: int) -> Layer:
+        padding = self.state_rows > self.n_slots
+        return Layer(self.cfg, self.weights, il, self.kv_blocks, self.kv_types, self.n_slots, self.depth, padding)
 
     def warm_up(self, per_slot: range = range(1, 2), prefill_tokens: int = 0) -> None:
         """Compile and capture the decode step for every batch bucket now (CUDA; nothing elsewhere),
@@ -277,13 +213,13 @@ class Stage:
     @property
     def kv_bytes(self) -> int:
         """KV cache and recurrent state (with its checkpoints), all slots."""
-        return sum(t.nbytes for layer in self.layers.values() for t in _state_tensors(layer))
+        return sum(t.nbytes for layer in self.layers.values() for t in layer.state_tensors())
 
     @property
     def state_bytes(self) -> int:
         """The recurrent (DeltaNet) part of `kv_bytes`: conv + SSM state and their checkpoints."""
         return sum(
-            t.nbytes for layer in self.layers.values() if layer.deltanet is not None for t in _state_tensors(layer)
+            t.nbytes for layer in self.layers.values() if layer.deltanet is not None for t in layer.state_tensors()
         )
 
     @property
@@ -292,7 +228,7 @@ class Stage:
         layer's prefill copy once built), the embedding table (a GPU's), the output head, the norms
         and the RoPE tables. With `kv_bytes`, what the stage holds (contracts/footprint.py estimates it)."""
         storages: dict[int, int] = {}
-        _collect_storages(
+        collect_storages(
             [
                 self.layers,
                 self._embd_table if self.has_embed else None,
@@ -304,7 +240,7 @@ class Stage:
             storages,
         )
         for layer in self.layers.values():
-            for t in _state_tensors(layer):
+            for t in layer.state_tensors():
                 storages.pop(t.untyped_storage().data_ptr(), None)
         return sum(storages.values())
 
@@ -326,7 +262,7 @@ class Stage:
         ):
             raise UserError(f"token id out of range 0..{self.cfg.n_vocab - 1}")
         if isinstance(self._embd_table, QuantWeight):
-            h = self._embd_table.rows(tokens.to(self.device))
+            h = embed_rows(self._embd_table, tokens.to(self.device))
         elif self._embd_table is not None:
             h = self._embd_table[tokens.to(self.device)].float()
         else:
@@ -342,7 +278,7 @@ class Stage:
     def final_norm(self, h: torch.Tensor) -> torch.Tensor:
         """The output norm: what the head projects, what an MTP block drafts from (llama.cpp's `h_nextn`)
         and what an embedding pools (its `t_embd`)."""
-        return self._norm(h, self.output_norm)
+        return rms_norm(h, self.output_norm, self.cfg.rms_eps)
 
     def project(self, x: torch.Tensor) -> torch.Tensor:
         """Normed hidden states [R, n_embd] -> float32 logits [R, n_vocab] through the output head."""
@@ -376,7 +312,7 @@ class Stage:
         ):  # a prompt from its start
             out = self.prefill_graphs.run(h, runs[0][0])
         if out is None:
-            out = self._forward(h, slots.to(self.device), positions.to(self.device), runs)
+            out = self.forward(h, ForwardBatch.of_runs(slots.to(self.device), positions.to(self.device), runs))
         for slot, p0, n in runs:
             self.state_len[slot], self.rollback[slot] = p0 + n, min(n, self.depth)
         return out
@@ -392,7 +328,7 @@ class Stage:
         runs = self._runs(slots, positions)
         self.kv_blocks.fit({slot: p0 + n for slot, p0, n in runs})
         h = h.to(self.device, torch.float32)
-        return self._forward(h, slots.to(self.device), positions.to(self.device), runs, layers=[layer])
+        return self.forward(h, ForwardBatch.of_runs(slots.to(self.device), positions.to(self.device), runs), [layer])
 
     def _check_continues(self, runs) -> None:
         """A run starts a slot afresh (position 0), continues its recurrent state, or re-runs the
@@ -433,87 +369,21 @@ class Stage:
             i = j
         return runs
 
-    def _forward(
-        self,
-        h,
-        slots,
-        positions,
-        runs,
-        batched: bool = False,
-        kv_len: int | None = None,
-        layers=None,
-        per_slot: int = 1,
-        fresh: bool = False,
-        block=None,
-    ):
-        """The layers, eagerly. `batched`: `per_slot` tokens for each slot (rows slot-major) with no
-        host values (CUDA-graph capturable): the decode-attention kernel on CUDA, elsewhere attention
-        over gathered caches of length `kv_len` with a mask from positions (each row sees its own
-        position and those before it: a slot's K/V rows are all written first). `fresh`: one slot's
-        run from position 0 with no host values (the prefill graphs). `block`: what runs one layer
-        (`_block`, or its torch.compile'd form)."""
-        block = block or self._block
+    def forward(self, h: torch.Tensor, batch: ForwardBatch, layers=None, block=block) -> torch.Tensor:
+        """The layers (all, or `layers`) over `batch`, eagerly; what the CUDA graphs capture. `block`
+        runs one layer (`layer.block`, or its torch.compile'd form)."""
+        positions = batch.positions
         ropes = {False: self._rope_global, True: self._rope_swa}
         ropes = {w: (cos[positions, None], sin[positions, None]) for w, (cos, sin) in ropes.items()}
         biases = {}
         for layer in self.layers.values() if layers is None else layers:
             bias = None
-            if batched and self.device.type != "cuda" and layer.deltanet is None:
+            if batch.mode is Mode.BATCHED and self.device.type != "cuda" and layer.deltanet is None:
                 if layer.window not in biases:
-                    biases[layer.window] = decode_bias(self.cfg, positions, kv_len, layer.window, self.dtype)
+                    biases[layer.window] = decode_bias(self.cfg, positions, batch.kv_len, layer.window, self.dtype)
                 bias = biases[layer.window]
-            h = block(
-                layer, h, ropes[bool(layer.window)], slots, positions, runs, batched, kv_len, per_slot, fresh, bias
-            )
+            h = block(layer, h, ropes[bool(layer.window)], batch, bias)
         return h
-
-    def _block(self, layer: _Layer, h, rope, slots, positions, runs, batched, kv_len, per_slot, fresh, bias):
-        """One layer. Q and K travel together through norm and RoPE: fewer, larger kernels."""
-        cfg = self.cfg
-        T, n_q, qk_dim = h.shape[0], cfg.n_head, (cfg.n_head + cfg.n_head_kv) * cfg.head_dim
-        x = self._norm(h, layer.attn_norm).to(self.dtype)
-        if layer.deltanet is not None:
-            return self._ffn(
-                layer, h + (layer.deltanet.step(x, slots, per_slot) if batched else layer.deltanet(x, runs))
-            )
-        qkv = layer.wqkv(x)
-        gate = None
-        if cfg.attn_gate:  # Q rows come as [q, gate] per head: split the gate off
-            qg = qkv[:, : 2 * n_q * cfg.head_dim].view(T, n_q, 2, cfg.head_dim)
-            gate = qg[:, :, 1]
-            qkv = torch.cat([qg[:, :, 0].reshape(T, -1), qkv[:, 2 * n_q * cfg.head_dim :]], dim=1)
-        qk = qkv[:, :qk_dim].float().view(T, -1, cfg.head_dim)
-        v = qkv[:, qk_dim:].view(T, cfg.n_head_kv, cfg.head_dim).to(self.dtype)
-        if layer.qk_norm is not None:
-            qk = F.rms_norm(qk, (cfg.head_dim,), None, cfg.rms_eps) * layer.qk_norm
-        qk = rotate(cfg, qk, *rope).to(self.dtype)
-        q, k = qk[:, :n_q], qk[:, n_q:]
-        if fresh:
-            o = attend_fresh(cfg, layer, q, k, v, slots, positions)
-        elif batched and self.device.type == "cuda":
-            o = attend_decode(cfg, layer, q, k, v, slots, positions)
-        elif batched:
-            o = attend_batched(cfg, layer, q, k, v, slots, positions, kv_len, bias)
-        else:
-            o = attend_runs(cfg, layer, q, k, v, runs, slots, positions)
-        if gate is not None:
-            o = o * torch.sigmoid(gate.float()).to(o.dtype)
-        o = layer.wo(o.reshape(T, -1))
-        if layer.post_attn_norm is not None:
-            o = self._norm(o, layer.post_attn_norm)
-        return self._ffn(layer, h + o)
-
-    def _ffn(self, layer: _Layer, h: torch.Tensor) -> torch.Tensor:
-        x = self._norm(h, layer.ffn_norm).to(self.dtype)
-        gate, up = layer.w_gate_up(x).chunk(2, dim=-1)
-        act = F.gelu(gate, approximate="tanh") if self.cfg.activation == "gelu_tanh" else F.silu(gate)
-        o = layer.w_down(act.mul_(up))  # in place: one [T, n_ff] buffer less at a prompt's peak
-        if layer.post_ffn_norm is not None:
-            o = self._norm(o, layer.post_ffn_norm)
-        return h + o
-
-    def _norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x.float(), (x.shape[-1],), w, self.cfg.rms_eps)
 
 
 def build_stage(

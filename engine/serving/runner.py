@@ -34,7 +34,8 @@ import torch
 from ..device import to_device
 from ..spec import Speculator
 from ..text.structured import Grammars, apply_bitmask
-from .sampling import PENDING, Picks, Rows, TokenLogprob, logprobs, sample, token_logprobs
+from .sampling import PENDING, Picks, Rows, logprobs, sample, token_logprobs
+from .sampling_params import TokenLogprob
 from .scheduler import Batch, Chunk, Sampled
 from .sequence import Sequence
 

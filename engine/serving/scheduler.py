@@ -21,7 +21,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
-from .sampling import PENDING, TokenLogprob
+from .sampling import PENDING
+from .sampling_params import TokenLogprob
 from .sequence import Request, Sequence
 
 if TYPE_CHECKING:

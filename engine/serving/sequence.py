@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Callable
 import torch
 
 from ..errors import ContextOverflow
-from .sampling import InvalidParam, Sampler, SamplingParams, TokenLogprob
+from .sampling_params import InvalidParam, Sampler, SamplingParams, TokenLogprob
 
 if TYPE_CHECKING:
     from ..spec import SpecConfig

@@ -61,9 +61,9 @@ class Speculator:
         draft = self.drafters.get("draft")
         return draft.pipeline.local.kv_bytes if draft is not None else 0
 
-    def request_config(self, body: dict) -> SpecConfig | None:
-        """A request's override (None: the server's config); a type this server cannot run is a UserError."""
-        cfg = self.config.with_request(body)
+    def request_config(self, cfg: SpecConfig) -> SpecConfig | None:
+        """A request's override `cfg` (None when it is the server's config itself); a type this
+        server cannot run is a UserError."""
         if cfg is self.config:
             return None
         if cfg.active and cfg.type not in self.drafters:

@@ -22,7 +22,7 @@ from typing import Any
 import llguidance
 import torch
 
-from ..serving.sampling import InvalidParam
+from ..serving.sampling_params import InvalidParam
 from .tokenizer import CONTROL, UNKNOWN, Tokenizer
 
 # JSON as compact as the schema allows: a free-whitespace grammar lets a model pad forever.

@@ -21,6 +21,7 @@ from ...contracts.split import parse_split
 from ...contracts.status import READY_STAGE, WARMING_STAGE, ModelInfo
 from ..config import HeadConfig
 from ..errors import UserError
+from ..http.api import create_app
 from ..http.drain import Drain
 from ..http.worker import http_server, listen_sockets
 from ..metrics import Metrics
@@ -130,8 +131,6 @@ class HeadWorker:
 
     def serve(self) -> int:
         """Serve until stopped; a load failure ends the server and is reported here."""
-        from ..http.api import create_app
-
         cfg = self.cfg
         socks = listen_sockets(cfg.host, cfg.port)
         server = http_server(create_app(self), cfg.http, self.drain)

@@ -1,0 +1,52 @@
+"""`ForwardBatch`: what one pass through a stage's layers needs besides the hidden states: each
+row's slot and position, and the batch's mode, which picks the attention and recurrent paths.
+
+A batch is a flat list of tokens, those of one slot contiguous with increasing positions. In
+`Mode.RUNS` its slot runs are known on the host (any batch: prefill chunks, verifies, decode run
+eagerly). The CUDA graphs capture batches that carry no host values, so their mode says what the
+rows are: `Mode.BATCHED`, `per_slot` tokens for each slot, rows slot-major (decode and verifies);
+`Mode.FRESH`, one slot's run from position 0 (a prompt's prefill). `Stage.run_layers` builds the
+eager batch from the slots and positions it is given; the graphs build theirs around their static
+buffers, once per capture.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+Run = tuple[int, int, int]  # (slot, first position, tokens)
+
+
+class Mode(enum.Enum):
+    RUNS = "runs"
+    BATCHED = "batched"
+    FRESH = "fresh"
+
+
+@dataclass(frozen=True, eq=False)
+class ForwardBatch:
+    """`slots`, `positions`: long [T] on the stage's device. `runs` (RUNS): each slot's run, in row
+    order. `per_slot` (BATCHED): tokens per slot. `kv_len` (BATCHED off CUDA): the cache rows each
+    slot's attention gathers, masked by position (`attention.decode_bias`)."""
+
+    slots: torch.Tensor
+    positions: torch.Tensor
+    mode: Mode
+    runs: list[Run] = field(default_factory=list)
+    per_slot: int = 1
+    kv_len: int = 0
+
+    @classmethod
+    def of_runs(cls, slots: torch.Tensor, positions: torch.Tensor, runs: list[Run]) -> ForwardBatch:
+        return cls(slots, positions, Mode.RUNS, runs=runs)
+
+    @classmethod
+    def batched(cls, slots: torch.Tensor, positions: torch.Tensor, per_slot: int, kv_len: int) -> ForwardBatch:
+        return cls(slots, positions, Mode.BATCHED, per_slot=per_slot, kv_len=kv_len)
+
+    @classmethod
+    def fresh(cls, slots: torch.Tensor, positions: torch.Tensor) -> ForwardBatch:
+        return cls(slots, positions, Mode.FRESH)
