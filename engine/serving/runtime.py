@@ -208,9 +208,13 @@ class Engine:
         self.stats.overlapped += overlap and bool(self._in_flight)
         if not overlap:
             self._finish_all()
-        self._in_flight.append(self._launch(self.scheduler.schedule(), cancelled))
+        t0 = time.perf_counter()  # the step's drafting (in `schedule`) counts in its cost
+        batch = self.scheduler.schedule()
+        self._in_flight.append(self._launch(batch, cancelled))
         while len(self._in_flight) > overlap:
             self._finish(self._in_flight.popleft())
+        if not overlap:  # the adaptive draft lengths' cost of this step: scheduled to read
+            self.spec.timed(batch.chunks, time.perf_counter() - t0)
 
     def _launch(self, batch: Batch, cancelled: list[Sequence]) -> Launched:
         """The runner queues the step; what is in flight is finished once its layers are queued."""
