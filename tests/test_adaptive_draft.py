@@ -20,7 +20,7 @@ from hydra_console.engine.pipeline import Pipeline
 from hydra_console.engine.serving.runtime import Engine
 from hydra_console.engine.serving.sampling import SamplingParams
 from hydra_console.engine.serving.sequence import Request
-from hydra_console.engine.spec import build_speculator
+from hydra_console.engine.spec import DraftRequest, MtpDrafter, build_speculator
 from hydra_console.engine.spec.adaptive import PROBE_EVERY, PROBE_MAX, AdaptiveDrafts, StepCosts, choose, gains
 from hydra_console.engine.status import speculative
 from hydra_console.engine.synth import write_synthetic
@@ -201,3 +201,30 @@ def test_no_acceptance_drafts_stop_and_full_acceptance_keeps_n_max(models):
     _, full, _ = run(models[1.0], prompts, SpecConfig("mtp", p_min=0.0), max_tokens=96, n_slots=2)
     print("acceptance 1:", full)
     assert full.acceptance == 1.0 and full.draft_tokens >= 0.9 * 3 * full.drafts
+
+
+def test_a_resting_slot_catches_up_the_blocks_kv(tiny_model):
+    """A slot at k = 0 skips the MTP block's run on its steps; before its next draft the block runs over
+    the rows it skipped, so its KV and its drafts are those of a slot that followed every step
+    (random weights: the block's attention reads that KV)."""
+    path = tiny_model("qwen35", n_layers=4, nextn=True)
+    stage = load(path, n_slots=2, n_ctx=128)
+    ids = [5, 17, 300, 45, 99, 512, 7, 8, 9, 10, 11, 12]
+    n = len(ids)
+    at = lambda *xs: torch.tensor(xs, dtype=torch.long)  # noqa: E731
+    h = stage.final_norm(
+        stage.run_layers(stage.embed(torch.tensor(ids)), torch.zeros(n, dtype=torch.long), torch.arange(n))
+    )
+    mtp = MtpDrafter(NextN(stage), p_min=0.0)
+    for slot, resting in ((0, False), (1, True)):
+        mtp.observe(torch.tensor(ids[:4]), torch.full((4,), slot), torch.arange(4), h[:4])  # the prompt
+        mtp.rest(slot, resting)
+        for p in range(4, n):
+            mtp.observe(at(ids[p]), at(slot), at(p), h[p : p + 1])
+        mtp.rest(slot, False)
+    kv = [mtp.state_out(s, n) for s in (0, 1)]  # state_out catches a resting slot up first
+    assert kv[0].keys() == kv[1].keys() and len(kv[0]) > 1
+    for name in kv[0]:
+        torch.testing.assert_close(kv[1][name], kv[0][name], atol=1e-5, rtol=1e-4)
+    drafts = mtp.draft_batch([DraftRequest(0, ids, 3), DraftRequest(1, ids, 3)])
+    assert drafts[0].tokens == drafts[1].tokens and len(drafts[0]) == 3

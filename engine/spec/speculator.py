@@ -115,6 +115,10 @@ class Speculator:
             seq = seqs[i]
             req = DraftRequest(seq.slot, seq.tokens, k, seq.sampler, cfg.p_min)
             by_type.setdefault(cfg.type, []).append((i, req, cfg))
+        if self.mtp is not None:  # a slot that drafts nothing this step leaves the block's run for later
+            drafting = {seqs[i].slot for items in by_type.values() for i, _, _ in items}
+            for seq in seqs:
+                self.mtp.rest(seq.slot, seq.slot not in drafting)
         for kind, items in by_type.items():
             drafts = self.drafters[kind].draft_batch([r for _, r, _ in items])
             for (i, _, cfg), d in zip(items, drafts):
