@@ -39,7 +39,7 @@ from hydra_console.engine.text.tokenizer import Tokenizer
 # Weights read per step dominate a step here (memory bound on a CPU), so a verify of k + 1 tokens
 # costs much less than k + 1 steps (the adaptive engine's table prints how much).
 SHAPE = dict(
-    n_layers=8,
+    n_layers=16,
     n_embd=512,
     n_head=8,
     n_head_kv=2,

@@ -18,14 +18,16 @@ depends on time is `StepCosts`' input: `choose` is a plain function of given cos
 
 from __future__ import annotations
 
+import statistics
 import threading
+from collections import deque
 from dataclasses import dataclass
 
 DECAY = 0.8  # per verify: a slot's acceptance follows its last ~5 drafts
 GLOBAL_DECAY = 0.98  # the server's acceptance (a new slot's prior) follows its last ~50
 PRIOR = 2.0  # pseudo-drafts a new slot's estimate starts with, at the server's acceptance
 OPTIMISM = 0.9  # the server's acceptance before any draft: draft first, learn after
-COST_DECAY = 0.7  # per step: a cost cell follows its last ~3 measurements
+COST_WINDOW = 5  # a cost cell is the median of its last measurements
 STALE = 64  # steps of n slots after which a cost cell of n slots not measured since is guessed again
 PROBE_EVERY = 16  # steps a slot left at k = 0 waits before drafting one token
 PROBE_MAX = 128  # the wait doubles while probes fail, up to this
@@ -64,17 +66,19 @@ def choose(acceptance: list[list[float]], k_max: list[int], cost: list[float]) -
 
 
 class StepCosts:
-    """Seconds of a decode step by (slots decoding n, tokens verified T), each an EWMA of the
-    steps measured; `curve` gives the costs `choose` takes, guessing the unmeasured ones."""
+    """Seconds of a decode step by (slots decoding n, tokens verified T): each cell the median of its
+    last `COST_WINDOW` measurements (one slow step, a page fault or a neighbour's burst, moves it
+    little); `curve` gives the costs `choose` takes, guessing the unmeasured ones."""
 
     def __init__(self):
-        self._s: dict[tuple[int, int], tuple[float, int]] = {}  # (n, T) -> (seconds, n's step it was last measured)
+        self._s: dict[tuple[int, int], tuple[deque, int]] = {}  # (n, T) -> (recent seconds, n's step last measured)
         self._steps: dict[int, int] = {}  # steps measured per n
 
     def record(self, n: int, tokens: int, seconds: float) -> None:
         step = self._steps[n] = self._steps.get(n, 0) + 1
-        old = self._s.get((n, tokens))
-        self._s[(n, tokens)] = (seconds if old is None else COST_DECAY * old[0] + (1 - COST_DECAY) * seconds, step)
+        recent = self._s[(n, tokens)][0] if (n, tokens) in self._s else deque(maxlen=COST_WINDOW)
+        recent.append(seconds)
+        self._s[(n, tokens)] = (recent, step)
 
     def curve(self, n: int, extra: int) -> list[float]:
         """Costs of n + j tokens for j = 0..extra from the cells measured in the last `STALE` steps of
@@ -87,7 +91,7 @@ class StepCosts:
         for j in range(extra + 1):
             cell = self._s.get((n, n + j))
             if cell is not None and now - cell[1] < STALE:
-                known[j] = cell[0]
+                known[j] = statistics.median(cell[0])
         if not known:
             return [1.0] * (extra + 1)
         js = sorted(known)
@@ -104,7 +108,7 @@ class StepCosts:
         return out
 
     def table(self) -> dict[tuple[int, int], float]:
-        return {k: v for k, (v, _) in self._s.items()}
+        return {k: statistics.median(v) for k, (v, _) in self._s.items()}
 
 
 @dataclass
