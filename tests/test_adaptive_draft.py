@@ -15,6 +15,7 @@ from stages import load
 from hydra_console.engine.config import ModelSettings, SpecConfig
 from hydra_console.engine.errors import UserError
 from hydra_console.engine.gguf_file import GGUFFile
+from hydra_console.engine.metrics import Metrics
 from hydra_console.engine.model import NextN
 from hydra_console.engine.pipeline import Pipeline
 from hydra_console.engine.serving.runtime import Engine
@@ -22,7 +23,7 @@ from hydra_console.engine.serving.sampling import SamplingParams
 from hydra_console.engine.serving.sequence import Request
 from hydra_console.engine.spec import DraftRequest, MtpDrafter, build_speculator
 from hydra_console.engine.spec.adaptive import PROBE_EVERY, PROBE_MAX, AdaptiveDrafts, StepCosts, choose, gains
-from hydra_console.engine.status import speculative
+from hydra_console.engine.status import StatusDocument, speculative
 from hydra_console.engine.synth import write_synthetic
 from hydra_console.engine.text.tokenizer import Tokenizer
 
@@ -178,13 +179,21 @@ def models(tmp_path_factory):
     }
 
 
+def scrape(eng) -> str:
+    """The worker's /metrics text for this engine."""
+    doc = StatusDocument("head", "127.0.0.1", 0)
+    doc.engine = eng
+    return Metrics(doc).render().decode()
+
+
 def test_adaptive_greedy_equals_plain_greedy(models):
     prompts = [[5, 17], [300, 12], [45, 99], [7, 512]]
     plain, _, _ = run(models[0.5], prompts, SpecConfig())
-    adaptive, stats, _ = run(models[0.5], prompts, SpecConfig("mtp", p_min=0.0))
+    adaptive, stats, texts = run(models[0.5], prompts, SpecConfig("mtp", p_min=0.0), watch=scrape)
     fixed, _, _ = run(models[0.5], prompts, SpecConfig("mtp", p_min=0.0, adaptive=False))
     assert adaptive == plain == fixed
     assert stats.drafts > 0 and stats.adaptive and stats.type == "mtp"
+    assert any('hydra_spec_slot_draft_k{slot="3"}' in t and "hydra_spec_slot_acceptance{" in t for t in texts)
 
 
 def test_no_acceptance_drafts_stop_and_full_acceptance_keeps_n_max(models):
