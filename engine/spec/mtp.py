@@ -101,7 +101,9 @@ class MtpDrafter(Drafter):
     def restored(self, slot: int, n: int, views: dict[str, torch.Tensor] | None) -> None:
         """`slot` now holds a moved state of n positions; `views` (from `state_in`) were written,
         or None when the state had no MTP part: the block's KV there is stale, so drafts for the
-        slot are poorer until it refills (the target's verification keeps output exact)."""
+        slot are poorer until it refills (the target's verification keeps output exact). Rows it
+        kept while resting belong to what the slot held before: dropped."""
+        self._pending.pop(slot, None)
         if views is None:
             self._rows.pop(slot, None)
         else:
