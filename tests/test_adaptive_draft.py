@@ -95,7 +95,10 @@ def test_a_slot_that_drafts_nothing_probes_and_backs_off():
     assert pol.plan([0], [3]) == [0]
     ks = [pol.plan([0], [3])[0] for _ in range(PROBE_EVERY - 2)]
     assert ks[-1] == 1 and sum(ks) == 1  # the probe after PROBE_EVERY steps at 0
-    pol.record(0, 1, 0)  # it failed: the next waits twice as long
+    pol.record(0, 1, 0)  # it failed: the next waits twice as long, and so does a new request's first
+    pol.start(1)
+    assert pol.slots[1].wait == 2 * PROBE_EVERY
+    pol.release(1)
     ks = [pol.plan([0], [3])[0] for _ in range(2 * PROBE_EVERY)]
     assert ks.index(1) == 2 * PROBE_EVERY - 1 and sum(ks) == 1
     pol.record(0, 1, 1)  # right: the wait is back to PROBE_EVERY, and its acceptance rises

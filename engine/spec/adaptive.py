@@ -158,7 +158,10 @@ class AdaptiveDrafts:
             self._start(slot)
 
     def _start(self, slot: int) -> SlotAcceptance:
-        st = self.slots[slot] = SlotAcceptance([PRIOR * x for x in self.server.p], [PRIOR] * self.n_max)
+        # A new request starts from the server's acceptance and its probe wait: short requests on text
+        # the block never gets right would otherwise each pay the first, shortest waits.
+        st = SlotAcceptance([PRIOR * x for x in self.server.p], [PRIOR] * self.n_max, wait=self.server.wait)
+        self.slots[slot] = st
         return st
 
     def release(self, slot: int) -> None:
@@ -181,7 +184,10 @@ class AdaptiveDrafts:
         with self._lock:
             st = self.slots.get(slot)
             if st is not None:
+                probe = st.probing
                 st.record(n_drafted, n_accepted)
+                if probe:
+                    self.server.wait = st.wait
             self.server.record(n_drafted, n_accepted, GLOBAL_DECAY)
 
     def timed(self, n: int, tokens: int, seconds: float) -> None:
