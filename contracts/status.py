@@ -182,6 +182,18 @@ class Throughput(_Doc):
 
 
 @dataclass(frozen=True)
+class SpecSlot(_Doc):
+    """A slot's adaptive drafting: the k its last step drafted (0: plain decode) and its estimated
+    acceptance per draft position (each given the ones before were accepted)."""
+
+    slot: int = 0
+    k: int = 0
+    acceptance: list[float] = field(default_factory=list)
+    drafted: int = 0
+    accepted: int = 0
+
+
+@dataclass(frozen=True)
 class Speculative(_Doc):
     type: str = "off"
     draft_max: int = 0
@@ -193,6 +205,8 @@ class Speculative(_Doc):
     recent_acceptance: float | None = None
     accepted_per_pos: list[int] = field(default_factory=list)
     kv_bytes: int = 0  # the drafter's own cache: the MTP block's KV, or the draft model's KV
+    adaptive: bool = False  # k chosen per slot and step (spec/adaptive.py); `slots`: each one's
+    slots: list[SpecSlot] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

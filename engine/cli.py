@@ -111,6 +111,14 @@ def _spec_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-max", type=int, default=3, help="most tokens drafted per step")
     p.add_argument("--draft-min", type=int, default=0, help="fewest tokens a draft must have to be verified")
     p.add_argument("--draft-p-min", type=float, default=0.75, help="draft model: stop drafting below this probability")
+    p.add_argument(
+        "--draft-adaptive",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="per slot and step, draft the k in [0, --draft-max] that gives the most tokens per second from the "
+        "slot's recent acceptance and the measured step costs (0: plain decode); off: always --draft-max. "
+        "auto: on for --spec-type mtp",
+    )
 
 
 def _sampling_defaults(p: argparse.ArgumentParser) -> None:

@@ -118,7 +118,13 @@ def head_config(args, env: Mapping[str, str]) -> HeadConfig:
     if max_n > MAX_CHOICES:
         raise UserError(f"--max-n must be <= {MAX_CHOICES} (OpenAI's bound on n), got {max_n}")
     _at_least(1024, max_response=args.max_response)
-    spec = SpecConfig(type=args.spec_type, n_max=args.draft_max, n_min=args.draft_min, p_min=args.draft_p_min)
+    spec = SpecConfig(
+        type=args.spec_type,
+        n_max=args.draft_max,
+        n_min=args.draft_min,
+        p_min=args.draft_p_min,
+        adaptive={"auto": None, "on": True, "off": False}[args.draft_adaptive],
+    )
     return HeadConfig(
         model=model_settings(args, env),
         rpc=rpc_settings(args, env, pool_size=args.rpc_pool_size, queue=args.rpc_queue),

@@ -62,12 +62,15 @@ def default_max_body(n_ctx: int) -> int:
 @dataclass(frozen=True)
 class SpecConfig:
     """How a slot drafts: `type` off|ngram|draft|mtp, at most `n_max` tokens, drafts shorter than
-    `n_min` dropped, draft-model tokens below probability `p_min` not proposed."""
+    `n_min` dropped, draft-model tokens below probability `p_min` not proposed. `adaptive` (None:
+    on for mtp, whose drafts cost a forward of its block each) picks each slot's k in [0, n_max]
+    per step from its acceptance and the measured step costs (spec/adaptive.py); off: always n_max."""
 
     type: str = "off"
     n_max: int = 3
     n_min: int = 0
     p_min: float = 0.75
+    adaptive: bool | None = None
 
     def __post_init__(self):
         if self.type not in SPEC_TYPES:
@@ -78,10 +81,16 @@ class SpecConfig:
             raise UserError(f"draft min must be an integer in [0, draft max={self.n_max}], got {self.n_min!r}")
         if not isinstance(self.p_min, (int, float)) or not 0.0 <= self.p_min <= 1.0:
             raise UserError(f"draft p-min must be a number in [0, 1], got {self.p_min!r}")
+        if self.adaptive is not None and not isinstance(self.adaptive, bool):
+            raise UserError(f"speculative adaptive must be true or false, got {self.adaptive!r}")
 
     @property
     def active(self) -> bool:
         return self.type != "off" and self.n_max > 0
+
+    @property
+    def adapts(self) -> bool:
+        return self.type == "mtp" if self.adaptive is None else self.adaptive
 
 
 @dataclass(frozen=True)

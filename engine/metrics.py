@@ -87,6 +87,16 @@ class _EngineCollector:
         for i, n in enumerate(getattr(spec, "accepted_per_pos", None) or []):
             per_pos.add_metric([str(i)], n)
         yield per_pos
+        # The adaptive draft lengths (spec/adaptive.py): per busy slot, its k and first-token acceptance.
+        draft_k = GaugeMetricFamily("hydra_spec_slot_draft_k", "Tokens the slot's last step drafted.", labels=["slot"])
+        slot_acc = GaugeMetricFamily(
+            "hydra_spec_slot_acceptance", "The slot's estimated acceptance of its first draft token.", labels=["slot"]
+        )
+        for s in engine.spec.adaptive.snapshot() if spec is not None else []:
+            draft_k.add_metric([str(s["slot"])], s["k"])
+            slot_acc.add_metric([str(s["slot"])], s["acceptance"][0] if s["acceptance"] else 0.0)
+        yield draft_k
+        yield slot_acc
 
 
 class _HydraCollector:

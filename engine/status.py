@@ -246,4 +246,4 @@ def speculative(engine) -> Speculative:
     spec = getattr(engine, "spec_stats", None)
     if spec is None:
         return Speculative()
-    return spec.snapshot(engine.spec_config, engine.spec.drafter_kv_bytes)
+    return spec.snapshot(engine.spec_config, engine.spec.drafter_kv_bytes, engine.spec.adaptive.snapshot())

@@ -79,6 +79,7 @@ def write_synthetic(
     conv_kernel: int = 4,
     nextn: bool = False,
     bigram: bool = False,
+    mtp_accuracy: float = 1.0,
     fim: bool = False,
     header_only: bool = False,
 ) -> Path:
@@ -99,7 +100,11 @@ def write_synthetic(
     `bigram` zeroes what every block writes into the residual stream (`attn_output`, `ssm_out`,
     `ffn_down`), so a position's logits depend on its token alone; with `nextn` the MTP block then
     passes the token's embedding through (`eh_proj` = [I 0], `enorm` = 1, no `shared_head_norm`) and
-    predicts exactly the trunk's next token: MTP drafts the target accepts (tests, benches). `fim` adds Qwen's fill-in-the-middle
+    predicts exactly the trunk's next token: MTP drafts the target accepts (tests, benches).
+    `mtp_accuracy` < 1 (with `bigram` and `nextn`) gives the block its own output head
+    (`shared_head_head`): the trunk's with the rows of a random (1 - mtp_accuracy) share of the
+    vocabulary rotated among themselves, so the block's pick is the trunk's next token t exactly when
+    t is outside that share: a draft token is right with that chance. `fim` adds Qwen's fill-in-the-middle
     control tokens (<|fim_prefix|>, <|fim_suffix|>, <|fim_middle|>) to the vocabulary.
     `header_only` writes the metadata and the tensor table and no weights: the file is extended to
     its full size as a hole (sparse: a 27B shape takes a few MB of disk and no time), so readers of
@@ -108,6 +113,8 @@ def write_synthetic(
     """
     if arch not in ARCHITECTURES:
         raise ValueError(f"unsupported architecture {arch!r}; choose one of {', '.join(ARCHITECTURES)}")
+    if not 0.0 <= mtp_accuracy <= 1.0 or (mtp_accuracy < 1.0 and not (nextn and bigram)):
+        raise ValueError(f"mtp_accuracy must be in [0, 1] and needs nextn and bigram, got {mtp_accuracy!r}")
     if vocab != "tiny":
         raise ValueError(f"unknown vocabulary kind {vocab!r} (only 'tiny')")
     mix = isinstance(qtype, str) and qtype.upper() in _MIXES
@@ -180,7 +187,8 @@ def write_synthetic(
     for key, tok in special.items():
         getattr(w, f"add_{key}_token_id")(tokens.index(tok))
 
-    def dense(name: str, rows: int, cols: int, std: float) -> None:
+    def dense(name: str, rows: int, cols: int, std: float) -> tuple[np.ndarray, T | None]:
+        """Writes the weight; returns what was written (rows first) and its raw type."""
         qt = type_of(name)
         zero = bigram and name.endswith(("attn_output.weight", "ssm_out.weight", "ffn_down.weight"))
         eye = bigram and name.endswith("nextn.eh_proj.weight")
@@ -193,24 +201,25 @@ def write_synthetic(
             return
         if qt in _K_QUANTS and not (zero or eye):  # random blocks need only the std: no float matrix (27B files)
             _check_row(name, cols, qt)
-            w.add_tensor(name, random_blocks((rows, cols), qt, std, rng), raw_dtype=qt)
-            return
+            data = random_blocks((rows, cols), qt, std, rng)
+            w.add_tensor(name, data, raw_dtype=qt)
+            return data, qt
         if zero:
             x = np.zeros((rows, cols), np.float32)
         elif eye:
             x = np.eye(rows, cols, dtype=np.float32)
         else:
             x = rng.standard_normal((rows, cols), dtype=np.float32) * np.float32(std)
-        _add_weight(w, name, x, qt, rng)
+        return _add_weight(w, name, x, qt, rng)
 
     def vec(name: str, n: int, center: float = 1.0, spread: float = 0.1) -> None:
         x = (center + spread * rng.standard_normal(n)).astype(np.float32)
         w.add_tensor(name, np.ones(n, np.float32) if bigram and name.endswith("nextn.enorm.weight") else x)
 
-    dense("token_embd.weight", n_vocab, n_embd, 1.0 / np.sqrt(n_embd) if arch == "gemma3" else 1.0)
+    head = dense("token_embd.weight", n_vocab, n_embd, 1.0 / np.sqrt(n_embd) if arch == "gemma3" else 1.0)
     vec("output_norm.weight", n_embd)
     if not tied:
-        dense("output.weight", n_vocab, n_embd, 1.0 / np.sqrt(n_embd))
+        head = dense("output.weight", n_vocab, n_embd, 1.0 / np.sqrt(n_embd))
     q_dim, kv_dim = n_head * head_dim, n_head_kv * head_dim
     if nextn and arch != "qwen35":
         raise ValueError("only qwen35 files carry a NextN block here")
@@ -221,6 +230,12 @@ def write_synthetic(
             dense(p + "nextn.eh_proj.weight", n_embd, 2 * n_embd, 1.0 / np.sqrt(2 * n_embd))
             for name in ("enorm", "hnorm") if bigram else ("enorm", "hnorm", "shared_head_norm"):
                 vec(p + f"nextn.{name}.weight", n_embd)
+            if mtp_accuracy < 1.0:
+                rows, raw = head
+                wrong = np.random.default_rng(seed + 1).permutation(n_vocab)[: round((1 - mtp_accuracy) * n_vocab)]
+                order = np.arange(n_vocab)
+                order[wrong] = np.roll(wrong, 1)
+                w.add_tensor(p + "nextn.shared_head_head.weight", rows[order], raw_dtype=raw)
         if arch == "qwen35":
             if (i + 1) % full_attention_interval and i < n_layers:
                 _deltanet_tensors(w, p, n_embd, ssm_state, ssm_groups, ssm_v_heads, conv_kernel, dense, vec, rng)
@@ -318,18 +333,23 @@ def _check_row(name: str, cols: int, qt: T) -> None:
         raise ValueError(f"{name}: row length {cols} is not a multiple of the {qt.name} block size {block}")
 
 
-def _add_weight(w: gguf.GGUFWriter, name: str, x: np.ndarray, qt: T, rng: np.random.Generator) -> None:
+def _add_weight(
+    w: gguf.GGUFWriter, name: str, x: np.ndarray, qt: T, rng: np.random.Generator
+) -> tuple[np.ndarray, T | None]:
+    """Writes `x` as `qt`; returns what was written and its raw type (None: numpy's own)."""
     _check_row(name, x.shape[1], qt)
     if qt == T.F32:
-        w.add_tensor(name, x)
+        data, raw = x, None
     elif qt in _K_QUANTS:
-        w.add_tensor(name, random_blocks(x.shape, qt, float(x.std()), rng), raw_dtype=qt)
+        data, raw = random_blocks(x.shape, qt, float(x.std()), rng), qt
     else:
         try:
             data = gguf.quants.quantize(x, qt)
         except NotImplementedError:
             raise ValueError(f"synthetic weights cannot be written as {qt.name}") from None
-        w.add_tensor(name, data, raw_dtype=qt if qt != T.F16 else None)
+        raw = qt if qt != T.F16 else None
+    w.add_tensor(name, data, raw_dtype=raw)
+    return data, raw
 
 
 def random_blocks(shape: tuple[int, int], qt: T, std: float, rng: np.random.Generator) -> np.ndarray:

@@ -37,6 +37,10 @@ def test_head_config_from_argv_and_environment(tmp_path):
     assert doc["rpc"]["auth_token"] == "***" and "s3cret" not in repr(cfg) + repr(doc)
     assert serve("--auth-token", "flag", env={"HYDRA_TOKEN": "env"}).rpc.auth_token == "flag"
     assert serve(env={"HYDRA_CACHE_DIR": "off"}).model.cache_dir is None
+    # Adaptive draft lengths: on for MTP unless pinned; forced on for another drafter.
+    assert serve("--spec-type", "mtp").spec.adapts and not serve("--spec-type", "ngram").spec.adapts
+    assert not serve("--spec-type", "mtp", "--draft-adaptive", "off").spec.adapts
+    assert serve("--spec-type", "ngram", "--draft-adaptive", "on").spec.adapts
 
 
 def test_http_limits_of_the_head():

@@ -97,14 +97,17 @@ def _engine_outputs(
     max_tokens: int = 30,
     device: str = "cpu",
     prompts=PROMPTS,
+    adaptive: bool | None = None,
     **stage_kw,
 ):
     """Greedy outputs of `prompts` (texts or token ids) submitted together (slots batched), and the
-    acceptance counters; `stage_kw` for the stage (`load`'s float32 unless it says otherwise)."""
+    acceptance counters; `stage_kw` for the stage (`load`'s float32 unless it says otherwise).
+    `adaptive` False drafts n-max every step (the acceptance tests count what fixed drafts get)."""
     g = GGUFFile(path)
     tok = Tokenizer.from_gguf(g)
     stage = load(path, n_slots=n_slots, n_ctx=128, device=device, **stage_kw)
-    spec = build_speculator(SpecConfig(type=spec_type, n_max=3, p_min=p_min), None, g, F32, n_slots, head=stage)
+    cfg = SpecConfig(type=spec_type, n_max=3, p_min=p_min, adaptive=adaptive)
+    spec = build_speculator(cfg, None, g, F32, n_slots, head=stage)
     eng = Engine(Pipeline(stage), tok, n_slots, 128, speculator=spec).start()
     results = {}
 
@@ -154,7 +157,7 @@ def test_mtp_drafts_are_accepted_on_a_model_whose_block_predicts_the_next_token(
     shape = dict(n_embd=256, n_ff=512, head_dim=64, ssm_state=64, ssm_groups=2, ssm_v_heads=4) if qtype != "F32" else {}
     path = tiny_model("qwen35", n_layers=4, nextn=True, bigram=True, qtype=qtype, **shape)
     plain, _ = _engine_outputs(path, "off", 0.75)
-    with_mtp, stats = _engine_outputs(path, "mtp", 0.0)
+    with_mtp, stats = _engine_outputs(path, "mtp", 0.0, adaptive=False)
     print("bigram MTP:", stats)
     assert with_mtp == plain
     assert stats.drafts > 0 and stats.acceptance > 0.9 and stats.mean_accepted_len > 3.5
@@ -186,7 +189,9 @@ def test_the_block_predicts_the_trunks_token_in_bfloat16_and_every_draft_is_acce
     before = {x: p for p, x in enumerate(trunk.tolist())}
     prompts = [[7, before[x]] for x in sorted(before, key=lambda x: margin[x])[:4]]
     plain, _ = _engine_outputs(path, "off", 0.75, n_slots=4, max_tokens=48, prompts=prompts, **bf16)
-    with_mtp, stats = _engine_outputs(path, "mtp", 0.0, n_slots=4, max_tokens=48, prompts=prompts, **bf16)
+    with_mtp, stats = _engine_outputs(
+        path, "mtp", 0.0, n_slots=4, max_tokens=48, prompts=prompts, adaptive=False, **bf16
+    )
     print("bigram MTP, bfloat16:", stats)
     assert with_mtp == plain
     assert stats.drafts >= 40 and stats.accepted == stats.draft_tokens

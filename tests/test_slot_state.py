@@ -223,9 +223,9 @@ def _mtp_engine(path, spec_type: str):
 
     g = GGUFFile(path)
     st = load(path, n_slots=1, n_ctx=128)
-    spec = build_speculator(
-        SpecConfig(type=spec_type, n_max=3, p_min=0.0), None, g, ModelSettings(None, "cpu", "float32", 128), 1, head=st
-    )
+    # A fixed k: the engines must draft alike (adaptive lengths follow each engine's own timings).
+    cfg = SpecConfig(type=spec_type, n_max=3, p_min=0.0, adaptive=False)
+    spec = build_speculator(cfg, None, g, ModelSettings(None, "cpu", "float32", 128), 1, head=st)
     return Engine(Pipeline(st), Tokenizer.from_gguf(g), 1, 128, speculator=spec).start()
 
 

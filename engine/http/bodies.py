@@ -92,7 +92,7 @@ def chat_body(chat: dict, body, keys: tuple[str, ...]) -> ChatBody:
 
 def spec_override(base: SpecConfig, body: dict) -> SpecConfig:
     """A request's speculative override over the server's `base` (`base` itself when the body has
-    none): `speculative: {type, n_max, n_min, p_min}` (or a bool) or llama-server's flat
+    none): `speculative: {type, n_max, n_min, p_min, adaptive}` (or a bool) or llama-server's flat
     `speculative.n_max` / `speculative.n_min` / `speculative.p_min`. Bad fields are a UserError."""
     over: dict = {}
     nested = body.get("speculative")
@@ -101,7 +101,7 @@ def spec_override(base: SpecConfig, body: dict) -> SpecConfig:
             nested = {"type": base.type if nested and base.type != "off" else ("ngram" if nested else "off")}
         if not isinstance(nested, dict):
             raise UserError('\'speculative\' must be an object like {"type": "ngram", "n_max": 4}')
-        unknown = set(nested) - {"type", "n_max", "n_min", "p_min"}
+        unknown = set(nested) - {"type", "n_max", "n_min", "p_min", "adaptive"}
         if unknown:
             raise UserError(f"unknown 'speculative' field(s): {', '.join(sorted(unknown))}")
         over.update(nested)

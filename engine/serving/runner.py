@@ -135,7 +135,7 @@ class ModelRunner:
         for i, c in enumerate(batch.chunks):
             if c.draft:
                 rows = logits[row : row + len(c.draft) + 1]
-                tids = self.spec.verify(self._draft_mask(rows, c), c.draft, c.seq.sampler, c.seq.tokens)
+                tids = self.spec.verify(self._draft_mask(rows, c), c.draft, c.seq.sampler, c.seq.tokens, c.seq.slot)
                 step.sampled[i] = Sampled(tids, self._draft_logprobs(c.seq, rows, tids))
                 row += len(c.draft) + 1
             elif c.score:

@@ -62,6 +62,10 @@ class Engine:
         self.runner = ModelRunner(pipeline, n_slots, self.spec, self.grammars)
         self.mixed_steps = mixed_by_default(self.runner.device.type) if mixed_steps is None else mixed_steps
         self.overlap = self.runner.device.type == "cuda" if overlap is None else overlap
+        # What a step costs the adaptive draft lengths: with every layer on this process's CPU, its CPU
+        # time (a shared machine's wall time mostly measures the neighbours); else wall time (a GPU, peers).
+        local_cpu = self.runner.device.type == "cpu" and not getattr(pipeline, "remotes", None)
+        self._step_clock = time.process_time if local_cpu else time.perf_counter
         self._in_flight: deque[Launched] = deque()  # launched steps the host has not read yet
         self.scheduler = Scheduler(
             n_slots,
@@ -208,9 +212,13 @@ class Engine:
         self.stats.overlapped += overlap and bool(self._in_flight)
         if not overlap:
             self._finish_all()
-        self._in_flight.append(self._launch(self.scheduler.schedule(), cancelled))
+        t0 = self._step_clock()  # the step's drafting (in `schedule`) counts in its cost
+        batch = self.scheduler.schedule()
+        self._in_flight.append(self._launch(batch, cancelled))
         while len(self._in_flight) > overlap:
             self._finish(self._in_flight.popleft())
+        if not overlap:  # the adaptive draft lengths' cost of this step: scheduled to read
+            self.spec.timed(batch.chunks, self._step_clock() - t0)
 
     def _launch(self, batch: Batch, cancelled: list[Sequence]) -> Launched:
         """The runner queues the step; what is in flight is finished once its layers are queued."""

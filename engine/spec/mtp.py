@@ -29,14 +29,50 @@ class MtpDrafter(Drafter):
 
     The trunk's h for the position before a slot's next run is the row the target computed there:
     the last `MAX_DRAFT + 1` rows of each slot's latest run are kept (a verify keeps all its rows;
-    the next run starts right after the last accepted one)."""
+    the next run starts right after the last accepted one).
+
+    A slot that drafts nothing for now (`rest`: the adaptive policy's k = 0) does not pay for the
+    block on each step: its rows' inputs (token, position, the h before) are kept, up to
+    `CATCH_UP` of them, and the block runs over them all at once before its next draft (or before
+    its state moves), so its KV is as if it had followed every step (older rows than that stay
+    stale: poorer drafts, never wrong output)."""
 
     TOP_K = 10
+    CATCH_UP = 256  # rows a resting slot keeps for its catch-up (adaptive.PROBE_MAX steps and more)
 
     def __init__(self, nextn, p_min: float = 0.75):
         self.nextn = nextn
         self.p_min = p_min
         self._rows: dict[int, tuple[int, torch.Tensor]] = {}  # slot -> (position of rows[0], trunk h rows)
+        self._resting: set[int] = set()
+        self._pending: dict[
+            int, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+        ] = {}  # (tokens, positions, h before)
+
+    def start(self, slot: int, prompt: list[int]) -> None:
+        self.release(slot)
+
+    def release(self, slot: int) -> None:
+        self._resting.discard(slot)
+        self._pending.pop(slot, None)
+
+    def rest(self, slot: int, resting: bool) -> None:
+        """Whether `slot` drafts nothing for now (the block then waits for its next draft to catch up)."""
+        if resting:
+            self._resting.add(slot)
+        else:
+            self._resting.discard(slot)
+
+    def _catch_up(self, slots) -> None:
+        """Run the block over the rows `slots` kept while resting, all of them in one batch."""
+        parts = [(s, self._pending.pop(s)) for s in slots if s in self._pending]
+        if not parts:
+            return
+        rows = [r for _, rs in parts for r in rs]
+        n = [sum(len(t) for t, _, _ in rs) for _, rs in parts]
+        slot_ids = torch.repeat_interleave(torch.tensor([s for s, _ in parts], dtype=torch.long), torch.tensor(n))
+        tokens, positions, h_prev = (torch.cat([r[i] for r in rows]) for i in range(3))
+        self.nextn.run(tokens, h_prev, slot_ids, positions)
 
     def _h_before(self, slot: int, pos: int) -> torch.Tensor:
         """The trunk's normed hidden state at `pos - 1` for `slot` (zeros at position 0 or when unknown)."""
@@ -51,6 +87,7 @@ class MtpDrafter(Drafter):
     def state_out(self, slot: int, n: int) -> dict[str, torch.Tensor]:
         """The block's state for `slot`'s first n positions, by name; empty when the trunk's h at
         position n - 1 is no longer kept (the state then travels without it)."""
+        self._catch_up([slot])
         p0, rows = self._rows.get(slot, (0, None))
         if rows is None or n == 0 or not 0 <= n - 1 - p0 < rows.shape[0]:
             return {}
@@ -64,7 +101,9 @@ class MtpDrafter(Drafter):
     def restored(self, slot: int, n: int, views: dict[str, torch.Tensor] | None) -> None:
         """`slot` now holds a moved state of n positions; `views` (from `state_in`) were written,
         or None when the state had no MTP part: the block's KV there is stale, so drafts for the
-        slot are poorer until it refills (the target's verification keeps output exact)."""
+        slot are poorer until it refills (the target's verification keeps output exact). Rows it
+        kept while resting belong to what the slot held before: dropped."""
+        self._pending.pop(slot, None)
         if views is None:
             self._rows.pop(slot, None)
         else:
@@ -75,7 +114,8 @@ class MtpDrafter(Drafter):
         return {"mtp." + name.removeprefix(prefix): view for name, view in self.nextn.block.slot_state(slot, n).items()}
 
     def observe(self, tokens: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor) -> None:
-        """The target ran `tokens` (per slot contiguous) and returned their normed hidden states."""
+        """The target ran `tokens` (per slot contiguous) and returned their normed hidden states:
+        the block runs over the following slots' rows now, the resting slots' wait for their catch-up."""
         if tokens.numel() == 0:
             return
         s, p = slots.tolist(), positions.tolist()
@@ -83,12 +123,27 @@ class MtpDrafter(Drafter):
         h_prev = torch.cat([hidden[:1], hidden[:-1]])
         for i in starts:
             h_prev[i] = self._h_before(s[i], p[i])
-        self.nextn.run(tokens, h_prev, slots, positions)
+        resting = [(i, end) for i, end in zip(starts, starts[1:] + [len(s)]) if s[i] in self._resting]
+        if not resting:
+            self.nextn.run(tokens, h_prev, slots, positions)
+        else:
+            for i, end in resting:
+                kept = self._pending.setdefault(s[i], [])
+                kept.append((tokens[i:end], positions[i:end], h_prev[i:end].clone()))
+                while sum(len(t) for t, _, _ in kept) > self.CATCH_UP:
+                    kept.pop(0)
+            follow = torch.ones(len(s), dtype=torch.bool)
+            for i, end in resting:
+                follow[i:end] = False
+            if bool(follow.any()):
+                idx = follow.nonzero().flatten()
+                self.nextn.run(tokens[idx.to(tokens.device)], h_prev[idx.to(h_prev.device)], slots[idx], positions[idx])
         for i, end in zip(starts, starts[1:] + [len(s)]):
             keep = min(end - i, MAX_DRAFT + 1)
             self._rows[s[i]] = (p[end - keep], hidden[end - keep : end].clone())
 
     def draft_batch(self, requests: list[DraftRequest]) -> list[Draft]:
+        self._catch_up([r.slot for r in requests])
         live = [i for i, r in enumerate(requests) if r.k > 0 and r.tokens]
         if live and all(requests[i].sampler is None or requests[i].sampler.params.greedy for i in live):
             return self._greedy_chain(requests, live)

@@ -13,6 +13,7 @@ from ..model import ROLLBACK, ModelConfig, NextN, Stage, build_stage
 from ..pipeline import Pipeline
 from ..serving.sampling import Rows, Stream, distribution, host_uniform, sample
 from .accept import accept_greedy, accept_sampled
+from .adaptive import AdaptiveDrafts
 from .draft_model import DraftModelDrafter, check_same_vocab
 from .drafter import Draft, Drafter, DraftRequest
 from .mtp import MtpDrafter, check_mtp
@@ -43,6 +44,7 @@ class Speculator:
         if self.mtp is not None:
             self.drafters["mtp"] = self.mtp
         self.stats = SpecStats()
+        self.adaptive = AdaptiveDrafts(min(max_draft, MAX_DRAFT))
 
     @property
     def wants_hidden(self) -> bool:
@@ -77,10 +79,12 @@ class Speculator:
     def start(self, slot: int, prompt: list[int]) -> None:
         for d in self.drafters.values():
             d.start(slot, prompt)
+        self.adaptive.start(slot)
 
     def release(self, slot: int) -> None:
         for d in self.drafters.values():
             d.release(slot)
+        self.adaptive.release(slot)
 
     def plan(self, seqs: list, n_ctx: int) -> list[Draft | None]:
         """A draft (or None) per decoding sequence (sequence.Sequence: slot, tokens, n_gen, req.spec,
@@ -89,15 +93,32 @@ class Speculator:
         ends before the first token its grammar refuses."""
         out: list[Draft | None] = [None] * len(seqs)
         by_type: dict[str, list[tuple[int, DraftRequest, SpecConfig]]] = {}
+        caps: list[tuple[int, int, SpecConfig]] = []  # (sequence index, its most k, its config)
         for i, seq in enumerate(seqs):
             cfg = seq.req.spec or self.config
             if not cfg.active or cfg.type not in self.drafters:
                 continue
             k = min(cfg.n_max, self.max_draft, seq.req.max_tokens - seq.n_gen - 1, n_ctx - len(seq.tokens))
+            if k >= max(cfg.n_min, 1):
+                caps.append((i, k, cfg))
+        adapting = [c for c in caps if c[2].adapts]
+        ks = dict(
+            zip(
+                (i for i, _, _ in adapting),
+                self.adaptive.plan([seqs[i].slot for i, _, _ in adapting], [k for _, k, _ in adapting]),
+            )
+        )
+        for i, k, cfg in caps:
+            k = ks.get(i, k)
             if k < max(cfg.n_min, 1):
                 continue
+            seq = seqs[i]
             req = DraftRequest(seq.slot, seq.tokens, k, seq.sampler, cfg.p_min)
             by_type.setdefault(cfg.type, []).append((i, req, cfg))
+        if self.mtp is not None:  # a slot that drafts nothing this step leaves the block's run for later
+            drafting = {seqs[i].slot for items in by_type.values() for i, _, _ in items}
+            for seq in seqs:
+                self.mtp.rest(seq.slot, seq.slot not in drafting)
         for kind, items in by_type.items():
             drafts = self.drafters[kind].draft_batch([r for _, r, _ in items])
             for (i, _, cfg), d in zip(items, drafts):
@@ -108,10 +129,13 @@ class Speculator:
                     out[i] = d
         return out
 
-    def verify(self, logits: torch.Tensor, draft: Draft, sampler, history: list[int]) -> list[int]:
+    def verify(
+        self, logits: torch.Tensor, draft: Draft, sampler, history: list[int], slot: int | None = None
+    ) -> list[int]:
         """Tokens to emit after verifying `draft` against the target's `logits[k+1, V]` (row i follows
         `history + draft[:i]`), with the request's own sampler so its bias, transforms and penalties
-        hold (and its seed: row i's randomness is that of the token at its index)."""
+        hold (and its seed: row i's randomness is that of the token at its index). `slot`'s
+        acceptance feeds the adaptive draft lengths."""
         k = len(draft)
         params = sampler.params
         if params.greedy and not params.penalised and not params.logit_bias:
@@ -126,7 +150,15 @@ class Speculator:
                 )
                 emitted = accept_sampled(distribution(logits, rows), draft.tokens, draft.q, u)
         self.stats.record(k, len(emitted) - 1)
+        if slot is not None:
+            self.adaptive.record(slot, k, len(emitted) - 1)
         return emitted
+
+    def timed(self, chunks: list, seconds: float) -> None:
+        """A decode step (every chunk one sequence's next token, some with drafts) took `seconds`,
+        its drafting included: the adaptive policy's cost of (sequences, tokens verified)."""
+        if chunks and not any(c.prefill or c.hidden for c in chunks):
+            self.adaptive.timed(len(chunks), sum(1 + (len(c.draft) if c.draft else 0) for c in chunks), seconds)
 
 
 def check_speculative(config: SpecConfig, draft_path: str | None, g) -> None:

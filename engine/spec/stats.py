@@ -6,7 +6,7 @@ import threading
 import time
 from collections import deque
 
-from ...contracts.status import Speculative
+from ...contracts.status import SpecSlot, Speculative
 from ..config import SpecConfig
 
 
@@ -36,8 +36,11 @@ class SpecStats:
                 self.accepted_per_pos[i] += 1
             self._recent.append((time.monotonic(), n_drafted, n_accepted))
 
-    def snapshot(self, spec: SpecConfig | None = None, kv_bytes: int = 0) -> Speculative:
-        """The /status `speculative` section (`kv_bytes`: the drafter's own cache)."""
+    def snapshot(
+        self, spec: SpecConfig | None = None, kv_bytes: int = 0, slots: list[dict] | None = None
+    ) -> Speculative:
+        """The /status `speculative` section (`kv_bytes`: the drafter's own cache; `slots`: the
+        adaptive policy's per-slot state, `AdaptiveDrafts.snapshot`)."""
         with self._lock:
             cutoff = time.monotonic() - self.window_s
             recent = [(d, a) for t, d, a in self._recent if t >= cutoff]
@@ -54,6 +57,8 @@ class SpecStats:
                 recent_acceptance=r_accepted / r_drafted if r_drafted else None,
                 accepted_per_pos=list(self.accepted_per_pos),
                 kv_bytes=kv_bytes,
+                adaptive=bool(spec and spec.active and spec.adapts),
+                slots=[SpecSlot(**s) for s in slots or []],
             )
 
 
