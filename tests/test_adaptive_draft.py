@@ -15,6 +15,7 @@ from stages import load
 from hydra_console.engine.config import ModelSettings, SpecConfig
 from hydra_console.engine.errors import UserError
 from hydra_console.engine.gguf_file import GGUFFile
+from hydra_console.engine.http.bodies import spec_override
 from hydra_console.engine.metrics import Metrics
 from hydra_console.engine.model import NextN
 from hydra_console.engine.pipeline import Pipeline
@@ -118,9 +119,9 @@ def test_a_slot_that_drafts_nothing_probes_and_backs_off():
 def test_the_flag_and_the_request_field():
     assert SpecConfig("mtp").adapts and not SpecConfig("ngram").adapts
     assert not SpecConfig("mtp", adaptive=False).adapts and SpecConfig("ngram", adaptive=True).adapts
-    assert SpecConfig("mtp").with_request({"speculative": {"adaptive": False}}).adaptive is False
+    assert spec_override(SpecConfig("mtp"), {"speculative": {"adaptive": False}}).adaptive is False
     with pytest.raises(UserError, match="adaptive"):
-        SpecConfig("mtp").with_request({"speculative": {"adaptive": "yes"}})
+        spec_override(SpecConfig("mtp"), {"speculative": {"adaptive": "yes"}})
 
 
 @pytest.mark.parametrize("accuracy", [0.3, 0.6, 0.9])
