@@ -228,6 +228,7 @@ class PeerInfo(_Doc):
     transport: str | None = None  # "socket" | "cuda-ipc"
     attaches: int = 0
     error: str | None = None
+    pipelined: int = 0  # prompt chunks sent without waiting for their reply (FORWARD_ACK: --prefill-pipeline)
 
 
 @dataclass(frozen=True)
