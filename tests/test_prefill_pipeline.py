@@ -10,7 +10,7 @@ import time
 
 import pytest
 import torch
-from rpc_workers import greedy, head, peer, running
+from rpc_workers import greedy, head, peer, running, wait_for
 
 from hydra_console.engine.cli import build_parser
 from hydra_console.engine.cli_config import head_config
@@ -107,6 +107,29 @@ def test_a_peer_lost_mid_pipeline_fails_the_prompt_cleanly(tiny_model, tmp_path)
                 )
             assert time.monotonic() - t0 < 30
             assert split.remotes[0].state == "down" and split.unavailable()
+        finally:
+            split.stop()
+
+
+def test_an_abandoned_pipeline_is_read_by_the_watchers_ping(tiny_model, tmp_path):
+    """A prompt cancelled mid-pipeline leaves replies unread: the ping skips them while a prompt may
+    still be flowing (its own next step reads them), then reads them (PIPELINE_IDLE_S), and the
+    session serves on."""
+    model = tiny_model("llama", **SHAPES["llama"])
+    tokens = torch.randint(3, 200, (PROMPT,), generator=torch.Generator().manual_seed(3))
+    with running(peer(model, tmp_path, "--dtype", "float32")) as p:
+        split = split_pipeline(model, p.rpc_addr)
+        try:
+            remote = split.remotes[0]
+            for start in (0, CHUNK):
+                end = start + CHUNK
+                slots, rows = torch.zeros(CHUNK, dtype=torch.long), torch.zeros(0, dtype=torch.long)
+                split.forward(tokens[start:end], slots, torch.arange(start, end), rows)
+            assert remote.pipelined == 2 and remote.ping() is None  # replies pending, the prompt may go on
+            wait_for(lambda: remote.ping() is not None, 60, "the ping to read the abandoned replies")
+            assert remote.state == "up"
+            split.clear_slot(0)
+            assert prefill_then_decode(split, 0, tokens)[0].shape == (1, split.cfg.n_vocab)
         finally:
             split.stop()
 

@@ -69,6 +69,7 @@ log = logging.getLogger("hydra.rpc.client")
 CONNECT_TIMEOUT_S = 2.0
 WATCH_S = 1.0  # while a reply is pending, probe the peer this often
 PROBE_ANSWER_S = 2.0
+PIPELINE_IDLE_S = 5.0  # pipelined replies unread this long: the watcher's ping reads them
 M = TypeVar("M", bound=Message)
 
 
@@ -179,6 +180,7 @@ class RemoteStage:
         self.pipeline_depth = pipeline_depth  # FORWARD_ACK replies that may wait unread (0: never pipeline)
         self.pipelined = 0  # prompt chunks sent without waiting (FORWARD_ACK), in all
         self._unread = 0  # FORWARD_ACK replies on the main connection not read yet
+        self._pipelined_at = 0.0  # monotonic time of the last FORWARD_ACK sent
 
     # --- connection -------------------------------------------------------------------------------
 
@@ -402,6 +404,7 @@ class RemoteStage:
                 self._send(Cmd.FORWARD_ACK, pack_forward(self.epoch, hidden, slots.cpu(), positions.cpu()))
                 self._unread += 1
                 self.pipelined += 1
+                self._pipelined_at = time.monotonic()
             except (OSError, FrameError, PeerUnavailable) as e:
                 self._down(f"{type(e).__name__}: {e}")
                 raise PeerUnavailable(f"peer {self.addr} failed mid-request: {e}") from None
@@ -527,17 +530,23 @@ class RemoteStage:
         return body
 
     def ping(self) -> float | None:
-        """RTT of an empty round trip in ms; skipped (None) while a forward holds the socket."""
+        """RTT of an empty round trip in ms; skipped (None) while a forward holds the socket or a
+        prompt's pipelined chunks are flowing. Their replies left unread for PIPELINE_IDLE_S (the
+        prompt was cancelled) are read first: the session stays pinged, a lost peer is seen."""
         if not self._lock.acquire(blocking=False):
             return None
         try:
-            if self.state != "up" or self._unread:  # replies of pipelined chunks still to come first
+            if self.state != "up":
                 return None
+            if self._unread:
+                if time.monotonic() - self._pipelined_at < PIPELINE_IDLE_S:
+                    return None  # the prompt's own next step reads them
+                self._guarded(self._settle)
             t0 = time.perf_counter()
             self._guarded(lambda: self._exchange(Cmd.PING, b""))
             self.rtt_ms = (time.perf_counter() - t0) * 1e3
             return self.rtt_ms
-        except PeerUnavailable:
+        except (PeerUnavailable, StaleEpoch):  # StaleEpoch: the next forward re-attaches
             return None
         finally:
             self._lock.release()
