@@ -17,6 +17,7 @@ import logging
 import socket
 import threading
 import time
+from collections import deque
 from typing import TypeVar
 
 import torch
@@ -70,6 +71,9 @@ CONNECT_TIMEOUT_S = 2.0
 WATCH_S = 1.0  # while a reply is pending, probe the peer this often
 PROBE_ANSWER_S = 2.0
 PIPELINE_IDLE_S = 5.0  # pipelined replies unread this long: the watcher's ping reads them
+# /status `rtt_max_ms`: the worst round trip this recent, so a spike between two polls of a console
+# (or hidden behind a normal round trip just before the poll) still shows on its timeline.
+RTT_WINDOW_S = 10.0
 M = TypeVar("M", bound=Message)
 
 
@@ -164,6 +168,7 @@ class RemoteStage:
         self.epoch = 0
         self.state_key: bytes | None = None  # LOAD_STAGE's: lets a second connection move slot states (STATE_JOIN)
         self.rtt_ms: float | None = None
+        self._rtts: deque[tuple[float, float]] = deque()  # (monotonic time, ms) of the last RTT_WINDOW_S
         self.compute_ms: float | None = None  # the peer's own time for the last FORWARD
         self.bytes_sent = self.bytes_recv = 0
         self.error: str | None = None
@@ -379,7 +384,7 @@ class RemoteStage:
             finally:
                 self._account()
             self.compute_ms = compute_us / 1e3
-            self.rtt_ms = max((time.perf_counter() - t0 - busy) * 1e3 - self.compute_ms, 0.0)
+            self._note_rtt(max((time.perf_counter() - t0 - busy) * 1e3 - self.compute_ms, 0.0))
         if failed is not None:
             raise failed
         return out
@@ -544,18 +549,33 @@ class RemoteStage:
                 self._guarded(self._settle)
             t0 = time.perf_counter()
             self._guarded(lambda: self._exchange(Cmd.PING, b""))
-            self.rtt_ms = (time.perf_counter() - t0) * 1e3
-            return self.rtt_ms
+            return self._note_rtt((time.perf_counter() - t0) * 1e3)
         except (PeerUnavailable, StaleEpoch):  # StaleEpoch: the next forward re-attaches
             return None
         finally:
             self._lock.release()
 
+    def _note_rtt(self, ms: float) -> float:
+        now = time.monotonic()
+        self.rtt_ms = ms
+        self._rtts.append((now, ms))
+        while self._rtts[0][0] < now - RTT_WINDOW_S:
+            self._rtts.popleft()
+        return ms
+
+    @property
+    def rtt_max_ms(self) -> float | None:
+        """The worst round trip of the last RTT_WINDOW_S (None: none measured then)."""
+        since = time.monotonic() - RTT_WINDOW_S
+        return max((ms for t, ms in list(self._rtts) if t >= since), default=None)
+
     def status(self) -> PeerInfo:
+        worst = self.rtt_max_ms
         return PeerInfo(
             addr=self.addr,
             state=self.state,
             rtt_ms=None if self.rtt_ms is None else round(self.rtt_ms, 3),
+            rtt_max_ms=None if worst is None else round(worst, 3),
             compute_ms=None if self.compute_ms is None else round(self.compute_ms, 3),
             layers=tuple(self.layer_range),
             bytes_sent=self.bytes_sent,
