@@ -4,9 +4,11 @@ peer processes; the peer is stopped (SIGSTOP) for a moment while a request's for
 from __future__ import annotations
 
 import os
+import re
 import signal
 import threading
 
+import httpx
 from rpc_workers import complete, head, peer, running, wait_for
 
 from hydra_console.app.config import Alerts
@@ -42,3 +44,6 @@ def test_a_stalled_peer_is_an_rtt_spike_in_status_and_on_the_timeline(tiny_model
         assert peer_now.rtt_ms < peer_now.rtt_max_ms  # the last round trip was normal again: only the window shows it
         spikes = [i for i in status_incidents(before, after, 1.0, Alerts(rtt_ms=100.0)) if i.kind == "rtt-spike"]
         assert [i.subject for i in spikes] == [p.rpc_addr]
+        metrics = httpx.get(f"{w.url}/metrics", timeout=10).text
+        worst = re.search(rf'hydra_peer_rtt_max_seconds{{peer="{re.escape(p.rpc_addr)}"}} ([0-9.e-]+)', metrics)
+        assert worst and float(worst.group(1)) >= STALL_S / 2
