@@ -304,7 +304,10 @@ def peer_lines(status: Status | None, alerts: Alerts, pools: dict[str, Pool] | N
             p.state, ("?", "muted")
         )
         rtt_s = "—" if p.rtt_ms is None else f"{p.rtt_ms:.1f} ms"
-        if tone == "ok" and p.rtt_ms is not None and p.rtt_ms >= alerts.rtt_ms:
+        peak = p.rtt_peak_ms
+        if peak is not None and p.rtt_ms is not None and peak > p.rtt_ms and peak >= alerts.rtt_ms:
+            rtt_s += f" (max {peak:.1f})"  # a spike since the last poll: the last round trip was normal again
+        if tone == "ok" and peak is not None and peak >= alerts.rtt_ms:
             tone, rtt_s = "warn", f"{rtt_s} ⚠"
         ipc = " · cuda-ipc" if p.transport == "cuda-ipc" else ""
         pool = (pools or {}).get(p.addr)
@@ -325,8 +328,8 @@ def active_alerts(sup: Supervisor, alerts: Alerts) -> dict[str, str]:
                 f"{row.label} memory {row.used / row.total * 100:.0f}% (alert at {alerts.vram_pct:g}%)"
             )
     for p in sup.head.status.peers if sup.head.status else []:
-        if p.state == "up" and p.rtt_ms is not None and p.rtt_ms >= alerts.rtt_ms:
-            out[f"rtt:{p.addr}"] = f"peer {p.addr} RTT {p.rtt_ms:.1f} ms (alert at {alerts.rtt_ms:g} ms)"
+        if p.state == "up" and p.rtt_peak_ms is not None and p.rtt_peak_ms >= alerts.rtt_ms:
+            out[f"rtt:{p.addr}"] = f"peer {p.addr} RTT {p.rtt_peak_ms:.1f} ms (alert at {alerts.rtt_ms:g} ms)"
     for w in sup.workers.values():
         if w.crash_restarts >= alerts.restarts:
             out[f"restarts:{w.name}"] = (

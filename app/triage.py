@@ -89,13 +89,10 @@ def status_incidents(prev: Status, cur: Status, ts: float, alerts: Alerts, subje
             out.append(
                 Incident(ts, kind, addr, f"peer {addr} {was.state} → {p.state}" + (f" ({p.error})" if p.error else ""))
             )
-        if (
-            p.rtt_ms is not None
-            and p.rtt_ms >= alerts.rtt_ms
-            and (was is None or was.rtt_ms is None or was.rtt_ms < alerts.rtt_ms)
-        ):
+        peak, was_peak = p.rtt_peak_ms, (was.rtt_peak_ms if was is not None else None)
+        if peak is not None and peak >= alerts.rtt_ms and (was_peak is None or was_peak < alerts.rtt_ms):
             out.append(
-                Incident(ts, "rtt-spike", addr, f"peer {addr} RTT {p.rtt_ms:.1f} ms (alert at {alerts.rtt_ms:g} ms)")
+                Incident(ts, "rtt-spike", addr, f"peer {addr} RTT {peak:.1f} ms (alert at {alerts.rtt_ms:g} ms)")
             )
     if prev.pool and cur.pool and cur.pool.dropped > prev.pool.dropped:
         out.append(

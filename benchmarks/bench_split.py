@@ -2,6 +2,12 @@
 
     python benchmarks/bench_split.py [--model PATH] [--device cpu] [--dtype auto] [--block 16] [-r 8] [--prefill 128]
     python benchmarks/bench_split.py --synthetic-llama-1b --device cuda   # the H200 run (two processes, one GPU)
+    python benchmarks/bench_split.py --pin --prefill 2048 --prefill-chunk 256   # pipelined prefill alone
+
+With --prefill-chunk N only the split's prefill is timed: a --prefill-token prompt in N-token
+forwards as the engine's steps run it (logits of the last row only), pipelined (the head computes
+chunk i+1 while the peer computes chunk i: --prefill-pipeline) and not, alternating `-r` times,
+then both rates, the ratio and whether the last logits are equal.
 
 Decode: single-token greedy steps through `Pipeline.forward` after the same prompt, solo (every
 layer here) and split (head [0, L/2) here, [L/2, L) in a `hydra-engine peer` process over the
@@ -97,6 +103,45 @@ def prefill_tok_s(pipe: Pipeline, n: int, slot: int = 0) -> float:
     return n / (time.perf_counter() - t0)
 
 
+def chunked_prefill(pipe: Pipeline, n: int, chunk: int, depth: int, slot: int = 0) -> tuple[float, torch.Tensor]:
+    """An n-token prompt in `chunk`-token forwards as the scheduler's steps (logits of the prompt's
+    last row only), the last peer holding at most `depth` chunks unanswered (0: each waits):
+    (seconds, logits)."""
+    for remote in pipe.remotes:
+        remote.pipeline_depth = depth
+    sync = device_sync(pipe)
+    tokens = torch.arange(1, n + 1) % pipe.cfg.n_vocab
+    sync()
+    t0 = time.perf_counter()
+    for start in range(0, n, chunk):
+        end = min(n, start + chunk)
+        rows = torch.tensor([end - start - 1]) if end == n else torch.zeros(0, dtype=torch.long)
+        logits = pipe.forward(tokens[start:end], torch.full((end - start,), slot), torch.arange(start, end), rows)
+    sync()
+    return time.perf_counter() - t0, logits
+
+
+def compare_pipelined(split: Pipeline, n: int, chunk: int, reps: int, depth: int) -> None:
+    """Chunked prefill through the split, pipelined and not, interleaved (load drifts hit both)."""
+    times: dict[str, list[float]] = {"unpipelined": [], "pipelined": []}
+    logits = {}
+    chunked_prefill(split, n, chunk, depth)  # warm-up (and the peer's one-time work)
+    for _ in range(reps):
+        for mode, d in (("unpipelined", 0), ("pipelined", depth)):
+            t, logits[mode] = chunked_prefill(split, n, chunk, d)
+            times[mode].append(t)
+    best = {k: n / min(v) for k, v in times.items()}
+    med = {k: n / statistics.median(v) for k, v in times.items()}
+    print(f"prefill {n} tokens in {chunk}-token chunks through the split, tok/s (best / median of {reps}):")
+    for k in times:
+        print(f"  {k:11s} {best[k]:8.1f} / {med[k]:8.1f}")
+    print(
+        f"  pipelined/unpipelined: best {best['pipelined'] / best['unpipelined']:.3f}, "
+        f"median {med['pipelined'] / med['unpipelined']:.3f}; last logits equal: "
+        f"{torch.equal(logits['pipelined'], logits['unpipelined'])}; chunks pipelined {split.remotes[-1].pipelined}"
+    )
+
+
 def decode_block(
     pipe: Pipeline, tok: torch.Tensor, start: int, n: int, overheads: list, host: bool
 ) -> tuple[torch.Tensor, float]:
@@ -181,6 +226,12 @@ def main() -> None:
     )
     ap.add_argument("--no-resplit", action="store_true", help="skip the live re-split timings")
     ap.add_argument(
+        "--prefill-chunk",
+        type=int,
+        default=0,
+        help="time only the split's --prefill in chunks of this many tokens, pipelined and not",
+    )
+    ap.add_argument(
         "--no-compile",
         action="store_true",
         help="solo, head and peer replay the uncompiled decode step (as `serve --no-compile`); by default all "
@@ -222,6 +273,8 @@ def main() -> None:
     rpc = head_config(build_parser().parse_args(["serve"]), os.environ).rpc  # the environment serve would see
     part_steps = max(args.block, 32)
     n_ctx = max(PROMPT_TOKENS + part_steps + 8, args.prefill)
+    if args.prefill_chunk and not args.prefill:
+        ap.error("--prefill-chunk times the --prefill prompt: give it a length")
     half = cfg.n_layers // 2
     compiled = not args.no_compile and device.type == "cuda"  # only CUDA graphs replay a compiled step
     flags = [] if compiled else ["--no-compile"]  # what serve and peer are told
@@ -248,17 +301,6 @@ def main() -> None:
     else:
         proc, addr = start_peer(model, args.device, {1} if args.pin else None, flags)
     try:
-        solo = Pipeline(
-            build_stage(
-                g,
-                device=device,
-                dtype=dtype,
-                n_slots=1,
-                n_ctx=max(n_ctx, args.resplit_ctx),
-                cache_dir=cache_dir,
-                compile_decode=compiled,
-            )
-        )
         argv = [
             "serve",
             "--model",
@@ -282,6 +324,21 @@ def main() -> None:
         split = build_pipeline(head_config(build_parser().parse_args(argv), os.environ), g, cfg)
         remote = split.remotes[0]
         print(f"peer {addr}: hidden states via {remote.transport}")
+        if args.prefill_chunk:
+            compare_pipelined(split, args.prefill, args.prefill_chunk, args.repetitions, rpc.prefill_pipeline)
+            split.stop()
+            return
+        solo = Pipeline(
+            build_stage(
+                g,
+                device=device,
+                dtype=dtype,
+                n_slots=1,
+                n_ctx=max(n_ctx, args.resplit_ctx),
+                cache_dir=cache_dir,
+                compile_decode=compiled,
+            )
+        )
         summary["transport"] = remote.transport
         # Blocks of `--block` steps, alternating solo / split, so load drifts on a shared machine
         # hit both alike; every block restarts after the same prompt (same positions, same work).

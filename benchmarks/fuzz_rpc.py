@@ -94,6 +94,7 @@ CMDS = [
     Cmd.AUTH,
     Cmd.IPC_OPEN,
     Cmd.FORWARD_IPC,
+    Cmd.FORWARD_ACK,
 ]
 
 
@@ -173,8 +174,8 @@ def forward_payload(rng: random.Random, with_hidden: bool = True) -> bytes:
 def compute_frame(rng: random.Random) -> tuple[bytes, bool]:
     kind = rng.random()
     cmd = rng.choice(CMDS) if rng.random() < 0.85 else rng.randrange(256)
-    if cmd in (Cmd.FORWARD, Cmd.FORWARD_IPC):
-        payload = forward_payload(rng, with_hidden=cmd == Cmd.FORWARD)
+    if cmd in (Cmd.FORWARD, Cmd.FORWARD_IPC, Cmd.FORWARD_ACK):
+        payload = forward_payload(rng, with_hidden=cmd != Cmd.FORWARD_IPC)
     elif cmd == Cmd.IPC_OPEN:
         payload = json.dumps({"uuid": rng.choice(["GPU-0", "", None]), "rows": rng.randrange(-2, 1 << 17)}).encode()
     elif cmd in (Cmd.CHECK, Cmd.LOAD_STAGE):

@@ -26,6 +26,7 @@ starts with a `ReplyStatus` byte, then JSON, raw bytes or an error message:
 | RESOLVE 33 | tensor name (UTF-8) | JSON {"found", "epoch", "dtype", "shape"} |
 | FORWARD 34 | `FORWARD_HEADER` + int32 slots[T] + int32 positions[T] + hidden[T, d] raw | (own header) `FORWARD_REPLY` + hidden raw |
 | FORWARD_IPC 42 | FORWARD without the hidden bytes | `FORWARD_REPLY` |
+| FORWARD_ACK 47 | FORWARD (peers with `CAP_FORWARD_ACK`) | `FORWARD_REPLY` alone: the head needs no hidden states back |
 | KV_TRIM 35 | `KV_TRIM` (slot i32, n u32) | empty |
 | KV_CLEAR 36 | `KV_CLEAR` (slot i32; -1 = all) | empty |
 | STATS 37 | empty | JSON |
@@ -69,6 +70,12 @@ host or mount namespace: no such file, or another nonce) answers bytes as it alw
 PROBE (compute 50, control 0x50) is the split advisor's measurement: on the control port the head
 answers a `PipelineProbe` (a `PipelineProbeRequest` in) after timing its own layers and asking each
 peer for a `StageProbe` over its compute session, on the positions no slot holds yet.
+
+FORWARD_ACK pipelines a long prompt across stages: a prompt chunk whose output nobody reads (not
+the prompt's last, no logits asked) goes to the last stage as FORWARD_ACK, and the head computes
+the next chunk instead of waiting; the peer runs its frames in order, so the replies (a status and
+the compute time each) are read later, before anything else on that connection, at most
+`--prefill-pipeline` of them outstanding.
 """
 
 from __future__ import annotations
@@ -116,7 +123,7 @@ def frame_deadline(size: int) -> float:
 # --- compute protocol --------------------------------------------------------------------------------
 
 VERSION = (72, 1, 0)  # major 72 ("H") never matches an upstream ggml-rpc major (1..3)
-CAP_AUTH, CAP_FORWARD, CAP_RESOLVE, CAP_IPC = 1, 2, 4, 8
+CAP_AUTH, CAP_FORWARD, CAP_RESOLVE, CAP_IPC, CAP_FORWARD_ACK = 1, 2, 4, 8, 16
 
 
 class Cmd:
@@ -136,6 +143,7 @@ class Cmd:
     STATE_GET = 44
     STATE_PUT = 45
     STATE_JOIN = 46
+    FORWARD_ACK = 47  # FORWARD answered by its status alone: a pipelined prompt chunk
     PROBE = 50  # time the resident layers one by one (the split advisor)
 
 

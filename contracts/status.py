@@ -242,6 +242,14 @@ class PeerInfo(_Doc):
     transport: str | None = None  # "socket" | "cuda-ipc"
     attaches: int = 0
     error: str | None = None
+    pipelined: int = 0  # prompt chunks sent without waiting for their reply (FORWARD_ACK: --prefill-pipeline)
+    rtt_max_ms: float | None = None  # the worst round trip of the head's last ~10 s (rtt_ms: the last one)
+
+    @property
+    def rtt_peak_ms(self) -> float | None:
+        """The worst round trip this document knows of (a spike between two polls included)."""
+        known = [ms for ms in (self.rtt_ms, self.rtt_max_ms) if ms is not None]
+        return max(known, default=None)
 
 
 @dataclass(frozen=True)

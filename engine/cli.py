@@ -23,6 +23,7 @@ from .config import (
     DEFAULT_BODY_TIMEOUT,
     DEFAULT_HEADER_TIMEOUT,
     DEFAULT_MAX_RESPONSE,
+    DEFAULT_PREFILL_PIPELINE,
     ENVIRONMENT,
     KV_CACHE_TYPES,
     MAX_CONNECTIONS_CAP,
@@ -204,6 +205,15 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--split", default=None, help="layers per stage, head first: 9/9, 9,9 or proportions")
     s.add_argument("--fallback-solo", action="store_true", help="run all layers locally if peers never come up")
     s.add_argument("--peer-wait", type=float, default=180.0, help="seconds to wait for peers at start")
+    s.add_argument(
+        "--prefill-pipeline",
+        type=int,
+        default=DEFAULT_PREFILL_PIPELINE,
+        metavar="N",
+        help="a long prompt's chunks flow through the stages: the head computes the next chunk while the "
+        f"last peer computes this one, at most N chunks unanswered (default {DEFAULT_PREFILL_PIPELINE}; 0: off, "
+        "each chunk waits for the peer)",
+    )
     s.add_argument(
         "--api-key",
         default=None,

@@ -107,6 +107,7 @@ def rpc_settings(args, env: Mapping[str, str], **mode) -> RpcSettings:
 def head_config(args, env: Mapping[str, str]) -> HeadConfig:
     _at_least(1, parallel=args.parallel, rpc_pool_size=args.rpc_pool_size)
     _at_least(0, rpc_queue=args.rpc_queue, peer_wait=args.peer_wait, max_queue=args.max_queue)
+    _at_least(0, prefill_pipeline=args.prefill_pipeline)
     _at_least(0, drain_grace=args.drain_grace)
     _at_least(-1, n_predict=args.n_predict)
     batch_tokens = args.batch_size if args.batch_size is not None else default_batch_tokens(args.device)
@@ -127,7 +128,9 @@ def head_config(args, env: Mapping[str, str]) -> HeadConfig:
     )
     return HeadConfig(
         model=model_settings(args, env),
-        rpc=rpc_settings(args, env, pool_size=args.rpc_pool_size, queue=args.rpc_queue),
+        rpc=rpc_settings(
+            args, env, pool_size=args.rpc_pool_size, queue=args.rpc_queue, prefill_pipeline=args.prefill_pipeline
+        ),
         host=args.host,
         port=args.port,
         parallel=args.parallel,

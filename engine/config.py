@@ -47,6 +47,9 @@ DEFAULT_BATCH_TOKENS = 256
 # weights, one dequantization of every weight are paid per chunk whatever its length: llama.cpp's
 # physical batch (-ub 512) takes a 512-token prompt in one step (docs/PERF.md, session 8).
 DEFAULT_BATCH_TOKENS_GPU = 512
+# Pipelined prefill (--prefill-pipeline): one chunk ahead is what two stages need; a few more absorb
+# chunks whose times differ (the attention's part grows along the prompt).
+DEFAULT_PREFILL_PIPELINE = 4
 
 
 def default_batch_tokens(device: str) -> int:
@@ -141,6 +144,8 @@ class RpcSettings:
     shm: bool = True  # a decode head offers its prefill worker shared memory for prompt states (rpc/shm.py)
     pool_size: int = 2  # head mode
     queue: int = 64
+    # Prompt chunks the last peer may hold unanswered while the head computes the next (0: off).
+    prefill_pipeline: int = DEFAULT_PREFILL_PIPELINE
 
     def spin_seconds(self, device) -> float:
         """How long a worker busy-waits for the next compute frame before blocking. A thread that

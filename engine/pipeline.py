@@ -4,6 +4,13 @@ The runtime only ever calls `Pipeline.forward`; whether layers run here or on pe
 here (solo = no peers). The pipeline also remembers, per slot, the tokens it has run, so that
 whenever a stage's KV is lost or moved (live re-split, a peer re-attached) it rebuilds the KV
 of the active slots by replaying them: running requests carry on instead of failing.
+
+A long prompt flows through the stages chunk after chunk (llama.cpp's pipeline parallelism): a
+forward whose output nobody reads (a prompt chunk before its last: no logit rows, no hidden
+states) sends its hidden states to the last peer without waiting (`RemoteStage.send_layers`) and
+returns, so the head computes the next chunk while that peer computes this one. The peer runs its
+frames in order, and the forward that needs an output reads the replies before its own: the math,
+chunk by chunk, is the unpipelined one.
 """
 
 from __future__ import annotations
@@ -99,32 +106,59 @@ class Pipeline:
         embedding pools: the last stage's output, whichever worker ran it). `meanwhile` runs once,
         after this worker's layers are queued: with a peer, between its frame and its reply, so
         the caller's host work overlaps the peer's. It must not call the pipeline."""
+        pipelined = (
+            logit_rows is not None
+            and logit_rows.numel() == 0
+            and not hidden
+            and bool(self.remotes)
+            and self.remotes[-1].can_pipeline()
+        )
         with self._lock:
             if self._stale is not None:
                 self._rebuild(self._stale)
             self._make_room(slots, positions)
-            h = self._run(tokens, slots, positions, meanwhile)
+            h = self._run(tokens, slots, positions, meanwhile, pipelined)
             if self.remotes:  # only a split pipeline ever needs to rebuild KV
                 self._record(tokens, slots, positions)
+            if h is None:  # on its way through the last peer: no rows were asked for
+                return torch.empty((0, self.cfg.n_vocab), dtype=torch.float32, device=self.local.device)
             if not hidden:
                 return self.local.logits(h if logit_rows is None else h[logit_rows])
             x = self.local.final_norm(h)
             return self.local.project(x if logit_rows is None else x[logit_rows]), x
 
-    def _run(self, tokens, slots, positions, meanwhile=None) -> torch.Tensor:
+    def _run(self, tokens, slots, positions, meanwhile=None, pipelined=False) -> torch.Tensor | None:
+        """The batch through every stage; `pipelined`: the last peer's output is not waited for (None)."""
         h = self.local.run_layers(self.local.embed(tokens), slots, positions)
         if meanwhile is not None and not self.remotes:
             meanwhile()
         for i, remote in enumerate(self.remotes, 1):
             try:
+                if pipelined and i == len(self.remotes):
+                    remote.send_layers(h, slots, positions)
+                    if meanwhile is not None and i == 1:
+                        meanwhile()
+                    return None
                 h = remote.run_layers(h, slots, positions, meanwhile if i == 1 else None)
             except StaleEpoch:
-                # Someone replaced the peer's resident set: re-validate, rebuild its KV, redo the batch.
+                # Someone replaced the peer's resident set: re-validate, rebuild its KV (the
+                # pipelined chunks before this batch are in the history it replays), redo the batch.
                 log.warning("peer %s changed its resident set: re-attaching", remote.addr)
                 remote.attach()
                 self._rebuild(i)
-                return self._run(tokens, slots, positions)
+                return self._run(tokens, slots, positions, pipelined=pipelined)
         return h
+
+    def _settle(self) -> None:
+        """The replies of pipelined prompt chunks still on their way, read: before a peer's KV is
+        cleared, read out, probed or re-split (the caller holds the pipeline lock)."""
+        for i, remote in enumerate(self.remotes, 1):
+            try:
+                remote.settle()
+            except StaleEpoch:
+                log.warning("peer %s changed its resident set: re-attaching", remote.addr)
+                remote.attach()
+                self._stale = i if self._stale is None else max(self._stale, i)
 
     def kv_fits(self, ends: dict[int, int]) -> bool:
         """Whether the KV cache can hold these slot lengths: always with reserved slots; a pool
@@ -161,6 +195,7 @@ class Pipeline:
 
     def clear_slot(self, slot: int) -> None:
         with self._lock:
+            self._settle()
             self._lengths.pop(slot, None)
             self.local.kv_clear(slot)
             for remote in self.remotes:
@@ -171,6 +206,7 @@ class Pipeline:
         pipeline order: the head's layers from here (with the MTP block's own state when
         `side_state` has it), each peer's through STATE_GET."""
         with self._lock:
+            self._settle()  # the peers' KV must hold every chunk sent
             extra = self.side_state.state_out(slot, len(tokens)) if self.side_state is not None else None
             out = [slot_state.save(self.local, slot, tokens, self.local.g.fingerprint, extra)]
             return out + [remote.state_get(slot, tokens) for remote in self.remotes]
@@ -258,6 +294,7 @@ class Pipeline:
                 if self.side_state is not None:
                     self.side_state.restored(slot, n, extra)
                 for remote, part in zip(self.remotes, prepared.peer_states):
+                    remote.settle()  # no earlier chunk for this slot may land after the state
                     remote.state_put(slot, part)
             if self.remotes:
                 with self._lock:  # the slot history is the forwards' too
@@ -347,6 +384,7 @@ class Pipeline:
         if not self.remotes:
             raise UserError("a solo head has no split to tune: the split advisor needs peers")
         with self._lock:
+            self._settle()
             if self._stale is not None:
                 self._rebuild(self._stale)
             slot = min(range(self.local.n_slots), key=self.slot_length)
@@ -388,6 +426,7 @@ class Pipeline:
         ranges = [tuple(map(int, r)) for r in ranges]
         check_ranges(ranges, self.cfg.n_layers, 1 + len(self.remotes))
         with self._lock:
+            self._settle()
             down = [r.addr for r in self.remotes if r.state != "up"]
             if down:
                 raise UserError(f"cannot re-split while peers are down: {', '.join(down)}")

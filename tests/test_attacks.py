@@ -163,7 +163,8 @@ def test_second_session_cannot_clear_or_forward_into_the_heads_slots(ws, model):
                 epoch = peer_epoch(w)
                 h = torch.randn(2, n_embd)
                 parts = pack_forward(epoch, h, torch.tensor([0, 1]), torch.tensor([0, 0]))
-                replies.append(compute(s, Cmd.FORWARD, b"".join(bytes(memoryview(p).cast("B")) for p in parts)))
+                frame = b"".join(bytes(memoryview(p).cast("B")) for p in parts)
+                replies.extend([compute(s, Cmd.FORWARD, frame), compute(s, Cmd.FORWARD_ACK, frame)])
                 time.sleep(0.02)
 
     t = threading.Thread(target=attack)
@@ -221,6 +222,7 @@ def test_unknown_and_state_changing_ops_before_auth_close_unanswered(ws):
         Cmd.STATE_PUT,
         Cmd.STATE_JOIN,
         Cmd.PROBE,
+        Cmd.FORWARD_ACK,
         99,
     ):
         with connect(ws["tok_peer"].rpc_port) as s:

@@ -231,6 +231,8 @@ async def test_rows_and_panels_from_a_status_document():
     assert display.peer_lines(status, Alerts()) == [("127.0.0.1:8091 ● up rtt 80.0 ms ⚠ [9,18)", "warn")]
     same_gpu = Status.from_json({"peers": [{**STATUS["peers"][0], "rtt_ms": 0.1, "transport": "cuda-ipc"}]})
     assert display.peer_lines(same_gpu, Alerts()) == [("127.0.0.1:8091 ● up rtt 0.1 ms [9,18) · cuda-ipc", "ok")]
+    spiked = Status.from_json({"peers": [{**STATUS["peers"][0], "rtt_ms": 0.4, "rtt_max_ms": 812.5}]})
+    assert display.peer_lines(spiked, Alerts()) == [("127.0.0.1:8091 ● up rtt 0.4 ms (max 812.5) ⚠ [9,18)", "warn")]
     assert display.acceptance_text(Status()) == "spec off" and display.pool_text(None) == "RPC —"
     assert (
         display.requests_text(Status.from_json({"slots": [{"state": "processing"}, {}]})) == "slots 1/2 busy"

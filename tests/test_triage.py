@@ -92,6 +92,14 @@ def test_timeline_correlates_events_and_status_changes_in_time_order():
     ) == [("rtt-spike", "p2:9")]
 
 
+def test_a_spike_between_two_polls_is_on_the_timeline():
+    """The head's worst round trip of its last seconds (`rtt_max_ms`) shows a stall that its last
+    round trip, normal again by the poll, hides."""
+    spike = {"addr": "p2:9", "state": "up", "rtt_ms": 1.0, "rtt_max_ms": 812.5}
+    got = timeline([(0, doc()), (1, doc(peers=[spike])), (2, doc(peers=[spike])), (3, doc())], [], ALERTS)
+    assert kinds(got) == [("rtt-spike", "p2:9")] and "812.5 ms" in got[0].message
+
+
 def test_acceptance_collapse_is_an_incident_and_costly_speculation_names_the_flag():
     spec = {"type": "ngram"}
     history = [

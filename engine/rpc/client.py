@@ -4,7 +4,8 @@ It has the shape of `model.Stage` that the pipeline chains (`run_layers(h, slots
 `kv_clear(slot)`, `assign(a, b)`, `layer_range`, `device`, `state`). One FORWARD frame per step
 carries the whole batch as raw bytes in the compute dtype; with a peer on the head's own GPU the
 hidden states stay on the GPU instead (CUDA IPC, see cuda_ipc.py) and the frame carries only slots
-and positions. A peer that dies mid-request fails that request within ~2 s with
+and positions. A prompt's chunks may be pipelined (`send_layers`: FORWARD_ACK, the reply read
+later) so that the head computes the next chunk while the peer computes this one. A peer that dies mid-request fails that request within ~2 s with
 `PeerUnavailable` (HTTP 503), never a hang; `attach()` re-validates and re-assigns when it comes
 back.
 """
@@ -16,6 +17,7 @@ import logging
 import socket
 import threading
 import time
+from collections import deque
 from typing import TypeVar
 
 import torch
@@ -24,6 +26,7 @@ from ...contracts.auth import NONCE_BYTES, PROOF_BYTES, AuthError, ClientHandsha
 from ...contracts.footprint import model_tensors
 from ...contracts.rpc import (
     CAP_AUTH,
+    CAP_FORWARD_ACK,
     CAP_IPC,
     COMPUTE_HEADER,
     FORWARD_REPLY,
@@ -67,6 +70,10 @@ log = logging.getLogger("hydra.rpc.client")
 CONNECT_TIMEOUT_S = 2.0
 WATCH_S = 1.0  # while a reply is pending, probe the peer this often
 PROBE_ANSWER_S = 2.0
+PIPELINE_IDLE_S = 5.0  # pipelined replies unread this long: the watcher's ping reads them
+# /status `rtt_max_ms`: the worst round trip this recent, so a spike between two polls of a console
+# (or hidden behind a normal round trip just before the poll) still shows on its timeline.
+RTT_WINDOW_S = 10.0
 M = TypeVar("M", bound=Message)
 
 
@@ -145,6 +152,7 @@ class RemoteStage:
         max_frame: int = 1 << 30,
         spin_s: float = 0.0,
         head_device: torch.device | None = None,
+        pipeline_depth: int = 0,
     ):
         self.addr = addr
         self.host, self.port = parse_addr(addr)
@@ -160,6 +168,7 @@ class RemoteStage:
         self.epoch = 0
         self.state_key: bytes | None = None  # LOAD_STAGE's: lets a second connection move slot states (STATE_JOIN)
         self.rtt_ms: float | None = None
+        self._rtts: deque[tuple[float, float]] = deque()  # (monotonic time, ms) of the last RTT_WINDOW_S
         self.compute_ms: float | None = None  # the peer's own time for the last FORWARD
         self.bytes_sent = self.bytes_recv = 0
         self.error: str | None = None
@@ -173,6 +182,10 @@ class RemoteStage:
         self._caps = 0
         self._ipc: IpcChannel | None = None
         self._retired: list[IpcChannel] = []  # closed channels our GPU stream may still be reading
+        self.pipeline_depth = pipeline_depth  # FORWARD_ACK replies that may wait unread (0: never pipeline)
+        self.pipelined = 0  # prompt chunks sent without waiting (FORWARD_ACK), in all
+        self._unread = 0  # FORWARD_ACK replies on the main connection not read yet
+        self._pipelined_at = 0.0  # monotonic time of the last FORWARD_ACK sent
 
     # --- connection -------------------------------------------------------------------------------
 
@@ -311,6 +324,7 @@ class RemoteStage:
             self.state = "down"
 
     def _close(self) -> None:
+        self._unread = 0  # their replies go with the connection
         if self._ipc is not None:
             # Work queued on our stream (the last step's copy out of the outbox) may still read the
             # mapping: keep it until the stream is seen idle, never wait for it here (a dead peer's
@@ -345,8 +359,9 @@ class RemoteStage:
                 raise PeerUnavailable(f"peer {self.addr} is down ({self.error}); retry when it is back")
             ipc = self._ipc
             via_ipc = ipc is not None and h.device == ipc.inbox.device and ipc.fits(h)
-            t0 = time.perf_counter()
             try:
+                self._settle()  # the pipelined chunks before this one, whose replies come first
+                t0 = time.perf_counter()
                 if via_ipc:
                     ipc.send(h)
                     self._send(
@@ -369,10 +384,73 @@ class RemoteStage:
             finally:
                 self._account()
             self.compute_ms = compute_us / 1e3
-            self.rtt_ms = max((time.perf_counter() - t0 - busy) * 1e3 - self.compute_ms, 0.0)
+            self._note_rtt(max((time.perf_counter() - t0 - busy) * 1e3 - self.compute_ms, 0.0))
         if failed is not None:
             raise failed
         return out
+
+    def can_pipeline(self) -> bool:
+        """Whether `send_layers` may be used: pipelining is on, the peer knows FORWARD_ACK, and the
+        hidden states go over the socket (a CUDA IPC channel has one inbox: one frame at a time)."""
+        return self.pipeline_depth > 0 and bool(self._caps & CAP_FORWARD_ACK) and self._ipc is None
+
+    def send_layers(self, h: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor) -> None:
+        """This peer's layers over `h`, no output wanted (a prompt chunk before its last, this the
+        last stage): the frame goes out and the caller goes on while the peer computes. The peer runs
+        its frames in order; their replies are read before anything else uses this connection
+        (`settle`), and before this frame when `pipeline_depth` of them are already waiting."""
+        with self._lock:
+            if self.state != "up":
+                raise PeerUnavailable(f"peer {self.addr} is down ({self.error}); retry when it is back")
+            try:
+                if self._unread >= self.pipeline_depth:
+                    self._read_acks(1)
+                hidden = to_host(h)
+                self._send(Cmd.FORWARD_ACK, pack_forward(self.epoch, hidden, slots.cpu(), positions.cpu()))
+                self._unread += 1
+                self.pipelined += 1
+                self._pipelined_at = time.monotonic()
+            except (OSError, FrameError, PeerUnavailable) as e:
+                self._down(f"{type(e).__name__}: {e}")
+                raise PeerUnavailable(f"peer {self.addr} failed mid-request: {e}") from None
+            finally:
+                self._account()
+
+    def settle(self) -> None:
+        """Read the replies of the pipelined chunks still outstanding (see `_settle`)."""
+        with self._lock:
+            if self._unread:
+                try:
+                    self._settle()
+                except (OSError, FrameError, PeerUnavailable) as e:
+                    self._down(f"{type(e).__name__}: {e}")
+                    raise PeerUnavailable(f"peer {self.addr} failed mid-request: {e}") from None
+                finally:
+                    self._account()
+
+    def _settle(self) -> None:
+        """Every outstanding FORWARD_ACK reply, read (the caller holds the lock). A peer that
+        replaced its resident set meanwhile: StaleEpoch once all are read (the pipeline re-attaches and
+        replays). A chunk it could not run leaves its KV unknown: the session is dropped (the
+        watcher re-attaches and the pipeline replays the active slots), PeerUnavailable."""
+        stale = None
+        while self._unread:
+            try:
+                self._read_acks(1)
+            except StaleEpoch as e:
+                stale = e
+        if stale is not None:
+            raise stale
+
+    def _read_acks(self, n: int) -> None:
+        for _ in range(n):
+            self._unread -= 1
+            try:
+                self.compute_ms = self._forward_reply(0) / 1e3
+            except StaleEpoch:
+                raise
+            except PeerError as e:
+                raise PeerUnavailable(f"a pipelined prompt chunk failed there ({e})") from None
 
     def _forward_reply(self, hidden_bytes: int) -> int:
         """Reads a FORWARD reply up to its hidden states (`hidden_bytes` of them must follow);
@@ -457,26 +535,47 @@ class RemoteStage:
         return body
 
     def ping(self) -> float | None:
-        """RTT of an empty round trip in ms; skipped (None) while a forward holds the socket."""
+        """RTT of an empty round trip in ms; skipped (None) while a forward holds the socket or a
+        prompt's pipelined chunks are flowing. Their replies left unread for PIPELINE_IDLE_S (the
+        prompt was cancelled) are read first: the session stays pinged, a lost peer is seen."""
         if not self._lock.acquire(blocking=False):
             return None
         try:
             if self.state != "up":
                 return None
+            if self._unread:
+                if time.monotonic() - self._pipelined_at < PIPELINE_IDLE_S:
+                    return None  # the prompt's own next step reads them
+                self._guarded(self._settle)
             t0 = time.perf_counter()
             self._guarded(lambda: self._exchange(Cmd.PING, b""))
-            self.rtt_ms = (time.perf_counter() - t0) * 1e3
-            return self.rtt_ms
-        except PeerUnavailable:
+            return self._note_rtt((time.perf_counter() - t0) * 1e3)
+        except (PeerUnavailable, StaleEpoch):  # StaleEpoch: the next forward re-attaches
             return None
         finally:
             self._lock.release()
 
+    def _note_rtt(self, ms: float) -> float:
+        now = time.monotonic()
+        self.rtt_ms = ms
+        self._rtts.append((now, ms))
+        while self._rtts[0][0] < now - RTT_WINDOW_S:
+            self._rtts.popleft()
+        return ms
+
+    @property
+    def rtt_max_ms(self) -> float | None:
+        """The worst round trip of the last RTT_WINDOW_S (None: none measured then)."""
+        since = time.monotonic() - RTT_WINDOW_S
+        return max((ms for t, ms in list(self._rtts) if t >= since), default=None)
+
     def status(self) -> PeerInfo:
+        worst = self.rtt_max_ms
         return PeerInfo(
             addr=self.addr,
             state=self.state,
             rtt_ms=None if self.rtt_ms is None else round(self.rtt_ms, 3),
+            rtt_max_ms=None if worst is None else round(worst, 3),
             compute_ms=None if self.compute_ms is None else round(self.compute_ms, 3),
             layers=tuple(self.layer_range),
             bytes_sent=self.bytes_sent,
@@ -485,19 +584,25 @@ class RemoteStage:
             transport=self.transport,
             attaches=self.attaches,
             error=self.error,
+            pipelined=self.pipelined,
         )
 
     # --- framing helpers: on the main connection (caller holds the lock) or on `link` (sock, reader) --
 
     def _send(self, cmd: int, parts, link=None) -> None:
+        """A peer busy with earlier pipelined chunks may not read a frame for a while: the send
+        waits, probing the peer every WATCH_S as a pending reply does."""
         parts = parts if isinstance(parts, list) else [parts]
         size = sum(memoryview(p).cast("B").nbytes for p in parts)
-        self.bytes_sent += send_all(link[0] if link else self._sock, COMPUTE_HEADER.pack(cmd, size), *parts)
+        sock = link[0] if link else self._sock
+        self.bytes_sent += send_all(sock, COMPUTE_HEADER.pack(cmd, size), *parts, on_idle=self._probe)
 
     def _read_reply(self, link=None):
         return read_compute_response(link[1] if link else self._reader, self.max_frame)
 
     def _exchange(self, cmd: int, payload, link=None) -> bytearray:
+        if link is None and self._unread:  # the pipelined chunks' replies come first on this connection
+            self._settle()
         self._send(cmd, payload, link)
         return self._read_reply(link)
 

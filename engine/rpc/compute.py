@@ -10,7 +10,9 @@ FORWARD carries a whole batch in one frame: `<QIIB3x` (epoch, n_tokens, n_embd, 
 int32 slots[T], int32 positions[T], then the hidden states as raw bytes in the compute dtype
 (bit-exact, no JSON on the hot path). The reply is `<B3xI` (status, peer compute µs) + hidden.
 A head on the peer's own GPU may open a CUDA IPC channel (IPC_OPEN, see cuda_ipc.py); its
-FORWARD_IPC frames are FORWARD without the hidden bytes, and so are their replies.
+FORWARD_IPC frames are FORWARD without the hidden bytes, and so are their replies. FORWARD_ACK
+frames are FORWARD's, their replies `FORWARD_REPLY` alone (a pipelined prompt chunk: the head reads
+the replies later, so this connection's frames are run strictly in order, as all of them are).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from ...contracts.auth import AuthError, ServerHandshake
 from ...contracts.rpc import (
     CAP_AUTH,
     CAP_FORWARD,
+    CAP_FORWARD_ACK,
     CAP_IPC,
     CAP_RESOLVE,
     CODE_DTYPES,
@@ -152,7 +155,7 @@ class ComputeServer:
     @property
     def caps(self) -> int:
         ipc = CAP_IPC if self.host.device.type == "cuda" else 0
-        return CAP_FORWARD | CAP_RESOLVE | ipc | (CAP_AUTH if self.auth_token else 0)
+        return CAP_FORWARD | CAP_FORWARD_ACK | CAP_RESOLVE | ipc | (CAP_AUTH if self.auth_token else 0)
 
     def open(self) -> dict:
         # `id` owns the slots of a stage this session loads (StageHost.owner).
@@ -233,7 +236,7 @@ class ComputeServer:
         finally:
             self.bytes_in += reader.bytes_in
             reader.bytes_in = 0
-        if status == R.OK and cmd in (Cmd.FORWARD, Cmd.FORWARD_IPC):
+        if status == R.OK and cmd in _FORWARDS:
             self._send(conn, *parts)  # the FORWARD reply carries its own status header
         else:
             self._reply(conn, status, *parts)
@@ -250,7 +253,7 @@ class ComputeServer:
             return cmd, (reader, size)
         if size > self.max_frame:
             raise FrameError(f"compute frame of {size} bytes exceeds the {self.max_frame}-byte limit (cmd {cmd})")
-        if cmd != Cmd.FORWARD or self.host.device.type != "cuda":
+        if cmd not in (Cmd.FORWARD, Cmd.FORWARD_ACK) or self.host.device.type != "cuda":
             return cmd, reader.read_exact(size)
         buf = host_buffer((size,), torch.uint8, self.host.device).numpy()
         reader.read_into(memoryview(buf))
@@ -267,6 +270,7 @@ class ComputeServer:
             Cmd.RESOLVE: (_text, lambda name, s: self.host.resolve(name)),
             Cmd.FORWARD: (raw, lambda p, s: self._forward(Cmd.FORWARD, p, s)),
             Cmd.FORWARD_IPC: (raw, lambda p, s: self._forward(Cmd.FORWARD_IPC, p, s)),
+            Cmd.FORWARD_ACK: (raw, lambda p, s: self._forward(Cmd.FORWARD_ACK, p, s)),
             Cmd.KV_CLEAR: (_struct(KV_CLEAR), lambda r, s: self.host.kv_clear(r[0], owner=s["id"]) or []),
             Cmd.KV_TRIM: (_struct(KV_TRIM), lambda r, s: []),  # rollback is implicit: positions >= n are overwritten
             Cmd.STATS: (
@@ -345,7 +349,7 @@ class ComputeServer:
     def _forward(self, cmd: int, payload, session: dict) -> list:
         """FORWARD: hidden states in the frame and back in the reply. FORWARD_IPC: they stay on
         the GPU (the reply goes out as soon as the work is queued; `compute_us` is then the
-        time to queue it)."""
+        time to queue it). FORWARD_ACK: in the frame, not back (the reply once they are computed)."""
         via_ipc, ipc = cmd == Cmd.FORWARD_IPC, session.get("ipc")
         epoch, hidden, slots, positions = unpack_forward(payload, with_hidden=not via_ipc)
         if via_ipc:
@@ -363,6 +367,10 @@ class ComputeServer:
         if via_ipc:
             ipc.reply(out)
             body = []
+        elif cmd == Cmd.FORWARD_ACK:
+            body = []
+            if out.device.type == "cuda":
+                torch.cuda.current_stream(out.device).synchronize()  # the reply says the chunk is done
         else:
             body = [_raw(to_host(out).to(hidden.dtype))]
         compute_us = min(int((time.perf_counter() - t0) * 1e6), 0xFFFFFFFF)
@@ -387,7 +395,8 @@ class ComputeServer:
         return True
 
 
-_AFTER_CHECK = frozenset({Cmd.FORWARD, Cmd.FORWARD_IPC, Cmd.LOAD_STAGE})
+_FORWARDS = (Cmd.FORWARD, Cmd.FORWARD_IPC, Cmd.FORWARD_ACK)  # replies with their own status header
+_AFTER_CHECK = frozenset({*_FORWARDS, Cmd.LOAD_STAGE})
 _NAMES = {v: k for k, v in vars(Cmd).items() if k.isupper()}
 
 

@@ -253,13 +253,24 @@ class RpcCollector:
         rtt = GaugeMetricFamily(
             "hydra_peer_rtt_seconds", "Last measured peer round trip (network part).", labels=["peer"]
         )
+        rtt_max = GaugeMetricFamily(
+            "hydra_peer_rtt_max_seconds", "Worst peer round trip of the last 10 s (network part).", labels=["peer"]
+        )
         sent = CounterMetricFamily("hydra_peer_bytes_sent", "Bytes sent to the peer.", labels=["peer"])
         recv = CounterMetricFamily("hydra_peer_bytes_recv", "Bytes received from the peer.", labels=["peer"])
+        pipelined = CounterMetricFamily(
+            "hydra_peer_pipelined_chunks",
+            "Prompt chunks sent to the peer without waiting (--prefill-pipeline).",
+            labels=["peer"],
+        )
         for r in self.pipeline.remotes:
             up.add_metric([r.addr], 1.0 if r.state == "up" else 0.0)
             if r.rtt_ms is not None:
                 rtt.add_metric([r.addr], r.rtt_ms / 1e3)
+            if (worst := r.rtt_max_ms) is not None:
+                rtt_max.add_metric([r.addr], worst / 1e3)
             sent.add_metric([r.addr], r.bytes_sent)
             recv.add_metric([r.addr], r.bytes_recv)
-        yield from (up, rtt, sent, recv)
+            pipelined.add_metric([r.addr], r.pipelined)
+        yield from (up, rtt, rtt_max, sent, recv, pipelined)
         yield CounterMetricFamily("hydra_resplits", "Live re-splits done.", value=self.pipeline.resplits)

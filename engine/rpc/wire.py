@@ -89,12 +89,20 @@ def spin_until_readable(sock: socket.socket, budget_s: float) -> None:
         pass
 
 
-def send_all(sock: socket.socket, *parts) -> int:
-    """Send buffers back to back with MSG_NOSIGNAL, coping with partial sends; returns bytes sent."""
+def send_all(sock: socket.socket, *parts, on_idle=None) -> int:
+    """Send buffers back to back with MSG_NOSIGNAL, coping with partial sends; returns bytes sent.
+    With `on_idle`, a socket timeout (the other side not reading: busy with earlier frames) calls
+    it (it raises to abort) and the send resumes: a timed-out send sent nothing."""
     views = [memoryview(p).cast("B") for p in parts if len(p)]
     total = sum(len(v) for v in views)
     while views:
-        sent = sock.sendmsg(views, [], SEND_FLAGS)
+        try:
+            sent = sock.sendmsg(views, [], SEND_FLAGS)
+        except socket.timeout:
+            if on_idle is None:
+                raise
+            on_idle()
+            continue
         while sent:
             if sent >= len(views[0]):
                 sent -= len(views[0])

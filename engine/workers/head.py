@@ -212,6 +212,7 @@ def build_pipeline(cfg: HeadConfig, g, mcfg):
             max_frame=cfg.rpc.max_frame,
             spin_s=cfg.rpc.spin_seconds(device),
             head_device=device if cfg.rpc.cuda_ipc else None,
+            pipeline_depth=cfg.rpc.prefill_pipeline,
         )
         for addr, r in zip(cfg.peers, ranges[1:])
     ]
