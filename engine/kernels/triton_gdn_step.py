@@ -130,19 +130,19 @@ def _conv_step_kernel(
         win = _window(x_ptr, rows_ptr + state_at, x_row, x_stride, c, c_ok, M, KW, BW)
         tl.debug_barrier()
         tl.store(rows_ptr + state_at + at, win, mask=put)
-    else:
+    else:  # names of their own: Triton's compiler merges a name both branches assign, and their shapes differ
         h = tl.arange(0, BH)
         h_ok = h < HV
-        m = ok[:, None] & h_ok[None, :]
-        at = (x_row + t)[:, None] * x_stride + C + HV * DV + h[None, :]
-        beta = tl.load(x_ptr + at, mask=m, other=0.0).to(tl.float32)
-        alpha = tl.load(x_ptr + at + HV, mask=m, other=0.0).to(tl.float32)
+        gm = ok[:, None] & h_ok[None, :]
+        gat = (x_row + t)[:, None] * x_stride + C + HV * DV + h[None, :]
+        beta = tl.load(x_ptr + gat, mask=gm, other=0.0).to(tl.float32)
+        alpha = tl.load(x_ptr + gat + HV, mask=gm, other=0.0).to(tl.float32)
         z = alpha + tl.load(dtb_ptr + h, mask=h_ok, other=0.0)[None, :]
         soft = tl.where(z > 20.0, z, tl.log(1.0 + tl.exp(tl.minimum(z, 20.0))))  # torch's softplus
         g = soft * tl.load(a_ptr + h, mask=h_ok, other=0.0)[None, :]
-        rows = bi * M + t
-        tl.store(g_ptr + rows[:, None] * HV + h[None, :], g, mask=m)
-        tl.store(b_ptr + rows[:, None] * HV + h[None, :], tl.sigmoid(beta), mask=m)
+        grows = bi * M + t
+        tl.store(g_ptr + grows[:, None] * HV + h[None, :], g, mask=gm)
+        tl.store(b_ptr + grows[:, None] * HV + h[None, :], tl.sigmoid(beta), mask=gm)
 
 
 @triton.jit
