@@ -100,7 +100,7 @@ def attention(batches: list[int], contexts: list[int], kinds: list[str]) -> None
 
                     def torch_path():
                         bias = decode_bias(CFG, positions, n_ctx, 0, torch.bfloat16)
-                        return attend_batched(CFG, layer, q, k, v, slots, positions, n_ctx, bias)
+                        return attend_batched(CFG, layer.kv, q, k, v, slots, positions, n_ctx, bias)
 
                     def attn():
                         kv = layer.kv
@@ -116,7 +116,7 @@ def attention(batches: list[int], contexts: list[int], kinds: list[str]) -> None
                         )
 
                     t_attn = _time(attn)
-                    t_kernel = _time(lambda: attend_decode(CFG, layer, q, k, v, slots, positions))
+                    t_kernel = _time(lambda: attend_decode(CFG, layer.kv, layer.window, q, k, v, slots, positions))
                     t_torch = _time(torch_path)
                     print(
                         f"{kind:>5} {batch:>5} {n_ctx:>7} {mix:>7} | {t_attn * 1e6:7.1f} {held / t_attn / 1e9:6.0f} | "

@@ -13,8 +13,9 @@ import pytest
 import torch
 from stages import load
 
-from hydra_console.engine.model import deltanet
+from hydra_console.engine.model import ForwardBatch, deltanet
 from hydra_console.engine.model.deltanet import DeltaNet
+from hydra_console.engine.model.layer import block
 
 KERNEL_DEVICE = (
     "cuda"
@@ -102,7 +103,7 @@ def test_a_step_after_a_prefill_through_the_stage(tiny_model, monkeypatch):
         slots = torch.tensor([0] * 4 + [1] * 4, device=dev)
         positions = torch.tensor([*range(10, 14), *range(14, 18)], device=dev)
         h = stage.embed(tokens).to(dev, torch.float32)
-        h = stage._forward(h, slots, positions, None, batched=True, kv_len=stage.n_ctx, per_slot=4)
+        h = stage.forward(h, ForwardBatch.batched(slots, positions, 4, stage.n_ctx))
         states = [x.cpu() for net in stage.recurrent for x in (net.conv_rows, net.ssm_rows)]
         return stage.logits(h).cpu(), states
 
@@ -114,7 +115,7 @@ def test_a_step_after_a_prefill_through_the_stage(tiny_model, monkeypatch):
 
 
 def test_the_step_kernels_stay_whole_in_the_compiled_block(tiny_model, monkeypatch):
-    """The decode graphs torch.compile one layer (`Stage._block`): the custom op, which writes the
+    """The decode graphs torch.compile one layer (`layer.block`): the custom op, which writes the
     states in place, traces into one graph (fullgraph) and, functionalised as inductor would (aot_eager),
     advances the states as the eager kernels do."""
     monkeypatch.setattr(deltanet, "TRITON_PREFILL", True)
@@ -125,12 +126,12 @@ def test_the_step_kernels_stay_whole_in_the_compiled_block(tiny_model, monkeypat
     for s in (stage, eager):
         s.run_layers(s.embed(ids + 5), torch.zeros(12, dtype=torch.long), ids)
     torch._dynamo.reset()
-    block = torch.compile(stage._block, backend="aot_eager", dynamic=False, fullgraph=True)
+    compiled = torch.compile(block, backend="aot_eager", dynamic=False, fullgraph=True)
     h = stage.embed(torch.tensor([7, 8], device=dev)).to(dev, torch.float32)
     slots, positions = torch.tensor([0, 0], device=dev), torch.tensor([12, 13], device=dev)
-    kw = dict(batched=True, kv_len=stage.n_ctx, per_slot=2)
-    traced = stage._forward(h, slots, positions, None, block=block, **kw)
-    torch.testing.assert_close(traced, eager._forward(h, slots, positions, None, **kw), atol=1e-6, rtol=1e-6)
+    batch = ForwardBatch.batched(slots, positions, 2, stage.n_ctx)
+    traced = stage.forward(h, batch, block=compiled)
+    torch.testing.assert_close(traced, eager.forward(h, batch), atol=1e-6, rtol=1e-6)
     for a, b in zip(stage.recurrent, eager.recurrent):
         torch.testing.assert_close(a.ssm_rows, b.ssm_rows, atol=1e-6, rtol=1e-6)
         torch.testing.assert_close(a.conv_rows, b.conv_rows, atol=1e-6, rtol=1e-6)

@@ -147,7 +147,7 @@ def _rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
 @kernels
 @pytest.mark.parametrize("qt", TYPES, ids=lambda t: t.name)
 def test_kernel_dequantize_is_bit_exact(qt):
-    from hydra_console.engine.kernels.triton_qmatmul import kernel_dequantize
+    from hydra_console.engine.kernels.triton_qdequant import kernel_dequantize
 
     raw, w, ref = _weight(qt, 300, 2 * _k(qt), device=KERNEL_DEVICE)
     assert torch.equal(kernel_dequantize(w, torch.float32), ref)
@@ -166,7 +166,7 @@ def test_kernel_dequantize_is_bit_exact(qt):
 def test_embedding_rows_are_gathered_by_the_kernel_from_pinned_host_planes(qt):
     """The token embedding on a GPU worker stays in pinned host memory (llama.cpp's placement): the
     lookup kernel reads only the rows asked for, bit-exact, ids in any order and repeated."""
-    from hydra_console.engine.kernels.triton_qmatmul import kernel_rows
+    from hydra_console.engine.kernels.triton_qdequant import kernel_rows
 
     raw = random_blocks((300, 2 * _k(qt)), qt, 1 / 16, np.random.default_rng(3))
     ref = dequantize(raw, qt, (300, 2 * _k(qt)))
@@ -200,7 +200,8 @@ def test_k_quant_scale_fields_round_trip():
 def test_kernels_read_k_quant_scales_and_mins_apart(qt, monkeypatch):
     """`random_blocks` ties each min to its scale (zero-mean weights); here they are independent random
     6-bit values, so a kernel that swaps them or misplaces a high bit is caught."""
-    from hydra_console.engine.kernels.triton_qmatmul import fused_matmul, kernel_dequantize
+    from hydra_console.engine.kernels.triton_qdequant import kernel_dequantize
+    from hydra_console.engine.kernels.triton_qmatmul import fused_matmul
 
     rng = np.random.default_rng(3)
     n, k = 16, 512

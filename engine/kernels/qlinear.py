@@ -1,6 +1,6 @@
 """What a model does with a quantized weight, each by device: y = x @ w.T (`qlinear`, also by row
 count), the dense weight (`dense`), the embedding lookup (`embed_rows`). On a GPU the Triton kernels
-(triton_qmatmul.py, imported there only: a CPU install may lack Triton), elsewhere QuantWeight's torch
+(triton_qmatmul.py, triton_qdequant.py, imported there only: a CPU install may lack Triton), elsewhere QuantWeight's torch
 reference."""
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ def dense(w: QuantWeight, dtype: torch.dtype, out: torch.Tensor | None = None) -
     """Dense [n, k], written into `out` (a scratch of that shape) when given."""
     if w.device.type != "cuda":
         return w.dequantize(dtype, out)
-    from .triton_qmatmul import kernel_dequantize
+    from .triton_qdequant import kernel_dequantize
 
     return kernel_dequantize(w, dtype, out)
 
@@ -67,7 +67,7 @@ def embed_rows(w: QuantWeight, ids: torch.Tensor, dtype: torch.dtype = torch.flo
     they are, on that GPU or pinned on the host (`QuantWeight.from_gguf(pinned=)`)."""
     if ids.device.type != "cuda":
         return w.rows(ids, dtype)
-    from .triton_qmatmul import kernel_rows
+    from .triton_qdequant import kernel_rows
 
     return kernel_rows(w, ids, dtype).view(*ids.shape, w.shape[1])
 

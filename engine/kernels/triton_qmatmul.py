@@ -1,14 +1,11 @@
-"""Triton kernels over `QuantWeight` planes, registered as torch custom ops.
-
-- `hydra::qdequant`, `hydra::qdequant_into`: planes -> dense weight (the embedding rows; the prefill's
-  scratch for cuBLAS, a block of rows at a time).
-- `hydra::qmm`: y = x @ w.T for 1-GEMV_MAX_ROWS rows of x (decode, speculative verify): a GEMV on
-  CUDA cores with w decoded in registers, each weight read once and used for every row, fp32
-  accumulate. Per `GEMV_CONFIGS` 16-bit x is first quantized per 32 to one or two int8 terms
-  (`quantize_x`), and codes meet x four bytes at a time in dp4a (integer dot products, as llama.cpp's
-  mmvq); else (and for float32 x) the codes become floats and meet x in fused multiply-adds.
-  A dequant-in-tile tensor-core GEMM was measured 3-6x slower than scratch + cuBLAS at 512 rows and
-  no faster at 8-16 (see the benchmark), so prefill dequantizes into scratch for cuBLAS instead.
+"""The fused GEMV over `QuantWeight` planes, a torch custom op: `hydra::qmm`, y = x @ w.T for
+1-GEMV_MAX_ROWS rows of x (decode, speculative verify), on CUDA cores with w decoded in registers
+(`triton_qplanes.py`), each weight read once and used for every row, fp32 accumulate. Per
+`GEMV_CONFIGS` 16-bit x is first quantized per 32 to one or two int8 terms (`quantize_x`), and codes
+meet x four bytes at a time in dp4a (integer dot products, as llama.cpp's mmvq); else (and for
+float32 x) the codes become floats and meet x in fused multiply-adds. A dequant-in-tile tensor-core
+GEMM was measured 3-6x slower than scratch + cuBLAS at 512 rows and no faster at 8-16 (see the
+benchmark), so prefill dequantizes into scratch for cuBLAS instead (`triton_qdequant.py`).
 Narrow outputs split K over more programs; their float32 partials are summed in a fixed order,
 so results are deterministic (a GPU split must equal solo bit for bit).
 
@@ -21,10 +18,10 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from gguf.constants import GGMLQuantizationType as T
 
-from .qweight import LAYOUTS, QuantWeight
+from .qweight import QuantWeight
 from .split_k import plan, reduced
+from .triton_qplanes import codes, layout_args, planes_args, scales
 
 # GEMV tiles by row count rounded up to a power of two: (BLOCK_N, BLOCK_K, num_warps, programs per SM
 # that split-K aims for, x terms: 16-bit x as that many int8 terms per tile for dp4a (0: float x; one
@@ -37,122 +34,6 @@ GEMV_CONFIGS: dict[int, tuple[int, int, int, int, int]] = {
     8: (4, 1024, 4, 2, 1),
 }
 GEMV_MAX_ROWS = max(GEMV_CONFIGS)
-
-
-@triton.jit
-def _group(ptr, r, stride, k, DIV: tl.constexpr, ok):
-    """The per-group field covering element k of rows r, as float32."""
-    return tl.load(ptr + r * stride + k // DIV, mask=ok, other=0).to(tl.float32)
-
-
-@triton.jit
-def _codes(q_ptr, h_ptr, r, ok, p, i, q_stride, h_stride, BITS: tl.constexpr, OFFSET: tl.constexpr):
-    """Codes minus offset as float32, (lo, hi), at nibble bytes p of rows r (int64), byte i of their
-    32-element tile: it holds element i (lo) and element 16 + i (hi)."""
-    byte = tl.load(q_ptr + r * q_stride + p, mask=ok, other=0).to(tl.int32)
-    lo = byte & 15
-    hi = byte >> 4
-    if BITS > 4:
-        HB = BITS - 4
-        PER = 8 // (2 * HB)
-        j = i // 4  # the tile's q word holding byte i (see qweight's `h` plane)
-        at = (p - i) // PER + j // PER * 4 + i % 4
-        hb = tl.load(h_ptr + r * h_stride + at, mask=ok, other=0).to(tl.int32) >> ((j % PER) * (2 * HB))
-        lo = lo | ((hb & ((1 << HB) - 1)) << 4)
-        hi = hi | (((hb >> HB) & ((1 << HB) - 1)) << 4)
-    # Integer to float without the slow conversion unit: the float with bits 0x4B000000 | u is exactly 2^23 + u.
-    q_lo = (lo | 0x4B000000).to(tl.float32, bitcast=True) - (8388608.0 + OFFSET)
-    q_hi = (hi | 0x4B000000).to(tl.float32, bitcast=True) - (8388608.0 + OFFSET)
-    return q_lo, q_hi
-
-
-@triton.jit
-def _half(v, at: tl.constexpr):
-    """The float16 at bits `at`..`at`+15 of int64 v, as float32."""
-    return ((v >> at) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-
-
-@triton.jit
-def _scales(
-    d_ptr,
-    sc_ptr,
-    m_ptr,
-    r,
-    ok,
-    k_lo,
-    d_stride,
-    s_stride,
-    SB: tl.constexpr,
-    G: tl.constexpr,
-    HAS_M: tl.constexpr,
-    HAS_MN: tl.constexpr,
-):
-    """(d_lo, d_hi, m) of the tiles starting at elements k_lo of rows r: the scales of a tile's lo and hi
-    halves (a group of 16, Q6_K, splits a tile; wider groups cover both halves) and its min (0: none),
-    as quant.dequantize computes them: d * sc and m * mn. The K-quants with mins pass their `dm` as
-    `d_ptr` and `sm` as `sc_ptr` (qweight's layout): two loads a tile, the word shared by its block."""
-    if HAS_MN:
-        g = (k_lo // 32) % 8
-        v = tl.load(d_ptr + r * d_stride + k_lo // 256, mask=ok, other=0)
-        low = tl.load(sc_ptr + r * s_stride + k_lo // 32, mask=ok, other=0).to(tl.int32)
-        high = (v >> 32).to(tl.int32) >> (4 * g)
-        d_lo = _half(v, 0) * ((low & 15) | ((high & 3) << 4)).to(tl.float32)
-        m = _half(v, 16) * ((low >> 4) | ((high & 12) << 2)).to(tl.float32)
-        return d_lo, d_lo, m
-    d_lo = _group(d_ptr, r, d_stride, k_lo, SB, ok)
-    d_hi = d_lo
-    if G == 16:
-        d_lo = d_lo * _group(sc_ptr, r, s_stride, k_lo, G, ok)
-        d_hi = d_hi * _group(sc_ptr, r, s_stride, k_lo + 16, G, ok)
-    m = 0.0
-    if HAS_M:
-        m = _group(m_ptr, r, d_stride, k_lo, SB, ok)
-    return d_lo, d_hi, m
-
-
-@triton.jit
-def _dequant_kernel(
-    q_ptr,
-    h_ptr,
-    d_ptr,
-    sc_ptr,
-    m_ptr,
-    out_ptr,
-    ids_ptr,
-    N,
-    K,
-    q_stride,
-    h_stride,
-    d_stride,
-    s_stride,
-    BITS: tl.constexpr,
-    OFFSET: tl.constexpr,
-    SB: tl.constexpr,
-    G: tl.constexpr,
-    HAS_M: tl.constexpr,
-    HAS_MN: tl.constexpr,
-    HAS_IDS: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-):
-    """Rows of the weight into `out`; with HAS_IDS, output row i is weight row ids[i] (the embedding)."""
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)[:, None, None]
-    r_ok = rows < N
-    r_out = rows.to(tl.int64)
-    r = tl.load(ids_ptr + rows, mask=r_ok, other=0).to(tl.int64) if HAS_IDS else r_out
-    k_lo = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K // 32)[None, :, None] * 32
-    i = tl.arange(0, 16)[None, None, :]
-    p = k_lo // 2 + i
-    q_lo, q_hi = _codes(q_ptr, h_ptr, r, r_ok & (k_lo < K), p, i, q_stride, h_stride, BITS, OFFSET)
-    d_lo, d_hi, m = _scales(d_ptr, sc_ptr, m_ptr, r, r_ok & (k_lo < K), k_lo, d_stride, s_stride, SB, G, HAS_M, HAS_MN)
-    # The same operations, in the same order, as quant.dequantize: (d * sc) * (u - offset) + m * mn.
-    w_lo = d_lo * q_lo + m
-    w_hi = d_hi * q_hi + m
-    k = k_lo + i
-    ok = r_ok & (k < K)
-    dt = out_ptr.dtype.element_ty
-    tl.store(out_ptr + r_out * K + k, w_lo.to(dt), mask=ok)
-    tl.store(out_ptr + r_out * K + k + 16, w_hi.to(dt), mask=ok)
 
 
 X_TERM_BYTES = 48  # one int8 term of a 32-element tile of x: 32 codes, scale, two sums, padding
@@ -324,7 +205,7 @@ def _gemv_step(
         i = tl.arange(0, 16)[None, None, None, :]
         # Offsets in bytes of `q`: each tile's 16 bytes are provably contiguous and aligned, one 128-bit load.
         p = tl.max_contiguous(tl.multiple_of(b0 + t * 16 + i, [1, 16, 1, 16]), [1, 1, 1, 16])
-        q_lo, q_hi = _codes(q_ptr, h_ptr, r, r_ok & (k_lo < K), p, i, q_stride, h_stride, BITS, OFFSET)
+        q_lo, q_hi = codes(q_ptr, h_ptr, r, r_ok & (k_lo < K), p, i, q_stride, h_stride, BITS, OFFSET)
         if MR > 1:  # x's own shape: converted to the codes' layout once per step, fewer instructions than
             x_row = tl.arange(0, MR)[None, None, :, None]  # MR threads' worth of broadcast bf16 vectors
             x_ok = (x_row < M) & (k_lo < K)
@@ -337,7 +218,7 @@ def _gemv_step(
             s_lo = s_lo + s_hi
         x_sum = tl.sum(x_lo + x_hi, axis=3)
     k3 = k0 + tl.arange(0, BLOCK_K // 32)[None, :, None] * 32
-    d_lo, d_hi, m = _scales(d_ptr, sc_ptr, m_ptr, r3, (r3 < N) & (k3 < K), k3, d_stride, s_stride, SB, G, HAS_M, HAS_MN)
+    d_lo, d_hi, m = scales(d_ptr, sc_ptr, m_ptr, r3, (r3 < N) & (k3 < K), k3, d_stride, s_stride, SB, G, HAS_M, HAS_MN)
     if G == 16:
         acc += s_lo * d_lo + s_hi * d_hi
     else:
@@ -419,98 +300,6 @@ def _gemv_kernel(
     tl.store(out, y.to(out_ptr.dtype.element_ty), mask=(rows2 < N) & (xr2 < M))
 
 
-def _layout_args(qtype: int, q, h, d, sc, m) -> tuple[list, list, dict]:
-    """Pointer and stride arguments (absent planes alias `d`, never read) and the layout's constexprs."""
-    lay = LAYOUTS[T(qtype)]
-    ptrs = [q, d if h is None else h, d, d if sc is None else sc, d if m is None else m]
-    strides = [q.stride(0), 0 if h is None else h.stride(0), d.stride(0), 0 if sc is None else sc.stride(0)]
-    consts = dict(BITS=lay.bits, OFFSET=lay.offset, SB=lay.sb, G=lay.g, HAS_M=lay.has_m, HAS_MN=lay.has_mn)
-    return ptrs, strides, consts
-
-
-def _dequant_launch(q, h, d, sc, m, qtype: int, out: torch.Tensor, ids: torch.Tensor | None = None) -> None:
-    n, k = out.shape
-    ptrs, strides, consts = _layout_args(qtype, q, h, d, sc, m)
-    block_n, block_k = 16, 256
-    # No fused multiply-adds: float32 output equals quant.dequantize bit for bit.
-    _dequant_kernel[(triton.cdiv(n, block_n), triton.cdiv(k, block_k))](
-        *ptrs,
-        out,
-        out if ids is None else ids,
-        n,
-        k,
-        *strides,
-        **consts,
-        HAS_IDS=ids is not None,
-        BLOCK_N=block_n,
-        BLOCK_K=block_k,
-        enable_fp_fusion=False,
-    )
-
-
-@torch.library.custom_op("hydra::qdequant", mutates_args=())
-def qdequant(
-    q: torch.Tensor,
-    h: torch.Tensor | None,
-    d: torch.Tensor,
-    sc: torch.Tensor | None,
-    m: torch.Tensor | None,
-    qtype: int,
-    dtype: torch.dtype,
-) -> torch.Tensor:
-    out = torch.empty(q.shape[0], q.shape[1] * 2, dtype=dtype, device=q.device)
-    _dequant_launch(q, h, d, sc, m, qtype, out)
-    return out
-
-
-@qdequant.register_fake
-def _(q, h, d, sc, m, qtype, dtype):
-    return q.new_empty(q.shape[0], q.shape[1] * 2, dtype=dtype)
-
-
-@torch.library.custom_op("hydra::qembed", mutates_args=())
-def qembed(
-    ids: torch.Tensor,
-    q: torch.Tensor,
-    h: torch.Tensor | None,
-    d: torch.Tensor,
-    sc: torch.Tensor | None,
-    m: torch.Tensor | None,
-    qtype: int,
-    dtype: torch.dtype,
-) -> torch.Tensor:
-    """Rows `ids` (on the GPU) of a weight whose planes may lie in pinned host memory (the token
-    embedding, as llama.cpp keeps it): the kernel reads just those rows across the bus, on the
-    device's stream, so a lookup is still graph-capturable and never waits for the host."""
-    out = torch.empty(ids.numel(), q.shape[1] * 2, dtype=dtype, device=ids.device)
-    _dequant_launch(q, h, d, sc, m, qtype, out, ids.reshape(-1))
-    return out
-
-
-@qembed.register_fake
-def _(ids, q, h, d, sc, m, qtype, dtype):
-    return ids.new_empty(ids.numel(), q.shape[1] * 2, dtype=dtype)
-
-
-@torch.library.custom_op("hydra::qdequant_into", mutates_args=("out",))
-def qdequant_into(
-    q: torch.Tensor,
-    h: torch.Tensor | None,
-    d: torch.Tensor,
-    sc: torch.Tensor | None,
-    m: torch.Tensor | None,
-    qtype: int,
-    out: torch.Tensor,
-) -> None:
-    """The weight dequantized into `out` [n, k] (a reused scratch, contiguous)."""
-    _dequant_launch(q, h, d, sc, m, qtype, out)
-
-
-@qdequant_into.register_fake
-def _(q, h, d, sc, m, qtype, out):
-    return None
-
-
 @torch.library.custom_op("hydra::qmm", mutates_args=())
 def qmm(
     x: torch.Tensor,
@@ -532,7 +321,7 @@ def qmm(
         raise ValueError(f"the fused GEMV takes 1..{GEMV_MAX_ROWS} rows, got {rows}")
     block_n, block_k, warps, per_sm, x_terms = GEMV_CONFIGS[mr]
     x_terms = x_terms if x.dtype != torch.float32 else 0  # float32 x keeps float32 arithmetic throughout
-    ptrs, strides, consts = _layout_args(qtype, q, h, d, sc, m)
+    ptrs, strides, consts = layout_args(qtype, q, h, d, sc, m)
     grid, k_split, out = plan(rows, n, k, block_n, block_k, per_sm, x.dtype, x.device)
     xk = quantize_x(x, x_terms) if x_terms else x
     _gemv_kernel[grid](
@@ -571,26 +360,6 @@ def quantize_x(x: torch.Tensor, terms: int = 1) -> torch.Tensor:
 @qmm.register_fake
 def _(x, q, h, d, sc, m, qtype):
     return x.new_empty(x.shape[0], q.shape[0])
-
-
-def planes_args(w: QuantWeight) -> tuple:
-    p = w.planes
-    if w.layout.has_mn:  # the K-quants' `dm` and `sm` take the places of `d` and `sc` (see `_scales`)
-        return p["q"], p.get("h"), p["dm"], p["sm"], None, int(w.qtype)
-    return p["q"], p.get("h"), p["d"], p.get("sc"), p.get("m"), int(w.qtype)
-
-
-def kernel_dequantize(w: QuantWeight, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Dense [n, k]: a new tensor, or written into `out` (a scratch view of that shape) and returned."""
-    if out is None:
-        return qdequant(*planes_args(w), dtype)
-    qdequant_into(*planes_args(w), out)
-    return out
-
-
-def kernel_rows(w: QuantWeight, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Dequantized rows `ids` (a CUDA tensor) of `w`, its planes on that GPU or pinned on the host."""
-    return qembed(ids, *planes_args(w), dtype)
 
 
 def fused_matmul(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
