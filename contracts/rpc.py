@@ -221,6 +221,8 @@ class LoadStageRequest(Message):
     )
     # tokens per slot of the head's steps (1 + draft max): decode graphs captured for each at load
     max_run: int = spec(1, lo=1, hi=MAX_RUN, why=f"max_run must be 1..{MAX_RUN} tokens per slot")
+    # the head's --deterministic (engine/model/stage.py build_stage); None: the peer's own
+    deterministic: bool | None = None
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -189,6 +189,7 @@ def main(args, cache_dir: Path | None) -> int:
         "quantized": None if args.gpu_weights == "quantized" else False,
         "compile_decode": not args.no_compile,
         "kv_types": (args.cache_type_k, args.cache_type_v),
+        "deterministic": args.deterministic,
     }
     result = run_bench(model, args.device, args.dtype, args.n_prompt, args.n_gen, args.repetitions, **options)
     if llama_bench:

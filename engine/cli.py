@@ -81,6 +81,13 @@ def _model_args(p: argparse.ArgumentParser) -> None:
         help="on a GPU, capture the decode step in CUDA graphs without torch.compile: a faster start "
         "(no warm-up compile), a slower decode",
     )
+    p.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="CPU: a token's floats never depend on the batch it runs in (other requests, prompt chunks, the "
+        "prompt cache, drafts), so identical greedy requests give identical text; slower prefill (README). "
+        "A head passes it to its peers",
+    )
 
 
 def _headroom_arg(p: argparse.ArgumentParser) -> None:

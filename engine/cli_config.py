@@ -70,6 +70,7 @@ def model_settings(args, env: Mapping[str, str]) -> ModelSettings:
         (args.cache_type_k, args.cache_type_v),
         kv_pool(args, ctx),
         args.headroom_gb,
+        args.deterministic,
     )
 
 

@@ -126,6 +126,7 @@ class ModelSettings:
     # --headroom-gb: GiB a stage must leave free on its device (driver, desktop, estimate error):
     # a stage that would not is refused before anything is allocated (contracts/fit.py)
     headroom_gb: float = DEFAULT_HEADROOM_GIB
+    deterministic: bool = False  # --deterministic: a token's floats independent of its batch (model.build_stage)
 
     @property
     def quantized(self) -> bool | None:

@@ -59,6 +59,7 @@ def main(args, cache_dir: Path | None) -> int:
         cache_dir=cache_dir,
         quantized=None if args.gpu_weights == "quantized" else False,
         kv_types=(args.cache_type_k, args.cache_type_v),
+        deterministic=args.deterministic,
     )
     engine = Engine(Pipeline(stage), tok, 1, n_ctx, overlap=args.overlap)
     engine.check(len(ids), n_predict)

@@ -23,7 +23,14 @@ SAMPLES = [
     rpc.CheckReply(ok=True, fingerprint="ab12", epoch=3),
     rpc.LoadStageRequest(layers=[2, 4], n_slots=4, n_ctx=512),
     rpc.LoadStageRequest(
-        layers=[0, 1], dtype="bfloat16", n_slots=1, n_ctx=8, kv_pool=64, kv_types=["q8_0", "auto"], max_run=5
+        layers=[0, 1],
+        dtype="bfloat16",
+        n_slots=1,
+        n_ctx=8,
+        kv_pool=64,
+        kv_types=["q8_0", "auto"],
+        max_run=5,
+        deterministic=True,
     ),
     rpc.LoadStageReply(epoch=2, layers=[2, 4], device="cuda:0", load_s=0.25, state_key="0" * 32),
     rpc.ProbeRequest(slot=1, position=10, tokens=4, reps=1),

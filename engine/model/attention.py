@@ -32,37 +32,76 @@ def attend(cfg: ModelConfig, kv: KVCache, window: int, q, k, v, batch: ForwardBa
         if q.device.type == "cuda":
             return attend_decode(cfg, kv, window, q, k, v, slots, positions)
         return attend_batched(cfg, kv, q, k, v, slots, positions, batch.kv_len, bias)
-    return attend_runs(cfg, kv, window, q, k, v, batch.runs, slots, positions)
+    return attend_runs(cfg, kv, window, q, k, v, batch.runs, slots, positions, batch.per_row)
 
 
-def attend_runs(cfg: ModelConfig, kv: KVCache, window: int, q, k, v, runs, slots, positions) -> torch.Tensor:
+def attend_runs(
+    cfg: ModelConfig, kv: KVCache, window: int, q, k, v, runs, slots, positions, per_row: bool = False
+) -> torch.Tensor:
     """Attention per slot run: every row's K/V into the cache at once (64 decode slots: one indexed
-    write, not 64), then each run attends over its visible cache span."""
+    write, not 64), then each run attends over its visible cache span. `per_row` (`--deterministic`):
+    a run's rows attend one at a time, each exactly as a decode step of that position does: SDPA's
+    CPU kernel blocks a many-row call by query rows and key span, so a row's last bits depended
+    on the rows beside it (a prompt chunk's boundaries, a verified draft's length)."""
     kv.scatter(slots, positions, k, v)
     outs, i = [], 0
     with sdpa_kernel(_SDPA_BACKENDS):  # once per layer: entered per run it was ~1/6 of a 64-slot CPU step
         for slot, p0, n in runs:
-            end = p0 + n
-            start = max(0, p0 - window + 1) if window else 0
-            keys, vals = (t.unsqueeze(0) for t in kv.read_run(slot, start, end))
-            qr = q[i : i + n].transpose(0, 1).unsqueeze(0)
-            windowed = window and n > 1 and end - start > window
-            if n == 1:
-                mask, causal = None, False
-            elif start == 0 and p0 == 0 and not windowed:
-                mask, causal = None, True
+            if per_row and n > 1:
+                outs += _attend_rows(cfg, kv, window, q[i : i + n], slot, p0, n)
             else:
-                qpos = torch.arange(p0, end, device=q.device)[:, None]
-                kpos = torch.arange(start, end, device=q.device)[None, :]
-                mask, causal = kpos <= qpos, False
-                if window:
-                    mask &= kpos > qpos - window
-            o = F.scaled_dot_product_attention(
-                qr, keys, vals, attn_mask=mask, is_causal=causal, scale=cfg.attn_scale, enable_gqa=True
-            )
-            outs.append(o[0].transpose(0, 1))
+                outs.append(_attend_run(cfg, kv, window, q[i : i + n], slot, p0, n))
             i += n
     return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+
+def _span_start(window: int, position: int) -> int:
+    """The first cache position a query at `position` sees."""
+    return max(0, position - window + 1) if window else 0
+
+
+def _attend_run(cfg: ModelConfig, kv: KVCache, window: int, q, slot: int, p0: int, n: int) -> torch.Tensor:
+    """The `n` query rows `q` of positions p0.. of `slot` over the cache span they see."""
+    end, start = p0 + n, _span_start(window, p0)
+    keys, vals = kv.read_run(slot, start, end)
+    windowed = window and n > 1 and end - start > window
+    if n == 1:
+        mask, causal = None, False
+    elif start == 0 and p0 == 0 and not windowed:
+        mask, causal = None, True
+    else:
+        qpos = torch.arange(p0, end, device=q.device)[:, None]
+        kpos = torch.arange(start, end, device=q.device)[None, :]
+        mask, causal = kpos <= qpos, False
+        if window:
+            mask &= kpos > qpos - window
+    return _sdpa(cfg, q, keys, vals, mask, causal)
+
+
+def _attend_rows(cfg: ModelConfig, kv: KVCache, window: int, q, slot: int, p0: int, n: int) -> list[torch.Tensor]:
+    """`_attend_run`'s rows one by one, each over its own span as a decode step (n = 1) reads it:
+    the run's span is read from the cache once, each row's a view of it."""
+    first = _span_start(window, p0)
+    keys, vals = kv.read_run(slot, first, p0 + n)
+    outs = []
+    for j in range(n):
+        a, b = _span_start(window, p0 + j) - first, p0 + j + 1 - first
+        outs.append(_sdpa(cfg, q[j : j + 1], keys[:, a:b], vals[:, a:b], None, False))
+    return outs
+
+
+def _sdpa(cfg: ModelConfig, q, keys, vals, mask, causal: bool) -> torch.Tensor:
+    """q [n, n_head, head_dim] over keys/values [n_kv, span, head_dim] -> [n, n_head, head_dim]."""
+    o = F.scaled_dot_product_attention(
+        q.transpose(0, 1).unsqueeze(0),
+        keys.unsqueeze(0),
+        vals.unsqueeze(0),
+        attn_mask=mask,
+        is_causal=causal,
+        scale=cfg.attn_scale,
+        enable_gqa=True,
+    )
+    return o[0].transpose(0, 1)
 
 
 def attend_fresh(cfg: ModelConfig, kv: KVCache, window: int, q, k, v, slots, positions) -> torch.Tensor:

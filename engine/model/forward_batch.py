@@ -29,7 +29,8 @@ class Mode(enum.Enum):
 @dataclass(frozen=True, eq=False)
 class ForwardBatch:
     """`slots`, `positions`: long [T] on the stage's device. `runs` (RUNS): each slot's run, in row
-    order. `per_slot` (BATCHED): tokens per slot. `kv_len` (BATCHED off CUDA): the cache rows each
+    order; `per_row` (RUNS, `--deterministic`): attention takes a run's rows one at a time, as
+    decode steps (`attention.attend_runs`). `per_slot` (BATCHED): tokens per slot. `kv_len` (BATCHED off CUDA): the cache rows each
     slot's attention gathers, masked by position (`attention.decode_bias`)."""
 
     slots: torch.Tensor
@@ -38,10 +39,13 @@ class ForwardBatch:
     runs: list[Run] = field(default_factory=list)
     per_slot: int = 1
     kv_len: int = 0
+    per_row: bool = False
 
     @classmethod
-    def of_runs(cls, slots: torch.Tensor, positions: torch.Tensor, runs: list[Run]) -> ForwardBatch:
-        return cls(slots, positions, Mode.RUNS, runs=runs)
+    def of_runs(
+        cls, slots: torch.Tensor, positions: torch.Tensor, runs: list[Run], per_row: bool = False
+    ) -> ForwardBatch:
+        return cls(slots, positions, Mode.RUNS, runs=runs, per_row=per_row)
 
     @classmethod
     def batched(cls, slots: torch.Tensor, positions: torch.Tensor, per_slot: int, kv_len: int) -> ForwardBatch:

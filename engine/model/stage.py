@@ -22,9 +22,11 @@ decode is memory-bound): layers as two terms (the second quantizes the first one
 so they are as exact as float32 weights), the output head (Gemma 3's tied 262k rows, 63% of
 the weights) as one term whose top `RESCORE_TOP` logits per row are recomputed from the exact
 rows. Many-row products (prefill) use a kept bfloat16 copy of the layers instead (see
-`weights`). A float32 Stage keeps exact dequantized weights everywhere (the reference path for
-tests). On CUDA, `DecodeGraphs` replays a captured decode step per batch size, and
-`PrefillGraphs` a prompt's run from position 0 per length bucket.
+`weights`), and SDPA blocks a many-row run its own way: a token's last bits depend on how many
+rows shared its forward, unless `deterministic` (`build_stage`). A float32 Stage keeps exact
+dequantized weights everywhere (the reference path for tests). On CUDA, `DecodeGraphs` replays a
+captured decode step per batch size, and `PrefillGraphs` a prompt's run from position 0 per
+length bucket.
 
 `build_stage` is the one way to make a Stage: it resolves the device and dtype flags, reads the
 config and picks the weight format.
@@ -75,13 +77,16 @@ class Stage:
         kv_pool: int | None = None,
         rope_of: Stage | None = None,
         depth: int = ROLLBACK,
+        deterministic: bool = False,
     ):
         """`kv_pool`: positions of a KV pool all slots share (each still up to `n_ctx`); None: each slot
         reserves its whole context. `rope_of`: a stage of the same model and context whose RoPE
         tables this one reads (the head's MTP block: 0.1 GiB at 96K positions, not held twice).
         `depth`: positions a recurrent layer's state can be taken back (the longest draft verified,
-        at most ROLLBACK): each costs a copy of the state per slot and layer."""
+        at most ROLLBACK): each costs a copy of the state per slot and layer. `deterministic`: every
+        token's floats independent of the batch it runs in (see `build_stage`)."""
         self.cfg, self.weights, self.g = cfg, weights, weights.g
+        self.deterministic = deterministic
         for kind, flag in zip(kv_types, ("--cache-type-k", "--cache-type-v")):
             check_cache_type(kind, flag, cfg.head_dim)
         self.kv_types, self.kv_pool = kv_types, kv_pool
@@ -312,7 +317,7 @@ class Stage:
         ):  # a prompt from its start
             out = self.prefill_graphs.run(h, runs[0][0])
         if out is None:
-            out = self.forward(h, ForwardBatch.of_runs(slots.to(self.device), positions.to(self.device), runs))
+            out = self.forward(h, self._eager(slots, positions, runs))
         for slot, p0, n in runs:
             self.state_len[slot], self.rollback[slot] = p0 + n, min(n, self.depth)
         return out
@@ -328,7 +333,11 @@ class Stage:
         runs = self._runs(slots, positions)
         self.kv_blocks.fit({slot: p0 + n for slot, p0, n in runs})
         h = h.to(self.device, torch.float32)
-        return self.forward(h, ForwardBatch.of_runs(slots.to(self.device), positions.to(self.device), runs), [layer])
+        return self.forward(h, self._eager(slots, positions, runs), [layer])
+
+    def _eager(self, slots: torch.Tensor, positions: torch.Tensor, runs) -> ForwardBatch:
+        """The batch of an eager forward over host `slots` / `positions`."""
+        return ForwardBatch.of_runs(slots.to(self.device), positions.to(self.device), runs, self.deterministic)
 
     def _check_continues(self, runs) -> None:
         """A run starts a slot afresh (position 0), continues its recurrent state, or re-runs the
@@ -403,20 +412,30 @@ def build_stage(
     kv_types: tuple[str, str] = ("auto", "auto"),
     kv_pool: int | None = None,
     depth: int = ROLLBACK,
+    deterministic: bool = False,
 ) -> Stage:
     """The Stage of `g` for layers [a, b) (default: all), from `--device` / `--dtype` values or torch
     objects. `cache_dir` keeps converted int8 weights across runs (None: convert on every load);
     `int8` None picks int8 weights where they pay off: the int8 kernel beats the 16-bit ones only
     on CPU with 16-bit compute. `quantized` None keeps GGUF-quantized weights quantized on a GPU
-    (its kernels); CPU runs the int8 path. `depth`: see `Stage`."""
+    (its kernels); CPU runs the int8 path. `depth`: see `Stage`.
+
+    `deterministic`: a token's floats depend only on the tokens before it, never on its batch
+    (other slots, chunk boundaries, a cached prefix, a draft's length): every product row through
+    one kernel, attention a query row at a time (docs/ARCHITECTURE.md, "Numerics"). CPU attention
+    models only: CUDA kernels tile by row count, a recurrent layer's prefill is chunked."""
     cfg = ModelConfig.from_gguf(g)
     device = resolve_device(device)
     dtype = resolve_dtype(dtype, device)
+    if deterministic and device.type != "cpu":
+        raise UserError(f"--deterministic runs on CPU workers only ({device}'s kernels tile by row count)")
+    if deterministic and cfg.recurrent:
+        raise UserError(f"--deterministic: {cfg.arch} has recurrent (DeltaNet) layers, whose prefill is chunked")
     if int8 is None:
         int8 = device.type == "cpu" and dtype != torch.float32
     if quantized is None:
         quantized = device.type == "cuda"
-    weights = Weights(g, cfg.arch, device, dtype, int8, cache_dir, quantized)
+    weights = Weights(g, cfg.arch, device, dtype, int8, cache_dir, quantized, row_invariant=deterministic)
     return Stage(
         cfg,
         weights,
@@ -429,4 +448,5 @@ def build_stage(
         kv_types=kv_types,
         kv_pool=kv_pool,
         depth=depth,
+        deterministic=deterministic,
     )

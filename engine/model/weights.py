@@ -38,10 +38,22 @@ _DENSE_BLOCK_BYTES = 16 << 20
 class Linear:
     """y = x @ W^T (+ b). W is dense in the compute dtype, or int8 rows with a bfloat16 scale each
     (`scale`), stored as `terms` stacked row blocks whose products add up: a second term quantizes
-    the first one's residual, so two int8 terms are about as exact as float32 weights."""
+    the first one's residual, so two int8 terms are about as exact as float32 weights.
 
-    def __init__(self, weight: torch.Tensor, scale: torch.Tensor | None = None, bias=None, terms: int = 1):
+    `row_invariant` (`--deterministic`): each output row is the same floats whatever other rows share
+    the call. The int8 kernel already is (it never takes the bfloat16 copy then); a dense product
+    runs one row at a time (MKL's float32 GEMM blocks by row count: a row's last bits depend on it)."""
+
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        scale: torch.Tensor | None = None,
+        bias=None,
+        terms: int = 1,
+        row_invariant: bool = False,
+    ):
         self.weight, self.scale, self.bias, self.terms = weight, scale, bias, terms
+        self.row_invariant = row_invariant
         self._dense = None
 
     @property
@@ -49,9 +61,11 @@ class Linear:
         return self.weight.nbytes + (0 if self.scale is None else self.scale.nbytes)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.scale is None:
+        if self.scale is None and self.row_invariant and x.shape[0] > 1:
+            y = torch.cat([_dense_linear(row, self.weight) for row in x.split(1)])
+        elif self.scale is None:
             y = _dense_linear(x, self.weight)
-        elif x.shape[0] > _INT8_MAX_ROWS and self.terms > 1:
+        elif x.shape[0] > _INT8_MAX_ROWS and self.terms > 1 and not self.row_invariant:
             y = F.linear(x.to(torch.bfloat16), self._bf16())
         else:
             y = torch.ops.aten._weight_int8pack_mm(x.to(self.scale.dtype), self.weight, self.scale)
@@ -156,8 +170,10 @@ class Weights:
         int8: bool,
         cache_dir: Path | None,
         quantized: bool = False,
+        row_invariant: bool = False,
     ):
         self.g, self.arch = g, arch
+        self.row_invariant = row_invariant  # every Linear's rows independent of the batch (`Linear`)
         self.device, self.dtype, self.int8 = device, dtype, int8
         self.cache_dir = cache_dir
         self.quantized = quantized  # keep GGUF block quantization on the device (a GPU)
@@ -244,7 +260,7 @@ class Weights:
         if all(q is not None for q in quant):
             return QuantLinear(self._joined(names, quant), bias, self.scratch)
         if not self.int8:
-            return Linear(self.dense(names), None, bias)
+            return Linear(self.dense(names), None, bias, row_invariant=self.row_invariant)
 
         def convert() -> dict[str, torch.Tensor]:
             per_term = [[] for _ in range(2 * terms)]  # q and scale of each term, over all row chunks
@@ -266,4 +282,4 @@ class Weights:
         for name in names:
             self.tensor(name)  # a missing tensor is an error even when a converted copy is cached
         prepared = _prepared_cache(self.g, self.cache_dir, key, convert)
-        return Linear(prepared["weight"], prepared["scale"], bias, terms)
+        return Linear(prepared["weight"], prepared["scale"], bias, terms, self.row_invariant)

@@ -148,6 +148,7 @@ class RemoteStage:
         kv_pool: int | None = None,
         kv_types: tuple[str, str] = ("auto", "auto"),
         max_run: int = 1,
+        deterministic: bool = False,
         auth_token: str | None = None,
         max_frame: int = 1 << 30,
         spin_s: float = 0.0,
@@ -161,6 +162,7 @@ class RemoteStage:
         self._tensors = model_tensors(g.metadata, g.tensors)  # bounds the states a peer may send back
         self.kv_types = kv_types  # the peer allocates its KV in the head's cache types, as llama.cpp's RPC backend does
         self.max_run = max_run  # and captures graphs for the head's verify steps before it serves
+        self.deterministic = deterministic  # a split computes as the head does: batch-invariant or not
         self.auth_token = auth_token
         self.max_frame = max_frame
         self.state = "connecting"
@@ -270,6 +272,7 @@ class RemoteStage:
             kv_pool=self.kv_pool,
             kv_types=list(self.kv_types),
             max_run=self.max_run,
+            deterministic=self.deterministic,
         )
         reply = self._request(Cmd.LOAD_STAGE, request, LoadStageReply)
         try:

@@ -73,6 +73,7 @@ class StageHost:
         quantized: bool | None = None,
         compile_decode: bool = False,
         kv_types: tuple[str, str] = ("auto", "auto"),
+        deterministic: bool = False,
         layer_delay_s: float = 0.0,
         headroom: int = 0,
     ):
@@ -82,6 +83,7 @@ class StageHost:
         self.cache_dir = cache_dir
         self.quantized = quantized if quantized is not None else self.device.type == "cuda"  # as build_stage decides
         self.compile_decode, self.kv_types = compile_decode, kv_types
+        self.deterministic = deterministic  # this worker's --deterministic: a LOAD_STAGE without the field
         self.n_layers = cfg.n_layers
         self.tensors = model_tensors(g.metadata, g.tensors)
         self.stage = stage
@@ -141,10 +143,11 @@ class StageHost:
         dtype, n_slots, n_ctx, kv_pool = DTYPES[request.dtype], request.n_slots, request.n_ctx, request.kv_pool
         kv_types = tuple(request.kv_types) if request.kv_types is not None else self.kv_types
         max_run = request.max_run
+        deterministic = request.deterministic if request.deterministic is not None else self.deterministic
         if not 0 <= a < b <= self.n_layers:
             raise ComputeError(f"layer range [{a},{b}) outside the model's 0..{self.n_layers}")
         depth = rollback_depth(max_run)  # checkpoints of the recurrent states: the head's longest draft
-        params = (dtype, n_slots, n_ctx, kv_pool, kv_types, depth)
+        params = (dtype, n_slots, n_ctx, kv_pool, kv_types, depth, deterministic)
         t0 = time.perf_counter()
         with self._load_lock:  # one load at a time; forwards go on meanwhile on the old stage
             if self.stage is not None and self._params == params and self.layers == (a, b):
@@ -173,6 +176,7 @@ class StageHost:
                         kv_types=kv_types,
                         kv_pool=kv_pool,
                         depth=depth,
+                        deterministic=deterministic,
                     )
                 except UserError as e:  # e.g. q8_0 on a head size it cannot block
                     raise ComputeError(f"LOAD_STAGE refused: {e}") from None

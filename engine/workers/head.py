@@ -208,6 +208,7 @@ def build_pipeline(cfg: HeadConfig, g, mcfg):
             kv_pool=m.kv_pool,
             kv_types=m.kv_types,
             max_run=max_run,
+            deterministic=m.deterministic,
             auth_token=cfg.rpc.auth_token,
             max_frame=cfg.rpc.max_frame,
             spin_s=cfg.rpc.spin_seconds(device),
@@ -242,6 +243,7 @@ def build_pipeline(cfg: HeadConfig, g, mcfg):
         kv_types=m.kv_types,
         kv_pool=m.kv_pool,
         depth=rollback_depth(max_run_of(cfg.spec)),
+        deterministic=m.deterministic,
     )
     pipeline = Pipeline(local, remotes, ranges=ranges)
     if remotes:

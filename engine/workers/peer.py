@@ -49,6 +49,7 @@ class PeerWorker:
             quantized=cfg.model.quantized,
             compile_decode=cfg.model.compile,
             kv_types=cfg.model.kv_types,
+            deterministic=cfg.model.deterministic,
             layer_delay_s=cfg.layer_delay_ms / 1e3,
             headroom=headroom_bytes(cfg.model.headroom_gb),
         )
