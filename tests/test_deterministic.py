@@ -92,6 +92,7 @@ def test_identical_requests_in_one_batch_give_the_solo_text(deterministic_worker
             choice = r.json()["choices"][0]
             got.add((choice["text"], tuple(choice["logprobs"]["token_logprobs"])))
         assert got == {(want[0], tuple(want[1]))}, (point, got)
+    assert split.status()["config"]["model"]["deterministic"] is True
     spec = split.status()["speculative"]
     assert spec["draft_tokens"] > 0 and spec["accepted"] > 0, spec  # verify steps of several rows ran
 
