@@ -27,6 +27,7 @@ from pathlib import Path
 import httpx
 from bench_api import ENGINE, Server  # benchmarks/ is the script's directory
 
+from hydra_console.contracts.fit import DEFAULT_HEADROOM_GIB
 from hydra_console.contracts.footprint import model_tensors, rollback_depth
 from hydra_console.engine.gguf_file import GGUFFile
 
@@ -102,7 +103,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", required=True)
     ap.add_argument("--split", required=True, help="layers of head / peer, e.g. 40/24")
-    ap.add_argument("--cards", default="16,12", help="GB of the head's and the peer's card")
+    ap.add_argument("--cards", default="16,12", help="GiB of the head's and the peer's card")
     ap.add_argument("--ctx", type=int, default=8192)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("-n", type=int, default=64, help="tokens decoded through the split")
@@ -164,7 +165,9 @@ def main() -> None:
         for name, proc, card, est in zip(("head", "peer"), (head, peer), cards, estimates(args, extra)):
             m = memory(proc.status())
             used = m["gpu_memory_gib"]
-            out[name] = m | {"card_gb": card, "fits": None if used is None else used * 2**30 <= card * 1e9}
+            # a "16 GB" card holds 16 GiB; it fits with the headroom the console plans with (contracts/fit.py)
+            room = card - DEFAULT_HEADROOM_GIB
+            out[name] = m | {"card_gib": card, "fits_with_headroom": None if used is None else used <= room}
             gib = {
                 k: round(getattr(est, k) / 2**30, 3)
                 for k in ("weight_bytes", "kv_bytes", "work_bytes", "runtime_bytes")
