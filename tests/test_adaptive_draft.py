@@ -241,3 +241,21 @@ def test_a_resting_slot_catches_up_the_blocks_kv(tiny_model):
         torch.testing.assert_close(kv[1][name], kv[0][name], atol=1e-5, rtol=1e-4)
     drafts = mtp.draft_batch([DraftRequest(0, ids, 3), DraftRequest(1, ids, 3)])
     assert drafts[0].tokens == drafts[1].tokens and len(drafts[0]) == 3
+
+
+def test_overlapped_plain_steps_are_timed(tiny_model):
+    """A GPU engine overlaps plain decode steps (the next launches before the host reads the last): back
+    to back, the time between two launches is what a step costs, and the policy's cost curve must
+    hold it (unmeasured, plain decode was guessed a quarter of a 4-token verify, and drafts that
+    paid were refused). Overlap forced on this CPU: the same engine code."""
+    path = tiny_model("llama", n_layers=2)
+    g = GGUFFile(path)
+    stage = load(path, n_slots=1, n_ctx=128)
+    eng = Engine(Pipeline(stage), Tokenizer.from_gguf(g), 1, 128, overlap=True).start()
+    try:
+        req = Request([5, 17, 300], SamplingParams(temperature=0.0), max_tokens=16, ignore_eos=True)
+        assert sum(len(ev.tokens) for ev in eng.generate(req, timeout=120)) == 16
+    finally:
+        eng.stop()
+    assert eng.stats.overlapped > 0
+    assert eng.spec.adaptive.costs.table().get((1, 1), 0) > 0

@@ -45,6 +45,7 @@ class Speculator:
             self.drafters["mtp"] = self.mtp
         self.stats = SpecStats()
         self.adaptive = AdaptiveDrafts(min(max_draft, MAX_DRAFT))
+        self.adapt_auto = nextn is None or nextn.head.device.type == "cpu"
 
     @property
     def wants_hidden(self) -> bool:
@@ -101,7 +102,9 @@ class Speculator:
             k = min(cfg.n_max, self.max_draft, seq.req.max_tokens - seq.n_gen - 1, n_ctx - len(seq.tokens))
             if k >= max(cfg.n_min, 1):
                 caps.append((i, k, cfg))
-        adapting = [c for c in caps if c[2].adapts]
+        # `auto` adapts MTP drafts where the policy was measured to pay: on the CPU. On a GPU its first
+        # run drafted nothing (docs/PERF.md, session 19): `--draft-adaptive on` there, until measured.
+        adapting = [c for c in caps if c[2].adapts and (c[2].adaptive is not None or self.adapt_auto)]
         ks = dict(
             zip(
                 (i for i, _, _ in adapting),
@@ -184,7 +187,11 @@ def build_speculator(
     if config.type == "mtp":
         if head is None:
             raise ValueError("--spec-type mtp builds the MTP block on the head's stage: pass head=")
-        return Speculator(config, max_draft=max_draft, nextn=NextN(head))
+        nextn = NextN(head)
+        # The block's graphs now, as the head's: drafts run it a row per slot, the target's forwards
+        # k + 1 rows a slot. Captured on first use they would land in the first requests' steps.
+        nextn.block.warm_up(range(1, max_draft + 2))
+        return Speculator(config, max_draft=max_draft, nextn=nextn)
     if not draft_path:
         return Speculator(config, max_draft=max_draft)
     dg = GGUFFile(draft_path)
