@@ -31,8 +31,8 @@ from ..contracts.rpc import STATE_PUT_CAP, ControlError, Op, PrefillReply, Prefi
 from ..contracts.slot_state import SlotStateError
 from ..contracts.status import Disaggregation, Transfer
 from . import slot_state
-from .rpc.client import parse_addr
 from .rpc.cuda_ipc import export_states, gpu_uuid, open_states
+from .rpc.peer_errors import parse_addr
 from .rpc.shm import Attached, Segment, Segments
 from .rpc.wire import FrameError, FrameTimeout, SocketReader, pack_control_request, read_control_response
 from .serving.sequence import Request

@@ -35,7 +35,7 @@ from . import slot_state
 from .errors import UserError
 from .layer_probe import median_ms, probe_stage
 from .model import Stage
-from .rpc.client import PeerUnavailable
+from .rpc.peer_errors import PeerUnavailable
 
 log = logging.getLogger("hydra.pipeline")
 

@@ -5,9 +5,11 @@ It has the shape of `model.Stage` that the pipeline chains (`run_layers(h, slots
 carries the whole batch as raw bytes in the compute dtype; with a peer on the head's own GPU the
 hidden states stay on the GPU instead (CUDA IPC, see cuda_ipc.py) and the frame carries only slots
 and positions. A prompt's chunks may be pipelined (`send_layers`: FORWARD_ACK, the reply read
-later) so that the head computes the next chunk while the peer computes this one. A peer that dies mid-request fails that request within ~2 s with
-`PeerUnavailable` (HTTP 503), never a hang; `attach()` re-validates and re-assigns when it comes
-back.
+later) so that the head computes the next chunk while the peer computes this one. A peer that dies
+mid-request fails that request within ~2 s with `PeerUnavailable` (HTTP 503, peer_errors.py), never
+a hang (peer_watch.py); `attach()` re-validates and re-assigns when it comes back. The opening
+handshake is peer_handshake.py's, the pipelined sends peer_pipelining.py's, the slot-state ops
+peer_state_ops.py's.
 """
 
 from __future__ import annotations
@@ -15,25 +17,17 @@ from __future__ import annotations
 import json
 import logging
 import socket
-import threading
 import time
-from collections import deque
 from typing import TypeVar
 
 import torch
 
-from ...contracts.auth import NONCE_BYTES, PROOF_BYTES, AuthError, ClientHandshake
 from ...contracts.footprint import model_tensors
 from ...contracts.rpc import (
-    CAP_AUTH,
-    CAP_FORWARD_ACK,
     CAP_IPC,
     COMPUTE_HEADER,
     FORWARD_REPLY,
-    HELLO,
     KV_CLEAR,
-    STATE_SLOT,
-    VERSION,
     CheckReply,
     CheckRequest,
     Cmd,
@@ -43,24 +37,28 @@ from ...contracts.rpc import (
     ProbeRequest,
     StageProbe,
     StaleEpoch,
-    StateGetRequest,
-    StateMeta,
 )
 from ...contracts.rpc import ReplyStatus as R
 from ...contracts.status import PeerInfo
 from ...contracts.wire_json import Message, WireError
 from ..device import host_buffer, to_host
-from ..errors import Unavailable, UserError
-from .compute import pack_forward, pack_hello
+from ..errors import UserError
+from .compute import pack_forward
 from .cuda_ipc import IPC_TOKENS, IpcChannel, gpu_uuid
+from .exchange_lock import ExchangeLock, run_meanwhile
 from .listener import tune_socket
+from .peer_errors import PeerError, PeerMismatch, PeerUnavailable, parse_addr
+from .peer_handshake import open_session
+from .peer_pipelining import PipelinedSends
+from .peer_state_ops import SlotStateOps
+from .peer_watch import WATCH_S, RttWindow, probe
 from .resident import DTYPES, tensor_shapes
 from .wire import (
     FrameError,
     SocketReader,
-    pack_compute_request,
     read_compute_response,
     read_compute_response_size,
+    reply_status,
     send_all,
     spin_until_readable,
 )
@@ -68,74 +66,11 @@ from .wire import (
 log = logging.getLogger("hydra.rpc.client")
 
 CONNECT_TIMEOUT_S = 2.0
-WATCH_S = 1.0  # while a reply is pending, probe the peer this often
-PROBE_ANSWER_S = 2.0
 PIPELINE_IDLE_S = 5.0  # pipelined replies unread this long: the watcher's ping reads them
-# /status `rtt_max_ms`: the worst round trip this recent, so a spike between two polls of a console
-# (or hidden behind a normal round trip just before the poll) still shows on its timeline.
-RTT_WINDOW_S = 10.0
 M = TypeVar("M", bound=Message)
 
 
-class PeerError(RuntimeError):
-    """A peer could not run a request; the runtime fails that request."""
-
-
-class PeerUnavailable(PeerError, Unavailable):
-    """A peer is down or died mid-request: the request fails (HTTP 503) and the head re-attaches."""
-
-
-class PeerMismatch(UserError):
-    """The peer serves a different model, refuses our protocol version, or rejects our token."""
-
-
-class _ExchangeLock:
-    """One exchange on a peer's socket at a time. The thread holding it that comes back for it (work
-    run between a frame and its reply calling into the same peer) gets an error, not a deadlock."""
-
-    def __init__(self):
-        self._lock, self._owner = threading.Lock(), None
-
-    def acquire(self, blocking: bool = True) -> bool:
-        if self._owner == threading.get_ident():
-            raise RuntimeError(
-                "a peer's exchange re-entered from inside it: work run between a frame and its "
-                "reply must not call the pipeline"
-            )
-        if not self._lock.acquire(blocking):
-            return False
-        self._owner = threading.get_ident()
-        return True
-
-    def release(self) -> None:
-        self._owner = None
-        self._lock.release()
-
-    __enter__ = acquire
-
-    def __exit__(self, *exc) -> None:
-        self.release()
-
-
-def _call(fn) -> tuple[BaseException | None, float]:
-    """`fn()` (if any): (what it raised instead of raising it, seconds it took)."""
-    t0 = time.perf_counter()
-    try:
-        if fn is not None:
-            fn()
-    except BaseException as e:  # noqa: BLE001 — re-raised by the caller once its reply is read
-        return e, time.perf_counter() - t0
-    return None, time.perf_counter() - t0
-
-
-def parse_addr(text: str) -> tuple[str, int]:
-    host, sep, port = text.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise UserError(f"--peer {text!r}: expected HOST:PORT (the peer's RPC port)")
-    return host.strip("[]"), int(port)
-
-
-class RemoteStage:
+class RemoteStage(PipelinedSends, SlotStateOps):
     def __init__(
         self,
         addr: str,
@@ -169,8 +104,7 @@ class RemoteStage:
         self.device = "remote"
         self.epoch = 0
         self.state_key: bytes | None = None  # LOAD_STAGE's: lets a second connection move slot states (STATE_JOIN)
-        self.rtt_ms: float | None = None
-        self._rtts: deque[tuple[float, float]] = deque()  # (monotonic time, ms) of the last RTT_WINDOW_S
+        self._rtts = RttWindow()
         self.compute_ms: float | None = None  # the peer's own time for the last FORWARD
         self.bytes_sent = self.bytes_recv = 0
         self.error: str | None = None
@@ -178,7 +112,7 @@ class RemoteStage:
         self.on_state = lambda: None  # called after every up/down change
         self._sock: socket.socket | None = None
         self._reader: SocketReader | None = None
-        self._lock = _ExchangeLock()  # one exchange on the socket at a time
+        self._lock = ExchangeLock()  # one exchange on the socket at a time
         self._spin_s = spin_s  # busy-wait budget for each FORWARD reply (RpcSettings.spin_seconds)
         self._head_device = head_device  # a CUDA device: try CUDA IPC with a peer on the same GPU
         self._caps = 0
@@ -223,41 +157,12 @@ class RemoteStage:
             tune_socket(sock)
             sock.settimeout(WATCH_S)
             link = (sock, SocketReader(sock, on_idle=self._probe))
-            hs = ClientHandshake(self.auth_token, "compute", ("peer",)) if self.auth_token else None
-            reply = self._exchange(Cmd.HELLO, pack_hello(CAP_AUTH, nonce=hs.nonce) if hs else pack_hello(), link)
-            if len(reply) < HELLO.size:
-                raise PeerMismatch(f"peer {self.addr} answered HELLO with {len(reply)} bytes: not a Hydra worker")
-            major, minor, patch, _, caps = HELLO.unpack_from(reply)
-            self._caps = caps
-            if (major, minor) != VERSION[:2]:
-                detail = bytes(reply[HELLO.size :]).decode("utf-8", "replace")
-                raise PeerMismatch(
-                    f"peer {self.addr} speaks compute protocol {major}.{minor}.{patch}, we {VERSION}: {detail}"
-                )
-            if caps & CAP_AUTH and hs is None:
-                raise PeerMismatch(f"peer {self.addr} requires a token: set --auth-token or HYDRA_TOKEN")
-            if hs is not None:  # the peer proves the token before we send it anything
-                if not caps & CAP_AUTH:
-                    raise PeerMismatch(
-                        f"peer {self.addr} offers no authentication and we hold a token: refused "
-                        "(start it with the same --auth-token / HYDRA_TOKEN)"
-                    )
-                challenge = bytes(self._read_reply(link))
-                nonce, proof, role = (
-                    challenge[:NONCE_BYTES],
-                    challenge[NONCE_BYTES : NONCE_BYTES + PROOF_BYTES],
-                    challenge[NONCE_BYTES + PROOF_BYTES :],
-                )
-                try:
-                    ours = hs.answer(nonce, role.decode("utf-8", "replace"), proof)
-                except AuthError as e:
-                    raise PeerMismatch(
-                        f"peer {self.addr} failed to authenticate ({e}): a different --auth-token, "
-                        "or not one of our workers"
-                    ) from None
-                status, body = self._status(self._exchange(Cmd.AUTH, ours, link))
-                if status != R.OK:
-                    raise PeerMismatch(f"peer {self.addr} rejected our token: {body.decode(errors='replace')}")
+            self._caps = open_session(
+                self.addr,
+                self.auth_token,
+                lambda cmd, payload: self._exchange(cmd, payload, link),
+                lambda: self._read_reply(link),
+            )
         except BaseException:
             sock.close()
             raise
@@ -293,7 +198,7 @@ class RemoteStage:
         if not self._caps & CAP_IPC:
             return
         request = IpcOpenRequest(uuid=gpu_uuid(dev), rows=IPC_TOKENS, dtype="float32")
-        status, body = self._status(self._exchange(Cmd.IPC_OPEN, request.encode()))
+        status, body = reply_status(self._exchange(Cmd.IPC_OPEN, request.encode()))
         if status != R.OK:
             log.info("peer %s: hidden states go over the socket (%s)", self.addr, body.decode("utf-8", "replace"))
             return
@@ -370,13 +275,13 @@ class RemoteStage:
                     self._send(
                         Cmd.FORWARD_IPC, pack_forward(self.epoch, h, slots.cpu(), positions.cpu(), with_hidden=False)
                     )
-                    failed, busy = _call(meanwhile)
+                    failed, busy = run_meanwhile(meanwhile)
                     compute_us = self._forward_reply(0)
                     out = ipc.receive(h.shape[0])
                 else:
                     hidden = to_host(h)  # the residual stream's own dtype: bit-exact across the wire
                     self._send(Cmd.FORWARD, pack_forward(self.epoch, hidden, slots.cpu(), positions.cpu()))
-                    failed, busy = _call(meanwhile)
+                    failed, busy = run_meanwhile(meanwhile)
                     compute_us = self._forward_reply(hidden.numel() * hidden.element_size())
                     out = host_buffer(hidden.shape, hidden.dtype, h.device)
                     self._reader.read_into(memoryview(out.view(-1).view(torch.uint8).numpy()))
@@ -387,73 +292,10 @@ class RemoteStage:
             finally:
                 self._account()
             self.compute_ms = compute_us / 1e3
-            self._note_rtt(max((time.perf_counter() - t0 - busy) * 1e3 - self.compute_ms, 0.0))
+            self._rtts.note(max((time.perf_counter() - t0 - busy) * 1e3 - self.compute_ms, 0.0))
         if failed is not None:
             raise failed
         return out
-
-    def can_pipeline(self) -> bool:
-        """Whether `send_layers` may be used: pipelining is on, the peer knows FORWARD_ACK, and the
-        hidden states go over the socket (a CUDA IPC channel has one inbox: one frame at a time)."""
-        return self.pipeline_depth > 0 and bool(self._caps & CAP_FORWARD_ACK) and self._ipc is None
-
-    def send_layers(self, h: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor) -> None:
-        """This peer's layers over `h`, no output wanted (a prompt chunk before its last, this the
-        last stage): the frame goes out and the caller goes on while the peer computes. The peer runs
-        its frames in order; their replies are read before anything else uses this connection
-        (`settle`), and before this frame when `pipeline_depth` of them are already waiting."""
-        with self._lock:
-            if self.state != "up":
-                raise PeerUnavailable(f"peer {self.addr} is down ({self.error}); retry when it is back")
-            try:
-                if self._unread >= self.pipeline_depth:
-                    self._read_acks(1)
-                hidden = to_host(h)
-                self._send(Cmd.FORWARD_ACK, pack_forward(self.epoch, hidden, slots.cpu(), positions.cpu()))
-                self._unread += 1
-                self.pipelined += 1
-                self._pipelined_at = time.monotonic()
-            except (OSError, FrameError, PeerUnavailable) as e:
-                self._down(f"{type(e).__name__}: {e}")
-                raise PeerUnavailable(f"peer {self.addr} failed mid-request: {e}") from None
-            finally:
-                self._account()
-
-    def settle(self) -> None:
-        """Read the replies of the pipelined chunks still outstanding (see `_settle`)."""
-        with self._lock:
-            if self._unread:
-                try:
-                    self._settle()
-                except (OSError, FrameError, PeerUnavailable) as e:
-                    self._down(f"{type(e).__name__}: {e}")
-                    raise PeerUnavailable(f"peer {self.addr} failed mid-request: {e}") from None
-                finally:
-                    self._account()
-
-    def _settle(self) -> None:
-        """Every outstanding FORWARD_ACK reply, read (the caller holds the lock). A peer that
-        replaced its resident set meanwhile: StaleEpoch once all are read (the pipeline re-attaches and
-        replays). A chunk it could not run leaves its KV unknown: the session is dropped (the
-        watcher re-attaches and the pipeline replays the active slots), PeerUnavailable."""
-        stale = None
-        while self._unread:
-            try:
-                self._read_acks(1)
-            except StaleEpoch as e:
-                stale = e
-        if stale is not None:
-            raise stale
-
-    def _read_acks(self, n: int) -> None:
-        for _ in range(n):
-            self._unread -= 1
-            try:
-                self.compute_ms = self._forward_reply(0) / 1e3
-            except StaleEpoch:
-                raise
-            except PeerError as e:
-                raise PeerUnavailable(f"a pipelined prompt chunk failed there ({e})") from None
 
     def _forward_reply(self, hidden_bytes: int) -> int:
         """Reads a FORWARD reply up to its hidden states (`hidden_bytes` of them must follow);
@@ -480,62 +322,13 @@ class RemoteStage:
         with self._lock:
             if self.state != "up":
                 raise PeerUnavailable(f"peer {self.addr} is down ({self.error}): cannot probe it")
-            status, body = self._guarded(lambda: self._status(self._exchange(Cmd.PROBE, request.encode())))
+            status, body = self._guarded(lambda: reply_status(self._exchange(Cmd.PROBE, request.encode())))
         if status != R.OK:
             raise UserError(f"peer {self.addr} refused the probe: {body.decode('utf-8', 'replace')}")
         try:
             return StageProbe.decode(body)
         except WireError as e:
             raise UserError(f"peer {self.addr} answered the probe badly: {e}") from None
-
-    # --- state ops: this peer's layers of a slot, out and in (contracts.slot_state) ----------------
-
-    def state_meta(self, slot: int) -> dict:
-        return self._state_reply(self._state_call(Cmd.STATE_META, [STATE_SLOT.pack(slot)]))
-
-    def state_get(self, slot: int, tokens: list[int]) -> memoryview:
-        """The state of `slot`'s first len(tokens) positions on this peer's layers (a view of the
-        reply as it was received: no copy)."""
-        limit = 1 + self._tensors.slot_state_bound([self.layer_range], len(tokens))  # + the status byte
-        return self._state_call(Cmd.STATE_GET, [StateGetRequest(slot=slot, tokens=list(tokens)).encode()], limit)
-
-    def state_put(self, slot: int, state) -> dict:
-        """Place a state of this peer's layers into `slot`; a refusal (PeerError) leaves it as it was."""
-        return self._state_reply(self._state_call(Cmd.STATE_PUT, [STATE_SLOT.pack(slot), state]))
-
-    def _state_reply(self, body) -> dict:
-        """A `StateMeta` reply, checked against its layout, as JSON."""
-        try:
-            return StateMeta.decode(body).to_json()
-        except WireError as e:
-            raise PeerError(f"peer {self.addr}: {e}") from None
-
-    def _state_call(self, cmd: int, parts: list, limit: int | None = None) -> memoryview:
-        """One state op on a connection of its own, joined to our session (STATE_JOIN): a slot's
-        state streams while the forwards go on over the main connection. A peer that fails here is
-        not marked down (the main connection's next exchange tells)."""
-        if self.state != "up":
-            raise PeerUnavailable(f"peer {self.addr} is down ({self.error})")
-        link = None
-        try:
-            link = self._handshake()
-            status, body = self._status(self._exchange(Cmd.STATE_JOIN, self.state_key, link))
-            if status != R.OK:
-                raise PeerError(f"peer {self.addr}: {body.decode('utf-8', 'replace')}")
-            self._send(cmd, parts, link)
-            reply = read_compute_response(link[1], min(limit or self.max_frame, self.max_frame))
-        except (OSError, FrameError) as e:
-            raise PeerUnavailable(f"peer {self.addr} failed during a state op: {e}") from None
-        finally:
-            if link is not None:
-                link[0].close()
-                self.bytes_recv += link[1].bytes_in
-        if not reply:
-            raise PeerError(f"peer {self.addr} sent an empty reply")
-        body = memoryview(reply)[1:]
-        if reply[0] != R.OK:
-            raise PeerError(f"peer {self.addr}: {bytes(body).decode('utf-8', 'replace')}")
-        return body
 
     def ping(self) -> float | None:
         """RTT of an empty round trip in ms; skipped (None) while a forward holds the socket or a
@@ -552,25 +345,20 @@ class RemoteStage:
                 self._guarded(self._settle)
             t0 = time.perf_counter()
             self._guarded(lambda: self._exchange(Cmd.PING, b""))
-            return self._note_rtt((time.perf_counter() - t0) * 1e3)
+            return self._rtts.note((time.perf_counter() - t0) * 1e3)
         except (PeerUnavailable, StaleEpoch):  # StaleEpoch: the next forward re-attaches
             return None
         finally:
             self._lock.release()
 
-    def _note_rtt(self, ms: float) -> float:
-        now = time.monotonic()
-        self.rtt_ms = ms
-        self._rtts.append((now, ms))
-        while self._rtts[0][0] < now - RTT_WINDOW_S:
-            self._rtts.popleft()
-        return ms
+    @property
+    def rtt_ms(self) -> float | None:
+        return self._rtts.last
 
     @property
     def rtt_max_ms(self) -> float | None:
         """The worst round trip of the last RTT_WINDOW_S (None: none measured then)."""
-        since = time.monotonic() - RTT_WINDOW_S
-        return max((ms for t, ms in list(self._rtts) if t >= since), default=None)
+        return self._rtts.worst
 
     def status(self) -> PeerInfo:
         worst = self.rtt_max_ms
@@ -611,19 +399,13 @@ class RemoteStage:
 
     def _request(self, cmd: int, request: Message, reply_type: type[M]) -> M:
         """A JSON command and its reply, checked against the reply's layout."""
-        status, body = self._status(self._exchange(cmd, request.encode()))
+        status, body = reply_status(self._exchange(cmd, request.encode()))
         if status != R.OK:
             raise PeerMismatch(f"peer {self.addr} refused: {body.decode('utf-8', 'replace')}")
         try:
             return reply_type.decode(body)
         except WireError as e:
             raise PeerMismatch(f"peer {self.addr} answered {request.OP} badly: {e}") from None
-
-    @staticmethod
-    def _status(reply) -> tuple[int, bytes]:
-        if not reply:
-            raise FrameError("empty reply")
-        return reply[0], bytes(reply[1:])
 
     def _guarded(self, fn):
         try:
@@ -640,14 +422,4 @@ class RemoteStage:
             self._reader.bytes_in = 0
 
     def _probe(self) -> None:
-        """Called every WATCH_S while a reply is pending. A fresh connection must get a HELLO
-        answer within PROBE_ANSWER_S (peer mode serves it on its own thread, even mid-forward): a host
-        that vanished (no RST ever comes) or a frozen process fails the request in 2-3 s, not at
-        TCP keepalive's 60 s or never."""
-        try:
-            with socket.create_connection((self.host, self.port), timeout=WATCH_S) as probe:
-                probe.settimeout(PROBE_ANSWER_S)  # a busy CPU peer may be slow to schedule the answer
-                probe.sendall(pack_compute_request(Cmd.HELLO, pack_hello()))
-                read_compute_response(SocketReader(probe), 4096)
-        except (OSError, FrameError) as e:
-            raise PeerUnavailable(f"peer {self.addr} stopped answering: {e}") from None
+        probe(self.addr, self.host, self.port)

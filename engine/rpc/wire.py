@@ -141,3 +141,10 @@ def read_compute_response_size(reader, max_frame: int) -> int:
 
 def read_compute_response(reader, max_frame: int) -> bytes:
     return reader.read_exact(read_compute_response_size(reader, max_frame))
+
+
+def reply_status(reply) -> tuple[int, bytes]:
+    """A compute reply's status byte and body."""
+    if not reply:
+        raise FrameError("empty reply")
+    return reply[0], bytes(reply[1:])
