@@ -28,7 +28,7 @@ from gguf.constants import GGMLQuantizationType as T
 from hydra_console.engine.kernels import LAYOUTS, QuantWeight
 from hydra_console.engine.kernels.qlinear import dense
 from hydra_console.engine.kernels.triton_qmatmul import GEMV_CONFIGS, GEMV_MAX_ROWS, fused_matmul
-from hydra_console.engine.synth import random_blocks
+from hydra_console.engine.synth.blocks import random_blocks
 
 SHAPES = ((4096, 4096), (14336, 4096), (4096, 14336), (2048, 8192), (32000, 4096))
 ROTATE_BYTES = 256 << 20  # several times the H200's 50 MB L2

@@ -15,7 +15,7 @@ from gguf.constants import GGMLQuantizationType as T
 from hydra_console.engine.kernels import LAYOUTS, QuantWeight, qlinear, qweight
 from hydra_console.engine.kernels.qlinear import DequantScratch, embed_rows
 from hydra_console.engine.quant import QuantError, dequantize
-from hydra_console.engine.synth import random_blocks
+from hydra_console.engine.synth.blocks import random_blocks
 
 TYPES = list(LAYOUTS)
 K_QUANTS = {T.Q4_K, T.Q5_K, T.Q6_K}

@@ -12,7 +12,6 @@ so llama.cpp itself loads them (the reference logits under tests/data/reference 
 
 from __future__ import annotations
 
-from collections import Counter
 from pathlib import Path
 
 import gguf
@@ -20,38 +19,12 @@ import numpy as np
 from gguf.constants import GGML_QUANT_SIZES
 from gguf.constants import GGMLQuantizationType as T
 
+from .blocks import K_QUANTS, check_row, random_blocks
+from .vocab import tiny_vocab
+
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3", "qwen35")
 
-# Block types that `random_blocks` writes: per type, the byte offsets of the float16 block scale d
-# and of the float16 min field (None where the type has none), and min / d. Legacy types add the
-# min (m = -d * mean code), K-quants subtract it (dmin = d * mean code, with each sub-block's min
-# tied to its scale by `_tie_mins`), so the dequantized weights have zero mean either way.
-_SCALE_FIELDS = {
-    T.Q4_0: (0, None, 0.0),
-    T.Q4_1: (0, 2, -7.5),
-    T.Q5_0: (0, None, 0.0),
-    T.Q5_1: (0, 2, -15.5),
-    T.Q8_0: (0, None, 0.0),
-    T.Q2_K: (80, 82, 1.5),
-    T.Q3_K: (108, None, 0.0),
-    T.Q4_K: (0, 2, 7.5),
-    T.Q5_K: (0, 2, 15.5),
-    T.Q6_K: (208, None, 0.0),
-}
-# The ones gguf cannot quantize: the writer uses random blocks for these.
-_K_QUANTS = (T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K)
-
 FIM_TOKENS = ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>")
-# Words for the tiny vocabularies: enough for readable test prompts to tokenize into pieces.
-_WORDS = (
-    "the of and to in is was for on that with as by at from it his an were are which this be or has had "
-    "not first one their its new after but who they have her she two been other when there all during into "
-    "school time may years more most only over city some world would where later up such used many can "
-    "state about national out known university united then made hello world once upon a time story model "
-    "engine token layer split head peer worker quick brown fox jumps lazy dog water fire earth light dark "
-    "red green blue small large day night year man woman child house tree river mountain sea sky sun moon "
-    "star king queen war peace love life death book word name number people country music game power"
-).split()
 
 
 def write_synthetic(
@@ -134,7 +107,7 @@ def write_synthetic(
     rng = np.random.default_rng(seed)
     path = Path(path)
 
-    tokens, scores, types, merges, special = _tokenizer(arch, vocab_size)
+    tokens, scores, types, merges, special = tiny_vocab(arch, vocab_size)
     if fim:
         tokens, scores = tokens + list(FIM_TOKENS), scores + [-1000.0] * len(FIM_TOKENS)
         types = types + [gguf.TokenType.CONTROL] * len(FIM_TOKENS)
@@ -192,15 +165,15 @@ def write_synthetic(
         qt = type_of(name)
         zero = bigram and name.endswith(("attn_output.weight", "ssm_out.weight", "ffn_down.weight"))
         eye = bigram and name.endswith("nextn.eh_proj.weight")
-        if eye and qt in _K_QUANTS:  # random K-quant blocks cannot hold the identity the construction needs
+        if eye and qt in K_QUANTS:  # random K-quant blocks cannot hold the identity the construction needs
             qt = T.F16
         if header_only:  # the shape and type only: no data is made
-            _check_row(name, cols, qt)
+            check_row(name, cols, qt)
             block, size = GGML_QUANT_SIZES[qt]
             w.add_tensor_info(name, (rows, cols), np.dtype(np.float32), rows * cols // block * size, raw_dtype=qt)
             return
-        if qt in _K_QUANTS and not (zero or eye):  # random blocks need only the std: no float matrix (27B files)
-            _check_row(name, cols, qt)
+        if qt in K_QUANTS and not (zero or eye):  # random blocks need only the std: no float matrix (27B files)
+            check_row(name, cols, qt)
             data = random_blocks((rows, cols), qt, std, rng)
             w.add_tensor(name, data, raw_dtype=qt)
             return data, qt
@@ -327,20 +300,14 @@ def _file_type(qt: T) -> int:
         return int(gguf.LlamaFileType.GUESSED)
 
 
-def _check_row(name: str, cols: int, qt: T) -> None:
-    block = GGML_QUANT_SIZES[qt][0]
-    if cols % block:
-        raise ValueError(f"{name}: row length {cols} is not a multiple of the {qt.name} block size {block}")
-
-
 def _add_weight(
     w: gguf.GGUFWriter, name: str, x: np.ndarray, qt: T, rng: np.random.Generator
 ) -> tuple[np.ndarray, T | None]:
     """Writes `x` as `qt`; returns what was written and its raw type (None: numpy's own)."""
-    _check_row(name, x.shape[1], qt)
+    check_row(name, x.shape[1], qt)
     if qt == T.F32:
         data, raw = x, None
-    elif qt in _K_QUANTS:
+    elif qt in K_QUANTS:
         data, raw = random_blocks(x.shape, qt, float(x.std()), rng), qt
     else:
         try:
@@ -350,141 +317,3 @@ def _add_weight(
         raw = qt if qt != T.F16 else None
     w.add_tensor(name, data, raw_dtype=raw)
     return data, raw
-
-
-def random_blocks(shape: tuple[int, int], qt: T, std: float, rng: np.random.Generator) -> np.ndarray:
-    """Random zero-mean blocks [rows, bytes per row] whose dequantized values have roughly standard deviation `std`.
-
-    Every code appears; the block scales vary by up to 2x between blocks, so that kernels
-    that index the wrong block's scale are caught.
-    """
-    block, type_size = GGML_QUANT_SIZES[qt]
-    rows, cols = shape
-    blocks = rng.integers(0, 256, size=(rows * cols // block, type_size), dtype=np.uint8)
-    d_at, min_at, min_ratio = _SCALE_FIELDS[qt]
-    _tie_mins(blocks, qt)
-    spread = rng.uniform(0.7, 1.4, size=len(blocks)).astype(np.float32)
-
-    def set_scale(d: float) -> None:
-        for at, value in ((d_at, d * spread), (min_at, d * spread * min_ratio)):
-            if at is not None:
-                blocks[:, at : at + 2] = value.astype(np.float16).view(np.uint8).reshape(-1, 2)
-
-    set_scale(1e-2)
-    probe = gguf.quants.dequantize(blocks[: min(len(blocks), 64)], qt)
-    set_scale(1e-2 * std / max(float(probe.std()), 1e-12))
-    return blocks.reshape(rows, cols // block * type_size)
-
-
-def _tie_mins(blocks: np.ndarray, qt: T) -> None:
-    """Make every sub-block's 4- or 6-bit min equal its scale, in place."""
-    if qt == T.Q2_K:  # bytes 0..15: scale in the low nibble, min in the high one
-        blocks[:, :16] = (blocks[:, :16] & 0x0F) * 0x11
-    elif qt in (T.Q4_K, T.Q5_K):
-        # Bytes 4..15 pack (scale, min) pairs: bytes 4..7 hold the low 6 bits of scales 0..3 (and the top
-        # bits of scales 4..7), bytes 8..11 the same for mins, bytes 12..15 the low nibbles of scales 4..7
-        # and mins 4..7. Equal scale and min bytes, and equal nibbles, tie each min to its scale.
-        blocks[:, 8:12] = blocks[:, 4:8]
-        blocks[:, 12:16] = (blocks[:, 12:16] & 0x0F) * 0x11
-
-
-def _tokenizer(arch: str, vocab_size: int | None):
-    """(tokens, scores, types, merges, special-token roles) of a tiny SPM or BPE vocabulary."""
-    if arch in ("llama", "gemma3"):
-        tokens, scores, types, merges, special = _spm_vocab(arch)
-    else:
-        tokens, scores, types, merges, special = _bpe_vocab()
-    if vocab_size is not None:
-        if vocab_size < len(tokens):
-            raise ValueError(f"vocab_size {vocab_size} is smaller than the base vocabulary of {len(tokens)}")
-        i = 0
-        have = set(tokens)
-        space = "\u2581" if arch in ("llama", "gemma3") else "\u0120"
-        while len(tokens) < vocab_size:
-            piece = f"{space}x{i:x}"
-            i += 1
-            if piece not in have:
-                tokens.append(piece)
-                scores.append(-1e4 - i)
-                types.append(gguf.TokenType.NORMAL)
-    return tokens, scores, types, merges, special
-
-
-def _spm_vocab(arch: str):
-    tokens = ["<pad>", "<eos>", "<bos>", "<unk>"]
-    types = [gguf.TokenType.CONTROL, gguf.TokenType.CONTROL, gguf.TokenType.CONTROL, gguf.TokenType.UNKNOWN]
-    if arch == "gemma3":
-        tokens += ["<start_of_turn>", "<end_of_turn>"]
-        types += [gguf.TokenType.CONTROL, gguf.TokenType.CONTROL]
-    scores = [-1000.0] * len(tokens)
-    tokens += [f"<0x{b:02X}>" for b in range(256)]
-    types += [gguf.TokenType.BYTE] * 256
-    scores += [0.0] * 256
-    # Word pieces: characters, then whole words with and without a leading "▁", then their
-    # prefixes, so that merging reaches every word; longer pieces score higher.
-    pieces: dict[str, float] = {}
-    for c in "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789.,!?'\"-:;()\n\u2581":
-        pieces[c] = -100.0
-    for rank, word in enumerate(_WORDS):
-        for piece in (f"\u2581{word}", word):
-            for end in range(2, len(piece) + 1):
-                pieces.setdefault(piece[:end], -50.0 + end - rank * 1e-3)
-    tokens += list(pieces)
-    scores += list(pieces.values())
-    types += [gguf.TokenType.NORMAL] * len(pieces)
-    special = {"bos": "<bos>", "eos": "<eos>", "unk": "<unk>", "pad": "<pad>"}
-    return tokens, scores, types, [], special
-
-
-def _bpe_vocab():
-    byte_chars = list(_bytes_to_unicode().values())
-    tokens = list(byte_chars)
-    merges: list[str] = []
-    # Learn merges greedily from the word list (each word preceded by a space, "Ġ"), as BPE training does.
-    words = Counter({tuple("\u0120" + w): 3 for w in _WORDS} | {tuple(w): 1 for w in _WORDS})
-    vocab = set(tokens)
-    for _ in range(400):
-        pairs: Counter = Counter()
-        for word, n in words.items():
-            for a, b in zip(word, word[1:]):
-                pairs[a, b] += n
-        if not pairs:
-            break
-        (a, b), _count = max(pairs.items(), key=lambda kv: (kv[1], kv[0]))
-        merges.append(f"{a} {b}")
-        if a + b not in vocab:
-            vocab.add(a + b)
-            tokens.append(a + b)
-        words = Counter({_merge(word, a, b): n for word, n in words.items()})
-    types = [gguf.TokenType.NORMAL] * len(tokens)
-    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    tokens += specials
-    types += [gguf.TokenType.CONTROL] * len(specials)
-    scores = [0.0] * len(tokens)
-    special = {"bos": "<|endoftext|>", "eos": "<|im_end|>", "pad": "<|endoftext|>"}
-    return tokens, scores, types, merges, special
-
-
-def _merge(word: tuple, a: str, b: str) -> tuple:
-    out, i = [], 0
-    while i < len(word):
-        if i + 1 < len(word) and word[i] == a and word[i + 1] == b:
-            out.append(a + b)
-            i += 2
-        else:
-            out.append(word[i])
-            i += 1
-    return tuple(out)
-
-
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's reversible byte -> printable character map."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return dict(zip(bs, map(chr, cs)))
