@@ -14,6 +14,7 @@ import time
 
 import torch
 
+from ..contracts.rpc import ProbeRequest
 from .errors import UserError
 
 # The probe's size is bounded by its request's layout (contracts.rpc.ProbeRequest: tokens, reps).
@@ -71,3 +72,36 @@ def probe_stage(stage, slot: int, position: int, tokens: int, reps: int, delay_s
         scale = total / sum(per) if sum(per) > 0 else 1.0
         out[name] = [round(ms * scale, 4) for ms in per]
     return out
+
+
+def probe_pipeline(local, remotes: list, head_range, slot: int, position: int, tokens: int, reps: int) -> dict:
+    """The split advisor's measurement of a split pipeline (the caller holds it, its peers' replies
+    read): every stage times its own layers (contracts.rpc.PipelineProbe, without the head's
+    footprint, which its StageHost adds), then whole decode steps on `slot` past `position` give
+    each hop's wire time and the step as it runs."""
+    request = ProbeRequest(slot=slot, position=position, tokens=tokens, reps=reps)
+    stages = [
+        {
+            "name": "head",
+            "layers": list(head_range),
+            "device": str(local.device),
+            **probe_stage(local, slot, position, tokens, reps),
+        }
+    ]
+    stages += [{"name": r.addr, **r.time_layers(request).to_json()} for r in remotes]
+    token = torch.zeros(1, dtype=torch.long)
+    slots, positions = torch.full((1,), slot, dtype=torch.long), torch.tensor([position + tokens])
+    hops: list[list[float]] = [[] for _ in remotes]
+
+    def step():
+        h = local.run_layers(local.embed(token), slots, positions)
+        for i, remote in enumerate(remotes):
+            h = remote.run_layers(h, slots, positions)
+            hops[i].append(remote.rtt_ms)
+        local.logits(h)
+
+    step_ms = median_ms(step, reps, local.device)
+    fixed_ms = median_ms(lambda: local.logits(local.embed(token).to(local.device)), reps, local.device)
+    for stage, times in zip(stages[1:], hops):
+        stage["hop_ms"] = round(statistics.median(times), 4)
+    return {"tokens": tokens, "stages": stages, "fixed_ms": round(fixed_ms, 4), "step_ms": round(step_ms, 4)}

@@ -18,41 +18,28 @@ from __future__ import annotations
 import contextlib
 import logging
 import socket
-import statistics
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
-from ..contracts.rpc import ProbeRequest, StaleEpoch
-from ..contracts.slot_state import SlotHeader, SlotStateError
+from ..contracts.rpc import StaleEpoch
+from ..contracts.slot_state import SlotStateError
 from ..contracts.split import check_ranges
 from ..contracts.status import StageInfo
 from . import slot_state
 from .errors import UserError
-from .layer_probe import median_ms, probe_stage
+from .layer_probe import probe_pipeline
 from .model import Stage
 from .rpc.peer_errors import PeerUnavailable
+from .slot_history import SlotHistory
 
 log = logging.getLogger("hydra.pipeline")
 
 READY_POLL_S = 2.0
 REPLAY_CHUNK = 256  # tokens per replay forward, like the runtime's prefill budget
-PENDING_BATCHES_MAX = 64  # batches of device-resident tokens recorded before one bulk copy back
-
-
-@dataclass(frozen=True)
-class PreparedState:
-    """A slot's states checked and split for this pipeline (`Pipeline.prepare_state`): the head's
-    own (header, body view) and each peer's whole state, for the ranges they were split by."""
-
-    header: SlotHeader
-    body: memoryview | torch.Tensor  # a device buffer when handed over by CUDA IPC
-    peer_states: list
-    ranges: list
 
 
 class Pipeline:
@@ -71,9 +58,7 @@ class Pipeline:
         # Held while this stage's layers change (re-split) and while a slot state is copied into
         # them: a placement waits for a re-split, never for a forward.
         self._layout = threading.Lock()
-        self._history: torch.Tensor | None = None  # [slots, ctx] token ids run so far
-        self._pending: list[tuple] = []  # (tokens, slots, positions) not yet in _history
-        self._lengths: dict[int, int] = {}
+        self.history = SlotHistory()  # what a KV rebuild replays (a split pipeline's only)
         self._stale: int | None = None  # index of the last stage that lost KV: rebuild before the next forward
         # Bumped whenever a stage lost KV and only the active slots' was rebuilt: the prompt cache
         # of idle slots is then gone (the scheduler drops it).
@@ -119,7 +104,7 @@ class Pipeline:
             self._make_room(slots, positions)
             h = self._run(tokens, slots, positions, meanwhile, pipelined)
             if self.remotes:  # only a split pipeline ever needs to rebuild KV
-                self._record(tokens, slots, positions)
+                self.history.record(tokens, slots, positions)
             if h is None:  # on its way through the last peer: no rows were asked for
                 return torch.empty((0, self.cfg.n_vocab), dtype=torch.float32, device=self.local.device)
             if not hidden:
@@ -191,12 +176,12 @@ class Pipeline:
 
     def slot_length(self, slot: int) -> int:
         """Tokens of `slot` whose KV every stage holds."""
-        return self._lengths.get(slot, 0)
+        return self.history.lengths.get(slot, 0)
 
     def clear_slot(self, slot: int) -> None:
         with self._lock:
             self._settle()
-            self._lengths.pop(slot, None)
+            self.history.lengths.pop(slot, None)
             self.local.kv_clear(slot)
             for remote in self.remotes:
                 remote.kv_clear(slot)
@@ -235,40 +220,10 @@ class Pipeline:
             extra = self.side_state.state_out(slot, len(tokens)) if self.side_state is not None else None
             return slot_state.device_states(self.local, slot, tokens, self.local.g.fingerprint, ranges, extra)
 
-    def prepare_state(self, data, tokens: list[int] | None = None) -> PreparedState:
-        """Slot states (back to back, any split that covers the model) read, checksummed and
-        regrouped to this pipeline's ranges, without holding the pipeline: the costly half of a
-        placement, off the forward's path. They must cover `tokens` when given. `data` may instead
-        be states already read and checked (`slot_state.read_all`'s answer: as they arrived from a
-        socket), or (header, device body) per range of this pipeline, handed over by CUDA IPC: this
-        stage's is then placed device to device, the peers' are packed into bytes for their STATE_PUT."""
-        fingerprint = self.local.g.fingerprint
-        states = data if isinstance(data, list) else slot_state.read_all(data)
-        if not states:
-            raise SlotStateError("no slot state in an empty stream")
-        on_device = isinstance(states[0][1], torch.Tensor)
-        if on_device:
-            if [tuple(h.layers) for h, _ in states] != list(self.ranges):
-                raise SlotStateError(
-                    f"slot states of ranges {[h.layers for h, _ in states]}, this pipeline holds {self.ranges}"
-                )
-            states = [(h, body, None) for h, body in states]
-        if states[0][0].fingerprint != fingerprint:
-            raise SlotStateError(f"slot state is of model {states[0][0].fingerprint}, this worker serves {fingerprint}")
-        if tokens is not None and states[0][0].tokens != list(tokens):
-            raise SlotStateError(f"slot state covers other tokens than the {len(tokens)} asked for")
-        ranges = list(self.ranges)
-        if on_device:
-            parts = [None] + [slot_state.pack(h, slot_state.entry_bytes(h, body)) for h, body, _ in states[1:]]
-        else:
-            parts = slot_state.regroup(states, ranges)
-        mine = next(((h, body) for h, body, _ in states if tuple(h.layers) == tuple(ranges[0])), None)
-        if mine is None:  # our range came regrouped: read it back
-            mine = slot_state.read_all(parts[0])[0][:2]
-        slot_state.check(
-            self.local, 0, mine[0], fingerprint
-        )  # a state that cannot fit is refused here, before any lock
-        return PreparedState(*mine, parts[1:], ranges)
+    def prepare_state(self, data, tokens: list[int] | None = None) -> slot_state.PreparedState:
+        """Slot states checked and regrouped to this pipeline's ranges without holding it: the costly
+        half of a placement, off the forward's path (slot_state.prepare)."""
+        return slot_state.prepare(self.local, self.ranges, data, tokens)
 
     def place_state(self, slot: int, data, tokens: list[int] | None = None) -> list[int]:
         """Place slot states (raw, or a `prepare_state`) into `slot`, each stage its layers (peers
@@ -278,7 +233,7 @@ class Pipeline:
         half-placed is used). The caller keeps `slot` out of every forward meanwhile: the copies run
         beside them, this stage's without the pipeline lock, the peers' over connections of their
         own (only a re-split waits); the lock is taken only to record the slot's tokens."""
-        prepared = data if isinstance(data, PreparedState) else self.prepare_state(data, tokens)
+        prepared = data if isinstance(data, slot_state.PreparedState) else self.prepare_state(data, tokens)
         fingerprint, header, n = self.local.g.fingerprint, prepared.header, len(prepared.header.tokens)
         generation = self.kv_generation
         try:
@@ -301,12 +256,12 @@ class Pipeline:
                     if self.kv_generation != generation:  # a stage's KV was rebuilt meanwhile, without this slot's
                         raise SlotStateError("the pipeline rebuilt its KV while the state was placed")
                     if n:  # a later KV rebuild replays them
-                        self._flush_history()
-                        self._write_history(torch.tensor(header.tokens), torch.full((n,), slot), torch.arange(n))
-            self._lengths[slot] = n
+                        self.history.flush()
+                        self.history.write(torch.tensor(header.tokens), torch.full((n,), slot), torch.arange(n))
+            self.history.lengths[slot] = n
         except Exception:
             with self._lock:
-                self._lengths.pop(slot, None)
+                self.history.lengths.pop(slot, None)
                 self.local.kv_clear(slot)
                 for remote in self.remotes:
                     with contextlib.suppress(PeerUnavailable):
@@ -314,58 +269,20 @@ class Pipeline:
             raise
         return list(header.tokens)
 
-    # --- slot history and KV rebuild ------------------------------------------------------------
-
-    def _record(self, tokens, slots, positions) -> None:
-        """Remember the batch's tokens for a later KV rebuild. Tokens still on the device (a caller
-        that keeps sampling there) are copied back in bulk later: reading them now would make the
-        head wait for the whole step mid-pipeline."""
-        if tokens.numel() == 0:
-            return
-        s, p = slots.cpu(), positions.cpu()
-        if tokens.device.type == "cpu":
-            self._flush_history()
-            self._write_history(tokens, s, p)
-        else:
-            self._pending.append((tokens, s, p))
-            if len(self._pending) >= PENDING_BATCHES_MAX:
-                self._flush_history()
-        # A slot's run is contiguous with increasing positions: its last position ends its history.
-        for slot, pos in zip(s.tolist(), p.tolist()):
-            self._lengths[slot] = pos + 1
-
-    def _flush_history(self) -> None:
-        if self._pending:
-            tokens, s, p = (torch.cat(parts) for parts in zip(*self._pending))
-            self._pending.clear()
-            self._write_history(tokens.cpu(), s, p)
-
-    def _write_history(self, tokens, s, p) -> None:
-        need_slots, need_ctx = int(s.max()) + 1, int(p.max()) + 1
-        hist = self._history
-        if hist is None or hist.shape[0] < need_slots or hist.shape[1] < need_ctx:
-            grown = torch.zeros(
-                max(need_slots, hist.shape[0] if hist is not None else 0),
-                max(need_ctx, 2 * hist.shape[1] if hist is not None else 256),
-                dtype=torch.long,
-            )
-            if hist is not None:
-                grown[: hist.shape[0], : hist.shape[1]] = hist
-            self._history = hist = grown
-        hist[s, p] = tokens
+    # --- KV rebuild ------------------------------------------------------------------------------
 
     def _rebuild(self, through: int) -> int:
         """Replay the active slots' tokens through stages 0..`through` (rewrites their KV; the
         stages after `through` kept theirs)."""
-        active = self.active_slots() if self.active_slots is not None else set(self._lengths)
+        active = self.active_slots() if self.active_slots is not None else set(self.history.lengths)
         self.kv_generation += 1
-        self._flush_history()
+        self.history.flush()
         n_tokens = 0
         for slot in sorted(active):
-            n = self._lengths.get(slot, 0)
+            n = self.history.lengths.get(slot, 0)
             for start in range(0, n, REPLAY_CHUNK):
                 end = min(n, start + REPLAY_CHUNK)
-                tokens = self._history[slot, start:end]
+                tokens = self.history.tokens(slot, start, end)
                 slots = torch.full((end - start,), slot, dtype=torch.long)
                 positions = torch.arange(start, end, dtype=torch.long)
                 h = self.local.run_layers(self.local.embed(tokens), slots, positions)
@@ -389,34 +306,7 @@ class Pipeline:
                 self._rebuild(self._stale)
             slot = min(range(self.local.n_slots), key=self.slot_length)
             position = self.slot_length(slot)
-            request = ProbeRequest(slot=slot, position=position, tokens=tokens, reps=reps)
-            stages = [
-                {
-                    "name": "head",
-                    "layers": list(self.ranges[0]),
-                    "device": str(self.local.device),
-                    **probe_stage(self.local, slot, position, tokens, reps),
-                }
-            ]
-            stages += [{"name": r.addr, **r.time_layers(request).to_json()} for r in self.remotes]
-            token = torch.zeros(1, dtype=torch.long)
-            slots, positions = torch.full((1,), slot, dtype=torch.long), torch.tensor([position + tokens])
-            hops: list[list[float]] = [[] for _ in self.remotes]
-
-            def step():
-                h = self.local.run_layers(self.local.embed(token), slots, positions)
-                for i, remote in enumerate(self.remotes):
-                    h = remote.run_layers(h, slots, positions)
-                    hops[i].append(remote.rtt_ms)
-                self.local.logits(h)
-
-            step_ms = median_ms(step, reps, self.local.device)
-            fixed_ms = median_ms(
-                lambda: self.local.logits(self.local.embed(token).to(self.local.device)), reps, self.local.device
-            )
-        for stage, times in zip(stages[1:], hops):
-            stage["hop_ms"] = round(statistics.median(times), 4)
-        return {"tokens": tokens, "stages": stages, "fixed_ms": round(fixed_ms, 4), "step_ms": round(step_ms, 4)}
+            return probe_pipeline(self.local, self.remotes, self.ranges[0], slot, position, tokens, reps)
 
     # --- live re-split --------------------------------------------------------------------------
 

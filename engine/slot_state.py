@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import sys
 import threading
+from dataclasses import dataclass
 from typing import Callable, Iterable
 
 import torch
@@ -362,3 +363,46 @@ def regroup(states: list[tuple[SlotHeader, memoryview, memoryview]], ranges: lis
         )
         out.append(pack(header, (v for _, v in chosen)))
     return out
+
+
+@dataclass(frozen=True)
+class PreparedState:
+    """A slot's states checked and split for a pipeline (`prepare`): the head's
+    own (header, body view) and each peer's whole state, for the ranges they were split by."""
+
+    header: SlotHeader
+    body: memoryview | torch.Tensor  # a device buffer when handed over by CUDA IPC
+    peer_states: list
+    ranges: list
+
+
+def prepare(local, ranges: list, data, tokens: list[int] | None = None) -> PreparedState:
+    """Slot states (back to back, any split that covers the model) read, checksummed and regrouped
+    to a pipeline's `ranges` (its head stage `local`), without holding the pipeline: the costly
+    half of a placement, off the forward's path. They must cover `tokens` when given. `data` may
+    instead be states already read and checked (`read_all`'s answer: as they arrived from a
+    socket), or (header, device body) per range of the pipeline, handed over by CUDA IPC: the head
+    stage's is then placed device to device, the peers' are packed into bytes for their STATE_PUT."""
+    fingerprint = local.g.fingerprint
+    states = data if isinstance(data, list) else read_all(data)
+    if not states:
+        raise SlotStateError("no slot state in an empty stream")
+    on_device = isinstance(states[0][1], torch.Tensor)
+    if on_device:
+        if [tuple(h.layers) for h, _ in states] != list(ranges):
+            raise SlotStateError(f"slot states of ranges {[h.layers for h, _ in states]}, this pipeline holds {ranges}")
+        states = [(h, body, None) for h, body in states]
+    if states[0][0].fingerprint != fingerprint:
+        raise SlotStateError(f"slot state is of model {states[0][0].fingerprint}, this worker serves {fingerprint}")
+    if tokens is not None and states[0][0].tokens != list(tokens):
+        raise SlotStateError(f"slot state covers other tokens than the {len(tokens)} asked for")
+    ranges = list(ranges)
+    if on_device:
+        parts = [None] + [pack(h, entry_bytes(h, body)) for h, body, _ in states[1:]]
+    else:
+        parts = regroup(states, ranges)
+    mine = next(((h, body) for h, body, _ in states if tuple(h.layers) == tuple(ranges[0])), None)
+    if mine is None:  # our range came regrouped: read it back
+        mine = read_all(parts[0])[0][:2]
+    check(local, 0, mine[0], fingerprint)  # a state that cannot fit is refused here, before any lock
+    return PreparedState(*mine, parts[1:], ranges)

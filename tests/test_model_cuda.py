@@ -200,9 +200,9 @@ def test_split_across_two_cuda_processes_equals_solo(cuda_peer, monkeypatch, tra
         logits = greedy_logits(split)
         assert torch.equal(greedy_logits(solo), logits)
         # The decode steps' tokens stayed on the GPU; the KV-rebuild history still has them all.
-        split._flush_history()
+        split.history.flush()
         fed = torch.cat([torch.tensor(PROMPT), logits[:-1, 0].argmax(-1)])
-        assert torch.equal(split._history[0, : len(fed)], fed)
+        assert torch.equal(split.history.tokens(0, 0, len(fed)), fed)
         # A decode step's frame carries the hidden state (float32) only on the socket path.
         sent_before = remote.bytes_sent
         split.forward(torch.tensor([5]), torch.tensor([1]), torch.tensor([0]), torch.tensor([0]))
