@@ -7,7 +7,8 @@ into its own log file through its log writer, never into pipes of the console, s
 console; every console follows the files. Every `poll_s` each worker's /health and /status are
 probed through a `StatusSource`. Its parts: `launch.py` (argv, environment, ssh, busy ports),
 `tokens.py`, `processes.py`, `takeover.py` (the run file, adoption, the owning console),
-`split_control.py` (CONFIGURE, PROBE), `worker_states.py`, `log_follow.py`, `records.py`.
+`split_control.py` (CONFIGURE, PROBE), `worker_states.py`, `log_follow.py`, `records.py`,
+`observers.py`.
 
 Observers (the UI) read `workers`, `events`, `merged_log` and call the async commands; they get
 each new `Event` through `subscribe` and each polled /status through `subscribe_status`.
@@ -39,6 +40,7 @@ from . import split_control
 from .config import Profile, state_dir
 from .launch import busy_ports, port_owner, send_token, worker_argv, worker_env
 from .log_follow import LogFollower
+from .observers import Observers
 from .processes import WRITER_DRAIN_S, kill_groups_sync, log_pipe, reap, release, signal_group, start_process
 from .records import Event, LogLine, State, SupervisorError, Worker, new_worker
 from .sources import HttpStatusSource, Probe, StatusSource
@@ -91,8 +93,7 @@ class Supervisor:
             path = self.log_dir / f"{profile.name}-{spec.name}.log"
             role = "head" if i == 0 else "peer"
             self.workers[spec.name] = new_worker(spec, role, not (self.attach_only or spec.attach), path, self.settings)
-        self._listeners: list[Callable[[Event], None]] = []
-        self._status_listeners: list[Callable[[str, float, Status], None]] = []
+        self._observers = Observers()
         self._tasks: set[asyncio.Task] = set()
         self._poller: asyncio.Task | None = None
         self._last_ranges: tuple | None = None
@@ -103,29 +104,16 @@ class Supervisor:
     # ---- observation -------------------------------------------------------------------------
 
     def subscribe(self, fn: Callable[[Event], None]) -> Callable[[], None]:
-        self._listeners.append(fn)
-        return lambda: self._listeners.remove(fn) if fn in self._listeners else None
+        return self._observers.on_event(fn)
 
     def subscribe_status(self, fn: Callable[[str, float, Status], None]) -> Callable[[], None]:
         """`fn(worker, time, status)` for every /status polled (what the incident log compares)."""
-        self._status_listeners.append(fn)
-        return lambda: self._status_listeners.remove(fn) if fn in self._status_listeners else None
-
-    def _status_polled(self, name: str, ts: float, status: Status) -> None:
-        for fn in list(self._status_listeners):
-            try:
-                fn(name, ts, status)
-            except Exception:  # an observer's bug must not stop supervision
-                log.exception("status listener failed on %s", name)
+        return self._observers.on_status(fn)
 
     def emit(self, worker: str, kind: str, message: str) -> Event:
         ev = Event(self.clock(), worker, kind, message)
         self.events.append(ev)
-        for fn in list(self._listeners):
-            try:
-                fn(ev)
-            except Exception:  # an observer's bug must not stop supervision
-                log.exception("event listener failed on %s", ev)
+        self._observers.event(ev)
         return ev
 
     @property
@@ -445,7 +433,7 @@ class Supervisor:
         for w, p in zip(targets, probes):
             if isinstance(p, BaseException):
                 p = Probe(False, error=f"{type(p).__name__}: {p}")
-            apply_probe(w, p, split_changes, self.clock, self.emit, self._status_polled)
+            apply_probe(w, p, split_changes, self.clock, self.emit, self._observers.status)
         self._note_split()
 
     def _note_split(self) -> None:
