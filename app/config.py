@@ -73,6 +73,7 @@ class SpeculativeSettings(_Strict):
     type: Literal["off", "ngram", "draft", "mtp"] = "off"
     draft_max: int = Field(default=3, ge=1, le=16)
     model_draft: str = ""
+    adaptive: Literal["auto", "on", "off"] = "auto"  # the head's --draft-adaptive (auto: on for mtp)
 
 
 class Alerts(_Strict):

@@ -240,6 +240,19 @@ def acceptance_text(status: Status | None) -> str:
     return f"{head} {fmt_pct(spec.acceptance)} · mean len {mean_s} · drafts {spec.drafts}"
 
 
+def draft_slots_text(status: Status | None) -> str:
+    """Adaptive drafting per slot: the k each slot's last step drafted (0: plain decode) and its
+    estimated acceptance at each draft position; "" when the head does not adapt k."""
+    spec = status.speculative if status else None
+    if spec is None or not spec.adaptive or not spec.slots:
+        return ""
+    parts = [
+        f"s{s.slot} k={s.k}" + (f" ({' '.join(fmt_pct(a) for a in s.acceptance)})" if s.acceptance else "")
+        for s in spec.slots
+    ]
+    return "draft k " + " · ".join(parts)
+
+
 def pool_text(status: Status | None) -> str:
     """The merged RPC port as it is used: compute sessions (the pipeline's hops), the control pool
     (console ops: CONFIGURE, INFO, PROBE; never the API's requests), and sockets open but idle."""

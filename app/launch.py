@@ -86,6 +86,8 @@ def worker_argv(p: Profile, spec: WorkerSpec, role: str, split: list[int] | None
             args += ["--spec-type", sp.type, "--draft-max", str(sp.draft_max)]
             if sp.model_draft:
                 args += ["--model-draft", sp.model_draft]
+            if sp.adaptive != "auto":
+                args += ["--draft-adaptive", sp.adaptive]
     args += spec.args
     if spec.is_local:
         prefix = (

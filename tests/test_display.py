@@ -310,3 +310,20 @@ async def test_gpu_workers_show_their_own_process_memory_beside_the_device_total
         ("peer1 RSS", 2 << 30, ram, ""),
         ("peer1 GPU", 28 << 30, 140 << 30, "torch reserved"),
     ]
+
+
+def test_draft_slots_text_shows_each_slots_k_and_acceptance_only_when_the_head_adapts():
+    spec = {
+        "type": "mtp",
+        "draft_max": 3,
+        "adaptive": True,
+        "slots": [
+            {"slot": 0, "k": 2, "acceptance": [0.9, 0.714, 0.5]},
+            {"slot": 1, "k": 0, "acceptance": []},
+        ],
+    }
+    status = Status.from_json({"speculative": spec})
+    assert display.draft_slots_text(status) == "draft k s0 k=2 (90% 71% 50%) · s1 k=0"
+    assert display.draft_slots_text(Status.from_json({"speculative": {**spec, "adaptive": False}})) == ""
+    assert display.draft_slots_text(Status.from_json({"speculative": {**spec, "slots": []}})) == ""
+    assert display.draft_slots_text(None) == "" and display.draft_slots_text(Status()) == ""

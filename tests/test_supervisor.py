@@ -25,6 +25,8 @@ from hydra_console.app.sources import FixedFeedSource, HttpStatusSource, Probe
 from hydra_console.app.supervisor import Supervisor
 from hydra_console.contracts.auth import ServerHandshake
 from hydra_console.contracts.rpc import Op
+from hydra_console.engine.cli import build_parser
+from hydra_console.engine.cli_config import head_config
 from hydra_console.engine.rpc.wire import pack_control_response
 
 
@@ -673,3 +675,22 @@ async def test_local_workers_get_the_token_in_their_environment_not_argv(tmp_pat
         assert token == sup.token and sup.token not in argv
     finally:
         await sup.shutdown()
+
+
+def test_profile_speculative_adaptive_reaches_the_heads_argv_as_the_engine_reads_it():
+    """`[speculative] adaptive` is the head's `--draft-adaptive`; "auto" adds nothing (the engine's
+    own default: on for mtp), and the engine's parser takes what the console writes."""
+
+    def head_spec(**speculative):
+        sup = Supervisor(Profile(speculative=speculative), source=FixedFeedSource({}))
+        argv = sup.command_for("head")
+        return argv, head_config(build_parser().parse_args(argv[argv.index("serve") :]), {}).spec
+
+    argv, spec = head_spec(type="mtp")
+    assert "--draft-adaptive" not in argv and spec.adapts
+    argv, spec = head_spec(type="mtp", adaptive="off")
+    assert argv[argv.index("--draft-adaptive") + 1] == "off" and not spec.adapts
+    argv, spec = head_spec(type="ngram", adaptive="on")
+    assert spec.type == "ngram" and spec.adapts
+    with pytest.raises(ValueError, match="adaptive"):
+        Profile(speculative={"type": "mtp", "adaptive": "sometimes"})

@@ -153,7 +153,10 @@ class DashboardScreen(Screen):
         status = sup.head.status
         info = Text()
         info.append(display.requests_text(status))
-        info.append(f"\n{display.acceptance_text(status)}\n{display.pool_text(status)}")
+        info.append(f"\n{display.acceptance_text(status)}")
+        if slots := display.draft_slots_text(status):
+            info.append(f"\n{slots}")
+        info.append(f"\n{display.pool_text(status)}")
         for line, tone in display.peer_lines(status, sup.profile.alerts, display.peer_pools(sup)):
             info.append("\npeer ")
             info.append(line, style=app.tone_style(tone))
