@@ -7,6 +7,7 @@ into its own log file through its log writer, never into pipes of the console, s
 console; every console follows the files. Every `poll_s` each worker's /health and /status are
 probed through a `StatusSource`. Its parts: `launch.py` (argv, environment, ssh, busy ports),
 `tokens.py`, `processes.py`, `takeover.py` (the run file, adoption, the owning console),
+`split_commands.py` (apply a split, probe it, refuse a misfit, follow the head's),
 `split_control.py` (CONFIGURE, PROBE), `worker_states.py`, `log_follow.py`, `records.py`,
 `observers.py`.
 
@@ -34,9 +35,7 @@ from collections import deque
 from pathlib import Path
 from typing import Callable
 
-from ..contracts.split import counts_of, split_arg
 from ..contracts.status import Status
-from . import split_control
 from .config import Profile, state_dir
 from .launch import busy_ports, port_owner, send_token, worker_argv, worker_env
 from .log_follow import LogFollower
@@ -44,6 +43,7 @@ from .observers import Observers
 from .processes import WRITER_DRAIN_S, kill_groups_sync, log_pipe, reap, release, signal_group, start_process
 from .records import Event, LogLine, State, SupervisorError, Worker, new_worker
 from .sources import HttpStatusSource, Probe, StatusSource
+from .split_commands import SplitCommands
 from .split_fit import CardPlans
 from .takeover import Adopted, adoptable, logged_path, owning_console, read_run_file, write_run_file
 from .tokens import profile_token
@@ -53,7 +53,7 @@ from .worker_states import apply_probe, exited, started
 log = logging.getLogger("hydra.console.supervisor")
 
 
-class Supervisor:
+class Supervisor(SplitCommands):
     def __init__(
         self,
         profile: Profile,
@@ -129,10 +129,6 @@ class Supervisor:
     def running_managed(self) -> list[Worker]:
         """Workers this console started that are still up (what quitting would stop)."""
         return [w for w in self.workers.values() if w.managed and (w.running or w.wanted)]
-
-    def stage_ranges(self) -> list[tuple[str, tuple[int, int]]] | None:
-        """Layer ranges the head reports in /status, pipeline order."""
-        return split_control.stage_ranges(self.head.status)
 
     # ---- commands ----------------------------------------------------------------------------
 
@@ -242,56 +238,6 @@ class Supervisor:
             self.emit(w.name, "killed", f"pid {pid} still running {grace:g} s after SIGTERM: SIGKILL")
             signal_group(pid, signal.SIGKILL)
             await watch
-
-    async def apply_split(self, counts: list[int]) -> str:
-        """Re-split live through the head's CONFIGURE op; else restart the head with --split.
-
-        Peers take no split flag (the head assigns their layers when it connects), so a restart
-        of the head is the whole rolling restart. Returns "live" or "restart".
-        """
-        if self.readonly:
-            raise SupervisorError("read-only console: it applies no split")
-        if len(counts) != len(self.workers):
-            raise SupervisorError(f"split {split_arg(counts)} has {len(counts)} stages for {len(self.workers)} workers")
-        await self.refuse_misfit(counts)
-        head = self.head
-        reason = await split_control.configure(head.spec, counts, self.identity, self.token)
-        if reason is None:
-            self._set_split(counts)
-            self.emit(head.name, "split", f"live re-split to {split_arg(counts)}")
-            return "live"
-        if not head.managed:
-            raise SupervisorError(
-                f"live re-split refused ({reason}) and {head.name} is attached, so it cannot be restarted"
-            )
-        self._set_split(counts)
-        self.emit(
-            head.name, "split", f"live re-split unavailable ({reason}); restarting with --split {split_arg(counts)}"
-        )
-        await self.restart_worker(head.name)
-        return "restart"
-
-    async def refuse_misfit(self, counts: list[int] | None) -> None:
-        """A split some card cannot hold is refused before anything loads, naming each stage's need
-        and its card's size (split_fit.py); a model the console cannot read is the worker's to report."""
-        workers = [(w.spec, w.status) for w in self.workers.values()]
-        if why := await asyncio.to_thread(self.plans.refusal, workers, counts):
-            self.emit(self.head.name, "refused", why)
-            raise SupervisorError(why)
-
-    def _set_split(self, counts: list[int]) -> None:
-        self.profile.split = self.split = list(counts)
-        self.split_changes += 1
-
-    async def probe_split(self, tokens: int = 32, reps: int = 3) -> dict:
-        """The split advisor's measurement: the head's PROBE (every stage times its own layers, the
-        head times each hop and a whole step). Requests pause for its length."""
-        if self.readonly:
-            raise SupervisorError("read-only console: it runs no probe")
-        head = self.head
-        meta = await split_control.probe(head.spec, tokens, reps, self.token)
-        self.emit(head.name, "probe", f"split probe: one decode step {meta.get('step_ms', 0):.1f} ms")
-        return meta
 
     async def shutdown(self, stop_workers: bool = True) -> None:
         """Stop polling and (by default) the workers this console started, head first; else detach:
@@ -435,16 +381,3 @@ class Supervisor:
                 p = Probe(False, error=f"{type(p).__name__}: {p}")
             apply_probe(w, p, split_changes, self.clock, self.emit, self._observers.status)
         self._note_split()
-
-    def _note_split(self) -> None:
-        """Follow the split the head runs, whoever applied it: a restart of the head relaunches it."""
-        ranges = self.stage_ranges()
-        if ranges is None or self.head.probe_split_changes != self.split_changes:
-            return
-        key = tuple(r for _, r in ranges)
-        if len(key) == len(self.workers):
-            self.split = counts_of(list(key))
-        if self._last_ranges is not None and key != self._last_ranges:
-            by = self.head.status.split_by
-            self.emit(self.head.name, "split", split_control.ranges_text(key, by))
-        self._last_ranges = key
