@@ -288,10 +288,12 @@ def peer_pools(sup: Supervisor) -> dict[str, Pool]:
 
 
 def port_text(pool: Pool) -> str:
-    """A peer's merged port: the pipeline's sessions on it and, where it runs a pool, sessions busy /
-    pool size, queued / queue max and dropped (the original system's headline: what a flood fills)."""
-    occupancy = f" {pool.busy}/{pool.size} busy, {pool.queued}/{pool.queue_max} queued," if pool.size else ""
-    return f"port {pool.compute} compute ·{occupancy} {pool.dropped} dropped"
+    """A peer's merged port as the original system showed it: sessions busy / pool size · queued ·
+    dropped (what a flood fills; the head's own sessions are served beside the pool). A peer that
+    runs no pool: the head's sessions on it and what it dropped."""
+    if not pool.size:
+        return f"port {pool.compute} compute · {pool.dropped} dropped"
+    return f"pool {pool.busy}/{pool.size} · {pool.queued} queued · {pool.dropped} dropped"
 
 
 def peer_lines(status: Status | None, alerts: Alerts, pools: dict[str, Pool] | None = None) -> list[tuple[str, str]]:

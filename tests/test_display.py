@@ -262,7 +262,7 @@ async def test_each_peers_merged_port_pool_comes_from_its_own_status():
     sup = Supervisor(profile, attach=True, source=feed)
     await sup.poll_once()
     assert display.peer_lines(sup.head.status, Alerts(), display.peer_pools(sup)) == [
-        ("127.0.0.1:8091 ● up rtt 0.5 ms — · port 1 compute · 2/2 busy, 5/64 queued, 3 dropped", "warn"),
+        ("127.0.0.1:8091 ● up rtt 0.5 ms — · pool 2/2 · 5 queued · 3 dropped", "warn"),
         ("127.0.0.1:8093 ● up rtt 0.5 ms — · port 1 compute · 0 dropped", "ok"),
         ("127.0.0.1:8095 ● up rtt 0.5 ms —", "ok"),  # no answer from it: the head's view only
     ]

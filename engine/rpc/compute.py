@@ -217,6 +217,11 @@ class ComputeServer:
 
     # --- after the handshake ------------------------------------------------------------------------
 
+    def opens_session(self, header: bytes) -> bool:
+        """A first request that opens (CHECK, then LOAD_STAGE) or joins (STATE_JOIN) the head's
+        stage session: the listener serves it on a thread of its own, never behind the pool."""
+        return COMPUTE_HEADER.unpack(header)[0] in _SESSION_OPENERS
+
     def serve(self, conn, reader: SocketReader, session: dict) -> bool:
         """One request and its reply."""
         if not reader.prefix:
@@ -396,6 +401,7 @@ class ComputeServer:
 
 
 _FORWARDS = (Cmd.FORWARD, Cmd.FORWARD_IPC, Cmd.FORWARD_ACK)  # replies with their own status header
+_SESSION_OPENERS = frozenset({Cmd.CHECK, Cmd.LOAD_STAGE, Cmd.STATE_JOIN})  # ComputeServer.opens_session
 _AFTER_CHECK = frozenset({*_FORWARDS, Cmd.LOAD_STAGE})
 _NAMES = {v: k for k, v in vars(Cmd).items() if k.isupper()}
 

@@ -8,8 +8,13 @@ socket so costs a file descriptor and a few hundred bytes until its deadline clo
 thread, and no pre-auth frame allocates more than PREAUTH_MAX_FRAME.
 
 After the handshake (HELLO, plus AUTH when a token is set):
-- Peer mode: the connection gets its own thread straight into the compute protocol (the fork
-  found a pool throttled the hot peer path); it closes after the server's idle time.
+- Peer mode: the selector waits for the first request's header. One that opens or joins the
+  head's stage session (the server's `opens_session`: CHECK, LOAD_STAGE, STATE_JOIN) gets its own
+  thread straight into the compute protocol, never queued (the fork found a pool throttled the
+  hot peer path). Any other client (a probe, a stray or upstream client, a flood) is served by
+  the original's bounded pool: a connection holds one of `pool_size` workers for its life, waits
+  in a FIFO queue of `queue_max`, and is dropped (closed, counted) when that is full. Either closes
+  after the server's idle time.
 - Head mode: the selector waits for each request's whole header, then a bounded pool
   (FIFO queue; a full queue drops the connection and counts it) serves that one request and
   hands the connection back. An idle or silent connection never holds a pool worker, so the
@@ -67,6 +72,9 @@ class Server(Protocol):
 
     def serve(self, conn: socket.socket, reader: SocketReader, session: dict) -> bool: ...  # one request
 
+    # peer mode: whether a first request (its header) opens or joins the head's session
+    def opens_session(self, header: bytes) -> bool: ...
+
 
 def tune_socket(conn: socket.socket) -> None:
     """TCP_NODELAY (one small frame per decode step) and keepalive 30/10/3 (find dead peers)."""
@@ -87,6 +95,7 @@ class _Conn:
     buf: bytearray = field(default_factory=bytearray)
     need: int = 1  # bytes `buf` must hold before the next step
     held_until: float = 0.0  # its address failed to prove the token: not read before this
+    own_thread: bool = False  # peer mode: the head's session, served outside the pool
 
 
 class RpcListener:
@@ -107,7 +116,7 @@ class RpcListener:
     ):
         if mode not in ("head", "peer"):
             raise ValueError(f"listener mode must be head or peer, not {mode!r}")
-        if mode == "head" and (pool_size < 1 or queue_max < 0):
+        if pool_size < 1 or queue_max < 0:
             raise UserError(f"--rpc-pool-size must be >= 1 and --rpc-queue >= 0 (got {pool_size}, {queue_max})")
         self.host, self.port, self.mode = host, port, mode
         self.compute, self.control = compute, control
@@ -145,9 +154,8 @@ class RpcListener:
         self._sel.register(self._wake_r, selectors.EVENT_READ, None)
         self._running.set()
         self._spawn(self._select_loop, "rpc-accept")
-        if self.mode == "head":
-            for i in range(self.pool_size):
-                self._spawn(self._pool_worker, f"rpc-pool-{i}")
+        for i in range(self.pool_size):
+            self._spawn(self._pool_worker, f"rpc-pool-{i}")
         log.info("RPC %s listener on %s:%d", self.mode, self.host, self.bound_port)
         return self
 
@@ -181,13 +189,21 @@ class RpcListener:
         return len(self._conns)
 
     def stats(self) -> Pool:
-        queued = self._queue.qsize() if self.mode == "head" else 0
-        size = self.pool_size if self.mode == "head" else 0
-        queue_max = self.queue_max if self.mode == "head" else 0
         conns = list(self._conns)
-        compute = sum(1 for c in conns if c.server is self.compute)
+        if self.mode == "peer":  # the head's sessions, outside the pool
+            compute = sum(1 for c in conns if c.own_thread)
+        else:
+            compute = sum(1 for c in conns if c.server is self.compute)
         return Pool(
-            size, self._busy, queued, queue_max, self._dropped, self._accepted, len(conns), compute, self._auth_failures
+            self.pool_size,
+            self._busy,
+            self._queue.qsize(),
+            self.queue_max,
+            self._dropped,
+            self._accepted,
+            len(conns),
+            compute,
+            self._auth_failures,
         )
 
     # --- the selector thread: accept, handshakes, waiting for requests ----------------------------
@@ -334,9 +350,13 @@ class RpcListener:
             c.session = c.server.open()
             c.need = c.server.header
             return
-        if c.session["authed"]:  # a whole request header: one request for the pool
+        if c.session["authed"]:  # a whole request header
             self._sel.unregister(c.sock)
-            self._hand_to_pool(c)
+            if self.mode == "peer" and c.server.opens_session(bytes(c.buf)):
+                c.own_thread = True
+                self._spawn(self._serve_session, "rpc-peer-conn", c)
+            else:
+                self._hand_to_pool(c)  # head mode: this one request; peer mode: the connection's life
             return
         if len(c.buf) == c.server.header:
             c.need = c.server.preauth_len(bytes(c.buf), c.session)
@@ -348,11 +368,7 @@ class RpcListener:
         if not c.session["authed"]:
             return
         self._failed.pop(c.ip, None)
-        if self.mode == "peer":
-            self._sel.unregister(c.sock)
-            self._spawn(self._session_thread, "rpc-peer-conn", c)
-        else:
-            c.deadline = time.monotonic() + c.server.idle_s
+        c.deadline = time.monotonic() + c.server.idle_s
 
     def _expire(self, now: float) -> None:
         self._release_held(now)
@@ -412,6 +428,9 @@ class RpcListener:
             with self._lock:
                 self._busy += 1
             try:
+                if self.mode == "peer":  # the connection holds this worker for its life, as the original's
+                    self._serve_session(c)
+                    continue
                 keep = self._serve(c, SocketReader(c.sock, prefix=bytes(c.buf), send_timeout=self.header_s))
             finally:
                 with self._lock:
@@ -423,8 +442,10 @@ class RpcListener:
             else:
                 self._close(c)
 
-    def _session_thread(self, c: _Conn) -> None:
-        reader = SocketReader(c.sock, send_timeout=self.header_s)
+    def _serve_session(self, c: _Conn) -> None:
+        """Peer mode: the connection's requests, the first one's header already read, until it
+        closes or idles past the server's idle time."""
+        reader = SocketReader(c.sock, prefix=bytes(c.buf), send_timeout=self.header_s)
         try:
             while self._running.is_set():
                 reader.expect(c.server.idle_s)
