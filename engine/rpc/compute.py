@@ -217,6 +217,11 @@ class ComputeServer:
 
     # --- after the handshake ------------------------------------------------------------------------
 
+    def busy_reply(self, why: str) -> bytes:
+        """The answer to a request the listener's pool drops (ggml-rpc framing: size, then ERROR and why)."""
+        text = why.encode()
+        return COMPUTE_SIZE.pack(1 + len(text)) + bytes([R.ERROR]) + text
+
     def opens_session(self, header: bytes) -> bool:
         """A first request that opens (CHECK, then LOAD_STAGE) or joins (STATE_JOIN) the head's
         stage session: the listener serves it on a thread of its own, never behind the pool."""

@@ -56,6 +56,7 @@ LOOPBACK = frozenset({"127.0.0.1", "::1", "::ffff:127.0.0.1"})
 SCAN_S = 0.25  # how often the selector closes connections past their deadline
 AUTH_DELAY_S, AUTH_DELAY_MAX_S = 0.25, 30.0  # the wait after the first failed proof, and its cap
 AUTH_FORGET_S = 600.0
+DROP_DRAIN = 1 << 16  # bytes of a dropped request read (not waited for) before its connection closes
 
 
 class Server(Protocol):
@@ -71,6 +72,8 @@ class Server(Protocol):
     def preauth(self, conn: socket.socket, frame: bytes, session: dict) -> None: ...  # raise to close
 
     def serve(self, conn: socket.socket, reader: SocketReader, session: dict) -> bool: ...  # one request
+
+    def busy_reply(self, why: str) -> bytes: ...  # the answer to a request the pool drops
 
     # peer mode: whether a first request (its header) opens or joins the head's session
     def opens_session(self, header: bytes) -> bool: ...
@@ -416,8 +419,15 @@ class RpcListener:
             self._drop(c)
 
     def _drop(self, c: _Conn) -> None:
+        """The pool and its queue are full: the request's answer says so, then the connection closes."""
         with self._lock:
             self._dropped += 1
+        why = f"busy: this port's RPC pool is full ({self.pool_size} workers, {self.queue_max} queued); try again later"
+        _send_quietly(c.sock, c.server.busy_reply(why))
+        try:
+            c.sock.recv(DROP_DRAIN)  # what has arrived of the request: closed unread, it would reset the reply
+        except OSError:
+            pass
         self._close(c)
 
     def _pool_worker(self) -> None:
