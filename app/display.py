@@ -242,10 +242,13 @@ def acceptance_text(status: Status | None) -> str:
 
 def pool_text(status: Status | None) -> str:
     """The merged RPC port as it is used: compute sessions (the pipeline's hops), the control pool
-    (console ops: CONFIGURE, INFO, PROBE; never the API's requests), and sockets open but idle."""
+    (console ops: CONFIGURE, INFO, PROBE; never the API's requests), and sockets open but idle; on a
+    peer, the head's sessions and its pool (`port_text`)."""
     pool = status.pool if status else None
     if pool is None:
         return "RPC —"
+    if status.role == "peer" and pool.size:  # its pool serves the clients other than the head's session
+        return f"RPC {pool.compute} compute · {port_text(pool)}"
     control = (
         f" · control pool {pool.busy}/{pool.size} busy, {pool.queued} queued, {pool.dropped} dropped"
         if pool.size
