@@ -28,7 +28,7 @@ def cluster(tiny_model, tmp_path_factory):
     model = tiny_model("gemma3", n_layers=4, n_embd=64, n_ff=128)
     logs = tmp_path_factory.mktemp("pool-logs")
     solo, p = head(model, logs), peer(model, logs)
-    split = head(model, logs, [p], "--split", "2/2")
+    split = head(model, logs, [p], "--split", "2/2", "--slot-save-path", str(logs))
     try:
         for w in (solo, p, split):
             w.wait_ready()
@@ -63,6 +63,18 @@ def pool(w) -> dict:
     return w.status()["pool"]
 
 
+def saves_a_slot(w) -> bool:
+    """A slot saved through the split: the peer's part comes over a connection of the head's own
+    (STATE_JOIN), beside its main session; behind a full pool it would wait for a worker."""
+    r = httpx.post(f"{w.url}/v1/completions", json={"prompt": "keep this prompt", "max_tokens": 4}, timeout=60)
+    assert r.status_code == 200, r.text
+    saved = [
+        httpx.post(f"{w.url}/slots/{i}", params={"action": "save"}, json={"filename": f"s{i}.bin"}, timeout=60)
+        for i in (0, 1)
+    ]
+    return all(r.status_code == 200 for r in saved) and any(r.json()["n_saved"] > 0 for r in saved)
+
+
 def metric(w, name: str) -> float:
     text = httpx.get(f"{w.url}/metrics", timeout=10).text
     return float(next(line.split()[-1] for line in text.splitlines() if line.startswith(name + " ")))
@@ -93,7 +105,8 @@ async def test_a_flood_fills_the_peers_pool_drops_the_overflow_and_the_split_dec
             flood += [pinging(p.rpc_port) for _ in range(QUEUE)]
             wait_for(lambda: pool(p)["queued"] == QUEUE, 30, "the queue to fill")
             await until(pilot, lambda: f"pool {SIZE}/{SIZE} · {QUEUE} queued · 0 dropped" in str(info.render()), 60)
-            assert [greedy(h, t) for t in PROMPTS] == cluster["baseline"]  # the head's session never waits
+            assert [greedy(h, t) for t in PROMPTS] == cluster["baseline"]  # the head's sessions never wait
+            assert saves_a_slot(h)
 
             overflow = [pinging(p.rpc_port) for _ in range(5)]
             flood += overflow
