@@ -9,12 +9,10 @@ thread, and no pre-auth frame allocates more than PREAUTH_MAX_FRAME.
 
 After the handshake (HELLO, plus AUTH when a token is set):
 - Peer mode: the selector waits for the first request's header. One that opens or joins the
-  head's stage session (the server's `opens_session`: CHECK, LOAD_STAGE, STATE_JOIN) gets its own
-  thread straight into the compute protocol, never queued (the fork found a pool throttled the
-  hot peer path). Any other client (a probe, a stray or upstream client, a flood) is served by
-  the original's bounded pool: a connection holds one of `pool_size` workers for its life, waits
-  in a FIFO queue of `queue_max`, and is dropped (closed, counted) when that is full. Either closes
-  after the server's idle time.
+  head's session (`opens_session`: CHECK, LOAD_STAGE, STATE_JOIN) gets its own thread, never
+  queued (the fork found a pool throttled the hot peer path). Any other client (a probe, a stray
+  client, a flood) holds a worker of the original's bounded pool for its life, waits in its FIFO
+  queue, or is dropped (answered BUSY, closed, counted) when that is full.
 - Head mode: the selector waits for each request's whole header, then a bounded pool
   (FIFO queue; a full queue drops the connection and counts it) serves that one request and
   hands the connection back. An idle or silent connection never holds a pool worker, so the
@@ -26,10 +24,8 @@ progress within `header_s`, so a client that trickles or never reads frees its t
 Caps: MAX_CONNS open connections per port and MAX_CONNS_PER_IP per remote address (loopback
 exempt); a connection over a cap is closed at accept.
 
-Guessing costs time: each failed proof of the token is logged with its address and counted
-(`hydra_rpc_auth_failures_total`), and that address's next connections wait before their first
-byte is read, AUTH_DELAY_S doubling per failure up to AUTH_DELAY_MAX_S (loopback included: a
-local attacker guesses too); a success or AUTH_FORGET_S without failures forgets the address.
+Guessing costs time: each failed proof of the token is counted (`hydra_rpc_auth_failures_total`)
+and slows its address's next connections down (auth_delay.py).
 """
 
 from __future__ import annotations
@@ -47,6 +43,7 @@ from typing import Protocol
 from ...contracts.rpc import BACKLOG, COMPUTE_FIRST_BYTE, HEADER_DEADLINE_S, MAX_CONNS, MAX_CONNS_PER_IP
 from ...contracts.status import Pool
 from ..errors import UserError
+from .auth_delay import AuthDelay
 from .wire import AuthFailed, FrameError, Refused, SocketReader
 
 log = logging.getLogger("hydra.rpc")
@@ -54,8 +51,6 @@ log = logging.getLogger("hydra.rpc")
 KEEPALIVE = {"TCP_KEEPIDLE": 30, "TCP_KEEPINTVL": 10, "TCP_KEEPCNT": 3}
 LOOPBACK = frozenset({"127.0.0.1", "::1", "::ffff:127.0.0.1"})
 SCAN_S = 0.25  # how often the selector closes connections past their deadline
-AUTH_DELAY_S, AUTH_DELAY_MAX_S = 0.25, 30.0  # the wait after the first failed proof, and its cap
-AUTH_FORGET_S = 600.0
 DROP_DRAIN = 1 << 16  # bytes of a dropped request read (not waited for) before its connection closes
 
 
@@ -136,7 +131,7 @@ class RpcListener:
         self._per_ip: collections.Counter[str] = collections.Counter()
         self._lock = threading.Lock()
         self._busy = self._dropped = self._accepted = self._auth_failures = 0
-        self._failed: dict[str, tuple[int, float]] = {}  # ip -> (failed proofs in a row, last one)
+        self._auth_delay = AuthDelay()
         self._held: list[_Conn] = []  # accepted from a failing address, not read yet
 
     # --- lifecycle --------------------------------------------------------------------------------
@@ -197,17 +192,8 @@ class RpcListener:
             compute = sum(1 for c in conns if c.own_thread)
         else:
             compute = sum(1 for c in conns if c.server is self.compute)
-        return Pool(
-            self.pool_size,
-            self._busy,
-            self._queue.qsize(),
-            self.queue_max,
-            self._dropped,
-            self._accepted,
-            len(conns),
-            compute,
-            self._auth_failures,
-        )
+        counts = (self._dropped, self._accepted, len(conns), compute, self._auth_failures)
+        return Pool(self.pool_size, self._busy, self._queue.qsize(), self.queue_max, *counts)
 
     # --- the selector thread: accept, handshakes, waiting for requests ----------------------------
 
@@ -277,7 +263,7 @@ class RpcListener:
                 sock.close()  # reset before we could even configure it
                 continue
             now = time.monotonic()
-            c = _Conn(sock, ip, now + self.header_s, held_until=self._hold_until(ip, now))
+            c = _Conn(sock, ip, now + self.header_s, held_until=self._auth_delay.hold_until(ip, now))
             with self._lock:
                 self._conns.add(c)
                 self._per_ip[ip] += 1
@@ -286,29 +272,6 @@ class RpcListener:
                 self._held.append(c)
             else:
                 self._sel.register(sock, selectors.EVENT_READ, c)
-
-    def _hold_until(self, ip: str, now: float) -> float:
-        failures, last = self._failed.get(ip, (0, 0.0))
-        if not failures:
-            return 0.0
-        if now - last > AUTH_FORGET_S:
-            del self._failed[ip]
-            return 0.0
-        return last + min(AUTH_DELAY_S * 2 ** (failures - 1), AUTH_DELAY_MAX_S)
-
-    def _auth_failed(self, c: _Conn, why: Exception) -> None:
-        failures = self._failed.get(c.ip, (0, 0.0))[0] + 1
-        self._failed[c.ip] = (failures, time.monotonic())
-        with self._lock:
-            self._auth_failures += 1
-        delay = min(AUTH_DELAY_S * 2 ** (failures - 1), AUTH_DELAY_MAX_S)
-        log.warning(
-            "RPC authentication from %s failed (%s; %d in a row): its next connections wait %.2g s",
-            c.ip,
-            why,
-            failures,
-            delay,
-        )
 
     def _release_held(self, now: float) -> None:
         due = [c for c in self._held if c.held_until <= now]
@@ -338,7 +301,9 @@ class RpcListener:
             if e.reply:
                 _send_quietly(c.sock, e.reply)
             if isinstance(e, AuthFailed):
-                self._auth_failed(c, e)
+                self._auth_delay.failed(c.ip, e)
+                with self._lock:
+                    self._auth_failures += 1
             else:
                 log.debug("RPC connection from %s refused: %s", c.ip, e)
             self._close(c)
@@ -370,7 +335,7 @@ class RpcListener:
         c.need, c.deadline = c.server.header, time.monotonic() + self.header_s
         if not c.session["authed"]:
             return
-        self._failed.pop(c.ip, None)
+        self._auth_delay.forget(c.ip)
         c.deadline = time.monotonic() + c.server.idle_s
 
     def _expire(self, now: float) -> None:
