@@ -255,10 +255,13 @@ def draft_slots_text(status: Status | None) -> str:
 
 def pool_text(status: Status | None) -> str:
     """The merged RPC port as it is used: compute sessions (the pipeline's hops), the control pool
-    (console ops: CONFIGURE, INFO, PROBE; never the API's requests), and sockets open but idle."""
+    (console ops: CONFIGURE, INFO, PROBE; never the API's requests), and sockets open but idle; on a
+    peer, the head's sessions and its pool (`port_text`)."""
     pool = status.pool if status else None
     if pool is None:
         return "RPC —"
+    if status.role == "peer" and pool.size:  # its pool serves the clients other than the head's session
+        return f"RPC {pool.compute} compute · {port_text(pool)}"
     control = (
         f" · control pool {pool.busy}/{pool.size} busy, {pool.queued} queued, {pool.dropped} dropped"
         if pool.size
@@ -301,10 +304,12 @@ def peer_pools(sup: Supervisor) -> dict[str, Pool]:
 
 
 def port_text(pool: Pool) -> str:
-    """A peer's merged port: the pipeline's sessions on it and, where it runs a pool, sessions busy /
-    pool size, queued / queue max and dropped (the original system's headline: what a flood fills)."""
-    occupancy = f" {pool.busy}/{pool.size} busy, {pool.queued}/{pool.queue_max} queued," if pool.size else ""
-    return f"port {pool.compute} compute ·{occupancy} {pool.dropped} dropped"
+    """A peer's merged port as the original system showed it: sessions busy / pool size · queued ·
+    dropped (what a flood fills; the head's own sessions are served beside the pool). A peer that
+    runs no pool: the head's sessions on it and what it dropped."""
+    if not pool.size:
+        return f"port {pool.compute} compute · {pool.dropped} dropped"
+    return f"pool {pool.busy}/{pool.size} · {pool.queued} queued · {pool.dropped} dropped"
 
 
 def peer_lines(status: Status | None, alerts: Alerts, pools: dict[str, Pool] | None = None) -> list[tuple[str, str]]:

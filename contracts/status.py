@@ -211,16 +211,16 @@ class Speculative(_Doc):
 
 @dataclass(frozen=True)
 class Pool(_Doc):
-    """The merged RPC port's connection pool (head mode) or its connections (peer mode)."""
+    """The merged RPC port's bounded pool and its connections."""
 
-    size: int = 0  # head: pool workers that serve control requests and the compute sessions' requests
+    size: int = 0  # head: workers that serve each request; peer: workers each holding a non-head connection
     busy: int = 0
     queued: int = 0
     queue_max: int = 0
     dropped: int = 0
     accepted: int = 0
     connections: int = 0  # open on the port now: handshaking, idle or served
-    compute: int = 0  # of those, compute sessions (a head's peers; on a peer, its head)
+    compute: int = 0  # of those, compute sessions (on a head, its peers'; on a peer, the head's, beside the pool)
     auth_failures: int = 0  # handshakes that failed to prove the token (each slows its address down)
 
     @property

@@ -105,6 +105,14 @@ def _rpc_args(p: argparse.ArgumentParser, default_host: str = "127.0.0.1") -> No
     p.add_argument("--rpc-port", type=int, default=None, help="merged RPC port (default: HTTP port + 1)")
     p.add_argument("--max-frame", type=int, default=1 << 30, help="largest accepted RPC frame in bytes")
     p.add_argument(
+        "--rpc-pool-size",
+        type=int,
+        default=2,
+        help="RPC pool workers: a head's serve each request; a peer's each connection that is not the head's "
+        "session, for its life",
+    )
+    p.add_argument("--rpc-queue", type=int, default=64, help="RPC connections waiting for a pool worker (then dropped)")
+    p.add_argument(
         "--auth-token",
         default=None,
         help="shared secret both RPC protocols must prove before any command (visible in `ps`: prefer env "
@@ -206,8 +214,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument("--tags", default=None, help="model tags, comma-separated (listed by /v1/models)")
     _rpc_args(s)
-    s.add_argument("--rpc-pool-size", type=int, default=2, help="RPC connection workers (head mode)")
-    s.add_argument("--rpc-queue", type=int, default=64, help="RPC connections waiting for a worker")
     s.add_argument("--peer", action="append", default=[], metavar="HOST:PORT", help="peer RPC address, pipeline order")
     s.add_argument("--split", default=None, help="layers per stage, head first: 9/9, 9,9 or proportions")
     s.add_argument("--fallback-solo", action="store_true", help="run all layers locally if peers never come up")

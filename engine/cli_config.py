@@ -90,7 +90,8 @@ def read_token_file(path: str) -> str:
 
 
 def rpc_settings(args, env: Mapping[str, str], **mode) -> RpcSettings:
-    _at_least(1, max_frame=args.max_frame)
+    _at_least(1, max_frame=args.max_frame, rpc_pool_size=args.rpc_pool_size)
+    _at_least(0, rpc_queue=args.rpc_queue)
     return RpcSettings(
         host=args.rpc_host,
         port=args.rpc_port if args.rpc_port is not None else args.port + 1,
@@ -99,6 +100,8 @@ def rpc_settings(args, env: Mapping[str, str], **mode) -> RpcSettings:
         or env.get("HYDRA_TOKEN")
         or None,
         spin_ms=_spin_ms(env.get("HYDRA_RPC_SPIN_MS")),
+        pool_size=args.rpc_pool_size,
+        queue=args.rpc_queue,
         cuda_ipc=env.get("HYDRA_CUDA_IPC", "1") != "0",
         shm=env.get("HYDRA_SHM", "1") != "0",
         **mode,
@@ -106,8 +109,8 @@ def rpc_settings(args, env: Mapping[str, str], **mode) -> RpcSettings:
 
 
 def head_config(args, env: Mapping[str, str]) -> HeadConfig:
-    _at_least(1, parallel=args.parallel, rpc_pool_size=args.rpc_pool_size)
-    _at_least(0, rpc_queue=args.rpc_queue, peer_wait=args.peer_wait, max_queue=args.max_queue)
+    _at_least(1, parallel=args.parallel)
+    _at_least(0, peer_wait=args.peer_wait, max_queue=args.max_queue)
     _at_least(0, prefill_pipeline=args.prefill_pipeline)
     _at_least(0, drain_grace=args.drain_grace)
     _at_least(-1, n_predict=args.n_predict)
@@ -129,9 +132,7 @@ def head_config(args, env: Mapping[str, str]) -> HeadConfig:
     )
     return HeadConfig(
         model=model_settings(args, env),
-        rpc=rpc_settings(
-            args, env, pool_size=args.rpc_pool_size, queue=args.rpc_queue, prefill_pipeline=args.prefill_pipeline
-        ),
+        rpc=rpc_settings(args, env, prefill_pipeline=args.prefill_pipeline),
         host=args.host,
         port=args.port,
         parallel=args.parallel,

@@ -143,7 +143,7 @@ class RpcSettings:
     spin_ms: float | None = None  # None: GPU_SPIN_S on CUDA workers, 0 on CPU
     cuda_ipc: bool = True
     shm: bool = True  # a decode head offers its prefill worker shared memory for prompt states (rpc/shm.py)
-    pool_size: int = 2  # head mode
+    pool_size: int = 2  # head: request workers; peer: workers for connections other than the head's
     queue: int = 64
     # Prompt chunks the last peer may hold unanswered while the head computes the next (0: off).
     prefill_pipeline: int = DEFAULT_PREFILL_PIPELINE

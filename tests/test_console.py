@@ -347,13 +347,11 @@ async def test_the_dashboard_shows_each_peers_pool_as_it_fills():
     app = HydraConsole(sup, load_model_shape=False)
     async with app.run_test(size=(120, 40)) as pilot:
         info = app.dashboard.query_one("#info")
-        await until(
-            pilot, lambda: "8091 ● up rtt — — · port 1 compute · 0/2 busy, 0/64 queued, 0 dropped" in str(info.render())
-        )
+        await until(pilot, lambda: "8091 ● up rtt — — · pool 0/2 · 0 queued · 0 dropped" in str(info.render()))
         feed.probes["peer1"] = peer(2, 64, 7)  # a flood: the pool full, its queue full, connections dropped
         await sup.poll_once()
         app.refresh_view()
-        await until(pilot, lambda: "port 1 compute · 2/2 busy, 64/64 queued, 7 dropped" in str(info.render()))
+        await until(pilot, lambda: "pool 2/2 · 64 queued · 7 dropped" in str(info.render()))
         assert any(i.kind == "pool-drop" and i.subject == "peer1" for i in app.incidents.since(0))
 
 

@@ -228,6 +228,10 @@ async def test_rows_and_panels_from_a_status_document():
     assert display.requests_text(status) == "slots 4/4 · queue 2/16 · 0.75 req/s · p50/p99 TTFT 120/401 · ITL 30/— ms"
     peer_pool = Status.from_json({"pool": {"connections": 1, "compute": 1, "accepted": 3}})
     assert display.pool_text(peer_pool) == "RPC 1 compute · 1 idle sockets"
+    pooled_peer = Status.from_json(
+        {"role": "peer", "pool": {"size": 2, "busy": 1, "queued": 3, "dropped": 4, "compute": 1}}
+    )
+    assert display.pool_text(pooled_peer) == "RPC 1 compute · pool 1/2 · 3 queued · 4 dropped"
     assert display.peer_lines(status, Alerts()) == [("127.0.0.1:8091 ● up rtt 80.0 ms ⚠ [9,18)", "warn")]
     same_gpu = Status.from_json({"peers": [{**STATUS["peers"][0], "rtt_ms": 0.1, "transport": "cuda-ipc"}]})
     assert display.peer_lines(same_gpu, Alerts()) == [("127.0.0.1:8091 ● up rtt 0.1 ms [9,18) · cuda-ipc", "ok")]
@@ -262,7 +266,7 @@ async def test_each_peers_merged_port_pool_comes_from_its_own_status():
     sup = Supervisor(profile, attach=True, source=feed)
     await sup.poll_once()
     assert display.peer_lines(sup.head.status, Alerts(), display.peer_pools(sup)) == [
-        ("127.0.0.1:8091 ● up rtt 0.5 ms — · port 1 compute · 2/2 busy, 5/64 queued, 3 dropped", "warn"),
+        ("127.0.0.1:8091 ● up rtt 0.5 ms — · pool 2/2 · 5 queued · 3 dropped", "warn"),
         ("127.0.0.1:8093 ● up rtt 0.5 ms — · port 1 compute · 0 dropped", "ok"),
         ("127.0.0.1:8095 ● up rtt 0.5 ms —", "ok"),  # no answer from it: the head's view only
     ]

@@ -189,15 +189,15 @@ def test_full_queue_drops_new_connections_and_health_still_answers(workers):
         assert control(s, Op.INFO).status == Status.OK
 
 
-def test_peer_mode_has_no_peek_and_no_pool(workers):
+def test_peer_mode_has_no_peek_and_the_originals_pool(workers):
     w = workers["peer"]
     with connect(w) as s:  # a control frame on a peer goes straight into the compute protocol
         reply = control_raw_reply(s, wire.pack_control_request(Op.INFO))
         assert reply[0] == 1 and b"first command must be HELLO" in reply
         assert closed(s)
     pool = w.status()["pool"]
-    assert pool["size"] == 0 and pool["queue_max"] == 0 and pool["accepted"] >= 1
-    many = [connect(w) for _ in range(8)]  # no queue to overflow: every connection gets a thread
+    assert pool["size"] == 2 and pool["queue_max"] == 64 and pool["accepted"] >= 1
+    many = [connect(w) for _ in range(8)]  # handshakes take no pool worker: the selector answers them
     try:
         for s in many:
             assert HELLO.unpack_from(compute(s, Cmd.HELLO, pack_hello()))[:3] == VERSION

@@ -217,6 +217,16 @@ class ComputeServer:
 
     # --- after the handshake ------------------------------------------------------------------------
 
+    def busy_reply(self, why: str) -> bytes:
+        """The answer to a request the listener's pool drops (ggml-rpc framing: size, then ERROR and why)."""
+        text = why.encode()
+        return COMPUTE_SIZE.pack(1 + len(text)) + bytes([R.ERROR]) + text
+
+    def opens_session(self, header: bytes) -> bool:
+        """A first request that opens (CHECK, then LOAD_STAGE) or joins (STATE_JOIN) the head's
+        stage session: the listener serves it on a thread of its own, never behind the pool."""
+        return COMPUTE_HEADER.unpack(header)[0] in _SESSION_OPENERS
+
     def serve(self, conn, reader: SocketReader, session: dict) -> bool:
         """One request and its reply."""
         if not reader.prefix:
@@ -396,6 +406,7 @@ class ComputeServer:
 
 
 _FORWARDS = (Cmd.FORWARD, Cmd.FORWARD_IPC, Cmd.FORWARD_ACK)  # replies with their own status header
+_SESSION_OPENERS = frozenset({Cmd.CHECK, Cmd.LOAD_STAGE, Cmd.STATE_JOIN})  # ComputeServer.opens_session
 _AFTER_CHECK = frozenset({*_FORWARDS, Cmd.LOAD_STAGE})
 _NAMES = {v: k for k, v in vars(Cmd).items() if k.isupper()}
 

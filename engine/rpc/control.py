@@ -111,6 +111,10 @@ class ControlServer:
     def open(self) -> dict:
         return {"authed": not self.auth_token, "handshake": None}
 
+    def busy_reply(self, why: str) -> bytes:
+        """The answer to a request the listener's pool drops: BUSY and why."""
+        return control_response_head(Status.BUSY, {"error": why}, 0)
+
     def preauth_len(self, header: bytes, session: dict) -> int:
         h = read_control_header(BufferReader(header))
         size = self.header + h.key_len + h.trace_len + h.payload_len

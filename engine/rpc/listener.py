@@ -8,8 +8,11 @@ socket so costs a file descriptor and a few hundred bytes until its deadline clo
 thread, and no pre-auth frame allocates more than PREAUTH_MAX_FRAME.
 
 After the handshake (HELLO, plus AUTH when a token is set):
-- Peer mode: the connection gets its own thread straight into the compute protocol (the fork
-  found a pool throttled the hot peer path); it closes after the server's idle time.
+- Peer mode: the selector waits for the first request's header. One that opens or joins the
+  head's session (`opens_session`: CHECK, LOAD_STAGE, STATE_JOIN) gets its own thread, never
+  queued (the fork found a pool throttled the hot peer path). Any other client (a probe, a stray
+  client, a flood) holds a worker of the original's bounded pool for its life, waits in its FIFO
+  queue, or is dropped (answered BUSY, closed, counted) when that is full.
 - Head mode: the selector waits for each request's whole header, then a bounded pool
   (FIFO queue; a full queue drops the connection and counts it) serves that one request and
   hands the connection back. An idle or silent connection never holds a pool worker, so the
@@ -21,10 +24,8 @@ progress within `header_s`, so a client that trickles or never reads frees its t
 Caps: MAX_CONNS open connections per port and MAX_CONNS_PER_IP per remote address (loopback
 exempt); a connection over a cap is closed at accept.
 
-Guessing costs time: each failed proof of the token is logged with its address and counted
-(`hydra_rpc_auth_failures_total`), and that address's next connections wait before their first
-byte is read, AUTH_DELAY_S doubling per failure up to AUTH_DELAY_MAX_S (loopback included: a
-local attacker guesses too); a success or AUTH_FORGET_S without failures forgets the address.
+Guessing costs time: each failed proof of the token is counted (`hydra_rpc_auth_failures_total`)
+and slows its address's next connections down (auth_delay.py).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from typing import Protocol
 from ...contracts.rpc import BACKLOG, COMPUTE_FIRST_BYTE, HEADER_DEADLINE_S, MAX_CONNS, MAX_CONNS_PER_IP
 from ...contracts.status import Pool
 from ..errors import UserError
+from .auth_delay import AuthDelay
 from .wire import AuthFailed, FrameError, Refused, SocketReader
 
 log = logging.getLogger("hydra.rpc")
@@ -49,8 +51,7 @@ log = logging.getLogger("hydra.rpc")
 KEEPALIVE = {"TCP_KEEPIDLE": 30, "TCP_KEEPINTVL": 10, "TCP_KEEPCNT": 3}
 LOOPBACK = frozenset({"127.0.0.1", "::1", "::ffff:127.0.0.1"})
 SCAN_S = 0.25  # how often the selector closes connections past their deadline
-AUTH_DELAY_S, AUTH_DELAY_MAX_S = 0.25, 30.0  # the wait after the first failed proof, and its cap
-AUTH_FORGET_S = 600.0
+DROP_DRAIN = 1 << 16  # bytes of a dropped request read (not waited for) before its connection closes
 
 
 class Server(Protocol):
@@ -66,6 +67,11 @@ class Server(Protocol):
     def preauth(self, conn: socket.socket, frame: bytes, session: dict) -> None: ...  # raise to close
 
     def serve(self, conn: socket.socket, reader: SocketReader, session: dict) -> bool: ...  # one request
+
+    def busy_reply(self, why: str) -> bytes: ...  # the answer to a request the pool drops
+
+    # peer mode: whether a first request (its header) opens or joins the head's session
+    def opens_session(self, header: bytes) -> bool: ...
 
 
 def tune_socket(conn: socket.socket) -> None:
@@ -87,6 +93,7 @@ class _Conn:
     buf: bytearray = field(default_factory=bytearray)
     need: int = 1  # bytes `buf` must hold before the next step
     held_until: float = 0.0  # its address failed to prove the token: not read before this
+    own_thread: bool = False  # peer mode: the head's session, served outside the pool
 
 
 class RpcListener:
@@ -107,7 +114,7 @@ class RpcListener:
     ):
         if mode not in ("head", "peer"):
             raise ValueError(f"listener mode must be head or peer, not {mode!r}")
-        if mode == "head" and (pool_size < 1 or queue_max < 0):
+        if pool_size < 1 or queue_max < 0:
             raise UserError(f"--rpc-pool-size must be >= 1 and --rpc-queue >= 0 (got {pool_size}, {queue_max})")
         self.host, self.port, self.mode = host, port, mode
         self.compute, self.control = compute, control
@@ -124,7 +131,7 @@ class RpcListener:
         self._per_ip: collections.Counter[str] = collections.Counter()
         self._lock = threading.Lock()
         self._busy = self._dropped = self._accepted = self._auth_failures = 0
-        self._failed: dict[str, tuple[int, float]] = {}  # ip -> (failed proofs in a row, last one)
+        self._auth_delay = AuthDelay()
         self._held: list[_Conn] = []  # accepted from a failing address, not read yet
 
     # --- lifecycle --------------------------------------------------------------------------------
@@ -145,9 +152,8 @@ class RpcListener:
         self._sel.register(self._wake_r, selectors.EVENT_READ, None)
         self._running.set()
         self._spawn(self._select_loop, "rpc-accept")
-        if self.mode == "head":
-            for i in range(self.pool_size):
-                self._spawn(self._pool_worker, f"rpc-pool-{i}")
+        for i in range(self.pool_size):
+            self._spawn(self._pool_worker, f"rpc-pool-{i}")
         log.info("RPC %s listener on %s:%d", self.mode, self.host, self.bound_port)
         return self
 
@@ -181,14 +187,13 @@ class RpcListener:
         return len(self._conns)
 
     def stats(self) -> Pool:
-        queued = self._queue.qsize() if self.mode == "head" else 0
-        size = self.pool_size if self.mode == "head" else 0
-        queue_max = self.queue_max if self.mode == "head" else 0
         conns = list(self._conns)
-        compute = sum(1 for c in conns if c.server is self.compute)
-        return Pool(
-            size, self._busy, queued, queue_max, self._dropped, self._accepted, len(conns), compute, self._auth_failures
-        )
+        if self.mode == "peer":  # the head's sessions, outside the pool
+            compute = sum(1 for c in conns if c.own_thread)
+        else:
+            compute = sum(1 for c in conns if c.server is self.compute)
+        counts = (self._dropped, self._accepted, len(conns), compute, self._auth_failures)
+        return Pool(self.pool_size, self._busy, self._queue.qsize(), self.queue_max, *counts)
 
     # --- the selector thread: accept, handshakes, waiting for requests ----------------------------
 
@@ -258,7 +263,7 @@ class RpcListener:
                 sock.close()  # reset before we could even configure it
                 continue
             now = time.monotonic()
-            c = _Conn(sock, ip, now + self.header_s, held_until=self._hold_until(ip, now))
+            c = _Conn(sock, ip, now + self.header_s, held_until=self._auth_delay.hold_until(ip, now))
             with self._lock:
                 self._conns.add(c)
                 self._per_ip[ip] += 1
@@ -267,29 +272,6 @@ class RpcListener:
                 self._held.append(c)
             else:
                 self._sel.register(sock, selectors.EVENT_READ, c)
-
-    def _hold_until(self, ip: str, now: float) -> float:
-        failures, last = self._failed.get(ip, (0, 0.0))
-        if not failures:
-            return 0.0
-        if now - last > AUTH_FORGET_S:
-            del self._failed[ip]
-            return 0.0
-        return last + min(AUTH_DELAY_S * 2 ** (failures - 1), AUTH_DELAY_MAX_S)
-
-    def _auth_failed(self, c: _Conn, why: Exception) -> None:
-        failures = self._failed.get(c.ip, (0, 0.0))[0] + 1
-        self._failed[c.ip] = (failures, time.monotonic())
-        with self._lock:
-            self._auth_failures += 1
-        delay = min(AUTH_DELAY_S * 2 ** (failures - 1), AUTH_DELAY_MAX_S)
-        log.warning(
-            "RPC authentication from %s failed (%s; %d in a row): its next connections wait %.2g s",
-            c.ip,
-            why,
-            failures,
-            delay,
-        )
 
     def _release_held(self, now: float) -> None:
         due = [c for c in self._held if c.held_until <= now]
@@ -319,7 +301,9 @@ class RpcListener:
             if e.reply:
                 _send_quietly(c.sock, e.reply)
             if isinstance(e, AuthFailed):
-                self._auth_failed(c, e)
+                self._auth_delay.failed(c.ip, e)
+                with self._lock:
+                    self._auth_failures += 1
             else:
                 log.debug("RPC connection from %s refused: %s", c.ip, e)
             self._close(c)
@@ -334,9 +318,13 @@ class RpcListener:
             c.session = c.server.open()
             c.need = c.server.header
             return
-        if c.session["authed"]:  # a whole request header: one request for the pool
+        if c.session["authed"]:  # a whole request header
             self._sel.unregister(c.sock)
-            self._hand_to_pool(c)
+            if self.mode == "peer" and c.server.opens_session(bytes(c.buf)):
+                c.own_thread = True
+                self._spawn(self._serve_session, "rpc-peer-conn", c)
+            else:
+                self._hand_to_pool(c)  # head mode: this one request; peer mode: the connection's life
             return
         if len(c.buf) == c.server.header:
             c.need = c.server.preauth_len(bytes(c.buf), c.session)
@@ -347,12 +335,8 @@ class RpcListener:
         c.need, c.deadline = c.server.header, time.monotonic() + self.header_s
         if not c.session["authed"]:
             return
-        self._failed.pop(c.ip, None)
-        if self.mode == "peer":
-            self._sel.unregister(c.sock)
-            self._spawn(self._session_thread, "rpc-peer-conn", c)
-        else:
-            c.deadline = time.monotonic() + c.server.idle_s
+        self._auth_delay.forget(c.ip)
+        c.deadline = time.monotonic() + c.server.idle_s
 
     def _expire(self, now: float) -> None:
         self._release_held(now)
@@ -400,8 +384,15 @@ class RpcListener:
             self._drop(c)
 
     def _drop(self, c: _Conn) -> None:
+        """The pool and its queue are full: the request's answer says so, then the connection closes."""
         with self._lock:
             self._dropped += 1
+        why = f"busy: this port's RPC pool is full ({self.pool_size} workers, {self.queue_max} queued); try again later"
+        _send_quietly(c.sock, c.server.busy_reply(why))
+        try:
+            c.sock.recv(DROP_DRAIN)  # what has arrived of the request: closed unread, it would reset the reply
+        except OSError:
+            pass
         self._close(c)
 
     def _pool_worker(self) -> None:
@@ -412,6 +403,9 @@ class RpcListener:
             with self._lock:
                 self._busy += 1
             try:
+                if self.mode == "peer":  # the connection holds this worker for its life, as the original's
+                    self._serve_session(c)
+                    continue
                 keep = self._serve(c, SocketReader(c.sock, prefix=bytes(c.buf), send_timeout=self.header_s))
             finally:
                 with self._lock:
@@ -423,8 +417,10 @@ class RpcListener:
             else:
                 self._close(c)
 
-    def _session_thread(self, c: _Conn) -> None:
-        reader = SocketReader(c.sock, send_timeout=self.header_s)
+    def _serve_session(self, c: _Conn) -> None:
+        """Peer mode: the connection's requests, the first one's header already read, until it
+        closes or idles past the server's idle time."""
+        reader = SocketReader(c.sock, prefix=bytes(c.buf), send_timeout=self.header_s)
         try:
             while self._running.is_set():
                 reader.expect(c.server.idle_s)

@@ -60,7 +60,9 @@ class PeerWorker:
         self.compute = ComputeServer(
             self.host, auth_token=rpc.auth_token, max_frame=rpc.max_frame, spin_s=rpc.spin_seconds(self.device)
         )
-        self.listener = RpcListener(rpc.host, rpc.port, mode="peer", compute=self.compute)
+        self.listener = RpcListener(
+            rpc.host, rpc.port, mode="peer", compute=self.compute, pool_size=rpc.pool_size, queue_max=rpc.queue
+        )
         self.metrics = Metrics(self.status)
         self.metrics.register(RpcCollector(self.listener))
         self.status.add_provider(self._rpc_status)
