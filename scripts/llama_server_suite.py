@@ -174,7 +174,7 @@ def run_suite(args) -> int:
     }
     files = sorted(p.name for p in (tests / "unit").glob("test_*.py")) if args.all else args.files or DEFAULT_FILES
     totals = {"passed": 0, "failed": 0, "error": 0, "skipped": 0}
-    print(f"server: {args.server}   model: {model}   work: {work}")
+    print(f"server: {args.server}   model: {model}   work: {work}", flush=True)
     for name in files:
         cmd = [
             sys.executable,
@@ -193,14 +193,16 @@ def run_suite(args) -> int:
             str(args.timeout),
             *args.pytest_args,
         ]
-        proc = subprocess.run(cmd, cwd=root / "tools" / "server" / "tests", env=env, capture_output=True, text=True)
-        (work / f"{name}.log").write_text(proc.stdout + proc.stderr)
-        counts = {k: len(re.findall(rf"^{k.upper()} ", proc.stdout, re.M)) for k in totals}
+        log = work / f"{name}.log"  # written as the tests run: `tail -f` follows a long file
+        with log.open("w") as out:
+            subprocess.run(cmd, cwd=root / "tools" / "server" / "tests", env=env, stdout=out, stderr=subprocess.STDOUT)
+        output = log.read_text()
+        counts = {k: len(re.findall(rf"^{k.upper()} ", output, re.M)) for k in totals}
         for k in totals:
             totals[k] += counts[k]
         print(f"{name:<32} " + "  ".join(f"{k} {v:3d}" for k, v in counts.items()), flush=True)
         if args.verbose:
-            for line in re.findall(r"^(?:PASSED|FAILED|ERROR) .*$", proc.stdout, re.M):
+            for line in re.findall(r"^(?:PASSED|FAILED|ERROR) .*$", output, re.M):
                 print("   ", line)
     print(f"{'total':<32} " + "  ".join(f"{k} {v:3d}" for k, v in totals.items()))
     print(f"logs: {work}/*.log")
