@@ -23,6 +23,7 @@ from .config import (
     DEFAULT_BODY_TIMEOUT,
     DEFAULT_HEADER_TIMEOUT,
     DEFAULT_MAX_RESPONSE,
+    DEFAULT_PEER_GRACE,
     DEFAULT_PREFILL_PIPELINE,
     ENVIRONMENT,
     KV_CACHE_TYPES,
@@ -218,6 +219,15 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--split", default=None, help="layers per stage, head first: 9/9, 9,9 or proportions")
     s.add_argument("--fallback-solo", action="store_true", help="run all layers locally if peers never come up")
     s.add_argument("--peer-wait", type=float, default=180.0, help="seconds to wait for peers at start")
+    s.add_argument(
+        "--peer-grace",
+        type=float,
+        default=DEFAULT_PEER_GRACE,
+        metavar="SECONDS",
+        help="a peer lost mid-request (restarted, say) pauses the streams through it for up to this long: "
+        "back in time, it is re-attached and they carry on; else they end with 503 "
+        f"(default {DEFAULT_PEER_GRACE:g}; 0: at once)",
+    )
     s.add_argument(
         "--prefill-pipeline",
         type=int,

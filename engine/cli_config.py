@@ -112,7 +112,7 @@ def head_config(args, env: Mapping[str, str]) -> HeadConfig:
     _at_least(1, parallel=args.parallel)
     _at_least(0, peer_wait=args.peer_wait, max_queue=args.max_queue)
     _at_least(0, prefill_pipeline=args.prefill_pipeline)
-    _at_least(0, drain_grace=args.drain_grace)
+    _at_least(0, drain_grace=args.drain_grace, peer_grace=args.peer_grace)
     _at_least(-1, n_predict=args.n_predict)
     batch_tokens = args.batch_size if args.batch_size is not None else default_batch_tokens(args.device)
     _at_least(1, batch_size=batch_tokens)
@@ -142,6 +142,7 @@ def head_config(args, env: Mapping[str, str]) -> HeadConfig:
         split=args.split,
         fallback_solo=args.fallback_solo,
         peer_wait=args.peer_wait,
+        peer_grace=args.peer_grace,
         spec=spec,
         model_draft=args.model_draft,
         api_key=args.api_key or env.get("HYDRA_API_KEY") or None,

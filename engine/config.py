@@ -50,6 +50,10 @@ DEFAULT_BATCH_TOKENS_GPU = 512
 # Pipelined prefill (--prefill-pipeline): one chunk ahead is what two stages need; a few more absorb
 # chunks whose times differ (the attention's part grows along the prompt).
 DEFAULT_PREFILL_PIPELINE = 4
+# Seconds a head's streams pause for a peer lost mid-forward. A peer's restart (SIGTERM, exit, a new
+# process loading its layers) took 3.7-5.6 s with the default model on a loaded 2-core CPU box:
+# a few seconds more, so a keyboard restart from the console never fails a stream.
+DEFAULT_PEER_GRACE = 15.0
 
 
 def default_batch_tokens(device: str) -> int:
@@ -221,6 +225,7 @@ class HeadConfig(WorkerConfig):
     split: str | None = None
     fallback_solo: bool = False
     peer_wait: float = 180.0
+    peer_grace: float = DEFAULT_PEER_GRACE  # seconds streams pause for a peer lost mid-forward (pipeline.py)
     spec: SpecConfig = SpecConfig()
     model_draft: str | None = None
     api_key: str | None = field(default=None, repr=False)  # None: the HTTP API is open

@@ -39,6 +39,7 @@ from .slot_history import SlotHistory
 log = logging.getLogger("hydra.pipeline")
 
 READY_POLL_S = 2.0
+PAUSE_POLL_S = 0.2  # while streams are paused for a lost peer, try to re-attach it this often
 REPLAY_CHUNK = 256  # tokens per replay forward, like the runtime's prefill budget
 
 
@@ -65,6 +66,10 @@ class Pipeline:
         self.kv_generation = 0
         self._watch: threading.Thread | None = None
         self._stopping = threading.Event()
+        # A peer lost mid-forward (restarted, say) pauses the forwards for up to this many seconds
+        # while it comes back; 0: they fail at once (--peer-grace).
+        self.peer_grace = 0.0
+        self._resume_by: float | None = None  # monotonic deadline of the pause for the lost peers
 
     @property
     def cfg(self):
@@ -75,6 +80,9 @@ class Pipeline:
         down = [
             f"peer {r.addr} {r.state}" + (f" ({r.error})" if r.error else "") for r in self.remotes if r.state != "up"
         ]
+        left = self._resume_by - time.monotonic() if self._resume_by is not None and down else 0
+        if left > 0:
+            down.append(f"streams paused, waiting up to {left:.1f} s more for it (--peer-grace)")
         return "; ".join(down) or None
 
     def forward(
@@ -98,11 +106,19 @@ class Pipeline:
             and bool(self.remotes)
             and self.remotes[-1].can_pipeline()
         )
+        if meanwhile is not None:  # once, even when a lost peer makes the batch run again
+            meanwhile = _once(meanwhile)
         with self._lock:
-            if self._stale is not None:
-                self._rebuild(self._stale)
-            self._make_room(slots, positions)
-            h = self._run(tokens, slots, positions, meanwhile, pipelined)
+            while True:
+                try:
+                    if self._stale is not None:
+                        self._rebuild(self._stale)
+                    self._make_room(slots, positions)
+                    h = self._run(tokens, slots, positions, meanwhile, pipelined)
+                    break
+                except PeerUnavailable:
+                    if not self._await_peers():
+                        raise
             if self.remotes:  # only a split pipeline ever needs to rebuild KV
                 self.history.record(tokens, slots, positions)
             if h is None:  # on its way through the last peer: no rows were asked for
@@ -361,8 +377,12 @@ class Pipeline:
         self._watch = threading.Thread(target=self._watch_loop, args=(interval_s,), name="hydra-peers", daemon=True)
         self._watch.start()
 
-    def stop(self) -> None:
+    def interrupt(self) -> None:
+        """The process is stopping: a forward paused for a lost peer fails now, the watcher ends."""
         self._stopping.set()
+
+    def stop(self) -> None:
+        self.interrupt()
         for remote in self.remotes:
             remote.close()
 
@@ -377,6 +397,8 @@ class Pipeline:
                 except OSError:
                     continue
                 with self._lock:
+                    if remote.state == "up":  # re-attached by a paused forward meanwhile
+                        continue
                     try:
                         remote.attach()
                     except (PeerUnavailable, UserError) as e:
@@ -385,6 +407,33 @@ class Pipeline:
                     log.warning("peer %s is back: re-attached, rebuilding KV", remote.addr)
                     i = self.remotes.index(remote) + 1
                     self._stale = i if self._stale is None else max(self._stale, i)
+                    if all(r.state == "up" for r in self.remotes):
+                        self._resume_by = None  # the next loss gets a grace of its own
+
+    def _await_peers(self) -> bool:
+        """A forward lost a peer: re-attach every peer that is down, polling until `peer_grace` after
+        the loss (the running sequences wait, new ones queue); True when all are back (their KV is
+        then rebuilt by replay before the batch runs again). Past the deadline it stays expired, so
+        later forwards fail at once until the watcher re-attaches the peer (the caller holds the lock)."""
+        down = [(i, r) for i, r in enumerate(self.remotes, 1) if r.state != "up"]
+        if not down or self.peer_grace <= 0 or self._stopping.is_set():
+            return False
+        if self._resume_by is None:
+            self._resume_by = time.monotonic() + self.peer_grace
+            log.warning("peer(s) %s lost: pausing streams up to %g s (--peer-grace)", _addrs(down), self.peer_grace)
+        while True:
+            for i, remote in down:
+                with contextlib.suppress(PeerUnavailable, UserError):
+                    remote.attach()
+                    self._stale = i if self._stale is None else max(self._stale, i)
+                    log.warning("peer %s is back: re-attached, replaying the paused streams", remote.addr)
+            down = [(i, r) for i, r in down if r.state != "up"]
+            if not down:
+                self._resume_by = None
+                return True
+            if time.monotonic() >= self._resume_by or self._stopping.wait(PAUSE_POLL_S):
+                log.warning("peer(s) %s not back within --peer-grace: failing the paused streams", _addrs(down))
+                return False
 
     def stages(self) -> list[StageInfo]:
         """Explicit layer ranges of every stage, for /status."""
@@ -402,6 +451,22 @@ class Pipeline:
         for remote, r in zip(self.remotes, self.ranges[1:]):
             out.append(StageInfo("peer", remote.addr, tuple(r), str(remote.device), remote.state))
         return out
+
+
+def _once(fn: Callable[[], None]) -> Callable[[], None]:
+    done = False
+
+    def run() -> None:
+        nonlocal done
+        if not done:
+            done = True
+            fn()
+
+    return run
+
+
+def _addrs(down: list) -> str:
+    return ", ".join(r.addr for _, r in down)
 
 
 def wait_for_peers(remotes: list, budget_s: float, poll_s: float = READY_POLL_S) -> list:

@@ -62,7 +62,9 @@ def test_peer_in_another_network_namespace(netns, tiny_model, tmp_path):
     argv = ["--model", str(model), "--device", "cpu", "--host", addr, "--rpc-host", addr, "--auth-token", "netns-token"]
     remote = Worker("peer", argv, tmp_path, port, rpc_port, host=addr, launcher=("ip", "netns", "exec", name))
     solo = head(model, tmp_path, ctx=2048)
-    split = head(model, tmp_path, [remote], "--split", "1/1", "--auth-token", "netns-token", ctx=2048)
+    split = head(  # --peer-grace 0: a lost peer's 503 at once (test_peer_restart.py: the pause)
+        model, tmp_path, [remote], "--split", "1/1", "--auth-token", "netns-token", "--peer-grace", "0", ctx=2048
+    )
     workers = [remote, solo, split]
     try:
         for w in workers:

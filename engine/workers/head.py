@@ -125,6 +125,8 @@ class HeadWorker:
         self.status.startup_stage = READY_STAGE
 
     def stop(self) -> None:
+        if self.pipeline is not None:  # first: an engine step paused for a lost peer must not hold up the stop
+            self.pipeline.interrupt()
         for part in (self.engine, self.rpc, self.pipeline):
             if part is not None:
                 part.stop()
@@ -246,6 +248,7 @@ def build_pipeline(cfg: HeadConfig, g, mcfg):
         deterministic=m.deterministic,
     )
     pipeline = Pipeline(local, remotes, ranges=ranges)
+    pipeline.peer_grace = cfg.peer_grace
     if remotes:
         pipeline.start_watch()
     return pipeline

@@ -1,0 +1,114 @@
+"""A peer restarted (SIGTERM, then a new process on the same port: the console's keyboard restart)
+while a stream runs through it: within the head's `--peer-grace` the stream pauses, the head
+re-attaches the new peer, replays the running slots' tokens into its KV and carries on; the client
+sees no error and greedy text equal to the solo head's. Past the grace: a clean error event, and a
+503 for the requests that follow.
+
+Real processes on loopback, the openai client. The peer is slowed per layer so that a stream of
+MAX_TOKENS is still decoding when it is stopped on any machine; every wait has a generous deadline."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+from rpc_workers import head, peer, running, wait_for
+
+MAX_TOKENS = 200
+PROMPT = "once upon a time"
+F32 = ("--dtype", "float32")
+SLOW_PEER = ("--layer-delay-ms", "20")  # 2 layers: >= 40 ms a token, >= 8 s for the stream
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model):
+    return tiny_model("llama", n_layers=4, n_embd=64, n_ff=128)
+
+
+def _client(w) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{w.url}/v1", api_key="none", max_retries=0, timeout=300)
+
+
+def _stream(w, out: dict) -> None:
+    """A streamed greedy completion: out["text"] so far, out["finish"], or out["error"] (the
+    openai client raises the stream's error event)."""
+    out["text"] = ""
+    try:
+        for chunk in _client(w).completions.create(
+            model="any",
+            prompt=PROMPT,
+            max_tokens=MAX_TOKENS,
+            temperature=0,
+            stream=True,
+            extra_body={"ignore_eos": True, "cache_prompt": False},
+        ):
+            out["text"] += chunk.choices[0].text
+            if chunk.choices[0].finish_reason is not None:
+                out["finish"] = chunk.choices[0].finish_reason
+    except openai.APIError as e:
+        out["error"] = e
+
+
+def _decoding(w) -> bool:
+    return any((s["n_decoded"] or 0) > 10 for s in w.status()["slots"])
+
+
+def _health(w) -> dict:
+    return httpx.get(f"{w.url}/health", timeout=10).json()
+
+
+def _stop_mid_stream(split, victim, out: dict) -> threading.Thread:
+    t = threading.Thread(target=_stream, args=(split, out))
+    t.start()
+    wait_for(lambda: _decoding(split), 120, "the stream to be decoding")
+    victim.stop()  # SIGTERM, as the console's restart; waits for the exit
+    assert t.is_alive() and "finish" not in out, "the stream ended before the peer stopped"
+    return t
+
+
+@pytest.mark.integration
+def test_peer_restarted_within_the_grace_pauses_the_stream(model, tmp_path):
+    solo = head(model, tmp_path, (), *F32)
+    with running(solo):
+        expected: dict = {}
+        _stream(solo, expected)
+    assert expected.get("finish") == "length" and "error" not in expected, expected
+
+    p = peer(model, tmp_path, *F32, *SLOW_PEER)
+    split = head(model, tmp_path, [p], *F32, "--peer-grace", "300")
+    with running(p), running(split):
+        out: dict = {}
+        t = _stop_mid_stream(split, p, out)
+        # Paused, not failed: /health names the wait (no request needs the peer meanwhile).
+        wait_for(lambda: "paused" in (_health(split).get("reason") or ""), 60, "/health to say the head waits")
+        t0 = time.monotonic()
+        p.start()  # same ports, a new process
+        p.wait_ready(120)
+        print(f"peer restarted (new process ready) in {time.monotonic() - t0:.2f} s")
+        t.join(timeout=300)
+        assert not t.is_alive(), "the stream never finished"
+        assert "error" not in out, out["error"]
+        assert out["finish"] == "length" and out["text"] == expected["text"]
+        assert split.status()["peers"][0]["attaches"] == 2
+        assert _health(split)["status"] == "ok"
+
+
+@pytest.mark.integration
+def test_peer_not_back_within_the_grace_fails_the_stream_cleanly(model, tmp_path):
+    p = peer(model, tmp_path, *F32, *SLOW_PEER)
+    split = head(model, tmp_path, [p], *F32, "--peer-grace", "1")
+    with running(p), running(split):
+        out: dict = {}
+        t = _stop_mid_stream(split, p, out)
+        t.join(timeout=120)
+        assert not t.is_alive(), "the stream hung after the grace"
+        err = out.get("error")
+        assert err is not None and p.rpc_addr in err.message, out
+        assert "Traceback" not in split.log()
+        # The grace is spent: the next request is refused at once, with a 503 in OpenAI's shape.
+        with pytest.raises(openai.APIStatusError) as refused:
+            _client(split).completions.create(model="any", prompt=PROMPT, max_tokens=4, temperature=0)
+        assert refused.value.status_code == 503 and p.rpc_addr in refused.value.message
