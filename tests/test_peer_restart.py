@@ -15,7 +15,14 @@ import time
 import httpx
 import openai
 import pytest
-from rpc_workers import head, peer, running, wait_for
+from consoles import all_ready, until
+from rpc_workers import free_ports, head, peer, running, wait_for
+
+from hydra_console.app.config import Profile, SupervisorSettings, WorkerSpec
+from hydra_console.app.records import State
+from hydra_console.app.supervisor import Supervisor
+from hydra_console.app.ui.app import HydraConsole
+from hydra_console.app.ui.dialogs import ConfirmScreen
 
 MAX_TOKENS = 200
 PROMPT = "once upon a time"
@@ -53,7 +60,8 @@ def _stream(w, out: dict) -> None:
 
 
 def _decoding(w) -> bool:
-    return any((s["n_decoded"] or 0) > 10 for s in w.status()["slots"])
+    slots = httpx.get(f"{w.url}/status", timeout=10).json()["slots"]
+    return any((s["n_decoded"] or 0) > 10 for s in slots)
 
 
 def _health(w) -> dict:
@@ -112,3 +120,42 @@ def test_peer_not_back_within_the_grace_fails_the_stream_cleanly(model, tmp_path
         with pytest.raises(openai.APIStatusError) as refused:
             _client(split).completions.create(model="any", prompt=PROMPT, max_tokens=4, temperature=0)
         assert refused.value.status_code == 503 and p.rpc_addr in refused.value.message
+
+
+async def test_console_keyboard_restart_of_a_peer_under_a_stream(model, tmp_path):
+    """The console's `R` on a peer (its supervisor: SIGTERM, wait for the exit, a new process on the
+    same ports), unchanged: the stream through the head pauses and completes, text as before."""
+    head_port, peer_port = free_ports(2, pairs=True)
+    profile = Profile(
+        name="restart",
+        model=str(model),
+        ctx=1024,
+        parallel=2,
+        head=WorkerSpec(name="head", port=head_port, device="cpu", args=[*F32, "--peer-grace", "300"]),
+        peers=[WorkerSpec(name="peer1", port=peer_port, device="cpu", args=[*F32, *SLOW_PEER])],
+        supervisor=SupervisorSettings(poll_s=0.25, grace_s=10),
+    )
+    sup = Supervisor(profile, log_dir=tmp_path)
+    app = HydraConsole(sup, load_model_shape=False)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await until(pilot, lambda: all_ready(sup), timeout=120)
+        before: dict = {}
+        t = threading.Thread(target=_stream, args=(sup.head.spec, before))
+        t.start()
+        await until(pilot, lambda: not t.is_alive(), timeout=300)
+        assert before.get("finish") == "length" and "error" not in before, before
+
+        peer_worker, out = sup.workers["peer1"], {}
+        old = peer_worker.pid
+        t = threading.Thread(target=_stream, args=(sup.head.spec, out))
+        t.start()
+        await until(pilot, lambda: _decoding(sup.head.spec), timeout=120)
+        await pilot.press("down", "R")
+        assert isinstance(app.screen, ConfirmScreen) and f"peer1 (pid {old})" in app.screen.question
+        await pilot.press("y")
+        await until(pilot, lambda: peer_worker.pid != old and peer_worker.state == State.READY, timeout=120)
+        await until(pilot, lambda: not t.is_alive(), timeout=300)
+        assert "error" not in out, out["error"]
+        assert out["finish"] == "length" and out["text"] == before["text"]
+        assert httpx.get(f"{sup.head.spec.url}/status", timeout=15).json()["peers"][0]["attaches"] == 2
+        await pilot.press("q")
