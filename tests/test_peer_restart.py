@@ -16,7 +16,7 @@ import httpx
 import openai
 import pytest
 from consoles import all_ready, until
-from rpc_workers import free_ports, head, peer, running, wait_for
+from rpc_workers import complete, free_ports, head, peer, running, wait_for
 
 from hydra_console.app.config import Profile, SupervisorSettings, WorkerSpec
 from hydra_console.app.records import State
@@ -92,6 +92,10 @@ def test_peer_restarted_within_the_grace_pauses_the_stream(model, tmp_path):
         t = _stop_mid_stream(split, p, out)
         # Paused, not failed: /health names the wait (no request needs the peer meanwhile).
         wait_for(lambda: "paused" in (_health(split).get("reason") or ""), 60, "/health to say the head waits")
+        queued: dict = {}  # a request that comes meanwhile waits, then is served
+        q = threading.Thread(target=lambda: queued.setdefault("r", complete(split, "hello world", 8, timeout=300)))
+        q.start()
+        wait_for(lambda: split.status()["requests"]["requests_total"] >= 2, 60, "the second request to queue")
         t0 = time.monotonic()
         p.start()  # same ports, a new process
         p.wait_ready(120)
@@ -100,6 +104,8 @@ def test_peer_restarted_within_the_grace_pauses_the_stream(model, tmp_path):
         assert not t.is_alive(), "the stream never finished"
         assert "error" not in out, out["error"]
         assert out["finish"] == "length" and out["text"] == expected["text"]
+        q.join(timeout=300)
+        assert queued["r"].status_code == 200, queued["r"].text
         assert split.status()["peers"][0]["attaches"] == 2
         assert _health(split)["status"] == "ok"
 
