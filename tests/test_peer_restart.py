@@ -143,25 +143,28 @@ async def test_console_keyboard_restart_of_a_peer_under_a_stream(model, tmp_path
     )
     sup = Supervisor(profile, log_dir=tmp_path)
     app = HydraConsole(sup, load_model_shape=False)
-    async with app.run_test(size=(80, 24)) as pilot:
-        await until(pilot, lambda: all_ready(sup), timeout=120)
-        before: dict = {}
-        t = threading.Thread(target=_stream, args=(sup.head.spec, before))
-        t.start()
-        await until(pilot, lambda: not t.is_alive(), timeout=300)
-        assert before.get("finish") == "length" and "error" not in before, before
+    try:
+        async with app.run_test(size=(80, 24)) as pilot:
+            await until(pilot, lambda: all_ready(sup), timeout=120)
+            before: dict = {}
+            t = threading.Thread(target=_stream, args=(sup.head.spec, before))
+            t.start()
+            await until(pilot, lambda: not t.is_alive(), timeout=300)
+            assert before.get("finish") == "length" and "error" not in before, before
 
-        peer_worker, out = sup.workers["peer1"], {}
-        old = peer_worker.pid
-        t = threading.Thread(target=_stream, args=(sup.head.spec, out))
-        t.start()
-        await until(pilot, lambda: _decoding(sup.head.spec), timeout=120)
-        await pilot.press("down", "R")
-        assert isinstance(app.screen, ConfirmScreen) and f"peer1 (pid {old})" in app.screen.question
-        await pilot.press("y")
-        await until(pilot, lambda: peer_worker.pid != old and peer_worker.state == State.READY, timeout=120)
-        await until(pilot, lambda: not t.is_alive(), timeout=300)
-        assert "error" not in out, out["error"]
-        assert out["finish"] == "length" and out["text"] == before["text"]
-        assert httpx.get(f"{sup.head.spec.url}/status", timeout=15).json()["peers"][0]["attaches"] == 2
-        await pilot.press("q")
+            peer_worker, out = sup.workers["peer1"], {}
+            old = peer_worker.pid
+            t = threading.Thread(target=_stream, args=(sup.head.spec, out))
+            t.start()
+            await until(pilot, lambda: _decoding(sup.head.spec), timeout=120)
+            await pilot.press("down", "R")
+            assert isinstance(app.screen, ConfirmScreen) and f"peer1 (pid {old})" in app.screen.question
+            await pilot.press("y")
+            await until(pilot, lambda: peer_worker.pid != old and peer_worker.state == State.READY, timeout=120)
+            await until(pilot, lambda: not t.is_alive(), timeout=300)
+            assert "error" not in out, out["error"]
+            assert out["finish"] == "length" and out["text"] == before["text"]
+            assert httpx.get(f"{sup.head.spec.url}/status", timeout=15).json()["peers"][0]["attaches"] == 2
+            await pilot.press("q")
+    finally:
+        await sup.shutdown()  # the quit dialog leaves workers running: stop them here
