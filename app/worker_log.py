@@ -13,10 +13,12 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
+from typing import BinaryIO
 
 LINE_LIMIT = 1 << 20  # a longer line is cut here (a runaway write must not hold the console's memory)
 READ_CHUNK = 1 << 20  # bytes read per call: a flood is shown over several polls, not in one stall
 TAIL_LINE_GUESS = 200  # bytes per line assumed when starting from the last N lines
+SNAPSHOT_TRIES = 20  # attempts at opening the rotated copies while no name moves
 
 
 class LogFile:
@@ -71,40 +73,55 @@ class LogFile:
         st = self._stat()
         lines: list[str] = []
         if self._ino is not None and (st is None or st.st_ino != self._ino):
-            # Rotated: finish the file we were reading (.1 now, or older after a flood), then the newer copies.
-            for older in self._since_rotation():
-                lines += self._read(older, None)
-                self._offset, self._ino = 0, None
-        if st is not None:
-            lines += self._read(self.path, READ_CHUNK)
+            # Rotated: finish the file we were reading (.1 now, or older after a flood), then the newer
+            # copies and the file now current.
+            files = self._since_rotation()
+            for i, f in enumerate(files):
+                with f:
+                    lines += self._read_open(f, READ_CHUNK if i == len(files) - 1 else None)
+                if i < len(files) - 1:
+                    self._offset, self._ino = 0, None
+            return lines
+        f = _open(self.path)
+        if f is not None:
+            with f:
+                lines += self._read_open(f, READ_CHUNK)
         return lines
 
-    def _since_rotation(self) -> list[Path]:
-        """The copies from the one we were reading (by inode) to .1, oldest first; every kept copy
-        when a flood rotated that one away (its unread lines are lost)."""
-        copies = [self.path.with_name(f"{self.path.name}.{i}") for i in range(1, self.backups + 1)]
-        for k, copy in enumerate(copies):
-            try:
-                if copy.stat().st_ino == self._ino:
-                    return copies[k::-1]
-            except OSError:
-                continue
-        self._offset, self._ino, self._partial = 0, None, b""
-        return copies[::-1]
+    def _since_rotation(self) -> list[BinaryIO]:
+        """The copies from the one we were reading (by inode) to .1 and the current file, oldest first,
+        open; every kept copy when a flood rotated that one away (its unread lines are lost). They are opened together
+        and kept only when no name moved meanwhile: a flood renames copies between a look and a read,
+        and a copy read by name after that is another file (lines were skipped so)."""
+        names = [self.path.with_name(f"{self.path.name}.{i}") for i in range(self.backups, 0, -1)] + [self.path]
+        for _ in range(SNAPSHOT_TRIES):
+            before = [_inode(n) for n in names]
+            files = [_open(n) for n in names]
+            held = [None if f is None else os.fstat(f.fileno()).st_ino for f in files]
+            if before == held == [_inode(n) for n in names]:
+                break
+            for f in files:
+                if f is not None:
+                    f.close()
+        files = [f for f in files if f is not None and not f.closed]
+        inodes = [os.fstat(f.fileno()).st_ino for f in files]
+        if self._ino in inodes:
+            k = inodes.index(self._ino)
+        else:
+            k, self._offset, self._ino, self._partial = 0, 0, None, b""
+        for f in files[:k]:
+            f.close()
+        return files[k:]
 
-    def _read(self, path: Path, limit: int | None) -> list[str]:
-        try:
-            with open(path, "rb") as f:
-                st = os.fstat(f.fileno())
-                if self._ino is not None and st.st_ino != self._ino:
-                    return []
-                if st.st_size < self._offset:  # emptied in place: start again from the top
-                    self._offset, self._partial = 0, b""
-                self._ino = st.st_ino
-                f.seek(self._offset)
-                data = f.read(-1 if limit is None else limit)
-        except OSError:
+    def _read_open(self, f: BinaryIO, limit: int | None) -> list[str]:
+        st = os.fstat(f.fileno())
+        if self._ino is not None and st.st_ino != self._ino:
             return []
+        if st.st_size < self._offset:  # emptied in place: start again from the top
+            self._offset, self._partial = 0, b""
+        self._ino = st.st_ino
+        f.seek(self._offset)
+        data = f.read(-1 if limit is None else limit)
         self._offset += len(data)
         *lines, self._partial = (self._partial + data).split(b"\n")
         if len(self._partial) > LINE_LIMIT:
@@ -117,3 +134,17 @@ class LogFile:
             return self.path.stat()
         except OSError:
             return None
+
+
+def _inode(path: Path) -> int | None:
+    try:
+        return path.stat().st_ino
+    except OSError:
+        return None
+
+
+def _open(path: Path) -> BinaryIO | None:
+    try:
+        return open(path, "rb")
+    except OSError:
+        return None

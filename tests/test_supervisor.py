@@ -20,9 +20,11 @@ from consoles import FAKE, console_process, fake_profile, kill_groups, port_pair
 
 from hydra_console.app import control_client
 from hydra_console.app.config import Profile, SupervisorSettings, WorkerSpec
+from hydra_console.app.log_writer import Rotating
 from hydra_console.app.records import Backoff, State, SupervisorError, describe_exit
 from hydra_console.app.sources import FixedFeedSource, HttpStatusSource, Probe
 from hydra_console.app.supervisor import Supervisor
+from hydra_console.app.worker_log import LogFile
 from hydra_console.contracts.auth import ServerHandshake
 from hydra_console.contracts.rpc import Op
 from hydra_console.engine.cli import build_parser
@@ -185,6 +187,21 @@ async def test_a_workers_log_file_is_rotated_with_no_line_lost_and_stays_bounded
         assert psutil.pid_exists(pid)
     finally:
         kill_groups([pid])
+
+
+@pytest.mark.unit
+def test_a_follower_reads_every_line_across_rotations_between_two_reads(tmp_path):
+    """The log writer's rotation, three times over between two reads of the console's follower: it
+    finishes the copy it was reading (now .3), then .2, .1 and the new file, in order, nothing lost,
+    nothing twice. (Past the kept copies the file it read is deleted, and the new file may reuse its
+    inode number: the follower then takes it for the old one; not handled yet.)"""
+    path = tmp_path / "worker.log"
+    writer, follower = Rotating(str(path), 100 * 101, 3), LogFile(path, 100 * 101, 3)
+    writer.write(b"start\n")
+    follower.follow_from_end()
+    for i in range(350):  # 101-byte lines, 100 a file
+        writer.write(f"line {i:04d} ".encode() + b"x" * 90 + b"\n")
+    assert [ln[:9] for ln in follower.read_new()] == [f"line {i:04d}" for i in range(350)]
 
 
 async def test_missing_executable_is_an_event_not_an_exception(tmp_path):
