@@ -27,6 +27,9 @@ class LogFile:
         self._offset: int | None = None  # where the next read starts; None: not following yet
         self._ino: int | None = None  # the file being read (a rotation gives the name a new one)
         self._partial = b""  # the last line read, while it has no newline yet
+        # .1's inode when last looked: a rotation changes it, even when the new file got the inode
+        # number of the one it replaced (deleted past the kept copies, then reused)
+        self._copy1: int | None = None
 
     def writer_argv(self) -> list[str]:
         """The log writer of a worker that writes this file."""
@@ -47,12 +50,13 @@ class LogFile:
         if self._offset is None:
             st = self._stat()
             self._offset, self._ino = (st.st_size, st.st_ino) if st else (0, None)
+            self._copy1 = _inode(self._copy(1))
 
     def follow_from_tail(self, lines: int) -> None:
         """Follow from about the last `lines` lines (a worker this console adopts or watches)."""
         if self._offset is not None:
             return
-        st = self._stat()
+        st, self._copy1 = self._stat(), _inode(self._copy(1))
         if st is None:
             self._offset = 0
             return
@@ -70,30 +74,32 @@ class LogFile:
         """Complete lines written since the last call (none when the file is missing)."""
         if self._offset is None:
             return []
-        st = self._stat()
+        st, copy1 = self._stat(), _inode(self._copy(1))
         lines: list[str] = []
-        if self._ino is not None and (st is None or st.st_ino != self._ino):
+        if self._ino is not None and (st is None or st.st_ino != self._ino or copy1 != self._copy1):
             # Rotated: finish the file we were reading (.1 now, or older after a flood), then the newer
             # copies and the file now current.
-            files = self._since_rotation()
+            files, self._copy1 = self._since_rotation()
             for i, f in enumerate(files):
                 with f:
                     lines += self._read_open(f, READ_CHUNK if i == len(files) - 1 else None)
                 if i < len(files) - 1:
                     self._offset, self._ino = 0, None
             return lines
+        self._copy1 = copy1
         f = _open(self.path)
         if f is not None:
             with f:
                 lines += self._read_open(f, READ_CHUNK)
         return lines
 
-    def _since_rotation(self) -> list[BinaryIO]:
+    def _since_rotation(self) -> tuple[list[BinaryIO], int | None]:
         """The copies from the one we were reading (by inode) to .1 and the current file, oldest first,
-        open; every kept copy when a flood rotated that one away (its unread lines are lost). They are opened together
-        and kept only when no name moved meanwhile: a flood renames copies between a look and a read,
-        and a copy read by name after that is another file (lines were skipped so)."""
-        names = [self.path.with_name(f"{self.path.name}.{i}") for i in range(self.backups, 0, -1)] + [self.path]
+        open, and .1's inode; every kept copy when a flood rotated that one away (its unread lines
+        are lost; the new file may then carry its inode number: only the copies are searched). They are
+        opened together and kept only when no name moved meanwhile: a flood renames copies between a
+        look and a read, and a copy read by name after that is another file (lines were skipped so)."""
+        names = [self._copy(i) for i in range(self.backups, 0, -1)] + [self.path]
         for _ in range(SNAPSHOT_TRIES):
             before = [_inode(n) for n in names]
             files = [_open(n) for n in names]
@@ -103,15 +109,19 @@ class LogFile:
             for f in files:
                 if f is not None:
                     f.close()
-        files = [f for f in files if f is not None and not f.closed]
-        inodes = [os.fstat(f.fileno()).st_ino for f in files]
-        if self._ino in inodes:
-            k = inodes.index(self._ino)
+            files, held = [None] * len(names), [None] * len(names)
+        copies = held[:-1]
+        if self._ino in copies:
+            k = copies.index(self._ino)
         else:
             k, self._offset, self._ino, self._partial = 0, 0, None, b""
         for f in files[:k]:
-            f.close()
-        return files[k:]
+            if f is not None:
+                f.close()
+        return [f for f in files[k:] if f is not None], held[-2]
+
+    def _copy(self, i: int) -> Path:
+        return self.path.with_name(f"{self.path.name}.{i}")
 
     def _read_open(self, f: BinaryIO, limit: int | None) -> list[str]:
         st = os.fstat(f.fileno())

@@ -193,15 +193,18 @@ async def test_a_workers_log_file_is_rotated_with_no_line_lost_and_stays_bounded
 def test_a_follower_reads_every_line_across_rotations_between_two_reads(tmp_path):
     """The log writer's rotation, three times over between two reads of the console's follower: it
     finishes the copy it was reading (now .3), then .2, .1 and the new file, in order, nothing lost,
-    nothing twice. (Past the kept copies the file it read is deleted, and the new file may reuse its
-    inode number: the follower then takes it for the old one; not handled yet.)"""
-    path = tmp_path / "worker.log"
-    writer, follower = Rotating(str(path), 100 * 101, 3), LogFile(path, 100 * 101, 3)
-    writer.write(b"start\n")
-    follower.follow_from_end()
-    for i in range(350):  # 101-byte lines, 100 a file
-        writer.write(f"line {i:04d} ".encode() + b"x" * 90 + b"\n")
-    assert [ln[:9] for ln in follower.read_new()] == [f"line {i:04d}" for i in range(350)]
+    nothing twice. Four times over with three kept copies, the file it read is deleted (and the new
+    one may get its inode number): the oldest kept copy on, each line once."""
+    for rotations, first in ((3, 0), (4, 100)):
+        path = tmp_path / f"r{rotations}" / "worker.log"
+        path.parent.mkdir()
+        writer, follower = Rotating(str(path), 100 * 101, 3), LogFile(path, 100 * 101, 3)
+        writer.write(b"start\n")
+        follower.follow_from_end()
+        for i in range(rotations * 100 + 50):  # 101-byte lines, 100 a file
+            writer.write(f"line {i:04d} ".encode() + b"x" * 90 + b"\n")
+        got = [ln[:9] for ln in follower.read_new()]
+        assert got == [f"line {i:04d}" for i in range(first, rotations * 100 + 50)], rotations
 
 
 async def test_missing_executable_is_an_event_not_an_exception(tmp_path):
