@@ -24,7 +24,8 @@ It also prints the mechanics: one MTP draft step's cost relative to a trunk deco
 verify cost for k = 1..draft-max. `--synth` writes a small synthetic qwen35 with an MTP block:
 `qwen35` has random weights (acceptance means nothing: use `--draft-p-min 0` to draft at all),
 `qwen35-bigram` is built so that its MTP block predicts exactly the trunk's next token (acceptance ~1:
-what MTP drafting buys when drafts are right).
+what MTP drafting buys when drafts are right). Adaptive vs fixed draft lengths by acceptance level
+and number of streams: `bench_spec_adaptive.py`.
 """
 
 from __future__ import annotations
