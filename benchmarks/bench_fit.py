@@ -29,7 +29,11 @@ from bench_api import ENGINE, Server  # benchmarks/ is the script's directory
 
 from hydra_console.contracts.fit import DEFAULT_HEADROOM_GIB
 from hydra_console.contracts.footprint import model_tensors, rollback_depth
+from hydra_console.contracts.split import parse_split
+from hydra_console.engine.cli import build_parser
+from hydra_console.engine.cli_config import head_config
 from hydra_console.engine.gguf_file import GGUFFile
+from hydra_console.engine.workers.head import head_footprint, max_run_of
 
 OWNERS = Path(__file__).with_name("memory_owners.py")
 
@@ -72,31 +76,27 @@ def memory(doc: dict) -> dict:
     }
 
 
-def estimates(args, extra: list[str]) -> list:
-    """contracts/footprint.py's estimate of the head's and the peer's process, from the serve flags
-    that change it (what the console's split editor shows for this setting)."""
-    ap = argparse.ArgumentParser(add_help=False)
-    ap.add_argument("-ctk", "--cache-type-k", default="auto")
-    ap.add_argument("-ctv", "--cache-type-v", default="auto")
-    ap.add_argument("-c", "--ctx-size", type=int)
-    ap.add_argument("--kv-unified", action="store_true")
-    ap.add_argument("--spec-type")
-    ap.add_argument("--draft-max", type=int, default=3)
-    flags, _ = ap.parse_known_args(extra)
-    g = GGUFFile(args.model)
+def estimates(model: str, head_argv: list[str]) -> list:
+    """contracts/footprint.py's estimate of the head's and the peer's process: the head's own
+    (`head_footprint`, what it checks before loading) from its argv read by the engine's CLI, and
+    the peer's stage for the same settings."""
+    cfg = head_config(build_parser().parse_args(head_argv), {})
+    g = GGUFFile(model)
     tensors = model_tensors(g.metadata, g.tensors)
-    mtp = flags.spec_type == "mtp"
-    a, b = (int(x) for x in args.split.split("/"))
-    common = dict(
+    head, peer = parse_split(cfg.split, tensors.n_layers, 2)
+    m = cfg.model
+    peer = tensors.stage(
+        *peer,
+        head=False,
         device="cuda",
-        dtype="auto",
-        n_slots=1,
-        n_ctx=args.ctx,
-        kv_types=(flags.cache_type_k, flags.cache_type_v),
-        kv_pool=flags.ctx_size if flags.kv_unified else None,
-        depth=rollback_depth(flags.draft_max + 1) if flags.spec_type else 1,
+        dtype=m.dtype,
+        n_slots=cfg.parallel,
+        n_ctx=m.ctx,
+        kv_types=m.kv_types,
+        kv_pool=m.kv_pool,
+        depth=rollback_depth(max_run_of(cfg.spec)),
     )
-    return [tensors.stage(0, a, head=True, mtp=mtp, **common), tensors.stage(a, a + b, head=False, **common)]
+    return [head_footprint(cfg, g, head, "cuda", m.dtype), peer]
 
 
 def main() -> None:
@@ -127,25 +127,23 @@ def main() -> None:
         ],
         command("peer"),
     )
-    head = Server(
-        [
-            "serve",
-            "--model",
-            args.model,
-            "--device",
-            args.device,
-            "--peer",
-            f"127.0.0.1:{peer.rpc_port}",
-            "--split",
-            args.split,
-            "--ctx",
-            str(args.ctx),
-            "--parallel",
-            "1",
-            *extra,
-        ],
-        command("head"),
-    )
+    head_args = [
+        "serve",
+        "--model",
+        args.model,
+        "--device",
+        args.device,
+        "--peer",
+        f"127.0.0.1:{peer.rpc_port}",
+        "--split",
+        args.split,
+        "--ctx",
+        str(args.ctx),
+        "--parallel",
+        "1",
+        *extra,
+    ]
+    head = Server(head_args, command("head"))
     try:
         peer.start(args.timeout)
         ready_s = head.start(args.timeout)
@@ -162,7 +160,7 @@ def main() -> None:
             "head_startup_s": head.status().get("startup_s"),
             **run,
         }
-        for name, proc, card, est in zip(("head", "peer"), (head, peer), cards, estimates(args, extra)):
+        for name, proc, card, est in zip(("head", "peer"), (head, peer), cards, estimates(args.model, head_args)):
             m = memory(proc.status())
             used = m["gpu_memory_gib"]
             # a "16 GB" card holds 16 GiB; it fits with the headroom the console plans with (contracts/fit.py)

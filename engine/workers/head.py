@@ -254,30 +254,38 @@ def build_pipeline(cfg: HeadConfig, g, mcfg):
     return pipeline
 
 
-def _check_own_stage(cfg: HeadConfig, g, layers: tuple[int, int], device, dtype, what: str) -> None:
+def head_footprint(cfg: HeadConfig, g, layers: tuple[int, int], device: str, dtype: str):
     """The head's stage (its layers, embedding and output head, the MTP block with `--spec-type mtp`)
-    as contracts/footprint.py counts it, against what is free on its device: a split that cannot fit
-    is refused with both numbers before anything loads. Its CUDA context exists once `free_bytes`
-    asked, so it is not counted again."""
-    from ...contracts.fit import headroom_bytes
+    for these settings as contracts/footprint.py counts it (a `StageBytes`): what the head checks
+    against its device before loading, and what benchmarks/bench_fit.py sets beside NVML."""
     from ...contracts.footprint import model_tensors
-    from ..device import fit_here
 
-    m, mtp = cfg.model, cfg.spec.type == "mtp"
-    est = model_tensors(g.metadata, g.tensors).stage(
+    m = cfg.model
+    return model_tensors(g.metadata, g.tensors).stage(
         *layers,
         head=True,
-        device=device.type,
-        dtype=str(dtype).removeprefix("torch."),
+        device=device,
+        dtype=dtype,
         n_slots=cfg.parallel,
         n_ctx=m.ctx,
         kv_types=m.kv_types,
         gpu_weights=m.gpu_weights,
         kv_pool=m.kv_pool,
         prompt_rows=cfg.batch_tokens,
-        mtp=mtp,
+        mtp=cfg.spec.type == "mtp",
         depth=rollback_depth(max_run_of(cfg.spec)),
     )
+
+
+def _check_own_stage(cfg: HeadConfig, g, layers: tuple[int, int], device, dtype, what: str) -> None:
+    """The head's stage (`head_footprint`) against what is free on its device: a split that cannot fit
+    is refused with both numbers before anything loads. Its CUDA context exists once `free_bytes`
+    asked, so it is not counted again."""
+    from ...contracts.fit import headroom_bytes
+    from ..device import fit_here
+
+    m, mtp = cfg.model, cfg.spec.type == "mtp"
+    est = head_footprint(cfg, g, layers, device.type, str(dtype).removeprefix("torch."))
     fit = fit_here("head", layers, est.total - est.runtime_bytes, headroom_bytes(m.headroom_gb), device, mtp=mtp)
     if not fit.fits:
         raise UserError(
