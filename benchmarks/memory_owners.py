@@ -18,7 +18,10 @@ import traceback
 import torch
 
 
-def owners(path: str) -> None:
+def allocated_by_origin() -> tuple[dict[tuple[str, str], int], dict[str, int]]:
+    """Bytes still allocated by (pool, the innermost frame of this project that allocated them, else
+    of any Python file), the graphs' pools apart from the default one; and each pool's reserved but
+    free bytes. Needs the allocation history recorded from the start."""
     totals: dict[tuple[str, str], int] = {}
     free: dict[str, int] = {}
     for seg in torch.cuda.memory._snapshot()["segments"]:
@@ -28,7 +31,7 @@ def owners(path: str) -> None:
             if blk["state"] != "active_allocated":
                 continue
             frames = blk.get("frames", [])
-            ours = [f for f in frames if "hydra_console" in f["filename"]]
+            ours = [f for f in frames if "hydra_console" in f["filename"] or "/benchmarks/" in f["filename"]]
             pick = ours or [f for f in frames if f["filename"].endswith(".py")] or frames
             where = (
                 f"{pick[0]['filename'].split('hydra_console/')[-1]}:{pick[0]['line']} {pick[0]['name']}"
@@ -36,6 +39,11 @@ def owners(path: str) -> None:
                 else "?"
             )
             totals[pool, where] = totals.get((pool, where), 0) + blk["size"]
+    return totals, free
+
+
+def owners(path: str) -> None:
+    totals, free = allocated_by_origin()
     with open(path, "w") as f:
         for (pool, where), n in sorted(totals.items(), key=lambda kv: -kv[1]):
             f.write(f"{pool:8s} {n / 2**20:10.1f} MiB  {where}\n")

@@ -16,6 +16,7 @@ import argparse
 import os
 
 import torch
+from memory_owners import allocated_by_origin  # benchmarks/ is the script's directory
 
 from hydra_console.engine.bench import decode_once, prefill_once
 from hydra_console.engine.config import cuda_env
@@ -53,19 +54,9 @@ def segments() -> None:
 
 
 def by_origin(top: int = 14) -> None:
-    """Allocated bytes at the end by the innermost frame of this project (else of torch, else C++)
-    that allocated them, per pool: what each of the work memory's pieces is."""
-    totals: dict[tuple, int] = {}
-    for seg in torch.cuda.memory._snapshot()["segments"]:
-        pool = "graphs" if tuple(seg.get("segment_pool_id", (0, 0))) != (0, 0) else "default"
-        for blk in seg["blocks"]:
-            if blk["state"] != "active_allocated":
-                continue
-            frames = blk.get("frames", [])
-            ours = [f for f in frames if "hydra_console" in f["filename"] or "/benchmarks/" in f["filename"]]
-            pick = ours or [f for f in frames if f["filename"].endswith(".py")] or frames
-            where = f"{pick[0]['filename'].split('/')[-1]}:{pick[0]['line']} {pick[0]['name']}" if pick else "?"
-            totals[pool, where] = totals.get((pool, where), 0) + blk["size"]
+    """Allocated bytes at the end by the source line that allocated them, per pool: what each of
+    the work memory's pieces is (memory_owners.py's grouping)."""
+    totals, _ = allocated_by_origin()
     for (pool, where), n in sorted(totals.items(), key=lambda kv: -kv[1])[:top]:
         print(f"  {pool:8s} {n / 1e6:9.1f} MB  {where}")
 
