@@ -44,12 +44,27 @@ def prefill_once(stage: Stage, tokens: torch.Tensor) -> float:
     return time.perf_counter() - t0
 
 
-def decode_once(stage: Stage, first_token: int, n_gen: int) -> float:
-    """Seconds for `n_gen` greedy single-token steps in slot 0 starting at position 0."""
-    slot = torch.zeros(1, dtype=torch.long)
-    positions = torch.arange(n_gen).view(n_gen, 1)  # host tensors: no device sync per step
-    token = torch.tensor([first_token], device=stage.device if stage.device.type == "cuda" else "cpu")
+def fill_context(stage: Stage, context: torch.Tensor, chunk: int = 2048) -> None:
+    """Slot 0 holds `context` (from position 0), prefilled in chunks as the server does."""
     stage.kv_clear(0)
+    for p0 in range(0, context.numel(), chunk):
+        part = context[p0 : p0 + chunk]
+        stage.run_layers(
+            stage.embed(part), torch.zeros(part.numel(), dtype=torch.long), torch.arange(p0, p0 + part.numel())
+        )
+
+
+def decode_once(stage: Stage, first_token: int, n_gen: int, context: torch.Tensor | None = None) -> float:
+    """Seconds for `n_gen` greedy single-token steps in slot 0, after `context` (llama-bench's `-d`)
+    when given, else from position 0. The context's prefill is not timed."""
+    depth = 0 if context is None else context.numel()
+    slot = torch.zeros(1, dtype=torch.long)
+    positions = torch.arange(depth, depth + n_gen).view(n_gen, 1)  # host tensors: no device sync per step
+    token = torch.tensor([first_token], device=stage.device if stage.device.type == "cuda" else "cpu")
+    if depth:
+        fill_context(stage, context)
+    else:
+        stage.kv_clear(0)
     _sync(stage.device)
     t0 = time.perf_counter()
     for i in range(n_gen):
@@ -60,15 +75,18 @@ def decode_once(stage: Stage, first_token: int, n_gen: int) -> float:
 
 
 def run_bench(
-    model: Path, device: str, dtype: str, n_prompt: int, n_gen: int, repetitions: int, **stage_options
+    model: Path, device: str, dtype: str, n_prompt: int, n_gen: int, repetitions: int, depth: int = 0, **stage_options
 ) -> dict:
     g = GGUFFile(model)
     cfg = ModelConfig.from_gguf(g)
     t0 = time.perf_counter()
-    stage = build_stage(g, device=device, dtype=dtype, n_slots=1, n_ctx=max(n_prompt, n_gen, 1), **stage_options)
+    stage = build_stage(
+        g, device=device, dtype=dtype, n_slots=1, n_ctx=max(n_prompt, depth + n_gen, 1), **stage_options
+    )
     load_s = time.perf_counter() - t0
     gen = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, cfg.n_vocab, (n_prompt,), generator=gen)
+    context = torch.randint(0, cfg.n_vocab, (depth,), generator=gen) if depth else None
     first = int(g.get("tokenizer.ggml.bos_token_id", 1))
     result = {
         "model": str(model),
@@ -83,6 +101,7 @@ def run_bench(
         "threads": torch.get_num_threads(),
         "n_prompt": n_prompt,
         "n_gen": n_gen,
+        "depth": depth,
         "repetitions": repetitions,
         "load_s": round(load_s, 3),
         "weight_bytes": stage.weight_bytes,  # read per decoded token
@@ -100,8 +119,8 @@ def run_bench(
         result["prefill_tok_s"] = round(statistics.mean(rates), 2)
         result["prefill_tok_s_std"] = round(statistics.pstdev(rates), 2)
     if n_gen:
-        decode_once(stage, first, min(n_gen, 8))
-        times = [decode_once(stage, first, n_gen) for _ in range(repetitions)]
+        decode_once(stage, first, min(n_gen, 8), context)
+        times = [decode_once(stage, first, n_gen, context) for _ in range(repetitions)]
         rates = [n_gen / t for t in times]
         result["decode_tok_s"] = round(statistics.mean(rates), 2)
         result["decode_tok_s_std"] = round(statistics.pstdev(rates), 2)
@@ -152,10 +171,12 @@ def run_llama_bench(
     n_gen: int,
     repetitions: int,
     kv_types: tuple[str, str] = ("auto", "auto"),
+    depth: int = 0,
 ) -> dict:
     """Upstream llama-bench on the same file, with our KV cache types (llama-bench's default is f16,
     ours `auto` = the compute dtype): {"prefill_tok_s", "decode_tok_s"} from its JSON output."""
     cmd = [path, "-m", str(model), "-p", str(n_prompt), "-n", str(n_gen), "-r", str(repetitions), "-o", "json"]
+    cmd += ["-d", str(depth)] if depth else []
     cmd += ["-ngl", "99" if device.type == "cuda" else "0", "-t", str(torch.get_num_threads())]
     for flag, kind in zip(("-ctk", "-ctv"), kv_types):
         if kind != "auto":
@@ -178,9 +199,11 @@ def run_llama_bench(
 
 
 def main(args, cache_dir: Path | None) -> int:
-    for flag in ("n_prompt", "n_gen", "repetitions"):
+    for flag in ("n_prompt", "n_gen", "repetitions", "depth"):
         if getattr(args, flag) < 0 or (flag == "repetitions" and args.repetitions < 1):
             raise UserError(f"--{flag.replace('_', '-')} must be {'≥ 1' if flag == 'repetitions' else '≥ 0'}")
+    if args.depth and args.n_prompt:  # llama-bench would prefill at depth too; ours does not
+        raise UserError("--depth applies to the decode test only: pass -p 0 with it")
     model = model_path(args.model)
     llama_bench = find_llama_bench(args.llama_bench) if args.llama_bench else None  # fail before our run
     # On CUDA the decode step is compiled before graph capture (fused element-wise kernels: ~1.6x decode).
@@ -191,7 +214,9 @@ def main(args, cache_dir: Path | None) -> int:
         "kv_types": (args.cache_type_k, args.cache_type_v),
         "deterministic": args.deterministic,
     }
-    result = run_bench(model, args.device, args.dtype, args.n_prompt, args.n_gen, args.repetitions, **options)
+    result = run_bench(
+        model, args.device, args.dtype, args.n_prompt, args.n_gen, args.repetitions, args.depth, **options
+    )
     if llama_bench:
         theirs = run_llama_bench(
             llama_bench,
@@ -201,6 +226,7 @@ def main(args, cache_dir: Path | None) -> int:
             args.n_gen,
             args.repetitions,
             options["kv_types"],
+            args.depth,
         )
         result["llama_bench"] = theirs
         for key, value in theirs.items():
@@ -224,7 +250,7 @@ def main(args, cache_dir: Path | None) -> int:
             line += f"   llama-bench {result['llama_bench']['prefill_tok_s']:.1f}  ours/theirs {result['prefill_ratio']:.2f}"
         print(line)
     if "decode_tok_s" in result:
-        line = f"decode  {result['decode_tok_s']:10.1f} ± {result['decode_tok_s_std']:.1f} tok/s  (n={args.n_gen})  {result['decode_gb_s']:.1f} GB/s"
+        line = f"decode  {result['decode_tok_s']:10.1f} ± {result['decode_tok_s_std']:.1f} tok/s  (n={args.n_gen}, d={args.depth})  {result['decode_gb_s']:.1f} GB/s"
         if "decode_ratio" in result:
             line += (
                 f"   llama-bench {result['llama_bench']['decode_tok_s']:.1f}  ours/theirs {result['decode_ratio']:.2f}"

@@ -188,6 +188,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("-p", "--n-prompt", type=int, default=512, help="prompt tokens (prefill test)")
     b.add_argument("-n", "--n-gen", type=int, default=128, help="generated tokens (decode test)")
     b.add_argument("-r", "--repetitions", type=int, default=3, help="runs per test")
+    b.add_argument(
+        "-d", "--depth", type=int, default=0, help="context tokens before the decode test (llama-bench's -d)"
+    )
     b.add_argument("--json", action="store_true", help="print one JSON object")
     b.add_argument("--llama-bench", default=None, help="path of upstream llama-bench to run on the same file")
 
