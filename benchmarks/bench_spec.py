@@ -1,7 +1,7 @@
 """Speculative decoding: tokens per target forward, acceptance and decode speed-up over `off`.
 
     python benchmarks/bench_spec.py [--model PATH | --synth qwen35|qwen35-bigram] [--device cpu] [--dtype auto]
-                                    [--n-gen 128] [--spec-type ngram|mtp] [--draft-max 3] [--draft-p-min 0.75]
+                                    [--n-gen 128] [--spec-type ngram|mtp] [--draft-max 3] [--draft-p-min 0.75] [--draft-adaptive auto]
                                     [--reps 3] [--split 9/9] [--link-rtt-ms 0 2 10]
                                     [--workloads repetitive,prose] [--threads N] [--json]
 
@@ -189,7 +189,8 @@ def make_engine(args, g, peer_addr: str | None) -> Engine:
     pipeline = build_pipeline(cfg, g, ModelConfig.from_gguf(g))
     speculator = None
     if args.spec_type == "mtp":  # the MTP block lives beside the head stage
-        spec = SpecConfig("mtp", n_max=args.draft_max, p_min=args.draft_p_min)
+        adaptive = {"auto": None, "on": True, "off": False}[args.draft_adaptive]
+        spec = SpecConfig("mtp", n_max=args.draft_max, p_min=args.draft_p_min, adaptive=adaptive)
         speculator = build_speculator(spec, None, g, cfg.model, 1, head=pipeline.local)
     return Engine(pipeline, Tokenizer.from_gguf(g), 1, args.ctx, speculator=speculator).start()
 
@@ -399,6 +400,9 @@ def main() -> None:
     ap.add_argument("--draft-max", type=int, default=3)
     ap.add_argument("--draft-p-min", type=float, default=0.75, help="MTP: stop drafting below this draft probability")
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument(
+        "--draft-adaptive", choices=["auto", "on", "off"], default="auto", help="MTP: the serve flag of that name"
+    )
     ap.add_argument("--split", default=None, help="also run head + one peer with this split, e.g. 9/9")
     ap.add_argument(
         "--link-rtt-ms",
