@@ -20,6 +20,7 @@ class Rotating:
     def __init__(self, path: str, max_bytes: int, backups: int):
         self.path, self.max_bytes, self.backups = path, max_bytes, backups
         self.fd = self._open()
+        self.mid_line = False  # the file ends inside a line: no rotation before its newline
 
     def _open(self) -> int | None:
         try:
@@ -33,16 +34,29 @@ class Rotating:
         if self.fd is None:
             return
         try:
-            full = os.fstat(self.fd).st_size + len(data) > self.max_bytes
-            cut = data.find(b"\n") + 1 if full else 0
-            if cut:  # finish the line in this file, the rest goes to a new one
-                os.write(self.fd, data[:cut])
-                self._rotate()
+            # A file is filled with the whole lines that fit before the next one starts: rotating as soon
+            # as a read chunk would overflow wasted a kept copy on a near-empty file under a flood.
+            while data and self.fd is not None:
+                size = os.fstat(self.fd).st_size
+                if size + len(data) <= self.max_bytes:
+                    self._put(data)
+                    return
+                cut = data.rfind(b"\n", 0, max(0, self.max_bytes - size)) + 1  # the whole lines that fit
+                if not cut and size and not self.mid_line:
+                    self._rotate()
+                    continue
+                if not cut:  # finish the line begun here (or one longer than a file) in this file
+                    cut = data.find(b"\n") + 1 or len(data)
+                self._put(data[:cut])
                 data = data[cut:]
-            if data and self.fd is not None:
-                os.write(self.fd, data)
+                if data:
+                    self._rotate()
         except OSError:
             pass  # a full disk drops lines; the next write tries again
+
+    def _put(self, data: bytes) -> None:
+        os.write(self.fd, data)
+        self.mid_line = not data.endswith(b"\n")
 
     def _rotate(self) -> None:
         for i in range(self.backups, 1, -1):

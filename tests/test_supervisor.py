@@ -194,8 +194,9 @@ def test_a_follower_reads_every_line_across_rotations_between_two_reads(tmp_path
     """The log writer's rotation, three times over between two reads of the console's follower: it
     finishes the copy it was reading (now .3), then .2, .1 and the new file, in order, nothing lost,
     nothing twice. Four times over with three kept copies, the file it read is deleted (and the new
-    one may get its inode number): the oldest kept copy on, each line once."""
-    for rotations, first in ((3, 0), (4, 100)):
+    one may get its inode number): the oldest kept copy on, each line once (the first file held
+    "start" and the 99 lines that fit beside it)."""
+    for rotations, first in ((3, 0), (4, 99)):
         path = tmp_path / f"r{rotations}" / "worker.log"
         path.parent.mkdir()
         writer, follower = Rotating(str(path), 100 * 101, 3), LogFile(path, 100 * 101, 3)
