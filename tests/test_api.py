@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from rpc_workers import Worker, head, peer, running
+from rpc_workers import Worker, free_ports, head, peer, running, wait_for
 
 N_CTX, N_SLOTS = 256, 2
 PROMPT = "the quick brown fox jumps over the lazy dog"
@@ -48,13 +48,30 @@ def metrics(base: str) -> dict[str, float]:
 # ---- health, models, tokenizer -----------------------------------------------------------------
 
 
-def test_health_is_staged_and_503_until_ready(tiny_model, tmp_path):
-    seen: list = []
-    w = api_server(tiny_model("llama"), tmp_path)
+def _health(w: Worker, seen: list) -> bool:
     try:
-        w.wait_ready(seen=seen)
+        r = httpx.get(f"{w.url}/health", timeout=2.0)
+    except httpx.HTTPError:
+        return False
+    seen.append((r.status_code, r.json()))
+    return True
+
+
+def test_health_is_staged_and_503_until_ready(tiny_model, tmp_path):
+    # The head waits for its peer, which starts only once the head has answered 503 "starting":
+    # every stage is seen however slow the machine (a solo tiny model can load between two polls).
+    model, seen = tiny_model("llama"), []
+    port, rpc = free_ports(2)
+    w = head(model, tmp_path, (), "--dtype", "float32", "--peer", f"127.0.0.1:{rpc}", "--peer-wait", "120")
+    p = None
+    try:
+        wait_for(lambda: _health(w, seen), 90, "the head's port to answer")
+        p = Worker("peer", ["--model", str(model), "--device", "cpu", "--dtype", "float32"], tmp_path, port, rpc)
+        w.wait_ready(timeout=120, seen=seen)
     finally:
         w.stop()
+        if p is not None:
+            p.stop()
     codes = [c for c, _ in seen]
     stages = [b["startup_stage"] for _, b in seen]
     # the port answers before the model is loaded (torch alone takes longer than a poll)
