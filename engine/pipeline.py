@@ -51,7 +51,7 @@ class Pipeline:
         # Which slots hold a live request (the runtime's view); None = every slot seen so far.
         self.active_slots: Callable[[], set[int]] | None = None
         # Per-slot state kept beside the head stage's (the MTP drafter: `state_out`, `state_in`,
-        # `restored`), moved with it in slot states; set by the engine that owns it.
+        # `restored`, `clear`), moved and cleared with it; set by the engine that owns it.
         self.side_state = None
         self.resplits = 0
         self.last_resplit: dict | None = None
@@ -186,6 +186,8 @@ class Pipeline:
             self._settle()
             self.history.lengths.pop(slot, None)
             self.local.kv_clear(slot)
+            if self.side_state is not None:  # its KV follows the head's: its blocks go back too
+                self.side_state.clear(slot)
             for remote in self.remotes:
                 remote.kv_clear(slot)
 

@@ -1,6 +1,7 @@
 """The owner of the slots' KV and recurrent memory (`serving/kv_manager.py`): the prompt cache a
 request takes, the pool's fit counting idle slots' cache as free, taking that cache back on every
-stage for a step that needs it (never a busy slot's), over real stages, pipelines and engines."""
+stage for a step that needs it (never a busy slot's), over real stages, pipelines and engines; the
+drafters' own pools (the MTP block's, a draft model's) follow."""
 
 from __future__ import annotations
 
@@ -16,9 +17,10 @@ from hydra_console.engine.serving.kv_manager import KVManager
 from hydra_console.engine.serving.runtime import Engine
 from hydra_console.engine.serving.sampling_params import SamplingParams
 from hydra_console.engine.serving.sequence import Request
+from hydra_console.engine.spec import SpecConfig, Speculator, build_speculator
 from hydra_console.engine.text.tokenizer import Tokenizer
 
-TOKENS = torch.randint(0, 1000, (400,), generator=torch.Generator().manual_seed(1)).tolist()
+TOKENS = torch.randint(0, 600, (400,), generator=torch.Generator().manual_seed(1)).tolist()
 
 
 @pytest.mark.unit
@@ -101,10 +103,46 @@ def test_an_engine_makes_room_for_a_request_in_its_idle_slots_prompt_cache(tiny_
     stage = load(g.path, n_slots=2, n_ctx=2 * KV_BLOCK, kv_pool=2 * KV_BLOCK)
     engine = Engine(Pipeline(stage), Tokenizer.from_gguf(g), 2, 2 * KV_BLOCK).start()
     try:
-        greedy = SamplingParams(temperature=0.0)
-        for prompt in (TOKENS[:150], TOKENS[150:250]):
-            *_, last = engine.generate(Request(prompt, greedy, max_tokens=4, ignore_eos=True), timeout=60)
-            assert last.error is None and last.finish_reason == "length"
-        assert [len(h) for h in stage.kv_blocks.held] == [0, 1]
+        _two_requests_in_a_pool_of_two_blocks(engine)
     finally:
         engine.stop()
+    assert [len(h) for h in stage.kv_blocks.held] == [0, 1]
+
+
+def _two_requests_in_a_pool_of_two_blocks(engine: Engine) -> None:
+    """The first request's prompt cache fills the pool; the second, in the other slot, needs a block of it."""
+    greedy = SamplingParams(temperature=0.0)
+    for prompt in (TOKENS[:150], TOKENS[150:250]):
+        *_, last = engine.generate(Request(prompt, greedy, max_tokens=4, ignore_eos=True), timeout=60)
+        assert last.error is None and last.finish_reason == "length"
+
+
+def test_the_mtp_blocks_pool_gives_back_what_the_target_takes_back(tiny_model):
+    """The MTP block's KV follows the target's, in a pool of its own: an idle slot the target's pool
+    takes back is cleared in the block's too (it held on to it, and the next step failed with KVPoolFull)."""
+    path = tiny_model("qwen35", n_layers=4, nextn=True)
+    g = GGUFFile(path)
+    stage = load(path, n_slots=2, n_ctx=2 * KV_BLOCK, kv_pool=2 * KV_BLOCK)
+    spec = build_speculator(SpecConfig(type="mtp", n_max=3, p_min=0.0), None, g, None, 2, head=stage)
+    engine = Engine(Pipeline(stage), Tokenizer.from_gguf(g), 2, 2 * KV_BLOCK, speculator=spec).start()
+    try:
+        _two_requests_in_a_pool_of_two_blocks(engine)
+    finally:
+        engine.stop()
+    assert [len(h) for h in spec.mtp.nextn.block.kv_blocks.held] == [len(h) for h in stage.kv_blocks.held] == [0, 1]
+
+
+def test_a_draft_models_pool_holds_no_idle_slot(tiny_model):
+    """The draft model feeds a new request from position 0: a slot's draft KV goes when its request
+    leaves (idle slots held the draft pool before, and the next request's drafts failed with KVPoolFull)."""
+    path = tiny_model("llama", head_dim=32)
+    g = GGUFFile(path)
+    stage = load(path, n_slots=2, n_ctx=2 * KV_BLOCK, kv_pool=2 * KV_BLOCK)
+    draft = load(path, n_slots=2, n_ctx=2 * KV_BLOCK, kv_pool=2 * KV_BLOCK)
+    spec = Speculator(SpecConfig(type="draft", n_max=3, p_min=0.0), draft_pipeline=Pipeline(draft))
+    engine = Engine(Pipeline(stage), Tokenizer.from_gguf(g), 2, 2 * KV_BLOCK, speculator=spec).start()
+    try:
+        _two_requests_in_a_pool_of_two_blocks(engine)
+    finally:
+        engine.stop()
+    assert [len(h) for h in draft.kv_blocks.held] == [0, 0] and spec.stats.drafts > 0
