@@ -17,7 +17,9 @@ about that memory is made here:
 The pool is read from the head's own stage: the head's forwards and clears reach every stage, so
 each holds the same blocks per slot. The prompt cache is valid while the pipeline's
 `kv_generation` (bumped whenever a stage lost KV: a rebuild, a re-split, an eviction) is the one it
-was recorded under.
+was recorded under. The drafters' own stages keep pools of the same size that follow the target's:
+the MTP block's slot is cleared with the target's (`Pipeline.clear_slot`), a draft model's when its
+request leaves (its KV is never reused).
 """
 
 from __future__ import annotations
