@@ -51,7 +51,7 @@ class Pipeline:
         # Which slots hold a live request (the runtime's view); None = every slot seen so far.
         self.active_slots: Callable[[], set[int]] | None = None
         # Per-slot state kept beside the head stage's (the MTP drafter: `state_out`, `state_in`,
-        # `restored`), moved with it in slot states; set by the engine that owns it.
+        # `restored`, `clear`), moved and cleared with it; set by the engine that owns it.
         self.side_state = None
         self.resplits = 0
         self.last_resplit: dict | None = None
@@ -61,8 +61,8 @@ class Pipeline:
         self._layout = threading.Lock()
         self.history = SlotHistory()  # what a KV rebuild replays (a split pipeline's only)
         self._stale: int | None = None  # index of the last stage that lost KV: rebuild before the next forward
-        # Bumped whenever a stage lost KV and only the active slots' was rebuilt: the prompt cache
-        # of idle slots is then gone (the scheduler drops it).
+        # Bumped whenever a stage lost KV and only the active slots' was rebuilt, and when idle slots
+        # are evicted: the prompt cache of idle slots is then gone (the KV manager drops it).
         self.kv_generation = 0
         self._watch: threading.Thread | None = None
         self._stopping = threading.Event()
@@ -109,16 +109,7 @@ class Pipeline:
         if meanwhile is not None:  # once, even when a lost peer makes the batch run again
             meanwhile = _once(meanwhile)
         with self._lock:
-            while True:
-                try:
-                    if self._stale is not None:
-                        self._rebuild(self._stale)
-                    self._make_room(slots, positions)
-                    h = self._run(tokens, slots, positions, meanwhile, pipelined)
-                    break
-                except PeerUnavailable:
-                    if not self._await_peers():
-                        raise
+            h = self._through_peer_loss(lambda: self._rebuilt_run(tokens, slots, positions, meanwhile, pipelined))
             if self.remotes:  # only a split pipeline ever needs to rebuild KV
                 self.history.record(tokens, slots, positions)
             if h is None:  # on its way through the last peer: no rows were asked for
@@ -127,6 +118,21 @@ class Pipeline:
                 return self.local.logits(h if logit_rows is None else h[logit_rows])
             x = self.local.final_norm(h)
             return self.local.project(x if logit_rows is None else x[logit_rows]), x
+
+    def _through_peer_loss(self, work: Callable):
+        """`work()`; a peer lost meanwhile pauses it (`_await_peers`), then it runs again."""
+        while True:
+            try:
+                return work()
+            except PeerUnavailable:
+                if not self._await_peers():
+                    raise
+
+    def _rebuilt_run(self, tokens, slots, positions, meanwhile, pipelined) -> torch.Tensor | None:
+        """The batch through every stage, once any KV a stage lost is rebuilt."""
+        if self._stale is not None:
+            self._rebuild(self._stale)
+        return self._run(tokens, slots, positions, meanwhile, pipelined)
 
     def _run(self, tokens, slots, positions, meanwhile=None, pipelined=False) -> torch.Tensor | None:
         """The batch through every stage; `pipelined`: the last peer's output is not waited for (None)."""
@@ -161,34 +167,15 @@ class Pipeline:
                 remote.attach()
                 self._stale = i if self._stale is None else max(self._stale, i)
 
-    def kv_fits(self, ends: dict[int, int]) -> bool:
-        """Whether the KV cache can hold these slot lengths: always with reserved slots; a pool
-        counts the idle slots' prompt cache as free (`_make_room` takes it back when needed)."""
-        blocks = self.local.kv_blocks
-        if not blocks.pooled:
-            return True
-        keep = (self.active_slots() if self.active_slots is not None else set()) | ends.keys()
-        return blocks.shortfall(ends) <= sum(len(held) for slot, held in enumerate(blocks.held) if slot not in keep)
-
-    def _make_room(self, slots: torch.Tensor, positions: torch.Tensor) -> None:
-        """A pooled KV cache short of blocks for this batch takes back those of the idle slots' prompt
-        cache first (every stage holds the same blocks per slot; the scheduler drops those prefixes).
-        Still short: the stages refuse the batch (KVPoolFull) before computing anything."""
-        blocks = self.local.kv_blocks
-        if not blocks.pooled or self.active_slots is None:
-            return
-        ends: dict[int, int] = {}
-        for slot, pos in zip(slots.tolist(), positions.tolist()):
-            ends[slot] = pos + 1
-        if not blocks.shortfall(ends):
-            return
-        keep = self.active_slots() | ends.keys()
-        idle = [s for s, held in enumerate(blocks.held) if held and s not in keep]
-        for slot in idle:
-            self.clear_slot(slot)
-        if idle:
-            self.kv_generation += 1
-            log.info("KV pool short: took back the prompt cache of %d idle slots", len(idle))
+    def evict(self, slots: list[int]) -> None:
+        """Clear idle `slots` on every stage: their KV's blocks go back to each stage's pool (the
+        KV manager's `make_room` picks them). Every idle slot's prompt cache goes with them
+        (`kv_generation`), also when a peer is lost midway; that pauses as a forward does."""
+        with self._lock:
+            try:
+                self._through_peer_loss(lambda: [self.clear_slot(slot) for slot in slots])
+            finally:
+                self.kv_generation += 1
 
     def slot_length(self, slot: int) -> int:
         """Tokens of `slot` whose KV every stage holds."""
@@ -199,6 +186,8 @@ class Pipeline:
             self._settle()
             self.history.lengths.pop(slot, None)
             self.local.kv_clear(slot)
+            if self.side_state is not None:  # its KV follows the head's: its blocks go back too
+                self.side_state.clear(slot)
             for remote in self.remotes:
                 remote.kv_clear(slot)
 

@@ -8,6 +8,7 @@ import torch
 from fake_tokenizer import EOS, PIECES, FakeTokenizer
 
 from hydra_console.engine.errors import Unavailable
+from hydra_console.engine.serving.kv_manager import KVManager
 from hydra_console.engine.serving.runtime import Engine
 from hydra_console.engine.serving.sampling import PENDING
 from hydra_console.engine.serving.scheduler import Scheduler
@@ -176,7 +177,7 @@ def pooled(capacity: int, n_slots: int = 2, mixed: bool = True) -> Scheduler:
     def fits(ends: dict[int, int]) -> bool:
         return sum(ends.get(q.slot, q.n_past) for q in s.running) <= capacity
 
-    s.kv_fits = fits
+    s.kv.fits = fits
     return s
 
 
@@ -303,7 +304,7 @@ def test_a_slot_keeps_its_prefix_for_the_next_request_until_the_kv_is_lost():
         mixed_steps=True,
         speculator=Speculator(SpecConfig()),
         eog_ids={EOS},
-        kv_generation=lambda: generation[0],
+        kv=KVManager(2, kv_generation=lambda: generation[0]),
     )
     first = Request([5, 6, 7, 8], max_tokens=1)
     s.add(first)

@@ -127,7 +127,7 @@ class HeadControl:
         if not 0 <= slot < head.n_slots:
             raise ControlError(f"slot {slot} does not exist ({head.n_slots} slots)", Status.NOT_FOUND)
         seq = engine.slots[slot]
-        n = seq.n_past if seq is not None else len(engine.scheduler.cached[slot])
+        n = seq.n_past if seq is not None else len(engine.kv.cached(slot))
         stages = [
             {"layers": list(self.pipeline.ranges[0]), "bytes": sum(t.nbytes for t in head.slot_state(slot, n).values())}
         ]

@@ -23,6 +23,7 @@ from ..config import DEFAULT_BATCH_TOKENS
 from ..errors import KVPoolFull, Overloaded, Unavailable, describe
 from ..spec import Speculator
 from ..text.structured import Grammars
+from .kv_manager import KVManager
 from .output import OutputProcessor
 from .runner import Launched, ModelRunner
 from .scheduler import SHED, Batch, Chunk, Sampled, Scheduler, mixed_by_default
@@ -68,6 +69,7 @@ class Engine:
         self._step_clock = time.process_time if local_cpu else time.perf_counter
         self._in_flight: deque[Launched] = deque()  # launched steps the host has not read yet
         self._overlap_mark: float | None = None  # when the last overlapped step was launched
+        self.kv = KVManager.of(pipeline, n_slots)  # the one owner of the slots' KV and recurrent memory
         self.scheduler = Scheduler(
             n_slots,
             n_ctx,
@@ -75,13 +77,11 @@ class Engine:
             self.mixed_steps,
             self.spec,
             tokenizer.eog_ids,
-            lambda: getattr(pipeline, "kv_generation", 0),
-            recurrent=getattr(getattr(pipeline, "cfg", None), "recurrent", False),
-            kv_fits=getattr(pipeline, "kv_fits", lambda ends: True),
+            self.kv,
         )
         self.output = OutputProcessor(tokenizer, self.stats)
         self._cond = threading.Condition()
-        self.slot_cache = SlotCache(pipeline, self.scheduler, self._cond)
+        self.slot_cache = SlotCache(pipeline, self.scheduler, self.kv, self._cond)
         # P/D: long prompts prefilled on a prefill worker (`disaggregator`: a pd.Disaggregator, or None)
         self.transfers = PromptTransfers(disaggregator, pipeline, self.scheduler, self._cond)
         self._thread: threading.Thread | None = None

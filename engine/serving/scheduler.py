@@ -19,8 +19,9 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
+from .kv_manager import KVManager
 from .sampling import PENDING
 from .sampling_params import TokenLogprob
 from .sequence import Request, Sequence
@@ -139,14 +140,12 @@ class Scheduler:
         mixed_steps: bool,
         speculator: Speculator,
         eog_ids: set[int],
-        kv_generation: Callable[[], int] = lambda: 0,
-        recurrent: bool = False,
-        kv_fits: Callable[[dict[int, int]], bool] = lambda ends: True,
+        kv: KVManager | None = None,
     ):
-        """`kv_fits({slot: positions})`: whether the KV cache can hold those slot lengths (a
-        `--kv-unified` pool can run short; reserved slots always can)."""
+        """`kv`: the owner of the slots' KV and recurrent memory, asked which slot a request takes,
+        what its prompt cache saves and whether a step fits (None: reserved slots, nothing lost)."""
         self.n_ctx = n_ctx
-        self.kv_fits = kv_fits
+        self.kv = kv or KVManager(n_slots)
         self.batch_tokens = batch_tokens
         self.mixed_steps = mixed_steps
         self.spec = speculator
@@ -154,14 +153,6 @@ class Scheduler:
         self.slots: list[Sequence | None] = [None] * n_slots
         self.waiting: deque[Request] = deque()
         self._next_id = 0
-        # Prompt cache: the tokens whose KV a finished request left in each idle slot, valid while
-        # the pipeline's KV generation is the one they were recorded under.
-        self.cached: list[list[int]] = [[] for _ in range(n_slots)]
-        self._kv_generation = kv_generation
-        self._cached_generation = kv_generation()
-        # A recurrent model's state cannot be cut back to a shorter prefix: only a whole cached
-        # sequence is reusable there (the last position re-run is within its checkpoints).
-        self.recurrent = recurrent
 
     @property
     def running(self) -> list[Sequence]:
@@ -183,28 +174,14 @@ class Scheduler:
             self.free(seq)
         if any(r.cancelled for r in self.waiting):
             self.waiting = deque(r for r in self.waiting if not r.cancelled)
-        if self._kv_generation() != self._cached_generation:
-            self.cached = [[] for _ in self.slots]
-            self._cached_generation = self._kv_generation()
         free = [i for i, s in enumerate(self.slots) if s is None]
         while free and self.waiting:
             req = self.waiting.popleft()
-
-            # The free slot holding the longest prefix of this prompt, else the one with the least
-            # cached (keep other prefixes for their requests); its KV rows need no clearing:
-            # positions >= n_past are overwritten.
-            def shared(j: int) -> int:
-                n = _common_prefix(self.cached[j], req.prompt) if req.cache_prompt else 0
-                return 0 if self.recurrent and n < len(self.cached[j]) else n
-
-            i = max(free, key=lambda j: (shared(j), -len(self.cached[j])))
+            i, reused = self.kv.take(free, req)
             free.remove(i)
             seq = self.slots[i] = Sequence(req, i)
             req.slot = i
-            # A scored prompt needs every row's logits, an embedding every row's hidden state.
-            if req.cache_prompt and req.prompt_logprobs is None and not req.embedding:
-                seq.n_past = seq.n_cached = max(0, min(shared(i), len(req.prompt) - 1))
-            self.cached[i] = []
+            seq.n_past = seq.n_cached = reused
             self.spec.start(i, seq.tokens)
         return cancelled
 
@@ -214,7 +191,7 @@ class Scheduler:
             self.spec.release(seq.slot)
             # What a failed step left in the slot is not trusted. With a token in flight, `n_past`
             # still equals the tokens the host holds: the step in flight runs the last of them.
-            self.cached[seq.slot] = seq.tokens[: seq.n_past] if seq.finish_reason != "error" else []
+            self.kv.release(seq.slot, seq.tokens[: seq.n_past] if seq.finish_reason != "error" else [])
 
     def overlappable(self) -> bool:
         """Whether the next batch may launch before the host reads the step in flight: only when every
@@ -257,7 +234,7 @@ class Scheduler:
         # to end and give their blocks back.
         chunks.sort(key=lambda c: c.seq.req.id)
         blocked = bool(prefilling) and not self.mixed_steps  # here: no prompt had room
-        while chunks and not self.kv_fits(_ends(chunks)):
+        while chunks and not self.kv.fits(_ends(chunks)):
             blocked = bool(chunks.pop())
         if self.mixed_steps:
             budget = max(self.batch_tokens - len(chunks) - sum(len(c.draft) for c in chunks if c.draft), 1)
@@ -277,7 +254,7 @@ class Scheduler:
             n = min(s.n_prompt - s.n_past, budget, SCORING_CHUNK if score else budget)
             end = s.n_past + n
             # A prompt starts only when the pool can hold all of it.
-            if not self.kv_fits({**_ends(chunks), s.slot: end if s.n_past > s.n_cached else s.n_prompt}):
+            if not self.kv.fits({**_ends(chunks), s.slot: end if s.n_past > s.n_cached else s.n_prompt}):
                 return chunks, True
             chunks = [*chunks, Chunk(s, s.n_past, end, end == s.n_prompt and s.req.max_tokens > 0, score)]
             budget -= n
@@ -298,7 +275,9 @@ class Scheduler:
 
     def launched(self, batch: Batch) -> None:
         """The batch is on its way: each chunk's sequence has its KV through `c.end` (the next
-        schedule continues there, before the host reads what this one samples)."""
+        schedule continues there, before the host reads what this one samples). A pool short of
+        blocks for it takes back the idle slots' prompt cache first."""
+        self.kv.make_room(_ends(batch.chunks))
         for c in batch.chunks:
             c.seq.n_past = max(c.seq.n_past, c.end)
 
@@ -332,12 +311,3 @@ class Scheduler:
 def _ends(chunks: list[Chunk]) -> dict[int, int]:
     """The positions each chunk's slot holds once the chunk (and its draft) ran."""
     return {c.seq.slot: c.end + (len(c.draft) if c.draft else 0) for c in chunks}
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n

@@ -2,7 +2,7 @@
 erase actions) and the P/D prefill worker's hand-over of a finished request's state (`held`).
 
 A slot's prompt cache is the tokens whose KV (and recurrent state) a finished request left in it
-(`Scheduler.cached`). Every action runs on an idle slot, under the engine's lock: the scheduler
+(`KVManager.cached`). Every action runs on an idle slot, under the engine's lock: the scheduler
 admits under the same lock, so no request takes the slot while its state is read or written.
 """
 
@@ -13,16 +13,18 @@ import time
 
 from ...contracts.slot_state import SlotStateError
 from ..errors import UserError
+from .kv_manager import KVManager
 from .scheduler import Scheduler
 
 
 class SlotCache:
-    """The /slots actions over `pipeline`'s slot states and `scheduler`'s prompt caches, under `lock`
-    (the engine's condition)."""
+    """The /slots actions over `pipeline`'s slot states and `kv`'s prompt caches of `scheduler`'s
+    idle slots, under `lock` (the engine's condition)."""
 
-    def __init__(self, pipeline, scheduler: Scheduler, lock: threading.Condition):
+    def __init__(self, pipeline, scheduler: Scheduler, kv: KVManager, lock: threading.Condition):
         self.pipeline = pipeline
         self.scheduler = scheduler
+        self.kv = kv
         self.lock = lock
 
     def info(self, n_ctx: int) -> list[dict]:
@@ -40,7 +42,7 @@ class SlotCache:
         """(tokens, bytes) of the prompt cache an idle slot holds, written through `write`."""
         with self.lock:  # the slot stays idle: admit waits for this lock
             self._idle(slot)
-            tokens = list(self.scheduler.cached[slot])
+            tokens = self.kv.cached(slot)
             return len(tokens), self.pipeline.save_slot(slot, tokens, write)
 
     def restore(self, slot: int, data: bytes) -> int:
@@ -50,18 +52,20 @@ class SlotCache:
         with self.lock:
             self._idle(slot)
             try:
-                self.scheduler.cached[slot] = self.pipeline.place_state(slot, prepared)
+                tokens = self.pipeline.place_state(slot, prepared)
             except SlotStateError:
                 raise
             except Exception:
-                self.scheduler.cached[slot] = []
+                self.kv.hold(slot, [])
                 raise
-            return len(self.scheduler.cached[slot])
+            self.kv.hold(slot, tokens)
+            return len(tokens)
 
     def erase(self, slot: int) -> int:
         with self.lock:
             self._idle(slot)
-            n, self.scheduler.cached[slot] = len(self.scheduler.cached[slot]), []
+            n = len(self.kv.cached(slot))
+            self.kv.hold(slot, [])
             return n
 
     def held(self, tokens: list[int], collect, wait_s: float = 5.0):
@@ -71,9 +75,9 @@ class SlotCache:
         deadline = time.monotonic() + wait_s
         with self.lock:
             while True:
-                for i, cached in enumerate(self.scheduler.cached):
-                    if self.scheduler.slots[i] is None and cached == tokens:
-                        return collect(i, tokens)
+                slot = self.kv.idle_holding(tokens)
+                if slot is not None:
+                    return collect(slot, tokens)
                 if time.monotonic() > deadline:
                     return None
                 self.lock.wait(0.001)

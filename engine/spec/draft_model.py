@@ -25,7 +25,10 @@ class DraftModelDrafter(Drafter):
         self._cached.pop(slot, None)
 
     def release(self, slot: int) -> None:
+        """The slot's draft KV is never reused (a new request feeds it from position 0): its pooled
+        blocks go back now, or idle slots would hold the draft pool the target's makes room in."""
         self._cached.pop(slot, None)
+        self.pipeline.clear_slot(slot)
 
     def draft_batch(self, requests: list[DraftRequest]) -> list[Draft]:
         out = [Draft() for _ in requests]

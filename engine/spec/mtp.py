@@ -56,6 +56,12 @@ class MtpDrafter(Drafter):
         self._resting.discard(slot)
         self._pending.pop(slot, None)
 
+    def clear(self, slot: int) -> None:
+        """The target forgot `slot` (its KV cleared): so does the block (its pooled blocks go back)."""
+        self.release(slot)
+        self._rows.pop(slot, None)
+        self.nextn.block.kv_clear(slot)
+
     def rest(self, slot: int, resting: bool) -> None:
         """Whether `slot` drafts nothing for now (the block then waits for its next draft to catch up)."""
         if resting:

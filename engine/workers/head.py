@@ -120,7 +120,7 @@ class HeadWorker:
             overlap=cfg.overlap,
         ).start()
         self.rpc.control.engine = self.engine
-        pipeline.active_slots = lambda: {s.slot for s in self.engine.slots if s is not None}
+        pipeline.active_slots = self.engine.kv.busy_slots  # the KV a rebuild replays
         self.status.engine = self.engine
         self.status.startup_stage = READY_STAGE
 
