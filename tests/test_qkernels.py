@@ -229,9 +229,17 @@ def _gemv_x_terms(monkeypatch, terms: int) -> None:
         monkeypatch.setitem(triton_qmatmul.GEMV_CONFIGS, mr, cfg[:4] + (terms,) + cfg[5:])
 
 
+# Under the interpreter (~20-40 s a case) every type runs one block of output rows, and a block with a
+# tail (40 rows) runs for one K-quant and one simple type: the tail's masking is the same for all.
+MATMUL_CASES = (
+    [(qt, n) for qt in TYPES for n in (8, 1000)]
+    if KERNEL_DEVICE == "cuda"
+    else ([(qt, 8) for qt in TYPES] + [(T.Q5_K, 40), (T.Q8_0, 40)])
+)
+
+
 @kernels
-@pytest.mark.parametrize("qt", TYPES, ids=lambda t: t.name)
-@pytest.mark.parametrize("n", [8, 1000 if KERNEL_DEVICE == "cuda" else 40])  # the interpreter is slow
+@pytest.mark.parametrize("qt,n", MATMUL_CASES, ids=lambda v: getattr(v, "name", str(v)))
 def test_fused_matmul_matches_reference(qt, n, monkeypatch):
     from hydra_console.engine.kernels.triton_qmatmul import GEMV_MAX_ROWS, fused_matmul
 
@@ -300,9 +308,12 @@ def test_quantize_x_codes_scales_and_sums():
     assert ((_x_seen(two) - x.double()).view(3, -1, 32).abs() <= amax / 254 / 254 * (1 + 1e-3)).all()
 
 
+# The second term of x is the same code for every type: under the interpreter, once per K-quant.
+INT8_X_CASES = [(qt, t) for qt in TYPES for t in (1, 2) if KERNEL_DEVICE == "cuda" or t == 1 or qt in K_QUANTS]
+
+
 @kernels
-@pytest.mark.parametrize("terms", [1, 2])
-@pytest.mark.parametrize("qt", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("qt,terms", INT8_X_CASES, ids=lambda v: getattr(v, "name", str(v)))
 def test_fused_matmul_int8_x(qt, terms, monkeypatch):
     """The dp4a variant against float64 dequantized weights times the int8-quantized x it multiplies
     (its own error: the output's rounding), and against the unquantized x (x's quantization)."""
