@@ -135,8 +135,8 @@ def test_sigterm_drains_in_flight_requests(tiny_model, tmp_path):
         for t in threads:
             t.start()
         # mid-generation: a stream has tokens, and all five are in the engine (running or queued)
-        wait_for(lambda: any(len(o.get("events", ())) > 2 for o in streams), 60, "a streamed token")
-        wait_for(lambda: _in_engine(w.url) == 5, 60, "five requests in the engine")
+        wait_for(lambda: any(len(o.get("events", ())) > 2 for o in streams), 120, "a streamed token")
+        wait_for(lambda: _in_engine(w.url) == 5, 120, "five requests in the engine")
         t0 = time.monotonic()
         os.killpg(w.proc.pid, signal.SIGTERM)
         late: dict = {}
