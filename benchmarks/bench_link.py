@@ -97,7 +97,7 @@ def measure_serialization(d: int, rows: int, dtype_name: str, device: str = "cpu
     from hydra_console.contracts.rpc import COMPUTE_HEADER, COMPUTE_SIZE, FORWARD_REPLY, Cmd
     from hydra_console.engine.device import host_buffer, to_host
     from hydra_console.engine.rpc.compute import _raw, pack_forward, unpack_forward
-    from hydra_console.engine.rpc.listener import tune_socket
+    from hydra_console.engine.rpc.tcp import tune_socket
     from hydra_console.engine.rpc.wire import (
         SocketReader,
         read_compute_request,

@@ -1,4 +1,4 @@
-"""`hydra-engine serve|peer|generate|bench`: the flag surface of every worker, in one place.
+"""`hydra-engine serve|peer|generate|bench`: every subcommand's flags (their groups: cli_args.py).
 
 This is the entry point: argv and the environment become config objects here (config.py) and
 nowhere else. Each subcommand's work lives in the module that owns it; this file parses flags,
@@ -14,7 +14,7 @@ import os
 import sys
 from typing import Mapping
 
-from ..contracts.fit import DEFAULT_HEADROOM_GIB
+from .cli_args import DefaultsFormatter, headroom_arg, model_args, rpc_args, sampling_defaults, spec_args
 from .cli_config import head_config, peer_config
 from .config import (
     BODY_BYTES_PER_TOKEN,
@@ -26,7 +26,6 @@ from .config import (
     DEFAULT_PEER_GRACE,
     DEFAULT_PREFILL_PIPELINE,
     ENVIRONMENT,
-    KV_CACHE_TYPES,
     MAX_CONNECTIONS_CAP,
     compile_cache_env,
     cuda_env,
@@ -35,118 +34,6 @@ from .config import (
 from .embedding import DEFAULT_NORMALIZE, POOLINGS
 from .errors import UserError
 from .openmp import configure_split_worker
-
-
-class DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """A flag's help ends with its default once: not when its text already names one, nor when
-    there is none to name (None, off, an empty list)."""
-
-    def _get_help_string(self, action):
-        text = action.help or ""
-        if "default" in text or action.default in (None, False, []) or not action.option_strings:
-            return text
-        return super()._get_help_string(action)
-
-
-def _model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", "-m", default=None, help="GGUF file (default: the Gemma 3 270M package)")
-    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
-    p.add_argument("--dtype", default="auto", help="compute dtype: auto, float32, bfloat16, float16")
-    p.add_argument("--ctx", type=int, default=None, help="context length per slot (default 4096)")
-    p.add_argument(
-        "-c",
-        "--ctx-size",
-        type=int,
-        default=None,
-        help="llama-server's: the context of all slots together (each gets ctx-size / parallel; with "
-        "--kv-unified, the shared KV pool)",
-    )
-    p.add_argument(
-        "--gpu-weights",
-        choices=["quantized", "dense"],
-        default="quantized",
-        help="on a GPU, keep GGUF-quantized weights quantized (smallest) or expand them to the compute "
-        "dtype (faster decode today where they fit)",
-    )
-    for kv in ("k", "v"):
-        p.add_argument(
-            f"--cache-type-{kv}",
-            f"-ct{kv}",
-            choices=KV_CACHE_TYPES,
-            default="auto",
-            help=f"{kv.upper()} cache type, as llama.cpp's; q8_0 halves the cache of f16; auto: the compute dtype",
-        )
-    p.add_argument(
-        "--no-compile",
-        action="store_true",
-        help="on a GPU, capture the decode step in CUDA graphs without torch.compile: a faster start "
-        "(no warm-up compile), a slower decode",
-    )
-    p.add_argument(
-        "--deterministic",
-        action="store_true",
-        help="CPU: a token's floats never depend on the batch it runs in (other requests, prompt chunks, the "
-        "prompt cache, drafts), so identical greedy requests give identical text; slower prefill (README). "
-        "A head passes it to its peers",
-    )
-
-
-def _headroom_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--headroom-gb",
-        type=float,
-        default=DEFAULT_HEADROOM_GIB,
-        help="GiB a stage must leave free on its device (the driver, a desktop): a head (--split) or a "
-        "peer (LOAD_STAGE) whose stage would not leave it refuses before loading, naming need and free",
-    )
-
-
-def _rpc_args(p: argparse.ArgumentParser, default_host: str = "127.0.0.1") -> None:
-    p.add_argument("--rpc-host", default=default_host, help="bind address of the merged RPC port")
-    p.add_argument("--rpc-port", type=int, default=None, help="merged RPC port (default: HTTP port + 1)")
-    p.add_argument("--max-frame", type=int, default=1 << 30, help="largest accepted RPC frame in bytes")
-    p.add_argument(
-        "--rpc-pool-size",
-        type=int,
-        default=2,
-        help="RPC pool workers: a head's serve each request; a peer's each connection that is not the head's "
-        "session, for its life",
-    )
-    p.add_argument("--rpc-queue", type=int, default=64, help="RPC connections waiting for a pool worker (then dropped)")
-    p.add_argument(
-        "--auth-token",
-        default=None,
-        help="shared secret both RPC protocols must prove before any command (visible in `ps`: prefer env "
-        "HYDRA_TOKEN or --auth-token-file)",
-    )
-    p.add_argument("--auth-token-file", default=None, help="read the token from this file (mode 0600 or stricter)")
-
-
-def _spec_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--spec-type", choices=["off", "ngram", "draft", "mtp"], default="off", help="speculative decoding")
-    p.add_argument("--model-draft", default=None, help="draft GGUF for --spec-type draft")
-    p.add_argument("--draft-max", type=int, default=3, help="most tokens drafted per step")
-    p.add_argument("--draft-min", type=int, default=0, help="fewest tokens a draft must have to be verified")
-    p.add_argument("--draft-p-min", type=float, default=0.75, help="draft model: stop drafting below this probability")
-    p.add_argument(
-        "--draft-adaptive",
-        choices=["auto", "on", "off"],
-        default="auto",
-        help="per slot and step, draft the k in [0, --draft-max] that gives the most tokens per second from the "
-        "slot's recent acceptance and the measured step costs (0: plain decode); off: always --draft-max. "
-        "auto: on for --spec-type mtp on a CPU head (on a GPU its first measured run drafted nothing: docs/PERF.md)",
-    )
-
-
-def _sampling_defaults(p: argparse.ArgumentParser) -> None:
-    """What a request gets for a sampling field it omits (llama-server's flags; unset: the engine's
-    defaults, OpenAI's temperature 1 and no top-k/top-p/min-p/penalty)."""
-    p.add_argument("--temperature", "--temp", type=float, default=None, help="default temperature")
-    p.add_argument("--top-k", type=int, default=None, help="default top-k (0: off)")
-    p.add_argument("--top-p", type=float, default=None, help="default top-p (1: off)")
-    p.add_argument("--min-p", type=float, default=None, help="default min-p (0: off)")
-    p.add_argument("--repeat-penalty", type=float, default=None, help="default repeat penalty (1: off)")
-    p.add_argument("--seed", type=int, default=None, help="default seed (-1 or unset: a random seed per request)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -165,7 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     g = sub.add_parser("generate", help="stream a completion to stdout")
-    _model_args(g)
+    model_args(g)
     g.add_argument("--prompt", "-p", required=True, help="the prompt text")
     g.add_argument("-n", "--n-predict", type=int, default=64, help="tokens to generate")
     g.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
@@ -184,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     b = sub.add_parser("bench", help="prefill and decode throughput")
-    _model_args(b)
+    model_args(b)
     b.add_argument("-p", "--n-prompt", type=int, default=512, help="prompt tokens (prefill test)")
     b.add_argument("-n", "--n-gen", type=int, default=128, help="generated tokens (decode test)")
     b.add_argument("-r", "--repetitions", type=int, default=3, help="runs per test")
@@ -195,8 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--llama-bench", default=None, help="path of upstream llama-bench to run on the same file")
 
     s = sub.add_parser("serve", help="head worker: HTTP API + merged RPC port, drives peers")
-    _model_args(s)
-    _headroom_arg(s)
+    model_args(s)
+    headroom_arg(s)
     s.add_argument("--host", default="127.0.0.1", help="HTTP bind address; several comma-separated (127.0.0.1,::1)")
     s.add_argument("--port", type=int, default=8080, help="HTTP port")
     s.add_argument("--parallel", "-np", type=int, default=4, help="slots decoded together")
@@ -217,7 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
         "order is the model's id (llama-server's); default: the file's name",
     )
     s.add_argument("--tags", default=None, help="model tags, comma-separated (listed by /v1/models)")
-    _rpc_args(s)
+    rpc_args(s)
     s.add_argument("--peer", action="append", default=[], metavar="HOST:PORT", help="peer RPC address, pipeline order")
     s.add_argument("--split", default=None, help="layers per stage, head first: 9/9, 9,9 or proportions")
     s.add_argument("--fallback-solo", action="store_true", help="run all layers locally if peers never come up")
@@ -392,7 +279,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=30.0,
         help="seconds a prefill + transfer may take before the head prefills locally",
     )
-    _sampling_defaults(s)
+    sampling_defaults(s)
     s.add_argument(
         "--chat-template",
         default=None,
@@ -418,14 +305,14 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="accepted for llama-server compatibility: the chat template is always rendered with jinja",
     )
-    _spec_args(s)
+    spec_args(s)
 
     pr = sub.add_parser("peer", help="peer worker: serves its assigned layers over the merged RPC port")
-    _model_args(pr)
-    _headroom_arg(pr)
+    model_args(pr)
+    headroom_arg(pr)
     pr.add_argument("--host", default="127.0.0.1", help="HTTP bind for /health, /status, /metrics")
     pr.add_argument("--port", type=int, default=8090, help="HTTP port")
-    _rpc_args(pr)
+    rpc_args(pr)
     pr.add_argument("--insecure", action="store_true", help="allow a non-loopback --rpc-host without a token")
     # Tests only: a peer slowed on purpose (ms per layer run), for the split advisor.
     pr.add_argument("--layer-delay-ms", type=float, default=0.0, help=argparse.SUPPRESS)

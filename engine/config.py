@@ -225,7 +225,7 @@ class HeadConfig(WorkerConfig):
     split: str | None = None
     fallback_solo: bool = False
     peer_wait: float = 180.0
-    peer_grace: float = DEFAULT_PEER_GRACE  # seconds streams pause for a peer lost mid-forward (pipeline.py)
+    peer_grace: float = DEFAULT_PEER_GRACE  # seconds streams pause for a peer lost mid-forward (rpc/peer_recovery.py)
     spec: SpecConfig = SpecConfig()
     model_draft: str | None = None
     api_key: str | None = field(default=None, repr=False)  # None: the HTTP API is open

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -34,12 +33,11 @@ from .errors import UserError
 from .layer_probe import probe_pipeline
 from .model import Stage
 from .rpc.peer_errors import PeerUnavailable
+from .rpc.peer_recovery import PeerRecovery
 from .slot_history import SlotHistory
 
 log = logging.getLogger("hydra.pipeline")
 
-READY_POLL_S = 2.0
-PAUSE_POLL_S = 0.2  # while streams are paused for a lost peer, try to re-attach it this often
 REPLAY_CHUNK = 256  # tokens per replay forward, like the runtime's prefill budget
 
 
@@ -64,12 +62,8 @@ class Pipeline:
         # Bumped whenever a stage lost KV and only the active slots' was rebuilt, and when idle slots
         # are evicted: the prompt cache of idle slots is then gone (the KV manager drops it).
         self.kv_generation = 0
-        self._watch: threading.Thread | None = None
-        self._stopping = threading.Event()
-        # A peer lost mid-forward (restarted, say) pauses the forwards for up to this many seconds
-        # while it comes back; 0: they fail at once (--peer-grace).
-        self.peer_grace = 0.0
-        self._resume_by: float | None = None  # monotonic deadline of the pause for the lost peers
+        # A lost peer: the forwards' pause while it comes back (--peer-grace), the watcher that re-attaches it.
+        self.recovery = PeerRecovery(self.remotes, self._lock, self._lost_kv)
 
     @property
     def cfg(self):
@@ -77,13 +71,7 @@ class Pipeline:
 
     def unavailable(self) -> str | None:
         """Why a forward would fail now (the peers not up), or None."""
-        down = [
-            f"peer {r.addr} {r.state}" + (f" ({r.error})" if r.error else "") for r in self.remotes if r.state != "up"
-        ]
-        left = self._resume_by - time.monotonic() if self._resume_by is not None and down else 0
-        if left > 0:
-            down.append(f"streams paused, waiting up to {left:.1f} s more for it (--peer-grace)")
-        return "; ".join(down) or None
+        return self.recovery.unavailable()
 
     def forward(
         self,
@@ -109,7 +97,7 @@ class Pipeline:
         if meanwhile is not None:  # once, even when a lost peer makes the batch run again
             meanwhile = _once(meanwhile)
         with self._lock:
-            h = self._through_peer_loss(lambda: self._rebuilt_run(tokens, slots, positions, meanwhile, pipelined))
+            h = self.recovery.through_loss(lambda: self._rebuilt_run(tokens, slots, positions, meanwhile, pipelined))
             if self.remotes:  # only a split pipeline ever needs to rebuild KV
                 self.history.record(tokens, slots, positions)
             if h is None:  # on its way through the last peer: no rows were asked for
@@ -118,15 +106,6 @@ class Pipeline:
                 return self.local.logits(h if logit_rows is None else h[logit_rows])
             x = self.local.final_norm(h)
             return self.local.project(x if logit_rows is None else x[logit_rows]), x
-
-    def _through_peer_loss(self, work: Callable):
-        """`work()`; a peer lost meanwhile pauses it (`_await_peers`), then it runs again."""
-        while True:
-            try:
-                return work()
-            except PeerUnavailable:
-                if not self._await_peers():
-                    raise
 
     def _rebuilt_run(self, tokens, slots, positions, meanwhile, pipelined) -> torch.Tensor | None:
         """The batch through every stage, once any KV a stage lost is rebuilt."""
@@ -165,7 +144,11 @@ class Pipeline:
             except StaleEpoch:
                 log.warning("peer %s changed its resident set: re-attaching", remote.addr)
                 remote.attach()
-                self._stale = i if self._stale is None else max(self._stale, i)
+                self._lost_kv(i)
+
+    def _lost_kv(self, i: int) -> None:
+        """Stage `i` lost its KV (a peer re-attached): stages 0..i are rebuilt before the next forward."""
+        self._stale = i if self._stale is None else max(self._stale, i)
 
     def evict(self, slots: list[int]) -> None:
         """Clear idle `slots` on every stage: their KV's blocks go back to each stage's pool (the
@@ -173,7 +156,7 @@ class Pipeline:
         (`kv_generation`), also when a peer is lost midway; that pauses as a forward does."""
         with self._lock:
             try:
-                self._through_peer_loss(lambda: [self.clear_slot(slot) for slot in slots])
+                self.recovery.through_loss(lambda: [self.clear_slot(slot) for slot in slots])
             finally:
                 self.kv_generation += 1
 
@@ -359,70 +342,16 @@ class Pipeline:
                     f.result()
         self.ranges = list(ranges)
 
-    # --- peers: readiness, re-attach, RTT -------------------------------------------------------
-
-    def start_watch(self, interval_s: float = READY_POLL_S) -> None:
-        """Background: re-attach peers that went down (then rebuild KV), ping the others for RTT."""
-        self._watch = threading.Thread(target=self._watch_loop, args=(interval_s,), name="hydra-peers", daemon=True)
-        self._watch.start()
+    # --- peers: lost, re-attached ------------------------------------------------------------
 
     def interrupt(self) -> None:
         """The process is stopping: a forward paused for a lost peer fails now, the watcher ends."""
-        self._stopping.set()
+        self.recovery.interrupt()
 
     def stop(self) -> None:
         self.interrupt()
         for remote in self.remotes:
             remote.close()
-
-    def _watch_loop(self, interval_s: float) -> None:
-        while not self._stopping.wait(interval_s):
-            for remote in self.remotes:
-                if remote.state == "up":
-                    remote.ping()
-                    continue
-                try:  # cheap reachability first: never hold the pipeline while a host is gone
-                    socket.create_connection((remote.host, remote.port), timeout=1.0).close()
-                except OSError:
-                    continue
-                with self._lock:
-                    if remote.state == "up":  # re-attached by a paused forward meanwhile
-                        continue
-                    try:
-                        remote.attach()
-                    except (PeerUnavailable, UserError) as e:
-                        log.warning("peer %s not back yet: %s", remote.addr, e)
-                        continue
-                    log.warning("peer %s is back: re-attached, rebuilding KV", remote.addr)
-                    i = self.remotes.index(remote) + 1
-                    self._stale = i if self._stale is None else max(self._stale, i)
-                    if all(r.state == "up" for r in self.remotes):
-                        self._resume_by = None  # the next loss gets a grace of its own
-
-    def _await_peers(self) -> bool:
-        """A forward lost a peer: re-attach every peer that is down, polling until `peer_grace` after
-        the loss (the running sequences wait, new ones queue); True when all are back (their KV is
-        then rebuilt by replay before the batch runs again). Past the deadline it stays expired, so
-        later forwards fail at once until the watcher re-attaches the peer (the caller holds the lock)."""
-        down = [(i, r) for i, r in enumerate(self.remotes, 1) if r.state != "up"]
-        if not down or self.peer_grace <= 0 or self._stopping.is_set():
-            return False
-        if self._resume_by is None:
-            self._resume_by = time.monotonic() + self.peer_grace
-            log.warning("peer(s) %s lost: pausing streams up to %g s (--peer-grace)", _addrs(down), self.peer_grace)
-        while True:
-            for i, remote in down:
-                with contextlib.suppress(PeerUnavailable, UserError):
-                    remote.attach()
-                    self._stale = i if self._stale is None else max(self._stale, i)
-                    log.warning("peer %s is back: re-attached, replaying the paused streams", remote.addr)
-            down = [(i, r) for i, r in down if r.state != "up"]
-            if not down:
-                self._resume_by = None
-                return True
-            if time.monotonic() >= self._resume_by or self._stopping.wait(PAUSE_POLL_S):
-                log.warning("peer(s) %s not back within --peer-grace: failing the paused streams", _addrs(down))
-                return False
 
     def stages(self) -> list[StageInfo]:
         """Explicit layer ranges of every stage, for /status."""
@@ -452,24 +381,3 @@ def _once(fn: Callable[[], None]) -> Callable[[], None]:
             fn()
 
     return run
-
-
-def _addrs(down: list) -> str:
-    return ", ".join(r.addr for _, r in down)
-
-
-def wait_for_peers(remotes: list, budget_s: float, poll_s: float = READY_POLL_S) -> list:
-    """Attach every peer, polling every `poll_s` for at most `budget_s`; returns those never up."""
-    deadline = time.monotonic() + budget_s
-    pending = list(remotes)
-    while pending:
-        for remote in list(pending):
-            try:
-                remote.attach()
-                pending.remove(remote)
-            except PeerUnavailable as e:
-                log.info("waiting for peer %s: %s", remote.addr, e)
-        if not pending or time.monotonic() + poll_s > deadline:
-            break
-        time.sleep(poll_s)
-    return pending

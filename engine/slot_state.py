@@ -75,10 +75,9 @@ def save(
 
 def _slot_views(stage, slot: int, tokens: list[int], extra: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
     """The tensors holding `slot`'s first len(tokens) positions, and `extra`'s, by name."""
-    if stage.recurrent and stage.state_len[slot] != len(tokens):
-        raise SlotStateError(
-            f"slot {slot}'s recurrent state covers {stage.state_len[slot]} tokens, not the {len(tokens)} asked for"
-        )
+    if stage.recurrent and stage.recurrent_progress.length[slot] != len(tokens):
+        held = stage.recurrent_progress.length[slot]
+        raise SlotStateError(f"slot {slot}'s recurrent state covers {held} tokens, not the {len(tokens)} asked for")
     return {**stage.slot_state(slot, len(tokens)), **(extra or {})}
 
 

@@ -213,7 +213,7 @@ def test_prefill_graph_path_matches_the_eager_prompt(tiny_model, kv):
     h = b.embed(torch.tensor(PROMPT[:size]))
     graphed = b.forward(h, ForwardBatch.fresh(torch.ones(size, dtype=torch.long), torch.arange(size)))
     torch.testing.assert_close(graphed[:n], eager, atol=1e-5, rtol=1e-5)
-    b.state_len[1] = n
+    b.recurrent_progress.ran([(1, 0, n)])  # what run_layers notes after the graphs ran the prompt
     for i, t in enumerate([7, 9, 11]):
         step = [
             stage.logits(stage.run_layers(stage.embed(torch.tensor([t])), torch.tensor([1]), torch.tensor([n + i])))

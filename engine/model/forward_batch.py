@@ -6,7 +6,7 @@ A batch is a flat list of tokens, those of one slot contiguous with increasing p
 eagerly). The CUDA graphs capture batches that carry no host values, so their mode says what the
 rows are: `Mode.BATCHED`, `per_slot` tokens for each slot, rows slot-major (decode and verifies);
 `Mode.FRESH`, one slot's run from position 0 (a prompt's prefill). `Stage.run_layers` builds the
-eager batch from the slots and positions it is given; the graphs build theirs around their static
+eager batch from the slots and positions it is given (their runs: `slot_runs`); the graphs build theirs around their static
 buffers, once per capture.
 """
 
@@ -16,6 +16,8 @@ import enum
 from dataclasses import dataclass, field
 
 import torch
+
+from ..errors import UserError
 
 Run = tuple[int, int, int]  # (slot, first position, tokens)
 
@@ -54,3 +56,23 @@ class ForwardBatch:
     @classmethod
     def fresh(cls, slots: torch.Tensor, positions: torch.Tensor) -> ForwardBatch:
         return cls(slots, positions, Mode.FRESH)
+
+
+def slot_runs(slots: torch.Tensor, positions: torch.Tensor, n_slots: int, n_ctx: int) -> list[Run]:
+    """(slot, first position, length) of each slot's contiguous token run in host `slots` /
+    `positions`; checks the batch against a stage of `n_slots` slots of `n_ctx` positions."""
+    s, p = slots.tolist(), positions.tolist()
+    runs, i = [], 0
+    while i < len(s):
+        j = i + 1
+        while j < len(s) and s[j] == s[i]:
+            if p[j] != p[j - 1] + 1:
+                raise ValueError(f"positions of slot {s[i]} must increase by one within a batch")
+            j += 1
+        if not 0 <= s[i] < n_slots:
+            raise UserError(f"slot {s[i]} does not exist (this stage has {n_slots} slots)")
+        if p[i] < 0 or p[j - 1] >= n_ctx:
+            raise UserError(f"prompt too long: position {p[j - 1]} is beyond the context of {n_ctx} tokens")
+        runs.append((s[i], p[i], j - i))
+        i = j
+    return runs

@@ -10,10 +10,8 @@ A batch is a flat list of tokens with a slot and a position each; the tokens of 
 contiguous with increasing positions (nano-vllm style). The same call therefore serves a
 prefill (one slot, many tokens), a speculative verify and a batched decode (many slots, one
 token each). KV rollback is implicit: positions at or after a slot's length get overwritten.
-Recurrent state is not overwritten that way: a slot's run must continue its state (start at the
-number of tokens it holds), start at position 0 (a fresh state), or start at most
-`deltanet.ROLLBACK` tokens back within its previous run (a rejected draft: the state is restored
-from a checkpoint); anything else is an error.
+Recurrent state is not overwritten that way: a slot's run continues it, starts afresh or re-runs a
+rejected draft's last tokens (`recurrent_progress`, which checks each batch against it).
 
 Numerics: the residual stream and the norms are float32; the matrix products run in the
 compute dtype. On CPU with a 16-bit compute dtype the weights are int8 with a bfloat16 scale
@@ -46,12 +44,13 @@ from ..kernels.qweight import QuantWeight
 from ..quant import dequantize_rows
 from .attention import decode_bias
 from .config import ModelConfig
-from .deltanet import ROLLBACK
-from .forward_batch import ForwardBatch, Mode
+from .deltanet import ROLLBACK, DeltaNet
+from .forward_batch import ForwardBatch, Mode, slot_runs
 from .graphs import DecodeGraphs, HeadGraphs, PrefillGraphs
 from .kv_blocks import KVBlocks
 from .kv_cache import check_cache_type
 from .layer import Layer, block, collect_storages, rms_norm
+from .recurrent_progress import RecurrentProgress
 from .rope import rope_table
 from .weights import Weights
 
@@ -97,10 +96,7 @@ class Stage:
         self.has_embed, self.has_head = embed, head
         self.layers: dict[int, Layer] = {}
         self.layer_range = (0, 0)
-        self.state_len = [0] * n_slots  # tokens each slot's recurrent state has consumed
-        self.rollback = [0] * n_slots  # how many of them checkpoints can take back
-        if not 1 <= depth <= ROLLBACK:
-            raise ValueError(f"rollback depth {depth} outside 1..{ROLLBACK}")
+        self.recurrent_progress = RecurrentProgress(n_slots, depth)
         self.depth = depth
         capture = self.device.type == "cuda"
         # The CUDA graphs' padding slot: a recurrent state row of its own, and ROLLBACK positions
@@ -149,13 +145,16 @@ class Stage:
         self.layers = {}  # drop the old ones before loading new ones: peak memory stays one range
         self.layers = {il: kept.get(il) or self._layer(il) for il in range(a, b)}
         self.layer_range = (a, b)
-        self.recurrent = [layer.deltanet for layer in self.layers.values() if layer.deltanet is not None]
-        # New layers hold no state: slots continue only after a replay from position 0.
-        self.state_len, self.rollback = [0] * self.n_slots, [0] * self.n_slots
+        self.recurrent_progress.hold([layer.deltanet for layer in self.layers.values() if layer.deltanet is not None])
         if getattr(self, "graphs", None) is not None:
             self.graphs.reset()
             self.prefill_graphs.reset()
             self.weights.scratch.fit(self.dtype, self.device)  # the new layers' weights may be larger
+
+    @property
+    def recurrent(self) -> list[DeltaNet]:
+        """The states of this stage's recurrent (DeltaNet) layers."""
+        return self.recurrent_progress.nets
 
     def _layer(self, il: int) -> Layer:
         padding = self.state_rows > self.n_slots
@@ -180,12 +179,7 @@ class Stage:
     def kv_clear(self, slot: int) -> None:
         """Forget a slot: its KV (pooled blocks go back to the pool) and its recurrent state."""
         self.kv_blocks.release(slot)
-        self._restart(slot)
-
-    def _restart(self, slot: int) -> None:
-        for net in self.recurrent:
-            net.clear(slot)
-        self.state_len[slot] = self.rollback[slot] = 0
+        self.recurrent_progress.restart(slot)
 
     def slot_state(self, slot: int, n: int) -> dict[str, torch.Tensor]:
         """What this stage holds for `slot`'s first `n` positions, by name: what moves when a slot
@@ -213,7 +207,7 @@ class Stage:
                 layer.kv.write_views(
                     slot, n, {k.removeprefix(prefix): t for k, t in tensors.items() if k.startswith(prefix)}
                 )
-        self.state_len[slot], self.rollback[slot] = n, 0
+        self.recurrent_progress.placed(slot, n)
 
     @property
     def kv_bytes(self) -> int:
@@ -304,10 +298,9 @@ class Stage:
         h = h.to(self.device, torch.float32, non_blocking=True)  # asynchronous only from page-locked memory
         if h.shape[0] == 0 or not self.layers:
             return h
-        runs = self._runs(slots, positions)
+        runs = slot_runs(slots, positions, self.n_slots, self.n_ctx)
         self.kv_blocks.fit({slot: p0 + n for slot, p0, n in runs})
-        if self.recurrent:
-            self._check_continues(runs)
+        self.recurrent_progress.enter(runs)
         out = None
         per_slot = {n for _, _, n in runs}
         if self.graphs is not None and len(per_slot) == 1:  # decode, or verifies of one draft length
@@ -318,8 +311,7 @@ class Stage:
             out = self.prefill_graphs.run(h, runs[0][0])
         if out is None:
             out = self.forward(h, self._eager(slots, positions, runs))
-        for slot, p0, n in runs:
-            self.state_len[slot], self.rollback[slot] = p0 + n, min(n, self.depth)
+        self.recurrent_progress.ran(runs)
         return out
 
     def run_layer(self, il: int, h: torch.Tensor, slots, positions) -> torch.Tensor:
@@ -330,7 +322,7 @@ class Stage:
             raise UserError(f"layer {il} is recurrent (DeltaNet): its state cannot be run out of order")
         slots = torch.as_tensor(slots, dtype=torch.long)
         positions = torch.as_tensor(positions, dtype=torch.long)
-        runs = self._runs(slots, positions)
+        runs = slot_runs(slots, positions, self.n_slots, self.n_ctx)
         self.kv_blocks.fit({slot: p0 + n for slot, p0, n in runs})
         h = h.to(self.device, torch.float32)
         return self.forward(h, self._eager(slots, positions, runs), [layer])
@@ -338,45 +330,6 @@ class Stage:
     def _eager(self, slots: torch.Tensor, positions: torch.Tensor, runs) -> ForwardBatch:
         """The batch of an eager forward over host `slots` / `positions`."""
         return ForwardBatch.of_runs(slots.to(self.device), positions.to(self.device), runs, self.deterministic)
-
-    def _check_continues(self, runs) -> None:
-        """A run starts a slot afresh (position 0), continues its recurrent state, or re-runs the
-        last few positions (a rejected draft), whose state a checkpoint restores."""
-        seen = set()
-        for slot, p0, _ in runs:
-            if slot in seen:
-                raise ValueError(f"slot {slot} appears twice in one batch: its tokens must be contiguous")
-            seen.add(slot)
-            back = self.state_len[slot] - p0
-            if p0 == 0:
-                self._restart(slot)
-            elif 0 < back <= self.rollback[slot]:
-                for net in self.recurrent:
-                    net.restore(slot, back)
-            elif back != 0:
-                raise ValueError(
-                    f"slot {slot}: the recurrent (DeltaNet) state holds {self.state_len[slot]} tokens but the batch "
-                    f"continues at position {p0}; recurrent layers cannot skip, nor roll back further than "
-                    f"{self.rollback[slot]} (re-run the slot from position 0)"
-                )
-
-    def _runs(self, slots: torch.Tensor, positions: torch.Tensor) -> list[tuple[int, int, int]]:
-        """(slot, first position, length) of each slot's contiguous token run; checks the batch."""
-        s, p = slots.tolist(), positions.tolist()
-        runs, i = [], 0
-        while i < len(s):
-            j = i + 1
-            while j < len(s) and s[j] == s[i]:
-                if p[j] != p[j - 1] + 1:
-                    raise ValueError(f"positions of slot {s[i]} must increase by one within a batch")
-                j += 1
-            if not 0 <= s[i] < self.n_slots:
-                raise UserError(f"slot {s[i]} does not exist (this stage has {self.n_slots} slots)")
-            if p[i] < 0 or p[j - 1] >= self.n_ctx:
-                raise UserError(f"prompt too long: position {p[j - 1]} is beyond the context of {self.n_ctx} tokens")
-            runs.append((s[i], p[i], j - i))
-            i = j
-        return runs
 
     def forward(self, h: torch.Tensor, batch: ForwardBatch, layers=None, block=block) -> torch.Tensor:
         """The layers (all, or `layers`) over `batch`, eagerly; what the CUDA graphs capture. `block`

@@ -46,13 +46,13 @@ from ..errors import UserError
 from .compute import pack_forward
 from .cuda_ipc import IPC_TOKENS, IpcChannel, gpu_uuid
 from .exchange_lock import ExchangeLock, run_meanwhile
-from .listener import tune_socket
 from .peer_errors import PeerError, PeerMismatch, PeerUnavailable, parse_addr
 from .peer_handshake import open_session
 from .peer_pipelining import PipelinedSends
 from .peer_state_ops import SlotStateOps
 from .peer_watch import WATCH_S, RttWindow, probe
 from .resident import DTYPES, tensor_shapes
+from .tcp import tune_socket
 from .wire import (
     FrameError,
     SocketReader,

@@ -37,63 +37,20 @@ import selectors
 import socket
 import threading
 import time
-from dataclasses import dataclass, field
-from typing import Protocol
 
 from ...contracts.rpc import BACKLOG, COMPUTE_FIRST_BYTE, HEADER_DEADLINE_S, MAX_CONNS, MAX_CONNS_PER_IP
 from ...contracts.status import Pool
 from ..errors import UserError
 from .auth_delay import AuthDelay
+from .port_conn import Conn, Server
+from .tcp import send_quietly, shutdown_quietly, tune_socket
 from .wire import AuthFailed, FrameError, Refused, SocketReader
 
 log = logging.getLogger("hydra.rpc")
 
-KEEPALIVE = {"TCP_KEEPIDLE": 30, "TCP_KEEPINTVL": 10, "TCP_KEEPCNT": 3}
 LOOPBACK = frozenset({"127.0.0.1", "::1", "::ffff:127.0.0.1"})
 SCAN_S = 0.25  # how often the selector closes connections past their deadline
 DROP_DRAIN = 1 << 16  # bytes of a dropped request read (not waited for) before its connection closes
-
-
-class Server(Protocol):
-    """One protocol's server as the listener drives it (ComputeServer, ControlServer)."""
-
-    header: int  # bytes of a request header
-    idle_s: float  # an authenticated connection closes after this long without a request
-
-    def open(self) -> dict: ...  # a new connection's session; session["authed"] ends the handshake
-
-    def preauth_len(self, header: bytes, session: dict) -> int: ...  # whole frame length, or raise Refused
-
-    def preauth(self, conn: socket.socket, frame: bytes, session: dict) -> None: ...  # raise to close
-
-    def serve(self, conn: socket.socket, reader: SocketReader, session: dict) -> bool: ...  # one request
-
-    def busy_reply(self, why: str) -> bytes: ...  # the answer to a request the pool drops
-
-    # peer mode: whether a first request (its header) opens or joins the head's session
-    def opens_session(self, header: bytes) -> bool: ...
-
-
-def tune_socket(conn: socket.socket) -> None:
-    """TCP_NODELAY (one small frame per decode step) and keepalive 30/10/3 (find dead peers)."""
-    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    conn.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-    for name, value in KEEPALIVE.items():
-        if hasattr(socket, name):
-            conn.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
-
-
-@dataclass(eq=False)
-class _Conn:
-    sock: socket.socket
-    ip: str
-    deadline: float
-    server: Server | None = None
-    session: dict | None = None
-    buf: bytearray = field(default_factory=bytearray)
-    need: int = 1  # bytes `buf` must hold before the next step
-    held_until: float = 0.0  # its address failed to prove the token: not read before this
-    own_thread: bool = False  # peer mode: the head's session, served outside the pool
 
 
 class RpcListener:
@@ -123,16 +80,16 @@ class RpcListener:
         self._sock: socket.socket | None = None
         self._sel = selectors.DefaultSelector()
         self._wake_r, self._wake_w = socket.socketpair()
-        self._returned: collections.deque[_Conn] = collections.deque()  # served, back to the selector
+        self._returned: collections.deque[Conn] = collections.deque()  # served, back to the selector
         self._queue: queue.Queue = queue.Queue(maxsize=max(queue_max, 1))
         self._running = threading.Event()
         self._threads: list[threading.Thread] = []
-        self._conns: set[_Conn] = set()  # every open connection: handshaking, waiting or served
+        self._conns: set[Conn] = set()  # every open connection: handshaking, waiting or served
         self._per_ip: collections.Counter[str] = collections.Counter()
         self._lock = threading.Lock()
         self._busy = self._dropped = self._accepted = self._auth_failures = 0
         self._auth_delay = AuthDelay()
-        self._held: list[_Conn] = []  # accepted from a failing address, not read yet
+        self._held: list[Conn] = []  # accepted from a failing address, not read yet
 
     # --- lifecycle --------------------------------------------------------------------------------
 
@@ -169,7 +126,7 @@ class RpcListener:
                 break
         with self._lock:
             for c in list(self._conns):
-                _shutdown(c.sock)  # wakes session threads blocked in recv
+                shutdown_quietly(c.sock)  # wakes session threads blocked in recv
         for t in self._threads:
             if t is not threading.current_thread():
                 t.join(timeout)
@@ -263,7 +220,7 @@ class RpcListener:
                 sock.close()  # reset before we could even configure it
                 continue
             now = time.monotonic()
-            c = _Conn(sock, ip, now + self.header_s, held_until=self._auth_delay.hold_until(ip, now))
+            c = Conn(sock, ip, now + self.header_s, held_until=self._auth_delay.hold_until(ip, now))
             with self._lock:
                 self._conns.add(c)
                 self._per_ip[ip] += 1
@@ -281,7 +238,7 @@ class RpcListener:
                 c.deadline = now + self.header_s
                 self._sel.register(c.sock, selectors.EVENT_READ, c)
 
-    def _step(self, c: _Conn) -> None:
+    def _step(self, c: Conn) -> None:
         """Read what `c` has towards its next step (never more than that step needs), then take it."""
         try:
             data = c.sock.recv(c.need - len(c.buf))
@@ -299,7 +256,7 @@ class RpcListener:
             self._advance(c)
         except Refused as e:
             if e.reply:
-                _send_quietly(c.sock, e.reply)
+                send_quietly(c.sock, e.reply)
             if isinstance(e, AuthFailed):
                 self._auth_delay.failed(c.ip, e)
                 with self._lock:
@@ -311,7 +268,7 @@ class RpcListener:
             log.debug("RPC handshake with %s closed: %s", c.ip, e)
             self._close(c)
 
-    def _advance(self, c: _Conn) -> None:
+    def _advance(self, c: Conn) -> None:
         if c.server is None:  # the first byte picks the protocol
             compute = self.mode == "peer" or c.buf[0] == COMPUTE_FIRST_BYTE
             c.server = self.compute if compute else self.control
@@ -358,7 +315,7 @@ class RpcListener:
             c.need, c.deadline = c.server.header, time.monotonic() + c.server.idle_s
             self._sel.register(c.sock, selectors.EVENT_READ, c)
 
-    def _close(self, c: _Conn) -> None:
+    def _close(self, c: Conn) -> None:
         try:
             self._sel.unregister(c.sock)
         except (KeyError, ValueError):
@@ -369,12 +326,12 @@ class RpcListener:
                 self._per_ip[c.ip] -= 1
                 if not self._per_ip[c.ip]:
                     del self._per_ip[c.ip]
-        _shutdown(c.sock)
+        shutdown_quietly(c.sock)
         c.sock.close()
 
     # --- serving authenticated connections --------------------------------------------------------
 
-    def _hand_to_pool(self, c: _Conn) -> None:
+    def _hand_to_pool(self, c: Conn) -> None:
         if self.queue_max == 0 and self._busy >= self.pool_size:
             self._drop(c)
             return
@@ -383,12 +340,12 @@ class RpcListener:
         except queue.Full:
             self._drop(c)
 
-    def _drop(self, c: _Conn) -> None:
+    def _drop(self, c: Conn) -> None:
         """The pool and its queue are full: the request's answer says so, then the connection closes."""
         with self._lock:
             self._dropped += 1
         why = f"busy: this port's RPC pool is full ({self.pool_size} workers, {self.queue_max} queued); try again later"
-        _send_quietly(c.sock, c.server.busy_reply(why))
+        send_quietly(c.sock, c.server.busy_reply(why))
         try:
             c.sock.recv(DROP_DRAIN)  # what has arrived of the request: closed unread, it would reset the reply
         except OSError:
@@ -417,7 +374,7 @@ class RpcListener:
             else:
                 self._close(c)
 
-    def _serve_session(self, c: _Conn) -> None:
+    def _serve_session(self, c: Conn) -> None:
         """Peer mode: the connection's requests, the first one's header already read, until it
         closes or idles past the server's idle time."""
         reader = SocketReader(c.sock, prefix=bytes(c.buf), send_timeout=self.header_s)
@@ -429,7 +386,7 @@ class RpcListener:
         finally:
             self._close(c)
 
-    def _serve(self, c: _Conn, reader: SocketReader) -> bool:
+    def _serve(self, c: Conn, reader: SocketReader) -> bool:
         """One request; False closes the connection."""
         c.sock.settimeout(self.header_s)  # bounds sends when the request was read from the prefix
         try:
@@ -439,17 +396,3 @@ class RpcListener:
         except Exception:  # one broken connection never takes the listener down
             log.exception("RPC connection handler failed")
         return False
-
-
-def _send_quietly(sock: socket.socket, data: bytes) -> None:
-    try:
-        sock.send(data)  # a refusal is small: it fits a fresh socket's buffer or is lost
-    except OSError:
-        pass
-
-
-def _shutdown(conn: socket.socket) -> None:
-    try:
-        conn.shutdown(socket.SHUT_RDWR)
-    except OSError:
-        pass

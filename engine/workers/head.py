@@ -189,8 +189,9 @@ def build_pipeline(cfg: HeadConfig, g, mcfg):
     runs every layer here when they fit."""
     from ..device import resolve_device, resolve_dtype
     from ..model import build_stage
-    from ..pipeline import Pipeline, wait_for_peers
+    from ..pipeline import Pipeline
     from ..rpc.client import RemoteStage
+    from ..rpc.peer_recovery import wait_for_peers
 
     m, n_slots = cfg.model, cfg.parallel
     max_run = max_run_of(cfg.spec)
@@ -248,9 +249,9 @@ def build_pipeline(cfg: HeadConfig, g, mcfg):
         deterministic=m.deterministic,
     )
     pipeline = Pipeline(local, remotes, ranges=ranges)
-    pipeline.peer_grace = cfg.peer_grace
+    pipeline.recovery.grace = cfg.peer_grace
     if remotes:
-        pipeline.start_watch()
+        pipeline.recovery.start_watch()
     return pipeline
 
 
