@@ -1,5 +1,6 @@
 """House rules that hold for the whole tree, checked so they cannot regress: no file of the package
-over MAX_LINES lines (issue 36: a file that long holds more than one concept; split it by concept)."""
+over MAX_LINES lines (issue 36: a file that long holds more than one concept; split it by concept), and
+engine/ no wider than 20 top-level modules."""
 
 from __future__ import annotations
 
@@ -39,3 +40,10 @@ def test_a_file_over_the_limit_is_found(tmp_path):
     (tmp_path / "engine" / "model" / "long.py").write_text("x = 1\n" * (MAX_LINES + 1))
     (tmp_path / "engine" / "short.py").write_text("x = 1\n" * MAX_LINES)
     assert _too_long(tmp_path) == {"engine/model/long.py": MAX_LINES + 1}
+
+
+@pytest.mark.unit
+def test_engine_keeps_at_most_20_top_level_modules():
+    """Issue 36: a concept that grows gets a package (http/, spec/, serving/, ...), not more flat files."""
+    modules = sorted(p.name for p in (ROOT / "engine").glob("*.py") if p.name != "__init__.py")
+    assert 10 < len(modules) <= 20, modules
