@@ -248,7 +248,7 @@ def test_fused_matmul_matches_reference(qt, n, monkeypatch):
     k = 4 * _k(qt)
     _, w, ref = _weight(qt, n, k, seed=n, device=KERNEL_DEVICE)
     assert qlinear(torch.randn(0, k, device=KERNEL_DEVICE), w).shape == (0, n)  # a chunk without logit rows
-    for rows in (1, 2, 4, 5, 8, 64, 300):
+    for rows in (1, 2, 4, 5, 8, 16, 64, 300):
         x = torch.randn(rows, k, device=KERNEL_DEVICE)
         want = x.double() @ ref.double().T
         # float32 x: float32 arithmetic throughout; bf16 x: the output's rounding dominates.
