@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import shlex
 import signal
 import subprocess
@@ -428,6 +429,11 @@ async def test_once_json_reports_running_workers_without_starting_any(tmp_path):
         (["incidents", "--since", "yesterday"], "--since 'yesterday': expected a number and s, m, h or d"),
         (["--profile", "/nonexistent/x.toml", "--once"], "profile not found"),
         (["--theme", "pink", "--profile", "/dev/null"], "unknown theme"),
+        # in every mode, not only the dashboard's
+        (["--theme", "neon", "--once", "--profile", "/dev/null"], "unknown theme 'neon'"),
+        (["--theme", "neon", "--once", "--json", "--profile", "/dev/null"], "unknown theme 'neon'"),
+        (["--theme", "neon", "incidents", "--profile", "/dev/null"], "unknown theme 'neon'"),
+        (["--theme", "neon", "--write-profile", "/nonexistent/p.toml"], "unknown theme 'neon'"),
     ],
 )
 def test_cli_errors_are_one_line_without_traceback(args, needle):
@@ -470,9 +476,10 @@ def _gone(pid: int) -> bool:
     return not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
 
 
-def _console_in_a_pty(profile, tmp_path):
+def _console_in_a_pty(profile, tmp_path, env: dict | None = None, output: bytearray | None = None):
     """The real `hydra-console` on a pseudo-terminal of its own (a drain thread reads it: a pty that
-    nobody reads blocks the app's writes); returns its pid, the pty and its workers' pids once they serve."""
+    nobody reads blocks the app's writes; into `output` if given), with `env` added to its
+    environment; returns its pid, the pty and its workers' pids once they serve."""
     import pty
     import threading
 
@@ -480,13 +487,14 @@ def _console_in_a_pty(profile, tmp_path):
     path = save_profile(profile, tmp_path / "p.toml")
     pid, fd = pty.fork()
     if pid == 0:
-        os.environ["TERM"] = "xterm-256color"
+        os.environ.update({"TERM": "xterm-256color", **(env or {})})
         os.execv(sys.executable, [sys.executable, "-m", "hydra_console.app.main", "--profile", str(path)])
 
     def drain():
         try:
-            while os.read(fd, 65536):
-                pass
+            while chunk := os.read(fd, 65536):
+                if output is not None:
+                    output.extend(chunk)
         except OSError:
             pass
 
@@ -593,6 +601,37 @@ def test_sigterm_stops_the_workers_the_console_runs(tmp_path):
             time.sleep(0.1)
         assert all(_gone(p) for p in worker_pids.values())
         assert not Supervisor(profile).state_path.exists()
+    finally:
+        kill_groups(worker_pids.values())
+        try:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+        except OSError:
+            pass
+        os.close(fd)
+
+
+# An SGR parameter that sets a foreground or background colour (38/48 start a 256-colour or RGB one).
+COLOUR_SGR = re.compile(r"\x1b\[(?:[\d;]*;)?(?:3[0-8]|4[0-8]|9[0-7]|10[0-7])(?:;[\d;]*)?m")
+
+
+@pytest.mark.parametrize("no_color", [True, False])
+def test_no_color_sends_no_colour_codes(tmp_path, no_color):
+    """NO_COLOR (no-color.org), on a real terminal: the console draws with no colour at all (bold,
+    dim and reverse still mark what colour would); without it, it draws in colour."""
+    out = bytearray()
+    env = {"NO_COLOR": "1"} if no_color else {}
+    pid, fd, worker_pids = _console_in_a_pty(fake_profile(), tmp_path, env, out)
+    try:
+        assert len(worker_pids) == 2, "the console never started its workers"
+        deadline = time.monotonic() + 30
+        while out.count(b"ready") < 2 and time.monotonic() < deadline:  # both rows drawn ready
+            time.sleep(0.1)
+        drawn = out.decode(errors="replace")
+        assert drawn.count("ready") >= 2, drawn[-2000:]
+        assert bool(COLOUR_SGR.search(drawn)) is not no_color, COLOUR_SGR.findall(drawn)[:5]
+        os.kill(pid, signal.SIGTERM)
+        assert _wait_exit(pid), "the console did not exit on SIGTERM"
     finally:
         kill_groups(worker_pids.values())
         try:
