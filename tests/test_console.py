@@ -22,6 +22,7 @@ import psutil
 import pytest
 from consoles import all_ready, console_process, fake_profile, kill_groups, uniform_shape, until
 from textual.command import CommandPalette
+from textual.widgets import Static
 
 from hydra_console.app.config import Alerts, Profile, SupervisorSettings, load_profile, save_profile
 from hydra_console.app.incidents import IncidentLog, incidents_path
@@ -354,6 +355,34 @@ async def test_the_dashboard_shows_each_peers_pool_as_it_fills():
         app.refresh_view()
         await until(pilot, lambda: "pool 2/2 · 64 queued · 7 dropped" in str(info.render()))
         assert any(i.kind == "pool-drop" and i.subject == "peer1" for i in app.incidents.since(0))
+
+
+async def test_an_attached_console_offers_only_the_live_split_it_can_apply(tmp_path):
+    """--attach: the head is another's to restart, so applying a split asks for the live re-split
+    alone, and where CONFIGURE is unavailable (a stand-in head) refuses, restarting nothing."""
+    profile = fake_profile()
+    owner = Supervisor(profile, log_dir=tmp_path)
+    await owner.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not all_ready(owner):
+            assert time.monotonic() < deadline, "workers never ready"
+            await asyncio.sleep(0.05)
+        head_pid = owner.head.pid
+        sup = Supervisor(profile, attach=True)
+        app = HydraConsole(sup, model_shape=SHAPE)
+        async with app.run_test(size=(80, 24)) as pilot:
+            await until(pilot, lambda: all_ready(sup) and sup.stage_ranges() is not None)
+            await pilot.press("s", "right", "a")
+            question = app.screen.question
+            assert isinstance(app.screen, ConfirmScreen) and "10/8" in question, question
+            assert "restarts" not in question and "attached" in question, question
+            await pilot.press("y")
+            await until(pilot, lambda: any("cannot be restarted" in n.message for n in app._notifications))
+            assert owner.head.pid == head_pid and owner.head.restarts == 0
+            await pilot.press("escape", "q")
+    finally:
+        await owner.shutdown()
 
 
 async def test_help_lists_remapped_keys_and_palette_has_every_action(tmp_path):
@@ -739,6 +768,8 @@ async def test_an_alert_toasts_and_rings_once_per_incident_and_goes_into_the_his
         assert len(bells) == 2 and len(app.alert_history) == 2
         await pilot.press("A")
         assert isinstance(app.screen, AlertsScreen)
+        shown = [str(w.render()) for w in app.screen.query(Static)]
+        assert "thresholds: the profile's [alerts] table · esc closes" in shown, shown  # not read as markup
         await pilot.press("escape", "q")
 
 

@@ -356,11 +356,14 @@ class HydraConsole(App):
         if self.refused("applying a split"):
             return
         head = self.supervisor.head
+        fallback = (
+            f"if unavailable, {head.name} (pid {head.pid or '—'}) restarts with --split."
+            if head.managed
+            else f"{head.name} is attached: if that is unavailable, this console cannot restart it."
+        )
         self.push_screen(
             ConfirmScreen(
-                f"Apply split {split_arg(counts)}? Live through {head.name}'s CONFIGURE; "
-                f"if unavailable, {head.name} (pid {head.pid or '—'}) restarts with --split.",
-                yes="Apply",
+                f"Apply split {split_arg(counts)}? Live through {head.name}'s CONFIGURE; {fallback}", yes="Apply"
             ),
             lambda ok: self._apply_split(counts, on_done) if ok else None,
         )
