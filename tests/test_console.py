@@ -187,6 +187,7 @@ async def test_logs_filter_invert_and_failure_highlight(tmp_path):
         "print('hello from worker', flush=True)\n"
         "print('OSError: [Errno 98] Address already in use', flush=True)\n"
         "print('INFO hydra.http 3f2a9c1b7d4e POST /v1/completions 200 in=3 out=4 12ms', flush=True)\n"
+        "print('long ' * 30 + 'and its end', flush=True)\n"
         "time.sleep(60)\n"
     )
     script = tmp_path / "w.py"
@@ -196,7 +197,7 @@ async def test_logs_filter_invert_and_failure_highlight(tmp_path):
     sup = Supervisor(profile, log_dir=tmp_path)
     app = HydraConsole(sup, load_model_shape=False)
     async with app.run_test(size=(80, 24)) as pilot:
-        await until(pilot, lambda: len(sup.head.log) >= 4)
+        await until(pilot, lambda: len(sup.head.log) >= 5)
         await pilot.press("l")
         logs = app.screen
         assert isinstance(logs, LogsScreen)
@@ -207,6 +208,9 @@ async def test_logs_filter_invert_and_failure_highlight(tmp_path):
 
         assert any("hello from worker" in t for t in shown())
         assert any("Address already in use" in t and "◀ port in use" in t for t in shown())
+        assert any("and its end" in t for t in shown())  # a line past the edge wraps, not cut
+        await pilot.resize_terminal(200, 24)  # and is rewrapped at a new width: one row now
+        await until(pilot, lambda: any("long long" in t and "and its end" in t for t in shown()))
         await pilot.press("slash")
         await pilot.press(*"hel+o", "enter")
         assert logs.pattern_text == "hel+o"
@@ -221,7 +225,8 @@ async def test_logs_filter_invert_and_failure_highlight(tmp_path):
         ]
         assert "requests only" in str(logs.query_one("#logbar").render())
         await pilot.press("a", "f")
-        assert logs.follow is False and len(shown()) == 4  # the launch line, then the three printed ones
+        records = [t for t in shown() if re.match(r"\d\d:\d\d:\d\d ", t)]  # not the wrapped rows
+        assert logs.follow is False and len(records) == 5  # the launch line, then the four printed ones
         await pilot.press("w")
         assert logs.source == "head"
         app._stop_and_exit(True)
