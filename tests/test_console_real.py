@@ -49,6 +49,9 @@ async def test_real_workers_ready_then_restart_peer_changes_pid(tiny_model, tmp_
     app = HydraConsole(sup, load_model_shape=False)
     async with app.run_test(size=(80, 24)) as pilot:
         await until(pilot, lambda: all_ready(sup), timeout=120)
+        # A peer says degraded until its head loads its layers: at its start that is waiting, no incident.
+        seen = sorted((e.worker, e.kind) for e in sup.events)
+        assert seen == [("head", "ready"), ("head", "started"), ("peer1", "ready"), ("peer1", "started")], seen
         peer = sup.workers["peer1"]
         old = peer.pid
         assert status(peer)["pid"] == old and status(sup.head)["role"] == "head"
