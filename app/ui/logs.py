@@ -45,12 +45,11 @@ class LogsScreen(Screen):
 
     def on_mount(self) -> None:
         self.query_one("#log", RichLog).focus()
-        self._width = self.size.width
-        self.rerender()
         self.set_interval(0.25, self.append_new)
 
     def on_resize(self) -> None:
-        # Lines are wrapped at the width they were written at: rewrite them once the log has its new size.
+        # Lines are wrapped at the width they were written at: (re)write them once the log has its
+        # size, at the start too (before its first layout the log knows no width).
         if self.size.width != self._width:
             self._width = self.size.width
             self.call_after_refresh(self.rerender)
