@@ -588,7 +588,10 @@ async def test_a_dropped_ssh_session_detaches_and_the_next_console_adopts_the_wo
             os.close(fd)
 
 
-async def test_sighup_leaves_adopted_workers_running_too(tmp_path):
+@pytest.mark.parametrize("sig", [signal.SIGHUP, signal.SIGTERM])
+async def test_adopted_workers_outlive_a_sighup_and_stop_on_a_sigterm(tmp_path, sig):
+    """The console adopted the workers: SIGHUP leaves them for the next console, SIGTERM stops them
+    (it supervises them as its own)."""
     profile = fake_profile()
     first = Supervisor(profile)
     await first.start()
@@ -605,8 +608,14 @@ async def test_sighup_leaves_adopted_workers_running_too(tmp_path):
         while json.loads(first.state_path.read_text())["console_pid"] != pid:
             assert time.monotonic() < deadline, "the console never adopted the workers"
             await asyncio.sleep(0.05)
-        os.kill(pid, signal.SIGHUP)
-        assert _wait_exit(pid), "the console did not exit on SIGHUP"
+        os.kill(pid, sig)
+        assert _wait_exit(pid), f"the console did not exit on {sig.name}"
+        if sig == signal.SIGTERM:
+            deadline = time.monotonic() + 10
+            while not all(_gone(p) for p in pids) and time.monotonic() < deadline:
+                await asyncio.sleep(0.1)
+            assert all(_gone(p) for p in pids) and not first.state_path.exists()
+            return
         assert not any(_gone(p) for p in pids)
         nxt = Supervisor(profile)
         await nxt.start()
