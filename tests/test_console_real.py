@@ -47,23 +47,26 @@ def status(w) -> dict:
 async def test_real_workers_ready_then_restart_peer_changes_pid(tiny_model, tmp_path):
     sup = Supervisor(real_profile(tiny_model("llama", n_layers=4)), log_dir=tmp_path)
     app = HydraConsole(sup, load_model_shape=False)
-    async with app.run_test(size=(80, 24)) as pilot:
-        await until(pilot, lambda: all_ready(sup), timeout=120)
-        # A peer says degraded until its head loads its layers: at its start that is waiting, no incident.
-        seen = sorted((e.worker, e.kind) for e in sup.events)
-        assert seen == [("head", "ready"), ("head", "started"), ("peer1", "ready"), ("peer1", "started")], seen
-        peer = sup.workers["peer1"]
-        old = peer.pid
-        assert status(peer)["pid"] == old and status(sup.head)["role"] == "head"
-        await pilot.press("down", "R")
-        assert isinstance(app.screen, ConfirmScreen) and f"peer1 (pid {old})" in app.screen.question
-        await pilot.press("y")
-        await until(pilot, lambda: peer.pid != old and peer.state == State.READY, timeout=120)
-        assert status(peer)["pid"] == peer.pid != old
-        await pilot.press("q")
-        assert isinstance(app.screen, ConfirmScreen)
-        await pilot.press("y")
-        await until(pilot, lambda: not sup.running_managed(), timeout=30)
+    try:
+        async with app.run_test(size=(80, 24)) as pilot:
+            await until(pilot, lambda: all_ready(sup), timeout=120)
+            # A peer says degraded until its head loads its layers: at its start that is waiting, no incident.
+            seen = sorted((e.worker, e.kind) for e in sup.events)
+            assert seen == [("head", "ready"), ("head", "started"), ("peer1", "ready"), ("peer1", "started")], seen
+            peer = sup.workers["peer1"]
+            old = peer.pid
+            assert status(peer)["pid"] == old and status(sup.head)["role"] == "head"
+            await pilot.press("down", "R")
+            assert isinstance(app.screen, ConfirmScreen) and f"peer1 (pid {old})" in app.screen.question
+            await pilot.press("y")
+            await until(pilot, lambda: peer.pid != old and peer.state == State.READY, timeout=120)
+            assert status(peer)["pid"] == peer.pid != old
+            await pilot.press("q")
+            assert isinstance(app.screen, ConfirmScreen)
+            await pilot.press("y")
+            await until(pilot, lambda: not sup.running_managed(), timeout=30)
+    finally:
+        await sup.shutdown()  # whatever failed: no worker outlives the test
     assert all(w.state == State.STOPPED for w in sup.workers.values())
 
 
