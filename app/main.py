@@ -113,6 +113,11 @@ def split_plan_json(sup: Supervisor) -> dict:
 
 def run(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    from ..themes import THEME_ALIASES, THEMES
+
+    theme = THEME_ALIASES.get(args.theme, args.theme)
+    if theme not in THEMES:  # in every mode: a script's `--once` is told as the dashboard is
+        raise UserError(f"unknown theme {args.theme!r}: choose dark, light or colourblind")
     if args.json and not (args.once or args.command):
         raise UserError("--json needs --once or incidents")
     profile, path = _profile(args)
@@ -141,12 +146,8 @@ def run(argv: list[str] | None = None) -> int:
         print(text)
         return 0 if healthy else 1
 
-    from ..themes import THEME_ALIASES, THEMES
     from .ui.app import HydraConsole
 
-    theme = THEME_ALIASES.get(args.theme, args.theme)
-    if theme not in THEMES:
-        raise UserError(f"unknown theme {args.theme!r}: choose dark, light or colourblind")
     sup = Supervisor(
         profile, attach=args.attach, readonly=args.readonly, log_dir=args.log_dir, token=os.environ.get("HYDRA_TOKEN")
     )

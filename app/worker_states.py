@@ -73,6 +73,10 @@ def apply_probe(
         new = (State.DEGRADED if up_before else State.STARTING) if w.managed else State.UNREACHABLE
     else:
         new = {"ok": State.READY, "degraded": State.DEGRADED}.get(hs, State.STARTING)
+        if new == State.DEGRADED and w.role == "peer" and w.started_at is not None and w.ready_at is None:
+            # A peer has no stage until its head loads one and says degraded meanwhile: since its
+            # start that is waiting for the head, not an incident.
+            new = State.STARTING
     if new == State.STARTING and w.state == State.CRASH_LOOP:
         return  # still looping until it is ready once
     if new == w.state:

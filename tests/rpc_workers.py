@@ -130,16 +130,22 @@ class Worker:
             self.proc.wait(timeout=10)
 
 
-def peer(model: Path, log_dir: Path, *extra: str) -> Worker:
+def peer(model: Path, log_dir: Path, *extra: str, device: str = "cpu") -> Worker:
     port, rpc = free_ports(2)
-    return Worker("peer", ["--model", str(model), "--device", "cpu", *extra], log_dir, port, rpc)
+    return Worker("peer", ["--model", str(model), "--device", device, *extra], log_dir, port, rpc)
 
 
 def head(
-    model: Path, log_dir: Path, peers: list[Worker] = (), *extra: str, parallel: int = 2, ctx: int = 256
+    model: Path,
+    log_dir: Path,
+    peers: list[Worker] = (),
+    *extra: str,
+    parallel: int = 2,
+    ctx: int = 256,
+    device: str = "cpu",
 ) -> Worker:
     port, rpc = free_ports(2)
-    argv = ["--model", str(model), "--device", "cpu", "--parallel", str(parallel), "--ctx", str(ctx), *extra]
+    argv = ["--model", str(model), "--device", device, "--parallel", str(parallel), "--ctx", str(ctx), *extra]
     for p in peers:
         argv += ["--peer", p.rpc_addr]
     return Worker("serve", argv, log_dir, port, rpc)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import shlex
 import signal
 import subprocess
@@ -21,6 +22,7 @@ import psutil
 import pytest
 from consoles import all_ready, console_process, fake_profile, kill_groups, uniform_shape, until
 from textual.command import CommandPalette
+from textual.widgets import Static
 
 from hydra_console.app.config import Alerts, Profile, SupervisorSettings, load_profile, save_profile
 from hydra_console.app.incidents import IncidentLog, incidents_path
@@ -185,6 +187,7 @@ async def test_logs_filter_invert_and_failure_highlight(tmp_path):
         "print('hello from worker', flush=True)\n"
         "print('OSError: [Errno 98] Address already in use', flush=True)\n"
         "print('INFO hydra.http 3f2a9c1b7d4e POST /v1/completions 200 in=3 out=4 12ms', flush=True)\n"
+        "print('long ' * 30 + 'and its end', flush=True)\n"
         "time.sleep(60)\n"
     )
     script = tmp_path / "w.py"
@@ -194,7 +197,7 @@ async def test_logs_filter_invert_and_failure_highlight(tmp_path):
     sup = Supervisor(profile, log_dir=tmp_path)
     app = HydraConsole(sup, load_model_shape=False)
     async with app.run_test(size=(80, 24)) as pilot:
-        await until(pilot, lambda: len(sup.head.log) >= 4)
+        await until(pilot, lambda: len(sup.head.log) >= 5)
         await pilot.press("l")
         logs = app.screen
         assert isinstance(logs, LogsScreen)
@@ -205,6 +208,9 @@ async def test_logs_filter_invert_and_failure_highlight(tmp_path):
 
         assert any("hello from worker" in t for t in shown())
         assert any("Address already in use" in t and "◀ port in use" in t for t in shown())
+        assert any("and its end" in t for t in shown())  # a line past the edge wraps, not cut
+        await pilot.resize_terminal(200, 24)  # and is rewrapped at a new width: one row now
+        await until(pilot, lambda: any("long long" in t and "and its end" in t for t in shown()))
         await pilot.press("slash")
         await pilot.press(*"hel+o", "enter")
         assert logs.pattern_text == "hel+o"
@@ -219,7 +225,8 @@ async def test_logs_filter_invert_and_failure_highlight(tmp_path):
         ]
         assert "requests only" in str(logs.query_one("#logbar").render())
         await pilot.press("a", "f")
-        assert logs.follow is False and len(shown()) == 4  # the launch line, then the three printed ones
+        records = [t for t in shown() if re.match(r"\d\d:\d\d:\d\d ", t)]  # not the wrapped rows
+        assert logs.follow is False and len(records) == 5  # the launch line, then the four printed ones
         await pilot.press("w")
         assert logs.source == "head"
         app._stop_and_exit(True)
@@ -355,6 +362,34 @@ async def test_the_dashboard_shows_each_peers_pool_as_it_fills():
         assert any(i.kind == "pool-drop" and i.subject == "peer1" for i in app.incidents.since(0))
 
 
+async def test_an_attached_console_offers_only_the_live_split_it_can_apply(tmp_path):
+    """--attach: the head is another's to restart, so applying a split asks for the live re-split
+    alone, and where CONFIGURE is unavailable (a stand-in head) refuses, restarting nothing."""
+    profile = fake_profile()
+    owner = Supervisor(profile, log_dir=tmp_path)
+    await owner.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not all_ready(owner):
+            assert time.monotonic() < deadline, "workers never ready"
+            await asyncio.sleep(0.05)
+        head_pid = owner.head.pid
+        sup = Supervisor(profile, attach=True)
+        app = HydraConsole(sup, model_shape=SHAPE)
+        async with app.run_test(size=(80, 24)) as pilot:
+            await until(pilot, lambda: all_ready(sup) and sup.stage_ranges() is not None)
+            await pilot.press("s", "right", "a")
+            question = app.screen.question
+            assert isinstance(app.screen, ConfirmScreen) and "10/8" in question, question
+            assert "restarts" not in question and "attached" in question, question
+            await pilot.press("y")
+            await until(pilot, lambda: any("cannot be restarted" in n.message for n in app._notifications))
+            assert owner.head.pid == head_pid and owner.head.restarts == 0
+            await pilot.press("escape", "q")
+    finally:
+        await owner.shutdown()
+
+
 async def test_help_lists_remapped_keys_and_palette_has_every_action(tmp_path):
     profile = fake_profile()
     profile.keys = {"hydra.restart": "ctrl+r", "hydra.split": "S", "hydra.palette": "ctrl+k", "hydra.nope": "x"}
@@ -428,6 +463,11 @@ async def test_once_json_reports_running_workers_without_starting_any(tmp_path):
         (["incidents", "--since", "yesterday"], "--since 'yesterday': expected a number and s, m, h or d"),
         (["--profile", "/nonexistent/x.toml", "--once"], "profile not found"),
         (["--theme", "pink", "--profile", "/dev/null"], "unknown theme"),
+        # in every mode, not only the dashboard's
+        (["--theme", "neon", "--once", "--profile", "/dev/null"], "unknown theme 'neon'"),
+        (["--theme", "neon", "--once", "--json", "--profile", "/dev/null"], "unknown theme 'neon'"),
+        (["--theme", "neon", "incidents", "--profile", "/dev/null"], "unknown theme 'neon'"),
+        (["--theme", "neon", "--write-profile", "/nonexistent/p.toml"], "unknown theme 'neon'"),
     ],
 )
 def test_cli_errors_are_one_line_without_traceback(args, needle):
@@ -470,9 +510,10 @@ def _gone(pid: int) -> bool:
     return not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
 
 
-def _console_in_a_pty(profile, tmp_path):
+def _console_in_a_pty(profile, tmp_path, env: dict | None = None, output: bytearray | None = None):
     """The real `hydra-console` on a pseudo-terminal of its own (a drain thread reads it: a pty that
-    nobody reads blocks the app's writes); returns its pid, the pty and its workers' pids once they serve."""
+    nobody reads blocks the app's writes; into `output` if given), with `env` added to its
+    environment; returns its pid, the pty and its workers' pids once they serve."""
     import pty
     import threading
 
@@ -480,13 +521,14 @@ def _console_in_a_pty(profile, tmp_path):
     path = save_profile(profile, tmp_path / "p.toml")
     pid, fd = pty.fork()
     if pid == 0:
-        os.environ["TERM"] = "xterm-256color"
+        os.environ.update({"TERM": "xterm-256color", **(env or {})})
         os.execv(sys.executable, [sys.executable, "-m", "hydra_console.app.main", "--profile", str(path)])
 
     def drain():
         try:
-            while os.read(fd, 65536):
-                pass
+            while chunk := os.read(fd, 65536):
+                if output is not None:
+                    output.extend(chunk)
         except OSError:
             pass
 
@@ -546,7 +588,10 @@ async def test_a_dropped_ssh_session_detaches_and_the_next_console_adopts_the_wo
             os.close(fd)
 
 
-async def test_sighup_leaves_adopted_workers_running_too(tmp_path):
+@pytest.mark.parametrize("sig", [signal.SIGHUP, signal.SIGTERM])
+async def test_adopted_workers_outlive_a_sighup_and_stop_on_a_sigterm(tmp_path, sig):
+    """The console adopted the workers: SIGHUP leaves them for the next console, SIGTERM stops them
+    (it supervises them as its own)."""
     profile = fake_profile()
     first = Supervisor(profile)
     await first.start()
@@ -563,8 +608,14 @@ async def test_sighup_leaves_adopted_workers_running_too(tmp_path):
         while json.loads(first.state_path.read_text())["console_pid"] != pid:
             assert time.monotonic() < deadline, "the console never adopted the workers"
             await asyncio.sleep(0.05)
-        os.kill(pid, signal.SIGHUP)
-        assert _wait_exit(pid), "the console did not exit on SIGHUP"
+        os.kill(pid, sig)
+        assert _wait_exit(pid), f"the console did not exit on {sig.name}"
+        if sig == signal.SIGTERM:
+            deadline = time.monotonic() + 10
+            while not all(_gone(p) for p in pids) and time.monotonic() < deadline:
+                await asyncio.sleep(0.1)
+            assert all(_gone(p) for p in pids) and not first.state_path.exists()
+            return
         assert not any(_gone(p) for p in pids)
         nxt = Supervisor(profile)
         await nxt.start()
@@ -593,6 +644,37 @@ def test_sigterm_stops_the_workers_the_console_runs(tmp_path):
             time.sleep(0.1)
         assert all(_gone(p) for p in worker_pids.values())
         assert not Supervisor(profile).state_path.exists()
+    finally:
+        kill_groups(worker_pids.values())
+        try:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+        except OSError:
+            pass
+        os.close(fd)
+
+
+# An SGR parameter that sets a foreground or background colour (38/48 start a 256-colour or RGB one).
+COLOUR_SGR = re.compile(r"\x1b\[(?:[\d;]*;)?(?:3[0-8]|4[0-8]|9[0-7]|10[0-7])(?:;[\d;]*)?m")
+
+
+@pytest.mark.parametrize("no_color", [True, False])
+def test_no_color_sends_no_colour_codes(tmp_path, no_color):
+    """NO_COLOR (no-color.org), on a real terminal: the console draws with no colour at all (bold,
+    dim and reverse still mark what colour would); without it, it draws in colour."""
+    out = bytearray()
+    env = {"NO_COLOR": "1"} if no_color else {}
+    pid, fd, worker_pids = _console_in_a_pty(fake_profile(), tmp_path, env, out)
+    try:
+        assert len(worker_pids) == 2, "the console never started its workers"
+        deadline = time.monotonic() + 30
+        while out.count(b"ready") < 2 and time.monotonic() < deadline:  # both rows drawn ready
+            time.sleep(0.1)
+        drawn = out.decode(errors="replace")
+        assert drawn.count("ready") >= 2, drawn[-2000:]
+        assert bool(COLOUR_SGR.search(drawn)) is not no_color, COLOUR_SGR.findall(drawn)[:5]
+        os.kill(pid, signal.SIGTERM)
+        assert _wait_exit(pid), "the console did not exit on SIGTERM"
     finally:
         kill_groups(worker_pids.values())
         try:
@@ -700,6 +782,8 @@ async def test_an_alert_toasts_and_rings_once_per_incident_and_goes_into_the_his
         assert len(bells) == 2 and len(app.alert_history) == 2
         await pilot.press("A")
         assert isinstance(app.screen, AlertsScreen)
+        shown = [str(w.render()) for w in app.screen.query(Static)]
+        assert "thresholds: the profile's [alerts] table · esc closes" in shown, shown  # not read as markup
         await pilot.press("escape", "q")
 
 

@@ -2,7 +2,9 @@
 default CPU configuration (bfloat16 compute, int8 weights), with real worker processes.
 
 - By default a split equals solo for several split points: each stage runs the rows a solo head
-  would, and the RPC wire carries the residual in its own dtype.
+  would, and the RPC wire carries the residual in its own dtype. Identical greedy choices of one
+  request share every step, so they agree too. Both on CPU and, where there is one, on CUDA
+  (`pytest -o addopts="" tests/test_deterministic.py` on a GPU machine).
 - A token's floats depend on how many rows share its forward by default (the bfloat16 prefill copy
   above 16 rows, SDPA's blocking of a many-row run: engine/model/stage.py): `--deterministic`
   makes them independent of it, so 16 identical greedy requests in one batch (n-gram drafting on,
@@ -28,6 +30,8 @@ from hydra_console.engine.rpc.wire import SocketReader
 PROMPTS = ["The capital of France is", "def fibonacci(n):"]
 # Repeats, so n-gram drafts are made and partly accepted: verify steps of several rows per slot.
 ECHO = "one two three four five six. one two three four five six. one two three"
+N_CHOICES = 3  # one request keeps all slots but one in the engine (http/streaming.engine_share)
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))]
 SPLITS = {"9/9": [[0, 9], [9, 18]], "11/7": [[0, 11], [11, 18]], "4/14": [[0, 4], [4, 18]]}
 
 
@@ -39,11 +43,11 @@ def configure(w, split: str) -> None:
     assert reply.meta["layers"] == SPLITS[split]
 
 
-def workers(default_model, logs, *flags: str, parallel: int = 2):
-    """A solo head, a peer and a head split over it (9/9), all with `flags`; all ready."""
-    solo = head(default_model, logs, (), "--dtype", "auto", *flags, parallel=parallel, ctx=512)
-    p = peer(default_model, logs)
-    split = head(default_model, logs, [p], "--split", "9/9", *flags, parallel=parallel, ctx=512)
+def workers(default_model, logs, *flags: str, parallel: int = 2, device: str = "cpu"):
+    """A solo head, a peer and a head split over it (9/9), all with `flags` on `device`."""
+    solo = head(default_model, logs, (), "--dtype", "auto", *flags, parallel=parallel, ctx=512, device=device)
+    p = peer(default_model, logs, device=device)
+    split = head(default_model, logs, [p], "--split", "9/9", *flags, parallel=parallel, ctx=512, device=device)
     return solo, p, split
 
 
@@ -57,9 +61,11 @@ def serve_all(ws):
             w.stop()
 
 
-@pytest.fixture(scope="module")
-def default_workers(default_model, tmp_path_factory):
-    yield from serve_all(workers(default_model, tmp_path_factory.mktemp("det-default")))
+@pytest.fixture(scope="module", params=DEVICES)
+def default_workers(request, default_model, tmp_path_factory):
+    """The default configuration on CPU, and on CUDA where there is one (pytest -o addopts="" there)."""
+    logs = tmp_path_factory.mktemp(f"det-default-{request.param}")
+    yield from serve_all(workers(default_model, logs, parallel=N_CHOICES + 1, device=request.param))
 
 
 @pytest.fixture(scope="module")
@@ -75,6 +81,24 @@ def test_split_equals_solo_at_several_split_points(default_workers):
         configure(split, point)
         for prompt in PROMPTS:
             assert greedy(split, prompt) == want[prompt], (point, prompt)
+
+
+def test_identical_greedy_choices_in_one_batch_give_one_text(default_workers):
+    """The default configuration, CPU and CUDA (where --deterministic is refused): a request's `n`
+    identical greedy choices are submitted together and share every step, so they give one text
+    and one list of logprobs; through a split the same as solo's."""
+    solo, _, split = default_workers
+
+    def texts(w) -> set:
+        r = complete(w, PROMPTS[0], 16, timeout=600, logprobs=1, n=N_CHOICES, cache_prompt=False)
+        assert r.status_code == 200, r.text
+        assert len(r.json()["choices"]) == N_CHOICES
+        return {(c["text"], tuple(c["logprobs"]["token_logprobs"])) for c in r.json()["choices"]}
+
+    want = texts(solo)
+    assert len(want) == 1, want
+    configure(split, "4/14")
+    assert texts(split) == want
 
 
 def test_identical_requests_in_one_batch_give_the_solo_text(deterministic_workers):

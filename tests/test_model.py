@@ -47,16 +47,42 @@ def test_prefill_equals_token_by_token_decode(tiny_model, arch, dtype):
     torch.testing.assert_close(torch.cat(steps), full, **tol)
 
 
+# Each device in its default compute dtype; CUDA where there is one (`pytest -o addopts=""` there).
+DEVICES = [
+    pytest.param("cpu", "float32", id="cpu"),
+    pytest.param("cpu", "bfloat16", id="cpu-bf16"),
+    pytest.param("cuda", "bfloat16", id="cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA")),
+]
+
+
+@pytest.mark.parametrize("device,dtype", DEVICES)
 @pytest.mark.parametrize("arch", ARCHS)
-def test_split_stages_are_bit_identical_to_one_stage(tiny_model, arch):
+def test_split_stages_are_bit_identical_to_one_stage(tiny_model, arch, device, dtype):
     path = tiny_model(arch, n_layers=3)
-    whole = load(path)
-    first = load(path, layers=(0, 1), head=False)
-    rest = load(path, layers=(1, 3), embed=False)
+    whole = load(path, device=device, dtype=dtype)
+    first = load(path, layers=(0, 1), head=False, device=device, dtype=dtype)
+    rest = load(path, layers=(1, 3), embed=False, device=device, dtype=dtype)
     tokens, slots, pos = torch.tensor(PROMPT), torch.zeros(len(PROMPT), dtype=torch.long), torch.arange(len(PROMPT))
     expected = whole.logits(whole.run_layers(whole.embed(tokens), slots, pos))
     got = rest.logits(rest.run_layers(first.run_layers(first.embed(tokens), slots, pos), slots, pos))
     assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("device,dtype", DEVICES)
+def test_identical_sequences_in_one_batch_get_identical_logits(tiny_model, device, dtype):
+    """Three slots, one prompt: prefilled in one forward, then decoded together; every row the
+    same floats at every step (what identical greedy requests that share their steps rely on)."""
+    stage = load(tiny_model("gemma3", n_layers=2), device=device, dtype=dtype, n_slots=3, n_ctx=64)
+    n, slots = len(PROMPT), [0, 1, 2]
+    h = stage.run_layers(
+        stage.embed(torch.tensor(PROMPT * 3)), torch.tensor(slots).repeat_interleave(n), torch.arange(n).repeat(3)
+    )
+    logits = stage.logits(h[n - 1 :: n])
+    for step in range(4):
+        assert all(torch.equal(logits[i], logits[0]) for i in slots), step
+        token = int(logits[0].argmax())
+        h = stage.run_layers(stage.embed(torch.tensor([token] * 3)), torch.tensor(slots), torch.tensor([n + step] * 3))
+        logits = stage.logits(h)
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])

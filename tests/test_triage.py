@@ -181,6 +181,16 @@ async def test_incidents_outlive_the_poll_history_and_the_console_and_age_out_af
     assert IncidentLog(ALERTS, path, clock=lambda: now[0], keep_s=86400).since(0) == []
 
 
+def test_the_incident_file_stays_within_its_size_keeping_the_newest(tmp_path):
+    path = tmp_path / "run" / "p.incidents.jsonl"
+    log = IncidentLog(ALERTS, path, max_bytes=4096, clock=lambda: 10_000.0)
+    for i in range(500):  # ~80 bytes each: ten times the bound
+        log.add([Incident(1000.0 + i, "down", "peer1", f"peer1: down #{i}")])
+        assert path.stat().st_size <= 4096 + 100, i
+    again = IncidentLog(ALERTS, path, clock=lambda: 10_000.0).since(0)  # the next console's view
+    assert again and again[-1].message == "peer1: down #499" and len(again) < 60
+
+
 def test_an_incident_is_open_until_its_subject_recovers():
     incidents = [
         Incident(1.0, "peer-down", "p2:9", "down"),

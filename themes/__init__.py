@@ -1,7 +1,7 @@
 """Console themes: dark, light and a colour-blind-safe one built on the Okabe–Ito palette.
 
-The console never relies on colour alone (every state has a symbol and a word), and Textual
-turns everything monochrome when NO_COLOR is set; these themes only choose the hues.
+The console never relies on colour alone (every state has a symbol and a word), and with
+NO_COLOR set it sends no colour at all (app/ui/app.py); these themes only choose the hues.
 """
 
 from textual.theme import Theme

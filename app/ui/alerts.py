@@ -21,7 +21,7 @@ class AlertsScreen(ModalScreen[None]):
         with VerticalScroll(id="help"):
             yield Static(f"Alerts · {len(history)} this session", classes="title")
             yield Static(Text("\n".join(lines) or "none so far"))
-            yield Static("thresholds: the profile's [alerts] table · esc closes", classes="hint")
+            yield Static("thresholds: the profile's [alerts] table · esc closes", classes="hint", markup=False)
 
     def on_mount(self) -> None:
         self.query_one("#help", VerticalScroll).focus()

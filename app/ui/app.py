@@ -81,7 +81,9 @@ class HydraConsole(App):
         load_model_shape: bool = True,
         incidents: IncidentLog | None = None,
     ):
-        super().__init__()
+        # NO_COLOR (Textual reads it here too): no colour codes at all. Textual's own answer for a
+        # theme of RGB colours is a greyscale, sent as colour codes; with ANSI colours it drops them.
+        super().__init__(ansi_color=True if os.environ.get("NO_COLOR") is not None else None)
         self.supervisor = supervisor
         # The triage timeline; the entry point passes the profile's file, else it lives in memory.
         self.incidents = incidents or IncidentLog(supervisor.profile.alerts)
@@ -354,11 +356,14 @@ class HydraConsole(App):
         if self.refused("applying a split"):
             return
         head = self.supervisor.head
+        fallback = (
+            f"if unavailable, {head.name} (pid {head.pid or '—'}) restarts with --split."
+            if head.managed
+            else f"{head.name} is attached: if that is unavailable, this console cannot restart it."
+        )
         self.push_screen(
             ConfirmScreen(
-                f"Apply split {split_arg(counts)}? Live through {head.name}'s CONFIGURE; "
-                f"if unavailable, {head.name} (pid {head.pid or '—'}) restarts with --split.",
-                yes="Apply",
+                f"Apply split {split_arg(counts)}? Live through {head.name}'s CONFIGURE; {fallback}", yes="Apply"
             ),
             lambda ok: self._apply_split(counts, on_done) if ok else None,
         )

@@ -32,6 +32,7 @@ class LogsScreen(Screen):
         self.follow = True
         self.requests_only = False  # only the access log's lines (log_text.ACCESS_LINE)
         self._last_seq = -1
+        self._width = 0  # the width the log's lines were wrapped at
 
     def compose(self) -> ComposeResult:
         yield Header()
@@ -39,13 +40,19 @@ class LogsScreen(Screen):
         filt = Input(placeholder="regex filter (enter to apply, esc to leave)", id="filter", value=self.pattern_text)
         filt.display = bool(self.pattern_text)
         yield filt
-        yield RichLog(id="log", max_lines=SHOWN * 2, wrap=False, min_width=40)
+        yield RichLog(id="log", max_lines=SHOWN * 2, wrap=True, min_width=40)
         yield Footer()
 
     def on_mount(self) -> None:
         self.query_one("#log", RichLog).focus()
-        self.rerender()
         self.set_interval(0.25, self.append_new)
+
+    def on_resize(self) -> None:
+        # Lines are wrapped at the width they were written at: (re)write them once the log has its
+        # size, at the start too (before its first layout the log knows no width).
+        if self.size.width != self._width:
+            self._width = self.size.width
+            self.call_after_refresh(self.rerender)
 
     def _lines(self):
         sup = self.app.supervisor
@@ -68,10 +75,12 @@ class LogsScreen(Screen):
         text = log_text.log_line_text(line, with_worker=self.source is None)
         label = log_text.failure_label(line.text)
         # Only known failures stand out: workers log everything to stderr, so the stream says little.
+        # Wrapped at the log's width: RichLog would measure against the app console's, not the terminal's.
+        width = log.scrollable_content_region.width or None
         if label:
-            log.write(Text(f"{text}  ◀ {label}", style=f"bold {self.app.tone_style('error')}"))
+            log.write(Text(f"{text}  ◀ {label}", style=f"bold {self.app.tone_style('error')}"), width=width)
         else:
-            log.write(Text(text))
+            log.write(Text(text), width=width)
 
     def rerender(self) -> None:
         self._bar()

@@ -72,8 +72,7 @@ class Run:
             self.abort(ShuttingDown())  # (not raised: a stream may build its Run after its headers went out)
             return
         try:
-            for req in reqs[:share]:
-                head.engine.submit(req)
+            head.engine.submit_together(reqs[:share])
         except Exception:  # a full queue refuses the whole request, not some of its choices
             self.ended = True
             self._cancel()

@@ -97,18 +97,26 @@ class Engine:
         check_fits(n_prompt, max_tokens, self.n_ctx)
 
     def submit(self, req: Request) -> Request:
-        req.check(self.n_ctx, self.tok.vocab_size)
+        return self.submit_together([req])[0]
+
+    def submit_together(self, reqs: list[Request]) -> list[Request]:
+        """`reqs` into the queue at once, or none of them (a request's choices): the engine thread
+        admits them in one step where slots are free, so identical ones share every step and give
+        one text in any configuration."""
+        for req in reqs:
+            req.check(self.n_ctx, self.tok.vocab_size)
         with self._cond:
             # Waiting + running, not just `waiting`: a request submitted before the engine thread
             # admits the previous ones would otherwise see free slots as queue.
             queued = len(self.scheduler.waiting) + len(self.scheduler.running) - self.n_slots
-            if self.max_queue is not None and queued >= self.max_queue:
-                self.stats.requests_rejected += 1
+            if self.max_queue is not None and queued + len(reqs) > self.max_queue:
+                self.stats.requests_rejected += len(reqs)
                 raise Overloaded(f"{max(queued, 0)} requests already wait for a slot (--max-queue {self.max_queue})")
-            self.scheduler.add(req)
-            self.stats.requests_total += 1
+            for req in reqs:
+                self.scheduler.add(req)
+            self.stats.requests_total += len(reqs)
             self._cond.notify()
-        return req
+        return reqs
 
     def cancel(self, req: Request) -> None:
         """Stop `req` now: the engine frees its slot (or drops it from the queue) before its next step."""

@@ -27,6 +27,8 @@ from ..rpc.resident import StageHost
 from ..rpc.service import RpcCollector
 from ..status import StatusDocument
 
+NO_STAGE = "no stage yet: waiting for a head to load its layers"
+
 
 class PeerWorker:
     def __init__(self, cfg: PeerConfig):
@@ -53,8 +55,8 @@ class PeerWorker:
             layer_delay_s=cfg.layer_delay_ms / 1e3,
             headroom=headroom_bytes(cfg.model.headroom_gb),
         )
-        # No stage until a head loads one: /health says degraded, /status "idle".
-        self.host.on_change = lambda: setattr(self.status, "degraded", self.host.stage is None)
+        # No stage until a head loads one: /health says degraded (and why), /status "idle".
+        self.host.on_change = lambda: setattr(self.status, "degraded", NO_STAGE if self.host.stage is None else None)
         self.host.on_change()
         rpc = cfg.rpc
         self.compute = ComputeServer(
