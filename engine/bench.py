@@ -8,6 +8,7 @@ times; the mean rate is reported. Achieved GB/s = weight bytes read per decoded 
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import resource
@@ -218,6 +219,9 @@ def main(args, cache_dir: Path | None) -> int:
         model, args.device, args.dtype, args.n_prompt, args.n_gen, args.repetitions, args.depth, **options
     )
     if llama_bench:
+        if torch.cuda.is_available():  # our stage is gone: its cached blocks would starve llama-bench's load
+            gc.collect()  # the stage's graphs hold it in reference cycles
+            torch.cuda.empty_cache()
         theirs = run_llama_bench(
             llama_bench,
             model,
