@@ -38,7 +38,7 @@ class DequantScratch:
             self.buf = torch.empty(size, dtype=dtype, device=device)
 
 
-# Up to this many rows the GEMV runs over GEMV_MAX_ROWS rows at a time: each pass reads the quantized
+# Up to this many rows the GEMV runs, GEMV_MAX_ROWS rows at a time: each pass reads the quantized
 # weight (~5.5 bits a weight for Q5_K), where the scratch path reads it, writes and reads it again as
 # bf16 (~37 bits). A 4-stream MTP verify (16 rows) through the scratch ran slower than plain decode
 # (H200, session 20: 212 against 296 tok/s).
@@ -55,14 +55,10 @@ def qlinear(x: torch.Tensor, w: QuantWeight, scratch: DequantScratch | None = No
     if x.device.type != "cuda":
         y = x2 @ w.dequantize_reference().to(x.dtype).T
     else:
-        from .triton_qmatmul import GEMV_MAX_ROWS, fused_matmul
+        from .triton_qmatmul import fused_matmul
 
-        if x2.shape[0] <= GEMV_MAX_ROWS:
-            y = fused_matmul(x2, w)
-        elif x2.shape[0] <= GEMV_CHUNKED_ROWS:  # e.g. a 4-slot verify of 3 drafts: 16 rows
-            y = torch.cat([fused_matmul(x2[i : i + GEMV_MAX_ROWS], w) for i in range(0, x2.shape[0], GEMV_MAX_ROWS)])
-        else:
-            y = _dequant_matmul(x2, w, scratch)
+        # e.g. a 4-slot verify of 3 drafts: 16 rows, two passes of the GEMV
+        y = fused_matmul(x2, w) if x2.shape[0] <= GEMV_CHUNKED_ROWS else _dequant_matmul(x2, w, scratch)
     return y.view(*x.shape[:-1], w.shape[0])
 
 

@@ -363,5 +363,9 @@ def _(x, q, h, d, sc, m, qtype):
 
 
 def fused_matmul(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
-    """x [M, K] @ w.T with the weight dequantized in registers, M <= GEMV_MAX_ROWS."""
-    return qmm(x, *planes_args(w))
+    """x [M, K] @ w.T with the weight dequantized in registers; more than GEMV_MAX_ROWS rows run
+    GEMV_MAX_ROWS at a time (each pass reads the quantized weight once)."""
+    planes = planes_args(w)
+    if x.shape[0] <= GEMV_MAX_ROWS:
+        return qmm(x, *planes)
+    return torch.cat([qmm(x[i : i + GEMV_MAX_ROWS], *planes) for i in range(0, x.shape[0], GEMV_MAX_ROWS)])

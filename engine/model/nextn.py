@@ -99,10 +99,7 @@ class NextN:
         lin = self.eh_proj
         if isinstance(lin, QuantLinear):
             if x.device.type == "cuda" and x.shape[0] <= PRECISE_ROWS:
-                from ..kernels.triton_qmatmul import GEMV_MAX_ROWS
-
-                # Its fused GEMV keeps float32 rows in float32 arithmetic.
-                return torch.cat([lin(x[i : i + GEMV_MAX_ROWS]) for i in range(0, x.shape[0], GEMV_MAX_ROWS)]).float()
+                return lin(x).float()  # its fused GEMV keeps float32 rows in float32 arithmetic
             return lin(x.to(self.block.dtype)).float()
         if lin.weight.dtype == torch.float32:
             return lin(x).float()
