@@ -219,6 +219,9 @@ class _Engine:
     def submit(self, req):
         self.submitted.append(req)
 
+    def submit_together(self, reqs):
+        self.submitted.extend(reqs)
+
     def cancel(self, req):
         self.cancelled.append(req)
 
