@@ -249,6 +249,8 @@ class HeadConfig(WorkerConfig):
     prefill_deadline: float = 30.0  # seconds for prefill + transfer before the head prefills itself
     sampling: SamplingDefaults = SamplingDefaults()
     chat_template: str | None = None  # --chat-template(-file): a built-in name or jinja source; None: the GGUF's
+    # --jinja or a file: what is not a built-in name is jinja source even without a "{" (llama-server's)
+    chat_template_source: bool = False
     chat_template_kwargs: dict = field(default_factory=dict)  # template variables of every chat (--reasoning)
     verbose: bool = False  # every chat response carries __verbose (llama-server's --verbose)
     overlap: bool | None = None  # --overlap / --no-overlap: decoding steps launched ahead of the host (None: on a GPU)

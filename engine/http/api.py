@@ -233,8 +233,8 @@ def create_app(head: Head) -> FastAPI:
     @app.post("/v1/chat/completions")
     @app.post("/chat/completions", include_in_schema=False)
     async def chat_completions(body: ChatBody, http: Request):
-        prompt, reqs, calls = await chat_requests(head, body)
-        return await respond_chat(head, http, body, reqs, prompt, calls)
+        reqs, calls = await chat_requests(head, body)
+        return await respond_chat(head, http, body, reqs, calls)
 
     if head.cfg.predict_route is not None:  # last: it dispatches to the routes above
         add_predict_route(app, head.cfg.predict_route)

@@ -193,8 +193,8 @@ def stop_list(stop: Stop) -> list[str]:
 
 async def chat_requests(
     head: Head, body: ChatBody, fit_context: bool = False
-) -> tuple[str, list[EngineRequest], ToolFormat | None]:
-    """A chat request's prompt text, its engine requests (one per choice) and the tool-call format
+) -> tuple[list[EngineRequest], ToolFormat | None]:
+    """A chat request's engine requests (one per choice) and the tool-call format
     its generations are parsed with (None: plain text); max_tokens defaults to the server's
     --n-predict, within the context. A max_tokens past the context is refused, or with
     `fit_context` cut to it (generation stops where the context ends, as llama-server's).
@@ -230,8 +230,8 @@ async def chat_requests(
     if fmt is not None and choice.parses and grammar_fields(body) == [] and (choice.forces or fmt.triggers):
         # required: calls only; auto: once the model starts a call, it is held to the tools' schemas
         grammar = fmt.grammar(choice, head.tok, lazy=not choice.forces)
-        return prompt, await choices(head, body, req, ("lark", grammar, "tools")), fmt
-    return prompt, await choices(head, body, req), fmt if choice.parses else None
+        return await choices(head, body, req, ("lark", grammar, "tools")), fmt
+    return await choices(head, body, req), fmt if choice.parses else None
 
 
 def ready_engine(head: Head):
