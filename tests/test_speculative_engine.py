@@ -170,6 +170,17 @@ def test_draft_model_drafter_follows_its_model_and_rolls_back(target):
     assert [d.tokens for d in both] == [greedy[:3], fresh.draft(0, other, 3)]
     # p_min: a draft-model token below it is not proposed.
     assert DraftModelDrafter(pipe, p_min=1.0).draft(1, prompt, 3) == []
+    # ... its probability taken over the top 10 logits, as llama.cpp's draft-simple takes it
+    n = len(prompt)
+    logits = (
+        _pipeline(path, n_slots=1)
+        .forward(torch.tensor(prompt), torch.zeros(n, dtype=torch.long), torch.arange(n), torch.tensor([n - 1]))[0]
+        .float()
+    )
+    full, top10 = float(torch.softmax(logits, -1).max()), float(torch.softmax(logits.topk(10).values, -1)[0])
+    assert full < top10
+    between = DraftModelDrafter(_pipeline(path, n_slots=1), p_min=(full + top10) / 2)
+    assert between.draft(0, prompt, 1) == greedy[:1]
 
 
 def test_draft_model_must_share_the_vocabulary(tiny_model, tmp_path):
