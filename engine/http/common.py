@@ -182,6 +182,13 @@ def speculative_config(engine, body: CommonBody) -> SpecConfig | None:
         raise APIError(400, str(e), param="speculative") from None
 
 
+def pinned_slot(engine, body: CommonBody) -> int:
+    """llama-server's id_slot: the slot the request must run in (it waits for it); -1: any."""
+    if body.id_slot >= engine.n_slots:
+        raise APIError(400, f"id_slot {body.id_slot} does not exist ({engine.n_slots} slots)", param="id_slot")
+    return body.id_slot
+
+
 def stop_list(stop: Stop) -> list[str]:
     stops = [stop] if isinstance(stop, str) else list(stop or [])
     if any(not s for s in stops):
@@ -221,6 +228,7 @@ async def chat_requests(
         stop=stop_list(body.stop),
         ignore_eos=body.ignore_eos,
         spec=speculative_config(engine, body),
+        id_slot=pinned_slot(engine, body),
         cache_prompt=body.cache_prompt,
         timings_per_token=body.timings_per_token,
         return_progress=body.stream and body.return_progress,
