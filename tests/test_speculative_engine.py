@@ -147,6 +147,28 @@ def test_sampled_speculation_is_seed_reproducible_and_logprobs_line_up(target):
         eng.stop()
 
 
+def test_seeded_sampling_with_n_gram_drafts_gives_the_plain_text(target):
+    """temperature > 0 with a deterministic drafter: each verified row draws the target's token with
+    its own seeded randomness and the draft is kept while it matches (llama.cpp's sample-and-match),
+    so the text is token for token the one the same seed gives without speculation."""
+    path, tok = target
+    prompt = tok.encode(PROMPTS[1])
+    plain = Engine(_pipeline(path), tok, N_SLOTS, N_CTX).start()
+    spec = _speculative_engine(target, type="ngram", n_max=4)
+    try:
+        drafted = 0
+        for seed in range(6):  # rejection sampling's redraw parted from the plain text on 2 of these
+            params = SamplingParams(temperature=1.0, seed=seed)
+            want, _ = _run(plain, prompt, None, params)
+            got, timings = _run(spec, prompt, None, params)
+            assert got == want, seed
+            drafted += timings["draft_n"]
+        assert drafted > 0
+    finally:
+        plain.stop()
+        spec.stop()
+
+
 def test_draft_model_drafter_follows_its_model_and_rolls_back(target):
     path, tok = target
     pipe = _pipeline(path, n_slots=2)

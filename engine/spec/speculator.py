@@ -145,7 +145,11 @@ class Speculator:
             emitted = accept_greedy(logits.argmax(-1).tolist(), draft.tokens)
         else:
             rows = Rows.build([sampler] * (k + 1), [history + draft.tokens[:i] for i in range(k + 1)], logits.device)
-            if params.greedy:
+            if params.greedy or draft.q is None:
+                # The target's own draw at each row (its seeded randomness at that index), kept while
+                # the draft agrees (llama.cpp's sample-and-match). For a draft chosen without a q, that
+                # is rejection sampling's rule (accept x with p(x), else a draw of p without x), and
+                # the text is token for token the one the same seed gives without speculation.
                 emitted = accept_greedy(sample(logits, rows).tokens.tolist(), draft.tokens)
             else:
                 u = torch.from_numpy(
