@@ -136,6 +136,14 @@ def spec_args(p: argparse.ArgumentParser) -> None:
         help="draft model: stop drafting below this probability",
     )
     p.add_argument(
+        "--spec-draft-sampling",
+        choices=["probabilistic", "greedy"],
+        default="probabilistic",
+        help="at temperature > 0 a draft model or MTP block samples its draft, verified by rejection sampling; "
+        "greedy (llama-server's default): it drafts its argmax, checked by the target's own seeded draw, so a "
+        "seed gives the same text with or without speculation",
+    )
+    p.add_argument(
         "--draft-adaptive",
         choices=["auto", "on", "off"],
         default="auto",

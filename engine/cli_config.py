@@ -129,6 +129,7 @@ def head_config(args, env: Mapping[str, str]) -> HeadConfig:
         n_min=args.draft_min,
         p_min=args.draft_p_min,
         adaptive={"auto": None, "on": True, "off": False}[args.draft_adaptive],
+        probabilistic=args.spec_draft_sampling == "probabilistic",
     )
     return HeadConfig(
         model=model_settings(args, env),

@@ -50,6 +50,7 @@ def test_llama_server_spellings_of_speculative_and_template_flags(tmp_path):
     assert (cfg.spec.type, cfg.model_draft, cfg.spec.n_max, cfg.spec.n_min) == ("draft", "d.gguf", 8, 4)
     assert serve("--spec-type", "ngram-mod").spec.type == "ngram" and serve("--spec-type", "none").spec.type == "off"
     assert serve("--spec-draft-p-min", "0.5").spec.p_min == 0.5
+    assert serve().spec.probabilistic and not serve("--spec-draft-sampling", "greedy").spec.probabilistic
     with pytest.raises(SystemExit):
         serve("--spec-type", "draft-eagle3")  # a drafter we do not have is refused, not guessed
     assert serve("--jinja", "--chat-template", "x").chat_template_source

@@ -169,6 +169,28 @@ def test_seeded_sampling_with_n_gram_drafts_gives_the_plain_text(target):
         spec.stop()
 
 
+def test_greedy_draft_sampling_keeps_a_seeds_text(target):
+    """`--spec-draft-sampling greedy` (llama-server's default): at temperature > 0 the draft model
+    drafts its argmax and the target's own seeded draw checks it, so each seed gives the plain text
+    (sampled drafts, verified by rejection sampling, part from it)."""
+    path, tok = target
+    prompt = tok.encode(PROMPTS[0])
+    plain = Engine(_pipeline(path), tok, N_SLOTS, N_CTX).start()
+    greedy = _speculative_engine(target, path, type="draft", n_max=3, p_min=0.0, probabilistic=False)
+    try:
+        drafted = 0
+        for seed in range(4):
+            params = SamplingParams(temperature=1.0, seed=seed)
+            want, _ = _run(plain, prompt, None, params, n=24)
+            got, timings = _run(greedy, prompt, None, params, n=24)
+            assert got == want, seed
+            drafted += timings["draft_n"]
+        assert drafted > 0
+    finally:
+        plain.stop()
+        greedy.stop()
+
+
 def test_draft_model_drafter_follows_its_model_and_rolls_back(target):
     path, tok = target
     pipe = _pipeline(path, n_slots=2)

@@ -116,7 +116,7 @@ class Speculator:
             if k < max(cfg.n_min, 1):
                 continue
             seq = seqs[i]
-            req = DraftRequest(seq.slot, seq.tokens, k, seq.sampler, cfg.p_min)
+            req = DraftRequest(seq.slot, seq.tokens, k, seq.sampler if cfg.probabilistic else None, cfg.p_min)
             by_type.setdefault(cfg.type, []).append((i, req, cfg))
         if self.mtp is not None:  # a slot that drafts nothing this step leaves the block's run for later
             drafting = {seqs[i].slot for items in by_type.values() for i, _, _ in items}
