@@ -301,9 +301,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument(
         "--jinja",
-        "--no-jinja",
-        action="store_true",
-        help="accepted for llama-server compatibility: the chat template is always rendered with jinja",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="the chat template is always rendered with jinja; --jinja (llama-server's) makes a --chat-template "
+        "that is no built-in name jinja source, even without a {",
     )
     spec_args(s)
 

@@ -97,12 +97,52 @@ def rpc_args(p: argparse.ArgumentParser, default_host: str = "127.0.0.1") -> Non
     p.add_argument("--auth-token-file", default=None, help="read the token from this file (mode 0600 or stricter)")
 
 
+# llama-server's --spec-type names, as the drafter of ours that does that job (a command copied from
+# llama-server's docs runs as written)
+LLAMA_SPEC_TYPES = {
+    "none": "off",
+    "draft-simple": "draft",
+    "draft-mtp": "mtp",
+    "ngram-simple": "ngram",
+    "ngram-map-k": "ngram",
+    "ngram-map-k4v": "ngram",
+    "ngram-mod": "ngram",
+    "ngram-cache": "ngram",
+}
+
+
+def _spec_type(value: str) -> str:
+    return LLAMA_SPEC_TYPES.get(value, value)
+
+
 def spec_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--spec-type", choices=["off", "ngram", "draft", "mtp"], default="off", help="speculative decoding")
-    p.add_argument("--model-draft", default=None, help="draft GGUF for --spec-type draft")
-    p.add_argument("--draft-max", type=int, default=3, help="most tokens drafted per step")
-    p.add_argument("--draft-min", type=int, default=0, help="fewest tokens a draft must have to be verified")
-    p.add_argument("--draft-p-min", type=float, default=0.75, help="draft model: stop drafting below this probability")
+    p.add_argument(
+        "--spec-type",
+        type=_spec_type,
+        choices=["off", "ngram", "draft", "mtp"],
+        default="off",
+        help=f"speculative decoding (llama-server's names too: {', '.join(LLAMA_SPEC_TYPES)})",
+    )
+    p.add_argument("--model-draft", "--spec-draft-model", "-md", default=None, help="draft GGUF for --spec-type draft")
+    p.add_argument("--draft-max", "--spec-draft-n-max", type=int, default=3, help="most tokens drafted per step")
+    p.add_argument(
+        "--draft-min", "--spec-draft-n-min", type=int, default=0, help="fewest tokens a draft must have to be verified"
+    )
+    p.add_argument(
+        "--draft-p-min",
+        "--spec-draft-p-min",
+        type=float,
+        default=0.75,
+        help="draft model: stop drafting below this probability",
+    )
+    p.add_argument(
+        "--spec-draft-sampling",
+        choices=["probabilistic", "greedy"],
+        default="probabilistic",
+        help="at temperature > 0 a draft model or MTP block samples its draft, verified by rejection sampling; "
+        "greedy (llama-server's default): it drafts its argmax, checked by the target's own seeded draw, so a "
+        "seed gives the same text with or without speculation",
+    )
     p.add_argument(
         "--draft-adaptive",
         choices=["auto", "on", "off"],

@@ -129,6 +129,7 @@ def head_config(args, env: Mapping[str, str]) -> HeadConfig:
         n_min=args.draft_min,
         p_min=args.draft_p_min,
         adaptive={"auto": None, "on": True, "off": False}[args.draft_adaptive],
+        probabilistic=args.spec_draft_sampling == "probabilistic",
     )
     return HeadConfig(
         model=model_settings(args, env),
@@ -167,6 +168,7 @@ def head_config(args, env: Mapping[str, str]) -> HeadConfig:
         prefill_deadline=args.prefill_deadline,
         sampling=_sampling_defaults(args),
         chat_template=_chat_template(args.chat_template, args.chat_template_file),
+        chat_template_source=args.jinja or args.chat_template_file is not None,
         chat_template_kwargs={} if args.reasoning == "auto" else {"enable_thinking": args.reasoning == "on"},
         verbose=args.verbose,
         overlap=args.overlap,

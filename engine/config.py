@@ -71,13 +71,18 @@ class SpecConfig:
     """How a slot drafts: `type` off|ngram|draft|mtp, at most `n_max` tokens, drafts shorter than
     `n_min` dropped, draft-model tokens below probability `p_min` not proposed. `adaptive` (None:
     on for mtp, whose drafts cost a forward of its block each) picks each slot's k in [0, n_max]
-    per step from its acceptance and the measured step costs (spec/adaptive.py); off: always n_max."""
+    per step from its acceptance and the measured step costs (spec/adaptive.py); off: always n_max.
+    `probabilistic`: at temperature > 0 a model drafter (draft model, MTP) samples its draft and the
+    target verifies it by rejection sampling against its q; off (llama-server's
+    `--spec-draft-sampling greedy`): it drafts its argmax, which the target's own seeded draw
+    checks, so a seed gives the text it gives without speculation."""
 
     type: str = "off"
     n_max: int = 3
     n_min: int = 0
     p_min: float = 0.75
     adaptive: bool | None = None
+    probabilistic: bool = True
 
     def __post_init__(self):
         if self.type not in SPEC_TYPES:
@@ -90,6 +95,8 @@ class SpecConfig:
             raise UserError(f"draft p-min must be a number in [0, 1], got {self.p_min!r}")
         if self.adaptive is not None and not isinstance(self.adaptive, bool):
             raise UserError(f"speculative adaptive must be true or false, got {self.adaptive!r}")
+        if not isinstance(self.probabilistic, bool):
+            raise UserError(f"speculative probabilistic must be true or false, got {self.probabilistic!r}")
 
     @property
     def active(self) -> bool:
@@ -249,6 +256,8 @@ class HeadConfig(WorkerConfig):
     prefill_deadline: float = 30.0  # seconds for prefill + transfer before the head prefills itself
     sampling: SamplingDefaults = SamplingDefaults()
     chat_template: str | None = None  # --chat-template(-file): a built-in name or jinja source; None: the GGUF's
+    # --jinja or a file: what is not a built-in name is jinja source even without a "{" (llama-server's)
+    chat_template_source: bool = False
     chat_template_kwargs: dict = field(default_factory=dict)  # template variables of every chat (--reasoning)
     verbose: bool = False  # every chat response carries __verbose (llama-server's --verbose)
     overlap: bool | None = None  # --overlap / --no-overlap: decoding steps launched ahead of the host (None: on a GPU)

@@ -13,6 +13,9 @@ executable stands in for the binary, swaps every model source (--hf-repo, --hf-f
     python scripts/llama_server_suite.py test_completion.py -k stream
     python scripts/llama_server_suite.py --all                 # every file of the suite
 
+As upstream's tests.sh, the tests marked slow (tool calls of real 3-8B models) are left out
+unless --slow.
+
 The suite imports `wget` (only to download, which never happens offline): a stub stands in. Its
 session fixture `ServerPreset.load_all` starts every preset once, only to download their models:
 offline that is nine server starts for nothing (minutes for a Python server on a busy machine,
@@ -52,6 +55,8 @@ DEFAULT_FILES = [
 ]
 # What points the suite at a model; all of them become `-m FILE`.
 MODEL_FLAGS = {"--hf-repo", "-hf", "-hfr", "--hf-file", "-hff", "--model-url", "-mu", "--model", "-m"}
+# A draft model (test_speculative's stories15M) becomes `--model-draft FILE`: the model drafts for itself.
+DRAFT_FLAGS = {"--model-draft", "-md", "--spec-draft-model"}
 # Switches of llama-server that take no value (so the wrapper does not drop the next flag with them).
 SWITCHES = {
     "--offline",
@@ -100,6 +105,9 @@ def translate(argv: list[str], model: str, server: str) -> list[str]:
         value = argv[i + 1 : i + 2] if takes_value else []
         i += 1 + len(value)
         if flag in MODEL_FLAGS:
+            continue
+        if flag in DRAFT_FLAGS:
+            out += ["--model-draft", model]
             continue
         if known is None or flag in known:
             out += [flag, *value] if (known is None or known[flag]) else [flag]
@@ -154,8 +162,15 @@ def run_suite(args) -> int:
         if (args.tree / part).exists():
             (root / part).symlink_to(args.tree / part)
     (work / "stub").mkdir()
+    # A GGUF the suite downloads by URL (test_speculative's draft model) is an empty placeholder:
+    # the wrapper swaps its path for the local model. Anything else cannot be had offline.
     (work / "stub" / "wget.py").write_text(
-        "def download(url, out=None):\n    raise RuntimeError(f'offline suite: no download of {url}')\n"
+        "import os\n\n\ndef download(url, out=None):\n"
+        "    if not url.endswith('.gguf'):\n"
+        "        raise RuntimeError(f'offline suite: no download of {url}')\n"
+        "    os.makedirs(os.path.dirname(out) or '.', exist_ok=True)\n"
+        "    open(out, 'wb').close()\n"
+        "    return out\n"
     )
     (work / "stub" / "suite_offline.py").write_text(
         "import utils\n\nutils.ServerPreset.load_all = staticmethod(lambda: None)  # nothing to download\n"
@@ -229,8 +244,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=int, default=300, help="seconds per test")
     ap.add_argument("-v", "--verbose", action="store_true", help="list each test's outcome")
     ap.add_argument("-k", dest="k", default=None, help="pytest -k expression")
+    ap.add_argument(
+        "--slow",
+        action="store_true",
+        help="also the tests marked slow (tests.sh runs them only with SLOW_TESTS=1: real 3-8B models)",
+    )
     args = ap.parse_args(argv)
-    args.pytest_args = ["-k", args.k] if args.k else []
+    args.pytest_args = (["-k", args.k] if args.k else []) + ([] if args.slow else ["-m", "not slow"])
     return run_suite(args)
 
 

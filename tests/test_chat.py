@@ -283,6 +283,10 @@ def test_chat_template_override_by_name_or_source(tmp_path):
     )
     with pytest.raises(ChatError, match="unknown template name"):
         ChatTemplate.for_model(tok, g, "vicuna")
+    # with --jinja (llama-server's rule) such text is a template: it renders as itself
+    literal = ChatTemplate.for_model(tok, g, "This is not a chat template, it is", source=True)
+    assert literal.render(CHAT[:1]) == "This is not a chat template, it is"
+    assert ChatTemplate.for_model(tok, g, "chatml", source=True).source == CHATML_TEMPLATE  # names still win
     with pytest.raises(ChatError, match="does not parse"):
         ChatTemplate.for_model(tok, g, "{% if %}")
 

@@ -297,3 +297,7 @@ def test_without_embedding_flag_the_routes_answer_501(tiny_model, tmp_path):
             r = post(w.url, path, {"input": "hi"})
             assert r.status_code == 501 and r.json()["error"]["type"] == "not_supported_error"
             assert "--embeddings" in r.json()["error"]["message"]
+        for path in ("/rerank", "/reranking", "/v1/rerank", "/v1/reranking"):  # llama-server's names: not built
+            r = post(w.url, path, {"query": "q", "documents": ["d"]})
+            assert r.status_code == 501 and r.json()["error"]["type"] == "not_supported_error"
+            assert "reranking" in r.json()["error"]["message"]

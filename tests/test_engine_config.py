@@ -43,6 +43,22 @@ def test_head_config_from_argv_and_environment(tmp_path):
     assert serve("--spec-type", "ngram", "--draft-adaptive", "on").spec.adapts
 
 
+def test_llama_server_spellings_of_speculative_and_template_flags(tmp_path):
+    """A llama-server command line runs as written: its --spec-type names and --spec-draft-*
+    flags, and --jinja, which makes a --chat-template that is no built-in name jinja source."""
+    cfg = serve("--spec-type", "draft-simple", "-md", "d.gguf", "--spec-draft-n-max", "8", "--spec-draft-n-min", "4")
+    assert (cfg.spec.type, cfg.model_draft, cfg.spec.n_max, cfg.spec.n_min) == ("draft", "d.gguf", 8, 4)
+    assert serve("--spec-type", "ngram-mod").spec.type == "ngram" and serve("--spec-type", "none").spec.type == "off"
+    assert serve("--spec-draft-p-min", "0.5").spec.p_min == 0.5
+    assert serve().spec.probabilistic and not serve("--spec-draft-sampling", "greedy").spec.probabilistic
+    with pytest.raises(SystemExit):
+        serve("--spec-type", "draft-eagle3")  # a drafter we do not have is refused, not guessed
+    assert serve("--jinja", "--chat-template", "x").chat_template_source
+    assert not serve("--no-jinja", "--chat-template", "x").chat_template_source and not serve().chat_template_source
+    (tmp_path / "t.jinja").write_text("plain text")
+    assert serve("--chat-template-file", str(tmp_path / "t.jinja")).chat_template_source
+
+
 def test_http_limits_of_the_head():
     cfg = serve(env={"HYDRA_API_KEY": "k3y"})
     assert (cfg.max_body, cfg.max_queue, cfg.n_predict, cfg.api_key) == (1 << 20, 64, 1024, "k3y")

@@ -51,6 +51,20 @@ def test_requests_take_free_slots_in_arrival_order_and_the_rest_wait():
     assert [r.id for r in reqs] == [1, 2, 3]
 
 
+def test_a_request_pinned_to_a_busy_slot_waits_for_it_and_the_rest_go_on():
+    """llama-server's id_slot: the pinned request takes its slot when it frees, keeping its place
+    in the queue; a request behind it takes another free slot meanwhile."""
+    s = scheduler(n_slots=3)
+    first, pinned, other = Request([1, 2], max_tokens=1, id_slot=1), Request([1, 2], id_slot=1), Request([1, 2])
+    for r in (first, pinned, other):
+        s.add(r)
+    s.admit()
+    assert (s.slots[1].req, list(s.waiting)) == (first, [pinned]) and other.slot in (0, 2)
+    step(s)  # `first` ends (max_tokens 1) and frees slot 1
+    s.admit()
+    assert s.slots[1].req is pinned and pinned.slot == 1 and not s.waiting
+
+
 def test_a_finished_sequence_gives_its_slot_to_the_oldest_waiting_request():
     s = scheduler(n_slots=2)
     short, long_, late1, late2 = (Request([1, 2], max_tokens=n) for n in (1, 5, 5, 5))

@@ -125,6 +125,38 @@ def test_slots_save_erase_restore_over_http(tiny_model, tmp_path):
         assert act("restore", filename="bad.bin").status_code == 400
 
 
+def test_id_slot_pins_a_request_to_its_slot_over_http(tiny_model, tmp_path):
+    """llama-server's id_slot: the request runs in that slot (its save then holds the prompt), choices
+    pinned to one slot take turns in it, and a slot that does not exist is a 400 naming id_slot."""
+    import httpx
+    from rpc_workers import head, running
+
+    with running(
+        head(tiny_model("llama"), tmp_path, (), "--dtype", "float32", "--slot-save-path", str(tmp_path), parallel=2)
+    ) as w:
+
+        def post(path, body):
+            return httpx.post(f"{w.url}{path}", json=body, timeout=60)
+
+        done = post("/completion", {"prompt": "the quick brown fox", "n_predict": 4, "id_slot": 1}).json()
+        assert done["id_slot"] == 1
+        assert post("/slots/1?action=save", {"filename": "one.bin"}).json()["n_saved"] > 0
+        assert post("/slots/0?action=save", {"filename": "zero.bin"}).json()["n_saved"] == 0  # never used
+        chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "n": 2, "id_slot": 0}
+        for _ in range(2):  # both choices want slot 0: one waits for the other, nothing locks up
+            r = post("/v1/chat/completions", chat)
+            assert r.status_code == 200 and len(r.json()["choices"]) == 2
+        assert post("/slots/0?action=save", {"filename": "zero.bin"}).json()["n_saved"] > 0
+        for path, body in (
+            ("/completion", {"prompt": "x"}),
+            ("/v1/completions", {"prompt": "x"}),
+            ("/v1/chat/completions", chat),
+        ):
+            for bad in (2, -2):
+                r = post(path, {**body, "id_slot": bad})
+                assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", (path, bad)
+
+
 def test_states_regroup_to_another_split_and_continue_bit_for_bit(tiny_model):
     """A whole-model state (a prefill worker's) placed on a head [0,1) and a peer [1,4), and back."""
     path = tiny_model("llama", n_layers=4)

@@ -166,7 +166,10 @@ def _speculative_pairs(n: int, k: int, mode: str, seed: int = 0) -> torch.Tensor
                     draft.append(int(torch.multinomial(q, 1, generator=g)))
                     qs.append(q)
             p = torch.stack([_target(tuple(out + draft[:i])) for i in range(k + 1)])
-            q = torch.stack(qs) if qs else None
+            if mode == "point":  # the verifier's sample-and-match: the target's draw per row
+                out += accept_greedy([int(torch.multinomial(row, 1, generator=g)) for row in p], draft)
+                continue
+            q = torch.stack(qs)
             if mode == "broken":  # the drafter reports a q other than the one it sampled from
                 q = torch.full((k, V), 1.0 / V)
             out += accept_sampled(p, draft, q, torch.rand(k + 1, 2, generator=g))
@@ -195,12 +198,11 @@ def test_the_distribution_check_catches_a_biased_sampler():
 def test_accept_sampled_edge_cases():
     u = torch.rand(2, 2, generator=torch.Generator().manual_seed(0))
     p = torch.tensor([[0.0, 1.0, 0.0], [0.0, 0.0, 1.0]])
-    assert accept_sampled(p, [1], None, u) == [1, 2]  # p(x)=1: always accepted
-    assert accept_sampled(p, [0], None, u) == [1]  # p(x)=0: rejected, resampled from p minus x
     q = torch.tensor([[0.0, 1.0, 0.0]])
     assert accept_sampled(p, [1], q, u) == [1, 2]  # p == q: residual empty, accepted anyway
+    assert accept_sampled(p, [0], torch.tensor([[1.0, 0.0, 0.0]]), u) == [1]  # p(x)=0: rejected, drawn from p - q
     with pytest.raises(ValueError):
-        accept_sampled(p, [1, 1], None, u)
+        accept_sampled(p, [1, 1], q.repeat(2, 1), u)
 
 
 # ---------------------------------------------------------------- statistics

@@ -147,6 +147,50 @@ def test_sampled_speculation_is_seed_reproducible_and_logprobs_line_up(target):
         eng.stop()
 
 
+def test_seeded_sampling_with_n_gram_drafts_gives_the_plain_text(target):
+    """temperature > 0 with a deterministic drafter: each verified row draws the target's token with
+    its own seeded randomness and the draft is kept while it matches (llama.cpp's sample-and-match),
+    so the text is token for token the one the same seed gives without speculation."""
+    path, tok = target
+    prompt = tok.encode(PROMPTS[1])
+    plain = Engine(_pipeline(path), tok, N_SLOTS, N_CTX).start()
+    spec = _speculative_engine(target, type="ngram", n_max=4)
+    try:
+        drafted = 0
+        for seed in range(6):  # rejection sampling's redraw parted from the plain text on 2 of these
+            params = SamplingParams(temperature=1.0, seed=seed)
+            want, _ = _run(plain, prompt, None, params)
+            got, timings = _run(spec, prompt, None, params)
+            assert got == want, seed
+            drafted += timings["draft_n"]
+        assert drafted > 0
+    finally:
+        plain.stop()
+        spec.stop()
+
+
+def test_greedy_draft_sampling_keeps_a_seeds_text(target):
+    """`--spec-draft-sampling greedy` (llama-server's default): at temperature > 0 the draft model
+    drafts its argmax and the target's own seeded draw checks it, so each seed gives the plain text
+    (sampled drafts, verified by rejection sampling, part from it)."""
+    path, tok = target
+    prompt = tok.encode(PROMPTS[0])
+    plain = Engine(_pipeline(path), tok, N_SLOTS, N_CTX).start()
+    greedy = _speculative_engine(target, path, type="draft", n_max=3, p_min=0.0, probabilistic=False)
+    try:
+        drafted = 0
+        for seed in range(4):
+            params = SamplingParams(temperature=1.0, seed=seed)
+            want, _ = _run(plain, prompt, None, params, n=24)
+            got, timings = _run(greedy, prompt, None, params, n=24)
+            assert got == want, seed
+            drafted += timings["draft_n"]
+        assert drafted > 0
+    finally:
+        plain.stop()
+        greedy.stop()
+
+
 def test_draft_model_drafter_follows_its_model_and_rolls_back(target):
     path, tok = target
     pipe = _pipeline(path, n_slots=2)
@@ -170,6 +214,17 @@ def test_draft_model_drafter_follows_its_model_and_rolls_back(target):
     assert [d.tokens for d in both] == [greedy[:3], fresh.draft(0, other, 3)]
     # p_min: a draft-model token below it is not proposed.
     assert DraftModelDrafter(pipe, p_min=1.0).draft(1, prompt, 3) == []
+    # ... its probability taken over the top 10 logits, as llama.cpp's draft-simple takes it
+    n = len(prompt)
+    logits = (
+        _pipeline(path, n_slots=1)
+        .forward(torch.tensor(prompt), torch.zeros(n, dtype=torch.long), torch.arange(n), torch.tensor([n - 1]))[0]
+        .float()
+    )
+    full, top10 = float(torch.softmax(logits, -1).max()), float(torch.softmax(logits.topk(10).values, -1)[0])
+    assert full < top10
+    between = DraftModelDrafter(_pipeline(path, n_slots=1), p_min=(full + top10) / 2)
+    assert between.draft(0, prompt, 1) == greedy[:1]
 
 
 def test_draft_model_must_share_the_vocabulary(tiny_model, tmp_path):

@@ -185,7 +185,7 @@ def anthropic_routes(head: Head) -> APIRouter:
     @r.post("/v1/messages")
     async def messages(body: MessagesBody, http: Request):
         chat = to_chat(body)
-        _, reqs, calls = await chat_requests(head, chat, fit_context=True)
+        reqs, calls = await chat_requests(head, chat, fit_context=True)
         req = reqs[0]
         mid = f"msg_{uuid.uuid4().hex}"
         message = {"id": mid, "type": "message", "role": "assistant", "model": head.model_name}

@@ -24,7 +24,15 @@ from . import slot_files
 from .anthropic import anthropic_routes
 from .bodies import MAX_LOGPROBS, ChatBody, CommonBody, sampler_fields
 from .chat_completions import respond_chat
-from .common import chat_requests, choices, ready_engine, sampling_params, speculative_config, stop_list
+from .common import (
+    chat_requests,
+    choices,
+    pinned_slot,
+    ready_engine,
+    sampling_params,
+    speculative_config,
+    stop_list,
+)
 from .cors import Cors
 from .embeddings import embedding_routes
 from .errors import APIError, error_response
@@ -225,6 +233,7 @@ def create_app(head: Head) -> FastAPI:
             ignore_eos=body.ignore_eos,
             prompt_logprobs=body.logprobs if body.echo and body.logprobs is not None else None,
             spec=speculative_config(engine, body),
+            id_slot=pinned_slot(engine, body),
             cache_prompt=body.cache_prompt,
             return_progress=body.stream and body.return_progress,
         )
@@ -233,8 +242,8 @@ def create_app(head: Head) -> FastAPI:
     @app.post("/v1/chat/completions")
     @app.post("/chat/completions", include_in_schema=False)
     async def chat_completions(body: ChatBody, http: Request):
-        prompt, reqs, calls = await chat_requests(head, body)
-        return await respond_chat(head, http, body, reqs, prompt, calls)
+        reqs, calls = await chat_requests(head, body)
+        return await respond_chat(head, http, body, reqs, calls)
 
     if head.cfg.predict_route is not None:  # last: it dispatches to the routes above
         add_predict_route(app, head.cfg.predict_route)

@@ -39,6 +39,7 @@ class CommonBody(BaseModel):
     stream_options: dict[str, Any] | None = None
     ignore_eos: bool = False
     cache_prompt: bool = True  # llama-server: reuse the KV of a prefix a slot already holds
+    id_slot: int = Field(-1, ge=-1)  # llama-server: run in this slot, waiting for it (-1: the best free one)
     timings_per_token: bool = False  # llama-server: `timings` on every streamed chunk, not just the last
     return_progress: bool = False  # llama-server: streamed `prompt_progress` chunks while the prompt is computed
     n: int = Field(1, ge=1, le=MAX_CHOICES, description="choices: one engine request each")

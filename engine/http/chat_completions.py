@@ -30,9 +30,7 @@ def _finish_reason(ev: Event, calls: list) -> str:
     return "tool_calls" if calls and ev.finish_reason == "stop" else ev.finish_reason
 
 
-async def respond_chat(
-    head: Head, http: Request, body: ChatBody, reqs: list[EngineRequest], prompt: str, calls: ToolFormat | None
-):
+async def respond_chat(head: Head, http: Request, body: ChatBody, reqs: list[EngineRequest], calls: ToolFormat | None):
     """`calls`: the template's tool-call format when the request's generations are parsed for calls."""
     cid, created, n = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), len(reqs)
     as_ids = body.return_tokens_as_token_ids
@@ -129,5 +127,7 @@ async def respond_chat(
         "timings": finals[0].timings,
     }
     if body.verbose or head.cfg.verbose:
-        out["__verbose"] = {"prompt": prompt, "content": out["choices"][0]["message"]["content"]}
+        # llama-server's: the prompt as the model saw it, its tokens as text (the BOS included)
+        seen = head.tok.decode(reqs[0].prompt)
+        out["__verbose"] = {"prompt": seen, "content": out["choices"][0]["message"]["content"]}
     return await json_response(out, head.cfg.max_response)

@@ -182,6 +182,13 @@ def speculative_config(engine, body: CommonBody) -> SpecConfig | None:
         raise APIError(400, str(e), param="speculative") from None
 
 
+def pinned_slot(engine, body: CommonBody) -> int:
+    """llama-server's id_slot: the slot the request must run in (it waits for it); -1: any."""
+    if body.id_slot >= engine.n_slots:
+        raise APIError(400, f"id_slot {body.id_slot} does not exist ({engine.n_slots} slots)", param="id_slot")
+    return body.id_slot
+
+
 def stop_list(stop: Stop) -> list[str]:
     stops = [stop] if isinstance(stop, str) else list(stop or [])
     if any(not s for s in stops):
@@ -193,8 +200,8 @@ def stop_list(stop: Stop) -> list[str]:
 
 async def chat_requests(
     head: Head, body: ChatBody, fit_context: bool = False
-) -> tuple[str, list[EngineRequest], ToolFormat | None]:
-    """A chat request's prompt text, its engine requests (one per choice) and the tool-call format
+) -> tuple[list[EngineRequest], ToolFormat | None]:
+    """A chat request's engine requests (one per choice) and the tool-call format
     its generations are parsed with (None: plain text); max_tokens defaults to the server's
     --n-predict, within the context. A max_tokens past the context is refused, or with
     `fit_context` cut to it (generation stops where the context ends, as llama-server's).
@@ -221,6 +228,7 @@ async def chat_requests(
         stop=stop_list(body.stop),
         ignore_eos=body.ignore_eos,
         spec=speculative_config(engine, body),
+        id_slot=pinned_slot(engine, body),
         cache_prompt=body.cache_prompt,
         timings_per_token=body.timings_per_token,
         return_progress=body.stream and body.return_progress,
@@ -230,8 +238,8 @@ async def chat_requests(
     if fmt is not None and choice.parses and grammar_fields(body) == [] and (choice.forces or fmt.triggers):
         # required: calls only; auto: once the model starts a call, it is held to the tools' schemas
         grammar = fmt.grammar(choice, head.tok, lazy=not choice.forces)
-        return prompt, await choices(head, body, req, ("lark", grammar, "tools")), fmt
-    return prompt, await choices(head, body, req), fmt if choice.parses else None
+        return await choices(head, body, req, ("lark", grammar, "tools")), fmt
+    return await choices(head, body, req), fmt if choice.parses else None
 
 
 def ready_engine(head: Head):

@@ -181,4 +181,16 @@ def embedding_routes(head: Head) -> APIRouter:
     async def embeddings(http: Request):
         return await handle(http, oai=False)
 
+    @router.post("/rerank")
+    @router.post("/reranking", include_in_schema=False)  # llama-server's other names for it
+    @router.post("/v1/rerank", include_in_schema=False)
+    @router.post("/v1/reranking", include_in_schema=False)
+    async def rerank():
+        raise APIError(
+            501,
+            "This server does not support reranking: a reranker's score comes from its classification head, "
+            "which no supported architecture loads",
+            "not_supported_error",
+        )
+
     return router

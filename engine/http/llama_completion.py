@@ -16,7 +16,7 @@ from fastapi.responses import Response, StreamingResponse
 from pydantic import Field
 
 from .bodies import MAX_LOGPROBS, CommonBody, sampler_fields
-from .common import constrain, ready_engine, sampling_params, speculative_config, stop_list
+from .common import constrain, pinned_slot, ready_engine, sampling_params, speculative_config, stop_list
 from .errors import APIError
 from .limits import json_response
 from .prompts import tokenize_mixed
@@ -56,7 +56,6 @@ class NativeCompletionBody(CommonBody):
     max_tokens: int | None = Field(None, ge=-1)  # OpenAI's name, an alias of n_predict
     n_probs: int = Field(0, ge=0, le=MAX_LOGPROBS)
     return_tokens: bool = False
-    id_slot: int = -1  # accepted; the scheduler picks the slot holding the longest prefix
     samplers: list[str] | None = None
     response_fields: list[str] | None = None
     post_sampling_probs: bool = False  # n_probs as probabilities of the distribution drawn from
@@ -135,6 +134,7 @@ class _Completion:
             stop=stop_list(body.stop),
             ignore_eos=body.ignore_eos,
             spec=speculative_config(engine, body),
+            id_slot=pinned_slot(engine, body),
             cache_prompt=body.cache_prompt,
             timings_per_token=body.timings_per_token,
             return_progress=body.stream and body.return_progress,

@@ -148,7 +148,7 @@ def responses_routes(head: Head) -> APIRouter:
     @r.post("/v1/responses")
     @r.post("/responses", include_in_schema=False)
     async def responses(body: ResponsesBody, http: Request):
-        _, reqs, calls = await chat_requests(head, to_chat(body))
+        reqs, calls = await chat_requests(head, to_chat(body))
         ids = {"resp": f"resp_{uuid.uuid4().hex}", "msg": f"msg_{uuid.uuid4().hex}"}
         if body.stream:
             run = Run(head, http, reqs[:1], streamed=True)

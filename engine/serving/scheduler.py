@@ -165,7 +165,8 @@ class Scheduler:
 
     def admit(self) -> list[Sequence]:
         """End cancelled sequences (returned: they still owe their consumer a final event), drop
-        cancelled requests from the queue, then fill free slots in arrival order."""
+        cancelled requests from the queue, then fill free slots in arrival order (a request pinned
+        to a busy slot by its id_slot keeps its place; those behind it go on)."""
         # A sequence whose prompt state is on its way keeps its slot until the transfer ends: the
         # state may be going into the slot right now (the engine frees it then).
         cancelled = [s for s in self.running if s.req.cancelled and not s.remote_prefill]
@@ -175,14 +176,20 @@ class Scheduler:
         if any(r.cancelled for r in self.waiting):
             self.waiting = deque(r for r in self.waiting if not r.cancelled)
         free = [i for i, s in enumerate(self.slots) if s is None]
+        pinned_waiting: deque[Request] = deque()  # asked for a slot that is busy: they keep their place
         while free and self.waiting:
             req = self.waiting.popleft()
-            i, reused = self.kv.take(free, req)
+            if req.id_slot >= 0 and req.id_slot not in free:
+                pinned_waiting.append(req)
+                continue
+            i, reused = self.kv.take([req.id_slot] if req.id_slot >= 0 else free, req)
             free.remove(i)
             seq = self.slots[i] = Sequence(req, i)
             req.slot = i
             seq.n_past = seq.n_cached = reused
             self.spec.start(i, seq.tokens)
+        pinned_waiting.extend(self.waiting)
+        self.waiting = pinned_waiting
         return cancelled
 
     def free(self, seq: Sequence) -> None:

@@ -70,6 +70,7 @@ class Request:
     sink: Callable[[Event], None] = lambda ev: None
     id: int = 0
     slot: int = -1  # the slot the scheduler gave it (llama-server reports it as id_slot)
+    id_slot: int = -1  # llama-server's id_slot: the slot it must run in (it waits for that one); -1: any
     cancelled: bool = False
     t_submit: float = field(default_factory=time.perf_counter)  # arrival: time to first token counts from here
 

@@ -54,10 +54,15 @@ class Drafter:
         raise NotImplementedError
 
 
-def draft_step(draft: Draft, qs: list, req: DraftRequest, logits: torch.Tensor, p_min: float, top_k: int = 0) -> bool:
+# llama.cpp's drafters (draft-simple, MTP) pick greedily through a top-10 sampler and compare that
+# candidate's probability over those 10 logits with p-min: a drafter drafts as far as there.
+DRAFT_TOP_K = 10
+
+
+def draft_step(draft: Draft, qs: list, req: DraftRequest, logits: torch.Tensor, p_min: float) -> bool:
     """Append the next draft token unless its probability falls below p-min (the request's, else the
     drafter's); True while the draft goes on."""
-    tok, prob, q = pick(logits, req, req.tokens + draft.tokens, top_k)
+    tok, prob, q = pick(logits, req, req.tokens + draft.tokens)
     if prob < (p_min if req.p_min is None else req.p_min):
         return False
     draft.tokens.append(tok)
@@ -66,10 +71,9 @@ def draft_step(draft: Draft, qs: list, req: DraftRequest, logits: torch.Tensor, 
     return len(draft.tokens) < req.k
 
 
-def pick(logits: torch.Tensor, req: DraftRequest, history: list[int], top_k: int = 0):
-    """(token, its draft probability, the distribution it was drawn from or None for argmax).
-    `top_k` > 0: a greedy pick's probability is over the top k logits only (llama.cpp's MTP
-    drafter samples through a top-10 sampler and compares that candidate's p with p-min)."""
+def pick(logits: torch.Tensor, req: DraftRequest, history: list[int]):
+    """(token, its draft probability, the distribution it was drawn from or None for argmax). A
+    greedy pick's probability is over the top `DRAFT_TOP_K` logits only, as llama.cpp's."""
     s = req.sampler
     if s is not None and not s.params.greedy:
         rows = Rows.build([s], [history], logits.device)
@@ -80,10 +84,8 @@ def pick(logits: torch.Tensor, req: DraftRequest, history: list[int], top_k: int
     # lowest id (torch.argmax), which `topk` does not promise. 16-bit logits tie often (a GPU's output
     # head gives bfloat16): the top two were equal in 23 of 512 rows of a 50k-token synthetic file.
     tok = int(logits.argmax())
-    if top_k:
-        top = logits.float().topk(min(top_k, logits.shape[-1]))
-        return tok, float(torch.softmax(top.values, dim=-1)[0]), None
-    return tok, float(torch.softmax(logits.float(), dim=-1)[tok]), None
+    top = logits.float().topk(min(DRAFT_TOP_K, logits.shape[-1]))
+    return tok, float(torch.softmax(top.values, dim=-1)[0]), None
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:

@@ -6,7 +6,7 @@ import torch
 
 from ..config import MAX_DRAFT
 from ..errors import UserError
-from .drafter import Draft, Drafter, DraftRequest, draft_step
+from .drafter import DRAFT_TOP_K, Draft, Drafter, DraftRequest, draft_step
 
 # Other GGUF architectures whose converters (llama.cpp convert_hf_to_gguf.py) can keep a
 # multi-token-prediction ("NextN") head, stored as `blk.N.nextn.*` tensors and counted in
@@ -37,7 +37,6 @@ class MtpDrafter(Drafter):
     its state moves), so its KV is as if it had followed every step (older rows than that stay
     stale: poorer drafts, never wrong output)."""
 
-    TOP_K = 10
     CATCH_UP = 256  # rows a resting slot keeps for its catch-up (adaptive.PROBE_MAX steps and more)
 
     def __init__(self, nextn, p_min: float = 0.75):
@@ -164,7 +163,7 @@ class MtpDrafter(Drafter):
             logits = self.nextn.logits(hn)
             still, next_rows = [], []
             for row, i in enumerate(live):
-                if draft_step(out[i], qs[i], requests[i], logits[row], self.p_min, self.TOP_K):
+                if draft_step(out[i], qs[i], requests[i], logits[row], self.p_min):
                     still.append(i)
                     next_rows.append(row)
             toks = [out[i].tokens[-1] for i in still]
@@ -193,7 +192,7 @@ class MtpDrafter(Drafter):
             h = self.nextn.run(toks, h, slots, pos + step)
             logits = self.nextn.logits(h)
             toks = logits.argmax(-1)  # the lowest id among ties, as the target's greedy pick
-            top = logits.float().topk(min(self.TOP_K, logits.shape[-1]), dim=-1).values
+            top = logits.float().topk(min(DRAFT_TOP_K, logits.shape[-1]), dim=-1).values
             picks.append(toks)
             probs.append(torch.softmax(top, dim=-1)[:, 0])
         out = [Draft() for _ in requests]

@@ -116,7 +116,7 @@ class Speculator:
             if k < max(cfg.n_min, 1):
                 continue
             seq = seqs[i]
-            req = DraftRequest(seq.slot, seq.tokens, k, seq.sampler, cfg.p_min)
+            req = DraftRequest(seq.slot, seq.tokens, k, seq.sampler if cfg.probabilistic else None, cfg.p_min)
             by_type.setdefault(cfg.type, []).append((i, req, cfg))
         if self.mtp is not None:  # a slot that drafts nothing this step leaves the block's run for later
             drafting = {seqs[i].slot for items in by_type.values() for i, _, _ in items}
@@ -145,7 +145,11 @@ class Speculator:
             emitted = accept_greedy(logits.argmax(-1).tolist(), draft.tokens)
         else:
             rows = Rows.build([sampler] * (k + 1), [history + draft.tokens[:i] for i in range(k + 1)], logits.device)
-            if params.greedy:
+            if params.greedy or draft.q is None:
+                # The target's own draw at each row (its seeded randomness at that index), kept while
+                # the draft agrees (llama.cpp's sample-and-match). For a draft chosen without a q, that
+                # is rejection sampling's rule (accept x with p(x), else a draw of p without x), and
+                # the text is token for token the one the same seed gives without speculation.
                 emitted = accept_greedy(sample(logits, rows).tokens.tolist(), draft.tokens)
             else:
                 u = torch.from_numpy(

@@ -138,15 +138,17 @@ class ChatTemplate:
         self.name = name
 
     @classmethod
-    def for_model(cls, tok: Tokenizer, g, override: str | None = None) -> ChatTemplate:
+    def for_model(cls, tok: Tokenizer, g, override: str | None = None, source: bool = False) -> ChatTemplate:
         """`override` (`--chat-template`: a built-in name or jinja source), else the GGUF's
-        `tokenizer.chat_template`, else the built-in one for its architecture."""
+        `tokenizer.chat_template`, else the built-in one for its architecture. Without `source`
+        (`--jinja`), an override with no "{" must be a built-in name: a typo is an error, not a
+        template that renders the typo."""
         bos = tok.token_text(tok.bos_id) if tok.bos_id is not None else ""
         eos = tok.token_text(tok.eos_id) if tok.eos_id is not None else ""
         strip = bool(tok.add_bos and bos)
         if override in FALLBACK_TEMPLATES:
             return cls(FALLBACK_TEMPLATES[override], bos, eos, strip, name=override)
-        if override and "{" not in override:  # a name, not jinja source
+        if override and not source and "{" not in override:  # a name, not jinja source
             raise ChatError(
                 f"--chat-template {override!r}: unknown template name (built-in: "
                 f"{', '.join(FALLBACK_TEMPLATES)}; or give jinja source or --chat-template-file)"

@@ -73,7 +73,7 @@ class HeadWorker:
         path = model_path(cfg.model.model)
         self.gguf = g = GGUFFile(path)
         self.tok = Tokenizer.from_gguf(g)
-        self.chat_template = ChatTemplate.for_model(self.tok, g, cfg.chat_template)
+        self.chat_template = ChatTemplate.for_model(self.tok, g, cfg.chat_template, cfg.chat_template_source)
         self.fim_tokens = fim_tokens(self.tok, g.metadata)
         mcfg = ModelConfig.from_gguf(g)
         self.model_name = self.model_name or path.stem
