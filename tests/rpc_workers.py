@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -15,29 +16,53 @@ from pathlib import Path
 
 import httpx
 
+# Ports handed out lie below Linux's ephemeral range (32768-60999), where every outgoing connection
+# (a test's HTTP client, a head's RPC link) takes its local port: a port picked there by binding to
+# 0 could be a client's by the time the worker binds it ("Address already in use", seen under load).
+# Each xdist worker walks its own block from a random start, so parallel test files do not meet.
+PORT_BASE, PORT_SPAN = 20000, 12000
+
+
+def _port_walk():
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw")
+    count = max(1, int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+    size = PORT_SPAN // count
+    first = PORT_BASE + (int(worker) % count if worker.isdigit() else 0) * size
+    offset = random.randrange(size)
+    while True:
+        for i in range(size - 1):  # port + 1 stays inside the block
+            yield first + (offset + i) % (size - 1)
+
+
+_ports = _port_walk()
+
+
+def _bindable(port: int) -> socket.socket | None:
+    s = socket.socket()
+    try:
+        s.bind(("127.0.0.1", port))
+        return s
+    except OSError:
+        s.close()
+        return None
+
 
 def free_ports(n: int, *, pairs: bool = False) -> list[int]:
-    """`n` distinct loopback ports that were free a moment ago; with `pairs`, port + 1 was free
-    too (a worker's HTTP port and its default RPC port)."""
+    """`n` distinct loopback ports that were free a moment ago and are not handed out again soon by
+    this process; with `pairs`, port + 1 was free too (a worker's HTTP port and its default RPC port)."""
     held: list[socket.socket] = []
     out: list[int] = []
     try:
-        for _ in range(50 * n):
+        for _ in range(200 * n):
             if len(out) == n:
                 return out
-            s = socket.socket()
-            held.append(s)
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-            if pairs:
-                nxt = socket.socket()
-                try:
-                    nxt.bind(("127.0.0.1", port + 1))
-                except OSError:
-                    nxt.close()
-                    continue
-                held.append(nxt)
-            out.append(port)
+            port = next(_ports)
+            socks = [_bindable(p) for p in ((port, port + 1) if pairs else (port,))]
+            held += [x for x in socks if x is not None]
+            if all(socks):
+                out.append(port)
+                if pairs:
+                    next(_ports)  # port + 1 is taken
         raise RuntimeError(f"no {n} free port{' pair' if pairs else ''}s on 127.0.0.1")
     finally:
         for s in held:
