@@ -3,6 +3,8 @@ triage screen. Plain text: the bars' heights and the words beside them say what 
 
 from __future__ import annotations
 
+import math
+
 from .display import fmt_duration
 
 LEVELS = "▁▂▃▄▅▆▇█"
@@ -14,12 +16,13 @@ def chart_cells(width: int) -> int:
     return 30 if width < 100 else 60
 
 
-def _ms(x: float) -> str:
-    return f"{x:.0f}" if x >= 10 else f"{x:.1f}"
+def _scale_top(x: float) -> str:
+    """Rounded up: the stated scale covers the worst bar."""
+    return f"{math.ceil(x)}" if x >= 10 else f"{math.ceil(x * 10) / 10:.1f}"
 
 
 def rtt_chart(samples: list[tuple[float, float | None]], alert_ms: float, cells: int) -> tuple[str, str]:
-    """("▁▁▁█▇▇▁ 0–812 ms · 1 spike ≥ 50 ms ⚠ · 59s", "warn") over the newest `cells` of `samples`
+    """("▁▁▁█▇▇▁ 0–813 ms · 1 spike ≥ 50 ms ⚠ · 59s", "warn") over the newest `cells` of `samples`
     (time, worst round trip in ms or None), oldest left. The bars scale from 0 to the alert or the
     worst shown, whichever is higher: a healthy link is a row of low bars and a spike stands up.
     A spike is a run of polls at or above the alert (the head's worst of ~10 s holds one stall for
@@ -39,6 +42,6 @@ def rtt_chart(samples: list[tuple[float, float | None]], alert_ms: float, cells:
     )
     span = f" · {fmt_duration(shown[-1][0] - shown[0][0])}" if len(shown) > 1 else ""
     if not spikes:
-        return (f"{bars} 0–{_ms(top)} ms{span}", "ok")
+        return (f"{bars} 0–{_scale_top(top)} ms{span}", "ok")
     plural = "s" if spikes > 1 else ""
-    return (f"{bars} 0–{_ms(top)} ms · {spikes} spike{plural} ≥ {alert_ms:g} ms ⚠{span}", "warn")
+    return (f"{bars} 0–{_scale_top(top)} ms · {spikes} spike{plural} ≥ {alert_ms:g} ms ⚠{span}", "warn")

@@ -24,7 +24,7 @@ def test_a_spike_stands_up_over_a_healthy_link_and_the_scale_is_stated():
     samples = [(float(t), 0.3) for t in range(10)]
     samples[4:7] = [(4.0, 812.5), (5.0, 812.5), (6.0, 400.0)]  # one stall, held by the head's 10 s window
     text, tone = rtt_chart(samples, alert_ms=50.0, cells=60)
-    assert (text, tone) == ("▁▁▁▁██▄▁▁▁ 0–812 ms · 1 spike ≥ 50 ms ⚠ · 9s", "warn")
+    assert (text, tone) == ("▁▁▁▁██▄▁▁▁ 0–813 ms · 1 spike ≥ 50 ms ⚠ · 9s", "warn")
 
 
 def test_a_healthy_link_reads_against_the_alert_and_gaps_are_dots():
@@ -68,10 +68,10 @@ async def test_the_dashboard_and_triage_chart_a_peers_rtt_spike():
             await sup.poll_once()
         app.refresh_view()
         info = app.dashboard.query_one("#info")
-        await until(pilot, lambda: "rtt ▁█▁ 0–812 ms · 1 spike ≥ 50 ms ⚠" in str(info.render()))
+        await until(pilot, lambda: "rtt ▁█▁ 0–813 ms · 1 spike ≥ 50 ms ⚠" in str(info.render()))
         await pilot.press("i")
         assert isinstance(app.screen, TriageScreen)
         chart = str(app.screen.query_one("#triage-rtt").render())
-        assert "Peer RTT (worst per poll)\n10.0.0.7:8091 ▁█▁ 0–812 ms · 1 spike ≥ 50 ms ⚠" in chart
+        assert "Peer RTT (worst per poll)\n10.0.0.7:8091\n  ▁█▁ 0–813 ms · 1 spike ≥ 50 ms ⚠" in chart
         assert "peer 10.0.0.7:8091 RTT 812.5 ms" in str(app.screen.query_one("#triage-timeline").render())
         await pilot.press("escape", "q")

@@ -65,7 +65,7 @@ class TriageScreen(Screen):
         chart, cells = Text("Peer RTT (worst per poll)", style="bold"), rtt_text.chart_cells(self.size.width)
         for addr, hist in peers:
             line, tone = rtt_text.rtt_chart(hist, app.supervisor.profile.alerts.rtt_ms, cells)
-            chart.append(f"\n{addr} ")
+            chart.append(f"\n{addr}\n  ")
             chart.append(line, style=app.tone_style(tone))
         rtt.update(chart)
         since = f" since {time.strftime('%Y-%m-%d %H:%M', time.localtime(incidents[0].ts))}" if incidents else ""
