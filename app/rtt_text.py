@@ -32,9 +32,7 @@ def rtt_chart(samples: list[tuple[float, float | None]], alert_ms: float, cells:
     if not rtts:
         return ("no round trip measured yet", "muted")
     top = max(alert_ms, *rtts)
-    bars = "".join(
-        GAP if ms is None else LEVELS[min(max(round(ms / top * len(LEVELS)), 1), len(LEVELS)) - 1] for _, ms in shown
-    )
+    bars = "".join(GAP if ms is None else LEVELS[max(round(ms / top * len(LEVELS)), 1) - 1] for _, ms in shown)
     spikes = sum(
         1
         for i, (_, ms) in enumerate(shown)
