@@ -109,6 +109,7 @@ class Worker:
     probe_split_changes: int = 0  # the supervisor's split_changes when `probe` was asked for
     prefill_hist: deque = field(default_factory=lambda: deque(maxlen=HISTORY))
     decode_hist: deque = field(default_factory=lambda: deque(maxlen=HISTORY))
+    rtt_hist: dict[str, deque] = field(default_factory=dict)  # a head's peers: addr -> (time, worst RTT ms | None)
     history: deque = field(
         default_factory=lambda: deque(maxlen=HISTORY)
     )  # (time, Status) as polled: triage's advice (incidents.py keeps incidents longer)

@@ -5,13 +5,14 @@ Each change raises its event through `emit`."""
 
 from __future__ import annotations
 
+from collections import deque
 from typing import Callable
 
 import psutil
 
 from ..contracts.status import Status
 from .config import SupervisorSettings
-from .records import State, Worker, describe_exit
+from .records import HISTORY, State, Worker, describe_exit
 from .sources import Probe
 
 MISSES_TOLERATED = 3  # polls in a row a worker that answered before may miss before its state changes
@@ -28,6 +29,17 @@ def started(w: Worker, proc, argv: list[str], run_id: str, started_at: float, cr
         w._ps = psutil.Process(proc.pid) if w.spec.is_local else None
     except psutil.Error:
         w._ps = None
+
+
+def record_rtts(w: Worker, ts: float, status: Status) -> None:
+    """Each peer's worst round trip this poll knows of (`rtt_peak_ms`: a spike between two polls
+    included); None while it is not up. A peer the head no longer drives is forgotten."""
+    addrs = {p.addr for p in status.peers}
+    for gone in w.rtt_hist.keys() - addrs:
+        del w.rtt_hist[gone]
+    for p in status.peers:
+        hist = w.rtt_hist.setdefault(p.addr, deque(maxlen=HISTORY))
+        hist.append((ts, p.rtt_peak_ms if p.state == "up" else None))
 
 
 def apply_probe(
@@ -54,6 +66,7 @@ def apply_probe(
         w.history.append((ts, p.status))
         w.prefill_hist.append(p.status.throughput.prefill_tok_s)
         w.decode_hist.append(p.status.throughput.decode_tok_s)
+        record_rtts(w, ts, p.status)
         on_status(w.name, ts, p.status)
     if w._ps is not None:
         try:

@@ -183,7 +183,8 @@ TEXT = re.compile(
 )
 VOLATILE = [
     (re.compile(r"(rtt [\d.]+ ms)(?: \(max [\d.]+\))?(?: ⚠)?"), r"\1"),  # a spike since the last poll
-    (re.compile(r"[▁▂▃▄▅▆▇█░]+"), "▮"),  # sparklines, usage bars, scrollbars
+    (re.compile(r" · \d+ spikes? ≥ [\d.]+ ms ⚠"), ""),  # an RTT chart's spikes: a loaded CPU may have one
+    (re.compile(r"·*[▁▂▃▄▅▆▇█░][▁▂▃▄▅▆▇█░·]*"), "▮"),  # sparklines, usage bars, scrollbars; an RTT chart's gaps
     (re.compile(r"\d+(?:\.\d+)? (?:B|KiB|MiB|GiB|TiB)\b"), "#B"),  # sizes: a machine's memory, a process's RSS
     (re.compile(r"\b\d+[dhm]\d\d[hms]\b|\b\d+s\b"), "#s"),  # uptimes
     (re.compile(r"(?<![A-Za-z0-9])\d+(?:\.\d+)*k?"), "#"),  # pids, addresses, rates, latencies, times, counts

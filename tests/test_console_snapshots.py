@@ -132,6 +132,11 @@ async def settle(pilot) -> None:
     await app.supervisor.poll_once()
     app.supervisor.head.prefill_hist = deque([0, 800, 3900, 4100, 4210, 3000, 4500, 4210] * 4)
     app.supervisor.head.decode_hist = deque([150, 160, 187, 175, 190, 187, 120, 187.5] * 4)
+    wan = [40.1, 41.0, 39.8, 72.5, 72.5, 43.0, 40.4, 40.9]  # a spike over the 50 ms alert, held two polls
+    app.supervisor.head.rtt_hist = {
+        "127.0.0.1:8091": deque((T0 - 31 + i, 0.4) for i in range(32)),
+        "10.0.0.7:8091": deque((T0 - 31 + i, ms) for i, ms in enumerate(wan * 4)),
+    }
     app.refresh_view()
     await pilot.pause()
 

@@ -1,4 +1,4 @@
-"""Dashboard: worker table, per-device memory, throughput sparklines, pool/peers, event timeline."""
+"""Dashboard: worker table, per-device memory, throughput sparklines, pool/peers and their RTT, event timeline."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from textual.containers import Horizontal, Vertical
 from textual.screen import Screen
 from textual.widgets import DataTable, Footer, Header, Label, RichLog, Sparkline, Static
 
-from .. import display, log_text, memory_text
+from .. import display, log_text, memory_text, rtt_text
 from . import triage
 
 SPARK_SAMPLES = 60  # the sparklines show the last minute at 1 Hz
@@ -157,9 +157,14 @@ class DashboardScreen(Screen):
         if slots := display.draft_slots_text(status):
             info.append(f"\n{slots}")
         info.append(f"\n{display.pool_text(status)}")
-        for line, tone in display.peer_lines(status, sup.profile.alerts, display.peer_pools(sup)):
+        peers = status.peers if status else []
+        cells = rtt_text.chart_cells(self.size.width)
+        for p, (line, tone) in zip(peers, display.peer_lines(status, sup.profile.alerts, display.peer_pools(sup))):
             info.append("\npeer ")
             info.append(line, style=app.tone_style(tone))
+            chart, tone = rtt_text.rtt_chart(sup.head.rtt_hist.get(p.addr, ()), sup.profile.alerts.rtt_ms, cells)
+            info.append("\n     rtt ")
+            info.append(chart, style=app.tone_style(tone))
         self.query_one("#info", Static).update(info)
 
         # The advisor strip: the first thing to change, when there is one (i: all, with the timeline).

@@ -1,6 +1,7 @@
-"""Incident triage: advice that names the setting to change, over a timeline that puts restarts,
-crash loops, peers down/up, RTT spikes, pool drops, a full queue or context, acceptance collapse
-and latency spikes in one order (rules: app/triage.py)."""
+"""Incident triage: advice that names the setting to change, each peer's RTT over the last polls
+(its spikes stand up), and a timeline that puts restarts, crash loops, peers down/up, RTT spikes,
+pool drops, a full queue or context, acceptance collapse and latency spikes in one order (rules:
+app/triage.py)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from textual.containers import VerticalScroll
 from textual.screen import Screen
 from textual.widgets import Footer, Header, Static
 
-from .. import log_text, triage
+from .. import log_text, rtt_text, triage
 
 SHOWN = 500  # newest incidents rendered (the log keeps days of them; `hydra-console incidents` prints all)
 INCIDENT_TONES = {
@@ -40,6 +41,7 @@ class TriageScreen(Screen):
     def compose(self) -> ComposeResult:
         yield Header()
         yield Static(id="triage-advice")
+        yield Static(id="triage-rtt")
         with VerticalScroll(id="triage-scroll"):
             yield Static(id="triage-timeline")
         yield Footer()
@@ -57,6 +59,15 @@ class TriageScreen(Screen):
         self.query_one("#triage-advice", Static).update(
             strip if now_advice else Text("⚑ nothing to change now", style="dim")
         )
+        rtt = self.query_one("#triage-rtt", Static)
+        peers = list(app.supervisor.head.rtt_hist.items())
+        rtt.display = bool(peers)
+        chart, cells = Text("Peer RTT (worst per poll)", style="bold"), rtt_text.chart_cells(self.size.width)
+        for addr, hist in peers:
+            line, tone = rtt_text.rtt_chart(hist, app.supervisor.profile.alerts.rtt_ms, cells)
+            chart.append(f"\n{addr}\n  ")
+            chart.append(line, style=app.tone_style(tone))
+        rtt.update(chart)
         since = f" since {time.strftime('%Y-%m-%d %H:%M', time.localtime(incidents[0].ts))}" if incidents else ""
         older = len(incidents) - SHOWN
         more = f" (the newest {SHOWN}; hydra-console incidents --since prints all)" if older > 0 else ""
