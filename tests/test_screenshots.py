@@ -6,7 +6,7 @@ layout fails here until the screenshots are regenerated:
 
     python scripts/screenshots.py && git add screenshots/
 
-Compared: the dashboard at both sizes and the split editor. The other shots show the run itself
+Compared: the dashboard at 120x40 and the split editor (the 80x24 one: see COMPARED). The other shots show the run itself
 (log lines, worker command lines and paths, measured timings, incidents) or a dialog over the
 dashboard's live numbers, whose cut-off edges change with the numbers' widths.
 """
@@ -21,7 +21,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 COMMITTED = ROOT / "screenshots"
-COMPARED = ("dashboard-120x40", "split-editor", "dashboard-80x24")
+# Not the 80x24 dashboard: its peer line (address, RTT, layers, pool) is ~78 columns and wraps when
+# a port or an RTT has one more digit, so its lines depend on the run (seen failing one run in five).
+COMPARED = ("dashboard-120x40", "split-editor")
 
 
 def _script():
