@@ -26,6 +26,8 @@ from pathlib import Path
 import httpx
 from bench_api import PROMPTS, Server, concurrency, ttft_prompts  # benchmarks/ is the script's directory
 
+from hydra_console.contracts.gguf_header import GGUFHeader
+
 
 def llama_server(root: str) -> list[str]:
     for candidate in (Path(root) / "bin" / "llama-server", Path(root) / "llama-server"):
@@ -138,6 +140,15 @@ def main() -> None:
     args, extra = ap.parse_known_args()
     args.hydra_flags = [a for a in extra if a != "--"]
     engines = [e for e in ("llama.cpp", "hydra") if args.only in (None, e)]
+    header = GGUFHeader(args.model)
+    trained = header.get(f"{header.architecture}.context_length")
+    if "llama.cpp" in engines and trained and trained < max(args.ctx, args.prompt_tokens + 1):
+        # llama-server caps a slot at the file's training context: its TTFT would be a 400
+        raise SystemExit(
+            f"{args.model} says its training context is {trained} tokens, under --ctx {args.ctx} / "
+            f"--prompt-tokens {args.prompt_tokens}: llama-server caps a slot there (write the file with a "
+            "larger n_ctx, e.g. write_synthetic(..., n_ctx=262144))"
+        )
     results: dict[str, dict] = {}
     for mode in ["plain", *(["mtp"] if args.spec else [])]:
         for engine in engines:
