@@ -1,8 +1,8 @@
 """Adaptive draft lengths (engine/spec/adaptive.py): the policy as a plain function of given
 acceptances and costs, the probe schedule, the cost table's guesses; the synthetic writer's MTP
 block that is right with a chosen probability; and end to end only invariants that no machine's
-speed moves: exact greedy text, drafts stop when none is ever accepted, and go on at n-max when
-every one is."""
+speed moves: exact greedy text, drafts stop when none is ever accepted, and go on when every one
+is."""
 
 from __future__ import annotations
 
@@ -202,8 +202,7 @@ def test_adaptive_greedy_equals_plain_greedy(models):
 
 def test_no_acceptance_drafts_stop_and_full_acceptance_keeps_n_max(models):
     """Every draft rejected: after a few, the slots draft only their probes (k 0 in /status's per-slot
-    part). Every draft right, with a verify of 4 tokens far cheaper than 4 steps (this small model):
-    the drafts stay at n-max."""
+    part). Every draft right: the slots go on drafting."""
     prompts = [[5, 17], [300, 12]]
     ks = lambda eng: [s.k for s in speculative(eng).slots]  # noqa: E731  (what /status shows)
     _, none, seen = run(models[0.0], prompts, SpecConfig("mtp", p_min=0.0), max_tokens=96, n_slots=2, watch=ks)
@@ -213,10 +212,12 @@ def test_no_acceptance_drafts_stop_and_full_acceptance_keeps_n_max(models):
     assert late and late.count(0) >= 0.8 * len(late)
     _, full, seen = run(models[1.0], prompts, SpecConfig("mtp", p_min=0.0), max_tokens=96, n_slots=2, watch=ks)
     print("acceptance 1:", full)
-    # The policy reads measured step costs, which a loaded machine makes noisy (a step timed while
-    # another process ran can tip one choice): n-max must be what the slots draft most of the time.
+    # How many the slots draft at full acceptance follows this machine's measured step costs (on a
+    # loaded 2-core box a verify of 8 tokens costs nearly 4 plain steps, and 1-2 drafts are the best
+    # rate: seen in CI), so n-max itself is the unit tests' (test_one_stream_drafts_what_pays_for_its_verify);
+    # here, that drafting goes on when every draft is right.
     late = [k for ks_ in seen[len(seen) // 2 :] for k in ks_]
-    assert full.acceptance == 1.0 and late and late.count(3) > len(late) / 2, late
+    assert full.acceptance == 1.0 and late and late.count(0) <= len(late) / 2, late
 
 
 def test_a_resting_slot_catches_up_the_blocks_kv(tiny_model):
