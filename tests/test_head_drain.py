@@ -37,6 +37,9 @@ from hydra_console.engine.serving.sequence import Request as EngineRequest
 N_CTX, N_SLOTS = 4096, 2
 GRACE_S = 1.0
 MAX_TOKENS = N_CTX - 64  # with ignore_eos: thousands of tokens, still decoding when the grace ends
+# Wide enough that those thousands take many seconds: the tiniest model decoded them in ~2 s, and on
+# a loaded box two streams could end before the openai client's chat was in (CI saw 4 of 5 there).
+SLOW_MODEL = dict(n_ctx=N_CTX, n_layers=8, n_embd=256, n_ff=1024)
 CONSOLE_KILL_S = 10.0  # app/supervisor.py: SIGKILL this long after the SIGTERM
 
 
@@ -122,7 +125,7 @@ def _check_stream(out: dict) -> str:
 
 @pytest.mark.integration
 def test_sigterm_drains_in_flight_requests(tiny_model, tmp_path):
-    model = tiny_model("llama", n_ctx=N_CTX)
+    model = tiny_model("llama", **SLOW_MODEL)
     w = head(model, tmp_path, (), "--dtype", "float32", "--drain-grace", str(GRACE_S), parallel=N_SLOTS, ctx=N_CTX)
     with running(w):
         # two streams and two plain requests: two take the slots, two wait in the queue
