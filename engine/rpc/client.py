@@ -14,6 +14,7 @@ peer_state_ops.py's.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import socket
@@ -267,7 +268,7 @@ class RemoteStage(PipelinedSends, SlotStateOps):
                 raise PeerUnavailable(f"peer {self.addr} is down ({self.error}); retry when it is back")
             ipc = self._ipc
             via_ipc = ipc is not None and h.device == ipc.inbox.device and ipc.fits(h)
-            try:
+            with self._lost_on_error("failed mid-request"):
                 self._settle()  # the pipelined chunks before this one, whose replies come first
                 t0 = time.perf_counter()
                 if via_ipc:
@@ -286,11 +287,6 @@ class RemoteStage(PipelinedSends, SlotStateOps):
                     out = host_buffer(hidden.shape, hidden.dtype, h.device)
                     self._reader.read_into(memoryview(out.view(-1).view(torch.uint8).numpy()))
                     out = out.to(h.device, h.dtype, non_blocking=True)  # from page-locked memory: the device orders it
-            except (OSError, FrameError, PeerUnavailable) as e:
-                self._down(f"{type(e).__name__}: {e}")
-                raise PeerUnavailable(f"peer {self.addr} failed mid-request: {e}") from None
-            finally:
-                self._account()
             self.compute_ms = compute_us / 1e3
             self._rtts.note(max((time.perf_counter() - t0 - busy) * 1e3 - self.compute_ms, 0.0))
         if failed is not None:
@@ -408,11 +404,18 @@ class RemoteStage(PipelinedSends, SlotStateOps):
             raise PeerMismatch(f"peer {self.addr} answered {request.OP} badly: {e}") from None
 
     def _guarded(self, fn):
-        try:
+        with self._lost_on_error("failed"):
             return fn()
+
+    @contextlib.contextmanager
+    def _lost_on_error(self, what: str):
+        """A broken exchange marks the peer down and raises PeerUnavailable ("peer ADDR {what}: ...");
+        its bytes are counted either way."""
+        try:
+            yield
         except (OSError, FrameError, PeerUnavailable) as e:
             self._down(f"{type(e).__name__}: {e}")
-            raise PeerUnavailable(f"peer {self.addr} failed: {e}") from None
+            raise PeerUnavailable(f"peer {self.addr} {what}: {e}") from None
         finally:
             self._account()
 

@@ -11,7 +11,6 @@ from ...contracts.rpc import CAP_FORWARD_ACK, Cmd, StaleEpoch
 from ..device import to_host
 from .compute import pack_forward
 from .peer_errors import PeerError, PeerUnavailable
-from .wire import FrameError
 
 
 class PipelinedSends:
@@ -31,7 +30,7 @@ class PipelinedSends:
         with self._lock:
             if self.state != "up":
                 raise PeerUnavailable(f"peer {self.addr} is down ({self.error}); retry when it is back")
-            try:
+            with self._lost_on_error("failed mid-request"):
                 if self._unread >= self.pipeline_depth:
                     self._read_acks(1)
                 hidden = to_host(h)
@@ -39,23 +38,13 @@ class PipelinedSends:
                 self._unread += 1
                 self.pipelined += 1
                 self._pipelined_at = time.monotonic()
-            except (OSError, FrameError, PeerUnavailable) as e:
-                self._down(f"{type(e).__name__}: {e}")
-                raise PeerUnavailable(f"peer {self.addr} failed mid-request: {e}") from None
-            finally:
-                self._account()
 
     def settle(self) -> None:
         """Read the replies of the pipelined chunks still outstanding (see `_settle`)."""
         with self._lock:
             if self._unread:
-                try:
+                with self._lost_on_error("failed mid-request"):
                     self._settle()
-                except (OSError, FrameError, PeerUnavailable) as e:
-                    self._down(f"{type(e).__name__}: {e}")
-                    raise PeerUnavailable(f"peer {self.addr} failed mid-request: {e}") from None
-                finally:
-                    self._account()
 
     def _settle(self) -> None:
         """Every outstanding FORWARD_ACK reply, read (the caller holds the lock). A peer that
