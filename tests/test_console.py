@@ -545,6 +545,18 @@ def _console_in_a_pty(profile, tmp_path, env: dict | None = None, output: bytear
     return pid, fd, worker_pids
 
 
+def _end_console(pid: int, fd: int, worker_pids: dict, close_pty: bool = True) -> None:
+    """Whatever a pty test left: its workers' process groups, the console, the pty."""
+    kill_groups(worker_pids.values())
+    try:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+    except OSError:
+        pass
+    if close_pty:
+        os.close(fd)
+
+
 def _wait_exit(pid: int) -> bool:
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
@@ -578,14 +590,7 @@ async def test_a_dropped_ssh_session_detaches_and_the_next_console_adopts_the_wo
             await nxt.shutdown()  # it stops what it adopted
         assert all(_gone(p) for p in worker_pids.values()) and not nxt.state_path.exists()
     finally:
-        kill_groups(worker_pids.values())
-        try:
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-        except OSError:
-            pass
-        if hangup == "sighup":
-            os.close(fd)
+        _end_console(pid, fd, worker_pids, close_pty=hangup == "sighup")  # else the test closed it
 
 
 @pytest.mark.parametrize("sig", [signal.SIGHUP, signal.SIGTERM])
@@ -645,13 +650,7 @@ def test_sigterm_stops_the_workers_the_console_runs(tmp_path):
         assert all(_gone(p) for p in worker_pids.values())
         assert not Supervisor(profile).state_path.exists()
     finally:
-        kill_groups(worker_pids.values())
-        try:
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-        except OSError:
-            pass
-        os.close(fd)
+        _end_console(pid, fd, worker_pids)
 
 
 # An SGR parameter that sets a foreground or background colour (38/48 start a 256-colour or RGB one).
@@ -676,13 +675,7 @@ def test_no_color_sends_no_colour_codes(tmp_path, no_color):
         os.kill(pid, signal.SIGTERM)
         assert _wait_exit(pid), "the console did not exit on SIGTERM"
     finally:
-        kill_groups(worker_pids.values())
-        try:
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-        except OSError:
-            pass
-        os.close(fd)
+        _end_console(pid, fd, worker_pids)
 
 
 async def test_events_panel_rewraps_after_a_resize():
