@@ -147,6 +147,19 @@ def test_sampled_speculation_is_seed_reproducible_and_logprobs_line_up(target):
         eng.stop()
 
 
+def _assert_each_seed_gives_the_plain_text(plain: Engine, spec: Engine, prompt: list[int], seeds: int, n: int):
+    """At temperature 1, each seed's text through `spec` is the one it gives through `plain`, and
+    `spec` drafted at all."""
+    drafted = 0
+    for seed in range(seeds):
+        params = SamplingParams(temperature=1.0, seed=seed)
+        want, _ = _run(plain, prompt, None, params, n=n)
+        got, timings = _run(spec, prompt, None, params, n=n)
+        assert got == want, seed
+        drafted += timings["draft_n"]
+    assert drafted > 0
+
+
 def test_seeded_sampling_with_n_gram_drafts_gives_the_plain_text(target):
     """temperature > 0 with a deterministic drafter: each verified row draws the target's token with
     its own seeded randomness and the draft is kept while it matches (llama.cpp's sample-and-match),
@@ -156,14 +169,8 @@ def test_seeded_sampling_with_n_gram_drafts_gives_the_plain_text(target):
     plain = Engine(_pipeline(path), tok, N_SLOTS, N_CTX).start()
     spec = _speculative_engine(target, type="ngram", n_max=4)
     try:
-        drafted = 0
-        for seed in range(6):  # rejection sampling's redraw parted from the plain text on 2 of these
-            params = SamplingParams(temperature=1.0, seed=seed)
-            want, _ = _run(plain, prompt, None, params)
-            got, timings = _run(spec, prompt, None, params)
-            assert got == want, seed
-            drafted += timings["draft_n"]
-        assert drafted > 0
+        # rejection sampling's redraw parted from the plain text on 2 of these seeds
+        _assert_each_seed_gives_the_plain_text(plain, spec, prompt, seeds=6, n=40)
     finally:
         plain.stop()
         spec.stop()
@@ -178,14 +185,7 @@ def test_greedy_draft_sampling_keeps_a_seeds_text(target):
     plain = Engine(_pipeline(path), tok, N_SLOTS, N_CTX).start()
     greedy = _speculative_engine(target, path, type="draft", n_max=3, p_min=0.0, probabilistic=False)
     try:
-        drafted = 0
-        for seed in range(4):
-            params = SamplingParams(temperature=1.0, seed=seed)
-            want, _ = _run(plain, prompt, None, params, n=24)
-            got, timings = _run(greedy, prompt, None, params, n=24)
-            assert got == want, seed
-            drafted += timings["draft_n"]
-        assert drafted > 0
+        _assert_each_seed_gives_the_plain_text(plain, greedy, prompt, seeds=4, n=24)
     finally:
         plain.stop()
         greedy.stop()
