@@ -1,7 +1,7 @@
 """Process supervision of the head and peer workers (asyncio; no Textual import): the coordinator.
 
 Each started worker leads its own process group: a stop is SIGTERM to the group, a grace period
-(10 s by default), then SIGKILL. A worker that exits while it is wanted restarts after a backoff
+(40 s by default: past the head's drain), then SIGKILL. A worker that exits while it is wanted restarts after a backoff
 of 1 s doubling to 30 s (from 1 s again after `healthy_reset_s` of health). It writes its output
 into its own log file through its log writer, never into pipes of the console, so it outlives the
 console; every console follows the files. Every `poll_s` each worker's /health and /status are

@@ -145,7 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--drain-grace",
         type=float,
-        default=5.0,
+        default=30.0,
         help="seconds requests in flight may run on after SIGTERM (new ones get 503 + Retry-After); "
         "then they end with 503 'the server is shutting down' and the head stops",
     )

@@ -238,7 +238,7 @@ class HeadConfig(WorkerConfig):
     api_key: str | None = field(default=None, repr=False)  # None: the HTTP API is open
     max_body: int = MIN_MAX_BODY  # bytes of a request body; above: 413
     max_queue: int = 64  # requests waiting beyond the slots; above: 503 + Retry-After
-    drain_grace: float = 5.0  # seconds in-flight requests run on after SIGTERM (http/drain.py)
+    drain_grace: float = 30.0  # seconds in-flight requests run on after SIGTERM (http/drain.py)
     n_predict: int = 1024  # max_tokens of a chat request that names none; -1: to the end of the context
     max_n: int = 4  # choices (`n`) one request may ask for; above: 400 (default: --parallel)
     max_response: int = DEFAULT_MAX_RESPONSE  # bytes of a non-streamed response body; above: 400

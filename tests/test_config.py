@@ -25,7 +25,7 @@ def test_default_profile_is_head_and_one_local_peer_on_documented_ports():
         ("peer1", "127.0.0.1", 8090, 8091),
     ]
     assert p.model == "" and p.split is None and all(w.is_local and not w.attach for w in p.workers)
-    assert p.supervisor.grace_s == 10 and p.supervisor.backoff_initial_s == 1 and p.supervisor.backoff_max_s == 30
+    assert p.supervisor.grace_s == 40 and p.supervisor.backoff_initial_s == 1 and p.supervisor.backoff_max_s == 30
 
 
 def test_round_trip_through_toml(tmp_path):
