@@ -31,6 +31,7 @@ and number of streams: `bench_spec_adaptive.py`.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -241,46 +242,76 @@ def run_once(engine, calls, prompt: list[int], spec: SpecConfig, n_gen: int, tem
 def forward_costs(engine: Engine, prompt: list[int], k: int, peer, n: int = 15) -> dict:
     """One target forward with 1 token (plain decode) and with j+1 tokens and j+1 logit rows (a
     verify of j drafts, j = 1..k), alternating, n each: wall ms (min, median) and CPU ms (median,
-    head + peer); with an MTP drafter, the CPU ms of one draft step (the block on one token + its head)."""
+    head + peer); with an MTP drafter, one draft step: the engine's own greedy chain of k steps
+    (`MtpDrafter.draft_batch`, the block on one token + its head + the pick, per step), over k.
+
+    The cost ratios are of CPU time on a CPU head (other processes barely move it) and of wall time
+    on a GPU, each call synchronized: a forward only queues the GPU's work, so its CPU time is the
+    host's launch cost, not the step's. On a GPU the kernels' own time per call (torch.profiler)
+    is printed beside it: wall well above it means the host, not the GPU, sets the step's pace."""
     import torch
 
+    from hydra_console.engine.spec.drafter import DraftRequest
+
     fwd = engine.pipeline.forward
+    cuda = engine.pipeline.local.device.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
     P = len(prompt)
     as_t = lambda xs: torch.tensor(xs, dtype=torch.long)  # noqa: E731
     fwd(as_t(prompt), torch.zeros(P, dtype=torch.long), torch.arange(P), as_t([P - 1]))
-    times = {m: [] for m in range(1, k + 2)}
-    cpu = {m: [] for m in times}
+    at = [P]  # each forward keeps its first token, as a verify does: the recurrent state never rolls back past it
+
+    def forward(m: int) -> None:
+        fwd(as_t(prompt[:m]), torch.zeros(m, dtype=torch.long), torch.arange(at[0], at[0] + m), torch.arange(m))
+        at[0] += 1
+
     mtp = engine.spec.mtp
-    mtp_cpu = []
-    at = P  # each forward keeps its first token, as a verify does: the recurrent state never rolls back past it
+    calls = {m: functools.partial(forward, m) for m in range(1, k + 2)}
+    if mtp is not None:
+        calls["draft"] = lambda: mtp.draft_batch([DraftRequest(0, prompt[: at[0]], k)])
+    wall = {c: [] for c in calls}
+    cpu = {c: [] for c in calls}
     for _ in range(n):
-        for m in times:
+        for c, call in calls.items():
+            sync()
             t0, c0 = time.perf_counter(), cpu_s(peer)
-            fwd(as_t(prompt[:m]), torch.zeros(m, dtype=torch.long), torch.arange(at, at + m), torch.arange(m))
-            at += 1
-            times[m].append((time.perf_counter() - t0) * 1e3)
-            cpu[m].append((cpu_s(peer) - c0) * 1e3)
-        if mtp is not None:
-            h, c0 = torch.zeros(1, engine.pipeline.cfg.n_embd), cpu_s(None)
-            mtp.nextn.logits(mtp.nextn.run(as_t(prompt[:1]), h, torch.zeros(1, dtype=torch.long), as_t([P])))
-            mtp_cpu.append((cpu_s(None) - c0) * 1e3)
+            call()
+            sync()
+            wall[c].append((time.perf_counter() - t0) * 1e3)
+            cpu[c].append((cpu_s(peer) - c0) * 1e3)
     med = statistics.median
+    cost = {c: med(wall[c] if cuda else cpu[c]) for c in calls}
     out = {
-        "decode_ms_min": round(min(times[1]), 1),
-        "decode_ms_median": round(med(times[1]), 1),
-        "verify_ms_min": round(min(times[k + 1]), 1),
-        "verify_ms_median": round(med(times[k + 1]), 1),
-        "decode_cpu_ms": round(med(cpu[1]), 1),
-        "verify_cpu_ms": round(med(cpu[k + 1]), 1),
-        "verify_cost_ratio": round(med(cpu[k + 1]) / med(cpu[1]), 3),
-        "verify_cost_ratio_by_k": {j: round(med(cpu[j + 1]) / med(cpu[1]), 3) for j in range(1, k + 1)},
+        "decode_ms_min": round(min(wall[1]), 2),
+        "decode_ms_median": round(med(wall[1]), 2),
+        "verify_ms_min": round(min(wall[k + 1]), 2),
+        "verify_ms_median": round(med(wall[k + 1]), 2),
+        "decode_cpu_ms": round(med(cpu[1]), 2),
+        "verify_cpu_ms": round(med(cpu[k + 1]), 2),
+        "cost_of": "wall" if cuda else "cpu",
+        "verify_cost_ratio": round(cost[k + 1] / cost[1], 3),
+        "verify_cost_ratio_by_k": {j: round(cost[j + 1] / cost[1], 3) for j in range(1, k + 1)},
     }
-    if mtp_cpu:
-        out["mtp_step_cpu_ms"] = round(med(mtp_cpu), 2)
-        out["mtp_step_cost_ratio"] = round(med(mtp_cpu) / med(cpu[1]), 3)
+    if mtp is not None:
+        out["mtp_step_ms"] = round(cost["draft"] / k, 3)
+        out["mtp_step_cost_ratio"] = round(cost["draft"] / k / cost[1], 3)
         out["mtp_kv_bytes"] = engine.spec.drafter_kv_bytes
+    if cuda:
+        out["kernel_ms"] = {str(c): round(kernel_ms(call), 3) for c, call in calls.items()}
     out["kv_bytes"] = engine.pipeline.local.kv_bytes  # the head's KV + recurrent state (with checkpoints)
     return out
+
+
+def kernel_ms(call, n: int = 5) -> float:
+    """The GPU kernels' own time of one `call` (median-free: the mean of n, from torch.profiler)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(n):
+            call()
+        torch.cuda.synchronize()
+    return sum(e.self_device_time_total for e in prof.key_averages()) / n / 1e3
 
 
 def peer_rtt_ms(engine: Engine, n: int = 20) -> float | None:
@@ -302,13 +333,18 @@ def bench(engine: Engine, tok: Tokenizer, args, where: str, peer: Peer | None = 
             f"{where:10} forward, 1 token: {costs['decode_ms_min']} ms min, {costs['decode_ms_median']} median, "
             f"{costs['decode_cpu_ms']} CPU ms; {args.draft_max + 1} tokens: {costs['verify_ms_min']} ms min, "
             f"{costs['verify_ms_median']} median, {costs['verify_cpu_ms']} CPU ms: "
-            f"verify/decode CPU cost x{costs['verify_cost_ratio']} (by k: {costs['verify_cost_ratio_by_k']})",
+            f"verify/decode {costs['cost_of']} cost x{costs['verify_cost_ratio']} (by k: {costs['verify_cost_ratio_by_k']})",
             flush=True,
         )
-        if "mtp_step_cpu_ms" in costs:
+        if "mtp_step_ms" in costs:
             print(
-                f"{where:10} MTP draft step: {costs['mtp_step_cpu_ms']} CPU ms = x{costs['mtp_step_cost_ratio']} of a "
-                f"trunk decode step; MTP KV {costs['mtp_kv_bytes']} B, head KV + state {costs['kv_bytes']} B",
+                f"{where:10} MTP draft step ({costs['cost_of']}): {costs['mtp_step_ms']} ms = x{costs['mtp_step_cost_ratio']} "
+                f"of a trunk decode step; MTP KV {costs['mtp_kv_bytes']} B, head KV + state {costs['kv_bytes']} B",
+                flush=True,
+            )
+        if "kernel_ms" in costs:
+            print(
+                f"{where:10} GPU kernel ms per call (1 token, .., k+1 tokens, draft chain): {costs['kernel_ms']}",
                 flush=True,
             )
     calls = count_forwards(engine)
