@@ -218,6 +218,32 @@ def test_greedy_drafts_of_several_slots_chain_on_the_device_and_stop_at_their_ow
     assert [d.tokens for d in picky] == [[], alone[1][:2]]
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_the_draft_chains_graph_drafts_what_the_eager_chain_drafts(tiny_model):
+    """On a GPU the greedy chain replays from a graph per batch bucket and k (`nextn_graphs`): the
+    same operations on the same kernels as the eager chain, so the same drafts, and the block's KV
+    left as the eager steps leave it (the second chain drafts from it)."""
+    path = tiny_model("qwen35", n_layers=4, nextn=True)
+    drafts = []
+    for graphed in (True, False):
+        stage = load(path, n_slots=4, n_ctx=128, device="cuda", dtype="bfloat16")
+        drafter = MtpDrafter(NextN(stage), p_min=0.0)
+        assert drafter.graphs is not None
+        if not graphed:
+            drafter.graphs = None
+        prompts = [[5, 17, 300, 45, 99], [7, 8, 9], [11, 12]]
+        for slot, ids in enumerate(prompts):
+            slots, positions = torch.full((len(ids),), slot, dtype=torch.long), torch.arange(len(ids))
+            hidden = stage.final_norm(stage.run_layers(stage.embed(torch.tensor(ids)), slots, positions))
+            drafter.observe(torch.tensor(ids), slots, positions, hidden)
+        first = [d.tokens for d in drafter.draft_batch([DraftRequest(s, p, 3) for s, p in enumerate(prompts)])]
+        again = [d.tokens for d in drafter.draft_batch([DraftRequest(0, prompts[0] + first[0][:1], 2)])]
+        drafts.append((first, again))
+        if graphed:
+            assert set(drafter.graphs.graphs) == {(4, 3), (1, 2)}  # buckets 4 and 1 were captured and replayed
+    assert drafts[0] == drafts[1]
+
+
 def test_sampled_requests_draft_through_their_own_sampler(tiny_model):
     """temperature > 0: the block's draft is drawn from the request's sampler and verified by rejection
     sampling; on the bigram model the two distributions are the same, so drafts are accepted."""

@@ -78,12 +78,31 @@ class NextN:
     def run(self, tokens, h_prev: torch.Tensor, slots, positions) -> torch.Tensor:
         """Tokens [T] with the trunk's (or the previous draft step's) normed hidden state of the
         position before each: writes the block's KV, returns its normed output h' [T, n_embd]."""
+        return self.step(tokens, h_prev, lambda x: self.block.run_layers(x, slots, positions))
+
+    def step(self, tokens, h_prev: torch.Tensor, layer) -> torch.Tensor:
+        """`run` with the block's layer given as `layer(x) -> y` (the draft chain's graph passes the
+        block's graph-capturable forward over a fixed batch)."""
         d, eps = self.head.cfg.n_embd, self.head.cfg.rms_eps
         e = self.head.embed(tokens)
         h_prev = h_prev.to(e.device, torch.float32)
         x = torch.cat([F.rms_norm(e, (d,), self.enorm, eps), F.rms_norm(h_prev, (d,), self.hnorm, eps)], dim=-1)
-        y = self.block.run_layers(self._project_in(x), slots, positions)
-        return F.rms_norm(y, (d,), self.head_norm, eps)
+        return F.rms_norm(layer(self._project_in(x)), (d,), self.head_norm, eps)
+
+    def chain(self, tokens: torch.Tensor, h: torch.Tensor, k: int, layer_at, top_k: int):
+        """k greedy draft steps from `tokens` [B] (device) and the hidden states before them: each
+        step's argmax (the lowest id among ties, as the target's greedy pick) feeds the next step's
+        embedding on the device. `layer_at(step)` is the block's layer for that step's positions.
+        Returns the picks [B, k] and each pick's probability over the top `top_k` logits [B, k]."""
+        picks, probs = [], []
+        for step in range(k):
+            h = self.step(tokens, h, layer_at(step))
+            logits = self.logits(h)
+            tokens = logits.argmax(-1)
+            top = logits.float().topk(min(top_k, logits.shape[-1]), dim=-1).values
+            picks.append(tokens)
+            probs.append(torch.softmax(top, dim=-1)[:, 0])
+        return torch.stack(picks, 1), torch.stack(probs, 1)
 
     def _project_in(self, x: torch.Tensor) -> torch.Tensor:
         """eh_proj(x) for x [T, 2 n_embd] float32 -> float32, with x kept in float32 as llama.cpp's

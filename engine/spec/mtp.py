@@ -6,6 +6,7 @@ import torch
 
 from ..config import MAX_DRAFT
 from ..errors import UserError
+from ..model.nextn_graphs import DraftChainGraphs
 from .drafter import DRAFT_TOP_K, Draft, Drafter, DraftRequest, draft_step
 
 # Other GGUF architectures whose converters (llama.cpp convert_hf_to_gguf.py) can keep a
@@ -42,6 +43,8 @@ class MtpDrafter(Drafter):
     def __init__(self, nextn, p_min: float = 0.75):
         self.nextn = nextn
         self.p_min = p_min
+        # On a GPU the greedy chain replays from a graph per batch bucket and k (`nextn_graphs`).
+        self.graphs = DraftChainGraphs(nextn, DRAFT_TOP_K) if nextn.block.graphs is not None else None
         self._rows: dict[int, tuple[int, torch.Tensor]] = {}  # slot -> (position of rows[0], trunk h rows)
         self._resting: set[int] = set()
         self._pending: dict[
@@ -183,20 +186,20 @@ class MtpDrafter(Drafter):
         `draft_step` decides (the block's KV written past that point is rewritten by the next
         forward that reaches those positions, as after a rejection)."""
         reqs = [requests[i] for i in live]
-        slots = torch.tensor([r.slot for r in reqs], dtype=torch.long)
-        pos = torch.tensor([len(r.tokens) - 1 for r in reqs], dtype=torch.long)
+        slots = [r.slot for r in reqs]
+        pos = [len(r.tokens) - 1 for r in reqs]
         toks = torch.tensor([r.tokens[-1] for r in reqs], dtype=torch.long, device=self.nextn.head.device)
-        h = torch.stack([self._h_before(r.slot, len(r.tokens) - 1) for r in reqs])
-        picks, probs = [], []
-        for step in range(max(r.k for r in reqs)):
-            h = self.nextn.run(toks, h, slots, pos + step)
-            logits = self.nextn.logits(h)
-            toks = logits.argmax(-1)  # the lowest id among ties, as the target's greedy pick
-            top = logits.float().topk(min(DRAFT_TOP_K, logits.shape[-1]), dim=-1).values
-            picks.append(toks)
-            probs.append(torch.softmax(top, dim=-1)[:, 0])
+        h = torch.stack([self._h_before(s, p) for s, p in zip(slots, pos)])
+        k = max(r.k for r in reqs)
+        chained = self.graphs.run(toks, h, slots, pos, k) if self.graphs is not None else None
+        if chained is None:
+            slot_t, pos_t = torch.tensor(slots), torch.tensor(pos)
+            chained = self.nextn.chain(
+                toks, h, k, lambda step: lambda x: self.nextn.block.run_layers(x, slot_t, pos_t + step), DRAFT_TOP_K
+            )
+        picks, probs = chained
         out = [Draft() for _ in requests]
-        rows = zip(live, reqs, torch.stack(picks, 1).tolist(), torch.stack(probs, 1).tolist())
+        rows = zip(live, reqs, picks.tolist(), probs.tolist())
         for i, r, tokens, ps in rows:
             p_min = self.p_min if r.p_min is None else r.p_min
             for tok, p in zip(tokens[: r.k], ps[: r.k]):

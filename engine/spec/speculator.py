@@ -195,7 +195,10 @@ def build_speculator(
         # The block's graphs now, as the head's: drafts run it a row per slot, the target's forwards
         # k + 1 rows a slot. Captured on first use they would land in the first requests' steps.
         nextn.block.warm_up(range(1, max_draft + 2))
-        return Speculator(config, max_draft=max_draft, nextn=nextn)
+        speculator = Speculator(config, max_draft=max_draft, nextn=nextn)
+        if speculator.mtp.graphs is not None:  # the greedy draft chains too, for every k up to draft-max
+            speculator.mtp.graphs.warm_up(min(config.n_max, max_draft))
+        return speculator
     if not draft_path:
         return Speculator(config, max_draft=max_draft)
     dg = GGUFFile(draft_path)
