@@ -269,6 +269,8 @@ def forward_costs(engine: Engine, prompt: list[int], k: int, peer, n: int = 15) 
     calls = {m: functools.partial(forward, m) for m in range(1, k + 2)}
     if mtp is not None:
         calls["draft"] = lambda: mtp.draft_batch([DraftRequest(0, prompt[: at[0]], k)])
+        if mtp.graphs is not None:  # the same chain queued op by op, for comparison
+            calls["draft_eager"] = functools.partial(eager_draft, mtp, DraftRequest(0, prompt, k))
     wall = {c: [] for c in calls}
     cpu = {c: [] for c in calls}
     for _ in range(n):
@@ -296,10 +298,20 @@ def forward_costs(engine: Engine, prompt: list[int], k: int, peer, n: int = 15) 
         out["mtp_step_ms"] = round(cost["draft"] / k, 3)
         out["mtp_step_cost_ratio"] = round(cost["draft"] / k / cost[1], 3)
         out["mtp_kv_bytes"] = engine.spec.drafter_kv_bytes
+        if "draft_eager" in cost:
+            out["mtp_step_eager_ms"] = round(cost["draft_eager"] / k, 3)
     if cuda:
         out["kernel_ms"] = {str(c): round(kernel_ms(call), 3) for c, call in calls.items()}
     out["kv_bytes"] = engine.pipeline.local.kv_bytes  # the head's KV + recurrent state (with checkpoints)
     return out
+
+
+def eager_draft(mtp, request) -> None:
+    graphs, mtp.graphs = mtp.graphs, None
+    try:
+        mtp.draft_batch([request])
+    finally:
+        mtp.graphs = graphs
 
 
 def kernel_ms(call, n: int = 5) -> float:
@@ -339,7 +351,7 @@ def bench(engine: Engine, tok: Tokenizer, args, where: str, peer: Peer | None = 
         if "mtp_step_ms" in costs:
             print(
                 f"{where:10} MTP draft step ({costs['cost_of']}): {costs['mtp_step_ms']} ms = x{costs['mtp_step_cost_ratio']} "
-                f"of a trunk decode step; MTP KV {costs['mtp_kv_bytes']} B, head KV + state {costs['kv_bytes']} B",
+                f"of a trunk decode step (eager chain: {costs.get('mtp_step_eager_ms', '-')} ms); MTP KV {costs['mtp_kv_bytes']} B, head KV + state {costs['kv_bytes']} B",
                 flush=True,
             )
         if "kernel_ms" in costs:
