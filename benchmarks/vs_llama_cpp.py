@@ -12,7 +12,8 @@ spread over processes, temperature 0, ignore_eos): per server, seconds to READY,
 device memory after the runs (NVML), time to first token of a `--prompt-tokens` prompt on the idle
 server (median of 3, prompt cache off) and the prompt rate it implies, and per stream count the
 summed decode rate of the streams; with MTP, the acceptance the server reports (`timings.draft_n`,
-`draft_n_accepted` of one `/completion`). Prints a table of both and their ratio (ours / llama.cpp;
+`draft_n_accepted` summed over the prompts' `/completion`s, greedy and at `--sampled-acceptance`
+temperature with fixed seeds). Prints a table of both and their ratio (ours / llama.cpp;
 higher is better except for time and memory), then the JSON. Asserts nothing.
 """
 
@@ -64,10 +65,15 @@ def device_memory(pid: int) -> int | None:
     return None
 
 
-def acceptance(base: str, n: int) -> dict:
-    body = {"prompt": PROMPTS[0], "n_predict": n, "temperature": 0, "ignore_eos": True, "cache_prompt": False}
-    t = httpx.post(f"{base}/completion", json=body, timeout=600).json().get("timings", {})
-    drafted, accepted = t.get("draft_n"), t.get("draft_n_accepted")
+def acceptance(base: str, n: int, temperature: float = 0.0) -> dict:
+    """Drafts made and taken over `PROMPTS` (each `n` tokens), greedy or sampled at `temperature`
+    with a fixed seed per prompt (the same on both servers)."""
+    drafted = accepted = 0
+    for i, prompt in enumerate(PROMPTS):
+        body = {"prompt": prompt, "n_predict": n, "temperature": temperature, "seed": 1000 + i, "ignore_eos": True}
+        t = httpx.post(f"{base}/completion", json=body | {"cache_prompt": False}, timeout=600).json().get("timings", {})
+        drafted += t.get("draft_n") or 0
+        accepted += t.get("draft_n_accepted") or 0
     return {"drafted": drafted, "accepted": accepted, "rate": round(accepted / drafted, 3) if drafted else None}
 
 
@@ -96,6 +102,8 @@ def measure(engine: str, args, spec: bool) -> dict:
         else:
             concurrency(server.base, 1, 8, 1)
             out["acceptance"] = acceptance(server.base, args.n)
+            if args.sampled_acceptance:
+                out["acceptance_t"] = acceptance(server.base, args.n, args.sampled_acceptance)
         for s in args.streams:
             runs = [concurrency(server.base, s, args.n, min(s, 8)) for _ in range(args.reps)]
             out[f"decode_{s}"] = max(r["aggregate_decode_tok_s"] for r in runs)
@@ -136,6 +144,13 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--reps", type=int, default=2, help="runs per stream count; the best is kept")
     ap.add_argument("--timeout", type=float, default=600, help="seconds a server may take to be ready")
+    ap.add_argument(
+        "--sampled-acceptance",
+        type=float,
+        default=0.7,
+        metavar="T",
+        help="with --spec: also the acceptance sampled at temperature T, fixed seeds (0: greedy only)",
+    )
     ap.add_argument("--only", choices=["llama.cpp", "hydra"], help="one server only (its column alone)")
     args, extra = ap.parse_known_args()
     args.hydra_flags = [a for a in extra if a != "--"]
