@@ -7,7 +7,7 @@ module pools them into one vector and normalises it.
 - Pooling (`--pooling`, else the GGUF's `{arch}.pooling_type`, else `none`, as llama.cpp's context
   defaults): `none` every token's vector, `mean` their mean, `cls` the first token's, `last` the
   last token's. `rank` (`--reranking`, or a reranker's file) pools nothing here: a reranker's
-  classification head scores query/document pairs on /rerank (rank.py).
+  classification head scores query/document pairs on /rerank (model/rank.py).
 - Normalisation (`embd_normalize`, llama.cpp's `common_embd_normalize`): -1 none, 0 max absolute
   scaled to the int16 range, 1 taxicab, 2 euclidean (the default), p > 2 the p-norm. Applied to a
   pooled vector only; `none` returns the raw per-token vectors.

@@ -14,8 +14,8 @@ from rpc_workers import head, running
 
 from hydra_console.engine.gguf_file import GGUFFile
 from hydra_console.engine.model import build_stage
+from hydra_console.engine.model.rank import NotAReranker, RankHead, rerank_prompt
 from hydra_console.engine.quant import dequantize
-from hydra_console.engine.rank import NotAReranker, RankHead, rerank_prompt
 from hydra_console.engine.synth import QWEN3_RERANK_TEMPLATE
 from hydra_console.engine.text.tokenizer import Tokenizer
 

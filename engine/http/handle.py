@@ -10,8 +10,8 @@ if TYPE_CHECKING:  # the engine's modules bring torch: imported when the model l
     from ..config import HeadConfig
     from ..gguf_file import GGUFFile
     from ..metrics import Metrics
+    from ..model.rank import RankHead
     from ..pipeline import Pipeline
-    from ..rank import RankHead
     from ..serving.runtime import Engine
     from ..status import StatusDocument
     from ..text.chat import ChatTemplate

@@ -1,9 +1,10 @@
 """The rerank routes (`--reranking`): llama-server's `/rerank`, `/reranking`, `/v1/rerank` and
 `/v1/reranking`, over the same Engine that generates.
 
-Each document becomes one query/document prompt (`rank.rerank_prompt`), run as an embedding request
-(`embeddings.prompt_hidden_states`: a free slot each, at most `--parallel` - 1 of one request in the
-engine at once); the reranker's classification head scores its last hidden state (`rank.RankHead`).
+Each document becomes one query/document prompt (`model.rank.rerank_prompt`), run as an embedding
+request (`embeddings.prompt_hidden_states`: a free slot each, at most `--parallel` - 1 of one request
+in the engine at once); the reranker's classification head scores its last hidden state
+(`model.rank.RankHead`).
 
 Shapes, as llama-server (server-context.cpp `post_rerank`, server-common.cpp `format_response_rerank`):
 - Jina / Cohere: `{query, documents, top_n?}` → `{model, object: "list", usage, results: [{index,
@@ -92,7 +93,7 @@ def rerank_routes(head: Head) -> APIRouter:
     @router.post("/v1/rerank", include_in_schema=False)
     @router.post("/v1/reranking", include_in_schema=False)
     async def rerank(http: Request):
-        from ..rank import rerank_prompt
+        from ..model.rank import rerank_prompt
 
         cfg = head.cfg
         if not cfg.embedding:

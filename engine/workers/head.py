@@ -64,8 +64,8 @@ class HeadWorker:
         from ..embedding import resolve_pooling
         from ..gguf_file import GGUFFile
         from ..model import ModelConfig
+        from ..model.rank import NotAReranker, RankHead
         from ..pd import Disaggregator, PdStats, PrefillClient
-        from ..rank import NotAReranker, RankHead
         from ..rpc.service import HeadRpc, RpcCollector
         from ..serving.runtime import Engine
         from ..spec import build_speculator, check_speculative

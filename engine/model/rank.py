@@ -22,13 +22,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from .errors import UserError
+from ..errors import UserError
 
 if TYPE_CHECKING:
     import torch
 
-    from .gguf_file import GGUFFile
-    from .text.tokenizer import Tokenizer
+    from ..gguf_file import GGUFFile
+    from ..text.tokenizer import Tokenizer
 
 RERANK_TEMPLATE_KEY = "tokenizer.chat_template.rerank"
 CLS_OUT = "cls.output.weight"
@@ -49,7 +49,7 @@ class RankHead:
     def from_gguf(cls, g: GGUFFile) -> RankHead:
         import torch
 
-        from .quant import dequantize
+        from ..quant import dequantize
 
         arch = g.architecture
         if arch not in RANK_HEADS:
