@@ -5,6 +5,10 @@ hidden state, `cls.output.weight` (read with the `gguf` package), softmax, the f
 
 from __future__ import annotations
 
+import hashlib
+import json
+from pathlib import Path
+
 import gguf
 import httpx
 import numpy as np
@@ -19,6 +23,7 @@ from hydra_console.engine.quant import dequantize
 from hydra_console.engine.synth import QWEN3_RERANK_TEMPLATE
 from hydra_console.engine.text.tokenizer import Tokenizer
 
+REFERENCE = Path(__file__).resolve().parent / "data" / "reference" / "qwen3-reranker" / "scores.json"
 QUERY = "the quick fox"
 DOCS = ["a lazy dog", "the quick brown fox jumps", "hello world", "water fire earth light"]
 CTX = 512
@@ -128,6 +133,24 @@ def test_scores_equal_a_direct_forward_through_the_head(rank_server, reranker):
         assert got[i] == pytest.approx(score, abs=2e-6), i
     assert [d["index"] for d in results] == sorted(range(len(DOCS)), key=lambda i: -expected[i])  # best first
     assert len(set(got.values())) == len(DOCS)  # distinct scores: the order is the scores'
+
+
+def test_prompts_and_scores_are_llama_cpps(rank_server, reranker):
+    """llama.cpp's own scores and prompt tokens on this file (tests/data/reference/qwen3-reranker)."""
+    ref = json.loads(REFERENCE.read_text())
+    assert hashlib.sha256(reranker.read_bytes()).hexdigest() == ref["sha256"], "the synthetic reranker changed"
+    g = GGUFFile(reranker)
+    tok = Tokenizer.from_gguf(g)
+    worst = 0.0
+    for group in ref["groups"]:
+        query, docs = group["query"], group["documents"]
+        assert [rerank_prompt(tok, g.metadata, query, d) for d in docs] == group["ids"]
+        body = post(rank_server, {"query": query, "documents": docs}).json()
+        assert body["usage"]["prompt_tokens"] == sum(len(ids) for ids in group["ids"])
+        got = {d["index"]: d["relevance_score"] for d in body["results"]}
+        worst = max(worst, *(abs(got[i] - s) for i, s in enumerate(group["scores"])))
+    print(f"worst |score - llama.cpp's|: {worst:.2e}")
+    assert worst < 1e-6
 
 
 def test_shapes_top_n_and_returned_texts(rank_server):
