@@ -41,7 +41,7 @@ class HeadWorker:
         self.drain = Drain(cfg.drain_grace, self.status)  # SIGTERM: the API's requests end before the engine
         self.model_name: str | None = cfg.aliases[0] if cfg.aliases else None
         self.pooling: str | None = None  # embedding pooling, resolved from --pooling and the GGUF at load
-        self.rank_head = None  # rank.RankHead: pooling rank on a reranker
+        self.rank_head = None  # model.rank.RankHead: pooling rank on a reranker
         self.rank_refusal: str | None = None  # pooling rank on another model: why /rerank is refused
         self.created = int(time.time())
         self.gguf = None
