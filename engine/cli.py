@@ -222,7 +222,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--pooling",
         choices=POOLINGS,
         default=None,
-        help="embedding pooling (default: the GGUF's pooling_type, else none); rank is not supported",
+        help="embedding pooling (default: the GGUF's pooling_type, else none); rank: a reranker's scores on /rerank",
+    )
+    s.add_argument(
+        "--reranking",
+        "--rerank",
+        action="store_true",
+        help="serve /rerank (and /v1/rerank, /reranking, /v1/reranking) with a reranker's classification "
+        "head: --embedding with --pooling rank",
     )
     s.add_argument(
         "--embd-normalize",

@@ -156,8 +156,8 @@ def head_config(args, env: Mapping[str, str]) -> HeadConfig:
         http=http_limits(args),
         batch_tokens=batch_tokens,
         slot_save_path=_existing_dir("--slot-save-path", args.slot_save_path),
-        embedding=args.embedding,
-        pooling=args.pooling,
+        embedding=args.embedding or args.reranking,
+        pooling=_pooling(args),
         embd_normalize=args.embd_normalize,
         cors_origins=_cors_origins(args.cors_origins),
         slots=args.slots,
@@ -205,6 +205,15 @@ def _predict_route(env: Mapping[str, str]) -> str | None:
 def _csv(value: str | None) -> tuple[str, ...]:
     """llama-server's comma-separated names (--alias, --tags): stripped, empties dropped, sorted, unique."""
     return tuple(sorted({v.strip() for v in (value or "").split(",") if v.strip()}))
+
+
+def _pooling(args) -> str | None:
+    """--pooling; --reranking is pooling rank (llama-server's), which another --pooling contradicts."""
+    if not args.reranking:
+        return args.pooling
+    if args.pooling not in (None, "rank"):
+        raise UserError(f"--reranking pools by rank; --pooling {args.pooling} contradicts it")
+    return "rank"
 
 
 def _cors_origins(value: str) -> str:

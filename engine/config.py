@@ -244,7 +244,7 @@ class HeadConfig(WorkerConfig):
     max_response: int = DEFAULT_MAX_RESPONSE  # bytes of a non-streamed response body; above: 400
     batch_tokens: int = DEFAULT_BATCH_TOKENS  # prompt tokens per engine step (-b, --batch-size)
     slot_save_path: Path | None = None  # where /slots save and restore files live; None: off
-    embedding: bool = False  # /embedding(s) and /v1/embeddings answer (llama-server's --embedding)
+    embedding: bool = False  # /embedding(s), /v1/embeddings and /rerank answer (--embedding, --reranking)
     pooling: str | None = None  # None: the GGUF's pooling_type, else none (embedding.resolve_pooling)
     embd_normalize: int = 2  # embedding.normalize's p
     cors_origins: str = "*"  # http_cors.Cors: "*" reflects any Origin, "localhost" only local ones, else a list

@@ -6,8 +6,8 @@ module pools them into one vector and normalises it.
 
 - Pooling (`--pooling`, else the GGUF's `{arch}.pooling_type`, else `none`, as llama.cpp's context
   defaults): `none` every token's vector, `mean` their mean, `cls` the first token's, `last` the
-  last token's. `rank` needs a reranker's classification head, which no supported architecture
-  has: refused.
+  last token's. `rank` (`--reranking`, or a reranker's file) pools nothing here: a reranker's
+  classification head scores query/document pairs on /rerank (model/rank.py).
 - Normalisation (`embd_normalize`, llama.cpp's `common_embd_normalize`): -1 none, 0 max absolute
   scaled to the int16 range, 1 taxicab, 2 euclidean (the default), p > 2 the p-norm. Applied to a
   pooled vector only; `none` returns the raw per-token vectors.
@@ -23,7 +23,6 @@ if TYPE_CHECKING:  # tensor methods only: the CLI imports the names below before
     import torch
 
 POOLINGS = ("none", "mean", "cls", "last", "rank")
-SUPPORTED_POOLINGS = POOLINGS[:4]
 GGUF_POOLING = {0: "none", 1: "mean", 2: "cls", 3: "last", 4: "rank"}  # llama_pooling_type
 DEFAULT_NORMALIZE = 2  # euclidean, llama-server's --embd-normalize default
 INT16_RANGE = 32760.0
@@ -36,11 +35,6 @@ def resolve_pooling(flag: str | None, metadata: dict, arch: str) -> str:
         flag = GGUF_POOLING.get(int(code), "none") if code is not None else "none"
     if flag not in POOLINGS:
         raise UserError(f"--pooling must be one of {', '.join(POOLINGS)}, got {flag!r}")
-    if flag == "rank":  # from the flag or a reranker's file
-        raise UserError(
-            "pooling rank needs a reranker's classification head (cls.* tensors), "
-            "which Hydra does not build: use none, mean, cls or last"
-        )
     return flag
 
 

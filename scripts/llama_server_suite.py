@@ -12,6 +12,7 @@ executable stands in for the binary, swaps every model source (--hf-repo, --hf-f
     python scripts/llama_server_suite.py --server llama        # upstream llama-server: the baseline
     python scripts/llama_server_suite.py test_completion.py -k stream
     python scripts/llama_server_suite.py --all                 # every file of the suite
+    python scripts/llama_server_suite.py test_rerank.py --synthetic-reranker   # a tiny Qwen3 reranker
 
 As upstream's tests.sh, the tests marked slow (tool calls of real 3-8B models) are left out
 unless --slow.
@@ -152,8 +153,8 @@ def run_suite(args) -> int:
     tests = args.tree / "tools" / "server" / "tests"
     if not (tests / "unit").is_dir():
         sys.exit(f"no server tests under {tests}")
-    model = args.model or _default_model()
     work = Path(tempfile.mkdtemp(prefix="llama-suite-"))
+    model = args.model or (_synthetic_reranker(work) if args.synthetic_reranker else _default_model())
     # The tests name files by paths relative to the source tree (../../../models/templates/...):
     # a copy of the tests beside links to the rest of the tree keeps those paths working.
     root = work / "llama.cpp"
@@ -224,6 +225,12 @@ def run_suite(args) -> int:
     return 0
 
 
+def _synthetic_reranker(work: Path) -> str:
+    from hydra_console.engine.synth import write_synthetic
+
+    return str(write_synthetic(work / "synthetic-qwen3-reranker.gguf", "qwen3", reranker=True))
+
+
 def _default_model() -> str:
     from hydra_console.engine.default_model import default_model_path
 
@@ -240,6 +247,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--server", choices=["hydra", "llama"], default="hydra")
     ap.add_argument("--all", action="store_true", help="every test file of the suite")
     ap.add_argument("--model", default=None, help="GGUF every test runs on (default: the Gemma 3 270M package)")
+    ap.add_argument(
+        "--synthetic-reranker",
+        action="store_true",
+        help="serve a tiny random-weight Qwen3 reranker (engine/synth's reranker=True) instead: test_rerank.py's "
+        "jina model is a BERT, an architecture Hydra does not run",
+    )
     ap.add_argument("--tree", type=Path, default=DEFAULT_TREE, help="llama.cpp source tree")
     ap.add_argument("--timeout", type=int, default=300, help="seconds per test")
     ap.add_argument("-v", "--verbose", action="store_true", help="list each test's outcome")

@@ -63,9 +63,9 @@ def test_pooling_comes_from_the_flag_else_the_gguf_else_none():
     assert resolve_pooling(None, {}, "gemma3") == "none"
     assert resolve_pooling(None, {"bert.pooling_type": 2}, "bert") == "cls"
     assert resolve_pooling("last", {"bert.pooling_type": 2}, "bert") == "last"
-    for flag, meta in (("rank", {}), (None, {"bert.pooling_type": 4})):
-        with pytest.raises(UserError, match="rank"):
-            resolve_pooling(flag, meta, "bert")
+    assert resolve_pooling(None, {"qwen3.pooling_type": 4}, "qwen3") == "rank"  # a reranker's: /rerank's
+    with pytest.raises(UserError, match="--pooling"):
+        resolve_pooling("max", {}, "bert")
 
 
 # ---- the oracle: llama-server on the default model ---------------------------------------------
@@ -297,7 +297,7 @@ def test_without_embedding_flag_the_routes_answer_501(tiny_model, tmp_path):
             r = post(w.url, path, {"input": "hi"})
             assert r.status_code == 501 and r.json()["error"]["type"] == "not_supported_error"
             assert "--embeddings" in r.json()["error"]["message"]
-        for path in ("/rerank", "/reranking", "/v1/rerank", "/v1/reranking"):  # llama-server's names: not built
+        for path in ("/rerank", "/reranking", "/v1/rerank", "/v1/reranking"):  # llama-server's names
             r = post(w.url, path, {"query": "q", "documents": ["d"]})
             assert r.status_code == 501 and r.json()["error"]["type"] == "not_supported_error"
-            assert "reranking" in r.json()["error"]["message"]
+            assert "--reranking" in r.json()["error"]["message"]

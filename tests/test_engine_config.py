@@ -139,6 +139,8 @@ def test_llama_server_flags_of_the_head():
     assert (serve().overlap, serve("--overlap").overlap, serve("--no-overlap").overlap) == (None, True, False)
     with pytest.raises(SystemExit):
         serve("--pooling", "max")
+    for flag in ("--reranking", "--rerank"):  # llama-server's: embeddings on, pooling rank
+        assert (serve(flag).embedding, serve(flag, "--pooling", "rank").pooling) == (True, "rank")
 
 
 def test_peer_config_defaults():
@@ -160,6 +162,7 @@ def test_peer_config_defaults():
         (["--slot-save-path", "/nonexistent/slots"], {}, "--slot-save-path"),
         ([], {"HYDRA_RPC_SPIN_MS": "-3"}, "HYDRA_RPC_SPIN_MS"),
         (["--cors-origins", " "], {}, "--cors-origins"),
+        (["--reranking", "--pooling", "mean"], {}, "--reranking"),
     ],
 )
 def test_bad_settings_name_their_key(argv, env, key):

@@ -44,6 +44,7 @@ from .llama_routes import router as llama_router
 from .logprobs import CompletionLogprobs, merge_logprobs
 from .predict import add_predict_route
 from .prompts import check_token_ids
+from .rerank import rerank_routes
 from .responses import responses_routes
 from .streaming import Run, check_finish, sse, stream_error, usage_of
 from .worker import add_observation_routes
@@ -88,6 +89,7 @@ def create_app(head: Head) -> FastAPI:
     app.add_middleware(Cors, origins=head.cfg.cors_origins)  # outermost: a preflight needs no key
     add_observation_routes(app, head.status, head.metrics if head.cfg.metrics else None)
     app.include_router(embedding_routes(head))
+    app.include_router(rerank_routes(head))
 
     @app.exception_handler(APIError)
     async def _api_error(_, e: APIError):

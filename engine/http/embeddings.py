@@ -13,6 +13,8 @@ field instead of `input` answers llama-server's shape, as upstream does) and ref
 `none`; `/embeddings` and `/embedding` answer `[{"index", "embedding": [[...], ...]}]`: one
 normalised vector, or with pooling none every token's raw vector. Answers are bounded by
 `--max-response` (http/limits.py): one that cannot fit is refused before anything is computed.
+Pooling rank (a reranker) answers 501 here: its scores are /rerank's (http/rerank.py, which runs its
+pairs through `prompt_hidden_states` too).
 """
 
 from __future__ import annotations
@@ -68,7 +70,7 @@ def _tokenize_inputs(head: Head, value: Any, param: str, n_ctx: int) -> list[lis
     return prompts
 
 
-async def _hidden_states(head: Head, http: Request, prompts: list[list[int]]):
+async def prompt_hidden_states(head: Head, http: Request, prompts: list[list[int]]):
     """Each prompt's final-norm hidden states [n, d], at most `engine_share` in the engine at once;
     None when the client went away."""
     from ..serving.sequence import Request as EngineRequest
@@ -106,6 +108,13 @@ def embedding_routes(head: Head) -> APIRouter:
                 501, "This server does not support embeddings. Start it with `--embeddings`", "not_supported_error"
             )
         engine = ready_engine(head)
+        if head.pooling == "rank":  # llama-server reads past the scores it pools here
+            raise APIError(
+                501,
+                "This server ranks (pooling rank: --reranking or the model's own): POST /rerank; "
+                "embeddings need --pooling mean, cls, last or none",
+                "not_supported_error",
+            )
         if oai and head.pooling == "none":
             raise APIError(
                 400,
@@ -138,7 +147,7 @@ def embedding_routes(head: Head) -> APIRouter:
         n_vectors = sum(len(p) for p in prompts) if vectors_per_token else len(prompts)
         n_embd = head.pipeline.local.cfg.n_embd
         check_embedding_size(n_vectors * n_embd, oai and fmt == "base64", cfg.max_response, param)
-        hidden = await _hidden_states(head, http, prompts)
+        hidden = await prompt_hidden_states(head, http, prompts)
         if any(h is None for h in hidden):
             return Response(status_code=499)  # the client left; nobody reads this
         n_tokens = sum(len(p) for p in prompts)
@@ -180,17 +189,5 @@ def embedding_routes(head: Head) -> APIRouter:
     @router.post("/embedding", include_in_schema=False)  # llama-server's legacy name
     async def embeddings(http: Request):
         return await handle(http, oai=False)
-
-    @router.post("/rerank")
-    @router.post("/reranking", include_in_schema=False)  # llama-server's other names for it
-    @router.post("/v1/rerank", include_in_schema=False)
-    @router.post("/v1/reranking", include_in_schema=False)
-    async def rerank():
-        raise APIError(
-            501,
-            "This server does not support reranking: a reranker's score comes from its classification head, "
-            "which no supported architecture loads",
-            "not_supported_error",
-        )
 
     return router

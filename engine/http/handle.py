@@ -8,7 +8,9 @@ from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:  # the engine's modules bring torch: imported when the model loads, after the port is up
     from ..config import HeadConfig
+    from ..gguf_file import GGUFFile
     from ..metrics import Metrics
+    from ..model.rank import RankHead
     from ..pipeline import Pipeline
     from ..serving.runtime import Engine
     from ..status import StatusDocument
@@ -26,7 +28,10 @@ class Head(Protocol):
     drain: Drain
     model_name: str | None
     pooling: str | None  # embedding pooling, resolved at load
+    rank_head: RankHead | None  # pooling rank on a reranker: what scores /rerank's pairs
+    rank_refusal: str | None  # pooling rank on another model: why /rerank answers 501
     created: int  # /v1/models' `created`
+    gguf: GGUFFile | None
     tok: Tokenizer | None
     chat_template: ChatTemplate | None
     fim_tokens: dict[str, int | None]  # /infill's pre/suf/mid/rep/sep token ids

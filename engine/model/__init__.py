@@ -3,8 +3,8 @@ dense or int8 products, the prepared-weight cache), `rope`, `attention`, `deltan
 DeltaNet layers and their recurrent state), `layer` (one block's weights and arithmetic),
 `forward_batch` (what one forward needs: slots, positions, runs, mode), `recurrent_progress` (how
 far each slot's recurrent state has run), `stage` (a layer range with its KV cache, built by
-`build_stage`), `nextn` (Qwen3.5's MTP block, on the head) and `graphs` (CUDA graphs of the decode
-step)."""
+`build_stage`), `nextn` (Qwen3.5's MTP block, on the head), `rank` (a reranker's classification
+head and its query/document prompt, on the head) and `graphs` (CUDA graphs of the decode step)."""
 
 from .config import ARCHITECTURES, ModelConfig
 from .deltanet import ROLLBACK

@@ -25,6 +25,14 @@ from .vocab import tiny_vocab
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3", "qwen35")
 
 FIM_TOKENS = ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>")
+# llama.cpp's converter writes it into every Qwen3 reranker (conversion/qwen.py, Qwen3Model)
+QWEN3_RERANK_TEMPLATE = (
+    "<|im_start|>system\nJudge whether the Document meets the requirements based on the Query and the Instruct "
+    'provided. Note that the answer can only be "yes" or "no".<|im_end|>\n'
+    "<|im_start|>user\n<Instruct>: Given a web search query, retrieve relevant passages that answer the query\n"
+    "<Query>: {query}\n<Document>: {document}<|im_end|>\n"
+    "<|im_start|>assistant\n<think>\n\n</think>\n\n"
+)
 
 
 def write_synthetic(
@@ -54,6 +62,7 @@ def write_synthetic(
     bigram: bool = False,
     mtp_accuracy: float = 1.0,
     fim: bool = False,
+    reranker: bool = False,
     header_only: bool = False,
 ) -> Path:
     """Write a random-weight GGUF and return its path.
@@ -79,6 +88,10 @@ def write_synthetic(
     vocabulary rotated among themselves, so the block's pick is the trunk's next token t exactly when
     t is outside that share: a draft token is right with that chance. `fim` adds Qwen's fill-in-the-middle
     control tokens (<|fim_prefix|>, <|fim_suffix|>, <|fim_middle|>) to the vocabulary.
+    `reranker` (qwen3) makes a Qwen3 reranker as llama.cpp's converter writes one: pooling type rank,
+    the classifier labels ["yes", "no"], the `rerank` chat template, and `cls.output.weight` [2, n_embd]
+    (random rows where the converter takes the LM head's "yes" and "no" rows; written last, so the
+    other weights are those of the same file without it).
     `header_only` writes the metadata and the tensor table and no weights: the file is extended to
     its full size as a hole (sparse: a 27B shape takes a few MB of disk and no time), so readers of
     the header (the footprint, the console's split plan) see the real model's shapes; its data reads
@@ -196,6 +209,8 @@ def write_synthetic(
     q_dim, kv_dim = n_head * head_dim, n_head_kv * head_dim
     if nextn and arch != "qwen35":
         raise ValueError("only qwen35 files carry a NextN block here")
+    if reranker and arch != "qwen3":
+        raise ValueError("only qwen3 files are written as rerankers here")
     for i in range(n_layers + int(nextn)):
         p = f"blk.{i}."
         vec(p + "attn_norm.weight", n_embd)
@@ -236,6 +251,11 @@ def write_synthetic(
             vec(p + "post_attention_norm.weight", n_embd)
             vec(p + "post_ffw_norm.weight", n_embd)
         _ffn_tensors(p, n_embd, n_ff, dense, vec, with_norm=True)
+    if reranker:
+        w.add_pooling_type(gguf.PoolingType.RANK)
+        w.add_classifier_output_labels(["yes", "no"])
+        w.add_chat_template([{"name": "rerank", "template": QWEN3_RERANK_TEMPLATE}])
+        dense("cls.output.weight", 2, n_embd, 1.0 / np.sqrt(n_embd))
 
     w.write_header_to_file()
     w.write_kv_data_to_file()

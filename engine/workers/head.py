@@ -41,6 +41,8 @@ class HeadWorker:
         self.drain = Drain(cfg.drain_grace, self.status)  # SIGTERM: the API's requests end before the engine
         self.model_name: str | None = cfg.aliases[0] if cfg.aliases else None
         self.pooling: str | None = None  # embedding pooling, resolved from --pooling and the GGUF at load
+        self.rank_head = None  # model.rank.RankHead: pooling rank on a reranker
+        self.rank_refusal: str | None = None  # pooling rank on another model: why /rerank is refused
         self.created = int(time.time())
         self.gguf = None
         self.tok = None
@@ -62,6 +64,7 @@ class HeadWorker:
         from ..embedding import resolve_pooling
         from ..gguf_file import GGUFFile
         from ..model import ModelConfig
+        from ..model.rank import NotAReranker, RankHead
         from ..pd import Disaggregator, PdStats, PrefillClient
         from ..rpc.service import HeadRpc, RpcCollector
         from ..serving.runtime import Engine
@@ -79,6 +82,12 @@ class HeadWorker:
         self.model_name = self.model_name or path.stem
         if cfg.embedding or cfg.pooling is not None:
             self.pooling = resolve_pooling(cfg.pooling, g.metadata, g.architecture)
+        if self.pooling == "rank":
+            try:
+                self.rank_head = RankHead.from_gguf(g)
+            except NotAReranker as e:  # generation still serves; /rerank says why it cannot
+                self.rank_refusal = str(e)
+                log.warning("pooling rank: %s", e)
         self.status.model = ModelInfo(self.model_name, str(path), g.architecture, mcfg.n_layers, g.fingerprint)
         self.status.startup_stage = 2
         check_speculative(cfg.spec, cfg.model_draft, g)  # before the peers: a bad flag fails at once
