@@ -174,6 +174,14 @@ class Pipeline:
             for remote in self.remotes:
                 remote.kv_clear(slot)
 
+    def kv_shift(self, slot: int, keep: int, discard: int, n: int) -> None:
+        """Context shift of `slot`, which holds `n` positions (`Stage.kv_shift`). Solo only: a peer's
+        stage has no shift op, so the head refuses --context-shift with peers."""
+        if self.remotes:
+            raise ValueError("context shift needs every layer on the head (no peers)")
+        with self._lock:
+            self.local.kv_shift(slot, keep, discard, n)
+
     def collect_state(self, slot: int, tokens: list[int]) -> list:
         """The state of `slot`'s `tokens`, one slot state (contracts.slot_state) per stage in
         pipeline order: the head's layers from here (with the MTP block's own state when

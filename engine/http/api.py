@@ -238,6 +238,8 @@ def create_app(head: Head) -> FastAPI:
             id_slot=pinned_slot(engine, body),
             cache_prompt=body.cache_prompt,
             return_progress=body.stream and body.return_progress,
+            n_keep=body.n_keep,
+            n_discard=body.n_discard,
         )
         return await _respond_completion(head, http, body, await choices(head, body, req), prompt_text)
 
