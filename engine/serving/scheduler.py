@@ -331,11 +331,11 @@ class Scheduler:
                 if seq.req.constraint is not None and seq.req.constraint.finished:  # the grammar is complete
                     seq.finish_reason = "stop"
                     break
-                if seq.n_gen >= seq.req.max_tokens:
-                    seq.finish_reason = "length"
-                    break
                 if len(seq.tokens) >= self.n_ctx and self.context_shift is None:  # llama-server's truncated
                     seq.finish_reason, seq.truncated = "length", True
+                    break
+                if seq.n_gen >= seq.req.max_tokens:
+                    seq.finish_reason = "length"
                     break
             if not seq.prefilling and seq.req.max_tokens == 0:
                 seq.finish_reason = "length"
