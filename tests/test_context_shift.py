@@ -11,6 +11,8 @@ layer's K is checked against RoPE's rotation written out independently here, per
 
 from __future__ import annotations
 
+import queue
+
 import httpx
 import numpy as np
 import pytest
@@ -18,9 +20,15 @@ import torch
 from rpc_workers import head, running
 from stages import load, prefill
 
+from hydra_console.engine.config import SpecConfig
 from hydra_console.engine.gguf_file import GGUFFile
+from hydra_console.engine.model import build_stage
+from hydra_console.engine.pipeline import Pipeline
 from hydra_console.engine.serving.context_shift import ContextShift
-from hydra_console.engine.serving.sequence import Request, Sequence
+from hydra_console.engine.serving.runtime import Engine
+from hydra_console.engine.serving.sampling_params import SamplingParams
+from hydra_console.engine.serving.sequence import Event, Request, Sequence
+from hydra_console.engine.spec import Speculator
 from hydra_console.engine.text.tokenizer import Tokenizer
 
 N_CTX = 64
@@ -125,6 +133,48 @@ def test_a_recurrent_stage_refuses_to_shift(tiny_model):
     prefill(stage, _tokens(stage, 20))
     with pytest.raises(ValueError, match="recurrent"):
         stage.kv_shift(0, 1, 8, 20)
+
+
+def _engine_outputs(path, spec: SpecConfig, draft: bool = False) -> tuple[list[list[int]], int]:
+    """Greedy tokens of two requests decoding side by side through four shifts of a 64-token slot,
+    and how many drafted tokens were accepted."""
+    g = GGUFFile(path)
+    tok = Tokenizer.from_gguf(g)
+
+    def pipeline() -> Pipeline:
+        return Pipeline(build_stage(g, device="cpu", dtype="float32", n_slots=2, n_ctx=N_CTX))
+
+    speculator = Speculator(spec, pipeline() if draft else None)
+    eng = Engine(pipeline(), tok, 2, N_CTX, speculator=speculator, context_shift=ContextShift()).start()
+    try:
+        done: list[queue.Queue] = [queue.Queue(), queue.Queue()]
+        reqs = [
+            Request(tok.encode(p), SamplingParams(temperature=0.0), max_tokens=160, ignore_eos=True, sink=q.put)
+            for p, q in zip([PROMPT, "hello world hello world"], done)
+        ]
+        eng.submit_together(reqs)
+        outputs, accepted = [], 0
+        for q in done:
+            ids, ev = [], Event()
+            while ev.finish_reason is None:
+                ev = q.get(timeout=120)
+                ids += [t.id for t in ev.tokens]
+            assert ev.finish_reason == "length" and ev.truncated and len(ids) == 160
+            outputs.append(ids)
+            accepted += ev.timings["draft_n_accepted"]
+        return outputs, accepted
+    finally:
+        eng.stop()
+
+
+def test_speculative_decoding_through_shifts_is_plain_greedy(tiny_model):
+    """n-gram and draft-model speculation cap their drafts at the slot's end and go on after each
+    shift (the draft model re-feeds its own cache from the kept tokens): greedy tokens as without."""
+    path = tiny_model("llama", bigram=True)
+    plain, _ = _engine_outputs(path, SpecConfig())
+    for spec, draft in ((SpecConfig("ngram", n_max=4), False), (SpecConfig("draft", n_max=3, p_min=0.0), True)):
+        ids, accepted = _engine_outputs(path, spec, draft)
+        assert ids == plain and accepted > 50, spec
 
 
 # ---- a real head -----------------------------------------------------------------------------------
