@@ -17,7 +17,7 @@ import httpx
 import numpy as np
 import pytest
 import torch
-from rpc_workers import head, running
+from rpc_workers import head, peer, running
 from stages import load, prefill
 
 from hydra_console.engine.config import SpecConfig
@@ -282,19 +282,34 @@ def test_without_context_shift_generation_ends_at_the_context(tiny_model, tmp_pa
         assert body["tokens_predicted"] == 8 and body["truncated"] is False
 
 
-@pytest.mark.parametrize(
-    "arch,extra,words",
-    [
-        ("qwen35", [], "qwen35's recurrent layers cannot drop tokens"),
-        ("llama", ["--peer", "127.0.0.1:9"], "peers cannot shift their KV"),
-    ],
-)
-def test_context_shift_is_refused_where_it_cannot_shift(tiny_model, tmp_path, arch, extra, words):
+def test_context_shift_is_refused_for_a_recurrent_model(tiny_model, tmp_path):
     """A recurrent state cannot drop tokens (llama.cpp turns the flag off there; here the head says
-    why and exits 2), and peers have no shift op: refused before any peer is waited for."""
-    w = head(tiny_model(arch, n_layers=2), tmp_path, (), "--context-shift", *extra)
+    why and exits 2, before any peer is waited for)."""
+    w = head(tiny_model("qwen35", n_layers=2), tmp_path, (), "--context-shift", "--peer", "127.0.0.1:9")
     try:
         assert w.proc.wait(timeout=120) == 2
-        assert words in w.log()
+        assert "qwen35's recurrent layers cannot drop tokens" in w.log()
     finally:
         w.stop()
+
+
+def test_a_split_shifts_as_solo_bit_for_bit(tiny_model, tmp_path):
+    """Head + peer (KV_SHIFT on the peer's layers) through three shifts: the same tokens and logprobs
+    as a solo head, to the bit (float32: a split equals solo)."""
+    model = tiny_model("llama", n_layers=2)
+    flags = ("--context-shift", "--dtype", "float32", "--temp", "0")
+    p = peer(model, tmp_path, "--dtype", "float32")
+    heads = [
+        head(model, tmp_path, (), *flags, parallel=1, ctx=N_CTX),
+        head(model, tmp_path, [p], *flags, parallel=1, ctx=N_CTX),
+    ]
+    try:
+        for w in (p, *heads):
+            w.wait_ready()
+        solo, split = (_complete(w, {"prompt": PROMPT, "n_predict": 150, "cache_prompt": False}) for w in heads)
+        assert split["truncated"] and split["tokens_predicted"] == 150
+        assert split["tokens"] == solo["tokens"] and _logprobs(split) == _logprobs(solo)
+        assert heads[1].status()["stages"][1]["layers"] == [1, 2]
+    finally:
+        for w in (*heads, p):
+            w.stop()

@@ -190,8 +190,7 @@ def _terminated(sig, frame) -> None:
 
 def context_shift_of(cfg: HeadConfig, mcfg, tok):
     """`--context-shift` as the engine applies it (None: off). A recurrent (DeltaNet) state cannot
-    drop tokens (llama.cpp turns the flag off there: here it is refused, not silently ignored), and
-    a peer's layers have no shift op yet."""
+    drop tokens (llama.cpp turns the flag off there: here it is refused, not silently ignored)."""
     from ..serving.context_shift import ContextShift
 
     if not cfg.context_shift:
@@ -201,8 +200,6 @@ def context_shift_of(cfg: HeadConfig, mcfg, tok):
             f"--context-shift: {mcfg.arch}'s recurrent layers cannot drop tokens from their state "
             "(attention-only models can shift); serve without it"
         )
-    if cfg.peers:
-        raise UserError("--context-shift needs every layer on the head: peers cannot shift their KV yet")
     return ContextShift(cfg.n_keep, bool(tok.add_bos and tok.bos_id is not None))
 
 
