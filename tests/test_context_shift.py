@@ -135,7 +135,7 @@ def test_a_recurrent_stage_refuses_to_shift(tiny_model):
         stage.kv_shift(0, 1, 8, 20)
 
 
-def _engine_outputs(path, spec: SpecConfig, draft: bool = False) -> tuple[list[list[int]], int]:
+def _engine_outputs(path, spec: SpecConfig, draft: bool = False, overlap: bool = False) -> tuple[list[list[int]], int]:
     """Greedy tokens of two requests decoding side by side through four shifts of a 64-token slot,
     and how many drafted tokens were accepted."""
     g = GGUFFile(path)
@@ -145,7 +145,9 @@ def _engine_outputs(path, spec: SpecConfig, draft: bool = False) -> tuple[list[l
         return Pipeline(build_stage(g, device="cpu", dtype="float32", n_slots=2, n_ctx=N_CTX))
 
     speculator = Speculator(spec, pipeline() if draft else None)
-    eng = Engine(pipeline(), tok, 2, N_CTX, speculator=speculator, context_shift=ContextShift()).start()
+    eng = Engine(
+        pipeline(), tok, 2, N_CTX, speculator=speculator, overlap=overlap, context_shift=ContextShift()
+    ).start()
     try:
         done: list[queue.Queue] = [queue.Queue(), queue.Queue()]
         reqs = [
@@ -167,11 +169,13 @@ def _engine_outputs(path, spec: SpecConfig, draft: bool = False) -> tuple[list[l
         eng.stop()
 
 
-def test_speculative_decoding_through_shifts_is_plain_greedy(tiny_model):
-    """n-gram and draft-model speculation cap their drafts at the slot's end and go on after each
-    shift (the draft model re-feeds its own cache from the kept tokens): greedy tokens as without."""
+def test_overlap_and_speculative_decoding_through_shifts_are_plain_greedy(tiny_model):
+    """With overlap a shift waits for the step in flight (its input moves); n-gram and draft-model
+    speculation cap their drafts at the slot's end and go on after each shift (the draft model
+    re-feeds its own cache from the kept tokens): greedy tokens as plain decoding's."""
     path = tiny_model("llama", bigram=True)
     plain, _ = _engine_outputs(path, SpecConfig())
+    assert _engine_outputs(path, SpecConfig(), overlap=True)[0] == plain
     for spec, draft in ((SpecConfig("ngram", n_max=4), False), (SpecConfig("draft", n_max=3, p_min=0.0), True)):
         ids, accepted = _engine_outputs(path, spec, draft)
         assert ids == plain and accepted > 50, spec

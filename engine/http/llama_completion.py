@@ -15,7 +15,7 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 from pydantic import Field
 
-from ..serving.context_shift import UNLIMITED
+from ..serving.context_shift import n_predict_of
 from .bodies import MAX_LOGPROBS, CommonBody, sampler_fields
 from .common import constrain, pinned_slot, ready_engine, sampling_params, speculative_config, stop_list
 from .errors import APIError
@@ -147,7 +147,7 @@ class _Completion:
 
     def generation_settings(self) -> dict:
         p, body = self.params, self.body
-        n_predict = -1 if self.req.max_tokens == UNLIMITED else self.req.max_tokens
+        n_predict = n_predict_of(self.req.max_tokens)
         return {
             "seed": p.seed,
             **sampler_fields(p),

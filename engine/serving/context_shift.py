@@ -21,6 +21,11 @@ if TYPE_CHECKING:
 UNLIMITED = 2**31 - 1
 
 
+def n_predict_of(max_tokens: int) -> int:
+    """A request's max_tokens as llama-server reports its n_predict: -1 when unbounded."""
+    return -1 if max_tokens == UNLIMITED else max_tokens
+
+
 @dataclass(frozen=True)
 class ContextShift:
     """`n_keep`: the server's `--keep` (prompt tokens kept; -1: all of the prompt), a request's
