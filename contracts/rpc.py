@@ -29,6 +29,7 @@ starts with a `ReplyStatus` byte, then JSON, raw bytes or an error message:
 | FORWARD_ACK 47 | FORWARD (peers with `CAP_FORWARD_ACK`) | `FORWARD_REPLY` alone: the head needs no hidden states back |
 | KV_TRIM 35 | `KV_TRIM` (slot i32, n u32) | empty |
 | KV_CLEAR 36 | `KV_CLEAR` (slot i32; -1 = all) | empty |
+| KV_SHIFT 48 | `KV_SHIFT` (slot i32, keep u32, discard u32, n u32) | empty: the slot's positions [keep + discard, n) moved down by discard, K re-rotated (the head's context shift) |
 | STATS 37 | empty | JSON |
 | PING 38 | up to 64 bytes | the same bytes |
 | IPC_OPEN 41 | JSON `IpcOpenRequest` | JSON channel description |
@@ -144,6 +145,7 @@ class Cmd:
     STATE_PUT = 45
     STATE_JOIN = 46
     FORWARD_ACK = 47  # FORWARD answered by its status alone: a pipelined prompt chunk
+    KV_SHIFT = 48  # a slot's context shift (the head's --context-shift)
     PROBE = 50  # time the resident layers one by one (the split advisor)
 
 
@@ -157,6 +159,7 @@ FORWARD_HEADER = struct.Struct("<QIIB3x")  # epoch, n_tokens, n_embd, dtype code
 FORWARD_REPLY = struct.Struct("<B3xI")  # status, peer compute µs
 KV_TRIM = struct.Struct("<iI")
 KV_CLEAR = struct.Struct("<i")
+KV_SHIFT = struct.Struct("<iIII")  # slot, keep, discard, n
 PING_MAX = 64
 STATE_SLOT = struct.Struct("<i")
 

@@ -199,6 +199,20 @@ def build_parser() -> argparse.ArgumentParser:
         "of the context); completions keep OpenAI's 16",
     )
     s.add_argument(
+        "--context-shift",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="a generating slot whose context is full keeps its first --keep tokens, drops half of the "
+        "rest and goes on (llama-server's); off: generation ends there, truncated. Attention-only "
+        "models without peers",
+    )
+    s.add_argument(
+        "--keep",
+        type=int,
+        default=0,
+        help="context shift: prompt tokens kept after the BOS (-1: all of the prompt); a request's n_keep overrides",
+    )
+    s.add_argument(
         "-b",
         "--batch-size",
         type=int,

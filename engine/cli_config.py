@@ -113,7 +113,7 @@ def head_config(args, env: Mapping[str, str]) -> HeadConfig:
     _at_least(0, peer_wait=args.peer_wait, max_queue=args.max_queue)
     _at_least(0, prefill_pipeline=args.prefill_pipeline)
     _at_least(0, drain_grace=args.drain_grace, peer_grace=args.peer_grace)
-    _at_least(-1, n_predict=args.n_predict)
+    _at_least(-1, n_predict=args.n_predict, keep=args.keep)
     batch_tokens = args.batch_size if args.batch_size is not None else default_batch_tokens(args.device)
     _at_least(1, batch_size=batch_tokens)
     max_body = args.max_body if args.max_body is not None else default_max_body(slot_ctx(args))
@@ -151,6 +151,8 @@ def head_config(args, env: Mapping[str, str]) -> HeadConfig:
         max_queue=args.max_queue,
         drain_grace=args.drain_grace,
         n_predict=args.n_predict,
+        context_shift=args.context_shift,
+        n_keep=args.keep,
         max_n=max_n,
         max_response=args.max_response,
         http=http_limits(args),

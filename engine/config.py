@@ -240,6 +240,10 @@ class HeadConfig(WorkerConfig):
     max_queue: int = 64  # requests waiting beyond the slots; above: 503 + Retry-After
     drain_grace: float = 30.0  # seconds in-flight requests run on after SIGTERM (http/drain.py)
     n_predict: int = 1024  # max_tokens of a chat request that names none; -1: to the end of the context
+    context_shift: bool = (
+        False  # --context-shift: a full slot drops half its tokens and goes on (serving/context_shift.py)
+    )
+    n_keep: int = 0  # --keep: prompt tokens a context shift keeps after the BOS (-1: all)
     max_n: int = 4  # choices (`n`) one request may ask for; above: 400 (default: --parallel)
     max_response: int = DEFAULT_MAX_RESPONSE  # bytes of a non-streamed response body; above: 400
     batch_tokens: int = DEFAULT_BATCH_TOKENS  # prompt tokens per engine step (-b, --batch-size)

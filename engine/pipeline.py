@@ -174,6 +174,21 @@ class Pipeline:
             for remote in self.remotes:
                 remote.kv_clear(slot)
 
+    def kv_shift(self, slot: int, keep: int, discard: int, n: int) -> None:
+        """Context shift of `slot`, which holds `n` positions, on every stage: this one's
+        (`Stage.kv_shift`), each peer's (KV_SHIFT), and the tokens a rebuild replays. A peer lost
+        meanwhile is rebuilt from those before the next forward: shifted, as the others."""
+        with self._lock:
+            self._settle()
+            if self.remotes:
+                self.history.shift(slot, keep, discard, n)
+            self.local.kv_shift(slot, keep, discard, n)
+            for i, remote in enumerate(self.remotes, 1):
+                try:
+                    remote.kv_shift(slot, keep, discard, n)
+                except PeerUnavailable:
+                    self._lost_kv(i)
+
     def collect_state(self, slot: int, tokens: list[int]) -> list:
         """The state of `slot`'s `tokens`, one slot state (contracts.slot_state) per stage in
         pipeline order: the head's layers from here (with the MTP block's own state when

@@ -56,6 +56,14 @@ class SlotHistory:
             self._tokens = hist = grown
         hist[s, p] = tokens
 
+    def shift(self, slot: int, keep: int, discard: int, n: int) -> None:
+        """A context shift of `slot`, which holds `n` positions: [keep + discard, n) move down by discard."""
+        self.flush()
+        if self._tokens is not None and slot < self._tokens.shape[0]:
+            row = self._tokens[slot]
+            row[keep : n - discard] = row[keep + discard : n].clone()
+        self.lengths[slot] = n - discard
+
     def tokens(self, slot: int, start: int, end: int) -> torch.Tensor:
         """`slot`'s token ids at positions [start, end), as written (`flush` first)."""
         return self._tokens[slot, start:end]

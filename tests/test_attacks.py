@@ -23,6 +23,7 @@ from hydra_console.contracts.rpc import (
     CAP_AUTH,
     CONTROL_MAGIC,
     KV_CLEAR,
+    KV_SHIFT,
     MAX_CTX,
     PREAUTH_MAX_FRAME,
     Cmd,
@@ -161,6 +162,7 @@ def test_second_session_cannot_clear_or_forward_into_the_heads_slots(ws, model):
                 replies.append(compute(s, Cmd.STATE_JOIN, key))
             while not stop.is_set():
                 replies.append(compute(s, Cmd.KV_CLEAR, KV_CLEAR.pack(-1)))
+                replies.append(compute(s, Cmd.KV_SHIFT, KV_SHIFT.pack(0, 1, 2, 4)))
                 epoch = peer_epoch(w)
                 h = torch.randn(2, n_embd)
                 parts = pack_forward(epoch, h, torch.tensor([0, 1]), torch.tensor([0, 0]))
@@ -217,6 +219,7 @@ def test_unknown_and_state_changing_ops_before_auth_close_unanswered(ws):
     for cmd in (
         Cmd.LOAD_STAGE,
         Cmd.KV_CLEAR,
+        Cmd.KV_SHIFT,
         Cmd.STATS,
         Cmd.STATE_META,
         Cmd.STATE_GET,

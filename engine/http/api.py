@@ -20,6 +20,7 @@ from pydantic import BaseModel, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..errors import ContextOverflow, Overloaded, Unavailable, UserError
+from ..serving.context_shift import n_predict_of
 from . import slot_files
 from .anthropic import anthropic_routes
 from .bodies import MAX_LOGPROBS, ChatBody, CommonBody, sampler_fields
@@ -238,6 +239,8 @@ def create_app(head: Head) -> FastAPI:
             id_slot=pinned_slot(engine, body),
             cache_prompt=body.cache_prompt,
             return_progress=body.stream and body.return_progress,
+            n_keep=body.n_keep,
+            n_discard=body.n_discard,
         )
         return await _respond_completion(head, http, body, await choices(head, body, req), prompt_text)
 
@@ -262,13 +265,13 @@ def _llama_slots(engine) -> list[dict]:
         spec = (seq.req.spec if seq is not None and seq.req.spec else engine.spec_config).active
         entry = {**info, "speculative": spec, "is_processing": seq is not None}
         if seq is not None:
-            p = seq.req.params
+            p, n_predict = seq.req.params, n_predict_of(seq.req.max_tokens)
             entry.update(
-                n_prompt_tokens_processed=max(min(seq.n_past, seq.n_prompt) - seq.n_cached, 0),
+                n_prompt_tokens_processed=max(min(seq.n_past + seq.n_discarded, seq.n_prompt) - seq.n_cached, 0),
                 n_prompt_tokens_cache=seq.n_cached,
                 params={
-                    "n_predict": seq.req.max_tokens,
-                    "max_tokens": seq.req.max_tokens,
+                    "n_predict": n_predict,
+                    "max_tokens": n_predict,
                     "seed": p.seed,
                     **sampler_fields(p),
                     "ignore_eos": seq.req.ignore_eos,
@@ -278,7 +281,7 @@ def _llama_slots(engine) -> list[dict]:
                 next_token=[
                     {
                         "has_next_token": seq.finish_reason is None,
-                        "n_remain": seq.req.max_tokens - seq.n_gen,
+                        "n_remain": -1 if n_predict < 0 else n_predict - seq.n_gen,
                         "n_decoded": seq.n_gen,
                     }
                 ],

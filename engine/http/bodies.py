@@ -41,6 +41,10 @@ class CommonBody(BaseModel):
     cache_prompt: bool = True  # llama-server: reuse the KV of a prefix a slot already holds
     id_slot: int = Field(-1, ge=-1)  # llama-server: run in this slot, waiting for it (-1: the best free one)
     timings_per_token: bool = False  # llama-server: `timings` on every streamed chunk, not just the last
+    # llama-server's context shift (--context-shift): prompt tokens kept after the BOS (-1: all; absent:
+    # the server's --keep) and tokens dropped after them (0: half of the rest)
+    n_keep: int | None = Field(None, ge=-1)
+    n_discard: int = Field(0, ge=0)
     return_progress: bool = False  # llama-server: streamed `prompt_progress` chunks while the prompt is computed
     n: int = Field(1, ge=1, le=MAX_CHOICES, description="choices: one engine request each")
     # OpenAI's {"token id": bias}; llama-server's [[id or text, bias]] too; a bias of false bans the token

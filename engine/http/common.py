@@ -214,7 +214,7 @@ async def chat_requests(
     prompt = await asyncio.to_thread(template_prompt, head, body)
     ids = await asyncio.to_thread(head.tok.encode, prompt, add_special=True, parse_special=True)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    room = max(engine.n_ctx - len(ids), 0)
+    room = engine.room(len(ids))  # unbounded with context shift
     if max_tokens is None:
         max_tokens = room if head.cfg.n_predict < 0 else min(head.cfg.n_predict, room)
     elif fit_context:
@@ -232,6 +232,8 @@ async def chat_requests(
         cache_prompt=body.cache_prompt,
         timings_per_token=body.timings_per_token,
         return_progress=body.stream and body.return_progress,
+        n_keep=body.n_keep,
+        n_discard=body.n_discard,
     )
     if fmt is not None and choice.parses:
         req.preserved_tokens = fmt.preserved(head.tok)

@@ -15,6 +15,7 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 from pydantic import Field
 
+from ..serving.context_shift import n_predict_of
 from .bodies import MAX_LOGPROBS, CommonBody, sampler_fields
 from .common import constrain, pinned_slot, ready_engine, sampling_params, speculative_config, stop_list
 from .errors import APIError
@@ -70,9 +71,9 @@ class InfillBody(NativeCompletionBody):
 
 def n_predict_for(head: Head, requested: int | None, n_prompt: int) -> int:
     """llama-server's n_predict: the request's, else (absent or -1) the server's `-n` (-1: unlimited);
-    generation stops where the slot's context ends."""
+    generation stops where the slot's context ends (with context shift it goes on)."""
     n = requested if requested is not None and requested >= 0 else head.cfg.n_predict
-    room = max(head.engine.n_ctx - n_prompt, 0)
+    room = head.engine.room(n_prompt)
     return room if n < 0 else min(n, room)
 
 
@@ -138,21 +139,24 @@ class _Completion:
             cache_prompt=body.cache_prompt,
             timings_per_token=body.timings_per_token,
             return_progress=body.stream and body.return_progress,
+            n_keep=body.n_keep,
+            n_discard=body.n_discard,
         )
         self.text: list[str] = []
         self.tokens: list[GenToken] = []
 
     def generation_settings(self) -> dict:
         p, body = self.params, self.body
+        n_predict = n_predict_of(self.req.max_tokens)
         return {
             "seed": p.seed,
             **sampler_fields(p),
             **OFF_SAMPLERS,
             "stop": self.req.stop,
-            "max_tokens": self.req.max_tokens,
-            "n_predict": self.req.max_tokens,
-            "n_keep": 0,
-            "n_discard": 0,
+            "max_tokens": n_predict,
+            "n_predict": n_predict,
+            "n_keep": body.n_keep if body.n_keep is not None else self.head.cfg.n_keep,
+            "n_discard": body.n_discard,
             "ignore_eos": body.ignore_eos,
             "stream": body.stream,
             "logit_bias": [{"bias": None if b == float("-inf") else b, "token": t} for t, b in p.logit_bias],
@@ -193,7 +197,7 @@ class _Completion:
             "generation_settings": self.generation_settings(),
             "prompt": self.head.tok.decode(self.ids),
             "has_new_line": "\n" in content,
-            "truncated": len(self.ids) + n_gen >= self.head.engine.n_ctx,
+            "truncated": ev.truncated,
             "stop_type": reason,
             "stopping_word": ev.stop_word,
             "tokens_cached": len(self.ids) + n_gen,

@@ -94,6 +94,8 @@ def sampling_params_defaults(head: Head) -> dict:
         **OFF_SAMPLERS,
         "max_tokens": n,
         "n_predict": n,
+        "n_keep": head.cfg.n_keep,
+        "n_discard": 0,
         "samplers": list(SAMPLERS),
     }
 

@@ -10,6 +10,8 @@ slot when reserved, blocks of a shared pool when pooled.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from ..config import KV_CACHE_TYPES as CACHE_TYPES
@@ -117,6 +119,15 @@ class KVCache:
         """K, V [T, n_kv, head_dim] at (slot, position) pairs, in the compute dtype."""
         index = self._at(slots, positions)
         return self.k.get(index), self.v.get(index)
+
+    def move(self, slot: int, start: int, end: int, delta: int, turn_k: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Positions [start, end) of `slot` to [start + delta, end + delta), K through `turn_k`
+        (float32 [n, n_kv, head_dim] -> same: its RoPE turned by `delta`). Read whole before the
+        first write, so the ranges may overlap; the positions left behind are stale (never read)."""
+        src = torch.arange(start, end, device=self.blocks.table.device)
+        slots = torch.full_like(src, slot)
+        k, v = self.rows(slots, src)
+        self.scatter(slots, src + delta, turn_k(k.float()), v)
 
     def gather(self, slots: torch.Tensor, kv_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K, V [B, n_kv, kv_len, head_dim] of each slot's first kv_len positions, in the compute dtype."""

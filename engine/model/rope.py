@@ -36,3 +36,11 @@ def rotate(cfg: ModelConfig, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
         partner = rot.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
     out = torch.addcmul(rot * cos, partner, sin)
     return out if rot is x else torch.cat([out, x[..., n_rot:]], dim=-1)
+
+
+def rotation(table: tuple[torch.Tensor, torch.Tensor], delta: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and signed sin [n_rot] of a rotation by `delta` positions (negative: back), from a
+    `rope_table`: RoPE is a rotation per pair, so K rotated at position p and then by `delta` is K
+    rotated at p + delta (llama.cpp's K-shift)."""
+    cos, sin = table
+    return (cos[delta], sin[delta]) if delta >= 0 else (cos[-delta], -sin[-delta])

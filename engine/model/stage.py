@@ -51,7 +51,7 @@ from .kv_blocks import KVBlocks
 from .kv_cache import check_cache_type
 from .layer import Layer, block, collect_storages, rms_norm
 from .recurrent_progress import RecurrentProgress
-from .rope import rope_table
+from .rope import rope_table, rotate, rotation
 from .weights import Weights
 
 # Logits recomputed exactly after the int8 head: far more than any near-tie of the top token.
@@ -180,6 +180,19 @@ class Stage:
         """Forget a slot: its KV (pooled blocks go back to the pool) and its recurrent state."""
         self.kv_blocks.release(slot)
         self.recurrent_progress.restart(slot)
+
+    def kv_shift(self, slot: int, keep: int, discard: int, n: int) -> None:
+        """llama.cpp's context shift on `slot`, which holds `n` positions: positions [keep, keep +
+        discard) are dropped and [keep + discard, n) move down by `discard`, each K turned back by
+        that many positions of its layer's RoPE (K is cached rotated). Every position stays in the
+        cache (no window trims it), so a windowed layer masks by the new positions, as llama.cpp's
+        full-size SWA cache. A recurrent state cannot drop tokens: ValueError."""
+        if self.recurrent:
+            raise ValueError("a recurrent layer's state cannot be shifted")
+        ropes = {False: self._rope_global, True: self._rope_swa}
+        for layer in self.layers.values():
+            cos, sin = rotation(ropes[bool(layer.window)], -discard)
+            layer.kv.move(slot, keep + discard, n, -discard, lambda k, c=cos, s=sin: rotate(self.cfg, k, c, s))
 
     def slot_state(self, slot: int, n: int) -> dict[str, torch.Tensor]:
         """What this stage holds for `slot`'s first `n` positions, by name: what moves when a slot

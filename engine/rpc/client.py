@@ -29,6 +29,7 @@ from ...contracts.rpc import (
     COMPUTE_HEADER,
     FORWARD_REPLY,
     KV_CLEAR,
+    KV_SHIFT,
     CheckReply,
     CheckRequest,
     Cmd,
@@ -312,6 +313,18 @@ class RemoteStage(PipelinedSends, SlotStateOps):
         with self._lock:
             if self.state == "up":
                 self._guarded(lambda: self._exchange(Cmd.KV_CLEAR, KV_CLEAR.pack(slot)))
+
+    def kv_shift(self, slot: int, keep: int, discard: int, n: int) -> None:
+        """KV_SHIFT: the peer's part of a context shift. A refusal is the head's bug, never skipped:
+        the slot's KV would differ between stages."""
+        with self._lock:
+            if self.state != "up":
+                raise PeerUnavailable(f"peer {self.addr} is down ({self.error}): cannot shift slot {slot}")
+            status, body = self._guarded(
+                lambda: reply_status(self._exchange(Cmd.KV_SHIFT, KV_SHIFT.pack(slot, keep, discard, n)))
+            )
+        if status != R.OK:
+            raise PeerError(f"peer {self.addr} refused to shift slot {slot}: {body.decode('utf-8', 'replace')}")
 
     def time_layers(self, request: ProbeRequest) -> StageProbe:
         """PROBE: the peer times its own layers."""

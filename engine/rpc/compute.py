@@ -43,6 +43,7 @@ from ...contracts.rpc import (
     HELLO,
     HELLO_MAX,
     KV_CLEAR,
+    KV_SHIFT,
     KV_TRIM,
     PING_MAX,
     PREAUTH_MAX_FRAME,
@@ -283,6 +284,7 @@ class ComputeServer:
             Cmd.FORWARD_ACK: (raw, lambda p, s: self._forward(Cmd.FORWARD_ACK, p, s)),
             Cmd.KV_CLEAR: (_struct(KV_CLEAR), lambda r, s: self.host.kv_clear(r[0], owner=s["id"]) or []),
             Cmd.KV_TRIM: (_struct(KV_TRIM), lambda r, s: []),  # rollback is implicit: positions >= n are overwritten
+            Cmd.KV_SHIFT: (_struct(KV_SHIFT), lambda r, s: self.host.kv_shift(*r, owner=s["id"]) or []),
             Cmd.STATS: (
                 raw,
                 lambda p, s: {**self.host.stats(), "bytes_in": self.bytes_in, "bytes_out": self.bytes_out},

@@ -327,6 +327,21 @@ class StageHost:
                 self.stage.kv_clear(s)
                 self.lengths.pop(s, None)
 
+    def kv_shift(self, slot: int, keep: int, discard: int, n: int, owner: int = 0) -> None:
+        """KV_SHIFT: the head's context shift of `slot`, which holds `n` positions (`Stage.kv_shift`)."""
+        with self.lock:
+            stage = self._state_stage(slot, owner)
+            if not keep + discard <= n <= self.lengths.get(slot, 0):
+                raise ComputeError(
+                    f"slot {slot} holds {self.lengths.get(slot, 0)} positions: cannot shift [{keep + discard}, {n}) "
+                    f"down by {discard}"
+                )
+            try:
+                stage.kv_shift(slot, keep, discard, n)
+            except ValueError as e:  # a recurrent stage
+                raise ComputeError(str(e)) from None
+            self.lengths[slot] = n - discard
+
     # --- state ops: a slot's state out and in (contracts.slot_state), for its head only ------------
 
     def _state_stage(self, slot: int, owner: int):

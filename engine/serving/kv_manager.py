@@ -12,6 +12,7 @@ about that memory is made here:
 - `fits`: whether the slots can hold a step's lengths (the idle slots' prompt cache counts as free);
 - `make_room`: the idle slots' prompt cache taken back, on every stage, for a step that needs it;
 - `release`: a slot left by its sequence keeps what its KV holds as prompt cache;
+- `shift`: a busy slot's context shift (`--context-shift`), on every stage;
 - `cached` / `hold` / `idle_holding`: the prompt cache /slots saves, restores, erases and P/D hands over.
 
 The pool is read from the head's own stage: the head's forwards and clears reach every stage, so
@@ -47,12 +48,14 @@ class KVManager:
         recurrent: bool = False,
         kv_generation: Callable[[], int] = lambda: 0,
         evict: Callable[[list[int]], None] | None = None,
+        shift: Callable[[int, int, int, int], None] | None = None,
     ):
         self.blocks = blocks if blocks is not None and blocks.pooled else None
         self.recurrent = recurrent
         self._kv_generation = kv_generation
         self._generation = kv_generation()
         self._evict = evict
+        self._shift = shift
         self._cached: list[list[int]] = [[] for _ in range(n_slots)]
         # Slots a sequence holds. A list, not a set: other threads read it (`busy_slots`) while the
         # engine thread takes and releases slots.
@@ -67,6 +70,7 @@ class KVManager:
             recurrent=getattr(getattr(pipeline, "cfg", None), "recurrent", False),
             kv_generation=lambda: getattr(pipeline, "kv_generation", 0),
             evict=getattr(pipeline, "evict", None),
+            shift=getattr(pipeline, "kv_shift", None),
         )
 
     def busy_slots(self) -> set[int]:
@@ -99,6 +103,14 @@ class KVManager:
         """The slot's sequence left it; its KV holds `tokens` (none: not trusted), the prompt cache."""
         self._busy[slot] = False
         self._cached[slot] = tokens
+
+    def shift(self, slot: int, keep: int, discard: int, n: int) -> None:
+        """Busy `slot`'s context shift: of the `n` positions it holds, [keep, keep + discard) go and
+        the rest move down, on every stage (`Pipeline.kv_shift`: K re-rotated). Its prompt cache,
+        recorded at `release`, is the sequence's tokens after the shift, which match."""
+        if self._shift is None:
+            raise ValueError("this pipeline cannot shift a slot's KV")
+        self._shift(slot, keep, discard, n)
 
     def fits(self, ends: dict[int, int]) -> bool:
         """Whether the slots can hold these lengths ({slot: positions}) beside the busy slots' KV:

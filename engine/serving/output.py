@@ -22,7 +22,7 @@ class _Stream:
 
     def __init__(self, seq: Sequence, tok):
         self.decoder = StreamDecoder(tok, keep=seq.req.preserved_tokens)
-        self.n_seen = seq.n_prompt  # seq.tokens before this index are passed to the decoder
+        self.n_seen = seq.n_prompt  # the sequence's tokens before this one (of `n_total`) went to the decoder
         self.held_text = ""  # text that may still turn out to start a stop string
         self.held_tokens: list[GenToken] = []
         self.emitted_in_held = 0  # chars of the first held tokens' text already passed on
@@ -54,7 +54,7 @@ class OutputProcessor:
             self._progress(seq, st.n_processed)
         if sampled is not None and sampled.prompt_logprobs is not None:
             seq.req.sink(Event(prompt_logprobs=sampled.prompt_logprobs))
-        new = seq.tokens[st.n_seen :]
+        new = seq.since(st.n_seen)
         if not seq.prefilling and st.t_first is None:
             st.t_first = st.t_last = time.perf_counter()
             self.stats.add_prompt(seq.n_prompt - seq.n_cached, st.t_first - seq.t_start, seq.n_cached)
@@ -71,11 +71,11 @@ class OutputProcessor:
             piece = st.decoder.push(tid)
             st.held_tokens.append(GenToken(tid, piece, logprobs[i]))
             if self._release(seq, st, piece):
-                seq.take_back(len(seq.tokens) - (st.n_seen + i + 1))
+                seq.take_back(seq.n_total - (st.n_seen + i + 1))
                 seq.finish_reason = "stop"
                 at_stop_string = True
                 break
-        st.n_seen = len(seq.tokens)
+        st.n_seen = seq.n_total
         if seq.finish_reason is not None:
             self._finish(seq, st, at_stop_string, error)
 
@@ -142,6 +142,7 @@ class OutputProcessor:
                 error=error,
                 hidden=torch.cat(seq.hidden) if seq.req.embedding and seq.finish_reason == "length" else None,
                 stop_word=st.stop_word,
+                truncated=seq.truncated,
             )
         )
 

@@ -23,6 +23,7 @@ from ..config import DEFAULT_BATCH_TOKENS
 from ..errors import KVPoolFull, Overloaded, Unavailable, describe
 from ..spec import Speculator
 from ..text.structured import Grammars
+from .context_shift import UNLIMITED, ContextShift
 from .kv_manager import KVManager
 from .output import OutputProcessor
 from .runner import Launched, ModelRunner
@@ -38,7 +39,8 @@ log = logging.getLogger("hydra.engine")
 
 class Engine:
     """Continuous batching over `n_slots` slots of `n_ctx` tokens each, driving `pipeline.forward`.
-    `overlap`: launch plain decoding steps before reading the previous one (None: on a GPU)."""
+    `overlap`: launch plain decoding steps before reading the previous one (None: on a GPU).
+    `context_shift`: a full slot shifts its context and generation goes on (None: it ends there)."""
 
     def __init__(
         self,
@@ -52,8 +54,10 @@ class Engine:
         max_queue: int | None = None,
         disaggregator=None,
         overlap: bool | None = None,
+        context_shift: ContextShift | None = None,
     ):
         self.pipeline, self.tok, self.n_slots, self.n_ctx = pipeline, tokenizer, n_slots, n_ctx
+        self.context_shift = context_shift
         self.max_queue = max_queue  # requests waiting beyond the slots; None = unbounded
         self.stats = EngineStats()
         # Always there: requests may ask for n-gram drafting even when the server default is off.
@@ -78,6 +82,7 @@ class Engine:
             self.spec,
             tokenizer.eog_ids,
             self.kv,
+            context_shift,
         )
         self.output = OutputProcessor(tokenizer, self.stats)
         self._cond = threading.Condition()
@@ -94,7 +99,12 @@ class Engine:
 
     def check(self, n_prompt: int, max_tokens: int) -> None:
         """Reject up front what can never fit a slot (the API answers 400)."""
-        check_fits(n_prompt, max_tokens, self.n_ctx)
+        check_fits(n_prompt, max_tokens, self.n_ctx, self.context_shift is not None)
+
+    def room(self, n_prompt: int) -> int:
+        """Tokens a request may generate after its prompt: to the slot's end, unbounded with context
+        shift (`UNLIMITED`)."""
+        return UNLIMITED if self.context_shift is not None else max(self.n_ctx - n_prompt, 0)
 
     def submit(self, req: Request) -> Request:
         return self.submit_together([req])[0]
@@ -104,7 +114,7 @@ class Engine:
         admits them in one step where slots are free, so identical ones share every step and give
         one text in any configuration."""
         for req in reqs:
-            req.check(self.n_ctx, self.tok.vocab_size)
+            req.check(self.n_ctx, self.tok.vocab_size, self.context_shift is not None)
         with self._cond:
             # Waiting + running, not just `waiting`: a request submitted before the engine thread
             # admits the previous ones would otherwise see free slots as queue.

@@ -17,10 +17,12 @@ the next batch, whose row for it the engine drops.
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from .context_shift import ContextShift
 from .kv_manager import KVManager
 from .sampling import PENDING
 from .sampling_params import TokenLogprob
@@ -28,6 +30,8 @@ from .sequence import Request, Sequence
 
 if TYPE_CHECKING:
     from ..spec import Draft, Speculator
+
+log = logging.getLogger("hydra.scheduler")
 
 # Prompt-scoring chunks are smaller: each row brings a full-vocabulary logits row.
 SCORING_CHUNK = 64
@@ -53,7 +57,7 @@ class Chunk:
 
     @property
     def prefill(self) -> bool:
-        return self.start < self.seq.n_prompt
+        return self.start + self.seq.n_discarded < self.seq.n_prompt
 
     @property
     def hidden(self) -> bool:
@@ -130,7 +134,9 @@ class Scheduler:
     """Continuous batching over `n_slots` slots of `n_ctx` tokens. `mixed_steps`: prefill chunks ride
     along with the decoding sequences' tokens (True) or a step with prefill runs only prefill
     (False). `speculator` proposes drafts for the decoding sequences (`plan`) and hears when a slot
-    is taken or left (`start`, `release`); `eog_ids` end a request unless it ignores them."""
+    is taken or left (`start`, `release`); `eog_ids` end a request unless it ignores them.
+    `context_shift`: a generating sequence whose slot is full shifts its context and goes on
+    (None: it ends there, "length", truncated)."""
 
     def __init__(
         self,
@@ -141,6 +147,7 @@ class Scheduler:
         speculator: Speculator,
         eog_ids: set[int],
         kv: KVManager | None = None,
+        context_shift: ContextShift | None = None,
     ):
         """`kv`: the owner of the slots' KV and recurrent memory, asked which slot a request takes,
         what its prompt cache saves and whether a step fits (None: reserved slots, nothing lost)."""
@@ -150,6 +157,7 @@ class Scheduler:
         self.mixed_steps = mixed_steps
         self.spec = speculator
         self.eog_ids = eog_ids
+        self.context_shift = context_shift
         self.slots: list[Sequence | None] = [None] * n_slots
         self.waiting: deque[Request] = deque()
         self._next_id = 0
@@ -204,7 +212,8 @@ class Scheduler:
         """Whether the next batch may launch before the host reads the step in flight: only when every
         running sequence just decodes (its next input is the token the device already holds). Prefill
         chunks, speculative drafts (they read the tokens so far), grammar masks (the matcher advances
-        on the host), embeddings and P/D transfers need the host first."""
+        on the host), embeddings and P/D transfers need the host first; so does a context shift (it
+        moves the tokens the next input is read after)."""
         return (
             bool(self.running)
             and not self.spec.wants_hidden
@@ -214,6 +223,7 @@ class Scheduler:
                 and s.req.constraint is None
                 and not s.req.embedding
                 and not (s.req.spec or self.spec.config).active
+                and not self._full(s)
                 for s in self.running
             )
         )
@@ -233,7 +243,9 @@ class Scheduler:
         decoding, done = [], []
         for s in running:
             if not s.prefilling:
-                last = s.n_past + 1 - s.n_prompt >= s.req.max_tokens or s.n_past + 1 >= self.n_ctx
+                if self._full(s):  # nothing in flight then (not `overlappable`)
+                    self._shift(s)
+                last = s.n_past + s.n_discarded + 1 - s.n_prompt >= s.req.max_tokens or s.n_past + 1 >= self.n_ctx
                 (done if last else decoding).append(s)
         drafts = self.spec.plan(decoding, self.n_ctx)
         chunks = [Chunk(s, s.n_past, s.n_past + 1, True, False, d) for s, d in zip(decoding, drafts)]
@@ -250,6 +262,17 @@ class Scheduler:
         if not chunks and blocked:
             return self._shed(running, done)
         return Batch(chunks)
+
+    def _full(self, s: Sequence) -> bool:
+        """A generating sequence due a context shift: its next position would be the slot's last
+        (llama-server shifts there, one position early)."""
+        return self.context_shift is not None and not s.prefilling and s.n_past + 1 >= self.n_ctx
+
+    def _shift(self, s: Sequence) -> None:
+        keep, discard = self.context_shift.plan(s, self.n_ctx)
+        log.info("slot %d: context shift, n_keep = %d, n_discard = %d of %d", s.slot, keep, discard, s.n_past)
+        self.kv.shift(s.slot, keep, discard, s.n_past)
+        s.shift(keep, discard)
 
     def _prefill(self, chunks: list[Chunk], prefilling: list[Sequence], budget: int) -> tuple[list[Chunk], bool]:
         """`chunks` and the prompt chunks of `prefilling` (in order) that fit beside them in `budget`
@@ -308,7 +331,10 @@ class Scheduler:
                 if seq.req.constraint is not None and seq.req.constraint.finished:  # the grammar is complete
                     seq.finish_reason = "stop"
                     break
-                if seq.n_gen >= seq.req.max_tokens or len(seq.tokens) >= self.n_ctx:
+                if len(seq.tokens) >= self.n_ctx and self.context_shift is None:  # llama-server's truncated
+                    seq.finish_reason, seq.truncated = "length", True
+                    break
+                if seq.n_gen >= seq.req.max_tokens:
                     seq.finish_reason = "length"
                     break
             if not seq.prefilling and seq.req.max_tokens == 0:

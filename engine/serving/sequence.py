@@ -49,6 +49,7 @@ class Event:
     hidden: torch.Tensor | None = None
     stop_word: str = ""
     progress: dict | None = None
+    truncated: bool = False  # the context ran out: generation stopped there, or a context shift dropped tokens
 
 
 @dataclass
@@ -65,6 +66,8 @@ class Request:
     constraint: Constraint | None = None  # structured output: this request's own grammar matcher
     timings_per_token: bool = False  # every event carries the timings so far, not only the last
     return_progress: bool = False  # an Event.progress when it takes a slot and after each prompt chunk
+    n_keep: int | None = None  # context shift: prompt tokens kept after the BOS (-1: all); None: the server's --keep
+    n_discard: int = 0  # context shift: tokens dropped after the kept ones (0: half of the rest)
     # control tokens its text keeps (llama-server's preserved_tokens: a tool call's markers)
     preserved_tokens: frozenset[int] = frozenset()
     sink: Callable[[Event], None] = lambda ev: None
@@ -74,23 +77,24 @@ class Request:
     cancelled: bool = False
     t_submit: float = field(default_factory=time.perf_counter)  # arrival: time to first token counts from here
 
-    def check(self, n_ctx: int, vocab: int) -> None:
+    def check(self, n_ctx: int, vocab: int, shifts: bool = False) -> None:
         """Refuse a prompt token outside the vocabulary, then what can never fit a slot (`check_fits`)."""
         bad = next((t for t in self.prompt if not 0 <= t < vocab), None)
         if bad is not None:
             raise InvalidParam(f"token id {bad} is outside the vocabulary of {vocab} tokens", "prompt")
-        check_fits(len(self.prompt), self.max_tokens, n_ctx)
+        check_fits(len(self.prompt), self.max_tokens, n_ctx, shifts)
 
 
-def check_fits(n_prompt: int, max_tokens: int, n_ctx: int) -> None:
-    """Reject up front what can never fit a slot of `n_ctx` tokens (the API answers 400)."""
+def check_fits(n_prompt: int, max_tokens: int, n_ctx: int, shifts: bool = False) -> None:
+    """Reject up front what can never fit a slot of `n_ctx` tokens (the API answers 400); with context
+    shift (`shifts`) only the prompt must fit, generation goes on past the context."""
     if n_prompt == 0:
         raise InvalidParam("the prompt is empty", "prompt")
     if max_tokens < 0:
         raise InvalidParam(f"max_tokens must be >= 0, got {max_tokens}", "max_tokens")
     if n_prompt >= n_ctx:
         raise ContextOverflow(n_prompt, n_ctx)
-    if n_prompt + max_tokens > n_ctx:
+    if n_prompt + max_tokens > n_ctx and not shifts:
         raise InvalidParam(
             f"the prompt ({n_prompt} tokens) plus max_tokens ({max_tokens}) exceeds the context of {n_ctx} tokens",
             "max_tokens",
@@ -99,7 +103,10 @@ def check_fits(n_prompt: int, max_tokens: int, n_ctx: int) -> None:
 
 class Sequence:
     """A request bound to a slot (its KV rows): its tokens, how many of them are in the KV cache, and
-    why it finished once it has."""
+    why it finished once it has. `tokens` are what the slot's KV holds, by position: a context shift
+    (`shift`) takes tokens out of the middle, counted in `n_discarded`, so every token the request
+    ever had is `n_total` (prompt and generated: the prompt/generation boundary and the output's
+    place are counted in those)."""
 
     def __init__(self, req: Request, slot: int):
         self.req = req
@@ -109,6 +116,8 @@ class Sequence:
         self.n_past = 0  # tokens whose KV is written
         self.n_cached = 0  # of those, how many a previous request left in the slot (prompt cache)
         self.n_gen = 0
+        self.n_discarded = 0  # tokens context shifts took out of `tokens` and the KV
+        self.truncated = False  # the context ran out (Event.truncated)
         self.sampler = Sampler(req.params)
         self.n_drafted = 0  # draft tokens verified for this request, and how many were accepted
         self.n_accepted = 0
@@ -123,7 +132,24 @@ class Sequence:
 
     @property
     def prefilling(self) -> bool:
-        return self.n_past < self.n_prompt
+        return self.n_past + self.n_discarded < self.n_prompt
+
+    @property
+    def n_total(self) -> int:
+        """Every token the request has had: those in `tokens` and those a context shift discarded."""
+        return len(self.tokens) + self.n_discarded
+
+    def since(self, i: int) -> list[int]:
+        """The tokens from the `i`-th the request had (an index into `n_total`, past any discarded)."""
+        return self.tokens[i - self.n_discarded :]
+
+    def shift(self, keep: int, discard: int) -> None:
+        """A context shift: the tokens at positions [keep, keep + discard) leave the KV, those after
+        move down (the KV manager moved their KV)."""
+        del self.tokens[keep : keep + discard]
+        self.n_past -= discard
+        self.n_discarded += discard
+        self.truncated = True
 
     def append(self, tid: int) -> None:
         self.tokens.append(tid)

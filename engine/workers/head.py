@@ -91,6 +91,7 @@ class HeadWorker:
         self.status.model = ModelInfo(self.model_name, str(path), g.architecture, mcfg.n_layers, g.fingerprint)
         self.status.startup_stage = 2
         check_speculative(cfg.spec, cfg.model_draft, g)  # before the peers: a bad flag fails at once
+        context_shift = context_shift_of(cfg, mcfg, self.tok)
         self.pipeline = pipeline = build_pipeline(cfg, g, mcfg)
         # After the pipeline: the MTP block shares the head stage's embedding and output head.
         speculator = build_speculator(
@@ -127,6 +128,7 @@ class HeadWorker:
             max_queue=cfg.max_queue,
             disaggregator=disaggregator,
             overlap=cfg.overlap,
+            context_shift=context_shift,
         ).start()
         self.rpc.control.engine = self.engine
         pipeline.active_slots = self.engine.kv.busy_slots  # the KV a rebuild replays
@@ -184,6 +186,21 @@ class Terminated(BaseException):
 
 def _terminated(sig, frame) -> None:
     raise Terminated
+
+
+def context_shift_of(cfg: HeadConfig, mcfg, tok):
+    """`--context-shift` as the engine applies it (None: off). A recurrent (DeltaNet) state cannot
+    drop tokens (llama.cpp turns the flag off there: here it is refused, not silently ignored)."""
+    from ..serving.context_shift import ContextShift
+
+    if not cfg.context_shift:
+        return None
+    if mcfg.recurrent:
+        raise UserError(
+            f"--context-shift: {mcfg.arch}'s recurrent layers cannot drop tokens from their state "
+            "(attention-only models can shift); serve without it"
+        )
+    return ContextShift(cfg.n_keep, bool(tok.add_bos and tok.bos_id is not None))
 
 
 def max_run_of(spec) -> int:
