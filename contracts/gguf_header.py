@@ -230,7 +230,7 @@ class GGUFHeader:
         first = _Part(self.path)
         self.parts = [first]
         self.version, self.metadata, self.header_bytes = first.version, first.metadata, first.header_bytes
-        self.buffer = first.buffer
+        self.buffer, self.data_offset = first.buffer, first.data_offset  # the first part's
         count = first.split_key(SPLIT_COUNT) or 0
         if count > 1:
             self.parts += self._other_parts(first, count)
