@@ -80,7 +80,7 @@ def props(head: Head) -> dict:
         "bos_token": head.tok.token_text(head.tok.bos_id) if ready and head.tok.bos_id is not None else "",
         "eos_token": head.tok.token_text(head.tok.eos_id) if ready and head.tok.eos_id is not None else "",
         "build_info": BUILD_INFO,
-        "is_sleeping": False,
+        "is_sleeping": head.status.sleeping,
         "n_ctx": engine.n_ctx if engine is not None else head.cfg.model.ctx,
     }
 
