@@ -54,6 +54,9 @@ def test_sleeps_when_idle_and_wakes_with_the_same_text(model, tmp_path):
 
         assert [greedy(w, p) for p in PROMPTS] == want  # woken by the request, which then runs
         assert not props(w)["is_sleeping"] and w.status()["stages"][0]["weight_bytes"] > 0
+        # llama-server's throughput gauge: over the processing time since the last scrape, which resets it
+        assert metric(w, "predicted_tokens_seconds") > 0
+        assert metric(w, "predicted_tokens_seconds") == 0
         assert metric(w, "tokens_predicted_total") > predicted  # the counters went on
 
         asleep(w)  # llama-server's list: any request but the observation routes wakes it, /tokenize too
