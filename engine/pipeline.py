@@ -347,12 +347,12 @@ class Pipeline:
     def release(self) -> None:
         """Every slot cleared on every stage (a peer's pooled KV blocks go back; its stage stays
         loaded), then this stage let go (`local` is None until `restore`) with the drafter state
-        beside it. A peer lost meanwhile is not waited for: it loads a fresh stage when it re-attaches."""
+        beside it."""
         with self._lock:
             try:
                 self.evict(list(range(self.local.n_slots)))
-            except PeerUnavailable as e:
-                log.warning("sleeping without clearing the slots of a lost peer: %s", e)
+            except Exception as e:  # a lost peer loads a fresh stage on re-attach; another reuses its slots from 0
+                log.warning("sleeping without clearing every peer's slots: %s", e)
             self.history = SlotHistory()
             self._device = self.local.device
             self.local = self.side_state = self.active_slots = None  # nothing of the engine's is kept

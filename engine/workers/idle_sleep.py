@@ -78,8 +78,7 @@ class IdleSleep:
                     log.info("idle for %g s: freeing the model until the next request", self.seconds)
                     try:
                         self._sleep()
-                        self.sleeping = True
-                    except Exception:  # still awake, whole: the next idle period tries again
-                        log.exception("could not free the model")
-                        self._last = now
+                    except Exception:  # whatever it freed, the next request builds the model again
+                        log.exception("freeing the model failed midway")
+                    self.sleeping = True
                 self._cond.wait(CHECK_S)
