@@ -39,6 +39,8 @@ def state_text(w: Worker, now: float) -> tuple[str, str]:
         word = f"{word} {max(0.0, w.backoff_until - now):.0f}s"
     elif w.state == State.STARTING and w.status:
         word = f"starting {w.status.startup_stage}/{READY_STAGE}"
+    elif w.state == State.READY and w.status and w.status.sleeping:  # --sleep-idle-seconds: a request wakes it
+        word = "ready, asleep"
     return f"{symbol} {word}", tone
 
 

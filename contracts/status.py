@@ -323,6 +323,7 @@ class Status(_Doc):
     version: str | None = None
     uptime_s: float | None = None
     state: str = "starting"  # as Health.status
+    sleeping: bool = False  # a head's model freed after --sleep-idle-seconds idle; the next request loads it
     startup_stage: int = 1
     # Seconds from the process's start (interpreter and imports included) to each startup stage
     # reached, by STARTUP_STAGES name: where a start's time goes.

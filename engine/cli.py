@@ -150,6 +150,13 @@ def build_parser() -> argparse.ArgumentParser:
         "then they end with 503 'the server is shutting down' and the head stops",
     )
     s.add_argument(
+        "--sleep-idle-seconds",
+        type=int,
+        default=-1,
+        help="after this many seconds without a request the head frees its model (weights, KV, drafters) "
+        "and reloads it on the next request; /props says is_sleeping (llama-server's); -1: never",
+    )
+    s.add_argument(
         "--max-n",
         type=int,
         default=None,

@@ -114,6 +114,8 @@ def head_config(args, env: Mapping[str, str]) -> HeadConfig:
     _at_least(0, prefill_pipeline=args.prefill_pipeline)
     _at_least(0, drain_grace=args.drain_grace, peer_grace=args.peer_grace)
     _at_least(-1, n_predict=args.n_predict, keep=args.keep)
+    if args.sleep_idle_seconds == 0 or args.sleep_idle_seconds < -1:
+        raise UserError(f"--sleep-idle-seconds must be -1 (never) or a positive count, got {args.sleep_idle_seconds}")
     batch_tokens = args.batch_size if args.batch_size is not None else default_batch_tokens(args.device)
     _at_least(1, batch_size=batch_tokens)
     max_body = args.max_body if args.max_body is not None else default_max_body(slot_ctx(args))
@@ -150,6 +152,7 @@ def head_config(args, env: Mapping[str, str]) -> HeadConfig:
         max_body=max_body,
         max_queue=args.max_queue,
         drain_grace=args.drain_grace,
+        sleep_idle_seconds=args.sleep_idle_seconds if args.sleep_idle_seconds > 0 else None,
         n_predict=args.n_predict,
         context_shift=args.context_shift,
         n_keep=args.keep,

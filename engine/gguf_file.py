@@ -14,9 +14,11 @@ class GGUFFile(GGUFHeader):
     """An open GGUF file: `metadata` (key -> value), `tensors` (name -> TensorInfo), zero-copy data views."""
 
     def raw(self, name: str) -> np.ndarray:
-        """The tensor's bytes as a read-only uint8 view of the mmap (no copy)."""
+        """The tensor's bytes as a read-only uint8 view of its file's mmap (no copy), whichever part
+        of a split model holds it."""
         t = self.tensors[name]
-        return np.frombuffer(self.buffer, dtype=np.uint8, count=t.nbytes, offset=t.offset)
+        return np.frombuffer(self.parts[t.part].buffer, dtype=np.uint8, count=t.nbytes, offset=t.offset)
 
     def __repr__(self) -> str:
-        return f"GGUFFile({str(self.path)!r}, arch={self.architecture!r}, tensors={len(self.tensors)})"
+        parts = f", parts={len(self.parts)}" if len(self.parts) > 1 else ""
+        return f"GGUFFile({str(self.path)!r}, arch={self.architecture!r}, tensors={len(self.tensors)}{parts})"

@@ -7,6 +7,7 @@ layer: pool occupancy, peer RTT).
 
 from __future__ import annotations
 
+import threading
 import time
 
 from prometheus_client import CollectorRegistry, generate_latest
@@ -24,6 +25,19 @@ _RETYPE = (f"# TYPE llamacpp:{N_TOKENS_MAX} gauge\n".encode(), f"# TYPE llamacpp
 class _EngineCollector:
     def __init__(self, status: StatusDocument):
         self.status = status
+        # The throughput gauges are llama-server's: tokens per second of processing time between two
+        # scrapes (its buckets, reset by each scrape), from the totals at the last one.
+        self._lock = threading.Lock()
+        self._mark = (0, 0.0, 0, 0.0)
+
+    def _since_last_scrape(self, st) -> tuple[float, float]:
+        totals = (
+            (st.prompt_tokens, st.prompt_seconds, st.predicted_tokens, st.predicted_seconds) if st else (0, 0.0, 0, 0.0)
+        )
+        with self._lock:
+            last, self._mark = self._mark, totals
+        (n_p, t_p, n_g, t_g), (n_p0, t_p0, n_g0, t_g0) = totals, last
+        return ((n_p - n_p0) / (t_p - t_p0) if t_p > t_p0 else 0.0, (n_g - n_g0) / (t_g - t_g0) if t_g > t_g0 else 0.0)
 
     def collect(self):
         engine = self.status.engine
@@ -60,9 +74,13 @@ class _EngineCollector:
             "Requests refused because the queue was full (--max-queue).",
             value=st.requests_rejected if st else 0,
         )
-        prefill, decode = st.rates() if st else (0.0, 0.0)
-        yield from gauge("prompt_tokens_seconds", "Recent prompt throughput in tokens/s.", prefill)
-        yield from gauge("predicted_tokens_seconds", "Recent generation throughput in tokens/s.", decode)
+        prefill, decode = self._since_last_scrape(st)
+        yield from gauge(
+            "prompt_tokens_seconds", "Average prompt throughput in tokens/s since the last scrape.", prefill
+        )
+        yield from gauge(
+            "predicted_tokens_seconds", "Average generation throughput in tokens/s since the last scrape.", decode
+        )
         yield from gauge("requests_processing", "Number of requests processing.", engine.n_processing if engine else 0)
         yield from gauge("requests_deferred", "Number of requests deferred.", engine.n_deferred if engine else 0)
         yield from gauge(

@@ -357,6 +357,26 @@ class Pipeline:
                     f.result()
         self.ranges = list(ranges)
 
+    # --- the head sleeps (--sleep-idle-seconds) ---------------------------------------------------
+
+    def release(self) -> None:
+        """Every slot cleared on every stage (a peer's pooled KV blocks go back; its stage stays
+        loaded), then this stage let go (`local` is None until `restore`) with the drafter state
+        beside it."""
+        with self._lock:
+            try:
+                self.evict(list(range(self.local.n_slots)))
+            except Exception as e:  # a lost peer loads a fresh stage on re-attach; another reuses its slots from 0
+                log.warning("sleeping without clearing every peer's slots: %s", e)
+            self.history = SlotHistory()
+            self._device = self.local.device
+            self.local = self.side_state = self.active_slots = None  # nothing of the engine's is kept
+
+    def restore(self, local: Stage) -> None:
+        """This stage again after `release`, built anew for `ranges[0]`."""
+        with self._lock:
+            self.local = local
+
     # --- peers: lost, re-attached ------------------------------------------------------------
 
     def interrupt(self) -> None:
@@ -370,17 +390,21 @@ class Pipeline:
 
     def stages(self) -> list[StageInfo]:
         """Explicit layer ranges of every stage, for /status."""
-        out = [
-            StageInfo(
-                "head",
-                None,
-                tuple(self.ranges[0]),
-                str(self.local.device),
-                "ok",
-                self.local.kv_bytes,
-                self.local.held_weight_bytes,
-            )
-        ]
+        local = self.local
+        if local is None:  # asleep: it holds nothing
+            out = [StageInfo("head", None, tuple(self.ranges[0]), str(self._device), "sleeping", 0, 0)]
+        else:
+            out = [
+                StageInfo(
+                    "head",
+                    None,
+                    tuple(self.ranges[0]),
+                    str(local.device),
+                    "ok",
+                    local.kv_bytes,
+                    local.held_weight_bytes,
+                )
+            ]
         for remote, r in zip(self.remotes, self.ranges[1:]):
             out.append(StageInfo("peer", remote.addr, tuple(r), str(remote.device), remote.state))
         return out

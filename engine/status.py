@@ -150,6 +150,7 @@ class StatusDocument:
         self.model: ModelInfo | None = None
         self.pipeline = None
         self.engine = None
+        self.sleeping = False  # the head's model freed (--sleep-idle-seconds): the owner sets it
         self._providers: list[Callable[[], dict]] = []
 
     @property
@@ -202,6 +203,7 @@ class StatusDocument:
             version=__version__,
             uptime_s=round(time.monotonic() - self.t0, 3),
             state=self.state,
+            sleeping=self.sleeping,
             startup_stage=self.startup_stage,
             startup_s=dict(self.startup_s),
             http=self.http,

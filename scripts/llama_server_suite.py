@@ -6,7 +6,8 @@ LLAMA_SERVER_BIN_PATH with llama-server flags and downloads its test models from
 Here it runs offline on one local GGUF (the default model unless --model): a small wrapper
 executable stands in for the binary, swaps every model source (--hf-repo, --hf-file, --model-url,
 -m) for that file, and, for `--server hydra`, keeps only the flags `hydra-engine serve` accepts
-(the others are dropped with their value). Pass/fail counts are printed per test file:
+(the others are dropped with their value); a split model's first part (`-00001-of-0000N.gguf`)
+becomes that file split as many ways. Pass/fail counts are printed per test file:
 
     python scripts/llama_server_suite.py                       # hydra, the default file set
     python scripts/llama_server_suite.py --server llama        # upstream llama-server: the baseline
@@ -56,6 +57,8 @@ DEFAULT_FILES = [
 ]
 # What points the suite at a model; all of them become `-m FILE`.
 MODEL_FLAGS = {"--hf-repo", "-hf", "-hfr", "--hf-file", "-hff", "--model-url", "-mu", "--model", "-m"}
+# A split model's first part (test_basic's test_load_split_model): the model split as many ways.
+SPLIT_PART = re.compile(r"-00001-of-(\d{5})\.gguf$")
 # A draft model (test_speculative's stories15M) becomes `--model-draft FILE`: the model drafts for itself.
 DRAFT_FLAGS = {"--model-draft", "-md", "--spec-draft-model"}
 # Switches of llama-server that take no value (so the wrapper does not drop the next flag with them).
@@ -115,8 +118,29 @@ def translate(argv: list[str], model: str, server: str) -> list[str]:
     return out
 
 
+def split_model(argv: list[str], model: str) -> str:
+    """A test that asks for a split GGUF (test_basic's `...-00001-of-00003.gguf`) gets the model in
+    as many parts (engine/synth/split.py, llama-gguf-split's layout), written once in the suite's
+    folder; any other test gets the model whole."""
+    asked = next(
+        (m for flag, value in zip(argv, argv[1:]) if flag in MODEL_FLAGS and (m := SPLIT_PART.search(value))), None
+    )
+    if asked is None:
+        return model
+    from hydra_console.contracts.gguf_header import GGUFHeader
+    from hydra_console.engine.synth.split import split_gguf
+
+    count = int(asked[1])
+    prefix = Path(os.environ["LLAMA_CACHE"]) / "split" / Path(model).stem
+    parts = sorted(prefix.parent.glob(f"{prefix.name}-*-of-{count:05d}.gguf"))
+    if not parts:
+        prefix.parent.mkdir(exist_ok=True)
+        parts = split_gguf(model, prefix, max_tensors=-(-len(GGUFHeader(model).tensors) // count))
+    return str(parts[0])
+
+
 def wrapper_main(server: str, model: str, argv: list[str]) -> int:
-    args = translate(argv, model, server)
+    args = translate(argv, split_model(argv, model), server)
     if server == "llama":
         cmd = [os.environ.get("SUITE_LLAMA_SERVER", str(DEFAULT_LLAMA_SERVER)), *args]
     else:

@@ -76,6 +76,7 @@ GOOD = {
     "/v1/messages": {"model": "m", "max_tokens": 1, "messages": HI},
     "/v1/messages/count_tokens": {"model": "m", "messages": HI},
     "/v1/responses": {"input": "hi", "max_output_tokens": 1},
+    "/v1/responses/input_tokens": {"input": "hi"},
     "/v1/embeddings": {"input": "hi"},
     "/embeddings": {"input": "hi"},
     "/embedding": {"input": "hi"},

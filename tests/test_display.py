@@ -42,6 +42,15 @@ def test_backoff_state_shows_seconds_left():
     assert display.state_text(w, now=100.0) == ("↻ backoff 8s", "warn")
 
 
+async def test_a_sleeping_head_is_ready_and_asleep():
+    """--sleep-idle-seconds: the head's /status says `sleeping`; the row says so beside its state."""
+    feed = FixedFeedSource({"head": Probe(True, 200, {"status": "ok"}, {"role": "head", "sleeping": True})})
+    sup = Supervisor(Profile(), attach=True, source=feed, clock=lambda: 0.0)
+    await sup.poll_once()
+    assert sup.head.state == State.READY
+    assert display.state_text(sup.head, now=0.0) == ("● ready, asleep", "ok")
+
+
 def test_a_crash_loop_row_names_its_cause():
     sup = Supervisor(Profile(), source=FixedFeedSource({}))
     w = sup.head

@@ -163,6 +163,8 @@ def test_peer_config_defaults():
         ([], {"HYDRA_RPC_SPIN_MS": "-3"}, "HYDRA_RPC_SPIN_MS"),
         (["--cors-origins", " "], {}, "--cors-origins"),
         (["--reranking", "--pooling", "mean"], {}, "--reranking"),
+        (["--sleep-idle-seconds", "0"], {}, "--sleep-idle-seconds"),
+        (["--sleep-idle-seconds", "-2"], {}, "--sleep-idle-seconds"),
     ],
 )
 def test_bad_settings_name_their_key(argv, env, key):

@@ -82,6 +82,15 @@ def test_response_is_the_chat_answer(server, client):
     assert got.output_text == chat_text(server, as_chat, 4)["choices"][0]["message"]["content"]
 
 
+def test_input_tokens_counts_the_prompt_without_generating(server):
+    """llama-server's /v1/responses/input_tokens: the prompt tokens the same request would take."""
+    body = {"instructions": "be brief", "input": [CHAT[1]]}
+    r = httpx.post(f"{server}/v1/responses/input_tokens", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    chat = chat_text(server, CHAT, 1)
+    assert r.json() == {"object": "response.input_tokens", "input_tokens": chat["usage"]["prompt_tokens"]}
+
+
 def test_stream_events(server, client):
     events = list(
         client.responses.create(

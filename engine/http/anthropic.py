@@ -14,7 +14,6 @@ blocks as `tool` messages after their turn, `thinking` blocks as `reasoning_cont
 
 from __future__ import annotations
 
-import asyncio
 import json
 import uuid
 from typing import TYPE_CHECKING, Any, Union
@@ -24,8 +23,7 @@ from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from .bodies import ChatBody, chat_body
-from .common import chat_requests, ready_engine
-from .prompts import template_prompt
+from .common import chat_requests, input_tokens
 from .streaming import Run, generation_error, named_sse, single_reply
 
 if TYPE_CHECKING:
@@ -174,13 +172,7 @@ def anthropic_routes(head: Head) -> APIRouter:
 
     @r.post("/v1/messages/count_tokens")
     async def count_tokens(body: MessagesBody):
-        ready_engine(head)
-        chat = to_chat(body)
-
-        def count() -> int:
-            return len(head.tok.encode(template_prompt(head, chat), add_special=True, parse_special=True))
-
-        return {"input_tokens": await asyncio.to_thread(count)}
+        return {"input_tokens": await input_tokens(head, to_chat(body))}
 
     @r.post("/v1/messages")
     async def messages(body: MessagesBody, http: Request):

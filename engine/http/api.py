@@ -48,6 +48,7 @@ from .prompts import check_token_ids
 from .rerank import rerank_routes
 from .responses import responses_routes
 from .streaming import Run, check_finish, sse, stream_error, usage_of
+from .wake import Wake
 from .worker import add_observation_routes
 
 if TYPE_CHECKING:  # the engine's modules bring torch: imported when the model loads, after the port is up
@@ -86,6 +87,7 @@ def create_app(head: Head) -> FastAPI:
     app = FastAPI(title="Hydra head", version="0.1.0", default_response_class=capped_json(head.cfg.max_response))
     app.state.head = head
     app.add_middleware(JsonBody)  # innermost: a body is JSON whatever its declared type
+    app.add_middleware(Wake, head=head)  # behind the gate: a refused request does not wake a sleeping head
     app.add_middleware(Gate, api_key=head.cfg.api_key, max_body=head.cfg.max_body, drain=head.drain)
     app.add_middleware(Cors, origins=head.cfg.cors_origins)  # outermost: a preflight needs no key
     add_observation_routes(app, head.status, head.metrics if head.cfg.metrics else None)

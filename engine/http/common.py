@@ -248,3 +248,12 @@ def ready_engine(head: Head):
     if not head.ready:
         raise APIError(503, "Loading model", "unavailable_error", retry_after=LOADING_RETRY_S)
     return head.engine
+
+
+async def input_tokens(head: Head, chat) -> int:
+    """The prompt tokens a body with `messages` would take (llama-server's token-counting routes: chat and
+    Responses `input_tokens`, Anthropic's `count_tokens`)."""
+    ready_engine(head)
+    return await asyncio.to_thread(
+        lambda: len(head.tok.encode(template_prompt(head, chat), add_special=True, parse_special=True))
+    )

@@ -16,6 +16,7 @@ if TYPE_CHECKING:  # the engine's modules bring torch: imported when the model l
     from ..status import StatusDocument
     from ..text.chat import ChatTemplate
     from ..text.tokenizer import Tokenizer
+    from ..workers.idle_sleep import IdleSleep
     from .drain import Drain
 
 
@@ -37,6 +38,7 @@ class Head(Protocol):
     fim_tokens: dict[str, int | None]  # /infill's pre/suf/mid/rep/sep token ids
     engine: Engine | None
     pipeline: Pipeline | None
+    idle: IdleSleep | None  # --sleep-idle-seconds, once the model has loaded (http/wake.py)
 
     @property
     def ready(self) -> bool: ...

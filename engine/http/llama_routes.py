@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict
 
 from ..serving.sampling_params import SamplingParams
 from .bodies import sampler_fields
-from .common import ready_engine
+from .common import input_tokens, ready_engine
 from .errors import APIError
 from .llama_completion import OFF_SAMPLERS, SAMPLERS, InfillBody, NativeCompletionBody, infill_prompt, respond
 from .prompts import check_token_ids, split_prompts, template_prompt, tokenize_mixed
@@ -80,7 +80,7 @@ def props(head: Head) -> dict:
         "bos_token": head.tok.token_text(head.tok.bos_id) if ready and head.tok.bos_id is not None else "",
         "eos_token": head.tok.token_text(head.tok.eos_id) if ready and head.tok.eos_id is not None else "",
         "build_info": BUILD_INFO,
-        "is_sleeping": False,
+        "is_sleeping": head.status.sleeping,
         "n_ctx": engine.n_ctx if engine is not None else head.cfg.model.ctx,
     }
 
@@ -133,13 +133,8 @@ def router(head: Head) -> APIRouter:
 
     @r.post("/chat/completions/input_tokens")
     @r.post("/v1/chat/completions/input_tokens")
-    async def input_tokens(body: TemplateBody):
-        ready_engine(head)
-
-        def count() -> int:
-            return len(head.tok.encode(template_prompt(head, body), add_special=True, parse_special=True))
-
-        return {"object": "response.input_tokens", "input_tokens": await asyncio.to_thread(count)}
+    async def chat_input_tokens(body: TemplateBody):
+        return {"object": "response.input_tokens", "input_tokens": await input_tokens(head, body)}
 
     @r.post("/completion")
     @r.post("/completions")

@@ -21,7 +21,7 @@ from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from .bodies import ChatBody, chat_body
-from .common import chat_requests
+from .common import chat_requests, input_tokens
 from .errors import APIError
 from .streaming import Run, generation_error, named_sse, single_reply
 
@@ -144,6 +144,11 @@ def _usage(ev: Event) -> dict:
 
 def responses_routes(head: Head) -> APIRouter:
     r = APIRouter()
+
+    @r.post("/v1/responses/input_tokens")
+    @r.post("/responses/input_tokens", include_in_schema=False)
+    async def responses_input_tokens(body: ResponsesBody):
+        return {"object": "response.input_tokens", "input_tokens": await input_tokens(head, to_chat(body))}
 
     @r.post("/v1/responses")
     @r.post("/responses", include_in_schema=False)

@@ -137,7 +137,7 @@ def _prepared_cache(g: GGUFFile, cache_dir: Path | None, key: str, build) -> dic
     """Converted weights of a big model, kept on disk by file fingerprint and memory-mapped on later
     loads: converting Gemma's 262k-row head to int8 costs seconds, mapping it costs milliseconds.
     Small files (tests, synthetic models) are converted every time, and every file when `cache_dir` is None."""
-    if cache_dir is None or g.path.stat().st_size < _CACHE_MIN_FILE_BYTES:
+    if cache_dir is None or g.nbytes < _CACHE_MIN_FILE_BYTES:
         return build()
     path = Path(cache_dir) / g.fingerprint / f"{key}.pt"
     if path.exists():

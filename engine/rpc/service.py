@@ -3,6 +3,8 @@ and the RPC sections of /status and /metrics (pool occupancy, peers, stage range
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -34,6 +36,17 @@ from .shm import Attached
 EXPERT_MODES = ("solo", "combined")
 
 
+def _awake(op):
+    """A control op that needs the model: a sleeping head loads it first (--sleep-idle-seconds)."""
+
+    @functools.wraps(op)
+    def run(self, *args):
+        with self.awake():
+            return op(self, *args)
+
+    return run
+
+
 class HeadControl:
     """The head's Hydra control backend: INFO, CONFIGURE (live re-split), SET_EXPERT_MODE, the
     state ops (STATE_META/GET/PUT on a slot of the whole pipeline) and PREFILL."""
@@ -53,6 +66,7 @@ class HeadControl:
         self.pd_stats = pd_stats or PdStats()
         self.shm = Attached()  # decode heads' shared memory this worker writes PREFILL's states into
         self.split_by: str | None = None  # who asked for the live split (CONFIGURE's optional "by")
+        self.awake = contextlib.nullcontext  # the head's IdleSleep.held with --sleep-idle-seconds
 
     def info(self) -> dict:
         return {
@@ -81,6 +95,7 @@ class HeadControl:
             },
         }
 
+    @_awake
     def configure(self, request: ConfigureRequest) -> dict:
         """`{"split": "12/6"}` (DESIGN §3 syntax) or `{"layers": [[0,12],[12,18]]}`: live re-split;
         an optional `"by"` names the requester in /status (`split_by`)."""
@@ -97,6 +112,7 @@ class HeadControl:
         self.split_by = request.by or "CONFIGURE"
         return {"ok": True, **result}
 
+    @_awake
     def probe(self, request: PipelineProbeRequest) -> PipelineProbe:
         """PROBE: the split advisor's timings of every stage, with the head's own footprint and free
         memory (the peers report theirs)."""
@@ -121,6 +137,7 @@ class HeadControl:
             raise ControlError("the engine is not running yet", Status.BUSY)
         return self.engine
 
+    @_awake
     def state_meta(self, slot: int) -> dict:
         """What a slot holds, stage by stage, without moving it."""
         engine, head = self._engine(), self.pipeline.local
@@ -144,12 +161,14 @@ class HeadControl:
             "dtype": str(head.dtype).removeprefix("torch."),
         }
 
+    @_awake
     def state_get(self, slot: int) -> tuple[dict, bytes]:
         """An idle slot's state: one slot state per stage (the peers' through STATE_GET)."""
         parts: list[bytes] = []
         n, _ = self._state_op(lambda: self._engine().save_slot(slot, parts.append))
         return {"slot": slot, "n_tokens": n, "sizes": [len(p) for p in parts]}, b"".join(parts)
 
+    @_awake
     def state_put(self, slot: int, payload: bytes) -> dict:
         """Place slot states into an idle slot (checked whole first; refused: the slot is as it was)."""
         n = self._state_op(lambda: self._engine().restore_slot(slot, payload))
@@ -162,6 +181,7 @@ class HeadControl:
         except UserError as e:  # a slot that is busy or missing, a refused state: the reason goes back
             raise ControlError(str(e), Status.BAD_REQUEST) from None
 
+    @_awake
     def prefill(self, request: PrefillRequest) -> tuple[PrefillReply, list]:
         """PREFILL (a prefill worker's job; any head answers it): the state of `tokens`, one slot
         state per range the asker holds."""

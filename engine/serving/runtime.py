@@ -30,7 +30,7 @@ from .runner import Launched, ModelRunner
 from .scheduler import SHED, Batch, Chunk, Sampled, Scheduler, mixed_by_default
 from .sequence import Event, Request, Sequence, check_fits
 from .slot_cache import SlotCache
-from .stats import EngineStats
+from .stats import Counters, EngineStats
 from .transfers import PromptTransfers
 
 __all__ = ["DEFAULT_BATCH_TOKENS", "Engine", "EngineStats", "Request"]
@@ -55,13 +55,17 @@ class Engine:
         disaggregator=None,
         overlap: bool | None = None,
         context_shift: ContextShift | None = None,
+        counters: Counters | None = None,
     ):
+        """`counters`: an earlier engine's, which this one goes on from (a head waking from sleep)."""
         self.pipeline, self.tok, self.n_slots, self.n_ctx = pipeline, tokenizer, n_slots, n_ctx
         self.context_shift = context_shift
         self.max_queue = max_queue  # requests waiting beyond the slots; None = unbounded
-        self.stats = EngineStats()
+        self.stats = counters.stats if counters else EngineStats()
         # Always there: requests may ask for n-gram drafting even when the server default is off.
         self.spec = speculator or Speculator()
+        if counters:
+            self.spec.stats = counters.spec_stats
         self.spec_stats, self.spec_config = self.spec.stats, self.spec.config
         self.grammars = Grammars(tokenizer)  # structured output; its tokenizer is built on first use
         self.runner = ModelRunner(pipeline, n_slots, self.spec, self.grammars)

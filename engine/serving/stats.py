@@ -8,12 +8,26 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from ..spec import SpecStats
 
 RATE_WINDOW_S = 10.0
 LATENCY_WINDOW_S = 60.0  # requests/s and the latency percentiles in /status
 LATENCY_SAMPLES = 4096
+
+
+@dataclass(frozen=True)
+class Counters:
+    """An engine's counters, handed to the engine that follows it (a head waking from sleep): the
+    metrics' totals go on rather than start over."""
+
+    stats: EngineStats
+    spec_stats: SpecStats
 
 
 class EngineStats:
