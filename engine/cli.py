@@ -202,8 +202,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--n-predict",
         type=int,
         default=1024,
-        help="max_tokens of a chat request that sets none (capped by the context; -1: to the end "
-        "of the context); completions keep OpenAI's 16",
+        help="max_tokens of a chat request that sets none (-1: unbounded); without --context-shift "
+        "generation ends where the context does; completions keep OpenAI's 16",
     )
     s.add_argument(
         "--context-shift",

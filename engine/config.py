@@ -241,7 +241,7 @@ class HeadConfig(WorkerConfig):
     drain_grace: float = 30.0  # seconds in-flight requests run on after SIGTERM (http/drain.py)
     # idle seconds before the head frees its model (workers/idle_sleep.py); None: never
     sleep_idle_seconds: int | None = None
-    n_predict: int = 1024  # max_tokens of a chat request that names none; -1: to the end of the context
+    n_predict: int = 1024  # max_tokens of a chat request that names none; -1: unbounded (to the context's end)
     context_shift: bool = (
         False  # --context-shift: a full slot drops half its tokens and goes on (serving/context_shift.py)
     )

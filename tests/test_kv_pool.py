@@ -257,3 +257,38 @@ def test_a_full_pool_fails_a_request_that_holds_blocks_and_lets_waiting_prompts_
         for r in short:
             assert r.status_code == 200, r.text
             assert r.json()["timings"]["predicted_n"] == 20 and r.json()["stop_type"] == "limit"
+
+
+def test_max_tokens_past_the_context_in_a_pool_ends_at_the_context_or_says_the_pool_is_full(tiny_model, tmp_path):
+    """`-c 256 -np 2 --kv-unified`: each slot's context is the whole pool. A request whose max_tokens
+    runs far past it ends where its context is full ("length", every token it held), as with
+    reserved slots; two at once outgrow the pool together: each either ends so or fails with a 500
+    saying the context size has been exceeded (llama-server's), never a silent short answer."""
+    n_ctx = 2 * KV_BLOCK
+    server = head(
+        tiny_model("llama", n_layers=1), tmp_path, (), "-c", str(n_ctx), "--kv-unified", parallel=2, ctx=n_ctx
+    )
+    with running(server) as w:
+        client = openai.OpenAI(base_url=f"{w.url}/v1", api_key="none", max_retries=0, timeout=120)
+        ended, errors = [], []
+
+        def ask(prompt: str) -> None:
+            try:
+                ended.append(
+                    client.completions.create(
+                        model="m", prompt=prompt, max_tokens=100_000, extra_body={"ignore_eos": True}
+                    )
+                )
+            except openai.APIStatusError as e:
+                errors.append(e)
+
+        ask("w1 w2 w3")
+        threads = [threading.Thread(target=ask, args=(f"w{i} w{i + 1}",)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert len(ended) + len(errors) == 3 and len(ended) >= 2, errors
+        for r in ended:
+            assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == n_ctx - r.usage.prompt_tokens
+        assert all(e.status_code == 500 and "context size has been exceeded" in str(e.body) for e in errors), errors

@@ -9,6 +9,7 @@ import time
 import pytest
 import torch
 
+from hydra_console.engine.errors import ContextOverflow
 from hydra_console.engine.gguf_file import GGUFFile
 from hydra_console.engine.model import build_stage
 from hydra_console.engine.pipeline import Pipeline
@@ -193,13 +194,21 @@ def test_prompt_scoring_matches_a_direct_forward(engine, model):
 
 def test_bad_requests_are_rejected_up_front(engine, model):
     _, tok = model
-    with pytest.raises(InvalidParam) as e:
-        engine.submit(Request(tok.encode("hello") * 30, greedy(), max_tokens=N_CTX))
-    assert "context" in str(e.value)
+    with pytest.raises(ContextOverflow, match="exceeds the available context size"):
+        engine.submit(Request((tok.encode("hello") * N_CTX)[:N_CTX], greedy(), max_tokens=1))
     with pytest.raises(InvalidParam):
         engine.submit(Request([], greedy()))
     with pytest.raises(InvalidParam):
         engine.submit(Request([tok.vocab_size + 5], greedy()))
+
+
+def test_max_tokens_past_the_context_end_where_the_slot_is_full(engine, model):
+    """llama-server's n_predict past the context: not refused; every token the slot holds, then
+    "length", truncated (with a token in flight too: the overlap engine)."""
+    _, tok = model
+    prompt = tok.encode(PROMPTS[0])
+    _, ids, _, final = run(engine, prompt, params=greedy(), max_tokens=10 * N_CTX, ignore_eos=True)
+    assert len(ids) == N_CTX - len(prompt) and final.finish_reason == "length" and final.truncated
 
 
 def test_both_step_kinds_give_the_same_tokens(engine, model):

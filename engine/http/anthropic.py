@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from ..text.tool_calls import ToolCall, ToolFormat
     from .handle import Head
 
-DEFAULT_MAX_TOKENS = 4096  # Anthropic requires max_tokens; llama-server defaults it to this (within the context)
+DEFAULT_MAX_TOKENS = 4096  # Anthropic requires max_tokens; llama-server defaults it to this (ends at the context's end)
 
 
 class MessagesBody(BaseModel):
@@ -177,7 +177,7 @@ def anthropic_routes(head: Head) -> APIRouter:
     @r.post("/v1/messages")
     async def messages(body: MessagesBody, http: Request):
         chat = to_chat(body)
-        reqs, calls = await chat_requests(head, chat, fit_context=True)
+        reqs, calls = await chat_requests(head, chat)
         req = reqs[0]
         mid = f"msg_{uuid.uuid4().hex}"
         message = {"id": mid, "type": "message", "role": "assistant", "model": head.model_name}

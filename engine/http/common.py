@@ -12,6 +12,7 @@ import secrets
 from typing import TYPE_CHECKING, Any
 
 from ..errors import UserError
+from ..serving.context_shift import UNLIMITED
 from ..serving.sampling_params import SamplingParams
 from .bodies import ChatBody, CommonBody, Stop, spec_override
 from .errors import APIError
@@ -198,13 +199,11 @@ def stop_list(stop: Stop) -> list[str]:
     return stops
 
 
-async def chat_requests(
-    head: Head, body: ChatBody, fit_context: bool = False
-) -> tuple[list[EngineRequest], ToolFormat | None]:
+async def chat_requests(head: Head, body: ChatBody) -> tuple[list[EngineRequest], ToolFormat | None]:
     """A chat request's engine requests (one per choice) and the tool-call format
     its generations are parsed with (None: plain text); max_tokens defaults to the server's
-    --n-predict, within the context. A max_tokens past the context is refused, or with
-    `fit_context` cut to it (generation stops where the context ends, as llama-server's).
+    --n-predict (-1: unbounded). Past the context, generation stops where the slot is full
+    ("length"), as llama-server's, or goes on with context shift.
     `tool_choice: required` (or a named function) constrains generation to calls; auto constrains
     a call once its start marker is written (llama.cpp's lazy grammar)."""
     from ..serving.sequence import Request as EngineRequest
@@ -214,11 +213,8 @@ async def chat_requests(
     prompt = await asyncio.to_thread(template_prompt, head, body)
     ids = await asyncio.to_thread(head.tok.encode, prompt, add_special=True, parse_special=True)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    room = engine.room(len(ids))  # unbounded with context shift
     if max_tokens is None:
-        max_tokens = room if head.cfg.n_predict < 0 else min(head.cfg.n_predict, room)
-    elif fit_context:
-        max_tokens = min(max_tokens, room)
+        max_tokens = UNLIMITED if head.cfg.n_predict < 0 else head.cfg.n_predict
     engine.check(len(ids), max_tokens)
     n_top = (body.top_logprobs or 0) if body.logprobs else None
     req = EngineRequest(

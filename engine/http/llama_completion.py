@@ -15,7 +15,7 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 from pydantic import Field
 
-from ..serving.context_shift import n_predict_of
+from ..serving.context_shift import UNLIMITED, n_predict_of
 from .bodies import MAX_LOGPROBS, CommonBody, sampler_fields
 from .common import constrain, pinned_slot, ready_engine, sampling_params, speculative_config, stop_list
 from .errors import APIError
@@ -69,12 +69,11 @@ class InfillBody(NativeCompletionBody):
     input_extra: list[dict[str, Any]] = []
 
 
-def n_predict_for(head: Head, requested: int | None, n_prompt: int) -> int:
-    """llama-server's n_predict: the request's, else (absent or -1) the server's `-n` (-1: unlimited);
-    generation stops where the slot's context ends (with context shift it goes on)."""
+def n_predict_for(head: Head, requested: int | None) -> int:
+    """llama-server's n_predict: the request's, else (absent or -1) the server's `-n` (-1: unbounded,
+    `UNLIMITED`); generation stops where the slot's context ends (with context shift it goes on)."""
     n = requested if requested is not None and requested >= 0 else head.cfg.n_predict
-    room = head.engine.room(n_prompt)
-    return room if n < 0 else min(n, room)
+    return UNLIMITED if n < 0 else n
 
 
 def _probs(head: Head, tokens: list[GenToken], post_sampling: bool) -> list[dict]:
@@ -131,7 +130,7 @@ class _Completion:
         self.req: EngineRequest = EngineRequest(
             prompt=ids,
             params=self.params,
-            max_tokens=n_predict_for(head, requested, len(ids)),
+            max_tokens=n_predict_for(head, requested),
             stop=stop_list(body.stop),
             ignore_eos=body.ignore_eos,
             spec=speculative_config(engine, body),

@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from .sequence import Sequence
 
-# A request's max_tokens without a bound (llama-server's n_predict -1 with context shift): it ends
-# on an end-of-generation token, a stop string or a grammar's end. No torch here: the HTTP layer
+# A request's max_tokens without a bound (llama-server's n_predict -1): it ends on an
+# end-of-generation token, a stop string, a grammar's end or, without context shift, the context's end. No torch here: the HTTP layer
 # reads it before the model loads.
 UNLIMITED = 2**31 - 1
 

@@ -23,7 +23,7 @@ from ..config import DEFAULT_BATCH_TOKENS
 from ..errors import KVPoolFull, Overloaded, Unavailable, describe
 from ..spec import Speculator
 from ..text.structured import Grammars
-from .context_shift import UNLIMITED, ContextShift
+from .context_shift import ContextShift
 from .kv_manager import KVManager
 from .output import OutputProcessor
 from .runner import Launched, ModelRunner
@@ -103,12 +103,7 @@ class Engine:
 
     def check(self, n_prompt: int, max_tokens: int) -> None:
         """Reject up front what can never fit a slot (the API answers 400)."""
-        check_fits(n_prompt, max_tokens, self.n_ctx, self.context_shift is not None)
-
-    def room(self, n_prompt: int) -> int:
-        """Tokens a request may generate after its prompt: to the slot's end, unbounded with context
-        shift (`UNLIMITED`)."""
-        return UNLIMITED if self.context_shift is not None else max(self.n_ctx - n_prompt, 0)
+        check_fits(n_prompt, max_tokens, self.n_ctx)
 
     def submit(self, req: Request) -> Request:
         return self.submit_together([req])[0]
@@ -118,7 +113,7 @@ class Engine:
         admits them in one step where slots are free, so identical ones share every step and give
         one text in any configuration."""
         for req in reqs:
-            req.check(self.n_ctx, self.tok.vocab_size, self.context_shift is not None)
+            req.check(self.n_ctx, self.tok.vocab_size)
         with self._cond:
             # Waiting + running, not just `waiting`: a request submitted before the engine thread
             # admits the previous ones would otherwise see free slots as queue.

@@ -77,28 +77,24 @@ class Request:
     cancelled: bool = False
     t_submit: float = field(default_factory=time.perf_counter)  # arrival: time to first token counts from here
 
-    def check(self, n_ctx: int, vocab: int, shifts: bool = False) -> None:
+    def check(self, n_ctx: int, vocab: int) -> None:
         """Refuse a prompt token outside the vocabulary, then what can never fit a slot (`check_fits`)."""
         bad = next((t for t in self.prompt if not 0 <= t < vocab), None)
         if bad is not None:
             raise InvalidParam(f"token id {bad} is outside the vocabulary of {vocab} tokens", "prompt")
-        check_fits(len(self.prompt), self.max_tokens, n_ctx, shifts)
+        check_fits(len(self.prompt), self.max_tokens, n_ctx)
 
 
-def check_fits(n_prompt: int, max_tokens: int, n_ctx: int, shifts: bool = False) -> None:
-    """Reject up front what can never fit a slot of `n_ctx` tokens (the API answers 400); with context
-    shift (`shifts`) only the prompt must fit, generation goes on past the context."""
+def check_fits(n_prompt: int, max_tokens: int, n_ctx: int) -> None:
+    """Reject up front what can never fit a slot of `n_ctx` tokens (the API answers 400): a prompt
+    that leaves no room. A max_tokens past the context is llama-server's n_predict: generation
+    stops where the slot is full ("length", truncated), or goes on with context shift."""
     if n_prompt == 0:
         raise InvalidParam("the prompt is empty", "prompt")
     if max_tokens < 0:
         raise InvalidParam(f"max_tokens must be >= 0, got {max_tokens}", "max_tokens")
     if n_prompt >= n_ctx:
         raise ContextOverflow(n_prompt, n_ctx)
-    if n_prompt + max_tokens > n_ctx and not shifts:
-        raise InvalidParam(
-            f"the prompt ({n_prompt} tokens) plus max_tokens ({max_tokens}) exceeds the context of {n_ctx} tokens",
-            "max_tokens",
-        )
 
 
 class Sequence:
