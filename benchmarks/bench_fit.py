@@ -33,7 +33,7 @@ from hydra_console.contracts.split import parse_split
 from hydra_console.engine.cli import build_parser
 from hydra_console.engine.cli_config import head_config
 from hydra_console.engine.gguf_file import GGUFFile
-from hydra_console.engine.workers.head import head_footprint, max_run_of
+from hydra_console.engine.workers.head_pipeline import head_footprint, max_run_of
 
 OWNERS = Path(__file__).with_name("memory_owners.py")
 
