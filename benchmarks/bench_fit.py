@@ -33,7 +33,7 @@ from hydra_console.contracts.split import parse_split
 from hydra_console.engine.cli import build_parser
 from hydra_console.engine.cli_config import head_config
 from hydra_console.engine.gguf_file import GGUFFile
-from hydra_console.engine.workers.head import head_footprint, max_run_of
+from hydra_console.engine.workers.head_pipeline import head_footprint, max_run_of
 
 OWNERS = Path(__file__).with_name("memory_owners.py")
 
@@ -155,9 +155,12 @@ def main() -> None:
             "ctx": args.ctx,
             "serve_flags": extra,
             "head_ready_s": round(ready_s, 1),
-            # seconds from the head's start to each stage: file opened, stages loaded (its own and
-            # the peer's LOAD_STAGE), graphs captured and compiled (warming -> ready)
+            # seconds from the head's start to each stage and load phase: file opened, its stage built
+            # (weights read and repacked), the MTP block, its graphs compiled and captured, the peer's
+            # LOAD_STAGE answered (run beside the head's own), ready
             "head_startup_s": head.status().get("startup_s"),
+            # without cached bytecode every start compiles torch's Python sources (docs/PERF.md, session 16)
+            "bytecode_cached": not sys.dont_write_bytecode,
             **run,
         }
         for name, proc, card, est in zip(("head", "peer"), (head, peer), cards, estimates(args.model, head_args)):

@@ -54,7 +54,7 @@ from hydra_console.engine.serving.sampling_params import SamplingParams
 from hydra_console.engine.spec import SpecConfig, build_speculator
 from hydra_console.engine.synth import write_synthetic
 from hydra_console.engine.text.tokenizer import Tokenizer
-from hydra_console.engine.workers.head import build_pipeline
+from hydra_console.engine.workers.head_pipeline import build_pipeline
 
 CODE = """def total_price(items, tax_rate):
     total = 0

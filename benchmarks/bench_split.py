@@ -47,7 +47,7 @@ from hydra_console.engine.device import resolve_device, resolve_dtype  # noqa: E
 from hydra_console.engine.gguf_file import GGUFFile  # noqa: E402
 from hydra_console.engine.model import ModelConfig, build_stage  # noqa: E402
 from hydra_console.engine.pipeline import Pipeline  # noqa: E402
-from hydra_console.engine.workers.head import build_pipeline  # noqa: E402
+from hydra_console.engine.workers.head_pipeline import build_pipeline  # noqa: E402
 
 PROMPT_TOKENS = 32
 

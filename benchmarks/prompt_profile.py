@@ -23,7 +23,7 @@ from hydra_console.engine.gguf_file import GGUFFile
 from hydra_console.engine.model import ModelConfig
 from hydra_console.engine.serving.runtime import Engine, Request
 from hydra_console.engine.text.tokenizer import Tokenizer
-from hydra_console.engine.workers.head import build_pipeline
+from hydra_console.engine.workers.head_pipeline import build_pipeline
 
 
 def main() -> None:

@@ -160,7 +160,11 @@ class StatusDocument:
     @startup_stage.setter
     def startup_stage(self, stage: int) -> None:
         self._startup_stage = stage
-        self.startup_s[STARTUP_STAGES[stage]] = round(time.time() - self._process_start, 3)
+        self.mark(STARTUP_STAGES[stage])
+
+    def mark(self, phase: str) -> None:
+        """`startup_s[phase]`: seconds from the process's start to now (a stage, or a phase of the load between two)."""
+        self.startup_s[phase] = round(time.time() - self._process_start, 3)
 
     def add_provider(self, fn: Callable[[], dict]) -> None:
         """`fn()` -> {Status field: value} (e.g. "rpc", "pool", "peers") set on every document."""

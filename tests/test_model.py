@@ -227,6 +227,34 @@ def test_the_compiled_region_is_traced_once_per_layer_kind(tiny_model, arch, kin
     torch.testing.assert_close(traced, eager.forward(h, batch))
 
 
+@pytest.mark.parametrize("draft_max, graphs", [(0, 3 + 3), (3, 8 + 12)])
+def test_a_start_compiles_one_graph_per_layer_kind_and_shape(tiny_model, monkeypatch, draft_max, graphs):
+    """What a GPU worker's start compiles (`DecodeGraphs.warm_up`: every batch bucket x run length
+    1..draft max + 1, `-np 4`: buckets 1, 2, 4): an attention layer's graph depends on its row count
+    only (8 of them with MTP's 3 drafts: 1, 2, 3, 4, 6, 8, 12, 16), a recurrent layer's on its slots
+    and run length (12), never on the layer or the call. Counted on CPU with dynamo's eager backend
+    (the CUDA path compiles the same region over the same shapes)."""
+    from torch._dynamo.utils import counters
+
+    from hydra_console.engine.model.graphs import batch_buckets
+
+    stage = load(tiny_model("qwen35", n_layers=4, nextn=True), n_slots=4)
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 64)  # as DecodeGraphs raises it
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(block, backend="eager", dynamic=False)
+    for m in range(1, draft_max + 2):
+        for size in batch_buckets(stage.n_slots):
+            slots, positions = torch.arange(size).repeat_interleave(m), torch.arange(m).repeat(size) + 8
+            for _ in range(2):  # as a capture's warm-up: the second run compiles nothing
+                stage.forward(
+                    torch.randn(size * m, stage.cfg.n_embd),
+                    ForwardBatch.batched(slots, positions, m, 512),
+                    block=compiled,
+                )
+    assert counters["stats"]["unique_graphs"] == graphs
+
+
 @pytest.mark.parametrize("kv", ["auto", "q8_0"])
 def test_prefill_graph_path_matches_the_eager_prompt(tiny_model, kv):
     """What the CUDA prefill graphs capture: one slot's prompt padded to its bucket, with no host

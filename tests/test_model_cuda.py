@@ -147,7 +147,7 @@ def cuda_peer(tiny_model, tmp_path):
 
 def split_pipeline(peer, path, cuda_ipc: bool = True):
     from hydra_console.engine.config import HeadConfig, ModelSettings, RpcSettings
-    from hydra_console.engine.workers.head import build_pipeline
+    from hydra_console.engine.workers.head_pipeline import build_pipeline
 
     g = GGUFFile(path)
     cfg = HeadConfig(

@@ -18,7 +18,7 @@ from hydra_console.engine.gguf_file import GGUFFile
 from hydra_console.engine.model import ModelConfig, build_stage
 from hydra_console.engine.pipeline import Pipeline
 from hydra_console.engine.rpc.client import PeerUnavailable
-from hydra_console.engine.workers.head import build_pipeline
+from hydra_console.engine.workers.head_pipeline import build_pipeline
 
 PROMPT, CHUNK, DECODE = 100, 16, 4
 SHAPES = {

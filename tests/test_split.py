@@ -15,9 +15,10 @@ import threading
 
 import httpx
 import pytest
-from rpc_workers import assert_peer_kill_fails_request_fast, complete, greedy, head, peer, wait_for
+from rpc_workers import Worker, assert_peer_kill_fails_request_fast, complete, free_ports, greedy, head, peer, wait_for
 
 from hydra_console.contracts.rpc import Op, Status
+from hydra_console.contracts.status import READY_STAGE
 from hydra_console.engine.rpc import wire
 from hydra_console.engine.rpc.wire import SocketReader
 
@@ -235,6 +236,44 @@ def test_a_peer_with_another_model_is_refused(model, tiny_model, tmp_path):
         p.stop()
     assert done.returncode == 2 and "fingerprint mismatch" in done.stderr, done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_the_head_loads_and_warms_its_stage_while_its_peer_loads(model, cluster, tmp_path):
+    """A peer's LOAD_STAGE (its weights, then its graphs' compile and capture on a GPU) runs beside
+    the head's own load and warm-up: the head gets as far as its warmed graphs while its peer is not
+    even up, is ready once the peer has loaded, and serves the split's text."""
+    port, rpc = free_ports(2)
+    split = head(model, tmp_path, (), "--peer", f"127.0.0.1:{rpc}", "--peer-wait", "120", "--split", "2/2")
+    p = None
+    try:
+
+        def warmed() -> bool:
+            try:
+                return "graphs warmed" in split.status()["startup_s"]
+            except httpx.HTTPError:  # not listening yet
+                return False
+
+        wait_for(warmed, 90, "the head's own stage and warm-up")
+        assert split.status()["startup_stage"] < READY_STAGE
+        p = Worker("peer", ["--model", str(model), "--device", "cpu"], tmp_path, port, rpc)
+        split.wait_ready()
+        phases = split.status()["startup_s"]
+        assert phases["graphs warmed"] <= phases["peers loaded"] <= phases["ready"]
+        for prompt in PROMPTS:
+            assert greedy(split, prompt) == greedy(cluster["solo"], prompt)
+    finally:
+        for w in (split, p):
+            if w is not None:
+                w.stop()
+
+
+def test_peers_on_this_host_are_told_from_others():
+    """Whose memory the head counts beside its own before loading with them side by side."""
+    from hydra_console.engine.workers.head_pipeline import _on_this_host
+
+    assert _on_this_host("127.0.0.1:9000") and _on_this_host("localhost:9000") and _on_this_host("[::1]:9000")
+    assert _on_this_host(f"{socket.gethostname()}:9000")
+    assert not _on_this_host("192.0.2.7:9000")  # TEST-NET-1: no machine's interface
 
 
 def test_default_model_split_matches_solo(default_model, tmp_path):

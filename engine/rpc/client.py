@@ -127,9 +127,10 @@ class RemoteStage(PipelinedSends, SlotStateOps):
 
     # --- connection -------------------------------------------------------------------------------
 
-    def attach(self) -> None:
-        """Connect, HELLO, prove the token, check identity, assign our layers. Raises PeerUnavailable
-        when the peer cannot be reached and PeerMismatch when it can but must not be used."""
+    def attach(self, ipc: bool = True) -> None:
+        """Connect, HELLO, prove the token, check identity, assign our layers (and, with `ipc`, map
+        the CUDA IPC channel of a peer on our GPU: `open_ipc`). Raises PeerUnavailable when the peer
+        cannot be reached and PeerMismatch when it can but must not be used."""
         with self._lock:
             self._close()
             try:
@@ -138,7 +139,8 @@ class RemoteStage(PipelinedSends, SlotStateOps):
                     Cmd.CHECK, CheckRequest(fingerprint=self.g.fingerprint, shapes=tensor_shapes(self.g)), CheckReply
                 )
                 self._load(self.layer_range)
-                self._open_ipc()
+                if ipc:
+                    self._open_ipc()
             except PeerMismatch as e:
                 self._down(str(e))
                 raise
@@ -188,6 +190,13 @@ class RemoteStage(PipelinedSends, SlotStateOps):
             raise PeerMismatch(f"peer {self.addr} answered LOAD_STAGE with a state_key that is not hex") from None
         self.layer_range = tuple(layers)
         self.device = reply.device
+
+    def open_ipc(self) -> None:
+        """`attach(ipc=False)`'s channel, mapped later: a head attaching its peers beside its graphs'
+        captures maps no CUDA memory meanwhile (a CUDA call on another thread invalidates a capture)."""
+        with self._lock, self._lost_on_error("failed opening CUDA IPC"):
+            if self.state == "up":
+                self._open_ipc()
 
     def _open_ipc(self) -> None:
         """Map the peer's CUDA IPC channel when it computes on our GPU; otherwise (another GPU or

@@ -118,14 +118,15 @@ def _addrs(down: list) -> str:
     return ", ".join(r.addr for _, r in down)
 
 
-def wait_for_peers(remotes: list, budget_s: float, poll_s: float = READY_POLL_S) -> list:
-    """Attach every peer, polling every `poll_s` for at most `budget_s`; returns those never up."""
+def wait_for_peers(remotes: list, budget_s: float, poll_s: float = READY_POLL_S, ipc: bool = True) -> list:
+    """Attach every peer, polling every `poll_s` for at most `budget_s`; returns those never up.
+    `ipc`: map each one's CUDA IPC channel as it attaches (see `RemoteStage.attach`)."""
     deadline = time.monotonic() + budget_s
     pending = list(remotes)
     while pending:
         for remote in list(pending):
             try:
-                remote.attach()
+                remote.attach(ipc=ipc)
                 pending.remove(remote)
             except PeerUnavailable as e:
                 log.info("waiting for peer %s: %s", remote.addr, e)
@@ -133,3 +134,43 @@ def wait_for_peers(remotes: list, budget_s: float, poll_s: float = READY_POLL_S)
             break
         time.sleep(poll_s)
     return pending
+
+
+class PeersLoading:
+    """`wait_for_peers` for each peer on a thread of its own, so that their LOAD_STAGEs (weights, then
+    their graphs' compile and capture: as long as the head's own) run while the head loads and warms
+    up its stage. Their CUDA IPC channels are mapped by `join`, on the caller's thread: mapping
+    device memory beside the head's graph captures would invalidate them."""
+
+    def __init__(self, remotes: list, budget_s: float):
+        self.remotes = remotes
+        self._missing: list = []
+        self._errors: list[BaseException] = []
+        self._threads = [
+            threading.Thread(target=self._wait, args=(r, budget_s), name=f"hydra-attach-{r.addr}", daemon=True)
+            for r in remotes
+        ]
+        for t in self._threads:
+            t.start()
+
+    def _wait(self, remote, budget_s: float) -> None:
+        try:
+            self._missing.extend(wait_for_peers([remote], budget_s, ipc=False))
+        except BaseException as e:  # PeerMismatch: raised by `join`, on the loading thread
+            self._errors.append(e)
+
+    def check(self) -> None:
+        """Raises what attaching a peer raised so far (another model, a refused LOAD_STAGE): the head
+        stops there, not after its whole warm-up."""
+        if self._errors:
+            raise self._errors[0]
+
+    def join(self) -> list:
+        """Waits for every peer; returns those never up (as `wait_for_peers`), raises what attaching one raised."""
+        for t in self._threads:
+            t.join()
+        self.check()
+        for remote in self.remotes:
+            if remote not in self._missing:
+                remote.open_ipc()
+        return [r for r in self.remotes if r in self._missing]

@@ -180,7 +180,11 @@ class StageHost:
                     )
                 except UserError as e:  # e.g. q8_0 on a head size it cannot block
                     raise ComputeError(f"LOAD_STAGE refused: {e}") from None
-                stage.warm_up(range(1, max_run + 1))  # before the swap: the old stage serves meanwhile
+                # Before the swap: the old stage serves meanwhile. Longest runs first, the head's order
+                # reversed: a head on this host warms up at the same time (workers/head.py), and its
+                # layers trace to the same graphs, so each process compiles half of them and finds the
+                # other half in inductor's cache, which both share (docs/PERF.md, session 21).
+                stage.warm_up(range(max_run, 0, -1))
             with self.lock:
                 if stage is self.stage:
                     for slot in range(n_slots):

@@ -1,8 +1,9 @@
 """`hydra-engine serve`: the head worker.
 
 Start order: bind the HTTP port and serve /health (503, "starting") at once; then, in a loader
-thread, model file → tokenizer → speculator → pipeline (own stage + peers, waiting for them) →
-merged RPC port → engine, each step moving /health's startup_stage on. Stop order is the reverse:
+thread, model file → tokenizer → pipeline (own stage; the peers load theirs meanwhile when they
+may, `start_pipeline`) → merged RPC port → speculator → warm-up → the peers joined → engine, each
+step moving /health's startup_stage on (and /status `startup_s`'s load phases). Stop order is the reverse:
 engine, RPC port, pipeline (peer connections), on SIGTERM too, after the HTTP API's drain
 (http/drain.py: new requests 503, those in flight finish within --drain-grace or end with a clean 503).
 """
@@ -16,8 +17,6 @@ import threading
 import time
 import traceback
 
-from ...contracts.footprint import rollback_depth
-from ...contracts.split import parse_split
 from ...contracts.status import READY_STAGE, WARMING_STAGE, ModelInfo
 from ..config import HeadConfig
 from ..errors import UserError
@@ -26,6 +25,7 @@ from ..http.drain import Drain
 from ..http.worker import http_server, listen_sockets
 from ..metrics import Metrics
 from ..status import StatusDocument
+from .head_pipeline import PeersReady, build_local, max_run_of, start_pipeline
 
 log = logging.getLogger("hydra.head")
 
@@ -93,7 +93,9 @@ class HeadWorker:
         self.status.startup_stage = 2
         check_speculative(cfg.spec, cfg.model_draft, g)  # before the peers: a bad flag fails at once
         self.context_shift = context_shift_of(cfg, mcfg, self.tok)
-        self.pipeline = pipeline = build_pipeline(cfg, g, mcfg)
+        # The peers may load their stages meanwhile (`start_pipeline`), joined after our warm-up.
+        pipeline, peers = start_pipeline(cfg, g, mcfg)
+        self.status.mark("stage built")
         if cfg.peers and not pipeline.remotes:
             self.status.degraded = "--fallback-solo: the peers never came up, every layer runs on the head"
         self.status.pipeline = pipeline
@@ -111,7 +113,7 @@ class HeadWorker:
                 client, cfg.prefill_threshold, pipeline, pd_stats, cuda_ipc=cfg.rpc.cuda_ipc, shm=cfg.rpc.shm
             )
         self.status.startup_stage = WARMING_STAGE
-        self._start_engine()
+        self._start_engine(pipeline, peers=peers)
         self.status.startup_stage = READY_STAGE
         if cfg.sleep_idle_seconds is not None:
             from .idle_sleep import IdleSleep
@@ -119,20 +121,32 @@ class HeadWorker:
             self.idle = IdleSleep(cfg.sleep_idle_seconds, self.sleep, self.wake, busy=self._engine_busy).start()
             self.rpc.control.awake = self.idle.held
 
-    def _start_engine(self, counters=None) -> None:
+    def _start_engine(self, pipeline, counters=None, peers: PeersReady | None = None) -> None:
         """The drafters, the warmed-up graphs and the engine over the pipeline's stage, wired to the
-        RPC port and /status; `counters`: the engine before a sleep's, which this one goes on from."""
+        RPC port and /status; `counters`: the engine before a sleep's, which this one goes on from.
+        `peers` (the start's): the peers loading beside this, joined before the engine, and then
+        `self.pipeline` is set (what `stop` closes: closing a peer would wait for its LOAD_STAGE)."""
         from ..serving.runtime import Engine
         from ..spec import build_speculator
 
-        cfg, pipeline = self.cfg, self.pipeline
+        cfg = self.cfg
         # The MTP block shares the head stage's embedding and output head.
         speculator = build_speculator(
             cfg.spec, cfg.model_draft, self.gguf, cfg.model, n_slots=cfg.parallel, head=pipeline.local
         )
+        if peers is not None:
+            if speculator.mtp is not None:
+                self.status.mark("MTP block")
+            peers.check()  # a peer refused already (another model, say): not after the whole warm-up
         t0 = time.perf_counter()
         pipeline.local.warm_up(range(1, max_run_of(cfg.spec) + 1), prefill_tokens=cfg.batch_tokens)
         log.info("decode and prefill graphs warmed up in %.1f s", time.perf_counter() - t0)
+        if peers is not None:
+            self.status.mark("graphs warmed")
+            peers.join()
+            if pipeline.remotes:
+                self.status.mark("peers loaded")
+        self.pipeline = pipeline
         self.engine = Engine(
             pipeline,
             self.tok,
@@ -178,7 +192,7 @@ class HeadWorker:
         pipeline.restore(local)
         self.rpc.host.stage = local
         self.rpc.host.epoch += 1
-        self._start_engine(self.engine.counters)
+        self._start_engine(pipeline, self.engine.counters)
         self.status.sleeping = False
 
     def stop(self) -> None:
@@ -251,99 +265,6 @@ def context_shift_of(cfg: HeadConfig, mcfg, tok):
     return ContextShift(cfg.n_keep, bool(tok.add_bos and tok.bos_id is not None))
 
 
-def max_run_of(spec) -> int:
-    """Tokens per slot of the longest decode step: a speculative verify runs the draft + 1 (their
-    graphs are captured at start, on the head and its peers)."""
-    return 1 + (spec.n_max if spec.type != "off" else 0)
-
-
-def build_pipeline(cfg: HeadConfig, g, mcfg):
-    """Head Stage + one RemoteStage per `--peer`, split by `--split`; waits for the peers
-    (`--peer-wait`, polling every 2 s) and, if they never come, fails or (`--fallback-solo`)
-    runs every layer here when they fit."""
-    from ..device import resolve_device, resolve_dtype
-    from ..pipeline import Pipeline
-    from ..rpc.client import RemoteStage
-    from ..rpc.peer_recovery import wait_for_peers
-
-    m, n_slots = cfg.model, cfg.parallel
-    max_run = max_run_of(cfg.spec)
-    ranges = parse_split(cfg.split, mcfg.n_layers, 1 + len(cfg.peers))
-    device = resolve_device(m.device)
-    dtype = resolve_dtype(m.dtype, device)
-    # Before any peer loads or anything is allocated.
-    _check_own_stage(cfg, g, ranges[0], device, dtype, f"--split {cfg.split or 'even'}")
-    remotes = [
-        RemoteStage(
-            addr,
-            r,
-            g=g,
-            dtype=dtype,
-            n_slots=n_slots,
-            n_ctx=m.ctx,
-            kv_pool=m.kv_pool,
-            kv_types=m.kv_types,
-            max_run=max_run,
-            deterministic=m.deterministic,
-            auth_token=cfg.rpc.auth_token,
-            max_frame=cfg.rpc.max_frame,
-            spin_s=cfg.rpc.spin_seconds(device),
-            head_device=device if cfg.rpc.cuda_ipc else None,
-            pipeline_depth=cfg.rpc.prefill_pipeline,
-        )
-        for addr, r in zip(cfg.peers, ranges[1:])
-    ]
-    # Wait before loading our own range: with --fallback-solo it depends on the outcome.
-    missing = wait_for_peers(remotes, cfg.peer_wait)
-    if missing:
-        names = ", ".join(f"{r.addr} ({r.error})" for r in missing)
-        for r in remotes:
-            r.close()
-        if not cfg.fallback_solo:
-            raise UserError(f"peer(s) not ready after {cfg.peer_wait:g} s: {names} (or start with --fallback-solo)")
-        _check_own_stage(cfg, g, (0, mcfg.n_layers), device, dtype, "--fallback-solo (every layer on the head)")
-        log.warning("peers %s never came up: --fallback-solo runs all %d layers on the head", names, mcfg.n_layers)
-        remotes, ranges = [], [(0, mcfg.n_layers)]
-    elif remotes:  # again: a peer on this GPU has loaded its stage since
-        _check_own_stage(cfg, g, ranges[0], device, dtype, f"--split {cfg.split or 'even'}")
-    pipeline = Pipeline(_build_stage(cfg, g, ranges[0], device, dtype), remotes, ranges=ranges)
-    pipeline.recovery.grace = cfg.peer_grace
-    if remotes:
-        pipeline.recovery.start_watch()
-    return pipeline
-
-
-def build_local(cfg: HeadConfig, g, layers: tuple[int, int], what: str):
-    """The head's own stage for `layers`, checked against its device first (`_check_own_stage`)."""
-    from ..device import resolve_device, resolve_dtype
-
-    device = resolve_device(cfg.model.device)
-    dtype = resolve_dtype(cfg.model.dtype, device)
-    _check_own_stage(cfg, g, layers, device, dtype, what)
-    return _build_stage(cfg, g, layers, device, dtype)
-
-
-def _build_stage(cfg: HeadConfig, g, layers: tuple[int, int], device, dtype):
-    from ..model import build_stage
-
-    m = cfg.model
-    return build_stage(
-        g,
-        layers,
-        device=device,
-        dtype=dtype,
-        n_slots=cfg.parallel,
-        n_ctx=m.ctx,
-        cache_dir=m.cache_dir,
-        quantized=m.quantized,
-        compile_decode=m.compile,
-        kv_types=m.kv_types,
-        kv_pool=m.kv_pool,
-        depth=rollback_depth(max_run_of(cfg.spec)),
-        deterministic=m.deterministic,
-    )
-
-
 def _return_memory() -> None:
     """What the freed stage held goes back to the system: Python's cycles collected, the CUDA
     caching allocator emptied, and glibc's heap trimmed (its arenas kept the freed weights' pages:
@@ -360,43 +281,3 @@ def _return_memory() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):  # not glibc: its allocator returns what it returns
         pass
-
-
-def head_footprint(cfg: HeadConfig, g, layers: tuple[int, int], device: str, dtype: str):
-    """The head's stage (its layers, embedding and output head, the MTP block with `--spec-type mtp`)
-    for these settings as contracts/footprint.py counts it (a `StageBytes`): what the head checks
-    against its device before loading, and what benchmarks/bench_fit.py sets beside NVML."""
-    from ...contracts.footprint import model_tensors
-
-    m = cfg.model
-    return model_tensors(g.metadata, g.tensors).stage(
-        *layers,
-        head=True,
-        device=device,
-        dtype=dtype,
-        n_slots=cfg.parallel,
-        n_ctx=m.ctx,
-        kv_types=m.kv_types,
-        gpu_weights=m.gpu_weights,
-        kv_pool=m.kv_pool,
-        prompt_rows=cfg.batch_tokens,
-        mtp=cfg.spec.type == "mtp",
-        depth=rollback_depth(max_run_of(cfg.spec)),
-    )
-
-
-def _check_own_stage(cfg: HeadConfig, g, layers: tuple[int, int], device, dtype, what: str) -> None:
-    """The head's stage (`head_footprint`) against what is free on its device: a split that cannot fit
-    is refused with both numbers before anything loads. Its CUDA context exists once `free_bytes`
-    asked, so it is not counted again."""
-    from ...contracts.fit import headroom_bytes
-    from ..device import fit_here
-
-    m, mtp = cfg.model, cfg.spec.type == "mtp"
-    est = head_footprint(cfg, g, layers, device.type, str(dtype).removeprefix("torch."))
-    fit = fit_here("head", layers, est.total - est.runtime_bytes, headroom_bytes(m.headroom_gb), device, mtp=mtp)
-    if not fit.fits:
-        raise UserError(
-            f"{what} refused before loading: {fit.reason()}; "
-            "give the head fewer layers, a smaller --ctx or a smaller --headroom-gb"
-        )
