@@ -94,7 +94,7 @@ class SupervisorSettings(_Strict):
         return data
 
     poll_s: float = Field(default=1.0, gt=0)
-    # SIGTERM to SIGKILL: past the head's default --drain-grace (30 s), so a drain is never cut by a kill.
+    # SIGTERM to SIGKILL. A head this console starts drains for 5 s less (`launch.DRAIN_MARGIN_S`).
     grace_s: float = Field(default=40.0, ge=0)
     backoff_initial_s: float = Field(default=1.0, gt=0)
     backoff_max_s: float = Field(default=30.0, gt=0)

@@ -59,6 +59,9 @@ def port_owner(port: int) -> str:
     return "a process this user cannot see"
 
 
+DRAIN_MARGIN_S = 5.0  # a head's drain ends this long before the console's SIGKILL (`supervisor.grace_s`)
+
+
 def worker_argv(p: Profile, spec: WorkerSpec, role: str, split: list[int] | None) -> list[str]:
     """argv that starts the worker of `spec` (through its ssh launcher when remote); a head gets `split`."""
     bind = spec.host if spec.is_local else "0.0.0.0"
@@ -75,6 +78,8 @@ def worker_argv(p: Profile, spec: WorkerSpec, role: str, split: list[int] | None
         args += ["--headroom-gb", f"{p.headroom_gb:g}"]
     if role == "head":
         args += ["--parallel", str(p.parallel)]
+        # A stop or restart drains the head's requests until just before this console's SIGKILL.
+        args += ["--drain-grace", f"{max(0.0, p.supervisor.grace_s - DRAIN_MARGIN_S):g}"]
         for peer in p.peers:
             args += ["--peer", f"{connect_host(peer.host)}:{peer.rpc}"]
         if split:

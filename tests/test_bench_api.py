@@ -58,7 +58,9 @@ def test_bench_api_reports_every_field(tiny_model, tmp_path):
     assert len(solo["restarts"]) == 2 and solo["restart_ready_s"] in [x["ready_s"] for x in solo["restarts"]]
     assert solo["bytecode_cached"] is (os.environ.get("PYTHONDONTWRITEBYTECODE", "") == "")
     for stages in (solo["first_start_stages_s"], solo["restart_stages_s"]):  # seconds from process start, in order
-        assert list(stages) == ["alive", "model loaded", "RPC active", "warming", "ready"]
+        # the worker's stages in order, with the load's phases among them ("stage built", "graphs warmed", ...)
+        named = [s for s in stages if s in ("alive", "model loaded", "RPC active", "warming", "ready")]
+        assert named == ["alive", "model loaded", "RPC active", "warming", "ready"] and "graphs warmed" in stages
         assert all(number(t) for t in stages.values()) and list(stages.values()) == sorted(stages.values())
     assert (
         solo["single"]["tokens"] == 4
