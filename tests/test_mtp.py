@@ -12,14 +12,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from rpc_workers import complete, solo_and_split
+from rpc_workers import complete, peer, running, solo_and_split
 from stages import load
 
 from hydra_console.engine.config import ModelSettings, SpecConfig
 from hydra_console.engine.errors import UserError
 from hydra_console.engine.gguf_file import GGUFFile
-from hydra_console.engine.model import ROLLBACK, NextN
+from hydra_console.engine.model import ROLLBACK, ModelConfig, NextN
 from hydra_console.engine.pipeline import Pipeline
+from hydra_console.engine.rpc.client import RemoteStage
 from hydra_console.engine.serving.runtime import Engine
 from hydra_console.engine.serving.sampling_params import Sampler, SamplingParams
 from hydra_console.engine.serving.sequence import Request
@@ -101,21 +102,31 @@ def _engine_outputs(
     run_lengths: tuple[int, ...] | None = None,
     costs: dict | None = None,
     n_max: int = 3,
+    peer: str | None = None,
     **stage_kw,
 ):
     """Greedy outputs of `prompts` (texts or token ids) submitted together (slots batched), and the
     acceptance counters; `stage_kw` for the stage (`load`'s float32 unless it says otherwise).
     `adaptive` False drafts n-max every step (the acceptance tests count what fixed drafts get).
     `run_lengths`: the head stage's as if its graphs replayed only those (verifies padded to them);
-    `costs` gets the adaptive policy's step costs by (slots, tokens verified)."""
+    `costs` gets the adaptive policy's step costs by (slots, tokens verified). `peer`: the RPC address
+    of a peer worker that runs the second half of the layers (the head here runs the first half)."""
     g = GGUFFile(path)
     tok = Tokenizer.from_gguf(g)
-    stage = load(path, n_slots=n_slots, n_ctx=128, device=device, **stage_kw)
+    n_layers = ModelConfig.from_gguf(g).n_layers
+    layers = (0, n_layers // 2 if peer else n_layers)
+    stage = load(path, layers=layers, n_slots=n_slots, n_ctx=128, device=device, **stage_kw)
     if run_lengths is not None:
         stage.graph_run_lengths = run_lengths
     cfg = SpecConfig(type=spec_type, n_max=n_max, p_min=p_min, adaptive=adaptive)
     spec = build_speculator(cfg, None, g, F32, n_slots, head=stage)
-    eng = Engine(Pipeline(stage), tok, n_slots, 128, speculator=spec).start()
+    pipeline = Pipeline(stage)
+    if peer:
+        rest = (layers[1], n_layers)
+        remote = RemoteStage(peer, rest, g=g, dtype=torch.float32, n_slots=n_slots, n_ctx=128, max_run=1 + n_max)
+        remote.attach()
+        pipeline = Pipeline(stage, [remote], ranges=[layers, rest])
+    eng = Engine(pipeline, tok, n_slots, 128, speculator=spec).start()
     results = {}
 
     def one(i, prompt):
@@ -135,6 +146,8 @@ def _engine_outputs(
         return [results[i] for i in range(len(prompts))], eng.spec_stats.snapshot(spec.config)
     finally:
         eng.stop()
+        for r in pipeline.remotes:
+            r.close()
         if costs is not None:
             costs.update(spec.adaptive.costs.table())
 
@@ -177,6 +190,20 @@ def test_verifies_padded_to_the_graphs_run_length_change_no_token_and_no_counter
     assert all((t - n) % 3 == 0 for n, t in padded_costs) and any(t > n for n, t in padded_costs)
     adaptive, stats = _engine_outputs(path, "mtp", 0.0, run_lengths=(1, 4))
     assert adaptive == plain and stats.draft_tokens > 0
+
+
+def test_padded_verifies_through_a_split_equal_solo(tiny_model, tmp_path):
+    """The peer (a real worker process) runs the head's padded rows as they come: the split's text
+    with padded MTP verifies is solo plain greedy's, and its counters those of the solo padded run."""
+    path = tiny_model("qwen35", n_layers=4, nextn=True)
+    plain, _ = _engine_outputs(path, "off", 0.75)
+    solo, want = _engine_outputs(path, "mtp", 0.2, adaptive=False, run_lengths=(1, 4))
+    costs = {}
+    with running(peer(path, tmp_path, "--dtype", "float32")) as p:
+        split, got = _engine_outputs(path, "mtp", 0.2, adaptive=False, run_lengths=(1, 4), peer=p.rpc_addr, costs=costs)
+    assert split == solo == plain
+    assert all((t - n) % 3 == 0 for n, t in costs) and any(t > n for n, t in costs)
+    assert (got.drafts, got.draft_tokens, got.accepted) == (want.drafts, want.draft_tokens, want.accepted)
 
 
 def test_padded_verifies_count_only_the_drafted_tokens_as_accepted(tiny_model):
