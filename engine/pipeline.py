@@ -69,6 +69,12 @@ class Pipeline:
     def cfg(self):
         return self.local.cfg
 
+    @property
+    def graph_run_lengths(self) -> tuple[int, ...] | None:
+        """Tokens per slot this pipeline's decode graphs replay (the head stage's; its peers warmed
+        up the same from LOAD_STAGE's `max_run` and run the head's rows): what verifies are padded to."""
+        return getattr(self.local, "graph_run_lengths", None)
+
     def unavailable(self) -> str | None:
         """Why a forward would fail now (the peers not up), or None."""
         return self.recovery.unavailable()

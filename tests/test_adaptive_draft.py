@@ -69,6 +69,22 @@ def test_several_streams_share_the_steps_cost():
 
 
 @pytest.mark.unit
+def test_a_padded_verify_costs_its_whole_run():
+    """Where verifies are padded to 3 drafted tokens (the GPU's graphs replay runs of 1 and 4), a
+    slot's first draft token costs the step of 3 more, the next two nothing more: 0.3 no longer pays
+    for one token at 20 % a token (1.3 / 1.6 < 1), and a slot that drafts at all drafts what its
+    padded run holds when the tokens are likely."""
+    padded = lambda k: 3 if k else 0  # noqa: E731
+    assert choose([[0.3] * 3], [3], linear(1, 3, 0.2)) == [1]
+    assert choose([[0.3] * 3], [3], linear(1, 3, 0.2), padded) == [0]
+    assert choose([[0.9] * 3], [3], linear(1, 3, 0.2), padded) == [3]
+    # Two slots: the second slot's draft costs its own padded run (cost index 6), not one token.
+    acc = [[0.9] * 3, [0.6, 0.0, 0.0]]
+    assert choose(acc, [3, 3], linear(2, 6, 0.1)) == [3, 1]
+    assert choose(acc, [3, 3], linear(2, 6, 0.1), padded) == [3, 0]
+
+
+@pytest.mark.unit
 def test_unmeasured_costs_are_guessed_so_both_ends_get_tried():
     costs = StepCosts()
     assert costs.curve(1, 3) == [1.0] * 4  # nothing known: the most tokens look free, so they are tried

@@ -227,23 +227,24 @@ def test_the_compiled_region_is_traced_once_per_layer_kind(tiny_model, arch, kin
     torch.testing.assert_close(traced, eager.forward(h, batch))
 
 
-@pytest.mark.parametrize("draft_max, graphs", [(0, 3 + 3), (3, 8 + 12)])
+@pytest.mark.parametrize("draft_max, graphs", [(0, 3 + 3), (3, 5 + 6)])
 def test_a_start_compiles_one_graph_per_layer_kind_and_shape(tiny_model, monkeypatch, draft_max, graphs):
-    """What a GPU worker's start compiles (`DecodeGraphs.warm_up`: every batch bucket x run length
-    1..draft max + 1, `-np 4`: buckets 1, 2, 4): an attention layer's graph depends on its row count
-    only (8 of them with MTP's 3 drafts: 1, 2, 3, 4, 6, 8, 12, 16), a recurrent layer's on its slots
-    and run length (12), never on the layer or the call. Counted on CPU with dynamo's eager backend
-    (the CUDA path compiles the same region over the same shapes)."""
+    """What a GPU worker's start compiles (`DecodeGraphs.warm_up`: every batch bucket x run length of
+    `graph_run_lengths`, 1 and draft max + 1 (shorter verifies are padded to it), `-np 4`: buckets 1,
+    2, 4): an attention layer's graph depends on its row count only (5 of them with MTP's 3 drafts:
+    1, 2, 4, 8, 16), a recurrent layer's on its slots and run length (6), never on the layer or the
+    call. Counted on CPU with dynamo's eager backend (the CUDA path compiles the same region over the
+    same shapes). Every run length 1..4 warmed up, as before, took 8 + 12."""
     from torch._dynamo.utils import counters
 
-    from hydra_console.engine.model.graphs import batch_buckets
+    from hydra_console.engine.model.graphs import batch_buckets, graph_run_lengths
 
     stage = load(tiny_model("qwen35", n_layers=4, nextn=True), n_slots=4)
     monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 64)  # as DecodeGraphs raises it
     torch._dynamo.reset()
     counters.clear()
     compiled = torch.compile(block, backend="eager", dynamic=False)
-    for m in range(1, draft_max + 2):
+    for m in graph_run_lengths(1 + draft_max):
         for size in batch_buckets(stage.n_slots):
             slots, positions = torch.arange(size).repeat_interleave(m), torch.arange(m).repeat(size) + 8
             for _ in range(2):  # as a capture's warm-up: the second run compiles nothing

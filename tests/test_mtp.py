@@ -12,14 +12,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from rpc_workers import complete, solo_and_split
+from rpc_workers import complete, peer, running, solo_and_split
 from stages import load
 
 from hydra_console.engine.config import ModelSettings, SpecConfig
 from hydra_console.engine.errors import UserError
 from hydra_console.engine.gguf_file import GGUFFile
-from hydra_console.engine.model import ROLLBACK, NextN
+from hydra_console.engine.model import ROLLBACK, ModelConfig, NextN
 from hydra_console.engine.pipeline import Pipeline
+from hydra_console.engine.rpc.client import RemoteStage
 from hydra_console.engine.serving.runtime import Engine
 from hydra_console.engine.serving.sampling_params import Sampler, SamplingParams
 from hydra_console.engine.serving.sequence import Request
@@ -98,17 +99,34 @@ def _engine_outputs(
     device: str = "cpu",
     prompts=PROMPTS,
     adaptive: bool | None = None,
+    run_lengths: tuple[int, ...] | None = None,
+    costs: dict | None = None,
+    n_max: int = 3,
+    peer: str | None = None,
     **stage_kw,
 ):
     """Greedy outputs of `prompts` (texts or token ids) submitted together (slots batched), and the
     acceptance counters; `stage_kw` for the stage (`load`'s float32 unless it says otherwise).
-    `adaptive` False drafts n-max every step (the acceptance tests count what fixed drafts get)."""
+    `adaptive` False drafts n-max every step (the acceptance tests count what fixed drafts get).
+    `run_lengths`: the head stage's as if its graphs replayed only those (verifies padded to them);
+    `costs` gets the adaptive policy's step costs by (slots, tokens verified). `peer`: the RPC address
+    of a peer worker that runs the second half of the layers (the head here runs the first half)."""
     g = GGUFFile(path)
     tok = Tokenizer.from_gguf(g)
-    stage = load(path, n_slots=n_slots, n_ctx=128, device=device, **stage_kw)
-    cfg = SpecConfig(type=spec_type, n_max=3, p_min=p_min, adaptive=adaptive)
+    n_layers = ModelConfig.from_gguf(g).n_layers
+    layers = (0, n_layers // 2 if peer else n_layers)
+    stage = load(path, layers=layers, n_slots=n_slots, n_ctx=128, device=device, **stage_kw)
+    if run_lengths is not None:
+        stage.graph_run_lengths = run_lengths
+    cfg = SpecConfig(type=spec_type, n_max=n_max, p_min=p_min, adaptive=adaptive)
     spec = build_speculator(cfg, None, g, F32, n_slots, head=stage)
-    eng = Engine(Pipeline(stage), tok, n_slots, 128, speculator=spec).start()
+    pipeline = Pipeline(stage)
+    if peer:
+        rest = (layers[1], n_layers)
+        remote = RemoteStage(peer, rest, g=g, dtype=torch.float32, n_slots=n_slots, n_ctx=128, max_run=1 + n_max)
+        remote.attach()
+        pipeline = Pipeline(stage, [remote], ranges=[layers, rest])
+    eng = Engine(pipeline, tok, n_slots, 128, speculator=spec).start()
     results = {}
 
     def one(i, prompt):
@@ -128,6 +146,10 @@ def _engine_outputs(
         return [results[i] for i in range(len(prompts))], eng.spec_stats.snapshot(spec.config)
     finally:
         eng.stop()
+        for r in pipeline.remotes:
+            r.close()
+        if costs is not None:
+            costs.update(spec.adaptive.costs.table())
 
 
 @pytest.mark.parametrize(
@@ -146,6 +168,57 @@ def test_greedy_with_mtp_equals_greedy_without(tiny_model, device):
     with_mtp, stats = _engine_outputs(path, "mtp", 0.0, device=device)
     assert with_mtp == plain
     assert stats.type == "mtp" and stats.draft_tokens > 0 and stats.accepted < stats.draft_tokens
+
+
+def test_verifies_padded_to_the_graphs_run_length_change_no_token_and_no_counter(tiny_model):
+    """A GPU stage replays verifies of draft max + 1 tokens only: shorter drafts (p-min cuts them
+    here) run with filler rows up to that length. Forced on CPU through the stage's
+    `graph_run_lengths`: the text is plain greedy's, the acceptance counters those of the unpadded
+    run (filler is never drafted nor accepted), and every step verified 1 or 4 tokens per slot (the
+    step costs' keys), where the unpadded run verified 2 and 3 too. The adaptive run (k per slot
+    varies) pads as well."""
+    path = tiny_model("qwen35", n_layers=4, nextn=True)
+    plain, _ = _engine_outputs(path, "off", 0.75)
+    unpadded_costs, padded_costs = {}, {}
+    unpadded, want = _engine_outputs(path, "mtp", 0.2, adaptive=False, costs=unpadded_costs)
+    padded, got = _engine_outputs(path, "mtp", 0.2, adaptive=False, run_lengths=(1, 4), costs=padded_costs)
+    assert padded == unpadded == plain
+    assert got.drafts == want.drafts and got.draft_tokens == want.draft_tokens and got.accepted == want.accepted
+    assert got.accepted_per_pos == want.accepted_per_pos
+    assert 0 < got.draft_tokens < 2 * got.drafts  # mostly one-token drafts: the padded path ran
+    assert any((t - n) % 3 for n, t in unpadded_costs)
+    assert all((t - n) % 3 == 0 for n, t in padded_costs) and any(t > n for n, t in padded_costs)
+    adaptive, stats = _engine_outputs(path, "mtp", 0.0, run_lengths=(1, 4))
+    assert adaptive == plain and stats.draft_tokens > 0
+
+
+def test_padded_verifies_through_a_split_equal_solo(tiny_model, tmp_path):
+    """The peer (a real worker process) runs the head's padded rows as they come: the split's text
+    with padded MTP verifies is solo plain greedy's, and its counters those of the solo padded run."""
+    path = tiny_model("qwen35", n_layers=4, nextn=True)
+    plain, _ = _engine_outputs(path, "off", 0.75)
+    solo, want = _engine_outputs(path, "mtp", 0.2, adaptive=False, run_lengths=(1, 4))
+    costs = {}
+    with running(peer(path, tmp_path, "--dtype", "float32")) as p:
+        split, got = _engine_outputs(path, "mtp", 0.2, adaptive=False, run_lengths=(1, 4), peer=p.rpc_addr, costs=costs)
+    assert split == solo == plain
+    assert all((t - n) % 3 == 0 for n, t in costs) and any(t > n for n, t in costs)
+    assert (got.drafts, got.draft_tokens, got.accepted) == (want.drafts, want.draft_tokens, want.accepted)
+
+
+def test_padded_verifies_count_only_the_drafted_tokens_as_accepted(tiny_model):
+    """The bigram model's block drafts the trunk's own continuation: with draft max 2 on graphs that
+    replay verifies of 4 (as a request's smaller n-max on a server warmed up for 3), every draft is
+    padded and every drafted token is accepted, no filler ever."""
+    path = tiny_model("qwen35", n_layers=4, nextn=True, bigram=True)
+    plain, _ = _engine_outputs(path, "off", 0.75)
+    costs = {}
+    padded, stats = _engine_outputs(path, "mtp", 0.0, adaptive=False, n_max=2, run_lengths=(1, 4), costs=costs)
+    assert padded == plain
+    # Drafts of 2 (of 1 where max_tokens ends them): all accepted, no filler among them.
+    assert stats.drafts > 0 and stats.draft_tokens <= 2 * stats.drafts and stats.accepted == stats.draft_tokens
+    assert stats.accepted_per_pos[1] > 0 and len(stats.accepted_per_pos) == 2
+    assert all((t - n) % 3 == 0 for n, t in costs) and any(t > n for n, t in costs)
 
 
 @pytest.mark.parametrize("qtype", ["F32", "Q5_K_M"])

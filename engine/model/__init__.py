@@ -9,7 +9,7 @@ head and its query/document prompt, on the head) and `graphs` (CUDA graphs of th
 from .config import ARCHITECTURES, ModelConfig
 from .deltanet import ROLLBACK
 from .forward_batch import ForwardBatch, Mode
-from .graphs import DecodeGraphs
+from .graphs import DecodeGraphs, graph_run_lengths
 from .nextn import NextN, nextn_prefix
 from .stage import RESCORE_TOP, Stage, build_stage
 from .weights import Linear, Weights
@@ -27,5 +27,6 @@ __all__ = [
     "Stage",
     "Weights",
     "build_stage",
+    "graph_run_lengths",
     "nextn_prefix",
 ]

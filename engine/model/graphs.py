@@ -51,6 +51,16 @@ def batch_buckets(max_batch: int) -> list[int]:
     return sizes + [max_batch]
 
 
+def graph_run_lengths(max_run: int) -> tuple[int, ...]:
+    """Tokens per slot whose decode steps get graphs when the longest step runs `max_run` (a verify of
+    draft max + 1): a plain decode (1) and the longest verify only. A shorter draft's verify is padded
+    up to that length (`Speculator.verify_lengths`): on a GPU a verify's few rows cost about what a
+    longer one does (its products read each weight once), and every other run length would be
+    another compile per batch bucket and layer kind and another capture (docs/PERF.md, session 22).
+    Past ROLLBACK tokens a recurrent layer cannot checkpoint a run: such verifies run eagerly."""
+    return (1,) if max_run <= 1 else (1, min(max_run, ROLLBACK))
+
+
 class DecodeGraphs:
     """CUDA graphs of one decode step per batch bucket and run length (tokens per slot: 1 to decode,
     k + 1 to verify a k-token draft), captured by `warm_up` or on first use.
@@ -84,8 +94,9 @@ class DecodeGraphs:
     def reset(self) -> None:
         self.graphs.clear()
 
-    def warm_up(self, per_slot: range = range(1, 2)) -> None:
-        """Compile and capture every bucket now (a worker's start), not on the first requests."""
+    def warm_up(self, per_slot=(1,)) -> None:
+        """Compile and capture every bucket for each run length in `per_slot` now (a worker's start),
+        not on the first requests."""
         for m in per_slot:
             for size in self.buckets:
                 if m <= ROLLBACK and (size, m) not in self.graphs:

@@ -132,6 +132,11 @@ class Stage:
             self.output = weights.linear([self._head_name], terms=1)
         self.weights.scratch.fit(self.dtype, self.device)  # every weight of the stage is built: before any graph
         self.graphs = DecodeGraphs(self, compiled=compile_decode) if capture else None
+        # Tokens per slot the decode graphs replay once warmed up (`warm_up`): a step of another run
+        # length runs eagerly, and the engine pads a verify up to one of them (`Pipeline`'s, read by
+        # `Speculator.verify_lengths`). None: any length (no graphs: on CPU a padding row costs
+        # time; or before a warm-up, when a graph is captured on first use).
+        self.graph_run_lengths: tuple[int, ...] | None = None
         self.prefill_graphs = PrefillGraphs(self, self.graphs) if capture else None
         self.head_graphs = HeadGraphs(self, self.graphs) if capture and head else None
 
@@ -160,12 +165,14 @@ class Stage:
         padding = self.state_rows > self.n_slots
         return Layer(self.cfg, self.weights, il, self.kv_blocks, self.kv_types, self.n_slots, self.depth, padding)
 
-    def warm_up(self, per_slot: range = range(1, 2), prefill_tokens: int = 0) -> None:
+    def warm_up(self, per_slot=(1,), prefill_tokens: int = 0) -> None:
         """Compile and capture the decode step for every batch bucket now (CUDA; nothing elsewhere),
-        for runs of each length in `per_slot` (speculative verifies: up to draft max + 1), and the
-        prefill of prompt chunks up to `prefill_tokens` (0: on first use); the output head's graphs too."""
+        for runs of each length in `per_slot` (`graph_run_lengths`: 1 and a verify of draft max + 1),
+        the only lengths the graphs replay from now on, and the prefill of prompt chunks up to
+        `prefill_tokens` (0: on first use); the output head's graphs too."""
         if self.graphs is not None:
             self.graphs.warm_up(per_slot)
+            self.graph_run_lengths = tuple(sorted({m for m in per_slot if m <= ROLLBACK}))
         if self.head_graphs is not None:
             self.head_graphs.warm_up()
         if self.prefill_graphs is not None and prefill_tokens:
@@ -316,8 +323,11 @@ class Stage:
         self.recurrent_progress.enter(runs)
         out = None
         per_slot = {n for _, _, n in runs}
+        replayed = self.graph_run_lengths
         if self.graphs is not None and len(per_slot) == 1:  # decode, or verifies of one draft length
-            out = self.graphs.run(h, slots, positions, per_slot.pop())
+            n = per_slot.pop()
+            if replayed is None or n in replayed:  # another length would compile and capture mid-serving
+                out = self.graphs.run(h, slots, positions, n)
         if (
             out is None and self.prefill_graphs is not None and len(runs) == 1 and runs[0][1] == 0
         ):  # a prompt from its start

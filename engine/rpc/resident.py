@@ -35,7 +35,7 @@ from .. import slot_state
 from ..device import fit_here, free_bytes
 from ..errors import UserError
 from ..layer_probe import probe_stage
-from ..model import build_stage
+from ..model import build_stage, graph_run_lengths
 
 # Torch dtypes of the wire's dtype names (contracts.rpc.DTYPE_CODES).
 DTYPES = {name: getattr(torch, name) for name in DTYPE_CODES}
@@ -180,11 +180,12 @@ class StageHost:
                     )
                 except UserError as e:  # e.g. q8_0 on a head size it cannot block
                     raise ComputeError(f"LOAD_STAGE refused: {e}") from None
-                # Before the swap: the old stage serves meanwhile. Longest runs first, the head's order
+                # Before the swap: the old stage serves meanwhile. The head's run lengths (its verifies
+                # are padded to them), longest first: the head's order
                 # reversed: a head on this host warms up at the same time (workers/head.py), and its
                 # layers trace to the same graphs, so each process compiles half of them and finds the
                 # other half in inductor's cache, which both share (docs/PERF.md, session 21).
-                stage.warm_up(range(max_run, 0, -1))
+                stage.warm_up(graph_run_lengths(max_run)[::-1])
             with self.lock:
                 if stage is self.stage:
                     for slot in range(n_slots):

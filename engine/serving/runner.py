@@ -133,7 +133,7 @@ class ModelRunner:
         to_sample: list[tuple[int, int]] = []  # (chunk index, its logits row)
         row = 0
         for i, c in enumerate(batch.chunks):
-            if c.draft:
+            if c.draft:  # k + 1 rows (a draft's filler has none: `Batch.inputs`)
                 rows = logits[row : row + len(c.draft) + 1]
                 tids = self.spec.verify(self._draft_mask(rows, c), c.draft, c.seq.sampler, c.seq.tokens, c.seq.slot)
                 step.sampled[i] = Sampled(tids, self._draft_logprobs(c.seq, rows, tids))

@@ -67,6 +67,7 @@ class Engine:
         if counters:
             self.spec.stats = counters.spec_stats
         self.spec_stats, self.spec_config = self.spec.stats, self.spec.config
+        self.spec.verify_lengths = getattr(pipeline, "graph_run_lengths", None)
         self.grammars = Grammars(tokenizer)  # structured output; its tokenizer is built on first use
         self.runner = ModelRunner(pipeline, n_slots, self.spec, self.grammars)
         self.mixed_steps = mixed_by_default(self.runner.device.type) if mixed_steps is None else mixed_steps

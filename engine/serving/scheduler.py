@@ -46,7 +46,7 @@ SHED = (
 class Chunk:
     """One sequence's share of a batch: tokens [start, end) of `seq.tokens`, whether the step samples
     its next token (its last row's logits), whether every row is scored (prompt logprobs), and a
-    draft proposed after `seq.tokens[start]`, verified in this step (k+1 rows)."""
+    draft proposed after `seq.tokens[start]`, verified in this step (k+1 rows, and its filler's)."""
 
     seq: Sequence
     start: int
@@ -79,15 +79,15 @@ class Batch:
         stands for a token the previous step sampled that the host has not read yet."""
         tokens, slots, positions, rows = [], [], [], []
         for c in self.chunks:
-            drafted = c.draft.tokens if c.draft else []
+            drafted = c.draft.run if c.draft else []
             n = c.end - c.start + len(drafted)
             first_row = len(tokens)
             known = c.seq.tokens[c.start : c.end]
             tokens += known + [PENDING] * (c.end - c.start - len(known)) + drafted
             slots += [c.seq.slot] * n
             positions += range(c.start, c.start + n)
-            if c.score or drafted:
-                rows += range(first_row, first_row + n)
+            if c.score or drafted:  # a draft's filler rows need no logits
+                rows += range(first_row, first_row + n - (c.draft.filler if c.draft else 0))
             elif c.sample:
                 rows.append(first_row + n - 1)
         return tokens, slots, positions, rows
@@ -98,7 +98,7 @@ class Batch:
         if not any(c.hidden for c in self.chunks):
             return rows
         for c in self.chunks:
-            n = c.end - c.start + (len(c.draft.tokens) if c.draft else 0)
+            n = c.end - c.start + (len(c.draft.run) if c.draft else 0)
             if c.hidden:
                 rows += range(first, first + n)
             first += n
@@ -256,7 +256,7 @@ class Scheduler:
         while chunks and not self.kv.fits(_ends(chunks)):
             blocked = bool(chunks.pop())
         if self.mixed_steps:
-            budget = max(self.batch_tokens - len(chunks) - sum(len(c.draft) for c in chunks if c.draft), 1)
+            budget = max(self.batch_tokens - len(chunks) - sum(len(c.draft.run) for c in chunks if c.draft), 1)
             chunks, waiting = self._prefill(chunks, prefilling, budget)
             blocked = blocked or waiting
         if not chunks and blocked:
@@ -313,8 +313,8 @@ class Scheduler:
 
     def postprocess(self, batch: Batch, sampled: list[list[int]]) -> None:
         """Advance each chunk's sequence past what the step computed and append its sampled tokens,
-        stopping at the first that ends it. Rejected draft positions stay behind `n_past`: their KV
-        (here and on peers) is overwritten by the next step."""
+        stopping at the first that ends it. Rejected draft positions (and a draft's filler) stay
+        behind `n_past`: their KV (here and on peers) is overwritten by the next step."""
         for c, tokens in zip(batch.chunks, sampled):
             seq = c.seq
             seq.n_past = max(seq.n_past, c.end)
@@ -343,4 +343,4 @@ class Scheduler:
 
 def _ends(chunks: list[Chunk]) -> dict[int, int]:
     """The positions each chunk's slot holds once the chunk (and its draft) ran."""
-    return {c.seq.slot: c.end + (len(c.draft) if c.draft else 0) for c in chunks}
+    return {c.seq.slot: c.end + (len(c.draft.run) if c.draft else 0) for c in chunks}

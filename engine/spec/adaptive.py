@@ -43,20 +43,25 @@ def gains(p: list[float], k_max: int) -> list[float]:
     return out
 
 
-def choose(acceptance: list[list[float]], k_max: list[int], cost: list[float]) -> list[int]:
+def choose(acceptance: list[list[float]], k_max: list[int], cost: list[float], verified=lambda k: k) -> list[int]:
     """Draft lengths for n slots: `acceptance[s]` per position, `k_max[s]` each slot's cap, `cost[j]`
     the cost of a step of n + j tokens (any unit; cost[0] = plain decode). Maximises expected
-    tokens (n plus the accepted gains) over cost."""
+    tokens (n plus the accepted gains) over cost. `verified(k)`: the tokens a k-token draft's
+    verify runs (more than k where it is padded to a length the graphs replay: a slot's first draft
+    token then costs its whole padded run, the next ones nothing more)."""
     n = len(acceptance)
     ranked = sorted(
         ((g, j, s) for s, (p, k) in enumerate(zip(acceptance, k_max)) for j, g in enumerate(gains(p, k))),
         key=lambda x: (-x[0], x[1], x[2]),
     )
-    ranked = ranked[: len(cost) - 1]
-    rates, expected = [n / cost[0]], float(n)
-    for j, (g, _, _) in enumerate(ranked, 1):
+    rates, expected, ks, tokens = [n / cost[0]], float(n), [0] * n, 0
+    for g, _, s in ranked:
+        ks[s] += 1
+        tokens += verified(ks[s]) - verified(ks[s] - 1)
+        if tokens >= len(cost):
+            break
         expected += g
-        rates.append(expected / cost[j])
+        rates.append(expected / cost[tokens])
     # The fewest tokens within GAIN_MARGIN of the best rate: noise in the costs never tips k up.
     best = next(j for j, r in enumerate(rates) if r * (1 + GAIN_MARGIN) >= max(rates))
     ks = [0] * n
@@ -168,11 +173,13 @@ class AdaptiveDrafts:
         with self._lock:
             self.slots.pop(slot, None)
 
-    def plan(self, slots: list[int], caps: list[int]) -> list[int]:
-        """k per slot (`caps`: each slot's most); a slot at 0 for its probe wait drafts one token."""
+    def plan(self, slots: list[int], caps: list[int], verified=lambda k: k) -> list[int]:
+        """k per slot (`caps`: each slot's most; `verified`: see `choose`); a slot at 0 for its probe
+        wait drafts one token."""
         with self._lock:
             states = [self.slots.get(s) or self._start(s) for s in slots]
-            ks = choose([st.p for st in states], caps, self.costs.curve(len(slots), sum(caps)))
+            curve = self.costs.curve(len(slots), sum(verified(c) for c in caps))
+            ks = choose([st.p for st in states], caps, curve, verified)
             for i, (st, cap) in enumerate(zip(states, caps)):
                 st.idle = 0 if ks[i] else st.idle + 1
                 if not ks[i] and cap and st.idle >= st.wait:

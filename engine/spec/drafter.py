@@ -13,13 +13,23 @@ from ..serving.sampling import Rows, Stream, distribution, draw, uniform
 @dataclass
 class Draft:
     """Proposed tokens and, when they were sampled from a distribution, that distribution per token
-    (`q[i]` over the vocabulary). `q is None` means each token was chosen deterministically."""
+    (`q[i]` over the vocabulary). `q is None` means each token was chosen deterministically.
+    `filler`: tokens the verify runs after the draft that nobody drafted (`Speculator.plan` pads a
+    verify to a length the target's graphs replay): their rows are discarded, as a rejected draft's,
+    and no counter sees them (`len` is the draft's)."""
 
     tokens: list[int] = field(default_factory=list)
     q: torch.Tensor | None = None
+    filler: int = 0
 
     def __len__(self) -> int:
         return len(self.tokens)
+
+    @property
+    def run(self) -> list[int]:
+        """What the verify runs after the slot's last token: the draft, then its filler (the last
+        draft token repeated: any id would do)."""
+        return self.tokens + self.tokens[-1:] * self.filler
 
     def prefix(self, n: int) -> Draft:
         return self if n >= len(self.tokens) else Draft(self.tokens[:n], None if self.q is None else self.q[:n])

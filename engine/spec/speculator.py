@@ -9,7 +9,7 @@ import torch
 from ..config import MAX_DRAFT, ModelSettings, SpecConfig
 from ..errors import UserError
 from ..gguf_file import GGUFFile
-from ..model import ROLLBACK, ModelConfig, NextN, Stage, build_stage
+from ..model import ROLLBACK, ModelConfig, NextN, Stage, build_stage, graph_run_lengths
 from ..pipeline import Pipeline
 from ..serving.sampling import Rows, Stream, distribution, host_uniform, sample
 from .accept import accept_greedy, accept_sampled
@@ -46,6 +46,17 @@ class Speculator:
         self.stats = SpecStats()
         self.adaptive = AdaptiveDrafts(min(max_draft, MAX_DRAFT))
         self.adapt_auto = nextn is None or nextn.head.device.type == "cpu"
+        # Tokens per slot the target's decode graphs replay (the engine sets it from its pipeline's
+        # head stage; the peers warmed up the same): a verify of another length is padded to the next
+        # of them. None: no graphs, so no padding (on CPU a filler row costs as much as a draft's).
+        self.verify_lengths: tuple[int, ...] | None = None
+
+    def verified(self, k: int) -> int:
+        """Tokens the verify of a k-token draft runs after the slot's last one: k, or the draft and
+        its filler up to the next run length the graphs replay (`verify_lengths`)."""
+        if k == 0 or not self.verify_lengths:
+            return k
+        return next((n - 1 for n in self.verify_lengths if n - 1 >= k), k)
 
     @property
     def wants_hidden(self) -> bool:
@@ -108,7 +119,7 @@ class Speculator:
         ks = dict(
             zip(
                 (i for i, _, _ in adapting),
-                self.adaptive.plan([seqs[i].slot for i, _, _ in adapting], [k for _, k, _ in adapting]),
+                self.adaptive.plan([seqs[i].slot for i, _, _ in adapting], [k for _, k, _ in adapting], self.verified),
             )
         )
         for i, k, cfg in caps:
@@ -129,8 +140,16 @@ class Speculator:
                 if constraint is not None:  # past a token its grammar refuses, a draft is rejected anyway
                     d = d.prefix(constraint.valid_prefix(d.tokens))
                 if len(d) >= max(cfg.n_min, 1):
-                    out[i] = d
+                    out[i] = self._padded(d, n_ctx - len(seqs[i].tokens))
         return out
+
+    def _padded(self, d: Draft, room: int) -> Draft:
+        """`d` with the filler its verify runs to a replayed length (`verified`), when the slot's
+        context has `room` for those positions (else it runs as it is, eagerly)."""
+        n = self.verified(len(d))
+        if len(d) < n <= min(room, self.max_draft):
+            d.filler = n - len(d)
+        return d
 
     def verify(
         self, logits: torch.Tensor, draft: Draft, sampler, history: list[int], slot: int | None = None
@@ -163,9 +182,10 @@ class Speculator:
 
     def timed(self, chunks: list, seconds: float) -> None:
         """A decode step (every chunk one sequence's next token, some with drafts) took `seconds`,
-        its drafting included: the adaptive policy's cost of (sequences, tokens verified)."""
+        its drafting included: the adaptive policy's cost of (sequences, tokens verified), a draft's
+        filler counted (the step ran it)."""
         if chunks and not any(c.prefill or c.hidden for c in chunks):
-            self.adaptive.timed(len(chunks), sum(1 + (len(c.draft) if c.draft else 0) for c in chunks), seconds)
+            self.adaptive.timed(len(chunks), sum(1 + (len(c.draft.run) if c.draft else 0) for c in chunks), seconds)
 
 
 def check_speculative(config: SpecConfig, draft_path: str | None, g) -> None:
@@ -193,8 +213,9 @@ def build_speculator(
             raise ValueError("--spec-type mtp builds the MTP block on the head's stage: pass head=")
         nextn = NextN(head)
         # The block's graphs now, as the head's: drafts run it a row per slot, the target's forwards
-        # k + 1 rows a slot. Captured on first use they would land in the first requests' steps.
-        nextn.block.warm_up(range(1, max_draft + 2))
+        # (their verifies padded to draft max + 1) as many rows a slot as the head's graphs. Captured
+        # on first use they would land in the first requests' steps.
+        nextn.block.warm_up(graph_run_lengths(1 + min(config.n_max, max_draft)))
         speculator = Speculator(config, max_draft=max_draft, nextn=nextn)
         if speculator.mtp.graphs is not None:  # the greedy draft chains too, for every k up to draft-max
             speculator.mtp.graphs.warm_up(min(config.n_max, max_draft))

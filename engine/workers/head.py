@@ -126,6 +126,7 @@ class HeadWorker:
         RPC port and /status; `counters`: the engine before a sleep's, which this one goes on from.
         `peers` (the start's): the peers loading beside this, joined before the engine, and then
         `self.pipeline` is set (what `stop` closes: closing a peer would wait for its LOAD_STAGE)."""
+        from ..model import graph_run_lengths
         from ..serving.runtime import Engine
         from ..spec import build_speculator
 
@@ -139,7 +140,7 @@ class HeadWorker:
                 self.status.mark("MTP block")
             peers.check()  # a peer refused already (another model, say): not after the whole warm-up
         t0 = time.perf_counter()
-        pipeline.local.warm_up(range(1, max_run_of(cfg.spec) + 1), prefill_tokens=cfg.batch_tokens)
+        pipeline.local.warm_up(graph_run_lengths(max_run_of(cfg.spec)), prefill_tokens=cfg.batch_tokens)
         log.info("decode and prefill graphs warmed up in %.1f s", time.perf_counter() - t0)
         if peers is not None:
             self.status.mark("graphs warmed")

@@ -15,8 +15,8 @@ log = logging.getLogger("hydra.head")
 
 
 def max_run_of(spec) -> int:
-    """Tokens per slot of the longest decode step: a speculative verify runs the draft + 1 (their
-    graphs are captured at start, on the head and its peers)."""
+    """Tokens per slot of the longest decode step: a speculative verify runs the draft + 1 (its graphs,
+    `graph_run_lengths`, are captured at start, on the head and its peers)."""
     return 1 + (spec.n_max if spec.type != "off" else 0)
 
 
