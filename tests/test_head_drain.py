@@ -128,17 +128,21 @@ def test_sigterm_drains_in_flight_requests(tiny_model, tmp_path):
     model = tiny_model("llama", **SLOW_MODEL)
     w = head(model, tmp_path, (), "--dtype", "float32", "--drain-grace", str(GRACE_S), parallel=N_SLOTS, ctx=N_CTX)
     with running(w):
-        # two streams and two plain requests: two take the slots, two wait in the queue
         # two streams and two plain requests, and a streamed chat through the openai client: two
         # take the slots, three wait in the queue
         streams, plains, chat = [{} for _ in range(2)], [{} for _ in range(2)], {}
         threads = [threading.Thread(target=_stream, args=(w.url, o)) for o in streams]
-        threads += [threading.Thread(target=_plain, args=(w.url, o)) for o in plains]
-        threads.append(threading.Thread(target=_openai_chat, args=(w.url, chat)))
         for t in threads:
             t.start()
-        # mid-generation: a stream has tokens, and all five are in the engine (running or queued)
+        # The streams first, until one has tokens: started together, the plain requests could take
+        # both slots first on a loaded box, and the streams would wait their 4,032 tokens out.
         wait_for(lambda: any(len(o.get("events", ())) > 2 for o in streams), 120, "a streamed token")
+        rest = [threading.Thread(target=_plain, args=(w.url, o)) for o in plains]
+        rest.append(threading.Thread(target=_openai_chat, args=(w.url, chat)))
+        for t in rest:
+            t.start()
+        threads += rest
+        # mid-generation: a stream has tokens, and all five are in the engine (running or queued)
         wait_for(lambda: _in_engine(w.url) == 5, 120, "five requests in the engine")
         t0 = time.monotonic()
         os.killpg(w.proc.pid, signal.SIGTERM)
