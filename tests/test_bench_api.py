@@ -40,7 +40,7 @@ def test_bench_api_reports_every_field(tiny_model, tmp_path):
         "--timeout",
         "120",
         "--restarts",
-        "2",
+        "1",
         "--json",
         str(out),
     ]
@@ -55,7 +55,7 @@ def test_bench_api_reports_every_field(tiny_model, tmp_path):
     assert r["bench"]["estimate"]["kv_bytes"] == r["bench"]["kv_bytes"] and r["bench"]["peak_rss"] > 0
     solo = r["solo"]
     assert number(solo["first_start_ready_s"]) and number(solo["restart_ready_s"])
-    assert len(solo["restarts"]) == 2 and solo["restart_ready_s"] in [x["ready_s"] for x in solo["restarts"]]
+    assert len(solo["restarts"]) == 1 and solo["restart_ready_s"] == solo["restarts"][0]["ready_s"]
     assert solo["bytecode_cached"] is (os.environ.get("PYTHONDONTWRITEBYTECODE", "") == "")
     for stages in (solo["first_start_stages_s"], solo["restart_stages_s"]):  # seconds from process start, in order
         # the worker's stages in order, with the load's phases among them ("stage built", "graphs warmed", ...)
