@@ -71,8 +71,8 @@ def _tokenize_inputs(head: Head, value: Any, param: str, n_ctx: int) -> list[lis
 
 
 async def prompt_hidden_states(head: Head, http: Request, prompts: list[list[int]]):
-    """Each prompt's final-norm hidden states [n, d], at most `engine_share` in the engine at once;
-    None when the client went away."""
+    """Each prompt's final-norm hidden states [n, d], at most `engine_share` in the engine at once,
+    the prompts' tokens counted on the request's access record; None when the client went away."""
     from ..serving.sequence import Request as EngineRequest
 
     turns = asyncio.Semaphore(engine_share(head.engine.n_slots))
@@ -90,10 +90,16 @@ async def prompt_hidden_states(head: Head, http: Request, prompts: list[list[int
 
     tasks = [asyncio.ensure_future(one(ids)) for ids in prompts]
     try:
-        return await asyncio.gather(*tasks)
+        hidden = await asyncio.gather(*tasks)
     finally:  # one input failed: the others are cancelled, and with them their engine requests
         for t in tasks:
             t.cancel()
+    if any(h is None for h in hidden):
+        return None
+    record = record_of(http)
+    if record is not None:
+        record.tokens_in, record.tokens_out = sum(len(p) for p in prompts), 0
+    return hidden
 
 
 def embedding_routes(head: Head) -> APIRouter:
@@ -148,12 +154,9 @@ def embedding_routes(head: Head) -> APIRouter:
         n_embd = head.pipeline.local.cfg.n_embd
         check_embedding_size(n_vectors * n_embd, oai and fmt == "base64", cfg.max_response, param)
         hidden = await prompt_hidden_states(head, http, prompts)
-        if any(h is None for h in hidden):
+        if hidden is None:
             return Response(status_code=499)  # the client left; nobody reads this
         n_tokens = sum(len(p) for p in prompts)
-        record = record_of(http)
-        if record is not None:
-            record.tokens_in, record.tokens_out = n_tokens, 0
 
         def answer():  # in a thread: pooling, lists of floats and their JSON never hold the event loop
             vectors = [embed_vectors(h, head.pooling, norm) for h in hidden]

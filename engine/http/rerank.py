@@ -32,7 +32,6 @@ from fastapi.responses import Response
 from .common import ready_engine
 from .embeddings import prompt_hidden_states
 from .errors import APIError
-from .gate import record_of
 from .limits import json_response
 
 if TYPE_CHECKING:
@@ -124,12 +123,9 @@ def rerank_routes(head: Head) -> APIRouter:
 
         prompts = await asyncio.to_thread(prompts_of)
         hidden = await prompt_hidden_states(head, http, prompts)
-        if any(h is None for h in hidden):
+        if hidden is None:
             return Response(status_code=499)  # the client left; nobody reads this
         n_tokens = sum(len(p) for p in prompts)
-        record = record_of(http)
-        if record is not None:
-            record.tokens_in, record.tokens_out = n_tokens, 0
 
         def answer():
             scores = [head.rank_head.score(h) for h in hidden]
