@@ -112,15 +112,8 @@ class DecodeGraphs:
         size = next(s for s in self.buckets if s >= B)
         if (size, per_slot) not in self.graphs:
             self.graphs[size, per_slot] = self._capture(size, per_slot)
-        graph, h_in, index, host, padding, copied, out = self.graphs[size, per_slot]
-        copied.synchronize()  # the previous step's copy out of `host` has finished
-        host[0, :R].copy_(slots)
-        host[1, :R].copy_(positions)
-        # Rows past this batch go back to the padding slot: left as an earlier, larger batch set them,
-        # they would run that batch's slots again, writing their KV (and advancing recurrent state).
-        host[:, R:].copy_(padding[:, R:])
-        index.copy_(host, non_blocking=True)
-        copied.record()
+        graph, h_in, index, out = self.graphs[size, per_slot]
+        index.set(slots, positions)
         h_in[:R].copy_(h)
         graph.replay()
         return out[:R].clone()
@@ -136,22 +129,42 @@ class DecodeGraphs:
         dev = st.device
         rows = size * per_slot
         h_in = torch.zeros(rows, st.cfg.n_embd, device=dev)
-        host = torch.zeros(2, rows, dtype=torch.long).pin_memory()
-        pad_slot, n_ctx = st.kv_blocks.pad_slot, st.n_ctx
-        padding = torch.stack([torch.full((rows,), pad_slot), n_ctx + torch.arange(per_slot).repeat(size)])
-        host.copy_(padding)  # rows a batch does not fill: the padding slot, past the context
-        index = host.to(dev)  # slots, positions
-
-        batch = ForwardBatch.batched(index[0], index[1], per_slot, kv_len=n_ctx)
+        n_ctx = st.n_ctx
+        index = GraphIndex(
+            torch.stack([torch.full((rows,), st.kv_blocks.pad_slot), n_ctx + torch.arange(per_slot).repeat(size)]), dev
+        )
+        batch = ForwardBatch.batched(index.device[0], index.device[1], per_slot, kv_len=n_ctx)
 
         def step():
             return self.forward(h_in, batch)
 
         # Every row of the warm-up runs writes K/V into the padding slot only.
         graph, out = self.capture(step)
-        copied = torch.cuda.Event()
-        copied.record()
-        return graph, h_in, index, host, padding, copied, out
+        return graph, h_in, index, out
+
+
+class GraphIndex:
+    """A graph's slots and first positions on the device (`device`, what the graph reads), set from
+    the host through page-locked memory so the host never waits for the device's queue. `padding`
+    [2, rows]: what the rows a batch does not fill hold (the stage's padding slot, past the context)."""
+
+    def __init__(self, padding: torch.Tensor, device: torch.device):
+        self.padding = padding
+        self.host = padding.clone().pin_memory()
+        self.device = self.host.to(device)
+        self.copied = torch.cuda.Event()
+        self.copied.record()
+
+    def set(self, slots, positions) -> None:
+        R = len(slots)
+        self.copied.synchronize()  # the previous set's copy out of `host` has finished
+        self.host[0, :R].copy_(torch.as_tensor(slots))
+        self.host[1, :R].copy_(torch.as_tensor(positions))
+        # Rows past this batch go back to the padding slot: left as an earlier, larger batch set them,
+        # they would run that batch's slots again, writing their KV (and advancing recurrent state).
+        self.host[:, R:].copy_(self.padding[:, R:])
+        self.device.copy_(self.host, non_blocking=True)
+        self.copied.record()
 
 
 @functools.cache

@@ -12,7 +12,7 @@ import torch
 
 from .deltanet import ROLLBACK
 from .forward_batch import ForwardBatch
-from .graphs import batch_buckets
+from .graphs import GraphIndex, batch_buckets
 
 
 class DraftChainGraphs:
@@ -43,13 +43,8 @@ class DraftChainGraphs:
         size = next(s for s in self.buckets if s >= B)
         if (size, k) not in self.graphs:
             self.graphs[size, k] = self._capture(size, k)
-        graph, tok_in, h_in, index, host, padding, copied, (picks, probs) = self.graphs[size, k]
-        copied.synchronize()  # the previous chain's copy out of `host` has finished
-        host[0, :B] = torch.tensor(slots)
-        host[1, :B] = torch.tensor(positions)
-        host[:, B:].copy_(padding[:, B:])
-        index.copy_(host, non_blocking=True)
-        copied.record()
+        graph, tok_in, h_in, index, (picks, probs) = self.graphs[size, k]
+        index.set(slots, positions)
         tok_in[:B].copy_(tokens)
         h_in[:B].copy_(h)
         graph.replay()
@@ -59,17 +54,14 @@ class DraftChainGraphs:
         blk, dev = self.block, self.block.device
         tok_in = torch.zeros(size, dtype=torch.long, device=dev)
         h_in = torch.zeros(size, blk.cfg.n_embd, device=dev)
-        host = torch.zeros(2, size, dtype=torch.long).pin_memory()
-        padding = torch.stack([torch.full((size,), blk.kv_blocks.pad_slot), torch.full((size,), blk.n_ctx)])
-        host.copy_(padding)
-        index = host.to(dev)  # slots, first positions
+        index = GraphIndex(
+            torch.stack([torch.full((size,), blk.kv_blocks.pad_slot), torch.full((size,), blk.n_ctx)]), dev
+        )
         forward = blk.graphs.forward  # the block's own (compiled) decode forward
 
         def layer_at(step: int):
-            batch = ForwardBatch.batched(index[0], index[1] + step, 1, kv_len=blk.n_ctx)
+            batch = ForwardBatch.batched(index.device[0], index.device[1] + step, 1, kv_len=blk.n_ctx)
             return lambda x: forward(x, batch)
 
         graph, out = blk.graphs.capture(lambda: self.nextn.chain(tok_in, h_in, k, layer_at, self.top_k))
-        copied = torch.cuda.Event()
-        copied.record()
-        return graph, tok_in, h_in, index, host, padding, copied, out
+        return graph, tok_in, h_in, index, out
