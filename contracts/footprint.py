@@ -9,8 +9,11 @@ Weight forms (engine/model/weights.py):
   two terms (a layer) or one (the output head); a layer's matrix also keeps the bfloat16 copy it
   builds on its first many-row product (prefill), which any served prompt triggers.
 - `dense`: the compute dtype (a CPU at float32, a GPU with `--gpu-weights dense`).
-Vectors (norms, biases) are float32. The token embedding is held on a GPU (quantized, one copy
-with a tied output head, or dense); on a CPU its rows are read from the file's mmap as needed.
+Vectors (norms, biases) are float32. The first stage holds the token embedding: on a GPU when it is
+dense or tied (quantized, one copy where that stage holds the tied output head too; a quantized
+untied one stays in pinned host memory); on a CPU its rows are read from the file's mmap as needed.
+The output stage (the head's, or the last peer's with `--output-stage last`) holds the output norm
+and head, their logits rows and, with `--spec-type mtp`, the MTP block and its KV.
 KV: K and V of every attention layer for every cache position (`cache_positions`: every slot at
 full context, or the `--kv-unified` pool in blocks), in the cache types of `--cache-type-k/-v`
 (a CUDA stage without a pool keeps ROLLBACK more positions per slot, where the decode graphs'
