@@ -295,13 +295,10 @@ class ModelTensors:
         work += self.graph_bytes(a, b, output=output, n_slots=n_slots, n_ctx=n_ctx, prompt_rows=prompt_rows)
         return StageBytes((a, b), weights, kv, work, CUDA_RUNTIME_BYTES)
 
-    def scratch_bytes(
-        self, a: int, b: int, *, output: bool = False, dtype: str = "auto", head: bool | None = None
-    ) -> int:
+    def scratch_bytes(self, a: int, b: int, *, output: bool = False, dtype: str = "auto") -> int:
         """The prefill's dequantization scratch: the largest block of any quantized matrix of the
         stage (the output head's where `output`), with neighbouring parts of one type joined as the
-        model joins them (q+k+v, gate+up). `head`: `output`'s old name, until engine/rpc says `output`."""
-        output = output or bool(head)
+        model joins them (q+k+v, gate+up)."""
         matrices = [m for il in range(a, b) for m in _joined(self.layers[il])]
         out = self.output or self.embedding
         if output and out is not None:
@@ -322,13 +319,10 @@ class ModelTensors:
         n_slots: int,
         n_ctx: int,
         prompt_rows: int,
-        head: bool | None = None,
     ) -> int:
         """The CUDA graphs' pool: a prompt chunk's live bytes in the FFN (the float32 residual, its
         sum and the norm; the 16-bit input and output; gate+up and the activation), times the pool's
-        measured overhead; and, where `output`, the float32 logits for every decode row. `head`:
-        `output`'s old name, until engine/rpc says `output`."""
-        output = output or bool(head)
+        measured overhead; and, where `output`, the float32 logits for every decode row."""
         ff = max(
             (t.shape[0] for il in range(a, b) for t in self.layers[il] if t.name.endswith("ffn_up.weight")), default=0
         )

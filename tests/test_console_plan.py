@@ -25,6 +25,8 @@ from hydra_console.app.ui.app import HydraConsole
 from hydra_console.app.ui.dialogs import ConfirmScreen
 from hydra_console.contracts.errors import UserError
 from hydra_console.contracts.fit import GIB
+from hydra_console.engine.cli import build_parser
+from hydra_console.engine.cli_config import head_config
 from hydra_console.engine.synth import write_synthetic
 
 QWEN35_27B = dict(
@@ -145,6 +147,7 @@ def test_output_stage_reaches_the_heads_argv_only_with_peers(qwen27b):
     profile.output_stage = "last"
     argv = worker_argv(profile, profile.head, "head", [40, 24])
     assert argv[argv.index("--output-stage") + 1] == "last"
+    assert head_config(build_parser().parse_args(argv[argv.index("serve") :]), {}).output_stage == "last"
     assert "--output-stage" not in worker_argv(profile, profile.peers[0], "peer", None)
     profile.split = None
     profile.peers = []  # a head alone is the last stage: nothing to say

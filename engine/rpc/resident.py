@@ -168,7 +168,7 @@ class StageHost(StageStateOps):
                 need = self.stage_bytes(
                     a, b, dtype, n_slots, n_ctx, kv_pool, kv_types, depth, request.output, request.mtp
                 )
-                fit = fit_here("peer", (a, b), need, self.headroom, self.device)
+                fit = fit_here("peer", (a, b), need, self.headroom, self.device, mtp=request.mtp)
                 if not fit.fits:
                     kv = f"{n_slots}x{n_ctx}" if kv_pool is None else f"a {kv_pool}-position pool of"
                     raise ComputeError(
