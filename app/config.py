@@ -125,6 +125,9 @@ class Profile(_Strict):
     head: WorkerSpec = WorkerSpec(name="head", port=HEAD_HTTP_PORT, rpc_port=HEAD_RPC_PORT)
     peers: list[WorkerSpec] = [WorkerSpec(name="peer1", port=PEER_HTTP_PORT, rpc_port=PEER_RPC_PORT)]
     speculative: SpeculativeSettings = SpeculativeSettings()
+    # Which stage holds the output norm + head (and, drafting with `type = "mtp"`, the MTP block and
+    # its KV): the head's, or the last peer's (the head's `--output-stage last`; a head alone holds it).
+    output_stage: Literal["head", "last"] = "head"
     # A prefill worker (`hydra-engine serve --role prefill`) the head sends long prompts to:
     # its RPC HOST:PORT ("" = none, the head prefills itself), and the prompt length that goes there.
     prefill_worker: str = ""

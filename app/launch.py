@@ -84,6 +84,8 @@ def worker_argv(p: Profile, spec: WorkerSpec, role: str, split: list[int] | None
             args += ["--peer", f"{connect_host(peer.host)}:{peer.rpc}"]
         if split:
             args += ["--split", split_arg(split)]
+        if p.output_stage != "head" and p.peers:
+            args += ["--output-stage", p.output_stage]
         if p.prefill_worker:
             args += ["--prefill-worker", p.prefill_worker, "--prefill-threshold", str(p.prefill_threshold)]
         sp = p.speculative

@@ -1,7 +1,8 @@
 """The split against the cards: each stage's need (contracts/footprint.py, as its worker will hold
-it: the head with its MTP block at the profile's context, KV types and draft depth) against its
-card's capacity less the headroom (contracts/fit.py), and, where a split does not fit, the split
-that does.
+it: the output head and the MTP block on the head's stage, or on the last peer's with the profile's
+`output_stage = "last"`, at the profile's context, KV types and draft depth) against its card's
+capacity less the headroom (contracts/fit.py), and, where a split does not fit, the split that does
+(and whether it would fit as it is with the output head on the last peer).
 
 Which fitting split. Hydra's decode step is the sum of every stage's layers (split_advisor.py), so
 with no timings every card is taken as equally fast per layer and every fitting split predicts the
@@ -22,7 +23,7 @@ from ..contracts.fit import StageFit, gib, headroom_bytes, refusal
 from ..contracts.split import even_split, ranges, split_arg
 from .cards import card_capacity, card_index, nvml_totals, on_gpu
 from .split_advisor import best_split
-from .split_plan import ModelShape, worker_memory
+from .split_plan import ModelShape, output_stage_of, worker_memory
 
 
 @dataclass(frozen=True)
@@ -31,6 +32,10 @@ class CardPlan:
     stages: list[StageFit]
     proposal: list[int] | None  # a split that fits where `counts` does not; None: none needed or none fits
     proposal_stages: list[StageFit] | None
+    output_stage: str = "head"  # where the output head (and the MTP block) lives: "head" | "last"
+    # Where `counts` does not fit with the output head on the head: its plan with the output head on
+    # the last peer (`output_stage = "last"`), if it fits so.
+    alternative: CardPlan | None = None
 
     @property
     def fits(self) -> bool | None:
@@ -46,29 +51,47 @@ class CardPlan:
         if why is None:
             return None
         fix = f"; {split_arg(self.proposal)} fits" if self.proposal else "; no split fits these cards"
+        alt = self.alternative
+        if alt is not None:
+            last = alt.stages[-1]
+            what = "the output head and MTP block" if last.mtp else "the output head"
+            needs = ", ".join(f"{s.name} {gib(s.need)}" for s in alt.stages)
+            fix += f'; with output_stage = "last" ({what} on {last.name}) {split_arg(alt.counts)} fits: {needs}'
         return f"split {split_arg(self.counts)} does not fit: {why}{fix}"
 
     def to_json(self) -> dict:
         return {
             "split": split_arg(self.counts),
+            "output_stage": self.output_stage,
             "fits": self.fits,
             "stages": [s.to_json() for s in self.stages],
             "refusal": self.refusal,
             "proposal": split_arg(self.proposal) if self.proposal else None,
             "proposal_stages": [s.to_json() for s in self.proposal_stages] if self.proposal_stages else None,
+            "alternative": self.alternative.to_json() if self.alternative else None,
         }
 
 
 class Planner:
     """The cards of one profile's workers and the model's shape, at the profile's slots and context."""
 
-    def __init__(self, shape: ModelShape, profile, workers: list, totals: dict[int, int] | None = None):
-        """`workers`: (WorkerSpec, its last /status or None) in pipeline order, head first."""
+    def __init__(
+        self,
+        shape: ModelShape,
+        profile,
+        workers: list,
+        totals: dict[int, int] | None = None,
+        output: str | None = None,
+    ):
+        """`workers`: (WorkerSpec, its last /status or None) in pipeline order, head first; `output`:
+        where the output head lives, "head" or "last" (None: the profile's `output_stage`)."""
         totals = nvml_totals() if totals is None else totals
-        self.shape, self.profile = shape, profile
+        self.shape, self.profile, self.workers, self.totals = shape, profile, workers, totals
+        self.output_stage = output or output_stage_of(profile)
+        last = len(workers) - 1 if self.output_stage == "last" else 0
         self.names = [spec.name for spec, _ in workers]
         self.memory = [
-            worker_memory(profile, spec, status, head=i == 0, gpu=on_gpu(spec, status, totals))
+            worker_memory(profile, spec, status, output=i == last, gpu=on_gpu(spec, status, totals))
             for i, (spec, status) in enumerate(workers)
         ]
         self.cards = [card_capacity(spec, status, totals) for spec, status in workers]
@@ -101,6 +124,7 @@ class Planner:
             a,
             b,
             head=i == 0,
+            output=w.output,
             device=w.device,
             dtype=w.dtype,
             n_slots=self.profile.parallel,
@@ -167,7 +191,17 @@ class Planner:
     def plan(self, counts: list[int]) -> CardPlan:
         stages = self.stages(counts)
         proposal = self.fitting(counts) if refusal(stages) else None
-        return CardPlan(list(counts), stages, proposal, self.stages(proposal) if proposal else None)
+        alternative = self._output_last(counts) if refusal(stages) else None
+        proposed = self.stages(proposal) if proposal else None
+        return CardPlan(list(counts), stages, proposal, proposed, self.output_stage, alternative)
+
+    def _output_last(self, counts: list[int]) -> CardPlan | None:
+        """The plan of `counts` with the output head (and the MTP block) on the last peer, where the
+        output is on the head now and `counts` fits so; else None."""
+        if self.output_stage == "last" or len(self.names) < 2:
+            return None
+        stages = Planner(self.shape, self.profile, self.workers, self.totals, output="last").stages(counts)
+        return None if refusal(stages) else CardPlan(list(counts), stages, None, None, "last")
 
 
 def _last(ok: Callable[[int], bool], lo: int, hi: int, key: tuple, memo: dict) -> int:

@@ -33,32 +33,41 @@ class WorkerMemory:
     # The running worker's own CUDA context and kernels (its /status `process`), which differ by GPU
     # and driver; None: the footprint's default, measured on an H200.
     runtime_bytes: int | None = None
-    mtp: bool = False  # the head drafts with the model's MTP block (`--spec-type mtp`): it holds it
+    # The stage holds the MTP block (`--spec-type mtp`): the one with the output head.
+    mtp: bool = False
     depth: int = ROLLBACK  # recurrent-state checkpoints: the head's longest draft (1 without speculation)
+    output: bool | None = None  # the stage holds the output norm and head; None: the head's stage does
 
 
-def worker_memory(profile, spec, status, *, head: bool, gpu: bool) -> WorkerMemory:
+def output_stage_of(profile) -> str:
+    """Where the output head (and the MTP block) lives: "head" or "last", the head's own
+    --output-stage over the profile's `output_stage`."""
+    return flag(profile.head.args, ("--output-stage",), profile.output_stage)
+
+
+def worker_memory(profile, spec, status, *, output: bool, gpu: bool) -> WorkerMemory:
     """How the worker of `spec` (a config.WorkerSpec; `status` its last /status or None) will hold
     its stage: on a GPU or not (cards.on_gpu), the head's --dtype (LOAD_STAGE gives it to every
-    peer), its --gpu-weights, its --cache-type-k/-v (its own args over the profile's), the head's
-    MTP block and draft depth, and its CUDA runtime as its /status measures it, where it runs."""
+    peer), its --gpu-weights, its --cache-type-k/-v (its own args over the profile's), the output
+    head where `output` (with the MTP block under the head's `--spec-type mtp`), the head's draft
+    depth, and its CUDA runtime as its /status measures it, where it runs."""
     args, spec_type = spec.args, profile.speculative
     kv = (
         flag(args, ("--cache-type-k", "-ctk"), profile.cache_type_k),
         flag(args, ("--cache-type-v", "-ctv"), profile.cache_type_v),
     )
     runtime = status.process.runtime_bytes if status is not None and status.process is not None else None
-    mtp = head and (flag(args, ("--spec-type",), spec_type.type) == "mtp")
+    spec_kind = flag(profile.head.args, ("--spec-type",), spec_type.type)
     draft = int(flag(profile.head.args, ("--draft-max",), str(spec_type.draft_max)))
-    speculative = flag(profile.head.args, ("--spec-type",), spec_type.type) != "off"
     return WorkerMemory(
         "cuda" if gpu else "cpu",
         flag(profile.head.args, ("--dtype",), "auto"),
         flag(args, ("--gpu-weights",), "quantized"),
         kv,
         runtime,
-        mtp,
-        rollback_depth(1 + (draft if speculative else 0)),
+        mtp=output and spec_kind == "mtp",
+        depth=rollback_depth(1 + (draft if spec_kind != "off" else 0)),
+        output=output,
     )
 
 
@@ -101,6 +110,7 @@ class ModelShape:
                 a,
                 b,
                 head=i == 0,
+                output=w.output,
                 device=w.device,
                 dtype=w.dtype,
                 n_slots=n_slots,

@@ -79,15 +79,18 @@ def memory(doc: dict) -> dict:
 def estimates(model: str, head_argv: list[str]) -> list:
     """contracts/footprint.py's estimate of the head's and the peer's process: the head's own
     (`head_footprint`, what it checks before loading) from its argv read by the engine's CLI, and
-    the peer's stage for the same settings."""
+    the peer's stage for the same settings (with `--output-stage last`, its output head and MTP block)."""
     cfg = head_config(build_parser().parse_args(head_argv), {})
     g = GGUFFile(model)
     tensors = model_tensors(g.metadata, g.tensors)
     head, peer = parse_split(cfg.split, tensors.n_layers, 2)
     m = cfg.model
+    last = cfg.output_stage == "last"  # the peer holds the output head and the MTP block
     peer = tensors.stage(
         *peer,
         head=False,
+        output=last,
+        mtp=last and cfg.spec.type == "mtp",
         device="cuda",
         dtype=m.dtype,
         n_slots=cfg.parallel,

@@ -48,13 +48,13 @@ from hydra_console.engine.cli import build_parser
 from hydra_console.engine.cli_config import head_config
 from hydra_console.engine.default_model import model_path
 from hydra_console.engine.gguf_file import GGUFFile
-from hydra_console.engine.model import ModelConfig
+from hydra_console.engine.model import ModelConfig, graph_run_lengths
 from hydra_console.engine.serving.runtime import DEFAULT_BATCH_TOKENS, Engine, Request
 from hydra_console.engine.serving.sampling_params import SamplingParams
 from hydra_console.engine.spec import SpecConfig, build_speculator
 from hydra_console.engine.synth import write_synthetic
 from hydra_console.engine.text.tokenizer import Tokenizer
-from hydra_console.engine.workers.head_pipeline import build_pipeline
+from hydra_console.engine.workers.head_pipeline import build_pipeline, max_run_of
 
 CODE = """def total_price(items, tax_rate):
     total = 0
@@ -193,6 +193,8 @@ def make_engine(args, g, peer_addr: str | None) -> Engine:
         adaptive = {"auto": None, "on": True, "off": False}[args.draft_adaptive]
         spec = SpecConfig("mtp", n_max=args.draft_max, p_min=args.draft_p_min, adaptive=adaptive)
         speculator = build_speculator(spec, None, g, cfg.model, 1, head=pipeline.local)
+    # As a server's start does (workers/head.py): every graph the runs replay is captured before any is timed.
+    pipeline.local.warm_up(graph_run_lengths(max_run_of(cfg.spec)), prefill_tokens=cfg.batch_tokens)
     return Engine(pipeline, Tokenizer.from_gguf(g), 1, args.ctx, speculator=speculator).start()
 
 

@@ -36,7 +36,7 @@ class StageFit:
     capacity: int | None  # bytes of its card (the console) or free on its device now (a worker)
     headroom: int
     source: str = ""  # where `capacity` comes from: "card_gb", "nvml", "status", "free on cuda:0", …
-    mtp: bool = False  # the stage holds the MTP block (the head with `--spec-type mtp`)
+    mtp: bool = False  # the stage holds the MTP block (the output head's stage, with `--spec-type mtp`)
 
     @property
     def fits(self) -> bool | None:

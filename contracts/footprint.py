@@ -9,8 +9,11 @@ Weight forms (engine/model/weights.py):
   two terms (a layer) or one (the output head); a layer's matrix also keeps the bfloat16 copy it
   builds on its first many-row product (prefill), which any served prompt triggers.
 - `dense`: the compute dtype (a CPU at float32, a GPU with `--gpu-weights dense`).
-Vectors (norms, biases) are float32. The token embedding is held on a GPU (quantized, one copy
-with a tied output head, or dense); on a CPU its rows are read from the file's mmap as needed.
+Vectors (norms, biases) are float32. The first stage holds the token embedding: on a GPU when it is
+dense or tied (quantized, one copy where that stage holds the tied output head too; a quantized
+untied one stays in pinned host memory); on a CPU its rows are read from the file's mmap as needed.
+The output stage (the head's, or the last peer's with `--output-stage last`) holds the output norm
+and head, their logits rows and, with `--spec-type mtp`, the MTP block and its KV.
 KV: K and V of every attention layer for every cache position (`cache_positions`: every slot at
 full context, or the `--kv-unified` pool in blocks), in the cache types of `--cache-type-k/-v`
 (a CUDA stage without a pool keeps ROLLBACK more positions per slot, where the decode graphs'
@@ -234,17 +237,22 @@ class ModelTensors:
         positions = cache_positions(n_slots, n_ctx, kv_pool, padding=gpu)
         return self.layer_kv(il, positions, kv_types, dtype) + self.layer_state(il, n_slots, depth, padding=gpu)
 
-    def head_weights(self, form: str, dtype: str = "auto", *, gpu: bool) -> int:
-        """The head's own tensors: the embedding (held on a GPU only when it is dense or also the
-        output head: one copy, quantized; a quantized untied one stays in pinned host memory), the
-        output head, the output norm."""
-        out = sum(tensor_bytes(t, form, dtype) for t in self.head_vectors)
+    def embedding_weights(self, form: str, dtype: str = "auto", *, gpu: bool, with_output: bool) -> int:
+        """The token embedding on the first stage: held on a GPU only when it is dense or tied (a
+        quantized tied one is the output head's matrix: one copy where `with_output` holds that
+        too); a quantized untied one stays in pinned host memory; a CPU reads its rows from the mmap."""
+        e = self.embedding
+        if not gpu or e is None:
+            return 0
+        if form == "quantized" and e.type_name in QUANT_BLOCKS and (self.output is not None or with_output):
+            return 0
+        return tensor_bytes(e, form, dtype)
+
+    def output_weights(self, form: str, dtype: str = "auto") -> int:
+        """The output stage's own tensors: the output norm and the output head (the embedding when tied)."""
         head = self.output or self.embedding
-        quantized = form == "quantized" and self.embedding is not None and self.embedding.type_name in QUANT_BLOCKS
-        shared = self.output is None and form == "quantized" and head.type_name in QUANT_BLOCKS
-        if gpu and self.embedding is not None and not shared and not (quantized and self.output is not None):
-            out += tensor_bytes(self.embedding, form, dtype)
-        return out + tensor_bytes(head, form, dtype, output_head=True)
+        norm = sum(tensor_bytes(t, form, dtype) for t in self.head_vectors)
+        return norm + tensor_bytes(head, form, dtype, output_head=True)
 
     def stage(
         self,
@@ -252,6 +260,7 @@ class ModelTensors:
         b: int,
         *,
         head: bool,
+        output: bool | None = None,
         device: str,
         dtype: str,
         n_slots: int,
@@ -263,32 +272,36 @@ class ModelTensors:
         mtp: bool = False,
         depth: int = ROLLBACK,
     ) -> StageBytes:
-        """Layers [a, b) (+ the head's tensors when `head`, and its MTP block with its KV when `mtp`:
-        `--spec-type mtp`) as a worker on `device` ("cpu", "cuda")
+        """Layers [a, b) (+ the token embedding when `head`: the first stage; + the output norm and
+        head when `output`, None: as `head` (the head's `--output-stage head`); and with them the MTP
+        block with its KV when `mtp`: `--spec-type mtp`) as a worker on `device` ("cpu", "cuda")
         with `--dtype`, `--gpu-weights`, `--cache-type-k/-v` holds them for `n_slots` slots of `n_ctx`
         (or a `--kv-unified` pool of `kv_pool` positions); `prompt_rows`: `--batch-size`."""
+        output = head if output is None else output
         gpu = device.startswith("cuda")
         form = weight_form(device, dtype, gpu_weights)
-        held = list(range(a, b)) + (self.mtp_layers if head and mtp else [])
+        held = list(range(a, b)) + (self.mtp_layers if output and mtp else [])  # the MTP block needs the output head
         weights = sum(self.layer_weights(il, form, dtype) for il in held)
-        weights += self.head_weights(form, dtype, gpu=gpu) if head else 0
+        weights += self.embedding_weights(form, dtype, gpu=gpu, with_output=output) if head else 0
+        weights += self.output_weights(form, dtype) if output else 0
         weights += 4 * 4 * n_ctx * self.n_rot  # RoPE: cos and sin for two bases, float32
         kv = sum(
             self.layer_cache(il, n_slots, n_ctx, kv_types, dtype, gpu=gpu, kv_pool=kv_pool, depth=depth) for il in held
         )
         if not gpu:
             return StageBytes((a, b), weights, kv)
-        work = self.scratch_bytes(a, b, head=head, dtype=dtype) if form == "quantized" else 0
+        work = self.scratch_bytes(a, b, output=output, dtype=dtype) if form == "quantized" else 0
         work += CUBLAS_WORKSPACE_BYTES * CUBLAS_STREAMS
-        work += self.graph_bytes(a, b, head=head, n_slots=n_slots, n_ctx=n_ctx, prompt_rows=prompt_rows)
+        work += self.graph_bytes(a, b, output=output, n_slots=n_slots, n_ctx=n_ctx, prompt_rows=prompt_rows)
         return StageBytes((a, b), weights, kv, work, CUDA_RUNTIME_BYTES)
 
-    def scratch_bytes(self, a: int, b: int, *, head: bool, dtype: str = "auto") -> int:
+    def scratch_bytes(self, a: int, b: int, *, output: bool = False, dtype: str = "auto") -> int:
         """The prefill's dequantization scratch: the largest block of any quantized matrix of the
-        stage, with neighbouring parts of one type joined as the model joins them (q+k+v, gate+up)."""
+        stage (the output head's where `output`), with neighbouring parts of one type joined as the
+        model joins them (q+k+v, gate+up)."""
         matrices = [m for il in range(a, b) for m in _joined(self.layers[il])]
         out = self.output or self.embedding
-        if head and out is not None:
+        if output and out is not None:
             matrices.append(out)
         blocks = [
             block_rows(t.shape[0], t.shape[1], SCRATCH_ELEMENTS) * t.shape[1]
@@ -297,10 +310,19 @@ class ModelTensors:
         ]
         return max(blocks, default=0) * DTYPE_BYTES[compute_dtype(dtype)]
 
-    def graph_bytes(self, a: int, b: int, *, head: bool, n_slots: int, n_ctx: int, prompt_rows: int) -> int:
+    def graph_bytes(
+        self,
+        a: int,
+        b: int,
+        *,
+        output: bool = False,
+        n_slots: int,
+        n_ctx: int,
+        prompt_rows: int,
+    ) -> int:
         """The CUDA graphs' pool: a prompt chunk's live bytes in the FFN (the float32 residual, its
         sum and the norm; the 16-bit input and output; gate+up and the activation), times the pool's
-        measured overhead; and the head's float32 logits for every decode row."""
+        measured overhead; and, where `output`, the float32 logits for every decode row."""
         ff = max(
             (t.shape[0] for il in range(a, b) for t in self.layers[il] if t.name.endswith("ffn_up.weight")), default=0
         )
@@ -310,7 +332,7 @@ class ModelTensors:
         rows = rows if rows <= n_ctx else 1 << (n_ctx.bit_length() - 1)
         ffn = rows * (3 * 4 * d + 2 * 2 * d + 3 * 2 * ff)
         out = self.output or self.embedding
-        logits = 4 * n_slots * out.shape[0] if head and out is not None else 0
+        logits = 4 * n_slots * out.shape[0] if output and out is not None else 0
         return GRAPH_POOL_FACTOR * ffn + logits
 
 

@@ -124,7 +124,7 @@ def frame_deadline(size: int) -> float:
 # --- compute protocol --------------------------------------------------------------------------------
 
 VERSION = (72, 1, 0)  # major 72 ("H") never matches an upstream ggml-rpc major (1..3)
-CAP_AUTH, CAP_FORWARD, CAP_RESOLVE, CAP_IPC, CAP_FORWARD_ACK = 1, 2, 4, 8, 16
+CAP_AUTH, CAP_FORWARD, CAP_RESOLVE, CAP_IPC, CAP_FORWARD_ACK, CAP_OUTPUT = 1, 2, 4, 8, 16, 32
 
 
 class Cmd:
@@ -146,7 +146,9 @@ class Cmd:
     STATE_JOIN = 46
     FORWARD_ACK = 47  # FORWARD answered by its status alone: a pipelined prompt chunk
     KV_SHIFT = 48  # a slot's context shift (the head's --context-shift)
+    FORWARD_OUT = 49  # FORWARD through the output held by the last stage (--output-stage last): logits back
     PROBE = 50  # time the resident layers one by one (the split advisor)
+    DRAFT = 51  # drafts of the MTP block the last stage holds (--output-stage last)
 
 
 class ReplyStatus:
@@ -157,6 +159,11 @@ HELLO = struct.Struct("<BBBBI")
 HELLO_MAX = 64  # a HELLO payload longer than this is not a HELLO
 FORWARD_HEADER = struct.Struct("<QIIB3x")  # epoch, n_tokens, n_embd, dtype code
 FORWARD_REPLY = struct.Struct("<B3xI")  # status, peer compute µs
+# FORWARD_OUT: a FORWARD payload, then this (logit rows R, flags), rows int32[R], with OUT_TOKENS the
+# batch's token ids int32[T] (what the MTP block there follows). The reply: FORWARD_REPLY, float32
+# logits [R, n_vocab], with OUT_HIDDEN every row's normed hidden state float32 [T, n_embd].
+FORWARD_OUT = struct.Struct("<IB3x")
+OUT_HIDDEN, OUT_TOKENS = 1, 2
 KV_TRIM = struct.Struct("<iI")
 KV_CLEAR = struct.Struct("<i")
 KV_SHIFT = struct.Struct("<iIII")  # slot, keep, discard, n
@@ -226,6 +233,36 @@ class LoadStageRequest(Message):
     max_run: int = spec(1, lo=1, hi=MAX_RUN, why=f"max_run must be 1..{MAX_RUN} tokens per slot")
     # the head's --deterministic (engine/model/stage.py build_stage); None: the peer's own
     deterministic: bool | None = None
+    # --output-stage last: this stage (the last: layers up to the model's end) holds the output norm
+    # and head (FORWARD_OUT answers logits) and, with `mtp`, the MTP block and its KV (DRAFT)
+    output: bool = False
+    mtp: bool = False
+
+
+@dataclass(frozen=True, kw_only=True)
+class DraftAsk(Message):
+    """Compute DRAFT, to the stage that holds the MTP block: the slots whose block state starts
+    over (`released`: a new request), stops or resumes following the target (`resting`,
+    `following`: the adaptive policy's k = 0), then one greedy draft per entry of `slots`: from
+    token `tokens[i]` at `positions[i]`, at most `ks[i]` tokens, cut before the first whose
+    top-10 probability is under `p_mins[i]`."""
+
+    OP = "DRAFT"
+    released: list[int] = spec([], lo=0, hi=MAX_SLOTS - 1, length=(0, MAX_SLOTS))
+    resting: list[int] = spec([], lo=0, hi=MAX_SLOTS - 1, length=(0, MAX_SLOTS))
+    following: list[int] = spec([], lo=0, hi=MAX_SLOTS - 1, length=(0, MAX_SLOTS))
+    slots: list[int] = spec([], lo=0, hi=MAX_SLOTS - 1, length=(0, MAX_SLOTS))
+    tokens: list[int] = spec([], lo=0, hi=MAX_TOKEN_ID, length=(0, MAX_SLOTS))
+    positions: list[int] = spec([], lo=0, hi=MAX_CTX - 1, length=(0, MAX_SLOTS))
+    ks: list[int] = spec([], lo=1, hi=MAX_RUN - 1, length=(0, MAX_SLOTS))
+    p_mins: list[float] = spec([], lo=0, hi=1, length=(0, MAX_SLOTS))
+
+
+@dataclass(frozen=True, kw_only=True)
+class DraftReply(Message):
+    OP = "DRAFT reply"
+    counts: list[int] = spec([], lo=0, hi=MAX_RUN - 1, length=(0, MAX_SLOTS))  # tokens of each draft
+    tokens: list[int] = spec([], lo=0, hi=MAX_TOKEN_ID, length=(0, MAX_SLOTS * MAX_RUN))  # the drafts, joined
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -108,6 +108,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--peer", action="append", default=[], metavar="HOST:PORT", help="peer RPC address, pipeline order")
     s.add_argument("--split", default=None, help="layers per stage, head first: 9/9, 9,9 or proportions")
     s.add_argument("--fallback-solo", action="store_true", help="run all layers locally if peers never come up")
+    s.add_argument(
+        "--output-stage",
+        choices=("head", "last"),
+        default="head",
+        help="where the output head (and the MTP block) live: on the head, or on the last peer as llama.cpp "
+        "places them (the head holds ~1.5 GiB less on a 27B; logits, not hidden states, come back from it)",
+    )
     s.add_argument("--peer-wait", type=float, default=180.0, help="seconds to wait for peers at start")
     s.add_argument(
         "--peer-grace",

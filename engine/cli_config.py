@@ -125,6 +125,10 @@ def head_config(args, env: Mapping[str, str]) -> HeadConfig:
     if max_n > MAX_CHOICES:
         raise UserError(f"--max-n must be <= {MAX_CHOICES} (OpenAI's bound on n), got {max_n}")
     _at_least(1024, max_response=args.max_response)
+    if args.output_stage == "last" and not args.peer:
+        raise UserError("--output-stage last puts the output head on the last peer: it needs --peer")
+    if args.output_stage == "last" and args.fallback_solo:
+        raise UserError("--output-stage last and --fallback-solo: a solo head must hold the output head itself")
     spec = SpecConfig(
         type=args.spec_type,
         n_max=args.draft_max,
@@ -144,6 +148,7 @@ def head_config(args, env: Mapping[str, str]) -> HeadConfig:
         peers=tuple(args.peer),
         split=args.split,
         fallback_solo=args.fallback_solo,
+        output_stage=args.output_stage,
         peer_wait=args.peer_wait,
         peer_grace=args.peer_grace,
         spec=spec,

@@ -231,6 +231,7 @@ class HeadConfig(WorkerConfig):
     peers: tuple[str, ...] = ()
     split: str | None = None
     fallback_solo: bool = False
+    output_stage: str = "head"  # --output-stage: "last" puts the output head and MTP block on the last peer
     peer_wait: float = 180.0
     peer_grace: float = DEFAULT_PEER_GRACE  # seconds streams pause for a peer lost mid-forward (rpc/peer_recovery.py)
     spec: SpecConfig = SpecConfig()

@@ -98,10 +98,13 @@ def probe_pipeline(local, remotes: list, head_range, slot: int, position: int, t
         for i, remote in enumerate(remotes):
             h = remote.run_layers(h, slots, positions)
             hops[i].append(remote.rtt_ms)
-        local.logits(h)
+        return output(h)
 
+    # The output head where it is: the head's, or (--output-stage last) the last peer's, which the
+    # probe leaves out (paid per token whatever the split, as the embedding).
+    output = local.logits if local.has_head else lambda h: h
     step_ms = median_ms(step, reps, local.device)
-    fixed_ms = median_ms(lambda: local.logits(local.embed(token).to(local.device)), reps, local.device)
+    fixed_ms = median_ms(lambda: output(local.embed(token).to(local.device)), reps, local.device)
     for stage, times in zip(stages[1:], hops):
         stage["hop_ms"] = round(statistics.median(times), 4)
     return {"tokens": tokens, "stages": stages, "fixed_ms": round(fixed_ms, 4), "step_ms": round(step_ms, 4)}

@@ -43,7 +43,9 @@ REPLAY_CHUNK = 256  # tokens per replay forward, like the runtime's prefill budg
 
 class Pipeline:
     def __init__(self, local: Stage, remotes: list | None = None, *, ranges: list[tuple[int, int]] | None = None):
-        self.local = local  # the stage this process runs: embedding, the first layers, the output
+        self.local = (
+            local  # this process's stage: the embedding, the first layers, the output (unless the last peer has it)
+        )
         self.remotes = list(remotes or [])
         self.ranges = list(ranges) if ranges else [tuple(getattr(local, "layer_range", (0, local.cfg.n_layers)))]
         # Which slots hold a live request (the runtime's view); None = every slot seen so far.
@@ -68,6 +70,11 @@ class Pipeline:
     @property
     def cfg(self):
         return self.local.cfg
+
+    @property
+    def output_remote(self):
+        """The last peer when it holds the output head (--output-stage last), else None."""
+        return self.remotes[-1] if self.remotes and self.remotes[-1].output else None
 
     @property
     def graph_run_lengths(self) -> tuple[int, ...] | None:
@@ -102,25 +109,35 @@ class Pipeline:
         )
         if meanwhile is not None:  # once, even when a lost peer makes the batch run again
             meanwhile = _once(meanwhile)
+        out = None
+        if self.output_remote is not None:
+            rows = torch.arange(len(tokens)) if logit_rows is None else logit_rows
+            out = (tokens, rows, hidden)
         with self._lock:
-            h = self.recovery.through_loss(lambda: self._rebuilt_run(tokens, slots, positions, meanwhile, pipelined))
+            h = self.recovery.through_loss(
+                lambda: self._rebuilt_run(tokens, slots, positions, meanwhile, pipelined, out)
+            )
             if self.remotes:  # only a split pipeline ever needs to rebuild KV
                 self.history.record(tokens, slots, positions)
             if h is None:  # on its way through the last peer: no rows were asked for
                 return torch.empty((0, self.cfg.n_vocab), dtype=torch.float32, device=self.local.device)
+            if out is not None:  # the last peer's output: (logits, the normed hidden states or None)
+                return h if hidden else h[0]
             if not hidden:
                 return self.local.logits(h if logit_rows is None else h[logit_rows])
             x = self.local.final_norm(h)
             return self.local.project(x if logit_rows is None else x[logit_rows]), x
 
-    def _rebuilt_run(self, tokens, slots, positions, meanwhile, pipelined) -> torch.Tensor | None:
+    def _rebuilt_run(self, tokens, slots, positions, meanwhile, pipelined, out=None):
         """The batch through every stage, once any KV a stage lost is rebuilt."""
         if self._stale is not None:
             self._rebuild(self._stale)
-        return self._run(tokens, slots, positions, meanwhile, pipelined)
+        return self._run(tokens, slots, positions, meanwhile, pipelined, out)
 
-    def _run(self, tokens, slots, positions, meanwhile=None, pipelined=False) -> torch.Tensor | None:
-        """The batch through every stage; `pipelined`: the last peer's output is not waited for (None)."""
+    def _run(self, tokens, slots, positions, meanwhile=None, pipelined=False, out=None):
+        """The batch through every stage; `pipelined`: the last peer's output is not waited for (None).
+        `out` (tokens, logit rows, hidden wanted): the last peer holds the output and answers it
+        (`RemoteStage.run_output`: logits and the normed hidden states or None)."""
         h = self.local.run_layers(self.local.embed(tokens), slots, positions)
         if meanwhile is not None and not self.remotes:
             meanwhile()
@@ -131,6 +148,8 @@ class Pipeline:
                     if meanwhile is not None and i == 1:
                         meanwhile()
                     return None
+                if out is not None and i == len(self.remotes):
+                    return remote.run_output(h, slots, positions, *out, meanwhile if i == 1 else None)
                 h = remote.run_layers(h, slots, positions, meanwhile if i == 1 else None)
             except StaleEpoch:
                 # Someone replaced the peer's resident set: re-validate, rebuild its KV (the
@@ -138,7 +157,7 @@ class Pipeline:
                 log.warning("peer %s changed its resident set: re-attaching", remote.addr)
                 remote.attach()
                 self._rebuild(i)
-                return self._run(tokens, slots, positions, pipelined=pipelined)
+                return self._run(tokens, slots, positions, pipelined=pipelined, out=out)
         return h
 
     def _settle(self) -> None:

@@ -22,6 +22,7 @@ from rpc_workers import greedy, head, peer, wait_for
 from hydra_console.contracts.rpc import (
     CAP_AUTH,
     CONTROL_MAGIC,
+    FORWARD_OUT,
     KV_CLEAR,
     KV_SHIFT,
     MAX_CTX,
@@ -168,6 +169,9 @@ def test_second_session_cannot_clear_or_forward_into_the_heads_slots(ws, model):
                 parts = pack_forward(epoch, h, torch.tensor([0, 1]), torch.tensor([0, 0]))
                 frame = b"".join(bytes(memoryview(p).cast("B")) for p in parts)
                 replies.extend([compute(s, Cmd.FORWARD, frame), compute(s, Cmd.FORWARD_ACK, frame)])
+                out = frame + FORWARD_OUT.pack(1, 0) + struct.pack("<i", 1)  # logit row 1
+                replies.append(compute(s, Cmd.FORWARD_OUT, out))
+                replies.append(compute(s, Cmd.DRAFT, b'{"released": [0, 1]}'))
                 time.sleep(0.02)
 
     t = threading.Thread(target=attack)
@@ -227,6 +231,8 @@ def test_unknown_and_state_changing_ops_before_auth_close_unanswered(ws):
         Cmd.STATE_JOIN,
         Cmd.PROBE,
         Cmd.FORWARD_ACK,
+        Cmd.FORWARD_OUT,
+        Cmd.DRAFT,
         99,
     ):
         with connect(ws["tok_peer"].rpc_port) as s:

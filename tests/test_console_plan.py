@@ -15,14 +15,18 @@ from consoles import all_ready, fake_profile, until
 from rpc_workers import free_ports
 
 from hydra_console.app.cards import card_capacity, nvml_totals
-from hydra_console.app.config import Profile, WorkerSpec
+from hydra_console.app.config import Profile, WorkerSpec, load_profile
+from hydra_console.app.launch import worker_argv
 from hydra_console.app.split_advisor import advise
 from hydra_console.app.split_fit import Planner
 from hydra_console.app.split_plan import ModelShape
 from hydra_console.app.supervisor import Supervisor
 from hydra_console.app.ui.app import HydraConsole
 from hydra_console.app.ui.dialogs import ConfirmScreen
+from hydra_console.contracts.errors import UserError
 from hydra_console.contracts.fit import GIB
+from hydra_console.engine.cli import build_parser
+from hydra_console.engine.cli_config import head_config
 from hydra_console.engine.synth import write_synthetic
 
 QWEN35_27B = dict(
@@ -105,6 +109,58 @@ def test_a_split_that_cannot_fit_names_need_and_card_and_the_split_that_fits(qwe
     assert planner(roomy).plan(plan.proposal).fits is False
 
 
+def test_the_output_head_on_the_last_peer_fits_the_users_split_on_15_and_12_gb_cards(qwen27b):
+    """`output_stage = "last"`: the output norm + head (0.97 GiB), the MTP block and its KV leave the
+    head for peer1, so 40/24 fits a 15 GiB head card; with them on the head it does not, and the
+    refusal says the other place fits, with both stages' needs."""
+    profile = users_profile(qwen27b, 15, 12)
+    profile.output_stage = "last"
+    plan = planner(profile).plan([40, 24])
+    head, peer = plan.stages
+    assert plan.fits is True and plan.refusal is None and plan.output_stage == "last"
+    assert peer.mtp and not head.mtp  # the MTP block lives with the output head
+    assert head.need < 13.8 * GIB and peer.need < 10.2 * GIB
+    # The same split with the output on the head: refused, naming the alternative and its numbers.
+    on_head = planner(users_profile(qwen27b, 15, 12)).plan([40, 24])
+    assert on_head.fits is False and on_head.output_stage == "head" and on_head.stages[0].mtp
+    alt = on_head.alternative
+    assert (
+        alt.output_stage == "last" and alt.counts == [40, 24] and [s.need for s in alt.stages] == [head.need, peer.need]
+    )
+    assert (
+        f'; with output_stage = "last" (the output head and MTP block on peer1) 40/24 fits: '
+        f"head {head.need / GIB:.1f} GiB, peer1 {peer.need / GIB:.1f} GiB" in on_head.refusal
+    )
+    # Moved, not made: the two stages need the same bytes together either way, but for the prefill's
+    # dequantization scratch (each stage's largest matrix; the output head's is no stage's largest here).
+    assert sum(s.need for s in on_head.stages) == head.need + peer.need
+    # Without MTP drafting only the output head moves; a split that fits as it is offers no alternative.
+    plain = users_profile(qwen27b, 14.5, 12)
+    plain.speculative.type = "off"
+    assert "(the output head on peer1) 40/24 fits" in planner(plain).plan([40, 24]).refusal
+    assert planner(users_profile(qwen27b, 16, 12)).plan([40, 24]).alternative is None
+
+
+def test_output_stage_reaches_the_heads_argv_only_with_peers(qwen27b):
+    profile = users_profile(qwen27b, 15, 12)
+    assert "--output-stage" not in worker_argv(profile, profile.head, "head", [40, 24])
+    profile.output_stage = "last"
+    argv = worker_argv(profile, profile.head, "head", [40, 24])
+    assert argv[argv.index("--output-stage") + 1] == "last"
+    assert head_config(build_parser().parse_args(argv[argv.index("serve") :]), {}).output_stage == "last"
+    assert "--output-stage" not in worker_argv(profile, profile.peers[0], "peer", None)
+    profile.split = None
+    profile.peers = []  # a head alone is the last stage: nothing to say
+    assert "--output-stage" not in worker_argv(profile, profile.head, "head", None)
+
+
+def test_a_bad_output_stage_is_refused_naming_the_key(tmp_path):
+    path = tmp_path / "bad.toml"
+    path.write_text('output_stage = "tail"\n')
+    with pytest.raises(UserError, match="output_stage: Input should be 'head' or 'last'"):
+        load_profile(path)
+
+
 def test_no_split_fits_cards_too_small(qwen27b):
     plan = planner(users_profile(qwen27b, 4, 4)).plan([40, 24])
     assert plan.proposal is None and plan.refusal.endswith("no split fits these cards")
@@ -178,6 +234,21 @@ def test_once_json_shows_the_plan(qwen27b, tmp_path):
     assert head["need_bytes"] + head["headroom_bytes"] > head["capacity_bytes"] and head["mtp"] is True
     assert peer["fits"] is True and peer["need_bytes"] > 0
     assert "head needs" in plan["refusal"] and "card has 15.0 GiB" in plan["refusal"]
+    # The output head on the head; with it (and the MTP block) on peer1 the split fits.
+    assert plan["output_stage"] == "head" and 'with output_stage = "last"' in plan["refusal"]
+    alt = plan["alternative"]
+    assert alt["output_stage"] == "last" and alt["split"] == "40/24" and alt["fits"] is True
+    assert [s["mtp"] for s in alt["stages"]] == [False, True]
+    path.write_text(path.read_text().replace("split = [40, 24]\n", 'split = [40, 24]\noutput_stage = "last"\n'))
+    out = subprocess.run(
+        [sys.executable, "-m", "hydra_console.app.main", "--once", "--json", "--profile", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    plan = json.loads(out.stdout)["plan"]
+    assert plan["output_stage"] == "last" and plan["fits"] is True and plan["refusal"] is None
+    assert [s["mtp"] for s in plan["stages"]] == [False, True] and plan["alternative"] is None
     # --headroom-gb overrides the profile's: with none, the same split still does not fit 15 GiB.
     out = subprocess.run(
         [sys.executable, "-m", "hydra_console.app.main", "--once", "--json", "-p", str(path), "--headroom-gb", "-1"],

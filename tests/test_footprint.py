@@ -68,13 +68,20 @@ CASES += [
 def test_estimate_matches_a_built_cpu_stage(tiny_model, arch, qtype, dtype, kv_types):
     g = GGUFFile(tiny_model(arch, qtype=qtype, **SHAPE))
     tensors = model_tensors(g.metadata, g.tensors)
-    for layers, head in (((0, 3), True), ((1, 3), False)):  # a head alone, a peer's range
+    # A head alone, a peer's range; split by `--output-stage last`: the head's embedding and layers,
+    # the last peer's layers and output head.
+    for layers, head, output in (
+        ((0, 3), True, True),
+        ((1, 3), False, False),
+        ((0, 1), True, False),
+        ((1, 3), False, True),
+    ):
         stage = served(
             build_stage(
                 g,
                 layers,
                 embed=head,
-                head=head,
+                head=output,
                 device="cpu",
                 dtype=dtype,
                 n_slots=N_SLOTS,
@@ -83,7 +90,14 @@ def test_estimate_matches_a_built_cpu_stage(tiny_model, arch, qtype, dtype, kv_t
             )
         )
         est = tensors.stage(
-            *layers, head=head, device="cpu", dtype=dtype, n_slots=N_SLOTS, n_ctx=N_CTX, kv_types=kv_types
+            *layers,
+            head=head,
+            output=output,
+            device="cpu",
+            dtype=dtype,
+            n_slots=N_SLOTS,
+            n_ctx=N_CTX,
+            kv_types=kv_types,
         )
         assert est.weight_bytes == pytest.approx(stage.held_weight_bytes, rel=0.05)
         assert est.kv_bytes == pytest.approx(stage.kv_bytes, rel=0.05) and est.kv_bytes > 0
@@ -208,7 +222,7 @@ def test_scratch_estimate_is_what_the_stage_registers(tiny_model, arch, qtype):
             n_slots=N_SLOTS,
             n_ctx=N_CTX,
         )
-        assert tensors.scratch_bytes(*layers, head=head, dtype="bfloat16") == 2 * stage.weights.scratch.need > 0
+        assert tensors.scratch_bytes(*layers, output=head, dtype="bfloat16") == 2 * stage.weights.scratch.need > 0
 
 
 def test_a_gpu_estimate_adds_work_memory_and_the_runtime(tiny_model):
@@ -219,10 +233,10 @@ def test_a_gpu_estimate_adds_work_memory_and_the_runtime(tiny_model):
     kw = dict(head=True, dtype="bfloat16", n_slots=N_SLOTS, n_ctx=N_CTX)
     cpu, gpu = tensors.stage(0, 3, device="cpu", **kw), tensors.stage(0, 3, device="cuda", **kw)
     assert cpu.work_bytes == cpu.runtime_bytes == 0 and cpu.total == cpu.weight_bytes + cpu.kv_bytes
-    graphs = tensors.graph_bytes(0, 3, head=True, n_slots=N_SLOTS, n_ctx=N_CTX, prompt_rows=512)
+    graphs = tensors.graph_bytes(0, 3, output=True, n_slots=N_SLOTS, n_ctx=N_CTX, prompt_rows=512)
     assert (
         gpu.work_bytes
-        == tensors.scratch_bytes(0, 3, head=True, dtype="bfloat16") + CUBLAS_WORKSPACE_BYTES * CUBLAS_STREAMS + graphs
+        == tensors.scratch_bytes(0, 3, output=True, dtype="bfloat16") + CUBLAS_WORKSPACE_BYTES * CUBLAS_STREAMS + graphs
     )
     assert gpu.runtime_bytes == CUDA_RUNTIME_BYTES
     assert gpu.total == gpu.weight_bytes + gpu.kv_bytes + gpu.work_bytes + gpu.runtime_bytes
@@ -231,7 +245,7 @@ def test_a_gpu_estimate_adds_work_memory_and_the_runtime(tiny_model):
     logits = 4 * N_SLOTS * tensors.embedding.shape[0]
     assert graphs == GRAPH_POOL_FACTOR * 64 * (16 * d + 6 * ff) + logits
     dense = tensors.stage(0, 3, device="cuda", gpu_weights="dense", **kw)
-    assert dense.work_bytes == gpu.work_bytes - tensors.scratch_bytes(0, 3, head=True, dtype="bfloat16")
+    assert dense.work_bytes == gpu.work_bytes - tensors.scratch_bytes(0, 3, output=True, dtype="bfloat16")
 
 
 def test_a_models_mtp_block_is_outside_the_split_and_counted_on_a_drafting_head(tiny_model):
@@ -245,6 +259,54 @@ def test_a_models_mtp_block_is_outside_the_split_and_counted_on_a_drafting_head(
     assert drafting.weight_bytes - plain.weight_bytes == t.layer_weights(4, "quantized", "bfloat16") > 0
     assert drafting.kv_bytes - plain.kv_bytes == t.layer_cache(4, 2, 64, ("q8_0", "q8_0"), "bfloat16", gpu=True) > 0
     assert t.stage(2, 4, **{**kw, "head": False}, mtp=True) == t.stage(2, 4, **{**kw, "head": False})  # a peer: never
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_the_output_head_on_the_last_stage_moves_bytes_and_creates_none(tiny_model, device):
+    """`--output-stage last`: the output norm and head, their logits rows and the MTP block with its KV
+    leave the head for the last peer. Weights, KV, the graphs' pools (the logits rows among them), the
+    cuBLAS workspaces and the runtime sum to the same bytes over head + peer either way; only the
+    dequantization scratch differs, each stage's largest matrix rather than a sum (the output head's
+    joins the other stage's candidates). An untied quantized embedding stays in pinned host memory."""
+    g = GGUFFile(tiny_model("qwen35", **{**SHAPE, "n_layers": 4}, nextn=True, qtype="Q8_0"))
+    t = model_tensors(g.metadata, g.tensors)
+    assert t.output is not None  # untied
+    kw = dict(device=device, dtype="bfloat16", n_slots=2, n_ctx=64, kv_types=("q8_0", "q8_0"), mtp=True)
+    on_head = [t.stage(0, 2, head=True, **kw), t.stage(2, 4, head=False, **kw)]
+    on_last = [t.stage(0, 2, head=True, output=False, **kw), t.stage(2, 4, head=False, output=True, **kw)]
+    assert on_head == [t.stage(0, 2, head=True, output=True, **kw), t.stage(2, 4, head=False, output=False, **kw)]
+    for part in ("weight_bytes", "kv_bytes", "runtime_bytes"):
+        assert sum(getattr(s, part) for s in on_head) == sum(getattr(s, part) for s in on_last)
+    scratch = (
+        [t.scratch_bytes(0, 2, output=True), t.scratch_bytes(2, 4)],
+        [t.scratch_bytes(0, 2), t.scratch_bytes(2, 4, output=True)],
+    )
+    if device == "cuda":
+        assert sum(s.work_bytes for s in on_head) - sum(scratch[0]) == sum(s.work_bytes for s in on_last) - sum(
+            scratch[1]
+        )
+        assert (
+            on_last[1].work_bytes - on_head[1].work_bytes - scratch[1][1] + scratch[0][1] == 4 * 2 * t.output.shape[0]
+        )
+    else:
+        assert all(s.work_bytes == 0 for s in on_head + on_last)
+    # What moves: the output norm and head, the MTP block's weights and its KV.
+    form = "quantized" if device == "cuda" else "int8"
+    moved = t.output_weights(form, "bfloat16") + t.layer_weights(4, form, "bfloat16")
+    assert (
+        on_head[0].weight_bytes - on_last[0].weight_bytes == moved == on_last[1].weight_bytes - on_head[1].weight_bytes
+    )
+    mtp_kv = t.layer_cache(4, 2, 64, ("q8_0", "q8_0"), "bfloat16", gpu=device == "cuda")
+    assert on_head[0].kv_bytes - on_last[0].kv_bytes == mtp_kv > 0
+    # A tied quantized table is the output head's matrix: the head keeps it for the lookup and the last
+    # stage holds it as its output head, two copies (the one case where moving creates bytes).
+    g = GGUFFile(tiny_model("gemma3", **{**SHAPE, "n_layers": 4}, qtype="Q4_K_M"))
+    t = model_tensors(g.metadata, g.tensors)
+    assert t.output is None
+    head, last = t.stage(0, 2, head=True, output=False, **kw), t.stage(2, 4, head=False, output=True, **kw)
+    both = t.stage(0, 2, head=True, **kw).weight_bytes + t.stage(2, 4, head=False, **kw).weight_bytes
+    copy = tensor_bytes(t.embedding, form, "bfloat16") if device == "cuda" else 0
+    assert head.weight_bytes + last.weight_bytes - both == copy
 
 
 def test_recurrent_checkpoints_follow_the_longest_draft(tiny_model):

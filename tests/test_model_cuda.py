@@ -213,8 +213,9 @@ def test_split_across_two_cuda_processes_equals_solo(cuda_peer, monkeypatch, tra
 
 
 def test_cuda_ipc_peer_killed_mid_decode_fails_fast_and_recovers(cuda_peer):
-    """kill -9 of a peer that shares the GPU through CUDA IPC: the next step fails within 2 s
-    (PeerUnavailable), the head's GPU stream is not left waiting on the dead peer's event, and
+    """kill -9 of a peer that shares the GPU through CUDA IPC: with no --peer-grace (streams pausing
+    for it to come back) the next step fails within 2 s (PeerUnavailable), the head's GPU stream is
+    not left waiting on the dead peer's event, and
     a restarted peer is re-attached with a fresh channel that gives the solo logits again."""
     import threading
     import time
@@ -228,6 +229,7 @@ def test_cuda_ipc_peer_killed_mid_decode_fails_fast_and_recovers(cuda_peer):
     try:
         remote = split.remotes[0]
         assert remote.transport == "cuda-ipc"
+        split.recovery.grace = 0.0
         greedy_logits(split, steps=3)
         peer.kill9()
         t0 = time.monotonic()

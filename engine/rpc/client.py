@@ -26,6 +26,7 @@ import torch
 from ...contracts.footprint import model_tensors
 from ...contracts.rpc import (
     CAP_IPC,
+    CAP_OUTPUT,
     COMPUTE_HEADER,
     FORWARD_REPLY,
     KV_CLEAR,
@@ -50,6 +51,7 @@ from .cuda_ipc import IPC_TOKENS, IpcChannel, gpu_uuid
 from .exchange_lock import ExchangeLock, run_meanwhile
 from .peer_errors import PeerError, PeerMismatch, PeerUnavailable, parse_addr
 from .peer_handshake import open_session
+from .peer_output import OutputOps
 from .peer_pipelining import PipelinedSends
 from .peer_state_ops import SlotStateOps
 from .peer_watch import WATCH_S, RttWindow, probe
@@ -72,7 +74,7 @@ PIPELINE_IDLE_S = 5.0  # pipelined replies unread this long: the watcher's ping 
 M = TypeVar("M", bound=Message)
 
 
-class RemoteStage(PipelinedSends, SlotStateOps):
+class RemoteStage(PipelinedSends, SlotStateOps, OutputOps):
     def __init__(
         self,
         addr: str,
@@ -91,12 +93,16 @@ class RemoteStage(PipelinedSends, SlotStateOps):
         spin_s: float = 0.0,
         head_device: torch.device | None = None,
         pipeline_depth: int = 0,
+        output: bool = False,
+        mtp: bool = False,
     ):
         self.addr = addr
         self.host, self.port = parse_addr(addr)
         self.layer_range = tuple(layers)
         self.g, self.dtype, self.n_slots, self.n_ctx, self.kv_pool = g, dtype, n_slots, n_ctx, kv_pool
         self._tensors = model_tensors(g.metadata, g.tensors)  # bounds the states a peer may send back
+        self.n_vocab = (self._tensors.output or self._tensors.embedding).shape[0]  # FORWARD_OUT's logit rows
+        self.output, self.mtp = output, mtp  # --output-stage last: it holds the output head (and the MTP block)
         self.kv_types = kv_types  # the peer allocates its KV in the head's cache types, as llama.cpp's RPC backend does
         self.max_run = max_run  # and captures graphs for the head's verify steps before it serves
         self.deterministic = deterministic  # a split computes as the head does: batch-invariant or not
@@ -173,6 +179,8 @@ class RemoteStage(PipelinedSends, SlotStateOps):
         return link
 
     def _load(self, layers) -> None:
+        if self.output and not self._caps & CAP_OUTPUT:
+            raise PeerMismatch(f"peer {self.addr} cannot hold the output head (--output-stage last): an older worker")
         request = LoadStageRequest(
             layers=list(layers),
             dtype=str(self.dtype).removeprefix("torch."),
@@ -182,6 +190,8 @@ class RemoteStage(PipelinedSends, SlotStateOps):
             kv_types=list(self.kv_types),
             max_run=self.max_run,
             deterministic=self.deterministic,
+            output=self.output,
+            mtp=self.mtp,
         )
         reply = self._request(Cmd.LOAD_STAGE, request, LoadStageReply)
         try:

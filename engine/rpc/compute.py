@@ -13,6 +13,9 @@ A head on the peer's own GPU may open a CUDA IPC channel (IPC_OPEN, see cuda_ipc
 FORWARD_IPC frames are FORWARD without the hidden bytes, and so are their replies. FORWARD_ACK
 frames are FORWARD's, their replies `FORWARD_REPLY` alone (a pipelined prompt chunk: the head reads
 the replies later, so this connection's frames are run strictly in order, as all of them are).
+FORWARD_OUT goes to a last stage that holds the output (`--output-stage last`: output_stage.py):
+FORWARD's frame plus the logit rows (and the token ids its MTP block follows), answered with float32
+logits; DRAFT asks its MTP block for drafts.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from ...contracts.rpc import (
     CAP_FORWARD,
     CAP_FORWARD_ACK,
     CAP_IPC,
+    CAP_OUTPUT,
     CAP_RESOLVE,
     CODE_DTYPES,
     COMPUTE_HEADER,
@@ -39,12 +43,15 @@ from ...contracts.rpc import (
     COMPUTE_SIZE,
     DTYPE_CODES,
     FORWARD_HEADER,
+    FORWARD_OUT,
     FORWARD_REPLY,
     HELLO,
     HELLO_MAX,
     KV_CLEAR,
     KV_SHIFT,
     KV_TRIM,
+    OUT_HIDDEN,
+    OUT_TOKENS,
     PING_MAX,
     PREAUTH_MAX_FRAME,
     STATE_PUT_CAP,
@@ -53,6 +60,7 @@ from ...contracts.rpc import (
     CheckReply,
     CheckRequest,
     Cmd,
+    DraftAsk,
     IpcOpenRequest,
     LoadStageRequest,
     ProbeRequest,
@@ -97,6 +105,64 @@ def pack_forward(
 
 def _raw(t: torch.Tensor) -> np.ndarray:
     return t.detach().contiguous().view(-1).view(torch.uint8).numpy()
+
+
+def pack_forward_out(
+    epoch: int,
+    hidden: torch.Tensor,
+    slots,
+    positions,
+    rows: torch.Tensor,
+    tokens: torch.Tensor | None,
+    want_hidden: bool,
+) -> list:
+    """FORWARD_OUT payload: FORWARD's, then the logit rows and (to a stage with the MTP block) the token ids."""
+    flags = (OUT_HIDDEN if want_hidden else 0) | (OUT_TOKENS if tokens is not None else 0)
+    parts = [*pack_forward(epoch, hidden, slots, positions), FORWARD_OUT.pack(rows.numel(), flags)]
+    parts.append(rows.to(torch.int32).contiguous().numpy())
+    return parts + ([tokens.to(torch.int32).contiguous().numpy()] if tokens is not None else [])
+
+
+def unpack_forward_out(payload):
+    """(epoch, hidden, slots, positions, rows, tokens or None, want_hidden); every size checked
+    against the frame's own batch (rows index it)."""
+    view = memoryview(payload)
+    if len(view) < FORWARD_HEADER.size:
+        raise ComputeError("FORWARD_OUT payload shorter than its header")
+    _, t, d, code = FORWARD_HEADER.unpack_from(view)
+    dtype = DTYPES.get(CODE_DTYPES.get(code, ""))
+    if dtype is None:
+        raise ComputeError(f"FORWARD dtype code {code} unknown")
+    o = FORWARD_HEADER.size + 8 * t + t * d * dtype.itemsize
+    if len(view) < o + FORWARD_OUT.size:
+        raise ComputeError(
+            f"FORWARD_OUT of {t}x{d} needs more than {o + FORWARD_OUT.size} bytes, frame has {len(view)}"
+        )
+    n_rows, flags = FORWARD_OUT.unpack_from(view, o)
+    if flags & ~(OUT_HIDDEN | OUT_TOKENS) or n_rows > t:
+        raise ComputeError(f"FORWARD_OUT flags {flags:#x} or {n_rows} logit rows of a {t}-row batch refused")
+    o += FORWARD_OUT.size
+    want = o + 4 * n_rows + (4 * t if flags & OUT_TOKENS else 0)
+    if len(view) != want:
+        raise ComputeError(f"FORWARD_OUT of {t} rows and {n_rows} logit rows needs {want} bytes, frame has {len(view)}")
+    rows = (
+        torch.frombuffer(view[o : o + 4 * n_rows], dtype=torch.int32).long()
+        if n_rows
+        else torch.zeros(0, dtype=torch.long)
+    )
+    if n_rows and not (0 <= int(rows.min()) and int(rows.max()) < t):
+        raise ComputeError(f"FORWARD_OUT logit rows must index the batch's {t} rows")
+    tokens = None
+    if flags & OUT_TOKENS:
+        tokens = (
+            torch.frombuffer(view[want - 4 * t : want], dtype=torch.int32).long()
+            if t
+            else torch.zeros(0, dtype=torch.long)
+        )
+        if t and int(tokens.min()) < 0:
+            raise ComputeError("FORWARD_OUT token ids must be >= 0")
+    epoch, hidden, slots, positions = unpack_forward(view[: FORWARD_HEADER.size + 8 * t + t * d * dtype.itemsize])
+    return epoch, hidden, slots, positions, rows, tokens, bool(flags & OUT_HIDDEN)
 
 
 def unpack_forward(payload, *, with_hidden: bool = True) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -156,7 +222,7 @@ class ComputeServer:
     @property
     def caps(self) -> int:
         ipc = CAP_IPC if self.host.device.type == "cuda" else 0
-        return CAP_FORWARD | CAP_FORWARD_ACK | CAP_RESOLVE | ipc | (CAP_AUTH if self.auth_token else 0)
+        return CAP_FORWARD | CAP_FORWARD_ACK | CAP_OUTPUT | CAP_RESOLVE | ipc | (CAP_AUTH if self.auth_token else 0)
 
     def open(self) -> dict:
         # `id` owns the slots of a stage this session loads (StageHost.owner).
@@ -264,7 +330,7 @@ class ComputeServer:
             return cmd, (reader, size)
         if size > self.max_frame:
             raise FrameError(f"compute frame of {size} bytes exceeds the {self.max_frame}-byte limit (cmd {cmd})")
-        if cmd not in (Cmd.FORWARD, Cmd.FORWARD_ACK) or self.host.device.type != "cuda":
+        if cmd not in (Cmd.FORWARD, Cmd.FORWARD_ACK, Cmd.FORWARD_OUT) or self.host.device.type != "cuda":
             return cmd, reader.read_exact(size)
         buf = host_buffer((size,), torch.uint8, self.host.device).numpy()
         reader.read_into(memoryview(buf))
@@ -282,6 +348,8 @@ class ComputeServer:
             Cmd.FORWARD: (raw, lambda p, s: self._forward(Cmd.FORWARD, p, s)),
             Cmd.FORWARD_IPC: (raw, lambda p, s: self._forward(Cmd.FORWARD_IPC, p, s)),
             Cmd.FORWARD_ACK: (raw, lambda p, s: self._forward(Cmd.FORWARD_ACK, p, s)),
+            Cmd.FORWARD_OUT: (raw, self._forward_out),
+            Cmd.DRAFT: (DraftAsk.decode, lambda r, s: self.host.draft(r, owner=s["id"])),
             Cmd.KV_CLEAR: (_struct(KV_CLEAR), lambda r, s: self.host.kv_clear(r[0], owner=s["id"]) or []),
             Cmd.KV_TRIM: (_struct(KV_TRIM), lambda r, s: []),  # rollback is implicit: positions >= n are overwritten
             Cmd.KV_SHIFT: (_struct(KV_SHIFT), lambda r, s: self.host.kv_shift(*r, owner=s["id"]) or []),
@@ -388,6 +456,18 @@ class ComputeServer:
         compute_us = min(int((time.perf_counter() - t0) * 1e6), 0xFFFFFFFF)
         return [FORWARD_REPLY.pack(R.OK, compute_us), *body]
 
+    def _forward_out(self, payload, session: dict) -> list:
+        """FORWARD_OUT: FORWARD through this last stage's output: the logit rows back (float32),
+        and every row's normed hidden state when asked (an embedding)."""
+        epoch, hidden, slots, positions, rows, tokens, want_hidden = unpack_forward_out(payload)
+        t0 = time.perf_counter()
+        logits, x = self.host.forward_out(
+            epoch, hidden, slots, positions, rows, tokens, want_hidden, owner=session["id"]
+        )
+        body = [_raw(to_host(logits).float())] + ([_raw(to_host(x).float())] if x is not None else [])
+        compute_us = min(int((time.perf_counter() - t0) * 1e6), 0xFFFFFFFF)
+        return [FORWARD_REPLY.pack(R.OK, compute_us), *body]
+
     def _hello(self, conn, payload: bytes) -> bool:
         if len(payload) < 3:
             # An upstream ggml-rpc client: answer in its 3-byte shape so it reports the version mismatch.
@@ -407,9 +487,9 @@ class ComputeServer:
         return True
 
 
-_FORWARDS = (Cmd.FORWARD, Cmd.FORWARD_IPC, Cmd.FORWARD_ACK)  # replies with their own status header
+_FORWARDS = (Cmd.FORWARD, Cmd.FORWARD_IPC, Cmd.FORWARD_ACK, Cmd.FORWARD_OUT)  # replies with their own status header
 _SESSION_OPENERS = frozenset({Cmd.CHECK, Cmd.LOAD_STAGE, Cmd.STATE_JOIN})  # ComputeServer.opens_session
-_AFTER_CHECK = frozenset({*_FORWARDS, Cmd.LOAD_STAGE})
+_AFTER_CHECK = frozenset({*_FORWARDS, Cmd.LOAD_STAGE, Cmd.DRAFT})
 _NAMES = {v: k for k, v in vars(Cmd).items() if k.isupper()}
 
 

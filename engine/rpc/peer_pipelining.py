@@ -18,9 +18,10 @@ class PipelinedSends:
     `_account` and the `_unread` count its other exchanges settle first."""
 
     def can_pipeline(self) -> bool:
-        """Whether `send_layers` may be used: pipelining is on, the peer knows FORWARD_ACK, and the
-        hidden states go over the socket (a CUDA IPC channel has one inbox: one frame at a time)."""
-        return self.pipeline_depth > 0 and bool(self._caps & CAP_FORWARD_ACK) and self._ipc is None
+        """Whether `send_layers` may be used: pipelining is on, the peer knows FORWARD_ACK, the
+        hidden states go over the socket (a CUDA IPC channel has one inbox: one frame at a time), and
+        no MTP block there follows every batch (FORWARD_ACK carries no token ids)."""
+        return self.pipeline_depth > 0 and bool(self._caps & CAP_FORWARD_ACK) and self._ipc is None and not self.mtp
 
     def send_layers(self, h: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor) -> None:
         """This peer's layers over `h`, no output wanted (a prompt chunk before its last, this the

@@ -9,7 +9,6 @@ or KV_CLEAR is refused, so a second client cannot corrupt a running head's KV.
 
 from __future__ import annotations
 
-import hmac
 import os
 import threading
 import time
@@ -22,27 +21,25 @@ from ...contracts.rpc import (
     DTYPE_CODES,
     CheckReply,
     CheckRequest,
+    DraftAsk,
+    DraftReply,
     LoadStageReply,
     LoadStageRequest,
     ProbeRequest,
     StageProbe,
     StaleEpoch,
-    StateGetRequest,
-    StateMeta,
 )
-from ...contracts.slot_state import SlotHeader, SlotStateError, check_body
-from .. import slot_state
 from ..device import fit_here, free_bytes
 from ..errors import UserError
 from ..layer_probe import probe_stage
 from ..model import build_stage, graph_run_lengths
+from ..spec.mtp import check_mtp
+from .compute_error import ComputeError
+from .output_stage import StageOutput, check_draft
+from .resident_state import StageStateOps
 
 # Torch dtypes of the wire's dtype names (contracts.rpc.DTYPE_CODES).
 DTYPES = {name: getattr(torch, name) for name in DTYPE_CODES}
-
-
-class ComputeError(Exception):
-    """A compute command this worker refuses; the message goes back to the head verbatim."""
 
 
 def layer_of(name: str) -> int | None:
@@ -57,7 +54,7 @@ def tensor_shapes(g) -> dict[str, list[int]]:
     return {name: list(t.shape) for name, t in g.tensors.items()}
 
 
-class StageHost:
+class StageHost(StageStateOps):
     """One worker's resident stage. `assignable=False` on the head: its range follows its own split.
     `cache_dir`: the prepared-weight cache for the stages it loads (None: convert on every load)."""
 
@@ -87,6 +84,7 @@ class StageHost:
         self.n_layers = cfg.n_layers
         self.tensors = model_tensors(g.metadata, g.tensors)
         self.stage = stage
+        self.output: StageOutput | None = None  # the output head and MTP block (--output-stage last)
         self.assignable = assignable
         self.epoch = 1 if stage is not None else 0
         self.lock = threading.Lock()  # one forward or stage swap at a time
@@ -146,15 +144,31 @@ class StageHost:
         deterministic = request.deterministic if request.deterministic is not None else self.deterministic
         if not 0 <= a < b <= self.n_layers:
             raise ComputeError(f"layer range [{a},{b}) outside the model's 0..{self.n_layers}")
+        if request.output and b != self.n_layers:
+            raise ComputeError(
+                f"LOAD_STAGE output: only the last stage holds it, [{a},{b}) ends before {self.n_layers}"
+            )
+        if request.mtp and not request.output:
+            raise ComputeError("LOAD_STAGE mtp: the MTP block goes with the output head (output: true)")
+        if request.mtp:
+            try:
+                check_mtp(self.g)
+            except UserError as e:
+                raise ComputeError(f"LOAD_STAGE refused: {e}") from None
         depth = rollback_depth(max_run)  # checkpoints of the recurrent states: the head's longest draft
-        params = (dtype, n_slots, n_ctx, kv_pool, kv_types, depth, deterministic)
+        params = (dtype, n_slots, n_ctx, kv_pool, kv_types, depth, deterministic, request.output, request.mtp)
         t0 = time.perf_counter()
         with self._load_lock:  # one load at a time; forwards go on meanwhile on the old stage
             if self.stage is not None and self._params == params and self.layers == (a, b):
-                stage = self.stage  # same stage: only its KV starts over (the swap below clears it)
+                stage, output = (
+                    self.stage,
+                    self.output,
+                )  # same stage: only its KV starts over (the swap below clears it)
             else:
-                need = self.stage_bytes(a, b, dtype, n_slots, n_ctx, kv_pool, kv_types, depth)
-                fit = fit_here("peer", (a, b), need, self.headroom, self.device)
+                need = self.stage_bytes(
+                    a, b, dtype, n_slots, n_ctx, kv_pool, kv_types, depth, request.output, request.mtp
+                )
+                fit = fit_here("peer", (a, b), need, self.headroom, self.device, mtp=request.mtp)
                 if not fit.fits:
                     kv = f"{n_slots}x{n_ctx}" if kv_pool is None else f"a {kv_pool}-position pool of"
                     raise ComputeError(
@@ -164,8 +178,8 @@ class StageHost:
                     stage = build_stage(
                         self.g,
                         (a, b),
-                        embed=False,
-                        head=False,
+                        embed=request.mtp,  # the MTP block embeds each draft
+                        head=request.output,
                         device=self.device,
                         dtype=dtype,
                         n_slots=n_slots,
@@ -186,11 +200,12 @@ class StageHost:
                 # layers trace to the same graphs, so each process compiles half of them and finds the
                 # other half in inductor's cache, which both share (docs/PERF.md, session 21).
                 stage.warm_up(graph_run_lengths(max_run)[::-1])
+                output = StageOutput.build(stage, request.mtp, max_run) if request.output else None
             with self.lock:
                 if stage is self.stage:
                     for slot in range(n_slots):
-                        stage.kv_clear(slot)
-                self.stage, self._params, self.owner = stage, params, owner
+                        self._clear(slot)
+                self.stage, self.output, self._params, self.owner = stage, output, params, owner
                 self.state_key = os.urandom(16)
                 self.lengths = {}
                 self.epoch += 1
@@ -211,19 +226,28 @@ class StageHost:
         kv_pool: int | None,
         kv_types: tuple[str, str],
         depth: int = ROLLBACK,
+        output: bool = False,
+        mtp: bool = False,
     ) -> int:
         """What a stage of layers [a, b) costs: its weights as they will be held plus its KV (every
         slot's context, or a pool of `kv_pool` positions) and recurrent state; on a GPU also the new
-        stage's dequantization scratch and graphs' pool (the process's cuBLAS workspaces exist already)."""
+        stage's dequantization scratch and graphs' pool (the process's cuBLAS workspaces exist already);
+        with `output` the output head (and with `mtp` the MTP block and its KV) as the footprint has them."""
         held = sum(self.layer_footprint(dtype, n_slots, n_ctx, kv_pool, kv_types, depth)[a:b])
+        name = str(dtype).removeprefix("torch.")
+        if output:
+            kw = dict(head=False, device=self.device.type, dtype=name, n_slots=n_slots, n_ctx=n_ctx, kv_types=kv_types)
+            kw.update(kv_pool=kv_pool, depth=depth, gpu_weights="quantized" if self.quantized else "dense")
+            held += self.tensors.stage(a, b, output=True, mtp=mtp, **kw).total - self.tensors.stage(a, b, **kw).total
         if self.device.type != "cuda":
             return held
-        name = str(dtype).removeprefix("torch.")
-        scratch = self.tensors.scratch_bytes(a, b, head=False, dtype=name) if self.quantized else 0
+        scratch = self.tensors.scratch_bytes(a, b, output=False, dtype=name) if self.quantized else 0
         return (
             held
             + scratch
-            + self.tensors.graph_bytes(a, b, head=False, n_slots=n_slots, n_ctx=n_ctx, prompt_rows=DEFAULT_PROMPT_ROWS)
+            + self.tensors.graph_bytes(
+                a, b, output=False, n_slots=n_slots, n_ctx=n_ctx, prompt_rows=DEFAULT_PROMPT_ROWS
+            )
         )
 
     def layer_footprint(
@@ -295,30 +319,60 @@ class StageHost:
         """The stage's output on its device (on CUDA possibly still being computed: `compute_s`
         then counts the time to queue the work). Only the session that loaded the stage may run it."""
         with self.lock:
-            if not self.assignable:
-                raise ComputeError("no stage assigned here: this worker is a head")
-            if self.stage is None:  # stale for any head: it re-attaches, which loads one
-                raise StaleEpoch(f"no stage assigned here (epoch {self.epoch}): send LOAD_STAGE first")
-            if epoch != self.epoch:
-                raise StaleEpoch(f"resident set is at epoch {self.epoch}, request validated epoch {epoch}")
+            return self._run(epoch, hidden, slots, positions, owner)
+
+    def forward_out(self, epoch: int, hidden, slots, positions, rows, tokens, want_hidden: bool, owner: int = 0):
+        """FORWARD_OUT: `forward`, then the output this last stage holds (`StageOutput.outputs`)."""
+        with self.lock:
             self._own(owner)
-            if hidden.shape[1] != self.cfg.n_embd:
-                raise ComputeError(f"hidden states of width {hidden.shape[1]}, this model's is {self.cfg.n_embd}")
-            t0 = time.perf_counter()
-            try:
-                # Slots and positions stay on the host: the stage reads them there (a device copy
-                # would cost a sync per read on CUDA).
-                out = self.stage.run_layers(hidden, slots, positions)
-            except (UserError, ValueError) as e:  # a batch with slots or positions this stage cannot take
-                raise ComputeError(str(e)) from None
-            if self.layer_delay_s:
-                time.sleep(self.layer_delay_s * len(self.stage.layers))
-            self.compute_s += time.perf_counter() - t0
-            for slot, pos in zip(slots.tolist(), positions.tolist()):  # a slot's run ends at its last position
-                self.lengths[slot] = pos + 1
-            self.forwards += 1
-            self.tokens += hidden.shape[0]
-            return out
+            if self.output is None:
+                raise ComputeError("FORWARD_OUT: this stage holds no output head (LOAD_STAGE with output: true)")
+            if (tokens is None) != (self.output.mtp is None):
+                raise ComputeError(
+                    "FORWARD_OUT: token ids come with the batch exactly when this stage holds the MTP block"
+                )
+            if tokens is not None and tokens.numel() and int(tokens.max()) >= self.cfg.n_vocab:
+                raise ComputeError(f"FORWARD_OUT token id out of range 0..{self.cfg.n_vocab - 1}")
+            h = self._run(epoch, hidden, slots, positions, owner)
+            return self.output.outputs(h, tokens, slots, positions, rows, want_hidden)
+
+    def draft(self, ask: DraftAsk, owner: int = 0) -> DraftReply:
+        """DRAFT: the MTP block's drafts (this stage's, --output-stage last)."""
+        with self.lock:
+            self._own(owner)
+            if self.output is None or self.output.mtp is None:
+                raise ComputeError("DRAFT: this stage holds no MTP block (LOAD_STAGE with mtp: true)")
+            why = check_draft(ask, self.stage.n_slots, self.stage.n_ctx, self.cfg.n_vocab)
+            if why is not None:
+                raise ComputeError(why)
+            return self.output.draft(ask)
+
+    def _run(self, epoch: int, hidden: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor, owner: int):
+        """The layers over a batch (the caller holds the lock)."""
+        if not self.assignable:
+            raise ComputeError("no stage assigned here: this worker is a head")
+        if self.stage is None:  # stale for any head: it re-attaches, which loads one
+            raise StaleEpoch(f"no stage assigned here (epoch {self.epoch}): send LOAD_STAGE first")
+        if epoch != self.epoch:
+            raise StaleEpoch(f"resident set is at epoch {self.epoch}, request validated epoch {epoch}")
+        self._own(owner)
+        if hidden.shape[1] != self.cfg.n_embd:
+            raise ComputeError(f"hidden states of width {hidden.shape[1]}, this model's is {self.cfg.n_embd}")
+        t0 = time.perf_counter()
+        try:
+            # Slots and positions stay on the host: the stage reads them there (a device copy
+            # would cost a sync per read on CUDA).
+            out = self.stage.run_layers(hidden, slots, positions)
+        except (UserError, ValueError) as e:  # a batch with slots or positions this stage cannot take
+            raise ComputeError(str(e)) from None
+        if self.layer_delay_s:
+            time.sleep(self.layer_delay_s * len(self.stage.layers))
+        self.compute_s += time.perf_counter() - t0
+        for slot, pos in zip(slots.tolist(), positions.tolist()):  # a slot's run ends at its last position
+            self.lengths[slot] = pos + 1
+        self.forwards += 1
+        self.tokens += hidden.shape[0]
+        return out
 
     def kv_clear(self, slot: int, owner: int = 0) -> None:
         with self.lock:
@@ -329,8 +383,14 @@ class StageHost:
             if slot >= n_slots:
                 raise ComputeError(f"slot {slot} does not exist ({n_slots} slots)")
             for s in range(n_slots) if slot < 0 else [slot]:
-                self.stage.kv_clear(s)
-                self.lengths.pop(s, None)
+                self._clear(s)
+
+    def _clear(self, slot: int) -> None:
+        """`slot` forgotten: its KV, its MTP block's state (the caller holds the lock)."""
+        self.stage.kv_clear(slot)
+        if self.output is not None:
+            self.output.clear(slot)
+        self.lengths.pop(slot, None)
 
     def kv_shift(self, slot: int, keep: int, discard: int, n: int, owner: int = 0) -> None:
         """KV_SHIFT: the head's context shift of `slot`, which holds `n` positions (`Stage.kv_shift`)."""
@@ -346,82 +406,6 @@ class StageHost:
             except ValueError as e:  # a recurrent stage
                 raise ComputeError(str(e)) from None
             self.lengths[slot] = n - discard
-
-    # --- state ops: a slot's state out and in (contracts.slot_state), for its head only ------------
-
-    def _state_stage(self, slot: int, owner: int):
-        """The stage whose slot a state op may touch (caller holds the lock)."""
-        if not self.assignable:
-            raise ComputeError("this worker is a head: its slots move through the control port's state ops")
-        if self.stage is None:
-            raise ComputeError("no stage assigned here: send LOAD_STAGE first")
-        self._own(owner)
-        if not 0 <= slot < self.stage.n_slots:
-            raise ComputeError(f"slot {slot} does not exist ({self.stage.n_slots} slots)")
-        return self.stage
-
-    def state_meta(self, slot: int, owner: int = 0) -> StateMeta:
-        with self.lock:
-            stage = self._state_stage(slot, owner)
-            n = self.lengths.get(slot, 0)
-            return StateMeta(
-                slot=slot,
-                n_tokens=n,
-                layers=[list(self.layers)],
-                fingerprint=self.fingerprint,
-                bytes=sum(t.nbytes for t in stage.slot_state(slot, n).values()),
-                dtype=str(stage.dtype).removeprefix("torch."),
-            )
-
-    def state_get(self, request: StateGetRequest, owner: int = 0) -> list[memoryview]:
-        """The state of the slot's first len(tokens) positions (one buffer, sent as it is)."""
-        slot, tokens = request.slot, request.tokens
-        with self.lock:
-            stage = self._state_stage(slot, owner)
-            if len(tokens) > self.lengths.get(slot, 0):
-                raise ComputeError(f"slot {slot} holds {self.lengths.get(slot, 0)} positions, {len(tokens)} asked for")
-            try:
-                chunks = [slot_state.save(stage, slot, tokens, self.fingerprint)]
-            except SlotStateError as e:
-                raise ComputeError(str(e)) from None
-        self.state_bytes_out += sum(len(c) for c in chunks)
-        return chunks
-
-    def join(self, key: bytes) -> int:
-        """STATE_JOIN: the identity a second session of the stage's head takes (the loading session's,
-        which owns the slots), given the `state_key` LOAD_STAGE answered."""
-        with self.lock:
-            if self.stage is None or not hmac.compare_digest(bytes(key), self.state_key):
-                raise ComputeError("STATE_JOIN refused: not the key of this worker's stage (reloaded since?)")
-            return self.owner
-
-    def state_put(self, slot: int, read, fill, owner: int = 0) -> StateMeta:
-        """Stage a state whole (its header read with `read(n)` and judged first, then its body
-        filled with `fill(view)` into a kept buffer, each chunk checked as it arrives, then its
-        tensors made ready on the stage's device) without holding the forwards; only the copy into
-        the slot takes the lock. A refused or broken stream leaves the slot as it was."""
-        try:
-            header, crcs = SlotHeader.decode(read)
-            with self.lock:
-                stage = self._state_stage(slot, owner)
-                self.staging += 1
-            try:
-                views = slot_state.check(stage, slot, header, self.fingerprint)
-                body = slot_state.BUFFERS.take(header.body_bytes)  # the stage's own slot's size, checked above
-                check_body(body, header, crcs, fill)
-                tensors = slot_state.staged(header, body, views)
-            finally:
-                with self.lock:
-                    self.staging -= 1
-            with self.lock:
-                if self._state_stage(slot, owner) is not stage:
-                    raise SlotStateError("the stage was replaced while the state streamed in")
-                slot_state.place_staged(stage, slot, len(header.tokens), tensors, views)
-                self.lengths[slot] = len(header.tokens)
-        except SlotStateError as e:
-            raise ComputeError(f"STATE_PUT refused: {e}") from None
-        self.state_bytes_in += header.body_bytes
-        return self.state_meta(slot, owner)
 
     def stats(self) -> dict:
         return {

@@ -83,7 +83,7 @@ class ModelRunner:
         self.spec = speculator
         self.grammars = grammars
         if hasattr(pipeline, "side_state"):  # the MTP block's per-slot state moves with the slot's
-            pipeline.side_state = speculator.mtp
+            pipeline.side_state = speculator.side_state
         self._last = torch.zeros(n_slots, dtype=torch.long, device=self.device)  # each slot's latest sampled token
 
     def run(self, step: Launched, meanwhile=None) -> None:

@@ -216,7 +216,7 @@ class Scheduler:
         moves the tokens the next input is read after)."""
         return (
             bool(self.running)
-            and not self.spec.wants_hidden
+            and self.spec.mtp is None  # the MTP block follows every token: each step's inputs are read first
             and all(
                 not s.prefilling
                 and not s.remote_prefill

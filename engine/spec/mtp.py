@@ -6,6 +6,7 @@ import torch
 
 from ..config import MAX_DRAFT
 from ..errors import UserError
+from ..model import NextN, graph_run_lengths
 from ..model.nextn_graphs import DraftChainGraphs
 from .drafter import DRAFT_TOP_K, Draft, Drafter, DraftRequest, draft_step
 
@@ -50,6 +51,17 @@ class MtpDrafter(Drafter):
         self._pending: dict[
             int, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
         ] = {}  # (tokens, positions, h before)
+
+    @property
+    def device(self) -> torch.device:
+        return self.nextn.head.device
+
+    @property
+    def kv_bytes(self) -> int:
+        return self.nextn.kv_bytes
+
+    def sync(self) -> None:
+        """Nothing to send: the block is here (RemoteMtpDrafter's sends the resting slots)."""
 
     def start(self, slot: int, prompt: list[int]) -> None:
         self.release(slot)
@@ -179,34 +191,58 @@ class MtpDrafter(Drafter):
         return out
 
     def _greedy_chain(self, requests: list[DraftRequest], live: list[int]) -> list[Draft]:
-        """Greedy drafts of the `live` requests, chained on the device: each step's argmax feeds the
-        next step's embedding with no round trip to the host, so k steps cost one synchronisation
-        instead of two per row and step. Every row runs the longest k; each draft is then cut at
-        its own k and before its first token whose top-10 probability is under its p-min, as
-        `draft_step` decides (the block's KV written past that point is rewritten by the next
-        forward that reaches those positions, as after a rejection)."""
+        """Greedy drafts of the `live` requests (`greedy`)."""
         reqs = [requests[i] for i in live]
-        slots = [r.slot for r in reqs]
-        pos = [len(r.tokens) - 1 for r in reqs]
-        toks = torch.tensor([r.tokens[-1] for r in reqs], dtype=torch.long, device=self.nextn.head.device)
-        h = torch.stack([self._h_before(s, p) for s, p in zip(slots, pos)])
-        k = max(r.k for r in reqs)
-        chained = self.graphs.run(toks, h, slots, pos, k) if self.graphs is not None else None
+        drafts = self.greedy(
+            [r.slot for r in reqs],
+            [r.tokens[-1] for r in reqs],
+            [len(r.tokens) - 1 for r in reqs],
+            [r.k for r in reqs],
+            [self.p_min if r.p_min is None else r.p_min for r in reqs],
+        )
+        out = [Draft() for _ in requests]
+        for i, tokens in zip(live, drafts):
+            out[i].tokens = tokens
+        return out
+
+    def greedy(self, slots: list[int], tokens: list[int], positions: list[int], ks: list[int], p_mins: list[float]):
+        """Greedy drafts of distinct `slots`, each from its last token `tokens[i]` at `positions[i]`,
+        chained on the device: each step's argmax feeds the next step's embedding with no round trip
+        to the host, so k steps cost one synchronisation instead of two per row and step. Every row
+        runs the longest k; each draft is then cut at its own k and before its first token whose
+        top-10 probability is under its p-min, as `draft_step` decides (the block's KV written past
+        that point is rewritten by the next forward that reaches those positions, as after a
+        rejection). Returns the drafts' token lists."""
+        self._catch_up(slots)
+        toks = torch.tensor(tokens, dtype=torch.long, device=self.nextn.head.device)
+        h = torch.stack([self._h_before(s, p) for s, p in zip(slots, positions)])
+        k = max(ks)
+        chained = self.graphs.run(toks, h, slots, positions, k) if self.graphs is not None else None
         if chained is None:
-            slot_t, pos_t = torch.tensor(slots), torch.tensor(pos)
+            slot_t, pos_t = torch.tensor(slots), torch.tensor(positions)
             chained = self.nextn.chain(
                 toks, h, k, lambda step: lambda x: self.nextn.block.run_layers(x, slot_t, pos_t + step), DRAFT_TOP_K
             )
         picks, probs = chained
-        out = [Draft() for _ in requests]
-        rows = zip(live, reqs, picks.tolist(), probs.tolist())
-        for i, r, tokens, ps in rows:
-            p_min = self.p_min if r.p_min is None else r.p_min
-            for tok, p in zip(tokens[: r.k], ps[: r.k]):
-                if p < p_min:
-                    break
-                out[i].tokens.append(tok)
+        out = []
+        for row, ps, k_i, p_min in zip(picks.tolist(), probs.tolist(), ks, p_mins):
+            n = next((j for j, p in enumerate(ps[:k_i]) if p < p_min), min(k_i, len(row)))
+            out.append(row[:n])
         return out
+
+
+def build_mtp(stage, k_max: int, p_min: float) -> MtpDrafter:
+    """The MTP block beside `stage` (which holds the embedding and the output head: the head's, or
+    with `--output-stage last` the last peer's), its graphs captured now: the block runs a row per
+    slot for drafts and as many rows a slot as the stage's graphs for the target's forwards (their
+    verifies padded to `k_max` + 1). Captured on first use they would land in the first requests'
+    steps."""
+    nextn = NextN(stage)
+    nextn.block.warm_up(graph_run_lengths(1 + k_max))
+    drafter = MtpDrafter(nextn, p_min=p_min)
+    if drafter.graphs is not None:  # the greedy draft chains too, for every k up to k_max
+        drafter.graphs.warm_up(k_max)
+    return drafter
 
 
 def check_mtp(g) -> None:

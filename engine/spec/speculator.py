@@ -9,15 +9,16 @@ import torch
 from ..config import MAX_DRAFT, ModelSettings, SpecConfig
 from ..errors import UserError
 from ..gguf_file import GGUFFile
-from ..model import ROLLBACK, ModelConfig, NextN, Stage, build_stage, graph_run_lengths
+from ..model import ROLLBACK, ModelConfig, Stage, build_stage
 from ..pipeline import Pipeline
 from ..serving.sampling import Rows, Stream, distribution, host_uniform, sample
 from .accept import accept_greedy, accept_sampled
 from .adaptive import AdaptiveDrafts
 from .draft_model import DraftModelDrafter, check_same_vocab
 from .drafter import Draft, Drafter, DraftRequest
-from .mtp import MtpDrafter, check_mtp
+from .mtp import MtpDrafter, build_mtp, check_mtp
 from .ngram import NgramDrafter
+from .remote_mtp import RemoteMtpDrafter
 from .stats import SpecStats
 
 
@@ -31,21 +32,22 @@ class Speculator:
         config: SpecConfig | None = None,
         draft_pipeline=None,
         max_draft: int = MAX_DRAFT,
-        nextn: NextN | None = None,
+        mtp: MtpDrafter | RemoteMtpDrafter | None = None,
     ):
         """`max_draft` caps every draft: a recurrent target verifies at most its stages' `depth` tokens,
-        the positions its state checkpoints can take back. `nextn`: the target's MTP block."""
+        the positions its state checkpoints can take back. `mtp`: the drafter of the target's MTP
+        block, beside the head's stage or on the last peer's (`--output-stage last`)."""
         self.config = config or SpecConfig()
         self.max_draft = max_draft
         self.drafters: dict[str, Drafter] = {"ngram": NgramDrafter()}
         if draft_pipeline is not None:
             self.drafters["draft"] = DraftModelDrafter(draft_pipeline, p_min=self.config.p_min)
-        self.mtp = MtpDrafter(nextn, p_min=self.config.p_min) if nextn is not None else None
-        if self.mtp is not None:
+        self.mtp = mtp
+        if mtp is not None:
             self.drafters["mtp"] = self.mtp
         self.stats = SpecStats()
         self.adaptive = AdaptiveDrafts(min(max_draft, MAX_DRAFT))
-        self.adapt_auto = nextn is None or nextn.head.device.type == "cpu"
+        self.adapt_auto = mtp is None or mtp.device.type == "cpu"
         # Tokens per slot the target's decode graphs replay (the engine sets it from its pipeline's
         # head stage; the peers warmed up the same): a verify of another length is padded to the next
         # of them. None: no graphs, so no padding (on CPU a filler row costs as much as a draft's).
@@ -60,8 +62,14 @@ class Speculator:
 
     @property
     def wants_hidden(self) -> bool:
-        """Whether the engine must hand every forward's hidden states to `observe` (the MTP drafter's input)."""
-        return self.mtp is not None
+        """Whether the engine must hand every forward's hidden states to `observe` (the MTP drafter's
+        input, when the block is here; on the last peer it follows the forwards there)."""
+        return isinstance(self.mtp, MtpDrafter)
+
+    @property
+    def side_state(self) -> MtpDrafter | None:
+        """Per-slot state kept beside the head stage's, moved and cleared with it (Pipeline.side_state)."""
+        return self.mtp if isinstance(self.mtp, MtpDrafter) else None
 
     def observe(self, tokens, slots, positions, hidden) -> None:
         """The target ran this batch: the MTP block follows it (its KV, the trunk's last hidden rows)."""
@@ -71,7 +79,7 @@ class Speculator:
     def drafter_kv_bytes(self) -> int:
         """The drafters' own caches: the MTP block's KV, or the draft model's KV."""
         if self.mtp is not None:
-            return self.mtp.nextn.kv_bytes
+            return self.mtp.kv_bytes
         draft = self.drafters.get("draft")
         return draft.pipeline.local.kv_bytes if draft is not None else 0
 
@@ -133,6 +141,8 @@ class Speculator:
             drafting = {seqs[i].slot for items in by_type.values() for i, _, _ in items}
             for seq in seqs:
                 self.mtp.rest(seq.slot, seq.slot not in drafting)
+            if "mtp" not in by_type:  # a block on the last peer hears of its resting slots before the forward
+                self.mtp.sync()
         for kind, items in by_type.items():
             drafts = self.drafters[kind].draft_batch([r for _, r, _ in items])
             for (i, _, cfg), d in zip(items, drafts):
@@ -199,27 +209,31 @@ def check_speculative(config: SpecConfig, draft_path: str | None, g) -> None:
 
 
 def build_speculator(
-    config: SpecConfig, draft_path: str | None, g, model: ModelSettings, n_slots: int, head: Stage | None = None
+    config: SpecConfig,
+    draft_path: str | None,
+    g,
+    model: ModelSettings,
+    n_slots: int,
+    head: Stage | None = None,
+    remote_output=None,
 ) -> Speculator:
     """The head's Speculator from its settings (`--spec-type`, `--model-draft`, `--draft-*`); `g` is
-    the target GGUF, `head` the head's Stage (`--spec-type mtp` builds the MTP block beside it).
-    Loads the draft model for `--spec-type draft`."""
+    the target GGUF, `head` the head's Stage (`--spec-type mtp` builds the MTP block beside it), or
+    `remote_output` the last peer's RemoteStage that holds the output and the block. Loads the draft
+    model for `--spec-type draft`."""
     check_speculative(config, draft_path, g)
     # A recurrent target verifies at most what its states can take back (the head's, as its peers').
     depth = head.depth if head is not None else ROLLBACK
     max_draft = depth if ModelConfig.from_gguf(g).recurrent else MAX_DRAFT
     if config.type == "mtp":
+        if remote_output is not None:  # the block is the last peer's (--output-stage last), loaded with its stage
+            return Speculator(
+                config, max_draft=max_draft, mtp=RemoteMtpDrafter(remote_output, config.p_min, head.device)
+            )
         if head is None:
             raise ValueError("--spec-type mtp builds the MTP block on the head's stage: pass head=")
-        nextn = NextN(head)
-        # The block's graphs now, as the head's: drafts run it a row per slot, the target's forwards
-        # (their verifies padded to draft max + 1) as many rows a slot as the head's graphs. Captured
-        # on first use they would land in the first requests' steps.
-        nextn.block.warm_up(graph_run_lengths(1 + min(config.n_max, max_draft)))
-        speculator = Speculator(config, max_draft=max_draft, nextn=nextn)
-        if speculator.mtp.graphs is not None:  # the greedy draft chains too, for every k up to draft-max
-            speculator.mtp.graphs.warm_up(min(config.n_max, max_draft))
-        return speculator
+        k_max = min(config.n_max, max_draft)
+        return Speculator(config, max_draft=max_draft, mtp=build_mtp(head, k_max, config.p_min))
     if not draft_path:
         return Speculator(config, max_draft=max_draft)
     dg = GGUFFile(draft_path)

@@ -131,9 +131,15 @@ class HeadWorker:
         from ..spec import build_speculator
 
         cfg = self.cfg
-        # The MTP block shares the head stage's embedding and output head.
+        # The MTP block shares the head stage's embedding and output head, or is the last peer's with them.
         speculator = build_speculator(
-            cfg.spec, cfg.model_draft, self.gguf, cfg.model, n_slots=cfg.parallel, head=pipeline.local
+            cfg.spec,
+            cfg.model_draft,
+            self.gguf,
+            cfg.model,
+            n_slots=cfg.parallel,
+            head=pipeline.local,
+            remote_output=pipeline.output_remote,
         )
         if peers is not None:
             if speculator.mtp is not None:

@@ -90,8 +90,10 @@ def start_pipeline(cfg: HeadConfig, g, mcfg):
             spin_s=cfg.rpc.spin_seconds(device),
             head_device=device if cfg.rpc.cuda_ipc else None,
             pipeline_depth=cfg.rpc.prefill_pipeline,
+            output=last,
+            mtp=last and cfg.spec.type == "mtp",
         )
-        for addr, r in zip(cfg.peers, ranges[1:])
+        for (addr, r), last in zip(zip(cfg.peers, ranges[1:]), _holds_output(cfg))
     ]
     loading = None
     if remotes and not cfg.fallback_solo and _fits_beside_local_peers(cfg, g, ranges, device, dtype):
@@ -117,6 +119,11 @@ def start_pipeline(cfg: HeadConfig, g, mcfg):
     return pipeline, PeersReady(cfg, pipeline, loading)
 
 
+def _holds_output(cfg: HeadConfig) -> list[bool]:
+    """Per peer, whether it holds the output head and the MTP block (`--output-stage last`: the last)."""
+    return [cfg.output_stage == "last" and i == len(cfg.peers) - 1 for i in range(len(cfg.peers))]
+
+
 def _never_up(missing: list, wait_s: float) -> str:
     names = ", ".join(f"{r.addr} ({r.error})" for r in missing)
     return f"peer(s) not ready after {wait_s:g} s: {names} (or start with --fallback-solo)"
@@ -139,6 +146,7 @@ def _build_stage(cfg: HeadConfig, g, layers: tuple[int, int], device, dtype):
     return build_stage(
         g,
         layers,
+        head=cfg.output_stage == "head",
         device=device,
         dtype=dtype,
         n_slots=cfg.parallel,
@@ -154,15 +162,17 @@ def _build_stage(cfg: HeadConfig, g, layers: tuple[int, int], device, dtype):
 
 
 def head_footprint(cfg: HeadConfig, g, layers: tuple[int, int], device: str, dtype: str):
-    """The head's stage (its layers, embedding and output head, the MTP block with `--spec-type mtp`)
-    for these settings as contracts/footprint.py counts it (a `StageBytes`): what the head checks
-    against its device before loading, and what benchmarks/bench_fit.py sets beside NVML."""
+    """The head's stage (its layers, embedding, and unless `--output-stage last` the output head and
+    the MTP block with `--spec-type mtp`) for these settings as contracts/footprint.py counts it (a
+    `StageBytes`): what the head checks against its device before loading, and what
+    benchmarks/bench_fit.py sets beside NVML."""
     from ...contracts.footprint import model_tensors
 
     m = cfg.model
     return model_tensors(g.metadata, g.tensors).stage(
         *layers,
         head=True,
+        output=cfg.output_stage == "head",
         device=device,
         dtype=dtype,
         n_slots=cfg.parallel,
@@ -183,7 +193,7 @@ def _check_own_stage(cfg: HeadConfig, g, layers: tuple[int, int], device, dtype,
     from ...contracts.fit import headroom_bytes
     from ..device import fit_here
 
-    m, mtp = cfg.model, cfg.spec.type == "mtp"
+    m, mtp = cfg.model, cfg.spec.type == "mtp" and cfg.output_stage == "head"
     est = head_footprint(cfg, g, layers, device.type, str(dtype).removeprefix("torch."))
     fit = fit_here("head", layers, est.total - est.runtime_bytes, headroom_bytes(m.headroom_gb), device, mtp=mtp)
     if not fit.fits:
@@ -205,12 +215,14 @@ def _fits_beside_local_peers(cfg: HeadConfig, g, ranges: list, device, dtype) ->
     own = head_footprint(cfg, g, ranges[0], device.type, name)
     need = own.total - own.runtime_bytes  # as _check_own_stage: our CUDA context exists already
     tensors = model_tensors(g.metadata, g.tensors)
-    for addr, (a, b) in zip(cfg.peers, ranges[1:]):
+    for addr, (a, b), last in zip(cfg.peers, ranges[1:], _holds_output(cfg)):
         if _on_this_host(addr):
             peer = tensors.stage(
                 a,
                 b,
                 head=False,
+                output=last,
+                mtp=last and cfg.spec.type == "mtp",
                 device=device.type,
                 dtype=name,
                 n_slots=cfg.parallel,

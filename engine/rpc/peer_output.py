@@ -1,0 +1,80 @@
+"""A last peer that holds the output (`--output-stage last`): the logits come back instead of the
+hidden states (FORWARD_OUT), and its MTP block drafts there (DRAFT)."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from ...contracts.rpc import Cmd, DraftAsk, DraftReply
+from ...contracts.rpc import ReplyStatus as R
+from ...contracts.wire_json import WireError
+from ..device import host_buffer, to_host
+from .compute import pack_forward_out
+from .exchange_lock import run_meanwhile
+from .peer_errors import PeerError, PeerUnavailable
+from .wire import reply_status
+
+
+class OutputOps:
+    """`RemoteStage`'s output ops: they use its lock, `_send`, `_forward_reply`, `_settle`,
+    `_request` and `_lost_on_error`. `output`/`mtp`: what its LOAD_STAGE asks the peer to hold."""
+
+    output = mtp = False
+
+    def run_output(self, h, slots, positions, tokens, rows, want_hidden: bool, meanwhile=None):
+        """This peer's layers over `h`, then its output: (float32 logits of `rows` [R, n_vocab] on
+        `h`'s device, every row's normed hidden state or None). `tokens` (the batch's ids) go along
+        when the peer's MTP block follows the target. The hidden states cross the socket even where a
+        CUDA IPC channel exists: its outbox holds hidden states, not logit rows."""
+        failed, busy = None, 0.0
+        with self._lock:
+            if self.state != "up":
+                raise PeerUnavailable(f"peer {self.addr} is down ({self.error}); retry when it is back")
+            with self._lost_on_error("failed mid-request"):
+                self._settle()
+                t0 = time.perf_counter()
+                hidden = to_host(h)
+                ids = to_host(tokens) if self.mtp else None
+                self._send(
+                    Cmd.FORWARD_OUT,
+                    pack_forward_out(self.epoch, hidden, slots.cpu(), positions.cpu(), rows.cpu(), ids, want_hidden),
+                )
+                failed, busy = run_meanwhile(meanwhile)
+                n_vocab, d = self.n_vocab, hidden.shape[1]
+                want = [(rows.numel(), n_vocab)] + ([(hidden.shape[0], d)] if want_hidden else [])
+                compute_us = self._forward_reply(sum(4 * r * c for r, c in want))
+                outs = []
+                for shape in want:
+                    out = host_buffer(shape, torch.float32, h.device)
+                    self._reader.read_into(memoryview(out.view(-1).view(torch.uint8).numpy()))
+                    outs.append(out.to(h.device, non_blocking=True))  # from page-locked memory: the device orders it
+            self.compute_ms = compute_us / 1e3
+            self._rtts.note(max((time.perf_counter() - t0 - busy) * 1e3 - self.compute_ms, 0.0))
+        if failed is not None:
+            raise failed
+        return outs[0], (outs[1] if want_hidden else None)
+
+    def draft(self, ask: DraftAsk) -> list[list[int]]:
+        """DRAFT: the peer's MTP block's drafts, one list per slot asked (each at most its k)."""
+        with self._lock:
+            if self.state != "up":
+                raise PeerUnavailable(f"peer {self.addr} is down ({self.error}); retry when it is back")
+            with self._lost_on_error("failed drafting"):
+                status, body = reply_status(self._exchange(Cmd.DRAFT, ask.encode()))
+        if status != R.OK:
+            raise PeerError(f"peer {self.addr} refused DRAFT: {body.decode('utf-8', 'replace')}")
+        try:
+            reply = DraftReply.decode(body)
+        except WireError as e:
+            raise PeerError(f"peer {self.addr} answered DRAFT badly: {e}") from None
+        if len(reply.counts) != len(ask.slots) or sum(reply.counts) != len(reply.tokens):
+            raise PeerError(f"peer {self.addr} answered DRAFT with {len(reply.counts)} drafts for {len(ask.slots)}")
+        if any(n > k for n, k in zip(reply.counts, ask.ks)):
+            raise PeerError(f"peer {self.addr} answered DRAFT with a draft longer than asked")
+        out, i = [], 0
+        for n in reply.counts:
+            out.append(reply.tokens[i : i + n])
+            i += n
+        return out

@@ -1,0 +1,176 @@
+"""`--output-stage last`: the last peer holds the output norm, the output head and the MTP block (as
+llama.cpp places them), the head holds neither. Real head and peer processes against a solo head:
+the same tokens and logprobs bit for bit, MTP drafted and verified through the peer, sampled text
+equal to the solo server's with the same seed; the peer's side refuses what does not fit its stage."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+from rpc_workers import complete, head, peer
+
+from hydra_console.contracts.rpc import DraftAsk, LoadStageRequest
+from hydra_console.engine.gguf_file import GGUFFile
+from hydra_console.engine.model import ModelConfig, build_stage
+from hydra_console.engine.rpc.compute import pack_forward_out, unpack_forward_out
+from hydra_console.engine.rpc.resident import ComputeError, StageHost
+
+pytestmark = pytest.mark.integration
+
+PROMPTS = ("hello world hello", "the cat sat on the", "a b a b a")
+F32 = ("--dtype", "float32")
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model):
+    # `bigram`: the MTP block predicts the trunk's next token, so every greedy draft is right.
+    return tiny_model("qwen35", n_layers=4, nextn=True, bigram=True)
+
+
+@pytest.fixture(scope="module")
+def ws(model, tmp_path_factory):
+    """A solo head (no speculation), and a head whose one peer holds layers [2, 4), the output head
+    and the MTP block (float32, all real processes)."""
+    logs = tmp_path_factory.mktemp("output-stage-logs")
+    solo, p = head(model, logs, (), *F32), peer(model, logs, *F32)
+    flags = ("--split", "2/2", "--output-stage", "last", "--spec-type", "mtp", "--draft-p-min", "0", *F32)
+    split = head(model, logs, [p], *flags)
+    try:
+        for w in (solo, p, split):
+            w.wait_ready()
+        yield {"solo": solo, "peer": p, "head": split}
+    finally:
+        for w in (solo, p, split):
+            w.stop()
+
+
+def choice(w, prompt: str, n: int, **kw) -> dict:
+    r = complete(w, prompt, n, logprobs=1, cache_prompt=False, **kw)
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]
+
+
+def test_logits_from_the_last_peer_equal_solo_bit_for_bit(ws):
+    for prompt in PROMPTS:
+        got = choice(ws["head"], prompt, 12, speculative=False)
+        want = choice(ws["solo"], prompt, 12)
+        assert got["text"] == want["text"]
+        assert got["logprobs"]["token_logprobs"] == want["logprobs"]["token_logprobs"]
+
+
+def test_mtp_on_the_last_peer_drafts_and_every_draft_is_taken(ws):
+    before = ws["head"].status()["speculative"]
+    for prompt in PROMPTS:
+        assert choice(ws["head"], prompt, 24)["text"] == choice(ws["solo"], prompt, 24)["text"]
+    spec = ws["head"].status()["speculative"]
+    drafted = spec["draft_tokens"] - before["draft_tokens"]
+    assert spec["type"] == "mtp" and drafted > 20
+    assert spec["accepted"] - before["accepted"] == drafted  # the block follows the target there
+    assert spec["kv_bytes"] == 0  # the block's KV is the peer's
+
+
+def test_a_sampled_request_gives_the_solo_servers_text_for_its_seed(ws):
+    body = dict(temperature=0.8, seed=1234)
+    for prompt in PROMPTS[:2]:
+        assert choice(ws["head"], prompt, 20, **body)["text"] == choice(ws["solo"], prompt, 20, **body)["text"]
+
+
+def test_the_head_holds_no_output_head(ws, model):
+    g = GGUFFile(model)
+    held = ws["head"].status()["stages"][0]["weight_bytes"]
+    assert held == build_stage(g, (0, 2), head=False, dtype="float32", n_ctx=256).held_weight_bytes
+    assert held < build_stage(g, (0, 2), dtype="float32", n_ctx=256).held_weight_bytes  # what --output-stage head holds
+
+
+# --- the peer's side: what its stage cannot take is refused, naming why ---------------------------
+
+
+@pytest.fixture(scope="module")
+def host(model):
+    g = GGUFFile(model)
+    return StageHost(g, ModelConfig.from_gguf(g), "cpu")
+
+
+def load(host, layers, **kw):
+    request = LoadStageRequest(layers=list(layers), dtype="float32", n_slots=2, n_ctx=64, max_run=4, **kw)
+    return host.load(request)
+
+
+def test_only_the_last_stage_holds_the_output_and_the_mtp_block_goes_with_it(host, tiny_model):
+    with pytest.raises(ComputeError, match=r"only the last stage holds it, \[0,2\) ends before 4"):
+        load(host, (0, 2), output=True)
+    with pytest.raises(ComputeError, match="the MTP block goes with the output head"):
+        load(host, (2, 4), mtp=True)
+    no_block = GGUFFile(tiny_model("qwen35", n_layers=4))
+    with pytest.raises(ComputeError, match="no MTP block"):
+        load(StageHost(no_block, ModelConfig.from_gguf(no_block), "cpu"), (2, 4), output=True, mtp=True)
+
+
+def test_forward_out_and_draft_are_refused_by_a_stage_without_them(host):
+    epoch = load(host, (2, 4)).epoch
+    h, slots, pos = torch.zeros(2, host.cfg.n_embd), torch.tensor([0, 0]), torch.tensor([0, 1])
+    with pytest.raises(ComputeError, match="holds no output head"):
+        host.forward_out(epoch, h, slots, pos, torch.tensor([1]), None, False)
+    with pytest.raises(ComputeError, match="holds no MTP block"):
+        host.draft(DraftAsk(slots=[0], tokens=[1], positions=[0], ks=[3], p_mins=[0.0]))
+
+
+def test_bad_drafts_and_token_ids_are_refused_before_anything_runs(host):
+    epoch = load(host, (2, 4), output=True, mtp=True).epoch
+    n_vocab = host.cfg.n_vocab
+    for ask, why in (
+        (DraftAsk(slots=[0, 1], tokens=[1], positions=[0, 0], ks=[3, 3], p_mins=[0.0, 0.0]), "one length"),
+        (DraftAsk(slots=[1, 1], tokens=[1, 1], positions=[0, 0], ks=[3, 3], p_mins=[0.0, 0.0]), "twice for one slot"),
+        (DraftAsk(slots=[2], tokens=[1], positions=[0], ks=[3], p_mins=[0.0]), "past this stage's 2"),
+        (DraftAsk(resting=[5]), "past this stage's 2"),
+        (DraftAsk(slots=[0], tokens=[n_vocab], positions=[0], ks=[3], p_mins=[0.0]), "token id out of range"),
+        (DraftAsk(slots=[0], tokens=[1], positions=[62], ks=[3], p_mins=[0.0]), "past the slot's 64 positions"),
+    ):
+        with pytest.raises(ComputeError, match=why):
+            host.draft(ask)
+    h, slots, pos = torch.zeros(2, host.cfg.n_embd), torch.tensor([0, 0]), torch.tensor([0, 1])
+    with pytest.raises(ComputeError, match="token id out of range"):
+        host.forward_out(epoch, h, slots, pos, torch.tensor([1]), torch.tensor([1, n_vocab]), False)
+    with pytest.raises(ComputeError, match="exactly when this stage holds the MTP block"):
+        host.forward_out(epoch, h, slots, pos, torch.tensor([1]), None, False)
+    logits, x = host.forward_out(epoch, h, slots, pos, torch.tensor([1]), torch.tensor([1, 2]), True)
+    assert logits.shape == (1, n_vocab) and x.shape == (2, host.cfg.n_embd)
+    drafts = host.draft(DraftAsk(slots=[0], tokens=[3], positions=[2], ks=[3], p_mins=[0.0]))
+    assert drafts.counts == [3] and len(drafts.tokens) == 3
+
+
+def frame(parts) -> bytes:
+    return b"".join(bytes(memoryview(p).cast("B")) for p in parts)
+
+
+def test_forward_out_frames_are_checked_against_their_own_batch():
+    h, slots, pos = torch.zeros(3, 8), torch.tensor([0, 0, 0]), torch.tensor([0, 1, 2])
+    good = frame(pack_forward_out(7, h, slots, pos, torch.tensor([2]), torch.tensor([4, 5, 6]), True))
+    epoch, hidden, _, _, rows, tokens, want_hidden = unpack_forward_out(good)
+    assert (epoch, hidden.shape, rows.tolist(), tokens.tolist(), want_hidden) == (7, (3, 8), [2], [4, 5, 6], True)
+    for bad, why in (
+        (good[:-1], "needs"),
+        (good + b"\0", "needs"),
+        (frame(pack_forward_out(7, h, slots, pos, torch.tensor([3]), None, False)), "must index the batch's 3 rows"),
+        (frame(pack_forward_out(7, h, slots, pos, torch.tensor([0, 1, 2, 0]), None, False)), "4 logit rows"),
+        (frame(pack_forward_out(7, h, slots, pos, torch.tensor([0]), torch.tensor([1, -1, 2]), False)), ">= 0"),
+    ):
+        with pytest.raises(ComputeError, match=why):
+            unpack_forward_out(bad)
+    flags_at = len(frame(pack_forward_out(7, h, slots, pos, torch.zeros(0, dtype=torch.long), None, False))) - 4
+    bad_flags = bytearray(frame(pack_forward_out(7, h, slots, pos, torch.zeros(0, dtype=torch.long), None, False)))
+    bad_flags[flags_at] = 0x80
+    with pytest.raises(ComputeError, match="flags 0x80"):
+        unpack_forward_out(bytes(bad_flags))
+
+
+def test_output_stage_last_needs_a_peer(model):
+    cmd = [sys.executable, "-m", "hydra_console.engine.cli", "serve", "--model", str(model), "--output-stage", "last"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert (
+        out.returncode == 2
+        and "--output-stage last puts the output head on the last peer: it needs --peer" in out.stderr
+    )
