@@ -2,7 +2,7 @@
 
     python benchmarks/bench_spec.py [--model PATH | --synth qwen35|qwen35-bigram] [--device cpu] [--dtype auto]
                                     [--n-gen 128] [--spec-type ngram|mtp] [--draft-max 3] [--draft-p-min 0.75] [--draft-adaptive auto]
-                                    [--reps 3] [--split 9/9] [--link-rtt-ms 0 2 10]
+                                    [--reps 3] [--split 9/9] [--output-stage head|last] [--link-rtt-ms 0 2 10]
                                     [--workloads repetitive,prose] [--threads N] [--json]
 
 Workloads on one slot: a repetitive one (rewrite a code block with one change: the continuation
@@ -186,13 +186,16 @@ def make_engine(args, g, peer_addr: str | None) -> Engine:
     argv += ["--spec-type", args.spec_type, "--draft-max", str(args.draft_max)]
     if peer_addr:
         argv += ["--peer", peer_addr, "--split", args.split] if args.split else ["--peer", peer_addr]
+        argv += ["--output-stage", args.output_stage]
     cfg = head_config(build_parser().parse_args(argv), {})
     pipeline = build_pipeline(cfg, g, ModelConfig.from_gguf(g))
     speculator = None
-    if args.spec_type == "mtp":  # the MTP block lives beside the head stage
+    if args.spec_type == "mtp":  # the MTP block lives beside the head stage, or the last peer's
         adaptive = {"auto": None, "on": True, "off": False}[args.draft_adaptive]
         spec = SpecConfig("mtp", n_max=args.draft_max, p_min=args.draft_p_min, adaptive=adaptive)
-        speculator = build_speculator(spec, None, g, cfg.model, 1, head=pipeline.local)
+        speculator = build_speculator(
+            spec, None, g, cfg.model, 1, head=pipeline.local, remote_output=pipeline.output_remote
+        )
     # As a server's start does (workers/head.py): every graph the runs replay is captured before any is timed.
     pipeline.local.warm_up(graph_run_lengths(max_run_of(cfg.spec)), prefill_tokens=cfg.batch_tokens)
     return Engine(pipeline, Tokenizer.from_gguf(g), 1, args.ctx, speculator=speculator).start()
@@ -271,7 +274,7 @@ def forward_costs(engine: Engine, prompt: list[int], k: int, peer, n: int = 15) 
     calls = {m: functools.partial(forward, m) for m in range(1, k + 2)}
     if mtp is not None:
         calls["draft"] = lambda: mtp.draft_batch([DraftRequest(0, prompt[: at[0]], k)])
-        if mtp.graphs is not None:  # the same chain queued op by op, for comparison
+        if getattr(mtp, "graphs", None) is not None:  # the same chain queued op by op, for comparison
             calls["draft_eager"] = functools.partial(eager_draft, mtp, DraftRequest(0, prompt, k))
     wall = {c: [] for c in calls}
     cpu = {c: [] for c in calls}
@@ -454,6 +457,12 @@ def main() -> None:
         "--draft-adaptive", choices=["auto", "on", "off"], default="auto", help="MTP: the serve flag of that name"
     )
     ap.add_argument("--split", default=None, help="also run head + one peer with this split, e.g. 9/9")
+    ap.add_argument(
+        "--output-stage",
+        choices=["head", "last"],
+        default="head",
+        help="with --split: the serve flag (last: the peer holds the output head and the MTP block)",
+    )
     ap.add_argument(
         "--link-rtt-ms",
         type=float,
