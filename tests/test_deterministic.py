@@ -61,11 +61,19 @@ def serve_all(ws):
             w.stop()
 
 
+# The default model's shape (18 layers: the SPLITS; its width rounded up to the K-quants' 256-value
+# blocks), synthetic: a GPU machine need not have the package.
+GEMMA3_270M = dict(n_layers=18, n_embd=768, n_head=4, n_head_kv=1, head_dim=256, n_ff=2048, qtype="Q4_K_M")
+
+
 @pytest.fixture(scope="module", params=DEVICES)
-def default_workers(request, default_model, tmp_path_factory):
-    """The default configuration on CPU, and on CUDA where there is one (pytest -o addopts="" there)."""
+def default_workers(request, tiny_model, tmp_path_factory):
+    """The default configuration: on CPU with the default model, and on CUDA where there is one
+    (pytest -o addopts="" there) with a synthetic model of its shape."""
     logs = tmp_path_factory.mktemp(f"det-default-{request.param}")
-    yield from serve_all(workers(default_model, logs, parallel=N_CHOICES + 1, device=request.param))
+    cpu = request.param == "cpu"
+    model = request.getfixturevalue("default_model") if cpu else tiny_model("gemma3", **GEMMA3_270M)
+    yield from serve_all(workers(model, logs, parallel=N_CHOICES + 1, device=request.param))
 
 
 @pytest.fixture(scope="module")
