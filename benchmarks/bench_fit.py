@@ -177,6 +177,8 @@ def main() -> None:
                 for k in ("weight_bytes", "kv_bytes", "work_bytes", "runtime_bytes")
             }
             out[name]["estimate_gib"] = gib | {"total": round(est.total / 2**30, 3)}
+            # the estimate by what holds the bytes (contracts/footprint.py StageBytes.parts)
+            out[name]["estimate_parts_gib"] = {k: round(v / 2**30, 3) for k, v in est.parts.items()}
             if used:
                 out[name]["estimate_error"] = round(est.total / 2**30 / used - 1, 3)
         if args.owners:

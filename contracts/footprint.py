@@ -33,7 +33,7 @@ and the kernels it loads, outside the allocator (`StageBytes.runtime_bytes`), so
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 AUTO_DTYPE = "bfloat16"  # `--dtype auto` on every device (engine/device.py)
@@ -160,6 +160,9 @@ class StageBytes:
     kv_bytes: int  # K and V for all cache rows at full context
     work_bytes: int = 0  # a CUDA stage's scratch, cuBLAS workspaces and graphs' pool
     runtime_bytes: int = 0  # a CUDA process's context and loaded kernels
+    # the same bytes by what holds them (layers, token embedding, output head, MTP block, KV, recurrent
+    # state and checkpoints, the MTP block's KV, scratch, graphs' pool, ...): bench_fit's table
+    parts: dict[str, int] = field(default_factory=dict, compare=False)
 
     @property
     def total(self) -> int:
@@ -280,20 +283,40 @@ class ModelTensors:
         output = head if output is None else output
         gpu = device.startswith("cuda")
         form = weight_form(device, dtype, gpu_weights)
-        held = list(range(a, b)) + (self.mtp_layers if output and mtp else [])  # the MTP block needs the output head
-        weights = sum(self.layer_weights(il, form, dtype) for il in held)
-        weights += self.embedding_weights(form, dtype, gpu=gpu, with_output=output) if head else 0
-        weights += self.output_weights(form, dtype) if output else 0
-        weights += 4 * 4 * n_ctx * self.n_rot  # RoPE: cos and sin for two bases, float32
-        kv = sum(
-            self.layer_cache(il, n_slots, n_ctx, kv_types, dtype, gpu=gpu, kv_pool=kv_pool, depth=depth) for il in held
-        )
+        mtp_layers = self.mtp_layers if output and mtp else []  # the MTP block needs the output head
+
+        def cache(layers, attention: bool) -> int:
+            return sum(
+                self.layer_cache(il, n_slots, n_ctx, kv_types, dtype, gpu=gpu, kv_pool=kv_pool, depth=depth)
+                for il in layers
+                if self.attention_layers[il] == attention
+            )
+
+        weights = {
+            "layers": sum(self.layer_weights(il, form, dtype) for il in range(a, b)),
+            "token embedding": self.embedding_weights(form, dtype, gpu=gpu, with_output=output) if head else 0,
+            "output head": self.output_weights(form, dtype) if output else 0,
+            "MTP block": sum(self.layer_weights(il, form, dtype) for il in mtp_layers),
+            "RoPE tables": 4 * 4 * n_ctx * self.n_rot,  # cos and sin for two bases, float32
+        }
+        kv = {
+            "KV": cache(range(a, b), True),
+            "recurrent state and checkpoints": cache(range(a, b), False),
+            "MTP block's KV": cache(mtp_layers, True),
+        }
         if not gpu:
-            return StageBytes((a, b), weights, kv)
-        work = self.scratch_bytes(a, b, output=output, dtype=dtype) if form == "quantized" else 0
-        work += CUBLAS_WORKSPACE_BYTES * CUBLAS_STREAMS
-        work += self.graph_bytes(a, b, output=output, n_slots=n_slots, n_ctx=n_ctx, prompt_rows=prompt_rows)
-        return StageBytes((a, b), weights, kv, work, CUDA_RUNTIME_BYTES)
+            return StageBytes((a, b), sum(weights.values()), sum(kv.values()), parts=weights | kv)
+        work = {
+            "scratch": self.scratch_bytes(a, b, output=output, dtype=dtype) if form == "quantized" else 0,
+            "cuBLAS workspaces": CUBLAS_WORKSPACE_BYTES * CUBLAS_STREAMS,
+            "graphs' pool": self.graph_bytes(
+                a, b, output=output, n_slots=n_slots, n_ctx=n_ctx, prompt_rows=prompt_rows
+            ),
+        }
+        parts = weights | kv | work | {"CUDA context and kernels": CUDA_RUNTIME_BYTES}
+        return StageBytes(
+            (a, b), sum(weights.values()), sum(kv.values()), sum(work.values()), CUDA_RUNTIME_BYTES, parts
+        )
 
     def scratch_bytes(self, a: int, b: int, *, output: bool = False, dtype: str = "auto") -> int:
         """The prefill's dequantization scratch: the largest block of any quantized matrix of the

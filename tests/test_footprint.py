@@ -298,6 +298,15 @@ def test_the_output_head_on_the_last_stage_moves_bytes_and_creates_none(tiny_mod
     )
     mtp_kv = t.layer_cache(4, 2, 64, ("q8_0", "q8_0"), "bfloat16", gpu=device == "cuda")
     assert on_head[0].kv_bytes - on_last[0].kv_bytes == mtp_kv > 0
+    # bench_fit's table: the same bytes by what holds them, each where the stage holds it.
+    for stage in on_head + on_last:
+        assert sum(stage.parts.values()) == stage.total
+    assert on_last[1].parts["output head"] == on_head[0].parts["output head"] == t.output_weights(form, "bfloat16")
+    assert on_last[0].parts["output head"] == on_last[0].parts["MTP block"] == on_last[0].parts["MTP block's KV"] == 0
+    assert (
+        on_last[1].parts["MTP block's KV"] == mtp_kv
+        and on_last[1].parts["MTP block"] == moved - on_last[1].parts["output head"]
+    )
     # A tied quantized table is the output head's matrix: the head keeps it for the lookup and the last
     # stage holds it as its output head, two copies (the one case where moving creates bytes).
     g = GGUFFile(tiny_model("gemma3", **{**SHAPE, "n_layers": 4}, qtype="Q4_K_M"))
