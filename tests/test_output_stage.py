@@ -5,6 +5,8 @@ equal to the solo server's with the same seed; the peer's side refuses what does
 
 from __future__ import annotations
 
+import json
+import socket
 import subprocess
 import sys
 
@@ -12,11 +14,13 @@ import pytest
 import torch
 from rpc_workers import complete, head, peer
 
-from hydra_console.contracts.rpc import DraftAsk, LoadStageRequest
+from hydra_console.contracts.rpc import DraftAsk, LoadStageRequest, Op, Status
 from hydra_console.engine.gguf_file import GGUFFile
 from hydra_console.engine.model import ModelConfig, build_stage
+from hydra_console.engine.rpc import wire
 from hydra_console.engine.rpc.compute import pack_forward_out, unpack_forward_out
 from hydra_console.engine.rpc.resident import ComputeError, StageHost
+from hydra_console.engine.rpc.wire import SocketReader
 
 pytestmark = pytest.mark.integration
 
@@ -70,6 +74,24 @@ def test_mtp_on_the_last_peer_drafts_and_every_draft_is_taken(ws):
     assert spec["type"] == "mtp" and drafted > 20
     assert spec["accepted"] - before["accepted"] == drafted  # the block follows the target there
     assert spec["kv_bytes"] == 0  # the block's KV is the peer's
+
+
+def test_a_live_resplit_keeps_the_output_on_the_last_peer(ws):
+    """CONFIGURE moves the boundary: the peer loads its new range with the output head and the MTP
+    block again, and the same tokens come out (its block starts empty: drafts refill it)."""
+    for split, layers in (("3/1", [[0, 3], [3, 4]]), ("2/2", [[0, 2], [2, 4]])):
+        with socket.create_connection(("127.0.0.1", ws["head"].rpc_port), timeout=120) as s:
+            s.sendall(wire.pack_control_request(Op.CONFIGURE, json.dumps({"split": split}).encode()))
+            reply = wire.read_control_response(SocketReader(s), 1 << 20)
+        assert reply.status == Status.OK and reply.meta["layers"] == layers, reply.meta
+        for prompt in PROMPTS[:2]:
+            got = choice(ws["head"], prompt, 12, speculative=False)
+            want = choice(ws["solo"], prompt, 12)
+            assert (got["text"], got["logprobs"]["token_logprobs"]) == (
+                want["text"],
+                want["logprobs"]["token_logprobs"],
+            )
+            assert choice(ws["head"], prompt, 16)["text"] == choice(ws["solo"], prompt, 16)["text"]
 
 
 def test_a_sampled_request_gives_the_solo_servers_text_for_its_seed(ws):

@@ -73,6 +73,12 @@ def start_pipeline(cfg: HeadConfig, g, mcfg):
     dtype = resolve_dtype(m.dtype, device)
     # Before any peer loads or anything is allocated.
     _check_own_stage(cfg, g, ranges[0], device, dtype, f"--split {cfg.split or 'even'}")
+    if cfg.output_stage == "last" and not _on_this_host(cfg.peers[-1]):
+        log.warning(
+            "--output-stage last with %s on another host: every logit row (%d bytes) crosses the link",
+            cfg.peers[-1],
+            4 * mcfg.n_vocab,
+        )
     remotes = [
         RemoteStage(
             addr,
