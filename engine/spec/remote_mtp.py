@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from ...contracts.rpc import DraftAsk
@@ -49,9 +51,11 @@ class RemoteMtpDrafter(Drafter):
             self._changed.pop(slot, None)
 
     def sync(self) -> None:
-        """What the peer has not heard yet, sent now (before the forward it concerns)."""
+        """What the peer has not heard yet, sent now (before the forward it concerns); a peer lost
+        meanwhile hears it with the next DRAFT (the forward then waits for it, or fails, as any does)."""
         if self._released or self._changed:
-            self._ask()
+            with contextlib.suppress(PeerUnavailable):
+                self._ask()
 
     def draft_batch(self, requests: list[DraftRequest]) -> list[Draft]:
         """One DRAFT for every request; a peer lost meanwhile drafts nothing (the step's forward then
