@@ -12,7 +12,7 @@ import sys
 
 import pytest
 import torch
-from rpc_workers import complete, head, peer
+from rpc_workers import complete, head, peer, wait_for
 
 from hydra_console.contracts.rpc import DraftAsk, LoadStageRequest, Op, Status
 from hydra_console.engine.gguf_file import GGUFFile
@@ -105,6 +105,23 @@ def test_the_head_holds_no_output_head(ws, model):
     held = ws["head"].status()["stages"][0]["weight_bytes"]
     assert held == build_stage(g, (0, 2), head=False, dtype="float32", n_ctx=256).held_weight_bytes
     assert held < build_stage(g, (0, 2), dtype="float32", n_ctx=256).held_weight_bytes  # what --output-stage head holds
+
+
+def test_a_restarted_last_peer_is_loaded_with_the_output_again(ws):
+    """SIGTERM and a new process on the same port (the console's restart): the head re-attaches it
+    with LOAD_STAGE's output and MTP block, and the same tokens come out, drafted and verified."""
+    p = ws["peer"]
+    p.stop()
+    p.start()
+    p.wait_ready(120)
+    wait_for(lambda: ws["head"].status()["peers"][0]["attaches"] == 2, 60, "the head to re-attach the peer")
+    for prompt in PROMPTS[:2]:
+        got = choice(ws["head"], prompt, 12, speculative=False)
+        want = choice(ws["solo"], prompt, 12)
+        assert (got["text"], got["logprobs"]["token_logprobs"]) == (want["text"], want["logprobs"]["token_logprobs"])
+    before = ws["head"].status()["speculative"]["draft_tokens"]
+    assert choice(ws["head"], PROMPTS[2], 16)["text"] == choice(ws["solo"], PROMPTS[2], 16)["text"]
+    assert ws["head"].status()["speculative"]["draft_tokens"] > before
 
 
 # --- the peer's side: what its stage cannot take is refused, naming why ---------------------------
