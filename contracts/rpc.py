@@ -161,9 +161,10 @@ FORWARD_HEADER = struct.Struct("<QIIB3x")  # epoch, n_tokens, n_embd, dtype code
 FORWARD_REPLY = struct.Struct("<B3xI")  # status, peer compute µs
 # FORWARD_OUT: a FORWARD payload, then this (logit rows R, flags), rows int32[R], with OUT_TOKENS the
 # batch's token ids int32[T] (what the MTP block there follows). The reply: FORWARD_REPLY, float32
-# logits [R, n_vocab], with OUT_HIDDEN every row's normed hidden state float32 [T, n_embd].
+# logits [R, n_vocab] (with OUT_ARGMAX each row's argmax int32 [R] instead: every row is read for it
+# alone), with OUT_HIDDEN every row's normed hidden state float32 [T, n_embd].
 FORWARD_OUT = struct.Struct("<IB3x")
-OUT_HIDDEN, OUT_TOKENS = 1, 2
+OUT_HIDDEN, OUT_TOKENS, OUT_ARGMAX = 1, 2, 4
 KV_TRIM = struct.Struct("<iI")
 KV_CLEAR = struct.Struct("<i")
 KV_SHIFT = struct.Struct("<iIII")  # slot, keep, discard, n

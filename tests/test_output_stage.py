@@ -76,6 +76,25 @@ def test_mtp_on_the_last_peer_drafts_and_every_draft_is_taken(ws):
     assert spec["kv_bytes"] == 0  # the block's KV is the peer's
 
 
+def test_greedy_steps_bring_back_each_rows_argmax_alone(ws, model):
+    """A step whose rows are all read for their argmax (greedy, no logprobs, bias or penalty) gets
+    4 bytes a row from the peer, not the row: the same text; a request with logprobs gets its rows."""
+    n_vocab = ModelConfig.from_gguf(GGUFFile(model)).n_vocab
+
+    def received(**kw) -> tuple[int, str]:
+        before = ws["head"].status()["peers"][0]["bytes_recv"]
+        r = complete(ws["head"], PROMPTS[1], 16, cache_prompt=False, **kw)
+        assert r.status_code == 200, r.text
+        return ws["head"].status()["peers"][0]["bytes_recv"] - before, r.json()["choices"][0]["text"]
+
+    for spec in (False, True):  # plain decode steps, and verifies of MTP drafts
+        argmax_bytes, text = received(speculative=spec)
+        row_bytes, text_with_rows = received(speculative=spec, logprobs=1)
+        assert text == text_with_rows == choice(ws["solo"], PROMPTS[1], 16)["text"]
+        assert argmax_bytes < 4 * n_vocab  # not even one row
+        assert row_bytes >= 16 * 4 * n_vocab  # every step's rows
+
+
 def test_a_live_resplit_keeps_the_output_on_the_last_peer(ws):
     """CONFIGURE moves the boundary: the peer loads its new range with the output head and the MTP
     block again, and the same tokens come out (its block starts empty: drafts refill it)."""
@@ -187,9 +206,16 @@ def frame(parts) -> bytes:
 
 def test_forward_out_frames_are_checked_against_their_own_batch():
     h, slots, pos = torch.zeros(3, 8), torch.tensor([0, 0, 0]), torch.tensor([0, 1, 2])
-    good = frame(pack_forward_out(7, h, slots, pos, torch.tensor([2]), torch.tensor([4, 5, 6]), True))
-    epoch, hidden, _, _, rows, tokens, want_hidden = unpack_forward_out(good)
-    assert (epoch, hidden.shape, rows.tolist(), tokens.tolist(), want_hidden) == (7, (3, 8), [2], [4, 5, 6], True)
+    good = frame(pack_forward_out(7, h, slots, pos, torch.tensor([2]), torch.tensor([4, 5, 6]), True, True))
+    epoch, hidden, _, _, rows, tokens, want_hidden, argmax = unpack_forward_out(good)
+    assert (epoch, hidden.shape, rows.tolist(), tokens.tolist(), want_hidden, argmax) == (
+        7,
+        (3, 8),
+        [2],
+        [4, 5, 6],
+        True,
+        True,
+    )
     for bad, why in (
         (good[:-1], "needs"),
         (good + b"\0", "needs"),

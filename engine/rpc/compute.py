@@ -50,6 +50,7 @@ from ...contracts.rpc import (
     KV_CLEAR,
     KV_SHIFT,
     KV_TRIM,
+    OUT_ARGMAX,
     OUT_HIDDEN,
     OUT_TOKENS,
     PING_MAX,
@@ -115,17 +116,19 @@ def pack_forward_out(
     rows: torch.Tensor,
     tokens: torch.Tensor | None,
     want_hidden: bool,
+    argmax: bool = False,
 ) -> list:
     """FORWARD_OUT payload: FORWARD's, then the logit rows and (to a stage with the MTP block) the token ids."""
     flags = (OUT_HIDDEN if want_hidden else 0) | (OUT_TOKENS if tokens is not None else 0)
+    flags |= OUT_ARGMAX if argmax else 0
     parts = [*pack_forward(epoch, hidden, slots, positions), FORWARD_OUT.pack(rows.numel(), flags)]
     parts.append(rows.to(torch.int32).contiguous().numpy())
     return parts + ([tokens.to(torch.int32).contiguous().numpy()] if tokens is not None else [])
 
 
 def unpack_forward_out(payload):
-    """(epoch, hidden, slots, positions, rows, tokens or None, want_hidden); every size checked
-    against the frame's own batch (rows index it)."""
+    """(epoch, hidden, slots, positions, rows, tokens or None, want_hidden, argmax); every size
+    checked against the frame's own batch (rows index it)."""
     view = memoryview(payload)
     if len(view) < FORWARD_HEADER.size:
         raise ComputeError("FORWARD_OUT payload shorter than its header")
@@ -139,7 +142,7 @@ def unpack_forward_out(payload):
             f"FORWARD_OUT of {t}x{d} needs more than {o + FORWARD_OUT.size} bytes, frame has {len(view)}"
         )
     n_rows, flags = FORWARD_OUT.unpack_from(view, o)
-    if flags & ~(OUT_HIDDEN | OUT_TOKENS) or n_rows > t:
+    if flags & ~(OUT_HIDDEN | OUT_TOKENS | OUT_ARGMAX) or n_rows > t:
         raise ComputeError(f"FORWARD_OUT flags {flags:#x} or {n_rows} logit rows of a {t}-row batch refused")
     o += FORWARD_OUT.size
     want = o + 4 * n_rows + (4 * t if flags & OUT_TOKENS else 0)
@@ -162,7 +165,7 @@ def unpack_forward_out(payload):
         if t and int(tokens.min()) < 0:
             raise ComputeError("FORWARD_OUT token ids must be >= 0")
     epoch, hidden, slots, positions = unpack_forward(view[: FORWARD_HEADER.size + 8 * t + t * d * dtype.itemsize])
-    return epoch, hidden, slots, positions, rows, tokens, bool(flags & OUT_HIDDEN)
+    return epoch, hidden, slots, positions, rows, tokens, bool(flags & OUT_HIDDEN), bool(flags & OUT_ARGMAX)
 
 
 def unpack_forward(payload, *, with_hidden: bool = True) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -457,14 +460,15 @@ class ComputeServer:
         return [FORWARD_REPLY.pack(R.OK, compute_us), *body]
 
     def _forward_out(self, payload, session: dict) -> list:
-        """FORWARD_OUT: FORWARD through this last stage's output: the logit rows back (float32),
-        and every row's normed hidden state when asked (an embedding)."""
-        epoch, hidden, slots, positions, rows, tokens, want_hidden = unpack_forward_out(payload)
+        """FORWARD_OUT: FORWARD through this last stage's output: the logit rows back (float32), or
+        their argmax alone (int32), and every row's normed hidden state when asked (an embedding)."""
+        epoch, hidden, slots, positions, rows, tokens, want_hidden, argmax = unpack_forward_out(payload)
         t0 = time.perf_counter()
         logits, x = self.host.forward_out(
             epoch, hidden, slots, positions, rows, tokens, want_hidden, owner=session["id"]
         )
-        body = [_raw(to_host(logits).float())] + ([_raw(to_host(x).float())] if x is not None else [])
+        out = logits.argmax(-1).to(torch.int32) if argmax else logits.float()
+        body = [_raw(to_host(out))] + ([_raw(to_host(x).float())] if x is not None else [])
         compute_us = min(int((time.perf_counter() - t0) * 1e6), 0xFFFFFFFF)
         return [FORWARD_REPLY.pack(R.OK, compute_us), *body]
 

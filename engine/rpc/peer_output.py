@@ -3,6 +3,7 @@ hidden states (FORWARD_OUT), and its MTP block drafts there (DRAFT)."""
 
 from __future__ import annotations
 
+import math
 import time
 
 import torch
@@ -23,11 +24,13 @@ class OutputOps:
 
     output = mtp = False
 
-    def run_output(self, h, slots, positions, tokens, rows, want_hidden: bool, meanwhile=None):
+    def run_output(self, h, slots, positions, tokens, rows, want_hidden: bool, argmax: bool, meanwhile=None):
         """This peer's layers over `h`, then its output: (float32 logits of `rows` [R, n_vocab] on
         `h`'s device, every row's normed hidden state or None). `tokens` (the batch's ids) go along
-        when the peer's MTP block follows the target. The hidden states cross the socket even where a
-        CUDA IPC channel exists: its outbox holds hidden states, not logit rows."""
+        when the peer's MTP block follows the target. With `argmax` only each row's argmax comes
+        back (4 bytes, not 4 x n_vocab), and the rows are that token at 0 and -inf elsewhere: what a
+        greedy pick reads of them. The hidden states cross the socket even where a CUDA IPC channel
+        exists: its outbox holds hidden states, not logit rows."""
         failed, busy = None, 0.0
         with self._lock:
             if self.state != "up":
@@ -37,24 +40,28 @@ class OutputOps:
                 t0 = time.perf_counter()
                 hidden = to_host(h)
                 ids = to_host(tokens) if self.mtp else None
-                self._send(
-                    Cmd.FORWARD_OUT,
-                    pack_forward_out(self.epoch, hidden, slots.cpu(), positions.cpu(), rows.cpu(), ids, want_hidden),
+                frame = pack_forward_out(
+                    self.epoch, hidden, slots.cpu(), positions.cpu(), rows.cpu(), ids, want_hidden, argmax
                 )
+                self._send(Cmd.FORWARD_OUT, frame)
                 failed, busy = run_meanwhile(meanwhile)
-                n_vocab, d = self.n_vocab, hidden.shape[1]
-                want = [(rows.numel(), n_vocab)] + ([(hidden.shape[0], d)] if want_hidden else [])
-                compute_us = self._forward_reply(sum(4 * r * c for r, c in want))
+                want = [((rows.numel(),), torch.int32) if argmax else ((rows.numel(), self.n_vocab), torch.float32)]
+                want += [((hidden.shape[0], hidden.shape[1]), torch.float32)] if want_hidden else []
+                compute_us = self._forward_reply(sum(4 * math.prod(shape) for shape, _ in want))
                 outs = []
-                for shape in want:
-                    out = host_buffer(shape, torch.float32, h.device)
+                for shape, dtype in want:
+                    out = host_buffer(shape, dtype, h.device)
                     self._reader.read_into(memoryview(out.view(-1).view(torch.uint8).numpy()))
                     outs.append(out.to(h.device, non_blocking=True))  # from page-locked memory: the device orders it
             self.compute_ms = compute_us / 1e3
             self._rtts.note(max((time.perf_counter() - t0 - busy) * 1e3 - self.compute_ms, 0.0))
         if failed is not None:
             raise failed
-        return outs[0], (outs[1] if want_hidden else None)
+        logits = outs[0]
+        if argmax:
+            picks, logits = logits.long(), torch.full((rows.numel(), self.n_vocab), -torch.inf, device=h.device)
+            logits[torch.arange(rows.numel(), device=h.device), picks] = 0.0
+        return logits, (outs[1] if want_hidden else None)
 
     def draft(self, ask: DraftAsk) -> list[list[int]]:
         """DRAFT: the peer's MTP block's drafts, one list per slot asked (each at most its k)."""
