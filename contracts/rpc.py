@@ -159,12 +159,18 @@ HELLO = struct.Struct("<BBBBI")
 HELLO_MAX = 64  # a HELLO payload longer than this is not a HELLO
 FORWARD_HEADER = struct.Struct("<QIIB3x")  # epoch, n_tokens, n_embd, dtype code
 FORWARD_REPLY = struct.Struct("<B3xI")  # status, peer compute µs
-# FORWARD_OUT: a FORWARD payload, then this (logit rows R, flags), rows int32[R], with OUT_TOKENS the
-# batch's token ids int32[T] (what the MTP block there follows). The reply: FORWARD_REPLY, float32
-# logits [R, n_vocab] (with OUT_ARGMAX each row's argmax int32 [R] instead: every row is read for it
-# alone), with OUT_HIDDEN every row's normed hidden state float32 [T, n_embd].
-FORWARD_OUT = struct.Struct("<IB3x")
+# FORWARD_OUT: a FORWARD payload, then this (logit rows R, drafts ahead A, flags), rows int32[R], with
+# OUT_TOKENS the batch's token ids int32[T] (what the MTP block there follows), then A AHEAD entries.
+# The reply: FORWARD_REPLY, float32 logits [R, n_vocab] (with OUT_ARGMAX each row's argmax int32 [R]
+# instead: every row is read for it alone), with OUT_HIDDEN every row's normed hidden state float32
+# [T, n_embd], then per AHEAD entry AHEAD_DRAFT and its tokens int32[count].
+FORWARD_OUT = struct.Struct("<IIB3x")
 OUT_HIDDEN, OUT_TOKENS, OUT_ARGMAX = 1, 2, 4
+# A slot that verified `drafted` tokens greedily in this batch: the stage takes the target's argmax
+# rows as the head will (the draft's matching prefix, then the target's token), and drafts up to k
+# tokens from there with its MTP block at p-min: the next step's draft, with no DRAFT round trip.
+AHEAD = struct.Struct("<iIIf")  # slot, drafted, k, p_min
+AHEAD_DRAFT = struct.Struct("<iiI")  # position of the token drafted from, that token, count
 KV_TRIM = struct.Struct("<iI")
 KV_CLEAR = struct.Struct("<i")
 KV_SHIFT = struct.Struct("<iIII")  # slot, keep, discard, n

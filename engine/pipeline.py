@@ -95,6 +95,7 @@ class Pipeline:
         hidden: bool = False,
         meanwhile: Callable[[], None] | None = None,
         argmax: bool = False,
+        ahead: tuple = (),
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Flattened batch in, float32 logits of the rows in `logit_rows` (None: every row, no gather) out; with `hidden`, also
         every token's last hidden state after the output norm (what an MTP block drafts from and an
@@ -102,7 +103,8 @@ class Pipeline:
         after this worker's layers are queued: with a peer, between its frame and its reply, so
         the caller's host work overlaps the peer's. It must not call the pipeline. `argmax`: every
         row is read for its argmax alone (a greedy step), so a last peer that holds the output answers
-        that alone (`RemoteStage.run_output`); other pipelines ignore it."""
+        that alone (`RemoteStage.run_output`); `ahead` there: the slots whose next drafts its MTP block
+        makes from this step's verification (`spec.remote_mtp`). Other pipelines ignore both."""
         pipelined = (
             logit_rows is not None
             and logit_rows.numel() == 0
@@ -115,7 +117,7 @@ class Pipeline:
         out = None
         if self.output_remote is not None:
             rows = torch.arange(len(tokens)) if logit_rows is None else logit_rows
-            out = (tokens, rows, hidden, argmax)
+            out = (tokens, rows, hidden, argmax, ahead)
         with self._lock:
             h = self.recovery.through_loss(
                 lambda: self._rebuilt_run(tokens, slots, positions, meanwhile, pipelined, out)
@@ -139,7 +141,7 @@ class Pipeline:
 
     def _run(self, tokens, slots, positions, meanwhile=None, pipelined=False, out=None):
         """The batch through every stage; `pipelined`: the last peer's output is not waited for (None).
-        `out` (tokens, logit rows, hidden wanted, argmax alone): the last peer holds the output and answers it
+        `out` (tokens, logit rows, hidden wanted, argmax alone, drafts ahead): the last peer holds the output and answers it
         (`RemoteStage.run_output`: logits and the normed hidden states or None)."""
         h = self.local.run_layers(self.local.embed(tokens), slots, positions)
         if meanwhile is not None and not self.remotes:
@@ -152,7 +154,7 @@ class Pipeline:
                         meanwhile()
                     return None
                 if out is not None and i == len(self.remotes):
-                    return remote.run_output(h, slots, positions, *out, meanwhile if i == 1 else None)
+                    return remote.run_output(h, slots, positions, *out, meanwhile=meanwhile if i == 1 else None)
                 h = remote.run_layers(h, slots, positions, meanwhile if i == 1 else None)
             except StaleEpoch:
                 # Someone replaced the peer's resident set: re-validate, rebuild its KV (the

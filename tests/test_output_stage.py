@@ -88,7 +88,12 @@ def test_greedy_steps_bring_back_each_rows_argmax_alone(ws, model):
         return ws["head"].status()["peers"][0]["bytes_recv"] - before, r.json()["choices"][0]["text"]
 
     for spec in (False, True):  # plain decode steps, and verifies of MTP drafts
+        before = ws["peer"].status()["resident"]
         argmax_bytes, text = received(speculative=spec)
+        after = ws["peer"].status()["resident"]
+        ahead, asked = (after[k] - before[k] for k in ("drafts_ahead", "drafts_asked"))
+        # A greedy verify brings the slot's next draft with it: a DRAFT after the prompt, then (almost) none.
+        assert (ahead >= 2 and ahead > asked >= 1) if spec else (ahead, asked) == (0, 0), (ahead, asked)
         row_bytes, text_with_rows = received(speculative=spec, logprobs=1)
         assert text == text_with_rows == choice(ws["solo"], PROMPTS[1], 16)["text"]
         assert argmax_bytes < 4 * n_vocab  # not even one row
@@ -171,7 +176,7 @@ def test_forward_out_and_draft_are_refused_by_a_stage_without_them(host):
     epoch = load(host, (2, 4)).epoch
     h, slots, pos = torch.zeros(2, host.cfg.n_embd), torch.tensor([0, 0]), torch.tensor([0, 1])
     with pytest.raises(ComputeError, match="holds no output head"):
-        host.forward_out(epoch, h, slots, pos, torch.tensor([1]), None, False)
+        host.forward_out(epoch, h, slots, pos, torch.tensor([1]), None, False, ())
     with pytest.raises(ComputeError, match="holds no MTP block"):
         host.draft(DraftAsk(slots=[0], tokens=[1], positions=[0], ks=[3], p_mins=[0.0]))
 
@@ -191,13 +196,63 @@ def test_bad_drafts_and_token_ids_are_refused_before_anything_runs(host):
             host.draft(ask)
     h, slots, pos = torch.zeros(2, host.cfg.n_embd), torch.tensor([0, 0]), torch.tensor([0, 1])
     with pytest.raises(ComputeError, match="token id out of range"):
-        host.forward_out(epoch, h, slots, pos, torch.tensor([1]), torch.tensor([1, n_vocab]), False)
+        host.forward_out(epoch, h, slots, pos, torch.tensor([1]), torch.tensor([1, n_vocab]), False, ())
     with pytest.raises(ComputeError, match="exactly when this stage holds the MTP block"):
-        host.forward_out(epoch, h, slots, pos, torch.tensor([1]), None, False)
-    logits, x = host.forward_out(epoch, h, slots, pos, torch.tensor([1]), torch.tensor([1, 2]), True)
-    assert logits.shape == (1, n_vocab) and x.shape == (2, host.cfg.n_embd)
+        host.forward_out(epoch, h, slots, pos, torch.tensor([1]), None, False, ())
+    logits, x, ahead = host.forward_out(epoch, h, slots, pos, torch.tensor([1]), torch.tensor([1, 2]), True, ())
+    assert logits.shape == (1, n_vocab) and x.shape == (2, host.cfg.n_embd) and ahead == []
+    rows = torch.tensor([0, 1])
+    for bad, why in (
+        ([(0, 1, 3, 0.0), (0, 1, 3, 0.0)], "name a slot twice"),
+        ([(1, 0, 3, 0.0)], "0 drafted tokens need 1 logit rows"),
+        ([(0, 2, 3, 0.0)], "2 drafted tokens need 3 logit rows"),
+        ([(0, 1, 0, 0.0)], "k must be"),
+        ([(0, 1, 3, float("nan"))], "p_min 0..1"),
+    ):
+        with pytest.raises(ComputeError, match=why):
+            host.forward_out(epoch, h, slots, pos, rows, torch.tensor([1, 2]), False, bad)
     drafts = host.draft(DraftAsk(slots=[0], tokens=[3], positions=[2], ks=[3], p_mins=[0.0]))
     assert drafts.counts == [3] and len(drafts.tokens) == 3
+
+
+def test_a_draft_ahead_is_the_draft_the_verified_outcome_would_ask_for(host):
+    """Slot 0 verifies the greedy continuation of its prompt (every draft right: the bigram block),
+    slot 1 a draft whose first token is wrong: each draft made ahead starts from the token the head's
+    greedy verification emits last, at its position, and equals what DRAFT gives from there."""
+    epoch = load(host, (2, 4), output=True, mtp=True).epoch
+    g = host.g
+    stage = build_stage(g, (0, 2), head=False, dtype="float32", n_slots=2, n_ctx=64)
+    solo = build_stage(g, dtype="float32", n_slots=2, n_ctx=64)
+
+    def greedy_next(ids):
+        h = solo.run_layers(
+            solo.embed(torch.tensor(ids)), torch.zeros(len(ids), dtype=torch.long), torch.arange(len(ids))
+        )
+        return int(solo.logits(h[-1:]).argmax())
+
+    prompt = [5, 9, 2]
+    cont = [greedy_next(prompt)]
+    for _ in range(3):
+        cont.append(greedy_next(prompt + cont))
+    solo.kv_clear(0)
+    # Both slots' prompts through the split, then one verify step: slot 0 [x, d1, d2] right, slot 1 wrong.
+    for slot in (0, 1):
+        ids = torch.tensor(prompt)
+        h = stage.run_layers(stage.embed(ids), torch.full((3,), slot), torch.arange(3))
+        host.forward_out(epoch, h, torch.full((3,), slot), torch.arange(3), torch.tensor([2]), ids, False, ())
+    wrong = (cont[1] + 1) % host.cfg.n_vocab
+    ids = torch.tensor([cont[0], cont[1], cont[2], cont[0], wrong])
+    slots, pos = torch.tensor([0, 0, 0, 1, 1]), torch.tensor([3, 4, 5, 3, 4])
+    h = stage.run_layers(stage.embed(ids), slots, pos)
+    ahead = ((0, 2, 3, 0.0), (1, 1, 3, 0.0))
+    _, _, drafts = host.forward_out(epoch, h, slots, pos, torch.arange(5), ids, False, ahead)
+    assert [d[:2] for d in drafts] == [(6, cont[3]), (4, cont[1])]  # slot 0 took both; slot 1 none
+    assert all(len(d[2]) == 3 for d in drafts)
+    asked = host.draft(
+        DraftAsk(slots=[0, 1], tokens=[cont[3], cont[1]], positions=[6, 4], ks=[3, 3], p_mins=[0.0, 0.0])
+    )
+    assert asked.tokens == drafts[0][2] + drafts[1][2]
+    assert drafts[0][2] == [greedy_next(prompt + cont[:4])] + drafts[0][2][1:]  # the block's first guess is the trunk's
 
 
 def frame(parts) -> bytes:
@@ -206,8 +261,9 @@ def frame(parts) -> bytes:
 
 def test_forward_out_frames_are_checked_against_their_own_batch():
     h, slots, pos = torch.zeros(3, 8), torch.tensor([0, 0, 0]), torch.tensor([0, 1, 2])
-    good = frame(pack_forward_out(7, h, slots, pos, torch.tensor([2]), torch.tensor([4, 5, 6]), True, True))
-    epoch, hidden, _, _, rows, tokens, want_hidden, argmax = unpack_forward_out(good)
+    ahead = ((0, 2, 3, 0.5),)
+    good = frame(pack_forward_out(7, h, slots, pos, torch.tensor([2]), torch.tensor([4, 5, 6]), True, True, ahead))
+    epoch, hidden, _, _, rows, tokens, want_hidden, argmax, got = unpack_forward_out(good)
     assert (epoch, hidden.shape, rows.tolist(), tokens.tolist(), want_hidden, argmax) == (
         7,
         (3, 8),
@@ -216,6 +272,10 @@ def test_forward_out_frames_are_checked_against_their_own_batch():
         True,
         True,
     )
+    assert got == list(ahead)
+    four = ((0, 1, 3, 0.0),) * 4
+    with pytest.raises(ComputeError, match="4 drafts ahead of a 3-row batch"):
+        unpack_forward_out(frame(pack_forward_out(7, h, slots, pos, torch.tensor([2]), None, False, False, four)))
     for bad, why in (
         (good[:-1], "needs"),
         (good + b"\0", "needs"),

@@ -103,6 +103,7 @@ class RemoteStage(PipelinedSends, SlotStateOps, OutputOps):
         self._tensors = model_tensors(g.metadata, g.tensors)  # bounds the states a peer may send back
         self.n_vocab = (self._tensors.output or self._tensors.embedding).shape[0]  # FORWARD_OUT's logit rows
         self.output, self.mtp = output, mtp  # --output-stage last: it holds the output head (and the MTP block)
+        self.ahead_drafts = {}  # the MTP block's drafts made in the last FORWARD_OUT, per slot
         self.kv_types = kv_types  # the peer allocates its KV in the head's cache types, as llama.cpp's RPC backend does
         self.max_run = max_run  # and captures graphs for the head's verify steps before it serves
         self.deterministic = deterministic  # a split computes as the head does: batch-invariant or not
@@ -313,9 +314,10 @@ class RemoteStage(PipelinedSends, SlotStateOps, OutputOps):
             raise failed
         return out
 
-    def _forward_reply(self, hidden_bytes: int) -> int:
-        """Reads a FORWARD reply up to its hidden states (`hidden_bytes` of them must follow);
-        returns the peer's compute µs. A refusal raises StaleEpoch or PeerError."""
+    def _forward_reply(self, hidden_bytes: int, more: int = 0) -> int:
+        """Reads a FORWARD reply up to its hidden states (`hidden_bytes` of them must follow, and at
+        most `more` bytes after them, which `self._more` then counts); returns the peer's compute µs.
+        A refusal raises StaleEpoch or PeerError."""
         spin_until_readable(self._sock, self._spin_s)
         size = read_compute_response_size(self._reader, self.max_frame)
         head = self._reader.read_exact(min(size, FORWARD_REPLY.size))
@@ -324,7 +326,8 @@ class RemoteStage(PipelinedSends, SlotStateOps, OutputOps):
             if head and head[0] == R.STALE_EPOCH:
                 raise StaleEpoch(f"peer {self.addr}: {body.decode('utf-8', 'replace')}")
             raise PeerError(f"peer {self.addr} could not run the batch: {body.decode('utf-8', 'replace')}")
-        if size - FORWARD_REPLY.size != hidden_bytes:
+        self._more = size - FORWARD_REPLY.size - hidden_bytes
+        if not 0 <= self._more <= more:
             raise FrameError(f"FORWARD reply of {size} bytes, expected {FORWARD_REPLY.size + hidden_bytes}")
         return FORWARD_REPLY.unpack(head)[1]
 

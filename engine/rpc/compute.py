@@ -31,6 +31,8 @@ import torch
 
 from ...contracts.auth import AuthError, ServerHandshake
 from ...contracts.rpc import (
+    AHEAD,
+    AHEAD_DRAFT,
     CAP_AUTH,
     CAP_FORWARD,
     CAP_FORWARD_ACK,
@@ -117,18 +119,21 @@ def pack_forward_out(
     tokens: torch.Tensor | None,
     want_hidden: bool,
     argmax: bool = False,
+    ahead: tuple = (),
 ) -> list:
-    """FORWARD_OUT payload: FORWARD's, then the logit rows and (to a stage with the MTP block) the token ids."""
+    """FORWARD_OUT payload: FORWARD's, then the logit rows, (to a stage with the MTP block) the token
+    ids, and the drafts ahead asked for: (slot, drafted, k, p_min) each."""
     flags = (OUT_HIDDEN if want_hidden else 0) | (OUT_TOKENS if tokens is not None else 0)
     flags |= OUT_ARGMAX if argmax else 0
-    parts = [*pack_forward(epoch, hidden, slots, positions), FORWARD_OUT.pack(rows.numel(), flags)]
+    parts = [*pack_forward(epoch, hidden, slots, positions), FORWARD_OUT.pack(rows.numel(), len(ahead), flags)]
     parts.append(rows.to(torch.int32).contiguous().numpy())
-    return parts + ([tokens.to(torch.int32).contiguous().numpy()] if tokens is not None else [])
+    parts += [tokens.to(torch.int32).contiguous().numpy()] if tokens is not None else []
+    return parts + [b"".join(AHEAD.pack(*entry) for entry in ahead)]
 
 
 def unpack_forward_out(payload):
-    """(epoch, hidden, slots, positions, rows, tokens or None, want_hidden, argmax); every size
-    checked against the frame's own batch (rows index it)."""
+    """(epoch, hidden, slots, positions, rows, tokens or None, want_hidden, argmax, ahead entries);
+    every size checked against the frame's own batch (rows index it, an entry's slot is in it)."""
     view = memoryview(payload)
     if len(view) < FORWARD_HEADER.size:
         raise ComputeError("FORWARD_OUT payload shorter than its header")
@@ -141,31 +146,32 @@ def unpack_forward_out(payload):
         raise ComputeError(
             f"FORWARD_OUT of {t}x{d} needs more than {o + FORWARD_OUT.size} bytes, frame has {len(view)}"
         )
-    n_rows, flags = FORWARD_OUT.unpack_from(view, o)
-    if flags & ~(OUT_HIDDEN | OUT_TOKENS | OUT_ARGMAX) or n_rows > t:
-        raise ComputeError(f"FORWARD_OUT flags {flags:#x} or {n_rows} logit rows of a {t}-row batch refused")
+    n_rows, n_ahead, flags = FORWARD_OUT.unpack_from(view, o)
+    if flags & ~(OUT_HIDDEN | OUT_TOKENS | OUT_ARGMAX) or n_rows > t or n_ahead > t:
+        raise ComputeError(
+            f"FORWARD_OUT flags {flags:#x}, {n_rows} logit rows or {n_ahead} drafts ahead of a {t}-row batch refused"
+        )
     o += FORWARD_OUT.size
-    want = o + 4 * n_rows + (4 * t if flags & OUT_TOKENS else 0)
+    n_tokens = t if flags & OUT_TOKENS else 0
+    want = o + 4 * n_rows + 4 * n_tokens + AHEAD.size * n_ahead
     if len(view) != want:
         raise ComputeError(f"FORWARD_OUT of {t} rows and {n_rows} logit rows needs {want} bytes, frame has {len(view)}")
-    rows = (
-        torch.frombuffer(view[o : o + 4 * n_rows], dtype=torch.int32).long()
-        if n_rows
-        else torch.zeros(0, dtype=torch.long)
-    )
+
+    def ints(at: int, n: int) -> torch.Tensor:
+        return (
+            torch.frombuffer(view[at : at + 4 * n], dtype=torch.int32).long() if n else torch.zeros(0, dtype=torch.long)
+        )
+
+    rows = ints(o, n_rows)
     if n_rows and not (0 <= int(rows.min()) and int(rows.max()) < t):
         raise ComputeError(f"FORWARD_OUT logit rows must index the batch's {t} rows")
-    tokens = None
-    if flags & OUT_TOKENS:
-        tokens = (
-            torch.frombuffer(view[want - 4 * t : want], dtype=torch.int32).long()
-            if t
-            else torch.zeros(0, dtype=torch.long)
-        )
-        if t and int(tokens.min()) < 0:
-            raise ComputeError("FORWARD_OUT token ids must be >= 0")
+    tokens = ints(o + 4 * n_rows, n_tokens) if flags & OUT_TOKENS else None
+    if n_tokens and int(tokens.min()) < 0:
+        raise ComputeError("FORWARD_OUT token ids must be >= 0")
+    at = o + 4 * n_rows + 4 * n_tokens
+    ahead = [AHEAD.unpack_from(view, at + i * AHEAD.size) for i in range(n_ahead)]
     epoch, hidden, slots, positions = unpack_forward(view[: FORWARD_HEADER.size + 8 * t + t * d * dtype.itemsize])
-    return epoch, hidden, slots, positions, rows, tokens, bool(flags & OUT_HIDDEN), bool(flags & OUT_ARGMAX)
+    return epoch, hidden, slots, positions, rows, tokens, bool(flags & OUT_HIDDEN), bool(flags & OUT_ARGMAX), ahead
 
 
 def unpack_forward(payload, *, with_hidden: bool = True) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -461,14 +467,17 @@ class ComputeServer:
 
     def _forward_out(self, payload, session: dict) -> list:
         """FORWARD_OUT: FORWARD through this last stage's output: the logit rows back (float32), or
-        their argmax alone (int32), and every row's normed hidden state when asked (an embedding)."""
-        epoch, hidden, slots, positions, rows, tokens, want_hidden, argmax = unpack_forward_out(payload)
+        their argmax alone (int32), every row's normed hidden state when asked (an embedding), and
+        the drafts ahead asked for."""
+        epoch, hidden, slots, positions, rows, tokens, want_hidden, argmax, ahead = unpack_forward_out(payload)
         t0 = time.perf_counter()
-        logits, x = self.host.forward_out(
-            epoch, hidden, slots, positions, rows, tokens, want_hidden, owner=session["id"]
+        logits, x, drafts = self.host.forward_out(
+            epoch, hidden, slots, positions, rows, tokens, want_hidden, ahead, owner=session["id"]
         )
         out = logits.argmax(-1).to(torch.int32) if argmax else logits.float()
         body = [_raw(to_host(out))] + ([_raw(to_host(x).float())] if x is not None else [])
+        for position, token, draft in drafts:
+            body += [AHEAD_DRAFT.pack(position, token, len(draft)), np.asarray(draft, dtype=np.int32)]
         compute_us = min(int((time.perf_counter() - t0) * 1e6), 0xFFFFFFFF)
         return [FORWARD_REPLY.pack(R.OK, compute_us), *body]
 

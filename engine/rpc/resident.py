@@ -35,7 +35,7 @@ from ..layer_probe import probe_stage
 from ..model import build_stage, graph_run_lengths
 from ..spec.mtp import check_mtp
 from .compute_error import ComputeError
-from .output_stage import StageOutput, check_draft
+from .output_stage import StageOutput, check_ahead, check_draft
 from .resident_state import StageStateOps
 
 # Torch dtypes of the wire's dtype names (contracts.rpc.DTYPE_CODES).
@@ -96,6 +96,7 @@ class StageHost(StageStateOps):
         self.on_change = lambda: None  # called after a stage swap (the peer's /health follows it)
         self._params: tuple | None = None
         self.forwards = self.tokens = 0
+        self.drafts_asked = self.drafts_ahead = 0  # MTP drafts by DRAFT, and made in a FORWARD_OUT
         self.lengths: dict[int, int] = {}  # per slot: the positions it has run (STATE_META)
         self.state_bytes_in = self.state_bytes_out = 0
         self.staging = 0  # STATE_PUTs streaming in or being checked now, outside the forward lock
@@ -321,8 +322,9 @@ class StageHost(StageStateOps):
         with self.lock:
             return self._run(epoch, hidden, slots, positions, owner)
 
-    def forward_out(self, epoch: int, hidden, slots, positions, rows, tokens, want_hidden: bool, owner: int = 0):
-        """FORWARD_OUT: `forward`, then the output this last stage holds (`StageOutput.outputs`)."""
+    def forward_out(self, epoch: int, hidden, slots, positions, rows, tokens, want_hidden: bool, ahead, owner: int = 0):
+        """FORWARD_OUT: `forward`, then the output this last stage holds (`StageOutput.outputs`):
+        (logits, normed hidden states or None, the drafts ahead)."""
         with self.lock:
             self._own(owner)
             if self.output is None:
@@ -333,8 +335,14 @@ class StageHost(StageStateOps):
                 )
             if tokens is not None and tokens.numel() and int(tokens.max()) >= self.cfg.n_vocab:
                 raise ComputeError(f"FORWARD_OUT token id out of range 0..{self.cfg.n_vocab - 1}")
+            if ahead and self.output.mtp is None:
+                raise ComputeError("FORWARD_OUT drafts ahead: this stage holds no MTP block")
+            why = check_ahead(ahead, slots, rows, self.stage.n_slots) if ahead else None
+            if why is not None:
+                raise ComputeError(why)
             h = self._run(epoch, hidden, slots, positions, owner)
-            return self.output.outputs(h, tokens, slots, positions, rows, want_hidden)
+            self.drafts_ahead += len(ahead)
+            return self.output.outputs(h, tokens, slots, positions, rows, want_hidden, ahead)
 
     def draft(self, ask: DraftAsk, owner: int = 0) -> DraftReply:
         """DRAFT: the MTP block's drafts (this stage's, --output-stage last)."""
@@ -345,6 +353,7 @@ class StageHost(StageStateOps):
             why = check_draft(ask, self.stage.n_slots, self.stage.n_ctx, self.cfg.n_vocab)
             if why is not None:
                 raise ComputeError(why)
+            self.drafts_asked += len(ask.slots)
             return self.output.draft(ask)
 
     def _run(self, epoch: int, hidden: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor, owner: int):
@@ -415,6 +424,8 @@ class StageHost(StageStateOps):
             "device": str(self.device),
             "forwards": self.forwards,
             "tokens": self.tokens,
+            "drafts_asked": self.drafts_asked,
+            "drafts_ahead": self.drafts_ahead,
             "compute_s": round(self.compute_s, 6),
             "load_s": round(self.load_s, 4),
             "state_bytes_in": self.state_bytes_in,

@@ -108,28 +108,22 @@ class ModelRunner:
                 tokens = torch.where(known == PENDING, tokens, known)
         hidden_rows = batch.hidden_rows()
         if not (self.spec.wants_hidden or hidden_rows):
-            argmax = self._argmax_alone(batch)
-            return self.pipeline.forward(tokens, slots, positions, rows, meanwhile=meanwhile, argmax=argmax), None
+            argmax, ahead = self._argmax_alone(batch), self.spec.ahead(batch.chunks)
+            logits = self.pipeline.forward(
+                tokens, slots, positions, rows, meanwhile=meanwhile, argmax=argmax, ahead=ahead
+            )
+            return logits, None
         logits, hidden = self.pipeline.forward(tokens, slots, positions, rows, hidden=True, meanwhile=meanwhile)
         if self.spec.wants_hidden:
             self.spec.observe(tokens, slots, positions, hidden)  # the MTP block follows every token the target ran
         return logits, hidden[torch.tensor(hidden_rows).to(hidden.device)] if hidden_rows else None
 
     def _argmax_alone(self, batch: Batch) -> bool:
-        """Whether every logits row of `batch` is read for its argmax alone: greedy rows with no logit
-        bias (an ignored EOS is one), penalty, grammar, logprobs or prompt scoring. A last peer that
-        holds the output then sends each row's argmax instead of the row (`Pipeline.forward`)."""
+        """Whether every logits row of `batch` is read for its argmax alone (`Chunk.greedy_rows`). A last
+        peer that holds the output then sends each row's argmax instead of the row (`Pipeline.forward`)."""
         if getattr(self.pipeline, "output_remote", None) is None:
             return False
-        for c in batch.chunks:
-            if not (c.sample or c.draft or c.score):  # a prompt chunk before its last: no rows
-                continue
-            p = c.seq.req.params
-            if c.score or c.seq.req.constraint is not None or p.logprobs is not None:
-                return False
-            if not p.greedy or p.penalised or p.logit_bias:
-                return False
-        return True
+        return all(c.greedy_rows for c in batch.chunks if c.sample or c.draft or c.score)
 
     @staticmethod
     def _keep_hidden(batch: Batch, hidden: torch.Tensor | None) -> None:

@@ -64,6 +64,14 @@ class Chunk:
         """An embedding request's chunk: every row's hidden state comes back, no logits."""
         return self.seq.req.embedding
 
+    @property
+    def greedy_rows(self) -> bool:
+        """Whether its logits rows are read for their argmax alone: greedy, no logit bias (an ignored
+        EOS is one), penalty, grammar, logprobs or prompt scoring."""
+        p = self.seq.req.params
+        plain = not self.score and self.seq.req.constraint is None and p.logprobs is None
+        return plain and p.greedy and not p.penalised and not p.logit_bias
+
 
 @dataclass
 class Batch:

@@ -31,6 +31,7 @@ class RemoteMtpDrafter(Drafter):
         self._released: set[int] = set()
         self._resting: dict[int, bool] = {}  # slot -> resting, as the peer last heard it
         self._changed: dict[int, bool] = {}  # slot -> resting, not sent yet
+        self.ahead = 0  # drafts the peer made in a forward's exchange (no DRAFT of their own)
 
     @property
     def kv_bytes(self) -> int:
@@ -41,6 +42,7 @@ class RemoteMtpDrafter(Drafter):
 
     def release(self, slot: int) -> None:
         self._released.add(slot)
+        self.remote.take_ahead(slot, -1, -1)  # whatever was drafted ahead for the slot's last request
         self._resting.pop(slot, None)
         self._changed.pop(slot, None)
 
@@ -58,11 +60,25 @@ class RemoteMtpDrafter(Drafter):
                 self._ask()
 
     def draft_batch(self, requests: list[DraftRequest]) -> list[Draft]:
-        """One DRAFT for every request; a peer lost meanwhile drafts nothing (the step's forward then
-        waits for it, or fails its requests, as any forward does)."""
-        live = [r for r in requests if r.k > 0 and r.tokens]
+        """The drafts the peer made ahead in the last forward (`Speculator.ahead`) where they start
+        from the slot's last token, else one DRAFT for the rest; a peer lost meanwhile drafts nothing
+        (the step's forward then waits for it, or fails its requests, as any forward does)."""
+        out = [Draft() for _ in requests]
+        asked = []
+        for i, r in enumerate(requests):
+            if r.k <= 0 or not r.tokens:
+                continue
+            kept = self.remote.take_ahead(r.slot, len(r.tokens) - 1, r.tokens[-1])
+            if kept is None:
+                asked.append(i)
+            else:
+                out[i].tokens = kept[: r.k]
+                self.ahead += 1
+        if not asked and not (self._released or self._changed):
+            return out
+        live = [requests[i] for i in asked]
         try:
-            asked = self._ask(
+            drafts = self._ask(
                 slots=[r.slot for r in live],
                 tokens=[r.tokens[-1] for r in live],
                 positions=[len(r.tokens) - 1 for r in live],
@@ -70,9 +86,10 @@ class RemoteMtpDrafter(Drafter):
                 p_mins=[self.p_min if r.p_min is None else r.p_min for r in live],
             )
         except PeerUnavailable:
-            return [Draft() for _ in requests]
-        drafts = iter(asked)
-        return [Draft(next(drafts)) if r.k > 0 and r.tokens else Draft() for r in requests]
+            return out
+        for i, tokens in zip(asked, drafts):
+            out[i].tokens = tokens
+        return out
 
     def _ask(self, **drafts) -> list[list[int]]:
         ask = DraftAsk(

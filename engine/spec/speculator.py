@@ -190,6 +190,19 @@ class Speculator:
             self.adaptive.record(slot, k, len(emitted) - 1)
         return emitted
 
+    def ahead(self, chunks: list) -> tuple:
+        """(slot, drafted, k, p_min) of the chunks whose greedy MTP draft this step verifies, when the
+        block is the last peer's: it drafts their next step from the outcome in the same exchange
+        (`RemoteMtpDrafter`), instead of a DRAFT round trip then."""
+        if not isinstance(self.mtp, RemoteMtpDrafter):
+            return ()
+        out = []
+        for c in chunks:
+            cfg = c.seq.req.spec or self.config
+            if c.draft and cfg.type == "mtp" and c.greedy_rows:
+                out.append((c.seq.slot, len(c.draft), min(cfg.n_max, self.max_draft), cfg.p_min))
+        return tuple(out)
+
     def timed(self, chunks: list, seconds: float) -> None:
         """A decode step (every chunk one sequence's next token, some with drafts) took `seconds`,
         its drafting included: the adaptive policy's cost of (sequences, tokens verified), a draft's
