@@ -85,18 +85,29 @@ PROMPT = "The link between the two machines carries hidden states, never weights
 # --- item 2: the projection ------------------------------------------------------------------------
 
 
-def measure_serialization(d: int, rows: int, dtype_name: str, device: str = "cpu", iters: int = 1500) -> dict:
+def measure_serialization(
+    d: int, rows: int, dtype_name: str, device: str = "cpu", iters: int = 1500, output: bool = False
+) -> dict:
     """Host cost of one FORWARD round trip of `rows` x `d` hidden states in `dtype_name`, as the
     head and a peer frame them (engine/rpc/compute.py, wire.py), over loopback TCP: median round
     trip of that frame minus an empty frame's (the loopback's own round trip, which a real link
     replaces with its RTT). On a CUDA `device` both sides also stage the states as they do
     (engine/device.py: to the host through page-locked memory and back, waiting for the copies).
-    Returns ms and the frame sizes."""
+    `output`: a greedy step through a last peer that holds the output head and the MTP block
+    (`--output-stage last`): FORWARD_OUT out (the states, rows, token ids, a draft ahead), each
+    row's argmax and the next draft back. Returns ms and the frame sizes."""
+    import numpy as np
     import torch
 
-    from hydra_console.contracts.rpc import COMPUTE_HEADER, COMPUTE_SIZE, FORWARD_REPLY, Cmd
+    from hydra_console.contracts.rpc import AHEAD_DRAFT, COMPUTE_HEADER, COMPUTE_SIZE, FORWARD_REPLY, Cmd
     from hydra_console.engine.device import host_buffer, to_host
-    from hydra_console.engine.rpc.compute import _raw, pack_forward, unpack_forward
+    from hydra_console.engine.rpc.compute import (
+        _raw,
+        pack_forward,
+        pack_forward_out,
+        unpack_forward,
+        unpack_forward_out,
+    )
     from hydra_console.engine.rpc.tcp import tune_socket
     from hydra_console.engine.rpc.wire import (
         SocketReader,
@@ -118,11 +129,20 @@ def measure_serialization(d: int, rows: int, dtype_name: str, device: str = "cpu
         try:
             while True:
                 cmd, payload = read_compute_request(reader, 1 << 30)
-                if cmd != Cmd.FORWARD:
+                if cmd not in (Cmd.FORWARD, Cmd.FORWARD_OUT):
                     break
-                _, hidden, _, _ = unpack_forward(payload)
-                out = hidden.to(dev).clone()  # the stage's input on its device; its output a new tensor
-                body = _raw(to_host(out).to(hidden.dtype))
+                if cmd == Cmd.FORWARD_OUT:  # each row's argmax and one draft of 3 ahead back
+                    _, hidden, _, _, rows_, _, _, _, ahead = unpack_forward_out(payload)
+                    hidden.to(dev)  # the stage's input on its device; its argmax rows: any ids
+                    out = rows_.to(dev, torch.int32)
+                    draft = [np.int32(1)] * 3
+                    body = _raw(to_host(out)).tobytes() + b"".join(
+                        AHEAD_DRAFT.pack(0, 0, len(draft)) + np.asarray(draft).tobytes() for _ in ahead
+                    )
+                else:
+                    _, hidden, _, _ = unpack_forward(payload)
+                    out = hidden.to(dev).clone()  # the stage's input on its device; its output a new tensor
+                    body = _raw(to_host(out).to(hidden.dtype))
                 reply = FORWARD_REPLY.pack(0, 0)
                 send_all(conn, COMPUTE_SIZE.pack(len(reply) + len(body)), reply, body)
         except Exception:
@@ -144,15 +164,22 @@ def measure_serialization(d: int, rows: int, dtype_name: str, device: str = "cpu
             sync()
             t0 = time.perf_counter()
             hidden = to_host(h)
-            parts = pack_forward(1, hidden, slots, positions)
+            if output:
+                ahead = ((0, t - 1, 3, 0.0),) if t > 1 else ()  # a verify brings its next draft
+                parts = pack_forward_out(1, hidden, slots, positions, torch.arange(t), positions, False, True, ahead)
+            else:
+                parts = pack_forward(1, hidden, slots, positions)
             size = sum(memoryview(p).cast("B").nbytes for p in parts)
-            sent = send_all(sock, COMPUTE_HEADER.pack(Cmd.FORWARD, size), *parts)
+            sent = send_all(sock, COMPUTE_HEADER.pack(Cmd.FORWARD_OUT if output else Cmd.FORWARD, size), *parts)
             n = read_compute_response_size(reader, 1 << 30)
             reader.read_exact(FORWARD_REPLY.size)
-            out = host_buffer((t, d), dtype, dev)
-            if t:
-                reader.read_into(memoryview(out.view(-1).view(torch.uint8).numpy()))
-            out.to(dev, non_blocking=True)
+            if output:
+                reader.read_exact(n - FORWARD_REPLY.size)  # the argmax rows and the draft: ids, read as ids
+            else:
+                out = host_buffer((t, d), dtype, dev)
+                if t:
+                    reader.read_into(memoryview(out.view(-1).view(torch.uint8).numpy()))
+                out.to(dev, non_blocking=True)
             sync()
             if i >= iters // 10:  # the first tenth warms up
                 times.append(time.perf_counter() - t0)
@@ -183,9 +210,10 @@ def project(links: list[str], peers: int = 1, device: str = "cpu") -> dict:
     step_ms = 1e3 / GPU_DECODE_TOK_S
     verify_ms = VERIFY_FACTOR * step_ms
     ser = {
-        (dt, rows): measure_serialization(HIDDEN_27B, rows, dt, device)
+        (dt, rows, out): measure_serialization(HIDDEN_27B, rows, dt, device, output=out)
         for dt in ("bfloat16", "float32")
         for rows in (1, 4)
+        for out in (False, True)
     }
     rows_out = []
     for name in links:
@@ -193,8 +221,11 @@ def project(links: list[str], peers: int = 1, device: str = "cpu") -> dict:
         rtt = 2 * delay_ms
         for dt in ("bfloat16", "float32"):
             out = {"link": name, "rate_mbit": mbit, "rtt_ms": rtt, "dtype": dt}
-            for mode, rows, gpu_ms, tokens in (("decode", 1, step_ms, 1), ("mtp", 4, verify_ms, 4)):
-                s = ser[(dt, rows)]
+            modes = (("decode", 1, step_ms, 1, False), ("mtp", 4, verify_ms, 4, False))
+            # --output-stage last, greedy: the argmax rows and the next draft come back, not the states
+            modes += (("decode_out", 1, step_ms, 1, True), ("mtp_out", 4, verify_ms, 4, True))
+            for mode, rows, gpu_ms, tokens, via_out in modes:
+                s = ser[(dt, rows, via_out)]
                 wire_ms = (s["request_bytes"] + s["reply_bytes"]) * 8 / (mbit * 1e6) * 1e3
                 link_ms = peers * (rtt + wire_ms + s["serialization_ms"])  # one round trip per peer per step
                 out[mode] = {
@@ -230,17 +261,22 @@ def print_projection(p: dict) -> None:
             f"  {s['dtype']:8s} {s['rows']} row(s): {s['request_bytes']} B out + {s['reply_bytes']} B back, "
             f"{s['serialization_ms'] * 1e3:.1f} us (frame {s['frame_rtt_ms'] * 1e3:.1f} us, empty {s['empty_rtt_ms'] * 1e3:.1f} us)"
         )
-    print(
-        "| link | RTT ms | dtype | decode: wire + ser. ms | link ms/token | cost | MTP k=3: wire + ser. ms | link ms/token | cost |"
-    )
-    print("|---|---|---|---|---|---|---|---|---|")
-    for r in p["rows"]:
-        d, m = r["decode"], r["mtp"]
+    for title, dec, mtp in (
+        ("output head on the head (the default)", "decode", "mtp"),
+        ("--output-stage last, greedy (argmax rows and the next draft back)", "decode_out", "mtp_out"),
+    ):
+        print(f"\n{title}:")
         print(
-            f"| {r['link']} ({r['rate_mbit']:g} Mbit/s) | {r['rtt_ms']:g} | {r['dtype']} | "
-            f"{d['wire_ms']:.3f} + {d['serialization_ms']:.3f} | {d['link_ms_per_token']:.3f} | **{d['cost'] * 100:.1f} %** | "
-            f"{m['wire_ms']:.3f} + {m['serialization_ms']:.3f} | {m['link_ms_per_token']:.3f} | **{m['cost'] * 100:.1f} %** |"
+            "| link | RTT ms | dtype | decode: wire + ser. ms | link ms/token | cost | MTP k=3: wire + ser. ms | link ms/token | cost |"
         )
+        print("|---|---|---|---|---|---|---|---|---|")
+        for r in p["rows"]:
+            d, m = r[dec], r[mtp]
+            print(
+                f"| {r['link']} ({r['rate_mbit']:g} Mbit/s) | {r['rtt_ms']:g} | {r['dtype']} | "
+                f"{d['wire_ms']:.3f} + {d['serialization_ms']:.3f} | {d['link_ms_per_token']:.3f} | **{d['cost'] * 100:.1f} %** | "
+                f"{m['wire_ms']:.3f} + {m['serialization_ms']:.3f} | {m['link_ms_per_token']:.3f} | **{m['cost'] * 100:.1f} %** |"
+            )
 
 
 # --- item 1: namespaces, shaping, processes -----------------------------------------------------
