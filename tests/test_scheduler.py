@@ -262,7 +262,7 @@ class FakePipeline:
         self.next_token = next_token
         self.calls = 0
 
-    def forward(self, tokens, slots, positions, rows, meanwhile=None, argmax=False):
+    def forward(self, tokens, slots, positions, rows, meanwhile=None, argmax=False, ahead=()):
         self.calls += 1
         if meanwhile is not None:  # Pipeline.forward's contract: once, the layers queued
             meanwhile()
