@@ -3,7 +3,15 @@ layer split, each process's device memory (NVML's per-process reading, /status `
 the CUDA context included) against the card it stands for, and decode through the split.
 
     python benchmarks/bench_fit.py --model M.gguf --split 40/24 --cards 16,12 [--ctx 8192] [-n 64]
-                                   [-- extra `serve` flags, e.g. -ctk q8_0 -ctv q8_0 --spec-type mtp]
+                                   [--llama-cpp DIR] [-- extra `serve` flags, e.g. -ctk q8_0 -ctv q8_0 --spec-type mtp]
+
+`--llama-cpp DIR` (a build with ggml-rpc-server: ../shared/tools/build-llama-cpp.sh) first runs
+llama.cpp's own split of the same file the same way: `ggml-rpc-server` and `llama-server --rpc ...
+-ngl 99 -ts PEER,HEAD` with the same flags (ours translated: `--spec-type mtp --draft-max K` is its
+`--spec-type draft-mtp --spec-draft-n-max K`), each process's NVML memory, its ready time and the
+same decode. llama.cpp puts RPC devices first, so its RPC server holds the first PEER layers and
+llama-server the last HEAD layers with the output head and the MTP block: llama-server stands for
+the card that holds the output (our head, or with `--output-stage last` our peer).
 
 The original system runs a 27B Q5_K_M over a 16 GB and a 12 GB card (11.06 GB + 6.46 GB of
 weights). Issue 14's pair (head <= 15.0 GiB, peer <= 11.0 GiB on one H200):
@@ -20,12 +28,16 @@ from __future__ import annotations
 import argparse
 import json
 import signal
+import socket
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import httpx
-from bench_api import ENGINE, Server  # benchmarks/ is the script's directory
+from bench_api import ENGINE, Server, free_port  # benchmarks/ is the script's directory
+from vs_llama_cpp import device_memory
 
 from hydra_console.contracts.fit import DEFAULT_HEADROOM_GIB
 from hydra_console.contracts.footprint import model_tensors, rollback_depth
@@ -76,6 +88,64 @@ def memory(doc: dict) -> dict:
     }
 
 
+def llama_flags(extra: list[str]) -> list[str]:
+    """Our serve flags as llama-server takes them: the MTP drafter's names differ; ours alone dropped."""
+    out, it = [], iter(extra)
+    for a in it:
+        if a == "--no-compile":
+            continue
+        if a == "--output-stage":
+            next(it)
+        elif a == "--spec-type":
+            kind = next(it)
+            out += ["--spec-type", "draft-mtp" if kind == "mtp" else kind]
+        elif a == "--draft-max":
+            out += ["--spec-draft-n-max", next(it)]
+        else:
+            out.append(a)
+    return out
+
+
+def llama_split(args, extra: list[str]) -> dict:
+    """llama.cpp's split of the same file on this machine (see the module doc)."""
+    root = Path(args.llama_cpp) / "bin"
+    head, peer = args.split.split("/")
+    rpc_port = free_port()
+    log = tempfile.TemporaryFile("w+")
+    rpc = subprocess.Popen([str(root / "ggml-rpc-server"), "-H", "127.0.0.1", "-p", str(rpc_port)], stderr=log)
+    server = Server(
+        ["-m", args.model, "--rpc", f"127.0.0.1:{rpc_port}", "-ngl", "99", "-ts", f"{peer},{head}"]
+        + ["-c", str(args.ctx), "-np", "1", *llama_flags(extra)],
+        [str(root / "llama-server")],
+        rpc=False,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while True:  # the RPC server listens before llama-server connects to it
+            try:
+                socket.create_connection(("127.0.0.1", rpc_port), timeout=1).close()
+                break
+            except OSError:
+                if rpc.poll() is not None or time.monotonic() > deadline:
+                    log.seek(0)
+                    raise SystemExit(f"ggml-rpc-server did not listen: {log.read()[-2000:]}") from None
+                time.sleep(0.1)
+        ready_s = server.start(args.timeout)
+        run = decode(server.base, args.n)
+        gib = lambda pid: None if (b := device_memory(pid)) is None else round(b / 2**30, 3)  # noqa: E731
+        return {
+            "flags": server.argv[1:],
+            "ready_s": round(ready_s, 1),
+            **run,
+            "llama_server_gib": gib(server.proc.pid),  # the last HEAD layers, the output head, the MTP block
+            "rpc_server_gib": gib(rpc.pid),  # the first PEER layers
+        }
+    finally:
+        server.stop()
+        rpc.terminate()
+        rpc.wait(timeout=30)
+
+
 def estimates(model: str, head_argv: list[str]) -> list:
     """contracts/footprint.py's estimate of the head's and the peer's process: the head's own
     (`head_footprint`, what it checks before loading) from its argv read by the engine's CLI, and
@@ -112,8 +182,10 @@ def main() -> None:
     ap.add_argument("-n", type=int, default=64, help="tokens decoded through the split")
     ap.add_argument("--timeout", type=float, default=600)
     ap.add_argument("--owners", help="a folder: each process's allocated bytes by source line (memory_owners.py)")
+    ap.add_argument("--llama-cpp", help="llama.cpp's build directory: its own split of the file first, side by side")
     args, extra = ap.parse_known_args()
     extra = [a for a in extra if a != "--"]
+    llama = llama_split(args, extra) if args.llama_cpp else None
 
     # The peer takes its KV types and context from the head's LOAD_STAGE; of the serve flags only this one is its own.
     def command(name: str) -> list[str]:
@@ -181,6 +253,8 @@ def main() -> None:
             out[name]["estimate_parts_gib"] = {k: round(v / 2**30, 3) for k, v in est.parts.items()}
             if used:
                 out[name]["estimate_error"] = round(est.total / 2**30 / used - 1, 3)
+        if llama is not None:
+            out["llama_cpp"] = llama
         if args.owners:
             for proc in (head, peer):
                 proc.proc.send_signal(signal.SIGUSR1)
