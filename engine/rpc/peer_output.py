@@ -81,6 +81,8 @@ class OutputOps:
                 raise FrameError(f"peer {self.addr}: a draft ahead of {count} tokens where at most {k} were asked")
             draft = np.frombuffer(bytes(self._reader.read_exact(4 * count)), dtype=np.int32).tolist()
             left -= 4 * count
+            if any(not 0 <= t < self.n_vocab for t in (token, *draft)):
+                raise FrameError(f"peer {self.addr}: a draft ahead with a token id outside 0..{self.n_vocab - 1}")
             self.ahead_drafts[slot] = (position, token, draft)
         if left:
             raise FrameError(f"peer {self.addr}: {left} bytes after a FORWARD_OUT reply's drafts ahead")
@@ -108,6 +110,8 @@ class OutputOps:
             raise PeerError(f"peer {self.addr} answered DRAFT with {len(reply.counts)} drafts for {len(ask.slots)}")
         if any(n > k for n, k in zip(reply.counts, ask.ks)):
             raise PeerError(f"peer {self.addr} answered DRAFT with a draft longer than asked")
+        if any(t >= self.n_vocab for t in reply.tokens):
+            raise PeerError(f"peer {self.addr} answered DRAFT with a token id outside 0..{self.n_vocab - 1}")
         out, i = [], 0
         for n in reply.counts:
             out.append(reply.tokens[i : i + n])
