@@ -112,7 +112,9 @@ def llama_split(args, extra: list[str]) -> dict:
     head, peer = args.split.split("/")
     rpc_port = free_port()
     log = tempfile.TemporaryFile("w+")
-    rpc = subprocess.Popen([str(root / "ggml-rpc-server"), "-H", "127.0.0.1", "-p", str(rpc_port)], stderr=log)
+    rpc = subprocess.Popen(
+        [str(root / "ggml-rpc-server"), "-H", "127.0.0.1", "-p", str(rpc_port)], stdout=subprocess.DEVNULL, stderr=log
+    )
     server = Server(
         ["-m", args.model, "--rpc", f"127.0.0.1:{rpc_port}", "-ngl", "99", "-ts", f"{peer},{head}"]
         + ["-c", str(args.ctx), "-np", "1", *llama_flags(extra)],
