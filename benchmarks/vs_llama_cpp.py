@@ -71,6 +71,8 @@ def acceptance(base: str, n: int, temperature: float = 0.0) -> dict:
     drafted = accepted = 0
     for i, prompt in enumerate(PROMPTS):
         body = {"prompt": prompt, "n_predict": n, "temperature": temperature, "seed": 1000 + i, "ignore_eos": True}
+        # the same sampler on both: llama-server's defaults (top-k 40, top-p 0.95, min-p 0.05) are not ours
+        body |= {"top_k": 0, "top_p": 1.0, "min_p": 0.0}
         t = httpx.post(f"{base}/completion", json=body | {"cache_prompt": False}, timeout=600).json().get("timings", {})
         drafted += t.get("draft_n") or 0
         accepted += t.get("draft_n_accepted") or 0
