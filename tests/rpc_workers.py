@@ -27,7 +27,7 @@ PORT_BASE, PORT_SPAN = 20000, 12000
 # alone while the worker it waited for started, and a sweep of 671 bodies 17 s. No keep-alive, as
 # `httpx.get`: each request its own connection, and a worker started again on the same port never
 # meets a connection to its predecessor.
-HTTP = httpx.Client(limits=httpx.Limits(max_keepalive_connections=0))
+HTTP = httpx.Client(limits=httpx.Limits(max_connections=None, max_keepalive_connections=0))
 
 
 def _port_walk():
