@@ -9,7 +9,17 @@ import json
 import os
 
 import pytest
-import torch
+
+# Under xdist (addopts: three test files at once, on two cores in CI) each test process, and every
+# process it starts, gets its share of the cores as OpenMP threads, at least one: torch's default of
+# one per core oversubscribed them, and libgomp spins an idle thread ~3 ms after each parallel region
+# (engine/openmp.py), so a tiny model's thousands of small ops burned several times their CPU time
+# (test_speculative_engine on a loaded 2-core machine: 42 s of CPU with two threads, 22 with one).
+# Set before torch loads libgomp, which reads it then; an exported OMP_NUM_THREADS wins.
+if workers := int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0")):
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // workers)))
+
+import torch  # noqa: E402
 
 # Without a GPU, the Triton kernels (tests/test_qkernels.py, test_decode_attention.py) run on CPU
 # tensors under Triton's interpreter, set before any of them is imported; PyPI's CPU-installable

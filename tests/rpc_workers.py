@@ -22,6 +22,13 @@ import httpx
 # Each xdist worker walks its own block from a random start, so parallel test files do not meet.
 PORT_BASE, PORT_SPAN = 20000, 12000
 
+# One client for the tests' requests (thread-safe): `httpx.get` builds a client, and with it an SSL
+# context (~25 ms of CPU), per call, so a readiness poll every 50 ms spent a third of a core on that
+# alone while the worker it waited for started, and a sweep of 671 bodies 17 s. No keep-alive, as
+# `httpx.get`: each request its own connection, and a worker started again on the same port never
+# meets a connection to its predecessor.
+HTTP = httpx.Client(limits=httpx.Limits(max_connections=None, max_keepalive_connections=0))
+
 
 def _port_walk():
     worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw")
@@ -127,7 +134,7 @@ class Worker:
             if self.proc.poll() is not None:
                 raise AssertionError(f"{self.role} exited with {self.proc.returncode}:\n{self.log()}")
             try:
-                r = httpx.get(f"{self.url}/health", timeout=2.0)
+                r = HTTP.get(f"{self.url}/health", timeout=2.0)
                 if seen is not None:
                     seen.append((r.status_code, r.json()))
                 if r.status_code == 200:
@@ -138,7 +145,7 @@ class Worker:
         raise AssertionError(f"{self.role} on {self.port} not ready after {timeout} s:\n{self.log()}")
 
     def status(self) -> dict:
-        return httpx.get(f"{self.url}/status", timeout=10.0).json()
+        return HTTP.get(f"{self.url}/status", timeout=10.0).json()
 
     def kill9(self) -> None:
         os.killpg(self.proc.pid, signal.SIGKILL)
@@ -204,7 +211,7 @@ def solo_and_split(model, logs, *split_flags: str):
 
 def complete(w: Worker, prompt: str, max_tokens: int = 16, timeout: float = 60.0, **kw) -> httpx.Response:
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, **kw}
-    return httpx.post(f"{w.url}/v1/completions", json=body, timeout=timeout)
+    return HTTP.post(f"{w.url}/v1/completions", json=body, timeout=timeout)
 
 
 def greedy(w: Worker, prompt: str, n: int = 12) -> tuple[str, list[float]]:

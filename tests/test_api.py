@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from rpc_workers import Worker, free_ports, head, peer, running, wait_for
+from rpc_workers import HTTP, Worker, free_ports, head, peer, running, wait_for
 
 N_CTX, N_SLOTS = 256, 2
 PROMPT = "the quick brown fox jumps over the lazy dog"
@@ -41,7 +41,7 @@ def greedy(client, model_id, prompt=PROMPT, **kw):
 
 
 def metrics(base: str) -> dict[str, float]:
-    text = httpx.get(f"{base}/metrics").text
+    text = HTTP.get(f"{base}/metrics").text
     return {s.name: s.value for fam in text_string_to_metric_families(text) for s in fam.samples if not s.labels}
 
 
@@ -50,7 +50,7 @@ def metrics(base: str) -> dict[str, float]:
 
 def _health(w: Worker, seen: list) -> bool:
     try:
-        r = httpx.get(f"{w.url}/health", timeout=2.0)
+        r = HTTP.get(f"{w.url}/health", timeout=2.0)
     except httpx.HTTPError:
         return False
     seen.append((r.status_code, r.json()))
@@ -83,19 +83,19 @@ def test_health_is_staged_and_503_until_ready(tiny_model, tmp_path):
 
 
 def test_slot_save_is_off_without_a_save_path(server):
-    r = httpx.post(f"{server}/slots/0", params={"action": "save"}, json={"filename": "a.bin"})
+    r = HTTP.post(f"{server}/slots/0", params={"action": "save"}, json={"filename": "a.bin"})
     assert r.status_code == 501 and "--slot-save-path" in r.json()["error"]["message"]
 
 
 def test_models_and_tokenize_roundtrip(server, model_id):
     base = server
-    models = httpx.get(f"{base}/v1/models").json()
+    models = HTTP.get(f"{base}/v1/models").json()
     assert models["object"] == "list" and models["data"][0]["id"] == model_id
-    ids = httpx.post(f"{base}/tokenize", json={"content": PROMPT}).json()["tokens"]
-    with_bos = httpx.post(f"{base}/tokenize", json={"content": PROMPT, "add_special": True}).json()["tokens"]
+    ids = HTTP.post(f"{base}/tokenize", json={"content": PROMPT}).json()["tokens"]
+    with_bos = HTTP.post(f"{base}/tokenize", json={"content": PROMPT, "add_special": True}).json()["tokens"]
     assert len(with_bos) == len(ids) + 1 and with_bos[1:] == ids
-    assert httpx.post(f"{base}/detokenize", json={"tokens": ids}).json() == {"content": PROMPT}
-    pieces = httpx.post(f"{base}/tokenize", json={"content": PROMPT, "with_pieces": True}).json()["tokens"]
+    assert HTTP.post(f"{base}/detokenize", json={"tokens": ids}).json() == {"content": PROMPT}
+    pieces = HTTP.post(f"{base}/tokenize", json={"content": PROMPT, "with_pieces": True}).json()["tokens"]
     assert [p["id"] for p in pieces] == ids and "".join(p["piece"] for p in pieces).strip() == PROMPT
 
 
@@ -104,7 +104,7 @@ def test_models_and_tokenize_roundtrip(server, model_id):
 
 def test_completion_plain_and_streamed_agree_with_exact_usage(server, client, model_id):
     base = server
-    n_prompt = len(httpx.post(f"{base}/tokenize", json={"content": PROMPT, "add_special": True}).json()["tokens"])
+    n_prompt = len(HTTP.post(f"{base}/tokenize", json={"content": PROMPT, "add_special": True}).json()["tokens"])
     full = greedy(client, model_id, max_tokens=10, extra_body={"ignore_eos": True})
     assert full.choices[0].finish_reason == "length"
     assert (full.usage.prompt_tokens, full.usage.completion_tokens, full.usage.total_tokens) == (
@@ -123,7 +123,7 @@ def test_completion_plain_and_streamed_agree_with_exact_usage(server, client, mo
 
 def test_token_id_prompt_equals_text_prompt(server, client, model_id):
     base = server
-    ids = httpx.post(f"{base}/tokenize", json={"content": PROMPT, "add_special": True}).json()["tokens"]
+    ids = HTTP.post(f"{base}/tokenize", json={"content": PROMPT, "add_special": True}).json()["tokens"]
     a = greedy(client, model_id, max_tokens=8, extra_body={"ignore_eos": True})
     b = greedy(client, model_id, prompt=ids, max_tokens=8, extra_body={"ignore_eos": True})
     c = greedy(client, model_id, prompt=[ids], max_tokens=8, extra_body={"ignore_eos": True})
@@ -133,7 +133,7 @@ def test_token_id_prompt_equals_text_prompt(server, client, model_id):
 
 def test_prompt_scoring_with_echo_and_token_ids(server, client, model_id):
     base = server
-    ids = httpx.post(f"{base}/tokenize", json={"content": PROMPT, "add_special": True}).json()["tokens"]
+    ids = HTTP.post(f"{base}/tokenize", json={"content": PROMPT, "add_special": True}).json()["tokens"]
     r = client.completions.create(
         model=model_id, prompt=ids, echo=True, logprobs=1, max_tokens=0, extra_body={"return_tokens_as_token_ids": True}
     )
@@ -273,13 +273,13 @@ def test_disconnect_frees_the_slot(server):
             lines = r.iter_lines()
             first = next(line for line in lines if line.startswith("data: "))
             assert json.loads(first[6:])["choices"][0]["finish_reason"] is None
-            assert any(s["state"] == "processing" for s in httpx.get(f"{base}/slots").json())
+            assert any(s["state"] == "processing" for s in HTTP.get(f"{base}/slots").json())
     deadline = time.monotonic() + 60  # a wait: the server notices at its next write, later on a loaded machine
     while time.monotonic() < deadline:
-        if all(s["state"] == "idle" for s in httpx.get(f"{base}/slots").json()):
+        if all(s["state"] == "idle" for s in HTTP.get(f"{base}/slots").json()):
             break
         time.sleep(0.05)
-    assert all(s["state"] == "idle" for s in httpx.get(f"{base}/slots").json())
+    assert all(s["state"] == "idle" for s in HTTP.get(f"{base}/slots").json())
     m = metrics(base)
     assert m["llamacpp:requests_processing"] == 0 and m["llamacpp:requests_deferred"] == 0
 
@@ -309,7 +309,7 @@ def test_metrics_names_and_counters_move(server, client, model_id):
 
 def test_status_document(server):
     base = server
-    doc = httpx.get(f"{base}/status").json()
+    doc = HTTP.get(f"{base}/status").json()
     assert doc["role"] == "head" and doc["pid"] > 0 and doc["state"] == "ok" and doc["startup_stage"] == 5
     assert doc["model"]["arch"] == "llama" and doc["model"]["n_layers"] == 2 and len(doc["model"]["fingerprint"]) == 32
     [stage] = doc["stages"]
@@ -349,14 +349,14 @@ def test_over_context_prompt_is_a_400(client, model_id):
 )
 def test_bad_requests_get_openai_errors(server, path, body, param):
     base = server
-    r = httpx.post(f"{base}{path}", json=body)
+    r = HTTP.post(f"{base}{path}", json=body)
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert set(err) == {"message", "type", "param", "code"} and err["message"]
     assert err["param"] == param
-    bad_json = httpx.post(f"{base}/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
+    bad_json = HTTP.post(f"{base}/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
     assert bad_json.status_code == 400 and "error" in bad_json.json()
-    assert httpx.get(f"{base}/nope").json()["error"]["code"] == "not_found"
+    assert HTTP.get(f"{base}/nope").json()["error"]["code"] == "not_found"
 
 
 # ---- overlap ------------------------------------------------------------------------------------------
@@ -422,9 +422,9 @@ def test_overlap_through_http_and_a_peer_streams_what_the_synchronous_server_doe
 def test_a_json_body_is_read_as_json_whatever_its_content_type(server, path, body, answered, content_type):
     """curl's `-d` without `-H 'Content-Type: application/json'` sends form-urlencoded: llama-server
     reads the body as JSON anyway, and so do we. A body that is not JSON stays a 400 in OpenAI's shape."""
-    r = httpx.post(f"{server}{path}", content=json.dumps(body).encode(), headers={"content-type": content_type})
+    r = HTTP.post(f"{server}{path}", content=json.dumps(body).encode(), headers={"content-type": content_type})
     assert r.status_code == 200 and answered(r.json()), r.text
-    bad = httpx.post(f"{server}{path}", content=b"prompt=hi&max_tokens=3", headers={"content-type": content_type})
+    bad = HTTP.post(f"{server}{path}", content=b"prompt=hi&max_tokens=3", headers={"content-type": content_type})
     assert bad.status_code == 400, bad.text
     err = bad.json()["error"]
     assert set(err) == {"message", "type", "param", "code"} and err["param"] is None, err

@@ -13,11 +13,10 @@ from __future__ import annotations
 import json
 from concurrent.futures import ThreadPoolExecutor
 
-import httpx
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, settings
-from rpc_workers import head, running
+from rpc_workers import HTTP, head, running
 
 TIMEOUT = 60.0
 
@@ -106,7 +105,7 @@ def _fields(spec: dict, op: dict) -> set[str]:
 
 
 def test_a_wrong_value_in_any_field_of_any_route_is_a_4xx_naming_it(api_server):
-    spec = httpx.get(f"{api_server.url}/openapi.json", timeout=TIMEOUT).json()
+    spec = HTTP.get(f"{api_server.url}/openapi.json", timeout=TIMEOUT).json()
     posts = {path for path, ops in spec["paths"].items() if "post" in ops and "{" not in path} | set(GOOD)
     cases: list[tuple[str, bytes, str | None]] = []
     for path in sorted(posts):
@@ -124,7 +123,7 @@ def test_a_wrong_value_in_any_field_of_any_route_is_a_4xx_naming_it(api_server):
 
     def send(case):
         path, raw, field = case
-        r = httpx.post(
+        r = HTTP.post(
             f"{api_server.url}{path}", content=raw, headers={"Content-Type": "application/json"}, timeout=TIMEOUT
         )
         return case, r.status_code, r.content
@@ -142,7 +141,7 @@ def test_a_wrong_value_in_any_field_of_any_route_is_a_4xx_naming_it(api_server):
 def test_chat_template_kwargs_naming_the_requests_own_fields_are_400(api_server):
     for path, good in (("/v1/chat/completions", GOOD["/v1/chat/completions"]), ("/apply-template", {"messages": HI})):
         for key, value in (("messages", HI), ("add_generation_prompt", False), ("continue_final_message", True)):
-            r = httpx.post(
+            r = HTTP.post(
                 f"{api_server.url}{path}", json={**good, "chat_template_kwargs": {key: value}}, timeout=TIMEOUT
             )
             err = check(r.status_code, r.content, f"{path} chat_template_kwargs.{key}")
@@ -153,15 +152,13 @@ def test_slots_path_query_and_names_are_4xx(api_server):
     url = api_server.url
     for slot in ("-1", "2", "99999999999999999999", "x"):
         for action in ("save", "restore", "erase", "nope"):
-            r = httpx.post(
-                f"{url}/slots/{slot}", params={"action": action}, json={"filename": "a.bin"}, timeout=TIMEOUT
-            )
+            r = HTTP.post(f"{url}/slots/{slot}", params={"action": action}, json={"filename": "a.bin"}, timeout=TIMEOUT)
             err = check(r.status_code, r.content, f"/slots/{slot}?action={action}")
             assert err is not None and r.status_code in (400, 422), (slot, action, err)
     for name in ("a\x00b", "x" * 300, ".", "..", "", "a/b", "\\x", 5, None, ["a"]):
         for action in ("save", "restore"):
-            r = httpx.post(f"{url}/slots/0", params={"action": action}, json={"filename": name}, timeout=TIMEOUT)
+            r = HTTP.post(f"{url}/slots/0", params={"action": action}, json={"filename": name}, timeout=TIMEOUT)
             err = check(r.status_code, r.content, f"/slots/0?action={action} {name!r}")
             assert r.status_code == 400 and err["param"] == "filename", (name, action, err)
-    r = httpx.post(f"{url}/slots/0", params={"action": "save"}, content=b"{", timeout=TIMEOUT)
+    r = HTTP.post(f"{url}/slots/0", params={"action": "save"}, content=b"{", timeout=TIMEOUT)
     check(r.status_code, r.content, "/slots/0 bad JSON")

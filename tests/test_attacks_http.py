@@ -15,7 +15,7 @@ import time
 
 import httpx
 import pytest
-from rpc_workers import head, peer, running, wait_for
+from rpc_workers import HTTP, head, peer, running, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -50,7 +50,7 @@ def server(tiny_model, tmp_path_factory):
 
 
 def post(w, path: str, body: dict, headers=AUTH, timeout: float = TIMEOUT) -> httpx.Response:
-    return httpx.post(f"{w.url}{path}", json=body, headers=headers, timeout=timeout)
+    return HTTP.post(f"{w.url}{path}", json=body, headers=headers, timeout=timeout)
 
 
 def raw_request(w, head_lines: list[str], chunks) -> bytes:
@@ -130,7 +130,7 @@ def test_health_answers_while_a_big_prompt_tokenizes(server):
 
     def big():
         body = json.dumps({"prompt": prompt, "max_tokens": 1}, ensure_ascii=False).encode()
-        result["r"] = httpx.post(
+        result["r"] = HTTP.post(
             f"{server.url}/v1/completions",
             content=body,
             timeout=TIMEOUT,
@@ -142,7 +142,7 @@ def test_health_answers_while_a_big_prompt_tokenizes(server):
     t.start()
     answered_during = 0
     while not done.is_set():
-        r = httpx.get(f"{server.url}/health", timeout=TIMEOUT)
+        r = HTTP.get(f"{server.url}/health", timeout=TIMEOUT)
         assert r.status_code == 200
         answered_during += not done.is_set()
     t.join(TIMEOUT)
@@ -183,7 +183,7 @@ def test_a_burst_beyond_the_queue_gets_503_with_retry_after_and_none_is_lost(ser
             assert int(r.headers["Retry-After"]) >= 1
         else:
             assert r.json()["usage"]["completion_tokens"] == 200
-    metrics = httpx.get(f"{server.url}/metrics", timeout=TIMEOUT).text
+    metrics = HTTP.get(f"{server.url}/metrics", timeout=TIMEOUT).text
     assert "llamacpp:requests_deferred" in metrics and "hydra_requests_rejected_total" in metrics
 
 
@@ -205,11 +205,11 @@ def test_api_key_is_required_on_the_api_not_on_observation_routes(server):
     assert_openai_error(post(server, "/v1/completions", body, headers={}), 401, "invalid_api_key")
     assert_openai_error(post(server, "/v1/completions", body, headers={"Authorization": "Bearer wrong"}), 401)
     assert_openai_error(post(server, "/v1/completions", body, headers={"X-Api-Key": KEY[:-1]}), 401)
-    assert httpx.get(f"{server.url}/v1/models", timeout=TIMEOUT).status_code == 401
+    assert HTTP.get(f"{server.url}/v1/models", timeout=TIMEOUT).status_code == 401
     assert post(server, "/v1/completions", body).status_code == 200
     assert post(server, "/v1/completions", body, headers={"X-Api-Key": KEY}).status_code == 200
     for path in ("/health", "/status", "/metrics"):
-        assert httpx.get(f"{server.url}{path}", timeout=TIMEOUT).status_code == 200, path
+        assert HTTP.get(f"{server.url}{path}", timeout=TIMEOUT).status_code == 200, path
 
 
 # ---- the log ----------------------------------------------------------------------------------------------
@@ -245,10 +245,10 @@ def test_health_is_503_with_a_peer_killed(tiny_model, tmp_path):
     model = tiny_model("llama")
     p = peer(model, tmp_path)
     with running(p), running(head(model, tmp_path, [p])) as w:
-        assert httpx.get(f"{w.url}/health", timeout=TIMEOUT).json()["serving"] is True
+        assert HTTP.get(f"{w.url}/health", timeout=TIMEOUT).json()["serving"] is True
         p.kill9()
         r = wait_for(
-            lambda: (h := httpx.get(f"{w.url}/health", timeout=TIMEOUT)).status_code == 503 and h,
+            lambda: (h := HTTP.get(f"{w.url}/health", timeout=TIMEOUT)).status_code == 503 and h,
             TIMEOUT,
             "/health to turn 503",
         )
@@ -310,7 +310,7 @@ def _openai_choices(w) -> int:
 
 
 def _llama_prompt_list(w) -> int:  # llama-server's /completion: a list of prompts runs as choices do
-    r = httpx.post(
+    r = HTTP.post(
         f"{w.url}/completion",
         json={"prompt": ["write a lot", "and more"], "n_predict": 200, "ignore_eos": True},
         headers=AUTH,
@@ -337,7 +337,7 @@ def test_a_large_n_request_runs_while_another_clients_small_requests_are_answere
     t.start()
     wait_for(
         lambda: (
-            big_done.is_set() or any(s["is_processing"] for s in httpx.get(f"{fair.url}/slots", headers=AUTH).json())
+            big_done.is_set() or any(s["is_processing"] for s in HTTP.get(f"{fair.url}/slots", headers=AUTH).json())
         ),
         TIMEOUT,
         "the big request to start",
@@ -360,7 +360,7 @@ def test_a_large_n_request_runs_while_another_clients_small_requests_are_answere
 
 def _requests_total(w) -> float:
     """Engine requests accepted so far (each embedding input is one)."""
-    text = httpx.get(f"{w.url}/metrics", timeout=TIMEOUT).text
+    text = HTTP.get(f"{w.url}/metrics", timeout=TIMEOUT).text
     return next(float(ln.split()[-1]) for ln in text.splitlines() if ln.startswith("hydra_requests_total"))
 
 
@@ -373,11 +373,11 @@ def test_the_embeddings_amplification_is_refused_before_anything_is_computed(tin
         result = {}
 
         def attack():
-            result["r"] = httpx.post(f"{w.url}/embeddings", json={"input": ["a b c d e f g"] * 4000}, timeout=TIMEOUT)
+            result["r"] = HTTP.post(f"{w.url}/embeddings", json={"input": ["a b c d e f g"] * 4000}, timeout=TIMEOUT)
 
         t = threading.Thread(target=attack)
         t.start()
-        done = httpx.post(
+        done = HTTP.post(
             f"{w.url}/v1/completions", json={"prompt": "hi", "max_tokens": 3, "temperature": 0}, timeout=TIMEOUT
         )
         t.join(TIMEOUT)
@@ -386,7 +386,7 @@ def test_the_embeddings_amplification_is_refused_before_anything_is_computed(tin
         assert "--max-response" in err["message"] and err["param"] == "input", err
         # refused from the token count alone: the engine ran the completion, no input
         assert _requests_total(w) - before == 1
-        ok = httpx.post(f"{w.url}/embeddings", json={"input": ["a b c"] * 3}, timeout=TIMEOUT)
+        ok = HTTP.post(f"{w.url}/embeddings", json={"input": ["a b c"] * 3}, timeout=TIMEOUT)
         assert ok.status_code == 200 and len(ok.json()) == 3, ok.text
 
 
@@ -409,28 +409,28 @@ def test_any_response_beyond_max_response_is_a_400_naming_it(tiny_model, tmp_pat
     with running(w):
         client = openai_client(w)
         # fits at the fewest bytes per float (so it is computed), not as written: refused once built
-        r = httpx.post(f"{w.url}/v1/embeddings", json={"input": ["a b c"] * 100}, timeout=TIMEOUT)
+        r = HTTP.post(f"{w.url}/v1/embeddings", json={"input": ["a b c"] * 100}, timeout=TIMEOUT)
         err = assert_openai_error(r, 400, "response_too_large")
         assert f"--max-response ({limit} bytes)" in err["message"], err
         assert len(client.embeddings.create(model="m", input=["a b c"] * 4).data) == 4
         # a completion's logprobs grow with n and max_tokens
-        r = httpx.post(
+        r = HTTP.post(
             f"{w.url}/v1/completions",
             json={"prompt": "hi", "max_tokens": 200, "n": 2, "logprobs": 20, "ignore_eos": True},
             timeout=TIMEOUT,
         )
         assert_openai_error(r, 400, "response_too_large")
-        r = httpx.post(
+        r = HTTP.post(
             f"{w.url}/completion",
             json={"prompt": ["a", "b"], "n_predict": 200, "n_probs": 20, "ignore_eos": True},
             timeout=TIMEOUT,
         )
         assert_openai_error(r, 400, "response_too_large")
         # the net under every route: /tokenize's pieces
-        r = httpx.post(f"{w.url}/tokenize", json={"content": "a " * 5000, "with_pieces": True}, timeout=TIMEOUT)
+        r = HTTP.post(f"{w.url}/tokenize", json={"content": "a " * 5000, "with_pieces": True}, timeout=TIMEOUT)
         assert_openai_error(r, 400, "response_too_large")
         assert (
-            httpx.post(f"{w.url}/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=TIMEOUT).status_code
+            HTTP.post(f"{w.url}/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=TIMEOUT).status_code
             == 200
         )
 
@@ -501,8 +501,8 @@ def test_one_client_holds_at_most_its_connections_and_the_rest_are_served(capped
         for s in attack:
             s.sendall(PARTIAL)
         for _ in range(3):  # another client, served meanwhile
-            assert httpx.get(f"{capped.url}/health", timeout=TIMEOUT).status_code == 200
-        r = httpx.post(f"{capped.url}/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=TIMEOUT)
+            assert HTTP.get(f"{capped.url}/health", timeout=TIMEOUT).status_code == 200
+        r = HTTP.post(f"{capped.url}/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=TIMEOUT)
         assert r.status_code == 200, r.text
         states = _states(attack)
         assert states.count("open") == 8 and states.count("refused") == 22, states
@@ -516,7 +516,7 @@ def test_the_total_cap_refuses_with_503_until_connections_close(capped):
     try:
         for s in attack:
             s.sendall(PARTIAL)
-        r = httpx.get(f"{capped.url}/health", timeout=TIMEOUT)  # accepted after the attack's: all were seen
+        r = HTTP.get(f"{capped.url}/health", timeout=TIMEOUT)  # accepted after the attack's: all were seen
         assert_openai_error(r, 503, "unavailable")
         assert "--max-connections" in r.json()["error"]["message"]
         states = _states(attack)
@@ -529,7 +529,7 @@ def test_the_total_cap_refuses_with_503_until_connections_close(capped):
 
 def _try_health(w) -> int | None:
     try:
-        return httpx.get(f"{w.url}/health", timeout=TIMEOUT).status_code
+        return HTTP.get(f"{w.url}/health", timeout=TIMEOUT).status_code
     except httpx.HTTPError:
         return None
 
@@ -556,7 +556,7 @@ def test_partial_headers_are_cut_off_at_the_header_deadline(deadlines):
     attack = [_connect(deadlines, "127.0.0.2") for _ in range(50)]
     for s in attack:
         s.sendall(PARTIAL)
-    assert httpx.get(f"{deadlines.url}/health", timeout=TIMEOUT).status_code == 200  # served meanwhile
+    assert HTTP.get(f"{deadlines.url}/health", timeout=TIMEOUT).status_code == 200  # served meanwhile
     for s in attack:  # closed by the server, nothing answered
         assert _until_closed(s) == b""
         s.close()
@@ -583,7 +583,7 @@ def test_a_body_that_does_not_arrive_is_a_408_at_the_body_deadline(deadlines):
         reply = _until_closed(s)
     assert reply.startswith(b"HTTP/1.1 408"), reply[:200]
     assert b'"request_timeout"' in reply and b"--body-timeout" in reply
-    assert httpx.get(f"{deadlines.url}/health", timeout=TIMEOUT).status_code == 200
+    assert HTTP.get(f"{deadlines.url}/health", timeout=TIMEOUT).status_code == 200
 
 
 # ---- /slots keeps data -------------------------------------------------------------------------------------
@@ -604,7 +604,7 @@ def slotted(tiny_model, tmp_path_factory):
     )
     with running(w) as w:
         w.folder = folder
-        r = httpx.post(f"{w.url}/v1/completions", json={"prompt": "keep this prompt", "max_tokens": 4}, timeout=TIMEOUT)
+        r = HTTP.post(f"{w.url}/v1/completions", json={"prompt": "keep this prompt", "max_tokens": 4}, timeout=TIMEOUT)
         assert r.status_code == 200
         # the slot that holds the prompt (a save of it writes tokens)
         w.slot = next(i for i in (0, 1) if _slot_act(w, i, "save", "probe.bin").json()["n_saved"] > 0)
@@ -613,7 +613,7 @@ def slotted(tiny_model, tmp_path_factory):
 
 def _slot_act(w, slot: int, action: str, filename: str | None = None) -> httpx.Response:
     body = {"filename": filename} if filename is not None else None
-    return httpx.post(f"{w.url}/slots/{slot}", params={"action": action}, json=body, timeout=TIMEOUT)
+    return HTTP.post(f"{w.url}/slots/{slot}", params={"action": action}, json=body, timeout=TIMEOUT)
 
 
 def test_a_refused_slot_touches_no_file(slotted):

@@ -21,6 +21,7 @@ import httpx
 import psutil
 import pytest
 from consoles import all_ready, console_process, fake_profile, kill_groups, uniform_shape, until
+from rpc_workers import HTTP
 from textual.command import CommandPalette
 from textual.widgets import Static
 
@@ -38,7 +39,7 @@ from hydra_console.app.ui.triage import TriageScreen
 
 
 def head_ranges(sup: Supervisor) -> list[list[int]]:
-    doc = httpx.get(f"{sup.head.spec.url}/status", timeout=2).json()
+    doc = HTTP.get(f"{sup.head.spec.url}/status", timeout=2).json()
     return [s["layers"] for s in doc["stages"]]
 
 
@@ -249,7 +250,7 @@ async def test_after_a_kill_9_of_its_console_an_adopted_workers_new_log_lines_sh
             assert sup.head.log_path == tmp_path / "logs" / f"{profile.name}-head.log"
             assert any(f"started pid {pids[0]}" in ln.text for ln in sup.head.log)  # the first console's lines
             size = sup.head.log_path.stat().st_size
-            await asyncio.to_thread(httpx.get, f"{profile.head.url}/v1/after-adoption", timeout=5)
+            await asyncio.to_thread(HTTP.get, f"{profile.head.url}/v1/after-adoption", timeout=5)
             await until(pilot, lambda: any("GET /v1/after-adoption 404" in ln.text for ln in sup.head.log))
             assert sup.head.log_path.stat().st_size > size  # the file goes on growing
             await pilot.press("l")
@@ -538,7 +539,7 @@ def _console_in_a_pty(profile, tmp_path, env: dict | None = None, output: bytear
     while len(worker_pids) < len(profile.workers) and time.monotonic() < deadline:
         for w in profile.workers:
             try:
-                worker_pids[w.name] = httpx.get(f"{w.url}/status", timeout=1).json()["pid"]
+                worker_pids[w.name] = HTTP.get(f"{w.url}/status", timeout=1).json()["pid"]
             except httpx.HTTPError:
                 pass
         time.sleep(0.2)

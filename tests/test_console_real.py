@@ -7,7 +7,7 @@ import importlib.util
 import httpx
 import pytest
 from consoles import all_ready, until
-from rpc_workers import free_ports
+from rpc_workers import HTTP, free_ports
 
 from hydra_console.app.config import Profile, SupervisorSettings, WorkerSpec
 from hydra_console.app.log_text import ACCESS_LINE
@@ -41,7 +41,7 @@ def real_profile(model) -> Profile:
 
 
 def status(w) -> dict:
-    return httpx.get(f"{w.spec.url}/status", timeout=15).json()
+    return HTTP.get(f"{w.spec.url}/status", timeout=15).json()
 
 
 async def test_real_workers_ready_then_restart_peer_changes_pid(tiny_model, tmp_path):
@@ -173,7 +173,7 @@ async def test_detached_real_workers_keep_serving_and_the_next_console_adopts_th
 
     def complete() -> int:
         body = {"prompt": "hi", "max_tokens": 4, "temperature": 0}
-        return httpx.post(f"{profile.head.url}/v1/completions", json=body, timeout=60).status_code
+        return HTTP.post(f"{profile.head.url}/v1/completions", json=body, timeout=60).status_code
 
     assert await asyncio.to_thread(complete) == 200  # its pipes to the console are closed: it serves on
     nxt = Supervisor(profile, log_dir=tmp_path)
@@ -206,7 +206,7 @@ async def test_a_keyboard_restart_of_the_head_under_12_requests_gives_no_5xx_but
     def complete(i: int) -> httpx.Response | httpx.HTTPError:
         body = {"prompt": f"request {i}", "max_tokens": 800, "temperature": 0, "ignore_eos": True}
         try:
-            return httpx.post(f"{profile.head.url}/v1/completions", json=body, timeout=120)
+            return HTTP.post(f"{profile.head.url}/v1/completions", json=body, timeout=120)
         except httpx.HTTPError as e:
             return e
 

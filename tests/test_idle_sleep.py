@@ -5,9 +5,8 @@ peer keeps its stage."""
 
 from __future__ import annotations
 
-import httpx
 import pytest
-from rpc_workers import greedy, head, peer, running, wait_for
+from rpc_workers import HTTP, greedy, head, peer, running, wait_for
 
 PROMPTS = ["hello world", "the cat sat on"]
 F32 = ("--dtype", "float32")
@@ -19,13 +18,13 @@ def model(tiny_model):
 
 
 def props(w) -> dict:
-    r = httpx.get(f"{w.url}/props", timeout=30)
+    r = HTTP.get(f"{w.url}/props", timeout=30)
     assert r.status_code == 200, r.text
     return r.json()
 
 
 def metric(w, name: str) -> float:
-    text = httpx.get(f"{w.url}/metrics", timeout=30).text
+    text = HTTP.get(f"{w.url}/metrics", timeout=30).text
     return float(next(line.split()[-1] for line in text.splitlines() if line.startswith(f"llamacpp:{name} ")))
 
 
@@ -47,8 +46,8 @@ def test_sleeps_when_idle_and_wakes_with_the_same_text(model, tmp_path):
         assert (st["stages"][0]["weight_bytes"], st["stages"][0]["kv_bytes"]) == (0, 0)
         assert all(s["state"] == "idle" and s["n_past"] == 0 for s in st["slots"])
         # The observation routes answer from what is kept, without waking it.
-        assert httpx.get(f"{w.url}/health", timeout=30).status_code == 200
-        assert httpx.get(f"{w.url}/v1/models", timeout=30).json()["data"][0]["id"] == model.stem
+        assert HTTP.get(f"{w.url}/health", timeout=30).status_code == 200
+        assert HTTP.get(f"{w.url}/v1/models", timeout=30).json()["data"][0]["id"] == model.stem
         assert metric(w, "tokens_predicted_total") == predicted  # the counters, not a fresh engine's zeros
         assert props(w)["is_sleeping"] and w.status()["sleeping"]
 
@@ -60,7 +59,7 @@ def test_sleeps_when_idle_and_wakes_with_the_same_text(model, tmp_path):
         assert metric(w, "tokens_predicted_total") > predicted  # the counters went on
 
         asleep(w)  # llama-server's list: any request but the observation routes wakes it, /tokenize too
-        r = httpx.post(f"{w.url}/tokenize", json={"content": "hello"}, timeout=60)
+        r = HTTP.post(f"{w.url}/tokenize", json={"content": "hello"}, timeout=60)
         assert r.status_code == 200 and r.json()["tokens"]
         assert not props(w)["is_sleeping"]
 

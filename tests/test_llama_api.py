@@ -9,7 +9,7 @@ import socket
 import httpx
 import openai
 import pytest
-from rpc_workers import Worker, free_ports, running
+from rpc_workers import HTTP, Worker, free_ports, running
 
 from hydra_console.engine.cli import build_parser
 from hydra_console.engine.cli_config import head_config
@@ -56,12 +56,12 @@ def server(tiny_model, tmp_path_factory):
 
 
 def post(base: str, path: str, body: dict) -> httpx.Response:
-    return httpx.post(f"{base}{path}", json=body, timeout=60)
+    return HTTP.post(f"{base}{path}", json=body, timeout=60)
 
 
 def sse_events(base: str, path: str, body: dict) -> tuple[list[dict], list[str]]:
     """The stream's JSON events and its raw data lines (to see whether a [DONE] came)."""
-    with httpx.stream("POST", f"{base}{path}", json=body, timeout=60) as r:
+    with HTTP.stream("POST", f"{base}{path}", json=body, timeout=60) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
         lines = [line[len("data: ") :] for line in r.iter_lines() if line.startswith("data: ")]
     return [json.loads(x) for x in lines if x != "[DONE]"], lines
@@ -190,14 +190,14 @@ def test_context_overflow_is_exceed_context_size_error(server, path, body):
 
 
 def test_props(server):
-    props = httpx.get(f"{server}/props").json()
+    props = HTTP.get(f"{server}/props").json()
     assert props["total_slots"] == N_SLOTS and props["default_generation_settings"]["n_ctx"] == N_CTX
     params = props["default_generation_settings"]["params"]
     assert (params["temperature"], params["seed"], params["n_predict"]) == (0.0, SEED, N_PREDICT)
     assert props["modalities"] == {"vision": False, "video": False, "audio": False}
     assert "<|im_start|>" in props["chat_template"] and props["model_path"].endswith(".gguf")
     assert props["build_info"].startswith("b")
-    r = httpx.post(f"{server}/props", json={})
+    r = HTTP.post(f"{server}/props", json={})
     assert r.status_code == 501 and r.json()["error"]["type"] == "not_supported_error"
 
 
@@ -330,7 +330,7 @@ def test_listens_on_every_comma_separated_host(tiny_model, tmp_path):
         pytest.skip("no IPv6 loopback here")
     with running(llama_head(tiny_model("llama"), tmp_path, "--host", "127.0.0.1,::1")) as w:
         for host in ("127.0.0.1", "[::1]"):
-            assert httpx.get(f"http://{host}:{w.port}/health", timeout=10).status_code == 200
+            assert HTTP.get(f"http://{host}:{w.port}/health", timeout=10).status_code == 200
 
 
 # ---- /infill -----------------------------------------------------------------------------------------------
@@ -508,15 +508,15 @@ def test_vertex_ai_predict_route(tiny_model, tmp_path):
             {"@requestFormat": "nowhere"},
             {"@requestFormat": "chatCompletions", "messages": []},
         ]
-        r = httpx.post(f"{w.url}/infer", json={"instances": instances}, headers=key, timeout=60)
+        r = HTTP.post(f"{w.url}/infer", json={"instances": instances}, headers=key, timeout=60)
         assert r.status_code == 200, r.text
         first, second, unknown, bad = r.json()["predictions"]
-        direct = httpx.post(f"{w.url}/v1/chat/completions", json=chat, headers=key, timeout=60).json()
+        direct = HTTP.post(f"{w.url}/v1/chat/completions", json=chat, headers=key, timeout=60).json()
         assert first["choices"][0]["message"] == direct["choices"][0]["message"]
         assert second.get("tokens_predicted") == 2, second
         assert "nowhere" in unknown["error"]["message"] and bad["error"]["param"] == "messages"
-        assert httpx.post(f"{w.url}/infer", json={"instances": instances[:1]}, timeout=60).status_code == 401
-        assert httpx.post(f"{w.url}/infer", json={"instances": "x"}, headers=key, timeout=60).status_code == 400
+        assert HTTP.post(f"{w.url}/infer", json={"instances": instances[:1]}, timeout=60).status_code == 401
+        assert HTTP.post(f"{w.url}/infer", json={"instances": "x"}, headers=key, timeout=60).status_code == 400
 
 
 # ---- return_progress and --batch-size ---------------------------------------------------------------

@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from rpc_workers import head, running, wait_for
+from rpc_workers import HTTP, head, running, wait_for
 
 from hydra_console.engine.http.cors import Cors
 
@@ -107,11 +107,11 @@ def test_preflight_needs_no_key_and_answers_like_llama_server(server, path):
 
 def test_responses_carry_the_allowed_origin_and_the_key_still_holds(server):
     origin = {"Origin": "http://web.example"}
-    refused = httpx.get(f"{server}/v1/models", headers=origin)
+    refused = HTTP.get(f"{server}/v1/models", headers=origin)
     assert refused.status_code == 401 and refused.headers["Access-Control-Allow-Origin"] == "http://web.example"
-    ok = httpx.get(f"{server}/v1/models", headers={**origin, **AUTH})
+    ok = HTTP.get(f"{server}/v1/models", headers={**origin, **AUTH})
     assert ok.status_code == 200 and ok.headers["Access-Control-Allow-Origin"] == "http://web.example"
-    assert "Access-Control-Allow-Origin" not in httpx.get(f"{server}/v1/models", headers=AUTH).headers
+    assert "Access-Control-Allow-Origin" not in HTTP.get(f"{server}/v1/models", headers=AUTH).headers
 
 
 def test_localhost_origins_only(locked_down):
@@ -120,7 +120,7 @@ def test_localhost_origins_only(locked_down):
     )
     r = preflight(locked_down, "/completions", "http://evil.com")
     assert r.status_code == 200 and "Access-Control-Allow-Origin" not in r.headers
-    r = httpx.get(f"{locked_down}/health", headers={"Origin": "http://evil.com"})
+    r = HTTP.get(f"{locked_down}/health", headers={"Origin": "http://evil.com"})
     assert "Access-Control-Allow-Origin" not in r.headers
 
 
@@ -128,7 +128,7 @@ def test_localhost_origins_only(locked_down):
 
 
 def test_slots_show_is_processing_while_a_request_runs(server):
-    idle = httpx.get(f"{server}/slots", headers=AUTH).json()
+    idle = HTTP.get(f"{server}/slots", headers=AUTH).json()
     assert len(idle) == 2 and all(s["is_processing"] is False and "params" not in s for s in idle)
     assert all({"id", "n_ctx", "speculative"} <= set(s) for s in idle)
     client = openai.OpenAI(base_url=f"{server}/v1", api_key=KEY, max_retries=0, timeout=120)
@@ -146,7 +146,7 @@ def test_slots_show_is_processing_while_a_request_runs(server):
 
     def busy_slots() -> list:
         assert not done, f"the request ended before a poll saw its slot: {done[0]!r}"
-        return [s for s in httpx.get(f"{server}/slots", headers=AUTH).json() if s["is_processing"]]
+        return [s for s in HTTP.get(f"{server}/slots", headers=AUTH).json() if s["is_processing"]]
 
     t = threading.Thread(target=request)
     t.start()
@@ -155,16 +155,16 @@ def test_slots_show_is_processing_while_a_request_runs(server):
         assert s["params"]["n_predict"] == N_BUSY and s["params"]["temperature"] == 0
         assert s["next_token"][0]["n_remain"] == N_BUSY - s["next_token"][0]["n_decoded"]
         # one slot busy of two: not "no slot available"
-        assert httpx.get(f"{server}/slots", params={"fail_on_no_slot": 1}, headers=AUTH).status_code == 200
+        assert HTTP.get(f"{server}/slots", params={"fail_on_no_slot": 1}, headers=AUTH).status_code == 200
     finally:
         t.join(60)
-    assert not any(s["is_processing"] for s in httpx.get(f"{server}/slots", headers=AUTH).json())
+    assert not any(s["is_processing"] for s in HTTP.get(f"{server}/slots", headers=AUTH).json())
     assert done and done[0].usage.completion_tokens == N_BUSY
 
 
 def test_no_slots_and_no_metrics_answer_501(locked_down):
     for path, name in (("/slots", "slots"), ("/metrics", "metrics")):
-        r = httpx.get(f"{locked_down}{path}")
+        r = HTTP.get(f"{locked_down}{path}")
         assert r.status_code == 501, r.text
         err = r.json()["error"]
         assert err["type"] == "not_supported_error" and f"does not support {name} endpoint" in err["message"]
@@ -174,7 +174,7 @@ def test_no_slots_and_no_metrics_answer_501(locked_down):
 
 
 def scrape(base: str) -> tuple[httpx.Response, dict[str, tuple[str, float]]]:
-    r = httpx.get(f"{base}/metrics")
+    r = HTTP.get(f"{base}/metrics")
     out = {}
     for fam in text_string_to_metric_families(r.text):
         for s in fam.samples:
@@ -210,7 +210,7 @@ def test_metrics_are_public_and_carry_llama_servers_names(server):
     ):
         assert after[f"llamacpp:{name}"][0] == "gauge", name
     # llama-server's one counter without `_total`, a high watermark
-    text = httpx.get(f"{server}/metrics").text
+    text = HTTP.get(f"{server}/metrics").text
     assert "# TYPE llamacpp:n_tokens_max counter" in text
     assert float(re.search(r"^llamacpp:n_tokens_max (\S+)$", text, re.M).group(1)) >= len(PROMPT.split())
     cached = after["llamacpp:prompt_tokens_cached_total"][1] - m["llamacpp:prompt_tokens_cached_total"][1]
@@ -223,7 +223,7 @@ def test_metrics_are_public_and_carry_llama_servers_names(server):
 
 def test_models_list_aliases_and_the_first_is_the_id(server):
     for path in ("/v1/models", "/models"):
-        model = httpx.get(f"{server}{path}", headers=AUTH).json()["data"][0]
+        model = HTTP.get(f"{server}{path}", headers=AUTH).json()["data"][0]
         assert model["aliases"] == ["tiny-alpha", "tiny-mid", "tiny-zeta"] and model["id"] == "tiny-alpha"
         assert model["tags"] == ["small", "test"]
     client = openai.OpenAI(base_url=f"{server}/v1", api_key=KEY, max_retries=0, timeout=60)

@@ -70,33 +70,40 @@ def metric(w: Worker, name: str) -> float:
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
 
 
-def test_greedy_with_pd_equals_greedy_without_solo_and_split(tiny_model, tmp_path):
+@pytest.fixture(scope="module")
+def shared(tiny_model, tmp_path_factory):
+    """A prefill worker and a plain head (the reference: its own prefill) on the SHAPE model, for the
+    tests that leave both as they found them: two worker starts less."""
+    model, logs = tiny_model("llama", **SHAPE), tmp_path_factory.mktemp("pd-shared")
+    with running(prefill_worker(model, logs)) as pw, running(head(model, logs, (), "--dtype", "float32")) as ref:
+        yield pw, ref
+
+
+def test_greedy_with_pd_equals_greedy_without_solo_and_split(tiny_model, tmp_path, shared):
     model = tiny_model("llama", **SHAPE)
+    pw, ref = shared
+    served = pw.status()["pd"]["served"]
+    want = [greedy(ref, LONG + str(i), 12)[0] for i in range(2)]
+    with running(pd_head(model, tmp_path, pw.rpc_addr)) as solo:
+        assert [greedy(solo, LONG + str(i), 12)[0] for i in range(2)] == want
+        pd = solo.status()["pd"]
+        assert pd["transfers"] == 2 and pd["fallbacks"] == 0 and pd["bytes"] > 0
+        assert [t["transport"] for t in pd["recent"]] == ["socket", "shm"]  # the first sizes the shared segment
+        assert metric(solo, "hydra_pd_transfers_total") == 2
     with (
-        running(prefill_worker(model, tmp_path)) as pw,
-        running(head(model, tmp_path, (), "--dtype", "float32")) as ref,
+        running(peer(model, tmp_path)) as p,
+        running(pd_head(model, tmp_path, pw.rpc_addr, [p], "--split", "2/2")) as split,
     ):
-        want = [greedy(ref, LONG + str(i), 12)[0] for i in range(2)]
-        with running(pd_head(model, tmp_path, pw.rpc_addr)) as solo:
-            assert [greedy(solo, LONG + str(i), 12)[0] for i in range(2)] == want
-            pd = solo.status()["pd"]
-            assert pd["transfers"] == 2 and pd["fallbacks"] == 0 and pd["bytes"] > 0
-            assert [t["transport"] for t in pd["recent"]] == ["socket", "shm"]  # the first sizes the shared segment
-            assert metric(solo, "hydra_pd_transfers_total") == 2
-        with (
-            running(peer(model, tmp_path)) as p,
-            running(pd_head(model, tmp_path, pw.rpc_addr, [p], "--split", "2/2")) as split,
-        ):
-            assert [greedy(split, LONG + str(i), 12)[0] for i in range(2)] == want
-            pd = split.status()["pd"]
-            assert pd["transfers"] == 2 and [t["transport"] for t in pd["recent"]] == [
-                "socket",
-                "shm",
-            ]  # one state per stage
-            assert p.status()["resident"]["state_bytes_in"] > 0  # the peer's layers went in through STATE_PUT
-        assert pw.status()["role"] == "prefill" and pw.status()["pd"]["served"] == 4
-        r = httpx.post(f"{pw.url}/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=30)
-        assert r.status_code == 400 and "only prefills" in r.json()["error"]["message"]
+        assert [greedy(split, LONG + str(i), 12)[0] for i in range(2)] == want
+        pd = split.status()["pd"]
+        assert pd["transfers"] == 2 and [t["transport"] for t in pd["recent"]] == [
+            "socket",
+            "shm",
+        ]  # one state per stage
+        assert p.status()["resident"]["state_bytes_in"] > 0  # the peer's layers went in through STATE_PUT
+    assert pw.status()["role"] == "prefill" and pw.status()["pd"]["served"] == served + 4
+    r = httpx.post(f"{pw.url}/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=30)
+    assert r.status_code == 400 and "only prefills" in r.json()["error"]["message"]
 
 
 class Relay:
@@ -214,14 +221,14 @@ def _recv_exact(s, n: int) -> bytes:
     return bytes(out)
 
 
-def test_running_streams_decode_while_a_peer_is_mid_placement(tiny_model, tmp_path):
+def test_running_streams_decode_while_a_peer_is_mid_placement(tiny_model, tmp_path, shared):
     """A split head places a transferred prompt's layers on its peer (STATE_PUT) while a running
     stream keeps decoding: the relay holds the STATE_PUT halfway, the peer reports it staging,
     and meanwhile the stream's token count grows. Both answers then equal the reference."""
     model = tiny_model("llama", **SHAPE)
-    with running(head(model, tmp_path, (), "--dtype", "float32")) as ref:
-        want = greedy(ref, LONG, 12)[0]
-    with running(peer(model, tmp_path)) as p, running(prefill_worker(model, tmp_path)) as pw:
+    pw, ref = shared
+    want = greedy(ref, LONG, 12)[0]
+    with running(peer(model, tmp_path)) as p:
         relay = HoldRelay(p.rpc_addr)
         try:
             with running(pd_head(model, tmp_path, pw.rpc_addr, [relay], "--split", "2/2", "--ctx", "2048")) as split:

@@ -12,11 +12,10 @@ from __future__ import annotations
 import threading
 import time
 
-import httpx
 import openai
 import pytest
 from consoles import all_ready, until
-from rpc_workers import complete, free_ports, head, peer, running, wait_for
+from rpc_workers import HTTP, complete, free_ports, head, peer, running, wait_for
 
 from hydra_console.app.config import Profile, SupervisorSettings, WorkerSpec
 from hydra_console.app.records import State
@@ -60,12 +59,12 @@ def _stream(w, out: dict) -> None:
 
 
 def _decoding(w) -> bool:
-    slots = httpx.get(f"{w.url}/status", timeout=10).json()["slots"]
+    slots = HTTP.get(f"{w.url}/status", timeout=10).json()["slots"]
     return any((s["n_decoded"] or 0) > 10 for s in slots)
 
 
 def _health(w) -> dict:
-    return httpx.get(f"{w.url}/health", timeout=10).json()
+    return HTTP.get(f"{w.url}/health", timeout=10).json()
 
 
 def _stop_mid_stream(split, victim, out: dict) -> threading.Thread:
@@ -164,7 +163,7 @@ async def test_console_keyboard_restart_of_a_peer_under_a_stream(model, tmp_path
             await until(pilot, lambda: not t.is_alive(), timeout=300)
             assert "error" not in out, out["error"]
             assert out["finish"] == "length" and out["text"] == before["text"]
-            assert httpx.get(f"{sup.head.spec.url}/status", timeout=15).json()["peers"][0]["attaches"] == 2
+            assert HTTP.get(f"{sup.head.spec.url}/status", timeout=15).json()["peers"][0]["attaches"] == 2
             await pilot.press("q")
     finally:
         await sup.shutdown()  # the quit dialog leaves workers running: stop them here
