@@ -101,10 +101,10 @@ def measure_serialization(
 
     from hydra_console.contracts.rpc import AHEAD_DRAFT, COMPUTE_HEADER, COMPUTE_SIZE, FORWARD_REPLY, Cmd
     from hydra_console.engine.device import host_buffer, to_host
-    from hydra_console.engine.rpc.compute import (
-        _raw,
+    from hydra_console.engine.rpc.forward_frames import (
         pack_forward,
         pack_forward_out,
+        raw_bytes,
         unpack_forward,
         unpack_forward_out,
     )
@@ -136,13 +136,13 @@ def measure_serialization(
                     hidden.to(dev)  # the stage's input on its device; its argmax rows: any ids
                     out = rows_.to(dev, torch.int32)
                     draft = [np.int32(1)] * 3
-                    body = _raw(to_host(out)).tobytes() + b"".join(
+                    body = raw_bytes(to_host(out)).tobytes() + b"".join(
                         AHEAD_DRAFT.pack(0, 0, len(draft)) + np.asarray(draft).tobytes() for _ in ahead
                     )
                 else:
                     _, hidden, _, _ = unpack_forward(payload)
                     out = hidden.to(dev).clone()  # the stage's input on its device; its output a new tensor
-                    body = _raw(to_host(out).to(hidden.dtype))
+                    body = raw_bytes(to_host(out).to(hidden.dtype))
                 reply = FORWARD_REPLY.pack(0, 0)
                 send_all(conn, COMPUTE_SIZE.pack(len(reply) + len(body)), reply, body)
         except Exception:

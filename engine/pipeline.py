@@ -101,10 +101,9 @@ class Pipeline:
         every token's last hidden state after the output norm (what an MTP block drafts from and an
         embedding pools: the last stage's output, whichever worker ran it). `meanwhile` runs once,
         after this worker's layers are queued: with a peer, between its frame and its reply, so
-        the caller's host work overlaps the peer's. It must not call the pipeline. `argmax`: every
-        row is read for its argmax alone (a greedy step), so a last peer that holds the output answers
-        that alone (`RemoteStage.run_output`); `ahead` there: the slots whose next drafts its MTP block
-        makes from this step's verification (`spec.remote_mtp`). Other pipelines ignore both."""
+        the caller's host work overlaps the peer's. It must not call the pipeline. For a last peer that
+        holds the output (`RemoteStage.run_output`): `argmax`, every row is read for its argmax alone;
+        `ahead`, the slots whose next draft its MTP block makes in the same exchange."""
         pipelined = (
             logit_rows is not None
             and logit_rows.numel() == 0
@@ -141,8 +140,7 @@ class Pipeline:
 
     def _run(self, tokens, slots, positions, meanwhile=None, pipelined=False, out=None):
         """The batch through every stage; `pipelined`: the last peer's output is not waited for (None).
-        `out` (tokens, logit rows, hidden wanted, argmax alone, drafts ahead): the last peer holds the output and answers it
-        (`RemoteStage.run_output`: logits and the normed hidden states or None)."""
+        `out`: `RemoteStage.run_output`'s arguments, when the last peer holds the output (it answers it)."""
         h = self.local.run_layers(self.local.embed(tokens), slots, positions)
         if meanwhile is not None and not self.remotes:
             meanwhile()

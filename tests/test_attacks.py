@@ -35,7 +35,8 @@ from hydra_console.contracts.rpc import (
 from hydra_console.engine.gguf_file import GGUFFile
 from hydra_console.engine.model import ModelConfig
 from hydra_console.engine.rpc import wire
-from hydra_console.engine.rpc.compute import ComputeServer, pack_forward, pack_hello
+from hydra_console.engine.rpc.compute import ComputeServer, pack_hello
+from hydra_console.engine.rpc.forward_frames import pack_forward
 from hydra_console.engine.rpc.listener import RpcListener
 from hydra_console.engine.rpc.resident import StageHost, tensor_shapes
 from hydra_console.engine.rpc.wire import SocketReader

@@ -18,7 +18,7 @@ from hydra_console.contracts.rpc import DraftAsk, LoadStageRequest, Op, Status
 from hydra_console.engine.gguf_file import GGUFFile
 from hydra_console.engine.model import ModelConfig, build_stage
 from hydra_console.engine.rpc import wire
-from hydra_console.engine.rpc.compute import pack_forward_out, unpack_forward_out
+from hydra_console.engine.rpc.forward_frames import pack_forward_out, unpack_forward_out
 from hydra_console.engine.rpc.resident import ComputeError, StageHost
 from hydra_console.engine.rpc.wire import SocketReader
 

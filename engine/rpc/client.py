@@ -9,13 +9,13 @@ later) so that the head computes the next chunk while the peer computes this one
 mid-request fails that request within ~2 s with `PeerUnavailable` (HTTP 503, peer_errors.py), never
 a hang (peer_watch.py); `attach()` re-validates and re-assigns when it comes back. The opening
 handshake is peer_handshake.py's, the pipelined sends peer_pipelining.py's, the slot-state ops
-peer_state_ops.py's.
+peer_state_ops.py's, the CUDA IPC channel peer_ipc.py's, a last peer's output (FORWARD_OUT, DRAFT)
+peer_output.py's.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import socket
 import time
@@ -25,7 +25,6 @@ import torch
 
 from ...contracts.footprint import model_tensors
 from ...contracts.rpc import (
-    CAP_IPC,
     CAP_OUTPUT,
     COMPUTE_HEADER,
     FORWARD_REPLY,
@@ -34,7 +33,6 @@ from ...contracts.rpc import (
     CheckReply,
     CheckRequest,
     Cmd,
-    IpcOpenRequest,
     LoadStageReply,
     LoadStageRequest,
     ProbeRequest,
@@ -46,16 +44,17 @@ from ...contracts.status import PeerInfo
 from ...contracts.wire_json import Message, WireError
 from ..device import host_buffer, to_host
 from ..errors import UserError
-from .compute import pack_forward
-from .cuda_ipc import IPC_TOKENS, IpcChannel, gpu_uuid
+from .cuda_ipc import IpcChannel
 from .exchange_lock import ExchangeLock, run_meanwhile
+from .forward_frames import pack_forward
 from .peer_errors import PeerError, PeerMismatch, PeerUnavailable, parse_addr
 from .peer_handshake import open_session
+from .peer_ipc import IpcChannelOps
 from .peer_output import OutputOps
 from .peer_pipelining import PipelinedSends
 from .peer_state_ops import SlotStateOps
 from .peer_watch import WATCH_S, RttWindow, probe
-from .resident import DTYPES, tensor_shapes
+from .resident import tensor_shapes
 from .tcp import tune_socket
 from .wire import (
     FrameError,
@@ -74,7 +73,7 @@ PIPELINE_IDLE_S = 5.0  # pipelined replies unread this long: the watcher's ping 
 M = TypeVar("M", bound=Message)
 
 
-class RemoteStage(PipelinedSends, SlotStateOps, OutputOps):
+class RemoteStage(PipelinedSends, SlotStateOps, OutputOps, IpcChannelOps):
     def __init__(
         self,
         addr: str,
@@ -201,41 +200,6 @@ class RemoteStage(PipelinedSends, SlotStateOps, OutputOps):
             raise PeerMismatch(f"peer {self.addr} answered LOAD_STAGE with a state_key that is not hex") from None
         self.layer_range = tuple(layers)
         self.device = reply.device
-
-    def open_ipc(self) -> None:
-        """`attach(ipc=False)`'s channel, mapped later: a head attaching its peers beside its graphs'
-        captures maps no CUDA memory meanwhile (a CUDA call on another thread invalidates a capture)."""
-        with self._lock, self._lost_on_error("failed opening CUDA IPC"):
-            if self.state == "up":
-                self._open_ipc()
-
-    def _open_ipc(self) -> None:
-        """Map the peer's CUDA IPC channel when it computes on our GPU; otherwise (another GPU or
-        host, a CPU peer, a driver that refuses the mapping) the hidden states go in the frames."""
-        dev = self._head_device
-        if dev is None or dev.type != "cuda":
-            return
-        if self._retired and torch.cuda.current_stream(dev).query():
-            self._retired.clear()  # nothing queued can touch them any more: unmap
-        if not self._caps & CAP_IPC:
-            return
-        request = IpcOpenRequest(uuid=gpu_uuid(dev), rows=IPC_TOKENS, dtype="float32")
-        status, body = reply_status(self._exchange(Cmd.IPC_OPEN, request.encode()))
-        if status != R.OK:
-            log.info("peer %s: hidden states go over the socket (%s)", self.addr, body.decode("utf-8", "replace"))
-            return
-        try:
-            self._ipc = IpcChannel.open(json.loads(body), DTYPES[request.dtype], dev)
-        except (RuntimeError, KeyError, ValueError) as e:
-            log.warning(
-                "peer %s shares our GPU but its CUDA IPC channel could not be mapped (%s): using the socket",
-                self.addr,
-                e,
-            )
-
-    @property
-    def transport(self) -> str:
-        return "cuda-ipc" if self._ipc is not None else "socket"
 
     def assign(self, a: int, b: int) -> None:
         """Live re-split: the peer re-materialises [a,b) from its own file (its KV starts empty)."""

@@ -13,8 +13,8 @@ from ...contracts.rpc import AHEAD_DRAFT, MAX_RUN, Cmd, DraftAsk, DraftReply
 from ...contracts.rpc import ReplyStatus as R
 from ...contracts.wire_json import WireError
 from ..device import host_buffer, to_host
-from .compute import pack_forward_out
 from .exchange_lock import run_meanwhile
+from .forward_frames import pack_forward_out
 from .peer_errors import PeerError, PeerUnavailable
 from .wire import FrameError, reply_status
 

@@ -9,7 +9,7 @@ import torch
 
 from ...contracts.rpc import CAP_FORWARD_ACK, Cmd, StaleEpoch
 from ..device import to_host
-from .compute import pack_forward
+from .forward_frames import pack_forward
 from .peer_errors import PeerError, PeerUnavailable
 
 
