@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from hydra_console.contracts.rpc import FORWARD_HEADER
 from hydra_console.engine.rpc import wire
-from hydra_console.engine.rpc.compute import pack_forward, unpack_forward
+from hydra_console.engine.rpc.forward_frames import pack_forward, unpack_forward
 from hydra_console.engine.rpc.resident import ComputeError
 from hydra_console.engine.rpc.wire import BufferReader, FrameError, SocketReader
 
