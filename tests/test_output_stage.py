@@ -12,7 +12,7 @@ import sys
 
 import pytest
 import torch
-from rpc_workers import complete, head, peer, wait_for
+from rpc_workers import complete, solo_and_split, wait_for
 
 from hydra_console.contracts.rpc import DraftAsk, LoadStageRequest, Op, Status
 from hydra_console.engine.gguf_file import GGUFFile
@@ -25,7 +25,6 @@ from hydra_console.engine.rpc.wire import SocketReader
 pytestmark = pytest.mark.integration
 
 PROMPTS = ("hello world hello", "the cat sat on the", "a b a b a")
-F32 = ("--dtype", "float32")
 
 
 @pytest.fixture(scope="module")
@@ -39,16 +38,9 @@ def ws(model, tmp_path_factory):
     """A solo head (no speculation), and a head whose one peer holds layers [2, 4), the output head
     and the MTP block (float32, all real processes)."""
     logs = tmp_path_factory.mktemp("output-stage-logs")
-    solo, p = head(model, logs, (), *F32), peer(model, logs, *F32)
-    flags = ("--split", "2/2", "--output-stage", "last", "--spec-type", "mtp", "--draft-p-min", "0", *F32)
-    split = head(model, logs, [p], *flags)
-    try:
-        for w in (solo, p, split):
-            w.wait_ready()
-        yield {"solo": solo, "peer": p, "head": split}
-    finally:
-        for w in (solo, p, split):
-            w.stop()
+    flags = ("--split", "2/2", "--output-stage", "last", "--spec-type", "mtp", "--draft-p-min", "0")
+    with solo_and_split(model, logs, *flags) as workers:
+        yield workers
 
 
 def choice(w, prompt: str, n: int, **kw) -> dict:

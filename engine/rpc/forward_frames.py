@@ -61,12 +61,7 @@ def unpack_forward_out(payload):
     """(epoch, hidden, slots, positions, rows, tokens or None, want_hidden, argmax, ahead entries);
     every size checked against the frame's own batch (rows index it, an entry's slot is in it)."""
     view = memoryview(payload)
-    if len(view) < FORWARD_HEADER.size:
-        raise ComputeError("FORWARD_OUT payload shorter than its header")
-    _, t, d, code = FORWARD_HEADER.unpack_from(view)
-    dtype = DTYPES.get(CODE_DTYPES.get(code, ""))
-    if dtype is None:
-        raise ComputeError(f"FORWARD dtype code {code} unknown")
+    _, t, d, dtype = _header(view, "FORWARD_OUT")
     o = FORWARD_HEADER.size + 8 * t + t * d * dtype.itemsize
     if len(view) < o + FORWARD_OUT.size:
         raise ComputeError(
@@ -104,12 +99,7 @@ def unpack_forward(payload, *, with_hidden: bool = True) -> tuple[int, torch.Ten
     """(epoch, hidden, slots, positions). Without the hidden bytes (FORWARD_IPC), `hidden` is a
     meta tensor: the frame's shape and dtype, no data."""
     view = memoryview(payload)
-    if len(view) < FORWARD_HEADER.size:
-        raise ComputeError("FORWARD payload shorter than its header")
-    epoch, t, d, code = FORWARD_HEADER.unpack_from(view)
-    dtype = DTYPES.get(CODE_DTYPES.get(code, ""))
-    if dtype is None:
-        raise ComputeError(f"FORWARD dtype code {code} unknown")
+    epoch, t, d, dtype = _header(view, "FORWARD")
     want = FORWARD_HEADER.size + 8 * t + (t * d * dtype.itemsize if with_hidden else 0)
     if len(view) != want:
         raise ComputeError(f"FORWARD of {t}x{d} needs {want} bytes, frame has {len(view)}")
@@ -125,3 +115,14 @@ def unpack_forward(payload, *, with_hidden: bool = True) -> tuple[int, torch.Ten
     else:
         hidden = torch.zeros(t, d, dtype=dtype)
     return epoch, hidden, slots.long(), positions.long()
+
+
+def _header(view: memoryview, what: str) -> tuple[int, int, int, torch.dtype]:
+    """FORWARD_HEADER's (epoch, rows, width, dtype), or ComputeError naming the frame `what`."""
+    if len(view) < FORWARD_HEADER.size:
+        raise ComputeError(f"{what} payload shorter than its header")
+    epoch, t, d, code = FORWARD_HEADER.unpack_from(view)
+    dtype = DTYPES.get(CODE_DTYPES.get(code, ""))
+    if dtype is None:
+        raise ComputeError(f"FORWARD dtype code {code} unknown")
+    return epoch, t, d, dtype

@@ -42,7 +42,7 @@ class RemoteMtpDrafter(Drafter):
 
     def release(self, slot: int) -> None:
         self._released.add(slot)
-        self.remote.take_ahead(slot, -1, -1)  # whatever was drafted ahead for the slot's last request
+        self.remote.ahead_drafts.pop(slot, None)  # whatever was drafted ahead for the slot's last request
         self._resting.pop(slot, None)
         self._changed.pop(slot, None)
 
