@@ -306,7 +306,15 @@ def forward_costs(engine: Engine, prompt: list[int], k: int, peer, n: int = 15) 
         if "draft_eager" in cost:
             out["mtp_step_eager_ms"] = round(cost["draft_eager"] / k, 3)
     if cuda:
-        out["kernel_ms"] = {str(c): round(kernel_ms(call), 3) for c, call in calls.items()}
+        kernels = {c: kernel_ms(call) for c, call in calls.items()}
+        out["kernel_ms"] = {str(c): round(sum(by_name.values()), 3) for c, by_name in kernels.items()}
+        one, verify = kernels[1], kernels[k + 1]
+        growth = {name: verify.get(name, 0.0) - one.get(name, 0.0) for name in one.keys() | verify.keys()}
+        # where a verify's extra time goes: the kernels that grow most from 1 token to k + 1
+        out["verify_kernel_growth_ms"] = {
+            name[:70]: [round(one.get(name, 0.0), 3), round(verify.get(name, 0.0), 3)]
+            for name in sorted(growth, key=growth.get, reverse=True)[:10]
+        }
     out["kv_bytes"] = engine.pipeline.local.kv_bytes  # the head's KV + recurrent state (with checkpoints)
     return out
 
@@ -319,8 +327,8 @@ def eager_draft(mtp, request) -> None:
         mtp.graphs = graphs
 
 
-def kernel_ms(call, n: int = 5) -> float:
-    """The GPU kernels' own time of one `call` (median-free: the mean of n, from torch.profiler)."""
+def kernel_ms(call, n: int = 5) -> dict[str, float]:
+    """The GPU kernels' own ms in one `call` by kernel name (the mean of n, from torch.profiler)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -328,7 +336,7 @@ def kernel_ms(call, n: int = 5) -> float:
         for _ in range(n):
             call()
         torch.cuda.synchronize()
-    return sum(e.self_device_time_total for e in prof.key_averages()) / n / 1e3
+    return {e.key: e.self_device_time_total / n / 1e3 for e in prof.key_averages() if e.self_device_time_total}
 
 
 def peer_rtt_ms(engine: Engine, n: int = 20) -> float | None:
@@ -364,6 +372,8 @@ def bench(engine: Engine, tok: Tokenizer, args, where: str, peer: Peer | None = 
                 f"{where:10} GPU kernel ms per call (1 token, .., k+1 tokens, draft chain): {costs['kernel_ms']}",
                 flush=True,
             )
+            for name, (one, verify) in costs["verify_kernel_growth_ms"].items():
+                print(f"{where:10}   {one:7.3f} -> {verify:7.3f} ms  {name}", flush=True)
     calls = count_forwards(engine)
     specs = {
         "off": SpecConfig(),
