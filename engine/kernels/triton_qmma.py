@@ -28,13 +28,14 @@ from .triton_qplanes import codes, layout_args, planes_args, scales
 # Tiles by row count rounded up to a power of two: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages,
 # programs per SM that split-K aims for, SWAP). SWAP: the dot is w [BLOCK_N, ·] @ x.T, the weight's
 # rows the MMA's M side (64 a warpgroup on Hopper's wgmma, whose A operand may come from registers,
-# where the decoded tile is) and x's rows its N side (8 or more); else x @ w.T (BLOCK_M the M side).
+# where the decoded tile is) and x's rows its N side (8 or more); else x @ w.T (BLOCK_M the M side, mma.sync
+# pads it to 16). Rows past M are masked: BLOCK_M 8, 16 or 32.
 # Not yet measured: `benchmarks/bench_qkernels.py --qmma` sweeps them on a GPU and prints this line.
 QMMA_CONFIGS: dict[int, tuple[int, int, int, int, int, int, bool]] = {
-    1: (16, 64, 256, 4, 1, 4, True),
-    2: (16, 64, 256, 4, 1, 4, True),
-    4: (16, 64, 256, 4, 1, 4, True),
-    8: (16, 64, 256, 4, 1, 4, True),
+    1: (8, 64, 256, 4, 1, 4, True),
+    2: (8, 64, 256, 4, 1, 4, True),
+    4: (8, 64, 256, 4, 1, 4, True),
+    8: (8, 64, 256, 4, 1, 4, True),
     16: (16, 64, 256, 4, 1, 4, True),
     32: (32, 64, 256, 4, 1, 4, True),
 }
