@@ -448,3 +448,32 @@ def test_kernel_matmul_takes_the_tensor_core_gemm_from_qmma_min_rows(monkeypatch
     assert qmma(torch.randn(0, 512, device=KERNEL_DEVICE), *qweight_planes(w)).shape == (0, 40)
     with pytest.raises(ValueError, match="1..32 rows"):
         tensor_core_matmul(torch.randn(33, 512, device=KERNEL_DEVICE), w)
+
+
+@kernels
+def test_qmma_op_schema_and_fake_tensor():
+    """hydra::qmma as torch.compile sees it: its schema, and a fake that gives the op's shape and dtype."""
+    from hydra_console.engine.kernels.triton_qmma import qmma
+
+    _, w, _ = _weight(T.Q6_K, 40, 256, device=KERNEL_DEVICE)
+    x = torch.randn(5, 256, device=KERNEL_DEVICE).bfloat16()
+    torch.library.opcheck(qmma, (x, *qweight_planes(w)), test_utils=("test_schema", "test_faketensor"))
+
+
+@cuda
+@pytest.mark.parametrize("rows", [4, 17])
+def test_tensor_core_matmul_in_cuda_graphs_and_torch_compile(rows, monkeypatch):
+    """With QMMA_MIN_ROWS lowered, qlinear's tensor-core GEMM replays in a CUDA graph and compiles whole."""
+    monkeypatch.setattr(qlinear_module, "QMMA_MIN_ROWS", 1)
+    _, w, ref = _weight(T.Q5_K, 512, 1024, device="cuda")
+    x = torch.randn(rows, 1024, device="cuda", dtype=torch.bfloat16)
+    y = qlinear(x, w)
+    assert _rel_err(y, x.double() @ ref.double().T) < 1e-2
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = qlinear(x, w)
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    torch.testing.assert_close(y, qlinear(x, w), rtol=0, atol=0)
+    f = torch.compile(lambda x: torch.nn.functional.silu(qlinear(x, w)), fullgraph=True)
+    torch.testing.assert_close(f(x), torch.nn.functional.silu(qlinear(x, w)), rtol=0, atol=0)
