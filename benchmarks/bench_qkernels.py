@@ -234,7 +234,10 @@ def _qmma_sweep(types: list[T], row_counts: list[int], shapes, rng: np.random.Ge
         report("scratch+cuBLAS", run_all(_scratch, rows, xs, refs))
 
         def measure(cfg, until: float) -> None:
-            if cfg in totals or time.monotonic() - start > until * share:
+            if cfg in totals:
+                return
+            if time.monotonic() - start > until * share:
+                print(f"| {cfg} | skipped: this row count's share of --budget-s is spent |", flush=True)
                 return
             t = report(cfg, run_all(lambda x, w, c=cfg: qmma_launch(x, planes_args(w), c), rows, xs, refs))
             if t is not None:
@@ -263,7 +266,11 @@ def _qmma_sweep(types: list[T], row_counts: list[int], shapes, rng: np.random.Ge
     print(f"QMMA_CONFIGS = {configs}")
     wins = [r for r in row_counts if r in qmma and qmma[r] < gemv[r]]
     first = next((r for r in sorted(wins) if all(q in wins for q in row_counts if q >= r)), None)
-    verdict = f"the tensor-core GEMM beats the GEMV from {first} of rows {row_counts}" if first else "never beat it"
+    verdict = (
+        f"the tensor-core GEMM beats the GEMV from {first} of rows {row_counts}"
+        if first
+        else "it beat the GEMV at no timed row count"
+    )
     print(f"QMMA_MIN_ROWS = {first or 33}  # {verdict}")
     print(f"sweep took {time.monotonic() - began:.0f} s (budget {budget_s:.0f} s)")
 
