@@ -27,9 +27,10 @@ from .triton_qplanes import codes, layout_args, planes_args, scales
 
 # Tiles by row count rounded up to a power of two: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages,
 # programs per SM that split-K aims for, SWAP). SWAP: the dot is w [BLOCK_N, ·] @ x.T, the weight's
-# rows the MMA's M side (64 a warpgroup on Hopper's wgmma, whose A operand may come from registers,
-# where the decoded tile is) and x's rows its N side (8 or more); else x @ w.T (BLOCK_M the M side, mma.sync
-# pads it to 16). Rows past M are masked: BLOCK_M 8, 16 or 32.
+# rows the MMA's M side (64 a warpgroup: Hopper's wgmma, its A operand in registers) and x's rows its N
+# side (8 or more); else x @ w.T, BLOCK_M the M side (mma.sync, which pads it to 16). Either way Triton
+# 3.9 passes the decoded tile through shared memory into the MMA's operand layout (its TTGIR). Rows
+# past M are masked: BLOCK_M 8, 16 or 32.
 # Not yet measured: `benchmarks/bench_qkernels.py --qmma` sweeps them on a GPU and prints this line.
 QMMA_CONFIGS: dict[int, tuple[int, int, int, int, int, int, bool]] = {
     1: (8, 64, 256, 4, 1, 4, True),
@@ -44,7 +45,8 @@ QMMA_MAX_ROWS = max(QMMA_CONFIGS)
 
 @triton.jit
 def _w_half(q_lo, q_hi, d_lo, d_hi, m, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, dt: tl.constexpr):
-    """The decoded tile's halves [BLOCK_N, BLOCK_K // 2] in dtype dt: quant.dequantize's (d * sc) * (u - offset) + m."""
+    """The decoded tile's halves [BLOCK_N, BLOCK_K // 2] in dtype dt, as quant.dequantize computes
+    them: (d * sc) * (u - offset) + m."""
     w_lo = tl.reshape(d_lo * q_lo + m, [BLOCK_N, BLOCK_K // 2]).to(dt)
     w_hi = tl.reshape(d_hi * q_hi + m, [BLOCK_N, BLOCK_K // 2]).to(dt)
     return w_lo, w_hi
