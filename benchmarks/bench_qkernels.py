@@ -13,6 +13,15 @@ the 27B's matrices), each checked against the reference; prints GB/s per configu
 the fastest per row count as a `GEMV_CONFIGS` line, and uses them for the table (`--sweep-only`: no table).
 
     python benchmarks/bench_qkernels.py --sweep-only --types Q4_K,Q5_K,Q6_K --rows 1,4,8
+
+`--qmma` times the tensor-core GEMM (triton_qmma.py) instead, over `_qmma_grid`'s QMMA_CONFIGS tiles on
+the 27B's matrices (`QMMA_SHAPES`; add the 248320x5120 output head with --shapes), Q5_K and Q6_K at 4,
+8, 16 and 32 rows, beside the GEMV (8 rows a pass) and scratch + cuBLAS, every path checked against the
+reference first; prints GB/s per configuration and shape, each row count's cost against a one-row GEMV
+step, the fastest tile per row count as a QMMA_CONFIGS line and the QMMA_MIN_ROWS from which it beats
+the GEMV. About 200 s on an H100 (--budget-s, compiles included):
+
+    python benchmarks/bench_qkernels.py --qmma
 """
 
 from __future__ import annotations
@@ -28,6 +37,8 @@ from gguf.constants import GGMLQuantizationType as T
 from hydra_console.engine.kernels import LAYOUTS, QuantWeight
 from hydra_console.engine.kernels.qlinear import dense
 from hydra_console.engine.kernels.triton_qmatmul import GEMV_CONFIGS, GEMV_MAX_ROWS, fused_matmul
+from hydra_console.engine.kernels.triton_qmma import QMMA_CONFIGS, qmma_launch
+from hydra_console.engine.kernels.triton_qplanes import planes_args
 from hydra_console.engine.synth.blocks import random_blocks
 
 SHAPES = ((4096, 4096), (14336, 4096), (4096, 14336), (2048, 8192), (32000, 4096))
@@ -149,6 +160,121 @@ def _sweep(types: list[T], row_counts: list[int], shapes, rng: np.random.Generat
     print(f"GEMV_CONFIGS = {GEMV_CONFIGS}")
 
 
+QMMA_SHAPES = ((34816, 5120), (5120, 17408), (12288, 5120))  # the 27B's gate+up, down, attention's qkv
+
+
+def _qmma_grid(block_m: int) -> list[tuple]:
+    """QMMA_CONFIGS tiles to time first: (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, programs/SM, SWAP).
+    Each compiles once a type and BLOCK_M (a few seconds): few enough for the budget. The decoded
+    [BLOCK_N, BLOCK_K] tile sits in registers as float32 before its rounding: 8 warps where it is 32K
+    elements."""
+    swapped = [(64, 256, 4, 1, 4), (128, 256, 8, 1, 4), (64, 128, 4, 1, 4), (64, 512, 8, 1, 4), (64, 256, 4, 3, 4)]
+    plain = [(64, 256, 4, 1, 4), (32, 256, 4, 1, 4), (128, 128, 4, 1, 4)]
+    return [(block_m, *t, True) for t in swapped] + [(block_m, *t, False) for t in plain]
+
+
+def _qmma_sweep(types: list[T], row_counts: list[int], shapes, rng: np.random.Generator, budget_s: float) -> None:
+    """Per row count: the GEMV (GEMV_MAX_ROWS rows a pass) and scratch + cuBLAS, then `_qmma_grid`'s
+    tiles and refinements around the fastest (programs per SM, stages), on every type and shape, each
+    checked against the reference before it is timed. Row counts share what is left of `budget_s`
+    after the set-up equally; a row count's grid stops at 75 % of its share, its refinements at 100 %."""
+    began = time.monotonic()
+    weights = {}
+    for qt in types:
+        for n, k in shapes:
+            raw = random_blocks((n, k), qt, 1 / 64, rng)
+            weights[qt, n, k] = _copies(QuantWeight.from_gguf(raw, qt, (n, k), device=DEVICE))
+    nbytes = sum(ws[0].nbytes for ws in weights.values())
+    cols = [f"{qt.name} {n}x{k}" for qt, n, k in weights]
+
+    def run_all(op, rows: int, xs, refs) -> tuple[float, list[str]] | str:
+        """Summed seconds of `op(x, w)` over the types and shapes and GB/s cells, or why it was not timed."""
+        total, cells = 0.0, []
+        for key, ws in weights.items():
+            x, ref = xs[key[2]], refs[key]
+            try:
+                err = float((op(x, ws[0]).float() - ref).abs().max() / ref.abs().max())
+            except Exception as e:  # a tile that does not build here is reported, the sweep goes on
+                return f"FAILED: {type(e).__name__}: {str(e)[:300]}"
+            if not err < 2e-2:
+                return f"WRONG for {key[0].name} {key[1]}x{key[2]}: max rel err {err:.2e}"
+            t = time_per_call([lambda w=w: op(x, w) for w in ws], rep=20)
+            total += t
+            cells.append(f"{ws[0].nbytes / t / 1e9:.0f}")
+        return total, cells
+
+    def inputs(rows: int):
+        xs = {k: torch.randn(rows, k, device=DEVICE, dtype=torch.bfloat16) for _, k in shapes}
+        return xs, {key: xs[key[2]].float() @ dense(ws[0], torch.float32).T for key, ws in weights.items()}
+
+    one = run_all(fused_matmul, 1, *inputs(1))
+    step = one[0] if isinstance(one, tuple) else float("nan")
+    print(f"\none-row GEMV step over the {len(cols)} matrices: {step * 1e6:.1f} µs, {nbytes / step / 1e9:.0f} GB/s")
+    best: dict[int, tuple] = {}
+    gemv: dict[int, float] = {}
+    qmma: dict[int, float] = {}
+    for n_done, rows in enumerate(row_counts):
+        start = time.monotonic()
+        share = (budget_s - (start - began)) / (len(row_counts) - n_done)
+        xs, refs = inputs(rows)
+        print(f"\n{rows} rows: GB/s of weight bytes per type and shape (out x in); µs summed; × the one-row step")
+        print("| path | " + " | ".join(cols) + " | µs | × step |")
+        print("|---" * (len(cols) + 3) + "|")
+        totals: dict[tuple, float] = {}
+
+        def report(path, result) -> float | None:
+            if isinstance(result, str):
+                print(f"| {path} | {result} |", flush=True)
+                return None
+            total, cells = result
+            print(f"| {path} | " + " | ".join(cells) + f" | {total * 1e6:.1f} | {total / step:.2f} |", flush=True)
+            return total
+
+        gemv[rows] = report("GEMV", run_all(fused_matmul, rows, xs, refs)) or float("inf")
+        report("scratch+cuBLAS", run_all(_scratch, rows, xs, refs))
+
+        def measure(cfg, until: float) -> None:
+            if cfg in totals:
+                return
+            if time.monotonic() - start > until * share:
+                print(f"| {cfg} | skipped: this row count's share of --budget-s is spent |", flush=True)
+                return
+            t = report(cfg, run_all(lambda x, w, c=cfg: qmma_launch(x, planes_args(w), c), rows, xs, refs))
+            if t is not None:
+                totals[cfg] = t
+
+        for cfg in _qmma_grid(triton.next_power_of_2(max(rows, 8))):
+            measure(cfg, 0.75)
+        if not totals:
+            print(f"| {rows} rows: no tile timed (the budget, --budget-s, or every tile failed) |")
+            continue
+        top = min(totals, key=totals.get)
+        for per_sm in (2, 8, 16):  # then how many programs split-K aims for (no compile), and pipelining
+            measure(top[:5] + (per_sm,) + top[6:], 1.0)
+        top = min(totals, key=totals.get)
+        for stages in (1, 2, 3):
+            measure(top[:4] + (stages,) + top[5:], 1.0)
+        best[rows], qmma[rows] = min(totals, key=totals.get), min(totals.values())
+        print(
+            f"best for {rows} rows: {best[rows]}, {qmma[rows] * 1e6:.1f} µs ({qmma[rows] / step:.2f}× the one-row"
+            f" step), {gemv[rows] / qmma[rows]:.2f}× the GEMV"
+        )
+    configs = dict(QMMA_CONFIGS)
+    for mr in configs:  # each row count's tile from the fewest measured rows it serves (BLOCK_M >= rows)
+        if serving := [r for r in best if triton.next_power_of_2(r) >= mr]:
+            configs[mr] = best[min(serving)]
+    print(f"QMMA_CONFIGS = {configs}")
+    wins = [r for r in row_counts if r in qmma and qmma[r] < gemv[r]]
+    first = next((r for r in sorted(wins) if all(q in wins for q in row_counts if q >= r)), None)
+    verdict = (
+        f"the tensor-core GEMM beats the GEMV from {first} of rows {row_counts}"
+        if first
+        else "it beat the GEMV at no timed row count"
+    )
+    print(f"QMMA_MIN_ROWS = {first or 33}  # {verdict}")
+    print(f"sweep took {time.monotonic() - began:.0f} s (budget {budget_s:.0f} s)")
+
+
 def _scratch(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
     return x @ dense(w, x.dtype).T
 
@@ -162,22 +288,25 @@ def _copy_bandwidth() -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument(
-        "--types", default=",".join(t.name for t in (T.Q4_K, T.Q6_K, T.Q5_K, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1))
-    )
-    ap.add_argument("--rows", default="1,4,8,16,512")
+    every = ",".join(t.name for t in (T.Q4_K, T.Q6_K, T.Q5_K, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1))
+    ap.add_argument("--types", help=f"default {every}; with --qmma Q5_K,Q6_K")
+    ap.add_argument("--rows", help="default 1,4,8,16,512; with --qmma 4,8,16,32")
     ap.add_argument("--sweep", action="store_true", help="time GEMV configurations first (see --sweep-only)")
     ap.add_argument("--sweep-only", action="store_true", help="the sweep and its GEMV_CONFIGS line, no table")
-    ap.add_argument("--shapes", default="", help="out x in list for the sweep, e.g. 4096x4096,28672x4096")
-    ap.add_argument("--budget-s", type=float, default=480, help="the sweep's time, shared by its row counts")
+    ap.add_argument("--qmma", action="store_true", help="sweep the tensor-core GEMM's tiles (module doc), no table")
+    ap.add_argument("--shapes", default="", help="out x in list for the sweeps, e.g. 4096x4096,28672x4096")
+    ap.add_argument("--budget-s", type=float, help="the sweep's time, shared by its row counts (480 s; --qmma 200)")
     args = ap.parse_args()
-    types = [T[name] for name in args.types.split(",")]
-    row_counts = [int(r) for r in args.rows.split(",")]
+    types = [T[name] for name in (args.types or ("Q5_K,Q6_K" if args.qmma else every)).split(",")]
+    row_counts = [int(r) for r in (args.rows or ("4,8,16,32" if args.qmma else "1,4,8,16,512")).split(",")]
     rng = np.random.default_rng(0)
+    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")] if args.shapes else None
     print(f"{torch.cuda.get_device_name()}: device copy {_copy_bandwidth():.0f} GB/s (read + write)")
+    if args.qmma:
+        _qmma_sweep([t for t in types if t in LAYOUTS], row_counts, shapes or QMMA_SHAPES, rng, args.budget_s or 200)
+        return
     if args.sweep or args.sweep_only:
-        shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")] if args.shapes else SWEEP_SHAPES
-        _sweep([t for t in types if t in LAYOUTS], row_counts, shapes, rng, args.budget_s)
+        _sweep([t for t in types if t in LAYOUTS], row_counts, shapes or SWEEP_SHAPES, rng, args.budget_s or 480)
         if args.sweep_only:
             return
     print("| type | shape (out x in) | rows | path | µs | GB/s | TFLOP/s | bf16 cuBLAS µs | bf16 TFLOP/s | speed-up |")

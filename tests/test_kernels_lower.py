@@ -3,7 +3,8 @@ tests run here) accepts Python the compiler refuses: a runtime `if` whose branch
 with different shapes ran under the interpreter and failed to compile on an H200. Lowering to TTIR
 runs the compiler's front end, the part that refuses it, on this machine. It runs in a process of
 its own: under TRITON_INTERPRET (tests/conftest.py) `@triton.jit` gives interpreter wrappers, which
-the compiler cannot call."""
+the compiler cannot call. The tensor-core GEMM goes on to PTX: its dots' layouts (Hopper's wgmma, or
+mma.sync) are chosen and lowered after TTIR."""
 
 from __future__ import annotations
 
@@ -16,27 +17,29 @@ import pytest
 pytest.importorskip("triton")
 pytestmark = pytest.mark.unit
 
-LOWER = """
+PREAMBLE = """
 import sys
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, make_backend
 from triton._C.libtriton import ir
-from hydra_console.engine.kernels import triton_gdn_step as k
 
 target = GPUTarget("cuda", 90, 32)  # an H100's
 backend = make_backend(target)
-options = backend.parse_options({})
 context = ir.context()
 ir.load_dialects(context)
 backend.load_dialects(context)
 
 
-def lower(fn, constexprs, floats=(), i64_pointers=()):
+def lower(fn, constexprs, floats=(), i64_pointers=(), pointers=None, until="ttir", **launch):
+    \"\"\"fn's TTIR, or on to `until` ("ptx": no ptxas needed), with pointer types `pointers` (else
+    *fp32, *i64 for `i64_pointers`) and launch options (num_warps, num_stages).\"\"\"
+    options = backend.parse_options(launch)
+
     def kind(name):
         if name in constexprs:
             return "constexpr"
         if name.endswith("_ptr"):
-            return "*i64" if name in i64_pointers else "*fp32"
+            return (pointers or {}).get(name, "*i64" if name in i64_pointers else "*fp32")
         return "fp32" if name in floats else "i32"
 
     source = ASTSource(
@@ -44,7 +47,20 @@ def lower(fn, constexprs, floats=(), i64_pointers=()):
         signature={name: kind(name) for name in fn.arg_names},
         constexprs={(fn.arg_names.index(c),): v for c, v in constexprs.items()},
     )
-    source.make_ir(target, options, backend.get_codegen_implementation(options), backend.get_module_map(), context)
+    module = source.make_ir(
+        target, options, backend.get_codegen_implementation(options), backend.get_module_map(), context
+    )
+    stages, metadata = {}, {}
+    backend.add_stages(stages, options, source.language)
+    for stage in list(stages)[: list(stages).index(until) + 1]:
+        module = stages[stage](module, metadata)
+    return str(module)
+"""
+
+LOWER = (
+    PREAMBLE
+    + """
+from hydra_console.engine.kernels import triton_gdn_step as k
 
 
 m, depth = int(sys.argv[1]), int(sys.argv[2])
@@ -53,6 +69,7 @@ conv = dict(M=m, DEPTH=depth, **heads, NCK=min(m, depth), KW=4, BM=max(2, m), BD
 lower(k._conv_step_kernel, conv, floats=("eps",), i64_pointers=("slot_ptr",))
 lower(k._rule_step_kernel, dict(M=m, DEPTH=depth, **heads, BK=128, BV=k.CONFIG["bv"]), i64_pointers=("slot_ptr",))
 """
+)
 
 
 @pytest.mark.parametrize("m", [1, 2, 4])
@@ -61,3 +78,40 @@ def test_the_step_kernels_lower_for_a_cuda_card(m, depth):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = subprocess.run([sys.executable, "-c", LOWER, str(m), str(depth)], env=env, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-3000:]
+
+
+LOWER_QMMA = (
+    PREAMBLE
+    + """
+from gguf.constants import GGMLQuantizationType as T
+from hydra_console.engine.kernels import triton_qmma as k
+from hydra_console.engine.kernels.qweight import LAYOUTS
+
+qt, x_type = T[sys.argv[1]], sys.argv[2]
+lay = LAYOUTS[qt]
+block_m, block_n, block_k, warps, stages, _, swap = k.QMMA_CONFIGS[4]
+planes = dict(q_ptr="*u8", h_ptr="*u8", d_ptr="*i64" if lay.has_mn else "*fp16", sc_ptr="*u8", m_ptr="*fp16")
+for swap in (True, False) if x_type == "bf16" else (swap,):
+    consts = dict(BITS=lay.bits, OFFSET=lay.offset, SB=lay.sb, G=lay.g, HAS_M=lay.has_m, HAS_MN=lay.has_mn)
+    consts |= dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SWAP=swap, UPCAST=False)
+    consts["PRECISION"] = "ieee" if x_type == "fp32" else "tf32"
+    pointers = planes | dict(x_ptr="*" + x_type, out_ptr="*fp32")
+    ptx = lower(k._qmma_kernel, consts, pointers=pointers, until="ptx", num_warps=warps, num_stages=stages)
+    mma = "wgmma" if "wgmma.mma_async" in ptx else "mma.sync" if "mma.sync" in ptx else "fma"
+    print(qt.name, x_type, "swap" if swap else "no swap", mma)
+"""
+)
+
+
+@pytest.mark.parametrize("qtype", ["Q5_K", "Q6_K"])
+def test_the_tensor_core_gemm_lowers_to_ptx_for_a_cuda_card(qtype):
+    """The 4-row tile, bf16 x in both orientations of the dot, float32 x ("ieee": no tensor cores): x @ w.T
+    takes mma.sync; w @ x.T, the weight's 64 rows on the M side, Hopper's wgmma."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = []
+    for x_type in ("bf16", "fp32"):
+        run = subprocess.run([sys.executable, "-c", LOWER_QMMA, qtype, x_type], env=env, capture_output=True, text=True)
+        assert run.returncode == 0, run.stderr[-3000:]
+        out += run.stdout.splitlines()
+    assert out[:2] == [f"{qtype} bf16 swap wgmma", f"{qtype} bf16 no swap mma.sync"]
+    assert out[2].startswith(f"{qtype} fp32") and out[2].endswith(" fma")  # the table's orientation

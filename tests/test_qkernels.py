@@ -372,3 +372,108 @@ def test_cuda_torch_compile_fullgraph():
         x = torch.randn(rows, 512, device="cuda")
         want = torch.nn.functional.silu(qlinear(x, w)) + qlinear(x * 2, w)
         torch.testing.assert_close(f(x), want, rtol=1e-5, atol=1e-5)
+
+
+# The tensor-core GEMM (triton_qmma.py). Under the interpreter (~0.1 s a launch): every type at 5 and 17
+# rows, K not a multiple of BLOCK_K where the type allows (11 blocks of 32; K-quants: 3 super-blocks,
+# split over two programs), 72 outputs (a partial BLOCK_N tile); Q5_K and Q6_K at every row count.
+QMMA_CASES = [(qt, rows) for qt in TYPES for rows in (5, 17)] + [
+    (qt, rows) for qt in (T.Q5_K, T.Q6_K) for rows in (1, 16, 32)
+]
+
+
+def _qmma_bound(dtype: torch.dtype) -> float:
+    """float32 x: float32 products and sums; 16-bit x: the weight rounded to it, and the output's rounding
+    (CUDA rounds to nearest, Triton's interpreter truncates)."""
+    return 1e-5 if dtype == torch.float32 else 1e-2 * (1 if KERNEL_DEVICE == "cuda" else 2)
+
+
+@kernels
+@pytest.mark.parametrize("qt,rows", QMMA_CASES, ids=lambda v: getattr(v, "name", str(v)))
+def test_tensor_core_matmul_matches_reference(qt, rows):
+    from hydra_console.engine.kernels.triton_qmma import tensor_core_matmul
+
+    n, k = (1000, 4 * _k(qt)) if KERNEL_DEVICE == "cuda" else (72, _k(qt) + 32 * (qt not in K_QUANTS))
+    _, w, ref = _weight(qt, n, k, seed=rows, device=KERNEL_DEVICE)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).to(KERNEL_DEVICE)
+    want = x.double() @ ref.double().T
+    dtypes = (torch.float32, torch.bfloat16) + ((torch.float16,) if rows == 5 and qt in K_QUANTS else ())
+    for dtype in dtypes if KERNEL_DEVICE == "cuda" or rows in (5, 17) else (torch.bfloat16,):
+        y = tensor_core_matmul(x.to(dtype), w)
+        assert y.shape == (rows, n) and y.dtype == dtype
+        err = _rel_err(y, x.to(dtype).double() @ ref.double().T)
+        print(f"{qt.name} {n}x{k} rows={rows} {dtype}: max rel err {err:.2e} (x in its dtype), {_rel_err(y, want):.2e}")
+        assert err < _qmma_bound(dtype), (dtype, err)
+
+
+@kernels
+@pytest.mark.parametrize("block_k", [128, 512])
+def test_tensor_core_matmul_other_tiles(block_k):
+    """A config as the sweep times them: BLOCK_M 32 for 16 rows, x @ w.T (no swap), a BLOCK_K that splits
+    a super-block (128) or leaves the last step half past K (512, K of 3 super-blocks)."""
+    from hydra_console.engine.kernels.triton_qmma import qmma_launch
+
+    _, w, ref = _weight(T.Q6_K, 40, 768, seed=1, device=KERNEL_DEVICE)
+    x = torch.randn(16, 768, generator=torch.Generator().manual_seed(1)).to(KERNEL_DEVICE)
+    planes = qweight_planes(w)
+    for swap in (False, True):
+        y = qmma_launch(x.bfloat16(), planes, (32, 32, block_k, 4, 1, 4, swap))
+        assert _rel_err(y, x.bfloat16().double() @ ref.double().T) < _qmma_bound(torch.bfloat16)
+    with pytest.raises(ValueError, match="up to 16 rows"):
+        qmma_launch(torch.randn(17, 768, device=KERNEL_DEVICE), planes, (16, 32, 256, 4, 1, 4, True))
+
+
+def qweight_planes(w: QuantWeight) -> tuple:
+    from hydra_console.engine.kernels.triton_qplanes import planes_args
+
+    return planes_args(w)
+
+
+@kernels
+def test_kernel_matmul_takes_the_tensor_core_gemm_from_qmma_min_rows(monkeypatch):
+    """The GPU's dispatch with QMMA_MIN_ROWS lowered: from that row count to GEMV_CHUNKED_ROWS the
+    tensor-core GEMM's result (bit for bit: its path), below it the GEMV's; both the reference's."""
+    from hydra_console.engine.kernels.qlinear import GEMV_CHUNKED_ROWS, kernel_matmul
+    from hydra_console.engine.kernels.triton_qmatmul import fused_matmul
+    from hydra_console.engine.kernels.triton_qmma import QMMA_MAX_ROWS, qmma, tensor_core_matmul
+
+    assert QMMA_MAX_ROWS == GEMV_CHUNKED_ROWS  # the rows the switch may hand over
+    _gemv_x_terms(monkeypatch, 0)
+    monkeypatch.setattr(qlinear_module, "QMMA_MIN_ROWS", 5)
+    _, w, ref = _weight(T.Q5_K, 40, 512, seed=2, device=KERNEL_DEVICE)
+    for rows, path in ((4, fused_matmul), (5, tensor_core_matmul), (17, tensor_core_matmul)):
+        x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows)).to(KERNEL_DEVICE)
+        y = kernel_matmul(x, w)
+        assert torch.equal(y, path(x, w)) and _rel_err(y, x.double() @ ref.double().T) < 1e-5
+    assert qmma(torch.randn(0, 512, device=KERNEL_DEVICE), *qweight_planes(w)).shape == (0, 40)
+    with pytest.raises(ValueError, match="1..32 rows"):
+        tensor_core_matmul(torch.randn(33, 512, device=KERNEL_DEVICE), w)
+
+
+@kernels
+def test_qmma_op_schema_and_fake_tensor():
+    """hydra::qmma as torch.compile sees it: its schema, and a fake that gives the op's shape and dtype."""
+    from hydra_console.engine.kernels.triton_qmma import qmma
+
+    _, w, _ = _weight(T.Q6_K, 40, 256, device=KERNEL_DEVICE)
+    x = torch.randn(5, 256, device=KERNEL_DEVICE).bfloat16()
+    torch.library.opcheck(qmma, (x, *qweight_planes(w)), test_utils=("test_schema", "test_faketensor"))
+
+
+@cuda
+@pytest.mark.parametrize("rows", [4, 17])
+def test_tensor_core_matmul_in_cuda_graphs_and_torch_compile(rows, monkeypatch):
+    """With QMMA_MIN_ROWS lowered, qlinear's tensor-core GEMM replays in a CUDA graph and compiles whole."""
+    monkeypatch.setattr(qlinear_module, "QMMA_MIN_ROWS", 1)
+    _, w, ref = _weight(T.Q5_K, 512, 1024, device="cuda")
+    x = torch.randn(rows, 1024, device="cuda", dtype=torch.bfloat16)
+    y = qlinear(x, w)
+    assert _rel_err(y, x.double() @ ref.double().T) < 1e-2
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = qlinear(x, w)
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    torch.testing.assert_close(y, qlinear(x, w), rtol=0, atol=0)
+    f = torch.compile(lambda x: torch.nn.functional.silu(qlinear(x, w)), fullgraph=True)
+    torch.testing.assert_close(f(x), torch.nn.functional.silu(qlinear(x, w)), rtol=0, atol=0)

@@ -43,23 +43,34 @@ class DequantScratch:
 # bf16 (~37 bits). A 4-stream MTP verify (16 rows) through the scratch ran slower than plain decode
 # (H200, session 20: 212 against 296 tok/s).
 GEMV_CHUNKED_ROWS = 32
+# From this many rows up to GEMV_CHUNKED_ROWS the tensor-core GEMM (triton_qmma.py) runs instead of
+# the GEMV, reading the weight once for all rows. 33: off, until `benchmarks/bench_qkernels.py --qmma`
+# on the GPU prints the row count from which it beats the GEMV.
+QMMA_MIN_ROWS = 33
 
 
 def qlinear(x: torch.Tensor, w: QuantWeight, scratch: DequantScratch | None = None) -> torch.Tensor:
     """x [..., k] -> [..., n] in x's dtype. On CPU the reference (dequantize, then matmul) for tests.
-    On CUDA, up to GEMV_MAX_ROWS rows (decode, speculative verify) the fused GEMV reads the weight
-    once; up to GEMV_CHUNKED_ROWS (verifies of several slots) it runs over GEMV_MAX_ROWS rows at a
-    time; beyond (prompts), one dequantization into a scratch dense weight amortized over cuBLAS's
-    tensor-core GEMM."""
+    On CUDA `kernel_matmul`."""
     x2 = x.reshape(-1, x.shape[-1])
-    if x.device.type != "cuda":
-        y = x2 @ w.dequantize_reference().to(x.dtype).T
-    else:
-        from .triton_qmatmul import fused_matmul
-
-        # e.g. a 4-slot verify of 3 drafts: 16 rows, two passes of the GEMV
-        y = fused_matmul(x2, w) if x2.shape[0] <= GEMV_CHUNKED_ROWS else _dequant_matmul(x2, w, scratch)
+    y = x2 @ w.dequantize_reference().to(x.dtype).T if x.device.type != "cuda" else kernel_matmul(x2, w, scratch)
     return y.view(*x.shape[:-1], w.shape[0])
+
+
+def kernel_matmul(x2: torch.Tensor, w: QuantWeight, scratch: DequantScratch | None = None) -> torch.Tensor:
+    """x2 [M, k] @ w.T by the Triton kernels (CUDA, or CPU tensors under Triton's interpreter): up to
+    GEMV_MAX_ROWS rows (decode, speculative verify) the fused GEMV reads the weight once; from
+    QMMA_MIN_ROWS the tensor-core GEMM, and else up to GEMV_CHUNKED_ROWS (verifies of several slots)
+    the GEMV over GEMV_MAX_ROWS rows at a time; beyond (prompts), one dequantization into a scratch
+    dense weight amortized over cuBLAS's tensor-core GEMM."""
+    from .triton_qmatmul import fused_matmul
+    from .triton_qmma import tensor_core_matmul
+
+    rows = x2.shape[0]
+    if rows > GEMV_CHUNKED_ROWS:
+        return _dequant_matmul(x2, w, scratch)
+    # e.g. a 4-slot verify of 3 drafts: 16 rows, two passes of the GEMV
+    return tensor_core_matmul(x2, w) if rows >= QMMA_MIN_ROWS else fused_matmul(x2, w)
 
 
 def dense(w: QuantWeight, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:

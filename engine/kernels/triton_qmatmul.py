@@ -5,7 +5,8 @@
 meet x four bytes at a time in dp4a (integer dot products, as llama.cpp's mmvq); else (and for
 float32 x) the codes become floats and meet x in fused multiply-adds. A dequant-in-tile tensor-core
 GEMM was measured 3-6x slower than scratch + cuBLAS at 512 rows and no faster at 8-16 (see the
-benchmark), so prefill dequantizes into scratch for cuBLAS instead (`triton_qdequant.py`).
+benchmark), so prefill dequantizes into scratch for cuBLAS instead (`triton_qdequant.py`); its retry
+for verify batches of up to 32 rows is `triton_qmma.py`.
 Narrow outputs split K over more programs; their float32 partials are summed in a fixed order,
 so results are deterministic (a GPU split must equal solo bit for bit).
 

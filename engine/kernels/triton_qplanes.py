@@ -1,6 +1,6 @@
-"""Reading `QuantWeight` planes (`qweight.py`'s layouts) in Triton: the jit helpers both the
-dequantization kernels (`triton_qdequant.py`) and the GEMV (`triton_qmatmul.py`) decode a tile
-with, and the planes as the kernels' arguments."""
+"""Reading `QuantWeight` planes (`qweight.py`'s layouts) in Triton: the jit helpers the dequantization
+kernels (`triton_qdequant.py`), the GEMV (`triton_qmatmul.py`) and the tensor-core GEMM
+(`triton_qmma.py`) decode a tile with, and the planes as the kernels' arguments."""
 
 from __future__ import annotations
 
