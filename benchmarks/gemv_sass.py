@@ -27,6 +27,7 @@ from triton.compiler import ASTSource
 
 from hydra_console.engine.kernels.qweight import LAYOUTS
 from hydra_console.engine.kernels.triton_qmatmul import GEMV_CONFIGS, _gemv_kernel
+from hydra_console.engine.kernels.triton_qmma import QMMA_CONFIGS, _qmma_kernel
 
 TOOLS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 SASS_LINE = re.compile(r"\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)")
@@ -72,16 +73,33 @@ def compile_gemv(qt: T, mr: int, block_n: int, block_k: int, warps: int, x_terms
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps))
 
 
-def _registers(ptx: str) -> str:
-    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
-        f.write(ptx)
+def compile_qmma(qt: T, config: tuple):
+    """The tensor-core GEMM as qmma launches it on CUDA for bf16 x (16-byte aligned pointers and strides)."""
+    lay = LAYOUTS[qt]
+    block_m, block_n, block_k, warps, stages, _, swap = config
+    consts = dict(BITS=lay.bits, OFFSET=lay.offset, SB=lay.sb, G=lay.g, HAS_M=lay.has_m, HAS_MN=lay.has_mn)
+    consts |= dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SWAP=swap, PRECISION="tf32", UPCAST=False)
+    pointers = dict(x_ptr="*bf16", q_ptr="*u8", h_ptr="*u8", sc_ptr="*i8" if qt == T.Q6_K else "*u8")
+    pointers |= dict(d_ptr="*i64" if lay.has_mn else "*fp16", m_ptr="*fp16", out_ptr="*fp32")
+    names = _qmma_kernel.arg_names
+    signature = {n: "constexpr" if n in consts else pointers.get(n, "i32") for n in names}
+    aligned = [n for n in names if n in pointers or n.endswith("stride") or n in ("N", "K", "k_split")]
+    src = ASTSource(
+        _qmma_kernel,
+        signature,
+        constexprs={(names.index(n),): v for n, v in consts.items()},
+        attrs={(names.index(n),): [["tt.divisibility", 16]] for n in aligned},
+    )
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages))
+
+
+def _registers(cubin: bytes) -> str:
+    """Registers a thread, from the cubin's resource usage (the bundled ptxas may be older than Triton's PTX)."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
         f.flush()
-        out = subprocess.run(
-            [os.path.join(TOOLS, "ptxas"), "-arch=sm_90a", "-v", "-o", os.devnull, f.name],
-            capture_output=True,
-            text=True,
-        ).stderr
-    found = re.search(r"Used (\d+) registers", out)
+        out = subprocess.run([os.path.join(TOOLS, "cuobjdump"), "-res-usage", f.name], capture_output=True, text=True)
+    found = re.search(r"REG:(\d+)", out.stdout)
     return found.group(1) if found else "?"
 
 
@@ -102,18 +120,43 @@ def loop_ops(cubin: bytes) -> collections.Counter:
     raise SystemExit("no loop found in the SASS")
 
 
+def _qmma_table(types: list[str], rows: list[int]) -> None:
+    """qmma's loop per type at each row count's QMMA_CONFIGS tile (bf16 x on the tensor cores)."""
+    print("| type | rows | (BLOCK_M, BLOCK_N, BLOCK_K, warps) | instr/thread/step | instr/weight | barriers | shared ld/st | global loads | registers |")
+    print("|---" * 9 + "|")
+    for name in types:
+        for mr in rows:
+            config = QMMA_CONFIGS[mr]
+            block_m, block_n, block_k, warps = config[:4]
+            k = compile_qmma(T[name], config)
+            ops = loop_ops(k.asm["cubin"])
+            total = sum(ops.values())
+            count = lambda *prefixes: sum(c for op, c in ops.items() if op.startswith(prefixes))  # noqa: E731
+            print(
+                f"| {name} | {mr} | {(block_m, block_n, block_k, warps)} | {total} | "
+                f"{total * 32 * warps / (block_n * block_k):.2f} | {count('BAR')} | {count('LDS', 'STS')} | "
+                f"{count('LDG')} | {_registers(k.asm['cubin'])} |",
+                flush=True,
+            )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--types", default="Q4_K,Q5_K,Q6_K,Q8_0")
     ap.add_argument("--rows", default="1,4,8")
+    ap.add_argument("--qmma", action="store_true", help="the tensor-core GEMM's loop instead (rows: 1-32)")
     args = ap.parse_args()
+    rows = sorted({triton.next_power_of_2(int(r)) for r in args.rows.split(",")})
+    if args.qmma:
+        _qmma_table(args.types.split(","), rows)
+        return
     print(
         "| type | rows | (BLOCK_N, BLOCK_K, warps) | x | instr/thread/step | instr/weight | barriers | "
         "shared ld/st | dp4a | global loads | registers |"
     )
     print("|---" * 11 + "|")
     for name in args.types.split(","):
-        for mr in (triton.next_power_of_2(int(r)) for r in args.rows.split(",")):
+        for mr in rows:
             block_n, block_k, warps = GEMV_CONFIGS[mr][:3]
             for x_terms in (0, 1, 2):
                 k = compile_gemv(T[name], mr, block_n, block_k, warps, x_terms)
@@ -123,10 +166,9 @@ def main() -> None:
                 print(
                     f"| {name} | {mr} | {(block_n, block_k, warps)} | {f'int8 x{x_terms}' if x_terms else 'float'} | {total} | "
                     f"{total * 32 * warps / (block_n * block_k):.2f} | {count('BAR')} | {count('LDS', 'STS')} | "
-                    f"{count('IDP')} | {count('LDG')} | {_registers(k.asm['ptx'])} |",
+                    f"{count('IDP')} | {count('LDG')} | {_registers(k.asm['cubin'])} |",
                     flush=True,
                 )
-
 
 if __name__ == "__main__":
     main()
