@@ -122,7 +122,9 @@ def loop_ops(cubin: bytes) -> collections.Counter:
 
 def _qmma_table(types: list[str], rows: list[int]) -> None:
     """qmma's loop per type at each row count's QMMA_CONFIGS tile (bf16 x on the tensor cores)."""
-    print("| type | rows | (BLOCK_M, BLOCK_N, BLOCK_K, warps) | instr/thread/step | instr/weight | barriers | shared ld/st | global loads | registers |")
+    print(
+        "| type | rows | (BLOCK_M, BLOCK_N, BLOCK_K, warps) | instr/thread/step | instr/weight | barriers | shared ld/st | global loads | registers |"
+    )
     print("|---" * 9 + "|")
     for name in types:
         for mr in rows:
@@ -169,6 +171,7 @@ def main() -> None:
                     f"{count('IDP')} | {count('LDG')} | {_registers(k.asm['cubin'])} |",
                     flush=True,
                 )
+
 
 if __name__ == "__main__":
     main()
