@@ -78,7 +78,9 @@ def compile_qmma(qt: T, config: tuple):
     lay = LAYOUTS[qt]
     block_m, block_n, block_k, warps, stages, _, swap = config
     consts = dict(BITS=lay.bits, OFFSET=lay.offset, SB=lay.sb, G=lay.g, HAS_M=lay.has_m, HAS_MN=lay.has_mn)
-    consts |= dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SWAP=swap, PRECISION="tf32", UPCAST=False)
+    consts |= dict(
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SWAP=swap, PRECISION="tf32", UPCAST=False, ASM=True
+    )
     pointers = dict(x_ptr="*bf16", q_ptr="*u8", h_ptr="*u8", sc_ptr="*i8" if qt == T.Q6_K else "*u8")
     pointers |= dict(d_ptr="*i64" if lay.has_mn else "*fp16", m_ptr="*fp16", out_ptr="*fp32")
     names = _qmma_kernel.arg_names

@@ -82,6 +82,7 @@ def _qmma_kernel(
     SWAP: tl.constexpr,
     PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
+    ASM: tl.constexpr,
 ):
     """y [M, N] (or split-K partial sums [splits, M, N]) of program_id(1)'s k_split elements of K."""
     T: tl.constexpr = BLOCK_K // 32  # 32-element tiles a step
@@ -113,8 +114,8 @@ def _qmma_kernel(
         # Each tile's 16 bytes are 4 int32 words, provably contiguous and aligned: one 128-bit load.
         w = tl.max_contiguous(tl.multiple_of(b0 // 4 + t4 * 4 + j4, [1, 4, 1, 4]), [1, 1, 1, 4])
         lo, hi = code_words(q_ptr, h_ptr, r4, r_ok4 & (2 * b0 + t4 * 32 < K), w, q_stride, h_stride, BITS, BLOCK_N, T)
-        q_lo = word_floats(lo, OFFSET)
-        q_hi = word_floats(hi, OFFSET)
+        q_lo = word_floats(lo, OFFSET, ASM)
+        q_hi = word_floats(hi, OFFSET, ASM)
         d_lo, d_hi, m = scales(d_ptr, sc_ptr, m_ptr, r, ok, k_lo, d_stride, s_stride, SB, G, HAS_M, HAS_MN)
         w_lo, w_hi = _w_half(q_lo, q_hi, d_lo, d_hi, m, BLOCK_N, BLOCK_K, dt)
         x_ok = (xm < M) & (2 * b0 + x_col < K)
@@ -167,6 +168,7 @@ def qmma_launch(x: torch.Tensor, planes: tuple, config: tuple) -> torch.Tensor:
         # On CPU tensors (tests, TRITON_INTERPRET=1): the interpreter's tl.dot multiplies bfloat16's
         # bit patterns as integers (triton-lang/triton#11584), so its operands go to float32 first.
         UPCAST=x.device.type != "cuda",
+        ASM=x.device.type == "cuda",  # the interpreter runs no inline assembly
         num_warps=warps,
         num_stages=stages,
     )

@@ -74,16 +74,22 @@ def code_words(
 
 
 @triton.jit
-def word_floats(words, OFFSET: tl.constexpr):
+def word_floats(words, OFFSET: tl.constexpr, ASM: tl.constexpr):
     """`code_words`' codes [BLOCK_N, TILES, 1, 4] -> minus offset as float32 [BLOCK_N, TILES, 16], byte b
     of word w at 4w + b (the nibble byte's index in its tile, as `codes`). Each byte goes into the low
-    byte of a float whose high byte is 0x4B (2^23 + code, as `codes`): a byte select, one PRMT a code."""
+    byte of a float whose high byte is 0x4B (2^23 + code, as `codes`): with ASM one byte permute (PRMT)
+    a code, where shifts and masks took ptxas three; without (Triton's interpreter) the same in integers."""
     n: tl.constexpr = words.shape[0]
     tiles: tl.constexpr = words.shape[1]
     b = tl.arange(0, 4)[None, None, None, :]
-    u = ((tl.reshape(words, [n, tiles, 4, 1]) >> (8 * b)) & 0xFF) | 0x4B000000
-    u = tl.reshape(u, [n, tiles, 16])
-    return u.to(tl.float32, bitcast=True) - (8388608.0 + OFFSET)
+    w = tl.reshape(words, [n, tiles, 4, 1])
+    if ASM:  # bytes of {w, 0x4B000000}: [w's byte b, 0, 0, 0x4B]
+        u = tl.inline_asm_elementwise(
+            "prmt.b32 $0, $1, 0x4B000000, $2;", "=r,r,r", [w, 0x7440 + b], dtype=tl.int32, is_pure=True, pack=1
+        )
+    else:
+        u = ((w >> (8 * b)) & 0xFF) | 0x4B000000
+    return tl.reshape(u, [n, tiles, 16]).to(tl.float32, bitcast=True) - (8388608.0 + OFFSET)
 
 
 @triton.jit
