@@ -16,6 +16,8 @@ import triton.language as tl
 from .qweight import QuantWeight
 from .triton_qplanes import code_words, layout_args, planes_args, scales, word_floats
 
+DEQUANT_TILE = (16, 256)  # (BLOCK_N, BLOCK_K) of a program
+
 
 @triton.jit
 def _dequant_kernel(
@@ -73,7 +75,7 @@ def _dequant_kernel(
 def _dequant_launch(q, h, d, sc, m, qtype: int, out: torch.Tensor, ids: torch.Tensor | None = None) -> None:
     n, k = out.shape
     ptrs, strides, consts = layout_args(qtype, q, h, d, sc, m)
-    block_n, block_k = 16, 256
+    block_n, block_k = DEQUANT_TILE
     # No fused multiply-adds: float32 output equals quant.dequantize bit for bit.
     _dequant_kernel[(triton.cdiv(n, block_n), triton.cdiv(k, block_k))](
         *ptrs,

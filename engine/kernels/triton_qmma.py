@@ -10,6 +10,12 @@ A tile's q bytes hold element i (low nibble) and 16 + i (high) of each 32-elemen
 product runs as two K-halves, dot(w_lo, x_lo) + dot(w_hi, x_hi), x loaded at the matching offsets:
 the order of K inside a dot does not matter when both operands share it.
 
+The tile is decoded a word at a time (`code_words`, `word_floats`): a tile's q as 4 int32 words (one
+128-bit load), the h plane's share beside each, codes assembled four to an int32 and each made a
+float by one byte permute; SASS for sm_90 (`benchmarks/gemv_sass.py --qmma`), the default tile:
+Q4_K 7.35 -> 5.72 instructions per weight a thread, Q5_K 11.58 -> 6.32, Q6_K 10.43 -> 6.01
+(docs/PERF.md, session 23).
+
 Float32 x multiplies in float32 ("ieee": CUDA-core FMAs, the reference's precision); 16-bit x in
 its own dtype. Custom ops are opaque to torch.compile and launch only Triton kernels and
 allocations, so CUDA graphs capture them.
