@@ -93,7 +93,7 @@ block_m, block_n, block_k, warps, stages, _, swap = k.QMMA_CONFIGS[4]
 planes = dict(q_ptr="*u8", h_ptr="*u8", d_ptr="*i64" if lay.has_mn else "*fp16", sc_ptr="*u8", m_ptr="*fp16")
 for swap in (True, False) if x_type == "bf16" else (swap,):
     consts = dict(BITS=lay.bits, OFFSET=lay.offset, SB=lay.sb, G=lay.g, HAS_M=lay.has_m, HAS_MN=lay.has_mn)
-    consts |= dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SWAP=swap, UPCAST=False)
+    consts |= dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SWAP=swap, UPCAST=False, ASM=True)
     consts["PRECISION"] = "ieee" if x_type == "fp32" else "tf32"
     pointers = planes | dict(x_ptr="*" + x_type, out_ptr="*fp32")
     ptx = lower(k._qmma_kernel, consts, pointers=pointers, until="ptx", num_warps=warps, num_stages=stages)

@@ -14,7 +14,8 @@ Planes of a [n, k] weight, each row-major with one row per output:
 - `h`  uint8 [n, k/2/per]: the codes' high `bits-4` bits (Q5*, Q6_K, Q8_0), per = 8 // (2*(bits-4)):
   a tile's are 4 // per little-endian 32-bit words; those of nibble byte 4j + b sit in byte b of
   word j // per at bits 2*(bits-4)*(j % per) (low element first). So byte b of a word serves byte b
-  of each `q` word it covers: a GEMV merges them into 4 codes of an int32 by shifts and masks.
+  of each `q` word it covers: the kernels merge them into 4 codes of an int32 by shifts and masks
+  (`triton_qplanes.code_words`).
 - `d`  float16 [n, k/sb]; `m` float16 [n, k/sb]; `sc` int8 [n, k/16] (Q6_K).
 - Q4_K / Q5_K (scales and mins per group of 32, 6 bits each) instead of `d`, `m`, `sc`, `mn`:
   `sm` uint8 [n, k/32]: a group's low nibbles (scale | min << 4);

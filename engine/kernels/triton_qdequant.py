@@ -14,7 +14,9 @@ import triton
 import triton.language as tl
 
 from .qweight import QuantWeight
-from .triton_qplanes import codes, layout_args, planes_args, scales
+from .triton_qplanes import code_words, layout_args, planes_args, scales, word_floats
+
+DEQUANT_TILE = (16, 256)  # (BLOCK_N, BLOCK_K) of a program
 
 
 @triton.jit
@@ -41,6 +43,7 @@ def _dequant_kernel(
     HAS_IDS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    ASM: tl.constexpr,
 ):
     """Rows of the weight into `out`; with HAS_IDS, output row i is weight row ids[i] (the embedding)."""
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)[:, None, None]
@@ -49,8 +52,15 @@ def _dequant_kernel(
     r = tl.load(ids_ptr + rows, mask=r_ok, other=0).to(tl.int64) if HAS_IDS else r_out
     k_lo = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K // 32)[None, :, None] * 32
     i = tl.arange(0, 16)[None, None, :]
-    p = k_lo // 2 + i
-    q_lo, q_hi = codes(q_ptr, h_ptr, r, r_ok & (k_lo < K), p, i, q_stride, h_stride, BITS, OFFSET)
+    # A tile's q as 4 int32 words (one 128-bit load), in `code_words`' frame [row, tile, 1, word].
+    t4 = tl.arange(0, BLOCK_K // 32)[None, :, None, None]
+    j4 = tl.arange(0, 4)[None, None, None, :]
+    w = tl.max_contiguous(tl.multiple_of(tl.program_id(1) * (BLOCK_K // 8) + t4 * 4 + j4, [1, 4, 1, 4]), [1, 1, 1, 4])
+    r4 = tl.reshape(r, [BLOCK_N, 1, 1, 1])
+    ok4 = tl.reshape(r_ok, [BLOCK_N, 1, 1, 1]) & (tl.program_id(1) * BLOCK_K + t4 * 32 < K)
+    lo, hi = code_words(q_ptr, h_ptr, r4, ok4, w, q_stride, h_stride, BITS, BLOCK_N, BLOCK_K // 32)
+    q_lo = word_floats(lo, OFFSET, ASM)
+    q_hi = word_floats(hi, OFFSET, ASM)
     d_lo, d_hi, m = scales(d_ptr, sc_ptr, m_ptr, r, r_ok & (k_lo < K), k_lo, d_stride, s_stride, SB, G, HAS_M, HAS_MN)
     # The same operations, in the same order, as quant.dequantize: (d * sc) * (u - offset) + m * mn.
     w_lo = d_lo * q_lo + m
@@ -65,7 +75,7 @@ def _dequant_kernel(
 def _dequant_launch(q, h, d, sc, m, qtype: int, out: torch.Tensor, ids: torch.Tensor | None = None) -> None:
     n, k = out.shape
     ptrs, strides, consts = layout_args(qtype, q, h, d, sc, m)
-    block_n, block_k = 16, 256
+    block_n, block_k = DEQUANT_TILE
     # No fused multiply-adds: float32 output equals quant.dequantize bit for bit.
     _dequant_kernel[(triton.cdiv(n, block_n), triton.cdiv(k, block_k))](
         *ptrs,
@@ -78,6 +88,7 @@ def _dequant_launch(q, h, d, sc, m, qtype: int, out: torch.Tensor, ids: torch.Te
         HAS_IDS=ids is not None,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
+        ASM=out.device.type == "cuda",  # the interpreter runs no inline assembly
         enable_fp_fusion=False,
     )
 

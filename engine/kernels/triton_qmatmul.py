@@ -22,7 +22,7 @@ import triton.language as tl
 
 from .qweight import QuantWeight
 from .split_k import plan, reduced
-from .triton_qplanes import codes, layout_args, planes_args, scales
+from .triton_qplanes import code_words, codes, layout_args, planes_args, scales
 
 # GEMV tiles by row count rounded up to a power of two: (BLOCK_N, BLOCK_K, num_warps, programs per SM
 # that split-K aims for, x terms: 16-bit x as that many int8 terms per tile for dp4a (0: float x; one
@@ -86,41 +86,6 @@ def _dp4a(a, b, ASM: tl.constexpr):
 
 
 @triton.jit
-def _code_words(
-    q_ptr, h_ptr, r, ok, w, q_stride, h_stride, BITS: tl.constexpr, BLOCK_N: tl.constexpr, TILES: tl.constexpr
-):
-    """Unsigned codes four to an int32, one per byte, (lo, hi), of int32 words w ([BLOCK_N, TILES, 1, 4],
-    a tile's 4 on the last axis) of rows r of `q`: word w holds nibble bytes 4w..4w+3."""
-    qw = tl.load(q_ptr.to(tl.pointer_type(tl.int32)) + r * (q_stride // 4) + w, mask=ok, other=0)
-    lo = qw & 0x0F0F0F0F
-    hi = (qw >> 4) & 0x0F0F0F0F
-    if BITS > 4:
-        HB: tl.constexpr = BITS - 4
-        PER: tl.constexpr = 8 // (2 * HB)
-        # Each q word's share of the tile's h words (HB bytes), loaded beside it; then the h word each
-        # serves (qweight's `h` plane), assembled from its PER shares in registers.
-        if HB == 1:
-            h_share = h_ptr
-        elif HB == 2:
-            h_share = h_ptr.to(tl.pointer_type(tl.uint16))
-        else:
-            h_share = h_ptr.to(tl.pointer_type(tl.int32))
-        share = tl.load(h_share + r * (h_stride // HB) + w, mask=ok, other=0).to(tl.int32)
-        if PER > 1:
-            c = tl.arange(0, PER)[None, None, None, :]
-            word = tl.sum(tl.reshape(share, [BLOCK_N, TILES, 4 // PER, PER]) << (8 * HB * c), axis=3)
-            share = tl.reshape(
-                tl.broadcast_to(word[:, :, :, None], [BLOCK_N, TILES, 4 // PER, PER]), [BLOCK_N, TILES, 1, 4]
-            )
-        j = tl.arange(0, 4)[None, None, None, :]
-        at = (j % PER) * (2 * HB)  # the bits of this q word's lo codes; its hi codes' HB above
-        MASK: tl.constexpr = ((1 << HB) - 1) * 0x01010101
-        lo |= ((share >> at) & MASK) << 4
-        hi |= ((share >> (at + HB)) & MASK) << 4
-    return lo, hi
-
-
-@triton.jit
 def _pick(v, j, c: tl.constexpr):
     """Lane c of the last axis (held by one thread): a reduction that stays in registers."""
     return tl.sum(tl.where(j == c, v, 0), axis=3)
@@ -177,7 +142,7 @@ def _gemv_step(
     if X_TERMS:
         j = tl.arange(0, 4)[None, None, None, :]
         w = tl.max_contiguous(tl.multiple_of(b0 // 4 + t * 4 + j, [1, 4, 1, 4]), [1, 1, 1, 4])
-        lo, hi = _code_words(q_ptr, h_ptr, r, r_ok & (k_lo < K), w, q_stride, h_stride, BITS, BLOCK_N, BLOCK_K // 32)
+        lo, hi = code_words(q_ptr, h_ptr, r, r_ok & (k_lo < K), w, q_stride, h_stride, BITS, BLOCK_N, BLOCK_K // 32)
         s_lo = tl.zeros([BLOCK_N, BLOCK_K // 32, MR], tl.float32)
         s_hi = tl.zeros([BLOCK_N, BLOCK_K // 32, MR], tl.float32)
         x_sum = tl.zeros([BLOCK_N, BLOCK_K // 32, MR], tl.float32)

@@ -10,6 +10,12 @@ A tile's q bytes hold element i (low nibble) and 16 + i (high) of each 32-elemen
 product runs as two K-halves, dot(w_lo, x_lo) + dot(w_hi, x_hi), x loaded at the matching offsets:
 the order of K inside a dot does not matter when both operands share it.
 
+The tile is decoded a word at a time (`code_words`, `word_floats`): a tile's q as 4 int32 words (one
+128-bit load), the h plane's share beside each, codes assembled four to an int32 and each made a
+float by one byte permute; SASS for sm_90 (`benchmarks/gemv_sass.py --qmma`), the default tile:
+Q4_K 7.35 -> 5.72 instructions per weight a thread, Q5_K 11.58 -> 6.32, Q6_K 10.43 -> 6.01
+(docs/PERF.md, session 23).
+
 Float32 x multiplies in float32 ("ieee": CUDA-core FMAs, the reference's precision); 16-bit x in
 its own dtype. Custom ops are opaque to torch.compile and launch only Triton kernels and
 allocations, so CUDA graphs capture them.
@@ -23,7 +29,7 @@ import triton.language as tl
 
 from .qweight import QuantWeight
 from .split_k import plan, reduced
-from .triton_qplanes import codes, layout_args, planes_args, scales
+from .triton_qplanes import code_words, layout_args, planes_args, scales, word_floats
 
 # Tiles by row count rounded up to a power of two: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages,
 # programs per SM that split-K aims for, SWAP). SWAP: the dot is w [BLOCK_N, ·] @ x.T, the weight's
@@ -82,6 +88,7 @@ def _qmma_kernel(
     SWAP: tl.constexpr,
     PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
+    ASM: tl.constexpr,
 ):
     """y [M, N] (or split-K partial sums [splits, M, N]) of program_id(1)'s k_split elements of K."""
     T: tl.constexpr = BLOCK_K // 32  # 32-element tiles a step
@@ -90,7 +97,11 @@ def _qmma_kernel(
     r_ok = rows < N
     r = rows.to(tl.int64)
     t = tl.arange(0, T)[None, :, None]
-    i = tl.arange(0, 16)[None, None, :]
+    # The same frame with a tile as 4 int32 words of q: [weight row, tile, 1, word] (`code_words`).
+    r4 = tl.reshape(r, [BLOCK_N, 1, 1, 1])
+    r_ok4 = tl.reshape(r_ok, [BLOCK_N, 1, 1, 1])
+    t4 = tl.arange(0, T)[None, :, None, None]
+    j4 = tl.arange(0, 4)[None, None, None, :]
     # x's rows at the weight's K order: column j of a half is element 32 * (j // 16) + j % 16 (+ 16: hi).
     xm = tl.arange(0, BLOCK_M)[:, None]
     j = tl.arange(0, BLOCK_K // 2)[None, :]
@@ -106,9 +117,11 @@ def _qmma_kernel(
     for b0 in range(start, end, BLOCK_K // 2):
         k_lo = 2 * b0 + t * 32
         ok = r_ok & (k_lo < K)
-        # Each tile's 16 bytes are provably contiguous and aligned: one 128-bit load.
-        p = tl.max_contiguous(tl.multiple_of(b0 + t * 16 + i, [1, 16, 16]), [1, 1, 16])
-        q_lo, q_hi = codes(q_ptr, h_ptr, r, ok, p, i, q_stride, h_stride, BITS, OFFSET)
+        # Each tile's 16 bytes are 4 int32 words, provably contiguous and aligned: one 128-bit load.
+        w = tl.max_contiguous(tl.multiple_of(b0 // 4 + t4 * 4 + j4, [1, 4, 1, 4]), [1, 1, 1, 4])
+        lo, hi = code_words(q_ptr, h_ptr, r4, r_ok4 & (2 * b0 + t4 * 32 < K), w, q_stride, h_stride, BITS, BLOCK_N, T)
+        q_lo = word_floats(lo, OFFSET, ASM)
+        q_hi = word_floats(hi, OFFSET, ASM)
         d_lo, d_hi, m = scales(d_ptr, sc_ptr, m_ptr, r, ok, k_lo, d_stride, s_stride, SB, G, HAS_M, HAS_MN)
         w_lo, w_hi = _w_half(q_lo, q_hi, d_lo, d_hi, m, BLOCK_N, BLOCK_K, dt)
         x_ok = (xm < M) & (2 * b0 + x_col < K)
@@ -161,6 +174,7 @@ def qmma_launch(x: torch.Tensor, planes: tuple, config: tuple) -> torch.Tensor:
         # On CPU tensors (tests, TRITON_INTERPRET=1): the interpreter's tl.dot multiplies bfloat16's
         # bit patterns as integers (triton-lang/triton#11584), so its operands go to float32 first.
         UPCAST=x.device.type != "cuda",
+        ASM=x.device.type == "cuda",  # the interpreter runs no inline assembly
         num_warps=warps,
         num_stages=stages,
     )

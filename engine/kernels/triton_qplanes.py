@@ -39,6 +39,60 @@ def codes(q_ptr, h_ptr, r, ok, p, i, q_stride, h_stride, BITS: tl.constexpr, OFF
 
 
 @triton.jit
+def code_words(
+    q_ptr, h_ptr, r, ok, w, q_stride, h_stride, BITS: tl.constexpr, BLOCK_N: tl.constexpr, TILES: tl.constexpr
+):
+    """Unsigned codes four to an int32, one per byte, (lo, hi), of int32 words w ([BLOCK_N, TILES, 1, 4],
+    a tile's 4 on the last axis) of rows r of `q`: word w holds nibble bytes 4w..4w+3."""
+    qw = tl.load(q_ptr.to(tl.pointer_type(tl.int32)) + r * (q_stride // 4) + w, mask=ok, other=0)
+    lo = qw & 0x0F0F0F0F
+    hi = (qw >> 4) & 0x0F0F0F0F
+    if BITS > 4:
+        HB: tl.constexpr = BITS - 4
+        PER: tl.constexpr = 8 // (2 * HB)
+        # Each q word's share of the tile's h words (HB bytes), loaded beside it; then the h word each
+        # serves (qweight's `h` plane), assembled from its PER shares in registers.
+        if HB == 1:
+            h_share = h_ptr
+        elif HB == 2:
+            h_share = h_ptr.to(tl.pointer_type(tl.uint16))
+        else:
+            h_share = h_ptr.to(tl.pointer_type(tl.int32))
+        share = tl.load(h_share + r * (h_stride // HB) + w, mask=ok, other=0).to(tl.int32)
+        if PER > 1:
+            c = tl.arange(0, PER)[None, None, None, :]
+            word = tl.sum(tl.reshape(share, [BLOCK_N, TILES, 4 // PER, PER]) << (8 * HB * c), axis=3)
+            share = tl.reshape(
+                tl.broadcast_to(word[:, :, :, None], [BLOCK_N, TILES, 4 // PER, PER]), [BLOCK_N, TILES, 1, 4]
+            )
+        j = tl.arange(0, 4)[None, None, None, :]
+        at = (j % PER) * (2 * HB)  # the bits of this q word's lo codes; its hi codes' HB above
+        MASK: tl.constexpr = ((1 << HB) - 1) * 0x01010101
+        lo |= ((share >> at) & MASK) << 4
+        hi |= ((share >> (at + HB)) & MASK) << 4
+    return lo, hi
+
+
+@triton.jit
+def word_floats(words, OFFSET: tl.constexpr, ASM: tl.constexpr):
+    """`code_words`' codes [BLOCK_N, TILES, 1, 4] -> minus offset as float32 [BLOCK_N, TILES, 16], byte b
+    of word w at 4w + b (the nibble byte's index in its tile, as `codes`). Each byte goes into the low
+    byte of a float whose high byte is 0x4B (2^23 + code, as `codes`): with ASM one byte permute (PRMT)
+    a code, where shifts and masks took ptxas three; without (Triton's interpreter) the same in integers."""
+    n: tl.constexpr = words.shape[0]
+    tiles: tl.constexpr = words.shape[1]
+    b = tl.arange(0, 4)[None, None, None, :]
+    w = tl.reshape(words, [n, tiles, 4, 1])
+    if ASM:  # bytes of {w, 0x4B000000}: [w's byte b, 0, 0, 0x4B]
+        u = tl.inline_asm_elementwise(
+            "prmt.b32 $0, $1, 0x4B000000, $2;", "=r,r,r", [w, 0x7440 + b], dtype=tl.int32, is_pure=True, pack=1
+        )
+    else:
+        u = ((w >> (8 * b)) & 0xFF) | 0x4B000000
+    return tl.reshape(u, [n, tiles, 16]).to(tl.float32, bitcast=True) - (8388608.0 + OFFSET)
+
+
+@triton.jit
 def half(v, at: tl.constexpr):
     """The float16 at bits `at`..`at`+15 of int64 v, as float32."""
     return ((v >> at) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
