@@ -84,6 +84,8 @@ def measure(engine: str, args, spec: bool) -> dict:
     server = Server(flags(engine, args, spec), *((llama_server(args.llama_cpp), False) if theirs else ()))
     out = {"ready_s": round(server.start(timeout=args.timeout), 1)}
     try:
+        if not theirs:  # where our start went: /status's phases, seconds from the process's start
+            out["startup_s"] = server.status().get("startup_s")
         if not spec:  # the prompt does not depend on drafting
             prompts = ttft_prompts(server.base, args.prompt_tokens, 3)
             concurrency(server.base, 1, 8, 1)  # warm: the first request of a process pays for more than its tokens
