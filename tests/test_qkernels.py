@@ -268,6 +268,21 @@ def test_fused_matmul_matches_reference(qt, n, monkeypatch):
         assert all(e < (1e-2 if p.endswith("bf16") else 1e-5) for p, e in errs.items()), errs
 
 
+@kernels
+def test_a_rows_gemv_result_does_not_depend_on_its_place_in_a_chunked_product():
+    """9-32 rows run the 8-row GEMV in passes: a row in a short last pass gets the same floats as in
+    a full one (each pass its own tile would split K differently and round differently)."""
+    from hydra_console.engine.kernels.triton_qmatmul import fused_matmul
+
+    torch.manual_seed(0)
+    k = 16 * _k(T.Q4_K)  # K long enough that the 4- and 8-row tiles split it differently
+    _, w, _ = _weight(T.Q4_K, 8, k, device=KERNEL_DEVICE)
+    x = torch.randn(11, k, device=KERNEL_DEVICE)  # float32 out: bf16 would round most differences away
+    y11 = fused_matmul(x, w)  # rows 8..10 in the last pass
+    y16 = fused_matmul(torch.cat([x[8:], x[:5], x[:5], x[8:]])[:16], w)  # rows 8..10 in the first
+    assert torch.equal(y16[:3], y11[8:]) and torch.equal(y16[3:8], y11[:5])
+
+
 def _x_terms(xq: torch.Tensor, k: int, terms: int) -> list[tuple[torch.Tensor, ...]]:
     """`quantize_x`'s bytes -> per term (int8 codes [M, K], float32 scales [M, K/32], int32 half sums
     [M, K/32, 2], padding [M, K/32])."""

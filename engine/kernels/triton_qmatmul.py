@@ -330,8 +330,12 @@ def _(x, q, h, d, sc, m, qtype):
 
 def fused_matmul(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
     """x [M, K] @ w.T with the weight dequantized in registers; more than GEMV_MAX_ROWS rows run
-    GEMV_MAX_ROWS at a time (each pass reads the quantized weight once)."""
+    GEMV_MAX_ROWS at a time (each pass reads the quantized weight once), the last pass padded with
+    zero rows: every pass takes the same tile, so a row's result does not depend on where it sits
+    (n identical greedy choices prefilled together stay identical)."""
     planes = planes_args(w)
-    if x.shape[0] <= GEMV_MAX_ROWS:
+    rows = x.shape[0]
+    if rows <= GEMV_MAX_ROWS:
         return qmm(x, *planes)
-    return torch.cat([qmm(x[i : i + GEMV_MAX_ROWS], *planes) for i in range(0, x.shape[0], GEMV_MAX_ROWS)])
+    x = torch.nn.functional.pad(x, (0, 0, 0, -rows % GEMV_MAX_ROWS))
+    return torch.cat([qmm(x[i : i + GEMV_MAX_ROWS], *planes) for i in range(0, rows, GEMV_MAX_ROWS)])[:rows]
