@@ -187,11 +187,11 @@ def test_split_across_two_cuda_processes_equals_solo(cuda_peer, monkeypatch, tra
     crosses as raw float32 in the frames (HYDRA_CUDA_IPC=0) or stays on the GPU (CUDA IPC; with
     4-row buffers the 16-token prefill takes the frames and the decode steps the channel, and the
     head waits for the peer on the host, as it does for long batches)."""
-    from hydra_console.engine.rpc import client, cuda_ipc
+    from hydra_console.engine.rpc import cuda_ipc, peer_ipc
 
     peer, path = cuda_peer
     if rows:
-        monkeypatch.setattr(client, "IPC_TOKENS", rows)
+        monkeypatch.setattr(peer_ipc, "IPC_TOKENS", rows)
         monkeypatch.setattr(cuda_ipc, "HOST_WAIT_ROWS", 1)
     split, solo = split_pipeline(peer, path, cuda_ipc=transport != "socket"), solo_pipeline(path)
     try:
