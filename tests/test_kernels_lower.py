@@ -89,7 +89,7 @@ from hydra_console.engine.kernels.qweight import LAYOUTS
 
 qt, x_type = T[sys.argv[1]], sys.argv[2]
 lay = LAYOUTS[qt]
-block_m, block_n, block_k, warps, stages, _, swap = k.QMMA_CONFIGS[4]
+block_m, block_n, block_k, warps, stages, _, swap = k.QMMA_CONFIGS[16]  # the tile verifies of 16 rows take
 planes = dict(q_ptr="*u8", h_ptr="*u8", d_ptr="*i64" if lay.has_mn else "*fp16", sc_ptr="*u8", m_ptr="*fp16")
 for swap in (True, False) if x_type == "bf16" else (swap,):
     consts = dict(BITS=lay.bits, OFFSET=lay.offset, SB=lay.sb, G=lay.g, HAS_M=lay.has_m, HAS_MN=lay.has_mn)
@@ -105,7 +105,7 @@ for swap in (True, False) if x_type == "bf16" else (swap,):
 
 @pytest.mark.parametrize("qtype", ["Q5_K", "Q6_K"])
 def test_the_tensor_core_gemm_lowers_to_ptx_for_a_cuda_card(qtype):
-    """The 4-row tile, bf16 x in both orientations of the dot, float32 x ("ieee": no tensor cores): x @ w.T
+    """The 16-row tile, bf16 x in both orientations of the dot, float32 x ("ieee": no tensor cores): x @ w.T
     takes mma.sync; w @ x.T, the weight's 64 rows on the M side, Hopper's wgmma."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = []

@@ -44,9 +44,10 @@ class DequantScratch:
 # (H200, session 20: 212 against 296 tok/s).
 GEMV_CHUNKED_ROWS = 32
 # From this many rows up to GEMV_CHUNKED_ROWS the tensor-core GEMM (triton_qmma.py) runs instead of
-# the GEMV, reading the weight once for all rows. 33: off, until `benchmarks/bench_qkernels.py --qmma`
-# on the GPU prints the row count from which it beats the GEMV.
-QMMA_MIN_ROWS = 33
+# the GEMV, reading the weight once for all rows: `benchmarks/bench_qkernels.py --qmma` on an H100
+# (session 23), the 27B's matrices: 16 rows 2.82x a one-row step against the two GEMV passes' 4.01x,
+# 32 rows 3.00x against 7.9x; at 4 and 8 rows the GEMV wins (1.35x, 2.04x against 2.65x, 2.72x).
+QMMA_MIN_ROWS = 16
 
 
 def qlinear(x: torch.Tensor, w: QuantWeight, scratch: DequantScratch | None = None) -> torch.Tensor:

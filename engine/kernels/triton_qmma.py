@@ -37,14 +37,15 @@ from .triton_qplanes import code_words, layout_args, planes_args, scales, word_f
 # side (8 or more); else x @ w.T, BLOCK_M the M side (mma.sync, which pads it to 16). Either way Triton
 # 3.9 passes the decoded tile through shared memory into the MMA's operand layout (its TTGIR). Rows
 # past M are masked: BLOCK_M 8, 16 or 32.
-# Not yet measured: `benchmarks/bench_qkernels.py --qmma` sweeps them on a GPU and prints this line.
+# From `benchmarks/bench_qkernels.py --qmma --rows 1,4,8,16,32` on an H100 (session 23, docs/PERF.md): the
+# 27B's Q5_K/Q6_K matrices at ~700-900 GB/s whatever the rows (the GEMV: 2,200 at one row, 570 at 16).
 QMMA_CONFIGS: dict[int, tuple[int, int, int, int, int, int, bool]] = {
-    1: (8, 64, 256, 4, 1, 4, True),
-    2: (8, 64, 256, 4, 1, 4, True),
-    4: (8, 64, 256, 4, 1, 4, True),
-    8: (8, 64, 256, 4, 1, 4, True),
-    16: (16, 64, 256, 4, 1, 4, True),
-    32: (32, 64, 256, 4, 1, 4, True),
+    1: (8, 32, 256, 4, 1, 16, False),
+    2: (8, 32, 256, 4, 1, 16, False),
+    4: (8, 32, 256, 4, 1, 16, False),
+    8: (8, 32, 256, 4, 1, 16, False),
+    16: (16, 64, 128, 4, 1, 16, True),
+    32: (32, 64, 128, 4, 1, 16, True),
 }
 QMMA_MAX_ROWS = max(QMMA_CONFIGS)
 
