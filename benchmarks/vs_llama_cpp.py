@@ -112,6 +112,8 @@ def measure(engine: str, args, spec: bool) -> dict:
             runs = [concurrency(server.base, s, args.n, min(s, 8)) for _ in range(args.reps)]
             out[f"decode_{s}"] = max(r["aggregate_decode_tok_s"] for r in runs)
         out["device_gib"] = None if (b := device_memory(server.proc.pid)) is None else round(b / 2**30, 2)
+        if not theirs:  # how our passes over the layers ran: graphs replayed, or eager and why
+            out["steps"] = server.status()["stages"][0].get("steps")
     finally:
         server.stop()
     return out
@@ -126,6 +128,8 @@ def table(results: dict) -> None:
             if "error" in key:
                 continue
             if isinstance(a, dict) or isinstance(b, dict):
+                if "rate" not in (a or b):  # startup phases, step paths: in the JSON below
+                    continue
                 a, b, key = a and a.get("rate"), b and b.get("rate"), key + "_rate"
             ratio = round(b / a, 2) if isinstance(a, int | float) and isinstance(b, int | float) and a else None
             rows.append((mode, key, a, b, ratio))

@@ -431,6 +431,7 @@ class Pipeline:
                     "ok",
                     local.kv_bytes,
                     local.held_weight_bytes,
+                    dict(local.steps),
                 )
             ]
         for remote, r in zip(self.remotes, self.ranges[1:]):

@@ -314,6 +314,7 @@ def test_status_document(server):
     assert doc["model"]["arch"] == "llama" and doc["model"]["n_layers"] == 2 and len(doc["model"]["fingerprint"]) == 32
     [stage] = doc["stages"]
     assert stage.pop("kv_bytes") > 0 and stage.pop("weight_bytes") > 0
+    assert stage.pop("steps")["eager: no graphs"] > 0  # CPU: every pass over the layers eager
     assert stage == {"role": "head", "addr": None, "layers": [0, 2], "device": "cpu", "state": "ok"}
     assert doc["devices"] and doc["devices"][0]["memory_total"] > 0
     assert doc["throughput"]["decode_tokens_total"] > 0

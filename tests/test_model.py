@@ -117,6 +117,8 @@ def test_mixed_batch_prefill_chunk_and_decode(tiny_model):
     want1 = prefill(ref, PROMPT[:9])[4:]
     torch.testing.assert_close(got[0], want0, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(got[1:], want1, atol=1e-4, rtol=1e-4)
+    # /status's count of how each pass ran: the mixed step said so, the prompts before it (no graphs on CPU) too
+    assert stage.steps == {"eager: slots run different lengths": 1, "eager: no graphs": 2}
 
 
 def test_rewritten_positions_roll_back_the_kv(tiny_model):

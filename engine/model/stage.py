@@ -32,6 +32,7 @@ config and picks the weight format.
 
 from __future__ import annotations
 
+import collections
 from pathlib import Path
 
 import torch
@@ -139,6 +140,9 @@ class Stage:
         self.graph_run_lengths: tuple[int, ...] | None = None
         self.prefill_graphs = PrefillGraphs(self, self.graphs) if capture else None
         self.head_graphs = HeadGraphs(self, self.graphs) if capture and head else None
+        # Passes over the layers by how they ran (/status `stages[].steps`): a graph replayed, or eager
+        # and why. Eager decode steps on a GPU are the usual reason a batch serves slower than it should.
+        self.steps: collections.Counter[str] = collections.Counter()
 
     # ---- layers and cache ------------------------------------------------------------------
 
@@ -324,16 +328,23 @@ class Stage:
         out = None
         per_slot = {n for _, _, n in runs}
         replayed = self.graph_run_lengths
-        if self.graphs is not None and len(per_slot) == 1:  # decode, or verifies of one draft length
-            n = per_slot.pop()
-            if replayed is None or n in replayed:  # another length would compile and capture mid-serving
-                out = self.graphs.run(h, slots, positions, n)
+        if len(per_slot) > 1:
+            path = "eager: slots run different lengths"  # e.g. a prompt chunk beside decodes
+        elif self.graphs is None:
+            path = "eager: no graphs"
+        elif replayed is not None and next(iter(per_slot)) not in replayed:
+            path = "eager: a run length without a graph"  # another length would compile and capture mid-serving
+        else:  # decode, or verifies of one draft length
+            out = self.graphs.run(h, slots, positions, per_slot.pop())
+            path = "decode graph" if out is not None else "eager: more slots or tokens than the graphs take"
         if (
             out is None and self.prefill_graphs is not None and len(runs) == 1 and runs[0][1] == 0
         ):  # a prompt from its start
             out = self.prefill_graphs.run(h, runs[0][0])
+            path = "prefill graph" if out is not None else path
         if out is None:
             out = self.forward(h, self._eager(slots, positions, runs))
+        self.steps[path] += 1
         self.recurrent_progress.ran(runs)
         return out
 
