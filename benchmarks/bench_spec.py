@@ -175,7 +175,7 @@ def make_engine(args, g, peer_addr: str | None) -> Engine:
         "--dtype",
         args.dtype,
         "--parallel",
-        "1",
+        str(args.slots),
         "--ctx",
         str(args.ctx),
         "--peer-wait",
@@ -194,11 +194,11 @@ def make_engine(args, g, peer_addr: str | None) -> Engine:
         adaptive = {"auto": None, "on": True, "off": False}[args.draft_adaptive]
         spec = SpecConfig("mtp", n_max=args.draft_max, p_min=args.draft_p_min, adaptive=adaptive)
         speculator = build_speculator(
-            spec, None, g, cfg.model, 1, head=pipeline.local, remote_output=pipeline.output_remote
+            spec, None, g, cfg.model, args.slots, head=pipeline.local, remote_output=pipeline.output_remote
         )
     # As a server's start does (workers/head.py): every graph the runs replay is captured before any is timed.
     pipeline.local.warm_up(graph_run_lengths(max_run_of(cfg.spec)), prefill_tokens=cfg.batch_tokens)
-    return Engine(pipeline, Tokenizer.from_gguf(g), 1, args.ctx, speculator=speculator).start()
+    return Engine(pipeline, Tokenizer.from_gguf(g), args.slots, args.ctx, speculator=speculator).start()
 
 
 def count_forwards(engine: Engine) -> list[int]:
@@ -244,11 +244,12 @@ def run_once(engine, calls, prompt: list[int], spec: SpecConfig, n_gen: int, tem
     }
 
 
-def forward_costs(engine: Engine, prompt: list[int], k: int, peer, n: int = 15) -> dict:
-    """One target forward with 1 token (plain decode) and with j+1 tokens and j+1 logit rows (a
-    verify of j drafts, j = 1..k), alternating, n each: wall ms (min, median) and CPU ms (median,
-    head + peer); with an MTP drafter, one draft step: the engine's own greedy chain of k steps
-    (`MtpDrafter.draft_batch`, the block on one token + its head + the pick, per step), over k.
+def forward_costs(engine: Engine, prompt: list[int], k: int, peer, slots: int = 1, n: int = 15) -> dict:
+    """One target forward of `slots` slots with 1 token each (plain decode) and with j+1 tokens and
+    j+1 logit rows each (a verify of j drafts, j = 1..k), alternating, n each: wall ms (min, median)
+    and CPU ms (median, head + peer); with an MTP drafter, one draft step: the engine's own greedy
+    chain of k steps for every slot (`MtpDrafter.draft_batch`, the block on one token + its head +
+    the pick, per step), over k.
 
     The cost ratios are of CPU time on a CPU head (other processes barely move it) and of wall time
     on a GPU, each call synchronized: a forward only queues the GPU's work, so its CPU time is the
@@ -263,19 +264,22 @@ def forward_costs(engine: Engine, prompt: list[int], k: int, peer, n: int = 15) 
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     P = len(prompt)
     as_t = lambda xs: torch.tensor(xs, dtype=torch.long)  # noqa: E731
-    fwd(as_t(prompt), torch.zeros(P, dtype=torch.long), torch.arange(P), as_t([P - 1]))
+    for slot in range(slots):
+        fwd(as_t(prompt), torch.full((P,), slot), torch.arange(P), as_t([P - 1]))
     at = [P]  # each forward keeps its first token, as a verify does: the recurrent state never rolls back past it
 
-    def forward(m: int) -> None:
-        fwd(as_t(prompt[:m]), torch.zeros(m, dtype=torch.long), torch.arange(at[0], at[0] + m), torch.arange(m))
+    def forward(m: int) -> None:  # rows slot-major, as the engine batches a step
+        positions = torch.arange(at[0], at[0] + m).repeat(slots)
+        fwd(as_t(prompt[:m] * slots), torch.arange(slots).repeat_interleave(m), positions, torch.arange(m * slots))
         at[0] += 1
 
     mtp = engine.spec.mtp
     calls = {m: functools.partial(forward, m) for m in range(1, k + 2)}
     if mtp is not None:
-        calls["draft"] = lambda: mtp.draft_batch([DraftRequest(0, prompt[: at[0]], k)])
+        calls["draft"] = lambda: mtp.draft_batch([DraftRequest(s, prompt[: at[0]], k) for s in range(slots)])
         if getattr(mtp, "graphs", None) is not None:  # the same chain queued op by op, for comparison
-            calls["draft_eager"] = functools.partial(eager_draft, mtp, DraftRequest(0, prompt, k))
+            requests = [DraftRequest(s, prompt, k) for s in range(slots)]
+            calls["draft_eager"] = functools.partial(eager_draft, mtp, requests)
     wall = {c: [] for c in calls}
     cpu = {c: [] for c in calls}
     for _ in range(n):
@@ -319,10 +323,10 @@ def forward_costs(engine: Engine, prompt: list[int], k: int, peer, n: int = 15) 
     return out
 
 
-def eager_draft(mtp, request) -> None:
+def eager_draft(mtp, requests) -> None:
     graphs, mtp.graphs = mtp.graphs, None
     try:
-        mtp.draft_batch([request])
+        mtp.draft_batch(requests)
     finally:
         mtp.graphs = graphs
 
@@ -350,7 +354,10 @@ def peer_rtt_ms(engine: Engine, n: int = 20) -> float | None:
 def bench(engine: Engine, tok: Tokenizer, args, where: str, peer: Peer | None = None) -> list[dict]:
     """Per workload: `off` and n-gram runs alternate rep by rep, so load from other processes hits
     both alike; the speed-up is the median of the paired ratios."""
-    costs = {"peer_rtt_ms": peer_rtt_ms(engine), **forward_costs(engine, tok.encode(REWRITE), args.draft_max, peer)}
+    costs = {
+        "peer_rtt_ms": peer_rtt_ms(engine),
+        **forward_costs(engine, tok.encode(REWRITE), args.draft_max, peer, args.slots),
+    }
     if not args.json:
         if costs["peer_rtt_ms"] is not None:
             print(f"{where:10} peer PING round trip {costs['peer_rtt_ms']} ms (median)", flush=True)
@@ -463,6 +470,9 @@ def main() -> None:
     ap.add_argument("--draft-max", type=int, default=3)
     ap.add_argument("--draft-p-min", type=float, default=0.75, help="MTP: stop drafting below this draft probability")
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument(
+        "--slots", type=int, default=1, help="slots of the forward and draft costs (the decode runs use one)"
+    )
     ap.add_argument(
         "--draft-adaptive", choices=["auto", "on", "off"], default="auto", help="MTP: the serve flag of that name"
     )
