@@ -419,20 +419,12 @@ class Pipeline:
     def stages(self) -> list[StageInfo]:
         """Explicit layer ranges of every stage, for /status."""
         local = self.local
+        head = ("head", None, tuple(self.ranges[0]))
         if local is None:  # asleep: it holds nothing
-            out = [StageInfo("head", None, tuple(self.ranges[0]), str(self._device), "sleeping", 0, 0)]
+            out = [StageInfo(*head, str(self._device), "sleeping", 0, 0)]
         else:
             out = [
-                StageInfo(
-                    "head",
-                    None,
-                    tuple(self.ranges[0]),
-                    str(local.device),
-                    "ok",
-                    local.kv_bytes,
-                    local.held_weight_bytes,
-                    dict(local.steps),
-                )
+                StageInfo(*head, str(local.device), "ok", local.kv_bytes, local.held_weight_bytes, dict(local.steps))
             ]
         for remote, r in zip(self.remotes, self.ranges[1:]):
             out.append(StageInfo("peer", remote.addr, tuple(r), str(remote.device), remote.state))
