@@ -290,7 +290,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     every = ",".join(t.name for t in (T.Q4_K, T.Q6_K, T.Q5_K, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1))
     ap.add_argument("--types", help=f"default {every}; with --qmma Q5_K,Q6_K")
-    ap.add_argument("--rows", help="default 1,4,8,16,512; with --qmma 4,8,16,32")
+    ap.add_argument("--rows", help="default 1,4,8,16,512; with --qmma 4,8,12,16,32")
     ap.add_argument("--sweep", action="store_true", help="time GEMV configurations first (see --sweep-only)")
     ap.add_argument("--sweep-only", action="store_true", help="the sweep and its GEMV_CONFIGS line, no table")
     ap.add_argument("--qmma", action="store_true", help="sweep the tensor-core GEMM's tiles (module doc), no table")
@@ -298,7 +298,7 @@ def main() -> None:
     ap.add_argument("--budget-s", type=float, help="the sweep's time, shared by its row counts (480 s; --qmma 200)")
     args = ap.parse_args()
     types = [T[name] for name in (args.types or ("Q5_K,Q6_K" if args.qmma else every)).split(",")]
-    row_counts = [int(r) for r in (args.rows or ("4,8,16,32" if args.qmma else "1,4,8,16,512")).split(",")]
+    row_counts = [int(r) for r in (args.rows or ("4,8,12,16,32" if args.qmma else "1,4,8,16,512")).split(",")]
     rng = np.random.default_rng(0)
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")] if args.shapes else None
     print(f"{torch.cuda.get_device_name()}: device copy {_copy_bandwidth():.0f} GB/s (read + write)")

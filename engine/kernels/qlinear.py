@@ -46,8 +46,10 @@ GEMV_CHUNKED_ROWS = 32
 # From this many rows up to GEMV_CHUNKED_ROWS the tensor-core GEMM (triton_qmma.py) runs instead of
 # the GEMV, reading the weight once for all rows: `benchmarks/bench_qkernels.py --qmma` on an H100
 # (session 23), the 27B's matrices: 16 rows 2.82x a one-row step against the two GEMV passes' 4.01x,
-# 32 rows 3.00x against 7.9x; at 4 and 8 rows the GEMV wins (1.35x, 2.04x against 2.65x, 2.72x).
-QMMA_MIN_ROWS = 16
+# 32 rows 3.00x against 7.86x; at 4 and 8 rows the GEMV wins (1.35x, 2.04x against 2.65x, 2.72x).
+# 9-15 rows take qmma's 16-row tile (the same work: 2.82x) where the GEMV's passes cost 3.05x (8 + 1
+# rows) and more: from 9, an inference from those rows, not a row count the sweep timed.
+QMMA_MIN_ROWS = 9
 
 
 def qlinear(x: torch.Tensor, w: QuantWeight, scratch: DequantScratch | None = None) -> torch.Tensor:
