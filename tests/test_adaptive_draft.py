@@ -160,12 +160,16 @@ def test_the_writer_makes_an_mtp_block_right_with_the_asked_probability(tmp_path
     assert stats.acceptance == pytest.approx(accuracy, abs=0.15)
 
 
-def run(path, prompts, spec: SpecConfig, max_tokens: int = 48, n_slots: int = 4, watch=None):
+def run(path, prompts, spec: SpecConfig, max_tokens: int = 48, n_slots: int = 4, watch=None, cost=None):
     """Greedy outputs of `prompts` submitted together, the acceptance counters, and what `watch(engine)`
-    saw after each event."""
+    saw after each event. `cost(n, tokens)`: what a step of n slots verifying `tokens` costs the
+    adaptive policy, in place of the time it took here (a shared CI box's timings are noise)."""
     g = GGUFFile(path)
     stage = load(path, n_slots=n_slots, n_ctx=256)
     speculator = build_speculator(spec, None, g, F32, n_slots, head=stage)
+    if cost is not None:
+        adaptive = speculator.adaptive
+        adaptive.timed = lambda n, tokens, _seconds: AdaptiveDrafts.timed(adaptive, n, tokens, cost(n, tokens))
     eng = Engine(Pipeline(stage), Tokenizer.from_gguf(g), n_slots, 256, speculator=speculator).start()
     results, seen = {}, []
 
@@ -218,22 +222,23 @@ def test_adaptive_greedy_equals_plain_greedy(models):
 
 def test_no_acceptance_drafts_stop_and_full_acceptance_keeps_n_max(models):
     """Every draft rejected: after a few, the slots draft only their probes (k 0 in /status's per-slot
-    part). Every draft right: the slots go on drafting."""
+    part). Every draft right: the slots draft n-max. Both at given step costs, not this machine's."""
     prompts = [[5, 17], [300, 12]]
     ks = lambda eng: [s.k for s in speculative(eng).slots]  # noqa: E731  (what /status shows)
-    _, none, seen = run(models[0.0], prompts, SpecConfig("mtp", p_min=0.0), max_tokens=96, n_slots=2, watch=ks)
+    # A CPU's costs: each token a verify adds costs a quarter of a plain step of the batch. The policy
+    # acts on what it measures; measured here, a loaded CI box's noise decided (78 drafts at acceptance 0
+    # in one clean-clone run: a 2-token step measured no dearer than a plain one).
+    cpu_like = lambda n, tokens: 1.0 + 0.25 * (tokens - n)  # noqa: E731
+    mtp = SpecConfig("mtp", p_min=0.0)
+    _, none, seen = run(models[0.0], prompts, mtp, max_tokens=96, n_slots=2, watch=ks, cost=cpu_like)
     print("acceptance 0:", none)
     assert none.accepted == 0 and none.drafts <= 2 * (6 + 96 // PROBE_EVERY)
     late = [k for ks_ in seen[len(seen) // 2 :] for k in ks_]
     assert late and late.count(0) >= 0.8 * len(late)
-    _, full, seen = run(models[1.0], prompts, SpecConfig("mtp", p_min=0.0), max_tokens=96, n_slots=2, watch=ks)
+    _, full, seen = run(models[1.0], prompts, mtp, max_tokens=96, n_slots=2, watch=ks, cost=cpu_like)
     print("acceptance 1:", full)
-    # How many the slots draft at full acceptance follows this machine's measured step costs (on a
-    # loaded 2-core box a verify of 8 tokens costs nearly 4 plain steps, and 1-2 drafts are the best
-    # rate: seen in CI), so n-max itself is the unit tests' (test_one_stream_drafts_what_pays_for_its_verify);
-    # here, that drafting goes on when every draft is right.
-    late = [k for ks_ in seen[len(seen) // 2 :] for k in ks_]
-    assert full.acceptance == 1.0 and late and late.count(0) <= len(late) / 2, late
+    late = [k for ks_ in seen[len(seen) // 2 :] for k in ks_]  # n-max (3) while the requests have room for it
+    assert full.acceptance == 1.0 and late and late.count(3) >= 0.8 * len(late), late
 
 
 def test_a_resting_slot_catches_up_the_blocks_kv(tiny_model):
