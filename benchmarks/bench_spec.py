@@ -302,6 +302,9 @@ def forward_costs(engine: Engine, prompt: list[int], k: int, peer, slots: int = 
         "cost_of": "wall" if cuda else "cpu",
         "verify_cost_ratio": round(cost[k + 1] / cost[1], 3),
         "verify_cost_ratio_by_k": {j: round(cost[j + 1] / cost[1], 3) for j in range(1, k + 1)},
+        # the run lengths the stage's graphs replay (None: any); a verify of another length ran eagerly here,
+        # where the engine pads it to a replayed one
+        "graph_run_lengths": engine.pipeline.graph_run_lengths,
     }
     if mtp is not None:
         out["mtp_step_ms"] = round(cost["draft"] / k, 3)
@@ -365,7 +368,12 @@ def bench(engine: Engine, tok: Tokenizer, args, where: str, peer: Peer | None = 
             f"{where:10} forward, 1 token: {costs['decode_ms_min']} ms min, {costs['decode_ms_median']} median, "
             f"{costs['decode_cpu_ms']} CPU ms; {args.draft_max + 1} tokens: {costs['verify_ms_min']} ms min, "
             f"{costs['verify_ms_median']} median, {costs['verify_cpu_ms']} CPU ms: "
-            f"verify/decode {costs['cost_of']} cost x{costs['verify_cost_ratio']} (by k: {costs['verify_cost_ratio_by_k']})",
+            f"verify/decode {costs['cost_of']} cost x{costs['verify_cost_ratio']} (by k: {costs['verify_cost_ratio_by_k']}"
+            + (
+                f"; graphs replay runs of {lengths} tokens, others ran eagerly)"
+                if (lengths := costs["graph_run_lengths"])
+                else ")"
+            ),
             flush=True,
         )
         if "mtp_step_ms" in costs:
