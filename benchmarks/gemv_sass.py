@@ -123,6 +123,15 @@ def loop_ops(cubin: bytes) -> collections.Counter:
     raise SystemExit("no loop found in the SASS")
 
 
+def _loop_cells(cubin: bytes, warps: int, weights: int, *columns: tuple[str, ...]) -> list[str]:
+    """A table row's counts for a kernel's loop: instructions a thread a step, a weight (threads over
+    the `weights` a step covers), each of `columns` (opcode prefixes summed), registers."""
+    ops = loop_ops(cubin)
+    total = sum(ops.values())
+    counts = [sum(c for op, c in ops.items() if op.startswith(prefixes)) for prefixes in columns]
+    return [str(total), f"{total * 32 * warps / weights:.2f}", *map(str, counts), _registers(cubin)]
+
+
 def _dequant_table(types: list[str]) -> None:
     """The dequantization kernel has no loop: all of its SASS, a program's tile, into bf16."""
     print("| type | (BLOCK_N, BLOCK_K), 4 warps | instr/thread | instr/weight | global loads | registers |")
@@ -146,16 +155,9 @@ def _qmma_table(types: list[str], rows: list[int]) -> None:
         for mr in rows:
             config = QMMA_CONFIGS[mr]
             block_m, block_n, block_k, warps = config[:4]
-            k = compile_qmma(T[name], config)
-            ops = loop_ops(k.asm["cubin"])
-            total = sum(ops.values())
-            count = lambda *prefixes: sum(c for op, c in ops.items() if op.startswith(prefixes))  # noqa: E731
-            print(
-                f"| {name} | {mr} | {(block_m, block_n, block_k, warps)} | {total} | "
-                f"{total * 32 * warps / (block_n * block_k):.2f} | {count('BAR')} | {count('LDS', 'STS')} | "
-                f"{count('LDG')} | {_registers(k.asm['cubin'])} |",
-                flush=True,
-            )
+            cubin = compile_qmma(T[name], config).asm["cubin"]
+            cells = _loop_cells(cubin, warps, block_n * block_k, ("BAR",), ("LDS", "STS"), ("LDG",))
+            print(f"| {name} | {mr} | {(block_m, block_n, block_k, warps)} | " + " | ".join(cells) + " |", flush=True)
 
 
 def main() -> None:
@@ -181,16 +183,11 @@ def main() -> None:
         for mr in rows:
             block_n, block_k, warps = GEMV_CONFIGS[mr][:3]
             for x_terms in (0, 1, 2):
-                k = compile_gemv(T[name], mr, block_n, block_k, warps, x_terms)
-                ops = loop_ops(k.asm["cubin"])
-                total = sum(ops.values())
-                count = lambda *prefixes: sum(c for op, c in ops.items() if op.startswith(prefixes))  # noqa: E731
-                print(
-                    f"| {name} | {mr} | {(block_n, block_k, warps)} | {f'int8 x{x_terms}' if x_terms else 'float'} | {total} | "
-                    f"{total * 32 * warps / (block_n * block_k):.2f} | {count('BAR')} | {count('LDS', 'STS')} | "
-                    f"{count('IDP')} | {count('LDG')} | {_registers(k.asm['cubin'])} |",
-                    flush=True,
-                )
+                cubin = compile_gemv(T[name], mr, block_n, block_k, warps, x_terms).asm["cubin"]
+                columns = ("BAR",), ("LDS", "STS"), ("IDP",), ("LDG",)
+                cells = _loop_cells(cubin, warps, block_n * block_k, *columns)
+                x = f"int8 x{x_terms}" if x_terms else "float"
+                print(f"| {name} | {mr} | {(block_n, block_k, warps)} | {x} | " + " | ".join(cells) + " |", flush=True)
 
 
 if __name__ == "__main__":
