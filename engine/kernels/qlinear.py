@@ -38,10 +38,11 @@ class DequantScratch:
             self.buf = torch.empty(size, dtype=dtype, device=device)
 
 
-# Up to this many rows the GEMV runs, GEMV_MAX_ROWS rows at a time: each pass reads the quantized
-# weight (~5.5 bits a weight for Q5_K), where the scratch path reads it, writes and reads it again as
-# bf16 (~37 bits). A 4-stream MTP verify (16 rows) through the scratch ran slower than plain decode
-# (H200, session 20: 212 against 296 tok/s).
+# Up to this many rows the quantized kernels run (the GEMV GEMV_MAX_ROWS rows a pass, or the
+# tensor-core GEMM from QMMA_MIN_ROWS): each pass reads the quantized weight (~5.5 bits a weight for
+# Q5_K), where the scratch path reads it, writes and reads it again as bf16 (~37 bits). A 4-stream
+# MTP verify (16 rows) through the scratch ran slower than plain decode (H200, session 20: 212 against
+# 296 tok/s).
 GEMV_CHUNKED_ROWS = 32
 # From this many rows up to GEMV_CHUNKED_ROWS the tensor-core GEMM (triton_qmma.py) runs instead of
 # the GEMV, reading the weight once for all rows: `benchmarks/bench_qkernels.py --qmma` on an H100
@@ -72,7 +73,7 @@ def kernel_matmul(x2: torch.Tensor, w: QuantWeight, scratch: DequantScratch | No
     rows = x2.shape[0]
     if rows > GEMV_CHUNKED_ROWS:
         return _dequant_matmul(x2, w, scratch)
-    # e.g. a 4-slot verify of 3 drafts: 16 rows, two passes of the GEMV
+    # e.g. a 4-slot verify of 3 drafts: 16 rows, one tensor-core pass
     return tensor_core_matmul(x2, w) if rows >= QMMA_MIN_ROWS else fused_matmul(x2, w)
 
 

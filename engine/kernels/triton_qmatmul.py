@@ -337,5 +337,6 @@ def fused_matmul(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
     rows = x.shape[0]
     if rows <= GEMV_MAX_ROWS:
         return qmm(x, *planes)
-    x = torch.nn.functional.pad(x, (0, 0, 0, -rows % GEMV_MAX_ROWS))
+    if rows % GEMV_MAX_ROWS:
+        x = torch.nn.functional.pad(x, (0, 0, 0, -rows % GEMV_MAX_ROWS))
     return torch.cat([qmm(x[i : i + GEMV_MAX_ROWS], *planes) for i in range(0, rows, GEMV_MAX_ROWS)])[:rows]
