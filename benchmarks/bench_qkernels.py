@@ -78,26 +78,54 @@ def _sweep_grid(rows: int) -> list[tuple]:
     return grid + [(bn, tiles * 32 * warps * 32 // bn, warps, 8, 1) for bn, warps, tiles in shapes]
 
 
+def _sweep_weights(types: list[T], shapes, rng: np.random.Generator) -> dict[tuple, list[QuantWeight]]:
+    """(type, out, in) -> copies of one random weight (together over the L2 cache)."""
+    return {
+        (qt, n, k): _copies(QuantWeight.from_gguf(random_blocks((n, k), qt, 1 / 64, rng), qt, (n, k), device=DEVICE))
+        for qt in types
+        for n, k in shapes
+    }
+
+
+def _sweep_inputs(weights: dict, shapes, rows: int) -> tuple[dict, dict]:
+    """bf16 x of `rows` rows per input width, and each weight's float32 reference product."""
+    xs = {k: torch.randn(rows, k, device=DEVICE, dtype=torch.bfloat16) for _, k in shapes}
+    return xs, {key: xs[key[2]].float() @ dense(ws[0], torch.float32).T for key, ws in weights.items()}
+
+
+def _checked_times(op, weights: dict, xs: dict, refs: dict) -> tuple[float, dict[T, float], list[str]] | str:
+    """`op(x, w)` over every weight, each checked against its reference before it is timed: (summed
+    seconds, seconds by type, GB/s cells), or why it was not timed."""
+    total, by_type, cells = 0.0, {}, []
+    for (qt, n, k), ws in weights.items():
+        x, ref = xs[k], refs[qt, n, k]
+        try:
+            err = float((op(x, ws[0]).float() - ref).abs().max() / ref.abs().max())
+        except Exception as e:  # a variant that does not build here is reported, the sweep goes on
+            return f"FAILED: {type(e).__name__}: {str(e)[:300]}"
+        if not err < 2e-2:
+            return f"WRONG for {qt.name} {n}x{k}: max rel err {err:.2e}"
+        t = time_per_call([lambda w=w: op(x, w) for w in ws], rep=20)
+        total += t
+        by_type[qt] = by_type.get(qt, 0.0) + t
+        cells.append(f"{ws[0].nbytes / t / 1e9:.0f}")
+    return total, by_type, cells
+
+
 def _sweep(types: list[T], row_counts: list[int], shapes, rng: np.random.Generator, budget_s: float) -> None:
     """Time each configuration of `_sweep_grid` on every type and shape (each checked against the
     reference first); print GB/s per configuration and shape, then the fastest per row count over all
     types and shapes (summed time) as the line for GEMV_CONFIGS. Each row count gets an equal share
     of `budget_s` (compiles included): its grid stops at 70 % of it, the refinements at 100 %."""
     began = time.monotonic()
-    weights = {}
-    for qt in types:
-        for n, k in shapes:
-            raw = random_blocks((n, k), qt, 1 / 64, rng)
-            w = QuantWeight.from_gguf(raw, qt, (n, k), device=DEVICE)
-            weights[qt, n, k] = _copies(w)
+    weights = _sweep_weights(types, shapes, rng)
     best: dict[int, tuple] = {}
     for n_done, rows in enumerate(row_counts):
         start = time.monotonic()
         share = (budget_s - (start - began)) / (len(row_counts) - n_done)
         mr = triton.next_power_of_2(rows)
         saved = GEMV_CONFIGS[mr]
-        xs = {k: torch.randn(rows, k, device=DEVICE, dtype=torch.bfloat16) for _, k in shapes}
-        refs = {key: xs[key[2]].float() @ dense(ws[0], torch.float32).T for key, ws in weights.items()}
+        xs, refs = _sweep_inputs(weights, shapes, rows)
         totals: dict[tuple, float] = {}
         per_type: dict[tuple, dict[T, float]] = {}
 
@@ -106,28 +134,15 @@ def _sweep(types: list[T], row_counts: list[int], shapes, rng: np.random.Generat
                 print(f"| {rows} | {cfg} | skipped: the sweep's time budget (--budget-s) is spent |", flush=True)
                 return
             GEMV_CONFIGS[mr] = cfg
-            cells = []
-            total = 0.0
-            mine: dict[T, float] = {}
-            for qt in types:
-                for n, k in shapes:
-                    ws, x, ref = weights[qt, n, k], xs[k], refs[qt, n, k]
-                    try:
-                        err = float((fused_matmul(x, ws[0]).float() - ref).abs().max() / ref.abs().max())
-                    except Exception as e:  # a variant that does not build here is reported, the sweep goes on
-                        print(f"| {rows} | {cfg} | FAILED: {type(e).__name__}: {str(e)[:300]} |", flush=True)
-                        return
-                    if not err < 2e-2:
-                        print(f"| {rows} | {cfg} | WRONG for {qt.name} {n}x{k}: max rel err {err:.2e} |", flush=True)
-                        return
-                    t = time_per_call([lambda w=w: fused_matmul(x, w) for w in ws], rep=20)
-                    total += t
-                    mine[qt] = mine.get(qt, 0.0) + t
-                    cells.append(f"{ws[0].nbytes / t / 1e9:.0f}")
-            totals[cfg], per_type[cfg] = total, mine
+            result = _checked_times(fused_matmul, weights, xs, refs)
+            if isinstance(result, str):
+                print(f"| {rows} | {cfg} | {result} |", flush=True)
+                return
+            total, per_type[cfg], cells = result
+            totals[cfg] = total
             print(f"| {rows} | {cfg} | " + " | ".join(cells) + f" | {total * 1e6:.1f} |", flush=True)
 
-        cols = [f"{qt.name} {n}x{k}" for qt in types for n, k in shapes]
+        cols = [f"{qt.name} {n}x{k}" for qt, n, k in weights]
         print(f"\nsweep, {rows} rows: GB/s of weight bytes per type and shape (out x in); last column the summed µs")
         print("| rows | (BLOCK_N, BLOCK_K, warps, programs/SM, x int8 terms) | " + " | ".join(cols) + " | µs |")
         print("|---" * (len(cols) + 3) + "|")
@@ -179,35 +194,10 @@ def _qmma_sweep(types: list[T], row_counts: list[int], shapes, rng: np.random.Ge
     checked against the reference before it is timed. Row counts share what is left of `budget_s`
     after the set-up equally; a row count's grid stops at 75 % of its share, its refinements at 100 %."""
     began = time.monotonic()
-    weights = {}
-    for qt in types:
-        for n, k in shapes:
-            raw = random_blocks((n, k), qt, 1 / 64, rng)
-            weights[qt, n, k] = _copies(QuantWeight.from_gguf(raw, qt, (n, k), device=DEVICE))
+    weights = _sweep_weights(types, shapes, rng)
     nbytes = sum(ws[0].nbytes for ws in weights.values())
     cols = [f"{qt.name} {n}x{k}" for qt, n, k in weights]
-
-    def run_all(op, rows: int, xs, refs) -> tuple[float, list[str]] | str:
-        """Summed seconds of `op(x, w)` over the types and shapes and GB/s cells, or why it was not timed."""
-        total, cells = 0.0, []
-        for key, ws in weights.items():
-            x, ref = xs[key[2]], refs[key]
-            try:
-                err = float((op(x, ws[0]).float() - ref).abs().max() / ref.abs().max())
-            except Exception as e:  # a tile that does not build here is reported, the sweep goes on
-                return f"FAILED: {type(e).__name__}: {str(e)[:300]}"
-            if not err < 2e-2:
-                return f"WRONG for {key[0].name} {key[1]}x{key[2]}: max rel err {err:.2e}"
-            t = time_per_call([lambda w=w: op(x, w) for w in ws], rep=20)
-            total += t
-            cells.append(f"{ws[0].nbytes / t / 1e9:.0f}")
-        return total, cells
-
-    def inputs(rows: int):
-        xs = {k: torch.randn(rows, k, device=DEVICE, dtype=torch.bfloat16) for _, k in shapes}
-        return xs, {key: xs[key[2]].float() @ dense(ws[0], torch.float32).T for key, ws in weights.items()}
-
-    one = run_all(fused_matmul, 1, *inputs(1))
+    one = _checked_times(fused_matmul, weights, *_sweep_inputs(weights, shapes, 1))
     step = one[0] if isinstance(one, tuple) else float("nan")
     print(f"\none-row GEMV step over the {len(cols)} matrices: {step * 1e6:.1f} µs, {nbytes / step / 1e9:.0f} GB/s")
     best: dict[int, tuple] = {}
@@ -216,7 +206,7 @@ def _qmma_sweep(types: list[T], row_counts: list[int], shapes, rng: np.random.Ge
     for n_done, rows in enumerate(row_counts):
         start = time.monotonic()
         share = (budget_s - (start - began)) / (len(row_counts) - n_done)
-        xs, refs = inputs(rows)
+        xs, refs = _sweep_inputs(weights, shapes, rows)
         print(f"\n{rows} rows: GB/s of weight bytes per type and shape (out x in); µs summed; × the one-row step")
         print("| path | " + " | ".join(cols) + " | µs | × step |")
         print("|---" * (len(cols) + 3) + "|")
@@ -226,12 +216,12 @@ def _qmma_sweep(types: list[T], row_counts: list[int], shapes, rng: np.random.Ge
             if isinstance(result, str):
                 print(f"| {path} | {result} |", flush=True)
                 return None
-            total, cells = result
+            total, _, cells = result
             print(f"| {path} | " + " | ".join(cells) + f" | {total * 1e6:.1f} | {total / step:.2f} |", flush=True)
             return total
 
-        gemv[rows] = report("GEMV", run_all(fused_matmul, rows, xs, refs)) or float("inf")
-        report("scratch+cuBLAS", run_all(_scratch, rows, xs, refs))
+        gemv[rows] = report("GEMV", _checked_times(fused_matmul, weights, xs, refs)) or float("inf")
+        report("scratch+cuBLAS", _checked_times(_scratch, weights, xs, refs))
 
         def measure(cfg, until: float) -> None:
             if cfg in totals:
@@ -239,7 +229,7 @@ def _qmma_sweep(types: list[T], row_counts: list[int], shapes, rng: np.random.Ge
             if time.monotonic() - start > until * share:
                 print(f"| {cfg} | skipped: this row count's share of --budget-s is spent |", flush=True)
                 return
-            t = report(cfg, run_all(lambda x, w, c=cfg: qmma_launch(x, planes_args(w), c), rows, xs, refs))
+            t = report(cfg, _checked_times(lambda x, w, c=cfg: qmma_launch(x, planes_args(w), c), weights, xs, refs))
             if t is not None:
                 totals[cfg] = t
 
