@@ -196,7 +196,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=DEFAULT_HEADER_TIMEOUT,
         help="seconds for a request's headers to arrive (from the connection's start or the previous "
-        "response's end); then the connection is closed",
+        "response's end: an idle kept-alive connection's life); then the connection is closed",
     )
     s.add_argument(
         "--body-timeout",

@@ -63,12 +63,17 @@ def raw_request(w, head_lines: list[str], chunks) -> bytes:
                 s.sendall(c)
         except (BrokenPipeError, ConnectionResetError):
             pass
-        out = b""
-        while b"\r\n\r\n" not in out or len(out) < _response_length(out):
-            data = s.recv(65536)
-            assert data, f"connection closed mid-response: {out[:200]!r}"
-            out += data
-        return out
+        return _read_response(s)
+
+
+def _read_response(s: socket.socket) -> bytes:
+    """One response (header and Content-Length body) from a socket."""
+    out = b""
+    while b"\r\n\r\n" not in out or len(out) < _response_length(out):
+        data = s.recv(65536)
+        assert data, f"connection closed mid-response: {out[:200]!r}"
+        out += data
+    return out
 
 
 def _response_length(raw: bytes) -> int:
@@ -569,6 +574,17 @@ def test_partial_headers_are_cut_off_at_the_header_deadline(deadlines):
         s.sendall(PARTIAL)
         rest = _until_closed(s)
         assert b"HTTP/1.1" not in rest, rest[:200]
+
+
+def test_a_kept_alive_connection_idle_beyond_the_clients_expiry_is_still_served(server):
+    """httpx (the openai client) drops an idle connection after 5 s; uvicorn's default closes ours after
+    5 s too, and a request sent as it closed was lost ("Server disconnected"). Ours stays open until the
+    header deadline (10 s), so the client is the one to close it."""
+    with _connect(server) as s:
+        for _ in range(2):
+            s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert _read_response(s).startswith(b"HTTP/1.1 200")
+            time.sleep(6.0)
 
 
 def test_a_body_that_does_not_arrive_is_a_408_at_the_body_deadline(deadlines):

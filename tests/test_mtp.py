@@ -379,7 +379,17 @@ def split_mtp(tiny_model, tmp_path_factory):
     half of the trunk (float32)."""
     model = tiny_model("qwen35", n_layers=4, nextn=True)
     logs = tmp_path_factory.mktemp("mtp-split-logs")
-    with solo_and_split(model, logs, "--split", "2/2", "--spec-type", "mtp", "--draft-p-min", "0") as workers:
+    flags = (
+        "--split",
+        "2/2",
+        "--spec-type",
+        "mtp",
+        "--draft-p-min",
+        "0",
+        "--draft-adaptive",
+        "off",
+    )  # the path, not the policy
+    with solo_and_split(model, logs, *flags) as workers:
         yield workers
 
 

@@ -38,7 +38,20 @@ def ws(model, tmp_path_factory):
     """A solo head (no speculation), and a head whose one peer holds layers [2, 4), the output head
     and the MTP block (float32, all real processes)."""
     logs = tmp_path_factory.mktemp("output-stage-logs")
-    flags = ("--split", "2/2", "--output-stage", "last", "--spec-type", "mtp", "--draft-p-min", "0")
+    # Adaptive drafting off: these tests check the path, and the policy may choose plain decode on a
+    # loaded machine (tests/test_adaptive_draft.py tests it).
+    flags = (
+        "--split",
+        "2/2",
+        "--output-stage",
+        "last",
+        "--spec-type",
+        "mtp",
+        "--draft-p-min",
+        "0",
+        "--draft-adaptive",
+        "off",
+    )
     with solo_and_split(model, logs, *flags) as workers:
         yield workers
 

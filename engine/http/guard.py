@@ -11,8 +11,9 @@ uvicorn's h11 protocol meets the socket, before any request exists:
 - a body deadline (`--body-timeout`): once the headers are in, the body must be too within it;
   else 408 (if nothing was answered yet) and the connection is closed.
 
-uvicorn's own `timeout_keep_alive` closes idle keep-alive connections sooner; h11's
-`max_incomplete_event_size` (16 KiB) bounds the headers' size.
+The header deadline also closes an idle kept-alive connection (uvicorn's own `timeout_keep_alive` is
+set to it: worker.py says why); h11's `max_incomplete_event_size` (16 KiB) bounds the headers'
+size.
 """
 
 from __future__ import annotations

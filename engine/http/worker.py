@@ -78,8 +78,16 @@ def http_server(app: FastAPI, limits: HttpLimits | None = None, drain: Drain | N
     # h11, not httptools: httptools' writer lowercases header names, and llama-server's clients see
     # its spelling (Access-Control-Allow-Origin, Process-Start-Time-Unix); uvloop stays ("auto").
     # guard.py's subclass of it adds the connection caps and the header and body deadlines.
+    # An idle kept-alive connection is closed by the header deadline (default 10 s), not by uvicorn's
+    # 5 s: httpx (so the openai client) drops its idle connections after 5 s too, and a request it sent
+    # on one as we closed it was lost ("Server disconnected without sending a response").
+    limits = limits or HttpLimits()
     config = uvicorn.Config(
-        app, http=guarded_h11(limits or HttpLimits()), log_level="warning", timeout_graceful_shutdown=2
+        app,
+        http=guarded_h11(limits),
+        log_level="warning",
+        timeout_graceful_shutdown=2,
+        timeout_keep_alive=limits.header_timeout,
     )
     return DrainingServer(config, drain)
 
