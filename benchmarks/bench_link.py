@@ -30,8 +30,9 @@ happens (Ctrl-C and SIGTERM included).
 computed instead: per round trip, the measured host cost of a FORWARD frame of that width (packing,
 framing, one TCP round trip of the frame over loopback less an empty frame's, parsing: bf16 and
 f32), plus the bytes' time on the wire at the link's rate, plus its RTT; over the GPU step time of
-docs/PERF.md (27B Q5_K_M compiled decode on an H100, 88.1 tok/s → 11.35 ms; a k = 3 verify costs
-×1.48 a one-token step, so one round trip carries 4 tokens in 16.8 ms of GPU time).
+docs/PERF.md (27B Q5_K_M decode on an H100 through HTTP, session 23: 107.6 tok/s → 9.29 ms; a k = 3
+verify costs ×1.386 a one-token step, so one round trip carries 4 tokens in 12.9 ms of GPU time). The
+faster the step, the larger the link's share: session 22's rows used 88.1 tok/s and ×1.48.
 """
 
 from __future__ import annotations
@@ -61,8 +62,8 @@ LINKS = {
     "wan": ("100mbit", 10.0, 100.0),  # 20 ms RTT, 100 Mbit/s
 }
 # docs/PERF.md: Qwen3.5-27B shape, Q5_K_M, one H100, compiled + CUDA graphs (issue 37's table)
-GPU_DECODE_TOK_S = 88.1
-VERIFY_FACTOR = 1.48  # a k = 3 verify (4 tokens) against a one-token step (PERF.md, "Session 7: MTP")
+GPU_DECODE_TOK_S = 107.6  # one stream through HTTP (PERF.md, "Session 23: the 27B side by side")
+VERIFY_FACTOR = 1.386  # a k = 3 verify (4 tokens) against a one-token step (bench_spec, same section)
 HIDDEN_27B = 5120
 TOKEN = "bench-link-token"
 CLONE_NEWNET = 0x40000000

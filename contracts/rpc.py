@@ -76,7 +76,9 @@ FORWARD_ACK pipelines a long prompt across stages: a prompt chunk whose output n
 the prompt's last, no logits asked) goes to the last stage as FORWARD_ACK, and the head computes
 the next chunk instead of waiting; the peer runs its frames in order, so the replies (a status and
 the compute time each) are read later, before anything else on that connection, at most
-`--prefill-pipeline` of them outstanding.
+`--prefill-pipeline` of them outstanding. To a last stage whose MTP block follows every batch the
+chunk goes as FORWARD_OUT asking for no rows, with OUT_TOKENS (FORWARD_ACK carries no token ids):
+its reply is FORWARD_REPLY alone as well, read the same way.
 """
 
 from __future__ import annotations

@@ -7,10 +7,10 @@ of the active slots by replaying them: running requests carry on instead of fail
 
 A long prompt flows through the stages chunk after chunk (llama.cpp's pipeline parallelism): a
 forward whose output nobody reads (a prompt chunk before its last: no logit rows, no hidden
-states) sends its hidden states to the last peer without waiting (`RemoteStage.send_layers`) and
-returns, so the head computes the next chunk while that peer computes this one. The peer runs its
-frames in order, and the forward that needs an output reads the replies before its own: the math,
-chunk by chunk, is the unpipelined one.
+states) sends its hidden states (and token ids, when its MTP block follows every batch) to the
+last peer without waiting (`RemoteStage.send_layers`) and returns, so the head computes the next
+chunk while that peer computes this one. The peer runs its frames in order, and the forward that
+needs an output reads the replies before its own: the math, chunk by chunk, is the unpipelined one.
 """
 
 from __future__ import annotations
@@ -147,7 +147,7 @@ class Pipeline:
         for i, remote in enumerate(self.remotes, 1):
             try:
                 if pipelined and i == len(self.remotes):
-                    remote.send_layers(h, slots, positions)
+                    remote.send_layers(h, slots, positions, tokens)
                     if meanwhile is not None and i == 1:
                         meanwhile()
                     return None

@@ -1,5 +1,5 @@
 """Pipelined prefill across stages (--prefill-pipeline): a prompt's chunks before its last go to the
-last peer as FORWARD_ACK and the head computes the next chunk meanwhile. The math must be the
+last peer as FORWARD_ACK (FORWARD_OUT with no rows where its MTP block follows them) and the head computes the next chunk meanwhile. The math must be the
 unpipelined one, chunk by chunk: float32 logits equal exactly (pipelined, unpipelined, solo), for
 attention KV and for qwen35's recurrent state; a peer lost mid-pipeline fails the prompt with
 PeerUnavailable (HTTP 503), never a hang. Real peer processes on loopback."""
@@ -12,6 +12,7 @@ import pytest
 import torch
 from rpc_workers import greedy, head, peer, running, wait_for
 
+from hydra_console.contracts.rpc import DraftAsk
 from hydra_console.engine.cli import build_parser
 from hydra_console.engine.cli_config import head_config
 from hydra_console.engine.gguf_file import GGUFFile
@@ -78,6 +79,49 @@ def test_pipelined_prefill_logits_equal_unpipelined_and_solo(tiny_model, tmp_pat
     alone = prefill_then_decode(solo, 0, tokens)
     for a, b, c in zip(pipelined, unpipelined, alone):
         assert torch.equal(a, b) and torch.equal(a, c)
+
+
+def top_probability(remote, slot: int, at: int, bits: int = 20) -> float:
+    """The top-10 probability of the MTP block's one-token draft from position `at` (its KV before
+    `at` read), to 2^-bits, through DRAFT's p-min cut: the draft comes back whole at or above it. A
+    draft's argmax barely depends on the KV of a small random block; its probability does."""
+    lo, hi = 0.0, 1.0
+    for _ in range(bits):
+        mid = (lo + hi) / 2
+        if remote.draft(DraftAsk(slots=[slot], tokens=[7], positions=[at], ks=[1], p_mins=[mid]))[0]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def test_a_last_peer_with_the_mtp_block_pipelines_and_its_block_follows_every_chunk(tiny_model, tmp_path, request):
+    """`--output-stage last` with MTP (the users' layout that fits their cards): the block on the
+    peer follows every batch, so pipelined chunks carry their token ids (FORWARD_OUT asking no rows).
+    The logits equal the unpipelined run's, and so does the block's draft probability read over the
+    prompt's KV (every chunk's)."""
+    model = tiny_model("qwen35", **SHAPES["qwen35"], nextn=True)
+    tokens = torch.randint(3, 200, (PROMPT,), generator=torch.Generator().manual_seed(4))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    request.addfinalizer(lambda: torch.set_num_threads(threads))
+    flags = ("--output-stage", "last", "--spec-type", "mtp", "--draft-p-min", "0", "--prefill-pipeline", "2")
+    with running(peer(model, tmp_path, "--dtype", "float32")) as p:
+        split = split_pipeline(model, p.rpc_addr, *flags)
+        try:
+            remote = split.remotes[0]
+            assert remote.mtp and split.output_remote is remote
+            runs, probes = [], []
+            for slot, depth in ((0, 2), (1, 0)):  # pipelined, then each chunk waiting for the peer
+                remote.pipeline_depth = depth
+                runs.append(prefill_then_decode(split, slot, tokens))
+                probes.append(top_probability(remote, slot, PROMPT - CHUNK // 2))
+            assert remote.pipelined == -(-PROMPT // CHUNK) - 1
+        finally:
+            split.stop()
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+    assert probes[0] == probes[1] and 0 < probes[0] < 1
 
 
 def test_a_peer_lost_mid_pipeline_fails_the_prompt_cleanly(tiny_model, tmp_path):

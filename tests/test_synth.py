@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
+from stages import load
 
 from hydra_console.engine.gguf_file import GGUFFile
 from hydra_console.engine.quant import dequantize
@@ -82,3 +84,23 @@ def test_header_only_file_has_the_full_files_metadata_and_tensor_table(tmp_path,
     assert {n: (t.ggml_type, t.shape, t.offset, t.nbytes) for n, t in head.tensors.items()} == table
     assert (tmp_path / "head.gguf").stat().st_size == (tmp_path / "full.gguf").stat().st_size
     assert not head.raw("blk.0.ffn_up.weight").any()
+
+
+def test_logit_scale_peaks_the_bigram_trunk_and_keeps_its_argmax(tiny_model, tmp_path):
+    """A `bigram` trunk's next token depends on the token alone; `logit_scale` spreads its logits so
+    that sampling at temperature 0.7 mostly picks the argmax (what sampled speculation's acceptance
+    follows), and the argmax (greedy text, greedy drafts) stays that of the unscaled file."""
+
+    def trunk(path):
+        stage = load(path, n_slots=1, n_ctx=1024)
+        ids = torch.arange(stage.cfg.n_vocab)
+        zeros = torch.zeros_like(ids)
+        return stage.project(stage.final_norm(stage.run_layers(stage.embed(ids), zeros, ids)))
+
+    shape = dict(n_layers=2, nextn=True, bigram=True)
+    flat, peaked = trunk(tiny_model("qwen35", **shape)), trunk(tiny_model("qwen35", **shape, logit_scale=4.0))
+    assert torch.equal(flat.argmax(-1), peaked.argmax(-1))
+    top = [float(torch.softmax(x / 0.7, -1).amax(-1).mean()) for x in (flat, peaked)]
+    assert top[0] < 0.15 and 0.45 < top[1] < 0.8, top
+    with pytest.raises(ValueError, match="untied output head"):
+        write_synthetic(tmp_path / "g.gguf", "gemma3", logit_scale=2.0)

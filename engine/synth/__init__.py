@@ -61,6 +61,7 @@ def write_synthetic(
     nextn: bool = False,
     bigram: bool = False,
     mtp_accuracy: float = 1.0,
+    logit_scale: float = 1.0,
     fim: bool = False,
     reranker: bool = False,
     header_only: bool = False,
@@ -86,7 +87,10 @@ def write_synthetic(
     `mtp_accuracy` < 1 (with `bigram` and `nextn`) gives the block its own output head
     (`shared_head_head`): the trunk's with the rows of a random (1 - mtp_accuracy) share of the
     vocabulary rotated among themselves, so the block's pick is the trunk's next token t exactly when
-    t is outside that share: a draft token is right with that chance. `fim` adds Qwen's fill-in-the-middle
+    t is outside that share: a draft token is right with that chance. `logit_scale` multiplies the
+    output head (untied files): the logits' spread, so how peaked the next-token distribution is
+    (a `bigram` trunk at scale 1 is nearly flat: top probability ~0.05 at temperature 0.7, ~0.6 at
+    scale 4), which sampled speculation's acceptance follows. `fim` adds Qwen's fill-in-the-middle
     control tokens (<|fim_prefix|>, <|fim_suffix|>, <|fim_middle|>) to the vocabulary.
     `reranker` (qwen3) makes a Qwen3 reranker as llama.cpp's converter writes one: pooling type rank,
     the classifier labels ["yes", "no"], the `rerank` chat template, and `cls.output.weight` [2, n_embd]
@@ -101,6 +105,8 @@ def write_synthetic(
         raise ValueError(f"unsupported architecture {arch!r}; choose one of {', '.join(ARCHITECTURES)}")
     if not 0.0 <= mtp_accuracy <= 1.0 or (mtp_accuracy < 1.0 and not (nextn and bigram)):
         raise ValueError(f"mtp_accuracy must be in [0, 1] and needs nextn and bigram, got {mtp_accuracy!r}")
+    if logit_scale <= 0 or (logit_scale != 1.0 and (tied if tied is not None else arch == "gemma3")):
+        raise ValueError(f"logit_scale must be > 0 and needs an untied output head, got {logit_scale!r}")
     if vocab != "tiny":
         raise ValueError(f"unknown vocabulary kind {vocab!r} (only 'tiny')")
     mix = isinstance(qtype, str) and qtype.upper() in _MIXES
@@ -205,7 +211,7 @@ def write_synthetic(
     head = dense("token_embd.weight", n_vocab, n_embd, 1.0 / np.sqrt(n_embd) if arch == "gemma3" else 1.0)
     vec("output_norm.weight", n_embd)
     if not tied:
-        head = dense("output.weight", n_vocab, n_embd, 1.0 / np.sqrt(n_embd))
+        head = dense("output.weight", n_vocab, n_embd, logit_scale / np.sqrt(n_embd))
     q_dim, kv_dim = n_head * head_dim, n_head_kv * head_dim
     if nextn and arch != "qwen35":
         raise ValueError("only qwen35 files carry a NextN block here")
