@@ -50,7 +50,7 @@ def main() -> None:
     model = ["--model", args.model] if args.model else []
     rpc = free_port()
     peer, peer_port = start(1, "peer", *model, "--rpc-port", str(rpc))
-    prompt = [2] + [(i * 7919) % 200000 + 100 for i in range(args.prompt - 1)]
+    prompt = None
     rates: dict[str, list[float]] = {args.depth: [], "0": []}
     try:
         wait_ready(peer_port, "peer", 300, peer)
@@ -74,6 +74,10 @@ def main() -> None:
                 )
                 try:
                     wait_ready(port, "head", 300, head)
+                    if prompt is None:  # token ids the model has (a synthetic vocabulary may be small)
+                        meta = httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=60).json()["data"][0]["meta"]
+                        n_vocab = meta["n_vocab"]
+                        prompt = [2] + [(i * 7919) % (n_vocab - 100) + 100 for i in range(args.prompt - 1)]
                     for _ in range(args.repetitions):
                         body = {"prompt": prompt, "n_predict": 1, "cache_prompt": False, "temperature": 0}
                         r = httpx.post(f"http://127.0.0.1:{port}/completion", json=body, timeout=900).json()
