@@ -193,6 +193,11 @@ def running(worker: Worker, timeout: float = 90.0):
         worker.stop()
 
 
+# MTP drafting every step, p-min 0, adaptive drafting off: tests of the MTP path, not of the policy
+# (which may choose plain decode on a loaded machine: tests/test_adaptive_draft.py tests it).
+MTP_EVERY_STEP = ("--spec-type", "mtp", "--draft-p-min", "0", "--draft-adaptive", "off")
+
+
 @contextlib.contextmanager
 def solo_and_split(model, logs, *split_flags: str):
     """Real processes in float32: a solo head, and a head (`split_flags`) with one peer; all ready,

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from rpc_workers import complete, peer, running, solo_and_split
+from rpc_workers import MTP_EVERY_STEP, complete, peer, running, solo_and_split
 from stages import load
 
 from hydra_console.engine.config import ModelSettings, SpecConfig
@@ -379,17 +379,7 @@ def split_mtp(tiny_model, tmp_path_factory):
     half of the trunk (float32)."""
     model = tiny_model("qwen35", n_layers=4, nextn=True)
     logs = tmp_path_factory.mktemp("mtp-split-logs")
-    flags = (
-        "--split",
-        "2/2",
-        "--spec-type",
-        "mtp",
-        "--draft-p-min",
-        "0",
-        "--draft-adaptive",
-        "off",
-    )  # the path, not the policy
-    with solo_and_split(model, logs, *flags) as workers:
+    with solo_and_split(model, logs, "--split", "2/2", *MTP_EVERY_STEP) as workers:
         yield workers
 
 

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 import torch
-from rpc_workers import complete, solo_and_split, wait_for
+from rpc_workers import MTP_EVERY_STEP, complete, solo_and_split, wait_for
 
 from hydra_console.contracts.rpc import DraftAsk, LoadStageRequest, Op, Status
 from hydra_console.engine.gguf_file import GGUFFile
@@ -38,21 +38,7 @@ def ws(model, tmp_path_factory):
     """A solo head (no speculation), and a head whose one peer holds layers [2, 4), the output head
     and the MTP block (float32, all real processes)."""
     logs = tmp_path_factory.mktemp("output-stage-logs")
-    # Adaptive drafting off: these tests check the path, and the policy may choose plain decode on a
-    # loaded machine (tests/test_adaptive_draft.py tests it).
-    flags = (
-        "--split",
-        "2/2",
-        "--output-stage",
-        "last",
-        "--spec-type",
-        "mtp",
-        "--draft-p-min",
-        "0",
-        "--draft-adaptive",
-        "off",
-    )
-    with solo_and_split(model, logs, *flags) as workers:
+    with solo_and_split(model, logs, "--split", "2/2", "--output-stage", "last", *MTP_EVERY_STEP) as workers:
         yield workers
 
 
