@@ -72,13 +72,11 @@ PROBE (compute 50, control 0x50) is the split advisor's measurement: on the cont
 answers a `PipelineProbe` (a `PipelineProbeRequest` in) after timing its own layers and asking each
 peer for a `StageProbe` over its compute session, on the positions no slot holds yet.
 
-FORWARD_ACK pipelines a long prompt across stages: a prompt chunk whose output nobody reads (not
-the prompt's last, no logits asked) goes to the last stage as FORWARD_ACK, and the head computes
-the next chunk instead of waiting; the peer runs its frames in order, so the replies (a status and
-the compute time each) are read later, before anything else on that connection, at most
-`--prefill-pipeline` of them outstanding. To a last stage whose MTP block follows every batch the
-chunk goes as FORWARD_OUT asking for no rows, with OUT_TOKENS (FORWARD_ACK carries no token ids):
-its reply is FORWARD_REPLY alone as well, read the same way.
+FORWARD_ACK pipelines a long prompt: a chunk whose output nobody reads (not the prompt's last) goes
+to the last stage unawaited (to one whose MTP block follows every batch: FORWARD_OUT with no rows
+and OUT_TOKENS), the head computing the next; the peer runs its frames in order, so the replies
+(FORWARD_REPLY alone) are read later, before anything else on that connection, at most
+`--prefill-pipeline` outstanding.
 """
 
 from __future__ import annotations
