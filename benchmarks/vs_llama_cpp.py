@@ -13,8 +13,10 @@ device memory after the runs (NVML), time to first token of a `--prompt-tokens` 
 server (median of 3, prompt cache off) and the prompt rate it implies, and per stream count the
 summed decode rate of the streams; with MTP, the acceptance the server reports (`timings.draft_n`,
 `draft_n_accepted` summed over the prompts' `/completion`s, greedy and at `--sampled-acceptance`
-temperature with fixed seeds). Prints a table of both and their ratio (ours / llama.cpp;
-higher is better except for time and memory), then the JSON. Asserts nothing.
+temperature with fixed seeds). For ours also where a start went (`startup_s`), how the passes over
+the layers ran (`steps`) and, per stream count, an average step's milliseconds by phase
+(`step_ms_N`: schedule with drafting, forward, read, emit). Prints a table of both and their ratio
+(ours / llama.cpp; higher is better except for time and memory), then the JSON. Asserts nothing.
 """
 
 from __future__ import annotations
@@ -79,6 +81,14 @@ def acceptance(base: str, n: int, temperature: float = 0.0) -> dict:
     return {"drafted": drafted, "accepted": accepted, "rate": round(accepted / drafted, 3) if drafted else None}
 
 
+def step_phases(before: dict, after: dict) -> dict:
+    """Milliseconds an average step spent in each phase between two /status `throughput`s (schedule:
+    drafting included; forward: queueing the layers; read: waiting for the tokens; emit)."""
+    steps = max(after["steps_total"] - before["steps_total"], 1)
+    out = {k: round((after["step_phase_s"][k] - v) / steps * 1e3, 2) for k, v in before["step_phase_s"].items()}
+    return out | {"steps": steps}
+
+
 def measure(engine: str, args, spec: bool) -> dict:
     theirs = engine == "llama.cpp"
     server = Server(flags(engine, args, spec), *((llama_server(args.llama_cpp), False) if theirs else ()))
@@ -109,8 +119,11 @@ def measure(engine: str, args, spec: bool) -> dict:
             if args.sampled_acceptance:
                 out["acceptance_t"] = acceptance(server.base, args.n, args.sampled_acceptance)
         for s in args.streams:
+            before = None if theirs else server.status()["throughput"]
             runs = [concurrency(server.base, s, args.n, min(s, 8)) for _ in range(args.reps)]
             out[f"decode_{s}"] = max(r["aggregate_decode_tok_s"] for r in runs)
+            if not theirs:  # where our steps' wall time went meanwhile: ms a step, by phase
+                out[f"step_ms_{s}"] = step_phases(before, server.status()["throughput"])
         out["device_gib"] = None if (b := device_memory(server.proc.pid)) is None else round(b / 2**30, 2)
         if not theirs:  # how our passes over the layers ran: graphs replayed, or eager and why
             out["steps"] = server.status()["stages"][0].get("steps")
@@ -128,7 +141,7 @@ def table(results: dict) -> None:
             if "error" in key:
                 continue
             if isinstance(a, dict) or isinstance(b, dict):
-                if "rate" not in (a or b):  # startup phases, step paths: in the JSON below
+                if "rate" not in (a or b):  # startup phases, step paths and phases: in the JSON below
                     continue
                 a, b, key = a and a.get("rate"), b and b.get("rate"), key + "_rate"
             ratio = round(b / a, 2) if isinstance(a, int | float) and isinstance(b, int | float) and a else None

@@ -181,6 +181,11 @@ class Throughput(_Doc):
     decode_tok_s: float = 0.0
     prefill_tokens_total: int = 0
     decode_tokens_total: int = 0
+    steps_total: int = 0
+    # The steps' wall seconds by phase (engine/serving/stats.py STEP_PHASES: schedule, drafting
+    # included; forward, queueing the layers; read, waiting for the tokens; emit): / steps_total is
+    # where an average step goes.
+    step_phase_s: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

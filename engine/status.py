@@ -229,8 +229,11 @@ class StatusDocument:
 def throughput(engine) -> Throughput:
     if engine is None:
         return Throughput()
-    prefill, decode = engine.stats.rates()
-    return Throughput(round(prefill, 2), round(decode, 2), engine.stats.prompt_tokens, engine.stats.predicted_tokens)
+    st = engine.stats
+    prefill, decode = st.rates()
+    with st.lock:
+        phases = {name: round(seconds, 4) for name, seconds in st.phase_s.items()}
+    return Throughput(round(prefill, 2), round(decode, 2), st.prompt_tokens, st.predicted_tokens, st.steps, phases)
 
 
 def requests(engine) -> Requests | None:

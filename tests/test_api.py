@@ -307,8 +307,9 @@ def test_metrics_names_and_counters_move(server, client, model_id):
     assert after["hydra_startup_stage"] == 5
 
 
-def test_status_document(server):
+def test_status_document(server, client, model_id):
     base = server
+    greedy(client, model_id, max_tokens=2)  # the steps below need one, whichever tests ran before
     doc = HTTP.get(f"{base}/status").json()
     assert doc["role"] == "head" and doc["pid"] > 0 and doc["state"] == "ok" and doc["startup_stage"] == 5
     assert doc["model"]["arch"] == "llama" and doc["model"]["n_layers"] == 2 and len(doc["model"]["fingerprint"]) == 32
@@ -320,6 +321,20 @@ def test_status_document(server):
     assert doc["throughput"]["decode_tokens_total"] > 0
     assert [s["id"] for s in doc["slots"]] == list(range(N_SLOTS))
     assert doc["speculative"]["type"] == "off"
+
+
+def test_the_steps_wall_time_is_split_by_phase(server, client, model_id):
+    """/status `throughput.step_phase_s`: where the steps' wall time went (schedule, forward, read,
+    emit), totals that grow with the steps and never count a second twice."""
+    before = HTTP.get(f"{server}/status").json()["throughput"]
+    t0 = time.perf_counter()
+    greedy(client, model_id, max_tokens=12, extra_body={"ignore_eos": True})
+    elapsed = time.perf_counter() - t0
+    after = HTTP.get(f"{server}/status").json()["throughput"]
+    grew = {k: after["step_phase_s"][k] - before["step_phase_s"][k] for k in before["step_phase_s"]}
+    assert set(grew) == {"schedule", "forward", "read", "emit"} and min(grew.values()) >= 0
+    assert after["steps_total"] >= before["steps_total"] + 12
+    assert grew["forward"] > 0 and 0 < sum(grew.values()) <= elapsed  # on a CPU the forward runs in it
 
 
 # ---- errors ---------------------------------------------------------------------------------------

@@ -78,6 +78,7 @@ class Engine:
         self._step_clock = time.process_time if local_cpu else time.perf_counter
         self._in_flight: deque[Launched] = deque()  # launched steps the host has not read yet
         self._overlap_mark: float | None = None  # when the last overlapped step was launched
+        self._finish_s = 0.0  # seconds in `_finish`, so a forward's time leaves out the steps finished meanwhile
         self.kv = KVManager.of(pipeline, n_slots)  # the one owner of the slots' KV and recurrent memory
         self.scheduler = Scheduler(
             n_slots,
@@ -233,7 +234,9 @@ class Engine:
         if not overlap:
             self._finish_all()
         t0 = self._step_clock()  # the step's drafting (in `schedule`) counts in its cost
+        wall = time.perf_counter()
         batch = self.scheduler.schedule()
+        self.stats.add_phase("schedule", time.perf_counter() - wall)
         self._in_flight.append(self._launch(batch, cancelled))
         while len(self._in_flight) > overlap:
             self._finish(self._in_flight.popleft())
@@ -256,7 +259,10 @@ class Engine:
             self._finish_all()
             return step
         self.scheduler.launched(batch)  # before `_finish_all` frees a slot: its prompt cache counts the token in flight
+        wall, finishing = time.perf_counter(), self._finish_s
         self.runner.run(step, meanwhile=self._finish_all)
+        # the steps before, finished meanwhile, are theirs
+        self.stats.add_phase("forward", time.perf_counter() - wall - (self._finish_s - finishing))
         return step
 
     def _finish_all(self) -> None:
@@ -266,9 +272,16 @@ class Engine:
     def _finish(self, step: Launched) -> None:
         """Read a launched step's tokens, append them, emit. A sequence that ended (or was cancelled)
         after this step launched is not in it any more: its row is dropped."""
-        live = [(c, s) for c, s in zip(step.batch.chunks, step.read()) if c.seq.finish_reason is None]
+        wall = time.perf_counter()
+        sampled = step.read()
+        read = time.perf_counter()
+        live = [(c, s) for c, s in zip(step.batch.chunks, sampled) if c.seq.finish_reason is None]
         self.scheduler.postprocess(Batch([c for c, _ in live]), [s.tokens for _, s in live])
         self._emit(step, live)
+        done = time.perf_counter()
+        self.stats.add_phase("read", read - wall)
+        self.stats.add_phase("emit", done - read)
+        self._finish_s += done - wall
 
     def _emit(self, step: Launched, live: list[tuple[Chunk, Sampled]]) -> None:
         """Events for every sequence the step touched; finished ones give their slot back."""

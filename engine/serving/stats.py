@@ -17,6 +17,9 @@ if TYPE_CHECKING:
     from ..spec import SpecStats
 
 RATE_WINDOW_S = 10.0
+# Where a step's wall time goes: scheduling (drafting included), queueing its forward (running it, on
+# a CPU), waiting for its tokens (the device's time past the queueing), and the host's work on them.
+STEP_PHASES = ("schedule", "forward", "read", "emit")
 LATENCY_WINDOW_S = 60.0  # requests/s and the latency percentiles in /status
 LATENCY_SAMPLES = 4096
 
@@ -47,6 +50,7 @@ class EngineStats:
         self.overlapped = 0  # steps launched before the host read the one before
         self.busy_slots = 0  # summed over steps: / steps = llama-server's n_busy_slots_per_decode
         self.n_tokens_max = 0  # the longest sequence a slot has held (prompt + generated)
+        self.phase_s = dict.fromkeys(STEP_PHASES, 0.0)  # wall seconds of the steps, by phase
         self._recent: deque[tuple[float, float, int, int]] = deque()  # (start, end, prefill, decode)
         # (time, ms) samples for the latency percentiles, and finish times for requests/s.
         self._ttft: deque[tuple[float, float]] = deque(maxlen=LATENCY_SAMPLES)
@@ -92,6 +96,10 @@ class EngineStats:
             out[f"{name}_p50_ms"] = round(p50, 2) if p50 is not None else None
             out[f"{name}_p99_ms"] = round(p99, 2) if p99 is not None else None
         return out
+
+    def add_phase(self, phase: str, seconds: float) -> None:
+        with self.lock:
+            self.phase_s[phase] += seconds
 
     def record_step(
         self, start: float, end: float, n_prefill: int, n_decode: int, n_busy: int = 0, n_tokens: int = 0
