@@ -255,6 +255,20 @@ def draft_slots_text(status: Status | None) -> str:
     return "draft k " + " · ".join(parts)
 
 
+def step_text(history) -> str:
+    """Where the head's steps went between its last two /status answers (`Worker.history`): "step
+    14.2 ms · schedule 1.1 · forward 11.8 · read 0.9 · emit 0.4", an average step's milliseconds by
+    phase (schedule: drafting included; read: waiting for the device); "" when no step ran."""
+    if len(history) < 2:
+        return ""
+    before, after = history[-2][1].throughput, history[-1][1].throughput
+    steps = after.steps_total - before.steps_total
+    if steps <= 0 or not after.step_phase_s:
+        return ""
+    ms = {k: (v - before.step_phase_s.get(k, 0.0)) / steps * 1e3 for k, v in after.step_phase_s.items()}
+    return f"step {sum(ms.values()):.1f} ms · " + " · ".join(f"{k} {v:.1f}" for k, v in ms.items())
+
+
 def pool_text(status: Status | None) -> str:
     """The merged RPC port as it is used: compute sessions (the pipeline's hops), the control pool
     (console ops: CONFIGURE, INFO, PROBE; never the API's requests), and sockets open but idle; on a

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import importlib.util
+import re
+import threading
 
 import httpx
 import pytest
@@ -92,6 +94,22 @@ async def test_real_split_change_shows_in_status(tiny_model, tmp_path):
             assert any("live re-split to 3/1" in e.message for e in sup.events)
         await pilot.press("escape")
         await until(pilot, lambda: "[0,3)" in str(app.dashboard.query_one("#workers").get_cell("head", "layers")), 10)
+        # Requests through the split while the console polls: the head's steps by phase show up.
+        info, stop = app.dashboard.query_one("#info"), threading.Event()
+        shown = re.compile(r"\nstep [\d.]+ ms · schedule [\d.]+ · forward [\d.]+ · read [\d.]+ · emit [\d.]+")
+
+        def load() -> None:
+            while not stop.is_set():
+                body = {"prompt": "hello world", "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+                assert HTTP.post(f"{sup.head.spec.url}/v1/completions", json=body, timeout=60).status_code == 200
+
+        requests = threading.Thread(target=load)
+        requests.start()
+        try:
+            await until(pilot, lambda: shown.search(str(info.render())), timeout=60)
+        finally:
+            stop.set()
+            requests.join(timeout=60)
         app._stop_and_exit(True)
         await until(pilot, lambda: not sup.running_managed(), timeout=30)
 

@@ -340,3 +340,22 @@ def test_draft_slots_text_shows_each_slots_k_and_acceptance_only_when_the_head_a
     assert display.draft_slots_text(Status.from_json({"speculative": {**spec, "adaptive": False}})) == ""
     assert display.draft_slots_text(Status.from_json({"speculative": {**spec, "slots": []}})) == ""
     assert display.draft_slots_text(None) == "" and display.draft_slots_text(Status()) == ""
+
+
+async def test_the_steps_phases_between_two_polls_read_as_milliseconds_a_step():
+    """The head's /status totals at two polls: the steps between them, their wall time by phase."""
+
+    def status(steps: int, **phase_s) -> dict:
+        return {**STATUS, "throughput": {**STATUS["throughput"], "steps_total": steps, "step_phase_s": phase_s}}
+
+    feed = FixedFeedSource(
+        {"head": Probe(True, 200, {"status": "ok"}, status(100, schedule=1.0, forward=5.0, read=2.0, emit=0.5))}
+    )
+    sup = Supervisor(Profile(), attach=True, source=feed, clock=lambda: 0.0)
+    await sup.poll_once()
+    assert display.step_text(sup.head.history) == ""  # one answer: no interval yet
+    feed.probes["head"] = Probe(True, 200, {"status": "ok"}, status(500, schedule=1.4, forward=9.8, read=2.4, emit=0.7))
+    await sup.poll_once()
+    assert display.step_text(sup.head.history) == "step 14.5 ms · schedule 1.0 · forward 12.0 · read 1.0 · emit 0.5"
+    await sup.poll_once()  # the same totals again: no step ran between
+    assert display.step_text(sup.head.history) == ""

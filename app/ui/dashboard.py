@@ -156,6 +156,8 @@ class DashboardScreen(Screen):
         info.append(f"\n{display.acceptance_text(status)}")
         if slots := display.draft_slots_text(status):
             info.append(f"\n{slots}")
+        if step := display.step_text(sup.head.history):
+            info.append(f"\n{step}")
         info.append(f"\n{display.pool_text(status)}")
         peers = status.peers if status else []
         cells = rtt_text.chart_cells(self.size.width)
