@@ -4,23 +4,14 @@ and pooled blocks. On CPU it runs under Triton's interpreter (TRITON_INTERPRET=1
 
 from __future__ import annotations
 
-import importlib.util
-import os
-
 import pytest
 import torch
+from kernel_device import KERNEL_DEVICE, needs_kernels
 
 from hydra_console.engine.model.kv_blocks import KV_BLOCK, KVBlocks
 from hydra_console.engine.model.kv_cache import KVCache
 
-KERNEL_DEVICE = (
-    "cuda"
-    if torch.cuda.is_available()
-    else ("cpu" if os.environ.get("TRITON_INTERPRET") == "1" and importlib.util.find_spec("triton") else None)
-)
-pytestmark = pytest.mark.skipif(
-    KERNEL_DEVICE is None, reason="no CUDA device, and no `triton` package with TRITON_INTERPRET=1 for CPU"
-)
+pytestmark = needs_kernels
 
 
 def _filled(n_slots, n_kv, n_ctx, head_dim, dtype, types, lengths, pooled, seed=0):

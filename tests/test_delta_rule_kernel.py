@@ -7,23 +7,14 @@ Triton's interpreter (TRITON_INTERPRET=1, tests/conftest.py)."""
 
 from __future__ import annotations
 
-import importlib.util
-import os
-
 import pytest
 import torch
+from kernel_device import KERNEL_DEVICE, needs_kernels
 from stages import load
 
 from hydra_console.engine.model import ROLLBACK, deltanet
 
-KERNEL_DEVICE = (
-    "cuda"
-    if torch.cuda.is_available()
-    else ("cpu" if os.environ.get("TRITON_INTERPRET") == "1" and importlib.util.find_spec("triton") else None)
-)
-pytestmark = pytest.mark.skipif(
-    KERNEL_DEVICE is None, reason="no CUDA device, and no `triton` package with TRITON_INTERPRET=1 for CPU"
-)
+pytestmark = needs_kernels
 
 
 def token_by_token(q, k, v, g, b, state, lengths, n_ckpt):

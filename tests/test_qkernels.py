@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-import os
 
 import numpy as np
 import pytest
 import torch
 from gguf.constants import GGMLQuantizationType as T
+from kernel_device import KERNEL_DEVICE, needs_kernels
 
 from hydra_console.engine.kernels import LAYOUTS, QuantWeight, qlinear, qweight
 from hydra_console.engine.kernels.qlinear import DequantScratch, embed_rows
@@ -21,16 +21,7 @@ TYPES = list(LAYOUTS)
 K_QUANTS = {T.Q4_K, T.Q5_K, T.Q6_K}
 qlinear_module = importlib.import_module("hydra_console.engine.kernels.qlinear")  # the package exports the function
 
-# The kernels run on CUDA, or on CPU tensors under Triton's interpreter: the CPU wheels of torch ship
-# no Triton, but PyPI's `triton` wheel installs on a CPU-only host and runs them with TRITON_INTERPRET=1.
-KERNEL_DEVICE = (
-    "cuda"
-    if torch.cuda.is_available()
-    else ("cpu" if os.environ.get("TRITON_INTERPRET") == "1" and importlib.util.find_spec("triton") else None)
-)
-kernels = pytest.mark.skipif(
-    KERNEL_DEVICE is None, reason="no CUDA device, and no `triton` package with TRITON_INTERPRET=1 for CPU"
-)
+kernels = needs_kernels
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs and the Triton backend of torch.compile")
 
 
