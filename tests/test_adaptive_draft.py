@@ -22,7 +22,7 @@ from hydra_console.engine.pipeline import Pipeline
 from hydra_console.engine.serving.runtime import Engine
 from hydra_console.engine.serving.sampling import SamplingParams
 from hydra_console.engine.serving.sequence import Request
-from hydra_console.engine.spec import DraftRequest, MtpDrafter, Speculator, build_speculator
+from hydra_console.engine.spec import DraftRequest, MtpDrafter, build_speculator
 from hydra_console.engine.spec.adaptive import PROBE_EVERY, PROBE_MAX, AdaptiveDrafts, StepCosts, choose, gains
 from hydra_console.engine.status import StatusDocument, speculative
 from hydra_console.engine.synth import write_synthetic
@@ -284,26 +284,3 @@ def test_overlapped_plain_steps_are_timed(tiny_model):
         eng.stop()
     assert eng.stats.overlapped > 0
     assert eng.spec.adaptive.costs.table().get((1, 1), 0) > 0
-
-
-def test_a_step_that_catches_the_block_up_is_not_a_cost_sample(models, monkeypatch):
-    """A resting slot's next draft first runs the MTP block over the rows it kept: a one-time cost of
-    resuming. The steps whose drafting did that are left out of the cost table (they made drafting
-    look dear, so slots rested more and paid it more often); the other steps are measured."""
-    events = []
-    catch_up, plan, timed = MtpDrafter._catch_up, Speculator.plan, AdaptiveDrafts.timed
-
-    def logged_catch_up(self, slots):
-        if any(s in self._pending for s in slots):
-            events.append("catch-up")
-        return catch_up(self, slots)
-
-    monkeypatch.setattr(MtpDrafter, "_catch_up", logged_catch_up)
-    monkeypatch.setattr(Speculator, "plan", lambda self, *a: (events.append("plan"), plan(self, *a))[1])
-    monkeypatch.setattr(AdaptiveDrafts, "timed", lambda self, *a: (events.append("timed"), timed(self, *a))[1])
-    cpu_like = lambda n, tokens: 1.0 + 0.25 * (tokens - n)  # noqa: E731  (a loaded box's timings are noise)
-    run(models[0.5], [[5, 17], [300, 12]], SpecConfig("mtp", p_min=0.0), max_tokens=96, n_slots=2, cost=cpu_like)
-    steps = " ".join(events).split("plan")
-    assert any("catch-up" in s for s in steps), "no slot rested and resumed: nothing tested"
-    assert not [s for s in steps if "catch-up" in s and "timed" in s]
-    assert sum("timed" in s for s in steps) > len(steps) // 2

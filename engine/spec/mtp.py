@@ -40,9 +40,6 @@ class MtpDrafter(Drafter):
     stale: poorer drafts, never wrong output)."""
 
     CATCH_UP = 256  # rows a resting slot keeps for its catch-up (adaptive.PROBE_MAX steps and more)
-    # A draft since the step began ran the block over a resting slot's kept rows: a one-time cost
-    # of resuming, which the adaptive policy keeps out of what a step verifying T tokens costs.
-    caught_up = False
 
     def __init__(self, nextn, p_min: float = 0.75):
         self.nextn = nextn
@@ -96,7 +93,6 @@ class MtpDrafter(Drafter):
         slot_ids = torch.repeat_interleave(torch.tensor([s for s, _ in parts], dtype=torch.long), torch.tensor(n))
         tokens, positions, h_prev = (torch.cat([r[i] for r in rows]) for i in range(3))
         self.nextn.run(tokens, h_prev, slot_ids, positions)
-        self.caught_up = True
 
     def _h_before(self, slot: int, pos: int) -> torch.Tensor:
         """The trunk's normed hidden state at `pos - 1` for `slot` (zeros at position 0 or when unknown)."""

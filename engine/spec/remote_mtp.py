@@ -32,7 +32,6 @@ class RemoteMtpDrafter(Drafter):
         self._resting: dict[int, bool] = {}  # slot -> resting, as the peer last heard it
         self._changed: dict[int, bool] = {}  # slot -> resting, not sent yet
         self.ahead = 0  # drafts the peer made in a forward's exchange (no DRAFT of their own)
-        self.caught_up = False  # as MtpDrafter's: a DRAFT since the step began had the peer's block catch a slot up
 
     @property
     def kv_bytes(self) -> int:
@@ -100,7 +99,6 @@ class RemoteMtpDrafter(Drafter):
             **drafts,
         )
         out = self.remote.draft(ask)
-        self.caught_up |= bool(ask.following)  # the peer's block runs over their kept rows first
         self._resting.update(self._changed)
         self._released.clear()
         self._changed.clear()

@@ -112,8 +112,6 @@ class Speculator:
         max_tokens and the k+1 verified positions fit the context; a constrained sequence's draft
         ends before the first token its grammar refuses."""
         out: list[Draft | None] = [None] * len(seqs)
-        if self.mtp is not None:
-            self.mtp.caught_up = False  # this step's drafts say whether they caught a slot up
         by_type: dict[str, list[tuple[int, DraftRequest, SpecConfig]]] = {}
         caps: list[tuple[int, int, SpecConfig]] = []  # (sequence index, its most k, its config)
         for i, seq in enumerate(seqs):
@@ -208,12 +206,7 @@ class Speculator:
     def timed(self, chunks: list, seconds: float) -> None:
         """A decode step (every chunk one sequence's next token, some with drafts) took `seconds`,
         its drafting included: the adaptive policy's cost of (sequences, tokens verified), a draft's
-        filler counted (the step ran it). A step whose drafting first caught the MTP block up over a
-        resting slot's rows is left out: that one-time cost of resuming made drafting look dear, so
-        slots rested more and paid it more often (4 streams at acceptance ~0.5 spent a third of their
-        steps at k = 0: docs/PERF.md, session 24)."""
-        if self.mtp is not None and self.mtp.caught_up:
-            return
+        filler counted (the step ran it)."""
         if chunks and not any(c.prefill or c.hidden for c in chunks):
             self.adaptive.timed(len(chunks), sum(1 + (len(c.draft.run) if c.draft else 0) for c in chunks), seconds)
 
