@@ -259,13 +259,9 @@ def step_text(history) -> str:
     """Where the head's steps went between its last two /status answers (`Worker.history`): "step
     14.2 ms · schedule 1.1 · forward 11.8 · read 0.9 · emit 0.4", an average step's milliseconds by
     phase (schedule: drafting included; read: waiting for the device); "" when no step ran."""
-    if len(history) < 2:
+    ms = history[-1][1].throughput.step_ms_since(history[-2][1].throughput) if len(history) > 1 else None
+    if ms is None:
         return ""
-    before, after = history[-2][1].throughput, history[-1][1].throughput
-    steps = after.steps_total - before.steps_total
-    if steps <= 0 or not after.step_phase_s:
-        return ""
-    ms = {k: (v - before.step_phase_s.get(k, 0.0)) / steps * 1e3 for k, v in after.step_phase_s.items()}
     return f"step {sum(ms.values()):.1f} ms · " + " · ".join(f"{k} {v:.1f}" for k, v in ms.items())
 
 

@@ -30,6 +30,7 @@ import httpx
 from bench_api import PROMPTS, Server, concurrency, ttft_prompts  # benchmarks/ is the script's directory
 
 from hydra_console.contracts.gguf_header import GGUFHeader
+from hydra_console.contracts.status import Throughput
 
 
 def llama_server(root: str) -> list[str]:
@@ -81,12 +82,16 @@ def acceptance(base: str, n: int, temperature: float = 0.0) -> dict:
     return {"drafted": drafted, "accepted": accepted, "rate": round(accepted / drafted, 3) if drafted else None}
 
 
-def step_phases(before: dict, after: dict) -> dict:
+def step_phases(before: dict, after: dict) -> dict | None:
     """Milliseconds an average step spent in each phase between two /status `throughput`s (schedule:
     drafting included; forward: queueing the layers; read: waiting for the tokens; emit)."""
-    steps = max(after["steps_total"] - before["steps_total"], 1)
-    out = {k: round((after["step_phase_s"][k] - v) / steps * 1e3, 2) for k, v in before["step_phase_s"].items()}
-    return out | {"steps": steps}
+    before, after = Throughput.from_json(before), Throughput.from_json(after)
+    ms = after.step_ms_since(before)
+    return (
+        None
+        if ms is None
+        else {k: round(v, 2) for k, v in ms.items()} | {"steps": after.steps_total - before.steps_total}
+    )
 
 
 def measure(engine: str, args, spec: bool) -> dict:

@@ -187,6 +187,14 @@ class Throughput(_Doc):
     # where an average step goes.
     step_phase_s: dict = field(default_factory=dict)
 
+    def step_ms_since(self, before: Throughput) -> dict[str, float] | None:
+        """An average step's milliseconds by phase over the steps between `before` and these totals
+        (the console's step line, vs_llama_cpp's `step_ms_N`); None when no step ran between them."""
+        steps = self.steps_total - before.steps_total
+        if steps <= 0 or not self.step_phase_s:
+            return None
+        return {k: (v - before.step_phase_s.get(k, 0.0)) / steps * 1e3 for k, v in self.step_phase_s.items()}
+
 
 @dataclass(frozen=True)
 class SpecSlot(_Doc):
