@@ -7,7 +7,7 @@ default CPU configuration (bfloat16 compute, int8 weights), with real worker pro
   (`pytest -o addopts="" tests/test_deterministic.py` on a GPU machine).
 - A token's floats depend on how many rows share its forward by default (the bfloat16 prefill copy
   above 16 rows, SDPA's blocking of a many-row run: engine/model/stage.py): `--deterministic`
-  makes them independent of it, so 16 identical greedy requests in one batch (n-gram drafting on,
+  makes them independent of it, so 8 identical greedy requests in one batch (n-gram drafting on,
   prompt cache on) give one text, the solo one, logprobs bit for bit, through any split.
 """
 
@@ -110,14 +110,14 @@ def test_identical_greedy_choices_in_one_batch_give_one_text(default_workers):
 
 
 def test_identical_requests_in_one_batch_give_the_solo_text(deterministic_workers):
-    """16 at once on 4 slots: they share steps with each other's prompts and drafts, later ones
+    """8 at once on 4 slots: they share steps with each other's prompts and drafts, later ones
     start from the earlier ones' prompt cache; all through a split, then through another."""
     solo, _, split = deterministic_workers
     want = greedy(solo, ECHO, 24)
     for point in ("9/9", "4/14"):
         configure(split, point)
-        with ThreadPoolExecutor(16) as pool:
-            replies = list(pool.map(lambda _: complete(split, ECHO, 24, timeout=600, logprobs=1), range(16)))
+        with ThreadPoolExecutor(8) as pool:
+            replies = list(pool.map(lambda _: complete(split, ECHO, 24, timeout=600, logprobs=1), range(8)))
         got = set()
         for r in replies:
             assert r.status_code == 200, r.text
