@@ -1,19 +1,22 @@
-"""Adaptive draft length: per slot, how many tokens to draft so that a decode step's expected output
-per unit of its measured cost is the highest, 0 (plain decode) included.
+"""Adaptive draft length: how many tokens every decoding slot drafts this step, so that the step's
+expected output per unit of its measured cost is the highest, 0 (plain decode) included.
 
 The model, per slot s: `p[s][i]`, the chance that draft token i is accepted given that tokens
 0..i-1 were (an EWMA per position, `SlotAcceptance`); drafting k tokens then adds
-`g[s][j] = p[s][0] * ... * p[s][j-1]` expected tokens for each j <= k, gains that never grow with j.
-Per batch of n decoding slots, `StepCosts` holds the measured seconds of a step that verifies T
-tokens (n plain tokens plus the drafts, drafting included), per (n, T). `choose` then takes, for
-each T, the T - n largest gains over all slots (a prefix of each slot's: they never grow) and keeps
-the T with the most expected tokens per second: with several streams a draft must pay for what it
-adds to everyone's step, so speculation never loses to plain decode by the model's own numbers.
+`g[s][j] = p[s][0] * ... * p[s][j-1]` expected tokens for each j <= k. Per batch of n decoding
+slots, `StepCosts` holds the measured seconds of a step that verifies T tokens (n plain tokens plus
+the drafts, drafting included), per (n, T). `choose` gives every slot the same run length K (its own
+cap where that is less) and keeps the K with the most expected tokens per second: with several
+streams a draft must pay for what it adds to everyone's step, so speculation never loses to plain
+decode by the model's own numbers. One length for all: a step whose slots run different lengths
+costs more than its tokens say (the recurrent layers' mixed-length form; on a GPU, out of the
+graphs), which per-slot lengths measured as a 4 % loss to plain decode at 4 streams (docs/PERF.md).
 
 Costs not measured lately are guessed (`StepCosts.curve`) so that the ends get tried and what
-lies between is interpolated; a slot left at k = 0 drafts one token every `PROBE_EVERY` steps (doubling while its
-probes fail, up to `PROBE_MAX`) so that acceptance that rises gets drafts back. Everything that
-depends on time is `StepCosts`' input: `choose` is a plain function of given costs and acceptances.
+lies between is interpolated; while K stays 0, every slot drafts one token every `PROBE_EVERY` steps
+(doubling while the probes fail, up to `PROBE_MAX`) so that acceptance that rises gets drafts back.
+Everything that depends on time is `StepCosts`' input: `choose` is a plain function of given costs
+and acceptances.
 """
 
 from __future__ import annotations
@@ -44,30 +47,23 @@ def gains(p: list[float], k_max: int) -> list[float]:
 
 
 def choose(acceptance: list[list[float]], k_max: list[int], cost: list[float], verified=lambda k: k) -> list[int]:
-    """Draft lengths for n slots: `acceptance[s]` per position, `k_max[s]` each slot's cap, `cost[j]`
-    the cost of a step of n + j tokens (any unit; cost[0] = plain decode). Maximises expected
-    tokens (n plus the accepted gains) over cost. `verified(k)`: the tokens a k-token draft's
-    verify runs (more than k where it is padded to a length the graphs replay: a slot's first draft
-    token then costs its whole padded run, the next ones nothing more)."""
+    """Draft lengths for n slots, one run length K for all (a slot's cap `k_max[s]` where less):
+    `acceptance[s]` per position, `cost[j]` the cost of a step of n + j tokens (any unit; cost[0] =
+    plain decode). Maximises expected tokens (n plus the accepted gains) over cost. `verified(k)`:
+    the tokens a k-token draft's verify runs (more than k where it is padded to a length the graphs
+    replay)."""
     n = len(acceptance)
-    ranked = sorted(
-        ((g, j, s) for s, (p, k) in enumerate(zip(acceptance, k_max)) for j, g in enumerate(gains(p, k))),
-        key=lambda x: (-x[0], x[1], x[2]),
-    )
-    rates, expected, ks, tokens = [n / cost[0]], float(n), [0] * n, 0
-    for g, _, s in ranked:
-        ks[s] += 1
-        tokens += verified(ks[s]) - verified(ks[s] - 1)
+    slot_gains = [gains(p, k) for p, k in zip(acceptance, k_max)]
+    rates = []
+    for run in range(max(k_max, default=0) + 1):
+        ks = [min(run, k) for k in k_max]
+        tokens = sum(verified(k) for k in ks)
         if tokens >= len(cost):
             break
-        expected += g
-        rates.append(expected / cost[tokens])
-    # The fewest tokens within GAIN_MARGIN of the best rate: noise in the costs never tips k up.
-    best = next(j for j, r in enumerate(rates) if r * (1 + GAIN_MARGIN) >= max(rates))
-    ks = [0] * n
-    for _, _, s in ranked[:best]:
-        ks[s] += 1
-    return ks
+        rates.append((n + sum(sum(g[:k]) for g, k in zip(slot_gains, ks))) / cost[tokens])
+    # The shortest run within GAIN_MARGIN of the best rate: noise in the costs never tips K up.
+    best = next(run for run, r in enumerate(rates) if r * (1 + GAIN_MARGIN) >= max(rates))
+    return [min(best, k) for k in k_max]
 
 
 class StepCosts:
@@ -118,15 +114,11 @@ class StepCosts:
 
 @dataclass
 class SlotAcceptance:
-    """One slot's EWMA of accepted / drafted per draft position (`p`), its last chosen k, and its
-    probe schedule while it drafts nothing."""
+    """One slot's EWMA of accepted / drafted per draft position (`p`), its last k and its totals."""
 
     s: list[float]
     t: list[float]
     k: int = 0
-    idle: int = 0  # steps since its last draft
-    wait: int = PROBE_EVERY
-    probing: bool = False
     drafted: int = 0
     accepted: int = 0
 
@@ -142,20 +134,21 @@ class SlotAcceptance:
             self.t[i] = decay * self.t[i] + 1.0
         self.drafted += n_drafted
         self.accepted += n_accepted
-        if self.probing:  # a failed probe waits twice as long for the next
-            self.wait = PROBE_EVERY if n_accepted else min(2 * self.wait, PROBE_MAX)
-            self.probing = False
 
 
 class AdaptiveDrafts:
     """The engine's adaptive policy state: per-slot acceptance, the server's acceptance (a new slot's
-    prior) and the step costs. `plan` picks k per slot; `record` and `timed` feed it."""
+    prior), the step costs and the probe schedule. `plan` picks k per slot; `record` and `timed`
+    feed it."""
 
     def __init__(self, n_max: int):
         self.n_max = n_max
         self.slots: dict[int, SlotAcceptance] = {}
         self.costs = StepCosts()
         self.server = SlotAcceptance([OPTIMISM] * n_max, [1.0] * n_max)
+        self.idle = 0  # steps since the last that drafted
+        self.wait = PROBE_EVERY  # steps at k = 0 before a probe
+        self.probing = False  # the last plan was a probe
         self._lock = threading.Lock()  # /status reads while the engine writes
 
     def start(self, slot: int) -> None:
@@ -163,9 +156,7 @@ class AdaptiveDrafts:
             self._start(slot)
 
     def _start(self, slot: int) -> SlotAcceptance:
-        # A new request starts from the server's acceptance and its probe wait: short requests on text
-        # the block never gets right would otherwise each pay the first, shortest waits.
-        st = SlotAcceptance([PRIOR * x for x in self.server.p], [PRIOR] * self.n_max, wait=self.server.wait)
+        st = SlotAcceptance([PRIOR * x for x in self.server.p], [PRIOR] * self.n_max)
         self.slots[slot] = st
         return st
 
@@ -174,27 +165,28 @@ class AdaptiveDrafts:
             self.slots.pop(slot, None)
 
     def plan(self, slots: list[int], caps: list[int], verified=lambda k: k) -> list[int]:
-        """k per slot (`caps`: each slot's most; `verified`: see `choose`); a slot at 0 for its probe
-        wait drafts one token."""
+        """k per slot (`caps`: each slot's most; `verified`: see `choose`). After `wait` steps at 0,
+        every slot drafts one token: a probe, after which the wait doubles unless one is accepted."""
         with self._lock:
             states = [self.slots.get(s) or self._start(s) for s in slots]
             curve = self.costs.curve(len(slots), sum(verified(c) for c in caps))
             ks = choose([st.p for st in states], caps, curve, verified)
-            for i, (st, cap) in enumerate(zip(states, caps)):
-                st.idle = 0 if ks[i] else st.idle + 1
-                if not ks[i] and cap and st.idle >= st.wait:
-                    ks[i], st.idle, st.probing = 1, 0, True
-                st.k = ks[i]
+            self.probing = False
+            self.idle = 0 if any(ks) else self.idle + 1
+            if self.idle >= self.wait and any(caps):
+                ks = [min(1, c) for c in caps]
+                self.idle, self.probing, self.wait = 0, True, min(2 * self.wait, PROBE_MAX)
+            for st, k in zip(states, ks):
+                st.k = k
             return ks
 
     def record(self, slot: int, n_drafted: int, n_accepted: int) -> None:
         with self._lock:
             st = self.slots.get(slot)
             if st is not None:
-                probe = st.probing
                 st.record(n_drafted, n_accepted)
-                if probe:
-                    self.server.wait = st.wait
+            if self.probing and n_accepted:  # a probe that was right: back to the shortest wait
+                self.wait = PROBE_EVERY
             self.server.record(n_drafted, n_accepted, GLOBAL_DECAY)
 
     def timed(self, n: int, tokens: int, seconds: float) -> None:
