@@ -93,16 +93,19 @@ class NextN:
         """k greedy draft steps from `tokens` [B] (device) and the hidden states before them: each
         step's argmax (the lowest id among ties, as the target's greedy pick) feeds the next step's
         embedding on the device. `layer_at(step)` is the block's layer for that step's positions.
-        Returns the picks [B, k] and each pick's probability over the top `top_k` logits [B, k]."""
+        Returns the picks [B, k] and each pick's probability over the top `top_k` logits [B, k]
+        (`top_k` 0: no p-min reads them, and the 248k-wide top-k per step is skipped: ones)."""
         picks, probs = [], []
         for step in range(k):
             h = self.step(tokens, h, layer_at(step))
             logits = self.logits(h)
             tokens = logits.argmax(-1)
-            top = logits.float().topk(min(top_k, logits.shape[-1]), dim=-1).values
             picks.append(tokens)
-            probs.append(torch.softmax(top, dim=-1)[:, 0])
-        return torch.stack(picks, 1), torch.stack(probs, 1)
+            if top_k:
+                top = logits.float().topk(min(top_k, logits.shape[-1]), dim=-1).values
+                probs.append(torch.softmax(top, dim=-1)[:, 0])
+        picks = torch.stack(picks, 1)
+        return picks, torch.stack(probs, 1) if top_k else torch.ones(picks.shape, device=picks.device)
 
     def _project_in(self, x: torch.Tensor) -> torch.Tensor:
         """eh_proj(x) for x [T, 2 n_embd] float32 -> float32, with x kept in float32 as llama.cpp's

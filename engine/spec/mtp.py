@@ -45,7 +45,7 @@ class MtpDrafter(Drafter):
         self.nextn = nextn
         self.p_min = p_min
         # On a GPU the greedy chain replays from a graph per batch bucket and k (`nextn_graphs`).
-        self.graphs = DraftChainGraphs(nextn, DRAFT_TOP_K) if nextn.block.graphs is not None else None
+        self.graphs = DraftChainGraphs(nextn) if nextn.block.graphs is not None else None
         self._rows: dict[int, tuple[int, torch.Tensor]] = {}  # slot -> (position of rows[0], trunk h rows)
         self._resting: set[int] = set()
         self._pending: dict[
@@ -216,12 +216,12 @@ class MtpDrafter(Drafter):
         self._catch_up(slots)
         toks = torch.tensor(tokens, dtype=torch.long, device=self.nextn.head.device)
         h = torch.stack([self._h_before(s, p) for s, p in zip(slots, positions)])
-        k = max(ks)
-        chained = self.graphs.run(toks, h, slots, positions, k) if self.graphs is not None else None
+        k, top_k = max(ks), chain_top_k(p_mins)
+        chained = self.graphs.run(toks, h, slots, positions, k, top_k) if self.graphs is not None else None
         if chained is None:
             slot_t, pos_t = torch.tensor(slots), torch.tensor(positions)
             chained = self.nextn.chain(
-                toks, h, k, lambda step: lambda x: self.nextn.block.run_layers(x, slot_t, pos_t + step), DRAFT_TOP_K
+                toks, h, k, lambda step: lambda x: self.nextn.block.run_layers(x, slot_t, pos_t + step), top_k
             )
         picks, probs = chained
         out = []
@@ -229,6 +229,11 @@ class MtpDrafter(Drafter):
             n = next((j for j, p in enumerate(ps[:k_i]) if p < p_min), min(k_i, len(row)))
             out.append(row[:n])
         return out
+
+
+def chain_top_k(p_mins: list[float]) -> int:
+    """The logits a greedy chain's probabilities are taken over: none where no p-min can cut a draft."""
+    return DRAFT_TOP_K if any(p > 0 for p in p_mins) else 0
 
 
 def build_mtp(stage, k_max: int, p_min: float) -> MtpDrafter:
@@ -241,7 +246,7 @@ def build_mtp(stage, k_max: int, p_min: float) -> MtpDrafter:
     nextn.block.warm_up(graph_run_lengths(1 + k_max))
     drafter = MtpDrafter(nextn, p_min=p_min)
     if drafter.graphs is not None:  # the greedy draft chains too, for every k up to k_max
-        drafter.graphs.warm_up(k_max)
+        drafter.graphs.warm_up(k_max, chain_top_k([p_min]))
     return drafter
 
 
