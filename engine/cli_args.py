@@ -147,8 +147,8 @@ def spec_args(p: argparse.ArgumentParser) -> None:
         "--draft-adaptive",
         choices=["auto", "on", "off"],
         default="auto",
-        help="per slot and step, draft the k in [0, --draft-max] that gives the most tokens per second from the "
-        "slot's recent acceptance and the measured step costs (0: plain decode); off: always --draft-max. "
+        help="per step, every slot drafts the k in [0, --draft-max] that gives the most tokens per second from the "
+        "slots' recent acceptance and the measured step costs (0: plain decode); off: always --draft-max. "
         "auto: on for --spec-type mtp on a CPU head (on a GPU its first measured run drafted nothing: docs/PERF.md)",
     )
 
