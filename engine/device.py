@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import functools
+import threading
+
 import torch
 
 from ..contracts.fit import StageFit
@@ -64,6 +67,45 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     if torch.device(device).type != "cuda":
         return t
     return t.pin_memory().to(device, non_blocking=True)
+
+
+class Staging:
+    """Host bytes to a GPU through two reused page-locked buffers (a load's weights, slice by slice):
+    the host fills one from the file while the device copies the other and works on what it holds.
+    From pageable memory every copy first waits for the device's queue (to_device's note), so reading,
+    copying and repacking took turns. Off CUDA the bytes are moved as they are."""
+
+    def __init__(self, device: torch.device, nbytes: int, count: int = 2):
+        self.device, self.nbytes, self.count = torch.device(device), nbytes, count
+        self._buffers: list[tuple[torch.Tensor, torch.cuda.Event]] = []
+        self._next = 0
+        self._lock = threading.Lock()  # a buffer is filled and queued by one thread at a time
+
+    def to_device(self, data: torch.Tensor) -> torch.Tensor:
+        """uint8 host bytes (a slice of a file's mmap) as a new tensor on the device, queued."""
+        if self.device.type != "cuda" or data.numel() > self.nbytes:
+            return to_device(data, self.device) if self.device.type == "cuda" else data.to(self.device)
+        with self._lock:
+            if not self._buffers:
+                self._buffers = [
+                    (torch.empty(self.nbytes, dtype=torch.uint8, pin_memory=True), torch.cuda.Event())
+                    for _ in range(self.count)
+                ]
+            buffer, copied = self._buffers[self._next]
+            self._next = (self._next + 1) % self.count
+            copied.synchronize()  # the buffer's last copy to the device has finished (never recorded: at once)
+            part = buffer[: data.numel()]
+            part.copy_(data.reshape(-1))
+            out = torch.empty(data.numel(), dtype=torch.uint8, device=self.device)
+            out.copy_(part, non_blocking=True)
+            copied.record()
+            return out
+
+
+@functools.cache
+def load_staging(device: torch.device, nbytes: int) -> Staging:
+    """One `Staging` per device and slice size for the process's loads (2 x `nbytes` of page-locked memory)."""
+    return Staging(device, nbytes)
 
 
 def to_host(t: torch.Tensor) -> torch.Tensor:

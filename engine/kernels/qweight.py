@@ -36,6 +36,7 @@ import torch
 from gguf.constants import GGML_QUANT_SIZES
 from gguf.constants import GGMLQuantizationType as T
 
+from ..device import load_staging
 from ..quant import QuantError, _as_bytes, _bits, _f16, _q5_low_high, _scale_min_k4
 
 # GGUF bytes repacked per slice (see `QuantWeight.from_gguf`): its integer intermediates are several
@@ -95,7 +96,8 @@ def _split(b: torch.Tensor, qt: T) -> dict[str, torch.Tensor]:
 def _pack_k_scales(b: torch.Tensor) -> dict[str, torch.Tensor]:
     """Q4_K / Q5_K blocks [nb, type_size] -> their `sm` [nb, 8] and `dm` [nb, 1] (module doc)."""
     sc, mn = _scale_min_k4(b[:, 4:16])
-    bits = (b[:, :4].long() << torch.tensor([0, 8, 16, 24], device=b.device)).sum(dim=1, keepdim=True)
+    # Shifts made on the device: a tensor from a host list would be a pageable copy that waits for the queue.
+    bits = (b[:, :4].long() << 8 * torch.arange(4, device=b.device)).sum(dim=1, keepdim=True)
     high = ((sc >> 4) | ((mn >> 4) << 2)).long() << (32 + 4 * torch.arange(8, device=b.device))
     # m = -dmin: its sign bit flipped, exact, so the formula adds m * mn as the reference subtracts dmin * min.
     return {"sm": (sc & 15) | ((mn & 15) << 4), "dm": (bits ^ (0x8000 << 16)) | high.sum(dim=1, keepdim=True)}
@@ -192,8 +194,9 @@ class QuantWeight:
         row_bytes = k // block * type_size
         step = max(1, REPACK_BYTES // row_bytes)
         planes: dict[str, torch.Tensor] = {}
+        staging = load_staging(torch.device(device), REPACK_BYTES)
         for r0 in range(0, n, step):
-            part = _repack(data[r0 * row_bytes : (r0 + step) * row_bytes].to(device), qt, k)
+            part = _repack(staging.to_device(data[r0 * row_bytes : (r0 + step) * row_bytes]), qt, k)
             for name, t in part.items():
                 where = {"device": "cpu", "pin_memory": True} if pinned else {"device": t.device}
                 planes.setdefault(name, torch.empty(n, t.shape[1], dtype=t.dtype, **where))[r0 : r0 + step] = t

@@ -18,10 +18,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from ..device import load_staging
 from ..errors import UserError
 from ..gguf_file import GGUFFile
 from ..kernels.qlinear import DequantScratch, qlinear
-from ..kernels.qweight import LAYOUTS, QuantWeight
+from ..kernels.qweight import LAYOUTS, REPACK_BYTES, QuantWeight
 from ..quant import DENSE_TYPES, dequantize
 
 log = logging.getLogger("hydra.model")
@@ -190,9 +191,7 @@ class Weights:
     def f32(self, name: str) -> torch.Tensor:
         """The tensor dequantized to float32; on a GPU the bytes move first and decode there."""
         t = self.tensor(name)
-        raw = torch.from_numpy(self.g.raw(name))
-        if self.device.type == "cuda":
-            raw = raw.to(self.device)
+        raw = load_staging(self.device, REPACK_BYTES).to_device(torch.from_numpy(self.g.raw(name)))
         return dequantize(raw, t.ggml_type, t.shape)
 
     def dense(self, names: list[str]) -> torch.Tensor:
