@@ -15,7 +15,8 @@ summed decode rate of the streams; with MTP, the acceptance the server reports (
 `draft_n_accepted` summed over the prompts' `/completion`s, greedy and at `--sampled-acceptance`
 temperature with fixed seeds). For ours also where a start went (`startup_s`), how the passes over
 the layers ran (`steps`) and, per stream count, an average step's milliseconds by phase
-(`step_ms_N`: schedule with drafting, forward, read, emit). Prints a table of both and their ratio
+(`step_ms_N`: schedule with drafting, forward, read, emit; `decode_step_ms_N`: of the steps that held
+no prompt rows). Prints a table of both and their ratio
 (ours / llama.cpp; higher is better except for time and memory), then the JSON. Asserts nothing.
 """
 
@@ -82,16 +83,18 @@ def acceptance(base: str, n: int, temperature: float = 0.0) -> dict:
     return {"drafted": drafted, "accepted": accepted, "rate": round(accepted / drafted, 3) if drafted else None}
 
 
-def step_phases(before: dict, after: dict) -> dict | None:
+def step_phases(before: dict, after: dict, decode_only: bool = False) -> dict | None:
     """Milliseconds an average step spent in each phase between two /status `throughput`s (schedule:
-    drafting included; forward: queueing the layers; read: waiting for the tokens; emit)."""
+    drafting included; forward: queueing the layers; read: waiting for the tokens; emit), and how
+    many steps; `decode_only`: of the steps that held no prompt rows."""
     before, after = Throughput.from_json(before), Throughput.from_json(after)
-    ms = after.step_ms_since(before)
-    return (
-        None
-        if ms is None
-        else {k: round(v, 2) for k, v in ms.items()} | {"steps": after.steps_total - before.steps_total}
-    )
+    ms = after.step_ms_since(before, decode_only)
+    if ms is None:
+        return None
+    steps = after.steps_total - before.steps_total
+    if decode_only:
+        steps -= after.prompt_steps_total - before.prompt_steps_total
+    return {k: round(v, 2) for k, v in ms.items()} | {"steps": steps}
 
 
 def measure(engine: str, args, spec: bool) -> dict:
@@ -128,7 +131,9 @@ def measure(engine: str, args, spec: bool) -> dict:
             runs = [concurrency(server.base, s, args.n, min(s, 8)) for _ in range(args.reps)]
             out[f"decode_{s}"] = max(r["aggregate_decode_tok_s"] for r in runs)
             if not theirs:  # where our steps' wall time went meanwhile: ms a step, by phase
-                out[f"step_ms_{s}"] = step_phases(before, server.status()["throughput"])
+                after = server.status()["throughput"]
+                out[f"step_ms_{s}"] = step_phases(before, after)
+                out[f"decode_step_ms_{s}"] = step_phases(before, after, decode_only=True)
         out["device_gib"] = None if (b := device_memory(server.proc.pid)) is None else round(b / 2**30, 2)
         if not theirs:  # how our passes over the layers ran: graphs replayed, or eager and why
             out["steps"] = server.status()["stages"][0].get("steps")

@@ -186,14 +186,26 @@ class Throughput(_Doc):
     # included; forward, queueing the layers; read, waiting for the tokens; emit): / steps_total is
     # where an average step goes.
     step_phase_s: dict = field(default_factory=dict)
+    # Of those, the steps that held prompt rows: their count and seconds by phase.
+    prompt_steps_total: int = 0
+    prompt_step_phase_s: dict = field(default_factory=dict)
 
-    def step_ms_since(self, before: Throughput) -> dict[str, float] | None:
+    def step_ms_since(self, before: Throughput, decode_only: bool = False) -> dict[str, float] | None:
         """An average step's milliseconds by phase over the steps between `before` and these totals
-        (the console's step line, vs_llama_cpp's `step_ms_N`); None when no step ran between them."""
-        steps = self.steps_total - before.steps_total
-        if steps <= 0 or not self.step_phase_s:
+        (the console's step line, vs_llama_cpp's `step_ms_N`); `decode_only`: over the steps that held
+        no prompt rows. None when no such step ran between them."""
+        (steps, now), (steps0, then) = self._steps(decode_only), before._steps(decode_only)
+        if steps <= steps0 or not now:
             return None
-        return {k: (v - before.step_phase_s.get(k, 0.0)) / steps * 1e3 for k, v in self.step_phase_s.items()}
+        return {k: (v - then.get(k, 0.0)) / (steps - steps0) * 1e3 for k, v in now.items()}
+
+    def _steps(self, decode_only: bool) -> tuple[int, dict]:
+        if not decode_only:
+            return self.steps_total, self.step_phase_s
+        prompt = self.prompt_step_phase_s
+        return self.steps_total - self.prompt_steps_total, {
+            k: v - prompt.get(k, 0.0) for k, v in self.step_phase_s.items()
+        }
 
 
 @dataclass(frozen=True)

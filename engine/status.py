@@ -233,7 +233,18 @@ def throughput(engine) -> Throughput:
     prefill, decode = st.rates()
     with st.lock:
         phases = {name: round(seconds, 4) for name, seconds in st.phase_s.items()}
-    return Throughput(round(prefill, 2), round(decode, 2), st.prompt_tokens, st.predicted_tokens, st.steps, phases)
+        prompt_phases = {name: round(seconds, 4) for name, seconds in st.prompt_phase_s.items()}
+        prompt_steps = st.prompt_steps
+    return Throughput(
+        round(prefill, 2),
+        round(decode, 2),
+        st.prompt_tokens,
+        st.predicted_tokens,
+        st.steps,
+        phases,
+        prompt_steps,
+        prompt_phases,
+    )
 
 
 def requests(engine) -> Requests | None:

@@ -12,6 +12,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from rpc_workers import HTTP, Worker, free_ports, head, peer, running, wait_for
 
+from hydra_console.contracts.status import Throughput
+
 N_CTX, N_SLOTS = 256, 2
 PROMPT = "the quick brown fox jumps over the lazy dog"
 
@@ -325,16 +327,23 @@ def test_status_document(server, client, model_id):
 
 def test_the_steps_wall_time_is_split_by_phase(server, client, model_id):
     """/status `throughput.step_phase_s`: where the steps' wall time went (schedule, forward, read,
-    emit), totals that grow with the steps and never count a second twice."""
+    emit), totals that grow with the steps and never count a second twice; the steps that held the
+    prompt apart (`prompt_steps_total`, `prompt_step_phase_s`), so a decode step's average is known."""
     before = HTTP.get(f"{server}/status").json()["throughput"]
     t0 = time.perf_counter()
-    greedy(client, model_id, max_tokens=12, extra_body={"ignore_eos": True})
+    greedy(client, model_id, max_tokens=12, extra_body={"ignore_eos": True, "cache_prompt": False})
     elapsed = time.perf_counter() - t0
     after = HTTP.get(f"{server}/status").json()["throughput"]
     grew = {k: after["step_phase_s"][k] - before["step_phase_s"][k] for k in before["step_phase_s"]}
     assert set(grew) == {"schedule", "forward", "read", "emit"} and min(grew.values()) >= 0
     assert after["steps_total"] >= before["steps_total"] + 12
     assert grew["forward"] > 0 and 0 < sum(grew.values()) <= elapsed  # on a CPU the forward runs in it
+    prompt_steps = after["prompt_steps_total"] - before["prompt_steps_total"]
+    prompt = {k: after["prompt_step_phase_s"][k] - before["prompt_step_phase_s"][k] for k in grew}
+    assert prompt_steps >= 1 and after["steps_total"] - before["steps_total"] - prompt_steps >= 11
+    assert prompt["forward"] > 0 and all(0 <= prompt[k] <= grew[k] for k in grew)
+    decode = Throughput.from_json(after).step_ms_since(Throughput.from_json(before), decode_only=True)
+    assert set(decode) == set(grew) and min(decode.values()) >= 0
 
 
 # ---- errors ---------------------------------------------------------------------------------------

@@ -7,7 +7,16 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from hydra_console.app.sources import Probe
-from hydra_console.contracts.status import READY_STAGE, WARMING_STAGE, Health, PeerInfo, Pool, StageInfo, Status
+from hydra_console.contracts.status import (
+    READY_STAGE,
+    WARMING_STAGE,
+    Health,
+    PeerInfo,
+    Pool,
+    StageInfo,
+    Status,
+    Throughput,
+)
 from hydra_console.engine.status import StatusDocument
 
 pytestmark = pytest.mark.unit
@@ -94,3 +103,18 @@ def test_the_console_parses_any_json_once(status, health):
     p = Probe(True, 200, health, status)
     assert isinstance(p.status, Status) and (health is None or isinstance(p.health, Health))
     assert isinstance(p.health_state, str)
+
+
+def test_a_decode_steps_average_leaves_the_prompt_steps_out():
+    before = Throughput(
+        steps_total=10, step_phase_s={"forward": 1.0}, prompt_steps_total=2, prompt_step_phase_s={"forward": 0.5}
+    )
+    after = Throughput(
+        steps_total=20, step_phase_s={"forward": 2.5}, prompt_steps_total=4, prompt_step_phase_s={"forward": 1.6}
+    )
+    assert after.step_ms_since(before) == pytest.approx({"forward": 150.0})  # 1.5 s over 10 steps
+    assert after.step_ms_since(before, decode_only=True) == pytest.approx({"forward": 50.0})  # 0.4 s over 8
+    only_prompts = Throughput(
+        steps_total=12, step_phase_s={"forward": 2.0}, prompt_steps_total=4, prompt_step_phase_s={"forward": 1.5}
+    )
+    assert only_prompts.step_ms_since(before, decode_only=True) is None  # no decode step between them

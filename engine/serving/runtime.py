@@ -236,7 +236,7 @@ class Engine:
         t0 = self._step_clock()  # the step's drafting (in `schedule`) counts in its cost
         wall = time.perf_counter()
         batch = self.scheduler.schedule()
-        self.stats.add_phase("schedule", time.perf_counter() - wall)
+        self.stats.add_phase("schedule", time.perf_counter() - wall, batch.n_prefill > 0)
         self._in_flight.append(self._launch(batch, cancelled))
         while len(self._in_flight) > overlap:
             self._finish(self._in_flight.popleft())
@@ -262,7 +262,7 @@ class Engine:
         wall, finishing = time.perf_counter(), self._finish_s
         self.runner.run(step, meanwhile=self._finish_all)
         # the steps before, finished meanwhile, are theirs
-        self.stats.add_phase("forward", time.perf_counter() - wall - (self._finish_s - finishing))
+        self.stats.add_phase("forward", time.perf_counter() - wall - (self._finish_s - finishing), batch.n_prefill > 0)
         return step
 
     def _finish_all(self) -> None:
@@ -279,8 +279,9 @@ class Engine:
         self.scheduler.postprocess(Batch([c for c, _ in live]), [s.tokens for _, s in live])
         self._emit(step, live)
         done = time.perf_counter()
-        self.stats.add_phase("read", read - wall)
-        self.stats.add_phase("emit", done - read)
+        prompt = step.batch.n_prefill > 0
+        self.stats.add_phase("read", read - wall, prompt)
+        self.stats.add_phase("emit", done - read, prompt)
         self._finish_s += done - wall
 
     def _emit(self, step: Launched, live: list[tuple[Chunk, Sampled]]) -> None:

@@ -51,6 +51,10 @@ class EngineStats:
         self.busy_slots = 0  # summed over steps: / steps = llama-server's n_busy_slots_per_decode
         self.n_tokens_max = 0  # the longest sequence a slot has held (prompt + generated)
         self.phase_s = dict.fromkeys(STEP_PHASES, 0.0)  # wall seconds of the steps, by phase
+        # The same for the steps that held prompt rows (and their count): a decode step's average
+        # is what is left.
+        self.prompt_phase_s = dict.fromkeys(STEP_PHASES, 0.0)
+        self.prompt_steps = 0
         self._recent: deque[tuple[float, float, int, int]] = deque()  # (start, end, prefill, decode)
         # (time, ms) samples for the latency percentiles, and finish times for requests/s.
         self._ttft: deque[tuple[float, float]] = deque(maxlen=LATENCY_SAMPLES)
@@ -97,9 +101,12 @@ class EngineStats:
             out[f"{name}_p99_ms"] = round(p99, 2) if p99 is not None else None
         return out
 
-    def add_phase(self, phase: str, seconds: float) -> None:
+    def add_phase(self, phase: str, seconds: float, prompt: bool) -> None:
+        """`seconds` of a step's `phase`; `prompt`: the step held prompt rows."""
         with self.lock:
             self.phase_s[phase] += seconds
+            if prompt:
+                self.prompt_phase_s[phase] += seconds
 
     def record_step(
         self, start: float, end: float, n_prefill: int, n_decode: int, n_busy: int = 0, n_tokens: int = 0
@@ -107,6 +114,7 @@ class EngineStats:
         """One forward: its token counts, the slots busy during it and the longest sequence among them."""
         with self.lock:
             self.steps += 1
+            self.prompt_steps += n_prefill > 0
             self.busy_slots += n_busy
             self.n_tokens_max = max(self.n_tokens_max, n_tokens)
             self._recent.append((start, end, n_prefill, n_decode))
