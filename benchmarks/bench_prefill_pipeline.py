@@ -4,6 +4,10 @@
 `timings`, and the ratio. `bench_split.py --prefill-chunk` times the same at the pipeline's level.
 
     python benchmarks/bench_prefill_pipeline.py [--model PATH] [--prompt 2048] [-r 3] [--rounds 2]
+        [--device cuda] [--cores 0-7,8-15] [-- serve flags]
+
+On one GPU the two processes share it (`HYDRA_CUDA_IPC=0` keeps their hidden states on the socket);
+`--cores` gives each its CPUs (taskset lists, head's then peer's).
 """
 
 from __future__ import annotations
@@ -25,9 +29,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start(core: int, *argv: str) -> tuple[subprocess.Popen, int]:
+def start(cores: str, *argv: str) -> tuple[subprocess.Popen, int]:
     port = free_port()
-    cmd = ["taskset", "-c", str(core), sys.executable, "-m", "hydra_console.engine.cli", *argv, "--port", str(port)]
+    cmd = ["taskset", "-c", cores, sys.executable, "-m", "hydra_console.engine.cli", *argv, "--port", str(port)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     return proc, port
@@ -45,11 +49,18 @@ def main() -> None:
     ap.add_argument("--depth", default="4", help="--prefill-pipeline of the pipelined head")
     ap.add_argument("-r", "--repetitions", type=int, default=3, help="prompts per head")
     ap.add_argument("--rounds", type=int, default=2, help="pipelined / unpipelined heads, alternating")
+    ap.add_argument("--device", default="cpu", help="both processes' device")
+    ap.add_argument(
+        "--cores",
+        default="0,1",
+        help="taskset CPU lists of the head and the peer, comma-separated (one torch thread each)",
+    )
     ap.add_argument("extra", nargs="*", help="more serve flags (after --), e.g. -- -b 128")
     args = ap.parse_args()
     model = ["--model", args.model] if args.model else []
+    head_cores, peer_cores = args.cores.split(",")
     rpc = free_port()
-    peer, peer_port = start(1, "peer", *model, "--rpc-port", str(rpc))
+    peer, peer_port = start(peer_cores, "peer", *model, "--device", args.device, "--rpc-port", str(rpc))
     prompt = None
     rates: dict[str, list[float]] = {args.depth: [], "0": []}
     try:
@@ -57,9 +68,11 @@ def main() -> None:
         for _ in range(args.rounds):
             for depth in rates:
                 head, port = start(
-                    0,
+                    head_cores,
                     "serve",
                     *model,
+                    "--device",
+                    args.device,
                     "--peer",
                     f"127.0.0.1:{rpc}",
                     "--rpc-port",
