@@ -122,8 +122,9 @@ def test_the_slots_at_zero_probe_together_and_back_off():
     ks = [pol.plan([0, 1], [3, 3]) for _ in range(2 * PROBE_EVERY)]
     assert ks.index([1, 1]) == 2 * PROBE_EVERY - 1 and sum(map(sum, ks)) == 2  # both slots probe, at once
     pol.record(0, 1, 0)
-    pol.record(1, 1, 1)  # one was right: the wait is back to PROBE_EVERY, and that slot's acceptance rises
-    assert pol.wait == PROBE_EVERY and pol.slots[1].p[0] > pol.slots[0].p[0]
+    pol.record(1, 1, 1)  # one was right: that slot's acceptance rises, not enough for drafts to pay
+    assert pol.slots[1].p[0] > pol.slots[0].p[0]
+    assert pol.plan([0, 1], [3, 3]) == [0, 0] and pol.wait == 4 * PROBE_EVERY  # a right probe alone: still longer
     pol.release(1)
     for _ in range(10):  # probes as often as can be, each one right
         pol.wait = 1
@@ -132,6 +133,7 @@ def test_the_slots_at_zero_probe_together_and_back_off():
         pol.record(0, k, k)
     pol.wait = PROBE_MAX
     assert pol.plan([0], [3])[0] >= 1  # its acceptance rose: drafts are back, no probe needed
+    assert pol.wait == PROBE_EVERY  # and the next time they stop, the first probe comes soon
     snap = pol.snapshot()
     assert snap[0]["slot"] == 0 and len(snap[0]["acceptance"]) == 3
 

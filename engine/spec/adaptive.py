@@ -148,7 +148,6 @@ class AdaptiveDrafts:
         self.server = SlotAcceptance([OPTIMISM] * n_max, [1.0] * n_max)
         self.idle = 0  # steps since the last that drafted
         self.wait = PROBE_EVERY  # steps at k = 0 before a probe
-        self.probing = False  # the last plan was a probe
         self._lock = threading.Lock()  # /status reads while the engine writes
 
     def start(self, slot: int) -> None:
@@ -166,16 +165,21 @@ class AdaptiveDrafts:
 
     def plan(self, slots: list[int], caps: list[int], verified=lambda k: k) -> list[int]:
         """k per slot (`caps`: each slot's most; `verified`: see `choose`). After `wait` steps at 0,
-        every slot drafts one token: a probe, after which the wait doubles unless one is accepted."""
+        every slot drafts one token: a probe, after which the wait doubles; it is back to
+        `PROBE_EVERY` once the acceptances make drafting pay again. A probe that is right now and
+        then (low acceptance) does not bring the wait down: each probe step costs a verify, and at
+        `PROBE_EVERY` they cost a one-stream CPU engine ~6 % (docs/PERF.md, session 25)."""
         with self._lock:
             states = [self.slots.get(s) or self._start(s) for s in slots]
             curve = self.costs.curve(len(slots), sum(verified(c) for c in caps))
             ks = choose([st.p for st in states], caps, curve, verified)
-            self.probing = False
-            self.idle = 0 if any(ks) else self.idle + 1
+            if any(ks):
+                self.idle, self.wait = 0, PROBE_EVERY
+            else:
+                self.idle += 1
             if self.idle >= self.wait and any(caps):
                 ks = [min(1, c) for c in caps]
-                self.idle, self.probing, self.wait = 0, True, min(2 * self.wait, PROBE_MAX)
+                self.idle, self.wait = 0, min(2 * self.wait, PROBE_MAX)
             for st, k in zip(states, ks):
                 st.k = k
             return ks
@@ -185,8 +189,6 @@ class AdaptiveDrafts:
             st = self.slots.get(slot)
             if st is not None:
                 st.record(n_drafted, n_accepted)
-            if self.probing and n_accepted:  # a probe that was right: back to the shortest wait
-                self.wait = PROBE_EVERY
             self.server.record(n_drafted, n_accepted, GLOBAL_DECAY)
 
     def timed(self, n: int, tokens: int, seconds: float) -> None:
