@@ -52,11 +52,48 @@ def default_model():
     return default_model_path()
 
 
+# The longest files (seconds of tests each, on the CI's two cores), first: xdist hands files out in
+# collection order, and alphabetically these came last, so one worker ran them alone at the end.
+LONGEST_FILES = (
+    "test_pd.py",
+    "test_api_fuzz.py",
+    "test_console.py",
+    "test_attacks_http.py",
+    "test_qkernels.py",
+    "test_split.py",
+    "test_bench_api.py",
+    "test_deterministic.py",
+    "test_console_real.py",
+    "test_peer_restart.py",
+    "test_kernels_lower.py",
+    "test_prefill_pipeline.py",
+    "test_embeddings.py",
+    "test_fidelity.py",
+    "test_generate.py",
+    "test_gdn_step_kernel.py",
+    "test_kv_pool.py",
+    "test_speculative_engine.py",
+    "test_split_probe.py",
+    "test_pd_shm.py",
+    "test_context_shift.py",
+    "test_speculative_api.py",
+    "test_mtp.py",
+    "test_supervisor.py",
+    "test_split_refusal.py",
+    "test_output_stage.py",
+    "test_model.py",
+    "test_requests_view.py",
+)
+
+
 def pytest_collection_modifyitems(items):
-    """Everything not marked `unit` is `integration`, so `-m unit` / `-m integration` split the suite."""
+    """Everything not marked `unit` is `integration`, so `-m unit` / `-m integration` split the suite;
+    the longest files first (`LONGEST_FILES`), the rest in their order."""
     for item in items:
         if item.get_closest_marker("unit") is None:
             item.add_marker(pytest.mark.integration)
+    rank = {name: i for i, name in enumerate(LONGEST_FILES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
 
 
 @pytest.fixture(autouse=True)

@@ -53,7 +53,7 @@ def check(status: int, body: bytes, what: str) -> dict | None:
 
 
 @schema.parametrize()
-@settings(max_examples=12, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=6, deadline=None, suppress_health_check=list(HealthCheck))
 def test_no_server_errors(case):
     response = case.call(timeout=TIMEOUT)
     check(response.status_code, response.content, f"{case.method} {case.path} {case.body!r}")
