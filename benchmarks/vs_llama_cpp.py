@@ -16,7 +16,7 @@ summed decode rate of the streams; with MTP, the acceptance the server reports (
 temperature with fixed seeds). For ours also where a start went (`startup_s`), how the passes over
 the layers ran (`steps`) and, per stream count, an average step's milliseconds by phase
 (`step_ms_N`: schedule with drafting, forward, read, emit; `decode_step_ms_N`: of the steps that held
-no prompt rows). Prints a table of both and their ratio
+no prompt rows; `steps_N`: their passes over the layers by path). Prints a table of both and their ratio
 (ours / llama.cpp; higher is better except for time and memory), then the JSON. Asserts nothing.
 """
 
@@ -97,6 +97,14 @@ def step_phases(before: dict, after: dict, decode_only: bool = False) -> dict | 
     return {k: round(v, 2) for k, v in ms.items()} | {"steps": steps}
 
 
+def step_paths(before: dict, after: dict) -> dict:
+    """The head stage's passes over its layers between two /status answers, by path (a graph
+    replayed, or eager and why)."""
+    was = before["stages"][0].get("steps") or {}
+    now = after["stages"][0].get("steps") or {}
+    return {path: n - was.get(path, 0) for path, n in now.items() if n > was.get(path, 0)}
+
+
 def measure(engine: str, args, spec: bool) -> dict:
     theirs = engine == "llama.cpp"
     server = Server(flags(engine, args, spec), *((llama_server(args.llama_cpp), False) if theirs else ()))
@@ -127,13 +135,14 @@ def measure(engine: str, args, spec: bool) -> dict:
             if args.sampled_acceptance:
                 out["acceptance_t"] = acceptance(server.base, args.n, args.sampled_acceptance)
         for s in args.streams:
-            before = None if theirs else server.status()["throughput"]
+            before = None if theirs else server.status()
             runs = [concurrency(server.base, s, args.n, min(s, 8)) for _ in range(args.reps)]
             out[f"decode_{s}"] = max(r["aggregate_decode_tok_s"] for r in runs)
-            if not theirs:  # where our steps' wall time went meanwhile: ms a step, by phase
-                after = server.status()["throughput"]
-                out[f"step_ms_{s}"] = step_phases(before, after)
-                out[f"decode_step_ms_{s}"] = step_phases(before, after, decode_only=True)
+            if not theirs:  # where our steps' wall time went meanwhile: ms a step, by phase, and their paths
+                after = server.status()
+                out[f"step_ms_{s}"] = step_phases(before["throughput"], after["throughput"])
+                out[f"decode_step_ms_{s}"] = step_phases(before["throughput"], after["throughput"], decode_only=True)
+                out[f"steps_{s}"] = step_paths(before, after)
         out["device_gib"] = None if (b := device_memory(server.proc.pid)) is None else round(b / 2**30, 2)
         if not theirs:  # how our passes over the layers ran: graphs replayed, or eager and why
             out["steps"] = server.status()["stages"][0].get("steps")
