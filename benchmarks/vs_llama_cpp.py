@@ -91,10 +91,7 @@ def step_phases(before: dict, after: dict, decode_only: bool = False) -> dict | 
     ms = after.step_ms_since(before, decode_only)
     if ms is None:
         return None
-    steps = after.steps_total - before.steps_total
-    if decode_only:
-        steps -= after.prompt_steps_total - before.prompt_steps_total
-    return {k: round(v, 2) for k, v in ms.items()} | {"steps": steps}
+    return {k: round(v, 2) for k, v in ms.items()} | {"steps": after.steps_since(before, decode_only)}
 
 
 def step_paths(before: dict, after: dict) -> dict:

@@ -199,6 +199,10 @@ class Throughput(_Doc):
             return None
         return {k: (v - then.get(k, 0.0)) / (steps - steps0) * 1e3 for k, v in now.items()}
 
+    def steps_since(self, before: Throughput, decode_only: bool = False) -> int:
+        """The steps between `before` and these totals (`decode_only`: those that held no prompt rows)."""
+        return self._steps(decode_only)[0] - before._steps(decode_only)[0]
+
     def _steps(self, decode_only: bool) -> tuple[int, dict]:
         if not decode_only:
             return self.steps_total, self.step_phase_s

@@ -114,6 +114,7 @@ def test_a_decode_steps_average_leaves_the_prompt_steps_out():
     )
     assert after.step_ms_since(before) == pytest.approx({"forward": 150.0})  # 1.5 s over 10 steps
     assert after.step_ms_since(before, decode_only=True) == pytest.approx({"forward": 50.0})  # 0.4 s over 8
+    assert after.steps_since(before) == 10 and after.steps_since(before, decode_only=True) == 8
     only_prompts = Throughput(
         steps_total=12, step_phase_s={"forward": 2.0}, prompt_steps_total=4, prompt_step_phase_s={"forward": 1.5}
     )

@@ -13,8 +13,9 @@ costs more than its tokens say (the recurrent layers' mixed-length form; on a GP
 graphs), which per-slot lengths measured as a 4 % loss to plain decode at 4 streams (docs/PERF.md).
 
 Costs not measured lately are guessed (`StepCosts.curve`) so that the ends get tried and what
-lies between is interpolated; while K stays 0, every slot drafts one token every `PROBE_EVERY` steps
-(doubling while the probes fail, up to `PROBE_MAX`) so that acceptance that rises gets drafts back.
+lies between is interpolated; while K stays 0, every slot drafts one token after `PROBE_EVERY` steps
+(the wait doubling after each probe, up to `PROBE_MAX`, until drafting pays again) so that acceptance
+that rises gets drafts back.
 Everything that depends on time is `StepCosts`' input: `choose` is a plain function of given costs
 and acceptances.
 """
@@ -168,7 +169,8 @@ class AdaptiveDrafts:
         every slot drafts one token: a probe, after which the wait doubles; it is back to
         `PROBE_EVERY` once the acceptances make drafting pay again. A probe that is right now and
         then (low acceptance) does not bring the wait down: each probe step costs a verify, and at
-        `PROBE_EVERY` they cost a one-stream CPU engine ~6 % (docs/PERF.md, session 25)."""
+        `PROBE_EVERY` they cost a one-stream CPU engine ~4-6 % by its measured step costs (docs/PERF.md,
+        session 25)."""
         with self._lock:
             states = [self.slots.get(s) or self._start(s) for s in slots]
             curve = self.costs.curve(len(slots), sum(verified(c) for c in caps))
