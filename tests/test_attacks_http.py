@@ -278,9 +278,10 @@ def openai_client(w, **kw):
 
 @pytest.fixture(scope="module")
 def fair(tiny_model, tmp_path_factory):
-    """Two slots, one waiting place: the issue's `--parallel 4 --max-queue 64`, small."""
+    """Two slots, one waiting place: the issue's `--parallel 4 --max-queue 64`, small; room for long
+    choices (`BIG_TOKENS`)."""
     w = head(
-        tiny_model("llama"),
+        tiny_model("llama", n_ctx=4096),
         tmp_path_factory.mktemp("fair"),
         (),
         "--dtype",
@@ -290,6 +291,7 @@ def fair(tiny_model, tmp_path_factory):
         "--max-queue",
         "1",
         parallel=2,
+        ctx=4096,
     )
     with running(w) as w:
         yield w
@@ -306,9 +308,15 @@ def test_n_beyond_max_n_is_a_400_naming_n(fair):
     assert client.completions.create(model="m", prompt="hi", max_tokens=1, n=2).choices[1].index == 1
 
 
+# Tokens of each of the big request's two choices. They run one after the other (a slot is left to
+# others): at 200 a tiny model on an idle CPU finished both (~0.3 s) before a loaded test process had
+# sent its first small request (CI: answered_meanwhile 0).
+BIG_TOKENS = 1500
+
+
 def _openai_choices(w) -> int:
     r = openai_client(w).completions.create(
-        model="m", prompt="write a lot", n=2, max_tokens=200, temperature=0.7, extra_body={"ignore_eos": True}
+        model="m", prompt="write a lot", n=2, max_tokens=BIG_TOKENS, temperature=0.7, extra_body={"ignore_eos": True}
     )
     assert [c.finish_reason for c in r.choices] == ["length", "length"]
     return r.usage.completion_tokens
@@ -317,7 +325,7 @@ def _openai_choices(w) -> int:
 def _llama_prompt_list(w) -> int:  # llama-server's /completion: a list of prompts runs as choices do
     r = HTTP.post(
         f"{w.url}/completion",
-        json={"prompt": ["write a lot", "and more"], "n_predict": 200, "ignore_eos": True},
+        json={"prompt": ["write a lot", "and more"], "n_predict": BIG_TOKENS, "ignore_eos": True},
         headers=AUTH,
         timeout=TIMEOUT,
     )
@@ -338,6 +346,7 @@ def test_a_large_n_request_runs_while_another_clients_small_requests_are_answere
         finally:
             big_done.set()
 
+    other = openai_client(fair)  # made before the race, not in it
     t = threading.Thread(target=big)
     t.start()
     wait_for(
@@ -348,14 +357,13 @@ def test_a_large_n_request_runs_while_another_clients_small_requests_are_answere
         "the big request to start",
     )
     assert not big_done.is_set(), result
-    other = openai_client(fair)
     answered_meanwhile = 0
     for i in range(5):
         r = other.completions.create(model="m", prompt=f"small {i}", max_tokens=2, temperature=0)
         assert len(r.choices) == 1 and r.usage.completion_tokens <= 2  # answered, not 503
         answered_meanwhile += not big_done.is_set()
     t.join(TIMEOUT)
-    assert result["tokens"] == 400, result
+    assert result["tokens"] == 2 * BIG_TOKENS, result
     # A slot is always left to others: the small requests did not wait for the big one to end.
     assert answered_meanwhile >= 1, answered_meanwhile
 
