@@ -279,6 +279,13 @@ def build_parser() -> argparse.ArgumentParser:
         "GPU; a CPU computes in the engine's thread, nothing to overlap)",
     )
     s.add_argument(
+        "--mixed-steps",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="prompt chunks ride along with the decoding slots' tokens in one step (vLLM's chunked prefill); "
+        "off: a step with a prompt runs only prompts (default: on a CPU, off on a GPU)",
+    )
+    s.add_argument(
         "--slots",
         action=argparse.BooleanOptionalAction,
         default=True,

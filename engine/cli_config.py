@@ -182,6 +182,7 @@ def head_config(args, env: Mapping[str, str]) -> HeadConfig:
         chat_template_kwargs={} if args.reasoning == "auto" else {"enable_thinking": args.reasoning == "on"},
         verbose=args.verbose,
         overlap=args.overlap,
+        mixed_steps=args.mixed_steps,
         predict_route=_predict_route(env),
     )
 

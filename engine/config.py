@@ -268,6 +268,7 @@ class HeadConfig(WorkerConfig):
     chat_template_kwargs: dict = field(default_factory=dict)  # template variables of every chat (--reasoning)
     verbose: bool = False  # every chat response carries __verbose (llama-server's --verbose)
     overlap: bool | None = None  # --overlap / --no-overlap: decoding steps launched ahead of the host (None: on a GPU)
+    mixed_steps: bool | None = None  # --mixed-steps: prompt chunks beside decoding tokens in one step (None: off a GPU)
     predict_route: str | None = None  # Vertex AI's predict route (env AIP_MODE=PREDICTION); None: off
 
     def redacted(self) -> dict:

@@ -395,13 +395,13 @@ def test_bad_requests_get_openai_errors(server, path, body, param):
 def test_overlap_through_http_and_a_peer_streams_what_the_synchronous_server_does(
     server, client, model_id, tiny_model, tmp_path
 ):
-    """`serve --overlap` (a head with one peer: the split path too), streamed through the openai
-    client, concurrent requests: greedy with a stop string and logprobs, and seeded sampling, give
-    what the synchronous solo server gives."""
+    """`serve --overlap --no-mixed-steps` (a GPU's defaults, here on a CPU; a head with one peer: the
+    split path too), streamed through the openai client, concurrent requests: greedy with a stop
+    string and logprobs, and seeded sampling, give what the synchronous, mixed-step solo server gives."""
     model = tiny_model("llama")
     with (
         running(peer(model, tmp_path, "--dtype", "float32")) as p,
-        running(head(model, tmp_path, [p], "--dtype", "float32", "--overlap", parallel=N_SLOTS, ctx=N_CTX)) as w,
+        running(head(model, tmp_path, [p], "--dtype", "float32", "--overlap", "--no-mixed-steps", parallel=N_SLOTS, ctx=N_CTX)) as w,
     ):
         other = openai.OpenAI(base_url=f"{w.url}/v1", api_key="none", max_retries=0, timeout=60)
         ref = greedy(client, model_id, max_tokens=24, extra_body={"ignore_eos": True}).choices[0].text
@@ -432,7 +432,8 @@ def test_overlap_through_http_and_a_peer_streams_what_the_synchronous_server_doe
         for t in threads:
             t.join(timeout=120)
         assert [got.get(i) for i in range(len(asks))] == want
-        assert w.status()["config"]["overlap"] is True
+        config = w.status()["config"]
+        assert config["overlap"] is True and config["mixed_steps"] is False
 
 
 @pytest.mark.parametrize("content_type", ["application/x-www-form-urlencoded", "text/plain", "multipart/form-data"])

@@ -164,6 +164,7 @@ class HeadWorker:
             max_queue=cfg.max_queue,
             disaggregator=self.disaggregator,
             overlap=cfg.overlap,
+            mixed_steps=cfg.mixed_steps,
             context_shift=self.context_shift,
             counters=counters,
         ).start()
