@@ -401,7 +401,11 @@ def test_overlap_through_http_and_a_peer_streams_what_the_synchronous_server_doe
     model = tiny_model("llama")
     with (
         running(peer(model, tmp_path, "--dtype", "float32")) as p,
-        running(head(model, tmp_path, [p], "--dtype", "float32", "--overlap", "--no-mixed-steps", parallel=N_SLOTS, ctx=N_CTX)) as w,
+        running(
+            head(
+                model, tmp_path, [p], "--dtype", "float32", "--overlap", "--no-mixed-steps", parallel=N_SLOTS, ctx=N_CTX
+            )
+        ) as w,
     ):
         other = openai.OpenAI(base_url=f"{w.url}/v1", api_key="none", max_retries=0, timeout=60)
         ref = greedy(client, model_id, max_tokens=24, extra_body={"ignore_eos": True}).choices[0].text
