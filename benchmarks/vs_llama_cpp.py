@@ -173,6 +173,7 @@ def main() -> None:
     ap.add_argument("--model", required=True)
     ap.add_argument("--spec", choices=["mtp"], help="also compare MTP drafting")
     ap.add_argument("--draft-max", type=int, default=3)
+    ap.add_argument("--no-plain", action="store_true", help="with --spec: its runs only (no plain decode server)")
     ap.add_argument("--streams", type=lambda s: [int(x) for x in s.split(",")], default=[1])
     ap.add_argument("--ctx", type=int, default=8192, help="context per slot")
     ap.add_argument("-n", type=int, default=256, help="tokens per stream")
@@ -202,7 +203,7 @@ def main() -> None:
             "larger n_ctx, e.g. write_synthetic(..., n_ctx=262144))"
         )
     results: dict[str, dict] = {}
-    for mode in ["plain", *(["mtp"] if args.spec else [])]:
+    for mode in [*([] if args.spec and args.no_plain else ["plain"]), *(["mtp"] if args.spec else [])]:
         for engine in engines:
             results.setdefault(mode, {})[engine] = measure(engine, args, mode == "mtp")
             print(json.dumps({"mode": mode, "engine": engine, **results[mode][engine]}), flush=True)
