@@ -15,6 +15,8 @@ import time
 from pathlib import Path
 
 import httpx
+import torch
+from zygote import zygote
 
 # Ports handed out lie below Linux's ephemeral range (32768-60999), where every outgoing connection
 # (a test's HTTP client, a head's RPC link) takes its local port: a port picked there by binding to
@@ -100,18 +102,11 @@ class Worker:
 
     def start(self) -> None:
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-        cmd = [
-            *self.launcher,
-            sys.executable,
-            "-m",
-            "hydra_console.engine.cli",
-            self.role,
-            *self.argv,
-            "--port",
-            str(self.port),
-            "--rpc-port",
-            str(self.rpc_port),
-        ]
+        args = [self.role, *self.argv, "--port", str(self.port), "--rpc-port", str(self.rpc_port)]
+        if not self.launcher and not torch.cuda.is_available():  # forked with torch imported (zygote.py)
+            self.proc = zygote().spawn(args, env, self.log_path)
+            return
+        cmd = [*self.launcher, sys.executable, "-m", "hydra_console.engine.cli", *args]
         log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         log.close()
