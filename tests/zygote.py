@@ -19,8 +19,10 @@ import atexit
 import json
 import os
 import select
+import signal
 import subprocess
 import sys
+import tempfile
 import threading
 from pathlib import Path
 
@@ -52,29 +54,35 @@ def _serve() -> None:
             while b"\n" in buf:
                 line, buf = buf.split(b"\n", 1)
                 request = json.loads(line)
-                # opened before the fork, so it exists once the pid is answered (a test may read it at once)
-                log = os.open(request.pop("log"), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+                # opened before the fork, so they exist once the pid is answered (a test may read them at once)
+                out, err = (
+                    os.open(request.pop(k), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644) for k in ("out", "err")
+                )
                 pid = os.fork()
                 if pid == 0:
                     for child_fd in children:
                         os.close(child_fd)
-                    _child(log=log, **request)  # never returns
-                os.close(log)
+                    _child(out=out, err=err, **request)  # never returns
+                os.close(out)
+                os.close(err)
                 children[os.pidfd_open(pid)] = pid
                 os.write(1, f"pid {pid}\n".encode())
 
 
-def _child(argv: list[str], env: dict[str, str], log: int, cwd: str) -> None:
+def _child(argv: list[str], env: dict[str, str], out: int, err: int, cwd: str) -> None:
+    import torch
+
     os.setsid()
     os.chdir(cwd)
     null = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(null, 0)
-    os.dup2(log, 1)
-    os.dup2(log, 2)
-    os.close(log)
-    os.close(null)
+    for fd, to in ((null, 0), (out, 1), (err, 2)):
+        os.dup2(fd, to)
+    for fd in {null, out, err}:
+        os.close(fd)
     os.environ.clear()
     os.environ.update(env)
+    # The zygote imported torch with one OpenMP thread; a fresh process would take its environment's number.
+    torch.set_num_threads(int(env.get("OMP_NUM_THREADS") or len(os.sched_getaffinity(0))))
     from hydra_console.engine import cli
 
     sys.argv, sys.path[0] = [cli.__file__, *argv], cwd  # as `python -m hydra_console.engine.cli` sets them
@@ -131,11 +139,11 @@ class Zygote:
                     self._exits[int(values[0])] = int(values[1])
                 self._changed.notify_all()
 
-    def spawn(self, argv: list[str], env: dict[str, str], log: Path) -> ForkedProcess:
+    def spawn(self, argv: list[str], env: dict[str, str], out: Path, err: Path | None = None) -> ForkedProcess:
+        """`hydra-engine ARGV` forked, stdout to `out` and stderr to `err` (else `out` too), appended."""
+        request = {"argv": argv, "env": env, "out": str(out), "err": str(err or out), "cwd": os.getcwd()}
         with self._spawn_lock:
-            self.proc.stdin.write(
-                json.dumps({"argv": argv, "env": env, "log": str(log), "cwd": os.getcwd()}).encode() + b"\n"
-            )
+            self.proc.stdin.write(json.dumps(request).encode() + b"\n")
             with self._changed:
                 if not self._changed.wait_for(lambda: self._pids, timeout=60):
                     raise AssertionError("the worker zygote did not fork")
@@ -145,6 +153,20 @@ class Zygote:
         with self._changed:
             self._changed.wait_for(lambda: pid in self._exits, timeout=timeout)
             return self._exits.get(pid)
+
+
+def run(argv: list[str], env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
+    """As `subprocess.run([python, -m, hydra_console.engine.cli, *argv], capture_output=True, text=True)`."""
+    with tempfile.TemporaryDirectory() as folder:
+        out, err = Path(folder) / "out", Path(folder) / "err"
+        proc = zygote().spawn(argv, env, out, err)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            raise
+        return subprocess.CompletedProcess(argv, proc.returncode, out.read_text(), err.read_text())
 
 
 _zygote: Zygote | None = None
