@@ -97,7 +97,7 @@ class Worker:
         self.role, self.argv, self.port, self.rpc_port = role, argv, port, rpc_port
         self.host, self.launcher = host, tuple(launcher)
         self.log_path = log_dir / f"{role}-{port}.log"
-        self.proc: subprocess.Popen | None = None
+        self.proc: subprocess.Popen | zygote.ForkedProcess | None = None
         self.start()
 
     def start(self) -> None:
