@@ -1,6 +1,7 @@
 """Test support (not a test module): worker processes forked from one that has already imported torch
-and the engine. Half of a tiny worker's start was `import torch` and the engine's modules (~2.3 s of
-CPU of ~3), paid again by each of the suite's hundreds of workers; a fork pays it once per test process.
+and the engine. A tiny worker's start took ~2.3 s of CPU, nearly all of it `import torch` and the
+engine's modules, paid again by each worker of the suite; forked it takes ~0.3 s, and the imports
+are paid once per test process.
 
 The child is a real worker: its own process in its own session, running `hydra-engine`'s own
 `main` with the environment it is given, stdout and stderr to its log, exiting through the
