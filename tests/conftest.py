@@ -52,36 +52,38 @@ def default_model():
     return default_model_path()
 
 
-# The longest files (seconds of tests each, on the CI's two cores), first: xdist hands files out in
-# collection order, and alphabetically these came last, so one worker ran them alone at the end.
+# The longest files (seconds of tests each, `-n 0` on a two-core box, workers forked: zygote.py), first:
+# xdist hands files out in collection order, and alphabetically these came last, so one worker ran
+# them alone at the end.
 LONGEST_FILES = (
-    "test_pd.py",
-    "test_api_fuzz.py",
     "test_console.py",
-    "test_attacks_http.py",
-    "test_qkernels.py",
-    "test_split.py",
-    "test_bench_api.py",
-    "test_deterministic.py",
-    "test_console_real.py",
     "test_peer_restart.py",
-    "test_kernels_lower.py",
-    "test_prefill_pipeline.py",
+    "test_bench_api.py",
+    "test_console_real.py",
+    "test_qkernels.py",
+    "test_attacks_http.py",
+    "test_deterministic.py",
+    "test_gdn_step_kernel.py",
+    "test_split.py",
+    "test_pd.py",
+    "test_supervisor.py",
+    "test_api_fuzz.py",
+    "test_speculative_engine.py",
     "test_embeddings.py",
     "test_fidelity.py",
-    "test_generate.py",
-    "test_gdn_step_kernel.py",
-    "test_kv_pool.py",
-    "test_speculative_engine.py",
+    "test_idle_sleep.py",
+    "test_link_faults.py",
+    "test_rpc_port.py",
+    "test_prefill_pipeline.py",
     "test_split_probe.py",
-    "test_pd_shm.py",
-    "test_context_shift.py",
-    "test_speculative_api.py",
     "test_mtp.py",
-    "test_supervisor.py",
-    "test_split_refusal.py",
+    "test_kernels_lower.py",
     "test_output_stage.py",
+    "test_kv_pool.py",
+    "test_generate.py",
     "test_model.py",
+    "test_context_shift.py",
+    "test_llama_api.py",
     "test_requests_view.py",
 )
 

@@ -15,6 +15,8 @@ import time
 from pathlib import Path
 
 import httpx
+import torch
+import zygote
 
 # Ports handed out lie below Linux's ephemeral range (32768-60999), where every outgoing connection
 # (a test's HTTP client, a head's RPC link) takes its local port: a port picked there by binding to
@@ -95,23 +97,16 @@ class Worker:
         self.role, self.argv, self.port, self.rpc_port = role, argv, port, rpc_port
         self.host, self.launcher = host, tuple(launcher)
         self.log_path = log_dir / f"{role}-{port}.log"
-        self.proc: subprocess.Popen | None = None
+        self.proc: subprocess.Popen | zygote.ForkedProcess | None = None
         self.start()
 
     def start(self) -> None:
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-        cmd = [
-            *self.launcher,
-            sys.executable,
-            "-m",
-            "hydra_console.engine.cli",
-            self.role,
-            *self.argv,
-            "--port",
-            str(self.port),
-            "--rpc-port",
-            str(self.rpc_port),
-        ]
+        args = [self.role, *self.argv, "--port", str(self.port), "--rpc-port", str(self.rpc_port)]
+        if not self.launcher and not torch.cuda.is_available():  # forked with torch imported (zygote.py)
+            self.proc = zygote.zygote().spawn(args, env, self.log_path)
+            return
+        cmd = [*self.launcher, sys.executable, "-m", "hydra_console.engine.cli", *args]
         log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         log.close()
@@ -160,6 +155,16 @@ class Worker:
         except subprocess.TimeoutExpired:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait(timeout=10)
+
+
+def engine_cli(*argv: str, timeout: float, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """`python -m hydra_console.engine.cli ARGV` to its end (text stdout and stderr captured), forked as
+    workers are (zygote.py) where they are."""
+    env = dict(os.environ if env is None else env)
+    if torch.cuda.is_available():
+        cmd = [sys.executable, "-m", "hydra_console.engine.cli", *argv]
+        return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    return zygote.run(list(argv), env, timeout)
 
 
 def peer(model: Path, log_dir: Path, *extra: str, device: str = "cpu") -> Worker:

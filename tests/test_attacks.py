@@ -8,8 +8,6 @@ import json
 import os
 import socket
 import struct
-import subprocess
-import sys
 import threading
 import time
 
@@ -17,7 +15,7 @@ import httpx
 import psutil
 import pytest
 import torch
-from rpc_workers import greedy, head, peer, wait_for
+from rpc_workers import engine_cli, greedy, head, peer, wait_for
 
 from hydra_console.contracts.rpc import (
     CAP_AUTH,
@@ -345,19 +343,7 @@ def test_a_peer_without_stage_is_degraded_and_reads_as_stale(ws, model):
 
 def test_peer_refuses_a_public_bind_without_token_unless_insecure(model):
     env = {k: v for k, v in os.environ.items() if k != "HYDRA_TOKEN"}
-    cmd = [
-        sys.executable,
-        "-m",
-        "hydra_console.engine.cli",
-        "peer",
-        "--model",
-        str(model),
-        "--rpc-host",
-        "0.0.0.0",
-        "--port",
-        "1",
-    ]
-    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    r = engine_cli("peer", "--model", str(model), "--rpc-host", "0.0.0.0", "--port", "1", env=env, timeout=120)
     assert r.returncode == 2 and "--insecure" in r.stderr
 
 

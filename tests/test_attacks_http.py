@@ -249,7 +249,8 @@ def test_one_log_line_per_failed_request_and_no_traceback_for_a_4xx(server):
 def test_health_is_503_with_a_peer_killed(tiny_model, tmp_path):
     model = tiny_model("llama")
     p = peer(model, tmp_path)
-    with running(p), running(head(model, tmp_path, [p])) as w:
+    # --peer-grace 1: the same pause for the lost peer, then 503, without the default's 15 s idle wait
+    with running(p), running(head(model, tmp_path, [p], "--peer-grace", "1")) as w:
         assert HTTP.get(f"{w.url}/health", timeout=TIMEOUT).json()["serving"] is True
         p.kill9()
         r = wait_for(

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import subprocess
-import sys
 
 import pytest
+from rpc_workers import engine_cli
 
 from hydra_console.engine.gguf_file import GGUFFile
 from hydra_console.engine.model import build_stage
@@ -16,8 +16,7 @@ from hydra_console.engine.text.tokenizer import Tokenizer
 
 
 def generate(*args: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "hydra_console.engine.cli", "generate", "--device", "cpu", "--dtype", "float32", *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    return engine_cli("generate", "--device", "cpu", "--dtype", "float32", *args, timeout=120)
 
 
 def test_output_equals_the_engine_and_seeds_repeat(tiny_model):

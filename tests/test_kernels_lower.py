@@ -8,6 +8,7 @@ mma.sync) are chosen and lowered after TTIR."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -57,61 +58,108 @@ def lower(fn, constexprs, floats=(), i64_pointers=(), pointers=None, until="ttir
     return str(module)
 """
 
+# One process lowers every case (each its own process cost ~2 s of imports for a fraction of that
+# in lowering); each case's error, if any, is reported on a line of its own and read by its test.
+RESULTS = """
+import json, traceback
+
+
+def report(case, lower_case):
+    try:
+        out = lower_case()
+        print(json.dumps({"case": case, "error": None, "out": out}))
+    except Exception:
+        print(json.dumps({"case": case, "error": traceback.format_exc()[-3000:], "out": None}))
+"""
+
+STEP_CASES = [(m, depth) for depth in (1, 3) for m in (1, 2, 4)]
+
 LOWER = (
     PREAMBLE
+    + RESULTS
     + """
 from hydra_console.engine.kernels import triton_gdn_step as k
 
 
-m, depth = int(sys.argv[1]), int(sys.argv[2])
-heads = dict(HK=16, DK=128, HV=48, DV=128)  # qwen35 27B's DeltaNet heads; conv kernel 4
-conv = dict(M=m, DEPTH=depth, **heads, NCK=min(m, depth), KW=4, BM=max(2, m), BD=128, BW=4, BH=64)
-lower(k._conv_step_kernel, conv, floats=("eps",), i64_pointers=("slot_ptr",))
-lower(k._rule_step_kernel, dict(M=m, DEPTH=depth, **heads, BK=128, BV=k.CONFIG["bv"]), i64_pointers=("slot_ptr",))
+def lower_step(m, depth):
+    heads = dict(HK=16, DK=128, HV=48, DV=128)  # qwen35 27B's DeltaNet heads; conv kernel 4
+    conv = dict(M=m, DEPTH=depth, **heads, NCK=min(m, depth), KW=4, BM=max(2, m), BD=128, BW=4, BH=64)
+    lower(k._conv_step_kernel, conv, floats=("eps",), i64_pointers=("slot_ptr",))
+    lower(k._rule_step_kernel, dict(M=m, DEPTH=depth, **heads, BK=128, BV=k.CONFIG["bv"]), i64_pointers=("slot_ptr",))
+
+
+for case in json.loads(sys.argv[1]):
+    report(case, lambda: lower_step(*case))
 """
 )
 
 
+def lowered(script: str, cases: list) -> dict:
+    """{case: (error or None, output)} of `script` run once over `cases`, outside the interpreter."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-c", script, json.dumps(cases)], env=env, capture_output=True, text=True)
+    results = {tuple(r["case"]): (r["error"], r["out"]) for r in map(json.loads, run.stdout.splitlines())}
+    assert run.returncode == 0 and len(results) == len(cases), run.stderr[-3000:]
+    return results
+
+
+@pytest.fixture(scope="module")
+def step_kernels_lowered():
+    return lowered(LOWER, STEP_CASES)
+
+
 @pytest.mark.parametrize("m", [1, 2, 4])
 @pytest.mark.parametrize("depth", [1, 3])
-def test_the_step_kernels_lower_for_a_cuda_card(m, depth):
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    out = subprocess.run([sys.executable, "-c", LOWER, str(m), str(depth)], env=env, capture_output=True, text=True)
-    assert out.returncode == 0, out.stderr[-3000:]
+def test_the_step_kernels_lower_for_a_cuda_card(m, depth, step_kernels_lowered):
+    error, _ = step_kernels_lowered[(m, depth)]
+    assert error is None, error
 
 
 LOWER_QMMA = (
     PREAMBLE
+    + RESULTS
     + """
 from gguf.constants import GGMLQuantizationType as T
 from hydra_console.engine.kernels import triton_qmma as k
 from hydra_console.engine.kernels.qweight import LAYOUTS
 
-qt, x_type = T[sys.argv[1]], sys.argv[2]
-lay = LAYOUTS[qt]
-block_m, block_n, block_k, warps, stages, _, swap = k.QMMA_CONFIGS[16]  # the tile verifies of 16 rows take
-planes = dict(q_ptr="*u8", h_ptr="*u8", d_ptr="*i64" if lay.has_mn else "*fp16", sc_ptr="*u8", m_ptr="*fp16")
-for swap in (True, False) if x_type == "bf16" else (swap,):
-    consts = dict(BITS=lay.bits, OFFSET=lay.offset, SB=lay.sb, G=lay.g, HAS_M=lay.has_m, HAS_MN=lay.has_mn)
-    consts |= dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SWAP=swap, UPCAST=False, ASM=True)
-    consts["PRECISION"] = "ieee" if x_type == "fp32" else "tf32"
-    pointers = planes | dict(x_ptr="*" + x_type, out_ptr="*fp32")
-    ptx = lower(k._qmma_kernel, consts, pointers=pointers, until="ptx", num_warps=warps, num_stages=stages)
-    mma = "wgmma" if "wgmma.mma_async" in ptx else "mma.sync" if "mma.sync" in ptx else "fma"
-    print(qt.name, x_type, "swap" if swap else "no swap", mma)
+
+def lower_qmma(qtype, x_type):
+    qt, lay, out = T[qtype], LAYOUTS[T[qtype]], []
+    block_m, block_n, block_k, warps, stages, _, swap = k.QMMA_CONFIGS[16]  # the tile verifies of 16 rows take
+    planes = dict(q_ptr="*u8", h_ptr="*u8", d_ptr="*i64" if lay.has_mn else "*fp16", sc_ptr="*u8", m_ptr="*fp16")
+    for swap in (True, False) if x_type == "bf16" else (swap,):
+        consts = dict(BITS=lay.bits, OFFSET=lay.offset, SB=lay.sb, G=lay.g, HAS_M=lay.has_m, HAS_MN=lay.has_mn)
+        consts |= dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SWAP=swap, UPCAST=False, ASM=True)
+        consts["PRECISION"] = "ieee" if x_type == "fp32" else "tf32"
+        pointers = planes | dict(x_ptr="*" + x_type, out_ptr="*fp32")
+        ptx = lower(k._qmma_kernel, consts, pointers=pointers, until="ptx", num_warps=warps, num_stages=stages)
+        mma = "wgmma" if "wgmma.mma_async" in ptx else "mma.sync" if "mma.sync" in ptx else "fma"
+        out.append(f"{qt.name} {x_type} {'swap' if swap else 'no swap'} {mma}")
+    return out
+
+
+for case in json.loads(sys.argv[1]):
+    report(case, lambda: lower_qmma(*case))
 """
 )
 
+QMMA_TYPES = ["Q5_K", "Q6_K"]
 
-@pytest.mark.parametrize("qtype", ["Q5_K", "Q6_K"])
-def test_the_tensor_core_gemm_lowers_to_ptx_for_a_cuda_card(qtype):
+
+@pytest.fixture(scope="module")
+def qmma_lowered():
+    return lowered(LOWER_QMMA, [(qtype, x_type) for qtype in QMMA_TYPES for x_type in ("bf16", "fp32")])
+
+
+@pytest.mark.parametrize("qtype", QMMA_TYPES)
+def test_the_tensor_core_gemm_lowers_to_ptx_for_a_cuda_card(qtype, qmma_lowered):
     """The 16-row tile, bf16 x in both orientations of the dot, float32 x ("ieee": no tensor cores): x @ w.T
     takes mma.sync; w @ x.T, the weight's 64 rows on the M side, Hopper's wgmma."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = []
     for x_type in ("bf16", "fp32"):
-        run = subprocess.run([sys.executable, "-c", LOWER_QMMA, qtype, x_type], env=env, capture_output=True, text=True)
-        assert run.returncode == 0, run.stderr[-3000:]
-        out += run.stdout.splitlines()
+        error, lines = qmma_lowered[(qtype, x_type)]
+        assert error is None, error
+        out += lines
     assert out[:2] == [f"{qtype} bf16 swap wgmma", f"{qtype} bf16 no swap mma.sync"]
     assert out[2].startswith(f"{qtype} fp32") and out[2].endswith(" fma")  # the table's orientation

@@ -3,20 +3,14 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
-
-BENCH = [sys.executable, "-m", "hydra_console.engine.cli", "bench"]
+from rpc_workers import engine_cli
 
 
 def test_bench_json(tiny_model):
-    out = subprocess.run(
-        [*BENCH, "--model", str(tiny_model("gemma3")), "-p", "16", "-n", "4", "-r", "1", "--json"],
-        capture_output=True,
-        text=True,
-        timeout=120,
+    out = engine_cli(
+        "bench", "--model", str(tiny_model("gemma3")), "-p", "16", "-n", "4", "-r", "1", "--json", timeout=120
     )
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout)
@@ -28,22 +22,12 @@ def test_bench_json(tiny_model):
 
 
 def test_bench_without_llama_bench_is_a_clear_error(tiny_model, tmp_path):
-    out = subprocess.run(
-        [
-            *BENCH,
-            "--model",
-            str(tiny_model("llama")),
-            "-p",
-            "4",
-            "-n",
-            "2",
-            "-r",
-            "1",
-            "--llama-bench",
-            str(tmp_path / "llama-bench"),
-        ],
-        capture_output=True,
-        text=True,
+    out = engine_cli(
+        "bench",
+        "--model",
+        str(tiny_model("llama")),
+        *("-p", "4", "-n", "2", "-r", "1"),
+        *("--llama-bench", str(tmp_path / "llama-bench")),
         timeout=120,
     )
     assert out.returncode == 2
@@ -51,11 +35,7 @@ def test_bench_without_llama_bench_is_a_clear_error(tiny_model, tmp_path):
 
 
 def test_bench_bad_flags(tiny_model):
-    out = subprocess.run(
-        [*BENCH, "--model", str(tiny_model("llama")), "-r", "0"], capture_output=True, text=True, timeout=60
-    )
+    out = engine_cli("bench", "--model", str(tiny_model("llama")), "-r", "0", timeout=60)
     assert out.returncode == 2 and "--repetitions" in out.stderr
-    out = subprocess.run(
-        [*BENCH, "--model", str(tiny_model("llama")), "--dtype", "int3"], capture_output=True, text=True, timeout=60
-    )
+    out = engine_cli("bench", "--model", str(tiny_model("llama")), "--dtype", "int3", timeout=60)
     assert out.returncode == 2 and "unknown dtype" in out.stderr

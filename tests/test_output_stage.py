@@ -7,12 +7,10 @@ from __future__ import annotations
 
 import json
 import socket
-import subprocess
-import sys
 
 import pytest
 import torch
-from rpc_workers import MTP_EVERY_STEP, complete, solo_and_split, wait_for
+from rpc_workers import MTP_EVERY_STEP, complete, engine_cli, solo_and_split, wait_for
 
 from hydra_console.contracts.rpc import DraftAsk, LoadStageRequest, Op, Status
 from hydra_console.engine.gguf_file import GGUFFile
@@ -284,8 +282,7 @@ def test_forward_out_frames_are_checked_against_their_own_batch():
 
 
 def test_output_stage_last_needs_a_peer(model):
-    cmd = [sys.executable, "-m", "hydra_console.engine.cli", "serve", "--model", str(model), "--output-stage", "last"]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    out = engine_cli("serve", "--model", str(model), "--output-stage", "last", timeout=120)
     assert (
         out.returncode == 2
         and "--output-stage last puts the output head on the last peer: it needs --peer" in out.stderr

@@ -129,7 +129,8 @@ def test_a_peer_lost_mid_pipeline_fails_the_prompt_cleanly(tiny_model, tmp_path)
     tokens = torch.randint(3, 200, (PROMPT,), generator=torch.Generator().manual_seed(2))
     p = peer(model, tmp_path, "--dtype", "float32")
     with running(p):
-        split = split_pipeline(model, p.rpc_addr)
+        # --peer-grace 1: the same pause for the lost peer, then the failure, without the default's 15 s idle
+        split = split_pipeline(model, p.rpc_addr, "--peer-grace", "1")
         try:
             for start in range(0, 3 * CHUNK, CHUNK):  # three chunks sent, none answered yet
                 end = start + CHUNK

@@ -3,14 +3,11 @@ through the layer split: greedy output equal with and without drafts, draft timi
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from rpc_workers import Worker, free_ports
+from rpc_workers import Worker, engine_cli, free_ports
 
 N_CTX, N_SLOTS = 256, 2
 # Repetitive text: prompt lookup finds earlier n-grams to propose.
@@ -148,20 +145,7 @@ def test_draft_model_server(tmp_path, tiny_model):
 
 def test_mtp_flag_is_a_clear_error(tiny_model):
     """No supported GGUF carries an MTP head: `--spec-type mtp` exits 2 with one line saying so."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "hydra_console.engine.cli",
-        "serve",
-        "--model",
-        str(tiny_model("llama")),
-        "--port",
-        str(free_ports(1)[0]),
-        "--device",
-        "cpu",
-        "--spec-type",
-        "mtp",
-    ]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    model, port = str(tiny_model("llama")), str(free_ports(1)[0])
+    r = engine_cli("serve", "--model", model, "--port", port, "--device", "cpu", "--spec-type", "mtp", timeout=120)
     assert r.returncode == 2, r.stderr
     assert "no multi-token-prediction head" in r.stderr and "Traceback" not in r.stderr

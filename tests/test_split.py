@@ -10,12 +10,21 @@ from __future__ import annotations
 import json
 import socket
 import subprocess
-import sys
 import threading
 
 import httpx
 import pytest
-from rpc_workers import Worker, assert_peer_kill_fails_request_fast, complete, free_ports, greedy, head, peer, wait_for
+from rpc_workers import (
+    Worker,
+    assert_peer_kill_fails_request_fast,
+    complete,
+    engine_cli,
+    free_ports,
+    greedy,
+    head,
+    peer,
+    wait_for,
+)
 
 from hydra_console.contracts.rpc import Op, Status
 from hydra_console.contracts.status import READY_STAGE
@@ -160,22 +169,9 @@ def test_frozen_peer_fails_the_request_instead_of_hanging(cluster):
 
 
 def run_head_cli(model, *argv, timeout=120) -> subprocess.CompletedProcess:
-    cmd = [
-        sys.executable,
-        "-m",
-        "hydra_console.engine.cli",
-        "serve",
-        "--model",
-        str(model),
-        "--device",
-        "cpu",
-        "--port",
-        "0",
-        "--rpc-port",
-        "0",
-        *argv,
-    ]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    return engine_cli(
+        "serve", "--model", str(model), "--device", "cpu", "--port", "0", "--rpc-port", "0", *argv, timeout=timeout
+    )
 
 
 def test_unreachable_peer_fails_clearly_after_the_wait(model):
@@ -210,19 +206,7 @@ def test_fallback_solo_runs_every_layer_on_the_head(model, tmp_path):
 
 
 def test_peer_cli_reports_bad_input_without_a_traceback(tmp_path):
-    cmd = [
-        sys.executable,
-        "-m",
-        "hydra_console.engine.cli",
-        "peer",
-        "--model",
-        str(tmp_path / "missing.gguf"),
-        "--port",
-        "0",
-        "--rpc-port",
-        "0",
-    ]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    done = engine_cli("peer", "--model", str(tmp_path / "missing.gguf"), "--port", "0", "--rpc-port", "0", timeout=60)
     assert done.returncode == 2 and "cannot open model file" in done.stderr and "Traceback" not in done.stderr
 
 
