@@ -111,7 +111,8 @@ def test_qwen35_prefill_through_the_kernels_equals_the_torch_forms(tiny_model, m
     (under the interpreter on CPU) against them off: two long runs padded together (every run long:
     the conv + gates kernel, then the chunked rule's), one long run going on from its slot's state,
     a long run beside a short one (the chunked rule's for the long one alone), then one token each;
-    logits, states and checkpoints."""
+    then short prompts (a few tokens: the kernels too), one token each again; logits, states and
+    checkpoints."""
     path = tiny_model("qwen35", n_layers=2)
     ids = torch.randint(0, 600, (100,), generator=torch.Generator().manual_seed(1)).tolist()
     batches = [  # (tokens, slots, positions)
@@ -119,6 +120,11 @@ def test_qwen35_prefill_through_the_kernels_equals_the_torch_forms(tiny_model, m
         (ids[:70], [1] * 70, [*range(80, 150)]),  # from a conv and SSM state
         (ids[:70] + ids[:3], [0] * 70 + [2] * 3, [*range(100, 170), *range(3)]),
         ([5, 6, 7], [0, 1, 2], [170, 150, 3]),
+        # short prompts (the chunked kernels below a chunk): 9 and 6 tokens from their slots' states,
+        # then 12 alone (the conv + gates kernel's shortest runs are longer than its windows)
+        (ids[:9] + ids[:6], [0] * 9 + [1] * 6, [*range(171, 180), *range(151, 157)]),
+        (ids[20:32], [2] * 12, [*range(4, 16)]),
+        ([8, 9, 10], [0, 1, 2], [180, 157, 16]),
     ]
 
     def forward(kernel: bool):

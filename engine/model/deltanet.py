@@ -16,8 +16,8 @@ with no host values, which the decode graphs capture. A batch's runs (one per sl
 it together, padded to the longest: a padded step has g = 0 and β = 0, which leaves the state
 exactly as it was, so prefill chunks, verify batches and decode share one code path. Long runs
 (prefill) take their first CHUNK-multiple of steps in the chunked form (`_chunked`, equal to the
-token-by-token one to float32 rounding), the rest token by token. On CUDA (`TRITON_PREFILL`) long runs
-go whole through the Triton chunked kernel instead (`kernels/triton_delta_rule.py`: the same chunked
+token-by-token one to float32 rounding), the rest token by token. On CUDA (`TRITON_PREFILL`) every run
+longer than a verify (a prompt's, however short) goes whole through the Triton chunked kernel instead (`kernels/triton_delta_rule.py`: the same chunked
 form, one launch per stage of it, with the final state and the checkpoints), and `step` through the
 step kernels (`kernels/triton_gdn_step.py`: the conv and gates, then the recurrence with each state
 tile held in registers for all the slot's tokens); the torch forms stay the reference and the CPU path.
@@ -103,7 +103,10 @@ class DeltaNet:
         s = self.shape
         C, Hv, dv = s.conv_channels, s.n_v_heads, s.head_v_dim
         lengths = [n for _, _, n in runs]
-        if min(lengths) > CHUNK + ROLLBACK and _triton(x):
+        # On the kernels every prompt run takes the chunked form (a run of a few tokens too: the token
+        # loop below launches ~8 kernels a token and layer); decode and verify runs stay token by token.
+        long_run = (ROLLBACK + s.conv_kernel - 1) if _triton(x) else (CHUNK + ROLLBACK)
+        if min(lengths) > long_run and _triton(x):
             return self._prefill(x, runs)
         proj = self.w_in(x).float()
         mixed, z, beta, alpha = proj.split([C, Hv * dv, Hv, Hv], dim=-1)
@@ -128,8 +131,8 @@ class DeltaNet:
         b = padded(torch.sigmoid(beta))
         # Runs long enough for chunks go apart from the rest (decode, drafts, short chunks): one
         # long prefill batched with decoding slots still takes the chunked form.
-        long = [r for r, m in enumerate(lengths) if m > CHUNK + ROLLBACK]
-        short = [r for r, m in enumerate(lengths) if m <= CHUNK + ROLLBACK]
+        long = [r for r, m in enumerate(lengths) if m > long_run]
+        short = [r for r, m in enumerate(lengths) if m <= long_run]
         if long and short:
             out = torch.empty(R, L, Hv, dv, device=dev)
             for rows in (long, short):
@@ -252,12 +255,13 @@ class DeltaNet:
 
     def _delta_rule(self, q, k, v, g, b, slots, lengths, dtype) -> torch.Tensor:
         """Sᵀq per step [R, L, Hv, dv] (unscaled), from each slot's state (q, k [R, L, n_k_heads, dk]);
-        keeps the new states and the checkpoints. Long runs on CUDA: the Triton chunked kernel, whole.
+        keeps the new states and the checkpoints. Runs longer than a verify on CUDA: the Triton chunked
+        kernel, whole.
         Otherwise chunked up to where the shortest run's checkpoints begin (they need per-token
         states), token by token after that."""
         R, L, Hv, dv = v.shape
         dev = v.device
-        if min(lengths) > CHUNK + ROLLBACK and _triton(v):
+        if min(lengths) > ROLLBACK + 1 and _triton(v):  # no decode or verify run among them
             from ..kernels.triton_delta_rule import chunk_gated_delta_rule
 
             n = torch.tensor(lengths, dtype=torch.int32, device=dev)
