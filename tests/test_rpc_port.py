@@ -10,7 +10,7 @@ import time
 
 import httpx
 import pytest
-from rpc_workers import head, peer
+from rpc_workers import head, peer, wait_for
 
 from hydra_console.contracts.auth import AuthError, ClientHandshake
 from hydra_console.contracts.rpc import (
@@ -185,7 +185,9 @@ def test_full_queue_drops_new_connections_and_health_still_answers(workers):
     finally:
         for s in idle:
             s.close()
-    with connect(w) as s:  # workers come back once the idle connections go
+    # Workers come back once the idle connections go: each notices its peer's close in its own time.
+    wait_for(lambda: (p := w.status()["pool"])["busy"] + p["queued"] == 0, 30, "the pool's workers back")
+    with connect(w) as s:
         assert control(s, Op.INFO).status == Status.OK
 
 
