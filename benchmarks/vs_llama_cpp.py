@@ -203,7 +203,8 @@ def main() -> None:
             "larger n_ctx, e.g. write_synthetic(..., n_ctx=262144))"
         )
     results: dict[str, dict] = {}
-    for mode in [*([] if args.spec and args.no_plain else ["plain"]), *(["mtp"] if args.spec else [])]:
+    modes = (["mtp"] if args.no_plain else ["plain", "mtp"]) if args.spec else ["plain"]
+    for mode in modes:
         for engine in engines:
             results.setdefault(mode, {})[engine] = measure(engine, args, mode == "mtp")
             print(json.dumps({"mode": mode, "engine": engine, **results[mode][engine]}), flush=True)

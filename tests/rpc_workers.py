@@ -18,6 +18,10 @@ import httpx
 import torch
 import zygote
 
+# Workers and CLI runs are forked from a process with torch imported (zygote.py), except on a CUDA
+# host: its driver must not be touched before a fork.
+FORKED = not torch.cuda.is_available()
+
 # Ports handed out lie below Linux's ephemeral range (32768-60999), where every outgoing connection
 # (a test's HTTP client, a head's RPC link) takes its local port: a port picked there by binding to
 # 0 could be a client's by the time the worker binds it ("Address already in use", seen under load).
@@ -103,7 +107,7 @@ class Worker:
     def start(self) -> None:
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
         args = [self.role, *self.argv, "--port", str(self.port), "--rpc-port", str(self.rpc_port)]
-        if not self.launcher and not torch.cuda.is_available():  # forked with torch imported (zygote.py)
+        if not self.launcher and FORKED:
             self.proc = zygote.zygote().spawn(args, env, self.log_path)
             return
         cmd = [*self.launcher, sys.executable, "-m", "hydra_console.engine.cli", *args]
@@ -161,7 +165,7 @@ def engine_cli(*argv: str, timeout: float, env: dict[str, str] | None = None) ->
     """`python -m hydra_console.engine.cli ARGV` to its end (text stdout and stderr captured), forked as
     workers are (zygote.py) where they are."""
     env = dict(os.environ if env is None else env)
-    if torch.cuda.is_available():
+    if not FORKED:
         cmd = [sys.executable, "-m", "hydra_console.engine.cli", *argv]
         return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     return zygote.run(list(argv), env, timeout)

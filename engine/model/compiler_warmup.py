@@ -3,9 +3,9 @@
 A compiled start pays, once per process and before its first graph: importing dynamo and inductor
 and the first compile's set-up (on this project's CPU VM 1.6 + 2.4 + ~4 s; on the H100 the compiled
 starts' "model loaded -> stage built" took 11-16 s against 4.2 s without compiling, docs/PERF.md
-session 25). Reading and staging the weights is file reads and copies that leave the GIL free, so a
-thread compiling a one-line function on the same device meanwhile takes those costs out of the
-start. `wait` is called before every CUDA graph capture (`graphs.capture`): a capture must not see
+session 25). A thread compiling a one-line function on the same device meanwhile takes out of the
+start what the load spends outside Python (file reads, copies); the Python parts of both take turns
+on the GIL (docs/PERF.md, session 26). `wait` is called before every CUDA graph capture (`graphs.capture`): a capture must not see
 another thread's kernels, and the real compiles then find everything imported and set up.
 """
 

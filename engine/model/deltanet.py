@@ -105,8 +105,9 @@ class DeltaNet:
         lengths = [n for _, _, n in runs]
         # On the kernels every prompt run takes the chunked form (a run of a few tokens too: the token
         # loop below launches ~8 kernels a token and layer); decode and verify runs stay token by token.
-        long_run = (ROLLBACK + s.conv_kernel - 1) if _triton(x) else (CHUNK + ROLLBACK)
-        if min(lengths) > long_run and _triton(x):
+        kernels = _triton(x)
+        long_run = (ROLLBACK + s.conv_kernel - 1) if kernels else (CHUNK + ROLLBACK)
+        if kernels and min(lengths) > long_run:
             return self._prefill(x, runs)
         proj = self.w_in(x).float()
         mixed, z, beta, alpha = proj.split([C, Hv * dv, Hv, Hv], dim=-1)
