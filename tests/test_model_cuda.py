@@ -10,7 +10,7 @@ import torch
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from hydra_console.engine.gguf_file import GGUFFile
-from hydra_console.engine.model import ModelConfig, Stage, build_stage, compiler_warmup
+from hydra_console.engine.model import ModelConfig, Stage, build_stage
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -61,23 +61,6 @@ def test_graph_replay_equals_eager_on_cuda(tiny_model):
         a = run(graphed, [30 + i], [1], [len(PROMPT) + i])
         b = run(eager, [30 + i], [1], [len(PROMPT) + i])
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
-
-
-def test_compiled_graphs_captured_after_the_compiler_warm_up_equal_eager(tiny_model):
-    """A worker's start: the compiler warms up on a thread while the stage loads; the compiled graphs
-    are captured after it (`graphs.capture` waits for it) and replay what the eager layers compute."""
-    compiler_warmup.start(torch.device("cuda"))
-    g = GGUFFile(tiny_model("qwen35"))
-    graphed = build_stage(g, device="cuda", dtype="float32", n_slots=2, n_ctx=64, compile_decode=True)
-    eager = build_stage(g, device="cuda", dtype="float32", n_slots=2, n_ctx=64)
-    eager.graphs = None
-    for stage in (graphed, eager):
-        run(stage, PROMPT, [1] * len(PROMPT), list(range(len(PROMPT))))
-    for i in range(4):
-        a = run(graphed, [30 + i], [1], [len(PROMPT) + i])
-        b = run(eager, [30 + i], [1], [len(PROMPT) + i])
-        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
-    assert compiler_warmup._thread is not None and not compiler_warmup._thread.is_alive()
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen35"])

@@ -14,7 +14,6 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from . import compiler_warmup
 from .deltanet import ROLLBACK
 from .forward_batch import ForwardBatch
 from .layer import block
@@ -180,7 +179,6 @@ def _capture_stream(device: torch.device) -> torch.cuda.Stream:
 def capture(step, device: torch.device, pool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
     """Capture `step()` into a graph that allocates from `pool` (None: a new one). Warmed up on the
     same side stream first (allocator, kernel selection, compilation), as torch's docs prescribe."""
-    compiler_warmup.wait()  # no other thread's kernels inside a capture
     side = _capture_stream(device)
     side.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(side):

@@ -63,10 +63,9 @@ class HeadWorker:
         """Model file → Pipeline → Engine; each step moves /health's startup_stage on."""
         # Imported here, not at the top: they bring torch, and /health must answer while it loads.
         from ..default_model import model_path
-        from ..device import resolve_device
         from ..embedding import resolve_pooling
         from ..gguf_file import GGUFFile
-        from ..model import ModelConfig, compiler_warmup
+        from ..model import ModelConfig
         from ..model.rank import NotAReranker, RankHead
         from ..pd import Disaggregator, PdStats, PrefillClient
         from ..rpc.service import HeadRpc, RpcCollector
@@ -75,8 +74,6 @@ class HeadWorker:
         from ..text.tokenizer import Tokenizer, fim_tokens
 
         cfg = self.cfg
-        if cfg.model.compile:  # its one-time costs beside the load
-            compiler_warmup.start(resolve_device(cfg.model.device))
         path = model_path(cfg.model.model)
         self.gguf = g = GGUFFile(path)
         self.tok = Tokenizer.from_gguf(g)

@@ -20,7 +20,7 @@ from ..device import resolve_device
 from ..gguf_file import GGUFFile
 from ..http.worker import add_observation_routes, http_server, listen_socket
 from ..metrics import Metrics
-from ..model import ModelConfig, compiler_warmup
+from ..model import ModelConfig
 from ..rpc.compute import ComputeServer
 from ..rpc.listener import RpcListener
 from ..rpc.resident import StageHost
@@ -39,8 +39,6 @@ class PeerWorker:
         g = GGUFFile(self.path)
         self.model_cfg = ModelConfig.from_gguf(g)
         self.device = resolve_device(cfg.model.device)
-        if cfg.model.compile:  # its one-time costs before a head's LOAD_STAGE, or beside it
-            compiler_warmup.start(self.device)
         self.status.model = ModelInfo(
             self.path.stem, str(self.path), g.architecture, self.model_cfg.n_layers, g.fingerprint
         )
