@@ -7,10 +7,11 @@ from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
 from textual.screen import Screen
-from textual.widgets import DataTable, Footer, Header, Label, RichLog, Sparkline, Static
+from textual.widgets import DataTable, Footer, Header, Label, Sparkline, Static
 
 from .. import display, log_text, memory_text, rtt_text
 from . import triage
+from .wrapped_log import WrappedLog
 
 SPARK_SAMPLES = 60  # the sparklines show the last minute at 1 Hz
 
@@ -41,7 +42,7 @@ class DashboardScreen(Screen):
                 yield Sparkline([], id="decode", summary_function=max)
             yield Static(id="info")
             yield Static(id="advice")
-            events = RichLog(id="events", max_lines=500, wrap=True, min_width=20)
+            events = WrappedLog(self.replay_events, id="events", max_lines=500, min_width=20)
             events.border_title = "Events"
             yield events
         yield Footer()
@@ -51,7 +52,7 @@ class DashboardScreen(Screen):
         self.refresh_view()
 
     def replay_events(self) -> None:
-        log = self.query_one("#events", RichLog)
+        log = self.query_one("#events", WrappedLog)
         log.clear()
         for ev in self.app.supervisor.events:
             self.add_event(ev, log)
@@ -64,14 +65,10 @@ class DashboardScreen(Screen):
         row_key, _ = table.coordinate_to_cell_key(table.cursor_coordinate)
         return row_key.value
 
-    def add_event(self, ev, log: RichLog | None = None) -> None:
-        log = log or self.query_one("#events", RichLog)
+    def add_event(self, ev, log: WrappedLog | None = None) -> None:
+        log = log or self.query_one("#events", WrappedLog)
         tone = log_text.EVENT_TONES.get(ev.kind)
-        # Wrap at the panel's width: RichLog would measure against the app console's, not the terminal's.
-        log.write(
-            Text(log_text.event_line(ev), style=self.app.tone_style(tone) if tone else ""),
-            width=log.scrollable_content_region.width or None,
-        )
+        log.write_line(Text(log_text.event_line(ev), style=self.app.tone_style(tone) if tone else ""))
 
     def on_data_table_row_selected(self, event: DataTable.RowSelected) -> None:
         self.app.action_detail(event.row_key.value)
@@ -96,8 +93,6 @@ class DashboardScreen(Screen):
         # Also sent when the screen comes back from logs/detail: redraw only if the width really changed.
         if self.size.width != self._width:
             self.refresh_view()
-            # The log keeps lines wrapped at the width they were written at: rewrite them once it has its new size.
-            self.call_after_refresh(self.replay_events)
 
     def _table(self) -> DataTable:
         """The worker table, its columns chosen for the width (it is rebuilt when that changes)."""

@@ -7,9 +7,10 @@ from rich.text import Text
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.screen import Screen
-from textual.widgets import Footer, Header, Input, Label, RichLog
+from textual.widgets import Footer, Header, Input, Label
 
 from .. import log_text
+from .wrapped_log import WrappedLog
 
 SHOWN = 2000  # lines re-rendered when the view changes
 
@@ -32,7 +33,6 @@ class LogsScreen(Screen):
         self.follow = True
         self.requests_only = False  # only the access log's lines (log_text.ACCESS_LINE)
         self._last_seq = -1
-        self._width = 0  # the width the log's lines were wrapped at
 
     def compose(self) -> ComposeResult:
         yield Header()
@@ -40,19 +40,12 @@ class LogsScreen(Screen):
         filt = Input(placeholder="regex filter (enter to apply, esc to leave)", id="filter", value=self.pattern_text)
         filt.display = bool(self.pattern_text)
         yield filt
-        yield RichLog(id="log", max_lines=SHOWN * 2, wrap=True, min_width=40)
+        yield WrappedLog(self.rerender, id="log", max_lines=SHOWN * 2, min_width=40)
         yield Footer()
 
     def on_mount(self) -> None:
-        self.query_one("#log", RichLog).focus()
+        self.query_one("#log", WrappedLog).focus()
         self.set_interval(0.25, self.append_new)
-
-    def on_resize(self) -> None:
-        # Lines are wrapped at the width they were written at: (re)write them once the log has its
-        # size, at the start too (before its first layout the log knows no width).
-        if self.size.width != self._width:
-            self._width = self.size.width
-            self.call_after_refresh(self.rerender)
 
     def _lines(self):
         sup = self.app.supervisor
@@ -71,20 +64,18 @@ class LogsScreen(Screen):
             bar.append(f"  filter {'!' if self.invert else ''}/{self.pattern_text}/")
         self.query_one("#logbar", Label).update(bar)
 
-    def _write(self, log: RichLog, line) -> None:
+    def _write(self, log: WrappedLog, line) -> None:
         text = log_text.log_line_text(line, with_worker=self.source is None)
         label = log_text.failure_label(line.text)
         # Only known failures stand out: workers log everything to stderr, so the stream says little.
-        # Wrapped at the log's width: RichLog would measure against the app console's, not the terminal's.
-        width = log.scrollable_content_region.width or None
         if label:
-            log.write(Text(f"{text}  ◀ {label}", style=f"bold {self.app.tone_style('error')}"), width=width)
+            log.write_line(Text(f"{text}  ◀ {label}", style=f"bold {self.app.tone_style('error')}"))
         else:
-            log.write(Text(text), width=width)
+            log.write_line(Text(text))
 
     def rerender(self) -> None:
         self._bar()
-        log = self.query_one("#log", RichLog)
+        log = self.query_one("#log", WrappedLog)
         log.clear()
         lines = list(self._lines())
         self._last_seq = lines[-1].seq if lines else self._last_seq
@@ -98,7 +89,7 @@ class LogsScreen(Screen):
         if not new:
             return
         self._last_seq = new[-1].seq
-        log = self.query_one("#log", RichLog)
+        log = self.query_one("#log", WrappedLog)
         for line in self._visible(new):
             self._write(log, line)
 
@@ -114,7 +105,7 @@ class LogsScreen(Screen):
 
     def on_input_submitted(self, event: Input.Submitted) -> None:
         self.pattern_text = event.value
-        self.query_one("#log", RichLog).focus()
+        self.query_one("#log", WrappedLog).focus()
         self.query_one("#filter", Input).display = bool(self.pattern_text)
         self.rerender()
 
@@ -124,7 +115,7 @@ class LogsScreen(Screen):
             event.stop()
             filt.value = self.pattern_text
             filt.display = bool(self.pattern_text)
-            self.query_one("#log", RichLog).focus()
+            self.query_one("#log", WrappedLog).focus()
 
     def action_next_source(self) -> None:
         names = [None, *self.app.supervisor.workers]
@@ -133,7 +124,7 @@ class LogsScreen(Screen):
 
     def action_toggle_follow(self) -> None:
         self.follow = not self.follow
-        self.query_one("#log", RichLog).auto_scroll = self.follow
+        self.query_one("#log", WrappedLog).auto_scroll = self.follow
         self.rerender()
 
     def action_toggle_invert(self) -> None:
