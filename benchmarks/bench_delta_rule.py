@@ -33,7 +33,7 @@ from types import SimpleNamespace
 
 import torch
 
-from hydra_console.engine.model import ROLLBACK, deltanet
+from hydra_console.engine.model import ROLLBACK, ForwardBatch, deltanet
 from hydra_console.engine.model.deltanet import DeltaNet
 
 
@@ -163,6 +163,9 @@ def profile(T: int, args, precision: str = "tf32") -> None:
 def bench_layer(T: int, stage, args) -> dict:
     net = stage.recurrent[0]
     x = torch.randn(T, stage.cfg.n_embd, device="cuda", dtype=torch.bfloat16)
+    batch = ForwardBatch.of_runs(
+        torch.zeros(T, dtype=torch.long, device="cuda"), torch.arange(T, device="cuda"), [(0, 0, T)]
+    )
     row = {"tokens": T}
     for name, kernel in (("layer_torch", False), ("layer_kernel", True)):
         if not kernel and T > args.torch_max:
@@ -171,7 +174,7 @@ def bench_layer(T: int, stage, args) -> dict:
         def go(kernel=kernel):
             deltanet.TRITON_PREFILL = kernel
             net.clear(0)
-            return net(x, [(0, 0, T)])
+            return net(x, batch)
 
         row[f"{name}_ms"] = timed(go, args.reps) * 1e3
     deltanet.TRITON_PREFILL = None

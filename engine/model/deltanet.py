@@ -36,6 +36,7 @@ import torch.nn.functional as F
 
 from ...contracts.footprint import ROLLBACK
 from .config import ModelConfig
+from .forward_batch import ForwardBatch, RunTensors
 
 # Steps per chunk of the chunked (prefill) form: llama.cpp's chunk size.
 CHUNK = 64
@@ -97,28 +98,28 @@ class DeltaNet:
         self.conv_state[slot] = self.conv_ckpt[slot, back - 1]
         self.ssm_state[slot] = self.ssm_ckpt[slot, back - 1]
 
-    def __call__(self, x: torch.Tensor, runs: list[tuple[int, int, int]]) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """Normed hidden states [T, n_embd] (compute dtype) of a flat batch -> layer output [T, n_embd]
         float32; advances the state of each run's slot by its tokens."""
         s = self.shape
         C, Hv, dv = s.conv_channels, s.n_v_heads, s.head_v_dim
+        runs, on_device = batch.runs, batch.run_tensors
         lengths = [n for _, _, n in runs]
         # On the kernels every prompt run takes the chunked form (a run of a few tokens too: the token
         # loop below launches ~8 kernels a token and layer); decode and verify runs stay token by token.
         kernels = _triton(x)
         long_run = (ROLLBACK + s.conv_kernel - 1) if kernels else (CHUNK + ROLLBACK)
         if kernels and min(lengths) > long_run:
-            return self._prefill(x, runs)
+            return self._prefill(x, lengths, on_device)
         proj = self.w_in(x).float()
         mixed, z, beta, alpha = proj.split([C, Hv * dv, Hv, Hv], dim=-1)
 
         # Flat tokens -> runs padded to the longest: [R, L, ...]; `valid` maps back.
         R, L, dev = len(runs), max(lengths), x.device
-        n = torch.tensor(lengths, device=dev)
+        n, slots = on_device.lengths, on_device.slots
         steps = torch.arange(L, device=dev)
         valid = steps[None, :] < n[:, None]  # [R, L]
-        index = ((torch.cumsum(n, 0) - n)[:, None] + steps[None, :]).clamp(max=x.shape[0] - 1)
-        slots = torch.tensor([slot for slot, _, _ in runs], device=dev)
+        index = (on_device.starts[:, None] + steps[None, :]).clamp(max=x.shape[0] - 1)
 
         def padded(t: torch.Tensor) -> torch.Tensor:
             return t[index] * valid.view(R, L, *([1] * (t.dim() - 1)))
@@ -140,13 +141,13 @@ class DeltaNet:
                 steps = max(lengths[r] for r in rows)
                 idx = torch.tensor(rows, device=dev)
                 part = (x[idx, :steps] for x in (q, k, v, g, b))
-                out[idx, :steps] = self._delta_rule(*part, slots[idx], [lengths[r] for r in rows], x.dtype)
+                out[idx, :steps] = self._delta_rule(*part, slots[idx], [lengths[r] for r in rows], n[idx], x.dtype)
         else:
-            out = self._delta_rule(q, k, v, g, b, slots, lengths, x.dtype)
+            out = self._delta_rule(q, k, v, g, b, slots, lengths, n, x.dtype)
 
         return self._output(out[valid], z, x.dtype)  # [T, Hv, dv], back in batch order
 
-    def _prefill(self, x: torch.Tensor, runs: list[tuple[int, int, int]]) -> torch.Tensor:
+    def _prefill(self, x: torch.Tensor, lengths: list[int], on_device: RunTensors) -> torch.Tensor:
         """`__call__` when every run is long, on CUDA: the conv, SiLU, L2 norms and gates in one Triton
         kernel (`kernels/triton_gdn_conv.py`), then the chunked rule's (`kernels/triton_delta_rule.py`),
         whose last kernel also applies the output side (scale, gated RMSNorm) to each head; the same
@@ -157,11 +158,8 @@ class DeltaNet:
         s = self.shape
         C, Hv, dv, K = s.conv_channels, s.n_v_heads, s.head_v_dim, s.conv_kernel
         proj = self.w_in(x)  # the kernel reads it in float32, as `.float()` would give it
-        lengths = [n for _, _, n in runs]
         L, dev = max(lengths), x.device
-        n = torch.tensor(lengths, device=dev)
-        starts = torch.cumsum(n, 0) - n
-        slots = torch.tensor([slot for slot, _, _ in runs], device=dev)
+        n, starts, slots = on_device.lengths, on_device.starts, on_device.slots
         heads = (s.n_k_heads, s.head_k_dim, Hv, dv)
         state = self.conv_state[slots]
         q, k, v, g, b = gdn_conv_gates(
@@ -254,10 +252,10 @@ class DeltaNet:
         self.conv_state[slots] = states[kj == 0]
         return F.silu(conv).transpose(1, 2)
 
-    def _delta_rule(self, q, k, v, g, b, slots, lengths, dtype) -> torch.Tensor:
+    def _delta_rule(self, q, k, v, g, b, slots, lengths, n, dtype) -> torch.Tensor:
         """Sᵀq per step [R, L, Hv, dv] (unscaled), from each slot's state (q, k [R, L, n_k_heads, dk]);
-        keeps the new states and the checkpoints. Runs longer than a verify on CUDA: the Triton chunked
-        kernel, whole.
+        keeps the new states and the checkpoints (`lengths` on the host, `n` the same on the device).
+        Runs longer than a verify on CUDA: the Triton chunked kernel, whole.
         Otherwise chunked up to where the shortest run's checkpoints begin (they need per-token
         states), token by token after that."""
         R, L, Hv, dv = v.shape
@@ -265,7 +263,6 @@ class DeltaNet:
         if min(lengths) > ROLLBACK + 1 and _triton(v):  # no decode or verify run among them
             from ..kernels.triton_delta_rule import chunk_gated_delta_rule
 
-            n = torch.tensor(lengths, dtype=torch.int32, device=dev)
             state = self.ssm_state[slots]
             out, state, ckpt = chunk_gated_delta_rule(q, k, v, g, b, state, n, self.depth, _precision(dtype))
             self.ssm_state[slots] = state

@@ -13,10 +13,12 @@ buffers, once per capture.
 from __future__ import annotations
 
 import enum
+import functools
 from dataclasses import dataclass, field
 
 import torch
 
+from ..device import to_device
 from ..errors import UserError
 
 Run = tuple[int, int, int]  # (slot, first position, tokens)
@@ -26,6 +28,15 @@ class Mode(enum.Enum):
     RUNS = "runs"
     BATCHED = "batched"
     FRESH = "fresh"
+
+
+@dataclass(frozen=True)
+class RunTensors:
+    """A RUNS batch's runs on its device, long [R] each: their slots, lengths and first rows."""
+
+    slots: torch.Tensor
+    lengths: torch.Tensor
+    starts: torch.Tensor
 
 
 @dataclass(frozen=True, eq=False)
@@ -48,6 +59,16 @@ class ForwardBatch:
         cls, slots: torch.Tensor, positions: torch.Tensor, runs: list[Run], per_row: bool = False
     ) -> ForwardBatch:
         return cls(slots, positions, Mode.RUNS, runs=runs, per_row=per_row)
+
+    @functools.cached_property
+    def run_tensors(self) -> RunTensors:
+        """`runs` on the batch's device, sent once per pass through page-locked memory (every recurrent
+        layer reads them): each layer's own `torch.tensor(..., device=)` was a pageable copy, which
+        waits for the device's queue, so a prompt step's host never ran ahead of its kernels."""
+        lengths = [n for _, _, n in self.runs]
+        starts = [sum(lengths[:i]) for i in range(len(lengths))]
+        host = torch.tensor([[slot for slot, _, _ in self.runs], lengths, starts], dtype=torch.long)
+        return RunTensors(*to_device(host, self.slots.device))
 
     @classmethod
     def batched(cls, slots: torch.Tensor, positions: torch.Tensor, per_slot: int, kv_len: int) -> ForwardBatch:

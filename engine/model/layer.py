@@ -113,7 +113,7 @@ def block(layer: Layer, h: torch.Tensor, rope, batch: ForwardBatch, bias) -> tor
     if layer.deltanet is not None:
         if batch.mode is Mode.BATCHED:
             return _ffn(layer, h + layer.deltanet.step(x, batch.slots, batch.per_slot))
-        return _ffn(layer, h + layer.deltanet(x, batch.runs))
+        return _ffn(layer, h + layer.deltanet(x, batch))
     qkv = layer.wqkv(x)
     gate = None
     if cfg.attn_gate:  # Q rows come as [q, gate] per head: split the gate off

@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from ..device import resolve_device, resolve_dtype
+from ..device import resolve_device, resolve_dtype, to_device
 from ..errors import UserError
 from ..gguf_file import GGUFFile
 from ..kernels.qlinear import embed_rows
@@ -363,7 +363,9 @@ class Stage:
 
     def _eager(self, slots: torch.Tensor, positions: torch.Tensor, runs) -> ForwardBatch:
         """The batch of an eager forward over host `slots` / `positions`."""
-        return ForwardBatch.of_runs(slots.to(self.device), positions.to(self.device), runs, self.deterministic)
+        return ForwardBatch.of_runs(
+            to_device(slots, self.device), to_device(positions, self.device), runs, self.deterministic
+        )
 
     def forward(self, h: torch.Tensor, batch: ForwardBatch, layers=None, block=block) -> torch.Tensor:
         """The layers (all, or `layers`) over `batch`, eagerly; what the CUDA graphs capture. `block`
