@@ -463,7 +463,7 @@ def test_qmma_op_schema_and_fake_tensor():
 
     _, w, _ = _weight(T.Q6_K, 40, 256, device=KERNEL_DEVICE)
     x = torch.randn(5, 256, device=KERNEL_DEVICE).bfloat16()
-    torch.library.opcheck(qmma, (x, *qweight_planes(w)), test_utils=("test_schema", "test_faketensor"))
+    torch.library.opcheck(qmma.op, (x, *qweight_planes(w)), test_utils=("test_schema", "test_faketensor"))
 
 
 @cuda

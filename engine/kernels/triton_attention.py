@@ -19,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .custom_op import kernel_op
 from .split_k import sm_count
 
 
@@ -222,7 +223,7 @@ def _strides(t: torch.Tensor | None) -> tuple[int, int, int]:
     return (0, 0, 0) if t is None else t.stride()[:3]
 
 
-@torch.library.custom_op("hydra::decode_attention", mutates_args=())
+@kernel_op("hydra::decode_attention")
 def decode_attention(
     q: torch.Tensor,
     k: torch.Tensor,

@@ -40,6 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .custom_op import kernel_op
 from .triton_wy import wy_blocked_kernel, wy_kernel
 
 BT = 64  # tokens per chunk (llama.cpp's and fla's)
@@ -203,7 +204,7 @@ def _pow2(n: int, at_least: int = 16) -> int:
     return max(at_least, triton.next_power_of_2(n))
 
 
-@torch.library.custom_op("hydra::chunk_gated_delta_rule", mutates_args=())
+@kernel_op("hydra::chunk_gated_delta_rule")
 def chunk_gated_delta_rule(
     q: torch.Tensor,
     k: torch.Tensor,

@@ -14,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .custom_op import kernel_op
 from .split_k import plan, reduced
 
 # By row count rounded up to a power of two: (BLOCK_N, BLOCK_K, num_warps, programs per SM that
@@ -102,7 +103,7 @@ def dense_gemv(x: torch.Tensor, w: torch.Tensor, config: tuple[int, int, int, in
     return reduced(out, x.dtype)
 
 
-@torch.library.custom_op("hydra::dmm", mutates_args=())
+@kernel_op("hydra::dmm")
 def dmm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """`dense_gemv` as an op torch.compile keeps whole (and CUDA graphs capture: Triton launches only)."""
     return dense_gemv(x, w)

@@ -21,6 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .custom_op import kernel_op
+
 
 @triton.jit
 def _conv_gates_kernel(
@@ -106,7 +108,7 @@ def _conv_gates_kernel(
         tl.store(b_ptr + rows[:, None] * HV + h[None, :], b, mask=in_l[:, None] & h_ok[None, :])
 
 
-@torch.library.custom_op("hydra::gdn_conv_gates", mutates_args=())
+@kernel_op("hydra::gdn_conv_gates")
 def gdn_conv_gates(
     proj: torch.Tensor,
     conv_state: torch.Tensor,

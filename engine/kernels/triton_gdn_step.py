@@ -32,6 +32,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .custom_op import kernel_op
+
 # The recurrence's launch: V columns per program and warps (flash-linear-attention's fused recurrent
 # kernel: 8 columns, one warp: many small programs, enough of them to fill the GPU at one slot).
 # benchmarks/bench_gdn_step.py --sweep times the alternatives.
@@ -199,7 +201,7 @@ def _rule_step_kernel(
     tl.store(rows_ptr + slot * SZ + at, state, mask=put)
 
 
-@torch.library.custom_op("hydra::gated_delta_step", mutates_args=("conv_rows", "ssm_rows"))
+@kernel_op("hydra::gated_delta_step", mutates_args=("conv_rows", "ssm_rows"))
 def gated_delta_step(
     proj: torch.Tensor,
     slots: torch.Tensor,

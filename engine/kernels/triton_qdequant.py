@@ -13,6 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .custom_op import kernel_op
 from .qweight import QuantWeight
 from .triton_qplanes import code_words, layout_args, planes_args, scales, word_floats
 
@@ -93,7 +94,7 @@ def _dequant_launch(q, h, d, sc, m, qtype: int, out: torch.Tensor, ids: torch.Te
     )
 
 
-@torch.library.custom_op("hydra::qdequant", mutates_args=())
+@kernel_op("hydra::qdequant")
 def qdequant(
     q: torch.Tensor,
     h: torch.Tensor | None,
@@ -113,7 +114,7 @@ def _(q, h, d, sc, m, qtype, dtype):
     return q.new_empty(q.shape[0], q.shape[1] * 2, dtype=dtype)
 
 
-@torch.library.custom_op("hydra::qembed", mutates_args=())
+@kernel_op("hydra::qembed")
 def qembed(
     ids: torch.Tensor,
     q: torch.Tensor,
@@ -137,7 +138,7 @@ def _(ids, q, h, d, sc, m, qtype, dtype):
     return ids.new_empty(ids.numel(), q.shape[1] * 2, dtype=dtype)
 
 
-@torch.library.custom_op("hydra::qdequant_into", mutates_args=("out",))
+@kernel_op("hydra::qdequant_into", mutates_args=("out",))
 def qdequant_into(
     q: torch.Tensor,
     h: torch.Tensor | None,

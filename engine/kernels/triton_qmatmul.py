@@ -20,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .custom_op import kernel_op
 from .qweight import QuantWeight
 from .split_k import plan, reduced
 from .triton_qplanes import code_words, codes, layout_args, planes_args, scales
@@ -266,7 +267,7 @@ def _gemv_kernel(
     tl.store(out, y.to(out_ptr.dtype.element_ty), mask=(rows2 < N) & (xr2 < M))
 
 
-@torch.library.custom_op("hydra::qmm", mutates_args=())
+@kernel_op("hydra::qmm")
 def qmm(
     x: torch.Tensor,
     q: torch.Tensor,

@@ -27,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .custom_op import kernel_op
 from .qweight import QuantWeight
 from .split_k import plan, reduced
 from .triton_qplanes import code_words, layout_args, planes_args, scales, word_floats
@@ -182,7 +183,7 @@ def qmma_launch(x: torch.Tensor, planes: tuple, config: tuple) -> torch.Tensor:
     return reduced(out, x.dtype)
 
 
-@torch.library.custom_op("hydra::qmma", mutates_args=())
+@kernel_op("hydra::qmma")
 def qmma(
     x: torch.Tensor,
     q: torch.Tensor,

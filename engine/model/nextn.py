@@ -127,9 +127,10 @@ class NextN:
             return lin(x).float()
         if x.device.type == "cuda" and x.shape[0] <= PRECISE_ROWS and lin.scale is None:
             from ..kernels.triton_dense import DENSE_GEMV_MAX_ROWS as step
+            from ..kernels.triton_dense import dmm
 
             w = lin.weight  # 16-bit, read once per `step` rows, the products summed in float32
-            return torch.cat([torch.ops.hydra.dmm(x[i : i + step], w) for i in range(0, x.shape[0], step)])
+            return torch.cat([dmm(x[i : i + step], w) for i in range(0, x.shape[0], step)])
         return lin(x.to(self.block.dtype)).float()
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:

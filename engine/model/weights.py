@@ -89,10 +89,10 @@ def _dense_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     cuBLAS over the 1.1B's matrices at one row, docs/PERF.md session 15), more rows by cuBLAS."""
     dense16 = w.dtype in (torch.bfloat16, torch.float16) and x.dtype == w.dtype and w.stride(1) == 1
     if x.device.type == "cuda" and dense16:
-        from ..kernels.triton_dense import DENSE_GEMV_MAX_ROWS
+        from ..kernels.triton_dense import DENSE_GEMV_MAX_ROWS, dmm
 
         if x.shape[0] <= DENSE_GEMV_MAX_ROWS:
-            return torch.ops.hydra.dmm(x, w)
+            return dmm(x, w)
     return F.linear(x, w)
 
 
