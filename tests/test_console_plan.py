@@ -27,31 +27,13 @@ from hydra_console.contracts.errors import UserError
 from hydra_console.contracts.fit import GIB
 from hydra_console.engine.cli import build_parser
 from hydra_console.engine.cli_config import head_config
-from hydra_console.engine.synth import write_synthetic
-
-QWEN35_27B = dict(
-    n_layers=64,
-    n_embd=5120,
-    n_head=24,
-    n_head_kv=4,
-    head_dim=256,
-    n_ff=17408,
-    vocab_size=248320,
-    ssm_state=128,
-    ssm_groups=16,
-    ssm_v_heads=48,
-    conv_kernel=4,
-    full_attention_interval=4,
-    qtype="Q5_K_M",
-    bigram=True,
-    nextn=True,
-)
+from hydra_console.engine.synth import QWEN35_27B, write_synthetic
 
 
 @pytest.fixture(scope="module")
 def qwen27b(tmp_path_factory):
     """The users' model (Qwen3.5-27B Q5_K_M + its MTP block), metadata and tensor table only."""
-    return write_synthetic(tmp_path_factory.mktemp("q27") / "q27.gguf", "qwen35", header_only=True, **QWEN35_27B)
+    return write_synthetic(tmp_path_factory.mktemp("q27") / "q27.gguf", header_only=True, **QWEN35_27B)
 
 
 def users_profile(model, head_gb: float, peer_gb: float) -> Profile:

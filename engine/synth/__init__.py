@@ -24,6 +24,30 @@ from .vocab import tiny_vocab
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3", "qwen35")
 
+# The users' model (issue 37): Qwen3.5-27B's shape as llama.cpp's Q5_K_M mix, a trunk that follows
+# a bigram table and a NextN block that predicts it exactly (MTP acceptance 1 at p-min 0), and a
+# training context llama-server does not cap a 96K slot at. `python -m hydra_console.engine.synth`.
+QWEN35_27B = dict(
+    arch="qwen35",
+    n_layers=64,
+    n_embd=5120,
+    n_head=24,
+    n_head_kv=4,
+    head_dim=256,
+    n_ff=17408,
+    vocab_size=248320,
+    ssm_state=128,
+    ssm_groups=16,
+    ssm_v_heads=48,
+    conv_kernel=4,
+    full_attention_interval=4,
+    qtype="Q5_K_M",
+    bigram=True,
+    nextn=True,
+    n_ctx=262144,
+)
+SHAPES = {"qwen35-27b": QWEN35_27B}
+
 FIM_TOKENS = ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>")
 # llama.cpp's converter writes it into every Qwen3 reranker (conversion/qwen.py, Qwen3Model)
 QWEN3_RERANK_TEMPLATE = (
