@@ -158,7 +158,7 @@ class DeltaNet:
         s = self.shape
         C, Hv, dv, K = s.conv_channels, s.n_v_heads, s.head_v_dim, s.conv_kernel
         proj = self.w_in(x)  # the kernel reads it in float32, as `.float()` would give it
-        L, dev = max(lengths), x.device
+        L = max(lengths)
         n, starts, slots = on_device.lengths, on_device.starts, on_device.slots
         heads = (s.n_k_heads, s.head_k_dim, Hv, dv)
         state = self.conv_state[slots]
@@ -167,9 +167,7 @@ class DeltaNet:
         )
         # The conv windows j = 0 (the new state) .. depth tokens before each run's end: its last
         # K - 1 inputs there, all inside the run (it is longer than ROLLBACK + K - 1).
-        back = torch.arange(self.depth + 1, device=dev)[None, :, None]
-        rows = (starts + n - (K - 1))[:, None, None] - back + torch.arange(K - 1, device=dev)[None, None, :]
-        windows = proj[rows, :C].float().transpose(-1, -2)  # [R, depth + 1, C, K - 1]
+        windows = proj[on_device.window_rows(K, self.depth), :C].float().transpose(-1, -2)  # [R, depth+1, C, K-1]
         self.conv_state[slots] = windows[:, 0]
         self.conv_ckpt[slots] = windows[:, 1:]
         # The rule, and the output side (scale, gated RMSNorm) as its kernel writes each head's rows.

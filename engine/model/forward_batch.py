@@ -30,13 +30,25 @@ class Mode(enum.Enum):
     FRESH = "fresh"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class RunTensors:
     """A RUNS batch's runs on its device, long [R] each: their slots, lengths and first rows."""
 
     slots: torch.Tensor
     lengths: torch.Tensor
     starts: torch.Tensor
+    _windows: dict = field(default_factory=dict, repr=False)
+
+    def window_rows(self, kernel: int, depth: int) -> torch.Tensor:
+        """Rows of the flat batch [R, depth + 1, kernel - 1]: for j = 0..depth, the last kernel - 1
+        inputs of each run's conv window j tokens before its end. Every recurrent layer of a pass
+        reads the same: built once (5 launches a layer before)."""
+        if (kernel, depth) not in self._windows:
+            dev = self.starts.device
+            back = torch.arange(depth + 1, device=dev)[None, :, None]
+            ends = (self.starts + self.lengths - (kernel - 1))[:, None, None]
+            self._windows[kernel, depth] = ends - back + torch.arange(kernel - 1, device=dev)[None, None, :]
+        return self._windows[kernel, depth]
 
 
 @dataclass(frozen=True, eq=False)
