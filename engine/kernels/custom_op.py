@@ -10,9 +10,10 @@ import torch
 
 class KernelOp:
     """`fn` registered as the custom op `name`: the op runs while torch.compile traces, `fn` itself
-    everywhere else (eager steps, CUDA graph captures of eager code). The op's dispatch costs ~45 µs a
-    call against ~3 µs for the function on this project's CPU VM (whose single thread is about the
-    H100 host's), and a 27B prompt step makes ~420 such calls eagerly (docs/PERF.md, session 27)."""
+    everywhere else (eager steps, CUDA graph captures of eager code). Through the dispatcher a call
+    cost 17-45 µs on this project's CPU VM (idle, loaded), the plain function 2-3 µs; the H100 hosts'
+    Python ran about as fast as this VM's, and a 27B prompt step makes ~420 such calls eagerly
+    (docs/PERF.md, session 27)."""
 
     def __init__(self, name: str, fn: Callable, mutates_args: Iterable[str]):
         self.fn = fn
