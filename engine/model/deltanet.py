@@ -16,9 +16,10 @@ with no host values, which the decode graphs capture. A batch's runs (one per sl
 it together, padded to the longest: a padded step has g = 0 and β = 0, which leaves the state
 exactly as it was, so prefill chunks, verify batches and decode share one code path. Long runs
 (prefill) take their first CHUNK-multiple of steps in the chunked form (`_chunked`, equal to the
-token-by-token one to float32 rounding), the rest token by token. On CUDA (`TRITON_PREFILL`) every run
-longer than a verify (a prompt's, however short) goes whole through the Triton chunked kernel instead (`kernels/triton_delta_rule.py`: the same chunked
-form, one launch per stage of it, with the final state and the checkpoints), and `step` through the
+token-by-token one to float32 rounding), the rest token by token. On CUDA (`TRITON_PREFILL`) every
+run longer than a verify (a prompt's, however short) goes whole through the Triton chunked kernel
+instead (`kernels/triton_delta_rule.py`: the same chunked form, one launch per stage of it, with the
+final state and the checkpoints), and `step` through the
 step kernels (`kernels/triton_gdn_step.py`: the conv and gates, then the recurrence with each state
 tile held in registers for all the slot's tokens); the torch forms stay the reference and the CPU path.
 

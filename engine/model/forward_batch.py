@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import enum
 import functools
+import itertools
 from dataclasses import dataclass, field
 
 import torch
@@ -78,7 +79,7 @@ class ForwardBatch:
         layer reads them): each layer's own `torch.tensor(..., device=)` was a pageable copy, which
         waits for the device's queue, so a prompt step's host never ran ahead of its kernels."""
         lengths = [n for _, _, n in self.runs]
-        starts = [sum(lengths[:i]) for i in range(len(lengths))]
+        starts = list(itertools.accumulate(lengths[:-1], initial=0))
         host = torch.tensor([[slot for slot, _, _ in self.runs], lengths, starts], dtype=torch.long)
         return RunTensors(*to_device(host, self.slots.device))
 
