@@ -110,6 +110,7 @@ def attention(batches: list[int], contexts: list[int], kinds: list[str]) -> None
                             slots,
                             positions,
                             kv.blocks.table,
+                            n_ctx,
                             0,
                             CFG.attn_scale,
                             default_splits(batch, N_KV, n_ctx, HEAD_DIM, q.device),

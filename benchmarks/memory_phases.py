@@ -85,6 +85,7 @@ def main() -> None:
     show("built")
     if args.eager_prefill:
         stage.prefill_graphs = None
+        stage.packed_graphs = None
     stage.warm_up(prefill_tokens=0 if args.eager_prefill else 512)
     show("warmed up")
     prompt = torch.randint(0, ModelConfig.from_gguf(g).n_vocab, (512,))

@@ -6,7 +6,8 @@ time) for one request. A device busy for a small part of the wall time means a h
 
 SERVE_ARGS go to `serve`'s own parser (e.g. `-b 256`, `--cache-type-k q8_0`); the defaults here
 are `--parallel 4 --ctx 2048 --no-compile` (torch.compile covers the decode step only). On CUDA a prompt
-replays its length bucket's prefill graph unless `--eager-prefill`.
+replays its length bucket's prefill graph (a recurrent stage: its packed graph, up to 256 tokens)
+unless `--eager-prefill`.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ def main() -> None:
     pipe = build_pipeline(cfg, g, ModelConfig.from_gguf(g))
     if args.eager_prefill:
         pipe.local.prefill_graphs = None
+        pipe.local.packed_graphs = None
     pipe.local.warm_up(prefill_tokens=cfg.batch_tokens)
     engine = Engine(
         pipe,

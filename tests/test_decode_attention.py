@@ -54,7 +54,7 @@ def _reference(kv, q, slots, positions, window, scale):
 def _run(kv, q, slots, positions, window, scale, splits):
     from hydra_console.engine.kernels.triton_attention import decode_attention
 
-    return decode_attention(q, *kv.stored(), slots, positions, kv.blocks.table, window, scale, splits)
+    return decode_attention(q, *kv.stored(), slots, positions, kv.blocks.table, kv.blocks.n_ctx, window, scale, splits)
 
 
 def _check(got, want, dtype, what):
@@ -93,6 +93,27 @@ def test_kernel_matches_float64_attention(dtype, k_type, v_type, n_head, n_kv, h
         f"{dtype} K {k_type} V {v_type} heads {n_head}/{n_kv}x{head_dim} window {window} splits {splits} "
         f"{'pooled' if pooled else 'reserved'}",
     )
+
+
+def test_a_padding_row_attends_to_itself_only():
+    """A CUDA graph's padding row (the padding slot, a position past the context) reads its own K/V,
+    not the n_ctx positions before it: its output is its V, whatever the slot's block holds."""
+    n_ctx, n_kv, head_dim = 96, 2, 32
+    blocks = KVBlocks.reserved(2, n_ctx, KERNEL_DEVICE, padding=4)
+    kv = KVCache(blocks, n_kv, head_dim, compute=torch.float32, device=KERNEL_DEVICE)
+    g = torch.Generator().manual_seed(3)
+    k, v = (torch.randn(n_ctx, n_kv, head_dim, generator=g).to(KERNEL_DEVICE) for _ in range(2))
+    kv.scatter(
+        torch.zeros(n_ctx, dtype=torch.long, device=KERNEL_DEVICE), torch.arange(n_ctx, device=KERNEL_DEVICE), k, v
+    )
+    pad = torch.tensor([blocks.pad_slot, 1], device=KERNEL_DEVICE)
+    positions = torch.tensor([n_ctx + 2, 5], device=KERNEL_DEVICE)
+    k1, v1 = (torch.randn(2, n_kv, head_dim, generator=g).to(KERNEL_DEVICE) for _ in range(2))
+    kv.scatter(pad, positions, k1, v1)
+    q = torch.randn(2, 4, head_dim, generator=g).to(KERNEL_DEVICE)
+    got = _run(kv, q, pad, positions, 0, head_dim**-0.5, 2)
+    torch.testing.assert_close(got[0], v1[0].repeat_interleave(2, 0))
+    _check(got[1:], _reference(kv, q[1:], pad[1:], positions[1:], 0, head_dim**-0.5), torch.float32, "slot 1 beside it")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs and torch.compile's Triton backend")

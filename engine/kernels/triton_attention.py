@@ -70,6 +70,7 @@ def _partial_kernel(
     m_ptr,
     l_ptr,
     acc_ptr,
+    pad_from,
     window,
     scale,
     q_sb,
@@ -106,6 +107,8 @@ def _partial_kernel(
     start = 0
     if window > 0:
         start = tl.maximum(length - window, 0)
+    if length > pad_from:  # a CUDA graph's padding row: its own position only, not a context's worth
+        start = length - 1
     first = (start // BLOCK_N) * BLOCK_N  # tiles on tile boundaries: within one block when it holds whole tiles
     chunk = tl.cdiv(tl.cdiv(length - first, SPLITS), BLOCK_N) * BLOCK_N
     lo = first + split * chunk
@@ -233,6 +236,7 @@ def decode_attention(
     slots: torch.Tensor,
     positions: torch.Tensor,
     block_table: torch.Tensor,
+    pad_from: int,
     window: int,
     scale: float,
     splits: int,
@@ -240,8 +244,9 @@ def decode_attention(
     """q [B, n_head, head_dim] over each slot's positions 0..positions[b] (the last `window` of them when
     window > 0) of the cache k, v [n_blocks, n_kv, block_size, head_dim] (int8 with k_scale / v_scale
     [n_blocks, n_kv, block_size, head_dim / 32] for q8_0); block_table [slots, blocks per slot] int32:
-    entry j of a slot is the block holding its positions from j * block_size. -> [B, n_head, head_dim]
-    in q's dtype."""
+    entry j of a slot is the block holding its positions from j * block_size; a row at position
+    pad_from or later (a CUDA graph's padding row, past the context) attends to itself only. ->
+    [B, n_head, head_dim] in q's dtype."""
     B, n_head, head_dim = q.shape
     n_kv = k.shape[1]
     group = n_head // n_kv
@@ -267,6 +272,7 @@ def decode_attention(
         m,
         l,
         acc,
+        pad_from,
         window,
         scale,
         q.stride(0),
@@ -304,5 +310,5 @@ def decode_attention(
 
 
 @decode_attention.register_fake
-def _(q, k, k_scale, v, v_scale, slots, positions, block_table, window, scale, splits):
+def _(q, k, k_scale, v, v_scale, slots, positions, block_table, pad_from, window, scale, splits):
     return torch.empty_like(q)

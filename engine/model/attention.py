@@ -5,7 +5,9 @@
 through SDPA. One token per slot with no host values, so a CUDA graph can capture it:
 `attend_decode` on CUDA (the Triton kernel: each slot walks only its own positions, in the cache's
 own type), `attend_batched` elsewhere (every slot attends over its first `kv_len` cache rows under
-an additive `decode_bias`). A prompt from position 0 with no host values: `attend_fresh`.
+an additive `decode_bias`); `Mode.PACKED` batches (short mixed steps) the same way, each row a
+query over its slot's positions up to its own. A prompt from position 0 with no host values:
+`attend_fresh`.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ def attend(cfg: ModelConfig, kv: KVCache, window: int, q, k, v, batch: ForwardBa
     slots, positions = batch.slots, batch.positions
     if batch.mode is Mode.FRESH:
         return attend_fresh(cfg, kv, window, q, k, v, slots, positions)
-    if batch.mode is Mode.BATCHED:
+    if batch.mode in (Mode.BATCHED, Mode.PACKED):  # rows of any slots and positions, no host values
         if q.device.type == "cuda":
             return attend_decode(cfg, kv, window, q, k, v, slots, positions)
         return attend_batched(cfg, kv, q, k, v, slots, positions, batch.kv_len, bias)
@@ -158,4 +160,5 @@ def attend_decode(cfg: ModelConfig, kv: KVCache, window: int, q, k, v, slots, po
 
     kv.scatter(slots, positions, k, v)
     splits = default_splits(q.shape[0], cfg.n_head_kv, kv.blocks.n_ctx, cfg.head_dim, q.device)
-    return decode_attention(q, *kv.stored(), slots, positions, kv.blocks.table, window, cfg.attn_scale, splits)
+    args = (slots, positions, kv.blocks.table, kv.blocks.n_ctx, window, cfg.attn_scale, splits)
+    return decode_attention(q, *kv.stored(), *args)

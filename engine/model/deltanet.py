@@ -19,9 +19,11 @@ exactly as it was, so prefill chunks, verify batches and decode share one code p
 token-by-token one to float32 rounding), the rest token by token. On CUDA (`TRITON_PREFILL`) every
 run longer than a verify (a prompt's, however short) goes whole through the Triton chunked kernel
 instead (`kernels/triton_delta_rule.py`: the same chunked form, one launch per stage of it, with the
-final state and the checkpoints), and `step` through the
-step kernels (`kernels/triton_gdn_step.py`: the conv and gates, then the recurrence with each state
-tile held in registers for all the slot's tokens); the torch forms stay the reference and the CPU path.
+final state and the checkpoints), and `step` through the step kernels (`kernels/triton_gdn_step.py`:
+the conv and gates, then the recurrence with each state tile held in registers for all the slot's
+tokens); the torch forms stay the reference and the CPU path. A PACKED batch (the CUDA graph of a
+short mixed step, `graphs.PackedGraphs`) takes the chunked kernel for every run, decodes included,
+its products at float32's accuracy.
 
 Unlike KV, recurrent state cannot be overwritten to roll back, so each run also checkpoints the
 states of its last `ROLLBACK` positions (and the one before them): a rejected speculative draft
@@ -37,7 +39,7 @@ import torch.nn.functional as F
 
 from ...contracts.footprint import ROLLBACK
 from .config import ModelConfig
-from .forward_batch import ForwardBatch, RunTensors
+from .forward_batch import ForwardBatch, Mode, RunTensors
 
 # Steps per chunk of the chunked (prefill) form: llama.cpp's chunk size.
 CHUNK = 64
@@ -79,14 +81,16 @@ class DeltaNet:
         self.conv_state, self.ssm_state = self.conv_rows[: self.rows], self.ssm_rows[: self.rows]
         self.conv_ckpt = self.conv_rows[self.rows :].view(n_slots, depth, *conv)
         self.ssm_ckpt = self.ssm_rows[self.rows :].view(n_slots, depth, *ssm)
+        self._depths = torch.arange(1, depth + 1, device=w.device)  # j of every checkpoint
 
     @property
     def nbytes(self) -> int:
         return self.w_in.nbytes + self.w_out.nbytes
 
-    def _ckpt_rows(self, slots: torch.Tensor, j: int) -> torch.Tensor:
-        """Rows of `conv_rows`/`ssm_rows` holding checkpoint j (>= 1) of each slot; the padding slot's
-        (a graph's unused rows) is its own state row, overwritten by the step's end anyway."""
+    def _ckpt_rows(self, slots: torch.Tensor, j: int | torch.Tensor) -> torch.Tensor:
+        """Rows of `conv_rows`/`ssm_rows` holding checkpoint j (>= 1; broadcast with `slots`) of each
+        slot; the padding slot's (a graph's unused rows) is its own state row, overwritten by the
+        step's end anyway."""
         real = slots < self.n_slots
         return torch.where(real, self.rows + slots * self.depth + (j - 1), slots)
 
@@ -102,16 +106,19 @@ class DeltaNet:
     def __call__(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """Normed hidden states [T, n_embd] (compute dtype) of a flat batch -> layer output [T, n_embd]
         float32; advances the state of each run's slot by its tokens."""
+        if batch.mode is Mode.PACKED:  # decode and verify runs among them: the rule's products at float32's accuracy
+            return self._prefill(x, batch, batch.max_run, "tf32x3")
         s = self.shape
         C, Hv, dv = s.conv_channels, s.n_v_heads, s.head_v_dim
         runs, on_device = batch.runs, batch.run_tensors
         lengths = [n for _, _, n in runs]
         # On the kernels every prompt run takes the chunked form (a run of a few tokens too: the token
-        # loop below launches ~8 kernels a token and layer); decode and verify runs stay token by token.
+        # loop below launches ~8 kernels a token and layer); decode and verify runs (up to ROLLBACK + 1
+        # tokens) stay token by token.
         kernels = _triton(x)
-        long_run = (ROLLBACK + s.conv_kernel - 1) if kernels else (CHUNK + ROLLBACK)
+        long_run = ROLLBACK + 1 if kernels else CHUNK + ROLLBACK
         if kernels and min(lengths) > long_run:
-            return self._prefill(x, lengths, on_device)
+            return self._prefill(x, batch, max(lengths), _precision(x.dtype))
         proj = self.w_in(x).float()
         mixed, z, beta, alpha = proj.split([C, Hv * dv, Hv, Hv], dim=-1)
 
@@ -148,38 +155,49 @@ class DeltaNet:
 
         return self._output(out[valid], z, x.dtype)  # [T, Hv, dv], back in batch order
 
-    def _prefill(self, x: torch.Tensor, lengths: list[int], on_device: RunTensors) -> torch.Tensor:
-        """`__call__` when every run is long, on CUDA: the conv, SiLU, L2 norms and gates in one Triton
-        kernel (`kernels/triton_gdn_conv.py`), then the chunked rule's (`kernels/triton_delta_rule.py`),
-        whose last kernel also applies the output side (scale, gated RMSNorm) to each head; the same
-        arithmetic, states and checkpoints as the torch forms, to float32 rounding."""
+    def _prefill(self, x: torch.Tensor, batch: ForwardBatch, L: int, precision: str) -> torch.Tensor:
+        """`__call__` on the kernels for runs of up to L tokens each: the conv, SiLU, L2 norms and gates
+        in one Triton kernel (`kernels/triton_gdn_conv.py`), then the chunked rule's
+        (`kernels/triton_delta_rule.py`), whose last kernel also applies the output side (scale, gated
+        RMSNorm) to each head; the same arithmetic, states and checkpoints as the torch forms, to
+        float32 rounding (`precision`: the rule's products). Host values: L alone (a PACKED batch's
+        graph replays it for any runs within it)."""
         from ..kernels.triton_delta_rule import chunk_gated_delta_rule
         from ..kernels.triton_gdn_conv import gdn_conv_gates
 
         s = self.shape
         C, Hv, dv, K = s.conv_channels, s.n_v_heads, s.head_v_dim, s.conv_kernel
         proj = self.w_in(x)  # the kernel reads it in float32, as `.float()` would give it
-        L = max(lengths)
-        n, starts, slots = on_device.lengths, on_device.starts, on_device.slots
+        runs = batch.run_tensors
+        n, starts, slots = runs.lengths, runs.starts, runs.slots
         heads = (s.n_k_heads, s.head_k_dim, Hv, dv)
         state = self.conv_state[slots]
         q, k, v, g, b = gdn_conv_gates(
             proj, state, self.conv, self.dt_bias, self.a, starts, n, L, *heads, self.cfg.rms_eps
         )
-        # The conv windows j = 0 (the new state) .. depth tokens before each run's end: its last
-        # K - 1 inputs there, all inside the run (it is longer than ROLLBACK + K - 1).
-        windows = proj[on_device.window_rows(K, self.depth), :C].float().transpose(-1, -2)  # [R, depth+1, C, K-1]
-        self.conv_state[slots] = windows[:, 0]
-        self.conv_ckpt[slots] = windows[:, 1:]
+        self._keep_windows(proj[:, :C], state, runs)
         # The rule, and the output side (scale, gated RMSNorm) as its kernel writes each head's rows.
         z = proj[:, C : C + Hv * dv]
         out, state, ckpt = chunk_gated_delta_rule(
-            *(q, k, v, g, b, self.ssm_state[slots], n, self.depth, _precision(x.dtype)),
+            *(q, k, v, g, b, self.ssm_state[slots], n, self.depth, precision),
             *(z, self.norm, starts, s.head_k_dim**-0.5, self.cfg.rms_eps),
         )
         self.ssm_state[slots] = state
-        self.ssm_ckpt[slots] = ckpt
+        self.ssm_rows[self._ckpt_rows(slots[:, None], self._depths)] = ckpt
         return self.w_out(out).float()
+
+    def _keep_windows(self, mixed: torch.Tensor, state: torch.Tensor, runs: RunTensors) -> None:
+        """The new conv state of each run's slot and its checkpoints: the last K - 1 conv inputs
+        j = 0..depth tokens before the run's end, from the batch's rows `mixed` [T, C] or, where the
+        window reaches before the run, from the incoming state [R, C, K - 1]."""
+        K, C = self.shape.conv_kernel, self.shape.conv_channels
+        steps = runs.window_steps(K, self.depth)  # [R, depth + 1, K - 1]
+        from_run = mixed[(runs.starts[:, None, None] + steps).clamp(0, mixed.shape[0] - 1)].float()
+        cols = (steps + K - 1).clamp(0, K - 2).flatten(1)[..., None].expand(-1, -1, C)
+        from_state = state.transpose(1, 2).gather(1, cols).view_as(from_run)
+        windows = torch.where(steps[..., None] >= 0, from_run, from_state).transpose(-1, -2)  # [R, depth+1, C, K-1]
+        self.conv_state[runs.slots] = windows[:, 0]
+        self.conv_rows[self._ckpt_rows(runs.slots[:, None], self._depths)] = windows[:, 1:]
 
     def step(self, x: torch.Tensor, slots: torch.Tensor, per_slot: int = 1) -> torch.Tensor:
         """`per_slot` tokens for each slot (decode: 1; a speculative verify: k + 1), rows slot-major:

@@ -1,6 +1,6 @@
 """CUDA graphs of a stage's layer stack: the decode step per batch bucket and run length (optionally
-torch.compile'd), a prompt's prefill from position 0 per length bucket, and the output head per
-row bucket.
+torch.compile'd), a prompt's prefill from position 0 per length bucket, a recurrent stage's short
+mixed steps per token bucket, and the output head per row bucket.
 
 Eager, a layer costs dozens of kernel launches and torch ops on the host; a prefill of a few hundred
 tokens on a large GPU then waits on the host (7.2B Q4_K_M, 512 tokens on an H200: 61 ms wall for
@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import functools
 import gc
+import itertools
 from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from .deltanet import ROLLBACK
-from .forward_batch import ForwardBatch
+from .forward_batch import ForwardBatch, Run, RunTensors
 from .layer import block
 
 if TYPE_CHECKING:
@@ -144,27 +145,33 @@ class DecodeGraphs:
 
 
 class GraphIndex:
-    """A graph's slots and first positions on the device (`device`, what the graph reads), set from
-    the host through page-locked memory so the host never waits for the device's queue. `padding`
-    [2, rows]: what the rows a batch does not fill hold (the stage's padding slot, past the context)."""
+    """A graph's long inputs on the device (`device`, what the graph reads: its rows' slots and
+    positions), set from the host through page-locked memory so the host never waits for the device's
+    queue. `padding` [k, width]: what the columns a batch does not fill hold (the stage's padding
+    slot, past the context). On CPU (tests: `PackedGraphs` over a stand-in capture) a plain copy."""
 
     def __init__(self, padding: torch.Tensor, device: torch.device):
         self.padding = padding
-        self.host = padding.clone().pin_memory()
-        self.device = self.host.to(device)
-        self.copied = torch.cuda.Event()
-        self.copied.record()
+        cuda = device.type == "cuda"
+        self.host = padding.clone().pin_memory() if cuda else padding.clone()
+        self.device = self.host.to(device, copy=True)
+        self.copied = torch.cuda.Event() if cuda else None
+        if cuda:
+            self.copied.record()
 
-    def set(self, slots, positions) -> None:
-        R = len(slots)
-        self.copied.synchronize()  # the previous set's copy out of `host` has finished
-        self.host[0, :R].copy_(torch.as_tensor(slots))
-        self.host[1, :R].copy_(torch.as_tensor(positions))
+    def set(self, *rows) -> None:
+        """Row i of `rows` into the first columns of row i; the columns past them back to `padding`."""
+        R = len(rows[0])
+        if self.copied is not None:
+            self.copied.synchronize()  # the previous set's copy out of `host` has finished
+        for i, values in enumerate(rows):
+            self.host[i, :R].copy_(torch.as_tensor(values))
         # Rows past this batch go back to the padding slot: left as an earlier, larger batch set them,
         # they would run that batch's slots again, writing their KV (and advancing recurrent state).
         self.host[:, R:].copy_(self.padding[:, R:])
         self.device.copy_(self.host, non_blocking=True)
-        self.copied.record()
+        if self.copied is not None:
+            self.copied.record()
 
 
 @functools.cache
@@ -269,6 +276,100 @@ class PrefillGraphs:
         batch = ForwardBatch.fresh(slots, positions)
         graph, out = self.decode.capture(lambda: st.forward(h_in, batch))
         return graph, h_in, slots, positions, out  # the graph reads its inputs where they are: keep them
+
+
+# A recurrent stage's steps a packed graph takes: up to PACKED_RUNS runs of PACKED_TOKENS tokens in all,
+# whose rows see at most PACKED_ATTENTION positions in all (the decode-attention kernel reads each row's
+# context on its own: a 256-token prompt from position 0, or 32 tokens after 2,000).
+PACKED_TOKENS = 256
+PACKED_RUNS = 4
+PACKED_ATTENTION = 1 << 16
+
+
+def packed_input(runs: list[Run], size: int, n_runs: int, pad_slot: int, n_ctx: int) -> list[int]:
+    """What a packed graph of `size` rows and `n_runs` runs reads for `runs` (their tokens its first
+    rows): each row's slot and position, then each run's slot, length and first row. The rows past the
+    runs are one more run, on the padding slot at positions past the context (ROLLBACK of them, in
+    turn); the runs after it are empty."""
+    T = sum(n for _, _, n in runs)
+    slots = [slot for slot, _, n in runs for _ in range(n)] + [pad_slot] * (size - T)
+    positions = [p for _, p0, n in runs for p in range(p0, p0 + n)] + [n_ctx + i % ROLLBACK for i in range(size - T)]
+    empty = n_runs - len(runs) - 1
+    run_slots = [slot for slot, _, _ in runs] + [pad_slot] * (empty + 1)
+    lengths = [n for _, _, n in runs] + [size - T] + [0] * empty
+    starts = list(itertools.accumulate(lengths[: len(runs)], initial=0)) + [size] * empty
+    return slots + positions + run_slots + lengths + starts
+
+
+def packed_batch(index: torch.Tensor, size: int, n_runs: int, n_ctx: int) -> ForwardBatch:
+    """The PACKED batch over a graph's input on the device (`packed_input`'s layout)."""
+    rows, runs = index[: 2 * size].view(2, size), index[2 * size :].view(3, n_runs)
+    return ForwardBatch.packed(rows[0], rows[1], RunTensors(*runs), max_run=size, kv_len=n_ctx)
+
+
+class PackedGraphs:
+    """CUDA graphs of a recurrent stage's short steps that no decode graph takes: prompts (several
+    slots' together, from any position), a prompt beside decoding slots, verifies of uneven lengths;
+    per token bucket, captured by `warm_up` or on first use, in the decode graphs' memory pool.
+
+    Eagerly such a step launches ~50 kernels a layer (the 27B's 32-token prompt: 160 ms of host for
+    35 ms of kernels on an H100, docs/PERF.md, session 27). Its batch here is PACKED, the runs on the
+    device only: every recurrent layer takes the chunked kernels for each run (`DeltaNet._prefill`)
+    and every attention row the decode-attention kernel, so one graph serves any runs within its
+    bucket. The rows past the runs are a run of their own on the padding slot (its own recurrent
+    state row; K/V past the context, where a row attends to itself only)."""
+
+    def __init__(self, stage: Stage, decode: DecodeGraphs):
+        self.stage, self.decode = stage, decode
+        self.buckets = prefill_buckets(min(stage.n_ctx, PACKED_TOKENS), smallest=ROLLBACK * 4)
+        self.n_runs = min(stage.n_slots, PACKED_RUNS) + 1  # and the padding rows' run
+        self.graphs: dict[int, tuple] = {}
+
+    def reset(self) -> None:
+        self.graphs.clear()
+
+    def usable(self) -> bool:
+        return bool(self.buckets) and bool(self.stage.recurrent)
+
+    def warm_up(self, max_tokens: int) -> None:
+        """Capture every bucket a step of up to `max_tokens` runs in."""
+        if not self.usable():
+            return
+        for size in self.buckets:
+            if size not in self.graphs:
+                self.graphs[size] = self._capture(size)
+            if size >= max_tokens:
+                break
+
+    def run(self, h: torch.Tensor, runs: list[Run]) -> torch.Tensor | None:
+        """The rows h [T, n_embd] of `runs` (None: not a packed graph's step)."""
+        T = h.shape[0]
+        size = next((s for s in self.buckets if s >= T), None)
+        seen = sum(n * (p0 + n) for _, p0, n in runs)  # at least the (row, visible position) pairs
+        if size is None or len(runs) >= self.n_runs or seen > PACKED_ATTENTION or not self.usable():
+            return None
+        if size not in self.graphs:
+            self.graphs[size] = self._capture(size)
+        graph, h_in, index, out = self.graphs[size]
+        st = self.stage
+        index.set(packed_input(runs, size, self.n_runs, st.kv_blocks.pad_slot, st.n_ctx))
+        h_in[:T].copy_(h)
+        h_in[T:].zero_()
+        graph.replay()
+        return out[:T].clone()
+
+    def _capture(self, size: int):
+        """Captured with every row and run on the padding slot: nothing a slot holds is written."""
+        st = self.stage
+        h_in = torch.zeros(size, st.cfg.n_embd, device=st.device)
+        idle = packed_input([], size, self.n_runs, st.kv_blocks.pad_slot, st.n_ctx)
+        index = GraphIndex(torch.tensor([idle]), st.device)
+        # The batch is made in the step: its runs' conv windows (`RunTensors.window_steps`) are then
+        # computed inside the capture, from what the graph reads, not kept from the warm-up's pass.
+        graph, out = self.decode.capture(
+            lambda: st.forward(h_in, packed_batch(index.device[0], size, self.n_runs, st.n_ctx))
+        )
+        return graph, h_in, index, out
 
 
 class HeadGraphs:

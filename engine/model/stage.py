@@ -23,8 +23,8 @@ rows. Many-row products (prefill) use a kept bfloat16 copy of the layers instead
 `weights`), and SDPA blocks a many-row run its own way: a token's last bits depend on how many
 rows shared its forward, unless `deterministic` (`build_stage`). A float32 Stage keeps exact
 dequantized weights everywhere (the reference path for tests). On CUDA, `DecodeGraphs` replays a
-captured decode step per batch size, and `PrefillGraphs` a prompt's run from position 0 per
-length bucket.
+captured decode step per batch size, `PrefillGraphs` a prompt's run from position 0 per
+length bucket, and `PackedGraphs` a recurrent stage's short mixed steps.
 
 `build_stage` is the one way to make a Stage: it resolves the device and dtype flags, reads the
 config and picks the weight format.
@@ -47,7 +47,7 @@ from .attention import decode_bias
 from .config import ModelConfig
 from .deltanet import ROLLBACK, DeltaNet
 from .forward_batch import ForwardBatch, Mode, slot_runs
-from .graphs import DecodeGraphs, HeadGraphs, PrefillGraphs
+from .graphs import DecodeGraphs, HeadGraphs, PackedGraphs, PrefillGraphs
 from .kv_blocks import KVBlocks
 from .kv_cache import check_cache_type
 from .layer import Layer, block, collect_storages, rms_norm
@@ -78,13 +78,15 @@ class Stage:
         rope_of: Stage | None = None,
         depth: int = ROLLBACK,
         deterministic: bool = False,
+        graph_padding: bool | None = None,
     ):
         """`kv_pool`: positions of a KV pool all slots share (each still up to `n_ctx`); None: each slot
         reserves its whole context. `rope_of`: a stage of the same model and context whose RoPE
         tables this one reads (the head's MTP block: 0.1 GiB at 96K positions, not held twice).
         `depth`: positions a recurrent layer's state can be taken back (the longest draft verified,
         at most ROLLBACK): each costs a copy of the state per slot and layer. `deterministic`: every
-        token's floats independent of the batch it runs in (see `build_stage`)."""
+        token's floats independent of the batch it runs in (see `build_stage`). `graph_padding`: the CUDA
+        graphs' padding slot (None: on CUDA; tests lay out a CPU stage as a GPU's)."""
         self.cfg, self.weights, self.g = cfg, weights, weights.g
         self.deterministic = deterministic
         for kind, flag in zip(kv_types, ("--cache-type-k", "--cache-type-v")):
@@ -101,9 +103,10 @@ class Stage:
         self.depth = depth
         capture = self.device.type == "cuda"
         # The CUDA graphs' padding slot: a recurrent state row of its own, and ROLLBACK positions
-        # past the context in the KV (a bucket's unused rows run at most ROLLBACK tokens each).
-        self.state_rows = n_slots + 1 if capture else n_slots
-        padding = ROLLBACK if capture else 0
+        # past the context in the KV (a bucket's unused rows run at most ROLLBACK positions each).
+        padded = capture if graph_padding is None else graph_padding
+        self.state_rows = n_slots + 1 if padded else n_slots
+        padding = ROLLBACK if padded else 0
         if kv_pool is not None and kv_pool < 1:
             raise UserError(f"the KV pool needs at least one position (got {kv_pool})")
         self.kv_blocks = (
@@ -139,6 +142,7 @@ class Stage:
         # time; or before a warm-up, when a graph is captured on first use).
         self.graph_run_lengths: tuple[int, ...] | None = None
         self.prefill_graphs = PrefillGraphs(self, self.graphs) if capture else None
+        self.packed_graphs = PackedGraphs(self, self.graphs) if capture else None
         self.head_graphs = HeadGraphs(self, self.graphs) if capture and head else None
         # Passes over the layers by how they ran (/status `stages[].steps`): a graph replayed, or eager
         # and why. Eager decode steps on a GPU are the usual reason a batch serves slower than it should.
@@ -158,6 +162,7 @@ class Stage:
         if getattr(self, "graphs", None) is not None:
             self.graphs.reset()
             self.prefill_graphs.reset()
+            self.packed_graphs.reset()
             self.weights.scratch.fit(self.dtype, self.device)  # the new layers' weights may be larger
 
     @property
@@ -173,14 +178,16 @@ class Stage:
         """Compile and capture the decode step for every batch bucket now (CUDA; nothing elsewhere),
         for runs of each length in `per_slot` (`graph_run_lengths`: 1 and a verify of draft max + 1),
         the only lengths the graphs replay from now on, and the prefill of prompt chunks up to
-        `prefill_tokens` (0: on first use); the output head's graphs too."""
+        `prefill_tokens` (0: on first use; a recurrent stage's packed steps up to as many tokens);
+        the output head's graphs too."""
         if self.graphs is not None:
             self.graphs.warm_up(per_slot)
             self.graph_run_lengths = tuple(sorted({m for m in per_slot if m <= ROLLBACK}))
         if self.head_graphs is not None:
             self.head_graphs.warm_up()
-        if self.prefill_graphs is not None and prefill_tokens:
-            self.prefill_graphs.warm_up(prefill_tokens)
+        for graphs in (self.prefill_graphs, self.packed_graphs):
+            if graphs is not None and prefill_tokens:
+                graphs.warm_up(prefill_tokens)
         if self.device.type == "cuda":
             # The load's and the captures' temporaries stay cached in the allocator, unused until a
             # prompt needs them; NVML counts them against the card. Given back here, what the
@@ -342,6 +349,9 @@ class Stage:
         ):  # a prompt from its start
             out = self.prefill_graphs.run(h, runs[0][0])
             path = "prefill graph" if out is not None else path
+        if out is None and self.packed_graphs is not None:  # a recurrent stage's short steps
+            out = self.packed_graphs.run(h, runs)
+            path = "packed graph" if out is not None else path
         if out is None:
             out = self.forward(h, self._eager(slots, positions, runs))
         self.steps[path] += 1
@@ -376,7 +386,7 @@ class Stage:
         biases = {}
         for layer in self.layers.values() if layers is None else layers:
             bias = None
-            if batch.mode is Mode.BATCHED and self.device.type != "cuda" and layer.deltanet is None:
+            if batch.mode in (Mode.BATCHED, Mode.PACKED) and self.device.type != "cuda" and layer.deltanet is None:
                 if layer.window not in biases:
                     biases[layer.window] = decode_bias(self.cfg, positions, batch.kv_len, layer.window, self.dtype)
                 bias = biases[layer.window]
@@ -402,6 +412,7 @@ def build_stage(
     kv_pool: int | None = None,
     depth: int = ROLLBACK,
     deterministic: bool = False,
+    graph_padding: bool | None = None,
 ) -> Stage:
     """The Stage of `g` for layers [a, b) (default: all), from `--device` / `--dtype` values or torch
     objects. `cache_dir` keeps converted int8 weights across runs (None: convert on every load);
@@ -438,4 +449,5 @@ def build_stage(
         kv_pool=kv_pool,
         depth=depth,
         deterministic=deterministic,
+        graph_padding=graph_padding,
     )
