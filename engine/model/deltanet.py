@@ -166,7 +166,7 @@ class DeltaNet:
         from ..kernels.triton_gdn_conv import gdn_conv_gates
 
         s = self.shape
-        C, Hv, dv, K = s.conv_channels, s.n_v_heads, s.head_v_dim, s.conv_kernel
+        C, Hv, dv = s.conv_channels, s.n_v_heads, s.head_v_dim
         proj = self.w_in(x)  # the kernel reads it in float32, as `.float()` would give it
         runs = batch.run_tensors
         n, starts, slots = runs.lengths, runs.starts, runs.slots
