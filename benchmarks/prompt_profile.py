@@ -6,7 +6,7 @@ time) for one request. A device busy for a small part of the wall time means a h
 
 SERVE_ARGS go to `serve`'s own parser (e.g. `-b 256`, `--cache-type-k q8_0`); the defaults here
 are `--parallel 4 --ctx 2048 --no-compile` (torch.compile covers the decode step only). On CUDA a prompt
-replays its length bucket's prefill graph (a recurrent stage: its packed graph, up to 256 tokens)
+replays its length bucket's prefill graph (a recurrent stage: its packed graph, up to 128 tokens)
 unless `--eager-prefill`.
 """
 

@@ -74,6 +74,10 @@ KV_BLOCK = 128  # positions per block of a `--kv-unified` pool (engine/model/kv_
 # Positions a recurrent layer's state can be taken back (a rejected draft): the longest draft a
 # recurrent model verifies. Each costs a copy of the state per slot and layer.
 ROLLBACK = 4
+# A recurrent stage's packed graphs (engine/model/graphs.py `PackedGraphs`): steps of up to PACKED_RUNS
+# runs and PACKED_TOKENS tokens in all, the recurrent kernels' buffers for every run padded to the
+# bucket; a recurrent stage's largest graphs (it has no prefill graphs).
+PACKED_TOKENS, PACKED_RUNS = 128, 4
 # A slot state's header beyond its tensors: magic, version, fingerprint, dtype (STATE_HEADER_FIXED),
 # each token id as text (STATE_ID_BYTES, with its separator), each tensor's entry (STATE_ENTRY_BYTES).
 STATE_HEADER_FIXED, STATE_ID_BYTES, STATE_ENTRY_BYTES = 4096, 12, 256
@@ -183,6 +187,7 @@ class ModelTensors:
     n_rot: int
     attention_layers: tuple[bool, ...]  # False: a recurrent layer (no KV)
     state_values: int = 0  # float32 values of a recurrent layer's state per slot: conv + SSM
+    deltanet: tuple[int, int, int] = (0, 0, 0)  # a recurrent layer's conv channels, state size, inner size
 
     @property
     def mtp_layers(self) -> list[int]:
@@ -310,7 +315,7 @@ class ModelTensors:
             "scratch": self.scratch_bytes(a, b, output=output, dtype=dtype) if form == "quantized" else 0,
             "cuBLAS workspaces": CUBLAS_WORKSPACE_BYTES * CUBLAS_STREAMS,
             "graphs' pool": self.graph_bytes(
-                a, b, output=output, n_slots=n_slots, n_ctx=n_ctx, prompt_rows=prompt_rows
+                a, b, output=output, n_slots=n_slots, n_ctx=n_ctx, prompt_rows=prompt_rows, depth=depth
             ),
         }
         parts = weights | kv | work | {"CUDA context and kernels": CUDA_RUNTIME_BYTES}
@@ -342,21 +347,31 @@ class ModelTensors:
         n_slots: int,
         n_ctx: int,
         prompt_rows: int,
+        depth: int = ROLLBACK,
     ) -> int:
-        """The CUDA graphs' pool: a prompt chunk's live bytes in the FFN (the float32 residual, its
-        sum and the norm; the 16-bit input and output; gate+up and the activation), times the pool's
-        measured overhead; and, where `output`, the float32 logits for every decode row."""
+        """The CUDA graphs' pool: the largest graph's live bytes times the pool's measured overhead;
+        and, where `output`, the float32 logits for every decode row. The largest graph: a prompt
+        chunk's FFN (the float32 residual, its sum and the norm; the 16-bit input and output; gate+up
+        and the activation), or on a stage with recurrent layers its largest packed step's, whose
+        recurrent kernels hold per padded token the conv outputs and three float32 rows a V head
+        (w, u, U) and per run the states of its chunks, checkpoints and the final one."""
         ff = max(
             (t.shape[0] for il in range(a, b) for t in self.layers[il] if t.name.endswith("ffn_up.weight")), default=0
         )
         d = self.embedding.shape[1] if self.embedding is not None else 0
-        # The largest prefill graph: powers of two from 8 up to the context (engine/model/graphs.py).
-        rows = max(8, 1 << (prompt_rows - 1).bit_length())
+        recurrent = not all(self.attention_layers[a:b])
+        # The largest graph's rows: powers of two from 8 up to the context (engine/model/graphs.py).
+        rows = max(8, 1 << ((PACKED_TOKENS if recurrent else prompt_rows) - 1).bit_length())
         rows = rows if rows <= n_ctx else 1 << (n_ctx.bit_length() - 1)
-        ffn = rows * (3 * 4 * d + 2 * 2 * d + 3 * 2 * ff)
+        live = rows * (3 * 4 * d + 2 * 2 * d + 3 * 2 * ff)
+        if recurrent:
+            channels, d_state, inner = self.deltanet
+            runs = min(n_slots, PACKED_RUNS)
+            states = runs * (-(-rows // 64) + depth + 2) * d_state * inner
+            live = max(live, 4 * (runs * rows * (channels + 3 * inner) + states))
         out = self.output or self.embedding
         logits = 4 * n_slots * out.shape[0] if output and out is not None else 0
-        return GRAPH_POOL_FACTOR * ffn + logits
+        return GRAPH_POOL_FACTOR * live + logits
 
 
 _JOINED = (("attn_q", "attn_k", "attn_v"), ("ffn_gate", "ffn_up"), ("attn_qkv", "attn_gate", "ssm_beta", "ssm_alpha"))
@@ -428,4 +443,5 @@ def model_tensors(metadata, tensors) -> ModelTensors:
         int(metadata.get(f"{arch}.rope.dimension_count", k_len)),
         attention,
         state,
+        (channels, d_state, inner),
     )

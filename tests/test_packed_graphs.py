@@ -40,21 +40,21 @@ def test_packed_input_lays_out_rows_runs_and_padding():
     assert got == [
         *(2, 2, 2, 0, 0, 3, 3, 3),  # rows' slots: the runs', then the padding slot's
         *(7, 8, 9, 0, 1, 100, 101, 102),  # positions: the padding rows' past the context
-        *(2, 0, 3, 3),  # runs' slots: the padding rows' run, then an empty one
-        *(3, 2, 3, 0),  # lengths
-        *(0, 3, 5, 8),  # first rows
+        *(2, 0, 3, 3),  # runs' slots: two empty runs on the padding slot
+        *(3, 2, 0, 0),  # lengths
+        *(0, 3, 5, 5),  # first rows
     ]
 
 
 def test_packed_steps_equal_the_eager_torch_forms(tiny_model, monkeypatch):
     path = tiny_model("qwen35", n_layers=2)  # a Gated DeltaNet layer, then an attention layer
     ids = torch.randint(0, 600, (40,), generator=torch.Generator().manual_seed(2)).tolist()
-    steps = [  # (slot, first position, tokens) of each run
+    steps = [  # (slot, first position, tokens) of each run; runs of one length would replay a decode graph
         [(0, 0, 11), (1, 0, 6)],  # two prompts together, 17 rows in a bucket of 32
         [(0, 11, 1), (2, 0, 9), (1, 6, 1)],  # a prompt beside two decoding slots
         [(0, 12, 4), (1, 7, 2), (2, 9, 1)],  # verifies of uneven lengths and a decode
-        [(1, 9, 3)],  # a short run from its slot's state
-        [(0, 14, 1), (1, 12, 1), (2, 10, 1)],  # slot 0's last 2 verified tokens rejected: from a checkpoint
+        [(1, 9, 3), (2, 10, 1)],  # a short run from its slot's state
+        [(0, 14, 1), (1, 12, 2), (2, 11, 1)],  # slot 0's last 2 verified tokens rejected: from a checkpoint
     ]
 
     def run(packed: bool):

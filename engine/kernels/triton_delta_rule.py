@@ -29,7 +29,8 @@ float32 one; on an H100 at the 27B shape the rule takes 0.42 / 1.67 / 6.0 ms at 
 tokens in TF32 (the torch forms: 9.5 / 22 / 56 ms), see benchmarks/bench_delta_rule.py.
 
 Rows are runs padded to one length L; row r's steps past lengths[r] are absent (read as g = 0,
-β = 0, k = 0: the state stays), so the final state is the one after its last step. Besides it, the
+β = 0, k = 0: the state stays), so the final state is the one after its last step; the chunks
+wholly past them are skipped (a row of no steps costs its state's copy). Besides it, the
 op returns the states `1..n_ckpt` steps before each row's end (the draft-rollback checkpoints).
 Q/K heads are shared GQA-style as ggml tiles them: V head h reads Q/K head h % n_k_heads.
 """
@@ -104,7 +105,8 @@ def _state_kernel(
         if n - 2 - j < 0:
             tl.store(ck_ptr + ((r * NCK + j) * H + h).to(tl.int64) * DK * DV + at, state, mask=de)
     i = tl.arange(0, BT)
-    for c in range(0, NT):
+    c = 0
+    while c * BT < n:  # the chunks past the row's end leave the state as it is: not computed (nor read)
         tl.store(hs_ptr + (((r * NT + c) * H + h).to(tl.int64) * DK * DV) + at, state, mask=de)
         t = c * BT + i
         in_l = t < L
@@ -129,6 +131,7 @@ def _state_kernel(
         gl = tl.sum(tl.where(t == last, gc, 0.0), 0)
         kd = kt * tl.exp(gl - gc)[:, None]
         state = state * tl.exp(gl) + tl.dot(tl.trans(kd), vn, input_precision=PRECISION)
+        c += 1
     tl.store(sf_ptr + rh.to(tl.int64) * DK * DV + at, state, mask=de)
 
 
@@ -165,6 +168,9 @@ def _output_kernel(
     r = rh // H
     h = rh % H
     hk = h % HK
+    n = tl.load(len_ptr + r)
+    if c * BT >= n:  # a chunk past the row's end: its steps' outputs are no one's
+        return
     i = tl.arange(0, BT)
     t = c * BT + i
     in_l = t < L
@@ -188,7 +194,6 @@ def _output_kernel(
     vn = tl.load(vn_ptr + (row * H + h)[:, None] * DV + e[None, :], mask=te, other=0.0)
     o = o * tl.exp(gc)[:, None] + tl.dot(a, vn, input_precision=PRECISION)
     if GATED:  # the layer's output side: scale, RMSNorm over the head (BV = DV), * norm weight * SiLU(z)
-        n = tl.load(len_ptr + r)
         flat = tl.load(start_ptr + r).to(tl.int64) + t  # the token's row in the flat batch
         m = (t < n)[:, None] & (e < DV)[None, :]
         o = o * scale
@@ -251,7 +256,8 @@ def chunk_gated_delta_rule(
         starts = starts.to(device=dev, dtype=torch.int64).contiguous()
         norm = norm.float().contiguous()
     vn = torch.empty(R, L, H, DV, **f32)
-    o = torch.empty(z.shape[0], H * DV, dtype=z.dtype, device=dev) if gated else torch.empty(R, L, H, DV, **f32)
+    # Gated: rows of the flat batch no run covers (a PACKED graph's padding rows) are zeros.
+    o = torch.zeros(z.shape[0], H * DV, dtype=z.dtype, device=dev) if gated else torch.empty(R, L, H, DV, **f32)
     final = torch.empty(R, H, DK, DV, **f32)
     ckpt = torch.empty(R, n_ckpt, H, DK, DV, **f32)
     BK = min(_pow2(DK), 64)

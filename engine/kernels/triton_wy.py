@@ -38,6 +38,8 @@ def wy_kernel(
     h = rh % H
     hk = h % HK
     n = tl.load(len_ptr + r)
+    if c * BT >= n:  # a chunk past the row's end (a PACKED batch's short and empty runs): nothing reads it
+        return
     i = tl.arange(0, BT)
     t = c * BT + i
     ok = t < n
@@ -145,6 +147,8 @@ def wy_blocked_kernel(
     h = rh % H
     hk = h % HK
     n = tl.load(len_ptr + r)
+    if c * BT >= n:  # as wy_kernel
+        return
     i = tl.arange(0, BC)
     t0 = c * BT + i
     t1 = t0 + BC

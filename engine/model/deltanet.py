@@ -81,7 +81,6 @@ class DeltaNet:
         self.conv_state, self.ssm_state = self.conv_rows[: self.rows], self.ssm_rows[: self.rows]
         self.conv_ckpt = self.conv_rows[self.rows :].view(n_slots, depth, *conv)
         self.ssm_ckpt = self.ssm_rows[self.rows :].view(n_slots, depth, *ssm)
-        self._depths = torch.arange(1, depth + 1, device=w.device)  # j of every checkpoint
 
     @property
     def nbytes(self) -> int:
@@ -93,6 +92,10 @@ class DeltaNet:
         step's end anyway."""
         real = slots < self.n_slots
         return torch.where(real, self.rows + slots * self.depth + (j - 1), slots)
+
+    def _all_ckpt_rows(self, slots: torch.Tensor) -> torch.Tensor:
+        """`_ckpt_rows` of checkpoints 1..depth: [R, depth]."""
+        return self._ckpt_rows(slots[:, None], torch.arange(1, self.depth + 1, device=slots.device))
 
     def clear(self, slot: int) -> None:
         self.conv_state[slot].zero_()
@@ -183,7 +186,7 @@ class DeltaNet:
             *(z, self.norm, starts, s.head_k_dim**-0.5, self.cfg.rms_eps),
         )
         self.ssm_state[slots] = state
-        self.ssm_rows[self._ckpt_rows(slots[:, None], self._depths)] = ckpt
+        self.ssm_rows[self._all_ckpt_rows(slots)] = ckpt
         return self.w_out(out).float()
 
     def _keep_windows(self, mixed: torch.Tensor, state: torch.Tensor, runs: RunTensors) -> None:
@@ -197,7 +200,7 @@ class DeltaNet:
         from_state = state.transpose(1, 2).gather(1, cols).view_as(from_run)
         windows = torch.where(steps[..., None] >= 0, from_run, from_state).transpose(-1, -2)  # [R, depth+1, C, K-1]
         self.conv_state[runs.slots] = windows[:, 0]
-        self.conv_rows[self._ckpt_rows(runs.slots[:, None], self._depths)] = windows[:, 1:]
+        self.conv_rows[self._all_ckpt_rows(runs.slots)] = windows[:, 1:]
 
     def step(self, x: torch.Tensor, slots: torch.Tensor, per_slot: int = 1) -> torch.Tensor:
         """`per_slot` tokens for each slot (decode: 1; a speculative verify: k + 1), rows slot-major:

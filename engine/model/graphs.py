@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from ...contracts.footprint import PACKED_RUNS, PACKED_TOKENS
 from .deltanet import ROLLBACK
 from .forward_batch import ForwardBatch, Run, RunTensors
 from .layer import block
@@ -278,26 +279,27 @@ class PrefillGraphs:
         return graph, h_in, slots, positions, out  # the graph reads its inputs where they are: keep them
 
 
-# A recurrent stage's steps a packed graph takes: up to PACKED_RUNS runs of PACKED_TOKENS tokens in all,
-# whose rows see at most PACKED_ATTENTION positions in all (the decode-attention kernel reads each row's
-# context on its own: a 256-token prompt from position 0, or 32 tokens after 2,000).
-PACKED_TOKENS = 256
-PACKED_RUNS = 4
+# A recurrent stage's steps a packed graph takes: up to PACKED_RUNS runs of PACKED_TOKENS tokens in all
+# (contracts/footprint.py: their buffers are what the graphs' pool holds; longer steps run eagerly,
+# where the kernels are most of a step's time anyway), whose rows see at most PACKED_ATTENTION
+# positions in all (the decode-attention kernel reads each row's context on its own: 128 tokens
+# after 384 positions, or 32 after 2,000).
 PACKED_ATTENTION = 1 << 16
 
 
 def packed_input(runs: list[Run], size: int, n_runs: int, pad_slot: int, n_ctx: int) -> list[int]:
     """What a packed graph of `size` rows and `n_runs` runs reads for `runs` (their tokens its first
     rows): each row's slot and position, then each run's slot, length and first row. The rows past the
-    runs are one more run, on the padding slot at positions past the context (ROLLBACK of them, in
-    turn); the runs after it are empty."""
+    runs are on the padding slot at positions past the context (ROLLBACK of them, in turn) and in no
+    run (a recurrent layer's output there is zeros); the runs past `runs` are empty, on the padding
+    slot too."""
     T = sum(n for _, _, n in runs)
     slots = [slot for slot, _, n in runs for _ in range(n)] + [pad_slot] * (size - T)
     positions = [p for _, p0, n in runs for p in range(p0, p0 + n)] + [n_ctx + i % ROLLBACK for i in range(size - T)]
-    empty = n_runs - len(runs) - 1
-    run_slots = [slot for slot, _, _ in runs] + [pad_slot] * (empty + 1)
-    lengths = [n for _, _, n in runs] + [size - T] + [0] * empty
-    starts = list(itertools.accumulate(lengths[: len(runs)], initial=0)) + [size] * empty
+    empty = n_runs - len(runs)
+    run_slots = [slot for slot, _, _ in runs] + [pad_slot] * empty
+    lengths = [n for _, _, n in runs] + [0] * empty
+    starts = list(itertools.accumulate(lengths, initial=0))[: len(runs)] + [T] * empty
     return slots + positions + run_slots + lengths + starts
 
 
@@ -316,13 +318,14 @@ class PackedGraphs:
     35 ms of kernels on an H100, docs/PERF.md, session 27). Its batch here is PACKED, the runs on the
     device only: every recurrent layer takes the chunked kernels for each run (`DeltaNet._prefill`)
     and every attention row the decode-attention kernel, so one graph serves any runs within its
-    bucket. The rows past the runs are a run of their own on the padding slot (its own recurrent
-    state row; K/V past the context, where a row attends to itself only)."""
+    bucket. The rows past the runs are on the padding slot (K/V past the context, where a row attends
+    to itself only) and in no run; the runs past the step's are empty ones on the padding slot (its
+    own recurrent state row), which the kernels skip."""
 
     def __init__(self, stage: Stage, decode: DecodeGraphs):
         self.stage, self.decode = stage, decode
         self.buckets = prefill_buckets(min(stage.n_ctx, PACKED_TOKENS), smallest=ROLLBACK * 4)
-        self.n_runs = min(stage.n_slots, PACKED_RUNS) + 1  # and the padding rows' run
+        self.n_runs = min(stage.n_slots, PACKED_RUNS)
         self.graphs: dict[int, tuple] = {}
 
     def reset(self) -> None:
@@ -346,7 +349,7 @@ class PackedGraphs:
         T = h.shape[0]
         size = next((s for s in self.buckets if s >= T), None)
         seen = sum(n * (p0 + n) for _, p0, n in runs)  # at least the (row, visible position) pairs
-        if size is None or len(runs) >= self.n_runs or seen > PACKED_ATTENTION or not self.usable():
+        if size is None or len(runs) > self.n_runs or seen > PACKED_ATTENTION or not self.usable():
             return None
         if size not in self.graphs:
             self.graphs[size] = self._capture(size)

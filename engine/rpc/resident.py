@@ -16,7 +16,14 @@ from pathlib import Path
 
 import torch
 
-from ...contracts.footprint import DEFAULT_PROMPT_ROWS, ROLLBACK, model_tensors, rollback_depth, weight_form
+from ...contracts.footprint import (
+    DEFAULT_PROMPT_ROWS,
+    PACKED_TOKENS,
+    ROLLBACK,
+    model_tensors,
+    rollback_depth,
+    weight_form,
+)
 from ...contracts.rpc import (
     DTYPE_CODES,
     CheckReply,
@@ -201,6 +208,8 @@ class StageHost(StageStateOps):
                 # layers trace to the same graphs, so each process compiles half of them and finds the
                 # other half in inductor's cache, which both share (docs/PERF.md, session 21).
                 stage.warm_up(graph_run_lengths(max_run)[::-1])
+                if stage.packed_graphs is not None:  # a recurrent stage's short steps: captured now, not mid-prompt
+                    stage.packed_graphs.warm_up(PACKED_TOKENS)
                 output = StageOutput.build(stage, request.mtp, max_run) if request.output else None
             with self.lock:
                 if stage is self.stage:
@@ -247,7 +256,7 @@ class StageHost(StageStateOps):
             held
             + scratch
             + self.tensors.graph_bytes(
-                a, b, output=False, n_slots=n_slots, n_ctx=n_ctx, prompt_rows=DEFAULT_PROMPT_ROWS
+                a, b, output=False, n_slots=n_slots, n_ctx=n_ctx, prompt_rows=DEFAULT_PROMPT_ROWS, depth=depth
             )
         )
 
