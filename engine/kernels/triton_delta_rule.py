@@ -105,7 +105,7 @@ def _state_kernel(
         if n - 2 - j < 0:
             tl.store(ck_ptr + ((r * NCK + j) * H + h).to(tl.int64) * DK * DV + at, state, mask=de)
     i = tl.arange(0, BT)
-    c = 0
+    c = tl.full([], 0, tl.int32)  # a tensor: the loop carries it
     while c * BT < n:  # the chunks past the row's end leave the state as it is: not computed (nor read)
         tl.store(hs_ptr + (((r * NT + c) * H + h).to(tl.int64) * DK * DV) + at, state, mask=de)
         t = c * BT + i
