@@ -252,12 +252,13 @@ class PrefillGraphs:
             if size >= max_tokens:
                 break
 
-    def run(self, h: torch.Tensor, slot: int) -> torch.Tensor | None:
-        """Rows 0..T-1 of `slot` (None: no bucket holds T)."""
+    def run(self, h: torch.Tensor, runs: list[Run]) -> torch.Tensor | None:
+        """Rows 0..T-1 of one run's slot (None: not one run from position 0, or no bucket holds T)."""
         T = h.shape[0]
         size = next((s for s in self.buckets if s >= T), None)
-        if size is None or not self.usable():
+        if size is None or len(runs) != 1 or runs[0][1] != 0 or not self.usable():
             return None
+        slot = runs[0][0]
         if size not in self.graphs:
             self.graphs[size] = self._capture(size, slot)
         graph, h_in, slots, _, out = self.graphs[size]

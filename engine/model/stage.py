@@ -344,14 +344,10 @@ class Stage:
         else:  # decode, or verifies of one draft length
             out = self.graphs.run(h, slots, positions, per_slot.pop())
             path = "decode graph" if out is not None else "eager: more slots or tokens than the graphs take"
-        if (
-            out is None and self.prefill_graphs is not None and len(runs) == 1 and runs[0][1] == 0
-        ):  # a prompt from its start
-            out = self.prefill_graphs.run(h, runs[0][0])
-            path = "prefill graph" if out is not None else path
-        if out is None and self.packed_graphs is not None:  # a recurrent stage's short steps
-            out = self.packed_graphs.run(h, runs)
-            path = "packed graph" if out is not None else path
+        for name, graphs in (("prefill graph", self.prefill_graphs), ("packed graph", self.packed_graphs)):
+            if out is None and graphs is not None:  # a prompt from its start; a recurrent stage's short steps
+                out = graphs.run(h, runs)
+                path = name if out is not None else path
         if out is None:
             out = self.forward(h, self._eager(slots, positions, runs))
         self.steps[path] += 1
