@@ -6,10 +6,9 @@ A batch is a flat list of tokens, those of one slot contiguous with increasing p
 eagerly). The CUDA graphs capture batches that carry no host values, so their mode says what the
 rows are: `Mode.BATCHED`, `per_slot` tokens for each slot, rows slot-major (decode and verifies);
 `Mode.FRESH`, one slot's run from position 0 (a prompt's prefill); `Mode.PACKED`, runs known on
-the device only, each at most `max_run` tokens (a recurrent stage's prompt step, `PackedGraphs`).
-`Stage.run_layers` builds the
-eager batch from the slots and positions it is given (their runs: `slot_runs`); the graphs build theirs around their static
-buffers, once per capture.
+the device only, each at most `max_run` tokens (a recurrent stage's short steps, `PackedGraphs`).
+`Stage.run_layers` builds the eager batch from the slots and positions it is given (their runs:
+`slot_runs`); the graphs build theirs around their static buffers, once per capture.
 """
 
 from __future__ import annotations

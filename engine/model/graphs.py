@@ -315,8 +315,8 @@ class PackedGraphs:
     slots' together, from any position), a prompt beside decoding slots, verifies of uneven lengths;
     per token bucket, captured by `warm_up` or on first use, in the decode graphs' memory pool.
 
-    Eagerly such a step launches ~50 kernels a layer (the 27B's 32-token prompt: 160 ms of host for
-    35 ms of kernels on an H100, docs/PERF.md, session 27). Its batch here is PACKED, the runs on the
+    Eagerly such a step launches ~50 kernels a layer and waits on the host (the 27B's 32-token prompt
+    on an H100: 88 ms for 35 ms of kernels; replayed, 51 ms: docs/PERF.md, session 28). Its batch here is PACKED, the runs on the
     device only: every recurrent layer takes the chunked kernels for each run (`DeltaNet._prefill`)
     and every attention row the decode-attention kernel, so one graph serves any runs within its
     bucket. The rows past the runs are on the padding slot (K/V past the context, where a row attends
