@@ -110,8 +110,8 @@ def test_qwen35_prefill_through_the_kernels_equals_the_torch_forms(tiny_model, m
     """A tiny qwen35 (one Gated DeltaNet layer, 4 V heads on 2 Q/K heads), with the kernels forced on
     (under the interpreter on CPU) against them off: two long runs padded together (every run long:
     the conv + gates kernel, then the chunked rule's), one long run going on from its slot's state,
-    a long run beside a short one (the chunked rule's for the long one alone), then one token each;
-    then short prompts (a few tokens: the kernels too), one token each again; logits, states and
+    a long run beside a short one, then one token each (on the kernels every run of an eager batch
+    takes the chunked form); then short prompts, one token each again; logits, states and
     checkpoints."""
     path = tiny_model("qwen35", n_layers=2)
     ids = torch.randint(0, 600, (100,), generator=torch.Generator().manual_seed(1)).tolist()
@@ -134,7 +134,8 @@ def test_qwen35_prefill_through_the_kernels_equals_the_torch_forms(tiny_model, m
         for batch in batches:
             tokens, slots, positions = (torch.tensor(x, device=KERNEL_DEVICE) for x in batch)
             logits.append(stage.logits(stage.run_layers(stage.embed(tokens), slots, positions)).cpu())
-        states = [(n.ssm_state, n.ssm_ckpt, n.conv_state, n.conv_ckpt) for n in stage.recurrent]
+        # The last batch ran one token a slot: checkpoint 1 is its runs' (the others are no one's).
+        states = [(n.ssm_state, n.ssm_ckpt[:, :1], n.conv_state, n.conv_ckpt[:, :1]) for n in stage.recurrent]
         return logits, [[x.cpu() for x in layer] for layer in states]
 
     logits, states = forward(True)

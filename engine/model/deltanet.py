@@ -17,13 +17,13 @@ it together, padded to the longest: a padded step has g = 0 and β = 0, which le
 exactly as it was, so prefill chunks, verify batches and decode share one code path. Long runs
 (prefill) take their first CHUNK-multiple of steps in the chunked form (`_chunked`, equal to the
 token-by-token one to float32 rounding), the rest token by token. On CUDA (`TRITON_PREFILL`) every
-run longer than a verify (a prompt's, however short) goes whole through the Triton chunked kernel
-instead (`kernels/triton_delta_rule.py`: the same chunked form, one launch per stage of it, with the
-final state and the checkpoints), and `step` through the step kernels (`kernels/triton_gdn_step.py`:
-the conv and gates, then the recurrence with each state tile held in registers for all the slot's
-tokens); the torch forms stay the reference and the CPU path. A PACKED batch (the CUDA graph of a
-short mixed step, `graphs.PackedGraphs`) takes the chunked kernel for every run, decodes included,
-its products at float32's accuracy.
+run of a batch goes whole through the Triton kernels instead (`kernels/triton_gdn_conv.py`, then
+`kernels/triton_delta_rule.py`: the same chunked form, one launch per stage of it, with the final
+state and the checkpoints; a batch with decode or verify runs among them, such as a PACKED batch, the
+CUDA graph of a short mixed step, `graphs.PackedGraphs`, at float32's accuracy), and `step` through
+the step kernels (`kernels/triton_gdn_step.py`: the conv and gates, then the recurrence with each
+state tile held in registers for all the slot's tokens); the torch forms stay the reference and the
+CPU path.
 
 Unlike KV, recurrent state cannot be overwritten to roll back, so each run also checkpoints the
 states of its last `ROLLBACK` positions (and the one before them): a rejected speculative draft
@@ -109,19 +109,20 @@ class DeltaNet:
     def __call__(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """Normed hidden states [T, n_embd] (compute dtype) of a flat batch -> layer output [T, n_embd]
         float32; advances the state of each run's slot by its tokens."""
-        if batch.mode is Mode.PACKED:  # decode and verify runs among them: the rule's products at float32's accuracy
+        runs = batch.runs
+        lengths = [n for _, _, n in runs]
+        # On the kernels every run goes whole through the chunked form (the token loop below launches
+        # ~8 kernels a token and layer); with a decode or verify run among them (up to ROLLBACK + 1
+        # tokens: the step kernels' results are float32's) the rule's products at float32's accuracy.
+        if batch.mode is Mode.PACKED:
             return self._prefill(x, batch, batch.max_run, "tf32x3")
+        if _triton(x):
+            precise = min(lengths) <= ROLLBACK + 1
+            return self._prefill(x, batch, max(lengths), "tf32x3" if precise else _precision(x.dtype))
         s = self.shape
         C, Hv, dv = s.conv_channels, s.n_v_heads, s.head_v_dim
-        runs, on_device = batch.runs, batch.run_tensors
-        lengths = [n for _, _, n in runs]
-        # On the kernels every prompt run takes the chunked form (a run of a few tokens too: the token
-        # loop below launches ~8 kernels a token and layer); decode and verify runs (up to ROLLBACK + 1
-        # tokens) stay token by token.
-        kernels = _triton(x)
-        long_run = ROLLBACK + 1 if kernels else CHUNK + ROLLBACK
-        if kernels and min(lengths) > long_run:
-            return self._prefill(x, batch, max(lengths), _precision(x.dtype))
+        on_device = batch.run_tensors
+        long_run = CHUNK + ROLLBACK
         proj = self.w_in(x).float()
         mixed, z, beta, alpha = proj.split([C, Hv * dv, Hv, Hv], dim=-1)
 
@@ -152,9 +153,9 @@ class DeltaNet:
                 steps = max(lengths[r] for r in rows)
                 idx = torch.tensor(rows, device=dev)
                 part = (x[idx, :steps] for x in (q, k, v, g, b))
-                out[idx, :steps] = self._delta_rule(*part, slots[idx], [lengths[r] for r in rows], n[idx], x.dtype)
+                out[idx, :steps] = self._delta_rule(*part, slots[idx], [lengths[r] for r in rows], n[idx])
         else:
-            out = self._delta_rule(q, k, v, g, b, slots, lengths, n, x.dtype)
+            out = self._delta_rule(q, k, v, g, b, slots, lengths, n)
 
         return self._output(out[valid], z, x.dtype)  # [T, Hv, dv], back in batch order
 
@@ -272,22 +273,13 @@ class DeltaNet:
         self.conv_state[slots] = states[kj == 0]
         return F.silu(conv).transpose(1, 2)
 
-    def _delta_rule(self, q, k, v, g, b, slots, lengths, n, dtype) -> torch.Tensor:
+    def _delta_rule(self, q, k, v, g, b, slots, lengths, n) -> torch.Tensor:
         """Sᵀq per step [R, L, Hv, dv] (unscaled), from each slot's state (q, k [R, L, n_k_heads, dk]);
         keeps the new states and the checkpoints (`lengths` on the host, `n` the same on the device).
-        Runs longer than a verify on CUDA: the Triton chunked kernel, whole.
-        Otherwise chunked up to where the shortest run's checkpoints begin (they need per-token
-        states), token by token after that."""
+        Chunked up to where the shortest run's checkpoints begin (they need per-token states), token
+        by token after that."""
         R, L, Hv, dv = v.shape
         dev = v.device
-        if min(lengths) > ROLLBACK + 1 and _triton(v):  # no decode or verify run among them
-            from ..kernels.triton_delta_rule import chunk_gated_delta_rule
-
-            state = self.ssm_state[slots]
-            out, state, ckpt = chunk_gated_delta_rule(q, k, v, g, b, state, n, self.depth, _precision(dtype))
-            self.ssm_state[slots] = state
-            self.ssm_ckpt[slots] = ckpt  # [r, j - 1]: the state j steps before the run's end
-            return out
         repeat = Hv // k.shape[2]  # V head h reads Q/K head h % n_k_heads (ggml's repeat tiles)
         q, k = q.repeat(1, 1, repeat, 1), k.repeat(1, 1, repeat, 1)
         # The state after step t is checkpoint j = length - 1 - t of its run; the incoming one is j = length.
