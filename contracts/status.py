@@ -134,7 +134,7 @@ class StageInfo(_Doc):
     kv_bytes: int | None = None
     # Every weight the stage holds on its device (contracts/footprint.py estimates it); None as kv_bytes.
     weight_bytes: int | None = None
-    # Passes over the stage's layers by path: "decode graph", "prefill graph", or "eager: <why>"; None as kv_bytes.
+    # Passes over the stage's layers by path: "decode graph", "prefill graph", "packed graph", or "eager: <why>"; None as kv_bytes.
     steps: dict[str, int] | None = None
 
 
