@@ -1,9 +1,8 @@
 """A recurrent stage's short mixed steps through `PackedGraphs` (one CUDA graph per token bucket, the
 runs on the device only) against the same steps run eagerly through the torch forms: prompts of
 several slots together, a prompt beside decoding slots, verifies of uneven lengths, runs from a
-slot's state, rows padding a bucket, each slot's context reserved or in a shared pool
-(`--kv-unified`); logits, recurrent states and their rollback checkpoints, and a rolled-back draft.
-On a GPU the stage captures real graphs; on CPU the kernels run under Triton's interpreter and the
+slot's state, rows padding a bucket, the slots' contexts in a shared pool (`--kv-unified`);
+logits, recurrent states and their rollback checkpoints, and a rolled-back draft. On a GPU the stage captures real graphs; on CPU the kernels run under Triton's interpreter and the
 graph is a stand-in that runs the captured step again (a CUDA graph replays the same kernels)."""
 
 from __future__ import annotations
@@ -47,8 +46,7 @@ def test_packed_input_lays_out_rows_runs_and_padding():
     ]
 
 
-@pytest.mark.parametrize("kv_pool", [None, 3 * KV_BLOCK], ids=["reserved", "kv-unified"])
-def test_packed_steps_equal_the_eager_torch_forms(tiny_model, monkeypatch, kv_pool):
+def test_packed_steps_equal_the_eager_torch_forms(tiny_model, monkeypatch):
     path = tiny_model("qwen35", n_layers=2)  # a Gated DeltaNet layer, then an attention layer
     ids = torch.randint(0, 600, (40,), generator=torch.Generator().manual_seed(2)).tolist()
     steps = [  # (slot, first position, tokens) of each run; runs of one length would replay a decode graph
@@ -60,7 +58,8 @@ def test_packed_steps_equal_the_eager_torch_forms(tiny_model, monkeypatch, kv_po
 
     def run(packed: bool):
         monkeypatch.setattr(deltanet, "TRITON_PREFILL", packed)
-        stage = load(path, n_slots=3, n_ctx=64, device=KERNEL_DEVICE, graph_padding=True, kv_pool=kv_pool)
+        # The users' `--kv-unified` pool: the padding slot's positions land in the pool's scratch block.
+        stage = load(path, n_slots=3, n_ctx=64, device=KERNEL_DEVICE, graph_padding=True, kv_pool=3 * KV_BLOCK)
         if packed and stage.graphs is None:
             stage.packed_graphs = PackedGraphs(stage, _CpuCapture())
         logits, states = [], []
