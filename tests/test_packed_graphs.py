@@ -2,8 +2,9 @@
 runs on the device only) against the same steps run eagerly through the torch forms: prompts of
 several slots together, a prompt beside decoding slots, verifies of uneven lengths, runs from a
 slot's state, rows padding a bucket, the slots' contexts in a shared pool (`--kv-unified`);
-logits, recurrent states and their rollback checkpoints, and a rolled-back draft. On a GPU the stage captures real graphs; on CPU the kernels run under Triton's interpreter and the
-graph is a stand-in that runs the captured step again (a CUDA graph replays the same kernels)."""
+logits, recurrent states and their rollback checkpoints, and a rolled-back draft. On a GPU the
+stage captures real graphs; on CPU the kernels run under Triton's interpreter and the graph is a
+stand-in that runs the captured step again (a CUDA graph replays the same kernels)."""
 
 from __future__ import annotations
 
