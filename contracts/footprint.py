@@ -352,23 +352,23 @@ class ModelTensors:
         """The CUDA graphs' pool: the largest graph's live bytes times the pool's measured overhead;
         and, where `output`, the float32 logits for every decode row. The largest graph: a prompt
         chunk's FFN (the float32 residual, its sum and the norm; the 16-bit input and output; gate+up
-        and the activation), or on a stage with recurrent layers its largest packed step's, whose
-        recurrent kernels hold per padded token the conv outputs and three float32 rows a V head
-        (w, u, U) and per run the states of its chunks, checkpoints and the final one."""
+        and the activation: the largest prefill graph, and on a recurrent stage, which has none, what
+        the term held where NVML was measured, docs/PERF.md session 22), or a recurrent stage's largest
+        packed step, whose recurrent kernels hold per padded token the conv outputs and three float32
+        rows a V head (w, u, U) and per run the states of its chunks, checkpoints and the final one."""
         ff = max(
             (t.shape[0] for il in range(a, b) for t in self.layers[il] if t.name.endswith("ffn_up.weight")), default=0
         )
         d = self.embedding.shape[1] if self.embedding is not None else 0
-        recurrent = not all(self.attention_layers[a:b])
-        # The largest graph's rows: powers of two from 8 up to the context (engine/model/graphs.py).
-        rows = max(8, 1 << ((PACKED_TOKENS if recurrent else prompt_rows) - 1).bit_length())
+        # The largest prefill graph's rows: powers of two from 8 up to the context (engine/model/graphs.py).
+        rows = max(8, 1 << (prompt_rows - 1).bit_length())
         rows = rows if rows <= n_ctx else 1 << (n_ctx.bit_length() - 1)
         live = rows * (3 * 4 * d + 2 * 2 * d + 3 * 2 * ff)
-        if recurrent:
+        if not all(self.attention_layers[a:b]):
             channels, d_state, inner = self.deltanet
-            runs = min(n_slots, PACKED_RUNS)
-            states = runs * (-(-rows // 64) + depth + 2) * d_state * inner
-            live = max(live, 4 * (runs * rows * (channels + 3 * inner) + states))
+            runs, tokens = min(n_slots, PACKED_RUNS), min(PACKED_TOKENS, rows)
+            states = runs * (-(-tokens // 64) + depth + 2) * d_state * inner
+            live = max(live, 4 * (runs * tokens * (channels + 3 * inner) + states))
         out = self.output or self.embedding
         logits = 4 * n_slots * out.shape[0] if output and out is not None else 0
         return GRAPH_POOL_FACTOR * live + logits
