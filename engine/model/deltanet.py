@@ -43,7 +43,7 @@ from .forward_batch import ForwardBatch, Mode, RunTensors
 
 # Steps per chunk of the chunked (prefill) form: llama.cpp's chunk size.
 CHUNK = 64
-# Long runs through the Triton chunked kernel, and steps (`step`) through the step kernels: None = on
+# A batch's runs through the Triton chunked kernels, and steps (`step`) through the step kernels: None = on
 # CUDA tensors; True = everywhere (on CPU under Triton's interpreter, TRITON_INTERPRET=1: the tests);
 # False = never (the torch forms only).
 TRITON_PREFILL: bool | None = None
@@ -93,10 +93,6 @@ class DeltaNet:
         real = slots < self.n_slots
         return torch.where(real, self.rows + slots * self.depth + (j - 1), slots)
 
-    def _all_ckpt_rows(self, slots: torch.Tensor) -> torch.Tensor:
-        """`_ckpt_rows` of checkpoints 1..depth: [R, depth]."""
-        return self._ckpt_rows(slots[:, None], torch.arange(1, self.depth + 1, device=slots.device))
-
     def clear(self, slot: int) -> None:
         self.conv_state[slot].zero_()
         self.ssm_state[slot].zero_()
@@ -109,13 +105,13 @@ class DeltaNet:
     def __call__(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """Normed hidden states [T, n_embd] (compute dtype) of a flat batch -> layer output [T, n_embd]
         float32; advances the state of each run's slot by its tokens."""
-        runs = batch.runs
-        lengths = [n for _, _, n in runs]
         # On the kernels every run goes whole through the chunked form (the token loop below launches
         # ~8 kernels a token and layer); with a decode or verify run among them (up to ROLLBACK + 1
         # tokens: the step kernels' results are float32's) the rule's products at float32's accuracy.
         if batch.mode is Mode.PACKED:
             return self._prefill(x, batch, batch.max_run, "tf32x3")
+        runs = batch.runs
+        lengths = [n for _, _, n in runs]
         if _triton(x):
             precise = min(lengths) <= ROLLBACK + 1
             return self._prefill(x, batch, max(lengths), "tf32x3" if precise else _precision(x.dtype))
@@ -153,9 +149,9 @@ class DeltaNet:
                 steps = max(lengths[r] for r in rows)
                 idx = torch.tensor(rows, device=dev)
                 part = (x[idx, :steps] for x in (q, k, v, g, b))
-                out[idx, :steps] = self._delta_rule(*part, slots[idx], [lengths[r] for r in rows], n[idx])
+                out[idx, :steps] = self._delta_rule(*part, slots[idx], [lengths[r] for r in rows])
         else:
-            out = self._delta_rule(q, k, v, g, b, slots, lengths, n)
+            out = self._delta_rule(q, k, v, g, b, slots, lengths)
 
         return self._output(out[valid], z, x.dtype)  # [T, Hv, dv], back in batch order
 
@@ -179,7 +175,9 @@ class DeltaNet:
         q, k, v, g, b = gdn_conv_gates(
             proj, state, self.conv, self.dt_bias, self.a, starts, n, L, *heads, self.cfg.rms_eps
         )
-        self._keep_windows(proj[:, :C], state, runs)
+        # [R, depth]: where each run's checkpoints 1..depth go.
+        ckpt_rows = self._ckpt_rows(slots[:, None], torch.arange(1, self.depth + 1, device=slots.device))
+        self._keep_windows(proj[:, :C], state, runs, ckpt_rows)
         # The rule, and the output side (scale, gated RMSNorm) as its kernel writes each head's rows.
         z = proj[:, C : C + Hv * dv]
         out, state, ckpt = chunk_gated_delta_rule(
@@ -187,13 +185,13 @@ class DeltaNet:
             *(z, self.norm, starts, s.head_k_dim**-0.5, self.cfg.rms_eps),
         )
         self.ssm_state[slots] = state
-        self.ssm_rows[self._all_ckpt_rows(slots)] = ckpt
+        self.ssm_rows[ckpt_rows] = ckpt
         return self.w_out(out).float()
 
-    def _keep_windows(self, mixed: torch.Tensor, state: torch.Tensor, runs: RunTensors) -> None:
-        """The new conv state of each run's slot and its checkpoints: the last K - 1 conv inputs
-        j = 0..depth tokens before the run's end, from the batch's rows `mixed` [T, C] or, where the
-        window reaches before the run, from the incoming state [R, C, K - 1]."""
+    def _keep_windows(self, mixed: torch.Tensor, state: torch.Tensor, runs: RunTensors, ckpt_rows) -> None:
+        """The new conv state of each run's slot and its checkpoints (into `ckpt_rows`): the last K - 1
+        conv inputs j = 0..depth tokens before the run's end, from the batch's rows `mixed` [T, C] or,
+        where the window reaches before the run, from the incoming state [R, C, K - 1]."""
         K, C = self.shape.conv_kernel, self.shape.conv_channels
         steps = runs.window_steps(K, self.depth)  # [R, depth + 1, K - 1]
         from_run = mixed[(runs.starts[:, None, None] + steps).clamp(0, mixed.shape[0] - 1)].float()
@@ -201,7 +199,7 @@ class DeltaNet:
         from_state = state.transpose(1, 2).gather(1, cols).view_as(from_run)
         windows = torch.where(steps[..., None] >= 0, from_run, from_state).transpose(-1, -2)  # [R, depth+1, C, K-1]
         self.conv_state[runs.slots] = windows[:, 0]
-        self.conv_rows[self._all_ckpt_rows(runs.slots)] = windows[:, 1:]
+        self.conv_rows[ckpt_rows] = windows[:, 1:]
 
     def step(self, x: torch.Tensor, slots: torch.Tensor, per_slot: int = 1) -> torch.Tensor:
         """`per_slot` tokens for each slot (decode: 1; a speculative verify: k + 1), rows slot-major:
@@ -273,9 +271,9 @@ class DeltaNet:
         self.conv_state[slots] = states[kj == 0]
         return F.silu(conv).transpose(1, 2)
 
-    def _delta_rule(self, q, k, v, g, b, slots, lengths, n) -> torch.Tensor:
+    def _delta_rule(self, q, k, v, g, b, slots, lengths) -> torch.Tensor:
         """Sᵀq per step [R, L, Hv, dv] (unscaled), from each slot's state (q, k [R, L, n_k_heads, dk]);
-        keeps the new states and the checkpoints (`lengths` on the host, `n` the same on the device).
+        keeps the new states and the checkpoints.
         Chunked up to where the shortest run's checkpoints begin (they need per-token states), token
         by token after that."""
         R, L, Hv, dv = v.shape
@@ -312,7 +310,7 @@ class DeltaNet:
 
 
 def _triton(t: torch.Tensor) -> bool:
-    """Whether long runs and steps take the Triton kernels (`TRITON_PREFILL`)."""
+    """Whether a batch's runs and steps take the Triton kernels (`TRITON_PREFILL`)."""
     return t.is_cuda if TRITON_PREFILL is None else TRITON_PREFILL
 
 
