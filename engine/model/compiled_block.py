@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 from pathlib import Path
 
 import torch
@@ -91,7 +92,12 @@ class CompiledBlock:
         self.directory.mkdir(parents=True, exist_ok=True)
         taken = {int(p.stem.rsplit("-", 1)[1]) for p in self._files(key)}
         index = next(i for i in range(len(taken) + 1) if i not in taken)
+        # Written aside and renamed: a head and a peer on one host share the folder, and a reader
+        # must never find half a file (it would remove it as torn).
+        part = self.directory / f".{key}-{index}.{os.getpid()}"
         try:
-            fn.save_compiled_function(str(self.directory / f"{key}-{index}.bin"))
+            fn.save_compiled_function(str(part))
+            os.replace(part, self.directory / f"{key}-{index}.bin")
         except Exception as e:  # a full disk, say: this start goes on with the graph in memory
             log.warning("compiled layer not saved (%s: %s)", type(e).__name__, e)
+            part.unlink(missing_ok=True)
