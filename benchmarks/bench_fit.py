@@ -3,7 +3,8 @@ layer split, each process's device memory (NVML's per-process reading, /status `
 the CUDA context included) against the card it stands for, and decode through the split.
 
     python benchmarks/bench_fit.py --model M.gguf --split 40/24 --cards 16,12 [--ctx 8192] [-n 64]
-                                   [--llama-cpp DIR] [-- extra `serve` flags, e.g. -ctk q8_0 -ctv q8_0 --spec-type mtp]
+                                   [--llama-cpp DIR] [--cold] [--restart]
+                                   [-- extra `serve` flags, e.g. -ctk q8_0 -ctv q8_0 --spec-type mtp]
 
 `--llama-cpp DIR` (a build with ggml-rpc-server: ../shared/tools/build-llama-cpp.sh) first runs
 llama.cpp's own split of the same file the same way: `ggml-rpc-server` and `llama-server --rpc ...
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import socket
 import subprocess
@@ -185,7 +187,11 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=600)
     ap.add_argument("--owners", help="a folder: each process's allocated bytes by source line (memory_owners.py)")
     ap.add_argument("--llama-cpp", help="llama.cpp's build directory: its own split of the file first, side by side")
+    ap.add_argument("--cold", action="store_true", help="start with empty caches (a fresh HYDRA_CACHE_DIR)")
+    ap.add_argument("--restart", action="store_true", help="then stop both and start again: the warm start")
     args, extra = ap.parse_known_args()
+    if args.cold:  # prepared weights, compiled layers, inductor's and Triton's caches: all under it
+        os.environ["HYDRA_CACHE_DIR"] = tempfile.mkdtemp(prefix="hydra-cold-")
     extra = [a for a in extra if a != "--"]
     llama = llama_split(args, extra) if args.llama_cpp else None
 
@@ -265,6 +271,12 @@ def main() -> None:
             while not all(f.exists() for f in files) and time.monotonic() < deadline:
                 time.sleep(0.5)
             time.sleep(2)  # a file that exists may still be being written
+        if args.restart:
+            head.stop()
+            peer.stop()
+            peer.start(args.timeout)
+            out["restart_ready_s"] = round(head.start(args.timeout), 1)
+            out["restart_startup_s"] = head.status().get("startup_s")
         print(json.dumps(out))
     finally:
         head.stop()
