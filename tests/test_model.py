@@ -234,6 +234,19 @@ def test_the_compiled_region_is_traced_once_per_layer_kind_and_loaded_on_a_resta
     assert len(sorted(tmp_path.rglob("*.bin"))) == kinds
 
 
+def test_without_aot_compile_the_region_compiles_per_start(tiny_model, monkeypatch, tmp_path):
+    """torch < 2.10 has no `aot_compile`: the layers go through torch.compile (nothing kept on disk)."""
+    monkeypatch.delattr(torch.compiler, "load_compiled_function")
+    path = tiny_model("qwen35", n_layers=4)
+    stage, eager = load(path), load(path)
+    for s in (stage, eager):
+        prefill(s, PROMPT[:12], slot=0)
+    h, batch = stage.embed(torch.tensor([7])), ForwardBatch.batched(torch.tensor([0]), torch.tensor([12]), 1, 512)
+    compiled = CompiledBlock(tmp_path, backend="eager")
+    torch.testing.assert_close(stage.forward(h, batch, block=compiled), eager.forward(h, batch))
+    assert compiled.ahead is None and not list(tmp_path.rglob("*.bin"))
+
+
 @pytest.mark.parametrize("draft_max, graphs", [(0, 3 + 3), (3, 5 + 6)])
 def test_a_start_compiles_one_graph_per_layer_kind_and_shape(tiny_model, draft_max, graphs):
     """What a GPU worker's start compiles (`DecodeGraphs.warm_up`: every batch bucket x run length of

@@ -4,7 +4,8 @@ layers instead of tracing them again.
 torch.compile's own caches (inductor's FX graphs, Triton's kernels) survive a restart, but every start
 still runs dynamo's trace of each graph, most of a warm compile (docs/PERF.md, sessions 21 and 29): the
 27B's MTP start traced 11 graphs. `aot_compile` (torch >= 2.10) keeps a whole compiled function with
-its guards; loading one skips the trace. Older torch compiles through torch.compile as before."""
+its guards; loading one skips the trace. Older torch, or a graph it cannot keep, compiles through
+torch.compile as before."""
 
 from __future__ import annotations
 
@@ -18,8 +19,6 @@ import torch
 from .layer import block
 
 log = logging.getLogger("hydra.compile")
-
-AHEAD_OF_TIME = hasattr(torch.compiler, "load_compiled_function")
 
 
 def source_digest() -> str:
@@ -47,17 +46,23 @@ class CompiledBlock:
 
     def __init__(self, directory: Path | None, backend: str = "inductor"):
         self.directory = directory / source_digest() if directory is not None else None
-        self.backend = backend
         self.graphs: dict[str, list] = {}
         self.compiled = self.loaded = 0
-        if not AHEAD_OF_TIME:  # torch's own per-shape cache, and a trace per shape on every start
-            # Entries: a batch bucket x a run length x a layer kind; past the limit dynamo runs eagerly.
-            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-            self.jit = torch.compile(block, backend=backend, dynamic=False)
+        self.backend = backend
+        self.ahead = torch.compile(block, backend=backend, dynamic=False, fullgraph=True)
+        if not (hasattr(torch.compiler, "load_compiled_function") and hasattr(self.ahead, "aot_compile")):
+            self._jit(backend)
+
+    def _jit(self, backend: str) -> None:
+        """torch's own per-shape cache from now on, a trace per shape on every start (torch < 2.10)."""
+        self.ahead = None
+        # Entries: a batch bucket x a run length x a layer kind; past the limit dynamo runs eagerly.
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+        self.jit = torch.compile(block, backend=backend, dynamic=False)
 
     def __call__(self, layer, h, rope, batch, bias):
         args = (layer, h, rope, batch, bias)
-        if not AHEAD_OF_TIME:
+        if self.ahead is None:
             return self.jit(*args)
         key = call_key(layer, h, batch)
         if key not in self.graphs:
@@ -65,7 +70,12 @@ class CompiledBlock:
         for fn in self.graphs[key]:
             if fn.guard_check(*args):
                 return fn(*args)
-        fn = torch.compile(block, backend=self.backend, dynamic=False, fullgraph=True).aot_compile((args, {}))
+        try:
+            fn = self.ahead.aot_compile((args, {}))
+        except Exception as e:  # what this torch cannot keep whole (a guard it cannot save): traced per start
+            log.warning("layers compiled per start: aot_compile failed (%s: %s)", type(e).__name__, e)
+            self._jit(self.backend)
+            return self.jit(*args)
         self.compiled += 1
         self.graphs[key].append(fn)
         self._save(key, fn)
