@@ -22,12 +22,13 @@ log = logging.getLogger("hydra.compile")
 
 
 def source_digest() -> str:
-    """What a saved compile depends on besides its guards: torch's version and the source of the code it
-    traced (the model's and the kernels' modules). Another digest is another folder."""
-    here = Path(__file__).parent
+    """What a saved compile depends on besides its guards: torch's version and the engine's source (the
+    code it traced, and the module constants it read, which no guard keeps). Another digest is
+    another folder."""
+    engine = Path(__file__).parent.parent
     h = hashlib.sha256(torch.__version__.encode())
-    for path in sorted([*here.glob("*.py"), *(here.parent / "kernels").glob("*.py")]):
-        h.update(path.name.encode() + path.read_bytes())
+    for path in sorted(engine.rglob("*.py")):
+        h.update(str(path.relative_to(engine)).encode() + path.read_bytes())
     return h.hexdigest()[:16]
 
 
