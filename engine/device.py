@@ -63,8 +63,8 @@ def host_buffer(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A host tensor on `device` without waiting for the device's queue: through page-locked memory
     to CUDA (a copy from pageable memory synchronises the stream: it would wait for a step in
-    flight); on the CPU it is returned as it is."""
-    if torch.device(device).type != "cuda":
+    flight); on the CPU, or already on a GPU (a caller's device tensors), it is returned as it is."""
+    if torch.device(device).type != "cuda" or t.device.type != "cpu":
         return t
     return t.pin_memory().to(device, non_blocking=True)
 

@@ -219,16 +219,25 @@ def wy_blocked_kernel(
     T22 = _inv_lower(a22, BC)
     T33 = _inv_lower(a33, BC)
     # T_ij = T_ii Σ_{j<=m<i} (-A)_im T_mj
-    P = PRECISION
-    T10 = tl.dot(T11, tl.dot(a10, T00, input_precision=P), input_precision=P)
-    T21 = tl.dot(T22, tl.dot(a21, T11, input_precision=P), input_precision=P)
-    T20 = tl.dot(T22, tl.dot(a20, T00, input_precision=P) + tl.dot(a21, T10, input_precision=P), input_precision=P)
-    T32 = tl.dot(T33, tl.dot(a32, T22, input_precision=P), input_precision=P)
-    T31 = tl.dot(T33, tl.dot(a31, T11, input_precision=P) + tl.dot(a32, T21, input_precision=P), input_precision=P)
+    T10 = tl.dot(T11, tl.dot(a10, T00, input_precision=PRECISION), input_precision=PRECISION)
+    T21 = tl.dot(T22, tl.dot(a21, T11, input_precision=PRECISION), input_precision=PRECISION)
+    T20 = tl.dot(
+        T22,
+        tl.dot(a20, T00, input_precision=PRECISION) + tl.dot(a21, T10, input_precision=PRECISION),
+        input_precision=PRECISION,
+    )
+    T32 = tl.dot(T33, tl.dot(a32, T22, input_precision=PRECISION), input_precision=PRECISION)
+    T31 = tl.dot(
+        T33,
+        tl.dot(a31, T11, input_precision=PRECISION) + tl.dot(a32, T21, input_precision=PRECISION),
+        input_precision=PRECISION,
+    )
     T30 = tl.dot(
         T33,
-        tl.dot(a30, T00, input_precision=P) + tl.dot(a31, T10, input_precision=P) + tl.dot(a32, T20, input_precision=P),
-        input_precision=P,
+        tl.dot(a30, T00, input_precision=PRECISION)
+        + tl.dot(a31, T10, input_precision=PRECISION)
+        + tl.dot(a32, T20, input_precision=PRECISION),
+        input_precision=PRECISION,
     )
 
     for v0 in range(0, DV, BV):
@@ -237,16 +246,23 @@ def wy_blocked_kernel(
         x1 = _rows(v_ptr, r1 * H + h, DV, e, t1 < n) * b1[:, None]
         x2 = _rows(v_ptr, r2 * H + h, DV, e, t2 < n) * b2[:, None]
         x3 = _rows(v_ptr, r3 * H + h, DV, e, t3 < n) * b3[:, None]
-        _wy_store(u_ptr, r0 * H + h, DV, e, t0 < L, tl.dot(T00, x0, input_precision=P))
+        _wy_store(u_ptr, r0 * H + h, DV, e, t0 < L, tl.dot(T00, x0, input_precision=PRECISION))
         _wy_store(
-            u_ptr, r1 * H + h, DV, e, t1 < L, tl.dot(T10, x0, input_precision=P) + tl.dot(T11, x1, input_precision=P)
+            u_ptr,
+            r1 * H + h,
+            DV,
+            e,
+            t1 < L,
+            tl.dot(T10, x0, input_precision=PRECISION) + tl.dot(T11, x1, input_precision=PRECISION),
         )
         u2 = (
-            tl.dot(T20, x0, input_precision=P) + tl.dot(T21, x1, input_precision=P) + tl.dot(T22, x2, input_precision=P)
+            tl.dot(T20, x0, input_precision=PRECISION)
+            + tl.dot(T21, x1, input_precision=PRECISION)
+            + tl.dot(T22, x2, input_precision=PRECISION)
         )
         _wy_store(u_ptr, r2 * H + h, DV, e, t2 < L, u2)
-        u3 = tl.dot(T30, x0, input_precision=P) + tl.dot(T31, x1, input_precision=P)
-        u3 += tl.dot(T32, x2, input_precision=P) + tl.dot(T33, x3, input_precision=P)
+        u3 = tl.dot(T30, x0, input_precision=PRECISION) + tl.dot(T31, x1, input_precision=PRECISION)
+        u3 += tl.dot(T32, x2, input_precision=PRECISION) + tl.dot(T33, x3, input_precision=PRECISION)
         _wy_store(u_ptr, r3 * H + h, DV, e, t3 < L, u3)
     for k0 in range(0, DK, BK):
         d = k0 + tl.arange(0, BK)
@@ -254,14 +270,21 @@ def wy_blocked_kernel(
         x1 = _rows(k_ptr, r1 * HK + hk, DK, d, t1 < n) * (b1 * tl.exp(gc1))[:, None]
         x2 = _rows(k_ptr, r2 * HK + hk, DK, d, t2 < n) * (b2 * tl.exp(gc2))[:, None]
         x3 = _rows(k_ptr, r3 * HK + hk, DK, d, t3 < n) * (b3 * tl.exp(gc3))[:, None]
-        _wy_store(w_ptr, r0 * H + h, DK, d, t0 < L, tl.dot(T00, x0, input_precision=P))
+        _wy_store(w_ptr, r0 * H + h, DK, d, t0 < L, tl.dot(T00, x0, input_precision=PRECISION))
         _wy_store(
-            w_ptr, r1 * H + h, DK, d, t1 < L, tl.dot(T10, x0, input_precision=P) + tl.dot(T11, x1, input_precision=P)
+            w_ptr,
+            r1 * H + h,
+            DK,
+            d,
+            t1 < L,
+            tl.dot(T10, x0, input_precision=PRECISION) + tl.dot(T11, x1, input_precision=PRECISION),
         )
         w2 = (
-            tl.dot(T20, x0, input_precision=P) + tl.dot(T21, x1, input_precision=P) + tl.dot(T22, x2, input_precision=P)
+            tl.dot(T20, x0, input_precision=PRECISION)
+            + tl.dot(T21, x1, input_precision=PRECISION)
+            + tl.dot(T22, x2, input_precision=PRECISION)
         )
         _wy_store(w_ptr, r2 * H + h, DK, d, t2 < L, w2)
-        w3 = tl.dot(T30, x0, input_precision=P) + tl.dot(T31, x1, input_precision=P)
-        w3 += tl.dot(T32, x2, input_precision=P) + tl.dot(T33, x3, input_precision=P)
+        w3 = tl.dot(T30, x0, input_precision=PRECISION) + tl.dot(T31, x1, input_precision=PRECISION)
+        w3 += tl.dot(T32, x2, input_precision=PRECISION) + tl.dot(T33, x3, input_precision=PRECISION)
         _wy_store(w_ptr, r3 * H + h, DK, d, t3 < L, w3)
