@@ -14,7 +14,7 @@ from hydra_console.contracts.footprint import model_tensors
 from hydra_console.engine.errors import UserError
 from hydra_console.engine.gguf_file import GGUFFile
 from hydra_console.engine.model import ForwardBatch, ModelConfig, build_stage
-from hydra_console.engine.model.compiled_block import CompiledBlock
+from hydra_console.engine.model.layer import block
 
 ARCHS = ["llama", "qwen2", "qwen3", "gemma3"]
 
@@ -209,56 +209,43 @@ def test_graph_decode_path_matches_per_slot_attention(tiny_model):
 
 
 @pytest.mark.parametrize("arch, kinds", [("llama", 1), ("gemma3", 1), ("qwen35", 2)])
-def test_the_compiled_region_is_traced_once_per_layer_kind_and_loaded_on_a_restart(tiny_model, tmp_path, arch, kinds):
+def test_the_compiled_region_is_traced_once_per_layer_kind(tiny_model, arch, kinds):
     """The decode graphs compile one layer (`layer.block`), not the stack: every layer of a kind
     reuses one trace (Qwen3.5: recurrent and attention; on CPU a window reaches the block only as
-    its mask), so a bucket's warm-up traces one layer per kind. A restart (another `CompiledBlock`
-    over the same folder) loads those graphs and traces none; a damaged file is traced again."""
+    its mask), so a bucket's warm-up traces one layer per kind."""
+    from torch._dynamo.utils import counters
+
     path = tiny_model(arch, n_layers=4)
-    stages = [load(path) for _ in range(4)]  # a recurrent layer's step advances its state: one run each
-    for s in stages:
-        prefill(s, PROMPT[:12], slot=0)
-    h, slots, positions = stages[0].embed(torch.tensor([7])), torch.tensor([0]), torch.tensor([12])
-    batch = ForwardBatch.batched(slots, positions, 1, stages[0].n_ctx)
-    eager = stages[0].forward(h, batch)
-    first, again = CompiledBlock(tmp_path, backend="eager"), CompiledBlock(tmp_path, backend="eager")
-    torch.testing.assert_close(stages[1].forward(h, batch, block=first), eager)
-    torch.testing.assert_close(stages[2].forward(h, batch, block=again), eager)
-    assert (first.compiled, first.loaded, again.compiled, again.loaded) == (kinds, 0, 0, kinds)
-    files = sorted(tmp_path.rglob("*.bin"))
-    assert len(files) == kinds
-    files[0].write_bytes(b"torn")
-    mended = CompiledBlock(tmp_path, backend="eager")
-    torch.testing.assert_close(stages[3].forward(h, batch, block=mended), eager)
-    assert (mended.compiled, mended.loaded) == (1, kinds - 1)
-    assert len(sorted(tmp_path.rglob("*.bin"))) == kinds
-
-
-def test_without_aot_compile_the_region_compiles_per_start(tiny_model, monkeypatch, tmp_path):
-    """torch < 2.10 has no `aot_compile`: the layers go through torch.compile (nothing kept on disk)."""
-    monkeypatch.delattr(torch.compiler, "load_compiled_function")
-    path = tiny_model("qwen35", n_layers=4)
-    stage, eager = load(path), load(path)
+    stage, eager = load(path), load(path)  # a recurrent layer's step advances its state: one run each
     for s in (stage, eager):
         prefill(s, PROMPT[:12], slot=0)
-    h, batch = stage.embed(torch.tensor([7])), ForwardBatch.batched(torch.tensor([0]), torch.tensor([12]), 1, 512)
-    compiled = CompiledBlock(tmp_path, backend="eager")
-    torch.testing.assert_close(stage.forward(h, batch, block=compiled), eager.forward(h, batch))
-    assert compiled.ahead is None and not list(tmp_path.rglob("*.bin"))
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(block, backend="eager", dynamic=False)
+    h, slots, positions = stage.embed(torch.tensor([7])), torch.tensor([0]), torch.tensor([12])
+    batch = ForwardBatch.batched(slots, positions, 1, stage.n_ctx)
+    traced = stage.forward(h, batch, block=compiled)
+    assert counters["stats"]["unique_graphs"] == kinds
+    torch.testing.assert_close(traced, eager.forward(h, batch))
 
 
 @pytest.mark.parametrize("draft_max, graphs", [(0, 3 + 3), (3, 5 + 6)])
-def test_a_start_compiles_one_graph_per_layer_kind_and_shape(tiny_model, draft_max, graphs):
+def test_a_start_compiles_one_graph_per_layer_kind_and_shape(tiny_model, monkeypatch, draft_max, graphs):
     """What a GPU worker's start compiles (`DecodeGraphs.warm_up`: every batch bucket x run length of
     `graph_run_lengths`, 1 and draft max + 1 (shorter verifies are padded to it), `-np 4`: buckets 1,
     2, 4): an attention layer's graph depends on its row count only (5 of them with MTP's 3 drafts:
     1, 2, 4, 8, 16), a recurrent layer's on its slots and run length (6), never on the layer or the
     call. Counted on CPU with dynamo's eager backend (the CUDA path compiles the same region over the
     same shapes). Every run length 1..4 warmed up, as before, took 8 + 12."""
+    from torch._dynamo.utils import counters
+
     from hydra_console.engine.model.graphs import batch_buckets, graph_run_lengths
 
     stage = load(tiny_model("qwen35", n_layers=4, nextn=True), n_slots=4)
-    compiled = CompiledBlock(None, backend="eager")
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 64)  # as DecodeGraphs raises it
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(block, backend="eager", dynamic=False)
     for m in graph_run_lengths(1 + draft_max):
         for size in batch_buckets(stage.n_slots):
             slots, positions = torch.arange(size).repeat_interleave(m), torch.arange(m).repeat(size) + 8
@@ -268,7 +255,7 @@ def test_a_start_compiles_one_graph_per_layer_kind_and_shape(tiny_model, draft_m
                     ForwardBatch.batched(slots, positions, m, 512),
                     block=compiled,
                 )
-    assert compiled.compiled == graphs
+    assert counters["stats"]["unique_graphs"] == graphs
 
 
 @pytest.mark.parametrize("kv", ["auto", "q8_0"])

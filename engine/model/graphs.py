@@ -11,13 +11,11 @@ from __future__ import annotations
 import functools
 import gc
 import itertools
-from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from ...contracts.footprint import PACKED_RUNS, PACKED_TOKENS
-from .compiled_block import CompiledBlock
 from .deltanet import ROLLBACK
 from .forward_batch import ForwardBatch, Run, RunTensors
 from .layer import block
@@ -76,20 +74,22 @@ class DecodeGraphs:
     kernel reads each row's length from its position on the device, so one graph serves every position.
     """
 
-    def __init__(self, stage: Stage, compiled: bool = False, cache_dir: Path | None = None):
+    def __init__(self, stage: Stage, compiled: bool = False):
         self.stage = stage
         # torch.compile fuses the many small element-wise kernels between the matrix products
         # (norms, casts, RoPE, residual adds); the graph then replays the fused kernels. One static
         # compile per bucket: dynamic batch rows (torch's automatic dynamic) started 35 % faster
         # cold but served 30-35 % slower, and a warm restart took as long (docs/PERF.md, session 9).
-        # One layer is the compiled region, not the stack: every layer of a kind reuses its graph (a
-        # restart traced the whole stack per bucket: 2.5 s each for the 1.1B's 16 layers). The graphs
-        # are kept beside the prepared weights (`cache_dir`), so a restart loads them untraced.
+        # One layer is the compiled region, not the stack: every layer of a kind reuses its trace,
+        # so a bucket costs one layer's dynamo trace even when inductor's cache has the kernels (a
+        # restart traced the whole stack per bucket: 2.5 s each for the 1.1B's 16 layers).
         self.buckets = batch_buckets(stage.n_slots)
         self.forward = stage.forward
         if compiled:
-            compiled_block = CompiledBlock(cache_dir / "compiled" if cache_dir is not None else None)
-            self.forward = functools.partial(stage.forward, block=compiled_block)
+            # Entries per region: a bucket x a run length x a layer kind (global, windowed, recurrent).
+            limit = len(self.buckets) * ROLLBACK * 3
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, limit)
+            self.forward = functools.partial(stage.forward, block=torch.compile(block, dynamic=False))
         self.graphs: dict[int, tuple] = {}
         self.pool = None
 

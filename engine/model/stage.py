@@ -135,7 +135,7 @@ class Stage:
             self._head_name = "token_embd.weight" if cfg.tied else "output.weight"
             self.output = weights.linear([self._head_name], terms=1)
         self.weights.scratch.fit(self.dtype, self.device)  # every weight of the stage is built: before any graph
-        self.graphs = DecodeGraphs(self, compile_decode, weights.cache_dir) if capture else None
+        self.graphs = DecodeGraphs(self, compiled=compile_decode) if capture else None
         # Tokens per slot the decode graphs replay once warmed up (`warm_up`): a step of another run
         # length runs eagerly, and the engine pads a verify up to one of them (`Pipeline`'s, read by
         # `Speculator.verify_lengths`). None: any length (no graphs: on CPU a padding row costs
