@@ -239,7 +239,8 @@ def main() -> None:
             "serve_flags": extra,
             "head_ready_s": round(ready_s, 1),
             # seconds from the head's start to each stage and load phase: file opened, its stage built
-            # (weights read and repacked), the MTP block, its graphs compiled and captured, the peer's
+            # (weights read and repacked), the MTP block (with its graphs), the decode and output head
+            # graphs compiled and captured, the packed graphs captured, all graphs warmed, the peer's
             # LOAD_STAGE answered (run beside the head's own), ready
             "head_startup_s": head.status().get("startup_s"),
             # without cached bytecode every start compiles torch's Python sources (docs/PERF.md, session 16)

@@ -136,16 +136,15 @@ class Stage:
             self.output = weights.linear([self._head_name], terms=1)
         self.weights.scratch.fit(self.dtype, self.device)  # every weight of the stage is built: before any graph
         self.graphs = DecodeGraphs(self, compiled=compile_decode) if capture else None
-        # Tokens per slot the decode graphs replay once warmed up (`warm_up`): a step of another run
-        # length runs eagerly, and the engine pads a verify up to one of them (`Pipeline`'s, read by
-        # `Speculator.verify_lengths`). None: any length (no graphs: on CPU a padding row costs
-        # time; or before a warm-up, when a graph is captured on first use).
+        # Tokens per slot the decode graphs replay once warmed up: another run length runs eagerly, and
+        # the engine pads a verify up to one of them (`Speculator.verify_lengths`). None: any length
+        # (no graphs: on CPU a padding row costs time; or before a warm-up: captured on first use).
         self.graph_run_lengths: tuple[int, ...] | None = None
         self.prefill_graphs = PrefillGraphs(self, self.graphs) if capture else None
         self.packed_graphs = PackedGraphs(self, self.graphs) if capture else None
         self.head_graphs = HeadGraphs(self, self.graphs) if capture and head else None
-        # Passes over the layers by how they ran (/status `stages[].steps`): a graph replayed, or eager
-        # and why. Eager decode steps on a GPU are the usual reason a batch serves slower than it should.
+        # Passes over the layers by how they ran (/status `stages[].steps`): a graph replayed, or eager and
+        # why (eager decode steps on a GPU: the usual reason a batch serves slower than it should).
         self.steps: collections.Counter[str] = collections.Counter()
 
     # ---- layers and cache ------------------------------------------------------------------
@@ -174,20 +173,22 @@ class Stage:
         padding = self.state_rows > self.n_slots
         return Layer(self.cfg, self.weights, il, self.kv_blocks, self.kv_types, self.n_slots, self.depth, padding)
 
-    def warm_up(self, per_slot=(1,), prefill_tokens: int = 0) -> None:
+    def warm_up(self, per_slot=(1,), prefill_tokens: int = 0, mark=lambda phase: None) -> None:
         """Compile and capture the decode step for every batch bucket now (CUDA; nothing elsewhere),
         for runs of each length in `per_slot` (`graph_run_lengths`: 1 and a verify of draft max + 1),
         the only lengths the graphs replay from now on, and the prefill of prompt chunks up to
         `prefill_tokens` (0: on first use; a recurrent stage's packed steps up to as many tokens);
-        the output head's graphs too."""
+        the output head's graphs too. `mark(phase)` after each kind (a start's /status phases)."""
         if self.graphs is not None:
             self.graphs.warm_up(per_slot)
             self.graph_run_lengths = tuple(sorted({m for m in per_slot if m <= ROLLBACK}))
-        if self.head_graphs is not None:
-            self.head_graphs.warm_up()
-        for graphs in (self.prefill_graphs, self.packed_graphs):
+            if self.head_graphs is not None:
+                self.head_graphs.warm_up()
+            mark("decode graphs")  # with the output head's
+        for name, graphs in (("prefill graphs", self.prefill_graphs), ("packed graphs", self.packed_graphs)):
             if graphs is not None and prefill_tokens:
                 graphs.warm_up(prefill_tokens)
+                mark(name)
         if self.device.type == "cuda":
             # The load's and the captures' temporaries stay cached in the allocator, unused until a
             # prompt needs them; NVML counts them against the card. Given back here, what the

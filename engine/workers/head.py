@@ -146,7 +146,8 @@ class HeadWorker:
                 self.status.mark("MTP block")
             peers.check()  # a peer refused already (another model, say): not after the whole warm-up
         t0 = time.perf_counter()
-        pipeline.local.warm_up(graph_run_lengths(max_run_of(cfg.spec)), prefill_tokens=cfg.batch_tokens)
+        mark = self.status.mark if peers is not None else lambda phase: None  # a start's phases, not a wake's
+        pipeline.local.warm_up(graph_run_lengths(max_run_of(cfg.spec)), prefill_tokens=cfg.batch_tokens, mark=mark)
         log.info("decode and prefill graphs warmed up in %.1f s", time.perf_counter() - t0)
         if peers is not None:
             self.status.mark("graphs warmed")
