@@ -190,8 +190,9 @@ def main() -> None:
     ap.add_argument("--cold", action="store_true", help="start with empty caches (a fresh HYDRA_CACHE_DIR)")
     ap.add_argument("--restart", action="store_true", help="then stop both and start again: the warm start")
     args, extra = ap.parse_known_args()
-    if args.cold:  # prepared weights, compiled layers, inductor's and Triton's caches: all under it
-        os.environ["HYDRA_CACHE_DIR"] = tempfile.mkdtemp(prefix="hydra-cold-")
+    cold = tempfile.TemporaryDirectory(prefix="hydra-cold-") if args.cold else None
+    if cold is not None:  # prepared weights, inductor's and Triton's caches: all under it, removed at the end
+        os.environ["HYDRA_CACHE_DIR"] = cold.name
     extra = [a for a in extra if a != "--"]
     llama = llama_split(args, extra) if args.llama_cpp else None
 
@@ -282,6 +283,8 @@ def main() -> None:
     finally:
         head.stop()
         peer.stop()
+        if cold is not None:
+            cold.cleanup()
 
 
 if __name__ == "__main__":
