@@ -176,6 +176,14 @@ def estimates(model: str, head_argv: list[str]) -> list:
     return [head_footprint(cfg, g, head, "cuda", m.dtype), peer]
 
 
+def phase_seconds(startup_s: dict | None) -> dict:
+    """/status `startup_s` (seconds from the process's start to each phase) as each phase's own seconds,
+    from the one before it: "stage built" is reading and repacking, "decode graphs" their compile and
+    capture, "packed graphs" their capture (docs/PERF.md, session 29)."""
+    marks = sorted((startup_s or {}).items(), key=lambda kv: kv[1])
+    return {name: round(t - prev, 2) for (name, t), prev in zip(marks, [0.0] + [t for _, t in marks])}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", required=True)
@@ -244,6 +252,7 @@ def main() -> None:
             # graphs compiled and captured, the packed graphs captured, all graphs warmed, the peer's
             # LOAD_STAGE answered (run beside the head's own), ready
             "head_startup_s": head.status().get("startup_s"),
+            "head_phase_s": phase_seconds(head.status().get("startup_s")),
             # without cached bytecode every start compiles torch's Python sources (docs/PERF.md, session 16)
             "bytecode_cached": not sys.dont_write_bytecode,
             **run,
@@ -279,6 +288,7 @@ def main() -> None:
             peer.start(args.timeout)
             out["restart_ready_s"] = round(head.start(args.timeout), 1)
             out["restart_startup_s"] = head.status().get("startup_s")
+            out["restart_phase_s"] = phase_seconds(out["restart_startup_s"])
         print(json.dumps(out))
     finally:
         head.stop()
