@@ -239,6 +239,7 @@ def main() -> None:
     try:
         peer.start(args.timeout)
         ready_s = head.start(args.timeout)
+        startup_s = head.status().get("startup_s")
         run = decode(head.base, args.n)
         cards = [float(c) for c in args.cards.split(",")]
         out = {
@@ -251,8 +252,8 @@ def main() -> None:
             # (weights read and repacked), the MTP block (with its graphs), the decode and output head
             # graphs compiled and captured, the packed graphs captured, all graphs warmed, the peer's
             # LOAD_STAGE answered (run beside the head's own), ready
-            "head_startup_s": head.status().get("startup_s"),
-            "head_phase_s": phase_seconds(head.status().get("startup_s")),
+            "head_startup_s": startup_s,
+            "head_phase_s": phase_seconds(startup_s),
             # without cached bytecode every start compiles torch's Python sources (docs/PERF.md, session 16)
             "bytecode_cached": not sys.dont_write_bytecode,
             **run,

@@ -16,7 +16,6 @@ import argparse
 import cProfile
 import os
 import pstats
-import sys
 import time
 
 T0 = time.perf_counter()
@@ -47,7 +46,7 @@ def main() -> None:
         worker.load()
     finally:
         profile.disable()
-        print(f"load: {time.perf_counter() - t:.2f} s", file=sys.stderr)
+        print(f"load: {time.perf_counter() - t:.2f} s")
         print("startup_s:", worker.status.startup_s)
         print(torch._dynamo.utils.compile_times(repr="str"))
         stats = pstats.Stats(profile)
