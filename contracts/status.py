@@ -358,9 +358,10 @@ class Status(_Doc):
     startup_stage: int = 1
     # Seconds from the process's start (interpreter and imports included) to each startup stage
     # reached, by STARTUP_STAGES name, and to the head's load phases between them ("stage built":
-    # its weights read and repacked; "MTP block": built, its graphs captured; "graphs warmed": its
-    # decode and head graphs compiled and captured; "peers loaded": their LOAD_STAGEs answered, run
-    # beside the head's own when they may): where a start's time goes.
+    # its weights read and repacked; "MTP block": built, its graphs captured; on a GPU "decode graphs":
+    # the decode and output head graphs compiled and captured, then "prefill graphs" or "packed
+    # graphs" captured; "graphs warmed": the warm-up done; "peers loaded": their LOAD_STAGEs
+    # answered, run beside the head's own when they may): where a start's time goes.
     startup_s: dict = field(default_factory=dict)
     http: Address | None = None
     rpc: Address | None = None
