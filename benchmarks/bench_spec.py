@@ -20,7 +20,8 @@ tokens per target forward, acceptance and decode speed-up over `off` for every p
 
 `--spec-type mtp` drafts with the model's own MTP block (a qwen35 GGUF with `blk.N.nextn.*`); the
 engine then runs the block over every forward's tokens (as llama.cpp does), `off` rows included.
-It also prints the mechanics: one MTP draft step's cost relative to a trunk decode step, and the
+It also prints the mechanics: one MTP draft step's cost relative to a trunk decode step (beside
+the share of a trunk step's weight bytes it reads: its floor where both are bandwidth-bound), and the
 verify cost for k = 1..draft-max. `--synth` writes a small synthetic qwen35 with an MTP block:
 `qwen35` has random weights (acceptance means nothing: use `--draft-p-min 0` to draft at all),
 `qwen35-bigram` is built so that its MTP block predicts exactly the trunk's next token (acceptance ~1:
@@ -354,13 +355,30 @@ def peer_rtt_ms(engine: Engine, n: int = 20) -> float | None:
     return round(statistics.median(rtts), 2) if rtts else None
 
 
-def bench(engine: Engine, tok: Tokenizer, args, where: str, peer: Peer | None = None) -> list[dict]:
+def draft_read_ratio(g: GGUFFile) -> float | None:
+    """Weight bytes one MTP draft step reads (the NextN block and the output head) over those a trunk
+    decode step reads (every trunk layer and the output head): where both steps run at one bandwidth,
+    the floor of the measured `mtp_step_cost_ratio`. None without a NextN block."""
+    arch = g.architecture
+    n_nextn = int(g.metadata.get(f"{arch}.nextn_predict_layers", 0) or 0)
+    if not n_nextn:
+        return None
+    first_nextn = int(g.metadata[f"{arch}.block_count"]) - n_nextn
+    head = g.tensors.get("output.weight") or g.tensors["token_embd.weight"]  # tied: the table is the head
+    layers = [(int(name.split(".")[1]), t.nbytes) for name, t in g.tensors.items() if name.startswith("blk.")]
+    draft = sum(n for il, n in layers if il >= first_nextn) + head.nbytes
+    return draft / (sum(n for il, n in layers if il < first_nextn) + head.nbytes)
+
+
+def bench(engine: Engine, tok: Tokenizer, g: GGUFFile, args, where: str, peer: Peer | None = None) -> list[dict]:
     """Per workload: `off` and n-gram runs alternate rep by rep, so load from other processes hits
     both alike; the speed-up is the median of the paired ratios."""
     costs = {
         "peer_rtt_ms": peer_rtt_ms(engine),
         **forward_costs(engine, tok.encode(REWRITE), args.draft_max, peer, args.slots),
     }
+    if "mtp_step_ms" in costs:
+        costs["mtp_read_ratio"] = round(draft_read_ratio(g), 4)
     if not args.json:
         if costs["peer_rtt_ms"] is not None:
             print(f"{where:10} peer PING round trip {costs['peer_rtt_ms']} ms (median)", flush=True)
@@ -379,7 +397,8 @@ def bench(engine: Engine, tok: Tokenizer, args, where: str, peer: Peer | None = 
         if "mtp_step_ms" in costs:
             print(
                 f"{where:10} MTP draft step ({costs['cost_of']}): {costs['mtp_step_ms']} ms = x{costs['mtp_step_cost_ratio']} "
-                f"of a trunk decode step (eager chain: {costs.get('mtp_step_eager_ms', '-')} ms); MTP KV {costs['mtp_kv_bytes']} B, head KV + state {costs['kv_bytes']} B",
+                f"of a trunk decode step, reading x{costs['mtp_read_ratio']} of its weight bytes "
+                f"(eager chain: {costs.get('mtp_step_eager_ms', '-')} ms); MTP KV {costs['mtp_kv_bytes']} B, head KV + state {costs['kv_bytes']} B",
                 flush=True,
             )
         if "kernel_ms" in costs:
@@ -534,7 +553,7 @@ def main() -> None:
     rows = []
     engine = make_engine(args, g, None)
     try:
-        rows += bench(engine, tok, args, "solo")
+        rows += bench(engine, tok, g, args, "solo")
     finally:
         engine.stop()
     if args.split:
@@ -545,7 +564,7 @@ def main() -> None:
                 try:
                     engine = make_engine(args, g, link.addr if link else f"127.0.0.1:{peer.rpc_port}")
                     try:
-                        rows += bench(engine, tok, args, f"split@{rtt:g}ms" if rtt else "split", peer)
+                        rows += bench(engine, tok, g, args, f"split@{rtt:g}ms" if rtt else "split", peer)
                     finally:
                         engine.stop()
                         engine.pipeline.stop()
