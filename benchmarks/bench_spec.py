@@ -359,15 +359,11 @@ def draft_read_ratio(g: GGUFFile) -> float | None:
     """Weight bytes one MTP draft step reads (the NextN block and the output head) over those a trunk
     decode step reads (every trunk layer and the output head): where both steps run at one bandwidth,
     the floor of the measured `mtp_step_cost_ratio`. None without a NextN block."""
-    arch = g.architecture
-    n_nextn = int(g.metadata.get(f"{arch}.nextn_predict_layers", 0) or 0)
-    if not n_nextn:
-        return None
-    first_nextn = int(g.metadata[f"{arch}.block_count"]) - n_nextn
-    head = g.tensors.get("output.weight") or g.tensors["token_embd.weight"]  # tied: the table is the head
+    cfg = ModelConfig.from_gguf(g)  # n_layers: the trunk's, the NextN blocks past them
+    head = g.tensors["token_embd.weight" if cfg.tied else "output.weight"].nbytes
     layers = [(int(name.split(".")[1]), t.nbytes) for name, t in g.tensors.items() if name.startswith("blk.")]
-    draft = sum(n for il, n in layers if il >= first_nextn) + head.nbytes
-    return draft / (sum(n for il, n in layers if il < first_nextn) + head.nbytes)
+    nextn = sum(n for il, n in layers if il >= cfg.n_layers)
+    return (nextn + head) / (sum(n for il, n in layers if il < cfg.n_layers) + head) if nextn else None
 
 
 def bench(engine: Engine, tok: Tokenizer, g: GGUFFile, args, where: str, peer: Peer | None = None) -> list[dict]:
