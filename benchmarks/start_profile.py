@@ -29,9 +29,9 @@ def main() -> None:
 
     from hydra_console.engine.cli import build_parser
     from hydra_console.engine.cli_config import head_config
-    from hydra_console.engine.config import compile_cache_env, cuda_env, default_cache_dir
+    from hydra_console.engine.config import worker_env
 
-    for name, value in {**compile_cache_env(default_cache_dir(os.environ)), **cuda_env()}.items():
+    for name, value in worker_env(os.environ).items():
         os.environ.setdefault(name, value)  # as `hydra-engine` sets them, before torch is imported
     import torch
 

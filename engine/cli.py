@@ -27,9 +27,8 @@ from .config import (
     DEFAULT_PREFILL_PIPELINE,
     ENVIRONMENT,
     MAX_CONNECTIONS_CAP,
-    compile_cache_env,
-    cuda_env,
     default_cache_dir,
+    worker_env,
 )
 from .embedding import DEFAULT_NORMALIZE, POOLINGS
 from .errors import UserError
@@ -369,7 +368,7 @@ def main(argv: list[str] | None = None, env: Mapping[str, str] | None = None) ->
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.command == "peer" or getattr(args, "peer", None):
         configure_split_worker()  # before the subcommand imports torch
-    for name, value in {**compile_cache_env(default_cache_dir(env)), **cuda_env()}.items():
+    for name, value in worker_env(env).items():
         os.environ.setdefault(name, value)  # before torch is imported; the operator's own setting wins
     try:
         if args.command == "generate":

@@ -309,6 +309,12 @@ def cuda_env() -> dict[str, str]:
     return {"CUBLAS_WORKSPACE_CONFIG": f":{CUBLAS_WORKSPACE_BYTES // 2 >> 10}:2"}
 
 
+def worker_env(env: Mapping[str, str]) -> dict[str, str]:
+    """What a worker's entry point puts in its environment before torch is imported (the operator's
+    own settings win): the compile caches under the cache folder `env` names, cuBLAS's workspace."""
+    return {**compile_cache_env(default_cache_dir(env)), **cuda_env()}
+
+
 def compile_cache_env(cache_dir: Path | None) -> dict[str, str]:
     """Inductor's and Triton's caches beside the prepared weights, so a restarted worker reuses its
     compiled decode step (seconds, not a fresh compile)."""
